@@ -1,0 +1,40 @@
+"""blockflow: spread chunked data and AI workloads over many CPUs and GPUs with Dask.
+
+Importing blockflow has one side effect: it loads blockflow's configuration defaults into
+``dask.config`` (namespace ``blockflow.``).
+"""
+
+from blockflow import config as _config  # noqa: F401  (loads the defaults)
+from blockflow.backends import (
+    GPUUnavailableError,
+    array_module,
+    dataframe_module,
+    to_device,
+    to_host,
+)
+from blockflow.blockwise import map_blocks
+from blockflow.cluster import connect, plugin_status, task_counts
+from blockflow.errors import BlockflowWarning, BlockKernelError, EmptyCollectionError
+from blockflow.inventory import Inventory, inventory
+from blockflow.reduction import choose_split_every, tree_reduce
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockKernelError",
+    "BlockflowWarning",
+    "EmptyCollectionError",
+    "GPUUnavailableError",
+    "Inventory",
+    "array_module",
+    "choose_split_every",
+    "connect",
+    "dataframe_module",
+    "inventory",
+    "map_blocks",
+    "plugin_status",
+    "task_counts",
+    "to_device",
+    "to_host",
+    "tree_reduce",
+]

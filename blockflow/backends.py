@@ -1,0 +1,277 @@
+"""Backends: NumPy/CuPy and pandas/cuDF dispatch, and moving collections to and from the device.
+
+GPU packages are never imported at module import time. The array and dataframe modules of a
+block are found with :class:`dask.utils.Dispatch` and lazily registered CuPy / cuDF handlers,
+so a CPU-only machine never touches them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import types
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from dask.utils import Dispatch
+
+__all__ = [
+    "GPUUnavailableError",
+    "array_module",
+    "dataframe_module",
+    "gpu_device_count",
+    "has_package",
+    "is_device_block",
+    "to_device",
+    "to_host",
+]
+
+GPU_INSTALL_HINT = 'pip install "blockflow[gpu]"'
+
+
+class GPUUnavailableError(RuntimeError):
+    """Raised when GPU work is asked for and a piece it needs is missing."""
+
+
+def has_package(name: str) -> bool:
+    """Whether package ``name`` is importable, without importing it."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def require(package: str, why: str) -> types.ModuleType:
+    """Import ``package`` or raise :class:`GPUUnavailableError` naming it and the fix."""
+    if not has_package(package):
+        raise GPUUnavailableError(
+            f"{why} needs the package {package!r}, which is not installed. "
+            f"Install blockflow's GPU extra: {GPU_INSTALL_HINT}"
+        )
+    return importlib.import_module(package)
+
+
+def gpu_device_count() -> int:
+    """Number of NVIDIA GPUs visible to this process; 0 when none or when that cannot be told.
+
+    Uses NVML (``nvidia-ml-py``) when installed, else the CUDA runtime through CuPy.
+    Never raises: a missing driver, library or device counts as zero devices.
+    """
+    if has_package("pynvml"):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                n = int(pynvml.nvmlDeviceGetCount())
+            finally:
+                pynvml.nvmlShutdown()
+            visible = _visible_devices()
+            return n if visible is None else min(n, len(visible))
+        except Exception:
+            pass
+    if has_package("cupy"):
+        try:
+            import cupy
+
+            return int(cupy.cuda.runtime.getDeviceCount())
+        except Exception:
+            return 0
+    return 0
+
+
+def _visible_devices() -> list[str] | None:
+    import os
+
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None:
+        return None
+    return [d for d in env.split(",") if d.strip()]
+
+
+# --- which module handles a block -------------------------------------------------------
+
+_array_module = Dispatch("array_module")
+_dataframe_module = Dispatch("dataframe_module")
+
+
+@_array_module.register(np.ndarray)
+@_array_module.register(np.generic)
+def _array_module_numpy(x):
+    return np
+
+
+@_array_module.register_lazy("cupy")
+def _register_cupy():
+    import cupy
+
+    @_array_module.register(cupy.ndarray)
+    def _array_module_cupy(x):
+        return cupy
+
+
+@_dataframe_module.register((pd.DataFrame, pd.Series, pd.Index))
+def _dataframe_module_pandas(x):
+    return pd
+
+
+@_dataframe_module.register_lazy("cudf")
+def _register_cudf():
+    import cudf
+
+    @_dataframe_module.register((cudf.DataFrame, cudf.Series, cudf.Index))
+    def _dataframe_module_cudf(x):
+        return cudf
+
+
+def array_module(block: Any) -> types.ModuleType:
+    """The array module (``numpy`` or ``cupy``) that handles ``block``.
+
+    Parameters
+    ----------
+    block : numpy.ndarray, cupy.ndarray or scalar
+        One block of a dask array. Python scalars and lists map to NumPy.
+
+    Returns
+    -------
+    module
+        ``numpy`` or ``cupy``; CuPy is imported only if ``block`` is a CuPy array.
+    """
+    if isinstance(block, (int, float, complex, bool, list, tuple)):
+        return np
+    return _array_module(block)
+
+
+def dataframe_module(block: Any) -> types.ModuleType:
+    """The dataframe module (``pandas`` or ``cudf``) that handles ``block``.
+
+    Parameters
+    ----------
+    block : pandas or cudf DataFrame, Series or Index
+        One partition of a dask dataframe.
+
+    Returns
+    -------
+    module
+        ``pandas`` or ``cudf``; cuDF is imported only if ``block`` is a cuDF object.
+    """
+    return _dataframe_module(block)
+
+
+def is_device_block(block: Any) -> bool:
+    """Whether ``block`` lives in GPU memory (a CuPy array or a cuDF object).
+
+    Decided from the type's module so that neither package is imported here.
+    """
+    mod = type(block).__module__.split(".")[0]
+    return mod in ("cupy", "cudf")
+
+
+# --- moving collections ---------------------------------------------------------------
+
+
+def _collection_kind(obj: Any) -> str:
+    import dask.array as da
+    import dask.dataframe as dd
+
+    if isinstance(obj, da.Array):
+        return "array"
+    if isinstance(obj, (dd.DataFrame, dd.Series)):
+        return "dataframe"
+    if has_package("xarray"):
+        import xarray as xr
+
+        if isinstance(obj, (xr.DataArray, xr.Dataset)):
+            return "xarray"
+    raise TypeError(
+        f"Expected a dask.array.Array, dask.dataframe.DataFrame/Series or an xarray object "
+        f"backed by dask, got {type(obj).__module__}.{type(obj).__name__}. "
+        f"Wrap in-memory data first, e.g. dask.array.from_array(x, chunks=...) or "
+        f"dask.dataframe.from_pandas(df, npartitions=...)."
+    )
+
+
+def _move_array(x, target: str):
+    if target == "device":
+        cupy = require("cupy", "blockflow.to_device")
+        return x.map_blocks(cupy.asarray, dtype=x.dtype, meta=cupy.empty((0,) * x.ndim, x.dtype))
+    # to host: cupy blocks expose .get(); numpy blocks pass through
+    return x.map_blocks(_block_to_host, dtype=x.dtype, meta=np.empty((0,) * x.ndim, x.dtype))
+
+
+def _block_to_host(b):
+    return b.get() if hasattr(b, "get") and not isinstance(b, np.ndarray) else np.asarray(b)
+
+
+def _move(obj: Any, target: str):
+    kind = _collection_kind(obj)
+    if kind == "array":
+        return _move_array(obj, target)
+    if kind == "dataframe":
+        if target == "device":
+            require("cudf", "blockflow.to_device")
+            require("dask_cudf", "blockflow.to_device")  # registers dask's "cudf" backend
+            return obj.to_backend("cudf")
+        return obj.to_backend("pandas")
+    # xarray: move every dask-backed variable, keep coordinates and attributes
+    import xarray as xr
+
+    def move_var(v: xr.Variable) -> xr.Variable:
+        import dask.array as da
+
+        if isinstance(v.data, da.Array):
+            return v.copy(data=_move_array(v.data, target), deep=False)
+        return v
+
+    if isinstance(obj, xr.DataArray):
+        return obj.copy(data=move_var(obj.variable).data, deep=False)
+    return obj.map(lambda a: a.copy(data=move_var(a.variable).data, deep=False), keep_attrs=True)
+
+
+def to_device(collection):
+    """Move a Dask collection's blocks to GPU memory (NumPy -> CuPy, pandas -> cuDF).
+
+    Lazy: returns a new collection whose blocks are converted when computed.
+
+    Parameters
+    ----------
+    collection : dask.array.Array, dask.dataframe.DataFrame or Series, xarray.DataArray or Dataset
+        Chunks and partitions are kept as they are. For xarray, every dask-backed variable
+        moves; in-memory coordinates stay on the host.
+
+    Returns
+    -------
+    Same type as ``collection``, with CuPy / cuDF blocks.
+
+    Raises
+    ------
+    TypeError
+        If ``collection`` is not a Dask collection.
+    GPUUnavailableError
+        If CuPy (arrays) or cuDF (dataframes) is not installed; the message gives the
+        ``pip install "blockflow[gpu]"`` fix.
+    """
+    return _move(collection, "device")
+
+
+def to_host(collection):
+    """Move a Dask collection's blocks to host memory (CuPy -> NumPy, cuDF -> pandas).
+
+    The inverse of :func:`to_device`; host blocks pass through unchanged, so this is safe to
+    call on any collection.
+
+    Parameters
+    ----------
+    collection : dask.array.Array, dask.dataframe.DataFrame or Series, xarray.DataArray or Dataset
+
+    Returns
+    -------
+    Same type as ``collection``, with NumPy / pandas blocks.
+
+    Raises
+    ------
+    TypeError
+        If ``collection`` is not a Dask collection.
+    """
+    return _move(collection, "host")

@@ -1,0 +1,213 @@
+"""Resource discovery: the workers of a cluster with their CPUs, host memory and GPUs.
+
+Numbers come from the scheduler (worker identity and heartbeat metrics: distributed's NVML
+keys ``gpu_utilization``, ``gpu_memory_used``, ``gpu-memory-total``) and, for GPU name and
+UUID, from one NVML query on each GPU worker. CPU-only workers report None for GPU fields.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from dataclasses import asdict, dataclass, fields
+
+import pandas as pd
+from dask.utils import format_bytes
+
+from blockflow.scheduling.metrics import read_metrics
+
+__all__ = ["Inventory", "WorkerResources", "inventory"]
+
+
+@dataclass(frozen=True)
+class WorkerResources:
+    """One worker's resources.
+
+    Attributes
+    ----------
+    address, host, name : str
+    threads : int
+    memory_limit : int or None
+        Host memory limit in bytes (None when unlimited).
+    device : str
+        ``"gpu"`` or ``"cpu"``.
+    gpu_name, gpu_uuid : str or None
+    gpu_memory_total, gpu_memory_used : int or None
+        Device memory in bytes.
+    gpu_utilization : float or None
+        Percent 0-100 (None also on GPUs where NVML does not report it, e.g. MIG).
+    simulated : bool
+        True for blockflow's simulated devices (tests, benchmarks).
+    """
+
+    address: str
+    host: str
+    name: str
+    threads: int
+    memory_limit: int | None
+    device: str
+    gpu_name: str | None
+    gpu_uuid: str | None
+    gpu_memory_total: int | None
+    gpu_memory_used: int | None
+    gpu_utilization: float | None
+    simulated: bool = False
+
+
+def _probe_device(dask_worker=None) -> dict:
+    """Run on a worker: the name and UUID of the GPU it uses (via NVML), if any."""
+    sim = getattr(dask_worker, "plugins", {}).get("blockflow-simulated-gpu")
+    if sim is not None and hasattr(sim, "describe"):
+        return sim.describe()
+    try:
+        import pynvml
+    except ImportError:
+        return {}
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return {}
+    try:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+        if visible.startswith(("GPU-", "MIG-")):
+            handle = pynvml.nvmlDeviceGetHandleByUUID(visible.encode())
+        else:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(visible))
+        name = pynvml.nvmlDeviceGetName(handle)
+        uuid = pynvml.nvmlDeviceGetUUID(handle)
+        return {
+            "gpu_name": name.decode() if isinstance(name, bytes) else str(name),
+            "gpu_uuid": uuid.decode() if isinstance(uuid, bytes) else str(uuid),
+        }
+    except Exception:
+        return {}
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+class Inventory:
+    """Table of a cluster's workers and their resources (see :func:`inventory`).
+
+    Iterable over :class:`WorkerResources`; ``len()`` is the number of workers.
+    """
+
+    def __init__(self, workers: list[WorkerResources]):
+        self.workers = sorted(workers, key=lambda w: w.address)
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def __iter__(self):
+        return iter(self.workers)
+
+    @property
+    def n_gpus(self) -> int:
+        """Number of workers with a GPU."""
+        return sum(w.device == "gpu" for w in self.workers)
+
+    @property
+    def total_threads(self) -> int:
+        return sum(w.threads for w in self.workers)
+
+    def to_pandas(self) -> pd.DataFrame:
+        """One row per worker, columns as :class:`WorkerResources` (bytes, percent)."""
+        cols = [f.name for f in fields(WorkerResources)]
+        df = pd.DataFrame([asdict(w) for w in self.workers], columns=cols)
+        for c in ("memory_limit", "gpu_memory_total", "gpu_memory_used"):
+            df[c] = df[c].astype("Int64")
+        df["gpu_utilization"] = df["gpu_utilization"].astype("Float64")
+        return df
+
+    def _display_rows(self) -> list[dict[str, str]]:
+        def b(v):
+            return "n/a" if v is None else format_bytes(v)
+
+        rows = []
+        for w in self.workers:
+            gpu = "n/a"
+            if w.device == "gpu":
+                gpu = f"{w.gpu_name or 'GPU'}{' (simulated)' if w.simulated else ''}"
+            rows.append({
+                "worker": w.address, "host": w.host, "threads": str(w.threads),
+                "memory limit": b(w.memory_limit), "device": w.device, "GPU": gpu,
+                "device memory": "n/a" if w.gpu_memory_total is None
+                else f"{b(w.gpu_memory_used)} / {b(w.gpu_memory_total)}",
+                "GPU util": "n/a" if w.gpu_utilization is None else f"{w.gpu_utilization:.0f}%",
+            })
+        return rows
+
+    def __repr__(self) -> str:
+        head = (f"<blockflow.Inventory: {len(self)} workers, {self.total_threads} threads, "
+                f"{self.n_gpus} GPUs>")
+        if not self.workers:
+            return head
+        return head + "\n" + pd.DataFrame(self._display_rows()).to_string(index=False)
+
+    def _repr_html_(self) -> str:
+        rows = self._display_rows()
+        head = (f"<p><b>blockflow inventory</b>: {len(self)} workers, {self.total_threads} "
+                f"threads, {self.n_gpus} GPUs</p>")
+        if not rows:
+            return head
+        th = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
+        trs = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in r.values()) + "</tr>"
+            for r in rows
+        )
+        return f"{head}<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
+
+
+def inventory(client) -> Inventory:
+    """Discover the workers of a cluster and their CPUs, host memory and GPUs.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        Connected to the cluster.
+
+    Returns
+    -------
+    Inventory
+        One :class:`WorkerResources` per worker. Device memory and utilisation come from the
+        workers' latest heartbeat (distributed's NVML keys, refreshed every 0.5-2 s); a
+        worker is a GPU worker when it reports ``gpu-memory-total``. CPU-only workers have
+        None (never 0) in every GPU field.
+
+    Raises
+    ------
+    TypeError
+        If ``client`` is not a ``distributed.Client``.
+    """
+    from distributed import Client
+
+    if not isinstance(client, Client):
+        raise TypeError(
+            f"blockflow.inventory: expected a distributed.Client, got {type(client).__name__}; "
+            f"get one with blockflow.connect()."
+        )
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    gpu_workers = [a for a, info in workers.items() if read_metrics(info.get("metrics")).has_gpu]
+    probes = client.run(_probe_device, workers=gpu_workers) if gpu_workers else {}
+    out = []
+    for addr, info in workers.items():
+        m = read_metrics(info.get("metrics"))
+        probe = probes.get(addr, {}) if m.has_gpu else {}
+        limit = info.get("memory_limit") or None
+        out.append(WorkerResources(
+            address=addr,
+            host=info.get("host", ""),
+            name=str(info.get("name", addr)),
+            threads=int(info.get("nthreads", 0)),
+            memory_limit=int(limit) if limit else None,
+            device="gpu" if m.has_gpu else "cpu",
+            gpu_name=probe.get("gpu_name"),
+            gpu_uuid=probe.get("gpu_uuid"),
+            gpu_memory_total=int(m.gpu_memory_total) if m.has_gpu else None,
+            gpu_memory_used=int(m.gpu_memory_used) if m.gpu_memory_used is not None else None,
+            gpu_utilization=m.gpu_utilization,
+            simulated=bool(probe.get("simulated", False)),
+        ))
+    return Inventory(out)

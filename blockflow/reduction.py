@@ -1,0 +1,274 @@
+"""Tree reductions over dask arrays, dataframes and xarray objects, with a memory-aware fan-in.
+
+:func:`tree_reduce` builds on Dask's public reduction APIs (:func:`dask.array.reduction`,
+:meth:`dask.dataframe.DataFrame.reduction`). What blockflow adds is the choice of
+``split_every``: Dask's default (4 for arrays, 8 for dataframes) ignores how large blocks are
+and how much memory the reducing worker has. :func:`choose_split_every` sizes the fan-in so
+that ``split_every x block bytes`` stays under a fraction of the smallest worker's memory
+(device memory on GPU workers).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable
+
+import dask.array as da
+import dask.dataframe as dd
+import numpy as np
+from dask.utils import format_bytes, parse_bytes
+
+from blockflow import config
+from blockflow.blockwise import kernel_name, validate_array
+from blockflow.errors import not_a_collection
+
+__all__ = ["choose_split_every", "smallest_worker_memory", "tree_reduce"]
+
+logger = logging.getLogger(__name__)
+
+
+def smallest_worker_memory(client=None) -> tuple[int, str]:
+    """Memory of the smallest worker of the current cluster, in bytes.
+
+    GPU workers (those reporting distributed's NVML key ``gpu-memory-total``) count their
+    device memory; CPU workers their host ``memory_limit``.
+
+    Parameters
+    ----------
+    client : distributed.Client, optional
+        Default: the current default client, if any.
+
+    Returns
+    -------
+    (int, str)
+        Bytes, and where the number comes from (``"device"``, ``"host"`` or ``"config"``
+        when no cluster is reachable: ``blockflow.reduction.default-worker-memory``).
+    """
+    if client is None:
+        try:
+            from distributed import default_client
+
+            client = default_client()
+        except ValueError:
+            client = None
+    sizes: list[tuple[int, str]] = []
+    if client is not None and client.status == "running":
+        try:
+            workers = client.scheduler_info(n_workers=-1)["workers"]
+        except Exception:  # a client that cannot reach its scheduler: fall back to config
+            workers = {}
+        for info in workers.values():
+            gpu_total = _finite_positive(info.get("metrics", {}).get("gpu-memory-total"))
+            if gpu_total:
+                sizes.append((int(gpu_total), "device"))
+            elif _finite_positive(info.get("memory_limit")):
+                sizes.append((int(info["memory_limit"]), "host"))
+    if not sizes:
+        return parse_bytes(config.get("reduction.default-worker-memory")), "config"
+    return min(sizes)
+
+
+def _finite_positive(v) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) and f > 0 else None
+
+
+def choose_split_every(
+    block_bytes: int,
+    worker_memory: int,
+    *,
+    memory_fraction: float | None = None,
+    min_split_every: int | None = None,
+    max_split_every: int | None = None,
+) -> int:
+    """Fan-in of a tree reduction so that ``fan-in x block_bytes <= fraction x worker_memory``.
+
+    A blockflow heuristic: each combine step holds ``split_every`` partial results at once on
+    one worker, so their bytes must fit a share of that worker's memory (the rest is for the
+    worker's other tasks and for spill headroom).
+
+    Parameters
+    ----------
+    block_bytes : int
+        Bytes of one block entering a combine step (an upper bound is fine).
+    worker_memory : int
+        Bytes of the smallest worker's memory (device memory on GPU workers).
+    memory_fraction : float, optional
+        Fraction 0-1; default ``blockflow.reduction.memory-fraction`` (0.25).
+    min_split_every, max_split_every : int, optional
+        Clamp; defaults from ``blockflow.reduction.min-split-every`` / ``max-split-every``.
+
+    Returns
+    -------
+    int
+        The fan-in, at least 2.
+    """
+    fraction = config.get("reduction.memory-fraction", memory_fraction)
+    lo = max(2, int(config.get("reduction.min-split-every", min_split_every)))
+    hi = max(lo, int(config.get("reduction.max-split-every", max_split_every)))
+    fits = int(fraction * worker_memory // max(int(block_bytes), 1))
+    return int(min(max(fits, lo), hi))
+
+
+def _array_block_bytes(x: da.Array) -> int:
+    itemsize = x.dtype.itemsize if x.dtype != object else 64
+    return int(np.prod([max(c) for c in x.chunks])) * itemsize
+
+
+def _resolve_split_every(split_every, block_bytes, what: str) -> int:
+    split_every = config.get("reduction.split-every", split_every)
+    if split_every is not None:
+        if isinstance(split_every, bool) or not isinstance(split_every, (int, np.integer)):
+            raise TypeError(
+                f"blockflow.tree_reduce: split_every must be an int >= 2 or None, got "
+                f"{split_every!r}."
+            )
+        if split_every < 2:
+            raise ValueError(
+                f"blockflow.tree_reduce: split_every={split_every} is too small; a tree "
+                f"reduction combines at least 2 blocks per step (use split_every >= 2, or "
+                f"None to size it from worker memory)."
+            )
+        return int(split_every)
+    memory, source = smallest_worker_memory()
+    chosen = choose_split_every(block_bytes, memory)
+    logger.info(
+        "tree_reduce of %s: split_every=%d (%d x %s blocks within %.0f%% of the smallest "
+        "worker's %s memory, %s)",
+        what, chosen, chosen, format_bytes(block_bytes),
+        100 * config.get("reduction.memory-fraction"), source, format_bytes(memory),
+    )
+    return chosen
+
+
+def tree_reduce(
+    collection: Any,
+    chunk: Callable,
+    combine: Callable | None = None,
+    aggregate: Callable | None = None,
+    *,
+    split_every: int | None = None,
+    axis: int | tuple[int, ...] | None = None,
+    dim: str | tuple[str, ...] | None = None,
+    keepdims: bool = False,
+    dtype: Any = None,
+    meta: Any = None,
+    concatenate: bool = True,
+    block_bytes: int | None = None,
+    name: str | None = None,
+):
+    """Reduce a Dask collection with a tree of ``chunk -> combine ... -> aggregate`` tasks.
+
+    Parameters
+    ----------
+    collection : dask.array.Array, dask.dataframe.DataFrame/Series, or xarray.DataArray
+        Any chunking. Arrays need known chunk sizes and at least one element.
+    chunk : callable
+        Applied to every block. Arrays: ``chunk(block, axis=, keepdims=)`` as in
+        :func:`dask.array.reduction`. Dataframes: ``chunk(partition)`` returning a pandas
+        (or cuDF) object.
+    combine : callable, optional
+        Merges ``split_every`` partial results (concatenated along the reduced axes for
+        arrays unless ``concatenate=False``; concatenated rows for dataframes). Default:
+        ``aggregate``.
+    aggregate : callable, optional
+        Final step, same calling convention as ``combine``. Default: ``chunk``.
+    split_every : int, optional
+        Fan-in of each tree level, >= 2. Default ``blockflow.reduction.split-every``; if that
+        is None, :func:`choose_split_every` sizes it from the largest block and the smallest
+        worker's memory (logged at INFO on the ``blockflow.reduction`` logger).
+    axis : int or tuple of int, optional
+        Arrays: the axes to reduce (default all).
+    dim : str or tuple of str, optional
+        xarray: the dimensions to reduce (default all); the result keeps the other dimensions
+        and their coordinates.
+    keepdims : bool, default False
+        Arrays: keep reduced axes with length 1.
+    dtype : numpy dtype, optional
+        Arrays: dtype of the result; default the input's dtype.
+    meta : object, optional
+        Metadata of the result (dataframes: as in ``DataFrame.reduction``).
+    concatenate : bool, default True
+        Arrays: concatenate partial results before ``combine`` / ``aggregate``; set False
+        when ``chunk`` returns dicts or other non-array partials (``combine`` then gets
+        nested lists).
+    block_bytes : int, optional
+        Bytes of one block, for sizing ``split_every``; default the largest array block, or
+        ``blockflow.reduction.dataframe-block-bytes`` for dataframes (partition sizes are not
+        known without computing them).
+    name : str, optional
+        Task-name prefix (``blockflow-`` is prepended).
+
+    Returns
+    -------
+    Lazy dask array / dataframe object / xarray.DataArray (or scalar-like dask object).
+
+    Raises
+    ------
+    TypeError
+        If ``collection`` is not a Dask collection, or ``split_every`` is not an int.
+    ValueError
+        If ``split_every < 2`` or array chunk sizes are unknown.
+    EmptyCollectionError
+        If an array has no elements.
+
+    Notes
+    -----
+    The tree shape is Dask's: ``depth = ceil(log_split_every(n_blocks))`` levels of
+    ``combine``. For multi-axis array reductions Dask splits the fan-in across the axes.
+    """
+    combine = combine or aggregate or chunk
+    aggregate = aggregate or combine
+    token = kernel_name(chunk, name)
+    if isinstance(collection, da.Array):
+        validate_array(collection, "blockflow.tree_reduce", "the collection")
+        nbytes = block_bytes or _array_block_bytes(collection)
+        fan_in = _resolve_split_every(split_every, nbytes, f"{collection.name}")
+        return da.reduction(
+            collection, chunk, aggregate, combine=combine, axis=axis, keepdims=keepdims,
+            dtype=dtype if dtype is not None else collection.dtype, split_every=fan_in,
+            name=token, concatenate=concatenate, meta=meta,
+        )
+    if isinstance(collection, (dd.DataFrame, dd.Series)):
+        nbytes = block_bytes or parse_bytes(config.get("reduction.dataframe-block-bytes"))
+        fan_in = _resolve_split_every(split_every, nbytes, f"a dataframe of "
+                                      f"{collection.npartitions} partitions")
+        kwargs = {} if meta is None else {"meta": meta}
+        return collection.reduction(
+            chunk, aggregate=aggregate, combine=combine, split_every=fan_in, token=token,
+            **kwargs,
+        )
+    if type(collection).__module__.split(".")[0] == "xarray":
+        return _tree_reduce_xarray(
+            collection, chunk, combine, aggregate, split_every=split_every, dim=dim,
+            dtype=dtype, meta=meta, concatenate=concatenate, block_bytes=block_bytes, name=name,
+        )
+    raise not_a_collection("blockflow.tree_reduce", "the collection", collection)
+
+
+def _tree_reduce_xarray(obj, chunk, combine, aggregate, *, dim, **kwargs):
+    import xarray as xr
+
+    if not isinstance(obj, xr.DataArray):
+        raise TypeError(
+            "blockflow.tree_reduce: pass one xarray.DataArray (e.g. ds['var']), not a "
+            f"{type(obj).__name__}; reduce each variable separately."
+        )
+    if not isinstance(obj.data, da.Array):
+        raise not_a_collection("blockflow.tree_reduce", "the collection", obj)
+    dims = obj.dims if dim is None else ((dim,) if isinstance(dim, str) else tuple(dim))
+    missing = [d for d in dims if d not in obj.dims]
+    if missing:
+        raise ValueError(
+            f"blockflow.tree_reduce: dim {missing} not in the DataArray's dims {obj.dims}."
+        )
+    axis = tuple(obj.get_axis_num(d) for d in dims)
+    data = tree_reduce(obj.data, chunk, combine, aggregate, axis=axis, **kwargs)
+    kept = [d for d in obj.dims if d not in dims]
+    coords = {k: v for k, v in obj.coords.items() if set(v.dims) <= set(kept)}
+    out = xr.DataArray(data, dims=kept, coords=coords, attrs=obj.attrs)
+    return out.rename(obj.name)  # xarray would otherwise take the dask key as the name

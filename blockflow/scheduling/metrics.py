@@ -1,0 +1,109 @@
+"""Reading worker metrics on the scheduler: GPU keys of distributed's NVML monitor, made safe.
+
+Workers report ``gpu_utilization`` (percent), ``gpu_memory_used`` and ``gpu-memory-total``
+(bytes) at the top level of ``WorkerState.metrics`` when NVML sees a device (or when
+blockflow's simulated device reports them). Anything missing, None, non-numeric, negative or
+non-finite is *unknown* (None) here, never zero load.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+__all__ = ["GPU_MEMORY_TOTAL", "GPU_MEMORY_USED", "GPU_UTILIZATION", "WorkerMetrics",
+           "clean_number", "read_metrics"]
+
+GPU_UTILIZATION = "gpu_utilization"
+GPU_MEMORY_USED = "gpu_memory_used"
+GPU_MEMORY_TOTAL = "gpu-memory-total"
+
+
+def clean_number(value: Any, *, upper: float | None = None) -> float | None:
+    """``value`` as a finite, non-negative float, or None if it is anything else.
+
+    Parameters
+    ----------
+    value : object
+        A metric as reported (may be None, a string, NaN, negative, ...).
+    upper : float, optional
+        Values above this bound are also unknown (e.g. 100 for a percentage).
+    """
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    if not math.isfinite(f) or f < 0 or (upper is not None and f > upper):
+        return None
+    return f
+
+
+@dataclass(frozen=True)
+class WorkerMetrics:
+    """GPU-style metrics of one worker, each None when unknown.
+
+    Attributes
+    ----------
+    gpu_utilization : float or None
+        Percent 0-100.
+    gpu_memory_used, gpu_memory_total : float or None
+        Bytes of device memory.
+    host_memory : float or None
+        Bytes of the worker process's resident memory.
+    """
+
+    gpu_utilization: float | None
+    gpu_memory_used: float | None
+    gpu_memory_total: float | None
+    host_memory: float | None
+
+    @property
+    def has_gpu(self) -> bool:
+        """Whether the worker reports a device (its total device memory is known)."""
+        return self.gpu_memory_total is not None and self.gpu_memory_total > 0
+
+    @property
+    def gpu_memory_fraction(self) -> float | None:
+        """Used / total device memory, 0-1, or None when either is unknown."""
+        if not self.has_gpu or self.gpu_memory_used is None:
+            return None
+        return min(self.gpu_memory_used / self.gpu_memory_total, 1.0)
+
+    @property
+    def gpu_memory_free(self) -> float | None:
+        """Free device memory in bytes, or None when unknown."""
+        if not self.has_gpu or self.gpu_memory_used is None:
+            return None
+        return max(self.gpu_memory_total - self.gpu_memory_used, 0.0)
+
+    def to_dict(self) -> dict[str, float | None]:
+        return asdict(self)
+
+
+def read_metrics(metrics: Mapping[str, Any] | None) -> WorkerMetrics:
+    """Parse a worker's ``metrics`` dict (as held by the scheduler) into :class:`WorkerMetrics`.
+
+    Never raises, whatever the dict holds.
+    """
+    if not isinstance(metrics, Mapping):
+        metrics = {}
+    total = clean_number(metrics.get(GPU_MEMORY_TOTAL))
+    if total is None:
+        # Fallback: the nested "gpu" dict some distributed versions send.
+        gpu = metrics.get("gpu")
+        if isinstance(gpu, Mapping):
+            total = clean_number(gpu.get("memory-total"))
+    total = total if total else None
+    used = clean_number(metrics.get(GPU_MEMORY_USED))
+    util = clean_number(metrics.get(GPU_UTILIZATION), upper=100.0)
+    if total is None:
+        used = util = None
+    return WorkerMetrics(
+        gpu_utilization=util,
+        gpu_memory_used=used,
+        gpu_memory_total=total,
+        host_memory=clean_number(metrics.get("memory")),
+    )

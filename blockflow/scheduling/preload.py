@@ -1,0 +1,19 @@
+"""Preload module for ``dask scheduler --preload blockflow.scheduling.preload``.
+
+Installs blockflow's scheduler plugin on a scheduler started outside blockflow (a real
+cluster: ``dask scheduler``, dask-jobqueue, dask-kubernetes). The policy comes from
+``blockflow.cluster.policy`` (``DASK_BLOCKFLOW__CLUSTER__POLICY``) or ``--blockflow-policy``.
+"""
+
+from __future__ import annotations
+
+import click
+
+from blockflow.scheduling.plugin import POLICIES, Rebalancer
+
+
+@click.command()
+@click.option("--blockflow-policy", type=click.Choice(POLICIES), default=None,
+              help="Scheduling policy (default: blockflow.cluster.policy).")
+def dask_setup(scheduler, blockflow_policy=None):
+    scheduler.add_plugin(Rebalancer(policy=blockflow_policy))
