@@ -17,6 +17,7 @@ from blockflow.cluster import connect, plugin_status, task_counts
 from blockflow.errors import BlockflowWarning, BlockKernelError, EmptyCollectionError
 from blockflow.inventory import Inventory, inventory
 from blockflow.reduction import choose_split_every, tree_reduce
+from blockflow import scheduling
 
 __version__ = "0.1.0"
 

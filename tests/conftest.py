@@ -1,0 +1,31 @@
+"""Shared fixtures: real distributed clusters (no mocks of Dask)."""
+
+from __future__ import annotations
+
+import pytest
+from distributed import Client, LocalCluster
+
+import blockflow
+from blockflow.backends import gpu_device_count, has_package
+
+requires_gpu = pytest.mark.skipif(
+    gpu_device_count() == 0 or not has_package("cupy"),
+    reason="needs an NVIDIA GPU and CuPy (pip install 'blockflow[gpu]')",
+)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """An in-process LocalCluster: 2 workers x 1 thread, dashboard on a free port."""
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0",
+    ) as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster):
+    """A client on the module's cluster with blockflow's scheduler plugin registered."""
+    with Client(cluster) as c:
+        c.register_plugin(blockflow.scheduling.Rebalancer(policy="off"))
+        yield c
