@@ -1,0 +1,709 @@
+"""Array statistics workload: per-grid-point moments of a generated gridded field.
+
+A seeded synthetic temperature field (dims ``time x lat x lon``, float32, kelvin) is
+generated block by block on the workers, a known climatology (seasonal cycle per day of year
+and latitude) is subtracted by a blockwise anomaly kernel (:func:`blockflow.map_blocks` on
+xarray objects), and the anomalies are tree-reduced along ``time``
+(:func:`blockflow.tree_reduce`) to their count, mean, variance, minimum and maximum at every
+grid point, in one pass over the data.
+
+The moments are merged with the pairwise update of Chan, Golub & LeVeque (1979), "Updating
+formulae and a pairwise algorithm for computing sample variances" (Stanford CS report
+STAN-CS-79-773): each partial result holds ``(n, mean, M2)`` where ``M2`` is the sum of
+squared deviations from the partial's own mean, so no step subtracts two large, nearly equal
+sums (the failure of the textbook ``E[x^2] - E[x]^2`` formula). The same scheme underlies
+dask's ``moment_chunk`` / ``moment_combine`` / ``moment_agg``; it is written here from
+scratch for ``(n, mean, M2, min, max)`` partials.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass, field as dataclass_field
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+import pandas as pd
+import xarray as xr
+from dask.utils import format_bytes
+
+import blockflow
+from blockflow.blockwise import map_blocks
+from blockflow.reduction import tree_reduce
+
+__all__ = [
+    "ArrayStatsResult",
+    "FieldSpec",
+    "SIZES",
+    "STATS_DTYPE",
+    "anomalies",
+    "climatology",
+    "generate_field",
+    "moment_aggregate",
+    "moment_chunk",
+    "moment_combine",
+    "moments",
+    "reference",
+    "run",
+]
+
+logger = logging.getLogger(__name__)
+
+#: First day of the generated time axis (daily steps, proleptic Gregorian calendar).
+START_DATE = np.datetime64("2001-01-01", "D")
+
+#: Record layout of the reduced result: one record per grid point. float64 moments of
+#: float32 data; min/max keep the data's dtype (they are exact).
+STATS_DTYPE = np.dtype(
+    [("count", "i8"), ("mean", "f8"), ("var", "f8"), ("min", "f4"), ("max", "f4")]
+)
+
+_STAT_ATTRS = {
+    "count": {"long_name": "number of time steps", "units": "1"},
+    "mean": {"long_name": "time mean of the temperature anomaly", "units": "K"},
+    "var": {
+        "long_name": "population variance (ddof=0) of the temperature anomaly over time",
+        "units": "K2",
+        "ddof": 0,
+    },
+    "min": {"long_name": "minimum of the temperature anomaly over time", "units": "K"},
+    "max": {"long_name": "maximum of the temperature anomaly over time", "units": "K"},
+}
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """Shape and chunking of one workload size.
+
+    Attributes
+    ----------
+    shape : (int, int, int)
+        ``(time, lat, lon)``: days, latitude rows, longitude columns (regular grid).
+    chunks : (int, int, int)
+        Block shape; the last block along an axis may be smaller.
+    """
+
+    shape: tuple[int, int, int]
+    chunks: tuple[int, int, int]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole float32 field."""
+        return int(np.prod(self.shape)) * 4
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one full float32 block."""
+        return int(np.prod(self.chunks)) * 4
+
+
+#: Workload sizes. ``small`` is for tests and NumPy checks (1 MB, 8 blocks chunked along
+#: time and lat); ``medium`` is 249 MB in 8 blocks of 31 MB (120 days of a 1-degree grid);
+#: ``large`` is 3.8 GB in 50 blocks of 76 MB (73 days of a 0.5-degree grid).
+SIZES: dict[str, FieldSpec] = {
+    "small": FieldSpec(shape=(120, 32, 64), chunks=(30, 16, 64)),
+    "medium": FieldSpec(shape=(960, 180, 360), chunks=(120, 180, 360)),
+    "large": FieldSpec(shape=(3650, 360, 720), chunks=(73, 360, 720)),
+}
+
+
+def _spec(size: str) -> FieldSpec:
+    try:
+        return SIZES[size]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"array-stats: unknown size {size!r}; choose one of {', '.join(SIZES)}."
+        ) from None
+
+
+# --- the synthetic field -----------------------------------------------------------------
+
+
+def _lat(n: int) -> np.ndarray:
+    """Cell-centre latitudes (degrees north) of a regular grid with ``n`` rows."""
+    step = 180.0 / n
+    return -90.0 + step * (np.arange(n) + 0.5)
+
+
+def _lon(n: int) -> np.ndarray:
+    """Cell-centre longitudes (degrees east, 0-360) of a regular grid with ``n`` columns."""
+    step = 360.0 / n
+    return step * (np.arange(n) + 0.5)
+
+
+def _dayofyear(t: np.ndarray) -> np.ndarray:
+    """Day of year (1-366) of time steps ``t`` (days since :data:`START_DATE`)."""
+    dates = START_DATE + t.astype("timedelta64[D]")
+    return (dates - dates.astype("datetime64[Y]")).astype(np.int64) + 1
+
+
+def _seasonal_mean(dayofyear: np.ndarray, lat: np.ndarray) -> np.ndarray:
+    """Climatological temperature (K), float64, shape ``dayofyear.shape + lat.shape``.
+
+    Equator-to-pole gradient ``300 - 45 sin^2(lat)`` plus a seasonal cycle of amplitude
+    ``15 sin(lat)`` (opposite phase in the two hemispheres, coldest mid-January in the north).
+    """
+    phi = np.deg2rad(lat)
+    base = 300.0 - 45.0 * np.sin(phi) ** 2
+    phase = 2.0 * np.pi * (np.asarray(dayofyear, dtype=np.float64) - 15.0) / 365.25
+    return base - 15.0 * np.sin(phi) * np.cos(phase)[..., None]
+
+
+def _zonal_wave(lat: np.ndarray, lon: np.ndarray) -> np.ndarray:
+    """Stationary anomaly (K), shape ``(lat, lon)``: a wave-2 pattern ``2 cos(lat) cos(2 lon)``.
+
+    Not part of the climatology, so it is the expected time mean of the anomalies.
+    """
+    return 2.0 * np.cos(np.deg2rad(lat))[:, None] * np.cos(2 * np.deg2rad(lon))[None, :]
+
+
+def _noise_std(lat: np.ndarray) -> np.ndarray:
+    """Standard deviation (K) of the daily noise: ``1 + 2 |sin(lat)|`` (stormier poleward)."""
+    return 1.0 + 2.0 * np.abs(np.sin(np.deg2rad(lat)))
+
+
+def _generate_block(
+    *, seed: int, shape: tuple[int, int, int], block_id: tuple[int, ...], location
+) -> np.ndarray:
+    """One float32 block of the field, a pure function of ``(seed, block_id, location)``.
+
+    Noise comes from ``numpy.random.default_rng([seed, *block_id])`` so every block is
+    reproducible on any worker, in any order, without the client sending data.
+    """
+    (t0, t1), (y0, y1), (x0, x1) = location
+    nt, ny, nx = shape
+    lat = _lat(ny)[y0:y1]
+    lon = _lon(nx)[x0:x1]
+    doy = _dayofyear(np.arange(t0, t1))
+    mean = _seasonal_mean(doy, lat)[:, :, None] + _zonal_wave(lat, lon)[None, :, :]
+    rng = np.random.default_rng([seed, *block_id])
+    noise = rng.standard_normal((t1 - t0, y1 - y0, x1 - x0), dtype=np.float32)
+    noise *= _noise_std(lat).astype(np.float32)[None, :, None]
+    out = mean.astype(np.float32)
+    out += noise
+    return out
+
+
+def _generate_dask_block(*, seed, shape, block_id=None, block_info=None):
+    location = block_info[None]["array-location"]
+    return _generate_block(seed=seed, shape=shape, block_id=block_id, location=location)
+
+
+
+def generate_field(size: str = "small", seed: int = 0) -> xr.DataArray:
+    """The synthetic temperature field as a lazy, dask-backed DataArray.
+
+    Parameters
+    ----------
+    size : {"small", "medium", "large"}, default "small"
+        See :data:`SIZES` for shapes and chunks.
+    seed : int, default 0
+        Seed of the noise; block ``(i, j, k)`` draws from
+        ``numpy.random.default_rng([seed, i, j, k])``.
+
+    Returns
+    -------
+    xarray.DataArray
+        ``temperature``, float32, kelvin, dims ``(time, lat, lon)``, chunked as
+        ``SIZES[size].chunks``. Coordinates: daily ``time`` from 2001-01-01, cell-centre
+        ``lat`` (degrees north) and ``lon`` (degrees east). Blocks are generated on the
+        workers (one ``blockflow-generate-field`` task each, no inputs); nothing large goes
+        through the client.
+    """
+    spec = _spec(size)
+    # Full per-axis chunk tuples: with no input arrays, dask takes the shape from chunks=.
+    data = da.map_blocks(
+        _generate_dask_block,
+        chunks=tuple(_normalise_chunks(spec)),
+        dtype=np.float32,
+        meta=np.empty((0, 0, 0), dtype=np.float32),
+        token="blockflow-generate-field",
+        seed=int(seed),
+        shape=spec.shape,
+    )
+    nt, ny, nx = spec.shape
+    coords = {
+        "time": ("time", START_DATE + np.arange(nt).astype("timedelta64[D]"),
+                 {"long_name": "time"}),
+        "lat": ("lat", _lat(ny), {"units": "degrees_north", "standard_name": "latitude"}),
+        "lon": ("lon", _lon(nx), {"units": "degrees_east", "standard_name": "longitude"}),
+    }
+    return xr.DataArray(
+        data, dims=("time", "lat", "lon"), coords=coords, name="temperature",
+        attrs={"units": "K", "long_name": "synthetic near-surface air temperature",
+               "seed": int(seed)},
+    )
+
+
+def _normalise_chunks(spec: FieldSpec):
+    return da.core.normalize_chunks(spec.chunks, spec.shape)
+
+
+def climatology(size: str = "small") -> xr.DataArray:
+    """The known climatology of the field: mean temperature per day of year and latitude.
+
+    Parameters
+    ----------
+    size : {"small", "medium", "large"}, default "small"
+        Sets the latitudes.
+
+    Returns
+    -------
+    xarray.DataArray
+        ``climatology``, float64, kelvin, dims ``(dayofyear, lat)`` with ``dayofyear`` 1-366;
+        in memory (366 x lat x 8 bytes, under 1.1 MB for every size).
+    """
+    spec = _spec(size)
+    doy = np.arange(1, 367)
+    lat = _lat(spec.shape[1])
+    return xr.DataArray(
+        _seasonal_mean(doy, lat), dims=("dayofyear", "lat"),
+        coords={"dayofyear": doy,
+                "lat": ("lat", lat, {"units": "degrees_north", "standard_name": "latitude"})},
+        name="climatology",
+        attrs={"units": "K", "long_name": "seasonal cycle per day of year and latitude"},
+    )
+
+
+def _anomaly_kernel(block: xr.DataArray, clim: xr.DataArray) -> xr.DataArray:
+    """One block's anomaly: ``block - clim[dayofyear(time), lat]``, computed in float64 and
+    stored as float32 (the data's dtype)."""
+    doy = block["time"].dt.dayofyear
+    seasonal = clim.sel(dayofyear=doy).drop_vars("dayofyear")
+    diff = block.astype(np.float64) - seasonal
+    out = diff.astype(np.float32).transpose(*block.dims)
+    out.attrs = dict(block.attrs, long_name="temperature anomaly from the climatology")
+    return out.rename("anomaly")
+
+
+
+def anomalies(field: xr.DataArray, clim: xr.DataArray) -> xr.DataArray:
+    """Subtract the climatology from every block of ``field`` (lazy, blockwise).
+
+    Parameters
+    ----------
+    field : xarray.DataArray
+        Dask-backed, dims ``(time, lat, lon)``, any chunking (see :func:`generate_field`).
+    clim : xarray.DataArray
+        Dims ``(dayofyear, lat)``, as from :func:`climatology`; chunked here along ``lat``
+        like ``field`` so :func:`xarray.map_blocks` hands each block its rows.
+
+    Returns
+    -------
+    xarray.DataArray
+        ``anomaly``, float32, kelvin, same dims, coordinates and chunks as ``field``; one
+        ``blockflow-anomaly`` task per block.
+    """
+    clim = clim.chunk({"dayofyear": -1, "lat": field.chunksizes["lat"]})
+    template = field.copy(data=field.data).rename("anomaly")
+    return map_blocks(_anomaly_kernel, field, clim, template=template, name="anomaly")
+
+
+# --- moments, with Chan et al.'s pairwise merge ------------------------------------------
+
+
+def moment_chunk(x, axis=None, keepdims=True, computing_meta=False, **kwargs):
+    """Partial moments of one block along ``axis``: ``dict(n, mean, m2, min, max)``.
+
+    Follows the ``chunk(x, axis=, keepdims=)`` convention of :func:`dask.array.reduction`.
+    ``n`` is an int64 count (the block's extent along ``axis``); ``mean`` and ``m2`` (sum of
+    squared deviations from ``mean``) are float64 with the reduced axes kept (length 1);
+    ``min``/``max`` keep ``x``'s dtype. Two-pass within the block: mean first, then the
+    squared deviations, which is exact to rounding for float32 data.
+    """
+    if computing_meta:
+        return x
+    axis = _axis_tuple(axis, x.ndim)
+    n = np.int64(math.prod(x.shape[a] for a in axis))
+    mean = x.mean(axis=axis, dtype=np.float64, keepdims=True)
+    dev = x.astype(np.float64) - mean
+    m2 = (dev * dev).sum(axis=axis, keepdims=True)
+    return {
+        "n": n,
+        "mean": mean,
+        "m2": m2,
+        "min": x.min(axis=axis, keepdims=True),
+        "max": x.max(axis=axis, keepdims=True),
+    }
+
+
+def _axis_tuple(axis, ndim: int) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(range(ndim))
+    if isinstance(axis, (int, np.integer)):
+        return (int(axis) % ndim,)
+    return tuple(int(a) % ndim for a in axis)
+
+
+def _flatten(partials) -> list[dict]:
+    """Nested lists of partials (one nesting level per reduced axis, as
+    :func:`dask.array.reduction` hands them over with ``concatenate=False``) -> flat list."""
+    if isinstance(partials, dict):
+        return [partials]
+    out: list[dict] = []
+    for p in partials:
+        out.extend(_flatten(p))
+    return out
+
+
+def _merge(partials) -> dict:
+    """Merge partial moments (Chan, Golub & LeVeque 1979, generalised to k groups).
+
+    ``n = sum n_i``, ``mean = sum n_i mean_i / n`` and
+    ``M2 = sum M2_i + sum n_i (mean_i - mean)^2``; for k = 2 this is Chan et al.'s
+    ``M2 = M2_a + M2_b + delta^2 n_a n_b / n``. Partials with ``n_i = 0`` drop out.
+    """
+    parts = _flatten(partials)
+    if len(parts) == 1:
+        return parts[0]
+    ns = [p["n"] for p in parts]
+    n = sum(ns)
+    mean = sum(ni * p["mean"] for ni, p in zip(ns, parts)) / n if n else parts[0]["mean"]
+    m2 = sum(p["m2"] + ni * (p["mean"] - mean) ** 2 for ni, p in zip(ns, parts) if ni)
+    return {
+        "n": np.int64(n),
+        "mean": mean,
+        "m2": m2,
+        "min": np.minimum.reduce([p["min"] for p in parts]),
+        "max": np.maximum.reduce([p["max"] for p in parts]),
+    }
+
+
+def moment_combine(partials, axis=None, keepdims=True, **kwargs):
+    """Merge a nested list of partials from :func:`moment_chunk` into one partial.
+
+    ``combine(partials, axis=, keepdims=)`` as in :func:`dask.array.reduction` with
+    ``concatenate=False``; merged by :func:`_merge` (Chan et al. 1979).
+    """
+    return _merge(partials)
+
+
+def moment_aggregate(partials, axis=None, keepdims=False, **kwargs):
+    """Final step: merge the partials and return one :data:`STATS_DTYPE` record per point.
+
+    The variance is the population variance, ``M2 / n`` (ddof=0). With ``keepdims=False``
+    the reduced axes (length 1 in the partials) are dropped.
+    """
+    m = _merge(partials)
+    shape = np.shape(m["mean"])
+    out = np.empty(shape, dtype=STATS_DTYPE)
+    out["count"] = m["n"]
+    out["mean"] = m["mean"]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out["var"] = m["m2"] / m["n"]
+    out["min"] = m["min"]
+    out["max"] = m["max"]
+    if not keepdims:
+        ax = _axis_tuple(axis, len(shape)) if shape else ()
+        out = out.squeeze(axis=ax) if ax else out
+    return out
+
+
+def moments(anomaly: xr.DataArray, *, split_every: int | None = None) -> xr.Dataset:
+    """Per-grid-point count, mean, variance (ddof=0), min and max along ``time`` (lazy).
+
+    One tree reduction (:func:`blockflow.tree_reduce` with ``concatenate=False``) whose
+    partials are ``(n, mean, M2, min, max)`` dicts merged by Chan et al. (1979); its result
+    is one :data:`STATS_DTYPE` record per grid point, split into variables afterwards.
+
+    Parameters
+    ----------
+    anomaly : xarray.DataArray
+        Dask-backed, dims include ``time``; float32 (accumulated in float64).
+    split_every : int, optional
+        Fan-in of the tree; default: :func:`blockflow.choose_split_every`.
+
+    Returns
+    -------
+    xarray.Dataset
+        Variables ``count`` (int64), ``mean``, ``var`` (float64, K and K^2), ``min``,
+        ``max`` (float32, K), dims = ``anomaly``'s other dims (``lat, lon``) with their
+        coordinates, chunked like ``anomaly`` along them.
+    """
+    rec = tree_reduce(
+        anomaly, moment_chunk, moment_combine, moment_aggregate, dim="time",
+        concatenate=False, dtype=STATS_DTYPE, split_every=split_every, name="moments",
+        meta=np.empty((0,) * (anomaly.ndim - 1), dtype=STATS_DTYPE),
+    )
+    stats = xr.Dataset(
+        {k: (rec.dims, rec.data[k], _STAT_ATTRS[k]) for k in STATS_DTYPE.names},
+        coords=rec.coords,
+        attrs={"method": "tree reduction of (n, mean, M2, min, max) partials, "
+                         "Chan, Golub & LeVeque (1979) pairwise merge; var has ddof=0"},
+    )
+    return stats
+
+
+# --- result ------------------------------------------------------------------------------
+
+
+@dataclass
+class ArrayStatsResult:
+    """Outcome of one array-stats run.
+
+    Attributes
+    ----------
+    stats : xarray.Dataset
+        In memory: ``count``, ``mean``, ``var`` (ddof=0), ``min``, ``max`` of the anomaly over
+        ``time``, dims ``(lat, lon)`` with coordinates.
+    size : str
+    seed : int
+    shape, chunks : tuple of int
+        Of the generated field (``time, lat, lon``), chunks as the block shape.
+    nbytes : int
+        Bytes of the float32 field processed (generated, anomalised and reduced).
+    wall_time : float
+        Seconds from submitting the graph to having the result on the client.
+    bytes_per_second : float
+        ``nbytes / wall_time``.
+    n_tasks : int
+        Tasks in the graph that was computed.
+    task_counts : dict of str to int, or None
+        Tasks each worker finished during this run (from blockflow's scheduler plugin; None
+        when the scheduler runs no blockflow plugin).
+    dashboard_link : str or None
+    output : str or None
+        Directory the results were written to, if any.
+    """
+
+    stats: xr.Dataset
+    size: str
+    seed: int
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    nbytes: int
+    wall_time: float
+    bytes_per_second: float
+    n_tasks: int
+    task_counts: dict[str, int] | None = None
+    dashboard_link: str | None = None
+    output: str | None = None
+    extra: dict[str, Any] = dataclass_field(default_factory=dict)
+
+    def summary(self) -> pd.DataFrame:
+        """Global summary of each statistic: one row per statistic.
+
+        Returns
+        -------
+        pandas.DataFrame
+            Index ``stat`` (mean, var, min, max); columns ``units``, ``grid_mean``
+            (unweighted mean over grid points), ``area_mean`` (weighted by cos(latitude),
+            i.e. by cell area on a regular grid), ``grid_min``, ``grid_max``.
+        """
+        weights = np.cos(np.deg2rad(self.stats["lat"]))
+        rows = {}
+        for k in ("mean", "var", "min", "max"):
+            v = self.stats[k].astype(np.float64)
+            rows[k] = {
+                "units": self.stats[k].attrs.get("units", ""),
+                "grid_mean": float(v.mean()),
+                "area_mean": float(v.weighted(weights).mean()),
+                "grid_min": float(v.min()),
+                "grid_max": float(v.max()),
+            }
+        table = pd.DataFrame.from_dict(rows, orient="index")
+        table.index.name = "stat"
+        return table
+
+    def manifest(self) -> dict[str, Any]:
+        """JSON-serialisable description of the run (what ``manifest.json`` holds)."""
+        return {
+            "workload": "array-stats",
+            "size": self.size,
+            "seed": self.seed,
+            "shape": {"time": self.shape[0], "lat": self.shape[1], "lon": self.shape[2]},
+            "chunks": {"time": self.chunks[0], "lat": self.chunks[1], "lon": self.chunks[2]},
+            "dtype": "float32",
+            "nbytes": self.nbytes,
+            "wall_time_s": self.wall_time,
+            "bytes_per_second": self.bytes_per_second,
+            "n_tasks": self.n_tasks,
+            "task_counts": self.task_counts,
+            "dashboard_link": self.dashboard_link,
+            "statistics": {k: dict(v) for k, v in _STAT_ATTRS.items()},
+            "method": self.stats.attrs.get("method"),
+            "files": {"stats": "stats.parquet"},
+            "versions": {
+                "blockflow": blockflow.__version__,
+                "dask": dask.__version__,
+                "xarray": xr.__version__,
+                "numpy": np.__version__,
+                "python": platform.python_version(),
+            },
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"<ArrayStatsResult size={self.size!r} shape={self.shape} "
+            f"{format_bytes(self.nbytes)} in {self.wall_time:.2f} s "
+            f"({format_bytes(self.bytes_per_second)}/s), {self.n_tasks} tasks>"
+        )
+
+
+# --- entry points ------------------------------------------------------------------------
+
+
+def _task_counts(client) -> dict[str, int] | None:
+    try:
+        return dict(blockflow.task_counts(client))
+    except RuntimeError:  # the scheduler runs no blockflow plugin
+        return None
+
+
+def _show_progress(progress: bool | None) -> bool:
+    if progress is None:
+        return bool(getattr(sys.stdout, "isatty", lambda: False)())
+    return bool(progress)
+
+
+def build(size: str = "small", seed: int = 0, *, split_every: int | None = None) -> xr.Dataset:
+    """The whole workload as one lazy Dataset (generate -> anomaly -> moments).
+
+    Parameters
+    ----------
+    size : {"small", "medium", "large"}, default "small"
+    seed : int, default 0
+    split_every : int, optional
+        Fan-in of the tree reduction; default chosen from worker memory.
+
+    Returns
+    -------
+    xarray.Dataset
+        Lazy statistics, as from :func:`moments`.
+    """
+    field = generate_field(size, seed)
+    anom = anomalies(field, climatology(size))
+    return moments(anom, split_every=split_every)
+
+
+def run(
+    client,
+    *,
+    size: str = "small",
+    output: str | None = None,
+    overwrite: bool = False,
+    seed: int = 0,
+    progress: bool | None = None,
+) -> ArrayStatsResult:
+    """Run the array-stats workload on a cluster and return its statistics and timings.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        Connected client; the work runs on its cluster.
+    size : {"small", "medium", "large"}, default "small"
+        ``small``: 120 x 32 x 64 (1 MB); ``medium``: 960 x 180 x 360 (249 MB, blocks of
+        120 days = 31 MB); ``large``: 3650 x 360 x 720 (3.8 GB, blocks of 73 days = 76 MB).
+        All float32, chunked along time (see :data:`SIZES`).
+    output : str or path, optional
+        Directory to write ``stats.parquet`` (``stats.to_dataframe()``, index ``lat, lon``)
+        and ``manifest.json`` to, atomically (:func:`blockflow.io.atomic_output_dir`).
+    overwrite : bool, default False
+        Replace ``output`` if it exists; otherwise an existing ``output`` is an error.
+    seed : int, default 0
+        Seed of the generated field.
+    progress : bool, optional
+        Show a :func:`distributed.progress` bar; default: when stdout is a terminal.
+
+    Returns
+    -------
+    ArrayStatsResult
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``size``.
+    FileExistsError
+        If ``output`` exists and ``overwrite`` is False (raised by
+        :func:`blockflow.io.atomic_output_dir`).
+    """
+    spec = _spec(size)
+    stats_lazy = build(size, seed)
+    n_tasks = len(stats_lazy.__dask_graph__())
+    before = _task_counts(client)
+    start = time.perf_counter()
+    future = client.compute(stats_lazy)
+    if _show_progress(progress):
+        from distributed import progress as progress_bar
+
+        progress_bar(future, notebook=False)
+    stats = future.result()
+    wall = time.perf_counter() - start
+    after = _task_counts(client)
+    counts = None
+    if before is not None and after is not None:
+        counts = {w: after[w] - before.get(w, 0) for w in sorted(after)
+                  if after[w] - before.get(w, 0)}
+    result = ArrayStatsResult(
+        stats=stats, size=size, seed=int(seed), shape=spec.shape, chunks=spec.chunks,
+        nbytes=spec.nbytes, wall_time=wall, bytes_per_second=spec.nbytes / wall,
+        n_tasks=n_tasks, task_counts=counts, dashboard_link=client.dashboard_link,
+    )
+    logger.info("array-stats %s: %r", size, result)
+    if output is not None:
+        _write(result, output, overwrite)
+    return result
+
+
+def _write(result: ArrayStatsResult, output, overwrite: bool) -> None:
+    from blockflow.io import atomic_output_dir
+
+    import os
+
+    with atomic_output_dir(output, overwrite=overwrite) as tmp:
+        result.stats.to_dataframe().to_parquet(os.path.join(tmp, "stats.parquet"))
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump(result.manifest(), f, indent=2, sort_keys=True)
+            f.write("\n")
+    result.output = os.fspath(output)
+
+
+def reference(size: str = "small", seed: int = 0) -> xr.Dataset:
+    """The same statistics with plain NumPy on the fully materialised field (for tests).
+
+    Builds the whole field in memory block by block with the same generator, subtracts the
+    climatology, then takes ``mean``, ``var`` (ddof=0, two-pass, float64), ``min`` and
+    ``max`` over ``time`` at once. Needs ~3x the field's bytes of memory: meant for
+    ``small`` (and ``medium`` at most).
+
+    Returns
+    -------
+    xarray.Dataset
+        Same variables, dims, coordinates and dtypes as :attr:`ArrayStatsResult.stats`.
+    """
+    spec = _spec(size)
+    nt, ny, nx = spec.shape
+    chunks = _normalise_chunks(spec)
+    field = np.empty(spec.shape, dtype=np.float32)
+    bounds = [np.cumsum((0,) + c) for c in chunks]
+    for i in range(len(chunks[0])):
+        for j in range(len(chunks[1])):
+            for k in range(len(chunks[2])):
+                loc = [(int(b[n]), int(b[n + 1])) for b, n in zip(bounds, (i, j, k))]
+                field[loc[0][0]:loc[0][1], loc[1][0]:loc[1][1], loc[2][0]:loc[2][1]] = (
+                    _generate_block(seed=int(seed), shape=spec.shape, block_id=(i, j, k),
+                                    location=loc)
+                )
+    clim = climatology(size).values  # (366, lat)
+    doy = _dayofyear(np.arange(nt))
+    anom = (field.astype(np.float64) - clim[doy - 1][:, :, None]).astype(np.float32)
+    lat, lon = _lat(ny), _lon(nx)
+    data = {
+        "count": np.full((ny, nx), nt, dtype=np.int64),
+        "mean": anom.mean(axis=0, dtype=np.float64),
+        "var": anom.var(axis=0, dtype=np.float64, ddof=0),
+        "min": anom.min(axis=0),
+        "max": anom.max(axis=0),
+    }
+    return xr.Dataset(
+        {k: (("lat", "lon"), v, _STAT_ATTRS[k]) for k, v in data.items()},
+        coords={"lat": ("lat", lat, {"units": "degrees_north", "standard_name": "latitude"}),
+                "lon": ("lon", lon, {"units": "degrees_east", "standard_name": "longitude"})},
+    )
