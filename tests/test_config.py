@@ -1,0 +1,80 @@
+"""blockflow's configuration: YAML defaults, schema, dask.config integration."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import dask.config
+import pytest
+import yaml
+
+import blockflow
+from blockflow import config
+
+
+def _keys(d, prefix=""):
+    out = set()
+    for k, v in d.items():
+        out.add(prefix + k)
+        if isinstance(v, dict):
+            out |= _keys(v, prefix + k + ".")
+    return out
+
+
+def _schema_keys(s, prefix=""):
+    out = set()
+    for k, v in s.get("properties", {}).items():
+        out.add(prefix + k)
+        if v.get("type") == "object":
+            out |= _schema_keys(v, prefix + k + ".")
+    return out
+
+
+def test_defaults_validate_against_schema():
+    with open(config.DEFAULTS_PATH) as f:
+        defaults = yaml.safe_load(f)
+    config.validate(defaults)
+
+
+def test_yaml_and_schema_list_the_same_keys():
+    with open(config.DEFAULTS_PATH) as f:
+        defaults = yaml.safe_load(f)
+    with open(config.SCHEMA_PATH) as f:
+        schema = yaml.safe_load(f)
+    assert _keys(defaults) == _schema_keys(schema)
+
+
+def test_defaults_loaded_on_import():
+    assert dask.config.get("blockflow.cluster.policy") == "dynamic"
+    assert dask.config.get("blockflow.reduction.memory-fraction") == 0.25
+
+
+def test_explicit_argument_wins_over_config():
+    with dask.config.set({"blockflow.reduction.split-every": 6}):
+        assert config.get("reduction.split-every") == 6
+        assert config.get("reduction.split-every", 3) == 3
+
+
+def test_invalid_value_is_rejected_with_the_key_named():
+    with dask.config.set({"blockflow.reduction.memory-fraction": 1.5}):
+        with pytest.raises(ValueError, match=r"Invalid blockflow setting 'blockflow.reduction."
+                                             r"memory-fraction': 1.5 is greater than the maximum"):
+            config.validate()
+
+
+def test_environment_variable_override():
+    env = dict(os.environ, DASK_BLOCKFLOW__CLUSTER__POLICY="off")
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "import blockflow, dask; print(dask.config.get('blockflow.cluster.policy'))"],
+        env=env, capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.strip() == "off"
+
+
+def test_public_api_is_sorted_and_importable():
+    assert blockflow.__all__ == sorted(blockflow.__all__)
+    for name in blockflow.__all__:
+        assert hasattr(blockflow, name), name
