@@ -376,21 +376,26 @@ def _merge(partials) -> dict:
     }
 
 
-def moment_combine(partials, axis=None, keepdims=True, **kwargs):
+def moment_combine(partials, axis=None, keepdims=True, computing_meta=False, **kwargs):
     """Merge a nested list of partials from :func:`moment_chunk` into one partial.
 
     ``combine(partials, axis=, keepdims=)`` as in :func:`dask.array.reduction` with
     ``concatenate=False``; merged by :func:`_merge` (Chan et al. 1979).
     """
+    if computing_meta:  # dask passes the chunk's meta (an empty array) through
+        return partials
     return _merge(partials)
 
 
-def moment_aggregate(partials, axis=None, keepdims=False, **kwargs):
+def moment_aggregate(partials, axis=None, keepdims=False, computing_meta=False, **kwargs):
     """Final step: merge the partials and return one :data:`STATS_DTYPE` record per point.
 
     The variance is the population variance, ``M2 / n`` (ddof=0). With ``keepdims=False``
     the reduced axes (length 1 in the partials) are dropped.
     """
+    if computing_meta:  # an empty array of the result's ndim and dtype
+        shape = np.sum(partials, axis=axis, keepdims=keepdims).shape
+        return np.empty(shape, dtype=STATS_DTYPE)
     m = _merge(partials)
     shape = np.shape(m["mean"])
     out = np.empty(shape, dtype=STATS_DTYPE)
