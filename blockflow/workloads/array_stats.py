@@ -18,13 +18,15 @@ scratch for ``(n, mean, M2, min, max)`` partials.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import os
 import platform
 import sys
 import time
-from dataclasses import dataclass, field as dataclass_field
+from dataclasses import dataclass
 from typing import Any
 
 import dask
@@ -490,7 +492,6 @@ class ArrayStatsResult:
     task_counts: dict[str, int] | None = None
     dashboard_link: str | None = None
     output: str | None = None
-    extra: dict[str, Any] = dataclass_field(default_factory=dict)
 
     def summary(self) -> pd.DataFrame:
         """Global summary of each statistic: one row per statistic.
@@ -630,6 +631,23 @@ def run(
         :func:`blockflow.io.atomic_output_dir`).
     """
     spec = _spec(size)
+    with contextlib.ExitStack() as stack:
+        tmp = None
+        if output is not None:
+            from blockflow.io import atomic_output_dir
+
+            # Claim the output before computing: an existing directory fails fast, and a run
+            # that fails leaves nothing behind.
+            tmp = stack.enter_context(atomic_output_dir(output, overwrite=overwrite))
+        result = _compute(client, spec, size, seed, progress)
+        if tmp is not None:
+            _write(result, tmp)
+    if output is not None:
+        result.output = os.fspath(output)
+    return result
+
+
+def _compute(client, spec: FieldSpec, size: str, seed: int, progress) -> ArrayStatsResult:
     stats_lazy = build(size, seed)
     n_tasks = len(stats_lazy.__dask_graph__())
     before = _task_counts(client)
@@ -638,7 +656,7 @@ def run(
     if _show_progress(progress):
         from distributed import progress as progress_bar
 
-        progress_bar(future, notebook=False)
+        progress_bar(future, notebook=False)  # text bar; blocks until done
     stats = future.result()
     wall = time.perf_counter() - start
     after = _task_counts(client)
@@ -652,22 +670,15 @@ def run(
         n_tasks=n_tasks, task_counts=counts, dashboard_link=client.dashboard_link,
     )
     logger.info("array-stats %s: %r", size, result)
-    if output is not None:
-        _write(result, output, overwrite)
     return result
 
 
-def _write(result: ArrayStatsResult, output, overwrite: bool) -> None:
-    from blockflow.io import atomic_output_dir
-
-    import os
-
-    with atomic_output_dir(output, overwrite=overwrite) as tmp:
-        result.stats.to_dataframe().to_parquet(os.path.join(tmp, "stats.parquet"))
-        with open(os.path.join(tmp, "manifest.json"), "w") as f:
-            json.dump(result.manifest(), f, indent=2, sort_keys=True)
-            f.write("\n")
-    result.output = os.fspath(output)
+def _write(result: ArrayStatsResult, directory) -> None:
+    """``stats.parquet`` and ``manifest.json`` into ``directory``."""
+    result.stats.to_dataframe().to_parquet(os.path.join(directory, "stats.parquet"))
+    with open(os.path.join(directory, "manifest.json"), "w") as f:
+        json.dump(result.manifest(), f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def reference(size: str = "small", seed: int = 0) -> xr.Dataset:
