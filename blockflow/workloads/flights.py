@@ -36,6 +36,7 @@ from typing import Any
 import dask
 import dask.dataframe as dd
 import pandas as pd
+from distributed import wait
 
 import blockflow
 from blockflow.aggregations import ROWS, grouped_moments, grouped_quantiles, quantile_label
@@ -49,7 +50,7 @@ __all__ = [
     "GROUPINGS",
     "LATE_MINUTES",
     "QUANTILES",
-    "add_delay_features",
+    "add_delay_columns",
     "add_names",
     "aggregate",
     "assemble",
@@ -257,7 +258,7 @@ def drop_cancelled(part):
     return part[part["dep_time"].notna()]
 
 
-def add_delay_features(part):
+def add_delay_columns(part):
     """Kernel: add derived delay features.
 
     Parameters
@@ -335,7 +336,7 @@ def lookup_tables() -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def prepare(raw: dd.DataFrame, airlines: pd.DataFrame | None = None,
             airports: pd.DataFrame | None = None) -> dd.DataFrame:
-    """Clean and feature the flights: :func:`drop_cancelled`, :func:`add_delay_features`,
+    """Clean and feature the flights: :func:`drop_cancelled`, :func:`add_delay_columns`,
     :func:`add_names`, each as a blockwise kernel (Dask fuses them into one task per
     partition).
 
@@ -357,7 +358,7 @@ def prepare(raw: dd.DataFrame, airlines: pd.DataFrame | None = None,
         airlines = default_airlines if airlines is None else airlines
         airports = default_airports if airports is None else airports
     clean = map_blocks(drop_cancelled, raw)
-    featured = map_blocks(add_delay_features, clean)
+    featured = map_blocks(add_delay_columns, clean)
     return map_blocks(add_names, featured, airlines=airlines, airports=airports)
 
 
@@ -628,7 +629,9 @@ def _compute(client, scale: int, partitions_per_copy: int, progress: bool | None
     if show:
         from distributed import progress as progress_bar
 
-        progress_bar(featured, notebook=False)
+        progress_bar(featured, notebook=False)  # text bar; blocks until persisted
+    else:
+        wait(featured)
     lazy = aggregate(featured, split_every=split_every)
     keys = list(lazy)
     futures = client.compute([featured.shape[0], input_rows]
