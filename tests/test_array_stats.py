@@ -205,6 +205,13 @@ def test_unknown_size():
     )
 
 
+@pytest.mark.parametrize("seed", [-1, 1.5, "0", True])
+def test_bad_seed_fails_before_any_work(seed):
+    with pytest.raises(ValueError) as e:
+        A.run(None, size="small", seed=seed)  # no client needed: checked first
+    assert str(e.value) == f"array-stats: seed must be a non-negative int, got {seed!r}."
+
+
 def test_sizes_are_as_documented():
     assert A.SIZES["small"].shape == (120, 32, 64)
     assert 240e6 < A.SIZES["medium"].nbytes < 260e6
@@ -229,15 +236,6 @@ def test_task_counts_none_without_blockflow_plugin():
     assert result.stats["count"].shape == (32, 64)
 
 
-def _io_available() -> bool:
-    try:
-        from blockflow.io import atomic_output_dir  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _io_available(), reason="blockflow.io (atomic_output_dir) not there yet")
 def test_output_parquet_and_manifest(client, tmp_path):
     out = tmp_path / "stats"
     result = A.run(client, size="small", output=out, progress=False, seed=2)
@@ -255,9 +253,14 @@ def test_output_parquet_and_manifest(client, tmp_path):
     assert manifest["task_counts"] == result.task_counts
     assert manifest["statistics"]["var"]["ddof"] == 0
     assert manifest["files"] == {"stats": "stats.parquet"}
+    assert manifest["versions"]["blockflow"] == blockflow.__version__
+    assert "created" in manifest
 
-    with pytest.raises(FileExistsError):
+    before = blockflow.task_counts(client)
+    with pytest.raises(FileExistsError) as e:
         A.run(client, size="small", output=out, progress=False, seed=3)
+    assert blockflow.task_counts(client) == before  # refused before any task ran
+    assert str(e.value).startswith(f"Output {os.fspath(out)!r} already exists; pass --overwrite")
     assert json.loads((out / "manifest.json").read_text())["seed"] == 2  # untouched
     A.run(client, size="small", output=out, overwrite=True, progress=False, seed=3)
     assert json.loads((out / "manifest.json").read_text())["seed"] == 3

@@ -19,7 +19,6 @@ scratch for ``(n, mean, M2, min, max)`` partials.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -38,6 +37,7 @@ from dask.utils import format_bytes
 
 import blockflow
 from blockflow.blockwise import map_blocks
+from blockflow.io import atomic_output_dir, write_manifest, write_parquet
 from blockflow.reduction import tree_reduce
 
 __all__ = [
@@ -114,6 +114,13 @@ SIZES: dict[str, FieldSpec] = {
     "medium": FieldSpec(shape=(960, 180, 360), chunks=(120, 180, 360)),
     "large": FieldSpec(shape=(3650, 360, 720), chunks=(73, 360, 720)),
 }
+
+
+def _check_seed(seed) -> int:
+    # numpy.random.SeedSequence takes non-negative ints only; fail here, not on the workers
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"array-stats: seed must be a non-negative int, got {seed!r}.")
+    return int(seed)
 
 
 def _spec(size: str) -> FieldSpec:
@@ -220,6 +227,7 @@ def generate_field(size: str = "small", seed: int = 0) -> xr.DataArray:
         through the client.
     """
     spec = _spec(size)
+    seed = _check_seed(seed)
     # Full per-axis chunk tuples: with no input arrays, dask takes the shape from chunks=.
     data = da.map_blocks(
         _generate_dask_block,
@@ -631,11 +639,10 @@ def run(
         :func:`blockflow.io.atomic_output_dir`).
     """
     spec = _spec(size)
+    seed = _check_seed(seed)
     with contextlib.ExitStack() as stack:
         tmp = None
         if output is not None:
-            from blockflow.io import atomic_output_dir
-
             # Claim the output before computing: an existing directory fails fast, and a run
             # that fails leaves nothing behind.
             tmp = stack.enter_context(atomic_output_dir(output, overwrite=overwrite))
@@ -674,11 +681,9 @@ def _compute(client, spec: FieldSpec, size: str, seed: int, progress) -> ArraySt
 
 
 def _write(result: ArrayStatsResult, directory) -> None:
-    """``stats.parquet`` and ``manifest.json`` into ``directory``."""
-    result.stats.to_dataframe().to_parquet(os.path.join(directory, "stats.parquet"))
-    with open(os.path.join(directory, "manifest.json"), "w") as f:
-        json.dump(result.manifest(), f, indent=2, sort_keys=True)
-        f.write("\n")
+    """``stats.parquet`` (index ``lat, lon``) and ``manifest.json`` into ``directory``."""
+    write_parquet(result.stats.to_dataframe(), os.path.join(directory, "stats.parquet"))
+    write_manifest(directory, result.manifest())
 
 
 def reference(size: str = "small", seed: int = 0) -> xr.Dataset:
@@ -695,6 +700,7 @@ def reference(size: str = "small", seed: int = 0) -> xr.Dataset:
         Same variables, dims, coordinates and dtypes as :attr:`ArrayStatsResult.stats`.
     """
     spec = _spec(size)
+    seed = _check_seed(seed)
     nt, ny, nx = spec.shape
     chunks = _normalise_chunks(spec)
     field = np.empty(spec.shape, dtype=np.float32)
