@@ -82,7 +82,7 @@ def _print_inventory(client) -> None:
     click.echo("")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(name="blockflow", context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="blockflow", prog_name="blockflow")
 def cli() -> None:
     """blockflow: spread chunked data and AI workloads over many CPUs and GPUs with Dask."""

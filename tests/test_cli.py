@@ -1,0 +1,196 @@
+"""The command line, end to end: click's runner against a real cluster, and real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import dask
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from blockflow.cli import cli
+from blockflow.cluster import gpu_status
+from blockflow.workloads import flights
+
+EXISTS = ("Error: Output {path!r} already exists; pass --overwrite (overwrite=True in Python) "
+          "to replace it, or choose another output folder.\n")
+BAD_SCALE = ("Error: flights: scale must be an integer >= 1 (copies of the 336,776-row 2013 NYC "
+             "flights table), got {scale}.\n")
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def _blockflow(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m blockflow ARGS`` in a fresh process, dashboard on a free port."""
+    env = {**os.environ, "DASK_BLOCKFLOW__CLUSTER__DASHBOARD_ADDRESS": "127.0.0.1:0"}
+    return subprocess.run([sys.executable, "-m", "blockflow", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def _assert_flights_output(out, expected: dict[str, pd.DataFrame]) -> None:
+    assert sorted(os.listdir(out)) == ["by_carrier.parquet", "by_origin_month.parquet",
+                                       "manifest.json"]
+    for name, table in expected.items():
+        got = pd.read_parquet(out / f"{name}.parquet")
+        pd.testing.assert_frame_equal(got, table, check_dtype=False, check_exact=False,
+                                      rtol=1e-9)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["input_rows"] == 336_776 and manifest["clean_rows"] == 328_521
+
+
+@pytest.fixture(scope="module")
+def reference_1():
+    return flights.reference(1)
+
+
+# --- help and bad input (no cluster is started) ----------------------------------------------
+
+
+def test_run_help_lists_both_jobs():
+    result = invoke("run", "--help")
+    assert result.exit_code == 0
+    commands = result.output.split("Commands:")[1].split()
+    assert "flights" in commands and "array-stats" in commands
+
+
+def test_flights_help_lists_options():
+    result = invoke("run", "flights", "--help")
+    assert result.exit_code == 0
+    for option in ("--scale", "--output", "--overwrite", "--address", "--gpu", "--n-workers",
+                   "--threads-per-worker", "--policy", "--partitions-per-copy",
+                   "--no-progress", "[default: blockflow-flights-out]"):
+        assert option in result.output
+
+
+@pytest.mark.parametrize("scale", ["0", "-3"])
+def test_bad_scale_is_a_one_line_error(scale):
+    result = invoke("run", "flights", "--scale", scale)
+    assert result.exit_code == 1
+    assert result.output == BAD_SCALE.format(scale=scale)
+
+
+def test_bad_partitions_per_copy():
+    result = invoke("run", "flights", "--partitions-per-copy", "0")
+    assert result.exit_code == 1
+    assert result.output == ("Error: flights: partitions_per_copy must be an integer >= 1 "
+                             "(partitions per copy of the table), got 0.\n")
+
+
+@pytest.mark.parametrize("job", ["flights", "array-stats"])
+def test_existing_output_is_a_one_line_error(tmp_path, job):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old result")
+    result = invoke("run", job, "--output", str(out))
+    assert result.exit_code == 1
+    assert result.output == EXISTS.format(path=str(out))
+    assert os.listdir(out) == ["old.txt"]
+
+
+def test_unreachable_address_is_a_one_line_error():
+    with dask.config.set({"blockflow.cluster.connect-timeout": "1s"}):
+        result = invoke("info", "--address", "tcp://127.0.0.1:1")
+    assert result.exit_code == 1
+    assert result.output.startswith(
+        "Error: blockflow.connect: could not reach a Dask scheduler at 'tcp://127.0.0.1:1' "
+        "within 1 s")
+    assert result.output.count("\n") == 1
+
+
+@pytest.mark.skipif(gpu_status()[0], reason="this machine can start GPU workers")
+def test_gpu_true_without_gpu_is_a_one_line_error(tmp_path):
+    result = invoke("run", "flights", "--gpu", "true", "--output", str(tmp_path / "out"))
+    assert result.exit_code == 1
+    assert result.output.startswith(
+        "Error: blockflow.connect(gpu=True): this machine cannot start GPU workers: ")
+    assert result.output.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+# --- runs against the test cluster (--address) -------------------------------------------------
+
+
+def test_flights_on_a_running_cluster(client, tmp_path, reference_1):
+    out = tmp_path / "flights-out"
+    address = client.scheduler.address
+    result = invoke("run", "flights", "--address", address, "--output", str(out),
+                    "--no-progress")
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert "<blockflow.Inventory: 2 workers, 2 threads, 0 GPUs>" in text
+    assert "Delays per carrier (minutes):" in text and "JetBlue Airways" in text
+    assert "Tasks per worker (this run):" in text
+    assert "Wall time: " in text and " rows/s" in text
+    port = client.dashboard_link.rsplit(":", 1)[1]  # host spelling depends on the client
+    assert "Dashboard: http://" in text and f":{port}" in text
+    assert f"Output: {out}" in text
+    _assert_flights_output(out, reference_1)
+    # The cluster was not ours to stop.
+    assert client.submit(sum, [1, 2]).result() == 3
+
+    again = invoke("run", "flights", "--address", address, "--output", str(out),
+                   "--overwrite", "--no-progress")
+    assert again.exit_code == 0, again.output
+    assert sorted(os.listdir(tmp_path)) == ["flights-out"]
+
+
+def test_array_stats_on_a_running_cluster(client, tmp_path):
+    out = tmp_path / "stats-out"
+    result = invoke("run", "array-stats", "--address", client.scheduler.address, "--size",
+                    "small", "--output", str(out), "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert "<blockflow.Inventory: 2 workers" in result.output
+    assert "blockflow array-stats: size small" in result.output
+    assert "Wall time: " in result.output and "Dashboard: " in result.output
+    assert sorted(os.listdir(out)) == ["manifest.json", "stats.parquet"]
+
+
+def test_info_on_a_running_cluster(client):
+    result = invoke("info", "--address", client.scheduler.address)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("<blockflow.Inventory: 2 workers, 2 threads, 0 GPUs>")
+    for worker in client.scheduler_info()["workers"]:
+        assert worker in result.output
+
+
+# --- real processes ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_python_m_blockflow_runs_flights_end_to_end(tmp_path, reference_1):
+    """An embedded LocalCluster started and shut down by the CLI in its own process."""
+    out = tmp_path / "flights-out"
+    proc = _blockflow("run", "flights", "--scale", "1", "--n-workers", "2",
+                      "--threads-per-worker", "1", "--gpu", "false", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert "<blockflow.Inventory: 2 workers, 2 threads, 0 GPUs>" in text
+    assert "tcp://127.0.0.1:" in text
+    assert "Delays per carrier (minutes):" in text and "United Air Lines Inc." in text
+    assert "Tasks per worker (this run):" in text
+    assert "Wall time: " in text and " rows/s" in text and "Dashboard: http://127.0.0.1:" in text
+    assert "Traceback" not in proc.stderr
+    _assert_flights_output(out, reference_1)
+    assert sorted(os.listdir(tmp_path)) == ["flights-out"]  # no temporary folder left
+
+
+def test_python_m_blockflow_bad_input_exits_1_with_one_line(tmp_path):
+    proc = _blockflow("run", "flights", "--scale", "0", "--output", str(tmp_path / "o"))
+    assert proc.returncode == 1
+    assert proc.stderr == BAD_SCALE.format(scale=0)
+    assert proc.stdout == ""
+    assert os.listdir(tmp_path) == []
+
+
+def test_dask_blockflow_entry_point():
+    proc = subprocess.run(
+        [sys.executable, "-c", "from dask.cli import run_cli; run_cli()", "blockflow", "run",
+         "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "flights" in proc.stdout and "array-stats" in proc.stdout
