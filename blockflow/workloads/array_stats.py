@@ -650,7 +650,7 @@ def run(
         if tmp is not None:
             _write(result, tmp)
     if output is not None:
-        result.output = os.fspath(output)
+        result.output = os.path.abspath(os.fspath(output))
     return result
 
 
