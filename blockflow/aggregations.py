@@ -247,7 +247,7 @@ def grouped_moments(
 
 
 def quantile_label(q: float) -> str:
-    """Column-name suffix of quantile ``q``: 0.5 -> ``"p50"``, 0.9 -> ``"p90"``, 0.999 -> ``"p99.9"``."""
+    """Column-name suffix of quantile ``q`` (0-1): ``0.5 -> "p50"``, ``0.999 -> "p99.9"``."""
     return f"p{round(q * 100, 10):g}"
 
 

@@ -33,10 +33,10 @@ def _cluster_options(command: Callable) -> Callable:
         click.option("--address", metavar="ADDRESS", default=None,
                      help="Scheduler to connect to (tcp://host:8786). Default: start an "
                           "embedded cluster on this machine."),
-        click.option("--gpu", type=click.Choice(list(_GPU_CHOICES)), default="auto",
-                     show_default=True,
+        click.option("--gpu", type=click.Choice(list(_GPU_CHOICES)), default=None,
                      help="Embedded cluster: GPU workers (LocalCUDACluster) if available "
-                          "(auto), required (true) or never (false)."),
+                          "(auto), required (true) or never (false). Default: the "
+                          "blockflow.cluster.gpu setting (auto)."),
         click.option("--n-workers", type=click.IntRange(min=1), default=None,
                      help="Embedded cluster: number of workers. Default: one per GPU, or "
                           "distributed's default on CPU."),
@@ -51,16 +51,33 @@ def _cluster_options(command: Callable) -> Callable:
     return command
 
 
+def _check_cluster_options(address: str | None, gpu: str | None, n_workers: int | None,
+                           threads_per_worker: int | None) -> None:
+    """Options of the embedded cluster make no sense with --address: refuse, don't ignore."""
+    if address is None:
+        return
+    given = [name for name, value in (("--gpu", gpu), ("--n-workers", n_workers),
+                                      ("--threads-per-worker", threads_per_worker))
+             if value is not None]
+    if given:
+        verb = "applies" if len(given) == 1 else "apply"
+        raise click.ClickException(
+            f"{', '.join(given)} only {verb} to the embedded cluster and cannot be combined "
+            f"with --address; size the workers of {address} where they are started."
+        )
+
+
 @contextlib.contextmanager
-def _client(address: str | None, gpu: str, n_workers: int | None,
+def _client(address: str | None, gpu: str | None, n_workers: int | None,
             threads_per_worker: int | None, policy: str | None) -> Iterator[Any]:
     """A client with blockflow's plugin; an embedded cluster is shut down afterwards."""
     import blockflow
     from blockflow.backends import GPUUnavailableError
 
+    _check_cluster_options(address, gpu, n_workers, threads_per_worker)
     options = {}
     if address is None:
-        options = {"gpu": _GPU_CHOICES[gpu], "n_workers": n_workers,
+        options = {"gpu": None if gpu is None else _GPU_CHOICES[gpu], "n_workers": n_workers,
                    "threads_per_worker": threads_per_worker}
     try:
         client = blockflow.connect(address, policy=policy, **options)

@@ -103,6 +103,18 @@ def test_unreachable_address_is_a_one_line_error():
     assert result.output.count("\n") == 1
 
 
+def test_embedded_cluster_options_with_address_are_refused():
+    result = invoke("run", "flights", "--address", "tcp://127.0.0.1:1", "--n-workers", "2")
+    assert result.exit_code == 1
+    assert result.output == ("Error: --n-workers only applies to the embedded cluster and "
+                             "cannot be combined with --address; size the workers of "
+                             "tcp://127.0.0.1:1 where they are started.\n")
+    result = invoke("info", "--address", "tcp://127.0.0.1:1", "--gpu", "false",
+                    "--threads-per-worker", "1")
+    assert result.output.startswith("Error: --gpu, --threads-per-worker only apply to the "
+                                    "embedded cluster")
+
+
 @pytest.mark.skipif(gpu_status()[0], reason="this machine can start GPU workers")
 def test_gpu_true_without_gpu_is_a_one_line_error(tmp_path):
     result = invoke("run", "flights", "--gpu", "true", "--output", str(tmp_path / "out"))
