@@ -93,7 +93,8 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Itera
     Parameters
     ----------
     path : str or path-like
-        The output folder to create (or replace). Missing parent folders are created.
+        The output folder to create (or replace). Missing parent folders are created (and
+        stay if the block fails).
     overwrite : bool, default False
         Replace an existing ``path``. When False an existing ``path`` is an error, checked
         both on entry (before any work is done) and again just before the final rename.
@@ -115,7 +116,7 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Itera
     Notes
     -----
     Readers see either the old output or the complete new one, never a partial folder: on
-    POSIX file systems ``os.replace`` of a folder within one parent is atomic. With
+    POSIX file systems renaming a folder within one parent is atomic. With
     ``overwrite=True`` there is a short window between the two renames where ``path`` does
     not exist. A process killed mid-run (SIGKILL) leaves its hidden ``.tmp-`` folder behind;
     it never takes the output's name.

@@ -14,7 +14,7 @@ import pytest
 from distributed import get_task_stream
 
 from blockflow.aggregations import grouped_moments, grouped_quantiles, quantile_label
-from blockflow.backends import has_package
+from blockflow.backends import gpu_device_count, has_package
 from blockflow.workloads import flights
 
 ROWS_2013 = 336_776
@@ -327,8 +327,9 @@ def test_grouped_reduction_errors(synthetic):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not has_package("cudf") or not has_package("dask_cudf"),
-                    reason="needs cuDF and dask-cudf (pip install 'blockflow[gpu]')")
+@pytest.mark.skipif(
+    gpu_device_count() == 0 or not has_package("cudf") or not has_package("dask_cudf"),
+    reason="needs an NVIDIA GPU, cuDF and dask-cudf (pip install 'blockflow[gpu]')")
 def test_prepare_and_aggregate_on_cudf(reference_1):
     import blockflow
 
