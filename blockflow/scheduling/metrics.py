@@ -12,12 +12,14 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-__all__ = ["GPU_MEMORY_TOTAL", "GPU_MEMORY_USED", "GPU_UTILIZATION", "WorkerMetrics",
+__all__ = ["CAPACITY_METRIC", "GPU_MEMORY_TOTAL", "GPU_MEMORY_USED", "GPU_UTILIZATION", "WorkerMetrics",
            "clean_number", "read_metrics"]
 
 GPU_UTILIZATION = "gpu_utilization"
 GPU_MEMORY_USED = "gpu_memory_used"
 GPU_MEMORY_TOTAL = "gpu-memory-total"
+#: Optional worker metric: nominal relative capacity of the worker's device (static-capacity).
+CAPACITY_METRIC = "blockflow-capacity"
 
 
 def clean_number(value: Any, *, upper: float | None = None) -> float | None:

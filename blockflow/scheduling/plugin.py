@@ -1,9 +1,11 @@
 """blockflow's scheduler plugin: observes workers and tasks, and runs the rebalancing loop.
 
 The plugin lives on the scheduler. Its :meth:`Rebalancer.transition` hook (called on every
-task transition) is O(1): it counts finished tasks per worker. A control loop
-(:class:`tornado.ioloop.PeriodicCallback`, period ``blockflow.rebalancer.interval``) calls
-:meth:`Rebalancer.run_once`, which snapshots worker metrics and records what it sees.
+task transition) is O(1): it counts finished tasks per worker and buffers the task's compute
+time for the speed model. A control loop (:class:`tornado.ioloop.PeriodicCallback`, period
+``blockflow.rebalancer.interval``) calls :meth:`Rebalancer.run_once`: fold in the new
+durations, take a :class:`~blockflow.scheduling.policies.ClusterSnapshot`, ask the policy for
+decisions, apply them through :mod:`blockflow.scheduling.adapter`, and log each one.
 
 Clients read the plugin's state through one read-only scheduler handler,
 ``blockflow_status``; the plugin accepts no commands.
@@ -12,17 +14,29 @@ Clients read the plugin's state through one read-only scheduler handler,
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter, deque
 from typing import Any
 
+import dask.config
 from dask.utils import key_split, parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado.ioloop import PeriodicCallback
 
 from blockflow import config
 from blockflow.blockwise import KERNEL_PREFIX
-from blockflow.scheduling.metrics import read_metrics
+from blockflow.scheduling import adapter
+from blockflow.scheduling.metrics import clean_number, read_metrics
+from blockflow.scheduling.policies import (
+    ClusterSnapshot,
+    Decision,
+    MemoryPolicy,
+    WorkerView,
+    device_memory_amm_policy,
+    make_policy,
+)
+from blockflow.scheduling.speed import SpeedModel
 
 __all__ = ["POLICIES", "Rebalancer"]
 
@@ -32,21 +46,26 @@ POLICIES = ("dynamic", "memory", "static-round-robin", "static-capacity", "off")
 
 
 class Rebalancer(SchedulerPlugin):
-    """Scheduler plugin recording per-worker metrics, task counts and decisions.
+    """Scheduler plugin that places and moves tasks from GPU metrics and learned speed.
 
     Parameters
     ----------
     policy : str, optional
-        One of ``"dynamic"``, ``"memory"``, ``"static-round-robin"``, ``"static-capacity"``,
+        ``"dynamic"``, ``"memory"``, ``"static-round-robin"``, ``"static-capacity"`` or
         ``"off"``; default ``blockflow.cluster.policy``.
     interval : str or float, optional
-        Period of the control loop (``"500ms"`` or seconds); default
-        ``blockflow.rebalancer.interval``.
+        Period of the control loop (``"200ms"`` or seconds); default
+        ``blockflow.rebalancer.interval``. 0 disables the loop (call :meth:`run_once`).
 
     Raises
     ------
     ValueError
         If ``policy`` is not one of the names above.
+
+    Notes
+    -----
+    Register with ``client.register_plugin(Rebalancer())`` (what :func:`blockflow.connect`
+    does) or ``dask scheduler --preload blockflow.scheduling.preload``.
     """
 
     name = "blockflow-rebalancer"
@@ -58,74 +77,229 @@ class Rebalancer(SchedulerPlugin):
             raise ValueError(
                 f"Unknown blockflow policy {policy!r}; choose one of {', '.join(POLICIES)}."
             )
-        self.policy = policy
+        self.policy_name = policy
         self.interval = parse_timedelta(config.get("rebalancer.interval", interval))
+        self.decision_log_size = int(config.get("rebalancer.decision-log-size"))
+        self._init_state()
+
+    def _init_state(self) -> None:
+        # Called on the scheduler too: the plugin travels pickled, state starts fresh.
         self.scheduler = None
+        self.policy = None
         self.task_counts: Counter[str] = Counter()
         self.kernel_counts: Counter[str] = Counter()
-        self.snapshot: dict[str, dict[str, Any]] = {}
-        self.decisions: deque[dict[str, Any]] = deque(
-            maxlen=int(config.get("rebalancer.decision-log-size"))
-        )
+        self.speeds = SpeedModel()
+        self.paused: dict[str, str] = {}  # worker -> reason, for pauses this plugin made
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=self.decision_log_size)
+        self.snapshot_workers: dict[str, dict[str, Any]] = {}
         self.ticks = 0
+        self.moves_requested = 0
+        self._stealing = None
+
+    def __getstate__(self):
+        return {"policy_name": self.policy_name, "interval": self.interval,
+                "decision_log_size": self.decision_log_size}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._init_state()
+
+    @property
+    def policy_label(self) -> str:
+        return self.policy_name
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
+        adapter.check_scheduler(scheduler)
+        self.policy = make_policy(self.policy_name)
         scheduler.handlers["blockflow_status"] = self.status
-        pc = PeriodicCallback(self.run_once, self.interval * 1000)
-        scheduler.periodic_callbacks[self.name] = pc
-        pc.start()
+        if self.policy.replaces_work_stealing:
+            self._stealing = adapter.suspend_work_stealing(scheduler)
+        if isinstance(self.policy, MemoryPolicy):
+            adapter.add_amm_policy(scheduler, device_memory_amm_policy(
+                self.policy.memory_high, self.policy.memory_low, self.log_decision))
+        if self.interval > 0:
+            pc = PeriodicCallback(self.run_once, self.interval * 1000)
+            scheduler.periodic_callbacks[self.name] = pc
+            pc.start()
+
+    async def close(self) -> None:
+        pc = self.scheduler.periodic_callbacks.pop(self.name, None) if self.scheduler else None
+        if pc is not None:
+            pc.stop()
+        if self._stealing is not None:
+            self._stealing.restore()
 
     # --- hooks: keep them O(1) -----------------------------------------------------------
 
     def transition(self, key, start, finish, *args, stimulus_id=None, **kwargs) -> None:
-        if start == "processing" and finish == "memory":
-            worker = kwargs.get("worker")
-            if worker is None:
-                return
-            self.task_counts[worker] += 1
-            if key_split(key).startswith(KERNEL_PREFIX):
-                self.kernel_counts[worker] += 1
+        if start != "processing" or finish != "memory":
+            return
+        worker = kwargs.get("worker")
+        if worker is None:
+            return
+        self.task_counts[worker] += 1
+        group = key_split(key)
+        if group.startswith(KERNEL_PREFIX):
+            self.kernel_counts[worker] += 1
+        startstops = kwargs.get("startstops")
+        if startstops:
+            compute = 0.0
+            for ss in startstops:
+                if ss.get("action") == "compute":
+                    compute += ss["stop"] - ss["start"]
+            if compute > 0:
+                self.speeds.observe(worker, group, compute)
+
+    def update_graph(self, scheduler, *, keys=None, tasks=None, **kwargs) -> None:
+        if self.policy is None or not tasks:
+            return
+        decisions = self.policy.assign(scheduler, list(tasks), self._views())
+        for d in decisions:
+            self._log(d)
+
+    def add_worker(self, scheduler, worker) -> None:
+        self.log_decision("join", worker, "worker joined the cluster", {})
 
     def remove_worker(self, scheduler, worker, *, stimulus_id=None, **kwargs) -> None:
-        self.snapshot.pop(worker, None)
-        self.log_decision("forget", worker, "worker left the cluster", {})
+        self.snapshot_workers.pop(worker, None)
+        self.speeds.forget(worker)
+        was_paused = self.paused.pop(worker, None)
+        self.log_decision("forget", worker, "worker left the cluster"
+                          + (" (it was paused by blockflow)" if was_paused else ""), {})
 
     # --- control loop -----------------------------------------------------------------
 
-    def run_once(self) -> None:
-        """One tick of the control loop: snapshot every worker's metrics."""
-        if self.scheduler is None:
-            return
-        self.ticks += 1
-        snap = {}
-        for addr, ws in self.scheduler.workers.items():
-            m = read_metrics(ws.metrics)
-            snap[addr] = {
-                **m.to_dict(),
-                "nthreads": ws.nthreads,
-                "processing": len(ws.processing),
-                "status": ws.status.name,
-            }
-        self.snapshot = snap
+    def _views(self) -> dict[str, WorkerView]:
+        s = self.scheduler
+        stealing = s.extensions.get("stealing")
+        in_flight = getattr(stealing, "in_flight_occupancy", {}) if stealing else {}
+        pause_fraction = dask.config.get("distributed.worker.memory.pause")
+        views = {}
+        for addr, ws in s.workers.items():
+            limit = ws.memory_limit or 0
+            rss = clean_number((ws.metrics or {}).get("memory"))
+            views[addr] = WorkerView(
+                address=addr,
+                nthreads=ws.nthreads,
+                status=ws.status.name,
+                paused_by_blockflow=addr in self.paused,
+                metrics=read_metrics(ws.metrics),
+                speed=self.speeds.speed(addr),
+                processing=len(ws.processing),
+                executing=len(ws.executing),
+                occupancy=max(ws.occupancy + in_flight.get(ws, 0.0), 0.0),
+                host_memory_fraction=(rss / limit) if rss is not None and limit else None,
+                ws=ws,
+            )
+        self._host_pause_fraction = pause_fraction
+        return views
 
-    def log_decision(self, action: str, worker: str, reason: str, seen: dict) -> None:
+    def take_snapshot(self) -> ClusterSnapshot:
+        """The rebalancer's view of the cluster now (speeds updated first)."""
+        self.speeds.update()
+        return ClusterSnapshot(time=time.time(), workers=self._views(),
+                               queued=len(self.scheduler.queued), scheduler=self.scheduler)
+
+    def run_once(self) -> list[Decision]:
+        """One tick of the control loop; returns the decisions applied (for tests).
+
+        Deterministic given the scheduler's state and the observed durations.
+        """
+        if self.scheduler is None or self.policy is None:
+            return []
+        self.ticks += 1
+        snap = self.take_snapshot()
+        self._reapply_pauses(snap)
+        decisions = self.policy.decide(snap)
+        applied = []
+        for d in decisions:
+            if self._apply(d, snap):
+                applied.append(d)
+        self.snapshot_workers = {
+            a: {**w.metrics.to_dict(), "nthreads": w.nthreads, "status": w.status,
+                "paused_by_blockflow": a in self.paused, "speed": w.speed,
+                "processing": w.processing, "projected_finish": w.projected_finish}
+            for a, w in snap.workers.items()
+        }
+        return applied
+
+    def _reapply_pauses(self, snap: ClusterSnapshot) -> None:
+        # A worker's own status message can flip a scheduler-side pause back to running.
+        for addr in list(self.paused):
+            w = snap.workers.get(addr)
+            if w is None:
+                self.paused.pop(addr)
+            elif w.status == "running":
+                adapter.set_worker_status(self.scheduler, w.ws, True,
+                                          f"blockflow-repause-{time.time()}")
+                w.status = "paused"
+
+    def _apply(self, d: Decision, snap: ClusterSnapshot) -> bool:
+        w = snap.workers.get(d.worker)
+        if w is None:
+            return False
+        stimulus = f"blockflow-{d.action}-{time.time()}"
+        if d.action == "pause":
+            adapter.set_worker_status(self.scheduler, w.ws, True, stimulus)
+            self.paused[d.worker] = d.reason
+        elif d.action == "resume":
+            self.paused.pop(d.worker, None)
+            hm = w.host_memory_fraction
+            if hm is not None and hm >= (self._host_pause_fraction or math.inf):
+                # The worker is also over its own host-memory pause threshold: leave it
+                # paused and let the worker resume itself.
+                d = Decision("handover", d.worker, f"{d.reason}; stays paused: host memory "
+                             f"{hm:.0%} is over the worker's own pause threshold", d.seen)
+            else:
+                adapter.set_worker_status(self.scheduler, w.ws, False, stimulus)
+        elif d.action == "move":
+            thief = snap.workers.get(d.target)
+            if thief is None or not adapter.move_task(self.scheduler, d.ts, w.ws, thief.ws):
+                return False
+            self.moves_requested += 1
+        elif d.action == "keep":
+            last = self.decisions[-1] if self.decisions else None
+            if last and last["action"] == "keep" and last["worker"] == d.worker:
+                return False  # do not flood the log with the same non-decision
+        self._log(d)
+        return True
+
+    def _log(self, d: Decision) -> None:
+        self.log_decision(d.action, d.worker, d.reason, d.seen, key=d.key, target=d.target)
+
+    def log_decision(self, action: str, worker: str, reason: str, seen: dict,
+                     key: str | None = None, target: str | None = None) -> None:
         """Append a decision to the bounded log (time in seconds since the epoch)."""
-        self.decisions.append(
-            {"time": time.time(), "action": action, "worker": worker, "reason": reason,
-             "policy": self.policy, **{f"seen_{k}": v for k, v in seen.items()}}
-        )
+        self.decisions.append({
+            "time": time.time(), "policy": self.policy_name, "action": action,
+            "worker": worker, "target": target, "key": key, "reason": reason,
+            **{f"seen_{k}": v for k, v in seen.items()},
+        })
 
     # --- read-only handler ------------------------------------------------------------
 
-    def status(self, comm=None) -> dict[str, Any]:
-        """Plain-data view of the plugin's state, served as the ``blockflow_status`` handler."""
+    def status(self, comm=None, since: float | None = None) -> dict[str, Any]:
+        """Plain-data view of the plugin's state, served as the ``blockflow_status`` handler.
+
+        Parameters
+        ----------
+        since : float, optional
+            Only decisions logged after this time (seconds since the epoch).
+        """
+        decisions = list(self.decisions)
+        if since is not None:
+            decisions = [d for d in decisions if d["time"] > since]
         return {
-            "policy": self.policy,
+            "policy": self.policy_name,
             "interval": self.interval,
             "ticks": self.ticks,
+            "moves_requested": self.moves_requested,
             "task_counts": dict(self.task_counts),
             "kernel_counts": dict(self.kernel_counts),
-            "workers": self.snapshot,
-            "decisions": list(self.decisions),
+            "speeds": {a: self.speeds.speed(a) for a in self.scheduler.workers}
+            if self.scheduler else {},
+            "paused": dict(self.paused),
+            "workers": self.snapshot_workers,
+            "decisions": decisions,
         }

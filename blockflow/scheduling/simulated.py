@@ -41,7 +41,7 @@ from dask.sizeof import sizeof
 from dask.utils import parse_bytes, parse_timedelta
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from blockflow.scheduling.metrics import GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
+from blockflow.scheduling.metrics import CAPACITY_METRIC, GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
 
 __all__ = [
     "PLUGIN_NAME", "SimulatedDevice", "SimulatedDeviceBlock", "SimulatedGPU",
@@ -481,10 +481,13 @@ class SimulatedGPU(WorkerPlugin):
         worker.metrics[GPU_UTILIZATION] = lambda w: d.utilization()
         worker.metrics[GPU_MEMORY_USED] = lambda w: d.memory_used()
         worker.metrics[GPU_MEMORY_TOTAL] = lambda w: d.capacity
+        # Nominal capacity, as a device model's datasheet would give it: what the static
+        # policy "static-capacity" weighs workers by (never the live, learned speed).
+        worker.metrics[CAPACITY_METRIC] = lambda w: d.base_speed
 
     def teardown(self, worker) -> None:
         if self.device is not None:
-            for k in _METRIC_KEYS:
+            for k in (*_METRIC_KEYS, CAPACITY_METRIC):
                 worker.metrics.pop(k, None)
             self.device.worker = None
             self.device = None
