@@ -13,7 +13,7 @@ from blockflow.backends import (
     to_host,
 )
 from blockflow.blockwise import map_blocks
-from blockflow.cluster import connect, plugin_status, task_counts
+from blockflow.cluster import connect, decisions, plugin_status, task_counts
 from blockflow.errors import BlockflowWarning, BlockKernelError, EmptyCollectionError
 from blockflow.inventory import Inventory, inventory
 from blockflow.reduction import choose_split_every, tree_reduce
@@ -31,6 +31,7 @@ __all__ = [
     "choose_split_every",
     "connect",
     "dataframe_module",
+    "decisions",
     "inventory",
     "map_blocks",
     "plugin_status",

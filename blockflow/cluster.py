@@ -18,7 +18,7 @@ from blockflow import config
 from blockflow.backends import GPU_INSTALL_HINT, GPUUnavailableError, gpu_device_count, has_package
 from blockflow.scheduling.plugin import Rebalancer
 
-__all__ = ["connect", "gpu_status", "plugin_status", "task_counts"]
+__all__ = ["connect", "decisions", "gpu_status", "plugin_status", "task_counts"]
 
 logger = logging.getLogger(__name__)
 
@@ -166,14 +166,17 @@ def plugin_status(client: Client) -> dict[str, Any]:
         If the scheduler runs no blockflow plugin (connect with :func:`connect`, or start the
         scheduler with ``--preload blockflow.scheduling.preload``).
     """
-    # A scheduler without the plugin has no such handler: it logs the KeyError and answers None.
-    status = client.sync(client.scheduler.blockflow_status)
-    if not isinstance(status, dict):
+    if not client.run_on_scheduler(_has_plugin):  # spares the scheduler an unknown-op error
         raise RuntimeError(
             "The scheduler runs no blockflow plugin: connect with blockflow.connect(...) or "
             "start the scheduler with `dask scheduler --preload blockflow.scheduling.preload`."
         )
+    status = client.sync(client.scheduler.blockflow_status)
     return status
+
+
+def _has_plugin(dask_scheduler=None) -> bool:
+    return Rebalancer.name in dask_scheduler.plugins
 
 
 def task_counts(client: Client, *, kernels_only: bool = False) -> dict[str, int]:
@@ -192,3 +195,46 @@ def task_counts(client: Client, *, kernels_only: bool = False) -> dict[str, int]
     """
     status = plugin_status(client)
     return status["kernel_counts" if kernels_only else "task_counts"]
+
+
+DECISION_COLUMNS = ["time", "policy", "action", "worker", "target", "key", "reason"]
+
+
+def decisions(client: Client, since: float | None = None):
+    """The rebalancer's decision log as a pandas DataFrame, oldest first.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    since : float, optional
+        Only decisions after this time (seconds since the epoch, e.g. ``time.time()`` taken
+        before a computation).
+
+    Returns
+    -------
+    pandas.DataFrame
+        Columns ``time`` (UTC timestamp), ``policy``, ``action`` (``pause``, ``resume``,
+        ``move``, ``memory-move``, ``assign``, ``keep``, ``handover``, ``join``, ``forget``),
+        ``worker``, ``target`` (moves), ``key`` (moves), ``reason``, then ``seen_*`` columns
+        with the metrics the decision saw (GPU utilisation in percent, device-memory
+        fraction 0-1, learned speed, tasks processing, projected finish in seconds; None
+        where unknown). The log is bounded (``blockflow.rebalancer.decision-log-size``).
+
+    Raises
+    ------
+    RuntimeError
+        If the scheduler runs no blockflow plugin.
+    """
+    import pandas as pd
+
+    rows = plugin_status(client)["decisions"]
+    if since is not None:
+        rows = [r for r in rows if r["time"] > since]
+    df = pd.DataFrame(rows)
+    for c in DECISION_COLUMNS:
+        if c not in df:
+            df[c] = pd.Series(dtype="float64" if c == "time" else "object")
+    seen = sorted(c for c in df.columns if c.startswith("seen_"))
+    df = df[DECISION_COLUMNS + seen]
+    df["time"] = pd.to_datetime(df["time"], unit="s", utc=True)
+    return df.reset_index(drop=True)

@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-__all__ = ["CAPACITY_METRIC", "GPU_MEMORY_TOTAL", "GPU_MEMORY_USED", "GPU_UTILIZATION", "WorkerMetrics",
+__all__ = ["CAPACITY_METRIC", "OWN_UTILIZATION_METRIC", "GPU_MEMORY_TOTAL", "GPU_MEMORY_USED", "GPU_UTILIZATION", "WorkerMetrics",
            "clean_number", "read_metrics"]
 
 GPU_UTILIZATION = "gpu_utilization"
@@ -20,6 +20,9 @@ GPU_MEMORY_USED = "gpu_memory_used"
 GPU_MEMORY_TOTAL = "gpu-memory-total"
 #: Optional worker metric: nominal relative capacity of the worker's device (static-capacity).
 CAPACITY_METRIC = "blockflow-capacity"
+#: Optional worker metric: percent of GPU time spent on this worker's own kernels (NVML's
+#: per-process utilisation); lets the scheduler tell other tenants' load from its own.
+OWN_UTILIZATION_METRIC = "blockflow-gpu-own-utilization"
 
 
 def clean_number(value: Any, *, upper: float | None = None) -> float | None:
@@ -51,6 +54,9 @@ class WorkerMetrics:
     ----------
     gpu_utilization : float or None
         Percent 0-100.
+    own_utilization : float or None
+        Percent 0-100 of the device spent on this worker's own kernels, when the worker
+        reports it (``blockflow-gpu-own-utilization``).
     gpu_memory_used, gpu_memory_total : float or None
         Bytes of device memory.
     host_memory : float or None
@@ -61,6 +67,7 @@ class WorkerMetrics:
     gpu_memory_used: float | None
     gpu_memory_total: float | None
     host_memory: float | None
+    own_utilization: float | None = None
 
     @property
     def has_gpu(self) -> bool:
@@ -108,4 +115,6 @@ def read_metrics(metrics: Mapping[str, Any] | None) -> WorkerMetrics:
         gpu_memory_used=used,
         gpu_memory_total=total,
         host_memory=clean_number(metrics.get("memory")),
+        own_utilization=None if util is None else clean_number(
+            metrics.get(OWN_UTILIZATION_METRIC), upper=100.0),
     )

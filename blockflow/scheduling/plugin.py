@@ -27,7 +27,7 @@ from tornado.ioloop import PeriodicCallback
 from blockflow import config
 from blockflow.blockwise import KERNEL_PREFIX
 from blockflow.scheduling import adapter
-from blockflow.scheduling.metrics import clean_number, read_metrics
+from blockflow.scheduling.metrics import read_metrics
 from blockflow.scheduling.policies import (
     ClusterSnapshot,
     Decision,
@@ -178,18 +178,19 @@ class Rebalancer(SchedulerPlugin):
         views = {}
         for addr, ws in s.workers.items():
             limit = ws.memory_limit or 0
-            rss = clean_number((ws.metrics or {}).get("memory"))
+            m = read_metrics(ws.metrics)
             views[addr] = WorkerView(
                 address=addr,
                 nthreads=ws.nthreads,
                 status=ws.status.name,
                 paused_by_blockflow=addr in self.paused,
-                metrics=read_metrics(ws.metrics),
+                metrics=m,
                 speed=self.speeds.speed(addr),
                 processing=len(ws.processing),
                 executing=len(ws.executing),
                 occupancy=max(ws.occupancy + in_flight.get(ws, 0.0), 0.0),
-                host_memory_fraction=(rss / limit) if rss is not None and limit else None,
+                host_memory_fraction=(m.host_memory / limit)
+                if m.host_memory is not None and limit else None,
                 ws=ws,
             )
         self._host_pause_fraction = pause_fraction

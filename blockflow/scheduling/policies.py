@@ -93,14 +93,18 @@ class WorkerView:
     def others_utilization(self) -> float | None:
         """GPU utilisation (percent) taken by work other than this worker's own tasks.
 
-        Utilisation minus the share of threads busy with our tasks: exact when the worker is
-        idle, a lower bound while it is busy. None when utilisation is unknown.
+        Utilisation minus the worker's own share: measured when the worker reports
+        ``blockflow-gpu-own-utilization``; else, while it runs tasks, the share of its threads
+        executing (a lower bound of others' load); exact when it is idle. None when
+        utilisation is unknown.
         """
         util = self.metrics.gpu_utilization
         if util is None:
             return None
-        own = 100.0 * min(max(self.executing, 1 if self.processing else 0), self.nthreads) / max(
-            self.nthreads, 1)
+        own = self.metrics.own_utilization
+        if own is None:
+            busy = min(max(self.executing, 1 if self.processing else 0), self.nthreads)
+            own = 100.0 * busy / max(self.nthreads, 1)
         return max(util - own, 0.0)
 
     def seen(self) -> dict[str, Any]:
@@ -414,7 +418,8 @@ class StaticCapacityPolicy(StaticRoundRobinPolicy):
     name = "static-capacity"
 
     def weight(self, w: WorkerView) -> float:
-        cap = clean_number((w.ws.metrics or {}).get(CAPACITY_METRIC)) if w.ws is not None else None
+        metrics = getattr(w.ws, "metrics", None)
+        cap = clean_number(metrics.get(CAPACITY_METRIC)) if isinstance(metrics, dict) else None
         return float(cap) if cap else float(max(w.nthreads, 1))
 
 

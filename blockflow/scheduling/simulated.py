@@ -41,7 +41,7 @@ from dask.sizeof import sizeof
 from dask.utils import parse_bytes, parse_timedelta
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from blockflow.scheduling.metrics import CAPACITY_METRIC, GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
+from blockflow.scheduling.metrics import CAPACITY_METRIC, OWN_UTILIZATION_METRIC, GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
 
 __all__ = [
     "PLUGIN_NAME", "SimulatedDevice", "SimulatedDeviceBlock", "SimulatedGPU",
@@ -345,6 +345,11 @@ class SimulatedDevice:
     def utilization(self) -> float:
         """Percent 0-100: measured busy fraction over the last ``window`` seconds plus the
         tenant's share, capped at 100."""
+        return round(min(self.own_utilization() + self.tenant_now()[0], 100.0), 1)
+
+    def own_utilization(self) -> float:
+        """Percent 0-100 of the last ``window`` seconds the device spent on this worker's
+        kernels (NVML's per-process utilisation on a real GPU)."""
         now = time.monotonic()
         start = now - self.window
         with self._lock:
@@ -353,8 +358,7 @@ class SimulatedDevice:
             busy = sum(min(e, now) - max(s, start) for s, e in self._busy if e > start)
             if self._busy_since is not None:
                 busy += now - max(self._busy_since, start)
-        pct = 100.0 * busy / self.window if self.window > 0 else 0.0
-        return round(min(pct + self.tenant_now()[0], 100.0), 1)
+        return min(100.0 * busy / self.window if self.window > 0 else 0.0, 100.0)
 
     def describe(self) -> dict[str, Any]:
         """Identity for ``blockflow.inventory``: name, a stable ``SIM-`` UUID, ``simulated``."""
@@ -484,10 +488,11 @@ class SimulatedGPU(WorkerPlugin):
         # Nominal capacity, as a device model's datasheet would give it: what the static
         # policy "static-capacity" weighs workers by (never the live, learned speed).
         worker.metrics[CAPACITY_METRIC] = lambda w: d.base_speed
+        worker.metrics[OWN_UTILIZATION_METRIC] = lambda w: round(d.own_utilization(), 1)
 
     def teardown(self, worker) -> None:
         if self.device is not None:
-            for k in (*_METRIC_KEYS, CAPACITY_METRIC):
+            for k in (*_METRIC_KEYS, CAPACITY_METRIC, OWN_UTILIZATION_METRIC):
                 worker.metrics.pop(k, None)
             self.device.worker = None
             self.device = None

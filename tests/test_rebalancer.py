@@ -1,0 +1,251 @@
+"""The rebalancer's decisions on real schedulers and workers reporting simulated GPU metrics.
+
+Decision logic runs on ``gen_cluster`` with the control loop off (``interval=0``) and
+explicit ``run_once()`` calls, so every step is deterministic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from distributed import wait
+from distributed.core import Status
+from distributed.utils_test import gen_cluster, slowinc
+
+import blockflow
+from blockflow.scheduling import Rebalancer
+from blockflow.scheduling.adapter import check_scheduler
+from blockflow.scheduling.speed import SpeedModel
+from blockflow.testing import SimulatedDevice, Tenant, install_simulated_devices, set_tenant
+
+GiB = 2**30
+
+
+async def _plugin(c, s, policy="dynamic") -> Rebalancer:
+    await c.register_plugin(Rebalancer(policy=policy, interval=0))
+    return s.plugins["blockflow-rebalancer"]
+
+
+async def _heartbeats(c):
+    async def beat(dask_worker):
+        await dask_worker.heartbeat()
+
+    await c.run(beat)
+
+
+def _actions(decisions, action):
+    return [d for d in decisions if d.action == action]
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_hot_worker_gets_no_new_tasks(c, s, a, b, w):
+    await install_simulated_devices(c, {a.address: SimulatedDevice(tenant=Tenant(95, 0))},
+                                    default=SimulatedDevice())
+    plugin = await _plugin(c, s)
+    applied = plugin.run_once()
+    assert [(d.action, d.worker) for d in applied] == [("pause", a.address)]
+    assert "busy with other work" in applied[0].reason
+    assert s.workers[a.address].status == Status.paused
+    futs = c.map(slowinc, range(30), delay=0.01)
+    await wait(futs)
+    assert not any(a.address in {ws.address for ws in s.tasks[f.key].who_has} for f in futs)
+    assert a.state.executed_count == 0
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_queued_tasks_move_off_a_hot_worker_but_a_started_task_never_moves(c, s, a, b, w):
+    await install_simulated_devices(c, {}, default=SimulatedDevice())
+    plugin = await _plugin(c, s)
+    data = await c.scatter(list(range(12)), workers=[a.address])
+    futs = c.map(slowinc, data, delay=0.3)  # follow their data: all processing on a
+    while not a.state.executing_count:
+        await asyncio.sleep(0.01)
+    started = {k for k, ts in a.state.tasks.items() if ts.state == "executing"}
+    assert len(started) == 1
+    await c.run(set_tenant, Tenant(95, 0), workers=[a.address])
+    await _heartbeats(c)
+    applied = plugin.run_once()
+    assert [d.worker for d in _actions(applied, "pause")] == [a.address]
+    moves = _actions(applied, "move")
+    assert moves and all(d.worker == a.address and d.target != a.address for d in moves)
+    assert not started & {d.key for d in moves}
+    await wait(futs)
+    ran_on = {f.key: {ws.address for ws in s.tasks[f.key].who_has} for f in futs}
+    (key,) = started
+    assert a.address in ran_on[key]  # the started task finished where it started
+    moved_away = [k for k, ws in ran_on.items() if a.address not in ws]
+    assert len(moved_away) >= len(moves) - 1
+    assert await c.gather(futs) == [i + 1 for i in range(12)]
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_the_last_usable_worker_is_never_paused(c, s, a):
+    await install_simulated_devices(c, {a.address: SimulatedDevice(tenant=Tenant(99, 0))})
+    plugin = await _plugin(c, s)
+    applied = plugin.run_once()
+    assert [d.action for d in applied] == ["keep"]
+    assert "last usable worker" in applied[0].reason
+    assert s.workers[a.address].status == Status.running
+    assert plugin.run_once() == []  # the same non-decision is not logged twice
+    assert await c.submit(slowinc, 1, delay=0.01) == 2
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_pause_it_did_not_make_is_never_undone(c, s, a, b):
+    await install_simulated_devices(c, {}, default=SimulatedDevice())
+    plugin = await _plugin(c, s)
+    s.handle_worker_status_change(Status.paused, s.workers[a.address], stimulus_id="user")
+    for _ in range(3):
+        assert not plugin.run_once()
+    assert s.workers[a.address].status == Status.paused
+    assert a.address not in plugin.paused
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_pause_and_resume_follow_the_memory_hysteresis(c, s, a, b):
+    await install_simulated_devices(c, {}, default=SimulatedDevice(device_memory=GiB))
+    plugin = await _plugin(c, s)
+
+    async def tenant_memory(fraction):
+        await c.run(set_tenant, Tenant(0, int(fraction * GiB)), workers=[a.address])
+        await _heartbeats(c)
+        return [(d.action, d.worker) for d in plugin.run_once()]
+
+    assert await tenant_memory(0.80) == []  # below the 85 % high-water mark
+    assert await tenant_memory(0.90) == [("pause", a.address)]
+    assert await tenant_memory(0.80) == []  # between the marks: stays paused
+    assert s.workers[a.address].status == Status.paused
+    # the worker's own "running" status message cannot undo the pause
+    s.handle_worker_status_change(Status.running, s.workers[a.address], stimulus_id="worker")
+    assert await tenant_memory(0.80) == []
+    assert s.workers[a.address].status == Status.paused
+    assert await tenant_memory(0.60) == [("resume", a.address)]
+    assert s.workers[a.address].status == Status.running
+    df = blockflow.decisions.__wrapped__(c) if hasattr(blockflow.decisions, "__wrapped__") else None
+    log = [(d["action"], d["worker"]) for d in plugin.decisions if d["action"] != "join"]
+    assert log == [("pause", a.address), ("resume", a.address)]
+    assert plugin.decisions[-1]["seen_gpu_memory_fraction"] == pytest.approx(0.6, abs=0.01)
+    assert df is None
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_bad_metric_values_are_ignored(c, s, a, b, w):
+    plugin = await _plugin(c, s)
+    garbage = [
+        {"gpu_utilization": "hot", "gpu_memory_used": float("nan"), "gpu-memory-total": -1},
+        {"gpu_utilization": None, "gpu_memory_used": "lots", "gpu-memory-total": float("inf")},
+        {"gpu_utilization": float("nan"), "gpu_memory_used": -5, "gpu-memory-total": 2**30},
+        {"gpu_utilization": 1e9, "gpu_memory_used": 2**40, "gpu-memory-total": "16GB"},
+        {},
+    ]
+    for metrics in garbage:
+        for ws in s.workers.values():
+            ws.metrics = {**ws.metrics, **metrics}
+            if not metrics:
+                for k in ("gpu_utilization", "gpu_memory_used", "gpu-memory-total"):
+                    ws.metrics.pop(k, None)
+        applied = plugin.run_once()
+        assert _actions(applied, "pause") == []
+        snap = plugin.take_snapshot()
+        for view in snap.workers.values():
+            m = view.metrics
+            for v in (m.gpu_utilization, m.gpu_memory_used, m.gpu_memory_total):
+                assert v is None or (math.isfinite(v) and v >= 0)
+    ws = s.workers[a.address]
+    ws.metrics = "not even a dict"
+    plugin.run_once()
+    plugin.speeds.observe(a.address, "g", float("nan"))
+    plugin.speeds.observe(a.address, "g", -1.0)
+    plugin.run_once()
+    assert plugin.speeds.speed(a.address) == 1.0
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_memory_policy_moves_results_and_keeps_them_readable(c, s, a, b, w):
+    from blockflow.testing import simulated_kernel
+
+    await install_simulated_devices(c, {}, default=SimulatedDevice(device_memory=GiB))
+    plugin = await _plugin(c, s, policy="memory")
+    futs = [c.submit(simulated_kernel, i, work=0.0, output_bytes=100 * 2**20, pure=False,
+                     workers=[a.address]) for i in range(6)]
+    await wait(futs)
+    await c.run(set_tenant, Tenant(0, int(0.4 * GiB)), workers=[a.address])
+    await _heartbeats(c)
+    frac = s.workers[a.address].metrics["gpu_memory_used"] / GiB
+    assert frac >= 0.85
+    for _ in range(4):
+        await c.amm.run_once()
+        await asyncio.sleep(0.3)
+        await _heartbeats(c)
+    held_on_a = [f for f in futs if a.address in {ws.address for ws in s.tasks[f.key].who_has}]
+    assert len(held_on_a) < 6
+    assert any(d["action"] == "memory-move" for d in plugin.decisions)
+    assert [blk.payload for blk in await c.gather(futs)] == list(range(6))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 4)
+async def test_static_capacity_assigns_blocks_in_proportion_to_capacity(c, s, *workers):
+    import dask.array as da
+
+    speeds = [1, 1, 0.5, 0.25]
+    await install_simulated_devices(
+        c, {wk.address: SimulatedDevice(speed=sp) for wk, sp in zip(workers, speeds)})
+    plugin = await _plugin(c, s, policy="static-capacity")
+    x = blockflow.map_blocks(lambda blk: blk + 1, da.zeros(110, chunks=1), name="static")
+    y = c.persist(x)
+    await wait(y)
+    counts = [sum(1 for ts in s.tasks.values() if ts.key[0].startswith("blockflow-static")
+                  and wk.address in {w.address for w in ts.who_has}) for wk in workers]
+    assert counts == [40, 40, 20, 10]
+    assert {d["action"] for d in plugin.decisions} >= {"assign"}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_static_round_robin_assigns_blocks_in_turn(c, s, *workers):
+    import dask.array as da
+
+    await _plugin(c, s, policy="static-round-robin")
+    x = blockflow.map_blocks(lambda blk: blk + 1, da.zeros(30, chunks=1), name="rr")
+    y = c.persist(x)
+    await wait(y)
+    counts = [sum(1 for ts in s.tasks.values() if ts.key[0].startswith("blockflow-rr")
+                  and wk.address in {w.address for w in ts.who_has}) for wk in workers]
+    assert counts == [10, 10, 10]
+
+
+@gen_cluster(client=True)
+async def test_adapter_matches_this_distributed(c, s, a, b):
+    """Fails loudly if distributed changes an internal the rebalancer relies on."""
+    check_scheduler(s)
+    from blockflow.scheduling import adapter
+
+    ws = s.workers[a.address]
+    adapter.set_worker_status(s, ws, True, "test-pause")
+    assert ws.status == Status.paused and ws not in s.running
+    adapter.set_worker_status(s, ws, False, "test-resume")
+    assert ws.status == Status.running
+    data = await c.scatter(list(range(6)), workers=[a.address])
+    futs = c.map(slowinc, data, delay=0.2)
+    while len(s.workers[a.address].processing) < 6:
+        await asyncio.sleep(0.01)
+    last = max(s.workers[a.address].processing, key=lambda ts: ts.priority)
+    assert adapter.expected_duration(s, last) > 0
+    assert adapter.comm_cost(s, last, s.workers[b.address]) >= 0
+    assert adapter.valid_workers(s, last) is None
+    assert adapter.move_task(s, last, s.workers[a.address], s.workers[b.address])
+    await wait(futs)
+    assert b.address in {w.address for w in s.tasks[last.key].who_has}
+
+
+def test_speed_model_learns_relative_speed_with_a_prior():
+    m = SpeedModel()
+    assert m.speed("new") == 1.0
+    for _ in range(40):
+        m.observe("fast", "g", 0.05)
+        m.observe("slow", "g", 0.20)
+    m.update()
+    assert m.speed("slow") / m.speed("fast") == pytest.approx(0.25, rel=0.1)
+    m.forget("slow")
+    assert m.speed("slow") == 1.0 and m.observations("slow") == 0
