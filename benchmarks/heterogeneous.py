@@ -15,6 +15,7 @@ the plugin's overhead on trivial tasks.
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import time
@@ -23,7 +24,7 @@ from collections import Counter
 import dask
 import dask.array as da
 import numpy as np
-from distributed import wait
+from distributed import futures_of, wait
 
 import blockflow
 from blockflow.scheduling import Rebalancer
@@ -83,7 +84,8 @@ def run_cell(workload: str, config: str, n: int, block_s: float, speeds_het: lis
         tenants = {1: (0.0, int(0.9 * DEVICE_MEMORY))}
         working_set = int(0.3 * DEVICE_MEMORY)
     slow_at = (works.sum() / sum(speeds)) / 3 if workload == "slowdown" else None
-    with simulated_cluster(speeds=speeds, device_memory=DEVICE_MEMORY, tenants=tenants) as client:
+    with simulated_cluster(speeds=speeds, device_memory=DEVICE_MEMORY, tenants=tenants,
+                           silence_logs=logging.CRITICAL) as client:
         if config != "plain":
             client.register_plugin(Rebalancer(policy=config))
         addrs = sorted(client.scheduler_info()["workers"],
@@ -116,17 +118,18 @@ def run_cell(workload: str, config: str, n: int, block_s: float, speeds_het: lis
             timer.join()
         holders = Counter(ws[0] for ws in client.who_has(z).values() if ws)
         per_worker = [holders[a] for a in addrs]
-        blocks = z.compute()
-        expected = n * 2**17 * 0.5
-        got = sum(b.payload for b in blocks)
-        assert abs(got - expected) / expected < 0.05 or not workload.startswith("persisted"), got
+        failed = sum(f.status == "error" for f in futures_of(z))
+        if not failed:  # results must be right: real sums of the input blocks
+            got = sum(b.payload for b in z.compute())
+            expected = float(x.sum().compute()) if workload.startswith("persisted") else 0.0
+            assert abs(got - expected) <= 1e-6 * max(abs(expected), 1), (got, expected)
         stats = client.run(device_stats)
         ooms = sum((s or {}).get("oom_errors", 0) for s in stats.values())
         moves = 0
         if config != "plain":
             st = blockflow.plugin_status(client)
             moves = sum(1 for d in st["decisions"] if d["action"] == "move")
-    return {"makespan": makespan, "ideal": ideal_makespan(workload, works, speeds, slow_at),
+    return {"makespan": makespan, "failed": failed, "ideal": ideal_makespan(workload, works, speeds, slow_at),
             "per_worker": per_worker, "ooms": ooms, "moves": moves}
 
 
@@ -134,7 +137,7 @@ def overhead(n_tasks: int, reps: int) -> tuple[float, float, float]:
     """Median seconds for n trivial tasks without and with the plugin, and their ratio."""
     times = {"plain": [], "dynamic": []}
     for config in ("plain", "dynamic") * reps:
-        with simulated_cluster(speeds=[1, 1, 1, 1]) as client:
+        with simulated_cluster(speeds=[1, 1, 1, 1], silence_logs=logging.CRITICAL) as client:
             if config == "dynamic":
                 client.register_plugin(Rebalancer(policy="dynamic"))
             x = da.ones(n_tasks, chunks=1)
@@ -170,6 +173,7 @@ def main(argv=None) -> int:
                 r = run_cell(workload, config, args.blocks, args.block_ms / 1000, speeds, rep)
                 results.setdefault((workload, config), []).append(r)
                 print(f"# rep {rep} {workload:17s} {config:16s} {r['makespan']:.2f}s "
+                      f"{'FAILED ' + str(r['failed']) + ' blocks ' if r['failed'] else ''}"
                       f"ideal {r['ideal']:.2f}s tasks {r['per_worker']} oom {r['ooms']} "
                       f"moves {r['moves']}", file=sys.stderr, flush=True)
     print_table(results, workloads, configs, args)
@@ -187,10 +191,12 @@ def print_table(results, workloads, configs, args) -> None:
     def ratio_ideal(ws, c):
         return statistics.median(r["makespan"] / r["ideal"] for r in results[(ws, c)])
 
-    print(f"\n{args.blocks} blocks x {args.block_ms:g} ms at speed 1, speeds {args.speeds}, "
+    print("\nfailed: blocks that still erred after 20 retries (makespan then = time to give up)")
+    print(f"{args.blocks} blocks x {args.block_ms:g} ms at speed 1, speeds {args.speeds}, "
           f"{args.reps} repetitions, fresh cluster per cell")
     head = (f"{'workload':17s} {'config':16s} {'makespan s (min-max)':22s} {'/ideal':>7s} "
-            f"{'/plain':>7s} {'penalty':>8s} {'OOM':>4s} {'moves':>6s}  tasks per worker")
+            f"{'/plain':>7s} {'penalty':>8s} {'OOM':>4s} {'failed':>6s} {'moves':>6s}  "
+            f"tasks per worker")
     print(head)
     print("-" * len(head))
     for ws in workloads:
@@ -206,6 +212,7 @@ def print_table(results, workloads, configs, args) -> None:
             print(f"{ws:17s} {c:16s} {statistics.median(mk):6.2f} ({min(mk):.2f}-{max(mk):.2f})"
                   f"{'':4s} {ratio_ideal(ws, c):7.2f} {vs_plain} {pen} "
                   f"{statistics.median(r['ooms'] for r in rs):4.0f} "
+                  f"{statistics.median(r['failed'] for r in rs):6.0f} "
                   f"{statistics.median(r['moves'] for r in rs):6.0f}  {tasks}")
 
 

@@ -118,6 +118,8 @@ class Rebalancer(SchedulerPlugin):
         if isinstance(self.policy, MemoryPolicy):
             adapter.add_amm_policy(scheduler, device_memory_amm_policy(
                 self.policy.memory_high, self.policy.memory_low, self.log_decision))
+        # A first tick now, so hot or full workers are paused before the first graph lands.
+        self.run_once()
         if self.interval > 0:
             pc = PeriodicCallback(self.run_once, self.interval * 1000)
             scheduler.periodic_callbacks[self.name] = pc
