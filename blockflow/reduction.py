@@ -245,11 +245,12 @@ def tree_reduce(
             if any(0 in c for c in collection.chunks):  # zero-size blocks would look like meta
                 collection = collection.rechunk(
                     tuple(tuple(s for s in c if s) or (0,) for c in collection.chunks))
-        return da.reduction(
+        out = da.reduction(
             collection, chunk, aggregate, combine=combine, axis=axis, keepdims=keepdims,
             dtype=dtype, split_every=fan_in,
             name=token, concatenate=concatenate, meta=meta,
         )
+        return TreeReducedArray(out.dask, out.name, out.chunks, meta=out._meta)
     if isinstance(collection, (dd.DataFrame, dd.Series)):
         nbytes = block_bytes or parse_bytes(config.get("reduction.dataframe-block-bytes"))
         fan_in = _resolve_split_every(split_every, nbytes, f"a dataframe of "
@@ -265,6 +266,50 @@ def tree_reduce(
             dtype=dtype, meta=meta, concatenate=concatenate, block_bytes=block_bytes, name=name,
         )
     raise not_a_collection("blockflow.tree_reduce", "the collection", collection)
+
+
+def optimize_without_aliases(dsk, keys, **kwargs):
+    """Dask's array optimisation, then fused tasks take over the keys of their aliases.
+
+    Dask's linear fusion merges a block's producer (e.g. a generator or a blockwise kernel)
+    into the reduction's first step under a new key and leaves an ``Alias`` task at the old
+    key for the tree to depend on: two tasks per block, the alias costing a scheduler round
+    trip and a worker slot. Here each alias whose target has no other dependent is replaced
+    by the target itself, renamed: one task per block, then the tree. A blockflow heuristic
+    on top of :func:`dask.array.optimization.optimize`.
+    """
+    from dask._task_spec import Alias
+    from dask.array.optimization import optimize
+
+    dsk = dict(optimize(dsk, keys, **kwargs))
+    dependents: dict = {}
+    for node in dsk.values():
+        for dep in getattr(node, "dependencies", ()):
+            dependents[dep] = dependents.get(dep, 0) + 1
+    keep = set(flatten_keys(keys))
+    for key, node in list(dsk.items()):
+        if not isinstance(node, Alias) or node.target == key:
+            continue
+        target = dsk.get(node.target)
+        if target is None or dependents.get(node.target, 0) != 1 or node.target in keep:
+            continue
+        dsk[key] = target.substitute({}, key=key)
+        del dsk[node.target]
+    return dsk
+
+
+def flatten_keys(keys):
+    from dask.core import flatten
+
+    return flatten(keys) if isinstance(keys, list) else [keys]
+
+
+class TreeReducedArray(da.Array):
+    """The dask array :func:`tree_reduce` returns: a plain ``dask.array.Array`` whose graph
+    optimisation also removes fusion aliases (see :func:`optimize_without_aliases`).
+    Operations on it return ordinary dask arrays."""
+
+    __dask_optimize__ = staticmethod(optimize_without_aliases)
 
 
 class _MetaSafeChunk:

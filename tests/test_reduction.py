@@ -22,6 +22,7 @@ from distributed import Client, Scheduler, SpecCluster, Worker, WorkerPlugin
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import blockflow
 from blockflow import EmptyCollectionError, choose_split_every, tree_reduce
 from blockflow.reduction import smallest_worker_memory
 
@@ -449,3 +450,20 @@ def test_xarray_bad_input():
         "blockflow.tree_reduce: the collection is a xarray.DataArray, not a Dask collection; "
         "chunk it with obj.chunk(...) so that it is backed by dask."
     )
+
+
+def test_kernel_then_tree_reduce_is_one_task_per_block_plus_the_tree(client):
+    """Dask fuses a block's producer into the reduction's first step and leaves an alias task
+    per block; tree_reduce's graph has none: blocks + tree, no more."""
+    from dask._task_spec import Alias
+
+    x = da.random.default_rng(0).random(2560, chunks=10)  # 256 blocks
+    y = blockflow.map_blocks(lambda b: b * 2, x)
+    out = tree_reduce(y, np.sum, split_every=8)
+    (opt,) = dask.optimize(out)
+    graph = dict(opt.__dask_graph__())
+    assert not any(isinstance(t, Alias) for t in graph.values())
+    assert len(graph) == 256 + 32 + 4 + 1  # blocks, two partial levels, the aggregate
+    (plain,) = dask.optimize(y.sum(split_every=8))
+    assert len(dict(plain.__dask_graph__())) > 2 * 256  # what plain Dask builds
+    assert client.compute(out).result() == pytest.approx(2 * x.sum().compute())
