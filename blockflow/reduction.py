@@ -261,6 +261,11 @@ def tree_reduce(
             **kwargs,
         )
     if type(collection).__module__.split(".")[0] == "xarray":
+        if axis is not None or keepdims:
+            raise TypeError(
+                "blockflow.tree_reduce: for xarray objects name the dimensions with dim=... "
+                "(axis= and keepdims= apply to dask arrays only)."
+            )
         return _tree_reduce_xarray(
             collection, chunk, combine, aggregate, split_every=split_every, dim=dim,
             dtype=dtype, meta=meta, concatenate=concatenate, block_bytes=block_bytes, name=name,

@@ -467,3 +467,13 @@ def test_kernel_then_tree_reduce_is_one_task_per_block_plus_the_tree(client):
     (plain,) = dask.optimize(y.sum(split_every=8))
     assert len(dict(plain.__dask_graph__())) > 2 * 256  # what plain Dask builds
     assert client.compute(out).result() == pytest.approx(2 * x.sum().compute())
+
+
+def test_xarray_reduction_refuses_axis_and_keepdims():
+    arr = xr.DataArray(da.ones((4, 6), chunks=2), dims=("t", "x"))
+    for kwargs in ({"axis": 0}, {"keepdims": True}):
+        with pytest.raises(TypeError) as e:
+            tree_reduce(arr, np.sum, **kwargs)
+        assert str(e.value) == (
+            "blockflow.tree_reduce: for xarray objects name the dimensions with dim=... "
+            "(axis= and keepdims= apply to dask arrays only).")
