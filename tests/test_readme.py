@@ -1,0 +1,37 @@
+"""The README's library example runs as written."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _python_blocks() -> list[str]:
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+
+
+def test_readme_starts_with_the_two_commands():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    first = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1).strip().splitlines()
+    assert len(first) == 2
+    assert "blockflow run flights" in first[0] and "pip install" in first[0]
+    assert "pytest" in first[1] and "pip install" in first[1]
+
+
+def test_library_example_runs(tmp_path):
+    example = _python_blocks()[0]
+    assert "blockflow.connect()" in example
+    env = dict(os.environ, DASK_BLOCKFLOW__CLUSTER__DASHBOARD_ADDRESS=":0",
+               DASK_BLOCKFLOW__CLUSTER__N_WORKERS="2")
+    out = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "<blockflow.Inventory: 2 workers" in out.stdout
+    numbers = re.findall(r"-?\d+\.\d+", out.stdout.splitlines()[-1])
+    assert len(numbers) == 5
