@@ -147,8 +147,11 @@ def _start_local_cluster(use_gpu: bool, **kwargs) -> LocalCluster:
 
 
 def _register_plugin(client: Client, plugin: Rebalancer) -> None:
+    from blockflow.dashboard.plugin import DashboardPlugin
+
     try:
         client.register_plugin(plugin)
+        client.register_plugin(DashboardPlugin())
     except (ModuleNotFoundError, ImportError) as e:
         raise RuntimeError(
             f"blockflow.connect: the scheduler at {client.scheduler.address} cannot load "

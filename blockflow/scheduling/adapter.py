@@ -162,3 +162,63 @@ def add_amm_policy(scheduler, policy: Any) -> bool:
         return False
     amm.add_policy(policy)
     return True
+
+
+# --- dashboard (used by blockflow.dashboard) ------------------------------------------------
+
+
+def http_prefix(scheduler) -> str:
+    """The scheduler's HTTP prefix (``"/"`` or ``"/prefix/"``), read off its Bokeh app."""
+    app = getattr(scheduler, "http_application", None)
+    for sub in getattr(app, "applications", ()):
+        prefix = getattr(sub, "prefix", None)
+        if isinstance(prefix, str) and "bokeh" in type(sub).__module__ + type(sub).__name__.lower():
+            return "/" + prefix.strip("/") + "/" if prefix.strip("/") else "/"
+    return "/"
+
+
+def add_http_routes(scheduler, routes) -> bool:
+    """Serve ``routes`` (``[(path, handler, kwargs)]``) from the scheduler's HTTP server.
+
+    Handlers get the scheduler as ``dask_server``, as distributed's own route modules do.
+    False when the scheduler runs no HTTP server.
+    """
+    app = getattr(scheduler, "http_application", None)
+    if app is None:
+        return False
+    prefix = http_prefix(scheduler)
+    app.add_handlers(r".*", [(prefix + path.lstrip("/"), cls, {"dask_server": scheduler, **kw})
+                             for path, cls, kw in routes])
+    return True
+
+
+def add_dashboard_page(scheduler, path: str, doc_fn, menu_name: str) -> bool:
+    """Serve a Bokeh page ``doc_fn(scheduler, extra, doc)`` at ``path`` and list it in the
+    dashboard's "More..." menu. False when the scheduler has no Bokeh dashboard.
+
+    The dashboard builds its page table and menu once, when the scheduler starts, so a page
+    added later gets a Bokeh application of its own on the scheduler's HTTP server, and its
+    menu entry is appended to the (memoised) template variables every page renders from.
+    """
+    app = getattr(scheduler, "http_application", None)
+    try:
+        from distributed.dashboard import scheduler as dashboard
+        from distributed.dashboard.core import BokehApplication
+    except ImportError:  # no bokeh
+        return False
+    if app is None or not any("bokeh" in type(a).__name__.lower() for a in app.applications):
+        return False
+    prefix = http_prefix(scheduler)
+    variables = dashboard.template_variables(scheduler)
+    entry = {"url": path.strip("/"), "name": menu_name}
+    if entry not in variables["plots"]:
+        variables["plots"].append(entry)
+    if path in dashboard.applications:  # served by the dashboard's own Bokeh app already
+        return True
+    from tornado.ioloop import IOLoop
+
+    bokeh_app = BokehApplication({path: doc_fn}, scheduler, prefix=prefix,
+                                 template_variables=variables)
+    app.add_application(bokeh_app)
+    bokeh_app.initialize(IOLoop.current())  # as distributed's own dashboard does
+    return True

@@ -88,6 +88,8 @@ class Rebalancer(SchedulerPlugin):
         self.policy = None
         self.task_counts: Counter[str] = Counter()
         self.kernel_counts: Counter[str] = Counter()
+        self.run_counts: Counter[str] = Counter()  # tasks per worker, current computation
+        self.run_started: float | None = None
         self.speeds = SpeedModel()
         self.paused: dict[str, str] = {}  # worker -> reason, for pauses this plugin made
         self.decisions: deque[dict[str, Any]] = deque(maxlen=self.decision_log_size)
@@ -141,6 +143,7 @@ class Rebalancer(SchedulerPlugin):
         if worker is None:
             return
         self.task_counts[worker] += 1
+        self.run_counts[worker] += 1
         group = key_split(key)
         if group.startswith(KERNEL_PREFIX):
             self.kernel_counts[worker] += 1
@@ -154,6 +157,10 @@ class Rebalancer(SchedulerPlugin):
                 self.speeds.observe(worker, group, compute)
 
     def update_graph(self, scheduler, *, keys=None, tasks=None, **kwargs) -> None:
+        if not any(ws.processing for ws in scheduler.workers.values()):
+            # a new computation on an idle cluster: restart the per-run counts
+            self.run_counts.clear()
+            self.run_started = time.time()
         if self.policy is None or not tasks:
             return
         decisions = self.policy.assign(scheduler, list(tasks), self._views())
@@ -300,6 +307,8 @@ class Rebalancer(SchedulerPlugin):
             "moves_requested": self.moves_requested,
             "task_counts": dict(self.task_counts),
             "kernel_counts": dict(self.kernel_counts),
+            "run_counts": dict(self.run_counts),
+            "run_started": self.run_started,
             "speeds": {a: self.speeds.speed(a) for a in self.scheduler.workers}
             if self.scheduler else {},
             "paused": dict(self.paused),

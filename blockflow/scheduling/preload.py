@@ -16,4 +16,7 @@ from blockflow.scheduling.plugin import POLICIES, Rebalancer
 @click.option("--blockflow-policy", type=click.Choice(POLICIES), default=None,
               help="Scheduling policy (default: blockflow.cluster.policy).")
 def dask_setup(scheduler, blockflow_policy=None):
+    from blockflow.dashboard.plugin import DashboardPlugin
+
     scheduler.add_plugin(Rebalancer(policy=blockflow_policy))
+    scheduler.add_plugin(DashboardPlugin())

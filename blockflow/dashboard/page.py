@@ -1,0 +1,129 @@
+"""The ``/blockflow`` dashboard page: workers, rebalancer decisions, tasks per worker (Bokeh).
+
+Updates every 500 ms through a periodic callback that holds the component only weakly
+(distributed's ``add_periodic_callback``), so a closed browser tab leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import time
+
+from bokeh.layouts import column, row
+from bokeh.models import (
+    ColumnDataSource,
+    DataTable,
+    Div,
+    FactorRange,
+    HoverTool,
+    TableColumn,
+)
+from bokeh.plotting import figure
+from dask.utils import format_bytes
+
+from blockflow.dashboard.state import dashboard_state
+
+__all__ = ["BlockflowPage", "blockflow_doc"]
+
+ACTIONS = ["pause", "resume", "move", "memory-move", "assign", "keep", "handover", "join",
+           "forget"]
+WORKER_COLUMNS = [
+    ("worker", "Worker"), ("device", "Device"), ("gpu_util", "GPU util"),
+    ("device_memory", "Device memory used / total"), ("queued", "Queued"),
+    ("processing", "Processing"), ("speed", "Learned speed"),
+    ("paused", "Paused by blockflow"), ("tasks_run", "Tasks (this run)"),
+]
+DECISION_COLUMNS = [("when", "Time"), ("action", "Action"), ("worker", "Worker"),
+                    ("target", "Target"), ("reason", "Reason")]
+
+
+def _na(value, fmt) -> str:
+    return "n/a" if value is None else fmt(value)
+
+
+class BlockflowPage:
+    """Bokeh component of the page; :meth:`update` refreshes it from the scheduler."""
+
+    def __init__(self, scheduler, **kwargs):
+        self.scheduler = scheduler
+        self.header = Div(text="", sizing_mode="stretch_width")
+        self.workers = ColumnDataSource({k: [] for k, _ in WORKER_COLUMNS})
+        self.worker_table = DataTable(
+            source=self.workers, columns=[TableColumn(field=k, title=t)
+                                          for k, t in WORKER_COLUMNS],
+            index_position=None, sizing_mode="stretch_width", height=180,
+            name="blockflow-workers")
+        self.decisions = ColumnDataSource(
+            {k: [] for k in ("time", "action", "worker", "target", "reason", "when")})
+        self.decision_table = DataTable(
+            source=self.decisions, columns=[TableColumn(field=k, title=t)
+                                            for k, t in DECISION_COLUMNS],
+            index_position=None, sizing_mode="stretch_width", height=220,
+            name="blockflow-decisions")
+        self.timeline = figure(
+            title="Rebalancer decisions (time, s ago)", height=220,
+            y_range=FactorRange(*ACTIONS), sizing_mode="stretch_width",
+            tools="xpan,xwheel_zoom,reset", name="blockflow-timeline")
+        self.timeline.scatter("ago", "action", source=self.decisions, size=9, alpha=0.7)
+        self.timeline.add_tools(HoverTool(tooltips=[("action", "@action"), ("worker", "@worker"),
+                                                    ("reason", "@reason")]))
+        self.counts = ColumnDataSource({"worker": [], "tasks": []})
+        self.count_fig = figure(title="Tasks per worker, current computation", height=220,
+                                x_range=FactorRange(), sizing_mode="stretch_width",
+                                tools="", name="blockflow-task-counts")
+        self.count_fig.vbar(x="worker", top="tasks", width=0.8, source=self.counts)
+        self.count_fig.xaxis.major_label_orientation = 0.6
+        self.root = column(self.header, self.worker_table, row(self.timeline, self.count_fig,
+                                                               sizing_mode="stretch_width"),
+                           self.decision_table, sizing_mode="stretch_width", **kwargs)
+
+    def update(self) -> None:
+        state = dashboard_state(self.scheduler, max_decisions=200)
+        now = state["time"]
+        policy = state["policy"] or "not installed"
+        self.header.text = (f"<h3>blockflow</h3><p>policy: <b>{policy}</b> &middot; "
+                            f"{len(state['workers'])} workers &middot; "
+                            f"{len(state['decisions'])} recent decisions</p>")
+        ws = state["workers"]
+        self.workers.data = {
+            "worker": [w["address"] for w in ws],
+            "device": [w["device"] for w in ws],
+            "gpu_util": [_na(w["gpu_utilization"], lambda v: f"{v:.0f}%") for w in ws],
+            "device_memory": [
+                "n/a" if w["gpu_memory_total"] is None else
+                f"{_na(w['gpu_memory_used'], format_bytes)} / {format_bytes(w['gpu_memory_total'])}"
+                for w in ws],
+            "queued": [w["queued"] for w in ws],
+            "processing": [w["processing"] for w in ws],
+            "speed": [_na(w["speed"], lambda v: f"{v:.2f}") for w in ws],
+            "paused": [("yes: " + (w["paused_reason"] or "")) if w["paused_by_blockflow"]
+                       else "no" for w in ws],
+            "tasks_run": [w["tasks_run"] for w in ws],
+        }
+        ds = state["decisions"][::-1]  # newest first in the table
+        self.decisions.data = {
+            "time": [d["time"] for d in ds],
+            "ago": [-(now - d["time"]) for d in ds],
+            "when": [time.strftime("%H:%M:%S", time.localtime(d["time"])) for d in ds],
+            "action": [d["action"] if d["action"] in ACTIONS else "keep" for d in ds],
+            "worker": [d["worker"] for d in ds],
+            "target": [d.get("target") or "" for d in ds],
+            "reason": [d["reason"] for d in ds],
+        }
+        names = [w["address"] for w in ws]
+        self.count_fig.x_range.factors = names
+        self.counts.data = {"worker": names, "tasks": [w["tasks_run"] for w in ws]}
+
+
+def blockflow_doc(scheduler, extra, doc):
+    """Bokeh document function of the ``/blockflow`` page (``(scheduler, extra, doc)``)."""
+    from distributed.dashboard.components import add_periodic_callback
+    from distributed.dashboard.components.scheduler import BOKEH_THEME, env
+
+    page = BlockflowPage(scheduler)
+    page.update()
+    add_periodic_callback(doc, page, 500)
+    doc.title = "Dask: blockflow"
+    doc.add_root(page.root)
+    doc.template = env.get_template("simple.html")
+    doc.template_variables.update(extra)
+    doc.theme = BOKEH_THEME

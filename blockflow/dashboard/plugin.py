@@ -1,0 +1,35 @@
+"""The scheduler plugin that installs blockflow's dashboard page and JSON routes."""
+
+from __future__ import annotations
+
+import logging
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from blockflow.scheduling import adapter
+
+__all__ = ["DashboardPlugin"]
+
+logger = logging.getLogger(__name__)
+
+PAGE_PATH = "/blockflow"
+
+
+class DashboardPlugin(SchedulerPlugin):
+    """Serve ``/blockflow`` (live Bokeh page, in the dashboard's "More..." menu),
+    ``/blockflow/status.json`` and ``/blockflow/decisions.json`` from the scheduler.
+
+    Works with an ``http_prefix``; does nothing on a scheduler without an HTTP server or
+    Bokeh. The routes are read-only.
+    """
+
+    name = "blockflow-dashboard"
+    idempotent = True
+
+    async def start(self, scheduler) -> None:
+        from blockflow.dashboard.page import blockflow_doc
+        from blockflow.dashboard.routes import routes
+
+        if adapter.add_http_routes(scheduler, routes):
+            if not adapter.add_dashboard_page(scheduler, PAGE_PATH, blockflow_doc, "blockflow"):
+                logger.info("blockflow: no Bokeh dashboard on this scheduler; JSON routes only")

@@ -1,0 +1,55 @@
+"""Read-only JSON routes: ``/blockflow/status.json`` and ``/blockflow/decisions.json``.
+
+For scripts and Prometheus-style scrapers. Only GET is served; no route changes anything.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tornado import web
+
+from blockflow.dashboard.state import dashboard_state
+
+__all__ = ["DecisionsHandler", "StatusHandler", "routes"]
+
+
+class _JSONHandler(web.RequestHandler):
+    def initialize(self, dask_server=None, extra=None):
+        self.server = dask_server
+
+    def _write(self, data) -> None:
+        self.set_header("Content-Type", "application/json")
+        self.write(json.dumps(data, default=str))
+
+
+class StatusHandler(_JSONHandler):
+    """``GET /blockflow/status.json``: policy, one entry per worker, decision count."""
+
+    def get(self):
+        state = dashboard_state(self.server, max_decisions=0)
+        state["n_decisions"] = len(getattr(
+            self.server.plugins.get("blockflow-rebalancer"), "decisions", ()))
+        del state["decisions"]
+        self._write(state)
+
+
+class DecisionsHandler(_JSONHandler):
+    """``GET /blockflow/decisions.json[?since=<epoch seconds>&limit=N]``: the decision log."""
+
+    def get(self):
+        try:
+            since = float(self.get_argument("since")) if self.get_argument("since", None) else None
+            limit = int(self.get_argument("limit", "1000"))
+        except ValueError:
+            raise web.HTTPError(400, "since must be seconds since the epoch, limit an int")
+        state = dashboard_state(self.server, since=since, max_decisions=max(limit, 0))
+        self._write({"time": state["time"], "policy": state["policy"],
+                     "decisions": state["decisions"]})
+
+
+#: For ``distributed.scheduler.http.routes``-style registration.
+routes = [
+    ("blockflow/status.json", StatusHandler, {}),
+    ("blockflow/decisions.json", DecisionsHandler, {}),
+]
