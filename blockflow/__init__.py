@@ -17,6 +17,7 @@ from blockflow.cluster import connect, decisions, plugin_status, task_counts
 from blockflow.errors import BlockflowWarning, BlockKernelError, EmptyCollectionError
 from blockflow.inventory import Inventory, inventory
 from blockflow.reduction import choose_split_every, tree_reduce
+from blockflow.report import RunReport, run_report
 from blockflow import scheduling
 
 __version__ = "0.1.0"
@@ -27,6 +28,7 @@ __all__ = [
     "EmptyCollectionError",
     "GPUUnavailableError",
     "Inventory",
+    "RunReport",
     "array_module",
     "choose_split_every",
     "connect",
@@ -35,6 +37,7 @@ __all__ = [
     "inventory",
     "map_blocks",
     "plugin_status",
+    "run_report",
     "task_counts",
     "to_device",
     "to_host",

@@ -160,8 +160,21 @@ def _register_plugin(client: Client, plugin: Rebalancer) -> None:
         ) from e
 
 
-def plugin_status(client: Client) -> dict[str, Any]:
+def plugin_status(client: Client, **kwargs: Any) -> dict[str, Any]:
     """State of blockflow's scheduler plugin: policy, task counts, worker snapshot, decisions.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    **kwargs
+        ``since`` (seconds since the epoch) and ``task_log`` (bool), passed to
+        :meth:`blockflow.scheduling.Rebalancer.status`.
+
+    Returns
+    -------
+    dict
+        Plain data: ``policy``, ``ticks``, ``task_counts``, ``kernel_counts``, ``run_counts``,
+        ``speeds``, ``paused``, ``workers``, ``memory_peak`` (bytes), ``decisions``.
 
     Raises
     ------
@@ -174,7 +187,7 @@ def plugin_status(client: Client) -> dict[str, Any]:
             "The scheduler runs no blockflow plugin: connect with blockflow.connect(...) or "
             "start the scheduler with `dask scheduler --preload blockflow.scheduling.preload`."
         )
-    status = client.sync(client.scheduler.blockflow_status)
+    status = client.sync(client.scheduler.blockflow_status, **kwargs)
     return status
 
 

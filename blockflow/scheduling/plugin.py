@@ -90,6 +90,9 @@ class Rebalancer(SchedulerPlugin):
         self.kernel_counts: Counter[str] = Counter()
         self.run_counts: Counter[str] = Counter()  # tasks per worker, current computation
         self.run_started: float | None = None
+        # (worker, start, stop) of finished tasks, for run reports; bounded
+        self.task_log: deque[tuple[str, float, float]] = deque(maxlen=100_000)
+        self.memory_peak: dict[str, float] = {}  # worker -> device bytes, highest seen
         self.speeds = SpeedModel()
         self.paused: dict[str, str] = {}  # worker -> reason, for pauses this plugin made
         self.decisions: deque[dict[str, Any]] = deque(maxlen=self.decision_log_size)
@@ -153,6 +156,7 @@ class Rebalancer(SchedulerPlugin):
             for ss in startstops:
                 if ss.get("action") == "compute":
                     compute += ss["stop"] - ss["start"]
+                    self.task_log.append((worker, ss["start"], ss["stop"]))
             if compute > 0:
                 self.speeds.observe(worker, group, compute)
 
@@ -226,6 +230,10 @@ class Rebalancer(SchedulerPlugin):
         for d in decisions:
             if self._apply(d, snap):
                 applied.append(d)
+        for a, w in snap.workers.items():
+            used = w.metrics.gpu_memory_used
+            if used is not None and used > self.memory_peak.get(a, -1.0):
+                self.memory_peak[a] = used
         self.snapshot_workers = {
             a: {**w.metrics.to_dict(), "nthreads": w.nthreads, "status": w.status,
                 "paused_by_blockflow": a in self.paused, "speed": w.speed,
@@ -289,17 +297,23 @@ class Rebalancer(SchedulerPlugin):
 
     # --- read-only handler ------------------------------------------------------------
 
-    def status(self, comm=None, since: float | None = None) -> dict[str, Any]:
+    def status(self, comm=None, since: float | None = None,
+               task_log: bool = False) -> dict[str, Any]:
         """Plain-data view of the plugin's state, served as the ``blockflow_status`` handler.
 
         Parameters
         ----------
         since : float, optional
-            Only decisions logged after this time (seconds since the epoch).
+            Only decisions (and task-log entries) after this time (seconds since the epoch).
+        task_log : bool, default False
+            Include ``(worker, start, stop)`` of finished tasks (for run reports).
         """
         decisions = list(self.decisions)
         if since is not None:
             decisions = [d for d in decisions if d["time"] > since]
+        extra = {}
+        if task_log:
+            extra["task_log"] = [t for t in self.task_log if since is None or t[2] > since]
         return {
             "policy": self.policy_name,
             "interval": self.interval,
@@ -313,5 +327,7 @@ class Rebalancer(SchedulerPlugin):
             if self.scheduler else {},
             "paused": dict(self.paused),
             "workers": self.snapshot_workers,
+            "memory_peak": dict(self.memory_peak),
             "decisions": decisions,
+            **extra,
         }

@@ -301,10 +301,12 @@ class DynamicPolicy(RebalancePolicy):
             if not gain > max(self.min_gain, 0.1 * d / rate[v.address]):
                 exhausted.add(v.address)  # later tasks on this worker gain even less
                 continue
+            seen = v.seen()
+            seen["input_bytes"] = sum(dts.nbytes for dts in ts.dependencies if dts.nbytes > 0)
             out.append(Decision(
                 "move", v.address,
                 f"projected finish {_fmt(stay)} here vs {_fmt(best_finish)} on target",
-                v.seen(), target=best.address, key=str(ts.key), ts=ts))
+                seen, target=best.address, key=str(ts.key), ts=ts))
             if not math.isinf(finish[v.address]):
                 finish[v.address] -= d / rate[v.address]
             finish[best.address] = best_finish

@@ -1,0 +1,137 @@
+"""Run reports: what a computation did on the cluster, for notebooks and logs.
+
+:func:`run_report` reads blockflow's scheduler plugin (task start/stop times, decisions,
+device-memory peaks) and summarises one computation: makespan, tasks per worker, moves and
+the bytes they moved, and each worker's device-memory peak.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from dataclasses import dataclass, field
+
+import pandas as pd
+from dask.utils import format_bytes
+
+from blockflow.cluster import plugin_status
+
+__all__ = ["RunReport", "run_report"]
+
+
+@dataclass
+class RunReport:
+    """Summary of a computation (see :func:`run_report`).
+
+    Attributes
+    ----------
+    since : float
+        Start of the window, seconds since the epoch.
+    makespan : float
+        Seconds from the first task start to the last task end in the window (0 if none).
+    tasks_per_worker : dict of str to int
+    moves : int
+        Tasks the rebalancer moved between workers.
+    bytes_moved : int
+        Input bytes of the moved tasks (what the moves had to transfer, at most).
+    device_memory_peak : dict of str to float or None
+        Highest device memory seen per worker (bytes; None for workers without a GPU).
+    policy : str
+    tasks : pandas.DataFrame
+        One row per task: ``worker``, ``start``, ``stop`` (seconds since ``since``).
+    """
+
+    since: float
+    makespan: float
+    tasks_per_worker: dict[str, int]
+    moves: int
+    bytes_moved: int
+    device_memory_peak: dict[str, float | None]
+    policy: str
+    tasks: pd.DataFrame = field(repr=False)
+
+    def to_pandas(self) -> pd.DataFrame:
+        """Per-worker table: tasks, busy seconds, device-memory peak (bytes)."""
+        busy = (self.tasks.assign(d=self.tasks.stop - self.tasks.start)
+                .groupby("worker")["d"].sum())
+        workers = sorted(set(self.tasks_per_worker) | set(self.device_memory_peak))
+        return pd.DataFrame({
+            "worker": workers,
+            "tasks": [self.tasks_per_worker.get(w, 0) for w in workers],
+            "busy_seconds": [float(busy.get(w, 0.0)) for w in workers],
+            "device_memory_peak": pd.array([self.device_memory_peak.get(w) for w in workers],
+                                           dtype="Float64"),
+        })
+
+    def plot(self):
+        """Bokeh figure: tasks finished per worker over time (seconds since the window start)."""
+        from bokeh.palettes import Category10_10
+        from bokeh.plotting import figure
+
+        fig = figure(title="Tasks finished per worker", x_axis_label="seconds",
+                     y_axis_label="tasks", height=300, width=700)
+        for i, (worker, df) in enumerate(self.tasks.sort_values("stop").groupby("worker")):
+            fig.step(df["stop"].to_numpy(), range(1, len(df) + 1), mode="after",
+                     legend_label=worker, color=Category10_10[i % 10], line_width=2)
+        fig.legend.location = "top_left"
+        return fig
+
+    def __repr__(self) -> str:
+        return (f"<blockflow.RunReport: makespan {self.makespan:.2f} s, "
+                f"{sum(self.tasks_per_worker.values())} tasks on {len(self.tasks_per_worker)} "
+                f"workers, {self.moves} moves ({format_bytes(self.bytes_moved)}), "
+                f"policy {self.policy}>\n" + self.to_pandas().to_string(index=False))
+
+    def _repr_html_(self) -> str:
+        table = self.to_pandas().assign(device_memory_peak=lambda d: [
+            "n/a" if pd.isna(v) else format_bytes(v) for v in d.device_memory_peak])
+        return (f"<p><b>blockflow run report</b>: makespan {self.makespan:.2f} s, "
+                f"{sum(self.tasks_per_worker.values())} tasks, {self.moves} moves "
+                f"({html.escape(format_bytes(self.bytes_moved))}), policy "
+                f"{html.escape(self.policy)}</p>" + table.to_html(index=False))
+
+
+def run_report(client, since: float | None = None) -> RunReport:
+    """Summarise what ran on the cluster since ``since``.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        Connected to a scheduler running blockflow's plugin.
+    since : float, optional
+        Seconds since the epoch (e.g. ``t0 = time.time()`` before the computation); default
+        the start of the current computation as the plugin saw it (the last graph submitted
+        to an idle cluster).
+
+    Returns
+    -------
+    RunReport
+
+    Raises
+    ------
+    RuntimeError
+        If the scheduler runs no blockflow plugin.
+    """
+    first = plugin_status(client)
+    if since is None:
+        since = first.get("run_started") or 0.0
+    status = plugin_status(client, since=since, task_log=True)
+    log = pd.DataFrame(status["task_log"], columns=["worker", "start", "stop"])
+    log = log[log.start >= since - 1e-3] if len(log) else log
+    makespan = float(log.stop.max() - log.start.min()) if len(log) else 0.0
+    if len(log):
+        log = log.assign(start=log.start - since, stop=log.stop - since)
+    moves = [d for d in status["decisions"] if d["action"] == "move"]
+    workers = status["workers"]
+    peaks = status["memory_peak"]
+    return RunReport(
+        since=since,
+        makespan=makespan,
+        tasks_per_worker={w: int(n) for w, n in log.worker.value_counts().items()}
+        if len(log) else {},
+        moves=len(moves),
+        bytes_moved=int(sum(d.get("seen_input_bytes") or 0 for d in moves)),
+        device_memory_peak={w: peaks.get(w) for w in workers},
+        policy=status["policy"],
+        tasks=log.reset_index(drop=True),
+    )
