@@ -7,6 +7,7 @@ explicit ``run_once()`` calls, so every step is deterministic.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 import math
 
 import pytest
@@ -249,3 +250,22 @@ def test_speed_model_learns_relative_speed_with_a_prior():
     assert m.speed("slow") / m.speed("fast") == pytest.approx(0.25, rel=0.1)
     m.forget("slow")
     assert m.speed("slow") == 1.0 and m.observations("slow") == 0
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_without_gpu_metrics_it_balances_on_queue_and_speed_alone(c, s, a, b, w):
+    plugin = await _plugin(c, s)
+    assert all("gpu-memory-total" not in ws.metrics for ws in s.workers.values())
+    data = await c.scatter(list(range(12)), workers=[a.address])
+    futs = c.map(slowinc, data, delay=0.2)  # every task follows its data to a
+    while len(s.workers[a.address].processing) < 12:
+        await asyncio.sleep(0.01)
+    applied = plugin.run_once()
+    assert not _actions(applied, "pause")
+    moves = _actions(applied, "move")
+    assert len(moves) >= 6 and {d.target for d in moves} == {b.address, w.address}
+    assert all(d.seen["gpu_utilization"] is None for d in moves)
+    await wait(futs)
+    assert await c.gather(futs) == [i + 1 for i in range(12)]
+    ran = Counter(next(iter(s.tasks[f.key].who_has)).address for f in futs)
+    assert ran[a.address] < 12 and ran[b.address] + ran[w.address] >= 6
