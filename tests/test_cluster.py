@@ -162,3 +162,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_device_metrics_plugin_adds_nothing_on_cpu_workers(embedded):
+    def probe(dask_worker):
+        return ("blockflow-device-metrics" in dask_worker.plugins,
+                "blockflow-gpu-own-utilization" in dask_worker.metrics,
+                "blockflow-capacity" in dask_worker.metrics)
+
+    assert set(embedded.run(probe).values()) == {(True, False, False)}

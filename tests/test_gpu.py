@@ -304,3 +304,15 @@ def test_pipeline_on_the_cuda_cluster(gpu_client, host_array):
     np.testing.assert_allclose(float(to_numpy(total_out)), expected.sum(), rtol=1e-12)
     counts = blockflow.task_counts(gpu_client, kernels_only=True)
     assert sum(counts.values()) > 0
+
+
+def test_gpu_workers_report_own_utilization_and_capacity(gpu_client):
+    """blockflow's DeviceMetrics worker plugin: NVML per-process utilisation and capacity."""
+    def probe(dask_worker):
+        return {k: dask_worker.metrics[k](dask_worker) if k in dask_worker.metrics else None
+                for k in ("blockflow-gpu-own-utilization", "blockflow-capacity")}
+
+    for values in gpu_client.run(probe).values():
+        own = values["blockflow-gpu-own-utilization"]
+        assert own is not None and 0 <= own <= 100
+        assert values["blockflow-capacity"] is None or values["blockflow-capacity"] > 0

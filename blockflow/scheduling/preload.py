@@ -15,8 +15,14 @@ from blockflow.scheduling.plugin import POLICIES, Rebalancer
 @click.command()
 @click.option("--blockflow-policy", type=click.Choice(POLICIES), default=None,
               help="Scheduling policy (default: blockflow.cluster.policy).")
-def dask_setup(scheduler, blockflow_policy=None):
+async def dask_setup(scheduler, blockflow_policy=None):
+    from distributed.protocol.pickle import dumps
+
     from blockflow.dashboard.plugin import DashboardPlugin
+    from blockflow.scheduling.devicemetrics import DeviceMetrics
 
     scheduler.add_plugin(Rebalancer(policy=blockflow_policy))
     scheduler.add_plugin(DashboardPlugin())
+    # workers that join later get blockflow's device metrics (nothing on CPU workers)
+    await scheduler.register_worker_plugin(None, dumps(DeviceMetrics()), DeviceMetrics.name,
+                                           idempotent=True)
