@@ -1,0 +1,160 @@
+"""The notebooks in notebooks/ run top to bottom within a time bound, show what they promise,
+and are committed without outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = ["01-quickstart", "02-etl-flights", "03-xarray", "04-heterogeneous-gpus"]
+
+CELL_TIMEOUT = 120  # seconds, per cell (nbclient)
+NOTEBOOK_BUDGET = 120  # seconds, per notebook, kernel start included
+
+# Appended to the in-memory copy of a notebook: report the kernel's interpreter and values
+# the notebook computed, as one JSON line.
+PROBES = {
+    "01-quickstart": "{'makespan': report.makespan,"
+                     " 'tasks': sum(report.tasks_per_worker.values())}",
+    "02-etl-flights": "{'carriers': len(by_carrier), 'rows': manifest['input_rows']}",
+    "03-xarray": "{'corr': float(xr.corr(moments['mean'], wave))}",
+    "04-heterogeneous-gpus": (
+        "{'plain_makespan': plain['makespan'],"
+        " 'plain_oom': int(plain['per_worker'].oom_errors.sum()),"
+        " 'plain_failed': plain['failed'],"
+        " 'dynamic_makespan': dynamic['makespan'],"
+        " 'dynamic_oom': int(dynamic['per_worker'].oom_errors.sum()),"
+        " 'dynamic_failed': dynamic['failed'], 'dynamic_correct': dynamic['correct'],"
+        " 'dynamic_tasks': list(dynamic['per_worker'].tasks),"
+        " 'actions': sorted(set(decisions.action))}"
+    ),
+}
+
+
+def _read(name: str):
+    return nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
+
+
+def _outputs(nb) -> list[tuple[str, str]]:
+    """(cell source, text of all its outputs) for each code cell."""
+    rows = []
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        texts = []
+        for out in cell.get("outputs", []):
+            if "text" in out:
+                texts.append(out["text"])
+            for value in out.get("data", {}).values():
+                texts.append(value if isinstance(value, str) else json.dumps(value))
+        rows.append((cell.source, "\n".join(texts)))
+    return rows
+
+
+def _output_of(nb, startswith: str) -> str:
+    return next(text for source, text in _outputs(nb) if source.startswith(startswith))
+
+
+def test_the_four_notebooks_are_there():
+    assert sorted(p.stem for p in NOTEBOOK_DIR.glob("*.ipynb")) == NOTEBOOKS
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_committed_notebook_has_no_outputs(name):
+    nb = _read(name)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and any(c.cell_type == "markdown" for c in nb.cells)
+    assert all(c.outputs == [] and c.execution_count is None for c in code), (
+        f"{name}.ipynb has outputs; clear them before committing")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(NOTEBOOK_BUDGET + 60)
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs(name, tmp_path):
+    nb = _read(name)
+    nb.cells.append(nbformat.v4.new_code_cell(
+        f"import json as _json, sys as _sys\n"
+        f"print(_json.dumps({{'prefix': _sys.prefix, 'values': {PROBES[name]}}}))"))
+    client = nbclient.NotebookClient(
+        nb, timeout=CELL_TIMEOUT, kernel_name="python3",
+        # The kernel's working directory: nothing the notebook writes lands in the repository.
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    kernel_tmp = tmp_path / "tmp"  # the kernel's temporary folder (notebook 02's output)
+    kernel_tmp.mkdir()
+    # CPU workers even on a GPU machine, so the checks below hold everywhere.
+    env = {**os.environ, "TMPDIR": str(kernel_tmp), "DASK_BLOCKFLOW__CLUSTER__GPU": "false"}
+    start = time.monotonic()
+    client.execute(env=env)  # raises CellExecutionError on the first failing cell
+    elapsed = time.monotonic() - start
+    assert elapsed < NOTEBOOK_BUDGET, f"{name} took {elapsed:.0f} s"
+
+    probe = json.loads(_outputs(nb)[-1][1].strip().splitlines()[-1])
+    # "python3" resolved to this interpreter's environment, not some other Python.
+    assert probe["prefix"] == sys.prefix
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if o.output_type == "error"]
+    assert not errors
+    # Nothing on stderr: no warnings, no worker logs in a reader's notebook.
+    stderr = [o.text for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if o.output_type == "stream" and o.name == "stderr"]
+    assert not stderr, stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["tmp"]  # nothing in the working directory
+    CHECKS[name](nb, probe["values"])
+
+
+def _check_quickstart(nb, values):
+    assert "<b>blockflow inventory</b>: 2 workers, 2 threads" in _output_of(
+        nb, "blockflow.inventory(client)")
+    assert "Dashboard: http://" in _output_of(nb, "client = blockflow.connect")
+    assert "<b>blockflow run report</b>" in _output_of(nb, "report = blockflow.run_report")
+    assert "column sums: largest difference from NumPy" in _output_of(nb, "x_np = x.compute()")
+    assert values["tasks"] >= 8 and values["makespan"] > 0  # at least one task per block
+
+
+def _check_flights(nb, values):
+    assert values == {"carriers": 16, "rows": 336_776}
+    assert "Hawaiian Airlines Inc." in _output_of(nb, "result.summary()")
+    assert "application/vnd.bokehjs_exec.v0+json" in json.dumps(
+        [c.outputs for c in nb.cells if c.cell_type == "code" and c.source.startswith("table =")])
+    assert "16 carriers x 11 statistics agree with pandas" in _output_of(
+        nb, "expected = flights.reference")
+
+
+def _check_xarray(nb, values):
+    assert values["corr"] > 0.8
+    assert "largest |difference|" in _output_of(nb, "xr_mean, xr_max, xr_warm")
+
+
+def _check_heterogeneous(nb, values):
+    # blockflow avoids the nearly full device and runs every block, correctly ...
+    assert values["dynamic_oom"] == 0 and values["dynamic_failed"] == 0
+    assert values["dynamic_correct"] is True
+    assert values["dynamic_tasks"][1] == 0
+    assert "pause" in values["actions"]
+    # ... where plain Dask sends worker 1's blocks into out-of-memory errors,
+    assert values["plain_oom"] > 0
+    # and it is not slower than plain Dask by more than noise (0.5 s of startup jitter on a
+    # busy 2-core machine; it is usually clearly faster).
+    assert values["dynamic_makespan"] <= values["plain_makespan"] * 1.1 + 0.5, values
+
+
+CHECKS = {
+    "01-quickstart": _check_quickstart,
+    "02-etl-flights": _check_flights,
+    "03-xarray": _check_xarray,
+    "04-heterogeneous-gpus": _check_heterogeneous,
+}
