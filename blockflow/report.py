@@ -11,6 +11,7 @@ import html
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import pandas as pd
 from dask.utils import format_bytes
 
@@ -71,7 +72,7 @@ class RunReport:
         fig = figure(title="Tasks finished per worker", x_axis_label="seconds",
                      y_axis_label="tasks", height=300, width=700)
         for i, (worker, df) in enumerate(self.tasks.sort_values("stop").groupby("worker")):
-            fig.step(df["stop"].to_numpy(), range(1, len(df) + 1), mode="after",
+            fig.step(df["stop"].to_numpy(), np.arange(1, len(df) + 1), mode="after",
                      legend_label=worker, color=Category10_10[i % 10], line_width=2)
         fig.legend.location = "top_left"
         return fig

@@ -49,6 +49,9 @@ def test_run_report_summarises_one_computation(bf_client):
     assert repr(report).startswith("<blockflow.RunReport: makespan")
     fig = report.plot()
     assert len(fig.renderers) == len(report.tasks_per_worker)
+    from bokeh.embed import json_item
+
+    assert json_item(fig)["doc"]  # serialisable: renders in a notebook
 
 
 def test_run_report_defaults_to_the_current_computation(bf_client):
