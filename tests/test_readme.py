@@ -26,10 +26,12 @@ def test_readme_starts_with_the_two_commands():
 
 def test_library_example_runs(tmp_path):
     example = _python_blocks()[0]
-    assert "blockflow.connect()" in example
+    assert "blockflow.connect()" in example and '__name__ == "__main__"' in example
     env = dict(os.environ, DASK_BLOCKFLOW__CLUSTER__DASHBOARD_ADDRESS=":0",
                DASK_BLOCKFLOW__CLUSTER__N_WORKERS="2")
-    out = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True,
+    script = tmp_path / "example.py"  # as a user runs it: a script, worker processes
+    script.write_text(example)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "<blockflow.Inventory: 2 workers" in out.stdout
