@@ -94,6 +94,8 @@ def test_json_routes_after_a_forced_pause_and_read_only(sim):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(_base(sim) + "/blockflow/decisions.json?since=yesterday")
         assert e.value.code == 400
+        assert json.loads(e.value.read())["error"] == (
+            "since must be seconds since the epoch, limit an int")
     finally:
         sim.run(set_tenant, None, workers=[addr])
         sim.run(_heartbeat, workers=[addr])

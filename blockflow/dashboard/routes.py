@@ -18,6 +18,11 @@ class _JSONHandler(web.RequestHandler):
     def initialize(self, dask_server=None, extra=None):
         self.server = dask_server
 
+    def write_error(self, status_code: int, **kwargs) -> None:
+        exc = kwargs.get("exc_info", (None, None))[1]
+        self._write({"error": getattr(exc, "log_message", None) or self._reason,
+                     "status": status_code})
+
     def _write(self, data) -> None:
         self.set_header("Content-Type", "application/json")
         self.write(json.dumps(data, default=str))
