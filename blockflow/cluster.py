@@ -148,10 +148,12 @@ def _start_local_cluster(use_gpu: bool, **kwargs) -> LocalCluster:
 
 def _register_plugin(client: Client, plugin: Rebalancer) -> None:
     from blockflow.dashboard.plugin import DashboardPlugin
+    from blockflow.scheduling.devicemetrics import DeviceMetrics
 
     try:
         client.register_plugin(plugin)
         client.register_plugin(DashboardPlugin())
+        client.register_plugin(DeviceMetrics())  # adds nothing on workers without a GPU
     except (ModuleNotFoundError, ImportError) as e:
         raise RuntimeError(
             f"blockflow.connect: the scheduler at {client.scheduler.address} cannot load "
