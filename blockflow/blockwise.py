@@ -10,17 +10,29 @@ recognises its kernels, and an exception inside a kernel names the block that fa
 from __future__ import annotations
 
 import inspect
+import logging
 import math
+import numbers
 from typing import Any, Callable
 
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
-from dask.utils import funcname
+from dask.utils import format_bytes, funcname
 
-from blockflow.errors import BlockKernelError, EmptyCollectionError, describe, not_a_collection
+from blockflow.errors import (
+    BlockKernelError,
+    DeviceMemoryError,
+    EmptyCollectionError,
+    describe,
+    is_device_oom,
+    not_a_collection,
+    requested_bytes,
+)
 
-__all__ = ["KERNEL_PREFIX", "kernel_name", "map_blocks", "validate_array"]
+__all__ = ["KERNEL_PREFIX", "check_retries", "kernel_name", "map_blocks", "validate_array"]
+
+logger = logging.getLogger(__name__)
 
 #: Prefix of the task names of blockflow kernels (the scheduler plugin keys on it).
 KERNEL_PREFIX = "blockflow-"
@@ -41,29 +53,124 @@ def _wants(func: Callable, keyword: str) -> bool:
     return keyword in params
 
 
-def _fail(kernel_label: str, where: str, exc: BaseException) -> BlockKernelError:
-    err = BlockKernelError(
-        f"blockflow kernel {kernel_label!r} failed on {where}: {type(exc).__name__}: {exc}"
-    )
+def check_retries(retries: Any, func: str) -> int:
+    """Validate a ``retries=`` argument: an integer >= 0 (None means 0).
+
+    Raises
+    ------
+    ValueError
+        ``"<func>: retries must be an integer >= 0 (extra attempts per block), got -1."``
+    """
+    if retries is None:
+        return 0
+    if isinstance(retries, bool) or not isinstance(retries, numbers.Integral) or retries < 0:
+        raise ValueError(
+            f"{func}: retries must be an integer >= 0 (extra attempts per block), got "
+            f"{retries!r}."
+        )
+    return int(retries)
+
+
+def _fail(kernel_label: str, where: str, exc: BaseException, attempts: int = 1
+          ) -> BlockKernelError:
+    after = f" after {attempts} attempts" if attempts > 1 else ""
+    if is_device_oom(exc):
+        err: BlockKernelError = _device_memory_error(kernel_label, where, exc, after)
+    else:
+        err = BlockKernelError(
+            f"blockflow kernel {kernel_label!r} failed on {where}{after}: "
+            f"{type(exc).__name__}: {exc}"
+        )
     err.__cause__ = exc
     return err
 
 
-class _Kernel:
-    """Picklable wrapper that runs the user's kernel on one block and labels failures."""
+def _device_memory_error(kernel_label: str, where: str, exc: BaseException, after: str
+                         ) -> DeviceMemoryError:
+    """The error for a kernel out of device memory; reads the workers' free device memory
+    from the scheduler (on this error path only)."""
+    need = requested_bytes(exc)
+    free, worker = _largest_free_device_memory()
+    need_text = "more" if need is None else f"{need:,} bytes ({format_bytes(need)})"
+    free_text = ("unknown (no worker reports device memory)" if free is None
+                 else f"{free:,} bytes ({format_bytes(free)}, on {worker})")
+    return DeviceMemoryError(
+        f"blockflow kernel {kernel_label!r} ran out of device memory on {where}{after}: it "
+        f"asked for {need_text} of device memory, but the largest free device memory of any "
+        f"worker is {free_text}. Make the block fit: use smaller blocks (rechunk or "
+        f"repartition), free device memory (persisted results, other processes on the GPU), "
+        f"or use workers with larger GPUs. {type(exc).__name__}: {exc}",
+        block=where, working_set=need, largest_free=free,
+    )
 
-    def __init__(self, kernel: Callable, name: str):
+
+def _largest_free_device_memory() -> tuple[int | None, str | None]:
+    """``(bytes, worker address)`` of the worker with the most free device memory, from the
+    ``gpu-memory-total`` and ``gpu_memory_used`` metrics the scheduler holds; ``(None, None)``
+    when no worker reports them or no scheduler is reachable."""
+    try:
+        from distributed import get_client
+
+        workers = get_client().scheduler_info(n_workers=-1)["workers"]
+    except Exception:  # outside a cluster, or the scheduler is gone: say "unknown"
+        return None, None
+    best: tuple[int | None, str | None] = (None, None)
+    for address in sorted(workers):
+        metrics = workers[address].get("metrics")
+        if not isinstance(metrics, dict):
+            continue
+        total, used = (_finite_non_negative(metrics.get(k))
+                       for k in ("gpu-memory-total", "gpu_memory_used"))
+        if not total or used is None:
+            continue
+        free = int(max(total - used, 0))
+        if best[0] is None or free > best[0]:
+            best = (free, address)
+    return best
+
+
+def _finite_non_negative(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) and f >= 0 else None
+
+
+class _Kernel:
+    """Picklable wrapper that runs the user's kernel on one block, retries it, and labels
+    failures."""
+
+    def __init__(self, kernel: Callable, name: str, retries: int = 0):
         self.kernel = kernel
         self.__name__ = name  # dask.utils.funcname -> task names start with "blockflow-"
         self.label = funcname(kernel)
+        self.retries = retries
 
     def __repr__(self) -> str:
         return f"<blockflow kernel {self.label}>"
 
+    def _run(self, where: Callable[[], str], *args, **kwargs):
+        """Call the kernel, up to ``1 + retries`` times; raise a labelled error at the end."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return self.kernel(*args, **kwargs)
+            except Exception as e:
+                if attempt <= self.retries:
+                    logger.warning("blockflow kernel %r failed on %s (attempt %d of %d), "
+                                   "retrying: %s: %s", self.label, where(), attempt,
+                                   self.retries + 1, type(e).__name__, e)
+                    continue
+                raise _fail(self.label, where(), e, attempt) from e
+
 
 class _ArrayKernel(_Kernel):
-    def __init__(self, kernel, name, *, dtype=None, ndim=None):
-        super().__init__(kernel, name)
+    def __init__(self, kernel, name, *, dtype=None, ndim=None, retries=0):
+        super().__init__(kernel, name, retries)
         self.pass_block_id = _wants(kernel, "block_id")
         self.dtype = np.dtype(dtype) if dtype is not None else None
         self.ndim = ndim
@@ -76,10 +183,7 @@ class _ArrayKernel(_Kernel):
             kwargs["block_id"] = block_id
         if block_id is None:  # metadata inference on empty blocks: let Dask handle errors
             return self.kernel(*blocks, **kwargs)
-        try:
-            out = self.kernel(*blocks, **kwargs)
-        except Exception as e:
-            raise _fail(self.label, f"block {tuple(block_id)}", e) from e
+        out = self._run(lambda: f"block {tuple(block_id)}", *blocks, **kwargs)
         self._check(out, block_id)
         return out
 
@@ -116,8 +220,8 @@ class _ArrayKernelWithInfo(_ArrayKernel):
 
 
 class _PartitionKernel(_Kernel):
-    def __init__(self, kernel, name):
-        super().__init__(kernel, name)
+    def __init__(self, kernel, name, retries=0):
+        super().__init__(kernel, name, retries)
         self.pass_info = _wants(kernel, "partition_info")
 
     def __call__(self, *parts, partition_info=None, **kwargs):
@@ -125,18 +229,13 @@ class _PartitionKernel(_Kernel):
             kwargs["partition_info"] = partition_info
         if partition_info is None:  # metadata emulation on sample partitions
             return self.kernel(*parts, **kwargs)
-        try:
-            return self.kernel(*parts, **kwargs)
-        except Exception as e:
-            raise _fail(self.label, f"partition {partition_info['number']}", e) from e
+        return self._run(lambda: f"partition {partition_info['number']}", *parts, **kwargs)
 
 
 class _XarrayKernel(_Kernel):
     def __call__(self, *objs, **kwargs):
-        try:
-            return self.kernel(*objs, **kwargs)
-        except Exception as e:
-            raise _fail(self.label, f"the block at {_xarray_block_label(objs[0])}", e) from e
+        return self._run(lambda: f"the block at {_xarray_block_label(objs[0])}", *objs,
+                         **kwargs)
 
 
 def _xarray_block_label(obj) -> str:
@@ -196,6 +295,7 @@ def map_blocks(
     drop_axis: Any = None,
     new_axis: Any = None,
     template: Any = None,
+    retries: int | None = None,
     **kwargs: Any,
 ):
     """Run ``kernel`` on every block of one or more Dask collections, lazily.
@@ -223,6 +323,12 @@ def map_blocks(
         (as in ``map_partitions``).
     template : xarray object, optional
         Xarray: the output template, as in :func:`xarray.map_blocks`.
+    retries : int, optional
+        Extra attempts per block when the kernel raises (default 0): the task runs the kernel
+        again, on the same worker, up to ``retries`` more times before it fails. For flaky
+        kernels (a network read, a transient device error). Retrying tasks whose *worker*
+        died is distributed's job (``distributed.scheduler.allowed-failures``); to retry every
+        task of a graph on any worker pass ``retries=`` to ``client.compute``/``persist``.
     **kwargs
         Passed to ``kernel`` unchanged.
 
@@ -237,13 +343,25 @@ def map_blocks(
         If an input is not a Dask collection (e.g. a NumPy array or pandas frame: the message
         says how to wrap it) or inputs are of different kinds.
     ValueError
-        If array chunk sizes are unknown (NaN), or chunks / partition counts of the inputs
-        differ (the message names the inputs and axis).
+        If array chunk sizes are unknown (NaN), chunks / partition counts of the inputs
+        differ (the message names the inputs and axis), or ``retries`` is not an int >= 0.
     EmptyCollectionError
         If an input array has no elements.
     BlockKernelError
-        At compute time, if the kernel raises on a block: the message names the block and the
-        original exception.
+        At compute time, if the kernel raises on a block (on its last attempt): the message
+        names the kernel, the block, the number of attempts and the original exception.
+    DeviceMemoryError
+        At compute time, if the kernel runs out of device memory on a block (CuPy's or RMM's
+        out-of-memory error, or a simulated device's): the message names the block, the
+        bytes it asked for and the largest free device memory of any worker. A subclass of
+        :class:`BlockKernelError`.
+
+    Notes
+    -----
+    Retries run inside the task rather than as Dask task annotations
+    (``dask.annotate(retries=...)``): Dask's graph optimisation (linear fusion of array
+    tasks, dask-expr's lowering of dataframes) drops layer annotations, so they would not
+    reach the scheduler reliably.
 
     Examples
     --------
@@ -270,17 +388,19 @@ def map_blocks(
             f"blockflow.map_blocks: all inputs must be of one kind, got {kinds}; convert them "
             f"first (e.g. xarray_obj.data for its dask array)."
         )
+    retries = check_retries(retries, "blockflow.map_blocks")
     task_name = kernel_name(kernel, name)
     kind = kinds[0]
     if kind == "array":
         return _map_arrays(kernel, collections, task_name, dtype, meta, chunks, drop_axis,
-                           new_axis, kwargs)
+                           new_axis, kwargs, retries)
     if kind == "dataframe":
-        return _map_partitions(kernel, collections, task_name, meta, kwargs)
-    return _map_xarray(kernel, collections, task_name, template, kwargs)
+        return _map_partitions(kernel, collections, task_name, meta, kwargs, retries)
+    return _map_xarray(kernel, collections, task_name, template, kwargs, retries)
 
 
-def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_axis, kwargs):
+def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_axis, kwargs,
+                retries=0):
     for i, x in enumerate(arrays):
         validate_array(x, "blockflow.map_blocks", f"argument {i}")
     first = arrays[0]
@@ -300,7 +420,7 @@ def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_a
         ndim = max(x.ndim for x in arrays)
     wants_info = _wants(kernel, "block_info")
     cls = _ArrayKernelWithInfo if wants_info else _ArrayKernel
-    wrapped = cls(kernel, task_name, dtype=declared_dtype, ndim=ndim)
+    wrapped = cls(kernel, task_name, dtype=declared_dtype, ndim=ndim, retries=retries)
     opts = {}
     for k, v in dict(dtype=dtype, meta=meta, chunks=chunks, drop_axis=drop_axis,
                      new_axis=new_axis).items():
@@ -311,7 +431,7 @@ def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_a
     return out
 
 
-def _map_partitions(kernel, frames, task_name, meta, kwargs):
+def _map_partitions(kernel, frames, task_name, meta, kwargs, retries=0):
     first = frames[0]
     for i, f in enumerate(frames[1:], start=1):
         if f.npartitions != first.npartitions:
@@ -320,16 +440,16 @@ def _map_partitions(kernel, frames, task_name, meta, kwargs):
                 f"{f.npartitions} partitions; repartition one to match, e.g. "
                 f"b = b.repartition(npartitions=a.npartitions)."
             )
-    wrapped = _PartitionKernel(kernel, task_name)
+    wrapped = _PartitionKernel(kernel, task_name, retries)
     opts = {} if meta is None else {"meta": meta}
     return first.map_partitions(wrapped, *frames[1:], **opts, **kwargs)
 
 
-def _map_xarray(kernel, objs, task_name, template, kwargs):
+def _map_xarray(kernel, objs, task_name, template, kwargs, retries=0):
     import xarray as xr
 
     for i, o in enumerate(objs):
         if not o.chunks:
             raise not_a_collection("blockflow.map_blocks", f"argument {i}", o)
-    wrapped = _XarrayKernel(kernel, task_name)
+    wrapped = _XarrayKernel(kernel, task_name, retries)
     return xr.map_blocks(wrapped, objs[0], args=list(objs[1:]), kwargs=kwargs, template=template)

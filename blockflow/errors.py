@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 
@@ -20,6 +21,81 @@ class BlockKernelError(RuntimeError):
 
 class EmptyCollectionError(ValueError):
     """A collection with no data where blocks are needed."""
+
+
+class DeviceMemoryError(BlockKernelError, MemoryError):
+    """A blockwise kernel ran out of device (GPU) memory on one block.
+
+    Raised in place of the device library's own out-of-memory error (CuPy's
+    ``cupy.cuda.memory.OutOfMemoryError``, RMM's ``MemoryError`` or blockflow's
+    ``SimulatedOutOfMemoryError``). The message names the kernel, the block, the bytes the
+    kernel asked for and the largest free device memory of any worker (from the workers'
+    last reported metrics), and says how to make the block fit.
+
+    Attributes
+    ----------
+    block : str
+        The block, as named in the message (``"block (3, 0)"``, ``"partition 7"``).
+    working_set : int or None
+        Bytes the kernel asked for when it failed, when the original error says.
+    largest_free : int or None
+        Largest free device memory of any worker in bytes, None when no worker reports it.
+    """
+
+    def __init__(self, message: str, block: str | None = None, working_set: int | None = None,
+                 largest_free: int | None = None):
+        super().__init__(message)
+        self.block, self.working_set, self.largest_free = block, working_set, largest_free
+
+    def __reduce__(self):  # keep the attributes from the worker to the client
+        return type(self), (str(self), self.block, self.working_set, self.largest_free)
+
+
+class WorkerLostError(RuntimeError):
+    """Workers died under a computation and Dask gave up on it.
+
+    Raised by blockflow's workloads when every worker of the cluster is gone for longer than
+    ``blockflow.cluster.worker-loss-timeout``, or in place of distributed's ``KilledWorker``
+    (a task whose workers died ``distributed.scheduler.allowed-failures + 1`` times). The
+    message says what happened and what to do.
+    """
+
+
+#: Class names of device out-of-memory errors, matched by name so that no GPU library is
+#: imported: CuPy's ``cupy.cuda.memory.OutOfMemoryError`` and blockflow's simulated one.
+DEVICE_OOM_NAMES = frozenset({"OutOfMemoryError", "SimulatedOutOfMemoryError"})
+
+
+def is_device_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` reports device memory exhaustion (CuPy, RMM/cuDF, simulated devices).
+
+    Parameters
+    ----------
+    exc : BaseException
+
+    Returns
+    -------
+    bool
+        True for an exception whose class (or a base class) is named ``OutOfMemoryError`` or
+        ``SimulatedOutOfMemoryError``, and for RMM's ``MemoryError`` whose message says
+        ``out_of_memory``; False otherwise (a host ``MemoryError`` included).
+    """
+    if any(cls.__name__ in DEVICE_OOM_NAMES for cls in type(exc).__mro__):
+        return True
+    return isinstance(exc, MemoryError) and "out_of_memory" in str(exc).lower()
+
+
+def requested_bytes(exc: BaseException) -> int | None:
+    """Bytes a failed device allocation asked for, from the error, or None if it does not say.
+
+    Reads a ``size`` attribute (blockflow's simulated error) or CuPy's wording
+    ``"Out of memory allocating 1,024 bytes ..."``.
+    """
+    size = getattr(exc, "size", None)
+    if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
+        return size
+    m = re.search(r"allocating ([\d,]+) bytes", str(exc))
+    return int(m.group(1).replace(",", "")) if m else None
 
 
 def describe(obj: Any) -> str:

@@ -21,7 +21,7 @@ import numpy as np
 from dask.utils import format_bytes, parse_bytes
 
 from blockflow import config
-from blockflow.blockwise import kernel_name, validate_array
+from blockflow.blockwise import check_retries, kernel_name, validate_array
 from blockflow.errors import not_a_collection
 
 __all__ = ["choose_split_every", "smallest_worker_memory", "tree_reduce"]
@@ -161,6 +161,7 @@ def tree_reduce(
     concatenate: bool = True,
     block_bytes: int | None = None,
     name: str | None = None,
+    retries: int | None = None,
 ):
     """Reduce a Dask collection with a tree of ``chunk -> combine ... -> aggregate`` tasks.
 
@@ -203,6 +204,12 @@ def tree_reduce(
         known without computing them).
     name : str, optional
         Task-name prefix (``blockflow-`` is prepended).
+    retries : int, optional
+        Extra attempts of ``chunk``, ``combine`` and ``aggregate`` when they raise (default
+        0): each task calls its function again, on the same worker, up to ``retries`` more
+        times before it fails with the last exception. As in :func:`blockflow.map_blocks`,
+        retries run inside the task because Dask's graph optimisation drops
+        ``dask.annotate(retries=...)`` annotations.
 
     Returns
     -------
@@ -213,7 +220,8 @@ def tree_reduce(
     TypeError
         If ``collection`` is not a Dask collection, or ``split_every`` is not an int.
     ValueError
-        If ``split_every < 2`` or array chunk sizes are unknown.
+        If ``split_every < 2``, array chunk sizes are unknown, or ``retries`` is not an int
+        >= 0.
     EmptyCollectionError
         If an array has no elements.
 
@@ -228,6 +236,9 @@ def tree_reduce(
     combine = combine or aggregate or chunk
     aggregate = aggregate or combine
     token = kernel_name(chunk, name)
+    retries = check_retries(retries, "blockflow.tree_reduce")
+    if retries:
+        chunk, combine, aggregate = (_Retrying(f, retries) for f in (chunk, combine, aggregate))
     if isinstance(collection, da.Array):
         validate_array(collection, "blockflow.tree_reduce", "the collection")
         nbytes = block_bytes or _array_block_bytes(collection)
@@ -269,7 +280,7 @@ def tree_reduce(
         return _tree_reduce_xarray(
             collection, chunk, combine, aggregate, split_every=split_every, dim=dim,
             dtype=dtype, meta=meta, concatenate=concatenate, block_bytes=block_bytes, name=name,
-        )
+        )  # chunk, combine and aggregate already retry
     raise not_a_collection("blockflow.tree_reduce", "the collection", collection)
 
 
@@ -317,6 +328,41 @@ class TreeReducedArray(da.Array):
     __dask_optimize__ = staticmethod(optimize_without_aliases)
 
 
+class _Retrying:
+    """A reduction function called up to ``1 + retries`` times when it raises.
+
+    ``__wrapped__`` (the innermost wrapped function) makes :func:`inspect.signature` and
+    Dask's ``getargspec`` / ``has_keyword`` checks (``computing_meta``, ``dtype``, ...) see the
+    signature of the function it wraps.
+    """
+
+    def __init__(self, func, retries: int):
+        import inspect
+
+        self.func = func
+        self.__wrapped__ = inspect.unwrap(func)  # e.g. np.sum's Python implementation
+        self.retries = retries
+        self.__name__ = getattr(func, "__name__", "reduce")
+
+    def __call__(self, *args, **kwargs):
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return self.func(*args, **kwargs)
+            except Exception as e:
+                if attempt > self.retries or kwargs.get("computing_meta"):
+                    raise
+                logger.warning("blockflow tree_reduce: %s failed (attempt %d of %d), "
+                               "retrying: %s: %s", self.__name__, attempt, self.retries + 1,
+                               type(e).__name__, e)
+
+    def __dask_tokenize__(self):
+        from dask.base import tokenize
+
+        return (type(self).__name__, tokenize(self.func), self.retries)
+
+
 class _MetaSafeChunk:
     """Chunk function whose non-array partials (dicts) are hidden from Dask's meta inference.
 
@@ -354,6 +400,9 @@ def _tree_reduce_xarray(obj, chunk, combine, aggregate, *, dim, **kwargs):
         )
     axis = tuple(obj.get_axis_num(d) for d in dims)
     data = tree_reduce(obj.data, chunk, combine, aggregate, axis=axis, **kwargs)
+    # xarray refuses to mix array subclasses in one Dataset: hand it a plain dask array
+    # (its graph then keeps Dask's fusion aliases)
+    data = da.Array(data.dask, data.name, data.chunks, meta=data._meta)
     kept = [d for d in obj.dims if d not in dims]
     coords = {k: v for k, v in obj.coords.items() if set(v.dims) <= set(kept)}
     out = xr.DataArray(data, dims=kept, coords=coords, attrs=obj.attrs)
