@@ -1,7 +1,10 @@
 """blockflow's settings: defaults in ``blockflow.yaml`` under ``dask.config``'s ``blockflow.`` namespace.
 
-Importing blockflow loads the defaults (its one import side effect). Users override them the
-usual Dask ways: ``dask.config.set({"blockflow.reduction.split-every": 8})``, a YAML file in
+Importing blockflow loads the defaults (its one import side effect) and checks the settings
+against ``blockflow-schema.yaml``, so that an invalid value (say from
+``DASK_BLOCKFLOW__REBALANCER__HOT_HIGH=500``) fails at once with a ``ValueError`` naming the
+key; :func:`blockflow.connect` checks them again. Users override them the usual Dask ways:
+``dask.config.set({"blockflow.reduction.split-every": 8})``, a YAML file in
 ``~/.config/dask/``, or environment variables such as ``DASK_BLOCKFLOW__CLUSTER__GPU=false``.
 """
 
@@ -63,11 +66,35 @@ def validate(config: dict | None = None) -> None:
         schema = yaml.safe_load(f)
     if config is None:
         config = {"blockflow": dask.config.get("blockflow")}
+    config = _kebab_keys(config)
     try:
         jsonschema.validate(config, schema)
     except jsonschema.ValidationError as e:
-        where = ".".join(str(p) for p in e.absolute_path) or "blockflow"
+        path = [str(p) for p in e.absolute_path]
+        where = ".".join(path) or "blockflow"
+        env = "DASK_" + "__".join(p.upper().replace("-", "_") for p in path)
+        source = (f" (from the environment variable {env}={os.environ[env]!r})"
+                  if path and env in os.environ else "")
         raise ValueError(
-            f"Invalid blockflow setting {where!r}: {e.message}. "
+            f"Invalid blockflow setting {where!r}{source}: {e.message}. "
             f"See {SCHEMA_PATH} for the allowed values."
         ) from None
+
+
+def _kebab_keys(config: Any) -> Any:
+    """Keys with ``_`` spelled ``-``, as ``dask.config.get`` reads them (environment
+    variables arrive as ``hot_high``); where both spellings exist the ``-`` one wins, as in
+    ``dask.config.get``."""
+    if not isinstance(config, dict):
+        return config
+    out: dict[Any, Any] = {}
+    for k, v in config.items():
+        kebab = k.replace("_", "-") if isinstance(k, str) else k
+        if kebab in out and kebab != k:
+            continue  # the exact "-" key, seen first or later, wins
+        out[kebab] = _kebab_keys(v)
+    return out
+
+
+# Fail at import, naming the key, rather than deep inside a computation.
+validate()
