@@ -4,21 +4,36 @@ With no address, :func:`connect` starts ``dask_cuda.LocalCUDACluster`` (one work
 when dask-cuda and a GPU are present, else ``distributed.LocalCluster`` with worker
 processes. With an address it connects to a running scheduler (``dask scheduler``,
 dask-jobqueue, dask-kubernetes). Either way blockflow's scheduler plugin is registered.
+``security=`` gives the connection TLS (``"temporary"``: self-signed credentials made for an
+embedded cluster). :func:`wait_for` and :func:`gather_results` wait for futures like
+distributed's ``wait`` / ``Client.gather``, but turn the loss of every worker, and
+distributed's ``KilledWorker``, into a :class:`~blockflow.errors.WorkerLostError` that says
+what happened and what to do.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from dask.utils import parse_timedelta
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, Security
 
 from blockflow import config
 from blockflow.backends import GPU_INSTALL_HINT, GPUUnavailableError, gpu_device_count, has_package
+from blockflow.errors import WorkerLostError, describe
 from blockflow.scheduling.plugin import Rebalancer
 
-__all__ = ["connect", "decisions", "gpu_status", "plugin_status", "task_counts"]
+__all__ = [
+    "connect",
+    "decisions",
+    "gather_results",
+    "gpu_status",
+    "plugin_status",
+    "task_counts",
+    "wait_for",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +70,7 @@ def connect(
     dashboard_address: str | None = None,
     policy: str | None = None,
     timeout: str | float | None = None,
+    security: Security | str | None = None,
     **cluster_kwargs: Any,
 ) -> Client:
     """Connect to a Dask cluster (starting an embedded one if needed) and register blockflow.
@@ -80,6 +96,13 @@ def connect(
     timeout : str or float, optional
         How long to wait for the scheduler at ``address`` (default
         ``blockflow.cluster.connect-timeout``).
+    security : distributed.Security or "temporary", optional
+        TLS credentials. With ``address``: the credentials the cluster's scheduler trusts
+        (required for a ``tls://`` address unless ``distributed.comm.tls.*`` is configured).
+        For the embedded cluster: its credentials; ``"temporary"`` makes self-signed ones
+        (:meth:`distributed.Security.temporary`, needs the ``cryptography`` package) so that
+        the scheduler, workers and this client talk TLS (``tls://`` addresses) and clients
+        without them are refused. Default None: plain TCP.
     **cluster_kwargs
         Passed to ``LocalCluster`` / ``LocalCUDACluster``.
 
@@ -95,20 +118,33 @@ def connect(
         If ``gpu=True`` and no GPU is visible or dask-cuda is not installed; the message
         lists the missing pieces and the ``pip install "blockflow[gpu]"`` fix.
     OSError
-        If ``address`` cannot be reached within ``timeout``; the message names the address.
+        If ``address`` cannot be reached within ``timeout`` (or refuses the TLS credentials);
+        the message names the address.
     ValueError
-        For an unknown ``policy`` or ``gpu`` value.
+        For an unknown ``policy`` or ``gpu`` value, an invalid blockflow setting (the message
+        names the key), ``security="temporary"`` with an ``address``, or a ``tls://``
+        address without credentials.
+    TypeError
+        For a ``security`` that is not a ``distributed.Security``, ``"temporary"`` or None.
+    ModuleNotFoundError
+        For ``security="temporary"`` without the ``cryptography`` package.
     """
+    config.validate()  # settings may have changed since import (dask.config.set, files)
     plugin = Rebalancer(policy=policy)  # validates the policy before anything starts
+    sec = _security(security, address)
     if address is not None:
         timeout_s = parse_timedelta(config.get("cluster.connect-timeout", timeout))
+        _check_tls_credentials(address, sec)
         try:
-            client = Client(address, timeout=timeout_s)
+            client = Client(address, timeout=timeout_s, security=sec)
         except (OSError, TimeoutError) as e:
+            tls_hint = (" For a TLS scheduler, check that security= holds credentials it "
+                        "trusts." if address.startswith("tls://") else "")
             raise OSError(
                 f"blockflow.connect: could not reach a Dask scheduler at {address!r} within "
                 f"{timeout_s:g} s ({type(e).__name__}: {e}). Start one with `dask scheduler "
                 f"--preload blockflow.scheduling.preload`, or check the address and port."
+                f"{tls_hint}"
             ) from None
     else:
         gpu = config.get("cluster.gpu", gpu)
@@ -127,11 +163,49 @@ def connect(
             threads_per_worker=config.get("cluster.threads-per-worker", threads_per_worker),
             memory_limit=memory_limit,
             dashboard_address=config.get("cluster.dashboard-address", dashboard_address),
-            **cluster_kwargs,
+            security=sec, **cluster_kwargs,
         )
-        client = Client(cluster)
+        client = Client(cluster)  # takes the cluster's security
     _register_plugin(client, plugin)
     return client
+
+
+def _security(security: Any, address: str | None) -> Security | None:
+    if security is None:
+        return None
+    if isinstance(security, Security):
+        return security
+    if isinstance(security, str) and security == "temporary":
+        if address is not None:
+            raise ValueError(
+                f"blockflow.connect: security='temporary' makes new self-signed credentials, "
+                f"which only an embedded cluster can use; to connect to {address!r} pass "
+                f"security=distributed.Security(...) with the credentials that cluster trusts."
+            )
+        if not has_package("cryptography"):
+            raise ModuleNotFoundError(
+                "blockflow.connect(security='temporary') needs the package 'cryptography' to "
+                "make self-signed TLS credentials; install it with `pip install cryptography`."
+            )
+        return Security.temporary()
+    raise TypeError(
+        f"blockflow.connect: security must be a distributed.Security, 'temporary' or None, "
+        f"got {describe(security)}."
+    )
+
+
+def _check_tls_credentials(address: str, security: Security | None) -> None:
+    """A ``tls://`` address needs an SSL context: from ``security`` or the Dask config."""
+    if not address.startswith("tls://"):
+        return
+    sec = security if security is not None else Security()
+    if sec.get_connection_args("client").get("ssl_context") is None:
+        raise ValueError(
+            f"blockflow.connect: the scheduler at {address!r} talks TLS, but no credentials "
+            f"were given; pass security=distributed.Security(tls_ca_file=..., "
+            f"tls_client_cert=..., tls_client_key=..., require_encryption=True) with that "
+            f"cluster's certificates, or set distributed.comm.tls.* in the Dask config."
+        )
 
 
 def _start_local_cluster(use_gpu: bool, **kwargs) -> LocalCluster:
@@ -256,3 +330,113 @@ def decisions(client: Client, since: float | None = None):
     df = df[DECISION_COLUMNS + seen]
     df["time"] = pd.to_datetime(df["time"], unit="s", utc=True)
     return df.reset_index(drop=True)
+
+
+def wait_for(client: Client, futures: Any, *, what: str = "the computation",
+             worker_loss_timeout: str | float | None = None) -> None:
+    """Wait until ``futures`` are done (finished or failed), failing if every worker is lost.
+
+    Like :func:`distributed.wait`, except that a cluster left without any worker does not
+    make it wait forever: tasks cannot run then, so after ``worker_loss_timeout`` without a
+    worker it raises. Workers that come back (a nanny restarting a killed worker process, an
+    autoscaler) reset the clock.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    futures : future, collection of futures, or persisted Dask collection
+    what : str, default "the computation"
+        Named in the error message (e.g. ``"the flights ETL"``).
+    worker_loss_timeout : str or float, optional
+        Seconds (or ``"60s"``) without any worker before giving up; default
+        ``blockflow.cluster.worker-loss-timeout``.
+
+    Raises
+    ------
+    WorkerLostError
+        If the cluster has had no worker for ``worker_loss_timeout`` while results were
+        unfinished.
+    """
+    from distributed import futures_of
+
+    pending = futures_of(futures)
+    n = len(pending)
+    futures = None  # a traceback keeps this frame: it must not keep the results alive
+    limit = parse_timedelta(config.get("cluster.worker-loss-timeout", worker_loss_timeout))
+    check_every = min(0.5, max(limit / 4, 0.05))
+    checked = time.monotonic()
+    lost_since = None
+    # Polls Future.done() (local state) rather than distributed.wait(timeout=): a timed-out
+    # wait leaves the futures referenced by its traceback until the garbage collector runs,
+    # which keeps finished results on the workers for longer.
+    while True:
+        pending = [f for f in pending if not f.done()]
+        if not pending:
+            return
+        time.sleep(0.02)
+        now = time.monotonic()
+        if now - checked < check_every:
+            continue
+        checked = now
+        if client.nthreads():
+            lost_since = None
+            continue
+        lost_since = now if lost_since is None else lost_since
+        if now - lost_since >= limit:
+            left = len([f for f in pending if not f.done()])
+            pending = None
+            raise WorkerLostError(
+                f"blockflow: every worker of the cluster at {client.scheduler.address} was "
+                f"lost during {what}; with no worker for {limit:g} s, {left} of {n} "
+                f"results could not be computed. Restart the workers (or the cluster) and run "
+                f"again. Workers that keep dying usually run out of memory or crash: their "
+                f"logs say which; give them more memory (memory_limit=) or use smaller blocks. "
+                f"(blockflow.cluster.worker-loss-timeout sets how long to wait.)"
+            )
+
+
+def gather_results(client: Client, futures: Any, *, what: str = "the computation",
+                   worker_loss_timeout: str | float | None = None) -> Any:
+    """:func:`wait_for` the futures, then gather their results; worker deaths explained.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    futures : future or collection of futures
+        As for :meth:`distributed.Client.gather`.
+    what : str, default "the computation"
+        Named in error messages.
+    worker_loss_timeout : str or float, optional
+        See :func:`wait_for`.
+
+    Returns
+    -------
+    object
+        What ``client.gather(futures)`` returns.
+
+    Raises
+    ------
+    WorkerLostError
+        If every worker was lost (see :func:`wait_for`), or in place of distributed's
+        ``KilledWorker`` (a task whose workers died ``allowed-failures + 1`` times); the
+        original is chained as ``__cause__``.
+    Exception
+        A task's own exception, as ``client.gather`` raises it.
+    """
+    from distributed.scheduler import KilledWorker
+
+    wait_for(client, futures, what=what, worker_loss_timeout=worker_loss_timeout)
+    try:
+        return client.gather(futures)
+    except KilledWorker as e:
+        futures = None  # the traceback keeps this frame: don't keep the results alive
+        last = getattr(e.last_worker, "address", e.last_worker)
+        n = e.allowed_failures + 1
+        raise WorkerLostError(
+            f"blockflow: {what} failed because workers died while running task {e.task!r}: "
+            f"the worker running it died {n} time{'s' if n != 1 else ''} (the last one was "
+            f"{last}), so Dask gave up on it (KilledWorker). A task that kills its worker usually runs "
+            f"it out of memory or crashes native code: check the worker logs, give workers "
+            f"more memory (memory_limit=) or use smaller blocks; if the deaths had nothing to "
+            f"do with the task, raise distributed.scheduler.allowed-failures and run again."
+        ) from e
