@@ -123,6 +123,11 @@ def _check_output(output: str, overwrite: bool) -> None:
         raise click.ClickException(str(e)) from None
 
 
+_retries_option = click.option(
+    "--retries", type=click.IntRange(min=0), default=0, show_default=True,
+    help="Extra attempts of a task that raises, on any worker (distributed's task retries).")
+
+
 def _progress(no_progress: bool) -> bool | None:
     return False if no_progress else None  # None: a bar when stdout is a terminal
 
@@ -136,12 +141,13 @@ def _progress(no_progress: bool) -> bool | None:
 @click.option("--partitions-per-copy", type=int, default=4, show_default=True,
               help="Partitions per copy of the table (>= 1).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
+@_retries_option
 @_cluster_options
 def flights_command(scale: int, output: str, overwrite: bool, partitions_per_copy: int,
-                    no_progress: bool, **cluster: Any) -> None:
+                    no_progress: bool, retries: int, **cluster: Any) -> None:
     """The 2013 NYC flights ETL: clean, feature, delay statistics per carrier and per
     (origin, month), written as Parquet."""
-    from blockflow.errors import BlockKernelError
+    from blockflow.errors import BlockKernelError, WorkerLostError
     from blockflow.workloads import flights
 
     try:  # bad input fails before a cluster starts
@@ -155,8 +161,8 @@ def flights_command(scale: int, output: str, overwrite: bool, partitions_per_cop
         try:
             result = flights.run(client, scale=scale, output=output,
                                  partitions_per_copy=partitions_per_copy, overwrite=overwrite,
-                                 progress=_progress(no_progress))
-        except (FileExistsError, BlockKernelError) as e:
+                                 progress=_progress(no_progress), retries=retries)
+        except (FileExistsError, BlockKernelError, WorkerLostError) as e:
             raise click.ClickException(str(e)) from None
         click.echo(result.report())
 
@@ -169,14 +175,15 @@ def flights_command(scale: int, output: str, overwrite: bool, partitions_per_cop
               show_default=True, help="Folder for stats.parquet and manifest.json.")
 @click.option("--overwrite", is_flag=True, help="Replace --output if it exists.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
+@_retries_option
 @_cluster_options
 def array_stats_command(size: str, seed: int, output: str, overwrite: bool, no_progress: bool,
-                        **cluster: Any) -> None:
+                        retries: int, **cluster: Any) -> None:
     """Array statistics: per-grid-point moments of a generated gridded field (xarray),
     written as Parquet."""
     from dask.utils import format_bytes
 
-    from blockflow.errors import BlockKernelError
+    from blockflow.errors import BlockKernelError, WorkerLostError
     from blockflow.workloads import array_stats
 
     _check_output(output, overwrite)
@@ -184,8 +191,9 @@ def array_stats_command(size: str, seed: int, output: str, overwrite: bool, no_p
         _print_inventory(client)
         try:
             result = array_stats.run(client, size=size, output=output, overwrite=overwrite,
-                                     seed=seed, progress=_progress(no_progress))
-        except (FileExistsError, BlockKernelError) as e:
+                                     seed=seed, progress=_progress(no_progress),
+                                     retries=retries)
+        except (FileExistsError, BlockKernelError, WorkerLostError) as e:
             raise click.ClickException(str(e)) from None
         click.echo(f"blockflow array-stats: size {size} ({format_bytes(result.nbytes)}), "
                    f"seed {seed}")

@@ -36,7 +36,8 @@ import xarray as xr
 from dask.utils import format_bytes
 
 import blockflow
-from blockflow.blockwise import map_blocks
+from blockflow.blockwise import check_retries, map_blocks
+from blockflow.cluster import gather_results
 from blockflow.io import atomic_output_dir, write_manifest, write_parquet
 from blockflow.reduction import tree_reduce
 
@@ -605,6 +606,7 @@ def run(
     overwrite: bool = False,
     seed: int = 0,
     progress: bool | None = None,
+    retries: int | None = None,
 ) -> ArrayStatsResult:
     """Run the array-stats workload on a cluster and return its statistics and timings.
 
@@ -625,6 +627,9 @@ def run(
         Seed of the generated field.
     progress : bool, optional
         Show a :func:`distributed.progress` bar; default: when stdout is a terminal.
+    retries : int, optional
+        Extra attempts of every task that raises (default 0), on any worker: passed to
+        ``client.compute`` (distributed's ``TaskState.retries``).
 
     Returns
     -------
@@ -633,20 +638,24 @@ def run(
     Raises
     ------
     ValueError
-        For an unknown ``size``.
+        For an unknown ``size``, or ``retries`` not an integer >= 0.
     FileExistsError
         If ``output`` exists and ``overwrite`` is False (raised by
         :func:`blockflow.io.atomic_output_dir`).
+    WorkerLostError
+        If every worker is lost for ``blockflow.cluster.worker-loss-timeout``, or workers
+        die repeatedly under one task (``KilledWorker``). Nothing is written.
     """
     spec = _spec(size)
     seed = _check_seed(seed)
+    retries = check_retries(retries, "array-stats")
     with contextlib.ExitStack() as stack:
         tmp = None
         if output is not None:
             # Claim the output before computing: an existing directory fails fast, and a run
             # that fails leaves nothing behind.
             tmp = stack.enter_context(atomic_output_dir(output, overwrite=overwrite))
-        result = _compute(client, spec, size, seed, progress)
+        result = _compute(client, spec, size, seed, progress, retries)
         if tmp is not None:
             _write(result, tmp)
     if output is not None:
@@ -654,17 +663,27 @@ def run(
     return result
 
 
-def _compute(client, spec: FieldSpec, size: str, seed: int, progress) -> ArrayStatsResult:
+def _compute(client, spec: FieldSpec, size: str, seed: int, progress,
+             retries: int = 0) -> ArrayStatsResult:
     stats_lazy = build(size, seed)
     n_tasks = len(stats_lazy.__dask_graph__())
     before = _task_counts(client)
     start = time.perf_counter()
-    future = client.compute(stats_lazy)
+    future = client.compute(stats_lazy, retries=retries)
+    bar = None
     if _show_progress(progress):
+        import threading
+
         from distributed import progress as progress_bar
 
-        progress_bar(future, notebook=False)  # text bar; blocks until done
-    stats = future.result()
+        # In the background: gather_results watches for lost workers meanwhile.
+        bar = threading.Thread(target=progress_bar, args=(future,),
+                               kwargs={"notebook": False}, daemon=True,
+                               name="blockflow-progress")
+        bar.start()
+    stats = gather_results(client, future, what=f"array-stats ({size})")
+    if bar is not None:
+        bar.join(10.0)  # let the bar print its last (100 %) line
     wall = time.perf_counter() - start
     after = _task_counts(client)
     counts = None

@@ -38,12 +38,12 @@ import dask
 import dask.dataframe as dd
 import pandas as pd
 from distributed import progress as progress_bar
-from distributed import wait
 
 import blockflow
 from blockflow.aggregations import ROWS, grouped_moments, grouped_quantiles, quantile_label
 from blockflow.backends import dataframe_module
-from blockflow.blockwise import map_blocks
+from blockflow.blockwise import check_retries, map_blocks
+from blockflow.cluster import gather_results, wait_for
 from blockflow.io import atomic_output_dir, write_manifest, write_tables
 
 __all__ = [
@@ -567,6 +567,7 @@ def run(
     overwrite: bool = False,
     progress: bool | None = None,
     split_every: int | None = None,
+    retries: int | None = None,
 ) -> FlightsResult:
     """Run the flights ETL on a cluster: load, clean, persist, aggregate, write.
 
@@ -589,6 +590,10 @@ def run(
         stdout is a terminal.
     split_every : int, optional
         Fan-in of the tree reductions (>= 2); default sized from worker memory.
+    retries : int, optional
+        Extra attempts of every task of the run that raises (default 0), on any worker:
+        passed to ``client.persist`` / ``client.compute``, so distributed's scheduler
+        reschedules a failed task up to ``retries`` times (``TaskState.retries``).
 
     Returns
     -------
@@ -599,48 +604,78 @@ def run(
     Raises
     ------
     ValueError
-        If ``scale`` or ``partitions_per_copy`` is not an integer >= 1, or ``split_every``
-        is < 2.
+        If ``scale`` or ``partitions_per_copy`` is not an integer >= 1, ``split_every`` is
+        < 2, or ``retries`` is not an integer >= 0.
     FileExistsError
         If ``output`` exists and ``overwrite`` is False (before any work starts).
     BlockKernelError
-        If a blockwise kernel fails on a partition (the message names the partition).
+        If a blockwise kernel fails on a partition (on its last attempt; the message names
+        the partition). Nothing is written.
+    WorkerLostError
+        If every worker is lost for ``blockflow.cluster.worker-loss-timeout``, or workers
+        die repeatedly under one task (distributed's ``KilledWorker``). Nothing is written.
+
+    Notes
+    -----
+    A worker that dies mid-run (and is replaced, e.g. by its nanny) costs time, not
+    correctness: distributed recomputes the partitions it held, and the tables are the same
+    as those of an undisturbed run.
     """
     scale = check_scale(scale)
     partitions_per_copy = check_partitions_per_copy(partitions_per_copy)
+    retries = check_retries(retries, "flights")
     with contextlib.ExitStack() as stack:
         tmp = None
         if output is not None:
             # Claim the output first: an existing folder fails before any work, and a run
             # that fails later leaves nothing behind (and an old output untouched).
             tmp = stack.enter_context(atomic_output_dir(output, overwrite=overwrite))
-        result = _compute(client, scale, partitions_per_copy, progress, split_every)
+        result = _compute(client, scale, partitions_per_copy, progress, split_every, retries)
         if tmp is not None:
             result.output = os.path.abspath(os.fspath(output))
             _write(result, tmp)
     return result
 
 
+class _Progress:
+    """A text progress bar in a background thread, so that the caller's wait can watch for
+    lost workers meanwhile; :meth:`finish` lets the bar print its last (100 %) line."""
+
+    def __init__(self, futures, show: bool):
+        self.thread = None
+        if show:
+            self.thread = threading.Thread(target=progress_bar, args=(futures,),
+                                           kwargs={"notebook": False}, daemon=True,
+                                           name="blockflow-progress")
+            self.thread.start()
+
+    def finish(self, timeout: float = 10.0) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+
 def _compute(client, scale: int, partitions_per_copy: int, progress: bool | None,
-             split_every: int | None) -> FlightsResult:
+             split_every: int | None, retries: int = 0) -> FlightsResult:
     show = _show_progress(progress)
+    what = f"the flights ETL (scale {scale})"
     before = _task_counts(client)
     start = time.perf_counter()
     raw = load_flights(scale, partitions_per_copy)
     # One submission: the input row count and the persisted frame share the load tasks.
-    featured, input_rows = client.persist([prepare(raw), raw.shape[0]])
+    featured, input_rows = client.persist([prepare(raw), raw.shape[0]], retries=retries or None)
+    futures = None
     try:
-        if show:
-            progress_bar(featured, notebook=False)  # text bar; blocks until persisted
-        else:
-            wait(featured)
+        bar = _Progress(featured, show)
+        wait_for(client, featured, what=what)
+        bar.finish()
         lazy = aggregate(featured, split_every=split_every)
         keys = list(lazy)
         futures = client.compute([featured.shape[0], input_rows]
-                                 + [part for name in keys for part in lazy[name]])
-        if show:
-            progress_bar(futures, notebook=False)
-        clean_rows, n_input, *parts = client.gather(futures)
+                                 + [part for name in keys for part in lazy[name]],
+                                 retries=retries or None)
+        bar = _Progress(futures, show)
+        clean_rows, n_input, *parts = gather_results(client, futures, what=what)
+        bar.finish()
         wall = time.perf_counter() - start
     finally:
         # Release the persisted partitions now, also when a step failed (a traceback would
