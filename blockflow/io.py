@@ -57,16 +57,42 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
     Raises
     ------
     FileExistsError
-        If ``path`` exists (as a folder, file or link) and ``overwrite`` is False. The message
-        names the path and the ``--overwrite`` flag (``overwrite=True`` in Python).
+        If ``path`` exists (as a folder, file or link) and ``overwrite`` is False; or if
+        ``overwrite`` is True but ``path`` is not a folder blockflow wrote (it holds no
+        ``manifest.json``) and is not empty: overwriting never deletes other data. The
+        message names the path and the fix.
+    PermissionError
+        If the folder that would hold ``path`` is not writable.
     """
     target = Path(os.path.abspath(os.fspath(path)))
-    if not overwrite and (target.exists() or target.is_symlink()):
+    exists = target.exists() or target.is_symlink()
+    if exists and not overwrite:
         raise FileExistsError(
             f"Output {os.fspath(target)!r} already exists; pass --overwrite "
             f"(overwrite=True in Python) to replace it, or choose another output folder."
         )
+    if exists and not _is_replaceable_output(target):
+        raise FileExistsError(
+            f"Output {os.fspath(target)!r} exists and is not a blockflow output folder (no "
+            f"{MANIFEST_NAME}); --overwrite only replaces folders blockflow wrote. Choose "
+            f"another output folder, or remove it yourself."
+        )
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # the nearest folder that exists: parents get created there
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(
+            f"Output {os.fspath(target)!r} cannot be written: {os.fspath(parent)!r} is not "
+            f"writable; choose another output folder."
+        )
     return target
+
+
+def _is_replaceable_output(path: Path) -> bool:
+    """An existing output may be replaced if blockflow wrote it, or if it is an empty folder."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return (path / MANIFEST_NAME).is_file() or not any(path.iterdir())
 
 
 def _remove(path: Path) -> None:

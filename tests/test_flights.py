@@ -120,6 +120,7 @@ def test_existing_output_is_refused_before_any_work(client, tmp_path):
     out = tmp_path / "flights-out"
     out.mkdir()
     (out / "old.txt").write_text("old result")
+    (out / "manifest.json").write_text("{}")  # a previous blockflow output
     with get_task_stream(client) as stream:
         with pytest.raises(FileExistsError) as info:
             flights.run(client, scale=1, output=out, progress=False)
@@ -128,7 +129,7 @@ def test_existing_output_is_refused_before_any_work(client, tmp_path):
         f"to replace it, or choose another output folder."
     )
     assert stream.data == []
-    assert _entries(tmp_path) == ["flights-out"] and _entries(out) == ["old.txt"]
+    assert _entries(tmp_path) == ["flights-out"] and _entries(out) == ["manifest.json", "old.txt"]
 
 
 @pytest.mark.parametrize("existing", [False, True])
@@ -138,13 +139,14 @@ def test_run_failing_mid_way_leaves_no_partial_output(client, tmp_path, existing
     if existing:
         out.mkdir()
         (out / "old.txt").write_text("old result")
+        (out / "manifest.json").write_text("{}")  # a previous blockflow output
     with get_task_stream(client) as stream:
         with dask.config.set({"blockflow.reduction.split-every": 1}):
             with pytest.raises(ValueError, match="split_every=1 is too small"):
                 flights.run(client, scale=1, output=out, overwrite=True, progress=False)
     assert stream.data  # the failure came after work had run on the cluster
     if existing:
-        assert _entries(tmp_path) == ["flights-out"] and _entries(out) == ["old.txt"]
+        assert _entries(tmp_path) == ["flights-out"] and _entries(out) == ["manifest.json", "old.txt"]
     else:
         assert _entries(tmp_path) == []
 
@@ -153,6 +155,7 @@ def test_overwrite_replaces_previous_output(client, tmp_path):
     out = tmp_path / "flights-out"
     out.mkdir()
     (out / "old.txt").write_text("old result")
+    (out / "manifest.json").write_text("{}")  # a previous blockflow output
     result = flights.run(client, scale=1, output=out, overwrite=True, progress=False)
     assert _entries(out) == ["by_carrier.parquet", "by_origin_month.parquet", "manifest.json"]
     assert _entries(tmp_path) == ["flights-out"]

@@ -29,8 +29,10 @@ def _exists_message(path) -> str:
 
 
 def _old_output(path):
+    """A previous blockflow output: its files and a manifest.json."""
     path.mkdir()
     (path / "old.txt").write_text("old result")
+    (path / "manifest.json").write_text("{}")
     return path
 
 
@@ -74,7 +76,7 @@ def test_existing_output_without_overwrite_fails_on_entry(tmp_path):
             pytest.fail("the block must not run when the output exists")
     assert str(info.value) == _exists_message(out)
     assert _entries(tmp_path) == ["result"]
-    assert _entries(out) == ["old.txt"]
+    assert _entries(out) == ["manifest.json", "old.txt"]
 
 
 def test_existing_file_counts_as_existing_output(tmp_path):
@@ -97,18 +99,47 @@ def test_relative_path_is_reported_absolute(tmp_path, monkeypatch):
 def test_overwrite_replaces_old_output(tmp_path):
     out = _old_output(tmp_path / "result")
     with atomic_output_dir(out, overwrite=True) as tmp:
-        assert _entries(out) == ["old.txt"]  # the old output stays readable while writing
+        assert _entries(out) == ["manifest.json", "old.txt"]  # old output readable meanwhile
         (tmp / "new.txt").write_text("new")
     assert _entries(out) == ["new.txt"]
     assert _entries(tmp_path) == ["result"]  # the old one renamed aside was deleted
 
 
-def test_overwrite_replaces_a_file(tmp_path):
-    out = tmp_path / "result"
-    out.write_text("a file")
-    with atomic_output_dir(out, overwrite=True) as tmp:
+def test_overwrite_never_deletes_data_blockflow_did_not_write(tmp_path):
+    """--overwrite replaces blockflow outputs (with a manifest) and empty folders only."""
+    afile = tmp_path / "afile"
+    afile.write_text("a file")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "thesis.tex").write_text("years of work")
+    for out in (afile, project):
+        with pytest.raises(FileExistsError) as e:
+            with atomic_output_dir(out, overwrite=True):
+                pass
+        assert str(e.value) == (
+            f"Output {os.fspath(out)!r} exists and is not a blockflow output folder (no "
+            f"manifest.json); --overwrite only replaces folders blockflow wrote. Choose "
+            f"another output folder, or remove it yourself.")
+    assert afile.read_text() == "a file"
+    assert (project / "thesis.tex").read_text() == "years of work"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with atomic_output_dir(empty, overwrite=True) as tmp:
         (tmp / "new.txt").write_text("new")
-    assert _entries(out) == ["new.txt"]
+    assert _entries(empty) == ["new.txt"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_unwritable_parent_is_refused_up_front(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with pytest.raises(PermissionError, match="is not writable; choose another output"):
+            with atomic_output_dir(ro / "sub" / "out"):
+                pass
+    finally:
+        ro.chmod(0o700)
     assert _entries(tmp_path) == ["result"]
 
 
@@ -130,7 +161,7 @@ def test_output_created_meanwhile_is_not_clobbered(tmp_path):
             _old_output(out)  # another process wrote the output while we computed
     assert str(info.value) == _exists_message(out)
     assert _entries(tmp_path) == ["result"]
-    assert _entries(out) == ["old.txt"]
+    assert _entries(out) == ["manifest.json", "old.txt"]
 
 
 def test_missing_parents_are_created(tmp_path):
@@ -191,7 +222,7 @@ def test_write_outputs_failing_mid_way_leaves_old_output(tmp_path):
     with pytest.raises((pa.ArrowException, TypeError, ValueError)):
         write_outputs(out, tables, {"workload": "test"}, overwrite=True)
     assert _entries(tmp_path) == ["run"]
-    assert _entries(out) == ["old.txt"]
+    assert _entries(out) == ["manifest.json", "old.txt"]
 
 
 def test_write_tables_lists_files(tmp_path):
