@@ -269,16 +269,3 @@ async def test_without_gpu_metrics_it_balances_on_queue_and_speed_alone(c, s, a,
     assert await c.gather(futs) == [i + 1 for i in range(12)]
     ran = Counter(next(iter(s.tasks[f.key].who_has)).address for f in futs)
     assert ran[a.address] < 12 and ran[b.address] + ran[w.address] >= 6
-
-
-def test_speed_model_starts_from_capacity_priors_then_learns():
-    m = SpeedModel()
-    m.set_priors({"big": 2.0, "small": 0.5, "bad": float("nan")})
-    assert m.speed("big") == pytest.approx(2.0) and m.speed("small") == pytest.approx(0.5)
-    assert m.speed("bad") == 1.0 and m.speed("unknown") == 1.0
-    for _ in range(40):  # observed: "small" is in fact as fast as the others
-        m.observe("big", "g", 0.05)
-        m.observe("small", "g", 0.05)
-        m.observe("other", "g", 0.05)
-    m.update()
-    assert m.speed("small") == pytest.approx(m.speed("other"), rel=0.1)

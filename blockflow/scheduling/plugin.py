@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import time
 from collections import Counter, deque
 from typing import Any
@@ -28,7 +27,7 @@ from tornado.ioloop import PeriodicCallback
 from blockflow import config
 from blockflow.blockwise import KERNEL_PREFIX
 from blockflow.scheduling import adapter
-from blockflow.scheduling.metrics import CAPACITY_METRIC, clean_number, read_metrics
+from blockflow.scheduling.metrics import read_metrics
 from blockflow.scheduling.policies import (
     ClusterSnapshot,
     Decision,
@@ -210,22 +209,8 @@ class Rebalancer(SchedulerPlugin):
         self._host_pause_fraction = pause_fraction
         return views
 
-    def _capacity_priors(self) -> dict[str, float]:
-        """Nominal capacity / median capacity, for workers reporting ``blockflow-capacity``."""
-        caps = {}
-        for addr, ws in self.scheduler.workers.items():
-            metrics = ws.metrics if isinstance(ws.metrics, dict) else {}
-            cap = clean_number(metrics.get(CAPACITY_METRIC))
-            if cap:
-                caps[addr] = cap
-        if not caps:
-            return {}
-        mid = statistics.median(caps.values())
-        return {a: c / mid for a, c in caps.items()}
-
     def take_snapshot(self) -> ClusterSnapshot:
         """The rebalancer's view of the cluster now (speeds updated first)."""
-        self.speeds.set_priors(self._capacity_priors())
         self.speeds.update()
         return ClusterSnapshot(time=time.time(), workers=self._views(),
                                queued=len(self.scheduler.queued), scheduler=self.scheduler)

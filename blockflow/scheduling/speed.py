@@ -5,9 +5,7 @@ duration: each finished task contributes ``log(median_g) - log(duration)``, wher
 ``median_g`` is the median of the group's recent durations *normalised by the speed of the
 worker that ran them* (so a slow worker does not drag the reference down). The estimate is
 an exponentially weighted mean in log space (robust to the log-normal spread of real block
-durations), starting from a prior that fades after a few observations: the worker's nominal
-capacity relative to the median worker's (the ``blockflow-capacity`` metric, when workers
-report it) or 1.
+durations), starting from a prior speed of 1 that fades after a few observations.
 
 Recording an observation is O(1) (it runs in the scheduler's transition hook); the work is
 done once per control-loop tick in :meth:`SpeedModel.update`.
@@ -46,15 +44,6 @@ class SpeedModel:
         self.log_speed: dict[str, float] = {}
         self.count: dict[str, int] = {}
         self.groups: dict[str, deque[float]] = {}
-        self.log_prior: dict[str, float] = {}
-
-    def set_priors(self, priors: dict[str, float]) -> None:
-        """Prior speeds (> 0) of workers, e.g. nominal capacity / the median capacity.
-
-        A worker not seen yet starts from its prior; observations then take over.
-        """
-        self.log_prior = {w: math.log(p) for w, p in priors.items()
-                          if isinstance(p, (int, float)) and math.isfinite(p) and p > 0}
 
     def observe(self, worker: str, group: str, duration: float) -> None:
         """Record that ``worker`` ran a task of ``group`` in ``duration`` seconds. O(1)."""
@@ -67,7 +56,7 @@ class SpeedModel:
         medians: dict[str, float] = {}
         while self.pending:
             worker, group, duration = self.pending.popleft()
-            ls = self.log_speed.get(worker, self.log_prior.get(worker, 0.0))
+            ls = self.log_speed.get(worker, 0.0)
             window = self.groups.get(group)
             if window is None:
                 window = self.groups[group] = deque(maxlen=self.window)
@@ -76,14 +65,14 @@ class SpeedModel:
             if group not in medians:
                 medians[group] = median(window)
             k = self.count.get(worker, 0)
-            a = max(self.alpha, 1.0 / (k + 1 + self.prior_weight))  # the prior fades
+            a = max(self.alpha, 1.0 / (k + 1 + self.prior_weight))
             self.log_speed[worker] = ls + a * ((medians[group] - log_d) - ls)
             self.count[worker] = k + 1
         return n
 
     def speed(self, worker: str) -> float:
-        """Relative speed of ``worker`` (1.0 = the typical worker; its prior when unseen)."""
-        return math.exp(self.log_speed.get(worker, self.log_prior.get(worker, 0.0)))
+        """Relative speed of ``worker`` (1.0 = the typical worker; prior 1.0 when unseen)."""
+        return math.exp(self.log_speed.get(worker, 0.0))
 
     def observations(self, worker: str) -> int:
         """Number of tasks seen from ``worker``."""
@@ -92,7 +81,6 @@ class SpeedModel:
     def forget(self, worker: str) -> None:
         """Drop everything known about ``worker`` (it left the cluster)."""
         self.log_speed.pop(worker, None)
-        self.log_prior.pop(worker, None)
         self.count.pop(worker, None)
         self.pending = deque((o for o in self.pending if o[0] != worker),
                              maxlen=self.pending.maxlen)
