@@ -477,3 +477,12 @@ def test_xarray_reduction_refuses_axis_and_keepdims():
         assert str(e.value) == (
             "blockflow.tree_reduce: for xarray objects name the dimensions with dim=... "
             "(axis= and keepdims= apply to dask arrays only).")
+
+
+def test_xarray_results_mix_with_other_dask_variables():
+    arr = xr.DataArray(da.ones((6, 4), chunks=2), dims=("t", "x"))
+    ds = xr.Dataset({"s": tree_reduce(arr, np.sum, dim="t", split_every=2),
+                     "m": arr.mean("t")})
+    out = ds.compute(scheduler="sync")
+    np.testing.assert_array_equal(out["s"].values, np.full(4, 6.0))
+    np.testing.assert_array_equal(out["m"].values, np.ones(4))
