@@ -69,7 +69,8 @@ def _check_cluster_options(address: str | None, gpu: str | None, n_workers: int 
 
 @contextlib.contextmanager
 def _client(address: str | None, gpu: str | None, n_workers: int | None,
-            threads_per_worker: int | None, policy: str | None) -> Iterator[Any]:
+            threads_per_worker: int | None, policy: str | None,
+            announce: bool = True) -> Iterator[Any]:
     """A client with blockflow's plugin; an embedded cluster is shut down afterwards."""
     import blockflow
     from blockflow.backends import GPUUnavailableError
@@ -79,10 +80,14 @@ def _client(address: str | None, gpu: str | None, n_workers: int | None,
     if address is None:
         options = {"gpu": None if gpu is None else _GPU_CHOICES[gpu], "n_workers": n_workers,
                    "threads_per_worker": threads_per_worker}
+    if address is not None:
+        _check_address(address)
     try:
         client = blockflow.connect(address, policy=policy, **options)
-    except (GPUUnavailableError, OSError) as e:
+    except (GPUUnavailableError, OSError, ValueError) as e:  # incl. invalid settings
         raise click.ClickException(str(e)) from None
+    if announce:  # the link is live only while the job runs
+        click.echo(f"Dashboard (while the job runs): {client.dashboard_link or 'n/a'}")
     try:
         yield client
     finally:
@@ -90,6 +95,24 @@ def _client(address: str | None, gpu: str | None, n_workers: int | None,
             client.shutdown()  # we started the cluster: stop its workers and scheduler
         else:
             client.close()  # someone else's cluster: leave it running
+
+
+def _check_address(address: str) -> None:
+    """A scheduler address must look like ``[tcp://|tls://|ucx://]host:port``."""
+    from distributed.comm import parse_address
+    from distributed.comm.addressing import parse_host_port
+
+    try:
+        scheme, loc = parse_address(address)
+        if scheme not in ("tcp", "tls", "ucx", "inproc"):
+            raise ValueError(scheme)
+        if scheme != "inproc":
+            parse_host_port(loc)
+    except (ValueError, TypeError):
+        raise click.ClickException(
+            f"--address {address!r} is not a scheduler address; give "
+            f"tcp://host:port (or tls://host:port), e.g. tcp://10.0.0.5:8786."
+        ) from None
 
 
 def _print_inventory(client) -> None:
@@ -103,6 +126,20 @@ def _print_inventory(client) -> None:
 @click.version_option(package_name="blockflow", prog_name="blockflow")
 def cli() -> None:
     """blockflow: spread chunked data and AI workloads over many CPUs and GPUs with Dask."""
+    _exit_cleanly_on_sigterm()
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """SIGTERM (kill, Slurm, Kubernetes) unwinds like Ctrl-C: temporary output folders are
+    removed and the embedded cluster is shut down; exit status 143."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        def handler(signum, frame):
+            raise SystemExit(128 + signum)
+
+        signal.signal(signal.SIGTERM, handler)
 
 
 @cli.group(name="run")
@@ -119,7 +156,7 @@ def _check_output(output: str, overwrite: bool) -> None:
 
     try:
         check_output_dir(output, overwrite)
-    except FileExistsError as e:
+    except OSError as e:  # exists, not a blockflow output, not writable
         raise click.ClickException(str(e)) from None
 
 
@@ -222,7 +259,7 @@ def _echo_task_counts(counts: dict[str, int] | None) -> None:
 @_cluster_options
 def info_command(**cluster: Any) -> None:
     """Print the workers of a cluster with their threads, memory and GPUs."""
-    with _client(**cluster) as client:
+    with _client(**cluster, announce=False) as client:
         _print_inventory(client)
         click.echo(f"Dashboard: {client.dashboard_link or 'n/a'}")
 

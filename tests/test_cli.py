@@ -206,3 +206,51 @@ def test_dask_blockflow_entry_point():
          "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "flights" in proc.stdout and "array-stats" in proc.stdout
+
+
+@pytest.mark.parametrize("address", ["notaurl", "tcp://localhost", "http://127.0.0.1:8786"])
+def test_malformed_address_is_one_clear_line(address, tmp_path):
+    from click.testing import CliRunner
+
+    from blockflow.cli import cli as blockflow_cli
+
+    result = CliRunner().invoke(blockflow_cli, ["run", "flights", "--address", address,
+                                                "--output", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert result.output.strip() == (
+        f"Error: --address {address!r} is not a scheduler address; give tcp://host:port "
+        f"(or tls://host:port), e.g. tcp://10.0.0.5:8786.")
+
+
+def test_overwrite_refuses_a_folder_blockflow_did_not_write(tmp_path):
+    from click.testing import CliRunner
+
+    from blockflow.cli import cli as blockflow_cli
+
+    (tmp_path / "thesis.tex").write_text("years of work")
+    result = CliRunner().invoke(blockflow_cli, ["run", "flights", "--output", str(tmp_path),
+                                                "--overwrite"])
+    assert result.exit_code == 1
+    assert "is not a blockflow output folder (no manifest.json)" in result.output
+    assert (tmp_path / "thesis.tex").read_text() == "years of work"
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_leaves_no_temporary_folder(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blockflow", "run", "flights", "--scale", "20", "--n-workers",
+         "2", "--output", str(out), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not any(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    assert list(tmp_path.iterdir()) == []  # no output, no temporary folder
