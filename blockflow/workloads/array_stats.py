@@ -23,7 +23,6 @@ import logging
 import math
 import os
 import platform
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +39,7 @@ from blockflow.blockwise import check_retries, map_blocks
 from blockflow.cluster import gather_results
 from blockflow.io import atomic_output_dir, write_manifest, write_parquet
 from blockflow.reduction import tree_reduce
+from blockflow.workloads._common import show_progress, task_counts_or_none
 
 __all__ = [
     "ArrayStatsResult",
@@ -565,19 +565,6 @@ class ArrayStatsResult:
 # --- entry points ------------------------------------------------------------------------
 
 
-def _task_counts(client) -> dict[str, int] | None:
-    try:
-        return dict(blockflow.task_counts(client))
-    except RuntimeError:  # the scheduler runs no blockflow plugin
-        return None
-
-
-def _show_progress(progress: bool | None) -> bool:
-    if progress is None:
-        return bool(getattr(sys.stdout, "isatty", lambda: False)())
-    return bool(progress)
-
-
 def build(size: str = "small", seed: int = 0, *, split_every: int | None = None) -> xr.Dataset:
     """The whole workload as one lazy Dataset (generate -> anomaly -> moments).
 
@@ -667,11 +654,11 @@ def _compute(client, spec: FieldSpec, size: str, seed: int, progress,
              retries: int = 0) -> ArrayStatsResult:
     stats_lazy = build(size, seed)
     n_tasks = len(stats_lazy.__dask_graph__())
-    before = _task_counts(client)
+    before = task_counts_or_none(client)
     start = time.perf_counter()
     future = client.compute(stats_lazy, retries=retries)
     bar = None
-    if _show_progress(progress):
+    if show_progress(progress):
         import threading
 
         from distributed import progress as progress_bar
@@ -685,7 +672,7 @@ def _compute(client, spec: FieldSpec, size: str, seed: int, progress,
     if bar is not None:
         bar.join(10.0)  # let the bar print its last (100 %) line
     wall = time.perf_counter() - start
-    after = _task_counts(client)
+    after = task_counts_or_none(client)
     counts = None
     if before is not None and after is not None:
         counts = {w: after[w] - before.get(w, 0) for w in sorted(after)

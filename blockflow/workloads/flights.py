@@ -28,7 +28,6 @@ import logging
 import numbers
 import os
 import platform
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from blockflow.backends import dataframe_module
 from blockflow.blockwise import check_retries, map_blocks
 from blockflow.cluster import gather_results, wait_for
 from blockflow.io import atomic_output_dir, write_manifest, write_tables
+from blockflow.workloads._common import show_progress, task_counts_or_none
 
 __all__ = [
     "DELAY_COLUMNS",
@@ -545,19 +545,6 @@ class FlightsResult:
 # --- entry points ------------------------------------------------------------------------
 
 
-def _task_counts(client) -> dict[str, int] | None:
-    try:
-        return dict(blockflow.task_counts(client))
-    except RuntimeError:  # the scheduler runs no blockflow plugin
-        return None
-
-
-def _show_progress(progress: bool | None) -> bool:
-    if progress is None:
-        return bool(getattr(sys.stdout, "isatty", lambda: False)())
-    return bool(progress)
-
-
 def run(
     client,
     *,
@@ -656,9 +643,9 @@ class _Progress:
 
 def _compute(client, scale: int, partitions_per_copy: int, progress: bool | None,
              split_every: int | None, retries: int = 0) -> FlightsResult:
-    show = _show_progress(progress)
+    show = show_progress(progress)
     what = f"the flights ETL (scale {scale})"
-    before = _task_counts(client)
+    before = task_counts_or_none(client)
     start = time.perf_counter()
     raw = load_flights(scale, partitions_per_copy)
     # One submission: the input row count and the persisted frame share the load tasks.
@@ -683,7 +670,7 @@ def _compute(client, scale: int, partitions_per_copy: int, progress: bool | None
         featured = input_rows = futures = None
     tables = {name: assemble(parts[2 * i], parts[2 * i + 1], GROUPINGS[name])
               for i, name in enumerate(keys)}
-    after = _task_counts(client)
+    after = task_counts_or_none(client)
     counts = None
     if before is not None and after is not None:
         counts = {w: after[w] - before.get(w, 0) for w in sorted(after)
