@@ -1,0 +1,59 @@
+"""Load: 50,000 tasks through 4 workers with the dynamic policy active, and a decision log
+that stays within ``blockflow.rebalancer.decision-log-size`` however many decisions come."""
+
+from __future__ import annotations
+
+import time
+
+import dask
+import pytest
+from distributed import wait
+
+import blockflow
+from blockflow.scheduling import Rebalancer
+from blockflow.testing import set_tenant, simulated_cluster
+
+from .conftest import wait_until
+
+N_TASKS = 50_000
+LOG_SIZE = 100
+
+
+def inc(x):
+    return x + 1
+
+
+async def _heartbeat(dask_worker):
+    await dask_worker.heartbeat()
+
+
+@pytest.mark.slow
+def test_50000_tasks_with_the_dynamic_policy_and_a_bounded_decision_log():
+    with dask.config.set({"blockflow.rebalancer.decision-log-size": LOG_SIZE}), \
+            simulated_cluster(speeds=(1, 1, 1, 1), threads_per_worker=4,
+                              processes=False) as client:  # 4 threads: less idle time
+        client.register_plugin(Rebalancer(policy="dynamic"))  # ticks every 100 ms
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        hot = workers[1:]  # never all: the last usable worker is never paused
+        start = time.monotonic()
+        futures = client.map(inc, range(N_TASKS))
+        # Meanwhile, other tenants come and go on three GPUs: each swing is three pauses or
+        # three resumes, decided by the control loop while the tasks run.
+        decided = 0
+        for swing in range(2 * (LOG_SIZE // 6 + 2)):
+            busy = swing % 2 == 0
+            client.run(set_tenant, (95, 0) if busy else None, workers=hot)
+            client.run(_heartbeat, workers=hot)
+            wait_until(lambda: sorted(blockflow.plugin_status(client)["paused"])
+                       == (hot if busy else []), timeout=20, what=f"swing {swing}")
+            decided += len(hot)
+        wait(futures, timeout=120)
+        results = client.gather(futures)
+        took = time.monotonic() - start
+        assert results == [i + 1 for i in range(N_TASKS)]
+        assert decided > LOG_SIZE
+        log = blockflow.decisions(client)
+        assert len(log) <= LOG_SIZE
+        assert len(log.query("action in ('pause', 'resume')")) > LOG_SIZE // 2
+        assert sum(blockflow.task_counts(client).values()) >= N_TASKS
+        assert took < 150, f"{N_TASKS} tasks took {took:.0f} s"  # ~40 s on an idle 2-core box

@@ -1,0 +1,224 @@
+"""Flaky and failing kernels: ``retries=`` through map_blocks, tree_reduce, flights.run, CLI.
+
+Failures are counted in files, so a kernel fails once *in the whole cluster* however many
+worker processes run it, and the number of attempts is known afterwards.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+
+import dask.array as da
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+import blockflow
+from blockflow.cli import cli
+from blockflow.errors import BlockKernelError
+from blockflow.workloads import flights
+
+from .conftest import wait_until
+
+
+def _attempt(marks: str, name: str) -> int:
+    """Record one attempt under ``name``; return how many there were before this one."""
+    path = os.path.join(marks, name)
+    with open(path, "a") as f:  # O_APPEND: whole lines, also from several processes
+        f.write("x\n")
+    with open(path) as f:
+        return len(f.read().splitlines()) - 1
+
+
+def attempts(marks, name: str) -> int:
+    path = os.path.join(marks, name)
+    return len(open(path).read().splitlines()) if os.path.exists(path) else 0
+
+
+def fail_once(block, block_id=None, *, marks, bad=3):
+    """+1, except that the first attempt on block ``bad`` raises."""
+    if block_id == (bad,) and _attempt(marks, f"block-{bad}") == 0:
+        raise ConnectionResetError(f"flaky read of block {bad}")
+    return block + 1
+
+
+def always_fail(block, block_id=None, *, marks, bad=3):
+    if block_id == (bad,):
+        _attempt(marks, f"block-{bad}")
+        raise ValueError(f"block {bad} is corrupt")
+    return block + 1
+
+
+def flaky_sum(x, axis=None, keepdims=False, *, marks):
+    """np.sum whose first call on a non-empty block raises."""
+    if x.size and _attempt(marks, "chunk") == 0:
+        raise ConnectionResetError("flaky chunk")
+    return np.sum(x, axis=axis, keepdims=keepdims)
+
+
+_drop_cancelled = flights.drop_cancelled  # the real kernel, before tests replace it
+
+
+def flaky_drop(part, partition_info=None, *, marks, bad=2, always=False):
+    """flights.drop_cancelled, failing on partition ``bad`` once (or always)."""
+    if partition_info is not None and partition_info["number"] == bad:
+        if _attempt(marks, f"partition-{bad}") == 0 or always:
+            raise OSError(f"lost connection while reading partition {bad}")
+    return _drop_cancelled(part)
+
+
+class RecordRetries(SchedulerPlugin):
+    """Records ``TaskState.retries`` of every task when it first starts processing."""
+
+    name = "test-record-retries"
+
+    async def start(self, scheduler):
+        self.scheduler, self.seen = scheduler, {}
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if finish == "processing" and key not in self.seen:
+            self.seen[key] = self.scheduler.tasks[key].retries
+
+
+def _seen_retries(dask_scheduler=None) -> dict:
+    """What the recorder saw since the last call."""
+    plugin = dask_scheduler.plugins[RecordRetries.name]
+    seen, plugin.seen = plugin.seen, {}
+    return seen
+
+
+def _flights_tasks(dask_scheduler=None) -> int:
+    return sum(str(k).startswith("('blockflow-load-flights") for k in dask_scheduler.tasks)
+
+
+def forget_earlier_runs(client) -> None:
+    """Wait until the scheduler has forgotten earlier runs' tasks: a task that still exists
+    when a graph with the same key arrives keeps the ``retries`` it had."""
+    gc.collect()  # futures kept alive by reference cycles of earlier tracebacks
+    wait_until(lambda: client.run_on_scheduler(_flights_tasks) == 0, timeout=30,
+               what="earlier flights tasks to be released")
+
+
+@pytest.fixture
+def record_retries(proc_client):
+    proc_client.register_plugin(RecordRetries())
+    yield lambda: proc_client.run_on_scheduler(_seen_retries)
+    proc_client.unregister_scheduler_plugin(RecordRetries.name)
+
+
+# --- map_blocks / tree_reduce: retries inside the task --------------------------------
+
+
+def test_a_kernel_failing_once_succeeds_with_retries(proc_client, tmp_path):
+    x = da.arange(60, chunks=10)
+    y = blockflow.map_blocks(fail_once, x, marks=str(tmp_path), retries=1)
+    np.testing.assert_array_equal(proc_client.compute(y).result(), np.arange(60) + 1)
+    assert attempts(tmp_path, "block-3") == 2
+
+
+def test_without_retries_the_same_kernel_fails_naming_the_block(proc_client, tmp_path):
+    y = blockflow.map_blocks(fail_once, da.arange(60, chunks=10), marks=str(tmp_path))
+    with pytest.raises(BlockKernelError) as info:
+        proc_client.compute(y).result()
+    assert str(info.value) == (
+        "blockflow kernel 'fail_once' failed on block (3,): ConnectionResetError: flaky read "
+        "of block 3")
+
+
+def test_a_kernel_always_failing_on_one_block_names_it_after_all_attempts(proc_client,
+                                                                          tmp_path):
+    y = blockflow.map_blocks(always_fail, da.arange(60, chunks=10), marks=str(tmp_path),
+                             retries=2)
+    with pytest.raises(BlockKernelError) as info:
+        proc_client.compute(y).result()
+    assert str(info.value) == (
+        "blockflow kernel 'always_fail' failed on block (3,) after 3 attempts: ValueError: "
+        "block 3 is corrupt")
+    assert attempts(tmp_path, "block-3") == 3
+
+
+def test_tree_reduce_retries_a_flaky_chunk(proc_client, tmp_path):
+    chunk = functools.partial(flaky_sum, marks=str(tmp_path))
+    x = da.arange(1_000, chunks=100)
+    total = blockflow.tree_reduce(x, chunk, np.sum, split_every=4, retries=1)
+    assert proc_client.compute(total).result() == np.arange(1_000).sum()
+    assert attempts(tmp_path, "chunk") == 11  # 10 blocks, one of them twice
+    (tmp_path / "chunk").unlink()
+    with pytest.raises(ConnectionResetError, match="flaky chunk"):
+        proc_client.compute(blockflow.tree_reduce(x, chunk, np.sum, split_every=4)).result()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_retries_must_be_a_non_negative_int(bad):
+    x = da.ones(4, chunks=2)
+    with pytest.raises(ValueError) as info:
+        blockflow.map_blocks(np.negative, x, retries=bad)
+    assert str(info.value) == (
+        f"blockflow.map_blocks: retries must be an integer >= 0 (extra attempts per block), "
+        f"got {bad!r}.")
+    with pytest.raises(ValueError, match=r"^blockflow.tree_reduce: retries must be"):
+        blockflow.tree_reduce(x, np.sum, retries=bad)
+    with pytest.raises(ValueError, match=r"^flights: retries must be"):
+        flights.run(None, retries=bad)
+
+
+# --- flights.run and the CLI: distributed's task retries -------------------------------
+
+
+@pytest.mark.slow
+def test_flights_run_retries_a_flaky_partition_on_the_scheduler(proc_client, tmp_path,
+                                                                 monkeypatch, record_retries):
+    kwargs = dict(scale=1, partitions_per_copy=4, split_every=4, progress=False)
+    undisturbed = flights.run(proc_client, **kwargs)
+    assert set(record_retries().values()) == {0}  # distributed's default
+    forget_earlier_runs(proc_client)
+    monkeypatch.setattr(flights, "drop_cancelled",
+                        functools.partial(flaky_drop, marks=str(tmp_path)))
+    result = flights.run(proc_client, retries=2, output=tmp_path / "out", **kwargs)
+    assert attempts(tmp_path, "partition-2") == 2
+    for name, table in undisturbed.tables.items():
+        pd.testing.assert_frame_equal(result.tables[name], table, check_exact=True)
+    seen = record_retries()
+    assert seen and set(seen.values()) == {2}, seen  # every task of the run, on the scheduler
+
+
+@pytest.mark.slow
+def test_flights_run_with_a_partition_that_always_fails_writes_nothing(proc_client, tmp_path,
+                                                                      monkeypatch):
+    monkeypatch.setattr(flights, "drop_cancelled",
+                        functools.partial(flaky_drop, marks=str(tmp_path), always=True))
+    out = tmp_path / "out"
+    with pytest.raises(BlockKernelError) as info:
+        flights.run(proc_client, scale=1, retries=1, output=out, progress=False)
+    assert str(info.value) == (
+        "blockflow kernel 'flaky_drop' failed on partition 2: OSError: lost connection while "
+        "reading partition 2")
+    assert attempts(tmp_path, "partition-2") == 2  # the first try and one retry
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["partition-2"]  # no output at all
+
+
+@pytest.mark.slow
+def test_cli_retries_reach_the_scheduler(proc_client, tmp_path, record_retries):
+    address = proc_client.scheduler.address
+    out = tmp_path / "out"
+    record_retries()
+    # Keys no earlier test used (3 partitions): a task still known to the scheduler (an
+    # erred run's inputs stay there as "released") keeps the retries it had.
+    result = CliRunner().invoke(cli, [
+        "run", "flights", "--address", address, "--scale", "1", "--partitions-per-copy", "3",
+        "--retries", "3", "--output", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert (out / "by_carrier.parquet").exists()
+    seen = record_retries()
+    assert seen and set(seen.values()) == {3}, seen
+
+
+def test_cli_refuses_negative_retries(tmp_path):
+    result = CliRunner().invoke(cli, ["run", "flights", "--retries", "-1",
+                                      "--output", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert "Invalid value for '--retries': -1 is not in the range x>=0." in result.output
