@@ -14,7 +14,13 @@ from blockflow.backends import (
 )
 from blockflow.blockwise import map_blocks
 from blockflow.cluster import connect, decisions, plugin_status, task_counts
-from blockflow.errors import BlockflowWarning, BlockKernelError, EmptyCollectionError
+from blockflow.errors import (
+    BlockflowWarning,
+    BlockKernelError,
+    DeviceMemoryError,
+    EmptyCollectionError,
+    WorkerLostError,
+)
 from blockflow.inventory import Inventory, inventory
 from blockflow.reduction import choose_split_every, tree_reduce
 from blockflow.report import RunReport, run_report
@@ -25,10 +31,12 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockKernelError",
     "BlockflowWarning",
+    "DeviceMemoryError",
     "EmptyCollectionError",
     "GPUUnavailableError",
     "Inventory",
     "RunReport",
+    "WorkerLostError",
     "array_module",
     "choose_split_every",
     "connect",
