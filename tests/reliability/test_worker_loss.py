@@ -173,7 +173,7 @@ def test_workers_dying_under_a_task_fail_clearly_and_keep_the_old_output(healthy
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folder left
 
 
-def test_losing_every_worker_fails_clearly_and_writes_nothing(tmp_path):
+def test_losing_every_worker_fails_clearly_and_keeps_the_old_output(tmp_path):
     """Workers without nannies (``dask worker --no-nanny``), all SIGKILLed mid-run: nothing
     restarts them, so the run fails after blockflow.cluster.worker-loss-timeout."""
     dask_cli = shutil.which("dask", path=os.path.dirname(sys.executable)) or shutil.which("dask")
@@ -186,10 +186,14 @@ def test_losing_every_worker_fails_clearly_and_writes_nothing(tmp_path):
             client = blockflow.connect(cluster.scheduler_address, policy="dynamic")
             client.wait_for_workers(2, timeout=60)
             out = tmp_path / "out"
+            flights.run(client, scale=1, output=out, progress=False)  # an earlier run's output
+            before = _snapshot(out)
+            done_before = sum(blockflow.task_counts(client).values())
             with dask.config.set({"blockflow.cluster.worker-loss-timeout": "2s"}), \
                     concurrent.futures.ThreadPoolExecutor(1) as pool:
-                running = pool.submit(flights.run, client, scale=2, output=out, progress=False)
-                wait_until(lambda: sum(blockflow.task_counts(client).values()) > 0
+                running = pool.submit(flights.run, client, scale=2, output=out, overwrite=True,
+                                      progress=False)
+                wait_until(lambda: sum(blockflow.task_counts(client).values()) > done_before
                            or running.done(), timeout=60, interval=0.01,
                            what="the first finished task")
                 assert not running.done()
@@ -209,7 +213,8 @@ def test_losing_every_worker_fails_clearly_and_writes_nothing(tmp_path):
                 "say which; give them more memory (memory_limit=) or use smaller blocks. "
                 "(blockflow.cluster.worker-loss-timeout sets how long to wait.)")
             assert 2 <= took < 20
-            assert list(tmp_path.iterdir()) == []  # no output, no temporary folder
+            assert _snapshot(out) == before  # the earlier output, byte for byte
+            assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folder
             assert blockflow.decisions(client).query("action == 'forget'")["worker"].nunique() == 2
             client.close()
         finally:
