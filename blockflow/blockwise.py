@@ -2,9 +2,11 @@
 
 :func:`map_blocks` is a thin layer over :meth:`dask.array.map_blocks`,
 :meth:`dask.dataframe.DataFrame.map_partitions` and :func:`xarray.map_blocks`. It keeps
-Dask's laziness and metadata and adds three things: the input is checked (with errors that
+Dask's laziness and metadata and adds four things: the input is checked (with errors that
 say how to fix it), tasks are named ``blockflow-<kernel>`` so blockflow's scheduler plugin
-recognises its kernels, and an exception inside a kernel names the block that failed.
+recognises its kernels, an exception inside a kernel names the block that failed, and what a
+kernel returns is checked against the declared output (an array block's type, dtype, ndim and
+shape; a partition's type, columns and dtypes), so a wrong block fails in its task, naming it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from typing import Any, Callable
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
-from dask.utils import format_bytes, funcname
+import pandas as pd
+from dask.utils import (
+    format_bytes,
+    funcname,
+    is_arraylike,
+    is_dataframe_like,
+    is_index_like,
+    is_series_like,
+)
 
 from blockflow.errors import (
     BlockKernelError,
@@ -182,16 +192,24 @@ class _ArrayKernel(_Kernel):
         if self.pass_block_id:
             kwargs["block_id"] = block_id
         if block_id is None:  # metadata inference on empty blocks: let Dask handle errors
-            return self.kernel(*blocks, **kwargs)
+            out = self.kernel(*blocks, **kwargs)
+            # A non-array (None, a list) would become the output's meta and break it while
+            # the graph is built; without it Dask falls back to dtype=, and the first block
+            # that runs says what is wrong (see _check).
+            return out if _is_array(out) else None
         out = self._run(lambda: f"block {tuple(block_id)}", *blocks, **kwargs)
         self._check(out, block_id)
         return out
 
     def _check(self, out, block_id):
-        shape = getattr(out, "shape", None)
-        if shape is None:
-            return
         where = f"block {tuple(block_id)}"
+        if not _is_array(out):
+            raise BlockKernelError(
+                f"blockflow kernel {self.label!r} returned a {_type_name(out)} for {where}, not "
+                f"an array; return one array per block from the kernel (a NumPy or CuPy array: "
+                f"wrap scalars and lists with np.asarray, or cupy.asarray on GPU)."
+            )
+        shape = out.shape
         if self.ndim is not None and len(shape) != self.ndim:
             raise BlockKernelError(
                 f"blockflow kernel {self.label!r} returned a {len(shape)}-d block for {where}, "
@@ -219,17 +237,151 @@ class _ArrayKernelWithInfo(_ArrayKernel):
         return super().__call__(*blocks, block_id=block_id, block_info=block_info, **kwargs)
 
 
+def _is_array(out) -> bool:
+    """Whether a kernel's result is an array block: a duck array (NumPy, CuPy, sparse) or a
+    NumPy scalar (0-d blocks), but not None, a list or a Python scalar."""
+    return is_arraylike(out) or all(hasattr(out, a) for a in ("shape", "dtype", "ndim"))
+
+
+def _type_name(obj) -> str:
+    """``NoneType``, ``list``, ``pandas.Series``: the type of a result, for error messages."""
+    t = type(obj)
+    return t.__name__ if t.__module__ == "builtins" else describe(obj)
+
+
 class _PartitionKernel(_Kernel):
     def __init__(self, kernel, name, retries=0):
         super().__init__(kernel, name, retries)
         self.pass_info = _wants(kernel, "partition_info")
+        # Set after the output collection is built (before any task runs) so each
+        # partition's result can be checked against the output's meta.
+        self.meta = None
 
     def __call__(self, *parts, partition_info=None, **kwargs):
         if self.pass_info:
             kwargs["partition_info"] = partition_info
         if partition_info is None:  # metadata emulation on sample partitions
             return self.kernel(*parts, **kwargs)
-        return self._run(lambda: f"partition {partition_info['number']}", *parts, **kwargs)
+        where = f"partition {partition_info['number']}"
+        out = self._run(lambda: where, *parts, **kwargs)
+        if self.meta is not None:
+            _check_partition(self.label, where, out, self.meta)
+        return out
+
+
+def _frame_kind(obj) -> str | None:
+    """``"DataFrame"``, ``"Series"`` or ``"Index"`` for pandas and cuDF objects alike."""
+    if is_dataframe_like(obj):
+        return "DataFrame"
+    if is_series_like(obj):
+        return "Series"
+    if is_index_like(obj):
+        return "Index"
+    return None
+
+
+def _check_partition(label: str, where: str, out, meta) -> None:
+    """Check a partition a kernel returned against the output's meta: its type, column names
+    and order, and dtypes. Reads metadata only (no data is copied).
+
+    As in Dask (``apply_and_enforce``), a scalar is fine for a Series output (it becomes a
+    one-row Series) and an empty result is replaced by the meta, so neither is checked
+    further.
+    """
+    want = _frame_kind(meta)
+    if want is None:  # the output is not a frame (e.g. arrays): Dask takes what comes
+        return
+    got = _frame_kind(out)
+    if got is None and want == "Series" and out is not None and _is_scalar(out):
+        return
+    declared = f"a DataFrame with columns {_names(meta.columns)}" if want == "DataFrame" \
+        else f"a{'n' if want == 'Index' else ''} {want} of dtype {meta.dtype}"
+    if got != want:
+        raise BlockKernelError(
+            f"blockflow kernel {label!r} returned a {_type_name(out)} for {where}, but the "
+            f"output is declared {declared}; return a{'n' if want == 'Index' else ''} {want} "
+            f"from the kernel, or pass meta= to map_blocks to declare what it returns."
+        )
+    if not len(out):
+        return
+    if want == "DataFrame":
+        _check_columns(label, where, out, meta)
+        diffs = [(c, g, w) for c, g, w in zip(meta.columns, out.dtypes, meta.dtypes)
+                 if not _same_dtype(g, w)]
+        if diffs:
+            listed = ", ".join(f"column {c!r} is {g} but declared {w}" for c, g, w in diffs)
+            casts = ", ".join(f"{c!r}: {str(w)!r}" for c, _, w in diffs)
+            raise BlockKernelError(
+                f"blockflow kernel {label!r} returned dtypes for {where} that differ from the "
+                f"output's meta: {listed}; cast inside the kernel (e.g. "
+                f"part.astype({{{casts}}})) or pass meta= to map_blocks with the dtypes it "
+                f"returns."
+            )
+    elif not _same_dtype(out.dtype, meta.dtype):
+        raise BlockKernelError(
+            f"blockflow kernel {label!r} returned a {got} of dtype {out.dtype} for {where}, "
+            f"but the output is declared {meta.dtype}; cast inside the kernel (e.g. "
+            f"part.astype({str(meta.dtype)!r})) or pass meta= to map_blocks with the dtype it "
+            f"returns."
+        )
+
+
+def _check_columns(label: str, where: str, out, meta) -> None:
+    got, want = list(out.columns), list(meta.columns)
+    if got == want:
+        return
+    missing = [c for c in want if c not in got]
+    extra = [c for c in got if c not in want]
+    if missing or extra:
+        detail = ", ".join(part for part in (
+            f"missing {_names(missing)}" if missing else "",
+            f"unexpected {_names(extra)}" if extra else "") if part)
+        fix = "return those columns from the kernel"
+    else:
+        detail = "the same columns in another order"
+        fix = "select them in the declared order inside the kernel (part[columns])"
+    raise BlockKernelError(
+        f"blockflow kernel {label!r} returned columns {_names(got)} for {where}, but the "
+        f"output is declared with columns {_names(want)} ({detail}); {fix}, or pass meta= "
+        f"to map_blocks to declare the columns it returns."
+    )
+
+
+def _names(names, limit: int = 10) -> str:
+    """``['a', 'b']``, shortened to the first ``limit`` names for wide frames."""
+    names = list(names)
+    if len(names) <= limit:
+        return repr(names)
+    return repr(names[:limit])[:-1] + f", ... ({len(names) - limit} more)]"
+
+
+def _same_dtype(got, want) -> bool:
+    """Exact dtype equality, except for two differences Dask itself brings about:
+    categoricals match whatever their categories (they differ per partition; Dask's meta may
+    hold unknown categories), and object and pandas' string dtypes match each other (Dask
+    converts object columns to strings, ``dataframe.convert-string``, so a meta built from a
+    pandas frame can differ from the partitions in that only)."""
+    try:
+        if got == want:
+            return True
+    except TypeError:
+        pass
+    got_cat, want_cat = (getattr(d, "name", None) == "category" for d in (got, want))
+    if got_cat or want_cat:
+        return got_cat and want_cat
+    return _is_text(got) and _is_text(want)
+
+
+def _is_scalar(obj) -> bool:
+    return bool(pd.api.types.is_scalar(obj))
+
+
+def _is_text(dtype) -> bool:
+    try:
+        return (pd.api.types.is_object_dtype(dtype) or isinstance(dtype, pd.StringDtype)
+                or (isinstance(dtype, pd.ArrowDtype) and pd.api.types.is_string_dtype(dtype)))
+    except TypeError:
+        return False
 
 
 class _XarrayKernel(_Kernel):
@@ -318,9 +470,15 @@ def map_blocks(
         Task-name prefix; default ``blockflow-<kernel name>``. Always starts with
         ``blockflow-`` so the scheduler plugin recognises the tasks.
     dtype, meta, chunks, drop_axis, new_axis : optional
-        Arrays: as in :func:`dask.array.map_blocks`. When given, every block's dtype, ndim
-        and shape are checked against them at run time. ``meta`` also applies to dataframes
-        (as in ``map_partitions``).
+        Arrays: as in :func:`dask.array.map_blocks`. Every block must be an array (NumPy or
+        CuPy; a NumPy scalar for 0-d output); when given, its dtype, ndim and shape are
+        checked against them at run time. ``meta`` also applies to dataframes (as in
+        ``map_partitions``): every partition is checked against the output's meta, declared
+        or inferred from a sample, at run time: its type (DataFrame, Series or Index; a
+        scalar is fine for a Series, as in Dask), its column names and order, and its dtypes
+        (exactly, except that categoricals match whatever their categories, and object and
+        pandas' string dtypes match each other, since Dask converts between them). Empty
+        partitions are not checked: Dask replaces them with the meta.
     template : xarray object, optional
         Xarray: the output template, as in :func:`xarray.map_blocks`.
     retries : int, optional
@@ -350,6 +508,12 @@ def map_blocks(
     BlockKernelError
         At compute time, if the kernel raises on a block (on its last attempt): the message
         names the kernel, the block, the number of attempts and the original exception.
+        Also at compute time, if the kernel returns something other than declared: an array
+        kernel a non-array (``None``, a list, a Python scalar: ``"blockflow kernel 'f'
+        returned a NoneType for block (0, 0), not an array; ..."``) or an array of another
+        dtype, ndim or shape; a dataframe kernel a partition of another type, other columns
+        or column order, or other dtypes than the output's meta. The message names the
+        kernel, the block or partition, what differs, and how to fix it.
     DeviceMemoryError
         At compute time, if the kernel runs out of device memory on a block (CuPy's or RMM's
         out-of-memory error, or a simulated device's): the message names the block, the
@@ -442,7 +606,9 @@ def _map_partitions(kernel, frames, task_name, meta, kwargs, retries=0):
             )
     wrapped = _PartitionKernel(kernel, task_name, retries)
     opts = {} if meta is None else {"meta": meta}
-    return first.map_partitions(wrapped, *frames[1:], **opts, **kwargs)
+    out = first.map_partitions(wrapped, *frames[1:], **opts, **kwargs)
+    wrapped.meta = out._meta
+    return out
 
 
 def _map_xarray(kernel, objs, task_name, template, kwargs, retries=0):

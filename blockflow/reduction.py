@@ -18,11 +18,11 @@ import dask.array as da
 import dask.dataframe as dd
 from dask.array.utils import meta_from_array
 import numpy as np
-from dask.utils import format_bytes, parse_bytes
+from dask.utils import format_bytes, funcname, parse_bytes
 
 from blockflow import config
-from blockflow.blockwise import check_retries, kernel_name, validate_array
-from blockflow.errors import not_a_collection
+from blockflow.blockwise import _device_memory_error, check_retries, kernel_name, validate_array
+from blockflow.errors import BlockKernelError, is_device_oom, not_a_collection
 
 __all__ = ["choose_split_every", "smallest_worker_memory", "tree_reduce"]
 
@@ -207,9 +207,9 @@ def tree_reduce(
     retries : int, optional
         Extra attempts of ``chunk``, ``combine`` and ``aggregate`` when they raise (default
         0): each task calls its function again, on the same worker, up to ``retries`` more
-        times before it fails with the last exception. As in :func:`blockflow.map_blocks`,
-        retries run inside the task because Dask's graph optimisation drops
-        ``dask.annotate(retries=...)`` annotations.
+        times before it fails with :class:`~blockflow.BlockKernelError`. As in
+        :func:`blockflow.map_blocks`, retries run inside the task because Dask's graph
+        optimisation drops ``dask.annotate(retries=...)`` annotations.
 
     Returns
     -------
@@ -218,12 +218,22 @@ def tree_reduce(
     Raises
     ------
     TypeError
-        If ``collection`` is not a Dask collection, or ``split_every`` is not an int.
+        If ``collection`` is not a Dask collection, ``split_every`` is not an int, or ``axis``
+        is not an int or a tuple of ints.
     ValueError
-        If ``split_every < 2``, array chunk sizes are unknown, or ``retries`` is not an int
-        >= 0.
+        If ``split_every < 2``, array chunk sizes are unknown, ``retries`` is not an int
+        >= 0, or ``axis`` names an axis the array does not have or the same axis twice
+        (the message names the axis and the array's number of dimensions).
     EmptyCollectionError
         If an array has no elements.
+    BlockKernelError
+        At compute time, if ``chunk``, ``combine`` or ``aggregate`` raises (on its last
+        attempt): ``"blockflow tree_reduce: chunk function 'f' failed after 2 attempts:
+        ZeroDivisionError: division by zero"`` names the step, the function, the attempts
+        (when more than one) and the original exception, which is chained as ``__cause__``.
+    DeviceMemoryError
+        At compute time, if one of them runs out of device memory (as in
+        :func:`blockflow.map_blocks`); a subclass of :class:`BlockKernelError`.
 
     Notes
     -----
@@ -237,40 +247,6 @@ def tree_reduce(
     aggregate = aggregate or combine
     token = kernel_name(chunk, name)
     retries = check_retries(retries, "blockflow.tree_reduce")
-    if retries:
-        chunk, combine, aggregate = (_Retrying(f, retries) for f in (chunk, combine, aggregate))
-    if isinstance(collection, da.Array):
-        validate_array(collection, "blockflow.tree_reduce", "the collection")
-        nbytes = block_bytes or _array_block_bytes(collection)
-        fan_in = _resolve_split_every(split_every, nbytes, f"{collection.name}")
-        dtype = np.dtype(dtype) if dtype is not None else collection.dtype
-        if meta is None:
-            # Spare Dask from inferring metadata by calling chunk on an empty block, which
-            # fails for partials that are not arrays (dicts with concatenate=False).
-            ax = range(collection.ndim) if axis is None else (
-                (axis,) if isinstance(axis, int) else axis)
-            ndim = collection.ndim if keepdims else collection.ndim - len(set(ax))
-            meta = meta_from_array(collection, ndim=ndim, dtype=dtype)
-        if not concatenate:
-            chunk = _MetaSafeChunk(chunk)
-            if any(0 in c for c in collection.chunks):  # zero-size blocks would look like meta
-                collection = collection.rechunk(
-                    tuple(tuple(s for s in c if s) or (0,) for c in collection.chunks))
-        out = da.reduction(
-            collection, chunk, aggregate, combine=combine, axis=axis, keepdims=keepdims,
-            dtype=dtype, split_every=fan_in,
-            name=token, concatenate=concatenate, meta=meta,
-        )
-        return TreeReducedArray(out.dask, out.name, out.chunks, meta=out._meta)
-    if isinstance(collection, (dd.DataFrame, dd.Series)):
-        nbytes = block_bytes or parse_bytes(config.get("reduction.dataframe-block-bytes"))
-        fan_in = _resolve_split_every(split_every, nbytes, f"a dataframe of "
-                                      f"{collection.npartitions} partitions")
-        kwargs = {} if meta is None else {"meta": meta}
-        return collection.reduction(
-            chunk, aggregate=aggregate, combine=combine, split_every=fan_in, token=token,
-            **kwargs,
-        )
     if type(collection).__module__.split(".")[0] == "xarray":
         if axis is not None or keepdims:
             raise TypeError(
@@ -280,8 +256,88 @@ def tree_reduce(
         return _tree_reduce_xarray(
             collection, chunk, combine, aggregate, split_every=split_every, dim=dim,
             dtype=dtype, meta=meta, concatenate=concatenate, block_bytes=block_bytes, name=name,
-        )  # chunk, combine and aggregate already retry
+            retries=retries,
+        )
+    steps = [_ReductionStep(f, stage, retries)
+             for f, stage in ((chunk, "chunk"), (combine, "combine"), (aggregate, "aggregate"))]
+    chunk, combine, aggregate = steps
+    if isinstance(collection, da.Array):
+        validate_array(collection, "blockflow.tree_reduce", "the collection")
+        axes = _check_axis(axis, collection.ndim)
+        nbytes = block_bytes or _array_block_bytes(collection)
+        fan_in = _resolve_split_every(split_every, nbytes, f"{collection.name}")
+        dtype = np.dtype(dtype) if dtype is not None else collection.dtype
+        if meta is None:
+            # Spare Dask from inferring metadata by calling chunk on an empty block, which
+            # fails for partials that are not arrays (dicts with concatenate=False).
+            ndim = collection.ndim if keepdims else collection.ndim - len(axes)
+            meta = meta_from_array(collection, ndim=ndim, dtype=dtype)
+        if not concatenate:
+            chunk = _MetaSafeChunk(chunk)
+            if any(0 in c for c in collection.chunks):  # zero-size blocks would look like meta
+                collection = collection.rechunk(
+                    tuple(tuple(s for s in c if s) or (0,) for c in collection.chunks))
+        out = da.reduction(
+            collection, chunk, aggregate, combine=combine, axis=axes, keepdims=keepdims,
+            dtype=dtype, split_every=fan_in,
+            name=token, concatenate=concatenate, meta=meta,
+        )
+        _go_live(steps)
+        return TreeReducedArray(out.dask, out.name, out.chunks, meta=out._meta)
+    if isinstance(collection, (dd.DataFrame, dd.Series)):
+        nbytes = block_bytes or parse_bytes(config.get("reduction.dataframe-block-bytes"))
+        fan_in = _resolve_split_every(split_every, nbytes, f"a dataframe of "
+                                      f"{collection.npartitions} partitions")
+        kwargs = {} if meta is None else {"meta": meta}
+        out = collection.reduction(
+            chunk, aggregate=aggregate, combine=combine, split_every=fan_in, token=token,
+            **kwargs,
+        )
+        _go_live(steps)
+        return out
     raise not_a_collection("blockflow.tree_reduce", "the collection", collection)
+
+
+def _check_axis(axis: Any, ndim: int) -> tuple[int, ...]:
+    """The axes ``axis=`` reduces, as non-negative ints (all of them for None).
+
+    Raises
+    ------
+    TypeError
+        If ``axis`` is not None, an int or a tuple/list of ints.
+    ValueError
+        If an axis is out of range for ``ndim`` dimensions, or named twice.
+    """
+    if axis is None:
+        return tuple(range(ndim))
+    items = list(axis) if isinstance(axis, (tuple, list)) else [axis]
+    for a in items:
+        if isinstance(a, bool) or not isinstance(a, (int, np.integer)):
+            raise TypeError(
+                f"blockflow.tree_reduce: axis must be an int or a tuple of ints, got "
+                f"{axis!r}."
+            )
+    normalized = []
+    for a in items:
+        if not -ndim <= a < ndim:
+            raise ValueError(
+                f"blockflow.tree_reduce: axis {int(a)} is out of range for the collection's "
+                f"{ndim} dimensions; use an axis from {-ndim} to {ndim - 1}."
+            )
+        a = int(a) % ndim
+        if a in normalized:
+            raise ValueError(
+                f"blockflow.tree_reduce: axis {axis!r} names axis {a} twice (the collection "
+                f"has {ndim} dimensions); name each axis once."
+            )
+        normalized.append(a)
+    return tuple(normalized)
+
+
+def _go_live(steps) -> None:
+    """The graph is built: from now on the steps run on real blocks (see _ReductionStep)."""
+    for step in steps:
+        step.live = True
 
 
 def optimize_without_aliases(dsk, keys, **kwargs):
@@ -328,39 +384,63 @@ class TreeReducedArray(da.Array):
     __dask_optimize__ = staticmethod(optimize_without_aliases)
 
 
-class _Retrying:
-    """A reduction function called up to ``1 + retries`` times when it raises.
+class _ReductionStep:
+    """``chunk``, ``combine`` or ``aggregate`` of a tree reduction, as its tasks run it: the
+    function is called up to ``1 + retries`` times; the last failure raises a
+    :class:`BlockKernelError` naming the step and the function.
+
+    Calls while the graph is built (Dask inferring metadata from sample blocks, before
+    ``live`` is set) run the function once and let its errors through, for Dask to report
+    as it does.
 
     ``__wrapped__`` (the innermost wrapped function) makes :func:`inspect.signature` and
     Dask's ``getargspec`` / ``has_keyword`` checks (``computing_meta``, ``dtype``, ...) see the
     signature of the function it wraps.
     """
 
-    def __init__(self, func, retries: int):
+    def __init__(self, func, stage: str, retries: int = 0):
         import inspect
 
         self.func = func
         self.__wrapped__ = inspect.unwrap(func)  # e.g. np.sum's Python implementation
+        self.stage = stage
         self.retries = retries
-        self.__name__ = getattr(func, "__name__", "reduce")
+        self.label = funcname(func)
+        self.__name__ = self.label
+        self.live = False
+
+    def __repr__(self) -> str:
+        return f"<blockflow tree_reduce {self.stage} {self.label}>"
 
     def __call__(self, *args, **kwargs):
+        if not self.live or kwargs.get("computing_meta"):
+            return self.func(*args, **kwargs)
         attempt = 0
         while True:
             attempt += 1
             try:
                 return self.func(*args, **kwargs)
             except Exception as e:
-                if attempt > self.retries or kwargs.get("computing_meta"):
-                    raise
-                logger.warning("blockflow tree_reduce: %s failed (attempt %d of %d), "
-                               "retrying: %s: %s", self.__name__, attempt, self.retries + 1,
-                               type(e).__name__, e)
+                if attempt > self.retries:
+                    raise self._error(e, attempt) from e
+                logger.warning("blockflow tree_reduce: %s function %r failed (attempt %d of "
+                               "%d), retrying: %s: %s", self.stage, self.label, attempt,
+                               self.retries + 1, type(e).__name__, e)
+
+    def _error(self, exc: BaseException, attempts: int) -> BlockKernelError:
+        after = f" after {attempts} attempts" if attempts > 1 else ""
+        if is_device_oom(exc):
+            return _device_memory_error(self.label, f"a tree_reduce {self.stage} step", exc,
+                                        after)
+        return BlockKernelError(
+            f"blockflow tree_reduce: {self.stage} function {self.label!r} failed{after}: "
+            f"{type(exc).__name__}: {exc}"
+        )
 
     def __dask_tokenize__(self):
         from dask.base import tokenize
 
-        return (type(self).__name__, tokenize(self.func), self.retries)
+        return (type(self).__name__, tokenize(self.func), self.stage, self.retries)
 
 
 class _MetaSafeChunk:

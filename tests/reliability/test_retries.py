@@ -151,8 +151,11 @@ def test_tree_reduce_retries_a_flaky_chunk(proc_client, tmp_path):
     # Other blocks, so other keys: the same keys could be served from the first result,
     # which the scheduler may still hold when this graph arrives.
     y = da.arange(1_000, chunks=125)
-    with pytest.raises(ConnectionResetError, match="flaky chunk"):
+    with pytest.raises(BlockKernelError) as info:
         proc_client.compute(blockflow.tree_reduce(y, chunk, np.sum, split_every=4)).result()
+    assert str(info.value) == (
+        "blockflow tree_reduce: chunk function 'flaky_sum' failed: ConnectionResetError: "
+        "flaky chunk")
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
