@@ -118,33 +118,58 @@ def connect(
         If ``gpu=True`` and no GPU is visible or dask-cuda is not installed; the message
         lists the missing pieces and the ``pip install "blockflow[gpu]"`` fix.
     OSError
-        If ``address`` cannot be reached within ``timeout`` (or refuses the TLS credentials);
-        the message names the address.
+        If ``address`` cannot be reached within ``timeout``, refuses the TLS credentials, does
+        not answer Dask's handshake within ``timeout`` (something else listens there) or is
+        a worker's address; the message names the address and the cause.
     ValueError
-        For an unknown ``policy`` or ``gpu`` value, an invalid blockflow setting (the message
-        names the key), ``security="temporary"`` with an ``address``, or a ``tls://``
-        address without credentials.
+        For an unknown ``policy`` or ``gpu`` value, ``n_workers`` or ``threads_per_worker``
+        below 1, an invalid blockflow setting (the message names the key),
+        ``security="temporary"`` with an ``address``, or a ``tls://`` address without
+        credentials.
     TypeError
-        For a ``security`` that is not a ``distributed.Security``, ``"temporary"`` or None.
+        For an ``address`` that is not a string, or a ``security`` that is not a
+        ``distributed.Security``, ``"temporary"`` or None.
     ModuleNotFoundError
         For ``security="temporary"`` without the ``cryptography`` package.
     """
     config.validate()  # settings may have changed since import (dask.config.set, files)
+    if address is not None and not isinstance(address, str):
+        raise TypeError(
+            f"blockflow.connect: address must be a scheduler address such as "
+            f"'tcp://host:8786' (or None for an embedded cluster), got {describe(address)} "
+            f"{address!r}."
+        )
+    for name, value in (("n_workers", n_workers), ("threads_per_worker", threads_per_worker)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise ValueError(
+                f"blockflow.connect: {name} must be an integer >= 1 (or None for the "
+                f"default), got {value!r}."
+            )
     plugin = Rebalancer(policy=policy)  # validates the policy before anything starts
     sec = _security(security, address)
     if address is not None:
         timeout_s = parse_timedelta(config.get("cluster.connect-timeout", timeout))
         _check_tls_credentials(address, sec)
+        start = time.monotonic()
         try:
+            _probe_scheduler(address, timeout_s, sec)
             client = Client(address, timeout=timeout_s, security=sec)
         except (OSError, TimeoutError) as e:
-            tls_hint = (" For a TLS scheduler, check that security= holds credentials it "
-                        "trusts." if address.startswith("tls://") else "")
+            took = time.monotonic() - start
+            if address.startswith("tls://"):
+                hint = " For a TLS scheduler, check that security= holds credentials it trusts."
+            elif took < timeout_s / 2 and not isinstance(e, _NotAScheduler):
+                # failed fast: something listens there, but does not talk plain Dask
+                hint = (" If the scheduler uses TLS, connect with a tls:// address and "
+                        "security=distributed.Security(...).")
+            else:
+                hint = ""
             raise OSError(
                 f"blockflow.connect: could not reach a Dask scheduler at {address!r} within "
                 f"{timeout_s:g} s ({type(e).__name__}: {e}). Start one with `dask scheduler "
                 f"--preload blockflow.scheduling.preload`, or check the address and port."
-                f"{tls_hint}"
+                f"{hint}"
             ) from None
     else:
         gpu = config.get("cluster.gpu", gpu)
@@ -168,6 +193,58 @@ def connect(
         client = Client(cluster)  # takes the cluster's security
     _register_plugin(client, plugin)
     return client
+
+
+def _probe_scheduler(address: str, timeout: float, security: Security | None) -> None:
+    """Ask ``address`` who it is, within ``timeout`` seconds, before a Client connects.
+
+    distributed's ``connect`` bounds the TCP connection by its timeout but then waits for
+    the peer's handshake without one, so a server that accepts connections but is not a
+    Dask server (an HTTP server, a database) would make ``Client`` wait forever. This
+    probe bounds the whole exchange, and tells a worker's address from a scheduler's.
+
+    Raises
+    ------
+    TimeoutError
+        If no Dask handshake and identity arrive within ``timeout``.
+    OSError
+        If the connection fails, or the peer is a Dask server but not a scheduler.
+    """
+    import asyncio
+    import concurrent.futures
+
+    from distributed.comm import connect as comm_connect
+
+    args = (security or Security()).get_connection_args("client")
+
+    async def identity() -> dict:
+        comm = await comm_connect(address, timeout=timeout, **args)
+        try:
+            await comm.write({"op": "identity", "reply": True})
+            return await comm.read()
+        finally:
+            comm.abort()
+
+    async def bounded() -> dict:
+        try:
+            return await asyncio.wait_for(identity(), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"no Dask handshake within {timeout:g} s; is something other than a Dask "
+                f"scheduler listening there?"
+            ) from None
+
+    # A thread of its own: Jupyter's main thread already runs an event loop.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        info = pool.submit(asyncio.run, bounded()).result()
+    kind = info.get("type") if isinstance(info, dict) else None
+    if kind != "Scheduler":
+        raise _NotAScheduler(
+            f"the server there is a Dask {kind or 'server'}, not a scheduler")
+
+
+class _NotAScheduler(OSError):
+    """A Dask server answered, but it is not a scheduler (a worker or a nanny)."""
 
 
 def _security(security: Any, address: str | None) -> Security | None:
@@ -370,6 +447,8 @@ def wait_for(client: Client, futures: Any, *, what: str = "the computation",
     # wait leaves the futures referenced by its traceback until the garbage collector runs,
     # which keeps finished results on the workers for longer.
     while True:
+        if any(f.status in ("error", "cancelled") for f in pending):
+            return  # the caller's gather raises it: no need to wait for the rest
         pending = [f for f in pending if not f.done()]
         if not pending:
             return

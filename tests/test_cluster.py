@@ -107,6 +107,72 @@ def test_unreachable_address_fails_fast_with_clear_message():
     assert time.monotonic() - t0 < 20
 
 
+def test_a_server_that_is_not_dask_fails_within_the_timeout():
+    """An HTTP server accepts the connection but never sends Dask's handshake: without a
+    bound on the handshake, distributed's Client would wait forever."""
+    port = _free_port()
+    http = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind",
+                             "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_listening(port)
+        start = time.monotonic()
+        with pytest.raises(OSError) as info:
+            blockflow.connect(f"tcp://127.0.0.1:{port}", timeout=2)
+        assert time.monotonic() - start < 10
+    finally:
+        http.kill()
+        http.wait(timeout=30)
+    assert str(info.value) == (
+        f"blockflow.connect: could not reach a Dask scheduler at 'tcp://127.0.0.1:{port}' "
+        f"within 2 s (TimeoutError: no Dask handshake within 2 s; is something other than a "
+        f"Dask scheduler listening there?). Start one with `dask scheduler --preload "
+        f"blockflow.scheduling.preload`, or check the address and port.")
+
+
+def test_a_worker_address_is_not_a_scheduler(embedded):
+    worker = next(iter(embedded.scheduler_info()["workers"]))
+    with pytest.raises(OSError) as info:
+        blockflow.connect(worker, timeout=5)
+    assert str(info.value) == (
+        f"blockflow.connect: could not reach a Dask scheduler at {worker!r} within 5 s "
+        f"(_NotAScheduler: the server there is a Dask Worker, not a scheduler). Start one with "
+        f"`dask scheduler --preload blockflow.scheduling.preload`, or check the address and "
+        f"port.")
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(address=12), TypeError,
+     "blockflow.connect: address must be a scheduler address such as 'tcp://host:8786' (or "
+     "None for an embedded cluster), got builtins.int 12."),
+    (dict(n_workers=0), ValueError,
+     "blockflow.connect: n_workers must be an integer >= 1 (or None for the default), got 0."),
+    (dict(threads_per_worker=1.5), ValueError,
+     "blockflow.connect: threads_per_worker must be an integer >= 1 (or None for the "
+     "default), got 1.5."),
+])
+def test_bad_connect_arguments_are_refused_before_anything_starts(kwargs, error, message):
+    with pytest.raises(error) as info:
+        blockflow.connect(**kwargs)
+    assert str(info.value) == message
+
+
+def _fail_now():
+    raise ValueError("block 0 is corrupt")
+
+
+def test_gather_results_stops_at_the_first_failure(embedded):
+    """The failure is raised at once, not after the other tasks have run."""
+    from blockflow.cluster import gather_results
+
+    slow = embedded.submit(time.sleep, 20, pure=False)
+    bad = embedded.submit(_fail_now, pure=False)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="block 0 is corrupt"):
+        gather_results(embedded, [slow, bad])
+    assert time.monotonic() - start < 10
+    slow.cancel()
+
+
 def test_unknown_policy_is_rejected_before_starting_anything():
     with pytest.raises(ValueError, match="Unknown blockflow policy 'fastest'; choose one of "
                                          "dynamic, memory, static-round-robin, static-capacity, off."):
@@ -154,6 +220,20 @@ def test_dask_cli_entry_point_lists_blockflow():
     out = subprocess.run([dask_cli, "blockflow", "--help"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "run" in out.stdout
+
+
+def _wait_listening(port: int, timeout: float = 30) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def _free_port() -> int:

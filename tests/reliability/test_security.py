@@ -65,6 +65,19 @@ def test_blockflow_connect_to_a_tls_scheduler_needs_its_credentials(tls_client):
         assert blockflow.plugin_status(other)["policy"] == "off"
 
 
+def test_plain_tcp_to_a_tls_scheduler_fails_fast_and_says_to_use_tls(tls_client):
+    address = tls_client.scheduler.address.replace("tls://", "tcp://")
+    start = time.monotonic()
+    with pytest.raises(OSError) as info:
+        blockflow.connect(address, timeout=10)
+    assert time.monotonic() - start < 5
+    assert str(info.value).startswith(
+        f"blockflow.connect: could not reach a Dask scheduler at {address!r} within 10 s (")
+    assert str(info.value).endswith(
+        "If the scheduler uses TLS, connect with a tls:// address and "
+        "security=distributed.Security(...).")
+
+
 def _dashboard_sockets(dask_scheduler=None) -> list:
     return [s.getsockname()[:2] for s in dask_scheduler.http_server._sockets.values()]
 
