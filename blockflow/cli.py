@@ -7,14 +7,20 @@ what ran where and how fast, and write the results atomically to ``--output``. `
 info`` prints the worker inventory. The same commands run as ``python -m blockflow ...`` and
 ``dask blockflow ...`` (the ``dask_cli`` entry point).
 
-Bad input (an existing output folder without ``--overwrite``, ``--scale 0``, an unreachable
-``--address``, ``--gpu true`` without a GPU) ends with a one-line ``Error: ...`` and exit
-status 1, before any cluster is started where it can be checked up front.
+Bad input (an existing output folder without ``--overwrite``, an output folder that cannot be
+written, ``--scale 0``, a malformed or unreachable ``--address``, ``--gpu true`` without a GPU)
+ends with a one-line ``Error: ...`` and exit status 1, before any cluster is started where it
+can be checked up front; so does an output that fails to be written (no space left), with
+nothing written. An invalid blockflow setting (``DASK_BLOCKFLOW__...``) ends with a one-line
+``Error: ...`` and exit status 2 as soon as blockflow is imported (see
+:mod:`blockflow.config`). Ctrl-C and SIGTERM stop a run cleanly, leaving no partial output:
+exit status 130 (with one line saying so) and 143.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Callable, Iterator
 
 import click
@@ -25,6 +31,8 @@ __all__ = ["cli"]
 
 _GPU_CHOICES = {"auto": "auto", "true": True, "false": False}
 _ARRAY_SIZES = ("small", "medium", "large")
+_OUTPUT = "blockflow.output"  # ctx.meta: the run's --output, and whether it was written
+_WRITTEN = "blockflow.output-written"
 
 
 def _cluster_options(command: Callable) -> Callable:
@@ -82,19 +90,52 @@ def _client(address: str | None, gpu: str | None, n_workers: int | None,
                    "threads_per_worker": threads_per_worker}
     if address is not None:
         _check_address(address)
+    client = None
     try:
-        client = blockflow.connect(address, policy=policy, **options)
-    except (GPUUnavailableError, OSError, ValueError) as e:  # incl. invalid settings
-        raise click.ClickException(str(e)) from None
-    if announce:  # the link is live only while the job runs
-        click.echo(f"Dashboard (while the job runs): {client.dashboard_link or 'n/a'}")
-    try:
+        try:
+            with _sigint_deferred(enabled=address is None):
+                client = blockflow.connect(address, policy=policy, **options)
+        except (GPUUnavailableError, OSError, ValueError) as e:  # incl. invalid settings
+            raise click.ClickException(str(e)) from None
+        if announce:  # the link is live only while the job runs
+            click.echo(f"Dashboard (while the job runs): {client.dashboard_link or 'n/a'}")
         yield client
     finally:
-        if address is None:
+        if client is None:
+            pass
+        elif address is None:
             client.shutdown()  # we started the cluster: stop its workers and scheduler
         else:
             client.close()  # someone else's cluster: leave it running
+
+
+@contextlib.contextmanager
+def _sigint_deferred(enabled: bool = True) -> Iterator[None]:
+    """Block SIGINT while the embedded cluster starts.
+
+    Worker processes started meanwhile inherit the blocked signal, so Ctrl-C (which the
+    terminal sends to the whole process group) reaches only this process, which shuts the
+    cluster down in order, rather than every worker printing a KeyboardInterrupt traceback.
+    A Ctrl-C pressed meanwhile is delivered when the block ends, once the client exists.
+    """
+    import signal
+    import threading
+
+    if (not enabled or not hasattr(signal, "pthread_sigmask")
+            or threading.current_thread() is not threading.main_thread()):
+        yield
+        return
+    # multiprocessing's resource tracker, started on first use, unblocks SIGINT in the
+    # thread that starts it (distributed's event loop thread, which then starts the
+    # workers): start it now, before the block.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _check_address(address: str) -> None:
@@ -102,17 +143,23 @@ def _check_address(address: str) -> None:
     from distributed.comm import parse_address
     from distributed.comm.addressing import parse_host_port
 
+    port = None
     try:
         scheme, loc = parse_address(address)
         if scheme not in ("tcp", "tls", "ucx", "inproc"):
             raise ValueError(scheme)
         if scheme != "inproc":
-            parse_host_port(loc)
+            _, port = parse_host_port(loc)
     except (ValueError, TypeError):
         raise click.ClickException(
             f"--address {address!r} is not a scheduler address; give "
             f"tcp://host:port (or tls://host:port), e.g. tcp://10.0.0.5:8786."
         ) from None
+    if port is not None and not 1 <= port <= 65535:
+        raise click.ClickException(
+            f"--address {address!r} has port {port}, outside 1-65535; give the port the "
+            f"scheduler listens on, e.g. tcp://10.0.0.5:8786."
+        )
 
 
 def _print_inventory(client) -> None:
@@ -122,7 +169,32 @@ def _print_inventory(client) -> None:
     click.echo("")
 
 
-@click.group(name="blockflow", context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    """Ctrl-C ends a command with one line and exit status 130, once the command has cleaned
+    up (temporary output folder deleted, embedded cluster shut down), instead of click's
+    "Aborted!" and status 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo(_interrupted_message(ctx.meta), err=True)
+            ctx.exit(130)  # 128 + SIGINT, as shells report it
+
+
+def _interrupted_message(meta: dict) -> str:
+    output = meta.get(_OUTPUT)
+    if output is None:
+        return "Interrupted (Ctrl-C)."
+    if meta.get(_WRITTEN):
+        return f"Interrupted (Ctrl-C) after the results were written to {output!r}."
+    kept = " (the existing output there is untouched)" if os.path.lexists(output) else ""
+    return (f"Interrupted (Ctrl-C): the run was stopped and nothing was written to "
+            f"{output!r}{kept}.")
+
+
+@click.group(name="blockflow", cls=_Group,
+             context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="blockflow", prog_name="blockflow")
 def cli() -> None:
     """blockflow: spread chunked data and AI workloads over many CPUs and GPUs with Dask."""
@@ -156,8 +228,14 @@ def _check_output(output: str, overwrite: bool) -> None:
 
     try:
         check_output_dir(output, overwrite)
-    except OSError as e:  # exists, not a blockflow output, not writable
+    except OSError as e:  # exists, not a blockflow output, not writable, refuses folders
         raise click.ClickException(str(e)) from None
+    click.get_current_context().meta[_OUTPUT] = os.path.abspath(output)
+
+
+def _written() -> None:
+    """The run has renamed its output into place: an interrupt no longer undoes it."""
+    click.get_current_context().meta[_WRITTEN] = True
 
 
 _retries_option = click.option(
@@ -185,6 +263,7 @@ def flights_command(scale: int, output: str, overwrite: bool, partitions_per_cop
     """The 2013 NYC flights ETL: clean, feature, delay statistics per carrier and per
     (origin, month), written as Parquet."""
     from blockflow.errors import BlockKernelError, WorkerLostError
+    from blockflow.io import OutputWriteError
     from blockflow.workloads import flights
 
     try:  # bad input fails before a cluster starts
@@ -199,8 +278,9 @@ def flights_command(scale: int, output: str, overwrite: bool, partitions_per_cop
             result = flights.run(client, scale=scale, output=output,
                                  partitions_per_copy=partitions_per_copy, overwrite=overwrite,
                                  progress=_progress(no_progress), retries=retries)
-        except (FileExistsError, BlockKernelError, WorkerLostError) as e:
+        except (FileExistsError, OutputWriteError, BlockKernelError, WorkerLostError) as e:
             raise click.ClickException(str(e)) from None
+        _written()
         click.echo(result.report())
 
 
@@ -221,6 +301,7 @@ def array_stats_command(size: str, seed: int, output: str, overwrite: bool, no_p
     from dask.utils import format_bytes
 
     from blockflow.errors import BlockKernelError, WorkerLostError
+    from blockflow.io import OutputWriteError
     from blockflow.workloads import array_stats
 
     _check_output(output, overwrite)
@@ -230,8 +311,9 @@ def array_stats_command(size: str, seed: int, output: str, overwrite: bool, no_p
             result = array_stats.run(client, size=size, output=output, overwrite=overwrite,
                                      seed=seed, progress=_progress(no_progress),
                                      retries=retries)
-        except (FileExistsError, BlockKernelError, WorkerLostError) as e:
+        except (FileExistsError, OutputWriteError, BlockKernelError, WorkerLostError) as e:
             raise click.ClickException(str(e)) from None
+        _written()
         click.echo(f"blockflow array-stats: size {size} ({format_bytes(result.nbytes)}), "
                    f"seed {seed}")
         click.echo("")

@@ -3,15 +3,30 @@
 Importing blockflow loads the defaults (its one import side effect) and checks the settings
 against ``blockflow-schema.yaml``, so that an invalid value (say from
 ``DASK_BLOCKFLOW__REBALANCER__HOT_HIGH=500``) fails at once with a ``ValueError`` naming the
-key; :func:`blockflow.connect` checks them again. Users override them the usual Dask ways:
+key, its value, where it was set and what is allowed; :func:`blockflow.connect` checks them
+again. Users override them the usual Dask ways:
 ``dask.config.set({"blockflow.reduction.split-every": 8})``, a YAML file in
 ``~/.config/dask/``, or environment variables such as ``DASK_BLOCKFLOW__CLUSTER__GPU=false``.
+
+Beyond plain JSON schema, the schema file carries blockflow's own rules, checked here:
+``x-duration`` (a time :func:`dask.utils.parse_timedelta` reads, ``positive`` or
+``non-negative``), ``x-bytes`` (a size :func:`dask.utils.parse_bytes` reads, above 0) and, on
+a section, ``x-ordered`` (one setting below another, e.g. the hysteresis pair
+``memory-low`` < ``memory-high``).
+
+The command line (``blockflow``, ``python -m blockflow``, ``dask blockflow``) reports an invalid
+setting found at import as one line, ``Error: <message>``, and exit status 2.
 """
 
 from __future__ import annotations
 
+import copy
+import difflib
+import glob
+import math
 import os
-from typing import Any
+import sys
+from typing import Any, Iterator
 
 import dask.config
 import yaml
@@ -23,7 +38,14 @@ SCHEMA_PATH = os.path.join(_here, "blockflow-schema.yaml")
 with open(DEFAULTS_PATH) as f:
     defaults: dict[str, Any] = yaml.safe_load(f)
 
+# What users set (environment, Dask config files, dask.config.set) before the defaults fill
+# the gaps: update_defaults replaces a section set to a non-mapping (DASK_BLOCKFLOW__REBALANCER=5)
+# by the default section, so it is only visible here.
+_user_settings = copy.deepcopy(dask.config.config.get("blockflow"))
+
 dask.config.update_defaults(defaults)
+
+_MISSING = object()
 
 
 def get(key: str, value: Any = None) -> Any:
@@ -49,36 +71,230 @@ def get(key: str, value: Any = None) -> Any:
 def validate(config: dict | None = None) -> None:
     """Check blockflow's settings against ``blockflow-schema.yaml``.
 
+    Checks types, allowed values and ranges (JSON schema), that durations and sizes parse
+    (``"100ms"``, ``"4GiB"``) and lie in range, that sections are mappings without unknown
+    keys, and the rules between settings (``memory-low`` below ``memory-high``,
+    ``hot-low`` below ``hot-high``, ``min-split-every`` at most ``max-split-every``).
+
     Parameters
     ----------
     config : dict, optional
         A mapping with a top-level ``"blockflow"`` key; by default the current
-        ``dask.config`` settings.
+        ``dask.config`` settings. Keys may be partial (missing keys are not checked).
 
     Raises
     ------
     ValueError
-        If a setting has the wrong type or value; the message names the key.
+        If a setting is invalid. The message names the key, its value, the environment
+        variable or Dask config file that set it (where one did), what is allowed, and the
+        schema file.
     """
-    import jsonschema
-
-    with open(SCHEMA_PATH) as f:
-        schema = yaml.safe_load(f)
     if config is None:
         config = {"blockflow": dask.config.get("blockflow")}
-    config = _kebab_keys(config)
-    try:
-        jsonschema.validate(config, schema)
-    except jsonschema.ValidationError as e:
-        path = [str(p) for p in e.absolute_path]
+    problem = _first_problem(_kebab_keys(config), _schema())
+    if problem is not None:
+        path, value, text = problem
         where = ".".join(path) or "blockflow"
-        env = "DASK_" + "__".join(p.upper().replace("-", "_") for p in path)
-        source = (f" (from the environment variable {env}={os.environ[env]!r})"
-                  if path and env in os.environ else "")
         raise ValueError(
-            f"Invalid blockflow setting {where!r}{source}: {e.message}. "
+            f"Invalid blockflow setting {where!r}{_source(path, value)}: {text}. "
             f"See {SCHEMA_PATH} for the allowed values."
         ) from None
+
+
+def _schema() -> dict:
+    with open(SCHEMA_PATH) as f:
+        return yaml.safe_load(f)
+
+
+def _first_problem(config: Any, schema: dict) -> tuple[list[str], Any, str] | None:
+    """``(path, value, what is wrong)`` of the first invalid setting, or None."""
+    import jsonschema
+
+    error = jsonschema.exceptions.best_match(
+        jsonschema.validators.validator_for(schema)(schema).iter_errors(config))
+    if error is not None:
+        return _describe(error)
+    return next(_rule_problems(config, schema, []), None)
+
+
+def _describe(error) -> tuple[list[str], Any, str]:
+    """A JSON schema error as ``(path, value, text)``, in words for sections and keys."""
+    path = [str(p) for p in error.absolute_path]
+    where = ".".join(path) or "blockflow"
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        known = list(error.schema.get("properties", {}))
+        key = sorted((k for k in error.instance if k not in known), key=str)[0]
+        close = difflib.get_close_matches(str(key), known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return (path + [str(key)], error.instance[key],
+                f"{error.instance[key]!r} is set for an unknown key{hint}; {where!r} has the "
+                f"keys {', '.join(known)}")
+    if error.validator in ("oneOf", "anyOf"):  # e.g. gpu: a boolean or "auto"
+        allowed = []
+        for branch in error.validator_value:
+            if branch.get("type") == "boolean":
+                allowed += ["true", "false"]
+            allowed += [repr(v) for v in branch.get("enum", [])]
+        if allowed:
+            return path, error.instance, f"{error.instance!r} is not one of {', '.join(allowed)}"
+    types = error.validator_value if error.validator == "type" else None
+    if types == "object" or (isinstance(types, list) and "object" in types):
+        known = list(error.schema.get("properties", {}))
+        example, sub = list(path), error.schema
+        while sub.get("properties"):  # down to the first setting, e.g. ...__CLUSTER__GPU
+            key, sub = next(iter(sub["properties"].items()))
+            example.append(key)
+        example = "DASK_" + "__".join(_env_part(p) for p in example)
+        return (path, error.instance,
+                f"{error.instance!r} is not a mapping: {where!r} is a section of settings "
+                f"({', '.join(known)}); set them one at a time, e.g. {example}")
+    return path, error.instance, error.message
+
+
+def _rule_problems(node: Any, schema: dict, path: list[str]
+                   ) -> Iterator[tuple[list[str], Any, str]]:
+    """blockflow's ``x-`` rules of the schema (the JSON schema checks have passed)."""
+    if not isinstance(node, dict):
+        return
+    for key, sub in schema.get("properties", {}).items():
+        value = node.get(key, _MISSING)
+        if value is _MISSING:
+            continue
+        text = None
+        if "x-duration" in sub:
+            text = _duration_problem(value, sub["x-duration"])
+        elif "x-bytes" in sub:
+            text = _bytes_problem(value)
+        if text is not None:
+            yield path + [key], value, text
+        yield from _rule_problems(value, sub, path + [key])
+    for rule in schema.get("x-ordered", []):
+        yield from _order_problem(node, path, rule)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _duration_problem(value: Any, rule: str) -> str | None:
+    from dask.utils import parse_timedelta
+
+    if not (_is_number(value) or isinstance(value, str)):
+        return None  # a wrong type: the JSON schema's "type" reports it
+    try:
+        seconds = parse_timedelta(value)
+    except (ValueError, KeyError, TypeError):
+        seconds = None
+    if seconds is not None and math.isfinite(seconds) and (
+            seconds > 0 or (seconds == 0 and rule == "non-negative")):
+        return None
+    bound = "above 0" if rule == "positive" else "of 0 or more"
+    return (f"{value!r} is not a duration {bound}; give a number of seconds or a time with a "
+            f"unit, e.g. '100ms', '30s' or '1h'")
+
+
+def _bytes_problem(value: Any) -> str | None:
+    from dask.utils import parse_bytes
+
+    if not (_is_number(value) or isinstance(value, str)):
+        return None
+    try:
+        nbytes = parse_bytes(value) if isinstance(value, str) else value
+    except (ValueError, TypeError):
+        nbytes = None
+    if nbytes is not None and math.isfinite(nbytes) and nbytes > 0:
+        return None
+    return (f"{value!r} is not a size above 0; give a number of bytes or a size with a unit, "
+            f"e.g. '128MiB' or '4GB'")
+
+
+def _order_problem(node: dict, path: list[str], rule: dict
+                   ) -> Iterator[tuple[list[str], Any, str]]:
+    """``rule["low"]`` must be below (``strict``) or at most ``rule["high"]``."""
+    low, high = node.get(rule["low"], _MISSING), node.get(rule["high"], _MISSING)
+    if not (_is_number(low) and _is_number(high)):
+        return  # one is missing (a partial config) or has a wrong type (reported already)
+    strict = rule.get("strict", True)
+    if low < high or (low == high and not strict):
+        return
+    low_path, high_path = path + [rule["low"]], path + [rule["high"]]
+    # Blame the setting the user changed; when both or neither were, the low one.
+    blame_high = (_default(high_path) != high) and (_default(low_path) == low)
+    if blame_high:
+        bad_path, bad, other_path, other = high_path, high, low_path, low
+        relation = "above" if strict else "at least"
+    else:
+        bad_path, bad, other_path, other = low_path, low, high_path, high
+        relation = "below" if strict else "at most"
+    yield (bad_path, bad,
+           f"{bad!r} must be {relation} {'.'.join(other_path)!r} "
+           f"({other!r}{_other_source(other_path, other)}); {rule['why']}")
+
+
+def _other_source(path: list[str], value: Any) -> str:
+    source = _source(path, value)
+    if source:
+        return ", " + source[2:-1]  # " (from ...)" -> ", from ..."
+    return ", the default" if _default(path) == value else ""
+
+
+def _default(path: list[str]) -> Any:
+    node: Any = defaults
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _env_part(key: str) -> str:
+    return key.upper().replace("-", "_")
+
+
+def _source(path: list[str], value: Any) -> str:
+    """`` (from the environment variable NAME='raw')`` or `` (from the Dask config file
+    PATH)`` when one of them set ``path`` to ``value``; else ``""``."""
+    for name, raw in os.environ.items():
+        if not name.startswith("DASK_"):
+            continue
+        parts = [p.replace("_", "-") for p in name[5:].lower().split("__")]
+        if parts == path and _same(_interpret(raw), value):
+            return f" (from the environment variable {name}={raw!r})"
+    for file in _config_files():
+        try:
+            with open(file) as f:
+                node = _kebab_keys(yaml.safe_load(f))
+        except (OSError, yaml.YAMLError):
+            continue
+        for part in path:
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        if node is not _MISSING and _same(node, value):
+            return f" (from the Dask config file {file})"
+    return ""
+
+
+def _interpret(raw: str) -> Any:
+    interpret = getattr(dask.config, "interpret_value", None)
+    return interpret(raw) if interpret is not None else raw
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(_kebab_keys(a) == b)
+    except Exception:  # exotic values that do not compare: attribute anyway
+        return True
+
+
+def _config_files() -> list[str]:
+    """The YAML files ``dask.config`` reads, in its order."""
+    files = []
+    for root in getattr(dask.config, "paths", []):
+        if os.path.isdir(root):
+            files += sorted(glob.glob(os.path.join(root, "*.yaml"))
+                            + glob.glob(os.path.join(root, "*.yml")))
+        elif os.path.isfile(root):
+            files.append(root)
+    return files
 
 
 def _kebab_keys(config: Any) -> Any:
@@ -96,5 +312,44 @@ def _kebab_keys(config: Any) -> Any:
     return out
 
 
-# Fail at import, naming the key, rather than deep inside a computation.
-validate()
+def _command_line() -> bool:
+    """Whether this process runs blockflow's command line: the ``blockflow`` script,
+    ``python -m blockflow`` or ``dask blockflow``."""
+    argv = list(getattr(sys, "argv", None) or [""])
+    if argv[0] == "-m":  # python -m PACKAGE: the package is imported before argv[0] is set
+        args = list(getattr(sys, "orig_argv", []))[1:]
+        for i, arg in enumerate(args):
+            if arg == "-m":
+                return args[i + 1:i + 2] == ["blockflow"]
+            if arg.startswith("-m"):
+                return arg == "-mblockflow"
+        return False
+    program = os.path.basename(argv[0])
+    for suffix in (".exe", "-script.pyw", "-script.py"):
+        program = program.removesuffix(suffix)
+    if program == "__main__.py":  # python -m dask
+        program = os.path.basename(os.path.dirname(argv[0]))
+    if program == "blockflow":
+        return True
+    words = [a for a in argv[1:] if not a.startswith("-")]
+    return program == "dask" and words[:1] == ["blockflow"]
+
+
+def _validate_on_import() -> None:
+    """Fail at import, naming the key, rather than deep inside a computation.
+
+    A library user gets the ``ValueError``. The command line is a different audience: it
+    prints ``Error: <message>`` and exits with status 2 (a usage error), no traceback.
+    """
+    try:
+        if _user_settings is not None:
+            validate({"blockflow": _user_settings})  # sections set to non-mappings
+        validate()
+    except ValueError as e:
+        if _command_line():
+            sys.stderr.write(f"Error: {e}\n")
+            raise SystemExit(2) from None
+        raise
+
+
+_validate_on_import()

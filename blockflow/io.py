@@ -6,12 +6,18 @@ yields a temporary folder beside the requested output (same parent, so the final
 does the temporary folder take the output's name. A run that fails at any point deletes the
 temporary folder and leaves an existing output untouched, so readers never see a
 half-written result.
+
+A write that fails for a reason of the file system (no space left, read-only, a folder that
+cannot hold new folders such as ``/proc``) raises :class:`OutputWriteError`, an ``OSError``
+whose one-line message names the output folder, the OS error, that nothing was written, and
+the fix.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno as _errno
 import json
 import logging
 import math
@@ -25,6 +31,7 @@ import numpy as np
 
 __all__ = [
     "MANIFEST_NAME",
+    "OutputWriteError",
     "atomic_output_dir",
     "check_output_dir",
     "write_manifest",
@@ -37,6 +44,60 @@ logger = logging.getLogger(__name__)
 
 #: File name of the run metadata written next to the tables.
 MANIFEST_NAME = "manifest.json"
+
+# OS errors that can only mean "this file system refuses the write", whoever raised them.
+_WRITE_ERRNOS = {getattr(_errno, name) for name in ("ENOSPC", "EDQUOT", "EFBIG", "EROFS")
+                 if hasattr(_errno, name)}
+_NO_SPACE = {getattr(_errno, name) for name in ("ENOSPC", "EDQUOT") if hasattr(_errno, name)}
+
+
+class OutputWriteError(OSError):
+    """Results could not be written: the file system refused (no space, read-only, ...).
+
+    ``errno`` and ``filename`` are those of the OS error (also the ``__cause__``). Raised by
+    :func:`atomic_output_dir` (and so by the workloads' ``output=``) with a message that
+    names the output folder (``output``), the OS error, that nothing was written, and the
+    fix; by :func:`write_parquet` / :func:`write_manifest` alone with one that names the
+    file (``output`` is None).
+    """
+
+    output: str | None = None
+
+    def __str__(self) -> str:  # the message, not OSError's "[Errno n] strerror: filename"
+        return str(self.args[0]) if self.args else super().__str__()
+
+
+def _os_error_text(e: OSError) -> str:
+    """``[Errno 28] No space left on device``, without the file name and library details."""
+    if e.errno:
+        return f"[Errno {e.errno}] {os.strerror(e.errno)}"
+    return str(e)
+
+
+def _file_error(path: Path, e: OSError) -> OutputWriteError:
+    error = OutputWriteError(f"Could not write {os.fspath(path)!r}: {_os_error_text(e)}.")
+    error.errno, error.filename = e.errno, os.fspath(path)
+    return error
+
+
+def _output_error(target: Path, e: OSError, doing: str) -> OutputWriteError:
+    """The one-line error of a failed output: folder, OS error, nothing written, the fix."""
+    if e.errno in _NO_SPACE:
+        fix = "free space on that file system or choose another output folder (--output)"
+    elif e.errno == _errno.EFBIG:
+        fix = ("raise the file size limit (ulimit -f) or choose another output folder "
+               "(--output)")
+    else:
+        fix = "choose another output folder (--output)"
+    kept = (", and the existing output there is untouched"
+            if target.exists() or target.is_symlink() else "")
+    error = OutputWriteError(
+        f"Could not write output {os.fspath(target)!r}: {_os_error_text(e)} ({doing}); "
+        f"nothing was written{kept}. {fix[0].upper()}{fix[1:]}."
+    )
+    error.errno, error.filename = e.errno, getattr(e, "filename", None)
+    error.output = os.fspath(target)
+    return error
 
 
 def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -63,6 +124,9 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
         message names the path and the fix.
     PermissionError
         If the folder that would hold ``path`` is not writable.
+    OutputWriteError
+        If that folder refuses a new folder all the same (a read-only or special file
+        system such as ``/proc``): a hidden probe folder is created there and removed again.
     """
     target = Path(os.path.abspath(os.fspath(path)))
     exists = target.exists() or target.is_symlink()
@@ -85,6 +149,12 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
             f"Output {os.fspath(target)!r} cannot be written: {os.fspath(parent)!r} is not "
             f"writable; choose another output folder."
         )
+    probe = parent / f".{target.name}.probe-{uuid.uuid4().hex}"
+    try:
+        probe.mkdir()
+    except OSError as e:
+        raise _output_error(target, e, f"creating a folder in {os.fspath(parent)!r}") from e
+    probe.rmdir()
     return target
 
 
@@ -135,9 +205,13 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Itera
     FileExistsError
         If ``path`` exists and ``overwrite`` is False; the message names the path and
         ``--overwrite``.
-    OSError
-        If the temporary folder cannot be created or renamed (e.g. no permission in the
-        parent folder).
+    OutputWriteError
+        If the temporary folder cannot be created or renamed, or a write inside the block
+        fails with :class:`OutputWriteError` (what :func:`write_parquet`,
+        :func:`write_manifest` and :func:`write_tables` raise) or with an OS error that can
+        only come from the file system (no space left, disk quota, file too large,
+        read-only). The temporary folder is deleted first; the message names ``path``, the
+        OS error, that nothing was written, and the fix.
 
     Notes
     -----
@@ -157,31 +231,46 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Itera
     ['hello.txt']
     """
     target = check_output_dir(path, overwrite)
-    target.parent.mkdir(parents=True, exist_ok=True)
     token = uuid.uuid4().hex
     tmp = target.parent / f".{target.name}.tmp-{token}"
-    tmp.mkdir()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise _output_error(target, e, f"creating {os.fspath(tmp)!r}") from e
     try:
         yield tmp
         _commit(tmp, target, overwrite, token)
-    except BaseException:
+    except BaseException as e:
         _remove(tmp)
+        if isinstance(e, OutputWriteError) and e.output is None and e.filename is not None:
+            raise _output_error(target, e, f"writing {Path(e.filename).name}") from e
+        if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
+            raise _output_error(target, e, "while writing") from e
         raise
 
 
 def _commit(tmp: Path, target: Path, overwrite: bool, token: str) -> None:
     if not (target.exists() or target.is_symlink()):
-        os.rename(tmp, target)
+        try:
+            os.rename(tmp, target)
+        except OSError as e:
+            raise _output_error(target, e, f"renaming {os.fspath(tmp)!r} to it") from None
         logger.info("blockflow: wrote %s", target)
         return
     if not overwrite:  # appeared while the run was computing
         check_output_dir(target, overwrite=False)
     aside = target.parent / f".{target.name}.old-{token}"
-    os.rename(target, aside)
+    try:
+        os.rename(target, aside)
+    except OSError as e:
+        raise _output_error(target, e, "moving the existing output aside") from None
     try:
         os.rename(tmp, target)
-    except BaseException:
+    except BaseException as e:
         os.rename(aside, target)  # put the old output back
+        if isinstance(e, OSError):
+            raise _output_error(target, e, f"renaming {os.fspath(tmp)!r} to it") from None
         raise
     _remove(aside)
     logger.info("blockflow: replaced %s", target)
@@ -225,9 +314,18 @@ def write_parquet(frame, path: str | os.PathLike, *, index: bool | None = None) 
         If ``frame`` is not a pandas or cuDF DataFrame.
     pyarrow.ArrowException
         If a column cannot be converted to Arrow (e.g. mixed Python objects).
+    OutputWriteError
+        If the file system refuses the write (no space left, read-only, ...); the message
+        names the file and the OS error.
     """
     path = Path(path)
-    _to_host_frame(frame).to_parquet(path, engine="pyarrow", index=index)
+    frame = _to_host_frame(frame)
+    try:
+        frame.to_parquet(path, engine="pyarrow", index=index)
+    except OSError as e:
+        if isinstance(e, OutputWriteError):
+            raise
+        raise _file_error(path, e) from e
     return path
 
 
@@ -283,13 +381,18 @@ def write_manifest(directory: str | os.PathLike, manifest: Mapping[str, Any]) ->
     ------
     TypeError
         If a value cannot be represented in JSON.
+    OutputWriteError
+        If the file system refuses the write; the message names the file and the OS error.
     """
     data = dict(manifest)
     data.setdefault("created", _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     path = Path(directory) / MANIFEST_NAME
     text = json.dumps(_clean_floats(data), indent=2, sort_keys=True, default=_json_default,
                       allow_nan=False)
-    path.write_text(text + "\n")
+    try:
+        path.write_text(text + "\n")
+    except OSError as e:
+        raise _file_error(path, e) from e
     return path
 
 
@@ -309,6 +412,11 @@ def write_tables(directory: str | os.PathLike, tables: Mapping[str, Any]) -> dic
     dict of str to dict
         Per table: ``{"file": "<name>.parquet", "rows": int, "columns": [str, ...]}``, ready
         for the manifest's ``files`` entry.
+
+    Raises
+    ------
+    OutputWriteError
+        If the file system refuses a write (see :func:`write_parquet`).
     """
     files = {}
     for name, table in tables.items():
@@ -347,6 +455,9 @@ def write_outputs(
     ------
     FileExistsError
         If ``path`` exists and ``overwrite`` is False; nothing is written.
+    OutputWriteError
+        If the file system refuses the write; nothing is written (see
+        :func:`atomic_output_dir`).
     """
     target = check_output_dir(path, overwrite)
     with atomic_output_dir(target, overwrite=overwrite) as tmp:

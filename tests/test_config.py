@@ -78,3 +78,21 @@ def test_public_api_is_sorted_and_importable():
     assert blockflow.__all__ == sorted(blockflow.__all__)
     for name in blockflow.__all__:
         assert hasattr(blockflow, name), name
+
+
+def test_blockflow_rules_of_the_schema_name_its_own_keys():
+    """The x- keywords checked by config.validate refer to settings that exist."""
+    with open(config.SCHEMA_PATH) as f:
+        schema = yaml.safe_load(f)
+    sections = schema["properties"]["blockflow"]["properties"]
+    for section in sections.values():
+        keys = section["properties"]
+        for rule in section.get("x-ordered", []):
+            assert {rule["low"], rule["high"]} <= set(keys) and rule["why"]
+        for spec in keys.values():
+            assert spec.get("x-duration", "positive") in ("positive", "non-negative")
+            assert spec.get("x-bytes", "positive") == "positive"
+    durations = {f"{s}.{k}" for s, sec in sections.items()
+                 for k, spec in sec["properties"].items() if "x-duration" in spec}
+    assert durations == {"cluster.connect-timeout", "cluster.worker-loss-timeout",
+                         "rebalancer.interval", "rebalancer.move-min-gain"}
