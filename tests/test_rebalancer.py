@@ -269,3 +269,20 @@ async def test_without_gpu_metrics_it_balances_on_queue_and_speed_alone(c, s, a,
     assert await c.gather(futs) == [i + 1 for i in range(12)]
     ran = Counter(next(iter(s.tasks[f.key].who_has)).address for f in futs)
     assert ran[a.address] < 12 and ran[b.address] + ran[w.address] >= 6
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(memory_low=0.99), "blockflow rebalancer: memory_low=0.99 must be below "
+     "memory_high=0.85: a worker paused at memory_high resumes once it falls below "
+     "memory_low; lower memory_low or raise memory_high (settings "
+     "blockflow.rebalancer.memory-low / memory-high)."),
+    (dict(hot_low=80, hot_high=80), "blockflow rebalancer: hot_low=80 must be below "
+     "hot_high=80: a worker paused at hot_high resumes once it falls below hot_low; lower "
+     "hot_low or raise hot_high (settings blockflow.rebalancer.hot-low / hot-high)."),
+])
+def test_dynamic_policy_refuses_resume_thresholds_at_or_above_pause(kwargs, message):
+    from blockflow.scheduling.policies import DynamicPolicy
+
+    with pytest.raises(ValueError) as info:
+        DynamicPolicy(**kwargs)
+    assert str(info.value) == message

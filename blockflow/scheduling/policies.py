@@ -201,12 +201,16 @@ class DynamicPolicy(RebalancePolicy):
         self.hot_low = float(config.get("rebalancer.hot-low", hot_low))
         self.move_budget = int(config.get("rebalancer.move-budget", move_budget))
         self.min_gain = parse_timedelta(config.get("rebalancer.move-min-gain", min_gain))
-        if not self.memory_low <= self.memory_high or not self.hot_low <= self.hot_high:
-            raise ValueError(
-                "blockflow rebalancer: the resume thresholds must not exceed the pause "
-                f"thresholds (memory-low={self.memory_low} <= memory-high={self.memory_high}, "
-                f"hot-low={self.hot_low} <= hot-high={self.hot_high})."
-            )
+        for low, high, lv, hv in (("memory_low", "memory_high", self.memory_low,
+                                   self.memory_high),
+                                  ("hot_low", "hot_high", self.hot_low, self.hot_high)):
+            if not lv < hv:
+                raise ValueError(
+                    f"blockflow rebalancer: {low}={lv:g} must be below {high}={hv:g}: a "
+                    f"worker paused at {high} resumes once it falls below {low}; lower "
+                    f"{low} or raise {high} (settings blockflow.rebalancer."
+                    f"{low.replace('_', '-')} / {high.replace('_', '-')})."
+                )
 
     # --- pause / resume --------------------------------------------------------------
 
