@@ -254,8 +254,10 @@ class _PartitionKernel(_Kernel):
         super().__init__(kernel, name, retries)
         self.pass_info = _wants(kernel, "partition_info")
         # Set after the output collection is built (before any task runs) so each
-        # partition's result can be checked against the output's meta.
+        # partition's result can be checked against the output's meta; dtypes only when the
+        # caller declared it (meta=): Dask's inferred meta is sometimes wrong about them.
         self.meta = None
+        self.check_dtypes = False
 
     def __call__(self, *parts, partition_info=None, **kwargs):
         if self.pass_info:
@@ -265,7 +267,7 @@ class _PartitionKernel(_Kernel):
         where = f"partition {partition_info['number']}"
         out = self._run(lambda: where, *parts, **kwargs)
         if self.meta is not None:
-            _check_partition(self.label, where, out, self.meta)
+            _check_partition(self.label, where, out, self.meta, self.check_dtypes)
         return out
 
 
@@ -280,19 +282,21 @@ def _frame_kind(obj) -> str | None:
     return None
 
 
-def _check_partition(label: str, where: str, out, meta) -> None:
+def _check_partition(label: str, where: str, out, meta, check_dtypes: bool = True) -> None:
     """Check a partition a kernel returned against the output's meta: its type, column names
-    and order, and dtypes. Reads metadata only (no data is copied).
+    and order, and (``check_dtypes``) dtypes. Reads metadata only (no data is copied).
 
-    As in Dask (``apply_and_enforce``), a scalar is fine for a Series output (it becomes a
-    one-row Series) and an empty result is replaced by the meta, so neither is checked
-    further.
+    As in Dask (``apply_and_enforce``), any object but None is fine for a Series output (a
+    scalar, a tuple: it becomes one row) and an empty result is replaced by the meta, so
+    neither is checked further. Dtypes are checked only against a declared ``meta=``: Dask's
+    inferred meta can be wrong about them (after ``dd.to_datetime`` or a left merge, say),
+    and a kernel that changes nothing must not fail for it.
     """
     want = _frame_kind(meta)
     if want is None:  # the output is not a frame (e.g. arrays): Dask takes what comes
         return
     got = _frame_kind(out)
-    if got is None and want == "Series" and out is not None and _is_scalar(out):
+    if got is None and want == "Series" and out is not None:
         return
     declared = f"a DataFrame with columns {_names(meta.columns)}" if want == "DataFrame" \
         else f"a{'n' if want == 'Index' else ''} {want} of dtype {meta.dtype}"
@@ -306,6 +310,9 @@ def _check_partition(label: str, where: str, out, meta) -> None:
         return
     if want == "DataFrame":
         _check_columns(label, where, out, meta)
+    if not check_dtypes:
+        return
+    if want == "DataFrame":
         diffs = [(c, g, w) for c, g, w in zip(meta.columns, out.dtypes, meta.dtypes)
                  if not _same_dtype(g, w)]
         if diffs:
@@ -356,11 +363,13 @@ def _names(names, limit: int = 10) -> str:
 
 
 def _same_dtype(got, want) -> bool:
-    """Exact dtype equality, except for two differences Dask itself brings about:
+    """Exact dtype equality, except for differences that pandas and Dask bring about:
     categoricals match whatever their categories (they differ per partition; Dask's meta may
-    hold unknown categories), and object and pandas' string dtypes match each other (Dask
+    hold unknown categories); object and pandas' string dtypes match each other (Dask
     converts object columns to strings, ``dataframe.convert-string``, so a meta built from a
-    pandas frame can differ from the partitions in that only)."""
+    pandas frame can differ from the partitions in that only); and datetimes and timedeltas
+    match whatever their unit (pandas 3 infers ``us`` or ``s`` where older code and metas
+    say ``ns``), though not across time zones."""
     try:
         if got == want:
             return True
@@ -369,11 +378,18 @@ def _same_dtype(got, want) -> bool:
     got_cat, want_cat = (getattr(d, "name", None) == "category" for d in (got, want))
     if got_cat or want_cat:
         return got_cat and want_cat
-    return _is_text(got) and _is_text(want)
+    if _is_text(got) and _is_text(want):
+        return True
+    return _time_kind(got) is not None and _time_kind(got) == _time_kind(want)
 
 
-def _is_scalar(obj) -> bool:
-    return bool(pd.api.types.is_scalar(obj))
+def _time_kind(dtype) -> tuple | None:
+    """``("M", tz)`` for datetimes, ``("m", None)`` for timedeltas, whatever the unit."""
+    tz = getattr(dtype, "tz", None)
+    if tz is not None:
+        return ("M", str(tz))
+    kind = getattr(dtype, "kind", None)
+    return (kind, None) if kind in ("M", "m") else None
 
 
 def _is_text(dtype) -> bool:
@@ -512,8 +528,10 @@ def map_blocks(
         kernel a non-array (``None``, a list, a Python scalar: ``"blockflow kernel 'f'
         returned a NoneType for block (0, 0), not an array; ..."``) or an array of another
         dtype, ndim or shape; a dataframe kernel a partition of another type, other columns
-        or column order, or other dtypes than the output's meta. The message names the
-        kernel, the block or partition, what differs, and how to fix it.
+        or column order than the output's meta, or, when ``meta=`` was given, other dtypes
+        (datetimes match whatever their unit; Dask's inferred meta is not trusted for
+        dtypes). The message names the kernel, the block or partition, what differs, and
+        how to fix it.
     DeviceMemoryError
         At compute time, if the kernel runs out of device memory on a block (CuPy's or RMM's
         out-of-memory error, or a simulated device's): the message names the block, the
@@ -577,21 +595,18 @@ def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_a
                 f"y = y.rechunk(x.chunks)."
             )
     declared_dtype = dtype if dtype is not None else getattr(meta, "dtype", None)
-    ndim = None
-    if meta is not None and hasattr(meta, "ndim"):
-        ndim = meta.ndim
-    elif drop_axis is None and new_axis is None and chunks is None:
-        ndim = max(x.ndim for x in arrays)
     wants_info = _wants(kernel, "block_info")
     cls = _ArrayKernelWithInfo if wants_info else _ArrayKernel
-    wrapped = cls(kernel, task_name, dtype=declared_dtype, ndim=ndim, retries=retries)
+    wrapped = cls(kernel, task_name, dtype=declared_dtype, retries=retries)
     opts = {}
     for k, v in dict(dtype=dtype, meta=meta, chunks=chunks, drop_axis=drop_axis,
                      new_axis=new_axis).items():
         if v is not None:
             opts[k] = v
     out = da.map_blocks(wrapped, *arrays, token=task_name, **opts, **kwargs)
-    wrapped.expected_chunks = out.chunks
+    # Dask works out the output's dimensions (meta=np.array((), dtype=...) is 1-d whatever
+    # the output): check blocks against those, as against its chunks.
+    wrapped.ndim, wrapped.expected_chunks = out.ndim, out.chunks
     return out
 
 
@@ -608,6 +623,7 @@ def _map_partitions(kernel, frames, task_name, meta, kwargs, retries=0):
     opts = {} if meta is None else {"meta": meta}
     out = first.map_partitions(wrapped, *frames[1:], **opts, **kwargs)
     wrapped.meta = out._meta
+    wrapped.check_dtypes = meta is not None
     return out
 
 

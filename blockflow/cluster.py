@@ -272,8 +272,17 @@ def _security(security: Any, address: str | None) -> Security | None:
 
 
 def _check_tls_credentials(address: str, security: Security | None) -> None:
-    """A ``tls://`` address needs an SSL context: from ``security`` or the Dask config."""
+    """A ``tls://`` address needs an SSL context: from ``security`` or the Dask config; a
+    ``security`` that requires encryption needs a ``tls://`` address."""
     if not address.startswith("tls://"):
+        if security is not None and security.require_encryption:
+            scheme = f"a {address.split('://')[0]}://" if "://" in address else "a plain"
+            raise ValueError(
+                f"blockflow.connect: security= requires encryption, but {address!r} is "
+                f"{scheme} address, which is not encrypted; connect to the scheduler's "
+                f"tls:// address (the scheduler prints it), e.g. "
+                f"{'tls://' + address.split('://')[-1]!r}."
+            )
         return
     sec = security if security is not None else Security()
     if sec.get_connection_args("client").get("ssl_context") is None:

@@ -267,8 +267,15 @@ def uneven_client():
             "big": {"cls": Worker, "options": {"nthreads": 1, "memory_limit": "3GiB"}},
         },
     }
+    # In-process workers measure the whole test process's memory against their 1 GiB and
+    # 3 GiB limits: late in a long suite that can pause them (a computation then waits
+    # forever). Their limits are only there to be read, so memory management is off.
+    no_memory_management = {f"distributed.worker.memory.{k}": False
+                            for k in ("target", "spill", "pause", "terminate")}
     # not the default client: tests opt in with client.as_current()
-    with SpecCluster(**spec) as cluster, Client(cluster, set_as_default=False) as c:
+    with dask.config.set(no_memory_management):  # read when the workers start
+        cluster = SpecCluster(**spec)
+    with cluster, Client(cluster, set_as_default=False) as c:
         yield c
 
 

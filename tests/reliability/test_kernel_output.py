@@ -249,15 +249,59 @@ def int_k_except_on_1(p, partition_info=None):
     return out.astype({"k": "f8"}) if partition_info and partition_info["number"] == 1 else out
 
 
-def test_an_inferred_meta_is_checked_too(compute):
+def test_an_inferred_meta_checks_columns_not_dtypes(compute):
+    """Dask's inferred meta can be wrong about dtypes, so only a declared meta= checks them;
+    columns are checked either way (as Dask itself does)."""
     _, ddf = _frame()
-    out = blockflow.map_blocks(int_k_except_on_1, ddf)  # meta from a sample: int64 "k"
-    raises_exactly(
-        compute, out,
-        "blockflow kernel 'int_k_except_on_1' returned dtypes for partition 1 that differ from "
-        "the output's meta: column 'k' is float64 but declared int64; cast inside the kernel "
-        "(e.g. part.astype({'k': 'int64'})) or pass meta= to map_blocks with the dtypes it "
-        "returns.")
+    out = compute(blockflow.map_blocks(int_k_except_on_1, ddf))  # sample meta: int64 "k"
+    assert out["k"].tolist() == ddf.compute()["k"].tolist()
+
+
+def identity(part):
+    return part
+
+
+def test_a_kernel_that_changes_nothing_passes_where_dasks_meta_is_wrong(compute):
+    """The first user trial's false positives: Dask's meta says float64 for an int64 column
+    after dd.to_datetime, int64 for a float64 column after a left merge with missing keys."""
+    pdf = pd.DataFrame({"a": np.arange(20), "d": ["2013-01-01 05:17"] * 20,
+                        "k": list("abcd") * 5})
+    ddf = dd.from_pandas(pdf, npartitions=4)
+    lookup = pd.DataFrame({"k": list("abc"), "v": [1, 2, 3]})
+    for frame in (ddf.assign(t=dd.to_datetime(ddf.d)),
+                  ddf.merge(lookup, on="k", how="left"),
+                  ddf.assign(c=ddf.a.where(ddf.a > 1))):
+        pd.testing.assert_frame_equal(compute(blockflow.map_blocks(identity, frame)),
+                                      frame.compute())
+
+
+def to_datetime_d(part):
+    return part.assign(t=pd.to_datetime(part["d"]))
+
+
+def test_datetimes_match_a_declared_meta_whatever_their_unit(compute):
+    """pandas 3 parses to datetime64[us]; a meta written with datetime64[ns] still matches."""
+    pdf = pd.DataFrame({"d": ["2013-01-01 05:17"] * 8})
+    ddf = dd.from_pandas(pdf, npartitions=2)
+    meta = pdf.iloc[:0].assign(t=pd.Series([], dtype="datetime64[ns]"))
+    out = compute(blockflow.map_blocks(to_datetime_d, ddf, meta=meta))
+    assert out["t"].dt.year.tolist() == [2013] * 8
+    tz_meta = pdf.iloc[:0].assign(t=pd.Series([], dtype="datetime64[ns, UTC]"))
+    with pytest.raises(BlockKernelError, match=r"column 't' is datetime64\[\w+\] but declared "
+                                               r"datetime64\[ns, UTC\]"):
+        compute(blockflow.map_blocks(to_datetime_d, ddf, meta=tz_meta))
+
+
+def count_and_sum(part):
+    return (len(part), int(part["k"].sum()))
+
+
+def test_a_tuple_per_partition_makes_a_series_as_in_dask(compute):
+    _, ddf = _frame()
+    out = compute(blockflow.map_blocks(count_and_sum, ddf)).tolist()
+    whole = ddf.compute()
+    assert len(out) == ddf.npartitions
+    assert (sum(n for n, _ in out), sum(t for _, t in out)) == (len(whole), whole["k"].sum())
 
 
 def count_rows(p):
@@ -394,3 +438,14 @@ def test_a_bad_axis_is_refused_before_anything_runs(axis, error, message):
 def test_good_axes_still_reduce(axis, want):
     out = blockflow.tree_reduce(da.ones((8, 3), chunks=2), np.sum, axis=axis, split_every=2)
     np.testing.assert_array_equal(out.compute(scheduler="sync"), want)
+
+
+def double(b):
+    return b * 2
+
+
+def test_a_1d_meta_declares_the_dtype_of_a_2d_output(compute):
+    """meta=np.array((), dtype=...) is Dask's idiom whatever the output's dimensions."""
+    x = da.arange(24, chunks=6).reshape(4, 6).rechunk((2, 3)).astype(float)
+    out = blockflow.map_blocks(double, x, meta=np.array((), dtype=float))
+    np.testing.assert_array_equal(compute(out), 2 * np.arange(24.0).reshape(4, 6))

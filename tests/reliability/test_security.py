@@ -78,6 +78,16 @@ def test_plain_tcp_to_a_tls_scheduler_fails_fast_and_says_to_use_tls(tls_client)
         "security=distributed.Security(...).")
 
 
+def test_credentials_that_require_encryption_need_a_tls_address(tls_client):
+    address = tls_client.scheduler.address.replace("tls://", "tcp://")
+    with pytest.raises(ValueError) as info:
+        blockflow.connect(address, security=tls_client.cluster.security, timeout=5)
+    assert str(info.value) == (
+        f"blockflow.connect: security= requires encryption, but {address!r} is a tcp:// "
+        f"address, which is not encrypted; connect to the scheduler's tls:// address (the "
+        f"scheduler prints it), e.g. {tls_client.scheduler.address!r}.")
+
+
 def _dashboard_sockets(dask_scheduler=None) -> list:
     return [s.getsockname()[:2] for s in dask_scheduler.http_server._sockets.values()]
 
