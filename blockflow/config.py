@@ -254,12 +254,18 @@ def _env_part(key: str) -> str:
 def _source(path: list[str], value: Any) -> str:
     """`` (from the environment variable NAME='raw')`` or `` (from the Dask config file
     PATH)`` when one of them set ``path`` to ``value``; else ``""``."""
+    below = []  # variables that set keys inside ``path`` (a misspelled section, say)
     for name, raw in os.environ.items():
         if not name.startswith("DASK_"):
             continue
         parts = [p.replace("_", "-") for p in name[5:].lower().split("__")]
         if parts == path and _same(_interpret(raw), value):
             return f" (from the environment variable {name}={raw!r})"
+        if isinstance(value, dict) and len(parts) > len(path) and parts[:len(path)] == path:
+            below.append(f"{name}={raw!r}")
+    if below:
+        s = "s" if len(below) > 1 else ""
+        return f" (from the environment variable{s} {', '.join(sorted(below))})"
     for file in _config_files():
         try:
             with open(file) as f:

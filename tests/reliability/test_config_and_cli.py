@@ -120,6 +120,14 @@ def test_both_sides_of_a_rule_from_the_environment_are_named():
         f"variable DASK_BLOCKFLOW__REBALANCER__MEMORY_HIGH='0.8'); {MEMORY_WHY}")
 
 
+def test_a_misspelled_section_names_the_variable_that_set_it():
+    out = _python("-c", "import blockflow", env=_env(CLUSTR__GPU="false"))
+    assert out.stderr.strip().splitlines()[-1] == "ValueError: " + _invalid(
+        "blockflow.clustr", "DASK_BLOCKFLOW__CLUSTR__GPU", "false",
+        "{'gpu': False} is set for an unknown key (did you mean 'cluster'?); 'blockflow' has "
+        "the keys cluster, reduction, rebalancer")
+
+
 def test_a_dask_config_file_is_named_as_the_source(tmp_path):
     (tmp_path / "blockflow.yaml").write_text("blockflow:\n  rebalancer:\n    interval: soon\n")
     env = _env()
