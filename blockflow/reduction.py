@@ -120,6 +120,26 @@ def _array_block_bytes(x: da.Array) -> int:
     return int(np.prod([max(c) for c in x.chunks])) * itemsize
 
 
+def _check_split_every_dict(split_every: dict, ndim: int) -> dict[int, int]:
+    """Dask's per-axis fan-in ``{axis: n}`` for arrays: axes in range, fan-ins >= 2."""
+    out = {}
+    for ax, n in split_every.items():
+        if isinstance(ax, bool) or not isinstance(ax, (int, np.integer)) \
+                or not -ndim <= ax < ndim:
+            raise ValueError(
+                f"blockflow.tree_reduce: split_every={split_every!r} names axis {ax!r}, which "
+                f"the collection's {ndim} dimensions do not have; use axes from {-ndim} to "
+                f"{ndim - 1}."
+            )
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
+            raise ValueError(
+                f"blockflow.tree_reduce: split_every={split_every!r} gives axis {ax} a fan-in "
+                f"of {n!r}; each must be an int >= 2."
+            )
+        out[int(ax) % ndim] = int(n)
+    return out
+
+
 def _resolve_split_every(split_every, block_bytes, what: str) -> int:
     split_every = config.get("reduction.split-every", split_every)
     if split_every is not None:
@@ -179,10 +199,11 @@ def tree_reduce(
         ``aggregate``.
     aggregate : callable, optional
         Final step, same calling convention as ``combine``. Default: ``chunk``.
-    split_every : int, optional
+    split_every : int or dict of int to int, optional
         Fan-in of each tree level, >= 2. Default ``blockflow.reduction.split-every``; if that
         is None, :func:`choose_split_every` sizes it from the largest block and the smallest
-        worker's memory (logged at INFO on the ``blockflow.reduction`` logger).
+        worker's memory (logged at INFO on the ``blockflow.reduction`` logger). Arrays also
+        take Dask's per-axis form ``{axis: fan-in}``.
     axis : int or tuple of int, optional
         Arrays: the axes to reduce (default all).
     dim : str or tuple of str, optional
@@ -265,7 +286,10 @@ def tree_reduce(
         validate_array(collection, "blockflow.tree_reduce", "the collection")
         axes = _check_axis(axis, collection.ndim)
         nbytes = block_bytes or _array_block_bytes(collection)
-        fan_in = _resolve_split_every(split_every, nbytes, f"{collection.name}")
+        if isinstance(split_every, dict):
+            fan_in = _check_split_every_dict(split_every, collection.ndim)
+        else:
+            fan_in = _resolve_split_every(split_every, nbytes, f"{collection.name}")
         dtype = np.dtype(dtype) if dtype is not None else collection.dtype
         if meta is None:
             # Spare Dask from inferring metadata by calling chunk on an empty block, which

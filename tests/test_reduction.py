@@ -493,3 +493,18 @@ def test_xarray_results_mix_with_other_dask_variables():
     out = ds.compute(scheduler="sync")
     np.testing.assert_array_equal(out["s"].values, np.full(4, 6.0))
     np.testing.assert_array_equal(out["m"].values, np.ones(4))
+
+
+def test_split_every_per_axis_as_in_dask():
+    x = da.ones((64, 64), chunks=(4, 8))
+    narrow = tree_reduce(x, np.sum, axis=0, split_every={0: 2})
+    wide = tree_reduce(x, np.sum, axis=0, split_every={0: 16})
+    np.testing.assert_array_equal(narrow.compute(), np.full(64, 64.0))
+    # 16 blocks along axis 0: four levels of fan-in 2, one of 16
+    assert len(narrow.__dask_graph__()) > len(wide.__dask_graph__())
+    with pytest.raises(ValueError, match=r"names axis 5, which the collection's 2 dimensions "
+                                         r"do not have; use axes from -2 to 1\.$"):
+        tree_reduce(x, np.sum, axis=0, split_every={5: 2})
+    with pytest.raises(ValueError, match=r"gives axis 0 a fan-in of 1; each must be an int "
+                                         r">= 2\.$"):
+        tree_reduce(x, np.sum, axis=0, split_every={0: 1})
