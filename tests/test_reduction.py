@@ -344,13 +344,21 @@ def test_split_every_too_small(bad):
     )
 
 
-@pytest.mark.parametrize("bad, shown", [(2.5, "2.5"), ("4", "'4'"), (True, "True"),
-                                        ({0: 2}, "{0: 2}")])
+@pytest.mark.parametrize("bad, shown", [(2.5, "2.5"), ("4", "'4'"), (True, "True")])
 def test_split_every_not_an_int(bad, shown):
     with pytest.raises(TypeError) as e:
         tree_reduce(da.ones(4, chunks=2), np.sum, split_every=bad)
     assert str(e.value) == (
         f"blockflow.tree_reduce: split_every must be an int >= 2 or None, got {shown}."
+    )
+
+
+def test_split_every_per_axis_is_for_arrays_only():
+    ddf = dd.from_pandas(pd.DataFrame({"a": range(8)}), npartitions=4)
+    with pytest.raises(TypeError) as e:
+        tree_reduce(ddf, lambda p: p.sum(), split_every={0: 2})
+    assert str(e.value) == (
+        "blockflow.tree_reduce: split_every must be an int >= 2 or None, got {0: 2}."
     )
 
 
