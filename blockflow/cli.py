@@ -20,6 +20,7 @@ exit status 130 (with one line saying so) and 143.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Any, Callable, Iterator
 
@@ -100,6 +101,12 @@ def _client(address: str | None, gpu: str | None, n_workers: int | None,
         if announce:  # the link is live only while the job runs
             click.echo(f"Dashboard (while the job runs): {client.dashboard_link or 'n/a'}")
         yield client
+    except KeyboardInterrupt:
+        # The run is being abandoned: distributed's warnings about the work it loses while
+        # the cluster shuts down ("Removing worker ... lose already computed tasks") would
+        # only bury the one line that says what happened.
+        logging.getLogger("distributed").setLevel(logging.CRITICAL)
+        raise
     finally:
         if client is None:
             pass

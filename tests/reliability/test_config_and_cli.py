@@ -306,7 +306,7 @@ def test_ctrl_c_mid_run_exits_130_with_one_line_and_leaves_nothing(tmp_path):
     cluster down, removes the temporary folder and says so; the workers print nothing."""
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "blockflow", "run", "flights", "--scale", "8", "--n-workers",
+        [sys.executable, "-m", "blockflow", "run", "flights", "--scale", "16", "--n-workers",
          "2", "--threads-per-worker", "1", "--gpu", "false", "--output", str(out),
          "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
@@ -318,6 +318,8 @@ def test_ctrl_c_mid_run_exits_130_with_one_line_and_leaves_nothing(tmp_path):
             time.sleep(0.1)
         children = psutil.Process(proc.pid).children(recursive=True)
         assert children  # the embedded cluster's nannies and workers
+        time.sleep(1.5)  # mid-computation: workers hold results
+        assert proc.poll() is None
         os.killpg(proc.pid, signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
@@ -327,6 +329,7 @@ def test_ctrl_c_mid_run_exits_130_with_one_line_and_leaves_nothing(tmp_path):
     assert stderr.splitlines()[-1] == (
         f"Interrupted (Ctrl-C): the run was stopped and nothing was written to {str(out)!r}.")
     assert "Traceback" not in stderr and "Aborted!" not in stderr
+    assert "Removing worker" not in stderr  # distributed's shutdown warnings are quiet
     assert list(tmp_path.iterdir()) == []  # no output, no temporary folder
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert alive == []
