@@ -376,6 +376,8 @@ def task_counts(client: Client, *, kernels_only: bool = False) -> dict[str, int]
 
 
 DECISION_COLUMNS = ["time", "policy", "action", "worker", "target", "key", "reason"]
+SEEN_METRICS = ("gpu_utilization", "gpu_memory_fraction", "speed", "processing",
+                "projected_finish")
 
 
 def decisions(client: Client, since: float | None = None):
@@ -412,7 +414,13 @@ def decisions(client: Client, since: float | None = None):
     for c in DECISION_COLUMNS:
         if c not in df:
             df[c] = pd.Series(dtype="float64" if c == "time" else "object")
-    seen = sorted(c for c in df.columns if c.startswith("seen_"))
+    # The metrics every pause/resume/move decision records, present even in an empty log
+    # (so that code filtering on them works before the first decision); others as logged.
+    seen = sorted({f"seen_{k}" for k in SEEN_METRICS}
+                  | {c for c in df.columns if c.startswith("seen_")})
+    for c in seen:
+        if c not in df:
+            df[c] = pd.Series(dtype="object")
     df = df[DECISION_COLUMNS + seen]
     df["time"] = pd.to_datetime(df["time"], unit="s", utc=True)
     return df.reset_index(drop=True)

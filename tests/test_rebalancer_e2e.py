@@ -75,8 +75,10 @@ def test_decisions_of_a_cluster_without_decisions_is_an_empty_table():
         c.register_plugin(Rebalancer(policy="off"))
         df = blockflow.decisions(c, since=time.time())
         assert df.empty
-        assert list(df.columns)[:7] == ["time", "policy", "action", "worker", "target", "key",
-                                        "reason"]
+        assert list(df.columns) == ["time", "policy", "action", "worker", "target", "key",
+                                    "reason", "seen_gpu_memory_fraction",
+                                    "seen_gpu_utilization", "seen_processing",
+                                    "seen_projected_finish", "seen_speed"]
 
 
 @pytest.mark.slow
