@@ -294,7 +294,8 @@ def flights_command(scale: int, output: str, overwrite: bool, partitions_per_cop
 @run_group.command(name="array-stats")
 @click.option("--size", type=click.Choice(_ARRAY_SIZES), default="small", show_default=True,
               help="Field size: small (1 MB), medium (249 MB) or large (3.8 GB) of float32.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the field.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the field (>= 0).")
 @click.option("--output", type=click.Path(), default="blockflow-array-stats-out",
               show_default=True, help="Folder for stats.parquet and manifest.json.")
 @click.option("--overwrite", is_flag=True, help="Replace --output if it exists.")

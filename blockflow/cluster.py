@@ -93,6 +93,8 @@ def connect(
         ``blockflow.cluster.dashboard-address`` (localhost only).
     policy : str, optional
         Scheduling policy of blockflow's scheduler plugin; default ``blockflow.cluster.policy``.
+        A scheduler that already runs the plugin (started with the preload, or by another
+        client) keeps its policy; a different ``policy=`` then warns (``BlockflowWarning``).
     timeout : str or float, optional
         How long to wait for the scheduler at ``address`` (default
         ``blockflow.cluster.connect-timeout``).
@@ -192,7 +194,33 @@ def connect(
         )
         client = Client(cluster)  # takes the cluster's security
     _register_plugin(client, plugin)
+    if address is not None and policy is not None:
+        _warn_if_other_policy(client, plugin.policy_name)
     return client
+
+
+def _running_policy(dask_scheduler=None) -> str | None:
+    plugin = dask_scheduler.plugins.get(Rebalancer.name)
+    return getattr(plugin, "policy_name", None)
+
+
+def _warn_if_other_policy(client: Client, asked: str) -> None:
+    """A scheduler that already runs blockflow's plugin (``--preload``, an earlier client)
+    keeps it, and its policy: say so rather than ignore ``policy=`` silently."""
+    import warnings
+
+    from blockflow.errors import BlockflowWarning
+
+    running = client.run_on_scheduler(_running_policy)
+    if running is not None and running != asked:
+        warnings.warn(
+            f"blockflow.connect: the scheduler at {client.scheduler.address} already runs "
+            f"blockflow's plugin with policy {running!r}, which it keeps: policy={asked!r} is "
+            f"not applied, as other clients of that cluster rely on it. To change it, restart "
+            f"the scheduler with DASK_BLOCKFLOW__CLUSTER__POLICY={asked} (or "
+            f"blockflow.cluster.policy in its Dask config).",
+            BlockflowWarning, stacklevel=3,
+        )
 
 
 def _probe_scheduler(address: str, timeout: float, security: Security | None) -> None:

@@ -92,6 +92,29 @@ def test_connect_to_running_scheduler_registers_plugin():
             client.close()
 
 
+def test_another_policy_than_the_running_plugins_warns():
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster:
+        first = blockflow.connect(cluster.scheduler_address, policy="off")
+        try:
+            with pytest.warns(blockflow.BlockflowWarning) as record:
+                second = blockflow.connect(cluster.scheduler_address, policy="dynamic")
+            second.close()
+            assert str(record[0].message) == (
+                f"blockflow.connect: the scheduler at {cluster.scheduler_address} already runs "
+                f"blockflow's plugin with policy 'off', which it keeps: policy='dynamic' is not "
+                f"applied, as other clients of that cluster rely on it. To change it, restart "
+                f"the scheduler with DASK_BLOCKFLOW__CLUSTER__POLICY=dynamic (or "
+                f"blockflow.cluster.policy in its Dask config).")
+            assert blockflow.plugin_status(first)["policy"] == "off"
+            with blockflow.connect(cluster.scheduler_address, policy="off"):
+                pass  # the same policy: nothing to say
+            with blockflow.connect(cluster.scheduler_address):
+                pass  # no policy asked for: the running one is fine
+        finally:
+            first.close()
+
+
 def test_plugin_status_without_plugin_says_how_to_fix():
     with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster:
         with Client(cluster) as client:
