@@ -68,6 +68,24 @@ def test_dynamic_moves_work_off_a_worker_that_slows_down_mid_run():
     assert isinstance(decisions["time"].dtype, pd.DatetimeTZDtype)
     assert {"seen_speed", "seen_projected_finish"} <= set(decisions.columns)
     assert moves["target"].notna().all() and moves["key"].notna().all()
+    assert _bounces(decisions) == []
+
+
+def _bounces(decisions) -> list:
+    """Moves of a task back to a worker it was moved off, while no worker was paused."""
+    paused = set()
+    left: dict[str, set] = {}
+    out = []
+    for d in decisions.itertuples():
+        if d.action == "pause":
+            paused.add(d.worker)
+        elif d.action in ("resume", "forget"):
+            paused.discard(d.worker)
+        elif d.action == "move":
+            if d.target in left.get(d.key, set()) and d.worker not in paused:
+                out.append((d.key, d.worker, d.target))
+            left.setdefault(d.key, set()).add(d.worker)
+    return out
 
 
 def test_decisions_of_a_cluster_without_decisions_is_an_empty_table():

@@ -187,7 +187,10 @@ class DynamicPolicy(RebalancePolicy):
     lowest-priority waiting task to the worker that would finish it soonest (including the
     time to move its inputs, bytes / measured bandwidth), and move it when that finishes
     earlier. While the scheduler still queues root tasks, every worker pulls more work as it
-    frees up, so only tasks stuck on paused workers move. A blockflow heuristic.
+    frees up, so only tasks stuck on paused workers move. A task is never moved back to a
+    worker it was moved off (unless it now sits on a paused worker): projected finishes are
+    estimates that shift after every move, and without that rule a task on the margin
+    bounces between two workers. A blockflow heuristic.
     """
 
     name = "dynamic"
@@ -201,6 +204,8 @@ class DynamicPolicy(RebalancePolicy):
         self.hot_low = float(config.get("rebalancer.hot-low", hot_low))
         self.move_budget = int(config.get("rebalancer.move-budget", move_budget))
         self.min_gain = parse_timedelta(config.get("rebalancer.move-min-gain", min_gain))
+        # key -> workers the task was moved off; pruned of forgotten tasks as it grows
+        self._moved_off: dict[Any, set[str]] = {}
         for low, high, lv, hv in (("memory_low", "memory_high", self.memory_low,
                                    self.memory_high),
                                   ("hot_low", "hot_high", self.hot_low, self.hot_high)):
@@ -291,9 +296,10 @@ class DynamicPolicy(RebalancePolicy):
                 continue
             d = adapter.expected_duration(sched, ts)
             valid = adapter.valid_workers(sched, ts)
+            left = () if v.address in blocked else self._moved_off.get(ts.key, ())
             best, best_finish = None, math.inf
             for t in thieves:
-                if t is v or (valid is not None and t.ws not in valid):
+                if t is v or (valid is not None and t.ws not in valid) or t.address in left:
                     continue
                 f = finish[t.address] + d / rate[t.address] + adapter.comm_cost(sched, ts, t.ws)
                 if f < best_finish:
@@ -311,9 +317,12 @@ class DynamicPolicy(RebalancePolicy):
                 "move", v.address,
                 f"projected finish {_fmt(stay)} here vs {_fmt(best_finish)} on target",
                 seen, target=best.address, key=str(ts.key), ts=ts))
+            self._moved_off.setdefault(ts.key, set()).add(v.address)
             if not math.isinf(finish[v.address]):
                 finish[v.address] -= d / rate[v.address]
             finish[best.address] = best_finish
+        if len(self._moved_off) > 10_000:
+            self._moved_off = {k: w for k, w in self._moved_off.items() if k in sched.tasks}
         return out
 
     def decide(self, snapshot: ClusterSnapshot) -> list[Decision]:
