@@ -26,12 +26,17 @@ from .conftest import wait_until
 
 
 def _attempt(marks: str, name: str) -> int:
-    """Record one attempt under ``name``; return how many there were before this one."""
+    """Record one attempt under ``name``; return 0 for the first attempt in the whole cluster
+    and 1 for any other. The first is decided by creating a marker file exclusively, so two
+    worker processes attempting at once cannot both count as first or both as later."""
     path = os.path.join(marks, name)
     with open(path, "a") as f:  # O_APPEND: whole lines, also from several processes
         f.write("x\n")
-    with open(path) as f:
-        return len(f.read().splitlines()) - 1
+    try:
+        os.close(os.open(path + ".first", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return 1
+    return 0
 
 
 def attempts(marks, name: str) -> int:
@@ -148,6 +153,7 @@ def test_tree_reduce_retries_a_flaky_chunk(proc_client, tmp_path):
     assert proc_client.compute(total).result() == np.arange(1_000).sum()
     assert attempts(tmp_path, "chunk") == 11  # 10 blocks, one of them twice
     (tmp_path / "chunk").unlink()
+    (tmp_path / "chunk.first").unlink()
     # Other blocks, so other keys: the same keys could be served from the first result,
     # which the scheduler may still hold when this graph arrives.
     y = da.arange(1_000, chunks=125)
@@ -204,7 +210,8 @@ def test_flights_run_with_a_partition_that_always_fails_writes_nothing(proc_clie
         "blockflow kernel 'flaky_drop' failed on partition 2: OSError: lost connection while "
         "reading partition 2")
     assert attempts(tmp_path, "partition-2") == 2  # the first try and one retry
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["partition-2"]  # no output at all
+    assert sorted(p.name for p in tmp_path.iterdir()) == [  # no output at all
+        "partition-2", "partition-2.first"]
 
 
 @pytest.mark.slow
