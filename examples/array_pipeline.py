@@ -69,7 +69,8 @@ def build(field: xr.DataArray, clim: xr.DataArray, threshold: float,
     return stats, days_above
 
 
-@click.command(help=__doc__.split("\n\n")[0])
+@click.command(help=__doc__.split("\n\n")[0],
+               context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--output", required=True, type=click.Path(file_okay=False),
               help="Folder to write grid.parquet, zonal.parquet and manifest.json to.")
 @click.option("--overwrite", is_flag=True, help="Replace --output if it exists.")

@@ -83,7 +83,8 @@ def connect(address, n_workers, threads_per_worker, dashboard_address):
                              dashboard_address=dashboard_address)
 
 
-@click.command(help=__doc__.split("\n\n")[0])
+@click.command(help=__doc__.split("\n\n")[0],
+               context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--output", required=True, type=click.Path(file_okay=False),
               help="Folder to write by_carrier / by_origin_month / by_route .parquet and "
                    "manifest.json to.")

@@ -95,7 +95,12 @@ def test_json_routes_after_a_forced_pause_and_read_only(sim):
             urllib.request.urlopen(_base(sim) + "/blockflow/decisions.json?since=yesterday")
         assert e.value.code == 400
         assert json.loads(e.value.read())["error"] == (
-            "since must be seconds since the epoch, limit an int")
+            "since must be seconds since the epoch, limit an int >= 0")
+        with pytest.raises(urllib.error.HTTPError) as e:  # not the whole log
+            urllib.request.urlopen(_base(sim) + "/blockflow/decisions.json?limit=-1")
+        assert e.value.code == 400
+        none = json.loads(_get(_base(sim) + "/blockflow/decisions.json?limit=0")[2])
+        assert none["decisions"] == []
     finally:
         sim.run(set_tenant, None, workers=[addr])
         sim.run(_heartbeat, workers=[addr])

@@ -46,9 +46,11 @@ class DecisionsHandler(_JSONHandler):
         try:
             since = float(self.get_argument("since")) if self.get_argument("since", None) else None
             limit = int(self.get_argument("limit", "1000"))
+            if limit < 0:
+                raise ValueError(limit)
         except ValueError:
-            raise web.HTTPError(400, "since must be seconds since the epoch, limit an int")
-        state = dashboard_state(self.server, since=since, max_decisions=max(limit, 0))
+            raise web.HTTPError(400, "since must be seconds since the epoch, limit an int >= 0")
+        state = dashboard_state(self.server, since=since, max_decisions=limit)
         self._write({"time": state["time"], "policy": state["policy"],
                      "decisions": state["decisions"]})
 

@@ -74,7 +74,7 @@ def dashboard_state(scheduler, *, since: float | None = None,
     if since is not None:
         decisions = [d for d in decisions if d["time"] > since]
     decisions = [{k: (_finite(v) if isinstance(v, float) else v) for k, v in d.items()}
-                 for d in decisions[-max_decisions:]]
+                 for d in (decisions[-max_decisions:] if max_decisions > 0 else [])]
     return {
         "time": time.time(),
         "policy": plugin.policy_name if plugin else None,
