@@ -45,7 +45,10 @@ def addresses(client) -> dict[int, str]:
 
 
 def metrics(client, i: int) -> dict:
-    return client.scheduler_info()["workers"][addresses(client)[i]]["metrics"]
+    """Metrics of the worker named ``i``, from one snapshot of the scheduler's info (two
+    snapshots may disagree on the workers' addresses, e.g. after a nanny restart)."""
+    workers = client.scheduler_info()["workers"].values()
+    return next(w["metrics"] for w in workers if int(w["name"]) == i)
 
 
 def wait_until(cond, timeout=6.0, what="condition"):
