@@ -490,11 +490,13 @@ def map_blocks(
         CuPy; a NumPy scalar for 0-d output); when given, its dtype, ndim and shape are
         checked against them at run time. ``meta`` also applies to dataframes (as in
         ``map_partitions``): every partition is checked against the output's meta, declared
-        or inferred from a sample, at run time: its type (DataFrame, Series or Index; a
-        scalar is fine for a Series, as in Dask), its column names and order, and its dtypes
-        (exactly, except that categoricals match whatever their categories, and object and
-        pandas' string dtypes match each other, since Dask converts between them). Empty
-        partitions are not checked: Dask replaces them with the meta.
+        or inferred from a sample, at run time: its type (DataFrame, Series or Index; any
+        object but None is fine for a Series, as in Dask) and its column names and order.
+        Its dtypes are checked only against a declared ``meta=`` (Dask's inferred meta can
+        be wrong about them), exactly except that categoricals match whatever their
+        categories, object and pandas' string dtypes match each other, and datetimes and
+        timedeltas match whatever their unit. Empty partitions are not checked: Dask
+        replaces them with the meta.
     template : xarray object, optional
         Xarray: the output template, as in :func:`xarray.map_blocks`.
     retries : int, optional
@@ -558,7 +560,8 @@ def map_blocks(
             f"call map_blocks(kernel, *collections)."
         )
     if not collections:
-        raise TypeError("blockflow.map_blocks: give at least one Dask collection after the kernel.")
+        raise TypeError(
+            "blockflow.map_blocks: give at least one Dask collection after the kernel.")
     kinds = []
     for i, c in enumerate(collections):
         k = _kind(c)
