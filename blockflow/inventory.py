@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, fields
 import pandas as pd
 from dask.utils import format_bytes
 
-from blockflow.scheduling.metrics import read_metrics
+from blockflow.metrics import read_metrics
 
 __all__ = ["Inventory", "WorkerResources", "inventory"]
 

@@ -17,7 +17,7 @@ from distributed.utils_test import gen_cluster, slowinc
 
 import blockflow
 from blockflow.scheduling import Rebalancer
-from blockflow.scheduling.adapter import check_scheduler
+from blockflow._distributed import check_scheduler
 from blockflow.scheduling.speed import SpeedModel
 from blockflow.testing import SimulatedDevice, Tenant, install_simulated_devices, set_tenant
 
@@ -220,7 +220,7 @@ async def test_static_round_robin_assigns_blocks_in_turn(c, s, *workers):
 async def test_adapter_matches_this_distributed(c, s, a, b):
     """Fails loudly if distributed changes an internal the rebalancer relies on."""
     check_scheduler(s)
-    from blockflow.scheduling import adapter
+    from blockflow import _distributed as adapter
 
     ws = s.workers[a.address]
     adapter.set_worker_status(s, ws, True, "test-pause")

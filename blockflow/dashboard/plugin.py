@@ -6,7 +6,7 @@ import logging
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from blockflow.scheduling import adapter
+from blockflow import _distributed as adapter
 
 __all__ = ["DashboardPlugin"]
 

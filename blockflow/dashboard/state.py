@@ -10,7 +10,7 @@ import math
 import time
 from typing import Any
 
-from blockflow.scheduling.metrics import read_metrics
+from blockflow.metrics import read_metrics
 
 __all__ = ["dashboard_state"]
 

@@ -19,7 +19,7 @@ import os
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from blockflow.scheduling.metrics import CAPACITY_METRIC, OWN_UTILIZATION_METRIC
+from blockflow.metrics import CAPACITY_METRIC, OWN_UTILIZATION_METRIC
 
 __all__ = ["DeviceMetrics"]
 

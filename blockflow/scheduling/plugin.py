@@ -5,7 +5,7 @@ task transition) is O(1): it counts finished tasks per worker and buffers the ta
 time for the speed model. A control loop (:class:`tornado.ioloop.PeriodicCallback`, period
 ``blockflow.rebalancer.interval``) calls :meth:`Rebalancer.run_once`: fold in the new
 durations, take a :class:`~blockflow.scheduling.policies.ClusterSnapshot`, ask the policy for
-decisions, apply them through :mod:`blockflow.scheduling.adapter`, and log each one.
+decisions, apply them through :mod:`blockflow._distributed`, and log each one.
 
 Clients read the plugin's state through one read-only scheduler handler,
 ``blockflow_status``; the plugin accepts no commands.
@@ -26,8 +26,8 @@ from tornado.ioloop import PeriodicCallback
 
 from blockflow import config
 from blockflow.blockwise import KERNEL_PREFIX
-from blockflow.scheduling import adapter
-from blockflow.scheduling.metrics import read_metrics
+from blockflow import _distributed as adapter
+from blockflow.metrics import read_metrics
 from blockflow.scheduling.policies import (
     ClusterSnapshot,
     Decision,

@@ -2,7 +2,7 @@
 
 Modelled on distributed's Active Memory Manager policies: a policy never changes the
 scheduler itself; :class:`~blockflow.scheduling.plugin.Rebalancer` applies what it returns
-(through :mod:`blockflow.scheduling.adapter`) and logs every decision with its reason and
+(through :mod:`blockflow._distributed`) and logs every decision with its reason and
 the metrics it saw.
 
 ``dynamic``
@@ -28,8 +28,8 @@ from typing import Any, Iterator
 from dask.utils import parse_timedelta
 
 from blockflow import config
-from blockflow.scheduling import adapter
-from blockflow.scheduling.metrics import CAPACITY_METRIC, WorkerMetrics, clean_number
+from blockflow import _distributed as adapter
+from blockflow.metrics import CAPACITY_METRIC, WorkerMetrics, clean_number
 
 __all__ = [
     "ClusterSnapshot",
@@ -476,7 +476,7 @@ def device_memory_amm_policy(memory_high: float, memory_low: float, log):
     """
     from distributed.active_memory_manager import ActiveMemoryManagerPolicy, Suggestion
 
-    from blockflow.scheduling.metrics import read_metrics
+    from blockflow.metrics import read_metrics
 
     class DeviceMemoryAMMPolicy(ActiveMemoryManagerPolicy):
         """Move stored results off workers above the device-memory high-water mark.

@@ -41,7 +41,7 @@ from dask.sizeof import sizeof
 from dask.utils import parse_bytes, parse_timedelta
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from blockflow.scheduling.metrics import CAPACITY_METRIC, OWN_UTILIZATION_METRIC, GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
+from blockflow.metrics import CAPACITY_METRIC, OWN_UTILIZATION_METRIC, GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
 
 __all__ = [
     "PLUGIN_NAME", "SimulatedDevice", "SimulatedDeviceBlock", "SimulatedGPU",

@@ -222,3 +222,52 @@ def add_dashboard_page(scheduler, path: str, doc_fn, menu_name: str) -> bool:
     app.add_application(bokeh_app)
     bokeh_app.initialize(IOLoop.current())  # as distributed's own dashboard does
     return True
+
+
+# --- worker side (worker plugins, probes run with Client.run) ------------------------------
+
+
+def set_worker_metric(worker, name: str, fn) -> None:
+    """Report ``fn(worker)`` under ``name`` in the worker's heartbeat metrics
+    (``Worker.metrics``, read on the scheduler as ``WorkerState.metrics[name]``)."""
+    worker.metrics[name] = fn
+
+
+def remove_worker_metric(worker, name: str, fn=None) -> None:
+    """Stop reporting metric ``name``; with ``fn``, only if ``fn`` is what reports it."""
+    current = worker.metrics.get(name)
+    if current is not None and (fn is None or current is fn):
+        worker.metrics.pop(name, None)
+
+
+def worker_metric(worker, name: str):
+    """The callable reporting metric ``name`` on this worker, or None."""
+    return worker.metrics.get(name)
+
+
+def worker_plugins(worker) -> dict:
+    """The worker plugins installed on ``worker`` (name -> plugin); a copy."""
+    return dict(getattr(worker, "plugins", None) or {})
+
+
+def worker_data_values(worker) -> list:
+    """The results the worker holds in memory (``Worker.data``), spilled ones excluded.
+
+    Safe to call from a thread beside the worker's event loop: a SpillBuffer's fast part
+    (a ``zict.LRU``) is read through its dict without touching the LRU order, in one
+    C-level pass, retried if a non-dict mapping changed size while being copied.
+    """
+    data = worker.data
+    fast = getattr(data, "fast", data)
+    d = getattr(fast, "d", fast)
+    for _ in range(5):
+        try:
+            return list(d.values())
+        except RuntimeError:
+            continue
+    return []
+
+
+async def worker_heartbeat(worker) -> None:
+    """Send a heartbeat now, so the scheduler sees the worker's metrics at once."""
+    await worker.heartbeat()
