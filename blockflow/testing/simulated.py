@@ -18,7 +18,11 @@ same keys from it, and :func:`simulated_kernel` is the work that runs "on" the d
 
 Nothing here registers blockflow's scheduler plugin, so a simulated cluster also serves as
 the plain-Dask baseline; on a worker without a simulated device :func:`simulated_kernel` runs
-at speed 1 with unlimited memory.
+at speed 1 with unlimited memory. Clusters of simulated workers are started or equipped by
+:mod:`blockflow.testing.cluster`.
+
+This is a test double: production modules never import it. They find the simulated device
+the way they find any device-owning worker plugin, by its ``describe_device()`` method.
 
 What is not simulated: transfers (only the small payload moves between workers, whatever
 ``nbytes`` says), device-to-host spilling, and kernel launch overheads.
@@ -26,34 +30,37 @@ What is not simulated: transfers (only the small payload moves between workers, 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import copy
 import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
-import dask.config
 from dask.sizeof import sizeof
 from dask.utils import parse_bytes, parse_timedelta
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from blockflow.metrics import CAPACITY_METRIC, OWN_UTILIZATION_METRIC, GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
+from blockflow import _distributed
+from blockflow.metrics import (
+    CAPACITY_METRIC,
+    GPU_MEMORY_TOTAL,
+    GPU_MEMORY_USED,
+    GPU_UTILIZATION,
+    OWN_UTILIZATION_METRIC,
+)
 
 __all__ = [
     "PLUGIN_NAME", "SimulatedDevice", "SimulatedDeviceBlock", "SimulatedGPU",
-    "SimulatedOutOfMemoryError", "Tenant", "device_stats", "get_device",
-    "install_simulated_devices", "restart_clock", "set_speed", "set_tenant",
-    "simulated_cluster", "simulated_kernel",
+    "SimulatedOutOfMemoryError", "Tenant", "device_stats", "get_device", "restart_clock",
+    "set_speed", "set_tenant", "simulated_kernel",
 ]
 
-#: Name of the worker plugin; ``blockflow.inventory`` looks it up in ``worker.plugins``.
+#: Name of the worker plugin (for ``client.unregister_worker_plugin``). Production code never
+#: looks it up: it finds the plugin by its ``describe_device()`` method.
 PLUGIN_NAME = "blockflow-simulated-gpu"
 
-_METRIC_KEYS = (GPU_UTILIZATION, GPU_MEMORY_USED, GPU_MEMORY_TOTAL)
 _UUID_NAMESPACE = uuid.UUID("5f0c6f7e-2b1d-4c4e-9a57-b10cf10e51a5")
 
 
@@ -322,17 +329,10 @@ class SimulatedDevice:
         """Device bytes of :class:`SimulatedDeviceBlock` results in the worker's memory."""
         if self.worker is None:
             return 0
-        data = self.worker.data
-        fast = getattr(data, "fast", data)  # SpillBuffer: only in-memory values
-        d = getattr(fast, "d", fast)  # zict.LRU wraps a dict; read it without touching LRU order
-        for _ in range(5):
-            try:  # one C-level pass over a dict: safe beside the event loop thread
-                values = list(d.values())
-                break
-            except RuntimeError:  # a non-dict mapping changed size while being copied
-                continue
-        else:
-            values = []
+        # Called from kernel threads beside the worker's event loop: worker_data_values reads
+        # only in-memory values (a SpillBuffer's fast part), through the zict.LRU's dict without
+        # touching the LRU order, in one C-level pass (retried if a mapping changed size).
+        values = _distributed.worker_data_values(self.worker)
         return sum(v.nbytes for v in values if type(v) is SimulatedDeviceBlock)
 
     def memory_used(self) -> int:
@@ -472,6 +472,7 @@ class SimulatedGPU(WorkerPlugin):
                                 f"got {type(v).__name__}.")
         self.default = default
         self.device: SimulatedDevice | None = None
+        self._metrics: dict[str, Callable] = {}  # the metric callables this plugin set
 
     def setup(self, worker) -> None:
         spec = self.devices.get(str(worker.address), self.devices.get(str(worker.name),
@@ -482,24 +483,36 @@ class SimulatedGPU(WorkerPlugin):
         self.device._init_state()  # a fresh device, whatever the spec went through
         self.device.worker = worker
         d = self.device
-        worker.metrics[GPU_UTILIZATION] = lambda w: d.utilization()
-        worker.metrics[GPU_MEMORY_USED] = lambda w: d.memory_used()
-        worker.metrics[GPU_MEMORY_TOTAL] = lambda w: d.capacity
-        # Nominal capacity, as a device model's datasheet would give it: what the static
-        # policy "static-capacity" weighs workers by (never the live, learned speed).
-        worker.metrics[CAPACITY_METRIC] = lambda w: d.base_speed
-        worker.metrics[OWN_UTILIZATION_METRIC] = lambda w: round(d.own_utilization(), 1)
+        self._metrics = {
+            GPU_UTILIZATION: lambda w: d.utilization(),
+            GPU_MEMORY_USED: lambda w: d.memory_used(),
+            GPU_MEMORY_TOTAL: lambda w: d.capacity,
+            # Nominal capacity, as a device model's datasheet would give it: what the static
+            # policy "static-capacity" weighs workers by (never the live, learned speed).
+            CAPACITY_METRIC: lambda w: d.base_speed,
+            OWN_UTILIZATION_METRIC: lambda w: round(d.own_utilization(), 1),
+        }
+        for name, fn in self._metrics.items():
+            _distributed.set_worker_metric(worker, name, fn)
 
     def teardown(self, worker) -> None:
+        # Only the metrics this plugin set: a real NVML monitor's own callables stay.
+        for name, fn in self._metrics.items():
+            _distributed.remove_worker_metric(worker, name, fn)
+        self._metrics = {}
         if self.device is not None:
-            for k in (*_METRIC_KEYS, CAPACITY_METRIC, OWN_UTILIZATION_METRIC):
-                worker.metrics.pop(k, None)
             self.device.worker = None
             self.device = None
 
-    def describe(self) -> dict[str, Any]:
-        """The device's identity for ``blockflow.inventory``; ``{}`` on a worker without one."""
+    def describe_device(self) -> dict[str, Any]:
+        """The device's identity (``gpu_name``, ``gpu_uuid``, ``simulated``), the protocol by
+        which ``blockflow.inventory`` finds a device-owning worker plugin; ``{}`` on a worker
+        without a simulated device."""
         return {} if self.device is None else self.device.describe()
+
+    def describe(self) -> dict[str, Any]:
+        """Alias of :meth:`describe_device`, kept for existing callers."""
+        return self.describe_device()
 
 
 # --- on the worker: the kernel and client.run helpers ------------------------------------
@@ -515,7 +528,7 @@ def get_device(dask_worker=None) -> SimulatedDevice | None:
             dask_worker = get_worker()
         except ValueError:
             return None
-    plugin = getattr(dask_worker, "plugins", {}).get(PLUGIN_NAME)
+    plugin = _distributed.worker_plugins(dask_worker).get(PLUGIN_NAME)
     return getattr(plugin, "device", None)
 
 
@@ -624,181 +637,3 @@ def simulated_kernel(*blocks: Any, op: Callable | None = None, work: float = 0.0
     finally:
         device._end(token)
     return SimulatedDeviceBlock(result, out_bytes)
-
-
-# --- installing devices -------------------------------------------------------------------
-
-
-def _has_metrics(metrics: Mapping | None) -> bool:
-    return isinstance(metrics, Mapping) and all(k in metrics for k in _METRIC_KEYS)
-
-
-def _expected(plugin: SimulatedGPU, workers: Mapping[str, Any]) -> list[str]:
-    """Addresses of the workers that get a device (``workers``: address -> name)."""
-    return [a for a, name in workers.items()
-            if plugin.default is not None or a in plugin.devices or str(name) in plugin.devices]
-
-
-async def _heartbeat(dask_worker) -> None:
-    await dask_worker.heartbeat()
-
-
-async def install_simulated_devices(client_or_scheduler, devices, *, default=None,
-                                    timeout: float | str = "10s") -> SimulatedGPU:
-    """Register simulated devices and wait until the scheduler sees their metrics (async).
-
-    For ``distributed.utils_test.gen_cluster`` tests::
-
-        await install_simulated_devices(c, {a.address: SimulatedDevice(speed=0.5)})
-
-    Parameters
-    ----------
-    client_or_scheduler : distributed.Client (asynchronous) or distributed.Scheduler
-        With a Client the workers send a heartbeat at once; with a Scheduler the plugin is
-        registered through the scheduler and the next heartbeats (<= 1 s) are awaited.
-    devices : SimulatedDevice or mapping
-        Worker address or name -> :class:`SimulatedDevice` (see :class:`SimulatedGPU`).
-    default : SimulatedDevice, optional
-        For workers not in ``devices``.
-    timeout : float or str, default "10s"
-
-    Returns
-    -------
-    SimulatedGPU
-        The plugin as registered.
-
-    Raises
-    ------
-    TimeoutError
-        If some worker's metrics have not reached the scheduler within ``timeout``.
-    """
-    from distributed import Client
-    from distributed.protocol.pickle import dumps
-
-    plugin = SimulatedGPU(devices, default=default)
-    deadline = time.monotonic() + parse_timedelta(timeout)
-    if isinstance(client_or_scheduler, Client):
-        client = client_or_scheduler
-        await client.register_plugin(plugin)
-        await client.run(_heartbeat)
-
-        async def workers():
-            info = await client.scheduler.identity(n_workers=-1)
-            return {a: (w.get("name"), w.get("metrics")) for a, w in info["workers"].items()}
-    else:
-        scheduler = client_or_scheduler
-        await scheduler.register_worker_plugin(None, dumps(plugin), PLUGIN_NAME,
-                                               idempotent=plugin.idempotent)
-
-        async def workers():
-            return {a: (ws.name, ws.metrics) for a, ws in scheduler.workers.items()}
-
-    while True:
-        seen = await workers()
-        missing = [a for a in _expected(plugin, {a: n for a, (n, _) in seen.items()})
-                   if not _has_metrics(seen[a][1])]
-        if not missing:
-            return plugin
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"Simulated GPU metrics of workers {missing} did not reach the "
-                               f"scheduler within {parse_timedelta(timeout):g} s.")
-        await asyncio.sleep(0.05)
-
-
-def _per_worker(value, n: int, what: str) -> list:
-    """``value`` for each of ``n`` workers: a list of n, a dict {index: value}, or one value
-    (strings, numbers, a Tenant, None) for all."""
-    if isinstance(value, Mapping):
-        bad = [k for k in value if not (isinstance(k, int) and 0 <= k < n)]
-        if bad:
-            raise ValueError(f"simulated_cluster: {what} keys must be worker indices 0..{n - 1}, "
-                             f"got {bad}.")
-        return [value.get(i) for i in range(n)]
-    if isinstance(value, (list, tuple)):
-        if len(value) != n:
-            raise ValueError(f"simulated_cluster: {what} has {len(value)} entries for "
-                             f"{n} workers (one per speed).")
-        return list(value)
-    return [value] * n
-
-
-@contextlib.contextmanager
-def simulated_cluster(speeds: Sequence[float] = (1, 1, 0.5, 0.25),
-                      device_memory: int | str | Sequence[int | str] = "16GiB",
-                      tenants=None, *, speed_schedules=None, threads_per_worker: int = 1,
-                      processes: bool = True, host_spill: bool = False,
-                      timeout: float | str = "30s", **cluster_kwargs) -> Iterator:
-    """Start a real ``LocalCluster`` of simulated GPU workers and yield a client to it.
-
-    Worker ``i`` (named ``i``) gets ``speeds[i]``. blockflow's scheduler plugin is *not*
-    registered, so the same cluster can be the plain-Dask baseline; register it with
-    ``client.register_plugin(blockflow.scheduling.Rebalancer(...))``.
-
-    Parameters
-    ----------
-    speeds : sequence of float, default (1, 1, 0.5, 0.25)
-        One speed factor per worker (1.0 = reference device).
-    device_memory : int, str or sequence, default "16GiB"
-        Capacity in bytes, one for all or one per worker.
-    tenants : Tenant, list or dict, optional
-        One :class:`Tenant` for all workers, or per worker (a list of n, or
-        ``{index: tenant}``) a Tenant or what :meth:`Tenant.coerce` accepts; None: no tenant.
-    speed_schedules : list or dict, optional
-        Per worker (a list of n, or ``{index: schedule}``): a list of ``(seconds, speed)``
-        (see :class:`SimulatedDevice`).
-    threads_per_worker : int, default 1
-    processes : bool, default True
-        Worker processes (as in production) or threads in this process.
-    host_spill : bool, default False
-        Whether workers may spill results to disk by host-memory accounting. Off by default
-        because ``dask.sizeof`` of a device block is its simulated device size, which would
-        otherwise count against host memory.
-    timeout : float or str, default "30s"
-        How long to wait for every worker's GPU metrics to reach the scheduler.
-    **cluster_kwargs
-        Passed to ``distributed.LocalCluster`` (``dashboard_address`` defaults to ``":0"``).
-
-    Yields
-    ------
-    distributed.Client
-        Connected to the cluster (``client.cluster``); both are closed on exit.
-
-    Raises
-    ------
-    ValueError
-        For an empty ``speeds``, a speed <= 0, or per-worker lists of the wrong length.
-    TimeoutError
-        If the metrics do not reach the scheduler within ``timeout``.
-    """
-    from distributed import Client, LocalCluster
-
-    n = len(speeds)
-    if n == 0:
-        raise ValueError("simulated_cluster: speeds is empty; give one speed per worker.")
-    per_worker = zip(speeds, _per_worker(device_memory, n, "device_memory"),
-                     _per_worker(tenants, n, "tenants"),
-                     _per_worker(speed_schedules, n, "speed_schedules"))
-    plugin = SimulatedGPU({
-        i: SimulatedDevice(speed=s, device_memory=m, tenant=t, speed_schedule=sch)
-        for i, (s, m, t, sch) in enumerate(per_worker)
-    })
-    cluster_kwargs.setdefault("dashboard_address", ":0")
-    spill = {} if host_spill else {"distributed.worker.memory.target": False,
-                                    "distributed.worker.memory.spill": False}
-    with dask.config.set(spill):
-        cluster = LocalCluster(n_workers=n, threads_per_worker=threads_per_worker,
-                               processes=processes, **cluster_kwargs)
-    with cluster, Client(cluster) as client:
-        client.register_plugin(plugin)
-        client.run(_heartbeat)
-        deadline = time.monotonic() + parse_timedelta(timeout)
-        while True:
-            workers = client.scheduler_info(n_workers=-1)["workers"]
-            missing = [a for a, w in workers.items() if not _has_metrics(w.get("metrics"))]
-            if not missing:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"Simulated GPU metrics of workers {missing} did not reach "
-                                   f"the scheduler within {parse_timedelta(timeout):g} s.")
-            time.sleep(0.05)
-        yield client

@@ -2,8 +2,9 @@
 
 :func:`assert_eq` compares NumPy/CuPy arrays, pandas/cuDF frames, Dask collections and
 simulated device blocks after converting both sides to host objects, so one assertion serves
-CPU and GPU runs. The simulated GPU workers of :mod:`blockflow.scheduling.simulated` are
-re-exported here for users' own tests and benchmarks.
+CPU and GPU runs. The simulated GPU workers (:mod:`blockflow.testing.simulated`) and the
+clusters made of them (:mod:`blockflow.testing.cluster`) are re-exported here for users' own
+tests and benchmarks. Production modules of blockflow never import this package.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from blockflow.scheduling.simulated import (
+from blockflow.testing.cluster import install_simulated_devices, simulated_cluster
+from blockflow.testing.simulated import (
     PLUGIN_NAME,
     SimulatedDevice,
     SimulatedDeviceBlock,
@@ -22,11 +24,9 @@ from blockflow.scheduling.simulated import (
     Tenant,
     device_stats,
     get_device,
-    install_simulated_devices,
     restart_clock,
     set_speed,
     set_tenant,
-    simulated_cluster,
     simulated_kernel,
 )
 

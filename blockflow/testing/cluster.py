@@ -1,0 +1,200 @@
+"""Clusters of simulated GPU workers: start one, or give an existing one simulated devices.
+
+:func:`simulated_cluster` starts a real ``LocalCluster`` whose CPU workers carry the simulated
+devices of :mod:`blockflow.testing.simulated`; :func:`install_simulated_devices` registers
+them on a running cluster (a ``gen_cluster`` test's client or scheduler). Both return only
+once every equipped worker's GPU metrics have reached the scheduler, so a test or benchmark
+can rely on them from its first line. Test doubles: production modules never import this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any, Iterator, Mapping, Sequence
+
+import dask.config
+from dask.utils import parse_timedelta
+
+from blockflow import _distributed
+from blockflow.metrics import GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
+from blockflow.testing.simulated import PLUGIN_NAME, SimulatedDevice, SimulatedGPU
+
+__all__ = ["install_simulated_devices", "simulated_cluster"]
+
+_METRIC_KEYS = (GPU_UTILIZATION, GPU_MEMORY_USED, GPU_MEMORY_TOTAL)
+
+
+def _has_metrics(metrics: Mapping | None) -> bool:
+    return isinstance(metrics, Mapping) and all(k in metrics for k in _METRIC_KEYS)
+
+
+def _expected(plugin: SimulatedGPU, workers: Mapping[str, Any]) -> list[str]:
+    """Addresses of the workers that get a device (``workers``: address -> name)."""
+    return [a for a, name in workers.items()
+            if plugin.default is not None or a in plugin.devices or str(name) in plugin.devices]
+
+
+async def _heartbeat(dask_worker) -> None:
+    await _distributed.worker_heartbeat(dask_worker)
+
+
+async def install_simulated_devices(client_or_scheduler, devices, *, default=None,
+                                    timeout: float | str = "10s") -> SimulatedGPU:
+    """Register simulated devices and wait until the scheduler sees their metrics (async).
+
+    For ``distributed.utils_test.gen_cluster`` tests::
+
+        await install_simulated_devices(c, {a.address: SimulatedDevice(speed=0.5)})
+
+    Parameters
+    ----------
+    client_or_scheduler : distributed.Client (asynchronous) or distributed.Scheduler
+        With a Client the workers send a heartbeat at once; with a Scheduler the plugin is
+        registered through the scheduler and the next heartbeats (<= 1 s) are awaited.
+    devices : SimulatedDevice or mapping
+        Worker address or name -> :class:`SimulatedDevice` (see :class:`SimulatedGPU`).
+    default : SimulatedDevice, optional
+        For workers not in ``devices``.
+    timeout : float or str, default "10s"
+
+    Returns
+    -------
+    SimulatedGPU
+        The plugin as registered.
+
+    Raises
+    ------
+    TimeoutError
+        If some worker's metrics have not reached the scheduler within ``timeout``.
+    """
+    from distributed import Client
+
+    plugin = SimulatedGPU(devices, default=default)
+    deadline = time.monotonic() + parse_timedelta(timeout)
+    if isinstance(client_or_scheduler, Client):
+        client = client_or_scheduler
+        await client.register_plugin(plugin)
+        await client.run(_heartbeat)
+
+        async def workers():
+            info = await client.scheduler.identity(n_workers=-1)
+            return {a: (w.get("name"), w.get("metrics")) for a, w in info["workers"].items()}
+    else:
+        scheduler = client_or_scheduler
+        await _distributed.register_worker_plugin_on_scheduler(
+            scheduler, plugin, PLUGIN_NAME, idempotent=plugin.idempotent)
+
+        async def workers():
+            return _distributed.worker_names_and_metrics(scheduler)
+
+    while True:
+        seen = await workers()
+        missing = [a for a in _expected(plugin, {a: n for a, (n, _) in seen.items()})
+                   if not _has_metrics(seen[a][1])]
+        if not missing:
+            return plugin
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Simulated GPU metrics of workers {missing} did not reach the "
+                               f"scheduler within {parse_timedelta(timeout):g} s.")
+        await asyncio.sleep(0.05)
+
+
+def _per_worker(value, n: int, what: str) -> list:
+    """``value`` for each of ``n`` workers: a list of n, a dict {index: value}, or one value
+    (strings, numbers, a Tenant, None) for all."""
+    if isinstance(value, Mapping):
+        bad = [k for k in value if not (isinstance(k, int) and 0 <= k < n)]
+        if bad:
+            raise ValueError(f"simulated_cluster: {what} keys must be worker indices 0..{n - 1}, "
+                             f"got {bad}.")
+        return [value.get(i) for i in range(n)]
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"simulated_cluster: {what} has {len(value)} entries for "
+                             f"{n} workers (one per speed).")
+        return list(value)
+    return [value] * n
+
+
+@contextlib.contextmanager
+def simulated_cluster(speeds: Sequence[float] = (1, 1, 0.5, 0.25),
+                      device_memory: int | str | Sequence[int | str] = "16GiB",
+                      tenants=None, *, speed_schedules=None, threads_per_worker: int = 1,
+                      processes: bool = True, host_spill: bool = False,
+                      timeout: float | str = "30s", **cluster_kwargs) -> Iterator:
+    """Start a real ``LocalCluster`` of simulated GPU workers and yield a client to it.
+
+    Worker ``i`` (named ``i``) gets ``speeds[i]``. blockflow's scheduler plugin is *not*
+    registered, so the same cluster can be the plain-Dask baseline; register it with
+    ``client.register_plugin(blockflow.scheduling.Rebalancer(...))``.
+
+    Parameters
+    ----------
+    speeds : sequence of float, default (1, 1, 0.5, 0.25)
+        One speed factor per worker (1.0 = reference device).
+    device_memory : int, str or sequence, default "16GiB"
+        Capacity in bytes, one for all or one per worker.
+    tenants : Tenant, list or dict, optional
+        One :class:`Tenant` for all workers, or per worker (a list of n, or
+        ``{index: tenant}``) a Tenant or what :meth:`Tenant.coerce` accepts; None: no tenant.
+    speed_schedules : list or dict, optional
+        Per worker (a list of n, or ``{index: schedule}``): a list of ``(seconds, speed)``
+        (see :class:`SimulatedDevice`).
+    threads_per_worker : int, default 1
+    processes : bool, default True
+        Worker processes (as in production) or threads in this process.
+    host_spill : bool, default False
+        Whether workers may spill results to disk by host-memory accounting. Off by default
+        because ``dask.sizeof`` of a device block is its simulated device size, which would
+        otherwise count against host memory.
+    timeout : float or str, default "30s"
+        How long to wait for every worker's GPU metrics to reach the scheduler.
+    **cluster_kwargs
+        Passed to ``distributed.LocalCluster`` (``dashboard_address`` defaults to ``":0"``).
+
+    Yields
+    ------
+    distributed.Client
+        Connected to the cluster (``client.cluster``); both are closed on exit.
+
+    Raises
+    ------
+    ValueError
+        For an empty ``speeds``, a speed <= 0, or per-worker lists of the wrong length.
+    TimeoutError
+        If the metrics do not reach the scheduler within ``timeout``.
+    """
+    from distributed import Client, LocalCluster
+
+    n = len(speeds)
+    if n == 0:
+        raise ValueError("simulated_cluster: speeds is empty; give one speed per worker.")
+    per_worker = zip(speeds, _per_worker(device_memory, n, "device_memory"),
+                     _per_worker(tenants, n, "tenants"),
+                     _per_worker(speed_schedules, n, "speed_schedules"))
+    plugin = SimulatedGPU({
+        i: SimulatedDevice(speed=s, device_memory=m, tenant=t, speed_schedule=sch)
+        for i, (s, m, t, sch) in enumerate(per_worker)
+    })
+    cluster_kwargs.setdefault("dashboard_address", ":0")
+    spill = {} if host_spill else {"distributed.worker.memory.target": False,
+                                    "distributed.worker.memory.spill": False}
+    with dask.config.set(spill):
+        cluster = LocalCluster(n_workers=n, threads_per_worker=threads_per_worker,
+                               processes=processes, **cluster_kwargs)
+    with cluster, Client(cluster) as client:
+        client.register_plugin(plugin)
+        client.run(_heartbeat)
+        deadline = time.monotonic() + parse_timedelta(timeout)
+        while True:
+            workers = client.scheduler_info(n_workers=-1)["workers"]
+            missing = [a for a, w in workers.items() if not _has_metrics(w.get("metrics"))]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Simulated GPU metrics of workers {missing} did not reach "
+                                   f"the scheduler within {parse_timedelta(timeout):g} s.")
+            time.sleep(0.05)
+        yield client
