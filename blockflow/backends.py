@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 from dask.utils import Dispatch
 
+from blockflow.devices import device_count
 from blockflow.errors import describe
 
 __all__ = [
@@ -57,39 +58,10 @@ def require(package: str, why: str) -> types.ModuleType:
 def gpu_device_count() -> int:
     """Number of NVIDIA GPUs visible to this process; 0 when none or when that cannot be told.
 
-    Uses NVML (``nvidia-ml-py``) when installed, else the CUDA runtime through CuPy.
-    Never raises: a missing driver, library or device counts as zero devices.
+    Never raises: a missing driver, library or device counts as zero devices. See
+    :func:`blockflow.devices.device_count` (NVML through distributed, else CuPy).
     """
-    if has_package("pynvml"):
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            try:
-                n = int(pynvml.nvmlDeviceGetCount())
-            finally:
-                pynvml.nvmlShutdown()
-            visible = _visible_devices()
-            return n if visible is None else min(n, len(visible))
-        except Exception:
-            pass
-    if has_package("cupy"):
-        try:
-            import cupy
-
-            return int(cupy.cuda.runtime.getDeviceCount())
-        except Exception:
-            return 0
-    return 0
-
-
-def _visible_devices() -> list[str] | None:
-    import os
-
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is None:
-        return None
-    return [d for d in env.split(",") if d.strip()]
+    return device_count()
 
 
 # --- which module handles a block -------------------------------------------------------

@@ -336,7 +336,7 @@ def _start_local_cluster(use_gpu: bool, **kwargs) -> LocalCluster:
 
 def _register_plugin(client: Client, plugin: Rebalancer) -> None:
     from blockflow.dashboard.plugin import DashboardPlugin
-    from blockflow.scheduling.devicemetrics import DeviceMetrics
+    from blockflow.devices import DeviceMetrics
 
     try:
         client.register_plugin(plugin)

@@ -2,18 +2,20 @@
 
 Numbers come from the scheduler (worker identity and heartbeat metrics: distributed's NVML
 keys ``gpu_utilization``, ``gpu_memory_used``, ``gpu-memory-total``) and, for GPU name and
-UUID, from one NVML query on each GPU worker. CPU-only workers report None for GPU fields.
+UUID, from one probe on each GPU worker (:mod:`blockflow.devices`, or the ``describe_device()``
+of a plugin that models the worker's device). CPU-only workers report None for GPU fields.
 """
 
 from __future__ import annotations
 
 import html
-import os
 from dataclasses import asdict, dataclass, fields
 
 import pandas as pd
 from dask.utils import format_bytes
 
+from blockflow._distributed import worker_plugins
+from blockflow.devices import device_info
 from blockflow.metrics import read_metrics
 
 __all__ = ["Inventory", "WorkerResources", "inventory"]
@@ -55,37 +57,26 @@ class WorkerResources:
 
 
 def _probe_device(dask_worker=None) -> dict:
-    """Run on a worker: the name and UUID of the GPU it uses (via NVML), if any."""
-    sim = getattr(dask_worker, "plugins", {}).get("blockflow-simulated-gpu")
-    if sim is not None and hasattr(sim, "describe"):
-        return sim.describe()
-    try:
-        import pynvml
-    except ImportError:
-        return {}
-    try:
-        pynvml.nvmlInit()
-    except Exception:
-        return {}
-    try:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
-        if visible.startswith(("GPU-", "MIG-")):
-            handle = pynvml.nvmlDeviceGetHandleByUUID(visible.encode())
-        else:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(int(visible))
-        name = pynvml.nvmlDeviceGetName(handle)
-        uuid = pynvml.nvmlDeviceGetUUID(handle)
-        return {
-            "gpu_name": name.decode() if isinstance(name, bytes) else str(name),
-            "gpu_uuid": uuid.decode() if isinstance(uuid, bytes) else str(uuid),
-        }
-    except Exception:
-        return {}
-    finally:
+    """Run on a worker: the name and UUID of the GPU it uses, if any.
+
+    A worker plugin that owns or models the worker's device (blockflow's simulated GPUs in
+    tests and benchmarks) describes it through a ``describe_device()`` method; otherwise NVML
+    is asked (:func:`blockflow.devices.device_info`). ``{}`` when neither can tell.
+    """
+    for plugin in worker_plugins(dask_worker).values():
+        describe_device = getattr(plugin, "describe_device", None)
+        if not callable(describe_device):
+            continue
         try:
-            pynvml.nvmlShutdown()
+            described = describe_device()
         except Exception:
-            pass
+            continue
+        if described:
+            return dict(described)
+    info = device_info()
+    if info is None:
+        return {}
+    return {"gpu_name": info.name, "gpu_uuid": info.uuid, "gpu_mig": info.mig}
 
 
 class Inventory:

@@ -19,7 +19,7 @@ async def dask_setup(scheduler, blockflow_policy=None):
     from distributed.protocol.pickle import dumps
 
     from blockflow.dashboard.plugin import DashboardPlugin
-    from blockflow.scheduling.devicemetrics import DeviceMetrics
+    from blockflow.devices import DeviceMetrics
 
     scheduler.add_plugin(Rebalancer(policy=blockflow_policy))
     scheduler.add_plugin(DashboardPlugin())
