@@ -211,6 +211,11 @@ async def test_install_into_gen_cluster_and_concurrent_working_sets(c, s, a, b):
     assert s.workers[a.address].metrics["gpu-memory-total"] == GiB
     assert not any(k in s.workers[b.address].metrics for k in KEYS)  # b stays a plain worker
     assert a.plugins["blockflow-simulated-gpu"].describe()["gpu_name"] == "Simulated GPU (speed 2)"
+    # the agreed protocol: production code finds a device-owning plugin by describe_device()
+    plugin = a.plugins["blockflow-simulated-gpu"]
+    assert plugin.describe_device() == plugin.describe()
+    assert plugin.describe_device()["simulated"] is True
+    assert b.plugins["blockflow-simulated-gpu"].describe_device() == {}
     assert get_device(b) is None and (await c.run(device_stats))[b.address] is None
 
     # Concurrent kernels: working sets add up, busy time counts once.
@@ -244,7 +249,37 @@ async def test_install_through_the_scheduler_is_idempotent(c, s, a, b):
     assert get_device(a).capacity == 3 * GiB
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_teardown_removes_only_the_metrics_the_plugin_set(c, s, a):
+    from blockflow.testing import PLUGIN_NAME
+
+    await install_simulated_devices(c, SimulatedDevice())
+    assert all(k in a.metrics for k in KEYS)
+
+    def foreign(worker):  # e.g. distributed's own NVML monitor, set after the plugin's
+        return 42.0
+
+    a.metrics["gpu_utilization"] = foreign
+    await c.unregister_worker_plugin(PLUGIN_NAME)
+    assert a.metrics.get("gpu_utilization") is foreign
+    assert not any(k in a.metrics for k in ("gpu_memory_used", "gpu-memory-total"))
+    assert get_device(a) is None
+
+
 # --- without a cluster -------------------------------------------------------------------
+
+
+def test_simulated_devices_live_in_blockflow_testing_only():
+    import importlib
+
+    import blockflow.testing
+    from blockflow.testing import cluster, simulated
+
+    assert SimulatedDeviceBlock.__module__ == "blockflow.testing.simulated"
+    assert blockflow.testing.simulated_cluster is cluster.simulated_cluster
+    assert blockflow.testing.Tenant is simulated.Tenant
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("blockflow.scheduling.simulated")
 
 
 def test_kernel_outside_a_worker_and_sizeof():
