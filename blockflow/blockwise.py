@@ -14,7 +14,6 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import numbers
 from typing import Any, Callable
 
 import dask.array as da
@@ -22,7 +21,6 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 from dask.utils import (
-    format_bytes,
     funcname,
     is_arraylike,
     is_dataframe_like,
@@ -30,15 +28,8 @@ from dask.utils import (
     is_series_like,
 )
 
-from blockflow.errors import (
-    BlockKernelError,
-    DeviceMemoryError,
-    EmptyCollectionError,
-    describe,
-    is_device_oom,
-    not_a_collection,
-    requested_bytes,
-)
+from blockflow._kernel import Kernel, check_retries
+from blockflow.errors import BlockKernelError, EmptyCollectionError, describe, not_a_collection
 
 __all__ = ["KERNEL_PREFIX", "check_retries", "kernel_name", "map_blocks", "validate_array"]
 
@@ -63,119 +54,18 @@ def _wants(func: Callable, keyword: str) -> bool:
     return keyword in params
 
 
-def check_retries(retries: Any, func: str) -> int:
-    """Validate a ``retries=`` argument: an integer >= 0 (None means 0).
+class _Kernel(Kernel):
+    """A blockwise kernel as its tasks run it (see :class:`blockflow._kernel.Kernel`), named
+    so that its tasks start with ``blockflow-``."""
 
-    Raises
-    ------
-    ValueError
-        ``"<func>: retries must be an integer >= 0 (extra attempts per block), got -1."``
-    """
-    if retries is None:
-        return 0
-    if isinstance(retries, bool) or not isinstance(retries, numbers.Integral) or retries < 0:
-        raise ValueError(
-            f"{func}: retries must be an integer >= 0 (extra attempts per block), got "
-            f"{retries!r}."
-        )
-    return int(retries)
-
-
-def _fail(kernel_label: str, where: str, exc: BaseException, attempts: int = 1
-          ) -> BlockKernelError:
-    after = f" after {attempts} attempts" if attempts > 1 else ""
-    if is_device_oom(exc):
-        err: BlockKernelError = _device_memory_error(kernel_label, where, exc, after)
-    else:
-        err = BlockKernelError(
-            f"blockflow kernel {kernel_label!r} failed on {where}{after}: "
-            f"{type(exc).__name__}: {exc}"
-        )
-    err.__cause__ = exc
-    return err
-
-
-def _device_memory_error(kernel_label: str, where: str, exc: BaseException, after: str
-                         ) -> DeviceMemoryError:
-    """The error for a kernel out of device memory; reads the workers' free device memory
-    from the scheduler (on this error path only)."""
-    need = requested_bytes(exc)
-    free, worker = _largest_free_device_memory()
-    need_text = "more" if need is None else f"{need:,} bytes ({format_bytes(need)})"
-    free_text = ("unknown (no worker reports device memory)" if free is None
-                 else f"{free:,} bytes ({format_bytes(free)}, on {worker})")
-    return DeviceMemoryError(
-        f"blockflow kernel {kernel_label!r} ran out of device memory on {where}{after}: it "
-        f"asked for {need_text} of device memory, but the largest free device memory of any "
-        f"worker is {free_text}. Make the block fit: use smaller blocks (rechunk or "
-        f"repartition), free device memory (persisted results, other processes on the GPU), "
-        f"or use workers with larger GPUs. {type(exc).__name__}: {exc}",
-        block=where, working_set=need, largest_free=free,
-    )
-
-
-def _largest_free_device_memory() -> tuple[int | None, str | None]:
-    """``(bytes, worker address)`` of the worker with the most free device memory, from the
-    ``gpu-memory-total`` and ``gpu_memory_used`` metrics the scheduler holds; ``(None, None)``
-    when no worker reports them or no scheduler is reachable."""
-    try:
-        from distributed import get_client
-
-        workers = get_client().scheduler_info(n_workers=-1)["workers"]
-    except Exception:  # outside a cluster, or the scheduler is gone: say "unknown"
-        return None, None
-    best: tuple[int | None, str | None] = (None, None)
-    for address in sorted(workers):
-        metrics = workers[address].get("metrics")
-        if not isinstance(metrics, dict):
-            continue
-        total, used = (_finite_non_negative(metrics.get(k))
-                       for k in ("gpu-memory-total", "gpu_memory_used"))
-        if not total or used is None:
-            continue
-        free = int(max(total - used, 0))
-        if best[0] is None or free > best[0]:
-            best = (free, address)
-    return best
-
-
-def _finite_non_negative(value: Any) -> float | None:
-    if isinstance(value, bool):
-        return None
-    try:
-        f = float(value)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) and f >= 0 else None
-
-
-class _Kernel:
-    """Picklable wrapper that runs the user's kernel on one block, retries it, and labels
-    failures."""
+    logger = logger
 
     def __init__(self, kernel: Callable, name: str, retries: int = 0):
-        self.kernel = kernel
+        super().__init__(kernel, retries)
         self.__name__ = name  # dask.utils.funcname -> task names start with "blockflow-"
-        self.label = funcname(kernel)
-        self.retries = retries
 
     def __repr__(self) -> str:
         return f"<blockflow kernel {self.label}>"
-
-    def _run(self, where: Callable[[], str], *args, **kwargs):
-        """Call the kernel, up to ``1 + retries`` times; raise a labelled error at the end."""
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return self.kernel(*args, **kwargs)
-            except Exception as e:
-                if attempt <= self.retries:
-                    logger.warning("blockflow kernel %r failed on %s (attempt %d of %d), "
-                                   "retrying: %s: %s", self.label, where(), attempt,
-                                   self.retries + 1, type(e).__name__, e)
-                    continue
-                raise _fail(self.label, where(), e, attempt) from e
 
 
 class _ArrayKernel(_Kernel):
@@ -192,12 +82,12 @@ class _ArrayKernel(_Kernel):
         if self.pass_block_id:
             kwargs["block_id"] = block_id
         if block_id is None:  # metadata inference on empty blocks: let Dask handle errors
-            out = self.kernel(*blocks, **kwargs)
+            out = self.func(*blocks, **kwargs)
             # A non-array (None, a list) would become the output's meta and break it while
             # the graph is built; without it Dask falls back to dtype=, and the first block
             # that runs says what is wrong (see _check).
             return out if _is_array(out) else None
-        out = self._run(lambda: f"block {tuple(block_id)}", *blocks, **kwargs)
+        out = self.run(lambda: f"block {tuple(block_id)}", *blocks, **kwargs)
         self._check(out, block_id)
         return out
 
@@ -263,9 +153,9 @@ class _PartitionKernel(_Kernel):
         if self.pass_info:
             kwargs["partition_info"] = partition_info
         if partition_info is None:  # metadata emulation on sample partitions
-            return self.kernel(*parts, **kwargs)
+            return self.func(*parts, **kwargs)
         where = f"partition {partition_info['number']}"
-        out = self._run(lambda: where, *parts, **kwargs)
+        out = self.run(lambda: where, *parts, **kwargs)
         if self.meta is not None:
             _check_partition(self.label, where, out, self.meta, self.check_dtypes)
         return out
@@ -402,7 +292,7 @@ def _is_text(dtype) -> bool:
 
 class _XarrayKernel(_Kernel):
     def __call__(self, *objs, **kwargs):
-        return self._run(lambda: f"the block at {_xarray_block_label(objs[0])}", *objs,
+        return self.run(lambda: f"the block at {_xarray_block_label(objs[0])}", *objs,
                          **kwargs)
 
 
@@ -500,11 +390,14 @@ def map_blocks(
     template : xarray object, optional
         Xarray: the output template, as in :func:`xarray.map_blocks`.
     retries : int, optional
-        Extra attempts per block when the kernel raises (default 0): the task runs the kernel
-        again, on the same worker, up to ``retries`` more times before it fails. For flaky
-        kernels (a network read, a transient device error). Retrying tasks whose *worker*
-        died is distributed's job (``distributed.scheduler.allowed-failures``); to retry every
-        task of a graph on any worker pass ``retries=`` to ``client.compute``/``persist``.
+        Extra attempts of a block whose kernel raises (default 0): as everywhere in blockflow,
+        the task is run up to ``retries`` more times before it fails. Here the attempts run
+        in place, inside the task on the same worker (see Notes), and only the kernel is
+        retried. For flaky kernels (a network read, a transient device error). Retrying
+        tasks whose *worker* died is distributed's job
+        (``distributed.scheduler.allowed-failures``); to have the scheduler retry every task
+        of a graph, on any worker, pass ``retries=`` to ``client.compute``/``persist``, as
+        blockflow's workloads do.
     **kwargs
         Passed to ``kernel`` unchanged.
 

@@ -11,11 +11,13 @@ class BlockflowWarning(UserWarning):
 
 
 class BlockKernelError(RuntimeError):
-    """A blockwise kernel failed on one block.
+    """A blockwise kernel failed on one block, or a tree-reduction step failed.
 
     The message names the kernel, the block (index of an array block, partition number of a
-    dataframe, coordinate range of an xarray block) and the original exception, which is
-    also chained as ``__cause__`` where the traceback survives serialisation.
+    dataframe, coordinate range of an xarray block) or the step of :func:`blockflow.tree_reduce`
+    (``chunk``, ``combine``, ``aggregate``), the attempts when ``retries=`` allowed more than
+    one, and the original exception, which is also chained as ``__cause__`` where the
+    traceback survives serialisation.
     """
 
 

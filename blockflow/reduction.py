@@ -11,18 +11,19 @@ that ``split_every x block bytes`` stays under a fraction of the smallest worker
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Callable
 
 import dask.array as da
 import dask.dataframe as dd
 from dask.array.utils import meta_from_array
 import numpy as np
-from dask.utils import format_bytes, funcname, parse_bytes
+from dask.utils import format_bytes, parse_bytes
 
 from blockflow import config
-from blockflow.blockwise import _device_memory_error, check_retries, kernel_name, validate_array
-from blockflow.errors import BlockKernelError, is_device_oom, not_a_collection
+from blockflow._kernel import Kernel, check_retries
+from blockflow.blockwise import kernel_name, validate_array
+from blockflow.errors import not_a_collection
+from blockflow.metrics import clean_number, read_metrics
 
 __all__ = ["choose_split_every", "smallest_worker_memory", "tree_reduce"]
 
@@ -60,22 +61,14 @@ def smallest_worker_memory(client=None) -> tuple[int, str]:
         except Exception:  # a client that cannot reach its scheduler: fall back to config
             workers = {}
         for info in workers.values():
-            gpu_total = _finite_positive(info.get("metrics", {}).get("gpu-memory-total"))
+            gpu_total = read_metrics(info.get("metrics")).gpu_memory_total
             if gpu_total:
                 sizes.append((int(gpu_total), "device"))
-            elif _finite_positive(info.get("memory_limit")):
+            elif clean_number(info.get("memory_limit")):
                 sizes.append((int(info["memory_limit"]), "host"))
     if not sizes:
         return parse_bytes(config.get("reduction.default-worker-memory")), "config"
     return min(sizes)
-
-
-def _finite_positive(v) -> float | None:
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) and f > 0 else None
 
 
 def choose_split_every(
@@ -226,11 +219,13 @@ def tree_reduce(
     name : str, optional
         Task-name prefix (``blockflow-`` is prepended).
     retries : int, optional
-        Extra attempts of ``chunk``, ``combine`` and ``aggregate`` when they raise (default
-        0): each task calls its function again, on the same worker, up to ``retries`` more
-        times before it fails with :class:`~blockflow.BlockKernelError`. As in
-        :func:`blockflow.map_blocks`, retries run inside the task because Dask's graph
-        optimisation drops ``dask.annotate(retries=...)`` annotations.
+        Extra attempts of a ``chunk``, ``combine`` or ``aggregate`` task whose function
+        raises (default 0): as everywhere in blockflow, the task is run up to ``retries``
+        more times before it fails with :class:`~blockflow.BlockKernelError`. As in
+        :func:`blockflow.map_blocks`, the attempts run in place, inside the task on the
+        same worker, because Dask's graph optimisation drops ``dask.annotate(retries=...)``
+        annotations; pass ``retries=`` to ``client.compute`` to have the scheduler retry
+        every task of the graph on any worker instead.
 
     Returns
     -------
@@ -408,10 +403,10 @@ class TreeReducedArray(da.Array):
     __dask_optimize__ = staticmethod(optimize_without_aliases)
 
 
-class _ReductionStep:
-    """``chunk``, ``combine`` or ``aggregate`` of a tree reduction, as its tasks run it: the
-    function is called up to ``1 + retries`` times; the last failure raises a
-    :class:`BlockKernelError` naming the step and the function.
+class _ReductionStep(Kernel):
+    """``chunk``, ``combine`` or ``aggregate`` of a tree reduction, as its tasks run it (see
+    :class:`blockflow._kernel.Kernel`): the function is called up to ``1 + retries`` times;
+    the last failure raises a :class:`BlockKernelError` naming the step and the function.
 
     Calls while the graph is built (Dask inferring metadata from sample blocks, before
     ``live`` is set) run the function once and let its errors through, for Dask to report
@@ -422,14 +417,14 @@ class _ReductionStep:
     signature of the function it wraps.
     """
 
+    logger = logger
+
     def __init__(self, func, stage: str, retries: int = 0):
         import inspect
 
-        self.func = func
+        super().__init__(func, retries, step=stage)
         self.__wrapped__ = inspect.unwrap(func)  # e.g. np.sum's Python implementation
         self.stage = stage
-        self.retries = retries
-        self.label = funcname(func)
         self.__name__ = self.label
         self.live = False
 
@@ -439,27 +434,7 @@ class _ReductionStep:
     def __call__(self, *args, **kwargs):
         if not self.live or kwargs.get("computing_meta"):
             return self.func(*args, **kwargs)
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return self.func(*args, **kwargs)
-            except Exception as e:
-                if attempt > self.retries:
-                    raise self._error(e, attempt) from e
-                logger.warning("blockflow tree_reduce: %s function %r failed (attempt %d of "
-                               "%d), retrying: %s: %s", self.stage, self.label, attempt,
-                               self.retries + 1, type(e).__name__, e)
-
-    def _error(self, exc: BaseException, attempts: int) -> BlockKernelError:
-        after = f" after {attempts} attempts" if attempts > 1 else ""
-        if is_device_oom(exc):
-            return _device_memory_error(self.label, f"a tree_reduce {self.stage} step", exc,
-                                        after)
-        return BlockKernelError(
-            f"blockflow tree_reduce: {self.stage} function {self.label!r} failed{after}: "
-            f"{type(exc).__name__}: {exc}"
-        )
+        return self.run(lambda: f"a tree_reduce {self.stage} step", *args, **kwargs)
 
     def __dask_tokenize__(self):
         from dask.base import tokenize

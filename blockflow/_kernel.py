@@ -1,0 +1,210 @@
+"""The kernel wrapper: how a blockflow task runs a user's function on one block.
+
+:func:`blockflow.map_blocks` and :func:`blockflow.tree_reduce` (its ``chunk``, ``combine``
+and ``aggregate`` steps) both run the user's function through :class:`Kernel`, which adds
+three things inside the task: in-place retries (``retries=``), an error that names the block
+or reduction step that failed (:class:`~blockflow.BlockKernelError`), and device
+out-of-memory errors translated into :class:`~blockflow.DeviceMemoryError`.
+
+``retries`` means the same everywhere in blockflow: *a task whose kernel raises is run up to
+``retries`` more times* (1 + ``retries`` attempts in all, 0 by default). Here the attempts
+run in place, in the same task on the same worker: Dask's graph optimisation (linear fusion
+of array tasks, dask-expr's lowering of dataframes) drops ``dask.annotate(retries=...)``, so
+an annotation would not reach the scheduler reliably. blockflow's workloads and CLI
+(``blockflow run ... --retries n``) pass the same number to ``client.compute(retries=)``
+instead, where distributed's scheduler reruns the erred task, on any worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from typing import Any, Callable
+
+from dask.utils import format_bytes, funcname
+
+from blockflow.errors import BlockKernelError, DeviceMemoryError, is_device_oom, requested_bytes
+from blockflow.metrics import read_metrics
+
+__all__ = ["Kernel", "check_retries", "device_memory_error", "largest_free_device_memory"]
+
+
+def check_retries(retries: Any, func: str) -> int:
+    """Validate a ``retries=`` argument: an integer >= 0 (None means 0).
+
+    Parameters
+    ----------
+    retries : int or None
+        Extra attempts of a task whose kernel raises.
+    func : str
+        The caller, as the message names it (``"blockflow.map_blocks"``, ``"flights"``).
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    ValueError
+        ``"<func>: retries must be an integer >= 0 (extra attempts per block), got -1."``
+    """
+    if retries is None:
+        return 0
+    if isinstance(retries, bool) or not isinstance(retries, numbers.Integral) or retries < 0:
+        raise ValueError(
+            f"{func}: retries must be an integer >= 0 (extra attempts per block), got "
+            f"{retries!r}."
+        )
+    return int(retries)
+
+
+class Kernel:
+    """A user's function as a blockflow task runs it: retried in place, failures labelled.
+
+    Picklable when the function is. Subclasses (the wrappers of ``map_blocks`` and
+    ``tree_reduce``) decide the calling convention and what a block is called; they call
+    :meth:`run` on real blocks.
+
+    Parameters
+    ----------
+    func : callable
+        The user's function.
+    retries : int, default 0
+        Extra attempts when ``func`` raises (validated by :func:`check_retries`).
+    step : str, optional
+        The tree-reduction step (``"chunk"``, ``"combine"``, ``"aggregate"``); None for a
+        blockwise kernel. It selects the wording of errors: ``"blockflow kernel 'f' failed
+        on block (3,) ..."`` or ``"blockflow tree_reduce: chunk function 'f' failed ..."``.
+    """
+
+    #: Logger of the retry warnings (subclasses log under their own module's name).
+    logger = logging.getLogger(__name__)
+
+    def __init__(self, func: Callable, retries: int = 0, step: str | None = None):
+        self.func = func
+        self.label = funcname(func)
+        self.retries = retries
+        self.step = step
+
+    def run(self, where: Callable[[], str], *args, **kwargs):
+        """Call the function, up to ``1 + retries`` times; the last failure raises.
+
+        Parameters
+        ----------
+        where : callable
+            ``where() -> str`` names the block for messages (``"block (3, 0)"``,
+            ``"partition 7"``); called only on failure.
+        *args, **kwargs
+            Passed to the function.
+
+        Raises
+        ------
+        BlockKernelError
+            When the last attempt raises (see :meth:`error`).
+        """
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return self.func(*args, **kwargs)
+            except Exception as e:
+                if attempt > self.retries:
+                    raise self.error(e, where(), attempt) from e
+                self._warn_retry(e, where(), attempt)
+
+    def _warn_retry(self, exc: BaseException, where: str, attempt: int) -> None:
+        if self.step is None:
+            self.logger.warning("blockflow kernel %r failed on %s (attempt %d of %d), "
+                                "retrying: %s: %s", self.label, where, attempt,
+                                self.retries + 1, type(exc).__name__, exc)
+        else:
+            self.logger.warning("blockflow tree_reduce: %s function %r failed (attempt %d of "
+                                "%d), retrying: %s: %s", self.step, self.label, attempt,
+                                self.retries + 1, type(exc).__name__, exc)
+
+    def error(self, exc: BaseException, where: str, attempts: int = 1) -> BlockKernelError:
+        """The error that replaces ``exc``, the function's last failure, at the client.
+
+        Returns
+        -------
+        BlockKernelError
+            A :class:`~blockflow.DeviceMemoryError` when ``exc`` is a device out-of-memory
+            error (:func:`~blockflow.errors.is_device_oom`), naming the bytes asked for and
+            the largest free device memory of any worker. Otherwise the message names the
+            function, the block or step, the attempts (when more than one) and ``exc``.
+            ``exc`` is chained as ``__cause__``.
+        """
+        after = f" after {attempts} attempts" if attempts > 1 else ""
+        if is_device_oom(exc):
+            err: BlockKernelError = device_memory_error(
+                self.label, where if self.step is None else f"a tree_reduce {self.step} step",
+                exc, after)
+        elif self.step is None:
+            err = BlockKernelError(
+                f"blockflow kernel {self.label!r} failed on {where}{after}: "
+                f"{type(exc).__name__}: {exc}"
+            )
+        else:
+            err = BlockKernelError(
+                f"blockflow tree_reduce: {self.step} function {self.label!r} failed{after}: "
+                f"{type(exc).__name__}: {exc}"
+            )
+        err.__cause__ = exc
+        return err
+
+
+def device_memory_error(label: str, where: str, exc: BaseException, after: str = ""
+                        ) -> DeviceMemoryError:
+    """The error for a kernel out of device memory.
+
+    Reads the workers' free device memory from the scheduler (on this error path only).
+
+    Parameters
+    ----------
+    label : str
+        The kernel's name.
+    where : str
+        The block (``"block (0,)"``) or step (``"a tree_reduce chunk step"``).
+    exc : BaseException
+        The device library's out-of-memory error.
+    after : str, default ""
+        ``" after 3 attempts"`` when the kernel was retried.
+    """
+    need = requested_bytes(exc)
+    free, worker = largest_free_device_memory()
+    need_text = "more" if need is None else f"{need:,} bytes ({format_bytes(need)})"
+    free_text = ("unknown (no worker reports device memory)" if free is None
+                 else f"{free:,} bytes ({format_bytes(free)}, on {worker})")
+    return DeviceMemoryError(
+        f"blockflow kernel {label!r} ran out of device memory on {where}{after}: it "
+        f"asked for {need_text} of device memory, but the largest free device memory of any "
+        f"worker is {free_text}. Make the block fit: use smaller blocks (rechunk or "
+        f"repartition), free device memory (persisted results, other processes on the GPU), "
+        f"or use workers with larger GPUs. {type(exc).__name__}: {exc}",
+        block=where, working_set=need, largest_free=free,
+    )
+
+
+def largest_free_device_memory() -> tuple[int | None, str | None]:
+    """The worker with the most free device memory, from the metrics the scheduler holds.
+
+    Returns
+    -------
+    (int or None, str or None)
+        Free bytes and the worker's address (the first address on a tie); ``(None, None)``
+        when no worker reports device memory or no scheduler is reachable.
+    """
+    try:
+        from distributed import get_client
+
+        workers = get_client().scheduler_info(n_workers=-1)["workers"]
+    except Exception:  # outside a cluster, or the scheduler is gone: say "unknown"
+        return None, None
+    best: tuple[int | None, str | None] = (None, None)
+    for address in sorted(workers):
+        free = read_metrics(workers[address].get("metrics")).gpu_memory_free
+        if free is None:
+            continue
+        if best[0] is None or int(free) > best[0]:
+            best = (int(free), address)
+    return best
