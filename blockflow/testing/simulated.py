@@ -100,7 +100,13 @@ def _sizeof_device_block(block: SimulatedDeviceBlock) -> int:
     return block.nbytes
 
 
-class SimulatedOutOfMemoryError(MemoryError):
+class OutOfMemoryError(MemoryError):
+    """Base named like CuPy's ``cupy.cuda.memory.OutOfMemoryError``, so that production code
+    (``blockflow.errors.is_device_oom``, which matches class names to avoid importing GPU
+    libraries) recognises the simulated error as a device OOM without naming the test double."""
+
+
+class SimulatedOutOfMemoryError(OutOfMemoryError):
     """A simulated kernel's working set does not fit in free simulated device memory.
 
     The message follows CuPy's ``cupy.cuda.memory.OutOfMemoryError`` ("Out of memory
