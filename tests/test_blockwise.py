@@ -434,3 +434,63 @@ def test_task_prefix_and_custom_name():
     assert map_blocks(inc, x, name="Scale_Up").name.startswith("blockflow-scale-up-")
     assert map_blocks(inc, x, name="blockflow-already").name.startswith("blockflow-already-")
     assert blockflow.blockwise.kernel_name(lambda b: b) == "blockflow-lambda"
+
+
+# --- the kernel wrapper shared with tree_reduce (blockflow/_kernel.py) ------------------
+
+
+def flaky(x, *, calls, failures):
+    """Raises on its first ``failures`` calls (counted in the list ``calls``), then x + 1."""
+    calls.append(x)
+    if len(calls) <= failures:
+        raise ConnectionResetError(f"flaky call {len(calls)}")
+    return x + 1
+
+
+def _flaky(failures):
+    import functools
+
+    return functools.partial(flaky, calls=[], failures=failures)
+
+
+def test_the_kernel_wrapper_retries_in_place_and_names_the_block(caplog):
+    import pickle
+
+    from blockflow._kernel import Kernel
+
+    kernel = Kernel(_flaky(2), retries=2)
+    assert pickle.loads(pickle.dumps(kernel)).run(lambda: "block (0,)", 1) == 2
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="blockflow._kernel"):
+        assert kernel.run(lambda: "block (0,)", 1) == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        f"blockflow kernel 'flaky' failed on block (0,) (attempt {i} of 3), retrying: "
+        f"ConnectionResetError: flaky call {i}" for i in (1, 2)]
+    with pytest.raises(BlockKernelError) as info:
+        Kernel(_flaky(3), retries=1).run(lambda: "partition 7", 1)
+    assert str(info.value) == ("blockflow kernel 'flaky' failed on partition 7 after 2 "
+                               "attempts: ConnectionResetError: flaky call 2")
+    assert isinstance(info.value.__cause__, ConnectionResetError)
+    with pytest.raises(BlockKernelError) as info:
+        Kernel(_flaky(1), step="combine").run(lambda: "a tree_reduce combine step", 1)
+    assert str(info.value) == ("blockflow tree_reduce: combine function 'flaky' failed: "
+                               "ConnectionResetError: flaky call 1")
+
+
+def test_map_blocks_and_tree_reduce_run_kernels_through_one_wrapper(monkeypatch):
+    from blockflow._kernel import Kernel
+
+    ran, real = [], Kernel.run
+
+    def run(self, where, *args, **kwargs):
+        ran.append((type(self).__module__, where(), self.retries))
+        return real(self, where, *args, **kwargs)
+
+    monkeypatch.setattr(Kernel, "run", run)
+    x = map_blocks(np.negative, da.ones(8, chunks=4), retries=1)
+    out = blockflow.tree_reduce(x, np.sum, split_every=2, retries=2)
+    assert out.compute(scheduler="sync") == -8
+    assert sorted(set(ran)) == [
+        ("blockflow.blockwise", "block (0,)", 1), ("blockflow.blockwise", "block (1,)", 1),
+        ("blockflow.reduction", "a tree_reduce aggregate step", 2),
+        ("blockflow.reduction", "a tree_reduce chunk step", 2)]
