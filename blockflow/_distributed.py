@@ -1,89 +1,110 @@
-"""The one place blockflow touches distributed's *internal* scheduler APIs.
+"""The one module that touches distributed's internal objects.
 
-Everything the rebalancer does to the scheduler goes through these functions, so a change in
-distributed breaks one module, loudly: :func:`check_scheduler` verifies that every internal it
-relies on exists with the expected shape, and an integration test calls it on a real
-scheduler (tests/test_adapter.py). Verified against distributed 2026.7.1.
+Everything blockflow reads from or does to a running scheduler or worker beyond distributed's
+public API goes through here: the scheduler plugin, the policies, the dashboard and the worker
+plugins see only the plain data this module returns (:class:`WorkerView`, :class:`TaskView`,
+:class:`HeldResult`) and act only through its functions (pause, resume, move, restrict,
+handlers, periodic callbacks, AMM policies, dashboard pages, worker metrics). A change in
+distributed therefore breaks one module, loudly: :func:`check_scheduler` verifies every
+internal listed below on the scheduler and its classes (and again on the first live worker,
+:func:`check_worker_state`), and ``tests/test_boundary.py`` fails if any other module of the
+package touches them. Verified against distributed 2026.7.1.
 
 Internals used
 --------------
-- ``Scheduler.handle_worker_status_change(status, worker, stimulus_id)``: scheduler-side
-  pause / resume; every placement path (queued root tasks, ``decide_worker``, stealing)
-  skips paused workers.
-- ``scheduler.extensions["stealing"].move_task_request(ts, victim, thief)`` and its
-  ``in_flight`` dict: the work-stealing protocol, which moves a task only if the victim
-  has not started it.
-- ``scheduler.periodic_callbacks["stealing"]``: distributed's speed-blind balancing loop,
-  suspended while blockflow's speed-aware balancer runs.
-- ``Scheduler.get_comm_cost(ts, ws)``, ``Scheduler.valid_workers(ts)``,
-  ``Scheduler._get_prefix_duration(prefix)``, ``WorkerState.processing / executing /
-  nthreads / status / metrics / memory_limit``, ``TaskState.priority / prefix / group``.
-- ``scheduler.extensions["amm"].add_policy(policy)``: the Active Memory Manager.
+Scheduler
+    ``workers``, ``tasks``, ``queued``, ``plugins``, ``handlers``, ``extensions``
+    (``"stealing"``, ``"amm"``), ``periodic_callbacks``, ``http_application``,
+    ``handle_worker_status_change(status, worker, stimulus_id)``, ``get_comm_cost``,
+    ``valid_workers``, ``_get_prefix_duration``, ``register_worker_plugin``.
+WorkerState
+    ``address``, ``name``, ``nthreads``, ``status``, ``metrics``, ``memory_limit``,
+    ``processing``, ``executing``, ``occupancy``, ``has_what``, ``resources``.
+TaskState
+    ``key``, ``state``, ``priority``, ``prefix``, ``run_spec``, ``actor``, ``nbytes``,
+    ``dependencies``, ``who_has``, ``processing_on``, ``worker_restrictions``,
+    ``host_restrictions``, ``resource_restrictions``, ``loose_restrictions``.
+WorkStealing
+    ``move_task_request(ts, victim, thief)``, ``in_flight``, ``in_flight_occupancy``.
+ActiveMemoryManagerPolicy
+    ``manager.scheduler``; ``Suggestion`` (``"replicate"`` / ``"drop"``).
+Worker
+    ``metrics``, ``data`` (its in-memory part), ``plugins``, ``heartbeat()``.
+Dashboard
+    ``distributed.dashboard.scheduler.template_variables`` / ``applications``,
+    ``distributed.dashboard.core.BokehApplication``.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+from dask.utils import key_split
+from distributed.active_memory_manager import ActiveMemoryManagerPolicy, Suggestion
 from distributed.core import Status
 
+from blockflow.metrics import CAPACITY_METRIC, WorkerMetrics, clean_number, read_metrics
+
 __all__ = [
+    "AMMPolicy",
+    "HeldResult",
     "IncompatibleSchedulerError",
+    "MemorySuggestion",
+    "TaskView",
+    "WorkerView",
     "add_amm_policy",
+    "add_dashboard_page",
+    "add_handler",
+    "add_http_routes",
+    "add_periodic_callback",
     "check_scheduler",
-    "comm_cost",
-    "expected_duration",
-    "is_move_in_flight",
+    "check_worker_state",
+    "cluster_busy",
+    "held_results",
     "move_task",
+    "new_task_views",
+    "queued_count",
+    "remove_periodic_callback",
+    "restrict_task",
+    "scheduler_plugin",
     "set_worker_status",
     "suspend_work_stealing",
-    "valid_workers",
+    "waiting_tasks",
+    "worker_addresses",
+    "worker_views",
 ]
 
 logger = logging.getLogger(__name__)
 
+SUPPORTED = "2026.7.1"
+
+_SCHEDULER_ATTRS = ("workers", "tasks", "queued", "plugins", "handlers", "extensions",
+                    "periodic_callbacks")
+_SCHEDULER_METHODS = ("get_comm_cost", "valid_workers", "_get_prefix_duration",
+                      "register_worker_plugin")
+_WORKER_STATE_ATTRS = ("address", "name", "nthreads", "status", "metrics", "memory_limit",
+                       "processing", "executing", "occupancy", "has_what", "resources")
+_TASK_STATE_ATTRS = ("key", "state", "priority", "prefix", "run_spec", "actor", "nbytes",
+                     "dependencies", "who_has", "processing_on", "worker_restrictions",
+                     "host_restrictions", "resource_restrictions", "loose_restrictions")
+
 
 class IncompatibleSchedulerError(RuntimeError):
-    """distributed changed an internal API that blockflow's rebalancer relies on."""
+    """distributed changed an internal API that blockflow relies on."""
 
 
-def check_scheduler(scheduler) -> None:
-    """Verify every distributed internal the rebalancer uses; raise if one changed.
-
-    Raises
-    ------
-    IncompatibleSchedulerError
-        Naming the missing or changed internal and the distributed version.
-    """
+def _fail(what: str):
     import distributed
 
-    def fail(what: str):
-        raise IncompatibleSchedulerError(
-            f"blockflow's rebalancer needs distributed's internal {what}, which distributed "
-            f"{distributed.__version__} does not provide as expected; blockflow supports "
-            f"distributed 2026.7.1 (pin it, or set blockflow.cluster.policy to 'off')."
-        )
-
-    sig = _params(getattr(scheduler, "handle_worker_status_change", None))
-    if sig[:3] != ["status", "worker", "stimulus_id"]:
-        fail("Scheduler.handle_worker_status_change(status, worker, stimulus_id)")
-    for name in ("get_comm_cost", "valid_workers", "_get_prefix_duration"):
-        if not callable(getattr(scheduler, name, None)):
-            fail(f"Scheduler.{name}")
-    if not isinstance(getattr(scheduler, "periodic_callbacks", None), dict):
-        fail("Scheduler.periodic_callbacks")
-    stealing = scheduler.extensions.get("stealing")
-    if stealing is not None:
-        if _params(getattr(stealing, "move_task_request", None))[:3] != ["ts", "victim", "thief"]:
-            fail("WorkStealing.move_task_request(ts, victim, thief)")
-        if not isinstance(getattr(stealing, "in_flight", None), dict):
-            fail("WorkStealing.in_flight")
-    for ws in list(scheduler.workers.values())[:1]:
-        for attr in ("processing", "executing", "nthreads", "status", "metrics", "memory_limit"):
-            if not hasattr(ws, attr):
-                fail(f"WorkerState.{attr}")
+    raise IncompatibleSchedulerError(
+        f"blockflow needs distributed's internal {what}, which distributed "
+        f"{distributed.__version__} does not provide as expected; blockflow supports "
+        f"distributed {SUPPORTED} (pin it, or set blockflow.cluster.policy to 'off')."
+    )
 
 
 def _params(func) -> list[str]:
@@ -95,44 +116,392 @@ def _params(func) -> list[str]:
         return []
 
 
-def set_worker_status(scheduler, ws, paused: bool, stimulus_id: str) -> None:
-    """Pause (or resume) a worker on the scheduler side only; the worker keeps running
-    the tasks it already has."""
-    status = Status.paused if paused else Status.running
-    scheduler.handle_worker_status_change(status, ws, stimulus_id=stimulus_id)
+def _class_has(cls, attr: str) -> bool:
+    slots = [s for klass in cls.__mro__ for s in getattr(klass, "__slots__", ())]
+    return attr in slots or hasattr(cls, attr)
 
 
-def move_task(scheduler, ts, victim, thief) -> bool:
-    """Ask ``victim`` to give up queued task ``ts`` for ``thief`` (work-stealing protocol).
+def check_scheduler(scheduler) -> None:
+    """Verify every distributed internal this module uses; raise if one changed.
 
-    Returns False when no request was sent (stealing disabled, or a move already pending).
-    The victim refuses if it already started the task, so a started task never moves.
+    Checks the scheduler's attributes and methods, the stealing extension, the
+    ``WorkerState`` and ``TaskState`` classes (so it works before any worker joins) and every
+    worker already connected (:func:`check_worker_state`).
+
+    Raises
+    ------
+    IncompatibleSchedulerError
+        Naming the missing or changed internal and the distributed version.
+    """
+    from distributed.scheduler import TaskState, WorkerState
+
+    if _params(getattr(scheduler, "handle_worker_status_change", None))[:3] != [
+            "status", "worker", "stimulus_id"]:
+        _fail("Scheduler.handle_worker_status_change(status, worker, stimulus_id)")
+    for name in _SCHEDULER_ATTRS:
+        if not hasattr(scheduler, name):
+            _fail(f"Scheduler.{name}")
+    for name in ("plugins", "handlers", "extensions", "periodic_callbacks"):
+        if not isinstance(getattr(scheduler, name), dict):
+            _fail(f"Scheduler.{name} (a dict)")
+    for name in _SCHEDULER_METHODS:
+        if not callable(getattr(scheduler, name, None)):
+            _fail(f"Scheduler.{name}()")
+    stealing = scheduler.extensions.get("stealing")
+    if stealing is not None:
+        if _params(getattr(stealing, "move_task_request", None))[:3] != ["ts", "victim", "thief"]:
+            _fail("WorkStealing.move_task_request(ts, victim, thief)")
+        for name in ("in_flight", "in_flight_occupancy"):
+            if not isinstance(getattr(stealing, name, None), dict):
+                _fail(f"WorkStealing.{name}")
+    amm = scheduler.extensions.get("amm")
+    if amm is not None and not callable(getattr(amm, "add_policy", None)):
+        _fail("ActiveMemoryManagerExtension.add_policy()")
+    for name in _WORKER_STATE_ATTRS:
+        if not _class_has(WorkerState, name):
+            _fail(f"WorkerState.{name}")
+    for name in _TASK_STATE_ATTRS:
+        if not _class_has(TaskState, name):
+            _fail(f"TaskState.{name}")
+    for ws in list(scheduler.workers.values())[:1]:
+        check_worker_state(ws)
+
+
+def check_worker_state(ws) -> None:
+    """Verify a live ``WorkerState`` has every attribute this module reads (run when the first
+    worker joins: a scheduler started with ``--preload`` has none at start)."""
+    for name in _WORKER_STATE_ATTRS:
+        if not hasattr(ws, name):
+            _fail(f"WorkerState.{name}")
+    if not isinstance(ws.metrics, dict) or not hasattr(ws.status, "name"):
+        _fail("WorkerState.metrics (a dict) / WorkerState.status (a Status)")
+
+
+# --- plain data handed out ----------------------------------------------------------------
+
+
+@dataclass
+class WorkerView:
+    """What blockflow knows about one worker at one moment (plain data).
+
+    Attributes
+    ----------
+    address : str
+    nthreads : int
+    status : str
+        Scheduler-side status name (``"running"``, ``"paused"``, ...).
+    paused_by_blockflow : bool
+        Paused by blockflow's scheduler plugin (it only ever resumes those).
+    metrics : WorkerMetrics
+        GPU utilisation (percent), device memory (bytes); None when unknown.
+    speed : float
+        Learned relative speed (1.0 = typical worker).
+    processing : int
+        Tasks assigned to the worker (running or waiting there).
+    executing : int
+        Tasks the worker reported running at its last heartbeat.
+    occupancy : float
+        Seconds of assigned work at the typical worker's speed (distributed's estimate,
+        including moves in flight).
+    host_memory_fraction : float or None
+        Process memory / memory limit, 0-1.
+    name : str
+        The worker's name.
+    capacity : float or None
+        Nominal relative capacity the worker reports (``blockflow-capacity`` metric).
+    memory_limit : int
+        Host memory limit in bytes (0: none).
+    """
+
+    address: str
+    nthreads: int
+    status: str
+    paused_by_blockflow: bool
+    metrics: WorkerMetrics
+    speed: float
+    processing: int
+    executing: int
+    occupancy: float
+    host_memory_fraction: float | None = None
+    name: str = ""
+    capacity: float | None = None
+    memory_limit: int = 0
+
+    @property
+    def projected_finish(self) -> float:
+        """Seconds until the worker finishes its assigned work at its learned speed."""
+        return self.occupancy / (max(self.speed, 1e-6) * max(self.nthreads, 1))
+
+    @property
+    def others_utilization(self) -> float | None:
+        """GPU utilisation (percent) taken by work other than this worker's own tasks.
+
+        Utilisation minus the worker's own share: measured when the worker reports
+        ``blockflow-gpu-own-utilization``; else, while it runs tasks, the share of its threads
+        executing (a lower bound of others' load); exact when it is idle. None when
+        utilisation is unknown.
+        """
+        util = self.metrics.gpu_utilization
+        if util is None:
+            return None
+        own = self.metrics.own_utilization
+        if own is None:
+            busy = min(max(self.executing, 1 if self.processing else 0), self.nthreads)
+            own = 100.0 * busy / max(self.nthreads, 1)
+        return max(util - own, 0.0)
+
+    def seen(self) -> dict[str, Any]:
+        """The metrics a decision about this worker was based on (for the decision log)."""
+        m = self.metrics
+        return {
+            "gpu_utilization": m.gpu_utilization,
+            "gpu_memory_fraction": m.gpu_memory_fraction,
+            "speed": round(self.speed, 4),
+            "processing": self.processing,
+            "projected_finish": round(self.projected_finish, 4),
+        }
+
+
+@dataclass(frozen=True)
+class TaskView:
+    """One task as policies see it (plain data).
+
+    Attributes
+    ----------
+    key : str, tuple or int
+        The task's key.
+    group : str
+        Its task group (``dask.utils.key_split`` of the key).
+    state : str
+        Scheduler state (``"released"``, ``"waiting"``, ``"processing"``, ...).
+    priority : tuple
+        Dask's priority (smaller runs first).
+    duration : float
+        distributed's estimate of its compute time at speed 1, seconds.
+    input_bytes : int
+        Bytes of its inputs.
+    restricted : bool
+        Whether it carries worker, host or resource restrictions.
+    runnable : bool
+        Whether it has something to run (not a scattered or pure-data key).
+    allowed_workers : frozenset of str or None
+        Workers allowed to run it (restrictions, resources), None for any.
+    comm_cost : mapping of str to float
+        Seconds to move its missing inputs to each worker (bytes / measured bandwidth).
+    """
+
+    key: Any
+    group: str
+    state: str = "processing"
+    priority: tuple = ()
+    duration: float = 0.0
+    input_bytes: int = 0
+    restricted: bool = False
+    runnable: bool = True
+    allowed_workers: frozenset | None = None
+    comm_cost: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HeldResult:
+    """A result held in a worker's memory: its key, size in bytes and the workers holding it."""
+
+    key: Any
+    nbytes: int
+    holders: frozenset
+
+
+class _LazyMapping(Mapping):
+    """address -> value, computed on first access (policies rarely read every worker)."""
+
+    def __init__(self, keys, compute: Callable[[str], Any]):
+        self._keys = list(keys)
+        self._compute = compute
+        self._cache: dict[str, Any] = {}
+
+    def __getitem__(self, key):
+        if key not in self._keys:
+            raise KeyError(key)
+        if key not in self._cache:
+            self._cache[key] = self._compute(key)
+        return self._cache[key]
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self):
+        return len(self._keys)
+
+
+def worker_addresses(scheduler) -> list[str]:
+    """Addresses of the workers the scheduler knows, sorted."""
+    return sorted(scheduler.workers)
+
+
+def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
+                 paused: Mapping[str, Any] | None = None) -> dict[str, WorkerView]:
+    """:class:`WorkerView` of every worker.
+
+    Parameters
+    ----------
+    speed : callable, optional
+        ``speed(address) -> float``, learned speeds (default 1.0).
+    paused : mapping, optional
+        Addresses blockflow paused.
     """
     stealing = scheduler.extensions.get("stealing")
-    if stealing is None or ts in stealing.in_flight:
+    in_flight = getattr(stealing, "in_flight_occupancy", {}) if stealing else {}
+    paused = paused or {}
+    views = {}
+    for addr, ws in scheduler.workers.items():
+        limit = ws.memory_limit or 0
+        raw = ws.metrics if isinstance(ws.metrics, dict) else {}
+        m = read_metrics(raw)
+        cap = clean_number(raw.get(CAPACITY_METRIC))
+        views[addr] = WorkerView(
+            address=addr,
+            name=str(ws.name),
+            nthreads=ws.nthreads,
+            status=ws.status.name,
+            paused_by_blockflow=addr in paused,
+            metrics=m,
+            speed=float(speed(addr)) if speed is not None else 1.0,
+            processing=len(ws.processing),
+            executing=len(ws.executing),
+            occupancy=max(ws.occupancy + in_flight.get(ws, 0.0), 0.0),
+            host_memory_fraction=(m.host_memory / limit)
+            if m.host_memory is not None and limit else None,
+            capacity=cap if cap else None,
+            memory_limit=int(limit),
+        )
+    return views
+
+
+def queued_count(scheduler) -> int:
+    """Root tasks the scheduler holds back in its queue (not yet on any worker)."""
+    return len(scheduler.queued)
+
+
+def cluster_busy(scheduler) -> bool:
+    """Whether any worker has tasks assigned."""
+    return any(ws.processing for ws in scheduler.workers.values())
+
+
+def _restricted(ts) -> bool:
+    return bool(ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions)
+
+
+def _task_view(scheduler, ts, thieves=()) -> TaskView:
+    valid = scheduler.valid_workers(ts)
+    return TaskView(
+        key=ts.key,
+        group=key_split(ts.key),
+        state=ts.state,
+        priority=tuple(ts.priority or ()),
+        duration=float(scheduler._get_prefix_duration(ts.prefix)),
+        input_bytes=sum(dts.nbytes for dts in ts.dependencies if dts.nbytes > 0),
+        restricted=_restricted(ts),
+        runnable=bool(ts.run_spec),
+        allowed_workers=None if valid is None else frozenset(w.address for w in valid),
+        comm_cost={ws.address: float(scheduler.get_comm_cost(ts, ws)) for ws in thieves},
+    )
+
+
+def new_task_views(scheduler, keys) -> list[TaskView]:
+    """Views of the tasks of a graph that just arrived (``update_graph``), in key order of
+    ``keys``; keys the scheduler no longer holds are skipped. No comm costs."""
+    out = []
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if ts is not None:
+            out.append(TaskView(key=ts.key, group=key_split(ts.key), state=ts.state,
+                                priority=tuple(ts.priority or ()), restricted=_restricted(ts),
+                                runnable=bool(ts.run_spec)))
+    return out
+
+
+def waiting_tasks(scheduler, *, thieves: list[str] | None = None) -> Mapping[str, Iterator]:
+    """address -> iterator of :class:`TaskView` of the tasks waiting on that worker (assigned
+    but not started), lowest priority (last to run) first, skipping tasks a move is already
+    pending for and actors. Computed lazily, per worker, when read; each view carries the comm
+    cost to each worker in ``thieves``.
+    """
+    stealing = scheduler.extensions.get("stealing")
+    in_flight = stealing.in_flight if stealing is not None else {}
+
+    def waiting(addr: str) -> Iterator[TaskView]:
+        ws = scheduler.workers.get(addr)
+        if ws is None:
+            return
+        targets = [scheduler.workers[a] for a in (thieves or ()) if a in scheduler.workers]
+        ordered = sorted(ws.processing, key=lambda ts: ts.priority or ())
+        for ts in reversed(ordered[ws.nthreads:]):
+            if ts in ws.executing or ts.actor or ts in in_flight or ts.processing_on is not ws:
+                continue
+            yield _task_view(scheduler, ts, targets)
+
+    return _LazyMapping(scheduler.workers, lambda addr: waiting(addr))
+
+
+def held_results(scheduler) -> Mapping[str, list[HeldResult]]:
+    """address -> results held in the worker's memory, largest first (lazily per worker)."""
+
+    def held(addr: str) -> list[HeldResult]:
+        ws = scheduler.workers.get(addr)
+        if ws is None:
+            return []
+        return [HeldResult(ts.key, int(ts.nbytes), frozenset(w.address for w in ts.who_has))
+                for ts in sorted(ws.has_what, key=lambda t: t.nbytes, reverse=True)]
+
+    return _LazyMapping(scheduler.workers, held)
+
+
+# --- actions ------------------------------------------------------------------------------
+
+
+def set_worker_status(scheduler, address: str, paused: bool, stimulus_id: str) -> bool:
+    """Pause (or resume) a worker on the scheduler side only; the worker keeps running the
+    tasks it already has. False when the worker is gone."""
+    ws = scheduler.workers.get(address)
+    if ws is None:
         return False
-    answer = stealing.move_task_request(ts, victim, thief)
+    status = Status.paused if paused else Status.running
+    scheduler.handle_worker_status_change(status, ws, stimulus_id=stimulus_id)
+    return True
+
+
+def move_task(scheduler, key, victim: str, thief: str) -> bool:
+    """Ask ``victim`` to give up its queued task ``key`` for ``thief`` (work-stealing
+    protocol).
+
+    Returns False when no request was sent: the task or a worker is gone, the task is no
+    longer waiting on ``victim`` or has started, stealing is disabled, or a move is already
+    pending. The victim refuses if it started the task meanwhile, so a started task never
+    moves.
+    """
+    stealing = scheduler.extensions.get("stealing")
+    ts = scheduler.tasks.get(key)
+    v, t = scheduler.workers.get(victim), scheduler.workers.get(thief)
+    if stealing is None or ts is None or v is None or t is None:
+        return False
+    if ts.processing_on is not v or ts in v.executing or ts in stealing.in_flight:
+        return False
+    answer = stealing.move_task_request(ts, v, t)
     return answer not in ("in-flight", "comm-closed")
 
 
-def is_move_in_flight(scheduler, ts) -> bool:
-    stealing = scheduler.extensions.get("stealing")
-    return stealing is not None and ts in stealing.in_flight
+def restrict_task(scheduler, key, address: str) -> bool:
+    """Pin a task that has not been assigned yet to one worker (strict restriction).
 
-
-def comm_cost(scheduler, ts, ws) -> float:
-    """Seconds to move the inputs of ``ts`` that ``ws`` lacks (bytes / measured bandwidth)."""
-    return float(scheduler.get_comm_cost(ts, ws))
-
-
-def valid_workers(scheduler, ts) -> set | None:
-    """Workers allowed to run ``ts`` (restrictions, resources), or None for any."""
-    return scheduler.valid_workers(ts)
-
-
-def expected_duration(scheduler, ts) -> float:
-    """distributed's own estimate of a task's compute time in seconds (prefix average)."""
-    return float(scheduler._get_prefix_duration(ts.prefix))
+    False when the task is gone, already assigned or finished, or restricted by the user.
+    """
+    ts = scheduler.tasks.get(key)
+    if (ts is None or ts.state not in ("released", "waiting", "no-worker")
+            or _restricted(ts) or address not in scheduler.workers):
+        return False
+    ts.worker_restrictions = {address}
+    ts.loose_restrictions = False
+    return True
 
 
 class suspend_work_stealing:
@@ -155,6 +524,34 @@ class suspend_work_stealing:
         self.pc = None
 
 
+def add_periodic_callback(scheduler, name: str, fn: Callable[[], Any], interval: float):
+    """Run ``fn`` every ``interval`` seconds on the scheduler's event loop, registered under
+    ``name`` in the scheduler's periodic callbacks (stopped with the scheduler)."""
+    from tornado.ioloop import PeriodicCallback
+
+    pc = PeriodicCallback(fn, interval * 1000)
+    scheduler.periodic_callbacks[name] = pc
+    pc.start()
+    return pc
+
+
+def remove_periodic_callback(scheduler, name: str) -> None:
+    """Stop and remove the periodic callback ``name``, if any."""
+    pc = scheduler.periodic_callbacks.pop(name, None)
+    if pc is not None:
+        pc.stop()
+
+
+def add_handler(scheduler, name: str, fn: Callable) -> None:
+    """Serve ``fn`` as the scheduler RPC handler ``name`` (read with ``client.scheduler.<name>``)."""
+    scheduler.handlers[name] = fn
+
+
+def scheduler_plugin(scheduler, name: str):
+    """The scheduler plugin registered under ``name``, or None."""
+    return scheduler.plugins.get(name)
+
+
 def add_amm_policy(scheduler, policy: Any) -> bool:
     """Install an Active Memory Manager policy; False if the AMM extension is absent."""
     amm = scheduler.extensions.get("amm")
@@ -164,7 +561,74 @@ def add_amm_policy(scheduler, policy: Any) -> bool:
     return True
 
 
-# --- dashboard (used by blockflow.dashboard) ------------------------------------------------
+@dataclass(frozen=True)
+class MemorySuggestion:
+    """A plain AMM suggestion: ``op`` ``"replicate"`` (to one of ``candidates``) or ``"drop"``
+    (from one of ``candidates``) the result ``key``."""
+
+    op: str
+    key: Any
+    candidates: frozenset
+
+
+class AMMPolicy(ActiveMemoryManagerPolicy):
+    """Base of blockflow's Active Memory Manager policies: plain data in, plain data out.
+
+    Subclasses implement :meth:`plan`, a generator that reads the worker views and held
+    results, yields :class:`MemorySuggestion` objects and is sent back the address the AMM
+    chose (None when it declined). This class turns them into distributed's ``Suggestion`` s.
+    """
+
+    def plan(self, workers: dict[str, WorkerView],
+             held: Mapping[str, list[HeldResult]]):  # pragma: no cover - abstract
+        raise NotImplementedError
+        yield
+
+    def log(self, action: str, worker: str, reason: str, seen: dict, key=None,
+            target=None) -> None:
+        """Log a decision in the rebalancer's decision log when the rebalancer runs."""
+        plugin = scheduler_plugin(self.manager.scheduler, "blockflow-rebalancer")
+        if plugin is not None and hasattr(plugin, "log_decision"):
+            plugin.log_decision(action, worker, reason, seen, key=key, target=target)
+
+    def run(self):
+        scheduler = self.manager.scheduler
+        gen = self.plan(worker_views(scheduler), held_results(scheduler))
+        try:
+            s = next(gen)
+            while True:
+                ts = scheduler.tasks.get(s.key)
+                wss = {scheduler.workers[a] for a in s.candidates if a in scheduler.workers}
+                chosen = None
+                if ts is not None and wss:
+                    choice = yield Suggestion(s.op, ts, wss)
+                    chosen = getattr(choice, "address", None)
+                s = gen.send(chosen)
+        except StopIteration:
+            return
+
+
+# --- dashboard ------------------------------------------------------------------------------
+
+
+def style_dashboard_doc(doc, component, extra: dict, *, title: str, interval_ms: int) -> None:
+    """Make a Bokeh document look and update like distributed's own dashboard pages:
+    ``component.update()`` every ``interval_ms`` (held weakly, so a closed tab leaves nothing
+    behind), distributed's page template, menu variables and theme."""
+    from distributed.dashboard.components import add_periodic_callback
+    from distributed.dashboard.components.scheduler import BOKEH_THEME, env
+
+    add_periodic_callback(doc, component, interval_ms)
+    doc.title = title
+    doc.add_root(component.root)
+    doc.template = env.get_template("simple.html")
+    doc.template_variables.update(extra)
+    doc.theme = BOKEH_THEME
+
+
+def add_scheduler_plugin(scheduler, plugin) -> None:
+    """Install a scheduler plugin from the scheduler side (``dask scheduler --preload``)."""
+    scheduler.add_plugin(plugin)
 
 
 def http_prefix(scheduler) -> str:
@@ -271,3 +735,18 @@ def worker_data_values(worker) -> list:
 async def worker_heartbeat(worker) -> None:
     """Send a heartbeat now, so the scheduler sees the worker's metrics at once."""
     await worker.heartbeat()
+
+
+async def register_worker_plugin_on_scheduler(scheduler, plugin, name: str,
+                                              idempotent: bool = False) -> None:
+    """Register the worker plugin ``plugin`` under ``name`` from the scheduler side
+    (``Scheduler.register_worker_plugin``), for tests holding a Scheduler but no Client."""
+    from distributed.protocol.pickle import dumps
+
+    await scheduler.register_worker_plugin(None, dumps(plugin), name, idempotent=idempotent)
+
+
+def worker_names_and_metrics(scheduler) -> dict:
+    """``{address: (name, metrics)}`` for every worker the scheduler knows, where metrics
+    is a copy of the heartbeat metrics the scheduler last received (``WorkerState.metrics``)."""
+    return {a: (ws.name, dict(ws.metrics or {})) for a, ws in scheduler.workers.items()}

@@ -20,7 +20,7 @@ from typing import Any
 from dask.utils import parse_timedelta
 from distributed import Client, LocalCluster, Security
 
-from blockflow import config
+from blockflow import _distributed, config
 from blockflow.backends import GPU_INSTALL_HINT, GPUUnavailableError, gpu_device_count, has_package
 from blockflow.errors import WorkerLostError, describe
 from blockflow.scheduling.plugin import Rebalancer
@@ -200,7 +200,7 @@ def connect(
 
 
 def _running_policy(dask_scheduler=None) -> str | None:
-    plugin = dask_scheduler.plugins.get(Rebalancer.name)
+    plugin = _distributed.scheduler_plugin(dask_scheduler, Rebalancer.name)
     return getattr(plugin, "policy_name", None)
 
 
@@ -382,7 +382,7 @@ def plugin_status(client: Client, **kwargs: Any) -> dict[str, Any]:
 
 
 def _has_plugin(dask_scheduler=None) -> bool:
-    return Rebalancer.name in dask_scheduler.plugins
+    return _distributed.scheduler_plugin(dask_scheduler, Rebalancer.name) is not None
 
 
 def task_counts(client: Client, *, kernels_only: bool = False) -> dict[str, int]:
@@ -547,7 +547,7 @@ def gather_results(client: Client, futures: Any, *, what: str = "the computation
     Exception
         A task's own exception, as ``client.gather`` raises it.
     """
-    from distributed.scheduler import KilledWorker
+    from distributed import KilledWorker
 
     wait_for(client, futures, what=what, worker_loss_timeout=worker_loss_timeout)
     try:

@@ -217,27 +217,51 @@ async def test_static_round_robin_assigns_blocks_in_turn(c, s, *workers):
 
 
 @gen_cluster(client=True)
-async def test_adapter_matches_this_distributed(c, s, a, b):
-    """Fails loudly if distributed changes an internal the rebalancer relies on."""
+async def test_boundary_matches_this_distributed(c, s, a, b):
+    """Fails loudly if distributed changes an internal blockflow relies on."""
     check_scheduler(s)
-    from blockflow import _distributed as adapter
+    from blockflow import _distributed
 
+    _distributed.check_worker_state(s.workers[a.address])
     ws = s.workers[a.address]
-    adapter.set_worker_status(s, ws, True, "test-pause")
+    assert _distributed.set_worker_status(s, a.address, True, "test-pause")
     assert ws.status == Status.paused and ws not in s.running
-    adapter.set_worker_status(s, ws, False, "test-resume")
+    assert _distributed.set_worker_status(s, a.address, False, "test-resume")
     assert ws.status == Status.running
+    assert not _distributed.set_worker_status(s, "tcp://127.0.0.1:1", True, "gone")
     data = await c.scatter(list(range(6)), workers=[a.address])
     futs = c.map(slowinc, data, delay=0.2)
     while len(s.workers[a.address].processing) < 6:
         await asyncio.sleep(0.01)
-    last = max(s.workers[a.address].processing, key=lambda ts: ts.priority)
-    assert adapter.expected_duration(s, last) > 0
-    assert adapter.comm_cost(s, last, s.workers[b.address]) >= 0
-    assert adapter.valid_workers(s, last) is None
-    assert adapter.move_task(s, last, s.workers[a.address], s.workers[b.address])
+    waiting = list(_distributed.waiting_tasks(s, thieves=[b.address])[a.address])
+    assert waiting and all(isinstance(t, _distributed.TaskView) for t in waiting)
+    last = waiting[0]  # lowest priority first
+    assert last.key == max(s.workers[a.address].processing, key=lambda ts: ts.priority).key
+    assert last.duration > 0 and last.group == "slowinc"
+    assert last.comm_cost[b.address] >= 0 and last.allowed_workers is None
+    assert last.input_bytes > 0
+    views = _distributed.worker_views(s)
+    assert views[a.address].processing == 6 and views[b.address].processing == 0
+    assert _distributed.move_task(s, last.key, a.address, b.address)
+    assert not _distributed.move_task(s, last.key, a.address, b.address)  # pending already
     await wait(futs)
     assert b.address in {w.address for w in s.tasks[last.key].who_has}
+    held = _distributed.held_results(s)[b.address]
+    assert last.key in {r.key for r in held}
+
+
+@gen_cluster(client=True, nthreads=[])
+async def test_checks_run_again_when_the_first_worker_joins(c, s):
+    """A scheduler started with --preload has no worker when the plugin starts."""
+    from distributed import Worker
+
+    await c.register_plugin(Rebalancer(policy="off", interval=0))
+    plugin = s.plugins["blockflow-rebalancer"]
+    assert not plugin._worker_checked
+    async with Worker(s.address, nthreads=1):
+        while not s.workers:
+            await asyncio.sleep(0.01)
+        assert plugin._worker_checked
 
 
 def test_speed_model_learns_relative_speed_with_a_prior():

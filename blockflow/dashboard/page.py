@@ -6,6 +6,7 @@ Updates every 500 ms through a periodic callback that holds the component only w
 
 from __future__ import annotations
 
+import html
 import time
 
 from bokeh.layouts import column, row
@@ -20,6 +21,7 @@ from bokeh.models import (
 from bokeh.plotting import figure
 from dask.utils import format_bytes
 
+from blockflow import _distributed
 from blockflow.dashboard.state import dashboard_state
 
 __all__ = ["BlockflowPage", "blockflow_doc"]
@@ -80,7 +82,9 @@ class BlockflowPage:
         state = dashboard_state(self.scheduler, max_decisions=200)
         now = state["time"]
         policy = state["policy"] or "not installed"
-        self.header.text = (f"<h3>blockflow</h3><p>policy: <b>{policy}</b> &middot; "
+        about = html.escape(state.get("policy_description") or "")
+        self.header.text = (f"<h3>blockflow</h3><p>policy: <b>{policy}</b>"
+                            f"{f' ({about})' if about else ''} &middot; "
                             f"{len(state['workers'])} workers &middot; "
                             f"{len(state['decisions'])} recent decisions</p>")
         ws = state["workers"]
@@ -116,14 +120,7 @@ class BlockflowPage:
 
 def blockflow_doc(scheduler, extra, doc):
     """Bokeh document function of the ``/blockflow`` page (``(scheduler, extra, doc)``)."""
-    from distributed.dashboard.components import add_periodic_callback
-    from distributed.dashboard.components.scheduler import BOKEH_THEME, env
-
     page = BlockflowPage(scheduler)
     page.update()
-    add_periodic_callback(doc, page, 500)
-    doc.title = "Dask: blockflow"
-    doc.add_root(page.root)
-    doc.template = env.get_template("simple.html")
-    doc.template_variables.update(extra)
-    doc.theme = BOKEH_THEME
+    _distributed.style_dashboard_doc(doc, page, extra, title="Dask: blockflow",
+                                     interval_ms=500)

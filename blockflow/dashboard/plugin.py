@@ -6,7 +6,7 @@ import logging
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from blockflow import _distributed as adapter
+from blockflow import _distributed
 
 __all__ = ["DashboardPlugin"]
 
@@ -30,6 +30,6 @@ class DashboardPlugin(SchedulerPlugin):
         from blockflow.dashboard.page import blockflow_doc
         from blockflow.dashboard.routes import routes
 
-        if adapter.add_http_routes(scheduler, routes):
-            if not adapter.add_dashboard_page(scheduler, PAGE_PATH, blockflow_doc, "blockflow"):
+        if _distributed.add_http_routes(scheduler, routes):
+            if not _distributed.add_dashboard_page(scheduler, PAGE_PATH, blockflow_doc, "blockflow"):
                 logger.info("blockflow: no Bokeh dashboard on this scheduler; JSON routes only")

@@ -33,8 +33,6 @@ class StatusHandler(_JSONHandler):
 
     def get(self):
         state = dashboard_state(self.server, max_decisions=0)
-        state["n_decisions"] = len(getattr(
-            self.server.plugins.get("blockflow-rebalancer"), "decisions", ()))
         del state["decisions"]
         self._write(state)
 

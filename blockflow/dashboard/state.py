@@ -10,7 +10,7 @@ import math
 import time
 from typing import Any
 
-from blockflow.metrics import read_metrics
+from blockflow import _distributed
 
 __all__ = ["dashboard_state"]
 
@@ -28,6 +28,7 @@ def dashboard_state(scheduler, *, since: float | None = None,
     Parameters
     ----------
     scheduler : distributed.Scheduler
+        Read only through :mod:`blockflow._distributed` and the rebalancer's ``status()``.
     since : float, optional
         Only decisions after this time (seconds since the epoch).
     max_decisions : int, default 500
@@ -42,43 +43,48 @@ def dashboard_state(scheduler, *, since: float | None = None,
         reports no GPU metrics, never 0 - ``nthreads``, ``processing``, ``executing``,
         ``queued`` (processing minus executing), ``speed`` (learned, 1.0 typical),
         ``status``, ``paused_by_blockflow``, ``paused_reason``, ``tasks_run`` (current
-        computation), ``tasks_total``), ``run_started`` and ``decisions`` (oldest first).
+        computation), ``tasks_total``), ``run_started``, ``policy_description``, ``policies`` (the registry's names),
+        ``n_decisions`` (decisions in the log) and ``decisions`` (oldest first).
     """
-    plugin = scheduler.plugins.get(REBALANCER)
-    paused = getattr(plugin, "paused", {}) if plugin else {}
-    run_counts = getattr(plugin, "run_counts", {}) if plugin else {}
-    totals = getattr(plugin, "task_counts", {}) if plugin else {}
+    plugin = _distributed.scheduler_plugin(scheduler, REBALANCER)
+    status = plugin.status() if plugin is not None and plugin.scheduler is not None else {}
+    paused = status.get("paused", {})
+    run_counts = status.get("run_counts", {})
+    totals = status.get("task_counts", {})
+    speeds = status.get("speeds", {})
     workers = []
-    for addr, ws in sorted(scheduler.workers.items()):
-        m = read_metrics(ws.metrics)
-        executing = len(ws.executing)
+    for addr, w in sorted(_distributed.worker_views(scheduler).items()):
+        m = w.metrics
         workers.append({
             "address": addr,
-            "name": str(ws.name),
+            "name": w.name,
             "device": "gpu" if m.has_gpu else "cpu",
             "gpu_utilization": _finite(m.gpu_utilization),
             "gpu_memory_used": _finite(m.gpu_memory_used),
             "gpu_memory_total": _finite(m.gpu_memory_total),
-            "nthreads": ws.nthreads,
-            "processing": len(ws.processing),
-            "executing": executing,
-            "queued": max(len(ws.processing) - executing, 0),
-            "speed": _finite(plugin.speeds.speed(addr)) if plugin else None,
-            "status": ws.status.name,
+            "nthreads": w.nthreads,
+            "processing": w.processing,
+            "executing": w.executing,
+            "queued": max(w.processing - w.executing, 0),
+            "speed": _finite(speeds.get(addr, 1.0)) if plugin else None,
+            "status": w.status,
             "paused_by_blockflow": addr in paused,
             "paused_reason": paused.get(addr),
             "tasks_run": int(run_counts.get(addr, 0)),
             "tasks_total": int(totals.get(addr, 0)),
         })
-    decisions = list(plugin.decisions) if plugin else []
+    decisions = status.get("decisions", [])
     if since is not None:
         decisions = [d for d in decisions if d["time"] > since]
     decisions = [{k: (_finite(v) if isinstance(v, float) else v) for k, v in d.items()}
                  for d in (decisions[-max_decisions:] if max_decisions > 0 else [])]
     return {
         "time": time.time(),
-        "policy": plugin.policy_name if plugin else None,
-        "run_started": getattr(plugin, "run_started", None) if plugin else None,
+        "policy": status.get("policy") if plugin else None,
+        "policy_description": status.get("policy_description"),
+        "policies": status.get("policies", []),
+        "run_started": status.get("run_started"),
+        "n_decisions": len(status.get("decisions", ())),
         "workers": workers,
         "decisions": decisions,
     }

@@ -22,18 +22,14 @@ from typing import Any
 import dask.config
 from dask.utils import key_split, parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
-from tornado.ioloop import PeriodicCallback
 
-from blockflow import config
+from blockflow import _distributed, config
 from blockflow.blockwise import KERNEL_PREFIX
-from blockflow import _distributed as adapter
-from blockflow.metrics import read_metrics
 from blockflow.scheduling.policies import (
+    POLICIES,
+    REGISTRY,
     ClusterSnapshot,
     Decision,
-    MemoryPolicy,
-    WorkerView,
-    device_memory_amm_policy,
     make_policy,
 )
 from blockflow.scheduling.speed import SpeedModel
@@ -42,17 +38,15 @@ __all__ = ["POLICIES", "Rebalancer"]
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("dynamic", "memory", "static-round-robin", "static-capacity", "off")
-
-
 class Rebalancer(SchedulerPlugin):
     """Scheduler plugin that places and moves tasks from GPU metrics and learned speed.
 
     Parameters
     ----------
     policy : str, optional
-        ``"dynamic"``, ``"memory"``, ``"static-round-robin"``, ``"static-capacity"`` or
-        ``"off"``; default ``blockflow.cluster.policy``.
+        A name of :data:`blockflow.scheduling.policies.POLICIES` (``"dynamic"``,
+        ``"memory"``, ``"static-round-robin"``, ``"static-capacity"``, ``"off"``); default
+        ``blockflow.cluster.policy``.
     interval : str or float, optional
         Period of the control loop (``"200ms"`` or seconds); default
         ``blockflow.rebalancer.interval``. 0 disables the loop (call :meth:`run_once`).
@@ -100,6 +94,8 @@ class Rebalancer(SchedulerPlugin):
         self.ticks = 0
         self.moves_requested = 0
         self._stealing = None
+        self._host_pause_fraction: float | None = None
+        self._worker_checked = False
 
     def __getstate__(self):
         return {"policy_name": self.policy_name, "interval": self.interval,
@@ -109,31 +105,26 @@ class Rebalancer(SchedulerPlugin):
         self.__dict__.update(state)
         self._init_state()
 
-    @property
-    def policy_label(self) -> str:
-        return self.policy_name
-
     async def start(self, scheduler) -> None:
+        config.validate()  # settings are checked where they are used, never at import
+        _distributed.check_scheduler(scheduler)
+        self._worker_checked = bool(_distributed.worker_addresses(scheduler))
         self.scheduler = scheduler
-        adapter.check_scheduler(scheduler)
         self.policy = make_policy(self.policy_name)
-        scheduler.handlers["blockflow_status"] = self.status
+        _distributed.add_handler(scheduler, "blockflow_status", self.status)
         if self.policy.replaces_work_stealing:
-            self._stealing = adapter.suspend_work_stealing(scheduler)
-        if isinstance(self.policy, MemoryPolicy):
-            adapter.add_amm_policy(scheduler, device_memory_amm_policy(
-                self.policy.memory_high, self.policy.memory_low, self.log_decision))
+            self._stealing = _distributed.suspend_work_stealing(scheduler)
+        for amm_policy in self.policy.amm_policies():
+            _distributed.add_amm_policy(scheduler, amm_policy)
         # A first tick now, so hot or full workers are paused before the first graph lands.
         self.run_once()
         if self.interval > 0:
-            pc = PeriodicCallback(self.run_once, self.interval * 1000)
-            scheduler.periodic_callbacks[self.name] = pc
-            pc.start()
+            _distributed.add_periodic_callback(scheduler, self.name, self.run_once,
+                                               self.interval)
 
     async def close(self) -> None:
-        pc = self.scheduler.periodic_callbacks.pop(self.name, None) if self.scheduler else None
-        if pc is not None:
-            pc.stop()
+        if self.scheduler is not None:
+            _distributed.remove_periodic_callback(self.scheduler, self.name)
         if self._stealing is not None:
             self._stealing.restore()
 
@@ -161,17 +152,22 @@ class Rebalancer(SchedulerPlugin):
                 self.speeds.observe(worker, group, compute)
 
     def update_graph(self, scheduler, *, keys=None, tasks=None, **kwargs) -> None:
-        if not any(ws.processing for ws in scheduler.workers.values()):
+        if not _distributed.cluster_busy(scheduler):
             # a new computation on an idle cluster: restart the per-run counts
             self.run_counts.clear()
             self.run_started = time.time()
         if self.policy is None or not tasks:
             return
-        decisions = self.policy.assign(scheduler, list(tasks), self._views())
-        for d in decisions:
-            self._log(d)
+        snap = ClusterSnapshot(time=time.time(), workers=self._views(), event="graph",
+                               new_tasks=_distributed.new_task_views(scheduler, list(tasks)))
+        for d in self.policy.run(snap):
+            self._apply(d, snap)
 
     def add_worker(self, scheduler, worker) -> None:
+        if not self._worker_checked and self.scheduler is not None:
+            # a scheduler started with --preload has no worker when the plugin starts
+            self._worker_checked = True
+            _distributed.check_scheduler(scheduler)
         self.log_decision("join", worker, "worker joined the cluster", {})
 
     def remove_worker(self, scheduler, worker, *, stimulus_id=None, **kwargs) -> None:
@@ -183,37 +179,20 @@ class Rebalancer(SchedulerPlugin):
 
     # --- control loop -----------------------------------------------------------------
 
-    def _views(self) -> dict[str, WorkerView]:
-        s = self.scheduler
-        stealing = s.extensions.get("stealing")
-        in_flight = getattr(stealing, "in_flight_occupancy", {}) if stealing else {}
-        pause_fraction = dask.config.get("distributed.worker.memory.pause")
-        views = {}
-        for addr, ws in s.workers.items():
-            limit = ws.memory_limit or 0
-            m = read_metrics(ws.metrics)
-            views[addr] = WorkerView(
-                address=addr,
-                nthreads=ws.nthreads,
-                status=ws.status.name,
-                paused_by_blockflow=addr in self.paused,
-                metrics=m,
-                speed=self.speeds.speed(addr),
-                processing=len(ws.processing),
-                executing=len(ws.executing),
-                occupancy=max(ws.occupancy + in_flight.get(ws, 0.0), 0.0),
-                host_memory_fraction=(m.host_memory / limit)
-                if m.host_memory is not None and limit else None,
-                ws=ws,
-            )
-        self._host_pause_fraction = pause_fraction
-        return views
+    def _views(self):
+        return _distributed.worker_views(self.scheduler, speed=self.speeds.speed,
+                                         paused=self.paused)
 
     def take_snapshot(self) -> ClusterSnapshot:
-        """The rebalancer's view of the cluster now (speeds updated first)."""
+        """The rebalancer's view of the cluster now (speeds updated first); plain data."""
         self.speeds.update()
-        return ClusterSnapshot(time=time.time(), workers=self._views(),
-                               queued=len(self.scheduler.queued), scheduler=self.scheduler)
+        self._host_pause_fraction = dask.config.get("distributed.worker.memory.pause")
+        views = self._views()
+        thieves = [a for a, w in views.items() if w.status == "running"]
+        return ClusterSnapshot(time=time.time(), workers=views,
+                               queued=_distributed.queued_count(self.scheduler),
+                               waiting=_distributed.waiting_tasks(self.scheduler,
+                                                                  thieves=thieves))
 
     def run_once(self) -> list[Decision]:
         """One tick of the control loop; returns the decisions applied (for tests).
@@ -225,9 +204,8 @@ class Rebalancer(SchedulerPlugin):
         self.ticks += 1
         snap = self.take_snapshot()
         self._reapply_pauses(snap)
-        decisions = self.policy.decide(snap)
         applied = []
-        for d in decisions:
+        for d in self.policy.run(snap):
             if self._apply(d, snap):
                 applied.append(d)
         for a, w in snap.workers.items():
@@ -249,8 +227,8 @@ class Rebalancer(SchedulerPlugin):
             if w is None:
                 self.paused.pop(addr)
             elif w.status == "running":
-                adapter.set_worker_status(self.scheduler, w.ws, True,
-                                          f"blockflow-repause-{time.time()}")
+                _distributed.set_worker_status(self.scheduler, addr, True,
+                                               f"blockflow-repause-{time.time()}")
                 w.status = "paused"
 
     def _apply(self, d: Decision, snap: ClusterSnapshot) -> bool:
@@ -259,7 +237,7 @@ class Rebalancer(SchedulerPlugin):
             return False
         stimulus = f"blockflow-{d.action}-{time.time()}"
         if d.action == "pause":
-            adapter.set_worker_status(self.scheduler, w.ws, True, stimulus)
+            _distributed.set_worker_status(self.scheduler, d.worker, True, stimulus)
             self.paused[d.worker] = d.reason
         elif d.action == "resume":
             self.paused.pop(d.worker, None)
@@ -270,12 +248,17 @@ class Rebalancer(SchedulerPlugin):
                 d = Decision("handover", d.worker, f"{d.reason}; stays paused: host memory "
                              f"{hm:.0%} is over the worker's own pause threshold", d.seen)
             else:
-                adapter.set_worker_status(self.scheduler, w.ws, False, stimulus)
+                _distributed.set_worker_status(self.scheduler, d.worker, False, stimulus)
         elif d.action == "move":
-            thief = snap.workers.get(d.target)
-            if thief is None or not adapter.move_task(self.scheduler, d.ts, w.ws, thief.ws):
+            if d.target not in snap.workers or not _distributed.move_task(
+                    self.scheduler, d.key, d.worker, d.target):
                 return False
             self.moves_requested += 1
+        elif d.action == "assign":
+            pinned = sum(_distributed.restrict_task(self.scheduler, k, d.worker)
+                         for k in d.keys)
+            if not pinned:
+                return False
         elif d.action == "keep":
             last = self.decisions[-1] if self.decisions else None
             if last and last["action"] == "keep" and last["worker"] == d.worker:
@@ -284,7 +267,8 @@ class Rebalancer(SchedulerPlugin):
         return True
 
     def _log(self, d: Decision) -> None:
-        self.log_decision(d.action, d.worker, d.reason, d.seen, key=d.key, target=d.target)
+        key = None if d.key is None else str(d.key)
+        self.log_decision(d.action, d.worker, d.reason, d.seen, key=key, target=d.target)
 
     def log_decision(self, action: str, worker: str, reason: str, seen: dict,
                      key: str | None = None, target: str | None = None) -> None:
@@ -323,11 +307,19 @@ class Rebalancer(SchedulerPlugin):
             "kernel_counts": dict(self.kernel_counts),
             "run_counts": dict(self.run_counts),
             "run_started": self.run_started,
-            "speeds": {a: self.speeds.speed(a) for a in self.scheduler.workers}
+            "speeds": {a: self.speeds.speed(a)
+                       for a in _distributed.worker_addresses(self.scheduler)}
             if self.scheduler else {},
+            "policies": list(POLICIES),
+            "policy_description": _summary(REGISTRY[self.policy_name]),
             "paused": dict(self.paused),
             "workers": self.snapshot_workers,
             "memory_peak": dict(self.memory_peak),
             "decisions": decisions,
             **extra,
         }
+
+
+def _summary(cls) -> str:
+    """First line of a policy's docstring (shown on the dashboard)."""
+    return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else cls.name

@@ -1,17 +1,23 @@
-"""Scheduling policies: small classes that read a snapshot of the cluster and return decisions.
+"""Scheduling policies: small classes that read a plain-data snapshot and yield decisions.
 
-Modelled on distributed's Active Memory Manager policies: a policy never changes the
-scheduler itself; :class:`~blockflow.scheduling.plugin.Rebalancer` applies what it returns
-(through :mod:`blockflow._distributed`) and logs every decision with its reason and
-the metrics it saw.
+Modelled on distributed's Active Memory Manager: every policy derives from
+:class:`RebalancePolicy` and has one entry point, :meth:`RebalancePolicy.run`, which takes a
+:class:`ClusterSnapshot` (plain data: worker views, waiting tasks, the tasks of a graph that
+just arrived) and yields :class:`Decision` objects. A policy never touches a scheduler object;
+:class:`~blockflow.scheduling.plugin.Rebalancer` applies the decisions (through
+:mod:`blockflow._distributed`) and logs each one with its reason and the metrics it saw.
+:data:`POLICIES` is the one registry of policy names: the plugin, the ``cluster.policy``
+setting's allowed values, the CLI's ``--policy`` choices and the dashboard read it.
 
 ``dynamic``
     Keeps new work off hot or nearly-full GPUs (scheduler-side pause with hysteresis) and
     moves queued, not-yet-started tasks from the workers that will finish last to those that
     will be free soonest, when the gain beats the cost of moving the inputs.
 ``memory``
-    An Active Memory Manager policy moving stored results off workers above the
-    device-memory high-water mark.
+    :class:`DeviceMemoryAMMPolicy` in distributed's Active Memory Manager: moves stored
+    results off workers above the device-memory high-water mark. It can also be named on its
+    own in ``distributed.scheduler.active-memory-manager.policies`` as
+    ``blockflow.scheduling.policies.DeviceMemoryAMMPolicy``.
 ``static-round-robin`` / ``static-capacity``
     Assign every blockflow block to a worker when the graph arrives: in turn, or in
     proportion to each worker's capacity (smooth weighted round robin).
@@ -21,142 +27,119 @@ the metrics it saw.
 
 from __future__ import annotations
 
+import abc
 import math
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, ClassVar
 
 from dask.utils import parse_timedelta
 
 from blockflow import config
-from blockflow import _distributed as adapter
-from blockflow.metrics import CAPACITY_METRIC, WorkerMetrics, clean_number
+from blockflow._distributed import (
+    AMMPolicy,
+    HeldResult,
+    MemorySuggestion,
+    TaskView,
+    WorkerView,
+)
+from blockflow.blockwise import KERNEL_PREFIX
 
 __all__ = [
+    "POLICIES",
     "ClusterSnapshot",
     "Decision",
+    "DeviceMemoryAMMPolicy",
     "DynamicPolicy",
     "MemoryPolicy",
     "ObservePolicy",
     "RebalancePolicy",
     "StaticCapacityPolicy",
     "StaticRoundRobinPolicy",
+    "TaskView",
     "WorkerView",
     "make_policy",
 ]
 
 
 @dataclass
-class WorkerView:
-    """What the rebalancer knows about one worker at one tick.
+class ClusterSnapshot:
+    """What a policy sees: plain data, no scheduler objects.
 
     Attributes
     ----------
-    address : str
-    nthreads : int
-    status : str
-        Scheduler-side status name (``"running"``, ``"paused"``, ...).
-    paused_by_blockflow : bool
-        Paused by this plugin (it only ever resumes those).
-    metrics : WorkerMetrics
-        GPU utilisation (percent), device memory (bytes); None when unknown.
-    speed : float
-        Learned relative speed (1.0 = typical worker).
-    processing : int
-        Tasks assigned to the worker (running or waiting there).
-    executing : int
-        Tasks the worker reported running at its last heartbeat.
-    occupancy : float
-        Seconds of assigned work at the typical worker's speed (distributed's estimate,
-        including moves in flight).
-    host_memory_fraction : float or None
-        Process memory / memory limit, 0-1.
+    time : float
+        Seconds since the epoch.
+    workers : dict of str to WorkerView
+    queued : int
+        Root tasks the scheduler holds back (not yet on a worker).
+    event : {"tick", "graph"}
+        ``"tick"``: a control-loop tick; ``"graph"``: a graph just arrived (``new_tasks``).
+    waiting : mapping of str to iterable of TaskView
+        Per worker, its tasks that have not started, lowest priority (last to run) first.
+    new_tasks : list of TaskView
+        On ``"graph"`` events, the tasks of the new graph.
     """
-
-    address: str
-    nthreads: int
-    status: str
-    paused_by_blockflow: bool
-    metrics: WorkerMetrics
-    speed: float
-    processing: int
-    executing: int
-    occupancy: float
-    host_memory_fraction: float | None = None
-    ws: Any = field(default=None, repr=False, compare=False)
-
-    @property
-    def projected_finish(self) -> float:
-        """Seconds until the worker finishes its assigned work at its learned speed."""
-        return self.occupancy / (max(self.speed, 1e-6) * max(self.nthreads, 1))
-
-    @property
-    def others_utilization(self) -> float | None:
-        """GPU utilisation (percent) taken by work other than this worker's own tasks.
-
-        Utilisation minus the worker's own share: measured when the worker reports
-        ``blockflow-gpu-own-utilization``; else, while it runs tasks, the share of its threads
-        executing (a lower bound of others' load); exact when it is idle. None when
-        utilisation is unknown.
-        """
-        util = self.metrics.gpu_utilization
-        if util is None:
-            return None
-        own = self.metrics.own_utilization
-        if own is None:
-            busy = min(max(self.executing, 1 if self.processing else 0), self.nthreads)
-            own = 100.0 * busy / max(self.nthreads, 1)
-        return max(util - own, 0.0)
-
-    def seen(self) -> dict[str, Any]:
-        """The metrics a decision about this worker was based on (for the decision log)."""
-        m = self.metrics
-        return {
-            "gpu_utilization": m.gpu_utilization,
-            "gpu_memory_fraction": m.gpu_memory_fraction,
-            "speed": round(self.speed, 4),
-            "processing": self.processing,
-            "projected_finish": round(self.projected_finish, 4),
-        }
-
-
-@dataclass
-class ClusterSnapshot:
-    """A tick's view of the cluster: workers and the scheduler's queue."""
 
     time: float
     workers: dict[str, WorkerView]
-    queued: int
-    scheduler: Any = field(default=None, repr=False)
+    queued: int = 0
+    event: str = "tick"
+    waiting: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    new_tasks: list[TaskView] = field(default_factory=list, repr=False)
 
 
 @dataclass
 class Decision:
-    """One action of a policy. ``ts`` is the TaskState for moves (not logged)."""
+    """One action of a policy.
 
-    action: str  # "pause", "resume", "move", "memory-move", "assign", "keep"
+    Attributes
+    ----------
+    action : str
+        ``"pause"``, ``"resume"``, ``"move"``, ``"assign"``, ``"keep"`` (a logged
+        non-decision), ``"memory-move"`` (logged by the AMM policy).
+    worker : str
+        The worker acted on (for moves: the one the task leaves).
+    reason : str
+    seen : dict
+        The metrics the decision was based on (logged as ``seen_<name>``).
+    target : str, optional
+        For moves: the receiving worker.
+    key : optional
+        For moves: the task's key.
+    keys : tuple
+        For ``"assign"``: the keys pinned to ``worker``.
+    """
+
+    action: str
     worker: str
     reason: str
     seen: dict[str, Any] = field(default_factory=dict)
     target: str | None = None
-    key: str | None = None
-    ts: Any = field(default=None, repr=False)
+    key: Any = None
+    keys: tuple = ()
 
 
-class RebalancePolicy:
-    """Interface of a scheduling policy.
+class RebalancePolicy(abc.ABC):
+    """Interface of a scheduling policy (in the manner of distributed's AMM policies).
 
-    ``decide`` runs every control-loop tick; ``assign`` runs when a graph arrives
-    (``SchedulerPlugin.update_graph``), before its tasks are placed.
+    Subclasses set :attr:`name` and implement :meth:`run`. The plugin calls ``run`` on every
+    control-loop tick (``snapshot.event == "tick"``) and when a graph arrives
+    (``"graph"``, before its tasks are placed) and applies what it yields.
     """
 
-    name = "base"
+    #: Registry name (``blockflow.cluster.policy``).
+    name: ClassVar[str] = ""
     #: Whether distributed's own (speed-blind) balancing loop should be suspended.
-    replaces_work_stealing = False
+    replaces_work_stealing: ClassVar[bool] = False
 
-    def decide(self, snapshot: ClusterSnapshot) -> list[Decision]:
-        return []
+    @abc.abstractmethod
+    def run(self, snapshot: ClusterSnapshot) -> Iterator[Decision]:
+        """Yield the decisions for this snapshot."""
 
-    def assign(self, scheduler, keys: list, workers: dict[str, WorkerView]) -> list[Decision]:
+    def amm_policies(self) -> list[AMMPolicy]:
+        """Active Memory Manager policies to install beside this policy (default none)."""
         return []
 
 
@@ -164,6 +147,13 @@ class ObservePolicy(RebalancePolicy):
     """``off``: record metrics and decisions of others, change nothing."""
 
     name = "off"
+
+    def run(self, snapshot: ClusterSnapshot) -> Iterator[Decision]:
+        return iter(())
+
+
+def _fmt(seconds: float) -> str:
+    return "never (paused)" if math.isinf(seconds) else f"{seconds:.3f}s"
 
 
 class DynamicPolicy(RebalancePolicy):
@@ -173,12 +163,18 @@ class DynamicPolicy(RebalancePolicy):
     ----------
     memory_high, memory_low : float, optional
         Device-memory fractions (0-1) at which a worker is paused / resumed (hysteresis).
+        Default ``blockflow.rebalancer.memory-high`` / ``memory-low``.
     hot_high, hot_low : float, optional
         GPU utilisation (percent) by *other* work at which a worker is paused / resumed.
     move_budget : int, optional
         Most tasks moved per tick.
     min_gain : str or float, optional
         Smallest gain in projected finish time (seconds) worth a move.
+
+    Raises
+    ------
+    ValueError
+        If a resume threshold is not below its pause threshold.
 
     Notes
     -----
@@ -195,6 +191,8 @@ class DynamicPolicy(RebalancePolicy):
 
     name = "dynamic"
     replaces_work_stealing = True
+    #: Tasks remembered as moved (oldest forgotten first).
+    moved_memory = 10_000
 
     def __init__(self, memory_high=None, memory_low=None, hot_high=None, hot_low=None,
                  move_budget=None, min_gain=None):
@@ -204,8 +202,8 @@ class DynamicPolicy(RebalancePolicy):
         self.hot_low = float(config.get("rebalancer.hot-low", hot_low))
         self.move_budget = int(config.get("rebalancer.move-budget", move_budget))
         self.min_gain = parse_timedelta(config.get("rebalancer.move-min-gain", min_gain))
-        # key -> workers the task was moved off; pruned of forgotten tasks as it grows
-        self._moved_off: dict[Any, set[str]] = {}
+        # key -> workers the task was moved off (bounded, oldest first out)
+        self._moved_off: OrderedDict[Any, set[str]] = OrderedDict()
         for low, high, lv, hv in (("memory_low", "memory_high", self.memory_low,
                                    self.memory_high),
                                   ("hot_low", "hot_high", self.hot_low, self.hot_high)):
@@ -216,6 +214,14 @@ class DynamicPolicy(RebalancePolicy):
                     f"{low} or raise {high} (settings blockflow.rebalancer."
                     f"{low.replace('_', '-')} / {high.replace('_', '-')})."
                 )
+
+    def run(self, snapshot: ClusterSnapshot) -> Iterator[Decision]:
+        if snapshot.event != "tick":
+            return
+        pauses = self.pauses(snapshot)
+        yield from pauses
+        paused_now = {d.worker for d in pauses if d.action == "pause"}
+        yield from self.moves(snapshot, paused_now)
 
     # --- pause / resume --------------------------------------------------------------
 
@@ -235,6 +241,7 @@ class DynamicPolicy(RebalancePolicy):
             others is not None and others > self.hot_low)
 
     def pauses(self, snap: ClusterSnapshot) -> list[Decision]:
+        """Pause and resume decisions (hysteresis; never the last usable worker)."""
         out = []
         usable = sum(w.status == "running" for w in snap.workers.values())
         for w in snap.workers.values():
@@ -264,11 +271,11 @@ class DynamicPolicy(RebalancePolicy):
     # --- moves -----------------------------------------------------------------------
 
     def moves(self, snap: ClusterSnapshot, paused_now: set[str]) -> list[Decision]:
-        sched = snap.scheduler
+        """Moves of waiting tasks, latest projected finish first (see the class notes)."""
         views = snap.workers
         thieves = [w for w in views.values()
                    if w.status == "running" and w.address not in paused_now]
-        if not thieves or sched is None:
+        if not thieves:
             return []
         blocked = {a for a, w in views.items() if w.status != "running" or a in paused_now}
         finish = {a: (math.inf if a in blocked else w.projected_finish)
@@ -278,7 +285,7 @@ class DynamicPolicy(RebalancePolicy):
             victims = [views[a] for a in blocked]  # the rest pull from the queue anyway
         else:
             victims = list(views.values())
-        candidates: dict[str, Iterator] = {}
+        candidates: dict[str, Iterator[TaskView]] = {}
         out: list[Decision] = []
         exhausted: set[str] = set()
         while len(out) < self.move_budget:
@@ -289,19 +296,19 @@ class DynamicPolicy(RebalancePolicy):
             v = max(live, key=lambda w: finish[w.address])
             it = candidates.get(v.address)
             if it is None:
-                it = candidates[v.address] = _waiting_tasks(v, sched)
-            ts = next(it, None)
-            if ts is None:
+                it = candidates[v.address] = iter(snap.waiting.get(v.address, ()))
+            task = next(it, None)
+            if task is None:
                 exhausted.add(v.address)
                 continue
-            d = adapter.expected_duration(sched, ts)
-            valid = adapter.valid_workers(sched, ts)
-            left = () if v.address in blocked else self._moved_off.get(ts.key, ())
+            d = task.duration
+            left = () if v.address in blocked else self._moved_off.get(task.key, ())
             best, best_finish = None, math.inf
             for t in thieves:
-                if t is v or (valid is not None and t.ws not in valid) or t.address in left:
+                if t is v or t.address in left or (
+                        task.allowed_workers is not None and t.address not in task.allowed_workers):
                     continue
-                f = finish[t.address] + d / rate[t.address] + adapter.comm_cost(sched, ts, t.ws)
+                f = finish[t.address] + d / rate[t.address] + task.comm_cost.get(t.address, 0.0)
                 if f < best_finish:
                     best, best_finish = t, f
             stay = finish[v.address]
@@ -312,40 +319,83 @@ class DynamicPolicy(RebalancePolicy):
                 exhausted.add(v.address)  # later tasks on this worker gain even less
                 continue
             seen = v.seen()
-            seen["input_bytes"] = sum(dts.nbytes for dts in ts.dependencies if dts.nbytes > 0)
+            seen["input_bytes"] = task.input_bytes
             out.append(Decision(
                 "move", v.address,
                 f"projected finish {_fmt(stay)} here vs {_fmt(best_finish)} on target",
-                seen, target=best.address, key=str(ts.key), ts=ts))
-            self._moved_off.setdefault(ts.key, set()).add(v.address)
+                seen, target=best.address, key=task.key))
+            self._moved_off.setdefault(task.key, set()).add(v.address)
+            self._moved_off.move_to_end(task.key)
+            while len(self._moved_off) > self.moved_memory:
+                self._moved_off.popitem(last=False)
             if not math.isinf(finish[v.address]):
                 finish[v.address] -= d / rate[v.address]
             finish[best.address] = best_finish
-        if len(self._moved_off) > 10_000:
-            self._moved_off = {k: w for k, w in self._moved_off.items() if k in sched.tasks}
         return out
 
-    def decide(self, snapshot: ClusterSnapshot) -> list[Decision]:
-        pauses = self.pauses(snapshot)
-        paused_now = {d.worker for d in pauses if d.action == "pause"}
-        return pauses + self.moves(snapshot, paused_now)
 
+class DeviceMemoryAMMPolicy(AMMPolicy):
+    """Active Memory Manager policy: move stored results off workers above the device-memory
+    high-water mark.
 
-def _fmt(seconds: float) -> str:
-    return "never (paused)" if math.isinf(seconds) else f"{seconds:.3f}s"
+    Each AMM cycle, results on a full worker that already have a copy on a roomy worker are
+    dropped from it; the others are replicated to workers below the low-water mark, to be
+    dropped in the next cycle. Largest results first. A blockflow heuristic on distributed's
+    AMM (``distributed.active_memory_manager``).
 
+    Parameters
+    ----------
+    memory_high, memory_low : float, optional
+        Device-memory fractions 0-1: act on workers at or above ``memory_high`` until they are
+        projected below ``memory_low``. Default ``blockflow.rebalancer.memory-high`` /
+        ``memory-low``.
 
-def _waiting_tasks(v: WorkerView, scheduler) -> Iterator:
-    """Tasks on ``v`` that have not started, lowest priority (last to run) first."""
-    ws = v.ws
-    executing = ws.executing
-    ordered = sorted(ws.processing, key=lambda ts: ts.priority or ())
-    for ts in reversed(ordered[v.nthreads:]):
-        if ts in executing or ts.actor or adapter.is_move_in_flight(scheduler, ts):
-            continue
-        if ts.processing_on is not ws:
-            continue
-        yield ts
+    Notes
+    -----
+    Installed by the ``memory`` policy, or on its own through distributed's configuration::
+
+        distributed:
+          scheduler:
+            active-memory-manager:
+              policies:
+              - class: blockflow.scheduling.policies.DeviceMemoryAMMPolicy
+    """
+
+    def __init__(self, memory_high: float | None = None, memory_low: float | None = None):
+        self.memory_high = float(config.get("rebalancer.memory-high", memory_high))
+        self.memory_low = float(config.get("rebalancer.memory-low", memory_low))
+
+    def __repr__(self) -> str:
+        return f"DeviceMemoryAMMPolicy(memory_high={self.memory_high}, " \
+               f"memory_low={self.memory_low})"
+
+    def plan(self, workers: dict[str, WorkerView], held: Mapping[str, list[HeldResult]]):
+        roomy = {a for a, w in workers.items() if w.status == "running"
+                 and w.metrics.gpu_memory_fraction is not None
+                 and w.metrics.gpu_memory_fraction < self.memory_low}
+        for addr, w in workers.items():
+            m = w.metrics
+            frac = m.gpu_memory_fraction
+            if frac is None or frac < self.memory_high or not roomy - {addr}:
+                continue
+            to_free = m.gpu_memory_used - self.memory_low * m.gpu_memory_total
+            seen = {"gpu_memory_fraction": frac}
+            for r in held.get(addr, ()):
+                if to_free <= 0:
+                    break
+                if any(other in roomy for other in r.holders if other != addr):
+                    chosen = yield MemorySuggestion("drop", r.key, frozenset({addr}))
+                    if chosen is not None:
+                        to_free -= r.nbytes
+                        self.log("memory-move", addr, f"drop {r.nbytes} B result now held "
+                                 f"elsewhere (device memory {frac:.0%})", seen, key=str(r.key))
+                else:
+                    chosen = yield MemorySuggestion("replicate", r.key, frozenset(roomy - {addr}))
+                    if chosen is not None:
+                        to_free -= r.nbytes
+                        self.log("memory-move", addr, f"copy {r.nbytes} B result off (device "
+                                 f"memory {frac:.0%} >= {self.memory_high:.0%})", seen,
+                                 key=str(r.key), target=chosen)
 
 
 class MemoryPolicy(RebalancePolicy):
@@ -354,6 +404,11 @@ class MemoryPolicy(RebalancePolicy):
     Installs :class:`DeviceMemoryAMMPolicy` into distributed's Active Memory Manager, which
     replicates results to the workers with most free device memory and then drops them from
     the full worker (two AMM cycles). Tick decisions: none.
+
+    Parameters
+    ----------
+    memory_high, memory_low : float, optional
+        See :class:`DeviceMemoryAMMPolicy`.
     """
 
     name = "memory"
@@ -361,6 +416,12 @@ class MemoryPolicy(RebalancePolicy):
     def __init__(self, memory_high=None, memory_low=None):
         self.memory_high = float(config.get("rebalancer.memory-high", memory_high))
         self.memory_low = float(config.get("rebalancer.memory-low", memory_low))
+
+    def run(self, snapshot: ClusterSnapshot) -> Iterator[Decision]:
+        return iter(())
+
+    def amm_policies(self) -> list[AMMPolicy]:
+        return [DeviceMemoryAMMPolicy(self.memory_high, self.memory_low)]
 
 
 class _SmoothWeightedRoundRobin:
@@ -379,72 +440,67 @@ class _SmoothWeightedRoundRobin:
         return best
 
 
+def _sort_key(key):
+    return (key[0], *key[1:]) if isinstance(key, tuple) else (str(key),)
+
+
 class StaticRoundRobinPolicy(RebalancePolicy):
-    """``static-round-robin``: blockflow blocks go to workers in turn, fixed up front."""
+    """``static-round-robin``: blockflow blocks go to workers in turn, fixed up front.
+
+    When a graph arrives, each blockflow kernel task that is not yet assigned and carries no
+    user restriction is pinned to one running worker (strict restriction), in key order.
+    Smooth weighted round robin (as in nginx) with equal weights.
+    """
 
     name = "static-round-robin"
 
     def weight(self, w: WorkerView) -> float:
+        """Relative share of blocks for ``w`` (1 for every worker here)."""
         return 1.0
 
-    def assign(self, scheduler, keys, workers):
-        from dask.utils import key_split
-
-        from blockflow.blockwise import KERNEL_PREFIX
-
-        running = {a: w for a, w in sorted(workers.items()) if w.status == "running"}
-        if not running:
-            return []
-        tasks = []
-        for key in keys:
-            ts = scheduler.tasks.get(key)
-            if (ts is None or ts.state not in ("released", "waiting", "no-worker")
-                    or ts.worker_restrictions or ts.host_restrictions
-                    or ts.resource_restrictions or not ts.run_spec
-                    or not key_split(key).startswith(KERNEL_PREFIX)):
-                continue
-            tasks.append(ts)
-        if not tasks:
-            return []
+    def run(self, snapshot: ClusterSnapshot) -> Iterator[Decision]:
+        if snapshot.event != "graph":
+            return
+        running = {a: w for a, w in sorted(snapshot.workers.items()) if w.status == "running"}
+        tasks = [t for t in snapshot.new_tasks
+                 if t.state in ("released", "waiting", "no-worker") and not t.restricted
+                 and t.runnable and t.group.startswith(KERNEL_PREFIX)]
+        if not running or not tasks:
+            return
         rr = _SmoothWeightedRoundRobin({a: self.weight(w) for a, w in running.items()})
-        counts: dict[str, int] = {}
-        for ts in sorted(tasks, key=lambda t: _sort_key(t.key)):
-            addr = next(rr)
-            ts.worker_restrictions = {addr}
-            ts.loose_restrictions = False
-            counts[addr] = counts.get(addr, 0) + 1
+        assigned: dict[str, list] = {}
+        for t in sorted(tasks, key=lambda t: _sort_key(t.key)):
+            assigned.setdefault(next(rr), []).append(t.key)
         weights = {a: round(self.weight(w), 3) for a, w in running.items()}
-        return [Decision("assign", a, f"{n} blocks assigned up front ({self.name}, weights "
-                                      f"{weights})", {"weight": weights[a]})
-                for a, n in counts.items()]
-
-
-def _sort_key(key):
-    return (key[0], *key[1:]) if isinstance(key, tuple) else (str(key),)
+        for a, keys in assigned.items():
+            yield Decision("assign", a, f"{len(keys)} blocks assigned up front ({self.name}, "
+                                        f"weights {weights})", {"weight": weights[a]},
+                           keys=tuple(keys))
 
 
 class StaticCapacityPolicy(StaticRoundRobinPolicy):
     """``static-capacity``: blocks assigned up front in proportion to worker capacity.
 
-    Capacity is the ``blockflow-capacity`` worker metric when a worker reports one
-    (simulated devices report their nominal speed), else the worker's thread count.
+    Capacity is the ``blockflow-capacity`` worker metric when a worker reports one (GPU
+    workers report SM cores x clock; simulated devices their nominal speed), else the
+    worker's thread count.
     """
 
     name = "static-capacity"
 
     def weight(self, w: WorkerView) -> float:
-        metrics = getattr(w.ws, "metrics", None)
-        cap = clean_number(metrics.get(CAPACITY_METRIC)) if isinstance(metrics, dict) else None
-        return float(cap) if cap else float(max(w.nthreads, 1))
+        return float(w.capacity) if w.capacity else float(max(w.nthreads, 1))
 
 
-_POLICIES = {
-    "dynamic": DynamicPolicy,
-    "memory": MemoryPolicy,
-    "static-round-robin": StaticRoundRobinPolicy,
-    "static-capacity": StaticCapacityPolicy,
-    "off": ObservePolicy,
+#: The one registry of policies: name -> class.
+REGISTRY: dict[str, type[RebalancePolicy]] = {
+    cls.name: cls for cls in (DynamicPolicy, MemoryPolicy, StaticRoundRobinPolicy,
+                              StaticCapacityPolicy, ObservePolicy)
 }
+#: Policy names, in the order the CLI and docs list them.
+POLICIES: tuple[str, ...] = tuple(REGISTRY)
+
+getattr(config, "set_choices", lambda *a: None)("cluster.policy", POLICIES)  # TODO direct
 
 
 def make_policy(name: str) -> RebalancePolicy:
@@ -456,64 +512,9 @@ def make_policy(name: str) -> RebalancePolicy:
         If ``name`` is unknown; the message lists the known names.
     """
     try:
-        return _POLICIES[name]()
-    except KeyError:
+        cls = REGISTRY[name]
+    except (KeyError, TypeError):
         raise ValueError(
-            f"Unknown blockflow policy {name!r}; choose one of {', '.join(_POLICIES)}."
+            f"Unknown blockflow policy {name!r}; choose one of {', '.join(POLICIES)}."
         ) from None
-
-
-def device_memory_amm_policy(memory_high: float, memory_low: float, log):
-    """Build the Active Memory Manager policy used by ``memory`` (imported lazily).
-
-    Parameters
-    ----------
-    memory_high, memory_low : float
-        Device-memory fractions 0-1: act on workers at or above ``memory_high`` until they are
-        projected below ``memory_low``.
-    log : callable
-        ``log(action, worker, reason, seen, key=None, target=None)`` for the decision log.
-    """
-    from distributed.active_memory_manager import ActiveMemoryManagerPolicy, Suggestion
-
-    from blockflow.metrics import read_metrics
-
-    class DeviceMemoryAMMPolicy(ActiveMemoryManagerPolicy):
-        """Move stored results off workers above the device-memory high-water mark.
-
-        Each AMM cycle: results on a full worker that already have a copy elsewhere are
-        dropped from it; the others are replicated to workers below the low-water mark, to be
-        dropped in the next cycle. Largest results first.
-        """
-
-        def run(self):
-            workers = list(self.manager.scheduler.workers.values())
-            views = {ws: read_metrics(ws.metrics) for ws in workers}
-            roomy = {ws for ws, m in views.items() if ws.status.name == "running"
-                     and m.gpu_memory_fraction is not None
-                     and m.gpu_memory_fraction < memory_low}
-            for ws, m in views.items():
-                frac = m.gpu_memory_fraction
-                if frac is None or frac < memory_high or not roomy:
-                    continue
-                to_free = m.gpu_memory_used - memory_low * m.gpu_memory_total
-                seen = {"gpu_memory_fraction": frac}
-                for ts in sorted(ws.has_what, key=lambda t: t.nbytes, reverse=True):
-                    if to_free <= 0:
-                        break
-                    if any(other in roomy for other in ts.who_has if other is not ws):
-                        choice = yield Suggestion("drop", ts, {ws})
-                        if choice is not None:
-                            to_free -= ts.nbytes
-                            log("memory-move", ws.address, f"drop {ts.nbytes} B result now "
-                                f"held elsewhere (device memory {frac:.0%})", seen,
-                                key=str(ts.key))
-                    else:
-                        choice = yield Suggestion("replicate", ts, roomy - {ws})
-                        if choice is not None:
-                            to_free -= ts.nbytes
-                            log("memory-move", ws.address, f"copy {ts.nbytes} B result off "
-                                f"(device memory {frac:.0%} >= {memory_high:.0%})", seen,
-                                key=str(ts.key), target=choice.address)
-
-    return DeviceMemoryAMMPolicy()
+    return cls()

@@ -16,13 +16,12 @@ from blockflow.scheduling.plugin import POLICIES, Rebalancer
 @click.option("--blockflow-policy", type=click.Choice(POLICIES), default=None,
               help="Scheduling policy (default: blockflow.cluster.policy).")
 async def dask_setup(scheduler, blockflow_policy=None):
-    from distributed.protocol.pickle import dumps
-
+    from blockflow import _distributed
     from blockflow.dashboard.plugin import DashboardPlugin
     from blockflow.devices import DeviceMetrics
 
-    scheduler.add_plugin(Rebalancer(policy=blockflow_policy))
-    scheduler.add_plugin(DashboardPlugin())
+    _distributed.add_scheduler_plugin(scheduler, Rebalancer(policy=blockflow_policy))
+    _distributed.add_scheduler_plugin(scheduler, DashboardPlugin())
     # workers that join later get blockflow's device metrics (nothing on CPU workers)
-    await scheduler.register_worker_plugin(None, dumps(DeviceMetrics()), DeviceMetrics.name,
-                                           idempotent=True)
+    await _distributed.register_worker_plugin_on_scheduler(
+        scheduler, DeviceMetrics(), DeviceMetrics.name, idempotent=True)
