@@ -29,8 +29,8 @@ class DeviceMemoryError(BlockKernelError, MemoryError):
     """A blockwise kernel ran out of device (GPU) memory on one block.
 
     Raised in place of the device library's own out-of-memory error (CuPy's
-    ``cupy.cuda.memory.OutOfMemoryError``, RMM's ``MemoryError`` or blockflow's
-    ``SimulatedOutOfMemoryError``). The message names the kernel, the block, the bytes the
+    ``cupy.cuda.memory.OutOfMemoryError``, RMM's ``MemoryError``, or a simulated device's
+    error derived from a class of that name; see :func:`is_device_oom`). The message names the kernel, the block, the bytes the
     kernel asked for and the largest free device memory of any worker (from the workers'
     last reported metrics), and says how to make the block fit.
 
@@ -64,8 +64,9 @@ class WorkerLostError(RuntimeError):
 
 
 #: Class names of device out-of-memory errors, matched by name so that no GPU library is
-#: imported: CuPy's ``cupy.cuda.memory.OutOfMemoryError`` and blockflow's simulated one.
-DEVICE_OOM_NAMES = frozenset({"OutOfMemoryError", "SimulatedOutOfMemoryError"})
+#: imported: CuPy's ``cupy.cuda.memory.OutOfMemoryError`` (test doubles derive from a class
+#: of that name).
+DEVICE_OOM_NAMES = frozenset({"OutOfMemoryError"})
 
 
 def is_device_oom(exc: BaseException) -> bool:
@@ -78,9 +79,10 @@ def is_device_oom(exc: BaseException) -> bool:
     Returns
     -------
     bool
-        True for an exception whose class (or a base class) is named ``OutOfMemoryError`` or
-        ``SimulatedOutOfMemoryError``, and for RMM's ``MemoryError`` whose message says
-        ``out_of_memory``; False otherwise (a host ``MemoryError`` included).
+        True for an exception whose class (or a base class) is named ``OutOfMemoryError``
+        (CuPy's, or a simulated device's derived from one), and for RMM's ``MemoryError``
+        whose message says ``out_of_memory``; False otherwise (a host ``MemoryError``
+        included).
     """
     if any(cls.__name__ in DEVICE_OOM_NAMES for cls in type(exc).__mro__):
         return True
@@ -90,7 +92,7 @@ def is_device_oom(exc: BaseException) -> bool:
 def requested_bytes(exc: BaseException) -> int | None:
     """Bytes a failed device allocation asked for, from the error, or None if it does not say.
 
-    Reads a ``size`` attribute (blockflow's simulated error) or CuPy's wording
+    Reads a ``size`` attribute (a simulated device's error) or CuPy's wording
     ``"Out of memory allocating 1,024 bytes ..."``.
     """
     size = getattr(exc, "size", None)
