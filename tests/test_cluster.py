@@ -14,7 +14,9 @@ import pytest
 from distributed import Client, LocalCluster
 
 import blockflow
+from blockflow._distributed import worker_metric, worker_plugins
 from blockflow.inventory import WorkerResources
+from blockflow.metrics import CAPACITY_METRIC, OWN_UTILIZATION_METRIC
 
 
 @pytest.fixture(scope="module")
@@ -269,8 +271,8 @@ def _free_port() -> int:
 
 def test_device_metrics_plugin_adds_nothing_on_cpu_workers(embedded):
     def probe(dask_worker):
-        return ("blockflow-device-metrics" in dask_worker.plugins,
-                "blockflow-gpu-own-utilization" in dask_worker.metrics,
-                "blockflow-capacity" in dask_worker.metrics)
+        return ("blockflow-device-metrics" in worker_plugins(dask_worker),
+                worker_metric(dask_worker, OWN_UTILIZATION_METRIC) is not None,
+                worker_metric(dask_worker, CAPACITY_METRIC) is not None)
 
     assert set(embedded.run(probe).values()) == {(True, False, False)}

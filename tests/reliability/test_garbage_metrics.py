@@ -17,12 +17,20 @@ from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import WorkerPlugin
 
 import blockflow
+from blockflow._distributed import remove_worker_metric, set_worker_metric, worker_heartbeat
+from blockflow.metrics import (
+    CAPACITY_METRIC,
+    GPU_MEMORY_TOTAL,
+    GPU_MEMORY_USED,
+    GPU_UTILIZATION,
+    OWN_UTILIZATION_METRIC,
+)
 from blockflow.scheduling import Rebalancer
 
 from .conftest import wait_until
 
-KEYS = ("gpu_utilization", "gpu_memory_used", "gpu-memory-total",
-        "blockflow-gpu-own-utilization", "blockflow-capacity")
+KEYS = (GPU_UTILIZATION, GPU_MEMORY_USED, GPU_MEMORY_TOTAL, OWN_UTILIZATION_METRIC,
+        CAPACITY_METRIC)
 GARBAGE = [None, -1, float("nan"), float("inf"), "hot", "16GB", [1, 2], {"a": 1}, True,
            1e300, -float("inf"), ""]
 MISSING = "missing"
@@ -41,26 +49,27 @@ class GarbageMetrics(WorkerPlugin):
 
 def install(worker) -> None:
     for offset, key in enumerate(KEYS):
-        worker.metrics[key] = (
-            lambda w, o=offset: GARBAGE[(w._garbage_step + o) % len(GARBAGE)])
+        set_worker_metric(worker, key,
+                          lambda w, o=offset: GARBAGE[(w._garbage_step + o) % len(GARBAGE)])
 
 
 async def set_step(step, dask_worker=None):
     dask_worker._garbage_step = step
     if step % 5 == 4:
         for key in KEYS:
-            dask_worker.metrics.pop(key, None)
+            remove_worker_metric(dask_worker, key)
         seen = MISSING
     else:
         install(dask_worker)
         seen = GARBAGE[step % len(GARBAGE)]
-    await dask_worker.heartbeat()
+    await worker_heartbeat(dask_worker)
     return seen
 
 
-def reported(dask_scheduler=None) -> list:
-    return [ws.metrics.get("gpu_utilization", MISSING)
-            for ws in dask_scheduler.workers.values()]
+def reported(client) -> list:
+    """What the scheduler holds for each worker's ``gpu_utilization`` (one snapshot)."""
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    return [info["metrics"].get(GPU_UTILIZATION, MISSING) for info in workers.values()]
 
 
 def _same(a, b) -> bool:
@@ -79,7 +88,7 @@ def test_garbage_metrics_never_stop_the_dynamic_policy():
         for step in range(steps):
             seen = client.run(set_step, step)
             sent = next(iter(seen.values()))
-            assert all(_same(r, sent) for r in client.run_on_scheduler(reported))
+            assert all(_same(r, sent) for r in reported(client))
             ticks = blockflow.plugin_status(client)["ticks"]
             wait_until(lambda: blockflow.plugin_status(client)["ticks"] > ticks + 1,
                        timeout=10, what="two more ticks of the control loop")
