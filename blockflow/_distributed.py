@@ -61,7 +61,9 @@ __all__ = [
     "add_handler",
     "add_http_routes",
     "add_periodic_callback",
+    "check_dashboard",
     "check_scheduler",
+    "check_worker",
     "check_worker_state",
     "cluster_busy",
     "held_results",
@@ -165,6 +167,40 @@ def check_scheduler(scheduler) -> None:
             _fail(f"TaskState.{name}")
     for ws in list(scheduler.workers.values())[:1]:
         check_worker_state(ws)
+    check_dashboard()
+
+
+def check_dashboard() -> None:
+    """Verify the dashboard internals :func:`add_dashboard_page` and
+    :func:`style_dashboard_doc` use (skipped without Bokeh, where they are not used)."""
+    import importlib.util
+
+    if importlib.util.find_spec("bokeh") is None:
+        return
+    from distributed.dashboard import components, core, scheduler as dashboard
+
+    for module, name in ((dashboard, "template_variables"), (dashboard, "applications"),
+                         (core, "BokehApplication"), (components, "add_periodic_callback")):
+        if not hasattr(module, name):
+            _fail(f"{module.__name__}.{name}")
+    from distributed.dashboard.components import scheduler as components_scheduler
+
+    for name in ("BOKEH_THEME", "env"):
+        if not hasattr(components_scheduler, name):
+            _fail(f"distributed.dashboard.components.scheduler.{name}")
+
+
+def check_worker(worker) -> None:
+    """Verify the ``Worker`` internals the worker-side functions below use (``metrics``,
+    ``data``, ``plugins``, ``heartbeat``)."""
+    if not isinstance(getattr(worker, "metrics", None), dict):
+        _fail("Worker.metrics (a dict)")
+    if not hasattr(getattr(worker, "data", None), "values"):
+        _fail("Worker.data (a mapping)")
+    if not isinstance(getattr(worker, "plugins", None), dict):
+        _fail("Worker.plugins (a dict)")
+    if not callable(getattr(worker, "heartbeat", None)):
+        _fail("Worker.heartbeat()")
 
 
 def check_worker_state(ws) -> None:

@@ -223,6 +223,8 @@ async def test_boundary_matches_this_distributed(c, s, a, b):
     from blockflow import _distributed
 
     _distributed.check_worker_state(s.workers[a.address])
+    _distributed.check_worker(a)
+    _distributed.check_dashboard()
     ws = s.workers[a.address]
     assert _distributed.set_worker_status(s, a.address, True, "test-pause")
     assert ws.status == Status.paused and ws not in s.running
@@ -310,3 +312,27 @@ def test_dynamic_policy_refuses_resume_thresholds_at_or_above_pause(kwargs, mess
     with pytest.raises(ValueError) as info:
         DynamicPolicy(**kwargs)
     assert str(info.value) == message
+
+
+@gen_cluster(client=True)
+async def test_a_changed_internal_fails_loudly_naming_it(c, s, a, b):
+    from blockflow._distributed import IncompatibleSchedulerError
+
+    stealing = s.extensions["stealing"]
+    saved = stealing.in_flight
+    stealing.in_flight = None
+    try:
+        with pytest.raises(IncompatibleSchedulerError, match=r"WorkStealing\.in_flight.*"
+                                                             r"distributed 2026\.7\.1"):
+            check_scheduler(s)
+    finally:
+        stealing.in_flight = saved
+    ws = s.workers[a.address]
+    saved_metrics = ws.metrics
+    ws.metrics = None
+    try:
+        with pytest.raises(IncompatibleSchedulerError, match=r"WorkerState\.metrics"):
+            check_scheduler(s)
+    finally:
+        ws.metrics = saved_metrics
+    check_scheduler(s)
