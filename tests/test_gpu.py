@@ -316,3 +316,20 @@ def test_gpu_workers_report_own_utilization_and_capacity(gpu_client):
         own = values["blockflow-gpu-own-utilization"]
         assert own is not None and 0 <= own <= 100
         assert values["blockflow-capacity"] is None or values["blockflow-capacity"] > 0
+
+
+def test_device_module_sees_each_workers_gpu(gpu_client):
+    """blockflow.devices on each worker: the device it uses, as the inventory lists it."""
+    from blockflow import devices
+
+    def describe():
+        info = devices.device_info()
+        return None if info is None else info.to_dict()
+
+    infos = gpu_client.run(describe)
+    inv = _inventory_with_gpus(gpu_client)
+    assert all(i is not None for i in infos.values()), infos
+    assert {w.gpu_uuid for w in inv} == {i["uuid"] for i in infos.values()}
+    for i in infos.values():
+        assert i["name"] and i["memory_total"] > 0 and i["mig"] in (False, True), i
+    assert devices.device_count() == gpu_device_count() > 0
