@@ -1,5 +1,8 @@
 """Ready workloads that blockflow's CLI runs (array statistics, flights ETL, ...).
 
 Each workload is a submodule with a ``run(client, *, size=..., output=..., ...)`` entry point
-returning a result object with the computed data, timings and per-worker task counts.
+returning a result object with the computed data, timings and per-worker task counts. The
+workloads share one runner (:mod:`blockflow.workloads._runner`: progress bars, task counts,
+timing, atomic output); :mod:`blockflow.workloads.reference` holds their single-process test
+oracles, which are not the distributed path.
 """
