@@ -12,9 +12,9 @@ written, ``--scale 0``, a malformed or unreachable ``--address``, ``--gpu true``
 ends with a one-line ``Error: ...`` and exit status 1, before any cluster is started where it
 can be checked up front; so does an output that fails to be written (no space left), with
 nothing written. An invalid blockflow setting (``DASK_BLOCKFLOW__...``) ends with a one-line
-``Error: ...`` and exit status 2 as soon as blockflow is imported (see
-:mod:`blockflow.config`). Ctrl-C and SIGTERM stop a run cleanly, leaving no partial output:
-exit status 130 (with one line saying so) and 143.
+``Error: ...`` and exit status 2 before any command starts (checked once, by the ``blockflow``
+group; see :mod:`blockflow.config`). Ctrl-C and SIGTERM stop a run cleanly, leaving no
+partial output: exit status 130 (with one line saying so) and 143.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from blockflow.scheduling.plugin import POLICIES
+from blockflow.scheduling import POLICIES
 
 __all__ = ["cli"]
 
@@ -205,7 +205,25 @@ def _interrupted_message(meta: dict) -> str:
 @click.version_option(package_name="blockflow", prog_name="blockflow")
 def cli() -> None:
     """blockflow: spread chunked data and AI workloads over many CPUs and GPUs with Dask."""
+    _validate_settings()
     _exit_cleanly_on_sigterm()
+
+
+class _SettingsError(click.ClickException):
+    """An invalid blockflow setting: ``Error: <message>`` and exit status 2 (a usage error,
+    as for a bad option), without click's usage lines."""
+
+    exit_code = 2
+
+
+def _validate_settings() -> None:
+    """Check blockflow's settings once, before any command starts a cluster or reads input."""
+    from blockflow import config
+
+    try:
+        config.validate()
+    except ValueError as e:
+        raise _SettingsError(str(e)) from None
 
 
 def _exit_cleanly_on_sigterm() -> None:

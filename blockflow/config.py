@@ -1,21 +1,25 @@
 """blockflow's settings: defaults in ``blockflow.yaml`` under ``dask.config``'s ``blockflow.`` namespace.
 
-Importing blockflow loads the defaults (its one import side effect) and checks the settings
-against ``blockflow-schema.yaml``, so that an invalid value (say from
-``DASK_BLOCKFLOW__REBALANCER__HOT_HIGH=500``) fails at once with a ``ValueError`` naming the
-key, its value, where it was set and what is allowed; :func:`blockflow.connect` checks them
-again. Users override them the usual Dask ways:
-``dask.config.set({"blockflow.reduction.split-every": 8})``, a YAML file in
+Importing blockflow loads the defaults (its one import side effect); it never checks them, so
+an import never fails or exits on a bad setting and never loads ``jsonschema``. The settings
+are checked against ``blockflow-schema.yaml`` where they are used: by
+:func:`blockflow.connect`, by the scheduler plugin when it starts and once by the command line
+before it starts anything. An invalid value (say from
+``DASK_BLOCKFLOW__REBALANCER__HOT_HIGH=500``) then fails with a ``ValueError`` naming the key,
+its value, where it was set and what is allowed. Users override the settings the usual Dask
+ways: ``dask.config.set({"blockflow.reduction.split-every": 8})``, a YAML file in
 ``~/.config/dask/``, or environment variables such as ``DASK_BLOCKFLOW__CLUSTER__GPU=false``.
 
 Beyond plain JSON schema, the schema file carries blockflow's own rules, checked here:
 ``x-duration`` (a time :func:`dask.utils.parse_timedelta` reads, ``positive`` or
 ``non-negative``), ``x-bytes`` (a size :func:`dask.utils.parse_bytes` reads, above 0) and, on
 a section, ``x-ordered`` (one setting below another, e.g. the hysteresis pair
-``memory-low`` < ``memory-high``).
+``memory-low`` < ``memory-high``). The allowed values of a key that names something
+registered in code (``cluster.policy``: the policy registry of
+:mod:`blockflow.scheduling.policies`) are registered with :func:`set_choices`.
 
 The command line (``blockflow``, ``python -m blockflow``, ``dask blockflow``) reports an invalid
-setting found at import as one line, ``Error: <message>``, and exit status 2.
+setting as one line, ``Error: <message>``, and exit status 2.
 """
 
 from __future__ import annotations
@@ -25,8 +29,7 @@ import difflib
 import glob
 import math
 import os
-import sys
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import dask.config
 import yaml
@@ -40,12 +43,44 @@ with open(DEFAULTS_PATH) as f:
 
 # What users set (environment, Dask config files, dask.config.set) before the defaults fill
 # the gaps: update_defaults replaces a section set to a non-mapping (DASK_BLOCKFLOW__REBALANCER=5)
-# by the default section, so it is only visible here.
+# by the default section, so it is only visible here. Kept as data; validate() reads it.
 _user_settings = copy.deepcopy(dask.config.config.get("blockflow"))
 
 dask.config.update_defaults(defaults)
 
 _MISSING = object()
+
+# Allowed values of keys whose choices are registered in code (set_choices), by dotted key.
+_choices: dict[str, tuple[str, ...]] = {}
+
+
+def set_choices(key: str, values: Sequence[str]) -> None:
+    """Register the allowed values of the setting ``blockflow.<key>``.
+
+    :func:`validate` checks the key against them as the JSON schema ``enum`` of that key,
+    so an unknown value gets the usual message naming the key, the value, where it was set
+    and the allowed values. Until choices are registered, the key is checked by its type
+    only. Registering again replaces the earlier choices.
+
+    Parameters
+    ----------
+    key : str
+        Key below the ``blockflow.`` namespace, e.g. ``"cluster.policy"``.
+    values : sequence of str
+        The allowed values, in the order messages list them.
+
+    Raises
+    ------
+    KeyError
+        If ``blockflow-schema.yaml`` has no such key.
+
+    Examples
+    --------
+    >>> from blockflow import config
+    >>> config.set_choices("cluster.policy", ("dynamic", "off"))  # doctest: +SKIP
+    """
+    _schema_node(_load_schema(), key)  # an unknown key is a programming error: fail now
+    _choices[key] = tuple(values)
 
 
 def get(key: str, value: Any = None) -> Any:
@@ -74,13 +109,19 @@ def validate(config: dict | None = None) -> None:
     Checks types, allowed values and ranges (JSON schema), that durations and sizes parse
     (``"100ms"``, ``"4GiB"``) and lie in range, that sections are mappings without unknown
     keys, and the rules between settings (``memory-low`` below ``memory-high``,
-    ``hot-low`` below ``hot-high``, ``min-split-every`` at most ``max-split-every``).
+    ``hot-low`` below ``hot-high``, ``min-split-every`` at most ``max-split-every``). Keys
+    with registered choices (:func:`set_choices`) must take one of them. Called by
+    :func:`blockflow.connect`, the scheduler plugin's ``start`` and the command line; never
+    at import. ``jsonschema`` is imported here, on first use.
 
     Parameters
     ----------
     config : dict, optional
         A mapping with a top-level ``"blockflow"`` key; by default the current
-        ``dask.config`` settings. Keys may be partial (missing keys are not checked).
+        ``dask.config`` settings, after the sections that were set to a non-mapping before
+        blockflow was imported (``DASK_BLOCKFLOW__REBALANCER=5``: loading the defaults
+        replaces them, so only the settings captured at import show them). Keys may be
+        partial (missing keys are not checked).
 
     Raises
     ------
@@ -89,9 +130,17 @@ def validate(config: dict | None = None) -> None:
         variable or Dask config file that set it (where one did), what is allowed, and the
         schema file.
     """
+    schema = _schema()
     if config is None:
+        replaced = _replaced_sections(_user_settings, defaults["blockflow"])
+        if replaced is not None:  # set to a non-mapping before import, hidden by the defaults
+            _raise_first_problem({"blockflow": replaced}, schema)
         config = {"blockflow": dask.config.get("blockflow")}
-    problem = _first_problem(_kebab_keys(config), _schema())
+    _raise_first_problem(config, schema)
+
+
+def _raise_first_problem(config: dict, schema: dict) -> None:
+    problem = _first_problem(_kebab_keys(config), schema)
     if problem is not None:
         path, value, text = problem
         where = ".".join(path) or "blockflow"
@@ -101,9 +150,39 @@ def validate(config: dict | None = None) -> None:
         ) from None
 
 
-def _schema() -> dict:
+def _replaced_sections(user: Any, default: Any) -> Any:
+    """The part of the user's settings that set a section of ``default`` to a non-mapping
+    (``update_defaults`` silently replaced it by the default section), or None."""
+    if not isinstance(default, dict):
+        return None
+    if not isinstance(user, dict):
+        return user if user is not None else None
+    found = {}
+    for key, value in _kebab_keys(user).items():
+        sub = _replaced_sections(value, default.get(key))
+        if sub is not None:
+            found[key] = sub
+    return found or None
+
+
+def _load_schema() -> dict:
     with open(SCHEMA_PATH) as f:
         return yaml.safe_load(f)
+
+
+def _schema_node(schema: dict, key: str) -> dict:
+    node = schema["properties"]["blockflow"]
+    for part in key.split("."):
+        node = node["properties"][part]
+    return node
+
+
+def _schema() -> dict:
+    """``blockflow-schema.yaml`` with the registered choices as the ``enum`` of their keys."""
+    schema = _load_schema()
+    for key, values in _choices.items():
+        _schema_node(schema, key)["enum"] = list(values)
+    return schema
 
 
 def _first_problem(config: Any, schema: dict) -> tuple[list[str], Any, str] | None:
@@ -316,46 +395,3 @@ def _kebab_keys(config: Any) -> Any:
             continue  # the exact "-" key, seen first or later, wins
         out[kebab] = _kebab_keys(v)
     return out
-
-
-def _command_line() -> bool:
-    """Whether this process runs blockflow's command line: the ``blockflow`` script,
-    ``python -m blockflow`` or ``dask blockflow``."""
-    argv = list(getattr(sys, "argv", None) or [""])
-    if argv[0] == "-m":  # python -m PACKAGE: the package is imported before argv[0] is set
-        args = list(getattr(sys, "orig_argv", []))[1:]
-        for i, arg in enumerate(args):
-            if arg == "-m":
-                return args[i + 1:i + 2] == ["blockflow"]
-            if arg.startswith("-m"):
-                return arg == "-mblockflow"
-        return False
-    program = os.path.basename(argv[0])
-    for suffix in (".exe", "-script.pyw", "-script.py"):
-        program = program.removesuffix(suffix)
-    if program == "__main__.py":  # python -m dask
-        program = os.path.basename(os.path.dirname(argv[0]))
-    if program == "blockflow":
-        return True
-    words = [a for a in argv[1:] if not a.startswith("-")]
-    return program == "dask" and words[:1] == ["blockflow"]
-
-
-def _validate_on_import() -> None:
-    """Fail at import, naming the key, rather than deep inside a computation.
-
-    A library user gets the ``ValueError``. The command line is a different audience: it
-    prints ``Error: <message>`` and exits with status 2 (a usage error), no traceback.
-    """
-    try:
-        if _user_settings is not None:
-            validate({"blockflow": _user_settings})  # sections set to non-mappings
-        validate()
-    except ValueError as e:
-        if _command_line():
-            sys.stderr.write(f"Error: {e}\n")
-            raise SystemExit(2) from None
-        raise
-
-
-_validate_on_import()

@@ -1,8 +1,11 @@
 """Invalid settings, unwritable outputs, Ctrl-C and bad addresses: one clear line each.
 
-Settings are checked when blockflow is imported (a library user gets a ``ValueError``; the
-command line prints ``Error: ...`` and exits with status 2), including durations, sizes,
-sections replaced by a non-mapping, misspelled keys and the rules between settings. Output
+Settings are checked where they are used, never when blockflow is imported: a library user
+gets a ``ValueError`` from ``config.validate()`` / ``blockflow.connect()``; the command line
+prints ``Error: ...`` and exits with status 2 before any cluster starts. The checks cover
+durations, sizes, sections replaced by a non-mapping (even before import), misspelled keys,
+the rules between settings and policy names from the policy registry. Importing blockflow
+never exits and never loads ``jsonschema`` (neither in the client nor in workers). Output
 folders that cannot be written fail with one line naming the folder, the OS error, that
 nothing was written, and the fix. Everything runs in real processes: ``python -c "import
 blockflow"``, ``python -m blockflow``, the ``blockflow`` script and ``python -m dask
@@ -38,6 +41,7 @@ MEMORY_WHY = "a worker paused at memory-high is resumed once at or below memory-
 POLICY = (f"Invalid blockflow setting 'blockflow.cluster.policy' (from the environment "
           f"variable DASK_BLOCKFLOW__CLUSTER__POLICY='fastest'): 'fastest' is not one of "
           f"['dynamic', 'memory', 'static-round-robin', 'static-capacity', 'off']. {SEE}")
+NONSENSE = POLICY.replace("fastest", "nonsense")
 
 
 def _env(**settings: str) -> dict[str, str]:
@@ -53,12 +57,24 @@ def _python(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
                           timeout=timeout, env=env or _env(), **kwargs)
 
 
+# Import, then check: the import itself prints nothing and never fails on a bad setting.
+VALIDATE = "import blockflow; print('imported'); blockflow.config.validate()"
+
+
+def _refused(out: subprocess.CompletedProcess) -> str:
+    """The ``ValueError`` line of a ``VALIDATE`` process, once it is clear the import passed."""
+    assert out.returncode == 1
+    assert out.stdout == "imported\n", out.stderr
+    return out.stderr.strip().splitlines()[-1]
+
+
 def _invalid(key: str, env: str | None, raw: str | None, text: str) -> str:
     source = f" (from the environment variable {env}={raw!r})" if env else ""
     return f"Invalid blockflow setting {key!r}{source}: {text}. {SEE}"
 
 
-# --- settings: checked at import, every message names key, value, source, rule, schema ------
+# --- settings: checked by validate(), never at import; every message names key, value, ------
+# --- source, rule, schema --------------------------------------------------------------------
 
 IMPORT_CASES = [
     pytest.param("REBALANCER__INTERVAL", "-5", "blockflow.rebalancer.interval",
@@ -104,25 +120,24 @@ IMPORT_CASES = [
 
 
 @pytest.mark.parametrize("name, raw, key, text", IMPORT_CASES)
-def test_invalid_environment_setting_fails_at_import(name, raw, key, text):
-    out = _python("-c", "import blockflow", env=_env(**{name: raw}))
-    assert out.returncode == 1
-    assert out.stderr.strip().splitlines()[-1] == "ValueError: " + _invalid(
+def test_invalid_environment_setting_is_refused_by_validate_not_at_import(name, raw, key, text):
+    out = _python("-c", VALIDATE, env=_env(**{name: raw}))
+    assert _refused(out) == "ValueError: " + _invalid(
         key, f"DASK_BLOCKFLOW__{name}", raw, text)
 
 
 def test_both_sides_of_a_rule_from_the_environment_are_named():
-    out = _python("-c", "import blockflow", env=_env(REBALANCER__MEMORY_LOW="0.9",
-                                                     REBALANCER__MEMORY_HIGH="0.8"))
-    assert out.stderr.strip().splitlines()[-1] == "ValueError: " + _invalid(
+    out = _python("-c", VALIDATE, env=_env(REBALANCER__MEMORY_LOW="0.9",
+                                           REBALANCER__MEMORY_HIGH="0.8"))
+    assert _refused(out) == "ValueError: " + _invalid(
         "blockflow.rebalancer.memory-low", "DASK_BLOCKFLOW__REBALANCER__MEMORY_LOW", "0.9",
         f"0.9 must be below 'blockflow.rebalancer.memory-high' (0.8, from the environment "
         f"variable DASK_BLOCKFLOW__REBALANCER__MEMORY_HIGH='0.8'); {MEMORY_WHY}")
 
 
 def test_a_misspelled_section_names_the_variable_that_set_it():
-    out = _python("-c", "import blockflow", env=_env(CLUSTR__GPU="false"))
-    assert out.stderr.strip().splitlines()[-1] == "ValueError: " + _invalid(
+    out = _python("-c", VALIDATE, env=_env(CLUSTR__GPU="false"))
+    assert _refused(out) == "ValueError: " + _invalid(
         "blockflow.clustr", "DASK_BLOCKFLOW__CLUSTR__GPU", "false",
         "{'gpu': False} is set for an unknown key (did you mean 'cluster'?); 'blockflow' has "
         "the keys cluster, reduction, rebalancer")
@@ -132,8 +147,8 @@ def test_a_dask_config_file_is_named_as_the_source(tmp_path):
     (tmp_path / "blockflow.yaml").write_text("blockflow:\n  rebalancer:\n    interval: soon\n")
     env = _env()
     env["DASK_CONFIG"] = str(tmp_path)
-    out = _python("-c", "import blockflow", env=env)
-    assert out.stderr.strip().splitlines()[-1] == (
+    out = _python("-c", VALIDATE, env=env)
+    assert _refused(out) == (
         f"ValueError: Invalid blockflow setting 'blockflow.rebalancer.interval' (from the Dask "
         f"config file {tmp_path / 'blockflow.yaml'}): 'soon' is not a duration of 0 or more; "
         f"{DURATION}. {SEE}")
@@ -145,7 +160,8 @@ def test_edge_values_that_make_sense_are_accepted():
                 "REDUCTION__MIN_SPLIT_EVERY": "32", "REBALANCER__MOVE_MIN_GAIN": "2 minutes"}
     keys = ["rebalancer.interval", "cluster.worker-loss-timeout", "rebalancer.memory-low",
             "rebalancer.memory-high", "reduction.min-split-every", "rebalancer.move-min-gain"]
-    out = _python("-c", "import blockflow, dask; print([dask.config.get('blockflow.' + k) "
+    out = _python("-c", "import blockflow, dask; blockflow.config.validate(); "
+                        "print([dask.config.get('blockflow.' + k) "
                         f"for k in {keys!r}])", env=_env(**settings))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[0, 0, 0.5, 0.6, 32, '2 minutes']"
@@ -185,13 +201,16 @@ def _script(name: str) -> str:
     return str(path)
 
 
+def _prefix(command: str) -> list[str]:
+    return {"python -m blockflow": [sys.executable, "-m", "blockflow"],
+            "blockflow": [_script("blockflow")],
+            "python -m dask blockflow": [sys.executable, "-m", "dask", "blockflow"]}[command]
+
+
 @pytest.mark.parametrize("command", ["python -m blockflow", "blockflow",
                                      "python -m dask blockflow"])
 def test_invalid_setting_is_one_line_and_exit_2_on_the_command_line(command, tmp_path):
-    prefix = {"python -m blockflow": [sys.executable, "-m", "blockflow"],
-              "blockflow": [_script("blockflow")],
-              "python -m dask blockflow": [sys.executable, "-m", "dask", "blockflow"]}[command]
-    out = subprocess.run([*prefix, "run", "flights", "--output", str(tmp_path / "x")],
+    out = subprocess.run([*_prefix(command), "run", "flights", "--output", str(tmp_path / "x")],
                          capture_output=True, text=True, timeout=120,
                          env=_env(CLUSTER__POLICY="fastest"))
     assert out.returncode == 2
@@ -200,10 +219,71 @@ def test_invalid_setting_is_one_line_and_exit_2_on_the_command_line(command, tmp
     assert list(tmp_path.iterdir()) == []
 
 
-def test_library_import_still_raises_with_the_same_message():
-    out = _python("-c", "import blockflow", env=_env(CLUSTER__POLICY="fastest"))
-    assert out.returncode == 1
-    assert out.stderr.strip().splitlines()[-1] == f"ValueError: {POLICY}"
+@pytest.mark.parametrize("command", ["python -m blockflow", "blockflow",
+                                     "python -m dask blockflow"])
+def test_unknown_policy_from_the_environment_stops_the_cli_before_any_cluster(command,
+                                                                             tmp_path):
+    out = subprocess.run([*_prefix(command), "run", "flights", "--scale", "1", "--output",
+                          str(tmp_path / "x")], capture_output=True, text=True, timeout=120,
+                         env=_env(CLUSTER__POLICY="nonsense"))
+    assert out.returncode == 2
+    assert out.stderr == f"Error: {NONSENSE}\n"
+    assert "cluster.policy" in out.stderr and "DASK_BLOCKFLOW__CLUSTER__POLICY" in out.stderr
+    assert out.stdout == ""  # no inventory, no dashboard line: no cluster was started
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", [["info"], ["run", "array-stats", "--output", "x"],
+                                  ["info", "--address", "tcp://127.0.0.1:1"]],
+                         ids=["info", "array-stats", "info-address"])
+def test_every_command_checks_the_settings_first(args, tmp_path):
+    out = _python("-m", "blockflow", *args, env=_env(CLUSTER__POLICY="nonsense"), cwd=tmp_path)
+    assert (out.returncode, out.stdout, out.stderr) == (2, "", f"Error: {NONSENSE}\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_works_whatever_the_settings():
+    out = _python("-m", "blockflow", "--help", env=_env(CLUSTER__POLICY="nonsense"))
+    assert out.returncode == 0 and out.stdout.startswith("Usage: blockflow"), out.stderr
+
+
+def test_importing_blockflow_never_fails_exits_or_prints_on_a_bad_setting():
+    for settings in ({"CLUSTER__POLICY": "nonsense"}, {"REBALANCER": "5"},
+                     {"REBALANCER__INTERVAL": "-5"}):
+        out = _python("-c", "import blockflow", env=_env(**settings))
+        assert (out.returncode, out.stdout, out.stderr) == (0, "", ""), settings
+
+
+def test_importing_blockflow_does_not_load_jsonschema():
+    out = _python("-c", "import blockflow, sys; assert 'jsonschema' not in sys.modules",
+                  env=_env(CLUSTER__POLICY="nonsense"))
+    assert (out.returncode, out.stderr) == (0, "")
+
+
+def test_library_user_gets_the_error_from_connect_not_from_import():
+    """Same message as the command line's, as a ``ValueError`` raised by ``connect()``."""
+    code = ("import blockflow\n"
+            "print('imported')\n"
+            "try:\n"
+            "    blockflow.connect(dashboard_address=':0')\n"
+            "except ValueError as e:\n"
+            "    print('ValueError:', e)\n")
+    for value, message in (("fastest", POLICY), ("nonsense", NONSENSE)):
+        out = _python("-c", code, env=_env(CLUSTER__POLICY=value))
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines() == ["imported", f"ValueError: {message}"]
+
+
+def test_worker_processes_never_load_jsonschema():
+    """Workers import blockflow to unpickle its tasks: that import loads no validator."""
+    import dask.array as da
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, cluster.get_client() as client:
+        x = blockflow.map_blocks(lambda b: b + 1, da.ones(8, chunks=4))
+        assert client.compute(x.sum()).result() == 16
+        assert set(client.run(lambda: "blockflow" in sys.modules).values()) == {True}
+        assert set(client.run(lambda: "jsonschema" in sys.modules).values()) == {False}
 
 
 # --- the command line: addresses ------------------------------------------------------------
