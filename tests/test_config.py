@@ -96,3 +96,36 @@ def test_blockflow_rules_of_the_schema_name_its_own_keys():
                  for k, spec in sec["properties"].items() if "x-duration" in spec}
     assert durations == {"cluster.connect-timeout", "cluster.worker-loss-timeout",
                          "rebalancer.interval", "rebalancer.move-min-gain"}
+
+
+def test_policy_choices_come_from_the_registry_not_the_schema_file():
+    """The schema file leaves cluster.policy a string; the policy registry supplies the names
+    (one registry for the plugin, the schema, the CLI and the dashboard)."""
+    from blockflow.scheduling import POLICIES
+
+    with open(config.SCHEMA_PATH) as f:
+        policy = yaml.safe_load(f)["properties"]["blockflow"]["properties"]["cluster"][
+            "properties"]["policy"]
+    assert policy["type"] == "string" and "enum" not in policy
+    assert config._schema_node(config._schema(), "cluster.policy")["enum"] == list(POLICIES)
+
+
+def test_set_choices_applies_to_validate(monkeypatch):
+    monkeypatch.setattr(config, "_choices", {})
+    with dask.config.set({"blockflow.cluster.policy": "anything"}):
+        config.validate()  # no choices registered: any string passes
+        config.set_choices("cluster.policy", ["dynamic", "off"])
+        with pytest.raises(ValueError, match=r"^Invalid blockflow setting 'blockflow.cluster."
+                                             r"policy': 'anything' is not one of \['dynamic', "
+                                             r"'off'\]\. See "):
+            config.validate()
+    with dask.config.set({"blockflow.cluster.policy": 5}):
+        with pytest.raises(ValueError, match="5 is not of type 'string'"):
+            config.validate()
+
+
+def test_set_choices_refuses_an_unknown_key(monkeypatch):
+    monkeypatch.setattr(config, "_choices", {})
+    with pytest.raises(KeyError):
+        config.set_choices("cluster.polcy", ["dynamic"])
+    assert config._choices == {}
