@@ -225,7 +225,7 @@ def grouped_moments(
     0  a     2        2     2.0  1.414214    3.0
     1  b     2        2    10.0  0.000000   10.0
     """
-    func = "blockflow.grouped_moments"
+    func = "blockflow.aggregations.grouped_moments"
     by = _as_list(by, "group-key", func)
     columns = _as_list(columns, "value", func)
     _check_frame(ddf, by, columns, func)
@@ -415,7 +415,7 @@ def grouped_quantiles(
     0  a    2.5    3.7
     1  b   15.0   19.0
     """
-    func = "blockflow.grouped_quantiles"
+    func = "blockflow.aggregations.grouped_quantiles"
     by = _as_list(by, "group-key", func)
     if not isinstance(column, str):
         raise TypeError(f"{func}: column must be one column name (str), got {column!r}.")

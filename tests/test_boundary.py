@@ -199,3 +199,47 @@ def test_production_modules_do_not_refer_to_the_test_doubles():
                     "blockflow-simulated-gpu" in n.value:
                 offenders.append(f"{p.name}:{n.lineno}")
     assert offenders == []
+
+
+#: Names in blockflow's namespace that are keys, not objects (click's ``ctx.meta``).
+META_KEYS = {"blockflow.output"}
+
+
+def _resolves(path: str) -> bool:
+    import importlib
+
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_messages_and_docstrings_name_only_blockflow_objects_that_exist():
+    import re
+
+    import yaml
+
+    sections = set(yaml.safe_load((PACKAGE / "blockflow.yaml").read_text())["blockflow"])
+    pattern = re.compile(r"\bblockflow(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+    missing = set()
+    for p in PACKAGE.rglob("*.py"):
+        for n in ast.walk(ast.parse(p.read_text())):
+            if not (isinstance(n, ast.Constant) and isinstance(n.value, str)):
+                continue
+            for m in pattern.finditer(n.value):
+                path = m.group(0).rstrip(".")
+                if path.split(".")[1] in sections or n.value[m.end():m.end() + 1] == "-":
+                    continue  # a setting (blockflow.cluster.policy, ...hot-high)
+                if path.rsplit(".", 1)[1] in ("yaml", "py", "json") or path in META_KEYS:
+                    continue  # a file name, a click ctx.meta key
+                if not _resolves(path):
+                    missing.add(f"{p.name}: {path}")
+    assert sorted(missing) == []

@@ -179,11 +179,15 @@ def test_bad_input_is_refused_with_what_and_how_to_fix(make, error, message):
     assert time.monotonic() - start < 15  # refused fast; never hangs (unreachable: 1 s)
 
 
-def test_invalid_setting_from_the_environment_fails_at_import():
+def test_invalid_setting_from_the_environment_fails_where_settings_are_used():
+    """Importing never fails; connect() (and the CLI, the plugin) name the bad setting."""
     env = dict(os.environ, DASK_BLOCKFLOW__REBALANCER__HOT_HIGH="500")
-    out = subprocess.run([sys.executable, "-c", "import blockflow"], env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", "import blockflow; print('imported', flush=True); "
+         "blockflow.connect(n_workers=1, threads_per_worker=1)"],
+        env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
+    assert out.stdout == "imported\n"
     assert out.stderr.strip().splitlines()[-1] == (
         "ValueError: Invalid blockflow setting 'blockflow.rebalancer.hot-high' (from the "
         "environment variable DASK_BLOCKFLOW__REBALANCER__HOT_HIGH='500'): 500 is greater "
