@@ -165,7 +165,7 @@ def check_scheduler(scheduler) -> None:
     for name in _TASK_STATE_ATTRS:
         if not _class_has(TaskState, name):
             _fail(f"TaskState.{name}")
-    for ws in list(scheduler.workers.values())[:1]:
+    for ws in list(scheduler.workers.values()):
         check_worker_state(ws)
     check_dashboard()
 
@@ -247,6 +247,8 @@ class WorkerView:
         Nominal relative capacity the worker reports (``blockflow-capacity`` metric).
     memory_limit : int
         Host memory limit in bytes (0: none).
+    speed_confidence : float
+        Confidence of the learned speed, 0-1 (0: nothing comparable observed).
     """
 
     address: str
@@ -262,6 +264,7 @@ class WorkerView:
     name: str = ""
     capacity: float | None = None
     memory_limit: int = 0
+    speed_confidence: float = 0.0
 
     @property
     def projected_finish(self) -> float:
@@ -293,6 +296,7 @@ class WorkerView:
             "gpu_utilization": m.gpu_utilization,
             "gpu_memory_fraction": m.gpu_memory_fraction,
             "speed": round(self.speed, 4),
+            "speed_confidence": round(self.speed_confidence, 3),
             "processing": self.processing,
             "projected_finish": round(self.projected_finish, 4),
         }
@@ -375,6 +379,7 @@ def worker_addresses(scheduler) -> list[str]:
 
 
 def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
+                 confidence: Callable[[str], float] | None = None,
                  paused: Mapping[str, Any] | None = None) -> dict[str, WorkerView]:
     """:class:`WorkerView` of every worker.
 
@@ -382,6 +387,8 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
     ----------
     speed : callable, optional
         ``speed(address) -> float``, learned speeds (default 1.0).
+    confidence : callable, optional
+        ``confidence(address) -> float``, 0-1 (default 0).
     paused : mapping, optional
         Addresses blockflow paused.
     """
@@ -409,6 +416,7 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
             if m.host_memory is not None and limit else None,
             capacity=cap if cap else None,
             memory_limit=int(limit),
+            speed_confidence=float(confidence(addr)) if confidence is not None else 0.0,
         )
     return views
 
@@ -786,3 +794,74 @@ def worker_names_and_metrics(scheduler) -> dict:
     """``{address: (name, metrics)}`` for every worker the scheduler knows, where metrics
     is a copy of the heartbeat metrics the scheduler last received (``WorkerState.metrics``)."""
     return {a: (ws.name, dict(ws.metrics or {})) for a, ws in scheduler.workers.items()}
+
+
+async def run_amm_policy(scheduler, policy, cycles: int = 10, timeout: float = 30.0) -> int:
+    """Run one Active Memory Manager policy to completion, on its own, now.
+
+    A dedicated manager (``ActiveMemoryManagerExtension(..., register=False, start=False)``,
+    as distributed's ``retire_workers`` makes one) runs ``policy`` alone, so the scheduler's
+    own AMM policies (``ReduceReplicas``) take no part in its cycles. Each cycle runs the
+    policy once and enacts what the manager accepted; between cycles it waits until every
+    accepted replica has landed (``TaskState.who_has``), so a policy that moves results
+    (replicate, then drop) sees its copies in the next cycle.
+
+    Parameters
+    ----------
+    scheduler : distributed.Scheduler
+    policy : ActiveMemoryManagerPolicy
+        E.g. an :class:`AMMPolicy`; its ``manager`` is set to the dedicated manager.
+    cycles : int, default 10
+        At most this many cycles.
+    timeout : float, default 30.0
+        Seconds to wait, per cycle, for accepted replicas to land (then the next cycle runs
+        anyway; the policy sees which copies are missing).
+
+    Returns
+    -------
+    int
+        Cycles in which the manager accepted at least one suggestion; it stops at the first
+        cycle in which it accepted none.
+    """
+    import asyncio
+    import time
+
+    from distributed.active_memory_manager import ActiveMemoryManagerExtension
+
+    amm = ActiveMemoryManagerExtension(scheduler, policies=set(), register=False, start=False)
+    accepted: list = []
+
+    class _Recorder(ActiveMemoryManagerPolicy):
+        """Passes ``policy``'s suggestions through, recording the ones accepted."""
+
+        def run(self):
+            gen = policy.run()
+            ws = None
+            while True:
+                try:
+                    suggestion = gen.send(ws)
+                except StopIteration:
+                    return
+                ws = yield suggestion
+                if ws is not None:
+                    accepted.append((suggestion.op, suggestion.ts, ws))
+
+    amm.add_policy(_Recorder())
+    policy.manager = amm
+    done = 0
+    for _ in range(int(cycles)):
+        accepted.clear()
+        amm.run_once()
+        if not accepted:
+            break
+        done += 1
+        landing = [(ts, ws) for op, ts, ws in accepted if op == "replicate"]
+        deadline = time.monotonic() + timeout
+        while any(ts.state == "memory" and scheduler.workers.get(ws.address) is ws
+                  and ws not in ts.who_has for ts, ws in landing):
+            if time.monotonic() > deadline:
+                logger.warning("run_amm_policy: replicas of %s not landed within %g s",
+                               policy, timeout)
+                break
+            await asyncio.sleep(0.01)
+    return done

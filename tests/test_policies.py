@@ -347,3 +347,16 @@ async def test_device_memory_amm_policy_from_distributed_config(c, s, a, b):
     assert (policy.memory_high, policy.memory_low) == (0.9, 0.6)
     await c.amm.run_once()  # runs with no GPU metrics: suggests nothing, raises nothing
     assert await c.submit(sum, [1, 2]) == 3
+
+
+def test_dynamic_knowing_no_speeds_moves_only_off_paused_workers():
+    """balancing=False: distributed's stealing balances running workers, as in plain Dask."""
+    waiting = {"a": [task("t1")], "b": [task("t2")]}
+    workers = [worker("a", processing=3, executing=1, occupancy=3.0),
+               worker("b", processing=3, executing=1, occupancy=3.0, status="paused"),
+               worker("c")]
+    s = ClusterSnapshot(time=0.0, workers={w.address: w for w in workers}, waiting=waiting,
+                        balancing=False)
+    assert [(d.worker, d.key) for d in run(DynamicPolicy(), s)] == [("b", "t2")]
+    s.balancing = True
+    assert {d.key for d in run(DynamicPolicy(), s)} == {"t1", "t2"}

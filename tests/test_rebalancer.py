@@ -279,14 +279,40 @@ def test_speed_model_learns_relative_speed_with_a_prior():
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
-async def test_without_gpu_metrics_it_balances_on_queue_and_speed_alone(c, s, a, b, w):
+async def test_knowing_nothing_it_leaves_balancing_to_distributed(c, s, a, b, w):
+    """No GPU metrics, no speeds measured: blockflow moves nothing and distributed's own
+    work stealing (left running) spreads the tasks, as in plain Dask."""
+    plugin = await _plugin(c, s)
+    data = await c.scatter(list(range(12)), workers=[a.address])
+    futs = c.map(slowinc, data, delay=0.2)  # every task follows its data to a
+    while len(s.workers[a.address].processing) < 12 and not any(
+            s.workers[x].processing for x in (b.address, w.address)):
+        await asyncio.sleep(0.01)
+    applied = plugin.run_once()
+    assert _actions(applied, "move") == [] and not plugin.status()["balancing"]
+    assert s.periodic_callbacks["stealing"].is_running()
+    await wait(futs)
+    assert await c.gather(futs) == [i + 1 for i in range(12)]
+    ran = Counter(next(iter(s.tasks[f.key].who_has)).address for f in futs)
+    assert ran[a.address] < 12  # distributed stole some
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_with_known_speeds_it_balances_on_queue_and_speed(c, s, a, b, w):
     plugin = await _plugin(c, s)
     assert all("gpu-memory-total" not in ws.metrics for ws in s.workers.values())
+    for addr, d in ((a.address, 0.4), (b.address, 0.1), (w.address, 0.1)):
+        for _ in range(6):
+            plugin.speeds.observe(addr, "earlier", d)
     data = await c.scatter(list(range(12)), workers=[a.address])
     futs = c.map(slowinc, data, delay=0.2)  # every task follows its data to a
     while len(s.workers[a.address].processing) < 12:
         await asyncio.sleep(0.01)
     applied = plugin.run_once()
+    assert plugin.status()["balancing"]
+    assert not s.periodic_callbacks["stealing"].is_running()
+    (handover,) = [d for d in plugin.decisions if d["action"] == "balance"]
+    assert handover["seen_speeds"][a.address] < handover["seen_speeds"][b.address]
     assert not _actions(applied, "pause")
     moves = _actions(applied, "move")
     assert len(moves) >= 6 and {d.target for d in moves} == {b.address, w.address}
@@ -318,15 +344,6 @@ def test_dynamic_policy_refuses_resume_thresholds_at_or_above_pause(kwargs, mess
 async def test_a_changed_internal_fails_loudly_naming_it(c, s, a, b):
     from blockflow._distributed import IncompatibleSchedulerError
 
-    stealing = s.extensions["stealing"]
-    saved = stealing.in_flight
-    stealing.in_flight = None
-    try:
-        with pytest.raises(IncompatibleSchedulerError, match=r"WorkStealing\.in_flight.*"
-                                                             r"distributed 2026\.7\.1"):
-            check_scheduler(s)
-    finally:
-        stealing.in_flight = saved
     ws = s.workers[a.address]
     saved_metrics = ws.metrics
     ws.metrics = None
@@ -335,4 +352,13 @@ async def test_a_changed_internal_fails_loudly_naming_it(c, s, a, b):
             check_scheduler(s)
     finally:
         ws.metrics = saved_metrics
+    stealing = s.extensions["stealing"]
+    stealing.move_task_request = lambda ts, thief: None  # a changed signature
+    try:
+        with pytest.raises(IncompatibleSchedulerError,
+                           match=r"WorkStealing\.move_task_request\(ts, victim, thief\).*"
+                                 r"distributed 2026\.7\.1"):
+            check_scheduler(s)
+    finally:
+        del stealing.move_task_request
     check_scheduler(s)

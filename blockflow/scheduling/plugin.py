@@ -112,8 +112,6 @@ class Rebalancer(SchedulerPlugin):
         self.scheduler = scheduler
         self.policy = make_policy(self.policy_name)
         _distributed.add_handler(scheduler, "blockflow_status", self.status)
-        if self.policy.replaces_work_stealing:
-            self._stealing = _distributed.suspend_work_stealing(scheduler)
         for amm_policy in self.policy.amm_policies():
             _distributed.add_amm_policy(scheduler, amm_policy)
         # A first tick now, so hot or full workers are paused before the first graph lands.
@@ -181,10 +179,17 @@ class Rebalancer(SchedulerPlugin):
 
     def _views(self):
         return _distributed.worker_views(self.scheduler, speed=self.speeds.speed,
+                                         confidence=self.speeds.confidence,
                                          paused=self.paused)
 
     def take_snapshot(self) -> ClusterSnapshot:
-        """The rebalancer's view of the cluster now (speeds updated first); plain data."""
+        """The rebalancer's view of the cluster now (speeds updated first); plain data.
+
+        ``balancing`` is True when the speed model knows, with confidence, that running
+        workers differ in speed: only then does a speed-aware policy balance (and
+        distributed's speed-blind stealing pause); knowing less, blockflow leaves balancing
+        to distributed, as plain Dask does.
+        """
         self.speeds.update()
         self._host_pause_fraction = dask.config.get("distributed.worker.memory.pause")
         views = self._views()
@@ -192,7 +197,26 @@ class Rebalancer(SchedulerPlugin):
         return ClusterSnapshot(time=time.time(), workers=views,
                                queued=_distributed.queued_count(self.scheduler),
                                waiting=_distributed.waiting_tasks(self.scheduler,
-                                                                  thieves=thieves))
+                                                                  thieves=thieves),
+                               balancing=self.speeds.heterogeneous(thieves))
+
+    def _hand_over_balancing(self, snap: ClusterSnapshot) -> None:
+        """Suspend distributed's stealing while blockflow balances on known speeds; give it
+        back as soon as blockflow knows too little (logged either way)."""
+        if not self.policy.replaces_work_stealing:
+            return
+        seen = {"speeds": {a: round(w.speed, 3) for a, w in snap.workers.items()},
+                "confidence": {a: round(w.speed_confidence, 2)
+                               for a, w in snap.workers.items()}}
+        if snap.balancing and self._stealing is None:
+            self._stealing = _distributed.suspend_work_stealing(self.scheduler)
+            self.log_decision("balance", "", "worker speeds known to differ: blockflow "
+                              "balances on them; distributed's work stealing paused", seen)
+        elif not snap.balancing and self._stealing is not None:
+            self._stealing.restore()
+            self._stealing = None
+            self.log_decision("defer", "", "worker speeds not known to differ: balancing "
+                              "handed back to distributed's work stealing", seen)
 
     def run_once(self) -> list[Decision]:
         """One tick of the control loop; returns the decisions applied (for tests).
@@ -204,6 +228,7 @@ class Rebalancer(SchedulerPlugin):
         self.ticks += 1
         snap = self.take_snapshot()
         self._reapply_pauses(snap)
+        self._hand_over_balancing(snap)
         applied = []
         for d in self.policy.run(snap):
             if self._apply(d, snap):
@@ -241,6 +266,7 @@ class Rebalancer(SchedulerPlugin):
             self.paused[d.worker] = d.reason
         elif d.action == "resume":
             self.paused.pop(d.worker, None)
+            self.speeds.reset(d.worker)  # judged on what it does from now on
             hm = w.host_memory_fraction
             if hm is not None and hm >= (self._host_pause_fraction or math.inf):
                 # The worker is also over its own host-memory pause threshold: leave it
@@ -310,6 +336,10 @@ class Rebalancer(SchedulerPlugin):
             "speeds": {a: self.speeds.speed(a)
                        for a in _distributed.worker_addresses(self.scheduler)}
             if self.scheduler else {},
+            "speed_confidence": {a: self.speeds.confidence(a)
+                                 for a in _distributed.worker_addresses(self.scheduler)}
+            if self.scheduler else {},
+            "balancing": self._stealing is not None,
             "policies": list(POLICIES),
             "policy_description": _summary(REGISTRY[self.policy_name]),
             "paused": dict(self.paused),

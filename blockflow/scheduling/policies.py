@@ -80,6 +80,9 @@ class ClusterSnapshot:
         Per worker, its tasks that have not started, lowest priority (last to run) first.
     new_tasks : list of TaskView
         On ``"graph"`` events, the tasks of the new graph.
+    balancing : bool
+        Whether worker speeds are known, with confidence, to differ: only then may a policy
+        move work for speed (distributed's stealing balances otherwise).
     """
 
     time: float
@@ -88,6 +91,7 @@ class ClusterSnapshot:
     event: str = "tick"
     waiting: Mapping[str, Any] = field(default_factory=dict, repr=False)
     new_tasks: list[TaskView] = field(default_factory=list, repr=False)
+    balancing: bool = True
 
 
 @dataclass
@@ -183,7 +187,10 @@ class DynamicPolicy(RebalancePolicy):
     lowest-priority waiting task to the worker that would finish it soonest (including the
     time to move its inputs, bytes / measured bandwidth), and move it when that finishes
     earlier. While the scheduler still queues root tasks, every worker pulls more work as it
-    frees up, so only tasks stuck on paused workers move. A task is never moved back to a
+    frees up, and while worker speeds are not known with confidence to differ
+    (``snapshot.balancing``) distributed's own stealing balances: in both cases only tasks
+    stuck on paused workers move. Speeds come shrunk by their confidence
+    (:class:`~blockflow.scheduling.speed.SpeedModel`), so moves grow with what was measured. A task is never moved back to a
     worker it was moved off (unless it now sits on a paused worker): projected finishes are
     estimates that shift after every move, and without that rule a task on the margin
     bounces between two workers. A blockflow heuristic.
@@ -281,8 +288,9 @@ class DynamicPolicy(RebalancePolicy):
         finish = {a: (math.inf if a in blocked else w.projected_finish)
                   for a, w in views.items()}
         rate = {a: max(w.speed, 1e-6) * max(w.nthreads, 1) for a, w in views.items()}
-        if snap.queued:
-            victims = [views[a] for a in blocked]  # the rest pull from the queue anyway
+        if snap.queued or not snap.balancing:
+            # the rest pull from the queue, or distributed's stealing balances them
+            victims = [views[a] for a in blocked]
         else:
             victims = list(views.values())
         candidates: dict[str, Iterator[TaskView]] = {}

@@ -1,11 +1,31 @@
-"""Per-worker speed learned from observed task durations (a blockflow heuristic).
+"""Per-worker speed learned from observed task durations, with a confidence.
 
-A worker's speed is how fast it runs tasks of a group compared with the group's typical
-duration: each finished task contributes ``log(median_g) - log(duration)``, where
-``median_g`` is the median of the group's recent durations *normalised by the speed of the
-worker that ran them* (so a slow worker does not drag the reference down). The estimate is
-an exponentially weighted mean in log space (robust to the log-normal spread of real block
-durations), starting from a prior speed of 1 that fades after a few observations.
+A worker's speed is how fast it runs tasks compared with the other workers that ran tasks of
+the same group. The estimate is robust by construction and shrunk towards the typical speed
+(1.0) by how much has been observed, so that blockflow acts in proportion to what it knows
+and, knowing little, behaves like plain Dask.
+
+Method (a blockflow heuristic from standard robust and shrinkage estimation):
+
+1. **Cold starts are discarded.** The first ``warmup`` durations of each (worker, group) pair
+   are dropped: a worker's first task of a kind pays for imports, JIT compilation, first
+   transfers and allocator warm-up, and is not its speed.
+2. **Robust per-worker location.** Each (worker, group) keeps its last ``window`` log
+   durations; its location is their median (robust to outliers and to the log-normal spread
+   of real block durations).
+3. **Only comparisons count.** A group tells something about relative speed only when at
+   least two workers ran it: the group's reference is the median over those workers of their
+   medians, and a worker's evidence is ``reference - its median`` (in log space; positive is
+   faster), weighted by its number of samples. A worker's raw log speed is the weighted mean
+   of its evidence over groups, clipped to ``±log(max_ratio)``. One worker alone (a cold task
+   followed by a warm one, say) gives no evidence at all: its speed stays 1.0.
+4. **Confidence and shrinkage.** ``confidence = n / (n + prior_strength)``, ``n`` the
+   worker's comparable samples; the speed is ``exp(confidence x raw)``: the posterior mean of
+   a normal model whose prior, centred on the typical speed, is worth ``prior_strength``
+   samples (James-Stein-style shrinkage).
+5. **Bounded optimism.** No worker looks faster than the best well-observed worker
+   (confidence >= 0.5) by more than ``max_optimism``; before any is well observed, no worker
+   looks faster than ``max_optimism`` itself.
 
 Recording an observation is O(1) (it runs in the scheduler's transition hook); the work is
 done once per control-loop tick in :meth:`SpeedModel.update`.
@@ -14,73 +34,148 @@ done once per control-loop tick in :meth:`SpeedModel.update`.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from statistics import median
 
 __all__ = ["SpeedModel"]
 
 
 class SpeedModel:
-    """Learned relative speeds of workers.
+    """Learned relative speeds of workers, each with a confidence (see the module doc).
 
     Parameters
     ----------
-    window : int, default 64
-        Recent normalised durations kept per task group for its median.
-    alpha : float, default 0.15
-        Smoothing weight (0-1) of a new observation once the prior has faded.
-    prior_weight : float, default 1.0
-        Weight, in observations, of the prior speed 1.0 for a new worker.
+    window : int, default 32
+        Recent durations kept per (worker, group).
+    warmup : int, default 1
+        First durations of each (worker, group) discarded as cold starts.
+    prior_strength : float, default 2.0
+        Weight, in samples, of the prior speed 1.0.
+    max_ratio : float, default 64.0
+        Largest speed ratio to the group's reference one worker can show (clip).
+    max_optimism : float, default 1.5
+        How much faster than the best well-observed worker any worker may look.
+    max_groups : int, default 256
+        Task groups remembered (least recently seen forgotten first).
     max_pending : int, default 100_000
         Bound on observations buffered between ticks (oldest dropped).
     """
 
-    def __init__(self, window: int = 64, alpha: float = 0.15, prior_weight: float = 1.0,
+    def __init__(self, window: int = 32, warmup: int = 1, prior_strength: float = 2.0,
+                 max_ratio: float = 64.0, max_optimism: float = 1.5, max_groups: int = 256,
                  max_pending: int = 100_000):
         self.window = window
-        self.alpha = alpha
-        self.prior_weight = prior_weight
+        self.warmup = warmup
+        self.prior_strength = prior_strength
+        self.max_log_ratio = math.log(max_ratio)
+        self.max_optimism = max_optimism
+        self.max_groups = max_groups
         self.pending: deque[tuple[str, str, float]] = deque(maxlen=max_pending)
+        # group -> worker -> recent log durations
+        self.groups: OrderedDict[str, dict[str, deque[float]]] = OrderedDict()
+        self.seen: dict[tuple[str, str], int] = {}  # (worker, group) -> durations seen
+        self.count: dict[str, int] = {}  # worker -> durations seen (all)
         self.log_speed: dict[str, float] = {}
-        self.count: dict[str, int] = {}
-        self.groups: dict[str, deque[float]] = {}
+        self.conf: dict[str, float] = {}
 
     def observe(self, worker: str, group: str, duration: float) -> None:
         """Record that ``worker`` ran a task of ``group`` in ``duration`` seconds. O(1)."""
-        if duration > 0 and math.isfinite(duration):
-            self.pending.append((worker, group, duration))
+        if isinstance(duration, (int, float)) and duration > 0 and math.isfinite(duration):
+            self.pending.append((worker, group, float(duration)))
 
     def update(self) -> int:
-        """Fold the buffered observations into the speed estimates; returns how many."""
+        """Fold the buffered observations in and re-estimate; returns how many were folded."""
         n = len(self.pending)
-        medians: dict[str, float] = {}
         while self.pending:
             worker, group, duration = self.pending.popleft()
-            ls = self.log_speed.get(worker, 0.0)
-            window = self.groups.get(group)
+            self.count[worker] = self.count.get(worker, 0) + 1
+            k = self.seen.get((worker, group), 0)
+            self.seen[(worker, group)] = k + 1
+            if k < self.warmup:
+                continue  # a cold start
+            per_worker = self.groups.get(group)
+            if per_worker is None:
+                per_worker = self.groups[group] = {}
+                while len(self.groups) > self.max_groups:
+                    old, _ = self.groups.popitem(last=False)
+                    for w in list(self.count):
+                        self.seen.pop((w, old), None)
+            else:
+                self.groups.move_to_end(group)
+            window = per_worker.get(worker)
             if window is None:
-                window = self.groups[group] = deque(maxlen=self.window)
-            log_d = math.log(duration)
-            window.append(log_d + ls)  # normalised: what the task would take at speed 1
-            if group not in medians:
-                medians[group] = median(window)
-            k = self.count.get(worker, 0)
-            a = max(self.alpha, 1.0 / (k + 1 + self.prior_weight))
-            self.log_speed[worker] = ls + a * ((medians[group] - log_d) - ls)
-            self.count[worker] = k + 1
+                window = per_worker[worker] = deque(maxlen=self.window)
+            window.append(math.log(duration))
+        if n:
+            self._estimate()
         return n
 
+    def _estimate(self) -> None:
+        evidence: dict[str, float] = {}
+        weight: dict[str, float] = {}
+        for per_worker in self.groups.values():
+            if len(per_worker) < 2:
+                continue
+            loc = {w: median(d) for w, d in per_worker.items() if d}
+            if len(loc) < 2:
+                continue
+            ref = median(loc.values())
+            for w, m in loc.items():
+                n = len(per_worker[w])
+                evidence[w] = evidence.get(w, 0.0) + n * (ref - m)
+                weight[w] = weight.get(w, 0.0) + n
+        self.log_speed, self.conf = {}, {}
+        for w, n in weight.items():
+            raw = max(min(evidence[w] / n, self.max_log_ratio), -self.max_log_ratio)
+            c = n / (n + self.prior_strength)
+            self.conf[w] = c
+            self.log_speed[w] = c * raw
+        known = [ls for w, ls in self.log_speed.items() if self.conf[w] >= 0.5]
+        cap = max(max(known, default=0.0), 0.0) + math.log(self.max_optimism)
+        for w, ls in self.log_speed.items():
+            self.log_speed[w] = min(ls, cap)
+
     def speed(self, worker: str) -> float:
-        """Relative speed of ``worker`` (1.0 = the typical worker; prior 1.0 when unseen)."""
+        """Relative speed of ``worker`` (1.0 = the typical worker, and when nothing is known)."""
         return math.exp(self.log_speed.get(worker, 0.0))
 
+    def confidence(self, worker: str) -> float:
+        """How much the speed of ``worker`` rests on comparable observations, 0-1."""
+        return self.conf.get(worker, 0.0)
+
     def observations(self, worker: str) -> int:
-        """Number of tasks seen from ``worker``."""
+        """Number of tasks seen from ``worker`` (cold starts included)."""
         return self.count.get(worker, 0)
+
+    def heterogeneous(self, workers=None, *, min_ratio: float = 1.3,
+                      min_confidence: float = 0.5) -> bool:
+        """Whether two workers are known, with confidence, to differ in speed by ``min_ratio``.
+
+        Parameters
+        ----------
+        workers : iterable of str, optional
+            Restrict to these workers (default: all observed).
+        min_ratio : float, default 1.3
+        min_confidence : float, default 0.5
+        """
+        pool = self.log_speed if workers is None else [w for w in workers if w in self.log_speed]
+        known = [self.log_speed[w] for w in pool if self.conf.get(w, 0.0) >= min_confidence]
+        return len(known) >= 2 and max(known) - min(known) >= math.log(min_ratio)
+
+    def reset(self, worker: str) -> None:
+        """Forget the durations of ``worker`` but not that it is warm (it was paused, throttled
+        or shared, and is to be judged on what it does from now on)."""
+        for per_worker in self.groups.values():
+            per_worker.pop(worker, None)
+        self.log_speed.pop(worker, None)
+        self.conf.pop(worker, None)
+        self.pending = deque((o for o in self.pending if o[0] != worker),
+                             maxlen=self.pending.maxlen)
+        self._estimate()
 
     def forget(self, worker: str) -> None:
         """Drop everything known about ``worker`` (it left the cluster)."""
-        self.log_speed.pop(worker, None)
+        self.reset(worker)
         self.count.pop(worker, None)
-        self.pending = deque((o for o in self.pending if o[0] != worker),
-                             maxlen=self.pending.maxlen)
+        for key in [k for k in self.seen if k[0] == worker]:
+            del self.seen[key]

@@ -1,0 +1,131 @@
+"""The speed model: robust to cold starts and outliers, confident only with comparisons."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from blockflow.scheduling.speed import SpeedModel
+
+
+def feed(m: SpeedModel, worker: str, group: str, durations) -> None:
+    for d in durations:
+        m.observe(worker, group, d)
+
+
+def test_nothing_known_is_the_typical_speed():
+    m = SpeedModel()
+    assert m.speed("new") == 1.0 and m.confidence("new") == 0.0
+    assert not m.heterogeneous()
+
+
+def test_one_worker_alone_gives_no_evidence_however_its_durations_vary():
+    # a cold task of 0.5 s then a warm one of 0.5 ms (blockflow once learned 3.16 from this)
+    m = SpeedModel()
+    feed(m, "a", "g", [0.5, 0.0005])
+    m.update()
+    assert m.speed("a") == 1.0 and m.confidence("a") == 0.0
+    # 24 such tasks folded in one tick (it once learned 8,694)
+    m = SpeedModel()
+    feed(m, "a", "g", [0.5, 0.0005] * 12)
+    m.update()
+    assert m.speed("a") == 1.0
+
+
+def test_cold_start_is_discarded():
+    """Worker 0's first task is cold (imports, first transfer); all four are equally fast."""
+    m = SpeedModel()
+    feed(m, "w0", "k", [5.0] + [0.3] * 5)
+    for w in ("w1", "w2", "w3"):
+        feed(m, w, "k", [0.9] + [0.3] * 5)
+    m.update()
+    for w in ("w0", "w1", "w2", "w3"):
+        assert m.speed(w) == pytest.approx(1.0)
+        assert m.confidence(w) > 0.5
+    assert not m.heterogeneous()
+
+
+def test_learns_relative_speed_with_confidence_growing_with_observations():
+    m = SpeedModel()
+    confidences = []
+    for _ in range(40):
+        feed(m, "fast", "g", [0.05])
+        feed(m, "slow", "g", [0.20])
+        m.update()
+        confidences.append(m.confidence("slow"))
+    assert m.speed("slow") / m.speed("fast") == pytest.approx(0.25, rel=0.1)
+    assert confidences == sorted(confidences) and confidences[-1] > 0.9
+    assert m.heterogeneous()
+    # few observations: the same true ratio, shrunk towards 1
+    few = SpeedModel()
+    feed(few, "fast", "g", [0.05, 0.05])
+    feed(few, "slow", "g", [0.20, 0.20])
+    few.update()
+    ratio = few.speed("slow") / few.speed("fast")
+    assert 0.25 < ratio < 1.0
+    assert few.confidence("slow") < m.confidence("slow")
+
+
+def test_outliers_do_not_move_a_median():
+    m = SpeedModel()
+    feed(m, "a", "g", [0.1] * 10 + [30.0])  # one task stalled behind a GC pause
+    feed(m, "b", "g", [0.1] * 10)
+    m.update()
+    assert m.speed("a") == pytest.approx(m.speed("b"))
+
+
+def test_a_poorly_observed_worker_never_looks_much_faster_than_the_best_known():
+    m = SpeedModel()
+    feed(m, "a", "g", [1.0] * 30)
+    feed(m, "b", "g", [1.0] * 30)
+    feed(m, "new", "g", [1.0, 0.001])  # one suspiciously fast warm task
+    m.update()
+    best = max(m.speed("a"), m.speed("b"))
+    assert m.confidence("new") < 0.5
+    assert m.speed("new") <= best * m.max_optimism + 1e-9
+
+
+def test_groups_are_compared_only_with_themselves():
+    m = SpeedModel()
+    feed(m, "a", "small", [0.01] * 10)
+    feed(m, "b", "big", [1.0] * 10)  # different work, not a slower worker
+    m.update()
+    assert m.speed("a") == m.speed("b") == 1.0
+
+
+def test_reset_judges_a_worker_on_what_it_does_from_now_on():
+    m = SpeedModel()
+    feed(m, "a", "g", [0.4] * 20)  # slowed by another tenant
+    feed(m, "b", "g", [0.1] * 20)
+    m.update()
+    assert m.speed("a") < 0.6 * m.speed("b")
+    m.reset("a")
+    assert m.speed("a") == 1.0 and m.confidence("a") == 0.0
+    feed(m, "a", "g", [0.1] * 5)  # warm already: nothing discarded
+    m.update()
+    assert m.speed("a") == pytest.approx(m.speed("b"), rel=0.05)
+
+
+def test_forget_and_bad_durations():
+    m = SpeedModel()
+    for bad in (float("nan"), -1.0, 0.0, float("inf"), "1s"):
+        m.observe("a", "g", bad)
+    assert m.update() == 0
+    feed(m, "a", "g", [0.1] * 5)
+    feed(m, "b", "g", [0.2] * 5)
+    m.update()
+    m.forget("b")
+    assert m.speed("b") == 1.0 and m.observations("b") == 0
+    assert m.speed("a") == 1.0  # no one left to compare with
+
+
+def test_memory_is_bounded():
+    m = SpeedModel(window=4, max_groups=3)
+    for g in range(10):
+        feed(m, "a", f"g{g}", [0.1] * 10)
+        feed(m, "b", f"g{g}", [0.2] * 10)
+    m.update()
+    assert len(m.groups) == 3
+    assert all(len(d) == 4 for per in m.groups.values() for d in per.values())
+    assert math.isfinite(m.speed("a"))
