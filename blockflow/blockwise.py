@@ -369,14 +369,30 @@ def map_blocks(
         block indices) or ``block_info``; dataframe kernels may take ``partition_info``
         (``{"number": int, "division": object}``), as in Dask.
     *collections : dask.array.Array, dask.dataframe.DataFrame/Series, or xarray object
-        The inputs, all of one kind. Arrays of the same dimensionality must have identical
-        chunks; dataframes the same number of partitions; xarray objects are aligned by
-        :func:`xarray.map_blocks`.
+        The inputs, all of one kind, whose blocks pair up one to one. Arrays: axes align
+        from the right, as in NumPy broadcasting; an axis of length 1 broadcasts, every
+        other axis must have identical chunks in every array that has it. Dataframes: the
+        same number of partitions. Xarray objects (DataArray or Dataset): each argument after
+        the first must be chunked like argument 0 along the dimensions they share, and be in
+        one block along any dimension argument 0 lacks (:func:`xarray.map_blocks` would
+        otherwise hand each call just one of those blocks); their indexes are aligned
+        exactly by :func:`xarray.map_blocks`.
     name : str, optional
         Task-name prefix; default ``blockflow-<kernel name>``. Always starts with
         ``blockflow-`` so the scheduler plugin recognises the tasks.
     dtype, meta, chunks, drop_axis, new_axis : optional
-        Arrays: as in :func:`dask.array.map_blocks`. Every block must be an array (NumPy or
+        Arrays: as in :func:`dask.array.map_blocks`, except that the kernel always runs once
+        per block. ``drop_axis`` (an int or a sequence of ints; negative axes count from the
+        end of the input's axes) may only drop axes that are in one block in every input:
+        where Dask would concatenate the blocks along a dropped axis into one call,
+        blockflow refuses, and says to rechunk that axis to one block
+        (``x.rechunk({0: -1})``) or to reduce along it with :func:`blockflow.tree_reduce`
+        (there is no per-block meaning of dropping an axis that would not change what the
+        kernel computes). ``new_axis`` (an int or a sequence of ints; negative axes count
+        from the end of the output's axes) adds axes of one block each: their length is 1
+        unless ``chunks`` gives it, and ``chunks`` may not split a new axis into several
+        blocks (the kernel would run once per block of the new axis on the same input
+        block). Every block must be an array (NumPy or
         CuPy; a NumPy scalar for 0-d output); when given, its dtype, ndim and shape are
         checked against them at run time. ``meta`` also applies to dataframes (as in
         ``map_partitions``): every partition is checked against the output's meta, declared
@@ -388,7 +404,9 @@ def map_blocks(
         timedeltas match whatever their unit. Empty partitions are not checked: Dask
         replaces them with the meta.
     template : xarray object, optional
-        Xarray: the output template, as in :func:`xarray.map_blocks`.
+        Xarray: the output template, as in :func:`xarray.map_blocks`. Output declarations
+        that do not apply to the inputs' kind (``template`` for arrays, ``dtype``/``chunks``
+        for dataframes or xarray objects, ...) are refused rather than ignored.
     retries : int, optional
         Extra attempts of a block whose kernel raises (default 0): as everywhere in blockflow,
         the task is run up to ``retries`` more times before it fails. Here the attempts run
@@ -399,21 +417,32 @@ def map_blocks(
         of a graph, on any worker, pass ``retries=`` to ``client.compute``/``persist``, as
         blockflow's workloads do.
     **kwargs
-        Passed to ``kernel`` unchanged.
+        Passed to ``kernel`` unchanged, not split into blocks: a Dask array or dataframe
+        given here reaches every call whole (computed), as in Dask (xarray refuses Dask
+        collections here). Pass inputs positionally to have them split like the others.
 
     Returns
     -------
     dask.array.Array, dask.dataframe.DataFrame/Series, or xarray object
-        Lazy result with one block per input block.
+        Lazy result with one block per input block: the kernel runs exactly once per block
+        (per block of the broadcast inputs for arrays; per block of argument 0 for xarray).
 
     Raises
     ------
     TypeError
         If an input is not a Dask collection (e.g. a NumPy array or pandas frame: the message
-        says how to wrap it) or inputs are of different kinds.
+        says how to wrap it), inputs are of different kinds (e.g. an xarray object and a
+        Dask array), an output declaration does not apply to the inputs' kind, or
+        ``drop_axis``/``new_axis`` is not an int or a sequence of ints.
     ValueError
-        If array chunk sizes are unknown (NaN), chunks / partition counts of the inputs
-        differ (the message names the inputs and axis), or ``retries`` is not an int >= 0.
+        If array chunk sizes are unknown (NaN); chunks / partition counts of the inputs
+        differ (the message names the inputs, the axis or dimension, both chunkings and the
+        fix: ``"blockflow.map_blocks: arguments 0 and 1 have different chunks along axis 0:
+        (2, 1) vs (3,); rechunk one to match, e.g. y = y.rechunk(x.chunks)."``, or for
+        xarray ``"... along dimension 'x': (2, 2, 2) vs (3, 3); chunk one to match, e.g.
+        y = y.chunk({'x': (2, 2, 2)})."``); ``drop_axis`` drops an axis split into several
+        blocks; ``chunks`` splits a new axis into several blocks; an axis is out of range
+        or given twice; or ``retries`` is not an int >= 0.
     EmptyCollectionError
         If an input array has no elements.
     BlockKernelError
@@ -469,6 +498,8 @@ def map_blocks(
     retries = check_retries(retries, "blockflow.map_blocks")
     task_name = kernel_name(kernel, name)
     kind = kinds[0]
+    _check_options(kind, dtype=dtype, meta=meta, chunks=chunks, drop_axis=drop_axis,
+                   new_axis=new_axis, template=template)
     if kind == "array":
         return _map_arrays(kernel, collections, task_name, dtype, meta, chunks, drop_axis,
                            new_axis, kwargs, retries)
@@ -477,19 +508,46 @@ def map_blocks(
     return _map_xarray(kernel, collections, task_name, template, kwargs, retries)
 
 
+#: The output declarations each kind of input uses, and how to name them in messages.
+_OPTIONS = {
+    "array": (("dtype", "meta", "chunks", "drop_axis", "new_axis"), "dask array",
+              "dtype=, meta=, chunks=, drop_axis= or new_axis="),
+    "dataframe": (("meta",), "dataframe", "meta="),
+    "xarray": (("template",), "xarray", "template="),
+}
+
+
+def _check_options(kind: str, **options) -> None:
+    """Refuse output declarations that do not apply to the inputs' kind (they would be
+    ignored silently)."""
+    used, label, instead = _OPTIONS[kind]
+    unused = [f"{k}=" for k, v in options.items() if v is not None and k not in used]
+    if unused:
+        raise TypeError(
+            f"blockflow.map_blocks: {', '.join(unused)} {'is' if len(unused) == 1 else 'are'} "
+            f"not used for {label} inputs; declare the output with {instead} instead."
+        )
+
+
 def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_axis, kwargs,
                 retries=0):
     for i, x in enumerate(arrays):
         validate_array(x, "blockflow.map_blocks", f"argument {i}")
-    first = arrays[0]
-    for i, x in enumerate(arrays[1:], start=1):
-        if x.ndim == first.ndim and x.chunks != first.chunks:
-            axis = next(a for a in range(x.ndim) if x.chunks[a] != first.chunks[a])
-            raise ValueError(
-                f"blockflow.map_blocks: arguments 0 and {i} have different chunks along axis "
-                f"{axis}: {first.chunks[axis]} vs {x.chunks[axis]}; rechunk one to match, e.g. "
-                f"y = y.rechunk(x.chunks)."
-            )
+    _check_aligned_chunks(arrays)
+    ndim = max(x.ndim for x in arrays)
+    drop = _axes(drop_axis, ndim, "drop_axis", "input") if drop_axis is not None else []
+    _check_dropped_axes(arrays, drop, drop_axis)
+    kept = ndim - len(drop)
+    if new_axis is not None:
+        new_ndim = kept + (1 if _is_int(new_axis) else len(_axis_list(new_axis, "new_axis")))
+        new = _axes(new_axis, new_ndim, "new_axis", "output")
+    elif chunks is not None and len(chunks) > kept:  # Dask adds the leading axes as new
+        new = list(range(len(chunks) - kept))
+    else:
+        new = []
+    # Pass the normalised axes: Dask inserts a negative new_axis at the wrong place.
+    drop_axis = drop or None
+    new_axis = new if new_axis is not None else None
     declared_dtype = dtype if dtype is not None else getattr(meta, "dtype", None)
     wants_info = _wants(kernel, "block_info")
     cls = _ArrayKernelWithInfo if wants_info else _ArrayKernel
@@ -503,7 +561,121 @@ def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_a
     # Dask works out the output's dimensions (meta=np.array((), dtype=...) is 1-d whatever
     # the output): check blocks against those, as against its chunks.
     wrapped.ndim, wrapped.expected_chunks = out.ndim, out.chunks
+    _check_new_axes(out, new)
     return out
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _axis_list(value, option: str) -> list:
+    """``drop_axis``/``new_axis`` as a list: an int, or a sequence of ints."""
+    if _is_int(value):
+        return [value]
+    try:
+        items = list(value)
+    except TypeError:
+        items = None
+    if items is None or not all(_is_int(a) for a in items):
+        raise TypeError(
+            f"blockflow.map_blocks: {option}= must be an int or a sequence of ints, got "
+            f"{value!r}; e.g. {option}=0 or {option}=(0, 1)."
+        )
+    return items
+
+
+def _axes(value, ndim: int, option: str, of: str) -> list[int]:
+    """``drop_axis``/``new_axis`` normalised to sorted axes ``0 <= a < ndim`` (negative ones
+    count from the end, as in NumPy)."""
+    items = _axis_list(value, option)
+    for a in items:
+        if not -ndim <= a < ndim:
+            raise ValueError(
+                f"blockflow.map_blocks: {option}={value!r} is out of range for the {ndim}-d "
+                f"{of}; give axes from {-ndim} to {ndim - 1}."
+            )
+    axes = sorted(int(a) % ndim for a in items)
+    if len(set(axes)) != len(axes):
+        raise ValueError(
+            f"blockflow.map_blocks: {option}={value!r} names an axis more than once; give "
+            f"each axis once."
+        )
+    return axes
+
+
+def _check_aligned_chunks(arrays) -> None:
+    """Refuse arrays whose blocks do not pair up one to one.
+
+    Axes align from the right, as in NumPy broadcasting; an axis of length 1 broadcasts (its
+    one block goes with every block of the others). Every other axis must have the same
+    chunks in every array that has it: Dask's ``map_blocks`` pairs blocks by index without
+    aligning them (``align_arrays=False``), so different chunks would hand a kernel blocks
+    of different extents, or fail late with a shape error.
+    """
+    ndim = max(x.ndim for x in arrays)
+    for axis in range(ndim):
+        ref = None
+        for i, x in enumerate(arrays):
+            a = axis - (ndim - x.ndim)
+            if a < 0 or x.shape[a] == 1:
+                continue
+            if ref is None:
+                ref = (i, x, a)
+                continue
+            j, first, b = ref
+            if x.chunks[a] == first.chunks[b]:
+                continue
+            if x.ndim == first.ndim == ndim:
+                where = f"axis {axis}"
+            else:
+                where = (f"axis {axis} of the output (axis {b} of argument {j}, axis {a} of "
+                         f"argument {i}; axes align from the right, as in NumPy broadcasting)")
+            fix = ("y = y.rechunk(x.chunks)" if x.shape == first.shape
+                   else f"y = y.rechunk({{{a}: x.chunks[{b}]}})")
+            raise ValueError(
+                f"blockflow.map_blocks: arguments {j} and {i} have different chunks along "
+                f"{where}: {first.chunks[b]} vs {x.chunks[a]}; rechunk one to match, e.g. "
+                f"{fix}."
+            )
+
+
+def _check_dropped_axes(arrays, drop: list[int], drop_axis) -> None:
+    """Refuse a dropped axis split into several blocks.
+
+    Dask's ``map_blocks`` concatenates the blocks along a dropped axis into one kernel call;
+    blockflow promises one call per block, and there is no per-block meaning to give a
+    dropped axis that does not change what the kernel computes, so it refuses.
+    """
+    ndim = max(x.ndim for x in arrays)
+    for axis in drop:
+        for i, x in enumerate(arrays):
+            a = axis - (ndim - x.ndim)
+            if a < 0 or len(x.chunks[a]) == 1:
+                continue
+            where = f"axis {axis}" if a == axis else f"axis {axis} (its axis {a})"
+            raise ValueError(
+                f"blockflow.map_blocks: drop_axis={drop_axis!r} drops {where}, along which "
+                f"argument {i} has {len(x.chunks[a])} blocks {x.chunks[a]}; Dask would join "
+                f"them into one kernel call, but map_blocks runs one call per block. Rechunk "
+                f"that axis to one block first (x = x.rechunk({{{a}: -1}})) or reduce along "
+                f"it with blockflow.tree_reduce."
+            )
+
+
+def _check_new_axes(out, new: list[int]) -> None:
+    """Refuse a new axis split into several blocks: each input block would go to the
+    kernel once per block of the new axis."""
+    for axis in new:
+        c = out.chunks[axis]
+        if len(c) > 1:
+            raise ValueError(
+                f"blockflow.map_blocks: chunks= splits new axis {axis} into {len(c)} blocks "
+                f"{c}, so the kernel would run {len(c)} times on each input block, but "
+                f"map_blocks runs one call per block. Give the new axis one block "
+                f"(chunks {(sum(c),)} along it) and rechunk the result afterwards if needed "
+                f"(y = y.rechunk({{{axis}: {c[0]}}}))."
+            )
 
 
 def _map_partitions(kernel, frames, task_name, meta, kwargs, retries=0):
@@ -529,5 +701,37 @@ def _map_xarray(kernel, objs, task_name, template, kwargs, retries=0):
     for i, o in enumerate(objs):
         if not o.chunks:
             raise not_a_collection("blockflow.map_blocks", f"argument {i}", o)
+    _check_xarray_chunks(objs)
     wrapped = _XarrayKernel(kernel, task_name, retries)
     return xr.map_blocks(wrapped, objs[0], args=list(objs[1:]), kwargs=kwargs, template=template)
+
+
+def _check_xarray_chunks(objs) -> None:
+    """Refuse xarray arguments whose blocks do not match argument 0's.
+
+    :func:`xarray.map_blocks` runs one task per combination of the blocks of *all* its
+    arguments but keys the output by the output's dimensions only, so an argument split
+    along a dimension that argument 0 lacks hands each call one of its blocks and keeps one
+    result (silently wrong values). Along shared dimensions every argument must be chunked
+    like argument 0 (a dimension of argument 0 held in memory counts as one block); along
+    other dimensions it must be in one block.
+    """
+    main = objs[0]
+    own = dict(main.chunksizes)
+    ref = {d: tuple(own.get(d, (main.sizes[d],))) for d in main.dims}
+    for i, o in enumerate(objs[1:], start=1):
+        for dim, c in o.chunksizes.items():
+            c = tuple(c)
+            if dim in ref and c != ref[dim]:
+                raise ValueError(
+                    f"blockflow.map_blocks: arguments 0 and {i} have different chunks along "
+                    f"dimension {dim!r}: {ref[dim]} vs {c}; chunk one to match, e.g. "
+                    f"y = y.chunk({{{dim!r}: {ref[dim]}}})."
+                )
+            if dim not in ref and len(c) > 1:
+                raise ValueError(
+                    f"blockflow.map_blocks: arguments 0 and {i} have different chunks along "
+                    f"dimension {dim!r}: one block (argument 0 does not have that dimension) "
+                    f"vs {c}; xarray would hand each call only one of those blocks. Put it in "
+                    f"one block, e.g. y = y.chunk({{{dim!r}: -1}})."
+                )

@@ -494,3 +494,330 @@ def test_map_blocks_and_tree_reduce_run_kernels_through_one_wrapper(monkeypatch)
         ("blockflow.blockwise", "block (0,)", 1), ("blockflow.blockwise", "block (1,)", 1),
         ("blockflow.reduction", "a tree_reduce aggregate step", 2),
         ("blockflow.reduction", "a tree_reduce chunk step", 2)]
+
+
+# --- one call per block: drop_axis, new_axis, broadcasting, xarray extras (issue 10) ---------
+
+
+def _sync_compute(collection):
+    with dask.config.set(scheduler="sync"):
+        return collection.compute()
+
+
+def record_block_sum(b, block_id=None):
+    if b.size:
+        _see(block_id)
+    return b.sum(axis=0)
+
+
+DROP_REFUSED = "Dask would join them into one kernel call, but map_blocks runs one call per " \
+               "block. Rechunk that axis to one block first (x = x.rechunk({{{a}: -1}})) or " \
+               "reduce along it with blockflow.tree_reduce."
+
+
+@pytest.mark.parametrize(
+    "shape, chunks, drop_axis, head",
+    [
+        ((6, 4), (2, 4), 0, "drop_axis=0 drops axis 0, along which argument 0 has 3 blocks "
+                            "(2, 2, 2)"),
+        ((6, 4), (2, 4), -2, "drop_axis=-2 drops axis 0, along which argument 0 has 3 blocks "
+                             "(2, 2, 2)"),
+        ((6, 4), (6, 3), -1, "drop_axis=-1 drops axis 1, along which argument 0 has 2 blocks "
+                             "(3, 1)"),
+        ((6, 4), (6, 3), (0, 1), "drop_axis=(0, 1) drops axis 1, along which argument 0 has 2 "
+                                 "blocks (3, 1)"),
+        ((6, 4), (2, 2), [1, 0], "drop_axis=[1, 0] drops axis 0, along which argument 0 has 3 "
+                                 "blocks (2, 2, 2)"),
+        ((2, 6, 4), (2, 6, 2), np.int64(2), "drop_axis=np.int64(2) drops axis 2, along which "
+                                            "argument 0 has 2 blocks (2, 2)"),
+    ],
+    ids=["int", "negative", "negative-last", "tuple", "list", "numpy-int"],
+)
+def test_drop_axis_split_into_blocks_is_refused(shape, chunks, drop_axis, head):
+    """The issue: drop_axis=0 over 3 blocks ran the kernel once on all three, joined."""
+    x = da.ones(shape, chunks=chunks)
+    a = int(head.split("drops axis ")[1][0])
+    with pytest.raises(ValueError) as e:
+        map_blocks(record_block_sum, x, drop_axis=drop_axis)
+    assert str(e.value) == f"blockflow.map_blocks: {head}; " + DROP_REFUSED.format(a=a)
+    assert SEEN == []
+
+
+def test_drop_axis_of_a_broadcast_argument_names_its_own_axis():
+    x, y = da.ones((4, 6), chunks=(4, 3)), da.ones(6, chunks=3)
+    with pytest.raises(ValueError) as e:
+        map_blocks(lambda p, q: p.sum(axis=1) + q.sum(), x, y, drop_axis=1)
+    assert str(e.value) == (
+        "blockflow.map_blocks: drop_axis=1 drops axis 1, along which argument 0 has 2 blocks "
+        "(3, 3); " + DROP_REFUSED.format(a=1))
+    # argument 0 broadcasts along axis 1 (length 1); argument 1 is split along it
+    with pytest.raises(ValueError) as e:
+        map_blocks(lambda p, q: p.sum(axis=1) + q.sum(), da.ones((4, 1), chunks=(2, 1)), y,
+                   drop_axis=-1)
+    assert str(e.value) == (
+        "blockflow.map_blocks: drop_axis=-1 drops axis 1 (its axis 0), along which argument 1 "
+        "has 2 blocks (3, 3); " + DROP_REFUSED.format(a=0))
+
+
+def test_drop_axis_split_in_a_lower_dimensional_argument():
+    x = da.ones((4, 6), chunks=(2, 6))
+    y = da.ones(6, chunks=2)  # axis 0 of y is axis 1 of the output
+    with pytest.raises(ValueError) as e:
+        map_blocks(lambda p, q: p.sum(axis=1), x, y.rechunk(6).rechunk(2), drop_axis=1)
+    assert str(e.value) == (
+        "blockflow.map_blocks: arguments 0 and 1 have different chunks along axis 1 of the "
+        "output (axis 1 of argument 0, axis 0 of argument 1; axes align from the right, as in "
+        "NumPy broadcasting): (6,) vs (2, 2, 2); rechunk one to match, e.g. "
+        "y = y.rechunk({0: x.chunks[1]}).")
+    x = da.ones((1, 6), chunks=(1, 2))
+    with pytest.raises(ValueError) as e:
+        map_blocks(lambda p, q: p.sum(axis=1), x, y, drop_axis=1)
+    assert str(e.value) == (
+        "blockflow.map_blocks: drop_axis=1 drops axis 1, along which argument 0 has 3 blocks "
+        "(2, 2, 2); " + DROP_REFUSED.format(a=1))
+    with pytest.raises(ValueError) as e:
+        map_blocks(lambda p, q: p.sum(axis=1), da.ones((1, 6), chunks=(1, 6)),
+                   da.ones(6, chunks=2).rechunk(6), da.ones(6, chunks=2), drop_axis=1)
+    assert str(e.value).startswith("blockflow.map_blocks: arguments 0 and 2 have different "
+                                   "chunks along axis 1 of the output")
+
+
+@pytest.mark.parametrize(
+    "drop_axis, new_axis, error, message",
+    [
+        (2, None, ValueError, "blockflow.map_blocks: drop_axis=2 is out of range for the 2-d "
+                              "input; give axes from -2 to 1."),
+        ((0, -2), None, ValueError, "blockflow.map_blocks: drop_axis=(0, -2) names an axis "
+                                    "more than once; give each axis once."),
+        ("0", None, TypeError, "blockflow.map_blocks: drop_axis= must be an int or a sequence "
+                               "of ints, got '0'; e.g. drop_axis=0 or drop_axis=(0, 1)."),
+        (1.0, None, TypeError, "blockflow.map_blocks: drop_axis= must be an int or a sequence "
+                               "of ints, got 1.0; e.g. drop_axis=0 or drop_axis=(0, 1)."),
+        (None, -4, ValueError, "blockflow.map_blocks: new_axis=-4 is out of range for the 3-d "
+                               "output; give axes from -3 to 2."),
+        (None, [0, 3], ValueError, "blockflow.map_blocks: new_axis=[0, 3] is out of range for "
+                                   "the 4-d output; give axes from -4 to 3."),
+    ],
+    ids=["drop-out-of-range", "drop-twice", "drop-str", "drop-float", "new-out-of-range",
+         "new-list-out-of-range"],
+)
+def test_bad_axes_are_refused(drop_axis, new_axis, error, message):
+    x = da.ones((6, 4), chunks=(6, 4))
+    with pytest.raises(error) as e:
+        map_blocks(inc, x, drop_axis=drop_axis, new_axis=new_axis)
+    assert str(e.value) == message
+
+
+def test_new_axis_split_into_blocks_is_refused():
+    x = da.zeros(4, chunks=2)
+    with pytest.raises(ValueError) as e:
+        map_blocks(lambda b: np.repeat(b[:, None], 3, axis=1), x, new_axis=1,
+                   chunks=((2, 2), (3, 3)))
+    assert str(e.value) == (
+        "blockflow.map_blocks: chunks= splits new axis 1 into 2 blocks (3, 3), so the kernel "
+        "would run 2 times on each input block, but map_blocks runs one call per block. Give "
+        "the new axis one block (chunks (6,) along it) and rechunk the result afterwards if "
+        "needed (y = y.rechunk({1: 3})).")
+    with pytest.raises(ValueError) as e:  # new axes inferred from chunks= (Dask's rule)
+        map_blocks(lambda b: b[None], x, chunks=((1, 1), (2, 2)))
+    assert str(e.value).startswith(
+        "blockflow.map_blocks: chunks= splits new axis 0 into 2 blocks (1, 1), so the kernel "
+        "would run 2 times on each input block")
+
+
+def test_one_block_dropped_and_new_axes_equal_numpy_one_call_per_block():
+    a = np.arange(6 * 4, dtype="f8").reshape(6, 4)
+    # the fix the message gives: one block along the dropped axis
+    x = da.from_array(a, chunks=(2, 2)).rechunk({0: -1})
+    y = map_blocks(record_block_sum, x, drop_axis=0, dtype="f8")
+    assert y.chunks == ((2, 2),)
+    np.testing.assert_array_equal(_sync_compute(y), a.sum(axis=0))
+    assert sorted(SEEN) == [(0,), (1,)]
+    SEEN.clear()
+    # negative drop_axis; a tuple dropping every axis of a one-block array gives a 0-d result
+    x = da.from_array(a, chunks=(2, 4))
+    y = map_blocks(lambda b: b.sum(axis=1), x, drop_axis=-1, dtype="f8")
+    np.testing.assert_array_equal(_sync_compute(y), a.sum(axis=1))
+    total = map_blocks(lambda b: np.asarray(b.sum()), da.from_array(a, chunks=(6, 4)),
+                       drop_axis=(0, -1), dtype="f8")
+    assert total.ndim == 0 and _sync_compute(total) == a.sum() == 276.0
+    # drop_axis and new_axis together: replace axis 1 (one block) by an axis of length 3
+    y = map_blocks(lambda b: np.repeat(b.sum(axis=1, keepdims=True), 3, axis=1), x,
+                   drop_axis=1, new_axis=1, chunks=((2, 2, 2), (3,)), dtype="f8")
+    np.testing.assert_array_equal(_sync_compute(y), np.repeat(a.sum(1, keepdims=True), 3, 1))
+    # a negative new_axis counts from the end of the output (Dask inserts it one too early)
+    y = map_blocks(lambda b: b[..., None], x, new_axis=-1, dtype="f8")
+    assert y.shape == (6, 4, 1) and y.chunks == ((2, 2, 2), (4,), (1,))
+    np.testing.assert_array_equal(_sync_compute(y), a[..., None])
+    y = map_blocks(lambda b: b[None], x, new_axis=[-3], dtype="f8")
+    assert y.chunks == ((1,), (2, 2, 2), (4,))
+    np.testing.assert_array_equal(_sync_compute(y), a[None])
+
+
+def test_broadcast_arrays_pair_their_blocks():
+    a, b = np.arange(24.0).reshape(6, 4), np.arange(4.0) * 100
+    x = da.from_array(a, chunks=(2, 2))
+    # lower-dimensional argument chunked like the trailing axis
+    y = map_blocks(np.add, x, da.from_array(b, chunks=2))
+    assert y.chunks == x.chunks
+    np.testing.assert_array_equal(_sync_compute(y), a + b)
+    # an axis of length 1 broadcasts (its one block goes with every block)
+    y = map_blocks(np.add, x, da.from_array(b[None, :], chunks=(1, 2)))
+    np.testing.assert_array_equal(_sync_compute(y), a + b)
+    y = map_blocks(np.add, da.from_array(b[None, :], chunks=(1, 2)), x)
+    assert y.chunks == x.chunks
+    np.testing.assert_array_equal(_sync_compute(y), a + b)
+
+
+@pytest.mark.parametrize("bchunks", [(1, 1, 1, 1), (3, 1), (4,)])
+def test_broadcast_arrays_with_other_chunks_are_refused(bchunks):
+    x = da.ones((6, 4), chunks=(2, 2))
+    with pytest.raises(ValueError) as e:
+        map_blocks(np.add, x, da.ones(4, chunks=bchunks))
+    assert str(e.value) == (
+        f"blockflow.map_blocks: arguments 0 and 1 have different chunks along axis 1 of the "
+        f"output (axis 1 of argument 0, axis 0 of argument 1; axes align from the right, as "
+        f"in NumPy broadcasting): (2, 2) vs {bchunks}; rechunk one to match, e.g. "
+        f"y = y.rechunk({{0: x.chunks[1]}}).")
+
+
+@settings_fast
+@given(data=st.data())
+def test_broadcast_and_dropped_axes_any_chunking_equal_numpy(data):
+    rows, cols = data.draw(st.integers(1, 8)), data.draw(st.integers(2, 8))
+    rchunks, cchunks = data.draw(chunks_for(rows)), data.draw(chunks_for(cols))
+    a = np.arange(rows * cols, dtype="f8").reshape(rows, cols)
+    b = np.arange(cols, dtype="f8") * 1000
+    x, y = da.from_array(a, (rchunks, cchunks)), da.from_array(b, (cchunks,))
+    out = map_blocks(np.add, x, y)
+    assert out.chunks == x.chunks
+    np.testing.assert_array_equal(_sync_compute(out), a + b)
+    if len(rchunks) > 1:
+        with pytest.raises(ValueError, match="drop_axis=0 drops axis 0"):
+            map_blocks(lambda p, q: p.sum(axis=0) + q, x, y, drop_axis=0)
+    summed = map_blocks(lambda p, q: p.sum(axis=0) + q, x.rechunk({0: -1}), y, drop_axis=0)
+    assert summed.chunks == (cchunks,)
+    np.testing.assert_array_equal(_sync_compute(summed), a.sum(axis=0) + b)
+
+
+# xarray: every argument is split like argument 0
+
+
+def _field():
+    return xr.DataArray(np.arange(24.0).reshape(6, 4), dims=("x", "y"),
+                        coords={"x": np.arange(6), "y": [10, 20, 30, 40]},
+                        name="field").chunk({"x": 2, "y": 2})
+
+
+def _offsets():
+    return xr.DataArray(np.arange(6.0) * 100, dims="x", coords={"x": np.arange(6)},
+                        name="offsets")
+
+
+def add_blocks(a, b):
+    return a + b
+
+
+def add_var(a, ds):
+    return a + ds["offsets"]
+
+
+def add_member_sum(a, b):
+    return a + b.sum("member")
+
+
+@pytest.mark.parametrize(
+    "extra, kernel, message",
+    [
+        (_offsets().chunk({"x": 3}), add_blocks,
+         "blockflow.map_blocks: arguments 0 and 1 have different chunks along dimension 'x': "
+         "(2, 2, 2) vs (3, 3); chunk one to match, e.g. y = y.chunk({'x': (2, 2, 2)})."),
+        (_offsets().chunk({"x": 3}).to_dataset(), add_var,
+         "blockflow.map_blocks: arguments 0 and 1 have different chunks along dimension 'x': "
+         "(2, 2, 2) vs (3, 3); chunk one to match, e.g. y = y.chunk({'x': (2, 2, 2)})."),
+        (xr.DataArray(np.ones((6, 4)), dims=("x", "y")).chunk({"x": 2, "y": 4}), add_blocks,
+         "blockflow.map_blocks: arguments 0 and 1 have different chunks along dimension 'y': "
+         "(2, 2) vs (4,); chunk one to match, e.g. y = y.chunk({'y': (2, 2)})."),
+        (xr.DataArray(np.ones((3, 6)), dims=("member", "x"),
+                      coords={"x": np.arange(6)}).chunk({"member": 1, "x": 2}), add_member_sum,
+         "blockflow.map_blocks: arguments 0 and 1 have different chunks along dimension "
+         "'member': one block (argument 0 does not have that dimension) vs (1, 1, 1); xarray "
+         "would hand each call only one of those blocks. Put it in one block, e.g. "
+         "y = y.chunk({'member': -1})."),
+    ],
+    ids=["dataarray", "dataset", "second-dim", "dim-argument-0-lacks"],
+)
+def test_xarray_extra_with_other_chunks_is_refused(extra, kernel, message):
+    """The issue: field + offsets with other chunks gave one block's offset everywhere."""
+    with pytest.raises(ValueError) as e:
+        map_blocks(kernel, _field(), extra)
+    assert str(e.value) == message
+    with pytest.raises(ValueError) as e:  # the same with a Dataset as argument 0
+        map_blocks(kernel, _field().to_dataset(), extra)
+    assert str(e.value) == message
+
+
+def test_xarray_dataset_argument_0_held_in_memory_along_a_dim_is_one_block():
+    ds = xr.Dataset({"a": _field(), "w": ("z", np.arange(3.0))})
+    with pytest.raises(ValueError) as e:
+        map_blocks(lambda d, w: d, ds, xr.DataArray(np.ones(3), dims="z").chunk(1))
+    assert str(e.value) == (
+        "blockflow.map_blocks: arguments 0 and 1 have different chunks along dimension 'z': "
+        "(3,) vs (1, 1, 1); chunk one to match, e.g. y = y.chunk({'z': (3,)}).")
+
+
+def test_xarray_with_a_dask_array_extra_is_refused():
+    with pytest.raises(TypeError) as e:
+        map_blocks(add_blocks, _field(), da.ones(4, chunks=2))
+    assert str(e.value) == (
+        "blockflow.map_blocks: all inputs must be of one kind, got ['xarray', 'array']; "
+        "convert them first (e.g. xarray_obj.data for its dask array).")
+
+
+def record_add(a, b):
+    if a.size:
+        _see((int(a["x"][0]), int(a["y"][0])))
+    return a + b
+
+
+def test_xarray_extras_chunked_like_argument_0_equal_xarray_whole():
+    field, offsets = _field(), _offsets()
+    want = (field + offsets).compute()
+    # the fix the message gives, for a DataArray and for a Dataset extra
+    aligned = offsets.chunk({"x": (2, 2, 2)})
+    got = _sync_compute(map_blocks(record_add, field, aligned))
+    xr.testing.assert_identical(got, want)
+    np.testing.assert_array_equal(got.values,
+                                  np.arange(24.0).reshape(6, 4) + np.arange(6.0)[:, None] * 100)
+    assert sorted(SEEN) == [(x, y) for x in (0, 2, 4) for y in (10, 30)]  # one call per block
+    out = map_blocks(add_var, field, aligned.to_dataset())
+    xr.testing.assert_identical(_sync_compute(out), want)
+    # a dimension argument 0 lacks, in one block
+    member = xr.DataArray(np.arange(18.0).reshape(3, 6), dims=("member", "x"),
+                          coords={"x": np.arange(6)})
+    out = map_blocks(add_member_sum, field, member.chunk({"member": -1, "x": 2}))
+    xr.testing.assert_identical(_sync_compute(out), (field + member.sum("member")).compute())
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: map_blocks(inc, da.ones(4, chunks=2), template=da.ones(4, chunks=2)),
+         "blockflow.map_blocks: template= is not used for dask array inputs; declare the "
+         "output with dtype=, meta=, chunks=, drop_axis= or new_axis= instead."),
+        (lambda: map_blocks(inc, _frame()[1], dtype="f8", chunks=(2,)),
+         "blockflow.map_blocks: dtype=, chunks= are not used for dataframe inputs; declare "
+         "the output with meta= instead."),
+        (lambda: map_blocks(inc, _field(), drop_axis=0),
+         "blockflow.map_blocks: drop_axis= is not used for xarray inputs; declare the output "
+         "with template= instead."),
+        (lambda: map_blocks(inc, _field(), meta=np.array(())),
+         "blockflow.map_blocks: meta= is not used for xarray inputs; declare the output with "
+         "template= instead."),
+    ],
+    ids=["template-for-arrays", "dtype-for-frames", "drop-axis-for-xarray", "meta-for-xarray"],
+)
+def test_declarations_of_another_kind_are_refused_not_ignored(make, message):
+    with pytest.raises(TypeError) as e:
+        make()
+    assert str(e.value) == message

@@ -18,6 +18,7 @@ import time
 
 import dask
 import dask.array as da
+import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
@@ -56,6 +57,14 @@ def _unknown_chunks():
 
 def _sync(collection):
     return collection.compute(scheduler="sync")
+
+
+def _field_plus_offsets_chunked_otherwise():
+    import xarray as xr
+
+    field = xr.DataArray(np.zeros(6), dims="x").chunk({"x": 2})
+    offsets = xr.DataArray(np.arange(6.0), dims="x").chunk({"x": 3})
+    return blockflow.map_blocks(np.add, field, offsets)
 
 
 def _gpu_message() -> str:
@@ -103,6 +112,38 @@ CASES = [
                                      da.ones((3, 4), chunks=(3, 2))), ValueError,
         "blockflow.map_blocks: arguments 0 and 1 have different chunks along axis 0: (2, 1) vs "
         "(3,); rechunk one to match, e.g. y = y.rechunk(x.chunks).", id="mismatched-chunks"),
+    pytest.param(
+        lambda: blockflow.map_blocks(np.add, da.ones((3, 4), chunks=2), da.ones(4, chunks=4)),
+        ValueError,
+        "blockflow.map_blocks: arguments 0 and 1 have different chunks along axis 1 of the "
+        "output (axis 1 of argument 0, axis 0 of argument 1; axes align from the right, as in "
+        "NumPy broadcasting): (2, 2) vs (4,); rechunk one to match, e.g. "
+        "y = y.rechunk({0: x.chunks[1]}).", id="mismatched-broadcast-chunks"),
+    pytest.param(
+        _field_plus_offsets_chunked_otherwise, ValueError,
+        "blockflow.map_blocks: arguments 0 and 1 have different chunks along dimension 'x': "
+        "(2, 2, 2) vs (3, 3); chunk one to match, e.g. y = y.chunk({'x': (2, 2, 2)}).",
+        id="xarray-mismatched-chunks"),
+    pytest.param(
+        lambda: blockflow.map_blocks(np.sum, da.ones((6, 4), chunks=(2, 4)), drop_axis=0),
+        ValueError,
+        "blockflow.map_blocks: drop_axis=0 drops axis 0, along which argument 0 has 3 blocks "
+        "(2, 2, 2); Dask would join them into one kernel call, but map_blocks runs one call "
+        "per block. Rechunk that axis to one block first (x = x.rechunk({0: -1})) or reduce "
+        "along it with blockflow.tree_reduce.", id="drop-axis-of-several-blocks"),
+    pytest.param(
+        lambda: blockflow.map_blocks(np.negative, da.ones(4, chunks=2), new_axis=1,
+                                     chunks=((2, 2), (3, 3))), ValueError,
+        "blockflow.map_blocks: chunks= splits new axis 1 into 2 blocks (3, 3), so the kernel "
+        "would run 2 times on each input block, but map_blocks runs one call per block. Give "
+        "the new axis one block (chunks (6,) along it) and rechunk the result afterwards if "
+        "needed (y = y.rechunk({1: 3})).", id="new-axis-of-several-blocks"),
+    pytest.param(
+        lambda: blockflow.map_blocks(len, dd.from_pandas(pd.DataFrame({"a": [1]}),
+                                                         npartitions=1), dtype="f8"),
+        TypeError,
+        "blockflow.map_blocks: dtype= is not used for dataframe inputs; declare the output "
+        "with meta= instead.", id="declaration-of-another-kind"),
     pytest.param(
         lambda: blockflow.tree_reduce(da.ones(8, chunks=2), np.sum, split_every=1), ValueError,
         "blockflow.tree_reduce: split_every=1 is too small; a tree reduction combines at least "
