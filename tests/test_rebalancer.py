@@ -362,3 +362,58 @@ async def test_a_changed_internal_fails_loudly_naming_it(c, s, a, b):
     finally:
         del stealing.move_task_request
     check_scheduler(s)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 4, timeout=120)
+async def test_cold_start_on_one_worker_spreads_like_plain_dask(c, s, *workers):
+    """24 inputs made on worker 0 of four identical devices, one 0.3 s kernel each.
+
+    blockflow once learned worker 0's speed as 27-575 from its first, cold task, suspended
+    distributed's stealing and ran all 24 kernels on worker 0 (2.6x slower than plain Dask).
+    """
+    from blockflow.testing import simulated_kernel
+
+    w0 = workers[0].address
+    await install_simulated_devices(c, {}, default=SimulatedDevice())
+    await c.register_plugin(Rebalancer(policy="dynamic", interval=0.1))
+    plugin = s.plugins["blockflow-rebalancer"]
+    data = await c.scatter(list(range(24)), workers=[w0])
+    futs = c.map(simulated_kernel, data, work=0.3, pure=False)
+    await wait(futs)
+    assert [blk.payload for blk in await c.gather(futs)] == list(range(24))
+    ran = Counter(next(iter(s.tasks[f.key].who_has)).address for f in futs)
+    assert ran[w0] <= 12 and len(ran) >= 3, ran
+    for addr in s.workers:
+        assert 1 / 1.5 <= plugin.speeds.speed(addr) <= 1.5, plugin.status()["speeds"]
+    assert not [d for d in plugin.decisions if d["action"] == "balance"]
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=120)
+async def test_a_resumed_worker_is_judged_on_what_it_does_next(c, s, a, b, w):
+    await install_simulated_devices(c, {}, default=SimulatedDevice())
+    plugin = await _plugin(c, s)
+    for addr, d in ((a.address, 0.4), (b.address, 0.1), (w.address, 0.1)):
+        for _ in range(8):  # a looked slow while another tenant shared its GPU
+            plugin.speeds.observe(addr, "kernel", d)
+    await c.run(set_tenant, Tenant(95, 0), workers=[a.address])
+    await _heartbeats(c)
+    assert [d.action for d in plugin.run_once()] == ["pause"]
+    assert plugin.speeds.speed(a.address) < 0.5 * plugin.speeds.speed(b.address)
+    await c.run(set_tenant, Tenant(0, 0), workers=[a.address])
+    await _heartbeats(c)
+    assert [d.action for d in plugin.run_once()] == ["resume"]
+    assert plugin.speeds.speed(a.address) == 1.0
+    assert plugin.speeds.confidence(a.address) == 0.0
+    # its share of the next work stays with it: nothing is moved off it for being "slow"
+    data = []
+    for wk in (a, b, w):
+        data += await c.scatter(list(range(4)), workers=[wk.address])
+    futs = c.map(slowinc, data, delay=0.5)
+    while sum(len(ws.processing) for ws in s.workers.values()) < 12 and not any(
+            f.status == "finished" for f in futs):
+        await asyncio.sleep(0.01)
+    moved_off_a = [d for d in plugin.run_once() if d.action == "move" and d.worker == a.address]
+    assert moved_off_a == []
+    await wait(futs)
+    ran = Counter(next(iter(s.tasks[f.key].who_has)).address for f in futs)
+    assert ran[a.address] >= 3, ran
