@@ -48,6 +48,8 @@ ROWS = "rows"
 # Column names of partial results (double underscore: not clashing with user columns).
 _BIN = "__bin"
 _COUNT = "__count"
+# Largest bin index (2**62): bin indices are int64, with room for the rounding.
+_MAX_BIN = float(2**62)
 
 
 # --- argument checks ---------------------------------------------------------------------
@@ -83,6 +85,15 @@ def _check_frame(ddf: Any, by: list[str], columns: list[str], func: str) -> None
             )
 
 
+def _check_dropna(dropna: Any, func: str) -> bool:
+    if not isinstance(dropna, (bool, np.bool_)):
+        raise TypeError(
+            f"{func}: dropna must be True (drop rows with a missing key, as pandas' groupby) "
+            f"or False (keep them as their own group), got {dropna!r}."
+        )
+    return bool(dropna)
+
+
 def _to_host(frame):
     """A pandas object for a pandas or cuDF one (cuDF copies to host memory)."""
     if isinstance(frame, (pd.DataFrame, pd.Series)):
@@ -97,9 +108,14 @@ def _moment_columns(columns: Sequence[str]) -> list[str]:
     return [f"{c}__{s}" for c in columns for s in ("count", "mean", "m2", "max")]
 
 
-def _moments_chunk(part, *, by: list[str], columns: list[str]):
-    """Per-group ``(rows, count, mean, M2, max)`` of one partition (keys as columns)."""
-    groups = part.groupby(by, dropna=False, sort=False)
+def _moments_chunk(part, *, by: list[str], columns: list[str], dropna: bool):
+    """Per-group ``(rows, count, mean, M2, max)`` of one partition (keys as columns).
+
+    Every group with a row in the partition gets a partial, also when all its values are
+    missing (count 0, mean and max NaN, M2 0); an empty partition gives an empty partial with
+    the same columns and dtypes.
+    """
+    groups = part.groupby(by, dropna=dropna, sort=False)
     out = groups.size().to_frame(ROWS)
     # One pass over the partition for all statistics; "var" is the ddof=1 variance, so
     # M2 = var * (count - 1), which is 0 for single-row groups (var is NaN there).
@@ -143,8 +159,11 @@ def _merge_moments(partials, *, by: list[str], columns: list[str]):
     return out[[ROWS] + _moment_columns(columns)].reset_index()
 
 
-def _finalize_moments(partials, *, by: list[str], columns: list[str]):
-    """The last merge, turned into ``count, mean, std (ddof=1), max`` per column."""
+def _finalize_moments(partials, *, by: list[str], columns: list[str], dtypes: dict):
+    """The last merge, turned into ``count, mean, std (ddof=1), max`` per column.
+
+    ``dtypes`` maps each value column to its input dtype: ``max`` keeps it, as in pandas.
+    """
     merged = _merge_moments(partials, by=by, columns=columns)
     out = merged[by + [ROWS]].copy()
     for c in columns:
@@ -153,7 +172,9 @@ def _finalize_moments(partials, *, by: list[str], columns: list[str]):
         out[f"{c}_mean"] = merged[f"{c}__mean"]
         # ddof=1 like pandas; undefined (NaN) for groups with fewer than two values.
         out[f"{c}_std"] = ((merged[f"{c}__m2"] / (count - 1)) ** 0.5).where(count > 1)
-        out[f"{c}_max"] = merged[f"{c}__max"]
+        # Integer columns have no missing values, so every group's max exists and casts
+        # back exactly (the merge may have passed through float64 when partials mixed).
+        out[f"{c}_max"] = merged[f"{c}__max"].astype(dtypes[c])
     return out
 
 
@@ -162,6 +183,7 @@ def grouped_moments(
     by: str | Sequence[str],
     columns: str | Sequence[str],
     *,
+    dropna: bool = True,
     split_every: int | None = None,
 ) -> dd.DataFrame:
     """Rows, count, mean, standard deviation and maximum of columns per group, by tree reduction.
@@ -176,10 +198,13 @@ def grouped_moments(
     ddf : dask.dataframe.DataFrame
         Any partitioning; pandas or cuDF partitions.
     by : str or sequence of str
-        Group-key column(s). Rows with a missing key form their own group (like pandas'
-        ``groupby(..., dropna=False)``).
+        Group-key column(s).
     columns : str or sequence of str
-        Numeric value columns. Missing values (NaN / NA) are skipped, as in pandas.
+        Numeric (integer or float) value columns. Missing values (NaN / NA) are skipped, as
+        in pandas.
+    dropna : bool, default True
+        As pandas' ``groupby(..., dropna=)``: True drops rows whose key (any of the ``by``
+        columns) is missing; False keeps them as groups of their own, sorted last.
     split_every : int, optional
         Fan-in of the tree (>= 2); default: sized from worker memory by
         :func:`blockflow.tree_reduce`.
@@ -187,15 +212,31 @@ def grouped_moments(
     Returns
     -------
     dask.dataframe.DataFrame
-        Lazy, one partition. One row per group, sorted by the keys, with the key columns,
-        ``rows`` (int64, rows in the group) and per value column ``c``: ``c_count`` (int64,
-        non-missing values), ``c_mean``, ``c_std`` (sample standard deviation, ddof=1, as in
-        pandas; NaN for fewer than two values) and ``c_max``, in the column's units.
+        Lazy, one partition. One row per group (every key combination that occurs in some
+        partition, also when all its values are missing), sorted by the keys, with the key
+        columns (their input dtypes), ``rows`` (int64, rows in the group) and per value
+        column ``c``: ``c_count`` (int64, non-missing values), ``c_mean`` (float64),
+        ``c_std`` (float64; sample standard deviation, ddof=1, as in pandas) and ``c_max``
+        (the column's dtype), in the column's units. As in pandas, a group with no
+        non-missing value has count 0 and NaN mean, std and max; a group with one value
+        has NaN std. Equal to pandas' ``ddf.compute().groupby(by, dropna=dropna)``
+        ``.agg(["size", "count", "mean", "std", "max"])`` up to float64 rounding of mean
+        and std (pandas gives float32 mean and std for float32 columns; here they are
+        float64).
+
+        Empty table: when no row is left (every partition empty, e.g. after a filter, or
+        every key missing with ``dropna=True``) the result has zero rows and exactly these
+        columns and dtypes, e.g. for ``by="k"`` (string) and an int8 column ``x``:
+        ``k`` string, ``rows`` int64, ``x_count`` int64, ``x_mean`` float64, ``x_std``
+        float64, ``x_max`` int8. Columns of pandas' nullable dtypes (``Int64``,
+        ``Float64``) give pandas' nullable results (``Int64`` counts, ``Float64`` mean and
+        std, missing values as ``<NA>``), as pandas does.
 
     Raises
     ------
     TypeError
-        If ``ddf`` is not a dask DataFrame or a value column is not numeric.
+        If ``ddf`` is not a dask DataFrame, a value column is not numeric or ``dropna`` is
+        not a bool.
     KeyError
         If a column is missing; the message lists the available ones.
     ValueError
@@ -229,14 +270,15 @@ def grouped_moments(
     by = _as_list(by, "group-key", func)
     columns = _as_list(columns, "value", func)
     _check_frame(ddf, by, columns, func)
+    dropna = _check_dropna(dropna, func)
     ddf = ddf[by + columns]
+    chunk = functools.partial(_moments_chunk, by=by, columns=columns, dropna=dropna)
+    aggregate = functools.partial(_finalize_moments, by=by, columns=columns,
+                                  dtypes={c: ddf[c].dtype for c in columns})
     return tree_reduce(
-        ddf,
-        functools.partial(_moments_chunk, by=by, columns=columns),
-        functools.partial(_merge_moments, by=by, columns=columns),
-        functools.partial(_finalize_moments, by=by, columns=columns),
-        split_every=split_every,
-        name="grouped-moments",
+        ddf, chunk, functools.partial(_merge_moments, by=by, columns=columns), aggregate,
+        split_every=split_every, name="grouped-moments",
+        meta=aggregate(chunk(ddf._meta)),  # the empty table: what an empty input gives
     )
 
 
@@ -261,13 +303,25 @@ def _check_quantiles(q: float | Sequence[float], func: str) -> list[float]:
     return [float(v) for v in qs]
 
 
-def _histogram_chunk(part, *, by: list[str], column: str, bin_width: float):
-    """Per-group value counts of one partition on the grid ``bin_width * k`` (k integer)."""
+def _histogram_chunk(part, *, by: list[str], column: str, bin_width: float, dropna: bool):
+    """Per-group value counts of one partition on the grid ``bin_width * k`` (k integer).
+
+    Every group with a row in the partition gets at least one row, also when all its values
+    are missing: those count 0 (in bin 0), so the group reaches the result with NaN
+    quantiles, as in pandas. An empty partition gives an empty histogram.
+    """
     x = part[column]
-    keep = x.notna()
-    bins = (x[keep] / bin_width).round().astype("int64")
-    keyed = part[keep][by].assign(**{_BIN: bins})
-    counts = keyed.groupby(by + [_BIN], dropna=False, sort=False).size()
+    present = x.notna()
+    filled = x.fillna(0)
+    if bool((filled.astype("float64").abs() / bin_width >= _MAX_BIN).any()):  # also +-inf
+        raise ValueError(
+            f"blockflow.aggregations.grouped_quantiles: column {column!r} has infinite values "
+            f"or values beyond {_MAX_BIN:.3g} x bin_width, which a histogram cannot bin; "
+            f"drop or clip them first (or use a larger bin_width)."
+        )
+    bins = (filled / bin_width).round().astype("int64")
+    keyed = part[by].assign(**{_BIN: bins, _COUNT: present.astype("int64")})
+    counts = keyed.groupby(by + [_BIN], dropna=dropna, sort=False)[_COUNT].sum()
     return counts.to_frame(_COUNT).reset_index()
 
 
@@ -291,7 +345,8 @@ def histogram_quantiles(
     ----------
     histogram : pandas.DataFrame or cudf.DataFrame
         Columns ``by``, ``"__bin"`` (int64 bin index ``k``: the bin holds the values nearest
-        to ``k * bin_width``) and ``"__count"`` (int64, > 0). Each (group, bin) pair once.
+        to ``k * bin_width``) and ``"__count"`` (int64, >= 0). Each (group, bin) pair once.
+        A group whose counts are all 0 (no non-missing value) gets NaN quantiles.
     by : sequence of str
         Group-key columns.
     q : sequence of float
@@ -304,8 +359,9 @@ def histogram_quantiles(
     Returns
     -------
     pandas.DataFrame
-        One row per group (sorted by the keys) with the key columns and one float64 column
-        per quantile.
+        One row per group (sorted by the keys, missing keys last) with the key columns and
+        one float64 column per quantile; zero rows, with the same columns, for an empty
+        histogram.
 
     Notes
     -----
@@ -317,6 +373,10 @@ def histogram_quantiles(
     by = list(by)
     hist = _to_host(histogram)
     hist = hist.sort_values(by + [_BIN], na_position="last", kind="stable")
+    labels = [f"{value}_{quantile_label(quantile)}" for quantile in q]
+    if len(hist) == 0:  # no group at all: the empty table
+        out = hist[by].reset_index(drop=True)
+        return out.assign(**{label: np.zeros(0, dtype=np.float64) for label in labels})
     counts = hist[_COUNT].to_numpy(dtype=np.int64)
     values = hist[_BIN].to_numpy(dtype=np.int64).astype(np.float64) * bin_width
     group = hist.groupby(by, dropna=False, sort=False).ngroup().to_numpy()
@@ -325,14 +385,18 @@ def histogram_quantiles(
     before = np.r_[0, cum][starts]  # values in earlier groups
     ends = np.r_[starts[1:], len(hist)] - 1
     n = cum[ends] - before
+    has_values = n > 0
+    last = len(hist) - 1
     out = hist.iloc[starts][by].reset_index(drop=True)
-    for quantile in q:
-        h = (n - 1) * quantile
+    for quantile, label in zip(q, labels):
+        h = np.maximum(n - 1, 0) * quantile
         lo = np.floor(h).astype(np.int64)
-        hi = np.minimum(lo + 1, n - 1)
-        v_lo = values[np.searchsorted(cum, before + lo, side="right")]
-        v_hi = values[np.searchsorted(cum, before + hi, side="right")]
-        out[f"{value}_{quantile_label(quantile)}"] = v_lo + (h - lo) * (v_hi - v_lo)
+        hi = np.minimum(lo + 1, np.maximum(n - 1, 0))
+        # side="right" skips zero-count rows (their cumulative count equals the previous);
+        # groups without values are masked below, their positions only kept in range.
+        v_lo = values[np.minimum(np.searchsorted(cum, before + lo, side="right"), last)]
+        v_hi = values[np.minimum(np.searchsorted(cum, before + hi, side="right"), last)]
+        out[label] = np.where(has_values, v_lo + (h - lo) * (v_hi - v_lo), np.nan)
     return out
 
 
@@ -349,6 +413,7 @@ def grouped_quantiles(
     q: float | Sequence[float] = (0.5, 0.9),
     *,
     bin_width: float = 1.0,
+    dropna: bool = True,
     split_every: int | None = None,
 ) -> dd.DataFrame:
     """Quantiles of a column per group, from a tree reduction of per-group histograms.
@@ -363,14 +428,18 @@ def grouped_quantiles(
     ddf : dask.dataframe.DataFrame
         Any partitioning; pandas or cuDF partitions.
     by : str or sequence of str
-        Group-key column(s). Rows with a missing key form their own group.
+        Group-key column(s).
     column : str
-        Numeric value column; missing values are skipped. Values must be finite.
+        Numeric (integer or float) value column; missing values are skipped. Values must be
+        finite.
     q : float or sequence of float, default (0.5, 0.9)
         Quantiles in [0, 1].
     bin_width : float, default 1.0
         Histogram resolution, in the column's units (> 0). Each value counts as the nearest
         multiple of ``bin_width`` (ties to even).
+    dropna : bool, default True
+        As pandas' ``groupby(..., dropna=)``: True drops rows whose key (any of the ``by``
+        columns) is missing; False keeps them as groups of their own, sorted last.
     split_every : int, optional
         Fan-in of the tree (>= 2); default: sized from worker memory by
         :func:`blockflow.tree_reduce`.
@@ -378,19 +447,28 @@ def grouped_quantiles(
     Returns
     -------
     dask.dataframe.DataFrame
-        Lazy, one partition. One row per group that has at least one non-missing value,
-        sorted by the keys: the key columns and ``<column>_p<100 q>`` (float64) per quantile,
-        e.g. ``arr_delay_p50``, ``arr_delay_p90``.
+        Lazy, one partition. One row per group (every key combination that occurs in some
+        partition), sorted by the keys: the key columns (their input dtypes) and
+        ``<column>_p<100 q>`` (float64) per quantile, e.g. ``arr_delay_p50``,
+        ``arr_delay_p90``. As in pandas' ``groupby(by, dropna=dropna)[column].quantile(q)``,
+        a group whose values are all missing has NaN quantiles (float64 NaN also for
+        nullable columns, where pandas gives ``Float64`` ``<NA>``).
+
+        Empty table: when no row is left (every partition empty, e.g. after a filter, or
+        every key missing with ``dropna=True``) the result has zero rows and exactly these
+        columns: the key columns (input dtypes) and one float64 column per quantile.
 
     Raises
     ------
     TypeError
-        If ``ddf`` is not a dask DataFrame or ``column`` is not numeric.
+        If ``ddf`` is not a dask DataFrame, ``column`` is not numeric or ``dropna`` is not a
+        bool.
     KeyError
         If a column is missing.
     ValueError
         If a quantile is outside [0, 1], ``bin_width`` is not a finite positive number, or
-        ``split_every < 2``.
+        ``split_every < 2``; at compute time (as the cause of a
+        :class:`~blockflow.BlockKernelError`) if the column holds an infinite value.
 
     See Also
     --------
@@ -425,13 +503,14 @@ def grouped_quantiles(
             or not math.isfinite(bin_width) or bin_width <= 0):
         raise ValueError(f"{func}: bin_width must be a finite number > 0, got {bin_width!r}.")
     bin_width = float(bin_width)
+    dropna = _check_dropna(dropna, func)
     ddf = ddf[by + [column]]
+    chunk = functools.partial(_histogram_chunk, by=by, column=column, bin_width=bin_width,
+                              dropna=dropna)
+    aggregate = functools.partial(_finalize_quantiles, by=by, column=column, q=qs,
+                                  bin_width=bin_width)
     return tree_reduce(
-        ddf,
-        functools.partial(_histogram_chunk, by=by, column=column, bin_width=bin_width),
-        functools.partial(_merge_histograms, by=by),
-        functools.partial(_finalize_quantiles, by=by, column=column, q=qs,
-                          bin_width=bin_width),
-        split_every=split_every,
-        name="grouped-quantiles",
+        ddf, chunk, functools.partial(_merge_histograms, by=by), aggregate,
+        split_every=split_every, name="grouped-quantiles",
+        meta=aggregate(chunk(ddf._meta)),  # the empty table: what an empty input gives
     )

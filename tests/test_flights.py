@@ -276,7 +276,8 @@ def synthetic():
 @pytest.mark.parametrize("npartitions,split_every", [(1, 2), (7, 2), (13, 3), (20, 8)])
 def test_grouped_moments_match_pandas(client, synthetic, npartitions, split_every):
     ddf = dd.from_pandas(synthetic, npartitions=npartitions)
-    got = grouped_moments(ddf, ["k", "m"], ["x", "y"], split_every=split_every).compute()
+    got = grouped_moments(ddf, ["k", "m"], ["x", "y"], dropna=False,
+                          split_every=split_every).compute()
     groups = synthetic.groupby(["k", "m"], dropna=False)
     expected = groups.size().rename("rows").to_frame()
     for c in ("x", "y"):
@@ -290,7 +291,8 @@ def test_grouped_quantiles_are_exact_for_whole_numbers(client, synthetic, nparti
                                                       split_every):
     ddf = dd.from_pandas(synthetic, npartitions=npartitions)
     qs = [0.0, 0.1, 0.5, 0.9, 0.999, 1.0]
-    got = grouped_quantiles(ddf, ["k", "m"], "y", qs, split_every=split_every).compute()
+    got = grouped_quantiles(ddf, ["k", "m"], "y", qs, dropna=False,
+                            split_every=split_every).compute()
     expected = (synthetic.groupby(["k", "m"], dropna=False)["y"].quantile(qs).unstack()
                 .reset_index().sort_values(["k", "m"], na_position="last", ignore_index=True))
     expected.columns = ["k", "m"] + [f"y_{quantile_label(q)}" for q in qs]
@@ -299,7 +301,8 @@ def test_grouped_quantiles_are_exact_for_whole_numbers(client, synthetic, nparti
 
 def test_grouped_quantiles_estimate_within_half_a_bin(client, synthetic):
     ddf = dd.from_pandas(synthetic, npartitions=5)
-    got = grouped_quantiles(ddf, "k", "x", [0.5, 0.9], bin_width=0.25, split_every=2).compute()
+    got = grouped_quantiles(ddf, "k", "x", [0.5, 0.9], bin_width=0.25, dropna=False,
+                            split_every=2).compute()
     expected = synthetic.groupby("k", dropna=False)["x"].quantile([0.5, 0.9]).unstack()
     expected = expected.reset_index().sort_values("k", na_position="last", ignore_index=True)
     np.testing.assert_allclose(got[["x_p50", "x_p90"]].to_numpy(), expected.to_numpy()[:, 1:]

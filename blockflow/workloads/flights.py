@@ -387,9 +387,12 @@ def aggregate(featured: dd.DataFrame, *, split_every: int | None = None
     """
     return {
         name: (
-            grouped_moments(featured, by, list(DELAY_COLUMNS), split_every=split_every),
+            # dropna=False: a flight whose carrier or airport has no name stays counted
+            # (flights_reference groups the same way)
+            grouped_moments(featured, by, list(DELAY_COLUMNS), dropna=False,
+                            split_every=split_every),
             grouped_quantiles(featured, by, "arr_delay", QUANTILES, bin_width=1.0,
-                              split_every=split_every),
+                              dropna=False, split_every=split_every),
         )
         for name, by in GROUPINGS.items()
     }
