@@ -22,6 +22,7 @@ from blockflow.errors import (
     WorkerLostError,
 )
 from blockflow.inventory import Inventory, inventory
+from blockflow.rebalance import rebalance
 from blockflow.reduction import choose_split_every, tree_reduce
 from blockflow.report import RunReport, run_report
 from blockflow import scheduling
@@ -45,6 +46,7 @@ __all__ = [
     "inventory",
     "map_blocks",
     "plugin_status",
+    "rebalance",
     "run_report",
     "task_counts",
     "to_device",

@@ -1,0 +1,153 @@
+"""Evening out device memory on request: :func:`rebalance`, the device-memory counterpart of
+``distributed.Client.rebalance`` (which balances host memory only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from dask.utils import parse_bytes
+
+from blockflow import _distributed
+from blockflow.scheduling.balance import DeviceMemoryBalancePolicy
+
+__all__ = ["rebalance"]
+
+
+def rebalance(client, futures=None, *, workers: Iterable[str] | None = None,
+              tolerance: int | str | None = None, cycles: int = 10,
+              timeout: float = 30.0):
+    """Move results held on devices until each device worker holds its capacity-weighted
+    share of their bytes, within one block.
+
+    The device-memory counterpart of ``client.rebalance()``. Each worker's target is its
+    share of the held device bytes in proportion to its device memory capacity
+    (``gpu-memory-total``); blocks move from over-target to under-target workers (copied,
+    then dropped from the source) while that narrows the gaps, so that every worker ends
+    within one block (the largest) of its target; ``max_deviation`` in the summary says
+    how close.
+    Runs :class:`~blockflow.scheduling.balance.DeviceMemoryBalancePolicy` on the scheduler
+    in a dedicated Active Memory Manager; every copy and drop is logged as action
+    ``"balance"`` in the decision log (:func:`blockflow.decisions`) when blockflow's
+    scheduler plugin is registered, and works the same without it.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        Synchronous or asynchronous (then ``await`` the call).
+    futures : future, list of futures or persisted Dask collection, optional
+        The results to balance; default every result held by a device worker. Pass them when
+        workers also hold host results: the scheduler's byte counts (``dask.sizeof``) cannot
+        tell device from host memory.
+    workers : iterable of str, optional
+        Addresses of the workers to balance among; default every running worker that
+        reports its device memory capacity.
+    tolerance : int or str, optional
+        Bytes (``"512MiB"``): blocks move while some worker is further than this from its
+        target. Default: half the largest block (equal blocks end exactly balanced where
+        their count allows). Above the largest block, "within one block" is not promised.
+    cycles : int, default 10
+        At most this many AMM cycles (a move takes two: copy, then drop).
+    timeout : float, default 30.0
+        Seconds to wait per cycle for copies to land on their new workers.
+
+    Returns
+    -------
+    dict
+        ``before`` / ``after`` / ``target``: worker address -> device bytes held (targets
+        rounded to whole bytes); ``moves``: list of ``{"key", "source", "target",
+        "nbytes"}``; ``bytes_moved``; ``largest_block`` and ``tolerance`` (bytes);
+        ``max_deviation`` (bytes: the largest distance of a worker from its target, after);
+        ``within_one_block`` (``max_deviation <= largest_block``); ``cycles`` (AMM cycles
+        that acted).
+
+    Raises
+    ------
+    ValueError
+        If ``workers`` names a worker the scheduler does not know or fewer than two of them
+        report device memory, if no worker reports device memory, or for a negative or
+        unparsable ``tolerance`` or ``cycles < 1``.
+
+    See Also
+    --------
+    distributed.Client.rebalance : the same for host memory.
+    blockflow.scheduling.DeviceMemoryAMMPolicy : moves results off nearly full devices.
+
+    Examples
+    --------
+    >>> x = blockflow.map_blocks(kernel, data).persist()  # doctest: +SKIP
+    >>> summary = blockflow.rebalance(client, x)  # doctest: +SKIP
+    >>> summary["within_one_block"], summary["bytes_moved"]  # doctest: +SKIP
+    (True, 4294967296)
+    """
+    if tolerance is not None:
+        try:
+            tol = parse_bytes(tolerance)
+        except (TypeError, ValueError):
+            raise ValueError(f"blockflow.rebalance: tolerance must be bytes (an int or a size "
+                             f"like '512MiB'), got {tolerance!r}.") from None
+        if tol < 0:
+            raise ValueError(f"blockflow.rebalance: tolerance must be >= 0 bytes, got "
+                             f"{tolerance!r}.")
+        tolerance = tol
+    if int(cycles) < 1:
+        raise ValueError(f"blockflow.rebalance: cycles must be >= 1, got {cycles!r}.")
+    keys = None
+    if futures is not None:
+        from distributed import futures_of
+
+        found = futures_of(futures)
+        if not found:
+            raise ValueError("blockflow.rebalance: futures holds no futures; pass futures or "
+                             "a persisted collection (x.persist()), or None for every result.")
+        keys = [f.key for f in found]
+    if isinstance(workers, str):
+        workers = [workers]
+    workers = None if workers is None else list(workers)
+    return client.sync(_rebalance, client, keys, workers, tolerance, int(cycles),
+                       float(timeout))
+
+
+async def _rebalance(client, keys, workers, tolerance, cycles, timeout):
+    out = await client.run_on_scheduler(_on_scheduler, keys, workers, tolerance, cycles,
+                                        timeout)
+    if "error" in out:
+        raise ValueError(out["error"])
+    return out
+
+
+async def _on_scheduler(keys, workers, tolerance, cycles, timeout,
+                        dask_scheduler=None) -> dict[str, Any]:
+    """The scheduler side of :func:`rebalance`: check, measure, run the policy, measure."""
+    views = _distributed.worker_views(dask_scheduler)
+    if workers is not None:
+        unknown = sorted(set(workers) - set(views))
+        if unknown:
+            return {"error": f"blockflow.rebalance: workers {unknown} are not in the cluster; "
+                             f"pass addresses from client.scheduler_info()['workers']."}
+    policy = DeviceMemoryBalancePolicy(keys, workers, tolerance)
+    caps = policy.capacities(views)
+    if not caps and workers is None:
+        return {"error": "blockflow.rebalance: no running worker reports device memory "
+                         "(gpu-memory-total); use client.rebalance() for host memory."}
+    if len(caps) < 2 and workers is not None:
+        return {"error": f"blockflow.rebalance: {len(caps)} of workers {sorted(workers)} "
+                         f"run and report device memory; name at least two device workers."}
+    before = policy.device_bytes(views, _distributed.held_results(dask_scheduler))
+    acted = await _distributed.run_amm_policy(dask_scheduler, policy, cycles=cycles,
+                                              timeout=timeout)
+    after = policy.device_bytes(_distributed.worker_views(dask_scheduler),
+                                _distributed.held_results(dask_scheduler))
+    return {
+        "before": dict(before.held),
+        "after": dict(after.held),
+        "target": {a: round(t) for a, t in after.target.items()},
+        "moves": list(policy.moves),
+        "bytes_moved": sum(m["nbytes"] for m in policy.moves),
+        "largest_block": after.largest_block,
+        "tolerance": after.tolerance,
+        "max_deviation": round(after.max_deviation),
+        "within_one_block": after.within_one_block,
+        "cycles": acted,
+    }

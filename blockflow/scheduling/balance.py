@@ -1,0 +1,305 @@
+"""Evening out device memory: an Active Memory Manager policy that moves held results until
+every device worker holds its capacity-weighted share of the device bytes.
+
+:class:`DeviceMemoryBalancePolicy` reads plain data (worker views, held results) and yields
+``replicate`` / ``drop`` suggestions; :func:`blockflow.rebalance` runs it to completion.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dask.utils import parse_bytes
+
+from blockflow._distributed import AMMPolicy, HeldResult, MemorySuggestion, WorkerView
+
+__all__ = ["DeviceBytes", "DeviceMemoryBalancePolicy"]
+
+#: Plans after which a copy that never landed is forgotten (and its block planned afresh).
+_MAX_AGE = 2
+
+
+@dataclass(frozen=True)
+class DeviceBytes:
+    """Device bytes held per worker against each worker's capacity-weighted target.
+
+    Attributes
+    ----------
+    held : dict of str to int
+        Worker address -> bytes of results it holds (each replica counts on its holder).
+    target : dict of str to float
+        Worker address -> its share of ``sum(held)``, proportional to its device memory
+        capacity (``gpu-memory-total``), bytes.
+    largest_block : int
+        Bytes of the largest result counted (0 when none).
+    tolerance : int
+        Bytes a worker may deviate from its target before blocks move (the policy's
+        ``tolerance``, else half of ``largest_block``).
+    """
+
+    held: dict[str, int]
+    target: dict[str, float]
+    largest_block: int
+    tolerance: int
+
+    @property
+    def deviation(self) -> dict[str, float]:
+        """Worker address -> held minus target bytes (positive: over its share)."""
+        return {a: self.held[a] - self.target[a] for a in self.held}
+
+    @property
+    def max_deviation(self) -> float:
+        """Largest absolute deviation from a target, bytes (0 with fewer than 2 workers)."""
+        return max((abs(d) for d in self.deviation.values()), default=0.0)
+
+    @property
+    def balanced(self) -> bool:
+        """Whether every worker is within ``tolerance`` bytes of its target."""
+        return self.max_deviation <= self.tolerance
+
+    @property
+    def within_one_block(self) -> bool:
+        """Whether every worker is within ``largest_block`` bytes of its target."""
+        return self.max_deviation <= self.largest_block
+
+
+@dataclass
+class _Move:
+    source: str
+    target: str
+    nbytes: int
+    age: int = 0
+
+
+class DeviceMemoryBalancePolicy(AMMPolicy):
+    """Active Memory Manager policy: even out the device bytes held by device workers,
+    weighted by their device memory capacity.
+
+    Each worker's target is its share of the held device bytes in proportion to its device
+    memory capacity (``gpu-memory-total``). While some worker deviates from its target by
+    more than ``tolerance``, blocks are copied (``replicate``) from the most over-target
+    worker to the most under-target one: the largest block that fits the receiver's deficit
+    (and its free device memory), else the block that best halves the gap; in the next AMM
+    cycle, once the copy has landed, the block is dropped from the source (a move takes two
+    cycles, as in distributed's ``RetireWorker``). Every accepted copy and drop is logged as
+    action ``"balance"`` in the rebalancer's decision log when it runs.
+
+    A blockflow heuristic (greedy descent on the sum of squared deviations from the
+    capacity-weighted targets; cf. distributed's ``Client.rebalance`` for host memory). Each
+    move of a ``b``-byte block from ``s`` to ``r`` is made only when ``b`` is smaller than
+    the gap ``(held_s - target_s) - (held_r - target_r)``, which strictly lowers that sum, so
+    planning ends. When no move is left, the most over- and under-target workers are no
+    more than one block apart, so every worker ends within one block (the largest) of its
+    target, unless blocks cannot move (replicated results, full devices). The default
+    ``tolerance``, half the largest block, lets equal blocks end exactly balanced where
+    their count allows, without chasing byte-exact balance with small blocks.
+
+    Parameters
+    ----------
+    keys : iterable, optional
+        Keys of the results to balance; default every result held by a device worker.
+    workers : iterable of str, optional
+        Addresses of the workers to balance among; default every running worker that reports
+        its device memory capacity (``gpu-memory-total``). Workers without one never count.
+    tolerance : int or str, optional
+        Bytes (``"512MiB"``): blocks move while some worker deviates from its target by
+        more. Default: half the largest block counted. Above the largest block, workers may
+        end further than one block from their targets.
+
+    Attributes
+    ----------
+    pending : dict
+        Key -> move whose copy was requested but whose source still holds the block.
+    moves : list of dict
+        Completed moves: ``{"key", "source", "target", "nbytes"}``.
+
+    Notes
+    -----
+    Bytes are the scheduler's ``nbytes`` of each result (``dask.sizeof``: the device bytes of
+    a CuPy array, cuDF frame or simulated device block). The scheduler cannot tell device
+    results from host ones, so pass ``keys`` to balance only device blocks on workers that
+    also hold host results. Results held on workers outside ``workers`` are left alone, and
+    results with several replicas are not moved (distributed's ``ReduceReplicas`` owns them).
+    """
+
+    def __init__(self, keys: Iterable | None = None, workers: Iterable[str] | None = None,
+                 tolerance: int | str | None = None):
+        self.keys = None if keys is None else frozenset(
+            tuple(k) if isinstance(k, list) else k for k in keys)
+        self.workers = None if workers is None else frozenset(workers)
+        tol = None if tolerance is None else parse_bytes(tolerance)
+        if tol is not None and tol < 0:
+            raise ValueError(f"DeviceMemoryBalancePolicy: tolerance must be >= 0 bytes, "
+                             f"got {tolerance!r}.")
+        self.tolerance = tol
+        self.pending: dict[Any, _Move] = {}
+        self.moves: list[dict[str, Any]] = []
+
+    def __repr__(self) -> str:
+        return (f"DeviceMemoryBalancePolicy(keys={'all' if self.keys is None else len(self.keys)}"
+                f", workers={None if self.workers is None else sorted(self.workers)}, "
+                f"tolerance={self.tolerance})")
+
+    # --- plain-data measures ----------------------------------------------------------------
+
+    def capacities(self, workers: Mapping[str, WorkerView]) -> dict[str, float]:
+        """Address -> device memory capacity (bytes) of the workers balanced among: running,
+        reporting ``gpu-memory-total``, and in ``self.workers`` when given."""
+        return {a: float(w.metrics.gpu_memory_total) for a, w in sorted(workers.items())
+                if w.status == "running" and w.metrics.has_gpu
+                and (self.workers is None or a in self.workers)}
+
+    def _blocks(self, caps: Mapping[str, float],
+                held: Mapping[str, list[HeldResult]]) -> dict[Any, tuple[int, set[str]]]:
+        """Key -> (nbytes, holders among ``caps``) of the results counted."""
+        blocks: dict[Any, tuple[int, set[str]]] = {}
+        for addr in caps:
+            for r in held.get(addr, ()):
+                if self.keys is not None and r.key not in self.keys:
+                    continue
+                if r.key not in blocks:
+                    blocks[r.key] = (int(r.nbytes), {a for a in r.holders if a in caps})
+        return blocks
+
+    def _measure(self, caps, blocks) -> DeviceBytes:
+        held = dict.fromkeys(caps, 0)
+        for nbytes, holders in blocks.values():
+            for a in holders:
+                held[a] += nbytes
+        total, cap_sum = sum(held.values()), sum(caps.values())
+        target = {a: total * c / cap_sum for a, c in caps.items()} if cap_sum else {}
+        largest = max((n for n, _ in blocks.values()), default=0)
+        tol = largest // 2 if self.tolerance is None else self.tolerance
+        return DeviceBytes(held, target, largest, tol)
+
+    def device_bytes(self, workers: Mapping[str, WorkerView],
+                     held: Mapping[str, list[HeldResult]]) -> DeviceBytes:
+        """Device bytes held per worker and the capacity-weighted targets, as the policy
+        counts them (see :class:`DeviceBytes`)."""
+        caps = self.capacities(workers)
+        return self._measure(caps, self._blocks(caps, held))
+
+    # --- the plan -----------------------------------------------------------------------------
+
+    def plan(self, workers: dict[str, WorkerView], held: Mapping[str, list[HeldResult]]):
+        caps = self.capacities(workers)
+        if len(caps) < 2:
+            return
+        blocks = self._blocks(caps, held)
+
+        # 1. Finish the moves whose copy has landed: drop the source's replica.
+        for key, mv in list(self.pending.items()):
+            block = blocks.get(key)
+            if block is None or mv.target not in caps or mv.source not in caps:
+                del self.pending[key]  # result released, or a worker left
+                continue
+            nbytes, holders = block
+            if mv.target not in holders:
+                mv.age += 1
+                if mv.age > _MAX_AGE:
+                    del self.pending[key]  # the copy never landed: plan the block afresh
+                    continue
+            elif mv.source in holders:
+                chosen = yield MemorySuggestion("drop", key, frozenset({mv.source}))
+                if chosen is None:
+                    mv.age += 1  # e.g. a task needing it runs there: try again next cycle
+                    if mv.age > _MAX_AGE:
+                        del self.pending[key]
+                        continue
+                else:
+                    self.log("balance", mv.source, f"drop {nbytes} B block: its copy has "
+                             f"landed on {mv.target}", {"nbytes": nbytes},
+                             key=str(key), target=mv.target)
+                    self._done(key, mv)
+            else:
+                self._done(key, mv)  # dropped by someone else already
+            # Count the block where it is going (a move in progress is a move made).
+            holders.discard(mv.source)
+            holders.add(mv.target)
+
+        # 2. Plan new moves on the bytes as they will be, then suggest the net moves: a block
+        # the descent moves twice (a -> b -> c) is copied once (a -> c), or not at all.
+        m = self._measure(caps, blocks)
+        excess = m.deviation
+        free = {a: (workers[a].metrics.gpu_memory_free
+                    if workers[a].metrics.gpu_memory_free is not None else caps[a])
+                for a in caps}
+        # Per worker, its single-copy blocks by size; among equal sizes the first held
+        # sorts last, so "largest first" takes it first.
+        movable: dict[str, list[tuple[int, int, Any]]] = {a: [] for a in caps}
+        origin: dict[Any, str] = {}
+        for i, (key, (nbytes, holders)) in enumerate(blocks.items()):
+            if len(holders) == 1 and key not in self.pending:
+                (origin[key],) = holders
+                movable[origin[key]].append((nbytes, -i, key))
+        for lst in movable.values():
+            lst.sort()
+        where: dict[Any, tuple[str, int, int]] = {}  # key -> (holder now, nbytes, order)
+        for _ in range(10 * len(origin) + 10):  # a bound; the descent ends well before
+            if max(abs(e) for e in excess.values()) <= m.tolerance:
+                break
+            move = _choose(excess, movable, free)
+            if move is None:
+                break
+            entry, src, dst = move
+            movable[src].remove(entry)
+            bisect.insort(movable[dst], entry)
+            nbytes, order, key = entry
+            where[key] = (dst, nbytes, order)
+            excess[src] -= nbytes
+            excess[dst] += nbytes
+            free[dst] -= nbytes
+        net = sorted(((nbytes, order, key, dst) for key, (dst, nbytes, order) in where.items()
+                      if dst != origin[key]), key=lambda t: (-t[0], -t[1]))
+        for nbytes, _, key, dst in net:
+            src = origin[key]
+            seen = {"device_bytes": m.held[src], "target_bytes": round(m.target[src]),
+                    "receiver_device_bytes": m.held[dst],
+                    "receiver_target_bytes": round(m.target[dst])}
+            chosen = yield MemorySuggestion("replicate", key, frozenset({dst}))
+            if chosen is None:
+                continue  # declined (e.g. the result is being released): it stays put
+            self.pending[key] = _Move(src, chosen, nbytes)
+            self.log("balance", src, f"copy {nbytes} B block to {chosen}: {src} holds "
+                     f"{m.held[src]} B of device blocks against a capacity-weighted target "
+                     f"of {round(m.target[src])} B (tolerance {m.tolerance} B)", seen,
+                     key=str(key), target=chosen)
+
+    def _done(self, key, mv: _Move) -> None:
+        self.moves.append({"key": key, "source": mv.source, "target": mv.target,
+                           "nbytes": mv.nbytes})
+        del self.pending[key]
+
+
+def _choose(excess: dict[str, float], movable: dict[str, list[tuple[int, int, Any]]],
+            free: dict[str, float]):
+    """The next move ``(block, source, receiver)``, or None when no move lowers the sum of
+    squared deviations. First the largest block that fits a receiver's deficit (and its free
+    device memory), from the most over-target workers to the most under-target ones; else
+    the block closest to half the gap."""
+    sources = sorted((a for a in excess if excess[a] > 0 and movable[a]),
+                     key=lambda a: -excess[a])
+    receivers = sorted((a for a in excess if excess[a] < 0), key=lambda a: excess[a])
+    for s in sources:
+        sizes = [b[0] for b in movable[s]]
+        for r in receivers:
+            # Fits the deficit: below -excess[r], hence below the gap too.
+            i = bisect.bisect_right(sizes, min(-excess[r], free[r])) - 1
+            if i >= 0 and sizes[i] > 0:
+                return movable[s][i], s, r
+    for s in sources:
+        sizes = [b[0] for b in movable[s]]
+        for r in receivers:
+            gap = excess[s] - excess[r]
+            # Overshoots the receiver's target but still narrows the gap: size < gap.
+            hi = min(bisect.bisect_left(sizes, gap), bisect.bisect_right(sizes, free[r]))
+            j = bisect.bisect_left(sizes, gap / 2, 0, hi)
+            best = min((i for i in (j - 1, j) if 0 <= i < hi and sizes[i] > 0),
+                       key=lambda i: abs(sizes[i] - gap / 2), default=None)
+            if best is not None:
+                best = bisect.bisect_right(sizes, sizes[best], 0, hi) - 1  # first held
+                return movable[s][best], s, r
+    return None
