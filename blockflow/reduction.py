@@ -409,7 +409,14 @@ def tree_reduce(
     chunk : callable
         Applied to every block. Arrays: ``chunk(block, axis=, keepdims=)`` as in
         :func:`dask.array.reduction`. Dataframes: ``chunk(partition)`` returning a pandas
-        (or cuDF) object.
+        (or cuDF) object. Given alone, it also reduces the partials, so it must combine with
+        itself (``np.sum``, ``np.prod``, ``np.min``, ``np.max``, ``np.any``, ``np.all`` and
+        their nan- forms). For arrays, ``np.mean``, ``np.var``, ``np.std`` (ddof 0), their
+        nan- forms and ``np.count_nonzero`` given alone are run as a proper decomposition
+        (counts and sums; Chan et al.'s moments merge, :mod:`blockflow._moments`);
+        ``np.median``, percentiles, quantiles, ``np.ptp``, arg-reductions and
+        ``np.average`` given alone are refused (``ValueError``), as are NumPy's mean, var,
+        std and count_nonzero given alone for dataframes.
     combine : callable, optional
         Merges ``split_every`` partial results (concatenated along the reduced axes for
         arrays unless ``concatenate=False``; concatenated rows for dataframes). Default:
@@ -429,7 +436,16 @@ def tree_reduce(
     keepdims : bool, default False
         Arrays: keep reduced axes with length 1.
     dtype : numpy dtype, optional
-        Arrays: dtype of the result; default the input's dtype.
+        Arrays: dtype of the result; the result is cast to it. Default: what NumPy gives for
+        the same reduction of the whole input, found by running the steps on a one-element
+        sample (:func:`result_dtypes`): ``np.sum``/``np.prod`` of bool and small integers in
+        the platform integer (``uint8`` -> ``uint64``), ``np.mean``/``var``/``std`` of
+        integers in float64 (float16/float32 keep theirs), ``np.min``/``np.max`` the input's,
+        ``np.any``/``np.all`` bool. When the sample raises, the input's dtype is declared and
+        the steps follow their own rules. Steps with a ``dtype`` parameter are called with
+        one: ``chunk`` and ``combine`` the result's dtype widened to their partials' natural
+        one (partials never narrow), ``aggregate`` the result's. Dataframe reductions keep
+        the dtypes pandas gives for the steps.
     meta : object, optional
         Metadata of the result (dataframes: as in ``DataFrame.reduction``).
     concatenate : bool, default True
@@ -462,7 +478,8 @@ def tree_reduce(
         is not an int or a tuple of ints.
     ValueError
         If ``split_every < 2``, array chunk sizes are unknown, ``retries`` is not an int
-        >= 0, or ``axis`` names an axis the array does not have or the same axis twice
+        >= 0, ``chunk`` alone is a NumPy function that cannot reduce its own partials
+        (``np.median``, ...; the message names what to use), or ``axis`` names an axis the array does not have or the same axis twice
         (the message names the axis and the array's number of dimensions).
     EmptyCollectionError
         If an array has no elements.
@@ -545,8 +562,8 @@ def tree_reduce(
                                       f"{collection.npartitions} partitions")
         kwargs = {} if meta is None else {"meta": meta}
         out = collection.reduction(
-            chunk, aggregate=aggregate, combine=combine, split_every=fan_in, token=token,
-            **kwargs,
+            _FrameStep(chunk), aggregate=_FrameStep(aggregate), combine=_FrameStep(combine),
+            split_every=fan_in, token=token, **kwargs,
         )
         _go_live(steps)
         return out
@@ -734,6 +751,79 @@ class _MetaSafeChunk:
         if getattr(x, "size", 1) == 0 and not hasattr(out, "dtype"):
             return meta_from_array(x, ndim=getattr(x, "ndim", 0))
         return out
+
+
+class _Empty:
+    """The partial of an empty partition, set aside so that it cannot change the dtype of
+    the others (a NaN minimum of no rows would make int8 minima float64); ``value`` is what
+    ``chunk`` returned, used only when every partition was empty."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _drop_empty(obj) -> tuple[Any, bool]:
+    """The scalar partials Dask gathered in an object Series, without empty partitions' ones
+    (rebuilt as Dask builds them: ``pd.Series(values)``); True when all were empty."""
+    if getattr(obj, "dtype", None) != object or not hasattr(obj, "tolist"):
+        return obj, False
+    values = obj.tolist()
+    if not any(isinstance(v, _Empty) for v in values):
+        return obj, False
+    kept = [v for v in values if not isinstance(v, _Empty)]
+    rebuild = type(obj)
+    if kept:
+        return rebuild(kept), False
+    return rebuild([v.value for v in values]), True
+
+
+class _FrameStep:
+    """A dataframe reduction step that keeps empty partitions from widening the dtypes.
+
+    pandas reduces no rows to NaN (``min``, ``max``, ...) or to a float, and one such
+    partial turns the concatenated int or bool partials into float64 (an ``int8`` maximum
+    came back as ``11.0``). An empty partition's per-column partial is therefore handed on
+    with no rows (Dask's concatenation drops those; its columns take the dtypes ``chunk``
+    gives on a non-empty sample, for when every partition is empty) and a scalar partial is
+    set aside (:class:`_Empty`). A blockflow heuristic; pandas' own reductions skip empty
+    partitions the same way.
+    """
+
+    def __init__(self, step: _ReductionStep):
+        self.step = step
+        self.__name__ = getattr(step, "__name__", "step")
+
+    def __call__(self, part, **kwargs):
+        if self.step.stage == "chunk":
+            out = self.step(part, **kwargs)
+            if not hasattr(part, "columns") and not hasattr(part, "dtype") or len(part):
+                return out
+            return self._empty(part, out, kwargs)
+        if self.step.stage == "combine" and hasattr(part, "columns") and not len(part):
+            return part  # only empty partitions' partials: pass them on, still empty
+        part, all_empty = _drop_empty(part)
+        out = self.step(part, **kwargs)
+        return _Empty(out) if all_empty and self.step.stage == "combine" else out
+
+    def _empty(self, part, out, kwargs):
+        from dask.dataframe.utils import is_dataframe_like, is_series_like, meta_nonempty
+
+        if is_series_like(out) and is_dataframe_like(part):  # one value per column
+            try:
+                sample = self.step.func(meta_nonempty(part), **kwargs)
+            except Exception:  # a chunk that needs real data: its own empty result
+                sample = out
+            if is_series_like(sample):
+                return sample.to_frame().T.iloc[:0]
+            return out
+        if is_series_like(out) or is_dataframe_like(out):
+            return out
+        return _Empty(out)
+
+    def __dask_tokenize__(self):
+        from dask.base import tokenize
+
+        return (type(self).__name__, tokenize(self.step))
 
 
 def _tree_reduce_xarray(obj, chunk, combine, aggregate, *, dim, **kwargs):
