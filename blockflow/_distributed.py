@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +75,7 @@ __all__ = [
     "scheduler_plugin",
     "set_worker_status",
     "suspend_work_stealing",
+    "task_working_set",
     "waiting_tasks",
     "worker_addresses",
     "worker_views",
@@ -328,6 +329,8 @@ class TaskView:
         Workers allowed to run it (restrictions, resources), None for any.
     comm_cost : mapping of str to float
         Seconds to move its missing inputs to each worker (bytes / measured bandwidth).
+    working_set : int or None
+        Device memory its kernel needs, bytes, when declared (``map_blocks(working_set=)``).
     """
 
     key: Any
@@ -340,6 +343,7 @@ class TaskView:
     runnable: bool = True
     allowed_workers: frozenset | None = None
     comm_cost: Mapping[str, float] = field(default_factory=dict)
+    working_set: int | None = None
 
 
 @dataclass(frozen=True)
@@ -451,6 +455,38 @@ def _task_view(scheduler, ts, thieves=()) -> TaskView:
     )
 
 
+def task_working_set(run_spec, key, *, max_nodes: int = 256) -> int | None:
+    """Device memory (bytes) a task's kernel declared, or None.
+
+    Looks through the task's spec (``dask._task_spec`` nodes, fused subgraphs included, at
+    most ``max_nodes`` of them) for an object with a ``blockflow_working_set(key)`` method,
+    which blockflow's kernels have when ``map_blocks(working_set=)`` was given.
+    """
+    stack, seen, found = [run_spec], 0, None
+    while stack and seen < max_nodes:
+        node = stack.pop()
+        seen += 1
+        method = getattr(node, "blockflow_working_set", None)
+        if callable(method) and not isinstance(node, type):
+            try:
+                ws = method(key)
+            except Exception:  # a kernel's own bug must not break the scheduler
+                ws = None
+            if isinstance(ws, int) and ws > 0:
+                found = max(found or 0, ws)
+            continue
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+        else:
+            for attr in ("func", "args", "kwargs", "value"):
+                child = getattr(node, attr, None)
+                if child is not None and not isinstance(child, (str, bytes, int, float)):
+                    stack.append(child)
+    return found
+
+
 def new_task_views(scheduler, keys) -> list[TaskView]:
     """Views of the tasks of a graph that just arrived (``update_graph``), in key order of
     ``keys``; keys the scheduler no longer holds are skipped. No comm costs."""
@@ -460,7 +496,9 @@ def new_task_views(scheduler, keys) -> list[TaskView]:
         if ts is not None:
             out.append(TaskView(key=ts.key, group=key_split(ts.key), state=ts.state,
                                 priority=tuple(ts.priority or ()), restricted=_restricted(ts),
-                                runnable=bool(ts.run_spec)))
+                                runnable=bool(ts.run_spec),
+                                working_set=task_working_set(ts.run_spec, ts.key)
+                                if ts.run_spec else None))
     return out
 
 
@@ -534,16 +572,20 @@ def move_task(scheduler, key, victim: str, thief: str) -> bool:
     return answer not in ("in-flight", "comm-closed")
 
 
-def restrict_task(scheduler, key, address: str) -> bool:
-    """Pin a task that has not been assigned yet to one worker (strict restriction).
+def restrict_task(scheduler, key, address: str | Iterable[str]) -> bool:
+    """Pin a task that has not been assigned yet to one worker, or a set of workers (strict
+    restriction).
 
-    False when the task is gone, already assigned or finished, or restricted by the user.
+    False when the task is gone, already assigned or finished, restricted by the user, or
+    none of the workers is connected.
     """
     ts = scheduler.tasks.get(key)
+    addresses = {address} if isinstance(address, str) else set(address)
+    addresses &= set(scheduler.workers)
     if (ts is None or ts.state not in ("released", "waiting", "no-worker")
-            or _restricted(ts) or address not in scheduler.workers):
+            or _restricted(ts) or not addresses):
         return False
-    ts.worker_restrictions = {address}
+    ts.worker_restrictions = addresses
     ts.loose_restrictions = False
     return True
 

@@ -360,3 +360,55 @@ def test_dynamic_knowing_no_speeds_moves_only_off_paused_workers():
     assert [(d.worker, d.key) for d in run(DynamicPolicy(), s)] == [("b", "t2")]
     s.balancing = True
     assert {d.key for d in run(DynamicPolicy(), s)} == {"t1", "t2"}
+
+
+# --- placement by device working set ------------------------------------------------------
+
+
+def test_dynamic_places_blocks_only_where_their_working_set_fits():
+    """Two devices, 1 GiB and 8 GiB free; kernels needing 2 GiB go to the 8 GiB one only."""
+    ws = [worker("small", used=7 * GiB, total=8 * GiB), worker("big", used=0, total=8 * GiB)]
+    new = [task(("blockflow-k", i), state="released") for i in range(6)]
+    new = [_distributed.TaskView(key=t.key, group=t.group, state=t.state,
+                                 working_set=2 * GiB) for t in new]
+    (d,) = run(DynamicPolicy(), snap(ws, event="graph", new_tasks=new))
+    assert (d.action, d.workers, len(d.keys)) == ("place", ("big",), 6)
+    assert d.seen["working_set"] == 2 * GiB
+    assert d.seen["gpu_memory_free"] == {"small": GiB, "big": 8 * GiB}
+    assert "2.00 GiB working set" in d.reason
+
+
+def test_dynamic_placement_leaves_alone_what_fits_everywhere_or_nowhere():
+    ws = [worker("a", used=0, total=8 * GiB), worker("b", used=0, total=8 * GiB)]
+
+    def new(ws_bytes, **kw):
+        return [_distributed.TaskView(key=("blockflow-k", i), group="blockflow-k",
+                                      state="released", working_set=ws_bytes, **kw)
+                for i in range(3)]
+
+    assert run(DynamicPolicy(), snap(ws, event="graph", new_tasks=new(GiB))) == []
+    (d,) = run(DynamicPolicy(), snap(ws, event="graph", new_tasks=new(16 * GiB)))
+    assert d.action == "keep" and "DeviceMemoryError" in d.reason and not d.workers
+    assert run(DynamicPolicy(), snap(ws, event="graph",
+                                     new_tasks=new(16 * GiB, restricted=True))) == []
+    assert run(DynamicPolicy(), snap(ws, event="graph", new_tasks=new(None))) == []
+    # no worker reports device memory: nothing to go on
+    cpus = [worker("a"), worker("b")]
+    assert run(DynamicPolicy(), snap(cpus, event="graph", new_tasks=new(16 * GiB))) == []
+
+
+def test_working_set_is_found_in_fused_task_specs():
+    from dask._task_spec import DataNode, Task
+
+    class K:
+        def __call__(self, x):
+            return x
+
+        def blockflow_working_set(self, key):
+            return 1000 * (key[1] + 1)
+
+    inner = Task("inner", K(), 1)
+    outer = Task(("blockflow-k", 2), lambda sub, *a: None, {"inner": inner},
+                 DataNode(None, K()))
+    assert _distributed.task_working_set(outer, ("blockflow-k", 2)) == 3000
+    assert _distributed.task_working_set(Task("x", sum, [1, 2]), "x") is None

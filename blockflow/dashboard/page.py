@@ -27,7 +27,7 @@ from blockflow.dashboard.state import dashboard_state
 __all__ = ["BlockflowPage", "blockflow_doc"]
 
 ACTIONS = ["pause", "resume", "move", "memory-move", "assign", "keep", "handover", "join",
-           "forget", "balance", "defer"]
+           "forget", "balance", "defer", "place"]
 WORKER_COLUMNS = [
     ("worker", "Worker"), ("device", "Device"), ("gpu_util", "GPU util"),
     ("device_memory", "Device memory used / total"), ("queued", "Queued"),

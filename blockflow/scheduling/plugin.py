@@ -280,9 +280,9 @@ class Rebalancer(SchedulerPlugin):
                     self.scheduler, d.key, d.worker, d.target):
                 return False
             self.moves_requested += 1
-        elif d.action == "assign":
-            pinned = sum(_distributed.restrict_task(self.scheduler, k, d.worker)
-                         for k in d.keys)
+        elif d.action in ("assign", "place"):
+            where = d.workers or d.worker
+            pinned = sum(_distributed.restrict_task(self.scheduler, k, where) for k in d.keys)
             if not pinned:
                 return False
         elif d.action == "keep":

@@ -10,9 +10,11 @@ just arrived) and yields :class:`Decision` objects. A policy never touches a sch
 setting's allowed values, the CLI's ``--policy`` choices and the dashboard read it.
 
 ``dynamic``
-    Keeps new work off hot or nearly-full GPUs (scheduler-side pause with hysteresis) and
-    moves queued, not-yet-started tasks from the workers that will finish last to those that
-    will be free soonest, when the gain beats the cost of moving the inputs.
+    Keeps new work off hot or nearly-full GPUs (scheduler-side pause with hysteresis), places
+    blocks that declared a device working set only where it fits, and, once worker speeds
+    are known to differ, moves queued, not-yet-started tasks from the workers that will
+    finish last to those that will be free soonest, when the gain beats the cost of moving
+    the inputs.
 ``memory``
     :class:`DeviceMemoryAMMPolicy` in distributed's Active Memory Manager: moves stored
     results off workers above the device-memory high-water mark. It can also be named on its
@@ -113,7 +115,9 @@ class Decision:
     key : optional
         For moves: the task's key.
     keys : tuple
-        For ``"assign"``: the keys pinned to ``worker``.
+        For ``"assign"`` and ``"place"``: the keys pinned.
+    workers : tuple
+        For ``"place"``: the workers the keys are restricted to (``worker`` is the first).
     """
 
     action: str
@@ -123,6 +127,7 @@ class Decision:
     target: str | None = None
     key: Any = None
     keys: tuple = ()
+    workers: tuple = ()
 
 
 class RebalancePolicy(abc.ABC):
@@ -154,6 +159,12 @@ class ObservePolicy(RebalancePolicy):
 
     def run(self, snapshot: ClusterSnapshot) -> Iterator[Decision]:
         return iter(())
+
+
+def _bytes(n: float) -> str:
+    from dask.utils import format_bytes
+
+    return format_bytes(int(n))
 
 
 def _fmt(seconds: float) -> str:
@@ -223,12 +234,58 @@ class DynamicPolicy(RebalancePolicy):
                 )
 
     def run(self, snapshot: ClusterSnapshot) -> Iterator[Decision]:
-        if snapshot.event != "tick":
+        if snapshot.event == "graph":
+            yield from self.placements(snapshot)
             return
         pauses = self.pauses(snapshot)
         yield from pauses
         paused_now = {d.worker for d in pauses if d.action == "pause"}
         yield from self.moves(snapshot, paused_now)
+
+    # --- placement by working set -----------------------------------------------------
+
+    def placements(self, snap: ClusterSnapshot) -> list[Decision]:
+        """Restrict new tasks that declared a device working set to the running workers whose
+        free device memory holds it (``map_blocks(working_set=)``).
+
+        Nothing is restricted when every running worker fits, or when no worker reports
+        device memory; when none fits, the task is left to run and fail with
+        :class:`~blockflow.DeviceMemoryError` (logged as ``"keep"``). Workers that report no
+        device memory are not counted as fitting once any worker reports it.
+        """
+        running = {a: w for a, w in sorted(snap.workers.items()) if w.status == "running"}
+        free = {a: w.metrics.gpu_memory_free for a, w in running.items()
+                if w.metrics.gpu_memory_free is not None}
+        if not free:
+            return []
+        groups: dict[tuple[frozenset, int], list] = {}
+        nowhere: dict[int, list] = {}
+        for t in snap.new_tasks:
+            if (t.working_set is None or t.restricted
+                    or t.state not in ("released", "waiting", "no-worker")):
+                continue
+            fits = frozenset(a for a, f in free.items() if f >= t.working_set)
+            if not fits:
+                nowhere.setdefault(t.working_set, []).append(t.key)
+            elif fits != set(running):
+                groups.setdefault((fits, t.working_set), []).append(t.key)
+        seen = {"gpu_memory_free": {a: int(f) for a, f in free.items()}}
+        out = []
+        for (fits, ws), keys in groups.items():
+            workers = tuple(sorted(fits))
+            out.append(Decision(
+                "place", workers[0], f"{len(keys)} blocks with a {_bytes(ws)} working set "
+                f"placed on the {len(workers)} of {len(running)} workers whose free device "
+                f"memory holds it", {**seen, "working_set": ws}, keys=tuple(keys),
+                workers=workers))
+        for ws, keys in nowhere.items():
+            best = max(free, key=free.get)
+            out.append(Decision(
+                "keep", best, f"{len(keys)} blocks need a {_bytes(ws)} working set, more than "
+                f"the free device memory of any worker (largest {_bytes(free[best])}): left "
+                f"to run and fail with DeviceMemoryError", {**seen, "working_set": ws},
+                keys=tuple(keys)))
+        return out
 
     # --- pause / resume --------------------------------------------------------------
 
