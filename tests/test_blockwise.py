@@ -595,11 +595,15 @@ def test_drop_axis_split_in_a_lower_dimensional_argument():
                                "of ints, got 1.0; e.g. drop_axis=0 or drop_axis=(0, 1)."),
         (None, -4, ValueError, "blockflow.map_blocks: new_axis=-4 is out of range for the 3-d "
                                "output; give axes from -3 to 2."),
-        (None, [0, 3], ValueError, "blockflow.map_blocks: new_axis=[0, 3] is out of range for "
+        (None, [0, 4], ValueError, "blockflow.map_blocks: new_axis=[0, 4] is out of range for "
                                    "the 4-d output; give axes from -4 to 3."),
+        (None, [1, -3], ValueError, "blockflow.map_blocks: new_axis=[1, -3] names an axis more "
+                                    "than once; give each axis once."),
+        (None, "x", TypeError, "blockflow.map_blocks: new_axis= must be an int or a sequence of "
+                               "ints, got 'x'; e.g. new_axis=0 or new_axis=(0, 1)."),
     ],
     ids=["drop-out-of-range", "drop-twice", "drop-str", "drop-float", "new-out-of-range",
-         "new-list-out-of-range"],
+         "new-list-out-of-range", "new-twice", "new-str"],
 )
 def test_bad_axes_are_refused(drop_axis, new_axis, error, message):
     x = da.ones((6, 4), chunks=(6, 4))
@@ -652,6 +656,9 @@ def test_one_block_dropped_and_new_axes_equal_numpy_one_call_per_block():
     y = map_blocks(lambda b: b[None], x, new_axis=[-3], dtype="f8")
     assert y.chunks == ((1,), (2, 2, 2), (4,))
     np.testing.assert_array_equal(_sync_compute(y), a[None])
+    y = map_blocks(lambda b: b[None, ..., None], x, new_axis=[0, -1], dtype="f8")
+    assert y.chunks == ((1,), (2, 2, 2), (4,), (1,))
+    np.testing.assert_array_equal(_sync_compute(y), a[None, ..., None])
 
 
 def test_broadcast_arrays_pair_their_blocks():
