@@ -25,9 +25,15 @@ Workloads (``--workloads``, comma-separated; ``existing``, ``new`` and ``all`` s
   16 kernels of 0.2 reference-seconds that each need a 2 GiB working set; the working set is
   declared to ``blockflow.map_blocks(..., working_set=)`` when that keyword exists.
 
-    python benchmarks/heterogeneous.py            # full run, all workloads (~30-45 min on 2 cores)
-    python benchmarks/heterogeneous.py --workloads new             # the issue-10 workloads
-    python benchmarks/heterogeneous.py --quick --workloads new     # smoke test (~1-2 min)
+    python benchmarks/heterogeneous.py > table.txt        # full run, all workloads
+    python benchmarks/heterogeneous.py --workloads new    # only the issue-10 workloads
+    python benchmarks/heterogeneous.py --quick --workloads new  # smoke test (~3-4 min)
+
+Per-cell lines go to stderr, the table to stdout. Estimated on a loaded 2-core machine: the
+existing workloads 15-25 min, the new ones 15-25 min more (flights scale 4 dominates;
+``--flights-scale 16``, the size issue 10 reports, takes about 4x as long). ``--in-process``
+(workers as threads) starts clusters faster for smoke tests; its timings are not
+representative.
 """
 
 from __future__ import annotations
@@ -309,6 +315,10 @@ def main(argv=None) -> int:
                     help="workers as threads of this process: starts faster, for smoke "
                          "tests; timings are then not representative")
     args = ap.parse_args(argv)
+    for flag in ("blocks", "reps", "flights_scale"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be an integer >= 1, got "
+                     f"{getattr(args, flag)}.")
     if args.quick:
         args.blocks, args.reps, args.block_ms = 32, 1, 20.0
         args.overhead_tasks = min(args.overhead_tasks, 500)
