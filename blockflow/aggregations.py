@@ -15,6 +15,11 @@ group, or per group and histogram bin), so the tree's memory does not grow with 
   binned values: exact for data on the grid (e.g. whole minutes with ``bin_width=1``), an
   estimate within ``bin_width / 2`` otherwise (a blockflow heuristic).
 
+Both give what pandas' ``groupby(by, dropna=dropna)`` gives on the whole frame, also for
+empty partitions, groups present in only some partitions and groups whose values are all
+missing (count 0, NaN statistics); when no row is left at all the result is an empty table
+with the documented columns and dtypes (the same as the lazy result's metadata).
+
 Kernels use :func:`blockflow.dataframe_module`-style generic dataframe methods (``groupby``,
 ``agg``, ``transform``, ``where``), so partitions may be pandas or cuDF; only the final
 quantile interpolation runs on the host (its input is the small merged histogram).
