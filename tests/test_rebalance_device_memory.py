@@ -455,3 +455,24 @@ async def test_rebalance_bad_input_fails_with_one_line_naming_the_fix(c, s, a, b
     # nothing held: nothing to do
     summary = await blockflow.rebalance(c)
     assert summary["moves"] == [] and summary["within_one_block"] and summary["cycles"] == 0
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, config={
+    "distributed.scheduler.active-memory-manager.start": False,
+    "distributed.scheduler.active-memory-manager.policies": [
+        {"class": "blockflow.scheduling.balance.DeviceMemoryBalancePolicy"}]})
+async def test_policy_named_in_distributed_config_balances_in_the_scheduler_amm(c, s, a, b, w):
+    addrs = await _devices(c, s, a, b, w)
+    futs = _blocks(c, addrs["a"], [256 * MiB] * 14)
+    await c.gather(futs)
+    await c.amm.run_once()  # six copies
+    for _ in range(500):
+        if sum(map(len, (await _holders(c, futs)).values())) == 14 + 6:
+            break
+        await asyncio.sleep(0.01)
+    await c.amm.run_once()  # the copies have landed: six drops
+    held = {addr: 0 for addr in addrs.values()}
+    for h in (await _holders(c, futs)).values():
+        assert len(h) == 1
+        held[h.pop()] += 256 * MiB
+    assert held == {addrs["a"]: 2 * GiB, addrs["b"]: GiB, addrs["c"]: 512 * MiB}
