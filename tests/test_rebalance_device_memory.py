@@ -298,9 +298,9 @@ def test_a_refused_drop_is_retried():
 
 
 @settings(max_examples=40, deadline=None)
-@given(caps=st.lists(st.integers(1, 16), min_size=2, max_size=5),
-       blocks=st.lists(st.tuples(st.integers(1, 64), st.integers(0, 4)), min_size=1,
-                       max_size=40),
+@given(caps=st.lists(st.integers(1, 16), min_size=2, max_size=6),
+       blocks=st.lists(st.tuples(st.integers(1, 64), st.integers(0, 5)), min_size=1,
+                       max_size=60),
        tolerance=st.sampled_from([None, 0]))
 def test_plan_ends_within_one_block_of_the_capacity_weighted_target(caps, blocks, tolerance):
     workers = [view(f"w{i}", total=c * 4 * GiB) for i, c in enumerate(caps)]

@@ -62,8 +62,9 @@ class DeviceBytes:
 
     @property
     def within_one_block(self) -> bool:
-        """Whether every worker is within ``largest_block`` bytes of its target."""
-        return self.max_deviation <= self.largest_block
+        """Whether every worker is within ``largest_block`` bytes of its target (give or take
+        the one byte of slack the plan allows for rounding)."""
+        return self.max_deviation <= self.largest_block + 1
 
 
 @dataclass
@@ -80,18 +81,20 @@ class DeviceMemoryBalancePolicy(AMMPolicy):
 
     Each worker's target is its share of the held device bytes in proportion to its device
     memory capacity (``gpu-memory-total``). While some worker deviates from its target by
-    more than ``tolerance``, blocks are copied (``replicate``) from the most over-target
+    more than ``tolerance``, the plan moves blocks, on paper, from the most over-target
     worker to the most under-target one: the largest block that fits the receiver's deficit
-    (and its free device memory), else the block that best halves the gap; in the next AMM
-    cycle, once the copy has landed, the block is dropped from the source (a move takes two
-    cycles, as in distributed's ``RetireWorker``). Every accepted copy and drop is logged as
-    action ``"balance"`` in the rebalancer's decision log when it runs.
+    (and its free device memory), else the block that best halves the gap. Then it suggests
+    the net moves, largest first: a block moved twice on paper is copied once, from where it
+    is to where it ends (``replicate``); in the next AMM cycle, once the copy has landed, the
+    block is dropped from the source (a move takes two cycles, as in distributed's
+    ``RetireWorker``). Every accepted copy and drop is logged as action ``"balance"`` in the
+    rebalancer's decision log when it runs.
 
     A blockflow heuristic (greedy descent on the sum of squared deviations from the
     capacity-weighted targets; cf. distributed's ``Client.rebalance`` for host memory). Each
     move of a ``b``-byte block from ``s`` to ``r`` is made only when ``b`` is smaller than
-    the gap ``(held_s - target_s) - (held_r - target_r)``, which strictly lowers that sum, so
-    planning ends. When no move is left, the most over- and under-target workers are no
+    the gap ``(held_s - target_s) - (held_r - target_r)`` (by a byte, against rounding),
+    which strictly lowers that sum, so planning ends. When no move is left, the most over- and under-target workers are no
     more than one block apart, so every worker ends within one block (the largest) of its
     target, unless blocks cannot move (replicated results, full devices). The default
     ``tolerance``, half the largest block, lets equal blocks end exactly balanced where
@@ -280,9 +283,11 @@ def _choose(excess: dict[str, float], movable: dict[str, list[tuple[int, int, An
     squared deviations. First the largest block that fits a receiver's deficit (and its free
     device memory), from the most over-target workers to the most under-target ones; else
     the block closest to half the gap."""
-    sources = sorted((a for a in excess if excess[a] > 0 and movable[a]),
+    # A byte of slack everywhere: targets are fractional, and float rounding must not turn
+    # an even swap (block == gap) into a "gain".
+    sources = sorted((a for a in excess if excess[a] >= 1 and movable[a]),
                      key=lambda a: -excess[a])
-    receivers = sorted((a for a in excess if excess[a] < 0), key=lambda a: excess[a])
+    receivers = sorted((a for a in excess if excess[a] <= -1), key=lambda a: excess[a])
     for s in sources:
         sizes = [b[0] for b in movable[s]]
         for r in receivers:
@@ -295,7 +300,7 @@ def _choose(excess: dict[str, float], movable: dict[str, list[tuple[int, int, An
         for r in receivers:
             gap = excess[s] - excess[r]
             # Overshoots the receiver's target but still narrows the gap: size < gap.
-            hi = min(bisect.bisect_left(sizes, gap), bisect.bisect_right(sizes, free[r]))
+            hi = min(bisect.bisect_left(sizes, gap - 1), bisect.bisect_right(sizes, free[r]))
             j = bisect.bisect_left(sizes, gap / 2, 0, hi)
             best = min((i for i in (j - 1, j) if 0 <= i < hi and sizes[i] > 0),
                        key=lambda i: abs(sizes[i] - gap / 2), default=None)
