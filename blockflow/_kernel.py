@@ -75,16 +75,38 @@ class Kernel:
         The tree-reduction step (``"chunk"``, ``"combine"``, ``"aggregate"``); None for a
         blockwise kernel. It selects the wording of errors: ``"blockflow kernel 'f' failed
         on block (3,) ..."`` or ``"blockflow tree_reduce: chunk function 'f' failed ..."``.
+    working_set : int or dict, optional
+        Device memory the function needs, bytes: one number for every block, or a dict
+        from block index (the task key without its name) to bytes. The scheduler plugin reads
+        it through :meth:`blockflow_working_set` to place each block where it fits.
+
+    Notes
+    -----
+    A block that runs out of device memory while another worker has enough free device
+    memory for it is not an error: the task raises :class:`distributed.Reschedule` and the
+    scheduler places it again (on a worker where it fits, when the dynamic policy placed it
+    by its working set). :class:`~blockflow.DeviceMemoryError` is raised only when no other
+    worker has that much free device memory.
     """
 
     #: Logger of the retry warnings (subclasses log under their own module's name).
     logger = logging.getLogger(__name__)
 
-    def __init__(self, func: Callable, retries: int = 0, step: str | None = None):
+    def __init__(self, func: Callable, retries: int = 0, step: str | None = None,
+                 working_set: int | dict | None = None):
         self.func = func
         self.label = funcname(func)
         self.retries = retries
         self.step = step
+        self.working_set = working_set
+
+    def blockflow_working_set(self, key) -> int | None:
+        """Device memory (bytes) the block of task ``key`` needs, when declared; else None."""
+        declared = self.working_set
+        if isinstance(declared, dict):
+            index = tuple(key[1:]) if isinstance(key, tuple) else ()
+            return declared.get(index)
+        return declared
 
     def run(self, where: Callable[[], str], *args, **kwargs):
         """Call the function, up to ``1 + retries`` times; the last failure raises.
@@ -108,6 +130,13 @@ class Kernel:
             try:
                 return self.func(*args, **kwargs)
             except Exception as e:
+                if is_device_oom(e) and _fits_on_another_worker(e):
+                    from distributed import Reschedule
+
+                    self.logger.info("blockflow kernel %r ran out of device memory on %s; "
+                                     "another worker has room: rescheduled", self.label,
+                                     where())
+                    raise Reschedule() from e
                 if attempt > self.retries:
                     raise self.error(e, where(), attempt) from e
                 self._warn_retry(e, where(), attempt)
@@ -172,6 +201,9 @@ def device_memory_error(label: str, where: str, exc: BaseException, after: str =
     """
     need = requested_bytes(exc)
     free, worker = largest_free_device_memory()
+    if need is not None and free is not None and free >= need:
+        # stale metrics of this very worker (its allocation failed): never claim room
+        free, worker = largest_free_device_memory(exclude=_this_worker())
     need_text = "more" if need is None else f"{need:,} bytes ({format_bytes(need)})"
     free_text = ("unknown (no worker reports device memory)" if free is None
                  else f"{free:,} bytes ({format_bytes(free)}, on {worker})")
@@ -185,8 +217,34 @@ def device_memory_error(label: str, where: str, exc: BaseException, after: str =
     )
 
 
-def largest_free_device_memory() -> tuple[int | None, str | None]:
+def _this_worker() -> str | None:
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except Exception:  # not in a task on a worker
+        return None
+
+
+def _fits_on_another_worker(exc: BaseException) -> bool:
+    """Whether a worker other than this one has free device memory for what ``exc`` asked."""
+    need = requested_bytes(exc)
+    if need is None:
+        return False
+    for _ in range(2):  # the task's first client call may time out on a loaded worker
+        free, _ = largest_free_device_memory(exclude=_this_worker())
+        if free is not None:
+            return free >= need
+    return False
+
+
+def largest_free_device_memory(exclude: str | None = None) -> tuple[int | None, str | None]:
     """The worker with the most free device memory, from the metrics the scheduler holds.
+
+    Parameters
+    ----------
+    exclude : str, optional
+        A worker address left out (the one that just ran out of device memory).
 
     Returns
     -------
@@ -198,10 +256,14 @@ def largest_free_device_memory() -> tuple[int | None, str | None]:
         from distributed import get_client
 
         workers = get_client().scheduler_info(n_workers=-1)["workers"]
-    except Exception:  # outside a cluster, or the scheduler is gone: say "unknown"
+    except Exception as e:  # outside a cluster, or the scheduler is gone: say "unknown"
+        logging.getLogger(__name__).info(
+            "blockflow: could not read the workers' device memory: %r", e)
         return None, None
     best: tuple[int | None, str | None] = (None, None)
     for address in sorted(workers):
+        if address == exclude:
+            continue
         free = read_metrics(workers[address].get("metrics")).gpu_memory_free
         if free is None:
             continue

@@ -60,8 +60,8 @@ class _Kernel(Kernel):
 
     logger = logger
 
-    def __init__(self, kernel: Callable, name: str, retries: int = 0):
-        super().__init__(kernel, retries)
+    def __init__(self, kernel: Callable, name: str, retries: int = 0, working_set=None):
+        super().__init__(kernel, retries, working_set=working_set)
         self.__name__ = name  # dask.utils.funcname -> task names start with "blockflow-"
 
     def __repr__(self) -> str:
@@ -69,8 +69,8 @@ class _Kernel(Kernel):
 
 
 class _ArrayKernel(_Kernel):
-    def __init__(self, kernel, name, *, dtype=None, ndim=None, retries=0):
-        super().__init__(kernel, name, retries)
+    def __init__(self, kernel, name, *, dtype=None, ndim=None, retries=0, working_set=None):
+        super().__init__(kernel, name, retries, working_set)
         self.pass_block_id = _wants(kernel, "block_id")
         self.dtype = np.dtype(dtype) if dtype is not None else None
         self.ndim = ndim
@@ -140,8 +140,8 @@ def _type_name(obj) -> str:
 
 
 class _PartitionKernel(_Kernel):
-    def __init__(self, kernel, name, retries=0):
-        super().__init__(kernel, name, retries)
+    def __init__(self, kernel, name, retries=0, working_set=None):
+        super().__init__(kernel, name, retries, working_set)
         self.pass_info = _wants(kernel, "partition_info")
         # Set after the output collection is built (before any task runs) so each
         # partition's result can be checked against the output's meta; dtypes only when the
@@ -354,6 +354,7 @@ def map_blocks(
     new_axis: Any = None,
     template: Any = None,
     retries: int | None = None,
+    working_set: int | str | Callable[[int], int] | None = None,
     **kwargs: Any,
 ):
     """Run ``kernel`` on every block of one or more Dask collections, lazily.
@@ -407,6 +408,15 @@ def map_blocks(
         Xarray: the output template, as in :func:`xarray.map_blocks`. Output declarations
         that do not apply to the inputs' kind (``template`` for arrays, ``dtype``/``chunks``
         for dataframes or xarray objects, ...) are refused rather than ignored.
+    working_set : int, str or callable, optional
+        Device memory the kernel needs for one block, in bytes (``"2GiB"`` accepted), or a
+        callable ``working_set(nbytes) -> bytes`` of the block's size in bytes (arrays only:
+        argument 0's block, known from its chunks). With it, blockflow's ``dynamic`` policy
+        places each block only on workers whose free device memory holds it, and a block
+        that runs out of device memory while another worker has room is rescheduled
+        (:class:`distributed.Reschedule`) instead of failing;
+        :class:`~blockflow.DeviceMemoryError` is raised only when it fits nowhere. Default:
+        nothing declared (blocks go where the scheduler puts them).
     retries : int, optional
         Extra attempts of a block whose kernel raises (default 0): as everywhere in blockflow,
         the task is run up to ``retries`` more times before it fails. Here the attempts run
@@ -498,14 +508,61 @@ def map_blocks(
     retries = check_retries(retries, "blockflow.map_blocks")
     task_name = kernel_name(kernel, name)
     kind = kinds[0]
+    working_set = _check_working_set(working_set, kind)
     _check_options(kind, dtype=dtype, meta=meta, chunks=chunks, drop_axis=drop_axis,
                    new_axis=new_axis, template=template)
     if kind == "array":
         return _map_arrays(kernel, collections, task_name, dtype, meta, chunks, drop_axis,
-                           new_axis, kwargs, retries)
+                           new_axis, kwargs, retries, working_set)
     if kind == "dataframe":
-        return _map_partitions(kernel, collections, task_name, meta, kwargs, retries)
-    return _map_xarray(kernel, collections, task_name, template, kwargs, retries)
+        return _map_partitions(kernel, collections, task_name, meta, kwargs, retries,
+                               working_set)
+    return _map_xarray(kernel, collections, task_name, template, kwargs, retries, working_set)
+
+
+def _check_working_set(working_set, kind: str):
+    """``working_set=`` as bytes (int) or a callable (arrays only); a clear error otherwise."""
+    from dask.utils import parse_bytes
+
+    if working_set is None:
+        return None
+    if callable(working_set):
+        if kind != "array":
+            raise TypeError(
+                f"blockflow.map_blocks: working_set= as a callable of the block's size needs "
+                f"block sizes known before computing, which {kind} inputs do not have; give "
+                f"the bytes a block needs, e.g. working_set='2GiB'.")
+        return working_set
+    try:
+        nbytes = parse_bytes(working_set) if isinstance(working_set, str) else working_set
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 1:
+            raise ValueError(working_set)
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"blockflow.map_blocks: working_set must be a number of bytes >= 1, a size such "
+            f"as '2GiB', or a callable of the block's bytes, got {working_set!r}.") from None
+    return int(nbytes)
+
+
+def _block_working_sets(working_set, x) -> dict[tuple, int] | int | None:
+    """Per block index of ``x``, the bytes ``working_set(block nbytes)`` declares (the
+    widest argument's blocks, whose indices are the output's)."""
+    if not callable(working_set):
+        return working_set
+    import itertools
+
+    itemsize = x.dtype.itemsize
+    out = {}
+    for index in itertools.product(*(range(len(c)) for c in x.chunks)):
+        nbytes = itemsize * math.prod(x.chunks[a][i] for a, i in enumerate(index))
+        value = working_set(nbytes)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer, float)) \
+                or not value >= 0:
+            raise ValueError(
+                f"blockflow.map_blocks: working_set({nbytes}) for block {index} returned "
+                f"{value!r}; it must return a number of bytes >= 0.")
+        out[index] = int(value)
+    return out
 
 
 #: The output declarations each kind of input uses, and how to name them in messages.
@@ -530,7 +587,7 @@ def _check_options(kind: str, **options) -> None:
 
 
 def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_axis, kwargs,
-                retries=0):
+                retries=0, working_set=None):
     for i, x in enumerate(arrays):
         validate_array(x, "blockflow.map_blocks", f"argument {i}")
     _check_aligned_chunks(arrays)
@@ -551,7 +608,12 @@ def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_a
     declared_dtype = dtype if dtype is not None else getattr(meta, "dtype", None)
     wants_info = _wants(kernel, "block_info")
     cls = _ArrayKernelWithInfo if wants_info else _ArrayKernel
-    wrapped = cls(kernel, task_name, dtype=declared_dtype, retries=retries)
+    widest = max(arrays, key=lambda a: a.ndim)
+    declared_ws = _block_working_sets(working_set, widest)
+    if isinstance(declared_ws, dict) and (drop or new):
+        declared_ws = max(declared_ws.values(), default=None)  # output blocks differ
+    wrapped = cls(kernel, task_name, dtype=declared_dtype, retries=retries,
+                  working_set=declared_ws)
     opts = {}
     for k, v in dict(dtype=dtype, meta=meta, chunks=chunks, drop_axis=drop_axis,
                      new_axis=new_axis).items():
@@ -678,7 +740,7 @@ def _check_new_axes(out, new: list[int]) -> None:
             )
 
 
-def _map_partitions(kernel, frames, task_name, meta, kwargs, retries=0):
+def _map_partitions(kernel, frames, task_name, meta, kwargs, retries=0, working_set=None):
     first = frames[0]
     for i, f in enumerate(frames[1:], start=1):
         if f.npartitions != first.npartitions:
@@ -687,7 +749,7 @@ def _map_partitions(kernel, frames, task_name, meta, kwargs, retries=0):
                 f"{f.npartitions} partitions; repartition one to match, e.g. "
                 f"b = b.repartition(npartitions=a.npartitions)."
             )
-    wrapped = _PartitionKernel(kernel, task_name, retries)
+    wrapped = _PartitionKernel(kernel, task_name, retries, working_set)
     opts = {} if meta is None else {"meta": meta}
     out = first.map_partitions(wrapped, *frames[1:], **opts, **kwargs)
     wrapped.meta = out._meta
@@ -695,14 +757,14 @@ def _map_partitions(kernel, frames, task_name, meta, kwargs, retries=0):
     return out
 
 
-def _map_xarray(kernel, objs, task_name, template, kwargs, retries=0):
+def _map_xarray(kernel, objs, task_name, template, kwargs, retries=0, working_set=None):
     import xarray as xr
 
     for i, o in enumerate(objs):
         if not o.chunks:
             raise not_a_collection("blockflow.map_blocks", f"argument {i}", o)
     _check_xarray_chunks(objs)
-    wrapped = _XarrayKernel(kernel, task_name, retries)
+    wrapped = _XarrayKernel(kernel, task_name, retries, working_set)
     return xr.map_blocks(wrapped, objs[0], args=list(objs[1:]), kwargs=kwargs, template=template)
 
 

@@ -422,7 +422,8 @@ def decisions(client: Client, since: float | None = None):
     -------
     pandas.DataFrame
         Columns ``time`` (UTC timestamp), ``policy``, ``action`` (``pause``, ``resume``,
-        ``move``, ``memory-move``, ``assign``, ``keep``, ``handover``, ``join``, ``forget``),
+        ``move``, ``memory-move``, ``balance``, ``assign``, ``keep``, ``handover``, ``join``,
+        ``forget``),
         ``worker``, ``target`` (moves), ``key`` (moves), ``reason``, then ``seen_*`` columns
         with the metrics the decision saw (GPU utilisation in percent, device-memory
         fraction 0-1, learned speed, tasks processing, projected finish in seconds; None

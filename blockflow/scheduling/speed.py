@@ -16,13 +16,21 @@ Method (a blockflow heuristic from standard robust and shrinkage estimation):
 3. **Only comparisons count.** A group tells something about relative speed only when at
    least two workers ran it: the group's reference is the median over those workers of their
    medians, and a worker's evidence is ``reference - its median`` (in log space; positive is
-   faster), weighted by its number of samples. A worker's raw log speed is the weighted mean
-   of its evidence over groups, clipped to ``±log(max_ratio)``. One worker alone (a cold task
-   followed by a warm one, say) gives no evidence at all: its speed stays 1.0.
-4. **Confidence and shrinkage.** ``confidence = n / (n + prior_strength)``, ``n`` the
-   worker's comparable samples; the speed is ``exp(confidence x raw)``: the posterior mean of
-   a normal model whose prior, centred on the typical speed, is worth ``prior_strength``
-   samples (James-Stein-style shrinkage).
+   faster), with the variance of a median of ``n`` samples, ``(1.2533 s)^2 / n``, where
+   ``s`` is the within-worker spread (standard deviation of log durations around each
+   worker's mean in each group, pooled over groups and shrunk towards ``prior_spread``; a
+   group without repeats gives no evidence). A worker's raw log speed is the inverse-variance weighted mean of its
+   evidence over groups, clipped to ``±log(max_ratio)``. One worker alone (a cold task
+   followed by a warm one, say) gives no evidence at all: its speed stays 1.0. Groups whose
+   blocks vary in size give wide spreads, hence little evidence.
+4. **Confidence and shrinkage.** The posterior of a normal model with a prior centred on the
+   typical speed (sd ``prior_sd`` in log space) shrinks the raw estimate by
+   ``precision / (precision + prior precision)``; that factor times ``n / (n +
+   prior_strength)``, ``n`` the comparable samples, is the worker's *confidence* (0-1), and
+   the speed is ``exp(confidence x raw)`` (James-Stein-style shrinkage).
+   :meth:`SpeedModel.heterogeneous` asks that two confident workers differ by more than a
+   given ratio *and* significantly (a two-sided test at 0.1 %, Student-t widened for few
+   degrees of freedom).
 5. **Bounded optimism.** No worker looks faster than the best well-observed worker
    (confidence >= 0.5) by more than ``max_optimism``; before any is well observed, no worker
    looks faster than ``max_optimism`` itself.
@@ -51,6 +59,14 @@ class SpeedModel:
         First durations of each (worker, group) discarded as cold starts.
     prior_strength : float, default 2.0
         Weight, in samples, of the prior speed 1.0.
+    prior_sd : float, default 0.5
+        Standard deviation of the prior log speed (speeds mostly within ``e**±1``).
+    min_spread : float, default 0.05
+        Smallest spread of log durations assumed (5 % timing noise).
+    prior_spread, prior_dof : float, default 0.2 and 2.0
+        Prior spread of log durations and its weight in degrees of freedom: a group's
+        measured spread is shrunk towards it, so that two or three similar durations never
+        pass for a precise measurement.
     max_ratio : float, default 64.0
         Largest speed ratio to the group's reference one worker can show (clip).
     max_optimism : float, default 1.5
@@ -62,11 +78,17 @@ class SpeedModel:
     """
 
     def __init__(self, window: int = 32, warmup: int = 1, prior_strength: float = 2.0,
-                 max_ratio: float = 64.0, max_optimism: float = 1.5, max_groups: int = 256,
+                 prior_sd: float = 0.5, min_spread: float = 0.05, prior_spread: float = 0.2,
+                 prior_dof: float = 2.0, max_ratio: float = 64.0,
+                 max_optimism: float = 1.5, max_groups: int = 256,
                  max_pending: int = 100_000):
         self.window = window
         self.warmup = warmup
         self.prior_strength = prior_strength
+        self.prior_sd = prior_sd
+        self.min_spread = min_spread
+        self.prior_spread = prior_spread
+        self.prior_dof = prior_dof
         self.max_log_ratio = math.log(max_ratio)
         self.max_optimism = max_optimism
         self.max_groups = max_groups
@@ -77,6 +99,10 @@ class SpeedModel:
         self.count: dict[str, int] = {}  # worker -> durations seen (all)
         self.log_speed: dict[str, float] = {}
         self.conf: dict[str, float] = {}
+        self.var: dict[str, float] = {}  # posterior variance of the log speed
+        self.raw: dict[str, float] = {}  # log speed before shrinkage
+        self.dof: dict[str, int] = {}  # degrees of freedom of the spreads behind it
+        self.comparable: dict[str, int] = {}
 
     def observe(self, worker: str, group: str, duration: float) -> None:
         """Record that ``worker`` ran a task of ``group`` in ``duration`` seconds. O(1)."""
@@ -111,25 +137,48 @@ class SpeedModel:
         return n
 
     def _estimate(self) -> None:
-        evidence: dict[str, float] = {}
-        weight: dict[str, float] = {}
+        self.dof = {}
+        num: dict[str, float] = {}
+        den: dict[str, float] = {}
+        count: dict[str, int] = {}
+        comparable = []  # (per_worker, medians) of groups two workers ran, with repeats
+        ss_total, dof_total = 0.0, 0
         for per_worker in self.groups.values():
-            if len(per_worker) < 2:
-                continue
             loc = {w: median(d) for w, d in per_worker.items() if d}
-            if len(loc) < 2:
+            dof = sum(len(per_worker[w]) for w in loc) - len(loc)
+            if len(loc) < 2 or dof < 1:
                 continue
+            for w in loc:
+                d = per_worker[w]
+                mean = sum(d) / len(d)
+                ss_total += sum((x - mean) ** 2 for x in d)
+            dof_total += dof
+            comparable.append((per_worker, loc))
+        # within-worker spread of log durations, pooled over groups (N - k degrees of
+        # freedom) and shrunk towards a prior spread worth prior_dof degrees of freedom, so
+        # that two or three similar durations never pass for a precise measurement
+        spread = max(math.sqrt((ss_total + self.prior_dof * self.prior_spread ** 2)
+                               / (dof_total + self.prior_dof)), self.min_spread)
+        for per_worker, loc in comparable:
             ref = median(loc.values())
             for w, m in loc.items():
                 n = len(per_worker[w])
-                evidence[w] = evidence.get(w, 0.0) + n * (ref - m)
-                weight[w] = weight.get(w, 0.0) + n
-        self.log_speed, self.conf = {}, {}
-        for w, n in weight.items():
-            raw = max(min(evidence[w] / n, self.max_log_ratio), -self.max_log_ratio)
-            c = n / (n + self.prior_strength)
+                var = (1.2533 * spread) ** 2 / n  # variance of a median of n samples
+                num[w] = num.get(w, 0.0) + (ref - m) / var
+                den[w] = den.get(w, 0.0) + 1.0 / var
+                count[w] = count.get(w, 0) + n
+                self.dof[w] = dof_total
+        self.log_speed, self.conf, self.var, self.raw = {}, {}, {}, {}
+        prior = 1.0 / self.prior_sd ** 2
+        for w, d in den.items():
+            raw = max(min(num[w] / d, self.max_log_ratio), -self.max_log_ratio)
+            n = count[w]
+            c = d / (d + prior) * n / (n + self.prior_strength)
             self.conf[w] = c
+            self.raw[w] = raw
             self.log_speed[w] = c * raw
+            self.var[w] = 1.0 / (d + prior)
+            self.comparable[w] = n
         known = [ls for w, ls in self.log_speed.items() if self.conf[w] >= 0.5]
         cap = max(max(known, default=0.0), 0.0) + math.log(self.max_optimism)
         for w, ls in self.log_speed.items():
@@ -159,8 +208,20 @@ class SpeedModel:
         min_confidence : float, default 0.5
         """
         pool = self.log_speed if workers is None else [w for w in workers if w in self.log_speed]
-        known = [self.log_speed[w] for w in pool if self.conf.get(w, 0.0) >= min_confidence]
-        return len(known) >= 2 and max(known) - min(known) >= math.log(min_ratio)
+        known = [w for w in pool if self.conf.get(w, 0.0) >= min_confidence]
+        if len(known) < 2:
+            return False
+        fast = max(known, key=self.raw.__getitem__)
+        slow = min(known, key=self.raw.__getitem__)
+        gap = self.raw[fast] - self.raw[slow]
+        # as large as asked, and beyond the noise of the two estimates: a two-sided test at
+        # 0.1 %, its critical value widened for few degrees of freedom (Student's t by the
+        # Cornish-Fisher expansion, z + (z^3 + z) / 4 dof)
+        dof = max(min(self.dof.get(fast, 0), self.dof.get(slow, 0)), 1)
+        z = 3.29
+        crit = z + (z ** 3 + z) / (4 * dof)
+        return gap >= math.log(min_ratio) and gap >= crit * math.sqrt(
+            self.var[fast] + self.var[slow])
 
     def reset(self, worker: str) -> None:
         """Forget the durations of ``worker`` but not that it is warm (it was paused, throttled
@@ -169,6 +230,8 @@ class SpeedModel:
             per_worker.pop(worker, None)
         self.log_speed.pop(worker, None)
         self.conf.pop(worker, None)
+        self.var.pop(worker, None)
+        self.comparable.pop(worker, None)
         self.pending = deque((o for o in self.pending if o[0] != worker),
                              maxlen=self.pending.maxlen)
         self._estimate()

@@ -13,6 +13,8 @@ import dask.array as da
 import numpy as np
 import pytest
 
+import blockflow
+
 from blockflow import map_blocks
 from blockflow.errors import BlockKernelError, DeviceMemoryError, is_device_oom, requested_bytes
 from blockflow.scheduling import Rebalancer
@@ -23,9 +25,9 @@ from .conftest import wait_until
 GiB, MiB = 2**30, 2**20
 
 
-def on_device(block, *, working_set):
-    """A kernel that needs ``working_set`` bytes of (simulated) device memory."""
-    return simulated_kernel(block, work=0.01, working_set=working_set).payload
+def on_device(block, *, need):
+    """A kernel that needs ``need`` bytes of (simulated) device memory."""
+    return simulated_kernel(block, work=0.01, working_set=need).payload
 
 
 async def _heartbeat(dask_worker):
@@ -47,7 +49,7 @@ def _by_name(client) -> list[str]:
 
 def test_a_block_too_big_for_every_device_names_its_size_and_the_free_memory():
     with simulated_cluster(speeds=(1, 1), device_memory="1GiB", processes=False) as client:
-        y = map_blocks(on_device, da.ones(10, chunks=10), working_set=2 * GiB)
+        y = map_blocks(on_device, da.ones(10, chunks=10), need=2 * GiB, working_set=2 * GiB)
         with pytest.raises(DeviceMemoryError) as info:
             client.compute(y).result()
         first = sorted(_by_name(client))[0]  # equal free memory: the first address is named
@@ -61,37 +63,59 @@ def test_a_block_too_big_for_every_device_names_its_size_and_the_free_memory():
         "device of worker ")
     err = info.value
     assert (err.block, err.working_set, err.largest_free) == ("block (0,)", 2 * GiB, GiB)
+    assert err.largest_free < err.working_set  # it never claims room it did not have
     assert isinstance(err, BlockKernelError) and isinstance(err, MemoryError)
 
 
-def test_a_block_that_fits_elsewhere_is_placed_there_by_the_dynamic_policy():
+def test_a_block_that_fits_elsewhere_is_never_a_device_memory_error():
+    """A nearly-full device and a roomy one; 8 blocks whose kernel needs 300 MiB.
+
+    blockflow once raised DeviceMemoryError ("the largest free device memory of any worker
+    is 1.00 GiB") for a 300 MiB block while the roomy device idled.
+    """
     with simulated_cluster(speeds=(1, 1), device_memory="1GiB", processes=False) as client:
         full, roomy = _by_name(client)
         client.run(set_tenant, (0, 900 * MiB), workers=[full])  # another process: 88 % used
         client.run(_heartbeat)
         x = da.ones(80, chunks=10)  # 8 blocks of 300 MiB working set: fit only on `roomy`
-        # Plain Dask places blocks on the nearly-full device too, where they cannot fit ...
-        with pytest.raises(DeviceMemoryError) as info:
-            client.compute(map_blocks(on_device, x, working_set=300 * MiB)).result()
-        assert info.value.working_set == 300 * MiB
-        assert info.value.largest_free > 600 * MiB  # ... though another device had room
+        # Without a policy the scheduler puts blocks on the nearly-full device too; each one
+        # that runs out of device memory there is rescheduled, not failed.
+        y = map_blocks(on_device, x, need=300 * MiB)
+        np.testing.assert_array_equal(client.compute(y).result(), np.ones(80))
         assert client.run(device_stats, workers=[full])[full]["oom_errors"] >= 1
 
-        # ... blockflow's dynamic policy pauses the nearly-full worker (memory >= 85 %).
-        # Tasks of the failed run still executing on workers (the scheduler has let them go)
-        # would count as kernels of the next run: wait until the workers are idle too.
+        # With the dynamic policy and the working set declared, no block goes there at all.
         wait_until(lambda: client.run_on_scheduler(_idle)
-                   and not any(client.run(_executing).values()), what="the failed run to drain")
+                   and not any(client.run(_executing).values()), what="the first run to drain")
         client.register_plugin(Rebalancer(policy="dynamic"))
-        status = client.sync(client.scheduler.blockflow_status)
-        assert list(status["paused"]) == [full]
         before = client.run(device_stats)
-        y = map_blocks(on_device, x, working_set=300 * MiB, name="placed")
+        y = map_blocks(on_device, x, need=300 * MiB, working_set=300 * MiB, name="placed")
         np.testing.assert_array_equal(client.compute(y).result(), np.ones(80))
         after = client.run(device_stats)
+        log = blockflow.decisions(client)
     assert after[full]["kernels"] == before[full]["kernels"]
     assert after[full]["oom_errors"] == before[full]["oom_errors"]
     assert after[roomy]["kernels"] - before[roomy]["kernels"] == 8
+    assert {"pause", "place"} & set(log["action"])
+
+
+def test_blocks_are_placed_by_working_set_where_they_fit():
+    """Two devices with 1 GiB and 8 GiB free; kernels need 2 GiB: all run on the 8 GiB one,
+    none out of memory, none a DeviceMemoryError (the issue's scenario)."""
+    with simulated_cluster(speeds=(1, 1), device_memory=["1GiB", "8GiB"],
+                           processes=False) as client:
+        small, big = _by_name(client)
+        client.register_plugin(Rebalancer(policy="dynamic"))
+        y = map_blocks(on_device, da.ones(12, chunks=1), need=2 * GiB,
+                       working_set=lambda nbytes: 2 * GiB)
+        np.testing.assert_array_equal(client.compute(y).result(), np.ones(12))
+        stats = client.run(device_stats)
+        log = blockflow.decisions(client)
+    assert stats[small]["oom_errors"] == 0 and stats[small]["kernels"] == 0
+    assert stats[big]["kernels"] == 12
+    place = log[log["action"] == "place"]
+    assert len(place) == 1 and place.iloc[0]["worker"] == big
+    assert place.iloc[0]["seen_working_set"] == 2 * GiB
 
 
 class OutOfMemoryError(MemoryError):
