@@ -85,8 +85,10 @@ class Kernel:
     A block that runs out of device memory while another worker has enough free device
     memory for it is not an error: the task raises :class:`distributed.Reschedule` and the
     scheduler places it again (on a worker where it fits, when the dynamic policy placed it
-    by its working set). :class:`~blockflow.DeviceMemoryError` is raised only when no other
-    worker has that much free device memory.
+    by its working set), at most :data:`MAX_RESCHEDULES` times from one worker (a scheduler
+    that knows nothing of device memory may keep choosing the same, idle, too-small
+    device). :class:`~blockflow.DeviceMemoryError` is raised when no other worker has that
+    much free device memory, or after those attempts.
     """
 
     #: Logger of the retry warnings (subclasses log under their own module's name).
@@ -130,7 +132,7 @@ class Kernel:
             try:
                 return self.func(*args, **kwargs)
             except Exception as e:
-                if is_device_oom(e) and _fits_on_another_worker(e):
+                if is_device_oom(e) and _fits_on_another_worker(e) and _may_reschedule():
                     from distributed import Reschedule
 
                     self.logger.info("blockflow kernel %r ran out of device memory on %s; "
@@ -205,6 +207,17 @@ def device_memory_error(label: str, where: str, exc: BaseException, after: str =
         # stale metrics of this very worker (its allocation failed): never claim room
         free, worker = largest_free_device_memory(exclude=_this_worker())
     need_text = "more" if need is None else f"{need:,} bytes ({format_bytes(need)})"
+    if need is not None and free is not None and free >= need:
+        # another worker has room, but the scheduler kept placing the block here
+        return DeviceMemoryError(
+            f"blockflow kernel {label!r} ran out of device memory on {where}{after}: it "
+            f"asked for {need_text} of device memory, more than this worker had free, and the "
+            f"scheduler placed it here again {MAX_RESCHEDULES} times although {worker} has "
+            f"room. Declare what a block needs, map_blocks(..., working_set={need}), and use "
+            f"blockflow's dynamic policy (the default of blockflow.connect), which places each "
+            f"block where it fits. {type(exc).__name__}: {exc}",
+            block=where, working_set=need, largest_free=None,
+        )
     free_text = ("unknown (no worker reports device memory)" if free is None
                  else f"{free:,} bytes ({format_bytes(free)}, on {worker})")
     return DeviceMemoryError(
@@ -215,6 +228,28 @@ def device_memory_error(label: str, where: str, exc: BaseException, after: str =
         f"or use workers with larger GPUs. {type(exc).__name__}: {exc}",
         block=where, working_set=need, largest_free=free,
     )
+
+
+#: Most times one worker hands a task back for running out of device memory.
+MAX_RESCHEDULES = 3
+_reschedules: dict = {}  # task key -> times this worker process rescheduled it
+
+
+def _may_reschedule() -> bool:
+    """Count a reschedule of the current task from this worker; False past the bound."""
+    try:
+        from distributed import get_worker
+
+        key = get_worker().get_current_task()
+    except Exception:  # not in a task on a worker
+        return False
+    n = _reschedules.get(key, 0)
+    if n >= MAX_RESCHEDULES:
+        return False
+    if len(_reschedules) > 10_000:
+        _reschedules.clear()
+    _reschedules[key] = n + 1
+    return True
 
 
 def _this_worker() -> str | None:

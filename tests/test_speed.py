@@ -159,3 +159,20 @@ def test_a_truly_slower_worker_is_found_despite_noise():
     m.update()
     assert m.heterogeneous()
     assert m.speed("slow") / m.speed("a") == pytest.approx(0.25, rel=0.2)
+
+
+def test_a_worker_that_slows_mid_run_is_seen_slow_after_a_few_tasks():
+    m = SpeedModel()
+    for w in ("a", "b", "c", "d"):
+        feed(m, w, "g", [0.06] * 5)
+    m.update()
+    assert not m.heterogeneous()
+    feed(m, "a", "g", [0.3])  # one slow task: could be an outlier
+    for w in ("b", "c", "d"):
+        feed(m, w, "g", [0.06] * 2)
+    m.update()
+    assert m.speed("a") == pytest.approx(m.speed("b"), rel=0.05)
+    feed(m, "a", "g", [0.3])  # the second in a row: a level shift
+    m.update()
+    assert m.speed("a") < 0.6 * m.speed("b")
+    assert m.heterogeneous()

@@ -95,6 +95,7 @@ class Rebalancer(SchedulerPlugin):
         self.moves_requested = 0
         self._stealing = None
         self._host_pause_fraction: float | None = None
+        self._calm = 0
         self._worker_checked = False
 
     def __getstate__(self):
@@ -198,7 +199,23 @@ class Rebalancer(SchedulerPlugin):
                                queued=_distributed.queued_count(self.scheduler),
                                waiting=_distributed.waiting_tasks(self.scheduler,
                                                                   thieves=thieves),
-                               balancing=self.speeds.heterogeneous(thieves))
+                               balancing=self._balancing(thieves))
+
+    #: Ticks in a row without a speed difference before balancing goes back to distributed.
+    calm_ticks = 10
+
+    def _balancing(self, workers) -> bool:
+        """Start balancing when speeds are known to differ by 1.3x; stop only after
+        :attr:`calm_ticks` ticks in a row without even a 1.15x difference (hysteresis: the
+        estimates wobble as tasks finish, and handing balancing back and forth undoes
+        moves)."""
+        if self._stealing is None:
+            return self.speeds.heterogeneous(workers)
+        if self.speeds.heterogeneous(workers, min_ratio=1.15):
+            self._calm = 0
+            return True
+        self._calm += 1
+        return self._calm < self.calm_ticks
 
     def _hand_over_balancing(self, snap: ClusterSnapshot) -> None:
         """Suspend distributed's stealing while blockflow balances on known speeds; give it
@@ -209,6 +226,7 @@ class Rebalancer(SchedulerPlugin):
                 "confidence": {a: round(w.speed_confidence, 2)
                                for a, w in snap.workers.items()}}
         if snap.balancing and self._stealing is None:
+            self._calm = 0
             self._stealing = _distributed.suspend_work_stealing(self.scheduler)
             self.log_decision("balance", "", "worker speeds known to differ: blockflow "
                               "balances on them; distributed's work stealing paused", seen)

@@ -12,7 +12,10 @@ Method (a blockflow heuristic from standard robust and shrinkage estimation):
    transfers and allocator warm-up, and is not its speed.
 2. **Robust per-worker location.** Each (worker, group) keeps its last ``window`` log
    durations; its location is their median (robust to outliers and to the log-normal spread
-   of real block durations).
+   of real block durations). A level shift is not an outlier: when the last ``change_run``
+   durations all lie ``change_ratio`` beyond the median of the earlier ones, on the same
+   side, the earlier ones are dropped (a simple change-point rule, so a worker throttled
+   mid-run is seen as slow after two tasks).
 3. **Only comparisons count.** A group tells something about relative speed only when at
    least two workers ran it: the group's reference is the median over those workers of their
    medians, and a worker's evidence is ``reference - its median`` (in log space; positive is
@@ -57,7 +60,7 @@ class SpeedModel:
         Recent durations kept per (worker, group).
     warmup : int, default 1
         First durations of each (worker, group) discarded as cold starts.
-    prior_strength : float, default 2.0
+    prior_strength : float, default 1.0
         Weight, in samples, of the prior speed 1.0.
     prior_sd : float, default 0.5
         Standard deviation of the prior log speed (speeds mostly within ``e**±1``).
@@ -67,6 +70,10 @@ class SpeedModel:
         Prior spread of log durations and its weight in degrees of freedom: a group's
         measured spread is shrunk towards it, so that two or three similar durations never
         pass for a precise measurement.
+    change_run, change_ratio : int and float, default 2 and 2.0
+        A worker whose last ``change_run`` durations of a group are all ``change_ratio``
+        times slower (or faster) than the median of its earlier ones changed speed: its
+        earlier durations are dropped.
     max_ratio : float, default 64.0
         Largest speed ratio to the group's reference one worker can show (clip).
     max_optimism : float, default 1.5
@@ -77,9 +84,10 @@ class SpeedModel:
         Bound on observations buffered between ticks (oldest dropped).
     """
 
-    def __init__(self, window: int = 32, warmup: int = 1, prior_strength: float = 2.0,
+    def __init__(self, window: int = 32, warmup: int = 1, prior_strength: float = 1.0,
                  prior_sd: float = 0.5, min_spread: float = 0.05, prior_spread: float = 0.2,
-                 prior_dof: float = 2.0, max_ratio: float = 64.0,
+                 prior_dof: float = 2.0, change_run: int = 2, change_ratio: float = 2.0,
+                 max_ratio: float = 64.0,
                  max_optimism: float = 1.5, max_groups: int = 256,
                  max_pending: int = 100_000):
         self.window = window
@@ -89,6 +97,8 @@ class SpeedModel:
         self.min_spread = min_spread
         self.prior_spread = prior_spread
         self.prior_dof = prior_dof
+        self.change_run = change_run
+        self.change_ratio = change_ratio
         self.max_log_ratio = math.log(max_ratio)
         self.max_optimism = max_optimism
         self.max_groups = max_groups
@@ -132,9 +142,25 @@ class SpeedModel:
             if window is None:
                 window = per_worker[worker] = deque(maxlen=self.window)
             window.append(math.log(duration))
+            if self._changed(window):
+                # the worker changed speed (throttled, a new tenant, freed): judge it on
+                # its recent durations only
+                per_worker[worker] = deque(list(window)[-self.change_run:],
+                                           maxlen=self.window)
         if n:
             self._estimate()
         return n
+
+    def _changed(self, window: deque) -> bool:
+        """Whether the last ``change_run`` durations all lie beyond ``change_ratio`` of the
+        median of the earlier ones, on the same side (a level shift, not an outlier)."""
+        k = self.change_run
+        if len(window) < 2 * k:
+            return False
+        values = list(window)
+        before, recent = median(values[:-k]), values[-k:]
+        step = math.log(self.change_ratio)
+        return all(x - before > step for x in recent) or all(before - x > step for x in recent)
 
     def _estimate(self) -> None:
         self.dof = {}
