@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import time
 from typing import Any, Callable
 
 from dask.utils import format_bytes, funcname
@@ -138,6 +139,9 @@ class Kernel:
                     self.logger.info("blockflow kernel %r ran out of device memory on %s; "
                                      "another worker has room: rescheduled", self.label,
                                      where())
+                    # hold this (unsuitable) worker's slot a moment, so that the scheduler
+                    # hands the block to a worker that frees up meanwhile
+                    time.sleep(RESCHEDULE_BACKOFF * _reschedules.get(_current_key(), 1))
                     raise Reschedule() from e
                 if attempt > self.retries:
                     raise self.error(e, where(), attempt) from e
@@ -231,17 +235,25 @@ def device_memory_error(label: str, where: str, exc: BaseException, after: str =
 
 
 #: Most times one worker hands a task back for running out of device memory.
-MAX_RESCHEDULES = 3
+MAX_RESCHEDULES = 5
+#: Seconds a worker waits before handing a task back, times the attempt.
+RESCHEDULE_BACKOFF = 0.1
 _reschedules: dict = {}  # task key -> times this worker process rescheduled it
+
+
+def _current_key():
+    try:
+        from distributed import get_worker
+
+        return get_worker().get_current_task()
+    except Exception:  # not in a task on a worker
+        return None
 
 
 def _may_reschedule() -> bool:
     """Count a reschedule of the current task from this worker; False past the bound."""
-    try:
-        from distributed import get_worker
-
-        key = get_worker().get_current_task()
-    except Exception:  # not in a task on a worker
+    key = _current_key()
+    if key is None:
         return False
     n = _reschedules.get(key, 0)
     if n >= MAX_RESCHEDULES:

