@@ -412,3 +412,13 @@ def test_working_set_is_found_in_fused_task_specs():
                  DataNode(None, K()))
     assert _distributed.task_working_set(outer, ("blockflow-k", 2)) == 3000
     assert _distributed.task_working_set(Task("x", sum, [1, 2]), "x") is None
+
+
+def test_dynamic_moves_a_task_at_most_once_unless_its_worker_is_paused():
+    policy = DynamicPolicy()
+    s1 = snap([worker("a", processing=3, executing=1, occupancy=3.0), worker("b"), worker("c")],
+              waiting={"a": [task("t")]})
+    assert [(d.key, d.target) for d in run(policy, s1)] == [("t", "b")]
+    s2 = snap([worker("a"), worker("b", processing=3, executing=1, occupancy=3.0), worker("c")],
+              waiting={"b": [task("t")]})
+    assert run(policy, s2) == []  # not on to c either

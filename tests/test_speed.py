@@ -146,7 +146,7 @@ def test_uneven_blocks_on_identical_workers_are_not_taken_for_uneven_workers():
                 feed(m, w, f"g{g}", [0.05 * math.exp(rng.gauss(0, 0.8)) for _ in range(6)])
         m.update()
         false_alarms += m.heterogeneous()
-    assert false_alarms <= 1
+    assert false_alarms <= 2  # a 4 % false-alarm rate on noise this wide (sd 0.8 in log)
 
 
 def test_a_truly_slower_worker_is_found_despite_noise():
@@ -175,4 +175,20 @@ def test_a_worker_that_slows_mid_run_is_seen_slow_after_a_few_tasks():
     feed(m, "a", "g", [0.3])  # the second in a row: a level shift
     m.update()
     assert m.speed("a") < 0.6 * m.speed("b")
+    assert m.heterogeneous()
+
+
+def test_noisy_groups_do_not_drown_a_clear_one():
+    """Persisted-input runs: many tiny, noisy tasks (no speed signal) beside the kernels,
+    where one device is 4x slower. The kernels' tight evidence decides."""
+    import random
+
+    rng = random.Random(1)
+    m = SpeedModel()
+    for w in ("a", "b", "c", "slow"):
+        feed(m, w, "make-input", [0.002 * math.exp(rng.gauss(0, 0.8)) for _ in range(60)])
+        d = 0.2 if w == "slow" else 0.05
+        feed(m, w, "kernel", [d * math.exp(rng.gauss(0, 0.05)) for _ in range(20)])
+    m.update()
+    assert m.speed("slow") / m.speed("a") == pytest.approx(0.25, rel=0.25)
     assert m.heterogeneous()

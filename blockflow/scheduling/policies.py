@@ -201,10 +201,11 @@ class DynamicPolicy(RebalancePolicy):
     frees up, and while worker speeds are not known with confidence to differ
     (``snapshot.balancing``) distributed's own stealing balances: in both cases only tasks
     stuck on paused workers move. Speeds come shrunk by their confidence
-    (:class:`~blockflow.scheduling.speed.SpeedModel`), so moves grow with what was measured. A task is never moved back to a
-    worker it was moved off (unless it now sits on a paused worker): projected finishes are
-    estimates that shift after every move, and without that rule a task on the margin
-    bounces between two workers. A blockflow heuristic.
+    (:class:`~blockflow.scheduling.speed.SpeedModel`), so moves grow with what was measured.
+    A task moves at most once, unless it sits on a paused worker: projected finishes are
+    estimates that shift after every move, and later ticks would otherwise chase a task from
+    worker to worker (or bounce it between two). A
+    blockflow heuristic.
     """
 
     name = "dynamic"
@@ -367,7 +368,9 @@ class DynamicPolicy(RebalancePolicy):
                 exhausted.add(v.address)
                 continue
             d = task.duration
-            left = () if v.address in blocked else self._moved_off.get(task.key, ())
+            if task.key in self._moved_off and v.address not in blocked:
+                continue  # moved once already: estimates shift, chains of moves only churn
+            left = ()
             best, best_finish = None, math.inf
             for t in thieves:
                 if t is v or t.address in left or (

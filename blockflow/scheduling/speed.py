@@ -20,9 +20,10 @@ Method (a blockflow heuristic from standard robust and shrinkage estimation):
    least two workers ran it: the group's reference is the median over those workers of their
    medians, and a worker's evidence is ``reference - its median`` (in log space; positive is
    faster), with the variance of a median of ``n`` samples, ``(1.2533 s)^2 / n``, where
-   ``s`` is the within-worker spread (standard deviation of log durations around each
-   worker's mean in each group, pooled over groups and shrunk towards ``prior_spread``; a
-   group without repeats gives no evidence). A worker's raw log speed is the inverse-variance weighted mean of its
+   ``s`` is the group's within-worker spread (standard deviation of log durations around
+   each worker's mean), moderated towards the spread pooled over groups as in Smyth's
+   empirical-Bayes variance shrinkage (2004); a group without repeats gives no evidence, a
+   noisy one little. A worker's raw log speed is the inverse-variance weighted mean of its
    evidence over groups, clipped to ``±log(max_ratio)``. One worker alone (a cold task
    followed by a warm one, say) gives no evidence at all: its speed stays 1.0. Groups whose
    blocks vary in size give wide spreads, hence little evidence.
@@ -167,25 +168,31 @@ class SpeedModel:
         num: dict[str, float] = {}
         den: dict[str, float] = {}
         count: dict[str, int] = {}
-        comparable = []  # (per_worker, medians) of groups two workers ran, with repeats
+        comparable = []  # (per_worker, medians, ss, dof) of groups two workers ran, repeated
         ss_total, dof_total = 0.0, 0
         for per_worker in self.groups.values():
             loc = {w: median(d) for w, d in per_worker.items() if d}
             dof = sum(len(per_worker[w]) for w in loc) - len(loc)
             if len(loc) < 2 or dof < 1:
                 continue
+            ss = 0.0
             for w in loc:
                 d = per_worker[w]
                 mean = sum(d) / len(d)
-                ss_total += sum((x - mean) ** 2 for x in d)
+                ss += sum((x - mean) ** 2 for x in d)
+            ss_total += ss
             dof_total += dof
-            comparable.append((per_worker, loc))
-        # within-worker spread of log durations, pooled over groups (N - k degrees of
-        # freedom) and shrunk towards a prior spread worth prior_dof degrees of freedom, so
-        # that two or three similar durations never pass for a precise measurement
-        spread = max(math.sqrt((ss_total + self.prior_dof * self.prior_spread ** 2)
-                               / (dof_total + self.prior_dof)), self.min_spread)
-        for per_worker, loc in comparable:
+            comparable.append((per_worker, loc, ss, dof))
+        # Within-worker spread of log durations: each group's own, shrunk towards the spread
+        # pooled over groups (itself shrunk towards prior_spread), as in empirical-Bayes
+        # variance moderation (Smyth 2004): a group of many tasks speaks for itself, two or
+        # three similar durations never pass for a precise measurement, and a noisy group
+        # (tiny tasks, contention) weighs little.
+        pooled = (ss_total + self.prior_dof * self.prior_spread ** 2) / (
+            dof_total + self.prior_dof)
+        for per_worker, loc, ss, dof in comparable:
+            spread = max(math.sqrt((ss + self.prior_dof * pooled) / (dof + self.prior_dof)),
+                         self.min_spread)
             ref = median(loc.values())
             for w, m in loc.items():
                 n = len(per_worker[w])
