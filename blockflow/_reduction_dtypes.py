@@ -1,7 +1,7 @@
 """How tree reductions get NumPy's result dtypes, and NumPy functions that are not trees.
 
-:func:`result_dtypes` runs a reduction's chunk, combine and aggregate steps once on a
-one-element sample of the input's dtype and array type, the way Dask's own reductions infer
+:func:`result_dtypes` runs a reduction's chunk, combine and aggregate steps once on an
+empty (else one-element) sample of the input's dtype and array type, the way Dask infers
 their dtypes (``np.sum(np.ones(1, dtype)).dtype``), so that a tree reduction's result has the
 dtype NumPy gives for the whole input, and partials never narrow. NumPy's mean, var, std
 and count_nonzero do not combine with themselves (the mean of block means is not the mean):
@@ -68,8 +68,10 @@ def result_dtypes(
 ) -> tuple[np.dtype | None, np.dtype | None]:
     """The dtypes a tree reduction's partials and result naturally have, found by running it.
 
-    The steps run once, as their tasks would, on a sample of one element per axis (ones, of
-    ``x``'s dtype and array type): ``chunk(sample, axis=, keepdims=True)``, then ``combine``
+    The steps run once, as their tasks would, on an empty sample of ``x``'s dtype and array
+    type (as Dask calls functions on empty ``meta``), or, when they refuse empty input
+    (``np.min``), on one element per axis (ones): ``chunk(sample, axis=, keepdims=True)``,
+    then ``combine``
     and ``aggregate`` on that single partial (nested one list per reduced axis when
     ``concatenate=False``). NumPy's dtype rules depend on the dtypes, not the values or
     sizes, so this gives what NumPy gives on the whole input: ``np.sum`` of ``int8`` ->
@@ -100,24 +102,29 @@ def result_dtypes(
     aggregate = aggregate or combine
     axes = tuple(range(x.ndim)) if axis is None else tuple(axis)
     meta = getattr(x, "_meta", None)
-    shape = (1,) * x.ndim
-    try:
-        sample = np.ones_like(meta, shape=shape, dtype=x.dtype) if meta is not None \
-            else np.ones(shape, dtype=x.dtype)
-    except Exception:  # a backend without ones_like(shape=)
-        sample = np.ones(shape, dtype=x.dtype)
     depth = 0 if concatenate else len(axes)
-    try:
-        with warnings.catch_warnings(), np.errstate(all="ignore"):
-            warnings.simplefilter("ignore")  # e.g. ddof >= 1 on a single element
-            part = chunk(sample, axis=axes, keepdims=True)
-            merged = combine(_nest(part, depth), axis=axes, keepdims=True)
-            out = aggregate(_nest(merged, depth), axis=axes, keepdims=keepdims)
-    except Exception as e:
-        logger.debug("tree_reduce: no dtype from a one-element sample (%s: %s)",
-                     type(e).__name__, e)
-        return None, None
-    return _dtype_of(part), _dtype_of(out)
+    # An empty sample first (Dask's meta convention: user functions are called on empty
+    # blocks, never on made-up data), one element when the steps refuse empty input (np.min)
+    for size in (0, 1):
+        shape = (size,) * x.ndim
+        try:
+            sample = np.ones_like(meta, shape=shape, dtype=x.dtype) if meta is not None \
+                else np.ones(shape, dtype=x.dtype)
+        except Exception:  # a backend without ones_like(shape=)
+            sample = np.ones(shape, dtype=x.dtype)
+        try:
+            with warnings.catch_warnings(), np.errstate(all="ignore"):
+                warnings.simplefilter("ignore")  # e.g. the mean of nothing, ddof >= 1
+                part = chunk(sample, axis=axes, keepdims=True)
+                merged = combine(_nest(part, depth), axis=axes, keepdims=True)
+                out = aggregate(_nest(merged, depth), axis=axes, keepdims=keepdims)
+        except Exception as e:
+            logger.debug("tree_reduce: no dtype from a sample of %d element(s) (%s: %s)",
+                         size ** x.ndim, type(e).__name__, e)
+            continue
+        if _dtype_of(out) is not None:
+            return _dtype_of(part), _dtype_of(out)
+    return None, None
 
 
 def _accumulation_dtype(partial: np.dtype | None, result: np.dtype, given: np.dtype
