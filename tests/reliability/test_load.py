@@ -62,7 +62,7 @@ def test_50000_tasks_with_the_dynamic_policy_and_a_bounded_decision_log():
             wait_until(lambda: sorted(blockflow.plugin_status(client)["paused"])
                        == (hot if busy else []), timeout=20, what=f"swing {swing}")
             decided += len(hot)
-        _wait_while_progressing(futures, stall=60)
+        _wait_while_progressing(futures, stall=180)
         results = client.gather(futures)
         took = time.monotonic() - start
         assert results == [i + 1 for i in range(N_TASKS)]
