@@ -75,6 +75,9 @@ class SpeedModel:
         A worker whose last ``change_run`` durations of a group are all ``change_ratio``
         times slower (or faster) than the median of its earlier ones changed speed: its
         earlier durations are dropped.
+    min_duration : float, default 0.005
+        Durations below this (seconds) are ignored: tasks that short time the scheduler's
+        and Python's overhead, not the device.
     max_ratio : float, default 64.0
         Largest speed ratio to the group's reference one worker can show (clip).
     max_optimism : float, default 1.5
@@ -88,7 +91,7 @@ class SpeedModel:
     def __init__(self, window: int = 32, warmup: int = 1, prior_strength: float = 1.0,
                  prior_sd: float = 0.5, min_spread: float = 0.05, prior_spread: float = 0.2,
                  prior_dof: float = 2.0, change_run: int = 2, change_ratio: float = 2.0,
-                 max_ratio: float = 64.0,
+                 max_ratio: float = 64.0, min_duration: float = 0.005,
                  max_optimism: float = 1.5, max_groups: int = 256,
                  max_pending: int = 100_000):
         self.window = window
@@ -100,6 +103,7 @@ class SpeedModel:
         self.prior_dof = prior_dof
         self.change_run = change_run
         self.change_ratio = change_ratio
+        self.min_duration = min_duration
         self.max_log_ratio = math.log(max_ratio)
         self.max_optimism = max_optimism
         self.max_groups = max_groups
@@ -117,7 +121,8 @@ class SpeedModel:
 
     def observe(self, worker: str, group: str, duration: float) -> None:
         """Record that ``worker`` ran a task of ``group`` in ``duration`` seconds. O(1)."""
-        if isinstance(duration, (int, float)) and duration > 0 and math.isfinite(duration):
+        if isinstance(duration, (int, float)) and math.isfinite(duration) \
+                and duration >= self.min_duration:
             self.pending.append((worker, group, float(duration)))
 
     def update(self) -> int:
