@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 
 import dask
 import dask.array as da
@@ -49,7 +50,10 @@ def _new_worker_runs_tasks(client, old: list[str]) -> str:
                what="the restarted worker")
     (new,) = set(running_workers(client)) - set(old)
     before = tasks_done_on(client, new)
-    x = blockflow.map_blocks(slow_double, da.arange(40, chunks=1), name="after-restart")
+    # A fresh name each time: a graph with the keys of an earlier call's (whose results the
+    # scheduler may not have released yet) would run nothing at all.
+    x = blockflow.map_blocks(slow_double, da.arange(40, chunks=1),
+                             name=f"after-restart-{uuid.uuid4().hex}")
     assert client.compute(x.sum()).result() == 2 * sum(range(40))
     assert tasks_done_on(client, new) > before
     return new
