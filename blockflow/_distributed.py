@@ -66,7 +66,6 @@ __all__ = [
     "check_scheduler",
     "check_worker",
     "check_worker_state",
-    "cluster_busy",
     "held_results",
     "http_prefix",
     "move_task",
@@ -82,6 +81,7 @@ __all__ = [
     "set_worker_status",
     "style_dashboard_doc",
     "suspend_work_stealing",
+    "task_states",
     "task_working_set",
     "waiting_tasks",
     "worker_addresses",
@@ -442,11 +442,6 @@ def queued_count(scheduler) -> int:
     return len(scheduler.queued)
 
 
-def cluster_busy(scheduler) -> bool:
-    """Whether any worker has tasks assigned."""
-    return any(ws.processing for ws in scheduler.workers.values())
-
-
 def _restricted(ts) -> bool:
     return bool(ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions)
 
@@ -497,6 +492,17 @@ def task_working_set(run_spec, key, *, max_nodes: int = 256) -> int | None:
                 if child is not None and not isinstance(child, (str, bytes, int, float)):
                     stack.append(child)
     return found
+
+
+def task_states(scheduler, keys) -> dict:
+    """key -> the scheduler's state of that task (``"released"``, ``"waiting"``,
+    ``"processing"``, ``"memory"``, ...); keys the scheduler does not hold are left out."""
+    out = {}
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if ts is not None:
+            out[key] = ts.state
+    return out
 
 
 def new_task_views(scheduler, keys) -> list[TaskView]:

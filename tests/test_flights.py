@@ -72,6 +72,9 @@ def test_run_matches_pandas_reference(client, tmp_path, reference_1):
     assert manifest["input_rows"] == ROWS_2013 and manifest["clean_rows"] == DEPARTED_2013
     assert manifest["files"]["by_carrier"]["rows"] == 16
     assert manifest["output"] == str(out)
+    # one run: both graphs of the job; n_tasks is the sum of the per-worker counts
+    assert manifest["task_counts"] == result.task_counts
+    assert manifest["n_tasks"] == sum(result.task_counts.values()) == result.n_tasks
 
     # Timings and where the tasks ran.
     assert result.wall_time > 0

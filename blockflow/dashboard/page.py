@@ -1,5 +1,8 @@
 """The ``/blockflow`` dashboard page: workers, rebalancer decisions, tasks per worker (Bokeh).
 
+"Tasks (this run)" counts the tasks each worker finished for the run most recently given
+tasks: everything one job or one ``compute()`` submitted (:mod:`blockflow.scheduling.runs`).
+
 Updates every 500 ms through a periodic callback that holds the component only weakly
 (distributed's ``add_periodic_callback``), so a closed browser tab leaves nothing behind.
 """
@@ -12,6 +15,7 @@ import time
 from bokeh.layouts import column, row
 from bokeh.models import (
     ColumnDataSource,
+    CustomJS,
     DataTable,
     Div,
     FactorRange,
@@ -42,6 +46,19 @@ def _na(value, fmt) -> str:
     return "n/a" if value is None else fmt(value)
 
 
+def _redraw_on_new_data(table: DataTable) -> None:
+    """Make ``table`` redraw in the browser whenever its source's data is replaced.
+
+    BokehJS 3.x (checked with 3.9.2) redraws a DataTable's cells only when the indices of its
+    ``CDSView`` change; new ``source.data`` with as many rows as before leaves them equal, so
+    the cells kept showing the first values while plots on the same source moved. After each
+    change the browser now signals the table's view itself, which makes the table re-read
+    its source (BokehJS's ``DataTableView.updateGrid``).
+    """
+    table.source.js_on_change("data", CustomJS(args={"table": table},
+                                               code="table.view.change.emit()"))
+
+
 class BlockflowPage:
     """Bokeh component of the page; :meth:`update` refreshes it from the scheduler."""
 
@@ -69,11 +86,13 @@ class BlockflowPage:
         self.timeline.add_tools(HoverTool(tooltips=[("action", "@action"), ("worker", "@worker"),
                                                     ("reason", "@reason")]))
         self.counts = ColumnDataSource({"worker": [], "tasks": []})
-        self.count_fig = figure(title="Tasks per worker, current computation", height=220,
+        self.count_fig = figure(title="Tasks per worker, this run", height=220,
                                 x_range=FactorRange(), sizing_mode="stretch_width",
                                 tools="", name="blockflow-task-counts")
         self.count_fig.vbar(x="worker", top="tasks", width=0.8, source=self.counts)
         self.count_fig.xaxis.major_label_orientation = 0.6
+        for table in (self.worker_table, self.decision_table):
+            _redraw_on_new_data(table)
         self.root = column(self.header, self.worker_table, row(self.timeline, self.count_fig,
                                                                sizing_mode="stretch_width"),
                            self.decision_table, sizing_mode="stretch_width", **kwargs)
@@ -83,10 +102,16 @@ class BlockflowPage:
         now = state["time"]
         policy = state["policy"] or "not installed"
         about = html.escape(state.get("policy_description") or "")
+        run = state["run"]
+        run_text = "no run yet" if run is None else (
+            f"this run: <b>{html.escape(run['name'])}</b>, started "
+            f"{time.strftime('%H:%M:%S', time.localtime(run['started']))}, "
+            f"{run['finished']:,} tasks finished of {run['tasks']:,} submitted")
         self.header.text = (f"<h3>blockflow</h3><p>policy: <b>{policy}</b>"
                             f"{f' ({about})' if about else ''} &middot; "
                             f"{len(state['workers'])} workers &middot; "
-                            f"{len(state['decisions'])} recent decisions</p>")
+                            f"{len(state['decisions'])} recent decisions</p>"
+                            f"<p>{run_text}</p>")
         ws = state["workers"]
         self.workers.data = {
             "worker": [w["address"] for w in ws],

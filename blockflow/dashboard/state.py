@@ -42,9 +42,16 @@ def dashboard_state(scheduler, *, since: float | None = None,
         percent, ``gpu_memory_used`` / ``gpu_memory_total`` bytes - None when the worker
         reports no GPU metrics, never 0 - ``nthreads``, ``processing``, ``executing``,
         ``queued`` (processing minus executing), ``speed`` (learned, 1.0 typical),
-        ``status``, ``paused_by_blockflow``, ``paused_reason``, ``tasks_run`` (current
-        computation), ``tasks_total``), ``run_started``, ``policy_description``, ``policies`` (the registry's names),
-        ``n_decisions`` (decisions in the log) and ``decisions`` (oldest first).
+        ``status``, ``paused_by_blockflow``, ``paused_reason``, ``tasks_run`` (tasks it
+        finished for this run), ``tasks_total`` (since the plugin started)), ``run`` (this
+        run: ``id``, ``name``, ``started`` (s since the epoch), ``tasks`` (submitted),
+        ``finished``; None before any), ``run_started``, ``policy_description``,
+        ``policies`` (the registry's names), ``n_decisions`` (decisions in the log) and
+        ``decisions`` (oldest first).
+
+        "This run" is the run most recently given tasks: everything one job or one
+        ``compute()`` submitted (:mod:`blockflow.scheduling.runs`), so a workload that
+        submits two graphs stays one run.
     """
     plugin = _distributed.scheduler_plugin(scheduler, REBALANCER)
     status = plugin.status() if plugin is not None and plugin.scheduler is not None else {}
@@ -83,6 +90,8 @@ def dashboard_state(scheduler, *, since: float | None = None,
         "policy": status.get("policy") if plugin else None,
         "policy_description": status.get("policy_description"),
         "policies": status.get("policies", []),
+        "run": ({k: run[k] for k in ("id", "name", "started", "tasks", "finished")}
+                if (run := status.get("run")) else None),
         "run_started": status.get("run_started"),
         "n_decisions": len(status.get("decisions", ())),
         "workers": workers,

@@ -1,11 +1,13 @@
 """blockflow's scheduler plugin: observes workers and tasks, and runs the rebalancing loop.
 
 The plugin lives on the scheduler. Its :meth:`Rebalancer.transition` hook (called on every
-task transition) is O(1): it counts finished tasks per worker and buffers the task's compute
-time for the speed model. A control loop (:class:`tornado.ioloop.PeriodicCallback`, period
-``blockflow.rebalancer.interval``) calls :meth:`Rebalancer.run_once`: fold in the new
-durations, take a :class:`~blockflow.scheduling.policies.ClusterSnapshot`, ask the policy for
-decisions, apply them through :mod:`blockflow._distributed`, and log each one.
+task transition) is O(1): it counts finished tasks per worker and per run (one run is
+everything one job or one ``compute()`` submitted: :mod:`blockflow.scheduling.runs`) and
+buffers the task's compute time for the speed model. A control loop
+(:class:`tornado.ioloop.PeriodicCallback`, period ``blockflow.rebalancer.interval``) calls
+:meth:`Rebalancer.run_once`: fold in the new durations, take a
+:class:`~blockflow.scheduling.policies.ClusterSnapshot`, ask the policy for decisions, apply
+them through :mod:`blockflow._distributed`, and log each one.
 
 Clients read the plugin's state through one read-only scheduler handler,
 ``blockflow_status``; the plugin accepts no commands.
@@ -32,6 +34,7 @@ from blockflow.scheduling.policies import (
     Decision,
     make_policy,
 )
+from blockflow.scheduling.runs import RunTracker
 from blockflow.scheduling.speed import SpeedModel
 
 __all__ = ["POLICIES", "Rebalancer"]
@@ -82,8 +85,7 @@ class Rebalancer(SchedulerPlugin):
         self.policy = None
         self.task_counts: Counter[str] = Counter()
         self.kernel_counts: Counter[str] = Counter()
-        self.run_counts: Counter[str] = Counter()  # tasks per worker, current computation
-        self.run_started: float | None = None
+        self.runs = RunTracker()  # "this run": see blockflow.scheduling.runs
         # (worker, start, stop) of finished tasks, for run reports; bounded
         self.task_log: deque[tuple[str, float, float]] = deque(maxlen=100_000)
         self.memory_peak: dict[str, float] = {}  # worker -> device bytes, highest seen
@@ -130,13 +132,16 @@ class Rebalancer(SchedulerPlugin):
     # --- hooks: keep them O(1) -----------------------------------------------------------
 
     def transition(self, key, start, finish, *args, stimulus_id=None, **kwargs) -> None:
+        if finish == "forgotten":
+            self.runs.forget(key)
+            return
         if start != "processing" or finish != "memory":
             return
         worker = kwargs.get("worker")
         if worker is None:
             return
         self.task_counts[worker] += 1
-        self.run_counts[worker] += 1
+        self.runs.finished(key, worker)
         group = key_split(key)
         if group.startswith(KERNEL_PREFIX):
             self.kernel_counts[worker] += 1
@@ -150,11 +155,10 @@ class Rebalancer(SchedulerPlugin):
             if compute > 0:
                 self.speeds.observe(worker, group, compute)
 
-    def update_graph(self, scheduler, *, keys=None, tasks=None, **kwargs) -> None:
-        if not _distributed.cluster_busy(scheduler):
-            # a new computation on an idle cluster: restart the per-run counts
-            self.run_counts.clear()
-            self.run_started = time.time()
+    def update_graph(self, scheduler, *, client=None, keys=None, tasks=None, annotations=None,
+                     **kwargs) -> None:
+        self.runs.graph(client=client, states=_distributed.task_states(scheduler, tasks or ()),
+                        annotations=annotations or {}, now=time.time())
         if self.policy is None or not tasks:
             return
         snap = ClusterSnapshot(time=time.time(), workers=self._views(), event="graph",
@@ -326,7 +330,7 @@ class Rebalancer(SchedulerPlugin):
     # --- read-only handler ------------------------------------------------------------
 
     def status(self, comm=None, since: float | None = None,
-               task_log: bool = False) -> dict[str, Any]:
+               task_log: bool = False, run: str | None = None) -> dict[str, Any]:
         """Plain-data view of the plugin's state, served as the ``blockflow_status`` handler.
 
         Parameters
@@ -335,6 +339,16 @@ class Rebalancer(SchedulerPlugin):
             Only decisions (and task-log entries) after this time (seconds since the epoch).
         task_log : bool, default False
             Include ``(worker, start, stop)`` of finished tasks (for run reports).
+        run : str, optional
+            A run id (:func:`blockflow.scheduling.runs.run_scope`): include that run as
+            ``requested_run`` (None if unknown).
+
+        Returns
+        -------
+        dict
+            Plain data. ``run`` is the run most recently given tasks
+            (:meth:`~blockflow.scheduling.runs.Run.as_dict`, or None); ``run_counts`` and
+            ``run_started`` are its per-worker counts and start time.
         """
         decisions = list(self.decisions)
         if since is not None:
@@ -342,6 +356,9 @@ class Rebalancer(SchedulerPlugin):
         extra = {}
         if task_log:
             extra["task_log"] = [t for t in self.task_log if since is None or t[2] > since]
+        if run is not None:
+            extra["requested_run"] = self.runs.get(run)
+        current = self.runs.current_run()
         return {
             "policy": self.policy_name,
             "interval": self.interval,
@@ -349,8 +366,9 @@ class Rebalancer(SchedulerPlugin):
             "moves_requested": self.moves_requested,
             "task_counts": dict(self.task_counts),
             "kernel_counts": dict(self.kernel_counts),
-            "run_counts": dict(self.run_counts),
-            "run_started": self.run_started,
+            "run": current,
+            "run_counts": current["counts"] if current else {},
+            "run_started": current["started"] if current else None,
             "speeds": {a: self.speeds.speed(a)
                        for a in _distributed.worker_addresses(self.scheduler)}
             if self.scheduler else {},

@@ -476,11 +476,12 @@ class ArrayStatsResult:
         Seconds from submitting the graph to having the result on the client.
     bytes_per_second : float
         ``nbytes / wall_time``.
-    n_tasks : int
-        Tasks in the graph that was computed.
+    n_tasks : int or None
+        Tasks this run finished: the sum of ``task_counts`` (None without them).
     task_counts : dict of str to int, or None
-        Tasks each worker finished during this run (from blockflow's scheduler plugin; None
-        when the scheduler runs no blockflow plugin).
+        Tasks each worker finished for this run: everything it submitted, not other
+        clients' work; the dashboard's "Tasks (this run)" shows the same counts (blockflow's
+        scheduler plugin; None when the scheduler runs none).
     dashboard_link : str or None
     output : str or None
         Directory the results were written to, if any.
@@ -494,7 +495,7 @@ class ArrayStatsResult:
     nbytes: int
     wall_time: float
     bytes_per_second: float
-    n_tasks: int
+    n_tasks: int | None
     task_counts: dict[str, int] | None = None
     dashboard_link: str | None = None
     output: str | None = None
@@ -555,7 +556,7 @@ class ArrayStatsResult:
         return (
             f"<ArrayStatsResult size={self.size!r} shape={self.shape} "
             f"{format_bytes(self.nbytes)} in {self.wall_time:.2f} s "
-            f"({format_bytes(self.bytes_per_second)}/s), {self.n_tasks} tasks>"
+            f"({format_bytes(self.bytes_per_second)}/s), {'n/a' if self.n_tasks is None else self.n_tasks} tasks>"
         )
 
 
@@ -610,7 +611,9 @@ def run(
     seed : int, default 0
         Seed of the generated field.
     progress : bool, optional
-        Show a :func:`distributed.progress` bar; default: when stdout is a terminal.
+        Show a labelled progress bar (``array-stats (small) generate, anomalies,
+        moments``): a widget in Jupyter, a text bar on stderr in a terminal. Default: in
+        Jupyter, or when stderr is a terminal.
     retries : int, optional
         Distributed task retries (default 0): a task of the run that raises is run again up
         to ``retries`` more times by the scheduler, possibly on another worker (passed to
@@ -644,14 +647,13 @@ def run(
 
 def _compute(job: Job, *, spec: FieldSpec, size: str, seed: int) -> ArrayStatsResult:
     stats_lazy = build(size, seed)
-    n_tasks = len(stats_lazy.__dask_graph__())
     job.start()
-    stats = job.compute(stats_lazy)
+    stats = job.compute(stats_lazy, label=f"array-stats ({size}) generate, anomalies, moments")
     wall = job.stop()
     result = ArrayStatsResult(
         stats=stats, size=size, seed=int(seed), shape=spec.shape, chunks=spec.chunks,
         nbytes=spec.nbytes, wall_time=wall, bytes_per_second=spec.nbytes / wall,
-        n_tasks=n_tasks, task_counts=job.task_counts, dashboard_link=job.dashboard_link,
+        n_tasks=job.n_tasks, task_counts=job.task_counts, dashboard_link=job.dashboard_link,
     )
     logger.info("array-stats %s: %r", size, result)
     return result

@@ -441,9 +441,11 @@ class FlightsResult:
     rows_per_second : float
         ``input_rows / wall_time``.
     task_counts : dict of str to int, or None
-        Tasks each worker finished during this run (blockflow's scheduler plugin; counts
-        tasks of all clients of the cluster; None when the scheduler runs no blockflow
-        plugin).
+        Tasks each worker finished for this run: everything this run submitted (both of
+        its graphs), not other clients' work; the dashboard's "Tasks (this run)" shows the
+        same counts (blockflow's scheduler plugin; None when the scheduler runs none).
+    n_tasks : int or None
+        Tasks this run finished: the sum of ``task_counts``.
     dashboard_link : str or None
     output : str or None
         The folder the tables were written to, if any.
@@ -460,6 +462,7 @@ class FlightsResult:
     wall_time: float
     rows_per_second: float
     task_counts: dict[str, int] | None = None
+    n_tasks: int | None = None
     dashboard_link: str | None = None
     output: str | None = None
     versions: dict[str, str] = field(default_factory=dict)
@@ -493,6 +496,7 @@ class FlightsResult:
             "clean_rows": self.clean_rows,
             "wall_time_s": self.wall_time,
             "rows_per_second": self.rows_per_second,
+            "n_tasks": self.n_tasks,
             "task_counts": self.task_counts,
             "dashboard_link": self.dashboard_link,
             "groupings": GROUPINGS,
@@ -573,8 +577,9 @@ def run(
     overwrite : bool, default False
         Replace ``output`` if it exists; otherwise an existing ``output`` is an error.
     progress : bool, optional
-        Show :func:`distributed.progress` bars (persist, then aggregations); default: when
-        stdout is a terminal.
+        Show one labelled progress bar per stage (``flights [1/2] load, clean, persist``,
+        ``flights [2/2] delay statistics``): a widget in Jupyter, a text bar on stderr in a
+        terminal. Default: in Jupyter, or when stderr is a terminal.
     split_every : int, optional
         Fan-in of the tree reductions (>= 2); default sized from worker memory.
     retries : int, optional
@@ -625,12 +630,14 @@ def _compute(job: Job, *, scale: int, partitions_per_copy: int,
     job.start()
     raw = load_flights(scale, partitions_per_copy)
     # One submission: the input row count and the persisted frame share the load tasks.
-    featured, input_rows = job.persist([prepare(raw), raw.shape[0]])
+    featured, input_rows = job.persist([prepare(raw), raw.shape[0]],
+                                       label="flights [1/2] load, clean, persist")
     try:
         lazy = aggregate(featured, split_every=split_every)
         keys = list(lazy)
         clean_rows, n_input, *parts = job.compute(
-            [featured.shape[0], input_rows] + [part for name in keys for part in lazy[name]])
+            [featured.shape[0], input_rows] + [part for name in keys for part in lazy[name]],
+            label="flights [2/2] delay statistics")
         wall = job.stop()
     finally:
         # Release the persisted partitions now, also when a step failed (a traceback would
@@ -642,7 +649,7 @@ def _compute(job: Job, *, scale: int, partitions_per_copy: int,
         by_carrier=tables["by_carrier"], by_origin_month=tables["by_origin_month"],
         scale=scale, partitions=raw.npartitions, input_rows=int(n_input),
         clean_rows=int(clean_rows), wall_time=wall, rows_per_second=int(n_input) / wall,
-        task_counts=job.task_counts, dashboard_link=job.dashboard_link,
+        task_counts=job.task_counts, n_tasks=job.n_tasks, dashboard_link=job.dashboard_link,
         versions={"blockflow": blockflow.__version__, "dask": dask.__version__,
                   "pandas": pd.__version__, "python": platform.python_version()},
     )

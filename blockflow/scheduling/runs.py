@@ -1,0 +1,180 @@
+"""Runs: the one meaning of "this run" in blockflow (CLI, dashboard, ``manifest.json``).
+
+**One run is everything one job or one ``compute()`` submitted.** A graph sent to the
+scheduler (one ``client.compute`` / ``persist`` / ``submit``, hence one ``.compute()``) is a
+run of its own, unless it was submitted inside :func:`run_scope`: then every graph submitted
+under that scope's id belongs to one run (a workload submits its load-and-persist graph and
+its aggregation graph as one run). The scheduler plugin keeps a :class:`RunTracker`; it counts,
+per run, the tasks each worker finished (re-executions after a lost worker included), so
+that a run's task counts add up to its task total wherever they are shown.
+
+A run's tasks are the tasks its graphs asked to compute that were not already in memory:
+results persisted by an earlier run are reused, not counted again. Work other clients submit
+meanwhile is a run of its own and is not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+import warnings
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import dask
+
+__all__ = ["RUN_ANNOTATION", "Run", "RunTracker", "new_run_id", "run_scope"]
+
+#: The task annotation that carries a run's id and name (``{"id": ..., "name": ...}``). Set
+#: as a global annotation around the submission, so graph optimisation cannot drop it.
+RUN_ANNOTATION = "blockflow_run"
+
+# Task states that will still run; a key in "memory" or "erred" was computed (or failed)
+# before this graph asked for it.
+_TO_RUN = frozenset({"released", "waiting", "queued", "processing", "no-worker"})
+
+
+def new_run_id(name: str) -> str:
+    """A fresh run id: ``name`` plus a random suffix."""
+    return f"{name}-{uuid.uuid4().hex[:12]}"
+
+
+@contextlib.contextmanager
+def run_scope(name: str, run_id: str | None = None) -> Iterator[str]:
+    """Count every graph submitted inside the block as (part of) one run named ``name``.
+
+    Parameters
+    ----------
+    name : str
+        The run as the dashboard shows it (``"the flights ETL (scale 1)"``).
+    run_id : str, optional
+        Continue this run (blocks entered with the same id are one run); default a new id
+        (:func:`new_run_id`).
+
+    Yields
+    ------
+    str
+        The run's id, as :meth:`RunTracker.get` and ``Rebalancer.status(run=)`` take it.
+
+    Notes
+    -----
+    Uses :func:`dask.annotate`: the submitting client sends the annotation with each graph
+    and the scheduler applies it to every new task of that graph.
+    """
+    run_id = run_id or new_run_id(name)
+    with warnings.catch_warnings(), \
+            dask.annotate(**{RUN_ANNOTATION: {"id": run_id, "name": name}}):
+        # dask.dataframe warns that annotations are ignored with query planning: that is
+        # about annotations on its expressions; a global annotation travels with the graph.
+        warnings.filterwarnings("ignore", message="Dask annotations .* detected",
+                                category=UserWarning)
+        yield run_id
+
+
+@dataclass
+class Run:
+    """One run as the scheduler plugin saw it (see the module docstring)."""
+
+    id: str
+    name: str
+    client: str | None
+    started: float  # seconds since the epoch
+    graphs: int = 0  # graphs submitted to it
+    tasks: int = 0  # tasks its graphs submitted that were not already in memory
+    counts: Counter = field(default_factory=Counter)  # worker -> task executions finished
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data: ``id, name, client, started, graphs, tasks, finished, counts``."""
+        return {"id": self.id, "name": self.name, "client": self.client,
+                "started": self.started, "graphs": self.graphs, "tasks": self.tasks,
+                "finished": sum(self.counts.values()), "counts": dict(self.counts)}
+
+
+class RunTracker:
+    """Runs the scheduler has seen, and which run each task not yet forgotten belongs to.
+
+    Parameters
+    ----------
+    max_runs : int, default 1000
+        Runs remembered; the least recently submitted to is forgotten first (a client that
+        submits tasks one by one makes one run per ``submit``).
+
+    Notes
+    -----
+    Plain data only: the scheduler plugin hands in task states read through
+    :mod:`blockflow._distributed`. :meth:`finished` and :meth:`forget` are O(1), for the
+    plugin's ``transition`` hook.
+    """
+
+    def __init__(self, max_runs: int = 1000):
+        self.max_runs = max_runs
+        self.runs: OrderedDict[str, Run] = OrderedDict()
+        self.current: str | None = None  # the run most recently given tasks
+        self._key_run: dict[Hashable, str] = {}
+        self._untagged = 0
+
+    def graph(self, *, client: str | None, states: Mapping[Hashable, str],
+              annotations: Mapping[str, Mapping[Hashable, Any]], now: float) -> Run | None:
+        """Account for a graph the scheduler just received (``update_graph``).
+
+        Parameters
+        ----------
+        client : str or None
+            The submitting client's id.
+        states : mapping
+            key -> scheduler state of every task the graph touched (before it is scheduled:
+            new tasks are ``"released"``).
+        annotations : mapping
+            The graph's annotations by name, then key (``update_graph``'s ``annotations``).
+        now : float
+            Seconds since the epoch.
+
+        Returns
+        -------
+        Run or None
+            The run the graph's tasks were given to; None if the graph had nothing to run
+            and no run was named.
+        """
+        tag = next(iter((annotations.get(RUN_ANNOTATION) or {}).values()), None)
+        if isinstance(tag, Mapping) and tag.get("id"):
+            run_id, name = str(tag["id"]), str(tag.get("name") or tag["id"])
+        else:
+            self._untagged += 1
+            run_id, name = f"compute-{self._untagged}", "a compute()"
+        new = [k for k, s in states.items()
+               if s in _TO_RUN and (s == "released" or k not in self._key_run)]
+        run = self.runs.get(run_id)
+        if run is None:
+            if not new and not isinstance(tag, Mapping):
+                return None
+            run = self.runs[run_id] = Run(id=run_id, name=name, client=client, started=now)
+            while len(self.runs) > self.max_runs:
+                self.runs.popitem(last=False)
+        self.runs.move_to_end(run_id)
+        for key in new:
+            self._key_run[key] = run_id
+        run.graphs += 1
+        run.tasks += len(new)
+        self.current = run_id
+        return run
+
+    def finished(self, key: Hashable, worker: str) -> None:
+        """A task finished on ``worker`` (processing -> memory)."""
+        run = self.runs.get(self._key_run.get(key))
+        if run is not None:
+            run.counts[worker] += 1
+
+    def forget(self, key: Hashable) -> None:
+        """The scheduler forgot the task."""
+        self._key_run.pop(key, None)
+
+    def get(self, run_id: str | None) -> dict[str, Any] | None:
+        """A run as plain data (:meth:`Run.as_dict`), or None if unknown or forgotten."""
+        run = self.runs.get(run_id) if run_id is not None else None
+        return run.as_dict() if run is not None else None
+
+    def current_run(self) -> dict[str, Any] | None:
+        """The run most recently given tasks, as plain data, or None."""
+        return self.get(self.current)

@@ -1,0 +1,148 @@
+"""One meaning of "this run": everything one job or one compute() submitted.
+
+The CLI's "Tasks per worker (this run)", the dashboard's "Tasks (this run)" column and
+``manifest.json``'s ``n_tasks`` / ``task_counts`` are the same numbers, for a workload that
+submits two graphs (flights) as for one that submits one (array-stats).
+"""
+
+from __future__ import annotations
+
+import json
+
+import dask.array as da
+import pytest
+
+import blockflow
+from blockflow.dashboard.state import dashboard_state
+from blockflow.scheduling.runs import RUN_ANNOTATION, RunTracker
+from blockflow.workloads import array_stats, flights
+
+# --- the tracker on plain data ---------------------------------------------------------------
+
+
+def test_each_untagged_graph_is_a_run_and_only_its_new_tasks_count():
+    t = RunTracker()
+    first = t.graph(client="c", states={"a": "released", "b": "released"}, annotations={},
+                    now=1.0)
+    assert (first.tasks, t.current) == (2, first.id)
+    t.finished("a", "w1")
+    t.finished("b", "w2")
+    # a second compute() reuses "a" (in memory) and adds "c": a new run with one task
+    second = t.graph(client="c", states={"a": "memory", "c": "released"}, annotations={},
+                     now=2.0)
+    assert second.id != first.id and second.tasks == 1 and t.current == second.id
+    t.finished("c", "w1")
+    assert t.get(first.id)["counts"] == {"w1": 1, "w2": 1}
+    assert t.current_run()["counts"] == {"w1": 1} and t.current_run()["finished"] == 1
+    # a graph with nothing to run (all in memory) makes no run and leaves the current one
+    assert t.graph(client="c", states={"a": "memory"}, annotations={}, now=3.0) is None
+    assert t.current == second.id
+
+
+def test_tagged_graphs_are_one_run_and_a_rerun_counts_again():
+    t = RunTracker()
+    tag = {RUN_ANNOTATION: {"a": {"id": "job-1", "name": "the job"}}}
+    t.graph(client="c", states={"a": "released"}, annotations=tag, now=1.0)
+    t.finished("a", "w1")
+    tag2 = {RUN_ANNOTATION: {"b": {"id": "job-1", "name": "the job"}}}
+    run = t.graph(client="c", states={"a": "memory", "b": "released"}, annotations=tag2,
+                  now=2.0)
+    assert run.id == "job-1" and run.graphs == 2 and run.tasks == 2
+    t.finished("b", "w2")
+    t.finished("a", "w2")  # "a" recomputed after its worker was lost: counted again
+    assert t.get("job-1") == {"id": "job-1", "name": "the job", "client": "c",
+                              "started": 1.0, "graphs": 2, "tasks": 2, "finished": 3,
+                              "counts": {"w1": 1, "w2": 2}}
+    # a key still being computed for one run is not taken over by another graph
+    t.graph(client="d", states={"x": "released"}, annotations=tag, now=3.0)
+    other = t.graph(client="e", states={"x": "processing"}, annotations={}, now=4.0)
+    assert other is None  # nothing new to run for it
+    t.finished("x", "w1")
+    assert t.get("job-1")["finished"] == 4
+    t.forget("x")
+    t.finished("x", "w1")  # forgotten: no longer anyone's
+    assert t.get("job-1")["finished"] == 4
+
+
+def test_tracker_remembers_a_bounded_number_of_runs():
+    t = RunTracker(max_runs=3)
+    ids = [t.graph(client="c", states={i: "released"}, annotations={}, now=i).id
+           for i in range(5)]
+    assert list(t.runs) == ids[2:]
+    t.finished(0, "w1")  # its run was forgotten: no error, nothing counted
+    assert t.get(ids[0]) is None
+
+
+# --- the same numbers everywhere, on a real cluster -------------------------------------------
+
+
+def _run_status(client, run_id):
+    return blockflow.plugin_status(client, run=run_id)["requested_run"]
+
+
+def test_flights_is_one_run_for_the_dashboard_the_result_and_the_manifest(client, tmp_path):
+    out = tmp_path / "out"
+    result = flights.run(client, scale=1, partitions_per_copy=2, output=out, progress=False)
+    status = blockflow.plugin_status(client)
+    run = status["run"]
+    # the dashboard's run is the whole job: both graphs, not only the aggregation
+    assert run["name"] == "the flights ETL (scale 1)" and run["graphs"] == 2
+    assert run["counts"] == result.task_counts
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["task_counts"] == result.task_counts
+    assert manifest["n_tasks"] == sum(manifest["task_counts"].values()) == result.n_tasks
+    assert run["finished"] == run["tasks"] == result.n_tasks
+    # the persisted stage alone has >= 2 partitions x 4 steps: both stages are counted
+    assert result.n_tasks >= 2 * 4 + 2 * 2
+    state = client.sync(_dashboard_state, client.cluster.scheduler)
+    assert {w["address"]: w["tasks_run"] for w in state["workers"]
+            if w["tasks_run"]} == result.task_counts
+    assert state["run"]["name"] == run["name"] and state["run"]["finished"] == result.n_tasks
+
+
+async def _dashboard_state(scheduler):
+    return dashboard_state(scheduler)
+
+
+def test_array_stats_n_tasks_is_the_sum_of_its_task_counts(client, tmp_path):
+    out = tmp_path / "stats"
+    result = array_stats.run(client, size="small", output=out, progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["n_tasks"] == sum(manifest["task_counts"].values()) == result.n_tasks
+    # the graph as built has more keys than run: optimisation fuses some (70 vs 63 here)
+    assert result.n_tasks <= len(array_stats.build("small", 0).__dask_graph__())
+    assert blockflow.plugin_status(client)["run"]["counts"] == result.task_counts
+
+
+def test_a_compute_is_a_run_of_its_own_and_an_earlier_job_keeps_its_counts(client):
+    result = array_stats.run(client, size="small", progress=False)
+    before = blockflow.plugin_status(client)["run"]
+    x = da.ones(12, chunks=3)
+    assert int(x.sum().compute()) == 12
+    run = blockflow.plugin_status(client)["run"]
+    assert run["id"] != before["id"] and run["graphs"] == 1
+    # 4 blocks + their partial sums and the aggregate: every task of this compute only
+    assert run["finished"] == run["tasks"] and 4 < run["finished"] < 12
+    assert _run_status(client, before["id"])["counts"] == result.task_counts
+
+
+def test_work_of_another_client_during_a_job_is_not_counted(client, cluster):
+    from distributed import Client
+
+    alone = array_stats.run(client, size="small", progress=False)
+    with Client(cluster) as other:
+        # 40 tasks of 0.1 s on 2 threads: busy for the whole job (submitted first, they run
+        # first), and every one of them finishes while the job waits
+        busy = other.compute(da.ones(40, chunks=1).map_blocks(_sleepy).sum())
+        result = array_stats.run(client, size="small", progress=False)
+        assert busy.done()
+        assert busy.result() == 40
+    assert result.task_counts and result.n_tasks == sum(result.task_counts.values())
+    assert result.n_tasks == alone.n_tasks  # none of the other client's 80 tasks
+
+
+def _sleepy(b):
+    import time
+
+    time.sleep(0.1)
+    return b
