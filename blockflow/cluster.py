@@ -17,10 +17,11 @@ import logging
 import time
 from typing import Any
 
+import dask.config
 from dask.utils import parse_timedelta
 from distributed import Client, LocalCluster, Security
 
-from blockflow import _distributed, config
+from blockflow import _distributed, _handshake, _main_guard, config
 from blockflow.backends import GPU_INSTALL_HINT, GPUUnavailableError, gpu_device_count, has_package
 from blockflow.errors import WorkerLostError, describe
 from blockflow.scheduling.plugin import Rebalancer
@@ -96,8 +97,10 @@ def connect(
         A scheduler that already runs the plugin (started with the preload, or by another
         client) keeps its policy; a different ``policy=`` then warns (``BlockflowWarning``).
     timeout : str or float, optional
-        How long to wait for the scheduler at ``address`` (default
-        ``blockflow.cluster.connect-timeout``).
+        Seconds (or ``"30s"``) to wait for the scheduler at ``address``: a refused
+        connection is retried until then (a scheduler that is still starting), and the
+        server must answer Dask's handshake within it. Default
+        ``blockflow.cluster.connect-timeout`` (5 s).
     security : distributed.Security or "temporary", optional
         TLS credentials. With ``address``: the credentials the cluster's scheduler trusts
         (required for a ``tls://`` address unless ``distributed.comm.tls.*`` is configured).
@@ -120,9 +123,11 @@ def connect(
         If ``gpu=True`` and no GPU is visible or dask-cuda is not installed; the message
         lists the missing pieces and the ``pip install "blockflow[gpu]"`` fix.
     OSError
-        If ``address`` cannot be reached within ``timeout``, refuses the TLS credentials, does
-        not answer Dask's handshake within ``timeout`` (something else listens there) or is
-        a worker's address; the message names the address and the cause.
+        If no Dask scheduler answers at ``address``: nothing listens there (refused for
+        ``timeout``), the host cannot be reached or resolved, the server answers something
+        other than Dask's handshake (an HTTP server, garbage: at once) or nothing within
+        ``timeout``, TLS is on one side only or the credentials are refused, or it is a
+        worker's address. One line naming the address, what was found and the fix.
     ValueError
         For an unknown ``policy`` or ``gpu`` value, ``n_workers`` or ``threads_per_worker``
         below 1, an invalid blockflow setting (the message names the key),
@@ -133,7 +138,15 @@ def connect(
         ``distributed.Security``, ``"temporary"`` or None.
     ModuleNotFoundError
         For ``security="temporary"`` without the ``cryptography`` package.
+    RuntimeError
+        If the embedded cluster's worker processes could not start because importing the
+        main script calls ``connect()`` again (the call is not under
+        ``if __name__ == "__main__":``); within seconds, instead of hanging.
+    SystemExit
+        In such a worker process itself (see :mod:`blockflow._main_guard`).
     """
+    # A worker process importing a script that calls connect() at top level: end it now.
+    _main_guard.exit_if_bootstrapping()
     config.validate()  # settings may have changed since import (dask.config.set, files)
     if address is not None and not isinstance(address, str):
         raise TypeError(
@@ -153,26 +166,15 @@ def connect(
     if address is not None:
         timeout_s = parse_timedelta(config.get("cluster.connect-timeout", timeout))
         _check_tls_credentials(address, sec)
-        start = time.monotonic()
         try:
-            _probe_scheduler(address, timeout_s, sec)
-            client = Client(address, timeout=timeout_s, security=sec)
-        except (OSError, TimeoutError) as e:
-            took = time.monotonic() - start
-            if address.startswith("tls://"):
-                hint = " For a TLS scheduler, check that security= holds credentials it trusts."
-            elif took < timeout_s / 2 and not isinstance(e, _NotAScheduler):
-                # failed fast: something listens there, but does not talk plain Dask
-                hint = (" If the scheduler uses TLS, connect with a tls:// address and "
-                        "security=distributed.Security(...).")
-            else:
-                hint = ""
-            raise OSError(
-                f"blockflow.connect: could not reach a Dask scheduler at {address!r} within "
-                f"{timeout_s:g} s ({type(e).__name__}: {e}). Start one with `dask scheduler "
-                f"--preload blockflow.scheduling.preload`, or check the address and port."
-                f"{hint}"
-            ) from None
+            _handshake.check_scheduler(address, timeout_s,
+                                       (sec or Security()).get_connection_args("client"))
+        except _handshake.ProbeError as e:
+            raise OSError(f"blockflow.connect: {e}. {_probe_fix(e, address)}") from None
+        # A scheduler answered: the client's own set-up (registration, scheduler info) gets
+        # distributed's usual bound, not the fail-fast one, so a busy scheduler is no error.
+        comm_timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"))
+        client = Client(address, timeout=max(timeout_s, comm_timeout), security=sec)
     else:
         gpu = config.get("cluster.gpu", gpu)
         _check_gpu_arg(gpu)
@@ -185,13 +187,21 @@ def connect(
                 f"`{GPU_INSTALL_HINT}`, or pass gpu='auto' or gpu=False to use CPU workers."
             )
         use_gpu = ok and gpu is not False
-        cluster = _start_local_cluster(
-            use_gpu, n_workers=config.get("cluster.n-workers", n_workers),
-            threads_per_worker=config.get("cluster.threads-per-worker", threads_per_worker),
-            memory_limit=memory_limit,
-            dashboard_address=config.get("cluster.dashboard-address", dashboard_address),
-            security=sec, **cluster_kwargs,
-        )
+        with _main_guard.watch_children() as note:
+            try:
+                cluster = _start_local_cluster(
+                    use_gpu, n_workers=config.get("cluster.n-workers", n_workers),
+                    threads_per_worker=config.get("cluster.threads-per-worker",
+                                                  threads_per_worker),
+                    memory_limit=memory_limit,
+                    dashboard_address=config.get("cluster.dashboard-address",
+                                                 dashboard_address),
+                    security=sec, **cluster_kwargs,
+                )
+            except Exception:
+                if _main_guard.children_ran_main(note):
+                    raise RuntimeError(_main_guard.MESSAGE) from None
+                raise
         client = Client(cluster)  # takes the cluster's security
     _register_plugin(client, plugin)
     if address is not None and policy is not None:
@@ -223,56 +233,46 @@ def _warn_if_other_policy(client: Client, asked: str) -> None:
         )
 
 
-def _probe_scheduler(address: str, timeout: float, security: Security | None) -> None:
-    """Ask ``address`` who it is, within ``timeout`` seconds, before a Client connects.
-
-    distributed's ``connect`` bounds the TCP connection by its timeout but then waits for
-    the peer's handshake without one, so a server that accepts connections but is not a
-    Dask server (an HTTP server, a database) would make ``Client`` wait forever. This
-    probe bounds the whole exchange, and tells a worker's address from a scheduler's.
-
-    Raises
-    ------
-    TimeoutError
-        If no Dask handshake and identity arrive within ``timeout``.
-    OSError
-        If the connection fails, or the peer is a Dask server but not a scheduler.
-    """
-    import asyncio
-    import concurrent.futures
-
-    from distributed.comm import connect as comm_connect
-
-    args = (security or Security()).get_connection_args("client")
-
-    async def identity() -> dict:
-        comm = await comm_connect(address, timeout=timeout, **args)
-        try:
-            await comm.write({"op": "identity", "reply": True})
-            return await comm.read()
-        finally:
-            comm.abort()
-
-    async def bounded() -> dict:
-        try:
-            return await asyncio.wait_for(identity(), timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(
-                f"no Dask handshake within {timeout:g} s; is something other than a Dask "
-                f"scheduler listening there?"
-            ) from None
-
-    # A thread of its own: Jupyter's main thread already runs an event loop.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        info = pool.submit(asyncio.run, bounded()).result()
-    kind = info.get("type") if isinstance(info, dict) else None
-    if kind != "Scheduler":
-        raise _NotAScheduler(
-            f"the server there is a Dask {kind or 'server'}, not a scheduler")
+_START_SCHEDULER = "`dask scheduler --preload blockflow.scheduling.preload`"
+_WAIT_LONGER = ("to wait longer for a scheduler that is still starting, raise timeout= (CLI: "
+                "--timeout; setting blockflow.cluster.connect-timeout)")
 
 
-class _NotAScheduler(OSError):
-    """A Dask server answered, but it is not a scheduler (a worker or a nanny)."""
+def _probe_fix(e: _handshake.ProbeError, address: str) -> str:
+    """What to do about a failed look at ``address`` (the probe says what it found)."""
+    plain = "tcp://" + address.split("://", 1)[-1]
+    secure = "tls://" + address.split("://", 1)[-1]
+    if e.kind == "refused":
+        return (f"Start a scheduler there ({_START_SCHEDULER}) or check the address and "
+                f"port; {_WAIT_LONGER}.")
+    if e.kind == "unresolved":
+        return "Check the host name in the address."
+    if e.kind == "unreachable":
+        return ("Check the address, that the host is up and that no firewall blocks the "
+                f"port; {_WAIT_LONGER}.")
+    if e.kind == "tls-server":
+        return (f"Connect to {secure!r} with security=distributed.Security(...) holding "
+                f"credentials that cluster trusts.")
+    if e.kind == "not-dask":
+        return ("Check the address and port: a Dask scheduler listens on its own port (8786 "
+                "by default; 8787 is its dashboard, which speaks HTTP).")
+    if e.kind in ("silent", "closed"):
+        if address.startswith("tls://"):
+            return "Check the address and port, and that the scheduler there is running."
+        return (f"It is not a Dask scheduler, or one that talks TLS: then connect to "
+                f"{secure!r} with security=distributed.Security(...); otherwise check the "
+                f"address and port.")
+    if e.kind == "not-tls":
+        return (f"If it is a plain Dask scheduler, connect to {plain!r} without TLS "
+                f"credentials; otherwise check the address and port, and that security= "
+                f"holds credentials that cluster trusts.")
+    if e.kind == "tls":
+        return ("Check that security= holds the CA and client certificate that cluster "
+                "trusts (distributed.Security(tls_ca_file=..., tls_client_cert=..., "
+                "tls_client_key=...)).")
+    if e.kind == "not-scheduler":
+        return "Connect to the scheduler's address (the one its workers were started with)."
+    return "Check the address and port."
 
 
 def _security(security: Any, address: str | None) -> Security | None:

@@ -98,8 +98,8 @@ def test_unreachable_address_is_a_one_line_error():
         result = invoke("info", "--address", "tcp://127.0.0.1:1")
     assert result.exit_code == 1
     assert result.output.startswith(
-        "Error: blockflow.connect: could not reach a Dask scheduler at 'tcp://127.0.0.1:1' "
-        "within 1 s")
+        "Error: blockflow.connect: nothing is listening at 'tcp://127.0.0.1:1' (connection "
+        "refused for 1 s). ")
     assert result.output.count("\n") == 1
 
 

@@ -124,45 +124,7 @@ def test_plugin_status_without_plugin_says_how_to_fix():
                 blockflow.plugin_status(client)
 
 
-def test_unreachable_address_fails_fast_with_clear_message():
-    t0 = time.monotonic()
-    with pytest.raises(OSError, match=r"blockflow.connect: could not reach a Dask scheduler at "
-                                      r"'tcp://127.0.0.1:1' within 1 s"):
-        blockflow.connect("tcp://127.0.0.1:1", timeout=1)
-    assert time.monotonic() - t0 < 20
-
-
-def test_a_server_that_is_not_dask_fails_within_the_timeout():
-    """An HTTP server accepts the connection but never sends Dask's handshake: without a
-    bound on the handshake, distributed's Client would wait forever."""
-    port = _free_port()
-    http = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind",
-                             "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_listening(port)
-        start = time.monotonic()
-        with pytest.raises(OSError) as info:
-            blockflow.connect(f"tcp://127.0.0.1:{port}", timeout=2)
-        assert time.monotonic() - start < 10
-    finally:
-        http.kill()
-        http.wait(timeout=30)
-    assert str(info.value) == (
-        f"blockflow.connect: could not reach a Dask scheduler at 'tcp://127.0.0.1:{port}' "
-        f"within 2 s (TimeoutError: no Dask handshake within 2 s; is something other than a "
-        f"Dask scheduler listening there?). Start one with `dask scheduler --preload "
-        f"blockflow.scheduling.preload`, or check the address and port.")
-
-
-def test_a_worker_address_is_not_a_scheduler(embedded):
-    worker = next(iter(embedded.scheduler_info()["workers"]))
-    with pytest.raises(OSError) as info:
-        blockflow.connect(worker, timeout=5)
-    assert str(info.value) == (
-        f"blockflow.connect: could not reach a Dask scheduler at {worker!r} within 5 s "
-        f"(_NotAScheduler: the server there is a Dask Worker, not a scheduler). Start one with "
-        f"`dask scheduler --preload blockflow.scheduling.preload`, or check the address and "
-        f"port.")
+# Addresses where no scheduler answers: tests/test_connect_address.py.
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
@@ -245,20 +207,6 @@ def test_dask_cli_entry_point_lists_blockflow():
     out = subprocess.run([dask_cli, "blockflow", "--help"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "run" in out.stdout
-
-
-def _wait_listening(port: int, timeout: float = 30) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def _free_port() -> int:

@@ -1,0 +1,294 @@
+"""Whether a Dask scheduler answers at an address: one bounded look before a Client connects.
+
+distributed's ``Client`` retries a refused connection until its timeout, waits for the
+peer's handshake without a bound, and reads the first 8 bytes of any reply as a frame length
+(an HTTP server's ``HTTP/1.0`` becomes a 3 EiB allocation and a ``MemoryError``).
+:func:`check_scheduler` looks first, with plain asyncio streams: it retries a refused
+connection until the deadline (a scheduler that is still starting), reads the peer's first
+message only when its length prefix is plausible, decodes it with distributed's protocol and
+checks that it is Dask's handshake (a Dask server sends it as soon as it accepts), answers
+it in kind so the server sees an ordinary connection, then asks the server who it is
+(distributed's ``identity``). Each failure is a :class:`ProbeError` whose ``kind`` says what
+was found there and whose text says it in words. Method: blockflow heuristic on distributed's
+TCP framing (a little-endian uint64 byte count, then the frames).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import socket
+import ssl
+import struct
+from typing import Any
+
+__all__ = ["ProbeError", "check_scheduler"]
+
+#: Largest first message taken for Dask's handshake (bytes): it is a few hundred.
+HANDSHAKE_MAX_BYTES = 1 << 16
+#: Longest pause between attempts at a port that refuses connections (seconds).
+RETRY_MAX_DELAY = 0.5
+#: Bytes of a non-Dask reply quoted in the error.
+QUOTE_BYTES = 32
+#: Time at the end of the handshake bound spent asking a silent server whether it speaks
+#: HTTP (seconds; at most a fifth of the bound).
+HTTP_POKE_SECONDS = 1.0
+
+# OpenSSL reasons meaning "the peer does not talk TLS".
+_NOT_TLS = {"WRONG_VERSION_NUMBER", "UNKNOWN_PROTOCOL", "HTTP_REQUEST",
+            "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE", "UNEXPECTED_EOF_WHILE_READING"}
+
+
+class ProbeError(OSError):
+    """No Dask scheduler answered as expected at an address.
+
+    Attributes
+    ----------
+    kind : str
+        ``"refused"`` (nothing listens), ``"unreachable"`` (no answer to the connection),
+        ``"unresolved"`` (unknown host), ``"silent"`` (connected, no handshake in time),
+        ``"closed"`` (closed without a handshake), ``"not-dask"`` (a reply that is not
+        Dask's protocol), ``"not-tls"`` (a ``tls://`` address, a peer without TLS),
+        ``"tls"`` (the TLS handshake failed: credentials), ``"tls-server"`` (a plain
+        connection to a server that talks TLS), ``"not-scheduler"`` (a Dask worker or
+        nanny).
+    reply : bytes
+        The first bytes a non-Dask server sent (``"not-dask"``), else empty.
+    """
+
+    def __init__(self, kind: str, text: str, reply: bytes = b""):
+        super().__init__(text)
+        self.kind, self.reply = kind, reply
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def check_scheduler(address: str, timeout: float, connection_args: dict[str, Any]) -> None:
+    """Check, within about ``timeout`` seconds, that a Dask scheduler answers at ``address``.
+
+    Parameters
+    ----------
+    address : str
+        ``tcp://host:port`` or ``tls://host:port`` (other schemes skip the raw look and only
+        ask for the server's identity).
+    timeout : float
+        Seconds for reaching the server (refused connections are retried until then) and for
+        its handshake; asking its identity then has as long again.
+    connection_args : dict
+        ``distributed.Security(...).get_connection_args("client")``; its ``ssl_context`` is
+        used for ``tls://``.
+
+    Raises
+    ------
+    ProbeError
+        If no Dask scheduler answers: the ``kind`` and message say what was found.
+    """
+    # A thread of its own: Jupyter's main thread already runs an event loop.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, _check(address, timeout, connection_args)).result()
+
+
+async def _check(address: str, timeout: float, args: dict[str, Any]) -> None:
+    from distributed.comm import parse_address
+    from distributed.comm.addressing import parse_host_port
+
+    scheme, location = parse_address(address)
+    if scheme in ("tcp", "tls"):
+        host, port = parse_host_port(location)
+        ctx = args.get("ssl_context") if scheme == "tls" else None
+        await _look(address, host, port, ctx, timeout)
+    await _identity(address, timeout, args)
+
+
+async def _look(address: str, host: str, port: int, ctx: ssl.SSLContext | None,
+                timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    reader, writer = await _open(address, host, port, ctx, deadline, timeout)
+    try:
+        header, payload = await _first_message(address, reader, writer, deadline, timeout, ctx)
+        # Answer with the same handshake: the server then sees a client that connected and
+        # left, rather than logging "closed before handshake completed".
+        writer.write(header + payload)
+        with contextlib.suppress(OSError, asyncio.TimeoutError):
+            await asyncio.wait_for(writer.drain(), max(deadline - loop.time(), 0.5))
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(writer.wait_closed(), 1)
+
+
+async def _open(address: str, host: str, port: int, ctx: ssl.SSLContext | None,
+                deadline: float, timeout: float):
+    loop = asyncio.get_running_loop()
+    delay, refused, last = 0.05, False, None
+    while True:
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        try:
+            return await asyncio.wait_for(
+                asyncio.open_connection(host, port, ssl=ctx,
+                                        server_hostname=host if ctx is not None else None),
+                left)
+        except ConnectionRefusedError:
+            refused = True
+        except socket.gaierror as e:
+            raise ProbeError("unresolved", f"the host {host!r} of {address!r} cannot be "
+                                           f"resolved ({e.strerror or e})") from None
+        except ssl.SSLError as e:
+            raise _tls_error(address, e) from None
+        except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError) as e:
+            if ctx is not None:  # dropped during the TLS handshake
+                raise ProbeError(
+                    "not-tls", f"the server at {address!r} dropped the connection during the "
+                               f"TLS handshake ({type(e).__name__}): it does not talk TLS, "
+                               f"or refuses these credentials") from None
+            last = e
+        except asyncio.TimeoutError:
+            break
+        except OSError as e:  # host or network unreachable: it may come up; retry
+            last = e
+        await asyncio.sleep(min(delay, max(deadline - loop.time(), 0)))
+        delay = min(delay * 2, RETRY_MAX_DELAY)
+    if refused:
+        raise ProbeError("refused", f"nothing is listening at {address!r} (connection "
+                                    f"refused for {timeout:g} s)")
+    why = f" ({type(last).__name__}: {last})" if last is not None else ""
+    raise ProbeError("unreachable", f"no answer from {address!r} within {timeout:g} s{why}")
+
+
+async def _first_message(address: str, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter, deadline: float, timeout: float,
+                         ctx: ssl.SSLContext | None) -> tuple[bytes, bytes]:
+    """The peer's first message: an 8-byte length, then that many bytes of frames."""
+    loop = asyncio.get_running_loop()
+    poke = min(HTTP_POKE_SECONDS, timeout / 5) if ctx is None else 0
+    try:
+        header = await _read(address, reader, 8, deadline - poke, timeout, ctx)
+    except ProbeError as e:
+        if e.kind != "silent" or not poke:
+            raise
+        # Silent: a Dask server would have spoken at once. A web server (a dashboard's port,
+        # the commonest wrong address) waits for a request: ask, to say what it is.
+        writer.write(b"GET / HTTP/1.0\r\n\r\n")
+        reply = b""
+        with contextlib.suppress(Exception):
+            reply = await asyncio.wait_for(reader.read(QUOTE_BYTES),
+                                           max(deadline - loop.time(), 0.1))
+        if reply.startswith(b"HTTP/"):
+            raise _not_dask(address, reply, asked_http=True) from None
+        host, port = writer.get_extra_info("peername")[:2]
+        if await _talks_tls(host, port, max(deadline - loop.time(), 0.2)):
+            raise ProbeError("tls-server", f"the server at {address!r} talks TLS, and "
+                                           f"sent nothing to a plain connection") from None
+        raise
+    (n,) = struct.unpack("<Q", header)
+    if not 0 < n <= HANDSHAKE_MAX_BYTES:
+        more = b""
+        with contextlib.suppress(Exception):
+            more = await asyncio.wait_for(reader.read(QUOTE_BYTES), 0.2)
+        raise _not_dask(address, header + more)
+    payload = await _read(address, reader, n, deadline, timeout, ctx, header)
+    try:
+        from distributed.protocol import loads
+        from distributed.protocol.utils import unpack_frames
+
+        frames, missing = unpack_frames(payload, partial=True)
+        msg = loads(frames, deserialize=False) if not missing else None
+    except Exception:
+        msg = None
+    if not (isinstance(msg, dict) and "compression" in msg):
+        raise _not_dask(address, header + payload)
+    return header, payload
+
+
+async def _read(address: str, reader: asyncio.StreamReader, n: int, deadline: float,
+                timeout: float, ctx: ssl.SSLContext | None, before: bytes = b"") -> bytes:
+    left = max(deadline - asyncio.get_running_loop().time(), 0)
+    try:
+        return await asyncio.wait_for(reader.readexactly(n), left)
+    except asyncio.IncompleteReadError as e:
+        if before or e.partial:
+            raise _not_dask(address, before + e.partial) from None
+        raise ProbeError("closed", f"the server at {address!r} closed the connection without "
+                                   f"a Dask handshake") from None
+    except asyncio.TimeoutError:
+        if before:
+            raise _not_dask(address, before) from None
+        raise ProbeError("silent", f"the server at {address!r} accepted the connection but "
+                                   f"sent no Dask handshake within {timeout:g} s") from None
+    except ssl.SSLError as e:
+        raise _tls_error(address, e) from None
+    except OSError as e:
+        raise ProbeError("closed", f"the server at {address!r} dropped the connection "
+                                   f"without a Dask handshake ({type(e).__name__})") from None
+
+
+def _not_dask(address: str, reply: bytes, asked_http: bool = False) -> ProbeError:
+    quoted = repr(reply[:QUOTE_BYTES]) + ("..." if len(reply) > QUOTE_BYTES else "")
+    if asked_http:
+        seen = f"it sent no Dask handshake, and answers HTTP requests ({quoted})"
+    else:
+        what = ", an HTTP reply" if reply.startswith((b"HTTP/", b"<")) else ""
+        seen = f"it answered {quoted}{what} instead of Dask's handshake"
+    return ProbeError("not-dask", f"the server at {address!r} is not a Dask scheduler: "
+                                  f"{seen}", reply=reply)
+
+
+async def _talks_tls(host: str, port: int, timeout: float) -> bool:
+    """Whether the server at ``host:port`` starts a TLS handshake (credentials unchecked:
+    only the protocol is in question)."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, ssl=ctx, server_hostname=host), timeout)
+    except ssl.SSLError as e:  # it spoke TLS, then refused (e.g. no client certificate)
+        return getattr(e, "reason", None) not in _NOT_TLS
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.transport.abort()
+    return True
+
+
+def _tls_error(address: str, e: ssl.SSLError) -> ProbeError:
+    reason = getattr(e, "reason", None) or type(e).__name__
+    if reason in _NOT_TLS:
+        return ProbeError("not-tls", f"the server at {address!r} does not talk TLS "
+                                     f"(SSL: {reason})")
+    detail = getattr(e, "verify_message", None) or reason
+    return ProbeError("tls", f"the TLS handshake with {address!r} failed ({detail})")
+
+
+async def _identity(address: str, timeout: float, args: dict[str, Any]) -> None:
+    """Ask the (Dask) server its type with distributed's own comm: a worker or a nanny
+    answers the handshake too."""
+    from distributed.comm import connect
+
+    async def ask() -> Any:
+        comm = await connect(address, timeout=timeout, **args)
+        try:
+            await comm.write({"op": "identity", "reply": True})
+            return await comm.read()
+        finally:
+            comm.abort()
+
+    try:
+        info = await asyncio.wait_for(ask(), timeout)
+    except asyncio.TimeoutError:
+        raise ProbeError("silent", f"the server at {address!r} did not say who it is within "
+                                   f"{timeout:g} s") from None
+    except OSError as e:
+        raise ProbeError("closed", f"the server at {address!r} dropped the connection "
+                                   f"({type(e).__name__}: {e})") from None
+    except Exception as e:  # garbage that reached distributed's decoder
+        raise ProbeError("not-dask", f"the server at {address!r} is not a Dask scheduler: "
+                                     f"its reply is not Dask's protocol ({type(e).__name__})"
+                         ) from None
+    kind = info.get("type") if isinstance(info, dict) else None
+    if kind != "Scheduler":
+        raise ProbeError("not-scheduler", f"{address!r} is the address of a Dask "
+                                          f"{kind or 'server'}, not of a scheduler")
