@@ -3,18 +3,24 @@
 ``blockflow run flights`` / ``blockflow run array-stats`` start an embedded cluster with
 :func:`blockflow.connect` (``LocalCUDACluster`` when a GPU and dask-cuda are present, else
 ``LocalCluster``) or connect to a running scheduler with ``--address``, run the workload, print
-what ran where and how fast, and write the results atomically to ``--output``. ``blockflow
-info`` prints the worker inventory. The same commands run as ``python -m blockflow ...`` and
-``dask blockflow ...`` (the ``dask_cli`` entry point).
+what ran where and how fast, and write the results atomically to ``--output``. A run prints
+the URL of blockflow's dashboard page when it starts; an embedded cluster's dashboard goes
+with the cluster, so the last line says so rather than repeating a dead link. ``blockflow
+info`` prints the worker inventory of a running cluster (``--address`` or Dask's
+``scheduler-address`` setting); it starts none. The same commands run as
+``python -m blockflow ...`` and ``dask blockflow ...`` (the ``dask_cli`` entry point).
 
-Bad input (an existing output folder without ``--overwrite``, an output folder that cannot be
-written, ``--scale 0``, a malformed or unreachable ``--address``, ``--gpu true`` without a GPU)
-ends with a one-line ``Error: ...`` and exit status 1, before any cluster is started where it
-can be checked up front; so does an output that fails to be written (no space left), with
-nothing written. An invalid blockflow setting (``DASK_BLOCKFLOW__...``) ends with a one-line
-``Error: ...`` and exit status 2 before any command starts (checked once, by the ``blockflow``
-group; see :mod:`blockflow.config`). Ctrl-C and SIGTERM stop a run cleanly, leaving no
-partial output: exit status 130 (with one line saying so) and 143.
+Exit statuses: 2 for a bad option, as click gives for its own checks of option types and
+ranges (which also print the usage): blockflow's checks (``--scale 0``, a malformed
+``--address``, options of the embedded cluster with ``--address``, ``blockflow info``
+without an address) and an invalid blockflow setting (``DASK_BLOCKFLOW__...``, checked once
+by the ``blockflow`` group; see :mod:`blockflow.config`) end with a one-line ``Error: ...``.
+1 when the job cannot run or fails: an existing or unwritable output folder, an unreachable
+``--address`` or something other than a scheduler there, ``--gpu true`` without a GPU, a
+failed task, an output that fails to be written (nothing is written); one line ``Error:
+...``, before any cluster is started where it can be checked up front. Ctrl-C and SIGTERM
+stop a run cleanly, leaving no partial output: exit status 130 (with one line saying so)
+and 143.
 """
 
 from __future__ import annotations
@@ -37,11 +43,12 @@ _WRITTEN = "blockflow.output-written"
 
 
 def _cluster_options(command: Callable) -> Callable:
-    """The options that choose or start the cluster, shared by every command."""
+    """The options that choose or start the cluster, shared by the ``run`` commands."""
     options = [
         click.option("--address", metavar="ADDRESS", default=None,
                      help="Scheduler to connect to (tcp://host:8786). Default: start an "
                           "embedded cluster on this machine."),
+        _timeout_option,
         click.option("--gpu", type=click.Choice(list(_GPU_CHOICES)), default=None,
                      help="Embedded cluster: GPU workers (LocalCUDACluster) if available "
                           "(auto), required (true) or never (false). Default: the "
@@ -60,37 +67,76 @@ def _cluster_options(command: Callable) -> Callable:
     return command
 
 
+class _Duration(click.ParamType):
+    """A time: seconds or a string :func:`dask.utils.parse_timedelta` reads ("30s", "2min")."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        from dask.utils import parse_timedelta
+
+        try:
+            seconds = parse_timedelta(value)
+        except (ValueError, KeyError, TypeError):
+            seconds = None
+        if seconds is None or not seconds > 0:
+            self.fail(f"{value!r} is not a duration above 0; give seconds or a time with a "
+                      f"unit, e.g. 30 or '2min'.", param, ctx)
+        return seconds
+
+
+_timeout_option = click.option(
+    "--timeout", type=_Duration(), default=None, metavar="DURATION",
+    help="With --address: how long to wait for the scheduler (seconds, or 30s, 2min); a "
+         "refused connection is retried until then, for a scheduler that is still starting. "
+         "Default: the blockflow.cluster.connect-timeout setting (5s).")
+
+
+class _OptionError(click.ClickException):
+    """A bad option value that blockflow checks itself (``--scale 0``, a malformed
+    ``--address``): ``Error: <message>`` and exit status 2, as for click's own checks of
+    option types and ranges, without click's usage lines."""
+
+    exit_code = 2
+
+
 def _check_cluster_options(address: str | None, gpu: str | None, n_workers: int | None,
-                           threads_per_worker: int | None) -> None:
-    """Options of the embedded cluster make no sense with --address: refuse, don't ignore."""
+                           threads_per_worker: int | None, timeout: float | None = None
+                           ) -> None:
+    """Options of the embedded cluster make no sense with --address, nor --timeout without
+    it: refuse, don't ignore."""
     if address is None:
+        if timeout is not None:
+            raise _OptionError("--timeout only applies with --address (how long to wait for "
+                               "that scheduler); the embedded cluster is started here.")
         return
     given = [name for name, value in (("--gpu", gpu), ("--n-workers", n_workers),
                                       ("--threads-per-worker", threads_per_worker))
              if value is not None]
     if given:
         verb = "applies" if len(given) == 1 else "apply"
-        raise click.ClickException(
+        raise _OptionError(
             f"{', '.join(given)} only {verb} to the embedded cluster and cannot be combined "
             f"with --address; size the workers of {address} where they are started."
         )
 
 
 @contextlib.contextmanager
-def _client(address: str | None, gpu: str | None, n_workers: int | None,
-            threads_per_worker: int | None, policy: str | None,
-            announce: bool = True) -> Iterator[Any]:
+def _client(address: str | None, gpu: str | None = None, n_workers: int | None = None,
+            threads_per_worker: int | None = None, policy: str | None = None,
+            timeout: float | None = None, announce: bool = True) -> Iterator[Any]:
     """A client with blockflow's plugin; an embedded cluster is shut down afterwards."""
     import blockflow
     from blockflow.backends import GPUUnavailableError
 
-    _check_cluster_options(address, gpu, n_workers, threads_per_worker)
+    _check_cluster_options(address, gpu, n_workers, threads_per_worker, timeout)
     options = {}
     if address is None:
         options = {"gpu": None if gpu is None else _GPU_CHOICES[gpu], "n_workers": n_workers,
                    "threads_per_worker": threads_per_worker}
     if address is not None:
         _check_address(address)
+        options = {"timeout": timeout}
     client = None
     try:
         try:
@@ -98,8 +144,8 @@ def _client(address: str | None, gpu: str | None, n_workers: int | None,
                 client = blockflow.connect(address, policy=policy, **options)
         except (GPUUnavailableError, OSError, ValueError) as e:  # incl. invalid settings
             raise click.ClickException(str(e)) from None
-        if announce:  # the link is live only while the job runs
-            click.echo(f"Dashboard (while the job runs): {client.dashboard_link or 'n/a'}")
+        if announce:  # blockflow's page; an embedded cluster's is live only during the job
+            click.echo(f"Dashboard (while the job runs): {_page(client.dashboard_link)}")
         yield client
     except KeyboardInterrupt:
         # The run is being abandoned: distributed's warnings about the work it loses while
@@ -158,15 +204,38 @@ def _check_address(address: str) -> None:
         if scheme != "inproc":
             _, port = parse_host_port(loc)
     except (ValueError, TypeError):
-        raise click.ClickException(
+        raise _OptionError(
             f"--address {address!r} is not a scheduler address; give "
             f"tcp://host:port (or tls://host:port), e.g. tcp://10.0.0.5:8786."
         ) from None
     if port is not None and not 1 <= port <= 65535:
-        raise click.ClickException(
+        raise _OptionError(
             f"--address {address!r} has port {port}, outside 1-65535; give the port the "
             f"scheduler listens on, e.g. tcp://10.0.0.5:8786."
         )
+
+
+def _page(link: str | None) -> str:
+    """blockflow's dashboard page from the cluster's dashboard link (``.../status``)."""
+    if not link:
+        return "n/a"
+    if link.endswith("/status"):
+        return link[: -len("status")] + "blockflow"
+    return f"{link} (blockflow's page: More... > blockflow)"
+
+
+def _dashboard_after(address: str | None, link: str | None) -> str:
+    """The dashboard line once the job is done: no link to an embedded cluster, now gone."""
+    if address is None:
+        return ("Dashboard: closed (the embedded cluster has stopped; to keep a dashboard "
+                "after the job, run it on a cluster of your own with --address)")
+    return f"Dashboard: {_page(link)} (the cluster at {address} keeps running)"
+
+
+def _without_dashboard_line(text: str) -> str:
+    """A job's report without its ``Dashboard: <link>`` line (printed once the cluster's
+    fate is known, by :func:`_dashboard_after`)."""
+    return "\n".join(x for x in text.splitlines() if not x.startswith("Dashboard:"))
 
 
 def _print_inventory(client) -> None:
@@ -217,13 +286,21 @@ class _SettingsError(click.ClickException):
 
 
 def _validate_settings() -> None:
-    """Check blockflow's settings once, before any command starts a cluster or reads input."""
+    """Check blockflow's settings once, before any command starts a cluster or reads input;
+    its warnings (environment variables that look like settings but are not read) are
+    printed as one ``Warning: ...`` line each on stderr."""
+    import warnings
+
     from blockflow import config
 
-    try:
-        config.validate()
-    except ValueError as e:
-        raise _SettingsError(str(e)) from None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            config.validate()
+        except ValueError as e:
+            raise _SettingsError(str(e)) from None
+    for w in caught:
+        click.echo(f"Warning: {w.message}", err=True)
 
 
 def _exit_cleanly_on_sigterm() -> None:
@@ -295,7 +372,7 @@ def flights_command(scale: int, output: str, overwrite: bool, partitions_per_cop
         flights.check_scale(scale)
         flights.check_partitions_per_copy(partitions_per_copy)
     except ValueError as e:
-        raise click.ClickException(str(e)) from None
+        raise _OptionError(str(e)) from None
     _check_output(output, overwrite)
     with _client(**cluster) as client:
         _print_inventory(client)
@@ -306,7 +383,9 @@ def flights_command(scale: int, output: str, overwrite: bool, partitions_per_cop
         except (FileExistsError, OutputWriteError, BlockKernelError, WorkerLostError) as e:
             raise click.ClickException(str(e)) from None
         _written()
-        click.echo(result.report())
+        click.echo(_without_dashboard_line(result.report()))
+        link = client.dashboard_link
+    click.echo(_dashboard_after(cluster["address"], link))
 
 
 @run_group.command(name="array-stats")
@@ -349,8 +428,9 @@ def array_stats_command(size: str, seed: int, output: str, overwrite: bool, no_p
         click.echo("")
         click.echo(f"Wall time: {result.wall_time:.2f} s")
         click.echo(f"Throughput: {format_bytes(result.bytes_per_second)}/s")
-        click.echo(f"Dashboard: {result.dashboard_link or 'n/a'}")
         click.echo(f"Output: {result.output}")
+        link = client.dashboard_link
+    click.echo(_dashboard_after(cluster["address"], link))
 
 
 def _echo_task_counts(counts: dict[str, int] | None) -> None:
@@ -364,12 +444,23 @@ def _echo_task_counts(counts: dict[str, int] | None) -> None:
 
 
 @cli.command(name="info")
-@_cluster_options
-def info_command(**cluster: Any) -> None:
-    """Print the workers of a cluster with their threads, memory and GPUs."""
-    with _client(**cluster, announce=False) as client:
+@click.option("--address", metavar="ADDRESS", default=None,
+              help="Scheduler of the cluster to show (tcp://host:8786). Default: Dask's "
+                   "scheduler-address setting (DASK_SCHEDULER_ADDRESS).")
+@_timeout_option
+def info_command(address: str | None, timeout: float | None) -> None:
+    """Print the workers of a running cluster with their threads, memory and GPUs."""
+    import dask.config
+
+    address = address or dask.config.get("scheduler-address", None)
+    if not address:  # an embedded cluster started here would be gone before it was seen
+        raise _OptionError(
+            "blockflow info shows a running cluster: point it at one with --address "
+            "tcp://host:8786 (or DASK_SCHEDULER_ADDRESS=tcp://host:8786). `blockflow run` "
+            "starts an embedded cluster only for the length of its job.")
+    with _client(address, timeout=timeout, announce=False) as client:
         _print_inventory(client)
-        click.echo(f"Dashboard: {client.dashboard_link or 'n/a'}")
+        click.echo(f"Dashboard: {_page(client.dashboard_link)}")
 
 
 def main() -> None:

@@ -29,7 +29,8 @@ import difflib
 import glob
 import math
 import os
-from typing import Any, Iterator, Sequence
+import re
+from typing import Any, Iterator, Mapping, Sequence
 
 import dask.config
 import yaml
@@ -129,14 +130,105 @@ def validate(config: dict | None = None) -> None:
         If a setting is invalid. The message names the key, its value, the environment
         variable or Dask config file that set it (where one did), what is allowed, and the
         schema file.
+
+    Warns
+    -----
+    BlockflowWarning
+        When checking the current settings: once per process for each environment variable
+        that looks like a blockflow setting but that Dask does not read as one (see
+        :func:`unread_variables`).
     """
     schema = _schema()
     if config is None:
+        _warn_unread_variables()
         replaced = _replaced_sections(_user_settings, defaults["blockflow"])
         if replaced is not None:  # set to a non-mapping before import, hidden by the defaults
             _raise_first_problem({"blockflow": replaced}, schema)
         config = {"blockflow": dask.config.get("blockflow")}
     _raise_first_problem(config, schema)
+
+
+def variable_names() -> dict[str, str]:
+    """The environment variable of every blockflow setting, e.g.
+    ``{"DASK_BLOCKFLOW__CLUSTER__POLICY": "cluster.policy", ...}`` (from the defaults)."""
+    names = {}
+
+    def walk(node: dict, path: list[str]) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, path + [key])
+            else:
+                parts = ["DASK_BLOCKFLOW"] + [_env_part(p) for p in path + [key]]
+                names["__".join(parts)] = ".".join(path + [key])
+
+    walk(defaults["blockflow"], [])
+    return names
+
+
+def _squash(name: str) -> str:
+    return re.sub(r"[^A-Z0-9]", "", name.upper())
+
+
+def unread_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One-line messages for environment variables that look like blockflow settings but
+    that Dask does not read as settings.
+
+    Dask reads ``DASK_`` followed by the key's parts joined by two underscores
+    (``DASK_BLOCKFLOW__CLUSTER__POLICY``); a variable such as
+    ``DASK_BLOCKFLOW_CLUSTER__POLICY`` (one underscore after ``BLOCKFLOW``),
+    ``dask_blockflow__cluster__policy`` (Dask's prefix is upper case) or
+    ``BLOCKFLOW__CLUSTER__POLICY`` is silently ignored. Flagged: variables whose name
+    starts with ``DASK`` and names ``BLOCKFLOW`` but is not read, and any variable whose
+    letters and digits are those of a setting's variable. Variables Dask does read, with a
+    misspelt key, are errors of :func:`validate` instead.
+
+    Parameters
+    ----------
+    environ : mapping, optional
+        Default ``os.environ``.
+
+    Returns
+    -------
+    list of str
+        One message per variable, sorted by name; each names the variable and the one
+        meant, where its letters match one (or one is close).
+    """
+    environ = os.environ if environ is None else environ
+    names = variable_names()
+    by_letters = {_squash(n): n for n in names}
+    out = []
+    for name in sorted(environ):
+        if name.startswith("DASK_") and (name[5:].lower() == "blockflow"
+                                         or name[5:].lower().startswith("blockflow__")):
+            continue  # read: validate() checks its key and value
+        squashed = _squash(name)
+        meant = by_letters.get(squashed) or by_letters.get("DASK" + squashed)
+        if meant is None and not (squashed.startswith("DASK") and "BLOCKFLOW" in squashed):
+            continue
+        if meant is None:
+            close = difflib.get_close_matches(name.upper(), list(names), n=1, cutoff=0.8)
+            meant = close[0] if close else None
+        hint = (f"; did you mean {meant}?" if meant else
+                f"; the settings and their names are in {DEFAULTS_PATH}")
+        out.append(
+            f"blockflow: the environment variable {name}={environ[name]!r} is not read, so it "
+            f"sets nothing (Dask reads DASK_BLOCKFLOW__<SECTION>__<KEY>: upper-case DASK_, "
+            f"then two underscores between the parts){hint}")
+    return out
+
+
+_warned: set[str] = set()  # messages given (once per process)
+
+
+def _warn_unread_variables() -> None:
+    import warnings
+
+    from blockflow.errors import BlockflowWarning
+
+    for message in unread_variables():
+        if message not in _warned:
+            _warned.add(message)
+            warnings.warn(message, BlockflowWarning, stacklevel=3)
 
 
 def _raise_first_problem(config: dict, schema: dict) -> None:

@@ -118,10 +118,11 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
     Raises
     ------
     FileExistsError
-        If ``path`` exists (as a folder, file or link) and ``overwrite`` is False; or if
-        ``overwrite`` is True but ``path`` is not a folder blockflow wrote (it holds no
-        ``manifest.json``) and is not empty: overwriting never deletes other data. The
-        message names the path and the fix.
+        If ``path`` exists and is not a folder blockflow wrote (a file, a link, or a
+        non-empty folder without ``manifest.json``), whatever ``overwrite`` says:
+        overwriting never deletes other data, and the message says so at once (choose
+        another folder, or move it yourself); or if ``path`` is a blockflow output (or an
+        empty folder) and ``overwrite`` is False: the message names ``--overwrite``.
     PermissionError
         If the folder that would hold ``path`` is not writable.
     OutputWriteError
@@ -130,16 +131,21 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
     """
     target = Path(os.path.abspath(os.fspath(path)))
     exists = target.exists() or target.is_symlink()
+    if exists and not _is_replaceable_output(target):
+        # Checked first: --overwrite would be refused too, so don't suggest it.
+        if target.is_symlink() or not target.is_dir():
+            what = "a link" if target.is_symlink() else "a file"
+        else:
+            what = f"a folder blockflow did not write (no {MANIFEST_NAME})"
+        raise FileExistsError(
+            f"Output {os.fspath(target)!r} exists and is {what}, which blockflow never "
+            f"replaces, even with --overwrite (overwrite=True): choose another output folder, "
+            f"or move or remove it yourself."
+        )
     if exists and not overwrite:
         raise FileExistsError(
             f"Output {os.fspath(target)!r} already exists; pass --overwrite "
             f"(overwrite=True in Python) to replace it, or choose another output folder."
-        )
-    if exists and not _is_replaceable_output(target):
-        raise FileExistsError(
-            f"Output {os.fspath(target)!r} exists and is not a blockflow output folder (no "
-            f"{MANIFEST_NAME}); --overwrite only replaces folders blockflow wrote. Choose "
-            f"another output folder, or remove it yourself."
         )
     parent = target.parent
     while not parent.exists() and parent != parent.parent:
@@ -198,7 +204,9 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Itera
     Yields
     ------
     pathlib.Path
-        The (empty) temporary folder to write into.
+        The (empty) temporary folder to write into. :func:`write_parquet` and
+        :func:`write_manifest` given a path inside it return the file's final path, under
+        ``path``, where it is once the block has finished.
 
     Raises
     ------
@@ -238,6 +246,7 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Itera
         tmp.mkdir()
     except OSError as e:
         raise _output_error(target, e, f"creating {os.fspath(tmp)!r}") from e
+    _PENDING[tmp] = target
     try:
         yield tmp
         _commit(tmp, target, overwrite, token)
@@ -248,6 +257,22 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Itera
         if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
             raise _output_error(target, e, "while writing") from e
         raise
+    finally:
+        _PENDING.pop(tmp, None)
+
+
+# Temporary folders of the atomic_output_dir blocks now open, and the outputs they become.
+_PENDING: dict[Path, Path] = {}
+
+
+def _final_path(path: Path) -> Path:
+    """Where ``path`` will be once its atomic output is committed (``path`` itself when it is
+    not inside a temporary output folder)."""
+    absolute = Path(os.path.abspath(os.fspath(path)))
+    for tmp, target in list(_PENDING.items()):
+        if absolute == tmp or tmp in absolute.parents:
+            return target / absolute.relative_to(tmp)
+    return path
 
 
 def _commit(tmp: Path, target: Path, overwrite: bool, token: str) -> None:
@@ -306,7 +331,8 @@ def write_parquet(frame, path: str | os.PathLike, *, index: bool | None = None) 
     Returns
     -------
     pathlib.Path
-        ``path``.
+        ``path``; inside :func:`atomic_output_dir`, the file's final path under the output
+        folder (where it is once the block has finished), not the temporary one.
 
     Raises
     ------
@@ -326,7 +352,7 @@ def write_parquet(frame, path: str | os.PathLike, *, index: bool | None = None) 
         if isinstance(e, OutputWriteError):
             raise
         raise _file_error(path, e) from e
-    return path
+    return _final_path(path)
 
 
 def _json_default(obj: Any) -> Any:
@@ -375,7 +401,8 @@ def write_manifest(directory: str | os.PathLike, manifest: Mapping[str, Any]) ->
     Returns
     -------
     pathlib.Path
-        The manifest file.
+        The manifest file (inside :func:`atomic_output_dir`, its final path, as for
+        :func:`write_parquet`).
 
     Raises
     ------
@@ -393,7 +420,7 @@ def write_manifest(directory: str | os.PathLike, manifest: Mapping[str, Any]) ->
         path.write_text(text + "\n")
     except OSError as e:
         raise _file_error(path, e) from e
-    return path
+    return _final_path(path)
 
 
 def write_tables(directory: str | os.PathLike, tables: Mapping[str, Any]) -> dict[str, dict]:

@@ -79,17 +79,24 @@ class RunReport:
 
     def __repr__(self) -> str:
         return (f"<blockflow.RunReport: makespan {self.makespan:.2f} s, "
-                f"{sum(self.tasks_per_worker.values())} tasks on {len(self.tasks_per_worker)} "
-                f"workers, {self.moves} moves ({format_bytes(self.bytes_moved)}), "
+                f"{_count(sum(self.tasks_per_worker.values()), 'task')} on "
+                f"{_count(len(self.tasks_per_worker), 'worker')}, "
+                f"{_count(self.moves, 'move')} ({format_bytes(self.bytes_moved)}), "
                 f"policy {self.policy}>\n" + self.to_pandas().to_string(index=False))
 
     def _repr_html_(self) -> str:
         table = self.to_pandas().assign(device_memory_peak=lambda d: [
             "n/a" if pd.isna(v) else format_bytes(v) for v in d.device_memory_peak])
         return (f"<p><b>blockflow run report</b>: makespan {self.makespan:.2f} s, "
-                f"{sum(self.tasks_per_worker.values())} tasks, {self.moves} moves "
+                f"{_count(sum(self.tasks_per_worker.values()), 'task')}, "
+                f"{_count(self.moves, 'move')} "
                 f"({html.escape(format_bytes(self.bytes_moved))}), policy "
                 f"{html.escape(self.policy)}</p>" + table.to_html(index=False))
+
+
+def _count(n: int, noun: str) -> str:
+    """``"1 move"``, ``"2 moves"``, ``"0 moves"``."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def run_report(client, since: float | None = None) -> RunReport:

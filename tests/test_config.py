@@ -129,3 +129,47 @@ def test_set_choices_refuses_an_unknown_key(monkeypatch):
     with pytest.raises(KeyError):
         config.set_choices("cluster.polcy", ["dynamic"])
     assert config._choices == {}
+
+
+# --- environment variables that look like settings but are not read ------------------------
+
+NOT_READ = ("is not read, so it sets nothing (Dask reads DASK_BLOCKFLOW__<SECTION>__<KEY>: "
+            "upper-case DASK_, then two underscores between the parts)")
+
+
+@pytest.mark.parametrize("name, meant", [
+    ("DASK_BLOCKFLOW_CLUSTER__POLICY", "DASK_BLOCKFLOW__CLUSTER__POLICY"),  # one underscore
+    ("dask_blockflow__cluster__gpu", "DASK_BLOCKFLOW__CLUSTER__GPU"),  # lower-case prefix
+    ("BLOCKFLOW__REBALANCER__HOT_HIGH", "DASK_BLOCKFLOW__REBALANCER__HOT_HIGH"),  # no DASK_
+    ("DASK_BLOCKFLOW_CLUSTER_N_WORKERS", "DASK_BLOCKFLOW__CLUSTER__N_WORKERS"),
+    ("DASK_BLOCKFLOWW__CLUSTER__GPU", "DASK_BLOCKFLOW__CLUSTER__GPU"),  # misspelt namespace
+])
+def test_a_variable_dask_does_not_read_is_named_with_the_one_meant(name, meant):
+    assert config.unread_variables({name: "off"}) == [
+        f"blockflow: the environment variable {name}='off' {NOT_READ}; did you mean {meant}?"]
+
+
+def test_variables_that_are_read_or_unrelated_are_not_flagged():
+    assert config.unread_variables({
+        "DASK_BLOCKFLOW__CLUSTER__POLICY": "off",  # read (a bad key or value: validate())
+        "DASK_BLOCKFLOW__CLUSTER__POLICYY": "off",  # read too, as an unknown key: an error
+        "DASK_DISTRIBUTED__WORKER__DAEMON": "false",
+        "BLOCKFLOW_BOOTSTRAP_NOTE": "/tmp/note",  # blockflow's own, not a setting
+        "PATH": "/usr/bin",
+    }) == []
+    unknown = config.unread_variables({"DASK_BLOCKFLOW_SOMETHING_ELSE": "1"})
+    assert unknown == [f"blockflow: the environment variable DASK_BLOCKFLOW_SOMETHING_ELSE='1' "
+                       f"{NOT_READ}; the settings and their names are in {config.DEFAULTS_PATH}"]
+
+
+def test_validate_warns_once_about_a_variable_that_is_not_read(monkeypatch):
+    monkeypatch.setattr(config, "_warned", set())
+    monkeypatch.setenv("DASK_BLOCKFLOW_CLUSTER__POLICY", "off")
+    with pytest.warns(blockflow.BlockflowWarning) as record:
+        config.validate()
+    assert [str(w.message) for w in record] == [
+        f"blockflow: the environment variable DASK_BLOCKFLOW_CLUSTER__POLICY='off' {NOT_READ}; "
+        f"did you mean DASK_BLOCKFLOW__CLUSTER__POLICY?"]
+    assert dask.config.get("blockflow.cluster.policy") == "dynamic"  # indeed not applied
+    config.validate()  # once per process: no second warning (they are errors in tests)
+    config.validate({"blockflow": {"cluster": {"gpu": True}}})  # explicit config: no warning

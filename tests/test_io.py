@@ -79,12 +79,47 @@ def test_existing_output_without_overwrite_fails_on_entry(tmp_path):
     assert _entries(out) == ["manifest.json", "old.txt"]
 
 
+def _never_replaced_message(path, what: str) -> str:
+    return (f"Output {os.fspath(path)!r} exists and is {what}, which blockflow never replaces, "
+            f"even with --overwrite (overwrite=True): choose another output folder, or move "
+            f"or remove it yourself.")
+
+
+FOREIGN_FOLDER = "a folder blockflow did not write (no manifest.json)"
+
+
 def test_existing_file_counts_as_existing_output(tmp_path):
     out = tmp_path / "result"
     out.write_text("a file")
-    with pytest.raises(FileExistsError, match="already exists; pass --overwrite"):
+    with pytest.raises(FileExistsError) as info:
         check_output_dir(out)
+    assert str(info.value) == _never_replaced_message(out, "a file")
     assert out.read_text() == "a file"
+
+
+def test_a_folder_blockflow_did_not_write_gets_the_real_way_out_at_once(tmp_path):
+    """Without --overwrite the first error must not suggest --overwrite, which would be
+    refused: it says what will work."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "thesis.tex").write_text("years of work")
+    for overwrite in (False, True):
+        with pytest.raises(FileExistsError) as info:
+            check_output_dir(project, overwrite=overwrite)
+        assert str(info.value) == _never_replaced_message(project, FOREIGN_FOLDER)
+    link = tmp_path / "link"
+    link.symlink_to(project)
+    with pytest.raises(FileExistsError) as info:
+        check_output_dir(link)
+    assert str(info.value) == _never_replaced_message(link, "a link")
+    # A folder blockflow wrote, and an empty one, are replaced with --overwrite: say so.
+    for path in (_old_output(tmp_path / "old"), tmp_path / "empty"):
+        path.mkdir(exist_ok=True)
+        with pytest.raises(FileExistsError) as info:
+            check_output_dir(path)
+        assert str(info.value) == _exists_message(path)
+        assert check_output_dir(path, overwrite=True) == path
+    assert (project / "thesis.tex").read_text() == "years of work"
 
 
 def test_relative_path_is_reported_absolute(tmp_path, monkeypatch):
@@ -116,10 +151,8 @@ def test_overwrite_never_deletes_data_blockflow_did_not_write(tmp_path):
         with pytest.raises(FileExistsError) as e:
             with atomic_output_dir(out, overwrite=True):
                 pass
-        assert str(e.value) == (
-            f"Output {os.fspath(out)!r} exists and is not a blockflow output folder (no "
-            f"manifest.json); --overwrite only replaces folders blockflow wrote. Choose "
-            f"another output folder, or remove it yourself.")
+        what = "a file" if out == afile else FOREIGN_FOLDER
+        assert str(e.value) == _never_replaced_message(out, what)
     assert afile.read_text() == "a file"
     assert (project / "thesis.tex").read_text() == "years of work"
     empty = tmp_path / "empty"
@@ -175,6 +208,26 @@ def test_write_parquet_round_trip(tmp_path):
     df = pd.DataFrame({"k": ["a", "b", None], "n": [1, 2, 3], "x": [0.5, np.nan, 2.0]})
     path = write_parquet(df, tmp_path / "t.parquet", index=False)
     pd.testing.assert_frame_equal(pd.read_parquet(path), df)
+
+
+def test_files_written_inside_an_atomic_output_return_their_final_paths(tmp_path):
+    """Not the temporary folder's, which is gone once the output is committed."""
+    out = tmp_path / "result"
+    df = pd.DataFrame({"a": [1, 2]})
+    with atomic_output_dir(out) as tmp:
+        table = write_parquet(df, tmp / "t.parquet")
+        nested = tmp / "sub"
+        nested.mkdir()
+        deeper = write_parquet(df, nested / "u.parquet")
+        manifest = write_manifest(tmp, {"workload": "test"})
+        assert table == out / "t.parquet" and not table.exists()  # there once committed
+    assert (table, deeper, manifest) == (out / "t.parquet", out / "sub" / "u.parquet",
+                                         out / MANIFEST_NAME)
+    pd.testing.assert_frame_equal(pd.read_parquet(table), df)
+    pd.testing.assert_frame_equal(pd.read_parquet(deeper), df)
+    assert json.loads(manifest.read_text())["workload"] == "test"
+    # Outside any atomic output (and after it), a path is returned as given.
+    assert write_parquet(df, tmp_path / "plain.parquet") == tmp_path / "plain.parquet"
 
 
 def test_write_parquet_refuses_non_frames(tmp_path):

@@ -59,3 +59,27 @@ def test_run_report_defaults_to_the_current_computation(bf_client):
     blockflow.map_blocks(_slow_inc, da.ones(30, chunks=3), name="last").persist().sum().compute()
     report = blockflow.run_report(bf_client)
     assert 20 < sum(report.tasks_per_worker.values()) <= 30
+
+
+def _report(moves: int, tasks: dict[str, int]) -> blockflow.RunReport:
+    import pandas as pd
+
+    rows = [(w, 0.0, 1.0) for w, n in tasks.items() for _ in range(n)]
+    return blockflow.RunReport(
+        since=0.0, makespan=1.0, tasks_per_worker=tasks, moves=moves, bytes_moved=2048,
+        device_memory_peak={w: None for w in tasks}, policy="dynamic",
+        tasks=pd.DataFrame(rows, columns=["worker", "start", "stop"]))
+
+
+@pytest.mark.parametrize("moves, tasks, words", [
+    (1, {"tcp://a:1": 1}, "1 task on 1 worker, 1 move (2.00 kiB)"),
+    (2, {"tcp://a:1": 1, "tcp://b:1": 1200}, "1,201 tasks on 2 workers, 2 moves (2.00 kiB)"),
+    (0, {}, "0 tasks on 0 workers, 0 moves (2.00 kiB)"),
+])
+def test_counts_are_spelt_in_the_singular_and_plural(moves, tasks, words):
+    report = _report(moves, tasks)
+    assert repr(report).splitlines()[0] == (
+        f"<blockflow.RunReport: makespan 1.00 s, {words}, policy dynamic>")
+    html_words = words.replace(f" on {len(tasks)} worker" + ("s" if len(tasks) != 1 else ""),
+                               "")
+    assert f"makespan 1.00 s, {html_words}, policy dynamic" in report._repr_html_()
