@@ -19,6 +19,7 @@ from blockflow.errors import (
     BlockKernelError,
     DeviceMemoryError,
     EmptyCollectionError,
+    ResourceError,
     WorkerLostError,
 )
 from blockflow.inventory import Inventory, inventory
@@ -36,6 +37,7 @@ __all__ = [
     "EmptyCollectionError",
     "GPUUnavailableError",
     "Inventory",
+    "ResourceError",
     "RunReport",
     "WorkerLostError",
     "array_module",

@@ -16,20 +16,22 @@ Scheduler
     ``workers``, ``tasks``, ``queued``, ``plugins``, ``handlers``, ``extensions``
     (``"stealing"``, ``"amm"``), ``periodic_callbacks``, ``http_application``,
     ``handle_worker_status_change(status, worker, stimulus_id)``, ``get_comm_cost``,
-    ``valid_workers``, ``_get_prefix_duration``, ``register_worker_plugin``.
+    ``valid_workers``, ``_get_prefix_duration``, ``register_worker_plugin``, ``unrunnable``,
+    ``transition``, ``transitions``, ``coerce_address``, ``loop``.
 WorkerState
     ``address``, ``name``, ``nthreads``, ``status``, ``metrics``, ``memory_limit``,
     ``processing``, ``executing``, ``occupancy``, ``has_what``, ``resources``.
 TaskState
     ``key``, ``state``, ``priority``, ``prefix``, ``run_spec``, ``actor``, ``nbytes``,
     ``dependencies``, ``who_has``, ``processing_on``, ``worker_restrictions``,
-    ``host_restrictions``, ``resource_restrictions``, ``loose_restrictions``.
+    ``host_restrictions``, ``resource_restrictions``, ``loose_restrictions``, ``dependents``.
 WorkStealing
     ``move_task_request(ts, victim, thief)``, ``in_flight``, ``in_flight_occupancy``.
 ActiveMemoryManagerPolicy
     ``manager.scheduler``; ``Suggestion`` (``"replicate"`` / ``"drop"``).
 Worker
-    ``metrics``, ``data`` (its in-memory part), ``plugins``, ``heartbeat()``.
+    ``metrics``, ``data`` (its in-memory part), ``plugins``, ``heartbeat()``,
+    ``set_resources()``, ``state.total_resources``.
 Dashboard
     ``distributed.dashboard.scheduler.template_variables`` / ``applications``,
     ``distributed.dashboard.core.BokehApplication``.
@@ -51,6 +53,8 @@ from blockflow.metrics import CAPACITY_METRIC, WorkerMetrics, clean_number, read
 
 __all__ = [
     "AMMPolicy",
+    "FeederView",
+    "HOLD_ADDRESS",
     "HeldResult",
     "IncompatibleSchedulerError",
     "MemorySuggestion",
@@ -62,30 +66,44 @@ __all__ = [
     "add_http_routes",
     "add_periodic_callback",
     "add_scheduler_plugin",
+    "call_soon",
     "check_dashboard",
     "check_scheduler",
     "check_worker",
     "check_worker_state",
+    "current_worker_resources",
+    "declare_worker_resources",
+    "fail_tasks",
+    "feeder_states",
+    "feeder_tasks",
     "held_results",
+    "hold_tasks",
     "http_prefix",
     "move_task",
     "new_task_views",
+    "own_utilization_estimate",
     "queued_count",
     "register_worker_plugin_on_scheduler",
+    "release_tasks",
     "remove_periodic_callback",
     "remove_worker_metric",
     "restrict_task",
     "run_amm_policy",
     "scheduler_plugin",
+    "set_task_placement",
     "set_worker_metric",
     "set_worker_status",
+    "shared_devices",
     "style_dashboard_doc",
     "suspend_work_stealing",
+    "task_placement",
     "task_states",
     "task_working_set",
+    "unsatisfiable_tasks",
     "waiting_tasks",
     "worker_addresses",
     "worker_data_values",
+    "worker_declared_resources",
     "worker_heartbeat",
     "worker_metric",
     "worker_names_and_metrics",
@@ -98,14 +116,15 @@ logger = logging.getLogger(__name__)
 SUPPORTED = "2026.7.1"
 
 _SCHEDULER_ATTRS = ("workers", "tasks", "queued", "plugins", "handlers", "extensions",
-                    "periodic_callbacks")
+                    "periodic_callbacks", "unrunnable", "loop")
 _SCHEDULER_METHODS = ("get_comm_cost", "valid_workers", "_get_prefix_duration",
-                      "register_worker_plugin")
+                      "register_worker_plugin", "transition", "transitions", "coerce_address")
 _WORKER_STATE_ATTRS = ("address", "name", "nthreads", "status", "metrics", "memory_limit",
                        "processing", "executing", "occupancy", "has_what", "resources")
 _TASK_STATE_ATTRS = ("key", "state", "priority", "prefix", "run_spec", "actor", "nbytes",
                      "dependencies", "who_has", "processing_on", "worker_restrictions",
-                     "host_restrictions", "resource_restrictions", "loose_restrictions")
+                     "host_restrictions", "resource_restrictions", "loose_restrictions",
+                     "dependents")
 
 
 class IncompatibleSchedulerError(RuntimeError):
@@ -156,7 +175,7 @@ def check_scheduler(scheduler) -> None:
     for name in _SCHEDULER_ATTRS:
         if not hasattr(scheduler, name):
             _fail(f"Scheduler.{name}")
-    for name in ("plugins", "handlers", "extensions", "periodic_callbacks"):
+    for name in ("plugins", "handlers", "extensions", "periodic_callbacks", "unrunnable"):
         if not isinstance(getattr(scheduler, name), dict):
             _fail(f"Scheduler.{name} (a dict)")
     for name in _SCHEDULER_METHODS:
@@ -214,6 +233,9 @@ def check_worker(worker) -> None:
         _fail("Worker.plugins (a dict)")
     if not callable(getattr(worker, "heartbeat", None)):
         _fail("Worker.heartbeat()")
+    if not callable(getattr(worker, "set_resources", None)) or not isinstance(
+            getattr(getattr(worker, "state", None), "total_resources", None), dict):
+        _fail("Worker.set_resources() / Worker.state.total_resources (a dict)")
 
 
 def check_worker_state(ws) -> None:
@@ -262,6 +284,16 @@ class WorkerView:
         Host memory limit in bytes (0: none).
     speed_confidence : float
         Confidence of the learned speed, 0-1 (0: nothing comparable observed).
+    resources : mapping of str to float
+        Worker resources the worker declares (``{"GPU": 1}``; ``dask worker --resources``).
+    device_uuid : str or None
+        UUID of the GPU the worker uses, when it reports one (``blockflow-gpu-uuid``).
+    device_peers : tuple of str
+        Addresses of the other workers that report the same device UUID (they share one
+        GPU), sorted; empty when the device is the worker's own.
+    peers_own_utilization : float
+        Percent 0-100 of the shared device taken by those peers' own tasks (measured or
+        estimated as for this worker, see :attr:`others_utilization`); 0 without peers.
     """
 
     address: str
@@ -278,6 +310,10 @@ class WorkerView:
     capacity: float | None = None
     memory_limit: int = 0
     speed_confidence: float = 0.0
+    resources: Mapping[str, float] = field(default_factory=dict)
+    device_uuid: str | None = None
+    device_peers: tuple = ()
+    peers_own_utilization: float = 0.0
 
     @property
     def projected_finish(self) -> float:
@@ -290,17 +326,15 @@ class WorkerView:
 
         Utilisation minus the worker's own share: measured when the worker reports
         ``blockflow-gpu-own-utilization``; else, while it runs tasks, the share of its threads
-        executing (a lower bound of others' load); exact when it is idle. None when
-        utilisation is unknown.
+        executing (a lower bound of others' load); exact when it is idle. Workers that share
+        the device (:attr:`device_peers`) are not "other work": their own share
+        (:attr:`peers_own_utilization`) is subtracted too. None when utilisation is unknown.
         """
         util = self.metrics.gpu_utilization
         if util is None:
             return None
-        own = self.metrics.own_utilization
-        if own is None:
-            busy = min(max(self.executing, 1 if self.processing else 0), self.nthreads)
-            own = 100.0 * busy / max(self.nthreads, 1)
-        return max(util - own, 0.0)
+        own = own_utilization_estimate(self)
+        return max(util - min(own + self.peers_own_utilization, 100.0), 0.0)
 
     def seen(self) -> dict[str, Any]:
         """The metrics a decision about this worker was based on (for the decision log)."""
@@ -313,6 +347,17 @@ class WorkerView:
             "processing": self.processing,
             "projected_finish": round(self.projected_finish, 4),
         }
+
+
+def own_utilization_estimate(w: WorkerView) -> float:
+    """Percent 0-100 of its device a worker's own tasks take: measured when it reports
+    ``blockflow-gpu-own-utilization``, else the share of its threads executing (a lower bound
+    of others' load while it runs tasks; exact when it is idle)."""
+    own = w.metrics.own_utilization
+    if own is None:
+        busy = min(max(w.executing, 1 if w.processing else 0), w.nthreads)
+        own = 100.0 * busy / max(w.nthreads, 1)
+    return own
 
 
 @dataclass(frozen=True)
@@ -343,6 +388,10 @@ class TaskView:
         Seconds to move its missing inputs to each worker (bytes / measured bandwidth).
     working_set : int or None
         Device memory its kernel needs, bytes, when declared (``map_blocks(working_set=)``).
+    placement : dict or None
+        Where its kernel asked to run (``map_blocks(resources=, workers=,
+        allow_other_workers=)``): ``{"resources": dict or None, "workers": tuple or None,
+        "allow_other_workers": bool}``; None when it asked nothing.
     """
 
     key: Any
@@ -356,6 +405,7 @@ class TaskView:
     allowed_workers: frozenset | None = None
     comm_cost: Mapping[str, float] = field(default_factory=dict)
     working_set: int | None = None
+    placement: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -433,8 +483,26 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
             capacity=cap if cap else None,
             memory_limit=int(limit),
             speed_confidence=float(confidence(addr)) if confidence is not None else 0.0,
+            resources=dict(ws.resources or {}),
+            device_uuid=m.device_uuid,
         )
+    for members in shared_devices(views).values():
+        for addr in members:
+            w = views[addr]
+            w.device_peers = tuple(a for a in members if a != addr)
+            w.peers_own_utilization = min(
+                sum(own_utilization_estimate(views[a]) for a in w.device_peers), 100.0)
     return views
+
+
+def shared_devices(views: Mapping[str, WorkerView]) -> dict[str, tuple[str, ...]]:
+    """Device UUID -> the addresses (sorted) of the workers that report it, for devices that
+    two or more workers report (two workers on one GPU); plain data from worker views."""
+    by_uuid: dict[str, list[str]] = {}
+    for addr, w in views.items():
+        if w.device_uuid:
+            by_uuid.setdefault(w.device_uuid, []).append(addr)
+    return {u: tuple(sorted(a)) for u, a in sorted(by_uuid.items()) if len(a) > 1}
 
 
 def queued_count(scheduler) -> int:
@@ -516,6 +584,8 @@ def new_task_views(scheduler, keys) -> list[TaskView]:
                                 priority=tuple(ts.priority or ()), restricted=_restricted(ts),
                                 runnable=bool(ts.run_spec),
                                 working_set=task_working_set(ts.run_spec, ts.key)
+                                if ts.run_spec else None,
+                                placement=task_placement(ts.run_spec)
                                 if ts.run_spec else None))
     return out
 
@@ -925,3 +995,289 @@ async def run_amm_policy(scheduler, policy, cycles: int = 10, timeout: float = 3
                 break
             await asyncio.sleep(0.01)
     return done
+
+
+# --- resources: kernels' placement, unsatisfiable restrictions, admission holds ------------
+
+#: The worker restriction that holds a task back (admission control): no worker has this
+#: address, so the scheduler keeps the task in "no-worker" until :func:`release_tasks`.
+HOLD_ADDRESS = "blockflow-admission://held"
+
+
+def task_placement(run_spec, *, max_nodes: int = 256) -> dict | None:
+    """Where a task's kernels asked to run, or None.
+
+    Looks through the task's spec (fused subgraphs included, at most ``max_nodes`` nodes,
+    as :func:`task_working_set`) for objects with a ``blockflow_placement()`` method
+    (blockflow's kernels given ``resources=``, ``workers=`` or ``allow_other_workers=``). A
+    task that runs several such kernels (Dask fused them) needs each one's resources
+    (the largest amount of each), the first kernel's workers, and may go elsewhere only if
+    every kernel allows it.
+
+    Returns
+    -------
+    dict or None
+        ``{"resources": dict or None, "workers": tuple or None, "allow_other_workers":
+        bool}``.
+    """
+    stack, seen, found = [run_spec], 0, []
+    while stack and seen < max_nodes:
+        node = stack.pop()
+        seen += 1
+        method = getattr(node, "blockflow_placement", None)
+        if callable(method) and not isinstance(node, type):
+            try:
+                p = method()
+            except Exception:  # a kernel's own bug must not break the scheduler
+                p = None
+            if p:
+                found.append(p)
+            continue
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+        else:
+            for attr in ("func", "args", "kwargs", "value"):
+                child = getattr(node, attr, None)
+                if child is not None and not isinstance(child, (str, bytes, int, float)):
+                    stack.append(child)
+    if not found:
+        return None
+    resources: dict[str, float] = {}
+    for p in found:
+        for r, q in (p.get("resources") or {}).items():
+            resources[r] = max(resources.get(r, 0), q)
+    workers = next((tuple(p["workers"]) for p in found if p.get("workers")), None)
+    return {"resources": resources or None, "workers": workers,
+            "allow_other_workers": all(bool(p.get("allow_other_workers")) for p in found)}
+
+
+def set_task_placement(scheduler, key, placement: Mapping[str, Any]) -> bool:
+    """Restrict a task that has not been scheduled yet as its kernel asked.
+
+    ``placement`` as :func:`task_placement` returns it. Resources add to any the task
+    carries; ``workers`` (addresses, worker names or host names, resolved as distributed
+    resolves ``workers=`` annotations) replace its worker and host restrictions;
+    ``allow_other_workers`` makes the restrictions loose. False when the task is gone or
+    already past ``released``/``waiting``.
+    """
+    ts = scheduler.tasks.get(key)
+    if ts is None or ts.state not in ("released", "waiting"):
+        return False
+    resources = placement.get("resources")
+    if resources:
+        ts.resource_restrictions = {**(ts.resource_restrictions or {}), **resources}
+    workers = placement.get("workers")
+    if workers:
+        addresses, hosts = set(), set()
+        for w in workers:
+            try:
+                addresses.add(scheduler.coerce_address(w))
+            except (ValueError, OSError):  # not an address: perhaps a host name
+                hosts.add(w)
+        ts.worker_restrictions = addresses or None
+        ts.host_restrictions = hosts or None
+    ts.loose_restrictions = bool(placement.get("allow_other_workers"))
+    return True
+
+
+def unsatisfiable_tasks(scheduler) -> list[tuple[Any, dict]]:
+    """``(key, resources)`` of the tasks ready to run but held in ``no-worker`` because no
+    connected worker declares the resources they need (``resources={"GPU": 1}`` on a cluster
+    without GPU workers). Empty when no worker is connected at all (then every task waits,
+    a different problem). Tasks blockflow holds back (:func:`hold_tasks`) are not listed."""
+    workers = list(scheduler.workers.values())
+    if not workers:
+        return []
+    fits: dict[frozenset, bool] = {}
+    out = []
+    for ts in list(scheduler.unrunnable):
+        need = ts.resource_restrictions
+        if not need or ts.loose_restrictions:
+            continue
+        sig = frozenset(need.items())
+        if sig not in fits:
+            fits[sig] = any(all((ws.resources or {}).get(r, 0) >= q for r, q in need.items())
+                            for ws in workers)
+        if not fits[sig]:
+            out.append((ts.key, dict(need)))
+    return out
+
+
+def fail_tasks(scheduler, keys, exception: BaseException, stimulus_id: str) -> int:
+    """Fail tasks waiting in ``no-worker`` with ``exception``, as distributed's own
+    ``no-workers-timeout`` fails them (their dependents fail too; clients get the error).
+
+    Returns
+    -------
+    int
+        Tasks failed (tasks gone or no longer in ``no-worker`` are skipped).
+    """
+    import pickle
+
+    payload = pickle.dumps(exception)
+    recs: dict = {}
+    n = 0
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if ts is None or ts.state != "no-worker":
+            continue
+        recs.update(scheduler.transition(key, "erred", stimulus_id=stimulus_id,
+                                         exception=payload, cause=key,
+                                         exception_text=str(exception)))
+        n += 1
+    if recs:
+        scheduler.transitions(recs, stimulus_id)
+    return n
+
+
+@dataclass(frozen=True)
+class FeederView:
+    """A task whose every dependent needs a worker resource it does not (a CPU producer
+    feeding GPU consumers), as admission control sees it (plain data).
+
+    Attributes
+    ----------
+    key : str, tuple or int
+    priority : tuple
+        Dask's priority (smaller runs first).
+    resources : dict
+        The resources its consumers need (the largest amount of each).
+    consumers : tuple
+        The keys of its dependents.
+    """
+
+    key: Any
+    priority: tuple
+    resources: dict
+    consumers: tuple = ()
+
+
+def feeder_tasks(scheduler, keys) -> list[FeederView]:
+    """Among ``keys`` (a graph that just arrived), the tasks not yet scheduled that carry no
+    restriction and whose dependents (one or more) all need worker resources, in priority
+    order."""
+    out = []
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if (ts is None or ts.state != "released" or _restricted(ts) or ts.actor
+                or not ts.run_spec or not ts.dependents):
+            continue
+        resources: dict[str, float] = {}
+        for dts in ts.dependents:
+            if not dts.resource_restrictions:
+                break
+            for r, q in dts.resource_restrictions.items():
+                resources[r] = max(resources.get(r, 0), q)
+        else:
+            out.append(FeederView(ts.key, tuple(ts.priority or ()), resources,
+                                  tuple(d.key for d in ts.dependents)))
+    out.sort(key=lambda f: f.priority)
+    return out
+
+
+def hold_tasks(scheduler, keys) -> list:
+    """Hold tasks that have not been scheduled yet: restricted to :data:`HOLD_ADDRESS`, they
+    wait in ``no-worker`` (never on a worker) until :func:`release_tasks`. Returns the keys
+    held (tasks gone, already scheduled or restricted otherwise are left alone)."""
+    held = []
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if ts is None or ts.state != "released" or _restricted(ts):
+            continue
+        ts.worker_restrictions = {HOLD_ADDRESS}
+        ts.loose_restrictions = False
+        held.append(key)
+    return held
+
+
+def release_tasks(scheduler, keys, stimulus_id: str) -> list:
+    """Lift :func:`hold_tasks`'s hold; tasks ready to run are scheduled at once (distributed
+    picks the worker, as for any unrestricted task), the others when their inputs are done.
+    Returns the keys released."""
+    released, recs = [], []
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if ts is None or ts.worker_restrictions != {HOLD_ADDRESS}:
+            continue
+        ts.worker_restrictions = None
+        released.append(key)
+        if ts.state == "no-worker":
+            recs.append(ts)
+    if recs:
+        # recommendations run last-in first-out: highest priority last
+        recs.sort(key=lambda t: t.priority or (), reverse=True)
+        scheduler.transitions({t.key: "processing" for t in recs}, stimulus_id)
+    return released
+
+
+#: Dependent states in which a consumer has not run yet.
+_PENDING = frozenset({"released", "waiting", "queued", "no-worker", "processing"})
+#: Dependent states of a consumer that has all its inputs (ready, or running).
+_READY = frozenset({"queued", "no-worker", "processing"})
+
+
+def feeder_states(scheduler, keys) -> dict:
+    """key -> where a feeder task stands, for admission control (plain strings):
+
+    ``"held"`` (held back, a consumer still needs it), ``"orphan"`` (held back, but no
+    consumer needs it any more), ``"pending"`` (released, not yet run), ``"running"``
+    (assigned to a worker), ``"feeding"`` (its output is in memory and a consumer that has
+    all its inputs has not finished), ``"stored"`` (in memory, its consumers still wait for
+    other inputs), ``"done"`` (no consumer needs it any more, failed, or gone).
+    """
+    out = {}
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if ts is None or ts.state in ("erred", "forgotten"):
+            out[key] = "done"
+            continue
+        deps = ts.dependents or ()
+        pending = any(d.state in _PENDING for d in deps)
+        if ts.worker_restrictions == {HOLD_ADDRESS}:
+            out[key] = "held" if pending else "orphan"
+        elif ts.state == "processing":
+            out[key] = "running"
+        elif ts.state == "memory":
+            if any(d.state in _READY for d in deps):
+                out[key] = "feeding"
+            else:
+                out[key] = "stored" if pending else "done"
+        elif ts.state in ("waiting", "queued", "no-worker"):
+            out[key] = "pending"
+        else:  # released with nothing left to feed
+            out[key] = "pending" if pending else "done"
+    return out
+
+
+def call_soon(scheduler, fn: Callable[[], Any]) -> None:
+    """Run ``fn()`` on the scheduler's event loop, after the current handler (e.g. from a
+    plugin's ``transition`` hook, where changing scheduler state is not safe)."""
+    scheduler.loop.add_callback(fn)
+
+
+# --- resources on the worker side ------------------------------------------------------------
+
+
+def worker_declared_resources(worker) -> dict:
+    """The resources a worker declares (``Worker(resources=)``, ``--resources``): a copy."""
+    return dict(worker.state.total_resources)
+
+
+async def declare_worker_resources(worker, resources: Mapping[str, float]) -> None:
+    """Declare more resources on a running worker (``Worker.set_resources``): the worker
+    updates its own accounting and tells the scheduler."""
+    await worker.set_resources(**dict(resources))
+
+
+def current_worker_resources() -> tuple[str, dict] | None:
+    """``(address, declared resources)`` of the worker running the current task, or None
+    outside a worker's task."""
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+    except ValueError:
+        return None
+    return worker.address, dict(worker.state.total_resources)

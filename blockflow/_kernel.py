@@ -6,6 +6,13 @@ three things inside the task: in-place retries (``retries=``), an error that nam
 or reduction step that failed (:class:`~blockflow.BlockKernelError`), and device
 out-of-memory errors translated into :class:`~blockflow.DeviceMemoryError`.
 
+``resources=``, ``workers=`` and ``allow_other_workers=`` (where a kernel's tasks may run) travel
+the same way, on the kernel object inside each task, so that Dask's graph optimisation cannot
+drop them: blockflow's scheduler plugin finds them in the tasks of each graph that arrives
+and restricts those tasks (:func:`blockflow._distributed.task_placement`), and a kernel that
+lands on a worker without the resources it asked for (a scheduler without the plugin) fails
+with :class:`~blockflow.errors.ResourceError` instead of running there.
+
 ``retries`` means the same everywhere in blockflow: *a task whose kernel raises is run up to
 ``retries`` more times* (1 + ``retries`` attempts in all, 0 by default). Here the attempts
 run in place, in the same task on the same worker: Dask's graph optimisation (linear fusion
@@ -20,14 +27,22 @@ from __future__ import annotations
 import logging
 import numbers
 import time
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from dask.utils import format_bytes, funcname
 
-from blockflow.errors import BlockKernelError, DeviceMemoryError, is_device_oom, requested_bytes
+from blockflow.errors import (
+    BlockKernelError,
+    DeviceMemoryError,
+    ResourceError,
+    is_device_oom,
+    requested_bytes,
+)
 from blockflow.metrics import read_metrics
 
-__all__ = ["Kernel", "check_retries", "device_memory_error", "largest_free_device_memory"]
+__all__ = ["Kernel", "check_placement", "check_retries", "device_memory_error",
+           "largest_free_device_memory"]
 
 
 def check_retries(retries: Any, func: str) -> int:
@@ -59,6 +74,101 @@ def check_retries(retries: Any, func: str) -> int:
     return int(retries)
 
 
+def check_placement(resources: Any, workers: Any, allow_other_workers: Any,
+                    func: str) -> dict | None:
+    """Validate where a kernel's tasks may run: ``resources=``, ``workers=``,
+    ``allow_other_workers=`` (distributed's meanings, as in ``Client.submit``).
+
+    Parameters
+    ----------
+    resources : mapping of str to float, optional
+        Worker resources each task needs while it runs (``{"GPU": 1}``): only workers that
+        declare at least that much run it (``dask worker --resources GPU=1``; blockflow's
+        GPU workers declare ``GPU=1``).
+    workers : str or sequence of str, optional
+        Worker addresses, names (strings or ints) or host names that may run the tasks.
+    allow_other_workers : bool, optional
+        With ``workers``: other workers may run the tasks when those are busy or gone.
+    func : str
+        The caller, as messages name it (``"blockflow.map_blocks"``).
+
+    Returns
+    -------
+    dict or None
+        ``{"resources": dict or None, "workers": tuple or None, "allow_other_workers":
+        bool}``, or None when nothing was asked.
+
+    Raises
+    ------
+    TypeError
+        ``resources`` not a mapping, ``workers`` not a string or strings,
+        ``allow_other_workers`` not a bool.
+    ValueError
+        A resource amount that is not a number > 0, an empty ``workers``, or
+        ``allow_other_workers=True`` without ``workers``.
+    """
+    if resources is not None:
+        if not isinstance(resources, Mapping):
+            raise TypeError(
+                f"{func}: resources must be a mapping of resource name to amount, e.g. "
+                f"resources={{'GPU': 1}}, got {resources!r}.")
+        for name, amount in resources.items():
+            if (not isinstance(name, str) or isinstance(amount, bool)
+                    or not isinstance(amount, numbers.Real) or not amount > 0):
+                raise ValueError(
+                    f"{func}: resources must map resource names to amounts > 0, e.g. "
+                    f"resources={{'GPU': 1}}, got {name!r}: {amount!r}.")
+        resources = {name: amount for name, amount in resources.items()} or None
+    if workers is not None:
+        items = [workers] if isinstance(workers, (str, int)) else workers
+        try:
+            items = list(items)
+        except TypeError:
+            items = None
+        if items is None or not all(isinstance(w, (str, int)) and not isinstance(w, bool)
+                                    for w in items):
+            raise TypeError(
+                f"{func}: workers must be a worker address, name or host name, or a list of "
+                f"them, e.g. workers=['tcp://10.0.0.5:40000'], got {workers!r}.")
+        if not items:
+            raise ValueError(
+                f"{func}: workers is empty; name at least one worker, or leave workers=None "
+                f"to let any worker run the tasks.")
+        workers = tuple(items)
+    if allow_other_workers is not None and not isinstance(allow_other_workers, bool):
+        raise TypeError(
+            f"{func}: allow_other_workers must be True or False, got {allow_other_workers!r}.")
+    if allow_other_workers and workers is None:
+        raise ValueError(
+            f"{func}: allow_other_workers=True only loosens workers=; name the workers too, "
+            f"or leave allow_other_workers unset.")
+    if resources is None and workers is None:
+        return None
+    return {"resources": resources, "workers": workers,
+            "allow_other_workers": bool(allow_other_workers)}
+
+
+def _check_worker_resources(label: str, step: str | None, resources: dict) -> None:
+    """Refuse to run a kernel on a worker that lacks the resources it asked for (a scheduler
+    without blockflow's plugin placed it there); anywhere outside a distributed worker (the
+    local schedulers) resources mean nothing and the kernel runs."""
+    from blockflow._distributed import current_worker_resources
+
+    here = current_worker_resources()
+    if here is None:
+        return
+    address, declared = here
+    if all(declared.get(r, 0) >= q for r, q in resources.items()):
+        return
+    what = f"kernel {label!r}" if step is None else f"tree_reduce {step} function {label!r}"
+    raise ResourceError(
+        f"blockflow: {what} asked for resources {resources} but the scheduler ran it on "
+        f"{address}, which declares {declared or 'no resources'}: that scheduler does not "
+        f"run blockflow's plugin, which applies resources= to the tasks. Connect with "
+        f"blockflow.connect(...) (or register blockflow.scheduling.Rebalancer, or start the "
+        f"scheduler with --preload blockflow.scheduling.preload).")
+
+
 class Kernel:
     """A user's function as a blockflow task runs it: retried in place, failures labelled.
 
@@ -80,6 +190,9 @@ class Kernel:
         Device memory the function needs, bytes: one number for every block, or a dict
         from block index (the task key without its name) to bytes. The scheduler plugin reads
         it through :meth:`blockflow_working_set` to place each block where it fits.
+    placement : dict, optional
+        Where the tasks may run, as :func:`check_placement` returns it; the scheduler plugin
+        reads it through :meth:`blockflow_placement` and restricts the tasks.
 
     Notes
     -----
@@ -96,12 +209,18 @@ class Kernel:
     logger = logging.getLogger(__name__)
 
     def __init__(self, func: Callable, retries: int = 0, step: str | None = None,
-                 working_set: int | dict | None = None):
+                 working_set: int | dict | None = None, placement: dict | None = None):
         self.func = func
         self.label = funcname(func)
         self.retries = retries
         self.step = step
         self.working_set = working_set
+        self.placement = placement
+
+    def blockflow_placement(self) -> dict | None:
+        """Where the kernel's tasks may run (``resources``, ``workers``,
+        ``allow_other_workers``), or None when the caller asked nothing."""
+        return getattr(self, "placement", None)
 
     def blockflow_working_set(self, key) -> int | None:
         """Device memory (bytes) the block of task ``key`` needs, when declared; else None."""
@@ -127,6 +246,9 @@ class Kernel:
         BlockKernelError
             When the last attempt raises (see :meth:`error`).
         """
+        placement = getattr(self, "placement", None)
+        if placement and placement["resources"] and not placement["allow_other_workers"]:
+            _check_worker_resources(self.label, self.step, placement["resources"])
         attempt = 0
         while True:
             attempt += 1

@@ -28,7 +28,7 @@ from dask.utils import (
     is_series_like,
 )
 
-from blockflow._kernel import Kernel, check_retries
+from blockflow._kernel import Kernel, check_placement, check_retries
 from blockflow.errors import BlockKernelError, EmptyCollectionError, describe, not_a_collection
 
 __all__ = ["KERNEL_PREFIX", "check_retries", "kernel_name", "map_blocks", "validate_array"]
@@ -60,8 +60,9 @@ class _Kernel(Kernel):
 
     logger = logger
 
-    def __init__(self, kernel: Callable, name: str, retries: int = 0, working_set=None):
-        super().__init__(kernel, retries, working_set=working_set)
+    def __init__(self, kernel: Callable, name: str, retries: int = 0, working_set=None,
+                 placement=None):
+        super().__init__(kernel, retries, working_set=working_set, placement=placement)
         self.__name__ = name  # dask.utils.funcname -> task names start with "blockflow-"
 
     def __repr__(self) -> str:
@@ -69,8 +70,9 @@ class _Kernel(Kernel):
 
 
 class _ArrayKernel(_Kernel):
-    def __init__(self, kernel, name, *, dtype=None, ndim=None, retries=0, working_set=None):
-        super().__init__(kernel, name, retries, working_set)
+    def __init__(self, kernel, name, *, dtype=None, ndim=None, retries=0, working_set=None,
+                 placement=None):
+        super().__init__(kernel, name, retries, working_set, placement)
         self.pass_block_id = _wants(kernel, "block_id")
         self.dtype = np.dtype(dtype) if dtype is not None else None
         self.ndim = ndim
@@ -140,8 +142,8 @@ def _type_name(obj) -> str:
 
 
 class _PartitionKernel(_Kernel):
-    def __init__(self, kernel, name, retries=0, working_set=None):
-        super().__init__(kernel, name, retries, working_set)
+    def __init__(self, kernel, name, retries=0, working_set=None, placement=None):
+        super().__init__(kernel, name, retries, working_set, placement)
         self.pass_info = _wants(kernel, "partition_info")
         # Set after the output collection is built (before any task runs) so each
         # partition's result can be checked against the output's meta; dtypes only when the
@@ -355,6 +357,9 @@ def map_blocks(
     template: Any = None,
     retries: int | None = None,
     working_set: int | str | Callable[[int], int] | None = None,
+    resources: dict[str, float] | None = None,
+    workers: str | list[str] | None = None,
+    allow_other_workers: bool | None = None,
     **kwargs: Any,
 ):
     """Run ``kernel`` on every block of one or more Dask collections, lazily.
@@ -426,6 +431,26 @@ def map_blocks(
         (``distributed.scheduler.allowed-failures``); to have the scheduler retry every task
         of a graph, on any worker, pass ``retries=`` to ``client.compute``/``persist``, as
         blockflow's workloads do.
+    resources : dict of str to float, optional
+        Worker resources each block's task needs while it runs, e.g. ``{"GPU": 1}``: only
+        workers that declare them run the kernel (``dask worker --resources GPU=1``; the
+        workers :func:`blockflow.connect` starts on GPUs declare ``GPU=1`` per device), and a
+        worker runs at most as many such tasks at once as it has. Unlike
+        ``dask.annotate(resources=...)``, which Dask's graph optimisation drops, this survives
+        optimisation: blockflow's scheduler plugin finds the kernel in each task, including
+        tasks into which Dask fused it (a block's producer, or the first step of a reduction
+        of the result, then run with it on such a worker). A task whose resources no worker
+        has fails after ``blockflow.resources.unsatisfiable-timeout``
+        (:class:`~blockflow.ResourceError`) instead of waiting forever. Needs blockflow's
+        scheduler plugin (:func:`blockflow.connect`); on a scheduler without it, a kernel
+        that lands on a worker without the resources raises
+        :class:`~blockflow.ResourceError` rather than run there.
+    workers : str or list of str, optional
+        Worker addresses, names or host names that may run the kernel's tasks (distributed's
+        ``workers=``), applied like ``resources``.
+    allow_other_workers : bool, optional
+        With ``workers``: other workers may run the tasks when those cannot (distributed's
+        ``allow_other_workers=``).
     **kwargs
         Passed to ``kernel`` unchanged, not split into blocks: a Dask array or dataframe
         given here reaches every call whole (computed), as in Dask (xarray refuses Dask
@@ -452,7 +477,8 @@ def map_blocks(
         xarray ``"... along dimension 'x': (2, 2, 2) vs (3, 3); chunk one to match, e.g.
         y = y.chunk({'x': (2, 2, 2)})."``); ``drop_axis`` drops an axis split into several
         blocks; ``chunks`` splits a new axis into several blocks; an axis is out of range
-        or given twice; or ``retries`` is not an int >= 0.
+        or given twice; ``retries`` is not an int >= 0; a resource amount is not > 0;
+        ``workers`` is empty; or ``allow_other_workers=True`` comes without ``workers``.
     EmptyCollectionError
         If an input array has no elements.
     BlockKernelError
@@ -506,6 +532,7 @@ def map_blocks(
             f"first (e.g. xarray_obj.data for its dask array)."
         )
     retries = check_retries(retries, "blockflow.map_blocks")
+    placement = check_placement(resources, workers, allow_other_workers, "blockflow.map_blocks")
     task_name = kernel_name(kernel, name)
     kind = kinds[0]
     working_set = _check_working_set(working_set, kind)
@@ -513,11 +540,12 @@ def map_blocks(
                    new_axis=new_axis, template=template)
     if kind == "array":
         return _map_arrays(kernel, collections, task_name, dtype, meta, chunks, drop_axis,
-                           new_axis, kwargs, retries, working_set)
+                           new_axis, kwargs, retries, working_set, placement)
     if kind == "dataframe":
         return _map_partitions(kernel, collections, task_name, meta, kwargs, retries,
-                               working_set)
-    return _map_xarray(kernel, collections, task_name, template, kwargs, retries, working_set)
+                               working_set, placement)
+    return _map_xarray(kernel, collections, task_name, template, kwargs, retries, working_set,
+                       placement)
 
 
 def _check_working_set(working_set, kind: str):
@@ -587,7 +615,7 @@ def _check_options(kind: str, **options) -> None:
 
 
 def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_axis, kwargs,
-                retries=0, working_set=None):
+                retries=0, working_set=None, placement=None):
     for i, x in enumerate(arrays):
         validate_array(x, "blockflow.map_blocks", f"argument {i}")
     _check_aligned_chunks(arrays)
@@ -613,7 +641,7 @@ def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_a
     if isinstance(declared_ws, dict) and (drop or new):
         declared_ws = max(declared_ws.values(), default=None)  # output blocks differ
     wrapped = cls(kernel, task_name, dtype=declared_dtype, retries=retries,
-                  working_set=declared_ws)
+                  working_set=declared_ws, placement=placement)
     opts = {}
     for k, v in dict(dtype=dtype, meta=meta, chunks=chunks, drop_axis=drop_axis,
                      new_axis=new_axis).items():
@@ -740,7 +768,8 @@ def _check_new_axes(out, new: list[int]) -> None:
             )
 
 
-def _map_partitions(kernel, frames, task_name, meta, kwargs, retries=0, working_set=None):
+def _map_partitions(kernel, frames, task_name, meta, kwargs, retries=0, working_set=None,
+                    placement=None):
     first = frames[0]
     for i, f in enumerate(frames[1:], start=1):
         if f.npartitions != first.npartitions:
@@ -749,7 +778,7 @@ def _map_partitions(kernel, frames, task_name, meta, kwargs, retries=0, working_
                 f"{f.npartitions} partitions; repartition one to match, e.g. "
                 f"b = b.repartition(npartitions=a.npartitions)."
             )
-    wrapped = _PartitionKernel(kernel, task_name, retries, working_set)
+    wrapped = _PartitionKernel(kernel, task_name, retries, working_set, placement)
     opts = {} if meta is None else {"meta": meta}
     out = first.map_partitions(wrapped, *frames[1:], **opts, **kwargs)
     wrapped.meta = out._meta
@@ -757,14 +786,15 @@ def _map_partitions(kernel, frames, task_name, meta, kwargs, retries=0, working_
     return out
 
 
-def _map_xarray(kernel, objs, task_name, template, kwargs, retries=0, working_set=None):
+def _map_xarray(kernel, objs, task_name, template, kwargs, retries=0, working_set=None,
+                placement=None):
     import xarray as xr
 
     for i, o in enumerate(objs):
         if not o.chunks:
             raise not_a_collection("blockflow.map_blocks", f"argument {i}", o)
     _check_xarray_chunks(objs)
-    wrapped = _XarrayKernel(kernel, task_name, retries, working_set)
+    wrapped = _XarrayKernel(kernel, task_name, retries, working_set, placement)
     return xr.map_blocks(wrapped, objs[0], args=list(objs[1:]), kwargs=kwargs, template=template)
 
 

@@ -206,7 +206,32 @@ def connect(
     _register_plugin(client, plugin)
     if address is not None and policy is not None:
         _warn_if_other_policy(client, plugin.policy_name)
+    if address is not None:
+        _warn_undeclared_gpus(client)
     return client
+
+
+def _warn_undeclared_gpus(client: Client) -> None:
+    """GPU workers of a running cluster that declare no ``GPU`` resource never run tasks
+    that ask for ``resources={"GPU": 1}``: say which, and how to declare it."""
+    import warnings
+
+    from blockflow.errors import BlockflowWarning
+    from blockflow.metrics import read_metrics
+
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    bare = sorted(a for a, w in workers.items() if read_metrics(w.get("metrics")).has_gpu
+                  and not (w.get("resources") or {}).get("GPU"))
+    if not bare:
+        return
+    shown = ", ".join(bare[:5]) + (f" and {len(bare) - 5} more" if len(bare) > 5 else "")
+    msg = (f"blockflow.connect: {len(bare)} GPU worker{'s' if len(bare) != 1 else ''} of the "
+           f"cluster at {client.scheduler.address} declare{'s' if len(bare) == 1 else ''} no "
+           f"GPU resource ({shown}), so tasks asking for resources={{'GPU': 1}} never run "
+           f"there; start GPU workers with `--resources GPU=1` (one per device: `dask cuda "
+           f"worker <scheduler> --resources GPU=1`).")
+    logger.warning(msg)
+    warnings.warn(msg, BlockflowWarning, stacklevel=3)
 
 
 def _running_policy(dask_scheduler=None) -> str | None:
@@ -327,6 +352,8 @@ def _start_local_cluster(use_gpu: bool, **kwargs) -> LocalCluster:
     if use_gpu:
         from dask_cuda import LocalCUDACluster
 
+        # one worker per device: each declares its GPU, for resources={"GPU": 1} tasks
+        kwargs["resources"] = {"GPU": 1, **(kwargs.get("resources") or {})}
         logger.info("blockflow: starting LocalCUDACluster (%s)", kwargs)
         return LocalCUDACluster(**kwargs)
     kwargs.setdefault("processes", True)

@@ -16,7 +16,9 @@ never zero load; it never raises.
   process* (:class:`OwnUtilization`), so that the scheduler can tell other tenants' load
   from the worker's own;
 - ``blockflow-capacity``: the device's nominal throughput, SM cores x max SM clock (MHz), used
-  by the ``static-capacity`` policy to weigh workers.
+  by the ``static-capacity`` policy to weigh workers;
+- ``blockflow-gpu-uuid``: the device's UUID, so that the scheduler can tell two workers that
+  share one GPU (they then count as one device: inventory, dashboard, dynamic policy).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from blockflow._distributed import remove_worker_metric, set_worker_metric
-from blockflow.metrics import CAPACITY_METRIC, OWN_UTILIZATION_METRIC
+from blockflow.metrics import CAPACITY_METRIC, DEVICE_UUID_METRIC, OWN_UTILIZATION_METRIC
 
 __all__ = [
     "IDLE_UTILIZATION",
@@ -353,6 +355,9 @@ class DeviceMetrics(WorkerPlugin):
         nominal = capacity(handle)
         if nominal:
             metrics[CAPACITY_METRIC] = lambda w: nominal
+        info = device_info()
+        if info is not None and info.uuid:
+            metrics[DEVICE_UUID_METRIC] = lambda w, u=info.uuid: u
         for key, fn in metrics.items():
             set_worker_metric(worker, key, fn)
         self._installed[id(worker)] = metrics

@@ -63,6 +63,16 @@ class WorkerLostError(RuntimeError):
     """
 
 
+class ResourceError(RuntimeError):
+    """A task that needs worker resources (``resources={"GPU": 1}``) cannot run as asked.
+
+    Raised at the client when no worker of the cluster declares the resources a task needs
+    for longer than ``blockflow.resources.unsatisfiable-timeout`` (the message names the
+    resources and those the workers have), and by a blockflow kernel that a scheduler
+    without blockflow's plugin ran on a worker lacking the resources it asked for.
+    """
+
+
 #: Class names of device out-of-memory errors, matched by name so that no GPU library is
 #: imported: CuPy's ``cupy.cuda.memory.OutOfMemoryError`` (test doubles derive from a class
 #: of that name).

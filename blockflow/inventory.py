@@ -9,13 +9,15 @@ of a plugin that models the worker's device). CPU-only workers report None for G
 from __future__ import annotations
 
 import html
-from dataclasses import asdict, dataclass, fields
+import warnings
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import pandas as pd
 from dask.utils import format_bytes
 
 from blockflow._distributed import worker_plugins
 from blockflow.devices import device_info
+from blockflow.errors import BlockflowWarning
 from blockflow.metrics import read_metrics
 
 __all__ = ["Inventory", "WorkerResources", "inventory"]
@@ -40,6 +42,12 @@ class WorkerResources:
         Percent 0-100 (None also on GPUs where NVML does not report it, e.g. MIG).
     simulated : bool
         True for blockflow's simulated devices (tests, benchmarks).
+    resources : dict
+        Worker resources the worker declares (``{"GPU": 1}``); tasks asking for
+        ``resources=`` run only where they are declared.
+    shares_gpu_with : tuple of str
+        Addresses of the other workers that use the same GPU (same ``gpu_uuid``); empty
+        when the worker has its GPU to itself.
     """
 
     address: str
@@ -54,6 +62,8 @@ class WorkerResources:
     gpu_memory_used: int | None
     gpu_utilization: float | None
     simulated: bool = False
+    resources: dict = field(default_factory=dict)
+    shares_gpu_with: tuple = ()
 
 
 def _probe_device(dask_worker=None) -> dict:
@@ -96,8 +106,31 @@ class Inventory:
 
     @property
     def n_gpus(self) -> int:
+        """Number of distinct GPUs: workers that share one device (same UUID) count once;
+        a GPU worker whose device UUID is unknown counts as one."""
+        return len({w.gpu_uuid or w.address for w in self.workers if w.device == "gpu"})
+
+    @property
+    def n_gpu_workers(self) -> int:
         """Number of workers with a GPU."""
         return sum(w.device == "gpu" for w in self.workers)
+
+    @property
+    def shared_gpus(self) -> dict[str, tuple[str, ...]]:
+        """GPU UUID -> the workers (addresses, sorted) sharing that device, for each GPU two
+        or more workers use."""
+        groups: dict[str, list[str]] = {}
+        for w in self.workers:
+            if w.device == "gpu" and w.gpu_uuid:
+                groups.setdefault(w.gpu_uuid, []).append(w.address)
+        return {u: tuple(sorted(a)) for u, a in sorted(groups.items()) if len(a) > 1}
+
+    @property
+    def undeclared_gpu_workers(self) -> list[str]:
+        """GPU workers that declare no ``GPU`` resource (``resources={"GPU": 1}`` tasks never
+        run on them)."""
+        return [w.address for w in self.workers
+                if w.device == "gpu" and not w.resources.get("GPU")]
 
     @property
     def total_threads(self) -> int:
@@ -127,20 +160,27 @@ class Inventory:
                 "device memory": "n/a" if w.gpu_memory_total is None
                 else f"{b(w.gpu_memory_used)} / {b(w.gpu_memory_total)}",
                 "GPU util": "n/a" if w.gpu_utilization is None else f"{w.gpu_utilization:.0f}%",
+                "resources": ", ".join(f"{k}={v:g}" for k, v in sorted(w.resources.items()))
+                or "none",
+                "shares GPU with": ", ".join(w.shares_gpu_with) or "-",
             })
         return rows
 
     def __repr__(self) -> str:
         head = (f"<blockflow.Inventory: {len(self)} workers, {self.total_threads} threads, "
-                f"{self.n_gpus} GPUs>")
+                f"{self.n_gpus} GPUs{self._shared_note()}>")
         if not self.workers:
             return head
         return head + "\n" + pd.DataFrame(self._display_rows()).to_string(index=False)
 
+    def _shared_note(self) -> str:
+        n = self.n_gpu_workers
+        return f" for {n} GPU workers (some share a GPU)" if self.shared_gpus else ""
+
     def _repr_html_(self) -> str:
         rows = self._display_rows()
         head = (f"<p><b>blockflow inventory</b>: {len(self)} workers, {self.total_threads} "
-                f"threads, {self.n_gpus} GPUs</p>")
+                f"threads, {self.n_gpus} GPUs{html.escape(self._shared_note())}</p>")
         if not rows:
             return head
         th = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
@@ -165,7 +205,15 @@ def inventory(client) -> Inventory:
         One :class:`WorkerResources` per worker. Device memory and utilisation come from the
         workers' latest heartbeat (distributed's NVML keys, refreshed every 0.5-2 s); a
         worker is a GPU worker when it reports ``gpu-memory-total``. CPU-only workers have
-        None (never 0) in every GPU field.
+        None (never 0) in every GPU field. Workers that report the same device UUID share
+        one GPU: ``shares_gpu_with`` names the others, and :attr:`Inventory.n_gpus` counts
+        the device once.
+
+    Warns
+    -----
+    BlockflowWarning
+        When two or more workers use the same GPU (same device UUID), naming them: they
+        share its memory and compute.
 
     Raises
     ------
@@ -200,5 +248,18 @@ def inventory(client) -> Inventory:
             gpu_memory_used=int(m.gpu_memory_used) if m.gpu_memory_used is not None else None,
             gpu_utilization=m.gpu_utilization,
             simulated=bool(probe.get("simulated", False)),
+            resources=dict(info.get("resources") or {}),
         ))
-    return Inventory(out)
+    inv = Inventory(out)
+    shared = inv.shared_gpus
+    if shared:
+        peers = {a: tuple(x for x in group if x != a) for group in shared.values() for a in group}
+        inv = Inventory([replace(w, shares_gpu_with=peers.get(w.address, ())) for w in inv])
+        listed = "; ".join(f"{', '.join(group)} all use GPU {u}" for u, group in shared.items())
+        warnings.warn(
+            f"blockflow.inventory: {listed}. Workers on one GPU share its memory and compute, "
+            f"so the cluster has {inv.n_gpus} GPU{'s' if inv.n_gpus != 1 else ''} for "
+            f"{inv.n_gpu_workers} GPU workers; start one worker per GPU (dask-cuda's "
+            f"LocalCUDACluster or `dask cuda worker` set CUDA_VISIBLE_DEVICES for each) unless "
+            f"the sharing is intended.", BlockflowWarning, stacklevel=2)
+    return inv

@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-__all__ = ["CAPACITY_METRIC", "OWN_UTILIZATION_METRIC", "GPU_MEMORY_TOTAL", "GPU_MEMORY_USED", "GPU_UTILIZATION", "WorkerMetrics",
+__all__ = ["CAPACITY_METRIC", "DEVICE_UUID_METRIC", "OWN_UTILIZATION_METRIC", "GPU_MEMORY_TOTAL", "GPU_MEMORY_USED", "GPU_UTILIZATION", "WorkerMetrics",
            "clean_number", "read_metrics"]
 
 GPU_UTILIZATION = "gpu_utilization"
@@ -23,6 +23,9 @@ CAPACITY_METRIC = "blockflow-capacity"
 #: Optional worker metric: percent of GPU time spent on this worker's own kernels (NVML's
 #: per-process utilisation); lets the scheduler tell other tenants' load from its own.
 OWN_UTILIZATION_METRIC = "blockflow-gpu-own-utilization"
+#: Optional worker metric: UUID of the GPU the worker uses (``GPU-...``, ``MIG-...``; ``SIM-...``
+#: for simulated devices), so that the scheduler can tell two workers sharing one device.
+DEVICE_UUID_METRIC = "blockflow-gpu-uuid"
 
 
 def clean_number(value: Any, *, upper: float | None = None) -> float | None:
@@ -61,6 +64,8 @@ class WorkerMetrics:
         Bytes of device memory.
     host_memory : float or None
         Bytes of the worker process's resident memory.
+    device_uuid : str or None
+        UUID of the worker's GPU, when it reports one (``blockflow-gpu-uuid``).
     """
 
     gpu_utilization: float | None
@@ -68,6 +73,7 @@ class WorkerMetrics:
     gpu_memory_total: float | None
     host_memory: float | None
     own_utilization: float | None = None
+    device_uuid: str | None = None
 
     @property
     def has_gpu(self) -> bool:
@@ -117,4 +123,10 @@ def read_metrics(metrics: Mapping[str, Any] | None) -> WorkerMetrics:
         host_memory=clean_number(metrics.get("memory")),
         own_utilization=None if util is None else clean_number(
             metrics.get(OWN_UTILIZATION_METRIC), upper=100.0),
+        device_uuid=_uuid(metrics.get(DEVICE_UUID_METRIC)) if total is not None else None,
     )
+
+
+def _uuid(value: Any) -> str | None:
+    """A device UUID as reported: a non-empty string, else None."""
+    return value.strip() if isinstance(value, str) and value.strip() else None

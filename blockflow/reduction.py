@@ -24,7 +24,7 @@ import numpy as np
 from dask.utils import format_bytes, parse_bytes
 
 from blockflow import config
-from blockflow._kernel import Kernel, check_retries
+from blockflow._kernel import Kernel, check_placement, check_retries
 from blockflow._reduction_dtypes import (
     _decomposition,
     _plan_dtypes,
@@ -185,6 +185,9 @@ def tree_reduce(
     block_bytes: int | None = None,
     name: str | None = None,
     retries: int | None = None,
+    resources: dict[str, float] | None = None,
+    workers: str | list[str] | None = None,
+    allow_other_workers: bool | None = None,
 ):
     """Reduce a Dask collection with a tree of ``chunk -> combine ... -> aggregate`` tasks.
 
@@ -252,6 +255,15 @@ def tree_reduce(
         same worker, because Dask's graph optimisation drops ``dask.annotate(retries=...)``
         annotations; pass ``retries=`` to ``client.compute`` to have the scheduler retry
         every task of the graph on any worker instead.
+    resources : dict of str to float, optional
+        Worker resources each ``chunk``, ``combine`` and ``aggregate`` task needs while it
+        runs, e.g. ``{"GPU": 1}``; applied to the tasks by blockflow's scheduler plugin
+        whatever Dask's graph optimisation fuses, as in :func:`blockflow.map_blocks` (see
+        there).
+    workers : str or list of str, optional
+        Workers that may run those tasks (distributed's ``workers=``).
+    allow_other_workers : bool, optional
+        With ``workers``: other workers may run them when those cannot.
 
     Returns
     -------
@@ -264,7 +276,8 @@ def tree_reduce(
         is not an int or a tuple of ints.
     ValueError
         If ``split_every < 2``, array chunk sizes are unknown, ``retries`` is not an int
-        >= 0, ``chunk`` alone is a NumPy function that cannot reduce its own partials
+        >= 0, ``resources``/``workers``/``allow_other_workers`` are invalid (as in
+        :func:`blockflow.map_blocks`), ``chunk`` alone is a NumPy function that cannot reduce its own partials
         (``np.median``, ...; the message names what to use), or ``axis`` names an axis the array does not have or the same axis twice
         (the message names the axis and the array's number of dimensions).
     EmptyCollectionError
@@ -287,6 +300,8 @@ def tree_reduce(
     ``combine``. For multi-axis array reductions Dask splits the fan-in across the axes.
     """
     retries = check_retries(retries, "blockflow.tree_reduce")
+    placement = check_placement(resources, workers, allow_other_workers,
+                                "blockflow.tree_reduce")
     if type(collection).__module__.split(".")[0] == "xarray":
         if axis is not None or keepdims:
             raise TypeError(
@@ -296,14 +311,15 @@ def tree_reduce(
         return _tree_reduce_xarray(
             collection, chunk, combine, aggregate, split_every=split_every, dim=dim,
             dtype=dtype, meta=meta, concatenate=concatenate, block_bytes=block_bytes, name=name,
-            retries=retries,
+            retries=retries, resources=resources, workers=workers,
+            allow_other_workers=allow_other_workers,
         )
     alone = combine is None and aggregate is None  # the single-function form
     combine = combine or aggregate or chunk
     aggregate = aggregate or combine
     token = kernel_name(chunk, name)
     funcs = (chunk, combine, aggregate)
-    steps = [_ReductionStep(f, stage, retries)
+    steps = [_ReductionStep(f, stage, retries, placement=placement)
              for f, stage in zip(funcs, ("chunk", "combine", "aggregate"))]
     if isinstance(collection, da.Array):
         validate_array(collection, "blockflow.tree_reduce", "the collection")
@@ -313,7 +329,8 @@ def tree_reduce(
             parts = _decomposition(chunk, collection, axes, keepdims, dtype)
             if parts is not None:
                 *funcs, concatenate = parts
-                steps = [_ReductionStep(f, step.stage, retries, label=step.label)
+                steps = [_ReductionStep(f, step.stage, retries, label=step.label,
+                                        placement=placement)
                          for f, step in zip(funcs, steps)]
         dtype = _plan_dtypes(collection, funcs, steps, axes, keepdims, concatenate, dtype)
         chunk, combine, aggregate = steps
@@ -458,10 +475,11 @@ class _ReductionStep(Kernel):
 
     logger = logger
 
-    def __init__(self, func, stage: str, retries: int = 0, label: str | None = None):
+    def __init__(self, func, stage: str, retries: int = 0, label: str | None = None,
+                 placement: dict | None = None):
         import inspect
 
-        super().__init__(func, retries, step=stage)
+        super().__init__(func, retries, step=stage, placement=placement)
         self.__wrapped__ = inspect.unwrap(func)  # e.g. np.sum's Python implementation
         self.stage = stage
         self.label = label or self.label  # a decomposition keeps the user's function's name
@@ -487,7 +505,7 @@ class _ReductionStep(Kernel):
         from dask.base import tokenize
 
         return (type(self).__name__, tokenize(self.func), self.stage, self.retries,
-                str(self.dtype), str(self.cast))
+                str(self.dtype), str(self.cast), repr(self.placement))
 
 
 class _MetaSafeChunk:

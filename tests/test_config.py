@@ -95,7 +95,8 @@ def test_blockflow_rules_of_the_schema_name_its_own_keys():
     durations = {f"{s}.{k}" for s, sec in sections.items()
                  for k, spec in sec["properties"].items() if "x-duration" in spec}
     assert durations == {"cluster.connect-timeout", "cluster.worker-loss-timeout",
-                         "rebalancer.interval", "rebalancer.move-min-gain"}
+                         "rebalancer.interval", "rebalancer.move-min-gain",
+                         "resources.unsatisfiable-timeout"}
 
 
 def test_policy_choices_come_from_the_registry_not_the_schema_file():

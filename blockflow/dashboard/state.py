@@ -43,11 +43,13 @@ def dashboard_state(scheduler, *, since: float | None = None,
         reports no GPU metrics, never 0 - ``nthreads``, ``processing``, ``executing``,
         ``queued`` (processing minus executing), ``speed`` (learned, 1.0 typical),
         ``status``, ``paused_by_blockflow``, ``paused_reason``, ``tasks_run`` (tasks it
-        finished for this run), ``tasks_total`` (since the plugin started)), ``run`` (this
-        run: ``id``, ``name``, ``started`` (s since the epoch), ``tasks`` (submitted),
-        ``finished``; None before any), ``run_started``, ``policy_description``,
-        ``policies`` (the registry's names), ``n_decisions`` (decisions in the log) and
-        ``decisions`` (oldest first).
+        finished for this run), ``tasks_total`` (since the plugin started), ``gpu_uuid`` (the device's UUID when the worker reports
+        it), ``shares_gpu_with`` (other workers reporting the same device), ``resources``
+        (declared worker resources)), ``shared_gpus`` (one ``{"uuid", "workers"}`` per GPU
+        that two or more workers report: they share one device), ``run`` (this run: ``id``, ``name``, ``started`` (s since the epoch), ``tasks``
+        (submitted), ``finished``; None before any), ``run_started``,
+        ``policy_description``, ``policies`` (the registry's names), ``n_decisions``
+        (decisions in the log) and ``decisions`` (oldest first).
 
         "This run" is the run most recently given tasks: everything one job or one
         ``compute()`` submitted (:mod:`blockflow.scheduling.runs`), so a workload that
@@ -60,7 +62,8 @@ def dashboard_state(scheduler, *, since: float | None = None,
     totals = status.get("task_counts", {})
     speeds = status.get("speeds", {})
     workers = []
-    for addr, w in sorted(_distributed.worker_views(scheduler).items()):
+    views = _distributed.worker_views(scheduler)
+    for addr, w in sorted(views.items()):
         m = w.metrics
         workers.append({
             "address": addr,
@@ -79,6 +82,9 @@ def dashboard_state(scheduler, *, since: float | None = None,
             "paused_reason": paused.get(addr),
             "tasks_run": int(run_counts.get(addr, 0)),
             "tasks_total": int(totals.get(addr, 0)),
+            "gpu_uuid": m.device_uuid,
+            "shares_gpu_with": list(w.device_peers),
+            "resources": dict(w.resources),
         })
     decisions = status.get("decisions", [])
     if since is not None:
@@ -95,5 +101,7 @@ def dashboard_state(scheduler, *, since: float | None = None,
         "run_started": status.get("run_started"),
         "n_decisions": len(status.get("decisions", ())),
         "workers": workers,
+        "shared_gpus": [{"uuid": u, "workers": list(a)}
+                        for u, a in _distributed.shared_devices(views).items()],
         "decisions": decisions,
     }

@@ -27,6 +27,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from blockflow import _distributed, config
 from blockflow.blockwise import KERNEL_PREFIX
+from blockflow.scheduling.admission import AdmissionControl
 from blockflow.scheduling.policies import (
     POLICIES,
     REGISTRY,
@@ -35,11 +36,16 @@ from blockflow.scheduling.policies import (
     make_policy,
 )
 from blockflow.scheduling.runs import RunTracker
+from blockflow.scheduling.resources import UnsatisfiableWatch, apply_placements
 from blockflow.scheduling.speed import SpeedModel
 
 __all__ = ["POLICIES", "Rebalancer"]
 
 logger = logging.getLogger(__name__)
+
+#: Transitions of a tracked producer or consumer after which admission control looks again.
+_ADMISSION_EVENTS = frozenset({"memory", "released", "forgotten", "erred"})
+
 
 class Rebalancer(SchedulerPlugin):
     """Scheduler plugin that places and moves tasks from GPU metrics and learned speed.
@@ -99,6 +105,8 @@ class Rebalancer(SchedulerPlugin):
         self._host_pause_fraction: float | None = None
         self._calm = 0
         self._worker_checked = False
+        self.unsatisfiable: UnsatisfiableWatch | None = None  # set in start()
+        self.admission: AdmissionControl | None = None
 
     def __getstate__(self):
         return {"policy_name": self.policy_name, "interval": self.interval,
@@ -114,6 +122,7 @@ class Rebalancer(SchedulerPlugin):
         self._worker_checked = bool(_distributed.worker_addresses(scheduler))
         self.scheduler = scheduler
         self.policy = make_policy(self.policy_name)
+        self._start_resources()
         _distributed.add_handler(scheduler, "blockflow_status", self.status)
         for amm_policy in self.policy.amm_policies():
             _distributed.add_amm_policy(scheduler, amm_policy)
@@ -128,10 +137,15 @@ class Rebalancer(SchedulerPlugin):
             _distributed.remove_periodic_callback(self.scheduler, self.name)
         if self._stealing is not None:
             self._stealing.restore()
+        if self.admission is not None and self.scheduler is not None:
+            self.admission.release_all(self.scheduler)
 
     # --- hooks: keep them O(1) -----------------------------------------------------------
 
     def transition(self, key, start, finish, *args, stimulus_id=None, **kwargs) -> None:
+        if self.admission is not None and self.admission.watches(key) \
+                and finish in _ADMISSION_EVENTS:
+            self.admission.kick(self.scheduler, self._views)
         if finish == "forgotten":
             self.runs.forget(key)
             return
@@ -161,8 +175,9 @@ class Rebalancer(SchedulerPlugin):
                         annotations=annotations or {}, now=time.time())
         if self.policy is None or not tasks:
             return
+        new_tasks = self._resources_on_graph(scheduler, list(tasks))
         snap = ClusterSnapshot(time=time.time(), workers=self._views(), event="graph",
-                               new_tasks=_distributed.new_task_views(scheduler, list(tasks)))
+                               new_tasks=new_tasks)
         for d in self.policy.run(snap):
             self._apply(d, snap)
 
@@ -179,6 +194,33 @@ class Rebalancer(SchedulerPlugin):
         was_paused = self.paused.pop(worker, None)
         self.log_decision("forget", worker, "worker left the cluster"
                           + (" (it was paused by blockflow)" if was_paused else ""), {})
+
+    # --- worker resources: placement, unsatisfiable tasks, admission control ----------
+
+    def _start_resources(self) -> None:
+        self.unsatisfiable = UnsatisfiableWatch()
+        self.admission = AdmissionControl()
+        if self.policy_name == "off":  # observe only: never hold tasks back
+            self.admission.enabled = False
+
+    def _resources_on_graph(self, scheduler, keys: list) -> list:
+        """New tasks: restrict them as their kernels asked (resources=, workers=), hold back
+        producers feeding resource-restricted consumers; the tasks' views for the policy."""
+        views, placed = apply_placements(scheduler, _distributed.new_task_views(scheduler, keys))
+        if placed:
+            self.log_decision("restrict", "", f"{placed} tasks restricted as their kernels "
+                              f"asked (resources=, workers=)", {"tasks": placed})
+        if self.admission is not None:
+            self.admission.on_graph(scheduler, keys, self._views(), self.log_decision)
+        return views
+
+    def _resources_tick(self, workers) -> None:
+        if self.unsatisfiable is not None:
+            self.unsatisfiable.check(self.scheduler, workers, self.log_decision)
+        if self.admission is not None:
+            if self.ticks % 10 == 0:
+                self.admission.release_orphans(self.scheduler)
+            self.admission.admit(self.scheduler, workers)
 
     # --- control loop -----------------------------------------------------------------
 
@@ -249,6 +291,7 @@ class Rebalancer(SchedulerPlugin):
             return []
         self.ticks += 1
         snap = self.take_snapshot()
+        self._resources_tick(snap.workers)
         self._reapply_pauses(snap)
         self._hand_over_balancing(snap)
         applied = []
@@ -382,6 +425,12 @@ class Rebalancer(SchedulerPlugin):
             "workers": self.snapshot_workers,
             "memory_peak": dict(self.memory_peak),
             "decisions": decisions,
+            "resources": {
+                "unsatisfiable": self.unsatisfiable.status() if self.unsatisfiable else None,
+                "admission": self.admission.status() if self.admission else None,
+                "shared_gpus": {u: list(a) for u, a in _distributed.shared_devices(
+                    self._views()).items()} if self.scheduler else {},
+            },
             **extra,
         }
 

@@ -45,6 +45,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from blockflow import _distributed
 from blockflow.metrics import (
     CAPACITY_METRIC,
+    DEVICE_UUID_METRIC,
     GPU_MEMORY_TOTAL,
     GPU_MEMORY_USED,
     GPU_UTILIZATION,
@@ -237,6 +238,11 @@ class SimulatedDevice:
         metrics and memory.
     window : float or str, default 1.0
         Seconds over which utilisation is measured (NVML samples over 1/6-1 s).
+    uuid : str, optional
+        The device's UUID (reported as the ``blockflow-gpu-uuid`` metric and to
+        ``blockflow.inventory``); give two workers the same one to simulate two workers on
+        one GPU. Default: a stable ``SIM-`` UUID of the worker's host and name, one device
+        per worker.
 
     Notes
     -----
@@ -246,8 +252,10 @@ class SimulatedDevice:
 
     def __init__(self, speed: float = 1.0, device_memory: int | str = "16GiB", tenant=None,
                  speed_schedule: Sequence[tuple[float, float]] | None = None,
-                 tenant_contention: bool = True, window: float | str = 1.0):
+                 tenant_contention: bool = True, window: float | str = 1.0,
+                 uuid: str | None = None):
         self.base_speed = _check_speed(speed)
+        self.uuid = uuid
         self.capacity = _parse_bytes(device_memory)
         if self.capacity <= 0:
             raise ValueError(f"device_memory must be > 0 bytes, got {self.capacity}.")
@@ -368,12 +376,25 @@ class SimulatedDevice:
 
     def describe(self) -> dict[str, Any]:
         """Identity for ``blockflow.inventory``: name, a stable ``SIM-`` UUID, ``simulated``."""
-        ident = "unattached" if self.worker is None else f"{self.worker.host}/{self.worker.name}"
         return {
             "gpu_name": f"Simulated GPU (speed {self.base_speed:g})",
-            "gpu_uuid": f"SIM-{uuid.uuid5(_UUID_NAMESPACE, ident)}",
+            "gpu_uuid": self.device_uuid(),
             "simulated": True,
         }
+
+    def device_uuid(self) -> str:
+        """The UUID given, else a stable ``SIM-`` UUID of the worker's host and name."""
+        if getattr(self, "uuid", None):
+            return self.uuid
+        if self.worker is None:
+            ident = "unattached"
+        else:
+            try:
+                host = self.worker.host
+            except ValueError:  # in-process workers (inproc:// addresses) have no host
+                host = self.worker.address
+            ident = f"{host}/{self.worker.name}"
+        return f"SIM-{uuid.uuid5(_UUID_NAMESPACE, ident)}"
 
     def stats(self) -> dict[str, Any]:
         """Counters and current metrics (plain data) for benchmark reports."""
@@ -456,9 +477,16 @@ class SimulatedGPU(WorkerPlugin):
     default : SimulatedDevice, optional
         For workers not named in ``devices`` (e.g. added later). Workers with neither get no
         device and report no GPU metrics.
+    declare_gpu : bool, default True
+        Whether a worker given a device declares a ``GPU`` worker resource (see Notes);
+        False models GPU workers started without ``--resources GPU=1``.
 
     Notes
     -----
+    A worker given a device declares one ``GPU`` worker resource (unless it declares
+    ``GPU`` already), as the GPU workers :func:`blockflow.connect` starts do, so that
+    ``resources={"GPU": 1}`` places tasks on simulated GPU workers too.
+
     ``idempotent = True``: registering a second plugin under the same name is a no-op. To
     change devices at run time use :func:`set_speed` / :func:`set_tenant`; to replace them,
     ``client.unregister_worker_plugin("blockflow-simulated-gpu")`` first.
@@ -468,7 +496,8 @@ class SimulatedGPU(WorkerPlugin):
     idempotent = True
 
     def __init__(self, devices: SimulatedDevice | Mapping[Any, SimulatedDevice] | None = None,
-                 default: SimulatedDevice | None = None):
+                 default: SimulatedDevice | None = None, declare_gpu: bool = True):
+        self.declare_gpu = bool(declare_gpu)
         if isinstance(devices, SimulatedDevice):
             devices, default = {}, devices
         self.devices = {str(k): v for k, v in (devices or {}).items()}
@@ -480,7 +509,7 @@ class SimulatedGPU(WorkerPlugin):
         self.device: SimulatedDevice | None = None
         self._metrics: dict[str, Callable] = {}  # the metric callables this plugin set
 
-    def setup(self, worker) -> None:
+    async def setup(self, worker) -> None:
         spec = self.devices.get(str(worker.address), self.devices.get(str(worker.name),
                                                                        self.default))
         if spec is None:
@@ -497,9 +526,13 @@ class SimulatedGPU(WorkerPlugin):
             # policy "static-capacity" weighs workers by (never the live, learned speed).
             CAPACITY_METRIC: lambda w: d.base_speed,
             OWN_UTILIZATION_METRIC: lambda w: round(d.own_utilization(), 1),
+            DEVICE_UUID_METRIC: lambda w: d.device_uuid(),
         }
         for name, fn in self._metrics.items():
             _distributed.set_worker_metric(worker, name, fn)
+        if getattr(self, "declare_gpu", True) and \
+                "GPU" not in _distributed.worker_declared_resources(worker):
+            await _distributed.declare_worker_resources(worker, {"GPU": 1})
 
     def teardown(self, worker) -> None:
         # Only the metrics this plugin set: a real NVML monitor's own callables stay.
