@@ -116,6 +116,47 @@ def test_notebook_runs(name, tmp_path):
     CHECKS[name](nb, probe["values"])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(CELL_TIMEOUT + 60)
+def test_workload_progress_is_one_labelled_widget_per_stage(tmp_path):
+    """In Jupyter a workload shows its progress by default, as an ipywidgets bar named after
+    the stage, full at the end, and writes no text lines or escape codes into the cell."""
+    pytest.importorskip("ipywidgets")
+    label = "array-stats (small) generate, anomalies, moments"
+    nb = nbformat.v4.new_notebook(
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3"}})
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in (
+        "import blockflow\nfrom blockflow.workloads import array_stats\n"
+        "client = blockflow.connect(n_workers=2, threads_per_worker=1, processes=False,\n"
+        "                           dashboard_address='127.0.0.1:0')",
+        "result = array_stats.run(client)",  # progress: default
+        "print(result.n_tasks)",
+        "client.shutdown()",
+    )]
+    nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute(
+        env={**os.environ, "DASK_BLOCKFLOW__CLUSTER__GPU": "false"})
+    outputs = nb.cells[1].outputs
+    streams = [o for c in nb.cells for o in c.outputs if o.output_type == "stream"]
+    assert [o.text for o in streams if o.name == "stderr"] == []
+    assert not [o.text for o in outputs if o.output_type == "stream"]  # no text bar lines
+    assert not any("\x1b" in o.text or "\r" in o.text for o in streams)
+    widgets = [o.data["application/vnd.jupyter.widget-view+json"]["model_id"]
+               for o in outputs if o.output_type == "display_data"
+               and "application/vnd.jupyter.widget-view+json" in o.data]
+    assert len(widgets) == 1, outputs
+    n_tasks = int(nb.cells[2].outputs[0].text)
+    # the widget's saved state: a box holding the stage's label and a full progress bar
+    state = nb.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]
+    box = state[widgets[0]]["state"]
+    parts = [state[ref.removeprefix("IPY_MODEL_")] for ref in box["children"]]
+    texts = " ".join(str(p["state"].get("value", "")) for p in parts
+                     if p["model_name"] == "HTMLModel").replace("\u2007", " ")  # tqdm's spaces
+    bar = next(p["state"] for p in parts if p["model_name"] == "FloatProgressModel")
+    assert label in texts and f"{n_tasks}/{n_tasks}" in texts
+    assert bar["value"] == bar["max"] == n_tasks > 0
+
+
 def _check_quickstart(nb, values):
     assert "<b>blockflow inventory</b>: 2 workers, 2 threads" in _output_of(
         nb, "blockflow.inventory(client)")

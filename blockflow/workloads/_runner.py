@@ -72,41 +72,82 @@ def show_progress(progress: bool | None) -> bool:
     return bool(progress)
 
 
+def _columns(stream) -> int:
+    """The width of the terminal ``stream`` writes to; 0 if unknown."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
 def _notebook_bars() -> bool:
     """In a Jupyter kernel with ipywidgets: tqdm's widget bar works."""
     return is_kernel() and importlib.util.find_spec("ipywidgets") is not None
 
 
-class StageProgress(ProgressBar):
-    """One labelled progress bar for one stage of a job: the tasks still to run for
-    ``futures``, counted by distributed's :class:`~distributed.diagnostics.progress.Progress`
-    on the scheduler, drawn with tqdm.
+def _run_record(client, run_id: str) -> dict[str, Any] | None:
+    """The run as blockflow's plugin counts it (``{}`` before its first graph), or None if
+    the scheduler runs no blockflow plugin. Decisions are left out (``since`` now)."""
+    from blockflow.cluster import plugin_status
 
-    In a terminal (or any non-Jupyter stream) a ``tqdm`` text bar on stderr
-    (``label: 45%|####  | 18/40 [00:01<00:01, 14.2 tasks/s]``); in a Jupyter kernel an
-    ipywidgets bar (``tqdm.notebook``), no text and no escape codes in the cell; in a kernel
-    without ipywidgets one line when the stage ends. Tasks whose results are already in
-    memory (an earlier stage's persisted output) are not counted, so each bar starts at 0.
+    try:
+        return plugin_status(client, since=time.time(), run=run_id).get("requested_run") or {}
+    except RuntimeError:
+        return None
+
+
+class _SchedulerProgress(ProgressBar):
+    """distributed's progress feed (tasks still to run for some futures), for clusters
+    without blockflow's plugin; hands each count to ``draw(done, total)``."""
+
+    def __init__(self, futures, client, draw: Callable[[int, int], None]):
+        super().__init__(futures, scheduler=client.scheduler.address, interval="200ms",
+                         complete=False)
+        self._draw = draw
+
+    def _draw_bar(self, remaining, all, **kwargs) -> None:
+        self._draw(all - remaining, all)
+
+
+class StageProgress:
+    """One labelled progress bar for one stage (one submitted graph) of a job, drawn with
+    tqdm.
+
+    In a terminal (or any non-Jupyter stream) a text bar on stderr
+    (``label:  45%|####  | 18/40 [00:01<00:01, 14.2 tasks/s]``); in a Jupyter kernel an
+    ipywidgets bar (``tqdm.notebook``): no text lines and no escape codes in the cell; in a
+    kernel without ipywidgets one line when the stage ends.
+
+    With blockflow's scheduler plugin the bar counts the tasks the stage's graph added to
+    the job's run (:mod:`blockflow.scheduling.runs`) and how many of them finished: the
+    stages' totals add up to the run's task count that the report, the dashboard and
+    ``manifest.json`` show. Without the plugin it counts, with distributed's
+    :class:`~distributed.diagnostics.progress.Progress`, the tasks still to run for the
+    stage's futures. Either way results already in memory (an earlier stage's persisted
+    output) are not counted: each bar starts at 0.
 
     Parameters
     ----------
-    futures : list of distributed.Future
-        The stage's futures (of one ``client.compute`` / ``persist``).
     client : distributed.Client
     label : str
         The stage, as the bar names it (``"flights [1/2] load, clean, persist"``).
+    run_id : str
+        The job's run.
+    before : dict or None
+        The run's record (:meth:`blockflow.scheduling.runs.Run.as_dict`, ``{}`` if none yet)
+        read before the stage was submitted; None when the scheduler runs no blockflow plugin.
+    futures : list of distributed.Future
+        The stage's futures (used without the plugin).
 
     Notes
     -----
     The bar is created in the calling thread (a widget is displayed in the running cell);
-    the scheduler's counts arrive in a background thread with its own event loop, so the
-    caller may block meanwhile. Call :meth:`finish` when the stage is over.
+    counts are read in a background thread every 200 ms, so the caller may block meanwhile.
+    Call :meth:`finish` when the stage is over.
     """
 
-    def __init__(self, futures, client, label: str):
-        super().__init__(futures, scheduler=client.scheduler.address, interval="200ms",
-                         complete=False)
-        self.label = label
+    def __init__(self, client, label: str, *, run_id: str, before: dict | None, futures):
+        self.client, self.label, self.run_id, self.before = client, label, run_id, before
         self._line = False
         if _notebook_bars():
             from tqdm.notebook import tqdm
@@ -119,45 +160,75 @@ class StageProgress(ProgressBar):
         else:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=None, desc=label, unit=" tasks", file=sys.stderr,
-                            dynamic_ncols=True)
-        self._started = time.perf_counter()
-        self._loop = asyncio.new_event_loop()
-        self._task = self._loop.create_task(self.listen())
-        self._thread = threading.Thread(target=self._listen, daemon=True,
+            # a terminal that reports no width (a fresh pseudo-terminal) would get empty bars
+            width = {"dynamic_ncols": True} if _columns(sys.stderr) else {"ncols": 100}
+            self.bar = tqdm(total=None, desc=label, unit=" tasks", file=sys.stderr, **width)
+        self._started, self._t0 = time.perf_counter(), self.bar.start_t
+        self._stop = threading.Event()
+        self._loop = self._task = None
+        if before is None:
+            feed = _SchedulerProgress(futures, client, self._draw)
+            self._loop = asyncio.new_event_loop()
+            self._task = self._loop.create_task(feed.listen())
+        self._thread = threading.Thread(target=self._follow, daemon=True,
                                         name="blockflow-progress")
         self._thread.start()
 
-    def _listen(self) -> None:
+    def _stage_counts(self) -> tuple[int, int] | None:
+        """(finished, total) of the stage's tasks per the run record, None before the
+        scheduler has the stage's graph."""
+        run = self.client.sync(self.client.scheduler.blockflow_status, since=time.time(),
+                               run=self.run_id).get("requested_run")
+        if not run or run["graphs"] <= self.before.get("graphs", 0):
+            return None
+        total = run["tasks"] - self.before.get("tasks", 0)
+        return min(run["finished"] - self.before.get("finished", 0), total), total
+
+    def _follow(self) -> None:
         try:
-            self._loop.run_until_complete(self._task)
+            if self._loop is not None:
+                self._loop.run_until_complete(self._task)
+                return
+            while not self._stop.wait(0.2):
+                counts = self._stage_counts()
+                if counts is not None:
+                    self._draw(*counts)
         except (asyncio.CancelledError, Exception) as e:  # a bar never fails the job
             logger.debug("blockflow: progress bar %r stopped: %r", self.label, e)
         finally:
-            with contextlib.suppress(Exception):
-                self._loop.run_until_complete(self._loop.shutdown_asyncgens())
-            self._loop.close()
+            if self._loop is not None:
+                with contextlib.suppress(Exception):
+                    self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+                self._loop.close()
 
-    def _draw_bar(self, remaining, all, **kwargs) -> None:
-        if self.bar.total != all:
-            self.bar.reset(total=all)
-        self.bar.n = all - remaining
+    def _draw(self, done: int, total: int) -> None:
+        if self.bar.total != total:
+            self.bar.reset(total=total)  # also the widget's maximum in Jupyter
+            # keep the clock of the stage's start: the rate is not of the last 200 ms
+            self.bar.start_t = self.bar.last_print_t = self._t0
+        self.bar.n = done
         self.bar.refresh()
 
     def finish(self, done: bool, timeout: float = 2.0) -> None:
-        """End the bar: full if the stage is ``done``, left where it stopped otherwise."""
-        self._thread.join(timeout)  # the scheduler's last count, usually within 200 ms
-        if self._thread.is_alive():
+        """End the bar: the stage's final counts, or where it stopped if not ``done``."""
+        self._stop.set()
+        self._thread.join(timeout)  # the last count, usually within 200 ms
+        if self._thread.is_alive() and self._loop is not None:
             self._loop.call_soon_threadsafe(self._task.cancel)
             self._thread.join(timeout)
-        if done and self.bar.total is not None:
-            self.bar.n = self.bar.total
-            self.bar.refresh()
+        if not self._thread.is_alive():
+            counts = None
+            if self.before is not None:
+                with contextlib.suppress(Exception):
+                    counts = self._stage_counts()
+            if counts is not None:
+                self._draw(*counts)
+            elif done and self.bar.total is not None:
+                self._draw(self.bar.total, self.bar.total)
         self.bar.close()
         if self._line:
             total = "?" if self.bar.total is None else f"{self.bar.total:,}"
-            state = "done" if done else "stopped"
-            print(f"{self.label}: {total} tasks, {state} after "
+            print(f"{self.label}: {total} tasks, {'done' if done else 'stopped'} after "
                   f"{time.perf_counter() - self._started:.1f} s")
 
 
@@ -230,14 +301,19 @@ class Job:
         self.task_counts = task_counts_or_none(self.client, self.run_id)
         return self.wall_time
 
-    def _bar(self, submitted, label: str | None) -> StageProgress | None:
+    def _bar(self, before, submitted, label: str | None) -> StageProgress | None:
         if not self.show:
             return None
         try:
-            return StageProgress(futures_of(submitted), self.client, label or self.what)
+            return StageProgress(self.client, label or self.what, run_id=self.run_id,
+                                 before=before, futures=futures_of(submitted))
         except Exception as e:  # e.g. no terminal to draw on: the job runs without a bar
             logger.debug("blockflow: no progress bar for %s: %r", label or self.what, e)
             return None
+
+    def _before(self) -> dict | None:
+        """The run's record before a stage is submitted (for its bar), if a bar is shown."""
+        return _run_record(self.client, self.run_id) if self.show else None
 
     def persist(self, collections, *, label: str | None = None):
         """Persist ``collections`` on the cluster and wait until they are done.
@@ -258,9 +334,10 @@ class Job:
         WorkerLostError
             If every worker is lost for ``blockflow.cluster.worker-loss-timeout``.
         """
+        before = self._before()
         with run_scope(self.what, self.run_id):
             persisted = self.client.persist(collections, retries=self.retries or None)
-        bar, done = self._bar(persisted, label), False
+        bar, done = self._bar(before, persisted, label), False
         try:
             wait_for(self.client, persisted, what=self.what)
             done = True
@@ -292,9 +369,10 @@ class Job:
         Exception
             A task's own exception, on its last attempt.
         """
+        before = self._before()
         with run_scope(self.what, self.run_id):
             futures = self.client.compute(collections, retries=self.retries or None)
-        bar, done = self._bar(futures, label), False
+        bar, done = self._bar(before, futures, label), False
         try:
             results = gather_results(self.client, futures, what=self.what)
             done = True
