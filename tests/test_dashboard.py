@@ -158,21 +158,14 @@ def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-@pytest.mark.slow
-def test_page_renders_in_headless_chromium(sim):
+@pytest.fixture
+def browser():
+    """Headless Chromium through selenium (skips with the reason when not installed)."""
     chromium = _chromium()
     if chromium is None or shutil.which("chromedriver") is None:
         pytest.skip("headless Chromium and chromedriver are not installed "
                     "(.ci/run installs Debian's chromium and chromium-driver)")
     webdriver = pytest.importorskip("selenium.webdriver")
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    scheduler = sim.cluster.scheduler
-    addr = sorted(scheduler.workers)[-1]
-    sim.run(set_tenant, Tenant(95, 0), workers=[addr])  # a hot GPU: forced rebalance
-    sim.run(_heartbeat, workers=[addr])
-    sim.sync(_tick, scheduler)
     opts = webdriver.ChromeOptions()
     opts.binary_location = chromium
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -182,19 +175,94 @@ def test_page_renders_in_headless_chromium(sim):
     service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"))
     driver = webdriver.Chrome(options=opts, service=service)
     try:
-        driver.get(_base(sim) + "/blockflow")
+        yield driver
+    finally:
+        driver.quit()
+
+
+# Bokeh 3 draws its tables inside shadow roots: read every DataTable's header and cells.
+_READ_TABLES = """
+const tables = [];
+const walk = (root) => {
+  const headers = [...root.querySelectorAll('.slick-header-column')].map(e => e.textContent);
+  if (headers.length) {
+    const rows = [...root.querySelectorAll('.slick-row')].map(
+      r => [...r.querySelectorAll('.slick-cell')].map(c => c.textContent));
+    tables.push({headers, rows});
+  }
+  for (const el of root.querySelectorAll('*')) { if (el.shadowRoot) walk(el.shadowRoot); }
+};
+walk(document);
+return tables;
+"""
+
+
+def _shown_tasks_this_run(driver) -> dict[str, str]:
+    """worker -> the "Tasks (this run)" cell as the browser shows it."""
+    for table in driver.execute_script(_READ_TABLES):
+        if "Tasks (this run)" in table["headers"] and "Worker" in table["headers"]:
+            w, t = table["headers"].index("Worker"), table["headers"].index("Tasks (this run)")
+            return {row[w]: row[t] for row in table["rows"] if len(row) > max(w, t)}
+    return {}
+
+
+def _slow_increment(b):
+    time.sleep(0.05)
+    return b + 1
+
+
+@pytest.mark.slow
+def test_page_tables_follow_a_running_job_in_headless_chromium(sim, browser):
+    """The worker table's cells change while a job runs (BokehJS 3.9 alone kept the first
+    values: a DataTable redraws only when its number of rows changes)."""
+    browser.get(_base(sim) + "/blockflow")
+    deadline = time.monotonic() + 60
+    while not _shown_tasks_this_run(browser) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    first = _shown_tasks_this_run(browser)
+    assert set(first) == set(sim.cluster.scheduler.workers), first
+    # 240 blocks of 50 ms on 3 single-thread workers: about 4 s of work, 8 page updates
+    x = blockflow.map_blocks(_slow_increment, da.zeros(240, chunks=1), name="live-table")
+    job = sim.compute(x.sum())
+    seen = []
+    while not job.done():
+        seen.append(_shown_tasks_this_run(browser))
+        time.sleep(0.3)
+    assert job.result() == 240
+    run = blockflow.plugin_status(sim)["run"]
+    final = {w: str(run["counts"].get(w, 0)) for w in first}
+    deadline = time.monotonic() + 30  # the page updates every 500 ms
+    while _shown_tasks_this_run(browser) != final and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert _shown_tasks_this_run(browser) == final
+    # the cells moved during the job, through values between the start and the end
+    between = [s for s in seen if s and s != first and s != final]
+    assert between, seen
+
+
+@pytest.mark.slow
+def test_page_renders_in_headless_chromium(sim, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    scheduler = sim.cluster.scheduler
+    addr = sorted(scheduler.workers)[-1]
+    sim.run(set_tenant, Tenant(95, 0), workers=[addr])  # a hot GPU: forced rebalance
+    sim.run(_heartbeat, workers=[addr])
+    sim.sync(_tick, scheduler)
+    try:
+        browser.get(_base(sim) + "/blockflow")
 
         def rendered(d):
             text = d.find_element(By.TAG_NAME, "body").text
             return all(w in text for w in scheduler.workers) and "pause" in text
 
-        WebDriverWait(driver, 60).until(rendered)
-        text = driver.find_element(By.TAG_NAME, "body").text
+        WebDriverWait(browser, 60).until(rendered)
+        text = browser.find_element(By.TAG_NAME, "body").text
         for w in scheduler.workers:  # one row per worker
             assert text.count(w) >= 1
         assert "busy with other work" in text  # the decision and its reason
         os.makedirs(ARTIFACTS, exist_ok=True)
-        driver.save_screenshot(os.path.join(ARTIFACTS, "blockflow-dashboard.png"))
+        browser.save_screenshot(os.path.join(ARTIFACTS, "blockflow-dashboard.png"))
     finally:
-        driver.quit()
         sim.run(set_tenant, None, workers=[addr])

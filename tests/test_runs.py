@@ -13,6 +13,7 @@ import dask.array as da
 import pytest
 
 import blockflow
+from blockflow.dashboard.page import BlockflowPage
 from blockflow.dashboard.state import dashboard_state
 from blockflow.scheduling.runs import RUN_ANNOTATION, RunTracker
 from blockflow.workloads import array_stats, flights
@@ -98,10 +99,21 @@ def test_flights_is_one_run_for_the_dashboard_the_result_and_the_manifest(client
     assert {w["address"]: w["tasks_run"] for w in state["workers"]
             if w["tasks_run"]} == result.task_counts
     assert state["run"]["name"] == run["name"] and state["run"]["finished"] == result.n_tasks
+    page = BlockflowPage(client.cluster.scheduler)
+    client.sync(_update, page)
+    assert "this run: <b>the flights ETL (scale 1)</b>" in page.header.text
+    assert f"{result.n_tasks:,} tasks finished of {result.n_tasks:,} submitted" in \
+        page.header.text
+    shown = dict(zip(page.workers.data["worker"], page.workers.data["tasks_run"]))
+    assert {w: n for w, n in shown.items() if n} == result.task_counts
 
 
 async def _dashboard_state(scheduler):
     return dashboard_state(scheduler)
+
+
+async def _update(page):
+    page.update()
 
 
 def test_array_stats_n_tasks_is_the_sum_of_its_task_counts(client, tmp_path):
