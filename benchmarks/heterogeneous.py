@@ -205,6 +205,8 @@ def run_cell(workload: str, config: str, args, seed: int) -> dict:
         makespan = time.perf_counter() - t0
         if timer:
             timer.join()
+        # before the correctness check below, whose own tasks blockflow may also move
+        outcome = _plugin_outcome(client, config, since, addrs)
         holders = Counter(ws[0] for ws in client.who_has(z).values() if ws)
         per_worker = [holders[a] for a in addrs]
         failed = sum(f.status == "error" for f in futures_of(z))
@@ -214,7 +216,6 @@ def run_cell(workload: str, config: str, args, seed: int) -> dict:
             assert abs(got - expected) <= 1e-6 * max(abs(expected), 1), (got, expected)
         stats = client.run(device_stats)
         ooms = sum((s or {}).get("oom_errors", 0) for s in stats.values())
-        outcome = _plugin_outcome(client, config, since, addrs)
     return {"makespan": makespan, "failed": failed,
             "ideal": ideal_makespan(workload, works, speeds, slow_at),
             "per_worker": per_worker, "ooms": ooms, "input_bytes": int(x.nbytes), **outcome}

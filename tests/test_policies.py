@@ -201,6 +201,28 @@ def test_dynamic_never_moves_a_task_back_to_a_worker_it_left():
     assert [(d.key, d.target) for d in run(policy, s3)] == [("t", "a")]
 
 
+def test_dynamic_balancing_leaves_data_bound_tasks_with_their_data():
+    """A 1 s task whose inputs take 0.4 s to send (more than a quarter of its compute) stays,
+    though moving it would finish it earlier; one taking 0.1 s moves, when the gain covers
+    twice the transfer; off a paused worker either moves."""
+    def tasks():
+        return [task("heavy", comm={"b": 0.4}), task("light", comm={"b": 0.1})]
+
+    s = snap([worker("a", processing=6, executing=1, occupancy=6.0), worker("b")],
+             waiting={"a": tasks()})
+    assert [(d.key, d.target) for d in run(DynamicPolicy(), s)] == [("light", "b")]
+    # the gain (about 1 s here) must exceed twice the transfer
+    s = snap([worker("a", processing=2, executing=1, occupancy=2.0), worker("b")],
+             waiting={"a": [task("light", comm={"b": 0.2})]})
+    assert [(d.key, d.target) for d in run(DynamicPolicy(), s)] == [("light", "b")]
+    s = snap([worker("a", processing=2, executing=1, occupancy=1.5), worker("b")],
+             waiting={"a": [task("light", comm={"b": 0.24})]})
+    assert run(DynamicPolicy(), s) == []
+    s = snap([worker("a", processing=6, executing=1, occupancy=6.0, status="paused"),
+              worker("b")], waiting={"a": tasks()})
+    assert {d.key for d in run(DynamicPolicy(), s)} == {"heavy", "light"}
+
+
 def test_dynamic_only_moves_off_paused_workers_while_the_scheduler_queues():
     waiting = {"a": [task("t1")], "b": [task("t2")]}
     s = snap([worker("a", processing=3, executing=1, occupancy=3.0),

@@ -202,6 +202,9 @@ class DynamicPolicy(RebalancePolicy):
     (``snapshot.balancing``) distributed's own stealing balances: in both cases only tasks
     stuck on paused workers move. Speeds come shrunk by their confidence
     (:class:`~blockflow.scheduling.speed.SpeedModel`), so moves grow with what was measured.
+    A balancing move must also be worth its data: its inputs' transfer time may be at most
+    :attr:`max_transfer_share` of its compute time, and the gain must exceed twice that
+    transfer, so data-heavy tasks on workers of the same speed stay with their data.
     A task moves at most once, unless it sits on a paused worker: projected finishes are
     estimates that shift after every move, and later ticks would otherwise chase a task from
     worker to worker (or bounce it between two). A
@@ -212,6 +215,10 @@ class DynamicPolicy(RebalancePolicy):
     replaces_work_stealing = True
     #: Tasks remembered as moved (oldest forgotten first).
     moved_memory = 10_000
+    #: A balancing move's input transfer may take at most this share of the task's compute
+    #: time on the target (distributed's stealing weighs transfer against compute the same
+    #: way); tasks stuck on paused workers move whatever their inputs.
+    max_transfer_share = 0.25
 
     def __init__(self, memory_high=None, memory_low=None, hot_high=None, hot_low=None,
                  move_budget=None, min_gain=None):
@@ -370,12 +377,15 @@ class DynamicPolicy(RebalancePolicy):
             d = task.duration
             if task.key in self._moved_off and v.address not in blocked:
                 continue  # moved once already: estimates shift, chains of moves only churn
-            left = ()
+            rescue = v.address in blocked
             best, best_finish = None, math.inf
             for t in thieves:
-                if t is v or t.address in left or (
+                if t is v or (
                         task.allowed_workers is not None and t.address not in task.allowed_workers):
                     continue
+                comm = task.comm_cost.get(t.address, 0.0)
+                if not rescue and comm > self.max_transfer_share * d / rate[t.address]:
+                    continue  # data-bound: balance by moving compute, not data
                 f = finish[t.address] + d / rate[t.address] + task.comm_cost.get(t.address, 0.0)
                 if f < best_finish:
                     best, best_finish = t, f
@@ -383,7 +393,10 @@ class DynamicPolicy(RebalancePolicy):
             if best is None:
                 continue
             gain = stay - best_finish
-            if not gain > max(self.min_gain, 0.1 * d / rate[v.address]):
+            margin = max(self.min_gain, 0.1 * d / rate[v.address])
+            if not rescue:  # the transfer must pay for itself twice over
+                margin = max(margin, 2 * task.comm_cost.get(best.address, 0.0))
+            if not gain > margin:
                 exhausted.add(v.address)  # later tasks on this worker gain even less
                 continue
             seen = v.seen()
