@@ -4,13 +4,14 @@ distributed's ``Client`` retries a refused connection until its timeout, waits f
 peer's handshake without a bound, and reads the first 8 bytes of any reply as a frame length
 (an HTTP server's ``HTTP/1.0`` becomes a 3 EiB allocation and a ``MemoryError``).
 :func:`check_scheduler` looks first, with plain asyncio streams: it retries a refused
-connection until the deadline (a scheduler that is still starting), reads the peer's first
-message only when its length prefix is plausible, decodes it with distributed's protocol and
-checks that it is Dask's handshake (a Dask server sends it as soon as it accepts), answers
-it in kind so the server sees an ordinary connection, then asks the server who it is
-(distributed's ``identity``). Each failure is a :class:`ProbeError` whose ``kind`` says what
-was found there and whose text says it in words. Method: blockflow heuristic on distributed's
-TCP framing (a little-endian uint64 byte count, then the frames).
+connection until the deadline (a scheduler that is still starting), sends Dask's handshake as
+distributed's clients do, reads the peer's first message only when its length prefix is
+plausible, decodes it with distributed's protocol and checks that it is Dask's handshake,
+then asks the server who it is (distributed's ``identity``). A server that stays silent or
+hangs up is asked, on fresh connections, whether it speaks HTTP or TLS, to say what it is.
+Each failure is a :class:`ProbeError` whose ``kind`` says what was found there and whose
+text says it in words. Method: blockflow heuristic on distributed's TCP framing (a
+little-endian uint64 byte count, then the packed frames).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ HANDSHAKE_MAX_BYTES = 1 << 16
 RETRY_MAX_DELAY = 0.5
 #: Bytes of a non-Dask reply quoted in the error.
 QUOTE_BYTES = 32
-#: Time at the end of the handshake bound spent asking a silent server whether it speaks
-#: HTTP (seconds; at most a fifth of the bound).
+#: Time at the end of the handshake bound kept for asking a silent server whether it speaks
+#: HTTP or TLS (seconds; at most a fifth of the bound).
 HTTP_POKE_SECONDS = 1.0
 
 # OpenSSL reasons meaning "the peer does not talk TLS".
@@ -106,18 +107,61 @@ async def _look(address: str, host: str, port: int, ctx: ssl.SSLContext | None,
                 timeout: float) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    # Time kept at the end of the bound to ask a silent server what it is (plain TCP only).
+    spare = min(HTTP_POKE_SECONDS, timeout / 5) if ctx is None else 0
     reader, writer = await _open(address, host, port, ctx, deadline, timeout)
     try:
-        header, payload = await _first_message(address, reader, writer, deadline, timeout, ctx)
-        # Answer with the same handshake: the server then sees a client that connected and
-        # left, rather than logging "closed before handshake completed".
-        writer.write(header + payload)
-        with contextlib.suppress(OSError, asyncio.TimeoutError):
-            await asyncio.wait_for(writer.drain(), max(deadline - loop.time(), 0.5))
+        # Dask's handshake first, as distributed's own clients send it: a Dask server reads
+        # it, a TLS server takes it for a failed TLS handshake and hangs up at once.
+        writer.write(client_handshake())
+        await _first_message(address, reader, deadline - spare, timeout, ctx)
+    except ProbeError as e:
+        if ctx is None and e.kind in ("silent", "closed"):
+            await _what_else(address, host, port, e, deadline)
+        raise
     finally:
         writer.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(writer.wait_closed(), 1)
+
+
+def client_handshake() -> bytes:
+    """The bytes of the handshake a Dask client sends first (distributed's TCP framing: a
+    little-endian uint64 byte count, then the packed frames of the message)."""
+    import pickle
+    import sys
+
+    from distributed.protocol import dumps
+    from distributed.protocol.utils import pack_frames
+
+    packed = pack_frames(dumps({"compression": None, "python": tuple(sys.version_info)[:3],
+                                "pickle-protocol": pickle.HIGHEST_PROTOCOL}))
+    return struct.pack("<Q", len(packed)) + packed
+
+
+async def _what_else(address: str, host: str, port: int, error: ProbeError,
+                     deadline: float) -> None:
+    """A plain-TCP server that hung up or stayed silent: a web server (a dashboard's port,
+    the commonest wrong address) waits for a request, a TLS server hangs up on Dask's
+    handshake. Ask each on a fresh connection, to say what it is; raises."""
+    loop = asyncio.get_running_loop()
+    if error.kind == "silent":
+        asked_until = deadline - max(deadline - loop.time(), 0) / 2  # half for the TLS check
+        reply = b""
+        with contextlib.suppress(Exception):
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
+                                                    max(asked_until - loop.time(), 0.1))
+            try:
+                writer.write(b"GET / HTTP/1.0\r\n\r\n")
+                reply = await asyncio.wait_for(reader.read(QUOTE_BYTES),
+                                               max(asked_until - loop.time(), 0.1))
+            finally:
+                writer.transport.abort()
+        if reply.startswith(b"HTTP/"):
+            raise _not_dask(address, reply, asked_http=True) from None
+    if await _talks_tls(host, port, max(deadline - loop.time(), 0.2)):
+        raise ProbeError("tls-server", f"the server at {address!r} talks TLS, and hung up on "
+                                       f"(or ignored) a plain connection") from None
 
 
 async def _open(address: str, host: str, port: int, ctx: ssl.SSLContext | None,
@@ -160,31 +204,11 @@ async def _open(address: str, host: str, port: int, ctx: ssl.SSLContext | None,
     raise ProbeError("unreachable", f"no answer from {address!r} within {timeout:g} s{why}")
 
 
-async def _first_message(address: str, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter, deadline: float, timeout: float,
-                         ctx: ssl.SSLContext | None) -> tuple[bytes, bytes]:
-    """The peer's first message: an 8-byte length, then that many bytes of frames."""
-    loop = asyncio.get_running_loop()
-    poke = min(HTTP_POKE_SECONDS, timeout / 5) if ctx is None else 0
-    try:
-        header = await _read(address, reader, 8, deadline - poke, timeout, ctx)
-    except ProbeError as e:
-        if e.kind != "silent" or not poke:
-            raise
-        # Silent: a Dask server would have spoken at once. A web server (a dashboard's port,
-        # the commonest wrong address) waits for a request: ask, to say what it is.
-        writer.write(b"GET / HTTP/1.0\r\n\r\n")
-        reply = b""
-        with contextlib.suppress(Exception):
-            reply = await asyncio.wait_for(reader.read(QUOTE_BYTES),
-                                           max(deadline - loop.time(), 0.1))
-        if reply.startswith(b"HTTP/"):
-            raise _not_dask(address, reply, asked_http=True) from None
-        host, port = writer.get_extra_info("peername")[:2]
-        if await _talks_tls(host, port, max(deadline - loop.time(), 0.2)):
-            raise ProbeError("tls-server", f"the server at {address!r} talks TLS, and "
-                                           f"sent nothing to a plain connection") from None
-        raise
+async def _first_message(address: str, reader: asyncio.StreamReader, deadline: float,
+                         timeout: float, ctx: ssl.SSLContext | None) -> None:
+    """Read the peer's first message (an 8-byte length, then that many bytes of frames) and
+    check that it is Dask's handshake."""
+    header = await _read(address, reader, 8, deadline, timeout, ctx)
     (n,) = struct.unpack("<Q", header)
     if not 0 < n <= HANDSHAKE_MAX_BYTES:
         more = b""
@@ -202,7 +226,6 @@ async def _first_message(address: str, reader: asyncio.StreamReader,
         msg = None
     if not (isinstance(msg, dict) and "compression" in msg):
         raise _not_dask(address, header + payload)
-    return header, payload
 
 
 async def _read(address: str, reader: asyncio.StreamReader, n: int, deadline: float,
@@ -222,9 +245,9 @@ async def _read(address: str, reader: asyncio.StreamReader, n: int, deadline: fl
                                    f"sent no Dask handshake within {timeout:g} s") from None
     except ssl.SSLError as e:
         raise _tls_error(address, e) from None
-    except OSError as e:
-        raise ProbeError("closed", f"the server at {address!r} dropped the connection "
-                                   f"without a Dask handshake ({type(e).__name__})") from None
+    except OSError:  # reset: it hung up while we spoke
+        raise ProbeError("closed", f"the server at {address!r} closed the connection without "
+                                   f"a Dask handshake") from None
 
 
 def _not_dask(address: str, reply: bytes, asked_http: bool = False) -> ProbeError:

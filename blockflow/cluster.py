@@ -284,9 +284,8 @@ def _probe_fix(e: _handshake.ProbeError, address: str) -> str:
     if e.kind in ("silent", "closed"):
         if address.startswith("tls://"):
             return "Check the address and port, and that the scheduler there is running."
-        return (f"It is not a Dask scheduler, or one that talks TLS: then connect to "
-                f"{secure!r} with security=distributed.Security(...); otherwise check the "
-                f"address and port.")
+        # asked too: it speaks neither HTTP nor TLS
+        return "It is not a Dask scheduler: check the address and port."
     if e.kind == "not-tls":
         return (f"If it is a plain Dask scheduler, connect to {plain!r} without TLS "
                 f"credentials; otherwise check the address and port, and that security= "
