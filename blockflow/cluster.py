@@ -449,7 +449,9 @@ def decisions(client: Client, since: float | None = None):
     pandas.DataFrame
         Columns ``time`` (UTC timestamp), ``policy``, ``action`` (``pause``, ``resume``,
         ``move``, ``memory-move``, ``balance``, ``assign``, ``keep``, ``handover``, ``join``,
-        ``forget``),
+        ``forget``; for worker resources: ``restrict`` (tasks restricted as their kernels
+        asked), ``admit`` (producers held back by admission control), ``wait`` / ``fail``
+        (tasks needing resources no worker declares)),
         ``worker``, ``target`` (moves), ``key`` (moves), ``reason``, then ``seen_*`` columns
         with the metrics the decision saw (GPU utilisation in percent, device-memory
         fraction 0-1, learned speed, tasks processing, projected finish in seconds; None
