@@ -167,7 +167,7 @@ def check_scheduler(scheduler) -> None:
     IncompatibleSchedulerError
         Naming the missing or changed internal and the distributed version.
     """
-    from distributed.scheduler import TaskState, WorkerState
+    from distributed.scheduler import TaskPrefix, TaskState, WorkerState
 
     if _params(getattr(scheduler, "handle_worker_status_change", None))[:3] != [
             "status", "worker", "stimulus_id"]:
@@ -197,6 +197,8 @@ def check_scheduler(scheduler) -> None:
     for name in _TASK_STATE_ATTRS:
         if not _class_has(TaskState, name):
             _fail(f"TaskState.{name}")
+    if not _class_has(TaskPrefix, "duration_average"):
+        _fail("TaskPrefix.duration_average")
     for ws in list(scheduler.workers.values()):
         check_worker_state(ws)
     check_dashboard()
@@ -376,6 +378,9 @@ class TaskView:
         Dask's priority (smaller runs first).
     duration : float
         distributed's estimate of its compute time at speed 1, seconds.
+    duration_measured : bool
+        Whether that estimate comes from finished tasks of its prefix (not the default
+        ``distributed.scheduler.unknown-task-duration``).
     input_bytes : int
         Bytes of its inputs.
     restricted : bool
@@ -399,6 +404,7 @@ class TaskView:
     state: str = "processing"
     priority: tuple = ()
     duration: float = 0.0
+    duration_measured: bool = True
     input_bytes: int = 0
     restricted: bool = False
     runnable: bool = True
@@ -522,6 +528,7 @@ def _task_view(scheduler, ts, thieves=()) -> TaskView:
         state=ts.state,
         priority=tuple(ts.priority or ()),
         duration=float(scheduler._get_prefix_duration(ts.prefix)),
+        duration_measured=ts.prefix.duration_average >= 0,
         input_bytes=sum(dts.nbytes for dts in ts.dependencies if dts.nbytes > 0),
         restricted=_restricted(ts),
         runnable=bool(ts.run_spec),

@@ -7,6 +7,8 @@ device-memory AMM plan) is checked on its own.
 
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 
 import pytest
@@ -382,6 +384,33 @@ def test_dynamic_knowing_no_speeds_moves_only_off_paused_workers():
     assert [(d.worker, d.key) for d in run(DynamicPolicy(), s)] == [("b", "t2")]
     s.balancing = True
     assert {d.key for d in run(DynamicPolicy(), s)} == {"t1", "t2"}
+
+
+def test_dynamic_knowing_no_speeds_fills_idle_threads_with_measured_work():
+    """Cold start (every input made on one worker): while speeds are not known to differ,
+    blockflow hands tasks of measured duration to idle threads only, one per free thread;
+    unmeasured ones (default duration) are left to distributed's stealing."""
+    def cluster():
+        return [worker("a", processing=12, executing=1, occupancy=12.0), worker("b"),
+                worker("c", nthreads=2), worker("d", processing=1, executing=1,
+                                                occupancy=1.0)]
+
+    waiting = {"a": [task(("k", i)) for i in range(11, 0, -1)]}
+    s = ClusterSnapshot(time=0.0, workers={w.address: w for w in cluster()},
+                        waiting=waiting, balancing=False)
+    moves = run(DynamicPolicy(), s)
+    assert sorted(d.target for d in moves) == ["b", "c", "c"]  # d is busy: not idle
+    assert [d.key for d in moves] == [("k", 11), ("k", 10), ("k", 9)]
+    guessed = {"a": [task(("k", i), duration=0.5) for i in range(11, 0, -1)]}
+    guessed = {"a": [dataclasses.replace(t, duration_measured=False) for t in guessed["a"]]}
+    s = ClusterSnapshot(time=0.0, workers={w.address: w for w in cluster()}, waiting=guessed,
+                        balancing=False)
+    assert run(DynamicPolicy(), s) == []
+    # inputs taking more than 5 % of the compute to send stay with their data
+    heavy = {"a": [task(("k", i), comm={"b": 0.06, "c": 0.04}) for i in range(11, 0, -1)]}
+    s = ClusterSnapshot(time=0.0, workers={w.address: w for w in cluster()}, waiting=heavy,
+                        balancing=False)
+    assert sorted(d.target for d in run(DynamicPolicy(), s)) == ["c", "c"]
 
 
 # --- placement by device working set ------------------------------------------------------

@@ -198,9 +198,12 @@ class DynamicPolicy(RebalancePolicy):
     lowest-priority waiting task to the worker that would finish it soonest (including the
     time to move its inputs, bytes / measured bandwidth), and move it when that finishes
     earlier. While the scheduler still queues root tasks, every worker pulls more work as it
-    frees up, and while worker speeds are not known with confidence to differ
-    (``snapshot.balancing``) distributed's own stealing balances: in both cases only tasks
-    stuck on paused workers move. Speeds come shrunk by their confidence
+    frees up: only tasks stuck on paused workers move. While worker speeds are not known
+    with confidence to differ (``snapshot.balancing`` false), distributed's own stealing
+    balances, and blockflow only fills the free threads of idle workers with tasks whose
+    duration has been measured and whose inputs take at most
+    :attr:`max_fill_transfer_share` of its compute to send (a cold start: inputs made on one
+    worker), one task per free thread per tick. Speeds come shrunk by their confidence
     (:class:`~blockflow.scheduling.speed.SpeedModel`), so moves grow with what was measured.
     A balancing move must also be worth its data: its inputs' transfer time may be at most
     :attr:`max_transfer_share` of its compute time, and the gain must exceed twice that
@@ -219,6 +222,9 @@ class DynamicPolicy(RebalancePolicy):
     #: time on the target (distributed's stealing weighs transfer against compute the same
     #: way); tasks stuck on paused workers move whatever their inputs.
     max_transfer_share = 0.25
+    #: The same bound while speeds are not known to differ (filling idle threads): only
+    #: tasks whose inputs are cheap to send move then.
+    max_fill_transfer_share = 0.05
 
     def __init__(self, memory_high=None, memory_low=None, hot_high=None, hot_low=None,
                  move_budget=None, min_gain=None):
@@ -353,11 +359,18 @@ class DynamicPolicy(RebalancePolicy):
         finish = {a: (math.inf if a in blocked else w.projected_finish)
                   for a, w in views.items()}
         rate = {a: max(w.speed, 1e-6) * max(w.nthreads, 1) for a, w in views.items()}
-        if snap.queued or not snap.balancing:
-            # the rest pull from the queue, or distributed's stealing balances them
-            victims = [views[a] for a in blocked]
-        else:
+        # Free thread slots of idle workers, filled while speeds are not known to differ.
+        fill: dict[str, int] | None = None
+        if snap.queued:
+            victims = [views[a] for a in blocked]  # the rest pull from the queue
+        elif snap.balancing:
             victims = list(views.values())
+        else:
+            # distributed's stealing balances; blockflow only hands measured work to idle
+            # workers (stealing does too, but slowly: cold starts)
+            victims = list(views.values())
+            fill = {t.address: t.nthreads - t.processing for t in thieves
+                    if t.processing < t.nthreads}
         candidates: dict[str, Iterator[TaskView]] = {}
         out: list[Decision] = []
         exhausted: set[str] = set()
@@ -378,13 +391,19 @@ class DynamicPolicy(RebalancePolicy):
             if task.key in self._moved_off and v.address not in blocked:
                 continue  # moved once already: estimates shift, chains of moves only churn
             rescue = v.address in blocked
+            if not rescue and fill is not None and not (task.duration_measured and fill):
+                exhausted.add(v.address)  # nothing measured to hand out, or nobody idle
+                continue
             best, best_finish = None, math.inf
             for t in thieves:
                 if t is v or (
                         task.allowed_workers is not None and t.address not in task.allowed_workers):
                     continue
+                if not rescue and fill is not None and t.address not in fill:
+                    continue
                 comm = task.comm_cost.get(t.address, 0.0)
-                if not rescue and comm > self.max_transfer_share * d / rate[t.address]:
+                share = self.max_transfer_share if fill is None else self.max_fill_transfer_share
+                if not rescue and comm > share * d / max(t.speed, 1e-6):
                     continue  # data-bound: balance by moving compute, not data
                 f = finish[t.address] + d / rate[t.address] + task.comm_cost.get(t.address, 0.0)
                 if f < best_finish:
@@ -412,6 +431,10 @@ class DynamicPolicy(RebalancePolicy):
             if not math.isinf(finish[v.address]):
                 finish[v.address] -= d / rate[v.address]
             finish[best.address] = best_finish
+            if fill is not None and best.address in fill:
+                fill[best.address] -= 1
+                if fill[best.address] <= 0:
+                    del fill[best.address]
         return out
 
 
