@@ -1,0 +1,19 @@
+"""Machine learning on blockflow: data-parallel training and generalised linear models.
+
+PyTorch, scikit-learn and SciPy come with the ``ai`` extra (``pip install "blockflow[ai]"``)
+and are imported only when used.
+"""
+
+from blockflow.ml._shards import ResidentShards, as_row_blocks
+from blockflow.ml.glm import LinearRegression, LogisticRegression, PoissonRegression
+from blockflow.ml.train import DataParallelTrainer, batch_schedule
+
+__all__ = [
+    "DataParallelTrainer",
+    "LinearRegression",
+    "LogisticRegression",
+    "PoissonRegression",
+    "ResidentShards",
+    "as_row_blocks",
+    "batch_schedule",
+]

@@ -1,0 +1,381 @@
+"""Resident shards: row blocks of (features, labels) kept on workers in proportion to speed.
+
+Training and GLM fitting make many passes over the same data. :class:`ResidentShards` places
+each row block of ``X``/``y`` on one worker once (a task restricted to that worker), so a pass
+sends only parameters and row indices, never data. Each worker's share of the rows follows
+its speed (capped by free memory), so every worker's part of a pass takes about as long:
+*speed-weighted sharding* (a blockflow heuristic; xgboost.dask, DDP and Ray Train give
+every worker an equal shard and a synchronous step waits for the slowest).
+
+A pass (:meth:`ResidentShards.map_sum`) runs one task per worker over its own blocks and sums
+the per-worker results with a fan-in tree of ``split_every`` (as :func:`blockflow.tree_reduce`
+does for collections). If a worker is lost during a pass, its blocks are placed again on the
+survivors from the source collection and the pass is redone: at most one pass is lost.
+
+Speeds: the prior is the scheduler plugin's learned speed (``blockflow.plugin_status``) when
+blockflow's plugin runs, else 1; it is then refined from the shards' own throughput (rows per
+compute second, a median over recent passes), which the plugin's per-task speed model cannot
+measure here because speed-weighted tasks deliberately differ in size.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict, deque
+from statistics import median
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+__all__ = ["ResidentShards", "as_row_blocks"]
+
+
+def as_row_blocks(X, y=None):
+    """``X`` (and ``y``) as dask arrays chunked along rows only, with matching row chunks.
+
+    Parameters
+    ----------
+    X : dask.array.Array, dask.dataframe.DataFrame or NumPy/CuPy array
+        Features, shape ``(n_samples, n_features)``; dataframes are converted with
+        ``to_dask_array(lengths=True)``.
+    y : dask array, dask Series/DataFrame or array, optional
+        Labels, ``n_samples`` rows.
+
+    Returns
+    -------
+    (dask.array.Array, dask.array.Array or None)
+
+    Raises
+    ------
+    ValueError
+        If ``X`` is not 2-D or ``y`` has a different number of rows.
+    """
+    import dask.array as da
+    import dask.dataframe as dd
+
+    def arr(a):
+        if isinstance(a, (dd.DataFrame, dd.Series)):
+            return a.to_dask_array(lengths=True)
+        if not isinstance(a, da.Array):
+            return da.from_array(a, chunks=(max(1, math.ceil(len(a) / 8)),) + a.shape[1:])
+        return a
+
+    X = arr(X)
+    if X.ndim != 2:
+        raise ValueError(f"blockflow: X must be 2-D (samples x features), got shape {X.shape}; "
+                         f"reshape it first.")
+    if any(math.isnan(c) for c in X.chunks[0]):
+        X = X.compute_chunk_sizes()
+    X = X.rechunk({1: -1})
+    if y is None:
+        return X, None
+    y = arr(y)
+    if y.shape[0] != X.shape[0]:
+        raise ValueError(f"blockflow: X has {X.shape[0]} rows but y has {y.shape[0]}; pass "
+                         f"labels for every sample.")
+    if any(math.isnan(c) for c in y.chunks[0]):
+        y = y.compute_chunk_sizes()
+    y = y.rechunk((X.chunks[0],) + tuple((-1,) * (y.ndim - 1)))
+    return X, y
+
+
+def _pair(x, y):
+    return (x, y)
+
+
+def _run_shard(func, blocks, rows, args):
+    """On a worker: ``func([(X, y) blocks], [row indices or None], *args)`` timed."""
+    t0 = time.perf_counter()
+    out = func(blocks, rows, *args)
+    return {"value": out, "seconds": {_worker_address(): time.perf_counter() - t0},
+            "rows": {_worker_address(): sum(len(r) if r is not None else len(b[0])
+                                            for b, r in zip(blocks, rows))}}
+
+
+def _worker_address() -> str:
+    from distributed import get_worker
+    return get_worker().address
+
+
+def _add(*parts):
+    """Sum the ``value``s (arrays, numbers, tuples of them); merge the timing dicts."""
+    def add(a, b):
+        if isinstance(a, tuple):
+            return tuple(add(x, z) for x, z in zip(a, b))
+        return a + b
+    value = parts[0]["value"]
+    for p in parts[1:]:
+        value = add(value, p["value"])
+    seconds, rows = {}, {}
+    for p in parts:
+        seconds.update(p["seconds"])
+        rows.update(p["rows"])
+    return {"value": value, "seconds": seconds, "rows": rows}
+
+
+class ResidentShards:
+    """Row blocks of ``(X, y)`` held on workers, shares proportional to speed.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    X : dask.array.Array
+        Features, chunked along rows only (see :func:`as_row_blocks`).
+    y : dask.array.Array
+        Labels with the same row chunks.
+    sharding : {"speed", "equal"}, default "speed"
+        ``"speed"``: each worker's rows proportional to its speed; ``"equal"``: the same
+        number of blocks per worker (the equal-shard baseline).
+    memory_fraction : float, default 0.5
+        Fraction 0-1 of a worker's free memory (free device memory on GPU workers) its
+        blocks may take; caps the speed share.
+    split_every : int, optional
+        Fan-in of the sum over workers; default from ``choose_split_every`` for the result
+        size.
+    rebalance_gain : float, default 0.1
+        Move blocks between passes only when the predicted slowest worker's time drops by
+        more than this fraction (0-1).
+    poll : float, default 0.5
+        Seconds between checks for lost workers while a pass runs.
+
+    Raises
+    ------
+    RuntimeError
+        If the cluster has no workers.
+    """
+
+    def __init__(self, client, X, y, *, sharding: str = "speed", memory_fraction: float = 0.5,
+                 split_every: int | None = None, rebalance_gain: float = 0.1,
+                 poll: float = 0.5):
+        import dask
+
+        if sharding not in ("speed", "equal"):
+            raise ValueError(f"blockflow: sharding must be 'speed' or 'equal', got "
+                             f"{sharding!r}.")
+        self.client, self.sharding = client, sharding
+        self.memory_fraction, self.split_every = memory_fraction, split_every
+        self.rebalance_gain, self.poll = rebalance_gain, poll
+        xd, yd = X.to_delayed().ravel(), y.to_delayed().ravel()
+        self._sources = [dask.delayed(_pair, pure=False)(a, b) for a, b in zip(xd, yd)]
+        self.block_rows = [int(c) for c in X.chunks[0]]
+        row_bytes = X.dtype.itemsize * X.shape[1] + y.dtype.itemsize * int(
+            np.prod(y.shape[1:], dtype=int))
+        self.block_bytes = [r * row_bytes for r in self.block_rows]
+        self.offsets = np.concatenate([[0], np.cumsum(self.block_rows)])
+        self._throughput: dict[str, deque] = defaultdict(lambda: deque(maxlen=8))
+        self.recoveries: list[dict] = []
+        self.moves = 0
+        self.placement: dict[int, str] = {}
+        self.futures: dict[int, Any] = {}
+        self._place(self._assign(self._workers(), {}))
+
+    # --- workers, speeds, memory ---------------------------------------------------------
+
+    def _workers(self) -> dict[str, dict]:
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        if not workers:
+            raise RuntimeError("blockflow: the cluster has no workers; start some before "
+                               "training.")
+        return workers
+
+    def _prior_speeds(self) -> dict[str, float]:
+        from blockflow.cluster import plugin_status
+        try:
+            return {a: float(s) for a, s in plugin_status(self.client)["speeds"].items()}
+        except (RuntimeError, KeyError, OSError):
+            return {}
+
+    def speeds(self, workers) -> dict[str, float]:
+        """Relative speed per worker: measured rows/second where seen, else the plugin's
+        learned speed scaled to the measured ones, else 1."""
+        measured = {a: median(v) for a, v in self._throughput.items() if v and a in workers}
+        prior = self._prior_speeds()
+        if measured:
+            # scale priors to throughput units through the workers seen in both
+            both = [a for a in measured if a in prior and prior[a] > 0]
+            unit = (median(measured[a] / prior[a] for a in both) if both
+                    else median(measured.values()))
+            return {a: measured.get(a, prior.get(a, 1.0) * unit) for a in workers}
+        return {a: prior.get(a, 1.0) for a in workers}
+
+    def _capacity(self, info: dict) -> float:
+        """Bytes of blocks a worker may hold: a fraction of its free (device) memory."""
+        m = info.get("metrics") or {}
+        total = m.get("gpu-memory-total")
+        if total:
+            free = total - (m.get("gpu_memory_used") or 0)
+        else:
+            limit = info.get("memory_limit") or 0
+            free = (limit - (m.get("memory") or 0)) if limit else math.inf
+        mine = sum(self.block_bytes[j] for j, w in self.placement.items() if w == info.get(
+            "address"))
+        return self.memory_fraction * max(free, 0) + mine
+
+    # --- placement -----------------------------------------------------------------------
+
+    def _assign(self, workers: dict[str, dict], keep: dict[int, str]) -> dict[int, str]:
+        """Block -> worker. ``"equal"``: round robin; ``"speed"``: rows proportional to
+        speed, largest blocks first to the worker whose finish (rows/speed) stays lowest,
+        within capacity; blocks in ``keep`` stay where they are while under their target."""
+        addrs = sorted(workers)
+        n = len(self.block_rows)
+        if self.sharding == "equal":
+            return {j: addrs[j % len(addrs)] for j in range(n)}
+        speed = self.speeds(workers)
+        total_speed = sum(speed[a] for a in addrs)
+        target = {a: sum(self.block_rows) * speed[a] / total_speed for a in addrs}
+        cap = {a: self._capacity({**workers[a], "address": a}) for a in addrs}
+        rows = dict.fromkeys(addrs, 0)
+        used = dict.fromkeys(addrs, 0.0)
+        out: dict[int, str] = {}
+        order = sorted(range(n), key=lambda j: -self.block_rows[j])
+        for j in order:  # keep blocks in place while their worker stays under its target
+            a = keep.get(j)
+            if a in rows and rows[a] + self.block_rows[j] / 2 <= target[a]:
+                out[j] = a
+                rows[a] += self.block_rows[j]
+                used[a] += self.block_bytes[j]
+        for j in order:
+            if j in out:
+                continue
+            fits = [a for a in addrs if used[a] + self.block_bytes[j] <= cap[a]] or addrs
+            a = min(fits, key=lambda a: ((rows[a] + self.block_rows[j]) / speed[a], a))
+            out[j] = a
+            rows[a] += self.block_rows[j]
+            used[a] += self.block_bytes[j]
+        return out
+
+    def _makespan(self, placement: dict[int, str], speed: dict[str, float]) -> float:
+        rows = defaultdict(int)
+        for j, a in placement.items():
+            rows[a] += self.block_rows[j]
+        return max(r / speed.get(a, 1.0) for a, r in rows.items())
+
+    def _place(self, placement: dict[int, str]) -> None:
+        moved = [j for j, a in placement.items() if self.placement.get(j) != a]
+        for j in moved:
+            self.futures[j] = self.client.compute(self._sources[j], workers=[placement[j]],
+                                                  allow_other_workers=False)
+        self.moves += len(moved) if self.placement else 0
+        self.placement = dict(placement)
+        from distributed import wait
+        wait([self.futures[j] for j in moved])
+
+    def rebalance(self) -> int:
+        """Between passes: move blocks when measured speeds predict a gain of more than
+        ``rebalance_gain``; workers that joined get blocks, lost ones give theirs up.
+        Returns the number of blocks moved."""
+        workers = self._workers()
+        lost = {j for j, a in self.placement.items() if a not in workers}
+        proposal = self._assign(workers, {j: a for j, a in self.placement.items()
+                                          if j not in lost})
+        if not lost and self.sharding == "speed":
+            speed = self.speeds(workers)
+            now, new = self._makespan(self.placement, speed), self._makespan(proposal, speed)
+            if new > (1 - self.rebalance_gain) * now:
+                return 0
+        elif not lost:
+            if set(self.placement.values()) == set(workers):
+                return 0
+        before = self.moves
+        self._place(proposal)
+        return self.moves - before
+
+    def rows_per_worker(self) -> dict[str, int]:
+        rows = defaultdict(int)
+        for j, a in self.placement.items():
+            rows[a] += self.block_rows[j]
+        return dict(rows)
+
+    # --- a pass --------------------------------------------------------------------------
+
+    def map_sum(self, func: Callable, rows: Sequence | None = None, args: tuple = ()) -> Any:
+        """``sum over workers of func(blocks, rows, *args)``, each on its own blocks.
+
+        Parameters
+        ----------
+        func : callable
+            ``func(blocks, rows, *args)`` on a worker: ``blocks`` a list of ``(X, y)``
+            blocks it holds, ``rows`` the matching list of local row indices (None: all
+            rows); returns an array, a number or a tuple of them (summable).
+        rows : list, optional
+            Per block (index j), the rows to use; None uses all rows. Blocks given an empty
+            selection are skipped.
+        args : tuple
+            Further arguments (parameters, a model future, ...).
+
+        Returns
+        -------
+        object
+            The sum, with the workers' compute seconds in :attr:`last_seconds` and rows in
+            :attr:`last_rows`.
+        """
+        for attempt in range(1000):
+            futures = self._submit(func, rows, args)
+            total = self._tree_sum(futures)
+            try:
+                out = self._wait(total)
+            except _WorkerLost as e:
+                self.client.cancel(futures + [total])
+                self._recover(e.lost)
+                continue
+            self.last_seconds, self.last_rows = out["seconds"], out["rows"]
+            for a, s in out["seconds"].items():
+                if s > 0.005 and out["rows"].get(a):
+                    self._throughput[a].append(out["rows"][a] / s)
+            return out["value"]
+        raise RuntimeError("blockflow: workers kept disappearing; check the cluster.")
+
+    def _submit(self, func, rows, args) -> list:
+        by_worker: dict[str, list[int]] = defaultdict(list)
+        for j in sorted(self.placement):
+            if rows is None or len(rows[j]):
+                by_worker[self.placement[j]].append(j)
+        return [self.client.submit(_run_shard, func, [self.futures[j] for j in js],
+                                   [None if rows is None else rows[j] for j in js], args,
+                                   workers=[a], allow_other_workers=False, pure=False)
+                for a, js in sorted(by_worker.items())]
+
+    def _tree_sum(self, futures: list):
+        from blockflow.reduction import choose_split_every
+        k = self.split_every or choose_split_every(1 << 20, 1 << 30)
+        while len(futures) > 1:
+            futures = [futures[i] if len(futures[i:i + k]) == 1 else
+                       self.client.submit(_add, *futures[i:i + k], pure=False)
+                       for i in range(0, len(futures), k)]
+        return self.client.submit(_add, futures[0], pure=False) if futures else None
+
+    def _wait(self, total):
+        from distributed import TimeoutError as DTimeout
+        needed = set(self.placement.values())
+        while True:
+            try:
+                return total.result(timeout=self.poll)
+            except (DTimeout, TimeoutError):
+                pass
+            except Exception:
+                lost = needed - set(self._workers())
+                if lost:
+                    raise _WorkerLost(lost)
+                raise
+            lost = needed - set(self._workers())
+            if lost:
+                raise _WorkerLost(lost)
+
+    def _recover(self, lost: set[str]) -> None:
+        self.recoveries.append({"time": time.time(), "lost": sorted(lost),
+                                "blocks": sum(a in lost for a in self.placement.values())})
+        for a in lost:
+            self._throughput.pop(a, None)
+        self.rebalance()
+
+    def close(self) -> None:
+        self.client.cancel(list(self.futures.values()))
+        self.futures.clear()
+
+
+class _WorkerLost(Exception):
+    def __init__(self, lost):
+        super().__init__(f"workers lost: {sorted(lost)}")
+        self.lost = lost

@@ -1,0 +1,293 @@
+"""Generalised linear models fitted by full-batch gradients on resident shards and L-BFGS.
+
+Each objective evaluation is one pass over the data: every worker sums the loss and its
+gradient over the blocks it holds (NumPy or CuPy, whichever the blocks are), the sums are
+added by a fan-in tree, and SciPy's L-BFGS-B steps on the client. The data stays on the
+workers between passes (:class:`blockflow.ml.ResidentShards`), shares following speed.
+
+Objectives are scikit-learn's, so the same penalty gives the same coefficients:
+:class:`LinearRegression` is ``Ridge`` (``||y - Xw - b||^2 + alpha ||w||^2``),
+:class:`LogisticRegression` is binary ``LogisticRegression(penalty="l2")``
+(``C sum(log-loss) + ||w||^2 / 2``), :class:`PoissonRegression` is ``PoissonRegressor``
+(``sum(half deviance) / n + alpha ||w||^2 / 2``, log link). The intercept is not penalised.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from blockflow.ml._shards import ResidentShards, as_row_blocks
+
+__all__ = ["LinearRegression", "LogisticRegression", "PoissonRegression"]
+
+
+def _xp(block):
+    from blockflow.backends import array_module
+    return array_module(block)
+
+
+def _host(a) -> np.ndarray:
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
+def _glm_pass(blocks, rows, kind, coef):
+    """On a worker: (sum of losses, sum of gradients wrt [w, b]) over its blocks (float64)."""
+    loss, grad = 0.0, np.zeros(len(coef))
+    for xb, yb in blocks:
+        xp = _xp(xb)
+        c = xp.asarray(coef)
+        xb = xb.astype(xp.float64, copy=False)
+        yb = yb.astype(xp.float64, copy=False).reshape(-1)
+        z = xb @ c[:-1] + c[-1]
+        if kind == "linear":
+            r = z - yb
+            loss += float((r * r).sum())
+            d = 2 * r
+        elif kind == "logistic":
+            loss += float((xp.logaddexp(0, z) - yb * z).sum())
+            d = 1 / (1 + xp.exp(-z)) - yb
+        else:  # poisson, log link: half deviance up to a constant in y
+            mu = xp.exp(z)
+            loss += float((mu - yb * z).sum())
+            d = mu - yb
+        grad[:-1] += _host(xb.T @ d)
+        grad[-1] += float(d.sum())
+    return loss, grad
+
+
+class _GLM:
+    _kind = ""
+
+    def __init__(self, *, fit_intercept: bool = True, max_iter: int = 500, tol: float = 1e-10,
+                 sharding: str = "speed", client=None):
+        self.fit_intercept, self.max_iter, self.tol = fit_intercept, max_iter, tol
+        self.sharding, self.client = sharding, client
+
+    # scikit-learn's estimator protocol, without importing scikit-learn
+    def get_params(self, deep: bool = True) -> dict:
+        """Constructor parameters (scikit-learn's protocol)."""
+        import inspect
+        names = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
+        return {n: getattr(self, n) for n in names}
+
+    def set_params(self, **params):
+        """Set constructor parameters (scikit-learn's protocol); returns self."""
+        for k, v in params.items():
+            if k not in self.get_params():
+                raise ValueError(f"blockflow: {type(self).__name__} has no parameter {k!r}; "
+                                 f"valid ones: {sorted(self.get_params())}.")
+            setattr(self, k, v)
+        return self
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items() if k != "client")
+        return f"{type(self).__name__}({args})"
+
+    def _penalty(self, w: np.ndarray, n: int) -> tuple[float, np.ndarray]:
+        raise NotImplementedError
+
+    def fit(self, X, y):
+        """Fit on ``X`` (n_samples x n_features, rows chunked) and ``y`` (n_samples).
+
+        Parameters
+        ----------
+        X : dask.array.Array, dask.dataframe.DataFrame, or NumPy/CuPy array
+        y : dask array / Series, or NumPy/CuPy array
+
+        Returns
+        -------
+        self
+
+        Raises
+        ------
+        ValueError
+            If shapes disagree, or ``y`` holds values the model cannot fit (labels other
+            than 0/1 for logistic, negative counts for Poisson).
+        """
+        from distributed import default_client
+        from scipy.optimize import minimize
+
+        client = self.client or default_client()
+        X, y = as_row_blocks(X, y)
+        n, p = X.shape
+        self._check_y(y)
+        shards = ResidentShards(client, X, y, sharding=self.sharding)
+        self.n_passes_ = 0
+
+        def objective(theta):
+            coef = theta if self.fit_intercept else np.append(theta, 0.0)
+            loss, grad = shards.map_sum(_glm_pass, None, (self._kind, coef))
+            self.n_passes_ += 1
+            pen, pgrad = self._penalty(coef[:-1], n)
+            g = grad / n
+            g[:-1] += pgrad
+            return loss / n + pen, (g if self.fit_intercept else g[:-1])
+
+        try:
+            x0 = np.zeros(p + 1 if self.fit_intercept else p)
+            res = minimize(objective, x0, jac=True, method="L-BFGS-B",
+                           options={"maxiter": self.max_iter, "gtol": self.tol,
+                                    "ftol": 1e-15, "maxcor": 20})
+        finally:
+            shards.close()
+        theta = res.x if self.fit_intercept else np.append(res.x, 0.0)
+        self.coef_, self.intercept_ = theta[:-1], float(theta[-1])
+        self.n_iter_, self.converged_ = int(res.nit), bool(res.success)
+        self.n_features_in_ = p
+        return self
+
+    def _check_y(self, y) -> None:
+        pass
+
+    def decision_function(self, X):
+        """Linear predictor ``X @ coef_ + intercept_`` (dask array in, dask array out)."""
+        import dask.array as da
+        if isinstance(X, da.Array):
+            return X.map_blocks(self._linear, drop_axis=1, dtype=np.float64)
+        return self._linear(X)
+
+    def _linear(self, xb):
+        xp = _xp(xb)
+        return xb.astype(xp.float64) @ xp.asarray(self.coef_) + self.intercept_
+
+
+class LinearRegression(_GLM):
+    """Least squares with an L2 penalty (scikit-learn's ``Ridge``; ``alpha=0``: OLS).
+
+    Parameters
+    ----------
+    alpha : float, default 0
+        Penalty on ``||w||^2`` (the intercept is not penalised).
+    fit_intercept : bool, default True
+    max_iter : int, default 500
+        L-BFGS iterations (each one or more passes over the data).
+    tol : float, default 1e-10
+        L-BFGS projected-gradient tolerance on the objective divided by ``n_samples``.
+    sharding : {"speed", "equal"}, default "speed"
+    client : distributed.Client, optional
+    """
+    _kind = "linear"
+
+    def __init__(self, alpha: float = 0.0, *, fit_intercept: bool = True, max_iter: int = 500,
+                 tol: float = 1e-10, sharding: str = "speed", client=None):
+        super().__init__(fit_intercept=fit_intercept, max_iter=max_iter, tol=tol,
+                         sharding=sharding, client=client)
+        self.alpha = alpha
+
+    def _penalty(self, w, n):
+        return self.alpha * (w @ w) / n, 2 * self.alpha * w / n
+
+    def predict(self, X):
+        """Predicted values."""
+        return self.decision_function(X)
+
+    def score(self, X, y) -> float:
+        """Coefficient of determination R^2."""
+        import dask
+        pred, y = dask.compute(self.predict(X), y)
+        y, pred = np.asarray(y, float).ravel(), _host(pred).ravel()
+        return float(1 - ((y - pred) ** 2).sum() / ((y - y.mean()) ** 2).sum())
+
+
+class LogisticRegression(_GLM):
+    """Binary logistic regression with an L2 penalty (scikit-learn's ``LogisticRegression``).
+
+    Parameters
+    ----------
+    C : float, default 1.0
+        Inverse penalty strength: minimises ``C sum(log-loss) + ||w||^2 / 2``.
+    fit_intercept, max_iter, tol, sharding, client
+        As :class:`LinearRegression`.
+
+    Raises
+    ------
+    ValueError
+        From :meth:`fit` if labels are not 0/1.
+    """
+    _kind = "logistic"
+
+    def __init__(self, C: float = 1.0, *, fit_intercept: bool = True, max_iter: int = 500,
+                 tol: float = 1e-10, sharding: str = "speed", client=None):
+        super().__init__(fit_intercept=fit_intercept, max_iter=max_iter, tol=tol,
+                         sharding=sharding, client=client)
+        self.C = C
+
+    def _penalty(self, w, n):
+        return 0.5 * (w @ w) / (self.C * n), w / (self.C * n)
+
+    def _check_y(self, y):
+        import dask.array as da
+        bad = int(da.logical_and(y != 0, y != 1).sum().compute())
+        if bad:
+            raise ValueError(f"blockflow: LogisticRegression needs labels 0/1; {bad} labels "
+                             f"are neither (encode the classes first).")
+        self.classes_ = np.array([0, 1])
+
+    def predict_proba(self, X):
+        """Probabilities of classes 0 and 1, shape (n_samples, 2)."""
+        import dask.array as da
+        z = self.decision_function(X)
+        p = 1 / (1 + (da.exp(-z) if isinstance(z, da.Array) else _xp(z).exp(-z)))
+        stack = da.stack if isinstance(p, da.Array) else _xp(p).stack
+        return stack([1 - p, p], axis=1)
+
+    def predict(self, X):
+        """Class labels 0/1."""
+        return (self.decision_function(X) > 0).astype(np.int64)
+
+    def score(self, X, y) -> float:
+        """Accuracy (fraction 0-1)."""
+        import dask
+        pred, y = dask.compute(self.predict(X), y)
+        return float((_host(pred).ravel() == np.asarray(y).ravel()).mean())
+
+
+class PoissonRegression(_GLM):
+    """Poisson regression, log link, L2 penalty (scikit-learn's ``PoissonRegressor``).
+
+    Parameters
+    ----------
+    alpha : float, default 1.0
+        Minimises ``sum(half deviance) / n + alpha ||w||^2 / 2``.
+    fit_intercept, max_iter, tol, sharding, client
+        As :class:`LinearRegression`.
+
+    Raises
+    ------
+    ValueError
+        From :meth:`fit` if a count is negative.
+    """
+    _kind = "poisson"
+
+    def __init__(self, alpha: float = 1.0, *, fit_intercept: bool = True, max_iter: int = 500,
+                 tol: float = 1e-10, sharding: str = "speed", client=None):
+        super().__init__(fit_intercept=fit_intercept, max_iter=max_iter, tol=tol,
+                         sharding=sharding, client=client)
+        self.alpha = alpha
+
+    def _penalty(self, w, n):
+        return 0.5 * self.alpha * (w @ w), self.alpha * w
+
+    def _check_y(self, y):
+        bad = int((y < 0).sum().compute())
+        if bad:
+            raise ValueError(f"blockflow: PoissonRegression needs counts >= 0; {bad} are "
+                             f"negative.")
+
+    def predict(self, X):
+        """Expected counts ``exp(X @ coef_ + intercept_)``."""
+        import dask.array as da
+        z = self.decision_function(X)
+        return da.exp(z) if isinstance(z, da.Array) else _xp(z).exp(z)
+
+    def score(self, X, y) -> float:
+        """D^2, the fraction of Poisson deviance explained (scikit-learn's ``score``)."""
+        import dask
+        mu, y = dask.compute(self.predict(X), y)
+        y, mu = np.asarray(y, float).ravel(), _host(mu).ravel()
+
+        def dev(m):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                t = np.where(y > 0, y * np.log(y / m), 0.0)
+            return 2 * (t - y + m).sum()
+        return float(1 - dev(mu) / dev(np.full_like(y, y.mean())))

@@ -1,0 +1,228 @@
+"""Data-parallel training of a PyTorch module over row-chunked Dask collections.
+
+Each step: the current parameters go to the workers; each worker sums per-sample gradients
+(autograd on ``loss x n``) over the step's rows of the blocks it holds; the sums are added by
+a fan-in tree (sample-count weighted: the total is divided by the step's sample count); the
+optimizer steps on the client; the new parameters go out with the next step. Data stays on
+the workers across epochs (:class:`blockflow.ml.ResidentShards`), each worker's share
+following its speed, so the update is exactly the mini-batch gradient whatever the
+placement (up to floating-point summation order).
+
+Mini-batches are *stratified by block* and do not depend on placement: in epoch ``e`` block
+``j`` is permuted by a generator seeded with ``(seed, e, j)`` and step ``k`` of ``S`` takes
+rows ``perm[floor(k n_j / S) : floor((k+1) n_j / S)]`` of every block (see
+:func:`batch_schedule`), so a run is deterministic under its seed, on any number of workers,
+and after a lost worker.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+import time
+import uuid
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from blockflow.ml._shards import ResidentShards, as_row_blocks
+
+__all__ = ["DataParallelTrainer", "batch_schedule"]
+
+
+def batch_schedule(block_rows, batch_size: int, epoch: int, seed: int = 0
+                   ) -> Iterator[list[np.ndarray]]:
+    """The mini-batches of one epoch, stratified by block (independent of placement).
+
+    Parameters
+    ----------
+    block_rows : sequence of int
+        Rows per block.
+    batch_size : int
+        Samples per step (approximately: each block contributes its proportional share).
+    epoch : int
+    seed : int, default 0
+
+    Yields
+    ------
+    list of numpy.ndarray
+        Per block, the local row indices of this step (int64).
+    """
+    n = int(sum(block_rows))
+    steps = max(1, math.ceil(n / batch_size))
+    perms = [np.random.default_rng([seed, epoch, j]).permutation(r)
+             for j, r in enumerate(block_rows)]
+    for k in range(steps):
+        yield [p[(k * len(p)) // steps:((k + 1) * len(p)) // steps] for p in perms]
+
+
+_CACHE: dict[tuple, Any] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def _local_model(model, token: str):
+    """A private copy of the model per (run, worker thread): in-process workers may share
+    one deserialised object, and tasks on several threads must not race on it."""
+    key = (token, threading.get_ident())
+    with _CACHE_LOCK:
+        m = _CACHE.get(key)
+        if m is None:
+            for k in [k for k in _CACHE if k[0] != token]:
+                del _CACHE[k]
+            m = _CACHE[key] = copy.deepcopy(model)
+    return m
+
+
+def _shard_gradient(blocks, rows, model, token, theta, loss_fn, hook):
+    """On a worker: (sum of per-sample gradients, sum of losses, samples) over its rows."""
+    import torch
+
+    t0 = time.perf_counter()
+    m = _local_model(model, token)
+    params = [p for p in m.parameters() if p.requires_grad]
+    torch.nn.utils.vector_to_parameters(torch.as_tensor(theta).to(params[0]), params)
+    xs, ys = [], []
+    for (xb, yb), r in zip(blocks, rows):
+        xs.append(xb[r] if r is not None else xb)
+        ys.append(yb[r] if r is not None else yb)
+    x = torch.as_tensor(np.concatenate(xs)) if isinstance(xs[0], np.ndarray) else \
+        torch.cat([torch.as_tensor(v) for v in xs])
+    y = torch.as_tensor(np.concatenate(ys)) if isinstance(ys[0], np.ndarray) else \
+        torch.cat([torch.as_tensor(v) for v in ys])
+    x = x.to(device=params[0].device, dtype=params[0].dtype)
+    y = y.to(params[0].device)
+    n = len(x)
+    m.zero_grad(set_to_none=False)
+    loss = loss_fn(m(x), y) * n  # mean loss x n = sum of per-sample losses
+    loss.backward()
+    grad = torch.nn.utils.parameters_to_vector([p.grad for p in params])
+    out = (grad.detach().to("cpu", torch.float64).numpy(), float(loss.detach()), n)
+    if hook is not None:
+        hook(time.perf_counter() - t0)
+    return out
+
+
+class DataParallelTrainer:
+    """Train a PyTorch ``nn.Module`` on row-chunked Dask data with speed-weighted shards.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Trained in place on the client (its parameters are the run's state).
+    loss_fn : callable
+        ``loss_fn(output, target)`` returning the *mean* loss over the rows (PyTorch's
+        default ``reduction="mean"``), e.g. ``torch.nn.CrossEntropyLoss()``.
+    optimizer : callable, optional
+        ``optimizer(params) -> torch.optim.Optimizer``; default SGD with lr 0.1.
+    batch_size : int, default 256
+        Samples per step (stratified over blocks, see :func:`batch_schedule`).
+    epochs : int, default 1
+    seed : int, default 0
+        Seeds the batch schedule; seed the model's initialisation yourself.
+    sharding : {"speed", "equal"}, default "speed"
+        Rows per worker proportional to learned speed (capped by free memory), or equal
+        shards (the synchronous data-parallel baseline).
+    client : distributed.Client, optional
+        Default: the current client.
+    split_every : int, optional
+        Fan-in of the gradient sum.
+    memory_fraction : float, default 0.5
+        Fraction 0-1 of a worker's free memory its resident blocks may take.
+    rebalance_every : int, default 10
+        Steps between checks whether blocks should move to follow measured speeds.
+    block_hook : callable, optional
+        ``block_hook(seconds)`` called on the worker after each gradient task with its
+        compute time (used by benchmarks to scale compute by a simulated device's speed).
+    callback : callable, optional
+        ``callback(trainer, record) -> bool``, called after each step with the step's
+        history record; returning True stops training.
+
+    Attributes
+    ----------
+    history_ : list of dict
+        Per step: ``epoch``, ``step``, ``loss`` (mean over the batch, before the update),
+        ``samples``, ``seconds`` (wall), ``worker_seconds`` and ``worker_rows``.
+    shards_ : ResidentShards
+        The placement (``rows_per_worker()``, ``recoveries``, ``moves``).
+    """
+
+    def __init__(self, model, loss_fn: Callable, optimizer: Callable | None = None, *,
+                 batch_size: int = 256, epochs: int = 1, seed: int = 0,
+                 sharding: str = "speed", client=None, split_every: int | None = None,
+                 memory_fraction: float = 0.5, rebalance_every: int = 10,
+                 block_hook: Callable | None = None, callback: Callable | None = None):
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.batch_size, self.epochs, self.seed = batch_size, epochs, seed
+        self.sharding, self.client, self.split_every = sharding, client, split_every
+        self.memory_fraction, self.rebalance_every = memory_fraction, rebalance_every
+        self.block_hook, self.callback = block_hook, callback
+
+    def fit(self, X, y) -> DataParallelTrainer:
+        """Train on ``X`` (features, rows chunked) and ``y`` (labels, same rows).
+
+        Parameters
+        ----------
+        X : dask.array.Array or dask.dataframe.DataFrame, shape (n_samples, n_features)
+        y : dask.array.Array or dask.dataframe.Series, shape (n_samples,) or (n, k)
+
+        Returns
+        -------
+        self
+
+        Raises
+        ------
+        ValueError
+            If shapes disagree or the model has no trainable parameters.
+        """
+        import torch
+        from distributed import default_client
+
+        client = self.client or default_client()
+        X, y = as_row_blocks(X, y)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("blockflow: the model has no trainable parameters; unfreeze "
+                             "some before training.")
+        opt = (self.optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(params)
+        token = uuid.uuid4().hex
+        [model_future] = client.scatter([self.model], broadcast=True, hash=False)
+        self.shards_ = shards = ResidentShards(
+            client, X, y, sharding=self.sharding, memory_fraction=self.memory_fraction,
+            split_every=self.split_every)
+        self.history_ = []
+        step = 0
+        try:
+            for epoch in range(self.epochs):
+                for rows in batch_schedule(shards.block_rows, self.batch_size, epoch,
+                                           self.seed):
+                    t0 = time.perf_counter()
+                    theta = torch.nn.utils.parameters_to_vector(params).detach().cpu().numpy()
+                    grad, loss, n = shards.map_sum(
+                        _shard_gradient, rows,
+                        (model_future, token, theta, self.loss_fn, self.block_hook))
+                    opt.zero_grad()
+                    g = torch.as_tensor(grad / n)
+                    offset = 0
+                    for p in params:
+                        p.grad = g[offset:offset + p.numel()].view_as(p).to(p)
+                        offset += p.numel()
+                    opt.step()
+                    record = {"epoch": epoch, "step": step, "loss": loss / n, "samples": n,
+                              "seconds": time.perf_counter() - t0,
+                              "worker_seconds": dict(shards.last_seconds),
+                              "worker_rows": dict(shards.last_rows)}
+                    self.history_.append(record)
+                    step += 1
+                    if self.callback is not None and self.callback(self, record):
+                        return self
+                    if self.sharding == "speed" and step % self.rebalance_every == 0:
+                        shards.rebalance()
+        finally:
+            shards.close()
+            client.cancel([model_future])
+        return self
+
+    def loss_curve(self) -> np.ndarray:
+        """Mean batch loss per step (before each update)."""
+        return np.array([r["loss"] for r in self.history_])
