@@ -28,6 +28,7 @@ from blockflow.testing.simulated import (
     set_speed,
     set_tenant,
     simulated_kernel,
+    slowed_to_device_speed,
 )
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "set_tenant",
     "simulated_cluster",
     "simulated_kernel",
+    "slowed_to_device_speed",
 ]
 
 

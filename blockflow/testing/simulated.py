@@ -55,7 +55,7 @@ from blockflow.metrics import (
 __all__ = [
     "PLUGIN_NAME", "SimulatedDevice", "SimulatedDeviceBlock", "SimulatedGPU",
     "SimulatedOutOfMemoryError", "Tenant", "device_stats", "get_device", "restart_clock",
-    "set_speed", "set_tenant", "simulated_kernel",
+    "set_speed", "set_tenant", "simulated_kernel", "slowed_to_device_speed",
 ]
 
 #: Name of the worker plugin (for ``client.unregister_worker_plugin``). Production code never
@@ -676,3 +676,43 @@ def simulated_kernel(*blocks: Any, op: Callable | None = None, work: float = 0.0
     finally:
         device._end(token)
     return SimulatedDeviceBlock(result, out_bytes)
+
+
+def slowed_to_device_speed(fn: Callable) -> Callable:
+    """Wrap ``fn`` so that on a simulated device it takes its real compute time / speed.
+
+    The call runs for real (on the CPU); then, on a worker with a simulated device of speed
+    ``s``, the device is kept busy for ``t * (1/s - 1)`` more seconds, ``t`` the call's
+    measured time, so a device at speed 0.25 takes four times the real compute time, and
+    the device's utilisation counts the whole call. Elsewhere ``fn`` runs unchanged.
+    Used to give real workloads (training, tuning trials) honest uneven devices.
+
+    Parameters
+    ----------
+    fn : callable
+
+    Returns
+    -------
+    callable
+        Same signature and result as ``fn``.
+    """
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        device = get_device()
+        if device is None:
+            return fn(*args, **kwargs)
+        token = device._begin(0)
+        try:
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            elapsed = time.perf_counter() - start
+            speed = device.speed()
+            if speed < 1:
+                device._run(elapsed * (1 - speed))  # sleeps elapsed * (1 - s) / s
+        finally:
+            device._end(token)
+        return result
+
+    return wrapper
