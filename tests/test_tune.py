@@ -1,0 +1,151 @@
+"""blockflow.tune: asynchronous successive halving with trials as Dask tasks, on real clusters.
+
+The objective is synthetic with a known ordering: a configuration's score at any budget is
+``x * b / (b + 1)`` (``b`` the units trained), so the best ``x`` is the best trial at every
+rung, and a trial's checkpoint is the units it has trained.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster, get_task_stream
+
+from blockflow.testing import simulated_cluster, slowed_to_device_speed
+from blockflow.tune import TRIAL_PREFIX, choice, loguniform, sample_configs, tune, uniform
+
+UNIT = 0.02  # seconds one budget unit takes at speed 1
+
+
+def train(cfg, epochs, checkpoint):
+    done = (checkpoint or 0) + epochs
+    time.sleep(cfg.get("unit", UNIT) * epochs)
+    return cfg["x"] * done / (done + 1), done
+
+
+def flaky(cfg, epochs, checkpoint):
+    if cfg.get("boom"):
+        raise ValueError(f"diverged at x={cfg['x']:.3f}")
+    return train(cfg, epochs, checkpoint)
+
+
+@pytest.fixture(scope="module")
+def client():
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as c:
+        yield c
+
+
+def test_sample_configs_deterministic():
+    space = {"lr": loguniform(1e-4, 1e-1), "units": [16, 32, 64], "p": uniform(0, 0.5),
+             "act": choice(["relu", "tanh"]), "fixed": 7}
+    a, b = sample_configs(space, 20, seed=3), sample_configs(space, 20, seed=3)
+    assert a == b
+    assert a != sample_configs(space, 20, seed=4)
+    assert all(1e-4 <= c["lr"] < 1e-1 and c["units"] in (16, 32, 64) and c["fixed"] == 7
+               for c in a)
+    assert {c["units"] for c in a} == {16, 32, 64}
+
+
+def test_asha_promotes_the_best_and_stops_the_worst(client):
+    xs = np.random.default_rng(0).permutation(27) / 26  # distinct, known ordering
+    configs = [{"x": float(x)} for x in xs]
+    r = tune(train, configs, client=client, eta=3, min_budget=1, max_budget=9)
+    best = int(np.argmax(xs))
+    worst = int(np.argmin(xs))
+    assert r.best_trial == best and r.best_config == {"x": 1.0}
+    assert math.isclose(r.best_score, 1.0 * 9 / 10)
+    t = r.trials
+    assert len(t) == 27 and list(t.index) == list(range(27))
+    assert t.loc[best, "status"] == "completed" and t.loc[best, "rung"] == 2
+    assert t.loc[worst, "status"] == "stopped" and t.loc[worst, "rung"] == 0
+    assert set(t["status"]) <= {"completed", "stopped"}
+    # ASHA's promotion rule: rung k+1 holds at least floor(|rung k| / eta) trials, each
+    # promoted while in the top third of the results its rung had
+    h = r.history
+    n = h.groupby("rung").size()
+    assert n[0] == 27 and n[1] >= 9 and n[2] >= 3
+    # the bottom third never leaves rung 0: to be promoted a trial must beat 2/3 of its rung
+    bottom = set(np.argsort(xs)[:9].tolist())
+    assert not bottom & set(h.loc[h.rung > 0, "trial"])
+    # the table is complete: every task has its worker, times and score
+    assert (h["status"] == "ok").all() and h["worker"].notna().all()
+    assert (h["finished"] >= h["started"]).all() and (h["started"] >= h["submitted"] - 1).all()
+    assert t["budget"].max() == 9 and t.loc[best, "duration"] > 0
+    assert {"x", "config", "rung", "score", "status", "worker", "started", "finished"} <= \
+        set(t.columns)
+    assert 0 < r.busy_fraction <= 1 and r.wall_time > 0
+
+
+def test_synchronous_baseline_keeps_top_third_per_rung(client):
+    xs = np.random.default_rng(1).permutation(27) / 26
+    configs = [{"x": float(x)} for x in xs]
+    r = tune(train, configs, client=client, eta=3, min_budget=1, max_budget=9,
+             synchronous=True)
+    n = r.history.groupby("rung").size()
+    assert list(n) == [27, 9, 3]
+    top3 = set(np.argsort(xs)[-3:].tolist())
+    assert set(r.history.loc[r.history.rung == 2, "trial"]) == top3
+    assert r.best_trial == int(np.argmax(xs))
+
+
+def test_failed_trial_is_recorded_and_the_run_goes_on(client):
+    xs = np.random.default_rng(2).permutation(27) / 26
+    configs = [{"x": float(x), "boom": i in (3, 11)} for i, x in enumerate(xs)]
+    r = tune(flaky, configs, client=client, eta=3, min_budget=1, max_budget=9)
+    t = r.trials
+    assert list(t.index[t.status == "failed"]) == [3, 11]
+    assert t.loc[3, "error"] == f"ValueError: diverged at x={xs[3]:.3f}"
+    assert math.isnan(t.loc[3, "score"]) and t.loc[3, "worker"] is not None
+    failed = r.history[r.history.status == "failed"]
+    assert sorted(failed.trial) == [3, 11]
+    ok = [i for i in range(27) if i not in (3, 11)]
+    assert r.best_trial == max(ok, key=lambda i: xs[i])
+    assert (t.drop([3, 11]).status.isin(["completed", "stopped"])).all()
+
+
+def _rows(stream):
+    rows = []
+    for s in stream:
+        if not str(s["key"]).startswith(TRIAL_PREFIX):
+            continue
+        for ss in s["startstops"]:
+            if ss["action"] == "compute":
+                rows.append((s["worker"], ss["start"], ss["stop"]))
+    return rows
+
+
+@pytest.mark.slow
+def test_promotions_go_to_fastest_free_worker_and_no_worker_idles():
+    speeds = (1.0, 0.5, 0.25)
+    xs = np.random.default_rng(4).permutation(27) / 26
+    configs = [{"x": float(x), "unit": 0.1} for x in xs]
+    with simulated_cluster(speeds=speeds, processes=False) as client:
+        by_addr = {a: speeds[int(w["name"])]
+                   for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+        with get_task_stream(client) as ts:
+            r = tune(slowed_to_device_speed(train), configs, client=client, eta=3,
+                     min_budget=1, max_budget=9)
+        stream = ts.data
+    h = r.history
+    assert r.best_trial == int(np.argmax(xs))
+    promo = h[h.promotion]
+    # each promotion went to the fastest free worker as the tuner saw them then
+    assert (promo["speed"] >= promo["fastest_free"] - 1e-9).all()
+    # and, as the devices really are, most promoted work ran on the fastest device: its
+    # share of the promoted units exceeds its share of the cluster's speed (1 / 1.75)
+    units = promo.groupby(promo.worker.map(by_addr))["epochs"].sum()
+    assert units.get(1.0, 0) / units.sum() > 1 / sum(speeds), units
+    assert promo.worker.map(by_addr).eq(0.25).sum() < promo.worker.map(by_addr).eq(1.0).sum()
+    # no worker idles while a trial is ready: until the last configuration started, each
+    # worker computed trials at least 75 % of the time (one task at a time would give ~1/3)
+    rows = _rows(stream)
+    assert len(rows) == len(h)
+    t0 = min(s for _, s, _ in rows)
+    t1 = h.loc[h.rung == 0, "submitted"].max()
+    for w in by_addr:
+        busy = sum(max(0.0, min(e, t1) - max(s, t0)) for ww, s, e in rows if ww == w)
+        assert busy / (t1 - t0) > 0.75, (w, busy, t1 - t0)
