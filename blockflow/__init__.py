@@ -22,6 +22,7 @@ from blockflow.errors import (
     ResourceError,
     WorkerLostError,
 )
+from blockflow.inference import predict
 from blockflow.inventory import Inventory, inventory
 from blockflow.rebalance import rebalance
 from blockflow.reduction import choose_split_every, tree_reduce
@@ -48,6 +49,7 @@ __all__ = [
     "inventory",
     "map_blocks",
     "plugin_status",
+    "predict",
     "rebalance",
     "run_report",
     "task_counts",

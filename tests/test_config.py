@@ -64,6 +64,7 @@ def test_invalid_value_is_rejected_with_the_key_named():
             config.validate()
 
 
+@pytest.mark.slow
 def test_environment_variable_override():
     env = dict(os.environ, DASK_BLOCKFLOW__CLUSTER__POLICY="off")
     out = subprocess.run(
@@ -96,7 +97,7 @@ def test_blockflow_rules_of_the_schema_name_its_own_keys():
                  for k, spec in sec["properties"].items() if "x-duration" in spec}
     assert durations == {"cluster.connect-timeout", "cluster.worker-loss-timeout",
                          "rebalancer.interval", "rebalancer.move-min-gain",
-                         "resources.unsatisfiable-timeout"}
+                         "resources.unsatisfiable-timeout", "routing.interval"}
 
 
 def test_policy_choices_come_from_the_registry_not_the_schema_file():
