@@ -433,6 +433,45 @@ def array_stats_command(size: str, seed: int, output: str, overwrite: bool, no_p
     click.echo(_dashboard_after(cluster["address"], link))
 
 
+@run_group.command(name="tune")
+@click.option("--configs", "n_configs", type=click.IntRange(min=1), default=81,
+              show_default=True, help="MLP configurations drawn from the search space.")
+@click.option("--eta", type=click.IntRange(min=2), default=3, show_default=True,
+              help="Successive halving's factor: the top 1/eta of a rung is promoted.")
+@click.option("--max-epochs", type=click.IntRange(min=1), default=27, show_default=True,
+              help="Epochs of the top rung (rung 0 trains one).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the configurations (>= 0).")
+@click.option("--output", type=click.Path(), default="blockflow-tune-out", show_default=True,
+              help="Folder for trials.parquet, history.parquet, best_model.pkl, manifest.json.")
+@click.option("--overwrite", is_flag=True, help="Replace --output if it exists.")
+@_cluster_options
+def tune_command(n_configs: int, eta: int, max_epochs: int, seed: int, output: str,
+                 overwrite: bool, **cluster: Any) -> None:
+    """Tune a small MLP on scikit-learn's bundled digits by asynchronous successive halving,
+    trials running as Dask tasks on the fastest free workers."""
+    try:
+        from blockflow.workloads import digits_tuning
+    except ImportError as e:  # scikit-learn missing
+        raise click.ClickException(f"blockflow: run tune needs scikit-learn ({e}); install "
+                                   f"it with pip install 'blockflow[ai]'.") from None
+    _check_output(output, overwrite)
+    with _client(**cluster) as client:
+        _print_inventory(client)
+        try:
+            result = digits_tuning.run(client, n_configs=n_configs, eta=eta,
+                                       max_budget=max_epochs, seed=seed, output=output,
+                                       overwrite=overwrite)
+        except FileExistsError as e:
+            raise click.ClickException(str(e)) from None
+        _written()
+        click.echo(result.report())
+        click.echo("")
+        _echo_task_counts(result.task_counts)
+        link = client.dashboard_link
+    click.echo(_dashboard_after(cluster["address"], link))
+
+
 def _echo_task_counts(counts: dict[str, int] | None) -> None:
     if not counts:
         click.echo("Tasks per worker: n/a (the scheduler runs no blockflow plugin)")

@@ -246,6 +246,7 @@ class _Tuner:
         self.history: list[dict] = []
         self.workers: dict[str, int] = {}  # address -> threads
         self.samples: list[tuple[str, float, float, int]] = []  # worker, seconds, epochs, rung
+        self.warm: set[str] = set()  # workers that finished a trial
         self.plugin_speeds: dict[str, float] = {}
         self.plugin_confidence: dict[str, float] = {}
         self._speeds_read = 0.0
@@ -403,8 +404,10 @@ class _Tuner:
             trial.started = min(trial.started, out["started"]) if job.rung else out["started"]
             trial.finished = out["finished"]
             trial.duration += out["finished"] - out["started"]
-            self.samples.append((out["worker"], out["finished"] - out["started"],
-                                 job.epochs, job.rung))
+            if out["worker"] in self.warm:  # a worker's first trial pays its imports
+                self.samples.append((out["worker"], out["finished"] - out["started"],
+                                     job.epochs, job.rung))
+            self.warm.add(out["worker"])
             row.update(score=score, status="ok", worker=out["worker"],
                        started=out["started"], finished=out["finished"],
                        duration=out["finished"] - out["started"], error=None)

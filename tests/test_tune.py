@@ -149,3 +149,37 @@ def test_promotions_go_to_fastest_free_worker_and_no_worker_idles():
     for w in by_addr:
         busy = sum(max(0.0, min(e, t1) - max(s, t0)) for ww, s, e in rows if ww == w)
         assert busy / (t1 - t0) > 0.75, (w, busy, t1 - t0)
+
+
+@pytest.mark.slow
+def test_cli_run_tune_writes_trials_and_best_model(tmp_path):
+    import json
+    import pickle
+
+    import pandas as pd
+    from click.testing import CliRunner
+
+    from blockflow.cli import cli
+    from blockflow.workloads.digits_tuning import digits_split
+
+    pytest.importorskip("sklearn")
+    out = tmp_path / "tuned"
+    res = CliRunner().invoke(cli, ["run", "tune", "--configs", "9", "--max-epochs", "9",
+                                   "--output", str(out), "--n-workers", "2",
+                                   "--threads-per-worker", "1", "--gpu", "false"],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "blockflow tune: 9 MLP configurations on digits, eta 3, up to 9 epochs" in res.output
+    assert sorted(p.name for p in out.iterdir()) == [
+        "best_model.pkl", "history.parquet", "manifest.json", "trials.parquet"]
+    m = json.loads((out / "manifest.json").read_text())
+    trials = pd.read_parquet(out / "trials.parquet")
+    history = pd.read_parquet(out / "history.parquet")
+    assert len(trials) == 9 and m["trial_tasks"] == len(history) >= 9 + 3 + 1
+    assert m["trials_by_status"].get("completed", 0) >= 1
+    assert m["n_tasks"] == len(history)  # the run's tasks per blockflow's plugin
+    model = pickle.loads((out / "best_model.pkl").read_bytes())
+    *_, X_te, y_te = digits_split()
+    assert model.score(X_te, y_te) == pytest.approx(m["test_accuracy"]) and \
+        m["test_accuracy"] > 0.8
+    assert json.loads(trials.loc[m["best_trial"], "config"]) == m["best_config"]
