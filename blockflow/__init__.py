@@ -27,6 +27,7 @@ from blockflow.inventory import Inventory, inventory
 from blockflow.rebalance import rebalance
 from blockflow.reduction import choose_split_every, tree_reduce
 from blockflow.report import RunReport, run_report
+from blockflow.routing import Router
 from blockflow import scheduling
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ __all__ = [
     "GPUUnavailableError",
     "Inventory",
     "ResourceError",
+    "Router",
     "RunReport",
     "WorkerLostError",
     "array_module",
