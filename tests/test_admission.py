@@ -82,6 +82,7 @@ def test_default_budget_is_twice_the_gpu_threads_plus_one_per_cpu_worker():
 
 
 @gen_cluster(client=True, nthreads=PIPELINE, timeout=120)
+@pytest.mark.slow
 async def test_producers_race_ahead_without_admission_control(c, s, *workers):
     # the baseline the budget is measured against: the test below can fail
     await _plugin(c, s, policy="off")
@@ -91,6 +92,7 @@ async def test_producers_race_ahead_without_admission_control(c, s, *workers):
 
 
 @gen_cluster(client=True, nthreads=PIPELINE, timeout=120)
+@pytest.mark.slow
 async def test_admission_control_keeps_producer_outputs_within_the_budget(c, s, *workers):
     plugin = await _plugin(c, s)
     peak, results = await run_and_poll(c, s, 60, MB, 0.05)

@@ -271,6 +271,7 @@ by_choices = st.sampled_from([["k"], ["m"], ["k", "m"]])
 @property_settings
 @given(data=frames(), by=by_choices, dropna=st.booleans(), split_every=st.integers(2, 4),
        filtered=st.booleans())
+@pytest.mark.slow
 def test_grouped_moments_equal_pandas(data, by, dropna, split_every, filtered):
     df, parts = data
     ddf = from_parts(parts)
@@ -285,6 +286,7 @@ def test_grouped_moments_equal_pandas(data, by, dropna, split_every, filtered):
 @property_settings
 @given(data=frames(), by=by_choices, dropna=st.booleans(), split_every=st.integers(2, 4),
        filtered=st.booleans(), column=st.sampled_from(["i", "f"]))
+@pytest.mark.slow
 def test_grouped_quantiles_equal_pandas_exactly_on_the_grid(data, by, dropna, split_every,
                                                             filtered, column):
     # Whole numbers with bin_width=1 and quarters with bin_width=0.25 lie on the grid, where
@@ -308,6 +310,7 @@ def test_grouped_quantiles_equal_pandas_exactly_on_the_grid(data, by, dropna, sp
                        max_size=30),
        keys=st.lists(st.sampled_from(["a", "b"]), min_size=30, max_size=30),
        cuts=st.lists(st.integers(0, 30), max_size=4), bin_width=st.sampled_from([0.5, 3.0]))
+@pytest.mark.slow
 def test_grouped_quantiles_off_the_grid_within_half_a_bin(values, keys, cuts, bin_width):
     # The documented accuracy off the grid: within bin_width / 2 of pandas' quantile.
     df = pd.DataFrame({"k": keys[:len(values)], "x": np.array(values, dtype="float64")})

@@ -86,6 +86,7 @@ def test_result_metadata(client):
     assert "(120, 32, 64)" in repr(result)
 
 
+@pytest.mark.slow
 def test_summary_table(client):
     result = A.run(client, size="small", progress=False)
     table = result.summary()
@@ -103,6 +104,7 @@ def test_summary_table(client):
     )
 
 
+@pytest.mark.slow
 def test_deterministic_for_a_seed(client):
     a = A.run(client, size="small", seed=7, progress=False).stats
     b = A.run(client, size="small", seed=7, progress=False).stats
@@ -284,6 +286,7 @@ def test_task_counts_none_without_blockflow_plugin():
     assert result.stats["count"].shape == (32, 64)
 
 
+@pytest.mark.slow
 def test_output_parquet_and_manifest(client, tmp_path):
     out = tmp_path / "stats"
     result = A.run(client, size="small", output=out, progress=False, seed=2)

@@ -90,6 +90,7 @@ def test_is_device_block_on_host_data():
         assert not is_device_block(block)
 
 
+@pytest.mark.slow
 def test_importing_blockflow_imports_no_gpu_package():
     code = textwrap.dedent(
         """

@@ -120,6 +120,7 @@ def test_unreachable_address_is_a_one_line_error():
 
 
 @pytest.mark.parametrize("command", [["info"], ["run", "flights"], ["run", "array-stats"]])
+@pytest.mark.slow
 def test_timeout_sets_how_long_a_refused_address_is_retried(command, tmp_path):
     result = invoke(*command, "--address", "tcp://127.0.0.1:1", "--timeout", "1.5s",
                     *(["--output", str(tmp_path / "o")] if command[0] == "run" else []))
@@ -208,6 +209,7 @@ def test_gpu_true_without_gpu_is_a_one_line_error(tmp_path):
 # --- runs against the test cluster (--address) -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_flights_on_a_running_cluster(client, tmp_path, reference_1):
     out = tmp_path / "flights-out"
     address = client.scheduler.address
@@ -286,6 +288,7 @@ def test_python_m_blockflow_runs_flights_end_to_end(tmp_path, reference_1):
     assert sorted(os.listdir(tmp_path)) == ["flights-out"]  # no temporary folder left
 
 
+@pytest.mark.slow
 def test_python_m_blockflow_bad_input_exits_2_with_one_line(tmp_path):
     proc = _blockflow("run", "flights", "--scale", "0", "--output", str(tmp_path / "o"))
     assert proc.returncode == 2
@@ -294,6 +297,7 @@ def test_python_m_blockflow_bad_input_exits_2_with_one_line(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_dask_blockflow_entry_point():
     proc = subprocess.run(
         [sys.executable, "-c", "from dask.cli import run_cli; run_cli()", "blockflow", "run",

@@ -89,6 +89,7 @@ def _hold(sock, seconds: float = 30) -> None:
 # --- nothing there ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_refused_port_fails_fast_by_default():
     port = _free_port()
     text, took = _connect_error(f"tcp://127.0.0.1:{port}")
@@ -101,6 +102,7 @@ def test_refused_port_fails_fast_by_default():
     assert took < 30  # 5 s, plus a loaded machine's slack; the old default waited 30 s
 
 
+@pytest.mark.slow
 def test_the_setting_and_the_argument_set_how_long_a_refused_port_is_retried():
     port = _free_port()
     with dask.config.set({"blockflow.cluster.connect-timeout": "1s"}):
@@ -153,6 +155,7 @@ def test_an_http_server_that_answers_at_once(serve):
     assert took < 15  # at once, not after the 20 s bound
 
 
+@pytest.mark.slow
 def test_an_http_server_that_waits_for_a_request():
     """``python -m http.server`` says nothing until asked: it is asked, within the bound."""
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
@@ -169,6 +172,7 @@ def test_an_http_server_that_waits_for_a_request():
     assert "8787 is its dashboard" in text
 
 
+@pytest.mark.slow
 def test_a_dask_dashboard_port_is_recognised_as_http():
     with LocalCluster(n_workers=0, processes=False, dashboard_address="127.0.0.1:0") as cluster:
         port = cluster.scheduler.services["dashboard"].port
@@ -194,6 +198,7 @@ def test_garbage_is_refused_at_once(serve, reply):
     assert took < 15
 
 
+@pytest.mark.slow
 def test_a_silent_server_fails_within_the_bound(serve):
     address = serve(_hold)
     text, took = _connect_error(address, timeout=2)
@@ -242,6 +247,7 @@ def test_plain_address_of_a_tls_scheduler(tls_cluster):
     assert took < 15  # at once: the TLS server hangs up on Dask's plain handshake
 
 
+@pytest.mark.slow
 def test_a_tls_server_that_waits_in_silence(serve):
     """A TLS server that ignores plain bytes (rather than hanging up) is asked too."""
     import ssl

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from loadaware import scaled
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -19,7 +20,7 @@ NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = ["01-quickstart", "02-etl-flights", "03-xarray", "04-heterogeneous-gpus"]
 
 CELL_TIMEOUT = 120  # seconds, per cell (nbclient)
-NOTEBOOK_BUDGET = 120  # seconds, per notebook, kernel start included
+NOTEBOOK_BUDGET = 120  # seconds, per notebook, kernel start included (idle machine; scaled)
 
 # Appended to the in-memory copy of a notebook: report the kernel's interpreter and values
 # the notebook computed, as one JSON line.
@@ -81,7 +82,7 @@ def test_committed_notebook_has_no_outputs(name):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(NOTEBOOK_BUDGET + 60)
+@pytest.mark.timeout(NOTEBOOK_BUDGET * 6)  # above the load-scaled budget, checked below
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name, tmp_path):
     nb = _read(name)
@@ -100,7 +101,7 @@ def test_notebook_runs(name, tmp_path):
     start = time.monotonic()
     client.execute(env=env)  # raises CellExecutionError on the first failing cell
     elapsed = time.monotonic() - start
-    assert elapsed < NOTEBOOK_BUDGET, f"{name} took {elapsed:.0f} s"
+    assert elapsed < scaled(NOTEBOOK_BUDGET), f"{name} took {elapsed:.0f} s"
 
     probe = json.loads(_outputs(nb)[-1][1].strip().splitlines()[-1])
     # "python3" resolved to this interpreter's environment, not some other Python.

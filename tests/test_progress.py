@@ -19,12 +19,15 @@ import subprocess
 import sys
 import termios
 import time
+from pathlib import Path
 
 import pytest
 from distributed import Client, LocalCluster
 
 from blockflow.workloads import array_stats
 from blockflow.workloads._runner import show_progress
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # A tqdm bar line: "<label>: <percent>%|<bar>| <done>/<total> [...]"
 BAR = re.compile(r"(?P<label>[^\r\n]*?):\s+(?P<pct>\d+)%\|[^|]*\|\s*(?P<done>\d+)/(?P<total>\d+)")
@@ -108,6 +111,9 @@ def test_array_stats_in_a_terminal_shows_a_labelled_bar(tmp_path):
     _check_stages(output, ["array-stats (small) generate, anomalies, moments"], manifest)
 
 
+FLIGHTS_STAGES = ["flights [1/2] load, clean, persist", "flights [2/2] delay statistics"]
+
+
 @pytest.mark.slow
 def test_flights_in_a_terminal_labels_both_stages(tmp_path):
     rc, output = run_in_terminal(
@@ -115,8 +121,20 @@ def test_flights_in_a_terminal_labels_both_stages(tmp_path):
         cwd=tmp_path)
     assert rc == 0, output[-3000:]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    _check_stages(output, ["flights [1/2] load, clean, persist",
-                           "flights [2/2] delay statistics"], manifest)
+    _check_stages(output, FLIGHTS_STAGES, manifest)
+
+
+@pytest.mark.slow
+def test_readme_shows_the_progress_of_a_workload(client, capsys):
+    """The README's library section: its workload example runs, and the bars it shows carry
+    the stage labels the job draws (checked in a terminal above)."""
+    readme = (ROOT / "README.md").read_text()
+    example = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+                   if "flights.run(client" in b)
+    exec(compile(example, "README.md", "exec"), {"client": client})
+    assert "Tasks per worker (this run):" in capsys.readouterr().out
+    shown = re.search(r"```text\n(flights \[1/2\].*?)```", readme, flags=re.S).group(1)
+    assert [b["label"] for b in bars(shown)] == FLIGHTS_STAGES
 
 
 def test_no_bars_unless_asked_or_on_a_terminal(client, capsys):

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -24,6 +26,7 @@ def test_readme_starts_with_the_two_commands():
     assert "pytest" in first[1] and "pip install" in first[1]
 
 
+@pytest.mark.slow
 def test_library_example_runs(tmp_path):
     example = _python_blocks()[0]
     assert "blockflow.connect()" in example and '__name__ == "__main__"' in example

@@ -164,6 +164,7 @@ async def test_bad_metric_values_are_ignored(c, s, a, b, w):
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+@pytest.mark.slow
 async def test_memory_policy_moves_results_and_keeps_them_readable(c, s, a, b, w):
     from blockflow.testing import simulated_kernel
 
@@ -279,6 +280,7 @@ def test_speed_model_learns_relative_speed_with_a_prior():
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+@pytest.mark.slow
 async def test_knowing_nothing_it_leaves_balancing_to_distributed(c, s, a, b, w):
     """No GPU metrics, no speeds measured: blockflow moves nothing and distributed's own
     work stealing (left running) spreads the tasks, as in plain Dask."""
@@ -298,6 +300,7 @@ async def test_knowing_nothing_it_leaves_balancing_to_distributed(c, s, a, b, w)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+@pytest.mark.slow
 async def test_with_known_speeds_it_balances_on_queue_and_speed(c, s, a, b, w):
     plugin = await _plugin(c, s)
     assert all("gpu-memory-total" not in ws.metrics for ws in s.workers.values())
@@ -365,6 +368,7 @@ async def test_a_changed_internal_fails_loudly_naming_it(c, s, a, b):
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 4, timeout=120)
+@pytest.mark.slow
 async def test_cold_start_on_one_worker_spreads_like_plain_dask(c, s, *workers):
     """24 inputs made on worker 0 of four identical devices, one 0.3 s kernel each.
 
@@ -389,6 +393,7 @@ async def test_cold_start_on_one_worker_spreads_like_plain_dask(c, s, *workers):
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=120)
+@pytest.mark.slow
 async def test_a_resumed_worker_is_judged_on_what_it_does_next(c, s, a, b, w):
     await install_simulated_devices(c, {}, default=SimulatedDevice())
     plugin = await _plugin(c, s)

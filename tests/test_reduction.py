@@ -152,6 +152,7 @@ def groupby_combine(df):
     n=st.integers(1, 60), npartitions=st.integers(1, 8), split_every=split_everys,
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 def test_dataframe_groupby_sum_equals_pandas(n, npartitions, split_every, seed):
     rng = np.random.default_rng(seed)
     pdf = pd.DataFrame({"k": rng.integers(0, 5, n), "v": rng.integers(-9, 9, n)})
@@ -467,6 +468,7 @@ def test_xarray_bad_input():
     )
 
 
+@pytest.mark.slow
 def test_kernel_then_tree_reduce_is_one_task_per_block_plus_the_tree(client):
     """Dask fuses a block's producer into the reduction's first step and leaves an alias task
     per block; tree_reduce's graph has none: blocks + tree, no more."""

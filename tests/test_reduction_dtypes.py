@@ -288,6 +288,7 @@ def test_every_dtype_and_function_at_the_limits(dtype, func):
 @settings(max_examples=80, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from(DTYPES), func=st.sampled_from(FUNCS),
        split_every=st.integers(2, 5))
+@pytest.mark.slow
 def test_any_dtype_chunking_and_depth_equals_numpy(data, dtype, func, split_every):
     n = data.draw(st.integers(1, 12 if func is np.prod else 30), label="n")
     a = data.draw(arrays_for(dtype, func, n), label="a")
@@ -339,6 +340,7 @@ def _assert_same(got, want, op):
 @given(data=st.data(), dtype=st.sampled_from(FRAME_DTYPES), op=st.sampled_from(FRAME_OPS),
        npartitions=st.integers(1, 6), split_every=st.integers(2, 4),
        series=st.booleans(), drop=st.integers(0, 12))
+@pytest.mark.slow
 def test_frame_reductions_equal_pandas(data, dtype, op, npartitions, split_every, series,
                                        drop):
     """Per-column (DataFrame) and scalar (Series) reductions, with partitions left empty by

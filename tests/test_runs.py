@@ -138,19 +138,21 @@ def test_a_compute_is_a_run_of_its_own_and_an_earlier_job_keeps_its_counts(clien
     assert _run_status(client, before["id"])["counts"] == result.task_counts
 
 
+@pytest.mark.slow
 def test_work_of_another_client_during_a_job_is_not_counted(client, cluster):
     from distributed import Client
 
     alone = array_stats.run(client, size="small", progress=False)
     with Client(cluster) as other:
-        # 40 tasks of 0.1 s on 2 threads: busy for the whole job (submitted first, they run
-        # first), and every one of them finishes while the job waits
+        # 40 tasks of 0.1 s on 2 threads, submitted first: they run first, during the job
         busy = other.compute(da.ones(40, chunks=1).map_blocks(_sleepy).sum())
+        before = sum(blockflow.task_counts(client).values())
         result = array_stats.run(client, size="small", progress=False)
-        assert busy.done()
+        during = sum(blockflow.task_counts(client).values()) - before
         assert busy.result() == 40
+    assert during > result.n_tasks  # the other client's tasks finished meanwhile ...
     assert result.task_counts and result.n_tasks == sum(result.task_counts.values())
-    assert result.n_tasks == alone.n_tasks  # none of the other client's 80 tasks
+    assert result.n_tasks == alone.n_tasks  # ... and none of them counts for the job
 
 
 def _sleepy(b):

@@ -109,6 +109,7 @@ def test_one_worker_per_gpu_is_not_flagged(shared):
 
 @pytest.mark.parametrize("same_device", [True, False])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+@pytest.mark.slow
 async def test_dynamic_policy_does_not_pause_a_worker_for_its_gpu_partners_work(
         c, s, a, b, same_device):
     # a runs a long kernel on the device; b is idle, and on one shared GPU NVML shows b the

@@ -12,6 +12,7 @@ import pytest
 from dask.sizeof import sizeof
 from distributed import wait
 from distributed.utils_test import gen_cluster
+from loadaware import scaled
 
 import blockflow
 from blockflow.backends import gpu_device_count, has_package
@@ -75,6 +76,7 @@ class TestSimulatedCluster:
     """On one cluster of worker processes (class-scoped: gen_cluster tests below kill
     leftover worker processes, so this cluster must be gone before they start)."""
 
+    @pytest.mark.slow
     def test_metrics_reach_scheduler_under_nvml_keys(self, sim):
         for i, total in enumerate([GiB, 2 * GiB, GiB]):
             m = metrics(sim, i)
@@ -86,6 +88,7 @@ class TestSimulatedCluster:
         assert metrics(sim, 0)["gpu_utilization"] == 0
 
 
+    @pytest.mark.slow
     def test_busy_worker_utilisation_rises_and_falls_back(self, sim):
         a0 = addresses(sim)[0]
         fut = sim.submit(simulated_kernel, np.ones(4), work=1.5, workers=[a0], pure=False)
@@ -96,6 +99,7 @@ class TestSimulatedCluster:
         wait_until(lambda: metrics(sim, 0)["gpu_utilization"] == 0, what="utilisation to fall")
 
 
+    @pytest.mark.slow
     def test_tenant_share_and_memory_follow_schedule(self, sim):
         a2 = addresses(sim)[2]
         sim.run(restart_clock, workers=[a2])
@@ -124,6 +128,7 @@ class TestSimulatedCluster:
         wait_until(lambda: metrics(sim, 1)["gpu_memory_used"] == 0, what="release")
 
 
+    @pytest.mark.slow
     def test_kernel_run_time_scales_with_one_over_speed(self, sim):
         a = addresses(sim)
 
@@ -137,7 +142,7 @@ class TestSimulatedCluster:
 
         fast_wall, fast_busy = run(0)
         slow_wall, slow_busy = run(1)
-        assert 0.25 < fast_busy < 0.6 and fast_wall < 1.0
+        assert 0.25 < fast_busy < 0.6 and fast_wall < scaled(1.0)
         assert 1.1 < slow_busy < 2.0 and slow_wall > 1.1  # 0.3 / 0.25 = 1.2 s
         assert slow_busy / fast_busy > 2.5
         sim.run(set_speed, 1.0, workers=[a[1]])  # mid-run speed change through client.run
@@ -187,6 +192,7 @@ class TestSimulatedCluster:
         assert [w.gpu_uuid for w in blockflow.inventory(sim)] == [w.gpu_uuid for w in inv]
 
 
+    @pytest.mark.slow
     def test_kernel_results_match_numpy(self, sim):
         x = np.random.default_rng(0).random((16, 50))
         parts = [sim.submit(simulated_kernel, row, op=np.sum, work=0.01, output_bytes="8MiB",
@@ -206,6 +212,7 @@ class TestSimulatedCluster:
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 3), ("127.0.0.1", 1)])
+@pytest.mark.slow
 async def test_install_into_gen_cluster_and_concurrent_working_sets(c, s, a, b):
     await install_simulated_devices(c, {a.address: SimulatedDevice(speed=2, device_memory="1GiB")})
     assert s.workers[a.address].metrics["gpu-memory-total"] == GiB

@@ -16,6 +16,7 @@ from typing import Callable
 
 import pytest
 from distributed import Client
+from loadaware import scaled
 
 import blockflow
 
@@ -80,11 +81,14 @@ def kill(pid: int) -> None:
 
 def wait_until(predicate: Callable[[], bool], *, timeout: float = 30, interval: float = 0.05,
                what: str = "condition") -> None:
-    """Poll ``predicate`` until it is true; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
+    """Poll ``predicate`` until it is true; fail the test after ``timeout`` seconds, stretched
+    by the machine's load (:func:`loadaware.scaled`)."""
+    bound = scaled(timeout)
+    deadline = time.monotonic() + bound
     while not predicate():
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+            pytest.fail(f"timed out after {bound:.0f} s ({timeout:g} s scaled to the "
+                        f"machine's load) waiting for {what}")
         time.sleep(interval)
 
 

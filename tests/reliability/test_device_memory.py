@@ -67,6 +67,7 @@ def test_a_block_too_big_for_every_device_names_its_size_and_the_free_memory():
     assert isinstance(err, BlockKernelError) and isinstance(err, MemoryError)
 
 
+@pytest.mark.slow
 def test_a_block_that_fits_elsewhere_is_never_a_device_memory_error():
     """A nearly-full device and a roomy one; 8 blocks whose kernel needs 300 MiB.
 

@@ -67,6 +67,7 @@ def frame_on_block_2(b, block_id=None):
     (scalar_on_block_2, "float"),
     (frame_on_block_2, "pandas.DataFrame"),
 ])
+@pytest.mark.slow
 def test_an_array_kernel_returning_no_array_names_the_block_and_the_type(compute, kernel,
                                                                          returned):
     y = blockflow.map_blocks(kernel, da.ones((100, 10), chunks=(25, 10)), dtype=float)
@@ -261,6 +262,7 @@ def identity(part):
     return part
 
 
+@pytest.mark.slow
 def test_a_kernel_that_changes_nothing_passes_where_dasks_meta_is_wrong(compute):
     """The first user trial's false positives: Dask's meta says float64 for an int64 column
     after dd.to_datetime, int64 for a float64 column after a left merge with missing keys."""
@@ -321,6 +323,7 @@ def keep_big(p):
     return out.apply(lambda r: r, axis=1)  # pandas gives an empty frame, its own dtypes
 
 
+@pytest.mark.slow
 def test_what_dask_accepts_still_passes(compute):
     pdf, ddf = _frame()
     # a scalar per partition for a Series output (Dask makes it a one-row Series)

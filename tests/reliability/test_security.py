@@ -11,6 +11,7 @@ import urllib.request
 import dask.array as da
 import pytest
 from distributed import Client, LocalCluster, Security
+from loadaware import scaled
 
 import blockflow
 from blockflow.dashboard.plugin import DashboardPlugin
@@ -26,6 +27,7 @@ def tls_client():
     client.close()
 
 
+@pytest.mark.slow
 def test_temporary_security_runs_the_embedded_cluster_on_tls(tls_client):
     assert tls_client.scheduler.address.startswith("tls://127.0.0.1:")
     workers = tls_client.scheduler_info()["workers"]
@@ -52,7 +54,7 @@ def test_a_client_without_the_credentials_is_refused(tls_client, how):
     start = time.monotonic()
     with pytest.raises(Exception):  # OSError, TimeoutError, TypeError: distributed's choice
         Client(timeout=3, **kwargs)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < scaled(30)
     assert tls_client.run_on_scheduler(_client_ids) == clients  # it never got in
 
 
@@ -69,8 +71,8 @@ def test_plain_tcp_to_a_tls_scheduler_fails_fast_and_says_to_use_tls(tls_client)
     address = tls_client.scheduler.address.replace("tls://", "tcp://")
     start = time.monotonic()
     with pytest.raises(OSError) as info:
-        blockflow.connect(address, timeout=10)
-    assert time.monotonic() - start < 5
+        blockflow.connect(address, timeout=60)
+    assert time.monotonic() - start < scaled(5, at_most=50)  # never waits for the timeout
     assert str(info.value) == (
         f"blockflow.connect: the server at {address!r} talks TLS, and hung up on (or ignored) "
         f"a plain connection. Connect to {tls_client.scheduler.address!r} with "
@@ -111,6 +113,7 @@ def test_blockflow_http_routes_are_read_only(tls_client, path, method):
     assert info.value.code == 405
 
 
+@pytest.mark.slow
 def test_the_plugins_add_one_read_only_handler_and_no_stream_handler():
     with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, \
             Client(cluster) as c:
