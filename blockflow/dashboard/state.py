@@ -43,13 +43,14 @@ def dashboard_state(scheduler, *, since: float | None = None,
         reports no GPU metrics, never 0 - ``nthreads``, ``processing``, ``executing``,
         ``queued`` (processing minus executing), ``speed`` (learned, 1.0 typical),
         ``status``, ``paused_by_blockflow``, ``paused_reason``, ``tasks_run`` (tasks it
-        finished for this run), ``tasks_total`` (since the plugin started), ``gpu_uuid`` (the device's UUID when the worker reports
-        it), ``shares_gpu_with`` (other workers reporting the same device), ``resources``
-        (declared worker resources)), ``shared_gpus`` (one ``{"uuid", "workers"}`` per GPU
-        that two or more workers report: they share one device), ``run`` (this run: ``id``, ``name``, ``started`` (s since the epoch), ``tasks``
-        (submitted), ``finished``; None before any), ``run_started``,
-        ``policy_description``, ``policies`` (the registry's names), ``n_decisions``
-        (decisions in the log) and ``decisions`` (oldest first).
+        finished for this run), ``tasks_total`` (since the plugin started), ``gpu_uuid``
+        (the device's UUID when the worker reports it), ``shares_gpu_with`` (other workers
+        reporting the same device), ``resources`` (declared worker resources)),
+        ``shared_gpus`` (one ``{"uuid", "workers"}`` per GPU that two or more workers
+        report: they share one device), ``run`` (this run: ``id``, ``name``, ``started``
+        (s since the epoch), ``tasks`` (submitted), ``finished``; None before any),
+        ``run_started``, ``policy_description``, ``policies`` (the registry's names),
+        ``n_decisions`` (decisions in the log) and ``decisions`` (oldest first).
 
         "This run" is the run most recently given tasks: everything one job or one
         ``compute()`` submitted (:mod:`blockflow.scheduling.runs`), so a workload that

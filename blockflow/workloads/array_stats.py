@@ -556,7 +556,8 @@ class ArrayStatsResult:
         return (
             f"<ArrayStatsResult size={self.size!r} shape={self.shape} "
             f"{format_bytes(self.nbytes)} in {self.wall_time:.2f} s "
-            f"({format_bytes(self.bytes_per_second)}/s), {'n/a' if self.n_tasks is None else self.n_tasks} tasks>"
+            f"({format_bytes(self.bytes_per_second)}/s), "
+            f"{'n/a' if self.n_tasks is None else self.n_tasks} tasks>"
         )
 
 
