@@ -472,6 +472,43 @@ def tune_command(n_configs: int, eta: int, max_epochs: int, seed: int, output: s
     click.echo(_dashboard_after(cluster["address"], link))
 
 
+@run_group.command(name="infer")
+@click.option("--scale", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Copies of scikit-learn's 1,797 digits to classify.")
+@click.option("--blocks", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Row blocks of the replicated data.")
+@click.option("--output", type=click.Path(), default="blockflow-infer-out", show_default=True,
+              help="Folder for predictions.parquet and manifest.json.")
+@click.option("--overwrite", is_flag=True, help="Replace --output if it exists.")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@_cluster_options
+def infer_command(scale: int, blocks: int, output: str, overwrite: bool, no_progress: bool,
+                  **cluster: Any) -> None:
+    """Batch inference: a digits classifier trained here, applied to a chunked copy of the
+    digits with blockflow.predict (the model shipped once per worker)."""
+    try:
+        from blockflow.workloads import digits_inference
+        import sklearn  # noqa: F401
+    except ImportError as e:  # scikit-learn missing
+        raise click.ClickException(f"blockflow: run infer needs scikit-learn ({e}); install "
+                                   f"it with pip install 'blockflow[ai]'.") from None
+    _check_output(output, overwrite)
+    with _client(**cluster) as client:
+        _print_inventory(client)
+        try:
+            result = digits_inference.run(client, scale=scale, blocks=blocks, output=output,
+                                          overwrite=overwrite, progress=_progress(no_progress))
+        except FileExistsError as e:
+            raise click.ClickException(str(e)) from None
+        _written()
+        click.echo(result.report())
+        click.echo("")
+        _echo_task_counts(result.task_counts)
+        click.echo(f"Output: {result.output}")
+        link = client.dashboard_link
+    click.echo(_dashboard_after(cluster["address"], link))
+
+
 def _echo_task_counts(counts: dict[str, int] | None) -> None:
     if not counts:
         click.echo("Tasks per worker: n/a (the scheduler runs no blockflow plugin)")
