@@ -8,9 +8,12 @@ submits two graphs (flights) as for one that submits one (array-stats).
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import dask.array as da
 import pytest
+from dask.utils import key_split
+from distributed import get_task_stream
 
 import blockflow
 from blockflow.dashboard.page import BlockflowPage
@@ -83,7 +86,9 @@ def _run_status(client, run_id):
 
 def test_flights_is_one_run_for_the_dashboard_the_result_and_the_manifest(client, tmp_path):
     out = tmp_path / "out"
-    result = flights.run(client, scale=1, partitions_per_copy=2, output=out, progress=False)
+    with get_task_stream(client) as stream:  # every task that ran meanwhile: the job's
+        result = flights.run(client, scale=1, partitions_per_copy=2, output=out,
+                             progress=False)
     status = blockflow.plugin_status(client)
     run = status["run"]
     # the dashboard's run is the whole job: both graphs, not only the aggregation
@@ -93,8 +98,12 @@ def test_flights_is_one_run_for_the_dashboard_the_result_and_the_manifest(client
     assert manifest["task_counts"] == result.task_counts
     assert manifest["n_tasks"] == sum(manifest["task_counts"].values()) == result.n_tasks
     assert run["finished"] == run["tasks"] == result.n_tasks
-    # the persisted stage alone has >= 2 partitions x 4 steps: both stages are counted
-    assert result.n_tasks >= 2 * 4 + 2 * 2
+    # both graphs are counted: the loads (first graph) as the aggregations (second), and
+    # every task the workers ran for the job, once
+    assert result.n_tasks == len(stream.data)
+    by_worker = Counter(t["worker"] for t in stream.data)
+    assert dict(by_worker) == result.task_counts
+    assert sum(key_split(t["key"]) == "blockflow-load-flights" for t in stream.data) == 2
     state = client.sync(_dashboard_state, client.cluster.scheduler)
     assert {w["address"]: w["tasks_run"] for w in state["workers"]
             if w["tasks_run"]} == result.task_counts
