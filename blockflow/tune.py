@@ -43,6 +43,8 @@ __all__ = ["TuneResult", "choice", "loguniform", "randint", "sample_configs", "t
 
 #: Prefix of the trial tasks' keys (the task stream and the dashboard group them by it).
 TRIAL_PREFIX = "blockflow-trial"
+#: Prefix of the keys of the tasks that hand a trial task's score to the client.
+REPORT_PREFIX = "blockflow-score"
 #: Scheduler metadata key under which a running tuner publishes its trials (dashboard).
 METADATA_KEY = ("blockflow", "tune")
 
@@ -178,10 +180,12 @@ class TuneResult:
     busy_fraction: float
 
 
-def _run_trial(train: Callable, cfg: dict, epochs: float, checkpoint: Any) -> dict:
-    """The trial task: train ``epochs`` more units from ``checkpoint`` and time it."""
+def _run_trial(train: Callable, cfg: dict, epochs: float, previous: tuple | None) -> tuple:
+    """The trial task: train ``epochs`` more units from the checkpoint of the trial's
+    ``previous`` task (its ``(report, checkpoint)`` result; None at rung 0) and time it."""
     from distributed import get_worker
 
+    checkpoint = None if previous is None else previous[1]
     started = time.time()
     score, checkpoint = train(cfg, epochs, checkpoint)
     finished = time.time()
@@ -189,8 +193,14 @@ def _run_trial(train: Callable, cfg: dict, epochs: float, checkpoint: Any) -> di
         worker = get_worker().address
     except ValueError:
         worker = None
-    return {"score": float(score), "checkpoint": checkpoint, "worker": worker,
-            "started": started, "finished": finished}
+    return {"score": float(score), "worker": worker, "started": started,
+            "finished": finished}, checkpoint
+
+
+def _report(out: tuple) -> dict:
+    """The small part of a trial task's result the client reads (the checkpoint stays on
+    the worker, for the trial's next rung wherever it runs)."""
+    return out[0]
 
 
 @dataclass
@@ -242,7 +252,8 @@ class _Tuner:
         self.next_new = 0
         self.results: list[dict[int, float]] = [{} for _ in self.budgets]  # rung -> trial: score
         self.retry: list[_Job] = []  # jobs whose worker left before they finished
-        self.running: dict[Any, _Running] = {}  # future -> what it runs
+        self.running: dict[Any, _Running] = {}  # report future -> what it runs
+        self.outputs: dict[Any, Any] = {}  # report future -> (report, checkpoint) future
         self.history: list[dict] = []
         self.workers: dict[str, int] = {}  # address -> threads
         self.samples: list[tuple[str, float, float, int]] = []  # worker, seconds, epochs, rung
@@ -258,8 +269,7 @@ class _Tuner:
         return -score if self.mode == "max" else score
 
     def _refresh(self, now: float) -> None:
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
-        self.workers = {a: int(w.get("nthreads", 1)) for a, w in info.items()}
+        self.workers = {a: int(n) for a, n in self.client.nthreads().items()}
         if now - self._speeds_read >= 1.0:
             self._speeds_read = now
             from blockflow.cluster import plugin_status
@@ -273,6 +283,7 @@ class _Tuner:
         # a trial pinned to a worker that left runs nowhere: run it again elsewhere
         for fut, r in list(self.running.items()):
             if r.worker is not None and r.worker not in self.workers:
+                self.outputs.pop(fut).cancel()
                 fut.cancel()
                 del self.running[fut]
                 self.retry.append(r.job)
@@ -335,10 +346,15 @@ class _Tuner:
         if job.rung > 0:
             trial.promoted_from.add(job.rung - 1)
         trial.status = "running"
-        key = f"{TRIAL_PREFIX}-{job.trial}-r{job.rung}-{uuid.uuid4().hex[:8]}"
+        token = f"{job.trial}-r{job.rung}-{uuid.uuid4().hex[:8]}"
         kw = {"workers": [worker], "allow_other_workers": False} if worker else {}
-        fut = self.client.submit(_run_trial, self.train, trial.config, job.epochs,
-                                 job.checkpoint, key=key, pure=False, **kw)
+        out = self.client.submit(_run_trial, self.train, trial.config, job.epochs,
+                                 job.checkpoint, key=f"{TRIAL_PREFIX}-{token}", pure=False,
+                                 **kw)
+        # the score comes back alone; the checkpoint stays in ``out`` on the worker
+        fut = self.client.submit(_report, out, key=f"{REPORT_PREFIX}-{token}", pure=False,
+                                 **kw)
+        self.outputs[fut] = out
         self.running[fut] = _Running(job, worker, time.time(), estimate, speed, fastest)
 
     def _dispatch(self) -> None:
@@ -394,11 +410,13 @@ class _Tuner:
         row = {"trial": job.trial, "rung": job.rung, "budget": self.budgets[job.rung],
                "epochs": job.epochs, "promotion": job.rung > 0, "speed": r.speed,
                "fastest_free": r.fastest_free, "submitted": r.submitted}
+        output = self.outputs.pop(fut)
         if fut.status == "finished":
             out = fut.result()
             score = out["score"]
             self.results[job.rung][job.trial] = score
-            trial.rung, trial.score, trial.checkpoint = job.rung, score, out["checkpoint"]
+            trial.rung, trial.score = job.rung, score
+            trial.checkpoint = output  # a future of (report, checkpoint), on a worker
             trial.worker = out["worker"]
             trial.status = "completed" if job.rung == self.top_rung else "stopped"
             trial.started = min(trial.started, out["started"]) if job.rung else out["started"]
@@ -418,8 +436,6 @@ class _Tuner:
             trial.finished = time.time()
             row.update(score=math.nan, status="failed", worker=r.worker, started=math.nan,
                        finished=trial.finished, duration=math.nan, error=err)
-        if job.rung == self.top_rung:
-            trial.checkpoint = None if trial.status != "completed" else trial.checkpoint
         self.history.append(row)
 
     def _publish(self, force: bool = False) -> None:
@@ -517,7 +533,7 @@ class _Tuner:
             trials=trials, history=history, best_trial=best,
             best_config=None if best is None else dict(self.trials[best].config),
             best_score=math.nan if best is None else self.trials[best].score,
-            best_checkpoint=None if best is None else self.trials[best].checkpoint,
+            best_checkpoint=None if best is None else self.trials[best].checkpoint.result()[1],
             wall_time=wall, busy_fraction=min(busy, 1.0))
 
 
@@ -616,6 +632,7 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
         tuner.run_sync() if synchronous else tuner.run_async()
     finally:
         for fut in list(tuner.running):
+            tuner.outputs.pop(fut).cancel()
             fut.cancel()
         if publish:
             try:
