@@ -43,6 +43,27 @@ def test_each_untagged_graph_is_a_run_and_only_its_new_tasks_count():
     assert t.current == second.id
 
 
+def test_a_graph_submitted_while_the_clients_run_is_unfinished_joins_it():
+    """``x.persist().sum().compute()``: the compute arrives while the persist still runs."""
+    t = RunTracker()
+    first = t.graph(client="c", states={"a": "released", "b": "released"}, annotations={},
+                    now=1.0)
+    t.finished("a", "w1")
+    assert t.graph(client="c", states={"a": "memory", "b": "processing", "s": "released"},
+                   annotations={}, now=2.0) is first
+    # another client's graph meanwhile is a run of its own
+    other = t.graph(client="d", states={"x": "released"}, annotations={}, now=2.5)
+    assert other.id != first.id and other.client == "d"
+    t.finished("b", "w2")
+    t.finished("s", "w1")
+    assert t.get(first.id)["tasks"] == 3 and t.get(first.id)["pending"] == 0
+    # its run finished: the client's next graph starts a new run
+    t.forget("x")  # cancelled: no longer pending
+    assert t.get(other.id)["pending"] == 0
+    third = t.graph(client="c", states={"y": "released"}, annotations={}, now=3.0)
+    assert third.id not in (first.id, other.id) and t.current == third.id
+
+
 def test_tagged_graphs_are_one_run_and_a_rerun_counts_again():
     t = RunTracker()
     tag = {RUN_ANNOTATION: {"a": {"id": "job-1", "name": "the job"}}}
@@ -55,8 +76,8 @@ def test_tagged_graphs_are_one_run_and_a_rerun_counts_again():
     t.finished("b", "w2")
     t.finished("a", "w2")  # "a" recomputed after its worker was lost: counted again
     assert t.get("job-1") == {"id": "job-1", "name": "the job", "client": "c",
-                              "started": 1.0, "graphs": 2, "tasks": 2, "finished": 3,
-                              "counts": {"w1": 1, "w2": 2}}
+                              "started": 1.0, "graphs": 2, "tasks": 2, "pending": 0,
+                              "finished": 3, "counts": {"w1": 1, "w2": 2}}
     # a key still being computed for one run is not taken over by another graph
     t.graph(client="d", states={"x": "released"}, annotations=tag, now=3.0)
     other = t.graph(client="e", states={"x": "processing"}, annotations={}, now=4.0)
@@ -70,9 +91,9 @@ def test_tagged_graphs_are_one_run_and_a_rerun_counts_again():
 
 def test_tracker_remembers_a_bounded_number_of_runs():
     t = RunTracker(max_runs=3)
-    ids = [t.graph(client="c", states={i: "released"}, annotations={}, now=i).id
+    ids = [t.graph(client=f"c{i}", states={i: "released"}, annotations={}, now=i).id
            for i in range(5)]
-    assert list(t.runs) == ids[2:]
+    assert list(t.runs) == ids[2:] and set(t._client_run) == {"c2", "c3", "c4"}
     t.finished(0, "w1")  # its run was forgotten: no error, nothing counted
     assert t.get(ids[0]) is None
 

@@ -1,10 +1,12 @@
 """Runs: the one meaning of "this run" in blockflow (CLI, dashboard, ``manifest.json``).
 
 **One run is everything one job or one ``compute()`` submitted.** A graph sent to the
-scheduler (one ``client.compute`` / ``persist`` / ``submit``, hence one ``.compute()``) is a
-run of its own, unless it was submitted inside :func:`run_scope`: then every graph submitted
-under that scope's id belongs to one run (a workload submits its load-and-persist graph and
-its aggregation graph as one run). The scheduler plugin keeps a :class:`RunTracker`; it counts,
+scheduler (one ``client.compute`` / ``persist`` / ``submit``, hence one ``.compute()``) starts
+a run of its own, unless it was submitted inside :func:`run_scope`: then every graph
+submitted under that scope's id belongs to one run (a workload submits its load-and-persist
+graph and its aggregation graph as one run). A graph the same client submits while its
+previous run still has tasks to finish joins that run: ``x.persist().sum().compute()`` is
+one run, as it is one computation for distributed's dashboard. The scheduler plugin keeps a :class:`RunTracker`; it counts,
 per run, the tasks each worker finished (re-executions after a lost worker included), so
 that a run's task counts add up to its task total wherever they are shown.
 
@@ -83,13 +85,16 @@ class Run:
     started: float  # seconds since the epoch
     graphs: int = 0  # graphs submitted to it
     tasks: int = 0  # tasks its graphs submitted that were not already in memory
+    pending: int = 0  # of those, not finished (nor forgotten) yet
     counts: Counter = field(default_factory=Counter)  # worker -> task executions finished
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain data: ``id, name, client, started, graphs, tasks, finished, counts``."""
+        """Plain data: ``id, name, client, started, graphs, tasks, pending, finished,
+        counts``."""
         return {"id": self.id, "name": self.name, "client": self.client,
                 "started": self.started, "graphs": self.graphs, "tasks": self.tasks,
-                "finished": sum(self.counts.values()), "counts": dict(self.counts)}
+                "pending": self.pending, "finished": sum(self.counts.values()),
+                "counts": dict(self.counts)}
 
 
 class RunTracker:
@@ -99,7 +104,8 @@ class RunTracker:
     ----------
     max_runs : int, default 1000
         Runs remembered; the least recently submitted to is forgotten first (a client that
-        submits tasks one by one makes one run per ``submit``).
+        submits tasks one by one, each after the last finished, makes one run per
+        ``submit``).
 
     Notes
     -----
@@ -113,6 +119,8 @@ class RunTracker:
         self.runs: OrderedDict[str, Run] = OrderedDict()
         self.current: str | None = None  # the run most recently given tasks
         self._key_run: dict[Hashable, str] = {}
+        self._pending: set[Hashable] = set()  # keys given to a run, not finished yet
+        self._client_run: dict[str | None, str] = {}  # client -> its latest untagged run
         self._untagged = 0
 
     def graph(self, *, client: str | None, states: Mapping[Hashable, str],
@@ -138,36 +146,56 @@ class RunTracker:
             and no run was named.
         """
         tag = next(iter((annotations.get(RUN_ANNOTATION) or {}).values()), None)
-        if isinstance(tag, Mapping) and tag.get("id"):
-            run_id, name = str(tag["id"]), str(tag.get("name") or tag["id"])
-        else:
-            self._untagged += 1
-            run_id, name = f"compute-{self._untagged}", "a compute()"
+        tagged = isinstance(tag, Mapping) and bool(tag.get("id"))
         new = [k for k, s in states.items()
                if s in _TO_RUN and (s == "released" or k not in self._key_run)]
+        if tagged:
+            run_id, name = str(tag["id"]), str(tag.get("name") or tag["id"])
+        else:
+            open_run = self.runs.get(self._client_run.get(client))
+            if open_run is not None and open_run.pending > 0:
+                run_id, name = open_run.id, open_run.name  # still computing: same run
+            elif not new:
+                return None  # nothing to run, and no run to add it to
+            else:
+                self._untagged += 1
+                run_id, name = f"compute-{self._untagged}", "a compute()"
+            self._client_run[client] = run_id
         run = self.runs.get(run_id)
         if run is None:
-            if not new and not isinstance(tag, Mapping):
-                return None
             run = self.runs[run_id] = Run(id=run_id, name=name, client=client, started=now)
             while len(self.runs) > self.max_runs:
-                self.runs.popitem(last=False)
+                old = self.runs.popitem(last=False)[1]
+                if self._client_run.get(old.client) == old.id:
+                    del self._client_run[old.client]
         self.runs.move_to_end(run_id)
         for key in new:
+            self._unpend(key)  # a key given to another run before is this run's now
             self._key_run[key] = run_id
+            self._pending.add(key)
         run.graphs += 1
         run.tasks += len(new)
+        run.pending += len(new)
         self.current = run_id
         return run
+
+    def _unpend(self, key: Hashable) -> None:
+        if key in self._pending:
+            self._pending.discard(key)
+            run = self.runs.get(self._key_run.get(key))
+            if run is not None:
+                run.pending -= 1
 
     def finished(self, key: Hashable, worker: str) -> None:
         """A task finished on ``worker`` (processing -> memory)."""
         run = self.runs.get(self._key_run.get(key))
         if run is not None:
             run.counts[worker] += 1
+        self._unpend(key)
 
     def forget(self, key: Hashable) -> None:
         """The scheduler forgot the task."""
+        self._unpend(key)
         self._key_run.pop(key, None)
 
     def get(self, run_id: str | None) -> dict[str, Any] | None:
