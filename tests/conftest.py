@@ -8,6 +8,18 @@ from distributed import Client, LocalCluster
 import blockflow
 from blockflow.backends import gpu_device_count, has_package
 
+#: Fixtures that start a cluster of worker processes (nannies, spawned interpreters): tens of
+#: seconds on a loaded 2-core machine. Every test using one is marked slow, so that
+#: ``pytest -m "not slow"`` (the fast subset) runs on in-process clusters only.
+PROCESS_CLUSTER_FIXTURES = frozenset({"proc_client", "healthy", "embedded", "tls_client"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if PROCESS_CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 requires_gpu = pytest.mark.skipif(
     gpu_device_count() == 0 or not has_package("cupy"),
     reason="needs an NVIDIA GPU and CuPy (pip install 'blockflow[gpu]')",

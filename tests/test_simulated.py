@@ -72,6 +72,7 @@ def sim():
         yield client
 
 
+@pytest.mark.slow  # its class fixture starts three worker processes
 class TestSimulatedCluster:
     """On one cluster of worker processes (class-scoped: gen_cluster tests below kill
     leftover worker processes, so this cluster must be gone before they start)."""
