@@ -118,7 +118,8 @@ SUPPORTED = "2026.7.1"
 _SCHEDULER_ATTRS = ("workers", "tasks", "queued", "plugins", "handlers", "extensions",
                     "periodic_callbacks", "unrunnable", "loop")
 _SCHEDULER_METHODS = ("get_comm_cost", "valid_workers", "_get_prefix_duration",
-                      "register_worker_plugin", "transition", "transitions", "coerce_address")
+                      "register_worker_plugin", "transition", "transitions", "coerce_address",
+                      "get_metadata")
 _WORKER_STATE_ATTRS = ("address", "name", "nthreads", "status", "metrics", "memory_limit",
                        "processing", "executing", "occupancy", "has_what", "resources")
 _TASK_STATE_ATTRS = ("key", "state", "priority", "prefix", "run_spec", "actor", "nbytes",
@@ -731,6 +732,12 @@ def add_handler(scheduler, name: str, fn: Callable) -> None:
 def scheduler_plugin(scheduler, name: str):
     """The scheduler plugin registered under ``name``, or None."""
     return scheduler.plugins.get(name)
+
+
+def scheduler_metadata(scheduler, keys) -> Any:
+    """What a client stored with ``Client.set_metadata(keys, ...)``, or None (the
+    scheduler-side reader, ``Scheduler.get_metadata``, is a handler method)."""
+    return scheduler.get_metadata(keys=list(keys), default=None)
 
 
 def add_amm_policy(scheduler, policy: Any) -> bool:

@@ -367,19 +367,21 @@ class _Tuner:
         for r in self.running.values():
             if r.worker in busy:
                 busy[r.worker].append(max(r.submitted + r.estimate, now))
-        slots = []  # [available at, worker]
+        # a slot is [available at, worker, free now]; busy slots that overran their
+        # estimate count as available now but are still busy
+        slots = []
         for w, n in self.workers.items():
             ends = sorted(busy[w])[:n]
-            slots += [[now, w]] * (n - len(ends)) + [[e, w] for e in ends]
-        free = sorted((s for s in slots if s[0] <= now), key=lambda s: -speeds[s[1]])
+            slots += [[now, w, True] for _ in range(n - len(ends))]
+            slots += [[e, w, False] for e in ends]
+        free = sorted((s for s in slots if s[2]), key=lambda s: -speeds[s[1]])
         if not free:
             return
 
         def take(slot, job):
-            fastest = max((speeds[s[1]] for s in slots if s[0] <= now and s in free),
-                          default=speeds[slot[1]])
-            free.remove(slot)
-            slots.remove(slot)
+            fastest = speeds[free[0][1]]  # free is sorted fastest first
+            free[:] = [s for s in free if s is not slot]
+            slots[:] = [s for s in slots if s is not slot]
             est = job.epochs * unit / speeds[slot[1]]
             self._submit(job, slot[1], speeds[slot[1]], fastest, est)
 
@@ -392,8 +394,8 @@ class _Tuner:
             if not free:
                 break
             best = min(slots, key=lambda s: (s[0] + job.epochs * unit / speeds[s[1]],
-                                             -speeds[s[1]]))
-            if best[0] <= now:
+                                             not s[2], -speeds[s[1]]))
+            if best[2]:
                 take(best, job)
             else:  # reserved: a faster busy worker finishes it sooner
                 best[0] += job.epochs * unit / speeds[best[1]]

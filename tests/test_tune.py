@@ -184,3 +184,48 @@ def test_cli_run_tune_writes_trials_and_best_model(tmp_path):
     assert model.score(X_te, y_te) == pytest.approx(m["test_accuracy"]) and \
         m["test_accuracy"] > 0.8
     assert json.loads(trials.loc[m["best_trial"], "config"]) == m["best_config"]
+
+
+def test_dashboard_shows_running_trials():
+    import json
+    import logging
+    import threading
+    import urllib.request
+
+    from blockflow.cluster import _register_plugin
+    from blockflow.dashboard.page import BlockflowPage
+    from blockflow.scheduling import Rebalancer
+
+    configs = [{"x": i / 8, "unit": 0.3} for i in range(9)]
+    with simulated_cluster(speeds=[1, 0.5], processes=False, silence_logs=logging.CRITICAL,
+                           dashboard_address="127.0.0.1:0") as client:
+        _register_plugin(client, Rebalancer(policy="dynamic"))
+        port = client.cluster.scheduler.http_server.port
+        out = {}
+        th = threading.Thread(target=lambda: out.update(r=tune(
+            train, configs, client=client, eta=3, max_budget=3, name="dash-test")))
+        th.start()
+        seen = []
+        deadline = time.monotonic() + 120
+        while th.is_alive() and time.monotonic() < deadline:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/blockflow/status.json",
+                                        timeout=20) as resp:
+                tuning = json.loads(resp.read())["tuning"]
+            if tuning and tuning["running"]:
+                seen.append(tuning)
+                page = BlockflowPage(client.cluster.scheduler)
+                page.update()
+                html_text = page.tuning.text
+            time.sleep(0.1)
+        th.join(120)
+        final = json.loads(urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/blockflow/status.json", timeout=20).read())["tuning"]
+    assert seen, "the status route never showed a running trial"
+    t = seen[-1]
+    assert t["name"] == "dash-test" and t["n_trials"] == 9
+    workers = set(client_workers := [r["worker"] for s in seen for r in s["running"]])
+    assert len(workers) == 2 and all(len(s["running"]) <= 2 for s in seen), [s["running"] for s in seen if len(s["running"]) > 2][:1]
+    assert {"trial", "rung", "epochs", "worker", "since", "config"} <= set(t["running"][0])
+    assert "<h4>Tuning: dash-test</h4>" in html_text and "<td>" in html_text
+    assert final["finished"] and final["n_done"] == 9 and final["running"] == []
+    assert final["best_trial"] == out["r"].best_trial == 8

@@ -93,7 +93,9 @@ class BlockflowPage:
         self.count_fig.xaxis.major_label_orientation = 0.6
         for table in (self.worker_table, self.decision_table):
             _redraw_on_new_data(table)
-        self.root = column(self.header, self.worker_table, row(self.timeline, self.count_fig,
+        self.tuning = Div(text="", sizing_mode="stretch_width", name="blockflow-tuning")
+        self.root = column(self.header, self.worker_table, self.tuning,
+                           row(self.timeline, self.count_fig,
                                                                sizing_mode="stretch_width"),
                            self.decision_table, sizing_mode="stretch_width", **kwargs)
 
@@ -138,9 +140,38 @@ class BlockflowPage:
             "target": [d.get("target") or "" for d in ds],
             "reason": [d["reason"] for d in ds],
         }
+        self.tuning.text = _tuning_html(state.get("tuning"), now)
         names = [w["address"] for w in ws]
         self.count_fig.x_range.factors = names
         self.counts.data = {"worker": names, "tasks": [w["tasks_run"] for w in ws]}
+
+
+def _config_text(config: dict) -> str:
+    return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                     for k, v in config.items())
+
+
+def _tuning_html(tuning: dict | None, now: float) -> str:
+    """The running trials of the latest tuner, as an HTML table ("" before any)."""
+    if not tuning:
+        return ""
+    best = tuning.get("best_score")
+    head = (f"<h4>Tuning: {html.escape(str(tuning.get('name')))}</h4><p>"
+            f"{tuning.get('n_done', 0)} of {tuning.get('n_trials', 0)} trials done, "
+            f"{tuning.get('n_failed', 0)} failed, {len(tuning.get('running', []))} running"
+            + ("" if best is None else
+               f", best score {best:.4g} (trial {tuning.get('best_trial')})")
+            + (" &middot; finished" if tuning.get("finished") else "") + "</p>")
+    rows = "".join(
+        f"<tr><td>{r['trial']}</td><td>{r['rung']}</td><td>{r['epochs']:g}</td>"
+        f"<td>{html.escape(str(r['worker']))}</td><td>{max(now - r['since'], 0):.1f} s</td>"
+        f"<td>{html.escape(_config_text(r['config']))}</td></tr>"
+        for r in sorted(tuning.get("running", []), key=lambda r: (-r["rung"], r["trial"])))
+    if not rows:
+        return head
+    return (head + "<table class='blockflow-trials'><tr><th>trial</th><th>rung</th>"
+            "<th>epochs</th><th>worker</th><th>running for</th><th>config</th></tr>"
+            + rows + "</table>")
 
 
 def blockflow_doc(scheduler, extra, doc):

@@ -50,7 +50,11 @@ def dashboard_state(scheduler, *, since: float | None = None,
         report: they share one device), ``run`` (this run: ``id``, ``name``, ``started``
         (s since the epoch), ``tasks`` (submitted), ``finished``; None before any),
         ``run_started``, ``policy_description``, ``policies`` (the registry's names),
-        ``n_decisions`` (decisions in the log) and ``decisions`` (oldest first).
+        ``n_decisions`` (decisions in the log), ``decisions`` (oldest first) and
+        ``tuning`` (what the latest :func:`blockflow.tune.tune` published: ``name``,
+        ``running`` trials - ``trial``, ``rung``, ``epochs``, ``worker``, ``since``,
+        ``config`` -, ``n_trials``, ``n_done``, ``n_failed``, ``best_trial``,
+        ``best_score``, ``finished``; None before any).
 
         "This run" is the run most recently given tasks: everything one job or one
         ``compute()`` submitted (:mod:`blockflow.scheduling.runs`), so a workload that
@@ -105,4 +109,12 @@ def dashboard_state(scheduler, *, since: float | None = None,
         "shared_gpus": [{"uuid": u, "workers": list(a)}
                         for u, a in _distributed.shared_devices(views).items()],
         "decisions": decisions,
+        "tuning": _tuning(scheduler),
     }
+
+
+def _tuning(scheduler) -> dict[str, Any] | None:
+    """What a running :func:`blockflow.tune.tune` published: its running trials and progress
+    (None when no tuner has published)."""
+    meta = _distributed.scheduler_metadata(scheduler, ("blockflow", "tune"))
+    return meta if isinstance(meta, dict) else None
