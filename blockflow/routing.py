@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 #: Weight of a new measurement in a worker's seconds-per-unit mean.
 EWMA_WEIGHT = 0.2
 
+#: Seconds between reads of blockflow's plugin (learned speeds, paused workers).
+PLUGIN_REFRESH = 1.0
+
 
 def _answer(ref: ModelRef, batch):
     """The task of one request: run the model on the batch, time the compute."""
@@ -89,10 +92,11 @@ class Router:
     memory_full : float, optional
         Device-memory fraction (0-1) at or above which a worker gets no new requests;
         default config ``blockflow.routing.memory-full``.
-    depth : int, default 2
-        Requests per worker thread sent ahead (enough to hide the round trip); the rest
-        wait in the router and go to the worker whose projected finish is earliest when
-        one frees up.
+    depth : int, optional
+        At most this many requests per worker thread in flight; the rest wait in the
+        router and go to the worker whose projected finish is earliest when one frees up
+        (late binding: useful while speeds are unknown, costly where the answer's round
+        trip is slow). Default None: every request is routed when it arrives.
 
     Examples
     --------
@@ -101,16 +105,16 @@ class Router:
     """
 
     def __init__(self, client, model, *, method: str | None = None, interval=None,
-                 memory_full: float | None = None, depth: int = 2):
+                 memory_full: float | None = None, depth: int | None = None):
         self.client = client
         self.ref = model if isinstance(model, ModelRef) else ship_model(
             model, method=method, client=client)
         self.interval = parse_timedelta(config.get("routing.interval", interval))
         self.memory_full = float(config.get("routing.memory-full", memory_full))
-        if int(depth) < 1:
-            raise ValueError(f"blockflow.Router: depth must be >= 1 request per thread, "
-                             f"got {depth!r}.")
-        self.depth = int(depth)
+        if depth is not None and (isinstance(depth, bool) or int(depth) < 1):
+            raise ValueError(f"blockflow: Router depth must be None or >= 1 request per "
+                             f"thread, got {depth!r}.")
+        self.depth = None if depth is None else int(depth)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._requests: dict[int, _Request] = {}  # unanswered
@@ -126,10 +130,19 @@ class Router:
         self.answered_by: Counter = Counter()
         self.decisions: deque = deque(maxlen=10_000)
         self._closed = False
+        self._plugin_view: tuple[dict, dict] = ({}, {})
+        self._plugin_due = 0.0
+        self._missing: set[str] = set()
+        self._fetcher = concurrent.futures.ThreadPoolExecutor(
+            4, thread_name_prefix="blockflow-router-fetch")
         self._refresh()
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="blockflow-router",
                                         daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name="blockflow-router-watch",
+                                         daemon=True)
         self._thread.start()
+        self._watcher.start()
 
     # -- public API ------------------------------------------------------------------
 
@@ -180,8 +193,11 @@ class Router:
         if self._closed:
             return
         self._closed = True
+        self._stop.set()
         self._events.put(None)
         self._thread.join(timeout=10)
+        self._watcher.join(timeout=10)
+        self._fetcher.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             for req in list(self._requests.values()):
                 if req.task is not None:
@@ -224,7 +240,7 @@ class Router:
         return min(finish, key=lambda w: (finish[w], self._backlog[w], w)), finish
 
     def _full(self, w: str) -> bool:
-        return self._inflight[w] >= self.depth * self._threads(w)
+        return self.depth is not None and self._inflight[w] >= self.depth * self._threads(w)
 
     def _dispatch(self, req: _Request, *, front: bool = False) -> None:  # under self._lock
         worker, finish = self._choose(req.cost)
@@ -255,29 +271,34 @@ class Router:
     # -- the router's thread: answers, worker state, lost workers ---------------------------
 
     def _loop(self) -> None:
-        next_refresh = time.monotonic() + self.interval
+        """The routing thread: answers in, waiting requests out (never blocked by RPCs)."""
         while True:
-            timeout = max(next_refresh - time.monotonic(), 0)
-            try:
-                event = self._events.get(timeout=timeout)
-            except queue.Empty:
-                event = ()
+            event = self._events.get()
             if event is None:
                 return
             try:
-                if event:
-                    self._finished(*event)
-                if time.monotonic() >= next_refresh:
-                    self._refresh()
-                    next_refresh = time.monotonic() + self.interval
+                self._finished(*event)
             except Exception:  # never let the router's thread die: requests would hang
                 logger.exception("blockflow router: error while routing")
 
+    def _watch(self) -> None:
+        """The refresh thread: worker state from the scheduler (its RPCs take 0.1-0.3 s on
+        a loaded machine, so they run beside the routing thread, not in it)."""
+        while not self._stop.wait(self.interval):
+            try:
+                self._refresh()
+            except Exception:
+                if not self._closed:
+                    logger.exception("blockflow router: error while refreshing worker state")
+
     def _finished(self, req: _Request, attempt: int, task) -> None:
-        with self._lock:
+        with self._lock:  # the attempt's work is over: release what it held
             worker = req.workers_by_attempt.pop(attempt, None)
-            if worker is not None and self._inflight[worker] > 0:
-                self._inflight[worker] -= 1
+            if worker is not None:
+                if self._inflight.get(worker, 0) > 0:
+                    self._inflight[worker] -= 1
+                if self._backlog.get(worker, 0) > 0:
+                    self._backlog[worker] = max(self._backlog[worker] - req.cost, 0.0)
         try:
             self._settle(req, attempt, task)
         finally:
@@ -294,23 +315,26 @@ class Router:
 
     def _settle(self, req: _Request, attempt: int, task) -> None:
         status = task.status
-        if status == "finished":
-            try:
-                out, elapsed, worker = task.result(timeout=30)
-            except Exception as e:  # lost between finishing and fetching: route again
-                logger.info("blockflow router: request %s result lost (%s)", req.id, e)
-                with self._lock:
-                    if req.future.done() or attempt != req.attempt:
-                        return
-                    self._backlog[req.worker] -= req.cost
+        if status == "finished":  # fetch the answer off the routing thread
+            self._fetcher.submit(self._fetch, req, attempt, task)
+            return
+        self._failed(req, attempt, task, status)
+
+    def _fetch(self, req: _Request, attempt: int, task) -> None:
+        try:
+            out, elapsed, worker = task.result(timeout=30)
+        except Exception as e:  # lost between finishing and fetching: route again
+            logger.info("blockflow router: request %s result lost (%s)", req.id, e)
+            with self._lock:
+                if not req.future.done() and attempt == req.attempt:
                     self.counts["rerouted"] += 1
                     self._dispatch(req)
-                return
+            return
+        try:
             with self._lock:
                 if req.future.done():
                     self.counts["duplicates"] += 1
                     return
-                self._backlog[req.worker] -= req.cost  # the current attempt's worker
                 if attempt != req.attempt and req.task is not None:
                     req.task.cancel()  # an earlier attempt answered first
                 req.answered_by, req.answered = worker, time.perf_counter()
@@ -323,7 +347,10 @@ class Router:
                     self._rate[worker] = rate if old is None else (
                         (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * rate)
             req.future.set_result(out)
-            return
+        except Exception:  # never lose an answer to a bookkeeping error
+            logger.exception("blockflow router: error while answering request %s", req.id)
+
+    def _failed(self, req: _Request, attempt: int, task, status: str) -> None:
         if status == "cancelled" or attempt != req.attempt:
             return  # an attempt we replaced, or the client is closing
         exc = task.exception(timeout=30)
@@ -331,12 +358,10 @@ class Router:
             with self._lock:
                 if req.future.done():
                     return
-                self._backlog[req.worker] -= req.cost
                 self.counts["rerouted"] += 1
                 self._dispatch(req)
             return
         with self._lock:  # the model itself failed: that is the answer
-            self._backlog[req.worker] -= req.cost
             self._requests.pop(req.id, None)
             self.counts["failed"] += 1
         if not req.future.done():
@@ -344,14 +369,18 @@ class Router:
 
     def _refresh(self) -> None:
         workers = self.client.scheduler_info(n_workers=-1)["workers"]
-        paused, speeds = {}, {}
-        try:
-            from blockflow.cluster import plugin_status
+        paused, speeds = self._plugin_view
+        if time.monotonic() >= self._plugin_due:  # the plugin's view changes slowly
+            self._plugin_due = time.monotonic() + PLUGIN_REFRESH
+            try:
+                from blockflow.cluster import plugin_status
 
-            status = plugin_status(self.client)
-            paused, speeds = dict(status.get("paused") or {}), dict(status.get("speeds") or {})
-        except RuntimeError:  # no blockflow plugin: distributed's own status and measurements
-            pass
+                status = plugin_status(self.client, since=time.time())
+                paused = dict(status.get("paused") or {})
+                speeds = dict(status.get("speeds") or {})
+            except RuntimeError:  # no blockflow plugin: distributed's status, own measurements
+                pass
+            self._plugin_view = (paused, speeds)
         excluded = {}
         for a, w in workers.items():
             if w.get("status") not in (None, "running"):
@@ -367,11 +396,15 @@ class Router:
             self._workers = workers
             self._speeds = {a: s for a, s in speeds.items() if s}
             self._excluded = excluded
+            # A worker is lost when two refreshes in a row miss it (one reply may be cut).
+            gone = {r.worker for r in self._requests.values()
+                    if r.worker is not None and r.worker not in workers}
+            lost_workers, self._missing = gone & self._missing, gone
             lost = [r for r in self._requests.values()
-                    if r.worker is not None and r.worker not in workers
-                    and not r.future.done()]
+                    if r.worker in lost_workers and not r.future.done()]
             for req in lost:  # its worker left: route it again
                 self._backlog.pop(req.worker, None)
+                req.workers_by_attempt.pop(req.attempt, None)
                 if req.task is not None:
                     req.task.cancel()
                 self.counts["rerouted"] += 1

@@ -49,16 +49,26 @@ def test_requests_go_to_the_worker_that_answers_first(digits):
         fast, slow = sorted(client.scheduler_info()["workers"],
                             key=lambda a: client.scheduler_info()["workers"][a]["name"])
         with Router(client, SimulatedModel(model, 0.003)) as router:
+            for f in router.map(batches[:4]):  # first answers: the router measures speeds
+                f.result(timeout=120)
             futures = router.map(batches)
             _check_answers(futures, batches, model)
             stats = router.stats()
             decisions = list(router.decisions)
-    assert stats["counts"]["answered"] == 60 and stats["pending"] == 0
+    assert stats["counts"]["answered"] == 64 and stats["pending"] == 0
     assert stats["counts"].get("duplicates", 0) == 0
     # Speed 1 against 0.25: the fast worker answers most requests (4:1 would be ideal;
-    # round-robin gives 1:1).
+    # round-robin gives 1:1; the 4 first requests go 2:2, before any answer).
     assert stats["answered_by"][fast] >= 2.5 * stats["answered_by"].get(slow, 0)
     assert stats["seconds_per_unit"][slow] > 2 * stats["seconds_per_unit"][fast]
+    # A late-binding router (depth=1) learns as it goes, from a cold start.
+    with simulated_cluster(speeds=(1, 0.25), processes=False) as client:
+        fast, slow = sorted(client.scheduler_info()["workers"],
+                            key=lambda a: client.scheduler_info()["workers"][a]["name"])
+        with Router(client, SimulatedModel(model, 0.003), depth=1) as router:
+            _check_answers(router.map(batches), batches, model)
+            late = router.stats()
+    assert late["answered_by"][fast] >= 2 * late["answered_by"].get(slow, 0)
     assert decisions and decisions[0]["reason"] == "earliest speed-normalised projected finish"
 
 
