@@ -84,6 +84,10 @@ def _pair(x, y):
     return (x, y)
 
 
+def _pair_copy(pair):
+    return pair
+
+
 def _run_shard(func, blocks, rows, args):
     """On a worker: ``func([(X, y) blocks], [row indices or None], *args)`` timed."""
     t0 = time.perf_counter()
@@ -148,16 +152,13 @@ class ResidentShards:
     def __init__(self, client, X, y, *, sharding: str = "speed", memory_fraction: float = 0.5,
                  split_every: int | None = None, rebalance_gain: float = 0.1,
                  poll: float = 0.5):
-        import dask
-
         if sharding not in ("speed", "equal"):
             raise ValueError(f"blockflow: sharding must be 'speed' or 'equal', got "
                              f"{sharding!r}.")
         self.client, self.sharding = client, sharding
         self.memory_fraction, self.split_every = memory_fraction, split_every
         self.rebalance_gain, self.poll = rebalance_gain, poll
-        xd, yd = X.to_delayed().ravel(), y.to_delayed().ravel()
-        self._sources = [dask.delayed(_pair, pure=False)(a, b) for a, b in zip(xd, yd)]
+        self._x_blocks, self._y_blocks = X.to_delayed().ravel(), y.to_delayed().ravel()
         self.block_rows = [int(c) for c in X.chunks[0]]
         row_bytes = X.dtype.itemsize * X.shape[1] + y.dtype.itemsize * int(
             np.prod(y.shape[1:], dtype=int))
@@ -253,10 +254,17 @@ class ResidentShards:
         return max(r / speed.get(a, 1.0) for a, r in rows.items())
 
     def _place(self, placement: dict[int, str]) -> None:
+        import dask
+
         moved = [j for j, a in placement.items() if self.placement.get(j) != a]
         for j in moved:
-            self.futures[j] = self.client.compute(self._sources[j], workers=[placement[j]],
-                                                  allow_other_workers=False)
+            # Only the resident copy is restricted to its worker (a fresh key each time: an
+            # old one may be stuck restricted to a lost worker); the blocks' own graph stays
+            # unrestricted, so that it can be recomputed anywhere after a loss.
+            src = self.client.compute(
+                dask.delayed(_pair, pure=False)(self._x_blocks[j], self._y_blocks[j]))
+            self.futures[j] = self.client.submit(_pair_copy, src, workers=[placement[j]],
+                                                 allow_other_workers=False, pure=False)
         self.moves += len(moved) if self.placement else 0
         self.placement = dict(placement)
         from distributed import wait
@@ -317,8 +325,8 @@ class ResidentShards:
             try:
                 out = self._wait(total)
             except _WorkerLost as e:
-                self.client.cancel(futures + [total])
-                self._recover(e.lost)
+                del futures, total  # released, not cancelled: cancelling keys the scheduler
+                self._recover(e.lost)  # is recomputing can break the client's stream
                 continue
             self.last_seconds, self.last_rows = out["seconds"], out["rows"]
             for a, s in out["seconds"].items():
@@ -344,7 +352,7 @@ class ResidentShards:
             futures = [futures[i] if len(futures[i:i + k]) == 1 else
                        self.client.submit(_add, *futures[i:i + k], pure=False)
                        for i in range(0, len(futures), k)]
-        return self.client.submit(_add, futures[0], pure=False) if futures else None
+        return futures[0]
 
     def _wait(self, total):
         from distributed import TimeoutError as DTimeout
@@ -371,8 +379,7 @@ class ResidentShards:
         self.rebalance()
 
     def close(self) -> None:
-        self.client.cancel(list(self.futures.values()))
-        self.futures.clear()
+        self.futures.clear()  # releases the blocks
 
 
 class _WorkerLost(Exception):

@@ -142,13 +142,15 @@ class _GLM:
     def decision_function(self, X):
         """Linear predictor ``X @ coef_ + intercept_`` (dask array in, dask array out)."""
         import dask.array as da
-        if isinstance(X, da.Array):
-            return X.map_blocks(self._linear, drop_axis=1, dtype=np.float64)
-        return self._linear(X)
+        if isinstance(X, da.Array):  # not a bound method: the estimator holds the client
+            return X.map_blocks(_linear, self.coef_, self.intercept_, drop_axis=1,
+                                dtype=np.float64)
+        return _linear(X, self.coef_, self.intercept_)
 
-    def _linear(self, xb):
-        xp = _xp(xb)
-        return xb.astype(xp.float64) @ xp.asarray(self.coef_) + self.intercept_
+
+def _linear(xb, coef, intercept):
+    xp = _xp(xb)
+    return xb.astype(xp.float64) @ xp.asarray(coef) + intercept
 
 
 class LinearRegression(_GLM):

@@ -220,7 +220,7 @@ class DataParallelTrainer:
                         shards.rebalance()
         finally:
             shards.close()
-            client.cancel([model_future])
+            del model_future
         return self
 
     def loss_curve(self) -> np.ndarray:

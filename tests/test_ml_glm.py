@@ -1,0 +1,115 @@
+"""GLMs of blockflow.ml against scikit-learn: same penalty, same coefficients."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("scipy")
+sklearn_lm = pytest.importorskip("sklearn.linear_model")
+
+import dask.array as da  # noqa: E402
+from distributed import Client, LocalCluster  # noqa: E402
+from sklearn.datasets import load_breast_cancer  # noqa: E402
+from sklearn.preprocessing import StandardScaler  # noqa: E402
+
+from blockflow.ml import LinearRegression, LogisticRegression, PoissonRegression  # noqa: E402
+from blockflow.workloads.flights import read_table  # noqa: E402
+from blockflow.workloads.train import N_FEATURES, flight_features  # noqa: E402
+
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def client():
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def cancer():
+    X, y = load_breast_cancer(return_X_y=True)
+    return StandardScaler().fit_transform(X), y.astype(float)
+
+
+@pytest.fixture(scope="module")
+def flights():
+    data = flight_features(read_table("flights", nrows=20_000)).astype(np.float64)
+    return data[:, :N_FEATURES], data[:, N_FEATURES]
+
+
+def close(ours, theirs):
+    """Coefficients and intercept equal to RTOL relative to the coefficient vector's size."""
+    a = np.append(ours.coef_, ours.intercept_)
+    b = np.append(np.ravel(theirs.coef_), theirs.intercept_)
+    assert np.linalg.norm(a - b) <= RTOL * np.linalg.norm(b), (a, b)
+
+
+def chunked(X, y, rows=100):
+    return da.from_array(X, chunks=(rows, -1)), da.from_array(y, chunks=rows)
+
+
+def test_logistic_matches_scikit_learn_on_breast_cancer(client, cancer):
+    X, y = cancer
+    ours = LogisticRegression(C=0.5, client=client).fit(*chunked(X, y))
+    theirs = sklearn_lm.LogisticRegression(C=0.5, tol=1e-12, max_iter=10_000).fit(X, y)
+    close(ours, theirs)
+    assert ours.converged_
+    assert ours.score(*chunked(X, y)) == pytest.approx(theirs.score(X, y), abs=1e-9)
+    proba = ours.predict_proba(chunked(X, y)[0]).compute()
+    np.testing.assert_allclose(proba, theirs.predict_proba(X), atol=1e-5)
+
+
+def test_linear_matches_ridge_on_breast_cancer(client, cancer):
+    X, y = cancer
+    ours = LinearRegression(alpha=2.0, client=client).fit(*chunked(X, y, 70))
+    close(ours, sklearn_lm.Ridge(alpha=2.0).fit(X, y))
+
+
+def test_poisson_matches_scikit_learn_on_breast_cancer(client, cancer):
+    X, _ = cancer
+    counts = load_breast_cancer().data[:, 0].round()  # mean radius, a positive count-like target
+    ours = PoissonRegression(alpha=0.01, client=client).fit(*chunked(X, counts))
+    theirs = sklearn_lm.PoissonRegressor(alpha=0.01, tol=1e-12, max_iter=10_000).fit(X, counts)
+    close(ours, theirs)
+    assert ours.score(*chunked(X, counts)) == pytest.approx(theirs.score(X, counts), abs=1e-6)
+
+
+def test_glms_match_scikit_learn_on_flights(client, flights):
+    X, y = flights
+    ours = LogisticRegression(C=1.0, client=client).fit(*chunked(X, y, 2_500))
+    close(ours, sklearn_lm.LogisticRegression(C=1.0, tol=1e-12, max_iter=10_000).fit(X, y))
+    ours = LinearRegression(alpha=1.0, client=client).fit(*chunked(X, y, 2_500))
+    close(ours, sklearn_lm.Ridge(alpha=1.0).fit(X, y))
+
+
+def test_estimator_protocol(client):
+    m = LogisticRegression(C=3.0, client=client)
+    assert m.get_params()["C"] == 3.0
+    assert m.set_params(C=0.1).C == 0.1
+    with pytest.raises(ValueError, match=r"^blockflow: LogisticRegression has no parameter"):
+        m.set_params(alpha=1)
+
+
+def test_logistic_refuses_labels_other_than_0_1(client, cancer):
+    X, y = cancer
+    with pytest.raises(ValueError) as e:
+        LogisticRegression(client=client).fit(*chunked(X, y * 2))
+    n = int((y == 1).sum())
+    assert str(e.value) == (f"blockflow: LogisticRegression needs labels 0/1; {n} labels are "
+                            f"neither (encode the classes first).")
+
+
+@pytest.mark.gpu
+def test_logistic_on_cupy_blocks_matches_numpy(client, cancer):
+    cupy = pytest.importorskip("cupy")
+    from blockflow.backends import gpu_device_count
+    if gpu_device_count() == 0:
+        pytest.skip("no NVIDIA GPU visible")
+    X, y = cancer
+    dx = da.from_array(X, chunks=(100, -1)).map_blocks(cupy.asarray)
+    dy = da.from_array(y, chunks=100).map_blocks(cupy.asarray)
+    ours = LogisticRegression(client=client).fit(dx, dy)
+    ref = LogisticRegression(client=client).fit(*chunked(X, y))
+    np.testing.assert_allclose(ours.coef_, ref.coef_, rtol=1e-8)

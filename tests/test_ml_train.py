@@ -1,0 +1,183 @@
+"""Data-parallel training (blockflow.ml.DataParallelTrainer) on real clusters.
+
+The reference is a plain single-process PyTorch loop over the same batches
+(:func:`blockflow.ml.batch_schedule`); no part of Dask is mocked.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+
+import dask.array as da  # noqa: E402
+from distributed import Client, LocalCluster  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+from sklearn.model_selection import train_test_split  # noqa: E402
+
+from blockflow.ml import DataParallelTrainer, batch_schedule  # noqa: E402
+
+BLOCK = 100
+
+
+@pytest.fixture(scope="module")
+def digits():
+    X, y = load_digits(return_X_y=True)
+    return train_test_split(X / 16.0, y, test_size=0.25, random_state=0)
+
+
+@pytest.fixture(scope="module")
+def client4():
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        yield client
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 10)).double()
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def single_process(model, X, y, block_rows, batch_size, epochs, seed):
+    """Plain PyTorch on one process, same batches: the reference loss curve."""
+    opt = adam(list(model.parameters()))
+    offsets = np.concatenate([[0], np.cumsum(block_rows)])
+    losses = []
+    for epoch in range(epochs):
+        for rows in batch_schedule(block_rows, batch_size, epoch, seed):
+            idx = np.concatenate([offsets[j] + r for j, r in enumerate(rows)])
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(torch.as_tensor(X[idx])),
+                                                     torch.as_tensor(y[idx]))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return np.array(losses)
+
+
+def test_batch_schedule_takes_every_row_once_per_epoch():
+    rows = [100, 100, 37, 250]
+    seen = [np.concatenate(parts) for parts in zip(*batch_schedule(rows, 64, 3, seed=1))]
+    for r, s in zip(rows, seen):
+        assert sorted(s) == list(range(r))
+    a = [np.concatenate(b) for b in batch_schedule(rows, 64, 0, seed=1)]
+    b = [np.concatenate(b) for b in batch_schedule(rows, 64, 0, seed=1)]
+    c = [np.concatenate(b) for b in batch_schedule(rows, 64, 0, seed=2)]
+    assert all((x == z).all() for x, z in zip(a, b))
+    assert any(len(x) != len(z) or (x != z).any() for x, z in zip(a, c))
+    sizes = [sum(len(p) for p in parts) for parts in batch_schedule(rows, 64, 0)]
+    assert max(sizes) - min(sizes) <= len(rows) and sum(sizes) == sum(rows)
+
+
+def test_mlp_on_digits_matches_single_process_training(client4, digits):
+    Xtr, Xte, ytr, yte = digits
+    model, reference = mlp(), mlp()
+    trainer = DataParallelTrainer(model, torch.nn.CrossEntropyLoss(), adam, batch_size=256,
+                                  epochs=14, seed=3, client=client4)
+    trainer.fit(da.from_array(Xtr, chunks=BLOCK), da.from_array(ytr, chunks=BLOCK))
+    block_rows = trainer.shards_.block_rows
+    expected = single_process(reference, Xtr, ytr, block_rows, 256, 14, seed=3)
+    got = trainer.loss_curve()
+    assert len(got) == len(expected) == 14 * 6
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-5,
+                                   atol=1e-8)
+    accuracy = (model(torch.as_tensor(Xte)).argmax(1).numpy() == yte).mean()
+    assert accuracy >= 0.95, accuracy
+    # all four workers computed gradients, each on the rows it holds
+    assert len(trainer.history_[0]["worker_rows"]) == 4
+    assert sum(trainer.shards_.rows_per_worker().values()) == len(Xtr)
+
+
+def _slow_by_name(seconds):
+    """Worker named i runs at speed (1, 1, 0.5, 0.25)[i]: its compute time scaled by 1/speed,
+    plus 10 ms of reference work per task so that the speeds are measurable here."""
+    from distributed import get_worker
+    speed = (1, 1, 0.5, 0.25)[int(get_worker().name)]
+    time.sleep((seconds + 0.01) * (1 / speed - 1))
+
+
+def test_shares_follow_measured_speed(client4, digits):
+    Xtr, _, ytr, _ = digits
+    trainer = DataParallelTrainer(mlp(), torch.nn.CrossEntropyLoss(), adam, batch_size=256,
+                                  epochs=3, client=client4, rebalance_every=4,
+                                  block_hook=_slow_by_name)
+    trainer.fit(da.from_array(Xtr, chunks=50), da.from_array(ytr, chunks=50))
+    names = {a: int(w["name"]) for a, w in client4.scheduler_info()["workers"].items()}
+    rows = {names[a]: r for a, r in trainer.shards_.rows_per_worker().items()}
+    first = {names[a]: r for a, r in trainer.history_[0]["worker_rows"].items()}
+    last = {names[a]: r for a, r in trainer.history_[-1]["worker_rows"].items()}
+    assert max(first.values()) <= 2 * min(first.values())  # equal start: nothing known yet
+    assert trainer.shards_.moves > 0
+    assert min(rows.get(0, 0), rows.get(1, 0)) > rows.get(2, 0) > rows.get(3, 0), rows
+    assert min(last.get(0, 0), last.get(1, 0)) > last.get(3, 0), last
+
+
+def test_equal_sharding_gives_every_worker_the_same_blocks(client4, digits):
+    Xtr, _, ytr, _ = digits
+    n = 400
+    trainer = DataParallelTrainer(mlp(), torch.nn.CrossEntropyLoss(), adam, batch_size=100,
+                                  epochs=1, client=client4, sharding="equal",
+                                  block_hook=_slow_by_name, rebalance_every=1)
+    trainer.fit(da.from_array(Xtr[:n], chunks=50), da.from_array(ytr[:n], chunks=50))
+    assert sorted(trainer.shards_.rows_per_worker().values()) == [100] * 4
+    assert trainer.shards_.moves == 0
+
+
+def _worker_pids(client):
+    return client.run(os.getpid)
+
+
+def _params(model):
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
+
+
+def _tick(seconds):
+    time.sleep(0.05)  # long enough steps that the kill lands inside one
+
+
+@pytest.mark.slow
+def test_killed_worker_mid_training_gives_the_same_parameters(digits):
+    Xtr, _, ytr, _ = digits
+    X, y = da.from_array(Xtr, chunks=BLOCK), da.from_array(ytr, chunks=BLOCK)
+    kw = dict(batch_size=256, epochs=3, seed=5, block_hook=_tick)
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        undisturbed = mlp(1)
+        DataParallelTrainer(undisturbed, torch.nn.CrossEntropyLoss(), adam, client=client,
+                            **kw).fit(X, y)
+
+        killed = []
+
+        def kill_once(trainer, record):
+            if record["step"] == 4 and not killed:
+                victim = sorted(trainer.shards_.rows_per_worker())[0]
+                pid = _worker_pids(client)[victim]
+                # kill while the next step runs, not between steps
+                timer = threading.Timer(0.02, os.kill, args=(pid, 9))
+                timer.start()
+                killed.append(victim)
+            return False
+
+        model = mlp(1)
+        trainer = DataParallelTrainer(model, torch.nn.CrossEntropyLoss(), adam, client=client,
+                                      callback=kill_once, **kw)
+        trainer.fit(X, y)
+    assert killed and trainer.shards_.recoveries, "no worker was lost"
+    assert trainer.shards_.recoveries[0]["lost"] == killed
+    assert [r["step"] for r in trainer.history_] == list(range(3 * 6))  # no step lost
+    a, b = _params(model), _params(undisturbed)
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
