@@ -545,28 +545,82 @@ def task_working_set(run_spec, key, *, max_nodes: int = 256) -> int | None:
     most ``max_nodes`` of them) for an object with a ``blockflow_working_set(key)`` method,
     which blockflow's kernels have when ``map_blocks(working_set=)`` was given.
     """
-    stack, seen, found = [run_spec], 0, None
+    return _working_set(_declaring_objects(run_spec, max_nodes), key)
+
+
+def _working_set(objects: list, key) -> int | None:
+    found = None
+    for obj in objects:
+        method = getattr(obj, "blockflow_working_set", None)
+        if not callable(method):
+            continue
+        try:
+            ws = method(key)
+        except Exception:  # a kernel's own bug must not break the scheduler
+            ws = None
+        if isinstance(ws, int) and ws > 0:
+            found = max(found or 0, ws)
+    return found
+
+
+#: Attributes through which a task spec reaches the callables and arguments it holds:
+#: ``dask._task_spec`` nodes (func, args, kwargs, value), functools.partial (keywords),
+#: toolz's Compose (first, funcs).
+_SPEC_ATTRS = ("func", "args", "kwargs", "keywords", "value", "first", "funcs")
+_SPEC_LEAVES = (str, bytes, int, float, complex, type(None), type)
+#: type -> how to look inside its objects (computed once per type: attribute look-ups that
+#: miss are slow, and a graph of 50,000 tasks holds a few dozen types)
+_spec_plans: dict[type, tuple] = {}
+
+
+def _spec_plan(t: type) -> tuple:
+    plan = _spec_plans.get(t)
+    if plan is None:
+        if issubclass(t, _SPEC_LEAVES):
+            plan = ("leaf",)
+        elif hasattr(t, "blockflow_working_set") or hasattr(t, "blockflow_placement"):
+            plan = ("declares",)
+        elif issubclass(t, dict):
+            plan = ("dict",)
+        elif issubclass(t, (list, tuple, set, frozenset)):
+            plan = ("seq",)
+        else:
+            plan = ("obj", tuple(a for a in _SPEC_ATTRS if hasattr(t, a)),
+                    bool(getattr(t, "__dictoffset__", 0)))
+        if len(_spec_plans) < 10_000:
+            _spec_plans[t] = plan
+    return plan
+
+
+def _declaring_objects(run_spec, max_nodes: int = 256) -> list:
+    """The objects in a task's spec that declare something to blockflow (a
+    ``blockflow_working_set`` or ``blockflow_placement`` method: blockflow's kernels), looked
+    for through ``dask._task_spec`` nodes, fused subgraphs, partials and compositions, at
+    most ``max_nodes`` nodes."""
+    stack, seen, found = [run_spec], 0, []
     while stack and seen < max_nodes:
         node = stack.pop()
         seen += 1
-        method = getattr(node, "blockflow_working_set", None)
-        if callable(method) and not isinstance(node, type):
-            try:
-                ws = method(key)
-            except Exception:  # a kernel's own bug must not break the scheduler
-                ws = None
-            if isinstance(ws, int) and ws > 0:
-                found = max(found or 0, ws)
+        plan = _spec_plan(type(node))
+        kind = plan[0]
+        if kind == "leaf":
             continue
-        if isinstance(node, dict):
+        if kind == "declares":
+            found.append(node)
+        elif kind == "dict":
             stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
+        elif kind == "seq":
             stack.extend(node)
         else:
-            for attr in ("func", "args", "kwargs", "value"):
+            for attr in plan[1]:
                 child = getattr(node, attr, None)
-                if child is not None and not isinstance(child, (str, bytes, int, float)):
+                if child is not None:
                     stack.append(child)
+            if plan[2]:
+                d = node.__dict__
+                for attr in _SPEC_ATTRS:
+                    if attr in d and attr not in plan[1]:
+                        stack.append(d[attr])
     return found
 
 
@@ -588,13 +642,12 @@ def new_task_views(scheduler, keys) -> list[TaskView]:
     for key in keys:
         ts = scheduler.tasks.get(key)
         if ts is not None:
+            declaring = _declaring_objects(ts.run_spec) if ts.run_spec else []
             out.append(TaskView(key=ts.key, group=key_split(ts.key), state=ts.state,
                                 priority=tuple(ts.priority or ()), restricted=_restricted(ts),
                                 runnable=bool(ts.run_spec),
-                                working_set=task_working_set(ts.run_spec, ts.key)
-                                if ts.run_spec else None,
-                                placement=task_placement(ts.run_spec)
-                                if ts.run_spec else None))
+                                working_set=_working_set(declaring, ts.key),
+                                placement=_placement(declaring)))
     return out
 
 
@@ -1034,28 +1087,21 @@ def task_placement(run_spec, *, max_nodes: int = 256) -> dict | None:
         ``{"resources": dict or None, "workers": tuple or None, "allow_other_workers":
         bool}``.
     """
-    stack, seen, found = [run_spec], 0, []
-    while stack and seen < max_nodes:
-        node = stack.pop()
-        seen += 1
-        method = getattr(node, "blockflow_placement", None)
-        if callable(method) and not isinstance(node, type):
-            try:
-                p = method()
-            except Exception:  # a kernel's own bug must not break the scheduler
-                p = None
-            if p:
-                found.append(p)
+    return _placement(_declaring_objects(run_spec, max_nodes))
+
+
+def _placement(objects: list) -> dict | None:
+    found = []
+    for obj in objects:
+        method = getattr(obj, "blockflow_placement", None)
+        if not callable(method):
             continue
-        if isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)
-        else:
-            for attr in ("func", "args", "kwargs", "value"):
-                child = getattr(node, attr, None)
-                if child is not None and not isinstance(child, (str, bytes, int, float)):
-                    stack.append(child)
+        try:
+            p = method()
+        except Exception:  # a kernel's own bug must not break the scheduler
+            p = None
+        if p:
+            found.append(p)
     if not found:
         return None
     resources: dict[str, float] = {}
