@@ -567,6 +567,13 @@ class _FrameStep:
         self.step = step
         self.__name__ = getattr(step, "__name__", "step")
 
+    def blockflow_placement(self):
+        """The step's placement (``resources=``...), for blockflow's scheduler plugin."""
+        return self.step.blockflow_placement()
+
+    def blockflow_working_set(self, key):
+        return self.step.blockflow_working_set(key)
+
     def __call__(self, part, **kwargs):
         if self.step.stage == "chunk":
             out = self.step(part, **kwargs)

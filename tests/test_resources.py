@@ -85,6 +85,30 @@ async def test_dataframe_partitions_run_where_the_resources_are(c, s, a, b, g):
 
 
 @gen_cluster(client=True, nthreads=CPU_AND_GPU)
+async def test_dataframe_tree_reduce_steps_run_where_the_resources_are(c, s, a, b, g):
+    await _plugin(c, s)
+    df = dd.from_pandas(pd.DataFrame({"v": np.arange(80.0)}), npartitions=8)
+    async with get_task_stream(c) as ts:
+        total = await c.compute(blockflow.tree_reduce(df, lambda p: p.sum(), split_every=2,
+                                                      resources={"GPU": 1}))
+    assert total["v"] == 80 * 79 / 2
+    steps = [e for e in ts.data if str(e["key"]).startswith(("('chunk-", "('customreduction"))]
+    assert len(steps) >= 8 + 4 and {e["worker"] for e in steps} == {g.address}
+
+
+@gen_cluster(client=True, nthreads=CPU_AND_GPU)
+async def test_xarray_blocks_run_where_the_resources_are(c, s, a, b, g):
+    xr = pytest.importorskip("xarray")
+    await _plugin(c, s)
+    arr = xr.DataArray(np.zeros(16), dims="t").chunk({"t": 2})
+    def where(block):
+        return block * 0 + float(bool(get_worker().state.total_resources.get("GPU")))
+
+    out = blockflow.map_blocks(where, arr, resources={"GPU": 1}, template=arr)
+    assert float((await c.compute(out)).sum()) == 16
+
+
+@gen_cluster(client=True, nthreads=CPU_AND_GPU)
 async def test_workers_restriction_survives_fusion(c, s, a, b, g):
     await _plugin(c, s)
 
