@@ -25,7 +25,8 @@ enough to keep the GPU busy while the next outputs are produced. A blockflow heu
 the spirit of distributed's root-task queuing (``worker-saturation``), which does not apply
 here.
 
-Held tasks show as ``no-worker`` in distributed's dashboard. Setting
+Admission control runs in blockflow's scheduler plugin under every policy but ``off``
+(observe only). Held tasks show as ``no-worker`` in distributed's dashboard. Setting
 ``distributed.scheduler.no-workers-timeout`` would fail them: leave it unset with admission
 control on, or turn this off (``blockflow.resources.admission-budget: 0``).
 """
