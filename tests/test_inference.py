@@ -200,3 +200,26 @@ def test_bad_input_messages(client, digits):
         blockflow.predict(object(), da.from_array(X))
     with pytest.raises(TypeError, match=r"has no method 'decision_path'"):
         blockflow.predict(model, da.from_array(X), method="decision_path")
+
+
+@pytest.mark.gpu
+def test_torch_module_on_cupy_blocks(client, digits):
+    """On a GPU: CuPy blocks in, the model on the device, CuPy blocks out."""
+    from conftest import requires_gpu  # guarded device count: 0, never an error
+
+    if requires_gpu.args[0]:
+        pytest.skip(requires_gpu.kwargs["reason"])
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA build of PyTorch")
+    import cupy
+
+    X, _, _ = digits
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 10))
+    x = da.from_array(X.astype(np.float32), chunks=(500, 64)).map_blocks(cupy.asarray)
+    out = blockflow.predict(net, x).compute()
+    assert isinstance(out, cupy.ndarray)
+    with torch.no_grad():
+        want = net(torch.as_tensor(X, dtype=torch.float32)).numpy()
+    np.testing.assert_allclose(cupy.asnumpy(out), want, rtol=1e-4, atol=1e-5)
