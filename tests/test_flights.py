@@ -360,3 +360,82 @@ def test_prepare_and_aggregate_on_cudf(reference_1):
             m, q = dask.compute(moments, quantiles)
             table = flights.assemble(m.to_pandas(), q, flights.GROUPINGS[name])
             assert_table_equal(table, reference_1[name])
+
+
+# --- the job's lean path (issue 11: the main job's speed) ------------------------------------
+
+
+def test_load_flights_reads_only_the_columns_asked_for(client):
+    cols = list(flights.JOB_COLUMNS)
+    ddf = flights.load_flights(1, partitions_per_copy=2, columns=cols)
+    assert list(ddf.columns) == cols and ddf.npartitions == 2
+    parts = client.compute([ddf.partitions[i] for i in range(2)], sync=True)
+    assert [list(p.columns) for p in parts] == [cols, cols]
+    whole = pd.concat(parts, ignore_index=True)
+    # (string columns in Dask's string dtype, as the whole table's)
+    pd.testing.assert_frame_equal(whole, flights.read_table("flights")[cols], check_dtype=False)
+    with pytest.raises(KeyError, match=r"flights: column\(s\) \['delay'\] not in the flights "
+                                       r"table; it has \['year', "):
+        flights.load_flights(1, columns=["month", "delay"])
+
+
+def test_add_group_names_keeps_order_and_marks_unknown_codes():
+    airlines, airports = flights.lookup_tables()
+    table = pd.DataFrame({"origin": pd.Series(["EWR", "JFK", "XXX"], dtype="str"),
+                          "month": [1, 2, 1], "flights": [3, 4, 5]})
+    out = flights.add_group_names(table, "by_origin_month", airlines=airlines,
+                                  airports=airports)
+    assert list(out.columns) == ["origin", "origin_name", "month", "flights"]
+    assert out["origin"].tolist() == ["EWR", "JFK", "XXX"] and out["flights"].tolist() == [3, 4, 5]
+    assert out["origin_name"].tolist()[:2] == ["Newark Liberty Intl", "John F Kennedy Intl"]
+    assert out["origin_name"].isna().tolist() == [False, False, True]
+
+
+@pytest.mark.slow
+def test_job_tables_equal_prepare_and_aggregate(client):
+    """The job's code-grouped tables with names joined afterwards == grouping every row by
+    code and name after prepare() (two copies, uneven partitions, fan-in 2)."""
+    result = flights.run(client, scale=2, partitions_per_copy=3, split_every=2, progress=False)
+    lazy = flights.aggregate(flights.prepare(flights.load_flights(2, 3)), split_every=2)
+    names = list(lazy)
+    computed = client.compute([part for name in names for part in lazy[name]], sync=True)
+    for i, name in enumerate(names):
+        by = flights.GROUPINGS[name]
+        expected = flights.assemble(computed[2 * i], computed[2 * i + 1], by)
+        actual = result.tables[name]
+        assert list(actual.columns) == list(expected.columns)
+        pd.testing.assert_frame_equal(actual, expected, check_exact=False, rtol=1e-12)
+
+
+def _benchmark_module():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "flights.py")
+    spec = importlib.util.spec_from_file_location("_flights_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_job_costs_less_cpu_than_plain_dask_and_the_old_pipeline():
+    """Side by side on one 2 x 1-thread cluster, in worker CPU seconds (what the machine's
+    load does not change much, unlike wall time): the job beats plain dask.dataframe on the
+    same tables, and the job as it was before issue 11 (all columns, names on every row)."""
+    from distributed import Client, LocalCluster
+
+    bench = _benchmark_module()
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        expected = flights_reference(2)
+        for run in (bench.run_blockflow, lambda c, s, p: bench._timed_on_cluster(
+                bench.dask_tables, c, s, p)):
+            run(client, 1, 4)  # warm: each worker reads the table file once
+        cpu = {}
+        for name, fn in (("dask", bench.dask_tables), ("before", bench.before_tables)):
+            _, tables, _, cpu[name] = bench._timed_on_cluster(fn, client, 2, 4)
+            bench.check_tables(tables, expected, name)
+        _, tables, _, cpu["blockflow"] = bench.run_blockflow(client, 2, 4)
+        bench.check_tables(tables, expected, "blockflow")
+    assert cpu["blockflow"] < cpu["dask"], cpu
+    assert cpu["blockflow"] < 0.8 * cpu["before"], cpu
