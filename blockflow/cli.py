@@ -433,6 +433,50 @@ def array_stats_command(size: str, seed: int, output: str, overwrite: bool, no_p
     click.echo(_dashboard_after(cluster["address"], link))
 
 
+@run_group.command(name="train")
+@click.option("--scale", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Copies of the 336,776-row 2013 NYC flights table (>= 1).")
+@click.option("--epochs", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Passes over the training rows.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Samples per step, split over the workers by speed.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the initialisation and the batches (>= 0).")
+@click.option("--output", type=click.Path(), default="blockflow-train-out", show_default=True,
+              help="Folder for model.pt, metrics.json, loss_curve.csv, manifest.json.")
+@click.option("--overwrite", is_flag=True, help="Replace --output if it exists.")
+@_cluster_options
+def train_command(scale: int, epochs: int, batch_size: int, seed: int, output: str,
+                  overwrite: bool, **cluster: Any) -> None:
+    """Train an MLP predicting arrival delay > 15 minutes on the 2013 NYC flights
+    (departure time, carrier, origin, distance), data-parallel with speed-weighted shards."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        raise click.ClickException(f"blockflow: run train needs PyTorch ({e}); install it "
+                                   f"with pip install 'blockflow[ai]'.") from None
+    from blockflow.io import OutputWriteError
+    from blockflow.workloads import train
+
+    _check_output(output, overwrite)
+    with _client(**cluster) as client:
+        _print_inventory(client)
+        try:
+            metrics = train.run(client, output=output, scale=scale, epochs=epochs,
+                                batch_size=batch_size, seed=seed, overwrite=overwrite)
+        except (FileExistsError, OutputWriteError) as e:
+            raise click.ClickException(str(e)) from None
+        _written()
+        click.echo(f"blockflow train: {metrics['n_train']:,} training rows, "
+                   f"{metrics['steps']} steps in {metrics['seconds']:.1f} s")
+        click.echo(f"Held-out accuracy {metrics['test_accuracy']:.4f} (majority class "
+                   f"{metrics['majority_baseline_accuracy']:.4f}), AUC "
+                   f"{metrics['test_auc']:.4f}, log loss {metrics['test_log_loss']:.4f}")
+        click.echo(f"Output: {os.path.abspath(output)}")
+        link = client.dashboard_link
+    click.echo(_dashboard_after(cluster["address"], link))
+
+
 @run_group.command(name="tune")
 @click.option("--configs", "n_configs", type=click.IntRange(min=1), default=81,
               show_default=True, help="MLP configurations drawn from the search space.")

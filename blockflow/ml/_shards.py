@@ -355,6 +355,8 @@ class ResidentShards:
         return futures[0]
 
     def _wait(self, total):
+        from asyncio import CancelledError
+
         from distributed import TimeoutError as DTimeout
         needed = set(self.placement.values())
         while True:
@@ -362,6 +364,8 @@ class ResidentShards:
                 return total.result(timeout=self.poll)
             except (DTimeout, TimeoutError):
                 pass
+            except CancelledError:  # "lost dependencies": a worker died under the pass
+                raise _WorkerLost(needed - set(self._workers()))
             except Exception:
                 lost = needed - set(self._workers())
                 if lost:
