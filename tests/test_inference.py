@@ -105,6 +105,7 @@ def test_dataframe_and_xarray(client, digits):
     np.testing.assert_allclose(res.values, model.predict_proba(X), rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_torch_module(client, digits):
     torch = pytest.importorskip("torch")
     X, y, _ = digits

@@ -50,6 +50,7 @@ def chunked(X, y, rows=100):
     return da.from_array(X, chunks=(rows, -1)), da.from_array(y, chunks=rows)
 
 
+@pytest.mark.slow
 def test_logistic_matches_scikit_learn_on_breast_cancer(client, cancer):
     X, y = cancer
     ours = LogisticRegression(C=0.5, client=client).fit(*chunked(X, y))
@@ -61,12 +62,14 @@ def test_logistic_matches_scikit_learn_on_breast_cancer(client, cancer):
     np.testing.assert_allclose(proba, theirs.predict_proba(X), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_linear_matches_ridge_on_breast_cancer(client, cancer):
     X, y = cancer
     ours = LinearRegression(alpha=2.0, client=client).fit(*chunked(X, y, 70))
     close(ours, sklearn_lm.Ridge(alpha=2.0).fit(X, y))
 
 
+@pytest.mark.slow
 def test_poisson_matches_scikit_learn_on_breast_cancer(client, cancer):
     X, _ = cancer
     counts = load_breast_cancer().data[:, 0].round()  # mean radius, a positive count-like target
@@ -76,6 +79,7 @@ def test_poisson_matches_scikit_learn_on_breast_cancer(client, cancer):
     assert ours.score(*chunked(X, counts)) == pytest.approx(theirs.score(X, counts), abs=1e-6)
 
 
+@pytest.mark.slow
 def test_glms_match_scikit_learn_on_flights(client, flights):
     X, y = flights
     ours = LogisticRegression(C=1.0, client=client).fit(*chunked(X, y, 2_500))

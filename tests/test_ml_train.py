@@ -81,6 +81,7 @@ def test_batch_schedule_takes_every_row_once_per_epoch():
     assert max(sizes) - min(sizes) <= len(rows) and sum(sizes) == sum(rows)
 
 
+@pytest.mark.slow
 def test_mlp_on_digits_matches_single_process_training(client4, digits):
     Xtr, Xte, ytr, yte = digits
     model, reference = mlp(), mlp()
@@ -110,6 +111,7 @@ def _slow_by_name(seconds):
     time.sleep((seconds + 0.01) * (1 / speed - 1))
 
 
+@pytest.mark.slow
 def test_shares_follow_measured_speed(client4, digits):
     Xtr, _, ytr, _ = digits
     trainer = DataParallelTrainer(mlp(), torch.nn.CrossEntropyLoss(), adam, batch_size=256,

@@ -18,7 +18,7 @@ import blockflow
 from blockflow.errors import BlockKernelError, DeviceMemoryError
 
 
-@pytest.fixture(params=["workers", "local"])
+@pytest.fixture(params=[pytest.param("workers", marks=pytest.mark.slow), "local"])
 def compute(request):
     """Compute a collection on proc_client's worker processes, or locally (threads)."""
     if request.param == "workers":
