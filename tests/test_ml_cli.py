@@ -16,8 +16,9 @@ from blockflow.cli import cli  # noqa: E402
 @pytest.mark.slow
 def test_run_train_writes_model_metrics_and_loss_curve(tmp_path):
     out = tmp_path / "train-out"
-    result = CliRunner().invoke(cli, ["run", "train", "--n-workers", "2", "--epochs", "1",
-                                      "--output", str(out), "--dashboard-address", ":0"])
+    result = CliRunner().invoke(
+        cli, ["run", "train", "--n-workers", "2", "--epochs", "1", "--output", str(out)],
+        env={"DASK_BLOCKFLOW__CLUSTER__DASHBOARD_ADDRESS": ":0"})
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == [
         "loss_curve.csv", "manifest.json", "metrics.json", "model.pt"]
