@@ -17,7 +17,8 @@ nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
 NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
-NOTEBOOKS = ["01-quickstart", "02-etl-flights", "03-xarray", "04-heterogeneous-gpus"]
+NOTEBOOKS = ["01-quickstart", "02-etl-flights", "03-xarray", "04-heterogeneous-gpus",
+             "05-training-and-tuning"]
 
 CELL_TIMEOUT = 120  # seconds, per cell (nbclient)
 NOTEBOOK_BUDGET = 120  # seconds, per notebook, kernel start included (idle machine; scaled)
@@ -39,6 +40,7 @@ PROBES = {
         " 'dynamic_tasks': list(dynamic['per_worker'].tasks),"
         " 'actions': sorted(set(decisions.action))}"
     ),
+    "05-training-and-tuning": "{'accuracy': accuracy, 'max_rel': max_rel, 'glm_rel': glm_rel}",
 }
 
 
@@ -66,7 +68,7 @@ def _output_of(nb, startswith: str) -> str:
     return next(text for source, text in _outputs(nb) if source.startswith(startswith))
 
 
-def test_the_four_notebooks_are_there():
+def test_the_notebooks_are_there():
     assert sorted(p.stem for p in NOTEBOOK_DIR.glob("*.ipynb")) == NOTEBOOKS
 
 
@@ -194,9 +196,17 @@ def _check_heterogeneous(nb, values):
     assert values["dynamic_makespan"] <= values["plain_makespan"] * 1.1 + 0.5, values
 
 
+def _check_training(nb, values):
+    assert values["accuracy"] >= 0.95 and values["max_rel"] <= 1e-5, values
+    assert values["glm_rel"] <= 1e-4, values
+    assert "largest relative difference from single-process PyTorch" in _output_of(
+        nb, "opt = torch.optim.Adam")
+
+
 CHECKS = {
     "01-quickstart": _check_quickstart,
     "02-etl-flights": _check_flights,
     "03-xarray": _check_xarray,
     "04-heterogeneous-gpus": _check_heterogeneous,
+    "05-training-and-tuning": _check_training,
 }
