@@ -793,6 +793,12 @@ def scheduler_metadata(scheduler, keys) -> Any:
     return scheduler.get_metadata(keys=list(keys), default=None)
 
 
+def data_holders(client, futures) -> dict:
+    """Key -> addresses of the workers holding it, for ``futures`` (``Client.who_has``: a
+    public client call, here because its name is also a ``TaskState`` internal's)."""
+    return {k: list(v) for k, v in client.who_has(list(futures)).items()}
+
+
 def add_amm_policy(scheduler, policy: Any) -> bool:
     """Install an Active Memory Manager policy; False if the AMM extension is absent."""
     amm = scheduler.extensions.get("amm")

@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from blockflow import config
+from blockflow import _distributed, config
 
 __all__ = ["TuneResult", "choice", "loguniform", "randint", "sample_configs", "tune",
            "uniform"]
@@ -258,6 +258,7 @@ class _Tuner:
         self.workers: dict[str, int] = {}  # address -> threads
         self.samples: list[tuple[str, float, float, int]] = []  # worker, seconds, epochs, rung
         self.warm: set[str] = set()  # workers that finished a trial
+        self.lost_checkpoints = 0  # checkpoints lost with a worker (trained again)
         self.plugin_speeds: dict[str, float] = {}
         self.plugin_confidence: dict[str, float] = {}
         self._speeds_read = 0.0
@@ -269,7 +270,10 @@ class _Tuner:
         return -score if self.mode == "max" else score
 
     def _refresh(self, now: float) -> None:
+        before = set(self.workers)
         self.workers = {a: int(n) for a, n in self.client.nthreads().items()}
+        if before - set(self.workers):
+            self._forget_lost_checkpoints()
         if now - self._speeds_read >= 1.0:
             self._speeds_read = now
             from blockflow.cluster import plugin_status
@@ -286,7 +290,39 @@ class _Tuner:
                 self.outputs.pop(fut).cancel()
                 fut.cancel()
                 del self.running[fut]
-                self.retry.append(r.job)
+                job = r.job
+                if job.rung and self.trials[job.trial].checkpoint is None:
+                    job = self._job(job.trial, job.rung)  # its checkpoint went with the worker
+                self.retry.append(job)
+
+    def _forget_lost_checkpoints(self) -> None:
+        """Checkpoints held only by workers that left are gone (their tasks were pinned
+        there, so Dask cannot recompute them elsewhere): those trials train their next
+        rung from scratch, which gives the same model when ``train`` is deterministic."""
+        held = {t: tr.checkpoint for t, tr in enumerate(self.trials)
+                if tr.checkpoint is not None}
+        if not held:
+            return
+        who = _distributed.data_holders(self.client, held.values())
+        lost = set()
+        for t, fut in held.items():
+            if not who.get(fut.key):
+                lost.add(fut.key)
+                self.trials[t].checkpoint = None
+                self.lost_checkpoints += 1
+        for fut, r in list(self.running.items()):  # waiting for a lost checkpoint
+            if r.job.checkpoint is not None and r.job.checkpoint.key in lost:
+                self.outputs.pop(fut).cancel()
+                fut.cancel()
+                del self.running[fut]
+                self.retry.append(self._job(r.job.trial, r.job.rung))
+
+    def _job(self, trial: int, rung: int) -> _Job:
+        """Trial ``trial`` to rung ``rung``: from its checkpoint, or from scratch without."""
+        ckpt = self.trials[trial].checkpoint
+        if ckpt is None:
+            return _Job(trial, rung, self.budgets[rung], None)
+        return _Job(trial, rung, self.budgets[rung] - self.budgets[rung - 1], ckpt)
 
     def speeds(self) -> dict[str, float]:
         """Each worker's speed: the scheduler plugin's learned one where it is confident
@@ -329,8 +365,7 @@ class _Tuner:
             ranked = sorted(done, key=lambda t: (self._key(done[t]), t))[:n_top]
             for t in ranked:
                 if k not in self.trials[t].promoted_from:
-                    jobs.append(_Job(t, k + 1, self.budgets[k + 1] - self.budgets[k],
-                                     self.trials[t].checkpoint))
+                    jobs.append(self._job(t, k + 1))
         return jobs
 
     def _new_job(self) -> _Job | None:
