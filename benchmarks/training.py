@@ -169,7 +169,6 @@ def uneven(client, sharding, hidden, target, max_epochs):
 
 
 def main():
-    import dask.array as da  # noqa: F401
     from distributed import Client, LocalCluster
 
     from blockflow.testing import simulated_cluster

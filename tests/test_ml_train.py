@@ -6,7 +6,6 @@ The reference is a plain single-process PyTorch loop over the same batches
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
 import time
