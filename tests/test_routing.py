@@ -104,7 +104,8 @@ def test_killed_worker_requests_are_answered_elsewhere_exactly_once(digits):
             _check_answers(futures, batches, model, timeout=180)
             stats = router.stats()
             lost = [d for d in router.decisions if d["action"] == "lost"]
-    assert stats["counts"]["answered"] == 40 and stats["pending"] == 0
-    assert stats["counts"].get("duplicates", 0) == 0
-    assert stats["counts"]["rerouted"] >= 1 and lost
-    assert all(d["worker"] == victim for d in lost)
+    assert stats["counts"]["answered"] == 40 and stats["pending"] == 0, stats
+    assert stats["counts"].get("duplicates", 0) == 0, stats
+    # The victim's queued requests were routed again (found lost, or failed to fetch).
+    assert stats["counts"].get("rerouted", 0) >= 1, (stats, lost)
+    assert all(d["worker"] == victim for d in lost), (victim, lost)
