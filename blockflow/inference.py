@@ -22,14 +22,14 @@ from __future__ import annotations
 import io
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import dask.array as da
 import numpy as np
 import pandas as pd
 from dask.base import tokenize
-from dask.utils import is_dataframe_like, parse_bytes
+from dask.utils import is_dataframe_like
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from blockflow import _distributed
