@@ -262,6 +262,7 @@ class _Tuner:
         self.plugin_speeds: dict[str, float] = {}
         self.plugin_confidence: dict[str, float] = {}
         self._speeds_read = 0.0
+        self._refreshed = 0.0
         self._published = 0.0
 
     # --- scores, speeds, estimates -------------------------------------------------
@@ -270,6 +271,7 @@ class _Tuner:
         return -score if self.mode == "max" else score
 
     def _refresh(self, now: float) -> None:
+        self._refreshed = now
         before = set(self.workers)
         self.workers = {a: int(n) for a, n in self.client.nthreads().items()}
         if before - set(self.workers):
@@ -523,9 +525,14 @@ class _Tuner:
                 if not self.workers:
                     raise RuntimeError("blockflow: tune has no workers left to run its "
                                        "trials on; add workers and call tune() again.")
-            for fut in self._wait():
+            done = self._wait()
+            for fut in done:
                 self._record(fut, self.running.pop(fut))
-            self._refresh(time.time())
+            # a freed thread gets its next trial first; the cluster's workers and speeds
+            # are read again at most twice a second while results flow, else at once
+            now = time.time()
+            if not done or now - self._refreshed >= 0.5:
+                self._refresh(now)
 
     def run_sync(self) -> None:
         """Synchronous successive halving: rung k starts when all of rung k-1 is done."""
