@@ -6,16 +6,23 @@ package: all 336,776 flights that departed New York City (EWR, JFK, LGA) in 2013
 ``scale x partitions_per_copy`` partitions; every partition is read on the worker that
 computes it (:func:`load_flights`, built with :func:`dask.dataframe.from_map`).
 
-The pipeline:
+The job (:func:`run`, ``blockflow run flights``):
 
-1. blockwise kernels (:func:`blockflow.map_blocks`, tasks ``blockflow-<kernel>``) drop
-   cancelled flights (no departure time), derive delay features (``gain``, ``speed_mph``,
-   ``late``, ``route``) and join the carrier and origin-airport names;
+1. reads the 6 columns the tables use (:data:`JOB_COLUMNS`) and drops cancelled flights (no
+   departure time) with a blockwise kernel (:func:`blockflow.map_blocks`, tasks
+   ``blockflow-<kernel>``);
 2. the cleaned frame is persisted on the workers;
 3. tree reductions (:mod:`blockflow.aggregations`) compute, per carrier and per (origin,
-   month): the number of flights, count / mean / standard deviation / maximum of
-   ``dep_delay`` and ``arr_delay``, and the exact p50 and p90 of ``arr_delay``;
+   month) (:data:`CODE_GROUPINGS`): the number of flights, count / mean / standard deviation
+   / maximum of ``dep_delay`` and ``arr_delay``, and the exact p50 and p90 of ``arr_delay``;
+   the carrier and origin-airport names are joined to these small tables
+   (:func:`add_group_names`);
 4. the two tables and a ``manifest.json`` are written atomically (:mod:`blockflow.io`).
+
+:func:`prepare` gives the whole cleaned frame with derived delay features (``gain``,
+``speed_mph``, ``late``, ``route``) and the names on every row, and :func:`aggregate` the
+same tables from it; the job does not build it, as no table uses those columns (profile:
+``benchmarks/flights.py``, issue 11).
 
 :func:`blockflow.workloads.reference.flights_reference` computes the same tables with plain
 pandas in one process: the test oracle.
@@ -639,6 +646,9 @@ def run(
     retries: int | None = None,
 ) -> FlightsResult:
     """Run the flights ETL on a cluster: load, clean, persist, aggregate, write.
+
+    Reads only :data:`JOB_COLUMNS`, groups by :data:`CODE_GROUPINGS` and joins the names to
+    the result tables: the same tables as :func:`aggregate` of :func:`prepare`.
 
     Parameters
     ----------
