@@ -34,7 +34,7 @@ def _stretch(seconds):
     from blockflow.testing.simulated import get_device
     dev = get_device()
     if dev is not None:
-        time.sleep(seconds * (1 / dev.speed - 1))
+        time.sleep(seconds * (1 / dev.speed() - 1))
 
 
 def mlp(hidden, seed=0):
@@ -169,16 +169,21 @@ def uneven(client, sharding, hidden, target, max_epochs):
 
 
 def main():
-    from distributed import Client, LocalCluster
-
-    from blockflow.testing import simulated_cluster
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--target", type=float, default=0.95)
     p.add_argument("--max-epochs", type=int, default=30)
+    p.add_argument("--only", choices=["correctness", "uneven"], default=None)
     args = p.parse_args()
+    if args.only != "uneven":
+        _correctness_tables(args)
+    if args.only != "correctness":
+        _uneven_table(args)
+
+
+def _correctness_tables(args):
+    from distributed import Client, LocalCluster
 
     rows = []
     with LocalCluster(n_workers=4, threads_per_worker=1, dashboard_address=":0") as c, \
@@ -193,6 +198,10 @@ def main():
     print("\n## GLMs vs scikit-learn (relative coefficient difference, seconds, passes)")
     for name, (rel, secs, passes) in g.items():
         print(f"{name:26s} {rel:.2e}  {secs:6.1f} s  {passes} passes")
+
+
+def _uneven_table(args):
+    from blockflow.testing import simulated_cluster
 
     res = {"speed": [], "equal": []}
     with simulated_cluster(speeds=SPEEDS) as client:
