@@ -178,7 +178,8 @@ def test_cli_run_tune_writes_trials_and_best_model(tmp_path):
     history = pd.read_parquet(out / "history.parquet")
     assert len(trials) == 9 and m["trial_tasks"] == len(history) >= 9 + 3 + 1
     assert m["trials_by_status"].get("completed", 0) >= 1
-    assert m["n_tasks"] == len(history)  # the run's tasks per blockflow's plugin
+    # the run's tasks per blockflow's plugin: each trial task and its small report task
+    assert m["n_tasks"] == 2 * len(history)
     model = pickle.loads((out / "best_model.pkl").read_bytes())
     *_, X_te, y_te = digits_split()
     assert model.score(X_te, y_te) == pytest.approx(m["test_accuracy"]) and \

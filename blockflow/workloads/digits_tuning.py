@@ -107,7 +107,8 @@ class DigitsTuneResult:
     wall_time : float
         Seconds.
     task_counts : dict of str to int, or None
-        Trial tasks each worker finished for this run (None without blockflow's plugin).
+        Tasks each worker finished for this run: each trial task and the small task that
+        reports its score (None without blockflow's plugin).
     output : str, optional
         The output folder (absolute), once written.
     """
