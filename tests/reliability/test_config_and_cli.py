@@ -26,6 +26,7 @@ import dask
 import pandas as pd
 import psutil
 import pytest
+import yaml
 from distributed import LocalCluster
 from loadaware import scaled
 
@@ -144,7 +145,13 @@ def test_a_misspelled_section_names_the_variable_that_set_it():
     assert _refused(out) == "ValueError: " + _invalid(
         "blockflow.clustr", "DASK_BLOCKFLOW__CLUSTR__GPU", "false",
         "{'gpu': False} is set for an unknown key (did you mean 'cluster'?); 'blockflow' has "
-        "the keys cluster, reduction, rebalancer")
+        f"the keys {', '.join(_sections())}")
+
+
+def _sections() -> list[str]:
+    """blockflow's settings sections, in the order of its YAML of defaults."""
+    path = Path(blockflow.__file__).with_name("blockflow.yaml")
+    return list(yaml.safe_load(path.read_text())["blockflow"])
 
 
 @pytest.mark.slow
