@@ -14,6 +14,7 @@ from blockflow.backends import (
 )
 from blockflow.blockwise import map_blocks
 from blockflow.cluster import connect, decisions, plugin_status, task_counts
+from blockflow.decompose import BlockResize, fit_blocks, split_skewed
 from blockflow.errors import (
     BlockflowWarning,
     BlockKernelError,
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlockKernelError",
+    "BlockResize",
     "BlockflowWarning",
     "DeviceMemoryError",
     "EmptyCollectionError",
@@ -48,12 +50,14 @@ __all__ = [
     "connect",
     "dataframe_module",
     "decisions",
+    "fit_blocks",
     "inventory",
     "map_blocks",
     "plugin_status",
     "predict",
     "rebalance",
     "run_report",
+    "split_skewed",
     "task_counts",
     "to_device",
     "to_host",

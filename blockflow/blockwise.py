@@ -28,6 +28,7 @@ from dask.utils import (
     is_series_like,
 )
 
+from blockflow import decompose
 from blockflow._kernel import Kernel, check_placement, check_retries
 from blockflow.errors import BlockKernelError, EmptyCollectionError, describe, not_a_collection
 
@@ -461,6 +462,8 @@ def map_blocks(
     dask.array.Array, dask.dataframe.DataFrame/Series, or xarray object
         Lazy result with one block per input block: the kernel runs exactly once per block
         (per block of the broadcast inputs for arrays; per block of argument 0 for xarray).
+        The blocks are those after skew handling and device-memory fitting (see Notes):
+        when those re-cut the inputs, the output's chunks follow the new blocks.
 
     Raises
     ------
@@ -500,6 +503,23 @@ def map_blocks(
 
     Notes
     -----
+    Before the stage, blocks may be re-cut (:mod:`blockflow.decompose`, each change logged
+    on the ``blockflow.decompose`` logger and shown by :func:`blockflow.run_report`):
+
+    - Skew (``blockflow.skew.enabled``, default on): blocks more than
+      ``blockflow.skew.factor`` (5) times the median block and above
+      ``blockflow.skew.floor`` (64 MiB) are split, runs of tiny neighbouring blocks merged,
+      along one axis (arrays: the axis with the most blocks, never a dropped one; xarray:
+      argument 0's chunked dimension with the most blocks; dataframes: rows, for a single
+      dataframe whose partition lengths are cheap to know, i.e. built from pandas or
+      persisted - never an extra pass over the data). Not with ``chunks=``/``template=``.
+    - Device memory (``blockflow.blocks.fit-device-memory: auto``): with ``working_set=`` on
+      a cluster with GPU workers, blocks are split so that block + working set fits the
+      smallest free device memory x (1 - ``blockflow.blocks.safety``); blocks that fit, or
+      that no split can make fit, are left alone. Not with ``chunks=``/``template=``.
+
+    Block indices (``block_id``, ``partition_info``) are then those of the new blocks.
+
     Retries run inside the task rather than as Dask task annotations
     (``dask.annotate(retries=...)``): Dask's graph optimisation (linear fusion of array
     tasks, dask-expr's lowering of dataframes) drops layer annotations, so they would not
@@ -622,6 +642,9 @@ def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_a
     ndim = max(x.ndim for x in arrays)
     drop = _axes(drop_axis, ndim, "drop_axis", "input") if drop_axis is not None else []
     _check_dropped_axes(arrays, drop, drop_axis)
+    if chunks is None:  # declared output chunks pin the input's: never re-cut then
+        arrays = decompose.prepare_arrays(arrays, working_set=working_set, skip_axes=drop,
+                                          label=task_name)
     kept = ndim - len(drop)
     if new_axis is not None:
         new_ndim = kept + (1 if _is_int(new_axis) else len(_axis_list(new_axis, "new_axis")))
@@ -778,6 +801,8 @@ def _map_partitions(kernel, frames, task_name, meta, kwargs, retries=0, working_
                 f"{f.npartitions} partitions; repartition one to match, e.g. "
                 f"b = b.repartition(npartitions=a.npartitions)."
             )
+    frames = decompose.prepare_frames(frames, label=task_name)
+    first = frames[0]
     wrapped = _PartitionKernel(kernel, task_name, retries, working_set, placement)
     opts = {} if meta is None else {"meta": meta}
     out = first.map_partitions(wrapped, *frames[1:], **opts, **kwargs)
@@ -794,6 +819,8 @@ def _map_xarray(kernel, objs, task_name, template, kwargs, retries=0, working_se
         if not o.chunks:
             raise not_a_collection("blockflow.map_blocks", f"argument {i}", o)
     _check_xarray_chunks(objs)
+    if template is None:  # a template pins the output's chunks: never re-cut then
+        objs = decompose.prepare_xarray(objs, working_set=working_set, label=task_name)
     wrapped = _XarrayKernel(kernel, task_name, retries, working_set, placement)
     return xr.map_blocks(wrapped, objs[0], args=list(objs[1:]), kwargs=kwargs, template=template)
 

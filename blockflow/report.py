@@ -2,7 +2,8 @@
 
 :func:`run_report` reads blockflow's scheduler plugin (task start/stop times, decisions,
 device-memory peaks) and summarises one computation: makespan, tasks per worker, moves and
-the bytes they moved, and each worker's device-memory peak.
+the bytes they moved, each worker's device-memory peak, and the blocks blockflow re-cut
+before its stages (skewed blocks split, tiny ones merged, blocks fitted to device memory).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pandas as pd
 from dask.utils import format_bytes
 
 from blockflow.cluster import plugin_status
+from blockflow.decompose import BlockResize, recorded_resizes
 
 __all__ = ["RunReport", "run_report"]
 
@@ -40,6 +42,10 @@ class RunReport:
     policy : str
     tasks : pandas.DataFrame
         One row per task: ``worker``, ``start``, ``stop`` (seconds since ``since``).
+    block_changes : list of BlockResize
+        Blocks re-cut before blockwise stages in this process (:mod:`blockflow.decompose`):
+        skewed blocks split, tiny ones merged, blocks fitted to device memory, with the
+        block sizes (rows, bytes) before and after.
     """
 
     since: float
@@ -50,6 +56,7 @@ class RunReport:
     device_memory_peak: dict[str, float | None]
     policy: str
     tasks: pd.DataFrame = field(repr=False)
+    block_changes: list[BlockResize] = field(default_factory=list, repr=False)
 
     def to_pandas(self) -> pd.DataFrame:
         """Per-worker table: tasks, busy seconds, device-memory peak (bytes)."""
@@ -82,7 +89,8 @@ class RunReport:
                 f"{_count(sum(self.tasks_per_worker.values()), 'task')} on "
                 f"{_count(len(self.tasks_per_worker), 'worker')}, "
                 f"{_count(self.moves, 'move')} ({format_bytes(self.bytes_moved)}), "
-                f"policy {self.policy}>\n" + self.to_pandas().to_string(index=False))
+                f"policy {self.policy}>\n" + self.to_pandas().to_string(index=False)
+                + "".join(f"\nblocks re-cut: {c.summary()}" for c in self.block_changes))
 
     def _repr_html_(self) -> str:
         table = self.to_pandas().assign(device_memory_peak=lambda d: [
@@ -91,7 +99,14 @@ class RunReport:
                 f"{_count(sum(self.tasks_per_worker.values()), 'task')}, "
                 f"{_count(self.moves, 'move')} "
                 f"({html.escape(format_bytes(self.bytes_moved))}), policy "
-                f"{html.escape(self.policy)}</p>" + table.to_html(index=False))
+                f"{html.escape(self.policy)}</p>" + table.to_html(index=False)
+                + self._changes_html())
+
+    def _changes_html(self) -> str:
+        if not self.block_changes:
+            return ""
+        items = "".join(f"<li>{html.escape(c.summary())}</li>" for c in self.block_changes)
+        return f"<p>Blocks re-cut before blockwise stages:</p><ul>{items}</ul>"
 
 
 def _count(n: int, noun: str) -> str:
@@ -109,7 +124,9 @@ def run_report(client, since: float | None = None) -> RunReport:
     since : float, optional
         Seconds since the epoch (e.g. ``t0 = time.time()`` before the computation); default
         the start of the current computation as the plugin saw it (the last graph submitted
-        to an idle cluster).
+        to an idle cluster). Block changes (:mod:`blockflow.decompose`) are those made in
+        this process since ``since``; by default those no earlier default report showed
+        (they are made when the graph is built, before it is submitted).
 
     Returns
     -------
@@ -121,6 +138,7 @@ def run_report(client, since: float | None = None) -> RunReport:
         If the scheduler runs no blockflow plugin.
     """
     first = plugin_status(client)
+    changes = recorded_resizes(since, unreported=since is None)
     if since is None:
         since = first.get("run_started") or 0.0
     status = plugin_status(client, since=since, task_log=True)
@@ -142,4 +160,5 @@ def run_report(client, since: float | None = None) -> RunReport:
         device_memory_peak={w: peaks.get(w) for w in workers},
         policy=status["policy"],
         tasks=log.reset_index(drop=True),
+        block_changes=changes,
     )

@@ -1,0 +1,784 @@
+"""Block decomposition before a blockwise stage: split skewed blocks, merge tiny ones, and
+size blocks to fit device memory.
+
+A few blocks far larger than the rest (Zipf-distributed keys, uneven files) make a few tasks
+dominate a stage's makespan. :func:`split_skewed` splits every block more than ``factor``
+times the median block (and above an absolute ``floor`` of bytes) into pieces of about the
+larger of the median and the mean block, and merges runs of neighbouring tiny blocks, as
+Spark's adaptive query execution does for skewed shuffle partitions
+(``spark.sql.adaptive.skewJoin``: a partition is skewed when larger than 5x the median and
+an absolute threshold). Arrays are rechunked along their
+chunked axis, xarray objects along their chunked dimension, dataframes re-cut by rows.
+:func:`fit_blocks` rechunks so that each block plus its kernel's working set fits the
+smallest worker's free device memory with a safety margin.
+
+Every change is logged on the ``blockflow.decompose`` logger with the block sizes before and
+after, and kept (the last 1,000, in this process) as a :class:`BlockResize` record that
+:func:`blockflow.run_report` shows. :func:`blockflow.map_blocks` applies both before its
+stage (settings ``blockflow.skew.*`` and ``blockflow.blocks.*``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+import dask.array as da
+import dask.dataframe as dd
+import numpy as np
+from dask.utils import format_bytes, parse_bytes
+
+from blockflow import config
+from blockflow.metrics import clean_number, read_metrics
+
+__all__ = ["BlockResize", "fit_blocks", "recorded_resizes", "split_skewed"]
+
+logger = logging.getLogger(__name__)
+
+#: The last changes made in this process (what run reports show).
+_records: collections.deque = collections.deque(maxlen=1000)
+#: Index into the records of the first one no run report has shown yet (see run_report).
+_reported = 0
+_count = 0  # records made in this process so far
+
+
+@dataclass(frozen=True)
+class BlockResize:
+    """One change of a collection's blocks along one axis (see :func:`split_skewed`,
+    :func:`fit_blocks`).
+
+    Attributes
+    ----------
+    kind : str
+        ``"array"``, ``"dataframe"`` or ``"xarray"``.
+    reason : str
+        ``"skew"`` (split skewed blocks, merged tiny ones) or ``"fit-device-memory"``.
+    axis : int or str
+        The axis (arrays), dimension name (xarray) or ``0`` (dataframe rows) re-cut.
+    before, after : tuple of int
+        Rows per block along ``axis`` before and after (partition lengths for dataframes).
+    row_bytes : float
+        Bytes of one row of the largest block (the cross-section along the other axes);
+        dataframes: the mean bytes per row, measured or estimated from the dtypes.
+    split, merged : int
+        Input blocks split into pieces; input blocks merged with neighbours.
+    time : float
+        When the change was made (seconds since the epoch).
+    label : str
+        What it was made for (the kernel's task-name prefix in :func:`blockflow.map_blocks`).
+    """
+
+    kind: str
+    reason: str
+    axis: Any
+    before: tuple
+    after: tuple
+    row_bytes: float
+    split: int
+    merged: int
+    time: float
+    label: str = ""
+
+    @property
+    def before_bytes(self) -> tuple:
+        """Bytes per block before (rows x ``row_bytes``)."""
+        return tuple(int(r * self.row_bytes) for r in self.before)
+
+    @property
+    def after_bytes(self) -> tuple:
+        """Bytes per block after (rows x ``row_bytes``)."""
+        return tuple(int(r * self.row_bytes) for r in self.after)
+
+    def summary(self) -> str:
+        """One line: what changed and the block sizes before and after."""
+        what = []
+        if self.split:
+            what.append(f"split {self.split} block{'s' if self.split != 1 else ''}")
+        if self.merged:
+            what.append(f"merged {self.merged} tiny block{'s' if self.merged != 1 else ''}")
+        for_ = f" for {self.label}" if self.label else ""
+        return (f"{self.reason}{for_}: {' and '.join(what) or 'unchanged'} along "
+                f"{'dimension' if isinstance(self.axis, str) else 'axis'} {self.axis!r}: "
+                f"{_describe(self.before, self.row_bytes)} -> "
+                f"{_describe(self.after, self.row_bytes)}")
+
+    def to_dict(self) -> dict:
+        """Plain data, with ``before_bytes`` and ``after_bytes`` added."""
+        out = asdict(self)
+        out.update(before_bytes=self.before_bytes, after_bytes=self.after_bytes)
+        return out
+
+
+def _describe(sizes: Sequence[int], row_bytes: float) -> str:
+    n = len(sizes)
+    big = max(sizes, default=0)
+    med = float(np.median(sizes)) if n else 0.0
+    return (f"{n} block{'s' if n != 1 else ''} (largest {big:,} rows, "
+            f"{format_bytes(int(big * row_bytes))}; median {med:,.0f} rows, "
+            f"{format_bytes(int(med * row_bytes))})")
+
+
+def _record(change: BlockResize) -> BlockResize:
+    global _count
+    _records.append(change)
+    _count += 1
+    logger.info("blockflow: %s", change.summary())
+    return change
+
+
+def recorded_resizes(since: float | None = None, *, unreported: bool = False
+                     ) -> list[BlockResize]:
+    """The block changes made in this process (the last 1,000), oldest first.
+
+    Parameters
+    ----------
+    since : float, optional
+        Only those made at or after this time (seconds since the epoch).
+    unreported : bool, default False
+        Only those no earlier call with ``unreported=True`` returned (what
+        :func:`blockflow.run_report` uses when it is given no ``since``), and mark them
+        returned.
+
+    Returns
+    -------
+    list of BlockResize
+    """
+    global _reported
+    out = list(_records)
+    if unreported:
+        first = max(0, len(out) - (_count - _reported))
+        out = out[first:]
+        _reported = _count
+    if since is not None:
+        out = [r for r in out if r.time >= since]
+    return out
+
+
+# -- the plan: new block sizes along one axis ---------------------------------------------
+
+@dataclass
+class _Plan:
+    pieces: list  # (first block, last block + 1, start row in first, stop row) per piece
+    split: int
+    merged: int
+
+    @property
+    def sizes(self) -> tuple:
+        return tuple(hi - lo for _, _, lo, hi in self.pieces)
+
+
+def _even(n: int, k: int) -> list[int]:
+    """``n`` rows in ``k`` pieces whose sizes differ by at most one."""
+    q, r = divmod(n, k)
+    return [q + 1] * r + [q] * (k - r)
+
+
+def _skew_plan(sizes: Sequence[int], row_bytes: float, factor: float, floor: int,
+               merge_below: float) -> _Plan | None:
+    """Split blocks above ``factor`` x the median (and ``floor`` bytes) into pieces of
+    about the target size; merge runs of blocks below ``merge_below`` x the target into
+    pieces of at most the target (only when the whole collection is above ``floor``). The
+    median is that of the non-empty blocks; the target is the larger of it and the mean
+    block (so that a collection of mostly tiny blocks is not cut into tiny pieces). None
+    when nothing changes."""
+    sizes = [int(s) for s in sizes]
+    nonempty = [s for s in sizes if s > 0]
+    if len(sizes) < 2 or not nonempty:
+        return None
+    med = float(np.median(nonempty))
+    target = max(med, sum(sizes) / len(sizes))
+    tiny = merge_below * target
+    merge = merge_below > 0 and sum(sizes) * row_bytes > floor
+    pieces, split, merged, i = [], 0, 0, 0
+    while i < len(sizes):
+        s = sizes[i]
+        if s > factor * med and s * row_bytes > floor:
+            start = 0
+            for n in _even(s, math.ceil(s / target)):
+                pieces.append((i, i + 1, start, start + n))
+                start += n
+            split, i = split + 1, i + 1
+            continue
+        j = i
+        while merge and j < len(sizes) and sizes[j] < tiny:
+            j += 1
+        if j - i < 2:  # not a run of tiny blocks: keep the block as it is
+            pieces.append((i, i + 1, 0, s))
+            i += 1
+            continue
+        first, acc = i, 0
+        for k in range(i, j):  # greedy groups of at most the target
+            if k > first and acc + sizes[k] > target:
+                pieces.append((first, k, 0, acc))
+                merged += (k - first) if k - first > 1 else 0
+                first, acc = k, 0
+            acc += sizes[k]
+        pieces.append((first, j, 0, acc))
+        merged += (j - first) if j - first > 1 else 0
+        i = j
+    plan = _Plan(pieces, split, merged)
+    return plan if (split or merged) else None
+
+
+def _fit_plan(sizes: Sequence[int], max_rows: int) -> _Plan | None:
+    """Split every block above ``max_rows`` into even pieces of at most ``max_rows``."""
+    pieces, split = [], 0
+    for i, s in enumerate(int(s) for s in sizes):
+        if s <= max_rows:
+            pieces.append((i, i + 1, 0, s))
+            continue
+        start = 0
+        for n in _even(s, math.ceil(s / max_rows)):
+            pieces.append((i, i + 1, start, start + n))
+            start += n
+        split += 1
+    return _Plan(pieces, split, 0) if split else None
+
+
+def _settings(factor, floor, merge_below) -> tuple[float, int, float]:
+    factor = float(config.get("skew.factor", factor))
+    floor = config.get("skew.floor", floor)
+    floor = parse_bytes(floor) if isinstance(floor, str) else int(floor)
+    merge_below = float(config.get("skew.merge-below", merge_below))
+    if not factor > 1:
+        raise ValueError(f"blockflow.split_skewed: factor must be above 1, got {factor!r}; a "
+                         f"block is skewed when larger than factor x the median, e.g. 5.")
+    if floor < 0:
+        raise ValueError(f"blockflow.split_skewed: floor must be a size >= 0, got {floor!r}; "
+                         f"e.g. floor='64MiB'.")
+    if not 0 <= merge_below < 1:
+        raise ValueError(f"blockflow.split_skewed: merge_below must be a fraction 0-1 of the "
+                         f"median block, got {merge_below!r}; 0 turns merging off.")
+    return factor, floor, merge_below
+
+
+# -- arrays --------------------------------------------------------------------------------
+
+def _row_bytes(x: da.Array, axis: int) -> float:
+    """Bytes of one row along ``axis`` of the array's largest block."""
+    other = [max(c, default=0) for a, c in enumerate(x.chunks) if a != axis]
+    return float(x.dtype.itemsize * math.prod(other))
+
+
+def _known(chunks) -> bool:
+    return not any(isinstance(s, float) and math.isnan(s) for c in chunks for s in c)
+
+
+def _chunked_axis(x: da.Array, axes: Sequence[int] | None = None) -> int | None:
+    """The axis with the most blocks (the first on ties), among ``axes``."""
+    axes = list(range(x.ndim)) if axes is None else list(axes)
+    if not axes:
+        return None
+    return max(axes, key=lambda a: (len(x.chunks[a]), -a))
+
+
+def _array_skew(x: da.Array, factor, floor, merge_below, axes=None, label=""
+                ) -> tuple[int, tuple] | None:
+    if x.ndim == 0 or not _known(x.chunks):
+        return None
+    axis = _chunked_axis(x, axes)
+    if axis is None:
+        return None
+    rb = _row_bytes(x, axis)
+    plan = _skew_plan(x.chunks[axis], rb, factor, floor, merge_below)
+    if plan is None:
+        return None
+    _record(BlockResize("array", "skew", axis, tuple(x.chunks[axis]), plan.sizes, rb,
+                        plan.split, plan.merged, time.time(), label))
+    return axis, plan.sizes
+
+
+def split_skewed(collection, *, factor: float | None = None, floor: int | str | None = None,
+                 merge_below: float | None = None, axis: int | str | None = None,
+                 lengths: Sequence[int] | bool | None = None):
+    """Split blocks far larger than the median, and merge runs of tiny ones.
+
+    A block is skewed when it holds more than ``factor`` times the median block's rows and
+    more than ``floor`` bytes; it is split into pieces of about the target size, the larger
+    of the median and the mean block (piece sizes differ by at most one row). When the whole
+    collection holds more than ``floor`` bytes, each run of two or more neighbouring blocks
+    smaller than ``merge_below`` times the target is merged into pieces of at most the
+    target. Values and order are unchanged; only the block boundaries move. Method: Spark's
+    adaptive skew handling (a partition larger than 5x the median and an absolute threshold
+    is split, into pieces of at least the mean of the other partitions); the median over
+    non-empty blocks, the mean as a lower bound of the target (so mostly-tiny collections
+    are not cut into tiny pieces) and the merging rule are blockflow heuristics.
+
+    Parameters
+    ----------
+    collection : dask.array.Array, dask.dataframe.DataFrame/Series, or xarray object
+        Arrays are rechunked along ``axis`` (default: the axis with the most blocks), xarray
+        objects along dimension ``axis`` (default: the chunked dimension with the most
+        blocks), dataframes re-cut by rows.
+    factor : float, optional
+        How many times the median a block must exceed to be split; default
+        ``blockflow.skew.factor`` (5).
+    floor : int or str, optional
+        Bytes (``"64MiB"`` accepted) a block must exceed to be split, and the whole
+        collection to have tiny blocks merged; default ``blockflow.skew.floor`` (64 MiB).
+    merge_below : float, optional
+        Fraction 0-1 of the target size below which a block counts as tiny; 0 merges
+        nothing.
+        Default ``blockflow.skew.merge-below`` (0.25).
+    axis : int or str, optional
+        The axis (arrays) or dimension (xarray) to re-cut.
+    lengths : sequence of int or bool, optional
+        Dataframes: the partitions' lengths in rows, if known; ``True`` computes them (one
+        pass over the data). Default: use them only where they are cheap to know (a
+        dataframe built from pandas, or a persisted one, whose partitions are in worker
+        memory); otherwise the dataframe is returned unchanged.
+
+    Returns
+    -------
+    (collection, BlockResize or None)
+        The re-cut collection (the input itself when nothing changes) and the record of the
+        change (None when nothing changes). Dataframes whose partitions were split get
+        unknown divisions (the index values at the split rows are not known without reading
+        them); merging alone keeps known divisions.
+
+    Raises
+    ------
+    TypeError
+        If ``collection`` is not a Dask array, dataframe or chunked xarray object.
+    ValueError
+        If ``factor`` is not above 1, ``floor`` is negative, ``merge_below`` is not in
+        [0, 1), ``axis`` is out of range, or ``lengths`` does not give one length per
+        partition.
+
+    Examples
+    --------
+    >>> import dask.array as da
+    >>> x = da.ones(1100, chunks=((1000,) + (10,) * 10,))
+    >>> y, change = split_skewed(x, floor=0)
+    >>> y.chunks[0][:3], len(y.chunks[0])
+    ((10, 10, 10), 110)
+    """
+    factor, floor, merge_below = _settings(factor, floor, merge_below)
+    before = _count
+    if isinstance(collection, da.Array):
+        axes = None if axis is None else [_check_axis(axis, collection.ndim)]
+        found = _array_skew(collection, factor, floor, merge_below, axes)
+        if found is None:
+            return collection, None
+        a, sizes = found
+        out = collection.rechunk({a: sizes})
+    elif isinstance(collection, (dd.DataFrame, dd.Series)):
+        out = _frame_skew(collection, factor, floor, merge_below, lengths)
+    elif type(collection).__module__.split(".")[0] == "xarray":
+        out = _xarray_resize(collection, axis, lambda sizes, rb: _skew_plan(
+            sizes, rb, factor, floor, merge_below), "skew")
+    else:
+        raise TypeError(
+            f"blockflow.split_skewed: expected a Dask array, dataframe or chunked xarray "
+            f"object, got {type(collection).__name__}; wrap it first (da.from_array, "
+            f"dd.from_pandas, obj.chunk()).")
+    return out, (_records[-1] if _count > before else None)
+
+
+def _check_axis(axis, ndim: int) -> int:
+    if not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
+        raise ValueError(f"blockflow.split_skewed: axis={axis!r} is out of range for the "
+                         f"{ndim}-d array; give an axis from {-ndim} to {ndim - 1}.")
+    return int(axis) % ndim
+
+
+# -- dataframes ----------------------------------------------------------------------------
+
+def _len_and_bytes(part):
+    import pandas as pd
+
+    nbytes = part.memory_usage(deep=True)
+    nbytes = int(nbytes.sum()) if hasattr(nbytes, "sum") else int(nbytes)
+    return pd.Series([(len(part), nbytes)])
+
+
+def _meta_row_bytes(meta) -> float:
+    """Estimated bytes per row from the dtypes (64 for text and objects)."""
+    dtypes = list(meta.dtypes) if hasattr(meta, "columns") else [meta.dtype]
+    dtypes.append(meta.index.dtype)
+    return float(sum(getattr(d, "itemsize", 0) if getattr(d, "kind", "O") in "biufcmM"
+                     else 64 for d in dtypes))
+
+
+def _is_persisted(df) -> bool:
+    """Whether every partition is a future (a persisted collection): its partitions are in
+    worker memory, so their lengths cost one small task each."""
+    expr = df.expr
+    if type(expr).__name__ != "FromGraph":
+        return False
+    try:
+        layer = expr.operand("layer")
+        from distributed import Future
+    except Exception:
+        return False
+    return bool(layer) and all(isinstance(v, Future) for v in layer.values())
+
+
+def partition_sizes(df, lengths: Sequence[int] | bool | None = None
+                    ) -> tuple[tuple[int, ...], float] | None:
+    """``(rows per partition, bytes per row)`` of a dataframe when cheap to know (or
+    ``lengths=True``: computed), else None. Bytes per row: measured when the partitions are
+    read, else estimated from the dtypes."""
+    if lengths is not None and lengths is not True and lengths is not False:
+        lengths = tuple(int(n) for n in lengths)
+        if len(lengths) != df.npartitions:
+            raise ValueError(
+                f"blockflow.split_skewed: lengths gives {len(lengths)} lengths for "
+                f"{df.npartitions} partitions; give one per partition.")
+        return lengths, _meta_row_bytes(df._meta)
+    if lengths is False:
+        return None
+    expr = df.expr
+    if type(expr).__name__ == "FromPandas" and lengths is None:
+        try:  # dask-expr knows the lengths of a frame it split itself
+            rows = tuple(int(n) for n in expr._get_lengths())
+            frame = expr.operand("frame")
+            usage = frame.memory_usage(deep=True)
+            total = int(usage.sum()) if hasattr(usage, "sum") else int(usage)
+            return rows, total / max(len(frame), 1)
+        except Exception:  # private API moved: fall through (no sizes)
+            pass
+    if lengths is True or _is_persisted(df):
+        pairs = df.map_partitions(_len_and_bytes, meta=(None, object)).compute().tolist()
+        rows = tuple(int(r) for r, _ in pairs)
+        total = sum(b for _, b in pairs)
+        return rows, total / max(sum(rows), 1)
+    return None
+
+
+def _slice_rows(part, lo: int, hi: int):
+    return part.iloc[lo:hi]
+
+
+def _concat_parts(*parts):
+    from dask.dataframe.dispatch import concat
+
+    return concat(list(parts))
+
+
+def _frame_from_plan(df, rows: Sequence[int], plan: _Plan):
+    from dask import delayed
+
+    parts = df.to_delayed()
+    new = []
+    for first, stop, lo, hi in plan.pieces:
+        if stop - first > 1:
+            new.append(delayed(_concat_parts, pure=True)(*parts[first:stop]))
+        elif lo == 0 and hi == rows[first]:  # neither split nor merged
+            new.append(parts[first])
+        else:
+            new.append(delayed(_slice_rows, pure=True)(parts[first], lo, hi))
+    divisions = None
+    if df.known_divisions and not plan.split:
+        divisions = tuple(df.divisions[p[0]] for p in plan.pieces) + (df.divisions[-1],)
+    return dd.from_delayed(new, meta=df._meta, divisions=divisions, verify_meta=False,
+                           prefix="blockflow-recut")
+
+
+def _frame_skew(df, factor, floor, merge_below, lengths=None, label=""):
+    known = partition_sizes(df, lengths)
+    if known is None:
+        logger.debug("blockflow: partition lengths of %s are not known cheaply; not "
+                     "checked for skew (pass lengths=True to compute them)", label or "a frame")
+        return df
+    rows, rb = known
+    plan = _skew_plan(rows, rb, factor, floor, merge_below)
+    if plan is None:
+        return df
+    _record(BlockResize("dataframe", "skew", 0, rows, plan.sizes, rb, plan.split,
+                        plan.merged, time.time(), label))
+    return _frame_from_plan(df, rows, plan)
+
+
+# -- xarray --------------------------------------------------------------------------------
+
+def _xarray_dim(obj, dim=None) -> str | None:
+    chunks = dict(obj.chunksizes)
+    if dim is not None:
+        if dim not in chunks:
+            raise ValueError(f"blockflow.split_skewed: dimension {dim!r} is not chunked; "
+                             f"chunked dimensions: {sorted(map(str, chunks))}.")
+        return dim
+    if not chunks:
+        return None
+    return max(chunks, key=lambda d: len(chunks[d]))
+
+
+def _xarray_row_bytes(obj, dim) -> float:
+    """Bytes of one row along ``dim`` of the largest block (all variables with ``dim``)."""
+    sizes = dict(obj.chunksizes)
+    per_block = 1.0
+    for d, c in sizes.items():
+        if d != dim and len(c):
+            per_block *= max(c) / max(sum(c), 1)
+    n = obj.sizes[dim]
+    return obj.nbytes / max(n, 1) * per_block
+
+
+def _xarray_resize(obj, dim, planner: Callable, reason: str, label: str = ""):
+    dim = _xarray_dim(obj, dim)
+    if dim is None:
+        return obj
+    sizes = tuple(int(s) for s in obj.chunksizes[dim])
+    rb = _xarray_row_bytes(obj, dim)
+    plan = planner(sizes, rb)
+    if plan is None:
+        return obj
+    _record(BlockResize("xarray", reason, str(dim), sizes, plan.sizes, rb, plan.split,
+                        plan.merged, time.time(), label))
+    return obj.chunk({dim: plan.sizes})
+
+
+# -- fitting blocks to device memory -------------------------------------------------------
+
+def smallest_free_memory(client=None, *, host: bool = True) -> tuple[int, str] | None:
+    """Free memory of the worker with the least, in bytes, and its kind.
+
+    GPU workers (real or simulated: those reporting distributed's NVML metrics) count their
+    free device memory (total minus used, from the last heartbeat). Without GPU workers and
+    with ``host=True``, the smallest host ``memory_limit`` counts. None without a reachable
+    cluster, or when no worker reports either.
+    """
+    if client is None:
+        try:
+            from distributed import default_client
+
+            client = default_client()
+        except ValueError:
+            return None
+    if client.status != "running":
+        return None
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    free = [read_metrics(w.get("metrics")).gpu_memory_free for w in workers.values()]
+    free = [f for f in free if f is not None]
+    if free:
+        return int(min(free)), "device"
+    if not host:
+        return None
+    limits = [clean_number(w.get("memory_limit")) for w in workers.values()]
+    limits = [int(m) for m in limits if m]
+    return (min(limits), "host") if limits else None
+
+
+def _max_rows(row_bytes: float, working_set, budget: float, most: int) -> int:
+    """The most rows ``r <= most`` with ``r x row_bytes + working_set(bytes) <= budget``
+    (``working_set`` non-decreasing in the block's bytes); 0 when not even one row fits."""
+    def fits(r: int) -> bool:
+        nbytes = int(r * row_bytes)
+        need = working_set(nbytes) if callable(working_set) else (working_set or 0)
+        return nbytes + need <= budget
+
+    if fits(most):
+        return most
+    lo, hi = 0, most  # fits(lo) (or lo == 0), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo if lo and fits(lo) else 0
+
+
+def _array_fit(x: da.Array, working_set, budget: float, axes=None, label=""
+               ) -> tuple[int, tuple] | None | str:
+    """``(axis, new chunks)`` so every block fits; None when all fit; ``"nowhere"`` when
+    not even one row along the axis does."""
+    if x.ndim == 0 or not _known(x.chunks):
+        return None
+    axes = list(range(x.ndim)) if axes is None else list(axes)
+    axes = [a for a in axes if x.shape[a] > 1]
+    if not axes:
+        return None
+    axis = max(axes, key=lambda a: (max(x.chunks[a]), -a))  # the longest blocks
+    rb = _row_bytes(x, axis)
+    most = max(x.chunks[axis])
+    r = _max_rows(rb, working_set, budget, most)
+    if r == 0:
+        return "nowhere"
+    plan = _fit_plan(x.chunks[axis], r)
+    if plan is None:
+        return None
+    _record(BlockResize("array", "fit-device-memory", axis, tuple(x.chunks[axis]),
+                        plan.sizes, rb, plan.split, 0, time.time(), label))
+    return axis, plan.sizes
+
+
+def fit_blocks(x, working_set: int | str | Callable[[int], int] = 0, *,
+               safety: float | None = None, client=None, axis: int | str | None = None):
+    """Rechunk so each block plus its kernel's working set fits the smallest worker's free
+    memory, with a safety margin.
+
+    The budget is the least free device memory of any GPU worker (real or simulated, from
+    the workers' last heartbeat) times ``1 - safety``; on a cluster without GPU workers, the
+    smallest host ``memory_limit`` times ``1 - safety``. Blocks are split along one axis
+    (``axis``, default the axis with the longest blocks) into even pieces of the most rows
+    ``r`` for which ``r x row bytes + working_set(r x row bytes) <= budget``; blocks that
+    fit are left alone. Method: blockflow heuristic (binary search on rows, assuming the
+    working set does not shrink as blocks grow).
+
+    Parameters
+    ----------
+    x : dask.array.Array or xarray object
+    working_set : int, str or callable, default 0
+        Bytes the kernel needs besides its block (``"2GiB"`` accepted), or a callable
+        ``working_set(block nbytes) -> bytes``.
+    safety : float, optional
+        Fraction 0-1 of the free memory kept free; default ``blockflow.blocks.safety``
+        (0.2).
+    client : distributed.Client, optional
+        Default: the current default client.
+    axis : int or str, optional
+        The axis (arrays) or dimension (xarray) to split.
+
+    Returns
+    -------
+    (collection, BlockResize or None)
+        The rechunked collection (the input itself when every block fits, or without a
+        reachable cluster or any memory figure: logged, nothing to fit to) and the record
+        of the change, or None.
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is not a Dask array or chunked xarray object.
+    ValueError
+        If not even a one-row block along the axis fits the budget with its working set
+        (the message gives the bytes), or ``safety`` is not in [0, 1).
+    """
+    safety = float(config.get("blocks.safety", safety))
+    if not 0 <= safety < 1:
+        raise ValueError(f"blockflow.fit_blocks: safety must be a fraction 0-1 of the free "
+                         f"memory to keep free, got {safety!r}; e.g. 0.2.")
+    if isinstance(working_set, str):
+        working_set = parse_bytes(working_set)
+    is_xarray = type(x).__module__.split(".")[0] == "xarray"
+    if not isinstance(x, da.Array) and not is_xarray:
+        raise TypeError(f"blockflow.fit_blocks: expected a Dask array or chunked xarray "
+                        f"object, got {type(x).__name__}; for dataframes, repartition by "
+                        f"rows (df.repartition(partition_size=...)).")
+    free = smallest_free_memory(client)
+    if free is None:
+        logger.info("blockflow: fit_blocks found no cluster memory figures; blocks unchanged")
+        return x, None
+    budget = free[0] * (1 - safety)
+    before = _count
+    if is_xarray:
+        out = _xarray_fit(x, working_set, budget, axis, free)
+    else:
+        axes = None if axis is None else [_check_axis(axis, x.ndim)]
+        found = _array_fit(x, working_set, budget, axes)
+        if found == "nowhere":
+            raise ValueError(_nowhere("blockflow.fit_blocks", x.dtype.itemsize, working_set,
+                                      free, safety))
+        out = x if found is None else x.rechunk({found[0]: found[1]})
+    return out, (_records[-1] if _count > before else None)
+
+
+def _xarray_fit(obj, working_set, budget, dim, free):
+    dim = _xarray_dim(obj, dim)
+    if dim is None:
+        return obj
+    sizes = tuple(int(s) for s in obj.chunksizes[dim])
+    rb = _xarray_row_bytes(obj, dim)
+    r = _max_rows(rb, working_set, budget, max(sizes))
+    if r == 0:
+        raise ValueError(_nowhere("blockflow.fit_blocks", rb, working_set, free, 0))
+    return _xarray_resize(obj, dim, lambda s, _: _fit_plan(s, r), "fit-device-memory")
+
+
+def _nowhere(func: str, row_bytes, working_set, free, safety) -> str:
+    need = working_set(int(row_bytes)) if callable(working_set) else working_set
+    return (f"{func}: even a one-row block ({format_bytes(int(row_bytes))}) with its working "
+            f"set ({format_bytes(int(need or 0))}) exceeds {1 - safety:.0%} of the smallest "
+            f"worker's free {free[1]} memory ({format_bytes(free[0])}); lower the working "
+            f"set, the safety margin (blockflow.blocks.safety), or use workers with more "
+            f"memory.")
+
+
+# -- what blockflow.map_blocks calls ------------------------------------------------------
+
+def prepare_arrays(arrays: Sequence[da.Array], *, working_set=None, skip_axes=(),
+                   label: str = "") -> list[da.Array]:
+    """Re-cut aligned arrays (axes align from the right) before a blockwise stage: split
+    skewed blocks (``blockflow.skew.*``) and, with a working set and GPU workers,
+    fit blocks to free device memory (``blockflow.blocks.fit-device-memory``). Every
+    array gets the same new chunks along the re-cut axis; axes in ``skip_axes`` (output
+    axes: dropped ones) are never re-cut."""
+    arrays = list(arrays)
+    ndim = max(x.ndim for x in arrays)
+    widest = max(arrays, key=lambda a: a.ndim)
+    axes = [a for a in range(ndim) if a not in set(skip_axes)]
+    if config.get("skew.enabled"):
+        factor, floor, merge_below = _settings(None, None, None)
+        found = _array_skew(widest, factor, floor, merge_below, axes, label)
+        if found is not None:
+            arrays = _rechunk_all(arrays, ndim, *found)
+            widest = max(arrays, key=lambda a: a.ndim)
+    if working_set is not None and config.get("blocks.fit-device-memory") == "auto":
+        free = smallest_free_memory(host=False)
+        if free is not None:
+            budget = free[0] * (1 - float(config.get("blocks.safety")))
+            found = _array_fit(widest, working_set, budget, axes, label)
+            if found == "nowhere":  # splitting does not help: leave it to the run time
+                logger.info("blockflow: %s: no block size fits its working set in %s of "
+                            "free %s memory; blocks unchanged", label or "map_blocks",
+                            format_bytes(int(budget)), free[1])
+            elif found is not None:
+                arrays = _rechunk_all(arrays, ndim, *found)
+    return arrays
+
+
+def _rechunk_all(arrays, ndim: int, axis: int, sizes: tuple) -> list[da.Array]:
+    out = []
+    for x in arrays:
+        a = axis - (ndim - x.ndim)
+        if a >= 0 and x.shape[a] != 1 and tuple(x.chunks[a]) != tuple(sizes):
+            x = x.rechunk({a: sizes})
+        out.append(x)
+    return out
+
+
+def prepare_frames(frames: Sequence, *, label: str = "") -> list:
+    """Split skewed partitions of a single dataframe whose lengths are cheap to know
+    (``blockflow.skew.*``); several frames are left as they are (their partitions pair up)."""
+    frames = list(frames)
+    if not config.get("skew.enabled") or len(frames) != 1:
+        return frames
+    factor, floor, merge_below = _settings(None, None, None)
+    return [_frame_skew(frames[0], factor, floor, merge_below, None, label)]
+
+
+def prepare_xarray(objs: Sequence, *, working_set=None, label: str = "") -> list:
+    """Re-cut argument 0 of an xarray stage along its chunked dimension (skew, then device
+    memory), and every other argument chunked along that dimension the same way."""
+    objs = list(objs)
+    main = objs[0]
+    if config.get("skew.enabled"):
+        factor, floor, merge_below = _settings(None, None, None)
+        main = _xarray_resize(main, None, lambda s, rb: _skew_plan(
+            s, rb, factor, floor, merge_below), "skew", label)
+    if working_set is not None and config.get("blocks.fit-device-memory") == "auto" \
+            and not callable(working_set):
+        free = smallest_free_memory(host=False)
+        dim = _xarray_dim(main)
+        if free is not None and dim is not None:
+            budget = free[0] * (1 - float(config.get("blocks.safety")))
+            rb = _xarray_row_bytes(main, dim)
+            r = _max_rows(rb, working_set, budget, max(main.chunksizes[dim]))
+            if r:
+                main = _xarray_resize(main, dim, lambda s, _: _fit_plan(s, r),
+                                      "fit-device-memory", label)
+    if main is objs[0]:
+        return objs
+    new = dict(main.chunksizes)
+    out = [main]
+    for o in objs[1:]:
+        change = {d: new[d] for d in o.chunksizes if d in new and
+                  tuple(o.chunksizes[d]) != tuple(new[d])}
+        out.append(o.chunk(change) if change else o)
+    return out
