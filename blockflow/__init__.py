@@ -25,6 +25,7 @@ from blockflow.errors import (
 )
 from blockflow.inference import predict
 from blockflow.inventory import Inventory, inventory
+from blockflow.parallel import PipelineParallel, TensorParallelMLP
 from blockflow.rebalance import rebalance
 from blockflow.reduction import choose_split_every, tree_reduce
 from blockflow.report import RunReport, run_report
@@ -41,9 +42,11 @@ __all__ = [
     "EmptyCollectionError",
     "GPUUnavailableError",
     "Inventory",
+    "PipelineParallel",
     "ResourceError",
     "Router",
     "RunReport",
+    "TensorParallelMLP",
     "WorkerLostError",
     "array_module",
     "choose_split_every",
