@@ -586,8 +586,8 @@ def _max_rows(row_bytes: float, working_set, budget: float, most: int) -> int:
 
 def _array_fit(x: da.Array, working_set, budget: float, axes=None, label=""
                ) -> tuple[int, tuple] | None | str:
-    """``(axis, new chunks)`` so every block fits; None when all fit; ``"nowhere"`` when
-    not even one row along the axis does."""
+    """``(axis, new chunks)`` so every block fits; None when all fit; ``("nowhere", row
+    bytes)`` when not even one row along the axis does."""
     if x.ndim == 0 or not _known(x.chunks):
         return None
     axes = list(range(x.ndim)) if axes is None else list(axes)
@@ -599,7 +599,7 @@ def _array_fit(x: da.Array, working_set, budget: float, axes=None, label=""
     most = max(x.chunks[axis])
     r = _max_rows(rb, working_set, budget, most)
     if r == 0:
-        return "nowhere"
+        return "nowhere", rb
     plan = _fit_plan(x.chunks[axis], r)
     if plan is None:
         return None
@@ -672,9 +672,9 @@ def fit_blocks(x, working_set: int | str | Callable[[int], int] = 0, *,
     else:
         axes = None if axis is None else [_check_axis(axis, x.ndim)]
         found = _array_fit(x, working_set, budget, axes)
-        if found == "nowhere":
-            raise ValueError(_nowhere("blockflow.fit_blocks", x.dtype.itemsize, working_set,
-                                      free, safety))
+        if found is not None and found[0] == "nowhere":
+            raise ValueError(_nowhere("blockflow.fit_blocks", found[1], working_set, free,
+                                      safety))
         out = x if found is None else x.rechunk({found[0]: found[1]})
     return out, (_records[-1] if _count > before else None)
 
@@ -687,7 +687,8 @@ def _xarray_fit(obj, working_set, budget, dim, free):
     rb = _xarray_row_bytes(obj, dim)
     r = _max_rows(rb, working_set, budget, max(sizes))
     if r == 0:
-        raise ValueError(_nowhere("blockflow.fit_blocks", rb, working_set, free, 0))
+        raise ValueError(_nowhere("blockflow.fit_blocks", rb, working_set, free,
+                                  1 - budget / free[0]))
     return _xarray_resize(obj, dim, lambda s, _: _fit_plan(s, r), "fit-device-memory")
 
 
@@ -724,7 +725,7 @@ def prepare_arrays(arrays: Sequence[da.Array], *, working_set=None, skip_axes=()
         if free is not None:
             budget = free[0] * (1 - float(config.get("blocks.safety")))
             found = _array_fit(widest, working_set, budget, axes, label)
-            if found == "nowhere":  # splitting does not help: leave it to the run time
+            if found is not None and found[0] == "nowhere":  # leave it to the run time
                 logger.info("blockflow: %s: no block size fits its working set in %s of "
                             "free %s memory; blocks unchanged", label or "map_blocks",
                             format_bytes(int(budget)), free[1])
