@@ -192,3 +192,39 @@ def test_noisy_groups_do_not_drown_a_clear_one():
     m.update()
     assert m.speed("slow") / m.speed("a") == pytest.approx(0.25, rel=0.25)
     assert m.heterogeneous()
+
+
+def test_blocks_of_uneven_size_rank_uneven_workers_rightly():
+    """Log-normal block sizes (sd 1 in log) on speeds 1, 1, 0.5, 0.25, observed one task at a
+    time. Two large draws in a row are common with sizes this uneven; the change-point rule
+    once took them for a change of speed and kept only them (learned 0.87, 1.69, 1.44, 0.73).
+    """
+    import random
+
+    truth = {"a": 1.0, "b": 1.0, "half": 0.5, "quarter": 0.25}
+    errors = []
+    for seed in range(20):
+        rng = random.Random(seed)
+        m = SpeedModel()
+        for i in range(40):
+            for w, s in truth.items():
+                m.observe(w, "g", 0.05 * math.exp(rng.gauss(0, 1.0)) / s)
+            m.update()
+        got = {w: m.speed(w) / math.sqrt(m.speed("a") * m.speed("b")) for w in truth}
+        # the order is right every time (the old rule: 12 of 20), ...
+        assert got["quarter"] < got["half"] < min(got["a"], got["b"]), (seed, got)
+        errors.append(sum(abs(math.log(got[w] / truth[w])) for w in truth) / len(truth))
+    # ... and the speeds are about right: mean |log error| 0.15 (the old rule: 0.33)
+    assert sum(errors) / len(errors) < 0.22, errors
+
+
+def test_a_steady_worker_that_slows_is_still_seen_beside_noisy_groups():
+    """The noise-aware change-point rule keeps the two-task detection for steady durations."""
+    m = SpeedModel()
+    for w in ("a", "b"):
+        feed(m, w, "g", [0.05, 0.052, 0.049, 0.051, 0.05])
+    m.update()
+    feed(m, "a", "g", [0.2, 0.21])
+    feed(m, "b", "g", [0.05, 0.05])
+    m.update()
+    assert m.speed("a") < 0.5 * m.speed("b")

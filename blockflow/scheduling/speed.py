@@ -13,9 +13,12 @@ Method (a blockflow heuristic from standard robust and shrinkage estimation):
 2. **Robust per-worker location.** Each (worker, group) keeps its last ``window`` log
    durations; its location is their median (robust to outliers and to the log-normal spread
    of real block durations). A level shift is not an outlier: when the last ``change_run``
-   durations all lie ``change_ratio`` beyond the median of the earlier ones, on the same
-   side, the earlier ones are dropped (a simple change-point rule, so a worker throttled
-   mid-run is seen as slow after two tasks).
+   durations all lie beyond the median of the earlier ones, on the same side, by more than
+   ``change_ratio`` *and* by more than ``change_sds`` robust standard deviations of the
+   earlier ones (1.4826 x their median absolute deviation), the earlier ones are dropped (a
+   change-point rule: a worker throttled mid-run is seen as slow after two tasks when its
+   durations are steady, later when they vary; blocks of uneven size, whose durations
+   spread widely, never pass two extreme draws for a change of speed).
 3. **Only comparisons count.** A group tells something about relative speed only when at
    least two workers ran it: the group's reference is the median over those workers of their
    medians, and a worker's evidence is ``reference - its median`` (in log space; positive is
@@ -35,7 +38,13 @@ Method (a blockflow heuristic from standard robust and shrinkage estimation):
    :meth:`SpeedModel.heterogeneous` asks that two confident workers differ by more than a
    given ratio *and* significantly (a two-sided test at 0.1 %, Student-t widened for few
    degrees of freedom).
-5. **Bounded optimism.** No worker looks faster than the best well-observed worker
+5. **Recent work counts most.** A group's evidence is weighted by ``0.5 ** (age /
+   half_life)``, its age being the durations observed (of any group) since its last one and
+   the half-life ``group_half_life`` durations per worker: a worker's speed is its speed at
+   the work it runs now. Tasks of different kinds use different parts of a machine (a
+   kernel on the GPU, input generation on the host CPU), so groups that ended long ago
+   should not outvote the group running now, nor should it win on its first two tasks.
+6. **Bounded optimism.** No worker looks faster than the best well-observed worker
    (confidence >= 0.5) by more than ``max_optimism``; before any is well observed, no worker
    looks faster than ``max_optimism`` itself.
 
@@ -73,8 +82,12 @@ class SpeedModel:
         pass for a precise measurement.
     change_run, change_ratio : int and float, default 2 and 2.0
         A worker whose last ``change_run`` durations of a group are all ``change_ratio``
-        times slower (or faster) than the median of its earlier ones changed speed: its
-        earlier durations are dropped.
+        times slower (or faster) than the median of its earlier ones, and beyond
+        ``change_sds`` robust standard deviations of them, changed speed: its earlier
+        durations are dropped.
+    change_sds : float, default 3.0
+        See ``change_run``: how far, in robust standard deviations of the earlier log
+        durations, the recent ones must lie.
     min_duration : float, default 0.005
         Durations below this (seconds) are ignored: tasks that short time the scheduler's
         and Python's overhead, not the device.
@@ -82,6 +95,9 @@ class SpeedModel:
         Largest speed ratio to the group's reference one worker can show (clip).
     max_optimism : float, default 1.5
         How much faster than the best well-observed worker any worker may look.
+    group_half_life : float, default 16.0
+        Durations per observed worker after which a group's evidence, if the group was not
+        seen since, weighs half (see the module doc).
     max_groups : int, default 256
         Task groups remembered (least recently seen forgotten first).
     max_pending : int, default 100_000
@@ -91,8 +107,10 @@ class SpeedModel:
     def __init__(self, window: int = 32, warmup: int = 1, prior_strength: float = 1.0,
                  prior_sd: float = 0.5, min_spread: float = 0.05, prior_spread: float = 0.2,
                  prior_dof: float = 2.0, change_run: int = 2, change_ratio: float = 2.0,
+                 change_sds: float = 3.0,
                  max_ratio: float = 64.0, min_duration: float = 0.005,
-                 max_optimism: float = 1.5, max_groups: int = 256,
+                 max_optimism: float = 1.5, group_half_life: float = 16.0,
+                 max_groups: int = 256,
                  max_pending: int = 100_000):
         self.window = window
         self.warmup = warmup
@@ -103,10 +121,14 @@ class SpeedModel:
         self.prior_dof = prior_dof
         self.change_run = change_run
         self.change_ratio = change_ratio
+        self.change_sds = change_sds
         self.min_duration = min_duration
         self.max_log_ratio = math.log(max_ratio)
         self.max_optimism = max_optimism
         self.max_groups = max_groups
+        self.group_half_life = group_half_life
+        self.folded = 0  # durations folded in so far (all groups), the clock of group ages
+        self.last_seen: dict[str, int] = {}  # group -> value of ``folded`` at its last one
         self.pending: deque[tuple[str, str, float]] = deque(maxlen=max_pending)
         # group -> worker -> recent log durations
         self.groups: OrderedDict[str, dict[str, deque[float]]] = OrderedDict()
@@ -131,6 +153,8 @@ class SpeedModel:
         while self.pending:
             worker, group, duration = self.pending.popleft()
             self.count[worker] = self.count.get(worker, 0) + 1
+            self.folded += 1
+            self.last_seen[group] = self.folded
             k = self.seen.get((worker, group), 0)
             self.seen[(worker, group)] = k + 1
             if k < self.warmup:
@@ -140,6 +164,7 @@ class SpeedModel:
                 per_worker = self.groups[group] = {}
                 while len(self.groups) > self.max_groups:
                     old, _ = self.groups.popitem(last=False)
+                    self.last_seen.pop(old, None)
                     for w in list(self.count):
                         self.seen.pop((w, old), None)
             else:
@@ -159,13 +184,17 @@ class SpeedModel:
 
     def _changed(self, window: deque) -> bool:
         """Whether the last ``change_run`` durations all lie beyond ``change_ratio`` of the
-        median of the earlier ones, on the same side (a level shift, not an outlier)."""
+        median of the earlier ones, and beyond ``change_sds`` robust standard deviations of
+        them, on the same side (a level shift, not an outlier or a noisy group's spread)."""
         k = self.change_run
         if len(window) < 2 * k:
             return False
         values = list(window)
-        before, recent = median(values[:-k]), values[-k:]
-        step = math.log(self.change_ratio)
+        earlier, recent = values[:-k], values[-k:]
+        before = median(earlier)
+        # robust sd of the earlier log durations (MAD x 1.4826), at least the timing noise
+        sd = max(1.4826 * median(abs(x - before) for x in earlier), self.min_spread)
+        step = max(math.log(self.change_ratio), self.change_sds * sd)
         return all(x - before > step for x in recent) or all(before - x > step for x in recent)
 
     def _estimate(self) -> None:
@@ -173,9 +202,10 @@ class SpeedModel:
         num: dict[str, float] = {}
         den: dict[str, float] = {}
         count: dict[str, int] = {}
-        comparable = []  # (per_worker, medians, ss, dof) of groups two workers ran, repeated
+        comparable = []  # (per_worker, medians, ss, dof, weight) of groups two workers ran
         ss_total, dof_total = 0.0, 0
-        for per_worker in self.groups.values():
+        half_life = self.group_half_life * max(len(self.count), 1)
+        for group, per_worker in self.groups.items():
             loc = {w: median(d) for w, d in per_worker.items() if d}
             dof = sum(len(per_worker[w]) for w in loc) - len(loc)
             if len(loc) < 2 or dof < 1:
@@ -187,7 +217,8 @@ class SpeedModel:
                 ss += sum((x - mean) ** 2 for x in d)
             ss_total += ss
             dof_total += dof
-            comparable.append((per_worker, loc, ss, dof))
+            age = self.folded - self.last_seen.get(group, self.folded)
+            comparable.append((per_worker, loc, ss, dof, 0.5 ** (age / half_life)))
         # Within-worker spread of log durations: each group's own, shrunk towards the spread
         # pooled over groups (itself shrunk towards prior_spread), as in empirical-Bayes
         # variance moderation (Smyth 2004): a group of many tasks speaks for itself, two or
@@ -195,16 +226,17 @@ class SpeedModel:
         # (tiny tasks, contention) weighs little.
         pooled = (ss_total + self.prior_dof * self.prior_spread ** 2) / (
             dof_total + self.prior_dof)
-        for per_worker, loc, ss, dof in comparable:
+        for per_worker, loc, ss, dof, weight in comparable:
             spread = max(math.sqrt((ss + self.prior_dof * pooled) / (dof + self.prior_dof)),
                          self.min_spread)
             ref = median(loc.values())
             for w, m in loc.items():
                 n = len(per_worker[w])
-                var = (1.2533 * spread) ** 2 / n  # variance of a median of n samples
+                # variance of a median of n samples, widened as the group ages
+                var = (1.2533 * spread) ** 2 / n / weight
                 num[w] = num.get(w, 0.0) + (ref - m) / var
                 den[w] = den.get(w, 0.0) + 1.0 / var
-                count[w] = count.get(w, 0) + n
+                count[w] = count.get(w, 0) + n * weight
                 self.dof[w] = dof_total
         self.log_speed, self.conf, self.var, self.raw = {}, {}, {}, {}
         prior = 1.0 / self.prior_sd ** 2
@@ -216,7 +248,7 @@ class SpeedModel:
             self.raw[w] = raw
             self.log_speed[w] = c * raw
             self.var[w] = 1.0 / (d + prior)
-            self.comparable[w] = n
+            self.comparable[w] = round(n)
         known = [ls for w, ls in self.log_speed.items() if self.conf[w] >= 0.5]
         cap = max(max(known, default=0.0), 0.0) + math.log(self.max_optimism)
         for w, ls in self.log_speed.items():
