@@ -228,3 +228,25 @@ def test_a_steady_worker_that_slows_is_still_seen_beside_noisy_groups():
     feed(m, "b", "g", [0.05, 0.05])
     m.update()
     assert m.speed("a") < 0.5 * m.speed("b")
+
+
+def test_a_host_side_group_that_ended_does_not_outvote_the_kernel_running_now():
+    """Inputs made on the host CPU (equal on every worker, tight) before kernels on devices
+    of speeds 1, 1, 0.5, 0.25 with uneven blocks: the kernel decides once it has run a while
+    (the host group once dragged the slow device's learned speed to 0.8)."""
+    import random
+
+    truth = {"a": 1.0, "b": 1.0, "half": 0.5, "quarter": 0.25}
+    rng = random.Random(3)
+    m = SpeedModel()
+    for w in truth:
+        feed(m, w, "random_sample", [0.03 * math.exp(rng.gauss(0, 0.3)) for _ in range(64)])
+    m.update()
+    for i in range(40):
+        for w, s in truth.items():
+            m.observe(w, "kernel", 0.05 * math.exp(rng.gauss(0, 0.7)) / s)
+        m.update()
+    fast = math.sqrt(m.speed("a") * m.speed("b"))
+    assert m.speed("quarter") / fast < 0.45
+    assert m.speed("half") / fast < 0.8
+    assert m.heterogeneous()
