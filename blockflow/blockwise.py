@@ -511,8 +511,8 @@ def map_blocks(
       ``blockflow.skew.floor`` (64 MiB) are split, runs of tiny neighbouring blocks merged,
       along one axis (arrays: the axis with the most blocks, never a dropped one; xarray:
       argument 0's chunked dimension with the most blocks; dataframes: rows, for a single
-      dataframe whose partition lengths are cheap to know, i.e. built from pandas or
-      persisted - never an extra pass over the data). Not with ``chunks=``/``template=``.
+      dataframe whose partition sizes are cheap to know: rows of one built from pandas,
+      bytes held of a persisted one - never an extra pass over the data). Not with ``chunks=``/``template=``.
     - Device memory (``blockflow.blocks.fit-device-memory: auto``): with ``working_set=`` on
       a cluster with GPU workers, blocks are split so that block + working set fits the
       smallest free device memory x (1 - ``blockflow.blocks.safety``); blocks that fit, or

@@ -70,6 +70,10 @@ class BlockResize:
         When the change was made (seconds since the epoch).
     label : str
         What it was made for (the kernel's task-name prefix in :func:`blockflow.map_blocks`).
+    unit : str
+        ``"rows"``, or ``"bytes"`` for a persisted dataframe whose partitions were sized by
+        the bytes the scheduler holds for them (``before``/``after`` are then bytes, and
+        ``row_bytes`` is 1; pieces are cut at the same fractions of their rows).
     """
 
     kind: str
@@ -82,6 +86,7 @@ class BlockResize:
     merged: int
     time: float
     label: str = ""
+    unit: str = "rows"
 
     @property
     def before_bytes(self) -> tuple:
@@ -103,8 +108,8 @@ class BlockResize:
         for_ = f" for {self.label}" if self.label else ""
         return (f"{self.reason}{for_}: {' and '.join(what) or 'unchanged'} along "
                 f"{'dimension' if isinstance(self.axis, str) else 'axis'} {self.axis!r}: "
-                f"{_describe(self.before, self.row_bytes)} -> "
-                f"{_describe(self.after, self.row_bytes)}")
+                f"{_describe(self.before, self.row_bytes, self.unit)} -> "
+                f"{_describe(self.after, self.row_bytes, self.unit)}")
 
     def to_dict(self) -> dict:
         """Plain data, with ``before_bytes`` and ``after_bytes`` added."""
@@ -113,10 +118,13 @@ class BlockResize:
         return out
 
 
-def _describe(sizes: Sequence[int], row_bytes: float) -> str:
+def _describe(sizes: Sequence[int], row_bytes: float, unit: str = "rows") -> str:
     n = len(sizes)
     big = max(sizes, default=0)
     med = float(np.median(sizes)) if n else 0.0
+    if unit == "bytes":
+        return (f"{n} block{'s' if n != 1 else ''} (largest {format_bytes(int(big))}; "
+                f"median {format_bytes(int(med))})")
     return (f"{n} block{'s' if n != 1 else ''} (largest {big:,} rows, "
             f"{format_bytes(int(big * row_bytes))}; median {med:,.0f} rows, "
             f"{format_bytes(int(med * row_bytes))})")
@@ -328,9 +336,10 @@ def split_skewed(collection, *, factor: float | None = None, floor: int | str | 
         The axis (arrays) or dimension (xarray) to re-cut.
     lengths : sequence of int or bool, optional
         Dataframes: the partitions' lengths in rows, if known; ``True`` computes them (one
-        pass over the data). Default: use them only where they are cheap to know (a
-        dataframe built from pandas, or a persisted one, whose partitions are in worker
-        memory); otherwise the dataframe is returned unchanged.
+        pass over the data). Default: sizes only where they are cheap to know: rows for a
+        dataframe built from pandas, the bytes the scheduler holds for each partition of a
+        persisted one (no task runs; pieces are then cut at the same fractions of their
+        rows); otherwise the dataframe is returned unchanged.
 
     Returns
     -------
@@ -404,32 +413,40 @@ def _meta_row_bytes(meta) -> float:
                      else 64 for d in dtypes))
 
 
-def _is_persisted(df) -> bool:
-    """Whether every partition is a future (a persisted collection): its partitions are in
-    worker memory, so their lengths cost one small task each."""
+def _persisted_futures(df) -> list | None:
+    """The futures of a persisted dataframe's partitions, in partition order, or None when
+    some partition is not a finished future (not persisted, or still computing)."""
     expr = df.expr
     if type(expr).__name__ != "FromGraph":
-        return False
+        return None
     try:
         layer = expr.operand("layer")
         from distributed import Future
+
+        futures = [layer[k] for k in expr.operand("keys")]
     except Exception:
-        return False
-    return bool(layer) and all(isinstance(v, Future) for v in layer.values())
+        return None
+    if len(futures) != df.npartitions or not all(
+            isinstance(f, Future) and f.status == "finished" for f in futures):
+        return None
+    return futures
 
 
 def partition_sizes(df, lengths: Sequence[int] | bool | None = None
-                    ) -> tuple[tuple[int, ...], float] | None:
-    """``(rows per partition, bytes per row)`` of a dataframe when cheap to know (or
-    ``lengths=True``: computed), else None. Bytes per row: measured when the partitions are
-    read, else estimated from the dtypes."""
+                    ) -> tuple[tuple[int, ...], float, str] | None:
+    """``(sizes per partition, bytes per unit, unit)`` of a dataframe when cheap to know,
+    else None. Rows (``unit="rows"``) when given, known to dask-expr (a frame built from
+    pandas) or computed (``lengths=True``, one pass); bytes per row measured where the
+    partitions are read, else estimated from the dtypes. A persisted frame is sized by the
+    bytes the scheduler holds for each partition (``client.nbytes``: no task runs;
+    ``unit="bytes"``)."""
     if lengths is not None and lengths is not True and lengths is not False:
         lengths = tuple(int(n) for n in lengths)
         if len(lengths) != df.npartitions:
             raise ValueError(
                 f"blockflow.split_skewed: lengths gives {len(lengths)} lengths for "
                 f"{df.npartitions} partitions; give one per partition.")
-        return lengths, _meta_row_bytes(df._meta)
+        return lengths, _meta_row_bytes(df._meta), "rows"
     if lengths is False:
         return None
     expr = df.expr
@@ -439,19 +456,31 @@ def partition_sizes(df, lengths: Sequence[int] | bool | None = None
             frame = expr.operand("frame")
             usage = frame.memory_usage(deep=True)
             total = int(usage.sum()) if hasattr(usage, "sum") else int(usage)
-            return rows, total / max(len(frame), 1)
+            return rows, total / max(len(frame), 1), "rows"
         except Exception:  # private API moved: fall through (no sizes)
             pass
-    if lengths is True or _is_persisted(df):
+    if lengths is True:
         pairs = df.map_partitions(_len_and_bytes, meta=(None, object)).compute().tolist()
         rows = tuple(int(r) for r, _ in pairs)
         total = sum(b for _, b in pairs)
-        return rows, total / max(sum(rows), 1)
+        return rows, total / max(sum(rows), 1), "rows"
+    futures = _persisted_futures(df)
+    if futures is not None:
+        try:
+            held = futures[0].client.nbytes([f.key for f in futures], summary=False)
+        except Exception:  # released meanwhile: sizes unknown
+            held = {}
+        if all(f.key in held for f in futures):
+            return tuple(int(held[f.key]) for f in futures), 1.0, "bytes"
     return None
 
 
-def _slice_rows(part, lo: int, hi: int):
-    return part.iloc[lo:hi]
+def _slice_share(part, lo: int, hi: int, size: int):
+    """Rows ``[lo, hi)`` of a partition of ``size`` units (rows, or bytes: then the same
+    fractions of its rows; neighbouring pieces share their bounds, so every row lands in
+    exactly one piece)."""
+    n = len(part)
+    return part.iloc[n * lo // size: n * hi // size] if size else part.iloc[0:0]
 
 
 def _concat_parts(*parts):
@@ -463,7 +492,7 @@ def _concat_parts(*parts):
 def _frame_from_plan(df, rows: Sequence[int], plan: _Plan):
     from dask import delayed
 
-    parts = df.to_delayed()
+    parts = df.to_delayed(optimize_graph=False)  # persisted frames: far faster to run
     new = []
     for first, stop, lo, hi in plan.pieces:
         if stop - first > 1:
@@ -471,7 +500,7 @@ def _frame_from_plan(df, rows: Sequence[int], plan: _Plan):
         elif lo == 0 and hi == rows[first]:  # neither split nor merged
             new.append(parts[first])
         else:
-            new.append(delayed(_slice_rows, pure=True)(parts[first], lo, hi))
+            new.append(delayed(_slice_share, pure=True)(parts[first], lo, hi, rows[first]))
     divisions = None
     if df.known_divisions and not plan.split:
         divisions = tuple(df.divisions[p[0]] for p in plan.pieces) + (df.divisions[-1],)
@@ -485,12 +514,12 @@ def _frame_skew(df, factor, floor, merge_below, lengths=None, label=""):
         logger.debug("blockflow: partition lengths of %s are not known cheaply; not "
                      "checked for skew (pass lengths=True to compute them)", label or "a frame")
         return df
-    rows, rb = known
+    rows, rb, unit = known
     plan = _skew_plan(rows, rb, factor, floor, merge_below)
     if plan is None:
         return df
     _record(BlockResize("dataframe", "skew", 0, rows, plan.sizes, rb, plan.split,
-                        plan.merged, time.time(), label))
+                        plan.merged, time.time(), label, unit))
     return _frame_from_plan(df, rows, plan)
 
 

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blockflow
+from distributed import wait
 from blockflow.decompose import fit_blocks, recorded_resizes, split_skewed
 from blockflow.testing import set_tenant, simulated_cluster
 
@@ -152,11 +153,15 @@ def test_dataframe_lengths_are_used_only_when_cheap(client):
     lengths = [1500] + [50] * 10
     df = _dask_frame(pdf, lengths)
     assert split_skewed(df, floor=0) == (df, None)  # unknown lengths: no extra pass
-    persisted = df.persist()  # partitions in worker memory: their lengths are cheap
+    persisted = df.persist()  # sized by the bytes the scheduler holds: no task runs
+    wait(persisted)
     out, change = split_skewed(persisted, floor=0)
-    assert change.before == tuple(lengths) and change.split == 1
-    assert change.row_bytes > 16  # measured: two 8-byte columns, strings and the index
+    assert change.unit == "bytes" and len(change.before) == 11 and change.split == 1
+    assert change.before[0] > 5 * max(change.before[1:])  # 1,500 rows vs 50 (+ overhead)
+    assert "(largest " in change.summary() and " rows" not in change.summary()
     pd.testing.assert_frame_equal(out.compute(), pdf, check_index_type=False)
+    lengths_out = out.map_partitions(len).compute().tolist()
+    assert sum(lengths_out) == 2000 and max(lengths_out) < 1500
     from_pandas = dd.from_pandas(pdf, npartitions=4)
     assert split_skewed(from_pandas, floor=0)[1] is None  # known (500 each), not skewed
 
@@ -221,6 +226,7 @@ def _rows(part):
 def test_map_blocks_splits_a_persisted_skewed_dataframe(client):
     pdf = _frame(2000)
     df = _dask_frame(pdf, [1500] + [50] * 10).persist()
+    wait(df)
     with dask.config.set({"blockflow.skew.floor": 0}):
         out = blockflow.map_blocks(_rows, df)
     got = out.compute()
