@@ -235,6 +235,7 @@ def test_pipeline_outputs_and_gradients_equal_the_unpipelined_model(client):
         assert set(df.worker) == {pipe.stage_workers[s]}
         assert sorted(df[df.phase == "forward"].micro_batch) == list(range(8))
         assert df[df.phase == "forward"].stop.max() <= df[df.phase == "backward"].start.min()
+        assert sorted(df[df.phase == "backward"].micro_batch) == list(range(8))
     assert 0 <= result.bubble < 1 and result.ideal_bubble == pytest.approx(2 / 10)
 
     # inference only: outputs, no gradients

@@ -6,8 +6,11 @@ as futures on a **GPipe** schedule (Huang et al., 2019): every micro-batch's for
 then every backward pass in reverse stage order, gradients accumulated over micro-batches on
 the stage's worker; with ``p`` stages of equal time the idle ("bubble") fraction is
 ``(p - 1) / (m + p - 1)``. Each stage's forward and backward tasks run on its worker only, in
-submission order (Dask's FIFO priorities), and a stage starts its backward passes only after
-its last forward pass (GPipe's flush).
+micro-batch order (one graph submitted at once, task priorities forward ``-j`` and backward
+``-(m + j)``: a worker runs its ready tasks highest priority first), and a stage starts its
+backward passes only after its last forward pass (GPipe's flush: a dependency on it, on the
+same worker, no transfer). Ordering by dependencies between a stage's tasks instead would
+cost a scheduler round trip per task.
 
 The **partition** is chosen from measured times, not equal layer counts: every layer's
 forward+backward on a probe micro-batch is timed on every worker, and
@@ -23,6 +26,7 @@ into :func:`blockflow.run_report`.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -45,52 +49,60 @@ METADATA_KEY = ("blockflow", "pipeline")
 
 
 class _Stage:
-    """The layers of one stage (shipped once to its worker)."""
+    """The layers of one stage, shipped once to its worker and kept there, with the
+    activations its forward passes saved for their backward passes (the *stash*, keyed by
+    run and micro-batch) and the gradients accumulated over micro-batches."""
 
     def __init__(self, layers: Sequence[Layer]):
         self.layers = list(layers)
+        self.stash: dict = {}
+        self.grads: dict = {}
+        self.loss: dict = {}
 
 
-def _stage_forward(stage: _Stage, x):
+#: Guards the stash and the accumulated gradients on a worker with several threads.
+_LOCK = threading.Lock()
+
+
+def _stage_forward(stage: _Stage, x, run: str, j: int, keep: bool, last: bool):
+    """Forward of micro-batch ``j``: the output; saves activations when ``keep``."""
     y, saved = forward(stage.layers, x)
-    return y, saved
+    if keep:
+        with _LOCK:
+            stage.stash[run, j] = (saved, y if last else None)
+    return y
 
 
-def _stage_backward(stage: _Stage, fwd, dy, _flush=None):
-    grads, dx = backward(stage.layers, fwd[1], dy)
-    return grads, dx
+def _stage_backward(stage: _Stage, dy, run: str, j: int, n_elements: int | None,
+                    _after=None):
+    """Backward of micro-batch ``j``; on the last stage ``dy`` is the target and the loss
+    gradient (mean squared error over ``n_elements``) is formed here. Returns ``dx``."""
+    with _LOCK:
+        saved, y = stage.stash.pop((run, j))
+    if n_elements is not None:
+        diff = y - dy
+        dy = 2.0 * diff / n_elements
+        sq = float((diff * diff).sum())
+    grads, dx = backward(stage.layers, saved, dy)
+    with _LOCK:
+        if n_elements is not None:
+            stage.loss[run] = stage.loss.get(run, 0.0) + sq
+        total = stage.grads.get(run)
+        if total is None:
+            stage.grads[run] = grads
+        else:
+            for t, g in zip(total, grads):
+                for k in t:
+                    t[k] = t[k] + g[k]
+    return dx
 
 
-def _output(fwd):
-    return fwd[0]
-
-
-def _dx(bwd):
-    return bwd[1]
-
-
-def _accumulate(total, bwd):
-    grads = bwd[0]
-    if total is None:
-        return [{k: v.copy() for k, v in g.items()} for g in grads]
-    for t, g in zip(total, grads):
-        for k in t:
-            t[k] += g[k]
-    return total
-
-
-def _mse_grad(y, target, n_elements: int):
-    """``d mean((y - target)**2) / dy`` for this micro-batch, and its squared-error sum."""
-    diff = y - target
-    return 2.0 * diff / n_elements, float((diff * diff).sum())
-
-
-def _first(pair):
-    return pair[0]
-
-
-def _second(pair):
-    return pair[1]
+def _collect(stage: _Stage, run: str, *_after):
+    """The stage's accumulated gradients and squared-error sum of ``run`` (and forget them)."""
+    with _LOCK:
+        for key in [k for k in stage.stash if k[0] == run]:
+            del stage.stash[key]
+        return stage.grads.pop(run, None), stage.loss.pop(run, None)
 
 
 def _layer_times(layers: Sequence[Layer], x, repeats: int, fn: Callable):
@@ -323,6 +335,8 @@ class PipelineParallel:
         -------
         PipelineResult
         """
+        import dask
+        from dask import delayed
         from distributed import get_task_stream
 
         X = np.asarray(X, dtype=np.float64)
@@ -332,46 +346,55 @@ class PipelineParallel:
         token = uuid.uuid4().hex[:8]
         c = self.client
         mbs = np.array_split(X, m)
-        on = [dict(workers=[w], allow_other_workers=False, pure=False)
-              for w in self.stage_workers]
+        on = [dict(workers=[w], allow_other_workers=False) for w in self.stage_workers]
+        train = target is not None
+        if train:
+            T = np.asarray(target, dtype=np.float64)
+            if T.shape[0] != X.shape[0]:
+                raise ValueError(f"blockflow: target has {T.shape[0]} rows but X has "
+                                 f"{X.shape[0]}; pass one target row per sample.")
         with get_task_stream(c) as stream:
             inputs = c.scatter(mbs, workers=[self.stage_workers[0]], hash=False)
+            targets = c.scatter(np.array_split(T, m), workers=[self.stage_workers[-1]],
+                                hash=False) if train else None
+            # One graph, one submission: the scheduler sees every task and its priority at
+            # once (separate submits may reach a worker out of order).
             fwd = [[None] * m for _ in range(p)]
             for j in range(m):
                 x = inputs[j]
                 for s in range(p):
-                    fwd[s][j] = c.submit(_stage_forward, self._stages[s], x,
-                                         key=f"{name}-forward-{token}-{s}-{j}", **on[s])
-                    x = c.submit(_output, fwd[s][j], key=f"{name}-out-{token}-{s}-{j}",
-                                 **on[s])
-                fwd[p - 1][j] = (fwd[p - 1][j], x)
-            outs = [fwd[p - 1][j][1] for j in range(m)]
-            fwd[p - 1] = [f for f, _ in fwd[p - 1]]
-            loss, grads = None, None
-            if target is not None:
-                T = np.asarray(target, dtype=np.float64)
-                if T.shape[0] != X.shape[0]:
-                    raise ValueError(f"blockflow: target has {T.shape[0]} rows but X has "
-                                     f"{X.shape[0]}; pass one target row per sample.")
-                targets = c.scatter(np.array_split(T, m), workers=[self.stage_workers[-1]],
-                                    hash=False)
-                acc = [None] * p
-                losses = []
+                    with dask.annotate(priority=-j, **on[s]):
+                        x = fwd[s][j] = delayed(_stage_forward, pure=False)(
+                            self._stages[s], x, token, j, train, s == p - 1,
+                            dask_key_name=f"{name}-forward-{token}-{s}-{j}")
+            wanted = [fwd[p - 1][j] for j in range(m)]
+            if train:
+                bwd = [[] for _ in range(p)]
                 for j in range(m):
-                    g = c.submit(_mse_grad, outs[j], targets[j], T.size, **on[-1])
-                    losses.append(c.submit(_second, g, **on[-1]))
-                    dy = c.submit(_first, g, **on[-1])
+                    dy = targets[j]
                     for s in range(p - 1, -1, -1):
-                        b = c.submit(_stage_backward, self._stages[s], fwd[s][j], dy,
-                                     fwd[s][m - 1], key=f"{name}-backward-{token}-{s}-{j}",
-                                     **on[s])
-                        acc[s] = c.submit(_accumulate, acc[s], b, **on[s])
-                        if s:
-                            dy = c.submit(_dx, b, **on[s])
-                stage_grads = c.gather(acc)
-                loss = float(sum(c.gather(losses))) / T.size
-                grads = [g for sg in stage_grads for g in sg]
-            output = np.concatenate(c.gather(outs))
+                        # after the stage's own forward of this micro-batch and after its
+                        # last forward (GPipe's flush); same worker, no transfer
+                        after = [fwd[s][j], fwd[s][m - 1]]
+                        with dask.annotate(priority=-(m + j), **on[s]):
+                            dy = delayed(_stage_backward, pure=False)(
+                                self._stages[s], dy, token, j,
+                                T.size if s == p - 1 else None, after,
+                                dask_key_name=f"{name}-backward-{token}-{s}-{j}")
+                        bwd[s].append(dy)
+                for s in range(p):
+                    with dask.annotate(**on[s]):
+                        wanted.append(delayed(_collect, pure=False)(
+                            self._stages[s], token, *bwd[s],
+                            dask_key_name=f"{name}-collect-{token}-{s}"))
+            futures = c.compute(wanted, optimize_graph=False)
+            done = c.gather(futures)
+            output = np.concatenate(done[:m])
+            loss, grads = None, None
+            if train:
+                collected = done[m:]
+                loss = collected[-1][1] / T.size
+                grads = [g for stage_grads, _ in collected for g in stage_grads]
         timeline = _timeline(stream.data, name, token, self.stage_workers)
         makespan = float(timeline.stop.max()) if len(timeline) else 0.0
         result = PipelineResult(output=output, loss=loss, grads=grads, timeline=timeline,
