@@ -489,9 +489,51 @@ def _concat_parts(*parts):
     return concat(list(parts))
 
 
+def _identity(part):
+    return part
+
+
+def _spread_persisted(futures, rows: Sequence[int], plan: _Plan) -> list:
+    """The pieces of a persisted frame as futures, the pieces of split partitions spread
+    over the workers (the call does not wait for them).
+
+    Dask places a task on a worker holding its input, so kernels on pieces cut lazily from
+    one persisted partition would all queue where that partition is, and only work stealing
+    (late, one task at a time) would spread them. Here each piece is cut where its partition
+    is (no transfer) and then copied, alone, to the next worker in turn: (k-1)/k of a split
+    partition moves, once, and each piece's kernel then runs where its piece is. blockflow
+    heuristic."""
+    client = futures[0].client
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    holders = client.who_has(futures)
+    turn = 0
+    new = []
+    for first, stop, lo, hi in plan.pieces:
+        if stop - first > 1:
+            new.append(client.submit(_concat_parts, *futures[first:stop]))
+        elif lo == 0 and hi == rows[first]:  # neither split nor merged
+            new.append(futures[first])
+        else:
+            held = list(holders.get(futures[first].key, ()))
+            piece = client.submit(_slice_share, futures[first], lo, hi, rows[first],
+                                  workers=held or None, allow_other_workers=True)
+            target = workers[turn % len(workers)] if workers else None
+            turn += 1
+            if target is not None and target not in held:
+                piece = client.submit(_identity, piece, workers=[target],
+                                      allow_other_workers=True)
+            new.append(piece)
+    return new
+
+
 def _frame_from_plan(df, rows: Sequence[int], plan: _Plan):
     from dask import delayed
 
+    futures = _persisted_futures(df) if plan.split else None
+    if futures is not None:
+        new = _spread_persisted(futures, rows, plan)
+        return dd.from_delayed(new, meta=df._meta, divisions=None, verify_meta=False,
+                               prefix="blockflow-recut")
     parts = df.to_delayed(optimize_graph=False)  # persisted frames: far faster to run
     new = []
     for first, stop, lo, hi in plan.pieces:

@@ -223,6 +223,23 @@ def _rows(part):
     return part.assign(n=len(part))
 
 
+def test_pieces_of_a_persisted_partition_are_spread_over_the_workers(client):
+    a, b = sorted(client.scheduler_info()["workers"])
+    pdf = _frame(2000)
+    df = _dask_frame(pdf, [1500] + [50] * 10).persist(workers=[a])  # all on one worker
+    wait(df)
+    out, change = split_skewed(df, floor=0)
+    cut = len(change.after) - 10  # partition 0's pieces come first
+    assert cut > 1
+    held = out.persist()
+    wait(held)
+    holders = client.who_has(held)
+    where = [ws for _, ws in sorted((k[1], ws) for k, ws in holders.items())]  # by partition
+    assert {w for ws in where[:cut] for w in ws} == {a, b}
+    assert {w for ws in where[cut:] for w in ws} == {a}  # the others stay where they were
+    pd.testing.assert_frame_equal(held.compute(), pdf, check_index_type=False)
+
+
 def test_map_blocks_splits_a_persisted_skewed_dataframe(client):
     pdf = _frame(2000)
     df = _dask_frame(pdf, [1500] + [50] * 10).persist()
