@@ -46,6 +46,12 @@ class RunReport:
         Blocks re-cut before blockwise stages in this process (:mod:`blockflow.decompose`):
         skewed blocks split, tiny ones merged, blocks fitted to device memory, with the
         block sizes (rows, bytes) before and after.
+    pipeline : dict or None
+        The latest pipeline-parallel pass in the window (:class:`blockflow.PipelineParallel`):
+        ``name``, ``stages``, ``micro_batches``, ``workers``, ``makespan`` (s), ``bubble``
+        and ``ideal_bubble`` (fractions 0-1), and ``timeline``, a DataFrame of one row per
+        stage task (``stage``, ``worker``, ``micro_batch``, ``phase``, ``start``, ``stop``
+        in seconds since the pass started). None when no pass ran.
     """
 
     since: float
@@ -57,6 +63,7 @@ class RunReport:
     policy: str
     tasks: pd.DataFrame = field(repr=False)
     block_changes: list[BlockResize] = field(default_factory=list, repr=False)
+    pipeline: dict | None = field(default=None, repr=False)
 
     def to_pandas(self) -> pd.DataFrame:
         """Per-worker table: tasks, busy seconds, device-memory peak (bytes)."""
@@ -90,7 +97,14 @@ class RunReport:
                 f"{_count(len(self.tasks_per_worker), 'worker')}, "
                 f"{_count(self.moves, 'move')} ({format_bytes(self.bytes_moved)}), "
                 f"policy {self.policy}>\n" + self.to_pandas().to_string(index=False)
-                + "".join(f"\nblocks re-cut: {c.summary()}" for c in self.block_changes))
+                + "".join(f"\nblocks re-cut: {c.summary()}" for c in self.block_changes)
+                + (f"\n{self._pipeline_text()}" if self.pipeline else ""))
+
+    def _pipeline_text(self) -> str:
+        p = self.pipeline
+        return (f"pipeline {p['name']!r}: {p['stages']} stages, {p['micro_batches']} "
+                f"micro-batches, {p['makespan']:.2f} s, bubble {p['bubble']:.1%} (GPipe "
+                f"(p-1)/(m+p-1) = {p['ideal_bubble']:.1%})")
 
     def _repr_html_(self) -> str:
         table = self.to_pandas().assign(device_memory_peak=lambda d: [
@@ -100,7 +114,8 @@ class RunReport:
                 f"{_count(self.moves, 'move')} "
                 f"({html.escape(format_bytes(self.bytes_moved))}), policy "
                 f"{html.escape(self.policy)}</p>" + table.to_html(index=False)
-                + self._changes_html())
+                + self._changes_html()
+                + (f"<p>{html.escape(self._pipeline_text())}</p>" if self.pipeline else ""))
 
     def _changes_html(self) -> str:
         if not self.block_changes:
@@ -161,4 +176,14 @@ def run_report(client, since: float | None = None) -> RunReport:
         policy=status["policy"],
         tasks=log.reset_index(drop=True),
         block_changes=changes,
+        pipeline=_pipeline(client, since),
     )
+
+
+def _pipeline(client, since: float) -> dict | None:
+    """The latest pipeline pass published in the scheduler's metadata (by
+    :class:`blockflow.PipelineParallel`) if it ran after ``since``."""
+    meta = client.get_metadata(["blockflow", "pipeline"], default=None)
+    if not isinstance(meta, dict) or meta.get("time", 0) < since:
+        return None
+    return {**meta, "timeline": pd.DataFrame(meta.get("timeline") or {})}

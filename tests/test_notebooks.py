@@ -18,7 +18,7 @@ pytest.importorskip("ipykernel")
 
 NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = ["01-quickstart", "02-etl-flights", "03-xarray", "04-heterogeneous-gpus",
-             "05-training-and-tuning"]
+             "05-training-and-tuning", "06-inference-and-model-parallelism"]
 
 CELL_TIMEOUT = 120  # seconds, per cell (nbclient)
 NOTEBOOK_BUDGET = 120  # seconds, per notebook, kernel start included (idle machine; scaled)
@@ -41,6 +41,11 @@ PROBES = {
         " 'actions': sorted(set(decisions.action))}"
     ),
     "05-training-and-tuning": "{'accuracy': accuracy, 'max_rel': max_rel, 'glm_rel': glm_rel}",
+    "06-inference-and-model-parallelism": (
+        "{'agree': agree, 'accuracy': accuracy, 'routed_ok': routed_ok, 'tp_rel': tp_rel,"
+        " 'widths': list(tp.widths.values()), 'pipe_rel': pipe_rel,"
+        " 'stages': result.n_stages, 'bubble': result.bubble}"
+    ),
 }
 
 
@@ -203,10 +208,25 @@ def _check_training(nb, values):
         nb, "opt = torch.optim.Adam")
 
 
+def _check_parallelism(nb, values):
+    assert values["agree"] == 1.0 and values["accuracy"] >= 0.9, values
+    assert values["routed_ok"] is True
+    assert values["tp_rel"] <= 1e-6 and len(values["widths"]) == 3, values
+    assert values["pipe_rel"] <= 1e-6 and values["stages"] == 3, values
+    assert 0 < values["bubble"] < 1
+    assert "largest relative difference from single-device PyTorch" in _output_of(
+        nb, "rng = np.random.default_rng(0)")
+    assert "application/vnd.bokehjs_exec.v0+json" in json.dumps(
+        [c.outputs for c in nb.cells if c.cell_type == "code" and c.source.startswith("show(")])
+    assert "pipeline &#x27;digits-mlp&#x27;: 3 stages, 12 micro-batches" in _output_of(
+        nb, "report = blockflow.run_report")
+
+
 CHECKS = {
     "01-quickstart": _check_quickstart,
     "02-etl-flights": _check_flights,
     "03-xarray": _check_xarray,
     "04-heterogeneous-gpus": _check_heterogeneous,
     "05-training-and-tuning": _check_training,
+    "06-inference-and-model-parallelism": _check_parallelism,
 }

@@ -307,3 +307,52 @@ def test_pipeline_refuses_bad_partitions(client):
         PipelineParallel(client, layers, partition=(workers, [0, 3, 3]))
     with pytest.raises(ValueError, match="cannot tell the model's input width"):
         PipelineParallel(client, [Broken()])
+
+
+async def _update(page):
+    page.update()
+
+
+@pytest.mark.slow
+def test_pipeline_timeline_in_the_run_report_and_on_the_dashboard_page():
+    import json
+    import time
+    import urllib.request
+
+    from blockflow.dashboard.page import BlockflowPage
+
+    client = blockflow.connect(gpu=False, n_workers=2, threads_per_worker=1, processes=False,
+                               dashboard_address="127.0.0.1:0")
+    try:
+        since = time.time()
+        rng = np.random.default_rng(5)
+        pipe = PipelineParallel(client, _mlp(rng, [4, 8, 8, 2]), partition="equal")
+        result = pipe.run(rng.standard_normal((24, 4)), rng.standard_normal((24, 2)),
+                          n_micro_batches=6, name="demo")
+        report = blockflow.run_report(client, since=since)
+        assert report.pipeline is not None and report.pipeline["name"] == "demo"
+        assert report.pipeline["stages"] == 2 and report.pipeline["micro_batches"] == 6
+        assert report.pipeline["timeline"].equals(result.timeline.reset_index(drop=True))
+        assert report.pipeline["bubble"] == pytest.approx(result.bubble)
+        assert "pipeline 'demo': 2 stages, 6 micro-batches" in repr(report)
+        assert "pipeline &#x27;demo&#x27;: 2 stages" in report._repr_html_()
+        # a report of a later window shows no pipeline
+        assert blockflow.run_report(client, since=time.time() + 1).pipeline is None
+
+        page = BlockflowPage(client.cluster.scheduler)
+        client.sync(_update, page)
+        assert page.pipeline_fig.visible
+        assert "Pipeline demo: 2 stages, 6 micro-batches" in page.pipeline_fig.title.text
+        assert len(page.pipeline.data["start"]) == 24  # 2 stages x 6 x (forward, backward)
+        assert sorted(set(page.pipeline.data["stage"])) == ["stage 0", "stage 1"]
+        # and in the JSON route the page's data come from
+        port = client.cluster.scheduler.http_server.port
+        url = f"http://127.0.0.1:{port}/blockflow/status.json"
+        with urllib.request.urlopen(url, timeout=30) as reply:
+            data = json.loads(reply.read())
+        assert data["pipeline"]["name"] == "demo"
+        assert len(data["pipeline"]["timeline"]["stage"]) == 24
+        pipe.close()
+    finally:
+        client.shutdown()
+        client.close()

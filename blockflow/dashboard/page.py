@@ -94,7 +94,19 @@ class BlockflowPage:
         for table in (self.worker_table, self.decision_table):
             _redraw_on_new_data(table)
         self.tuning = Div(text="", sizing_mode="stretch_width", name="blockflow-tuning")
-        self.root = column(self.header, self.worker_table, self.tuning,
+        # the latest pipeline-parallel pass: one row per stage, a bar per task
+        self.pipeline = ColumnDataSource(
+            {k: [] for k in ("stage", "start", "stop", "phase", "micro_batch", "worker",
+                             "color")})
+        self.pipeline_fig = figure(
+            title="Pipeline timeline", height=220, y_range=FactorRange(),
+            sizing_mode="stretch_width", tools="xpan,xwheel_zoom,reset",
+            x_axis_label="seconds", name="blockflow-pipeline", visible=False)
+        self.pipeline_fig.hbar(y="stage", left="start", right="stop", height=0.7,
+                               color="color", source=self.pipeline)
+        self.pipeline_fig.add_tools(HoverTool(tooltips=[
+            ("phase", "@phase"), ("micro-batch", "@micro_batch"), ("worker", "@worker")]))
+        self.root = column(self.header, self.worker_table, self.tuning, self.pipeline_fig,
                            row(self.timeline, self.count_fig,
                                                                sizing_mode="stretch_width"),
                            self.decision_table, sizing_mode="stretch_width", **kwargs)
@@ -141,9 +153,28 @@ class BlockflowPage:
             "reason": [d["reason"] for d in ds],
         }
         self.tuning.text = _tuning_html(state.get("tuning"), now)
+        self._update_pipeline(state.get("pipeline"))
         names = [w["address"] for w in ws]
         self.count_fig.x_range.factors = names
         self.counts.data = {"worker": names, "tasks": [w["tasks_run"] for w in ws]}
+
+
+    def _update_pipeline(self, pipe: dict | None) -> None:
+        if not pipe or not pipe.get("timeline"):
+            return
+        t = pipe["timeline"]
+        stages = [f"stage {s}" for s in t["stage"]]
+        self.pipeline_fig.y_range.factors = sorted(set(stages), reverse=True)
+        self.pipeline_fig.title.text = (
+            f"Pipeline {pipe['name']}: {pipe['stages']} stages, {pipe['micro_batches']} "
+            f"micro-batches, {pipe['makespan']:.2f} s, bubble {pipe['bubble']:.1%} (GPipe "
+            f"{pipe['ideal_bubble']:.1%})")
+        self.pipeline.data = {
+            "stage": stages, "start": list(t["start"]), "stop": list(t["stop"]),
+            "phase": list(t["phase"]), "micro_batch": list(t["micro_batch"]),
+            "worker": list(t["worker"]),
+            "color": ["#1f77b4" if ph == "forward" else "#ff7f0e" for ph in t["phase"]]}
+        self.pipeline_fig.visible = True
 
 
 def _config_text(config: dict) -> str:

@@ -110,7 +110,15 @@ def dashboard_state(scheduler, *, since: float | None = None,
                         for u, a in _distributed.shared_devices(views).items()],
         "decisions": decisions,
         "tuning": _tuning(scheduler),
+        "pipeline": _pipeline(scheduler),
     }
+
+
+def _pipeline(scheduler) -> dict[str, Any] | None:
+    """The timeline the latest :class:`blockflow.PipelineParallel` pass published (None
+    before any)."""
+    meta = _distributed.scheduler_metadata(scheduler, ("blockflow", "pipeline"))
+    return meta if isinstance(meta, dict) else None
 
 
 def _tuning(scheduler) -> dict[str, Any] | None:

@@ -403,6 +403,10 @@ class PipelineParallel:
             self._publish(result, name)
         return result
 
+    def close(self) -> None:
+        """Release the stages held on the workers."""
+        self._stages = []
+
     def _publish(self, result: PipelineResult, name: str) -> None:
         t = result.timeline
         self.client.set_metadata(list(METADATA_KEY), {
