@@ -22,7 +22,7 @@ side:
    forward+backward) and each one's bubble.
 
     python benchmarks/parallelism.py               # ~2 min here
-    python benchmarks/parallelism.py --repeats 1 --layer-seconds 0.01   # smoke
+    python benchmarks/parallelism.py --repeats 1 --bubble-layer-seconds 0.02   # smoke
 
 Correctness (forward and gradients equal single-device PyTorch to 1e-6) is checked by
 ``tests/test_parallel.py``, not here.

@@ -407,6 +407,13 @@ class PipelineParallel:
         """Release the stages held on the workers."""
         self._stages = []
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
     def _publish(self, result: PipelineResult, name: str) -> None:
         t = result.timeline
         self.client.set_metadata(list(METADATA_KEY), {

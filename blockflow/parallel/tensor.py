@@ -440,7 +440,14 @@ class TensorParallelMLP:
     def close(self) -> None:
         """Release the weights and saved activations on the workers."""
         self._saved, self._inputs, self.shards, self.bias = [], [], [], []
-        self.weights, self._weight_futures = [], []
+        self.weights, self._weight_futures, self._output = [], [], None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
 
 
 class _PeakTracker:
