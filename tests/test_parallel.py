@@ -356,3 +356,30 @@ def test_pipeline_timeline_in_the_run_report_and_on_the_dashboard_page():
     finally:
         client.shutdown()
         client.close()
+
+
+@pytest.mark.gpu
+def test_tensor_shards_live_in_device_memory_on_gpu_workers():
+    """On a worker that sees a GPU, the shards are CuPy arrays and the passes still equal
+    single-device PyTorch."""
+    pytest.importorskip("cupy", reason="CuPy is not installed (pip install 'blockflow[gpu]')")
+    from blockflow.backends import gpu_device_count
+
+    if gpu_device_count() == 0:
+        pytest.skip("no NVIDIA GPU visible to this process")
+    rng = np.random.default_rng(6)
+    blocks = _blocks(rng, [8, 8], [40])
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as c:
+        with TensorParallelMLP(c, blocks) as model:
+            shard = futures_of(model.weights[0]["A"])[0].result()
+            assert type(shard).__module__.split(".")[0] == "cupy"
+            X = rng.standard_normal((12, 8))
+            y = model.forward(X)
+            G = rng.standard_normal(y.shape)
+            grads = model.backward(G)
+            want_y, want_grads = _torch_reference(blocks, X, G)
+            assert isinstance(y, np.ndarray) and rel_err(y, want_y) < RTOL
+            got_A = grads[0]["A"].compute()
+            got_A = got_A.get() if hasattr(got_A, "get") else got_A
+            assert rel_err(got_A, want_grads[0]["A"]) < RTOL

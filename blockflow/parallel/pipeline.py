@@ -305,6 +305,12 @@ class PipelineParallel:
         -------
         dict of str to list of float
             Worker address -> seconds per layer.
+
+        Notes
+        -----
+        The probe sends every layer to every worker once (one task each, in parallel), so
+        each worker must hold the whole model's parameters for a moment; for a model too
+        large for that, pass an explicit ``partition``.
         """
         x = np.random.default_rng(0).standard_normal((rows, self._input_width()))
         futs = {w: self.client.submit(_layer_times, self.layers, x, repeats, _one_layer,

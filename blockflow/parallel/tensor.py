@@ -348,7 +348,8 @@ class TensorParallelMLP:
         -------
         numpy.ndarray, shape (n_samples, d_out)
         """
-        x = self.client.scatter(np.asarray(X, dtype=np.float64), broadcast=True)
+        x = self.client.scatter(np.asarray(X, dtype=np.float64), broadcast=True,
+                                workers=self.workers, hash=False)
         self._inputs, self._saved = [], []
         for parts, bias in zip(self.shards, self.bias):
             self._inputs.append(x)
@@ -388,7 +389,8 @@ class TensorParallelMLP:
 
         if not getattr(self, "_saved", None):
             raise RuntimeError("blockflow: call forward(X) before backward(grad_output).")
-        dy = self.client.scatter(np.asarray(grad_output, dtype=np.float64), broadcast=True)
+        dy = self.client.scatter(np.asarray(grad_output, dtype=np.float64), broadcast=True,
+                                 workers=sorted({*self.workers, self.head}), hash=False)
         grads: list[dict] = [None] * len(self.shards)
         for k in range(len(self.shards) - 1, -1, -1):
             parts, saved = self.shards[k], self._saved[k]
