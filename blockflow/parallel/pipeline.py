@@ -26,6 +26,7 @@ into :func:`blockflow.run_report`.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -40,6 +41,8 @@ from blockflow.parallel.layers import Layer, backward, forward
 from blockflow.parallel.partition import equal_stages, partition_stages, stage_times
 
 __all__ = ["METADATA_KEY", "PipelineParallel", "PipelineResult", "bubble_fraction"]
+
+logger = logging.getLogger(__name__)
 
 #: Scheduler metadata key under which the latest pipeline run publishes its timeline.
 METADATA_KEY = ("blockflow", "pipeline")
@@ -251,6 +254,14 @@ class PipelineParallel:
         The measured seconds of each layer on each worker (``"speed"`` partition).
     predicted_stage_times : list of float or None
         Per stage, the measured seconds of its layers on its worker.
+
+    Raises
+    ------
+    ValueError
+        For no layers, workers not in the cluster, an unknown partition or bounds that do
+        not cut the layers into one non-empty stage per worker.
+    RuntimeError
+        If the cluster has no workers.
     """
 
     def __init__(self, client, layers: Sequence[Layer], *, workers: Sequence[str] | None = None,
@@ -275,6 +286,9 @@ class PipelineParallel:
             self.predicted_stage_times = stage_times(self.layer_times, bounds, order)
         elif partition == "equal":
             order, bounds = equal_stages(len(self.layers), workers[:p])
+        elif isinstance(partition, str):
+            raise ValueError(f"blockflow: partition must be 'speed', 'equal' or (workers, "
+                             f"bounds), got {partition!r}.")
         else:
             order, bounds = partition
             order, bounds = list(order), [int(b) for b in bounds]
@@ -284,6 +298,12 @@ class PipelineParallel:
                                  f"{len(self.layers)} with one stage per worker, got {bounds} "
                                  f"for {len(order)} workers.")
         self.stage_workers, self.bounds = order, bounds
+        logger.info("blockflow: pipeline of %d layers in %d stages: layers %s on workers %s "
+                    "(partition %s; measured stage seconds %s)", len(self.layers), len(order),
+                    [f"{a}:{b}" for a, b in zip(bounds, bounds[1:])], order,
+                    partition if isinstance(partition, str) else "given",
+                    None if self.predicted_stage_times is None
+                    else [round(t, 4) for t in self.predicted_stage_times])
         self._stages = [
             client.scatter(_Stage(self.layers[bounds[s]:bounds[s + 1]]), workers=[w],
                            hash=False)

@@ -19,6 +19,7 @@ device visible) the shards are moved to device memory; elsewhere they stay NumPy
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from typing import Callable, Sequence
@@ -29,6 +30,8 @@ from blockflow import _distributed, config
 from blockflow.parallel.partition import check_fits, shard_widths
 
 __all__ = ["TensorParallelMLP", "free_device_memory", "random_blocks"]
+
+logger = logging.getLogger(__name__)
 
 _ACTIVATIONS = ("tanh", "relu")
 
@@ -260,6 +263,9 @@ class TensorParallelMLP:
         self.workers = sorted(frac)
         self.head = first  # holds the output biases and sums the partial outputs
         self.widths = frac
+        logger.info("blockflow: tensor-parallel shards of %d hidden columns: %s, from free "
+                    "memory %s bytes (fraction %g)", total_h, frac,
+                    {w: free[w] for w in frac}, self.memory_fraction)
         self._place(blocks)
 
     @staticmethod
