@@ -75,18 +75,21 @@ def _frame(lengths: list[int]) -> dd.DataFrame:
     return dd.from_delayed(parts, meta=meta, verify_meta=False)
 
 
-def _row_kernel(part: pd.DataFrame, seconds_per_row: float = 0.0) -> pd.DataFrame:
-    """A blockwise kernel whose time is proportional to the partition's rows."""
+def _row_kernel(part: pd.DataFrame, seconds_per_row: float = 0.0, run: int = 0
+                ) -> pd.DataFrame:
+    """A blockwise kernel whose time is proportional to the partition's rows (``run`` only
+    makes each run's task keys new, so no run finds another's results in memory)."""
     time.sleep(len(part) * seconds_per_row)
     return part.assign(scaled=part["value"] * 2)
 
 
-def _timed(build) -> float:
+def _timed(build, run: int) -> float:
     t0 = time.perf_counter()
-    out = build().persist()
+    out = build(run).persist()
     wait(out)
     elapsed = time.perf_counter() - t0
     del out
+    time.sleep(1)  # let the scheduler release the results before the next run
     return elapsed
 
 
@@ -106,12 +109,13 @@ def zipf_skew(client: Client, args) -> list[dict]:
           f"{args.workers} workers", file=sys.stderr)
 
     configs = {
-        "balanced": lambda: balanced.map_partitions(_row_kernel, seconds_per_row=spr),
-        "plain": lambda: skewed.map_partitions(_row_kernel, seconds_per_row=spr),
-        "blockflow": lambda: blockflow.map_blocks(_row_kernel, skewed, seconds_per_row=spr,
-                                                  name="row-kernel"),
-        "blockflow-balanced": lambda: blockflow.map_blocks(
-            _row_kernel, balanced, seconds_per_row=spr, name="row-kernel"),
+        "balanced": lambda run: balanced.map_partitions(_row_kernel, seconds_per_row=spr,
+                                                        run=run),
+        "plain": lambda run: skewed.map_partitions(_row_kernel, seconds_per_row=spr, run=run),
+        "blockflow": lambda run: blockflow.map_blocks(_row_kernel, skewed, seconds_per_row=spr,
+                                                      run=run, name="row-kernel"),
+        "blockflow-balanced": lambda run: blockflow.map_blocks(
+            _row_kernel, balanced, seconds_per_row=spr, run=run, name="row-kernel"),
     }
     times: dict[str, list[float]] = {name: [] for name in configs}
     with dask.config.set({"blockflow.skew.floor": 0}):
@@ -119,7 +123,7 @@ def zipf_skew(client: Client, args) -> list[dict]:
             order = list(configs) if rep % 2 == 0 else list(configs)[::-1]
             for name in order:
                 before = len(blockflow.decompose.recorded_resizes())
-                times[name].append(_timed(configs[name]))
+                times[name].append(_timed(configs[name], run=rep))
                 changes = blockflow.decompose.recorded_resizes()[before:]
                 note = "; ".join(c.summary() for c in changes) or "blocks unchanged"
                 print(f"  rep {rep} {name}: {times[name][-1]:.2f} s ({note})",

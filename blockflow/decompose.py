@@ -437,7 +437,8 @@ def partition_sizes(df, lengths: Sequence[int] | bool | None = None
     """``(sizes per partition, bytes per unit, unit)`` of a dataframe when cheap to know,
     else None. Rows (``unit="rows"``) when given, known to dask-expr (a frame built from
     pandas) or computed (``lengths=True``, one pass); bytes per row measured where the
-    partitions are read, else estimated from the dtypes. A persisted frame is sized by the
+    partitions are read (from the first 1,000 rows of a pandas source), else estimated
+    from the dtypes. A persisted frame is sized by the
     bytes the scheduler holds for each partition (``client.nbytes``: no task runs;
     ``unit="bytes"``)."""
     if lengths is not None and lengths is not True and lengths is not False:
@@ -453,10 +454,10 @@ def partition_sizes(df, lengths: Sequence[int] | bool | None = None
     if type(expr).__name__ == "FromPandas" and lengths is None:
         try:  # dask-expr knows the lengths of a frame it split itself
             rows = tuple(int(n) for n in expr._get_lengths())
-            frame = expr.operand("frame")
-            usage = frame.memory_usage(deep=True)
+            sample = expr.operand("frame").iloc[:1000]  # bytes per row from a sample: cheap
+            usage = sample.memory_usage(deep=True)
             total = int(usage.sum()) if hasattr(usage, "sum") else int(usage)
-            return rows, total / max(len(frame), 1), "rows"
+            return rows, total / max(len(sample), 1), "rows"
         except Exception:  # private API moved: fall through (no sizes)
             pass
     if lengths is True:
