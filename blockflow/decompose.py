@@ -506,7 +506,6 @@ def _spread_persisted(futures, rows: Sequence[int], plan: _Plan) -> list:
     heuristic."""
     client = futures[0].client
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-    holders = client.who_has(futures)
     turn = 0
     new = []
     for first, stop, lo, hi in plan.pieces:
@@ -515,14 +514,12 @@ def _spread_persisted(futures, rows: Sequence[int], plan: _Plan) -> list:
         elif lo == 0 and hi == rows[first]:  # neither split nor merged
             new.append(futures[first])
         else:
-            held = list(holders.get(futures[first].key, ()))
-            piece = client.submit(_slice_share, futures[first], lo, hi, rows[first],
-                                  workers=held or None, allow_other_workers=True)
-            target = workers[turn % len(workers)] if workers else None
-            turn += 1
-            if target is not None and target not in held:
-                piece = client.submit(_identity, piece, workers=[target],
+            # Dask runs the cut where the partition is (its one input)
+            piece = client.submit(_slice_share, futures[first], lo, hi, rows[first])
+            if workers:
+                piece = client.submit(_identity, piece, workers=[workers[turn % len(workers)]],
                                       allow_other_workers=True)
+                turn += 1
             new.append(piece)
     return new
 
