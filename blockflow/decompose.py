@@ -506,21 +506,29 @@ def _spread_persisted(futures, rows: Sequence[int], plan: _Plan) -> list:
     heuristic."""
     client = futures[0].client
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-    turn = 0
+    # Few submissions, each of many tasks: the scheduler takes one graph update per call,
+    # and dozens of single-task updates cost seconds on a loaded scheduler.
+    cuts = [(i, p) for i, p in enumerate(plan.pieces) if p[1] - p[0] == 1
+            and not (p[2] == 0 and p[3] == rows[p[0]])]
+    cut = client.map(_slice_share, [futures[p[0]] for _, p in cuts], [p[2] for _, p in cuts],
+                     [p[3] for _, p in cuts], [rows[p[0]] for _, p in cuts]) if cuts else []
+    placed = dict(zip((i for i, _ in cuts), cut))
+    if workers:  # the cuts run where their partition is; copy each to the next worker
+        by_target: dict[str, list[int]] = {}
+        for turn, (i, _) in enumerate(cuts):
+            by_target.setdefault(workers[turn % len(workers)], []).append(i)
+        for target, indices in by_target.items():
+            moved = client.map(_identity, [placed[i] for i in indices], workers=[target],
+                               allow_other_workers=True)
+            placed.update(zip(indices, moved))
     new = []
-    for first, stop, lo, hi in plan.pieces:
-        if stop - first > 1:
+    for i, (first, stop, lo, hi) in enumerate(plan.pieces):
+        if i in placed:
+            new.append(placed[i])
+        elif stop - first > 1:
             new.append(client.submit(_concat_parts, *futures[first:stop]))
-        elif lo == 0 and hi == rows[first]:  # neither split nor merged
+        else:  # neither split nor merged
             new.append(futures[first])
-        else:
-            # Dask runs the cut where the partition is (its one input)
-            piece = client.submit(_slice_share, futures[first], lo, hi, rows[first])
-            if workers:
-                piece = client.submit(_identity, piece, workers=[workers[turn % len(workers)]],
-                                      allow_other_workers=True)
-                turn += 1
-            new.append(piece)
     return new
 
 
