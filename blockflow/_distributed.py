@@ -116,12 +116,13 @@ logger = logging.getLogger(__name__)
 SUPPORTED = "2026.7.1"
 
 _SCHEDULER_ATTRS = ("workers", "tasks", "queued", "plugins", "handlers", "extensions",
-                    "periodic_callbacks", "unrunnable", "loop")
+                    "periodic_callbacks", "unrunnable", "loop", "bandwidth", "rpc")
 _SCHEDULER_METHODS = ("get_comm_cost", "valid_workers", "_get_prefix_duration",
                       "register_worker_plugin", "transition", "transitions", "coerce_address",
                       "get_metadata")
 _WORKER_STATE_ATTRS = ("address", "name", "nthreads", "status", "metrics", "memory_limit",
-                       "processing", "executing", "occupancy", "has_what", "resources")
+                       "processing", "executing", "occupancy", "has_what", "resources",
+                       "last_seen")
 _TASK_STATE_ATTRS = ("key", "state", "priority", "prefix", "run_spec", "actor", "nbytes",
                      "dependencies", "who_has", "processing_on", "worker_restrictions",
                      "host_restrictions", "resource_restrictions", "loose_restrictions",
@@ -236,6 +237,9 @@ def check_worker(worker) -> None:
         _fail("Worker.plugins (a dict)")
     if not callable(getattr(worker, "heartbeat", None)):
         _fail("Worker.heartbeat()")
+    if not isinstance(getattr(worker, "handlers", None), dict) or not isinstance(
+            getattr(worker, "executors", None), dict):
+        _fail("Worker.handlers / Worker.executors (dicts)")
     if not callable(getattr(worker, "set_resources", None)) or not isinstance(
             getattr(getattr(worker, "state", None), "total_resources", None), dict):
         _fail("Worker.set_resources() / Worker.state.total_resources (a dict)")
@@ -1347,3 +1351,180 @@ def current_worker_resources() -> tuple[str, dict] | None:
     except ValueError:
         return None
     return worker.address, dict(worker.state.total_resources)
+
+
+# --- speculative backup copies (blockflow._speculation, DynamicPolicy.backups) ------------
+
+
+@dataclass
+class RunningTask:
+    """A task a worker is running now, as the speculation rule sees it (plain data).
+
+    Attributes
+    ----------
+    key : str, tuple or int
+    group : str
+        Its task group (``dask.utils.key_split``).
+    elapsed : float
+        Seconds it has been running: the duration the worker reported at its last heartbeat
+        plus the time since.
+    duration : float
+        distributed's estimate of its compute time at speed 1, seconds.
+    duration_measured : bool
+        Whether that estimate comes from finished tasks of its prefix.
+    input_bytes : int
+        Bytes of its inputs (a backup copy receives them from the worker running it).
+    kernel : bool
+        Whether it is a blockflow kernel task (only those can have backup copies).
+    """
+
+    key: Any
+    group: str
+    elapsed: float
+    duration: float
+    duration_measured: bool
+    input_bytes: int
+    kernel: bool
+
+
+def running_tasks(scheduler, now: float) -> dict[str, list[RunningTask]]:
+    """address -> the tasks it reported running at its last heartbeat and still runs (the
+    scheduler still has them processing there), with their elapsed time to ``now``
+    (seconds since the epoch). ``kernel`` marks tasks running a blockflow kernel that may be
+    copied (found in the task's spec, as for working sets)."""
+    out: dict[str, list[RunningTask]] = {}
+    for addr, ws in scheduler.workers.items():
+        if not ws.executing:
+            continue
+        since = max(now - float(getattr(ws, "last_seen", now) or now), 0.0)
+        tasks = []
+        for ts, duration in list(ws.executing.items()):
+            if ts.processing_on is not ws or ts.state != "processing":
+                continue
+            group = key_split(ts.key)
+            # a blockflow kernel that may be copied, also when Dask fused it into a task of
+            # another name (``arange-blockflow-f-<token>``)
+            kernel = any(getattr(o, "speculative", False)
+                         for o in _declaring_objects(ts.run_spec)) if ts.run_spec else False
+            tasks.append(RunningTask(
+                key=ts.key, group=group, elapsed=float(duration) + since,
+                duration=float(scheduler._get_prefix_duration(ts.prefix)),
+                duration_measured=ts.prefix.duration_average >= 0,
+                input_bytes=sum(dts.nbytes for dts in ts.dependencies if dts.nbytes > 0),
+                kernel=kernel))
+        if tasks:
+            out[addr] = tasks
+    return out
+
+
+def bandwidth(scheduler) -> float:
+    """The scheduler's estimate of worker-to-worker bandwidth, bytes per second."""
+    return float(scheduler.bandwidth)
+
+
+async def request_backup(scheduler, key, victim: str, target: str, timeout: float) -> dict:
+    """Ask worker ``victim`` to start a backup copy of its running task ``key`` on worker
+    ``target`` and wait (at most ``timeout`` seconds) for the outcome: the reply of the
+    victim's ``blockflow_speculate`` handler (:mod:`blockflow._speculation`), or
+    ``{"outcome": "failed", "error": ...}``."""
+    import asyncio
+
+    try:
+        return await asyncio.wait_for(
+            scheduler.rpc(victim).blockflow_speculate(key=key, target=target), timeout)
+    except Exception as e:  # a worker gone, no handler there, a timeout: the original runs on
+        return {"outcome": "failed", "error": f"{type(e).__name__}: {e}"}
+
+
+def spawn(scheduler, coro) -> None:
+    """Run a coroutine on the scheduler's event loop without waiting for it."""
+    import asyncio
+
+    scheduler.loop.add_callback(lambda: asyncio.ensure_future(coro))
+
+
+def install_worker_handlers(worker, handlers: Mapping[str, Callable]) -> None:
+    """Add RPC handlers to a worker (``Worker.handlers``), once; existing ones are kept.
+    Each ``fn(worker, **message)`` is called with the worker it was installed on."""
+    for name, fn in handlers.items():
+        if name not in worker.handlers:
+            worker.handlers[name] = _bound_handler(worker, fn)
+
+
+def _bound_handler(worker, fn: Callable) -> Callable:
+    def handler(**message):
+        return fn(worker, **message)
+
+    return handler
+
+
+def call_worker_soon(worker, address: str, op: str, **kwargs) -> None:
+    """From any thread: call RPC handler ``op`` of the worker at ``address`` from ``worker``,
+    on its event loop, without waiting (errors are logged at debug level)."""
+    async def call():
+        try:
+            await getattr(worker.rpc(address), op)(**kwargs)
+        except Exception as e:  # the other worker left: nothing to tell it
+            logger.debug("blockflow: %s on %s failed: %s", op, address, e)
+
+    worker.loop.add_callback(call)
+
+
+def current_worker():
+    """The worker running the current task, or None outside a worker's task."""
+    try:
+        from distributed import get_worker
+
+        return get_worker()
+    except ValueError:
+        return None
+
+
+def current_task_key():
+    """Key of the task the current thread runs for its worker, or None."""
+    from distributed.worker import thread_state
+
+    return getattr(thread_state, "key", None)
+
+
+def start_task_thread(fn: Callable[[], Any], name: str):
+    """Start ``fn()`` in a new daemon thread that sees the current task's worker context
+    (``get_worker()``, ``thread_state.key`` and ``execution_state``), as the worker's own
+    executor thread does; returns the thread."""
+    import contextvars
+    import threading
+
+    from distributed.worker import thread_state
+
+    ctx = contextvars.copy_context()
+    state = {a: getattr(thread_state, a) for a in ("key", "execution_state", "start_time")
+             if hasattr(thread_state, a)}
+
+    def target():
+        for a, v in state.items():
+            setattr(thread_state, a, v)
+        ctx.run(fn)
+
+    t = threading.Thread(target=target, name=name, daemon=True)
+    t.start()
+    return t
+
+
+async def run_in_worker_executor(worker, fn: Callable[[], Any]):
+    """Run ``fn()`` in the worker's default thread pool, with ``get_worker()`` working
+    inside it (a backup copy's kernel); returns its result."""
+    from distributed.worker import _worker_cvar
+
+    def call():
+        token = _worker_cvar.set(worker)
+        try:
+            return fn()
+        finally:
+            _worker_cvar.reset(token)
+
+    return await worker.loop.run_in_executor(worker.executors["default"], call)
+
+
+async def call_worker(worker, address: str, op: str, **kwargs) -> Any:
+    """Call RPC handler ``op`` of the worker at ``address`` from ``worker``."""
+    return await getattr(worker.rpc(address), op)(**kwargs)

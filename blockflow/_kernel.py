@@ -193,6 +193,10 @@ class Kernel:
     placement : dict, optional
         Where the tasks may run, as :func:`check_placement` returns it; the scheduler plugin
         reads it through :meth:`blockflow_placement` and restricts the tasks.
+    speculative : bool, default True
+        Whether a straggling task may get a backup copy on another worker (the function
+        must then be idempotent: same blocks in, same result out, no side effects that
+        matter twice); see :mod:`blockflow._speculation`.
 
     Notes
     -----
@@ -208,8 +212,15 @@ class Kernel:
     #: Logger of the retry warnings (subclasses log under their own module's name).
     logger = logging.getLogger(__name__)
 
+    #: Whether a straggling task of this kernel may get a backup copy on another worker
+    #: (idempotent kernels: the default). ``map_blocks(speculative=False)`` sets it off.
+    speculative = True
+
     def __init__(self, func: Callable, retries: int = 0, step: str | None = None,
-                 working_set: int | dict | None = None, placement: dict | None = None):
+                 working_set: int | dict | None = None, placement: dict | None = None,
+                 speculative: bool = True):
+        if not speculative:
+            self.speculative = False
         self.func = func
         self.label = funcname(func)
         self.retries = retries
@@ -249,6 +260,13 @@ class Kernel:
         placement = getattr(self, "placement", None)
         if placement and placement["resources"] and not placement["allow_other_workers"]:
             _check_worker_resources(self.label, self.step, placement["resources"])
+        from blockflow import _speculation
+
+        return _speculation.run_kernel(self, lambda: self._attempts(where, args, kwargs),
+                                       args, kwargs)
+
+    def _attempts(self, where: Callable[[], str], args: tuple, kwargs: dict):
+        """The attempts of :meth:`run` on this worker."""
         attempt = 0
         while True:
             attempt += 1

@@ -361,6 +361,7 @@ def map_blocks(
     resources: dict[str, float] | None = None,
     workers: str | list[str] | None = None,
     allow_other_workers: bool | None = None,
+    speculative: bool | None = None,
     **kwargs: Any,
 ):
     """Run ``kernel`` on every block of one or more Dask collections, lazily.
@@ -452,6 +453,14 @@ def map_blocks(
     allow_other_workers : bool, optional
         With ``workers``: other workers may run the tasks when those cannot (distributed's
         ``allow_other_workers=``).
+    speculative : bool, optional
+        Whether a straggling block (its task still running on a slow or throttled device
+        when a fast device is idle) may get a *backup copy* on another worker, the first
+        result winning (default True, with ``blockflow.speculation.enabled``; see
+        :meth:`blockflow.scheduling.policies.DynamicPolicy.backups`). The kernel must then
+        be idempotent: the same block in gives the same result, with no side effect that
+        matters twice. Pass False for kernels that write files, call services or draw random
+        numbers unseeded.
     **kwargs
         Passed to ``kernel`` unchanged, not split into blocks: a Dask array or dataframe
         given here reaches every call whole (computed), as in Dask (xarray refuses Dask
@@ -553,6 +562,9 @@ def map_blocks(
         )
     retries = check_retries(retries, "blockflow.map_blocks")
     placement = check_placement(resources, workers, allow_other_workers, "blockflow.map_blocks")
+    if speculative is not None and not isinstance(speculative, bool):
+        raise TypeError(f"blockflow.map_blocks: speculative must be True or False (whether "
+                        f"a straggling block may get a backup copy), got {speculative!r}.")
     task_name = kernel_name(kernel, name)
     kind = kinds[0]
     working_set = _check_working_set(working_set, kind)
@@ -560,12 +572,13 @@ def map_blocks(
                    new_axis=new_axis, template=template)
     if kind == "array":
         return _map_arrays(kernel, collections, task_name, dtype, meta, chunks, drop_axis,
-                           new_axis, kwargs, retries, working_set, placement)
+                           new_axis, kwargs, retries, working_set, placement,
+                           speculative=speculative is not False)
     if kind == "dataframe":
         return _map_partitions(kernel, collections, task_name, meta, kwargs, retries,
-                               working_set, placement)
+                               working_set, placement, speculative=speculative is not False)
     return _map_xarray(kernel, collections, task_name, template, kwargs, retries, working_set,
-                       placement)
+                       placement, speculative=speculative is not False)
 
 
 def _check_working_set(working_set, kind: str):
@@ -635,7 +648,7 @@ def _check_options(kind: str, **options) -> None:
 
 
 def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_axis, kwargs,
-                retries=0, working_set=None, placement=None):
+                retries=0, working_set=None, placement=None, speculative=True):
     for i, x in enumerate(arrays):
         validate_array(x, "blockflow.map_blocks", f"argument {i}")
     _check_aligned_chunks(arrays)
@@ -665,6 +678,8 @@ def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_a
         declared_ws = max(declared_ws.values(), default=None)  # output blocks differ
     wrapped = cls(kernel, task_name, dtype=declared_dtype, retries=retries,
                   working_set=declared_ws, placement=placement)
+    if not speculative:
+        wrapped.speculative = False
     opts = {}
     for k, v in dict(dtype=dtype, meta=meta, chunks=chunks, drop_axis=drop_axis,
                      new_axis=new_axis).items():
@@ -792,7 +807,7 @@ def _check_new_axes(out, new: list[int]) -> None:
 
 
 def _map_partitions(kernel, frames, task_name, meta, kwargs, retries=0, working_set=None,
-                    placement=None):
+                    placement=None, speculative=True):
     first = frames[0]
     for i, f in enumerate(frames[1:], start=1):
         if f.npartitions != first.npartitions:
@@ -804,6 +819,8 @@ def _map_partitions(kernel, frames, task_name, meta, kwargs, retries=0, working_
     frames = decompose.prepare_frames(frames, label=task_name)
     first = frames[0]
     wrapped = _PartitionKernel(kernel, task_name, retries, working_set, placement)
+    if not speculative:
+        wrapped.speculative = False
     opts = {} if meta is None else {"meta": meta}
     out = first.map_partitions(wrapped, *frames[1:], **opts, **kwargs)
     wrapped.meta = out._meta
@@ -812,7 +829,7 @@ def _map_partitions(kernel, frames, task_name, meta, kwargs, retries=0, working_
 
 
 def _map_xarray(kernel, objs, task_name, template, kwargs, retries=0, working_set=None,
-                placement=None):
+                placement=None, speculative=True):
     import xarray as xr
 
     for i, o in enumerate(objs):
@@ -822,6 +839,8 @@ def _map_xarray(kernel, objs, task_name, template, kwargs, retries=0, working_se
     if template is None:  # a template pins the output's chunks: never re-cut then
         objs = decompose.prepare_xarray(objs, working_set=working_set, label=task_name)
     wrapped = _XarrayKernel(kernel, task_name, retries, working_set, placement)
+    if not speculative:
+        wrapped.speculative = False
     return xr.map_blocks(wrapped, objs[0], args=list(objs[1:]), kwargs=kwargs, template=template)
 
 

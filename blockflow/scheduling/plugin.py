@@ -106,6 +106,9 @@ class Rebalancer(SchedulerPlugin):
         self._calm = 0
         self._worker_checked = False
         self.unsatisfiable: UnsatisfiableWatch | None = None  # set in start()
+        self.backups: dict[Any, dict[str, Any]] = {}  # key -> backup copy running now
+        self.speculation: Counter[str] = Counter(launched=0, duplicated_seconds=0.0,
+                                                 saved_seconds=0.0)
         self.admission: AdmissionControl | None = None
 
     def __getstate__(self):
@@ -126,6 +129,12 @@ class Rebalancer(SchedulerPlugin):
         _distributed.add_handler(scheduler, "blockflow_status", self.status)
         for amm_policy in self.policy.amm_policies():
             _distributed.add_amm_policy(scheduler, amm_policy)
+        if getattr(self.policy, "speculation", False):
+            from blockflow._speculation import SpeculationHandlers
+
+            # every worker, present and future, can run and answer backup copies
+            await _distributed.register_worker_plugin_on_scheduler(
+                scheduler, SpeculationHandlers(), SpeculationHandlers.name, idempotent=True)
         # A first tick now, so hot or full workers are paused before the first graph lands.
         self.run_once()
         if self.interval > 0:
@@ -241,11 +250,15 @@ class Rebalancer(SchedulerPlugin):
         self._host_pause_fraction = dask.config.get("distributed.worker.memory.pause")
         views = self._views()
         thieves = [a for a, w in views.items() if w.status == "running"]
-        return ClusterSnapshot(time=time.time(), workers=views,
+        now = time.time()
+        return ClusterSnapshot(time=now, workers=views,
                                queued=_distributed.queued_count(self.scheduler),
                                waiting=_distributed.waiting_tasks(self.scheduler,
                                                                   thieves=thieves),
-                               balancing=self._balancing(thieves))
+                               balancing=self._balancing(thieves),
+                               running=_distributed.running_tasks(self.scheduler, now),
+                               backups={k: b["target"] for k, b in self.backups.items()},
+                               bandwidth=_distributed.bandwidth(self.scheduler))
 
     #: Ticks in a row without a speed difference before balancing goes back to distributed.
     calm_ticks = 10
@@ -350,12 +363,50 @@ class Rebalancer(SchedulerPlugin):
             pinned = sum(_distributed.restrict_task(self.scheduler, k, where) for k in d.keys)
             if not pinned:
                 return False
+        elif d.action == "speculate":
+            if d.target not in snap.workers or d.key in self.backups:
+                return False
+            self._start_backup(d)
         elif d.action == "keep":
             last = self.decisions[-1] if self.decisions else None
             if last and last["action"] == "keep" and last["worker"] == d.worker:
                 return False  # do not flood the log with the same non-decision
         self._log(d)
         return True
+
+    def _start_backup(self, d: Decision) -> None:
+        """Ask the straggler's worker to copy the task to ``d.target``; log the outcome."""
+        started = time.time()
+        self.backups[d.key] = {"worker": d.worker, "target": d.target, "started": started}
+        self.speculation["launched"] += 1
+        expected = float(d.seen.get("time_to_end") or 0.0) + float(
+            d.seen.get("backup_time") or 0.0)
+        timeout = max(60.0, 10 * expected)
+
+        async def backup():
+            reply = await _distributed.request_backup(self.scheduler, d.key, d.worker,
+                                                      d.target, timeout)
+            self.backups.pop(d.key, None)
+            outcome = reply.get("outcome", "failed")
+            stats = self.speculation
+            stats[outcome] = stats.get(outcome, 0) + 1
+            copy_s = float(reply.get("backup_seconds") or 0.0)
+            if outcome == "backup-won":
+                # the original's time since the copy began was spent for nothing
+                stats["duplicated_seconds"] += copy_s
+                stats["saved_seconds"] += max(
+                    float(d.seen.get("time_to_end") or 0.0) - copy_s, 0.0)
+            elif outcome == "original-won":
+                stats["duplicated_seconds"] += copy_s
+            detail = reply.get("error") or reply.get("detail") or ""
+            self.log_decision(
+                "backup", d.worker, f"{outcome}: copy on the target took {copy_s:.3f}s"
+                + (f" ({detail})" if detail else ""),
+                {"outcome": outcome, "backup_seconds": round(copy_s, 4),
+                 "since_start": round(time.time() - started, 4)},
+                key=str(d.key), target=d.target)
+
+        _distributed.spawn(self.scheduler, backup())
 
     def _log(self, d: Decision) -> None:
         key = None if d.key is None else str(d.key)
@@ -425,6 +476,8 @@ class Rebalancer(SchedulerPlugin):
             "workers": self.snapshot_workers,
             "memory_peak": dict(self.memory_peak),
             "decisions": decisions,
+            "speculation": {**dict(self.speculation),
+                            "running": {str(k): dict(v) for k, v in self.backups.items()}},
             "resources": {
                 "unsatisfiable": self.unsatisfiable.status() if self.unsatisfiable else None,
                 "admission": self.admission.status() if self.admission else None,

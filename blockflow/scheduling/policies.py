@@ -43,6 +43,7 @@ from blockflow._distributed import (
     AMMPolicy,
     HeldResult,
     MemorySuggestion,
+    RunningTask,
     TaskView,
     WorkerView,
 )
@@ -85,6 +86,12 @@ class ClusterSnapshot:
     balancing : bool
         Whether worker speeds are known, with confidence, to differ: only then may a policy
         move work for speed (distributed's stealing balances otherwise).
+    running : mapping of str to list of RunningTask
+        Per worker, the tasks it runs now, with their elapsed time (from heartbeats).
+    backups : mapping
+        Task key -> the worker running its backup copy, for copies running now.
+    bandwidth : float
+        Worker-to-worker bandwidth estimate, bytes per second.
     """
 
     time: float
@@ -94,6 +101,9 @@ class ClusterSnapshot:
     waiting: Mapping[str, Any] = field(default_factory=dict, repr=False)
     new_tasks: list[TaskView] = field(default_factory=list, repr=False)
     balancing: bool = True
+    running: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    backups: Mapping[Any, str] = field(default_factory=dict)
+    bandwidth: float = 100e6
 
 
 @dataclass
@@ -185,6 +195,17 @@ class DynamicPolicy(RebalancePolicy):
         Most tasks moved per tick.
     min_gain : str or float, optional
         Smallest gain in projected finish time (seconds) worth a move.
+    speculation : bool, optional
+        Start backup copies of straggling kernel tasks (``blockflow.speculation.enabled``).
+    backup_slots : float, optional
+        Most backup copies at once, as a fraction 0-1 of all worker threads, at least one
+        (``blockflow.speculation.max-slots``).
+    backup_ratio : float, optional
+        A copy starts when the task's estimated time to end exceeds this many times the
+        copy's own time (``blockflow.speculation.min-ratio``).
+    backup_min_elapsed : float, optional
+        Share 0-1 of its expected duration a task must have run before it may be copied
+        (``blockflow.speculation.min-elapsed``).
 
     Raises
     ------
@@ -208,6 +229,13 @@ class DynamicPolicy(RebalancePolicy):
     A balancing move must also be worth its data: its inputs' transfer time may be at most
     :attr:`max_transfer_share` of its compute time, and the gain must exceed twice that
     transfer, so data-heavy tasks on workers of the same speed stay with their data.
+
+    Stragglers (:meth:`backups`): a task that already *runs* on a slow device cannot be
+    moved; when a fast worker is idle, the running blockflow kernel task with the longest
+    estimated time to end gets a backup copy there if that time exceeds
+    :attr:`backup_ratio` times the copy's own (LATE, Zaharia et al. OSDI 2008, with
+    blockflow's learned speeds in place of Hadoop's progress scores; see
+    :mod:`blockflow._speculation` for how the first result wins).
     A task moves at most once, unless it sits on a paused worker: projected finishes are
     estimates that shift after every move, and later ticks would otherwise chase a task from
     worker to worker (or bounce it between two). A
@@ -227,7 +255,13 @@ class DynamicPolicy(RebalancePolicy):
     max_fill_transfer_share = 0.05
 
     def __init__(self, memory_high=None, memory_low=None, hot_high=None, hot_low=None,
-                 move_budget=None, min_gain=None):
+                 move_budget=None, min_gain=None, speculation=None, backup_slots=None,
+                 backup_ratio=None, backup_min_elapsed=None):
+        self.speculation = bool(config.get("speculation.enabled", speculation))
+        self.backup_slots = float(config.get("speculation.max-slots", backup_slots))
+        self.backup_ratio = float(config.get("speculation.min-ratio", backup_ratio))
+        self.backup_min_elapsed = float(config.get("speculation.min-elapsed",
+                                                   backup_min_elapsed))
         self.memory_high = float(config.get("rebalancer.memory-high", memory_high))
         self.memory_low = float(config.get("rebalancer.memory-low", memory_low))
         self.hot_high = float(config.get("rebalancer.hot-high", hot_high))
@@ -255,6 +289,7 @@ class DynamicPolicy(RebalancePolicy):
         yield from pauses
         paused_now = {d.worker for d in pauses if d.action == "pause"}
         yield from self.moves(snapshot, paused_now)
+        yield from self.backups(snapshot, paused_now)
 
     # --- placement by working set -----------------------------------------------------
 
@@ -435,6 +470,78 @@ class DynamicPolicy(RebalancePolicy):
                 fill[best.address] -= 1
                 if fill[best.address] <= 0:
                     del fill[best.address]
+        return out
+
+
+    # --- speculative backup copies ------------------------------------------------------
+
+    def backups(self, snap: ClusterSnapshot, paused_now: set[str] = frozenset()
+                ) -> list[Decision]:
+        """Backup copies of straggling kernel tasks on idle fast workers (LATE-style).
+
+        A running blockflow kernel task on worker ``w`` is expected to take ``duration /
+        speed(w)`` seconds (its group's measured duration at speed 1, the worker's learned
+        speed shrunk by its confidence); its estimated time to end is what remains of that,
+        or, once it overran it, as long again as it has run (a heavy-tailed guess: the
+        worker is slower than believed). The tasks with the longest times to end come
+        first; each may get one copy, on the idle worker (a free thread, nothing queued)
+        that would finish it soonest: its compute there plus sending inputs and result
+        (bytes / bandwidth). The copy starts when the time to end exceeds
+        :attr:`backup_ratio` times that, the task has run at least
+        :attr:`backup_min_elapsed` of its group's duration, and fewer than
+        :attr:`backup_slots` of all threads run copies. Knowing nothing (no measured
+        duration), nothing is copied. A blockflow heuristic after LATE (Zaharia et al.,
+        OSDI 2008) and MapReduce's backup tasks (Dean & Ghemawat, OSDI 2004).
+        """
+        if not self.speculation or not snap.running:
+            return []
+        views = snap.workers
+        usable = {a: w for a, w in views.items()
+                  if w.status == "running" and a not in paused_now}
+        threads = sum(max(w.nthreads, 1) for w in usable.values())
+        budget = max(1, int(self.backup_slots * threads)) - len(snap.backups)
+        busy = set(snap.backups.values())  # running a copy, outside the scheduler's count
+        idle = {a: w for a, w in usable.items()
+                if w.processing < max(w.nthreads, 1) and a not in busy}
+        if budget <= 0 or not idle:
+            return []
+        candidates = []
+        for addr, tasks in snap.running.items():
+            w = views.get(addr)
+            if w is None:
+                continue
+            for t in tasks:
+                if not t.kernel or t.key in snap.backups or not t.duration_measured \
+                        or t.duration <= 0 or t.elapsed < self.backup_min_elapsed * t.duration:
+                    continue
+                expected = t.duration / max(w.speed, 1e-6)
+                left = expected - t.elapsed if t.elapsed < expected else t.elapsed
+                candidates.append((left, expected, addr, t))
+        out: list[Decision] = []
+        for left, expected, addr, t in sorted(candidates, key=lambda c: -c[0]):
+            if budget <= 0 or not idle:
+                break
+            peers = set(views[addr].device_peers) | {addr}
+            best, best_time = None, math.inf
+            for a, f in idle.items():
+                if a in peers:
+                    continue
+                took = t.duration / max(f.speed, 1e-6) + 2 * t.input_bytes / max(
+                    snap.bandwidth, 1.0)
+                if took < best_time:
+                    best, best_time = a, took
+            if best is None or not left > self.backup_ratio * best_time:
+                continue
+            seen = views[addr].seen()
+            seen.update({"elapsed": round(t.elapsed, 4), "expected": round(expected, 4),
+                         "time_to_end": round(left, 4), "backup_time": round(best_time, 4),
+                         "input_bytes": t.input_bytes})
+            out.append(Decision(
+                "speculate", addr, f"running {t.elapsed:.3f}s, estimated {_fmt(left)} to end "
+                f"here vs {_fmt(best_time)} for a copy on the idle target", seen,
+                target=best, key=t.key))
+            del idle[best]
+            budget -= 1
         return out
 
 

@@ -449,9 +449,14 @@ class SimulatedDevice:
 
     def _run(self, work: float) -> None:
         """Sleep until ``work`` reference-seconds are done, re-reading speed, tenant and the
-        number of concurrent kernels at least every 50 ms."""
+        number of concurrent kernels at least every 50 ms; stop early when this copy of a
+        speculated task lost (:func:`blockflow._speculation.cancelled`)."""
+        from blockflow._speculation import cancelled
+
         remaining = work
         while remaining > 1e-9:
+            if cancelled():  # the other copy of this task won: stop, as a real device would
+                return
             rate = self.effective_speed() / max(len(self._active), 1)
             step = min(remaining / rate, 0.05)
             time.sleep(step)

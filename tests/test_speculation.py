@@ -1,0 +1,258 @@
+"""Speculative backup copies of straggling blockflow kernels.
+
+The rule on plain data (which running task gets a copy, where, within what budget), then on
+real clusters of simulated GPU workers: a device that slows down mid-task has its task
+overtaken by a copy on an idle device (results right, each block once, the decision log
+saying so), kernels marked ``speculative=False`` are never copied, identical devices get no
+copies, and when the original finishes first the copy is cancelled and its result dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import dask.array as da
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+import blockflow
+from blockflow import _distributed, _speculation
+from blockflow.scheduling import Rebalancer
+from blockflow.scheduling.policies import ClusterSnapshot, DynamicPolicy
+from blockflow.testing import restart_clock, simulated_cluster, simulated_kernel
+
+from loadaware import scaled
+
+
+def _worker(addr, *, processing=0, speed=1.0, nthreads=1):
+    from blockflow.metrics import WorkerMetrics
+
+    return _distributed.WorkerView(
+        address=addr, nthreads=nthreads, status="running", paused_by_blockflow=False,
+        metrics=WorkerMetrics(None, None, None, None, None), speed=speed,
+        processing=processing, executing=min(processing, nthreads), occupancy=0.0)
+
+
+def _running(key, elapsed, duration=1.0, *, kernel=True, measured=True, input_bytes=0):
+    return _distributed.RunningTask(key=key, group="blockflow-k", elapsed=elapsed,
+                                    duration=duration, duration_measured=measured,
+                                    input_bytes=input_bytes, kernel=kernel)
+
+
+def _snap(workers, running, backups=None, bandwidth=1e9):
+    return ClusterSnapshot(time=0.0, workers={w.address: w for w in workers},
+                           running=running, backups=backups or {}, bandwidth=bandwidth)
+
+
+def _policy(**kw):
+    kw.setdefault("backup_slots", 0.1)
+    kw.setdefault("backup_ratio", 2.0)
+    kw.setdefault("backup_min_elapsed", 0.5)
+    return DynamicPolicy(speculation=True, **kw)
+
+
+# --- the rule, on plain data ------------------------------------------------------------------
+
+
+def test_a_task_on_a_slow_worker_is_copied_to_the_fastest_idle_worker():
+    ws = [_worker("slow", processing=1, speed=0.2), _worker("idle-fast", speed=1.0),
+          _worker("idle-slower", speed=0.5), _worker("busy", processing=2)]
+    # expected 1/0.2 = 5 s, 1 s elapsed: 4 s to end vs 1 s for a copy on "idle-fast"
+    out = _policy().backups(_snap(ws, {"slow": [_running("k", 1.0)]}))
+    assert [(d.action, d.worker, d.target, d.key) for d in out] == [
+        ("speculate", "slow", "idle-fast", "k")]
+    assert out[0].seen["time_to_end"] == pytest.approx(4.0)
+    assert out[0].seen["backup_time"] == pytest.approx(1.0)
+
+
+def test_an_overrunning_task_is_copied_only_once_it_ran_well_beyond_a_copys_time():
+    ws = [_worker("a", processing=1), _worker("b")]
+    # speed 1 believed: expected 1 s; overran, so its time to end is taken as its elapsed
+    assert not _policy().backups(_snap(ws, {"a": [_running("k", 1.5)]}))  # 1.5 < 2 x 1
+    assert _policy().backups(_snap(ws, {"a": [_running("k", 2.5)]}))  # 2.5 > 2 x 1
+
+
+def test_nothing_is_copied_without_a_measured_duration_an_idle_worker_or_budget():
+    ws = [_worker("slow", processing=1, speed=0.2), _worker("idle")]
+    run = {"slow": [_running("k", 1.0)]}
+    assert not _policy().backups(_snap(ws, {"slow": [_running("k", 1.0, measured=False)]}))
+    assert not _policy().backups(_snap(ws, {"slow": [_running("k", 1.0, kernel=False)]}))
+    assert not _policy().backups(_snap(ws, {"slow": [_running("k", 0.2)]}))  # too young
+    busy = [ws[0], _worker("idle", processing=1)]
+    assert not _policy().backups(_snap(busy, run))  # nobody idle
+    # one copy already runs (budget: 10 % of 2 threads, at least 1)
+    assert not _policy().backups(_snap(ws, run, backups={"other": "x"}))
+    # the idle worker already runs a copy (outside the scheduler's count)
+    ws3 = ws + [_worker("third")]
+    out = _policy(backup_slots=1.0).backups(_snap(ws3, run, backups={"other": "idle"}))
+    assert [d.target for d in out] == ["third"]
+    assert not DynamicPolicy(speculation=False).backups(_snap(ws, run))
+
+
+def test_the_copys_time_counts_sending_inputs_and_result():
+    ws = [_worker("slow", processing=1, speed=0.25), _worker("idle")]
+    # 4 s expected, 1 s elapsed: 3 s to end; compute 1 s + 2 x 1 GB at 1 GB/s = 3 s
+    run = {"slow": [_running("k", 1.0, input_bytes=10**9)]}
+    assert not _policy().backups(_snap(ws, run, bandwidth=1e9))
+    assert _policy().backups(_snap(ws, run, bandwidth=1e11))
+
+
+def test_the_longest_times_to_end_come_first_within_the_budget():
+    ws = [_worker(f"s{i}", processing=1, speed=0.1) for i in range(3)] + [
+        _worker(f"f{i}") for i in range(17)]
+    run = {"s0": [_running("a", 1.0)], "s1": [_running("b", 3.0)], "s2": [_running("c", 2.0)]}
+    out = _policy().backups(_snap(ws, run))  # 20 threads x 10 % = 2 copies
+    assert [d.key for d in out] == ["a", "c"]
+    assert len({d.target for d in out}) == 2
+
+
+def test_settings_are_read_from_the_blockflow_namespace():
+    import dask
+
+    with dask.config.set({"blockflow.speculation.enabled": False,
+                          "blockflow.speculation.max-slots": 0.5}):
+        p = DynamicPolicy()
+    assert p.speculation is False and p.backup_slots == 0.5
+
+
+# --- on real clusters --------------------------------------------------------------------------
+
+
+def _kernel(block, block_id=None, work=0.3):
+    return np.array([simulated_kernel(block, op=np.sum, work=work)], dtype=object)
+
+
+def _backups(client, since):
+    st = blockflow.plugin_status(client, since=since)
+    return ([d for d in st["decisions"] if d["action"] == "speculate"],
+            [d for d in st["decisions"] if d["action"] == "backup"], st["speculation"])
+
+
+def _warm(client):
+    """Measured durations first (the rule copies nothing it has not measured)."""
+    blockflow.map_blocks(_kernel, da.ones(8, chunks=1), dtype=object, name="warm",
+                         work=0.2).compute()
+
+
+@pytest.mark.slow
+def test_a_device_slowed_mid_task_is_overtaken_by_a_backup_copy():
+    """Worker 0 drops to a tenth of its speed 0.6 s into the run: its running block would
+    take about 3 s more; a copy on an idle device wins, the block's result is right and
+    comes once, and the log tells it."""
+    with simulated_cluster(speeds=[1, 1, 1], silence_logs=logging.CRITICAL) as client:
+        client.register_plugin(Rebalancer(policy="dynamic"))
+        _warm(client)
+        addrs = sorted(client.scheduler_info()["workers"],
+                       key=lambda a: int(client.scheduler_info()["workers"][a]["name"]))
+        from blockflow.testing import set_speed
+
+        x = da.arange(9, chunks=1)
+        y = blockflow.map_blocks(_kernel, x, dtype=object, name="bench", work=0.5)
+        since = time.time()
+        fut = client.compute(y)
+        time.sleep(0.6)
+        client.run(set_speed, 0.1, workers=[addrs[0]])
+        res = fut.result(timeout=scaled(60))
+        assert sorted(int(b.payload) for b in res) == list(range(9))
+        deadline = time.time() + scaled(20)
+        while True:
+            spec, outcome, stats = _backups(client, since)
+            if outcome or time.time() > deadline:
+                break
+            time.sleep(0.1)
+        assert spec and all(d["worker"] == addrs[0] for d in spec), spec
+        assert [d["seen_outcome"] for d in outcome] == ["backup-won"] * len(outcome)
+        assert stats["backup-won"] >= 1 and stats["launched"] >= 1
+        assert spec[0]["target"] != addrs[0]
+
+
+@pytest.mark.slow
+def test_identical_devices_get_no_copies_and_unmarked_kernels_none_ever():
+    with simulated_cluster(speeds=[1, 1], speed_schedules={0: [(0.0, 0.1)]},
+                           silence_logs=logging.CRITICAL) as client:
+        client.register_plugin(Rebalancer(policy="dynamic"))
+        _warm(client)
+        since = time.time()
+        client.run(restart_clock, time.time())
+        # worker 0 is 10x slower throughout, but this kernel may not be copied
+        y = blockflow.map_blocks(_kernel, da.arange(4, chunks=1), dtype=object,
+                                 name="writes", speculative=False, work=0.2)
+        assert sorted(int(b.payload) for b in y.compute()) == [0, 1, 2, 3]
+        spec, _, _ = _backups(client, since)
+        assert spec == []
+    with simulated_cluster(speeds=[1, 1], silence_logs=logging.CRITICAL) as client:
+        client.register_plugin(Rebalancer(policy="dynamic"))
+        _warm(client)
+        since = time.time()
+        y = blockflow.map_blocks(_kernel, da.arange(12, chunks=1), dtype=object,
+                                 name="same", work=0.2)
+        assert sorted(int(b.payload) for b in y.compute()) == list(range(12))
+        spec, _, stats = _backups(client, since)
+        assert spec == [] and stats["launched"] == 0
+
+
+def test_map_blocks_refuses_a_speculative_that_is_not_a_bool():
+    with pytest.raises(TypeError, match="speculative must be True or False"):
+        blockflow.map_blocks(lambda b: b, da.ones(4, chunks=2), speculative="no")
+
+
+def test_the_first_result_wins_and_the_other_copy_is_cancelled():
+    """Worker side, on a real in-process cluster: the original is slow, a copy is asked for
+    through the worker's RPC handler; the copy wins, the original's simulated device stops
+    (cancelled) and the task returns the copy's result. Then the reverse: the original
+    finishes first, the copy is told to stop, and its result is dropped."""
+    import asyncio
+
+    from blockflow.testing import SimulatedDevice, SimulatedGPU
+
+    async def main():
+        async with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                asynchronous=True, dashboard_address=":0",
+                                silence_logs=logging.CRITICAL) as cluster, \
+                Client(cluster, asynchronous=True) as client:
+            w0, w1 = sorted(cluster.workers.values(), key=lambda w: w.name)
+            await client.register_plugin(SimulatedGPU({
+                w0.name: SimulatedDevice(speed=0.05), w1.name: SimulatedDevice(speed=1.0)}))
+            from blockflow._speculation import SpeculationHandlers
+
+            await client.register_plugin(SpeculationHandlers())
+            x = da.from_array(np.arange(4.0), chunks=4)
+
+            def k(block):
+                return simulated_kernel(block, op=np.sum, work=0.2).payload
+
+            y = blockflow.map_blocks(k, x, dtype=float, drop_axis=0, chunks=())
+            fut = client.compute(y, workers=[w0.address])
+            key = None
+            for _ in range(200):  # wait until the task runs on w0
+                running = [k_ for (a, k_) in _speculation._running if a == w0.address]
+                if running:
+                    key = running[0]
+                    break
+                await asyncio.sleep(0.05)
+            assert key is not None
+            t0 = time.monotonic()
+            reply = await w0.rpc(w0.address).blockflow_speculate(key=key, target=w1.address)
+            assert reply["outcome"] == "backup-won", reply
+            assert await fut == 6.0
+            assert time.monotonic() - t0 < 4.0  # the original alone needs 4 s at speed 0.05
+
+            # the reverse: the original (fast) wins; the copy on the slow device is stopped
+            y2 = blockflow.map_blocks(k, x + 1, dtype=float, drop_axis=0, chunks=())
+            fut2 = client.compute(y2, workers=[w1.address])
+            key2 = None
+            for _ in range(200):
+                running = [k_ for (a, k_) in _speculation._running if a == w1.address]
+                if running:
+                    key2 = running[0]
+                    break
+                await asyncio.sleep(0.01)
+            assert key2 is not None
+            reply2 = await w1.rpc(w1.address).blockflow_speculate(key=key2, target=w0.address)
+            assert reply2["outcome"] in ("original-won", "finished-first"), reply2
+            assert await fut2 == 10.0
+            assert not _speculation._backups  # the copy is gone
+
+    asyncio.run(main())
