@@ -166,6 +166,12 @@ def test_a_device_slowed_mid_task_is_overtaken_by_a_backup_copy():
         assert [d["seen_outcome"] for d in outcome] == ["backup-won"] * len(outcome)
         assert stats["backup-won"] >= 1 and stats["launched"] >= 1
         assert spec[0]["target"] != addrs[0]
+        # the dashboard page's state (and /blockflow/status.json) counts them
+        from blockflow.dashboard.state import dashboard_state
+
+        shown = client.run_on_scheduler(
+            lambda dask_scheduler: dashboard_state(dask_scheduler)["speculation"])
+        assert shown["launched"] == stats["launched"] and shown["won"] >= 1
 
 
 @pytest.mark.slow

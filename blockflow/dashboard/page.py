@@ -124,7 +124,8 @@ class BlockflowPage:
         self.header.text = (f"<h3>blockflow</h3><p>policy: <b>{policy}</b>"
                             f"{f' ({about})' if about else ''} &middot; "
                             f"{len(state['workers'])} workers &middot; "
-                            f"{len(state['decisions'])} recent decisions</p>"
+                            f"{len(state['decisions'])} recent decisions"
+                            f"{_backups_text(state.get('speculation'))}</p>"
                             f"<p>{run_text}</p>")
         ws = state["workers"]
         self.workers.data = {
@@ -211,3 +212,12 @@ def blockflow_doc(scheduler, extra, doc):
     page.update()
     _distributed.style_dashboard_doc(doc, page, extra, title="Dask: blockflow",
                                      interval_ms=500)
+
+
+def _backups_text(spec) -> str:
+    """Header text on backup copies of stragglers (empty before the first)."""
+    if not spec or not spec["launched"]:
+        return ""
+    return (f" &middot; backup copies: {spec['launched']} started, {spec['won']} won, "
+            f"{spec['lost']} lost, {spec['failed']} failed, {spec['running']} running "
+            f"({spec['duplicated_seconds']:.1f} s of work done twice)")

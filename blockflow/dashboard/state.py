@@ -50,7 +50,10 @@ def dashboard_state(scheduler, *, since: float | None = None,
         report: they share one device), ``run`` (this run: ``id``, ``name``, ``started``
         (s since the epoch), ``tasks`` (submitted), ``finished``; None before any),
         ``run_started``, ``policy_description``, ``policies`` (the registry's names),
-        ``n_decisions`` (decisions in the log), ``decisions`` (oldest first) and
+        ``n_decisions`` (decisions in the log), ``decisions`` (oldest first),
+        ``speculation`` (backup copies of straggling kernels: ``launched``, ``won`` by the
+        copy, ``lost`` to the original, ``failed``, ``running`` now, ``duplicated_seconds``
+        of work done twice; None without the rebalancer) and
         ``tuning`` (what the latest :func:`blockflow.tune.tune` published: ``name``,
         ``running`` trials - ``trial``, ``rung``, ``epochs``, ``worker``, ``since``,
         ``config`` -, ``n_trials``, ``n_done``, ``n_failed``, ``best_trial``,
@@ -109,6 +112,7 @@ def dashboard_state(scheduler, *, since: float | None = None,
         "shared_gpus": [{"uuid": u, "workers": list(a)}
                         for u, a in _distributed.shared_devices(views).items()],
         "decisions": decisions,
+        "speculation": _speculation_summary(status.get("speculation")),
         "tuning": _tuning(scheduler),
         "pipeline": _pipeline(scheduler),
     }
@@ -126,3 +130,14 @@ def _tuning(scheduler) -> dict[str, Any] | None:
     (None when no tuner has published)."""
     meta = _distributed.scheduler_metadata(scheduler, ("blockflow", "tune"))
     return meta if isinstance(meta, dict) else None
+
+
+def _speculation_summary(spec) -> dict[str, Any] | None:
+    """The backup-copy counters of the rebalancer's status, JSON-ready."""
+    if not spec:
+        return None
+    return {"launched": int(spec.get("launched", 0)), "won": int(spec.get("backup-won", 0)),
+            "lost": int(spec.get("original-won", 0) + spec.get("finished-first", 0)),
+            "failed": int(spec.get("failed", 0) + spec.get("declined", 0)),
+            "running": len(spec.get("running") or {}),
+            "duplicated_seconds": float(spec.get("duplicated_seconds", 0.0))}
