@@ -504,32 +504,30 @@ def _spread_persisted(futures, rows: Sequence[int], plan: _Plan) -> list:
     is (no transfer) and then copied, alone, to the next worker in turn: (k-1)/k of a split
     partition moves, once, and each piece's kernel then runs where its piece is. blockflow
     heuristic."""
+    import dask
+    from dask import delayed
+    from distributed import futures_of
+
     client = futures[0].client
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-    # Few submissions, each of many tasks: the scheduler takes one graph update per call,
-    # and dozens of single-task updates cost seconds on a loaded scheduler.
-    cuts = [(i, p) for i, p in enumerate(plan.pieces) if p[1] - p[0] == 1
-            and not (p[2] == 0 and p[3] == rows[p[0]])]
-    cut = client.map(_slice_share, [futures[p[0]] for _, p in cuts], [p[2] for _, p in cuts],
-                     [p[3] for _, p in cuts], [rows[p[0]] for _, p in cuts]) if cuts else []
-    placed = dict(zip((i for i, _ in cuts), cut))
-    if workers:  # the cuts run where their partition is; copy each to the next worker
-        by_target: dict[str, list[int]] = {}
-        for turn, (i, _) in enumerate(cuts):
-            by_target.setdefault(workers[turn % len(workers)], []).append(i)
-        for target, indices in by_target.items():
-            moved = client.map(_identity, [placed[i] for i in indices], workers=[target],
-                               allow_other_workers=True)
-            placed.update(zip(indices, moved))
-    new = []
+    # One graph for all cuts, copies and merges: the scheduler takes one graph update per
+    # submission, and dozens of them cost seconds on a loaded scheduler. Worker
+    # annotations survive because the graph is not optimised.
+    todo, turn = {}, 0
     for i, (first, stop, lo, hi) in enumerate(plan.pieces):
-        if i in placed:
-            new.append(placed[i])
-        elif stop - first > 1:
-            new.append(client.submit(_concat_parts, *futures[first:stop]))
-        else:  # neither split nor merged
-            new.append(futures[first])
-    return new
+        if stop - first > 1:
+            todo[i] = delayed(_concat_parts, pure=True)(*futures[first:stop])
+        elif not (lo == 0 and hi == rows[first]):  # the cut runs where the partition is
+            piece = delayed(_slice_share, pure=True)(futures[first], lo, hi, rows[first])
+            if workers:
+                with dask.annotate(workers=[workers[turn % len(workers)]],
+                                   allow_other_workers=True):
+                    piece = delayed(_identity, pure=True)(piece)
+                turn += 1
+            todo[i] = piece
+    done = dict(zip(todo, client.persist(list(todo.values()), optimize_graph=False)))
+    return [futures_of(done[i])[0] if i in done else futures[p[0]]
+            for i, p in enumerate(plan.pieces)]
 
 
 def _frame_from_plan(df, rows: Sequence[int], plan: _Plan):
