@@ -89,6 +89,12 @@ def test_nothing_is_copied_without_a_measured_duration_an_idle_worker_or_budget(
     out = _policy(backup_slots=1.0).backups(_snap(ws3, run, backups={"other": "idle"}))
     assert [d.target for d in out] == ["third"]
     assert not DynamicPolicy(speculation=False).backups(_snap(ws, run))
+    # tasks still wait for threads (on a worker, or held back by the scheduler): those first
+    waiting = [_worker("slow", processing=2, speed=0.2), _worker("idle")]
+    assert not _policy().backups(_snap(waiting, run))
+    queued = _snap(ws, run)
+    queued.queued = 3
+    assert not _policy().backups(queued)
 
 
 def test_the_copys_time_counts_sending_inputs_and_result():

@@ -484,7 +484,9 @@ class DynamicPolicy(RebalancePolicy):
         speed shrunk by its confidence); its estimated time to end is what remains of that,
         or, once it overran it, as long again as it has run (a heavy-tailed guess: the
         worker is slower than believed). The tasks with the longest times to end come
-        first; each may get one copy, on the idle worker (a free thread, nothing queued)
+        first; copies start only once no task waits for a thread anywhere (nothing queued
+        by the scheduler, nothing waiting on a worker); each task may get one copy, on the
+        idle worker (a free thread, nothing queued)
         that would finish it soonest: its compute there plus sending inputs and result
         (bytes / bandwidth). The copy starts when the time to end exceeds
         :attr:`backup_ratio` times that, the task has run at least
@@ -493,9 +495,14 @@ class DynamicPolicy(RebalancePolicy):
         duration), nothing is copied. A blockflow heuristic after LATE (Zaharia et al.,
         OSDI 2008) and MapReduce's backup tasks (Dean & Ghemawat, OSDI 2004).
         """
-        if not self.speculation or not snap.running:
+        if not self.speculation or not snap.running or snap.queued:
             return []
         views = snap.workers
+        if any(w.processing > max(w.nthreads, 1) for w in views.values()):
+            # tasks still wait for a thread: an idle worker should get one of those (moves,
+            # stealing), and a copy beside it would halve both on a shared device (LATE
+            # also runs new tasks before copies)
+            return []
         usable = {a: w for a, w in views.items()
                   if w.status == "running" and a not in paused_now}
         threads = sum(max(w.nthreads, 1) for w in usable.values())
