@@ -26,6 +26,7 @@ import blockflow
 from blockflow import ResourceError
 from blockflow.scheduling import Rebalancer
 from blockflow.testing import SimulatedDevice, SimulatedGPU, install_simulated_devices
+from loadaware import scaled
 
 CPU_AND_GPU = [("127.0.0.1", 1), ("127.0.0.1", 1), ("127.0.0.1", 1, {"resources": {"GPU": 1}})]
 
@@ -259,7 +260,8 @@ async def test_a_task_needing_a_resource_nobody_has_fails_in_bounded_time(c, s, 
         with pytest.raises(ResourceError) as info:
             await c.compute(y)
     took = time.monotonic() - start
-    assert 1 <= took < 30  # the setting, not forever (generous bound for a loaded machine)
+    # the setting (1 s), not forever; the bound stretches with the machine's load
+    assert 1 <= took < scaled(20)
     message = str(info.value)
     assert message.startswith("blockflow: task ('blockflow-wants-gpu-")
     assert "needs resources {'GPU': 1}, which no worker of the cluster declares" in message
