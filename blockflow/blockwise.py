@@ -521,7 +521,8 @@ def map_blocks(
       along one axis (arrays: the axis with the most blocks, never a dropped one; xarray:
       argument 0's chunked dimension with the most blocks; dataframes: rows, for a single
       dataframe whose partition sizes are cheap to know: rows of one built from pandas,
-      bytes held of a persisted one - never an extra pass over the data). Not with ``chunks=``/``template=``.
+      bytes held of a persisted one - never an extra pass over the data). Not with
+      ``chunks=``/``template=``.
     - Device memory (``blockflow.blocks.fit-device-memory: auto``): with ``working_set=`` on
       a cluster with GPU workers, blocks are split so that block + working set fits the
       smallest free device memory x (1 - ``blockflow.blocks.safety``); blocks that fit, or
