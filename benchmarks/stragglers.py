@@ -146,7 +146,6 @@ def zipf_skew(client: Client, args) -> list[dict]:
                  "makespan": f"blockflow <= 1.2x balanced: {'met' if ratio <= 1.2 else 'NOT met'}"
                              f" ({ratio:.2f}x)",
                  "x ideal": "", "x balanced": "", "x plain": ""})
-    del skewed, balanced
     return rows
 
 
