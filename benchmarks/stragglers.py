@@ -21,6 +21,23 @@ Workloads (``--workloads``, comma-separated):
   to 0 for this run: each row stands for a row of a far larger table, as its kernel time
   says. Target (issue 14): blockflow's makespan <= 1.2x the balanced run.
 
+* ``slowdown`` -- 4 simulated devices (speed 1, 1 thread each; ``--spec-blocks`` blocks of
+  ``--spec-work`` reference-seconds); device 0 slows to a fifth of its speed half-way through
+  the ideal makespan (a speed schedule). Configurations: ``blockflow-no-slowdown`` (the
+  reference: the same run without the slowdown), ``plain`` (plain Dask), ``blockflow-no-
+  backups`` (the dynamic policy, ``blockflow.speculation.enabled: false``), ``blockflow``
+  (with backup copies). Target (issue 14): <= 1.15x the run without the slowdown, with <= 5 %
+  of the work duplicated.
+* ``slow-from-start`` -- device 0 runs at a tenth of the others' speed from the start, half
+  as many blocks of twice the work; the bound is the fast devices alone (total work / 3).
+  Target: <= 1.35x that bound.
+* ``identical`` -- 4 identical devices, nothing straggles: backups must cost nothing
+  (>= 5 paired repetitions; reference ``blockflow-no-backups``).
+
+Each straggler run starts a fresh cluster and runs a short warm-up stage first (durations
+measured, as in any pipeline past its first stage); "duplicated" is the seconds of work
+done twice (both copies running) over the stage's total work.
+
     python benchmarks/stragglers.py > table.txt
     python benchmarks/stragglers.py --quick      # smoke test (~30 s)
 
@@ -41,6 +58,7 @@ import sys
 import time
 
 import dask
+import dask.array as da
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
@@ -48,7 +66,7 @@ from distributed import Client, LocalCluster, wait
 
 import blockflow
 
-WORKLOADS = ("zipf-skew",)
+WORKLOADS = ("zipf-skew", "slowdown", "slow-from-start", "identical")
 
 
 def zipf_lengths(partitions: int, exponent: float, total_rows: int, seed: int = 14
@@ -149,6 +167,131 @@ def zipf_skew(client: Client, args) -> list[dict]:
     return rows
 
 
+# --- stragglers: speculative backup copies -------------------------------------------------
+
+SPEC_CONFIGS = ("plain", "blockflow-no-backups", "blockflow")
+
+
+def _spec_kernel(block, block_id=None, work=0.25):
+    from blockflow.testing import simulated_kernel
+
+    return np.array([simulated_kernel(block, op=np.sum, work=work)], dtype=object)
+
+
+def _spec_cell(config: str, args, *, blocks: int, work: float, speeds, schedules=None,
+               run: int = 0) -> dict:
+    """One fresh cluster of simulated devices (speeds, speed schedules), one configuration:
+    a warm-up stage (so durations are measured, as in any pipeline past its first stage),
+    then ``blocks`` kernels of ``work`` reference-seconds; makespan and backup copies."""
+    from blockflow.scheduling import Rebalancer
+    from blockflow.testing import restart_clock, simulated_cluster
+
+    settings = {"blockflow.speculation.enabled": config == "blockflow"}
+    with dask.config.set(settings), simulated_cluster(
+            speeds=speeds, speed_schedules=schedules, processes=not args.in_process,
+            silence_logs=logging.CRITICAL) as client:
+        if config != "plain":
+            client.register_plugin(Rebalancer(policy="dynamic"))
+        warm = blockflow.map_blocks(_spec_kernel, da.ones(2 * len(speeds), chunks=1),
+                                    dtype=object, name=f"warm-{run}", work=work / 4)
+        warm.compute()
+        x = da.arange(blocks, chunks=1)
+        y = blockflow.map_blocks(_spec_kernel, x, dtype=object, name=f"spec-{run}",
+                                 work=work)
+        client.run(restart_clock, time.time())  # speed schedules count from here
+        since = time.time()
+        t0 = time.perf_counter()
+        out = y.compute()
+        makespan = time.perf_counter() - t0
+        assert sorted(int(b.payload) for b in out) == list(range(blocks))  # each block once
+        spec = {}
+        if config != "plain":
+            deadline = time.time() + 10
+            while True:  # outcomes are logged when the copies' replies arrive
+                spec = blockflow.plugin_status(client, since=since)["speculation"]
+                if not spec.get("running") or time.time() > deadline:
+                    break
+                time.sleep(0.1)
+    return {"makespan": makespan, "launched": int(spec.get("launched", 0)),
+            "won": int(spec.get("backup-won", 0)),
+            "duplicated": float(spec.get("duplicated_seconds", 0.0))}
+
+
+def _spec_rows(workload: str, results: dict, reference: str, work_s: float, bound=None,
+               bound_name="") -> list[dict]:
+    rows = []
+    ref = results[reference]
+    for config, runs in results.items():
+        ms = [r["makespan"] for r in runs]
+        ratios = [r["makespan"] / q["makespan"] for r, q in zip(runs, ref)]
+        row = {"workload": workload, "config": config,
+               "makespan s": f"{statistics.median(ms):.2f} ({min(ms):.2f}-{max(ms):.2f})",
+               f"/{reference}": f"{statistics.median(ratios):.2f} "
+                                f"({min(ratios):.2f}-{max(ratios):.2f})",
+               "backups (won)": f"{sum(r['launched'] for r in runs)} "
+                                f"({sum(r['won'] for r in runs)})",
+               "duplicated": f"{100 * statistics.median(r['duplicated'] for r in runs) / work_s:.1f}%"}
+        if bound:
+            row[f"/{bound_name}"] = f"{statistics.median(ms) / bound:.2f}"
+        rows.append(row)
+    return rows
+
+
+def _paired(configs, reps, cell) -> dict:
+    results = {c: [] for c in configs}
+    for rep in range(reps):
+        order = configs if rep % 2 == 0 else configs[::-1]
+        for c in order:
+            r = cell(c, rep)
+            print(f"  rep {rep} {c:24s} {r['makespan']:.2f}s backups {r['launched']} "
+                  f"won {r['won']}", file=sys.stderr)
+            results[c].append(r)
+    return results
+
+
+def slowdown(client, args) -> list[dict]:
+    """One of 4 devices slowed 5x mid-run; against the same run without the slowdown."""
+    blocks, work = args.spec_blocks, args.spec_work
+    at = blocks * work / 4 / 2  # half-way through the ideal makespan
+    slow = {0: [(at, 0.2)]}
+
+    def cell(config, rep):
+        if config == "blockflow-no-slowdown":
+            return _spec_cell("blockflow", args, blocks=blocks, work=work,
+                              speeds=[1] * 4, run=rep)
+        return _spec_cell(config, args, blocks=blocks, work=work, speeds=[1] * 4,
+                          schedules=slow, run=rep)
+
+    results = _paired(("blockflow-no-slowdown",) + SPEC_CONFIGS, args.repeat, cell)
+    return _spec_rows("slowdown-5x", results, "blockflow-no-slowdown", blocks * work)
+
+
+def slow_from_start(client, args) -> list[dict]:
+    """One device 10x slower from the start (nothing known about it); the bound is the
+    fast devices alone: total work / 3."""
+    blocks, work = args.spec_blocks // 2, args.spec_work * 2
+
+    def cell(config, rep):
+        return _spec_cell(config, args, blocks=blocks, work=work, speeds=[0.1, 1, 1, 1],
+                          run=rep)
+
+    results = _paired(SPEC_CONFIGS, args.repeat, cell)
+    return _spec_rows("slow-10x-from-start", results, "plain", blocks * work,
+                      bound=blocks * work / 3, bound_name="fast-only bound")
+
+
+def no_stragglers(client, args) -> list[dict]:
+    """Identical devices: speculation must cost nothing (>= 5 paired repetitions)."""
+    blocks, work = args.spec_blocks, args.spec_work
+
+    def cell(config, rep):
+        return _spec_cell(config, args, blocks=blocks, work=work, speeds=[1] * 4, run=rep)
+
+    results = _paired(("blockflow-no-backups", "blockflow", "plain"),
+                      max(args.repeat, 5), cell)
+    return _spec_rows("identical", results, "blockflow-no-backups", blocks * work)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="all",
@@ -159,6 +302,10 @@ def main(argv=None) -> None:
     parser.add_argument("--rows-per-partition", type=int, default=10_000)
     parser.add_argument("--seconds-per-row", type=float, default=60e-6)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--spec-blocks", type=int, default=48,
+                        help="blocks of the straggler workloads (4 simulated devices)")
+    parser.add_argument("--spec-work", type=float, default=0.25,
+                        help="reference-seconds per block of the straggler workloads")
     parser.add_argument("--in-process", action="store_true",
                         help="workers as threads of this process (starts faster; the "
                              "scheduler, workers and client then share one interpreter lock)")
@@ -173,11 +320,17 @@ def main(argv=None) -> None:
         parser.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
     logging.getLogger("blockflow.decompose").setLevel(logging.WARNING)
     rows = []
-    with LocalCluster(n_workers=args.workers, threads_per_worker=1,
-                      processes=not args.in_process, dashboard_address=":0") as cluster, \
-            Client(cluster) as client:
-        for name in chosen:
-            rows += {"zipf-skew": zipf_skew}[name](client, args)
+    if "zipf-skew" in chosen:
+        with LocalCluster(n_workers=args.workers, threads_per_worker=1,
+                          processes=not args.in_process, dashboard_address=":0") as cluster, \
+                Client(cluster) as client:
+            rows += zipf_skew(client, args)
+    # the straggler workloads start a fresh cluster of simulated devices per run
+    spec = {"slowdown": slowdown, "slow-from-start": slow_from_start,
+            "identical": no_stragglers}
+    for name in chosen:
+        if name in spec:
+            rows += spec[name](None, args)
     print(pd.DataFrame(rows).to_string(index=False))
 
 
