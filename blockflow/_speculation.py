@@ -79,8 +79,12 @@ def _enabled() -> bool:
 def run_kernel(kernel, call: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
     """Run ``call()`` (one task's kernel attempts) so that a backup copy may overtake it.
 
-    Outside a worker, with speculation off (``blockflow.speculation.enabled``) or for a
-    kernel marked not to be copied, it is just ``call()``.
+    Outside a worker, on a worker without :class:`SpeculationHandlers` (a cluster whose
+    scheduler plugin does not copy tasks), with speculation off
+    (``blockflow.speculation.enabled``) or for a kernel marked not to be copied, it is just
+    ``call()``, in the task's own thread. Otherwise the kernel runs in a helper thread that
+    sees the task's worker context (``get_worker()``); a kernel that calls ``secede()`` or
+    ``worker_client()`` must be marked ``speculative=False``.
 
     Parameters
     ----------
@@ -95,9 +99,10 @@ def run_kernel(kernel, call: Callable[[], Any], args: tuple, kwargs: dict) -> An
         return call()
     worker = _distributed.current_worker()
     key = _distributed.current_task_key()
-    if worker is None or key is None or not _enabled():
+    if worker is None or key is None or not _enabled() \
+            or SpeculationHandlers.name not in _distributed.worker_plugins(worker):
+        # no scheduler plugin that copies tasks: run as plain Dask does
         return call()
-    _distributed.install_worker_handlers(worker, HANDLERS)
     slot = _Slot(kernel, args, kwargs)
     ident = (worker.address, key)
     with _lock:
@@ -208,8 +213,8 @@ HANDLERS: dict[str, Callable] = {
 
 class SpeculationHandlers(WorkerPlugin):
     """Worker plugin installing the backup-copy RPC handlers on every worker, present and
-    future (registered by the scheduler plugin when its policy may copy tasks); workers also
-    install them when they first run a kernel that may be copied."""
+    future (registered by the scheduler plugin when its policy may copy tasks). Only on
+    workers that have it do kernels run so that a copy can overtake them."""
 
     name = "blockflow-speculation"
     idempotent = True

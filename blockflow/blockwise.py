@@ -460,7 +460,7 @@ def map_blocks(
         :meth:`blockflow.scheduling.policies.DynamicPolicy.backups`). The kernel must then
         be idempotent: the same block in gives the same result, with no side effect that
         matters twice. Pass False for kernels that write files, call services or draw random
-        numbers unseeded.
+        numbers unseeded, and for kernels that call ``secede()`` or ``worker_client()``.
     **kwargs
         Passed to ``kernel`` unchanged, not split into blocks: a Dask array or dataframe
         given here reaches every call whole (computed), as in Dask (xarray refuses Dask

@@ -268,3 +268,30 @@ def test_the_first_result_wins_and_the_other_copy_is_cancelled():
             assert not _speculation._backups  # the copy is gone
 
     asyncio.run(main())
+
+
+def test_kernels_run_in_the_tasks_own_thread_unless_the_cluster_copies_tasks():
+    """A cluster without blockflow's copying plugin runs kernels exactly as plain Dask does
+    (in the task's thread); with it, in a helper thread that still sees the worker."""
+    import threading
+
+    from distributed import get_worker
+
+    from blockflow._speculation import SpeculationHandlers
+
+    def where(block):
+        get_worker()  # the worker context reaches the kernel either way
+        return np.array([threading.current_thread().name], dtype=object)
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=":0", silence_logs=logging.CRITICAL) as cluster, \
+            Client(cluster) as client:
+        x = da.ones(2, chunks=1)
+        plain = blockflow.map_blocks(where, x, dtype=object, name="t1").compute()
+        assert not any(n.startswith("blockflow-kernel") for n in plain), plain
+        client.register_plugin(SpeculationHandlers())
+        copied = blockflow.map_blocks(where, x, dtype=object, name="t2").compute()
+        assert all(n.startswith("blockflow-kernel") for n in copied), copied
+        marked = blockflow.map_blocks(where, x, dtype=object, name="t3",
+                                      speculative=False).compute()
+        assert not any(n.startswith("blockflow-kernel") for n in marked), marked
