@@ -340,6 +340,35 @@ def _written() -> None:
     click.get_current_context().meta[_WRITTEN] = True
 
 
+def _output_options(default: str, help: str) -> Callable:
+    """``--output`` (default folder ``default``, described by ``help``) and ``--overwrite``,
+    shared by the ``run`` commands."""
+    def decorate(command: Callable) -> Callable:
+        command = click.option("--overwrite", is_flag=True,
+                               help="Replace --output if it exists.")(command)
+        return click.option("--output", type=click.Path(), default=default,
+                            show_default=True, help=help)(command)
+    return decorate
+
+
+@contextlib.contextmanager
+def _job(output: str, overwrite: bool, cluster: dict[str, Any],
+         errors: tuple[type[BaseException], ...] = (FileExistsError,)) -> Iterator[Any]:
+    """The frame of a ``run`` command: check ``--output`` before any cluster starts, start or
+    connect to the cluster (``cluster``: the ``_cluster_options``), print its inventory and
+    yield the client; ``errors`` raised by the job end it with one ``Error: ...`` line (exit
+    status 1); once the cluster is closed, print where its dashboard is, if anywhere."""
+    _check_output(output, overwrite)
+    with _client(**cluster) as client:
+        _print_inventory(client)
+        try:
+            yield client
+        except errors as e:
+            raise click.ClickException(str(e)) from None
+        link = client.dashboard_link
+    click.echo(_dashboard_after(cluster["address"], link))
+
+
 _retries_option = click.option(
     "--retries", type=click.IntRange(min=0), default=0, show_default=True,
     help="Extra attempts of a task that raises, on any worker (distributed's task retries).")
@@ -352,9 +381,8 @@ def _progress(no_progress: bool) -> bool | None:
 @run_group.command(name="flights")
 @click.option("--scale", type=int, default=1, show_default=True,
               help="Copies of the 336,776-row 2013 NYC flights table (>= 1).")
-@click.option("--output", type=click.Path(), default="blockflow-flights-out", show_default=True,
-              help="Folder for by_carrier.parquet, by_origin_month.parquet, manifest.json.")
-@click.option("--overwrite", is_flag=True, help="Replace --output if it exists.")
+@_output_options("blockflow-flights-out",
+                 "Folder for by_carrier.parquet, by_origin_month.parquet, manifest.json.")
 @click.option("--partitions-per-copy", type=int, default=4, show_default=True,
               help="Partitions per copy of the table (>= 1).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
@@ -373,19 +401,13 @@ def flights_command(scale: int, output: str, overwrite: bool, partitions_per_cop
         flights.check_partitions_per_copy(partitions_per_copy)
     except ValueError as e:
         raise _OptionError(str(e)) from None
-    _check_output(output, overwrite)
-    with _client(**cluster) as client:
-        _print_inventory(client)
-        try:
-            result = flights.run(client, scale=scale, output=output,
-                                 partitions_per_copy=partitions_per_copy, overwrite=overwrite,
-                                 progress=_progress(no_progress), retries=retries)
-        except (FileExistsError, OutputWriteError, BlockKernelError, WorkerLostError) as e:
-            raise click.ClickException(str(e)) from None
+    errors = (FileExistsError, OutputWriteError, BlockKernelError, WorkerLostError)
+    with _job(output, overwrite, cluster, errors) as client:
+        result = flights.run(client, scale=scale, output=output,
+                             partitions_per_copy=partitions_per_copy, overwrite=overwrite,
+                             progress=_progress(no_progress), retries=retries)
         _written()
         click.echo(_without_dashboard_line(result.report()))
-        link = client.dashboard_link
-    click.echo(_dashboard_after(cluster["address"], link))
 
 
 @run_group.command(name="array-stats")
@@ -393,9 +415,7 @@ def flights_command(scale: int, output: str, overwrite: bool, partitions_per_cop
               help="Field size: small (1 MB), medium (249 MB) or large (3.8 GB) of float32.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the field (>= 0).")
-@click.option("--output", type=click.Path(), default="blockflow-array-stats-out",
-              show_default=True, help="Folder for stats.parquet and manifest.json.")
-@click.option("--overwrite", is_flag=True, help="Replace --output if it exists.")
+@_output_options("blockflow-array-stats-out", "Folder for stats.parquet and manifest.json.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @_retries_option
 @_cluster_options
@@ -409,15 +429,10 @@ def array_stats_command(size: str, seed: int, output: str, overwrite: bool, no_p
     from blockflow.io import OutputWriteError
     from blockflow.workloads import array_stats
 
-    _check_output(output, overwrite)
-    with _client(**cluster) as client:
-        _print_inventory(client)
-        try:
-            result = array_stats.run(client, size=size, output=output, overwrite=overwrite,
-                                     seed=seed, progress=_progress(no_progress),
-                                     retries=retries)
-        except (FileExistsError, OutputWriteError, BlockKernelError, WorkerLostError) as e:
-            raise click.ClickException(str(e)) from None
+    errors = (FileExistsError, OutputWriteError, BlockKernelError, WorkerLostError)
+    with _job(output, overwrite, cluster, errors) as client:
+        result = array_stats.run(client, size=size, output=output, overwrite=overwrite,
+                                 seed=seed, progress=_progress(no_progress), retries=retries)
         _written()
         click.echo(f"blockflow array-stats: size {size} ({format_bytes(result.nbytes)}), "
                    f"seed {seed}")
@@ -429,8 +444,6 @@ def array_stats_command(size: str, seed: int, output: str, overwrite: bool, no_p
         click.echo(f"Wall time: {result.wall_time:.2f} s")
         click.echo(f"Throughput: {format_bytes(result.bytes_per_second)}/s")
         click.echo(f"Output: {result.output}")
-        link = client.dashboard_link
-    click.echo(_dashboard_after(cluster["address"], link))
 
 
 @run_group.command(name="train")
@@ -442,9 +455,8 @@ def array_stats_command(size: str, seed: int, output: str, overwrite: bool, no_p
               help="Samples per step, split over the workers by speed.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the initialisation and the batches (>= 0).")
-@click.option("--output", type=click.Path(), default="blockflow-train-out", show_default=True,
-              help="Folder for model.pt, metrics.json, loss_curve.csv, manifest.json.")
-@click.option("--overwrite", is_flag=True, help="Replace --output if it exists.")
+@_output_options("blockflow-train-out",
+                 "Folder for model.pt, metrics.json, loss_curve.csv, manifest.json.")
 @_cluster_options
 def train_command(scale: int, epochs: int, batch_size: int, seed: int, output: str,
                   overwrite: bool, **cluster: Any) -> None:
@@ -458,14 +470,9 @@ def train_command(scale: int, epochs: int, batch_size: int, seed: int, output: s
     from blockflow.io import OutputWriteError
     from blockflow.workloads import train
 
-    _check_output(output, overwrite)
-    with _client(**cluster) as client:
-        _print_inventory(client)
-        try:
-            metrics = train.run(client, output=output, scale=scale, epochs=epochs,
-                                batch_size=batch_size, seed=seed, overwrite=overwrite)
-        except (FileExistsError, OutputWriteError) as e:
-            raise click.ClickException(str(e)) from None
+    with _job(output, overwrite, cluster, (FileExistsError, OutputWriteError)) as client:
+        metrics = train.run(client, output=output, scale=scale, epochs=epochs,
+                            batch_size=batch_size, seed=seed, overwrite=overwrite)
         _written()
         click.echo(f"blockflow train: {metrics['n_train']:,} training rows, "
                    f"{metrics['steps']} steps in {metrics['seconds']:.1f} s")
@@ -473,8 +480,6 @@ def train_command(scale: int, epochs: int, batch_size: int, seed: int, output: s
                    f"{metrics['majority_baseline_accuracy']:.4f}), AUC "
                    f"{metrics['test_auc']:.4f}, log loss {metrics['test_log_loss']:.4f}")
         click.echo(f"Output: {os.path.abspath(output)}")
-        link = client.dashboard_link
-    click.echo(_dashboard_after(cluster["address"], link))
 
 
 @run_group.command(name="tune")
@@ -486,9 +491,8 @@ def train_command(scale: int, epochs: int, batch_size: int, seed: int, output: s
               help="Epochs of the top rung (rung 0 trains one).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the configurations (>= 0).")
-@click.option("--output", type=click.Path(), default="blockflow-tune-out", show_default=True,
-              help="Folder for trials.parquet, history.parquet, best_model.pkl, manifest.json.")
-@click.option("--overwrite", is_flag=True, help="Replace --output if it exists.")
+@_output_options("blockflow-tune-out",
+                 "Folder for trials.parquet, history.parquet, best_model.pkl, manifest.json.")
 @_cluster_options
 def tune_command(n_configs: int, eta: int, max_epochs: int, seed: int, output: str,
                  overwrite: bool, **cluster: Any) -> None:
@@ -499,21 +503,13 @@ def tune_command(n_configs: int, eta: int, max_epochs: int, seed: int, output: s
     except ImportError as e:  # scikit-learn missing
         raise click.ClickException(f"blockflow: run tune needs scikit-learn ({e}); install "
                                    f"it with pip install 'blockflow[ai]'.") from None
-    _check_output(output, overwrite)
-    with _client(**cluster) as client:
-        _print_inventory(client)
-        try:
-            result = digits_tuning.run(client, n_configs=n_configs, eta=eta,
-                                       max_budget=max_epochs, seed=seed, output=output,
-                                       overwrite=overwrite)
-        except FileExistsError as e:
-            raise click.ClickException(str(e)) from None
+    with _job(output, overwrite, cluster) as client:
+        result = digits_tuning.run(client, n_configs=n_configs, eta=eta, max_budget=max_epochs,
+                                   seed=seed, output=output, overwrite=overwrite)
         _written()
         click.echo(result.report())
         click.echo("")
         _echo_task_counts(result.task_counts)
-        link = client.dashboard_link
-    click.echo(_dashboard_after(cluster["address"], link))
 
 
 @run_group.command(name="infer")
@@ -521,9 +517,7 @@ def tune_command(n_configs: int, eta: int, max_epochs: int, seed: int, output: s
               help="Copies of scikit-learn's 1,797 digits to classify.")
 @click.option("--blocks", type=click.IntRange(min=1), default=20, show_default=True,
               help="Row blocks of the replicated data.")
-@click.option("--output", type=click.Path(), default="blockflow-infer-out", show_default=True,
-              help="Folder for predictions.parquet and manifest.json.")
-@click.option("--overwrite", is_flag=True, help="Replace --output if it exists.")
+@_output_options("blockflow-infer-out", "Folder for predictions.parquet and manifest.json.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @_cluster_options
 def infer_command(scale: int, blocks: int, output: str, overwrite: bool, no_progress: bool,
@@ -536,21 +530,14 @@ def infer_command(scale: int, blocks: int, output: str, overwrite: bool, no_prog
     except ImportError as e:  # scikit-learn missing
         raise click.ClickException(f"blockflow: run infer needs scikit-learn ({e}); install "
                                    f"it with pip install 'blockflow[ai]'.") from None
-    _check_output(output, overwrite)
-    with _client(**cluster) as client:
-        _print_inventory(client)
-        try:
-            result = digits_inference.run(client, scale=scale, blocks=blocks, output=output,
-                                          overwrite=overwrite, progress=_progress(no_progress))
-        except FileExistsError as e:
-            raise click.ClickException(str(e)) from None
+    with _job(output, overwrite, cluster) as client:
+        result = digits_inference.run(client, scale=scale, blocks=blocks, output=output,
+                                      overwrite=overwrite, progress=_progress(no_progress))
         _written()
         click.echo(result.report())
         click.echo("")
         _echo_task_counts(result.task_counts)
         click.echo(f"Output: {result.output}")
-        link = client.dashboard_link
-    click.echo(_dashboard_after(cluster["address"], link))
 
 
 def _echo_task_counts(counts: dict[str, int] | None) -> None:
