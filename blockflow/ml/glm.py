@@ -14,6 +14,9 @@ Objectives are scikit-learn's, so the same penalty gives the same coefficients:
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import numpy as np
 
 from blockflow.ml._shards import ResidentShards, as_row_blocks
@@ -55,13 +58,19 @@ def _glm_pass(blocks, rows, kind, coef):
     return loss, grad
 
 
+# The settings every GLM shares are keyword-only dataclass fields of the base class; each
+# estimator declares only its penalty, which dataclasses put first in ``__init__``:
+# ``LinearRegression(alpha=0.0, *, fit_intercept=True, ...)``. ``repr=False, eq=False`` keep
+# the estimators' own repr and identity equality.
+@dataclasses.dataclass(kw_only=True, repr=False, eq=False)
 class _GLM:
-    _kind = ""
+    fit_intercept: bool = True
+    max_iter: int = 500
+    tol: float = 1e-10
+    sharding: str = "speed"
+    client: Any = None
 
-    def __init__(self, *, fit_intercept: bool = True, max_iter: int = 500, tol: float = 1e-10,
-                 sharding: str = "speed", client=None):
-        self.fit_intercept, self.max_iter, self.tol = fit_intercept, max_iter, tol
-        self.sharding, self.client = sharding, client
+    _kind = ""
 
     # scikit-learn's estimator protocol, without importing scikit-learn
     def get_params(self, deep: bool = True) -> dict:
@@ -153,6 +162,7 @@ def _linear(xb, coef, intercept):
     return xb.astype(xp.float64) @ xp.asarray(coef) + intercept
 
 
+@dataclasses.dataclass(repr=False, eq=False)
 class LinearRegression(_GLM):
     """Least squares with an L2 penalty (scikit-learn's ``Ridge``; ``alpha=0``: OLS).
 
@@ -168,13 +178,9 @@ class LinearRegression(_GLM):
     sharding : {"speed", "equal"}, default "speed"
     client : distributed.Client, optional
     """
-    _kind = "linear"
+    alpha: float = 0.0
 
-    def __init__(self, alpha: float = 0.0, *, fit_intercept: bool = True, max_iter: int = 500,
-                 tol: float = 1e-10, sharding: str = "speed", client=None):
-        super().__init__(fit_intercept=fit_intercept, max_iter=max_iter, tol=tol,
-                         sharding=sharding, client=client)
-        self.alpha = alpha
+    _kind = "linear"
 
     def _penalty(self, w, n):
         return self.alpha * (w @ w) / n, 2 * self.alpha * w / n
@@ -191,6 +197,7 @@ class LinearRegression(_GLM):
         return float(1 - ((y - pred) ** 2).sum() / ((y - y.mean()) ** 2).sum())
 
 
+@dataclasses.dataclass(repr=False, eq=False)
 class LogisticRegression(_GLM):
     """Binary logistic regression with an L2 penalty (scikit-learn's ``LogisticRegression``).
 
@@ -206,13 +213,9 @@ class LogisticRegression(_GLM):
     ValueError
         From :meth:`fit` if labels are not 0/1.
     """
-    _kind = "logistic"
+    C: float = 1.0
 
-    def __init__(self, C: float = 1.0, *, fit_intercept: bool = True, max_iter: int = 500,
-                 tol: float = 1e-10, sharding: str = "speed", client=None):
-        super().__init__(fit_intercept=fit_intercept, max_iter=max_iter, tol=tol,
-                         sharding=sharding, client=client)
-        self.C = C
+    _kind = "logistic"
 
     def _penalty(self, w, n):
         return 0.5 * (w @ w) / (self.C * n), w / (self.C * n)
@@ -244,6 +247,7 @@ class LogisticRegression(_GLM):
         return float((_host(pred).ravel() == np.asarray(y).ravel()).mean())
 
 
+@dataclasses.dataclass(repr=False, eq=False)
 class PoissonRegression(_GLM):
     """Poisson regression, log link, L2 penalty (scikit-learn's ``PoissonRegressor``).
 
@@ -259,13 +263,9 @@ class PoissonRegression(_GLM):
     ValueError
         From :meth:`fit` if a count is negative.
     """
-    _kind = "poisson"
+    alpha: float = 1.0
 
-    def __init__(self, alpha: float = 1.0, *, fit_intercept: bool = True, max_iter: int = 500,
-                 tol: float = 1e-10, sharding: str = "speed", client=None):
-        super().__init__(fit_intercept=fit_intercept, max_iter=max_iter, tol=tol,
-                         sharding=sharding, client=client)
-        self.alpha = alpha
+    _kind = "poisson"
 
     def _penalty(self, w, n):
         return 0.5 * self.alpha * (w @ w), self.alpha * w
