@@ -315,6 +315,31 @@ class Job:
         """The run's record before a stage is submitted (for its bar), if a bar is shown."""
         return _run_record(self.client, self.run_id) if self.show else None
 
+    def _stage(self, submit: Callable, wait: Callable, collections, label: str | None
+               ) -> tuple[Any, Any]:
+        """Submit ``collections`` as a stage of this run with ``submit`` (the client's
+        ``persist`` or ``compute``, with the job's retries) and wait for them with ``wait``
+        (:func:`~blockflow.cluster.wait_for` or :func:`~blockflow.cluster.gather_results`),
+        under the stage's progress bar if one is shown.
+
+        Returns
+        -------
+        tuple
+            (what ``submit`` returned, what ``wait`` returned).
+        """
+        before = self._before()
+        with run_scope(self.what, self.run_id):
+            submitted = submit(collections, retries=self.retries or None)
+        bar, done = self._bar(before, submitted, label), False
+        try:
+            waited = wait(self.client, submitted, what=self.what)
+            done = True
+            return submitted, waited
+        finally:
+            if bar is not None:
+                bar.finish(done)
+            submitted = None  # a traceback keeps this frame: it must not keep the results
+
     def persist(self, collections, *, label: str | None = None):
         """Persist ``collections`` on the cluster and wait until they are done.
 
@@ -334,18 +359,8 @@ class Job:
         WorkerLostError
             If every worker is lost for ``blockflow.cluster.worker-loss-timeout``.
         """
-        before = self._before()
-        with run_scope(self.what, self.run_id):
-            persisted = self.client.persist(collections, retries=self.retries or None)
-        bar, done = self._bar(before, persisted, label), False
-        try:
-            wait_for(self.client, persisted, what=self.what)
-            done = True
-            return persisted
-        finally:
-            if bar is not None:
-                bar.finish(done)
-            persisted = None  # a traceback keeps this frame: it must not keep the results
+        persisted, _ = self._stage(self.client.persist, wait_for, collections, label)
+        return persisted
 
     def compute(self, collections, *, label: str | None = None):
         """Compute ``collections`` on the cluster and gather the results to the client.
@@ -369,18 +384,8 @@ class Job:
         Exception
             A task's own exception, on its last attempt.
         """
-        before = self._before()
-        with run_scope(self.what, self.run_id):
-            futures = self.client.compute(collections, retries=self.retries or None)
-        bar, done = self._bar(before, futures, label), False
-        try:
-            results = gather_results(self.client, futures, what=self.what)
-            done = True
-            return results
-        finally:
-            if bar is not None:
-                bar.finish(done)
-            futures = None  # a traceback keeps this frame: it must not keep the results
+        _, results = self._stage(self.client.compute, gather_results, collections, label)
+        return results
 
 
 def run_workload(
