@@ -42,6 +42,14 @@ DECISION_COLUMNS = [("when", "Time"), ("action", "Action"), ("worker", "Worker")
                     ("target", "Target"), ("reason", "Reason")]
 
 
+def _table(source: ColumnDataSource, columns: list[tuple[str, str]], height: int,
+           name: str) -> DataTable:
+    """A full-width table of ``columns`` ((field, title) pairs) of ``source``, ``height``
+    pixels high."""
+    return DataTable(source=source, columns=[TableColumn(field=k, title=t) for k, t in columns],
+                     index_position=None, sizing_mode="stretch_width", height=height, name=name)
+
+
 def _na(value, fmt) -> str:
     return "n/a" if value is None else fmt(value)
 
@@ -66,18 +74,11 @@ class BlockflowPage:
         self.scheduler = scheduler
         self.header = Div(text="", sizing_mode="stretch_width")
         self.workers = ColumnDataSource({k: [] for k, _ in WORKER_COLUMNS})
-        self.worker_table = DataTable(
-            source=self.workers, columns=[TableColumn(field=k, title=t)
-                                          for k, t in WORKER_COLUMNS],
-            index_position=None, sizing_mode="stretch_width", height=180,
-            name="blockflow-workers")
+        self.worker_table = _table(self.workers, WORKER_COLUMNS, 180, "blockflow-workers")
         self.decisions = ColumnDataSource(
             {k: [] for k in ("time", "action", "worker", "target", "reason", "when")})
-        self.decision_table = DataTable(
-            source=self.decisions, columns=[TableColumn(field=k, title=t)
-                                            for k, t in DECISION_COLUMNS],
-            index_position=None, sizing_mode="stretch_width", height=220,
-            name="blockflow-decisions")
+        self.decision_table = _table(self.decisions, DECISION_COLUMNS, 220,
+                                     "blockflow-decisions")
         self.timeline = figure(
             title="Rebalancer decisions (time, s ago)", height=220,
             y_range=FactorRange(*ACTIONS), sizing_mode="stretch_width",
