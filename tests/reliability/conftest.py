@@ -68,6 +68,14 @@ def running_workers(client: Client) -> list[str]:
     return sorted(client.scheduler_info(n_workers=-1)["workers"])
 
 
+def ready_workers(client: Client) -> list[str]:
+    """Addresses of the workers the scheduler would give tasks to (status ``running``: a
+    restarted worker is known in status ``init`` while its plugins start, and gets no task
+    until then), sorted."""
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    return sorted(a for a, w in workers.items() if w.get("status") == "running")
+
+
 def worker_pids(client: Client) -> dict[str, int]:
     """Worker address -> process id of the worker process (not its nanny); workers that died
     a moment ago are left out."""

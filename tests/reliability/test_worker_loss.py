@@ -31,6 +31,7 @@ from blockflow.workloads import flights
 from .conftest import (
     assert_forgotten,
     kill,
+    ready_workers,
     running_workers,
     tasks_done_on,
     wait_until,
@@ -47,9 +48,11 @@ def slow_double(block):
 
 def _new_worker_runs_tasks(client, old: list[str]) -> str:
     """Wait for the worker that replaced a killed one and check that it gets work."""
-    wait_until(lambda: len(set(running_workers(client)) - set(old)) == 1, timeout=60,
+    # ready: a restarted worker is known (status "init") before its plugins have started,
+    # and the scheduler gives it no task until it runs
+    wait_until(lambda: len(set(ready_workers(client)) - set(old)) == 1, timeout=60,
                what="the restarted worker")
-    (new,) = set(running_workers(client)) - set(old)
+    (new,) = set(ready_workers(client)) - set(old)
     before = tasks_done_on(client, new)
     # A fresh name each time: a graph with the keys of an earlier call's (whose results the
     # scheduler may not have released yet) would run nothing at all.
