@@ -58,7 +58,7 @@ def _policy(**kw):
 
 def test_a_task_on_a_slow_worker_is_copied_to_the_fastest_idle_worker():
     ws = [_worker("slow", processing=1, speed=0.2), _worker("idle-fast", speed=1.0),
-          _worker("idle-slower", speed=0.5), _worker("busy", processing=2)]
+          _worker("idle-slower", speed=0.5), _worker("busy", processing=1)]
     # expected 1/0.2 = 5 s, 1 s elapsed: 4 s to end vs 1 s for a copy on "idle-fast"
     out = _policy().backups(_snap(ws, {"slow": [_running("k", 1.0)]}))
     assert [(d.action, d.worker, d.target, d.key) for d in out] == [

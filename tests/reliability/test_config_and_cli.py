@@ -410,7 +410,9 @@ def test_ctrl_c_mid_run_exits_130_with_one_line_and_leaves_nothing(tmp_path):
     cluster down, removes the temporary folder and says so; the workers print nothing."""
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "blockflow", "run", "flights", "--scale", "16", "--n-workers",
+        # scale 32: long enough (tens of seconds) that the run is still computing when the
+        # signal comes, on an idle machine too
+        [sys.executable, "-m", "blockflow", "run", "flights", "--scale", "32", "--n-workers",
          "2", "--threads-per-worker", "1", "--gpu", "false", "--output", str(out),
          "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
