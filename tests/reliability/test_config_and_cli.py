@@ -404,6 +404,16 @@ def test_output_too_large_for_the_file_system_is_one_line_and_leaves_nothing(tmp
 # --- Ctrl-C -----------------------------------------------------------------------------------
 
 
+def _as_from_a_terminal() -> None:
+    """In the child before exec: SIGINT unblocked and at its default disposition, as a shell
+    starts a command. A child inherits an ignored or blocked SIGINT from the process that
+    starts it, and Python then keeps ignoring it; the test must not depend on what earlier
+    tests in this pytest process did to its signals (the full suite's CI run saw the CLI
+    finish its run, exit 0, after the signal)."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_mid_run_exits_130_with_one_line_and_leaves_nothing(tmp_path):
     """SIGINT to the whole process group, as a terminal sends Ctrl-C: the CLI shuts its
@@ -416,7 +426,7 @@ def test_ctrl_c_mid_run_exits_130_with_one_line_and_leaves_nothing(tmp_path):
          "2", "--threads-per-worker", "1", "--gpu", "false", "--output", str(out),
          "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-        start_new_session=True)
+        start_new_session=True, preexec_fn=_as_from_a_terminal)
     try:
         deadline = time.monotonic() + 120
         while not any(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir()):
