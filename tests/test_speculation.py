@@ -219,6 +219,15 @@ def test_the_first_result_wins_and_the_other_copy_is_cancelled():
 
     from blockflow.testing import SimulatedDevice, SimulatedGPU
 
+    async def running_on(address):
+        """The key of the kernel that starts running on ``address`` (polled, 10 s at most)."""
+        for _ in range(1000):
+            running = [k_ for (a, k_) in _speculation._running if a == address]
+            if running:
+                return running[0]
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"no kernel started on {address}")
+
     async def main():
         async with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
                                 asynchronous=True, dashboard_address=":0",
@@ -237,14 +246,7 @@ def test_the_first_result_wins_and_the_other_copy_is_cancelled():
 
             y = blockflow.map_blocks(k, x, dtype=float, drop_axis=0, chunks=())
             fut = client.compute(y, workers=[w0.address])
-            key = None
-            for _ in range(200):  # wait until the task runs on w0
-                running = [k_ for (a, k_) in _speculation._running if a == w0.address]
-                if running:
-                    key = running[0]
-                    break
-                await asyncio.sleep(0.05)
-            assert key is not None
+            key = await running_on(w0.address)
             t0 = time.monotonic()
             reply = await w0.rpc(w0.address).blockflow_speculate(key=key, target=w1.address)
             assert reply["outcome"] == "backup-won", reply
@@ -254,14 +256,7 @@ def test_the_first_result_wins_and_the_other_copy_is_cancelled():
             # the reverse: the original (fast) wins; the copy on the slow device is stopped
             y2 = blockflow.map_blocks(k, x + 1, dtype=float, drop_axis=0, chunks=())
             fut2 = client.compute(y2, workers=[w1.address])
-            key2 = None
-            for _ in range(200):
-                running = [k_ for (a, k_) in _speculation._running if a == w1.address]
-                if running:
-                    key2 = running[0]
-                    break
-                await asyncio.sleep(0.01)
-            assert key2 is not None
+            key2 = await running_on(w1.address)
             reply2 = await w1.rpc(w1.address).blockflow_speculate(key=key2, target=w0.address)
             assert reply2["outcome"] in ("original-won", "finished-first"), reply2
             assert await fut2 == 10.0
