@@ -292,7 +292,10 @@ async def _identity(address: str, timeout: float, args: dict[str, Any]) -> None:
     from distributed.comm import connect
 
     async def ask() -> Any:
-        comm = await connect(address, timeout=timeout, **args)
+        # distributed's connect gives its first attempt a fifth of ``timeout`` and then tries
+        # again: on a loaded machine that cuts a TLS handshake short, and the scheduler logs
+        # "TLS handshake failed". One attempt gets the whole bound (wait_for below keeps it).
+        comm = await connect(address, timeout=5 * timeout, **args)
         try:
             await comm.write({"op": "identity", "reply": True})
             return await comm.read()

@@ -56,11 +56,46 @@ def _kill_stuck_workers(pids: list[int]) -> None:
 def healthy(proc_client):
     """``proc_client`` with both workers up and answering; waits for restarted workers after
     the test."""
-    wait_until(lambda: len(worker_pids(proc_client)) == len(running_workers(proc_client)) == 2,
-               timeout=60, what="2 running workers")
+    wait_until(lambda: _two_workers_answer(proc_client), timeout=60, what="2 running workers")
     yield proc_client
-    wait_until(lambda: len(worker_pids(proc_client)) == len(running_workers(proc_client)) == 2,
-               timeout=60, what="2 running workers after the test")
+    try:
+        wait_until(lambda: _two_workers_answer(proc_client), timeout=60,
+                   what="2 running workers after the test")
+    except pytest.fail.Exception:
+        # Once in about 20 full runs of the suite (CI, after the allowed-failures-0 test) a
+        # killed worker's replacement was not back 60 s later, with nothing in the log. The
+        # test itself had passed: say what the cluster looked like, restart its workers so
+        # the next test gets a healthy cluster, and fail only if that does not help.
+        warnings.warn("2 workers were not back 60 s after the test: "
+                      f"{_cluster_state(proc_client)}")
+        _replace_lost_workers(proc_client)
+        wait_until(lambda: _two_workers_answer(proc_client), timeout=120,
+                   what="2 running workers after replacing the lost ones")
+
+
+def _replace_lost_workers(client: Client) -> None:
+    """Close the nannies whose worker the scheduler does not know and let the cluster start
+    new ones in their place (SpecCluster opens a worker for every spec without one)."""
+    cluster = client.cluster
+    known = set(client.scheduler_info(n_workers=-1)["workers"])
+    for name, nanny in list(cluster.workers.items()):
+        if getattr(nanny, "worker_address", None) not in known:
+            try:
+                cluster.sync(nanny.close, timeout=30)
+            except Exception as e:  # a stuck nanny: its process goes with the test run
+                warnings.warn(f"closing the nanny of lost worker {name!r} failed: {e!r}")
+            del cluster.workers[name]
+    cluster.scale(len(cluster.worker_spec))
+
+
+def _two_workers_answer(client: Client) -> bool:
+    return len(worker_pids(client)) == len(running_workers(client)) == 2
+
+
+def _cluster_state(client: Client) -> str:
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    return (f"scheduler: {({a: w.get('status') for a, w in workers.items()})}; answering: "
+            f"{worker_pids(client)}; nannies: {sorted(client.cluster.workers)}")
 
 
 def running_workers(client: Client) -> list[str]:
