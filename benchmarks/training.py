@@ -37,11 +37,15 @@ def _stretch(seconds):
         time.sleep(seconds * (1 / dev.speed() - 1))
 
 
-def mlp(hidden, seed=0):
+def mlp(hidden, seed=0, layers=1):
+    """An MLP on the 64 digits pixels: ``layers`` hidden layers of ``hidden`` units."""
     import torch
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
-                               torch.nn.Linear(hidden, 10)).double()
+    sizes = [64] + [hidden] * layers
+    parts = []
+    for a, b in zip(sizes, sizes[1:]):
+        parts += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*parts, torch.nn.Linear(hidden, 10)).double()
 
 
 def digits():
@@ -136,7 +140,7 @@ def glms(client):
     return out
 
 
-def uneven(client, sharding, hidden, target, max_epochs):
+def uneven(client, sharding, hidden, target, max_epochs, layers=1, lr=0.01):
     import dask.array as da
     import torch
 
@@ -145,7 +149,7 @@ def uneven(client, sharding, hidden, target, max_epochs):
     speed_of = {}
     for a, w in client.scheduler_info(n_workers=-1)["workers"].items():
         speed_of[a] = SPEEDS[int(w["name"])]
-    model = mlp(hidden)
+    model = mlp(hidden, layers=layers)
     t_start = time.perf_counter()
     reached = {}
 
@@ -156,7 +160,7 @@ def uneven(client, sharding, hidden, target, max_epochs):
         return False
 
     tr = DataParallelTrainer(model, torch.nn.CrossEntropyLoss(),
-                             lambda p: torch.optim.Adam(p, lr=0.01), batch_size=512,
+                             lambda p: torch.optim.Adam(p, lr=lr), batch_size=512,
                              epochs=max_epochs, seed=0, client=client, sharding=sharding,
                              block_hook=_stretch, callback=stop, rebalance_every=5)
     tr.fit(da.from_array(Xtr, chunks=25), da.from_array(ytr, chunks=25))
@@ -172,6 +176,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=1,
+                   help="hidden layers of the uneven-devices MLP (more: more compute per step)")
+    p.add_argument("--lr", type=float, default=0.01, help="Adam's learning rate (uneven)")
     p.add_argument("--target", type=float, default=0.95)
     p.add_argument("--max-epochs", type=int, default=30)
     p.add_argument("--only", choices=["correctness", "uneven"], default=None)
@@ -200,18 +207,27 @@ def _correctness_tables(args):
         print(f"{name:26s} {rel:.2e}  {secs:6.1f} s  {passes} passes")
 
 
+def _one_thread():
+    import torch
+    torch.set_num_threads(1)
+
+
 def _uneven_table(args):
     from blockflow.testing import simulated_cluster
 
     res = {"speed": [], "equal": []}
     with simulated_cluster(speeds=SPEEDS) as client:
-        uneven(client, "equal", args.hidden, 0.0, 1)  # warm-up: imports, first transfers
+        # one intra-op thread per worker, as one process per device would have: 4 workers
+        # with a thread per core each would fight over the cores
+        client.run(_one_thread)
+        uneven(client, "equal", args.hidden, 0.0, 1, args.layers)  # warm-up: imports, transfers
         for i in range(args.repeat):
             for sharding in (("speed", "equal") if i % 2 == 0 else ("equal", "speed")):
                 res[sharding].append(uneven(client, sharding, args.hidden, args.target,
-                                            args.max_epochs))
+                                            args.max_epochs, args.layers, args.lr))
     print(f"\n## Uneven devices (speeds {SPEEDS}), time to {args.target:.0%} held-out "
-          f"accuracy, medians of {args.repeat}")
+          f"accuracy, medians of {args.repeat}; MLP {args.layers} x {args.hidden} hidden, "
+          f"Adam lr {args.lr:g}, batch 512")
     print(f"{'sharding':10s} {'wall s':>8s} {'ideal s':>8s} {'wall/ideal':>10s} {'steps':>6s}")
     for k, rs in res.items():
         wall = statistics.median(r["wall"] for r in rs)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +83,7 @@ __all__ = [
     "move_task",
     "new_task_views",
     "own_utilization_estimate",
+    "prefix_duration",
     "queued_count",
     "register_worker_plugin_on_scheduler",
     "release_tasks",
@@ -525,15 +527,43 @@ def _restricted(ts) -> bool:
     return bool(ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions)
 
 
+# scheduler -> prefix name -> the last measured average duration (seconds) of its tasks
+_MEASURED: "weakref.WeakKeyDictionary[Any, dict[str, float]]" = weakref.WeakKeyDictionary()
+_MEASURED_MAX = 10_000  # prefix names remembered per scheduler
+
+
+def prefix_duration(scheduler, prefix) -> tuple[float, bool]:
+    """``(seconds, measured)``: the expected compute time of a task of ``prefix`` and whether
+    it comes from measured durations.
+
+    distributed forgets a prefix's average (``duration_average = -1``) as soon as one of
+    its tasks runs for more than twice that average, and estimates its tasks at twice the
+    longest time any of them has run so far: the moment a straggler appears, its group's
+    tasks look unmeasured and as long as the straggler. The last measured average is kept
+    here for that case (it is what the straggler is judged against).
+    """
+    memory = _MEASURED.setdefault(scheduler, {})
+    average = float(prefix.duration_average)
+    if average >= 0:
+        if len(memory) >= _MEASURED_MAX and prefix.name not in memory:
+            memory.clear()
+        memory[prefix.name] = average
+        return average, True
+    if prefix.name in memory:
+        return memory[prefix.name], True
+    return float(scheduler._get_prefix_duration(prefix)), False
+
+
 def _task_view(scheduler, ts, thieves=()) -> TaskView:
     valid = scheduler.valid_workers(ts)
+    duration, measured = prefix_duration(scheduler, ts.prefix)
     return TaskView(
         key=ts.key,
         group=key_split(ts.key),
         state=ts.state,
         priority=tuple(ts.priority or ()),
-        duration=float(scheduler._get_prefix_duration(ts.prefix)),
-        duration_measured=ts.prefix.duration_average >= 0,
+        duration=duration,
+        duration_measured=measured,
         input_bytes=sum(dts.nbytes for dts in ts.dependencies if dts.nbytes > 0),
         restricted=_restricted(ts),
         runnable=bool(ts.run_spec),
@@ -669,9 +699,14 @@ def waiting_tasks(scheduler, *, thieves: list[str] | None = None) -> Mapping[str
         if ws is None:
             return
         targets = [scheduler.workers[a] for a in (thieves or ()) if a in scheduler.workers]
-        ordered = sorted(ws.processing, key=lambda ts: ts.priority or ())
-        for ts in reversed(ordered[ws.nthreads:]):
-            if ts in ws.executing or ts.actor or ts in in_flight or ts.processing_on is not ws:
+        # not started, highest priority first; the first free threads take the first ones
+        # (the executing tasks are not always those of the highest priority: a task that
+        # became ready behind a long one waits although it ranks before it)
+        pending = sorted((ts for ts in ws.processing if ts not in ws.executing),
+                         key=lambda ts: ts.priority or ())
+        free = max(ws.nthreads - len(ws.executing), 0)
+        for ts in reversed(pending[free:]):
+            if ts.actor or ts in in_flight or ts.processing_on is not ws:
                 continue
             yield _task_view(scheduler, ts, targets)
 
@@ -1406,10 +1441,10 @@ def running_tasks(scheduler, now: float) -> dict[str, list[RunningTask]]:
             # another name (``arange-blockflow-f-<token>``)
             kernel = any(getattr(o, "speculative", False)
                          for o in _declaring_objects(ts.run_spec)) if ts.run_spec else False
+            expected, measured = prefix_duration(scheduler, ts.prefix)
             tasks.append(RunningTask(
                 key=ts.key, group=group, elapsed=float(duration) + since,
-                duration=float(scheduler._get_prefix_duration(ts.prefix)),
-                duration_measured=ts.prefix.duration_average >= 0,
+                duration=expected, duration_measured=measured,
                 input_bytes=sum(dts.nbytes for dts in ts.dependencies if dts.nbytes > 0),
                 kernel=kernel))
         if tasks:

@@ -89,12 +89,40 @@ def test_nothing_is_copied_without_a_measured_duration_an_idle_worker_or_budget(
     out = _policy(backup_slots=1.0).backups(_snap(ws3, run, backups={"other": "idle"}))
     assert [d.target for d in out] == ["third"]
     assert not DynamicPolicy(speculation=False).backups(_snap(ws, run))
-    # tasks still wait for threads (on a worker, or held back by the scheduler): those first
-    waiting = [_worker("slow", processing=2, speed=0.2), _worker("idle")]
-    assert not _policy().backups(_snap(waiting, run))
+    # new work first: a worker a waiting task moves to this tick, or the scheduler's queue
+    assert not _policy().backups(_snap(ws, run), taken=frozenset({"idle"}))
     queued = _snap(ws, run)
     queued.queued = 3
     assert not _policy().backups(queued)
+
+
+def test_a_task_waiting_behind_the_straggler_does_not_hold_its_copy_back():
+    """The straggler's worker holds a second task (one that became ready behind it, whose
+    data is there): no idle worker takes it, so it must not stop the copy (it did: the slowed
+    device ran on for 4 s while two devices idled)."""
+    waiting = [_worker("slow", processing=2, speed=0.2), _worker("idle")]
+    out = _policy().backups(_snap(waiting, {"slow": [_running("k", 1.0)]}))
+    assert [(d.worker, d.target) for d in out] == [("slow", "idle")]
+
+
+def test_a_prefix_keeps_its_measured_duration_when_distributed_forgets_it():
+    """distributed resets a prefix's average to -1 once one task runs past twice of it (and
+    estimates 2x the longest run so far): the straggler would then look unmeasured."""
+    from distributed.scheduler import TaskPrefix
+
+    class Scheduler:  # what prefix_duration reads of a scheduler
+        def _get_prefix_duration(self, prefix):
+            return 2 * prefix.max_exec_time if prefix.duration_average < 0 else \
+                prefix.duration_average
+
+    sched, prefix = Scheduler(), TaskPrefix("blockflow-k")
+    assert _distributed.prefix_duration(sched, prefix)[1] is False  # nothing measured yet
+    prefix.add_duration("compute", 0.0, 0.5)
+    assert _distributed.prefix_duration(sched, prefix) == (0.5, True)
+    prefix.add_exec_time(3.0)  # a straggler: distributed forgets the average
+    assert prefix.duration_average == -1
+    assert _distributed.prefix_duration(sched, prefix) == (0.5, True)
+    assert _distributed.prefix_duration(Scheduler(), prefix)[1] is False  # per scheduler
 
 
 def test_the_copys_time_counts_sending_inputs_and_result():

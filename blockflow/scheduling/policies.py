@@ -288,8 +288,11 @@ class DynamicPolicy(RebalancePolicy):
         pauses = self.pauses(snapshot)
         yield from pauses
         paused_now = {d.worker for d in pauses if d.action == "pause"}
-        yield from self.moves(snapshot, paused_now)
-        yield from self.backups(snapshot, paused_now)
+        moves = self.moves(snapshot, paused_now)
+        yield from moves
+        # a thread a waiting task moves to this tick is not free for a copy
+        yield from self.backups(snapshot, paused_now,
+                                taken=frozenset(d.target for d in moves))
 
     # --- placement by working set -----------------------------------------------------
 
@@ -394,6 +397,13 @@ class DynamicPolicy(RebalancePolicy):
         finish = {a: (math.inf if a in blocked else w.projected_finish)
                   for a, w in views.items()}
         rate = {a: max(w.speed, 1e-6) * max(w.nthreads, 1) for a, w in views.items()}
+        # A backup copy runs outside the scheduler's count: its worker is busy for it.
+        copying = set(snap.backups.values())
+        for tasks in snap.running.values():
+            for t in tasks:
+                target = snap.backups.get(t.key)
+                if target in finish:
+                    finish[target] += t.duration / rate[target]
         # Free thread slots of idle workers, filled while speeds are not known to differ.
         fill: dict[str, int] | None = None
         if snap.queued:
@@ -405,7 +415,7 @@ class DynamicPolicy(RebalancePolicy):
             # workers (stealing does too, but slowly: cold starts)
             victims = list(views.values())
             fill = {t.address: t.nthreads - t.processing for t in thieves
-                    if t.processing < t.nthreads}
+                    if t.processing < t.nthreads and t.address not in copying}
         candidates: dict[str, Iterator[TaskView]] = {}
         out: list[Decision] = []
         exhausted: set[str] = set()
@@ -475,8 +485,8 @@ class DynamicPolicy(RebalancePolicy):
 
     # --- speculative backup copies ------------------------------------------------------
 
-    def backups(self, snap: ClusterSnapshot, paused_now: set[str] = frozenset()
-                ) -> list[Decision]:
+    def backups(self, snap: ClusterSnapshot, paused_now: set[str] = frozenset(),
+                taken: frozenset = frozenset()) -> list[Decision]:
         """Backup copies of straggling kernel tasks on idle fast workers (LATE-style).
 
         A running blockflow kernel task on worker ``w`` is expected to take ``duration /
@@ -484,11 +494,13 @@ class DynamicPolicy(RebalancePolicy):
         speed shrunk by its confidence); its estimated time to end is what remains of that,
         or, once it overran it, as long again as it has run (a heavy-tailed guess: the
         worker is slower than believed). The tasks with the longest times to end come
-        first; copies start only once no task waits for a thread anywhere (nothing queued
-        by the scheduler, nothing waiting on a worker); each task may get one copy, on the
-        idle worker (a free thread, nothing queued)
-        that would finish it soonest: its compute there plus sending inputs and result
-        (bytes / bandwidth). The copy starts when the time to end exceeds
+        first; copies start only once the scheduler holds no task back for a free thread
+        (nothing queued), and never on a worker a waiting task moves to in the same tick
+        (``taken``: new work before copies, as in LATE). Each task may get one copy, on the
+        idle worker (a free thread, nothing waiting there) that would finish it soonest: its
+        compute there plus sending inputs and result (bytes / bandwidth). A task waiting
+        behind the straggler on its own worker does not hold a copy back: no idle worker
+        would take it (stealing and moves leave tasks where their data is). The copy starts when the time to end exceeds
         :attr:`backup_ratio` times that, the task has run at least
         :attr:`backup_min_elapsed` of its group's duration, and fewer than
         :attr:`backup_slots` of all threads run copies. Knowing nothing (no measured
@@ -498,18 +510,13 @@ class DynamicPolicy(RebalancePolicy):
         if not self.speculation or not snap.running or snap.queued:
             return []
         views = snap.workers
-        if any(w.processing > max(w.nthreads, 1) for w in views.values()):
-            # tasks still wait for a thread: an idle worker should get one of those (moves,
-            # stealing), and a copy beside it would halve both on a shared device (LATE
-            # also runs new tasks before copies)
-            return []
         usable = {a: w for a, w in views.items()
                   if w.status == "running" and a not in paused_now}
         threads = sum(max(w.nthreads, 1) for w in usable.values())
         budget = max(1, int(self.backup_slots * threads)) - len(snap.backups)
         busy = set(snap.backups.values())  # running a copy, outside the scheduler's count
         idle = {a: w for a, w in usable.items()
-                if w.processing < max(w.nthreads, 1) and a not in busy}
+                if w.processing < max(w.nthreads, 1) and a not in busy and a not in taken}
         if budget <= 0 or not idle:
             return []
         candidates = []
