@@ -20,6 +20,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _restarted_workers_are_kept():
+    """A nanny restarts a killed worker; distributed's SpecCluster closes that nanny for good
+    when the scheduler has not seen a worker of its name again within
+    ``distributed.deploy.lost-worker-timeout`` (15 s). On a loaded 2-core machine a restart
+    (a new interpreter importing blockflow, its plugins started) can take longer, and the
+    cluster then silently runs on with one worker less (seen in the worker-loss tests).
+    The tests kill workers on purpose and wait for their replacements: 5 minutes."""
+    import dask
+
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "300s"}):
+        yield
+
+
 requires_gpu = pytest.mark.skipif(
     gpu_device_count() == 0 or not has_package("cupy"),
     reason="needs an NVIDIA GPU and CuPy (pip install 'blockflow[gpu]')",
