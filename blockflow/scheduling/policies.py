@@ -399,11 +399,10 @@ class DynamicPolicy(RebalancePolicy):
         rate = {a: max(w.speed, 1e-6) * max(w.nthreads, 1) for a, w in views.items()}
         # A backup copy runs outside the scheduler's count: its worker is busy for it.
         copying = set(snap.backups.values())
-        for tasks in snap.running.values():
-            for t in tasks:
-                target = snap.backups.get(t.key)
-                if target in finish:
-                    finish[target] += t.duration / rate[target]
+        for t in (t for tasks in snap.running.values() for t in tasks if t.key in snap.backups):
+            target = snap.backups[t.key]
+            if target in finish:
+                finish[target] += t.duration / rate[target]
         # Free thread slots of idle workers, filled while speeds are not known to differ.
         fill: dict[str, int] | None = None
         if snap.queued:
@@ -500,8 +499,8 @@ class DynamicPolicy(RebalancePolicy):
         idle worker (a free thread, nothing waiting there) that would finish it soonest: its
         compute there plus sending inputs and result (bytes / bandwidth). A task waiting
         behind the straggler on its own worker does not hold a copy back: no idle worker
-        would take it (stealing and moves leave tasks where their data is). The copy starts when the time to end exceeds
-        :attr:`backup_ratio` times that, the task has run at least
+        would take it (stealing and moves leave tasks where their data is). The copy starts
+        when the time to end exceeds :attr:`backup_ratio` times that, the task has run at least
         :attr:`backup_min_elapsed` of its group's duration, and fewer than
         :attr:`backup_slots` of all threads run copies. Knowing nothing (no measured
         duration), nothing is copied. A blockflow heuristic after LATE (Zaharia et al.,
