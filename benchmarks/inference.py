@@ -39,6 +39,7 @@ import dask.array as da
 import numpy as np
 
 import blockflow
+from blockflow._client import workers_info
 from blockflow.inference import model_stats, ship_model
 from blockflow.testing import simulated_cluster, simulated_kernel
 
@@ -114,7 +115,7 @@ class Baseline:
 
     def __init__(self, client, model, kind: str, seed: int = 0):
         self.client, self.model, self.kind = client, client.scatter(model, broadcast=True), kind
-        self.workers = sorted(client.scheduler_info()["workers"])
+        self.workers = sorted(workers_info(client))
         self.cycle = itertools.cycle(self.workers)
         self.outstanding = {w: 0 for w in self.workers}
         self.rng = random.Random(seed)

@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 import blockflow
+from blockflow._client import workers_info
 from blockflow.parallel import Linear, random_blocks
 from blockflow.testing import set_speed, simulated_cluster, simulated_kernel
 
@@ -88,7 +89,7 @@ class SleepyLinear(Linear):
 
 
 def _speeds(client, speeds):
-    by_name = {info["name"]: a for a, info in client.scheduler_info(n_workers=-1)["workers"]
+    by_name = {info["name"]: a for a, info in workers_info(client)
                .items()}
     for i, s in enumerate(speeds):
         client.run(set_speed, s, workers=[by_name[i]])

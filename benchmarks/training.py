@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 
+from blockflow._client import workers_info
+
 SPEEDS = (1, 1, 0.5, 0.25)
 
 
@@ -147,7 +149,7 @@ def uneven(client, sharding, hidden, target, max_epochs, layers=1, lr=0.01):
     from blockflow.ml import DataParallelTrainer
     Xtr, Xte, ytr, yte = digits()
     speed_of = {}
-    for a, w in client.scheduler_info(n_workers=-1)["workers"].items():
+    for a, w in workers_info(client).items():
         speed_of[a] = SPEEDS[int(w["name"])]
     model = mlp(hidden, layers=layers)
     t_start = time.perf_counter()

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 from dask.utils import format_bytes, funcname
 
+from blockflow._client import workers_info
 from blockflow.errors import (
     BlockKernelError,
     DeviceMemoryError,
@@ -442,7 +443,7 @@ def largest_free_device_memory(exclude: str | None = None) -> tuple[int | None, 
     try:
         from distributed import get_client
 
-        workers = get_client().scheduler_info(n_workers=-1)["workers"]
+        workers = workers_info(get_client())
     except Exception as e:  # outside a cluster, or the scheduler is gone: say "unknown"
         logging.getLogger(__name__).info(
             "blockflow: could not read the workers' device memory: %r", e)

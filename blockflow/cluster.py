@@ -22,6 +22,7 @@ from dask.utils import parse_timedelta
 from distributed import Client, LocalCluster, Security
 
 from blockflow import _distributed, _handshake, _main_guard, config
+from blockflow._client import workers_info
 from blockflow.backends import GPU_INSTALL_HINT, GPUUnavailableError, gpu_device_count, has_package
 from blockflow.errors import WorkerLostError, describe
 from blockflow.scheduling.plugin import Rebalancer
@@ -219,7 +220,7 @@ def _warn_undeclared_gpus(client: Client) -> None:
     from blockflow.errors import BlockflowWarning
     from blockflow.metrics import read_metrics
 
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = workers_info(client)
     bare = sorted(a for a, w in workers.items() if read_metrics(w.get("metrics")).has_gpu
                   and not (w.get("resources") or {}).get("GPU"))
     if not bare:

@@ -33,6 +33,7 @@ import numpy as np
 from dask.utils import format_bytes, parse_bytes
 
 from blockflow import config
+from blockflow._client import workers_info
 from blockflow.metrics import clean_number, read_metrics
 
 __all__ = ["BlockResize", "fit_blocks", "recorded_resizes", "split_skewed"]
@@ -509,7 +510,7 @@ def _spread_persisted(futures, rows: Sequence[int], plan: _Plan) -> list:
     from distributed import futures_of
 
     client = futures[0].client
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    workers = sorted(workers_info(client))
     # One graph for all cuts, copies and merges: the scheduler takes one graph update per
     # submission, and dozens of them cost seconds on a loaded scheduler. Worker
     # annotations survive because the graph is not optimised.
@@ -627,7 +628,7 @@ def smallest_free_memory(client=None, *, host: bool = True) -> tuple[int, str] |
             return None
     if client.status != "running":
         return None
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = workers_info(client)
     free = [read_metrics(w.get("metrics")).gpu_memory_free for w in workers.values()]
     free = [f for f in free if f is not None]
     if free:

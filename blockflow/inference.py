@@ -32,8 +32,8 @@ from dask.base import tokenize
 from dask.utils import is_dataframe_like
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from blockflow import _distributed
-from blockflow import config
+from blockflow import _distributed, config
+from blockflow._speculation import cancelled
 from blockflow.errors import describe
 from blockflow.metrics import GPU_MEMORY_TOTAL, GPU_MEMORY_USED, clean_number
 
@@ -429,7 +429,11 @@ class _Predictor:
         outs = []
         with loaded.lock:
             for start in range(0, max(n, 1), rows):
+                if cancelled():  # a backup copy of this block answered first: stop here
+                    return None
                 outs.append(loaded(x[start:start + rows]))
+        if cancelled():  # overtaken while finishing: its result is dropped, not counted
+            return None
         if stats is not None:
             stats.blocks += 1
             stats.batches += len(outs)

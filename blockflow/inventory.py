@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import pandas as pd
 from dask.utils import format_bytes
 
+from blockflow._client import workers_info
 from blockflow._distributed import worker_plugins
 from blockflow.devices import device_info
 from blockflow.errors import BlockflowWarning
@@ -227,7 +228,7 @@ def inventory(client) -> Inventory:
             f"blockflow.inventory: expected a distributed.Client, got {type(client).__name__}; "
             f"get one with blockflow.connect()."
         )
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = workers_info(client)
     gpu_workers = [a for a, info in workers.items() if read_metrics(info.get("metrics")).has_gpu]
     probes = client.run(_probe_device, workers=gpu_workers) if gpu_workers else {}
     out = []

@@ -19,11 +19,12 @@ from typing import Any, Callable
 
 import dask.array as da
 import dask.dataframe as dd
-from dask.array.utils import meta_from_array
 import numpy as np
+from dask.array.utils import meta_from_array
 from dask.utils import format_bytes, parse_bytes
 
 from blockflow import config
+from blockflow._client import workers_info
 from blockflow._kernel import Kernel, check_placement, check_retries
 from blockflow._reduction_dtypes import (
     _decomposition,
@@ -67,7 +68,7 @@ def smallest_worker_memory(client=None) -> tuple[int, str]:
     sizes: list[tuple[int, str]] = []
     if client is not None and client.status == "running":
         try:
-            workers = client.scheduler_info(n_workers=-1)["workers"]
+            workers = workers_info(client)
         except Exception:  # a client that cannot reach its scheduler: fall back to config
             workers = {}
         for info in workers.values():

@@ -34,6 +34,7 @@ from typing import Any
 from dask.utils import parse_timedelta
 
 from blockflow import config
+from blockflow._client import workers_info
 from blockflow.inference import ModelRef, ship_model
 from blockflow.metrics import read_metrics
 
@@ -368,7 +369,7 @@ class Router:
             req.future.set_exception(exc)
 
     def _refresh(self) -> None:
-        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        workers = workers_info(self.client)
         paused, speeds = self._plugin_view
         if time.monotonic() >= self._plugin_due:  # the plugin's view changes slowly
             self._plugin_due = time.monotonic() + PLUGIN_REFRESH

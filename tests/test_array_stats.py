@@ -19,6 +19,7 @@ from dask.utils import key_split
 from distributed import Client, LocalCluster
 
 import blockflow
+from blockflow._client import workers_info
 from blockflow.workloads import array_stats as A
 from blockflow.workloads.reference import array_stats_reference
 
@@ -73,7 +74,7 @@ def test_result_metadata(client):
     assert result.n_tasks == sum(result.task_counts.values())
     assert result.n_tasks <= len(A.build("small", 0).__dask_graph__())
     assert result.dashboard_link == client.dashboard_link
-    workers = set(client.scheduler_info(n_workers=-1)["workers"])
+    workers = set(workers_info(client))
     assert result.task_counts and set(result.task_counts) <= workers
     # every counted task belongs to this run: at most the graph's tasks, at least one per block
     n_blocks = int(np.prod([len(c) for c in da.core.normalize_chunks(SMALL.chunks, SMALL.shape)]))

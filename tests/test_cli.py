@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
+from blockflow._client import workers_info
 from blockflow.cli import cli
 from blockflow.cluster import gpu_status
 from blockflow.workloads import flights
@@ -254,7 +255,7 @@ def test_info_on_a_running_cluster(client):
     result = invoke("info", "--address", client.scheduler.address)
     assert result.exit_code == 0, result.output
     assert result.output.startswith("<blockflow.Inventory: 2 workers, 2 threads, 0 GPUs>")
-    for worker in client.scheduler_info()["workers"]:
+    for worker in workers_info(client):
         assert worker in result.output
     assert result.output.splitlines()[-1].endswith("/blockflow")
     with dask.config.set({"scheduler-address": client.scheduler.address}):  # the Dask way

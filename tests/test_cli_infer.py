@@ -27,7 +27,10 @@ def test_run_infer_writes_predictions_and_ships_the_model_once_per_worker(tmp_pa
     workers = manifest["workers"]
     assert len(workers) == 2
     assert manifest["model_bytes_shipped"] == 2 * manifest["model_bytes"]
-    assert sum(w["blocks"] for w in workers.values()) == 6
+    # each block predicted once, plus at most once more where a backup copy of a straggling
+    # block finished too (under load; the copy's rows are dropped, never written twice)
+    copies = manifest["backup_copies"]
+    assert 6 <= sum(w["blocks"] for w in workers.values()) <= 6 + copies
     assert all(w["loads"] <= 1 for w in workers.values())
     frame = pd.read_parquet(out / "predictions.parquet")
     assert len(frame) == manifest["n_rows"] == 2 * 1797

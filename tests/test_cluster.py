@@ -15,6 +15,7 @@ from distributed import Client, LocalCluster
 from loadaware import scaled
 
 import blockflow
+from blockflow._client import workers_info
 from blockflow._distributed import worker_metric, worker_plugins
 from blockflow.inventory import WorkerResources
 from blockflow.metrics import CAPACITY_METRIC, OWN_UTILIZATION_METRIC
@@ -32,7 +33,7 @@ def embedded():
 @pytest.mark.slow
 def test_connect_starts_embedded_cpu_cluster_with_plugin(embedded):
     assert isinstance(embedded.cluster, LocalCluster)
-    assert len(embedded.scheduler_info()["workers"]) == 2
+    assert len(workers_info(embedded)) == 2
     status = blockflow.plugin_status(embedded)
     assert status["policy"] == "off"
     assert status["task_counts"] == {} or isinstance(status["task_counts"], dict)
@@ -45,7 +46,7 @@ def test_plugin_counts_blockflow_kernel_tasks_per_worker(embedded):
     assert y.sum().compute() == 2000
     after = blockflow.task_counts(embedded, kernels_only=True)
     assert sum(after.values()) - sum(before.values()) == 10
-    assert set(after) <= set(embedded.scheduler_info()["workers"])
+    assert set(after) <= set(workers_info(embedded))
     # Dask fuses a kernel into the first step of a following reduction; blockflow's tree
     # reduction keeps the blockflow- name, so those tasks count as kernels too.
     z = blockflow.tree_reduce(blockflow.map_blocks(lambda b: b * 2, x), np.sum, split_every=4)

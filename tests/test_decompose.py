@@ -16,11 +16,12 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from distributed import wait
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blockflow
-from distributed import wait
+from blockflow._client import workers_info
 from blockflow.decompose import fit_blocks, recorded_resizes, split_skewed
 from blockflow.testing import set_tenant, simulated_cluster
 
@@ -224,7 +225,7 @@ def _rows(part):
 
 
 def test_pieces_of_a_persisted_partition_are_spread_over_the_workers(client):
-    a, b = sorted(client.scheduler_info()["workers"])
+    a, b = sorted(workers_info(client))
     pdf = _frame(2000)
     df = _dask_frame(pdf, [1500] + [50] * 10).persist(workers=[a])  # all on one worker
     wait(df)
@@ -282,7 +283,7 @@ def test_fit_blocks_without_a_cluster_changes_nothing():
 
 
 def test_fit_blocks_on_cpu_workers_uses_host_memory(client):
-    limit = min(w["memory_limit"] for w in client.scheduler_info()["workers"].values())
+    limit = min(w["memory_limit"] for w in workers_info(client).values())
     rows = int(limit // (8 * 1024)) * 2  # blocks twice the host memory limit
     x = da.ones((rows, 1024), chunks=(rows, 1024))
     y, change = fit_blocks(x, 0, client=client)
@@ -297,7 +298,7 @@ def test_map_blocks_keeps_blocks_on_cpu_only_clusters(client):
 # -- fitting blocks to device memory -------------------------------------------------------
 
 def _by_name(client) -> list[str]:
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = workers_info(client)
     return sorted(workers, key=lambda a: int(workers[a]["name"]))
 
 

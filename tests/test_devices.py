@@ -17,8 +17,8 @@ import pytest
 from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from blockflow import _distributed
-from blockflow import devices
+from blockflow import _distributed, devices
+from blockflow._client import workers_info
 from blockflow.devices import DeviceMetrics, OwnUtilization
 from blockflow.inventory import _probe_device
 from blockflow.metrics import CAPACITY_METRIC, OWN_UTILIZATION_METRIC
@@ -333,7 +333,7 @@ def test_device_metrics_plugin_reports_and_removes_only_its_own(fake_nvml):
             await _distributed.worker_heartbeat(dask_worker)
 
         client.run(heartbeat)
-        seen = client.scheduler_info(n_workers=-1)["workers"]
+        seen = workers_info(client)
         assert [seen[w]["metrics"][OWN_UTILIZATION_METRIC] for w in (a, b)] == [42.0, 42.0]
 
         def replace_own(dask_worker=None):

@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 from distributed import Client, LocalCluster
 
+from blockflow._client import workers_info
 from blockflow.workloads import array_stats, flights
 
 pytestmark = pytest.mark.slow
@@ -112,7 +113,7 @@ def test_example_against_running_cluster(script, tmp_path, cluster, flights_expe
         _check_array(out, array_expected)
     with Client(cluster) as client:  # the script closed its client, not the cluster
         assert client.submit(sum, [1, 2]).result() == 3
-        assert len(client.scheduler_info()["workers"]) == 2
+        assert len(workers_info(client)) == 2
 
 
 def test_existing_output_fails_before_any_work(tmp_path):

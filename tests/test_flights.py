@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 from distributed import get_task_stream
 
+from blockflow._client import workers_info
 from blockflow.aggregations import grouped_moments, grouped_quantiles, quantile_label
 from blockflow.backends import gpu_device_count, has_package
 from blockflow.workloads import flights
@@ -79,7 +80,7 @@ def test_run_matches_pandas_reference(client, tmp_path, reference_1):
     # Timings and where the tasks ran.
     assert result.wall_time > 0
     assert result.rows_per_second == pytest.approx(ROWS_2013 / result.wall_time)
-    workers = set(client.scheduler_info()["workers"])
+    workers = set(workers_info(client))
     assert result.task_counts and set(result.task_counts) <= workers
     assert sum(result.task_counts.values()) >= 4 * 5  # 4 partitions x 5 blockwise steps at least
     assert result.dashboard_link == client.dashboard_link

@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 
 import blockflow
+from blockflow._client import workers_info
 from blockflow.backends import gpu_device_count, has_package, is_device_block
 
 pytestmark = pytest.mark.gpu
@@ -261,7 +262,7 @@ def test_connect_gpu_starts_local_cuda_cluster(gpu_client):
 
     assert isinstance(gpu_client.cluster, LocalCUDACluster)
     # dask-cuda starts one worker per visible GPU
-    assert len(gpu_client.scheduler_info(n_workers=-1)["workers"]) == gpu_device_count()
+    assert len(workers_info(gpu_client)) == gpu_device_count()
 
 
 def test_inventory_reports_real_gpus(gpu_client):

@@ -18,6 +18,8 @@ sklearn = pytest.importorskip("sklearn")
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.linear_model import LogisticRegression  # noqa: E402
 
+from blockflow._client import workers_info
+
 
 @pytest.fixture(scope="module")
 def digits():
@@ -59,7 +61,7 @@ def test_model_is_shipped_once_per_worker_not_once_per_block(client, digits):
 
     stats = model_stats(client, ref)
     payload = _payload_bytes(model)
-    n_workers = len(client.scheduler_info()["workers"])
+    n_workers = len(workers_info(client))
     assert len(stats) == n_workers
     # Each worker received the model's bytes exactly once and deserialised it once.
     assert sum(s["bytes_received"] for s in stats.values()) == n_workers * payload

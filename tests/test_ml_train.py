@@ -21,6 +21,7 @@ from distributed import Client, LocalCluster  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
+from blockflow._client import workers_info
 from blockflow.ml import DataParallelTrainer, batch_schedule  # noqa: E402
 
 BLOCK = 100
@@ -117,7 +118,7 @@ def test_shares_follow_measured_speed(client4, digits):
                                   epochs=3, client=client4, rebalance_every=4,
                                   block_hook=_slow_by_name)
     trainer.fit(da.from_array(Xtr, chunks=50), da.from_array(ytr, chunks=50))
-    names = {a: int(w["name"]) for a, w in client4.scheduler_info()["workers"].items()}
+    names = {a: int(w["name"]) for a, w in workers_info(client4).items()}
     rows = {names[a]: r for a, r in trainer.shards_.rows_per_worker().items()}
     first = {names[a]: r for a, r in trainer.history_[0]["worker_rows"].items()}
     last = {names[a]: r for a, r in trainer.history_[-1]["worker_rows"].items()}

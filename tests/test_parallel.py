@@ -11,6 +11,7 @@ import pytest
 from distributed import Client, LocalCluster, futures_of
 
 import blockflow
+from blockflow._client import workers_info
 from blockflow.parallel import (
     Linear,
     PipelineParallel,
@@ -156,7 +157,7 @@ def test_a_model_larger_than_any_device_runs_within_each_devices_memory():
     assert need > max(memory) and need < 0.8 * sum(memory) * 1.4
     with simulated_cluster(speeds=(1, 1, 1), device_memory=memory, processes=False) as c:
         by_name = {info["name"]: a for a, info in
-                   c.scheduler_info(n_workers=-1)["workers"].items()}
+                   workers_info(c).items()}
         model = TensorParallelMLP(c, blocks, memory_fraction=1.0)
         widths = [model.widths[by_name[i]] for i in range(3)]
         assert widths[0] > widths[1] > widths[2]  # proportional to free device memory
@@ -275,7 +276,7 @@ def test_speed_partition_follows_measured_device_speeds():
     layers = [SleepyLinear(rng.standard_normal((8, 8)) / 3, work=0.01) for _ in range(10)]
     with simulated_cluster(speeds=(1, 0.25), processes=False) as c:
         names = {a: info["name"] for a, info in
-                 c.scheduler_info(n_workers=-1)["workers"].items()}
+                 workers_info(c).items()}
         pipe = PipelineParallel(c, layers)
         sizes = {names[w]: int(n) for w, n in zip(pipe.stage_workers, np.diff(pipe.bounds))}
         assert sizes[0] > sizes[1] and sizes[0] >= 7  # the fast device takes the most layers
@@ -300,7 +301,7 @@ class Broken(Layer):
 
 def test_pipeline_refuses_bad_partitions(client):
     layers = _mlp(np.random.default_rng(0), [2, 3, 2])
-    workers = sorted(client.scheduler_info()["workers"])[:2]
+    workers = sorted(workers_info(client))[:2]
     with pytest.raises(ValueError, match=re.escape(
             "blockflow: partition bounds must rise from 0 to 3 with one stage per worker, "
             "got [0, 3, 3] for 2 workers.")):

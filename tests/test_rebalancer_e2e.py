@@ -18,6 +18,7 @@ import pytest
 from distributed import wait
 
 import blockflow
+from blockflow._client import workers_info
 from blockflow.scheduling import Rebalancer
 from blockflow.testing import restart_clock, set_speed, simulated_cluster, simulated_kernel
 
@@ -34,7 +35,7 @@ def _slowdown_run(policy: str | None):
                            silence_logs=logging.CRITICAL) as client:
         if policy:
             client.register_plugin(Rebalancer(policy=policy))
-        info = client.scheduler_info()["workers"]
+        info = workers_info(client)
         addrs = sorted(info, key=lambda a: info[a]["name"])
         with dask.annotate(workers=lambda k: [addrs[k[1] % 4]], allow_other_workers=False):
             x = da.random.default_rng(1).random((48, 1000), chunks=(1, 1000))

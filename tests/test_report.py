@@ -8,6 +8,7 @@ import dask.array as da
 import pytest
 
 import blockflow
+from blockflow._client import workers_info
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def test_run_report_summarises_one_computation(bf_client):
     y = blockflow.map_blocks(_slow_inc, da.ones(60, chunks=3), name="report").persist()
     y.sum().compute()
     report = blockflow.run_report(bf_client, since=t0)
-    workers = set(bf_client.scheduler_info()["workers"])
+    workers = set(workers_info(bf_client))
     assert set(report.tasks_per_worker) <= workers
     # 20 kernel tasks, 20 sum chunks and the sum's tree; nothing of the earlier computation
     # (20 + 20 + its tree, which would push the total past 70)

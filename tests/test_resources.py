@@ -21,12 +21,13 @@ import pytest
 from dask.utils import parse_timedelta
 from distributed import Worker, get_task_stream, get_worker, wait
 from distributed.utils_test import captured_logger, gen_cluster
+from loadaware import scaled
 
 import blockflow
 from blockflow import ResourceError
+from blockflow._client import workers_info
 from blockflow.scheduling import Rebalancer
 from blockflow.testing import SimulatedDevice, SimulatedGPU, install_simulated_devices
-from loadaware import scaled
 
 CPU_AND_GPU = [("127.0.0.1", 1), ("127.0.0.1", 1), ("127.0.0.1", 1, {"resources": {"GPU": 1}})]
 
@@ -207,12 +208,12 @@ def test_connect_reports_gpu_workers_that_declare_no_gpu():
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
                       dashboard_address=":0", silence_logs=logging.CRITICAL) as cluster:
         with blockflow.connect(cluster.scheduler_address, policy="off") as setup:
-            names = sorted(setup.scheduler_info()["workers"])
+            names = sorted(workers_info(setup))
             setup.register_plugin(SimulatedGPU({names[0]: SimulatedDevice()},
                                                declare_gpu=False))
             setup.run(lambda dask_worker: asyncio.ensure_future(dask_worker.heartbeat()))
             deadline = time.monotonic() + 30
-            while not setup.scheduler_info()["workers"][names[0]]["metrics"].get(
+            while not workers_info(setup)[names[0]]["metrics"].get(
                     "gpu-memory-total"):
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
@@ -235,7 +236,7 @@ def test_gpu_workers_blockflow_starts_declare_one_gpu_each():
     if gpu_device_count() == 0 or not has_package("dask_cuda"):
         pytest.skip("needs an NVIDIA GPU and dask-cuda (pip install 'blockflow[gpu]')")
     with blockflow.connect(gpu=True, dashboard_address=":0") as client:
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = workers_info(client)
         assert len(workers) == gpu_device_count()
         assert all(w["resources"] == {"GPU": 1} for w in workers.values()), workers
         y = blockflow.map_blocks(lambda b: b + 1, da.ones(8, chunks=1), resources={"GPU": 1})

@@ -18,6 +18,8 @@ sklearn = pytest.importorskip("sklearn")
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.linear_model import RidgeClassifier  # noqa: E402
 
+from blockflow._client import workers_info
+
 
 class SimulatedModel:
     """A real model whose batches take ``seconds_per_row x rows / speed`` on the worker's
@@ -46,8 +48,8 @@ def test_requests_go_to_the_worker_that_answers_first(digits):
     X, model = digits
     batches = [X[i * 10:(i + 1) * 10] for i in range(60)]
     with simulated_cluster(speeds=(1, 0.25), processes=False) as client:
-        fast, slow = sorted(client.scheduler_info()["workers"],
-                            key=lambda a: client.scheduler_info()["workers"][a]["name"])
+        fast, slow = sorted(workers_info(client),
+                            key=lambda a: workers_info(client)[a]["name"])
         with Router(client, SimulatedModel(model, 0.003)) as router:
             for f in router.map(batches[:4]):  # first answers: the router measures speeds
                 f.result(timeout=120)
@@ -63,8 +65,8 @@ def test_requests_go_to_the_worker_that_answers_first(digits):
     assert stats["seconds_per_unit"][slow] > 2 * stats["seconds_per_unit"][fast]
     # A late-binding router (depth=1) learns as it goes, from a cold start.
     with simulated_cluster(speeds=(1, 0.25), processes=False) as client:
-        fast, slow = sorted(client.scheduler_info()["workers"],
-                            key=lambda a: client.scheduler_info()["workers"][a]["name"])
+        fast, slow = sorted(workers_info(client),
+                            key=lambda a: workers_info(client)[a]["name"])
         with Router(client, SimulatedModel(model, 0.003), depth=1) as router:
             _check_answers(router.map(batches), batches, model)
             late = router.stats()
@@ -77,7 +79,7 @@ def test_nearly_full_device_gets_no_requests(digits):
     batches = [X[i * 5:(i + 1) * 5] for i in range(20)]
     with simulated_cluster(speeds=(1, 1), device_memory="1GiB",
                            tenants=[None, Tenant(memory="990MiB")], processes=False) as client:
-        by_name = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
+        by_name = {w["name"]: a for a, w in workers_info(client).items()}
         with Router(client, SimulatedModel(model, 0.002)) as router:
             _check_answers(router.map(batches), batches, model)
             stats = router.stats()

@@ -16,6 +16,7 @@ from distributed import Client, LocalCluster
 from distributed.utils_test import gen_cluster
 
 import blockflow
+from blockflow._client import workers_info
 from blockflow.scheduling import Rebalancer
 from blockflow.testing import (
     SimulatedDevice,
@@ -40,7 +41,7 @@ def shared():
                 2: SimulatedDevice()}))
             deadline = time.monotonic() + 30
             while not all(w["metrics"].get("blockflow-gpu-uuid")
-                          for w in client.scheduler_info()["workers"].values()):
+                          for w in workers_info(client).values()):
                 assert time.monotonic() < deadline, "simulated metrics never arrived"
                 time.sleep(0.05)
             from blockflow.cluster import _register_plugin
@@ -50,7 +51,7 @@ def shared():
 
 
 def _names(client) -> dict:
-    return {str(w["name"]): a for a, w in client.scheduler_info()["workers"].items()}
+    return {str(w["name"]): a for a, w in workers_info(client).items()}
 
 
 def test_inventory_flags_two_workers_on_one_gpu(shared):
@@ -98,7 +99,7 @@ def test_one_worker_per_gpu_is_not_flagged(shared):
             client.register_plugin(SimulatedGPU(SimulatedDevice()))
             deadline = time.monotonic() + 30
             while not all(w["metrics"].get("blockflow-gpu-uuid")
-                          for w in client.scheduler_info()["workers"].values()):
+                          for w in workers_info(client).values()):
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             with warnings.catch_warnings():

@@ -15,6 +15,7 @@ from distributed.utils_test import gen_cluster
 from loadaware import scaled
 
 import blockflow
+from blockflow._client import workers_info
 from blockflow.backends import gpu_device_count, has_package
 from blockflow.testing import (
     SimulatedDevice,
@@ -42,13 +43,13 @@ KEYS = ("gpu_utilization", "gpu_memory_used", "gpu-memory-total")
 
 
 def addresses(client) -> dict[int, str]:
-    return {int(w["name"]): a for a, w in client.scheduler_info()["workers"].items()}
+    return {int(w["name"]): a for a, w in workers_info(client).items()}
 
 
 def metrics(client, i: int) -> dict:
     """Metrics of the worker named ``i``, from one snapshot of the scheduler's info (two
     snapshots may disagree on the workers' addresses, e.g. after a nanny restart)."""
-    workers = client.scheduler_info()["workers"].values()
+    workers = workers_info(client).values()
     return next(w["metrics"] for w in workers if int(w["name"]) == i)
 
 

@@ -16,14 +16,14 @@ import dask.array as da
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster
+from loadaware import scaled
 
 import blockflow
 from blockflow import _distributed, _speculation
+from blockflow._client import workers_info
 from blockflow.scheduling import Rebalancer
 from blockflow.scheduling.policies import ClusterSnapshot, DynamicPolicy
 from blockflow.testing import restart_clock, simulated_cluster, simulated_kernel
-
-from loadaware import scaled
 
 
 def _worker(addr, *, processing=0, speed=1.0, nthreads=1):
@@ -178,8 +178,8 @@ def test_a_device_slowed_mid_task_is_overtaken_by_a_backup_copy():
     with simulated_cluster(speeds=[1, 1, 1], silence_logs=logging.CRITICAL) as client:
         client.register_plugin(Rebalancer(policy="dynamic"))
         _warm(client)
-        addrs = sorted(client.scheduler_info()["workers"],
-                       key=lambda a: int(client.scheduler_info()["workers"][a]["name"]))
+        addrs = sorted(workers_info(client),
+                       key=lambda a: int(workers_info(client)[a]["name"]))
         from blockflow.testing import set_speed
 
         x = da.arange(9, chunks=1)

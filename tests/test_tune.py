@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from distributed import Client, LocalCluster, get_task_stream
 
+from blockflow._client import workers_info
 from blockflow.testing import simulated_cluster, slowed_to_device_speed
 from blockflow.tune import TRIAL_PREFIX, choice, loguniform, sample_configs, tune, uniform
 
@@ -125,7 +126,7 @@ def test_promotions_go_to_fastest_free_worker_and_no_worker_idles():
     configs = [{"x": float(x), "unit": 0.25} for x in xs]
     with simulated_cluster(speeds=speeds, processes=False) as client:
         by_addr = {a: speeds[int(w["name"])]
-                   for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+                   for a, w in workers_info(client).items()}
         with get_task_stream(client) as ts:
             r = tune(slowed_to_device_speed(train), configs, client=client, eta=3,
                      min_budget=1, max_budget=9)

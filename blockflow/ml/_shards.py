@@ -28,6 +28,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from blockflow._client import workers_info
+
 __all__ = ["ResidentShards", "as_row_blocks"]
 
 
@@ -174,7 +176,7 @@ class ResidentShards:
     # --- workers, speeds, memory ---------------------------------------------------------
 
     def _workers(self) -> dict[str, dict]:
-        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        workers = workers_info(self.client)
         if not workers:
             raise RuntimeError("blockflow: the cluster has no workers; start some before "
                                "training.")

@@ -37,6 +37,7 @@ import numpy as np
 import pandas as pd
 
 from blockflow import config
+from blockflow._client import workers_info
 from blockflow.parallel.layers import Layer, backward, forward
 from blockflow.parallel.partition import equal_stages, partition_stages, stage_times
 
@@ -270,7 +271,7 @@ class PipelineParallel:
         self.client, self.layers = client, list(layers)
         if not self.layers:
             raise ValueError("blockflow: a pipeline needs at least one layer.")
-        available = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        available = sorted(workers_info(client))
         workers = sorted(workers) if workers is not None else available
         missing = sorted(set(workers) - set(available))
         if missing:

@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from blockflow import _distributed, config
+from blockflow._client import workers_info
 from blockflow.parallel.partition import check_fits, shard_widths
 
 __all__ = ["TensorParallelMLP", "free_device_memory", "random_blocks"]
@@ -128,7 +129,7 @@ def free_device_memory(client) -> dict[str, float]:
     ``gpu_memory_used``) where a worker reports it, else its host memory limit minus its
     process memory, else ``math.inf`` (unknown)."""
     out = {}
-    for addr, info in client.scheduler_info(n_workers=-1)["workers"].items():
+    for addr, info in workers_info(client).items():
         m = info.get("metrics") or {}
         total = m.get("gpu-memory-total")
         if total:

@@ -18,6 +18,7 @@ import dask.config
 from dask.utils import parse_timedelta
 
 from blockflow import _distributed
+from blockflow._client import workers_info
 from blockflow.metrics import GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
 from blockflow.testing.simulated import PLUGIN_NAME, SimulatedDevice, SimulatedGPU
 
@@ -189,7 +190,7 @@ def simulated_cluster(speeds: Sequence[float] = (1, 1, 0.5, 0.25),
         client.run(_heartbeat)
         deadline = time.monotonic() + parse_timedelta(timeout)
         while True:
-            workers = client.scheduler_info(n_workers=-1)["workers"]
+            workers = workers_info(client)
             missing = [a for a, w in workers.items() if not _has_metrics(w.get("metrics"))]
             if not missing:
                 break

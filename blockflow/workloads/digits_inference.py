@@ -19,6 +19,7 @@ import dask.array as da
 import numpy as np
 import pandas as pd
 
+from blockflow.cluster import plugin_status
 from blockflow.inference import model_stats, predict, ship_model
 from blockflow.io import write_parquet
 from blockflow.workloads._runner import Job, run_workload
@@ -45,7 +46,13 @@ class InferenceResult:
         Bytes of the serialised model.
     workers : dict
         Worker address -> ``bytes_received``, ``loads``, ``blocks``, ``batches``, ``rows``.
+        ``blocks`` counts the block predictions each worker finished; a straggling block
+        whose backup copy also finished (see ``backup_copies``) counts on both workers, so
+        the sum lies between ``n_blocks`` and ``n_blocks + backup_copies``.
     n_rows, n_blocks : int
+    backup_copies : int
+        Backup copies of straggling blocks the scheduler plugin started during the run
+        (``blockflow.speculation``); 0 where no plugin copies tasks.
     wall_time : float
         Seconds for the distributed prediction.
     """
@@ -60,6 +67,7 @@ class InferenceResult:
     scale: int
     n_tasks: int | None = None
     task_counts: dict | None = None
+    backup_copies: int = 0
     output: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -76,7 +84,7 @@ class InferenceResult:
             "held_out_accuracy": self.accuracy, "model_bytes": self.model_bytes,
             "model_bytes_shipped": self.bytes_shipped, "workers": self.workers,
             "wall_time_s": self.wall_time, "n_tasks": self.n_tasks,
-            "task_counts": self.task_counts,
+            "task_counts": self.task_counts, "backup_copies": self.backup_copies,
         }
 
     def report(self) -> str:
@@ -89,6 +97,8 @@ class InferenceResult:
         for a, w in sorted(self.workers.items()):
             lines.append(f"  {a}: {w['blocks']} blocks, {w['batches']} batches, "
                          f"{w['rows']:,} rows")
+        if self.backup_copies:
+            lines.append(f"Backup copies of straggling blocks: {self.backup_copies}")
         lines.append(f"Wall time: {self.wall_time:.2f} s")
         return "\n".join(lines)
 
@@ -148,10 +158,12 @@ def _compute(job: Job, *, scale: int, blocks: int) -> InferenceResult:
     truth = np.tile(y, scale)
     x = da.from_array(data, chunks=(-(-len(data) // blocks), X.shape[1]))
     ref = ship_model(model, method="predict_proba", client=job.client)
+    copies_before = _backup_copies(job.client)
     job.start()
     proba = job.compute(predict(model, x, method="predict_proba"),
                         label=f"infer (scale {scale}) predict")
     wall = job.stop()
+    backup_copies = _backup_copies(job.client) - copies_before
     label = proba.argmax(axis=1)
     held_out = np.tile(np.arange(len(X)) >= N_TRAIN, scale)
     frame = pd.DataFrame({"label": label.astype("int8"),
@@ -161,11 +173,20 @@ def _compute(job: Job, *, scale: int, blocks: int) -> InferenceResult:
         predictions=frame, accuracy=float((label == truth)[held_out].mean()),
         model_bytes=0,
         workers=model_stats(job.client, ref), n_rows=len(data), n_blocks=x.numblocks[0],
-        wall_time=wall, scale=scale, n_tasks=job.n_tasks, task_counts=job.task_counts)
+        wall_time=wall, scale=scale, n_tasks=job.n_tasks, task_counts=job.task_counts,
+        backup_copies=backup_copies)
     if result.workers:  # every worker received the same serialised model
         result.model_bytes = max(w["bytes_received"] for w in result.workers.values())
     logger.info("infer: %s", result.manifest())
     return result
+
+
+def _backup_copies(client) -> int:
+    """Backup copies the scheduler plugin has started so far (0 without the plugin)."""
+    try:
+        return int(plugin_status(client)["speculation"].get("launched", 0))
+    except RuntimeError:  # no blockflow plugin on this scheduler: nothing is copied
+        return 0
 
 
 def _write(result: InferenceResult, directory: str) -> dict:

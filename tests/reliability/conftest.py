@@ -19,6 +19,7 @@ from distributed import Client
 from loadaware import scaled
 
 import blockflow
+from blockflow._client import workers_info
 
 
 @pytest.fixture(scope="package")
@@ -77,7 +78,7 @@ def _replace_lost_workers(client: Client) -> None:
     """Close the nannies whose worker the scheduler does not know and let the cluster start
     new ones in their place (SpecCluster opens a worker for every spec without one)."""
     cluster = client.cluster
-    known = set(client.scheduler_info(n_workers=-1)["workers"])
+    known = set(workers_info(client))
     for name, nanny in list(cluster.workers.items()):
         if getattr(nanny, "worker_address", None) not in known:
             try:
@@ -93,21 +94,21 @@ def _two_workers_answer(client: Client) -> bool:
 
 
 def _cluster_state(client: Client) -> str:
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = workers_info(client)
     return (f"scheduler: {({a: w.get('status') for a, w in workers.items()})}; answering: "
             f"{worker_pids(client)}; nannies: {sorted(client.cluster.workers)}")
 
 
 def running_workers(client: Client) -> list[str]:
     """Addresses of the workers the scheduler has, sorted."""
-    return sorted(client.scheduler_info(n_workers=-1)["workers"])
+    return sorted(workers_info(client))
 
 
 def ready_workers(client: Client) -> list[str]:
     """Addresses of the workers the scheduler would give tasks to (status ``running``: a
     restarted worker is known in status ``init`` while its plugins start, and gets no task
     until then), sorted."""
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = workers_info(client)
     return sorted(a for a, w in workers.items() if w.get("status") == "running")
 
 

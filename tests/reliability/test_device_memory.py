@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import blockflow
-
 from blockflow import map_blocks
+from blockflow._client import workers_info
 from blockflow.errors import BlockKernelError, DeviceMemoryError, is_device_oom, requested_bytes
 from blockflow.scheduling import Rebalancer
 from blockflow.testing import device_stats, set_tenant, simulated_cluster, simulated_kernel
@@ -43,7 +43,7 @@ def _executing(dask_worker=None) -> int:
 
 
 def _by_name(client) -> list[str]:
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = workers_info(client)
     return sorted(workers, key=lambda a: int(workers[a]["name"]))
 
 

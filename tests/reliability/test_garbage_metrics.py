@@ -17,6 +17,7 @@ from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import WorkerPlugin
 
 import blockflow
+from blockflow._client import workers_info
 from blockflow._distributed import remove_worker_metric, set_worker_metric, worker_heartbeat
 from blockflow.metrics import (
     CAPACITY_METRIC,
@@ -68,7 +69,7 @@ async def set_step(step, dask_worker=None):
 
 def reported(client) -> list:
     """What the scheduler holds for each worker's ``gpu_utilization`` (one snapshot)."""
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = workers_info(client)
     return [info["metrics"].get(GPU_UTILIZATION, MISSING) for info in workers.values()]
 
 

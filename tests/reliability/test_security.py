@@ -14,6 +14,7 @@ from distributed import Client, LocalCluster, Security
 from loadaware import scaled
 
 import blockflow
+from blockflow._client import workers_info
 from blockflow.dashboard.plugin import DashboardPlugin
 from blockflow.scheduling import Rebalancer
 
@@ -30,7 +31,7 @@ def tls_client():
 @pytest.mark.slow
 def test_temporary_security_runs_the_embedded_cluster_on_tls(tls_client):
     assert tls_client.scheduler.address.startswith("tls://127.0.0.1:")
-    workers = tls_client.scheduler_info()["workers"]
+    workers = workers_info(tls_client)
     assert workers and all(a.startswith("tls://127.0.0.1:") for a in workers)
     x = blockflow.map_blocks(lambda b: b * 2, da.ones(10, chunks=5))
     assert tls_client.compute(x.sum()).result() == 20
