@@ -8,7 +8,9 @@ does) and dispatches each request batch, as one task pinned to one worker, to th
 
 ``backlog`` is the cost (rows, by default) of the requests already routed to ``w`` and not yet
 answered; ``seconds_per_unit`` is measured from the compute time of ``w``'s own answers
-(an exponentially weighted mean), and before any answer from ``w`` it is the measured mean
+(an exponentially weighted mean of its answers after the first: a first answer pays for
+loading the model and warming up, so it counts only while no worker has a warm one), and
+before any answer from ``w`` it is the measured mean
 scaled by blockflow's learned speeds (``plugin_status()["speeds"]``) where the scheduler plugin
 runs. This is join-the-shortest-expected-delay (blockflow heuristic after Whitt 1986), which
 beats round-robin and power-of-two-choices when devices differ in speed.
@@ -122,7 +124,10 @@ class Router:
         self._waiting: deque[_Request] = deque()  # no usable worker yet
         self._backlog: Counter = Counter()
         self._inflight: Counter = Counter()  # tasks routed to each worker, not yet back
-        self._rate: dict[str, float] = {}  # measured seconds per cost unit
+        self._rate: dict[str, float] = {}  # measured seconds per cost unit (warm answers)
+        # a worker's first answer pays for loading the model and warming up: kept apart,
+        # trusted only while no worker has a warm answer (cold starts are discounted)
+        self._cold_rate: dict[str, float] = {}
         self._workers: dict[str, dict] = {}
         self._speeds: dict[str, float] = {}
         self._excluded: dict[str, str] = {}  # worker -> why it gets no new requests
@@ -186,7 +191,7 @@ class Router:
         ``excluded`` (worker -> why it gets no new requests), ``pending``."""
         with self._lock:
             return {"counts": dict(self.counts), "answered_by": dict(self.answered_by),
-                    "seconds_per_unit": dict(self._rate), "excluded": dict(self._excluded),
+                    "seconds_per_unit": {**self._cold_rate, **self._rate}, "excluded": dict(self._excluded),
                     "pending": len(self._requests)}
 
     def close(self) -> None:
@@ -218,6 +223,11 @@ class Router:
         if w in self._rate:
             return self._rate[w]
         measured = [r for a, r in self._rate.items() if a in self._workers]
+        if not measured:  # no warm answer anywhere yet: compare the cold ones
+            cold = [r for a, r in self._cold_rate.items() if a in self._workers]
+            if w in self._cold_rate:
+                return self._cold_rate[w]
+            measured = cold
         base = sum(measured) / len(measured) if measured else 1.0
         speed, ref = self._speeds.get(w), None
         if speed and measured:  # scale the measured mean by the learned speed ratio
@@ -345,8 +355,11 @@ class Router:
                 if req.cost > 0:
                     rate = elapsed / req.cost
                     old = self._rate.get(worker)
-                    self._rate[worker] = rate if old is None else (
-                        (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * rate)
+                    if worker not in self._cold_rate:
+                        self._cold_rate[worker] = rate  # the cold start: not its speed
+                    else:
+                        self._rate[worker] = rate if old is None else (
+                            (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * rate)
             req.future.set_result(out)
         except Exception:  # never lose an answer to a bookkeeping error
             logger.exception("blockflow router: error while answering request %s", req.id)

@@ -74,6 +74,42 @@ def test_requests_go_to_the_worker_that_answers_first(digits):
     assert decisions and decisions[0]["reason"] == "earliest speed-normalised projected finish"
 
 
+
+class ColdStartModel(SimulatedModel):
+    """The fast worker's first batch also pays ``cold`` seconds (loading the model, warming
+    up): a cold start, not its speed."""
+
+    def __init__(self, model, seconds_per_row: float, cold: float, cold_worker: str):
+        super().__init__(model, seconds_per_row)
+        self.cold, self.cold_worker, self.warm = cold, cold_worker, set()
+
+    def __call__(self, batch):
+        from distributed import get_worker
+
+        me = get_worker().address
+        if me == self.cold_worker and me not in self.warm:
+            self.warm.add(me)
+            time.sleep(self.cold)
+        return super().__call__(batch)
+
+
+def test_a_cold_first_answer_does_not_starve_the_fast_worker(digits):
+    # The fast worker's first answer takes 10x a warm slow one: taken as its speed, a
+    # late-binding router (depth=1) would wait for the slow worker and starve the fast one.
+    X, model = digits
+    batches = [X[i * 10:(i + 1) * 10] for i in range(48)]
+    with simulated_cluster(speeds=(1, 0.25), processes=False) as client:
+        fast, slow = sorted(workers_info(client),
+                            key=lambda a: workers_info(client)[a]["name"])
+        with Router(client, ColdStartModel(model, 0.003, 1.2, fast), depth=1) as router:
+            _check_answers(router.map(batches), batches, model)
+            stats = router.stats()
+    assert stats["counts"]["answered"] == 48 and stats["counts"].get("duplicates", 0) == 0
+    assert stats["answered_by"][fast] >= 2 * stats["answered_by"].get(slow, 0), stats
+    # warm answers only: the fast worker's measured rate is its speed, not its cold start
+    assert stats["seconds_per_unit"][slow] > 2 * stats["seconds_per_unit"][fast], stats
+
+
 def test_nearly_full_device_gets_no_requests(digits):
     X, model = digits
     batches = [X[i * 5:(i + 1) * 5] for i in range(20)]
