@@ -187,12 +187,13 @@ class Router:
 
     def stats(self) -> dict[str, Any]:
         """Plain data: ``counts`` (submitted, answered, rerouted, duplicates, failed),
-        ``answered_by`` (worker -> answers), ``seconds_per_unit`` (measured, per worker),
+        ``answered_by`` (worker -> answers), ``seconds_per_unit`` (measured, per worker:
+        from its warm answers, or its first answer while it has only that one),
         ``excluded`` (worker -> why it gets no new requests), ``pending``."""
         with self._lock:
             return {"counts": dict(self.counts), "answered_by": dict(self.answered_by),
-                    "seconds_per_unit": {**self._cold_rate, **self._rate}, "excluded": dict(self._excluded),
-                    "pending": len(self._requests)}
+                    "seconds_per_unit": {**self._cold_rate, **self._rate},
+                    "excluded": dict(self._excluded), "pending": len(self._requests)}
 
     def close(self) -> None:
         """Stop routing; unanswered requests are cancelled."""
