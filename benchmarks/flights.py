@@ -220,7 +220,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="rounds per scale (medians)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="threads per worker")
-    parser.add_argument("--partitions-per-copy", type=int, default=4)
+    parser.add_argument("--partitions-per-copy", type=int, default=None,
+                        help="default: the job's own choice for the scale and threads "
+                             "(flights.choose_partitions_per_copy), the same for plain Dask")
     parser.add_argument("--dask-repeat", type=int, default=None,
                         help="rounds with plain Dask (default --repeat; its groupby().apply "
                              "shuffle makes it the slowest here)")
@@ -246,15 +248,21 @@ def main(argv=None) -> int:
     dk_client = Client(plain)
     try:
         # Warm-up: each cluster's workers read the table file once (both paths cache it).
-        ppc = args.partitions_per_copy
+        threads = args.workers * args.threads
+
+        def ppc(scale):
+            return args.partitions_per_copy or flights.choose_partitions_per_copy(scale,
+                                                                                  threads)
+
         engines = {
             "pandas": lambda scale: run_pandas(scale),
-            "blockflow": lambda scale: run_blockflow(bf_client, scale, ppc),
-            "dask": lambda scale: _timed_on_cluster(dask_tables, dk_client, scale, ppc),
+            "blockflow": lambda scale: run_blockflow(bf_client, scale, ppc(scale)),
+            "dask": lambda scale: _timed_on_cluster(dask_tables, dk_client, scale,
+                                                    ppc(scale)),
         }
         if args.before:
             engines["bf-before"] = lambda scale: _timed_on_cluster(before_tables, bf_client,
-                                                                   scale, ppc)
+                                                                   scale, ppc(scale))
         for name, engine in engines.items():
             if name not in ("pandas",) and not (name == "dask" and args.dask_repeat == 0):
                 engine(1)
@@ -304,7 +312,8 @@ def main(argv=None) -> int:
     header = (
         f"# benchmarks/flights.py {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} "
         f"UTC, commit {_commit()}\n"
-        f"# {args.workers} workers x {args.threads} thread, {args.partitions_per_copy} "
+        f"# {args.workers} workers x {args.threads} thread, "
+        f"{args.partitions_per_copy or 'automatic (the job default)'} "
         f"partitions per copy, medians of {args.repeat} rounds ({args.dask_repeat} for dask; min_s/max_s: the "
         f"spread); "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end\n"

@@ -440,3 +440,20 @@ def test_job_costs_less_cpu_than_plain_dask_and_the_old_pipeline():
         bench.check_tables(tables, expected, "blockflow")
     assert cpu["blockflow"] < cpu["dask"], cpu
     assert cpu["blockflow"] < 0.8 * cpu["before"], cpu
+
+
+@pytest.mark.parametrize("scale,threads,expected", [
+    (1, 2, 4), (2, 2, 2), (4, 2, 1), (16, 2, 1), (64, 2, 1), (64, 64, 2), (1, 0, 2), (3, 2, 2),
+])
+def test_partitions_per_copy_default_gives_each_thread_two_partitions(scale, threads, expected):
+    ppc = flights.choose_partitions_per_copy(scale, threads)
+    assert ppc == expected
+    assert scale * ppc >= min(2 * max(threads, 1), 4 * scale)  # two per thread, at most 4 per copy
+
+
+def test_run_chooses_larger_partitions_for_many_copies(client):
+    # the job's partitions follow the cluster's threads and the scale
+    threads = sum(w["nthreads"] for w in workers_info(client).values())
+    result = flights.run(client, scale=4, progress=False)
+    expected = 4 * flights.choose_partitions_per_copy(4, threads)
+    assert result.partitions == expected
