@@ -39,6 +39,12 @@ def digits():
     return X, RidgeClassifier().fit(X, y)  # closed form: quick on a loaded machine
 
 
+def _by_name(client) -> list[str]:
+    """Worker addresses in the order of their names (simulated_cluster's speed order)."""
+    workers = workers_info(client)
+    return sorted(workers, key=lambda a: workers[a]["name"])
+
+
 def _check_answers(futures, batches, model, timeout=120):
     for f, b in zip(futures, batches):
         np.testing.assert_array_equal(f.result(timeout=timeout), model.predict(b))
@@ -48,8 +54,7 @@ def test_requests_go_to_the_worker_that_answers_first(digits):
     X, model = digits
     batches = [X[i * 10:(i + 1) * 10] for i in range(60)]
     with simulated_cluster(speeds=(1, 0.25), processes=False) as client:
-        fast, slow = sorted(workers_info(client),
-                            key=lambda a: workers_info(client)[a]["name"])
+        fast, slow = _by_name(client)
         with Router(client, SimulatedModel(model, 0.003)) as router:
             for f in router.map(batches[:4]):  # first answers: the router measures speeds
                 f.result(timeout=120)
@@ -65,8 +70,7 @@ def test_requests_go_to_the_worker_that_answers_first(digits):
     assert stats["seconds_per_unit"][slow] > 2 * stats["seconds_per_unit"][fast]
     # A late-binding router (depth=1) learns as it goes, from a cold start.
     with simulated_cluster(speeds=(1, 0.25), processes=False) as client:
-        fast, slow = sorted(workers_info(client),
-                            key=lambda a: workers_info(client)[a]["name"])
+        fast, slow = _by_name(client)
         with Router(client, SimulatedModel(model, 0.003), depth=1) as router:
             _check_answers(router.map(batches), batches, model)
             late = router.stats()
@@ -99,8 +103,7 @@ def test_a_cold_first_answer_does_not_starve_the_fast_worker(digits):
     X, model = digits
     batches = [X[i * 10:(i + 1) * 10] for i in range(48)]
     with simulated_cluster(speeds=(1, 0.25), processes=False) as client:
-        fast, slow = sorted(workers_info(client),
-                            key=lambda a: workers_info(client)[a]["name"])
+        fast, slow = _by_name(client)
         with Router(client, ColdStartModel(model, 0.003, 1.2, fast), depth=1) as router:
             _check_answers(router.map(batches), batches, model)
             stats = router.stats()

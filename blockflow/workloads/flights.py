@@ -734,10 +734,8 @@ def run(
     as those of an undisturbed run.
     """
     scale = check_scale(scale)
-    if partitions_per_copy is None:
-        nthreads = sum(int(w.get("nthreads") or 1) for w in workers_info(client).values())
-        partitions_per_copy = choose_partitions_per_copy(scale, nthreads)
-    partitions_per_copy = check_partitions_per_copy(partitions_per_copy)
+    if partitions_per_copy is not None:  # None: chosen on the cluster, in _compute
+        partitions_per_copy = check_partitions_per_copy(partitions_per_copy)
     return run_workload(
         client, f"the flights ETL (scale {scale})",
         functools.partial(_compute, scale=scale, partitions_per_copy=partitions_per_copy,
@@ -747,8 +745,11 @@ def run(
     )
 
 
-def _compute(job: Job, *, scale: int, partitions_per_copy: int,
+def _compute(job: Job, *, scale: int, partitions_per_copy: int | None,
              split_every: int | None) -> FlightsResult:
+    if partitions_per_copy is None:
+        nthreads = sum(int(w.get("nthreads") or 1) for w in workers_info(job.client).values())
+        partitions_per_copy = choose_partitions_per_copy(scale, nthreads)
     job.start()
     airlines, airports = lookup_tables()
     # Only the columns the tables use, grouped by codes; names are joined to the result

@@ -59,7 +59,13 @@ def _new_worker_runs_tasks(client, old: list[str]) -> str:
     x = blockflow.map_blocks(slow_double, da.arange(40, chunks=1),
                              name=f"after-restart-{uuid.uuid4().hex}")
     assert client.compute(x.sum()).result() == 2 * sum(range(40))
-    assert tasks_done_on(client, new) > before
+    # On a loaded machine the other worker may finish all 40 before the new one takes any:
+    # a task only the new worker may run shows that it runs (a paused worker would not).
+    pinned = client.submit(slow_double, np.ones(2), workers=[new], allow_other_workers=False,
+                           pure=False)
+    assert pinned.result(timeout=120).tolist() == [2.0, 2.0]
+    wait_until(lambda: tasks_done_on(client, new) > before, timeout=30,
+               what="the new worker's task count")
     return new
 
 
