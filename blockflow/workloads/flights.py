@@ -237,6 +237,11 @@ def choose_partitions_per_copy(scale: int, nthreads: int) -> int:
     -------
     int
         Between 1 and 4.
+
+    Raises
+    ------
+    ValueError
+        If ``scale`` is not an integer >= 1 (the message of :func:`check_scale`).
     """
     scale = check_scale(scale)
     wanted = 2 * max(int(nthreads), 1)  # partitions, so that every thread has two
