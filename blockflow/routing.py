@@ -225,10 +225,9 @@ class Router:
             return self._rate[w]
         measured = [r for a, r in self._rate.items() if a in self._workers]
         if not measured:  # no warm answer anywhere yet: compare the cold ones
-            cold = [r for a, r in self._cold_rate.items() if a in self._workers]
             if w in self._cold_rate:
                 return self._cold_rate[w]
-            measured = cold
+            measured = [r for a, r in self._cold_rate.items() if a in self._workers]
         base = sum(measured) / len(measured) if measured else 1.0
         speed, ref = self._speeds.get(w), None
         if speed and measured:  # scale the measured mean by the learned speed ratio
