@@ -23,6 +23,7 @@ from sklearn.model_selection import train_test_split  # noqa: E402
 
 from blockflow._client import workers_info
 from blockflow.ml import DataParallelTrainer, batch_schedule  # noqa: E402
+from blockflow.ml.train import _probe_split  # noqa: E402
 
 BLOCK = 100
 
@@ -103,12 +104,12 @@ def test_mlp_on_digits_matches_single_process_training(client4, digits):
     assert sum(trainer.shards_.rows_per_worker().values()) == len(Xtr)
 
 
-def _slow_by_name(seconds):
-    """Worker named i runs at speed (1, 1, 0.5, 0.25)[i]: its compute time scaled by 1/speed,
-    plus 10 ms of reference work per task so that the speeds are measurable here."""
+def _slow_by_name(seconds, cpu_seconds, rows):
+    """Worker named i runs at speed (1, 1, 0.5, 0.25)[i]: 0.2 ms of reference work per row
+    at speed 1, so that speeds are measurable beside the real compute's noise."""
     from distributed import get_worker
     speed = (1, 1, 0.5, 0.25)[int(get_worker().name)]
-    time.sleep((seconds + 0.01) * (1 / speed - 1))
+    time.sleep(rows * 2e-4 / speed)
 
 
 @pytest.mark.slow
@@ -122,10 +123,24 @@ def test_shares_follow_measured_speed(client4, digits):
     rows = {names[a]: r for a, r in trainer.shards_.rows_per_worker().items()}
     first = {names[a]: r for a, r in trainer.history_[0]["worker_rows"].items()}
     last = {names[a]: r for a, r in trainer.history_[-1]["worker_rows"].items()}
-    assert max(first.values()) <= 2 * min(first.values())  # equal start: nothing known yet
+    # nothing is known before the first step: its probe pass (a quarter of the rows, on
+    # equal shards) sets the shares of the rest of that step already
+    assert min(first.get(0, 0), first.get(1, 0)) > first.get(3, 0), first
+    assert sum(first.values()) == trainer.history_[0]["samples"]
     assert trainer.shards_.moves > 0
     assert min(rows.get(0, 0), rows.get(1, 0)) > rows.get(2, 0) > rows.get(3, 0), rows
     assert min(last.get(0, 0), last.get(1, 0)) > last.get(3, 0), last
+
+
+def test_probe_split_covers_every_row_once():
+    rows = [np.arange(9), np.arange(3), np.arange(0), np.arange(1)]
+    probe, rest = _probe_split(rows, 0.25)
+    assert [len(p) for p in probe] == [2, 0, 0, 0]
+    for r, p, q in zip(rows, probe, rest):
+        np.testing.assert_array_equal(np.concatenate([p, q]), r)
+    assert len(_probe_split([np.arange(3)] * 2, 0.25)) == 1  # nothing to probe: one pass
+    with pytest.raises(ValueError, match="probe_fraction"):
+        DataParallelTrainer(mlp(), torch.nn.CrossEntropyLoss(), probe_fraction=1.0)
 
 
 def test_equal_sharding_gives_every_worker_the_same_blocks(client4, digits):
@@ -147,7 +162,7 @@ def _params(model):
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
 
 
-def _tick(seconds):
+def _tick(seconds, cpu_seconds, rows):
     time.sleep(0.05)  # long enough steps that the kill lands inside one
 
 

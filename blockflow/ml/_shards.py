@@ -14,7 +14,9 @@ survivors from the source collection and the pass is redone: at most one pass is
 
 Speeds: the prior is the scheduler plugin's learned speed (``blockflow.plugin_status``) when
 blockflow's plugin runs, else 1; it is then refined from the shards' own throughput (rows per
-compute second, a median over recent passes), which the plugin's per-task speed model cannot
+compute second, a median over the 16 latest passes, so that one cold first pass stops
+counting from the third, with a pass's fixed cost estimated and counted apart: see
+:meth:`ResidentShards.overhead_rows`), which the plugin's per-task speed model cannot
 measure here because speed-weighted tasks deliberately differ in size.
 """
 
@@ -139,7 +141,7 @@ class ResidentShards:
     split_every : int, optional
         Fan-in of the sum over workers; default from ``choose_split_every`` for the result
         size.
-    rebalance_gain : float, default 0.1
+    rebalance_gain : float, default 0.05
         Move blocks between passes only when the predicted slowest worker's time drops by
         more than this fraction (0-1).
     poll : float, default 0.5
@@ -152,7 +154,7 @@ class ResidentShards:
     """
 
     def __init__(self, client, X, y, *, sharding: str = "speed", memory_fraction: float = 0.5,
-                 split_every: int | None = None, rebalance_gain: float = 0.1,
+                 split_every: int | None = None, rebalance_gain: float = 0.05,
                  poll: float = 0.5):
         if sharding not in ("speed", "equal"):
             raise ValueError(f"blockflow: sharding must be 'speed' or 'equal', got "
@@ -166,7 +168,9 @@ class ResidentShards:
             np.prod(y.shape[1:], dtype=int))
         self.block_bytes = [r * row_bytes for r in self.block_rows]
         self.offsets = np.concatenate([[0], np.cumsum(self.block_rows)])
-        self._throughput: dict[str, deque] = defaultdict(lambda: deque(maxlen=8))
+        # per worker, the latest passes' (rows processed, seconds)
+        self._obs: dict[str, deque] = defaultdict(lambda: deque(maxlen=16))
+        self._fraction = 1.0  # rows processed per resident row, latest pass
         self.recoveries: list[dict] = []
         self.moves = 0
         self.placement: dict[int, str] = {}
@@ -185,14 +189,52 @@ class ResidentShards:
     def _prior_speeds(self) -> dict[str, float]:
         from blockflow.cluster import plugin_status
         try:
-            return {a: float(s) for a, s in plugin_status(self.client)["speeds"].items()}
+            status = plugin_status(self.client)
         except (RuntimeError, KeyError, OSError):
             return {}
+        conf = status.get("speed_confidence") or {}
+        # only speeds the plugin has evidence for (it reports 1.0 for workers it knows
+        # nothing about)
+        return {a: float(s) for a, s in (status.get("speeds") or {}).items()
+                if conf.get(a, 0.0) >= 0.5}
+
+    def knows_speeds(self) -> bool:
+        """Whether a pass has measured a speed, or the scheduler plugin has learned some."""
+        return bool(any(self._obs.values()) or self._prior_speeds())
+
+    def overhead_rows(self) -> float:
+        """A pass's fixed cost per worker, in rows processed (shared by the workers).
+
+        Model: a worker's pass takes ``k_a (r + r0)`` seconds for ``r`` rows, ``k_a`` its
+        seconds per row, ``r0`` the fixed part (parameters in, model set up, result out)
+        in row equivalents. ``r0`` is the median over workers of intercept / slope of a
+        least-squares line through each worker's (rows, seconds), where its row counts
+        differ by 25 % or more (the first step's probe pass gives that); else 0. Bounded
+        by the median rows per pass. Without it, a worker with a small share looks slow
+        per row, gets a smaller share still, and the shares collapse onto the fastest
+        worker (a blockflow heuristic).
+        """
+        est, sizes = [], []
+        for obs in self._obs.values():
+            r = np.array([o[0] for o in obs], float)
+            t = np.array([o[1] for o in obs], float)
+            sizes.extend(r)
+            if len(r) < 2 or r.max() < 1.25 * r.min():
+                continue
+            slope, icept = np.polyfit(r, t, 1)
+            # time that does not grow with rows is all fixed cost: the bound below
+            est.append(max(icept, 0.0) / slope if slope > 0 else math.inf)
+        if not est:
+            return 0.0
+        return float(min(median(est), median(sizes)))
 
     def speeds(self, workers) -> dict[str, float]:
-        """Relative speed per worker: measured rows/second where seen, else the plugin's
-        learned speed scaled to the measured ones, else 1."""
-        measured = {a: median(v) for a, v in self._throughput.items() if v and a in workers}
+        """Relative speed per worker: measured row equivalents (rows plus
+        :meth:`overhead_rows`) per second where seen, else the plugin's learned speed
+        scaled to the measured ones, else 1."""
+        r0 = self.overhead_rows()
+        measured = {a: median((r + r0) / t for r, t in v)
+                    for a, v in self._obs.items() if v and a in workers}
         prior = self._prior_speeds()
         if measured:
             # scale priors to throughput units through the workers seen in both
@@ -218,16 +260,20 @@ class ResidentShards:
     # --- placement -----------------------------------------------------------------------
 
     def _assign(self, workers: dict[str, dict], keep: dict[int, str]) -> dict[int, str]:
-        """Block -> worker. ``"equal"``: round robin; ``"speed"``: rows proportional to
-        speed, largest blocks first to the worker whose finish (rows/speed) stays lowest,
-        within capacity; blocks in ``keep`` stay where they are while under their target."""
+        """Block -> worker. ``"equal"``: round robin; ``"speed"``: rows such that every
+        worker's predicted pass time ``(rows + r0) / speed`` is the same (``r0`` from
+        :meth:`overhead_rows`, in resident rows), largest blocks first to the worker whose
+        predicted finish stays lowest, within capacity; blocks in ``keep`` stay where they
+        are while under their target."""
         addrs = sorted(workers)
         n = len(self.block_rows)
         if self.sharding == "equal":
             return {j: addrs[j % len(addrs)] for j in range(n)}
         speed = self.speeds(workers)
         total_speed = sum(speed[a] for a in addrs)
-        target = {a: sum(self.block_rows) * speed[a] / total_speed for a in addrs}
+        r0 = self._resident_overhead()
+        per_speed = (sum(self.block_rows) + len(addrs) * r0) / total_speed
+        target = {a: max(per_speed * speed[a] - r0, 0.0) for a in addrs}
         cap = {a: self._capacity({**workers[a], "address": a}) for a in addrs}
         rows = dict.fromkeys(addrs, 0)
         used = dict.fromkeys(addrs, 0.0)
@@ -243,7 +289,7 @@ class ResidentShards:
             if j in out:
                 continue
             fits = [a for a in addrs if used[a] + self.block_bytes[j] <= cap[a]] or addrs
-            a = min(fits, key=lambda a: ((rows[a] + self.block_rows[j]) / speed[a], a))
+            a = min(fits, key=lambda a: ((rows[a] + self.block_rows[j] + r0) / speed[a], a))
             out[j] = a
             rows[a] += self.block_rows[j]
             used[a] += self.block_bytes[j]
@@ -253,18 +299,31 @@ class ResidentShards:
         rows = defaultdict(int)
         for j, a in placement.items():
             rows[a] += self.block_rows[j]
-        return max(r / speed.get(a, 1.0) for a, r in rows.items())
+        r0 = self._resident_overhead()
+        return max((r + r0) / speed.get(a, 1.0) for a, r in rows.items())
+
+    def _resident_overhead(self) -> float:
+        """:meth:`overhead_rows` in resident rows (a pass processes a fraction of them)."""
+        return self.overhead_rows() / max(self._fraction, 1e-9)
 
     def _place(self, placement: dict[int, str]) -> None:
         import dask
 
         moved = [j for j, a in placement.items() if self.placement.get(j) != a]
+        alive = set(self._workers()) if self.placement else set()
+        # A block still held by a live worker is copied from there (worker to worker); the
+        # others come from the source collection, all in one graph: each block's graph
+        # carries its source, and one submission per block would send it once per block.
+        fresh = [j for j in moved if self.placement.get(j) not in alive or j not in
+                 self.futures]
+        sources = dict(zip(fresh, self.client.compute(
+            [dask.delayed(_pair, pure=False)(self._x_blocks[j], self._y_blocks[j])
+             for j in fresh])))
         for j in moved:
             # Only the resident copy is restricted to its worker (a fresh key each time: an
             # old one may be stuck restricted to a lost worker); the blocks' own graph stays
             # unrestricted, so that it can be recomputed anywhere after a loss.
-            src = self.client.compute(
-                dask.delayed(_pair, pure=False)(self._x_blocks[j], self._y_blocks[j]))
+            src = sources[j] if j in sources else self.futures[j]
             self.futures[j] = self.client.submit(_pair_copy, src, workers=[placement[j]],
                                                  allow_other_workers=False, pure=False)
         self.moves += len(moved) if self.placement else 0
@@ -322,39 +381,51 @@ class ResidentShards:
             :attr:`last_rows`.
         """
         for attempt in range(1000):
-            futures = self._submit(func, rows, args)
-            total = self._tree_sum(futures)
+            total = self._submit(func, rows, args)
             try:
                 out = self._wait(total)
             except _WorkerLost as e:
-                del futures, total  # released, not cancelled: cancelling keys the scheduler
-                self._recover(e.lost)  # is recomputing can break the client's stream
+                del total  # released, not cancelled: cancelling keys the scheduler is
+                self._recover(e.lost)  # recomputing can break the client's stream
                 continue
             self.last_seconds, self.last_rows = out["seconds"], out["rows"]
             for a, s in out["seconds"].items():
                 if s > 0.005 and out["rows"].get(a):
-                    self._throughput[a].append(out["rows"][a] / s)
+                    self._obs[a].append((out["rows"][a], s))
+            held = self.rows_per_worker()
+            resident = sum(held.get(a, 0) for a in out["rows"])
+            if resident:
+                self._fraction = sum(out["rows"].values()) / resident
             return out["value"]
         raise RuntimeError("blockflow: workers kept disappearing; check the cluster.")
 
-    def _submit(self, func, rows, args) -> list:
+    def _submit(self, func, rows, args):
+        """The pass as one graph (one message to the scheduler): a task per worker,
+        restricted to it, and the fan-in tree of their sums; returns the total's future.
+
+        One graph rather than a ``client.submit`` per task: the client batches messages
+        that follow one another within 10 ms, so the later workers of a pass would start
+        up to 10 ms after the first."""
+        import dask
+
+        from blockflow.reduction import choose_split_every
+
         by_worker: dict[str, list[int]] = defaultdict(list)
         for j in sorted(self.placement):
             if rows is None or len(rows[j]):
                 by_worker[self.placement[j]].append(j)
-        return [self.client.submit(_run_shard, func, [self.futures[j] for j in js],
-                                   [None if rows is None else rows[j] for j in js], args,
-                                   workers=[a], allow_other_workers=False, pure=False)
-                for a, js in sorted(by_worker.items())]
-
-    def _tree_sum(self, futures: list):
-        from blockflow.reduction import choose_split_every
+        parts = []
+        for a, js in sorted(by_worker.items()):
+            with dask.annotate(workers=[a], allow_other_workers=False):
+                parts.append(dask.delayed(_run_shard, pure=False)(
+                    func, [self.futures[j] for j in js],
+                    [None if rows is None else rows[j] for j in js], args))
         k = self.split_every or choose_split_every(1 << 20, 1 << 30)
-        while len(futures) > 1:
-            futures = [futures[i] if len(futures[i:i + k]) == 1 else
-                       self.client.submit(_add, *futures[i:i + k], pure=False)
-                       for i in range(0, len(futures), k)]
-        return futures[0]
+        while len(parts) > 1:  # the fan-in tree: each node sums up to k partial sums
+            parts = [parts[i] if len(parts[i:i + k]) == 1 else
+                     dask.delayed(_add, pure=False)(*parts[i:i + k])
+                     for i in range(0, len(parts), k)]
+        return self.client.compute(parts[0], optimize_graph=False)
 
     def _wait(self, total):
         from asyncio import CancelledError
@@ -381,7 +452,7 @@ class ResidentShards:
         self.recoveries.append({"time": time.time(), "lost": sorted(lost),
                                 "blocks": sum(a in lost for a in self.placement.values())})
         for a in lost:
-            self._throughput.pop(a, None)
+            self._obs.pop(a, None)
         self.rebalance()
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import threading
+from collections import defaultdict
 import time
 import uuid
 from typing import Any, Callable, Iterator
@@ -57,6 +58,15 @@ def batch_schedule(block_rows, batch_size: int, epoch: int, seed: int = 0
         yield [p[(k * len(p)) // steps:((k + 1) * len(p)) // steps] for p in perms]
 
 
+def _probe_split(rows: list[np.ndarray], fraction: float) -> list[list[np.ndarray]]:
+    """A step's rows as (probe, rest): the first ``fraction`` of every block's rows, then
+    the others; one pass when the probe would be empty."""
+    cut = [int(len(r) * fraction) for r in rows]
+    if not any(cut):
+        return [rows]
+    return [[r[:c] for r, c in zip(rows, cut)], [r[c:] for r, c in zip(rows, cut)]]
+
+
 _CACHE: dict[tuple, Any] = {}
 _CACHE_LOCK = threading.Lock()
 
@@ -78,7 +88,7 @@ def _shard_gradient(blocks, rows, model, token, theta, loss_fn, hook):
     """On a worker: (sum of per-sample gradients, sum of losses, samples) over its rows."""
     import torch
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     m = _local_model(model, token)
     params = [p for p in m.parameters() if p.requires_grad]
     torch.nn.utils.vector_to_parameters(torch.as_tensor(theta).to(params[0]), params)
@@ -99,7 +109,7 @@ def _shard_gradient(blocks, rows, model, token, theta, loss_fn, hook):
     grad = torch.nn.utils.parameters_to_vector([p.grad for p in params])
     out = (grad.detach().to("cpu", torch.float64).numpy(), float(loss.detach()), n)
     if hook is not None:
-        hook(time.perf_counter() - t0)
+        hook(time.perf_counter() - t0, time.process_time() - cpu0, n)
     return out
 
 
@@ -130,19 +140,34 @@ class DataParallelTrainer:
     memory_fraction : float, default 0.5
         Fraction 0-1 of a worker's free memory its resident blocks may take.
     rebalance_every : int, default 10
-        Steps between checks whether blocks should move to follow measured speeds.
+        Steps between checks whether blocks should move to follow measured speeds (also
+        after each of the first 3 steps, so that shares follow speeds from the start).
     block_hook : callable, optional
-        ``block_hook(seconds)`` called on the worker after each gradient task with its
-        compute time (used by benchmarks to scale compute by a simulated device's speed).
+        ``block_hook(seconds, cpu_seconds, rows)`` called on the worker after each gradient
+        task with its elapsed and CPU seconds and its rows (used by benchmarks and tests to
+        scale compute by a simulated device's speed).
     callback : callable, optional
         ``callback(trainer, record) -> bool``, called after each step with the step's
         history record; returning True stops training.
+    probe_fraction : float, default 0.25
+        With ``sharding="speed"`` and no speeds known yet (no earlier pass, no blockflow
+        scheduler plugin), the first step runs as two passes: this fraction (0-1) of every
+        block's rows on equal shards, whose timings set the speed-weighted shares for the
+        rest of the step (the sum of the two passes is the step's gradient). Without it,
+        a whole first step would wait for the slowest worker on an equal shard (a
+        blockflow heuristic).
+
+    Raises
+    ------
+    ValueError
+        If ``probe_fraction`` is not strictly between 0 and 1.
 
     Attributes
     ----------
     history_ : list of dict
         Per step: ``epoch``, ``step``, ``loss`` (mean over the batch, before the update),
-        ``samples``, ``seconds`` (wall), ``worker_seconds`` and ``worker_rows``.
+        ``samples``, ``started`` (seconds since the epoch), ``seconds`` (wall),
+        ``worker_seconds`` and ``worker_rows``.
     shards_ : ResidentShards
         The placement (``rows_per_worker()``, ``recoveries``, ``moves``).
     """
@@ -151,12 +176,17 @@ class DataParallelTrainer:
                  batch_size: int = 256, epochs: int = 1, seed: int = 0,
                  sharding: str = "speed", client=None, split_every: int | None = None,
                  memory_fraction: float = 0.5, rebalance_every: int = 10,
-                 block_hook: Callable | None = None, callback: Callable | None = None):
+                 block_hook: Callable | None = None, callback: Callable | None = None,
+                 probe_fraction: float = 0.25):
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.batch_size, self.epochs, self.seed = batch_size, epochs, seed
         self.sharding, self.client, self.split_every = sharding, client, split_every
         self.memory_fraction, self.rebalance_every = memory_fraction, rebalance_every
         self.block_hook, self.callback = block_hook, callback
+        if not 0 < probe_fraction < 1:
+            raise ValueError(f"blockflow: probe_fraction must be between 0 and 1 "
+                             f"(exclusive), got {probe_fraction!r}.")
+        self.probe_fraction = probe_fraction
 
     def fit(self, X, y) -> DataParallelTrainer:
         """Train on ``X`` (features, rows chunked) and ``y`` (labels, same rows).
@@ -196,11 +226,24 @@ class DataParallelTrainer:
             for epoch in range(self.epochs):
                 for rows in batch_schedule(shards.block_rows, self.batch_size, epoch,
                                            self.seed):
-                    t0 = time.perf_counter()
+                    t0, started = time.perf_counter(), time.time()
                     theta = torch.nn.utils.parameters_to_vector(params).detach().cpu().numpy()
-                    grad, loss, n = shards.map_sum(
-                        _shard_gradient, rows,
-                        (model_future, token, theta, self.loss_fn, self.block_hook))
+                    args = (model_future, token, theta, self.loss_fn, self.block_hook)
+                    passes = [rows]
+                    if step == 0 and self.sharding == "speed" and not shards.knows_speeds():
+                        passes = _probe_split(rows, self.probe_fraction)
+                    grad, loss, n = 0, 0.0, 0
+                    seconds: dict[str, float] = defaultdict(float)
+                    worker_rows: dict[str, int] = defaultdict(int)
+                    for i, part in enumerate(passes):
+                        if i:  # after the probe: shares follow its speeds for the rest
+                            shards.rebalance()
+                        g_, l_, n_ = shards.map_sum(_shard_gradient, part, args)
+                        grad, loss, n = grad + g_, loss + l_, n + n_
+                        for a, v in shards.last_seconds.items():
+                            seconds[a] += v
+                        for a, v in shards.last_rows.items():
+                            worker_rows[a] += v
                     opt.zero_grad()
                     g = torch.as_tensor(grad / n)
                     offset = 0
@@ -209,14 +252,17 @@ class DataParallelTrainer:
                         offset += p.numel()
                     opt.step()
                     record = {"epoch": epoch, "step": step, "loss": loss / n, "samples": n,
-                              "seconds": time.perf_counter() - t0,
-                              "worker_seconds": dict(shards.last_seconds),
-                              "worker_rows": dict(shards.last_rows)}
+                              "started": started, "seconds": time.perf_counter() - t0,
+                              "worker_seconds": dict(seconds),
+                              "worker_rows": dict(worker_rows)}
                     self.history_.append(record)
                     step += 1
                     if self.callback is not None and self.callback(self, record):
                         return self
-                    if self.sharding == "speed" and step % self.rebalance_every == 0:
+                    # shares follow the first measurements at once (steps 1-3: the median
+                    # of 3 passes outvotes a cold first one), then every rebalance_every
+                    if self.sharding == "speed" and (
+                            step <= 3 or step % self.rebalance_every == 0):
                         shards.rebalance()
         finally:
             shards.close()

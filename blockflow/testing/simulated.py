@@ -683,25 +683,47 @@ def simulated_kernel(*blocks: Any, op: Callable | None = None, work: float = 0.0
     return SimulatedDeviceBlock(result, out_bytes)
 
 
-def slowed_to_device_speed(fn: Callable) -> Callable:
+def slowed_to_device_speed(fn: Callable, clock: str = "wall", scale: float = 1.0
+                           ) -> Callable:
     """Wrap ``fn`` so that on a simulated device it takes its real compute time / speed.
 
     The call runs for real (on the CPU); then, on a worker with a simulated device of speed
-    ``s``, the device is kept busy for ``t * (1/s - 1)`` more seconds, ``t`` the call's
-    measured time, so a device at speed 0.25 takes four times the real compute time, and
-    the device's utilisation counts the whole call. Elsewhere ``fn`` runs unchanged.
-    Used to give real workloads (training, tuning trials) honest uneven devices.
+    ``s``, the device is kept busy until the call has taken ``scale x t / s`` seconds in
+    all, ``t`` the call's measured time, so a device at speed 0.25 takes four times the
+    real compute time, and the device's utilisation counts the whole call. Elsewhere ``fn``
+    runs unchanged. Used to give real workloads (training, tuning trials) honest uneven
+    devices.
 
     Parameters
     ----------
     fn : callable
+    clock : {"wall", "cpu"}, default "wall"
+        How ``t`` is measured. ``"wall"``: elapsed seconds (for calls whose work includes
+        sleeping or waiting). ``"cpu"``: the worker process's CPU seconds during the call
+        (``time.process_time``, all its threads; use with one worker per process): on a
+        host with fewer cores than simulated devices, the time a call waits for a shared
+        core is not work, and is not multiplied by ``1/s``.
+    scale : float, default 1.0
+        Device seconds per measured second at speed 1 (> 0). With ``scale=2`` the devices
+        are twice as slow as the host's cores, so that several simulated devices' real
+        compute fits fewer host cores without contending.
 
     Returns
     -------
     callable
         Same signature and result as ``fn``.
+
+    Raises
+    ------
+    ValueError
+        If ``clock`` is not ``"wall"`` or ``"cpu"``, or ``scale`` is not positive.
     """
     import functools
+
+    if clock not in ("cpu", "wall"):
+        raise ValueError(f"blockflow: clock must be 'wall' or 'cpu', got {clock!r}.")
+    if not scale > 0:
+        raise ValueError(f"blockflow: scale must be positive, got {scale!r}.")
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -710,12 +732,15 @@ def slowed_to_device_speed(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         token = device._begin(0)
         try:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             result = fn(*args, **kwargs)
             elapsed = time.perf_counter() - start
+            work = scale * (time.process_time() - cpu if clock == "cpu" else elapsed)
             speed = device.speed()
-            if speed < 1:
-                device._run(elapsed * (1 - speed))  # sleeps elapsed * (1 - s) / s
+            # in all the call takes work / s: _run sleeps (its argument) / s
+            remaining = work - elapsed * speed
+            if remaining > 0:
+                device._run(remaining)
         finally:
             device._end(token)
         return result
