@@ -15,8 +15,14 @@ alternating order:
   the top 1/eta go on; Dask places the tasks (dask-ml's ``SuccessiveHalvingSearchCV``
   scheme; dask-ml itself does not install beside this Dask release).
 
+Each budget unit is ``--epochs-per-unit`` epochs (10: one epoch takes 4-15 ms, below a
+Dask task's own overhead), and each trial task takes ``k x CPU seconds / speed`` on its
+device (``slowed_to_device_speed(clock="cpu", scale=k)``, ``k`` = 2 on a 2-core host, so
+that the four devices' real compute does not contend for the host's cores).
+
 Measured per run: wall time, best validation accuracy, busy fraction (summed task time over
-4 workers x wall time). The table gives medians over ``--repeats`` runs.
+4 workers x wall time), and the run's work bound (its tasks' device-seconds x speed, over
+the fleet's total speed 2.75). The table gives medians over ``--repeats`` runs.
 
     python benchmarks/tuning.py                      # 81 configs, up to 27 epochs, 3 repeats
     python benchmarks/tuning.py --configs 27 --max-epochs 9 --repeats 1   # smoke
@@ -27,9 +33,32 @@ Per-run lines go to stderr, the table to stdout.
 from __future__ import annotations
 
 import argparse
+import functools
+import math
+import os
 import statistics
 import sys
 import time
+
+
+def units_of_epochs(config, units, checkpoint=None, *, k=10):
+    """A trial task of ``units`` budget units, ``k`` digits epochs each."""
+    from blockflow.workloads.digits_tuning import train_digits_mlp
+    return train_digits_mlp(config, int(round(units * k)), checkpoint)
+
+
+def device_scale(speeds) -> float:
+    """Host-core seconds per simulated device-second at speed 1: the smallest whole factor
+    that keeps the simulated devices' real compute within 70 % of this host's cores (as in
+    ``benchmarks/training.py``)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return float(max(1, math.ceil(sum(speeds) / (0.7 * (cores or 1)))))
+
+
+def _one_thread():
+    """One BLAS thread per worker process, as one process per device would have."""
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(1)
 
 
 def main(argv=None) -> int:
@@ -40,6 +69,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speeds", default="1,1,0.5,0.25")
+    p.add_argument("--epochs-per-unit", type=int, default=10,
+                   help="epochs per budget unit: one digits epoch takes 4-15 ms, below a "
+                        "Dask task's own overhead, so a unit of one epoch would measure "
+                        "the overhead and not the placement")
     a = p.parse_args(argv)
     speeds = tuple(float(s) for s in a.speeds.split(","))
 
@@ -47,12 +80,17 @@ def main(argv=None) -> int:
     from blockflow.tune import sample_configs, tune
     from blockflow.workloads.digits_tuning import SPACE, train_digits_mlp
 
-    train = slowed_to_device_speed(train_digits_mlp)
+    scale = device_scale(speeds)
+    train = slowed_to_device_speed(functools.partial(units_of_epochs, k=a.epochs_per_unit),
+                                   clock="cpu", scale=scale)
     configs = sample_configs(SPACE, a.configs, a.seed)
     rows = {"ASHA (blockflow)": [], "synchronous SH": []}
     with simulated_cluster(speeds=speeds) as client:
+        client.run(_one_thread)
         # warm every worker (imports, first allocations) so no method pays for them
         client.run(lambda: train_digits_mlp(configs[0], 1) and None)
+        from blockflow._client import workers_info
+        speed_of = {addr: speeds[int(w["name"])] for addr, w in workers_info(client).items()}
         for rep in range(a.repeats):
             order = list(rows) if rep % 2 == 0 else list(rows)[::-1]
             for name in order:
@@ -60,19 +98,28 @@ def main(argv=None) -> int:
                          max_budget=a.max_epochs, synchronous=name != "ASHA (blockflow)",
                          publish=False)
                 n_tasks = len(r.history)
-                rows[name].append((r.wall_time, r.best_score, r.busy_fraction, n_tasks))
+                h = r.history.dropna(subset=["duration"])
+                # the work done, in device-seconds at speed 1, spread over the whole fleet
+                bound = float((h.duration * h.worker.map(speed_of)).sum()) / sum(speeds)
+                rows[name].append((r.wall_time, r.best_score, r.busy_fraction, n_tasks,
+                                   bound))
                 print(f"rep {rep} {name}: wall {r.wall_time:.2f} s, best val accuracy "
                       f"{r.best_score:.4f} (trial {r.best_trial}), busy "
-                      f"{r.busy_fraction:.0%}, {n_tasks} trial tasks", file=sys.stderr)
-    med = {k: [statistics.median(x[i] for x in v) for i in range(4)] for k, v in rows.items()}
+                      f"{r.busy_fraction:.0%}, {n_tasks} trial tasks, work bound {bound:.2f} s",
+                      file=sys.stderr)
+    med = {k: [statistics.median(x[i] for x in v) for i in range(5)] for k, v in rows.items()}
     base = med["synchronous SH"][0]
-    print(f"Tuning {a.configs} MLP configurations on digits, eta {a.eta}, 1-{a.max_epochs} "
-          f"epochs, simulated speeds {speeds}; medians of {a.repeats} runs "
+    print(f"Tuning {a.configs} MLP configurations on digits, eta {a.eta}, budgets 1-"
+          f"{a.max_epochs} units of {a.epochs_per_unit} epochs, simulated speeds {speeds} "
+          f"at {scale:g} device-seconds per CPU-second; medians of {a.repeats} runs "
           f"({time.strftime('%Y-%m-%d')})")
-    print(f"{'method':<18} {'wall s':>8} {'vs sync':>8} {'best val acc':>13} "
-          f"{'busy':>6} {'tasks':>6}")
-    for k, (wall, best, busy, n) in med.items():
-        print(f"{k:<18} {wall:8.2f} {wall / base:8.2f} {best:13.4f} {busy:6.0%} {n:6.0f}")
+    print("'bound s': the run's own work (device-seconds x speed) over the fleet's total "
+          "speed, what no placement can beat without doing less work")
+    print(f"{'method':<18} {'wall s':>8} {'vs sync':>8} {'bound s':>8} {'wall/bound':>10} "
+          f"{'best val acc':>13} {'busy':>6} {'tasks':>6}")
+    for k, (wall, best, busy, n, bound) in med.items():
+        print(f"{k:<18} {wall:8.2f} {wall / base:8.2f} {bound:8.2f} {wall / bound:10.2f} "
+              f"{best:13.4f} {busy:6.0%} {n:6.0f}")
     return 0
 
 

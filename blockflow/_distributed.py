@@ -303,6 +303,9 @@ class WorkerView:
     peers_own_utilization : float
         Percent 0-100 of the shared device taken by those peers' own tasks (measured or
         estimated as for this worker, see :attr:`others_utilization`); 0 without peers.
+    recent_speed : float or None
+        The speed shown on the worker's latest warm task
+        (:meth:`blockflow.scheduling.speed.SpeedModel.recent_speed`); None if unknown.
     """
 
     address: str
@@ -323,6 +326,7 @@ class WorkerView:
     device_uuid: str | None = None
     device_peers: tuple = ()
     peers_own_utilization: float = 0.0
+    recent_speed: float | None = None
 
     @property
     def projected_finish(self) -> float:
@@ -459,7 +463,9 @@ def worker_addresses(scheduler) -> list[str]:
 
 def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
                  confidence: Callable[[str], float] | None = None,
-                 paused: Mapping[str, Any] | None = None) -> dict[str, WorkerView]:
+                 paused: Mapping[str, Any] | None = None,
+                 recent_speed: Callable[[str], float | None] | None = None
+                 ) -> dict[str, WorkerView]:
     """:class:`WorkerView` of every worker.
 
     Parameters
@@ -470,6 +476,8 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
         ``confidence(address) -> float``, 0-1 (default 0).
     paused : mapping, optional
         Addresses blockflow paused.
+    recent_speed : callable, optional
+        ``recent_speed(address) -> float or None``, the speed of the latest task.
     """
     stealing = scheduler.extensions.get("stealing")
     in_flight = getattr(stealing, "in_flight_occupancy", {}) if stealing else {}
@@ -496,6 +504,7 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
             capacity=cap if cap else None,
             memory_limit=int(limit),
             speed_confidence=float(confidence(addr)) if confidence is not None else 0.0,
+            recent_speed=recent_speed(addr) if recent_speed is not None else None,
             resources=dict(ws.resources or {}),
             device_uuid=m.device_uuid,
         )

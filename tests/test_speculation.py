@@ -41,9 +41,10 @@ def _running(key, elapsed, duration=1.0, *, kernel=True, measured=True, input_by
                                     input_bytes=input_bytes, kernel=kernel)
 
 
-def _snap(workers, running, backups=None, bandwidth=1e9):
+def _snap(workers, running, backups=None, bandwidth=1e9, queued=0, held=frozenset()):
     return ClusterSnapshot(time=0.0, workers={w.address: w for w in workers},
-                           running=running, backups=backups or {}, bandwidth=bandwidth)
+                           running=running, backups=backups or {}, bandwidth=bandwidth,
+                           queued=queued, held=frozenset(held))
 
 
 def _policy(**kw):
@@ -94,6 +95,58 @@ def test_nothing_is_copied_without_a_measured_duration_an_idle_worker_or_budget(
     queued = _snap(ws, run)
     queued.queued = 3
     assert not _policy().backups(queued)
+
+
+# --- holding a slowed worker back from the queue's last tasks ---------------------------------
+
+
+def _slowed_fleet(recent=0.2):
+    ws = [_worker("w0", processing=1), _worker("w1", processing=1),
+          _worker("w2", processing=1), _worker("w3", processing=1)]
+    ws[0].recent_speed = recent  # its latest task took 1 / recent times the others'
+    running = {a: [_running(f"k-{a}", 0.1)] for a in ("w0", "w1", "w2", "w3")}
+    return ws, running
+
+
+def test_a_slowed_worker_is_held_back_when_the_others_empty_the_queue_before_it():
+    ws, running = _slowed_fleet()
+    # its next task: 1 s / 0.2 = 5 s; the other three do the 5 queued + that one in 2 s
+    out = _policy().holds(_snap(ws, running, queued=5))
+    assert [(d.action, d.worker) for d in out] == [("hold", "w0")]
+    assert out[0].seen["own_time"] == pytest.approx(5.0)
+    assert out[0].seen["others_time"] == pytest.approx(2.0)
+    # a long queue: it helps empty it, so it keeps pulling (30 + 1 tasks take 3 x 1 s ...)
+    assert not _policy().holds(_snap(ws, running, queued=30))
+    # no queue: nothing to hold it from; and without backup copies nothing is held
+    assert not _policy().holds(_snap(ws, running, queued=0))
+    assert not DynamicPolicy(speculation=False).holds(_snap(ws, running, queued=5))
+
+
+def test_only_clear_slowness_holds_a_worker_back():
+    """A latest task 1.5x slower than the others' is noise as often as not: the worker keeps
+    pulling. A task running past its duration bounds the speed from the running task."""
+    ws, running = _slowed_fleet(recent=0.67)
+    assert not _policy().holds(_snap(ws, running, queued=2))
+    ws, running = _slowed_fleet(recent=None)
+    running["w0"] = [_running("k-w0", 4.0)]  # 4 s into a 1 s task: speed <= 0.25
+    assert [d.worker for d in _policy().holds(_snap(ws, running, queued=2))] == ["w0"]
+
+
+def test_a_held_worker_is_released_once_the_queue_is_empty():
+    ws, running = _slowed_fleet()
+    ws[0].status = "paused"
+    kept = _policy().holds(_snap(ws, running, queued=2, held={"w0"}))
+    assert kept == []  # still held: the condition holds
+    out = _policy().holds(_snap(ws, running, queued=0, held={"w0"}))
+    assert [(d.action, d.worker) for d in out] == [("release", "w0")]
+
+
+def test_an_evidently_slowed_worker_receives_no_moved_work():
+    ws, running = _slowed_fleet()
+    policy = _policy()
+    snap = _snap(ws, running)
+    assert policy._slowed_now(snap, "w0") and not policy._slowed_now(snap, "w1")
+    assert all(d.target != "w0" for d in policy.moves(snap, set()))
 
 
 def test_a_task_waiting_behind_the_straggler_does_not_hold_its_copy_back():

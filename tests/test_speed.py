@@ -250,3 +250,22 @@ def test_a_host_side_group_that_ended_does_not_outvote_the_kernel_running_now():
     assert m.speed("quarter") / fast < 0.45
     assert m.speed("half") / fast < 0.8
     assert m.heterogeneous()
+
+
+def test_recent_speed_is_the_latest_warm_task_against_the_group():
+    m = SpeedModel()
+    feed(m, "a", "g", [0.1] * 6)
+    feed(m, "b", "g", [0.1] * 6)
+    m.update()
+    assert m.recent_speed("a") == pytest.approx(1.0)
+    feed(m, "a", "g", [0.5])  # throttled: one task five times the group's
+    m.update()
+    assert m.recent_speed("a") == pytest.approx(0.2, rel=1e-6)
+    assert m.speed("a") > 0.9  # one duration does not move the learned speed
+    assert m.recent_speed("nobody") is None
+    alone = SpeedModel()
+    feed(alone, "a", "g", [0.1] * 4)
+    alone.update()
+    assert alone.recent_speed("a") is None  # nothing to compare with
+    m.reset("a")
+    assert m.recent_speed("a") is None

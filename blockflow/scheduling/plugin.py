@@ -97,6 +97,7 @@ class Rebalancer(SchedulerPlugin):
         self.memory_peak: dict[str, float] = {}  # worker -> device bytes, highest seen
         self.speeds = SpeedModel()
         self.paused: dict[str, str] = {}  # worker -> reason, for pauses this plugin made
+        self.held: dict[str, str] = {}  # worker -> reason: held back from the queue
         self.decisions: deque[dict[str, Any]] = deque(maxlen=self.decision_log_size)
         self.snapshot_workers: dict[str, dict[str, Any]] = {}
         self.ticks = 0
@@ -201,6 +202,7 @@ class Rebalancer(SchedulerPlugin):
         self.snapshot_workers.pop(worker, None)
         self.speeds.forget(worker)
         was_paused = self.paused.pop(worker, None)
+        self.held.pop(worker, None)
         self.log_decision("forget", worker, "worker left the cluster"
                           + (" (it was paused by blockflow)" if was_paused else ""), {})
 
@@ -236,7 +238,8 @@ class Rebalancer(SchedulerPlugin):
     def _views(self):
         return _distributed.worker_views(self.scheduler, speed=self.speeds.speed,
                                          confidence=self.speeds.confidence,
-                                         paused=self.paused)
+                                         paused=self.paused,
+                                         recent_speed=self.speeds.recent_speed)
 
     def take_snapshot(self) -> ClusterSnapshot:
         """The rebalancer's view of the cluster now (speeds updated first); plain data.
@@ -258,7 +261,8 @@ class Rebalancer(SchedulerPlugin):
                                balancing=self._balancing(thieves),
                                running=_distributed.running_tasks(self.scheduler, now),
                                backups={k: b["target"] for k, b in self.backups.items()},
-                               bandwidth=_distributed.bandwidth(self.scheduler))
+                               bandwidth=_distributed.bandwidth(self.scheduler),
+                               held=frozenset(self.held))
 
     #: Ticks in a row without a speed difference before balancing goes back to distributed.
     calm_ticks = 10
@@ -325,6 +329,14 @@ class Rebalancer(SchedulerPlugin):
 
     def _reapply_pauses(self, snap: ClusterSnapshot) -> None:
         # A worker's own status message can flip a scheduler-side pause back to running.
+        for addr in list(self.held):
+            w = snap.workers.get(addr)
+            if w is None:
+                self.held.pop(addr)
+            elif w.status == "running":
+                _distributed.set_worker_status(self.scheduler, addr, True,
+                                               f"blockflow-rehold-{time.time()}")
+                w.status = "paused"
         for addr in list(self.paused):
             w = snap.workers.get(addr)
             if w is None:
@@ -352,6 +364,14 @@ class Rebalancer(SchedulerPlugin):
                 d = Decision("handover", d.worker, f"{d.reason}; stays paused: host memory "
                              f"{hm:.0%} is over the worker's own pause threshold", d.seen)
             else:
+                _distributed.set_worker_status(self.scheduler, d.worker, False, stimulus)
+        elif d.action == "hold":
+            _distributed.set_worker_status(self.scheduler, d.worker, True, stimulus)
+            self.held[d.worker] = d.reason
+        elif d.action == "release":
+            if self.held.pop(d.worker, None) is None:
+                return False
+            if d.worker not in self.paused:
                 _distributed.set_worker_status(self.scheduler, d.worker, False, stimulus)
         elif d.action == "move":
             if d.target not in snap.workers or not _distributed.move_task(
@@ -473,6 +493,7 @@ class Rebalancer(SchedulerPlugin):
             "policies": list(POLICIES),
             "policy_description": _summary(REGISTRY[self.policy_name]),
             "paused": dict(self.paused),
+            "held": dict(self.held),
             "workers": self.snapshot_workers,
             "memory_peak": dict(self.memory_peak),
             "decisions": decisions,

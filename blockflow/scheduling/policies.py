@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import math
+from statistics import median
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -92,6 +93,9 @@ class ClusterSnapshot:
         Task key -> the worker running its backup copy, for copies running now.
     bandwidth : float
         Worker-to-worker bandwidth estimate, bytes per second.
+    held : frozenset of str
+        Workers blockflow holds back from the scheduler's queue (see
+        :meth:`DynamicPolicy.holds`).
     """
 
     time: float
@@ -104,6 +108,7 @@ class ClusterSnapshot:
     running: Mapping[str, Any] = field(default_factory=dict, repr=False)
     backups: Mapping[Any, str] = field(default_factory=dict)
     bandwidth: float = 100e6
+    held: frozenset = frozenset()
 
 
 @dataclass
@@ -288,6 +293,9 @@ class DynamicPolicy(RebalancePolicy):
         pauses = self.pauses(snapshot)
         yield from pauses
         paused_now = {d.worker for d in pauses if d.action == "pause"}
+        holds = self.holds(snapshot, paused_now)
+        yield from holds
+        paused_now |= {d.worker for d in holds if d.action == "hold"}
         moves = self.moves(snapshot, paused_now)
         yield from moves
         # a thread a waiting task moves to this tick is not free for a copy
@@ -389,8 +397,10 @@ class DynamicPolicy(RebalancePolicy):
     def moves(self, snap: ClusterSnapshot, paused_now: set[str]) -> list[Decision]:
         """Moves of waiting tasks, latest projected finish first (see the class notes)."""
         views = snap.workers
+        # a worker evidently slowed right now (see holds) takes no moved work
         thieves = [w for w in views.values()
-                   if w.status == "running" and w.address not in paused_now]
+                   if w.status == "running" and w.address not in paused_now
+                   and not (self.speculation and self._slowed_now(snap, w.address))]
         if not thieves:
             return []
         blocked = {a for a, w in views.items() if w.status != "running" or a in paused_now}
@@ -482,6 +492,96 @@ class DynamicPolicy(RebalancePolicy):
         return out
 
 
+    # --- holding slow workers back from the queue's last tasks ---------------------------
+
+    #: A worker is held back only when it is at least this many times slower than the
+    #: typical worker (learned speed, or the speed its latest task showed).
+    hold_slowdown = 2.0
+
+    def holds(self, snap: ClusterSnapshot, paused_now: set[str] = frozenset()
+              ) -> list[Decision]:
+        """Hold a slow worker back from the scheduler's queue while the others empty it.
+
+        While root tasks are queued, distributed hands the next one to whichever thread
+        frees first, the slowest worker's included: near the end of a stage, a slowed
+        device then pulls a task it needs ``duration / speed`` for, long after the other
+        workers have emptied the queue, and the stage waits for it. A running worker whose
+        pessimistic speed (the lower of its learned speed, when its confidence is at least
+        0.5, and the speed its latest task showed) is below ``1 /`` :attr:`hold_slowdown`
+        (or one of its kernel tasks has run ``duration / elapsed`` times too long: a
+        bound on its speed now) is held (paused on the scheduler: it finishes what it runs
+        and takes nothing new)
+        when its next task would end later than the other workers would finish the queue
+        with that task added: ``duration / speed > (queued + 1) x duration / (their total
+        speed)``. It is released when the queue is empty or the condition no longer holds;
+        its speed is not reset (it ran the same work). With backup copies off, nothing is
+        held. LATE's rule of not launching work on slow nodes (Zaharia et al., OSDI 2008),
+        applied to Dask's queue; a blockflow heuristic.
+        """
+        if not self.speculation:
+            return []
+        views = snap.workers
+        out: list[Decision] = []
+        durations = [t.duration for tasks in snap.running.values() for t in tasks
+                     if t.kernel and t.duration_measured and t.duration > 0]
+        d = median(durations) if durations else None
+        for addr in sorted(snap.held):
+            w = views.get(addr)
+            if w is None:
+                continue
+            keep, seen = self._hold_condition(snap, addr, d, paused_now)
+            if not keep:
+                out.append(Decision("release", addr, "the queue is empty or the others no "
+                                    "longer empty it before this worker's next task would "
+                                    "end", seen))
+        if not snap.queued or d is None:
+            return out
+        for addr, w in views.items():
+            if addr in snap.held or addr in paused_now or w.status != "running":
+                continue
+            hold, seen = self._hold_condition(snap, addr, d, paused_now)
+            if hold:
+                out.append(Decision(
+                    "hold", addr, f"its next task would take {_fmt(seen['own_time'])} here; "
+                    f"the other workers empty the queue of {snap.queued} with it in "
+                    f"{_fmt(seen['others_time'])}", seen))
+        return out
+
+    def _pessimistic_speed(self, snap: ClusterSnapshot, addr: str) -> float:
+        """The lower of the learned speed (when confident), the speed of the latest task and
+        the bound ``duration / elapsed`` of a kernel task overrunning its duration now."""
+        w = snap.workers[addr]
+        speed = w.speed if w.speed_confidence >= 0.5 else 1.0
+        if w.recent_speed is not None:
+            speed = min(speed, w.recent_speed)
+        for t in snap.running.get(addr, ()):
+            if t.kernel and t.duration_measured and t.elapsed > t.duration > 0:
+                speed = min(speed, t.duration / t.elapsed)
+        return speed
+
+    def _slowed_now(self, snap: ClusterSnapshot, addr: str) -> bool:
+        """Whether ``addr`` is evidently :attr:`hold_slowdown` times slower than typical
+        now, by its pessimistic speed."""
+        return self._pessimistic_speed(snap, addr) * self.hold_slowdown <= 1.0
+
+    def _hold_condition(self, snap: ClusterSnapshot, addr: str, d: float | None,
+                        paused_now) -> tuple[bool, dict]:
+        w = snap.workers[addr]
+        speed = self._pessimistic_speed(snap, addr)
+        seen = w.seen()
+        seen.update({"pessimistic_speed": round(speed, 4), "queued": snap.queued})
+        if not snap.queued or d is None or speed * self.hold_slowdown > 1.0:
+            return False, seen
+        others = sum(max(f.speed, 1e-6) * max(f.nthreads, 1) for a, f in snap.workers.items()
+                     if a != addr and f.status == "running" and a not in paused_now
+                     and a not in snap.held and a not in w.device_peers)
+        if others <= 0:
+            return False, seen
+        own = d / max(speed, 1e-6)
+        theirs = (snap.queued + 1) * d / others
+        seen.update({"own_time": round(own, 4), "others_time": round(theirs, 4)})
+        return own > theirs, seen
+
     # --- speculative backup copies ------------------------------------------------------
 
     def backups(self, snap: ClusterSnapshot, paused_now: set[str] = frozenset(),
@@ -489,19 +589,22 @@ class DynamicPolicy(RebalancePolicy):
         """Backup copies of straggling kernel tasks on idle fast workers (LATE-style).
 
         A running blockflow kernel task on worker ``w`` is expected to take ``duration /
-        speed(w)`` seconds (its group's measured duration at speed 1, the worker's learned
-        speed shrunk by its confidence); its estimated time to end is what remains of that,
-        or, once it overran it, as long again as it has run (a heavy-tailed guess: the
-        worker is slower than believed). The tasks with the longest times to end come
-        first; copies start only once the scheduler holds no task back for a free thread
-        (nothing queued), and never on a worker a waiting task moves to in the same tick
+        speed(w)`` seconds (its group's measured duration at speed 1, and the lower of the
+        worker's learned speed, shrunk by its confidence, and the speed its latest task
+        showed: a device that just slowed is judged by what it just did, as LATE judges a
+        task by its own progress); its estimated time to end is what remains of that, or,
+        once it overran it, as long again as it has run (a heavy-tailed guess: the worker
+        is slower than believed). The tasks with the longest times to end come first;
+        copies start only once the scheduler holds no task back for a free thread (nothing
+        queued: while it does, :meth:`holds` keeps a slowed worker from pulling the
+        queue's last tasks), and never on a worker a waiting task moves to in the same tick
         (``taken``: new work before copies, as in LATE). Each task may get one copy, on the
-        idle worker (a free thread, nothing waiting there) that would finish it soonest: its
-        compute there plus sending inputs and result (bytes / bandwidth). A task waiting
-        behind the straggler on its own worker does not hold a copy back: no idle worker
-        would take it (stealing and moves leave tasks where their data is). The copy starts
-        when the time to end exceeds :attr:`backup_ratio` times that, the task has run at least
-        :attr:`backup_min_elapsed` of its group's duration, and fewer than
+        idle worker (a free thread, nothing waiting there) that would finish it soonest:
+        its compute there plus sending inputs and result (bytes / bandwidth). A task
+        waiting behind the straggler on its own worker does not hold a copy back: no idle
+        worker would take it (stealing and moves leave tasks where their data is). The copy
+        starts when the time to end exceeds :attr:`backup_ratio` times that, the task has
+        run at least :attr:`backup_min_elapsed` of its group's duration, and fewer than
         :attr:`backup_slots` of all threads run copies. Knowing nothing (no measured
         duration), nothing is copied. A blockflow heuristic after LATE (Zaharia et al.,
         OSDI 2008) and MapReduce's backup tasks (Dean & Ghemawat, OSDI 2004).
@@ -523,11 +626,12 @@ class DynamicPolicy(RebalancePolicy):
             w = views.get(addr)
             if w is None:
                 continue
+            speed = w.speed if w.recent_speed is None else min(w.speed, w.recent_speed)
             for t in tasks:
                 if not t.kernel or t.key in snap.backups or not t.duration_measured \
                         or t.duration <= 0 or t.elapsed < self.backup_min_elapsed * t.duration:
                     continue
-                expected = t.duration / max(w.speed, 1e-6)
+                expected = t.duration / max(speed, 1e-6)
                 left = expected - t.elapsed if t.elapsed < expected else t.elapsed
                 candidates.append((left, expected, addr, t))
         out: list[Decision] = []

@@ -140,6 +140,7 @@ class SpeedModel:
         self.raw: dict[str, float] = {}  # log speed before shrinkage
         self.dof: dict[str, int] = {}  # degrees of freedom of the spreads behind it
         self.comparable: dict[str, int] = {}
+        self.last: dict[str, tuple[str, float]] = {}  # worker -> (group, log duration), warm
 
     def observe(self, worker: str, group: str, duration: float) -> None:
         """Record that ``worker`` ran a task of ``group`` in ``duration`` seconds. O(1)."""
@@ -173,6 +174,7 @@ class SpeedModel:
             if window is None:
                 window = per_worker[worker] = deque(maxlen=self.window)
             window.append(math.log(duration))
+            self.last[worker] = (group, window[-1])
             if self._changed(window):
                 # the worker changed speed (throttled, a new tenant, freed): judge it on
                 # its recent durations only
@@ -258,6 +260,27 @@ class SpeedModel:
         """Relative speed of ``worker`` (1.0 = the typical worker, and when nothing is known)."""
         return math.exp(self.log_speed.get(worker, 0.0))
 
+    def recent_speed(self, worker: str) -> float | None:
+        """The speed ``worker`` showed on its latest warm task: the group's reference
+        duration (median over workers of their median) over that task's duration, within
+        ``max_ratio``; None when no other worker ran the group.
+
+        One duration, not an estimate: no confidence, never used to move work. Backup
+        copies use it as a pessimistic guess (a worker whose last task took five times the
+        others' is likely to take as long on the task it runs now: a device that slowed
+        stays slow for a while), as LATE judges a task by its own progress.
+        """
+        last = self.last.get(worker)
+        if last is None:
+            return None
+        group, log_d = last
+        per_worker = self.groups.get(group) or {}
+        loc = [median(d) for d in per_worker.values() if d]
+        if len(loc) < 2:
+            return None
+        log_r = max(min(median(loc) - log_d, self.max_log_ratio), -self.max_log_ratio)
+        return math.exp(log_r)
+
     def confidence(self, worker: str) -> float:
         """How much the speed of ``worker`` rests on comparable observations, 0-1."""
         return self.conf.get(worker, 0.0)
@@ -302,6 +325,7 @@ class SpeedModel:
         self.conf.pop(worker, None)
         self.var.pop(worker, None)
         self.comparable.pop(worker, None)
+        self.last.pop(worker, None)
         self.pending = deque((o for o in self.pending if o[0] != worker),
                              maxlen=self.pending.maxlen)
         self._estimate()
