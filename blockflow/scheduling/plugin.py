@@ -149,6 +149,13 @@ class Rebalancer(SchedulerPlugin):
             self._stealing.restore()
         if self.admission is not None and self.scheduler is not None:
             self.admission.release_all(self.scheduler)
+        if self.scheduler is not None:  # nothing stays held back without the plugin
+            for addr in list(self.held):
+                self.held.pop(addr)
+                if addr in _distributed.worker_addresses(self.scheduler) \
+                        and addr not in self.paused:
+                    _distributed.set_worker_status(self.scheduler, addr, False,
+                                                   f"blockflow-close-{time.time()}")
 
     # --- hooks: keep them O(1) -----------------------------------------------------------
 
