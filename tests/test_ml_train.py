@@ -105,11 +105,13 @@ def test_mlp_on_digits_matches_single_process_training(client4, digits):
 
 
 def _slow_by_name(seconds, cpu_seconds, rows):
-    """Worker named i runs at speed (1, 1, 0.5, 0.25)[i]: 0.2 ms of reference work per row
-    at speed 1, so that speeds are measurable beside the real compute's noise."""
+    """Worker named i runs at speed (1, 1, 0.5, 0.25)[i]: 1 ms of reference work per row
+    at speed 1, so that speeds are measurable beside the real compute's noise (in-process
+    workers share one interpreter lock; on a loaded CI machine a pass's own compute varies
+    by milliseconds)."""
     from distributed import get_worker
     speed = (1, 1, 0.5, 0.25)[int(get_worker().name)]
-    time.sleep(rows * 2e-4 / speed)
+    time.sleep(rows * 1e-3 / speed)
 
 
 @pytest.mark.slow
@@ -124,8 +126,10 @@ def test_shares_follow_measured_speed(client4, digits):
     first = {names[a]: r for a, r in trainer.history_[0]["worker_rows"].items()}
     last = {names[a]: r for a, r in trainer.history_[-1]["worker_rows"].items()}
     # nothing is known before the first step: its probe pass (a quarter of the rows, on
-    # equal shards) sets the shares of the rest of that step already
-    assert min(first.get(0, 0), first.get(1, 0)) > first.get(3, 0), first
+    # equal shards) sets the shares of the rest of that step already (equal shares all
+    # through would give the two fast workers 2-2.3x the slowest one's rows, by blocks of
+    # 50 rows; speeds, 8x; measured 3.2-4.4x beside a CPU hog)
+    assert first.get(0, 0) + first.get(1, 0) > 2.5 * first.get(3, 0), first
     assert sum(first.values()) == trainer.history_[0]["samples"]
     assert trainer.shards_.moves > 0
     assert min(rows.get(0, 0), rows.get(1, 0)) > rows.get(2, 0) > rows.get(3, 0), rows

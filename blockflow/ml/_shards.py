@@ -359,7 +359,8 @@ class ResidentShards:
 
     # --- a pass --------------------------------------------------------------------------
 
-    def map_sum(self, func: Callable, rows: Sequence | None = None, args: tuple = ()) -> Any:
+    def map_sum(self, func: Callable, rows: Sequence | None = None, args: tuple = (),
+                *, measure: bool = True) -> Any:
         """``sum over workers of func(blocks, rows, *args)``, each on its own blocks.
 
         Parameters
@@ -373,6 +374,9 @@ class ResidentShards:
             selection are skipped.
         args : tuple
             Further arguments (parameters, a model future, ...).
+        measure : bool, default True
+            Whether the pass's timings count towards the workers' speeds (False for a
+            warm-up pass).
 
         Returns
         -------
@@ -389,6 +393,8 @@ class ResidentShards:
                 self._recover(e.lost)  # recomputing can break the client's stream
                 continue
             self.last_seconds, self.last_rows = out["seconds"], out["rows"]
+            if not measure:
+                return out["value"]
             for a, s in out["seconds"].items():
                 if s > 0.005 and out["rows"].get(a):
                     self._obs[a].append((out["rows"][a], s))

@@ -67,6 +67,18 @@ def _probe_split(rows: list[np.ndarray], fraction: float) -> list[list[np.ndarra
     return [[r[:c] for r, c in zip(rows, cut)], [r[c:] for r, c in zip(rows, cut)]]
 
 
+def _one_row_per_worker(shards, rows: list[np.ndarray]) -> list[np.ndarray]:
+    """The first row of each worker's first block with rows in this step; none elsewhere."""
+    out = [r[:0] for r in rows]
+    seen = set()
+    for j in sorted(shards.placement):
+        a = shards.placement[j]
+        if a not in seen and len(rows[j]):
+            out[j] = rows[j][:1]
+            seen.add(a)
+    return out
+
+
 _CACHE: dict[tuple, Any] = {}
 _CACHE_LOCK = threading.Lock()
 
@@ -153,7 +165,9 @@ class DataParallelTrainer:
         With ``sharding="speed"`` and no speeds known yet (no earlier pass, no blockflow
         scheduler plugin), the first step runs as two passes: this fraction (0-1) of every
         block's rows on equal shards, whose timings set the speed-weighted shares for the
-        rest of the step (the sum of the two passes is the step's gradient). Without it,
+        rest of the step (the sum of the two passes is the step's gradient). A warm-up pass
+        of one row per worker, whose result is dropped, runs before it, so that the probe
+        times warm workers. Without it,
         a whole first step would wait for the slowest worker on an equal shard (a
         blockflow heuristic).
 
@@ -232,6 +246,12 @@ class DataParallelTrainer:
                     passes = [rows]
                     if step == 0 and self.sharding == "speed" and not shards.knows_speeds():
                         passes = _probe_split(rows, self.probe_fraction)
+                        if len(passes) > 1:
+                            # a warm-up pass of one row per worker first (its model copy,
+                            # first allocations, a GPU's context): the probe then times
+                            # warm workers; its result is dropped
+                            shards.map_sum(_shard_gradient, _one_row_per_worker(
+                                shards, rows), args, measure=False)
                     grad, loss, n = 0, 0.0, 0
                     seconds: dict[str, float] = defaultdict(float)
                     worker_rows: dict[str, int] = defaultdict(int)
