@@ -336,22 +336,15 @@ class Rebalancer(SchedulerPlugin):
 
     def _reapply_pauses(self, snap: ClusterSnapshot) -> None:
         # A worker's own status message can flip a scheduler-side pause back to running.
-        for addr in list(self.held):
-            w = snap.workers.get(addr)
-            if w is None:
-                self.held.pop(addr)
-            elif w.status == "running":
-                _distributed.set_worker_status(self.scheduler, addr, True,
-                                               f"blockflow-rehold-{time.time()}")
-                w.status = "paused"
-        for addr in list(self.paused):
-            w = snap.workers.get(addr)
-            if w is None:
-                self.paused.pop(addr)
-            elif w.status == "running":
-                _distributed.set_worker_status(self.scheduler, addr, True,
-                                               f"blockflow-repause-{time.time()}")
-                w.status = "paused"
+        for kept, what in ((self.held, "rehold"), (self.paused, "repause")):
+            for addr in list(kept):
+                w = snap.workers.get(addr)
+                if w is None:
+                    kept.pop(addr)
+                elif w.status == "running":
+                    _distributed.set_worker_status(self.scheduler, addr, True,
+                                                   f"blockflow-{what}-{time.time()}")
+                    w.status = "paused"
 
     def _apply(self, d: Decision, snap: ClusterSnapshot) -> bool:
         w = snap.workers.get(d.worker)
