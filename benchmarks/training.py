@@ -7,15 +7,15 @@ Run: ``python benchmarks/training.py --repeat 3`` (needs ``blockflow[ai]``).
    GLMs against scikit-learn's coefficients on breast_cancer and a flights subset.
 2. Uneven devices: a simulated cluster with speeds 1, 1, 0.5, 0.25 training a small CNN
    on digits (compute-bound steps: weight sharing gives ~60 MFLOP per sample, forward and
-   backward, at 128 channels against 0.23 M parameters). Each gradient task takes ``k x CPU seconds /
-   speed`` on its device (sleep after the real compute, :func:`_stretch`), ``k`` from
-   :func:`device_scale` (2 on a 2-core host: 4 devices of total speed 2.75 would otherwise
-   contend for 2 cores, a limit of the host and not of the sharding). Time to a held-out
-   accuracy target, from the first step (placing the blocks is reported beside it), for
-   speed-weighted shards and for equal shards (synchronous data parallelism as
-   DDP/xgboost.dask shard), on the same cluster; ideal = total reference work / total
-   speed (sum over tasks of device seconds x speed, divided by 2.75), i.e. no overhead and
-   perfect balance.
+   backward, at 128 channels against 0.23 M parameters). Each gradient task takes ``k x
+   CPU seconds / speed`` on its device (sleep after the real compute, :func:`_stretch`),
+   ``k`` from :func:`blockflow.testing.device_scale` (2 on a 2-core host: 4 devices of
+   total speed 2.75 would otherwise contend for 2 cores, a limit of the host and not of
+   the sharding). Time to a held-out accuracy target, from the first step (placing the
+   blocks is reported beside it), for speed-weighted shards and for equal shards
+   (synchronous data parallelism as DDP/xgboost.dask shard), on the same cluster; ideal =
+   total reference work / total speed (sum over tasks of device seconds x speed, divided
+   by 2.75), i.e. no overhead and perfect balance.
 3. Per-step overhead on identical CPU workers: median step wall time on 4 identical workers
    against the same step in one process.
 
@@ -36,19 +36,6 @@ from blockflow._client import workers_info
 SPEEDS = (1, 1, 0.5, 0.25)
 
 
-def device_scale(speeds=SPEEDS) -> float:
-    """Host-core seconds per simulated device-second at speed 1: the smallest whole factor
-    that keeps the simulated devices' real compute within 70 % of this host's cores.
-
-    Four devices of total speed 2.75 on a 2-core host would otherwise fight over the cores
-    whenever they compute at once, and each would run slower than its speed says: a limit
-    of the host, not of the sharding under test."""
-    import math
-    import os
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return float(max(1, math.ceil(sum(speeds) / (0.7 * (cores or 1)))))
-
-
 def _stretch(seconds, cpu_seconds, rows=None, scale=None):
     """block_hook: the task takes ``scale x CPU seconds / speed`` in all on its simulated
     device (CPU seconds, not elapsed: time spent waiting for a shared host core is not
@@ -57,7 +44,8 @@ def _stretch(seconds, cpu_seconds, rows=None, scale=None):
     from blockflow.testing.simulated import get_device
     dev = get_device()
     if dev is not None:
-        scale = device_scale() if scale is None else scale
+        from blockflow.testing import device_scale
+        scale = device_scale(SPEEDS) if scale is None else scale
         time.sleep(max(0.0, scale * cpu_seconds / dev.speed() - seconds))
 
 
@@ -287,7 +275,8 @@ def _uneven_table(args):
     print(f"\n## Uneven devices (speeds {SPEEDS}), time to {args.target:.0%} held-out "
           f"accuracy, medians of {args.repeat}; model {args.model}, Adam lr {args.lr:g}, "
           f"batch 512, blocks of {args.block} rows")
-    print(f"device-seconds per CPU-second: {device_scale():g} (see device_scale); 'train s' "
+    from blockflow.testing import device_scale
+    print(f"device-seconds per CPU-second: {device_scale(SPEEDS):g} (device_scale); 'train s' "
           f"runs from the first step to the target; 'setup s' places the blocks, before it")
     print(f"{'sharding':10s} {'train s':>8s} {'ideal s':>8s} {'train/ideal':>11s} "
           f"{'setup s':>8s} {'steps':>6s} {'step s':>7s}")

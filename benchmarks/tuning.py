@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
-import os
 import statistics
 import sys
 import time
@@ -45,14 +43,6 @@ def units_of_epochs(config, units, checkpoint=None, *, k=10):
     """A trial task of ``units`` budget units, ``k`` digits epochs each."""
     from blockflow.workloads.digits_tuning import train_digits_mlp
     return train_digits_mlp(config, int(round(units * k)), checkpoint)
-
-
-def device_scale(speeds) -> float:
-    """Host-core seconds per simulated device-second at speed 1: the smallest whole factor
-    that keeps the simulated devices' real compute within 70 % of this host's cores (as in
-    ``benchmarks/training.py``)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return float(max(1, math.ceil(sum(speeds) / (0.7 * (cores or 1)))))
 
 
 def _one_thread():
@@ -76,7 +66,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     speeds = tuple(float(s) for s in a.speeds.split(","))
 
-    from blockflow.testing import simulated_cluster, slowed_to_device_speed
+    from blockflow.testing import device_scale, simulated_cluster, slowed_to_device_speed
     from blockflow.tune import sample_configs, tune
     from blockflow.workloads.digits_tuning import SPACE, train_digits_mlp
 

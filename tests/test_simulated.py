@@ -358,3 +358,18 @@ def test_assert_eq_frames():
         assert_eq(df, df.assign(b=df.b + 1))
     with pytest.raises(AssertionError, match="assert_eq: DataFrame vs Series."):
         assert_eq(df, df["a"])
+
+
+def test_device_scale_keeps_simulated_compute_within_the_host_cores():
+    import os
+
+    from blockflow.testing import device_scale
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    k = device_scale([1, 1, 0.5, 0.25])
+    assert k >= 1 and k == int(k)
+    assert 2.75 / k <= 0.7 * cores or k == 1  # within 70 % of the cores
+    assert k == 1 or 2.75 / (k - 1) > 0.7 * cores  # and the smallest such whole factor
+    assert device_scale([0.1]) == 1.0
+    with pytest.raises(ValueError, match="fraction"):
+        device_scale([1], fraction=0)

@@ -202,6 +202,11 @@ def test_settings_are_read_from_the_blockflow_namespace():
                           "blockflow.speculation.max-slots": 0.5}):
         p = DynamicPolicy()
     assert p.speculation is False and p.backup_slots == 0.5
+    with dask.config.set({"blockflow.speculation.hold-slowdown": 4.0}):
+        p = _policy()
+    ws, running = _slowed_fleet(recent=0.3)  # 3.3x slower: held at 2x, not at 4x
+    assert p.hold_slowdown == 4.0 and not p.holds(_snap(ws, running, queued=5))
+    assert _policy().holds(_snap(ws, running, queued=5))
 
 
 # --- on real clusters --------------------------------------------------------------------------

@@ -171,6 +171,7 @@ class ResidentShards:
         # per worker, the latest passes' (rows processed, seconds)
         self._obs: dict[str, deque] = defaultdict(lambda: deque(maxlen=16))
         self._fraction = 1.0  # rows processed per resident row, latest pass
+        self._r0 = 0.0  # overhead_rows(), fitted again when a pass is measured
         self.recoveries: list[dict] = []
         self.moves = 0
         self.placement: dict[int, str] = {}
@@ -212,8 +213,11 @@ class ResidentShards:
         differ by 25 % or more (the first step's probe pass gives that); else 0. Bounded
         by the median rows per pass. Without it, a worker with a small share looks slow
         per row, gets a smaller share still, and the shares collapse onto the fastest
-        worker (a blockflow heuristic).
+        worker (a blockflow heuristic). Fitted once per measured pass.
         """
+        return self._r0
+
+    def _fit_overhead(self) -> float:
         est, sizes = [], []
         for obs in self._obs.values():
             r = np.array([o[0] for o in obs], float)
@@ -398,6 +402,7 @@ class ResidentShards:
             for a, s in out["seconds"].items():
                 if s > 0.005 and out["rows"].get(a):
                     self._obs[a].append((out["rows"][a], s))
+            self._r0 = self._fit_overhead()
             held = self.rows_per_worker()
             resident = sum(held.get(a, 0) for a in out["rows"])
             if resident:
@@ -459,6 +464,7 @@ class ResidentShards:
                                 "blocks": sum(a in lost for a in self.placement.values())})
         for a in lost:
             self._obs.pop(a, None)
+        self._r0 = self._fit_overhead()
         self.rebalance()
 
     def close(self) -> None:

@@ -20,9 +20,9 @@ from __future__ import annotations
 import copy
 import math
 import threading
-from collections import defaultdict
 import time
 import uuid
+from collections import defaultdict
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -167,9 +167,8 @@ class DataParallelTrainer:
         block's rows on equal shards, whose timings set the speed-weighted shares for the
         rest of the step (the sum of the two passes is the step's gradient). A warm-up pass
         of one row per worker, whose result is dropped, runs before it, so that the probe
-        times warm workers. Without it,
-        a whole first step would wait for the slowest worker on an equal shard (a
-        blockflow heuristic).
+        times warm workers. Without it, a whole first step would wait for the slowest
+        worker on an equal shard (a blockflow heuristic).
 
     Raises
     ------

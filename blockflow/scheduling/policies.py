@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import abc
 import math
-from statistics import median
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Any, ClassVar
 
 from dask.utils import parse_timedelta
@@ -211,6 +211,10 @@ class DynamicPolicy(RebalancePolicy):
     backup_min_elapsed : float, optional
         Share 0-1 of its expected duration a task must have run before it may be copied
         (``blockflow.speculation.min-elapsed``).
+    hold_slowdown : float, optional
+        How many times slower than typical (> 1) a worker must evidently be before it is
+        held back from the queue's last tasks (``blockflow.speculation.hold-slowdown``;
+        see :meth:`holds`).
 
     Raises
     ------
@@ -261,12 +265,13 @@ class DynamicPolicy(RebalancePolicy):
 
     def __init__(self, memory_high=None, memory_low=None, hot_high=None, hot_low=None,
                  move_budget=None, min_gain=None, speculation=None, backup_slots=None,
-                 backup_ratio=None, backup_min_elapsed=None):
+                 backup_ratio=None, backup_min_elapsed=None, hold_slowdown=None):
         self.speculation = bool(config.get("speculation.enabled", speculation))
         self.backup_slots = float(config.get("speculation.max-slots", backup_slots))
         self.backup_ratio = float(config.get("speculation.min-ratio", backup_ratio))
         self.backup_min_elapsed = float(config.get("speculation.min-elapsed",
                                                    backup_min_elapsed))
+        self.hold_slowdown = float(config.get("speculation.hold-slowdown", hold_slowdown))
         self.memory_high = float(config.get("rebalancer.memory-high", memory_high))
         self.memory_low = float(config.get("rebalancer.memory-low", memory_low))
         self.hot_high = float(config.get("rebalancer.hot-high", hot_high))
@@ -491,12 +496,7 @@ class DynamicPolicy(RebalancePolicy):
                     del fill[best.address]
         return out
 
-
     # --- holding slow workers back from the queue's last tasks ---------------------------
-
-    #: A worker is held back only when it is at least this many times slower than the
-    #: typical worker (learned speed, or the speed its latest task showed).
-    hold_slowdown = 2.0
 
     def holds(self, snap: ClusterSnapshot, paused_now: set[str] = frozenset()
               ) -> list[Decision]:
@@ -510,9 +510,8 @@ class DynamicPolicy(RebalancePolicy):
         0.5, and the speed its latest task showed) is below ``1 /`` :attr:`hold_slowdown`
         (or one of its kernel tasks has run ``duration / elapsed`` times too long: a
         bound on its speed now) is held (paused on the scheduler: it finishes what it runs
-        and takes nothing new)
-        when its next task would end later than the other workers would finish the queue
-        with that task added: ``duration / speed > (queued + 1) x duration / (their total
+        and takes nothing new) when its next task would end later than the other workers
+        would finish the queue with that task added: ``duration / speed > (queued + 1) x duration / (their total
         speed)``. It is released when the queue is empty or the condition no longer holds;
         its speed is not reset (it ran the same work). With backup copies off, nothing is
         held. LATE's rule of not launching work on slow nodes (Zaharia et al., OSDI 2008),

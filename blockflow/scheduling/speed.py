@@ -141,6 +141,7 @@ class SpeedModel:
         self.dof: dict[str, int] = {}  # degrees of freedom of the spreads behind it
         self.comparable: dict[str, int] = {}
         self.last: dict[str, tuple[str, float]] = {}  # worker -> (group, log duration), warm
+        self.reference: dict[str, float] = {}  # group -> median of its workers' medians
 
     def observe(self, worker: str, group: str, duration: float) -> None:
         """Record that ``worker`` ran a task of ``group`` in ``duration`` seconds. O(1)."""
@@ -201,6 +202,7 @@ class SpeedModel:
 
     def _estimate(self) -> None:
         self.dof = {}
+        self.reference = {}
         num: dict[str, float] = {}
         den: dict[str, float] = {}
         count: dict[str, int] = {}
@@ -212,6 +214,7 @@ class SpeedModel:
             dof = sum(len(per_worker[w]) for w in loc) - len(loc)
             if len(loc) < 2 or dof < 1:
                 continue
+            self.reference[group] = median(loc.values())
             ss = 0.0
             for w in loc:
                 d = per_worker[w]
@@ -263,22 +266,24 @@ class SpeedModel:
     def recent_speed(self, worker: str) -> float | None:
         """The speed ``worker`` showed on its latest warm task: the group's reference
         duration (median over workers of their median) over that task's duration, within
-        ``max_ratio``; None when no other worker ran the group.
+        ``max_ratio``; None until the group is comparable (two workers ran it, one of them
+        more than once).
 
-        One duration, not an estimate: no confidence, never used to move work. Backup
-        copies use it as a pessimistic guess (a worker whose last task took five times the
-        others' is likely to take as long on the task it runs now: a device that slowed
-        stays slow for a while), as LATE judges a task by its own progress.
+        One duration, not an estimate: no confidence. It never raises a worker's speed;
+        the dynamic policy uses it only as a pessimistic guess, to time backup copies, to
+        hold a slowed worker back from the queue's last tasks and to send it no moved work
+        (a worker whose last task took five times the others' is likely to take as long on
+        the task it runs now: a device that slowed stays slow for a while), as LATE judges
+        a task by its own progress. O(1): the group's reference is kept by :meth:`update`.
         """
         last = self.last.get(worker)
         if last is None:
             return None
         group, log_d = last
-        per_worker = self.groups.get(group) or {}
-        loc = [median(d) for d in per_worker.values() if d]
-        if len(loc) < 2:
+        ref = self.reference.get(group)
+        if ref is None:
             return None
-        log_r = max(min(median(loc) - log_d, self.max_log_ratio), -self.max_log_ratio)
+        log_r = max(min(ref - log_d, self.max_log_ratio), -self.max_log_ratio)
         return math.exp(log_r)
 
     def confidence(self, worker: str) -> float:

@@ -54,8 +54,8 @@ from blockflow.metrics import (
 
 __all__ = [
     "PLUGIN_NAME", "SimulatedDevice", "SimulatedDeviceBlock", "SimulatedGPU",
-    "SimulatedOutOfMemoryError", "Tenant", "device_stats", "get_device", "restart_clock",
-    "set_speed", "set_tenant", "simulated_kernel", "slowed_to_device_speed",
+    "SimulatedOutOfMemoryError", "Tenant", "device_scale", "device_stats", "get_device",
+    "restart_clock", "set_speed", "set_tenant", "simulated_kernel", "slowed_to_device_speed",
 ]
 
 #: Name of the worker plugin (for ``client.unregister_worker_plugin``). Production code never
@@ -681,6 +681,42 @@ def simulated_kernel(*blocks: Any, op: Callable | None = None, work: float = 0.0
     finally:
         device._end(token)
     return SimulatedDeviceBlock(result, out_bytes)
+
+
+def device_scale(speeds: Sequence[float], fraction: float = 0.7) -> float:
+    """Host-core seconds per simulated device-second at speed 1, for
+    ``slowed_to_device_speed(..., scale=device_scale(speeds))``.
+
+    The smallest whole factor that keeps the simulated devices' real compute within
+    ``fraction`` of this host's cores: four devices of total speed 2.75 on a 2-core host
+    would otherwise fight over the cores whenever they compute at once, and each would run
+    slower than its speed says (a limit of the host, not of the scheduling under test).
+
+    Parameters
+    ----------
+    speeds : sequence of float
+        The simulated devices' speeds (1.0 = one host core).
+    fraction : float, default 0.7
+        Share 0-1 of the host's cores (``os.sched_getaffinity``) the devices may use.
+
+    Returns
+    -------
+    float
+        A whole number, at least 1 (2 for speeds 1, 1, 0.5, 0.25 on 2 cores).
+
+    Raises
+    ------
+    ValueError
+        If ``fraction`` is not in (0, 1].
+    """
+    import math
+    import os
+
+    if not 0 < fraction <= 1:
+        raise ValueError(f"blockflow: fraction must be in (0, 1], got {fraction!r}.")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count()
+    return float(max(1, math.ceil(sum(speeds) / (fraction * (cores or 1)))))
 
 
 def slowed_to_device_speed(fn: Callable, clock: str = "wall", scale: float = 1.0
