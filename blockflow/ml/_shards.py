@@ -442,10 +442,15 @@ class ResidentShards:
         from asyncio import CancelledError
 
         from distributed import TimeoutError as DTimeout
+        from distributed import wait
         needed = set(self.placement.values())
         while True:
             try:
-                return total.result(timeout=self.poll)
+                # wait, then fetch: Future.result(timeout=...) runs distributed's sync()
+                # with a callback timeout, which can end with neither a result nor an
+                # error (UnboundLocalError) when the timeout races the result's arrival
+                wait(total, timeout=self.poll)
+                return total.result()
             except (DTimeout, TimeoutError):
                 pass
             except CancelledError:  # "lost dependencies": a worker died under the pass
