@@ -141,6 +141,24 @@ def test_a_held_worker_is_released_once_the_queue_is_empty():
     assert [(d.action, d.worker) for d in out] == [("release", "w0")]
 
 
+def test_a_held_worker_stays_held_while_no_kernel_runs_at_a_tick():
+    """Between two short kernels, a tick may find no kernel running on any worker (their
+    input tasks run, or a result is on its way): the held worker must stay held while the
+    queue lasts. It was released at such a tick with 4 of 96 blocks queued, pulled a block
+    it needed 0.63 s for, and the stage waited for it (benchmarks/stragglers.py)."""
+    ws, running = _slowed_fleet()
+    policy = _policy()
+    assert [d.action for d in policy.holds(_snap(ws, running, queued=5))] == ["hold"]
+    ws[0].status = "paused"
+    idle = {a: [] for a in running}  # nothing runs at this tick
+    assert policy.holds(_snap(ws, idle, queued=4, held={"w0"})) == []
+    # the queue is empty: released, and the stage's duration is forgotten
+    out = policy.holds(_snap(ws, idle, queued=0, held={"w0"}))
+    assert [(d.action, d.worker) for d in out] == [("release", "w0")]
+    ws[0].status = "running"
+    assert policy.holds(_snap(ws, idle, queued=4)) == []  # no kernel measured in this stage
+
+
 def test_an_evidently_slowed_worker_receives_no_moved_work():
     ws, running = _slowed_fleet()
     policy = _policy()

@@ -278,6 +278,8 @@ class DynamicPolicy(RebalancePolicy):
         self.hot_low = float(config.get("rebalancer.hot-low", hot_low))
         self.move_budget = int(config.get("rebalancer.move-budget", move_budget))
         self.min_gain = parse_timedelta(config.get("rebalancer.move-min-gain", min_gain))
+        # median duration of the kernels running while root tasks are queued (see holds)
+        self._hold_duration: float | None = None
         # key -> workers the task was moved off (bounded, oldest first out)
         self._moved_off: OrderedDict[Any, set[str]] = OrderedDict()
         for low, high, lv, hv in (("memory_low", "memory_high", self.memory_low,
@@ -523,7 +525,14 @@ class DynamicPolicy(RebalancePolicy):
         out: list[Decision] = []
         durations = [t.duration for tasks in snap.running.values() for t in tasks
                      if t.kernel and t.duration_measured and t.duration > 0]
-        d = median(durations) if durations else None
+        # Between two kernels no worker may run one at a tick (short kernels, or their
+        # input tasks running): the stage's kernel duration is kept while the queue lasts,
+        # or a held worker would be released with the queue still full.
+        if durations:
+            self._hold_duration = median(durations)
+        elif not snap.queued:
+            self._hold_duration = None
+        d = self._hold_duration
         for addr in sorted(snap.held):
             w = views.get(addr)
             if w is None:
