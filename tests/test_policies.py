@@ -465,11 +465,19 @@ def test_working_set_is_found_in_fused_task_specs():
     assert _distributed.task_working_set(Task("x", sum, [1, 2]), "x") is None
 
 
-def test_dynamic_moves_a_task_at_most_once_unless_its_worker_is_paused():
+def test_dynamic_moves_a_task_once_between_busy_workers_and_again_only_to_an_idle_one():
     policy = DynamicPolicy()
     s1 = snap([worker("a", processing=3, executing=1, occupancy=3.0), worker("b"), worker("c")],
               waiting={"a": [task("t")]})
     assert [(d.key, d.target) for d in run(policy, s1)] == [("t", "b")]
-    s2 = snap([worker("a"), worker("b", processing=3, executing=1, occupancy=3.0), worker("c")],
+    busy_c = worker("c", processing=1, executing=1, occupancy=0.5)
+    s2 = snap([worker("a"), worker("b", processing=3, executing=1, occupancy=3.0), busy_c],
               waiting={"b": [task("t")]})
-    assert run(policy, s2) == []  # not on to c either
+    # never back to the worker it was moved off, and not on to a busy one (c would finish
+    # it sooner, but chasing estimates from busy worker to busy worker only churns)
+    assert run(policy, s2) == []
+    # an idle thread it was never moved off: it moves again (a task moved early onto a
+    # worker then believed fast is not stranded there while the others idle)
+    s3 = snap([worker("a"), worker("b", processing=3, executing=1, occupancy=3.0),
+               worker("c")], waiting={"b": [task("t")]})
+    assert [(d.key, d.target) for d in run(policy, s3)] == [("t", "c")]

@@ -275,13 +275,16 @@ class Rebalancer(SchedulerPlugin):
     calm_ticks = 10
 
     def _balancing(self, workers) -> bool:
-        """Start balancing when speeds are known to differ by 1.3x; stop only after
-        :attr:`calm_ticks` ticks in a row without even a 1.15x difference (hysteresis: the
-        estimates wobble as tasks finish, and handing balancing back and forth undoes
-        moves)."""
+        """Start balancing when speeds are known to differ by 1.3x (a two-sided test at
+        0.1 %); stop only after :attr:`calm_ticks` ticks in a row without even a 1.15x
+        difference at 10 % (hysteresis in both the size and the evidence: the estimates
+        wobble as tasks finish, most of all when blocks differ in work and durations spread
+        widely, and handing balancing back and forth undoes moves; once known, a
+        difference is given up only when the evidence for it has become weak, not when it
+        is merely no longer overwhelming)."""
         if self._stealing is None:
             return self.speeds.heterogeneous(workers)
-        if self.speeds.heterogeneous(workers, min_ratio=1.15):
+        if self.speeds.heterogeneous(workers, min_ratio=1.15, z=1.64):
             self._calm = 0
             return True
         self._calm += 1

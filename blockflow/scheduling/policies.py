@@ -245,10 +245,12 @@ class DynamicPolicy(RebalancePolicy):
     :attr:`backup_ratio` times the copy's own (LATE, Zaharia et al. OSDI 2008, with
     blockflow's learned speeds in place of Hadoop's progress scores; see
     :mod:`blockflow._speculation` for how the first result wins).
-    A task moves at most once, unless it sits on a paused worker: projected finishes are
-    estimates that shift after every move, and later ticks would otherwise chase a task from
-    worker to worker (or bounce it between two). A
-    blockflow heuristic.
+    A task moves once between busy workers: projected finishes are estimates that shift
+    after every move, and later ticks would otherwise chase a task from worker to worker (or
+    bounce it between two). It moves again only to a worker with a free thread that it was
+    never moved off (work stealing's rule: an idle thread gains for sure), or off a paused
+    worker: a task moved early, onto a worker then believed fast, is not stranded there
+    while the others idle. A blockflow heuristic.
     """
 
     name = "dynamic"
@@ -420,6 +422,9 @@ class DynamicPolicy(RebalancePolicy):
             target = snap.backups[t.key]
             if target in finish:
                 finish[target] += t.duration / rate[target]
+        # threads with nothing to run, as this tick's moves fill them
+        free = {t.address: t.nthreads - t.processing for t in thieves
+                if t.processing < t.nthreads and t.address not in copying}
         # Free thread slots of idle workers, filled while speeds are not known to differ.
         fill: dict[str, int] | None = None
         if snap.queued:
@@ -430,8 +435,7 @@ class DynamicPolicy(RebalancePolicy):
             # distributed's stealing balances; blockflow only hands measured work to idle
             # workers (stealing does too, but slowly: cold starts)
             victims = list(views.values())
-            fill = {t.address: t.nthreads - t.processing for t in thieves
-                    if t.processing < t.nthreads and t.address not in copying}
+            fill = dict(free)
         candidates: dict[str, Iterator[TaskView]] = {}
         out: list[Decision] = []
         exhausted: set[str] = set()
@@ -449,9 +453,15 @@ class DynamicPolicy(RebalancePolicy):
                 exhausted.add(v.address)
                 continue
             d = task.duration
-            if task.key in self._moved_off and v.address not in blocked:
-                continue  # moved once already: estimates shift, chains of moves only churn
             rescue = v.address in blocked
+            # moved before: estimates shift after every move, and chasing a task from busy
+            # worker to busy worker only churns; it moves again only to a worker with a
+            # free thread that it was never moved off (an idle thread gains for sure)
+            moved_off = None if rescue else self._moved_off.get(task.key)
+            if moved_off is not None and not any(
+                    free.get(t.address, 0) > 0 and t.address not in moved_off
+                    for t in thieves):
+                continue
             if not rescue and fill is not None and not (task.duration_measured and fill):
                 exhausted.add(v.address)  # nothing measured to hand out, or nobody idle
                 continue
@@ -461,6 +471,9 @@ class DynamicPolicy(RebalancePolicy):
                         task.allowed_workers is not None and t.address not in task.allowed_workers):
                     continue
                 if not rescue and fill is not None and t.address not in fill:
+                    continue
+                if moved_off is not None and (free.get(t.address, 0) <= 0
+                                              or t.address in moved_off):
                     continue
                 comm = task.comm_cost.get(t.address, 0.0)
                 share = self.max_transfer_share if fill is None else self.max_fill_transfer_share
@@ -492,6 +505,8 @@ class DynamicPolicy(RebalancePolicy):
             if not math.isinf(finish[v.address]):
                 finish[v.address] -= d / rate[v.address]
             finish[best.address] = best_finish
+            if best.address in free:
+                free[best.address] -= 1
             if fill is not None and best.address in fill:
                 fill[best.address] -= 1
                 if fill[best.address] <= 0:

@@ -295,7 +295,7 @@ class SpeedModel:
         return self.count.get(worker, 0)
 
     def heterogeneous(self, workers=None, *, min_ratio: float = 1.3,
-                      min_confidence: float = 0.5) -> bool:
+                      min_confidence: float = 0.5, z: float = 3.29) -> bool:
         """Whether two workers are known, with confidence, to differ in speed by ``min_ratio``.
 
         Parameters
@@ -304,6 +304,9 @@ class SpeedModel:
             Restrict to these workers (default: all observed).
         min_ratio : float, default 1.3
         min_confidence : float, default 0.5
+        z : float, default 3.29
+            Critical value of the two-sided test of the gap between the fastest and the
+            slowest confident worker (3.29: 0.1 %), widened for few degrees of freedom.
         """
         pool = self.log_speed if workers is None else [w for w in workers if w in self.log_speed]
         known = [w for w in pool if self.conf.get(w, 0.0) >= min_confidence]
@@ -316,7 +319,6 @@ class SpeedModel:
         # 0.1 %, its critical value widened for few degrees of freedom (Student's t by the
         # Cornish-Fisher expansion, z + (z^3 + z) / 4 dof)
         dof = max(min(self.dof.get(fast, 0), self.dof.get(slow, 0)), 1)
-        z = 3.29
         crit = z + (z ** 3 + z) / (4 * dof)
         return gap >= math.log(min_ratio) and gap >= crit * math.sqrt(
             self.var[fast] + self.var[slow])
