@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -226,6 +227,9 @@ def main():
     p.add_argument("--lr", type=float, default=0.01, help="Adam's learning rate (uneven)")
     p.add_argument("--block", type=int, default=12,
                    help="rows per block (uneven): finer blocks give finer speed shares")
+    p.add_argument("--batch", type=int, default=512,
+                   help="samples per step asked (uneven); digits' 1,347 training rows give "
+                        "2 steps of 674 per epoch at 1024, 3 of 449 at 512")
     p.add_argument("--target", type=float, default=0.95)
     p.add_argument("--max-epochs", type=int, default=30)
     p.add_argument("--only", choices=["correctness", "uneven"], default=None)
@@ -270,11 +274,15 @@ def _uneven_table(args):
         uneven(client, "equal", args.model, 0.0, 1)  # warm-up: imports, transfers
         for i in range(args.repeat):
             for sharding in (("speed", "equal") if i % 2 == 0 else ("equal", "speed")):
-                res[sharding].append(uneven(client, sharding, args.model, args.target,
-                                            args.max_epochs, args.lr, block=args.block))
+                r = uneven(client, sharding, args.model, args.target, args.max_epochs,
+                           args.lr, batch=args.batch, block=args.block)
+                res[sharding].append(r)
+                print(f"# rep {i} {sharding:6s} train {r['wall']:.2f} s ideal {r['ideal']:.2f} s "
+                      f"({r['wall'] / r['ideal']:.3f}) steps {r['steps']} setup "
+                      f"{r['setup']:.2f} s", file=sys.stderr)
     print(f"\n## Uneven devices (speeds {SPEEDS}), time to {args.target:.0%} held-out "
           f"accuracy, medians of {args.repeat}; model {args.model}, Adam lr {args.lr:g}, "
-          f"batch 512, blocks of {args.block} rows")
+          f"batch {args.batch}, blocks of {args.block} rows")
     from blockflow.testing import device_scale
     print(f"device-seconds per CPU-second: {device_scale(SPEEDS):g} (device_scale); 'train s' "
           f"runs from the first step to the target; 'setup s' places the blocks, before it")

@@ -138,11 +138,18 @@ def test_shares_follow_measured_speed(client4, digits):
 
 def test_probe_split_covers_every_row_once():
     rows = [np.arange(9), np.arange(3), np.arange(0), np.arange(1)]
+    # one worker with 13 rows: a quarter is 4 (rounded up), a row at a time per block
     probe, rest = _probe_split(rows, 0.25)
-    assert [len(p) for p in probe] == [2, 0, 0, 0]
+    assert [len(p) for p in probe] == [2, 1, 0, 1]
     for r, p, q in zip(rows, probe, rest):
         np.testing.assert_array_equal(np.concatenate([p, q]), r)
-    assert len(_probe_split([np.arange(3)] * 2, 0.25)) == 1  # nothing to probe: one pass
+    # per worker, not per block: 3-row blocks would round a tenth each to nothing
+    blocks = [np.arange(3)] * 8
+    placement = {j: "a" if j < 4 else "b" for j in range(8)}
+    probe, rest = _probe_split(blocks, 0.1, placement)
+    assert [len(p) for p in probe] == [1, 1, 0, 0, 1, 1, 0, 0]  # ceil(0.1 x 12) = 2 each
+    assert sum(map(len, probe)) + sum(map(len, rest)) == 24
+    assert len(_probe_split([np.arange(1)] * 2, 0.25, {0: "a", 1: "b"})) == 1  # all: one pass
     with pytest.raises(ValueError, match="probe_fraction"):
         DataParallelTrainer(mlp(), torch.nn.CrossEntropyLoss(), probe_fraction=1.0)
 
