@@ -459,8 +459,7 @@ class DynamicPolicy(RebalancePolicy):
             # free thread that it was never moved off (an idle thread gains for sure)
             moved_off = None if rescue else self._moved_off.get(task.key)
             if moved_off is not None and not any(
-                    free.get(t.address, 0) > 0 and t.address not in moved_off
-                    for t in thieves):
+                    n > 0 and a not in moved_off for a, n in free.items()):
                 continue
             if not rescue and fill is not None and not (task.duration_measured and fill):
                 exhausted.add(v.address)  # nothing measured to hand out, or nobody idle
