@@ -15,7 +15,9 @@ Run: ``python benchmarks/training.py --repeat 3`` (needs ``blockflow[ai]``).
    blocks is reported beside it), for speed-weighted shards and for equal shards
    (synchronous data parallelism as DDP/xgboost.dask shard), on the same cluster; ideal =
    total reference work / total speed (sum over tasks of device seconds x speed, divided
-   by 2.75), i.e. no overhead and perfect balance.
+   by 2.75), i.e. no overhead and perfect balance. blockflow's scheduler plugin is
+   registered, as ``blockflow.connect()`` does (``--no-plugin``: without it): fits after
+   the first start from the speeds it learned, per row, from earlier work on the cluster.
 3. Per-step overhead on identical CPU workers: median step wall time on 4 identical workers
    against the same step in one process.
 
@@ -230,6 +232,10 @@ def main():
     p.add_argument("--batch", type=int, default=512,
                    help="samples per step asked (uneven); digits' 1,347 training rows give "
                         "2 steps of 674 per epoch at 1024, 3 of 449 at 512")
+    p.add_argument("--no-plugin", action="store_true",
+                   help="uneven: no blockflow scheduler plugin (every fit then probes speeds "
+                        "in its first step; with the plugin, as blockflow.connect() runs, a "
+                        "fit starts from the speeds it learned per row from earlier work)")
     p.add_argument("--target", type=float, default=0.95)
     p.add_argument("--max-epochs", type=int, default=30)
     p.add_argument("--only", choices=["correctness", "uneven"], default=None)
@@ -268,6 +274,9 @@ def _uneven_table(args):
 
     res = {"speed": [], "equal": []}
     with simulated_cluster(speeds=SPEEDS) as client:
+        if not args.no_plugin:  # as blockflow.connect() registers it
+            from blockflow.scheduling import Rebalancer
+            client.register_plugin(Rebalancer(policy="dynamic"))
         # one intra-op thread per worker, as one process per device would have: 4 workers
         # with a thread per core each would fight over the cores
         client.run(_one_thread)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -530,6 +531,24 @@ def shared_devices(views: Mapping[str, WorkerView]) -> dict[str, tuple[str, ...]
 def queued_count(scheduler) -> int:
     """Root tasks the scheduler holds back in its queue (not yet on any worker)."""
     return len(scheduler.queued)
+
+
+#: Task annotation ``dask.annotate(blockflow_work=...)``: the work of a task, in units its
+#: group shares (rows, say), for groups whose tasks differ in size on purpose.
+WORK_ANNOTATION = "blockflow_work"
+
+
+def task_work(scheduler, key) -> float | None:
+    """The work ``key`` declared with ``dask.annotate(blockflow_work=...)`` (a positive
+    number), else None. O(1): called from the scheduler plugin's transition hook."""
+    ts = scheduler.tasks.get(key)
+    annotations = getattr(ts, "annotations", None)
+    if not annotations:
+        return None
+    work = annotations.get(WORK_ANNOTATION)
+    if isinstance(work, (int, float)) and math.isfinite(work) and work > 0:
+        return float(work)
+    return None
 
 
 def _restricted(ts) -> bool:

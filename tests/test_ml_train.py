@@ -136,6 +136,40 @@ def test_shares_follow_measured_speed(client4, digits):
     assert min(last.get(0, 0), last.get(1, 0)) > last.get(3, 0), last
 
 
+@pytest.mark.slow
+def test_the_scheduler_plugin_learns_speeds_per_row_from_training(digits):
+    """Speed-weighted shares make every worker's gradient task last the same, on purpose:
+    the plugin's speed model, comparing seconds per task, learned "identical workers" from
+    training (and handed that to the next fit as its prior). The shard tasks declare their
+    rows (``blockflow_work``), so it compares seconds per row and learns the true order; a
+    second fit then starts on speed-weighted shares."""
+    import blockflow
+    from blockflow.scheduling import Rebalancer
+
+    Xtr, _, ytr, _ = digits
+    X, y = da.from_array(Xtr, chunks=50), da.from_array(ytr, chunks=50)
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        client.register_plugin(Rebalancer(policy="dynamic"))
+        DataParallelTrainer(mlp(), torch.nn.CrossEntropyLoss(), adam, batch_size=256,
+                            epochs=3, client=client, rebalance_every=4,
+                            block_hook=_slow_by_name).fit(X, y)
+        names = {a: int(w["name"]) for a, w in workers_info(client).items()}
+        status = blockflow.plugin_status(client)
+        speed = {names[a]: s for a, s in status["speeds"].items()}
+        conf = {names[a]: c for a, c in status["speed_confidence"].items()}
+        assert min(conf.values()) >= 0.5, conf
+        # true speeds 1, 1, 0.5, 0.25 (per-task durations were equal: speeds near 1 each)
+        assert min(speed[0], speed[1]) > speed[2] > speed[3], speed
+        assert speed[0] > 2 * speed[3], speed
+        second = DataParallelTrainer(mlp(), torch.nn.CrossEntropyLoss(), adam,
+                                     batch_size=256, epochs=1, client=client,
+                                     block_hook=_slow_by_name)
+        second.fit(X, y)
+        first = {names[a]: r for a, r in second.history_[0]["worker_rows"].items()}
+        assert first.get(0, 0) + first.get(1, 0) > 2.5 * first.get(3, 0), first
+
+
 def test_probe_split_covers_every_row_once():
     rows = [np.arange(9), np.arange(3), np.arange(0), np.arange(1)]
     # one worker with 13 rows: a quarter is 4 (rounded up), a row at a time per block

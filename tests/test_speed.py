@@ -305,3 +305,21 @@ def test_balancing_started_is_kept_while_the_evidence_stays_fair():
     plugin.speeds = same
     kept = [plugin._balancing(workers) for _ in range(plugin.calm_ticks)]
     assert all(kept[:-1]) and not kept[-1]
+
+
+def test_declared_work_makes_tasks_of_different_sizes_comparable():
+    """Tasks of one group sized to last the same (speed-weighted shares): per task, the
+    workers look identical; per unit of declared work, the slow one is 4x slower."""
+    per_task, per_row = SpeedModel(), SpeedModel()
+    for w, rows in (("a", 400), ("b", 400), ("slow", 100)):
+        for _ in range(8):
+            per_task.observe(w, "shard", 0.4)
+            per_row.observe(w, "shard", 0.4, rows)
+    per_task.update()
+    per_row.update()
+    assert per_task.speed("slow") == pytest.approx(per_task.speed("a"))
+    assert per_row.speed("slow") < 0.4 * per_row.speed("a")
+    assert per_row.heterogeneous()
+    per_row.observe("a", "shard", 0.001, 100)  # min_duration applies to the task's seconds
+    per_row.observe("a", "shard", 0.4, 0)  # no work: ignored
+    assert len(per_row.pending) == 0

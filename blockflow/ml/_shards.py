@@ -426,8 +426,13 @@ class ResidentShards:
             if rows is None or len(rows[j]):
                 by_worker[self.placement[j]].append(j)
         parts = []
+        r0 = self.overhead_rows()
         for a, js in sorted(by_worker.items()):
-            with dask.annotate(workers=[a], allow_other_workers=False):
+            n = sum(self.block_rows[j] if rows is None else len(rows[j]) for j in js)
+            # the shares differ in rows on purpose (so that they last the same): the
+            # scheduler plugin's speed model compares seconds per row, not per task
+            with dask.annotate(workers=[a], allow_other_workers=False,
+                               blockflow_work=n + r0):
                 parts.append(dask.delayed(_run_shard, pure=False)(
                     func, [self.futures[j] for j in js],
                     [None if rows is None else rows[j] for j in js], args))

@@ -184,7 +184,8 @@ class Rebalancer(SchedulerPlugin):
                     compute += ss["stop"] - ss["start"]
                     self.task_log.append((worker, ss["start"], ss["stop"]))
             if compute > 0:
-                self.speeds.observe(worker, group, compute)
+                work = _distributed.task_work(self.scheduler, key)
+                self.speeds.observe(worker, group, compute, 1.0 if work is None else work)
 
     def update_graph(self, scheduler, *, client=None, keys=None, tasks=None, annotations=None,
                      **kwargs) -> None:

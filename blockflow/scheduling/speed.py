@@ -143,11 +143,17 @@ class SpeedModel:
         self.last: dict[str, tuple[str, float]] = {}  # worker -> (group, log duration), warm
         self.reference: dict[str, float] = {}  # group -> median of its workers' medians
 
-    def observe(self, worker: str, group: str, duration: float) -> None:
-        """Record that ``worker`` ran a task of ``group`` in ``duration`` seconds. O(1)."""
+    def observe(self, worker: str, group: str, duration: float, work: float = 1.0) -> None:
+        """Record that ``worker`` ran a task of ``group`` in ``duration`` seconds. O(1).
+
+        ``work`` (> 0) is the task's size in units its group shares (rows, say), for groups
+        whose tasks differ in size on purpose (speed-weighted training shards, which all
+        last the same by design): the model then compares seconds per unit of work.
+        ``min_duration`` applies to ``duration`` itself.
+        """
         if isinstance(duration, (int, float)) and math.isfinite(duration) \
-                and duration >= self.min_duration:
-            self.pending.append((worker, group, float(duration)))
+                and duration >= self.min_duration and work > 0:
+            self.pending.append((worker, group, float(duration) / work))
 
     def update(self) -> int:
         """Fold the buffered observations in and re-estimate; returns how many were folded."""
