@@ -82,6 +82,22 @@ def test_batch_schedule_takes_every_row_once_per_epoch():
     assert max(sizes) - min(sizes) <= len(rows) and sum(sizes) == sum(rows)
 
 
+@pytest.mark.parametrize("block, n, batch", [(1, 200, 64), (7, 1797, 10), (3, 90, 8)])
+def test_batch_schedule_spreads_blocks_smaller_than_the_steps(block, n, batch):
+    """Blocks of fewer rows than an epoch has steps: every block used to cut at the same
+    points, so most steps got no row and one got them all (chunks of 1 row, batch 64:
+    steps of 0, 0, 0 and 200 rows; fit then failed with an IndexError)."""
+    rows = [block] * (n // block) + ([n % block] if n % block else [])
+    for epoch in range(3):
+        steps = list(batch_schedule(rows, batch, epoch, seed=0))
+        sizes = [sum(len(p) for p in parts) for parts in steps]
+        assert len(sizes) == -(-n // batch) and sum(sizes) == n
+        assert min(sizes) > 0, sizes
+        assert max(sizes) <= 3 * batch, sizes
+        for j, r in enumerate(rows):  # each block's rows once per epoch
+            assert sorted(np.concatenate([parts[j] for parts in steps])) == list(range(r))
+
+
 @pytest.mark.slow
 def test_mlp_on_digits_matches_single_process_training(client4, digits):
     Xtr, Xte, ytr, yte = digits
@@ -184,6 +200,8 @@ def test_probe_split_covers_every_row_once():
     assert [len(p) for p in probe] == [1, 1, 0, 0, 1, 1, 0, 0]  # ceil(0.1 x 12) = 2 each
     assert sum(map(len, probe)) + sum(map(len, rest)) == 24
     assert len(_probe_split([np.arange(1)] * 2, 0.25, {0: "a", 1: "b"})) == 1  # all: one pass
+    # 0.07 x 100 is 7.000000000000001 in floating point: still 7 rows, not 8
+    assert len(_probe_split([np.arange(100)], 0.07)[0][0]) == 7
     with pytest.raises(ValueError, match="probe_fraction"):
         DataParallelTrainer(mlp(), torch.nn.CrossEntropyLoss(), probe_fraction=1.0)
 

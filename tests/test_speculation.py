@@ -157,6 +157,12 @@ def test_a_held_worker_stays_held_while_no_kernel_runs_at_a_tick():
     assert [(d.action, d.worker) for d in out] == [("release", "w0")]
     ws[0].status = "running"
     assert policy.holds(_snap(ws, idle, queued=4)) == []  # no kernel measured in this stage
+    # a new graph: its stage's kernels are measured afresh, even while something is queued
+    assert [d.action for d in policy.holds(_snap(ws, running, queued=5))] == ["hold"]
+    graph = _snap(ws, {})
+    graph.event = "graph"
+    list(policy.run(graph))
+    assert policy.holds(_snap(ws, idle, queued=5)) == []
 
 
 def test_an_evidently_slowed_worker_receives_no_moved_work():

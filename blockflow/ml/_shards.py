@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from collections import defaultdict, deque
 from statistics import median
 from typing import Any, Callable, Sequence
@@ -389,7 +390,7 @@ class ResidentShards:
             :attr:`last_rows`.
         """
         for attempt in range(1000):
-            total = self._submit(func, rows, args)
+            total = self._submit(func, rows, args, measure)
             try:
                 out = self._wait(total)
             except _WorkerLost as e:
@@ -410,7 +411,7 @@ class ResidentShards:
             return out["value"]
         raise RuntimeError("blockflow: workers kept disappearing; check the cluster.")
 
-    def _submit(self, func, rows, args):
+    def _submit(self, func, rows, args, measure: bool = True):
         """The pass as one graph (one message to the scheduler): a task per worker,
         restricted to it, and the fan-in tree of their sums; returns the total's future.
 
@@ -435,7 +436,10 @@ class ResidentShards:
                                blockflow_work=n + r0):
                 parts.append(dask.delayed(_run_shard, pure=False)(
                     func, [self.futures[j] for j in js],
-                    [None if rows is None else rows[j] for j in js], args))
+                    [None if rows is None else rows[j] for j in js], args,
+                    # a warm-up pass (fixed costs, cold) is a group of its own: the speed
+                    # model compares it with nothing
+                    dask_key_name=None if measure else f"blockflow-warmup-{uuid.uuid4().hex}"))
         k = self.split_every or choose_split_every(1 << 20, 1 << 30)
         while len(parts) > 1:  # the fan-in tree: each node sums up to k partial sums
             parts = [parts[i] if len(parts[i:i + k]) == 1 else

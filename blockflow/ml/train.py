@@ -52,10 +52,18 @@ def batch_schedule(block_rows, batch_size: int, epoch: int, seed: int = 0
     """
     n = int(sum(block_rows))
     steps = max(1, math.ceil(n / batch_size))
-    perms = [np.random.default_rng([seed, epoch, j]).permutation(r)
-             for j, r in enumerate(block_rows)]
+    perms, cuts = [], []
+    for j, r in enumerate(block_rows):
+        rng = np.random.default_rng([seed, epoch, j])
+        perms.append(rng.permutation(r))
+        # Row i of block j goes to step floor((i + u_j) steps / n_j), u_j a seeded phase in
+        # [0, 1): each block gives every step its share, give or take a row, and blocks
+        # smaller than the number of steps spread their rows over the epoch (without the
+        # phase they all cut at the same points: most steps got no row and one got all).
+        u = rng.random()
+        cuts.append([min(max(math.ceil(k * r / steps - u), 0), r) for k in range(steps + 1)])
     for k in range(steps):
-        yield [p[(k * len(p)) // steps:((k + 1) * len(p)) // steps] for p in perms]
+        yield [p[c[k]:c[k + 1]] for p, c in zip(perms, cuts)]
 
 
 def _probe_split(rows: list[np.ndarray], fraction: float,
@@ -74,7 +82,7 @@ def _probe_split(rows: list[np.ndarray], fraction: float,
         by_worker.setdefault(None if placement is None else placement.get(j), []).append(j)
     cut = [0] * len(rows)
     for js in by_worker.values():
-        left = math.ceil(fraction * sum(len(rows[j]) for j in js))
+        left = math.ceil(fraction * sum(len(rows[j]) for j in js) - 1e-9)  # 0.07 x 100
         while left > 0:
             took = False
             for j in js:
@@ -263,6 +271,8 @@ class DataParallelTrainer:
             for epoch in range(self.epochs):
                 for rows in batch_schedule(shards.block_rows, self.batch_size, epoch,
                                            self.seed):
+                    if not any(len(r) for r in rows):
+                        continue  # no row in this step (a tiny epoch): nothing to update
                     t0, started = time.perf_counter(), time.time()
                     theta = torch.nn.utils.parameters_to_vector(params).detach().cpu().numpy()
                     args = (model_future, token, theta, self.loss_fn, self.block_hook)

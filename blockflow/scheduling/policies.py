@@ -280,7 +280,8 @@ class DynamicPolicy(RebalancePolicy):
         self.hot_low = float(config.get("rebalancer.hot-low", hot_low))
         self.move_budget = int(config.get("rebalancer.move-budget", move_budget))
         self.min_gain = parse_timedelta(config.get("rebalancer.move-min-gain", min_gain))
-        # median duration of the kernels running while root tasks are queued (see holds)
+        # median duration of the kernels running while root tasks are queued, since the
+        # last graph arrived (see holds)
         self._hold_duration: float | None = None
         # key -> workers the task was moved off (bounded, oldest first out)
         self._moved_off: OrderedDict[Any, set[str]] = OrderedDict()
@@ -297,6 +298,7 @@ class DynamicPolicy(RebalancePolicy):
 
     def run(self, snapshot: ClusterSnapshot) -> Iterator[Decision]:
         if snapshot.event == "graph":
+            self._hold_duration = None  # a new stage's kernels are measured afresh
             yield from self.placements(snapshot)
             return
         pauses = self.pauses(snapshot)
