@@ -110,11 +110,18 @@ def _slowed_fleet(recent=0.2):
 
 def test_a_slowed_worker_is_held_back_when_the_others_empty_the_queue_before_it():
     ws, running = _slowed_fleet()
-    # its next task: 1 s / 0.2 = 5 s; the other three do the 5 queued + that one in 2 s
+    # its running task ends in 1 s / 0.2 - 0.1 s = 4.9 s, its next takes 5 s more; the other
+    # three do the 5 queued + that one in 2 s
     out = _policy().holds(_snap(ws, running, queued=5))
     assert [(d.action, d.worker) for d in out] == [("hold", "w0")]
-    assert out[0].seen["own_time"] == pytest.approx(5.0)
+    assert out[0].seen["own_time"] == pytest.approx(9.9)
     assert out[0].seen["others_time"] == pytest.approx(2.0)
+    # tasks the others hold but have not started count as theirs: with 2 waiting on each,
+    # 5 queued + 1 + 6 take them 4 s
+    busy = [ws[0]] + [_worker(w.address, processing=3) for w in ws[1:]]
+    out = _policy().holds(_snap(busy, running, queued=5))
+    assert out[0].seen["others_time"] == pytest.approx(4.0)
+    assert not _policy().holds(_snap(busy, running, queued=25))  # (25 + 7) / 3 > 9.9
     # a long queue: it helps empty it, so it keeps pulling (30 + 1 tasks take 3 x 1 s ...)
     assert not _policy().holds(_snap(ws, running, queued=30))
     # no queue: nothing to hold it from; and without backup copies nothing is held

@@ -529,8 +529,12 @@ class DynamicPolicy(RebalancePolicy):
         (or one of its kernel tasks has run ``duration / elapsed`` times too long: a
         bound on its speed now) is held (paused on the scheduler: it finishes what it runs
         and takes nothing new) when its next task would end later than the other workers
-        would finish the queue with that task added: ``duration / speed > (queued + 1) x duration / (their total
-        speed)``. It is released when the queue is empty or the condition no longer holds;
+        would finish the queue with that task added: ``busy + duration / speed > (queued + 1 +
+        waiting) x duration / (their total speed)``, ``busy`` what its running kernel has
+        left at that speed, ``waiting`` the tasks the others hold but have not started (with
+        two tasks per thread on each worker, the queue alone undercounts their work: a
+        worker was held two blocks too early, and the others ran one extra block each). It
+        is released when the queue is empty or the condition no longer holds;
         its speed is not reset (it ran the same work). With backup copies off, nothing is
         held. LATE's rule of not launching work on slow nodes (Zaharia et al., OSDI 2008),
         applied to Dask's queue; a blockflow heuristic.
@@ -596,13 +600,20 @@ class DynamicPolicy(RebalancePolicy):
         seen.update({"pessimistic_speed": round(speed, 4), "queued": snap.queued})
         if not snap.queued or d is None or speed * self.hold_slowdown > 1.0:
             return False, seen
-        others = sum(max(f.speed, 1e-6) * max(f.nthreads, 1) for a, f in snap.workers.items()
-                     if a != addr and f.status == "running" and a not in paused_now
-                     and a not in snap.held and a not in w.device_peers)
+        pool = [f for a, f in snap.workers.items()
+                if a != addr and f.status == "running" and a not in paused_now
+                and a not in snap.held and a not in w.device_peers]
+        others = sum(max(f.speed, 1e-6) * max(f.nthreads, 1) for f in pool)
         if others <= 0:
             return False, seen
-        own = d / max(speed, 1e-6)
-        theirs = (snap.queued + 1) * d / others
+        # it takes its next task once its running kernel ends (at its speed now) ...
+        busy = max((max(t.duration / max(speed, 1e-6) - t.elapsed, 0.0)
+                    for t in snap.running.get(addr, ()) if t.kernel and t.duration_measured),
+                   default=0.0)
+        own = busy + d / max(speed, 1e-6)
+        # ... while the others also run the tasks they hold but have not started
+        waiting = sum(max(f.processing - f.executing, 0) for f in pool)
+        theirs = (snap.queued + 1 + waiting) * d / others
         seen.update({"own_time": round(own, 4), "others_time": round(theirs, 4)})
         return own > theirs, seen
 
