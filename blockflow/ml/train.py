@@ -49,6 +49,14 @@ def batch_schedule(block_rows, batch_size: int, epoch: int, seed: int = 0
     ------
     list of numpy.ndarray
         Per block, the local row indices of this step (int64).
+
+    Notes
+    -----
+    Each block's rows are permuted (seeded by ``seed``, ``epoch`` and the block index) and
+    row ``i`` of block ``j`` goes to step ``floor((i + u_j) x steps / n_j)``, ``u_j`` a
+    seeded phase in [0, 1): every block gives every step its share, give or take one row,
+    and blocks with fewer rows than the epoch has steps spread them over its steps instead
+    of all landing on the same ones. Stratified sampling by block; a blockflow heuristic.
     """
     n = int(sum(block_rows))
     steps = max(1, math.ceil(n / batch_size))
@@ -197,9 +205,9 @@ class DataParallelTrainer:
         worker's rows of the step (at least one row each) on equal shards, whose timings set
         the speed-weighted shares for the rest of the step (the sum of the two passes is the
         step's gradient). The probe waits for the slowest worker, so it is kept small: a
-        quarter of the rows cost 0.45 s of a 12 s run on devices of speeds 1 to 0.25. A warm-up pass
-        of one row per worker, whose result is dropped, runs before it, so that the probe
-        times warm workers. Without it, a whole first step would wait for the slowest
+        quarter of the rows cost 0.45 s of a 12 s run on devices of speeds 1 to 0.25. A
+        warm-up pass of one row per worker, whose result is dropped, runs before it, so that
+        the probe times warm workers. Without it, a whole first step would wait for the slowest
         worker on an equal shard (a blockflow heuristic).
 
     Raises

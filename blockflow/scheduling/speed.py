@@ -322,8 +322,8 @@ class SpeedModel:
         slow = min(known, key=self.raw.__getitem__)
         gap = self.raw[fast] - self.raw[slow]
         # as large as asked, and beyond the noise of the two estimates: a two-sided test at
-        # critical value z (3.29: 0.1 %; 1.64: 10 %), widened for few degrees of freedom (Student's t by the
-        # Cornish-Fisher expansion, z + (z^3 + z) / 4 dof)
+        # critical value z (3.29: 0.1 %; 1.64: 10 %), widened for few degrees of freedom
+        # (Student's t by the Cornish-Fisher expansion, z + (z^3 + z) / 4 dof)
         dof = max(min(self.dof.get(fast, 0), self.dof.get(slow, 0)), 1)
         crit = z + (z ** 3 + z) / (4 * dof)
         return gap >= math.log(min_ratio) and gap >= crit * math.sqrt(
