@@ -169,7 +169,8 @@ def glms(client):
     return out
 
 
-def uneven(client, sharding, model_spec, target, max_epochs, lr=0.01, batch=512, block=25):
+def uneven(client, sharding, model_spec, target, max_epochs, lr=0.01, batch=512, block=25,
+           steal=None):
     """Time to ``target`` held-out accuracy from the first step, the held-out evaluations
     excluded (they are the benchmark's instrument, run on the client every third step);
     ``setup`` is the time before the first step (placing the blocks on the workers, once
@@ -199,7 +200,8 @@ def uneven(client, sharding, model_spec, target, max_epochs, lr=0.01, batch=512,
     tr = DataParallelTrainer(model, torch.nn.CrossEntropyLoss(),
                              lambda p: torch.optim.Adam(p, lr=lr), batch_size=batch,
                              epochs=max_epochs, seed=0, client=client, sharding=sharding,
-                             block_hook=_stretch, callback=stop, rebalance_every=5)
+                             block_hook=_stretch, callback=stop, rebalance_every=5,
+                             steal=steal)
     tr.fit(da.from_array(Xtr, chunks=block), da.from_array(ytr, chunks=block))
     first = tr.history_[0]["started"]
     wall = reached.get("t", float("nan")) - first
@@ -208,7 +210,9 @@ def uneven(client, sharding, model_spec, target, max_epochs, lr=0.01, batch=512,
     ideal = work / sum(SPEEDS)
     return {"wall": wall, "setup": first - t_start, "ideal": ideal, "steps": len(tr.history_),
             "step_s": statistics.median(r["seconds"] for r in tr.history_),
-            "rows": sorted(tr.shards_.rows_per_worker().values())}
+            "rows": sorted(tr.shards_.rows_per_worker().values()),
+            "stolen": sum(sum(r.get("worker_stolen", {}).values()) for r in tr.history_)
+            / max(1, sum(r["samples"] for r in tr.history_))}
 
 
 def make_model(spec: str):

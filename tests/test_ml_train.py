@@ -215,6 +215,59 @@ def test_equal_sharding_gives_every_worker_the_same_blocks(client4, digits):
     trainer.fit(da.from_array(Xtr[:n], chunks=50), da.from_array(ytr[:n], chunks=50))
     assert sorted(trainer.shards_.rows_per_worker().values()) == [100] * 4
     assert trainer.shards_.moves == 0
+    # the equal-shard baseline is synchronous: no worker takes a peer's rows
+    assert not any(v for r in trainer.history_ for v in r["worker_stolen"].values())
+
+
+_STRAGGLER = {"name": None}
+
+
+def _straggler(seconds, cpu_seconds, rows):
+    """1 ms of reference work per row; the worker named in ``_STRAGGLER`` takes 8x as long
+    (a co-tenant arrived: its learned speed does not know it yet)."""
+    from distributed import get_worker
+    slow = str(get_worker().name) == str(_STRAGGLER["name"])
+    time.sleep(rows * 1e-3 * (8 if slow else 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("steal", [True, False])
+def test_a_straggler_mid_step_gives_its_rows_to_peers(client4, digits, steal):
+    """Worker 0 slows 8x from step 4 on: with stealing its peers take rows it has not
+    started (so it processes fewer than it holds) and the loss curve is still the
+    single-process one; with ``steal=False`` every worker processes exactly its rows."""
+    Xtr, _, ytr, _ = digits
+    _STRAGGLER["name"] = None
+
+    def slow_from_step_4(trainer, record):
+        if record["step"] == 3:
+            _STRAGGLER["name"] = 0
+        return False
+
+    model, reference = mlp(), mlp()
+    trainer = DataParallelTrainer(model, torch.nn.CrossEntropyLoss(), adam, batch_size=256,
+                                  epochs=2, seed=5, client=client4, block_hook=_straggler,
+                                  callback=slow_from_step_4, rebalance_every=100,
+                                  steal=steal)
+    try:
+        trainer.fit(da.from_array(Xtr, chunks=25), da.from_array(ytr, chunks=25))
+    finally:
+        _STRAGGLER["name"] = None
+    expected = single_process(reference, Xtr, ytr, trainer.shards_.block_rows, 256, 2, 5)
+    np.testing.assert_allclose(trainer.loss_curve(), expected, rtol=1e-5)
+    names = {a: int(w["name"]) for a, w in workers_info(client4).items()}
+    late = trainer.history_[4:]
+    stolen = sum(v for r in late for v in r["worker_stolen"].values())
+    slow_rows = sum(r["worker_rows"].get(a, 0) for r in late for a in r["worker_rows"]
+                    if names[a] == 0)
+    if steal:
+        assert stolen > 0
+        # what worker 0 holds of those steps, against what it processed
+        held = {names[a]: v for a, v in trainer.shards_.rows_per_worker().items()}
+        share = held.get(0, 0) / len(Xtr)
+        assert slow_rows < 0.7 * share * sum(r["samples"] for r in late), (slow_rows, share)
+    else:
+        assert stolen == 0
 
 
 def _worker_pids(client):

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from blockflow import config
 from blockflow._client import workers_info
 
 __all__ = ["ResidentShards", "as_row_blocks"]
@@ -93,13 +94,24 @@ def _pair_copy(pair):
     return pair
 
 
-def _run_shard(func, blocks, rows, args):
-    """On a worker: ``func([(X, y) blocks], [row indices or None], *args)`` timed."""
+def _run_shard(func, blocks, rows, args, steal=None):
+    """On a worker: ``func([(X, y) blocks], [row indices or None], *args)`` timed.
+
+    ``steal``: ``(pass id, peers, chunks, prior seconds per row)`` to run the rows in
+    chunks and then take rows peers have not started (:func:`blockflow.ml._steal.
+    run_stealing`); None: one call."""
     t0 = time.perf_counter()
-    out = func(blocks, rows, *args)
-    return {"value": out, "seconds": {_worker_address(): time.perf_counter() - t0},
-            "rows": {_worker_address(): sum(len(r) if r is not None else len(b[0])
-                                            for b, r in zip(blocks, rows))}}
+    me = _worker_address()
+    if steal is None:
+        out = func(blocks, rows, *args)
+        n, stolen = sum(len(r) if r is not None else len(b[0])
+                        for b, r in zip(blocks, rows)), 0
+        busy = time.perf_counter() - t0
+    else:
+        from blockflow.ml._steal import run_stealing
+        out, n, stolen, busy = run_stealing(func, blocks, rows, args, *steal)
+    # seconds in func: a stealing worker's last requests to its peers are not work
+    return {"value": out, "seconds": {me: busy}, "rows": {me: n}, "stolen": {me: stolen}}
 
 
 def _worker_address() -> str:
@@ -109,18 +121,18 @@ def _worker_address() -> str:
 
 def _add(*parts):
     """Sum the ``value``s (arrays, numbers, tuples of them); merge the timing dicts."""
-    def add(a, b):
-        if isinstance(a, tuple):
-            return tuple(add(x, z) for x, z in zip(a, b))
-        return a + b
-    value = parts[0]["value"]
-    for p in parts[1:]:
-        value = add(value, p["value"])
-    seconds, rows = {}, {}
+    from blockflow.ml._steal import _add as add  # None (a worker left no rows) adds nothing
+
+    value = None
+    for p in parts:
+        if p["value"] is not None:
+            value = add(value, p["value"])
+    seconds, rows, stolen = {}, {}, {}
     for p in parts:
         seconds.update(p["seconds"])
         rows.update(p["rows"])
-    return {"value": value, "seconds": seconds, "rows": rows}
+        stolen.update(p.get("stolen", {}))
+    return {"value": value, "seconds": seconds, "rows": rows, "stolen": stolen}
 
 
 class ResidentShards:
@@ -147,6 +159,10 @@ class ResidentShards:
         more than this fraction (0-1).
     poll : float, default 0.5
         Seconds between checks for lost workers while a pass runs.
+    steal_chunks : int, optional
+        With ``map_sum(..., steal=True)``, a worker's chunks are never smaller than this
+        fraction ``1 / steal_chunks`` of its rows in the pass; default
+        ``blockflow.ml.steal-chunks`` (16).
 
     Raises
     ------
@@ -156,7 +172,7 @@ class ResidentShards:
 
     def __init__(self, client, X, y, *, sharding: str = "speed", memory_fraction: float = 0.5,
                  split_every: int | None = None, rebalance_gain: float = 0.05,
-                 poll: float = 0.5):
+                 poll: float = 0.5, steal_chunks: int | None = None):
         if sharding not in ("speed", "equal"):
             raise ValueError(f"blockflow: sharding must be 'speed' or 'equal', got "
                              f"{sharding!r}.")
@@ -174,6 +190,9 @@ class ResidentShards:
         self._fraction = 1.0  # rows processed per resident row, latest pass
         self._r0 = 0.0  # overhead_rows(), fitted again when a pass is measured
         self.recoveries: list[dict] = []
+        self.steal_chunks = int(config.get("ml.steal-chunks", steal_chunks))
+        self._steal_ready = False
+        self.last_seconds, self.last_rows, self.last_stolen = {}, {}, {}
         self.moves = 0
         self.placement: dict[int, str] = {}
         self.futures: dict[int, Any] = {}
@@ -365,7 +384,7 @@ class ResidentShards:
     # --- a pass --------------------------------------------------------------------------
 
     def map_sum(self, func: Callable, rows: Sequence | None = None, args: tuple = (),
-                *, measure: bool = True) -> Any:
+                *, measure: bool = True, steal: bool = False) -> Any:
         """``sum over workers of func(blocks, rows, *args)``, each on its own blocks.
 
         Parameters
@@ -382,15 +401,23 @@ class ResidentShards:
         measure : bool, default True
             Whether the pass's timings count towards the workers' speeds (False for a
             warm-up pass).
+        steal : bool, default False
+            Work stealing inside the pass (:mod:`blockflow.ml._steal`): each worker runs
+            its rows in shrinking chunks, and a worker done with its own takes rows its
+            peers have not started, so the pass ends when the work does, not when the
+            slowest share does. ``func`` is then called several times per worker (on parts
+            of its blocks, and on stolen rows as one ``(X, y)`` block with rows None) and
+            its results are added; it must be a sum over rows.
 
         Returns
         -------
         object
-            The sum, with the workers' compute seconds in :attr:`last_seconds` and rows in
-            :attr:`last_rows`.
+            The sum, with the workers' compute seconds in :attr:`last_seconds`, rows
+            processed in :attr:`last_rows` and rows they took from peers in
+            :attr:`last_stolen`.
         """
         for attempt in range(1000):
-            total = self._submit(func, rows, args, measure)
+            total = self._submit(func, rows, args, measure, steal)
             try:
                 out = self._wait(total)
             except _WorkerLost as e:
@@ -398,6 +425,7 @@ class ResidentShards:
                 self._recover(e.lost)  # recomputing can break the client's stream
                 continue
             self.last_seconds, self.last_rows = out["seconds"], out["rows"]
+            self.last_stolen = out.get("stolen", {})
             if not measure:
                 return out["value"]
             for a, s in out["seconds"].items():
@@ -411,7 +439,7 @@ class ResidentShards:
             return out["value"]
         raise RuntimeError("blockflow: workers kept disappearing; check the cluster.")
 
-    def _submit(self, func, rows, args, measure: bool = True):
+    def _submit(self, func, rows, args, measure: bool = True, steal: bool = False):
         """The pass as one graph (one message to the scheduler): a task per worker,
         restricted to it, and the fan-in tree of their sums; returns the total's future.
 
@@ -428,6 +456,13 @@ class ResidentShards:
                 by_worker[self.placement[j]].append(j)
         parts = []
         r0 = self.overhead_rows()
+        plan = None
+        if steal and len(by_worker) > 1:
+            self._install_steal()
+            # seconds per row of each worker's latest passes (k_a of the pass model): how
+            # its rows compare with a thief's before its first chunk is timed
+            spr = {a: median(t / (r + r0) for r, t in v) for a, v in self._obs.items() if v}
+            plan = (uuid.uuid4().hex, sorted(by_worker), self.steal_chunks, spr)
         for a, js in sorted(by_worker.items()):
             n = sum(self.block_rows[j] if rows is None else len(rows[j]) for j in js)
             # the shares differ in rows on purpose (so that they last the same): the
@@ -436,7 +471,7 @@ class ResidentShards:
                                blockflow_work=n + r0):
                 parts.append(dask.delayed(_run_shard, pure=False)(
                     func, [self.futures[j] for j in js],
-                    [None if rows is None else rows[j] for j in js], args,
+                    [None if rows is None else rows[j] for j in js], args, plan,
                     # a warm-up pass (fixed costs, cold) is a group of its own: the speed
                     # model compares it with nothing
                     dask_key_name=None if measure else f"blockflow-warmup-{uuid.uuid4().hex}"))
@@ -446,6 +481,15 @@ class ResidentShards:
                      dask.delayed(_add, pure=False)(*parts[i:i + k])
                      for i in range(0, len(parts), k)]
         return self.client.compute(parts[0], optimize_graph=False)
+
+    def _install_steal(self) -> None:
+        """The ``blockflow_steal`` handler on every worker, once per cluster (a worker
+        plugin: workers that join later get it as they start)."""
+        if self._steal_ready:
+            return
+        from blockflow.ml._steal import StealPlugin
+        self.client.register_plugin(StealPlugin(), name=StealPlugin.name)
+        self._steal_ready = True
 
     def _wait(self, total):
         from asyncio import CancelledError

@@ -209,6 +209,14 @@ class DataParallelTrainer:
         warm-up pass of one row per worker, whose result is dropped, runs before it, so that
         the probe times warm workers. Without it, a whole first step would wait for the slowest
         worker on an equal shard (a blockflow heuristic).
+    steal : bool, optional
+        Work stealing inside each step: a worker done with its rows takes rows a peer has
+        not started (worker to worker, the rows' data in the reply), so that a step ends
+        when its work does although a device slowed this step (a co-tenant, clocks, a noisy
+        host: speed-weighted shares balance only what is predicted). The gradient is the
+        same sum over the same rows. Default ``blockflow.ml.steal`` (True) with
+        ``sharding="speed"``; never with ``sharding="equal"`` unless asked (that is the
+        synchronous equal-shard baseline). See :mod:`blockflow.ml._steal`.
 
     Raises
     ------
@@ -220,7 +228,8 @@ class DataParallelTrainer:
     history_ : list of dict
         Per step: ``epoch``, ``step``, ``loss`` (mean over the batch, before the update),
         ``samples``, ``started`` (seconds since the epoch), ``seconds`` (wall),
-        ``worker_seconds`` and ``worker_rows``.
+        ``worker_seconds``, ``worker_rows`` (rows each worker processed, those it took
+        from peers included) and ``worker_stolen`` (rows it took from peers).
     shards_ : ResidentShards
         The placement (``rows_per_worker()``, ``recoveries``, ``moves``).
     """
@@ -230,7 +239,7 @@ class DataParallelTrainer:
                  sharding: str = "speed", client=None, split_every: int | None = None,
                  memory_fraction: float = 0.5, rebalance_every: int = 10,
                  block_hook: Callable | None = None, callback: Callable | None = None,
-                 probe_fraction: float = 0.1):
+                 probe_fraction: float = 0.1, steal: bool | None = None):
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.batch_size, self.epochs, self.seed = batch_size, epochs, seed
         self.sharding, self.client, self.split_every = sharding, client, split_every
@@ -240,6 +249,7 @@ class DataParallelTrainer:
             raise ValueError(f"blockflow: probe_fraction must be between 0 and 1 "
                              f"(exclusive), got {probe_fraction!r}.")
         self.probe_fraction = probe_fraction
+        self.steal = steal
 
     def fit(self, X, y) -> DataParallelTrainer:
         """Train on ``X`` (features, rows chunked) and ``y`` (labels, same rows).
@@ -269,6 +279,9 @@ class DataParallelTrainer:
                              "some before training.")
         opt = (self.optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(params)
         token = uuid.uuid4().hex
+        from blockflow import config
+        steal = (bool(config.get("ml.steal")) and self.sharding == "speed"
+                 if self.steal is None else bool(self.steal))
         [model_future] = client.scatter([self.model], broadcast=True, hash=False)
         self.shards_ = shards = ResidentShards(
             client, X, y, sharding=self.sharding, memory_fraction=self.memory_fraction,
@@ -297,15 +310,19 @@ class DataParallelTrainer:
                     grad, loss, n = 0, 0.0, 0
                     seconds: dict[str, float] = defaultdict(float)
                     worker_rows: dict[str, int] = defaultdict(int)
+                    worker_stolen: dict[str, int] = defaultdict(int)
                     for i, part in enumerate(passes):
                         if i:  # after the probe: shares follow its speeds for the rest
                             shards.rebalance()
-                        g_, l_, n_ = shards.map_sum(_shard_gradient, part, args)
+                        g_, l_, n_ = shards.map_sum(_shard_gradient, part, args,
+                                                    steal=steal)
                         grad, loss, n = grad + g_, loss + l_, n + n_
                         for a, v in shards.last_seconds.items():
                             seconds[a] += v
                         for a, v in shards.last_rows.items():
                             worker_rows[a] += v
+                        for a, v in shards.last_stolen.items():
+                            worker_stolen[a] += v
                     opt.zero_grad()
                     g = torch.as_tensor(grad / n)
                     offset = 0
@@ -316,7 +333,8 @@ class DataParallelTrainer:
                     record = {"epoch": epoch, "step": step, "loss": loss / n, "samples": n,
                               "started": started, "seconds": time.perf_counter() - t0,
                               "worker_seconds": dict(seconds),
-                              "worker_rows": dict(worker_rows)}
+                              "worker_rows": dict(worker_rows),
+                              "worker_stolen": dict(worker_stolen)}
                     self.history_.append(record)
                     step += 1
                     if self.callback is not None and self.callback(self, record):

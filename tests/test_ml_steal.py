@@ -1,0 +1,142 @@
+"""Work stealing inside a pass (blockflow.ml._steal) on real clusters.
+
+A slow worker's rows that it has not started go to idle peers, worker to worker; every row
+is still processed exactly once, so the pass's sum (and a training step's gradient) is
+unchanged. No part of Dask is mocked.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import dask.array as da
+from distributed import Client, LocalCluster, get_worker
+
+from blockflow.ml._shards import ResidentShards
+from blockflow.ml._steal import RowPool, rows_to_give
+
+N = 240
+
+
+def test_rows_to_give_makes_owner_and_thief_finish_together():
+    # 1 s left at 10 ms a row (100 rows), an equal thief: half each
+    assert rows_to_give(1.0, 100, 0.01, 0.01, 0.0) == 50
+    # a thief 10x slower takes fewer rows: both end at ~0.91 s
+    r = rows_to_give(1.0, 100, 0.01, 0.1, 0.0)
+    assert r == 9 and abs((1.0 - 0.01 * r) - 0.1 * r) < 0.11
+    # the round trip counts against the thief
+    assert rows_to_give(1.0, 100, 0.01, 0.01, 0.5) == 25
+    # not one row would end earlier at the thief
+    assert rows_to_give(0.015, 1, 0.01, 0.01, 0.0) == 0
+    assert rows_to_give(0.5, 0, 0.01, 0.01, 0.0) == 0
+    # nothing timed, no prior: an even split; the thief's unknown rate is the owner's
+    assert rows_to_give(float("inf"), 9, None, None, 0.0) == 4
+    assert rows_to_give(1.0, 100, 0.01, None, 0.0) == 50
+    # never more than the rows not started
+    assert rows_to_give(10.0, 7, 0.01, 0.001, 0.0) == 7
+
+
+def test_row_pool_hands_out_every_row_once_under_concurrent_thieves():
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(0, 30, size=40)
+    blocks = [(np.arange(s, dtype=float)[:, None] + 1000 * j, np.zeros(s))
+              for j, s in enumerate(sizes)]
+    rows = [rng.permutation(s)[: rng.integers(0, s + 1)] if s else np.arange(0)
+            for s in sizes]
+    rows[3] = None  # all rows of block 3
+    pool = RowPool(blocks, rows, chunks=16, prior_spr=1e-4)
+    spans, lock = [], threading.Lock()
+
+    def owner():
+        while (span := pool.take_front()) is not None:
+            time.sleep(1e-4 * (span[1] - span[0]))
+            pool.finished(span[1] - span[0], 1e-4 * (span[1] - span[0]))
+            with lock:
+                spans.append(span)
+        pool.close()
+
+    def thief(spr):
+        while True:
+            span = pool.give(spr, 0.0)
+            if span is None:
+                if pool.back <= pool.front:
+                    return
+                time.sleep(1e-4)
+                continue
+            with lock:
+                spans.append(span)
+
+    threads = [threading.Thread(target=owner)] + [
+        threading.Thread(target=thief, args=(s,)) for s in (1e-5, 1e-4, 1e-3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    covered = np.zeros(pool.n, int)
+    for lo, hi in spans:
+        covered[lo:hi] += 1
+    assert (covered == 1).all()
+    assert pool.given > 0
+    # the spans map back to exactly the pass's (block, row) pairs
+    got = sorted((int(x[0]) for lo, hi in spans
+                  for (xb, _), r in zip(*pool.parts(lo, hi)) for x in xb[r]))
+    want = sorted(int(x[0]) for (xb, _), r in zip(blocks, rows)
+                  for x in (xb if r is None else xb[r]))
+    assert got == want
+
+
+def _sum_rows(blocks, rows, slow):
+    """Sum of row values and count; worker named ``slow`` takes 8 ms a row, others 1 ms."""
+    n = sum(len(b[0]) if r is None else len(r) for b, r in zip(blocks, rows))
+    s = sum(float((b[0] if r is None else b[0][r]).sum()) for b, r in zip(blocks, rows))
+    time.sleep(n * (8e-3 if str(get_worker().name) == str(slow) else 1e-3))
+    return np.array([s, n])
+
+
+@pytest.mark.parametrize("processes", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_pass_that_steals_sums_every_row_once(processes):
+    values = np.arange(N, dtype=float) ** 2
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=processes,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        X = da.from_array(values[:, None], chunks=10)
+        y = da.zeros(N, chunks=10)
+        shards = ResidentShards(client, X, y, sharding="equal")
+        slow = next(a for a, w in client.scheduler_info()["workers"].items()
+                    if str(w["name"]) == "2")
+        held = shards.rows_per_worker()
+        assert held[slow] == N // 3
+        for rows in (None, [np.arange(0, 10, 3)] * (N // 10)):
+            total = shards.map_sum(_sum_rows, rows, (2,), steal=True)
+            want = values.reshape(-1, 10)[:, ::3].sum() if rows else values.sum()
+            n = N if rows is None else 4 * (N // 10)
+            np.testing.assert_allclose(total, [want, n])
+            assert sum(shards.last_rows.values()) == n
+            # the 8x slower worker gave rows it had not started to the others
+            assert shards.last_stolen[slow] == 0
+            assert sum(shards.last_stolen.values()) > 0
+            assert shards.last_rows[slow] < 0.6 * n / 3, shards.last_rows
+        # without stealing each worker sums exactly its own rows
+        total = shards.map_sum(_sum_rows, None, (2,))
+        np.testing.assert_allclose(total, [values.sum(), N])
+        assert shards.last_rows[slow] == N // 3
+        assert not any(shards.last_stolen.values())
+        shards.close()
+
+
+def test_a_pass_steals_only_where_a_peer_is_registered():
+    """Without the worker plugin (a pass that does not steal never installs it), a chunked
+    pass still processes every row, on its own worker."""
+    from blockflow.ml._shards import _run_shard
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        blocks = [(np.arange(20.)[:, None], np.zeros(20))]
+        peers = sorted(client.scheduler_info()["workers"])
+        out = client.submit(_run_shard, _sum_rows, blocks, [None], (None,),
+                            ("p", peers, 16, {}), pure=False).result()
+        np.testing.assert_allclose(out["value"], [190.0, 20])
+        assert list(out["stolen"].values()) == [0]
