@@ -12,7 +12,8 @@ Run: ``python benchmarks/training.py --repeat 3`` (needs ``blockflow[ai]``).
    ``k`` from :func:`blockflow.testing.device_scale` (2 on a 2-core host: 4 devices of
    total speed 2.75 would otherwise contend for 2 cores, a limit of the host and not of
    the sharding). Time to a held-out accuracy target, from the first step (placing the
-   blocks is reported beside it), for speed-weighted shards and for equal shards
+   blocks is reported beside it), for speed-weighted shards with work stealing inside a
+   step (the default), the same without stealing, and for equal shards
    (synchronous data parallelism as DDP/xgboost.dask shard), on the same cluster; ideal =
    total reference work / total speed (sum over tasks of device seconds x speed, divided
    by 2.75), i.e. no overhead and perfect balance. blockflow's scheduler plugin is
@@ -240,6 +241,8 @@ def main():
                    help="uneven: no blockflow scheduler plugin (every fit then probes speeds "
                         "in its first step; with the plugin, as blockflow.connect() runs, a "
                         "fit starts from the speeds it learned per row from earlier work)")
+    p.add_argument("--skip-no-steal", action="store_true",
+                   help="uneven: do not also run speed-weighted shards without work stealing")
     p.add_argument("--target", type=float, default=0.95)
     p.add_argument("--max-epochs", type=int, default=30)
     p.add_argument("--only", choices=["correctness", "uneven"], default=None)
@@ -276,7 +279,13 @@ def _one_thread():
 def _uneven_table(args):
     from blockflow.testing import simulated_cluster
 
-    res = {"speed": [], "equal": []}
+    # speed-weighted shards with work stealing inside a step (the default), the same
+    # without stealing, and equal shards (synchronous data parallelism), side by side
+    runs = {"speed": ("speed", None), "speed, no steal": ("speed", False),
+            "equal": ("equal", None)}
+    if args.skip_no_steal:
+        del runs["speed, no steal"]
+    res = {k: [] for k in runs}
     with simulated_cluster(speeds=SPEEDS) as client:
         if not args.no_plugin:  # as blockflow.connect() registers it
             from blockflow.scheduling import Rebalancer
@@ -286,31 +295,46 @@ def _uneven_table(args):
         client.run(_one_thread)
         uneven(client, "equal", args.model, 0.0, 1)  # warm-up: imports, transfers
         for i in range(args.repeat):
-            for sharding in (("speed", "equal") if i % 2 == 0 else ("equal", "speed")):
+            order = list(runs) if i % 2 == 0 else list(runs)[::-1]
+            for name in order:
+                sharding, steal = runs[name]
                 r = uneven(client, sharding, args.model, args.target, args.max_epochs,
-                           args.lr, batch=args.batch, block=args.block)
-                res[sharding].append(r)
-                print(f"# rep {i} {sharding:6s} train {r['wall']:.2f} s ideal {r['ideal']:.2f} s "
+                           args.lr, batch=args.batch, block=args.block, steal=steal)
+                res[name].append(r)
+                print(f"# rep {i} {name:16s} train {r['wall']:.2f} s ideal {r['ideal']:.2f} s "
                       f"({r['wall'] / r['ideal']:.3f}) steps {r['steps']} setup "
-                      f"{r['setup']:.2f} s", file=sys.stderr)
+                      f"{r['setup']:.2f} s stolen {r['stolen']:.1%}", file=sys.stderr)
     print(f"\n## Uneven devices (speeds {SPEEDS}), time to {args.target:.0%} held-out "
           f"accuracy, medians of {args.repeat}; model {args.model}, Adam lr {args.lr:g}, "
           f"batch {args.batch}, blocks of {args.block} rows")
     from blockflow.testing import device_scale
     print(f"device-seconds per CPU-second: {device_scale(SPEEDS):g} (device_scale); 'train s' "
-          f"runs from the first step to the target; 'setup s' places the blocks, before it")
-    print(f"{'sharding':10s} {'train s':>8s} {'ideal s':>8s} {'train/ideal':>11s} "
-          f"{'setup s':>8s} {'steps':>6s} {'step s':>7s}")
+          f"runs from the first step to the target; 'setup s' places the blocks, before it; "
+          f"'ideal s' = the run's own device work / total speed (stealing runs a worker's rows "
+          f"as several kernel calls: more work); 'x no-steal ideal' = train s / the "
+          f"no-steal run's ideal; 'stolen' = rows taken from peers")
+    print(f"{'sharding':16s} {'train s':>8s} {'ideal s':>8s} {'train/ideal':>11s} "
+          f"{'x no-steal ideal':>16s} {'setup s':>8s} {'steps':>6s} {'step s':>7s} "
+          f"{'stolen':>7s}")
+    base = res.get("speed, no steal") or res["speed"]
+    base_ideal = statistics.median(r["ideal"] for r in base)
     for k, rs in res.items():
         wall = statistics.median(r["wall"] for r in rs)
         ideal = statistics.median(r["ideal"] for r in rs)
         setup = statistics.median(r["setup"] for r in rs)
-        print(f"{k:10s} {wall:8.2f} {ideal:8.2f} {wall / ideal:11.2f} {setup:8.2f} "
-              f"{statistics.median(r['steps'] for r in rs):6.0f} "
-              f"{statistics.median(r['step_s'] for r in rs):7.3f}  rows {rs[-1]['rows']}")
+        ratio = statistics.median(r["wall"] / r["ideal"] for r in rs)
+        print(f"{k:16s} {wall:8.2f} {ideal:8.2f} {ratio:11.2f} {wall / base_ideal:16.2f} "
+              f"{setup:8.2f} {statistics.median(r['steps'] for r in rs):6.0f} "
+              f"{statistics.median(r['step_s'] for r in rs):7.3f} "
+              f"{statistics.median(r['stolen'] for r in rs):7.1%}  rows {rs[-1]['rows']}")
+        print(f"{'':16s} per run train/ideal: "
+              + ", ".join(f"{r['wall'] / r['ideal']:.3f}" for r in rs))
     sw = statistics.median(r["wall"] for r in res["speed"])
     ew = statistics.median(r["wall"] for r in res["equal"])
     print(f"equal / speed wall time: {ew / sw:.2f}x")
+    if "speed, no steal" in res:
+        nw = statistics.median(r["wall"] for r in res["speed, no steal"])
+        print(f"speed without / with stealing, wall time: {nw / sw:.2f}x")
 
 
 if __name__ == "__main__":

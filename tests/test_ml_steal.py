@@ -109,16 +109,18 @@ def test_a_pass_that_steals_sums_every_row_once(processes):
                     if str(w["name"]) == "2")
         held = shards.rows_per_worker()
         assert held[slow] == N // 3
-        for rows in (None, [np.arange(0, 10, 3)] * (N // 10)):
+        for i, rows in enumerate((None, None, [np.arange(0, 10, 3)] * (N // 10))):
             total = shards.map_sum(_sum_rows, rows, (2,), steal=True)
             want = values.reshape(-1, 10)[:, ::3].sum() if rows else values.sum()
             n = N if rows is None else 4 * (N // 10)
             np.testing.assert_allclose(total, [want, n])
             assert sum(shards.last_rows.values()) == n
-            # the 8x slower worker gave rows it had not started to the others
+            # the 8x slower worker gave rows it had not started to the others: at first
+            # only its reserve (a fifth), then, having been behind, up to two thirds
             assert shards.last_stolen[slow] == 0
             assert sum(shards.last_stolen.values()) > 0
-            assert shards.last_rows[slow] < 0.6 * n / 3, shards.last_rows
+            assert shards.last_rows[slow] < (0.9 if i == 0 else 0.6) * n / 3, (
+                i, shards.last_rows)
         # without stealing each worker sums exactly its own rows
         total = shards.map_sum(_sum_rows, None, (2,))
         np.testing.assert_allclose(total, [values.sum(), N])
@@ -140,3 +142,29 @@ def test_a_pass_steals_only_where_a_peer_is_registered():
                             ("p", peers, 16, {}), pure=False).result()
         np.testing.assert_allclose(out["value"], [190.0, 20])
         assert list(out["stolen"].values()) == [0]
+
+
+def test_rows_lost_in_a_failed_hand_over_redo_the_pass(monkeypatch):
+    """A peer hands rows over, then its reply fails (here: the rows' data cannot be read):
+    the thief gets nothing, the pass's row count comes up short, and the pass is redone,
+    so the sum is still exact."""
+    from blockflow.ml import _steal
+
+    real, calls = RowPool.data, []
+
+    def fails_once(self, lo, hi):
+        calls.append((lo, hi))
+        if len(calls) == 1:
+            raise OSError("reply lost")
+        return real(self, lo, hi)
+
+    monkeypatch.setattr(_steal.RowPool, "data", fails_once)
+    values = np.arange(N, dtype=float)
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        shards = ResidentShards(client, da.from_array(values[:, None], chunks=10),
+                                da.zeros(N, chunks=10), sharding="equal")
+        total = shards.map_sum(_sum_rows, None, (2,), steal=True)
+        np.testing.assert_allclose(total, [values.sum(), N])
+        assert calls and shards.redone_passes == 1
+        assert sum(shards.last_rows.values()) == N

@@ -163,6 +163,13 @@ class ResidentShards:
         With ``map_sum(..., steal=True)``, a worker's chunks are never smaller than this
         fraction ``1 / steal_chunks`` of its rows in the pass; default
         ``blockflow.ml.steal-chunks`` (16).
+    steal_reserve : float, optional
+        With stealing, the fraction 0-1 of a worker's rows kept out of its first kernel
+        call (only those can go to a peer); default ``blockflow.ml.steal-reserve`` (0.2).
+        A worker that gave a fraction ``g`` of its rows away in the latest pass keeps
+        ``min(2/3, steal_reserve + 2 g)`` in reserve in the next (it was behind: a
+        straggler sheds more each pass until the shares follow its speed; a blockflow
+        heuristic).
 
     Raises
     ------
@@ -172,7 +179,8 @@ class ResidentShards:
 
     def __init__(self, client, X, y, *, sharding: str = "speed", memory_fraction: float = 0.5,
                  split_every: int | None = None, rebalance_gain: float = 0.05,
-                 poll: float = 0.5, steal_chunks: int | None = None):
+                 poll: float = 0.5, steal_chunks: int | None = None,
+                 steal_reserve: float | None = None):
         if sharding not in ("speed", "equal"):
             raise ValueError(f"blockflow: sharding must be 'speed' or 'equal', got "
                              f"{sharding!r}.")
@@ -191,7 +199,10 @@ class ResidentShards:
         self._r0 = 0.0  # overhead_rows(), fitted again when a pass is measured
         self.recoveries: list[dict] = []
         self.steal_chunks = int(config.get("ml.steal-chunks", steal_chunks))
+        self.steal_reserve = float(config.get("ml.steal-reserve", steal_reserve))
         self._steal_ready = False
+        self.redone_passes = 0  # passes redone because rows went missing while stealing
+        self._gave: dict[str, float] = {}  # fraction of its rows each gave, latest pass
         self.last_seconds, self.last_rows, self.last_stolen = {}, {}, {}
         self.moves = 0
         self.placement: dict[int, str] = {}
@@ -416,6 +427,7 @@ class ResidentShards:
             processed in :attr:`last_rows` and rows they took from peers in
             :attr:`last_stolen`.
         """
+        expected = sum(self.block_rows) if rows is None else sum(len(r) for r in rows)
         for attempt in range(1000):
             total = self._submit(func, rows, args, measure, steal)
             try:
@@ -424,8 +436,19 @@ class ResidentShards:
                 del total  # released, not cancelled: cancelling keys the scheduler is
                 self._recover(e.lost)  # recomputing can break the client's stream
                 continue
+            if sum(out["rows"].values()) != expected:
+                # rows handed to a thief whose reply never arrived (a peer lost or timed
+                # out mid-request): the sum misses them, so the pass is redone, without
+                # stealing after two such passes
+                steal = steal and attempt < 1
+                self.redone_passes += 1
+                continue
             self.last_seconds, self.last_rows = out["seconds"], out["rows"]
             self.last_stolen = out.get("stolen", {})
+            if steal:
+                assigned = self._assigned_rows(rows)
+                self._gave = {a: max(0, n - (out["rows"].get(a, 0) - self.last_stolen.get(
+                    a, 0))) / n for a, n in assigned.items() if n}
             if not measure:
                 return out["value"]
             for a, s in out["seconds"].items():
@@ -462,7 +485,11 @@ class ResidentShards:
             # seconds per row of each worker's latest passes (k_a of the pass model): how
             # its rows compare with a thief's before its first chunk is timed
             spr = {a: median(t / (r + r0) for r, t in v) for a, v in self._obs.items() if v}
-            plan = (uuid.uuid4().hex, sorted(by_worker), self.steal_chunks, spr)
+            # a worker that gave rows away in the latest pass was behind: a larger reserve
+            # (up to two thirds) lets its peers take more of its next pass
+            reserve = {a: min(2 / 3, self.steal_reserve + 2 * self._gave.get(a, 0.0))
+                       for a in by_worker}
+            plan = (uuid.uuid4().hex, sorted(by_worker), self.steal_chunks, spr, reserve)
         for a, js in sorted(by_worker.items()):
             n = sum(self.block_rows[j] if rows is None else len(rows[j]) for j in js)
             # the shares differ in rows on purpose (so that they last the same): the
@@ -481,6 +508,13 @@ class ResidentShards:
                      dask.delayed(_add, pure=False)(*parts[i:i + k])
                      for i in range(0, len(parts), k)]
         return self.client.compute(parts[0], optimize_graph=False)
+
+    def _assigned_rows(self, rows) -> dict[str, int]:
+        """Rows of a pass on each worker's own blocks (before any stealing)."""
+        out: dict[str, int] = defaultdict(int)
+        for j, a in self.placement.items():
+            out[a] += self.block_rows[j] if rows is None else len(rows[j])
+        return dict(out)
 
     def _install_steal(self) -> None:
         """The ``blockflow_steal`` handler on every worker, once per cluster (a worker

@@ -3,9 +3,9 @@
 Speed-weighted shares balance what is *predicted*; a step still waits for whichever worker
 the moment slows (a co-tenant's kernel, clocks, a noisy host: on a 2-core host the compute
 time per row of one task varies by 10-20 % from step to step). Inside a pass, each worker's
-task therefore works through its rows in shrinking chunks taken from the front of a
-:class:`RowPool` (guided self-scheduling: a third of what is left, never less than
-``1 / chunks`` of its rows), and a worker that has finished its own rows asks its peers
+task therefore works through its rows in chunks taken from the front of a
+:class:`RowPool` (all but a reserve, a fifth by default, in one kernel call; the reserve in
+halving chunks, never less than ``1 / chunks`` of its rows), and a worker that has finished its own rows asks its peers
 for rows they have not started, taken from the back. The owner of a pool decides under its
 lock how many rows to give: as many as make the thief and the owner finish together, by
 both their measured seconds per row and the round trip (none when handing over would not
@@ -38,11 +38,8 @@ __all__ = ["RowPool", "StealPlugin", "run_stealing"]
 _POOLS: dict[tuple[str, str], RowPool] = {}
 _POOLS_LOCK = threading.Lock()
 HANDLER = "blockflow_steal"
-# The owner's next chunk is 1/GUIDE of its rows left (guided self-scheduling). Measured on
-# the training benchmark (4 simulated devices, speeds 1-0.25): 3 with a floor of 1/16 gave
-# train/ideal 1.11-1.15 in 5 runs against 1.13-1.19 for 2 with 1/8 (4 kernel calls a step
-# instead of 7, but a coarser end), at the same wall time.
-GUIDE = 3
+# Seconds a thief waits for a peer's answer.
+REQUEST_TIMEOUT = 2.0
 
 
 class RowPool:
@@ -61,9 +58,16 @@ class RowPool:
     prior_spr : float, optional
         Seconds per row expected for this worker (from earlier passes), used until its
         first chunk is timed.
+    reserve : float, default 0.2
+        Fraction 0-1 of the rows kept out of the owner's first chunk, then run in halving
+        chunks: only those can go to a thief. Each kernel call costs (a fixed part, a
+        smaller batch, cold caches after another device's turn): guided chunks of a third
+        of what is left (7-9 calls a step) cost 5-15 % more device time per row on the
+        training benchmark, the reserve 4-8 % with 3-4 calls.
     """
 
-    def __init__(self, blocks, rows, chunks: int, prior_spr: float | None = None):
+    def __init__(self, blocks, rows, chunks: int, prior_spr: float | None = None,
+                 reserve: float = 0.2):
         self.blocks = blocks
         sizes, idx = [], []
         for (xb, _), r in zip(blocks, rows):
@@ -75,6 +79,7 @@ class RowPool:
         self.n = len(self.local)
         self.front, self.back = 0, self.n
         self.min_chunk = max(1, math.ceil(self.n / max(1, chunks)))
+        self.reserve = reserve
         self.prior_spr = prior_spr
         self.lock = threading.Lock()
         self.done_rows, self.busy = 0, 0.0  # the owner's finished chunks
@@ -88,7 +93,13 @@ class RowPool:
             if left <= 0:
                 self.flight = None
                 return None
-            c = min(left, max(math.ceil(left / GUIDE), self.min_chunk))
+            if self.front == 0:  # all but the reserve in one kernel call
+                c = max(self.min_chunk, math.floor(self.n * (1 - self.reserve)))
+            else:  # the reserve in halving chunks (guided self-scheduling)
+                c = max(math.ceil(left / 2), self.min_chunk)
+            if left - c < self.min_chunk / 2:
+                c = left  # no remnant smaller than half a chunk
+            c = min(left, c)
             lo = self.front
             self.front += c
             self.flight = (time.perf_counter(), c)
@@ -228,10 +239,12 @@ def _add(a, b):
 
 
 def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[str],
-                 chunks: int, prior_spr: dict[str, float]) -> tuple[Any, int, int]:
+                 chunks: int, prior_spr: dict[str, float],
+                 reserve: dict[str, float] | None = None) -> tuple[Any, int, int, float]:
     """On a worker: ``func`` over its rows in chunks, then over rows stolen from peers.
 
-    Returns ``(sum of func's results or None, rows processed, rows stolen, seconds in
+    ``reserve``: per worker, the fraction of its rows kept out of its first kernel call
+    (see :class:`RowPool`; default 0.2). Returns ``(sum of func's results or None, rows processed, rows stolen, seconds in
     func)``: the last is the worker's busy time, without the requests to its peers.
     """
     from distributed import get_worker
@@ -241,7 +254,7 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
 
     worker = get_worker()
     me = worker.address
-    pool = RowPool(blocks, rows, chunks, prior_spr.get(me))
+    pool = RowPool(blocks, rows, chunks, prior_spr.get(me), (reserve or {}).get(me, 0.2))
     key = (pass_id, me)
     with _POOLS_LOCK:
         _POOLS[key] = pool
@@ -264,10 +277,16 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
     xp = array_module(blocks[0][0]) if blocks else np
     stolen = 0
 
+    # A peer that does not answer within REQUEST_TIMEOUT gives nothing: a lost peer must
+    # not hold this thread for distributed's connect timeout, while the pass it belonged
+    # to is redone behind it.
+    async def ask(p, **msg):
+        return await asyncio.wait_for(worker.rpc(p).blockflow_steal(pass_id=pass_id, **msg),
+                                      REQUEST_TIMEOUT)
+
     async def status():
-        return await asyncio.gather(
-            *(worker.rpc(p).blockflow_steal(pass_id=pass_id, action="status") for p in others),
-            return_exceptions=True)
+        return await asyncio.gather(*(ask(p, action="status") for p in others),
+                                    return_exceptions=True)
 
     while True:
         t0 = time.perf_counter()
@@ -281,9 +300,11 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
         got = None
         for _, p in ranked[::-1]:
             try:
-                reply = sync(worker.loop, worker.rpc(p).blockflow_steal, pass_id=pass_id,
-                             action="claim", spr=spr, overhead=overhead)
-            except Exception:  # the peer went away: it gives nothing
+                reply = sync(worker.loop, ask, p, action="claim", spr=spr,
+                             overhead=overhead)
+            except Exception:  # the peer went away or did not answer: it gives nothing
+                # (rows it handed over in a reply that never arrived are missing from the
+                # pass's row count, and ResidentShards.map_sum redoes the pass)
                 continue
             if reply.get("rows"):
                 got = reply
