@@ -30,7 +30,8 @@ WorkStealing
 ActiveMemoryManagerPolicy
     ``manager.scheduler``; ``Suggestion`` (``"replicate"`` / ``"drop"``).
 Worker
-    ``metrics``, ``data`` (its in-memory part), ``plugins``, ``heartbeat()``,
+    ``metrics``, ``data`` (its in-memory part), ``plugins``, ``handlers``, ``rpc``,
+    ``heartbeat()``,
     ``set_resources()``, ``state.total_resources``.
 Dashboard
     ``distributed.dashboard.scheduler.template_variables`` / ``applications``,
@@ -240,6 +241,8 @@ def check_worker(worker) -> None:
         _fail("Worker.plugins (a dict)")
     if not callable(getattr(worker, "heartbeat", None)):
         _fail("Worker.heartbeat()")
+    if not callable(getattr(worker, "rpc", None)):
+        _fail("Worker.rpc (a connection pool)")
     if not isinstance(getattr(worker, "handlers", None), dict) or not isinstance(
             getattr(worker, "executors", None), dict):
         _fail("Worker.handlers / Worker.executors (dicts)")
@@ -1021,6 +1024,28 @@ def remove_worker_metric(worker, name: str, fn=None) -> None:
 def worker_metric(worker, name: str):
     """The callable reporting metric ``name`` on this worker, or None."""
     return worker.metrics.get(name)
+
+
+def add_worker_handler(worker, name: str, fn: Callable) -> None:
+    """Serve comm requests ``{"op": name, ...}`` on ``worker`` with ``fn(**msg)``
+    (``Worker.handlers``); its return value is the reply."""
+    worker.handlers[name] = fn
+
+
+def remove_worker_handler(worker, name: str) -> None:
+    """Stop serving comm requests ``name`` on ``worker``."""
+    worker.handlers.pop(name, None)
+
+
+def has_worker_handler(worker, name: str) -> bool:
+    """Whether ``worker`` serves comm requests ``name``."""
+    return name in worker.handlers
+
+
+async def call_worker(worker, address: str, name: str, **msg) -> Any:
+    """Send ``{"op": name, **msg}`` from ``worker`` to the worker at ``address`` over the
+    worker's pooled connections (``Worker.rpc``) and return the reply."""
+    return await getattr(worker.rpc(address), name)(**msg)
 
 
 def worker_plugins(worker) -> dict:

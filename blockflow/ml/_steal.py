@@ -224,10 +224,12 @@ class StealPlugin(WorkerPlugin):
     name = "blockflow-steal"
 
     def setup(self, worker) -> None:
-        worker.handlers[HANDLER] = _handler_for(worker)
+        from blockflow._distributed import add_worker_handler
+        add_worker_handler(worker, HANDLER, _handler_for(worker))
 
     def teardown(self, worker) -> None:
-        worker.handlers.pop(HANDLER, None)
+        from blockflow._distributed import remove_worker_handler
+        remove_worker_handler(worker, HANDLER)
 
 
 def _add(a, b):
@@ -250,6 +252,7 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
     from distributed import get_worker
     from distributed.utils import sync
 
+    from blockflow._distributed import call_worker, has_worker_handler
     from blockflow.backends import array_module
 
     worker = get_worker()
@@ -271,7 +274,7 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
             _POOLS.pop(key, None)
     others = [p for p in peers if p != me]
     busy = pool.busy
-    if not others or HANDLER not in worker.handlers:
+    if not others or not has_worker_handler(worker, HANDLER):
         return total, done, 0, busy
     spr = pool.busy / pool.done_rows if pool.done_rows else prior_spr.get(me)
     xp = array_module(blocks[0][0]) if blocks else np
@@ -281,7 +284,7 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
     # not hold this thread for distributed's connect timeout, while the pass it belonged
     # to is redone behind it.
     async def ask(p, **msg):
-        return await asyncio.wait_for(worker.rpc(p).blockflow_steal(pass_id=pass_id, **msg),
+        return await asyncio.wait_for(call_worker(worker, p, HANDLER, pass_id=pass_id, **msg),
                                       REQUEST_TIMEOUT)
 
     async def status():
