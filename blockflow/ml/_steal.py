@@ -39,7 +39,7 @@ _POOLS: dict[tuple[str, str], RowPool] = {}
 _POOLS_LOCK = threading.Lock()
 HANDLER = "blockflow_steal"
 # Seconds a thief waits for a peer's answer.
-REQUEST_TIMEOUT = 2.0
+REQUEST_TIMEOUT = 10.0
 
 
 class RowPool:
