@@ -451,7 +451,13 @@ class _Tuner:
                "fastest_free": r.fastest_free, "submitted": r.submitted}
         output = self.outputs.pop(fut)
         if fut.status == "finished":
-            out = fut.result()
+            out = self._fetch(fut)
+            if out is None:
+                # the result went with its worker before it was fetched: the future is
+                # pending again, pinned to a worker that left; back among the running,
+                # where _refresh runs the trial again elsewhere
+                self.outputs[fut], self.running[fut] = output, r
+                return
             score = out["score"]
             self.results[job.rung][job.trial] = score
             trial.rung, trial.score = job.rung, score
@@ -476,6 +482,24 @@ class _Tuner:
             row.update(score=math.nan, status="failed", worker=r.worker, started=math.nan,
                        finished=trial.finished, duration=math.nan, error=err)
         self.history.append(row)
+
+    @staticmethod
+    def _fetch(fut, timeout: float = 10.0):
+        """A finished trial's result, or None when it was lost before it was fetched.
+
+        ``Future.result()`` blocks while the client re-schedules a result it could not
+        gather (its worker was killed between the task's end and the fetch), and a trial
+        pinned to that worker then never runs again: the tuner hung (seen in CI, a worker
+        SIGKILLed as trials were promoted)."""
+        while True:
+            try:
+                return fut.result(timeout=timeout)
+            except TimeoutError:
+                if fut.status != "finished":
+                    return None
+            except UnboundLocalError:  # distributed's sync() racing its callback timeout
+                if fut.status != "finished":
+                    return None
 
     def _publish(self, force: bool = False) -> None:
         """Running trials for the dashboard page (scheduler metadata; at most 4 a second)."""
