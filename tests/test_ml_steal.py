@@ -109,17 +109,23 @@ def test_a_pass_that_steals_sums_every_row_once(processes):
                     if str(w["name"]) == "2")
         held = shards.rows_per_worker()
         assert held[slow] == N // 3
-        for i, rows in enumerate((None, None, [np.arange(0, 10, 3)] * (N // 10))):
+        subset = [np.arange(0, 10, 3)] * (N // 10)
+        for i, rows in enumerate((None, None, None, subset)):
             total = shards.map_sum(_sum_rows, rows, (2,), steal=True)
             want = values.reshape(-1, 10)[:, ::3].sum() if rows else values.sum()
             n = N if rows is None else 4 * (N // 10)
             np.testing.assert_allclose(total, [want, n])
             assert sum(shards.last_rows.values()) == n
-            # the 20x slower worker gave rows it had not started to the others: at first
-            # only its reserve (a fifth), then, having been behind, up to two thirds
             assert shards.last_stolen[slow] == 0
-            assert sum(shards.last_stolen.values()) > 0
-            assert shards.last_rows[slow] < (0.9 if i == 0 else 0.6) * n / 3, (
+            if i == 0:
+                # nothing is known of any worker's speed yet: the slow one's rate is only
+                # bounded by its first chunk's time so far, and it may give little
+                continue
+            # the 20x slower worker gave rows it had not started to the others: its
+            # reserve (a fifth) once its rate is known, then, having been behind, up to
+            # two thirds
+            assert sum(shards.last_stolen.values()) > 0, (i, shards.last_rows)
+            assert shards.last_rows[slow] < (0.9 if i == 1 else 0.6) * n / 3, (
                 i, shards.last_rows)
         # without stealing each worker sums exactly its own rows
         total = shards.map_sum(_sum_rows, None, (2,))
