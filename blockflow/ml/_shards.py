@@ -97,9 +97,9 @@ def _pair_copy(pair):
 def _run_shard(func, blocks, rows, args, steal=None):
     """On a worker: ``func([(X, y) blocks], [row indices or None], *args)`` timed.
 
-    ``steal``: ``(pass id, peers, chunks, prior seconds per row)`` to run the rows in
-    chunks and then take rows peers have not started (:func:`blockflow.ml._steal.
-    run_stealing`); None: one call."""
+    ``steal``: ``(pass id, peers, chunks, prior seconds per row, reserve)``, the
+    arguments of :func:`blockflow.ml._steal.run_stealing` after ``args``, to run the rows
+    in chunks and then take rows peers have not started; None: one call."""
     t0 = time.perf_counter()
     me = _worker_address()
     if steal is None:
@@ -125,8 +125,7 @@ def _add(*parts):
 
     value = None
     for p in parts:
-        if p["value"] is not None:
-            value = add(value, p["value"])
+        value = add(value, p["value"])
     seconds, rows, stolen = {}, {}, {}
     for p in parts:
         seconds.update(p["seconds"])
@@ -414,7 +413,8 @@ class ResidentShards:
             warm-up pass).
         steal : bool, default False
             Work stealing inside the pass (:mod:`blockflow.ml._steal`): each worker runs
-            its rows in shrinking chunks, and a worker done with its own takes rows its
+            all but a reserve of its rows in one call and the reserve in halving chunks,
+            and a worker done with its own takes rows its
             peers have not started, so the pass ends when the work does, not when the
             slowest share does. ``func`` is then called several times per worker (on parts
             of its blocks, and on stolen rows as one ``(X, y)`` block with rows None) and

@@ -5,8 +5,9 @@ the moment slows (a co-tenant's kernel, clocks, a noisy host: on a 2-core host t
 time per row of one task varies by 10-20 % from step to step). Inside a pass, each worker's
 task therefore works through its rows in chunks taken from the front of a
 :class:`RowPool` (all but a reserve, a fifth by default, in one kernel call; the reserve in
-halving chunks, never less than ``1 / chunks`` of its rows), and a worker that has finished its own rows asks its peers
-for rows they have not started, taken from the back. The owner of a pool decides under its
+halving chunks, never less than ``1 / chunks`` of its rows), and a worker that has
+finished its own rows asks its peers for rows they have not started, taken from the
+back. The owner of a pool decides under its
 lock how many rows to give: as many as make the thief and the owner finish together, by
 both their measured seconds per row and the round trip (none when handing over would not
 finish earlier). Every row of the pass is still processed exactly once, so the sum over
@@ -233,8 +234,11 @@ class StealPlugin(WorkerPlugin):
 
 
 def _add(a, b):
+    """``a + b`` for arrays, numbers and tuples of them; None (no rows) adds nothing."""
     if a is None:
         return b
+    if b is None:
+        return a
     if isinstance(a, tuple):
         return tuple(_add(x, z) for x, z in zip(a, b))
     return a + b
@@ -246,8 +250,9 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
     """On a worker: ``func`` over its rows in chunks, then over rows stolen from peers.
 
     ``reserve``: per worker, the fraction of its rows kept out of its first kernel call
-    (see :class:`RowPool`; default 0.2). Returns ``(sum of func's results or None, rows processed, rows stolen, seconds in
-    func)``: the last is the worker's busy time, without the requests to its peers.
+    (see :class:`RowPool`; default 0.2). Returns ``(sum of func's results or None, rows
+    processed, rows stolen, seconds in func)``: the last is the worker's busy time, without
+    the requests to its peers.
     """
     from distributed import get_worker
     from distributed.utils import sync
