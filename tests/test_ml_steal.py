@@ -17,7 +17,7 @@ import dask.array as da
 from distributed import Client, LocalCluster, get_worker
 
 from blockflow.ml._shards import ResidentShards
-from blockflow.ml._steal import RowPool, rows_to_give
+from blockflow.ml._steal import RowPool, call_cost, rows_to_give
 
 N = 240
 
@@ -38,6 +38,16 @@ def test_rows_to_give_makes_owner_and_thief_finish_together():
     assert rows_to_give(1.0, 100, 0.01, None, 0.0) == 50
     # never more than the rows not started
     assert rows_to_give(10.0, 7, 0.01, 0.001, 0.0) == 7
+
+
+def test_call_cost_is_the_part_of_a_call_that_does_not_shrink_with_its_rows():
+    # every call 30 ms + 2 ms a row
+    calls = [(n, 0.03 + 0.002 * n) for n in (80, 10, 6, 4)]
+    assert call_cost(calls) == pytest.approx(0.03)
+    assert call_cost([(80, 0.19), (20, 0.04)]) == pytest.approx(0.0)  # no fixed part
+    assert call_cost([(80, 0.19)]) is None  # one call: nothing to compare
+    # a small call faster per row than the first (noise) gives 0, not a negative cost
+    assert call_cost([(80, 0.2), (10, 0.01)]) == 0.0
 
 
 def test_row_pool_hands_out_every_row_once_under_concurrent_thieves():
@@ -87,6 +97,57 @@ def test_row_pool_hands_out_every_row_once_under_concurrent_thieves():
     want = sorted(int(x[0]) for (xb, _), r in zip(blocks, rows)
                   for x in (xb if r is None else xb[r]))
     assert got == want
+
+
+def _timed_pool(n, reserve=0.2):
+    blocks = [(np.arange(n, dtype=float)[:, None], np.zeros(n))]
+    pool = RowPool(blocks, [None], chunks=16, prior_spr=0.01, reserve=reserve)
+    lo, hi = pool.take_front()
+    return pool, hi - lo
+
+
+def test_an_owner_on_time_runs_its_reserve_in_one_more_call():
+    pool, first = _timed_pool(100)
+    assert first == 80  # all but the reserve (a fifth)
+    pool.finished(first, 0.8)  # 10 ms a row, as expected
+    # three peers, each with 0.2 s left at 10 ms a row: the rows left (20 + 3 x 20) over
+    # four equal workers end the pass in 0.2 s, when this owner's 20 rows end too
+    pool.set_target([{"left": 0.2, "rows": 20, "spr": 0.01}] * 3)
+    assert pool.target == pytest.approx(time.perf_counter() + 0.2, abs=0.02)
+    lo, hi = pool.take_front()
+    assert hi - lo == 20 and pool.back == pool.front  # one call, nothing left
+
+
+def test_a_late_owner_leaves_its_excess_for_its_peers():
+    pool, first = _timed_pool(100)
+    pool.finished(first, 1.6)  # 20 ms a row: twice as slow as planned
+    # three peers about done (10 ms a row, 10 ms left): balanced, the pass ends in
+    # (20 + 3) rows / (50 + 3 x 100) rows per second = ~66 ms, so this owner runs the 3
+    # rows it can finish by then and leaves the rest at the back for its peers
+    pool.set_target([{"left": 0.01, "rows": 0, "spr": 0.01}] * 3)
+    lo, hi = pool.take_front()
+    assert 1 <= hi - lo <= 7, (lo, hi)
+    assert pool.back - pool.front >= 13
+    span = pool.give(0.01, 0.0)  # a peer takes rows not started, from the back
+    assert span is not None and span[1] == 100
+    # peers without a rate (not started) or done ones without one are left out
+    pool2, _ = _timed_pool(100)
+    pool2.finished(80, 0.8)
+    pool2.set_target([{"left": 0.0, "rows": 0}, {"left": float("inf"), "rows": 9}])
+    assert pool2.target == pytest.approx(time.perf_counter() + 0.2, abs=0.02)
+
+
+def test_past_the_target_or_without_one_the_reserve_halves():
+    pool, first = _timed_pool(160)
+    pool.finished(first, 1.28)
+    lo, hi = pool.take_front()  # no target (no peer asked): half of the 32 rows left
+    assert hi - lo == 16
+    pool.finished(16, 0.16)
+    pool.target = time.perf_counter() - 1.0  # past it
+    lo, hi = pool.take_front()
+    assert hi - lo == 10 and pool.back - pool.front == 6  # half, at least 1/16 of 160
+    lo, hi = pool.take_front()
+    assert hi - lo == 6
 
 
 def _sum_rows(blocks, rows, slow):

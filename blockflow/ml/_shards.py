@@ -9,7 +9,9 @@ every worker an equal shard and a synchronous step waits for the slowest).
 
 A pass (:meth:`ResidentShards.map_sum`) runs one task per worker over its own blocks and sums
 the per-worker results with a fan-in tree of ``split_every`` (as :func:`blockflow.tree_reduce`
-does for collections). If a worker is lost during a pass, its blocks are placed again on the
+does for collections) whose root is the client: it adds the top level's partial sums as each
+arrives, fetched straight from the workers, so only the last one's transfer follows the
+slowest worker. If a worker is lost during a pass, its blocks are placed again on the
 survivors from the source collection and the pass is redone: at most one pass is lost.
 
 Speeds: the prior is the scheduler plugin's learned speed (``blockflow.plugin_status``) when
@@ -25,6 +27,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+import warnings
 from collections import defaultdict, deque
 from statistics import median
 from typing import Any, Callable, Sequence
@@ -106,12 +109,14 @@ def _run_shard(func, blocks, rows, args, steal=None):
         out = func(blocks, rows, *args)
         n, stolen = sum(len(r) if r is not None else len(b[0])
                         for b, r in zip(blocks, rows)), 0
-        busy = time.perf_counter() - t0
+        busy = own = time.perf_counter() - t0
     else:
         from blockflow.ml._steal import run_stealing
-        out, n, stolen, busy = run_stealing(func, blocks, rows, args, *steal)
-    # seconds in func: a stealing worker's last requests to its peers are not work
-    return {"value": out, "seconds": {me: busy}, "rows": {me: n}, "stolen": {me: stolen}}
+        out, n, stolen, busy, own = run_stealing(func, blocks, rows, args, *steal)
+    # seconds in func: a stealing worker's last requests to its peers are not work; "own":
+    # the seconds on its own rows, which its speed is measured on
+    return {"value": out, "seconds": {me: busy}, "rows": {me: n}, "stolen": {me: stolen},
+            "own": {me: own}}
 
 
 def _worker_address() -> str:
@@ -126,12 +131,13 @@ def _add(*parts):
     value = None
     for p in parts:
         value = add(value, p["value"])
-    seconds, rows, stolen = {}, {}, {}
+    seconds, rows, stolen, own = {}, {}, {}, {}
     for p in parts:
         seconds.update(p["seconds"])
         rows.update(p["rows"])
         stolen.update(p.get("stolen", {}))
-    return {"value": value, "seconds": seconds, "rows": rows, "stolen": stolen}
+        own.update(p.get("own", {}))
+    return {"value": value, "seconds": seconds, "rows": rows, "stolen": stolen, "own": own}
 
 
 class ResidentShards:
@@ -202,6 +208,7 @@ class ResidentShards:
         self._steal_ready = False
         self.redone_passes = 0  # passes redone because rows went missing while stealing
         self._gave: dict[str, float] = {}  # fraction of its rows each gave, latest pass
+        self._direct = bool(config.get("ml.direct-gather"))
         self.last_seconds, self.last_rows, self.last_stolen = {}, {}, {}
         self.moves = 0
         self.placement: dict[int, str] = {}
@@ -429,11 +436,11 @@ class ResidentShards:
         """
         expected = sum(self.block_rows) if rows is None else sum(len(r) for r in rows)
         for attempt in range(1000):
-            total = self._submit(func, rows, args, measure, steal)
+            parts = self._submit(func, rows, args, measure, steal)
             try:
-                out = self._wait(total)
+                out = self._wait(parts)
             except _WorkerLost as e:
-                del total  # released, not cancelled: cancelling keys the scheduler is
+                del parts  # released, not cancelled: cancelling keys the scheduler is
                 self._recover(e.lost)  # recomputing can break the client's stream
                 continue
             if sum(out["rows"].values()) != expected:
@@ -451,9 +458,12 @@ class ResidentShards:
                     a, 0))) / n for a, n in assigned.items() if n}
             if not measure:
                 return out["value"]
-            for a, s in out["seconds"].items():
-                if s > 0.005 and out["rows"].get(a):
-                    self._obs[a].append((out["rows"][a], s))
+            for a, s in out["own"].items():
+                # a worker's speed from its own rows: rows it stole came in extra calls,
+                # small and cold, and would make a thief look slower than it is
+                n_own = out["rows"].get(a, 0) - self.last_stolen.get(a, 0)
+                if s > 0.005 and n_own > 0:
+                    self._obs[a].append((n_own, s))
             self._r0 = self._fit_overhead()
             held = self.rows_per_worker()
             resident = sum(held.get(a, 0) for a in out["rows"])
@@ -464,7 +474,9 @@ class ResidentShards:
 
     def _submit(self, func, rows, args, measure: bool = True, steal: bool = False):
         """The pass as one graph (one message to the scheduler): a task per worker,
-        restricted to it, and the fan-in tree of their sums; returns the total's future.
+        restricted to it, and the fan-in tree of their sums up to its top level (at most
+        ``split_every`` partial sums, added on the client by :meth:`_wait`); returns the
+        top level's futures.
 
         One graph rather than a ``client.submit`` per task: the client batches messages
         that follow one another within 10 ms, so the later workers of a pass would start
@@ -502,12 +514,14 @@ class ResidentShards:
                     # a warm-up pass (fixed costs, cold) is a group of its own: the speed
                     # model compares it with nothing
                     dask_key_name=None if measure else f"blockflow-warmup-{uuid.uuid4().hex}"))
-        k = self.split_every or choose_split_every(1 << 20, 1 << 30)
-        while len(parts) > 1:  # the fan-in tree: each node sums up to k partial sums
+        k = max(2, self.split_every or choose_split_every(1 << 20, 1 << 30))
+        while len(parts) > k:  # the fan-in tree on the workers: a node sums up to k parts
             parts = [parts[i] if len(parts[i:i + k]) == 1 else
                      dask.delayed(_add, pure=False)(*parts[i:i + k])
                      for i in range(0, len(parts), k)]
-        return self.client.compute(parts[0], optimize_graph=False)
+        # the tree's root is the client: it adds the top level's (at most k) partial sums
+        # as each arrives, so only the last one's transfer follows the slowest worker
+        return self.client.compute(parts, optimize_graph=False)
 
     def _assigned_rows(self, rows) -> dict[str, int]:
         """Rows of a pass on each worker's own blocks (before any stealing)."""
@@ -525,21 +539,26 @@ class ResidentShards:
         self.client.register_plugin(StealPlugin(), name=StealPlugin.name)
         self._steal_ready = True
 
-    def _wait(self, total):
+    def _wait(self, parts) -> dict:
+        """The sum of the top level's partial sums, each fetched as soon as it is done."""
         from asyncio import CancelledError
 
         from distributed import TimeoutError as DTimeout
         from distributed import wait
         needed = set(self.placement.values())
-        while True:
+        pending, got = list(parts), []
+        while pending:
             try:
                 # wait, then fetch: Future.result(timeout=...) runs distributed's sync()
                 # with a callback timeout, which can end with neither a result nor an
                 # error (UnboundLocalError) when the timeout races the result's arrival
-                wait(total, timeout=self.poll)
-                return total.result()
+                done, _ = wait(pending, timeout=self.poll, return_when="FIRST_COMPLETED")
             except (DTimeout, TimeoutError):
-                pass
+                done = ()
+            try:
+                for f in done:
+                    got.append(self._fetch(f))
+                    pending.remove(f)
             except CancelledError:  # "lost dependencies": a worker died under the pass
                 raise _WorkerLost(needed - set(self._workers()))
             except Exception:
@@ -547,9 +566,31 @@ class ResidentShards:
                 if lost:
                     raise _WorkerLost(lost)
                 raise
+            if done:
+                continue
             lost = needed - set(self._workers())
             if lost:
                 raise _WorkerLost(lost)
+        return _add(*got)
+
+    def _fetch(self, future):
+        """A finished partial sum, straight from its worker where the client can reach
+        the workers (``blockflow.ml.direct-gather``), else through the scheduler."""
+        from distributed.comm.core import CommClosedError
+
+        if self._direct:
+            try:
+                return self.client.gather(future, direct=True)
+            except (OSError, CommClosedError) as e:
+                if future.status != "finished":
+                    raise
+                warnings.warn(f"blockflow: the client cannot fetch results from the "
+                              f"workers directly ({e}); fetching through the scheduler "
+                              f"from now on. Set blockflow.ml.direct-gather: false where "
+                              f"the workers are out of the client's reach.", RuntimeWarning,
+                              stacklevel=3)
+                self._direct = False
+        return self.client.gather(future)
 
     def _recover(self, lost: set[str]) -> None:
         self.recoveries.append({"time": time.time(), "lost": sorted(lost),

@@ -4,14 +4,25 @@ Speed-weighted shares balance what is *predicted*; a step still waits for whiche
 the moment slows (a co-tenant's kernel, clocks, a noisy host: on a 2-core host the compute
 time per row of one task varies by 10-20 % from step to step). Inside a pass, each worker's
 task therefore works through its rows in chunks taken from the front of a
-:class:`RowPool` (all but a reserve, a fifth by default, in one kernel call; the reserve in
-halving chunks, never less than ``1 / chunks`` of its rows), and a worker that has
-finished its own rows asks its peers for rows they have not started, taken from the
-back. The owner of a pool decides under its
-lock how many rows to give: as many as make the thief and the owner finish together, by
-both their measured seconds per row and the round trip (none when handing over would not
-finish earlier). Every row of the pass is still processed exactly once, so the sum over
-workers is unchanged (up to floating-point summation order).
+:class:`RowPool`:
+
+1. all but a reserve (a fifth by default) in one kernel call;
+2. then, from its peers' progress (one status round trip) and its own rate in this pass,
+   the time the pass would end if the rows left were balanced over all workers
+   (:meth:`RowPool.set_target`), and the rows of the reserve it can finish by then in one
+   more call: all of them when it is on time, and when it is late, the rest stays at the
+   back for its peers;
+3. past that time, or with no peer to ask, halving chunks, never less than ``1 / chunks``
+   of its rows.
+
+A worker that has finished its own rows asks its peers for rows they have not started,
+taken from the back. The owner of a pool decides under its lock how many rows to give: as
+many as make the thief and the owner finish together, by both their measured seconds per
+row and the round trip (none when handing over would not finish earlier). Every row of the
+pass is still processed exactly once, so the sum over workers is unchanged (up to
+floating-point summation order). Each kernel call costs device time of its own (a fixed
+part, a smaller batch, caches cold after another device's turn), hence the fewest calls
+that still leave a late worker's excess for its peers.
 
 The request goes worker to worker through a comm handler (``blockflow_steal``, installed by
 :class:`StealPlugin`), with the rows' data in the reply: no scheduler round trip, no task.
@@ -28,12 +39,14 @@ import asyncio
 import math
 import threading
 import time
+from collections import defaultdict, deque
+from statistics import median
 from typing import Any, Callable
 
 import numpy as np
 from distributed.diagnostics.plugin import WorkerPlugin
 
-__all__ = ["RowPool", "StealPlugin", "run_stealing"]
+__all__ = ["RowPool", "StealPlugin", "call_cost", "run_stealing"]
 
 # (pass id, worker address) -> the pool of that worker's task in that pass
 _POOLS: dict[tuple[str, str], RowPool] = {}
@@ -41,6 +54,28 @@ _POOLS_LOCK = threading.Lock()
 HANDLER = "blockflow_steal"
 # Seconds a thief waits for a peer's answer.
 REQUEST_TIMEOUT = 10.0
+# worker address -> the latest passes' estimates of its fixed seconds per kernel call
+_CALL_COST: dict[str, deque] = defaultdict(lambda: deque(maxlen=16))
+
+
+def call_cost(calls: list[tuple[int, float]]) -> float | None:
+    """A worker's fixed seconds per kernel call, from one pass's calls.
+
+    ``calls``: ``(rows, seconds)`` of each call, the first (all but the reserve) the
+    largest. With every call taking ``c + s x rows``, the first call against the others
+    gives ``c = (T n1 - t1 N) / (k n1 - N)`` (``n1, t1`` the first; ``k`` calls of ``N`` rows
+    in ``T`` seconds the others), at least 0; None with one call. The cost is the part of a
+    call that does not shrink with its rows: a fixed part, a small batch's lower
+    efficiency, caches cold after the device's idle time. A blockflow heuristic.
+    """
+    if len(calls) < 2:
+        return None
+    (n1, t1), rest = calls[0], calls[1:]
+    k, rows, secs = len(rest), sum(n for n, _ in rest), sum(t for _, t in rest)
+    denom = k * n1 - rows
+    if n1 <= 0 or denom <= 0:
+        return None
+    return min(max(0.0, (secs * n1 - t1 * rows) / denom), t1)
 
 
 class RowPool:
@@ -60,16 +95,22 @@ class RowPool:
         Seconds per row expected for this worker (from earlier passes), used until its
         first chunk is timed.
     reserve : float, default 0.2
-        Fraction 0-1 of the rows kept out of the owner's first chunk, then run in halving
-        chunks: only those can go to a thief. Each kernel call costs (a fixed part, a
-        smaller batch, cold caches after another device's turn): guided chunks of a third
-        of what is left (7-9 calls a step) cost 5-15 % more device time per row on the
-        training benchmark, the reserve 4-8 % with 3-4 calls.
+        Fraction 0-1 of the rows kept out of the owner's first chunk: only those can go to
+        a thief. The reserve runs as one more call when the owner is on time for the
+        pass's balanced end (:meth:`set_target`), else in chunks up to that end and
+        halving ones after it. Each kernel call costs device time (a fixed part, a smaller
+        batch, cold caches after another device's turn): halving chunks from the start of
+        the reserve (3-4 calls a pass) cost 4-8 % more device time per row on the
+        training benchmark than one call.
+    fixed : float, default 0.0
+        The owner's seconds per kernel call that do not shrink with its rows
+        (:func:`call_cost`), counted in its expected time left (each call still to run).
     """
 
     def __init__(self, blocks, rows, chunks: int, prior_spr: float | None = None,
-                 reserve: float = 0.2):
+                 reserve: float = 0.2, fixed: float = 0.0):
         self.blocks = blocks
+        self.fixed = fixed  # seconds per kernel call that do not shrink with its rows
         sizes, idx = [], []
         for (xb, _), r in zip(blocks, rows):
             r = np.arange(len(xb)) if r is None else np.asarray(r)
@@ -86,6 +127,7 @@ class RowPool:
         self.done_rows, self.busy = 0, 0.0  # the owner's finished chunks
         self.flight: tuple[float, int] | None = None  # (start, rows) of the chunk running
         self.given = 0
+        self.target: float | None = None  # perf_counter time the pass should end (balanced)
 
     def take_front(self) -> tuple[int, int] | None:
         """The owner's next chunk as a span ``(lo, hi)`` of the pool, or None when empty."""
@@ -94,8 +136,16 @@ class RowPool:
             if left <= 0:
                 self.flight = None
                 return None
+            now = time.perf_counter()
+            spr = self.busy / self.done_rows if self.done_rows else None
             if self.front == 0:  # all but the reserve in one kernel call
                 c = max(self.min_chunk, math.floor(self.n * (1 - self.reserve)))
+            elif self.target is not None and spr and now < self.target:
+                # the rows it can finish by the pass's balanced end, at its rate in this
+                # pass: all of them when on time (one more call), else the rest is left
+                # at the back for the peers that will be idle by then
+                c = max(self.min_chunk,
+                        math.floor((self.target - now - self.fixed) / spr))
             else:  # the reserve in halving chunks (guided self-scheduling)
                 c = max(math.ceil(left / 2), self.min_chunk)
             if left - c < self.min_chunk / 2:
@@ -103,7 +153,7 @@ class RowPool:
             c = min(left, c)
             lo = self.front
             self.front += c
-            self.flight = (time.perf_counter(), c)
+            self.flight = (now, c)
             return lo, self.front
 
     def finished(self, rows: int, seconds: float) -> None:
@@ -112,6 +162,29 @@ class RowPool:
             self.done_rows += rows
             self.busy += seconds
             self.flight = None
+
+    def set_target(self, peers: list[dict]) -> None:
+        """The time the pass ends when its rows left are balanced over all workers.
+
+        ``peers``: the other workers' :meth:`status` replies (those without a rate are left
+        out; a peer done with its rows counts with its rate and no work). With ``R_i`` the
+        rows each worker has left (its seconds left x its rate) and ``r_i`` its rate in
+        rows per second, the end is ``now + sum(R_i) / sum(r_i)`` (a blockflow heuristic:
+        the owner's next chunk then stops there, and a late owner leaves its excess for
+        the peers that will be idle).
+        """
+        with self.lock:
+            now = time.perf_counter()
+            left, _, spr = self._left(now)
+            if not spr:
+                return
+            rows, rate = left / spr, 1 / spr
+            for st in peers:
+                p = st.get("spr")
+                if p and p > 0 and math.isfinite(st.get("left", math.inf)):
+                    rows += st["left"] / p
+                    rate += 1 / p
+            self.target = now + rows / rate
 
     def close(self) -> None:
         """Nothing more to give (the owner is done, or gave up)."""
@@ -134,9 +207,10 @@ class RowPool:
         if spr is None:
             return math.inf if unclaimed else 0.0, unclaimed, None
         flight = 0.0
-        if self.flight is not None:
-            flight = max(0.0, spr * self.flight[1] - (now - self.flight[0]))
-        return spr * unclaimed + flight, unclaimed, spr
+        if self.flight is not None:  # the chunk running: its fixed part and its rows
+            flight = max(0.0, self.fixed + spr * self.flight[1] - (now - self.flight[0]))
+        # the rows not started take one more call at least
+        return spr * unclaimed + (self.fixed if unclaimed else 0.0) + flight, unclaimed, spr
 
     def status(self) -> dict:
         """``{"left": seconds of work expected, "rows": rows not started, "spr": seconds
@@ -181,7 +255,8 @@ def rows_to_give(left: float, unclaimed: int, spr: float | None, thief_spr: floa
     """Rows an owner hands to a thief so that both finish together.
 
     With ``T`` the owner's expected seconds left (``left``), ``s`` its seconds per row,
-    ``t`` the thief's and ``o`` the hand-over's round trip, ``r = floor((T - o) / (s + t))``,
+    ``t`` the thief's and ``o`` the hand-over's cost to the thief (the round trip, and its
+    fixed seconds per kernel call, :func:`call_cost`), ``r = floor((T - o) / (s + t))``,
     at most ``unclaimed``: the owner then ends at ``T - s r`` and the thief at ``o + t r``.
     Unknown rates: the thief's is taken as the owner's; with neither, half the rows.
     A blockflow heuristic.
@@ -246,13 +321,18 @@ def _add(a, b):
 
 def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[str],
                  chunks: int, prior_spr: dict[str, float],
-                 reserve: dict[str, float] | None = None) -> tuple[Any, int, int, float]:
+                 reserve: dict[str, float] | None = None
+                 ) -> tuple[Any, int, int, float, float]:
     """On a worker: ``func`` over its rows in chunks, then over rows stolen from peers.
 
     ``reserve``: per worker, the fraction of its rows kept out of its first kernel call
-    (see :class:`RowPool`; default 0.2). Returns ``(sum of func's results or None, rows
-    processed, rows stolen, seconds in func)``: the last is the worker's busy time, without
-    the requests to its peers.
+    (see :class:`RowPool`; default 0.2). After its first chunk the worker asks its peers'
+    progress once and aims the rest of its rows at the pass's balanced end
+    (:meth:`RowPool.set_target`); a worker done with its rows stays registered, closed, so
+    that its peers see its rate. Returns ``(sum of func's results or None, rows
+    processed, rows stolen, seconds in func, seconds in func on its own rows)``: the
+    fourth is the worker's busy time, without the requests to its peers; the last is what
+    its speed is measured on (stolen rows come in small, cold calls).
     """
     from distributed import get_worker
     from distributed.utils import sync
@@ -262,28 +342,14 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
 
     worker = get_worker()
     me = worker.address
-    pool = RowPool(blocks, rows, chunks, prior_spr.get(me), (reserve or {}).get(me, 0.2))
+    costs = _CALL_COST[me]
+    fixed = median(costs) if costs else 0.0  # this worker's fixed seconds per call
+    pool = RowPool(blocks, rows, chunks, prior_spr.get(me), (reserve or {}).get(me, 0.2),
+                   fixed)
     key = (pass_id, me)
-    with _POOLS_LOCK:
-        _POOLS[key] = pool
-    total, done = None, 0
-    try:
-        while (span := pool.take_front()) is not None:
-            t0 = time.perf_counter()
-            total = _add(total, func(*pool.parts(*span), *args))
-            pool.finished(span[1] - span[0], time.perf_counter() - t0)
-            done += span[1] - span[0]
-    finally:
-        pool.close()
-        with _POOLS_LOCK:
-            _POOLS.pop(key, None)
     others = [p for p in peers if p != me]
-    busy = pool.busy
-    if not others or not has_worker_handler(worker, HANDLER):
-        return total, done, 0, busy
-    spr = pool.busy / pool.done_rows if pool.done_rows else prior_spr.get(me)
+    can_ask = bool(others) and has_worker_handler(worker, HANDLER)
     xp = array_module(blocks[0][0]) if blocks else np
-    stolen = 0
 
     # A peer that does not answer within REQUEST_TIMEOUT gives nothing: a lost peer must
     # not hold this thread for distributed's connect timeout, while the pass it belonged
@@ -296,33 +362,65 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
         return await asyncio.gather(*(ask(p, action="status") for p in others),
                                     return_exceptions=True)
 
-    while True:
-        t0 = time.perf_counter()
-        replies = sync(worker.loop, status)
-        overhead = 2 * max(time.perf_counter() - t0, 0.0005)  # status, then the claim
-        # peers by work left; only those that would hand over a row at all are asked (a
-        # claim that gets nothing ends the search: no polling loop on a shared host)
-        ranked = sorted((r["left"], p) for p, r in zip(others, replies)
-                        if isinstance(r, dict) and rows_to_give(
-                            r["left"], r.get("rows", 0), r.get("spr"), spr, overhead) >= 1)
-        got = None
-        for _, p in ranked[::-1]:
-            try:
-                reply = sync(worker.loop, ask, p, action="claim", spr=spr,
-                             overhead=overhead)
-            except Exception:  # the peer went away or did not answer: it gives nothing
-                # (rows it handed over in a reply that never arrived are missing from the
-                # pass's row count, and ResidentShards.map_sum redoes the pass)
-                continue
-            if reply.get("rows"):
-                got = reply
-                break
-        if got is None:
-            return total, done + stolen, stolen, busy
-        t0 = time.perf_counter()
-        x, y = xp.asarray(got["x"]), xp.asarray(got["y"])
-        total = _add(total, func([(x, y)], [None], *args))
-        seconds = time.perf_counter() - t0
-        busy += seconds
-        stolen += int(got["rows"])
-        spr = busy / (done + stolen)  # the thief's rate, its own rows and stolen ones
+    with _POOLS_LOCK:
+        _POOLS[key] = pool
+    total, done, stolen, calls = None, 0, 0, []
+    try:
+        while (span := pool.take_front()) is not None:
+            t0 = time.perf_counter()
+            total = _add(total, func(*pool.parts(*span), *args))
+            calls.append((span[1] - span[0], time.perf_counter() - t0))
+            pool.finished(*calls[-1])
+            done += span[1] - span[0]
+            if can_ask and pool.target is None and pool.back > pool.front:
+                # after the first chunk: where the pass ends if balanced, from the peers'
+                # progress and this pass's own rate (one round trip per pass)
+                pool.set_target([r for r in sync(worker.loop, status) if isinstance(r, dict)])
+        # done with its own rows: it stays registered, closed, so that peers asking see
+        # its rate and that it has nothing left
+        pool.close()
+        busy = pool.busy
+        if not can_ask:
+            return total, done, 0, busy, busy
+        spr = pool.busy / pool.done_rows if pool.done_rows else prior_spr.get(me)
+        # a stolen chunk is one more kernel call: its fixed cost counts against it, as the
+        # round trip does (a slow device's cold small calls cost more than they save)
+        while True:
+            t0 = time.perf_counter()
+            replies = sync(worker.loop, status)
+            # status, then the claim; then the call's fixed part
+            overhead = 2 * max(time.perf_counter() - t0, 0.0005) + fixed
+            # peers by work left; only those that would hand over a row at all are asked
+            # (a claim that gets nothing ends the search: no polling loop on a shared host)
+            ranked = sorted((r["left"], p) for p, r in zip(others, replies)
+                            if isinstance(r, dict) and rows_to_give(
+                                r["left"], r.get("rows", 0), r.get("spr"), spr,
+                                overhead) >= 1)
+            got = None
+            for _, p in ranked[::-1]:
+                try:
+                    reply = sync(worker.loop, ask, p, action="claim", spr=spr,
+                                 overhead=overhead)
+                except Exception:  # the peer went away or did not answer: it gives
+                    # nothing (rows it handed over in a reply that never arrived are
+                    # missing from the pass's row count: ResidentShards.map_sum redoes it)
+                    continue
+                if reply.get("rows"):
+                    got = reply
+                    break
+            if got is None:
+                return total, done + stolen, stolen, busy, pool.busy
+            t0 = time.perf_counter()
+            x, y = xp.asarray(got["x"]), xp.asarray(got["y"])
+            total = _add(total, func([(x, y)], [None], *args))
+            seconds = time.perf_counter() - t0
+            calls.append((int(got["rows"]), seconds))
+            busy += seconds
+            stolen += int(got["rows"])
+            spr = busy / (done + stolen)  # the thief's rate, its own rows and stolen ones
+    finally:
+        pool.close()
+        with _POOLS_LOCK:
+            _POOLS.pop(key, None)
+        if (c := call_cost(calls)) is not None:
+            costs.append(c)

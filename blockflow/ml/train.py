@@ -138,7 +138,7 @@ def _shard_gradient(blocks, rows, model, token, theta, loss_fn, hook):
     """On a worker: (sum of per-sample gradients, sum of losses, samples) over its rows."""
     import torch
 
-    t0, cpu0 = time.perf_counter(), time.process_time()
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     m = _local_model(model, token)
     params = [p for p in m.parameters() if p.requires_grad]
     torch.nn.utils.vector_to_parameters(torch.as_tensor(theta).to(params[0]), params)
@@ -159,7 +159,7 @@ def _shard_gradient(blocks, rows, model, token, theta, loss_fn, hook):
     grad = torch.nn.utils.parameters_to_vector([p.grad for p in params])
     out = (grad.detach().to("cpu", torch.float64).numpy(), float(loss.detach()), n)
     if hook is not None:
-        hook(time.perf_counter() - t0, time.process_time() - cpu0, n)
+        hook(time.perf_counter() - t0, time.thread_time() - cpu0, n)
     return out
 
 
@@ -194,8 +194,11 @@ class DataParallelTrainer:
         after each of the first 3 steps, so that shares follow speeds from the start).
     block_hook : callable, optional
         ``block_hook(seconds, cpu_seconds, rows)`` called on the worker after each gradient
-        task with its elapsed and CPU seconds and its rows (used by benchmarks and tests to
-        scale compute by a simulated device's speed).
+        call with its elapsed seconds, the CPU seconds of the thread that ran it (the
+        kernel's own compute, with PyTorch's intra-op threads set to 1 as one process per
+        device has; not the worker's event loop, which answers peers and the scheduler
+        meanwhile) and its rows (used by benchmarks and tests to scale compute by a
+        simulated device's speed).
     callback : callable, optional
         ``callback(trainer, record) -> bool``, called after each step with the step's
         history record; returning True stops training.
