@@ -99,42 +99,77 @@ def test_row_pool_hands_out_every_row_once_under_concurrent_thieves():
     assert got == want
 
 
-def _timed_pool(n, reserve=0.2):
+def _timed_pool(n, reserve=0.2, fixed=0.0):
     blocks = [(np.arange(n, dtype=float)[:, None], np.zeros(n))]
-    pool = RowPool(blocks, [None], chunks=16, prior_spr=0.01, reserve=reserve)
+    pool = RowPool(blocks, [None], chunks=16, prior_spr=1.0, reserve=reserve, fixed=fixed)
     lo, hi = pool.take_front()
     return pool, hi - lo
+
+
+def _target_in(pool, peers):
+    """``pool.set_target(peers)``; the target as seconds from the call, bracketed by the
+    clock before and after it (no bound on how long the call itself took)."""
+    before = time.perf_counter()
+    pool.set_target(peers)
+    after = time.perf_counter()
+    return pool.target - after, pool.target - before
+
+
+# The rates below are seconds per row, so that the rows an owner can fit before its target
+# have margins of a second or so: the outcomes do not depend on how long the test thread
+# waits for a core between two lines.
 
 
 def test_an_owner_on_time_runs_its_reserve_in_one_more_call():
     pool, first = _timed_pool(100)
     assert first == 80  # all but the reserve (a fifth)
-    pool.finished(first, 0.8)  # 10 ms a row, as expected
-    # three peers, each with 0.2 s left at 10 ms a row: the rows left (20 + 3 x 20) over
-    # four equal workers end the pass in 0.2 s, when this owner's 20 rows end too
-    pool.set_target([{"left": 0.2, "rows": 20, "spr": 0.01}] * 3)
-    assert pool.target == pytest.approx(time.perf_counter() + 0.2, abs=0.02)
+    pool.finished(first, 80.0)  # 1 s a row, as expected
+    # three peers, each with 20 s left at 1 s a row: the rows left (20 + 3 x 20) over four
+    # equal workers end the pass in 20 s, when this owner's 20 rows end too
+    lo_s, hi_s = _target_in(pool, [{"left": 20.0, "rows": 20, "spr": 1.0}] * 3)
+    assert lo_s <= 20.0 <= hi_s + 1e-9
     lo, hi = pool.take_front()
     assert hi - lo == 20 and pool.back == pool.front  # one call, nothing left
 
 
 def test_a_late_owner_leaves_its_excess_for_its_peers():
     pool, first = _timed_pool(100)
-    pool.finished(first, 1.6)  # 20 ms a row: twice as slow as planned
-    # three peers about done (10 ms a row, 10 ms left): balanced, the pass ends in
-    # (20 + 3) rows / (50 + 3 x 100) rows per second = ~66 ms, so this owner runs the 3
-    # rows it can finish by then and leaves the rest at the back for its peers
-    pool.set_target([{"left": 0.01, "rows": 0, "spr": 0.01}] * 3)
+    pool.finished(first, 160.0)  # 2 s a row: twice as slow as planned
+    # three peers with 20 s left at 1 s a row: balanced, the pass ends in (20 + 3 x 20)
+    # rows / (0.5 + 3 x 1) rows per second = 22.9 s, so this owner runs the 11 rows it can
+    # finish by then and leaves the other 9 at the back for its peers
+    lo_s, hi_s = _target_in(pool, [{"left": 20.0, "rows": 20, "spr": 1.0}] * 3)
+    assert lo_s <= 80 / 3.5 <= hi_s + 1e-9
     lo, hi = pool.take_front()
-    assert 1 <= hi - lo <= 7, (lo, hi)
-    assert pool.back - pool.front >= 13
-    span = pool.give(0.01, 0.0)  # a peer takes rows not started, from the back
+    assert (lo, hi) == (80, 91)
+    assert pool.back - pool.front == 9
+    span = pool.give(1.0, 0.0)  # a peer takes rows not started, from the back
     assert span is not None and span[1] == 100
+    # three peers about done: the pass ends in (20 + 3) / 3.5 = 6.6 s, 3 of its rows;
+    # it still runs at least 1/16 of its rows (7) in a call
+    pool, _ = _timed_pool(100)
+    pool.finished(80, 160.0)
+    _target_in(pool, [{"left": 1.0, "rows": 0, "spr": 1.0}] * 3)
+    lo, hi = pool.take_front()
+    assert 1 <= hi - lo <= 7 and hi - lo == pool.min_chunk == 7, (lo, hi)
+    assert pool.back - pool.front >= 13
     # peers without a rate (not started) or done ones without one are left out
     pool2, _ = _timed_pool(100)
-    pool2.finished(80, 0.8)
-    pool2.set_target([{"left": 0.0, "rows": 0}, {"left": float("inf"), "rows": 9}])
-    assert pool2.target == pytest.approx(time.perf_counter() + 0.2, abs=0.02)
+    pool2.finished(80, 80.0)
+    lo_s, hi_s = _target_in(pool2, [{"left": 0.0, "rows": 0},
+                                    {"left": float("inf"), "rows": 9}])
+    assert lo_s <= 20.0 <= hi_s + 1e-9
+
+
+def test_an_owners_fixed_cost_per_call_counts_in_its_time_left():
+    pool, first = _timed_pool(100, fixed=5.0)
+    pool.finished(first, 80.0)
+    st = pool.status()  # 20 rows not started at 1 s a row, plus one more call's 5 s
+    assert st["rows"] == 20 and st["left"] == pytest.approx(25.0)
+    # alone, it ends in 25 s; its next call (5 s fixed) then fits all 20 rows
+    _target_in(pool, [])
+    lo, hi = pool.take_front()
+    assert hi - lo == 20
 
 
 def test_past_the_target_or_without_one_the_reserve_halves():

@@ -54,8 +54,8 @@ _POOLS_LOCK = threading.Lock()
 HANDLER = "blockflow_steal"
 # Seconds a thief waits for a peer's answer.
 REQUEST_TIMEOUT = 10.0
-# worker address -> the latest passes' estimates of its fixed seconds per kernel call
-_CALL_COST: dict[str, deque] = defaultdict(lambda: deque(maxlen=16))
+# (worker address, kernel) -> the latest passes' estimates of its fixed seconds per call
+_CALL_COST: dict[tuple[str, str], deque] = defaultdict(lambda: deque(maxlen=16))
 
 
 def call_cost(calls: list[tuple[int, float]]) -> float | None:
@@ -342,8 +342,9 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
 
     worker = get_worker()
     me = worker.address
-    costs = _CALL_COST[me]
-    fixed = median(costs) if costs else 0.0  # this worker's fixed seconds per call
+    # this worker's fixed seconds per call of this kernel (a GLM's and a CNN's differ)
+    costs = _CALL_COST[me, getattr(func, "__qualname__", type(func).__name__)]
+    fixed = median(costs) if costs else 0.0
     pool = RowPool(blocks, rows, chunks, prior_spr.get(me), (reserve or {}).get(me, 0.2),
                    fixed)
     key = (pass_id, me)
