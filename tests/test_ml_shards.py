@@ -20,6 +20,12 @@ def _sum_rows(blocks, rows):
     return np.array([sum(float(x.sum()) for x in xs), sum(len(x) for x in xs)])
 
 
+def _slow_sum_rows(blocks, rows):
+    import time
+    time.sleep(0.02)
+    return _sum_rows(blocks, rows)
+
+
 @pytest.fixture(scope="module")
 def client5():
     with LocalCluster(n_workers=5, threads_per_worker=1, processes=False,
@@ -50,3 +56,31 @@ def test_the_fan_in_ends_on_the_client_with_every_row_once(client5, split_every,
         assert len(shards.last_seconds) == 5  # every worker's timing reached the client
     assert shards._direct is direct
     shards.close()
+
+
+def test_an_unmeasured_worker_keeps_a_larger_reserve_until_a_pass_measures_it(client5):
+    values = np.arange(N, dtype=float)
+    shards = ResidentShards(client5, da.from_array(values[:, None], chunks=20),
+                            da.zeros(N, chunks=20))
+    workers = sorted(set(shards.placement.values()))
+    # no pass of this fit has measured anyone: every share follows a prior
+    _, peers, _, spr, reserve = shards._steal_plan(workers)
+    assert peers == workers and spr == {}
+    assert reserve == dict.fromkeys(workers, 0.5)
+    # a measured pass (long enough to time), no stealing: none gave rows
+    assert shards.map_sum(_slow_sum_rows)[1] == N
+    _, _, _, spr, reserve = shards._steal_plan(workers)
+    assert set(spr) == set(workers)
+    assert reserve == dict.fromkeys(workers, 0.2)
+    # a worker the fit has not measured (one that joined, say) keeps the larger reserve
+    lost = workers[0]
+    shards._obs.pop(lost)
+    with dask.config.set({"blockflow.ml.steal-reserve-unmeasured": 0.4}):
+        again = ResidentShards(client5, da.from_array(values[:, None], chunks=20),
+                               da.zeros(N, chunks=20))
+    again._obs.update({a: v for a, v in shards._obs.items()})
+    reserve = again._steal_plan(workers)[4]
+    assert reserve[lost] == 0.4
+    assert all(reserve[a] == 0.2 for a in workers if a != lost)
+    shards.close()
+    again.close()

@@ -175,6 +175,11 @@ class ResidentShards:
         ``min(2/3, steal_reserve + 2 g)`` in reserve in the next (it was behind: a
         straggler sheds more each pass until the shares follow its speed; a blockflow
         heuristic).
+    steal_reserve_unmeasured : float, optional
+        The reserve (fraction 0-1) of a worker that no pass of this fit has measured yet:
+        its share follows a prior (the scheduler plugin's speed, shrunk towards the typical
+        one, or 1), so more of it is left for its peers to take over; default
+        ``blockflow.ml.steal-reserve-unmeasured`` (0.5).
 
     Raises
     ------
@@ -185,7 +190,8 @@ class ResidentShards:
     def __init__(self, client, X, y, *, sharding: str = "speed", memory_fraction: float = 0.5,
                  split_every: int | None = None, rebalance_gain: float = 0.05,
                  poll: float = 0.5, steal_chunks: int | None = None,
-                 steal_reserve: float | None = None):
+                 steal_reserve: float | None = None,
+                 steal_reserve_unmeasured: float | None = None):
         if sharding not in ("speed", "equal"):
             raise ValueError(f"blockflow: sharding must be 'speed' or 'equal', got "
                              f"{sharding!r}.")
@@ -205,6 +211,8 @@ class ResidentShards:
         self.recoveries: list[dict] = []
         self.steal_chunks = int(config.get("ml.steal-chunks", steal_chunks))
         self.steal_reserve = float(config.get("ml.steal-reserve", steal_reserve))
+        self.steal_reserve_unmeasured = float(config.get("ml.steal-reserve-unmeasured",
+                                                         steal_reserve_unmeasured))
         self._steal_ready = False
         self.redone_passes = 0  # passes redone because rows went missing while stealing
         self._gave: dict[str, float] = {}  # fraction of its rows each gave, latest pass
@@ -494,14 +502,7 @@ class ResidentShards:
         plan = None
         if steal and len(by_worker) > 1:
             self._install_steal()
-            # seconds per row of each worker's latest passes (k_a of the pass model): how
-            # its rows compare with a thief's before its first chunk is timed
-            spr = {a: median(t / (r + r0) for r, t in v) for a, v in self._obs.items() if v}
-            # a worker that gave rows away in the latest pass was behind: a larger reserve
-            # (up to two thirds) lets its peers take more of its next pass
-            reserve = {a: min(2 / 3, self.steal_reserve + 2 * self._gave.get(a, 0.0))
-                       for a in by_worker}
-            plan = (uuid.uuid4().hex, sorted(by_worker), self.steal_chunks, spr, reserve)
+            plan = self._steal_plan(sorted(by_worker))
         for a, js in sorted(by_worker.items()):
             n = sum(self.block_rows[j] if rows is None else len(rows[j]) for j in js)
             # the shares differ in rows on purpose (so that they last the same): the
@@ -522,6 +523,27 @@ class ResidentShards:
         # the tree's root is the client: it adds the top level's (at most k) partial sums
         # as each arrives, so only the last one's transfer follows the slowest worker
         return self.client.compute(parts, optimize_graph=False)
+
+    def _steal_plan(self, workers: list[str]) -> tuple:
+        """A stealing pass's arguments for :func:`blockflow.ml._steal.run_stealing`:
+        ``(pass id, workers, chunks, seconds per row, reserve)``, the last two per worker.
+
+        The reserve is ``steal_reserve``, raised to ``min(2/3, steal_reserve + 2 g)`` for a
+        worker that gave a fraction ``g`` of its rows away in the latest pass (it was
+        behind), and to at least ``steal_reserve_unmeasured`` for a worker no pass of this
+        fit has measured (its share follows a prior). A blockflow heuristic."""
+        r0 = self.overhead_rows()
+        # seconds per row of each worker's latest passes (k_a of the pass model): how
+        # its rows compare with a thief's before its first chunk is timed
+        spr = {a: median(t / (r + r0) for r, t in v) for a, v in self._obs.items() if v}
+        reserve = {}
+        for a in workers:
+            reserve[a] = min(2 / 3, self.steal_reserve + 2 * self._gave.get(a, 0.0))
+            if not self._obs.get(a):
+                # its share follows a prior (the plugin's speed is shrunk towards the
+                # typical one): a larger reserve lets its peers take over a wrong share
+                reserve[a] = max(reserve[a], self.steal_reserve_unmeasured)
+        return uuid.uuid4().hex, list(workers), self.steal_chunks, spr, reserve
 
     def _assigned_rows(self, rows) -> dict[str, int]:
         """Rows of a pass on each worker's own blocks (before any stealing)."""
