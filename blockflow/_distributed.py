@@ -539,6 +539,9 @@ def queued_count(scheduler) -> int:
 #: Task annotation ``dask.annotate(blockflow_work=...)``: the work of a task, in units its
 #: group shares (rows, say), for groups whose tasks differ in size on purpose.
 WORK_ANNOTATION = "blockflow_work"
+#: Key of a task's metadata (``TaskState.metadata`` on its worker, sent to the scheduler with
+#: the task's result): seconds the task spent waiting, seceded, not computing.
+WAIT_METADATA = "blockflow_wait"
 
 
 def task_work(scheduler, key) -> float | None:
@@ -552,6 +555,28 @@ def task_work(scheduler, key) -> float | None:
     if isinstance(work, (int, float)) and math.isfinite(work) and work > 0:
         return float(work)
     return None
+
+
+def add_task_wait(seconds: float) -> None:
+    """From a task's thread on a worker: count ``seconds`` of the running task as waiting,
+    not computing (the task's ``metadata``, :data:`WAIT_METADATA`), so that the scheduler
+    plugin's speed model and busy time leave them out. No-op off a worker."""
+    from distributed import get_worker
+    try:
+        worker = get_worker()
+        ts = worker.state.tasks.get(worker.get_current_task())
+    except (ValueError, AttributeError, KeyError):
+        return
+    if ts is not None:
+        ts.metadata[WAIT_METADATA] = ts.metadata.get(WAIT_METADATA, 0.0) + float(seconds)
+
+
+def task_wait(metadata: dict | None) -> float:
+    """Seconds a finished task reported waiting (:func:`add_task_wait`), from the
+    ``metadata`` its worker sent with the result; 0 when none."""
+    wait = (metadata or {}).get(WAIT_METADATA, 0.0)
+    return float(wait) if isinstance(wait, (int, float)) and math.isfinite(wait) \
+        and wait > 0 else 0.0
 
 
 def _restricted(ts) -> bool:

@@ -42,7 +42,7 @@ def test_the_fan_in_ends_on_the_client_with_every_row_once(client5, split_every,
                                 da.zeros(N, chunks=20), split_every=split_every)
     assert len(set(shards.placement.values())) == 5
     # the workers' level of the tree leaves at most split_every partial sums to the client
-    parts = shards._submit(_sum_rows, None, ())
+    parts = shards._submit(_sum_rows, None, ()).futures
     top = 5
     while top > split_every:
         top = -(-top // split_every)

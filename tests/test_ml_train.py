@@ -314,3 +314,26 @@ def test_killed_worker_mid_training_gives_the_same_parameters(digits):
     assert [r["step"] for r in trainer.history_] == list(range(3 * 6))  # no step lost
     a, b = _params(model), _params(undisturbed)
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.slow
+def test_steps_run_on_passes_submitted_ahead_and_a_stop_cancels_the_next(client4, digits):
+    """Each step's pass is submitted while the step before runs, its parameters posted to
+    the waiting tasks: the same loss curve as one process; a callback's stop cancels the
+    pass prepared for the step that will not run (nothing is left waiting on a worker)."""
+    Xtr, _, ytr, _ = digits
+    model, reference = mlp(), mlp()
+    trainer = DataParallelTrainer(model, torch.nn.CrossEntropyLoss(), adam, batch_size=256,
+                                  epochs=3, seed=1, client=client4, rebalance_every=100,
+                                  callback=lambda tr, rec: rec["step"] == 10)
+    trainer.fit(da.from_array(Xtr, chunks=BLOCK), da.from_array(ytr, chunks=BLOCK))
+    ahead = [r["ahead"] for r in trainer.history_]
+    assert len(ahead) == 11 and not ahead[0]
+    # only a step after blocks moved (steps 1-3 rebalance here) is submitted as it starts
+    assert all(ahead[4:]), ahead
+    expected = single_process(reference, Xtr, ytr, trainer.shards_.block_rows, 256, 3, 1)
+    np.testing.assert_allclose(trainer.loss_curve(), expected[:11], rtol=1e-5)
+    deadline = time.monotonic() + 30
+    while any(client4.processing().values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(client4.processing().values()), client4.processing()

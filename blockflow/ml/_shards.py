@@ -24,11 +24,13 @@ measure here because speed-weighted tasks deliberately differ in size.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
 import warnings
 from collections import defaultdict, deque
+from dataclasses import dataclass
 from statistics import median
 from typing import Any, Callable, Sequence
 
@@ -36,6 +38,8 @@ import numpy as np
 
 from blockflow import config
 from blockflow._client import workers_info
+from blockflow.ml._post import POSTED, Posted, PostPlugin
+from blockflow.ml._steal import StealPlugin
 
 __all__ = ["ResidentShards", "as_row_blocks"]
 
@@ -102,9 +106,17 @@ def _run_shard(func, blocks, rows, args, steal=None):
 
     ``steal``: ``(pass id, peers, chunks, prior seconds per row, reserve)``, the
     arguments of :func:`blockflow.ml._steal.run_stealing` after ``args``, to run the rows
-    in chunks and then take rows peers have not started; None: one call."""
-    t0 = time.perf_counter()
+    in chunks and then take rows peers have not started; None: one call. A
+    :class:`blockflow.ml._post.Posted` in ``args`` is waited for (a pass submitted ahead,
+    :meth:`ResidentShards.prepare`); cancelled, the task returns nothing."""
+    from blockflow.ml._post import resolve
+
     me = _worker_address()
+    args = resolve(me, args)
+    if args is None:  # its pass was cancelled, or its post never came
+        return {"value": None, "seconds": {}, "rows": {}, "stolen": {}, "own": {},
+                "cancelled": True}
+    t0 = time.perf_counter()  # after the wait: only work is timed
     if steal is None:
         out = func(blocks, rows, *args)
         n, stolen = sum(len(r) if r is not None else len(b[0])
@@ -137,7 +149,8 @@ def _add(*parts):
         rows.update(p["rows"])
         stolen.update(p.get("stolen", {}))
         own.update(p.get("own", {}))
-    return {"value": value, "seconds": seconds, "rows": rows, "stolen": stolen, "own": own}
+    return {"value": value, "seconds": seconds, "rows": rows, "stolen": stolen, "own": own,
+            "cancelled": any(p.get("cancelled") for p in parts)}
 
 
 class ResidentShards:
@@ -213,11 +226,14 @@ class ResidentShards:
         self.steal_reserve = float(config.get("ml.steal-reserve", steal_reserve))
         self.steal_reserve_unmeasured = float(config.get("ml.steal-reserve-unmeasured",
                                                          steal_reserve_unmeasured))
-        self._steal_ready = False
+        self._installed: set[str] = set()  # worker plugins registered
+        self._ahead: set[_Pass] = set()  # passes prepared, not yet run (prepare())
+        self._version = 0  # counts placements that moved blocks
         self.redone_passes = 0  # passes redone because rows went missing while stealing
         self._gave: dict[str, float] = {}  # fraction of its rows each gave, latest pass
         self._direct = bool(config.get("ml.direct-gather"))
         self.last_seconds, self.last_rows, self.last_stolen = {}, {}, {}
+        self.last_ahead = False
         self.moves = 0
         self.placement: dict[int, str] = {}
         self.futures: dict[int, Any] = {}
@@ -359,6 +375,11 @@ class ResidentShards:
         import dask
 
         moved = [j for j, a in placement.items() if self.placement.get(j) != a]
+        if moved:
+            # prepared passes would run on the old placement: cancelled first
+            for p in list(self._ahead):
+                self._cancel(p)
+            self._version += 1
         alive = set(self._workers()) if self.placement else set()
         # A block still held by a live worker is copied from there (worker to worker); the
         # others come from the source collection, all in one graph: each block's graph
@@ -409,7 +430,8 @@ class ResidentShards:
     # --- a pass --------------------------------------------------------------------------
 
     def map_sum(self, func: Callable, rows: Sequence | None = None, args: tuple = (),
-                *, measure: bool = True, steal: bool = False) -> Any:
+                *, measure: bool = True, steal: bool = False, posted: Any = None,
+                ahead: _Pass | None = None, then: Callable[[], Any] | None = None) -> Any:
         """``sum over workers of func(blocks, rows, *args)``, each on its own blocks.
 
         Parameters
@@ -422,7 +444,10 @@ class ResidentShards:
             Per block (index j), the rows to use; None uses all rows. Blocks given an empty
             selection are skipped.
         args : tuple
-            Further arguments (parameters, a model future, ...).
+            Further arguments (parameters, a model future, ...). An argument that is
+            :data:`blockflow.ml._post.POSTED` takes the value ``posted``, sent straight
+            to the pass's workers once its tasks are submitted (see :meth:`prepare`;
+            inside the graph instead where the client cannot reach the workers).
         measure : bool, default True
             Whether the pass's timings count towards the workers' speeds (False for a
             warm-up pass).
@@ -434,22 +459,51 @@ class ResidentShards:
             slowest share does. ``func`` is then called several times per worker (on parts
             of its blocks, and on stolen rows as one ``(X, y)`` block with rows None) and
             its results are added; it must be a sum over rows.
+        posted : object, optional
+            The value of the ``POSTED`` arguments (a step's parameters, say).
+        ahead : object, optional
+            This pass as :meth:`prepare` submitted it earlier (same ``func``, ``rows``
+            object, ``args`` and ``steal``): used when the blocks have not moved since,
+            else cancelled and the pass submitted now.
+        then : callable, optional
+            Called once the pass is on its way (submitted, its value posted), before
+            waiting for it: to :meth:`prepare` the next pass, which the scheduler then
+            sends to the workers while this one runs.
 
         Returns
         -------
         object
             The sum, with the workers' compute seconds in :attr:`last_seconds`, rows
-            processed in :attr:`last_rows` and rows they took from peers in
-            :attr:`last_stolen`.
+            processed in :attr:`last_rows`, rows they took from peers in
+            :attr:`last_stolen`, and in :attr:`last_ahead` whether the pass ran as
+            prepared (``ahead``).
         """
         expected = sum(self.block_rows) if rows is None else sum(len(r) for r in rows)
         for attempt in range(1000):
-            parts = self._submit(func, rows, args, measure, steal)
+            self.last_ahead = ahead is not None and self._current(ahead, func, rows, steal)
+            if self.last_ahead:
+                p = ahead
+            else:
+                if ahead is not None:
+                    self._cancel(ahead)
+                p = self._submit(func, rows, args, measure, steal, value=posted)
+            ahead = None
+            self._ahead.discard(p)
             try:
-                out = self._wait(parts)
+                if p.post is not None:
+                    self._post(p, posted)
+                if then is not None:
+                    then()
+                    then = None
+                out = self._wait(p.futures)
             except _WorkerLost as e:
-                del parts  # released, not cancelled: cancelling keys the scheduler is
+                del p  # released, not cancelled: cancelling keys the scheduler is
                 self._recover(e.lost)  # recomputing can break the client's stream
+                continue
+            except _PostFailed:
+                continue  # posting is off now: the pass is submitted with its value
+            if out.get("cancelled"):
+                self.redone_passes += 1  # a task's post never came (POST_TIMEOUT)
                 continue
             if sum(out["rows"].values()) != expected:
                 # rows handed to a thief whose reply never arrived (a peer lost or timed
@@ -480,11 +534,91 @@ class ResidentShards:
             return out["value"]
         raise RuntimeError("blockflow: workers kept disappearing; check the cluster.")
 
-    def _submit(self, func, rows, args, measure: bool = True, steal: bool = False):
+    def prepare(self, func: Callable, rows: Sequence | None = None, args: tuple = (), *,
+                steal: bool = False) -> _Pass | None:
+        """Submit a pass now whose ``POSTED`` arguments come later (:meth:`map_sum` with
+        ``ahead=``): its tasks go to their workers and wait there, holding no thread,
+        until :meth:`map_sum` posts the value straight to them (``blockflow_post``, see
+        :mod:`blockflow.ml._post`). A training step's pass is prepared while the step
+        before it runs, so the scheduler is off the step's critical path (30-60 ms a
+        step on a loaded 2-core host). The pass is cancelled, its tasks returning at once,
+        when blocks move before it runs (:meth:`rebalance`, a lost worker) or on
+        :meth:`close`.
+
+        Returns
+        -------
+        object or None
+            The submitted pass, for ``map_sum(..., ahead=)``; None where posting is off
+            (``blockflow.ml.direct-gather`` false, or a post failed): the pass is then
+            submitted with its value.
+        """
+        if not self._direct or not any(a is POSTED for a in args):
+            return None
+        p = self._submit(func, rows, args, True, steal)
+        self._ahead.add(p)
+        return p
+
+    def _current(self, p: _Pass, func, rows, steal) -> bool:
+        """Whether a prepared pass still matches the blocks' placement and the call."""
+        return (p in self._ahead and p.version == self._version and p.func is func
+                and p.rows is rows and p.steal == bool(steal))
+
+    def _post(self, p: _Pass, value) -> None:
+        """Send the pass's posted value to each of its workers (concurrently)."""
+        from distributed.protocol import to_serialize
+
+        from blockflow.ml._post import HANDLER
+
+        async def send():
+            return await asyncio.gather(*(
+                getattr(self.client.rpc(a), HANDLER)(key=p.post.key,
+                                                     value=to_serialize(value))
+                for a in p.workers), return_exceptions=True)
+
+        errors = [r for r in self.client.sync(send) if isinstance(r, BaseException)]
+        if not errors:
+            return
+        lost = set(p.workers) - set(self._workers())
+        if lost:
+            raise _WorkerLost(lost)
+        warnings.warn(f"blockflow: the client cannot post a pass's parameters to the "
+                      f"workers directly ({errors[0]!r}); sending them inside the task "
+                      f"graph from now on. Set blockflow.ml.direct-gather: false where the "
+                      f"workers are out of the client's reach.", RuntimeWarning, stacklevel=3)
+        self._direct = False
+        self._cancel(p)
+        raise _PostFailed()
+
+    def _cancel(self, p: _Pass) -> None:
+        """Cancel a prepared pass: its waiting tasks return at once, with nothing."""
+        self._ahead.discard(p)
+        if p.post is None:
+            return
+        from blockflow.ml._post import HANDLER
+
+        async def send(workers):
+            # a lost worker has nothing to cancel: live ones only, none waited on long
+            return await asyncio.gather(*(asyncio.wait_for(
+                getattr(self.client.rpc(a), HANDLER)(key=p.post.key, cancel=True), 5.0)
+                for a in workers), return_exceptions=True)
+        try:
+            live = set(self._workers())
+            self.client.sync(send, [a for a in p.workers if a in live])
+        except Exception:  # the client is closing, or the cluster has no worker left
+            pass
+
+    def _submit(self, func, rows, args, measure: bool = True, steal: bool = False,
+                value: Any = None) -> _Pass:
         """The pass as one graph (one message to the scheduler): a task per worker,
         restricted to it, and the fan-in tree of their sums up to its top level (at most
         ``split_every`` partial sums, added on the client by :meth:`_wait`); returns the
-        top level's futures.
+        pass, with the top level's futures.
+
+        ``POSTED`` arguments become a :class:`blockflow.ml._post.Posted` placeholder, its
+        value to be posted, where the client reaches the workers; else ``value``. A task
+        reports the seconds it waited for its post in its metadata
+        (:func:`blockflow._distributed.add_task_wait`): the scheduler plugin's speed model
+        counts only its compute.
 
         One graph rather than a ``client.submit`` per task: the client batches messages
         that follow one another within 10 ms, so the later workers of a pass would start
@@ -493,6 +627,12 @@ class ResidentShards:
 
         from blockflow.reduction import choose_split_every
 
+        post = None
+        if any(a is POSTED for a in args):
+            if self._direct:
+                self._install(PostPlugin)
+                post = Posted()
+            args = tuple((post or value) if a is POSTED else a for a in args)
         by_worker: dict[str, list[int]] = defaultdict(list)
         for j in sorted(self.placement):
             if rows is None or len(rows[j]):
@@ -501,7 +641,7 @@ class ResidentShards:
         r0 = self.overhead_rows()
         plan = None
         if steal and len(by_worker) > 1:
-            self._install_steal()
+            self._install(StealPlugin)
             plan = self._steal_plan(sorted(by_worker))
         for a, js in sorted(by_worker.items()):
             n = sum(self.block_rows[j] if rows is None else len(rows[j]) for j in js)
@@ -522,7 +662,9 @@ class ResidentShards:
                      for i in range(0, len(parts), k)]
         # the tree's root is the client: it adds the top level's (at most k) partial sums
         # as each arrives, so only the last one's transfer follows the slowest worker
-        return self.client.compute(parts, optimize_graph=False)
+        return _Pass(futures=self.client.compute(parts, optimize_graph=False), post=post,
+                     workers=sorted(by_worker), version=self._version, func=func, rows=rows,
+                     steal=bool(steal))
 
     def _steal_plan(self, workers: list[str]) -> tuple:
         """A stealing pass's arguments for :func:`blockflow.ml._steal.run_stealing`:
@@ -552,14 +694,14 @@ class ResidentShards:
             out[a] += self.block_rows[j] if rows is None else len(rows[j])
         return dict(out)
 
-    def _install_steal(self) -> None:
-        """The ``blockflow_steal`` handler on every worker, once per cluster (a worker
-        plugin: workers that join later get it as they start)."""
-        if self._steal_ready:
+    def _install(self, plugin) -> None:
+        """A worker plugin installing a comm handler (:class:`~blockflow.ml._steal.
+        StealPlugin`, :class:`~blockflow.ml._post.PostPlugin`) on every worker, once per
+        cluster: workers that join later get it as they start."""
+        if plugin.name in self._installed:
             return
-        from blockflow.ml._steal import StealPlugin
-        self.client.register_plugin(StealPlugin(), name=StealPlugin.name)
-        self._steal_ready = True
+        self.client.register_plugin(plugin(), name=plugin.name)
+        self._installed.add(plugin.name)
 
     def _wait(self, parts) -> dict:
         """The sum of the top level's partial sums, each fetched as soon as it is done."""
@@ -621,7 +763,27 @@ class ResidentShards:
         self.rebalance()
 
     def close(self) -> None:
+        """Cancel the prepared passes and release the blocks."""
+        for p in list(self._ahead):
+            self._cancel(p)
         self.futures.clear()  # releases the blocks
+
+
+@dataclass(eq=False)
+class _Pass:
+    """A submitted pass: the fan-in's top-level futures and what it was submitted for."""
+
+    futures: list
+    post: Any  # blockflow.ml._post.Posted, or None: the pass carries its arguments
+    workers: list[str]  # the workers running its tasks (each gets the post)
+    version: int  # ResidentShards._version at submission
+    func: Callable
+    rows: Any
+    steal: bool
+
+
+class _PostFailed(Exception):
+    """A post did not reach a live worker: posting is off, the pass is submitted again."""
 
 
 class _WorkerLost(Exception):

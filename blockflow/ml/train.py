@@ -3,8 +3,9 @@
 Each step: the current parameters go to the workers; each worker sums per-sample gradients
 (autograd on ``loss x n``) over the step's rows of the blocks it holds; the sums are added by
 a fan-in tree (sample-count weighted: the total is divided by the step's sample count); the
-optimizer steps on the client; the new parameters go out with the next step. Data stays on
-the workers across epochs (:class:`blockflow.ml.ResidentShards`), each worker's share
+optimizer steps on the client; the new parameters are posted straight to the next step's
+tasks, which the scheduler placed on the workers while this step ran (:mod:`blockflow.ml._post`:
+the scheduler is off a step's critical path). Data stays on the workers across epochs (:class:`blockflow.ml.ResidentShards`), each worker's share
 following its speed, so the update is exactly the mini-batch gradient whatever the
 placement (up to floating-point summation order).
 
@@ -27,6 +28,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from blockflow.ml._post import POSTED
 from blockflow.ml._shards import ResidentShards, as_row_blocks
 
 __all__ = ["DataParallelTrainer", "batch_schedule"]
@@ -232,7 +234,10 @@ class DataParallelTrainer:
         Per step: ``epoch``, ``step``, ``loss`` (mean over the batch, before the update),
         ``samples``, ``started`` (seconds since the epoch), ``seconds`` (wall),
         ``worker_seconds``, ``worker_rows`` (rows each worker processed, those it took
-        from peers included) and ``worker_stolen`` (rows it took from peers).
+        from peers included), ``worker_stolen`` (rows it took from peers) and ``ahead``
+        (whether the step's pass was submitted while the step before ran, its parameters
+        then posted straight to the waiting tasks: see
+        :meth:`ResidentShards.prepare <blockflow.ml.ResidentShards.prepare>`).
     shards_ : ResidentShards
         The placement (``rows_per_worker()``, ``recoveries``, ``moves``).
     """
@@ -291,64 +296,82 @@ class DataParallelTrainer:
             split_every=self.split_every)
         self.history_ = []
         step = 0
+        # the steps ahead, one at a time: the next step's pass is submitted while this one
+        # runs (ResidentShards.prepare), its parameters posted once the optimizer has them
+        steps = ((epoch, rows) for epoch in range(self.epochs)
+                 for rows in batch_schedule(shards.block_rows, self.batch_size, epoch,
+                                            self.seed)
+                 if any(len(r) for r in rows))  # a tiny epoch's empty step: no update
+        args = (model_future, token, POSTED, self.loss_fn, self.block_hook)
+        following = next(steps, None)
+        ahead = None
         try:
-            for epoch in range(self.epochs):
-                for rows in batch_schedule(shards.block_rows, self.batch_size, epoch,
-                                           self.seed):
-                    if not any(len(r) for r in rows):
-                        continue  # no row in this step (a tiny epoch): nothing to update
-                    t0, started = time.perf_counter(), time.time()
-                    theta = torch.nn.utils.parameters_to_vector(params).detach().cpu().numpy()
-                    args = (model_future, token, theta, self.loss_fn, self.block_hook)
-                    passes = [rows]
-                    if step == 0 and self.sharding == "speed" and not shards.knows_speeds():
-                        passes = _probe_split(rows, self.probe_fraction,
-                                              shards.placement)
-                        if len(passes) > 1:
-                            # a warm-up pass of one row per worker first (its model copy,
-                            # first allocations, a GPU's context): the probe then times
-                            # warm workers; its result is dropped
-                            shards.map_sum(_shard_gradient, _one_row_per_worker(
-                                shards, rows), args, measure=False)
-                    grad, loss, n = 0, 0.0, 0
-                    seconds: dict[str, float] = defaultdict(float)
-                    worker_rows: dict[str, int] = defaultdict(int)
-                    worker_stolen: dict[str, int] = defaultdict(int)
-                    for i, part in enumerate(passes):
-                        if i:  # after the probe: shares follow its speeds for the rest
-                            shards.rebalance()
-                        g_, l_, n_ = shards.map_sum(_shard_gradient, part, args,
-                                                    steal=steal)
-                        grad, loss, n = grad + g_, loss + l_, n + n_
-                        for a, v in shards.last_seconds.items():
-                            seconds[a] += v
-                        for a, v in shards.last_rows.items():
-                            worker_rows[a] += v
-                        for a, v in shards.last_stolen.items():
-                            worker_stolen[a] += v
-                    opt.zero_grad()
-                    g = torch.as_tensor(grad / n)
-                    offset = 0
-                    for p in params:
-                        p.grad = g[offset:offset + p.numel()].view_as(p).to(p)
-                        offset += p.numel()
-                    opt.step()
-                    record = {"epoch": epoch, "step": step, "loss": loss / n, "samples": n,
-                              "started": started, "seconds": time.perf_counter() - t0,
-                              "worker_seconds": dict(seconds),
-                              "worker_rows": dict(worker_rows),
-                              "worker_stolen": dict(worker_stolen)}
-                    self.history_.append(record)
-                    step += 1
-                    if self.callback is not None and self.callback(self, record):
-                        return self
-                    # shares follow the first measurements at once (steps 1-3: the median
-                    # of 3 passes outvotes a cold first one), then every rebalance_every
-                    if self.sharding == "speed" and (
-                            step <= 3 or step % self.rebalance_every == 0):
+            while following is not None:
+                (epoch, rows), following = following, next(steps, None)
+                t0, started = time.perf_counter(), time.time()
+                theta = torch.nn.utils.parameters_to_vector(params).detach().cpu().numpy()
+                passes = [rows]
+                if step == 0 and self.sharding == "speed" and not shards.knows_speeds():
+                    passes = _probe_split(rows, self.probe_fraction, shards.placement)
+                    if len(passes) > 1:
+                        # a warm-up pass of one row per worker first (its model copy,
+                        # first allocations, a GPU's context): the probe then times warm
+                        # workers; its result is dropped
+                        shards.map_sum(_shard_gradient, _one_row_per_worker(shards, rows),
+                                       args, measure=False, posted=theta)
+                grad, loss, n = 0, 0.0, 0
+                seconds: dict[str, float] = defaultdict(float)
+                worker_rows: dict[str, int] = defaultdict(int)
+                worker_stolen: dict[str, int] = defaultdict(int)
+                prepared = []
+
+                def prepare_next():
+                    if following is not None:
+                        prepared.append(shards.prepare(_shard_gradient, following[1], args,
+                                                       steal=steal))
+
+                for i, part in enumerate(passes):
+                    if i:  # after the probe: shares follow its speeds for the rest
                         shards.rebalance()
+                    ran_ahead = False
+                    last = i == len(passes) - 1
+                    g_, l_, n_ = shards.map_sum(
+                        _shard_gradient, part, args, steal=steal, posted=theta,
+                        ahead=ahead if len(passes) == 1 else None,
+                        then=prepare_next if last else None)
+                    grad, loss, n = grad + g_, loss + l_, n + n_
+                    ran_ahead = shards.last_ahead
+                    for a, v in shards.last_seconds.items():
+                        seconds[a] += v
+                    for a, v in shards.last_rows.items():
+                        worker_rows[a] += v
+                    for a, v in shards.last_stolen.items():
+                        worker_stolen[a] += v
+                ahead = prepared[0] if prepared else None
+                opt.zero_grad()
+                g = torch.as_tensor(grad / n)
+                offset = 0
+                for p in params:
+                    p.grad = g[offset:offset + p.numel()].view_as(p).to(p)
+                    offset += p.numel()
+                opt.step()
+                record = {"epoch": epoch, "step": step, "loss": loss / n, "samples": n,
+                          "started": started, "seconds": time.perf_counter() - t0,
+                          "worker_seconds": dict(seconds),
+                          "worker_rows": dict(worker_rows),
+                          "worker_stolen": dict(worker_stolen), "ahead": ran_ahead}
+                self.history_.append(record)
+                step += 1
+                if self.callback is not None and self.callback(self, record):
+                    return self
+                # shares follow the first measurements at once (steps 1-3: the median
+                # of 3 passes outvotes a cold first one), then every rebalance_every
+                # (blocks that move cancel the pass prepared for the next step)
+                if self.sharding == "speed" and (
+                        step <= 3 or step % self.rebalance_every == 0):
+                    shards.rebalance()
         finally:
-            shards.close()
+            shards.close()  # cancels a pass prepared for a step that will not run
             del model_future
         return self
 

@@ -179,10 +179,15 @@ class Rebalancer(SchedulerPlugin):
         startstops = kwargs.get("startstops")
         if startstops:
             compute = 0.0
+            # seconds the task reported waiting (seceded) at its start, for a value posted
+            # to it (a training step submitted ahead): neither busy time nor speed evidence
+            wait = _distributed.task_wait(kwargs.get("metadata"))
             for ss in startstops:
                 if ss.get("action") == "compute":
-                    compute += ss["stop"] - ss["start"]
-                    self.task_log.append((worker, ss["start"], ss["stop"]))
+                    start = min(ss["start"] + wait, ss["stop"])
+                    wait = max(0.0, wait - (ss["stop"] - ss["start"]))
+                    compute += ss["stop"] - start
+                    self.task_log.append((worker, start, ss["stop"]))
             if compute > 0:
                 work = _distributed.task_work(self.scheduler, key)
                 self.speeds.observe(worker, group, compute, 1.0 if work is None else work)
