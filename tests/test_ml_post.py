@@ -110,12 +110,15 @@ def test_close_cancels_a_prepared_pass(client4):
     assert all(f.result()["cancelled"] for f in ahead.futures)
 
 
-def test_without_direct_reach_the_value_travels_in_the_graph(client4):
-    with dask.config.set({"blockflow.ml.direct-gather": False}):
+@pytest.mark.parametrize("key", ["blockflow.ml.direct-gather", "blockflow.ml.post-ahead"])
+def test_posting_off_sends_the_value_in_the_graph(client4, key):
+    with dask.config.set({key: False}):
         shards, values = _shards(client4)
     assert shards.prepare(_weighted, None, (POSTED,)) is None
+    ahead = shards.last_ahead
     out = shards.map_sum(_weighted, None, (POSTED,), posted=0.5)
     np.testing.assert_allclose(out, [0.5 * values.sum(), N])
+    assert not ahead and not shards.last_ahead and not shards._installed & {"blockflow-post"}
     shards.close()
 
 

@@ -232,6 +232,7 @@ class ResidentShards:
         self.redone_passes = 0  # passes redone because rows went missing while stealing
         self._gave: dict[str, float] = {}  # fraction of its rows each gave, latest pass
         self._direct = bool(config.get("ml.direct-gather"))
+        self._post_ahead = bool(config.get("ml.post-ahead"))
         self.last_seconds, self.last_rows, self.last_stolen = {}, {}, {}
         self.last_ahead = False
         self.moves = 0
@@ -497,8 +498,12 @@ class ResidentShards:
                     then = None
                 out = self._wait(p.futures)
             except _WorkerLost as e:
-                del p  # released, not cancelled: cancelling keys the scheduler is
-                self._recover(e.lost)  # recomputing can break the client's stream
+                # its tasks still waiting for a post (one did not reach a lost worker)
+                # return at once; its keys are released, not cancelled: cancelling keys
+                # the scheduler is recomputing can break the client's stream
+                self._cancel(p)
+                del p
+                self._recover(e.lost)
                 continue
             except _PostFailed:
                 continue  # posting is off now: the pass is submitted with its value
@@ -549,10 +554,10 @@ class ResidentShards:
         -------
         object or None
             The submitted pass, for ``map_sum(..., ahead=)``; None where posting is off
-            (``blockflow.ml.direct-gather`` false, or a post failed): the pass is then
-            submitted with its value.
+            (``blockflow.ml.post-ahead`` or ``blockflow.ml.direct-gather`` false, or a
+            post failed): the pass is then submitted with its value.
         """
-        if not self._direct or not any(a is POSTED for a in args):
+        if not (self._direct and self._post_ahead) or not any(a is POSTED for a in args):
             return None
         p = self._submit(func, rows, args, True, steal)
         self._ahead.add(p)
@@ -629,7 +634,7 @@ class ResidentShards:
 
         post = None
         if any(a is POSTED for a in args):
-            if self._direct:
+            if self._direct and self._post_ahead:
                 self._install(PostPlugin)
                 post = Posted()
             args = tuple((post or value) if a is POSTED else a for a in args)

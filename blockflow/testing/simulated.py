@@ -733,12 +733,15 @@ def slowed_to_device_speed(fn: Callable, clock: str = "wall", scale: float = 1.0
     Parameters
     ----------
     fn : callable
-    clock : {"wall", "cpu"}, default "wall"
+    clock : {"wall", "cpu", "thread"}, default "wall"
         How ``t`` is measured. ``"wall"``: elapsed seconds (for calls whose work includes
         sleeping or waiting). ``"cpu"``: the worker process's CPU seconds during the call
         (``time.process_time``, all its threads; use with one worker per process): on a
         host with fewer cores than simulated devices, the time a call waits for a shared
-        core is not work, and is not multiplied by ``1/s``.
+        core is not work, and is not multiplied by ``1/s``. ``"thread"``: the CPU seconds
+        of the thread that ran the call (``time.thread_time``): as ``"cpu"``, without the
+        worker's event loop (serving peers' transfers, heartbeats) meanwhile; for calls
+        whose compute stays on their own thread (one BLAS or intra-op thread).
     scale : float, default 1.0
         Device seconds per measured second at speed 1 (> 0). With ``scale=2`` the devices
         are twice as slow as the host's cores, so that several simulated devices' real
@@ -752,12 +755,15 @@ def slowed_to_device_speed(fn: Callable, clock: str = "wall", scale: float = 1.0
     Raises
     ------
     ValueError
-        If ``clock`` is not ``"wall"`` or ``"cpu"``, or ``scale`` is not positive.
+        If ``clock`` is not ``"wall"``, ``"cpu"`` or ``"thread"``, or ``scale`` is not
+        positive.
     """
     import functools
 
-    if clock not in ("cpu", "wall"):
-        raise ValueError(f"blockflow: clock must be 'wall' or 'cpu', got {clock!r}.")
+    if clock not in ("cpu", "wall", "thread"):
+        raise ValueError(f"blockflow: clock must be 'wall', 'cpu' or 'thread', got "
+                         f"{clock!r}.")
+    cpu_clock = time.thread_time if clock == "thread" else time.process_time
     if not scale > 0:
         raise ValueError(f"blockflow: scale must be positive, got {scale!r}.")
 
@@ -768,10 +774,10 @@ def slowed_to_device_speed(fn: Callable, clock: str = "wall", scale: float = 1.0
             return fn(*args, **kwargs)
         token = device._begin(0)
         try:
-            start, cpu = time.perf_counter(), time.process_time()
+            start, cpu = time.perf_counter(), cpu_clock()
             result = fn(*args, **kwargs)
             elapsed = time.perf_counter() - start
-            work = scale * (time.process_time() - cpu if clock == "cpu" else elapsed)
+            work = scale * (elapsed if clock == "wall" else cpu_clock() - cpu)
             speed = device.speed()
             # in all the call takes work / s: _run sleeps (its argument) / s
             remaining = work - elapsed * speed
