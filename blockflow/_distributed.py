@@ -1057,6 +1057,24 @@ def add_worker_handler(worker, name: str, fn: Callable) -> None:
     worker.handlers[name] = fn
 
 
+class HandlerPlugin:
+    """Base of a worker plugin that serves one comm handler on every worker, those that
+    join later included: subclasses set ``name`` (the plugin's), ``op`` (the handler's)
+    and ``make_handler(worker)``, which returns the handler for that worker."""
+
+    name: str
+    op: str
+
+    def make_handler(self, worker) -> Callable:
+        raise NotImplementedError
+
+    def setup(self, worker) -> None:
+        add_worker_handler(worker, self.op, self.make_handler(worker))
+
+    def teardown(self, worker) -> None:
+        remove_worker_handler(worker, self.op)
+
+
 def remove_worker_handler(worker, name: str) -> None:
     """Stop serving comm requests ``name`` on ``worker``."""
     worker.handlers.pop(name, None)

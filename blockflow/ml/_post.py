@@ -31,6 +31,8 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from blockflow._distributed import HandlerPlugin
+
 __all__ = ["POSTED", "Posted", "PostPlugin", "resolve"]
 
 HANDLER = "blockflow_post"
@@ -150,7 +152,7 @@ def _handler_for(worker):
     return blockflow_post
 
 
-class PostPlugin(WorkerPlugin):
+class PostPlugin(HandlerPlugin, WorkerPlugin):
     """Worker plugin installing the ``blockflow_post`` comm handler (see module doc).
 
     Registered by :class:`blockflow.ml.ResidentShards` before its first posted pass
@@ -160,10 +162,7 @@ class PostPlugin(WorkerPlugin):
 
     name = "blockflow-post"
 
-    def setup(self, worker) -> None:
-        from blockflow._distributed import add_worker_handler
-        add_worker_handler(worker, HANDLER, _handler_for(worker))
+    op = HANDLER
 
-    def teardown(self, worker) -> None:
-        from blockflow._distributed import remove_worker_handler
-        remove_worker_handler(worker, HANDLER)
+    def make_handler(self, worker):
+        return _handler_for(worker)

@@ -46,6 +46,8 @@ from typing import Any, Callable
 import numpy as np
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from blockflow._distributed import HandlerPlugin
+
 __all__ = ["RowPool", "StealPlugin", "call_cost", "run_stealing"]
 
 # (pass id, worker address) -> the pool of that worker's task in that pass
@@ -289,7 +291,7 @@ def _handler_for(worker):
     return blockflow_steal
 
 
-class StealPlugin(WorkerPlugin):
+class StealPlugin(HandlerPlugin, WorkerPlugin):
     """Worker plugin installing the ``blockflow_steal`` comm handler (see module doc).
 
     Registered by :class:`blockflow.ml.ResidentShards` when a pass may steal
@@ -299,13 +301,10 @@ class StealPlugin(WorkerPlugin):
 
     name = "blockflow-steal"
 
-    def setup(self, worker) -> None:
-        from blockflow._distributed import add_worker_handler
-        add_worker_handler(worker, HANDLER, _handler_for(worker))
+    op = HANDLER
 
-    def teardown(self, worker) -> None:
-        from blockflow._distributed import remove_worker_handler
-        remove_worker_handler(worker, HANDLER)
+    def make_handler(self, worker):
+        return _handler_for(worker)
 
 
 def _add(a, b):
