@@ -131,7 +131,7 @@ def test_identical_workers_move_almost_nothing_on_real_data():
 
     from blockflow.workloads import flights
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                       dashboard_address=":0", silence_logs=logging.CRITICAL) as cluster, \
             Client(cluster) as client:
         client.register_plugin(Rebalancer(policy="dynamic"))
