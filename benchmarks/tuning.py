@@ -17,8 +17,10 @@ alternating order:
 
 Each budget unit is ``--epochs-per-unit`` epochs (10: one epoch takes 4-15 ms, below a
 Dask task's own overhead), and each trial task takes ``k x CPU seconds / speed`` on its
-device (``slowed_to_device_speed(clock="thread", scale=k)``, ``k`` = 2 on a 2-core host, so
-that the four devices' real compute does not contend for the host's cores; the CPU seconds
+device (``slowed_to_device_speed(clock="thread", scale=k)``; ``k`` is ``--device-scale``,
+by default :func:`blockflow.testing.device_scale` at ``--device-fraction`` 0.7: 2 on a
+2-core host, so that the four devices' real compute does not contend for the host's cores;
+a larger ``k`` leaves more of the host to the scheduler and the client; the CPU seconds
 of the trial's own thread, one BLAS thread each, not the worker process's: its event loop
 serving checkpoint transfers and heartbeats meanwhile is no device work).
 
@@ -68,6 +70,13 @@ def main(argv=None) -> int:
                    help="epochs per budget unit: one digits epoch takes 4-15 ms, below a "
                         "Dask task's own overhead, so a unit of one epoch would measure "
                         "the overhead and not the placement")
+    p.add_argument("--device-scale", type=float, default=None,
+                   help="host-core seconds per simulated device-second at speed 1 "
+                        "(default: blockflow.testing.device_scale(speeds, "
+                        "--device-fraction))")
+    p.add_argument("--device-fraction", type=float, default=0.7,
+                   help="share 0-1 of the host's cores the simulated devices' real compute "
+                        "may use, when --device-scale is not given")
     a = p.parse_args(argv)
     speeds = tuple(float(s) for s in a.speeds.split(","))
 
@@ -75,7 +84,7 @@ def main(argv=None) -> int:
     from blockflow.tune import sample_configs, tune
     from blockflow.workloads.digits_tuning import SPACE, train_digits_mlp
 
-    scale = device_scale(speeds)
+    scale = a.device_scale or device_scale(speeds, fraction=a.device_fraction)
     train = slowed_to_device_speed(functools.partial(units_of_epochs, k=a.epochs_per_unit),
                                    clock=a.clock, scale=scale)
     configs = sample_configs(SPACE, a.configs, a.seed)
