@@ -1,4 +1,4 @@
-"""Hyperparameter tuning on uneven devices: blockflow's ASHA vs synchronous successive halving.
+"""Hyperparameter tuning on uneven devices: blockflow's ASHA vs Optuna on Dask and synchronous SH.
 
 The scenario of issue 12: a simulated cluster of 4 worker processes (1 thread each) at
 speeds 1, 1, 0.5 and 0.25 (:func:`blockflow.testing.simulated_cluster`; the speed factor
@@ -6,14 +6,24 @@ is applied to the real compute time of each trial task by
 :func:`blockflow.testing.slowed_to_device_speed`). The workload is the one ``blockflow run
 tune`` runs: ``--configs`` MLP configurations on scikit-learn's bundled digits
 (:mod:`blockflow.workloads.digits_tuning`, one epoch per budget unit), eta 3, budgets 1 to
-``--max-epochs``. Both methods run the same configurations on the same cluster, in
-alternating order:
+``--max-epochs``. All methods run the same configurations on the same cluster, in
+rotating order:
 
 * **ASHA** (:func:`blockflow.tune.tune`): no rung barrier, one trial task per free worker,
   promotions placed by earliest finish time on the speeds the tuner learns;
-* **synchronous SH** (``tune(..., synchronous=True)``): every rung waits for all its trials,
-  the top 1/eta go on; Dask places the tasks (dask-ml's ``SuccessiveHalvingSearchCV``
-  scheme; dask-ml itself does not install beside this Dask release).
+* **Optuna SH pruner**: the baseline the issue names where dask-ml's ``HyperbandSearchCV``
+  does not run with this Dask (it does not: dask-ml 2025.1.0's incremental searches call
+  ``dask.persist`` inside their coroutine and fail with "Attempting to use an asynchronous
+  Client in a synchronous context", dask/dask-ml#1016, open): Optuna with Dask's
+  recommended storage, ``optuna_integration.DaskStorage``, one ``study.optimize(n_trials=1)``
+  task per configuration placed by Dask (the pattern of Dask's and Optuna's examples), the
+  81 configurations enqueued, ``SuccessiveHalvingPruner(min_resource=1,
+  reduction_factor=eta)``, a score reported after every budget unit. Needs ``pip install
+  optuna optuna-integration``; left out, with a note, where they are not installed;
+* **synchronous SH** (``tune(..., synchronous=True)``): blockflow's own synchronous
+  successive halving, a stricter baseline (dask-ml's ``SuccessiveHalvingSearchCV`` scheme
+  with one task per trial and rung): every rung waits for all its trials, the top 1/eta go
+  on, each from its checkpoint; Dask places the tasks.
 
 Each budget unit is ``--epochs-per-unit`` epochs (10: one epoch takes 4-15 ms, below a
 Dask task's own overhead), and each trial task takes ``k x CPU seconds / speed`` on its
@@ -38,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import statistics
 import sys
 import time
@@ -47,6 +58,68 @@ def units_of_epochs(config, units, checkpoint=None, *, k=10):
     """A trial task of ``units`` budget units, ``k`` digits epochs each."""
     from blockflow.workloads.digits_tuning import train_digits_mlp
     return train_digits_mlp(config, int(round(units * k)), checkpoint)
+
+
+def optuna_objective(trial, configs, max_units, k, clock, scale):
+    """One Optuna trial: configuration ``config_id`` (enqueued) trained one budget unit at a
+    time (``k`` digits epochs, slowed to the simulated device's speed exactly as blockflow's
+    trial tasks are), its validation accuracy reported after each unit to Optuna's
+    successive-halving pruner; returns the accuracy at ``max_units``."""
+    import optuna
+
+    from blockflow.testing import slowed_to_device_speed
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # on the worker
+    cfg = configs[trial.suggest_int("config_id", 0, len(configs) - 1)]
+    step = slowed_to_device_speed(functools.partial(units_of_epochs, k=k), clock=clock,
+                                  scale=scale)
+    checkpoint = None
+    for unit in range(1, max_units + 1):
+        score, checkpoint = step(cfg, 1, checkpoint)
+        trial.report(score, unit)
+        if trial.should_prune():
+            raise optuna.TrialPruned()
+    return score
+
+
+def optuna_sh(client, configs, *, eta, max_units, k, clock, scale, speed_of):
+    """Optuna's successive-halving pruner on Dask the way Dask recommends it: the study in
+    ``optuna_integration.DaskStorage`` (on the scheduler), one ``study.optimize(n_trials=1)``
+    task per configuration, placed by Dask. Returns ``(wall s, best validation accuracy,
+    busy fraction, trial tasks, work bound s)``, busy time and work from Dask's task
+    stream."""
+    import optuna
+    from distributed import get_task_stream, wait
+    from optuna_integration import DaskStorage
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        storage=DaskStorage(client=client), direction="maximize",
+        sampler=optuna.samplers.RandomSampler(seed=0),
+        pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=eta))
+    for i in range(len(configs)):
+        study.enqueue_trial({"config_id": i})
+    objective = functools.partial(optuna_objective, configs=tuple(configs),
+                                  max_units=max_units, k=k, clock=clock, scale=scale)
+    with get_task_stream(client) as ts:
+        t0 = time.time()
+        futures = [client.submit(study.optimize, objective, n_trials=1, pure=False,
+                                 key=f"optuna-trial-{i}") for i in range(len(configs))]
+        wait(futures)
+        wall = time.time() - t0
+    client.gather(futures)  # raises a trial task's error
+    busy = work = 0.0
+    n = 0
+    for task in ts.data:
+        for ss in task["startstops"]:
+            if ss["action"] == "compute":
+                busy += ss["stop"] - ss["start"]
+                if str(task["key"]).startswith("optuna-trial"):
+                    n += 1
+                    work += (ss["stop"] - ss["start"]) * speed_of[task["worker"]]
+    threads = sum(client.nthreads().values())
+    return (wall, float(study.best_value), busy / (threads * wall), n,
+            work / sum(speed_of.values()))
 
 
 def _one_thread():
@@ -89,6 +162,13 @@ def main(argv=None) -> int:
                                    clock=a.clock, scale=scale)
     configs = sample_configs(SPACE, a.configs, a.seed)
     rows = {"ASHA (blockflow)": [], "synchronous SH": []}
+    try:
+        import optuna  # noqa: F401
+        import optuna_integration  # noqa: F401
+        rows["Optuna SH pruner"] = []
+    except ImportError:
+        print("optuna / optuna-integration are not installed (pip install optuna "
+              "optuna-integration): the Optuna baseline is left out", file=sys.stderr)
     with simulated_cluster(speeds=speeds) as client:
         client.run(_one_thread)
         # warm every worker (imports, first allocations) so no method pays for them
@@ -98,6 +178,15 @@ def main(argv=None) -> int:
         for rep in range(a.repeats):
             order = list(rows) if rep % 2 == 0 else list(rows)[::-1]
             for name in order:
+                if name == "Optuna SH pruner":
+                    out = optuna_sh(client, configs, eta=a.eta, max_units=a.max_epochs,
+                                     k=a.epochs_per_unit, clock=a.clock, scale=scale,
+                                     speed_of=speed_of)
+                    rows[name].append(out)
+                    print(f"rep {rep} {name}: wall {out[0]:.2f} s, best val accuracy "
+                          f"{out[1]:.4f}, busy {out[2]:.0%}, {out[3]} trial tasks, "
+                          f"work bound {out[4]:.2f} s", file=sys.stderr)
+                    continue
                 r = tune(train, configs, client=client, eta=a.eta, min_budget=1,
                          max_budget=a.max_epochs, synchronous=name != "ASHA (blockflow)",
                          publish=False)
@@ -113,17 +202,19 @@ def main(argv=None) -> int:
                       file=sys.stderr)
     med = {k: [statistics.median(x[i] for x in v) for i in range(5)] for k, v in rows.items()}
     base = med["synchronous SH"][0]
+    opt = med["Optuna SH pruner"][0] if "Optuna SH pruner" in med else math.nan
     print(f"Tuning {a.configs} MLP configurations on digits, eta {a.eta}, budgets 1-"
           f"{a.max_epochs} units of {a.epochs_per_unit} epochs, simulated speeds {speeds} "
           f"at {scale:g} device-seconds per CPU-second; medians of {a.repeats} runs "
           f"({time.strftime('%Y-%m-%d')})")
     print("'bound s': the run's own work (device-seconds x speed) over the fleet's total "
           "speed, what no placement can beat without doing less work")
-    print(f"{'method':<18} {'wall s':>8} {'vs sync':>8} {'bound s':>8} {'wall/bound':>10} "
-          f"{'best val acc':>13} {'busy':>6} {'tasks':>6}")
+    print("'tasks': trial tasks: one per trial and rung (blockflow), one per trial (Optuna)")
+    print(f"{'method':<18} {'wall s':>8} {'vs Optuna':>10} {'vs sync':>8} {'bound s':>8} "
+          f"{'wall/bound':>10} {'best val acc':>13} {'busy':>6} {'tasks':>6}")
     for k, (wall, best, busy, n, bound) in med.items():
-        print(f"{k:<18} {wall:8.2f} {wall / base:8.2f} {bound:8.2f} {wall / bound:10.2f} "
-              f"{best:13.4f} {busy:6.0%} {n:6.0f}")
+        print(f"{k:<18} {wall:8.2f} {wall / opt:10.2f} {wall / base:8.2f} {bound:8.2f} "
+              f"{wall / bound:10.2f} {best:13.4f} {busy:6.0%} {n:6.0f}")
     return 0
 
 
