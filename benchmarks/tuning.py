@@ -9,8 +9,11 @@ tune`` runs: ``--configs`` MLP configurations on scikit-learn's bundled digits
 ``--max-epochs``. All methods run the same configurations on the same cluster, in
 rotating order:
 
-* **ASHA** (:func:`blockflow.tune.tune`): no rung barrier, one trial task per free worker,
-  promotions placed by earliest finish time on the speeds the tuner learns;
+* **ASHA (blockflow)** (:func:`blockflow.tune.tune`): no rung barrier, one trial task per
+  free worker, promotions placed by earliest finish time on the speeds the tuner learns,
+  certain promotions first (``promotion="certain-first"``, the default);
+* **ASHA, Li et al. order** (``promotion="asha"``): the same, any promotion before a new
+  configuration, as in the paper's Algorithm 2;
 * **Optuna SH pruner**: the baseline the issue names where dask-ml's ``HyperbandSearchCV``
   does not run with this Dask (it does not: dask-ml 2025.1.0's incremental searches call
   ``dask.persist`` inside their coroutine and fail with "Attempting to use an asynchronous
@@ -161,7 +164,7 @@ def main(argv=None) -> int:
     train = slowed_to_device_speed(functools.partial(units_of_epochs, k=a.epochs_per_unit),
                                    clock=a.clock, scale=scale)
     configs = sample_configs(SPACE, a.configs, a.seed)
-    rows = {"ASHA (blockflow)": [], "synchronous SH": []}
+    rows = {"ASHA (blockflow)": [], "ASHA, Li et al. order": [], "synchronous SH": []}
     try:
         import optuna  # noqa: F401
         import optuna_integration  # noqa: F401
@@ -188,7 +191,8 @@ def main(argv=None) -> int:
                           f"work bound {out[4]:.2f} s", file=sys.stderr)
                     continue
                 r = tune(train, configs, client=client, eta=a.eta, min_budget=1,
-                         max_budget=a.max_epochs, synchronous=name != "ASHA (blockflow)",
+                         max_budget=a.max_epochs, synchronous=name == "synchronous SH",
+                         promotion="asha" if "Li" in name else "certain-first",
                          publish=False)
                 n_tasks = len(r.history)
                 h = r.history.dropna(subset=["duration"])
@@ -210,10 +214,10 @@ def main(argv=None) -> int:
     print("'bound s': the run's own work (device-seconds x speed) over the fleet's total "
           "speed, what no placement can beat without doing less work")
     print("'tasks': trial tasks: one per trial and rung (blockflow), one per trial (Optuna)")
-    print(f"{'method':<18} {'wall s':>8} {'vs Optuna':>10} {'vs sync':>8} {'bound s':>8} "
+    print(f"{'method':<22} {'wall s':>8} {'vs Optuna':>10} {'vs sync':>8} {'bound s':>8} "
           f"{'wall/bound':>10} {'best val acc':>13} {'busy':>6} {'tasks':>6}")
     for k, (wall, best, busy, n, bound) in med.items():
-        print(f"{k:<18} {wall:8.2f} {wall / opt:10.2f} {wall / base:8.2f} {bound:8.2f} "
+        print(f"{k:<22} {wall:8.2f} {wall / opt:10.2f} {wall / base:8.2f} {bound:8.2f} "
               f"{wall / bound:10.2f} {best:13.4f} {busy:6.0%} {n:6.0f}")
     return 0
 

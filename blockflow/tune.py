@@ -251,8 +251,9 @@ class _Trial:
 
 class _Tuner:
     def __init__(self, client, train, configs, *, eta, min_budget, max_budget, mode,
-                 synchronous, publish, name):
+                 synchronous, publish, name, promotion="certain-first"):
         self.client = client
+        self.promotion = promotion
         self.train = train
         self.eta = eta
         self.mode = mode
@@ -501,14 +502,18 @@ class _Tuner:
             self.retry.remove(job)
             take(free[0], job)
         certain = self._certain_jobs()
-        place(certain)
+        sure = {(j.trial, j.rung) for j in certain}
+        if self.promotion == "asha":  # Li et al.: any promotion before a new configuration
+            place([j if (j.trial, j.rung) in sure else replace(j, speculative=True)
+                   for j in self._promotable()])
+        else:
+            place(certain)
         while free:
             job = self._new_job()
             if job is None:
                 break
             take(free[0], job)
-        if free:  # nothing certain is left for these threads: ASHA's speculative promotions
-            sure = {(j.trial, j.rung) for j in certain}
+        if free and self.promotion != "asha":  # nothing certain left: ASHA's speculation
             place([replace(j, speculative=True) for j in self._promotable()
                    if (j.trial, j.rung) not in sure])
 
@@ -699,7 +704,8 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
          client=None, n_configs: int | None = None, eta: int | None = None,
          min_budget: float | None = None, max_budget: float | None = None,
          mode: str = "max", seed: int = 0, synchronous: bool = False,
-         publish: bool = True, name: str = "tune") -> TuneResult:
+         promotion: str | None = None, publish: bool = True,
+         name: str = "tune") -> TuneResult:
     """Tune hyperparameters by asynchronous successive halving, trials as Dask tasks.
 
     Parameters
@@ -729,6 +735,12 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
     synchronous : bool, default False
         Run synchronous successive halving instead (rung barrier, Dask's placement): the
         baseline ASHA is measured against.
+    promotion : {"certain-first", "asha"}, optional
+        Order of promotions (config ``blockflow.tune.promotion``, default
+        ``"certain-first"``, see the module doc): promotions synchronous SH is sure to make
+        first, then new configurations, then ASHA's speculative promotions for threads that
+        would idle (SH's work without its barriers); or ``"asha"``, Li et al.'s order (any
+        promotion before a new configuration: more work, busier devices).
     publish : bool, default True
         Publish the running trials in the scheduler's metadata for blockflow's dashboard
         page.
@@ -742,7 +754,7 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
     Raises
     ------
     ValueError
-        For ``eta < 2``, a bad ``mode``, or budgets out of order.
+        For ``eta < 2``, a bad ``mode`` or ``promotion``, or budgets out of order.
     RuntimeError
         If every worker leaves while trials are still to run.
 
@@ -758,6 +770,10 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
         raise ValueError(f"blockflow: tune needs eta >= 2, got {eta}.")
     if mode not in ("max", "min"):
         raise ValueError(f"blockflow: tune mode must be 'max' or 'min', got {mode!r}.")
+    promotion = config.get("tune.promotion", promotion)
+    if promotion not in ("certain-first", "asha"):
+        raise ValueError(f"blockflow: tune promotion must be 'certain-first' or 'asha', got "
+                         f"{promotion!r} (config blockflow.tune.promotion).")
     min_budget = config.get("tune.min-budget", min_budget)
     max_budget = config.get("tune.max-budget", max_budget)
     if isinstance(space, Mapping):
@@ -767,7 +783,7 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
     client = client or default_client()
     tuner = _Tuner(client, train, configs, eta=eta, min_budget=min_budget,
                    max_budget=max_budget, mode=mode, synchronous=synchronous,
-                   publish=publish, name=name)
+                   publish=publish, name=name, promotion=promotion)
     t0 = time.time()
     try:
         tuner.run_sync() if synchronous else tuner.run_async()

@@ -118,6 +118,24 @@ def test_certain_promotions_are_synchronous_sh_and_speculation_only_fills_idle_t
     assert h.epochs.sum() <= 1.15 * hs.epochs.sum(), (h.epochs.sum(), hs.epochs.sum())
 
 
+def test_li_et_al_order_speculates_before_the_last_configuration_starts(client):
+    """promotion="asha" (or the setting blockflow.tune.promotion): Li et al.'s order, any
+    promotion before a new configuration, so some speculative promotions start while
+    configurations are still waiting; a bad value is refused, naming the setting."""
+    import dask
+
+    xs = np.random.default_rng(6).permutation(81) / 80
+    configs = [{"x": float(x), "unit": 0.005} for x in xs]
+    with dask.config.set({"blockflow.tune.promotion": "asha"}):
+        r = tune(train, configs, client=client, eta=3, min_budget=1, max_budget=9)
+    h = r.history
+    assert r.best_trial == int(np.argmax(xs))
+    last_new = h.loc[h.rung == 0, "submitted"].max()
+    assert (h.speculative & (h.submitted < last_new)).any()
+    with pytest.raises(ValueError, match="blockflow.tune.promotion"):
+        tune(train, configs, client=client, promotion="eager")
+
+
 def test_failed_trial_is_recorded_and_the_run_goes_on(client):
     xs = np.random.default_rng(2).permutation(27) / 26
     configs = [{"x": float(x), "boom": i in (3, 11)} for i, x in enumerate(xs)]
