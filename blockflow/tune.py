@@ -669,8 +669,8 @@ class _Tuner:
             rows.append(row)
         trials = pd.DataFrame(rows).set_index("trial")
         cols = ["trial", "rung", "budget", "epochs", "score", "status", "worker", "promotion",
-                "speculative", "speed", "fastest_free", "submitted", "started", "finished", "duration",
-                "error"]
+                "speculative", "speed", "fastest_free", "submitted", "started", "finished",
+                "duration", "error"]
         history = pd.DataFrame(self.history, columns=cols)
         threads = max(sum(self.workers.values()), 1)
         busy = float(np.nansum(history["duration"])) / (threads * wall) if wall > 0 else 0.0

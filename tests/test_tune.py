@@ -270,7 +270,8 @@ def test_dashboard_shows_running_trials():
     t = seen[-1]
     assert t["name"] == "dash-test" and t["n_trials"] == 9
     workers = set(client_workers := [r["worker"] for s in seen for r in s["running"]])
-    assert len(workers) == 2 and all(len(s["running"]) <= 2 for s in seen), [s["running"] for s in seen if len(s["running"]) > 2][:1]
+    assert len(workers) == 2 and all(len(s["running"]) <= 2 for s in seen), \
+        [s["running"] for s in seen if len(s["running"]) > 2][:1]
     assert {"trial", "rung", "epochs", "worker", "since", "config"} <= set(t["running"][0])
     assert "<h4>Tuning: dash-test</h4>" in html_text and "<td>" in html_text
     assert final["finished"] and final["n_done"] == 9 and final["running"] == []
