@@ -157,9 +157,33 @@ def _client(address: str | None, gpu: str | None = None, n_workers: int | None =
         if client is None:
             pass
         elif address is None:
+            _close_workers_first(client)
             client.shutdown()  # we started the cluster: stop its workers and scheduler
         else:
             client.close()  # someone else's cluster: leave it running
+
+
+def _close_workers_first(client, timeout: float = 30.0) -> None:
+    """Close an embedded cluster's workers before its scheduler.
+
+    ``Client.shutdown()`` stops the scheduler while the workers still run: a worker whose
+    heartbeat is in flight then logs "Failed to communicate with scheduler during
+    heartbeat" with a CommClosedError traceback (distributed logs it at ERROR; seen in CI
+    after a run that had succeeded). Scaling the cluster to zero closes each worker in
+    order (its heartbeat stopped, then unregistered) while the scheduler still answers.
+    Best effort: whatever it leaves, ``shutdown`` stops."""
+    cluster = getattr(client, "cluster", None)
+    if cluster is None or not hasattr(cluster, "scale"):
+        return
+    import time
+
+    try:
+        cluster.scale(0)
+        deadline = time.monotonic() + timeout
+        while client.nthreads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # a cluster already closing, or a worker stuck: shutdown handles it
+        pass
 
 
 @contextlib.contextmanager
