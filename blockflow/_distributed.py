@@ -51,6 +51,7 @@ from typing import Any
 from dask.utils import key_split
 from distributed.active_memory_manager import ActiveMemoryManagerPolicy, Suggestion
 from distributed.core import Status
+from distributed.diagnostics.plugin import WorkerPlugin
 
 from blockflow.metrics import CAPACITY_METRIC, WorkerMetrics, clean_number, read_metrics
 
@@ -1073,6 +1074,53 @@ class HandlerPlugin:
 
     def teardown(self, worker) -> None:
         remove_worker_handler(worker, self.op)
+
+
+#: What a worker logs (at ERROR, with a traceback) when its heartbeat fails to reach the
+#: scheduler: ``Worker.close`` stops the heartbeat's periodic callback, then closes its
+#: pooled comms under a heartbeat still in flight, and the worker logs its own shutdown as a
+#: failure (dask/distributed#7192, open; distributed 2026.7.1, worker.py ``heartbeat``).
+HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat."
+
+
+class _ClosingHeartbeatFilter(logging.Filter):
+    """Drop :data:`HEARTBEAT_FAILED` while a worker of this process is closing: its own
+    ``close`` cut the heartbeat. While every worker runs, the record passes, traceback and
+    all (a real failure to reach the scheduler). One per process, on the
+    ``distributed.worker`` logger; workers are held weakly."""
+
+    def __init__(self):
+        super().__init__()
+        self.workers: weakref.WeakSet = weakref.WeakSet()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != HEARTBEAT_FAILED:
+            return True
+        closing = (Status.closing, Status.closing_gracefully)
+        return not any(getattr(w, "status", None) in closing for w in list(self.workers))
+
+
+_closing_filter: _ClosingHeartbeatFilter | None = None
+
+
+def quiet_closing_heartbeat(worker) -> None:
+    """Keep ``worker``'s own shutdown from logging a failed heartbeat with a traceback
+    (:class:`_ClosingHeartbeatFilter`); idempotent."""
+    global _closing_filter
+    if _closing_filter is None:
+        _closing_filter = _ClosingHeartbeatFilter()
+        logging.getLogger("distributed.worker").addFilter(_closing_filter)
+    _closing_filter.workers.add(worker)
+
+
+class QuietClose(WorkerPlugin):
+    """Worker plugin that installs :func:`quiet_closing_heartbeat` on every worker (blockflow
+    registers it on the clusters it starts, whose shutdown it owns)."""
+
+    name = "blockflow-quiet-close"
+
+    def setup(self, worker) -> None:
+        quiet_closing_heartbeat(worker)
 
 
 def remove_worker_handler(worker, name: str) -> None:

@@ -204,6 +204,8 @@ def connect(
                     raise RuntimeError(_main_guard.MESSAGE) from None
                 raise
         client = Client(cluster)  # takes the cluster's security
+        # its shutdown is ours: no worker logs its own close as a failed heartbeat
+        client.register_plugin(_distributed.QuietClose())
     _register_plugin(client, plugin)
     if address is not None and policy is not None:
         _warn_if_other_policy(client, plugin.policy_name)
