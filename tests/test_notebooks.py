@@ -40,7 +40,12 @@ PROBES = {
         " 'dynamic_tasks': list(dynamic['per_worker'].tasks),"
         " 'actions': sorted(set(decisions.action))}"
     ),
-    "05-training-and-tuning": "{'accuracy': accuracy, 'max_rel': max_rel, 'glm_rel': glm_rel}",
+    "05-training-and-tuning": (
+        "{'accuracy': accuracy, 'max_rel': max_rel, 'glm_rel': glm_rel,"
+        " 'tune_best': result.best_score, 'sync_best': sync.best_score,"
+        " 'tune_tasks': len(result.history), 'sync_tasks': len(sync.history),"
+        " 'statuses': sorted(set(result.trials.status))}"
+    ),
     "06-inference-and-model-parallelism": (
         "{'agree': agree, 'accuracy': accuracy, 'routed_ok': routed_ok, 'tp_rel': tp_rel,"
         " 'widths': list(tp.widths.values()), 'pipe_rel': pipe_rel,"
@@ -206,6 +211,12 @@ def _check_training(nb, values):
     assert values["glm_rel"] <= 1e-4, values
     assert "largest relative difference from single-process PyTorch" in _output_of(
         nb, "opt = torch.optim.Adam")
+    # ASHA finds a trial at least as good as synchronous SH's best, doing no more than a
+    # few speculative tasks beyond SH's 27 + 9 + 3
+    assert values["tune_best"] >= values["sync_best"] >= 0.9, values
+    assert values["sync_tasks"] == 39 and 39 <= values["tune_tasks"] <= 45, values
+    assert values["statuses"] == ["completed", "stopped"], values
+    assert "best validation accuracy" in _output_of(nb, "from blockflow.tune import tune")
 
 
 def _check_parallelism(nb, values):
