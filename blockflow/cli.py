@@ -524,10 +524,11 @@ def tune_command(n_configs: int, eta: int, max_epochs: int, seed: int, output: s
     trials running as Dask tasks on the fastest free workers."""
     try:
         from blockflow.workloads import digits_tuning
+        import sklearn  # noqa: F401  (the trials' model; digits_tuning imports it lazily)
     except ImportError as e:  # scikit-learn missing
         raise click.ClickException(f"blockflow: run tune needs scikit-learn ({e}); install "
                                    f"it with pip install 'blockflow[ai]'.") from None
-    with _job(output, overwrite, cluster) as client:
+    with _job(output, overwrite, cluster, (FileExistsError, RuntimeError)) as client:
         result = digits_tuning.run(client, n_configs=n_configs, eta=eta, max_budget=max_epochs,
                                    seed=seed, output=output, overwrite=overwrite)
         _written()

@@ -180,6 +180,9 @@ class TuneResult:
         Seconds from the first submission to the last result.
     busy_fraction : float
         Summed task time over (worker threads x wall time), 0-1.
+    promotion : str
+        The promotion order used (``"certain-first"``, ``"asha"``; ``"synchronous"`` for
+        ``synchronous=True``).
     """
 
     trials: Any
@@ -190,6 +193,7 @@ class TuneResult:
     best_checkpoint: Any
     wall_time: float
     busy_fraction: float
+    promotion: str = "certain-first"
 
 
 def _run_trial(train: Callable, cfg: dict, epochs: float, previous: tuple | None) -> tuple:
@@ -283,6 +287,9 @@ class _Tuner:
     # --- scores, speeds, estimates -------------------------------------------------
 
     def _key(self, score: float) -> float:
+        """Sort key, best first; a NaN score (a diverged trial) ranks below every number."""
+        if math.isnan(score):
+            return math.inf
         return -score if self.mode == "max" else score
 
     def _refresh(self, now: float) -> None:
@@ -504,8 +511,10 @@ class _Tuner:
         certain = self._certain_jobs()
         sure = {(j.trial, j.rung) for j in certain}
         if self.promotion == "asha":  # Li et al.: any promotion before a new configuration
-            place([j if (j.trial, j.rung) in sure else replace(j, speculative=True)
-                   for j in self._promotable()])
+            # (the certain ones too: a rung with fewer than eta results promotes none by
+            # ASHA's rule, and a small run would never reach the top rung)
+            place(certain + [replace(j, speculative=True) for j in self._promotable()
+                             if (j.trial, j.rung) not in sure])
         else:
             place(certain)
         while free:
@@ -680,7 +689,8 @@ class _Tuner:
             best_config=None if best is None else dict(self.trials[best].config),
             best_score=math.nan if best is None else self.trials[best].score,
             best_checkpoint=None if best is None else self.trials[best].checkpoint.result()[1],
-            wall_time=wall, busy_fraction=min(busy, 1.0))
+            wall_time=wall, busy_fraction=min(busy, 1.0),
+            promotion="synchronous" if self.synchronous else self.promotion)
 
 
 def _plain(cfg: Mapping) -> dict:
@@ -693,9 +703,10 @@ def _rung_budgets(min_budget: float, max_budget: float, eta: int) -> list[float]
         raise ValueError(f"blockflow: tune needs 0 < min_budget <= max_budget, got "
                          f"{min_budget} and {max_budget}.")
     budgets = [min_budget]
-    while budgets[-1] * eta <= max_budget * (1 + 1e-9):
+    # within a relative 1e-9 a budget is max_budget (0.7 * 3 is 2.0999999999999996, not 2.1)
+    while budgets[-1] * eta < max_budget * (1 - 1e-9):
         budgets.append(budgets[-1] * eta)
-    if budgets[-1] < max_budget:
+    if budgets[-1] < max_budget * (1 - 1e-9):
         budgets.append(max_budget)
     return [int(b) if float(b).is_integer() else b for b in budgets]
 
@@ -754,7 +765,13 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
     Raises
     ------
     ValueError
-        For ``eta < 2``, a bad ``mode`` or ``promotion``, or budgets out of order.
+        For ``eta`` not a whole number >= 2, a bad ``mode`` or ``promotion``, budgets out
+        of order, or no configurations.
+
+    Warns
+    -----
+    RuntimeWarning
+        When every trial failed (the result holds their errors).
     RuntimeError
         If every worker leaves while trials are still to run.
 
@@ -765,9 +782,11 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
     """
     from distributed import default_client
 
-    eta = int(config.get("tune.eta", eta))
-    if eta < 2:
-        raise ValueError(f"blockflow: tune needs eta >= 2, got {eta}.")
+    eta = config.get("tune.eta", eta)
+    if isinstance(eta, bool) or not float(eta).is_integer() or eta < 2:
+        raise ValueError(f"blockflow: tune needs a whole number eta >= 2 (config "
+                         f"blockflow.tune.eta), got {eta!r}.")
+    eta = int(eta)
     if mode not in ("max", "min"):
         raise ValueError(f"blockflow: tune mode must be 'max' or 'min', got {mode!r}.")
     promotion = config.get("tune.promotion", promotion)
@@ -780,6 +799,9 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
         configs = sample_configs(space, int(config.get("tune.n-configs", n_configs)), seed)
     else:
         configs = [dict(c) for c in space]
+    if not configs:
+        raise ValueError("blockflow: tune got no configurations to try; pass a non-empty "
+                         "list of configurations, or a search space with n_configs >= 1.")
     client = client or default_client()
     tuner = _Tuner(client, train, configs, eta=eta, min_budget=min_budget,
                    max_budget=max_budget, mode=mode, synchronous=synchronous,
@@ -796,4 +818,11 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
                 tuner._publish(force=True)
             except Exception:  # the client may be closing: the table is only for display
                 pass
-    return tuner.result(time.time() - t0)
+    result = tuner.result(time.time() - t0)
+    if len(result.trials) and (result.trials["status"] == "failed").all():
+        import warnings
+
+        warnings.warn(f"blockflow: every one of the {len(result.trials)} trials failed; the "
+                      f"first error: {result.trials['error'].iloc[0]}", RuntimeWarning,
+                      stacklevel=2)
+    return result

@@ -315,3 +315,61 @@ def test_worker_killed_mid_run_loses_no_trial():
     best = int(np.argmax(xs))
     assert r.best_trial == best and math.isclose(r.best_score, 9 / 10)
     assert victim not in set(r.history.worker[r.history.started > 0].tail(5))
+
+
+def nan_for_zero(cfg, epochs, checkpoint):
+    """Diverges (a NaN score) for x == 0."""
+    score, done = train(cfg, epochs, checkpoint)
+    return (math.nan if cfg["x"] == 0 else score), done
+
+
+@pytest.mark.parametrize("promotion", ["certain-first", "asha"])
+def test_a_nan_score_ranks_below_every_number(client, promotion):
+    """A diverged trial (score NaN) is never promoted over a real score nor reported best,
+    in either order and in the synchronous baseline."""
+    configs = [{"x": float(x), "unit": 0.002} for x in range(9)]
+    for kw in ({"promotion": promotion}, {"synchronous": True}):
+        r = tune(nan_for_zero, configs, client=client, eta=3, min_budget=1, max_budget=9,
+                 **kw)
+        assert r.best_trial == 8 and not math.isnan(r.best_score), kw
+        assert r.trials.loc[0, "rung"] == 0 and r.trials.loc[0, "status"] == "stopped", kw
+    r = tune(nan_for_zero, configs, client=client, eta=3, min_budget=1, max_budget=9,
+             promotion=promotion, mode="min")
+    assert r.best_trial == 1, r.trials  # x = 0 would be "best" if NaN compared as a number
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_small_runs_reach_the_top_rung_in_either_order(client, n):
+    """Fewer results in a rung than eta: ASHA's rule promotes none, but synchronous SH takes
+    at least one to the next rung, and so does each order."""
+    configs = [{"x": float(x), "unit": 0.002} for x in range(n)]
+    for promotion in ("certain-first", "asha"):
+        r = tune(train, configs, client=client, eta=3, min_budget=1, max_budget=9,
+                 promotion=promotion)
+        assert r.best_trial == n - 1 and (r.trials.status == "completed").sum() >= 1, promotion
+        assert r.trials.loc[n - 1, "budget"] == 9, promotion
+
+
+def test_float_budgets_snap_to_max_and_bad_searches_are_refused(client):
+    from blockflow.tune import _rung_budgets
+
+    assert _rung_budgets(0.7, 2.1, 3) == [0.7, 2.1]  # 0.7 * 3 = 2.0999999999999996
+    assert _rung_budgets(1, 27, 3) == [1, 3, 9, 27] and _rung_budgets(1, 10, 3) == [1, 3, 9, 10]
+    assert _rung_budgets(2, 2, 3) == [2]
+    with pytest.raises(ValueError, match="no configurations"):
+        tune(train, [], client=client)
+    with pytest.raises(ValueError, match="no configurations"):
+        tune(train, {"x": [1.0, 2.0]}, n_configs=0, client=client)
+    with pytest.raises(ValueError, match="whole number eta"):
+        tune(train, [{"x": 1.0}], client=client, eta=2.7)
+
+
+def always_fails(cfg, epochs, checkpoint):
+    raise ModuleNotFoundError("No module named 'sklearn'")
+
+
+def test_every_trial_failing_warns_with_the_first_error(client):
+    configs = [{"x": float(x)} for x in range(3)]
+    with pytest.warns(RuntimeWarning, match="every one of the 3 trials failed.*sklearn"):
+        r = tune(always_fails, configs, client=client, eta=3, min_budget=1, max_budget=3)
+    assert (r.trials.status == "failed").all() and r.best_trial is None

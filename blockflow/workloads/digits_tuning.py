@@ -130,7 +130,9 @@ class DigitsTuneResult:
             "workload": "tune",
             "model": "sklearn MLPClassifier (one hidden layer, Adam) on the bundled digits",
             "search": "asynchronous successive halving (Li et al. 2020)",
-            "n_configs": self.n_configs, "eta": self.eta, "max_budget_epochs": self.max_budget,
+            "promotion": t.promotion,
+            "n_configs": self.n_configs, "eta": self.eta, "min_budget_epochs": 1,
+            "max_budget_epochs": self.max_budget,
             "seed": self.seed,
             "best_trial": t.best_trial, "best_config": t.best_config,
             "best_validation_accuracy": t.best_score, "test_accuracy": self.test_accuracy,
@@ -199,17 +201,26 @@ def run(client, *, n_configs: int = 81, eta: int = 3, max_budget: int = 27, seed
     ------
     FileExistsError
         If ``output`` exists and ``overwrite`` is False (before any trial runs).
+    RuntimeError
+        If every trial failed (nothing is written).
     """
     what = f"tuning the digits MLP ({n_configs} configurations)"
 
     def compute(job: Job) -> DigitsTuneResult:
         job.start()
-        with run_scope(what, job.run_id):
+        with run_scope(what, job.run_id), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all failed: raised below
             tuned = tune(train_digits_mlp, SPACE, client=job.client, n_configs=n_configs,
                          eta=eta, min_budget=1, max_budget=max_budget, seed=seed,
                          name=what)
         job.stop()
         _, _, _, _, X_te, y_te = digits_split()
+        if tuned.best_checkpoint is None:
+            first = tuned.trials["error"].dropna()
+            raise RuntimeError(
+                f"blockflow: every tuning trial failed, so there is no model to write; the "
+                f"first error: {first.iloc[0] if len(first) else 'unknown'} (scikit-learn "
+                f"must be installed where the workers run: pip install 'blockflow[ai]').")
         acc = float(tuned.best_checkpoint.score(X_te, y_te))
         return DigitsTuneResult(tuned, acc, n_configs, eta, max_budget, seed, job.wall_time,
                                 job.task_counts)
