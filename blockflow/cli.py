@@ -515,11 +515,16 @@ def train_command(scale: int, epochs: int, batch_size: int, seed: int, output: s
               help="Epochs of the top rung (rung 0 trains one).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the configurations (>= 0).")
+@click.option("--promotion", type=click.Choice(["certain-first", "asha"]), default=None,
+              help="Order of promotions: certain-first (synchronous SH's promotions first, "
+                   "speculative ones for idle threads) or asha (Li et al.'s order). "
+                   "Default: the setting blockflow.tune.promotion (certain-first).")
 @_output_options("blockflow-tune-out",
                  "Folder for trials.parquet, history.parquet, best_model.pkl, manifest.json.")
 @_cluster_options
-def tune_command(n_configs: int, eta: int, max_epochs: int, seed: int, output: str,
-                 overwrite: bool, **cluster: Any) -> None:
+def tune_command(n_configs: int, eta: int, max_epochs: int, seed: int,
+                 promotion: str | None, output: str, overwrite: bool,
+                 **cluster: Any) -> None:
     """Tune a small MLP on scikit-learn's bundled digits by asynchronous successive halving,
     trials running as Dask tasks on the fastest free workers."""
     try:
@@ -530,7 +535,8 @@ def tune_command(n_configs: int, eta: int, max_epochs: int, seed: int, output: s
                                    f"it with pip install 'blockflow[ai]'.") from None
     with _job(output, overwrite, cluster, (FileExistsError, RuntimeError)) as client:
         result = digits_tuning.run(client, n_configs=n_configs, eta=eta, max_budget=max_epochs,
-                                   seed=seed, output=output, overwrite=overwrite)
+                                   seed=seed, promotion=promotion, output=output,
+                                   overwrite=overwrite)
         _written()
         click.echo(result.report())
         click.echo("")

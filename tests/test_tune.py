@@ -213,13 +213,15 @@ def test_cli_run_tune_writes_trials_and_best_model(tmp_path):
     out = tmp_path / "tuned"
     res = CliRunner().invoke(cli, ["run", "tune", "--configs", "9", "--max-epochs", "9",
                                    "--output", str(out), "--n-workers", "2",
-                                   "--threads-per-worker", "1", "--gpu", "false"],
+                                   "--threads-per-worker", "1", "--gpu", "false",
+                                   "--promotion", "asha"],
                              catch_exceptions=False)
     assert res.exit_code == 0, res.output
     assert "blockflow tune: 9 MLP configurations on digits, eta 3, up to 9 epochs" in res.output
     assert sorted(p.name for p in out.iterdir()) == [
         "best_model.pkl", "history.parquet", "manifest.json", "trials.parquet"]
     m = json.loads((out / "manifest.json").read_text())
+    assert m["promotion"] == "asha" and m["min_budget_epochs"] == 1
     trials = pd.read_parquet(out / "trials.parquet")
     history = pd.read_parquet(out / "history.parquet")
     assert len(trials) == 9 and m["trial_tasks"] == len(history) >= 9 + 3 + 1

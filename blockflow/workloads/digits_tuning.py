@@ -175,7 +175,8 @@ def _write(result: DigitsTuneResult, directory) -> dict[str, Any]:
 
 
 def run(client, *, n_configs: int = 81, eta: int = 3, max_budget: int = 27, seed: int = 0,
-        output: str | None = None, overwrite: bool = False) -> DigitsTuneResult:
+        promotion: str | None = None, output: str | None = None,
+        overwrite: bool = False) -> DigitsTuneResult:
     """Tune the digits MLP on a cluster; write the trials and the best model atomically.
 
     Parameters
@@ -188,6 +189,9 @@ def run(client, *, n_configs: int = 81, eta: int = 3, max_budget: int = 27, seed
         Epochs of the top rung (rung 0 trains one).
     seed : int, default 0
         Seed of the configurations.
+    promotion : {"certain-first", "asha"}, optional
+        Order of promotions (:func:`blockflow.tune.tune`; default: the setting
+        ``blockflow.tune.promotion``).
     output : str, optional
         Folder for ``trials.parquet``, ``history.parquet``, ``best_model.pkl`` and
         ``manifest.json``.
@@ -212,6 +216,7 @@ def run(client, *, n_configs: int = 81, eta: int = 3, max_budget: int = 27, seed
             warnings.simplefilter("ignore", RuntimeWarning)  # all failed: raised below
             tuned = tune(train_digits_mlp, SPACE, client=job.client, n_configs=n_configs,
                          eta=eta, min_budget=1, max_budget=max_budget, seed=seed,
+                         promotion=promotion,
                          name=what)
         job.stop()
         _, _, _, _, X_te, y_te = digits_split()
