@@ -164,7 +164,11 @@ def main(argv=None) -> int:
     train = slowed_to_device_speed(functools.partial(units_of_epochs, k=a.epochs_per_unit),
                                    clock=a.clock, scale=scale)
     configs = sample_configs(SPACE, a.configs, a.seed)
-    rows = {"ASHA (blockflow)": [], "ASHA, Li et al. order": [], "synchronous SH": []}
+    # the blockflow methods: tune()'s arguments
+    methods = {"ASHA (blockflow)": {"promotion": "certain-first"},
+               "ASHA, Li et al. order": {"promotion": "asha"},
+               "synchronous SH": {"synchronous": True}}
+    rows = {name: [] for name in methods}
     try:
         import optuna  # noqa: F401
         import optuna_integration  # noqa: F401
@@ -191,9 +195,7 @@ def main(argv=None) -> int:
                           f"work bound {out[4]:.2f} s", file=sys.stderr)
                     continue
                 r = tune(train, configs, client=client, eta=a.eta, min_budget=1,
-                         max_budget=a.max_epochs, synchronous=name == "synchronous SH",
-                         promotion="asha" if "Li" in name else "certain-first",
-                         publish=False)
+                         max_budget=a.max_epochs, publish=False, **methods[name])
                 n_tasks = len(r.history)
                 h = r.history.dropna(subset=["duration"])
                 # the work done, in device-seconds at speed 1, spread over the whole fleet

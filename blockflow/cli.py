@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from typing import Any, Callable, Iterator
 
 import click
@@ -168,15 +169,15 @@ def _close_workers_first(client, timeout: float = 30.0) -> None:
 
     ``Client.shutdown()`` stops the scheduler while the workers still run: a worker whose
     heartbeat is in flight then logs "Failed to communicate with scheduler during
-    heartbeat" with a CommClosedError traceback (distributed logs it at ERROR; seen in CI
-    after a run that had succeeded). Scaling the cluster to zero closes each worker in
-    order (its heartbeat stopped, then unregistered) while the scheduler still answers.
+    heartbeat" with a CommClosedError traceback, as a *running* worker (distributed logs
+    it at ERROR; seen in CI after a run that had succeeded). Scaling the cluster to zero
+    first closes each worker in order while the scheduler still answers; a heartbeat its
+    own close cuts is then logged while the worker is closing, which the filter blockflow
+    installs on the workers it starts drops (:class:`blockflow._distributed.QuietClose`).
     Best effort: whatever it leaves, ``shutdown`` stops."""
     cluster = getattr(client, "cluster", None)
     if cluster is None or not hasattr(cluster, "scale"):
         return
-    import time
-
     try:
         cluster.scale(0)
         deadline = time.monotonic() + timeout

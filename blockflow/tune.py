@@ -767,13 +767,13 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
     ValueError
         For ``eta`` not a whole number >= 2, a bad ``mode`` or ``promotion``, budgets out
         of order, or no configurations.
+    RuntimeError
+        If every worker leaves while trials are still to run.
 
     Warns
     -----
     RuntimeWarning
         When every trial failed (the result holds their errors).
-    RuntimeError
-        If every worker leaves while trials are still to run.
 
     Notes
     -----
