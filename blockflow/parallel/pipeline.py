@@ -8,8 +8,9 @@ the stage's worker; with ``p`` stages of equal time the idle ("bubble") fraction
 ``(p - 1) / (m + p - 1)``. Each stage's forward and backward tasks run on its worker only, in
 micro-batch order (one graph submitted at once, task priorities forward ``-j`` and backward
 ``-(m + j)``: a worker runs its ready tasks highest priority first), and a stage starts its
-backward passes only after its last forward pass (GPipe's flush: a dependency on it, on the
-same worker, no transfer). Ordering by dependencies between a stage's tasks instead would
+backward passes only after all its forward passes (GPipe's flush: a dependency on each of
+them, on the same worker, no transfer; on the last one alone, an earlier micro-batch's
+forward whose input arrived late could still follow a backward). Ordering by dependencies between a stage's tasks instead would
 cost a scheduler round trip per task.
 
 The **partition** is chosen from measured times, not equal layer counts: every layer's
@@ -400,9 +401,11 @@ class PipelineParallel:
                 for j in range(m):
                     dy = targets[j]
                     for s in range(p - 1, -1, -1):
-                        # after the stage's own forward of this micro-batch and after its
-                        # last forward (GPipe's flush); same worker, no transfer
-                        after = [fwd[s][j], fwd[s][m - 1]]
+                        # after every forward of the stage (GPipe's flush): its last
+                        # micro-batch's forward alone is not enough, as the forwards of
+                        # earlier ones may finish after it when their inputs arrive late
+                        # (seen in CI); same worker, no transfer
+                        after = fwd[s]
                         with dask.annotate(priority=-(m + j), **on[s]):
                             dy = delayed(_stage_backward, pure=False)(
                                 self._stages[s], dy, token, j,
