@@ -39,8 +39,8 @@ import dask.array as da
 import numpy as np
 
 import blockflow
-from blockflow._client import workers_info
-from blockflow.inference import model_stats, ship_model
+from blockflow.cluster.identity import workers_info
+from blockflow.ml.inference import model_stats, ship_model
 from blockflow.testing import simulated_cluster, simulated_kernel
 
 MiB = 2**20

@@ -37,8 +37,8 @@ import time
 import numpy as np
 
 import blockflow
-from blockflow._client import workers_info
-from blockflow.parallel import Linear, random_blocks
+from blockflow.cluster.identity import workers_info
+from blockflow.ml.parallel import Linear, random_blocks
 from blockflow.testing import set_speed, simulated_cluster, simulated_kernel
 
 MiB = 2**20

@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     speeds = tuple(float(s) for s in a.speeds.split(","))
 
     from blockflow.testing import device_scale, simulated_cluster, slowed_to_device_speed
-    from blockflow.tune import sample_configs, tune
+    from blockflow.ml.tune import sample_configs, tune
     from blockflow.workloads.digits_tuning import SPACE, train_digits_mlp
 
     scale = a.device_scale or device_scale(speeds, fraction=a.device_fraction)
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
         client.run(_one_thread)
         # warm every worker (imports, first allocations) so no method pays for them
         client.run(lambda: train_digits_mlp(configs[0], 1) and None)
-        from blockflow._client import workers_info
+        from blockflow.cluster.identity import workers_info
         speed_of = {addr: speeds[int(w["name"])] for addr, w in workers_info(client).items()}
         for rep in range(a.repeats):
             order = list(rows) if rep % 2 == 0 else list(rows)[::-1]

@@ -13,7 +13,7 @@ from blockflow.backends import (
     to_host,
 )
 from blockflow.blockwise import map_blocks
-from blockflow.cluster import connect, decisions, plugin_status, task_counts
+from blockflow.cluster.connection import connect, decisions, plugin_status, task_counts
 from blockflow.decompose import BlockResize, fit_blocks, split_skewed
 from blockflow.errors import (
     BlockflowWarning,
@@ -23,13 +23,13 @@ from blockflow.errors import (
     ResourceError,
     WorkerLostError,
 )
-from blockflow.inference import predict
-from blockflow.inventory import Inventory, inventory
-from blockflow.parallel import PipelineParallel, TensorParallelMLP
-from blockflow.rebalance import rebalance
+from blockflow.ml.inference import predict
+from blockflow.cluster.inventory import Inventory, inventory
+from blockflow.ml.parallel import PipelineParallel, TensorParallelMLP
+from blockflow.cluster.rebalance import rebalance
 from blockflow.reduction import choose_split_every, tree_reduce
-from blockflow.report import RunReport, run_report
-from blockflow.routing import Router
+from blockflow.cluster.report import RunReport, run_report
+from blockflow.ml.routing import Router
 from blockflow import scheduling
 
 __version__ = "0.1.0"

@@ -35,7 +35,7 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 
-from blockflow._moments import merge_moments
+from blockflow.core.moments import merge_moments
 from blockflow.errors import not_a_collection
 from blockflow.reduction import tree_reduce
 
@@ -138,7 +138,7 @@ def _moments_chunk(part, *, by: list[str], columns: list[str], dropna: bool):
 
 
 def _merge_moments(partials, *, by: list[str], columns: list[str]):
-    """Merge partial moments of the same groups (:func:`blockflow._moments.merge_moments`).
+    """Merge partial moments of the same groups (:func:`blockflow.core.moments.merge_moments`).
 
     The rows of one group are its parts: their ``(n_i, mean_i, M2_i)`` merge into
     ``n = sum n_i``, ``mean = sum n_i mean_i / n`` and

@@ -29,7 +29,7 @@ from dask.utils import (
 )
 
 from blockflow import decompose
-from blockflow._kernel import Kernel, check_placement, check_retries
+from blockflow.core.kernel import Kernel, check_placement, check_retries
 from blockflow.errors import BlockKernelError, EmptyCollectionError, describe, not_a_collection
 
 __all__ = ["KERNEL_PREFIX", "check_retries", "kernel_name", "map_blocks", "validate_array"]
@@ -56,7 +56,7 @@ def _wants(func: Callable, keyword: str) -> bool:
 
 
 class _Kernel(Kernel):
-    """A blockwise kernel as its tasks run it (see :class:`blockflow._kernel.Kernel`), named
+    """A blockwise kernel as its tasks run it (see :class:`blockflow.core.kernel.Kernel`), named
     so that its tasks start with ``blockflow-``."""
 
     logger = logger

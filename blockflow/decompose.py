@@ -33,8 +33,8 @@ import numpy as np
 from dask.utils import format_bytes, parse_bytes
 
 from blockflow import config
-from blockflow._client import workers_info
-from blockflow.metrics import clean_number, read_metrics
+from blockflow.cluster.identity import workers_info
+from blockflow._distributed.metrics import clean_number, read_metrics
 
 __all__ = ["BlockResize", "fit_blocks", "recorded_resizes", "split_skewed"]
 

@@ -8,7 +8,7 @@ that ``split_every x block bytes`` stays under a fraction of the smallest worker
 (device memory on GPU workers).
 
 It also decides the result dtype, the way NumPy would for the whole input (see
-:func:`result_dtypes`, in :mod:`blockflow._reduction_dtypes`): Dask's ``reduction`` needs one and hands it to ``chunk`` and
+:func:`result_dtypes`, in :mod:`blockflow.core.reduction_dtypes`): Dask's ``reduction`` needs one and hands it to ``chunk`` and
 ``aggregate``, so taking the input's dtype made ``np.sum`` of ``int8`` blocks wrap around.
 """
 
@@ -24,9 +24,9 @@ from dask.array.utils import meta_from_array
 from dask.utils import format_bytes, parse_bytes
 
 from blockflow import config
-from blockflow._client import workers_info
-from blockflow._kernel import Kernel, check_placement, check_retries
-from blockflow._reduction_dtypes import (
+from blockflow.cluster.identity import workers_info
+from blockflow.core.kernel import Kernel, check_placement, check_retries
+from blockflow.core.reduction_dtypes import (
     _decomposition,
     _plan_dtypes,
     _refuse_non_tree,
@@ -34,7 +34,7 @@ from blockflow._reduction_dtypes import (
 )
 from blockflow.blockwise import kernel_name, validate_array
 from blockflow.errors import not_a_collection
-from blockflow.metrics import clean_number, read_metrics
+from blockflow._distributed.metrics import clean_number, read_metrics
 
 __all__ = ["choose_split_every", "result_dtypes", "smallest_worker_memory", "tree_reduce"]
 
@@ -203,7 +203,7 @@ def tree_reduce(
         itself (``np.sum``, ``np.prod``, ``np.min``, ``np.max``, ``np.any``, ``np.all`` and
         their nan- forms). For arrays, ``np.mean``, ``np.var``, ``np.std`` (ddof 0), their
         nan- forms and ``np.count_nonzero`` given alone are run as a proper decomposition
-        (counts and sums; Chan et al.'s moments merge, :mod:`blockflow._moments`);
+        (counts and sums; Chan et al.'s moments merge, :mod:`blockflow.core.moments`);
         ``np.median``, percentiles, quantiles, ``np.ptp``, arg-reductions and
         ``np.average`` given alone are refused (``ValueError``), as are NumPy's mean, var,
         std and count_nonzero given alone for dataframes.
@@ -462,7 +462,7 @@ class TreeReducedArray(da.Array):
 
 class _ReductionStep(Kernel):
     """``chunk``, ``combine`` or ``aggregate`` of a tree reduction, as its tasks run it (see
-    :class:`blockflow._kernel.Kernel`): the function is called up to ``1 + retries`` times;
+    :class:`blockflow.core.kernel.Kernel`): the function is called up to ``1 + retries`` times;
     the last failure raises a :class:`BlockKernelError` naming the step and the function.
 
     Calls while the graph is built (Dask inferring metadata from sample blocks, before

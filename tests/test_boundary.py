@@ -14,7 +14,7 @@ import pytest
 import blockflow
 
 PACKAGE = pathlib.Path(blockflow.__file__).parent
-BOUNDARY = PACKAGE / "_distributed.py"
+BOUNDARY = PACKAGE / "_distributed"
 
 #: distributed modules whose objects are internal (the public API is ``distributed``'s
 #: top level, ``distributed.diagnostics``, ``distributed.protocol``, ``distributed.comm``,
@@ -70,18 +70,18 @@ def internal_uses(source: str, filename: str = "<string>") -> list[str]:
 
 
 def _modules():
-    return sorted(p for p in PACKAGE.rglob("*.py") if p != BOUNDARY)
+    return sorted(p for p in PACKAGE.rglob("*.py") if not p.is_relative_to(BOUNDARY))
 
 
 def test_only_the_boundary_module_touches_distributed_internals():
     found = [u for p in _modules()
              for u in internal_uses(p.read_text(), str(p.relative_to(PACKAGE.parent)))]
-    assert found == [], "distributed internals outside blockflow/_distributed.py:\n" + \
+    assert found == [], "distributed internals outside blockflow/_distributed/:\n" + \
         "\n".join(found)
 
 
 def test_the_boundary_module_is_where_they_are():
-    assert len(internal_uses(BOUNDARY.read_text())) > 30
+    assert len(internal_uses("\n".join(p.read_text() for p in BOUNDARY.rglob("*.py")))) > 30
 
 
 @pytest.mark.parametrize("line", [
@@ -167,13 +167,68 @@ def cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_cycle_between_packages_and_modules():
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _is_module(name: str) -> bool:
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def file_import_edges(source: str, module: str) -> set[tuple[str, str]]:
+    """Edges ``(module, imported module)`` of the blockflow imports ``source`` runs when it is
+    imported (module level, outside ``if TYPE_CHECKING``); importing ``a.b.c`` runs
+    ``a.b``'s ``__init__`` too, so each parent package is an edge as well."""
+    edges = set()
+
+    def targets(n):
+        if isinstance(n, ast.Import):
+            return [a.name for a in n.names]
+        if isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            return [f"{n.module}.{a.name}" if _is_module(f"{n.module}.{a.name}") else n.module
+                    for a in n.names]
+        return []
+
+    def walk(body):
+        for n in body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
+                continue
+            for t in targets(n):
+                parts = t.split(".")
+                for i in range(2, len(parts) + 1):
+                    other = ".".join(parts[:i])
+                    if other.startswith("blockflow.") and other != module and \
+                            not module.startswith(other + "."):
+                        edges.add((module, other))
+            for child in ("body", "orelse", "handlers", "finalbody"):
+                walk(getattr(n, child, []) or [])
+
+    walk(ast.parse(source).body)
+    return edges
+
+
+def test_no_import_cycle_between_files():
+    """No two files of the package import each other, directly or through others, when
+    they are imported (lazy imports inside functions are the way out of a cycle)."""
     edges = set()
     for p in PACKAGE.rglob("*.py"):
         if p == PACKAGE / "__init__.py" or p == PACKAGE / "__main__.py":
             continue  # the facade re-exports everything
-        edges |= import_edges(p.read_text(), _source_node(p))
+        edges |= file_import_edges(p.read_text(), _module_name(p))
     assert cycles(edges) == []
+
+
+def test_the_file_cycle_check_catches_a_cycle():
+    edges = file_import_edges("from blockflow.ml import glm", "blockflow.ml.train") | \
+        file_import_edges("import blockflow.ml.train", "blockflow.ml.glm")
+    assert cycles(edges) == [["blockflow.ml.glm", "blockflow.ml.train", "blockflow.ml.glm"]]
 
 
 def test_the_cycle_check_catches_a_cycle():

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 from distributed import Client, LocalCluster
 
-from blockflow._client import workers_info
+from blockflow.cluster.identity import workers_info
 from blockflow.workloads import array_stats, flights
 
 pytestmark = pytest.mark.slow

@@ -216,7 +216,7 @@ def _check_training(nb, values):
     assert values["tune_best"] >= values["sync_best"] >= 0.9, values
     assert values["sync_tasks"] == 39 and 39 <= values["tune_tasks"] <= 45, values
     assert values["statuses"] == ["completed", "stopped"], values
-    assert "best validation accuracy" in _output_of(nb, "from blockflow.tune import tune")
+    assert "best validation accuracy" in _output_of(nb, "from blockflow.ml.tune import tune")
 
 
 def _check_parallelism(nb, values):

@@ -1,4 +1,7 @@
-"""Machine learning on blockflow: data-parallel training and generalised linear models.
+"""The AI uses of blockflow: data-parallel training and generalised linear models
+(:mod:`~blockflow.ml.train`, :mod:`~blockflow.ml.glm`), hyperparameter tuning
+(:mod:`~blockflow.ml.tune`), batch inference and request routing (:mod:`~blockflow.ml.inference`,
+:mod:`~blockflow.ml.routing`), model and pipeline parallelism (:mod:`blockflow.ml.parallel`).
 
 PyTorch, scikit-learn and SciPy come with the ``ai`` extra (``pip install "blockflow[ai]"``)
 and are imported only when used.

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from blockflow import config
-from blockflow._client import workers_info
+from blockflow.cluster.identity import workers_info
 from blockflow.ml._post import POSTED, Posted, PostPlugin
 from blockflow.ml._steal import StealPlugin
 
@@ -250,7 +250,7 @@ class ResidentShards:
         return workers
 
     def _prior_speeds(self) -> dict[str, float]:
-        from blockflow.cluster import plugin_status
+        from blockflow.cluster.connection import plugin_status
         try:
             status = plugin_status(self.client)
         except (RuntimeError, KeyError, OSError):

@@ -131,7 +131,7 @@ class Rebalancer(SchedulerPlugin):
         for amm_policy in self.policy.amm_policies():
             _distributed.add_amm_policy(scheduler, amm_policy)
         if getattr(self.policy, "speculation", False):
-            from blockflow._speculation import SpeculationHandlers
+            from blockflow.core.speculation import SpeculationHandlers
 
             # every worker, present and future, can run and answer backup copies
             await _distributed.register_worker_plugin_on_scheduler(

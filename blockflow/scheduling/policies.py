@@ -244,7 +244,7 @@ class DynamicPolicy(RebalancePolicy):
     estimated time to end gets a backup copy there if that time exceeds
     :attr:`backup_ratio` times the copy's own (LATE, Zaharia et al. OSDI 2008, with
     blockflow's learned speeds in place of Hadoop's progress scores; see
-    :mod:`blockflow._speculation` for how the first result wins).
+    :mod:`blockflow.core.speculation` for how the first result wins).
     A task moves once between busy workers: projected finishes are estimates that shift
     after every move, and later ticks would otherwise chase a task from worker to worker (or
     bounce it between two). It moves again only to a worker with a free thread that it was

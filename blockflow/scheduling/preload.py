@@ -18,7 +18,7 @@ from blockflow.scheduling.plugin import POLICIES, Rebalancer
 async def dask_setup(scheduler, blockflow_policy=None):
     from blockflow import _distributed
     from blockflow.dashboard.plugin import DashboardPlugin
-    from blockflow.devices import DeviceMetrics
+    from blockflow.cluster.devices import DeviceMetrics
 
     _distributed.add_scheduler_plugin(scheduler, Rebalancer(policy=blockflow_policy))
     _distributed.add_scheduler_plugin(scheduler, DashboardPlugin())

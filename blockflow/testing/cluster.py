@@ -18,8 +18,8 @@ import dask.config
 from dask.utils import parse_timedelta
 
 from blockflow import _distributed
-from blockflow._client import workers_info
-from blockflow.metrics import GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
+from blockflow.cluster.identity import workers_info
+from blockflow._distributed.metrics import GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
 from blockflow.testing.simulated import PLUGIN_NAME, SimulatedDevice, SimulatedGPU
 
 __all__ = ["install_simulated_devices", "simulated_cluster"]

@@ -43,7 +43,7 @@ from dask.utils import parse_bytes, parse_timedelta
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from blockflow import _distributed
-from blockflow.metrics import (
+from blockflow._distributed.metrics import (
     CAPACITY_METRIC,
     DEVICE_UUID_METRIC,
     GPU_MEMORY_TOTAL,
@@ -450,8 +450,8 @@ class SimulatedDevice:
     def _run(self, work: float) -> None:
         """Sleep until ``work`` reference-seconds are done, re-reading speed, tenant and the
         number of concurrent kernels at least every 50 ms; stop early when this copy of a
-        speculated task lost (:func:`blockflow._speculation.cancelled`)."""
-        from blockflow._speculation import cancelled
+        speculated task lost (:func:`blockflow.core.speculation.cancelled`)."""
+        from blockflow.core.speculation import cancelled
 
         remaining = work
         while remaining > 1e-9:

@@ -13,7 +13,7 @@ STAN-CS-79-773): each partial result holds ``(n, mean, M2)`` where ``M2`` is the
 squared deviations from the partial's own mean, so no step subtracts two large, nearly equal
 sums (the failure of the textbook ``E[x^2] - E[x]^2`` formula). The same scheme underlies
 dask's ``moment_chunk`` / ``moment_combine`` / ``moment_agg``. The merge is
-:func:`blockflow._moments.merge_moments`, shared with
+:func:`blockflow.core.moments.merge_moments`, shared with
 :func:`blockflow.aggregations.grouped_moments`; the partials here are
 ``(n, mean, M2, min, max)``.
 """
@@ -36,7 +36,7 @@ import xarray as xr
 from dask.utils import format_bytes
 
 import blockflow
-from blockflow._moments import merge_moments
+from blockflow.core.moments import merge_moments
 from blockflow.blockwise import map_blocks
 from blockflow.io import write_parquet
 from blockflow.reduction import tree_reduce
@@ -365,7 +365,7 @@ def _flatten(partials) -> list[dict]:
 
 
 def _merge(partials) -> dict:
-    """Merge partial moments with :func:`blockflow._moments.merge_moments` (Chan, Golub &
+    """Merge partial moments with :func:`blockflow.core.moments.merge_moments` (Chan, Golub &
     LeVeque 1979): the parts are stacked along a new first axis and summed along it; the
     count of a part is its block's extent, one number for all its points."""
     parts = _flatten(partials)

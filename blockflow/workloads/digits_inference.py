@@ -19,8 +19,8 @@ import dask.array as da
 import numpy as np
 import pandas as pd
 
-from blockflow.cluster import plugin_status
-from blockflow.inference import model_stats, predict, ship_model
+from blockflow.cluster.connection import plugin_status
+from blockflow.ml.inference import model_stats, predict, ship_model
 from blockflow.io import write_parquet
 from blockflow.workloads._runner import Job, run_workload
 

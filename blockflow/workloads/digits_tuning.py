@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from blockflow.scheduling.runs import run_scope
-from blockflow.tune import choice, loguniform, tune
+from blockflow.ml.tune import choice, loguniform, tune
 from blockflow.workloads._runner import Job, run_workload
 
 __all__ = ["SPACE", "DigitsTuneResult", "digits_split", "run", "train_digits_mlp"]

@@ -19,7 +19,7 @@ from distributed import Client
 from loadaware import scaled
 
 import blockflow
-from blockflow._client import workers_info
+from blockflow.cluster.identity import workers_info
 
 
 @pytest.fixture(scope="package")

@@ -17,9 +17,9 @@ from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import WorkerPlugin
 
 import blockflow
-from blockflow._client import workers_info
+from blockflow.cluster.identity import workers_info
 from blockflow._distributed import remove_worker_metric, set_worker_metric, worker_heartbeat
-from blockflow.metrics import (
+from blockflow._distributed.metrics import (
     CAPACITY_METRIC,
     GPU_MEMORY_TOTAL,
     GPU_MEMORY_USED,

@@ -1,0 +1,600 @@
+"""Start an embedded cluster or connect to a running Dask scheduler, with blockflow's plugin.
+
+With no address, :func:`connect` starts ``dask_cuda.LocalCUDACluster`` (one worker per GPU)
+when dask-cuda and a GPU are present, else ``distributed.LocalCluster`` with worker
+processes. With an address it connects to a running scheduler (``dask scheduler``,
+dask-jobqueue, dask-kubernetes). Either way blockflow's scheduler plugin is registered.
+``security=`` gives the connection TLS (``"temporary"``: self-signed credentials made for an
+embedded cluster). :func:`wait_for` and :func:`gather_results` wait for futures like
+distributed's ``wait`` / ``Client.gather``, but turn the loss of every worker, and
+distributed's ``KilledWorker``, into a :class:`~blockflow.errors.WorkerLostError` that says
+what happened and what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import dask.config
+from dask.utils import parse_timedelta
+from distributed import Client, LocalCluster, Security
+
+from blockflow import _distributed, config
+from blockflow.cluster import handshake as _handshake
+from blockflow.cluster import main_guard as _main_guard
+from blockflow.cluster.identity import workers_info
+from blockflow.backends import GPU_INSTALL_HINT, GPUUnavailableError, gpu_device_count, has_package
+from blockflow.errors import WorkerLostError, describe
+from blockflow.scheduling.plugin import Rebalancer
+
+__all__ = [
+    "connect",
+    "decisions",
+    "gather_results",
+    "gpu_status",
+    "plugin_status",
+    "task_counts",
+    "wait_for",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def gpu_status() -> tuple[bool, list[str]]:
+    """Whether this machine can start GPU workers, and the pieces missing if not.
+
+    Returns
+    -------
+    (bool, list of str)
+        ``(True, [])`` when dask-cuda (with its CUDA bindings) is installed and at least one
+        NVIDIA GPU is visible; else False and a description of each missing piece.
+    """
+    missing = []
+    if gpu_device_count() == 0:
+        missing.append("no NVIDIA GPU is visible (NVML and the CUDA runtime report 0 devices)")
+    if not has_package("dask_cuda"):
+        missing.append("dask-cuda is not installed")
+    return not missing, missing
+
+
+def _check_gpu_arg(gpu: Any) -> None:
+    if gpu not in (True, False, "auto"):
+        raise ValueError(f"blockflow.connect: gpu must be True, False or 'auto', got {gpu!r}.")
+
+
+def connect(
+    address: str | None = None,
+    *,
+    gpu: bool | str | None = None,
+    n_workers: int | None = None,
+    threads_per_worker: int | None = None,
+    memory_limit: str | int | None = None,
+    dashboard_address: str | None = None,
+    policy: str | None = None,
+    timeout: str | float | None = None,
+    security: Security | str | None = None,
+    **cluster_kwargs: Any,
+) -> Client:
+    """Connect to a Dask cluster (starting an embedded one if needed) and register blockflow.
+
+    Parameters
+    ----------
+    address : str, optional
+        Scheduler address (``"tcp://host:8786"``). None starts an embedded cluster.
+    gpu : bool or "auto", optional
+        Embedded cluster only. ``"auto"``: GPU workers when dask-cuda and a GPU are present;
+        True: require them; False: CPU workers. Default ``blockflow.cluster.gpu``.
+    n_workers : int, optional
+        Embedded cluster's workers; default one per GPU, or distributed's default on CPU.
+    threads_per_worker : int, optional
+        Threads per worker of the embedded cluster (GPU workers default to 1).
+    memory_limit : str or int, optional
+        Host memory per worker (``"4GiB"`` or bytes); distributed's default if None.
+    dashboard_address : str, optional
+        Where the embedded cluster's dashboard listens; default
+        ``blockflow.cluster.dashboard-address`` (localhost only).
+    policy : str, optional
+        Scheduling policy of blockflow's scheduler plugin; default ``blockflow.cluster.policy``.
+        A scheduler that already runs the plugin (started with the preload, or by another
+        client) keeps its policy; a different ``policy=`` then warns (``BlockflowWarning``).
+    timeout : str or float, optional
+        Seconds (or ``"30s"``) to wait for the scheduler at ``address``: a refused
+        connection is retried until then (a scheduler that is still starting), and the
+        server must answer Dask's handshake within it. Default
+        ``blockflow.cluster.connect-timeout`` (5 s).
+    security : distributed.Security or "temporary", optional
+        TLS credentials. With ``address``: the credentials the cluster's scheduler trusts
+        (required for a ``tls://`` address unless ``distributed.comm.tls.*`` is configured).
+        For the embedded cluster: its credentials; ``"temporary"`` makes self-signed ones
+        (:meth:`distributed.Security.temporary`, needs the ``cryptography`` package) so that
+        the scheduler, workers and this client talk TLS (``tls://`` addresses) and clients
+        without them are refused. Default None: plain TCP.
+    **cluster_kwargs
+        Passed to ``LocalCluster`` / ``LocalCUDACluster``.
+
+    Returns
+    -------
+    distributed.Client
+        The client (set as default). For an embedded cluster, ``client.cluster`` is it;
+        ``client.shutdown()`` stops both.
+
+    Raises
+    ------
+    GPUUnavailableError
+        If ``gpu=True`` and no GPU is visible or dask-cuda is not installed; the message
+        lists the missing pieces and the ``pip install "blockflow[gpu]"`` fix.
+    OSError
+        If no Dask scheduler answers at ``address``: nothing listens there (refused for
+        ``timeout``), the host cannot be reached or resolved, the server answers something
+        other than Dask's handshake (an HTTP server, garbage: at once) or nothing within
+        ``timeout``, TLS is on one side only or the credentials are refused, or it is a
+        worker's address. One line naming the address, what was found and the fix.
+    ValueError
+        For an unknown ``policy`` or ``gpu`` value, ``n_workers`` or ``threads_per_worker``
+        below 1, an invalid blockflow setting (the message names the key),
+        ``security="temporary"`` with an ``address``, or a ``tls://`` address without
+        credentials.
+    TypeError
+        For an ``address`` that is not a string, or a ``security`` that is not a
+        ``distributed.Security``, ``"temporary"`` or None.
+    ModuleNotFoundError
+        For ``security="temporary"`` without the ``cryptography`` package.
+    RuntimeError
+        If the embedded cluster's worker processes could not start because importing the
+        main script calls ``connect()`` again (the call is not under
+        ``if __name__ == "__main__":``); within seconds, instead of hanging.
+    SystemExit
+        In such a worker process itself (see :mod:`blockflow.cluster.main_guard`).
+    """
+    # A worker process importing a script that calls connect() at top level: end it now.
+    _main_guard.exit_if_bootstrapping()
+    config.validate()  # settings may have changed since import (dask.config.set, files)
+    if address is not None and not isinstance(address, str):
+        raise TypeError(
+            f"blockflow.connect: address must be a scheduler address such as "
+            f"'tcp://host:8786' (or None for an embedded cluster), got {describe(address)} "
+            f"{address!r}."
+        )
+    for name, value in (("n_workers", n_workers), ("threads_per_worker", threads_per_worker)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise ValueError(
+                f"blockflow.connect: {name} must be an integer >= 1 (or None for the "
+                f"default), got {value!r}."
+            )
+    plugin = Rebalancer(policy=policy)  # validates the policy before anything starts
+    sec = _security(security, address)
+    if address is not None:
+        timeout_s = parse_timedelta(config.get("cluster.connect-timeout", timeout))
+        _check_tls_credentials(address, sec)
+        try:
+            _handshake.check_scheduler(address, timeout_s,
+                                       (sec or Security()).get_connection_args("client"))
+        except _handshake.ProbeError as e:
+            raise OSError(f"blockflow.connect: {e}. {_probe_fix(e, address)}") from None
+        # A scheduler answered: the client's own set-up (registration, scheduler info) gets
+        # distributed's usual bound, not the fail-fast one, so a busy scheduler is no error.
+        comm_timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"))
+        client = Client(address, timeout=max(timeout_s, comm_timeout), security=sec)
+    else:
+        gpu = config.get("cluster.gpu", gpu)
+        _check_gpu_arg(gpu)
+        ok, missing = gpu_status()
+        if gpu is True and not ok:
+            raise GPUUnavailableError(
+                "blockflow.connect(gpu=True): this machine cannot start GPU workers: "
+                + "; ".join(missing)
+                + f". On a machine with an NVIDIA GPU install the GPU extra with "
+                f"`{GPU_INSTALL_HINT}`, or pass gpu='auto' or gpu=False to use CPU workers."
+            )
+        use_gpu = ok and gpu is not False
+        with _main_guard.watch_children() as note:
+            try:
+                cluster = _start_local_cluster(
+                    use_gpu, n_workers=config.get("cluster.n-workers", n_workers),
+                    threads_per_worker=config.get("cluster.threads-per-worker",
+                                                  threads_per_worker),
+                    memory_limit=memory_limit,
+                    dashboard_address=config.get("cluster.dashboard-address",
+                                                 dashboard_address),
+                    security=sec, **cluster_kwargs,
+                )
+            except Exception:
+                if _main_guard.children_ran_main(note):
+                    raise RuntimeError(_main_guard.MESSAGE) from None
+                raise
+        client = Client(cluster)  # takes the cluster's security
+        # its shutdown is ours: no worker logs its own close as a failed heartbeat
+        client.register_plugin(_distributed.QuietClose())
+    _register_plugin(client, plugin)
+    if address is not None and policy is not None:
+        _warn_if_other_policy(client, plugin.policy_name)
+    if address is not None:
+        _warn_undeclared_gpus(client)
+    return client
+
+
+def _warn_undeclared_gpus(client: Client) -> None:
+    """GPU workers of a running cluster that declare no ``GPU`` resource never run tasks
+    that ask for ``resources={"GPU": 1}``: say which, and how to declare it."""
+    import warnings
+
+    from blockflow.errors import BlockflowWarning
+    from blockflow._distributed.metrics import read_metrics
+
+    workers = workers_info(client)
+    bare = sorted(a for a, w in workers.items() if read_metrics(w.get("metrics")).has_gpu
+                  and not (w.get("resources") or {}).get("GPU"))
+    if not bare:
+        return
+    shown = ", ".join(bare[:5]) + (f" and {len(bare) - 5} more" if len(bare) > 5 else "")
+    msg = (f"blockflow.connect: {len(bare)} GPU worker{'s' if len(bare) != 1 else ''} of the "
+           f"cluster at {client.scheduler.address} declare{'s' if len(bare) == 1 else ''} no "
+           f"GPU resource ({shown}), so tasks asking for resources={{'GPU': 1}} never run "
+           f"there; start GPU workers with `--resources GPU=1` (one per device: `dask cuda "
+           f"worker <scheduler> --resources GPU=1`).")
+    logger.warning(msg)
+    warnings.warn(msg, BlockflowWarning, stacklevel=3)
+
+
+def _running_policy(dask_scheduler=None) -> str | None:
+    plugin = _distributed.scheduler_plugin(dask_scheduler, Rebalancer.name)
+    return getattr(plugin, "policy_name", None)
+
+
+def _warn_if_other_policy(client: Client, asked: str) -> None:
+    """A scheduler that already runs blockflow's plugin (``--preload``, an earlier client)
+    keeps it, and its policy: say so rather than ignore ``policy=`` silently."""
+    import warnings
+
+    from blockflow.errors import BlockflowWarning
+
+    running = client.run_on_scheduler(_running_policy)
+    if running is not None and running != asked:
+        warnings.warn(
+            f"blockflow.connect: the scheduler at {client.scheduler.address} already runs "
+            f"blockflow's plugin with policy {running!r}, which it keeps: policy={asked!r} is "
+            f"not applied, as other clients of that cluster rely on it. To change it, restart "
+            f"the scheduler with DASK_BLOCKFLOW__CLUSTER__POLICY={asked} (or "
+            f"blockflow.cluster.policy in its Dask config).",
+            BlockflowWarning, stacklevel=3,
+        )
+
+
+_START_SCHEDULER = "`dask scheduler --preload blockflow.scheduling.preload`"
+_WAIT_LONGER = ("to wait longer for a scheduler that is still starting, raise timeout= (CLI: "
+                "--timeout; setting blockflow.cluster.connect-timeout)")
+
+
+def _probe_fix(e: _handshake.ProbeError, address: str) -> str:
+    """What to do about a failed look at ``address`` (the probe says what it found)."""
+    plain = "tcp://" + address.split("://", 1)[-1]
+    secure = "tls://" + address.split("://", 1)[-1]
+    if e.kind == "refused":
+        return (f"Start a scheduler there ({_START_SCHEDULER}) or check the address and "
+                f"port; {_WAIT_LONGER}.")
+    if e.kind == "unresolved":
+        return "Check the host name in the address."
+    if e.kind == "unreachable":
+        return ("Check the address, that the host is up and that no firewall blocks the "
+                f"port; {_WAIT_LONGER}.")
+    if e.kind == "tls-server":
+        return (f"Connect to {secure!r} with security=distributed.Security(...) holding "
+                f"credentials that cluster trusts.")
+    if e.kind == "not-dask":
+        return ("Check the address and port: a Dask scheduler listens on its own port (8786 "
+                "by default; 8787 is its dashboard, which speaks HTTP).")
+    if e.kind in ("silent", "closed"):
+        if address.startswith("tls://"):
+            return "Check the address and port, and that the scheduler there is running."
+        # asked too: it speaks neither HTTP nor TLS
+        return "It is not a Dask scheduler: check the address and port."
+    if e.kind == "not-tls":
+        return (f"If it is a plain Dask scheduler, connect to {plain!r} without TLS "
+                f"credentials; otherwise check the address and port, and that security= "
+                f"holds credentials that cluster trusts.")
+    if e.kind == "tls":
+        return ("Check that security= holds the CA and client certificate that cluster "
+                "trusts (distributed.Security(tls_ca_file=..., tls_client_cert=..., "
+                "tls_client_key=...)).")
+    if e.kind == "not-scheduler":
+        return "Connect to the scheduler's address (the one its workers were started with)."
+    return "Check the address and port."
+
+
+def _security(security: Any, address: str | None) -> Security | None:
+    if security is None:
+        return None
+    if isinstance(security, Security):
+        return security
+    if isinstance(security, str) and security == "temporary":
+        if address is not None:
+            raise ValueError(
+                f"blockflow.connect: security='temporary' makes new self-signed credentials, "
+                f"which only an embedded cluster can use; to connect to {address!r} pass "
+                f"security=distributed.Security(...) with the credentials that cluster trusts."
+            )
+        if not has_package("cryptography"):
+            raise ModuleNotFoundError(
+                "blockflow.connect(security='temporary') needs the package 'cryptography' to "
+                "make self-signed TLS credentials; install it with `pip install cryptography`."
+            )
+        return Security.temporary()
+    raise TypeError(
+        f"blockflow.connect: security must be a distributed.Security, 'temporary' or None, "
+        f"got {describe(security)}."
+    )
+
+
+def _check_tls_credentials(address: str, security: Security | None) -> None:
+    """A ``tls://`` address needs an SSL context: from ``security`` or the Dask config; a
+    ``security`` that requires encryption needs a ``tls://`` address."""
+    if not address.startswith("tls://"):
+        if security is not None and security.require_encryption:
+            scheme = f"a {address.split('://')[0]}://" if "://" in address else "a plain"
+            raise ValueError(
+                f"blockflow.connect: security= requires encryption, but {address!r} is "
+                f"{scheme} address, which is not encrypted; connect to the scheduler's "
+                f"tls:// address (the scheduler prints it), e.g. "
+                f"{'tls://' + address.split('://')[-1]!r}."
+            )
+        return
+    sec = security if security is not None else Security()
+    if sec.get_connection_args("client").get("ssl_context") is None:
+        raise ValueError(
+            f"blockflow.connect: the scheduler at {address!r} talks TLS, but no credentials "
+            f"were given; pass security=distributed.Security(tls_ca_file=..., "
+            f"tls_client_cert=..., tls_client_key=..., require_encryption=True) with that "
+            f"cluster's certificates, or set distributed.comm.tls.* in the Dask config."
+        )
+
+
+def _start_local_cluster(use_gpu: bool, **kwargs) -> LocalCluster:
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if use_gpu:
+        from dask_cuda import LocalCUDACluster
+
+        # one worker per device: each declares its GPU, for resources={"GPU": 1} tasks
+        kwargs["resources"] = {"GPU": 1, **(kwargs.get("resources") or {})}
+        logger.info("blockflow: starting LocalCUDACluster (%s)", kwargs)
+        return LocalCUDACluster(**kwargs)
+    kwargs.setdefault("processes", True)
+    logger.info("blockflow: starting LocalCluster (%s)", kwargs)
+    return LocalCluster(**kwargs)
+
+
+def _register_plugin(client: Client, plugin: Rebalancer) -> None:
+    from blockflow.dashboard.plugin import DashboardPlugin
+    from blockflow.cluster.devices import DeviceMetrics
+
+    try:
+        client.register_plugin(plugin)
+        client.register_plugin(DashboardPlugin())
+        client.register_plugin(DeviceMetrics())  # adds nothing on workers without a GPU
+    except (ModuleNotFoundError, ImportError) as e:
+        raise RuntimeError(
+            f"blockflow.connect: the scheduler at {client.scheduler.address} cannot load "
+            f"blockflow's scheduler plugin ({e}). Install blockflow where the scheduler runs, "
+            f"or start it with `dask scheduler --preload blockflow.scheduling.preload`."
+        ) from e
+
+
+def plugin_status(client: Client, **kwargs: Any) -> dict[str, Any]:
+    """State of blockflow's scheduler plugin: policy, task counts, worker snapshot, decisions.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    **kwargs
+        ``since`` (seconds since the epoch) and ``task_log`` (bool), passed to
+        :meth:`blockflow.scheduling.Rebalancer.status`.
+
+    Returns
+    -------
+    dict
+        Plain data: ``policy``, ``ticks``, ``task_counts``, ``kernel_counts``, ``run_counts``,
+        ``speeds``, ``paused``, ``workers``, ``memory_peak`` (bytes), ``decisions``.
+
+    Raises
+    ------
+    RuntimeError
+        If the scheduler runs no blockflow plugin (connect with :func:`connect`, or start the
+        scheduler with ``--preload blockflow.scheduling.preload``).
+    """
+    if not client.run_on_scheduler(_has_plugin):  # spares the scheduler an unknown-op error
+        raise RuntimeError(
+            "The scheduler runs no blockflow plugin: connect with blockflow.connect(...) or "
+            "start the scheduler with `dask scheduler --preload blockflow.scheduling.preload`."
+        )
+    status = client.sync(client.scheduler.blockflow_status, **kwargs)
+    return status
+
+
+def _has_plugin(dask_scheduler=None) -> bool:
+    return _distributed.scheduler_plugin(dask_scheduler, Rebalancer.name) is not None
+
+
+def task_counts(client: Client, *, kernels_only: bool = False) -> dict[str, int]:
+    """Tasks finished per worker since the plugin started (cumulative).
+
+    Parameters
+    ----------
+    client : distributed.Client
+    kernels_only : bool, default False
+        Count only blockflow kernel tasks (names starting ``blockflow-``).
+
+    Returns
+    -------
+    dict of str to int
+        Worker address to number of tasks it finished.
+    """
+    status = plugin_status(client)
+    return status["kernel_counts" if kernels_only else "task_counts"]
+
+
+DECISION_COLUMNS = ["time", "policy", "action", "worker", "target", "key", "reason"]
+SEEN_METRICS = ("gpu_utilization", "gpu_memory_fraction", "speed", "processing",
+                "projected_finish")
+
+
+def decisions(client: Client, since: float | None = None):
+    """The rebalancer's decision log as a pandas DataFrame, oldest first.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    since : float, optional
+        Only decisions after this time (seconds since the epoch, e.g. ``time.time()`` taken
+        before a computation).
+
+    Returns
+    -------
+    pandas.DataFrame
+        Columns ``time`` (UTC timestamp), ``policy``, ``action`` (``pause``, ``resume``,
+        ``move``, ``memory-move``, ``balance``, ``assign``, ``keep``, ``handover``, ``join``,
+        ``forget``; for worker resources: ``restrict`` (tasks restricted as their kernels
+        asked), ``admit`` (producers held back by admission control), ``wait`` / ``fail``
+        (tasks needing resources no worker declares)),
+        ``worker``, ``target`` (moves), ``key`` (moves), ``reason``, then ``seen_*`` columns
+        with the metrics the decision saw (GPU utilisation in percent, device-memory
+        fraction 0-1, learned speed, tasks processing, projected finish in seconds; None
+        where unknown). The log is bounded (``blockflow.rebalancer.decision-log-size``).
+
+    Raises
+    ------
+    RuntimeError
+        If the scheduler runs no blockflow plugin.
+    """
+    import pandas as pd
+
+    rows = plugin_status(client)["decisions"]
+    if since is not None:
+        rows = [r for r in rows if r["time"] > since]
+    df = pd.DataFrame(rows)
+    for c in DECISION_COLUMNS:
+        if c not in df:
+            df[c] = pd.Series(dtype="float64" if c == "time" else "object")
+    # The metrics every pause/resume/move decision records, present even in an empty log
+    # (so that code filtering on them works before the first decision); others as logged.
+    seen = sorted({f"seen_{k}" for k in SEEN_METRICS}
+                  | {c for c in df.columns if c.startswith("seen_")})
+    for c in seen:
+        if c not in df:
+            df[c] = pd.Series(dtype="object")
+    df = df[DECISION_COLUMNS + seen]
+    df["time"] = pd.to_datetime(df["time"], unit="s", utc=True)
+    return df.reset_index(drop=True)
+
+
+def wait_for(client: Client, futures: Any, *, what: str = "the computation",
+             worker_loss_timeout: str | float | None = None) -> None:
+    """Wait until ``futures`` are done (finished or failed), failing if every worker is lost.
+
+    Like :func:`distributed.wait`, except that a cluster left without any worker does not
+    make it wait forever: tasks cannot run then, so after ``worker_loss_timeout`` without a
+    worker it raises. Workers that come back (a nanny restarting a killed worker process, an
+    autoscaler) reset the clock.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    futures : future, collection of futures, or persisted Dask collection
+    what : str, default "the computation"
+        Named in the error message (e.g. ``"the flights ETL"``).
+    worker_loss_timeout : str or float, optional
+        Seconds (or ``"60s"``) without any worker before giving up; default
+        ``blockflow.cluster.worker-loss-timeout``.
+
+    Raises
+    ------
+    WorkerLostError
+        If the cluster has had no worker for ``worker_loss_timeout`` while results were
+        unfinished.
+    """
+    from distributed import futures_of
+
+    pending = futures_of(futures)
+    n = len(pending)
+    futures = None  # a traceback keeps this frame: it must not keep the results alive
+    limit = parse_timedelta(config.get("cluster.worker-loss-timeout", worker_loss_timeout))
+    check_every = min(0.5, max(limit / 4, 0.05))
+    checked = time.monotonic()
+    lost_since = None
+    # Polls Future.done() (local state) rather than distributed.wait(timeout=): a timed-out
+    # wait leaves the futures referenced by its traceback until the garbage collector runs,
+    # which keeps finished results on the workers for longer.
+    while True:
+        if any(f.status in ("error", "cancelled") for f in pending):
+            return  # the caller's gather raises it: no need to wait for the rest
+        pending = [f for f in pending if not f.done()]
+        if not pending:
+            return
+        time.sleep(0.02)
+        now = time.monotonic()
+        if now - checked < check_every:
+            continue
+        checked = now
+        if client.nthreads():
+            lost_since = None
+            continue
+        lost_since = now if lost_since is None else lost_since
+        if now - lost_since >= limit:
+            left = len([f for f in pending if not f.done()])
+            pending = None
+            raise WorkerLostError(
+                f"blockflow: every worker of the cluster at {client.scheduler.address} was "
+                f"lost during {what}; with no worker for {limit:g} s, {left} of {n} "
+                f"results could not be computed. Restart the workers (or the cluster) and run "
+                f"again. Workers that keep dying usually run out of memory or crash: their "
+                f"logs say which; give them more memory (memory_limit=) or use smaller blocks. "
+                f"(blockflow.cluster.worker-loss-timeout sets how long to wait.)"
+            )
+
+
+def gather_results(client: Client, futures: Any, *, what: str = "the computation",
+                   worker_loss_timeout: str | float | None = None) -> Any:
+    """:func:`wait_for` the futures, then gather their results; worker deaths explained.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    futures : future or collection of futures
+        As for :meth:`distributed.Client.gather`.
+    what : str, default "the computation"
+        Named in error messages.
+    worker_loss_timeout : str or float, optional
+        See :func:`wait_for`.
+
+    Returns
+    -------
+    object
+        What ``client.gather(futures)`` returns.
+
+    Raises
+    ------
+    WorkerLostError
+        If every worker was lost (see :func:`wait_for`), or in place of distributed's
+        ``KilledWorker`` (a task whose workers died ``allowed-failures + 1`` times); the
+        original is chained as ``__cause__``.
+    Exception
+        A task's own exception, as ``client.gather`` raises it.
+    """
+    from distributed import KilledWorker
+
+    wait_for(client, futures, what=what, worker_loss_timeout=worker_loss_timeout)
+    try:
+        return client.gather(futures)
+    except KilledWorker as e:
+        futures = None  # the traceback keeps this frame: don't keep the results alive
+        last = getattr(e.last_worker, "address", e.last_worker)
+        n = e.allowed_failures + 1
+        raise WorkerLostError(
+            f"blockflow: {what} failed because workers died while running task {e.task!r}: "
+            f"the worker running it died {n} time{'s' if n != 1 else ''} (the last one was "
+            f"{last}), so Dask gave up on it (KilledWorker). A task that kills its worker usually runs "
+            f"it out of memory or crashes native code: check the worker logs, give workers "
+            f"more memory (memory_limit=) or use smaller blocks; if the deaths had nothing to "
+            f"do with the task, raise distributed.scheduler.allowed-failures and run again."
+        ) from e

@@ -1,0 +1,368 @@
+"""Devices: the NVIDIA GPU a process uses, read through distributed's NVML helpers.
+
+The one place blockflow asks NVML about devices. It builds on
+:mod:`distributed.diagnostics.nvml` (``init_once``, ``device_get_count``,
+``get_device_index_and_uuid``, ``get_device_mig_mode``, ``_get_handle``), so NVML is initialised
+once per process, honours ``distributed.diagnostics.nvml: False``, and parses
+``CUDA_VISIBLE_DEVICES`` as distributed does: integer indices, ``GPU-`` and ``MIG-`` UUIDs.
+
+Every function here answers None (a count answers 0) when it cannot tell: no NVML, no
+driver, no device, a query the device does not support, any NVML error. None is *unknown*,
+never zero load; it never raises.
+
+:class:`DeviceMetrics`, a worker plugin, adds two worker metrics on workers that see a GPU:
+
+- ``blockflow-gpu-own-utilization``: percent of the device's SM time used by *this worker
+  process* (:class:`OwnUtilization`), so that the scheduler can tell other tenants' load
+  from the worker's own;
+- ``blockflow-capacity``: the device's nominal throughput, SM cores x max SM clock (MHz), used
+  by the ``static-capacity`` policy to weigh workers;
+- ``blockflow-gpu-uuid``: the device's UUID, so that the scheduler can tell two workers that
+  share one GPU (they then count as one device: inventory, dashboard, dynamic policy).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from blockflow._distributed import remove_worker_metric, set_worker_metric
+from blockflow._distributed.metrics import CAPACITY_METRIC, DEVICE_UUID_METRIC, OWN_UTILIZATION_METRIC
+
+__all__ = [
+    "IDLE_UTILIZATION",
+    "DeviceInfo",
+    "DeviceMetrics",
+    "OwnUtilization",
+    "capacity",
+    "device_count",
+    "device_handle",
+    "device_info",
+    "memory_total",
+    "visible_device",
+]
+
+#: Device utilisation (percent) at or below which a device counts as idle; NVML reports
+#: whole percents and an idle device reads 0.
+IDLE_UTILIZATION = 1.0
+
+_NVML_DEVICE_MIG_ENABLE = 1  # pynvml.NVML_DEVICE_MIG_ENABLE
+
+
+def _nvml():
+    """distributed's ``pynvml`` module, initialised in this process, or None."""
+    try:
+        from distributed.diagnostics import nvml
+
+        nvml.init_once()
+        return nvml.pynvml if nvml.is_initialized() else None
+    except Exception:  # a driver error init_once does not expect
+        return None
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _visible_list() -> list[str] | None:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None:
+        return None
+    return [d.strip() for d in env.split(",") if d.strip()]
+
+
+def device_count() -> int:
+    """Number of NVIDIA GPUs visible to this process; 0 when none or when that cannot be told.
+
+    NVML (through distributed) when it is available, clipped to the number of entries of
+    ``CUDA_VISIBLE_DEVICES`` when that is set; else the CUDA runtime through CuPy. Never
+    raises: a missing driver, library or device counts as zero devices (the guarded count
+    dask-cuda's unguarded NVML initialisation lacks).
+
+    Returns
+    -------
+    int
+    """
+    if _nvml() is not None:
+        try:
+            from distributed.diagnostics import nvml
+
+            n = int(nvml.device_get_count())
+            visible = _visible_list()
+            return n if visible is None else min(n, len(visible))
+        except Exception:
+            pass
+    try:
+        if importlib.util.find_spec("cupy") is None:
+            return 0
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def visible_device() -> int | str | None:
+    """The device this process uses: the first entry of ``CUDA_VISIBLE_DEVICES``.
+
+    Returns
+    -------
+    int, str or None
+        An NVML index, or a ``GPU-``/``MIG-`` UUID string; 0 when the variable is unset (as
+        distributed and CUDA assume); None when it is set but empty (no device visible) or
+        its first entry is neither an index nor a UUID.
+    """
+    visible = _visible_list()
+    if visible is None:
+        return 0
+    if not visible:
+        return None
+    try:
+        from distributed.diagnostics.nvml import _parse_cuda_visible_device
+
+        return _parse_cuda_visible_device(visible[0])
+    except Exception:  # ValueError: not an index nor a UUID
+        return None
+
+
+def device_handle(device: int | str | None = None):
+    """NVML handle of ``device`` (default: :func:`visible_device`), or None.
+
+    Parameters
+    ----------
+    device : int or str, optional
+        NVML index, or a ``GPU-``/``MIG-`` UUID (a MIG UUID gives the MIG instance's handle).
+    """
+    if _nvml() is None:
+        return None
+    device = visible_device() if device is None else device
+    if device is None:
+        return None
+    try:
+        from distributed.diagnostics.nvml import _get_handle
+
+        return _get_handle(device)
+    except Exception:
+        return None
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Identity of one NVIDIA device as NVML reports it; each field None when unknown.
+
+    Attributes
+    ----------
+    index : int or None
+        NVML index of the physical GPU (the parent GPU for a MIG instance).
+    name : str or None
+        Product name, e.g. ``"NVIDIA H100 80GB HBM3"``.
+    uuid : str or None
+        ``GPU-...`` or, for a MIG instance, ``MIG-...``.
+    mig : bool or None
+        Whether the device is a MIG instance or a GPU in MIG mode (NVML then reports no
+        per-process utilisation).
+    memory_total : int or None
+        Device memory in bytes.
+    """
+
+    index: int | None
+    name: str | None
+    uuid: str | None
+    mig: bool | None
+    memory_total: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def device_info(device: int | str | None = None) -> DeviceInfo | None:
+    """Identity of ``device`` (default: the one this process uses), or None.
+
+    Parameters
+    ----------
+    device : int or str, optional
+        NVML index or ``GPU-``/``MIG-`` UUID; default :func:`visible_device`.
+
+    Returns
+    -------
+    DeviceInfo or None
+        None when NVML is unavailable or the device cannot be found; a field NVML cannot
+        give is None.
+    """
+    device = visible_device() if device is None else device
+    handle = device_handle(device)
+    if handle is None:
+        return None
+    from distributed.diagnostics import nvml
+
+    def ask(fn, *args):
+        try:
+            return fn(*args)
+        except Exception:
+            return None
+
+    located = ask(nvml.get_device_index_and_uuid, device)  # None for some MIG UUIDs
+    index = getattr(located, "device_index", None)
+    uuid = _text(getattr(located, "uuid", None) or ask(nvml.pynvml.nvmlDeviceGetUUID, handle))
+    if uuid is not None and uuid.startswith("MIG-"):
+        mig = True
+    else:
+        mode = ask(nvml.get_device_mig_mode, device)
+        mig = None if not mode else mode[0] == _NVML_DEVICE_MIG_ENABLE
+    total = ask(nvml._get_memory_total, handle)
+    return DeviceInfo(
+        index=None if index is None else int(index),
+        name=_text(ask(nvml._get_name, handle)),
+        uuid=uuid,
+        mig=mig,
+        memory_total=None if total is None else int(total),
+    )
+
+
+def memory_total(device: int | str | None = None) -> int | None:
+    """Total memory of ``device`` (default: the one this process uses) in bytes, or None."""
+    info = device_info(device)
+    return None if info is None else info.memory_total
+
+
+def capacity(handle, *, pynvml=None) -> float | None:
+    """Nominal throughput of a device: SM cores x max SM clock (MHz), or None.
+
+    A datasheet figure (blockflow heuristic for relative capacity), not a live speed.
+
+    Parameters
+    ----------
+    handle : NVML device handle
+        From :func:`device_handle`.
+    pynvml : module, optional
+        The NVML bindings (default distributed's); a test may pass a fake.
+    """
+    nv = pynvml if pynvml is not None else _nvml()
+    if nv is None or handle is None:
+        return None
+    try:
+        value = float(nv.nvmlDeviceGetNumGpuCores(handle)
+                      * nv.nvmlDeviceGetMaxClockInfo(handle, nv.NVML_CLOCK_SM))
+    except Exception:
+        return None
+    return value if value > 0 else None
+
+
+class OwnUtilization:
+    """This process's share of a device's SM time, from NVML's per-process samples.
+
+    A callable sampler: each call reads ``nvmlDeviceGetProcessUtilization`` for the samples
+    newer than the previous call's newest, and returns a percent 0-100, or None when NVML
+    cannot attribute the device's load to this process:
+
+    - samples carry this process's PID: the highest ``smUtil`` among them;
+    - NVML raises "not found" (no sample newer than the last one, i.e. no process ran
+      kernels since): 0.0 if the device's own utilisation is idle (at most
+      :data:`IDLE_UTILIZATION`), else None (the device is busy but NVML has no sample to
+      attribute it by);
+    - samples exist but none carries our PID (another tenant, or a container where NVML
+      reports host PIDs, so our own kernels show under a foreign PID): 0.0 if they and the
+      device are idle, else None, since we cannot tell whose the load is;
+    - any other NVML error (MIG: not supported, driver errors): None.
+
+    None is unknown, never zero load: a 0.0 for a busy worker would make its own load count
+    as another tenant's and could pause a healthy GPU.
+
+    Parameters
+    ----------
+    handle : NVML device handle
+        From :func:`device_handle`.
+    pynvml : module, optional
+        The NVML bindings (default distributed's ``pynvml``); tests pass a fake object with
+        ``nvmlDeviceGetProcessUtilization``, ``nvmlDeviceGetUtilizationRates`` and
+        ``NVMLError_NotFound``.
+    pid : int, optional
+        Default: this process's.
+    """
+
+    def __init__(self, handle, pynvml=None, pid: int | None = None):
+        self.handle = handle
+        self.pynvml = pynvml
+        self.pid = os.getpid() if pid is None else pid
+        self.last = 0  # NVML timestamp (microseconds) of the newest sample seen
+
+    def _bindings(self):
+        return self.pynvml if self.pynvml is not None else _nvml()
+
+    def _device_idle(self, nv) -> bool:
+        try:
+            util = float(nv.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+        except Exception:  # cannot tell: not idle
+            return False
+        return 0 <= util <= IDLE_UTILIZATION
+
+    def __call__(self, worker=None) -> float | None:
+        """Percent 0-100 of the device used by this process since the last call, or None.
+
+        ``worker`` is ignored (the signature of a worker metric function).
+        """
+        nv = self._bindings()
+        if nv is None:
+            return None
+        try:
+            samples = list(nv.nvmlDeviceGetProcessUtilization(self.handle, self.last))
+        except Exception as e:
+            not_found = getattr(nv, "NVMLError_NotFound", None)
+            if isinstance(not_found, type) and isinstance(e, not_found):
+                return 0.0 if self._device_idle(nv) else None
+            return None
+        try:
+            if samples:
+                self.last = max(self.last, *(int(s.timeStamp) for s in samples))
+            ours = [float(s.smUtil) for s in samples if s.pid == self.pid]
+            if ours:
+                return min(max(max(ours), 0.0), 100.0)
+            others = max((float(s.smUtil) for s in samples), default=0.0)
+        except Exception:  # a malformed sample
+            return None
+        if others <= IDLE_UTILIZATION and self._device_idle(nv):
+            return 0.0
+        return None
+
+
+class DeviceMetrics(WorkerPlugin):
+    """Report this worker's own GPU utilisation and its device's capacity (see module doc).
+
+    On workers without NVML or a GPU it adds nothing. NVML errors never reach the worker: a
+    metric that cannot be read is None, which the scheduler treats as unknown. Teardown
+    removes only the metric functions this plugin installed (compared by identity), so a
+    metric another plugin set since is left alone.
+    """
+
+    name = "blockflow-device-metrics"
+    idempotent = True
+
+    def __init__(self):
+        self._installed: dict[int, dict[str, Any]] = {}
+
+    def setup(self, worker) -> None:
+        handle = device_handle()
+        if handle is None:  # no NVML, no driver, no device: nothing to add
+            return
+        own = OwnUtilization(handle)
+        metrics: dict[str, Any] = {OWN_UTILIZATION_METRIC: own}
+        nominal = capacity(handle)
+        if nominal:
+            metrics[CAPACITY_METRIC] = lambda w: nominal
+        info = device_info()
+        if info is not None and info.uuid:
+            metrics[DEVICE_UUID_METRIC] = lambda w, u=info.uuid: u
+        for key, fn in metrics.items():
+            set_worker_metric(worker, key, fn)
+        self._installed[id(worker)] = metrics
+
+    def teardown(self, worker) -> None:
+        installed = getattr(self, "_installed", {})
+        for key, fn in installed.pop(id(worker), {}).items():
+            remove_worker_metric(worker, key, fn)

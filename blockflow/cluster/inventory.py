@@ -1,0 +1,266 @@
+"""Resource discovery: the workers of a cluster with their CPUs, host memory and GPUs.
+
+Numbers come from the scheduler (worker identity and heartbeat metrics: distributed's NVML
+keys ``gpu_utilization``, ``gpu_memory_used``, ``gpu-memory-total``) and, for GPU name and
+UUID, from one probe on each GPU worker (:mod:`blockflow.cluster.devices`, or the ``describe_device()``
+of a plugin that models the worker's device). CPU-only workers report None for GPU fields.
+"""
+
+from __future__ import annotations
+
+import html
+import warnings
+from dataclasses import asdict, dataclass, field, fields, replace
+
+import pandas as pd
+from dask.utils import format_bytes
+
+from blockflow.cluster.identity import workers_info
+from blockflow._distributed import worker_plugins
+from blockflow.cluster.devices import device_info
+from blockflow.errors import BlockflowWarning
+from blockflow._distributed.metrics import read_metrics
+
+__all__ = ["Inventory", "WorkerResources", "inventory"]
+
+
+@dataclass(frozen=True)
+class WorkerResources:
+    """One worker's resources.
+
+    Attributes
+    ----------
+    address, host, name : str
+    threads : int
+    memory_limit : int or None
+        Host memory limit in bytes (None when unlimited).
+    device : str
+        ``"gpu"`` or ``"cpu"``.
+    gpu_name, gpu_uuid : str or None
+    gpu_memory_total, gpu_memory_used : int or None
+        Device memory in bytes.
+    gpu_utilization : float or None
+        Percent 0-100 (None also on GPUs where NVML does not report it, e.g. MIG).
+    simulated : bool
+        True for blockflow's simulated devices (tests, benchmarks).
+    resources : dict
+        Worker resources the worker declares (``{"GPU": 1}``); tasks asking for
+        ``resources=`` run only where they are declared.
+    shares_gpu_with : tuple of str
+        Addresses of the other workers that use the same GPU (same ``gpu_uuid``); empty
+        when the worker has its GPU to itself.
+    """
+
+    address: str
+    host: str
+    name: str
+    threads: int
+    memory_limit: int | None
+    device: str
+    gpu_name: str | None
+    gpu_uuid: str | None
+    gpu_memory_total: int | None
+    gpu_memory_used: int | None
+    gpu_utilization: float | None
+    simulated: bool = False
+    resources: dict = field(default_factory=dict)
+    shares_gpu_with: tuple = ()
+
+
+def _probe_device(dask_worker=None) -> dict:
+    """Run on a worker: the name and UUID of the GPU it uses, if any.
+
+    A worker plugin that owns or models the worker's device (blockflow's simulated GPUs in
+    tests and benchmarks) describes it through a ``describe_device()`` method; otherwise NVML
+    is asked (:func:`blockflow.cluster.devices.device_info`). ``{}`` when neither can tell.
+    """
+    for plugin in worker_plugins(dask_worker).values():
+        describe_device = getattr(plugin, "describe_device", None)
+        if not callable(describe_device):
+            continue
+        try:
+            described = describe_device()
+        except Exception:
+            continue
+        if described:
+            return dict(described)
+    info = device_info()
+    if info is None:
+        return {}
+    return {"gpu_name": info.name, "gpu_uuid": info.uuid, "gpu_mig": info.mig}
+
+
+class Inventory:
+    """Table of a cluster's workers and their resources (see :func:`inventory`).
+
+    Iterable over :class:`WorkerResources`; ``len()`` is the number of workers.
+    """
+
+    def __init__(self, workers: list[WorkerResources]):
+        self.workers = sorted(workers, key=lambda w: w.address)
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def __iter__(self):
+        return iter(self.workers)
+
+    @property
+    def n_gpus(self) -> int:
+        """Number of distinct GPUs: workers that share one device (same UUID) count once;
+        a GPU worker whose device UUID is unknown counts as one."""
+        return len({w.gpu_uuid or w.address for w in self.workers if w.device == "gpu"})
+
+    @property
+    def n_gpu_workers(self) -> int:
+        """Number of workers with a GPU."""
+        return sum(w.device == "gpu" for w in self.workers)
+
+    @property
+    def shared_gpus(self) -> dict[str, tuple[str, ...]]:
+        """GPU UUID -> the workers (addresses, sorted) sharing that device, for each GPU two
+        or more workers use."""
+        groups: dict[str, list[str]] = {}
+        for w in self.workers:
+            if w.device == "gpu" and w.gpu_uuid:
+                groups.setdefault(w.gpu_uuid, []).append(w.address)
+        return {u: tuple(sorted(a)) for u, a in sorted(groups.items()) if len(a) > 1}
+
+    @property
+    def undeclared_gpu_workers(self) -> list[str]:
+        """GPU workers that declare no ``GPU`` resource (``resources={"GPU": 1}`` tasks never
+        run on them)."""
+        return [w.address for w in self.workers
+                if w.device == "gpu" and not w.resources.get("GPU")]
+
+    @property
+    def total_threads(self) -> int:
+        return sum(w.threads for w in self.workers)
+
+    def to_pandas(self) -> pd.DataFrame:
+        """One row per worker, columns as :class:`WorkerResources` (bytes, percent)."""
+        cols = [f.name for f in fields(WorkerResources)]
+        df = pd.DataFrame([asdict(w) for w in self.workers], columns=cols)
+        for c in ("memory_limit", "gpu_memory_total", "gpu_memory_used"):
+            df[c] = df[c].astype("Int64")
+        df["gpu_utilization"] = df["gpu_utilization"].astype("Float64")
+        return df
+
+    def _display_rows(self) -> list[dict[str, str]]:
+        def b(v):
+            return "n/a" if v is None else format_bytes(v)
+
+        rows = []
+        for w in self.workers:
+            gpu = "n/a"
+            if w.device == "gpu":
+                gpu = f"{w.gpu_name or 'GPU'}{' (simulated)' if w.simulated else ''}"
+            rows.append({
+                "worker": w.address, "host": w.host, "threads": str(w.threads),
+                "memory limit": b(w.memory_limit), "device": w.device, "GPU": gpu,
+                "device memory": "n/a" if w.gpu_memory_total is None
+                else f"{b(w.gpu_memory_used)} / {b(w.gpu_memory_total)}",
+                "GPU util": "n/a" if w.gpu_utilization is None else f"{w.gpu_utilization:.0f}%",
+                "resources": ", ".join(f"{k}={v:g}" for k, v in sorted(w.resources.items()))
+                or "none",
+                "shares GPU with": ", ".join(w.shares_gpu_with) or "-",
+            })
+        return rows
+
+    def __repr__(self) -> str:
+        head = (f"<blockflow.Inventory: {len(self)} workers, {self.total_threads} threads, "
+                f"{self.n_gpus} GPUs{self._shared_note()}>")
+        if not self.workers:
+            return head
+        return head + "\n" + pd.DataFrame(self._display_rows()).to_string(index=False)
+
+    def _shared_note(self) -> str:
+        n = self.n_gpu_workers
+        return f" for {n} GPU workers (some share a GPU)" if self.shared_gpus else ""
+
+    def _repr_html_(self) -> str:
+        rows = self._display_rows()
+        head = (f"<p><b>blockflow inventory</b>: {len(self)} workers, {self.total_threads} "
+                f"threads, {self.n_gpus} GPUs{html.escape(self._shared_note())}</p>")
+        if not rows:
+            return head
+        th = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
+        trs = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in r.values()) + "</tr>"
+            for r in rows
+        )
+        return f"{head}<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
+
+
+def inventory(client) -> Inventory:
+    """Discover the workers of a cluster and their CPUs, host memory and GPUs.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        Connected to the cluster.
+
+    Returns
+    -------
+    Inventory
+        One :class:`WorkerResources` per worker. Device memory and utilisation come from the
+        workers' latest heartbeat (distributed's NVML keys, refreshed every 0.5-2 s); a
+        worker is a GPU worker when it reports ``gpu-memory-total``. CPU-only workers have
+        None (never 0) in every GPU field. Workers that report the same device UUID share
+        one GPU: ``shares_gpu_with`` names the others, and :attr:`Inventory.n_gpus` counts
+        the device once.
+
+    Warns
+    -----
+    BlockflowWarning
+        When two or more workers use the same GPU (same device UUID), naming them: they
+        share its memory and compute.
+
+    Raises
+    ------
+    TypeError
+        If ``client`` is not a ``distributed.Client``.
+    """
+    from distributed import Client
+
+    if not isinstance(client, Client):
+        raise TypeError(
+            f"blockflow.inventory: expected a distributed.Client, got {type(client).__name__}; "
+            f"get one with blockflow.connect()."
+        )
+    workers = workers_info(client)
+    gpu_workers = [a for a, info in workers.items() if read_metrics(info.get("metrics")).has_gpu]
+    probes = client.run(_probe_device, workers=gpu_workers) if gpu_workers else {}
+    out = []
+    for addr, info in workers.items():
+        m = read_metrics(info.get("metrics"))
+        probe = probes.get(addr, {}) if m.has_gpu else {}
+        limit = info.get("memory_limit") or None
+        out.append(WorkerResources(
+            address=addr,
+            host=info.get("host", ""),
+            name=str(info.get("name", addr)),
+            threads=int(info.get("nthreads", 0)),
+            memory_limit=int(limit) if limit else None,
+            device="gpu" if m.has_gpu else "cpu",
+            gpu_name=probe.get("gpu_name"),
+            gpu_uuid=probe.get("gpu_uuid"),
+            gpu_memory_total=int(m.gpu_memory_total) if m.has_gpu else None,
+            gpu_memory_used=int(m.gpu_memory_used) if m.gpu_memory_used is not None else None,
+            gpu_utilization=m.gpu_utilization,
+            simulated=bool(probe.get("simulated", False)),
+            resources=dict(info.get("resources") or {}),
+        ))
+    inv = Inventory(out)
+    shared = inv.shared_gpus
+    if shared:
+        peers = {a: tuple(x for x in group if x != a) for group in shared.values() for a in group}
+        inv = Inventory([replace(w, shares_gpu_with=peers.get(w.address, ())) for w in inv])
+        listed = "; ".join(f"{', '.join(group)} all use GPU {u}" for u, group in shared.items())
+        warnings.warn(
+            f"blockflow.inventory: {listed}. Workers on one GPU share its memory and compute, "
+            f"so the cluster has {inv.n_gpus} GPU{'s' if inv.n_gpus != 1 else ''} for "
+            f"{inv.n_gpu_workers} GPU workers; start one worker per GPU (dask-cuda's "
+            f"LocalCUDACluster or `dask cuda worker` set CUDA_VISIBLE_DEVICES for each) unless "
+            f"the sharing is intended.", BlockflowWarning, stacklevel=2)
+    return inv

@@ -1,0 +1,189 @@
+"""Run reports: what a computation did on the cluster, for notebooks and logs.
+
+:func:`run_report` reads blockflow's scheduler plugin (task start/stop times, decisions,
+device-memory peaks) and summarises one computation: makespan, tasks per worker, moves and
+the bytes they moved, each worker's device-memory peak, and the blocks blockflow re-cut
+before its stages (skewed blocks split, tiny ones merged, blocks fitted to device memory).
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+from dask.utils import format_bytes
+
+from blockflow.cluster.connection import plugin_status
+from blockflow.decompose import BlockResize, recorded_resizes
+
+__all__ = ["RunReport", "run_report"]
+
+
+@dataclass
+class RunReport:
+    """Summary of a computation (see :func:`run_report`).
+
+    Attributes
+    ----------
+    since : float
+        Start of the window, seconds since the epoch.
+    makespan : float
+        Seconds from the first task start to the last task end in the window (0 if none).
+    tasks_per_worker : dict of str to int
+    moves : int
+        Tasks the rebalancer moved between workers.
+    bytes_moved : int
+        Input bytes of the moved tasks (what the moves had to transfer, at most).
+    device_memory_peak : dict of str to float or None
+        Highest device memory seen per worker (bytes; None for workers without a GPU).
+    policy : str
+    tasks : pandas.DataFrame
+        One row per task: ``worker``, ``start``, ``stop`` (seconds since ``since``).
+    block_changes : list of BlockResize
+        Blocks re-cut before blockwise stages in this process (:mod:`blockflow.decompose`):
+        skewed blocks split, tiny ones merged, blocks fitted to device memory, with the
+        block sizes (rows, bytes) before and after.
+    pipeline : dict or None
+        The latest pipeline-parallel pass in the window (:class:`blockflow.PipelineParallel`):
+        ``name``, ``stages``, ``micro_batches``, ``workers``, ``makespan`` (s), ``bubble``
+        and ``ideal_bubble`` (fractions 0-1), and ``timeline``, a DataFrame of one row per
+        stage task (``stage``, ``worker``, ``micro_batch``, ``phase``, ``start``, ``stop``
+        in seconds since the pass started). None when no pass ran.
+    """
+
+    since: float
+    makespan: float
+    tasks_per_worker: dict[str, int]
+    moves: int
+    bytes_moved: int
+    device_memory_peak: dict[str, float | None]
+    policy: str
+    tasks: pd.DataFrame = field(repr=False)
+    block_changes: list[BlockResize] = field(default_factory=list, repr=False)
+    pipeline: dict | None = field(default=None, repr=False)
+
+    def to_pandas(self) -> pd.DataFrame:
+        """Per-worker table: tasks, busy seconds, device-memory peak (bytes)."""
+        busy = (self.tasks.assign(d=self.tasks.stop - self.tasks.start)
+                .groupby("worker")["d"].sum())
+        workers = sorted(set(self.tasks_per_worker) | set(self.device_memory_peak))
+        return pd.DataFrame({
+            "worker": workers,
+            "tasks": [self.tasks_per_worker.get(w, 0) for w in workers],
+            "busy_seconds": [float(busy.get(w, 0.0)) for w in workers],
+            "device_memory_peak": pd.array([self.device_memory_peak.get(w) for w in workers],
+                                           dtype="Float64"),
+        })
+
+    def plot(self):
+        """Bokeh figure: tasks finished per worker over time (seconds since the window start)."""
+        from bokeh.palettes import Category10_10
+        from bokeh.plotting import figure
+
+        fig = figure(title="Tasks finished per worker", x_axis_label="seconds",
+                     y_axis_label="tasks", height=300, width=700)
+        for i, (worker, df) in enumerate(self.tasks.sort_values("stop").groupby("worker")):
+            fig.step(df["stop"].to_numpy(), np.arange(1, len(df) + 1), mode="after",
+                     legend_label=worker, color=Category10_10[i % 10], line_width=2)
+        fig.legend.location = "top_left"
+        return fig
+
+    def __repr__(self) -> str:
+        return (f"<blockflow.RunReport: makespan {self.makespan:.2f} s, "
+                f"{_count(sum(self.tasks_per_worker.values()), 'task')} on "
+                f"{_count(len(self.tasks_per_worker), 'worker')}, "
+                f"{_count(self.moves, 'move')} ({format_bytes(self.bytes_moved)}), "
+                f"policy {self.policy}>\n" + self.to_pandas().to_string(index=False)
+                + "".join(f"\nblocks re-cut: {c.summary()}" for c in self.block_changes)
+                + (f"\n{self._pipeline_text()}" if self.pipeline else ""))
+
+    def _pipeline_text(self) -> str:
+        p = self.pipeline
+        return (f"pipeline {p['name']!r}: {p['stages']} stages, {p['micro_batches']} "
+                f"micro-batches, {p['makespan']:.2f} s, bubble {p['bubble']:.1%} (GPipe "
+                f"(p-1)/(m+p-1) = {p['ideal_bubble']:.1%})")
+
+    def _repr_html_(self) -> str:
+        table = self.to_pandas().assign(device_memory_peak=lambda d: [
+            "n/a" if pd.isna(v) else format_bytes(v) for v in d.device_memory_peak])
+        return (f"<p><b>blockflow run report</b>: makespan {self.makespan:.2f} s, "
+                f"{_count(sum(self.tasks_per_worker.values()), 'task')}, "
+                f"{_count(self.moves, 'move')} "
+                f"({html.escape(format_bytes(self.bytes_moved))}), policy "
+                f"{html.escape(self.policy)}</p>" + table.to_html(index=False)
+                + self._changes_html()
+                + (f"<p>{html.escape(self._pipeline_text())}</p>" if self.pipeline else ""))
+
+    def _changes_html(self) -> str:
+        if not self.block_changes:
+            return ""
+        items = "".join(f"<li>{html.escape(c.summary())}</li>" for c in self.block_changes)
+        return f"<p>Blocks re-cut before blockwise stages:</p><ul>{items}</ul>"
+
+
+def _count(n: int, noun: str) -> str:
+    """``"1 move"``, ``"2 moves"``, ``"0 moves"``."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def run_report(client, since: float | None = None) -> RunReport:
+    """Summarise what ran on the cluster since ``since``.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        Connected to a scheduler running blockflow's plugin.
+    since : float, optional
+        Seconds since the epoch (e.g. ``t0 = time.time()`` before the computation); default
+        the start of the current computation as the plugin saw it (the last graph submitted
+        to an idle cluster). Block changes (:mod:`blockflow.decompose`) are those made in
+        this process since ``since``; by default those no earlier default report showed
+        (they are made when the graph is built, before it is submitted).
+
+    Returns
+    -------
+    RunReport
+
+    Raises
+    ------
+    RuntimeError
+        If the scheduler runs no blockflow plugin.
+    """
+    first = plugin_status(client)
+    changes = recorded_resizes(since, unreported=since is None)
+    if since is None:
+        since = first.get("run_started") or 0.0
+    status = plugin_status(client, since=since, task_log=True)
+    log = pd.DataFrame(status["task_log"], columns=["worker", "start", "stop"])
+    log = log[log.start >= since - 1e-3] if len(log) else log
+    makespan = float(log.stop.max() - log.start.min()) if len(log) else 0.0
+    if len(log):
+        log = log.assign(start=log.start - since, stop=log.stop - since)
+    moves = [d for d in status["decisions"] if d["action"] == "move"]
+    workers = status["workers"]
+    peaks = status["memory_peak"]
+    return RunReport(
+        since=since,
+        makespan=makespan,
+        tasks_per_worker={w: int(n) for w, n in log.worker.value_counts().items()}
+        if len(log) else {},
+        moves=len(moves),
+        bytes_moved=int(sum(d.get("seen_input_bytes") or 0 for d in moves)),
+        device_memory_peak={w: peaks.get(w) for w in workers},
+        policy=status["policy"],
+        tasks=log.reset_index(drop=True),
+        block_changes=changes,
+        pipeline=_pipeline(client, since),
+    )
+
+
+def _pipeline(client, since: float) -> dict | None:
+    """The latest pipeline pass published in the scheduler's metadata (by
+    :class:`blockflow.PipelineParallel`) if it ran after ``since``."""
+    meta = client.get_metadata(["blockflow", "pipeline"], default=None)
+    if not isinstance(meta, dict) or meta.get("time", 0) < since:
+        return None
+    return {**meta, "timeline": pd.DataFrame(meta.get("timeline") or {})}

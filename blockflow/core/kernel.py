@@ -1,0 +1,460 @@
+"""The kernel wrapper: how a blockflow task runs a user's function on one block.
+
+:func:`blockflow.map_blocks` and :func:`blockflow.tree_reduce` (its ``chunk``, ``combine``
+and ``aggregate`` steps) both run the user's function through :class:`Kernel`, which adds
+three things inside the task: in-place retries (``retries=``), an error that names the block
+or reduction step that failed (:class:`~blockflow.BlockKernelError`), and device
+out-of-memory errors translated into :class:`~blockflow.DeviceMemoryError`.
+
+``resources=``, ``workers=`` and ``allow_other_workers=`` (where a kernel's tasks may run) travel
+the same way, on the kernel object inside each task, so that Dask's graph optimisation cannot
+drop them: blockflow's scheduler plugin finds them in the tasks of each graph that arrives
+and restricts those tasks (:func:`blockflow._distributed.task_placement`), and a kernel that
+lands on a worker without the resources it asked for (a scheduler without the plugin) fails
+with :class:`~blockflow.errors.ResourceError` instead of running there.
+
+``retries`` means the same everywhere in blockflow: *a task whose kernel raises is run up to
+``retries`` more times* (1 + ``retries`` attempts in all, 0 by default). Here the attempts
+run in place, in the same task on the same worker: Dask's graph optimisation (linear fusion
+of array tasks, dask-expr's lowering of dataframes) drops ``dask.annotate(retries=...)``, so
+an annotation would not reach the scheduler reliably. blockflow's workloads and CLI
+(``blockflow run ... --retries n``) pass the same number to ``client.compute(retries=)``
+instead, where distributed's scheduler reruns the erred task, on any worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import time
+from collections.abc import Mapping
+from typing import Any, Callable
+
+from dask.utils import format_bytes, funcname
+
+from blockflow.cluster.identity import workers_info
+from blockflow.errors import (
+    BlockKernelError,
+    DeviceMemoryError,
+    ResourceError,
+    is_device_oom,
+    requested_bytes,
+)
+from blockflow._distributed.metrics import read_metrics
+
+__all__ = ["Kernel", "check_placement", "check_retries", "device_memory_error",
+           "largest_free_device_memory"]
+
+
+def check_retries(retries: Any, func: str) -> int:
+    """Validate a ``retries=`` argument: an integer >= 0 (None means 0).
+
+    Parameters
+    ----------
+    retries : int or None
+        Extra attempts of a task whose kernel raises.
+    func : str
+        The caller, as the message names it (``"blockflow.map_blocks"``, ``"flights"``).
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    ValueError
+        ``"<func>: retries must be an integer >= 0 (extra attempts per block), got -1."``
+    """
+    if retries is None:
+        return 0
+    if isinstance(retries, bool) or not isinstance(retries, numbers.Integral) or retries < 0:
+        raise ValueError(
+            f"{func}: retries must be an integer >= 0 (extra attempts per block), got "
+            f"{retries!r}."
+        )
+    return int(retries)
+
+
+def check_placement(resources: Any, workers: Any, allow_other_workers: Any,
+                    func: str) -> dict | None:
+    """Validate where a kernel's tasks may run: ``resources=``, ``workers=``,
+    ``allow_other_workers=`` (distributed's meanings, as in ``Client.submit``).
+
+    Parameters
+    ----------
+    resources : mapping of str to float, optional
+        Worker resources each task needs while it runs (``{"GPU": 1}``): only workers that
+        declare at least that much run it (``dask worker --resources GPU=1``; blockflow's
+        GPU workers declare ``GPU=1``).
+    workers : str or sequence of str, optional
+        Worker addresses, names (strings or ints) or host names that may run the tasks.
+    allow_other_workers : bool, optional
+        With ``workers``: other workers may run the tasks when those are busy or gone.
+    func : str
+        The caller, as messages name it (``"blockflow.map_blocks"``).
+
+    Returns
+    -------
+    dict or None
+        ``{"resources": dict or None, "workers": tuple or None, "allow_other_workers":
+        bool}``, or None when nothing was asked.
+
+    Raises
+    ------
+    TypeError
+        ``resources`` not a mapping, ``workers`` not a string or strings,
+        ``allow_other_workers`` not a bool.
+    ValueError
+        A resource amount that is not a number > 0, an empty ``workers``, or
+        ``allow_other_workers=True`` without ``workers``.
+    """
+    if resources is not None:
+        if not isinstance(resources, Mapping):
+            raise TypeError(
+                f"{func}: resources must be a mapping of resource name to amount, e.g. "
+                f"resources={{'GPU': 1}}, got {resources!r}.")
+        for name, amount in resources.items():
+            if (not isinstance(name, str) or isinstance(amount, bool)
+                    or not isinstance(amount, numbers.Real) or not amount > 0):
+                raise ValueError(
+                    f"{func}: resources must map resource names to amounts > 0, e.g. "
+                    f"resources={{'GPU': 1}}, got {name!r}: {amount!r}.")
+        resources = {name: amount for name, amount in resources.items()} or None
+    if workers is not None:
+        items = [workers] if isinstance(workers, (str, int)) else workers
+        try:
+            items = list(items)
+        except TypeError:
+            items = None
+        if items is None or not all(isinstance(w, (str, int)) and not isinstance(w, bool)
+                                    for w in items):
+            raise TypeError(
+                f"{func}: workers must be a worker address, name or host name, or a list of "
+                f"them, e.g. workers=['tcp://10.0.0.5:40000'], got {workers!r}.")
+        if not items:
+            raise ValueError(
+                f"{func}: workers is empty; name at least one worker, or leave workers=None "
+                f"to let any worker run the tasks.")
+        workers = tuple(items)
+    if allow_other_workers is not None and not isinstance(allow_other_workers, bool):
+        raise TypeError(
+            f"{func}: allow_other_workers must be True or False, got {allow_other_workers!r}.")
+    if allow_other_workers and workers is None:
+        raise ValueError(
+            f"{func}: allow_other_workers=True only loosens workers=; name the workers too, "
+            f"or leave allow_other_workers unset.")
+    if resources is None and workers is None:
+        return None
+    return {"resources": resources, "workers": workers,
+            "allow_other_workers": bool(allow_other_workers)}
+
+
+def _check_worker_resources(label: str, step: str | None, resources: dict) -> None:
+    """Refuse to run a kernel on a worker that lacks the resources it asked for (a scheduler
+    without blockflow's plugin placed it there); anywhere outside a distributed worker (the
+    local schedulers) resources mean nothing and the kernel runs."""
+    from blockflow._distributed import current_worker_resources
+
+    here = current_worker_resources()
+    if here is None:
+        return
+    address, declared = here
+    if all(declared.get(r, 0) >= q for r, q in resources.items()):
+        return
+    what = f"kernel {label!r}" if step is None else f"tree_reduce {step} function {label!r}"
+    raise ResourceError(
+        f"blockflow: {what} asked for resources {resources} but the scheduler ran it on "
+        f"{address}, which declares {declared or 'no resources'}: that scheduler does not "
+        f"run blockflow's plugin, which applies resources= to the tasks. Connect with "
+        f"blockflow.connect(...) (or register blockflow.scheduling.Rebalancer, or start the "
+        f"scheduler with --preload blockflow.scheduling.preload).")
+
+
+class Kernel:
+    """A user's function as a blockflow task runs it: retried in place, failures labelled.
+
+    Picklable when the function is. Subclasses (the wrappers of ``map_blocks`` and
+    ``tree_reduce``) decide the calling convention and what a block is called; they call
+    :meth:`run` on real blocks.
+
+    Parameters
+    ----------
+    func : callable
+        The user's function.
+    retries : int, default 0
+        Extra attempts when ``func`` raises (validated by :func:`check_retries`).
+    step : str, optional
+        The tree-reduction step (``"chunk"``, ``"combine"``, ``"aggregate"``); None for a
+        blockwise kernel. It selects the wording of errors: ``"blockflow kernel 'f' failed
+        on block (3,) ..."`` or ``"blockflow tree_reduce: chunk function 'f' failed ..."``.
+    working_set : int or dict, optional
+        Device memory the function needs, bytes: one number for every block, or a dict
+        from block index (the task key without its name) to bytes. The scheduler plugin reads
+        it through :meth:`blockflow_working_set` to place each block where it fits.
+    placement : dict, optional
+        Where the tasks may run, as :func:`check_placement` returns it; the scheduler plugin
+        reads it through :meth:`blockflow_placement` and restricts the tasks.
+    speculative : bool, default True
+        Whether a straggling task may get a backup copy on another worker (the function
+        must then be idempotent: same blocks in, same result out, no side effects that
+        matter twice); see :mod:`blockflow.core.speculation`.
+
+    Notes
+    -----
+    A block that runs out of device memory while another worker has enough free device
+    memory for it is not an error: the task raises :class:`distributed.Reschedule` and the
+    scheduler places it again (on a worker where it fits, when the dynamic policy placed it
+    by its working set), at most :data:`MAX_RESCHEDULES` times from one worker (a scheduler
+    that knows nothing of device memory may keep choosing the same, idle, too-small
+    device). :class:`~blockflow.DeviceMemoryError` is raised when no other worker has that
+    much free device memory, or after those attempts.
+    """
+
+    #: Logger of the retry warnings (subclasses log under their own module's name).
+    logger = logging.getLogger(__name__)
+
+    #: Whether a straggling task of this kernel may get a backup copy on another worker
+    #: (idempotent kernels: the default). ``map_blocks(speculative=False)`` sets it off.
+    speculative = True
+
+    def __init__(self, func: Callable, retries: int = 0, step: str | None = None,
+                 working_set: int | dict | None = None, placement: dict | None = None,
+                 speculative: bool = True):
+        if not speculative:
+            self.speculative = False
+        self.func = func
+        self.label = funcname(func)
+        self.retries = retries
+        self.step = step
+        self.working_set = working_set
+        self.placement = placement
+
+    def blockflow_placement(self) -> dict | None:
+        """Where the kernel's tasks may run (``resources``, ``workers``,
+        ``allow_other_workers``), or None when the caller asked nothing."""
+        return getattr(self, "placement", None)
+
+    def blockflow_working_set(self, key) -> int | None:
+        """Device memory (bytes) the block of task ``key`` needs, when declared; else None."""
+        declared = self.working_set
+        if isinstance(declared, dict):
+            index = tuple(key[1:]) if isinstance(key, tuple) else ()
+            return declared.get(index)
+        return declared
+
+    def run(self, where: Callable[[], str], *args, **kwargs):
+        """Call the function, up to ``1 + retries`` times; the last failure raises.
+
+        Parameters
+        ----------
+        where : callable
+            ``where() -> str`` names the block for messages (``"block (3, 0)"``,
+            ``"partition 7"``); called only on failure.
+        *args, **kwargs
+            Passed to the function.
+
+        Raises
+        ------
+        BlockKernelError
+            When the last attempt raises (see :meth:`error`).
+        """
+        placement = getattr(self, "placement", None)
+        if placement and placement["resources"] and not placement["allow_other_workers"]:
+            _check_worker_resources(self.label, self.step, placement["resources"])
+        from blockflow.core import speculation as _speculation
+
+        return _speculation.run_kernel(self, lambda: self._attempts(where, args, kwargs),
+                                       args, kwargs)
+
+    def _attempts(self, where: Callable[[], str], args: tuple, kwargs: dict):
+        """The attempts of :meth:`run` on this worker."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return self.func(*args, **kwargs)
+            except Exception as e:
+                if is_device_oom(e) and _fits_on_another_worker(e) and _may_reschedule():
+                    from distributed import Reschedule
+
+                    self.logger.info("blockflow kernel %r ran out of device memory on %s; "
+                                     "another worker has room: rescheduled", self.label,
+                                     where())
+                    # hold this (unsuitable) worker's slot a moment, so that the scheduler
+                    # hands the block to a worker that frees up meanwhile
+                    time.sleep(RESCHEDULE_BACKOFF * _reschedules.get(_current_key(), 1))
+                    raise Reschedule() from e
+                if attempt > self.retries:
+                    raise self.error(e, where(), attempt) from e
+                self._warn_retry(e, where(), attempt)
+
+    def _warn_retry(self, exc: BaseException, where: str, attempt: int) -> None:
+        if self.step is None:
+            self.logger.warning("blockflow kernel %r failed on %s (attempt %d of %d), "
+                                "retrying: %s: %s", self.label, where, attempt,
+                                self.retries + 1, type(exc).__name__, exc)
+        else:
+            self.logger.warning("blockflow tree_reduce: %s function %r failed (attempt %d of "
+                                "%d), retrying: %s: %s", self.step, self.label, attempt,
+                                self.retries + 1, type(exc).__name__, exc)
+
+    def error(self, exc: BaseException, where: str, attempts: int = 1) -> BlockKernelError:
+        """The error that replaces ``exc``, the function's last failure, at the client.
+
+        Returns
+        -------
+        BlockKernelError
+            A :class:`~blockflow.DeviceMemoryError` when ``exc`` is a device out-of-memory
+            error (:func:`~blockflow.errors.is_device_oom`), naming the bytes asked for and
+            the largest free device memory of any worker. Otherwise the message names the
+            function, the block or step, the attempts (when more than one) and ``exc``.
+            ``exc`` is chained as ``__cause__``.
+        """
+        after = f" after {attempts} attempts" if attempts > 1 else ""
+        if is_device_oom(exc):
+            err: BlockKernelError = device_memory_error(
+                self.label, where if self.step is None else f"a tree_reduce {self.step} step",
+                exc, after)
+        elif self.step is None:
+            err = BlockKernelError(
+                f"blockflow kernel {self.label!r} failed on {where}{after}: "
+                f"{type(exc).__name__}: {exc}"
+            )
+        else:
+            err = BlockKernelError(
+                f"blockflow tree_reduce: {self.step} function {self.label!r} failed{after}: "
+                f"{type(exc).__name__}: {exc}"
+            )
+        err.__cause__ = exc
+        return err
+
+
+def device_memory_error(label: str, where: str, exc: BaseException, after: str = ""
+                        ) -> DeviceMemoryError:
+    """The error for a kernel out of device memory.
+
+    Reads the workers' free device memory from the scheduler (on this error path only).
+
+    Parameters
+    ----------
+    label : str
+        The kernel's name.
+    where : str
+        The block (``"block (0,)"``) or step (``"a tree_reduce chunk step"``).
+    exc : BaseException
+        The device library's out-of-memory error.
+    after : str, default ""
+        ``" after 3 attempts"`` when the kernel was retried.
+    """
+    need = requested_bytes(exc)
+    free, worker = largest_free_device_memory()
+    if need is not None and free is not None and free >= need:
+        # stale metrics of this very worker (its allocation failed): never claim room
+        free, worker = largest_free_device_memory(exclude=_this_worker())
+    need_text = "more" if need is None else f"{need:,} bytes ({format_bytes(need)})"
+    if need is not None and free is not None and free >= need:
+        # another worker has room, but the scheduler kept placing the block here
+        return DeviceMemoryError(
+            f"blockflow kernel {label!r} ran out of device memory on {where}{after}: it "
+            f"asked for {need_text} of device memory, more than this worker had free, and the "
+            f"scheduler placed it here again {MAX_RESCHEDULES} times although {worker} has "
+            f"room. Declare what a block needs, map_blocks(..., working_set={need}), and use "
+            f"blockflow's dynamic policy (the default of blockflow.connect), which places each "
+            f"block where it fits. {type(exc).__name__}: {exc}",
+            block=where, working_set=need, largest_free=None,
+        )
+    free_text = ("unknown (no worker reports device memory)" if free is None
+                 else f"{free:,} bytes ({format_bytes(free)}, on {worker})")
+    return DeviceMemoryError(
+        f"blockflow kernel {label!r} ran out of device memory on {where}{after}: it "
+        f"asked for {need_text} of device memory, but the largest free device memory of any "
+        f"worker is {free_text}. Make the block fit: use smaller blocks (rechunk or "
+        f"repartition), free device memory (persisted results, other processes on the GPU), "
+        f"or use workers with larger GPUs. {type(exc).__name__}: {exc}",
+        block=where, working_set=need, largest_free=free,
+    )
+
+
+#: Most times one worker hands a task back for running out of device memory.
+MAX_RESCHEDULES = 5
+#: Seconds a worker waits before handing a task back, times the attempt.
+RESCHEDULE_BACKOFF = 0.1
+_reschedules: dict = {}  # task key -> times this worker process rescheduled it
+
+
+def _current_key():
+    try:
+        from distributed import get_worker
+
+        return get_worker().get_current_task()
+    except Exception:  # not in a task on a worker
+        return None
+
+
+def _may_reschedule() -> bool:
+    """Count a reschedule of the current task from this worker; False past the bound."""
+    key = _current_key()
+    if key is None:
+        return False
+    n = _reschedules.get(key, 0)
+    if n >= MAX_RESCHEDULES:
+        return False
+    if len(_reschedules) > 10_000:
+        _reschedules.clear()
+    _reschedules[key] = n + 1
+    return True
+
+
+def _this_worker() -> str | None:
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except Exception:  # not in a task on a worker
+        return None
+
+
+def _fits_on_another_worker(exc: BaseException) -> bool:
+    """Whether a worker other than this one has free device memory for what ``exc`` asked."""
+    need = requested_bytes(exc)
+    if need is None:
+        return False
+    for _ in range(2):  # the task's first client call may time out on a loaded worker
+        free, _ = largest_free_device_memory(exclude=_this_worker())
+        if free is not None:
+            return free >= need
+    return False
+
+
+def largest_free_device_memory(exclude: str | None = None) -> tuple[int | None, str | None]:
+    """The worker with the most free device memory, from the metrics the scheduler holds.
+
+    Parameters
+    ----------
+    exclude : str, optional
+        A worker address left out (the one that just ran out of device memory).
+
+    Returns
+    -------
+    (int or None, str or None)
+        Free bytes and the worker's address (the first address on a tie); ``(None, None)``
+        when no worker reports device memory or no scheduler is reachable.
+    """
+    try:
+        from distributed import get_client
+
+        workers = workers_info(get_client())
+    except Exception as e:  # outside a cluster, or the scheduler is gone: say "unknown"
+        logging.getLogger(__name__).info(
+            "blockflow: could not read the workers' device memory: %r", e)
+        return None, None
+    best: tuple[int | None, str | None] = (None, None)
+    for address in sorted(workers):
+        if address == exclude:
+            continue
+        free = read_metrics(workers[address].get("metrics")).gpu_memory_free
+        if free is None:
+            continue
+        if best[0] is None or int(free) > best[0]:
+            best = (int(free), address)
+    return best

@@ -1,0 +1,610 @@
+"""Batch inference: apply a trained model to every block of a Dask collection.
+
+:func:`predict` ships the model **once per worker** and keeps it there: the model's bytes
+travel inside a small worker plugin (:class:`ModelCache`, ``distributed``'s own way to give
+every worker, including workers that join later, the same object), and each task carries only
+a :class:`ModelRef` (the model's token). A plain ``map_blocks(model.predict)`` puts the model
+into every task instead, so its bytes cross the network once per block.
+
+Inside a task the block is cut into batches that fit the worker's free device memory (the
+GPU metrics the worker reports; host memory on a CPU worker), the model runs on each batch,
+and the outputs are concatenated, so the result has the input's row chunks.
+
+Models: a PyTorch ``nn.Module`` (run under ``torch.no_grad()``, moved to the worker's GPU when
+it has one), an ONNX model (``onnx.ModelProto``, its serialised bytes, or a path; run by
+``onnxruntime``), a scikit-learn style estimator (``predict``/``predict_proba``/``transform``)
+or any callable ``f(batch) -> array``. PyTorch, ONNX Runtime and scikit-learn are imported only
+when such a model is used.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import dask.array as da
+import numpy as np
+import pandas as pd
+from dask.base import tokenize
+from dask.utils import is_dataframe_like
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from blockflow import _distributed, config
+from blockflow.core.speculation import cancelled
+from blockflow.errors import describe
+from blockflow._distributed.metrics import GPU_MEMORY_TOTAL, GPU_MEMORY_USED, clean_number
+
+__all__ = ["ModelCache", "ModelRef", "batch_rows", "model_stats", "predict"]
+
+#: Prefix of the worker plugins that carry models (``blockflow-model-<token>``).
+PLUGIN_PREFIX = "blockflow-model-"
+
+#: Device bytes assumed per byte of a batch's input and output rows: a model's activations
+#: take a few times its input (blockflow heuristic, generous for MLPs and linear models).
+ACTIVATION_FACTOR = 4
+
+# --- models: kinds, serialisation and running a batch -----------------------------------
+
+
+def model_kind(model: Any) -> str:
+    """``"torch"``, ``"onnx"``, ``"estimator"`` or ``"callable"`` (TypeError otherwise)."""
+    mod = type(model).__module__ or ""
+    if mod.startswith("torch") or any(c.__module__.startswith("torch.nn")
+                                      for c in type(model).__mro__):
+        return "torch"
+    if mod.startswith("onnx") or isinstance(model, (bytes, bytearray)) or (
+            isinstance(model, (str, os.PathLike)) and str(model).endswith(".onnx")):
+        return "onnx"
+    if any(hasattr(model, m) for m in ("predict", "predict_proba", "transform")):
+        return "estimator"
+    if callable(model):
+        return "callable"
+    raise TypeError(
+        f"blockflow.predict: cannot run a {describe(model)} as a model; pass a PyTorch "
+        f"nn.Module, an ONNX model (onnx.ModelProto, its bytes or a .onnx path), an estimator "
+        f"with predict/predict_proba/transform, or a callable f(batch) -> array."
+    )
+
+
+def _serialise(model: Any, kind: str) -> bytes:
+    if kind == "onnx":
+        if isinstance(model, (bytes, bytearray)):
+            return bytes(model)
+        if isinstance(model, (str, os.PathLike)):
+            with open(model, "rb") as f:
+                return f.read()
+        return model.SerializeToString()
+    if kind == "torch":
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        return buf.getvalue()
+    from distributed.protocol.pickle import dumps
+
+    return dumps(model)
+
+
+class _Loaded:
+    """A model deserialised on a worker, ready to run batches (``__call__(batch)``)."""
+
+    def __init__(self, payload: bytes, kind: str, method: str | None):
+        self.kind, self.method, self.device = kind, method, None
+        if kind == "torch":
+            import torch
+
+            model = torch.load(io.BytesIO(payload), weights_only=False)
+            if torch.cuda.is_available():  # a GPU worker: run there
+                self.device = "cuda"
+                model = model.to("cuda")
+            self.model = model.eval()
+            params = list(model.parameters())
+            self.dtype = params[0].dtype if params else torch.float32
+        elif kind == "onnx":
+            import onnxruntime as ort
+
+            providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider")
+                         if p in ort.get_available_providers()]
+            self.model = ort.InferenceSession(payload, providers=providers)
+            inp = self.model.get_inputs()[0]
+            self.input_name = inp.name
+            self.dtype = _ONNX_TYPES.get(inp.type, np.float32)
+        else:
+            from distributed.protocol.pickle import loads
+
+            self.model = loads(payload)
+            self.dtype = None
+        self.nbytes = len(payload)
+        self.lock = threading.Lock()  # one batch at a time per worker: the device is shared
+
+    def __call__(self, batch):
+        if self.kind == "torch":
+            import torch
+
+            with torch.no_grad():
+                xt = torch.as_tensor(batch).to(dtype=self.dtype, device=self.device or "cpu")
+                out = self.model(xt)
+            if _is_cupy(batch):
+                import cupy
+
+                return cupy.asarray(out)
+            return out.detach().cpu().numpy()
+        if self.kind == "onnx":
+            host = batch.get() if _is_cupy(batch) else batch
+            return self.model.run(None, {self.input_name: np.asarray(host, dtype=self.dtype)})[0]
+        if self.kind == "estimator":
+            return getattr(self.model, self.method)(batch)
+        return self.model(batch)
+
+
+_ONNX_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64,
+               "tensor(int64)": np.int64, "tensor(int32)": np.int32,
+               "tensor(float16)": np.float16}
+
+
+def _is_cupy(x) -> bool:
+    return type(x).__module__.startswith("cupy")
+
+
+# --- shipping once per worker -----------------------------------------------------------
+
+
+@dataclass
+class _Stats:
+    loads: int = 0
+    bytes_received: int = 0
+    blocks: int = 0
+    batches: int = 0
+    rows: int = 0
+    max_batch_rows: int = 0
+    batch_budget: int | None = None  # bytes, the last block's
+
+
+class ModelCache(WorkerPlugin):
+    """Worker plugin that carries one model's bytes to every worker and keeps it loaded.
+
+    Registered by :func:`predict` (and :class:`blockflow.routing.Router`) under
+    ``blockflow-model-<token>``; the scheduler hands it to workers that join later too. The
+    model is deserialised once per worker, at its first batch, and reused by every task.
+
+    Parameters
+    ----------
+    token : str
+        ``dask.base.tokenize`` of the model and method.
+    payload : bytes
+        The serialised model (``torch.save`` for PyTorch, the ONNX protobuf, else pickle).
+    kind : str
+        ``"torch"``, ``"onnx"``, ``"estimator"`` or ``"callable"``.
+    method : str or None
+        The estimator's method (``"predict"``, ``"predict_proba"``, ``"transform"``).
+    """
+
+    idempotent = True  # registering the same model again sends nothing
+
+    def __init__(self, token: str, payload: bytes, kind: str, method: str | None):
+        self.token, self.payload, self.kind, self.method = token, payload, kind, method
+        self.name = PLUGIN_PREFIX + token
+        self._loaded = None
+        self._lock = threading.Lock()
+        self.stats = _Stats()
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in ("_loaded", "_lock")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._loaded, self._lock = None, threading.Lock()
+
+    def setup(self, worker) -> None:
+        self.stats = _Stats(bytes_received=len(self.payload))
+
+    def model(self) -> _Loaded:
+        with self._lock:
+            if self._loaded is None:
+                self._loaded = _Loaded(self.payload, self.kind, self.method)
+                self.stats.loads += 1
+            return self._loaded
+
+
+class ModelRef:
+    """What a task carries instead of the model: its token (and, in the process that made
+    it, the model itself, never pickled), resolved to the worker's :class:`ModelCache`."""
+
+    def __init__(self, token: str, kind: str, method: str | None, local: Any = None):
+        self.token, self.kind, self.method = token, kind, method
+        self._local = local
+
+    def __reduce__(self):
+        return ModelRef, (self.token, self.kind, self.method)
+
+    def __repr__(self) -> str:
+        return f"<blockflow ModelRef {self.kind} {self.token[:12]}>"
+
+    def resolve(self) -> tuple[_Loaded, _Stats | None]:
+        worker = _current_worker()
+        if worker is not None:
+            plugin = _distributed.worker_plugins(worker).get(PLUGIN_PREFIX + self.token)
+            if plugin is not None:
+                return plugin.model(), plugin.stats
+        if self._local is not None:  # the local schedulers: same process, no shipping
+            loaded = getattr(self, "_local_loaded", None)
+            if loaded is None:
+                loaded = self._local_loaded = _LocalLoaded(self._local, self.kind, self.method)
+            return loaded, None
+        raise RuntimeError(
+            f"blockflow: worker has no model {self.token[:12]} (its ModelCache plugin is "
+            f"missing); call blockflow.predict with the Client of this cluster as client=, "
+            f"or register blockflow.inference.ModelCache on the workers."
+        )
+
+
+class _LocalLoaded(_Loaded):
+    def __init__(self, model, kind, method):  # noqa: D107  (no (de)serialisation locally)
+        self.kind, self.method, self.device, self.nbytes = kind, method, None, 0
+        self.lock = threading.Lock()
+        if kind == "onnx":
+            _Loaded.__init__(self, _serialise(model, kind), kind, method)
+        elif kind == "torch":
+            import copy
+
+            self.model = copy.deepcopy(model).eval()  # never switch the user's model's mode
+            params = list(model.parameters())
+            import torch
+
+            self.dtype = params[0].dtype if params else torch.float32
+            self.device = params[0].device.type if params else None
+        else:
+            self.model, self.dtype = model, None
+
+
+def _current_worker():
+    try:
+        from distributed import get_worker
+
+        return get_worker()
+    except ValueError:
+        return None
+
+
+def _default_client():
+    try:
+        from distributed import default_client
+
+        return default_client()
+    except ValueError:
+        return None
+
+
+def ship_model(model: Any, *, method: str | None = None, client=None) -> ModelRef:
+    """Send ``model`` to every worker once (a :class:`ModelCache` plugin) and return the
+    reference tasks carry. Without a distributed client the reference holds the model.
+
+    Parameters
+    ----------
+    model : nn.Module, ONNX model, estimator or callable
+    method : str, optional
+        Estimators: the method to call, default ``"predict"``.
+    client : distributed.Client or False, optional
+        Default: the current client, if any; False: ship nothing (Dask's local schedulers).
+
+    Returns
+    -------
+    ModelRef
+    """
+    kind = model_kind(model)
+    method = (method or "predict") if kind == "estimator" else None
+    if kind == "estimator" and not callable(getattr(model, method, None)):
+        raise TypeError(f"blockflow.predict: the {describe(model)} has no method {method!r}; "
+                        f"pass method='predict', 'predict_proba' or 'transform'.")
+    payload = _serialise(model, kind)
+    token = tokenize(payload, kind, method)
+    client = _default_client() if client is None else client
+    if client is not False and client is not None:
+        client.register_plugin(ModelCache(token, payload, kind, method))
+    return ModelRef(token, kind, method, local=model)
+
+
+def model_stats(client, ref: ModelRef | str) -> dict[str, dict[str, Any]]:
+    """Per worker: how often the model arrived and was loaded, and what ran with it.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    ref : ModelRef or str
+        From :func:`ship_model`, or the token; ``predict(...).attrs``-free: use
+        :func:`ship_model` and pass ``model=ref`` to :func:`predict` to keep the reference.
+
+    Returns
+    -------
+    dict
+        Worker address -> ``bytes_received`` (bytes of the model that reached the worker),
+        ``loads`` (times deserialised), ``blocks``, ``batches``, ``rows``,
+        ``max_batch_rows``, ``batch_budget`` (bytes). Workers without the model are absent.
+    """
+    token = ref.token if isinstance(ref, ModelRef) else str(ref)
+    return {a: s for a, s in client.run(_worker_stats, token).items() if s is not None}
+
+
+def _worker_stats(token: str, dask_worker=None):
+    plugin = _distributed.worker_plugins(dask_worker).get(PLUGIN_PREFIX + token)
+    return None if plugin is None else dict(plugin.stats.__dict__)
+
+
+# --- batches sized to free device memory ------------------------------------------------
+
+
+def free_memory() -> int | None:
+    """Free device memory of this worker, bytes: its reported GPU metrics (NVML or a
+    simulated device); None where it reports none (a CPU worker)."""
+    worker = _current_worker()
+    if worker is None:
+        return None
+    used_fn = _distributed.worker_metric(worker, GPU_MEMORY_USED)
+    total_fn = _distributed.worker_metric(worker, GPU_MEMORY_TOTAL)
+    if used_fn is None or total_fn is None:
+        return None
+    try:
+        used, total = clean_number(used_fn(worker)), clean_number(total_fn(worker))
+    except Exception:  # a metric that fails to read means "unknown", never zero
+        return None
+    if used is None or not total:
+        return None
+    return max(int(total - used), 0)
+
+
+def batch_rows(n_rows: int, row_bytes: int, *, batch_size: int | None = None,
+               memory_fraction: float | None = None, free: int | None = None,
+               model_bytes: int = 0) -> tuple[int, int | None]:
+    """Rows per batch so that a batch's working set fits free device memory.
+
+    Parameters
+    ----------
+    n_rows : int
+        Rows in the block.
+    row_bytes : int
+        Input plus output bytes of one row.
+    batch_size : int, optional
+        Explicit rows per batch (wins). Default: config ``blockflow.inference.batch-size``.
+    memory_fraction : float, optional
+        Fraction (0-1) of free device memory a batch may take; default config
+        ``blockflow.inference.memory-fraction``.
+    free : int, optional
+        Free device memory, bytes (default :func:`free_memory`; host memory available on a
+        CPU worker).
+    model_bytes : int, default 0
+        The loaded model's bytes, taken from the budget.
+
+    Returns
+    -------
+    (rows, budget)
+        Rows per batch (>= 1) and the byte budget used (None for an explicit batch size).
+
+    Notes
+    -----
+    A batch's working set is ``ACTIVATION_FACTOR x rows x row_bytes`` (blockflow heuristic).
+    """
+    batch_size = config.get("inference.batch-size", batch_size)
+    if batch_size is not None:
+        return max(1, min(int(batch_size), max(n_rows, 1))), None
+    fraction = float(config.get("inference.memory-fraction", memory_fraction))
+    if free is None:
+        free = free_memory()
+    if free is None:
+        import psutil
+
+        free = int(psutil.virtual_memory().available)
+    budget = max(int((free - model_bytes) * fraction), 0)
+    rows = budget // max(ACTIVATION_FACTOR * row_bytes, 1)
+    return max(1, min(int(rows), max(n_rows, 1))), budget
+
+
+class _Predictor:
+    """The per-block kernel: cut the block into batches, run the model, concatenate."""
+
+    def __init__(self, ref: ModelRef, out_row_bytes: int, batch_size: int | None,
+                 memory_fraction: float | None, columns=None, output=None):
+        self.ref, self.out_row_bytes = ref, out_row_bytes
+        self.batch_size, self.memory_fraction = batch_size, memory_fraction
+        self.columns, self.output = columns, output  # dataframes: features in, names out
+        self.__name__ = "predict"
+
+    def __call__(self, block):
+        if self.columns is not None:  # a partition: features to an array, output to a frame
+            index = block.index
+            x = _frame_values(block[self.columns] if self.columns else block)
+            return _to_frame(self.run(x), index, self.output)
+        return self.run(block)
+
+    def run(self, x):
+        loaded, stats = self.ref.resolve()
+        n = x.shape[0]
+        row_bytes = int(x.dtype.itemsize * int(np.prod(x.shape[1:], dtype=int))
+                        + self.out_row_bytes)
+        rows, budget = batch_rows(n, row_bytes, batch_size=self.batch_size,
+                                  memory_fraction=self.memory_fraction,
+                                  model_bytes=loaded.nbytes)
+        outs = []
+        with loaded.lock:
+            for start in range(0, max(n, 1), rows):
+                if cancelled():  # a backup copy of this block answered first: stop here
+                    return None
+                outs.append(loaded(x[start:start + rows]))
+        if cancelled():  # overtaken while finishing: its result is dropped, not counted
+            return None
+        if stats is not None:
+            stats.blocks += 1
+            stats.batches += len(outs)
+            stats.rows += n
+            stats.max_batch_rows = max(stats.max_batch_rows, min(rows, n))
+            stats.batch_budget = budget
+        if len(outs) == 1:
+            return _squeeze(outs[0])
+        xp = _module(outs[0])
+        return _squeeze(xp.concatenate(outs, axis=0))
+
+
+def _squeeze(out):
+    # (n, 1) from a single-output regressor: keep it (n, 1) only if declared so; estimators
+    # return (n,), torch/onnx models (n, k). The declared shape is checked by map_blocks.
+    return out
+
+
+def _module(arr):
+    if _is_cupy(arr):
+        import cupy
+
+        return cupy
+    return np
+
+
+def _frame_values(frame):
+    if type(frame).__module__.startswith("cudf"):
+        return frame.to_cupy()
+    return frame.to_numpy()
+
+
+def _to_frame(out, index, output):
+    name, columns = output
+    if _is_cupy(out):
+        import cudf
+
+        return (cudf.Series(out, index=index, name=name) if columns is None
+                else cudf.DataFrame(out, index=index, columns=columns))
+    if columns is None:
+        return pd.Series(np.asarray(out).reshape(len(index)), index=index, name=name)
+    return pd.DataFrame(np.asarray(out).reshape(len(index), len(columns)), index=index,
+                        columns=columns)
+
+
+# --- the public entry point ---------------------------------------------------------------
+
+
+def predict(model: Any, data: Any, *, method: str | None = None, columns=None,
+            batch_size: int | None = None, memory_fraction: float | None = None,
+            output_name: str = "prediction", client=None, **placement):
+    """Apply a trained model to every row of a Dask collection, lazily.
+
+    Parameters
+    ----------
+    model : torch.nn.Module, ONNX model, estimator, callable or ModelRef
+        The trained model (see the module docstring), or a :class:`ModelRef` from
+        :func:`ship_model`. It is sent once per worker and cached there, never put into
+        the task graph.
+    data : dask.array.Array, dask DataFrame or xarray.DataArray
+        Rows are samples: a 2-d array ``(samples, features)`` (axis 1 is rechunked to one
+        block if needed), a dataframe (``columns`` selects the features, default all), or a
+        2-d dask-backed DataArray whose first dimension is the sample dimension.
+    method : str, optional
+        Estimators: ``"predict"`` (default), ``"predict_proba"``, ``"transform"``...
+    columns : list of str, optional
+        Dataframes: the feature columns, in the model's order.
+    batch_size : int, optional
+        Rows per model call; default config ``blockflow.inference.batch-size`` (null: sized
+        from free device memory, see :func:`batch_rows`).
+    memory_fraction : float, optional
+        Fraction (0-1) of free device memory one batch may take; default config
+        ``blockflow.inference.memory-fraction``.
+    output_name : str, default "prediction"
+        Dataframes: name of the output Series (columns ``<name>_0``.. for several outputs);
+        xarray: the name of the DataArray.
+    client : distributed.Client or False, optional
+        The cluster to ship the model to; default the current client. None found, or
+        False: the model stays in this process, for Dask's local schedulers.
+    **placement
+        ``resources=``, ``workers=``, ``allow_other_workers=``, ``retries=``: as in
+        :func:`blockflow.map_blocks`.
+
+    Returns
+    -------
+    dask.array.Array, dask Series/DataFrame or xarray.DataArray
+        Same row chunks (partitions) as ``data``: shape ``(samples,)`` for one output per
+        row, ``(samples, k)`` otherwise; dtype and meta from running the model on two rows
+        of zeros here.
+
+    Raises
+    ------
+    TypeError
+        For an unsupported model or collection.
+    ValueError
+        For an array that is not 2-d.
+    """
+    from blockflow.blockwise import map_blocks
+
+    ref = model if isinstance(model, ModelRef) else ship_model(model, method=method,
+                                                                client=client)
+    local = ref._local
+    if local is None:
+        raise ValueError("blockflow.predict: this ModelRef was unpickled and no longer holds "
+                         "the model; pass the model itself (it is shipped once per worker).")
+    if _is_xarray(data):
+        return _predict_xarray(ref, data, batch_size, memory_fraction, output_name,
+                               placement)
+    if is_dataframe_like(data):
+        cols = list(columns) if columns is not None else list(data.columns)
+        sample = data._meta[cols]
+        x0 = np.zeros((2, len(cols)), dtype=np.result_type(*sample.dtypes))
+        out0 = np.asarray(_LocalLoaded(local, ref.kind, ref.method)(x0))
+        k = 1 if out0.ndim == 1 else out0.shape[1]
+        out_cols = None if out0.ndim == 1 else [f"{output_name}_{i}" for i in range(k)]
+        meta = (pd.Series(np.empty(0, out0.dtype), name=output_name) if out_cols is None
+                else pd.DataFrame(np.empty((0, k), out0.dtype), columns=out_cols))
+        meta.index = data._meta.index[:0]
+        kernel = _Predictor(ref, out0.dtype.itemsize * k, batch_size, memory_fraction,
+                            columns=cols, output=(output_name, out_cols))
+        return map_blocks(kernel, data, name="blockflow-predict", meta=meta, **placement)
+    if isinstance(data, da.Array):
+        return _predict_array(ref, data, batch_size, memory_fraction, placement)
+    raise TypeError(
+        f"blockflow.predict: data must be a dask array, a dask DataFrame or a dask-backed "
+        f"xarray.DataArray, got {describe(data)}; wrap NumPy/pandas data with "
+        f"dask.array.from_array / dask.dataframe.from_pandas."
+    )
+
+
+def _out_sample(ref: ModelRef, dtype, n_features: int):
+    x0 = np.zeros((2, n_features), dtype=dtype)
+    return np.asarray(_LocalLoaded(ref._local, ref.kind, ref.method)(x0))
+
+
+def _predict_array(ref, x, batch_size, memory_fraction, placement):
+    from blockflow.blockwise import map_blocks
+
+    if x.ndim != 2:
+        raise ValueError(f"blockflow.predict: data must be 2-d (samples, features), got "
+                         f"{x.ndim}-d of shape {x.shape}; reshape it first.")
+    if x.numblocks[1] != 1:
+        x = x.rechunk({1: -1})
+    out0 = _out_sample(ref, x.dtype, x.shape[1])
+    k = 1 if out0.ndim == 1 else out0.shape[1]
+    kernel = _Predictor(ref, out0.dtype.itemsize * k, batch_size, memory_fraction)
+    xp_meta = getattr(x, "_meta", np.empty(0))
+    if out0.ndim == 1:
+        meta = _module(xp_meta).empty((0,), dtype=out0.dtype)
+        return map_blocks(kernel, x, name="blockflow-predict", dtype=out0.dtype, meta=meta,
+                          drop_axis=1, **placement)
+    meta = _module(xp_meta).empty((0, 0), dtype=out0.dtype)
+    return map_blocks(kernel, x, name="blockflow-predict", dtype=out0.dtype, meta=meta,
+                      chunks=(x.chunks[0], (k,)), **placement)
+
+
+def _is_xarray(obj) -> bool:
+    return type(obj).__module__.startswith("xarray")
+
+
+def _predict_xarray(ref, arr, batch_size, memory_fraction, output_name, placement):
+    import xarray as xr
+
+    if not isinstance(arr, xr.DataArray):
+        raise TypeError("blockflow.predict: pass an xarray.DataArray (samples, features); for "
+                        "a Dataset use ds[names].to_dataarray('feature').transpose().")
+    if arr.ndim != 2 or not isinstance(arr.data, da.Array):
+        raise ValueError(f"blockflow.predict: the DataArray must be 2-d (samples, features) "
+                         f"and dask-backed (.chunk()), got dims {arr.dims}.")
+    out = _predict_array(ref, arr.data, batch_size, memory_fraction, placement)
+    sample = arr.dims[0]
+    coords = {sample: arr[sample]} if sample in arr.coords else {}
+    dims = (sample,) if out.ndim == 1 else (sample, "output")
+    return xr.DataArray(out, dims=dims, coords=coords, name=output_name)

@@ -1,0 +1,268 @@
+"""blockflow's dashboard: JSON routes over real HTTP, and the page rendered in Chromium."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import urllib.error
+import urllib.request
+
+import dask.array as da
+import pytest
+from distributed import LocalCluster
+
+import blockflow
+from blockflow.testing import Tenant, set_tenant, simulated_cluster
+
+ARTIFACTS = os.environ.get("BLOCKFLOW_TEST_ARTIFACTS",
+                           os.path.join(os.path.dirname(__file__), os.pardir, "artifacts"))
+
+
+def _get(url: str):
+    with urllib.request.urlopen(url, timeout=20) as r:
+        return r.status, r.headers.get("Content-Type", ""), r.read().decode()
+
+
+def _base(client, prefix: str = "") -> str:
+    port = client.cluster.scheduler.http_server.port
+    return f"http://127.0.0.1:{port}{prefix}"
+
+
+@pytest.fixture(scope="module")
+def sim():
+    """Three simulated GPU workers and one plain CPU worker's worth of metrics: a real
+    LocalCluster with blockflow's plugins registered as blockflow.connect does."""
+    with simulated_cluster(speeds=[1, 1, 0.5], device_memory="1GiB", processes=False,
+                           silence_logs=logging.CRITICAL,
+                           dashboard_address="127.0.0.1:0") as client:
+        from blockflow.cluster.connection import _register_plugin
+        from blockflow.scheduling import Rebalancer
+
+        _register_plugin(client, Rebalancer(policy="dynamic"))
+        yield client
+
+
+def test_json_routes_match_the_scheduler_state(sim):
+    x = blockflow.map_blocks(lambda b: b + 1, da.ones(60, chunks=5), name="json").persist()
+    assert x.sum().compute() == 120
+    status, ctype, body = _get(_base(sim) + "/blockflow/status.json")
+    assert status == 200 and ctype.startswith("application/json")
+    data = json.loads(body)
+    scheduler = sim.cluster.scheduler
+    assert data["policy"] == "dynamic"
+    assert [w["address"] for w in data["workers"]] == sorted(scheduler.workers)
+    plugin = scheduler.plugins["blockflow-rebalancer"]
+    for w in data["workers"]:
+        ws = scheduler.workers[w["address"]]
+        assert w["device"] == "gpu"
+        assert w["gpu_memory_total"] == ws.metrics["gpu-memory-total"] == 2**30
+        assert w["nthreads"] == ws.nthreads
+        assert w["status"] == ws.status.name
+        assert w["tasks_total"] == plugin.task_counts[w["address"]]
+    assert sum(w["tasks_total"] for w in data["workers"]) >= 12
+    assert data["n_decisions"] == len(plugin.decisions)
+
+    status, _, body = _get(_base(sim) + "/blockflow/decisions.json")
+    log = json.loads(body)["decisions"]
+    assert [(d["action"], d["worker"]) for d in log] == [
+        (d["action"], d["worker"]) for d in plugin.decisions]
+
+
+def test_json_routes_after_a_forced_pause_and_read_only(sim):
+    scheduler = sim.cluster.scheduler
+    addr = sorted(scheduler.workers)[0]
+    since = time.time()
+    sim.run(set_tenant, Tenant(0, int(0.95 * 2**30)), workers=[addr])
+    sim.run(_heartbeat, workers=[addr])
+    plugin = scheduler.plugins["blockflow-rebalancer"]
+    sim.sync(_tick, scheduler)
+    try:
+        _, _, body = _get(_base(sim) + f"/blockflow/decisions.json?since={since}")
+        log = json.loads(body)["decisions"]
+        assert any(d["action"] == "pause" and d["worker"] == addr for d in log), log
+        worker = next(w for w in json.loads(_get(_base(sim) + "/blockflow/status.json")[2])
+                      ["workers"] if w["address"] == addr)
+        assert worker["paused_by_blockflow"] and "device memory" in worker["paused_reason"]
+        assert worker["gpu_memory_used"] >= int(0.95 * 2**30)
+        with pytest.raises(urllib.error.HTTPError) as e:  # read-only: no POST
+            urllib.request.urlopen(urllib.request.Request(
+                _base(sim) + "/blockflow/status.json", data=b"{}", method="POST"), timeout=10)
+        assert e.value.code == 405
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(_base(sim) + "/blockflow/decisions.json?since=yesterday")
+        assert e.value.code == 400
+        assert json.loads(e.value.read())["error"] == (
+            "since must be seconds since the epoch, limit an int >= 0")
+        with pytest.raises(urllib.error.HTTPError) as e:  # not the whole log
+            urllib.request.urlopen(_base(sim) + "/blockflow/decisions.json?limit=-1")
+        assert e.value.code == 400
+        none = json.loads(_get(_base(sim) + "/blockflow/decisions.json?limit=0")[2])
+        assert none["decisions"] == []
+    finally:
+        sim.run(set_tenant, None, workers=[addr])
+        sim.run(_heartbeat, workers=[addr])
+        sim.sync(_tick, scheduler)
+    assert addr not in plugin.paused
+
+
+async def _heartbeat(dask_worker):
+    await dask_worker.heartbeat()
+
+
+async def _tick(scheduler):
+    scheduler.plugins["blockflow-rebalancer"].run_once()
+
+
+def test_cpu_workers_show_na_not_zeros():
+    client = blockflow.connect(gpu=False, n_workers=2, threads_per_worker=1, processes=False,
+                               dashboard_address="127.0.0.1:0")
+    try:
+        data = json.loads(_get(_base(client) + "/blockflow/status.json")[2])
+        for w in data["workers"]:
+            assert w["device"] == "cpu"
+            assert w["gpu_utilization"] is None and w["gpu_memory_total"] is None
+        from blockflow.dashboard.page import BlockflowPage
+
+        page = BlockflowPage(client.cluster.scheduler)
+        client.sync(_update, page)
+        assert page.workers.data["gpu_util"] == ["n/a", "n/a"]
+        assert page.workers.data["device_memory"] == ["n/a", "n/a"]
+    finally:
+        client.shutdown()
+        client.close()
+
+
+async def _update(page):
+    page.update()
+
+
+def test_page_and_routes_work_under_an_http_prefix():
+    with LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0",
+                      scheduler_kwargs={"http_prefix": "/dask"}) as cluster:
+        client = blockflow.connect(cluster.scheduler_address)
+        try:
+            base = f"http://127.0.0.1:{cluster.scheduler.http_server.port}/dask"
+            assert json.loads(_get(base + "/blockflow/status.json")[2])["policy"] == "dynamic"
+            status, _, html = _get(base + "/blockflow")
+            assert status == 200 and "bokeh" in html.lower()
+            _, _, menu = _get(base + "/status")
+            assert 'href="blockflow"' in menu or "blockflow" in menu
+        finally:
+            client.close()
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture
+def browser():
+    """Headless Chromium through selenium (skips with the reason when not installed)."""
+    chromium = _chromium()
+    if chromium is None or shutil.which("chromedriver") is None:
+        pytest.skip("headless Chromium and chromedriver are not installed "
+                    "(.ci/run installs Debian's chromium and chromium-driver)")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--window-size=1400,1000"):
+        opts.add_argument(flag)
+    service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"))
+    driver = webdriver.Chrome(options=opts, service=service)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+# Bokeh 3 draws its tables inside shadow roots: read every DataTable's header and cells.
+_READ_TABLES = """
+const tables = [];
+const walk = (root) => {
+  const headers = [...root.querySelectorAll('.slick-header-column')].map(e => e.textContent);
+  if (headers.length) {
+    const rows = [...root.querySelectorAll('.slick-row')].map(
+      r => [...r.querySelectorAll('.slick-cell')].map(c => c.textContent));
+    tables.push({headers, rows});
+  }
+  for (const el of root.querySelectorAll('*')) { if (el.shadowRoot) walk(el.shadowRoot); }
+};
+walk(document);
+return tables;
+"""
+
+
+def _shown_tasks_this_run(driver) -> dict[str, str]:
+    """worker -> the "Tasks (this run)" cell as the browser shows it."""
+    for table in driver.execute_script(_READ_TABLES):
+        if "Tasks (this run)" in table["headers"] and "Worker" in table["headers"]:
+            w, t = table["headers"].index("Worker"), table["headers"].index("Tasks (this run)")
+            return {row[w]: row[t] for row in table["rows"] if len(row) > max(w, t)}
+    return {}
+
+
+def _slow_increment(b):
+    time.sleep(0.05)
+    return b + 1
+
+
+@pytest.mark.slow
+def test_page_tables_follow_a_running_job_in_headless_chromium(sim, browser):
+    """The worker table's cells change while a job runs (BokehJS 3.9 alone kept the first
+    values: a DataTable redraws only when its number of rows changes)."""
+    browser.get(_base(sim) + "/blockflow")
+    deadline = time.monotonic() + 60
+    while not _shown_tasks_this_run(browser) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    first = _shown_tasks_this_run(browser)
+    assert set(first) == set(sim.cluster.scheduler.workers), first
+    # 240 blocks of 50 ms on 3 single-thread workers: about 4 s of work, 8 page updates
+    x = blockflow.map_blocks(_slow_increment, da.zeros(240, chunks=1), name="live-table")
+    job = sim.compute(x.sum())
+    seen = []
+    while not job.done():
+        seen.append(_shown_tasks_this_run(browser))
+        time.sleep(0.3)
+    assert job.result() == 240
+    run = blockflow.plugin_status(sim)["run"]
+    final = {w: str(run["counts"].get(w, 0)) for w in first}
+    deadline = time.monotonic() + 30  # the page updates every 500 ms
+    while _shown_tasks_this_run(browser) != final and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert _shown_tasks_this_run(browser) == final
+    # the cells moved during the job, through values between the start and the end
+    between = [s for s in seen if s and s != first and s != final]
+    assert between, seen
+
+
+@pytest.mark.slow
+def test_page_renders_in_headless_chromium(sim, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    scheduler = sim.cluster.scheduler
+    addr = sorted(scheduler.workers)[-1]
+    sim.run(set_tenant, Tenant(95, 0), workers=[addr])  # a hot GPU: forced rebalance
+    sim.run(_heartbeat, workers=[addr])
+    sim.sync(_tick, scheduler)
+    try:
+        browser.get(_base(sim) + "/blockflow")
+
+        def rendered(d):
+            text = d.find_element(By.TAG_NAME, "body").text
+            return all(w in text for w in scheduler.workers) and "pause" in text
+
+        WebDriverWait(browser, 60).until(rendered)
+        text = browser.find_element(By.TAG_NAME, "body").text
+        for w in scheduler.workers:  # one row per worker
+            assert text.count(w) >= 1
+        assert "busy with other work" in text  # the decision and its reason
+        os.makedirs(ARTIFACTS, exist_ok=True)
+        browser.save_screenshot(os.path.join(ARTIFACTS, "blockflow-dashboard.png"))
+    finally:
+        sim.run(set_tenant, None, workers=[addr])

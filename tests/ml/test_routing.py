@@ -1,0 +1,152 @@
+"""blockflow.routing.Router on real clusters of simulated devices: requests go to the worker
+that answers first, skip workers with full device memory, survive a killed worker, and each
+is answered exactly once with the model's own output."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+from blockflow.ml.routing import Router
+from blockflow.testing import Tenant, simulated_cluster, simulated_kernel
+
+sklearn = pytest.importorskip("sklearn")
+from sklearn.datasets import load_digits  # noqa: E402
+from sklearn.linear_model import RidgeClassifier  # noqa: E402
+
+from blockflow.cluster.identity import workers_info
+
+
+class SimulatedModel:
+    """A real model whose batches take ``seconds_per_row x rows / speed`` on the worker's
+    simulated device (speed 1 elsewhere)."""
+
+    def __init__(self, model, seconds_per_row: float):
+        self.model, self.seconds_per_row = model, seconds_per_row
+
+    def __call__(self, batch):
+        return simulated_kernel(batch, op=self.model.predict,
+                                work=len(batch) * self.seconds_per_row).payload
+
+
+@pytest.fixture(scope="module")
+def digits():
+    X, y = load_digits(return_X_y=True)
+    return X, RidgeClassifier().fit(X, y)  # closed form: quick on a loaded machine
+
+
+def _by_name(client) -> list[str]:
+    """Worker addresses in the order of their names (simulated_cluster's speed order)."""
+    workers = workers_info(client)
+    return sorted(workers, key=lambda a: workers[a]["name"])
+
+
+def _check_answers(futures, batches, model, timeout=120):
+    for f, b in zip(futures, batches):
+        np.testing.assert_array_equal(f.result(timeout=timeout), model.predict(b))
+
+
+def test_requests_go_to_the_worker_that_answers_first(digits):
+    X, model = digits
+    batches = [X[i * 10:(i + 1) * 10] for i in range(60)]
+    with simulated_cluster(speeds=(1, 0.25), processes=False) as client:
+        fast, slow = _by_name(client)
+        with Router(client, SimulatedModel(model, 0.003)) as router:
+            for f in router.map(batches[:4]):  # first answers: the router measures speeds
+                f.result(timeout=120)
+            futures = router.map(batches)
+            _check_answers(futures, batches, model)
+            stats = router.stats()
+            decisions = list(router.decisions)
+    assert stats["counts"]["answered"] == 64 and stats["pending"] == 0
+    assert stats["counts"].get("duplicates", 0) == 0
+    # Speed 1 against 0.25: the fast worker answers most requests (4:1 would be ideal;
+    # round-robin gives 1:1; the 4 first requests go 2:2, before any answer).
+    assert stats["answered_by"][fast] >= 2.5 * stats["answered_by"].get(slow, 0)
+    assert stats["seconds_per_unit"][slow] > 2 * stats["seconds_per_unit"][fast]
+    # A late-binding router (depth=1) learns as it goes, from a cold start.
+    with simulated_cluster(speeds=(1, 0.25), processes=False) as client:
+        fast, slow = _by_name(client)
+        with Router(client, SimulatedModel(model, 0.003), depth=1) as router:
+            _check_answers(router.map(batches), batches, model)
+            late = router.stats()
+    assert late["answered_by"][fast] >= 2 * late["answered_by"].get(slow, 0)
+    assert decisions and decisions[0]["reason"] == "earliest speed-normalised projected finish"
+
+
+
+class ColdStartModel(SimulatedModel):
+    """The fast worker's first batch also pays ``cold`` seconds (loading the model, warming
+    up): a cold start, not its speed."""
+
+    def __init__(self, model, seconds_per_row: float, cold: float, cold_worker: str):
+        super().__init__(model, seconds_per_row)
+        self.cold, self.cold_worker, self.warm = cold, cold_worker, set()
+
+    def __call__(self, batch):
+        from distributed import get_worker
+
+        me = get_worker().address
+        if me == self.cold_worker and me not in self.warm:
+            self.warm.add(me)
+            time.sleep(self.cold)
+        return super().__call__(batch)
+
+
+def test_a_cold_first_answer_does_not_starve_the_fast_worker(digits):
+    # The fast worker's first answer takes 10x a warm slow one: taken as its speed, a
+    # late-binding router (depth=1) would wait for the slow worker and starve the fast one.
+    X, model = digits
+    batches = [X[i * 10:(i + 1) * 10] for i in range(48)]
+    with simulated_cluster(speeds=(1, 0.25), processes=False) as client:
+        fast, slow = _by_name(client)
+        with Router(client, ColdStartModel(model, 0.003, 1.2, fast), depth=1) as router:
+            _check_answers(router.map(batches), batches, model)
+            stats = router.stats()
+    assert stats["counts"]["answered"] == 48 and stats["counts"].get("duplicates", 0) == 0
+    assert stats["answered_by"][fast] >= 2 * stats["answered_by"].get(slow, 0), stats
+    # warm answers only: the fast worker's measured rate is its speed, not its cold start
+    assert stats["seconds_per_unit"][slow] > 2 * stats["seconds_per_unit"][fast], stats
+
+
+def test_nearly_full_device_gets_no_requests(digits):
+    X, model = digits
+    batches = [X[i * 5:(i + 1) * 5] for i in range(20)]
+    with simulated_cluster(speeds=(1, 1), device_memory="1GiB",
+                           tenants=[None, Tenant(memory="990MiB")], processes=False) as client:
+        by_name = {w["name"]: a for a, w in workers_info(client).items()}
+        with Router(client, SimulatedModel(model, 0.002)) as router:
+            _check_answers(router.map(batches), batches, model)
+            stats = router.stats()
+    assert "device memory" in stats["excluded"][by_name[1]]
+    assert stats["answered_by"] == {by_name[0]: 20}
+
+
+@pytest.mark.slow
+def test_killed_worker_requests_are_answered_elsewhere_exactly_once(digits):
+    X, model = digits
+    batches = [X[i * 20:(i + 1) * 20] for i in range(40)]
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        client.wait_for_workers(3, timeout=60)
+        with Router(client, SimulatedModel(model, 0.01)) as router:  # 0.2 s per request
+            futures = router.map(batches)
+            deadline = time.monotonic() + 60
+            while router.stats()["counts"].get("answered", 0) < 4:
+                assert time.monotonic() < deadline, "no request answered within 60 s"
+                time.sleep(0.05)
+            pids = client.run(os.getpid)
+            victim = max(router.stats()["answered_by"], key=lambda a: a)  # one that works
+            os.kill(pids[victim], 9)
+            _check_answers(futures, batches, model, timeout=180)
+            stats = router.stats()
+            lost = [d for d in router.decisions if d["action"] == "lost"]
+    assert stats["counts"]["answered"] == 40 and stats["pending"] == 0, stats
+    assert stats["counts"].get("duplicates", 0) == 0, stats
+    # The victim's queued requests were routed again (found lost, or failed to fetch).
+    assert stats["counts"].get("rerouted", 0) >= 1, (stats, lost)
+    assert all(d["worker"] == victim for d in lost), (victim, lost)

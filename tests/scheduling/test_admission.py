@@ -1,0 +1,148 @@
+"""Admission control: CPU producers feeding consumers that need ``GPU=1`` stay within the
+budget of outputs held at once, measured by polling the scheduler while the graph runs.
+
+The scenario of the issue: 4 CPU workers plus one with ``GPU=1``; producer blocks each feed
+one consumer that needs ``GPU=1``. Plain Dask held 193 of 200 producer outputs at once
+(resource-restricted tasks are never queued, so the producers race ahead of the GPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import dask
+import numpy as np
+import pytest
+from distributed.utils_test import gen_cluster
+
+import blockflow  # noqa: F401  (loads blockflow's settings before gen_cluster copies them)
+from blockflow._distributed import WorkerView
+from blockflow._distributed.metrics import read_metrics
+from blockflow.scheduling import Rebalancer
+from blockflow.scheduling.admission import default_budget
+
+PIPELINE = [("127.0.0.1", 1)] * 4 + [("127.0.0.1", 1, {"resources": {"GPU": 1}})]
+MB = 2**20
+
+
+def produce(i: int, nbytes: int) -> np.ndarray:
+    return np.full(nbytes // 8, float(i))
+
+
+def consume(block: np.ndarray, seconds: float) -> float:
+    time.sleep(seconds)
+    return float(block[0])
+
+
+def pipeline(n: int, nbytes: int, seconds: float):
+    """``n`` producers of ``nbytes`` each feeding a consumer that needs ``GPU=1`` (a
+    delayed graph: its annotations reach the scheduler)."""
+    producers = [dask.delayed(produce)(i, nbytes, dask_key_name=("produce", i))
+                 for i in range(n)]
+    with dask.annotate(resources={"GPU": 1}):
+        consumers = [dask.delayed(consume)(p, seconds, dask_key_name=("consume", i))
+                     for i, p in enumerate(producers)]
+    return producers, consumers
+
+
+async def run_and_poll(c, s, n: int, nbytes: int, seconds: float) -> tuple[int, list]:
+    """Run the pipeline, polling the scheduler every 10 ms: the most producer outputs held
+    in memory at once, and the results."""
+    _, consumers = pipeline(n, nbytes, seconds)
+    futures = c.compute(consumers)
+    keys = [("produce", i) for i in range(n)]
+    peak = 0
+    while not all(f.done() for f in futures):
+        held = sum(1 for k in keys if k in s.tasks and s.tasks[k].state == "memory")
+        peak = max(peak, held)
+        await asyncio.sleep(0.01)
+    return peak, await c.gather(futures)
+
+
+async def _plugin(c, s, **kwargs) -> Rebalancer:
+    await c.register_plugin(Rebalancer(**{"policy": "dynamic", "interval": "100ms", **kwargs}))
+    return s.plugins["blockflow-rebalancer"]
+
+
+def _view(address, nthreads=1, resources=None) -> WorkerView:
+    return WorkerView(address=address, nthreads=nthreads, status="running",
+                      paused_by_blockflow=False, metrics=read_metrics({}), speed=1.0,
+                      processing=0, executing=0, occupancy=0.0, resources=resources or {})
+
+
+def test_default_budget_is_twice_the_gpu_threads_plus_one_per_cpu_worker():
+    workers = {f"cpu{i}": _view(f"cpu{i}") for i in range(4)}
+    workers["gpu"] = _view("gpu", resources={"GPU": 1})
+    assert default_budget(workers, {"GPU": 1}) == 2 * 1 + 4
+    workers["gpu2"] = _view("gpu2", nthreads=2, resources={"GPU": 2})
+    assert default_budget(workers, {"GPU": 1}) == 2 * (1 + 2) + 4
+    assert default_budget(workers, {"GPU": 2}) == 2 * 2 + 5
+    assert default_budget({"cpu": _view("cpu")}, {"GPU": 1}) == 1  # never below one
+
+
+@gen_cluster(client=True, nthreads=PIPELINE, timeout=120)
+@pytest.mark.slow
+async def test_producers_race_ahead_without_admission_control(c, s, *workers):
+    # the baseline the budget is measured against: the test below can fail
+    await _plugin(c, s, policy="off")
+    peak, results = await run_and_poll(c, s, 60, MB, 0.05)
+    assert results == [float(i) for i in range(60)]
+    assert peak > 3 * 6, peak
+
+
+@gen_cluster(client=True, nthreads=PIPELINE, timeout=120)
+@pytest.mark.slow
+async def test_admission_control_keeps_producer_outputs_within_the_budget(c, s, *workers):
+    plugin = await _plugin(c, s)
+    peak, results = await run_and_poll(c, s, 60, MB, 0.05)
+    assert results == [float(i) for i in range(60)]
+    admission = plugin.admission.status()
+    assert admission["budget"] == 6 and admission["held"] == 0
+    assert admission["released"] == 60
+    assert peak <= 6, peak
+    assert peak >= 2  # the GPU was kept fed, not starved one block at a time
+    assert any(d["action"] == "admit" for d in plugin.decisions)
+
+
+@gen_cluster(client=True, nthreads=PIPELINE, timeout=120,
+             config={"blockflow.resources.admission-budget": 3})
+async def test_the_budget_is_a_setting(c, s, *workers):
+    plugin = await _plugin(c, s)
+    peak, results = await run_and_poll(c, s, 30, MB, 0.02)
+    assert results == [float(i) for i in range(30)]
+    assert plugin.admission.status()["budget"] == 3
+    assert peak <= 3, peak
+
+
+@gen_cluster(client=True, nthreads=PIPELINE, timeout=120)
+async def test_a_consumer_of_more_inputs_than_the_budget_still_gets_them_all(c, s, *workers):
+    await _plugin(c, s)
+    producers = [dask.delayed(produce)(i, 1024, dask_key_name=("part", i)) for i in range(20)]
+    with dask.annotate(resources={"GPU": 1}):
+        total = dask.delayed(lambda *blocks: sum(float(b[0]) for b in blocks))(
+            *producers, dask_key_name="gather-on-gpu")
+    assert await asyncio.wait_for(c.compute(total), 60) == sum(range(20))
+
+
+@gen_cluster(client=True, nthreads=PIPELINE, timeout=120)
+async def test_producers_whose_consumers_are_cancelled_are_released(c, s, *workers):
+    plugin = await _plugin(c, s, policy="dynamic", interval="50ms")
+    producers, consumers = pipeline(40, 1024, 0.2)
+    futures = c.compute(consumers)
+    kept = c.compute(producers[-1])  # a producer the client also wants
+    while plugin.admission.status()["released"] < 3:
+        await asyncio.sleep(0.01)
+    await c.cancel(futures)
+    assert (await asyncio.wait_for(kept, 60))[0] == 39.0
+
+
+@pytest.mark.slow
+@gen_cluster(client=True, nthreads=PIPELINE, timeout=300)
+async def test_the_issue_scenario_200_blocks_of_10_mb_with_a_02s_gpu_consumer(c, s, *workers):
+    plugin = await _plugin(c, s)
+    peak, results = await run_and_poll(c, s, 200, 10 * MB, 0.2)
+    assert results == [float(i) for i in range(200)]
+    assert plugin.admission.status()["budget"] == 6
+    print(f"peak producer outputs held: {peak} of 200 (budget 6)")
+    assert peak <= 6, peak  # plain Dask: 193 of 200

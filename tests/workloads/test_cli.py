@@ -1,0 +1,355 @@
+"""The command line, end to end: click's runner against a real cluster, and real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import dask
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from blockflow.cluster.identity import workers_info
+from blockflow.cli import cli
+from blockflow.cluster.connection import gpu_status
+from blockflow.workloads import flights
+
+EXISTS = ("Error: Output {path!r} already exists; pass --overwrite (overwrite=True in Python) "
+          "to replace it, or choose another output folder.\n")
+FOREIGN = ("Error: Output {path!r} exists and is a folder blockflow did not write (no "
+           "manifest.json), which blockflow never replaces, even with --overwrite "
+           "(overwrite=True): choose another output folder, or move or remove it yourself.\n")
+BAD_SCALE = ("Error: flights: scale must be an integer >= 1 (copies of the 336,776-row 2013 NYC "
+             "flights table), got {scale}.\n")
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def _blockflow(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m blockflow ARGS`` in a fresh process, dashboard on a free port."""
+    env = {**os.environ, "DASK_BLOCKFLOW__CLUSTER__DASHBOARD_ADDRESS": "127.0.0.1:0"}
+    return subprocess.run([sys.executable, "-m", "blockflow", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def _assert_flights_output(out, expected: dict[str, pd.DataFrame]) -> None:
+    assert sorted(os.listdir(out)) == ["by_carrier.parquet", "by_origin_month.parquet",
+                                       "manifest.json"]
+    for name, table in expected.items():
+        got = pd.read_parquet(out / f"{name}.parquet")
+        pd.testing.assert_frame_equal(got, table, check_dtype=False, check_exact=False,
+                                      rtol=1e-9)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["input_rows"] == 336_776 and manifest["clean_rows"] == 328_521
+
+
+@pytest.fixture(scope="module")
+def reference_1():
+    return flights.reference(1)
+
+
+# --- help and bad input (no cluster is started) ----------------------------------------------
+
+
+def test_run_help_lists_both_jobs():
+    result = invoke("run", "--help")
+    assert result.exit_code == 0
+    commands = result.output.split("Commands:")[1].split()
+    assert "flights" in commands and "array-stats" in commands
+
+
+def test_flights_help_lists_options():
+    result = invoke("run", "flights", "--help")
+    assert result.exit_code == 0
+    for option in ("--scale", "--output", "--overwrite", "--address", "--gpu", "--n-workers",
+                   "--threads-per-worker", "--policy", "--partitions-per-copy",
+                   "--no-progress", "[default: blockflow-flights-out]"):
+        assert option in result.output
+
+
+@pytest.mark.parametrize("scale", ["0", "-3"])
+def test_bad_scale_is_a_one_line_error(scale):
+    result = invoke("run", "flights", "--scale", scale)
+    assert result.exit_code == 2  # a bad option, as click's own checks
+    assert result.output == BAD_SCALE.format(scale=scale)
+
+
+def test_bad_partitions_per_copy():
+    result = invoke("run", "flights", "--partitions-per-copy", "0")
+    assert result.exit_code == 2
+    assert result.output == ("Error: flights: partitions_per_copy must be an integer >= 1 "
+                             "(partitions per copy of the table), got 0.\n")
+
+
+@pytest.mark.parametrize("job", ["flights", "array-stats"])
+def test_existing_output_is_a_one_line_error(tmp_path, job):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old result")
+    (out / "manifest.json").write_text("{}")  # an earlier blockflow run's
+    result = invoke("run", job, "--output", str(out))
+    assert result.exit_code == 1
+    assert result.output == EXISTS.format(path=str(out))
+    assert sorted(os.listdir(out)) == ["manifest.json", "old.txt"]
+
+
+def test_existing_folder_of_other_data_says_the_real_way_out_first(tmp_path):
+    """Not "pass --overwrite", which would then be refused: the same error either way."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    for extra in ([], ["--overwrite"]):
+        result = invoke("run", "flights", "--output", str(out), *extra)
+        assert result.exit_code == 1
+        assert result.output == FOREIGN.format(path=str(out))
+    assert os.listdir(out) == ["thesis.tex"]
+
+
+def test_unreachable_address_is_a_one_line_error():
+    with dask.config.set({"blockflow.cluster.connect-timeout": "1s"}):
+        result = invoke("info", "--address", "tcp://127.0.0.1:1")
+    assert result.exit_code == 1
+    assert result.output.startswith(
+        "Error: blockflow.connect: nothing is listening at 'tcp://127.0.0.1:1' (connection "
+        "refused for 1 s). ")
+    assert result.output.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", [["info"], ["run", "flights"], ["run", "array-stats"]])
+@pytest.mark.slow
+def test_timeout_sets_how_long_a_refused_address_is_retried(command, tmp_path):
+    result = invoke(*command, "--address", "tcp://127.0.0.1:1", "--timeout", "1.5s",
+                    *(["--output", str(tmp_path / "o")] if command[0] == "run" else []))
+    assert result.exit_code == 1
+    assert result.output.startswith(
+        "Error: blockflow.connect: nothing is listening at 'tcp://127.0.0.1:1' (connection "
+        "refused for 1.5 s). ")
+    assert "--timeout" in result.output and result.output.count("\n") == 1
+
+
+def test_bad_timeout_values_are_refused():
+    result = invoke("info", "--address", "tcp://127.0.0.1:1", "--timeout", "0")
+    assert result.exit_code == 2
+    assert "Invalid value for '--timeout': '0' is not a duration above 0" in result.output
+    result = invoke("run", "flights", "--timeout", "10")
+    assert result.exit_code == 2
+    assert result.output == ("Error: --timeout only applies with --address (how long to wait "
+                             "for that scheduler); the embedded cluster is started here.\n")
+
+
+def test_info_without_an_address_starts_no_cluster_and_says_how_to_point_it():
+    with dask.config.set({"scheduler-address": None}):
+        result = invoke("info")
+    assert result.exit_code == 2
+    assert result.output == (
+        "Error: blockflow info shows a running cluster: point it at one with --address "
+        "tcp://host:8786 (or DASK_SCHEDULER_ADDRESS=tcp://host:8786). `blockflow run` starts "
+        "an embedded cluster only for the length of its job.\n")
+    assert "--gpu" not in invoke("info", "--help").output  # no embedded cluster to size
+
+
+def test_a_variable_that_looks_like_a_setting_but_is_not_read_is_one_warning_line(monkeypatch):
+    from blockflow import config
+
+    monkeypatch.setattr(config, "_warned", set())
+    result = CliRunner().invoke(cli, ["info"], env={"DASK_BLOCKFLOW_CLUSTER__POLICY": "off"})
+    assert result.output.startswith(
+        "Warning: blockflow: the environment variable DASK_BLOCKFLOW_CLUSTER__POLICY='off' is "
+        "not read, so it sets nothing (")
+    assert result.output.splitlines()[0].endswith(
+        "; did you mean DASK_BLOCKFLOW__CLUSTER__POLICY?")
+
+
+def test_the_exit_statuses_are_those_the_readme_states(tmp_path):
+    readme = " ".join(open(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir,
+                                        "README.md")).read().split())
+    assert "Exit status 2 means a bad option: click's own checks" in readme
+    assert "Exit status 1 means the job could not run or failed" in readme
+    with dask.config.set({"scheduler-address": None}):
+        for args in (["run", "flights", "--bogus"], ["run", "flights", "--n-workers", "0"],
+                     ["run", "flights", "--scale", "0"], ["run", "array-stats", "--size", "xl"],
+                     ["run", "flights", "--address", "notaurl"], ["info"],
+                     ["run", "flights", "--address", "tcp://127.0.0.1:1", "--n-workers", "2"]):
+            assert invoke(*args).exit_code == 2, args
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "manifest.json").write_text("{}")
+    for args in (["run", "flights", "--output", str(old)],
+                 ["info", "--address", "tcp://127.0.0.1:1", "--timeout", "0.5"]):
+        assert invoke(*args).exit_code == 1, args
+
+
+def test_embedded_cluster_options_with_address_are_refused():
+    result = invoke("run", "flights", "--address", "tcp://127.0.0.1:1", "--n-workers", "2")
+    assert result.exit_code == 2
+    assert result.output == ("Error: --n-workers only applies to the embedded cluster and "
+                             "cannot be combined with --address; size the workers of "
+                             "tcp://127.0.0.1:1 where they are started.\n")
+    result = invoke("run", "array-stats", "--address", "tcp://127.0.0.1:1", "--gpu", "false",
+                    "--threads-per-worker", "1")
+    assert result.exit_code == 2
+    assert result.output.startswith("Error: --gpu, --threads-per-worker only apply to the "
+                                    "embedded cluster")
+
+
+@pytest.mark.skipif(gpu_status()[0], reason="this machine can start GPU workers")
+def test_gpu_true_without_gpu_is_a_one_line_error(tmp_path):
+    result = invoke("run", "flights", "--gpu", "true", "--output", str(tmp_path / "out"))
+    assert result.exit_code == 1
+    assert result.output.startswith(
+        "Error: blockflow.connect(gpu=True): this machine cannot start GPU workers: ")
+    assert result.output.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+# --- runs against the test cluster (--address) -------------------------------------------------
+
+
+@pytest.mark.slow
+def test_flights_on_a_running_cluster(client, tmp_path, reference_1):
+    out = tmp_path / "flights-out"
+    address = client.scheduler.address
+    result = invoke("run", "flights", "--address", address, "--output", str(out),
+                    "--no-progress")
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert "<blockflow.Inventory: 2 workers, 2 threads, 0 GPUs>" in text
+    assert "Delays per carrier (minutes):" in text and "JetBlue Airways" in text
+    assert "Tasks per worker (this run):" in text
+    assert "Wall time: " in text and " rows/s" in text
+    # blockflow's page, at the start and (the cluster keeps running) at the end
+    page = client.dashboard_link.rsplit(":", 1)[1].replace("/status", "/blockflow")
+    assert text.startswith("Dashboard (while the job runs): http://")
+    assert text.splitlines()[0].endswith(f":{page}")
+    assert text.splitlines()[-1].endswith(f":{page} (the cluster at {address} keeps running)")
+    assert text.count("Dashboard") == 2 and "/status" not in text
+    assert f"Output: {out}" in text
+    _assert_flights_output(out, reference_1)
+    # The cluster was not ours to stop.
+    assert client.submit(sum, [1, 2]).result() == 3
+
+    again = invoke("run", "flights", "--address", address, "--output", str(out),
+                   "--overwrite", "--no-progress")
+    assert again.exit_code == 0, again.output
+    assert sorted(os.listdir(tmp_path)) == ["flights-out"]
+
+
+def test_array_stats_on_a_running_cluster(client, tmp_path):
+    out = tmp_path / "stats-out"
+    result = invoke("run", "array-stats", "--address", client.scheduler.address, "--size",
+                    "small", "--output", str(out), "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert "<blockflow.Inventory: 2 workers" in result.output
+    assert "blockflow array-stats: size small" in result.output
+    assert "Wall time: " in result.output and "Dashboard: " in result.output
+    assert result.output.splitlines()[-1].endswith("keeps running)")
+    assert sorted(os.listdir(out)) == ["manifest.json", "stats.parquet"]
+
+
+def test_info_on_a_running_cluster(client):
+    result = invoke("info", "--address", client.scheduler.address)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("<blockflow.Inventory: 2 workers, 2 threads, 0 GPUs>")
+    for worker in workers_info(client):
+        assert worker in result.output
+    assert result.output.splitlines()[-1].endswith("/blockflow")
+    with dask.config.set({"scheduler-address": client.scheduler.address}):  # the Dask way
+        assert invoke("info").output == result.output
+
+
+# --- real processes ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_python_m_blockflow_runs_flights_end_to_end(tmp_path, reference_1):
+    """An embedded LocalCluster started and shut down by the CLI in its own process."""
+    out = tmp_path / "flights-out"
+    proc = _blockflow("run", "flights", "--scale", "1", "--n-workers", "2",
+                      "--threads-per-worker", "1", "--gpu", "false", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert "<blockflow.Inventory: 2 workers, 2 threads, 0 GPUs>" in text
+    assert "tcp://127.0.0.1:" in text
+    assert "Delays per carrier (minutes):" in text and "United Air Lines Inc." in text
+    assert "Tasks per worker (this run):" in text
+    assert "Wall time: " in text and " rows/s" in text
+    # The page's URL while the job runs; none at the end, when the cluster is gone.
+    assert text.startswith("Dashboard (while the job runs): http://127.0.0.1:")
+    assert text.splitlines()[0].endswith("/blockflow") and "/status" not in text
+    assert text.splitlines()[-1] == (
+        "Dashboard: closed (the embedded cluster has stopped; to keep a dashboard after the "
+        "job, run it on a cluster of your own with --address)")
+    assert "Traceback" not in proc.stderr
+    _assert_flights_output(out, reference_1)
+    assert sorted(os.listdir(tmp_path)) == ["flights-out"]  # no temporary folder left
+
+
+@pytest.mark.slow
+def test_python_m_blockflow_bad_input_exits_2_with_one_line(tmp_path):
+    proc = _blockflow("run", "flights", "--scale", "0", "--output", str(tmp_path / "o"))
+    assert proc.returncode == 2
+    assert proc.stderr == BAD_SCALE.format(scale=0)
+    assert proc.stdout == ""
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_dask_blockflow_entry_point():
+    proc = subprocess.run(
+        [sys.executable, "-c", "from dask.cli import run_cli; run_cli()", "blockflow", "run",
+         "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "flights" in proc.stdout and "array-stats" in proc.stdout
+
+
+@pytest.mark.parametrize("address", ["notaurl", "tcp://localhost", "http://127.0.0.1:8786"])
+def test_malformed_address_is_one_clear_line(address, tmp_path):
+    from click.testing import CliRunner
+
+    from blockflow.cli import cli as blockflow_cli
+
+    result = CliRunner().invoke(blockflow_cli, ["run", "flights", "--address", address,
+                                                "--output", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert result.output.strip() == (
+        f"Error: --address {address!r} is not a scheduler address; give tcp://host:port "
+        f"(or tls://host:port), e.g. tcp://10.0.0.5:8786.")
+
+
+def test_overwrite_refuses_a_folder_blockflow_did_not_write(tmp_path):
+    from click.testing import CliRunner
+
+    from blockflow.cli import cli as blockflow_cli
+
+    (tmp_path / "thesis.tex").write_text("years of work")
+    result = CliRunner().invoke(blockflow_cli, ["run", "flights", "--output", str(tmp_path),
+                                                "--overwrite"])
+    assert result.exit_code == 1
+    assert "is a folder blockflow did not write (no manifest.json)" in result.output
+    assert (tmp_path / "thesis.tex").read_text() == "years of work"
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_leaves_no_temporary_folder(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blockflow", "run", "flights", "--scale", "20", "--n-workers",
+         "2", "--output", str(out), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not any(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    assert list(tmp_path.iterdir()) == []  # no output, no temporary folder
