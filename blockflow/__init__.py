@@ -30,7 +30,7 @@ from blockflow.cluster.rebalance import rebalance
 from blockflow.reduction import choose_split_every, tree_reduce
 from blockflow.cluster.report import RunReport, run_report
 from blockflow.ml.routing import Router
-from blockflow import scheduling
+from blockflow import scheduling  # noqa: F401  (blockflow.scheduling: the plugin and its policies)
 
 __version__ = "0.1.0"
 

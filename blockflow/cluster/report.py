@@ -9,7 +9,6 @@ before its stages (skewed blocks split, tiny ones merged, blocks fitted to devic
 from __future__ import annotations
 
 import html
-import time
 from dataclasses import dataclass, field
 
 import numpy as np

@@ -44,7 +44,6 @@ from blockflow._distributed import (
     AMMPolicy,
     HeldResult,
     MemorySuggestion,
-    RunningTask,
     TaskView,
     WorkerView,
 )

@@ -16,7 +16,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import xarray as xr
-from dask.utils import key_split
 
 from blockflow import GPUUnavailableError, array_module, dataframe_module, to_device, to_host
 from blockflow.backends import _block_to_host, gpu_device_count, has_package, is_device_block

@@ -273,7 +273,7 @@ def test_dashboard_shows_running_trials():
     assert seen, "the status route never showed a running trial"
     t = seen[-1]
     assert t["name"] == "dash-test" and t["n_trials"] == 9
-    workers = set(client_workers := [r["worker"] for s in seen for r in s["running"]])
+    workers = {r["worker"] for s in seen for r in s["running"]}
     assert len(workers) == 2 and all(len(s["running"]) <= 2 for s in seen), \
         [s["running"] for s in seen if len(s["running"]) > 2][:1]
     assert {"trial", "rung", "epochs", "worker", "since", "config"} <= set(t["running"][0])
