@@ -5,9 +5,11 @@ One cluster of simulated GPU workers (speeds 1, 1, 0.5, 0.25 by default, worker 
 
 1. **Batch inference** over ``--blocks`` row blocks of ``--block-seconds`` reference-seconds
    each, with a model of ``--model-mib`` MiB of weights:
+
    * plain Dask: ``dask.array.map_blocks`` with the model in the graph (no blockflow plugin);
    * blockflow: :func:`blockflow.predict` (model shipped once per worker) with blockflow's
      scheduler plugin (policy ``dynamic``: learned speeds).
+
    Reported: makespan, its ratio to the ideal (total work / total speed), and the model bytes
    each run ships (plain: the model's bytes in every task's pickled spec, measured by
    pickling the tasks; blockflow: the bytes the workers' model caches received).

@@ -190,7 +190,7 @@ def tree_reduce(
     workers: str | list[str] | None = None,
     allow_other_workers: bool | None = None,
 ):
-    """Reduce a Dask collection with a tree of ``chunk -> combine ... -> aggregate`` tasks.
+    """Reduce a Dask collection with a tree of ``chunk``, ``combine`` and ``aggregate`` tasks.
 
     Parameters
     ----------

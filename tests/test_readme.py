@@ -40,3 +40,33 @@ def test_library_example_runs(tmp_path):
     assert "<blockflow.Inventory: 2 workers" in out.stdout
     numbers = re.findall(r"-?\d+\.\d+", out.stdout.splitlines()[-1])
     assert len(numbers) == 5
+
+
+def _docs_pages() -> list[str]:
+    docs = os.path.join(ROOT, "docs")
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(docs)
+                  if "_build" not in d for f in files if f.endswith(".md"))
+
+
+def test_the_docs_show_the_readme_commands():
+    """The site's front page repeats the README's two commands verbatim."""
+    def commands(path):
+        with open(path) as f:
+            return re.search(r"```bash\n(.*?)```", f.read(), flags=re.S).group(1)
+
+    assert commands(os.path.join(ROOT, "docs", "index.md")) == commands(
+        os.path.join(ROOT, "README.md"))
+
+
+def test_the_docs_python_snippets_parse():
+    """Every Python block of the user guide is valid Python (the README's example and the
+    ready-workloads one also run: above and in tests/workloads/test_progress.py)."""
+    pages = _docs_pages()
+    assert len(pages) >= 6
+    n = 0
+    for page in pages:
+        with open(page) as f:
+            for block in re.findall(r"```python\n(.*?)```", f.read(), flags=re.S):
+                compile(block, page, "exec")
+                n += 1
+    assert n >= 10

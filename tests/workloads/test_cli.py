@@ -166,8 +166,9 @@ def test_a_variable_that_looks_like_a_setting_but_is_not_read_is_one_warning_lin
 
 
 def test_the_exit_statuses_are_those_the_readme_states(tmp_path):
+    """The statuses the clusters guide states (moved there from the README)."""
     readme = " ".join(open(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir,
-                                        "README.md")).read().split())
+                                        "docs", "guide", "clusters.md")).read().split())
     assert "Exit status 2 means a bad option: click's own checks" in readme
     assert "Exit status 1 means the job could not run or failed" in readme
     with dask.config.set({"scheduler-address": None}):

@@ -126,12 +126,13 @@ def test_flights_in_a_terminal_labels_both_stages(tmp_path):
 
 @pytest.mark.slow
 def test_readme_shows_the_progress_of_a_workload(client, capsys):
-    """The README's library section: its workload example runs, and the bars it shows carry
-    the stage labels the job draws (checked in a terminal above)."""
-    readme = (ROOT / "README.md").read_text()
+    """The clusters guide's ready-workloads section (moved there from the README): its
+    workload example runs, and the bars it shows carry the stage labels the job draws
+    (checked in a terminal above)."""
+    readme = (ROOT / "docs" / "guide" / "clusters.md").read_text()
     example = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
                    if "flights.run(client" in b)
-    exec(compile(example, "README.md", "exec"), {"client": client})
+    exec(compile(example, "docs/guide/clusters.md", "exec"), {"client": client})
     assert "Tasks per worker (this run):" in capsys.readouterr().out
     shown = re.search(r"```text\n(flights \[1/2\].*?)```", readme, flags=re.S).group(1)
     assert [b["label"] for b in bars(shown)] == FLIGHTS_STAGES
