@@ -30,14 +30,12 @@ from dask.utils import (
 
 from blockflow import decompose
 from blockflow.core.kernel import Kernel, check_placement, check_retries
+from blockflow.scheduling.actions import KERNEL_PREFIX  # the scheduling vocabulary's name
 from blockflow.errors import BlockKernelError, EmptyCollectionError, describe, not_a_collection
 
 __all__ = ["KERNEL_PREFIX", "check_retries", "kernel_name", "map_blocks", "validate_array"]
 
 logger = logging.getLogger(__name__)
-
-#: Prefix of the task names of blockflow kernels (the scheduler plugin keys on it).
-KERNEL_PREFIX = "blockflow-"
 
 
 def kernel_name(kernel: Callable, name: str | None = None) -> str:

@@ -24,10 +24,10 @@ import threading
 import time
 from typing import Any, Callable
 
-from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
 from blockflow import _distributed
+from blockflow._distributed.speculation import SpeculationHandlers
 
 __all__ = ["SpeculationHandlers", "cancelled", "run_kernel"]
 
@@ -209,15 +209,3 @@ HANDLERS: dict[str, Callable] = {
     "blockflow_backup_run": _backup_run,
     "blockflow_backup_cancel": _backup_cancel,
 }
-
-
-class SpeculationHandlers(WorkerPlugin):
-    """Worker plugin installing the backup-copy RPC handlers on every worker, present and
-    future (registered by the scheduler plugin when its policy may copy tasks). Only on
-    workers that have it do kernels run so that a copy can overtake them."""
-
-    name = "blockflow-speculation"
-    idempotent = True
-
-    def setup(self, worker) -> None:
-        _distributed.install_worker_handlers(worker, HANDLERS)
