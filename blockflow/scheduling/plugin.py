@@ -36,6 +36,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from blockflow import _distributed, config
 from blockflow.errors import ResourceError
 from blockflow.scheduling.actions import KERNEL_PREFIX, Action, Decision
+from blockflow.scheduling import resources
 from blockflow.scheduling.admission import AdmissionControl
 from blockflow.scheduling.policies import (
     POLICIES,
@@ -430,7 +431,7 @@ class Rebalancer(SchedulerPlugin):
         return d
 
     def _on_wait(self, d, snap):
-        logger.warning(d.reason)
+        resources.logger.warning(d.reason)
         return d
 
     def _on_fail(self, d, snap):
@@ -440,7 +441,7 @@ class Rebalancer(SchedulerPlugin):
         if not failed:
             return None
         self.unsatisfiable.failed += failed
-        logger.error("blockflow: failed %d tasks needing resources %s after %g s: no "
+        resources.logger.error("blockflow: failed %d tasks needing resources %s after %g s: no "
                      "worker declares them", failed, need, self.unsatisfiable.timeout)
         return replace(d, reason=self.unsatisfiable.fail_reason(failed, need),
                        seen={**d.seen, "tasks": failed})

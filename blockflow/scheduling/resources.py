@@ -8,10 +8,14 @@ wait for resources no worker declares).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["describe_worker_resources"]
+__all__ = ["describe_worker_resources", "logger"]
+
+#: Where tasks waiting for, and failed for, missing resources are reported (WARNING, ERROR).
+logger = logging.getLogger(__name__)
 
 
 def describe_worker_resources(workers: Mapping[str, Any], limit: int = 4) -> str:
