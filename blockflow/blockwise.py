@@ -455,7 +455,7 @@ def map_blocks(
         Whether a straggling block (its task still running on a slow or throttled device
         when a fast device is idle) may get a *backup copy* on another worker, the first
         result winning (default True, with ``blockflow.speculation.enabled``; see
-        :meth:`blockflow.scheduling.policies.DynamicPolicy.backups`). The kernel must then
+        :class:`blockflow.scheduling.rules.BackupRule`). The kernel must then
         be idempotent: the same block in gives the same result, with no side effect that
         matters twice. Pass False for kernels that write files, call services or draw random
         numbers unseeded, and for kernels that call ``secede()`` or ``worker_client()``.

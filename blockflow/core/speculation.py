@@ -3,7 +3,7 @@
 A blockflow kernel task whose kernel may be copied (idempotent: the default; see
 ``map_blocks(speculative=False)``) runs its kernel in a helper thread and waits for the first
 of two results: its own, or that of a *backup copy* another worker ran. The scheduler plugin
-(:meth:`blockflow.scheduling.policies.DynamicPolicy.backups`) decides when a running task is a straggler and asks
+(:class:`blockflow.scheduling.rules.BackupRule`) decides when a running task is a straggler and asks
 the worker running it (RPC ``blockflow_speculate``) to start a copy on a fast, idle worker;
 that worker sends the kernel and its input blocks along (``blockflow_backup_run`` on the
 target), the target runs the kernel in its own thread pool and answers with the result.
