@@ -30,14 +30,12 @@ from dask.utils import (
 
 from blockflow import decompose
 from blockflow.core.kernel import Kernel, check_placement, check_retries
+from blockflow.scheduling.actions import KERNEL_PREFIX  # the scheduling vocabulary's name
 from blockflow.errors import BlockKernelError, EmptyCollectionError, describe, not_a_collection
 
 __all__ = ["KERNEL_PREFIX", "check_retries", "kernel_name", "map_blocks", "validate_array"]
 
 logger = logging.getLogger(__name__)
-
-#: Prefix of the task names of blockflow kernels (the scheduler plugin keys on it).
-KERNEL_PREFIX = "blockflow-"
 
 
 def kernel_name(kernel: Callable, name: str | None = None) -> str:
@@ -457,7 +455,7 @@ def map_blocks(
         Whether a straggling block (its task still running on a slow or throttled device
         when a fast device is idle) may get a *backup copy* on another worker, the first
         result winning (default True, with ``blockflow.speculation.enabled``; see
-        :meth:`blockflow.scheduling.policies.DynamicPolicy.backups`). The kernel must then
+        :class:`blockflow.scheduling.rules.BackupRule`). The kernel must then
         be idempotent: the same block in gives the same result, with no side effect that
         matters twice. Pass False for kernels that write files, call services or draw random
         numbers unseeded, and for kernels that call ``secede()`` or ``worker_client()``.

@@ -298,3 +298,32 @@ def test_messages_and_docstrings_name_only_blockflow_objects_that_exist():
                 if not _resolves(path):
                     missing.add(f"{p.name}: {path}")
     assert sorted(missing) == []
+
+
+def test_the_scheduler_side_imports_nothing_from_the_kernel_layer_or_the_dashboard():
+    """``blockflow/scheduling/**`` imports nothing from the kernel layer, the AI uses, the
+    workloads or the dashboard, lazily inside functions included: shared names live in the
+    scheduling vocabulary (blockflow.scheduling.actions) or the boundary package, and the
+    dashboard is installed by dotted path from ``blockflow.scheduler.extensions``."""
+    import ast
+    from pathlib import Path
+
+    import blockflow
+
+    forbidden = ("blockflow.blockwise", "blockflow.reduction", "blockflow.core",
+                 "blockflow.dashboard", "blockflow.ml", "blockflow.workloads")
+    root = Path(blockflow.__file__).parent / "scheduling"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                if any(name == f or name.startswith(f + ".") for f in forbidden):
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {name}")
+    assert not found, "the scheduler side imports from above it:\n" + "\n".join(found)

@@ -366,12 +366,13 @@ def _start_local_cluster(use_gpu: bool, **kwargs) -> LocalCluster:
 
 
 def _register_plugin(client: Client, plugin: Rebalancer) -> None:
-    from blockflow.dashboard.plugin import DashboardPlugin
     from blockflow.cluster.devices import DeviceMetrics
+    from blockflow.scheduling.extensions import scheduler_extensions
 
     try:
         client.register_plugin(plugin)
-        client.register_plugin(DashboardPlugin())
+        for extension in scheduler_extensions():  # blockflow.scheduler.extensions
+            client.register_plugin(extension)
         client.register_plugin(DeviceMetrics())  # adds nothing on workers without a GPU
     except (ModuleNotFoundError, ImportError) as e:
         raise RuntimeError(
@@ -452,11 +453,11 @@ def decisions(client: Client, since: float | None = None):
     Returns
     -------
     pandas.DataFrame
-        Columns ``time`` (UTC timestamp), ``policy``, ``action`` (``pause``, ``resume``,
-        ``move``, ``memory-move``, ``balance``, ``assign``, ``keep``, ``handover``, ``join``,
-        ``forget``; for worker resources: ``restrict`` (tasks restricted as their kernels
-        asked), ``admit`` (producers held back by admission control), ``wait`` / ``fail``
-        (tasks needing resources no worker declares)),
+        Columns ``time`` (UTC timestamp), ``policy``, ``action`` (the value of a
+        :class:`~blockflow.scheduling.actions.Action`, a plain string: ``pause``,
+        ``resume``, ``handover``, ``hold``, ``release``, ``move``, ``assign``, ``place``,
+        ``speculate``, ``restrict``, ``admit``, ``fail``, ``balance``, ``defer``, ``keep``,
+        ``wait``, ``backup``, ``memory-move``, ``join``, ``forget``; each documented there),
         ``worker``, ``target`` (moves), ``key`` (moves), ``reason``, then ``seen_*`` columns
         with the metrics the decision saw (GPU utilisation in percent, device-memory
         fraction 0-1, learned speed, tasks processing, projected finish in seconds; None

@@ -17,6 +17,7 @@ from dask.utils import format_bytes
 
 from blockflow.cluster.connection import plugin_status
 from blockflow.decompose import BlockResize, recorded_resizes
+from blockflow.scheduling.actions import Action
 
 __all__ = ["RunReport", "run_report"]
 
@@ -161,7 +162,7 @@ def run_report(client, since: float | None = None) -> RunReport:
     makespan = float(log.stop.max() - log.start.min()) if len(log) else 0.0
     if len(log):
         log = log.assign(start=log.start - since, stop=log.stop - since)
-    moves = [d for d in status["decisions"] if d["action"] == "move"]
+    moves = [d for d in status["decisions"] if d["action"] == Action.MOVE]
     workers = status["workers"]
     peaks = status["memory_peak"]
     return RunReport(

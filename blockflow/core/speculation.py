@@ -3,7 +3,7 @@
 A blockflow kernel task whose kernel may be copied (idempotent: the default; see
 ``map_blocks(speculative=False)``) runs its kernel in a helper thread and waits for the first
 of two results: its own, or that of a *backup copy* another worker ran. The scheduler plugin
-(:meth:`blockflow.scheduling.policies.DynamicPolicy.backups`) decides when a running task is a straggler and asks
+(:class:`blockflow.scheduling.rules.BackupRule`) decides when a running task is a straggler and asks
 the worker running it (RPC ``blockflow_speculate``) to start a copy on a fast, idle worker;
 that worker sends the kernel and its input blocks along (``blockflow_backup_run`` on the
 target), the target runs the kernel in its own thread pool and answers with the result.
@@ -24,10 +24,10 @@ import threading
 import time
 from typing import Any, Callable
 
-from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
 from blockflow import _distributed
+from blockflow._distributed.speculation import SpeculationHandlers
 
 __all__ = ["SpeculationHandlers", "cancelled", "run_kernel"]
 
@@ -209,15 +209,3 @@ HANDLERS: dict[str, Callable] = {
     "blockflow_backup_run": _backup_run,
     "blockflow_backup_cancel": _backup_cancel,
 }
-
-
-class SpeculationHandlers(WorkerPlugin):
-    """Worker plugin installing the backup-copy RPC handlers on every worker, present and
-    future (registered by the scheduler plugin when its policy may copy tasks). Only on
-    workers that have it do kernels run so that a copy can overtake them."""
-
-    name = "blockflow-speculation"
-    idempotent = True
-
-    def setup(self, worker) -> None:
-        _distributed.install_worker_handlers(worker, HANDLERS)

@@ -27,11 +27,46 @@ from dask.utils import format_bytes
 
 from blockflow import _distributed
 from blockflow.dashboard.state import dashboard_state
+from blockflow.scheduling.actions import Action
 
-__all__ = ["BlockflowPage", "blockflow_doc"]
+__all__ = ["ACTION_STYLES", "BlockflowPage", "blockflow_doc"]
 
-ACTIONS = ["pause", "resume", "move", "memory-move", "assign", "keep", "handover", "join",
-           "forget", "balance", "defer", "place"]
+#: How each action is drawn on the decision timeline: (colour, marker, row label). Every
+#: :class:`~blockflow.scheduling.actions.Action` has its own (a test checks), so no action
+#: is drawn as another.
+ACTION_STYLES: dict[Action, tuple[str, str, str]] = {
+    Action.PAUSE: ("#d62728", "square", "pause"),
+    Action.RESUME: ("#2ca02c", "square", "resume"),
+    Action.HANDOVER: ("#98df8a", "square_x", "handover"),
+    Action.HOLD: ("#ff7f0e", "triangle", "hold"),
+    Action.RELEASE: ("#ffbb78", "inverted_triangle", "release"),
+    Action.MOVE: ("#1f77b4", "circle", "move"),
+    Action.ASSIGN: ("#aec7e8", "diamond", "assign"),
+    Action.PLACE: ("#17becf", "diamond", "place"),
+    Action.SPECULATE: ("#9467bd", "star", "speculate"),
+    Action.RESTRICT: ("#9edae5", "hex", "restrict"),
+    Action.ADMIT: ("#bcbd22", "hex", "admit"),
+    Action.FAIL: ("#8c1a1a", "x", "fail"),
+    Action.BALANCE: ("#e377c2", "plus", "balance"),
+    Action.DEFER: ("#f7b6d2", "plus", "defer"),
+    Action.KEEP: ("#7f7f7f", "dash", "keep"),
+    Action.WAIT: ("#dbdb8d", "asterisk", "wait"),
+    Action.BACKUP: ("#c5b0d5", "star_dot", "backup"),
+    Action.MEMORY_MOVE: ("#393b79", "circle_x", "memory-move"),
+    Action.JOIN: ("#8c564b", "triangle_dot", "join"),
+    Action.FORGET: ("#c49c94", "inverted_triangle", "forget"),
+}
+#: Rows of the decision timeline, one per action.
+ACTIONS = [label for _, _, label in ACTION_STYLES.values()]
+
+
+def action_style(action: str) -> tuple[str, str, str]:
+    """(colour, marker, label) of a logged action (a name not in the vocabulary, from a
+    newer scheduler, is drawn under its own name in grey)."""
+    try:
+        return ACTION_STYLES[Action(action)]
+    except ValueError:
+        return ("#7f7f7f", "circle", str(action))
 WORKER_COLUMNS = [
     ("worker", "Worker"), ("device", "Device"), ("gpu_util", "GPU util"),
     ("device_memory", "Device memory used / total"), ("queued", "Queued"),
@@ -76,14 +111,16 @@ class BlockflowPage:
         self.workers = ColumnDataSource({k: [] for k, _ in WORKER_COLUMNS})
         self.worker_table = _table(self.workers, WORKER_COLUMNS, 180, "blockflow-workers")
         self.decisions = ColumnDataSource(
-            {k: [] for k in ("time", "action", "worker", "target", "reason", "when")})
+            {k: [] for k in ("time", "action", "worker", "target", "reason", "when", "color",
+                             "marker")})
         self.decision_table = _table(self.decisions, DECISION_COLUMNS, 220,
                                      "blockflow-decisions")
         self.timeline = figure(
             title="Rebalancer decisions (time, s ago)", height=220,
             y_range=FactorRange(*ACTIONS), sizing_mode="stretch_width",
             tools="xpan,xwheel_zoom,reset", name="blockflow-timeline")
-        self.timeline.scatter("ago", "action", source=self.decisions, size=9, alpha=0.7)
+        self.timeline.scatter("ago", "action", source=self.decisions, size=9, alpha=0.7,
+                              color="color", marker="marker")
         self.timeline.add_tools(HoverTool(tooltips=[("action", "@action"), ("worker", "@worker"),
                                                     ("reason", "@reason")]))
         self.counts = ColumnDataSource({"worker": [], "tasks": []})
@@ -145,11 +182,17 @@ class BlockflowPage:
             "tasks_run": [w["tasks_run"] for w in ws],
         }
         ds = state["decisions"][::-1]  # newest first in the table
+        styles = [action_style(d["action"]) for d in ds]
+        extra = sorted({label for _, _, label in styles} - set(ACTIONS))
+        if extra:  # actions this page does not know: a row each, never another's row
+            self.timeline.y_range.factors = ACTIONS + extra
         self.decisions.data = {
             "time": [d["time"] for d in ds],
             "ago": [-(now - d["time"]) for d in ds],
             "when": [time.strftime("%H:%M:%S", time.localtime(d["time"])) for d in ds],
-            "action": [d["action"] if d["action"] in ACTIONS else "keep" for d in ds],
+            "action": [label for _, _, label in styles],
+            "color": [color for color, _, _ in styles],
+            "marker": [marker for _, marker, _ in styles],
             "worker": [d["worker"] for d in ds],
             "target": [d.get("target") or "" for d in ds],
             "reason": [d["reason"] for d in ds],

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from blockflow import _distributed
+from blockflow.scheduling.actions import Action
 
 __all__ = ["dashboard_state"]
 
@@ -112,6 +113,8 @@ def dashboard_state(scheduler, *, since: float | None = None,
         "shared_gpus": [{"uuid": u, "workers": list(a)}
                         for u, a in _distributed.shared_devices(views).items()],
         "decisions": decisions,
+        # the vocabulary the decisions use (blockflow.scheduling.actions.Action)
+        "actions": [a.value for a in Action],
         "speculation": _speculation_summary(status.get("speculation")),
         "tuning": _tuning(scheduler),
         "pipeline": _pipeline(scheduler),

@@ -9,6 +9,12 @@ buffers the task's compute time for the speed model. A control loop
 :class:`~blockflow.scheduling.policies.ClusterSnapshot`, ask the policy for decisions, apply
 them through :mod:`blockflow._distributed`, and log each one.
 
+:meth:`Rebalancer._apply` is the only code that acts on the scheduler for a decision or
+writes the decision log: one handler per :class:`~blockflow.scheduling.actions.Action`
+(:attr:`Rebalancer.HANDLERS`). The policy's rules, the plugin's own rules (kernels'
+placements, the unsatisfiable-task watch, the balancing hand-over), admission control,
+backup outcomes and worker arrivals all reach the scheduler and the log through it.
+
 Clients read the plugin's state through one read-only scheduler handler,
 ``blockflow_status``; the plugin accepts no commands.
 """
@@ -19,6 +25,8 @@ import logging
 import math
 import time
 from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import dask.config
@@ -26,17 +34,18 @@ from dask.utils import key_split, parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from blockflow import _distributed, config
-from blockflow.blockwise import KERNEL_PREFIX
+from blockflow.errors import ResourceError
+from blockflow.scheduling.actions import KERNEL_PREFIX, Action, Decision
+from blockflow.scheduling import resources
 from blockflow.scheduling.admission import AdmissionControl
 from blockflow.scheduling.policies import (
     POLICIES,
     REGISTRY,
     ClusterSnapshot,
-    Decision,
     make_policy,
 )
+from blockflow.scheduling.rules import BalancingRule, KernelPlacementRule, UnsatisfiableRule
 from blockflow.scheduling.runs import RunTracker
-from blockflow.scheduling.resources import UnsatisfiableWatch, apply_placements
 from blockflow.scheduling.speed import SpeedModel
 
 __all__ = ["POLICIES", "Rebalancer"]
@@ -104,9 +113,12 @@ class Rebalancer(SchedulerPlugin):
         self.moves_requested = 0
         self._stealing = None
         self._host_pause_fraction: float | None = None
-        self._calm = 0
         self._worker_checked = False
-        self.unsatisfiable: UnsatisfiableWatch | None = None  # set in start()
+        # the plugin's own rules, under every policy (set in start())
+        self.balancing: BalancingRule | None = None
+        self.kernel_placement = KernelPlacementRule()
+        self.unsatisfiable: UnsatisfiableRule | None = None
+        self._placed_now: set = set()  # keys the last "restrict" decision restricted
         self.backups: dict[Any, dict[str, Any]] = {}  # key -> backup copy running now
         self.speculation: Counter[str] = Counter(launched=0, duplicated_seconds=0.0,
                                                  saved_seconds=0.0)
@@ -130,12 +142,9 @@ class Rebalancer(SchedulerPlugin):
         _distributed.add_handler(scheduler, "blockflow_status", self.status)
         for amm_policy in self.policy.amm_policies():
             _distributed.add_amm_policy(scheduler, amm_policy)
-        if getattr(self.policy, "speculation", False):
-            from blockflow.core.speculation import SpeculationHandlers
-
-            # every worker, present and future, can run and answer backup copies
+        for worker_plugin in self.policy.worker_plugins():
             await _distributed.register_worker_plugin_on_scheduler(
-                scheduler, SpeculationHandlers(), SpeculationHandlers.name, idempotent=True)
+                scheduler, worker_plugin, worker_plugin.name, idempotent=True)
         # A first tick now, so hot or full workers are paused before the first graph lands.
         self.run_once()
         if self.interval > 0:
@@ -209,38 +218,45 @@ class Rebalancer(SchedulerPlugin):
             # a scheduler started with --preload has no worker when the plugin starts
             self._worker_checked = True
             _distributed.check_scheduler(scheduler)
-        self.log_decision("join", worker, "worker joined the cluster", {})
+        self._apply(Decision(Action.JOIN, worker, "worker joined the cluster"))
 
     def remove_worker(self, scheduler, worker, *, stimulus_id=None, **kwargs) -> None:
         self.snapshot_workers.pop(worker, None)
         self.speeds.forget(worker)
         was_paused = self.paused.pop(worker, None)
         self.held.pop(worker, None)
-        self.log_decision("forget", worker, "worker left the cluster"
-                          + (" (it was paused by blockflow)" if was_paused else ""), {})
+        self._apply(Decision(Action.FORGET, worker, "worker left the cluster"
+                             + (" (it was paused by blockflow)" if was_paused else "")))
 
     # --- worker resources: placement, unsatisfiable tasks, admission control ----------
 
     def _start_resources(self) -> None:
-        self.unsatisfiable = UnsatisfiableWatch()
+        self.unsatisfiable = UnsatisfiableRule()
+        self.balancing = BalancingRule(hands_over=self.policy.replaces_work_stealing)
         self.admission = AdmissionControl()
-        if self.policy_name == "off":  # observe only: never hold tasks back
+        if not self.policy.admits:  # e.g. observe only: never hold tasks back
             self.admission.enabled = False
 
     def _resources_on_graph(self, scheduler, keys: list) -> list:
         """New tasks: restrict them as their kernels asked (resources=, workers=), hold back
         producers feeding resource-restricted consumers; the tasks' views for the policy."""
-        views, placed = apply_placements(scheduler, _distributed.new_task_views(scheduler, keys))
-        if placed:
-            self.log_decision("restrict", "", f"{placed} tasks restricted as their kernels "
-                              f"asked (resources=, workers=)", {"tasks": placed})
+        views = _distributed.new_task_views(scheduler, keys)
+        snap = ClusterSnapshot(time=time.time(), workers={}, event="graph", new_tasks=views)
+        self._placed_now = set()
+        for d in self.kernel_placement.run(snap, None):
+            self._apply(d, snap)
+        if self._placed_now:  # restricted here: the policy's rules leave them alone
+            views = [replace(v, restricted=True)
+                     if v.key in self._placed_now and not v.restricted else v for v in views]
         if self.admission is not None:
             self.admission.on_graph(scheduler, keys, self._views(), self.log_decision)
         return views
 
-    def _resources_tick(self, workers) -> None:
+    def _resources_tick(self, snap: ClusterSnapshot) -> None:
         if self.unsatisfiable is not None:
-            self.unsatisfiable.check(self.scheduler, workers, self.log_decision)
+            for d in self.unsatisfiable.run(snap, None):
+                self._apply(d, snap)
+        workers = snap.workers
         if self.admission is not None:
             if self.ticks % 10 == 0:
                 self.admission.release_orphans(self.scheduler)
@@ -267,53 +283,24 @@ class Rebalancer(SchedulerPlugin):
         views = self._views()
         thieves = [a for a, w in views.items() if w.status == "running"]
         now = time.time()
-        return ClusterSnapshot(time=now, workers=views,
+        # the balancing rule reads the strict test while it is off, the weak one while on
+        active = self.balancing is not None and self.balancing.active
+        snap = ClusterSnapshot(time=now, workers=views,
                                queued=_distributed.queued_count(self.scheduler),
                                waiting=_distributed.waiting_tasks(self.scheduler,
                                                                   thieves=thieves),
-                               balancing=self._balancing(thieves),
                                running=_distributed.running_tasks(self.scheduler, now),
                                backups={k: b["target"] for k, b in self.backups.items()},
                                bandwidth=_distributed.bandwidth(self.scheduler),
-                               held=frozenset(self.held))
-
-    #: Ticks in a row without a speed difference before balancing goes back to distributed.
-    calm_ticks = 10
-
-    def _balancing(self, workers) -> bool:
-        """Start balancing when speeds are known to differ by 1.3x (a two-sided test at
-        0.1 %); stop only after :attr:`calm_ticks` ticks in a row without even a 1.15x
-        difference at 10 % (hysteresis in both the size and the evidence: the estimates
-        wobble as tasks finish, most of all when blocks differ in work and durations spread
-        widely, and handing balancing back and forth undoes moves; once known, a
-        difference is given up only when the evidence for it has become weak, not when it
-        is merely no longer overwhelming)."""
-        if self._stealing is None:
-            return self.speeds.heterogeneous(workers)
-        if self.speeds.heterogeneous(workers, min_ratio=1.15, z=1.64):
-            self._calm = 0
-            return True
-        self._calm += 1
-        return self._calm < self.calm_ticks
-
-    def _hand_over_balancing(self, snap: ClusterSnapshot) -> None:
-        """Suspend distributed's stealing while blockflow balances on known speeds; give it
-        back as soon as blockflow knows too little (logged either way)."""
-        if not self.policy.replaces_work_stealing:
-            return
-        seen = {"speeds": {a: round(w.speed, 3) for a, w in snap.workers.items()},
-                "confidence": {a: round(w.speed_confidence, 2)
-                               for a, w in snap.workers.items()}}
-        if snap.balancing and self._stealing is None:
-            self._calm = 0
-            self._stealing = _distributed.suspend_work_stealing(self.scheduler)
-            self.log_decision("balance", "", "worker speeds known to differ: blockflow "
-                              "balances on them; distributed's work stealing paused", seen)
-        elif not snap.balancing and self._stealing is not None:
-            self._stealing.restore()
-            self._stealing = None
-            self.log_decision("defer", "", "worker speeds not known to differ: balancing "
-                              "handed back to distributed's work stealing", seen)
+                               held=frozenset(self.held),
+                               speeds_differ=not active and self.speeds.heterogeneous(thieves),
+                               speeds_differ_weakly=active and self.speeds.heterogeneous(
+                                   thieves, min_ratio=1.15, z=1.64),
+                               unsatisfiable=_distributed.unsatisfiable_tasks(self.scheduler),
+                               monotonic=time.monotonic())
+        snap.balancing = (self.balancing.judge(snap) if self.balancing is not None
+                          else snap.speeds_differ)
+        return snap
 
     def run_once(self) -> list[Decision]:
         """One tick of the control loop; returns the decisions applied (for tests).
@@ -324,9 +311,10 @@ class Rebalancer(SchedulerPlugin):
             return []
         self.ticks += 1
         snap = self.take_snapshot()
-        self._resources_tick(snap.workers)
+        self._resources_tick(snap)
         self._reapply_pauses(snap)
-        self._hand_over_balancing(snap)
+        for d in self.balancing.run(snap, None):  # suspend or give back distributed's stealing
+            self._apply(d, snap)
         applied = []
         for d in self.policy.run(snap):
             if self._apply(d, snap):
@@ -355,53 +343,150 @@ class Rebalancer(SchedulerPlugin):
                                                    f"blockflow-{what}-{time.time()}")
                     w.status = "paused"
 
-    def _apply(self, d: Decision, snap: ClusterSnapshot) -> bool:
-        w = snap.workers.get(d.worker)
-        if w is None:
+    # --- applying decisions: one handler per action -----------------------------------
+
+    def _apply(self, d: Decision, snap: ClusterSnapshot | None = None) -> bool:
+        """Apply one decision and log it (the only code that does either).
+
+        The handler of ``d.action`` (:attr:`HANDLERS`) acts on the scheduler through
+        :mod:`blockflow._distributed` and returns the decision to log (perhaps another:
+        a resume left to the worker is logged as ``handover``), or None when nothing was
+        applied (nothing is logged then). Decisions about one worker (:attr:`ON_WORKER`)
+        apply only while the snapshot they came from shows it.
+        """
+        if d.action in self.ON_WORKER and (snap is None or d.worker not in snap.workers):
             return False
-        stimulus = f"blockflow-{d.action}-{time.time()}"
-        if d.action == "pause":
-            _distributed.set_worker_status(self.scheduler, d.worker, True, stimulus)
-            self.paused[d.worker] = d.reason
-        elif d.action == "resume":
-            self.paused.pop(d.worker, None)
-            self.speeds.reset(d.worker)  # judged on what it does from now on
-            hm = w.host_memory_fraction
-            if hm is not None and hm >= (self._host_pause_fraction or math.inf):
-                # The worker is also over its own host-memory pause threshold: leave it
-                # paused and let the worker resume itself.
-                d = Decision("handover", d.worker, f"{d.reason}; stays paused: host memory "
-                             f"{hm:.0%} is over the worker's own pause threshold", d.seen)
-            else:
-                _distributed.set_worker_status(self.scheduler, d.worker, False, stimulus)
-        elif d.action == "hold":
-            _distributed.set_worker_status(self.scheduler, d.worker, True, stimulus)
-            self.held[d.worker] = d.reason
-        elif d.action == "release":
-            if self.held.pop(d.worker, None) is None:
-                return False
-            if d.worker not in self.paused:
-                _distributed.set_worker_status(self.scheduler, d.worker, False, stimulus)
-        elif d.action == "move":
-            if d.target not in snap.workers or not _distributed.move_task(
-                    self.scheduler, d.key, d.worker, d.target):
-                return False
-            self.moves_requested += 1
-        elif d.action in ("assign", "place"):
-            where = d.workers or d.worker
-            pinned = sum(_distributed.restrict_task(self.scheduler, k, where) for k in d.keys)
-            if not pinned:
-                return False
-        elif d.action == "speculate":
-            if d.target not in snap.workers or d.key in self.backups:
-                return False
-            self._start_backup(d)
-        elif d.action == "keep":
-            last = self.decisions[-1] if self.decisions else None
-            if last and last["action"] == "keep" and last["worker"] == d.worker:
-                return False  # do not flood the log with the same non-decision
+        d = self.HANDLERS[d.action](self, d, snap)
+        if d is None:
+            return False
         self._log(d)
         return True
+
+    def _stimulus(self, d: Decision) -> str:
+        return f"blockflow-{d.action.value}-{time.time()}"
+
+    def _on_pause(self, d, snap):
+        _distributed.set_worker_status(self.scheduler, d.worker, True, self._stimulus(d))
+        self.paused[d.worker] = d.reason
+        return d
+
+    def _on_resume(self, d, snap):
+        self.paused.pop(d.worker, None)
+        self.speeds.reset(d.worker)  # judged on what it does from now on
+        hm = snap.workers[d.worker].host_memory_fraction
+        if hm is not None and hm >= (self._host_pause_fraction or math.inf):
+            # The worker is also over its own host-memory pause threshold: leave it
+            # paused and let the worker resume itself.
+            return Decision(Action.HANDOVER, d.worker, f"{d.reason}; stays paused: host "
+                            f"memory {hm:.0%} is over the worker's own pause threshold", d.seen)
+        _distributed.set_worker_status(self.scheduler, d.worker, False, self._stimulus(d))
+        return d
+
+    def _on_hold(self, d, snap):
+        _distributed.set_worker_status(self.scheduler, d.worker, True, self._stimulus(d))
+        self.held[d.worker] = d.reason
+        return d
+
+    def _on_release(self, d, snap):
+        if self.held.pop(d.worker, None) is None:
+            return None
+        if d.worker not in self.paused:
+            _distributed.set_worker_status(self.scheduler, d.worker, False, self._stimulus(d))
+        return d
+
+    def _on_move(self, d, snap):
+        if d.target not in snap.workers or not _distributed.move_task(
+                self.scheduler, d.key, d.worker, d.target):
+            return None
+        self.moves_requested += 1
+        return d
+
+    def _on_restrict_to_workers(self, d, snap):  # assign, place
+        where = d.workers or d.worker
+        pinned = sum(_distributed.restrict_task(self.scheduler, k, where) for k in d.keys)
+        return d if pinned else None
+
+    def _on_speculate(self, d, snap):
+        if d.target not in snap.workers or d.key in self.backups:
+            return None
+        self._start_backup(d)
+        return d
+
+    def _on_keep(self, d, snap):
+        last = self.decisions[-1] if self.decisions else None
+        if last and last["action"] == Action.KEEP and last["worker"] == d.worker:
+            return None  # do not flood the log with the same non-decision
+        return d
+
+    def _on_restrict(self, d, snap):
+        placed = [k for k, placement in d.detail.items()
+                  if _distributed.set_task_placement(self.scheduler, k, placement)]
+        self._placed_now = set(placed)
+        if not placed:
+            return None
+        if len(placed) != len(d.keys):
+            d = replace(d, reason=f"{len(placed)} tasks restricted as their kernels asked "
+                        f"(resources=, workers=)", seen={"tasks": len(placed)},
+                        keys=tuple(placed))
+        return d
+
+    def _on_wait(self, d, snap):
+        resources.logger.warning(d.reason)
+        return d
+
+    def _on_fail(self, d, snap):
+        need = d.seen["resources"]
+        failed = _distributed.fail_tasks(self.scheduler, list(d.keys), ResourceError(d.detail),
+                                         f"blockflow-unsatisfiable-{time.time()}")
+        if not failed:
+            return None
+        self.unsatisfiable.failed += failed
+        resources.logger.error("blockflow: failed %d tasks needing resources %s after %g s: no "
+                     "worker declares them", failed, need, self.unsatisfiable.timeout)
+        return replace(d, reason=self.unsatisfiable.fail_reason(failed, need),
+                       seen={**d.seen, "tasks": failed})
+
+    def _on_balance(self, d, snap):
+        if self._stealing is None:
+            self._stealing = _distributed.suspend_work_stealing(self.scheduler)
+        return d
+
+    def _on_defer(self, d, snap):
+        if self._stealing is not None:
+            self._stealing.restore()
+            self._stealing = None
+        return d
+
+    def _log_only(self, d, snap):
+        return d
+
+    #: Actions about one worker: applied only while their snapshot shows the worker.
+    ON_WORKER = frozenset({Action.PAUSE, Action.RESUME, Action.HANDOVER, Action.HOLD,
+                           Action.RELEASE, Action.MOVE, Action.ASSIGN, Action.PLACE,
+                           Action.SPECULATE, Action.KEEP})
+    #: The one table of handlers: action -> ``handler(plugin, decision, snapshot)``.
+    HANDLERS: dict[Action, Callable] = {
+        Action.PAUSE: _on_pause,
+        Action.RESUME: _on_resume,
+        Action.HANDOVER: _log_only,  # made by the resume handler
+        Action.HOLD: _on_hold,
+        Action.RELEASE: _on_release,
+        Action.MOVE: _on_move,
+        Action.ASSIGN: _on_restrict_to_workers,
+        Action.PLACE: _on_restrict_to_workers,
+        Action.SPECULATE: _on_speculate,
+        Action.RESTRICT: _on_restrict,
+        Action.ADMIT: _log_only,  # admission control holds the producers (admission.py)
+        Action.FAIL: _on_fail,
+        Action.BALANCE: _on_balance,
+        Action.DEFER: _on_defer,
+        Action.KEEP: _on_keep,
+        Action.WAIT: _on_wait,
+        Action.BACKUP: _log_only,  # the outcome of a copy _start_backup launched
+        Action.MEMORY_MOVE: _log_only,  # distributed's AMM applies it
+        Action.JOIN: _log_only,
+        Action.FORGET: _log_only,
+    }
 
     def _start_backup(self, d: Decision) -> None:
         """Ask the straggler's worker to copy the task to ``d.target``; log the outcome."""
@@ -428,27 +513,36 @@ class Rebalancer(SchedulerPlugin):
             elif outcome == "original-won":
                 stats["duplicated_seconds"] += copy_s
             detail = reply.get("error") or reply.get("detail") or ""
-            self.log_decision(
-                "backup", d.worker, f"{outcome}: copy on the target took {copy_s:.3f}s"
+            self._apply(Decision(
+                Action.BACKUP, d.worker, f"{outcome}: copy on the target took {copy_s:.3f}s"
                 + (f" ({detail})" if detail else ""),
                 {"outcome": outcome, "backup_seconds": round(copy_s, 4),
                  "since_start": round(time.time() - started, 4)},
-                key=str(d.key), target=d.target)
+                key=str(d.key), target=d.target))
 
         _distributed.spawn(self.scheduler, backup())
 
     def _log(self, d: Decision) -> None:
-        key = None if d.key is None else str(d.key)
-        self.log_decision(d.action, d.worker, d.reason, d.seen, key=key, target=d.target)
-
-    def log_decision(self, action: str, worker: str, reason: str, seen: dict,
-                     key: str | None = None, target: str | None = None) -> None:
-        """Append a decision to the bounded log (time in seconds since the epoch)."""
+        """Append a decision to the bounded log (time in seconds since the epoch); the
+        action as its plain string (the status handler serves plain data)."""
         self.decisions.append({
-            "time": time.time(), "policy": self.policy_name, "action": action,
-            "worker": worker, "target": target, "key": key, "reason": reason,
-            **{f"seen_{k}": v for k, v in seen.items()},
+            "time": time.time(), "policy": self.policy_name, "action": d.action.value,
+            "worker": d.worker, "target": d.target,
+            "key": None if d.key is None else str(d.key), "reason": d.reason,
+            **{f"seen_{k}": v for k, v in d.seen.items()},
         })
+
+    def log_decision(self, action: str | Action, worker: str, reason: str, seen: dict,
+                     key: str | None = None, target: str | None = None) -> bool:
+        """Record a decision taken elsewhere (admission control, distributed's AMM
+        policies, a backup copy's outcome): through :meth:`_apply`, like every decision.
+
+        Raises
+        ------
+        ValueError
+            If ``action`` names no :class:`~blockflow.scheduling.actions.Action`.
+        """
+        return self._apply(Decision(action, worker, reason, seen, key=key, target=target))
 
     # --- read-only handler ------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 Installs blockflow's scheduler plugin on a scheduler started outside blockflow (a real
 cluster: ``dask scheduler``, dask-jobqueue, dask-kubernetes). The policy comes from
-``blockflow.cluster.policy`` (``DASK_BLOCKFLOW__CLUSTER__POLICY``) or ``--blockflow-policy``.
+``blockflow.cluster.policy`` (``DASK_BLOCKFLOW__CLUSTER__POLICY``) or ``--blockflow-policy``;
+the extensions installed beside it (the dashboard page) from ``blockflow.scheduler.extensions``.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from blockflow.scheduling.plugin import POLICIES, Rebalancer
               help="Scheduling policy (default: blockflow.cluster.policy).")
 async def dask_setup(scheduler, blockflow_policy=None):
     from blockflow import _distributed
-    from blockflow.dashboard.plugin import DashboardPlugin
     from blockflow.cluster.devices import DeviceMetrics
+    from blockflow.scheduling.extensions import scheduler_extensions
 
     _distributed.add_scheduler_plugin(scheduler, Rebalancer(policy=blockflow_policy))
-    _distributed.add_scheduler_plugin(scheduler, DashboardPlugin())
+    for extension in scheduler_extensions():  # the dashboard page, by default
+        _distributed.add_scheduler_plugin(scheduler, extension)
     # workers that join later get blockflow's device metrics (nothing on CPU workers)
     await _distributed.register_worker_plugin_on_scheduler(
         scheduler, DeviceMetrics(), DeviceMetrics.name, idempotent=True)

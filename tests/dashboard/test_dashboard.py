@@ -266,3 +266,35 @@ def test_page_renders_in_headless_chromium(sim, browser):
         browser.save_screenshot(os.path.join(ARTIFACTS, "blockflow-dashboard.png"))
     finally:
         sim.run(set_tenant, None, workers=[addr])
+
+
+def test_every_action_has_its_own_drawing_and_is_logged_as_its_plain_name():
+    """The scheduling vocabulary is closed: every Action has a handler in the plugin, a
+    colour/marker/label of its own on the dashboard, and reaches the decision log (what
+    ``plugin_status``, ``blockflow.decisions()`` and run reports read) as its plain name."""
+    import json
+
+    import pandas as pd
+
+    from blockflow.dashboard.page import ACTION_STYLES, ACTIONS, action_style
+    from blockflow.scheduling.actions import Action, Decision
+    from blockflow.scheduling.plugin import Rebalancer
+
+    assert set(ACTION_STYLES) == set(Action)
+    styles = [ACTION_STYLES[a] for a in Action]
+    assert len({(c, m) for c, m, _ in styles}) == len(Action)  # no two drawn alike
+    assert [label for _, _, label in styles] == [a.value for a in Action]
+    assert len(set(ACTIONS)) == len(Action)
+    assert all(action_style(a.value) == ACTION_STYLES[a] for a in Action)
+    assert set(Rebalancer.HANDLERS) == set(Action)
+    plugin = Rebalancer(policy="off")
+    for a in Action:
+        plugin._log(Decision(a, "tcp://w:1", f"because {a}", {"x": 1}))
+    logged = plugin.status()["decisions"]
+    assert [d["action"] for d in logged] == [a.value for a in Action]
+    assert all(type(d["action"]) is str for d in logged)
+    json.dumps(logged)  # plain data
+    df = pd.DataFrame(logged)  # what blockflow.decisions() builds
+    assert list(df.action) == [a.value for a in Action]
+    with pytest.raises(ValueError):
+        Decision("teleport", "tcp://w:1", "not an action")

@@ -62,7 +62,7 @@ def test_a_task_on_a_slow_worker_is_copied_to_the_fastest_idle_worker():
     ws = [_worker("slow", processing=1, speed=0.2), _worker("idle-fast", speed=1.0),
           _worker("idle-slower", speed=0.5), _worker("busy", processing=1)]
     # expected 1/0.2 = 5 s, 1 s elapsed: 4 s to end vs 1 s for a copy on "idle-fast"
-    out = _policy().backups(_snap(ws, {"slow": [_running("k", 1.0)]}))
+    out = _policy().backup.backups(_snap(ws, {"slow": [_running("k", 1.0)]}))
     assert [(d.action, d.worker, d.target, d.key) for d in out] == [
         ("speculate", "slow", "idle-fast", "k")]
     assert out[0].seen["time_to_end"] == pytest.approx(4.0)
@@ -72,30 +72,30 @@ def test_a_task_on_a_slow_worker_is_copied_to_the_fastest_idle_worker():
 def test_an_overrunning_task_is_copied_only_once_it_ran_well_beyond_a_copys_time():
     ws = [_worker("a", processing=1), _worker("b")]
     # speed 1 believed: expected 1 s; overran, so its time to end is taken as its elapsed
-    assert not _policy().backups(_snap(ws, {"a": [_running("k", 1.5)]}))  # 1.5 < 2 x 1
-    assert _policy().backups(_snap(ws, {"a": [_running("k", 2.5)]}))  # 2.5 > 2 x 1
+    assert not _policy().backup.backups(_snap(ws, {"a": [_running("k", 1.5)]}))  # 1.5 < 2 x 1
+    assert _policy().backup.backups(_snap(ws, {"a": [_running("k", 2.5)]}))  # 2.5 > 2 x 1
 
 
 def test_nothing_is_copied_without_a_measured_duration_an_idle_worker_or_budget():
     ws = [_worker("slow", processing=1, speed=0.2), _worker("idle")]
     run = {"slow": [_running("k", 1.0)]}
-    assert not _policy().backups(_snap(ws, {"slow": [_running("k", 1.0, measured=False)]}))
-    assert not _policy().backups(_snap(ws, {"slow": [_running("k", 1.0, kernel=False)]}))
-    assert not _policy().backups(_snap(ws, {"slow": [_running("k", 0.2)]}))  # too young
+    assert not _policy().backup.backups(_snap(ws, {"slow": [_running("k", 1.0, measured=False)]}))
+    assert not _policy().backup.backups(_snap(ws, {"slow": [_running("k", 1.0, kernel=False)]}))
+    assert not _policy().backup.backups(_snap(ws, {"slow": [_running("k", 0.2)]}))  # too young
     busy = [ws[0], _worker("idle", processing=1)]
-    assert not _policy().backups(_snap(busy, run))  # nobody idle
+    assert not _policy().backup.backups(_snap(busy, run))  # nobody idle
     # one copy already runs (budget: 10 % of 2 threads, at least 1)
-    assert not _policy().backups(_snap(ws, run, backups={"other": "x"}))
+    assert not _policy().backup.backups(_snap(ws, run, backups={"other": "x"}))
     # the idle worker already runs a copy (outside the scheduler's count)
     ws3 = ws + [_worker("third")]
-    out = _policy(backup_slots=1.0).backups(_snap(ws3, run, backups={"other": "idle"}))
+    out = _policy(backup_slots=1.0).backup.backups(_snap(ws3, run, backups={"other": "idle"}))
     assert [d.target for d in out] == ["third"]
-    assert not DynamicPolicy(speculation=False).backups(_snap(ws, run))
+    assert not DynamicPolicy(speculation=False).backup.backups(_snap(ws, run))
     # new work first: a worker a waiting task moves to this tick, or the scheduler's queue
-    assert not _policy().backups(_snap(ws, run), taken=frozenset({"idle"}))
+    assert not _policy().backup.backups(_snap(ws, run), taken=frozenset({"idle"}))
     queued = _snap(ws, run)
     queued.queued = 3
-    assert not _policy().backups(queued)
+    assert not _policy().backup.backups(queued)
 
 
 # --- holding a slowed worker back from the queue's last tasks ---------------------------------
@@ -113,39 +113,39 @@ def test_a_slowed_worker_is_held_back_when_the_others_empty_the_queue_before_it(
     ws, running = _slowed_fleet()
     # its running task ends in 1 s / 0.2 - 0.1 s = 4.9 s, its next takes 5 s more; the other
     # three do the 5 queued + that one in 2 s
-    out = _policy().holds(_snap(ws, running, queued=5))
+    out = _policy().hold.holds(_snap(ws, running, queued=5))
     assert [(d.action, d.worker) for d in out] == [("hold", "w0")]
     assert out[0].seen["own_time"] == pytest.approx(9.9)
     assert out[0].seen["others_time"] == pytest.approx(2.0)
     # tasks the others hold but have not started count as theirs: with 2 waiting on each,
     # 5 queued + 1 + 6 take them 4 s
     busy = [ws[0]] + [_worker(w.address, processing=3) for w in ws[1:]]
-    out = _policy().holds(_snap(busy, running, queued=5))
+    out = _policy().hold.holds(_snap(busy, running, queued=5))
     assert out[0].seen["others_time"] == pytest.approx(4.0)
-    assert not _policy().holds(_snap(busy, running, queued=25))  # (25 + 7) / 3 > 9.9
+    assert not _policy().hold.holds(_snap(busy, running, queued=25))  # (25 + 7) / 3 > 9.9
     # a long queue: it helps empty it, so it keeps pulling (30 + 1 tasks take 3 x 1 s ...)
-    assert not _policy().holds(_snap(ws, running, queued=30))
+    assert not _policy().hold.holds(_snap(ws, running, queued=30))
     # no queue: nothing to hold it from; and without backup copies nothing is held
-    assert not _policy().holds(_snap(ws, running, queued=0))
-    assert not DynamicPolicy(speculation=False).holds(_snap(ws, running, queued=5))
+    assert not _policy().hold.holds(_snap(ws, running, queued=0))
+    assert not DynamicPolicy(speculation=False).hold.holds(_snap(ws, running, queued=5))
 
 
 def test_only_clear_slowness_holds_a_worker_back():
     """A latest task 1.5x slower than the others' is noise as often as not: the worker keeps
     pulling. A task running past its duration bounds the speed from the running task."""
     ws, running = _slowed_fleet(recent=0.67)
-    assert not _policy().holds(_snap(ws, running, queued=2))
+    assert not _policy().hold.holds(_snap(ws, running, queued=2))
     ws, running = _slowed_fleet(recent=None)
     running["w0"] = [_running("k-w0", 4.0)]  # 4 s into a 1 s task: speed <= 0.25
-    assert [d.worker for d in _policy().holds(_snap(ws, running, queued=2))] == ["w0"]
+    assert [d.worker for d in _policy().hold.holds(_snap(ws, running, queued=2))] == ["w0"]
 
 
 def test_a_held_worker_is_released_once_the_queue_is_empty():
     ws, running = _slowed_fleet()
     ws[0].status = "paused"
-    kept = _policy().holds(_snap(ws, running, queued=2, held={"w0"}))
+    kept = _policy().hold.holds(_snap(ws, running, queued=2, held={"w0"}))
     assert kept == []  # still held: the condition holds
-    out = _policy().holds(_snap(ws, running, queued=0, held={"w0"}))
+    out = _policy().hold.holds(_snap(ws, running, queued=0, held={"w0"}))
     assert [(d.action, d.worker) for d in out] == [("release", "w0")]
 
 
@@ -156,29 +156,29 @@ def test_a_held_worker_stays_held_while_no_kernel_runs_at_a_tick():
     it needed 0.63 s for, and the stage waited for it (benchmarks/stragglers.py)."""
     ws, running = _slowed_fleet()
     policy = _policy()
-    assert [d.action for d in policy.holds(_snap(ws, running, queued=5))] == ["hold"]
+    assert [d.action for d in policy.hold.holds(_snap(ws, running, queued=5))] == ["hold"]
     ws[0].status = "paused"
     idle = {a: [] for a in running}  # nothing runs at this tick
-    assert policy.holds(_snap(ws, idle, queued=4, held={"w0"})) == []
+    assert policy.hold.holds(_snap(ws, idle, queued=4, held={"w0"})) == []
     # the queue is empty: released, and the stage's duration is forgotten
-    out = policy.holds(_snap(ws, idle, queued=0, held={"w0"}))
+    out = policy.hold.holds(_snap(ws, idle, queued=0, held={"w0"}))
     assert [(d.action, d.worker) for d in out] == [("release", "w0")]
     ws[0].status = "running"
-    assert policy.holds(_snap(ws, idle, queued=4)) == []  # no kernel measured in this stage
+    assert policy.hold.holds(_snap(ws, idle, queued=4)) == []  # no kernel measured in this stage
     # a new graph: its stage's kernels are measured afresh, even while something is queued
-    assert [d.action for d in policy.holds(_snap(ws, running, queued=5))] == ["hold"]
+    assert [d.action for d in policy.hold.holds(_snap(ws, running, queued=5))] == ["hold"]
     graph = _snap(ws, {})
     graph.event = "graph"
     list(policy.run(graph))
-    assert policy.holds(_snap(ws, idle, queued=5)) == []
+    assert policy.hold.holds(_snap(ws, idle, queued=5)) == []
 
 
 def test_an_evidently_slowed_worker_receives_no_moved_work():
     ws, running = _slowed_fleet()
     policy = _policy()
     snap = _snap(ws, running)
-    assert policy._slowed_now(snap, "w0") and not policy._slowed_now(snap, "w1")
-    assert all(d.target != "w0" for d in policy.moves(snap, set()))
+    assert policy.hold.slowed_now(snap, "w0") and not policy.hold.slowed_now(snap, "w1")
+    assert all(d.target != "w0" for d in policy.move.moves(snap, set()))
 
 
 def test_a_task_waiting_behind_the_straggler_does_not_hold_its_copy_back():
@@ -186,7 +186,7 @@ def test_a_task_waiting_behind_the_straggler_does_not_hold_its_copy_back():
     data is there): no idle worker takes it, so it must not stop the copy (it did: the slowed
     device ran on for 4 s while two devices idled)."""
     waiting = [_worker("slow", processing=2, speed=0.2), _worker("idle")]
-    out = _policy().backups(_snap(waiting, {"slow": [_running("k", 1.0)]}))
+    out = _policy().backup.backups(_snap(waiting, {"slow": [_running("k", 1.0)]}))
     assert [(d.worker, d.target) for d in out] == [("slow", "idle")]
 
 
@@ -214,15 +214,15 @@ def test_the_copys_time_counts_sending_inputs_and_result():
     ws = [_worker("slow", processing=1, speed=0.25), _worker("idle")]
     # 4 s expected, 1 s elapsed: 3 s to end; compute 1 s + 2 x 1 GB at 1 GB/s = 3 s
     run = {"slow": [_running("k", 1.0, input_bytes=10**9)]}
-    assert not _policy().backups(_snap(ws, run, bandwidth=1e9))
-    assert _policy().backups(_snap(ws, run, bandwidth=1e11))
+    assert not _policy().backup.backups(_snap(ws, run, bandwidth=1e9))
+    assert _policy().backup.backups(_snap(ws, run, bandwidth=1e11))
 
 
 def test_the_longest_times_to_end_come_first_within_the_budget():
     ws = [_worker(f"s{i}", processing=1, speed=0.1) for i in range(3)] + [
         _worker(f"f{i}") for i in range(17)]
     run = {"s0": [_running("a", 1.0)], "s1": [_running("b", 3.0)], "s2": [_running("c", 2.0)]}
-    out = _policy().backups(_snap(ws, run))  # 20 threads x 10 % = 2 copies
+    out = _policy().backup.backups(_snap(ws, run))  # 20 threads x 10 % = 2 copies
     assert [d.key for d in out] == ["a", "c"]
     assert len({d.target for d in out}) == 2
 
@@ -237,8 +237,8 @@ def test_settings_are_read_from_the_blockflow_namespace():
     with dask.config.set({"blockflow.speculation.hold-slowdown": 4.0}):
         p = _policy()
     ws, running = _slowed_fleet(recent=0.3)  # 3.3x slower: held at 2x, not at 4x
-    assert p.hold_slowdown == 4.0 and not p.holds(_snap(ws, running, queued=5))
-    assert _policy().holds(_snap(ws, running, queued=5))
+    assert p.hold_slowdown == 4.0 and not p.hold.holds(_snap(ws, running, queued=5))
+    assert _policy().hold.holds(_snap(ws, running, queued=5))
 
 
 # --- on real clusters --------------------------------------------------------------------------

@@ -28,8 +28,10 @@ from blockflow.scheduling.policies import (
     RebalancePolicy,
     StaticCapacityPolicy,
     StaticRoundRobinPolicy,
+    earliest_finish,
     make_policy,
 )
+from blockflow.scheduling.rules import MoveRule, RuleContext
 
 GiB = 2**30
 
@@ -247,13 +249,18 @@ def test_dynamic_does_nothing_when_a_graph_arrives():
 
 
 def test_dynamic_moved_memory_is_bounded():
-    policy = DynamicPolicy(move_budget=100)
-    policy.moved_memory = 10
+    """The move rule remembers the workers a task was moved off for at most
+    ``moved_memory`` tasks (oldest forgotten first), on its own and inside the policy."""
     waiting = {"a": [task(i) for i in range(40)]}
     s = snap([worker("a", processing=41, executing=1, occupancy=41.0)]
              + [worker(f"w{i}") for i in range(8)], waiting=waiting)
+    rule = MoveRule(earliest_finish, move_budget=100, min_gain=0.005, moved_memory=10)
+    assert len(rule.run(s, RuleContext())) > 10
+    assert len(rule.moved_off) == 10
+    policy = DynamicPolicy(move_budget=100)
+    policy.move.moved_memory = 10
     assert len(run(policy, s)) > 10
-    assert len(policy._moved_off) == 10
+    assert len(policy.move.moved_off) == 10
 
 
 # --- static policies ---------------------------------------------------------------------

@@ -279,7 +279,20 @@ def test_balancing_started_is_kept_while_the_evidence_stays_fair():
     persisted-skewed benchmark, and only taken up again at 4.45 s: 1.43x the ideal)."""
     import random
 
-    from blockflow.scheduling import Rebalancer
+    from blockflow.scheduling.policies import ClusterSnapshot
+    from blockflow.scheduling.rules import BalancingRule
+
+    def tick(model, rule):
+        """The balancing flag of one tick: the rule reads the speed model's two tests off a
+        snapshot (the strict one while off, the weak one while on, as the plugin takes
+        them), and hands balancing over as it changes."""
+        snap = ClusterSnapshot(time=0.0, workers={},
+                               speeds_differ=not rule.active and model.heterogeneous(workers),
+                               speeds_differ_weakly=rule.active and model.heterogeneous(
+                                   workers, min_ratio=1.15, z=1.64))
+        snap.balancing = rule.judge(snap)
+        rule.run(snap)
+        return snap.balancing
 
     rng = random.Random(2)
     m = SpeedModel()
@@ -288,12 +301,17 @@ def test_balancing_started_is_kept_while_the_evidence_stays_fair():
     m.update()
     assert not m.heterogeneous()
     assert m.heterogeneous(min_ratio=1.15, z=1.64)
-    plugin = Rebalancer(policy="dynamic")
-    plugin.speeds = m
+    rule = BalancingRule(hands_over=True)
     workers = ["a", "b", "c", "d"]
-    assert not plugin._balancing(workers)  # not started: the strict test
-    plugin._stealing, plugin._calm = object(), 0  # balancing (distributed's stealing paused)
-    assert all(plugin._balancing(workers) for _ in range(3 * plugin.calm_ticks))
+    assert not tick(m, rule)  # not started: the strict test
+    assert not rule.active
+    # balancing (distributed's stealing paused) once a strict test proved a difference
+    strong = SpeedModel()
+    for w, s in (("a", 1), ("b", 1), ("c", 0.5), ("d", 0.25)):
+        feed(strong, w, "g", [0.03 / s] * 12)
+    strong.update()
+    assert tick(strong, rule) and rule.active and rule.calm == 0
+    assert all(tick(m, rule) for _ in range(3 * rule.calm_ticks))
     # once the durations no longer show a difference (identical workers' noise of the same
     # width), balancing goes back to distributed after calm_ticks ticks
     rng = random.Random(5)
@@ -302,9 +320,9 @@ def test_balancing_started_is_kept_while_the_evidence_stays_fair():
         feed(same, w, "g", [0.03 * math.exp(rng.gauss(0, 1.0)) for _ in range(12)])
     same.update()
     assert not same.heterogeneous(min_ratio=1.15, z=1.64)
-    plugin.speeds = same
-    kept = [plugin._balancing(workers) for _ in range(plugin.calm_ticks)]
+    kept = [tick(same, rule) for _ in range(rule.calm_ticks)]
     assert all(kept[:-1]) and not kept[-1]
+    assert not rule.active  # handed back ("defer")
 
 
 def test_declared_work_makes_tasks_of_different_sizes_comparable():

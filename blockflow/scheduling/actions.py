@@ -1,0 +1,134 @@
+"""The scheduling vocabulary: every action blockflow's scheduler side takes or logs.
+
+A rule (:mod:`blockflow.scheduling.rules`) yields :class:`Decision` objects; each names one
+:class:`Action`. :meth:`blockflow.scheduling.plugin.Rebalancer._apply` holds one handler per
+action and is the only code that acts on the scheduler or writes the decision log, so the
+dashboard, :func:`blockflow.decisions` and run reports read the same closed list: a new
+action has to be added here, with its drawing on the dashboard
+(:data:`blockflow.dashboard.page.ACTION_STYLES`), before anything can take it.
+
+Also the names shared with the kernel layer: :data:`KERNEL_PREFIX`, the prefix of every
+blockflow kernel task's name (:mod:`blockflow.blockwise` imports it from here, so that the
+scheduler side imports nothing from the kernel layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+__all__ = ["KERNEL_PREFIX", "Action", "Decision"]
+
+#: Prefix of the names of blockflow's kernel tasks (``map_blocks`` and reductions).
+KERNEL_PREFIX = "blockflow-"
+
+
+class Action(str, Enum):
+    """What a decision does (a ``str``: JSON, the status handler and ``==`` with plain
+    strings keep working; ``Action("move")`` looks one up, an unknown name raises
+    ``ValueError``).
+
+    The first group changes the scheduler; the second only records what happened.
+    """
+
+    #: Pause a hot or nearly-full worker on the scheduler: it finishes what it runs and is
+    #: given nothing new (``set_worker_status``; re-applied each tick until resumed).
+    PAUSE = "pause"
+    #: Lift blockflow's pause of a worker below the resume thresholds; its learned speed is
+    #: reset (it is judged on what it does from now on).
+    RESUME = "resume"
+    #: A resume left to the worker: blockflow drops its pause, but the worker stays paused
+    #: because its host memory is over the worker's own pause threshold.
+    HANDOVER = "handover"
+    #: Hold a slowed worker back from the scheduler's queue while the others empty it
+    #: (paused on the scheduler like ``pause``).
+    HOLD = "hold"
+    #: Lift a hold (the queue is empty or the others no longer empty it first).
+    RELEASE = "release"
+    #: Move a waiting, not-yet-started task to another worker (``target``).
+    MOVE = "move"
+    #: Pin blocks to one worker up front (static policies: a strict restriction).
+    ASSIGN = "assign"
+    #: Restrict blocks to the workers whose free device memory holds their working set.
+    PLACE = "place"
+    #: Start a backup copy of a straggling kernel task on an idle worker (``target``).
+    SPECULATE = "speculate"
+    #: Restrict the tasks of a new graph as their kernels asked (``resources=``,
+    #: ``workers=``).
+    RESTRICT = "restrict"
+    #: Hold producers that feed resource-bound consumers back (admission control); they
+    #: are released as their outputs fit the budget.
+    ADMIT = "admit"
+    #: Fail tasks waiting for worker resources no worker declares, after the timeout
+    #: (:class:`~blockflow.errors.ResourceError`).
+    FAIL = "fail"
+    #: Suspend distributed's work stealing: worker speeds are known to differ and blockflow
+    #: balances on them.
+    BALANCE = "balance"
+    #: Hand balancing back to distributed's work stealing (speeds not known to differ).
+    DEFER = "defer"
+
+    #: A logged non-decision: a condition seen but not acted on (the last usable worker is
+    #: hot; blocks whose working set fits no worker).
+    KEEP = "keep"
+    #: Tasks started waiting for resources no worker declares (a WARNING, then ``fail``).
+    WAIT = "wait"
+    #: The outcome of a backup copy (``backup-won``, ``original-won``, ``failed``...).
+    BACKUP = "backup"
+    #: A result moved off a worker above the device-memory high-water mark (distributed's
+    #: Active Memory Manager applies it; logged by the AMM policy).
+    MEMORY_MOVE = "memory-move"
+    #: A worker joined the cluster.
+    JOIN = "join"
+    #: A worker left the cluster (its pause, hold and speeds are forgotten).
+    FORGET = "forget"
+
+    def __str__(self) -> str:  # "move", not "Action.MOVE", in messages and f-strings
+        return self.value
+
+
+@dataclass
+class Decision:
+    """One action of a rule: what to do, to which worker, and why.
+
+    Attributes
+    ----------
+    action : Action
+        What to do (a plain string naming an :class:`Action` is converted).
+    worker : str
+        The worker acted on (for moves: the one the task leaves; ``""`` for cluster-wide
+        actions).
+    reason : str
+    seen : dict
+        The metrics the decision was based on (logged as ``seen_<name>``).
+    target : str, optional
+        For moves and backup copies: the receiving worker.
+    key : optional
+        For moves and backup copies: the task's key.
+    keys : tuple
+        For ``assign``, ``place``, ``restrict``, ``admit`` and ``fail``: the keys acted on.
+    workers : tuple
+        For ``place``: the workers the keys are restricted to (``worker`` is the first).
+    detail : optional
+        Action-specific payload for the handler (``fail``: the error message;
+        ``restrict``: the placements to apply). Never logged.
+
+    Raises
+    ------
+    ValueError
+        If ``action`` names no :class:`Action`.
+    """
+
+    action: Action
+    worker: str
+    reason: str
+    seen: dict[str, Any] = field(default_factory=dict)
+    target: str | None = None
+    key: Any = None
+    keys: tuple = ()
+    workers: tuple = ()
+    detail: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.action = Action(self.action)

@@ -1,0 +1,31 @@
+"""Scheduling rules: small classes that read a plain-data snapshot and yield decisions.
+
+Each rule has one entry point, ``run(snapshot, context)``; a policy
+(:mod:`blockflow.scheduling.policies`) is a sequence of rules sharing a
+:class:`RuleContext`. Rules never touch a scheduler object: the plugin applies what they
+yield (:meth:`blockflow.scheduling.plugin.Rebalancer._apply`).
+
+=========================  ==========================================================
+:class:`KernelPlacementRule`  restrict new tasks as their kernels asked (``restrict``)
+:class:`WorkingSetPlacementRule`  device working sets onto workers that hold them (``place``)
+:class:`UnsatisfiableRule`   warn about, then fail, tasks no worker can run (``wait``, ``fail``)
+:class:`BalancingRule`       blockflow or distributed balances (``balance``, ``defer``)
+:class:`PauseRule`           hot or full GPUs take no new work (``pause``, ``resume``)
+:class:`HoldRule`            slowed workers skip the queue's last tasks (``hold``, ``release``)
+:class:`MoveRule`            waiting tasks to the workers free soonest (``move``)
+:class:`BackupRule`          copies of stragglers on idle workers (``speculate``)
+=========================  ==========================================================
+"""
+
+from blockflow.scheduling.rules.backup import BackupRule
+from blockflow.scheduling.rules.balancing import BalancingRule
+from blockflow.scheduling.rules.base import Rule, RuleContext
+from blockflow.scheduling.rules.hold import HoldRule, pessimistic_speed
+from blockflow.scheduling.rules.move import MoveRule
+from blockflow.scheduling.rules.pause import PauseRule
+from blockflow.scheduling.rules.placement import KernelPlacementRule, WorkingSetPlacementRule
+from blockflow.scheduling.rules.unsatisfiable import UnsatisfiableRule
+
+__all__ = ["BackupRule", "BalancingRule", "HoldRule", "KernelPlacementRule",
+           "MoveRule", "PauseRule", "Rule", "RuleContext", "UnsatisfiableRule",
+           "WorkingSetPlacementRule", "pessimistic_speed"]

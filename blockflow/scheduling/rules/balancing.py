@@ -1,0 +1,73 @@
+"""The balancing rule: who balances load, blockflow on known speeds or distributed's stealing.
+
+Hysteresis in both the size of a speed difference and the evidence for it.
+"""
+
+from __future__ import annotations
+
+from blockflow.scheduling.actions import Action, Decision
+from blockflow.scheduling.rules.base import Rule, RuleContext
+
+__all__ = ["BalancingRule"]
+
+
+class BalancingRule(Rule):
+    """Suspend distributed's stealing while blockflow balances on known speeds; hand it
+    back when blockflow knows too little.
+
+    :meth:`judge` gives the snapshot's ``balancing`` flag from the speed model's two tests
+    (``snapshot.speeds_differ``: speeds differ by 1.3x at 0.1 %; ``speeds_differ_weakly``:
+    by 1.15x at 10 %): start balancing on the strict test; stop only after
+    :attr:`calm_ticks` snapshots in a row without even the weak one (the estimates wobble as
+    tasks finish, most of all when blocks differ in work and durations spread widely, and
+    handing balancing back and forth undoes moves; once known, a difference is given up
+    only when the evidence for it has become weak, not when it is merely no longer
+    overwhelming). :meth:`run` yields ``balance`` when the flag turns on and ``defer`` when it
+    turns off; with ``hands_over`` false (a policy that does not replace stealing) it yields
+    nothing and the flag is the strict test alone.
+
+    Parameters
+    ----------
+    hands_over : bool
+        Whether the policy replaces distributed's work stealing while it balances.
+
+    Attributes
+    ----------
+    active : bool
+        Whether blockflow balances now (distributed's stealing suspended).
+    """
+
+    #: Snapshots in a row without a speed difference before balancing goes back to
+    #: distributed.
+    calm_ticks = 10
+
+    def __init__(self, hands_over: bool):
+        self.hands_over = hands_over
+        self.active = False
+        self.calm = 0
+
+    def judge(self, snap) -> bool:
+        """The ``balancing`` flag for a snapshot's speed tests (counts calm snapshots)."""
+        if not self.active:
+            return bool(snap.speeds_differ)
+        if snap.speeds_differ_weakly:
+            self.calm = 0
+            return True
+        self.calm += 1
+        return self.calm < self.calm_ticks
+
+    def run(self, snap, context: RuleContext | None = None) -> list[Decision]:
+        if not self.hands_over or snap.event != "tick":
+            return []
+        seen = {"speeds": {a: round(w.speed, 3) for a, w in snap.workers.items()},
+                "confidence": {a: round(w.speed_confidence, 2)
+                               for a, w in snap.workers.items()}}
+        if snap.balancing and not self.active:
+            self.active, self.calm = True, 0
+            return [Decision(Action.BALANCE, "", "worker speeds known to differ: blockflow "
+                             "balances on them; distributed's work stealing paused", seen)]
+        if not snap.balancing and self.active:
+            self.active = False
+            return [Decision(Action.DEFER, "", "worker speeds not known to differ: balancing "
+                             "handed back to distributed's work stealing", seen)]
+        return []

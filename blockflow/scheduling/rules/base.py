@@ -1,0 +1,59 @@
+"""The rule interface: one entry point, plain data in, decisions out.
+
+A :class:`Rule` reads a :class:`~blockflow.scheduling.policies.ClusterSnapshot` (plain data:
+worker views, waiting and running tasks; never a scheduler object) and the
+:class:`RuleContext` its policy shares between its rules for one snapshot, and yields
+:class:`~blockflow.scheduling.actions.Decision` objects; the scheduler plugin applies them.
+A policy (:mod:`blockflow.scheduling.policies`) is its rules, run in order. In the manner of
+distributed's Active Memory Manager policies.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from blockflow.scheduling.actions import Decision
+
+if TYPE_CHECKING:  # annotations only: policies.py imports the rules
+    from blockflow.scheduling.policies import ClusterSnapshot
+
+__all__ = ["Rule", "RuleContext"]
+
+
+@dataclass
+class RuleContext:
+    """What the rules of one policy tell each other about one snapshot.
+
+    Attributes
+    ----------
+    paused_now : set of str
+        Workers paused or held by an earlier rule for this snapshot (no new work for them).
+    taken : set of str
+        Workers a waiting task moves to for this snapshot (their free thread is not free
+        for a backup copy).
+    """
+
+    paused_now: set = field(default_factory=set)
+    taken: set = field(default_factory=set)
+
+
+class Rule(abc.ABC):
+    """One scheduling rule; subclasses implement :meth:`run`."""
+
+    @abc.abstractmethod
+    def run(self, snapshot: ClusterSnapshot, context: RuleContext) -> Iterable[Decision]:
+        """The decisions for ``snapshot`` (a list or an iterator)."""
+
+
+def fmt_bytes(n: float) -> str:
+    from dask.utils import format_bytes
+
+    return format_bytes(int(n))
+
+
+def fmt_seconds(seconds: float) -> str:
+    return "never (paused)" if math.isinf(seconds) else f"{seconds:.3f}s"

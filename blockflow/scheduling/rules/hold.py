@@ -1,0 +1,138 @@
+"""The hold rule: keep a slowed worker from pulling the scheduler's queue's last tasks."""
+
+from __future__ import annotations
+
+from statistics import median
+
+from blockflow.scheduling.actions import Action, Decision
+from blockflow.scheduling.rules.base import Rule, RuleContext, fmt_seconds
+
+__all__ = ["HoldRule", "pessimistic_speed"]
+
+
+def pessimistic_speed(snap, addr: str) -> float:
+    """The lower of the learned speed (when confident), the speed of the latest task and
+    the bound ``duration / elapsed`` of a kernel task overrunning its duration now."""
+    w = snap.workers[addr]
+    speed = w.speed if w.speed_confidence >= 0.5 else 1.0
+    if w.recent_speed is not None:
+        speed = min(speed, w.recent_speed)
+    for t in snap.running.get(addr, ()):
+        if t.kernel and t.duration_measured and t.elapsed > t.duration > 0:
+            speed = min(speed, t.duration / t.elapsed)
+    return speed
+
+
+class HoldRule(Rule):
+    """Hold a slow worker back from the scheduler's queue while the others empty it.
+
+    While root tasks are queued, distributed hands the next one to whichever thread
+    frees first, the slowest worker's included: near the end of a stage, a slowed
+    device then pulls a task it needs ``duration / speed`` for, long after the other
+    workers have emptied the queue, and the stage waits for it. A running worker whose
+    pessimistic speed (the lower of its learned speed, when its confidence is at least
+    0.5, and the speed its latest task showed) is below ``1 /`` :attr:`hold_slowdown`
+    (or one of its kernel tasks has run ``duration / elapsed`` times too long: a
+    bound on its speed now) is held (paused on the scheduler: it finishes what it runs
+    and takes nothing new) when its next task would end later than the other workers
+    would finish the queue with that task added: ``busy + duration / speed > (queued + 1 +
+    waiting) x duration / (their total speed)``, ``busy`` what its running kernel has
+    left at that speed, ``waiting`` the tasks the others hold but have not started (with
+    two tasks per thread on each worker, the queue alone undercounts their work: a
+    worker was held two blocks too early, and the others ran one extra block each). It
+    is released when the queue is empty or the condition no longer holds;
+    its speed is not reset (it ran the same work). With backup copies off, nothing is
+    held. LATE's rule of not launching work on slow nodes (Zaharia et al., OSDI 2008),
+    applied to Dask's queue; a blockflow heuristic.
+
+    Workers held here are added to ``context.paused_now``. A ``"graph"`` snapshot forgets
+    the stage's kernel duration (a new stage's kernels are measured afresh).
+
+    Parameters
+    ----------
+    enabled : bool
+        Backup copies on (``blockflow.speculation.enabled``); off, nothing is held.
+    hold_slowdown : float
+        How many times slower than typical (> 1) a worker must evidently be.
+    """
+
+    def __init__(self, enabled: bool, hold_slowdown: float):
+        self.enabled = enabled
+        self.hold_slowdown = hold_slowdown
+        # median duration of the kernels running while root tasks are queued, since the
+        # last graph arrived
+        self.duration: float | None = None
+
+    def slowed_now(self, snap, addr: str) -> bool:
+        """Whether ``addr`` is evidently :attr:`hold_slowdown` times slower than typical
+        now, by its pessimistic speed."""
+        return pessimistic_speed(snap, addr) * self.hold_slowdown <= 1.0
+
+    def run(self, snap, context: RuleContext) -> list[Decision]:
+        if snap.event == "graph":
+            self.duration = None  # a new stage's kernels are measured afresh
+            return []
+        out = self.holds(snap, context.paused_now)
+        context.paused_now |= {d.worker for d in out if d.action == Action.HOLD}
+        return out
+
+    def holds(self, snap, paused_now=frozenset()) -> list[Decision]:
+        if not self.enabled:
+            return []
+        views = snap.workers
+        out: list[Decision] = []
+        durations = [t.duration for tasks in snap.running.values() for t in tasks
+                     if t.kernel and t.duration_measured and t.duration > 0]
+        # Between two kernels no worker may run one at a tick (short kernels, or their
+        # input tasks running): the stage's kernel duration is kept while the queue lasts,
+        # or a held worker would be released with the queue still full.
+        if durations:
+            self.duration = median(durations)
+        elif not snap.queued:
+            self.duration = None
+        d = self.duration
+        for addr in sorted(snap.held):
+            w = views.get(addr)
+            if w is None:
+                continue
+            keep, seen = self._condition(snap, addr, d, paused_now)
+            if not keep:
+                out.append(Decision(Action.RELEASE, addr, "the queue is empty or the others "
+                                    "no longer empty it before this worker's next task would "
+                                    "end", seen))
+        if not snap.queued or d is None:
+            return out
+        for addr, w in views.items():
+            if addr in snap.held or addr in paused_now or w.status != "running":
+                continue
+            hold, seen = self._condition(snap, addr, d, paused_now)
+            if hold:
+                out.append(Decision(
+                    Action.HOLD, addr, f"its next task would take "
+                    f"{fmt_seconds(seen['own_time'])} here; the other workers empty the queue "
+                    f"of {snap.queued} with it in {fmt_seconds(seen['others_time'])}", seen))
+        return out
+
+    def _condition(self, snap, addr: str, d: float | None, paused_now) -> tuple[bool, dict]:
+        w = snap.workers[addr]
+        speed = pessimistic_speed(snap, addr)
+        seen = w.seen()
+        seen.update({"pessimistic_speed": round(speed, 4), "queued": snap.queued})
+        if not snap.queued or d is None or speed * self.hold_slowdown > 1.0:
+            return False, seen
+        pool = [f for a, f in snap.workers.items()
+                if a != addr and f.status == "running" and a not in paused_now
+                and a not in snap.held and a not in w.device_peers]
+        others = sum(max(f.speed, 1e-6) * max(f.nthreads, 1) for f in pool)
+        if others <= 0:
+            return False, seen
+        # it takes its next task once its running kernel ends (at its speed now) ...
+        busy = max((max(t.duration / max(speed, 1e-6) - t.elapsed, 0.0)
+                    for t in snap.running.get(addr, ()) if t.kernel and t.duration_measured),
+                   default=0.0)
+        own = busy + d / max(speed, 1e-6)
+        # ... while the others also run the tasks they hold but have not started
+        waiting = sum(max(f.processing - f.executing, 0) for f in pool)
+        theirs = (snap.queued + 1 + waiting) * d / others
+        seen.update({"own_time": round(own, 4), "others_time": round(theirs, 4)})
+        return own > theirs, seen

@@ -1,0 +1,178 @@
+"""The move rule: hand waiting tasks from the workers that will finish last to those free
+soonest."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from blockflow.scheduling.actions import Action, Decision
+from blockflow.scheduling.rules.base import Rule, RuleContext, fmt_seconds
+
+__all__ = ["MoveRule"]
+
+
+class MoveRule(Rule):
+    """Moves of waiting tasks, latest projected finish first.
+
+    Moves are a greedy list-scheduling repair (in the spirit of LPT, Graham 1969): take the
+    worker whose projected finish ``occupancy / (speed x threads)`` is latest, offer its
+    lowest-priority waiting task to the worker that would finish it soonest (``place``:
+    including the time to move its inputs, bytes / measured bandwidth), and move it when
+    that finishes earlier. While the scheduler still queues root tasks, every worker pulls
+    more work as it frees up: only tasks stuck on paused workers move. While worker speeds
+    are not known with confidence to differ (``snapshot.balancing`` false), distributed's
+    own stealing balances, and blockflow only fills the free threads of idle workers with
+    tasks whose duration has been measured and whose inputs take at most
+    :attr:`max_fill_transfer_share` of its compute to send (a cold start: inputs made on one
+    worker), one task per free thread per tick. A balancing move must also be worth its
+    data: its inputs' transfer time may be at most :attr:`max_transfer_share` of its compute
+    time, and the gain must exceed twice that transfer, so data-heavy tasks on workers of
+    the same speed stay with their data.
+
+    A task moves once between busy workers: projected finishes are estimates that shift
+    after every move, and later ticks would otherwise chase a task from worker to worker (or
+    bounce it between two). It moves again only to a worker with a free thread that it was
+    never moved off (work stealing's rule: an idle thread gains for sure), or off a paused
+    worker. The workers a task was moved off are remembered in :attr:`moved_off` (at most
+    :attr:`moved_memory` tasks, oldest forgotten first). A blockflow heuristic.
+
+    Targets of this snapshot's moves are added to ``context.taken``; workers in
+    ``context.paused_now`` take nothing. Runs on ``"tick"`` snapshots.
+
+    Parameters
+    ----------
+    place : callable
+        The earliest-finish placement:
+        :func:`blockflow.scheduling.policies.earliest_finish`'s signature.
+    move_budget : int
+        Most tasks moved per tick.
+    min_gain : float
+        Smallest gain in projected finish time (seconds) worth a move.
+    slowed : callable, optional
+        ``slowed(snapshot, address)``: a worker evidently slowed right now takes no moved
+        work (the hold rule's test, when backup copies are on).
+    moved_memory : int, default 10000
+    """
+
+    #: A balancing move's input transfer may take at most this share of the task's compute
+    #: time on the target (distributed's stealing weighs transfer against compute the same
+    #: way); tasks stuck on paused workers move whatever their inputs.
+    max_transfer_share = 0.25
+    #: The same bound while speeds are not known to differ (filling idle threads): only
+    #: tasks whose inputs are cheap to send move then.
+    max_fill_transfer_share = 0.05
+
+    def __init__(self, place: Callable, move_budget: int, min_gain: float,
+                 slowed: Callable[[Any, str], bool] | None = None, moved_memory: int = 10_000):
+        self.place = place
+        self.move_budget = move_budget
+        self.min_gain = min_gain
+        self.slowed = slowed
+        self.moved_memory = moved_memory
+        # key -> workers the task was moved off (bounded, oldest first out)
+        self.moved_off: OrderedDict[Any, set[str]] = OrderedDict()
+
+    def run(self, snap, context: RuleContext) -> list[Decision]:
+        if snap.event != "tick":
+            return []
+        out = self.moves(snap, context.paused_now)
+        context.taken |= {d.target for d in out}
+        return out
+
+    def moves(self, snap, paused_now) -> list[Decision]:
+        views = snap.workers
+        # a worker evidently slowed right now (see the hold rule) takes no moved work
+        thieves = [w for w in views.values()
+                   if w.status == "running" and w.address not in paused_now
+                   and not (self.slowed is not None and self.slowed(snap, w.address))]
+        if not thieves:
+            return []
+        blocked = {a for a, w in views.items() if w.status != "running" or a in paused_now}
+        finish = {a: (math.inf if a in blocked else w.projected_finish)
+                  for a, w in views.items()}
+        rate = {a: max(w.speed, 1e-6) * max(w.nthreads, 1) for a, w in views.items()}
+        # A backup copy runs outside the scheduler's count: its worker is busy for it.
+        copying = set(snap.backups.values())
+        for t in (t for tasks in snap.running.values() for t in tasks if t.key in snap.backups):
+            target = snap.backups[t.key]
+            if target in finish:
+                finish[target] += t.duration / rate[target]
+        # threads with nothing to run, as this tick's moves fill them
+        free = {t.address: t.nthreads - t.processing for t in thieves
+                if t.processing < t.nthreads and t.address not in copying}
+        # Free thread slots of idle workers, filled while speeds are not known to differ.
+        fill: dict[str, int] | None = None
+        if snap.queued:
+            victims = [views[a] for a in blocked]  # the rest pull from the queue
+        elif snap.balancing:
+            victims = list(views.values())
+        else:
+            # distributed's stealing balances; blockflow only hands measured work to idle
+            # workers (stealing does too, but slowly: cold starts)
+            victims = list(views.values())
+            fill = dict(free)
+        candidates: dict[str, Iterator] = {}
+        out: list[Decision] = []
+        exhausted: set[str] = set()
+        while len(out) < self.move_budget:
+            live = [v for v in victims if v.address not in exhausted
+                    and v.processing > v.nthreads]
+            if not live:
+                break
+            v = max(live, key=lambda w: finish[w.address])
+            it = candidates.get(v.address)
+            if it is None:
+                it = candidates[v.address] = iter(snap.waiting.get(v.address, ()))
+            task = next(it, None)
+            if task is None:
+                exhausted.add(v.address)
+                continue
+            d = task.duration
+            rescue = v.address in blocked
+            # moved before: estimates shift after every move, and chasing a task from busy
+            # worker to busy worker only churns; it moves again only to a worker with a
+            # free thread that it was never moved off (an idle thread gains for sure)
+            moved_off = None if rescue else self.moved_off.get(task.key)
+            if moved_off is not None and not any(
+                    n > 0 and a not in moved_off for a, n in free.items()):
+                continue
+            if not rescue and fill is not None and not (task.duration_measured and fill):
+                exhausted.add(v.address)  # nothing measured to hand out, or nobody idle
+                continue
+            best, best_finish = self.place(
+                task, v, thieves, finish, rate, rescue=rescue, fill=fill, moved_off=moved_off,
+                free=free, max_transfer_share=self.max_transfer_share,
+                max_fill_transfer_share=self.max_fill_transfer_share)
+            stay = finish[v.address]
+            if best is None:
+                continue
+            gain = stay - best_finish
+            margin = max(self.min_gain, 0.1 * d / rate[v.address])
+            if not rescue:  # the transfer must pay for itself twice over
+                margin = max(margin, 2 * task.comm_cost.get(best.address, 0.0))
+            if not gain > margin:
+                exhausted.add(v.address)  # later tasks on this worker gain even less
+                continue
+            seen = v.seen()
+            seen["input_bytes"] = task.input_bytes
+            out.append(Decision(
+                Action.MOVE, v.address,
+                f"projected finish {fmt_seconds(stay)} here vs {fmt_seconds(best_finish)} on "
+                f"target", seen, target=best.address, key=task.key))
+            self.moved_off.setdefault(task.key, set()).add(v.address)
+            self.moved_off.move_to_end(task.key)
+            while len(self.moved_off) > self.moved_memory:
+                self.moved_off.popitem(last=False)
+            if not math.isinf(finish[v.address]):
+                finish[v.address] -= d / rate[v.address]
+            finish[best.address] = best_finish
+            if best.address in free:
+                free[best.address] -= 1
+            if fill is not None and best.address in fill:
+                fill[best.address] -= 1
+                if fill[best.address] <= 0:
+                    del fill[best.address]
+        return out

@@ -1,0 +1,78 @@
+"""The pause rule: keep new work off hot or nearly-full GPUs, with hysteresis."""
+
+from __future__ import annotations
+
+from blockflow.scheduling.actions import Action, Decision
+from blockflow.scheduling.rules.base import Rule, RuleContext
+
+__all__ = ["PauseRule"]
+
+
+class PauseRule(Rule):
+    """Pause and resume decisions (hysteresis; never the last usable worker).
+
+    A running worker is paused at or above a device-memory fraction ``memory_high`` or a
+    GPU utilisation by *other* work ``hot_high`` (percent); a worker blockflow paused is
+    resumed once at or below both ``memory_low`` and ``hot_low``. The last usable worker is
+    never paused (logged as ``keep``). Workers paused here are added to
+    ``context.paused_now``. Runs on ``"tick"`` snapshots.
+
+    Parameters
+    ----------
+    memory_high, memory_low : float
+        Device-memory fractions 0-1.
+    hot_high, hot_low : float
+        GPU utilisation by other work, percent.
+    """
+
+    def __init__(self, memory_high: float, memory_low: float, hot_high: float,
+                 hot_low: float):
+        self.memory_high, self.memory_low = memory_high, memory_low
+        self.hot_high, self.hot_low = hot_high, hot_low
+
+    def pause_reason(self, w) -> str | None:
+        """Why ``w`` (a WorkerView) should be paused, or None."""
+        mem = w.metrics.gpu_memory_fraction
+        if mem is not None and mem >= self.memory_high:
+            return f"device memory {mem:.0%} >= high-water {self.memory_high:.0%}"
+        others = w.others_utilization
+        if others is not None and others >= self.hot_high:
+            return f"GPU {others:.0f}% busy with other work >= {self.hot_high:.0f}%"
+        return None
+
+    def still_hot(self, w) -> bool:
+        """Whether ``w`` is above a resume threshold."""
+        mem = w.metrics.gpu_memory_fraction
+        others = w.others_utilization
+        return (mem is not None and mem > self.memory_low) or (
+            others is not None and others > self.hot_low)
+
+    def run(self, snap, context: RuleContext) -> list[Decision]:
+        if snap.event != "tick":
+            return []
+        out = []
+        usable = sum(w.status == "running" for w in snap.workers.values())
+        for w in snap.workers.values():
+            if w.paused_by_blockflow:
+                if not self.still_hot(w):
+                    mem, others = w.metrics.gpu_memory_fraction, w.others_utilization
+                    out.append(Decision(
+                        Action.RESUME, w.address,
+                        f"below resume thresholds (device memory "
+                        f"{'n/a' if mem is None else f'{mem:.0%}'} <= {self.memory_low:.0%}, "
+                        f"other GPU work {'n/a' if others is None else f'{others:.0f}%'} "
+                        f"<= {self.hot_low:.0f}%)", w.seen()))
+                continue
+            if w.status != "running":
+                continue  # paused by the worker itself or closing: not ours to touch
+            reason = self.pause_reason(w)
+            if reason is None:
+                continue
+            if usable <= 1:
+                out.append(Decision(Action.KEEP, w.address,
+                                    f"{reason}, but it is the last usable worker", w.seen()))
+                continue
+            usable -= 1
+            out.append(Decision(Action.PAUSE, w.address, reason, w.seen()))
+        context.paused_now |= {d.worker for d in out if d.action == Action.PAUSE}
+        return out
