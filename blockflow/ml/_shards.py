@@ -40,6 +40,7 @@ from blockflow import config
 from blockflow.cluster.identity import workers_info
 from blockflow.ml._post import POSTED, Posted, PostPlugin
 from blockflow.ml._steal import StealPlugin
+from blockflow.scheduling.client import memory_of
 
 __all__ = ["ResidentShards", "as_row_blocks"]
 
@@ -312,13 +313,7 @@ class ResidentShards:
 
     def _capacity(self, info: dict) -> float:
         """Bytes of blocks a worker may hold: a fraction of its free (device) memory."""
-        m = info.get("metrics") or {}
-        total = m.get("gpu-memory-total")
-        if total:
-            free = total - (m.get("gpu_memory_used") or 0)
-        else:
-            limit = info.get("memory_limit") or 0
-            free = (limit - (m.get("memory") or 0)) if limit else math.inf
+        free = memory_of(info).free
         mine = sum(self.block_bytes[j] for j, w in self.placement.items() if w == info.get(
             "address"))
         return self.memory_fraction * max(free, 0) + mine
