@@ -34,7 +34,6 @@ from dask.utils import format_bytes, parse_bytes
 
 from blockflow import config
 from blockflow.cluster.identity import workers_info
-from blockflow.scheduling.client import worker_memory
 
 __all__ = ["BlockResize", "fit_blocks", "recorded_resizes", "split_skewed"]
 
@@ -628,6 +627,9 @@ def smallest_free_memory(client=None, *, host: bool = True) -> tuple[int, str] |
             return None
     if client.status != "running":
         return None
+    # imported here: the scheduling package imports the kernel layer, which imports this
+    from blockflow.scheduling.client import worker_memory
+
     memory = worker_memory(client).values()
     free = [m.device_free for m in memory if m.device_free is not None]
     if free:

@@ -24,7 +24,6 @@ from dask.array.utils import meta_from_array
 from dask.utils import format_bytes, parse_bytes
 
 from blockflow import config
-from blockflow.scheduling.client import worker_memory
 from blockflow.core.kernel import Kernel, check_placement, check_retries
 from blockflow.core.reduction_dtypes import (
     _decomposition,
@@ -66,6 +65,9 @@ def smallest_worker_memory(client=None) -> tuple[int, str]:
             client = None
     sizes: list[tuple[int, str]] = []
     if client is not None and client.status == "running":
+        # imported here: the scheduling package imports the kernel layer, which imports this
+        from blockflow.scheduling.client import worker_memory
+
         try:
             memory = worker_memory(client)
         except Exception:  # a client that cannot reach its scheduler: fall back to config
