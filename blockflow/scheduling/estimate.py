@@ -246,6 +246,15 @@ class Throughput:
         return {a: self._rate(v) for a, v in self._warm.items()
                 if v and (pick is None or a in pick)}
 
+    def cold_seconds_per_unit(self) -> dict[str, float]:
+        """Seconds per unit of each worker's cold start(s): ``seconds / units``."""
+        return {a: median(t / u for u, t in v) for a, v in self._cold.items() if v}
+
+    def observed_seconds_per_unit(self) -> dict[str, float]:
+        """Seconds per unit of every worker seen: from its warm calls, or its cold start
+        while it has only that (for reports; placement uses :meth:`seconds_per_unit`)."""
+        return {**self.cold_seconds_per_unit(), **self.measured_seconds_per_unit()}
+
     def seconds_per_unit(self, workers: Iterable[str],
                          prior: Mapping[str, float] | None = None) -> dict[str, float]:
         """Seconds per unit of work of each of ``workers``.
@@ -268,8 +277,8 @@ class Throughput:
         workers = list(workers)
         measured = self.measured_seconds_per_unit(workers)
         if not measured:
-            measured = {a: median(t / u for u, t in self._cold[a]) for a in workers
-                        if self._cold.get(a)}
+            cold = self.cold_seconds_per_unit()
+            measured = {a: cold[a] for a in workers if a in cold}
         return prior_seconds_per_unit(workers, measured, prior)
 
     def seconds(self, worker: str, units: float, spu: Mapping[str, float]) -> float:
