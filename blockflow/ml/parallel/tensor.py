@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from blockflow import _distributed, config
-from blockflow.scheduling.client import worker_memory
+from blockflow.scheduling.client import gather_results, wait_for, worker_memory
 from blockflow.ml.parallel.partition import check_fits, shard_widths
 
 __all__ = ["TensorParallelMLP", "free_device_memory", "random_blocks"]
@@ -297,7 +297,6 @@ class TensorParallelMLP:
 
     def _place(self, blocks) -> None:
         import dask.array as da
-        from distributed import wait
 
         self.shards: list[list[dict | None]] = []  # per block, per worker: futures A, a, B
         self.bias: list = []
@@ -330,7 +329,7 @@ class TensorParallelMLP:
                                  "B": da.concatenate(views["B"], axis=0),
                                  "b": da.from_delayed(bias, b.shape, dtype=np.float64)})
         self._weight_futures = pending
-        wait(pending)
+        wait_for(self.client, pending, what="placing the weight shards")
 
     # --- passes ----------------------------------------------------------------------
 
@@ -367,7 +366,7 @@ class TensorParallelMLP:
                                    pure=False)
             self._saved.append(saved)
         self._output = x
-        return x.result()
+        return gather_results(self.client, x, what="the tensor-parallel forward pass")
 
     def backward(self, grad_output) -> list[dict]:
         """Gradients of every weight from ``d loss / d output`` (after :meth:`forward`).
