@@ -551,7 +551,8 @@ def wait_any(futures: Iterable, timeout: float = 1.0) -> list:
 
 def gather_as_done(futures: Iterable, *, alive: Callable[[], Iterable[str]],
                    needed: Iterable[str] = (), poll: float = 0.5,
-                   get: Callable[[Any], Any] | None = None) -> list:
+                   get: Callable[[Any], Any] | None = None,
+                   deadline: float | None = None) -> list:
     """Every future's result, fetched as soon as it is done; fails fast on a lost worker.
 
     Waits with :func:`wait_any`, then fetches (never ``Future.result(timeout=)``, see
@@ -570,6 +571,8 @@ def gather_as_done(futures: Iterable, *, alive: Callable[[], Iterable[str]],
         Seconds between checks of the workers while nothing finishes.
     get : callable, optional
         Fetches one done future (default: ``future.result()``).
+    deadline : float, optional
+        Seconds in all before giving up on the results still to come (default: no bound).
 
     Returns
     -------
@@ -580,6 +583,8 @@ def gather_as_done(futures: Iterable, *, alive: Callable[[], Iterable[str]],
     ------
     WorkerLostError
         When workers of ``needed`` left; ``lost`` names them.
+    TimeoutError
+        When ``deadline`` passed with results still to come and no needed worker lost.
     Exception
         A task's own exception, when no needed worker was lost.
     """
@@ -588,6 +593,7 @@ def gather_as_done(futures: Iterable, *, alive: Callable[[], Iterable[str]],
     needed = set(needed)
     get = get or (lambda f: f.result())
     pending, got = list(futures), []
+    end = None if deadline is None else time.monotonic() + deadline
 
     def check() -> None:
         lost = needed - set(alive())
@@ -611,4 +617,7 @@ def gather_as_done(futures: Iterable, *, alive: Callable[[], Iterable[str]],
             raise
         if not done:
             check()
+            if end is not None and time.monotonic() >= end:
+                raise TimeoutError(f"blockflow: {len(pending)} results not back within "
+                                   f"{deadline:g} s: {[str(f.key) for f in pending[:5]]}")
     return got
