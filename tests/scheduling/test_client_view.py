@@ -119,7 +119,7 @@ def two_workers():
 
 def _close(cluster, client, address):
     worker = next(w for w in cluster.workers.values() if w.address == address)
-    client.sync(worker.close)
+    client.sync(worker.close, executor_wait=False)  # not waiting for its running tasks
 
 
 def test_wait_survives_a_killed_worker_whose_results_distributed_recomputes(two_workers):
@@ -140,7 +140,7 @@ def test_wait_names_the_lost_worker_its_pinned_results_needed(two_workers):
     cluster, c = two_workers
     a, b = sorted(workers_info(c))
     quick = c.submit(_sleep_then, 1, 0.0, pure=False, workers=[a])
-    stuck = c.submit(_sleep_then, 2, 60.0, pure=False, workers=[b],
+    stuck = c.submit(_sleep_then, 2, 3.0, pure=False, workers=[b],
                      allow_other_workers=False)
     assert wait_any([quick, stuck], timeout=scaled(10)) == [quick]
     _close(cluster, c, b)
@@ -169,7 +169,7 @@ def test_fetch_gives_up_on_a_result_lost_before_it_was_fetched(two_workers):
 
 def test_gather_as_done_has_a_deadline(two_workers):
     _, c = two_workers
-    slow = c.submit(time.sleep, 30, pure=False)
+    slow = c.submit(time.sleep, 3, pure=False)
     with pytest.raises(TimeoutError, match="1 results not back within 0.5 s"):
         gather_as_done([slow], alive=lambda: workers_info(c), poll=0.1, deadline=0.5)
     slow.cancel()
