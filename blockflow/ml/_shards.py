@@ -324,10 +324,9 @@ class ResidentShards:
         # the others by earliest finish, largest first, within capacity (ties: the address)
         rest = [j for j in order if j not in out]
         placed = earliest_finish(
-            len(rest), {a: (rows[a] + r0) / speed[a] for a in addrs},
-            {a: 1.0 / speed[a] for a in addrs}, units=[self.block_rows[j] for j in rest],
+            len(rest), rows, speeds=speed, fixed=r0, units=[self.block_rows[j] for j in rest],
             sizes=[self.block_bytes[j] for j in rest],
-            capacity={a: cap[a] - used[a] for a in addrs}, tie=lambda a, _: a)
+            capacity=cap, held=used, tie=lambda a, _: a)
         for p in placed:
             out[rest[p.item]] = p.worker
         return out

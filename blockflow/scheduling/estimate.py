@@ -311,12 +311,15 @@ class Placement:
 def earliest_finish(
     items: int | Sequence[Any],
     ready: Mapping[str, float | Sequence[float]],
-    seconds: Mapping[str, float] | Callable[[int, str], float],
+    seconds: Mapping[str, float] | Callable[[int, str], float] | None = None,
     *,
     units: Sequence[float] | None = None,
+    speeds: Mapping[str, float] | None = None,
+    fixed: float = 0.0,
     threads: Mapping[str, int] | None = None,
     sizes: Sequence[float] | None = None,
     capacity: Mapping[str, float] | None = None,
+    held: Mapping[str, float] | None = None,
     tie: Callable[[str, int], Any] | None = None,
 ) -> list[Placement]:
     """Assign items, in the order given, each to the worker slot where it finishes first.
@@ -327,24 +330,38 @@ def earliest_finish(
     ready again then. Items are taken in the order given (sort them first, e.g. largest
     first, for the classic LPT-style variant).
 
+    Two ways to give the times:
+
+    - in seconds: ``ready`` (when each worker or slot is free) and ``seconds`` (per worker
+      seconds per unit, or ``seconds(item, worker)``); an item ends at ``ready + seconds``;
+    - in units of work, from a snapshot: ``ready`` is the work queued on each worker or slot
+      and ``speeds`` its units per second; an item ends at ``(ready + units + fixed) /
+      speed`` (``fixed``: a cost per call, in units) and its units join the queue.
+
     Parameters
     ----------
     items : int or sequence
         The items (or how many); only their positions are used.
     ready : mapping of str to float or sequence of float
-        Per worker, when it is free (seconds on any common clock: 0 for "now", queued work
-        divided by speed for a scheduler's snapshot), or one ready time per slot.
-    seconds : mapping of str to float, or callable
+        Per worker, when it is free (seconds on any common clock: 0 for "now"), or its
+        queued units with ``speeds``; or one such number per slot.
+    seconds : mapping of str to float, or callable, optional
         Per worker, seconds per unit of work (with ``units``; 1 unit per item without), or
         ``seconds(item, worker)``: the seconds item ``item`` takes on ``worker`` (items with
-        their own seconds per unit).
+        their own seconds per unit). Not with ``speeds``.
     units : sequence of float, optional
-        Units of work per item, for a mapping ``seconds``.
+        Units of work per item (default 1 each).
+    speeds : mapping of str to float, optional
+        Per worker, units of work per second: ``ready`` is then queued work.
+    fixed : float, default 0.0
+        With ``speeds``: a call's fixed cost in units (counted once per item's finish).
     threads : mapping of str to int, optional
-        Per worker, its slots when ``ready`` gives it one time (default 1).
+        Per worker, its slots when ``ready`` gives it one number (default 1).
     sizes, capacity : optional
         Bytes per item and per worker: a worker is eligible while its items' bytes plus the
         item's stay within its capacity (when none is, every worker is).
+    held : mapping of str to float, optional
+        Bytes each worker holds already (counted against its capacity).
     tie : callable, optional
         ``tie(worker, slot)``: a sort key that breaks equal finish times (default: the
         first worker in ``ready``'s order, then the first slot).
@@ -352,8 +369,11 @@ def earliest_finish(
     Returns
     -------
     list of Placement
-        One per item, in the order given.
+        One per item, in the order given. With ``speeds``, ``start`` and ``finish`` are in
+        seconds from the snapshot (``ready / speed`` and the item's end).
     """
+    if (seconds is None) == (speeds is None):
+        raise ValueError("earliest_finish: give either seconds or speeds")
     n = items if isinstance(items, int) else len(items)
     slots: list[list] = []  # [ready, worker, slot index]
     for w, r in ready.items():
@@ -362,12 +382,23 @@ def earliest_finish(
             slots += [[float(r), w, i] for i in range(k)]
         else:
             slots += [[float(t), w, i] for i, t in enumerate(r)]
-    if callable(seconds):
-        cost = seconds
+
+    def size(i: int) -> float:
+        return 1.0 if units is None else units[i]
+
+    if speeds is not None:
+        def end(i: int, s: list) -> float:
+            return (s[0] + size(i) + fixed) / speeds[s[1]]
     else:
-        def cost(i: int, w: str) -> float:
-            return (1.0 if units is None else units[i]) * seconds[w]
-    used: dict[str, float] = defaultdict(float)
+        if callable(seconds):
+            cost = seconds
+        else:
+            def cost(i: int, w: str) -> float:
+                return size(i) * seconds[w]
+
+        def end(i: int, s: list) -> float:
+            return s[0] + cost(i, s[1])
+    used: dict[str, float] = defaultdict(float, held or {})
     out = []
     for i in range(n):
         pool = slots
@@ -376,12 +407,17 @@ def earliest_finish(
             pool = pool or slots
         if not pool:
             break
-        durations = {w: cost(i, w) for w in {s[1] for s in pool}}
-        best = min(pool, key=lambda s: (s[0] + durations[s[1]],
-                                        () if tie is None else tie(s[1], s[2])))
-        start = best[0]
-        best[0] = start + durations[best[1]]
+        finish = [end(i, s) for s in pool]
+        k = min(range(len(pool)), key=lambda k: (
+            finish[k], () if tie is None else tie(pool[k][1], pool[k][2])))
+        best = pool[k]
+        if speeds is not None:
+            start = best[0] / speeds[best[1]]
+            best[0] += size(i)
+        else:
+            start = best[0]
+            best[0] = finish[k]
         if sizes is not None:
             used[best[1]] += sizes[i]
-        out.append(Placement(i, best[1], best[2], start, best[0]))
+        out.append(Placement(i, best[1], best[2], start, finish[k]))
     return out

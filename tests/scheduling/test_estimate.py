@@ -149,3 +149,18 @@ def test_items_with_their_own_seconds_and_capacity():
     placed = earliest_finish(1, {"a": 0.0, "b": 0.0}, {"a": 1.0, "b": 5.0},
                              sizes=[1000], capacity={"a": 10, "b": 100})
     assert placed[0].worker == "a"
+
+
+def test_queued_work_and_speeds_from_a_snapshot():
+    # the scheduler's form: units queued per worker, units per second
+    placed = earliest_finish(3, {"a": 10.0, "b": 2.0}, speeds={"a": 2.0, "b": 1.0},
+                             units=[4.0, 4.0, 4.0])
+    assert [p.worker for p in placed] == ["b", "a", "a"]
+    assert [p.finish for p in placed] == [6.0, 7.0, 9.0]
+    assert placed[0].start == 2.0
+    # a fixed cost per call, in units: (10 + 4 + 2) / 2 == (2 + 4 + 2) / 1, the first wins
+    placed = earliest_finish(1, {"a": 10.0, "b": 2.0}, speeds={"a": 2.0, "b": 1.0},
+                             units=[4.0], fixed=2.0)
+    assert (placed[0].worker, placed[0].finish) == ("a", 8.0)
+    with pytest.raises(ValueError, match="either seconds or speeds"):
+        earliest_finish(1, {"a": 0.0})
