@@ -70,13 +70,14 @@ def plugin_status(client: Client, **kwargs: Any) -> dict[str, Any]:
     -------
     dict
         Plain data: ``policy``, ``ticks``, ``task_counts``, ``kernel_counts``, ``run_counts``,
-        ``speeds``, ``paused``, ``workers``, ``memory_peak`` (bytes), ``decisions``.
+        ``speeds``, ``speed_confidence`` (read them with :func:`learned_speeds`), ``paused``,
+        ``workers``, ``memory_peak`` (bytes), ``decisions``.
 
     Raises
     ------
     RuntimeError
-        If the scheduler runs no blockflow plugin (connect with :func:`connect`, or start the
-        scheduler with ``--preload blockflow.scheduling.preload``).
+        If the scheduler runs no blockflow plugin (connect with :func:`blockflow.connect`, or
+        start the scheduler with ``--preload blockflow.scheduling.preload``).
     """
     if not _has_plugin(client):  # spares the scheduler an unknown-op error
         raise RuntimeError(
