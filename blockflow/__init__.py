@@ -13,7 +13,7 @@ from blockflow.backends import (
     to_host,
 )
 from blockflow.blockwise import map_blocks
-from blockflow.cluster.connection import connect, decisions, plugin_status, task_counts
+from blockflow.cluster.connection import connect
 from blockflow.decompose import BlockResize, fit_blocks, split_skewed
 from blockflow.errors import (
     BlockflowWarning,
@@ -30,6 +30,7 @@ from blockflow.cluster.rebalance import rebalance
 from blockflow.reduction import choose_split_every, tree_reduce
 from blockflow.cluster.report import RunReport, run_report
 from blockflow.ml.routing import Router
+from blockflow.scheduling.client import decisions, plugin_status, task_counts
 from blockflow import scheduling  # noqa: F401  (blockflow.scheduling: the plugin and its policies)
 
 __version__ = "0.1.0"

@@ -34,7 +34,6 @@ from dask.utils import format_bytes, parse_bytes
 
 from blockflow import config
 from blockflow.cluster.identity import workers_info
-from blockflow._distributed.metrics import clean_number, read_metrics
 
 __all__ = ["BlockResize", "fit_blocks", "recorded_resizes", "split_skewed"]
 
@@ -628,15 +627,16 @@ def smallest_free_memory(client=None, *, host: bool = True) -> tuple[int, str] |
             return None
     if client.status != "running":
         return None
-    workers = workers_info(client)
-    free = [read_metrics(w.get("metrics")).gpu_memory_free for w in workers.values()]
-    free = [f for f in free if f is not None]
+    # imported here: the scheduling package imports the kernel layer, which imports this
+    from blockflow.scheduling.client import worker_memory
+
+    memory = worker_memory(client).values()
+    free = [m.device_free for m in memory if m.device_free is not None]
     if free:
         return int(min(free)), "device"
     if not host:
         return None
-    limits = [clean_number(w.get("memory_limit")) for w in workers.values()]
-    limits = [int(m) for m in limits if m]
+    limits = [int(m.host_total) for m in memory if m.host_total]
     return (min(limits), "host") if limits else None
 
 

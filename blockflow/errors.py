@@ -58,9 +58,30 @@ class WorkerLostError(RuntimeError):
 
     Raised by blockflow's workloads when every worker of the cluster is gone for longer than
     ``blockflow.cluster.worker-loss-timeout``, or in place of distributed's ``KilledWorker``
-    (a task whose workers died ``distributed.scheduler.allowed-failures + 1`` times). The
-    message says what happened and what to do.
+    (a task whose workers died ``distributed.scheduler.allowed-failures + 1`` times), and by
+    :func:`blockflow.scheduling.client.gather_as_done` / :func:`~blockflow.scheduling.client.
+    fetch` when workers a computation needs left, or a result was lost before it was fetched.
+    The message says what happened and what to do.
+
+    Parameters
+    ----------
+    *args
+        The message, as for any exception.
+    lost : iterable of str, optional
+        What was lost: worker addresses (or, for a result lost before it was fetched, the
+        task keys); :attr:`lost` holds them as a frozenset.
     """
+
+    def __init__(self, *args, lost=()):
+        super().__init__(*args)
+        self.lost = frozenset(lost)
+
+    def __reduce__(self):  # keep what was lost across processes
+        return _worker_lost, (self.args, tuple(self.lost))
+
+
+def _worker_lost(args, lost):
+    return WorkerLostError(*args, lost=lost)
 
 
 class ResourceError(RuntimeError):

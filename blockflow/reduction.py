@@ -24,7 +24,6 @@ from dask.array.utils import meta_from_array
 from dask.utils import format_bytes, parse_bytes
 
 from blockflow import config
-from blockflow.cluster.identity import workers_info
 from blockflow.core.kernel import Kernel, check_placement, check_retries
 from blockflow.core.reduction_dtypes import (
     _decomposition,
@@ -34,7 +33,6 @@ from blockflow.core.reduction_dtypes import (
 )
 from blockflow.blockwise import kernel_name, validate_array
 from blockflow.errors import not_a_collection
-from blockflow._distributed.metrics import clean_number, read_metrics
 
 __all__ = ["choose_split_every", "result_dtypes", "smallest_worker_memory", "tree_reduce"]
 
@@ -67,16 +65,16 @@ def smallest_worker_memory(client=None) -> tuple[int, str]:
             client = None
     sizes: list[tuple[int, str]] = []
     if client is not None and client.status == "running":
+        # imported here: the scheduling package imports the kernel layer, which imports this
+        from blockflow.scheduling.client import worker_memory
+
         try:
-            workers = workers_info(client)
+            memory = worker_memory(client)
         except Exception:  # a client that cannot reach its scheduler: fall back to config
-            workers = {}
-        for info in workers.values():
-            gpu_total = read_metrics(info.get("metrics")).gpu_memory_total
-            if gpu_total:
-                sizes.append((int(gpu_total), "device"))
-            elif clean_number(info.get("memory_limit")):
-                sizes.append((int(info["memory_limit"]), "host"))
+            memory = {}
+        for m in memory.values():
+            if m.total is not None:
+                sizes.append((int(m.total[0]), m.total[1]))
     if not sizes:
         return parse_bytes(config.get("reduction.default-worker-memory")), "config"
     return min(sizes)

@@ -5,16 +5,14 @@ when dask-cuda and a GPU are present, else ``distributed.LocalCluster`` with wor
 processes. With an address it connects to a running scheduler (``dask scheduler``,
 dask-jobqueue, dask-kubernetes). Either way blockflow's scheduler plugin is registered.
 ``security=`` gives the connection TLS (``"temporary"``: self-signed credentials made for an
-embedded cluster). :func:`wait_for` and :func:`gather_results` wait for futures like
-distributed's ``wait`` / ``Client.gather``, but turn the loss of every worker, and
-distributed's ``KilledWorker``, into a :class:`~blockflow.errors.WorkerLostError` that says
-what happened and what to do.
+embedded cluster). The client's view of the running cluster (:func:`plugin_status`,
+:func:`decisions`, :func:`task_counts`, :func:`wait_for`, :func:`gather_results`) lives in
+:mod:`blockflow.scheduling.client`; it is re-exported here.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import dask.config
@@ -26,7 +24,16 @@ from blockflow.cluster import handshake as _handshake
 from blockflow.cluster import main_guard as _main_guard
 from blockflow.cluster.identity import workers_info
 from blockflow.backends import GPU_INSTALL_HINT, GPUUnavailableError, gpu_device_count, has_package
-from blockflow.errors import WorkerLostError, describe
+from blockflow.errors import describe
+from blockflow.scheduling.client import (  # noqa: F401  (re-exported: the public names)
+    DECISION_COLUMNS,
+    SEEN_METRICS,
+    decisions,
+    gather_results,
+    plugin_status,
+    task_counts,
+    wait_for,
+)
 from blockflow.scheduling.plugin import Rebalancer
 
 __all__ = [
@@ -379,223 +386,4 @@ def _register_plugin(client: Client, plugin: Rebalancer) -> None:
             f"blockflow.connect: the scheduler at {client.scheduler.address} cannot load "
             f"blockflow's scheduler plugin ({e}). Install blockflow where the scheduler runs, "
             f"or start it with `dask scheduler --preload blockflow.scheduling.preload`."
-        ) from e
-
-
-def plugin_status(client: Client, **kwargs: Any) -> dict[str, Any]:
-    """State of blockflow's scheduler plugin: policy, task counts, worker snapshot, decisions.
-
-    Parameters
-    ----------
-    client : distributed.Client
-    **kwargs
-        ``since`` (seconds since the epoch) and ``task_log`` (bool), passed to
-        :meth:`blockflow.scheduling.Rebalancer.status`.
-
-    Returns
-    -------
-    dict
-        Plain data: ``policy``, ``ticks``, ``task_counts``, ``kernel_counts``, ``run_counts``,
-        ``speeds``, ``paused``, ``workers``, ``memory_peak`` (bytes), ``decisions``.
-
-    Raises
-    ------
-    RuntimeError
-        If the scheduler runs no blockflow plugin (connect with :func:`connect`, or start the
-        scheduler with ``--preload blockflow.scheduling.preload``).
-    """
-    if not client.run_on_scheduler(_has_plugin):  # spares the scheduler an unknown-op error
-        raise RuntimeError(
-            "The scheduler runs no blockflow plugin: connect with blockflow.connect(...) or "
-            "start the scheduler with `dask scheduler --preload blockflow.scheduling.preload`."
-        )
-    status = client.sync(client.scheduler.blockflow_status, **kwargs)
-    return status
-
-
-def _has_plugin(dask_scheduler=None) -> bool:
-    return _distributed.scheduler_plugin(dask_scheduler, Rebalancer.name) is not None
-
-
-def task_counts(client: Client, *, kernels_only: bool = False) -> dict[str, int]:
-    """Tasks finished per worker since the plugin started (cumulative).
-
-    Parameters
-    ----------
-    client : distributed.Client
-    kernels_only : bool, default False
-        Count only blockflow kernel tasks (names starting ``blockflow-``).
-
-    Returns
-    -------
-    dict of str to int
-        Worker address to number of tasks it finished.
-    """
-    status = plugin_status(client)
-    return status["kernel_counts" if kernels_only else "task_counts"]
-
-
-DECISION_COLUMNS = ["time", "policy", "action", "worker", "target", "key", "reason"]
-SEEN_METRICS = ("gpu_utilization", "gpu_memory_fraction", "speed", "processing",
-                "projected_finish")
-
-
-def decisions(client: Client, since: float | None = None):
-    """The rebalancer's decision log as a pandas DataFrame, oldest first.
-
-    Parameters
-    ----------
-    client : distributed.Client
-    since : float, optional
-        Only decisions after this time (seconds since the epoch, e.g. ``time.time()`` taken
-        before a computation).
-
-    Returns
-    -------
-    pandas.DataFrame
-        Columns ``time`` (UTC timestamp), ``policy``, ``action`` (the value of a
-        :class:`~blockflow.scheduling.actions.Action`, a plain string: ``pause``,
-        ``resume``, ``handover``, ``hold``, ``release``, ``move``, ``assign``, ``place``,
-        ``speculate``, ``restrict``, ``admit``, ``fail``, ``balance``, ``defer``, ``keep``,
-        ``wait``, ``backup``, ``memory-move``, ``join``, ``forget``; each documented there),
-        ``worker``, ``target`` (moves), ``key`` (moves), ``reason``, then ``seen_*`` columns
-        with the metrics the decision saw (GPU utilisation in percent, device-memory
-        fraction 0-1, learned speed, tasks processing, projected finish in seconds; None
-        where unknown). The log is bounded (``blockflow.rebalancer.decision-log-size``).
-
-    Raises
-    ------
-    RuntimeError
-        If the scheduler runs no blockflow plugin.
-    """
-    import pandas as pd
-
-    rows = plugin_status(client)["decisions"]
-    if since is not None:
-        rows = [r for r in rows if r["time"] > since]
-    df = pd.DataFrame(rows)
-    for c in DECISION_COLUMNS:
-        if c not in df:
-            df[c] = pd.Series(dtype="float64" if c == "time" else "object")
-    # The metrics every pause/resume/move decision records, present even in an empty log
-    # (so that code filtering on them works before the first decision); others as logged.
-    seen = sorted({f"seen_{k}" for k in SEEN_METRICS}
-                  | {c for c in df.columns if c.startswith("seen_")})
-    for c in seen:
-        if c not in df:
-            df[c] = pd.Series(dtype="object")
-    df = df[DECISION_COLUMNS + seen]
-    df["time"] = pd.to_datetime(df["time"], unit="s", utc=True)
-    return df.reset_index(drop=True)
-
-
-def wait_for(client: Client, futures: Any, *, what: str = "the computation",
-             worker_loss_timeout: str | float | None = None) -> None:
-    """Wait until ``futures`` are done (finished or failed), failing if every worker is lost.
-
-    Like :func:`distributed.wait`, except that a cluster left without any worker does not
-    make it wait forever: tasks cannot run then, so after ``worker_loss_timeout`` without a
-    worker it raises. Workers that come back (a nanny restarting a killed worker process, an
-    autoscaler) reset the clock.
-
-    Parameters
-    ----------
-    client : distributed.Client
-    futures : future, collection of futures, or persisted Dask collection
-    what : str, default "the computation"
-        Named in the error message (e.g. ``"the flights ETL"``).
-    worker_loss_timeout : str or float, optional
-        Seconds (or ``"60s"``) without any worker before giving up; default
-        ``blockflow.cluster.worker-loss-timeout``.
-
-    Raises
-    ------
-    WorkerLostError
-        If the cluster has had no worker for ``worker_loss_timeout`` while results were
-        unfinished.
-    """
-    from distributed import futures_of
-
-    pending = futures_of(futures)
-    n = len(pending)
-    futures = None  # a traceback keeps this frame: it must not keep the results alive
-    limit = parse_timedelta(config.get("cluster.worker-loss-timeout", worker_loss_timeout))
-    check_every = min(0.5, max(limit / 4, 0.05))
-    checked = time.monotonic()
-    lost_since = None
-    # Polls Future.done() (local state) rather than distributed.wait(timeout=): a timed-out
-    # wait leaves the futures referenced by its traceback until the garbage collector runs,
-    # which keeps finished results on the workers for longer.
-    while True:
-        if any(f.status in ("error", "cancelled") for f in pending):
-            return  # the caller's gather raises it: no need to wait for the rest
-        pending = [f for f in pending if not f.done()]
-        if not pending:
-            return
-        time.sleep(0.02)
-        now = time.monotonic()
-        if now - checked < check_every:
-            continue
-        checked = now
-        if client.nthreads():
-            lost_since = None
-            continue
-        lost_since = now if lost_since is None else lost_since
-        if now - lost_since >= limit:
-            left = len([f for f in pending if not f.done()])
-            pending = None
-            raise WorkerLostError(
-                f"blockflow: every worker of the cluster at {client.scheduler.address} was "
-                f"lost during {what}; with no worker for {limit:g} s, {left} of {n} "
-                f"results could not be computed. Restart the workers (or the cluster) and run "
-                f"again. Workers that keep dying usually run out of memory or crash: their "
-                f"logs say which; give them more memory (memory_limit=) or use smaller blocks. "
-                f"(blockflow.cluster.worker-loss-timeout sets how long to wait.)"
-            )
-
-
-def gather_results(client: Client, futures: Any, *, what: str = "the computation",
-                   worker_loss_timeout: str | float | None = None) -> Any:
-    """:func:`wait_for` the futures, then gather their results; worker deaths explained.
-
-    Parameters
-    ----------
-    client : distributed.Client
-    futures : future or collection of futures
-        As for :meth:`distributed.Client.gather`.
-    what : str, default "the computation"
-        Named in error messages.
-    worker_loss_timeout : str or float, optional
-        See :func:`wait_for`.
-
-    Returns
-    -------
-    object
-        What ``client.gather(futures)`` returns.
-
-    Raises
-    ------
-    WorkerLostError
-        If every worker was lost (see :func:`wait_for`), or in place of distributed's
-        ``KilledWorker`` (a task whose workers died ``allowed-failures + 1`` times); the
-        original is chained as ``__cause__``.
-    Exception
-        A task's own exception, as ``client.gather`` raises it.
-    """
-    from distributed import KilledWorker
-
-    wait_for(client, futures, what=what, worker_loss_timeout=worker_loss_timeout)
-    try:
-        return client.gather(futures)
-    except KilledWorker as e:
-        futures = None  # the traceback keeps this frame: don't keep the results alive
-        last = getattr(e.last_worker, "address", e.last_worker)
-        n = e.allowed_failures + 1
-        raise WorkerLostError(
-            f"blockflow: {what} failed because workers died while running task {e.task!r}: "
-            f"the worker running it died {n} time{'s' if n != 1 else ''} (the last one was "
-            f"{last}), so Dask gave up on it (KilledWorker). A task that kills its worker usually runs "
-            f"it out of memory or crashes native code: check the worker logs, give workers "
-            f"more memory (memory_limit=) or use smaller blocks; if the deaths had nothing to "
-            f"do with the task, raise distributed.scheduler.allowed-failures and run again."
         ) from e

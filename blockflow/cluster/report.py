@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 from dask.utils import format_bytes
 
-from blockflow.cluster.connection import plugin_status
+from blockflow.scheduling.client import plugin_status
 from blockflow.decompose import BlockResize, recorded_resizes
 from blockflow.scheduling.actions import Action
 

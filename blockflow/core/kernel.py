@@ -32,7 +32,6 @@ from typing import Any, Callable
 
 from dask.utils import format_bytes, funcname
 
-from blockflow.cluster.identity import workers_info
 from blockflow.errors import (
     BlockKernelError,
     DeviceMemoryError,
@@ -40,7 +39,6 @@ from blockflow.errors import (
     is_device_oom,
     requested_bytes,
 )
-from blockflow._distributed.metrics import read_metrics
 
 __all__ = ["Kernel", "check_placement", "check_retries", "device_memory_error",
            "largest_free_device_memory"]
@@ -443,16 +441,18 @@ def largest_free_device_memory(exclude: str | None = None) -> tuple[int | None, 
     try:
         from distributed import get_client
 
-        workers = workers_info(get_client())
+        from blockflow.scheduling.client import worker_memory
+
+        memory = worker_memory(get_client())
     except Exception as e:  # outside a cluster, or the scheduler is gone: say "unknown"
         logging.getLogger(__name__).info(
             "blockflow: could not read the workers' device memory: %r", e)
         return None, None
     best: tuple[int | None, str | None] = (None, None)
-    for address in sorted(workers):
+    for address in sorted(memory):
         if address == exclude:
             continue
-        free = read_metrics(workers[address].get("metrics")).gpu_memory_free
+        free = memory[address].device_free
         if free is None:
             continue
         if best[0] is None or int(free) > best[0]:

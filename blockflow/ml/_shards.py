@@ -29,9 +29,8 @@ import math
 import time
 import uuid
 import warnings
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass
-from statistics import median
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -40,6 +39,9 @@ from blockflow import config
 from blockflow.cluster.identity import workers_info
 from blockflow.ml._post import POSTED, Posted, PostPlugin
 from blockflow.ml._steal import StealPlugin
+from blockflow.errors import WorkerLostError
+from blockflow.scheduling.client import gather_as_done, learned_speeds, memory_of, wait_for
+from blockflow.scheduling.estimate import Throughput, earliest_finish
 
 __all__ = ["ResidentShards", "as_row_blocks"]
 
@@ -217,10 +219,12 @@ class ResidentShards:
             np.prod(y.shape[1:], dtype=int))
         self.block_bytes = [r * row_bytes for r in self.block_rows]
         self.offsets = np.concatenate([[0], np.cumsum(self.block_rows)])
-        # per worker, the latest passes' (rows processed, seconds)
-        self._obs: dict[str, deque] = defaultdict(lambda: deque(maxlen=16))
+        # per worker, the latest passes' (rows processed, seconds) and the fixed cost per
+        # pass fitted through them (the one throughput estimator). No pass is dropped as a
+        # cold start: the blocks are resident before the first, and the first step's probe
+        # pass is the one whose differing row counts fit the fixed cost.
+        self._throughput = Throughput(window=16, cold=0)
         self._fraction = 1.0  # rows processed per resident row, latest pass
-        self._r0 = 0.0  # overhead_rows(), fitted again when a pass is measured
         self.recoveries: list[dict] = []
         self.steal_chunks = int(config.get("ml.steal-chunks", steal_chunks))
         self.steal_reserve = float(config.get("ml.steal-reserve", steal_reserve))
@@ -250,20 +254,14 @@ class ResidentShards:
         return workers
 
     def _prior_speeds(self) -> dict[str, float]:
-        from blockflow.cluster.connection import plugin_status
-        try:
-            status = plugin_status(self.client)
-        except (RuntimeError, KeyError, OSError):
-            return {}
-        conf = status.get("speed_confidence") or {}
-        # only speeds the plugin has evidence for (it reports 1.0 for workers it knows
-        # nothing about)
-        return {a: float(s) for a, s in (status.get("speeds") or {}).items()
-                if conf.get(a, 0.0) >= 0.5}
+        # only speeds the plugin knows with confidence (it reports 1.0 for workers it
+        # knows nothing about)
+        return learned_speeds(self.client).known
 
     def knows_speeds(self) -> bool:
         """Whether a pass has measured a speed, or the scheduler plugin has learned some."""
-        return bool(any(self._obs.values()) or self._prior_speeds())
+        return bool(self._throughput.measured_seconds_per_unit()
+                    or self._prior_speeds())
 
     def overhead_rows(self) -> float:
         """A pass's fixed cost per worker, in rows processed (shared by the workers).
@@ -275,50 +273,22 @@ class ResidentShards:
         differ by 25 % or more (the first step's probe pass gives that); else 0. Bounded
         by the median rows per pass. Without it, a worker with a small share looks slow
         per row, gets a smaller share still, and the shares collapse onto the fastest
-        worker (a blockflow heuristic). Fitted once per measured pass.
+        worker (a blockflow heuristic: :func:`blockflow.scheduling.estimate.fixed_units`).
+        Fitted again with each measured pass.
         """
-        return self._r0
-
-    def _fit_overhead(self) -> float:
-        est, sizes = [], []
-        for obs in self._obs.values():
-            r = np.array([o[0] for o in obs], float)
-            t = np.array([o[1] for o in obs], float)
-            sizes.extend(r)
-            if len(r) < 2 or r.max() < 1.25 * r.min():
-                continue
-            slope, icept = np.polyfit(r, t, 1)
-            # time that does not grow with rows is all fixed cost: the bound below
-            est.append(max(icept, 0.0) / slope if slope > 0 else math.inf)
-        if not est:
-            return 0.0
-        return float(min(median(est), median(sizes)))
+        return self._throughput.fixed
 
     def speeds(self, workers) -> dict[str, float]:
         """Relative speed per worker: measured row equivalents (rows plus
         :meth:`overhead_rows`) per second where seen, else the plugin's learned speed
-        scaled to the measured ones, else 1."""
-        r0 = self.overhead_rows()
-        measured = {a: median((r + r0) / t for r, t in v)
-                    for a, v in self._obs.items() if v and a in workers}
-        prior = self._prior_speeds()
-        if measured:
-            # scale priors to throughput units through the workers seen in both
-            both = [a for a in measured if a in prior and prior[a] > 0]
-            unit = (median(measured[a] / prior[a] for a in both) if both
-                    else median(measured.values()))
-            return {a: measured.get(a, prior.get(a, 1.0) * unit) for a in workers}
-        return {a: prior.get(a, 1.0) for a in workers}
+        scaled to the measured ones, else 1 (the inverse of
+        :meth:`blockflow.scheduling.estimate.Throughput.seconds_per_unit`)."""
+        spu = self._throughput.seconds_per_unit(workers, self._prior_speeds())
+        return {a: 1.0 / s for a, s in spu.items()}
 
     def _capacity(self, info: dict) -> float:
         """Bytes of blocks a worker may hold: a fraction of its free (device) memory."""
-        m = info.get("metrics") or {}
-        total = m.get("gpu-memory-total")
-        if total:
-            free = total - (m.get("gpu_memory_used") or 0)
-        else:
-            limit = info.get("memory_limit") or 0
-            free = (limit - (m.get("memory") or 0)) if limit else math.inf
+        free = memory_of(info).free
         mine = sum(self.block_bytes[j] for j, w in self.placement.items() if w == info.get(
             "address"))
         return self.memory_fraction * max(free, 0) + mine
@@ -351,14 +321,14 @@ class ResidentShards:
                 out[j] = a
                 rows[a] += self.block_rows[j]
                 used[a] += self.block_bytes[j]
-        for j in order:
-            if j in out:
-                continue
-            fits = [a for a in addrs if used[a] + self.block_bytes[j] <= cap[a]] or addrs
-            a = min(fits, key=lambda a: ((rows[a] + self.block_rows[j] + r0) / speed[a], a))
-            out[j] = a
-            rows[a] += self.block_rows[j]
-            used[a] += self.block_bytes[j]
+        # the others by earliest finish, largest first, within capacity (ties: the address)
+        rest = [j for j in order if j not in out]
+        placed = earliest_finish(
+            len(rest), rows, speeds=speed, fixed=r0, units=[self.block_rows[j] for j in rest],
+            sizes=[self.block_bytes[j] for j in rest],
+            capacity=cap, held=used, tie=lambda a, _: a)
+        for p in placed:
+            out[rest[p.item]] = p.worker
         return out
 
     def _makespan(self, placement: dict[int, str], speed: dict[str, float]) -> float:
@@ -399,8 +369,7 @@ class ResidentShards:
                                                  allow_other_workers=False, pure=False)
         self.moves += len(moved) if self.placement else 0
         self.placement = dict(placement)
-        from distributed import wait
-        wait([self.futures[j] for j in moved])
+        wait_for(self.client, [self.futures[j] for j in moved], what="moving blocks")
 
     def rebalance(self) -> int:
         """Between passes: move blocks when measured speeds predict a gain of more than
@@ -497,7 +466,7 @@ class ResidentShards:
                     then()
                     then = None
                 out = self._wait(p.futures)
-            except _WorkerLost as e:
+            except WorkerLostError as e:
                 # its tasks still waiting for a post (one did not reach a lost worker)
                 # return at once; its keys are released, not cancelled: cancelling keys
                 # the scheduler is recomputing can break the client's stream
@@ -530,8 +499,7 @@ class ResidentShards:
                 # small and cold, and would make a thief look slower than it is
                 n_own = out["rows"].get(a, 0) - self.last_stolen.get(a, 0)
                 if s > 0.005 and n_own > 0:
-                    self._obs[a].append((n_own, s))
-            self._r0 = self._fit_overhead()
+                    self._throughput.observe(a, n_own, s)
             held = self.rows_per_worker()
             resident = sum(held.get(a, 0) for a in out["rows"])
             if resident:
@@ -585,7 +553,7 @@ class ResidentShards:
             return
         lost = set(p.workers) - set(self._workers())
         if lost:
-            raise _WorkerLost(lost)
+            raise WorkerLostError(f"blockflow: workers lost: {sorted(lost)}", lost=lost)
         warnings.warn(f"blockflow: the client cannot post a pass's parameters to the "
                       f"workers directly ({errors[0]!r}); sending them inside the task "
                       f"graph from now on. Set blockflow.ml.direct-gather: false where the "
@@ -679,14 +647,13 @@ class ResidentShards:
         worker that gave a fraction ``g`` of its rows away in the latest pass (it was
         behind), and to at least ``steal_reserve_unmeasured`` for a worker no pass of this
         fit has measured (its share follows a prior). A blockflow heuristic."""
-        r0 = self.overhead_rows()
         # seconds per row of each worker's latest passes (k_a of the pass model): how
         # its rows compare with a thief's before its first chunk is timed
-        spr = {a: median(t / (r + r0) for r, t in v) for a, v in self._obs.items() if v}
+        spr = self._throughput.measured_seconds_per_unit()
         reserve = {}
         for a in workers:
             reserve[a] = min(2 / 3, self.steal_reserve + 2 * self._gave.get(a, 0.0))
-            if not self._obs.get(a):
+            if a not in spr:
                 # its share follows a prior (the plugin's speed is shrunk towards the
                 # typical one): a larger reserve lets its peers take over a wrong share
                 reserve[a] = max(reserve[a], self.steal_reserve_unmeasured)
@@ -709,37 +676,11 @@ class ResidentShards:
         self._installed.add(plugin.name)
 
     def _wait(self, parts) -> dict:
-        """The sum of the top level's partial sums, each fetched as soon as it is done."""
-        from asyncio import CancelledError
-
-        from distributed import TimeoutError as DTimeout
-        from distributed import wait
-        needed = set(self.placement.values())
-        pending, got = list(parts), []
-        while pending:
-            try:
-                # wait, then fetch: Future.result(timeout=...) runs distributed's sync()
-                # with a callback timeout, which can end with neither a result nor an
-                # error (UnboundLocalError) when the timeout races the result's arrival
-                done, _ = wait(pending, timeout=self.poll, return_when="FIRST_COMPLETED")
-            except (DTimeout, TimeoutError):
-                done = ()
-            try:
-                for f in done:
-                    got.append(self._fetch(f))
-                    pending.remove(f)
-            except CancelledError:  # "lost dependencies": a worker died under the pass
-                raise _WorkerLost(needed - set(self._workers()))
-            except Exception:
-                lost = needed - set(self._workers())
-                if lost:
-                    raise _WorkerLost(lost)
-                raise
-            if done:
-                continue
-            lost = needed - set(self._workers())
-            if lost:
-                raise _WorkerLost(lost)
+        """The sum of the top level's partial sums, each fetched as soon as it is done
+        (:func:`blockflow.scheduling.client.gather_as_done`: a lost worker holding blocks
+        raises :class:`~blockflow.errors.WorkerLostError` naming it)."""
+        got = gather_as_done(parts, alive=self._workers, needed=set(self.placement.values()),
+                             poll=self.poll, get=self._fetch)
         return _add(*got)
 
     def _fetch(self, future):
@@ -763,8 +704,7 @@ class ResidentShards:
         self.recoveries.append({"time": time.time(), "lost": sorted(lost),
                                 "blocks": sum(a in lost for a in self.placement.values())})
         for a in lost:
-            self._obs.pop(a, None)
-        self._r0 = self._fit_overhead()
+            self._throughput.forget(a)
         self.rebalance()
 
     def close(self) -> None:
@@ -791,7 +731,3 @@ class _PostFailed(Exception):
     """A post did not reach a live worker: posting is off, the pass is submitted again."""
 
 
-class _WorkerLost(Exception):
-    def __init__(self, lost):
-        super().__init__(f"workers lost: {sorted(lost)}")
-        self.lost = lost

@@ -47,6 +47,7 @@ import numpy as np
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from blockflow._distributed import HandlerPlugin
+from blockflow.scheduling.estimate import call_cost  # noqa: F401  (re-exported)
 
 __all__ = ["RowPool", "StealPlugin", "call_cost", "run_stealing"]
 
@@ -58,26 +59,6 @@ HANDLER = "blockflow_steal"
 REQUEST_TIMEOUT = 10.0
 # (worker address, kernel) -> the latest passes' estimates of its fixed seconds per call
 _CALL_COST: dict[tuple[str, str], deque] = defaultdict(lambda: deque(maxlen=16))
-
-
-def call_cost(calls: list[tuple[int, float]]) -> float | None:
-    """A worker's fixed seconds per kernel call, from one pass's calls.
-
-    ``calls``: ``(rows, seconds)`` of each call, the first (all but the reserve) the
-    largest. With every call taking ``c + s x rows``, the first call against the others
-    gives ``c = (T n1 - t1 N) / (k n1 - N)`` (``n1, t1`` the first; ``k`` calls of ``N`` rows
-    in ``T`` seconds the others), at least 0; None with one call. The cost is the part of a
-    call that does not shrink with its rows: a fixed part, a small batch's lower
-    efficiency, caches cold after the device's idle time. A blockflow heuristic.
-    """
-    if len(calls) < 2:
-        return None
-    (n1, t1), rest = calls[0], calls[1:]
-    k, rows, secs = len(rest), sum(n for n, _ in rest), sum(t for _, t in rest)
-    denom = k * n1 - rows
-    if n1 <= 0 or denom <= 0:
-        return None
-    return min(max(0.0, (secs * n1 - t1 * rows) / denom), t1)
 
 
 class RowPool:

@@ -35,7 +35,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from blockflow import _distributed, config
 from blockflow.core.speculation import cancelled
 from blockflow.errors import describe
-from blockflow._distributed.metrics import GPU_MEMORY_TOTAL, GPU_MEMORY_USED, clean_number
+from blockflow.scheduling.client import memory_of
+from blockflow._distributed.metrics import GPU_MEMORY_TOTAL, GPU_MEMORY_USED
 
 __all__ = ["ModelCache", "ModelRef", "batch_rows", "model_stats", "predict"]
 
@@ -347,12 +348,11 @@ def free_memory() -> int | None:
     if used_fn is None or total_fn is None:
         return None
     try:
-        used, total = clean_number(used_fn(worker)), clean_number(total_fn(worker))
+        metrics = {GPU_MEMORY_USED: used_fn(worker), GPU_MEMORY_TOTAL: total_fn(worker)}
     except Exception:  # a metric that fails to read means "unknown", never zero
         return None
-    if used is None or not total:
-        return None
-    return max(int(total - used), 0)
+    free = memory_of({"metrics": metrics}).device_free
+    return None if free is None else int(free)
 
 
 def batch_rows(n_rows: int, row_bytes: int, *, batch_size: int | None = None,

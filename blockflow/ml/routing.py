@@ -7,12 +7,14 @@ does) and dispatches each request batch, as one task pinned to one worker, to th
     finish(w) = (backlog(w) / threads(w) + cost) x seconds_per_unit(w)
 
 ``backlog`` is the cost (rows, by default) of the requests already routed to ``w`` and not yet
-answered; ``seconds_per_unit`` is measured from the compute time of ``w``'s own answers
-(an exponentially weighted mean of its answers after the first: a first answer pays for
-loading the model and warming up, so it counts only while no worker has a warm one), and
-before any answer from ``w`` it is the measured mean
-scaled by blockflow's learned speeds (``plugin_status()["speeds"]``) where the scheduler plugin
-runs. This is join-the-shortest-expected-delay (blockflow heuristic after Whitt 1986), which
+answered; ``seconds_per_unit`` is measured from the compute time of ``w``'s own answers by
+blockflow's one throughput estimator (:class:`~blockflow.scheduling.estimate.Throughput`: the
+median of its last ``WINDOW`` answers after the first, with a fixed cost per answer; a first
+answer pays for loading the model and warming up, so it counts only while no worker has a
+warm one), and before any answer from ``w`` it is the measured workers' seconds scaled by
+blockflow's learned speeds known with confidence (:func:`~blockflow.scheduling.client.
+learned_speeds`) where the scheduler plugin runs. The finish is placed by
+:func:`~blockflow.scheduling.estimate.earliest_finish`. This is join-the-shortest-expected-delay (blockflow heuristic after Whitt 1986), which
 beats round-robin and power-of-two-choices when devices differ in speed.
 
 Workers that are paused (by blockflow's plugin or by distributed) or whose device memory is
@@ -39,13 +41,16 @@ from blockflow import config
 from blockflow.cluster.identity import workers_info
 from blockflow.ml.inference import ModelRef, ship_model
 from blockflow._distributed.metrics import read_metrics
+from blockflow.scheduling.client import fetch, learned_speeds, plugin_status
+from blockflow.scheduling.estimate import Throughput, earliest_finish
 
 __all__ = ["Router"]
 
 logger = logging.getLogger(__name__)
 
-#: Weight of a new measurement in a worker's seconds-per-unit mean.
-EWMA_WEIGHT = 0.2
+#: Warm answers per worker whose median is its seconds per unit (a short window: a worker
+#: that slows down is seen after half of it).
+WINDOW = 8
 
 #: Seconds between reads of blockflow's plugin (learned speeds, paused workers).
 PLUGIN_REFRESH = 1.0
@@ -124,12 +129,12 @@ class Router:
         self._waiting: deque[_Request] = deque()  # no usable worker yet
         self._backlog: Counter = Counter()
         self._inflight: Counter = Counter()  # tasks routed to each worker, not yet back
-        self._rate: dict[str, float] = {}  # measured seconds per cost unit (warm answers)
-        # a worker's first answer pays for loading the model and warming up: kept apart,
-        # trusted only while no worker has a warm answer (cold starts are discounted)
-        self._cold_rate: dict[str, float] = {}
+        # seconds per cost unit from the answers' compute times; a worker's first answer
+        # pays for loading the model and warming up: kept apart, trusted only while no
+        # worker has a warm answer (cold starts are discounted)
+        self._throughput = Throughput(window=WINDOW)
         self._workers: dict[str, dict] = {}
-        self._speeds: dict[str, float] = {}
+        self._speeds: dict[str, float] = {}  # learned, known with confidence
         self._excluded: dict[str, str] = {}  # worker -> why it gets no new requests
         self._events: queue.Queue = queue.Queue()
         self.counts = Counter()  # submitted, answered, rerouted, duplicates, failed
@@ -192,7 +197,7 @@ class Router:
         ``excluded`` (worker -> why it gets no new requests), ``pending``."""
         with self._lock:
             return {"counts": dict(self.counts), "answered_by": dict(self.answered_by),
-                    "seconds_per_unit": {**self._cold_rate, **self._rate},
+                    "seconds_per_unit": self._throughput.observed_seconds_per_unit(),
                     "excluded": dict(self._excluded), "pending": len(self._requests)}
 
     def close(self) -> None:
@@ -220,35 +225,20 @@ class Router:
 
     # -- choosing a worker -----------------------------------------------------------------
 
-    def _seconds_per_unit(self, w: str) -> float:
-        if w in self._rate:
-            return self._rate[w]
-        measured = [r for a, r in self._rate.items() if a in self._workers]
-        if not measured:  # no warm answer anywhere yet: compare the cold ones
-            if w in self._cold_rate:
-                return self._cold_rate[w]
-            measured = [r for a, r in self._cold_rate.items() if a in self._workers]
-        base = sum(measured) / len(measured) if measured else 1.0
-        speed, ref = self._speeds.get(w), None
-        if speed and measured:  # scale the measured mean by the learned speed ratio
-            known = [self._speeds[a] for a in self._rate if self._speeds.get(a)]
-            ref = sum(known) / len(known) if known else None
-        if speed and ref:
-            return base * ref / speed
-        return base / speed if speed and not measured else base
-
     def _threads(self, w: str) -> int:
         return max(int(self._workers[w].get("nthreads") or 1), 1)
 
     def _choose(self, cost: float) -> tuple[str | None, dict]:
         alive = list(self._workers)
         usable = [w for w in alive if w not in self._excluded] or alive
-        finish = {}
-        for w in usable:
-            finish[w] = (self._backlog[w] / self._threads(w) + cost) * self._seconds_per_unit(w)
-        if not finish:
-            return None, finish
-        return min(finish, key=lambda w: (finish[w], self._backlog[w], w)), finish
+        if not usable:
+            return None, {}
+        spu = self._throughput.seconds_per_unit(alive, self._speeds)
+        ready = {w: self._backlog[w] / self._threads(w) * spu[w] for w in usable}
+        finish = {w: ready[w] + cost * spu[w] for w in usable}
+        best = earliest_finish(1, ready, spu, units=[cost],
+                               tie=lambda w, _: (self._backlog[w], w))[0]
+        return best.worker, finish
 
     def _full(self, w: str) -> bool:
         return self.depth is not None and self._inflight[w] >= self.depth * self._threads(w)
@@ -333,7 +323,7 @@ class Router:
 
     def _fetch(self, req: _Request, attempt: int, task) -> None:
         try:
-            out, elapsed, worker = task.result(timeout=30)
+            out, elapsed, worker = fetch(task, timeout=30, deadline=30)
         except Exception as e:  # lost between finishing and fetching: route again
             logger.info("blockflow router: request %s result lost (%s)", req.id, e)
             with self._lock:
@@ -353,13 +343,7 @@ class Router:
                 self.counts["answered"] += 1
                 self.answered_by[worker] += 1
                 if req.cost > 0:
-                    rate = elapsed / req.cost
-                    old = self._rate.get(worker)
-                    if worker not in self._cold_rate:
-                        self._cold_rate[worker] = rate  # the cold start: not its speed
-                    else:
-                        self._rate[worker] = rate if old is None else (
-                            (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * rate)
+                    self._throughput.observe(worker, req.cost, elapsed)
             req.future.set_result(out)
         except Exception:  # never lose an answer to a bookkeeping error
             logger.exception("blockflow router: error while answering request %s", req.id)
@@ -387,11 +371,9 @@ class Router:
         if time.monotonic() >= self._plugin_due:  # the plugin's view changes slowly
             self._plugin_due = time.monotonic() + PLUGIN_REFRESH
             try:
-                from blockflow.cluster.connection import plugin_status
-
                 status = plugin_status(self.client, since=time.time())
                 paused = dict(status.get("paused") or {})
-                speeds = dict(status.get("speeds") or {})
+                speeds = learned_speeds(self.client, status).known
             except RuntimeError:  # no blockflow plugin: distributed's status, own measurements
                 pass
             self._plugin_view = (paused, speeds)
@@ -408,7 +390,7 @@ class Router:
                                    f"{self.memory_full:.0%})")
         with self._lock:
             self._workers = workers
-            self._speeds = {a: s for a, s in speeds.items() if s}
+            self._speeds = dict(speeds)
             self._excluded = excluded
             # A worker is lost when two refreshes in a row miss it (one reply may be cut).
             gone = {r.worker for r in self._requests.values()

@@ -47,6 +47,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from blockflow import _distributed, config
+from blockflow.errors import WorkerLostError
+from blockflow.scheduling.client import fetch, learned_speeds, wait_any
+from blockflow.scheduling.estimate import earliest_finish
 
 __all__ = ["TuneResult", "choice", "loguniform", "randint", "sample_configs", "tune",
            "uniform"]
@@ -278,8 +281,7 @@ class _Tuner:
         self.trial_samples: dict[int, list[tuple[str, float, float]]] = {}  # same, per trial
         self.warm: set[str] = set()  # workers that finished a trial
         self.lost_checkpoints = 0  # checkpoints lost with a worker (trained again)
-        self.plugin_speeds: dict[str, float] = {}
-        self.plugin_confidence: dict[str, float] = {}
+        self.plugin_speeds: dict[str, float] = {}  # the plugin's, known with confidence
         self._speeds_read = 0.0
         self._refreshed = 0.0
         self._published = 0.0
@@ -300,14 +302,7 @@ class _Tuner:
             self._forget_lost_checkpoints()
         if now - self._speeds_read >= 1.0:
             self._speeds_read = now
-            from blockflow.cluster.connection import plugin_status
-
-            try:
-                st = plugin_status(self.client)
-            except RuntimeError:  # no blockflow plugin on the scheduler
-                st = {}
-            self.plugin_speeds = dict(st.get("speeds", {}))
-            self.plugin_confidence = dict(st.get("speed_confidence", {}))
+            self.plugin_speeds = learned_speeds(self.client).known
         # a trial pinned to a worker that left runs nowhere: run it again elsewhere
         for fut, r in list(self.running.items()):
             if r.worker is not None and r.worker not in self.workers:
@@ -349,9 +344,10 @@ class _Tuner:
         return _Job(trial, rung, self.budgets[rung] - self.budgets[rung - 1], ckpt)
 
     def speeds(self) -> dict[str, float]:
-        """Each worker's speed: the scheduler plugin's learned one where it is confident
-        (>= 0.5), else the trials' own evidence (a task's time per unit against the median
-        of its rung), else the plugin's shrunk estimate (1.0 knowing nothing)."""
+        """Each worker's speed: the scheduler plugin's learned one where it is known
+        (:attr:`blockflow.scheduling.client.LearnedSpeeds.known`: the one confidence rule),
+        else the trials' own evidence (a task's time per unit against the median of its
+        rung), else 1.0."""
         own: dict[str, list[float]] = {}
         per_rung: dict[int, list[float]] = {}
         for _, secs, epochs, rung in self.samples:
@@ -362,12 +358,12 @@ class _Tuner:
                 own.setdefault(w, []).append(math.log(secs / epochs / ref[rung]))
         out = {}
         for w in self.workers:
-            if self.plugin_confidence.get(w, 0.0) >= 0.5:
+            if w in self.plugin_speeds:
                 out[w] = float(self.plugin_speeds[w])
             elif len(own.get(w, ())) >= 2:
                 out[w] = math.exp(-median(own[w]))
             else:
-                out[w] = float(self.plugin_speeds.get(w, 1.0))
+                out[w] = 1.0
         return out
 
     def _unit_seconds(self, speeds: Mapping[str, float]) -> float:
@@ -496,8 +492,14 @@ class _Tuner:
                 if not free:
                     return
                 cost = self._cost(job, speeds, unit)
-                best = min(slots, key=lambda s: (s[0] + cost / speeds[s[1]], not s[2],
-                                                 -speeds[s[1]]))
+                # earliest finish over the slots (ties: a free slot, then the faster worker)
+                ready: dict[str, list] = {}
+                for s in slots:
+                    ready.setdefault(s[1], []).append(s)
+                p = earliest_finish(1, {w: [s[0] for s in v] for w, v in ready.items()},
+                                    lambda _, w: cost / speeds[w],
+                                    tie=lambda w, k: (not ready[w][k][2], -speeds[w]))[0]
+                best = ready[p.worker][p.slot]
                 if best[2]:
                     take(best, job)
                 else:  # reserved: a faster busy worker finishes it sooner
@@ -572,21 +574,14 @@ class _Tuner:
 
     @staticmethod
     def _fetch(fut, timeout: float = 10.0):
-        """A finished trial's result, or None when it was lost before it was fetched.
-
-        ``Future.result()`` blocks while the client re-schedules a result it could not
-        gather (its worker was killed between the task's end and the fetch), and a trial
-        pinned to that worker then never runs again: the tuner hung (seen in CI, a worker
-        SIGKILLed as trials were promoted)."""
-        while True:
-            try:
-                return fut.result(timeout=timeout)
-            except TimeoutError:
-                if fut.status != "finished":
-                    return None
-            except UnboundLocalError:  # distributed's sync() racing its callback timeout
-                if fut.status != "finished":
-                    return None
+        """A finished trial's result, or None when it was lost before it was fetched
+        (:func:`blockflow.scheduling.client.fetch`: a trial pinned to a killed worker
+        would never run again; the tuner hung in CI, a worker SIGKILLed as trials were
+        promoted)."""
+        try:
+            return fetch(fut, timeout=timeout)
+        except WorkerLostError:
+            return None
 
     def _publish(self, force: bool = False) -> None:
         """Running trials for the dashboard page (scheduler metadata; at most 4 a second)."""
@@ -617,13 +612,7 @@ class _Tuner:
     # --- the loops -------------------------------------------------------------------
 
     def _wait(self, timeout: float = 1.0) -> list:
-        from distributed import wait
-
-        try:
-            done, _ = wait(list(self.running), timeout=timeout, return_when="FIRST_COMPLETED")
-        except TimeoutError:
-            return []
-        return [f for f in done if f in self.running]
+        return [f for f in wait_any(self.running, timeout=timeout) if f in self.running]
 
     def run_async(self) -> None:
         self._refresh(time.time())

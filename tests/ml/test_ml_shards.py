@@ -74,11 +74,13 @@ def test_an_unmeasured_worker_keeps_a_larger_reserve_until_a_pass_measures_it(cl
     assert reserve == dict.fromkeys(workers, 0.2)
     # a worker the fit has not measured (one that joined, say) keeps the larger reserve
     lost = workers[0]
-    shards._obs.pop(lost)
+    shards._throughput.forget(lost)
     with dask.config.set({"blockflow.ml.steal-reserve-unmeasured": 0.4}):
         again = ResidentShards(client5, da.from_array(values[:, None], chunks=20),
                                da.zeros(N, chunks=20))
-    again._obs.update({a: v for a, v in shards._obs.items()})
+    for a in workers:  # the same measurements
+        for units, seconds in shards._throughput.warm_calls(a):
+            again._throughput.observe(a, units, seconds)
     reserve = again._steal_plan(workers)[4]
     assert reserve[lost] == 0.4
     assert all(reserve[a] == 0.2 for a in workers if a != lost)

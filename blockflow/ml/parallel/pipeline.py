@@ -39,6 +39,7 @@ import pandas as pd
 
 from blockflow import config
 from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.client import gather_results
 from blockflow.ml.parallel.layers import Layer, backward, forward
 from blockflow.ml.parallel.partition import equal_stages, partition_stages, stage_times
 
@@ -338,7 +339,8 @@ class PipelineParallel:
         futs = {w: self.client.submit(_layer_times, self.layers, x, repeats, _one_layer,
                                       workers=[w], allow_other_workers=False, pure=False)
                 for w in workers}
-        return {w: [float(t) for t in f.result()] for w, f in futs.items()}
+        times = gather_results(self.client, futs, what="the pipeline's layer probe")
+        return {w: [float(t) for t in times[w]] for w in futs}
 
     def run(self, X, target=None, *, n_micro_batches: int | None = None,
             publish: bool = True, name: str = "pipeline") -> PipelineResult:
@@ -418,7 +420,7 @@ class PipelineParallel:
                             self._stages[s], token, *bwd[s],
                             dask_key_name=f"{name}-collect-{token}-{s}"))
             futures = c.compute(wanted, optimize_graph=False)
-            done = c.gather(futures)
+            done = gather_results(c, futures, what="the pipeline pass")
             output = np.concatenate(done[:m])
             loss, grads = None, None
             if train:

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from blockflow import _distributed, config
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.client import gather_results, wait_for, worker_memory
 from blockflow.ml.parallel.partition import check_fits, shard_widths
 
 __all__ = ["TensorParallelMLP", "free_device_memory", "random_blocks"]
@@ -127,18 +127,9 @@ def _tree_sum(client, futures: list, split_every: int, worker: str | None):
 def free_device_memory(client) -> dict[str, float]:
     """Free memory per worker, bytes: reported device memory (``gpu-memory-total`` minus
     ``gpu_memory_used``) where a worker reports it, else its host memory limit minus its
-    process memory, else ``math.inf`` (unknown)."""
-    out = {}
-    for addr, info in workers_info(client).items():
-        m = info.get("metrics") or {}
-        total = m.get("gpu-memory-total")
-        if total:
-            out[addr] = float(max(total - (m.get("gpu_memory_used") or 0), 0))
-        elif info.get("memory_limit"):
-            out[addr] = float(max(info["memory_limit"] - (m.get("memory") or 0), 0))
-        else:
-            out[addr] = math.inf
-    return out
+    process memory, else ``math.inf`` (unknown): :attr:`blockflow.scheduling.client.
+    WorkerMemory.free`."""
+    return {a: float(m.free) for a, m in worker_memory(client).items()}
 
 
 def random_blocks(sizes: Sequence[int], hidden: int | Sequence[int], *, seed: int = 0,
@@ -306,7 +297,6 @@ class TensorParallelMLP:
 
     def _place(self, blocks) -> None:
         import dask.array as da
-        from distributed import wait
 
         self.shards: list[list[dict | None]] = []  # per block, per worker: futures A, a, B
         self.bias: list = []
@@ -339,7 +329,7 @@ class TensorParallelMLP:
                                  "B": da.concatenate(views["B"], axis=0),
                                  "b": da.from_delayed(bias, b.shape, dtype=np.float64)})
         self._weight_futures = pending
-        wait(pending)
+        wait_for(self.client, pending, what="placing the weight shards")
 
     # --- passes ----------------------------------------------------------------------
 
@@ -376,7 +366,7 @@ class TensorParallelMLP:
                                    pure=False)
             self._saved.append(saved)
         self._output = x
-        return x.result()
+        return gather_results(self.client, x, what="the tensor-parallel forward pass")
 
     def backward(self, grad_output) -> list[dict]:
         """Gradients of every weight from ``d loss / d output`` (after :meth:`forward`).

@@ -1,0 +1,423 @@
+"""Throughput and earliest-finish placement: the pure arithmetic of "which worker, how long".
+
+Everything here is plain Python on plain data (worker addresses, seconds, units of work); it
+imports nothing of distributed, so that client-side code (tuning, training, inference routing,
+parallelism) and scheduler-side rules use the same rules on their own inputs:
+
+- :data:`CONFIDENT` and :func:`confident_speeds`: the one rule for when a speed learned by
+  the scheduler plugin (:class:`~blockflow.scheduling.speed.SpeedModel`) counts as known.
+- :class:`Throughput`: the one estimator of seconds per unit of work per worker from timed
+  calls, under the model ``seconds = fixed + units x seconds_per_unit``, with each worker's
+  first call (its cold start) dropped and the plugin's learned speeds as the prior for
+  workers not yet measured.
+- :func:`call_cost` and :func:`fixed_units`: a call's fixed cost, from calls of different
+  sizes.
+- :func:`earliest_finish`: list scheduling by earliest finish time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from statistics import median
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+__all__ = ["CONFIDENT", "Placement", "Throughput", "call_cost", "confident_speeds",
+           "earliest_finish", "fixed_units", "prior_seconds_per_unit"]
+
+#: A learned speed counts as known from this confidence (0-1) on: the threshold
+#: :meth:`~blockflow.scheduling.speed.SpeedModel.heterogeneous` uses for "well observed".
+#: Below it the plugin's speed is shrunk towards 1.0 by what it has not seen, and is a guess.
+CONFIDENT = 0.5
+
+
+def confident_speeds(speeds: Mapping[str, float] | None,
+                     confidence: Mapping[str, float] | None,
+                     threshold: float = CONFIDENT) -> dict[str, float]:
+    """The learned speeds that count as known: confidence at least ``threshold``.
+
+    Parameters
+    ----------
+    speeds : mapping of str to float
+        Worker address to relative speed (1.0 typical; larger is faster), as the plugin's
+        status reports it (``speeds``).
+    confidence : mapping of str to float
+        Worker address to confidence 0-1 (``speed_confidence``); a worker missing here has
+        confidence 0.
+    threshold : float, default :data:`CONFIDENT`
+
+    Returns
+    -------
+    dict of str to float
+        Only the workers known with confidence, and only positive, finite speeds.
+    """
+    conf = confidence or {}
+    out = {}
+    for a, s in (speeds or {}).items():
+        try:
+            s = float(s)
+        except (TypeError, ValueError):
+            continue
+        if conf.get(a, 0.0) >= threshold and math.isfinite(s) and s > 0:
+            out[a] = s
+    return out
+
+
+def call_cost(calls: list[tuple[int, float]]) -> float | None:
+    """A worker's fixed seconds per call, from one pass's calls.
+
+    ``calls``: ``(units, seconds)`` of each call, the first (all but the reserve) the
+    largest. With every call taking ``c + s x units``, the first call against the others
+    gives ``c = (T n1 - t1 N) / (k n1 - N)`` (``n1, t1`` the first; ``k`` calls of ``N``
+    units in ``T`` seconds the others), at least 0 and at most ``t1``; None with one call.
+    The cost is the part of a call that does not shrink with its size: a fixed part, a
+    small batch's lower efficiency, caches cold after the device's idle time. A blockflow
+    heuristic.
+
+    Parameters
+    ----------
+    calls : list of (int, float)
+
+    Returns
+    -------
+    float or None
+    """
+    if len(calls) < 2:
+        return None
+    (n1, t1), rest = calls[0], calls[1:]
+    k, rows, secs = len(rest), sum(n for n, _ in rest), sum(t for _, t in rest)
+    denom = k * n1 - rows
+    if n1 <= 0 or denom <= 0:
+        return None
+    return min(max(0.0, (secs * n1 - t1 * rows) / denom), t1)
+
+
+def fixed_units(calls: Mapping[str, Iterable[tuple[float, float]]]) -> float:
+    """A call's fixed cost in units of work, shared by the workers.
+
+    Model: a worker's call takes ``k (u + u0)`` seconds for ``u`` units, ``k`` its seconds
+    per unit, ``u0`` the fixed part in unit equivalents. ``u0`` is the median over workers of
+    intercept / slope of a least-squares line through each worker's ``(units, seconds)``,
+    where its sizes differ by 25 % or more; else 0. Bounded by the median size of a call
+    (time that does not grow with the units is all fixed cost). A blockflow heuristic.
+
+    Parameters
+    ----------
+    calls : mapping of str to iterable of (float, float)
+        Worker address to its calls' ``(units, seconds)``.
+
+    Returns
+    -------
+    float
+    """
+    import numpy as np
+
+    est, sizes = [], []
+    for obs in calls.values():
+        obs = list(obs)
+        u = np.array([o[0] for o in obs], float)
+        t = np.array([o[1] for o in obs], float)
+        sizes.extend(u)
+        if len(u) < 2 or u.max() < 1.25 * u.min():
+            continue
+        slope, icept = np.polyfit(u, t, 1)
+        est.append(max(icept, 0.0) / slope if slope > 0 else math.inf)
+    if not est:
+        return 0.0
+    return float(min(median(est), median(sizes)))
+
+
+def prior_seconds_per_unit(workers: Iterable[str], measured: Mapping[str, float],
+                           prior: Mapping[str, float] | None) -> dict[str, float]:
+    """Seconds per unit for every worker: measured where it is, else from its prior speed.
+
+    A worker not measured gets the measured workers' typical seconds per unit times the
+    ratio of their prior speed to its own: the prior (relative speeds) is put into seconds
+    through the workers seen in both (their median of ``measured x speed``), else through
+    all measured workers (their median, at speed 1). With nothing measured it is ``1 /
+    speed`` (1.0 without a prior).
+
+    Parameters
+    ----------
+    workers : iterable of str
+    measured : mapping of str to float
+        Worker address to its measured seconds per unit.
+    prior : mapping of str to float, optional
+        Worker address to a relative speed (larger is faster), e.g.
+        :func:`confident_speeds`.
+
+    Returns
+    -------
+    dict of str to float
+    """
+    prior = {a: s for a, s in (prior or {}).items() if s and s > 0}
+    measured = {a: m for a, m in measured.items() if m is not None}
+    if not measured:
+        return {a: 1.0 / prior[a] if a in prior else 1.0 for a in workers}
+    both = [a for a in measured if a in prior]
+    unit = (median(measured[a] * prior[a] for a in both) if both
+            else median(measured.values()))
+    return {a: measured[a] if a in measured else (unit / prior[a] if a in prior else unit)
+            for a in workers}
+
+
+class Throughput:
+    """Seconds per unit of work per worker, learned from timed calls.
+
+    Model: a call of ``u`` units on worker ``a`` takes ``k_a (u + u0)`` seconds: ``k_a`` its
+    seconds per unit, ``u0`` a fixed cost per call in unit equivalents, shared by the
+    workers (:func:`fixed_units`; parameters in, model set up, result out). Without ``u0`` a
+    worker given little work looks slow per unit, gets less work still, and the shares
+    collapse onto the fastest worker.
+
+    The first ``cold`` calls of each worker are its cold start (imports, JIT compilation,
+    allocator and caches warming up), not its speed: they are kept apart and used only while
+    no worker has a warm call. A worker's seconds per unit is the median of its last
+    ``window`` warm calls' ``seconds / (units + u0)``. Workers not yet measured get the
+    prior (learned speeds, :func:`confident_speeds`) put into seconds through the measured
+    ones (:func:`prior_seconds_per_unit`). A blockflow heuristic from robust estimation.
+
+    Parameters
+    ----------
+    window : int, default 16
+        Warm calls kept per worker.
+    cold : int, default 1
+        First calls per worker dropped as its cold start.
+    fixed : bool, default True
+        Fit the fixed cost per call; False: ``u0 = 0`` (calls of one size, or a cost already
+        in the units).
+    """
+
+    def __init__(self, window: int = 16, cold: int = 1, fixed: bool = True):
+        self.window, self.cold_calls, self.fit_fixed = int(window), int(cold), bool(fixed)
+        self._calls: dict[str, int] = defaultdict(int)
+        self._cold: dict[str, deque] = defaultdict(lambda: deque(maxlen=max(self.cold_calls,
+                                                                             1)))
+        self._warm: dict[str, deque] = defaultdict(lambda: deque(maxlen=self.window))
+        self._u0 = 0.0
+
+    def observe(self, worker: str, units: float, seconds: float) -> bool:
+        """Record one call of ``units`` units of work that took ``seconds``.
+
+        Returns
+        -------
+        bool
+            Whether the call counted as warm (False: a cold start, or no work).
+        """
+        if not units or units <= 0 or seconds is None or seconds < 0:
+            return False
+        self._calls[worker] += 1
+        if self._calls[worker] <= self.cold_calls:
+            self._cold[worker].append((float(units), float(seconds)))
+            return False
+        self._warm[worker].append((float(units), float(seconds)))
+        if self.fit_fixed:
+            self._u0 = fixed_units(self._warm)
+        return True
+
+    def forget(self, worker: str) -> None:
+        """Drop what was measured of ``worker`` (it left; one coming back starts cold)."""
+        for d in (self._calls, self._cold, self._warm):
+            d.pop(worker, None)
+        if self.fit_fixed:
+            self._u0 = fixed_units(self._warm)
+
+    @property
+    def fixed(self) -> float:
+        """The fixed cost per call, in units of work (0 unless fitted)."""
+        return self._u0
+
+    def measured(self, worker: str) -> bool:
+        """Whether ``worker`` has a warm call."""
+        return bool(self._warm.get(worker))
+
+    def warm_calls(self, worker: str) -> list[tuple[float, float]]:
+        """``worker``'s warm calls kept, ``(units, seconds)``, oldest first."""
+        return list(self._warm.get(worker, ()))
+
+    def _rate(self, calls) -> float:
+        u0 = self._u0
+        return median(t / (u + u0) for u, t in calls)
+
+    def measured_seconds_per_unit(self, workers: Iterable[str] | None = None) -> dict[str, float]:
+        """Seconds per unit of each worker with a warm call (of ``workers`` when given)."""
+        pick = None if workers is None else set(workers)
+        return {a: self._rate(v) for a, v in self._warm.items()
+                if v and (pick is None or a in pick)}
+
+    def cold_seconds_per_unit(self) -> dict[str, float]:
+        """Seconds per unit of each worker's cold start(s): ``seconds / units``."""
+        return {a: median(t / u for u, t in v) for a, v in self._cold.items() if v}
+
+    def observed_seconds_per_unit(self) -> dict[str, float]:
+        """Seconds per unit of every worker seen: from its warm calls, or its cold start
+        while it has only that (for reports; placement uses :meth:`seconds_per_unit`)."""
+        return {**self.cold_seconds_per_unit(), **self.measured_seconds_per_unit()}
+
+    def seconds_per_unit(self, workers: Iterable[str],
+                         prior: Mapping[str, float] | None = None) -> dict[str, float]:
+        """Seconds per unit of work of each of ``workers``.
+
+        Measured (warm calls) where a worker has some; else its prior speed put into
+        seconds through the measured workers (:func:`prior_seconds_per_unit`). While no
+        worker of ``workers`` has a warm call, cold starts stand in for measurements (they
+        compare workers that all started cold).
+
+        Parameters
+        ----------
+        workers : iterable of str
+        prior : mapping of str to float, optional
+            Relative speeds (larger is faster) known with confidence.
+
+        Returns
+        -------
+        dict of str to float
+        """
+        workers = list(workers)
+        measured = self.measured_seconds_per_unit(workers)
+        if not measured:
+            cold = self.cold_seconds_per_unit()
+            measured = {a: cold[a] for a in workers if a in cold}
+        return prior_seconds_per_unit(workers, measured, prior)
+
+    def seconds(self, worker: str, units: float, spu: Mapping[str, float]) -> float:
+        """Seconds a call of ``units`` takes on ``worker``: ``spu[worker] x (units + u0)``."""
+        return spu[worker] * (units + self._u0)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where :func:`earliest_finish` put one item.
+
+    Attributes
+    ----------
+    item : int
+        Index of the item in the input.
+    worker : str
+    slot : int
+        Index of the worker's slot (thread) it runs in.
+    start, finish : float
+        When it starts (its slot's ready time) and is predicted to end.
+    """
+
+    item: int
+    worker: str
+    slot: int
+    start: float
+    finish: float
+
+
+def earliest_finish(
+    items: int | Sequence[Any],
+    ready: Mapping[str, float | Sequence[float]],
+    seconds: Mapping[str, float] | Callable[[int, str], float] | None = None,
+    *,
+    units: Sequence[float] | None = None,
+    speeds: Mapping[str, float] | None = None,
+    fixed: float = 0.0,
+    threads: Mapping[str, int] | None = None,
+    sizes: Sequence[float] | None = None,
+    capacity: Mapping[str, float] | None = None,
+    held: Mapping[str, float] | None = None,
+    tie: Callable[[str, int], Any] | None = None,
+) -> list[Placement]:
+    """Assign items, in the order given, each to the worker slot where it finishes first.
+
+    Source: list scheduling / earliest finish time (HEFT-style: Topcuoglu, Hariri and Wu,
+    2002), a blockflow heuristic. Each worker has one or more slots (threads), each free
+    from a ready time; an item placed in a slot ends at ``ready + seconds`` and the slot is
+    ready again then. Items are taken in the order given (sort them first, e.g. largest
+    first, for the classic LPT-style variant).
+
+    Two ways to give the times:
+
+    - in seconds: ``ready`` (when each worker or slot is free) and ``seconds`` (per worker
+      seconds per unit, or ``seconds(item, worker)``); an item ends at ``ready + seconds``;
+    - in units of work, from a snapshot: ``ready`` is the work queued on each worker or slot
+      and ``speeds`` its units per second; an item ends at ``(ready + units + fixed) /
+      speed`` (``fixed``: a cost per call, in units) and its units join the queue.
+
+    Parameters
+    ----------
+    items : int or sequence
+        The items (or how many); only their positions are used.
+    ready : mapping of str to float or sequence of float
+        Per worker, when it is free (seconds on any common clock: 0 for "now"), or its
+        queued units with ``speeds``; or one such number per slot.
+    seconds : mapping of str to float, or callable, optional
+        Per worker, seconds per unit of work (with ``units``; 1 unit per item without), or
+        ``seconds(item, worker)``: the seconds item ``item`` takes on ``worker`` (items with
+        their own seconds per unit). Not with ``speeds``.
+    units : sequence of float, optional
+        Units of work per item (default 1 each).
+    speeds : mapping of str to float, optional
+        Per worker, units of work per second: ``ready`` is then queued work.
+    fixed : float, default 0.0
+        With ``speeds``: a call's fixed cost in units (counted once per item's finish).
+    threads : mapping of str to int, optional
+        Per worker, its slots when ``ready`` gives it one number (default 1).
+    sizes, capacity : optional
+        Bytes per item and per worker: a worker is eligible while its items' bytes plus the
+        item's stay within its capacity (when none is, every worker is).
+    held : mapping of str to float, optional
+        Bytes each worker holds already (counted against its capacity).
+    tie : callable, optional
+        ``tie(worker, slot)``: a sort key that breaks equal finish times (default: the
+        first worker in ``ready``'s order, then the first slot).
+
+    Returns
+    -------
+    list of Placement
+        One per item, in the order given. With ``speeds``, ``start`` and ``finish`` are in
+        seconds from the snapshot (``ready / speed`` and the item's end).
+    """
+    if (seconds is None) == (speeds is None):
+        raise ValueError("earliest_finish: give either seconds or speeds")
+    n = items if isinstance(items, int) else len(items)
+    slots: list[list] = []  # [ready, worker, slot index]
+    for w, r in ready.items():
+        if isinstance(r, (int, float)):
+            k = max(int((threads or {}).get(w, 1) or 1), 1)
+            slots += [[float(r), w, i] for i in range(k)]
+        else:
+            slots += [[float(t), w, i] for i, t in enumerate(r)]
+
+    def size(i: int) -> float:
+        return 1.0 if units is None else units[i]
+
+    if speeds is not None:
+        def end(i: int, s: list) -> float:
+            return (s[0] + size(i) + fixed) / speeds[s[1]]
+    else:
+        if callable(seconds):
+            cost = seconds
+        else:
+            def cost(i: int, w: str) -> float:
+                return size(i) * seconds[w]
+
+        def end(i: int, s: list) -> float:
+            return s[0] + cost(i, s[1])
+    used: dict[str, float] = defaultdict(float, held or {})
+    out = []
+    for i in range(n):
+        pool = slots
+        if capacity is not None and sizes is not None:
+            pool = [s for s in slots if used[s[1]] + sizes[i] <= capacity.get(s[1], math.inf)]
+            pool = pool or slots
+        if not pool:
+            break
+        finish = [end(i, s) for s in pool]
+        k = min(range(len(pool)), key=lambda k: (
+            finish[k], () if tie is None else tie(pool[k][1], pool[k][2])))
+        best = pool[k]
+        if speeds is not None:
+            start = best[0] / speeds[best[1]]
+            best[0] += size(i)
+        else:
+            start = best[0]
+            best[0] = finish[k]
+        if sizes is not None:
+            used[best[1]] += sizes[i]
+        out.append(Placement(i, best[1], best[2], start, finish[k]))
+    return out
