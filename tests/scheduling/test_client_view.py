@@ -25,7 +25,7 @@ from blockflow.scheduling.client import (
     wait_any,
     worker_memory,
 )
-from tests.loadaware import scaled
+from loadaware import scaled
 
 
 def test_the_public_names_stay_where_they_were():
