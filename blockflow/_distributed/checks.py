@@ -137,8 +137,19 @@ def check_dashboard() -> None:
 
 
 def check_worker(worker) -> None:
-    """Verify the ``Worker`` internals the worker-side functions below use (``metrics``,
-    ``data``, ``plugins``, ``heartbeat``)."""
+    """Verify the ``Worker`` internals :mod:`blockflow._distributed.worker` uses
+    (``metrics``, ``data``, ``plugins``, ``heartbeat``, ``rpc``, ``handlers``, ``executors``,
+    ``set_resources``, ``state.total_resources``); raise if one changed.
+
+    Run in the ``setup`` of every worker plugin blockflow installs (:class:`HandlerPlugin`,
+    :class:`QuietClose`, :func:`install_worker_handlers`, the device-metrics and simulated-GPU
+    plugins).
+
+    Raises
+    ------
+    IncompatibleSchedulerError
+        Naming the missing or changed internal and the distributed version.
+    """
     if not isinstance(getattr(worker, "metrics", None), dict):
         _fail("Worker.metrics (a dict)")
     if not hasattr(getattr(worker, "data", None), "values"):

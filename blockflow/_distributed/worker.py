@@ -107,7 +107,9 @@ def add_worker_handler(worker, name: str, fn: Callable) -> None:
 class HandlerPlugin:
     """Base of a worker plugin that serves one comm handler on every worker, those that
     join later included: subclasses set ``name`` (the plugin's), ``op`` (the handler's)
-    and ``make_handler(worker)``, which returns the handler for that worker."""
+    and ``make_handler(worker)``, which returns the handler for that worker. ``setup``
+    first verifies the worker's internals
+    (:func:`~blockflow._distributed.checks.check_worker`)."""
 
     name: str
     op: str
