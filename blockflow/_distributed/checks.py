@@ -68,7 +68,8 @@ def _class_has(cls, attr: str) -> bool:
 
 
 def check_scheduler(scheduler) -> None:
-    """Verify every distributed internal this module uses; raise if one changed.
+    """Verify every scheduler-side distributed internal the boundary uses; raise if one
+    changed.
 
     Checks the scheduler's attributes and methods, the stealing extension, the
     ``WorkerState`` and ``TaskState`` classes (so it works before any worker joins) and every
