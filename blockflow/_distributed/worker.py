@@ -325,3 +325,5 @@ async def run_in_worker_executor(worker, fn: Callable[[], Any]):
             return fn()
         finally:
             _worker_cvar.reset(token)
+
+    return await worker.loop.run_in_executor(worker.executors["default"], call)
