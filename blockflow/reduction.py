@@ -424,8 +424,9 @@ def optimize_without_aliases(dsk, keys, **kwargs):
     by the target itself, renamed: one task per block, then the tree. A blockflow heuristic
     on top of :func:`dask.array.optimization.optimize`.
     """
-    from dask._task_spec import Alias
     from dask.array.optimization import optimize
+
+    from blockflow._distributed.graph import alias_target, renamed_task
 
     dsk = dict(optimize(dsk, keys, **kwargs))
     dependents: dict = {}
@@ -434,13 +435,14 @@ def optimize_without_aliases(dsk, keys, **kwargs):
             dependents[dep] = dependents.get(dep, 0) + 1
     keep = set(flatten_keys(keys))
     for key, node in list(dsk.items()):
-        if not isinstance(node, Alias) or node.target == key:
+        aliased = alias_target(node)
+        if aliased is None or aliased == key:
             continue
-        target = dsk.get(node.target)
-        if target is None or dependents.get(node.target, 0) != 1 or node.target in keep:
+        target = dsk.get(aliased)
+        if target is None or dependents.get(aliased, 0) != 1 or aliased in keep:
             continue
-        dsk[key] = target.substitute({}, key=key)
-        del dsk[node.target]
+        dsk[key] = renamed_task(target, key)
+        del dsk[aliased]
     return dsk
 
 

@@ -2,7 +2,8 @@
 
 The one place blockflow asks NVML about devices. It builds on
 :mod:`distributed.diagnostics.nvml` (``init_once``, ``device_get_count``,
-``get_device_index_and_uuid``, ``get_device_mig_mode``, ``_get_handle``), so NVML is initialised
+``get_device_index_and_uuid``, ``get_device_mig_mode``; its private helpers through
+:mod:`blockflow._distributed.nvml`), so NVML is initialised
 once per process, honours ``distributed.diagnostics.nvml: False``, and parses
 ``CUDA_VISIBLE_DEVICES`` as distributed does: integer indices, ``GPU-`` and ``MIG-`` UUIDs.
 
@@ -30,7 +31,13 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from blockflow._distributed import remove_worker_metric, set_worker_metric
+from blockflow._distributed import check_worker, remove_worker_metric, set_worker_metric
+from blockflow._distributed.nvml import (
+    nvml_device_name,
+    nvml_handle,
+    nvml_memory_total,
+    parse_visible_device,
+)
 from blockflow._distributed.metrics import CAPACITY_METRIC, DEVICE_UUID_METRIC, OWN_UTILIZATION_METRIC
 
 __all__ = [
@@ -124,9 +131,7 @@ def visible_device() -> int | str | None:
     if not visible:
         return None
     try:
-        from distributed.diagnostics.nvml import _parse_cuda_visible_device
-
-        return _parse_cuda_visible_device(visible[0])
+        return parse_visible_device(visible[0])
     except Exception:  # ValueError: not an index nor a UUID
         return None
 
@@ -145,9 +150,7 @@ def device_handle(device: int | str | None = None):
     if device is None:
         return None
     try:
-        from distributed.diagnostics.nvml import _get_handle
-
-        return _get_handle(device)
+        return nvml_handle(device)
     except Exception:
         return None
 
@@ -215,10 +218,10 @@ def device_info(device: int | str | None = None) -> DeviceInfo | None:
     else:
         mode = ask(nvml.get_device_mig_mode, device)
         mig = None if not mode else mode[0] == _NVML_DEVICE_MIG_ENABLE
-    total = ask(nvml._get_memory_total, handle)
+    total = ask(nvml_memory_total, handle)
     return DeviceInfo(
         index=None if index is None else int(index),
-        name=_text(ask(nvml._get_name, handle)),
+        name=_text(ask(nvml_device_name, handle)),
         uuid=uuid,
         mig=mig,
         memory_total=None if total is None else int(total),
@@ -347,6 +350,7 @@ class DeviceMetrics(WorkerPlugin):
         self._installed: dict[int, dict[str, Any]] = {}
 
     def setup(self, worker) -> None:
+        check_worker(worker)
         handle = device_handle()
         if handle is None:  # no NVML, no driver, no device: nothing to add
             return

@@ -11,7 +11,8 @@ then asks the server who it is (distributed's ``identity``). A server that stays
 hangs up is asked, on fresh connections, whether it speaks HTTP or TLS, to say what it is.
 Each failure is a :class:`ProbeError` whose ``kind`` says what was found there and whose
 text says it in words. Method: blockflow heuristic on distributed's TCP framing (a
-little-endian uint64 byte count, then the packed frames).
+little-endian uint64 byte count, then the packed frames), written and read by
+:mod:`blockflow._distributed.wire`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import concurrent.futures
 import contextlib
 import socket
 import ssl
-import struct
 from typing import Any
+
+from blockflow._distributed.wire import HEADER_BYTES, client_handshake, decode_message, message_length
 
 __all__ = ["ProbeError", "check_scheduler"]
 
@@ -125,20 +127,6 @@ async def _look(address: str, host: str, port: int, ctx: ssl.SSLContext | None,
             await asyncio.wait_for(writer.wait_closed(), 1)
 
 
-def client_handshake() -> bytes:
-    """The bytes of the handshake a Dask client sends first (distributed's TCP framing: a
-    little-endian uint64 byte count, then the packed frames of the message)."""
-    import pickle
-    import sys
-
-    from distributed.protocol import dumps
-    from distributed.protocol.utils import pack_frames
-
-    packed = pack_frames(dumps({"compression": None, "python": tuple(sys.version_info)[:3],
-                                "pickle-protocol": pickle.HIGHEST_PROTOCOL}))
-    return struct.pack("<Q", len(packed)) + packed
-
-
 async def _what_else(address: str, host: str, port: int, error: ProbeError,
                      deadline: float) -> None:
     """A plain-TCP server that hung up or stayed silent: a web server (a dashboard's port,
@@ -208,22 +196,15 @@ async def _first_message(address: str, reader: asyncio.StreamReader, deadline: f
                          timeout: float, ctx: ssl.SSLContext | None) -> None:
     """Read the peer's first message (an 8-byte length, then that many bytes of frames) and
     check that it is Dask's handshake."""
-    header = await _read(address, reader, 8, deadline, timeout, ctx)
-    (n,) = struct.unpack("<Q", header)
+    header = await _read(address, reader, HEADER_BYTES, deadline, timeout, ctx)
+    n = message_length(header)
     if not 0 < n <= HANDSHAKE_MAX_BYTES:
         more = b""
         with contextlib.suppress(Exception):
             more = await asyncio.wait_for(reader.read(QUOTE_BYTES), 0.2)
         raise _not_dask(address, header + more)
     payload = await _read(address, reader, n, deadline, timeout, ctx, header)
-    try:
-        from distributed.protocol import loads
-        from distributed.protocol.utils import unpack_frames
-
-        frames, missing = unpack_frames(payload, partial=True)
-        msg = loads(frames, deserialize=False) if not missing else None
-    except Exception:
-        msg = None
+    msg = decode_message(payload)
     if not (isinstance(msg, dict) and "compression" in msg):
         raise _not_dask(address, header + payload)
 

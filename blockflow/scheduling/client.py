@@ -31,7 +31,7 @@ from distributed import Client
 
 from blockflow import config
 from blockflow._distributed.metrics import clean_number, read_metrics
-from blockflow._distributed.view import has_scheduler_plugin
+from blockflow._distributed.client import has_scheduler_plugin
 from blockflow.cluster.identity import workers_info
 from blockflow.errors import WorkerLostError
 from blockflow.scheduling.estimate import CONFIDENT, Throughput, confident_speeds

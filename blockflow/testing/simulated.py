@@ -515,6 +515,7 @@ class SimulatedGPU(WorkerPlugin):
         self._metrics: dict[str, Callable] = {}  # the metric callables this plugin set
 
     async def setup(self, worker) -> None:
+        _distributed.check_worker(worker)
         spec = self.devices.get(str(worker.address), self.devices.get(str(worker.name),
                                                                        self.default))
         if spec is None:

@@ -31,9 +31,9 @@ import time
 from typing import Any, Callable, Mapping, TypeVar
 
 from distributed import futures_of
-from distributed.diagnostics.progressbar import ProgressBar
 from distributed.utils import is_kernel
 
+from blockflow._distributed.client import SchedulerProgress
 from blockflow.blockwise import check_retries
 from blockflow.scheduling.client import gather_results, wait_for
 from blockflow.io import atomic_output_dir, write_manifest
@@ -96,19 +96,6 @@ def _run_record(client, run_id: str) -> dict[str, Any] | None:
         return None
 
 
-class _SchedulerProgress(ProgressBar):
-    """distributed's progress feed (tasks still to run for some futures), for clusters
-    without blockflow's plugin; hands each count to ``draw(done, total)``."""
-
-    def __init__(self, futures, client, draw: Callable[[int, int], None]):
-        super().__init__(futures, scheduler=client.scheduler.address, interval="200ms",
-                         complete=False)
-        self._draw = draw
-
-    def _draw_bar(self, remaining, all, **kwargs) -> None:
-        self._draw(all - remaining, all)
-
-
 class StageProgress:
     """One labelled progress bar for one stage (one submitted graph) of a job, drawn with
     tqdm.
@@ -167,7 +154,7 @@ class StageProgress:
         self._stop = threading.Event()
         self._loop = self._task = None
         if before is None:
-            feed = _SchedulerProgress(futures, client, self._draw)
+            feed = SchedulerProgress(futures, client, self._draw)
             self._loop = asyncio.new_event_loop()
             self._task = self._loop.create_task(feed.listen())
         self._thread = threading.Thread(target=self._follow, daemon=True,

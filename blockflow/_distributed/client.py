@@ -1,0 +1,66 @@
+"""The client side: distributed's client API where blockflow needs more than its public face.
+
+:func:`data_holders` (``Client.who_has``, whose name is also a ``TaskState`` internal's) and
+:class:`SchedulerProgress`, distributed's progress feed handed to a drawing callback (it
+overrides ``ProgressBar``'s private drawing method, so it lives here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from distributed.diagnostics.progressbar import ProgressBar
+
+__all__ = ["SchedulerProgress", "data_holders", "has_scheduler_plugin"]
+
+
+
+def data_holders(client, futures) -> dict:
+    """Key -> addresses of the workers holding it, for ``futures`` (``Client.who_has``: a
+    public client call, here because its name is also a ``TaskState`` internal's)."""
+    return {k: list(v) for k, v in client.who_has(list(futures)).items()}
+
+
+class SchedulerProgress(ProgressBar):
+    """distributed's progress feed (tasks still to run for some futures), for clusters
+    without blockflow's plugin; hands each count to ``draw(done, total)``.
+
+    Parameters
+    ----------
+    futures : list of distributed.Future
+    client : distributed.Client
+    draw : callable
+        ``draw(done, total)``, called from the client's event loop on each update.
+    interval : str, default "200ms"
+        How often the scheduler sends counts.
+    """
+
+    def __init__(self, futures, client, draw: Callable[[int, int], None],
+                 interval: str = "200ms"):
+        super().__init__(futures, scheduler=client.scheduler.address, interval=interval,
+                         complete=False)
+        self._blockflow_draw = draw
+
+    def _draw_bar(self, remaining, all, **kwargs) -> None:  # distributed's drawing hook
+        self._blockflow_draw(all - remaining, all)
+
+
+def _has_plugin(name: str, dask_scheduler=None) -> bool:
+    from blockflow._distributed import scheduler_plugin
+
+    return scheduler_plugin(dask_scheduler, name) is not None
+
+
+def has_scheduler_plugin(client, name: str) -> bool:
+    """Whether the scheduler ``client`` talks to has a plugin registered under ``name``.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    name : str
+
+    Returns
+    -------
+    bool
+    """
+    return bool(client.run_on_scheduler(_has_plugin, name))

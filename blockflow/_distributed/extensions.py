@@ -1,0 +1,285 @@
+"""Extensions of the scheduler: what blockflow installs into it.
+
+Scheduler plugins, RPC handlers and periodic callbacks, Active Memory Manager policies
+(:class:`AMMPolicy`, an adapter from plain views to distributed's ``Suggestion`` s, and
+:func:`run_amm_policy`), HTTP routes and Bokeh dashboard pages, worker plugins registered
+from the scheduler side.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from distributed.active_memory_manager import ActiveMemoryManagerPolicy, Suggestion
+
+from blockflow._distributed.views import HeldResult, WorkerView, held_results, worker_views
+
+__all__ = [
+    "AMMPolicy",
+    "MemorySuggestion",
+    "add_amm_policy",
+    "add_dashboard_page",
+    "add_handler",
+    "add_http_routes",
+    "add_periodic_callback",
+    "add_scheduler_plugin",
+    "http_prefix",
+    "register_worker_plugin_on_scheduler",
+    "remove_periodic_callback",
+    "run_amm_policy",
+    "scheduler_plugin",
+    "style_dashboard_doc",
+]
+
+logger = logging.getLogger(__name__)
+
+
+
+def add_periodic_callback(scheduler, name: str, fn: Callable[[], Any], interval: float):
+    """Run ``fn`` every ``interval`` seconds on the scheduler's event loop, registered under
+    ``name`` in the scheduler's periodic callbacks (stopped with the scheduler)."""
+    from tornado.ioloop import PeriodicCallback
+
+    pc = PeriodicCallback(fn, interval * 1000)
+    scheduler.periodic_callbacks[name] = pc
+    pc.start()
+    return pc
+
+
+def remove_periodic_callback(scheduler, name: str) -> None:
+    """Stop and remove the periodic callback ``name``, if any."""
+    pc = scheduler.periodic_callbacks.pop(name, None)
+    if pc is not None:
+        pc.stop()
+
+
+def add_handler(scheduler, name: str, fn: Callable) -> None:
+    """Serve ``fn`` as the scheduler RPC handler ``name`` (read with ``client.scheduler.<name>``)."""
+    scheduler.handlers[name] = fn
+
+
+def scheduler_plugin(scheduler, name: str):
+    """The scheduler plugin registered under ``name``, or None."""
+    return scheduler.plugins.get(name)
+
+
+def add_amm_policy(scheduler, policy: Any) -> bool:
+    """Install an Active Memory Manager policy; False if the AMM extension is absent."""
+    amm = scheduler.extensions.get("amm")
+    if amm is None:
+        return False
+    amm.add_policy(policy)
+    return True
+
+
+@dataclass(frozen=True)
+class MemorySuggestion:
+    """A plain AMM suggestion: ``op`` ``"replicate"`` (to one of ``candidates``) or ``"drop"``
+    (from one of ``candidates``) the result ``key``."""
+
+    op: str
+    key: Any
+    candidates: frozenset
+
+
+class AMMPolicy(ActiveMemoryManagerPolicy):
+    """Base of blockflow's Active Memory Manager policies: plain data in, plain data out.
+
+    Subclasses implement :meth:`plan`, a generator that reads the worker views and held
+    results, yields :class:`MemorySuggestion` objects and is sent back the address the AMM
+    chose (None when it declined). This class turns them into distributed's ``Suggestion`` s.
+    """
+
+    def plan(self, workers: dict[str, WorkerView],
+             held: Mapping[str, list[HeldResult]]):  # pragma: no cover - abstract
+        raise NotImplementedError
+        yield
+
+    def log(self, action: str, worker: str, reason: str, seen: dict, key=None,
+            target=None) -> None:
+        """Log a decision in the rebalancer's decision log when the rebalancer runs."""
+        plugin = scheduler_plugin(self.manager.scheduler, "blockflow-rebalancer")
+        if plugin is not None and hasattr(plugin, "log_decision"):
+            plugin.log_decision(action, worker, reason, seen, key=key, target=target)
+
+    def run(self):
+        scheduler = self.manager.scheduler
+        gen = self.plan(worker_views(scheduler), held_results(scheduler))
+        try:
+            s = next(gen)
+            while True:
+                ts = scheduler.tasks.get(s.key)
+                wss = {scheduler.workers[a] for a in s.candidates if a in scheduler.workers}
+                chosen = None
+                if ts is not None and wss:
+                    choice = yield Suggestion(s.op, ts, wss)
+                    chosen = getattr(choice, "address", None)
+                s = gen.send(chosen)
+        except StopIteration:
+            return
+
+
+# --- dashboard ------------------------------------------------------------------------------
+
+
+def style_dashboard_doc(doc, component, extra: dict, *, title: str, interval_ms: int) -> None:
+    """Make a Bokeh document look and update like distributed's own dashboard pages:
+    ``component.update()`` every ``interval_ms`` (held weakly, so a closed tab leaves nothing
+    behind), distributed's page template, menu variables and theme."""
+    from distributed.dashboard.components import add_periodic_callback
+    from distributed.dashboard.components.scheduler import BOKEH_THEME, env
+
+    add_periodic_callback(doc, component, interval_ms)
+    doc.title = title
+    doc.add_root(component.root)
+    doc.template = env.get_template("simple.html")
+    doc.template_variables.update(extra)
+    doc.theme = BOKEH_THEME
+
+
+def add_scheduler_plugin(scheduler, plugin) -> None:
+    """Install a scheduler plugin from the scheduler side (``dask scheduler --preload``)."""
+    scheduler.add_plugin(plugin)
+
+
+def http_prefix(scheduler) -> str:
+    """The scheduler's HTTP prefix (``"/"`` or ``"/prefix/"``), read off its Bokeh app."""
+    app = getattr(scheduler, "http_application", None)
+    for sub in getattr(app, "applications", ()):
+        prefix = getattr(sub, "prefix", None)
+        if isinstance(prefix, str) and "bokeh" in type(sub).__module__ + type(sub).__name__.lower():
+            return "/" + prefix.strip("/") + "/" if prefix.strip("/") else "/"
+    return "/"
+
+
+def add_http_routes(scheduler, routes) -> bool:
+    """Serve ``routes`` (``[(path, handler, kwargs)]``) from the scheduler's HTTP server.
+
+    Handlers get the scheduler as ``dask_server``, as distributed's own route modules do.
+    False when the scheduler runs no HTTP server.
+    """
+    app = getattr(scheduler, "http_application", None)
+    if app is None:
+        return False
+    prefix = http_prefix(scheduler)
+    app.add_handlers(r".*", [(prefix + path.lstrip("/"), cls, {"dask_server": scheduler, **kw})
+                             for path, cls, kw in routes])
+    return True
+
+
+def add_dashboard_page(scheduler, path: str, doc_fn, menu_name: str) -> bool:
+    """Serve a Bokeh page ``doc_fn(scheduler, extra, doc)`` at ``path`` and list it in the
+    dashboard's "More..." menu. False when the scheduler has no Bokeh dashboard.
+
+    The dashboard builds its page table and menu once, when the scheduler starts, so a page
+    added later gets a Bokeh application of its own on the scheduler's HTTP server, and its
+    menu entry is appended to the (memoised) template variables every page renders from.
+    """
+    app = getattr(scheduler, "http_application", None)
+    try:
+        from distributed.dashboard import scheduler as dashboard
+        from distributed.dashboard.core import BokehApplication
+    except ImportError:  # no bokeh
+        return False
+    if app is None or not any("bokeh" in type(a).__name__.lower() for a in app.applications):
+        return False
+    prefix = http_prefix(scheduler)
+    variables = dashboard.template_variables(scheduler)
+    entry = {"url": path.strip("/"), "name": menu_name}
+    if entry not in variables["plots"]:
+        variables["plots"].append(entry)
+    if path in dashboard.applications:  # served by the dashboard's own Bokeh app already
+        return True
+    from tornado.ioloop import IOLoop
+
+    bokeh_app = BokehApplication({path: doc_fn}, scheduler, prefix=prefix,
+                                 template_variables=variables)
+    app.add_application(bokeh_app)
+    bokeh_app.initialize(IOLoop.current())  # as distributed's own dashboard does
+    return True
+
+
+# --- worker side (worker plugins, probes run with Client.run) ------------------------------
+
+
+async def register_worker_plugin_on_scheduler(scheduler, plugin, name: str,
+                                              idempotent: bool = False) -> None:
+    """Register the worker plugin ``plugin`` under ``name`` from the scheduler side
+    (``Scheduler.register_worker_plugin``), for tests holding a Scheduler but no Client."""
+    from distributed.protocol.pickle import dumps
+
+    await scheduler.register_worker_plugin(None, dumps(plugin), name, idempotent=idempotent)
+
+
+async def run_amm_policy(scheduler, policy, cycles: int = 10, timeout: float = 30.0) -> int:
+    """Run one Active Memory Manager policy to completion, on its own, now.
+
+    A dedicated manager (``ActiveMemoryManagerExtension(..., register=False, start=False)``,
+    as distributed's ``retire_workers`` makes one) runs ``policy`` alone, so the scheduler's
+    own AMM policies (``ReduceReplicas``) take no part in its cycles. Each cycle runs the
+    policy once and enacts what the manager accepted; between cycles it waits until every
+    accepted replica has landed (``TaskState.who_has``), so a policy that moves results
+    (replicate, then drop) sees its copies in the next cycle.
+
+    Parameters
+    ----------
+    scheduler : distributed.Scheduler
+    policy : ActiveMemoryManagerPolicy
+        E.g. an :class:`AMMPolicy`; its ``manager`` is set to the dedicated manager.
+    cycles : int, default 10
+        At most this many cycles.
+    timeout : float, default 30.0
+        Seconds to wait, per cycle, for accepted replicas to land (then the next cycle runs
+        anyway; the policy sees which copies are missing).
+
+    Returns
+    -------
+    int
+        Cycles in which the manager accepted at least one suggestion; it stops at the first
+        cycle in which it accepted none.
+    """
+    import asyncio
+    import time
+
+    from distributed.active_memory_manager import ActiveMemoryManagerExtension
+
+    amm = ActiveMemoryManagerExtension(scheduler, policies=set(), register=False, start=False)
+    accepted: list = []
+
+    class _Recorder(ActiveMemoryManagerPolicy):
+        """Passes ``policy``'s suggestions through, recording the ones accepted."""
+
+        def run(self):
+            gen = policy.run()
+            ws = None
+            while True:
+                try:
+                    suggestion = gen.send(ws)
+                except StopIteration:
+                    return
+                ws = yield suggestion
+                if ws is not None:
+                    accepted.append((suggestion.op, suggestion.ts, ws))
+
+    amm.add_policy(_Recorder())
+    policy.manager = amm
+    done = 0
+    for _ in range(int(cycles)):
+        accepted.clear()
+        amm.run_once()
+        if not accepted:
+            break
+        done += 1
+        landing = [(ts, ws) for op, ts, ws in accepted if op == "replicate"]
+        deadline = time.monotonic() + timeout
+        while any(ts.state == "memory" and scheduler.workers.get(ws.address) is ws
+                  and ws not in ts.who_has for ts, ws in landing):
+            if time.monotonic() > deadline:
+                logger.warning("run_amm_policy: replicas of %s not landed within %g s",
+                               policy, timeout)
+                break
+            await asyncio.sleep(0.01)
+    return done

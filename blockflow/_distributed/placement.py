@@ -1,0 +1,207 @@
+"""Task placement: what a task's kernels declare, and the restrictions that place it.
+
+Reads a task's spec (``dask._task_spec`` nodes, fused subgraphs, partials) for what
+blockflow's kernels declare (device working set, resources and workers) and its annotations
+(``blockflow_work``), and writes the scheduler-side restrictions that place it
+(:func:`set_task_placement`) or hold it back (:data:`HOLD_ADDRESS`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "HOLD_ADDRESS",
+    "WORK_ANNOTATION",
+    "set_task_placement",
+    "task_placement",
+    "task_work",
+    "task_working_set",
+]
+
+
+
+#: Task annotation ``dask.annotate(blockflow_work=...)``: the work of a task, in units its
+#: group shares (rows, say), for groups whose tasks differ in size on purpose.
+WORK_ANNOTATION = "blockflow_work"
+
+
+def task_work(scheduler, key) -> float | None:
+    """The work ``key`` declared with ``dask.annotate(blockflow_work=...)`` (a positive
+    number), else None. O(1): called from the scheduler plugin's transition hook."""
+    ts = scheduler.tasks.get(key)
+    annotations = getattr(ts, "annotations", None)
+    if not annotations:
+        return None
+    work = annotations.get(WORK_ANNOTATION)
+    if isinstance(work, (int, float)) and math.isfinite(work) and work > 0:
+        return float(work)
+    return None
+
+
+def _restricted(ts) -> bool:
+    return bool(ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions)
+
+
+def task_working_set(run_spec, key, *, max_nodes: int = 256) -> int | None:
+    """Device memory (bytes) a task's kernel declared, or None.
+
+    Looks through the task's spec (``dask._task_spec`` nodes, fused subgraphs included, at
+    most ``max_nodes`` of them) for an object with a ``blockflow_working_set(key)`` method,
+    which blockflow's kernels have when ``map_blocks(working_set=)`` was given.
+    """
+    return _working_set(_declaring_objects(run_spec, max_nodes), key)
+
+
+def _working_set(objects: list, key) -> int | None:
+    found = None
+    for obj in objects:
+        method = getattr(obj, "blockflow_working_set", None)
+        if not callable(method):
+            continue
+        try:
+            ws = method(key)
+        except Exception:  # a kernel's own bug must not break the scheduler
+            ws = None
+        if isinstance(ws, int) and ws > 0:
+            found = max(found or 0, ws)
+    return found
+
+
+#: Attributes through which a task spec reaches the callables and arguments it holds:
+#: ``dask._task_spec`` nodes (func, args, kwargs, value), functools.partial (keywords),
+#: toolz's Compose (first, funcs).
+_SPEC_ATTRS = ("func", "args", "kwargs", "keywords", "value", "first", "funcs")
+_SPEC_LEAVES = (str, bytes, int, float, complex, type(None), type)
+#: type -> how to look inside its objects (computed once per type: attribute look-ups that
+#: miss are slow, and a graph of 50,000 tasks holds a few dozen types)
+_spec_plans: dict[type, tuple] = {}
+
+
+def _spec_plan(t: type) -> tuple:
+    plan = _spec_plans.get(t)
+    if plan is None:
+        if issubclass(t, _SPEC_LEAVES):
+            plan = ("leaf",)
+        elif hasattr(t, "blockflow_working_set") or hasattr(t, "blockflow_placement"):
+            plan = ("declares",)
+        elif issubclass(t, dict):
+            plan = ("dict",)
+        elif issubclass(t, (list, tuple, set, frozenset)):
+            plan = ("seq",)
+        else:
+            plan = ("obj", tuple(a for a in _SPEC_ATTRS if hasattr(t, a)),
+                    bool(getattr(t, "__dictoffset__", 0)))
+        if len(_spec_plans) < 10_000:
+            _spec_plans[t] = plan
+    return plan
+
+
+def _declaring_objects(run_spec, max_nodes: int = 256) -> list:
+    """The objects in a task's spec that declare something to blockflow (a
+    ``blockflow_working_set`` or ``blockflow_placement`` method: blockflow's kernels), looked
+    for through ``dask._task_spec`` nodes, fused subgraphs, partials and compositions, at
+    most ``max_nodes`` nodes."""
+    stack, seen, found = [run_spec], 0, []
+    while stack and seen < max_nodes:
+        node = stack.pop()
+        seen += 1
+        plan = _spec_plan(type(node))
+        kind = plan[0]
+        if kind == "leaf":
+            continue
+        if kind == "declares":
+            found.append(node)
+        elif kind == "dict":
+            stack.extend(node.values())
+        elif kind == "seq":
+            stack.extend(node)
+        else:
+            for attr in plan[1]:
+                child = getattr(node, attr, None)
+                if child is not None:
+                    stack.append(child)
+            if plan[2]:
+                d = node.__dict__
+                for attr in _SPEC_ATTRS:
+                    if attr in d and attr not in plan[1]:
+                        stack.append(d[attr])
+    return found
+
+
+#: The worker restriction that holds a task back (admission control): no worker has this
+#: address, so the scheduler keeps the task in "no-worker" until :func:`release_tasks`.
+HOLD_ADDRESS = "blockflow-admission://held"
+
+
+def task_placement(run_spec, *, max_nodes: int = 256) -> dict | None:
+    """Where a task's kernels asked to run, or None.
+
+    Looks through the task's spec (fused subgraphs included, at most ``max_nodes`` nodes,
+    as :func:`task_working_set`) for objects with a ``blockflow_placement()`` method
+    (blockflow's kernels given ``resources=``, ``workers=`` or ``allow_other_workers=``). A
+    task that runs several such kernels (Dask fused them) needs each one's resources
+    (the largest amount of each), the first kernel's workers, and may go elsewhere only if
+    every kernel allows it.
+
+    Returns
+    -------
+    dict or None
+        ``{"resources": dict or None, "workers": tuple or None, "allow_other_workers":
+        bool}``.
+    """
+    return _placement(_declaring_objects(run_spec, max_nodes))
+
+
+def _placement(objects: list) -> dict | None:
+    found = []
+    for obj in objects:
+        method = getattr(obj, "blockflow_placement", None)
+        if not callable(method):
+            continue
+        try:
+            p = method()
+        except Exception:  # a kernel's own bug must not break the scheduler
+            p = None
+        if p:
+            found.append(p)
+    if not found:
+        return None
+    resources: dict[str, float] = {}
+    for p in found:
+        for r, q in (p.get("resources") or {}).items():
+            resources[r] = max(resources.get(r, 0), q)
+    workers = next((tuple(p["workers"]) for p in found if p.get("workers")), None)
+    return {"resources": resources or None, "workers": workers,
+            "allow_other_workers": all(bool(p.get("allow_other_workers")) for p in found)}
+
+
+def set_task_placement(scheduler, key, placement: Mapping[str, Any]) -> bool:
+    """Restrict a task that has not been scheduled yet as its kernel asked.
+
+    ``placement`` as :func:`task_placement` returns it. Resources add to any the task
+    carries; ``workers`` (addresses, worker names or host names, resolved as distributed
+    resolves ``workers=`` annotations) replace its worker and host restrictions;
+    ``allow_other_workers`` makes the restrictions loose. False when the task is gone or
+    already past ``released``/``waiting``.
+    """
+    ts = scheduler.tasks.get(key)
+    if ts is None or ts.state not in ("released", "waiting"):
+        return False
+    resources = placement.get("resources")
+    if resources:
+        ts.resource_restrictions = {**(ts.resource_restrictions or {}), **resources}
+    workers = placement.get("workers")
+    if workers:
+        addresses, hosts = set(), set()
+        for w in workers:
+            try:
+                addresses.add(scheduler.coerce_address(w))
+            except (ValueError, OSError):  # not an address: perhaps a host name
+                hosts.add(w)
+        ts.worker_restrictions = addresses or None
+        ts.host_restrictions = hosts or None
+    ts.loose_restrictions = bool(placement.get("allow_other_workers"))
+    return True

@@ -1,0 +1,625 @@
+"""The scheduler seen as plain data: worker and task views, read off distributed's state.
+
+Everything here reads the scheduler (``Scheduler.workers``, ``.tasks``, ``WorkerState``,
+``TaskState``, the stealing extension) and hands out plain objects (:class:`WorkerView`,
+:class:`TaskView`, :class:`HeldResult`, :class:`FeederView`, :class:`RunningTask`, dicts and
+strings) that policies can read without touching a scheduler object. Nothing here changes
+the scheduler: that is :mod:`blockflow._distributed.actions`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dask.utils import key_split
+
+from blockflow._distributed.metrics import CAPACITY_METRIC, WorkerMetrics, clean_number, read_metrics
+from blockflow._distributed.placement import (
+    HOLD_ADDRESS,
+    _declaring_objects,
+    _placement,
+    _restricted,
+    _working_set,
+)
+
+__all__ = [
+    "FeederView",
+    "HeldResult",
+    "RunningTask",
+    "TaskView",
+    "WorkerView",
+    "bandwidth",
+    "feeder_states",
+    "feeder_tasks",
+    "held_results",
+    "new_task_views",
+    "own_utilization_estimate",
+    "prefix_duration",
+    "queued_count",
+    "running_tasks",
+    "scheduler_metadata",
+    "shared_devices",
+    "task_states",
+    "unsatisfiable_tasks",
+    "waiting_tasks",
+    "worker_addresses",
+    "worker_names_and_metrics",
+    "worker_views",
+]
+
+
+
+@dataclass
+class WorkerView:
+    """What blockflow knows about one worker at one moment (plain data).
+
+    Attributes
+    ----------
+    address : str
+    nthreads : int
+    status : str
+        Scheduler-side status name (``"running"``, ``"paused"``, ...).
+    paused_by_blockflow : bool
+        Paused by blockflow's scheduler plugin (it only ever resumes those).
+    metrics : WorkerMetrics
+        GPU utilisation (percent), device memory (bytes); None when unknown.
+    speed : float
+        Learned relative speed (1.0 = typical worker).
+    processing : int
+        Tasks assigned to the worker (running or waiting there).
+    executing : int
+        Tasks the worker reported running at its last heartbeat.
+    occupancy : float
+        Seconds of assigned work at the typical worker's speed (distributed's estimate,
+        including moves in flight).
+    host_memory_fraction : float or None
+        Process memory / memory limit, 0-1.
+    name : str
+        The worker's name.
+    capacity : float or None
+        Nominal relative capacity the worker reports (``blockflow-capacity`` metric).
+    memory_limit : int
+        Host memory limit in bytes (0: none).
+    speed_confidence : float
+        Confidence of the learned speed, 0-1 (0: nothing comparable observed).
+    resources : mapping of str to float
+        Worker resources the worker declares (``{"GPU": 1}``; ``dask worker --resources``).
+    device_uuid : str or None
+        UUID of the GPU the worker uses, when it reports one (``blockflow-gpu-uuid``).
+    device_peers : tuple of str
+        Addresses of the other workers that report the same device UUID (they share one
+        GPU), sorted; empty when the device is the worker's own.
+    peers_own_utilization : float
+        Percent 0-100 of the shared device taken by those peers' own tasks (measured or
+        estimated as for this worker, see :attr:`others_utilization`); 0 without peers.
+    recent_speed : float or None
+        The speed shown on the worker's latest warm task
+        (:meth:`blockflow.scheduling.speed.SpeedModel.recent_speed`); None if unknown.
+    """
+
+    address: str
+    nthreads: int
+    status: str
+    paused_by_blockflow: bool
+    metrics: WorkerMetrics
+    speed: float
+    processing: int
+    executing: int
+    occupancy: float
+    host_memory_fraction: float | None = None
+    name: str = ""
+    capacity: float | None = None
+    memory_limit: int = 0
+    speed_confidence: float = 0.0
+    resources: Mapping[str, float] = field(default_factory=dict)
+    device_uuid: str | None = None
+    device_peers: tuple = ()
+    peers_own_utilization: float = 0.0
+    recent_speed: float | None = None
+
+    @property
+    def projected_finish(self) -> float:
+        """Seconds until the worker finishes its assigned work at its learned speed."""
+        return self.occupancy / (max(self.speed, 1e-6) * max(self.nthreads, 1))
+
+    @property
+    def others_utilization(self) -> float | None:
+        """GPU utilisation (percent) taken by work other than this worker's own tasks.
+
+        Utilisation minus the worker's own share: measured when the worker reports
+        ``blockflow-gpu-own-utilization``; else, while it runs tasks, the share of its threads
+        executing (a lower bound of others' load); exact when it is idle. Workers that share
+        the device (:attr:`device_peers`) are not "other work": their own share
+        (:attr:`peers_own_utilization`) is subtracted too. None when utilisation is unknown.
+        """
+        util = self.metrics.gpu_utilization
+        if util is None:
+            return None
+        own = own_utilization_estimate(self)
+        return max(util - min(own + self.peers_own_utilization, 100.0), 0.0)
+
+    def seen(self) -> dict[str, Any]:
+        """The metrics a decision about this worker was based on (for the decision log)."""
+        m = self.metrics
+        return {
+            "gpu_utilization": m.gpu_utilization,
+            "gpu_memory_fraction": m.gpu_memory_fraction,
+            "speed": round(self.speed, 4),
+            "speed_confidence": round(self.speed_confidence, 3),
+            "processing": self.processing,
+            "projected_finish": round(self.projected_finish, 4),
+        }
+
+
+def own_utilization_estimate(w: WorkerView) -> float:
+    """Percent 0-100 of its device a worker's own tasks take: measured when it reports
+    ``blockflow-gpu-own-utilization``, else the share of its threads executing (a lower bound
+    of others' load while it runs tasks; exact when it is idle)."""
+    own = w.metrics.own_utilization
+    if own is None:
+        busy = min(max(w.executing, 1 if w.processing else 0), w.nthreads)
+        own = 100.0 * busy / max(w.nthreads, 1)
+    return own
+
+
+@dataclass(frozen=True)
+class TaskView:
+    """One task as policies see it (plain data).
+
+    Attributes
+    ----------
+    key : str, tuple or int
+        The task's key.
+    group : str
+        Its task group (``dask.utils.key_split`` of the key).
+    state : str
+        Scheduler state (``"released"``, ``"waiting"``, ``"processing"``, ...).
+    priority : tuple
+        Dask's priority (smaller runs first).
+    duration : float
+        distributed's estimate of its compute time at speed 1, seconds.
+    duration_measured : bool
+        Whether that estimate comes from finished tasks of its prefix (not the default
+        ``distributed.scheduler.unknown-task-duration``).
+    input_bytes : int
+        Bytes of its inputs.
+    restricted : bool
+        Whether it carries worker, host or resource restrictions.
+    runnable : bool
+        Whether it has something to run (not a scattered or pure-data key).
+    allowed_workers : frozenset of str or None
+        Workers allowed to run it (restrictions, resources), None for any.
+    comm_cost : mapping of str to float
+        Seconds to move its missing inputs to each worker (bytes / measured bandwidth).
+    working_set : int or None
+        Device memory its kernel needs, bytes, when declared (``map_blocks(working_set=)``).
+    placement : dict or None
+        Where its kernel asked to run (``map_blocks(resources=, workers=,
+        allow_other_workers=)``): ``{"resources": dict or None, "workers": tuple or None,
+        "allow_other_workers": bool}``; None when it asked nothing.
+    """
+
+    key: Any
+    group: str
+    state: str = "processing"
+    priority: tuple = ()
+    duration: float = 0.0
+    duration_measured: bool = True
+    input_bytes: int = 0
+    restricted: bool = False
+    runnable: bool = True
+    allowed_workers: frozenset | None = None
+    comm_cost: Mapping[str, float] = field(default_factory=dict)
+    working_set: int | None = None
+    placement: dict | None = None
+
+
+@dataclass(frozen=True)
+class HeldResult:
+    """A result held in a worker's memory: its key, size in bytes and the workers holding it."""
+
+    key: Any
+    nbytes: int
+    holders: frozenset
+
+
+class _LazyMapping(Mapping):
+    """address -> value, computed on first access (policies rarely read every worker)."""
+
+    def __init__(self, keys, compute: Callable[[str], Any]):
+        self._keys = list(keys)
+        self._compute = compute
+        self._cache: dict[str, Any] = {}
+
+    def __getitem__(self, key):
+        if key not in self._keys:
+            raise KeyError(key)
+        if key not in self._cache:
+            self._cache[key] = self._compute(key)
+        return self._cache[key]
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self):
+        return len(self._keys)
+
+
+def worker_addresses(scheduler) -> list[str]:
+    """Addresses of the workers the scheduler knows, sorted."""
+    return sorted(scheduler.workers)
+
+
+def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
+                 confidence: Callable[[str], float] | None = None,
+                 paused: Mapping[str, Any] | None = None,
+                 recent_speed: Callable[[str], float | None] | None = None
+                 ) -> dict[str, WorkerView]:
+    """:class:`WorkerView` of every worker.
+
+    Parameters
+    ----------
+    speed : callable, optional
+        ``speed(address) -> float``, learned speeds (default 1.0).
+    confidence : callable, optional
+        ``confidence(address) -> float``, 0-1 (default 0).
+    paused : mapping, optional
+        Addresses blockflow paused.
+    recent_speed : callable, optional
+        ``recent_speed(address) -> float or None``, the speed of the latest task.
+    """
+    stealing = scheduler.extensions.get("stealing")
+    in_flight = getattr(stealing, "in_flight_occupancy", {}) if stealing else {}
+    paused = paused or {}
+    views = {}
+    for addr, ws in scheduler.workers.items():
+        limit = ws.memory_limit or 0
+        raw = ws.metrics if isinstance(ws.metrics, dict) else {}
+        m = read_metrics(raw)
+        cap = clean_number(raw.get(CAPACITY_METRIC))
+        views[addr] = WorkerView(
+            address=addr,
+            name=str(ws.name),
+            nthreads=ws.nthreads,
+            status=ws.status.name,
+            paused_by_blockflow=addr in paused,
+            metrics=m,
+            speed=float(speed(addr)) if speed is not None else 1.0,
+            processing=len(ws.processing),
+            executing=len(ws.executing),
+            occupancy=max(ws.occupancy + in_flight.get(ws, 0.0), 0.0),
+            host_memory_fraction=(m.host_memory / limit)
+            if m.host_memory is not None and limit else None,
+            capacity=cap if cap else None,
+            memory_limit=int(limit),
+            speed_confidence=float(confidence(addr)) if confidence is not None else 0.0,
+            recent_speed=recent_speed(addr) if recent_speed is not None else None,
+            resources=dict(ws.resources or {}),
+            device_uuid=m.device_uuid,
+        )
+    for members in shared_devices(views).values():
+        for addr in members:
+            w = views[addr]
+            w.device_peers = tuple(a for a in members if a != addr)
+            w.peers_own_utilization = min(
+                sum(own_utilization_estimate(views[a]) for a in w.device_peers), 100.0)
+    return views
+
+
+def shared_devices(views: Mapping[str, WorkerView]) -> dict[str, tuple[str, ...]]:
+    """Device UUID -> the addresses (sorted) of the workers that report it, for devices that
+    two or more workers report (two workers on one GPU); plain data from worker views."""
+    by_uuid: dict[str, list[str]] = {}
+    for addr, w in views.items():
+        if w.device_uuid:
+            by_uuid.setdefault(w.device_uuid, []).append(addr)
+    return {u: tuple(sorted(a)) for u, a in sorted(by_uuid.items()) if len(a) > 1}
+
+
+def queued_count(scheduler) -> int:
+    """Root tasks the scheduler holds back in its queue (not yet on any worker)."""
+    return len(scheduler.queued)
+
+
+# scheduler -> prefix name -> the last measured average duration (seconds) of its tasks
+_MEASURED: "weakref.WeakKeyDictionary[Any, dict[str, float]]" = weakref.WeakKeyDictionary()
+_MEASURED_MAX = 10_000  # prefix names remembered per scheduler
+
+
+def prefix_duration(scheduler, prefix) -> tuple[float, bool]:
+    """``(seconds, measured)``: the expected compute time of a task of ``prefix`` and whether
+    it comes from measured durations.
+
+    distributed forgets a prefix's average (``duration_average = -1``) as soon as one of
+    its tasks runs for more than twice that average, and estimates its tasks at twice the
+    longest time any of them has run so far: the moment a straggler appears, its group's
+    tasks look unmeasured and as long as the straggler. The last measured average is kept
+    here for that case (it is what the straggler is judged against).
+    """
+    memory = _MEASURED.setdefault(scheduler, {})
+    average = float(prefix.duration_average)
+    if average >= 0:
+        if len(memory) >= _MEASURED_MAX and prefix.name not in memory:
+            memory.clear()
+        memory[prefix.name] = average
+        return average, True
+    if prefix.name in memory:
+        return memory[prefix.name], True
+    return float(scheduler._get_prefix_duration(prefix)), False
+
+
+def _task_view(scheduler, ts, thieves=()) -> TaskView:
+    valid = scheduler.valid_workers(ts)
+    duration, measured = prefix_duration(scheduler, ts.prefix)
+    return TaskView(
+        key=ts.key,
+        group=key_split(ts.key),
+        state=ts.state,
+        priority=tuple(ts.priority or ()),
+        duration=duration,
+        duration_measured=measured,
+        input_bytes=sum(dts.nbytes for dts in ts.dependencies if dts.nbytes > 0),
+        restricted=_restricted(ts),
+        runnable=bool(ts.run_spec),
+        allowed_workers=None if valid is None else frozenset(w.address for w in valid),
+        comm_cost={ws.address: float(scheduler.get_comm_cost(ts, ws)) for ws in thieves},
+    )
+
+
+def task_states(scheduler, keys) -> dict:
+    """key -> the scheduler's state of that task (``"released"``, ``"waiting"``,
+    ``"processing"``, ``"memory"``, ...); keys the scheduler does not hold are left out."""
+    out = {}
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if ts is not None:
+            out[key] = ts.state
+    return out
+
+
+def new_task_views(scheduler, keys) -> list[TaskView]:
+    """Views of the tasks of a graph that just arrived (``update_graph``), in key order of
+    ``keys``; keys the scheduler no longer holds are skipped. No comm costs."""
+    out = []
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if ts is not None:
+            declaring = _declaring_objects(ts.run_spec) if ts.run_spec else []
+            out.append(TaskView(key=ts.key, group=key_split(ts.key), state=ts.state,
+                                priority=tuple(ts.priority or ()), restricted=_restricted(ts),
+                                runnable=bool(ts.run_spec),
+                                working_set=_working_set(declaring, ts.key),
+                                placement=_placement(declaring)))
+    return out
+
+
+def waiting_tasks(scheduler, *, thieves: list[str] | None = None) -> Mapping[str, Iterator]:
+    """address -> iterator of :class:`TaskView` of the tasks waiting on that worker (assigned
+    but not started), lowest priority (last to run) first, skipping tasks a move is already
+    pending for and actors. Computed lazily, per worker, when read; each view carries the comm
+    cost to each worker in ``thieves``.
+    """
+    stealing = scheduler.extensions.get("stealing")
+    in_flight = stealing.in_flight if stealing is not None else {}
+
+    def waiting(addr: str) -> Iterator[TaskView]:
+        ws = scheduler.workers.get(addr)
+        if ws is None:
+            return
+        targets = [scheduler.workers[a] for a in (thieves or ()) if a in scheduler.workers]
+        # not started, highest priority first; the first free threads take the first ones
+        # (the executing tasks are not always those of the highest priority: a task that
+        # became ready behind a long one waits although it ranks before it)
+        pending = sorted((ts for ts in ws.processing if ts not in ws.executing),
+                         key=lambda ts: ts.priority or ())
+        free = max(ws.nthreads - len(ws.executing), 0)
+        for ts in reversed(pending[free:]):
+            if ts.actor or ts in in_flight or ts.processing_on is not ws:
+                continue
+            yield _task_view(scheduler, ts, targets)
+
+    return _LazyMapping(scheduler.workers, lambda addr: waiting(addr))
+
+
+def held_results(scheduler) -> Mapping[str, list[HeldResult]]:
+    """address -> results held in the worker's memory, largest first (lazily per worker)."""
+
+    def held(addr: str) -> list[HeldResult]:
+        ws = scheduler.workers.get(addr)
+        if ws is None:
+            return []
+        return [HeldResult(ts.key, int(ts.nbytes), frozenset(w.address for w in ts.who_has))
+                for ts in sorted(ws.has_what, key=lambda t: t.nbytes, reverse=True)]
+
+    return _LazyMapping(scheduler.workers, held)
+
+
+# --- actions ------------------------------------------------------------------------------
+
+
+def scheduler_metadata(scheduler, keys) -> Any:
+    """What a client stored with ``Client.set_metadata(keys, ...)``, or None (the
+    scheduler-side reader, ``Scheduler.get_metadata``, is a handler method)."""
+    return scheduler.get_metadata(keys=list(keys), default=None)
+
+
+def worker_names_and_metrics(scheduler) -> dict:
+    """``{address: (name, metrics)}`` for every worker the scheduler knows, where metrics
+    is a copy of the heartbeat metrics the scheduler last received (``WorkerState.metrics``)."""
+    return {a: (ws.name, dict(ws.metrics or {})) for a, ws in scheduler.workers.items()}
+
+
+def unsatisfiable_tasks(scheduler) -> list[tuple[Any, dict]]:
+    """``(key, resources)`` of the tasks ready to run but held in ``no-worker`` because no
+    connected worker declares the resources they need (``resources={"GPU": 1}`` on a cluster
+    without GPU workers). Empty when no worker is connected at all (then every task waits,
+    a different problem). Tasks blockflow holds back (:func:`hold_tasks`) are not listed."""
+    workers = list(scheduler.workers.values())
+    if not workers:
+        return []
+    fits: dict[frozenset, bool] = {}
+    out = []
+    for ts in list(scheduler.unrunnable):
+        need = ts.resource_restrictions
+        if not need or ts.loose_restrictions:
+            continue
+        sig = frozenset(need.items())
+        if sig not in fits:
+            fits[sig] = any(all((ws.resources or {}).get(r, 0) >= q for r, q in need.items())
+                            for ws in workers)
+        if not fits[sig]:
+            out.append((ts.key, dict(need)))
+    return out
+
+
+@dataclass(frozen=True)
+class FeederView:
+    """A task whose every dependent needs a worker resource it does not (a CPU producer
+    feeding GPU consumers), as admission control sees it (plain data).
+
+    Attributes
+    ----------
+    key : str, tuple or int
+    priority : tuple
+        Dask's priority (smaller runs first).
+    resources : dict
+        The resources its consumers need (the largest amount of each).
+    consumers : tuple
+        The keys of its dependents.
+    """
+
+    key: Any
+    priority: tuple
+    resources: dict
+    consumers: tuple = ()
+
+
+def feeder_tasks(scheduler, keys) -> list[FeederView]:
+    """Among ``keys`` (a graph that just arrived), the tasks not yet scheduled that carry no
+    restriction and whose dependents (one or more) all need worker resources, in priority
+    order."""
+    out = []
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if (ts is None or ts.state != "released" or _restricted(ts) or ts.actor
+                or not ts.run_spec or not ts.dependents):
+            continue
+        resources: dict[str, float] = {}
+        for dts in ts.dependents:
+            if not dts.resource_restrictions:
+                break
+            for r, q in dts.resource_restrictions.items():
+                resources[r] = max(resources.get(r, 0), q)
+        else:
+            out.append(FeederView(ts.key, tuple(ts.priority or ()), resources,
+                                  tuple(d.key for d in ts.dependents)))
+    out.sort(key=lambda f: f.priority)
+    return out
+
+
+#: Dependent states in which a consumer has not run yet.
+_PENDING = frozenset({"released", "waiting", "queued", "no-worker", "processing"})
+#: Dependent states of a consumer that has all its inputs (ready, or running).
+_READY = frozenset({"queued", "no-worker", "processing"})
+
+
+def feeder_states(scheduler, keys) -> dict:
+    """key -> where a feeder task stands, for admission control (plain strings):
+
+    ``"held"`` (held back, a consumer still needs it), ``"orphan"`` (held back, but no
+    consumer needs it any more), ``"pending"`` (released, not yet run), ``"running"``
+    (assigned to a worker), ``"feeding"`` (its output is in memory and a consumer that has
+    all its inputs has not finished), ``"stored"`` (in memory, its consumers still wait for
+    other inputs), ``"done"`` (no consumer needs it any more, failed, or gone).
+    """
+    out = {}
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if ts is None or ts.state in ("erred", "forgotten"):
+            out[key] = "done"
+            continue
+        deps = ts.dependents or ()
+        pending = any(d.state in _PENDING for d in deps)
+        if ts.worker_restrictions == {HOLD_ADDRESS}:
+            out[key] = "held" if pending else "orphan"
+        elif ts.state == "processing":
+            out[key] = "running"
+        elif ts.state == "memory":
+            if any(d.state in _READY for d in deps):
+                out[key] = "feeding"
+            else:
+                out[key] = "stored" if pending else "done"
+        elif ts.state in ("waiting", "queued", "no-worker"):
+            out[key] = "pending"
+        else:  # released with nothing left to feed
+            out[key] = "pending" if pending else "done"
+    return out
+
+
+@dataclass
+class RunningTask:
+    """A task a worker is running now, as the speculation rule sees it (plain data).
+
+    Attributes
+    ----------
+    key : str, tuple or int
+    group : str
+        Its task group (``dask.utils.key_split``).
+    elapsed : float
+        Seconds it has been running: the duration the worker reported at its last heartbeat
+        plus the time since.
+    duration : float
+        distributed's estimate of its compute time at speed 1, seconds.
+    duration_measured : bool
+        Whether that estimate comes from finished tasks of its prefix.
+    input_bytes : int
+        Bytes of its inputs (a backup copy receives them from the worker running it).
+    kernel : bool
+        Whether it is a blockflow kernel task (only those can have backup copies).
+    """
+
+    key: Any
+    group: str
+    elapsed: float
+    duration: float
+    duration_measured: bool
+    input_bytes: int
+    kernel: bool
+
+
+def running_tasks(scheduler, now: float) -> dict[str, list[RunningTask]]:
+    """address -> the tasks it reported running at its last heartbeat and still runs (the
+    scheduler still has them processing there), with their elapsed time to ``now``
+    (seconds since the epoch). ``kernel`` marks tasks running a blockflow kernel that may be
+    copied (found in the task's spec, as for working sets)."""
+    out: dict[str, list[RunningTask]] = {}
+    for addr, ws in scheduler.workers.items():
+        if not ws.executing:
+            continue
+        since = max(now - float(getattr(ws, "last_seen", now) or now), 0.0)
+        tasks = []
+        for ts, duration in list(ws.executing.items()):
+            if ts.processing_on is not ws or ts.state != "processing":
+                continue
+            group = key_split(ts.key)
+            # a blockflow kernel that may be copied, also when Dask fused it into a task of
+            # another name (``arange-blockflow-f-<token>``)
+            kernel = any(getattr(o, "speculative", False)
+                         for o in _declaring_objects(ts.run_spec)) if ts.run_spec else False
+            expected, measured = prefix_duration(scheduler, ts.prefix)
+            tasks.append(RunningTask(
+                key=ts.key, group=group, elapsed=float(duration) + since,
+                duration=expected, duration_measured=measured,
+                input_bytes=sum(dts.nbytes for dts in ts.dependencies if dts.nbytes > 0),
+                kernel=kernel))
+        if tasks:
+            out[addr] = tasks
+    return out
+
+
+def bandwidth(scheduler) -> float:
+    """The scheduler's estimate of worker-to-worker bandwidth, bytes per second."""
+    return float(scheduler.bandwidth)

@@ -1,0 +1,51 @@
+"""distributed's wire framing: the bytes of a message on a TCP comm.
+
+On a TCP (or TLS) comm distributed sends each message as a little-endian uint64 byte count,
+then the message's frames packed (``distributed.protocol.utils.pack_frames``: a frame count
+and frame lengths, then the frames). :mod:`blockflow.cluster.handshake` writes Dask's
+handshake and reads a server's first message with these functions, to tell a Dask server
+from anything else before distributed's own comm waits on it.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+__all__ = ["HEADER_BYTES", "client_handshake", "decode_message", "message_length"]
+
+#: Bytes of the length prefix before each message (a little-endian uint64).
+HEADER_BYTES = 8
+
+
+def client_handshake() -> bytes:
+    """The bytes of the handshake a Dask client sends first (distributed's TCP framing: a
+    little-endian uint64 byte count, then the packed frames of the message)."""
+    import pickle
+    import sys
+
+    from distributed.protocol import dumps
+    from distributed.protocol.utils import pack_frames
+
+    packed = pack_frames(dumps({"compression": None, "python": tuple(sys.version_info)[:3],
+                                "pickle-protocol": pickle.HIGHEST_PROTOCOL}))
+    return struct.pack("<Q", len(packed)) + packed
+
+
+def message_length(header: bytes) -> int:
+    """Bytes of the message announced by a :data:`HEADER_BYTES`-byte length prefix."""
+    (n,) = struct.unpack("<Q", header)
+    return n
+
+
+def decode_message(payload: bytes) -> Any | None:
+    """The message in ``payload`` (the bytes after the length prefix), not deserialising
+    its contents; None when the frames are incomplete or do not decode."""
+    try:
+        from distributed.protocol import loads
+        from distributed.protocol.utils import unpack_frames
+
+        frames, missing = unpack_frames(payload, partial=True)
+        return loads(frames, deserialize=False) if not missing else None
+    except Exception:
+        return None

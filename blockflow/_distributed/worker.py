@@ -1,0 +1,329 @@
+"""The worker side: what blockflow reads from and installs on distributed's workers.
+
+Heartbeat metrics, comm handlers (:class:`HandlerPlugin`) and worker-to-worker calls,
+installed plugins, the results a worker holds, declared resources, the current worker and
+task key, task threads and the worker's executor, the metadata a task sends with its result
+(seconds spent waiting), and the filter that keeps a closing worker's heartbeat quiet
+(:class:`QuietClose`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from distributed.core import Status
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from blockflow._distributed.checks import check_worker
+
+__all__ = [
+    "HEARTBEAT_FAILED",
+    "WAIT_METADATA",
+    "HandlerPlugin",
+    "QuietClose",
+    "add_task_wait",
+    "add_worker_handler",
+    "call_worker",
+    "call_worker_soon",
+    "current_task_key",
+    "current_worker",
+    "current_worker_resources",
+    "declare_worker_resources",
+    "has_worker_handler",
+    "install_worker_handlers",
+    "quiet_closing_heartbeat",
+    "remove_worker_handler",
+    "remove_worker_metric",
+    "run_in_worker_executor",
+    "set_worker_metric",
+    "start_task_thread",
+    "task_wait",
+    "worker_data_values",
+    "worker_declared_resources",
+    "worker_heartbeat",
+    "worker_metric",
+    "worker_plugins",
+]
+
+logger = logging.getLogger(__name__)
+
+
+
+#: Key of a task's metadata (``TaskState.metadata`` on its worker, sent to the scheduler with
+#: the task's result): seconds the task spent waiting, seceded, not computing.
+WAIT_METADATA = "blockflow_wait"
+
+
+def add_task_wait(seconds: float) -> None:
+    """From a task's thread on a worker: count ``seconds`` of the running task as waiting,
+    not computing (the task's ``metadata``, :data:`WAIT_METADATA`), so that the scheduler
+    plugin's speed model and busy time leave them out. No-op off a worker."""
+    from distributed import get_worker
+    try:
+        worker = get_worker()
+        ts = worker.state.tasks.get(worker.get_current_task())
+    except (ValueError, AttributeError, KeyError):
+        return
+    if ts is not None:
+        ts.metadata[WAIT_METADATA] = ts.metadata.get(WAIT_METADATA, 0.0) + float(seconds)
+
+
+def task_wait(metadata: dict | None) -> float:
+    """Seconds a finished task reported waiting (:func:`add_task_wait`), from the
+    ``metadata`` its worker sent with the result; 0 when none."""
+    wait = (metadata or {}).get(WAIT_METADATA, 0.0)
+    return float(wait) if isinstance(wait, (int, float)) and math.isfinite(wait) \
+        and wait > 0 else 0.0
+
+
+def set_worker_metric(worker, name: str, fn) -> None:
+    """Report ``fn(worker)`` under ``name`` in the worker's heartbeat metrics
+    (``Worker.metrics``, read on the scheduler as ``WorkerState.metrics[name]``)."""
+    worker.metrics[name] = fn
+
+
+def remove_worker_metric(worker, name: str, fn=None) -> None:
+    """Stop reporting metric ``name``; with ``fn``, only if ``fn`` is what reports it."""
+    current = worker.metrics.get(name)
+    if current is not None and (fn is None or current is fn):
+        worker.metrics.pop(name, None)
+
+
+def worker_metric(worker, name: str):
+    """The callable reporting metric ``name`` on this worker, or None."""
+    return worker.metrics.get(name)
+
+
+def add_worker_handler(worker, name: str, fn: Callable) -> None:
+    """Serve comm requests ``{"op": name, ...}`` on ``worker`` with ``fn(**msg)``
+    (``Worker.handlers``); its return value is the reply."""
+    worker.handlers[name] = fn
+
+
+class HandlerPlugin:
+    """Base of a worker plugin that serves one comm handler on every worker, those that
+    join later included: subclasses set ``name`` (the plugin's), ``op`` (the handler's)
+    and ``make_handler(worker)``, which returns the handler for that worker. ``setup``
+    first verifies the worker's internals
+    (:func:`~blockflow._distributed.checks.check_worker`)."""
+
+    name: str
+    op: str
+
+    def make_handler(self, worker) -> Callable:
+        raise NotImplementedError
+
+    def setup(self, worker) -> None:
+        check_worker(worker)
+        add_worker_handler(worker, self.op, self.make_handler(worker))
+
+    def teardown(self, worker) -> None:
+        remove_worker_handler(worker, self.op)
+
+
+#: What a worker logs (at ERROR, with a traceback) when its heartbeat fails to reach the
+#: scheduler: ``Worker.close`` stops the heartbeat's periodic callback, then closes its
+#: pooled comms under a heartbeat still in flight, and the worker logs its own shutdown as a
+#: failure (dask/distributed#7192, open; distributed 2026.7.1, worker.py ``heartbeat``).
+HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat."
+
+
+class _ClosingHeartbeatFilter(logging.Filter):
+    """Drop :data:`HEARTBEAT_FAILED` while a worker of this process is closing: its own
+    ``close`` cut the heartbeat. While every worker runs, the record passes, traceback and
+    all (a real failure to reach the scheduler). One per process, on the
+    ``distributed.worker`` logger; workers are held weakly."""
+
+    def __init__(self):
+        super().__init__()
+        self.workers: weakref.WeakSet = weakref.WeakSet()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != HEARTBEAT_FAILED:
+            return True
+        closing = (Status.closing, Status.closing_gracefully)
+        return not any(getattr(w, "status", None) in closing for w in list(self.workers))
+
+
+_closing_filter: _ClosingHeartbeatFilter | None = None
+
+
+def quiet_closing_heartbeat(worker) -> None:
+    """Keep ``worker``'s own shutdown from logging a failed heartbeat with a traceback
+    (:class:`_ClosingHeartbeatFilter`); idempotent."""
+    global _closing_filter
+    if _closing_filter is None:
+        _closing_filter = _ClosingHeartbeatFilter()
+        logging.getLogger("distributed.worker").addFilter(_closing_filter)
+    _closing_filter.workers.add(worker)
+
+
+class QuietClose(WorkerPlugin):
+    """Worker plugin that installs :func:`quiet_closing_heartbeat` on every worker (blockflow
+    registers it on the clusters it starts, whose shutdown it owns)."""
+
+    name = "blockflow-quiet-close"
+
+    def setup(self, worker) -> None:
+        check_worker(worker)
+        quiet_closing_heartbeat(worker)
+
+
+def remove_worker_handler(worker, name: str) -> None:
+    """Stop serving comm requests ``name`` on ``worker``."""
+    worker.handlers.pop(name, None)
+
+
+def has_worker_handler(worker, name: str) -> bool:
+    """Whether ``worker`` serves comm requests ``name``."""
+    return name in worker.handlers
+
+
+async def call_worker(worker, address: str, op: str, **kwargs) -> Any:
+    """Call RPC handler ``op`` of the worker at ``address`` from ``worker``: send
+    ``{"op": op, **kwargs}`` over the worker's pooled connections (``Worker.rpc``) and return
+    the reply."""
+    return await getattr(worker.rpc(address), op)(**kwargs)
+
+
+def worker_plugins(worker) -> dict:
+    """The worker plugins installed on ``worker`` (name -> plugin); a copy."""
+    return dict(getattr(worker, "plugins", None) or {})
+
+
+def worker_data_values(worker) -> list:
+    """The results the worker holds in memory (``Worker.data``), spilled ones excluded.
+
+    Safe to call from a thread beside the worker's event loop: a SpillBuffer's fast part
+    (a ``zict.LRU``) is read through its dict without touching the LRU order, in one
+    C-level pass, retried if a non-dict mapping changed size while being copied.
+    """
+    data = worker.data
+    fast = getattr(data, "fast", data)
+    d = getattr(fast, "d", fast)
+    for _ in range(5):
+        try:
+            return list(d.values())
+        except RuntimeError:
+            continue
+    return []
+
+
+async def worker_heartbeat(worker) -> None:
+    """Send a heartbeat now, so the scheduler sees the worker's metrics at once."""
+    await worker.heartbeat()
+
+
+# --- resources on the worker side ------------------------------------------------------------
+
+
+def worker_declared_resources(worker) -> dict:
+    """The resources a worker declares (``Worker(resources=)``, ``--resources``): a copy."""
+    return dict(worker.state.total_resources)
+
+
+async def declare_worker_resources(worker, resources: Mapping[str, float]) -> None:
+    """Declare more resources on a running worker (``Worker.set_resources``): the worker
+    updates its own accounting and tells the scheduler."""
+    await worker.set_resources(**dict(resources))
+
+
+def current_worker_resources() -> tuple[str, dict] | None:
+    """``(address, declared resources)`` of the worker running the current task, or None
+    outside a worker's task."""
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+    except ValueError:
+        return None
+    return worker.address, dict(worker.state.total_resources)
+
+
+def install_worker_handlers(worker, handlers: Mapping[str, Callable]) -> None:
+    """Add RPC handlers to a worker (``Worker.handlers``), once; existing ones are kept.
+    Each ``fn(worker, **message)`` is called with the worker it was installed on. Verifies
+    the worker's internals first (:func:`~blockflow._distributed.checks.check_worker`: a
+    worker plugin's ``setup`` calls this)."""
+    check_worker(worker)
+    for name, fn in handlers.items():
+        if name not in worker.handlers:
+            worker.handlers[name] = _bound_handler(worker, fn)
+
+
+def _bound_handler(worker, fn: Callable) -> Callable:
+    def handler(**message):
+        return fn(worker, **message)
+
+    return handler
+
+
+def call_worker_soon(worker, address: str, op: str, **kwargs) -> None:
+    """From any thread: call RPC handler ``op`` of the worker at ``address`` from ``worker``,
+    on its event loop, without waiting (errors are logged at debug level)."""
+    async def call():
+        try:
+            await getattr(worker.rpc(address), op)(**kwargs)
+        except Exception as e:  # the other worker left: nothing to tell it
+            logger.debug("blockflow: %s on %s failed: %s", op, address, e)
+
+    worker.loop.add_callback(call)
+
+
+def current_worker():
+    """The worker running the current task, or None outside a worker's task."""
+    try:
+        from distributed import get_worker
+
+        return get_worker()
+    except ValueError:
+        return None
+
+
+def current_task_key():
+    """Key of the task the current thread runs for its worker, or None."""
+    from distributed.worker import thread_state
+
+    return getattr(thread_state, "key", None)
+
+
+def start_task_thread(fn: Callable[[], Any], name: str):
+    """Start ``fn()`` in a new daemon thread that sees the current task's worker context
+    (``get_worker()``, ``thread_state.key`` and ``execution_state``), as the worker's own
+    executor thread does; returns the thread."""
+    import contextvars
+    import threading
+
+    from distributed.worker import thread_state
+
+    ctx = contextvars.copy_context()
+    state = {a: getattr(thread_state, a) for a in ("key", "execution_state", "start_time")
+             if hasattr(thread_state, a)}
+
+    def target():
+        for a, v in state.items():
+            setattr(thread_state, a, v)
+        ctx.run(fn)
+
+    t = threading.Thread(target=target, name=name, daemon=True)
+    t.start()
+    return t
+
+
+async def run_in_worker_executor(worker, fn: Callable[[], Any]):
+    """Run ``fn()`` in the worker's default thread pool, with ``get_worker()`` working
+    inside it (a backup copy's kernel); returns its result."""
+    from distributed.worker import _worker_cvar
+
+    def call():
+        token = _worker_cvar.set(worker)
+        try:
+            return fn()
+        finally:
+            _worker_cvar.reset(token)
+
+    return await worker.loop.run_in_executor(worker.executors["default"], call)
