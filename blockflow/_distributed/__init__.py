@@ -1708,3 +1708,4 @@ async def call_worker(worker, address: str, op: str, **kwargs) -> Any:
     """Call RPC handler ``op`` of the worker at ``address`` from ``worker``."""
     return await getattr(worker.rpc(address), op)(**kwargs)
 from blockflow._distributed.speculation import SpeculationHandlers  # noqa: E402,F401
+from blockflow._distributed.admission import FeederStates, feeder_state_view  # noqa: E402,F401

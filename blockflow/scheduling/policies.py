@@ -88,8 +88,11 @@ class ClusterSnapshot:
     workers : dict of str to WorkerView
     queued : int
         Root tasks the scheduler holds back (not yet on a worker).
-    event : {"tick", "graph"}
+    event : {"tick", "graph", "held", "admit", "close"}
         ``"tick"``: a control-loop tick; ``"graph"``: a graph just arrived (``new_tasks``).
+        The others are the admission rule's own snapshots
+        (:class:`~blockflow.scheduling.rules.AdmissionRule`): after a graph's feeders were
+        held, when a tracked task's transition may have freed room, when the plugin closes.
     waiting : mapping of str to iterable of TaskView
         Per worker, its tasks that have not started, lowest priority (last to run) first.
     new_tasks : list of TaskView
@@ -114,6 +117,13 @@ class ClusterSnapshot:
         Tasks waiting in ``no-worker`` for resources no connected worker declares.
     monotonic : float
         ``time.monotonic()`` when the snapshot was taken.
+    feeders : list of FeederView
+        On the admission rule's ``"graph"`` snapshot: the new graph's feeders (tasks whose
+        every dependent needs a worker resource), read after the kernels' restrictions were
+        applied.
+    feeder_states : FeederStates, optional
+        Key -> where a feeder stands (:class:`blockflow._distributed.FeederStates`), for the
+        admission rule; None on the policy's snapshots.
     """
 
     time: float
@@ -131,6 +141,8 @@ class ClusterSnapshot:
     speeds_differ_weakly: bool = False
     unsatisfiable: list = field(default_factory=list, repr=False)
     monotonic: float = 0.0
+    feeders: list = field(default_factory=list, repr=False)
+    feeder_states: Any = field(default=None, repr=False)
 
 
 class RebalancePolicy(abc.ABC):

@@ -14,9 +14,11 @@ yield (:meth:`blockflow.scheduling.plugin.Rebalancer._apply`).
 :class:`HoldRule`            slowed workers skip the queue's last tasks (``hold``, ``release``)
 :class:`MoveRule`            waiting tasks to the workers free soonest (``move``)
 :class:`BackupRule`          copies of stragglers on idle workers (``speculate``)
+:class:`AdmissionRule`       producers feeding GPU consumers within a budget (``hold``, ``release``, ``admit``)
 =========================  ==========================================================
 """
 
+from blockflow.scheduling.rules.admission import AdmissionRule, default_budget
 from blockflow.scheduling.rules.backup import BackupRule
 from blockflow.scheduling.rules.balancing import BalancingRule
 from blockflow.scheduling.rules.base import Rule, RuleContext
@@ -26,6 +28,6 @@ from blockflow.scheduling.rules.pause import PauseRule
 from blockflow.scheduling.rules.placement import KernelPlacementRule, WorkingSetPlacementRule
 from blockflow.scheduling.rules.unsatisfiable import UnsatisfiableRule
 
-__all__ = ["BackupRule", "BalancingRule", "HoldRule", "KernelPlacementRule",
+__all__ = ["AdmissionRule", "BackupRule", "BalancingRule", "HoldRule", "KernelPlacementRule",
            "MoveRule", "PauseRule", "Rule", "RuleContext", "UnsatisfiableRule",
-           "WorkingSetPlacementRule", "pessimistic_speed"]
+           "WorkingSetPlacementRule", "default_budget", "pessimistic_speed"]
