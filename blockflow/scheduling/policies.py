@@ -197,7 +197,9 @@ class ObservePolicy(ComposedPolicy):
 
     name = "off"
     admits = False  # observe only: never hold tasks back
-    rules: list[Rule] = []
+
+    def __init__(self):
+        self.rules = []
 
 
 class DynamicPolicy(ComposedPolicy):
