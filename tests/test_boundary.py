@@ -759,3 +759,98 @@ def test_the_scheduler_side_imports_nothing_from_the_kernel_layer_or_the_dashboa
                 if any(name == f or name.startswith(f + ".") for f in forbidden):
                     found.append(f"{path.relative_to(root.parent)}:{node.lineno} {name}")
     assert not found, "the scheduler side imports from above it:\n" + "\n".join(found)
+
+
+#: Boundary functions that act on the scheduler for a scheduling decision: on the scheduler
+#: side only the plugin's handler table (``Rebalancer._apply``) may call them.
+SCHEDULER_ACTIONS = frozenset({
+    "set_worker_status", "move_task", "restrict_task", "set_task_placement", "hold_tasks",
+    "release_tasks", "fail_tasks", "request_backup", "suspend_work_stealing",
+    "run_amm_policy",
+})
+#: Attribute calls that write the decision log (only ``Rebalancer._log``, from ``_apply``).
+LOG_WRITES = frozenset({"_log"})
+
+
+def scheduler_actions(source: str, filename: str = "<string>") -> list[str]:
+    """``"file:line: what"`` for every call in ``source`` of a boundary function that acts
+    on the scheduler (:data:`SCHEDULER_ACTIONS`: ``_distributed.move_task(...)``, under any
+    alias of the module or of the function) and every write to a decision log
+    (``<x>.decisions.append(...)``, ``<x>._log(...)``)."""
+    tree = ast.parse(source, filename)
+    modules = {"_distributed"}  # names bound to the boundary package
+    functions: dict[str, str] = {}  # local name -> boundary function
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                if node.module == "blockflow" and a.name == "_distributed":
+                    modules.add(a.asname or a.name)
+                elif node.module.startswith("blockflow._distributed") \
+                        and a.name in SCHEDULER_ACTIONS:
+                    functions[a.asname or a.name] = a.name
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("blockflow._distributed") and a.asname:
+                    modules.add(a.asname)
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        where = f"{filename}:{node.lineno}"
+        f = node.func
+        if isinstance(f, ast.Name) and f.id in functions:
+            out.append(f"{where}: {functions[f.id]}()")
+        elif isinstance(f, ast.Attribute):
+            base = f.value
+            name = base.attr if isinstance(base, ast.Attribute) else (
+                base.id if isinstance(base, ast.Name) else None)
+            if f.attr in SCHEDULER_ACTIONS and name in modules:
+                out.append(f"{where}: {name}.{f.attr}()")
+            elif f.attr in ("append", "extend", "appendleft") and name == "decisions":
+                out.append(f"{where}: decisions.{f.attr}()")
+            elif f.attr in LOG_WRITES:
+                out.append(f"{where}: {f.attr}()")
+    return out
+
+
+def test_only_the_plugins_handler_table_acts_on_the_scheduler():
+    """No module of ``blockflow/scheduling/`` but ``plugin.py`` (whose ``Rebalancer._apply``
+    and its handlers are the one place that acts on the scheduler for a decision and writes
+    the decision log) calls a boundary function that acts on the scheduler or writes a
+    decision log: rules and policies yield decisions."""
+    root = PACKAGE / "scheduling"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path == root / "plugin.py":
+            continue
+        found += scheduler_actions(path.read_text(), str(path.relative_to(PACKAGE)))
+    assert found == [], "acting on the scheduler outside the handler table:\n" \
+        + "\n".join(found)
+    # the plugin does call them: the check reads the calls the plugin makes
+    assert {u.split(": ")[1] for u in scheduler_actions((root / "plugin.py").read_text())} \
+        >= {"_distributed.move_task()", "_distributed.hold_tasks()",
+            "_distributed.release_tasks()", "_log()"}
+
+
+@pytest.mark.parametrize("source", [
+    "from blockflow import _distributed\n_distributed.hold_tasks(s, keys)",
+    "import blockflow._distributed as bd\nbd.move_task(s, k, a, b)",
+    "from blockflow import _distributed as d\nd.set_worker_status(s, a, True, 'x')",
+    "from blockflow._distributed import release_tasks as free\nfree(s, keys, 'x')",
+    "from blockflow._distributed import fail_tasks\nfail_tasks(s, keys, e, 'x')",
+    "import blockflow._distributed\nblockflow._distributed.restrict_task(s, k, a)",
+    "self.plugin.decisions.append({'action': 'move'})",
+    "plugin._log(decision)",
+])
+def test_the_handler_table_check_catches_actions_elsewhere(source):
+    assert len(scheduler_actions(source)) == 1, scheduler_actions(source)
+
+
+@pytest.mark.parametrize("source", [
+    "from blockflow import _distributed\n_distributed.feeder_tasks(s, keys)",
+    "from blockflow import _distributed\n_distributed.worker_views(s)",
+    "out.append(Decision('hold', '', 'why', keys=keys))",
+    "'_distributed.hold_tasks(s, keys)'",  # text, not a call
+])
+def test_the_handler_table_check_lets_reads_and_decisions_pass(source):
+    assert scheduler_actions(source) == []

@@ -101,6 +101,7 @@ from blockflow._distributed.actions import (
     spawn,
     suspend_work_stealing,
 )
+from blockflow._distributed.admission import FeederStates, feeder_state_view
 from blockflow._distributed.checks import (
     IncompatibleSchedulerError,
     SUPPORTED,
@@ -224,6 +225,7 @@ __all__ = [
     "AMMPolicy",
     "CAPACITY_METRIC",
     "DEVICE_UUID_METRIC",
+    "FeederStates",
     "FeederView",
     "GPU_MEMORY_TOTAL",
     "GPU_MEMORY_USED",
@@ -272,6 +274,7 @@ __all__ = [
     "declare_worker_resources",
     "decode_message",
     "fail_tasks",
+    "feeder_state_view",
     "feeder_states",
     "feeder_tasks",
     "has_scheduler_plugin",

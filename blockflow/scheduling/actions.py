@@ -42,9 +42,11 @@ class Action(str, Enum):
     #: because its host memory is over the worker's own pause threshold.
     HANDOVER = "handover"
     #: Hold a slowed worker back from the scheduler's queue while the others empty it
-    #: (paused on the scheduler like ``pause``).
+    #: (paused on the scheduler like ``pause``). With ``keys`` and no ``worker``: hold
+    #: producers back from the scheduler (admission control; not logged: ``admit`` is).
     HOLD = "hold"
-    #: Lift a hold (the queue is empty or the others no longer empty it first).
+    #: Lift a hold (the queue is empty or the others no longer empty it first). With
+    #: ``keys`` and no ``worker``: release held producers (admission control; not logged).
     RELEASE = "release"
     #: Move a waiting, not-yet-started task to another worker (``target``).
     MOVE = "move"
@@ -57,8 +59,9 @@ class Action(str, Enum):
     #: Restrict the tasks of a new graph as their kernels asked (``resources=``,
     #: ``workers=``).
     RESTRICT = "restrict"
-    #: Hold producers that feed resource-bound consumers back (admission control); they
-    #: are released as their outputs fit the budget.
+    #: Producers that feed resource-bound consumers were held back (admission control);
+    #: they are released as their outputs fit the budget. Logs the ``hold`` and
+    #: ``release`` of those tasks.
     ADMIT = "admit"
     #: Fail tasks waiting for worker resources no worker declares, after the timeout
     #: (:class:`~blockflow.errors.ResourceError`).
@@ -107,12 +110,14 @@ class Decision:
     key : optional
         For moves and backup copies: the task's key.
     keys : tuple
-        For ``assign``, ``place``, ``restrict``, ``admit`` and ``fail``: the keys acted on.
+        For ``assign``, ``place``, ``restrict``, ``fail``, and the ``hold`` and ``release`` of
+        tasks: the keys acted on.
     workers : tuple
         For ``place``: the workers the keys are restricted to (``worker`` is the first).
     detail : optional
         Action-specific payload for the handler (``fail``: the error message;
-        ``restrict``: the placements to apply). Never logged.
+        ``restrict``: the placements to apply; the ``release`` of tasks: its stimulus id
+        and whether it counts as released). Never logged.
 
     Raises
     ------

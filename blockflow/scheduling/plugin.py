@@ -12,7 +12,7 @@ them through :mod:`blockflow._distributed`, and log each one.
 :meth:`Rebalancer._apply` is the only code that acts on the scheduler for a decision or
 writes the decision log: one handler per :class:`~blockflow.scheduling.actions.Action`
 (:attr:`Rebalancer.HANDLERS`). The policy's rules, the plugin's own rules (kernels'
-placements, the unsatisfiable-task watch, the balancing hand-over), admission control,
+placements, the unsatisfiable-task watch, the balancing hand-over, admission control),
 backup outcomes and worker arrivals all reach the scheduler and the log through it.
 
 Clients read the plugin's state through one read-only scheduler handler,
@@ -37,14 +37,18 @@ from blockflow import _distributed, config
 from blockflow.errors import ResourceError
 from blockflow.scheduling.actions import KERNEL_PREFIX, Action, Decision
 from blockflow.scheduling import resources
-from blockflow.scheduling.admission import AdmissionControl
 from blockflow.scheduling.policies import (
     POLICIES,
     REGISTRY,
     ClusterSnapshot,
     make_policy,
 )
-from blockflow.scheduling.rules import BalancingRule, KernelPlacementRule, UnsatisfiableRule
+from blockflow.scheduling.rules import (
+    AdmissionRule,
+    BalancingRule,
+    KernelPlacementRule,
+    UnsatisfiableRule,
+)
 from blockflow.scheduling.runs import RunTracker
 from blockflow.scheduling.speed import SpeedModel
 
@@ -122,7 +126,8 @@ class Rebalancer(SchedulerPlugin):
         self.backups: dict[Any, dict[str, Any]] = {}  # key -> backup copy running now
         self.speculation: Counter[str] = Counter(launched=0, duplicated_seconds=0.0,
                                                  saved_seconds=0.0)
-        self.admission: AdmissionControl | None = None
+        self.admission: AdmissionRule | None = None
+        self._admission_kick = False  # an "admit" snapshot is scheduled
 
     def __getstate__(self):
         return {"policy_name": self.policy_name, "interval": self.interval,
@@ -157,7 +162,7 @@ class Rebalancer(SchedulerPlugin):
         if self._stealing is not None:
             self._stealing.restore()
         if self.admission is not None and self.scheduler is not None:
-            self.admission.release_all(self.scheduler)
+            self._run_admission("close", workers={})
         if self.scheduler is not None:  # nothing stays held back without the plugin
             for addr in list(self.held):
                 self.held.pop(addr)
@@ -171,7 +176,7 @@ class Rebalancer(SchedulerPlugin):
     def transition(self, key, start, finish, *args, stimulus_id=None, **kwargs) -> None:
         if self.admission is not None and self.admission.watches(key) \
                 and finish in _ADMISSION_EVENTS:
-            self.admission.kick(self.scheduler, self._views)
+            self._kick_admission()
         if finish == "forgotten":
             self.runs.forget(key)
             return
@@ -233,13 +238,21 @@ class Rebalancer(SchedulerPlugin):
     def _start_resources(self) -> None:
         self.unsatisfiable = UnsatisfiableRule()
         self.balancing = BalancingRule(hands_over=self.policy.replaces_work_stealing)
-        self.admission = AdmissionControl()
+        self.admission = AdmissionRule()
         if not self.policy.admits:  # e.g. observe only: never hold tasks back
             self.admission.enabled = False
 
     def _resources_on_graph(self, scheduler, keys: list) -> list:
-        """New tasks: restrict them as their kernels asked (resources=, workers=), hold back
-        producers feeding resource-restricted consumers; the tasks' views for the policy."""
+        """New tasks: restrict them as their kernels asked (resources=, workers=), then hold
+        back producers feeding resource-restricted consumers; the tasks' views for the
+        policy.
+
+        Three snapshots, each read before the decisions it leads to are applied: the new
+        tasks (the kernel placement rule: ``restrict``); after that, the feeders among them
+        (which tasks are feeders depends on the restrictions just set; the admission rule:
+        ``hold``); after the holds, where the feeders stand (the admission rule:
+        ``release``, ``admit``).
+        """
         views = _distributed.new_task_views(scheduler, keys)
         snap = ClusterSnapshot(time=time.time(), workers={}, event="graph", new_tasks=views)
         self._placed_now = set()
@@ -248,19 +261,46 @@ class Rebalancer(SchedulerPlugin):
         if self._placed_now:  # restricted here: the policy's rules leave them alone
             views = [replace(v, restricted=True)
                      if v.key in self._placed_now and not v.restricted else v for v in views]
-        if self.admission is not None:
-            self.admission.on_graph(scheduler, keys, self._views(), self.log_decision)
+        if self.admission is not None and self.admission.enabled and keys:
+            graph = ClusterSnapshot(time=time.time(), workers={}, event="graph",
+                                    new_tasks=views,
+                                    feeders=_distributed.feeder_tasks(scheduler, keys))
+            for d in self.admission.run(graph, None):
+                self._apply(d, graph)
+            self._run_admission("held")
         return views
+
+    def _run_admission(self, event: str, workers=None) -> None:
+        """Take an admission snapshot (``"held"``, ``"admit"``, ``"close"``) and apply what
+        the admission rule yields for it."""
+        snap = ClusterSnapshot(time=time.time(),
+                               workers=self._views() if workers is None else workers,
+                               event=event,
+                               feeder_states=_distributed.feeder_state_view(self.scheduler))
+        for d in self.admission.run(snap, None):
+            self._apply(d, snap)
+
+    def _kick_admission(self) -> None:
+        """Run the admission rule on the scheduler's event loop soon (coalesced): called from
+        the ``transition`` hook, where scheduler state must not change."""
+        if self._admission_kick or not self.admission.holding:
+            return
+        self._admission_kick = True
+
+        def run():
+            self._admission_kick = False
+            self._run_admission("admit")
+
+        _distributed.call_soon(self.scheduler, run)
 
     def _resources_tick(self, snap: ClusterSnapshot) -> None:
         if self.unsatisfiable is not None:
             for d in self.unsatisfiable.run(snap, None):
                 self._apply(d, snap)
-        workers = snap.workers
         if self.admission is not None:
-            if self.ticks % 10 == 0:
-                self.admission.release_orphans(self.scheduler)
-            self.admission.admit(self.scheduler, workers)
+            tick = replace(snap, feeder_states=_distributed.feeder_state_view(self.scheduler))
+            for d in self.admission.run(tick, None):
+                self._apply(d, tick)
 
     # --- control loop -----------------------------------------------------------------
 
@@ -350,11 +390,14 @@ class Rebalancer(SchedulerPlugin):
 
         The handler of ``d.action`` (:attr:`HANDLERS`) acts on the scheduler through
         :mod:`blockflow._distributed` and returns the decision to log (perhaps another:
-        a resume left to the worker is logged as ``handover``), or None when nothing was
-        applied (nothing is logged then). Decisions about one worker (:attr:`ON_WORKER`)
-        apply only while the snapshot they came from shows it.
+        a resume left to the worker is logged as ``handover``), or None when nothing is to
+        be logged: nothing was applied, or the decision is one of admission control's holds
+        and releases of tasks (its ``admit`` decision summarises them). Decisions about one
+        worker (:attr:`ON_WORKER`) apply only while the snapshot they came from shows it;
+        a ``hold`` or ``release`` of tasks (``keys``, no ``worker``) is about no worker.
         """
-        if d.action in self.ON_WORKER and (snap is None or d.worker not in snap.workers):
+        if d.action in self.ON_WORKER and not self._on_tasks(d) and (
+                snap is None or d.worker not in snap.workers):
             return False
         d = self.HANDLERS[d.action](self, d, snap)
         if d is None:
@@ -382,12 +425,26 @@ class Rebalancer(SchedulerPlugin):
         _distributed.set_worker_status(self.scheduler, d.worker, False, self._stimulus(d))
         return d
 
+    @staticmethod
+    def _on_tasks(d: Decision) -> bool:
+        """Whether ``d`` holds or releases tasks (admission control), not a worker."""
+        return d.action in (Action.HOLD, Action.RELEASE) and not d.worker and bool(d.keys)
+
     def _on_hold(self, d, snap):
+        if self._on_tasks(d):  # producers held back: they wait in no-worker
+            _distributed.hold_tasks(self.scheduler, list(d.keys))
+            return None
         _distributed.set_worker_status(self.scheduler, d.worker, True, self._stimulus(d))
         self.held[d.worker] = d.reason
         return d
 
     def _on_release(self, d, snap):
+        if self._on_tasks(d):
+            released = _distributed.release_tasks(self.scheduler, list(d.keys),
+                                                  d.detail["stimulus"])
+            if d.detail["count"]:
+                self.admission.released += len(released)
+            return None
         if self.held.pop(d.worker, None) is None:
             return None
         if d.worker not in self.paused:
@@ -476,7 +533,7 @@ class Rebalancer(SchedulerPlugin):
         Action.PLACE: _on_restrict_to_workers,
         Action.SPECULATE: _on_speculate,
         Action.RESTRICT: _on_restrict,
-        Action.ADMIT: _log_only,  # admission control holds the producers (admission.py)
+        Action.ADMIT: _log_only,  # the summary of admission control's holds and releases
         Action.FAIL: _on_fail,
         Action.BALANCE: _on_balance,
         Action.DEFER: _on_defer,
@@ -534,8 +591,8 @@ class Rebalancer(SchedulerPlugin):
 
     def log_decision(self, action: str | Action, worker: str, reason: str, seen: dict,
                      key: str | None = None, target: str | None = None) -> bool:
-        """Record a decision taken elsewhere (admission control, distributed's AMM
-        policies, a backup copy's outcome): through :meth:`_apply`, like every decision.
+        """Record a decision taken elsewhere (distributed's AMM policies): through
+        :meth:`_apply`, like every decision.
 
         Raises
         ------

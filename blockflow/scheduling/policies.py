@@ -46,12 +46,13 @@ from blockflow._distributed import (
     WorkerView,
 )
 from blockflow._distributed.speculation import SpeculationHandlers
-from blockflow.scheduling.actions import KERNEL_PREFIX, Action, Decision
+from blockflow.scheduling.actions import Action, Decision
 from blockflow.scheduling.rules import (
     BackupRule,
     HoldRule,
     MoveRule,
     PauseRule,
+    RoundRobinAssignmentRule,
     Rule,
     RuleContext,
     WorkingSetPlacementRule,
@@ -88,8 +89,11 @@ class ClusterSnapshot:
     workers : dict of str to WorkerView
     queued : int
         Root tasks the scheduler holds back (not yet on a worker).
-    event : {"tick", "graph"}
+    event : {"tick", "graph", "held", "admit", "close"}
         ``"tick"``: a control-loop tick; ``"graph"``: a graph just arrived (``new_tasks``).
+        The others are the admission rule's own snapshots
+        (:class:`~blockflow.scheduling.rules.AdmissionRule`): after a graph's feeders were
+        held, when a tracked task's transition may have freed room, when the plugin closes.
     waiting : mapping of str to iterable of TaskView
         Per worker, its tasks that have not started, lowest priority (last to run) first.
     new_tasks : list of TaskView
@@ -114,6 +118,13 @@ class ClusterSnapshot:
         Tasks waiting in ``no-worker`` for resources no connected worker declares.
     monotonic : float
         ``time.monotonic()`` when the snapshot was taken.
+    feeders : list of FeederView
+        On the admission rule's ``"graph"`` snapshot: the new graph's feeders (tasks whose
+        every dependent needs a worker resource), read after the kernels' restrictions were
+        applied.
+    feeder_states : FeederStates, optional
+        Key -> where a feeder stands (:class:`blockflow._distributed.FeederStates`), for the
+        admission rule; None on the policy's snapshots.
     """
 
     time: float
@@ -131,6 +142,8 @@ class ClusterSnapshot:
     speeds_differ_weakly: bool = False
     unsatisfiable: list = field(default_factory=list, repr=False)
     monotonic: float = 0.0
+    feeders: list = field(default_factory=list, repr=False)
+    feeder_states: Any = field(default=None, repr=False)
 
 
 class RebalancePolicy(abc.ABC):
@@ -179,14 +192,14 @@ class ComposedPolicy(RebalancePolicy):
             yield from rule.run(snapshot, context)
 
 
-class ObservePolicy(RebalancePolicy):
-    """``off``: record metrics and decisions of others, change nothing."""
+class ObservePolicy(ComposedPolicy):
+    """``off``: record metrics and decisions of others, change nothing (no rules)."""
 
     name = "off"
     admits = False  # observe only: never hold tasks back
 
-    def run(self, snapshot: ClusterSnapshot) -> Iterator[Decision]:
-        return iter(())
+    def __init__(self):
+        self.rules = []
 
 
 class DynamicPolicy(ComposedPolicy):
@@ -406,12 +419,13 @@ class DeviceMemoryAMMPolicy(AMMPolicy):
                                  key=str(r.key), target=chosen)
 
 
-class MemoryPolicy(RebalancePolicy):
+class MemoryPolicy(ComposedPolicy):
     """``memory``: move stored results off workers above the device-memory high-water mark.
 
     Installs :class:`DeviceMemoryAMMPolicy` into distributed's Active Memory Manager, which
     replicates results to the workers with most free device memory and then drops them from
-    the full worker (two AMM cycles). Tick decisions: none.
+    the full worker (two AMM cycles; each move logged as ``memory-move`` through the
+    plugin). Its own rules: none (no tick or graph decisions).
 
     Parameters
     ----------
@@ -424,66 +438,31 @@ class MemoryPolicy(RebalancePolicy):
     def __init__(self, memory_high=None, memory_low=None):
         self.memory_high = float(config.get("rebalancer.memory-high", memory_high))
         self.memory_low = float(config.get("rebalancer.memory-low", memory_low))
-
-    def run(self, snapshot: ClusterSnapshot) -> Iterator[Decision]:
-        return iter(())
+        self.rules = []
 
     def amm_policies(self) -> list[AMMPolicy]:
         return [DeviceMemoryAMMPolicy(self.memory_high, self.memory_low)]
 
 
-class _SmoothWeightedRoundRobin:
-    """Nginx's smooth weighted round robin: spreads picks in proportion to weights."""
-
-    def __init__(self, weights: dict[str, float]):
-        self.weights = {k: v for k, v in weights.items() if v > 0} or dict.fromkeys(weights, 1)
-        self.current = dict.fromkeys(self.weights, 0.0)
-        self.total = sum(self.weights.values())
-
-    def __next__(self) -> str:
-        for k, w in self.weights.items():
-            self.current[k] += w
-        best = max(self.current, key=self.current.get)
-        self.current[best] -= self.total
-        return best
-
-
-def _sort_key(key):
-    return (key[0], *key[1:]) if isinstance(key, tuple) else (str(key),)
-
-
-class StaticRoundRobinPolicy(RebalancePolicy):
+class StaticRoundRobinPolicy(ComposedPolicy):
     """``static-round-robin``: blockflow blocks go to workers in turn, fixed up front.
 
     When a graph arrives, each blockflow kernel task that is not yet assigned and carries no
     user restriction is pinned to one running worker (strict restriction), in key order.
-    Smooth weighted round robin (as in nginx) with equal weights.
+    Smooth weighted round robin (as in nginx) with equal weights: the policy is one
+    :class:`~blockflow.scheduling.rules.RoundRobinAssignmentRule` weighted by
+    :meth:`weight`.
     """
 
     name = "static-round-robin"
 
+    def __init__(self):
+        self.assignment = RoundRobinAssignmentRule(self.weight, self.name)
+        self.rules = [self.assignment]
+
     def weight(self, w: WorkerView) -> float:
         """Relative share of blocks for ``w`` (1 for every worker here)."""
         return 1.0
-
-    def run(self, snapshot: ClusterSnapshot) -> Iterator[Decision]:
-        if snapshot.event != "graph":
-            return
-        running = {a: w for a, w in sorted(snapshot.workers.items()) if w.status == "running"}
-        tasks = [t for t in snapshot.new_tasks
-                 if t.state in ("released", "waiting", "no-worker") and not t.restricted
-                 and t.runnable and t.group.startswith(KERNEL_PREFIX)]
-        if not running or not tasks:
-            return
-        rr = _SmoothWeightedRoundRobin({a: self.weight(w) for a, w in running.items()})
-        assigned: dict[str, list] = {}
-        for t in sorted(tasks, key=lambda t: _sort_key(t.key)):
-            assigned.setdefault(next(rr), []).append(t.key)
-        weights = {a: round(self.weight(w), 3) for a, w in running.items()}
-        for a, keys in assigned.items():
-            yield Decision(Action.ASSIGN, a, f"{len(keys)} blocks assigned up front ({self.name}, "
-                                        f"weights {weights})", {"weight": weights[a]},
-                           keys=tuple(keys))
 
 
 class StaticCapacityPolicy(StaticRoundRobinPolicy):

@@ -20,7 +20,7 @@ import blockflow  # noqa: F401  (loads blockflow's settings before gen_cluster c
 from blockflow._distributed import WorkerView
 from blockflow._distributed.metrics import read_metrics
 from blockflow.scheduling import Rebalancer
-from blockflow.scheduling.admission import default_budget
+from blockflow.scheduling.rules.admission import default_budget
 
 PIPELINE = [("127.0.0.1", 1)] * 4 + [("127.0.0.1", 1, {"resources": {"GPU": 1}})]
 MB = 2**20

@@ -488,3 +488,110 @@ def test_dynamic_moves_a_task_once_between_busy_workers_and_again_only_to_an_idl
     s3 = snap([worker("a"), worker("b", processing=3, executing=1, occupancy=3.0),
                worker("c")], waiting={"b": [task("t")]})
     assert [(d.key, d.target) for d in run(policy, s3)] == [("t", "c")]
+
+
+# --- the balancing rule: which balance / defer decisions it yields ------------------------
+
+
+def _speeds(slow: float):
+    """A speed model of workers a, b (speed 1) and c (``slow``), 12 near-equal durations
+    each: with c at 0.25 the speeds differ strongly (the strict test), at 0.8 weakly (only
+    the weak one), at 1 not at all."""
+    from blockflow.scheduling.speed import SpeedModel
+
+    m = SpeedModel()
+    for w, s in (("a", 1.0), ("b", 1.0), ("c", slow)):
+        for i in range(12):
+            m.observe(w, "g", 0.03 / s * (1 + 0.02 * (i % 3 - 1)))
+    m.update()
+    return m
+
+
+STRONG, WEAK, NONE = 0.25, 0.8, 1.0
+
+
+def _balancing_tick(rule, model, event="tick"):
+    """One snapshot as the plugin takes it (the strict test while the rule is off, the weak
+    one while on; ``balancing`` from :meth:`BalancingRule.judge`) and the decisions
+    :meth:`BalancingRule.run` yields for it."""
+    names = ["a", "b", "c"]
+    ws = [worker(a, speed=model.speed(a)) for a in names]
+    for w in ws:
+        w.speed_confidence = model.confidence(w.address)
+    s = snap(ws, event=event)
+    s.speeds_differ = not rule.active and model.heterogeneous(names)
+    s.speeds_differ_weakly = rule.active and model.heterogeneous(names, min_ratio=1.15, z=1.64)
+    s.balancing = rule.judge(s)
+    return [(d.action.value, d.worker) for d in rule.run(s, RuleContext())], s
+
+
+def test_the_speed_models_of_the_balancing_tests_differ_as_named():
+    strong, weak, none = _speeds(STRONG), _speeds(WEAK), _speeds(NONE)
+    assert strong.heterogeneous() and strong.heterogeneous(min_ratio=1.15, z=1.64)
+    assert not weak.heterogeneous() and weak.heterogeneous(min_ratio=1.15, z=1.64)
+    assert not none.heterogeneous() and not none.heterogeneous(min_ratio=1.15, z=1.64)
+
+
+def test_balancing_starts_only_on_a_strong_difference():
+    from blockflow.scheduling.rules import BalancingRule
+
+    rule = BalancingRule(hands_over=True)
+    for _ in range(3):  # no difference, then a weak one: distributed keeps balancing
+        assert _balancing_tick(rule, _speeds(NONE))[0] == []
+        assert _balancing_tick(rule, _speeds(WEAK))[0] == []
+    assert not rule.active
+    decisions, _ = _balancing_tick(rule, _speeds(STRONG))
+    assert decisions == [("balance", "")] and rule.active
+    # once on, a strong or weak difference yields nothing more
+    assert _balancing_tick(rule, _speeds(STRONG))[0] == []
+    assert _balancing_tick(rule, _speeds(WEAK))[0] == []
+    assert rule.active
+
+
+def test_the_balance_decision_shows_the_speeds_and_confidences_it_saw():
+    from blockflow.scheduling.rules import BalancingRule
+
+    model = _speeds(STRONG)
+    names = ["a", "b", "c"]
+    ws = [worker(a, speed=model.speed(a)) for a in names]
+    for w in ws:
+        w.speed_confidence = model.confidence(w.address)
+    s = snap(ws)
+    s.speeds_differ = True
+    s.balancing = BalancingRule(hands_over=True).judge(s)
+    (d,) = BalancingRule(hands_over=True).run(s, RuleContext())
+    assert d.action == "balance"
+    assert d.seen["speeds"] == {a: round(model.speed(a), 3) for a in names}
+    assert d.seen["confidence"] == {a: round(model.confidence(a), 2) for a in names}
+    assert d.seen["speeds"]["c"] < 0.5 < d.seen["confidence"]["c"]
+
+
+def test_balancing_is_deferred_after_calm_ticks_without_even_a_weak_difference():
+    from blockflow.scheduling.rules import BalancingRule
+
+    rule = BalancingRule(hands_over=True)
+    assert _balancing_tick(rule, _speeds(STRONG))[0] == [("balance", "")]
+    # calm ticks (no difference) interrupted by a weak difference start counting again
+    for _ in range(rule.calm_ticks - 2):
+        assert _balancing_tick(rule, _speeds(NONE))[0] == []
+    assert rule.calm == rule.calm_ticks - 2
+    assert _balancing_tick(rule, _speeds(WEAK))[0] == [] and rule.calm == 0
+    out = [_balancing_tick(rule, _speeds(NONE))[0] for _ in range(rule.calm_ticks)]
+    assert out[:-1] == [[]] * (rule.calm_ticks - 1)
+    assert out[-1] == [("defer", "")] and not rule.active
+    # deferred: a weak difference does not take balancing back, a strong one does
+    assert _balancing_tick(rule, _speeds(WEAK))[0] == []
+    assert _balancing_tick(rule, _speeds(STRONG))[0] == [("balance", "")]
+
+
+def test_balancing_decisions_only_on_ticks_and_only_for_policies_that_hand_over():
+    from blockflow.scheduling.rules import BalancingRule
+
+    rule = BalancingRule(hands_over=True)
+    decisions, s = _balancing_tick(rule, _speeds(STRONG), event="graph")
+    assert decisions == [] and s.balancing and not rule.active  # graphs: never
+    silent = BalancingRule(hands_over=False)  # e.g. static policies: the flag alone
+    decisions, s = _balancing_tick(silent, _speeds(STRONG))
+    assert decisions == [] and s.balancing and not silent.active
+    decisions, s = _balancing_tick(silent, _speeds(WEAK))
+    assert decisions == [] and not s.balancing  # the strict test alone while off

@@ -14,9 +14,13 @@ yield (:meth:`blockflow.scheduling.plugin.Rebalancer._apply`).
 :class:`HoldRule`            slowed workers skip the queue's last tasks (``hold``, ``release``)
 :class:`MoveRule`            waiting tasks to the workers free soonest (``move``)
 :class:`BackupRule`          copies of stragglers on idle workers (``speculate``)
+:class:`RoundRobinAssignmentRule`  blocks pinned up front by worker weight (``assign``)
+:class:`AdmissionRule`       producers feeding GPU consumers within a budget (``hold``, ``release``, ``admit``)
 =========================  ==========================================================
 """
 
+from blockflow.scheduling.rules.admission import AdmissionRule, default_budget
+from blockflow.scheduling.rules.assignment import RoundRobinAssignmentRule
 from blockflow.scheduling.rules.backup import BackupRule
 from blockflow.scheduling.rules.balancing import BalancingRule
 from blockflow.scheduling.rules.base import Rule, RuleContext
@@ -26,6 +30,6 @@ from blockflow.scheduling.rules.pause import PauseRule
 from blockflow.scheduling.rules.placement import KernelPlacementRule, WorkingSetPlacementRule
 from blockflow.scheduling.rules.unsatisfiable import UnsatisfiableRule
 
-__all__ = ["BackupRule", "BalancingRule", "HoldRule", "KernelPlacementRule",
-           "MoveRule", "PauseRule", "Rule", "RuleContext", "UnsatisfiableRule",
-           "WorkingSetPlacementRule", "pessimistic_speed"]
+__all__ = ["AdmissionRule", "BackupRule", "BalancingRule", "HoldRule", "KernelPlacementRule",
+           "MoveRule", "PauseRule", "RoundRobinAssignmentRule", "Rule", "RuleContext", "UnsatisfiableRule",
+           "WorkingSetPlacementRule", "default_budget", "pessimistic_speed"]
