@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from blockflow.cluster.identity import workers_info
 from blockflow.cli import cli
 from blockflow.cluster.connection import gpu_status
-from blockflow.workloads import flights
+from blockflow.workloads.reference import flights_reference
 
 EXISTS = ("Error: Output {path!r} already exists; pass --overwrite (overwrite=True in Python) "
           "to replace it, or choose another output folder.\n")
@@ -50,7 +50,7 @@ def _assert_flights_output(out, expected: dict[str, pd.DataFrame]) -> None:
 
 @pytest.fixture(scope="module")
 def reference_1():
-    return flights.reference(1)
+    return flights_reference(1)
 
 
 # --- help and bad input (no cluster is started) ----------------------------------------------
