@@ -11,6 +11,7 @@ import dask
 import pandas as pd
 import pytest
 from click.testing import CliRunner
+from loadaware import wait_until
 
 from blockflow.cluster.identity import workers_info
 from blockflow.cli import cli
@@ -339,17 +340,21 @@ def test_sigterm_mid_run_leaves_no_temporary_folder(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     out = tmp_path / "out"
     proc = subprocess.Popen(
         [sys.executable, "-m", "blockflow", "run", "flights", "--scale", "20", "--n-workers",
          "2", "--output", str(out), "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while not any(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-        time.sleep(0.1)
+
+    def started():
+        if any(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir()):
+            return True
+        assert proc.poll() is None, proc.stdout.read()
+        return False
+
+    wait_until(started, timeout=60, interval=0.1,
+               message=lambda: f"the temporary output folder; output: {proc.stdout.read()}")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 143
     assert list(tmp_path.iterdir()) == []  # no output, no temporary folder
