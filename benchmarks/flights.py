@@ -135,7 +135,7 @@ class PeakMemory:
 
 
 def check_tables(actual: dict, expected: dict, what: str) -> None:
-    """Same rows, keys and counts; floats to rtol 1e-9 (as tests/test_flights.py)."""
+    """Same rows, keys and counts; floats to rtol 1e-9 (as tests/workloads/test_flights.py)."""
     for name, e in expected.items():
         a = actual[name]
         assert list(a.columns) == list(e.columns), (what, name, list(a.columns))
