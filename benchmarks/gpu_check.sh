@@ -3,7 +3,7 @@
 #   1. install the wheels carried in .whl/ (made by benchmarks/fetch_gpu_wheels.sh) into
 #      /tmp/site, with no index and no dependency resolution;
 #   2. run benchmarks/gpu_check.py (inventory, round trips, CuPy vs NumPy pipeline, table);
-#   3. run the GPU tests (tests/test_gpu.py; tests/test_connect_gpu_errors.py skips there).
+#   3. run the GPU tests (tests/test_gpu.py; tests/cluster/test_connect_gpu_errors.py skips there).
 # Everything it prints also lands in $OUT (gpu_check.txt, pytest_gpu.txt) when OUT is set.
 # Whole run: about 2-3 minutes on an H200, at most ~6 (hard limits below).
 #
@@ -42,12 +42,12 @@ echo "== gpu_check.py exit code: $check_rc"
 # 3. the GPU tests
 test_rc=0
 if [ "${RUN_GPU_TESTS:-1}" = "1" ]; then
-    echo "== pytest tests/test_gpu.py tests/test_connect_gpu_errors.py"
+    echo "== pytest tests/test_gpu.py tests/cluster/test_connect_gpu_errors.py"
     log=/dev/null
     [ -n "$OUTDIR" ] && log="$OUTDIR/pytest_gpu.txt"
     timeout -k 10 100 $PY -m pytest -q -rs -p no:cacheprovider \
         -o addopts="--strict-markers -ra" --timeout 80 \
-        tests/test_gpu.py tests/test_connect_gpu_errors.py 2>&1 | tee "$log"
+        tests/test_gpu.py tests/cluster/test_connect_gpu_errors.py 2>&1 | tee "$log"
     test_rc=${PIPESTATUS[0]}
     echo "== pytest exit code: $test_rc"
 fi

@@ -25,7 +25,7 @@ side:
     python benchmarks/parallelism.py --repeats 1 --bubble-layer-seconds 0.02   # smoke
 
 Correctness (forward and gradients equal single-device PyTorch to 1e-6) is checked by
-``tests/test_parallel.py``, not here.
+``tests/ml/test_parallel.py``, not here.
 """
 
 from __future__ import annotations

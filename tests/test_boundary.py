@@ -854,3 +854,53 @@ def test_the_handler_table_check_catches_actions_elsewhere(source):
 ])
 def test_the_handler_table_check_lets_reads_and_decisions_pass(source):
     assert scheduler_actions(source) == []
+
+
+# --- the workloads and their test oracles: lazy imports count too ---------------------------
+
+WORKLOADS = PACKAGE / "workloads"
+ORACLES = "blockflow.workloads.reference"
+
+
+def _workload_edges(source: str, module: str) -> set[tuple[str, str]]:
+    """Edges ``(module, other workloads file)`` of every import in ``source``, wherever it is:
+    module level, inside functions (lazy imports) or under ``if TYPE_CHECKING``. A lazy
+    import hides a cycle from :func:`file_import_edges` but not from a reader, and a shim that
+    imports the test oracle lazily still puts it on the production path."""
+    edges = set()
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Import):
+            names = [a.name for a in n.names]
+        elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            names = [n.module] + [f"{n.module}.{a.name}" for a in n.names]
+        else:
+            continue
+        for name in names:
+            path = PACKAGE.parent.joinpath(*name.split(".")).with_suffix(".py")
+            if name.startswith("blockflow.workloads.") and path.parent == WORKLOADS and \
+                    path.is_file() and name != module:
+                edges.add((module, name))
+    return edges
+
+
+def test_no_import_cycle_between_the_workloads_and_their_oracles_lazy_imports_included():
+    """The workloads' files import each other without a cycle even counting the imports
+    inside functions, and only tests, notebooks and benchmarks import the oracles
+    (``blockflow.workloads.reference``): no workload reaches them, not even through a shim."""
+    edges = set()
+    for p in WORKLOADS.glob("*.py"):
+        if p.name != "__init__.py":
+            edges |= _workload_edges(p.read_text(), f"blockflow.workloads.{p.stem}")
+    assert cycles(edges) == []
+    assert sorted(a for a, b in edges if b == ORACLES) == []
+
+
+def test_the_workload_cycle_check_sees_a_lazy_import():
+    """The circle the ``reference()`` shims made: the oracle imported a workload at module
+    level, the workload imported the oracle inside a function."""
+    shim = "def reference():\n    from blockflow.workloads.reference import flights_reference\n"
+    edges = _workload_edges(shim, "blockflow.workloads.flights") | _workload_edges(
+        "from blockflow.workloads.flights import GROUPINGS", ORACLES)
+    assert file_import_edges(shim, "blockflow.workloads.flights") == set()  # invisible there
+    assert cycles(edges) == [["blockflow.workloads.flights", ORACLES,
+                              "blockflow.workloads.flights"]]

@@ -15,7 +15,8 @@ import pytest
 from distributed import Client, LocalCluster
 
 from blockflow.cluster.identity import workers_info
-from blockflow.workloads import array_stats, flights
+from blockflow.workloads import array_stats
+from blockflow.workloads.reference import array_stats_reference, flights_reference
 
 pytestmark = pytest.mark.slow
 
@@ -41,13 +42,13 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def flights_expected():
-    return flights.reference(1)
+    return flights_reference(1)
 
 
 @pytest.fixture(scope="module")
 def array_expected():
     """NumPy statistics of the small field, and its anomaly in memory."""
-    ref = array_stats.reference("small", seed=0)
+    ref = array_stats_reference("small", seed=0)
     field = array_stats.generate_field("small", seed=0)
     anom = array_stats.anomalies(field, array_stats.climatology("small"))
     return ref, anom.compute(scheduler="sync").values

@@ -9,13 +9,13 @@ Run on a GPU machine with ``pytest -m gpu tests/test_gpu.py``.
 
 from __future__ import annotations
 
-import time
 
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from loadaware import wait_until
 
 import blockflow
 from blockflow.cluster.identity import workers_info
@@ -247,14 +247,14 @@ def gpu_client():
 
 def _inventory_with_gpus(client, timeout=15.0):
     """The inventory once every worker's heartbeat has reported its GPU (0.5-2 s apart)."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def complete():
         inv = blockflow.inventory(client)
-        if len(inv) and inv.n_gpus == len(inv) and all(w.gpu_uuid for w in inv):
-            return inv
-        if time.monotonic() > deadline:
-            return inv
-        time.sleep(0.25)
+        return inv if len(inv) and inv.n_gpus == len(inv) and all(w.gpu_uuid for w in inv) \
+            else None
+
+    return wait_until(complete, timeout=timeout, interval=0.25,
+                      message=lambda: f"every worker's GPU: {blockflow.inventory(client)!r}")
 
 
 def test_connect_gpu_starts_local_cuda_cluster(gpu_client):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from blockflow._distributed import feeder_states
+from blockflow._distributed.views import feeder_states
 
 __all__ = ["FeederStates", "feeder_state_view"]
 

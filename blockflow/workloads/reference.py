@@ -8,8 +8,9 @@ distributed result against it. Meant for small sizes (``scale=1``, ``size="small
 * :func:`flights_reference`: the flights ETL's tables with pandas' ``groupby``;
 * :func:`array_stats_reference`: the array-stats moments with NumPy's ``mean`` / ``var``.
 
-``blockflow.workloads.flights.reference`` and ``blockflow.workloads.array_stats.reference``
-call these (the notebooks use those names).
+The oracles share the workloads' definitions (:mod:`blockflow.workloads.field`,
+:mod:`blockflow.workloads.flights_data`) but import nothing from the distributed workloads,
+and those import nothing from here: a test oracle is not on the production path.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pandas as pd
 import xarray as xr
 
 from blockflow.aggregations import quantile_label
-from blockflow.workloads.array_stats import (
+from blockflow.workloads.field import (
     _STAT_ATTRS,
     _check_seed,
     _dayofyear,
@@ -30,7 +31,7 @@ from blockflow.workloads.array_stats import (
     _spec,
     climatology,
 )
-from blockflow.workloads.flights import DELAY_COLUMNS, GROUPINGS, QUANTILES, check_scale
+from blockflow.workloads.flights_data import DELAY_COLUMNS, GROUPINGS, QUANTILES, check_scale
 
 __all__ = ["array_stats_reference", "flights_reference"]
 
@@ -118,7 +119,7 @@ def array_stats_reference(size: str = "small", seed: int = 0) -> xr.Dataset:
     Parameters
     ----------
     size : {"small", "medium", "large"}, default "small"
-        See :data:`blockflow.workloads.array_stats.SIZES`.
+        See :data:`blockflow.workloads.field.SIZES`.
     seed : int, default 0
         Seed of the field, as for :func:`~blockflow.workloads.array_stats.generate_field`.
 

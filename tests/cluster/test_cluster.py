@@ -128,7 +128,7 @@ def test_plugin_status_without_plugin_says_how_to_fix():
                 blockflow.plugin_status(client)
 
 
-# Addresses where no scheduler answers: tests/test_connect_address.py.
+# Addresses where no scheduler answers: tests/cluster/test_connect_address.py.
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

@@ -8,13 +8,13 @@ with simulated devices of different capacities.
 
 from __future__ import annotations
 
-import asyncio
 
 import numpy as np
 import pytest
 from distributed.utils_test import gen_cluster
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from loadaware import async_wait_until
 
 import blockflow
 from blockflow import _distributed
@@ -385,12 +385,14 @@ async def test_rebalance_evens_out_device_blocks_by_capacity_and_logs_moves(c, s
     assert [v.payload for v in values] == [4 * i for i in range(14)]
     assert [v.nbytes for v in values] == [256 * MiB] * 14
     # the simulated devices hold what the summary says
-    for _ in range(500):  # the workers drop their copies asynchronously
-        stats = await c.run(device_stats)
-        if {addr: st["held_bytes"] for addr, st in stats.items()} == summary["after"]:
-            break
-        await asyncio.sleep(0.01)
-    assert {addr: st["held_bytes"] for addr, st in stats.items()} == summary["after"]
+    async def held_bytes():
+        return {addr: st["held_bytes"] for addr, st in (await c.run(device_stats)).items()}
+
+    async def dropped():  # the workers drop their copies asynchronously
+        return await held_bytes() == summary["after"]
+
+    await async_wait_until(dropped, timeout=5, message="the workers to drop their copies")
+    assert await held_bytes() == summary["after"]
 
     # every copy and drop is in the decision log
     log = [d for d in s.plugins["blockflow-rebalancer"].decisions if d["action"] == "balance"]
@@ -466,10 +468,11 @@ async def test_policy_named_in_distributed_config_balances_in_the_scheduler_amm(
     futs = _blocks(c, addrs["a"], [256 * MiB] * 14)
     await c.gather(futs)
     await c.amm.run_once()  # six copies
-    for _ in range(500):
-        if sum(map(len, (await _holders(c, futs)).values())) == 14 + 6:
-            break
-        await asyncio.sleep(0.01)
+
+    async def copied():
+        return sum(map(len, (await _holders(c, futs)).values())) == 14 + 6
+
+    await async_wait_until(copied, timeout=5, message="the six copies to land")
     await c.amm.run_once()  # the copies have landed: six drops
     held = {addr: 0 for addr in addrs.values()}
     for h in (await _holders(c, futs)).values():

@@ -8,12 +8,12 @@ import asyncio
 import json
 import logging
 import re
-import time
 import urllib.request
 
 import pytest
 from distributed import Client, LocalCluster
 from distributed.utils_test import gen_cluster
+from loadaware import wait_until
 
 import blockflow
 from blockflow.cluster.identity import workers_info
@@ -39,11 +39,9 @@ def shared():
             client.register_plugin(SimulatedGPU({
                 0: SimulatedDevice(uuid=SHARED), 1: SimulatedDevice(uuid=SHARED),
                 2: SimulatedDevice()}))
-            deadline = time.monotonic() + 30
-            while not all(w["metrics"].get("blockflow-gpu-uuid")
-                          for w in workers_info(client).values()):
-                assert time.monotonic() < deadline, "simulated metrics never arrived"
-                time.sleep(0.05)
+            wait_until(lambda: all(w["metrics"].get("blockflow-gpu-uuid")
+                                   for w in workers_info(client).values()),
+                       timeout=30, message="the simulated GPU metrics of every worker")
             from blockflow.cluster.connection import _register_plugin
 
             _register_plugin(client, Rebalancer(policy="dynamic"))
@@ -97,11 +95,9 @@ def test_one_worker_per_gpu_is_not_flagged(shared):
                       dashboard_address=":0", silence_logs=logging.CRITICAL) as cluster:
         with Client(cluster) as client:
             client.register_plugin(SimulatedGPU(SimulatedDevice()))
-            deadline = time.monotonic() + 30
-            while not all(w["metrics"].get("blockflow-gpu-uuid")
-                          for w in workers_info(client).values()):
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_until(lambda: all(w["metrics"].get("blockflow-gpu-uuid")
+                                   for w in workers_info(client).values()),
+                       timeout=30, message="the simulated GPU metrics of every worker")
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 inv = blockflow.inventory(client)

@@ -13,6 +13,7 @@ import urllib.request
 import dask.array as da
 import pytest
 from distributed import LocalCluster
+from loadaware import wait_until
 
 import blockflow
 from blockflow.testing import Tenant, set_tenant, simulated_cluster
@@ -216,9 +217,8 @@ def test_page_tables_follow_a_running_job_in_headless_chromium(sim, browser):
     """The worker table's cells change while a job runs (BokehJS 3.9 alone kept the first
     values: a DataTable redraws only when its number of rows changes)."""
     browser.get(_base(sim) + "/blockflow")
-    deadline = time.monotonic() + 60
-    while not _shown_tasks_this_run(browser) and time.monotonic() < deadline:
-        time.sleep(0.25)
+    wait_until(lambda: _shown_tasks_this_run(browser), timeout=60, interval=0.25,
+               message="the page to show this run's task counts")
     first = _shown_tasks_this_run(browser)
     assert set(first) == set(sim.cluster.scheduler.workers), first
     # 240 blocks of 50 ms on 3 single-thread workers: about 4 s of work, 8 page updates
@@ -231,9 +231,10 @@ def test_page_tables_follow_a_running_job_in_headless_chromium(sim, browser):
     assert job.result() == 240
     run = blockflow.plugin_status(sim)["run"]
     final = {w: str(run["counts"].get(w, 0)) for w in first}
-    deadline = time.monotonic() + 30  # the page updates every 500 ms
-    while _shown_tasks_this_run(browser) != final and time.monotonic() < deadline:
-        time.sleep(0.25)
+    wait_until(lambda: _shown_tasks_this_run(browser) == final,  # updates every 500 ms
+               timeout=30, interval=0.25, message=lambda: (
+                   f"the page to show the final counts {final}, not "
+                   f"{_shown_tasks_this_run(browser)}"))
     assert _shown_tasks_this_run(browser) == final
     # the cells moved during the job, through values between the start and the end
     between = [s for s in seen if s and s != first and s != final]

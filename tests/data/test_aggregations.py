@@ -3,7 +3,7 @@ equal pandas' groupby for empty partitions, all partitions empty, groups present
 partitions, all-missing groups, missing keys, single-row groups, integer and float columns and
 several keys; the empty table's columns and dtypes; exact messages for bad input.
 
-The flights-style cases (large synthetic frames on a LocalCluster) stay in tests/test_flights.py.
+The flights-style cases (large synthetic frames on a LocalCluster) stay in tests/workloads/test_flights.py.
 Everything here runs on Dask's synchronous scheduler so hypothesis stays fast.
 """
 

@@ -8,7 +8,6 @@ fixed cases run on the shared LocalCluster of conftest.py.
 from __future__ import annotations
 
 import logging
-import time
 
 import dask
 import dask.array as da
@@ -21,6 +20,7 @@ from dask.utils import key_split
 from distributed import Client, Scheduler, SpecCluster, Worker, WorkerPlugin
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from loadaware import wait_until
 
 import blockflow
 from blockflow import EmptyCollectionError, choose_split_every, tree_reduce
@@ -317,10 +317,8 @@ def test_auto_split_every_is_logged_and_sized_from_the_smallest_worker(uneven_cl
 
 def test_device_memory_counts_on_gpu_workers(uneven_client):
     uneven_client.register_plugin(_FakeDeviceMemory(512 * MiB, "big"))
-    deadline = time.monotonic() + 10
-    while smallest_worker_memory(uneven_client)[1] != "device":  # next heartbeat
-        assert time.monotonic() < deadline, "the metric never reached the scheduler"
-        time.sleep(0.05)
+    wait_until(lambda: smallest_worker_memory(uneven_client)[1] == "device",  # next heartbeat
+               timeout=10, message="the device-memory metric to reach the scheduler")
     assert smallest_worker_memory(uneven_client) == (512 * MiB, "device")
     uneven_client.unregister_worker_plugin(_FakeDeviceMemory.name)
 

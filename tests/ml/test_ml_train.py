@@ -18,6 +18,7 @@ pytest.importorskip("sklearn")
 
 import dask.array as da  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
+from loadaware import wait_until  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
@@ -334,7 +335,6 @@ def test_steps_run_on_passes_submitted_ahead_and_a_stop_cancels_the_next(client4
     assert all(ahead[4:]), ahead
     expected = single_process(reference, Xtr, ytr, trainer.shards_.block_rows, 256, 3, 1)
     np.testing.assert_allclose(trainer.loss_curve(), expected[:11], rtol=1e-5)
-    deadline = time.monotonic() + 30
-    while any(client4.processing().values()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not any(client4.processing().values()), timeout=30,
+               message=lambda: f"no task processing: {client4.processing()}")
     assert not any(client4.processing().values()), client4.processing()

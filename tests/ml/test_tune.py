@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster, get_task_stream
+from loadaware import wait_until
 
 from blockflow.cluster.identity import workers_info
 from blockflow.testing import simulated_cluster, slowed_to_device_speed
@@ -254,9 +255,11 @@ def test_dashboard_shows_running_trials():
         th = threading.Thread(target=lambda: out.update(r=tune(
             train, configs, client=client, eta=3, max_budget=3, name="dash-test")))
         th.start()
-        seen, html_text = [], ""
-        deadline = time.monotonic() + 120
-        while th.is_alive() and time.monotonic() < deadline:
+        seen, html = [], [""]
+
+        def sample_until_done():
+            if not th.is_alive():
+                return True
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/blockflow/status.json",
                                         timeout=20) as resp:
                 tuning = json.loads(resp.read())["tuning"]
@@ -265,8 +268,11 @@ def test_dashboard_shows_running_trials():
                 page = BlockflowPage(client.cluster.scheduler)
                 page.update()
                 if "<td>" in page.tuning.text:  # the trials may have ended just now
-                    html_text = page.tuning.text
-            time.sleep(0.1)
+                    html[0] = page.tuning.text
+            return False
+
+        wait_until(sample_until_done, timeout=120, interval=0.1, message="the tuning run to end")
+        html_text = html[0]
         th.join(120)
         final = json.loads(urllib.request.urlopen(
             f"http://127.0.0.1:{port}/blockflow/status.json", timeout=20).read())["tuning"]
@@ -298,15 +304,14 @@ def test_worker_killed_mid_run_loses_no_trial():
         pid = c.run(os.getpid, workers=[victim])[victim]
         out = {}
 
+        def promoting():
+            meta = c.get_metadata(["blockflow", "tune"], default=None)
+            return meta and any(r["rung"] >= 1 for r in meta["running"])
+
         def kill_when_promoting():
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                meta = c.get_metadata(["blockflow", "tune"], default=None)
-                if meta and any(r["rung"] >= 1 for r in meta["running"]):
-                    os.kill(pid, signal.SIGKILL)
-                    out["killed"] = True
-                    return
-                time.sleep(0.05)
+            wait_until(promoting, timeout=60, message="a trial running on rung 1")
+            os.kill(pid, signal.SIGKILL)
+            out["killed"] = True
 
         import threading
         th = threading.Thread(target=kill_when_promoting)

@@ -10,13 +10,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 import warnings
-from typing import Callable
 
 import pytest
 from distributed import Client
-from loadaware import scaled
+from loadaware import wait_until
 
 import blockflow
 from blockflow.cluster.identity import workers_info
@@ -57,11 +55,11 @@ def _kill_stuck_workers(pids: list[int]) -> None:
 def healthy(proc_client):
     """``proc_client`` with both workers up and answering; waits for restarted workers after
     the test."""
-    wait_until(lambda: _two_workers_answer(proc_client), timeout=60, what="2 running workers")
+    wait_until(lambda: _two_workers_answer(proc_client), timeout=60, message="2 running workers")
     yield proc_client
     try:
         wait_until(lambda: _two_workers_answer(proc_client), timeout=60,
-                   what="2 running workers after the test")
+                   message="2 running workers after the test")
     except pytest.fail.Exception:
         # Once in about 20 full runs of the suite (CI, after the allowed-failures-0 test) a
         # killed worker's replacement was not back 60 s later, with nothing in the log. The
@@ -71,7 +69,7 @@ def healthy(proc_client):
                       f"{_cluster_state(proc_client)}")
         _replace_lost_workers(proc_client)
         wait_until(lambda: _two_workers_answer(proc_client), timeout=120,
-                   what="2 running workers after replacing the lost ones")
+                   message="2 running workers after replacing the lost ones")
 
 
 def _replace_lost_workers(client: Client) -> None:
@@ -123,19 +121,6 @@ def kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def wait_until(predicate: Callable[[], bool], *, timeout: float = 30, interval: float = 0.05,
-               what: str = "condition") -> None:
-    """Poll ``predicate`` until it is true; fail the test after ``timeout`` seconds, stretched
-    by the machine's load (:func:`loadaware.scaled`)."""
-    bound = scaled(timeout)
-    deadline = time.monotonic() + bound
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {bound:.0f} s ({timeout:g} s scaled to the "
-                        f"machine's load) waiting for {what}")
-        time.sleep(interval)
-
-
 def tasks_done_on(client: Client, worker: str) -> int:
     """Tasks ``worker`` finished, as counted by blockflow's scheduler plugin."""
     return blockflow.plugin_status(client)["task_counts"].get(worker, 0)
@@ -150,7 +135,7 @@ def speed_known(address: str, dask_scheduler=None) -> bool:
 
 def assert_forgotten(client: Client, dead: str) -> None:
     """blockflow's plugin no longer knows the dead worker and logged that it forgot it."""
-    wait_until(lambda: dead not in running_workers(client), what=f"{dead} to be removed")
+    wait_until(lambda: dead not in running_workers(client), message=f"{dead} to be removed")
     forgets = blockflow.decisions(client).query("action == 'forget' and worker == @dead")
     assert len(forgets) == 1, blockflow.decisions(client)
     status = blockflow.plugin_status(client)

@@ -28,7 +28,7 @@ import psutil
 import pytest
 import yaml
 from distributed import LocalCluster
-from loadaware import scaled
+from loadaware import scaled, wait_until
 
 import blockflow
 from blockflow import config
@@ -428,10 +428,15 @@ def test_ctrl_c_mid_run_exits_130_with_one_line_and_leaves_nothing(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
         start_new_session=True, preexec_fn=_as_from_a_terminal)
     try:
-        deadline = time.monotonic() + 120
-        while not any(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
+
+        def started():
+            if any(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir()):
+                return True
+            assert proc.poll() is None, proc.communicate()
+            return False
+
+        wait_until(started, timeout=120, interval=0.1,
+                   message=lambda: f"the temporary output folder; {proc.communicate()}")
         children = psutil.Process(proc.pid).children(recursive=True)
         assert children  # the embedded cluster's nannies and workers
         time.sleep(1.5)  # mid-computation: workers hold results

@@ -20,7 +20,7 @@ from blockflow.errors import BlockKernelError, DeviceMemoryError, is_device_oom,
 from blockflow.scheduling import Rebalancer
 from blockflow.testing import device_stats, set_tenant, simulated_cluster, simulated_kernel
 
-from .conftest import wait_until
+from loadaware import wait_until
 
 GiB, MiB = 2**30, 2**20
 
@@ -94,7 +94,7 @@ def test_a_block_that_fits_elsewhere_is_never_a_device_memory_error():
 
         # With the dynamic policy and the working set declared, no block goes there at all.
         wait_until(lambda: client.run_on_scheduler(_idle)
-                   and not any(client.run(_executing).values()), what="the first run to drain")
+                   and not any(client.run(_executing).values()), message="the first run to drain")
         client.register_plugin(Rebalancer(policy="dynamic"))
         before = client.run(device_stats)
         y = map_blocks(on_device, x, need=300 * MiB, working_set=300 * MiB, name="placed")

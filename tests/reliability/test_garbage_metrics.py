@@ -28,7 +28,7 @@ from blockflow._distributed.metrics import (
 )
 from blockflow.scheduling import Rebalancer
 
-from .conftest import wait_until
+from loadaware import wait_until
 
 KEYS = (GPU_UTILIZATION, GPU_MEMORY_USED, GPU_MEMORY_TOTAL, OWN_UTILIZATION_METRIC,
         CAPACITY_METRIC)
@@ -92,7 +92,7 @@ def test_garbage_metrics_never_stop_the_dynamic_policy():
             assert all(_same(r, sent) for r in reported(client))
             ticks = blockflow.plugin_status(client)["ticks"]
             wait_until(lambda: blockflow.plugin_status(client)["ticks"] > ticks + 1,
-                       timeout=10, what="two more ticks of the control loop")
+                       timeout=10, message="two more ticks of the control loop")
         status = blockflow.plugin_status(client)
         assert status["ticks"] >= start + 2 * steps
         assert status["paused"] == {}

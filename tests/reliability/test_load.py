@@ -14,7 +14,7 @@ from blockflow.cluster.identity import workers_info
 from blockflow.scheduling import Rebalancer
 from blockflow.testing import set_tenant, simulated_cluster
 
-from .conftest import wait_until
+from loadaware import wait_until
 
 N_TASKS = 50_000
 LOG_SIZE = 100
@@ -66,7 +66,7 @@ def test_50000_tasks_with_the_dynamic_policy_and_a_bounded_decision_log():
             client.run(set_tenant, (95, 0) if busy else None, workers=hot)
             client.run(_heartbeat, workers=hot)
             wait_until(lambda: sorted(blockflow.plugin_status(client)["paused"])
-                       == (hot if busy else []), timeout=20, what=f"swing {swing}")
+                       == (hot if busy else []), timeout=20, message=f"swing {swing}")
             decided += len(hot)
             if first_swing_done is None:
                 first_swing_done = pd.Timestamp.now(tz="UTC")

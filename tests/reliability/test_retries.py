@@ -22,7 +22,7 @@ from blockflow.cli import cli
 from blockflow.errors import BlockKernelError
 from blockflow.workloads import flights
 
-from .conftest import wait_until
+from loadaware import wait_until
 
 
 def _attempt(marks: str, name: str) -> int:
@@ -105,7 +105,7 @@ def forget_earlier_runs(client) -> None:
     when a graph with the same key arrives keeps the ``retries`` it had."""
     gc.collect()  # futures kept alive by reference cycles of earlier tracebacks
     wait_until(lambda: client.run_on_scheduler(_flights_tasks) == 0, timeout=30,
-               what="earlier flights tasks to be released")
+               message="earlier flights tasks to be released")
 
 
 @pytest.fixture

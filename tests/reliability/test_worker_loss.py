@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from distributed import LocalCluster
-from loadaware import scaled
+from loadaware import scaled, wait_until
 
 import blockflow
 from blockflow.errors import WorkerLostError
@@ -34,7 +34,6 @@ from .conftest import (
     ready_workers,
     running_workers,
     tasks_done_on,
-    wait_until,
     worker_pids,
 )
 
@@ -51,7 +50,7 @@ def _new_worker_runs_tasks(client, old: list[str]) -> str:
     # ready: a restarted worker is known (status "init") before its plugins have started,
     # and the scheduler gives it no task until it runs
     wait_until(lambda: len(set(ready_workers(client)) - set(old)) == 1, timeout=60,
-               what="the restarted worker")
+               message="the restarted worker")
     (new,) = set(ready_workers(client)) - set(old)
     before = tasks_done_on(client, new)
     # A fresh name each time: a graph with the keys of an earlier call's (whose results the
@@ -65,7 +64,7 @@ def _new_worker_runs_tasks(client, old: list[str]) -> str:
                            pure=False)
     assert pinned.result(timeout=120).tolist() == [2.0, 2.0]
     wait_until(lambda: tasks_done_on(client, new) > before, timeout=30,
-               what="the new worker's task count")
+               message="the new worker's task count")
     return new
 
 
@@ -84,7 +83,7 @@ def test_flights_run_survives_a_killed_worker(healthy, tmp_path):
         running = pool.submit(flights.run, client, output=tmp_path / "out", **kwargs)
         # Kill once the victim has finished some of this run's tasks (it holds results).
         wait_until(lambda: tasks_done_on(client, victim) > done_before + 1 or running.done(),
-                   interval=0.01, what="the victim to finish a task")
+                   interval=0.01, message="the victim to finish a task")
         assert not running.done(), "the run ended before the worker could be killed"
         kill(pid)
         disturbed = running.result(timeout=180)
@@ -106,7 +105,7 @@ def test_tree_reduction_survives_a_killed_worker(healthy):
     total = blockflow.tree_reduce(blockflow.map_blocks(slow_double, x), np.sum, split_every=4)
     future = client.compute(total)
     wait_until(lambda: tasks_done_on(client, victim) >= done_before + 10 or future.done(),
-               interval=0.01, what="10 blocks on the victim")
+               interval=0.01, message="10 blocks on the victim")
     assert not future.done()
     kill(pid)
     assert future.result(timeout=120) == 2 * np.arange(4_000).sum()
@@ -124,7 +123,7 @@ def test_a_killed_paused_worker_leaves_no_ghost(healthy):
         victim, pid = next(iter(worker_pids(client).items()))
         client.run(set_tenant, (95, 0), workers=[victim])
         wait_until(lambda: victim in blockflow.plugin_status(client)["paused"], timeout=30,
-                   what="the plugin to pause the hot worker")
+                   message="the plugin to pause the hot worker")
         kill(pid)
         assert_forgotten(client, victim)
         forget = blockflow.decisions(client).query("action == 'forget' and worker == @victim")
@@ -161,7 +160,7 @@ def test_workers_dying_under_a_task_fail_clearly_and_keep_the_old_output(healthy
                                   progress=False)
             for _ in range(5):  # kill a worker while it runs a task (once is nearly always it)
                 wait_until(lambda: client.run_on_scheduler(_processing) or running.done(),
-                           timeout=60, interval=0.01, what="tasks processing")
+                           timeout=60, interval=0.01, message="tasks processing")
                 if running.done():
                     break
                 pids = worker_pids(client)
@@ -171,7 +170,7 @@ def test_workers_dying_under_a_task_fail_clearly_and_keep_the_old_output(healthy
                 kill(pids[busy[0]])
                 # Never kill a worker that is still starting: wait for its replacement.
                 wait_until(lambda: len(set(worker_pids(client)) - set(pids)) == 1,
-                           timeout=60, what="the worker restarted")
+                           timeout=60, message="the worker restarted")
             with pytest.raises(WorkerLostError) as info:
                 running.result(timeout=120)
     finally:
@@ -209,7 +208,7 @@ def test_losing_every_worker_fails_clearly_and_keeps_the_old_output(tmp_path):
                                       progress=False)
                 wait_until(lambda: sum(blockflow.task_counts(client).values()) > done_before
                            or running.done(), timeout=60, interval=0.01,
-                           what="the first finished task")
+                           message="the first finished task")
                 assert not running.done()
                 start = time.monotonic()
                 for w in workers:

@@ -15,6 +15,7 @@ import dask
 import numpy as np
 import pytest
 from distributed.utils_test import gen_cluster
+from loadaware import async_wait_until
 
 import blockflow  # noqa: F401  (loads blockflow's settings before gen_cluster copies them)
 from blockflow._distributed import WorkerView
@@ -131,8 +132,8 @@ async def test_producers_whose_consumers_are_cancelled_are_released(c, s, *worke
     producers, consumers = pipeline(40, 1024, 0.2)
     futures = c.compute(consumers)
     kept = c.compute(producers[-1])  # a producer the client also wants
-    while plugin.admission.status()["released"] < 3:
-        await asyncio.sleep(0.01)
+    await async_wait_until(lambda: plugin.admission.status()["released"] >= 3, timeout=120,
+                           message="3 producers released by admission")
     await c.cancel(futures)
     assert (await asyncio.wait_for(kept, 60))[0] == 39.0
 

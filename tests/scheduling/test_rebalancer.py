@@ -14,6 +14,7 @@ import pytest
 from distributed import wait
 from distributed.core import Status
 from distributed.utils_test import gen_cluster, slowinc
+from loadaware import async_wait_until
 
 import blockflow
 from blockflow.scheduling import Rebalancer
@@ -63,8 +64,7 @@ async def test_queued_tasks_move_off_a_hot_worker_but_a_started_task_never_moves
     plugin = await _plugin(c, s)
     data = await c.scatter(list(range(12)), workers=[a.address])
     futs = c.map(slowinc, data, delay=0.3)  # follow their data: all processing on a
-    while not a.state.executing_count:
-        await asyncio.sleep(0.01)
+    await async_wait_until(lambda: a.state.executing_count, message="a task executing on a")
     started = {k for k, ts in a.state.tasks.items() if ts.state == "executing"}
     assert len(started) == 1
     await c.run(set_tenant, Tenant(95, 0), workers=[a.address])
@@ -234,8 +234,8 @@ async def test_boundary_matches_this_distributed(c, s, a, b):
     assert not _distributed.set_worker_status(s, "tcp://127.0.0.1:1", True, "gone")
     data = await c.scatter(list(range(6)), workers=[a.address])
     futs = c.map(slowinc, data, delay=0.2)
-    while len(s.workers[a.address].processing) < 6:
-        await asyncio.sleep(0.01)
+    await async_wait_until(lambda: len(s.workers[a.address].processing) >= 6,
+                           message="6 tasks processing on a")
     waiting = list(_distributed.waiting_tasks(s, thieves=[b.address])[a.address])
     assert waiting and all(isinstance(t, _distributed.TaskView) for t in waiting)
     last = waiting[0]  # lowest priority first
@@ -262,8 +262,7 @@ async def test_checks_run_again_when_the_first_worker_joins(c, s):
     plugin = s.plugins["blockflow-rebalancer"]
     assert not plugin._worker_checked
     async with Worker(s.address, nthreads=1):
-        while not s.workers:
-            await asyncio.sleep(0.01)
+        await async_wait_until(lambda: s.workers, message="the worker to join")
         assert plugin._worker_checked
 
 
@@ -287,9 +286,9 @@ async def test_knowing_nothing_it_leaves_balancing_to_distributed(c, s, a, b, w)
     plugin = await _plugin(c, s)
     data = await c.scatter(list(range(12)), workers=[a.address])
     futs = c.map(slowinc, data, delay=0.2)  # every task follows its data to a
-    while len(s.workers[a.address].processing) < 12 and not any(
-            s.workers[x].processing for x in (b.address, w.address)):
-        await asyncio.sleep(0.01)
+    await async_wait_until(lambda: len(s.workers[a.address].processing) >= 12 or any(
+        s.workers[x].processing for x in (b.address, w.address)),
+        message="12 tasks processing on a, or any on b or w")
     applied = plugin.run_once()
     assert _actions(applied, "move") == [] and not plugin.status()["balancing"]
     assert s.periodic_callbacks["stealing"].is_running()
@@ -309,8 +308,8 @@ async def test_with_known_speeds_it_balances_on_queue_and_speed(c, s, a, b, w):
             plugin.speeds.observe(addr, "earlier", d)
     data = await c.scatter(list(range(12)), workers=[a.address])
     futs = c.map(slowinc, data, delay=0.2)  # every task follows its data to a
-    while len(s.workers[a.address].processing) < 12:
-        await asyncio.sleep(0.01)
+    await async_wait_until(lambda: len(s.workers[a.address].processing) >= 12,
+                           message="12 tasks processing on a")
     applied = plugin.run_once()
     assert plugin.status()["balancing"]
     assert not s.periodic_callbacks["stealing"].is_running()
@@ -414,9 +413,9 @@ async def test_a_resumed_worker_is_judged_on_what_it_does_next(c, s, a, b, w):
     for wk in (a, b, w):
         data += await c.scatter(list(range(4)), workers=[wk.address])
     futs = c.map(slowinc, data, delay=0.5)
-    while sum(len(ws.processing) for ws in s.workers.values()) < 12 and not any(
-            f.status == "finished" for f in futs):
-        await asyncio.sleep(0.01)
+    await async_wait_until(lambda: sum(len(ws.processing) for ws in s.workers.values()) >= 12
+                           or any(f.status == "finished" for f in futs), timeout=120,
+                           message="12 tasks processing, or one finished")
     moved_off_a = [d for d in plugin.run_once() if d.action == "move" and d.worker == a.address]
     assert moved_off_a == []
     await wait(futs)

@@ -21,7 +21,7 @@ import pytest
 from dask.utils import parse_timedelta
 from distributed import Worker, get_task_stream, get_worker, wait
 from distributed.utils_test import captured_logger, gen_cluster
-from loadaware import scaled
+from loadaware import async_wait_until, scaled, wait_until
 
 import blockflow
 from blockflow import ResourceError
@@ -212,11 +212,8 @@ def test_connect_reports_gpu_workers_that_declare_no_gpu():
             setup.register_plugin(SimulatedGPU({names[0]: SimulatedDevice()},
                                                declare_gpu=False))
             setup.run(lambda dask_worker: asyncio.ensure_future(dask_worker.heartbeat()))
-            deadline = time.monotonic() + 30
-            while not workers_info(setup)[names[0]]["metrics"].get(
-                    "gpu-memory-total"):
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_until(lambda: workers_info(setup)[names[0]]["metrics"].get(
+                "gpu-memory-total"), timeout=30, message="the simulated GPU's memory metric")
         with pytest.warns(blockflow.BlockflowWarning, match=re.escape(
                 f"blockflow.connect: 1 GPU worker of the cluster at {cluster.scheduler_address} "
                 f"declares no GPU resource ({names[0]}), so tasks asking for "
@@ -291,8 +288,8 @@ async def test_a_worker_with_the_resource_joining_in_time_runs_the_task(c, s, a)
     y = blockflow.map_blocks(_on_gpu_worker, da.ones(4, chunks=1), resources={"GPU": 1},
                              dtype=float)
     fut = c.compute(y.sum())
-    while not plugin.unsatisfiable.since:  # the plugin saw them waiting
-        await asyncio.sleep(0.05)
+    await async_wait_until(lambda: plugin.unsatisfiable.since, interval=0.05,
+                           message="the plugin to see the GPU tasks waiting")
     async with Worker(s.address, nthreads=1, resources={"GPU": 1}):
         assert await fut == 4
     assert plugin.unsatisfiable.failed == 0

@@ -12,7 +12,7 @@ import pytest
 from dask.sizeof import sizeof
 from distributed import wait
 from distributed.utils_test import gen_cluster
-from loadaware import scaled
+from loadaware import scaled, wait_until
 
 import blockflow
 from blockflow.cluster.identity import workers_info
@@ -53,17 +53,6 @@ def metrics(client, i: int) -> dict:
     return next(w["metrics"] for w in workers if int(w["name"]) == i)
 
 
-def wait_until(cond, timeout=6.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="class")
 def sim():
     """Worker processes: 0 fast 1 GiB, 1 slow (0.25) 2 GiB, 2 fast 1 GiB with a tenant."""
@@ -94,11 +83,13 @@ class TestSimulatedCluster:
     def test_busy_worker_utilisation_rises_and_falls_back(self, sim):
         a0 = addresses(sim)[0]
         fut = sim.submit(simulated_kernel, np.ones(4), work=1.5, workers=[a0], pure=False)
-        wait_until(lambda: metrics(sim, 0)["gpu_utilization"] >= 50, what="utilisation to rise")
+        wait_until(lambda: metrics(sim, 0)["gpu_utilization"] >= 50,
+                   timeout=6, message="utilisation to rise")
         assert metrics(sim, 1)["gpu_utilization"] == 0  # an idle worker stays idle
         fut.result()
         del fut
-        wait_until(lambda: metrics(sim, 0)["gpu_utilization"] == 0, what="utilisation to fall")
+        wait_until(lambda: metrics(sim, 0)["gpu_utilization"] == 0,
+                   timeout=6, message="utilisation to fall")
 
 
     @pytest.mark.slow
@@ -106,17 +97,18 @@ class TestSimulatedCluster:
         a2 = addresses(sim)[2]
         sim.run(restart_clock, workers=[a2])
         wait_until(lambda: (metrics(sim, 2)["gpu_utilization"], metrics(sim, 2)["gpu_memory_used"])
-                   == (20, 100 * MiB), what="the tenant's first step")
+                   == (20, 100 * MiB), timeout=6, message="the tenant's first step")
         wait_until(lambda: (metrics(sim, 2)["gpu_utilization"], metrics(sim, 2)["gpu_memory_used"])
-                   == (70, 300 * MiB), what="the tenant's second step")
+                   == (70, 300 * MiB), timeout=6, message="the tenant's second step")
         # Time slicing (blockflow heuristic): kernels get max(1 - tenant share, 1/2) of the device
         assert sim.run(device_stats, workers=[a2])[a2]["effective_speed"] == pytest.approx(0.5)
         sim.run(set_tenant, (30, "50MiB"), workers=[a2])
-        wait_until(lambda: metrics(sim, 2)["gpu_memory_used"] == 50 * MiB, what="set_tenant")
+        wait_until(lambda: metrics(sim, 2)["gpu_memory_used"] == 50 * MiB,
+                   timeout=6, message="set_tenant")
         assert sim.run(device_stats, workers=[a2])[a2]["effective_speed"] == pytest.approx(0.7)
         sim.run(set_tenant, None, workers=[a2])
         wait_until(lambda: (metrics(sim, 2)["gpu_utilization"], metrics(sim, 2)["gpu_memory_used"])
-                   == (0, 0), what="the tenant to leave")
+                   == (0, 0), timeout=6, message="the tenant to leave")
 
 
     def test_held_blocks_raise_device_memory_and_release_lowers_it(self, sim):
@@ -125,9 +117,10 @@ class TestSimulatedCluster:
                          workers=[a1], pure=False)
         wait([fut])
         assert sim.nbytes(summary=False)[fut.key] == 512 * MiB  # dask.sizeof reports nbytes
-        wait_until(lambda: metrics(sim, 1)["gpu_memory_used"] == 512 * MiB, what="held block")
+        wait_until(lambda: metrics(sim, 1)["gpu_memory_used"] == 512 * MiB,
+                   timeout=6, message="held block")
         del fut
-        wait_until(lambda: metrics(sim, 1)["gpu_memory_used"] == 0, what="release")
+        wait_until(lambda: metrics(sim, 1)["gpu_memory_used"] == 0, timeout=6, message="release")
 
 
     @pytest.mark.slow

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import dask
 import dask.array as da
@@ -21,6 +23,7 @@ from distributed import Client, LocalCluster
 import blockflow
 from blockflow.cluster.identity import workers_info
 from blockflow.workloads import array_stats as A
+from blockflow.workloads import field as F
 from blockflow.workloads.reference import array_stats_reference
 
 SMALL = A.SIZES["small"]
@@ -119,8 +122,8 @@ def test_statistics_are_physical(small_reference):
     seasonal cycle (up to +-15 K) is removed by the climatology."""
     s = small_reference
     lat, lon = s["lat"].values, s["lon"].values
-    wave = A._zonal_wave(lat, lon)
-    sigma2 = A._noise_std(lat) ** 2
+    wave = F._zonal_wave(lat, lon)
+    sigma2 = F._noise_std(lat) ** 2
     n = SMALL.shape[0]
     # time mean: within 4 standard errors of the wave at every point
     assert np.all(np.abs(s["mean"].values - wave) < 4 * np.sqrt(sigma2[:, None] / n))
@@ -161,9 +164,9 @@ def test_climatology_matches_field_mean():
 def test_anomaly_kernel_day_of_year_on_leap_years(client):
     # day 1460 of the time axis (from 2001-01-01) is 2004-12-31, day 366 of a leap year
     t = np.arange(1455, 1465)
-    assert list(A._dayofyear(t)) == [361, 362, 363, 364, 365, 366, 1, 2, 3, 4]
+    assert list(F._dayofyear(t)) == [361, 362, 363, 364, 365, 366, 1, 2, 3, 4]
     time = A.START_DATE + t.astype("timedelta64[D]")
-    assert list(pd.DatetimeIndex(time).day_of_year) == list(A._dayofyear(t))
+    assert list(pd.DatetimeIndex(time).day_of_year) == list(F._dayofyear(t))
 
 
 def test_moment_kernels_chan_merge_is_numerically_sound():
@@ -218,10 +221,18 @@ def test_one_moments_merge_for_arrays_and_grouped_frames():
 
 
 def test_reference_is_the_oracle_module():
-    """The oracle lives in blockflow.workloads.reference; the workload's name calls it."""
-    xr.testing.assert_identical(A.reference("small", seed=1),
-                                array_stats_reference("small", seed=1))
+    """The oracle lives in blockflow.workloads.reference only, off the production path: the
+    workloads keep no ``reference`` shim, and importing the oracles loads no distributed
+    workload (they share the field's and the flights' definitions instead)."""
+    from blockflow.workloads import flights
+
     assert "reference" not in A.__all__
+    assert not hasattr(A, "reference") and not hasattr(flights, "reference")
+    code = ("import sys, blockflow.workloads.reference; "
+            "print(sorted(m for m in sys.modules if m.startswith('blockflow.workloads')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True).stdout
+    assert "array_stats" not in loaded and "blockflow.workloads.flights'" not in loaded, loaded
 
 
 @pytest.mark.parametrize("axis", [0, 1, (0, 2), (0, 1, 2)])

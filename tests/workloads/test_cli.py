@@ -11,11 +11,12 @@ import dask
 import pandas as pd
 import pytest
 from click.testing import CliRunner
+from loadaware import wait_until
 
 from blockflow.cluster.identity import workers_info
 from blockflow.cli import cli
 from blockflow.cluster.connection import gpu_status
-from blockflow.workloads import flights
+from blockflow.workloads.reference import flights_reference
 
 EXISTS = ("Error: Output {path!r} already exists; pass --overwrite (overwrite=True in Python) "
           "to replace it, or choose another output folder.\n")
@@ -50,7 +51,7 @@ def _assert_flights_output(out, expected: dict[str, pd.DataFrame]) -> None:
 
 @pytest.fixture(scope="module")
 def reference_1():
-    return flights.reference(1)
+    return flights_reference(1)
 
 
 # --- help and bad input (no cluster is started) ----------------------------------------------
@@ -340,17 +341,21 @@ def test_sigterm_mid_run_leaves_no_temporary_folder(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     out = tmp_path / "out"
     proc = subprocess.Popen(
         [sys.executable, "-m", "blockflow", "run", "flights", "--scale", "20", "--n-workers",
          "2", "--output", str(out), "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while not any(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-        time.sleep(0.1)
+
+    def started():
+        if any(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir()):
+            return True
+        assert proc.poll() is None, proc.stdout.read()
+        return False
+
+    wait_until(started, timeout=60, interval=0.1,
+               message=lambda: f"the temporary output folder; output: {proc.stdout.read()}")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 143
     assert list(tmp_path.iterdir()) == []  # no output, no temporary folder

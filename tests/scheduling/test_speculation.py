@@ -16,7 +16,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster
-from loadaware import scaled
+from loadaware import async_wait_until, scaled, wait_until
 
 import blockflow
 from blockflow import _distributed
@@ -280,12 +280,9 @@ def test_a_device_slowed_mid_task_is_overtaken_by_a_backup_copy():
         client.run(set_speed, 0.1, workers=[addrs[0]])
         res = fut.result(timeout=scaled(60))
         assert sorted(int(b.payload) for b in res) == list(range(9))
-        deadline = time.time() + scaled(20)
-        while True:
-            spec, outcome, stats = _backups(client, since)
-            if outcome or time.time() > deadline:
-                break
-            time.sleep(0.1)
+        wait_until(lambda: _backups(client, since)[1], timeout=20, interval=0.1,
+                   message="the backup's outcome in the decision log")
+        spec, outcome, stats = _backups(client, since)
         assert spec and all(d["worker"] == addrs[0] for d in spec), spec
         assert [d["seen_outcome"] for d in outcome] == ["backup-won"] * len(outcome)
         assert stats["backup-won"] >= 1 and stats["launched"] >= 1
@@ -339,12 +336,10 @@ def test_the_first_result_wins_and_the_other_copy_is_cancelled():
 
     async def running_on(address):
         """The key of the kernel that starts running on ``address`` (polled, 10 s at most)."""
-        for _ in range(1000):
-            running = [k_ for (a, k_) in _speculation._running if a == address]
-            if running:
-                return running[0]
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"no kernel started on {address}")
+        running = await async_wait_until(
+            lambda: [k_ for (a, k_) in _speculation._running if a == address], timeout=10,
+            message=f"a kernel to start on {address}")
+        return running[0]
 
     async def main():
         async with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
