@@ -46,6 +46,7 @@ from blockflow._distributed import (
     WorkerView,
 )
 from blockflow._distributed.speculation import SpeculationHandlers
+from blockflow.scheduling import estimate
 from blockflow.scheduling.actions import Action, Decision
 from blockflow.scheduling.rules import (
     BackupRule,
@@ -334,9 +335,10 @@ def earliest_finish(task: TaskView, v: WorkerView, thieves: list[WorkerView],
     while filling idle threads (``fill``), only those; a task moved before (``moved_off``),
     only to a free thread it was never moved off; unless rescued off a paused worker, inputs
     sending in at most ``max_transfer_share`` (``max_fill_transfer_share`` while filling) of
-    its compute time."""
+    its compute time. The selection among the workers left is the house's one placement
+    helper, :func:`blockflow.scheduling.estimate.earliest_finish`."""
     d = task.duration
-    best, best_finish = None, math.inf
+    eligible = {}
     for t in thieves:
         if t is v or (
                 task.allowed_workers is not None and t.address not in task.allowed_workers):
@@ -350,10 +352,13 @@ def earliest_finish(task: TaskView, v: WorkerView, thieves: list[WorkerView],
         share = max_transfer_share if fill is None else max_fill_transfer_share
         if not rescue and comm > share * d / max(t.speed, 1e-6):
             continue  # data-bound: balance by moving compute, not data
-        f = finish[t.address] + d / rate[t.address] + task.comm_cost.get(t.address, 0.0)
-        if f < best_finish:
-            best, best_finish = t, f
-    return best, best_finish
+        eligible[t.address] = t
+    placed = estimate.earliest_finish(
+        1, {a: finish[a] for a in eligible},
+        lambda _, a: d / rate[a] + task.comm_cost.get(a, 0.0))
+    if not placed or not placed[0].finish < math.inf:
+        return None, math.inf
+    return eligible[placed[0].worker], placed[0].finish
 
 class DeviceMemoryAMMPolicy(AMMPolicy):
     """Active Memory Manager policy: move stored results off workers above the device-memory

@@ -125,10 +125,12 @@ def _tree_sum(client, futures: list, split_every: int, worker: str | None):
 
 
 def free_device_memory(client) -> dict[str, float]:
-    """Free memory per worker, bytes: reported device memory (``gpu-memory-total`` minus
-    ``gpu_memory_used``) where a worker reports it, else its host memory limit minus its
-    process memory, else ``math.inf`` (unknown): :attr:`blockflow.scheduling.client.
-    WorkerMemory.free`."""
+    """Free memory per worker in bytes, as the client's view of the cluster reads it.
+
+    Reported device memory (``gpu-memory-total`` minus ``gpu_memory_used``) where a worker
+    reports it, else its host memory limit minus its process memory, else ``math.inf``
+    (unknown): :attr:`blockflow.scheduling.client.WorkerMemory.free`.
+    """
     return {a: float(m.free) for a, m in worker_memory(client).items()}
 
 
