@@ -25,7 +25,7 @@ from blockflow.scheduling.client import (
     wait_any,
     worker_memory,
 )
-from loadaware import scaled
+from loadaware import scaled, wait_until
 
 
 def test_the_public_names_stay_where_they_were():
@@ -129,7 +129,9 @@ def test_wait_survives_a_killed_worker_whose_results_distributed_recomputes(two_
     futures = [c.submit(_sleep_then, i, 0.2, pure=False, workers=[b],
                         allow_other_workers=True) for i in range(6)]
     futures = [c.submit(_sleep_then, f, 0.0, pure=False) for f in futures]
-    time.sleep(0.3)
+    # kill b while it runs them: once one of its tasks has started
+    wait_until(lambda: c.processing().get(b), timeout=10,
+               message=f"a task running on {b}")
     _close(cluster, c, b)
     got = gather_as_done(futures, alive=lambda: workers_info(c), needed=(), poll=0.2,
                          deadline=scaled(60))
@@ -159,9 +161,9 @@ def test_fetch_gives_up_on_a_result_lost_before_it_was_fetched(two_workers):
     fut = c.submit(_sleep_then, 3, 0.0, pure=False, workers=[b], allow_other_workers=False)
     assert fetch(fut, timeout=scaled(10)) == 3
     _close(cluster, c, b)
-    deadline = time.monotonic() + scaled(10)
-    while fut.status == "finished" and time.monotonic() < deadline:
-        time.sleep(0.05)  # the client hears that the only copy is gone
+    # the client hears that the only copy is gone
+    wait_until(lambda: fut.status != "finished", timeout=10,
+               message="the client to hear that the result's only copy is gone")
     with pytest.raises(WorkerLostError) as info:
         fetch(fut, timeout=0.5, deadline=scaled(5))
     assert info.value.lost == {str(fut.key)}
