@@ -185,7 +185,7 @@ def _check_flights(nb, values):
     assert "application/vnd.bokehjs_exec.v0+json" in json.dumps(
         [c.outputs for c in nb.cells if c.cell_type == "code" and c.source.startswith("table =")])
     assert "16 carriers x 11 statistics agree with pandas" in _output_of(
-        nb, "expected = flights.reference")
+        nb, "expected = flights_reference")
 
 
 def _check_xarray(nb, values):

@@ -18,6 +18,8 @@ from loadaware import wait_until
 import blockflow
 from blockflow.cluster.identity import workers_info
 from blockflow.scheduling import Rebalancer
+from blockflow.scheduling.actions import Action
+from blockflow.scheduling.rules import RuleContext
 from blockflow.testing import (
     SimulatedDevice,
     SimulatedGPU,
@@ -131,8 +133,8 @@ async def test_dynamic_policy_does_not_pause_a_worker_for_its_gpu_partners_work(
 
     await c.run(beat)
     views = plugin._views()
-    paused = [d.worker for d in plugin.policy.pauses(plugin.take_snapshot())
-              if d.action == "pause"]
+    paused = [d.worker for d in plugin.policy.pause.run(plugin.take_snapshot(), RuleContext())
+              if d.action == Action.PAUSE]
     if same_device:
         assert views[b.address].device_peers == (a.address,)
         assert views[b.address].peers_own_utilization >= 50
