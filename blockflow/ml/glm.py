@@ -306,7 +306,8 @@ class PoissonRegression(_GLM):
         return 0.5 * self.alpha * (w @ w), self.alpha * w
 
     def _check_y(self, y):
-        bad = int((y < 0).sum().compute())
+        import dask.array as da
+        bad = int((da.isfinite(y) & (y < 0)).sum().compute())  # -inf: the finite check's
         if bad:
             raise ValueError(f"blockflow: PoissonRegression needs counts >= 0; {bad} are "
                              f"negative.")
