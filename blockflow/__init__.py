@@ -18,6 +18,7 @@ from blockflow.decompose import BlockResize, fit_blocks, split_skewed
 from blockflow.errors import (
     BlockflowWarning,
     BlockKernelError,
+    ConvergenceWarning,
     DeviceMemoryError,
     EmptyCollectionError,
     ResourceError,
@@ -39,6 +40,7 @@ __all__ = [
     "BlockKernelError",
     "BlockResize",
     "BlockflowWarning",
+    "ConvergenceWarning",
     "DeviceMemoryError",
     "EmptyCollectionError",
     "GPUUnavailableError",

@@ -10,6 +10,11 @@ class BlockflowWarning(UserWarning):
     """A warning from blockflow (tests turn these into errors)."""
 
 
+class ConvergenceWarning(BlockflowWarning):
+    """An optimiser stopped before it converged (scikit-learn's ``ConvergenceWarning``):
+    the fitted model may be off; the message gives the optimiser's reason."""
+
+
 class BlockKernelError(RuntimeError):
     """A blockwise kernel failed on one block, or a tree-reduction step failed.
 

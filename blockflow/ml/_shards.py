@@ -43,7 +43,7 @@ from blockflow.errors import WorkerLostError
 from blockflow.scheduling.client import gather_as_done, learned_speeds, memory_of, wait_for
 from blockflow.scheduling.estimate import Throughput, earliest_finish
 
-__all__ = ["ResidentShards", "as_row_blocks"]
+__all__ = ["ResidentShards", "as_row_blocks", "known_rows"]
 
 
 def as_row_blocks(X, y=None):
@@ -80,23 +80,38 @@ def as_row_blocks(X, y=None):
     if X.ndim != 2:
         raise ValueError(f"blockflow: X must be 2-D (samples x features), got shape {X.shape}; "
                          f"reshape it first.")
-    if any(math.isnan(c) for c in X.chunks[0]):
-        X = X.compute_chunk_sizes()
+    # a filtered collection (``X[mask]``) has unknown row counts: they are computed (on
+    # both sides) before rows are compared or blocks sized
+    X = known_rows(X)
     X = X.rechunk({1: -1})
     if y is None:
         return X, None
-    y = arr(y)
+    y = known_rows(arr(y))
     if y.shape[0] != X.shape[0]:
         raise ValueError(f"blockflow: X has {X.shape[0]} rows but y has {y.shape[0]}; pass "
                          f"labels for every sample.")
-    if any(math.isnan(c) for c in y.chunks[0]):
-        y = y.compute_chunk_sizes()
     y = y.rechunk((X.chunks[0],) + tuple((-1,) * (y.ndim - 1)))
     return X, y
 
 
-def _pair(x, y):
+def known_rows(a):
+    """``a`` (a dask array) with its row chunk sizes known: computed
+    (``compute_chunk_sizes()``) where a filter (``a[mask]``) left them unknown."""
+    if any(math.isnan(c) for c in a.chunks[0]):
+        a = a.compute_chunk_sizes()
+    return a
+
+
+def _pair(x, y, check=None, block=0, offset=0):
+    """A block's ``(X, y)``; ``check`` (a :class:`blockflow.ml._finite.FiniteCheck`) looks
+    for non-finite values in this, the first task that reads the block."""
+    if check is not None:
+        return check(x, y, block, offset)
     return (x, y)
+
+
+def _rows_of(pair) -> int:
+    return len(pair[0])
 
 
 def _pair_copy(pair):
@@ -195,18 +210,26 @@ class ResidentShards:
         its share follows a prior (the scheduler plugin's speed, shrunk towards the typical
         one, or 1), so more of it is left for its peers to take over; default
         ``blockflow.ml.steal-reserve-unmeasured`` (0.5).
+    check : blockflow.ml._finite.FiniteCheck, optional
+        Run by the task that first reads each block (the one making it resident, no pass
+        of its own): raises naming the first non-finite value of ``X``/``y`` (column or
+        label, block, row), or with ``check.drop`` drops the rows holding one (the row
+        counts, :attr:`block_rows`, are then those kept; :attr:`dropped_rows` counts the
+        others).
 
     Raises
     ------
     RuntimeError
         If the cluster has no workers.
+    ValueError
+        From ``check``: a non-finite value, or no finite row left after dropping.
     """
 
     def __init__(self, client, X, y, *, sharding: str = "speed", memory_fraction: float = 0.5,
                  split_every: int | None = None, rebalance_gain: float = 0.05,
                  poll: float = 0.5, steal_chunks: int | None = None,
                  steal_reserve: float | None = None,
-                 steal_reserve_unmeasured: float | None = None):
+                 steal_reserve_unmeasured: float | None = None, check=None):
         if sharding not in ("speed", "equal"):
             raise ValueError(f"blockflow: sharding must be 'speed' or 'equal', got "
                              f"{sharding!r}.")
@@ -217,8 +240,12 @@ class ResidentShards:
         self.block_rows = [int(c) for c in X.chunks[0]]
         row_bytes = X.dtype.itemsize * X.shape[1] + y.dtype.itemsize * int(
             np.prod(y.shape[1:], dtype=int))
+        self._row_bytes = row_bytes
         self.block_bytes = [r * row_bytes for r in self.block_rows]
         self.offsets = np.concatenate([[0], np.cumsum(self.block_rows)])
+        self._check = check
+        self._source_offsets = [int(o) for o in self.offsets[:-1]]  # rows as in X
+        self.dropped_rows = 0
         # per worker, the latest passes' (rows processed, seconds) and the fixed cost per
         # pass fitted through them (the one throughput estimator). No pass is dropped as a
         # cold start: the blocks are resident before the first, and the first step's probe
@@ -243,6 +270,25 @@ class ResidentShards:
         self.placement: dict[int, str] = {}
         self.futures: dict[int, Any] = {}
         self._place(self._assign(self._workers(), {}))
+        if check is not None and check.drop:
+            self._count_kept_rows()
+
+    def _count_kept_rows(self) -> None:
+        """Row counts after the non-finite rows were dropped (a length per resident block,
+        no pass over the data)."""
+        order = sorted(self.futures)
+        kept = self.client.gather([self.client.submit(_rows_of, self.futures[j], pure=False)
+                                   for j in order])
+        before = sum(self.block_rows)
+        self.block_rows = [int(k) for k in kept]
+        self.block_bytes = [r * self._row_bytes for r in self.block_rows]
+        self.offsets = np.concatenate([[0], np.cumsum(self.block_rows)])
+        self.dropped_rows = before - sum(self.block_rows)
+        if not sum(self.block_rows):
+            self.close()
+            raise ValueError(f"blockflow: every one of the {before} rows holds a non-finite "
+                             f"value in X or y; nothing is left to fit after dropping them "
+                             f"(impute them instead).")
 
     # --- workers, speeds, memory ---------------------------------------------------------
 
@@ -358,7 +404,8 @@ class ResidentShards:
         fresh = [j for j in moved if self.placement.get(j) not in alive or j not in
                  self.futures]
         sources = dict(zip(fresh, self.client.compute(
-            [dask.delayed(_pair, pure=False)(self._x_blocks[j], self._y_blocks[j])
+            [dask.delayed(_pair, pure=False)(self._x_blocks[j], self._y_blocks[j],
+                                             self._check, j, self._source_offsets[j])
              for j in fresh])))
         for j in moved:
             # Only the resident copy is restricted to its worker (a fresh key each time: an
@@ -370,6 +417,15 @@ class ResidentShards:
         self.moves += len(moved) if self.placement else 0
         self.placement = dict(placement)
         wait_for(self.client, [self.futures[j] for j in moved], what="moving blocks")
+        if any(self.futures[j].status == "error" for j in moved):
+            # a block could not be read or failed its check (a non-finite value): the
+            # first such block's own error, once all have run (the lowest rows first)
+            from distributed import wait
+            try:
+                wait([self.futures[j] for j in moved], timeout=30)
+            except TimeoutError:
+                pass  # the lowest block failed so far
+            self.futures[min(j for j in moved if self.futures[j].status == "error")].result()
 
     def rebalance(self) -> int:
         """Between passes: move blocks when measured speeds predict a gain of more than

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from blockflow.ml._finite import FiniteCheck, column_names, drop_setting
 from blockflow.ml._shards import ResidentShards, as_row_blocks
 
 __all__ = ["LinearRegression", "LogisticRegression", "PoissonRegression"]
@@ -68,6 +69,7 @@ class _GLM:
     max_iter: int = 500
     tol: float = 1e-10
     sharding: str = "speed"
+    drop_nonfinite: bool | None = None
     client: Any = None
 
     _kind = ""
@@ -110,17 +112,29 @@ class _GLM:
         Raises
         ------
         ValueError
-            If shapes disagree, or ``y`` holds values the model cannot fit (labels other
-            than 0/1 for logistic, negative counts for Poisson).
+            If shapes disagree, ``y`` holds values the model cannot fit (labels other
+            than 0/1 for logistic, negative counts for Poisson), or ``X``/``y`` hold a NaN
+            or an infinity (unless ``drop_nonfinite``): the message names the first one's
+            column or label, block and row. The check runs in the task that first reads
+            each block, not as a pass of its own.
+
+        Warns
+        -----
+        blockflow.ConvergenceWarning
+            If L-BFGS stopped before converging, with SciPy's reason (``converged_`` is
+            then False).
         """
         from distributed import default_client
         from scipy.optimize import minimize
 
         client = self.client or default_client()
+        check = FiniteCheck(drop=drop_setting(self.drop_nonfinite), columns=column_names(X))
         X, y = as_row_blocks(X, y)
-        n, p = X.shape
+        p = X.shape[1]
         self._check_y(y)
-        shards = ResidentShards(client, X, y, sharding=self.sharding)
+        shards = ResidentShards(client, X, y, sharding=self.sharding, check=check)
+        n = sum(shards.block_rows)  # the rows kept (non-finite ones dropped, if asked)
+        self.n_dropped_ = shards.dropped_rows
         self.n_passes_ = 0
 
         def objective(theta):
@@ -143,6 +157,8 @@ class _GLM:
         self.coef_, self.intercept_ = theta[:-1], float(theta[-1])
         self.n_iter_, self.converged_ = int(res.nit), bool(res.success)
         self.n_features_in_ = p
+        if not res.success:
+            _warn_not_converged(type(self).__name__, res, self.max_iter)
         return self
 
     def _check_y(self, y) -> None:
@@ -155,6 +171,20 @@ class _GLM:
             return X.map_blocks(_linear, self.coef_, self.intercept_, drop_axis=1,
                                 dtype=np.float64)
         return _linear(X, self.coef_, self.intercept_)
+
+
+def _warn_not_converged(name: str, res, max_iter: int) -> None:
+    """A :class:`blockflow.ConvergenceWarning` with SciPy's reason and the fix for it."""
+    import warnings
+
+    from blockflow.errors import ConvergenceWarning
+
+    reason = res.message.decode() if isinstance(res.message, bytes) else str(res.message)
+    fix = (f"raise max_iter (now {max_iter})" if res.nit >= max_iter else
+           "scale the features (e.g. to zero mean and unit variance) or loosen tol")
+    warnings.warn(f"blockflow: {name}'s L-BFGS stopped after {res.nit} iterations without "
+                  f"converging (scipy: {reason}); the coefficients may be off: {fix}.",
+                  ConvergenceWarning, stacklevel=3)
 
 
 def _linear(xb, coef, intercept):
@@ -176,6 +206,10 @@ class LinearRegression(_GLM):
     tol : float, default 1e-10
         L-BFGS projected-gradient tolerance on the objective divided by ``n_samples``.
     sharding : {"speed", "equal"}, default "speed"
+    drop_nonfinite : bool, optional
+        Leave out the rows holding a NaN or an infinity in ``X`` or ``y`` (the model
+        scikit-learn fits on the finite rows; ``n_dropped_`` counts them) instead of
+        raising; default the setting ``blockflow.ml.drop-nonfinite`` (False).
     client : distributed.Client, optional
     """
     alpha: float = 0.0
@@ -205,7 +239,7 @@ class LogisticRegression(_GLM):
     ----------
     C : float, default 1.0
         Inverse penalty strength: minimises ``C sum(log-loss) + ||w||^2 / 2``.
-    fit_intercept, max_iter, tol, sharding, client
+    fit_intercept, max_iter, tol, sharding, drop_nonfinite, client
         As :class:`LinearRegression`.
 
     Raises
@@ -222,7 +256,8 @@ class LogisticRegression(_GLM):
 
     def _check_y(self, y):
         import dask.array as da
-        bad = int(da.logical_and(y != 0, y != 1).sum().compute())
+        # a NaN/inf label is the non-finite check's to name (with its row), or to drop
+        bad = int((da.isfinite(y) & (y != 0) & (y != 1)).sum().compute())
         if bad:
             raise ValueError(f"blockflow: LogisticRegression needs labels 0/1; {bad} labels "
                              f"are neither (encode the classes first).")
@@ -255,7 +290,7 @@ class PoissonRegression(_GLM):
     ----------
     alpha : float, default 1.0
         Minimises ``sum(half deviance) / n + alpha ||w||^2 / 2``.
-    fit_intercept, max_iter, tol, sharding, client
+    fit_intercept, max_iter, tol, sharding, drop_nonfinite, client
         As :class:`LinearRegression`.
 
     Raises
@@ -271,7 +306,8 @@ class PoissonRegression(_GLM):
         return 0.5 * self.alpha * (w @ w), self.alpha * w
 
     def _check_y(self, y):
-        bad = int((y < 0).sum().compute())
+        import dask.array as da
+        bad = int((da.isfinite(y) & (y < 0)).sum().compute())  # -inf: the finite check's
         if bad:
             raise ValueError(f"blockflow: PoissonRegression needs counts >= 0; {bad} are "
                              f"negative.")

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from blockflow.ml._finite import FiniteCheck, column_names, drop_setting
 from blockflow.ml._post import POSTED
 from blockflow.ml._shards import ResidentShards, as_row_blocks
 
@@ -222,6 +223,10 @@ class DataParallelTrainer:
         same sum over the same rows. Default ``blockflow.ml.steal`` (True) with
         ``sharding="speed"``; never with ``sharding="equal"`` unless asked (that is the
         synchronous equal-shard baseline). See :mod:`blockflow.ml._steal`.
+    drop_nonfinite : bool, optional
+        Leave out the rows holding a NaN or an infinity in ``X`` or ``y`` instead of
+        raising (``shards_.dropped_rows`` counts them); default the setting
+        ``blockflow.ml.drop-nonfinite`` (False).
 
     Raises
     ------
@@ -247,7 +252,8 @@ class DataParallelTrainer:
                  sharding: str = "speed", client=None, split_every: int | None = None,
                  memory_fraction: float = 0.5, rebalance_every: int = 10,
                  block_hook: Callable | None = None, callback: Callable | None = None,
-                 probe_fraction: float = 0.1, steal: bool | None = None):
+                 probe_fraction: float = 0.1, steal: bool | None = None,
+                 drop_nonfinite: bool | None = None):
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.batch_size, self.epochs, self.seed = batch_size, epochs, seed
         self.sharding, self.client, self.split_every = sharding, client, split_every
@@ -258,6 +264,7 @@ class DataParallelTrainer:
                              f"(exclusive), got {probe_fraction!r}.")
         self.probe_fraction = probe_fraction
         self.steal = steal
+        self.drop_nonfinite = drop_nonfinite
 
     def fit(self, X, y) -> DataParallelTrainer:
         """Train on ``X`` (features, rows chunked) and ``y`` (labels, same rows).
@@ -274,12 +281,16 @@ class DataParallelTrainer:
         Raises
         ------
         ValueError
-            If shapes disagree or the model has no trainable parameters.
+            If shapes disagree, the model has no trainable parameters, or ``X``/``y``
+            hold a NaN or an infinity (unless ``drop_nonfinite``): the message names the
+            first one's column or label, block and row. The check runs in the task that
+            makes each block resident, not as a pass of its own.
         """
         import torch
         from distributed import default_client
 
         client = self.client or default_client()
+        check = FiniteCheck(drop=drop_setting(self.drop_nonfinite), columns=column_names(X))
         X, y = as_row_blocks(X, y)
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
@@ -293,7 +304,7 @@ class DataParallelTrainer:
         [model_future] = client.scatter([self.model], broadcast=True, hash=False)
         self.shards_ = shards = ResidentShards(
             client, X, y, sharding=self.sharding, memory_fraction=self.memory_fraction,
-            split_every=self.split_every)
+            split_every=self.split_every, check=check)
         self.history_ = []
         step = 0
         # the steps ahead, one at a time: the next step's pass is submitted while this one

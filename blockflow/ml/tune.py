@@ -762,7 +762,7 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
     Warns
     -----
     RuntimeWarning
-        When every trial failed (the result holds their errors).
+        When every trial failed (the result holds their errors) or scored NaN.
 
     Notes
     -----
@@ -808,10 +808,27 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
             except Exception:  # the client may be closing: the table is only for display
                 pass
     result = tuner.result(time.time() - t0)
-    if len(result.trials) and (result.trials["status"] == "failed").all():
-        import warnings
-
-        warnings.warn(f"blockflow: every one of the {len(result.trials)} trials failed; the "
-                      f"first error: {result.trials['error'].iloc[0]}", RuntimeWarning,
-                      stacklevel=2)
+    _warn_if_nothing_scored(result.trials)
     return result
+
+
+def _warn_if_nothing_scored(trials) -> None:
+    """One warning when no trial gave a score to rank by: every trial failed or scored NaN
+    (a diverged model, NaN-holding data); ``best_*`` then mean nothing."""
+    import warnings
+
+    n = len(trials)
+    failed = trials["status"] == "failed" if n else None
+    if not n or not (failed | trials["score"].isna()).all():
+        return
+    k = int(failed.sum())
+    if k == n:
+        what = f"every one of the {n} trials failed; the first error: " \
+               f"{trials['error'].iloc[0]}"
+    else:
+        what = (f"every one of the {n} trials " + (f"failed ({k}) or " if k else "")
+                + "scored NaN (a diverged model, or NaN in the data it scored on); the "
+                "best trial is arbitrary: check the score your train function returns")
+        if k:
+            what += f"; the first error: {trials.loc[failed, 'error'].iloc[0]}"
+    warnings.warn(f"blockflow: {what}", RuntimeWarning, stacklevel=3)

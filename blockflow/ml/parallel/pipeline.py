@@ -354,8 +354,9 @@ class PipelineParallel:
             backward pass runs (GPipe: all forwards, then all backwards), accumulating each
             stage's gradients over micro-batches on its worker.
         n_micro_batches : int, optional
-            Default ``stages x`` config ``blockflow.parallel.micro-batches-per-stage``
-            (at most the rows).
+            Between 1 and the batch's rows (each micro-batch gets at least one row).
+            Default ``stages x`` config ``blockflow.parallel.micro-batches-per-stage``,
+            at most the rows.
         publish : bool, default True
             Publish the timeline in the scheduler's metadata (dashboard, run report).
         name : str, default "pipeline"
@@ -364,6 +365,12 @@ class PipelineParallel:
         Returns
         -------
         PipelineResult
+
+        Raises
+        ------
+        ValueError
+            If ``n_micro_batches`` is below 1 or above the rows (before anything runs),
+            the batch is empty, or ``target``'s rows differ from ``X``'s.
         """
         import dask
         from dask import delayed
@@ -371,8 +378,18 @@ class PipelineParallel:
 
         X = np.asarray(X, dtype=np.float64)
         p = len(self.stage_workers)
-        m = int(n_micro_batches or p * config.get("parallel.micro-batches-per-stage"))
-        m = max(1, min(m, len(X)))
+        if len(X) == 0:
+            raise ValueError("blockflow: the pipeline got a batch of 0 rows; pass at least "
+                             "one row.")
+        if n_micro_batches is not None:
+            m = int(n_micro_batches)
+            if not 1 <= m <= len(X):
+                # each micro-batch needs a row: fewer would run than asked, silently
+                raise ValueError(f"blockflow: n_micro_batches={n_micro_batches!r} for a "
+                                 f"batch of {len(X)} rows; a micro-batch needs at least "
+                                 f"one row: pass n_micro_batches between 1 and {len(X)}.")
+        else:  # the configured default follows the stages, at most one per row
+            m = max(1, min(p * int(config.get("parallel.micro-batches-per-stage")), len(X)))
         token = uuid.uuid4().hex[:8]
         c = self.client
         mbs = np.array_split(X, m)

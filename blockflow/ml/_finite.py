@@ -1,0 +1,116 @@
+"""Non-finite inputs: the check (or the drop) run by the task that first reads a block.
+
+A NaN or an infinity in the features or the labels makes every gradient NaN: L-BFGS stops
+at its starting point and a trainer's parameters all become NaN, without an error.
+scikit-learn refuses such input; blockflow does too, but without a pass of its own over the
+data: :class:`FiniteCheck` runs inside the task that makes each block resident on its
+worker (:class:`blockflow.ml.ResidentShards`), the first task that reads the block anyway.
+It raises a :class:`ValueError` naming the first non-finite value's column (``X``) or label
+(``y``), its block and its row (counted over the whole collection), or, opted in
+(``drop_nonfinite=True``, setting ``blockflow.ml.drop-nonfinite``), drops the rows that hold
+one, which gives the model scikit-learn fits on the finite rows. Integer and boolean blocks
+cannot hold a NaN and are not looked at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["FiniteCheck", "column_names", "drop_setting"]
+
+
+def drop_setting(value: bool | None) -> bool:
+    """``value``, or the setting ``blockflow.ml.drop-nonfinite`` where it is None."""
+    from blockflow import config
+
+    return bool(config.get("ml.drop-nonfinite", value))
+
+
+def column_names(X) -> tuple | None:
+    """A dataframe's column names (for messages); None for arrays."""
+    cols = getattr(X, "columns", None)
+    return None if cols is None else tuple(cols)
+
+
+def _xp(a):
+    from blockflow.backends import array_module
+    return array_module(a)
+
+
+def _scalar(v) -> str:
+    v = v.item() if hasattr(v, "item") else v
+    return repr(v) if isinstance(v, complex) else str(float(v))
+
+
+def _bad_rows(a):
+    """Boolean mask of the rows of ``a`` holding a non-finite value; None if none (or if
+    its dtype cannot hold one)."""
+    if a.dtype.kind not in "fc":
+        return None  # integers and booleans: no NaN, nothing to look at
+    xp = _xp(a)
+    ok = xp.isfinite(a)
+    if a.ndim > 1:
+        ok = ok.reshape(len(a), -1).all(axis=1)
+    if bool(ok.all()):
+        return None
+    return ~ok
+
+
+def _first(mask) -> int:
+    return int(_xp(mask).argmax(mask))
+
+
+@dataclass(frozen=True)
+class FiniteCheck:
+    """What the task that first reads a block does with non-finite values.
+
+    Parameters
+    ----------
+    drop : bool, default False
+        Drop the rows holding a non-finite value (in ``X`` or ``y``) instead of raising.
+    columns : tuple, optional
+        ``X``'s column names (a dataframe's), named in the message beside the position.
+    """
+
+    drop: bool = False
+    columns: tuple | None = None
+
+    def __call__(self, x, y, block: int, offset: int):
+        """``(x, y)`` of block ``block`` (first row ``offset`` of the collection), checked.
+
+        Returns
+        -------
+        (array, array)
+            The block, or with ``drop`` its rows without a non-finite value.
+
+        Raises
+        ------
+        ValueError
+            Without ``drop``, naming the first non-finite value: its column (``X``) or the
+            label (``y``), the block and the row.
+        """
+        bx, by = _bad_rows(x), None if y is None else _bad_rows(y)
+        if bx is None and by is None:
+            return x, y
+        if self.drop:
+            bad = bx if by is None else by if bx is None else bx | by
+            keep = ~bad
+            return x[keep], None if y is None else y[keep]
+        rx = None if bx is None else _first(bx)
+        ry = None if by is None else _first(by)
+        if rx is not None and (ry is None or rx <= ry):
+            row = x[rx].reshape(-1)
+            col = _first(~_xp(row).isfinite(row))
+            name = (f"{self.columns[col]!r} ({col})" if self.columns is not None
+                    and col < len(self.columns) else str(col))
+            what = f"X has a non-finite value ({_scalar(row[col])}) in column {name}, " \
+                   f"row {offset + rx}"
+        else:
+            row = y[ry].reshape(-1)
+            col = _first(~_xp(row).isfinite(row))
+            where = f"column {col}, " if y.ndim > 1 else ""
+            what = f"y has a non-finite label ({_scalar(row[col])}) in {where}row " \
+                   f"{offset + ry}"
+        raise ValueError(f"blockflow: {what} (block {block}): drop or impute such rows, or "
+                         f"pass drop_nonfinite=True (setting blockflow.ml.drop-nonfinite) to "
+                         f"leave them out.")
