@@ -36,6 +36,7 @@ __all__ = [
     "has_worker_handler",
     "install_worker_handlers",
     "quiet_closing_heartbeat",
+    "registered_worker_plugin",
     "remove_worker_handler",
     "remove_worker_metric",
     "run_in_worker_executor",
@@ -193,6 +194,18 @@ async def call_worker(worker, address: str, op: str, **kwargs) -> Any:
 def worker_plugins(worker) -> dict:
     """The worker plugins installed on ``worker`` (name -> plugin); a copy."""
     return dict(getattr(worker, "plugins", None) or {})
+
+
+def registered_worker_plugin(name: str) -> bytes | None:
+    """From a task on a worker: worker plugin ``name`` as the scheduler keeps it for workers
+    that join later (serialised, ``Scheduler.worker_plugins``), or None once unregistered."""
+    from distributed import get_client
+
+    return get_client().run_on_scheduler(_scheduler_worker_plugin, name)
+
+
+def _scheduler_worker_plugin(name: str, dask_scheduler=None) -> bytes | None:
+    return dask_scheduler.worker_plugins.get(name)
 
 
 def worker_data_values(worker) -> list:
