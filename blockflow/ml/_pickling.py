@@ -2,9 +2,8 @@
 
 Every entry point that sends a model to workers (:func:`blockflow.predict`,
 :class:`blockflow.Router`, :class:`blockflow.ml.DataParallelTrainer`) serialises it through
-:func:`dumps_or_explain`, before anything is scheduled, with distributed's pickler (``pickle``,
-falling back to ``cloudpickle``; PyTorch modules through ``torch.save`` with cloudpickle as its
-pickler): the same model is accepted or refused the same way by all of them. A lambda attribute is shipped
+:func:`dumps_or_explain`, before anything is scheduled, with ``cloudpickle`` as distributed
+does (PyTorch modules through ``torch.save`` with cloudpickle as its pickler): the same model is accepted or refused the same way by all of them. A lambda attribute is shipped
 by value (cloudpickle); a lock, an open file, a socket or a CUDA stream cannot be, and the
 error names the attribute path (``model.transform_.fn``) found by :func:`unpicklable_path`.
 """
@@ -30,9 +29,11 @@ FIX = ("give blockflow a factory that builds the model on the worker, or its sta
 
 
 def _dumps(obj) -> bytes:
-    from distributed.protocol.pickle import dumps  # pickle, else cloudpickle
+    # cloudpickle accepts what distributed's pickler accepts (it falls back to cloudpickle)
+    # without logging each failure
+    import cloudpickle
 
-    return dumps(obj)
+    return cloudpickle.dumps(obj)
 
 
 def _picklable(obj, dumps) -> BaseException | None:
@@ -89,7 +90,7 @@ def unpicklable_path(obj: Any, root: str = "model", *, dumps: Callable | None = 
     root : str, default "model"
         The name the path starts with.
     dumps : callable, optional
-        The serialiser; default distributed's (pickle, falling back to cloudpickle).
+        The serialiser; default ``cloudpickle.dumps`` (distributed's fallback).
     max_depth : int, default MAX_DEPTH
 
     Returns
@@ -125,7 +126,7 @@ def dumps_or_explain(model: Any, entry: str, *, dumps: Callable | None = None) -
     entry : str
         The entry point, for the message (``"blockflow.predict"``).
     dumps : callable, optional
-        The serialiser; default distributed's (pickle, falling back to cloudpickle).
+        The serialiser; default ``cloudpickle.dumps`` (distributed's fallback).
 
     Returns
     -------

@@ -329,6 +329,12 @@ def ship_model(model: Any, *, method: str | None = None, client=None,
         If the model cannot be pickled (naming the attribute that cannot, e.g.
         ``model.transform_.fn``), before anything is sent.
     """
+    return _ship(model, method, client, entry, handle=True)
+
+
+def _ship(model, method, client, entry, *, handle: bool) -> ModelRef:
+    """ship_model's work; ``handle``: the reference can close the model (predict's own
+    reference, never handed out, cannot: the cache bound frees what it leaves)."""
     kind = model_kind(model)
     method = (method or "predict") if kind == "estimator" else None
     if kind == "estimator" and not callable(getattr(model, method, None)):
@@ -339,10 +345,11 @@ def ship_model(model: Any, *, method: str | None = None, client=None,
     client = _default_client() if client is None else client
     if client is False or client is None:
         return ModelRef(token, kind, method, local=model)
-    with _OPEN_LOCK:
-        _OPEN_REFS[(id(client), token)] += 1
+    if handle:
+        with _OPEN_LOCK:
+            _OPEN_REFS[(id(client), token)] += 1
     client.register_plugin(ModelCache(token, payload, kind, method))
-    return ModelRef(token, kind, method, local=model, client=client)
+    return ModelRef(token, kind, method, local=model, client=client if handle else None)
 
 
 def model_stats(client, ref: ModelRef | str) -> dict[str, dict[str, Any]]:
@@ -612,8 +619,8 @@ def predict(model: Any, data: Any, *, method: str | None = None, columns=None,
     """
     from blockflow.blockwise import map_blocks
 
-    ref = model if isinstance(model, ModelRef) else ship_model(model, method=method,
-                                                                client=client)
+    ref = model if isinstance(model, ModelRef) else _ship(
+        model, method, client, "blockflow.predict", handle=False)
     local = ref._local
     if ref.closed:
         raise ValueError("blockflow.predict: this ModelRef is closed (its model left the "
@@ -652,11 +659,12 @@ def _out_sample(ref: ModelRef, dtype, n_features: int):
 
 
 def _predict_array(ref, x, batch_size, memory_fraction, placement):
-    from blockflow.blockwise import map_blocks
+    from blockflow.blockwise import map_blocks, validate_array
 
     if x.ndim != 2:
         raise ValueError(f"blockflow.predict: data must be 2-d (samples, features), got "
                          f"{x.ndim}-d of shape {x.shape}; reshape it first.")
+    validate_array(x, "blockflow.predict", "data")  # the message names predict's data
     if x.numblocks[1] != 1:
         x = x.rechunk({1: -1})
     out0 = _out_sample(ref, x.dtype, x.shape[1])
