@@ -15,7 +15,7 @@ import numpy as np
 from blockflow.errors import describe
 from blockflow.ml._pickling import dumps_or_explain
 
-__all__ = ["LoadedModel", "LocalModel", "is_cupy", "model_kind", "serialise"]
+__all__ = ["LoadedModel", "LocalModel", "ModelFactory", "is_cupy", "model_kind", "serialise"]
 
 
 def model_kind(model: Any) -> str:
@@ -63,20 +63,31 @@ def _torch_dumps(model) -> bytes:
 
 
 class LoadedModel:
-    """A model deserialised on a worker, ready to run batches (``__call__(batch)``)."""
+    """A model deserialised on a worker, ready to run batches (``__call__(batch)``); with
+    ``factory``, the payload is a pickled :class:`ModelFactory` that builds it here."""
 
-    def __init__(self, payload: bytes, kind: str, method: str | None):
+    def __init__(self, payload: bytes, kind: str, method: str | None, factory: bool = False):
+        from distributed.protocol.pickle import loads
+
         self.kind, self.method, self.device = kind, method, None
+        self.nbytes = len(payload)
+        built = loads(payload)() if factory else None
+        if kind == "onnx" and factory:
+            payload = serialise(built, kind)
         if kind == "torch":
             import torch
 
-            model = torch.load(io.BytesIO(payload), weights_only=False)
+            model = built if factory else torch.load(io.BytesIO(payload), weights_only=False)
             if torch.cuda.is_available():  # a GPU worker: run there
                 self.device = "cuda"
                 model = model.to("cuda")
             self.model = model.eval()
             params = list(model.parameters())
             self.dtype = params[0].dtype if params else torch.float32
+            if factory:  # its size is that of its tensors, not of the factory's bytes
+                self.nbytes = max(self.nbytes, sum(
+                    t.numel() * t.element_size()
+                    for t in [*model.parameters(), *model.buffers()]))
         elif kind == "onnx":
             import onnxruntime as ort
 
@@ -86,12 +97,10 @@ class LoadedModel:
             inp = self.model.get_inputs()[0]
             self.input_name = inp.name
             self.dtype = _ONNX_TYPES.get(inp.type, np.float32)
+            self.nbytes = max(self.nbytes, len(payload))
         else:
-            from distributed.protocol.pickle import loads
-
-            self.model = loads(payload)
+            self.model = built if factory else loads(payload)
             self.dtype = None
-        self.nbytes = len(payload)
         self.lock = threading.Lock()  # one batch at a time per worker: the device is shared
 
     def __call__(self, batch):
@@ -124,7 +133,10 @@ def is_cupy(x) -> bool:
 
 
 class LocalModel(LoadedModel):
-    def __init__(self, model, kind, method):  # noqa: D107  (no (de)serialisation locally)
+    """The model in the process that holds it (no (de)serialisation); ``owned``: blockflow
+    built it (a :class:`ModelFactory`'s), so it is not copied before switching to eval."""
+
+    def __init__(self, model, kind, method, owned: bool = False):  # noqa: D107
         self.kind, self.method, self.device, self.nbytes = kind, method, None, 0
         self.lock = threading.Lock()
         if kind == "onnx":
@@ -132,7 +144,8 @@ class LocalModel(LoadedModel):
         elif kind == "torch":
             import copy
 
-            self.model = copy.deepcopy(model).eval()  # never switch the user's model's mode
+            # never switch the user's model's mode
+            self.model = (model if owned else copy.deepcopy(model)).eval()
             params = list(model.parameters())
             import torch
 
@@ -140,3 +153,46 @@ class LocalModel(LoadedModel):
             self.device = params[0].device.type if params else None
         else:
             self.model, self.dtype = model, None
+
+
+class ModelFactory:
+    """Build the model on each worker instead of shipping it: for a model that cannot be
+    pickled (a lock, an open file or session among its attributes), or that is cheaper to
+    build than to send.
+
+    :func:`blockflow.predict`, :class:`blockflow.Router` and
+    :func:`~blockflow.ml.inference.ship_model` accept it wherever they take a model: it is
+    called once here (to learn the model's kind and output for the result's meta) and once
+    on each worker, whose loaded model is then cached like a shipped one.
+
+    Parameters
+    ----------
+    build : callable
+        ``build(*args, **kwargs) -> model`` (a PyTorch module, an ONNX model, an estimator or
+        a callable), picklable (a module-level function or class; cloudpickle ships a
+        lambda or a local function by value).
+    *args, **kwargs
+        Passed to ``build``.
+    state_dict : mapping, optional
+        PyTorch: loaded into the built module (``load_state_dict``): the trained weights.
+
+    Examples
+    --------
+    >>> weights = net.state_dict()  # doctest: +SKIP
+    >>> blockflow.predict(ModelFactory(Net, state_dict=weights), x)  # doctest: +SKIP
+    """
+
+    def __init__(self, build, *args, state_dict=None, **kwargs):
+        if not callable(build):
+            raise TypeError(f"blockflow.ModelFactory: build must be callable, got "
+                            f"{describe(build)}.")
+        self.build, self.args, self.kwargs, self.state_dict = build, args, kwargs, state_dict
+
+    def __call__(self):
+        model = self.build(*self.args, **self.kwargs)
+        if self.state_dict is not None:
+            model.load_state_dict(self.state_dict)
+        return model
+
+    def __repr__(self) -> str:
+        return f"ModelFactory({getattr(self.build, '__qualname__', self.build)!r})"

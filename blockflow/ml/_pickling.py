@@ -23,9 +23,14 @@ MAX_DEPTH = 12
 #: nn.Module's containers of named children: their items are shown as attributes.
 _NAMED_CONTAINERS = ("_modules", "_parameters", "_buffers")
 
-FIX = ("give blockflow a factory that builds the model on the worker, or its state_dict "
-       "(drop the attribute in the model's __getstate__, or build the model without it "
-       "and load_state_dict)")
+#: The fix where blockflow can build the model on the workers (predict, Router).
+FIX = ("give blockflow a factory that builds the model on the worker, or its state_dict: "
+       "blockflow.ml.inference.ModelFactory(build, state_dict=model.state_dict()); or drop "
+       "the attribute in the model's __getstate__")
+
+#: The fix where the model itself must travel (DataParallelTrainer trains it in place).
+FIX_TRAIN = ("build the model without it (or drop it in the model's __getstate__) and load "
+             "its state_dict into that one")
 
 
 def _dumps(obj) -> bytes:
@@ -117,7 +122,8 @@ def unpicklable_path(obj: Any, root: str = "model", *, dumps: Callable | None = 
     return path, obj, err
 
 
-def dumps_or_explain(model: Any, entry: str, *, dumps: Callable | None = None) -> bytes:
+def dumps_or_explain(model: Any, entry: str, *, dumps: Callable | None = None,
+                     root: str = "model", fix: str | None = None) -> bytes:
     """Serialise ``model`` for shipping, or raise one error naming what cannot be pickled.
 
     Parameters
@@ -127,6 +133,10 @@ def dumps_or_explain(model: Any, entry: str, *, dumps: Callable | None = None) -
         The entry point, for the message (``"blockflow.predict"``).
     dumps : callable, optional
         The serialiser; default ``cloudpickle.dumps`` (distributed's fallback).
+    root : str, default "model"
+        The name the attribute path starts with.
+    fix : str, optional
+        What to do, for the message; default :data:`FIX` (a :class:`ModelFactory`).
 
     Returns
     -------
@@ -142,9 +152,9 @@ def dumps_or_explain(model: Any, entry: str, *, dumps: Callable | None = None) -
     try:
         return dumps(model)
     except Exception as e:  # noqa: BLE001
-        found = unpicklable_path(model, dumps=dumps) or ("model", model, e)
+        found = unpicklable_path(model, root, dumps=dumps) or (root, model, e)
         path, value, err = found
         raise TypeError(
             f"{entry}: cannot ship the model to the workers: {path} is a {describe(value)} "
-            f"that cannot be pickled ({type(err).__name__}: {err}); {FIX}."
+            f"that cannot be pickled ({type(err).__name__}: {err}); {fix or FIX}."
         ) from e

@@ -34,11 +34,13 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from blockflow import _distributed, config
 from blockflow.core.speculation import cancelled
 from blockflow.errors import describe
-from blockflow.ml._models import LoadedModel, LocalModel, is_cupy, model_kind, serialise
+from blockflow.ml._models import (LoadedModel, LocalModel, ModelFactory, is_cupy, model_kind,
+                                  serialise)
+from blockflow.ml._pickling import dumps_or_explain
 from blockflow.scheduling.client import memory_of
 from blockflow._distributed.metrics import GPU_MEMORY_TOTAL, GPU_MEMORY_USED
 
-__all__ = ["ModelCache", "ModelRef", "batch_rows", "cache_bound", "cache_state", "model_stats",
+__all__ = ["ModelCache", "ModelFactory", "ModelRef", "batch_rows", "cache_bound", "cache_state", "model_stats",
            "predict", "ship_model"]
 
 #: Prefix of the worker plugins that carry models (``blockflow-model-<token>``).
@@ -135,8 +137,10 @@ class ModelCache(WorkerPlugin):
 
     idempotent = True  # registering the same model again sends nothing
 
-    def __init__(self, token: str, payload: bytes, kind: str, method: str | None):
+    def __init__(self, token: str, payload: bytes, kind: str, method: str | None,
+                 factory: bool = False):
         self.token, self.payload, self.kind, self.method = token, payload, kind, method
+        self.factory = factory
         self.name = PLUGIN_PREFIX + token
         self._loaded = None
         self._lock = threading.Lock()
@@ -189,7 +193,8 @@ class ModelCache(WorkerPlugin):
                 payload = self.payload
                 if payload is None:  # evicted: the scheduler keeps the registered plugin
                     payload = self._fetch_again()
-                loaded = self._loaded = LoadedModel(payload, self.kind, self.method)
+                loaded = self._loaded = LoadedModel(payload, self.kind, self.method,
+                                                    self.factory)
                 self.payload = payload = None  # one copy per worker: the loaded model
                 self.stats.loads += 1
         if self._models is not None:
@@ -224,10 +229,11 @@ class ModelRef:
     """
 
     def __init__(self, token: str, kind: str, method: str | None, local: Any = None,
-                 client=None):
+                 client=None, built: bool = False):
         self.token, self.kind, self.method = token, kind, method
         self._local = local
         self._client = client
+        self._built = built  # the local model was built by a ModelFactory: ours to change
         self.closed = False
 
     def __reduce__(self):
@@ -265,6 +271,10 @@ class ModelRef:
             except ValueError:  # already gone (the cluster was restarted)
                 pass
 
+    def local_model(self) -> LocalModel:
+        """The model of the process that shipped it, ready to run a batch."""
+        return LocalModel(self._local, self.kind, self.method, owned=self._built)
+
     def resolve(self) -> tuple[LoadedModel, _Stats | None]:
         worker = _current_worker()
         if worker is not None:
@@ -274,7 +284,7 @@ class ModelRef:
         if self._local is not None:  # the local schedulers: same process, no shipping
             loaded = getattr(self, "_local_loaded", None)
             if loaded is None:
-                loaded = self._local_loaded = LocalModel(self._local, self.kind, self.method)
+                loaded = self._local_loaded = self.local_model()
             return loaded, None
         raise RuntimeError(
             f"blockflow: worker has no model {self.token[:12]} (its ModelCache plugin is "
@@ -335,21 +345,26 @@ def ship_model(model: Any, *, method: str | None = None, client=None,
 def _ship(model, method, client, entry, *, handle: bool) -> ModelRef:
     """ship_model's work; ``handle``: the reference can close the model (predict's own
     reference, never handed out, cannot: the cache bound frees what it leaves)."""
+    factory = isinstance(model, ModelFactory)
+    if factory:  # built here once: its kind and (in predict) the output's meta
+        factory, model = model, model()
     kind = model_kind(model)
     method = (method or "predict") if kind == "estimator" else None
     if kind == "estimator" and not callable(getattr(model, method, None)):
         raise TypeError(f"blockflow.predict: the {describe(model)} has no method {method!r}; "
                         f"pass method='predict', 'predict_proba' or 'transform'.")
-    payload = serialise(model, kind, entry)
+    payload = (dumps_or_explain(factory, entry, root="factory") if factory
+               else serialise(model, kind, entry))
     token = tokenize(payload, kind, method)
     client = _default_client() if client is None else client
     if client is False or client is None:
-        return ModelRef(token, kind, method, local=model)
+        return ModelRef(token, kind, method, local=model, built=bool(factory))
     if handle:
         with _OPEN_LOCK:
             _OPEN_REFS[(id(client), token)] += 1
-    client.register_plugin(ModelCache(token, payload, kind, method))
-    return ModelRef(token, kind, method, local=model, client=client if handle else None)
+    client.register_plugin(ModelCache(token, payload, kind, method, factory=bool(factory)))
+    return ModelRef(token, kind, method, local=model, client=client if handle else None,
+                    built=bool(factory))
 
 
 def model_stats(client, ref: ModelRef | str) -> dict[str, dict[str, Any]]:
@@ -635,7 +650,7 @@ def predict(model: Any, data: Any, *, method: str | None = None, columns=None,
         cols = list(columns) if columns is not None else list(data.columns)
         sample = data._meta[cols]
         x0 = np.zeros((2, len(cols)), dtype=np.result_type(*sample.dtypes))
-        out0 = np.asarray(LocalModel(local, ref.kind, ref.method)(x0))
+        out0 = np.asarray(ref.local_model()(x0))
         k = 1 if out0.ndim == 1 else out0.shape[1]
         out_cols = None if out0.ndim == 1 else [f"{output_name}_{i}" for i in range(k)]
         meta = (pd.Series(np.empty(0, out0.dtype), name=output_name) if out_cols is None
@@ -655,7 +670,7 @@ def predict(model: Any, data: Any, *, method: str | None = None, columns=None,
 
 def _out_sample(ref: ModelRef, dtype, n_features: int):
     x0 = np.zeros((2, n_features), dtype=dtype)
-    return np.asarray(LocalModel(ref._local, ref.kind, ref.method)(x0))
+    return np.asarray(ref.local_model()(x0))
 
 
 def _predict_array(ref, x, batch_size, memory_fraction, placement):

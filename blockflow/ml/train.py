@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from blockflow.ml._pickling import dumps_or_explain
+from blockflow.ml._pickling import FIX_TRAIN, dumps_or_explain
 from blockflow.ml._post import POSTED
 from blockflow.ml._shards import ResidentShards, as_row_blocks
 
@@ -282,7 +282,7 @@ class DataParallelTrainer:
 
         # the module travels to every worker (scatter): refuse one that cannot, before
         # anything is scheduled, as blockflow.predict and Router do
-        dumps_or_explain(self.model, "blockflow.ml.DataParallelTrainer.fit")
+        dumps_or_explain(self.model, "blockflow.ml.DataParallelTrainer.fit", fix=FIX_TRAIN)
         client = self.client or default_client()
         X, y = as_row_blocks(X, y)
         params = [p for p in self.model.parameters() if p.requires_grad]
