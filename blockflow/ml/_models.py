@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+import warnings
 from typing import Any
 
 import numpy as np
@@ -107,7 +108,9 @@ class LoadedModel:
         if self.kind == "torch":
             import torch
 
-            with torch.no_grad():
+            with torch.no_grad(), warnings.catch_warnings():
+                # a read-only block (a frame's values): the model only reads it
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable")
                 xt = torch.as_tensor(batch).to(dtype=self.dtype, device=self.device or "cpu")
                 out = self.model(xt)
             if is_cupy(batch):

@@ -204,7 +204,7 @@ class ModelCache(WorkerPlugin):
     def _fetch_again(self) -> bytes:
         from distributed.protocol.pickle import loads
 
-        data = _distributed.registered_worker_plugin(self.name)
+        data = _distributed.registered_worker_plugin(_current_worker(), self.name)
         if data is None:
             raise RuntimeError(
                 f"blockflow: model {self.token[:12]} was closed (ModelRef.close) while tasks "
