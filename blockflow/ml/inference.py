@@ -10,10 +10,16 @@ Inside a task the block is cut into batches that fit the worker's free device me
 GPU metrics the worker reports; host memory on a CPU worker), the model runs on each batch,
 and the outputs are concatenated, so the result has the input's row chunks.
 
+A worker holds one copy of a model (its bytes until it is loaded, then the loaded model);
+:meth:`ModelRef.close` frees it everywhere, and ``blockflow.inference.cache-bytes`` bounds what
+each worker keeps of models nobody closes (least recently used evicted first; see
+:func:`cache_state`). Blocks with no rows return empty outputs without calling the model.
+
 Models: a PyTorch ``nn.Module`` (run under ``torch.no_grad()``, moved to the worker's GPU when
 it has one), an ONNX model (``onnx.ModelProto``, its serialised bytes, or a path; run by
 ``onnxruntime``), a scikit-learn style estimator (``predict``/``predict_proba``/``transform``)
-or any callable ``f(batch) -> array``. PyTorch, ONNX Runtime and scikit-learn are imported only
+or any callable ``f(batch) -> array``; a :class:`ModelFactory` builds any of them on each worker
+(for a model that cannot be pickled). PyTorch, ONNX Runtime and scikit-learn are imported only
 when such a model is used.
 """
 
@@ -590,10 +596,11 @@ def predict(model: Any, data: Any, *, method: str | None = None, columns=None,
 
     Parameters
     ----------
-    model : torch.nn.Module, ONNX model, estimator, callable or ModelRef
-        The trained model (see the module docstring), or a :class:`ModelRef` from
-        :func:`ship_model`. It is sent once per worker and cached there, never put into
-        the task graph.
+    model : torch.nn.Module, ONNX model, estimator, callable, ModelFactory or ModelRef
+        The trained model (see the module docstring), a :class:`ModelFactory` that builds it
+        on each worker, or a :class:`ModelRef` from :func:`ship_model` (which can free it:
+        ``ref.close()``). It is sent once per worker and cached there, never put into the
+        task graph.
     data : dask.array.Array, dask DataFrame or xarray.DataArray
         Rows are samples: a 2-d array ``(samples, features)`` (axis 1 is rechunked to one
         block if needed), a dataframe (``columns`` selects the features, default all), or a
@@ -623,14 +630,16 @@ def predict(model: Any, data: Any, *, method: str | None = None, columns=None,
     dask.array.Array, dask Series/DataFrame or xarray.DataArray
         Same row chunks (partitions) as ``data``: shape ``(samples,)`` for one output per
         row, ``(samples, k)`` otherwise; dtype and meta from running the model on two rows
-        of zeros here.
+        of zeros here. A block with no rows gives an empty output of that dtype and shape
+        (columns for a dataframe), without calling the model.
 
     Raises
     ------
     TypeError
-        For an unsupported model or collection.
+        For an unsupported model or collection, or a model that cannot be pickled (the
+        message names the attribute, e.g. ``model.transform_.fn``), before anything runs.
     ValueError
-        For an array that is not 2-d.
+        For an array that is not 2-d or has unknown chunk sizes, or a closed ModelRef.
     """
     from blockflow.blockwise import map_blocks
 
