@@ -187,7 +187,7 @@ class ModelFactory:
 
     def __init__(self, build, *args, state_dict=None, **kwargs):
         if not callable(build):
-            raise TypeError(f"blockflow.ModelFactory: build must be callable, got "
+            raise TypeError(f"blockflow.ml.inference.ModelFactory: build must be callable, got "
                             f"{describe(build)}.")
         self.build, self.args, self.kwargs, self.state_dict = build, args, kwargs, state_dict
 

@@ -172,20 +172,27 @@ class ModelCache(WorkerPlugin):
         self._loaded = self.payload = None
 
     @property
+    def serialised_bytes(self) -> int:
+        """Bytes of the serialised model this worker holds (0 once it is loaded)."""
+        payload = self.payload
+        return len(payload) if payload is not None else 0
+
+    @property
     def held_bytes(self) -> int:
-        """Bytes this worker holds for the model: its serialised bytes before it is loaded,
-        the loaded model's (counted as its serialised size) after, 0 once evicted."""
+        """Bytes this worker holds for the model: its serialised bytes, plus the loaded
+        model's (counted as its serialised size, or its tensors' for a factory's); 0 once
+        evicted."""
         loaded = self._loaded
-        if loaded is not None:
-            return loaded.nbytes
-        return len(self.payload) if self.payload is not None else 0
+        return self.serialised_bytes + (loaded.nbytes if loaded is not None else 0)
 
     @property
     def state(self) -> str:
-        """``"bytes"`` (arrived, not loaded), ``"loaded"`` or ``"evicted"``."""
-        if self._loaded is not None:
-            return "loaded"
-        return "bytes" if self.payload is not None else "evicted"
+        """``"bytes"`` (arrived, not loaded), ``"loaded"`` (the loaded model alone),
+        ``"evicted"`` (neither), or ``"bytes+loaded"`` (both: never once a load is done)."""
+        loaded, payload = self._loaded is not None, self.payload is not None
+        if loaded and payload:
+            return "bytes+loaded"
+        return "loaded" if loaded else "bytes" if payload else "evicted"
 
     def evict(self) -> None:
         """Drop the model from this worker (a later task fetches it again)."""
@@ -416,8 +423,10 @@ def cache_state(client) -> dict[str, dict[str, Any]]:
         Worker address -> ``bound`` (``blockflow.inference.cache-bytes`` there, bytes or
         None), ``held_bytes`` (all its models), ``models``: token -> ``state`` (``"bytes"``:
         the serialised model arrived, not loaded yet; ``"loaded"``: the loaded model alone,
-        its bytes dropped; ``"evicted"``: neither, fetched again when next used),
-        ``held_bytes`` and ``kind``, least recently used first.
+        its bytes dropped; ``"evicted"``: neither, fetched again when next used;
+        ``"bytes+loaded"``: both, which blockflow never leaves), ``held_bytes`` (all it
+        holds for the model), ``serialised_bytes`` (of that, the serialised model's) and
+        ``kind``, least recently used first.
     """
     return client.run(_worker_cache_state)
 
@@ -431,7 +440,8 @@ def _worker_cache_state(dask_worker=None) -> dict[str, Any]:
         order = [t for t in models.order if t in plugins]
     order += [t for t in plugins if t not in order]
     out = {t: {"state": plugins[t].state, "held_bytes": plugins[t].held_bytes,
-               "kind": plugins[t].kind} for t in order}
+               "serialised_bytes": plugins[t].serialised_bytes, "kind": plugins[t].kind}
+           for t in order}
     return {"bound": cache_bound(), "models": out,
             "held_bytes": sum(m["held_bytes"] for m in out.values())}
 

@@ -471,7 +471,9 @@ def test_a_worker_holds_one_copy_and_close_frees_it(client, digits):
             m = w["models"][ref.token]
             # loaded: the model alone (its bytes dropped); not loaded: the bytes alone
             assert m["state"] in ("loaded", "bytes") and m["held_bytes"] == size
+            assert m["serialised_bytes"] == (0 if m["state"] == "loaded" else size)
             assert (m["state"] == "loaded") == (stats[addr]["loads"] == 1)
+            assert stats[addr]["state"] == m["state"]
         assert sum(w["models"][ref.token]["state"] == "loaded" for w in state.values()) >= 1
     assert all(ref.token not in w["models"] for w in cache_state(client).values())
     assert "blockflow-model-" + ref.token not in _scheduled(client)[0]
