@@ -1,7 +1,8 @@
 """Whether a model can be shipped to the workers, and if not, which attribute stops it.
 
 Every entry point that sends a model to workers (:func:`blockflow.predict`,
-:class:`blockflow.Router`, :class:`blockflow.ml.DataParallelTrainer`) serialises it through
+:class:`blockflow.Router`, :class:`blockflow.ml.DataParallelTrainer`,
+:class:`blockflow.parallel.PipelineParallel`) serialises it through
 :func:`dumps_or_explain`, before anything is scheduled, with ``cloudpickle`` as distributed
 does (PyTorch modules through ``torch.save`` with cloudpickle as its pickler): the same model is accepted or refused the same way by all of them. A lambda attribute is shipped
 by value (cloudpickle); a lock, an open file, a socket or a CUDA stream cannot be, and the
