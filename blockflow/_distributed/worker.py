@@ -36,6 +36,7 @@ __all__ = [
     "has_worker_handler",
     "install_worker_handlers",
     "quiet_closing_heartbeat",
+    "registered_worker_plugin",
     "remove_worker_handler",
     "remove_worker_metric",
     "run_in_worker_executor",
@@ -193,6 +194,32 @@ async def call_worker(worker, address: str, op: str, **kwargs) -> Any:
 def worker_plugins(worker) -> dict:
     """The worker plugins installed on ``worker`` (name -> plugin); a copy."""
     return dict(getattr(worker, "plugins", None) or {})
+
+
+def registered_worker_plugin(worker, name: str, timeout: float = 60) -> bytes | None:
+    """From a task thread of ``worker``: worker plugin ``name`` as the scheduler keeps it for
+    workers that join later (serialised, ``Scheduler.worker_plugins``), or None once
+    unregistered. Asked over the worker's own connection to the scheduler (its
+    ``run_function`` handler, as ``Client.run_on_scheduler`` asks), so no worker client is
+    made (one would outlive the worker's cluster)."""
+    import asyncio
+
+    from distributed.protocol.pickle import dumps
+
+    async def ask():
+        return await worker.scheduler.run_function(
+            function=dumps(_scheduler_worker_plugin), args=dumps((name,)),
+            kwargs=dumps({}), wait=True)
+
+    reply = asyncio.run_coroutine_threadsafe(ask(), worker.loop.asyncio_loop).result(timeout)
+    if reply.get("status") != "OK":
+        raise RuntimeError(f"blockflow: the scheduler could not hand out worker plugin "
+                           f"{name}: {reply.get('exception_text') or reply}")
+    return reply["result"]
+
+
+def _scheduler_worker_plugin(name: str, dask_scheduler=None) -> bytes | None:
+    return dask_scheduler.worker_plugins.get(name)
 
 
 def worker_data_values(worker) -> list:

@@ -115,8 +115,11 @@ class Router:
     def __init__(self, client, model, *, method: str | None = None, interval=None,
                  memory_full: float | None = None, depth: int | None = None):
         self.client = client
+        # a model given here is shipped here and freed by close(); a ModelRef stays the
+        # caller's to close
+        self._owns_ref = not isinstance(model, ModelRef)
         self.ref = model if isinstance(model, ModelRef) else ship_model(
-            model, method=method, client=client)
+            model, method=method, client=client, entry="blockflow.Router")
         self.interval = parse_timedelta(config.get("routing.interval", interval))
         self.memory_full = float(config.get("routing.memory-full", memory_full))
         if depth is not None and (isinstance(depth, bool) or int(depth) < 1):
@@ -201,7 +204,9 @@ class Router:
                     "excluded": dict(self._excluded), "pending": len(self._requests)}
 
     def close(self) -> None:
-        """Stop routing; unanswered requests are cancelled."""
+        """Stop routing; unanswered requests are cancelled, and the model this Router
+        shipped leaves the workers (a :class:`~blockflow.ml.inference.ModelRef` passed in
+        stays open: close it yourself)."""
         if self._closed:
             return
         self._closed = True
@@ -216,6 +221,8 @@ class Router:
                     req.task.cancel()
                 req.future.cancel()
             self._requests.clear()
+        if self._owns_ref:
+            self.ref.close()
 
     def __enter__(self):
         return self

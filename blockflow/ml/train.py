@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from blockflow.ml._finite import FiniteCheck, column_names, drop_setting
+from blockflow.ml._pickling import FIX_TRAIN, dumps_or_explain
 from blockflow.ml._post import POSTED
 from blockflow.ml._shards import ResidentShards, as_row_blocks
 
@@ -289,6 +290,9 @@ class DataParallelTrainer:
         import torch
         from distributed import default_client
 
+        # the module travels to every worker (scatter): refuse one that cannot, before
+        # anything is scheduled, as blockflow.predict and Router do
+        dumps_or_explain(self.model, "blockflow.ml.DataParallelTrainer.fit", fix=FIX_TRAIN)
         client = self.client or default_client()
         check = FiniteCheck(drop=drop_setting(self.drop_nonfinite), columns=column_names(X))
         X, y = as_row_blocks(X, y)

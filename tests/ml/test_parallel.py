@@ -384,3 +384,18 @@ def test_tensor_shards_live_in_device_memory_on_gpu_workers():
             got_A = grads[0]["A"].compute()
             got_A = got_A.get() if hasattr(got_A, "get") else got_A
             assert rel_err(got_A, want_grads[0]["A"]) < RTOL
+
+
+def test_a_layer_that_cannot_be_pickled_is_refused_before_anything_runs():
+    import threading
+
+    from blockflow.ml._pickling import FIX_TRAIN
+
+    layers = [Linear(np.ones((3, 2))), Linear(np.ones((2, 1)))]
+    layers[1].guard = threading.Lock()
+    with pytest.raises(TypeError) as e:  # no client needed: refused before it is used
+        PipelineParallel(None, layers)
+    assert str(e.value) == (
+        "blockflow.parallel.PipelineParallel: cannot ship the model to the workers: "
+        "layers[1].guard is a _thread.lock that cannot be pickled (TypeError: cannot pickle "
+        f"'_thread.lock' object); {FIX_TRAIN}.")

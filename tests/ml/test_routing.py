@@ -149,3 +149,39 @@ def test_killed_worker_requests_are_answered_elsewhere_exactly_once(digits):
     # The victim's queued requests were routed again (found lost, or failed to fetch).
     assert stats["counts"].get("rerouted", 0) >= 1, (stats, lost)
     assert all(d["worker"] == victim for d in lost), (victim, lost)
+
+
+def test_an_unpicklable_model_is_refused_before_routing_and_close_frees_the_model(digits):
+    import threading
+    import types
+
+    from blockflow.ml._pickling import FIX
+    from blockflow.ml.inference import cache_state, ship_model
+
+    X, model = digits
+    bad = RidgeClassifier().fit(X, model.predict(X))
+    bad.transform_ = types.SimpleNamespace(fn=threading.Lock())
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        with pytest.raises(TypeError) as e:
+            Router(client, bad)
+        assert str(e.value) == (
+            "blockflow.Router: cannot ship the model to the workers: model.transform_.fn is a "
+            "_thread.lock that cannot be pickled (TypeError: cannot pickle '_thread.lock' "
+            f"object); {FIX}.")
+        assert client.run_on_scheduler(lambda dask_scheduler: [
+            n for n in dask_scheduler.worker_plugins if n.startswith("blockflow-model")]) == []
+
+        with Router(client, model) as router:  # shipped by the Router: freed by its close
+            np.testing.assert_array_equal(router.submit(X[:10]).result(timeout=60),
+                                          model.predict(X[:10]))
+            token = router.ref.token
+            assert any(w["models"][token]["state"] == "loaded"
+                       for w in cache_state(client).values())
+        assert all(token not in w["models"] for w in cache_state(client).values())
+
+        with ship_model(model, client=client) as ref:  # a ModelRef passed in stays open
+            with Router(client, ref) as router:
+                router.submit(X[:5]).result(timeout=60)
+            assert all(ref.token in w["models"] for w in cache_state(client).values())
+        assert all(ref.token not in w["models"] for w in cache_state(client).values())

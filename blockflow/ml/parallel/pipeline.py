@@ -40,6 +40,7 @@ import pandas as pd
 from blockflow import config
 from blockflow.cluster.identity import workers_info
 from blockflow.scheduling.client import gather_results
+from blockflow.ml._pickling import FIX_TRAIN, dumps_or_explain
 from blockflow.ml.parallel.layers import Layer, backward, forward
 from blockflow.ml.parallel.partition import equal_stages, partition_stages, stage_times
 
@@ -273,6 +274,10 @@ class PipelineParallel:
         self.client, self.layers = client, list(layers)
         if not self.layers:
             raise ValueError("blockflow: a pipeline needs at least one layer.")
+        # the layers travel to their stage's worker: refuse any that cannot, before anything
+        # runs, as predict, Router and DataParallelTrainer do
+        dumps_or_explain(self.layers, "blockflow.parallel.PipelineParallel", root="layers",
+                         fix=FIX_TRAIN)
         available = sorted(workers_info(client))
         workers = sorted(workers) if workers is not None else available
         missing = sorted(set(workers) - set(available))
