@@ -72,6 +72,29 @@ class _GLM:
 
     _kind = ""
 
+    def __post_init__(self):
+        self._check_params()
+
+    def _check_params(self) -> None:
+        """Refuse a bad setting at construction (and again at :meth:`fit`, after
+        :meth:`set_params`): the message names the parameter, its meaning and the value."""
+        from blockflow.errors import check_number
+
+        f = f"blockflow.ml.{type(self).__name__}"
+        check_number(self.max_iter, "max_iter", f, "L-BFGS iterations", integer=True, low=1)
+        check_number(self.tol, "tol", f, "L-BFGS gradient tolerance", low=0)
+        check_number(getattr(self, "alpha", 0.0), "alpha", f, "L2 penalty on the "
+                     "coefficients; 0 for none", low=0)
+        # as scikit-learn: C=inf is no penalty
+        check_number(getattr(self, "C", 1.0), "C", f, "inverse penalty strength; np.inf "
+                     "for none", low=0, low_open=True, finite=False)
+        if not isinstance(self.fit_intercept, (bool, np.bool_)):
+            raise ValueError(f"{f}: fit_intercept must be True or False, got "
+                             f"{self.fit_intercept!r}.")
+        if self.sharding not in ("speed", "equal"):
+            raise ValueError(f"{f}: sharding must be 'speed' or 'equal', got "
+                             f"{self.sharding!r}.")
+
     # scikit-learn's estimator protocol, without importing scikit-learn
     def get_params(self, deep: bool = True) -> dict:
         """Constructor parameters (scikit-learn's protocol)."""
@@ -110,12 +133,14 @@ class _GLM:
         Raises
         ------
         ValueError
-            If shapes disagree, or ``y`` holds values the model cannot fit (labels other
+            If a setting is out of range (``max_iter`` an integer >= 1, ``tol`` and
+            ``alpha`` >= 0), shapes disagree, or ``y`` holds values the model cannot fit (labels other
             than 0/1 for logistic, negative counts for Poisson).
         """
         from distributed import default_client
         from scipy.optimize import minimize
 
+        self._check_params()
         client = self.client or default_client()
         X, y = as_row_blocks(X, y)
         n, p = X.shape
