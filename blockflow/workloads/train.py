@@ -15,6 +15,7 @@ features, one for the steps, and ``model.pt`` (the ``state_dict``), ``metrics.js
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -239,7 +240,12 @@ def _train(job, *, scale, epochs, batch_size, hidden, lr, seed, holdout,
 def _write(result: TrainResult, directory) -> dict[str, Any]:
     import torch
 
-    torch.save(result.state_dict, os.path.join(directory, "model.pt"))
+    # serialised in memory, written by Python: torch.save's own file writer reports a full
+    # disk as RuntimeError("basic_ios::clear: iostream error"), not the OS error it is
+    buf = io.BytesIO()
+    torch.save(result.state_dict, buf)
+    with open(os.path.join(directory, "model.pt"), "wb") as fh:
+        fh.write(buf.getbuffer())
     with open(os.path.join(directory, "metrics.json"), "w") as fh:
         fh.write(json.dumps(result.metrics, indent=2) + "\n")
     lines = ["step,epoch,loss,samples"] + [
