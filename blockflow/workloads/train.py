@@ -244,15 +244,22 @@ def _write(result: TrainResult, directory) -> dict[str, Any]:
     # disk as RuntimeError("basic_ios::clear: iostream error"), not the OS error it is
     buf = io.BytesIO()
     torch.save(result.state_dict, buf)
-    with open(os.path.join(directory, "model.pt"), "wb") as fh:
-        fh.write(buf.getbuffer())
-    with open(os.path.join(directory, "metrics.json"), "w") as fh:
-        fh.write(json.dumps(result.metrics, indent=2) + "\n")
+    _write_file(os.path.join(directory, "model.pt"), buf.getvalue())
+    _write_file(os.path.join(directory, "metrics.json"),
+                (json.dumps(result.metrics, indent=2) + "\n").encode())
     lines = ["step,epoch,loss,samples"] + [
         f"{r['step']},{r['epoch']},{r['loss']:.9g},{r['samples']}" for r in result.history]
-    with open(os.path.join(directory, "loss_curve.csv"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
+    _write_file(os.path.join(directory, "loss_curve.csv"), ("\n".join(lines) + "\n").encode())
     return {"files": ["model.pt", "metrics.json", "loss_curve.csv"]}
+
+
+def _write_file(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path``; an OS error names the file (as the output error says)."""
+    try:
+        with open(path, "wb") as fh:
+            fh.write(data)
+    except OSError as e:
+        raise type(e)(e.errno, e.strerror, path) from e
 
 
 def _bce(out, y):
