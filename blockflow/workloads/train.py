@@ -240,6 +240,8 @@ def _train(job, *, scale, epochs, batch_size, hidden, lr, seed, holdout,
 def _write(result: TrainResult, directory) -> dict[str, Any]:
     import torch
 
+    from blockflow.io import write_bytes as _write_file
+
     # serialised in memory, written by Python: torch.save's own file writer reports a full
     # disk as RuntimeError("basic_ios::clear: iostream error"), not the OS error it is
     buf = io.BytesIO()
@@ -251,15 +253,6 @@ def _write(result: TrainResult, directory) -> dict[str, Any]:
         f"{r['step']},{r['epoch']},{r['loss']:.9g},{r['samples']}" for r in result.history]
     _write_file(os.path.join(directory, "loss_curve.csv"), ("\n".join(lines) + "\n").encode())
     return {"files": ["model.pt", "metrics.json", "loss_curve.csv"]}
-
-
-def _write_file(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path``; an OS error names the file (as the output error says)."""
-    try:
-        with open(path, "wb") as fh:
-            fh.write(data)
-    except OSError as e:
-        raise type(e)(e.errno, e.strerror, path) from e
 
 
 def _bce(out, y):

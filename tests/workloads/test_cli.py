@@ -411,3 +411,34 @@ def test_sigterm_mid_run_leaves_no_temporary_folder(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 143
     assert list(tmp_path.iterdir()) == []  # no output, no temporary folder
+    output = proc.stdout.read()
+    # the cluster is stopped on purpose: no warnings about the work its workers take along
+    assert "Removing worker" not in output and "lose" not in output, output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after", [0.0, 1.0, 3.0])
+def test_ctrl_c_to_the_whole_process_group_prints_one_line(tmp_path, after):
+    """As a terminal sends it: SIGINT to blockflow and every worker it started. Workers
+    must not print their own KeyboardInterrupt tracebacks."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blockflow", "run", "train", "--n-workers", "2", "--output",
+         str(out), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "DASK_BLOCKFLOW__CLUSTER__DASHBOARD_ADDRESS": "127.0.0.1:0"})
+    first = proc.stdout.readline()  # the dashboard line: the cluster is up
+    assert first.startswith("Dashboard (while the job runs):"), first
+    time.sleep(after)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert stderr.splitlines() == [
+        f"Interrupted (Ctrl-C): the run was stopped and nothing was written to {str(out)!r}."
+    ], stderr[-3000:]
+    assert "Traceback" not in stdout
+    assert list(tmp_path.iterdir()) == []
