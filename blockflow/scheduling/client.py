@@ -49,6 +49,7 @@ __all__ = [
     "memory_of",
     "plugin_status",
     "task_counts",
+    "task_label",
     "wait_any",
     "wait_for",
     "worker_memory",
@@ -472,13 +473,26 @@ def gather_results(client: Client, futures: Any, *, what: str = "the computation
         last = getattr(e.last_worker, "address", e.last_worker)
         n = e.allowed_failures + 1
         raise WorkerLostError(
-            f"blockflow: {what} failed because workers died while running task {e.task!r}: "
+            f"blockflow: {what} failed because workers died while running "
+            f"{task_label(e.task)}: "
             f"the worker running it died {n} time{'s' if n != 1 else ''} (the last one was "
             f"{last}), so Dask gave up on it (KilledWorker). A task that kills its worker usually runs "
             f"it out of memory or crashes native code: check the worker logs, give workers "
             f"more memory (memory_limit=) or use smaller blocks; if the deaths had nothing to "
             f"do with the task, raise distributed.scheduler.allowed-failures and run again."
         ) from e
+
+
+def task_label(key) -> str:
+    """A task key as messages name it: the step (the key's name without its token) and,
+    for a block's task, the block index: ``"block (3,) of step 'blockflow-clean'"`` for
+    ``('blockflow-clean-1f3a...', 3)``; never the token."""
+    from dask.utils import key_split
+
+    name = key_split(key)
+    if isinstance(key, tuple) and len(key) > 1:
+        return f"block {tuple(key[1:])} of step {name!r}"
+    return f"step {name!r}"
 
 
 def fetch(future, *, timeout: float = 10.0, deadline: float | None = None) -> Any:
