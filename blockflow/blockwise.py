@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import warnings
 from typing import Any, Callable
 
 import dask.array as da
@@ -31,7 +32,13 @@ from dask.utils import (
 from blockflow import decompose
 from blockflow.core.kernel import Kernel, check_placement, check_retries
 from blockflow.scheduling.actions import KERNEL_PREFIX  # the scheduling vocabulary's name
-from blockflow.errors import BlockKernelError, EmptyCollectionError, describe, not_a_collection
+from blockflow.errors import (
+    BlockflowWarning,
+    BlockKernelError,
+    EmptyCollectionError,
+    describe,
+    not_a_collection,
+)
 
 __all__ = ["KERNEL_PREFIX", "check_retries", "kernel_name", "map_blocks", "validate_array"]
 
@@ -421,7 +428,9 @@ def map_blocks(
         that runs out of device memory while another worker has room is rescheduled
         (:class:`distributed.Reschedule`) instead of failing;
         :class:`~blockflow.DeviceMemoryError` is raised only when it fits nowhere. Default:
-        nothing declared (blocks go where the scheduler puts them).
+        nothing declared (blocks go where the scheduler puts them). On a cluster without
+        GPU workers it is not applied, and a ``BlockflowWarning`` says so (host memory is
+        managed by the workers' ``memory_limit`` and spilling).
     retries : int, optional
         Extra attempts of a block whose kernel raises (default 0): as everywhere in blockflow,
         the task is run up to ``retries`` more times before it fails. Here the attempts run
@@ -567,6 +576,7 @@ def map_blocks(
     task_name = kernel_name(kernel, name)
     kind = kinds[0]
     working_set = _check_working_set(working_set, kind)
+    _warn_working_set_without_gpu(working_set)
     _check_options(kind, dtype=dtype, meta=meta, chunks=chunks, drop_axis=drop_axis,
                    new_axis=new_axis, template=template)
     if kind == "array":
@@ -602,6 +612,33 @@ def _check_working_set(working_set, kind: str):
             f"blockflow.map_blocks: working_set must be a number of bytes >= 1, a size such "
             f"as '2GiB', or a callable of the block's bytes, got {working_set!r}.") from None
     return int(nbytes)
+
+
+def _warn_working_set_without_gpu(working_set) -> None:
+    """``working_set=`` declares device memory: on a cluster whose workers have no GPU it
+    is not applied, so say so rather than ignore it silently (host memory is distributed's
+    to manage). Nothing without a running client (the graph may run elsewhere)."""
+    if working_set is None:
+        return
+    try:
+        from distributed import default_client
+
+        client = default_client()
+    except ValueError:
+        return
+    if client.status != "running":
+        return
+    # imported here: the scheduling package imports the kernel layer, which imports this
+    from blockflow.scheduling.client import worker_memory
+
+    memory = worker_memory(client)
+    if memory and not any(m.has_device for m in memory.values()):
+        warnings.warn(
+            "blockflow.map_blocks: working_set= is the device (GPU) memory a block needs, "
+            f"and none of the cluster's {len(memory)} workers has a GPU, so it is not "
+            "applied (blocks are neither placed nor split by it; host memory is managed by "
+            "the workers' memory_limit and spilling): drop working_set= on CPU clusters, "
+            "or run on GPU workers.", BlockflowWarning, stacklevel=3)
 
 
 def _block_working_sets(working_set, x) -> dict[tuple, int] | int | None:

@@ -159,3 +159,59 @@ def not_a_collection(func: str, position: str, obj: Any) -> TypeError:
     return TypeError(
         f"{func}: {position} is a {describe(obj)}, not a Dask collection; {fix}."
     )
+
+
+def check_number(value: Any, name: str, func: str, what: str, *, integer: bool = False,
+                 low: float | None = None, low_open: bool = False, high: float | None = None,
+                 high_open: bool = False, none: bool = False, finite: bool = True):
+    """Validate a numeric argument; return it (``int`` when ``integer``).
+
+    Parameters
+    ----------
+    value : Any
+        The argument as given.
+    name : str
+        Its name (``"batch_size"``).
+    func : str
+        The caller, as the message names it (``"blockflow.ml.DataParallelTrainer"``).
+    what : str
+        What the argument means, with its unit (``"samples per step"``).
+    integer : bool, default False
+        Whether it must be an integer (``bool`` is refused; an integral float is not).
+    low, high : float, optional
+        Bounds; ``low_open`` / ``high_open`` exclude them.
+    none : bool, default False
+        Whether None is accepted (and returned as is).
+    finite : bool, default True
+        Whether infinity is refused (NaN always is).
+
+    Raises
+    ------
+    ValueError
+        ``"<func>: <name> must be an integer >= 1 (<what>), got 0."``: the range, the
+        meaning and the value given. Also for NaN and non-numbers.
+    """
+    import math
+    import numbers
+
+    if value is None and none:
+        return None
+    kind = numbers.Integral if integer else numbers.Real
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if ok and not integer:
+        ok = math.isfinite(float(value)) or (not finite and not math.isnan(float(value)))
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if ok:
+        return int(value) if integer else value
+    noun = "an integer" if integer else ("a finite number" if finite else "a number")
+    bounds = []
+    if low is not None:
+        bounds.append(f"{'>' if low_open else '>='} {low:g}")
+    if high is not None:
+        bounds.append(f"{'<' if high_open else '<='} {high:g}")
+    rng = (" " + " and ".join(bounds)) if bounds else ""
+    opt = " (or None)" if none else ""
+    raise ValueError(f"{func}: {name} must be {noun}{rng}{opt} ({what}), got {value!r}.")

@@ -34,6 +34,7 @@ __all__ = [
     "OutputWriteError",
     "atomic_output_dir",
     "check_output_dir",
+    "write_bytes",
     "write_manifest",
     "write_outputs",
     "write_parquet",
@@ -384,6 +385,34 @@ def _clean_floats(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_clean_floats(v) for v in obj]
     return obj
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to the file ``path`` (a model, a CSV a workload serialised itself).
+
+    Parameters
+    ----------
+    path : str or path-like
+    data : bytes
+
+    Returns
+    -------
+    pathlib.Path
+        Where the file is once an enclosing :func:`atomic_output_dir` has finished.
+
+    Raises
+    ------
+    OutputWriteError
+        If the file system refuses (no space, file too large, read-only); the message
+        names the file, and :func:`atomic_output_dir` turns it into one naming the output.
+    """
+    path = Path(path)
+    try:
+        with open(path, "wb") as fh:
+            fh.write(data)
+    except OSError as e:
+        raise _file_error(path, e) from e
+    return _final_path(path)
 
 
 def write_manifest(directory: str | os.PathLike, manifest: Mapping[str, Any]) -> Path:

@@ -131,11 +131,15 @@ class HandlerPlugin:
 #: pooled comms under a heartbeat still in flight, and the worker logs its own shutdown as a
 #: failure (dask/distributed#7192, open; distributed 2026.7.1, worker.py ``heartbeat``).
 HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat."
+#: distributed.worker_state_machine's warning (prefix, suffix) for a task its worker's
+#: close cancelled ("This should exclusively happen in Worker.close()"): Ctrl-C or
+#: SIGTERM to a run printed one per running task.
+CANCELLED_AT_CLOSE = ("Async instruction for ", "ended with CancelledError")
 
 
 class _ClosingHeartbeatFilter(logging.Filter):
-    """Drop :data:`HEARTBEAT_FAILED` while a worker of this process is closing: its own
-    ``close`` cut the heartbeat. While every worker runs, the record passes, traceback and
+    """Drop :data:`HEARTBEAT_FAILED` and :data:`CANCELLED_AT_CLOSE` while a worker of this
+    process is closing: its own ``close`` cut the heartbeat and cancelled its tasks. While every worker runs, the record passes, traceback and
     all (a real failure to reach the scheduler). One per process, on the
     ``distributed.worker`` logger; workers are held weakly."""
 
@@ -144,7 +148,9 @@ class _ClosingHeartbeatFilter(logging.Filter):
         self.workers: weakref.WeakSet = weakref.WeakSet()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg != HEARTBEAT_FAILED:
+        msg = str(record.msg)
+        if msg != HEARTBEAT_FAILED and not (msg.startswith(CANCELLED_AT_CLOSE[0])
+                                            and msg.endswith(CANCELLED_AT_CLOSE[1])):
             return True
         closing = (Status.closing, Status.closing_gracefully)
         return not any(getattr(w, "status", None) in closing for w in list(self.workers))
@@ -159,7 +165,9 @@ def quiet_closing_heartbeat(worker) -> None:
     global _closing_filter
     if _closing_filter is None:
         _closing_filter = _ClosingHeartbeatFilter()
-        logging.getLogger("distributed.worker").addFilter(_closing_filter)
+        # a logger's filters see only its own records, not its children's
+        for name in ("distributed.worker", "distributed.worker.state_machine"):
+            logging.getLogger(name).addFilter(_closing_filter)
     _closing_filter.workers.add(worker)
 
 

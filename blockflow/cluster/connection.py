@@ -225,7 +225,8 @@ def connect(
 
 def _warn_undeclared_gpus(client: Client) -> None:
     """GPU workers of a running cluster that declare no ``GPU`` resource never run tasks
-    that ask for ``resources={"GPU": 1}``: say which, and how to declare it."""
+    that ask for ``resources={"GPU": 1}``, and workers that declare one without a GPU get
+    them: say which, and how to fix it."""
     import warnings
 
     from blockflow.errors import BlockflowWarning
@@ -234,16 +235,30 @@ def _warn_undeclared_gpus(client: Client) -> None:
     workers = workers_info(client)
     bare = sorted(a for a, w in workers.items() if read_metrics(w.get("metrics")).has_gpu
                   and not (w.get("resources") or {}).get("GPU"))
-    if not bare:
-        return
-    shown = ", ".join(bare[:5]) + (f" and {len(bare) - 5} more" if len(bare) > 5 else "")
-    msg = (f"blockflow.connect: {len(bare)} GPU worker{'s' if len(bare) != 1 else ''} of the "
-           f"cluster at {client.scheduler.address} declare{'s' if len(bare) == 1 else ''} no "
-           f"GPU resource ({shown}), so tasks asking for resources={{'GPU': 1}} never run "
-           f"there; start GPU workers with `--resources GPU=1` (one per device: `dask cuda "
-           f"worker <scheduler> --resources GPU=1`).")
-    logger.warning(msg)
-    warnings.warn(msg, BlockflowWarning, stacklevel=3)
+    if bare:
+        shown = ", ".join(bare[:5]) + (f" and {len(bare) - 5} more" if len(bare) > 5 else "")
+        msg = (f"blockflow.connect: {len(bare)} GPU worker{'s' if len(bare) != 1 else ''} of "
+               f"the cluster at {client.scheduler.address} declare"
+               f"{'s' if len(bare) == 1 else ''} no GPU resource ({shown}), so tasks asking "
+               f"for resources={{'GPU': 1}} never run there; start GPU workers with "
+               f"`--resources GPU=1` (one per device: `dask cuda worker <scheduler> "
+               f"--resources GPU=1`).")
+        logger.warning(msg)
+        warnings.warn(msg, BlockflowWarning, stacklevel=3)
+    # the other way round: a worker that declares a GPU it does not have gets the GPU
+    # tasks, whose kernels then fail there (no device) or run on its CPU
+    for a in sorted(a for a, w in workers.items()
+                    if (w.get("resources") or {}).get("GPU")
+                    and not read_metrics(w.get("metrics")).has_gpu):
+        n = workers[a]["resources"]["GPU"]
+        msg = (f"blockflow.connect: worker {a} of the cluster at {client.scheduler.address} "
+               f"declares GPU={n:g} (resources) but reports no GPU (no device memory in its "
+               f"metrics), so tasks asking for resources={{'GPU': 1}} are sent to a worker "
+               f"without one; start it without `--resources GPU=...`, or on a machine "
+               f"whose GPU it can see (CUDA_VISIBLE_DEVICES, the NVIDIA driver, "
+               f"distributed.diagnostics.nvml: true).")
+        logger.warning(msg)
+        warnings.warn(msg, BlockflowWarning, stacklevel=3)
 
 
 def _running_policy(dask_scheduler=None) -> str | None:

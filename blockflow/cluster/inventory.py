@@ -134,6 +134,14 @@ class Inventory:
                 if w.device == "gpu" and not w.resources.get("GPU")]
 
     @property
+    def gpu_resource_without_gpu(self) -> list[str]:
+        """Workers that declare a ``GPU`` resource but report no GPU: tasks asking for
+        ``resources={"GPU": 1}`` are sent there and find no device
+        (:func:`blockflow.connect` warns, naming them)."""
+        return [w.address for w in self.workers
+                if w.device != "gpu" and w.resources.get("GPU")]
+
+    @property
     def total_threads(self) -> int:
         return sum(w.threads for w in self.workers)
 

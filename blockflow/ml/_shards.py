@@ -40,7 +40,13 @@ from blockflow.cluster.identity import workers_info
 from blockflow.ml._post import POSTED, Posted, PostPlugin
 from blockflow.ml._steal import StealPlugin
 from blockflow.errors import WorkerLostError
-from blockflow.scheduling.client import gather_as_done, learned_speeds, memory_of, wait_for
+from blockflow.scheduling.client import (
+    gather_as_done,
+    learned_speeds,
+    memory_of,
+    wait_for,
+    worker_memory,
+)
 from blockflow.scheduling.estimate import Throughput, earliest_finish
 
 __all__ = ["ResidentShards", "as_row_blocks", "known_rows"]
@@ -223,6 +229,13 @@ class ResidentShards:
         If the cluster has no workers.
     ValueError
         From ``check``: a non-finite value, or no finite row left after dropping.
+    MemoryError
+        If a block of ``X`` and ``y`` is larger than any worker's memory limit (device
+        memory on GPU workers), before anything runs; the message names the block, its
+        rows and bytes, the largest limit and a ``rechunk`` that fits.
+    WorkerLostError
+        In place of distributed's ``KilledWorker`` on a block's internal key while the
+        blocks are loaded or moved: the message names the block and the memory limits.
     """
 
     def __init__(self, client, X, y, *, sharding: str = "speed", memory_fraction: float = 0.5,
@@ -246,6 +259,7 @@ class ResidentShards:
         self._check = check
         self._source_offsets = [int(o) for o in self.offsets[:-1]]  # rows as in X
         self.dropped_rows = 0
+        self._check_blocks_fit(self._workers())
         # per worker, the latest passes' (rows processed, seconds) and the fixed cost per
         # pass fitted through them (the one throughput estimator). No pass is dropped as a
         # cold start: the blocks are resident before the first, and the first step's probe
@@ -291,6 +305,71 @@ class ResidentShards:
                              f"(impute them instead).")
 
     # --- workers, speeds, memory ---------------------------------------------------------
+
+    def _block(self, j: int) -> str:
+        """Block ``j`` as messages name it: its index, rows and bytes."""
+        from dask.utils import format_bytes
+
+        return (f"block {j} (rows {int(self.offsets[j]):,}-{int(self.offsets[j + 1]) - 1:,}, "
+                f"{format_bytes(self.block_bytes[j])} of X and y)")
+
+    def _too_large(self, j: int, workers: dict[str, dict]) -> str | None:
+        """Why block ``j`` cannot be held by any worker (its bytes above the largest
+        worker's memory limit, device memory on GPU workers), or None if it can or the
+        limits are unknown."""
+        from dask.utils import format_bytes
+
+        limits = {a: m.total for a, m in worker_memory(self.client, workers).items()
+                  if m.total}
+        if not limits:
+            return None
+        a, (limit, kind) = max(limits.items(), key=lambda kv: (kv[1][0], kv[0]))
+        if self.block_bytes[j] <= limit:
+            return None
+        row_bytes = self.block_bytes[j] / max(self.block_rows[j], 1)
+        rows = max(int(limit * self.memory_fraction / 4 / row_bytes), 1)
+        return (f"blockflow: {self._block(j)} is larger than any worker's memory (the "
+                f"largest is {a}'s {format_bytes(int(limit))} {kind} memory limit), so the "
+                f"worker holding it would be killed; cut the rows into smaller blocks, e.g. "
+                f"X.rechunk({{0: {rows}}}) and y.rechunk({rows}), or give the workers more "
+                f"memory (memory_limit=).")
+
+    def _check_blocks_fit(self, workers: dict[str, dict]) -> None:
+        """Refuse, before anything runs, a block no worker can hold (distributed would kill
+        worker after worker on it, then raise KilledWorker on an internal key)."""
+        if self.block_bytes:
+            j = int(np.argmax(self.block_bytes))
+            why = self._too_large(j, workers)
+            if why:
+                raise MemoryError(why)
+
+    def _killed(self, blocks: list[int], e: BaseException) -> WorkerLostError:
+        """distributed's KilledWorker on blocks' tasks, as a message naming the blocks
+        whose tasks ran on the workers that died (the culprit among them)."""
+        from dask.utils import format_bytes
+
+        workers = self._workers()
+        for j in blocks:
+            why = self._too_large(j, workers)
+            if why:
+                return WorkerLostError(why, lost=[])
+        if len(blocks) == 1:
+            what = self._block(blocks[0])
+        else:
+            what = "blocks " + ", ".join(
+                f"{j} (rows {int(self.offsets[j]):,}-{int(self.offsets[j + 1]) - 1:,})"
+                for j in blocks) + (f", {format_bytes(sum(self.block_bytes[j] for j in blocks))}"
+                                    f" of X and y in all")
+        last = getattr(getattr(e, "last_worker", None), "address", None) or "a worker"
+        limits = [m.total[0] for m in worker_memory(self.client, workers).values() if m.total]
+        limit = (f"; the largest worker memory limit is {format_bytes(int(max(limits)))}"
+                 if limits else "")
+        return WorkerLostError(
+            f"blockflow: workers died while loading {what} (the last was {last}){limit}: a "
+            f"block whose loading kills its worker usually runs it out of memory or crashes "
+            f"native code; check the worker logs, use smaller blocks (X.rechunk({{0: "
+            f"rows}})) or give the workers more memory (memory_limit=).",
+            lost=[last] if last != "a worker" else [])
 
     def _workers(self) -> dict[str, dict]:
         workers = workers_info(self.client)
@@ -418,9 +497,15 @@ class ResidentShards:
         self.placement = dict(placement)
         wait_for(self.client, [self.futures[j] for j in moved], what="moving blocks")
         if any(self.futures[j].status == "error" for j in moved):
+            from distributed import KilledWorker, wait
+
+            killed = {j: self.futures[j].exception() for j in moved
+                      if self.futures[j].status == "error"}
+            killed = {j: e for j, e in killed.items() if isinstance(e, KilledWorker)}
+            if killed:  # on internal keys: name the blocks
+                raise self._killed(sorted(killed), next(iter(killed.values()))) from None
             # a block could not be read or failed its check (a non-finite value): the
             # first such block's own error, once all have run (the lowest rows first)
-            from distributed import wait
             try:
                 wait([self.futures[j] for j in moved], timeout=30)
             except TimeoutError:

@@ -74,6 +74,29 @@ class _GLM:
 
     _kind = ""
 
+    def __post_init__(self):
+        self._check_params()
+
+    def _check_params(self) -> None:
+        """Refuse a bad setting at construction (and again at :meth:`fit`, after
+        :meth:`set_params`): the message names the parameter, its meaning and the value."""
+        from blockflow.errors import check_number
+
+        f = f"blockflow.ml.{type(self).__name__}"
+        check_number(self.max_iter, "max_iter", f, "L-BFGS iterations", integer=True, low=1)
+        check_number(self.tol, "tol", f, "L-BFGS gradient tolerance", low=0)
+        check_number(getattr(self, "alpha", 0.0), "alpha", f, "L2 penalty on the "
+                     "coefficients; 0 for none", low=0)
+        # as scikit-learn: C=inf is no penalty
+        check_number(getattr(self, "C", 1.0), "C", f, "inverse penalty strength; np.inf "
+                     "for none", low=0, low_open=True, finite=False)
+        if not isinstance(self.fit_intercept, (bool, np.bool_)):
+            raise ValueError(f"{f}: fit_intercept must be True or False, got "
+                             f"{self.fit_intercept!r}.")
+        if self.sharding not in ("speed", "equal"):
+            raise ValueError(f"{f}: sharding must be 'speed' or 'equal', got "
+                             f"{self.sharding!r}.")
+
     # scikit-learn's estimator protocol, without importing scikit-learn
     def get_params(self, deep: bool = True) -> dict:
         """Constructor parameters (scikit-learn's protocol)."""
@@ -112,11 +135,12 @@ class _GLM:
         Raises
         ------
         ValueError
-            If shapes disagree, ``y`` holds values the model cannot fit (labels other
-            than 0/1 for logistic, negative counts for Poisson), or ``X``/``y`` hold a NaN
-            or an infinity (unless ``drop_nonfinite``): the message names the first one's
-            column or label, block and row. The check runs in the task that first reads
-            each block, not as a pass of its own.
+            If a setting is out of range (``max_iter`` an integer >= 1, ``tol`` and
+            ``alpha`` >= 0), shapes disagree, ``y`` holds values the model cannot fit
+            (labels other than 0/1 for logistic, negative counts for Poisson), or ``X``/``y``
+            hold a NaN or an infinity (unless ``drop_nonfinite``): the message names the
+            first one's column or label, block and row. The check runs in the task that
+            first reads each block, not as a pass of its own.
 
         Warns
         -----
@@ -127,6 +151,7 @@ class _GLM:
         from distributed import default_client
         from scipy.optimize import minimize
 
+        self._check_params()
         client = self.client or default_client()
         check = FiniteCheck(drop=drop_setting(self.drop_nonfinite), columns=column_names(X))
         X, y = as_row_blocks(X, y)

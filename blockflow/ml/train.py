@@ -232,7 +232,12 @@ class DataParallelTrainer:
     Raises
     ------
     ValueError
-        If ``probe_fraction`` is not strictly between 0 and 1.
+        If a numeric argument is out of range (``batch_size``, ``epochs``,
+        ``rebalance_every`` integers >= 1, ``seed`` >= 0, ``split_every`` >= 2,
+        ``memory_fraction`` in (0, 1], ``probe_fraction`` in (0, 1)) or ``sharding`` is
+        unknown: the message names the argument, its meaning and the value given.
+    TypeError
+        If ``loss_fn``, ``optimizer``, ``block_hook`` or ``callback`` is not callable.
 
     Attributes
     ----------
@@ -255,14 +260,40 @@ class DataParallelTrainer:
                  block_hook: Callable | None = None, callback: Callable | None = None,
                  probe_fraction: float = 0.1, steal: bool | None = None,
                  drop_nonfinite: bool | None = None):
+        from blockflow.errors import check_number, describe
+
+        f = "blockflow.ml.DataParallelTrainer"
+        # every argument is checked here, before any work (batch_size=0 was a
+        # ZeroDivisionError in the first step)
+        batch_size = check_number(batch_size, "batch_size", f, "samples per step",
+                                  integer=True, low=1)
+        epochs = check_number(epochs, "epochs", f, "passes over the rows", integer=True,
+                              low=1)
+        seed = check_number(seed, "seed", f, "seed of the batch schedule", integer=True,
+                            low=0)
+        split_every = check_number(split_every, "split_every", f,
+                                   "fan-in of the gradient sum", integer=True, low=2,
+                                   none=True)
+        memory_fraction = check_number(memory_fraction, "memory_fraction", f,
+                                       "fraction of a worker's free memory its blocks may "
+                                       "take", low=0, low_open=True, high=1)
+        rebalance_every = check_number(rebalance_every, "rebalance_every", f,
+                                       "steps between rebalancing checks", integer=True,
+                                       low=1)
+        probe_fraction = check_number(probe_fraction, "probe_fraction", f,
+                                      "fraction of the first step's rows that times the "
+                                      "workers", low=0, low_open=True, high=1, high_open=True)
+        if sharding not in ("speed", "equal"):
+            raise ValueError(f"{f}: sharding must be 'speed' or 'equal', got {sharding!r}.")
+        for name, value in (("loss_fn", loss_fn), ("optimizer", optimizer),
+                            ("block_hook", block_hook), ("callback", callback)):
+            if value is not None and not callable(value):
+                raise TypeError(f"{f}: {name} must be callable, got {describe(value)}.")
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.batch_size, self.epochs, self.seed = batch_size, epochs, seed
         self.sharding, self.client, self.split_every = sharding, client, split_every
         self.memory_fraction, self.rebalance_every = memory_fraction, rebalance_every
         self.block_hook, self.callback = block_hook, callback
-        if not 0 < probe_fraction < 1:
-            raise ValueError(f"blockflow: probe_fraction must be between 0 and 1 "
-                             f"(exclusive), got {probe_fraction!r}.")
         self.probe_fraction = probe_fraction
         self.steal = steal
         self.drop_nonfinite = drop_nonfinite

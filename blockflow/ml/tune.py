@@ -564,13 +564,39 @@ class _Tuner:
                        started=out["started"], finished=out["finished"],
                        duration=out["finished"] - out["started"], error=None)
         else:
+            from distributed import KilledWorker
+
             exc = fut.exception()
             err = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            if isinstance(exc, KilledWorker):  # on an internal key: name the trial
+                last = getattr(exc.last_worker, "address", exc.last_worker)
+                n = exc.allowed_failures + 1
+                err = (f"WorkerLostError: the workers running trial {job.trial} (rung "
+                       f"{job.rung}, {job.epochs:g} epochs) died {n} time"
+                       f"{'s' if n != 1 else ''} (the last was {last}); a trial that kills "
+                       f"its worker usually runs it out of memory: check the worker logs, "
+                       f"give workers more memory (memory_limit=), or raise "
+                       f"distributed.scheduler.allowed-failures if the deaths had nothing "
+                       f"to do with the trial.")
             trial.status, trial.error, trial.worker = "failed", err, r.worker
             trial.finished = time.time()
             row.update(score=math.nan, status="failed", worker=r.worker, started=math.nan,
                        finished=trial.finished, duration=math.nan, error=err)
         self.history.append(row)
+
+    def _best_checkpoint(self, best: int):
+        """The best trial's model, fetched from the worker that holds it; a worker that
+        left with it is named with the trial, never by the checkpoint's internal key."""
+        trial = self.trials[best]
+        try:
+            return fetch(trial.checkpoint, timeout=10.0, deadline=60.0)[1]
+        except WorkerLostError:
+            raise WorkerLostError(
+                f"blockflow.tune: the best trial's model (trial {best}, score "
+                f"{trial.score:.6g}, on worker {trial.worker}) was lost with its worker "
+                f"before it could be fetched; the trials' scores are known, the model is "
+                f"not: run tune again (or retrain trial {best}'s config, "
+                f"{_plain(trial.config)}).", lost=[str(trial.worker)]) from None
 
     @staticmethod
     def _fetch(fut, timeout: float = 10.0):
@@ -677,7 +703,7 @@ class _Tuner:
             trials=trials, history=history, best_trial=best,
             best_config=None if best is None else dict(self.trials[best].config),
             best_score=math.nan if best is None else self.trials[best].score,
-            best_checkpoint=None if best is None else self.trials[best].checkpoint.result()[1],
+            best_checkpoint=None if best is None else self._best_checkpoint(best),
             wall_time=wall, busy_fraction=min(busy, 1.0),
             promotion="synchronous" if self.synchronous else self.promotion)
 

@@ -45,9 +45,11 @@ __all__ = [
     "gather_as_done",
     "gather_results",
     "learned_speeds",
+    "lost_roles",
     "memory_of",
     "plugin_status",
     "task_counts",
+    "task_label",
     "wait_any",
     "wait_for",
     "worker_memory",
@@ -471,13 +473,26 @@ def gather_results(client: Client, futures: Any, *, what: str = "the computation
         last = getattr(e.last_worker, "address", e.last_worker)
         n = e.allowed_failures + 1
         raise WorkerLostError(
-            f"blockflow: {what} failed because workers died while running task {e.task!r}: "
+            f"blockflow: {what} failed because workers died while running "
+            f"{task_label(e.task)}: "
             f"the worker running it died {n} time{'s' if n != 1 else ''} (the last one was "
             f"{last}), so Dask gave up on it (KilledWorker). A task that kills its worker usually runs "
             f"it out of memory or crashes native code: check the worker logs, give workers "
             f"more memory (memory_limit=) or use smaller blocks; if the deaths had nothing to "
             f"do with the task, raise distributed.scheduler.allowed-failures and run again."
         ) from e
+
+
+def task_label(key) -> str:
+    """A task key as messages name it: the step (the key's name without its token) and,
+    for a block's task, the block index: ``"block (3,) of step 'blockflow-clean'"`` for
+    ``('blockflow-clean-1f3a...', 3)``; never the token."""
+    from dask.utils import key_split
+
+    name = key_split(key)
+    if isinstance(key, tuple) and len(key) > 1:
+        return f"block {tuple(key[1:])} of step {name!r}"
+    return f"step {name!r}"
 
 
 def fetch(future, *, timeout: float = 10.0, deadline: float | None = None) -> Any:
@@ -522,6 +537,47 @@ def fetch(future, *, timeout: float = 10.0, deadline: float | None = None) -> An
                 f"blockflow: the result of {future.key!r} was lost before it could be "
                 f"fetched (status {future.status!r}): the worker holding it left.",
                 lost=[str(future.key)])
+
+
+def lost_roles(client: Client, what: str, roles: Mapping[str, str], fix: str,
+               *, settle: float = 2.0) -> WorkerLostError | None:
+    """The error for a computation whose workers left: what each lost worker held.
+
+    Code that pins work to workers (a pipeline's stages, tensor-parallel shards) calls this
+    when a wait fails, so that the user reads which stage or shard on which worker was
+    lost, not distributed's internal keys (``pipeline-collect-...``, ``KeyError:
+    'tcp://...'``).
+
+    Parameters
+    ----------
+    client : distributed.Client
+    what : str
+        The computation (``"the pipeline pass over rows 0-511 (8 micro-batches)"``).
+    roles : mapping of str to str
+        Worker address to what it held (``"stage 1 (layers 2-3)"``).
+    fix : str
+        What to do about it.
+    settle : float, default 2.0
+        Seconds to wait for the scheduler to notice a worker that died just now.
+
+    Returns
+    -------
+    WorkerLostError or None
+        With ``lost`` the workers gone; None when every worker of ``roles`` is alive (the
+        failure was something else: re-raise it).
+    """
+    end = time.monotonic() + settle
+    while True:
+        alive = set(workers_info(client))
+        gone = sorted(a for a in roles if a not in alive)
+        if gone or time.monotonic() >= end:
+            break
+        time.sleep(0.1)
+    if not gone:
+        return None
+    held = "; ".join(f"{roles[a]} on worker {a}" for a in gone)
+    return WorkerLostError(
+        f"blockflow: {what} failed: lost {held}, which left the cluster; {fix}", lost=gone)
 
 
 def wait_any(futures: Iterable, timeout: float = 1.0) -> list:

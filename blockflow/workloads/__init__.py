@@ -8,3 +8,13 @@ oracles, which are not the distributed path. What a workload computes, apart fro
 (:mod:`blockflow.workloads.field`, :mod:`blockflow.workloads.flights_data`), is shared by
 both, so that neither imports the other.
 """
+
+__all__ = ["JobFailed"]
+
+
+class JobFailed(RuntimeError):
+    """A ready job ended with nothing to write (every tuning trial failed, ...).
+
+    The CLI ends such a job with its message as one ``Error: ...`` line, as it does every
+    job's output, kernel and lost-worker errors.
+    """

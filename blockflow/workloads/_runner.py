@@ -39,7 +39,8 @@ from blockflow.scheduling.client import gather_results, wait_for
 from blockflow.io import atomic_output_dir, write_manifest
 from blockflow.scheduling.runs import new_run_id, run_scope
 
-__all__ = ["Job", "StageProgress", "run_workload", "show_progress", "task_counts_or_none"]
+__all__ = ["Job", "StageProgress", "StepProgress", "new_bar", "run_workload", "show_progress",
+           "task_counts_or_none"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,58 @@ def _run_record(client, run_id: str) -> dict[str, Any] | None:
         return None
 
 
+def new_bar(label: str, total: int | None, unit: str):
+    """A tqdm bar as every job draws one: ``(bar, line)``.
+
+    In a Jupyter kernel with ipywidgets a widget; in a kernel without them a disabled bar
+    (``line`` True: the caller prints one line when it ends, never escape codes); else a
+    text bar on stderr.
+    """
+    if _notebook_bars():
+        from tqdm.notebook import tqdm
+
+        return tqdm(total=total, desc=label, unit=unit), False
+    from tqdm import tqdm
+
+    if is_kernel():  # no ipywidgets: one line at the end, never escape codes
+        return tqdm(total=total, desc=label, disable=True), True
+    # a terminal that reports no width (a fresh pseudo-terminal) would get empty bars
+    width = {"dynamic_ncols": True} if _columns(sys.stderr) else {"ncols": 100}
+    return tqdm(total=total, desc=label, unit=unit, file=sys.stderr, **width), False
+
+
+class StepProgress:
+    """A labelled progress bar of a job's steps that are not one graph each (training
+    steps): :meth:`advance` after each, :meth:`finish` at the end; drawn as
+    :class:`StageProgress` draws its bars (tqdm on stderr, a widget in Jupyter).
+
+    Parameters
+    ----------
+    label : str
+        The stage, as the bar names it (``"train [2/2] 132 steps"``).
+    total : int
+        Steps expected.
+    unit : str, default " steps"
+    """
+
+    def __init__(self, label: str, total: int, unit: str = " steps"):
+        self.label, self._started = label, time.perf_counter()
+        self.bar, self._line = new_bar(label, total, unit)
+
+    def advance(self, n: int = 1, **postfix) -> None:
+        """``n`` more steps done; ``postfix`` (``loss=0.41``) is shown after the bar."""
+        self.bar.update(n)
+        if postfix:
+            self.bar.set_postfix(postfix, refresh=False)
+
+    def finish(self) -> None:
+        """End the bar where it is."""
+        self.bar.close()
+        if self._line:
+            print(f"{self.label}: {self.bar.n:,} of {self.bar.total:,} steps after "
+                  f"{time.perf_counter() - self._started:.1f} s")
+
+
 class StageProgress:
     """One labelled progress bar for one stage (one submitted graph) of a job, drawn with
     tqdm.
@@ -135,21 +188,7 @@ class StageProgress:
 
     def __init__(self, client, label: str, *, run_id: str, before: dict | None, futures):
         self.client, self.label, self.run_id, self.before = client, label, run_id, before
-        self._line = False
-        if _notebook_bars():
-            from tqdm.notebook import tqdm
-
-            self.bar = tqdm(total=None, desc=label, unit=" tasks")
-        elif is_kernel():  # no ipywidgets: one line at the end, never escape codes
-            from tqdm import tqdm
-
-            self.bar, self._line = tqdm(total=None, desc=label, disable=True), True
-        else:
-            from tqdm import tqdm
-
-            # a terminal that reports no width (a fresh pseudo-terminal) would get empty bars
-            width = {"dynamic_ncols": True} if _columns(sys.stderr) else {"ncols": 100}
-            self.bar = tqdm(total=None, desc=label, unit=" tasks", file=sys.stderr, **width)
+        self.bar, self._line = new_bar(label, None, " tasks")
         self._started, self._t0 = time.perf_counter(), self.bar.start_t
         self._stop = threading.Event()
         self._loop = self._task = None
@@ -296,6 +335,17 @@ class Job:
                                  before=before, futures=futures_of(submitted))
         except Exception as e:  # e.g. no terminal to draw on: the job runs without a bar
             logger.debug("blockflow: no progress bar for %s: %r", label or self.what, e)
+            return None
+
+    def steps(self, label: str, total: int) -> StepProgress | None:
+        """A bar of ``total`` steps that are not one graph each (training steps), if the
+        job shows bars; None otherwise. See :class:`StepProgress`."""
+        if not self.show:
+            return None
+        try:
+            return StepProgress(label, total)
+        except Exception as e:  # e.g. no terminal to draw on: the job runs without a bar
+            logger.debug("blockflow: no progress bar for %s: %r", label, e)
             return None
 
     def _before(self) -> dict | None:

@@ -25,6 +25,7 @@ from typing import Any
 
 from blockflow.scheduling.runs import run_scope
 from blockflow.ml.tune import choice, loguniform, tune
+from blockflow.workloads import JobFailed
 from blockflow.workloads._runner import Job, run_workload
 
 __all__ = ["SPACE", "DigitsTuneResult", "digits_split", "run", "train_digits_mlp"]
@@ -205,8 +206,8 @@ def run(client, *, n_configs: int = 81, eta: int = 3, max_budget: int = 27, seed
     ------
     FileExistsError
         If ``output`` exists and ``overwrite`` is False (before any trial runs).
-    RuntimeError
-        If every trial failed (nothing is written).
+    blockflow.workloads.JobFailed
+        If every trial failed (nothing is written); a ``RuntimeError``.
     """
     what = f"tuning the digits MLP ({n_configs} configurations)"
 
@@ -222,7 +223,7 @@ def run(client, *, n_configs: int = 81, eta: int = 3, max_budget: int = 27, seed
         _, _, _, _, X_te, y_te = digits_split()
         if tuned.best_checkpoint is None:
             first = tuned.trials["error"].dropna()
-            raise RuntimeError(
+            raise JobFailed(
                 f"blockflow: every tuning trial failed, so there is no model to write; the "
                 f"first error: {first.iloc[0] if len(first) else 'unknown'} (scikit-learn "
                 f"must be installed where the workers run: pip install 'blockflow[ai]').")

@@ -1,28 +1,35 @@
 """Workload: train a delay classifier on the 2013 NYC flights (``blockflow run train``).
 
-Predicts whether a flight arrives more than 15 minutes late from its departure time (hour
-of day, as sine and cosine), carrier (one-hot over the 16 carriers), origin (one-hot over
-EWR, JFK, LGA) and distance (thousands of miles), with a small MLP trained data-parallel by
-:class:`blockflow.ml.DataParallelTrainer` on row blocks resident on the workers. Rows whose
-flight number hashes into the last ``holdout`` fraction are held out for the metrics.
-Writes ``model.pt`` (the ``state_dict``), ``metrics.json``, ``loss_curve.csv`` and
-``manifest.json`` into one folder, atomically.
+Predicts, at departure, whether a flight will arrive more than 15 minutes late from its
+departure time (hour of day, as sine and cosine), carrier (one-hot over the 16 carriers),
+origin (one-hot over EWR, JFK, LGA), distance (thousands of miles) and departure delay
+(hours), with a small MLP trained data-parallel by :class:`blockflow.ml.DataParallelTrainer`
+on row blocks resident on the workers. Rows whose flight number hashes into the last
+``holdout`` fraction are held out for the metrics, printed beside the majority class's
+accuracy (0.758): without the departure delay no model of these columns beats it by much
+(0.774 for gradient-boosted trees), with it the default MLP reaches about 0.90. The job runs
+through the workloads' runner (:mod:`blockflow.workloads._runner`): one progress bar for the
+features, one for the steps, and ``model.pt`` (the ``state_dict``), ``metrics.json``,
+``loss_curve.csv`` and ``manifest.json`` written into one folder atomically.
 """
 
 from __future__ import annotations
 
+import io
 import json
-import time
+import math
+import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["CARRIERS", "ORIGINS", "flight_features", "run"]
+__all__ = ["CARRIERS", "ORIGINS", "TrainResult", "flight_features", "run"]
 
 CARRIERS = ["9E", "AA", "AS", "B6", "DL", "EV", "F9", "FL", "HA", "MQ", "OO", "UA", "US",
             "VX", "WN", "YV"]
 ORIGINS = ["EWR", "JFK", "LGA"]
-N_FEATURES = 2 + len(CARRIERS) + len(ORIGINS) + 1
+N_FEATURES = 2 + len(CARRIERS) + len(ORIGINS) + 2
 
 
 def flight_features(part) -> "np.ndarray":
@@ -31,17 +38,19 @@ def flight_features(part) -> "np.ndarray":
     Parameters
     ----------
     part : pandas.DataFrame
-        Rows of the flights table (columns ``dep_time``, ``arr_delay``, ``carrier``,
-        ``origin``, ``distance``).
+        Rows of the flights table (columns ``dep_time``, ``dep_delay``, ``arr_delay``,
+        ``carrier``, ``origin``, ``distance``).
 
     Returns
     -------
-    numpy.ndarray, float32, shape (n, 22)
+    numpy.ndarray, float32, shape (n, 24)
         Columns: sin and cos of the departure hour, 16 carrier indicators, 3 origin
-        indicators, distance in thousands of miles, and last the label (1.0 when the arrival
-        delay exceeds 15 minutes), for rows with both a departure time and an arrival delay.
+        indicators, distance in thousands of miles, departure delay in hours, and last the
+        label (1.0 when the arrival delay exceeds 15 minutes), for rows with a departure
+        time, a departure delay and an arrival delay.
     """
-    part = part[part["dep_time"].notna() & part["arr_delay"].notna()]
+    part = part[part["dep_time"].notna() & part["dep_delay"].notna()
+                & part["arr_delay"].notna()]
     dep = part["dep_time"].to_numpy(dtype=np.float64)
     hours = (dep // 100 + (dep % 100) / 60) * (2 * np.pi / 24)
     cols = [np.sin(hours), np.cos(hours)]
@@ -50,6 +59,7 @@ def flight_features(part) -> "np.ndarray":
     cols += [(carrier == c).astype(np.float64) for c in CARRIERS]
     cols += [(origin == o).astype(np.float64) for o in ORIGINS]
     cols.append(part["distance"].to_numpy(dtype=np.float64) / 1000)
+    cols.append(part["dep_delay"].to_numpy(dtype=np.float64) / 60)
     cols.append((part["arr_delay"].to_numpy(dtype=np.float64) > 15).astype(np.float64))
     return np.stack(cols, axis=1).astype(np.float32) if len(part) else \
         np.zeros((0, N_FEATURES + 1), np.float32)
@@ -64,16 +74,66 @@ def _split(part, holdout: float, test: bool):
     return flight_features(part[mask if test else ~mask])
 
 
-def run(client, *, output: str, scale: int = 1, epochs: int = 2, batch_size: int = 4096,
-        hidden: int = 32, lr: float = 0.01, seed: int = 0, holdout: float = 0.2,
-        partitions_per_copy: int = 8, overwrite: bool = False) -> dict[str, Any]:
+@dataclass
+class TrainResult:
+    """Outcome of one training run.
+
+    Attributes
+    ----------
+    metrics : dict
+        What ``metrics.json`` holds: held-out ``test_accuracy`` (0-1) beside
+        ``majority_baseline_accuracy``, ``test_auc``, ``test_log_loss``, ``steps``,
+        ``seconds``, ``n_train``, ``n_test``, ...
+    state_dict : dict
+        The trained model's parameters (``model.pt``).
+    history : list of dict
+        :attr:`blockflow.ml.DataParallelTrainer.history_`.
+    task_counts : dict of str to int, or None
+        Tasks each worker finished for this run (None without blockflow's plugin).
+    output : str, optional
+        The output folder (absolute), once written.
+    """
+
+    metrics: dict
+    state_dict: Any
+    history: list
+    task_counts: dict | None = None
+    output: str | None = None
+
+    def manifest(self) -> dict[str, Any]:
+        """JSON-serialisable description of the run (what ``manifest.json`` holds)."""
+        return {"workload": "train", "metrics": self.metrics,
+                "n_tasks": None if self.task_counts is None else sum(
+                    self.task_counts.values()),
+                "task_counts": self.task_counts}
+
+    def report(self) -> str:
+        """A few lines for the terminal: the accuracy beside the majority class's."""
+        m = self.metrics
+        lines = [
+            f"blockflow train: {m['n_train']:,} training rows, {m['steps']} steps "
+            f"({m['epochs']} epochs of {m['batch_size']:,}) in {m['seconds']:.1f} s",
+            f"Held-out accuracy {m['test_accuracy']:.4f} (majority class "
+            f"{m['majority_baseline_accuracy']:.4f}), AUC {m['test_auc']:.4f}, log loss "
+            f"{m['test_log_loss']:.4f}",
+        ]
+        if self.output:
+            lines.append(f"Output: {self.output}")
+        return "\n".join(lines)
+
+
+def run(client, *, output: str | None = None, scale: int = 1, epochs: int = 2,
+        batch_size: int = 4096, hidden: int = 32, lr: float = 0.01, seed: int = 0,
+        holdout: float = 0.2, partitions_per_copy: int = 8, overwrite: bool = False,
+        progress: bool | None = None) -> TrainResult:
     """Train the delay classifier and write model, metrics and loss curve atomically.
 
     Parameters
     ----------
     client : distributed.Client
-    output : str
-        Output folder (written atomically; see :func:`blockflow.io.atomic_output_dir`).
+    output : str, optional
+        Output folder, claimed before any work and written atomically (see
+        :func:`blockflow.io.atomic_output_dir`); None writes nothing.
     scale : int, default 1
         Copies of the 336,776-row table.
     epochs : int, default 2
@@ -89,51 +149,110 @@ def run(client, *, output: str, scale: int = 1, epochs: int = 2, batch_size: int
         Fraction 0-1 of flight numbers held out for the metrics.
     partitions_per_copy : int, default 8
     overwrite : bool, default False
+    progress : bool, optional
+        Progress bars (the features' tasks, then the steps); default: in a terminal or
+        Jupyter.
 
     Returns
     -------
-    dict
-        The metrics written to ``metrics.json``.
+    TrainResult
 
     Raises
     ------
+    ValueError
+        If an argument is out of range (before ``output`` is claimed).
+    FileExistsError
+        If ``output`` exists and ``overwrite`` is False (before any work).
     blockflow.io.OutputWriteError
         If the folder cannot be written (the old output, if any, stays).
     """
+    from blockflow.errors import check_number
+    from blockflow.workloads._runner import run_workload
+
+    f = "train"
+    check_number(scale, "scale", f, "copies of the flights table", integer=True, low=1)
+    check_number(epochs, "epochs", f, "passes over the training rows", integer=True, low=1)
+    check_number(batch_size, "batch_size", f, "samples per step", integer=True, low=1)
+    check_number(seed, "seed", f, "seed of the initialisation and the batches",
+                 integer=True, low=0)
+    check_number(hidden, "hidden", f, "width of the hidden layer", integer=True, low=1)
+    check_number(lr, "lr", f, "Adam's learning rate", low=0, low_open=True)
+    check_number(holdout, "holdout", f, "fraction of flight numbers held out", low=0,
+                 low_open=True, high=1, high_open=True)
+    check_number(partitions_per_copy, "partitions_per_copy", f,
+                 "partitions per copy of the table", integer=True, low=1)
+
+    def compute(job) -> TrainResult:
+        return _train(job, scale=scale, epochs=epochs, batch_size=batch_size,
+                      hidden=hidden, lr=lr, seed=seed, holdout=holdout,
+                      partitions_per_copy=partitions_per_copy)
+
+    return run_workload(client, f"training the delay classifier (scale {scale})", compute,
+                        _write, name="train", output=output, overwrite=overwrite,
+                        progress=progress)
+
+
+def _train(job, *, scale, epochs, batch_size, hidden, lr, seed, holdout,
+           partitions_per_copy) -> TrainResult:
     import torch
 
-    from blockflow.io import atomic_output_dir, check_output_dir, write_manifest
     from blockflow.ml import DataParallelTrainer
+    from blockflow.scheduling.runs import run_scope
     from blockflow.workloads.flights import load_flights
 
-    check_output_dir(output, overwrite)
-    t0 = time.perf_counter()
-    cols = ["dep_time", "arr_delay", "carrier", "origin", "distance", "flight"]
+    job.start()
+    cols = ["dep_time", "dep_delay", "arr_delay", "carrier", "origin", "distance", "flight"]
     flights = load_flights(scale, partitions_per_copy, columns=cols)
-    train = _features(client, flights, holdout, test=False)
-    test = _features(client, flights, holdout, test=True)
+    train, test = job.persist([_features(flights, holdout, test=False),
+                               _features(flights, holdout, test=True)],
+                              label="train [1/2] load flights, features")
+    train, test = train.compute_chunk_sizes(), test.compute_chunk_sizes()
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(N_FEATURES, hidden), torch.nn.ReLU(),
                                 torch.nn.Linear(hidden, 1))
-    trainer = DataParallelTrainer(
-        model, _bce, lambda ps: torch.optim.Adam(ps, lr=lr), batch_size=batch_size,
-        epochs=epochs, seed=seed, client=client)
-    trainer.fit(train[:, :N_FEATURES], train[:, N_FEATURES:])
+    steps = epochs * math.ceil(int(train.shape[0]) / batch_size)
+    bar = job.steps(f"train [2/2] {epochs} epochs", steps)
+
+    def advance(trainer, record) -> bool:
+        if bar is not None:
+            bar.advance(loss=f"{record['loss']:.4f}")
+        return False
+
+    try:
+        with run_scope(job.what, job.run_id):  # the steps' tasks count as this run's
+            trainer = DataParallelTrainer(
+                model, _bce, lambda ps: torch.optim.Adam(ps, lr=lr),
+                batch_size=batch_size, epochs=epochs, seed=seed, client=job.client,
+                callback=advance)
+            trainer.fit(train[:, :N_FEATURES], train[:, N_FEATURES:])
+    finally:
+        if bar is not None:
+            bar.finish()
     metrics = _metrics(model, test.compute(), trainer)
-    metrics.update(seconds=time.perf_counter() - t0, scale=scale, epochs=epochs,
-                   batch_size=batch_size, seed=seed, n_train=int(train.shape[0]),
+    seconds = job.stop()
+    metrics.update(seconds=seconds, scale=scale, epochs=epochs, batch_size=batch_size,
+                   hidden=hidden, lr=lr, seed=seed, n_train=int(train.shape[0]),
                    n_test=int(test.shape[0]))
-    with atomic_output_dir(output, overwrite) as tmp:
-        torch.save(model.state_dict(), tmp / "model.pt")
-        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        lines = ["step,epoch,loss,samples"] + [
-            f"{r['step']},{r['epoch']},{r['loss']:.9g},{r['samples']}"
-            for r in trainer.history_]
-        (tmp / "loss_curve.csv").write_text("\n".join(lines) + "\n")
-        write_manifest(tmp, {"workload": "train", "metrics": metrics,
-                             "files": ["model.pt", "metrics.json", "loss_curve.csv"]})
-    return metrics
+    return TrainResult(metrics, model.state_dict(), trainer.history_, job.task_counts)
+
+
+def _write(result: TrainResult, directory) -> dict[str, Any]:
+    import torch
+
+    from blockflow.io import write_bytes as _write_file
+
+    # serialised in memory, written by Python: torch.save's own file writer reports a full
+    # disk as RuntimeError("basic_ios::clear: iostream error"), not the OS error it is
+    buf = io.BytesIO()
+    torch.save(result.state_dict, buf)
+    _write_file(os.path.join(directory, "model.pt"), buf.getvalue())
+    _write_file(os.path.join(directory, "metrics.json"),
+                (json.dumps(result.metrics, indent=2) + "\n").encode())
+    lines = ["step,epoch,loss,samples"] + [
+        f"{r['step']},{r['epoch']},{r['loss']:.9g},{r['samples']}" for r in result.history]
+    _write_file(os.path.join(directory, "loss_curve.csv"), ("\n".join(lines) + "\n").encode())
+    return {"files": ["model.pt", "metrics.json", "loss_curve.csv"]}
 
 
 def _bce(out, y):
@@ -141,13 +260,11 @@ def _bce(out, y):
     return torch.nn.functional.binary_cross_entropy_with_logits(out, y)
 
 
-def _features(client, flights, holdout: float, test: bool):
+def _features(flights, holdout: float, test: bool):
     import dask.array as da
     blocks = [da.from_delayed(d, shape=(np.nan, N_FEATURES + 1), dtype=np.float32)
               for d in _feature_delayeds(flights, holdout, test)]
-    arr = da.concatenate(blocks, allow_unknown_chunksizes=True)
-    arr = client.persist(arr)
-    return arr.compute_chunk_sizes()
+    return da.concatenate(blocks, allow_unknown_chunksizes=True)
 
 
 def _feature_delayeds(flights, holdout, test):

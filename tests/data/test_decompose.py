@@ -290,9 +290,18 @@ def test_fit_blocks_on_cpu_workers_uses_host_memory(client):
     assert max(y.chunks[0]) * 8 * 1024 <= 0.8 * limit and change is not None
 
 
-def test_map_blocks_keeps_blocks_on_cpu_only_clusters(client):
+def test_map_blocks_keeps_blocks_on_cpu_only_clusters_and_says_working_set_is_unused(client):
     x = da.ones((4096, 1024), chunks=(4096, 1024))
-    assert blockflow.map_blocks(_double, x, working_set=lambda n: 10**15).chunks == x.chunks
+    with pytest.warns(blockflow.BlockflowWarning) as caught:
+        y = blockflow.map_blocks(_double, x, working_set=lambda n: 10**15)
+    assert y.chunks == x.chunks
+    n = len(workers_info(client))
+    assert [str(w.message) for w in caught] == [
+        f"blockflow.map_blocks: working_set= is the device (GPU) memory a block needs, and "
+        f"none of the cluster's {n} workers has a GPU, so it is not applied (blocks are "
+        f"neither placed nor split by it; host memory is managed by the workers' "
+        f"memory_limit and spilling): drop working_set= on CPU clusters, or run on GPU "
+        f"workers."]
 
 
 # -- fitting blocks to device memory -------------------------------------------------------

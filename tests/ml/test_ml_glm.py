@@ -126,3 +126,34 @@ def test_logistic_on_cupy_blocks_matches_numpy(client, cancer):
     ours = LogisticRegression(client=client).fit(dx, dy)
     ref = LogisticRegression(client=client).fit(*chunked(X, y))
     np.testing.assert_allclose(ours.coef_, ref.coef_, rtol=1e-8)
+
+
+@pytest.mark.parametrize("cls, kw, message", [
+    (LogisticRegression, dict(C=0), "C must be a number > 0 (inverse penalty strength; "
+                                    "np.inf for none), got 0."),
+    (LogisticRegression, dict(C=-1.0), "C must be a number > 0 (inverse penalty strength; "
+                                       "np.inf for none), got -1.0."),
+    (LinearRegression, dict(alpha=-0.5), "alpha must be a finite number >= 0 (L2 penalty on "
+                                         "the coefficients; 0 for none), got -0.5."),
+    (PoissonRegression, dict(alpha=float("inf")), "alpha must be a finite number >= 0 (L2 "
+                                                  "penalty on the coefficients; 0 for none), "
+                                                  "got inf."),
+    (PoissonRegression, dict(max_iter=0), "max_iter must be an integer >= 1 (L-BFGS "
+                                          "iterations), got 0."),
+    (LinearRegression, dict(max_iter=10.5), "max_iter must be an integer >= 1 (L-BFGS "
+                                            "iterations), got 10.5."),
+    (LogisticRegression, dict(tol=-1e-3), "tol must be a finite number >= 0 (L-BFGS "
+                                          "gradient tolerance), got -0.001."),
+    (LinearRegression, dict(sharding="fast"), "sharding must be 'speed' or 'equal', got "
+                                              "'fast'."),
+])
+def test_bad_glm_settings_are_refused_at_construction(cls, kw, message):
+    with pytest.raises(ValueError) as e:
+        cls(**kw)
+    assert str(e.value) == f"blockflow.ml.{cls.__name__}: {message}"
+
+
+def test_bad_glm_settings_given_by_set_params_are_refused_by_fit(client, cancer):
+    model = LogisticRegression().set_params(C=0.0)
+    with pytest.raises(ValueError, match=r"^blockflow.ml.LogisticRegression: C must be"):
+        model.fit(*chunked(*cancer))

@@ -86,3 +86,49 @@ def test_an_unmeasured_worker_keeps_a_larger_reserve_until_a_pass_measures_it(cl
     assert all(reserve[a] == 0.2 for a in workers if a != lost)
     shards.close()
     again.close()
+
+
+def test_a_block_larger_than_any_worker_is_refused_before_anything_runs():
+    X = da.zeros((40_000, 8), chunks=(20_000, 8))  # 1.2 MiB blocks of X and y
+    y = da.zeros(40_000, chunks=20_000)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      memory_limit="1MiB", dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        [a, b] = sorted(cluster.scheduler.workers)
+        with pytest.raises(MemoryError) as e:
+            ResidentShards(client, X, y)
+        assert str(e.value) == (
+            f"blockflow: block 0 (rows 0-19,999, 1.37 MiB of X and y) is larger than any "
+            f"worker's memory (the largest is {b}'s 1.00 MiB host memory limit), so the "
+            f"worker holding it would be killed; cut the rows into smaller blocks, e.g. "
+            f"X.rechunk({{0: 1820}}) and y.rechunk(1820), or give the workers more memory "
+            f"(memory_limit=).")
+        assert not cluster.scheduler.tasks  # nothing was submitted
+
+
+def _kill_worker(block):
+    import os
+    os._exit(1)
+
+
+@pytest.mark.slow
+def test_a_block_that_kills_its_worker_is_named_not_an_internal_key():
+    from blockflow.errors import WorkerLostError
+
+    X = da.zeros((400, 4), chunks=(100, 4))
+    X = X.map_blocks(lambda b, block_id=None: _kill_worker(b) if block_id[0] == 2 else b,
+                     dtype=X.dtype)
+    y = da.zeros(400, chunks=100)
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                         dashboard_address=":0") as cluster, Client(cluster) as client:
+        with pytest.raises(WorkerLostError) as e:
+            ResidentShards(client, X, y)
+    message = str(e.value)
+    # the tasks on the worker that died fail with it (allowed-failures 0): block 2 is named
+    # among them, by index and rows, never by an internal key
+    assert message.startswith("blockflow: workers died while loading block"), message
+    assert "2 (rows 200-299" in message, message
+    assert message.endswith("check the worker logs, use smaller blocks (X.rechunk({0: "
+                            "rows})) or give the workers more memory (memory_limit=)."), message
+    assert "lambda" not in message and "_pair" not in message and "finalize" not in message

@@ -338,3 +338,38 @@ def test_steps_run_on_passes_submitted_ahead_and_a_stop_cancels_the_next(client4
     wait_until(lambda: not any(client4.processing().values()), timeout=30,
                message=lambda: f"no task processing: {client4.processing()}")
     assert not any(client4.processing().values()), client4.processing()
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(batch_size=0), "batch_size must be an integer >= 1 (samples per step), got 0."),
+    (dict(batch_size=2.5), "batch_size must be an integer >= 1 (samples per step), got 2.5."),
+    (dict(batch_size=True), "batch_size must be an integer >= 1 (samples per step), got True."),
+    (dict(epochs=0), "epochs must be an integer >= 1 (passes over the rows), got 0."),
+    (dict(seed=-1), "seed must be an integer >= 0 (seed of the batch schedule), got -1."),
+    (dict(split_every=1), "split_every must be an integer >= 2 (or None) (fan-in of the "
+                          "gradient sum), got 1."),
+    (dict(memory_fraction=0), "memory_fraction must be a finite number > 0 and <= 1 "
+                              "(fraction of a worker's free memory its blocks may take), "
+                              "got 0."),
+    (dict(memory_fraction=float("nan")), "memory_fraction must be a finite number > 0 and "
+                                         "<= 1 (fraction of a worker's free memory its "
+                                         "blocks may take), got nan."),
+    (dict(rebalance_every=0), "rebalance_every must be an integer >= 1 (steps between "
+                              "rebalancing checks), got 0."),
+    (dict(probe_fraction=1.0), "probe_fraction must be a finite number > 0 and < 1 "
+                               "(fraction of the first step's rows that times the workers), "
+                               "got 1.0."),
+    (dict(sharding="fast"), "sharding must be 'speed' or 'equal', got 'fast'."),
+])
+def test_bad_trainer_arguments_are_refused_before_anything_runs(kw, message):
+    # batch_size=0 was a ZeroDivisionError inside the first step
+    with pytest.raises(ValueError) as e:
+        DataParallelTrainer(mlp(), torch.nn.CrossEntropyLoss(), **kw)
+    assert str(e.value) == "blockflow.ml.DataParallelTrainer: " + message
+
+
+def test_a_trainer_callable_that_is_not_callable_is_refused():
+    with pytest.raises(TypeError) as e:
+        DataParallelTrainer(mlp(), torch.nn.CrossEntropyLoss(), optimizer=0.01)
+    assert str(e.value) == ("blockflow.ml.DataParallelTrainer: optimizer must be callable, "
+                            "got builtins.float.")

@@ -399,3 +399,35 @@ def test_a_layer_that_cannot_be_pickled_is_refused_before_anything_runs():
         "blockflow.parallel.PipelineParallel: cannot ship the model to the workers: "
         "layers[1].guard is a _thread.lock that cannot be pickled (TypeError: cannot pickle "
         f"'_thread.lock' object); {FIX_TRAIN}.")
+
+
+def _pid():
+    import os
+    return os.getpid()
+
+
+@pytest.mark.slow
+def test_a_lost_stage_worker_is_named_by_stage_worker_and_rows_not_internal_keys():
+    import os
+    import signal
+
+    from blockflow.errors import WorkerLostError
+
+    rng = np.random.default_rng(3)
+    layers = _mlp(rng, [6, 16, 16, 12, 3])
+    X, T = rng.standard_normal((64, 6)), rng.standard_normal((64, 3))
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        pipe = PipelineParallel(client, layers, partition="equal")
+        pipe.run(X, T, n_micro_batches=4)  # placed and running
+        victim = pipe.stage_workers[1]
+        os.kill(client.run(_pid)[victim], signal.SIGKILL)
+        with pytest.raises(WorkerLostError) as e:
+            pipe.run(X, T, n_micro_batches=4)
+    a, b = pipe.bounds[1], pipe.bounds[2] - 1
+    assert str(e.value) == (
+        f"blockflow: the pipeline pass over rows 0-63 (4 micro-batches) failed: lost stage 1 "
+        f"(layers {a}-{b}) on worker {victim}, which left the cluster; the stage's layers "
+        f"and their state went with it: build the PipelineParallel again on the workers "
+        f"left and run the pass again.")
+    assert e.value.lost == {victim}

@@ -382,3 +382,29 @@ def test_every_trial_failing_warns_with_the_first_error(client):
     with pytest.warns(RuntimeWarning, match="every one of the 3 trials failed.*sklearn"):
         r = tune(always_fails, configs, client=client, eta=3, min_budget=1, max_budget=3)
     assert (r.trials.status == "failed").all() and r.best_trial is None
+
+
+def killer(cfg, epochs, checkpoint):
+    """A trial that kills its worker process when ``cfg["kill"]``."""
+    import os
+
+    if cfg.get("kill"):
+        os._exit(1)
+    return train(cfg, epochs, checkpoint)
+
+
+@pytest.mark.slow
+def test_a_trial_that_kills_its_workers_is_named_not_its_internal_key():
+    import dask
+
+    configs = [{"x": x / 4, "kill": i == 1} for i, x in enumerate(range(4))]
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                         dashboard_address=":0") as cluster, Client(cluster) as c:
+        r = tune(killer, configs, client=c, eta=2, min_budget=1, max_budget=1)
+    error = r.trials.loc[1, "error"]
+    assert error.startswith("WorkerLostError: the workers running trial 1 (rung 0, 1 epochs) "
+                            "died 1 time (the last was tcp://"), error
+    assert error.endswith("raise distributed.scheduler.allowed-failures if the deaths had "
+                          "nothing to do with the trial."), error
+    assert TRIAL_PREFIX not in error

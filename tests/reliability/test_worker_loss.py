@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -177,7 +178,10 @@ def test_workers_dying_under_a_task_fail_clearly_and_keep_the_old_output(healthy
         client.run_on_scheduler(_set_allowed_failures, old)
     message = str(info.value)
     assert message.startswith(
-        "blockflow: the flights ETL (scale 2) failed because workers died while running task ")
+        "blockflow: the flights ETL (scale 2) failed because workers died while running "
+        "block ("), message
+    assert " of step '" in message  # the step by name, never its token
+    assert not re.search(r"[0-9a-f]{32}", message), message
     assert ("the worker running it died 1 time (the last one was tcp://127.0.0.1:" in message
             and "so Dask gave up on it (KilledWorker)" in message
             and "raise distributed.scheduler.allowed-failures and run again." in message)

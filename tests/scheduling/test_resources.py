@@ -293,3 +293,23 @@ async def test_a_worker_with_the_resource_joining_in_time_runs_the_task(c, s, a)
     async with Worker(s.address, nthreads=1, resources={"GPU": 1}):
         assert await fut == 4
     assert plugin.unsatisfiable.failed == 0
+
+
+def test_connect_names_a_worker_that_declares_a_gpu_it_does_not_have():
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=":0", resources={"GPU": 1},
+                      silence_logs=logging.CRITICAL) as cluster:
+        [a] = cluster.scheduler.workers
+        with pytest.warns(blockflow.BlockflowWarning) as caught:
+            client = blockflow.connect(cluster.scheduler_address, policy="off")
+        with client:
+            assert [str(w.message) for w in caught] == [
+                f"blockflow.connect: worker {a} of the cluster at {cluster.scheduler_address} "
+                f"declares GPU=1 (resources) but reports no GPU (no device memory in its "
+                f"metrics), so tasks asking for resources={{'GPU': 1}} are sent to a worker "
+                f"without one; start it without `--resources GPU=...`, or on a machine whose "
+                f"GPU it can see (CUDA_VISIBLE_DEVICES, the NVIDIA driver, "
+                f"distributed.diagnostics.nvml: true)."]
+            assert blockflow.inventory(client).gpu_resource_without_gpu == [a]

@@ -57,11 +57,63 @@ def reference_1():
 # --- help and bad input (no cluster is started) ----------------------------------------------
 
 
-def test_run_help_lists_both_jobs():
+JOBS = ["flights", "array-stats", "train", "tune", "infer"]
+
+
+def test_run_help_lists_every_job():
     result = invoke("run", "--help")
     assert result.exit_code == 0
     commands = result.output.split("Commands:")[1].split()
-    assert "flights" in commands and "array-stats" in commands
+    assert all(job in commands for job in JOBS)
+    assert "(flights, array-stats, train, tune, infer)" in result.output
+
+
+def test_top_level_help_lists_every_job_the_run_group_has():
+    from blockflow.cli import run_group
+
+    assert sorted(run_group.commands) == sorted(JOBS)
+    result = invoke("--help")
+    assert result.exit_code == 0
+    jobs = result.output.split("Jobs (blockflow run JOB --help for each):")[1]
+    listed = [line.split()[0] for line in jobs.split("Options:")[0].splitlines()
+              if line.strip()]
+    assert listed == JOBS
+
+
+def _no_large_files():
+    """In the child, before exec: files may not grow past 2 KiB (writes fail with EFBIG,
+    "File too large", as on a full disk), the signal that would kill it ignored."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.RLIM_INFINITY))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job, args, first", [
+    ("flights", ["--scale", "1", "--no-progress"], "by_carrier.parquet"),
+    ("train", ["--epochs", "1", "--no-progress"], "model.pt"),
+    ("tune", ["--configs", "3", "--max-epochs", "1"], "trials.parquet"),
+    ("infer", ["--scale", "1", "--blocks", "2", "--no-progress"], "predictions.parquet"),
+])
+def test_an_output_that_cannot_be_written_is_one_error_line_for_every_job(tmp_path, job,
+                                                                          args, first):
+    # tune and infer printed a traceback where flights and train printed one line
+    pytest.importorskip("torch" if job == "train" else "sklearn")
+    out = tmp_path / "out"
+    env = {**os.environ, "DASK_BLOCKFLOW__CLUSTER__DASHBOARD_ADDRESS": "127.0.0.1:0",
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "blockflow", "run", job, "--n-workers", "1",
+                           "--output", str(out), *args], capture_output=True, text=True,
+                          timeout=300, env=env, preexec_fn=_no_large_files)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1] == (
+        f"Error: Could not write output {str(out)!r}: [Errno 27] File too large (writing "
+        f"{first}); nothing was written. Raise the file size limit (ulimit -f) or choose "
+        f"another output folder (--output).")
+    assert list(tmp_path.iterdir()) == []  # no output, no temporary folder
 
 
 def test_flights_help_lists_options():
@@ -359,3 +411,34 @@ def test_sigterm_mid_run_leaves_no_temporary_folder(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 143
     assert list(tmp_path.iterdir()) == []  # no output, no temporary folder
+    output = proc.stdout.read()
+    # the cluster is stopped on purpose: no warnings about the work its workers take along
+    assert "Removing worker" not in output and "lose" not in output, output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after", [0.0, 1.0, 3.0])
+def test_ctrl_c_to_the_whole_process_group_prints_one_line(tmp_path, after):
+    """As a terminal sends it: SIGINT to blockflow and every worker it started. Workers
+    must not print their own KeyboardInterrupt tracebacks."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blockflow", "run", "train", "--n-workers", "2", "--output",
+         str(out), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "DASK_BLOCKFLOW__CLUSTER__DASHBOARD_ADDRESS": "127.0.0.1:0"})
+    first = proc.stdout.readline()  # the dashboard line: the cluster is up
+    assert first.startswith("Dashboard (while the job runs):"), first
+    time.sleep(after)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert stderr.splitlines() == [
+        f"Interrupted (Ctrl-C): the run was stopped and nothing was written to {str(out)!r}."
+    ], stderr[-3000:]
+    assert "Traceback" not in stdout
+    assert list(tmp_path.iterdir()) == []

@@ -39,7 +39,7 @@ import pandas as pd
 
 from blockflow import config
 from blockflow.cluster.identity import workers_info
-from blockflow.scheduling.client import gather_results
+from blockflow.scheduling.client import gather_results, lost_roles
 from blockflow.ml._pickling import FIX_TRAIN, dumps_or_explain
 from blockflow.ml.parallel.layers import Layer, backward, forward
 from blockflow.ml.parallel.partition import equal_stages, partition_stages, stage_times
@@ -441,8 +441,19 @@ class PipelineParallel:
                         wanted.append(delayed(_collect, pure=False)(
                             self._stages[s], token, *bwd[s],
                             dask_key_name=f"{name}-collect-{token}-{s}"))
-            futures = c.compute(wanted, optimize_graph=False)
-            done = gather_results(c, futures, what="the pipeline pass")
+            try:
+                futures = c.compute(wanted, optimize_graph=False)
+                done = gather_results(c, futures, what="the pipeline pass")
+            except Exception:
+                # a stage's worker left: say which stage, worker and rows, not the keys
+                lost = lost_roles(
+                    c, f"the pipeline pass over rows 0-{len(X) - 1} ({m} micro-batches)",
+                    self._stage_roles(),
+                    "the stage's layers and their state went with it: build the "
+                    "PipelineParallel again on the workers left and run the pass again.")
+                if lost is None:
+                    raise
+                raise lost from None
             output = np.concatenate(done[:m])
             loss, grads = None, None
             if train:
@@ -456,6 +467,11 @@ class PipelineParallel:
         if publish:
             self._publish(result, name)
         return result
+
+    def _stage_roles(self) -> dict[str, str]:
+        """Worker to the stage it holds, as errors name it (``"stage 1 (layers 2-3)"``)."""
+        return {w: f"stage {s} (layers {self.bounds[s]}-{self.bounds[s + 1] - 1})"
+                for s, w in enumerate(self.stage_workers)}
 
     def close(self) -> None:
         """Release the stages held on the workers."""

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from blockflow import _distributed, config
-from blockflow.scheduling.client import gather_results, wait_for, worker_memory
+from blockflow.scheduling.client import gather_results, lost_roles, wait_for, worker_memory
 from blockflow.ml.parallel.partition import check_fits, shard_widths
 
 __all__ = ["TensorParallelMLP", "free_device_memory", "random_blocks"]
@@ -368,7 +368,28 @@ class TensorParallelMLP:
                                    pure=False)
             self._saved.append(saved)
         self._output = x
-        return gather_results(self.client, x, what="the tensor-parallel forward pass")
+        try:
+            return gather_results(self.client, x, what="the tensor-parallel forward pass")
+        except Exception:
+            # a shard's worker left: say which layers' shards, not the keys
+            lost = lost_roles(
+                self.client, f"the tensor-parallel forward pass over {len(X)} rows",
+                self._shard_roles(),
+                "its weight shards went with it: build the TensorParallelMLP again on the "
+                "workers left and run the pass again.")
+            if lost is None:
+                raise
+            raise lost from None
+
+    def _shard_roles(self) -> dict[str, str]:
+        """Worker to the weight shards it holds, as errors name them."""
+        held: dict[str, list[int]] = {}
+        for k, parts in enumerate(self.shards):
+            for p in parts:
+                if p is not None:
+                    held.setdefault(p["worker"], []).append(k)
+        return {w: f"the weight shards of layer{'s' if len(ks) > 1 else ''} "
+                   f"{', '.join(map(str, ks))}" for w, ks in held.items()}
 
     def backward(self, grad_output) -> list[dict]:
         """Gradients of every weight from ``d loss / d output`` (after :meth:`forward`).
