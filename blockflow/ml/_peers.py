@@ -33,7 +33,7 @@ __all__ = ["PeerGone", "Peers", "peer_timeout"]
 
 def peer_timeout(value: float | str | None = None) -> float:
     """Seconds a call to a peer worker may go unanswered: ``value``, else
-    ``blockflow.ml.peer-timeout`` (a number of seconds or a duration such as ``"3s"``)."""
+    ``blockflow.ml.peer-timeout`` (a number of seconds or a duration such as ``"5s"``)."""
     from dask.utils import parse_timedelta
 
     from blockflow import config

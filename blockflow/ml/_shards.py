@@ -200,10 +200,10 @@ class ResidentShards:
         one, or 1), so more of it is left for its peers to take over; default
         ``blockflow.ml.steal-reserve-unmeasured`` (0.5).
     peer_timeout : float or str, optional
-        Seconds (or a duration such as ``"3s"``) a call to a worker the scheduler still
+        Seconds (or a duration such as ``"5s"``) a call to a worker the scheduler still
         lists may go unanswered: a post of a pass's value, a cancellation, a thief's
         request to a peer. A worker the scheduler drops is given up at once. Default
-        ``blockflow.ml.peer-timeout`` (3 s).
+        ``blockflow.ml.peer-timeout`` (5 s).
 
     Raises
     ------
@@ -582,7 +582,11 @@ class ResidentShards:
             raise WorkerLostError(f"blockflow: workers lost: {sorted(lost)}", lost=lost)
         self._cancel(p)
         a, e = next(iter(errors.items()))
-        if len(errors) < len(p.workers):  # others took it: that worker is slow or hung
+        if any(isinstance(r, TimeoutError) for r in errors.values()):
+            # a listed worker slow to answer (a loaded host, a hung process): this pass
+            # carries its value in the graph; posting stays on for the next
+            raise _PostFailed()
+        if len(errors) < len(p.workers):  # others took it: that worker is the problem
             warnings.warn(f"blockflow: worker {a} did not take a pass's parameters ({e}); "
                           f"this pass is submitted with them inside its task graph.",
                           RuntimeWarning, stacklevel=3)
@@ -771,7 +775,7 @@ def _peer_timeout(value) -> float:
     if not (t > 0 and math.isfinite(t)):
         raise ValueError(f"blockflow: peer_timeout must be a positive number of seconds, "
                          f"got {value!r}; pass it or set blockflow.ml.peer-timeout "
-                         f"(\"3s\", say).")
+                         f"(\"5s\", say).")
     return t
 
 
