@@ -69,7 +69,8 @@ Worker (worker; checked by :func:`check_worker`)
     ``metrics``, ``data`` (its in-memory part), ``plugins``, ``handlers``, ``rpc``,
     ``executors``, ``heartbeat()``, ``set_resources()``, ``state.total_resources``,
     ``state.tasks[key].metadata``, ``get_current_task()``; ``distributed.worker``'s
-    ``thread_state`` and ``_worker_cvar``.
+    ``thread_state`` and ``_worker_cvar``; ``scheduler.ncores(workers=)`` (the scheduler's
+    RPC handler, from a worker or a client: :func:`listed_workers`).
 Dashboard (extensions; checked by :func:`check_dashboard`)
     ``distributed.dashboard.scheduler.template_variables`` / ``applications``,
     ``distributed.dashboard.core.BokehApplication``,
@@ -207,6 +208,7 @@ from blockflow._distributed.worker import (  # noqa: F401
     declare_worker_resources,
     has_worker_handler,
     install_worker_handlers,
+    listed_workers,
     quiet_closing_heartbeat,
     registered_worker_plugin,
     remove_worker_handler,
@@ -285,6 +287,7 @@ __all__ = [
     "http_prefix",
     "import_object",
     "install_worker_handlers",
+    "listed_workers",
     "message_length",
     "move_task",
     "new_task_views",

@@ -35,6 +35,7 @@ __all__ = [
     "declare_worker_resources",
     "has_worker_handler",
     "install_worker_handlers",
+    "listed_workers",
     "quiet_closing_heartbeat",
     "registered_worker_plugin",
     "remove_worker_handler",
@@ -197,6 +198,14 @@ async def call_worker(worker, address: str, op: str, **kwargs) -> Any:
     ``{"op": op, **kwargs}`` over the worker's pooled connections (``Worker.rpc``) and return
     the reply."""
     return await getattr(worker.rpc(address), op)(**kwargs)
+
+
+async def listed_workers(node, addresses) -> set[str]:
+    """Those of ``addresses`` that the scheduler lists as workers now, asked by ``node`` (a
+    worker or a client: each holds an RPC to the scheduler, ``node.scheduler``): one small
+    request (the scheduler's ``ncores`` handler, the worker addresses it knows among those
+    asked)."""
+    return set(await node.scheduler.ncores(workers=list(addresses)))
 
 
 def worker_plugins(worker) -> dict:

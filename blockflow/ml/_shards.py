@@ -12,7 +12,9 @@ the per-worker results with a fan-in tree of ``split_every`` (as :func:`blockflo
 does for collections) whose root is the client: it adds the top level's partial sums as each
 arrives, fetched straight from the workers, so only the last one's transfer follows the
 slowest worker. If a worker is lost during a pass, its blocks are placed again on the
-survivors from the source collection and the pass is redone: at most one pass is lost.
+survivors from the source collection and the pass is redone: at most one pass is lost. A
+call to a lost worker (a post, a thief's request) ends as soon as the scheduler drops it
+(:mod:`blockflow.ml._peers`), not after distributed's connect timeout.
 
 Speeds: the prior is the scheduler plugin's learned speed (``blockflow.plugin_status``) when
 blockflow's plugin runs, else 1; it is then refined from the shards' own throughput (rows per
@@ -37,6 +39,7 @@ import numpy as np
 
 from blockflow import config
 from blockflow.cluster.identity import workers_info
+from blockflow.ml._peers import PeerGone, Peers, peer_timeout
 from blockflow.ml._post import POSTED, Posted, PostPlugin
 from blockflow.ml._steal import StealPlugin
 from blockflow.errors import WorkerLostError
@@ -127,7 +130,8 @@ def _pair_copy(pair):
 def _run_shard(func, blocks, rows, args, steal=None):
     """On a worker: ``func([(X, y) blocks], [row indices or None], *args)`` timed.
 
-    ``steal``: ``(pass id, peers, chunks, prior seconds per row, reserve)``, the
+    ``steal``: ``(pass id, peers, chunks, prior seconds per row, reserve, peer timeout)``,
+    the
     arguments of :func:`blockflow.ml._steal.run_stealing` after ``args``, to run the rows
     in chunks and then take rows peers have not started; None: one call. A
     :class:`blockflow.ml._post.Posted` in ``args`` is waited for (a pass submitted ahead,
@@ -222,6 +226,11 @@ class ResidentShards:
         label, block, row), or with ``check.drop`` drops the rows holding one (the row
         counts, :attr:`block_rows`, are then those kept; :attr:`dropped_rows` counts the
         others).
+    peer_timeout : float or str, optional
+        Seconds (or a duration such as ``"5s"``) a call to a worker the scheduler still
+        lists may go unanswered: a post of a pass's value, a cancellation, a thief's
+        request to a peer. A worker the scheduler drops is given up at once. Default
+        ``blockflow.ml.peer-timeout`` (5 s).
 
     Raises
     ------
@@ -242,7 +251,8 @@ class ResidentShards:
                  split_every: int | None = None, rebalance_gain: float = 0.05,
                  poll: float = 0.5, steal_chunks: int | None = None,
                  steal_reserve: float | None = None,
-                 steal_reserve_unmeasured: float | None = None, check=None):
+                 steal_reserve_unmeasured: float | None = None,
+                 peer_timeout: float | str | None = None, check=None):
         if sharding not in ("speed", "equal"):
             raise ValueError(f"blockflow: sharding must be 'speed' or 'equal', got "
                              f"{sharding!r}.")
@@ -271,6 +281,7 @@ class ResidentShards:
         self.steal_reserve = float(config.get("ml.steal-reserve", steal_reserve))
         self.steal_reserve_unmeasured = float(config.get("ml.steal-reserve-unmeasured",
                                                          steal_reserve_unmeasured))
+        self.peer_timeout = _peer_timeout(peer_timeout)
         self._installed: set[str] = set()  # worker plugins registered
         self._ahead: set[_Pass] = set()  # passes prepared, not yet run (prepare())
         self._version = 0  # counts placements that moved blocks
@@ -590,6 +601,7 @@ class ResidentShards:
             prepared (``ahead``).
         """
         expected = sum(self.block_rows) if rows is None else sum(len(r) for r in rows)
+        inline = False  # a post failed: this pass carries its value in the graph
         for attempt in range(1000):
             self.last_ahead = ahead is not None and self._current(ahead, func, rows, steal)
             if self.last_ahead:
@@ -597,7 +609,8 @@ class ResidentShards:
             else:
                 if ahead is not None:
                     self._cancel(ahead)
-                p = self._submit(func, rows, args, measure, steal, value=posted)
+                p = self._submit(func, rows, args, measure, steal, value=posted,
+                                 post=not inline)
             ahead = None
             self._ahead.discard(p)
             try:
@@ -616,7 +629,8 @@ class ResidentShards:
                 self._recover(e.lost)
                 continue
             except _PostFailed:
-                continue  # posting is off now: the pass is submitted with its value
+                inline = True  # the pass is submitted again, with its value
+                continue
             if out.get("cancelled"):
                 self.redone_passes += 1  # a task's post never came (POST_TIMEOUT)
                 continue
@@ -678,29 +692,51 @@ class ResidentShards:
                 and p.rows is rows and p.steal == bool(steal))
 
     def _post(self, p: _Pass, value) -> None:
-        """Send the pass's posted value to each of its workers (concurrently)."""
+        """Send the pass's posted value to each of its workers (concurrently).
+
+        A post to a worker the scheduler drops meanwhile ends at once and the pass is
+        redone on the survivors (:class:`~blockflow.ml._peers.Peers`); a failed post waits
+        for the scheduler's word (at most ``peer_timeout``) before it is taken for a
+        worker out of the client's reach, so that a worker lost a moment before is not."""
         from distributed.protocol import to_serialize
 
         from blockflow.ml._post import HANDLER
 
+        peers = Peers(self.client, p.workers, self.peer_timeout)
+
         async def send():
-            return await asyncio.gather(*(
-                getattr(self.client.rpc(a), HANDLER)(key=p.post.key,
-                                                     value=to_serialize(value))
+            # the scheduler's word comes while the posts travel: a post to a worker it
+            # dropped ends as soon as it comes (waiting for it first would put a round
+            # trip to the scheduler on every step)
+            peers.start_refresh()
+            return await asyncio.gather(*(peers.call(
+                a, lambda a=a: getattr(self.client.rpc(a), HANDLER)(
+                    key=p.post.key, value=to_serialize(value)), confirm=True)
                 for a in p.workers), return_exceptions=True)
 
-        errors = [r for r in self.client.sync(send) if isinstance(r, BaseException)]
+        replies = self.client.sync(send)
+        errors = {a: r for a, r in zip(p.workers, replies) if isinstance(r, BaseException)}
         if not errors:
             return
-        lost = set(p.workers) - set(self._workers())
+        lost = {a for a, r in errors.items() if isinstance(r, PeerGone)}
         if lost:
             raise WorkerLostError(f"blockflow: workers lost: {sorted(lost)}", lost=lost)
+        self._cancel(p)
+        a, e = next(iter(errors.items()))
+        if any(isinstance(r, TimeoutError) for r in errors.values()):
+            # a listed worker slow to answer (a loaded host, a hung process): this pass
+            # carries its value in the graph; posting stays on for the next
+            raise _PostFailed()
+        if len(errors) < len(p.workers):  # others took it: that worker is the problem
+            warnings.warn(f"blockflow: worker {a} did not take a pass's parameters ({e}); "
+                          f"this pass is submitted with them inside its task graph.",
+                          RuntimeWarning, stacklevel=3)
+            raise _PostFailed()
         warnings.warn(f"blockflow: the client cannot post a pass's parameters to the "
-                      f"workers directly ({errors[0]!r}); sending them inside the task "
+                      f"workers directly ({e!r}); sending them inside the task "
                       f"graph from now on. Set blockflow.ml.direct-gather: false where the "
                       f"workers are out of the client's reach.", RuntimeWarning, stacklevel=3)
         self._direct = False
-        self._cancel(p)
         raise _PostFailed()
 
     def _cancel(self, p: _Pass) -> None:
@@ -710,26 +746,31 @@ class ResidentShards:
             return
         from blockflow.ml._post import HANDLER
 
-        async def send(workers):
-            # a lost worker has nothing to cancel: live ones only, none waited on long
-            return await asyncio.gather(*(asyncio.wait_for(
-                getattr(self.client.rpc(a), HANDLER)(key=p.post.key, cancel=True), 5.0)
-                for a in workers), return_exceptions=True)
+        peers = Peers(self.client, p.workers, self.peer_timeout)
+
+        async def send():
+            # a lost worker has nothing to cancel: those the scheduler lists, none waited
+            # on long
+            await peers.refresh()
+            return await asyncio.gather(*(peers.call(
+                a, lambda a=a: getattr(self.client.rpc(a), HANDLER)(key=p.post.key,
+                                                                    cancel=True))
+                for a in peers.live), return_exceptions=True)
         try:
-            live = set(self._workers())
-            self.client.sync(send, [a for a in p.workers if a in live])
+            self.client.sync(send)
         except Exception:  # the client is closing, or the cluster has no worker left
             pass
 
     def _submit(self, func, rows, args, measure: bool = True, steal: bool = False,
-                value: Any = None) -> _Pass:
+                value: Any = None, post: bool = True) -> _Pass:
         """The pass as one graph (one message to the scheduler): a task per worker,
         restricted to it, and the fan-in tree of their sums up to its top level (at most
         ``split_every`` partial sums, added on the client by :meth:`_wait`); returns the
         pass, with the top level's futures.
 
         ``POSTED`` arguments become a :class:`blockflow.ml._post.Posted` placeholder, its
-        value to be posted, where the client reaches the workers; else ``value``. A task
+        value to be posted, where the client reaches the workers (and ``post``); else
+        ``value``. A task
         reports the seconds it waited for its post in its metadata
         (:func:`blockflow._distributed.add_task_wait`): the scheduler plugin's speed model
         counts only its compute.
@@ -741,9 +782,9 @@ class ResidentShards:
 
         from blockflow.reduction import choose_split_every
 
-        post = None
+        posting, post = post, None
         if any(a is POSTED for a in args):
-            if self._direct and self._post_ahead:
+            if posting and self._direct and self._post_ahead:
                 self._install(PostPlugin)
                 post = Posted()
             args = tuple((post or value) if a is POSTED else a for a in args)
@@ -782,7 +823,8 @@ class ResidentShards:
 
     def _steal_plan(self, workers: list[str]) -> tuple:
         """A stealing pass's arguments for :func:`blockflow.ml._steal.run_stealing`:
-        ``(pass id, workers, chunks, seconds per row, reserve)``, the last two per worker.
+        ``(pass id, workers, chunks, seconds per row, reserve, peer timeout)``, seconds per
+        row and reserve per worker.
 
         The reserve is ``steal_reserve``, raised to ``min(2/3, steal_reserve + 2 g)`` for a
         worker that gave a fraction ``g`` of its rows away in the latest pass (it was
@@ -798,7 +840,8 @@ class ResidentShards:
                 # its share follows a prior (the plugin's speed is shrunk towards the
                 # typical one): a larger reserve lets its peers take over a wrong share
                 reserve[a] = max(reserve[a], self.steal_reserve_unmeasured)
-        return uuid.uuid4().hex, list(workers), self.steal_chunks, spr, reserve
+        return (uuid.uuid4().hex, list(workers), self.steal_chunks, spr, reserve,
+                self.peer_timeout)
 
     def _assigned_rows(self, rows) -> dict[str, int]:
         """Rows of a pass on each worker's own blocks (before any stealing)."""
@@ -866,6 +909,15 @@ class _Pass:
     func: Callable
     rows: Any
     steal: bool
+
+
+def _peer_timeout(value) -> float:
+    t = peer_timeout(value)
+    if not (t > 0 and math.isfinite(t)):
+        raise ValueError(f"blockflow: peer_timeout must be a positive number of seconds, "
+                         f"got {value!r}; pass it or set blockflow.ml.peer-timeout "
+                         f"(\"5s\", say).")
+    return t
 
 
 class _PostFailed(Exception):

@@ -26,6 +26,10 @@ that still leave a late worker's excess for its peers.
 
 The request goes worker to worker through a comm handler (``blockflow_steal``, installed by
 :class:`StealPlugin`), with the rows' data in the reply: no scheduler round trip, no task.
+A thief asks only the peers the scheduler still lists, and gives up a call as soon as the
+scheduler drops its peer (:class:`~blockflow.ml._peers.Peers`; ``blockflow.ml.peer-timeout``
+bounds the rest): a lost peer costs the pass it belonged to, not distributed's connect
+timeout.
 
 Sources: guided self-scheduling (Polychronopoulos and Kuck, IEEE Trans. Computers, 1987)
 for the owner's chunks; work stealing from the back of a victim's queue (Blumofe and
@@ -55,8 +59,6 @@ __all__ = ["RowPool", "StealPlugin", "call_cost", "run_stealing"]
 _POOLS: dict[tuple[str, str], RowPool] = {}
 _POOLS_LOCK = threading.Lock()
 HANDLER = "blockflow_steal"
-# Seconds a thief waits for a peer's answer.
-REQUEST_TIMEOUT = 10.0
 # (worker address, kernel) -> the latest passes' estimates of its fixed seconds per call
 _CALL_COST: dict[tuple[str, str], deque] = defaultdict(lambda: deque(maxlen=16))
 
@@ -301,12 +303,15 @@ def _add(a, b):
 
 def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[str],
                  chunks: int, prior_spr: dict[str, float],
-                 reserve: dict[str, float] | None = None
+                 reserve: dict[str, float] | None = None, timeout: float | None = None
                  ) -> tuple[Any, int, int, float, float]:
     """On a worker: ``func`` over its rows in chunks, then over rows stolen from peers.
 
     ``reserve``: per worker, the fraction of its rows kept out of its first kernel call
-    (see :class:`RowPool`; default 0.2). After its first chunk the worker asks its peers'
+    (see :class:`RowPool`; default 0.2). ``timeout``: seconds a peer the scheduler still
+    lists may take to answer (default ``blockflow.ml.peer-timeout``); peers the scheduler
+    no longer lists are not asked (:class:`~blockflow.ml._peers.Peers`, refreshed while
+    the first chunk runs and whenever a peer is slow to answer). After its first chunk the worker asks its peers'
     progress once and aims the rest of its rows at the pass's balanced end
     (:meth:`RowPool.set_target`); a worker done with its rows stays registered, closed, so
     that its peers see its rate. Returns ``(sum of func's results or None, rows
@@ -319,6 +324,7 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
 
     from blockflow._distributed import call_worker, has_worker_handler
     from blockflow.backends import array_module
+    from blockflow.ml._peers import Peers, peer_timeout
 
     worker = get_worker()
     me = worker.address
@@ -328,20 +334,27 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
     pool = RowPool(blocks, rows, chunks, prior_spr.get(me), (reserve or {}).get(me, 0.2),
                    fixed)
     key = (pass_id, me)
-    others = [p for p in peers if p != me]
-    can_ask = bool(others) and has_worker_handler(worker, HANDLER)
+    others = Peers(worker, [p for p in peers if p != me], peer_timeout(timeout))
+    can_ask = bool(others.addresses) and has_worker_handler(worker, HANDLER)
     xp = array_module(blocks[0][0]) if blocks else np
+    if can_ask:
+        # the peers the scheduler still lists, learned while the first chunk runs: a pass
+        # submitted before a worker was lost must not ask it
+        others.refresh_soon()
 
-    # A peer that does not answer within REQUEST_TIMEOUT gives nothing: a lost peer must
-    # not hold this thread for distributed's connect timeout, while the pass it belonged
-    # to is redone behind it.
+    # A peer that gives no answer gives nothing; one the scheduler dropped is not asked,
+    # and a call to one it drops meanwhile ends at once: a lost peer must not hold this
+    # thread for distributed's connect timeout while the pass is redone behind it.
     async def ask(p, **msg):
-        return await asyncio.wait_for(call_worker(worker, p, HANDLER, pass_id=pass_id, **msg),
-                                      REQUEST_TIMEOUT)
+        return await others.call(p, lambda: call_worker(worker, p, HANDLER,
+                                                        pass_id=pass_id, **msg))
 
     async def status():
-        return await asyncio.gather(*(ask(p, action="status") for p in others),
-                                    return_exceptions=True)
+        await others.ready()
+        live = others.live
+        replies = await asyncio.gather(*(ask(p, action="status") for p in live),
+                                       return_exceptions=True)
+        return list(zip(live, replies))
 
     with _POOLS_LOCK:
         _POOLS[key] = pool
@@ -356,7 +369,8 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
             if can_ask and pool.target is None and pool.back > pool.front:
                 # after the first chunk: where the pass ends if balanced, from the peers'
                 # progress and this pass's own rate (one round trip per pass)
-                pool.set_target([r for r in sync(worker.loop, status) if isinstance(r, dict)])
+                pool.set_target([r for _, r in sync(worker.loop, status)
+                                 if isinstance(r, dict)])
         # done with its own rows: it stays registered, closed, so that peers asking see
         # its rate and that it has nothing left
         pool.close()
@@ -373,7 +387,7 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
             overhead = 2 * max(time.perf_counter() - t0, 0.0005) + fixed
             # peers by work left; only those that would hand over a row at all are asked
             # (a claim that gets nothing ends the search: no polling loop on a shared host)
-            ranked = sorted((r["left"], p) for p, r in zip(others, replies)
+            ranked = sorted((r["left"], p) for p, r in replies
                             if isinstance(r, dict) and rows_to_give(
                                 r["left"], r.get("rows", 0), r.get("spr"), spr,
                                 overhead) >= 1)
@@ -382,8 +396,8 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
                 try:
                     reply = sync(worker.loop, ask, p, action="claim", spr=spr,
                                  overhead=overhead)
-                except Exception:  # the peer went away or did not answer: it gives
-                    # nothing (rows it handed over in a reply that never arrived are
+                except Exception:  # the peer went away or did not answer in time: it
+                    # gives nothing (rows it handed over in a reply that never arrived are
                     # missing from the pass's row count: ResidentShards.map_sum redoes it)
                     continue
                 if reply.get("rows"):

@@ -658,8 +658,9 @@ def gather_as_done(futures: Iterable, *, alive: Callable[[], Iterable[str]],
             raise WorkerLostError(f"blockflow: workers lost: {sorted(lost)}", lost=lost)
 
     while pending:
-        done = wait_any(pending, timeout=poll)
         try:
+            # a future cancelled for "lost dependencies" raises in the wait as in the fetch
+            done = wait_any(pending, timeout=poll)
             for f in done:
                 got.append(get(f))
                 pending.remove(f)

@@ -64,12 +64,13 @@ def test_an_unmeasured_worker_keeps_a_larger_reserve_until_a_pass_measures_it(cl
                             da.zeros(N, chunks=20))
     workers = sorted(set(shards.placement.values()))
     # no pass of this fit has measured anyone: every share follows a prior
-    _, peers, _, spr, reserve = shards._steal_plan(workers)
+    _, peers, _, spr, reserve, timeout = shards._steal_plan(workers)
+    assert timeout == shards.peer_timeout == 5.0
     assert peers == workers and spr == {}
     assert reserve == dict.fromkeys(workers, 0.5)
     # a measured pass (long enough to time), no stealing: none gave rows
     assert shards.map_sum(_slow_sum_rows)[1] == N
-    _, _, _, spr, reserve = shards._steal_plan(workers)
+    _, _, _, spr, reserve, _ = shards._steal_plan(workers)
     assert set(spr) == set(workers)
     assert reserve == dict.fromkeys(workers, 0.2)
     # a worker the fit has not measured (one that joined, say) keeps the larger reserve

@@ -7,6 +7,7 @@ unchanged. No part of Dask is mocked.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -15,6 +16,8 @@ import pytest
 
 import dask.array as da
 from distributed import Client, LocalCluster, get_worker
+from distributed.utils_test import gen_cluster
+from loadaware import scaled
 
 from blockflow.ml._shards import ResidentShards
 from blockflow.ml._steal import RowPool, call_cost, rows_to_give
@@ -270,3 +273,103 @@ def test_rows_lost_in_a_failed_hand_over_redo_the_pass(monkeypatch):
         np.testing.assert_allclose(total, [values.sum(), N])
         assert calls and shards.redone_passes == 1
         assert sum(shards.last_rows.values()) == N
+
+
+def _silent_server():
+    """A TCP server that accepts connections and never answers (a hung peer, or one whose
+    address is no worker's): ``(address, accepted connections, close)``."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    accepted = []
+
+    def serve():
+        while True:
+            try:
+                accepted.append(srv.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=serve, daemon=True).start()
+
+    def close():
+        srv.close()
+        for c in accepted:
+            c.close()
+
+    return f"tcp://127.0.0.1:{srv.getsockname()[1]}", accepted, close
+
+
+def test_a_thief_never_asks_a_peer_that_is_no_longer_a_worker():
+    """A pass submitted before a worker was lost lists it among the peers: the thief learns
+    from the scheduler that it is no worker and never calls it (it used to wait for its
+    answer up to 10 s, twice: a 20-42 s training step after a lost worker)."""
+    import dask
+
+    from blockflow.ml._shards import _run_shard
+    from blockflow.ml._steal import StealPlugin
+
+    gone, accepted, close = _silent_server()
+    with dask.config.set({"blockflow.ml.peer-timeout": "60s"}), LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=False,
+            dashboard_address=":0") as cluster, Client(cluster) as client:
+        client.register_plugin(StealPlugin(), name=StealPlugin.name)
+        [me] = client.scheduler_info()["workers"]
+        blocks = [(np.arange(20.)[:, None], np.zeros(20))]
+        t0 = time.perf_counter()
+        out = client.submit(_run_shard, _sum_rows, blocks, [None], (None,),
+                            ("p", [me, gone], 4, {}), pure=False).result()
+        elapsed = time.perf_counter() - t0
+    close()
+    np.testing.assert_allclose(out["value"], [190.0, 20])
+    assert not accepted, "the thief connected to an address that is no worker"
+    assert elapsed < scaled(2, at_most=10), elapsed
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_call_to_a_peer_ends_when_the_scheduler_drops_it(c, s, a, b):
+    """A call to a peer the scheduler drops while it waits ends within a poll or two, not
+    at the timeout; one to a listed peer that does not answer ends at the timeout."""
+    from blockflow.ml._peers import PeerGone, Peers
+
+    peers = Peers(a, [b.address], timeout=60, poll=0.05)
+    await peers.ready()
+    assert peers.live == [b.address]
+    t0 = time.perf_counter()
+    call = asyncio.ensure_future(peers.call(b.address, lambda: asyncio.sleep(3600)))
+    await asyncio.sleep(0.2)
+    assert not call.done()
+    await b.close()
+    with pytest.raises(PeerGone, match=f"worker {b.address} is no longer one of the "
+                                       f"scheduler's workers"):
+        await call
+    assert time.perf_counter() - t0 < 10
+    assert peers.live == []
+    with pytest.raises(PeerGone):  # not called again
+        await peers.call(b.address, lambda: pytest.fail("called"))
+
+    listed = Peers(c, [a.address], timeout=0.3, poll=0.05)
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match=(
+            rf"^blockflow: worker {a.address} did not answer within 0.3 s "
+            rf"\(blockflow.ml.peer-timeout\).$")):
+        await listed.call(a.address, lambda: asyncio.sleep(3600))
+    assert 0.3 <= time.perf_counter() - t0 < 5
+
+
+def test_peer_timeout_comes_from_the_configuration_and_must_be_positive():
+    import dask
+
+    from blockflow.ml._peers import peer_timeout
+    from blockflow.ml._shards import _peer_timeout
+
+    assert peer_timeout() == 5.0
+    assert peer_timeout("500ms") == 0.5
+    with dask.config.set({"blockflow.ml.peer-timeout": 7}):
+        assert peer_timeout() == 7.0
+    with pytest.raises(ValueError, match=r"^blockflow: peer_timeout must be a positive number "
+                                         r"of seconds, got 0; pass it or set blockflow.ml."
+                                         r"peer-timeout \(\"5s\", say\).$"):
+        _peer_timeout(0)
