@@ -23,11 +23,15 @@ promotion that turns out certain is not run again.
 
 Placement (a blockflow heuristic, earliest finish time list scheduling): exactly one trial
 task per free worker thread, pinned with ``workers=``. Promotions are placed first, each on
-the worker where it would finish earliest given the workers' speeds (learned by blockflow's
-scheduler plugin where it is confident, else from the trials' own durations) and when the
-busy ones free: so a promotion goes to the fastest free worker, or waits for a faster busy
-one that would still finish it sooner, while the free thread takes a new configuration.
-No worker stays idle while a trial is ready for it.
+the worker where it would finish earliest given the workers' speeds and when the busy ones
+free: so a promotion goes to the fastest free worker, or waits for a faster busy one that
+would still finish it sooner, while the free thread takes a new configuration (fastest
+free thread first). No worker stays idle while a trial is ready for it. The speeds come
+from the evidence there is, most trusted first: blockflow's scheduler plugin where it is
+confident, the trials' own durations (the first rung's as soon as they exist), the record
+earlier calls left on the cluster (:data:`SPEEDS_KEY`), the speeds the devices declare
+(``blockflow-capacity``). Threads on workers none of these tells anything of run copies of
+running trial tasks (:meth:`_Tuner._backups`), so that a second call never starts blind.
 
 The synchronous successive-halving baseline (``synchronous=True``: every rung waits for all
 its trials, then the top ``1/eta`` go on, placed by Dask itself) runs the same trials, as
@@ -173,7 +177,9 @@ class TuneResult:
         One row per trial task: ``trial``, ``rung``, ``budget``, ``epochs``, ``score``,
         ``status`` (``"ok"``/``"failed"``), ``worker``, ``promotion`` (rung > 0),
         ``speculative`` (a promotion ASHA's rule made before it was certain that
-        synchronous successive halving makes it too),
+        synchronous successive halving makes it too), ``backup`` (a copy of a trial task
+        run on a worker whose speed nothing told yet: its time is evidence; status
+        ``"cancelled"`` when the run ended before it),
         ``speed`` (the worker's estimated speed at dispatch), ``fastest_free`` (the fastest
         free worker's estimated speed then), ``submitted``/``started``/``finished``
         (s since the epoch), ``duration`` (s), ``error``.
