@@ -23,11 +23,15 @@ promotion that turns out certain is not run again.
 
 Placement (a blockflow heuristic, earliest finish time list scheduling): exactly one trial
 task per free worker thread, pinned with ``workers=``. Promotions are placed first, each on
-the worker where it would finish earliest given the workers' speeds (learned by blockflow's
-scheduler plugin where it is confident, else from the trials' own durations) and when the
-busy ones free: so a promotion goes to the fastest free worker, or waits for a faster busy
-one that would still finish it sooner, while the free thread takes a new configuration.
-No worker stays idle while a trial is ready for it.
+the worker where it would finish earliest given the workers' speeds and when the busy ones
+free: so a promotion goes to the fastest free worker, or waits for a faster busy one that
+would still finish it sooner, while the free thread takes a new configuration (fastest
+free thread first). No worker stays idle while a trial is ready for it. The speeds come
+from the evidence there is, most trusted first: blockflow's scheduler plugin where it is
+confident, the trials' own durations (the first rung's as soon as they exist), the record
+earlier calls left on the cluster (:data:`SPEEDS_KEY`), the speeds the devices declare
+(``blockflow-capacity``). Threads on workers none of these tells anything of run copies of
+running trial tasks (:meth:`_Tuner._backups`), so that a second call never starts blind.
 
 The synchronous successive-halving baseline (``synchronous=True``: every rung waits for all
 its trials, then the top ``1/eta`` go on, placed by Dask itself) runs the same trials, as
@@ -48,8 +52,8 @@ import numpy as np
 
 from blockflow import _distributed, config
 from blockflow.errors import WorkerLostError
-from blockflow.scheduling.client import fetch, learned_speeds, wait_any
-from blockflow.scheduling.estimate import earliest_finish
+from blockflow.scheduling.client import declared_speeds, fetch, learned_speeds, wait_any
+from blockflow.scheduling.estimate import earliest_finish, prior_seconds_per_unit
 
 __all__ = ["TuneResult", "choice", "loguniform", "randint", "sample_configs", "tune",
            "uniform"]
@@ -60,6 +64,10 @@ TRIAL_PREFIX = "blockflow-trial"
 REPORT_PREFIX = "blockflow-score"
 #: Scheduler metadata key under which a running tuner publishes its trials (dashboard).
 METADATA_KEY = ("blockflow", "tune")
+#: Scheduler metadata key of the cluster's speed record: worker address -> the relative
+#: speed the trials showed there, kept across ``tune`` calls (a later call on the same
+#: cluster starts from it, never blind twice).
+SPEEDS_KEY = ("blockflow", "tune-speeds")
 
 
 # --- search space ----------------------------------------------------------------------
@@ -169,7 +177,9 @@ class TuneResult:
         One row per trial task: ``trial``, ``rung``, ``budget``, ``epochs``, ``score``,
         ``status`` (``"ok"``/``"failed"``), ``worker``, ``promotion`` (rung > 0),
         ``speculative`` (a promotion ASHA's rule made before it was certain that
-        synchronous successive halving makes it too),
+        synchronous successive halving makes it too), ``backup`` (a copy of a trial task
+        run on a worker whose speed nothing told yet: its time is evidence; status
+        ``"cancelled"`` when the run ended before it),
         ``speed`` (the worker's estimated speed at dispatch), ``fastest_free`` (the fastest
         free worker's estimated speed then), ``submitted``/``started``/``finished``
         (s since the epoch), ``duration`` (s), ``error``.
@@ -239,6 +249,7 @@ class _Running:
     estimate: float
     speed: float
     fastest_free: float
+    backup: bool = False  # a copy of a job already running elsewhere (see _backups)
 
 
 @dataclass
@@ -278,6 +289,11 @@ class _Tuner:
         self.history: list[dict] = []
         self.workers: dict[str, int] = {}  # address -> threads
         self.samples: list[tuple[str, float, float, int]] = []  # worker, seconds, epochs, rung
+        self.cold_samples: list[tuple[str, float, float, int]] = []  # a worker's first trial
+        self.declared: dict[str, float] = {}  # nominal speeds the devices declare
+        self.record: dict[str, float] = {}  # speeds earlier tune calls saw on this cluster
+        self.decided: set[tuple[int, int]] = set()  # (trial, rung) with a result or failure
+        self.twinned: set[tuple[int, int]] = set()  # (trial, rung) with a backup copy
         self.trial_samples: dict[int, list[tuple[str, float, float]]] = {}  # same, per trial
         self.warm: set[str] = set()  # workers that finished a trial
         self.lost_checkpoints = 0  # checkpoints lost with a worker (trained again)
@@ -300,6 +316,8 @@ class _Tuner:
         self.workers = {a: int(n) for a, n in self.client.nthreads().items()}
         if before - set(self.workers):
             self._forget_lost_checkpoints()
+        if set(self.workers) - before:  # new workers: what their devices declare
+            self.declared = declared_speeds(self.client)
         if now - self._speeds_read >= 1.0:
             self._speeds_read = now
             self.plugin_speeds = learned_speeds(self.client).known
@@ -309,6 +327,8 @@ class _Tuner:
                 self.outputs.pop(fut).cancel()
                 fut.cancel()
                 del self.running[fut]
+                if r.backup or (r.job.trial, r.job.rung) in self.decided:
+                    continue  # a copy: the job runs (or ran) elsewhere
                 job = r.job
                 if job.rung and self.trials[job.trial].checkpoint is None:
                     job = self._job(job.trial, job.rung)  # its checkpoint went with the worker
@@ -343,32 +363,48 @@ class _Tuner:
             return _Job(trial, rung, self.budgets[rung], None)
         return _Job(trial, rung, self.budgets[rung] - self.budgets[rung - 1], ckpt)
 
-    def speeds(self) -> dict[str, float]:
-        """Each worker's speed: the scheduler plugin's learned one where it is known
-        (:attr:`blockflow.scheduling.client.LearnedSpeeds.known`: the one confidence rule),
-        else the trials' own evidence (a task's time per unit against the median of its
-        rung), else 1.0."""
-        own: dict[str, list[float]] = {}
+    def own_speeds(self) -> dict[str, float]:
+        """The trials' own evidence: each worker's time per unit against the median of its
+        rung, from its warm trials, or from its first (cold) trial while it has no other
+        (the first rung's durations count as soon as they exist)."""
         per_rung: dict[int, list[float]] = {}
-        for _, secs, epochs, rung in self.samples:
+        seen: dict[int, set] = {}
+        for w, secs, epochs, rung in self.samples + self.cold_samples:
             per_rung.setdefault(rung, []).append(secs / epochs)
-        ref = {k: median(v) for k, v in per_rung.items()}
-        for w, secs, epochs, rung in self.samples:
-            if ref[rung] > 0:
+            seen.setdefault(rung, set()).add(w)
+        # only a rung two workers ran compares them (a rung of one says 1.0 of anyone)
+        ref = {k: median(v) for k, v in per_rung.items() if len(seen[k]) >= 2}
+        warm = {w for w, _, _, rung in self.samples if rung in ref}
+        use = [s for s in self.samples if s[3] in ref] + [
+            s for s in self.cold_samples if s[3] in ref and s[0] not in warm]
+        own: dict[str, list[float]] = {}
+        for w, secs, epochs, rung in use:
+            if ref[rung] > 0 and secs > 0:
                 own.setdefault(w, []).append(math.log(secs / epochs / ref[rung]))
-        out = {}
-        for w in self.workers:
-            if w in self.plugin_speeds:
-                out[w] = float(self.plugin_speeds[w])
-            elif len(own.get(w, ())) >= 2:
-                out[w] = math.exp(-median(own[w]))
-            else:
-                out[w] = 1.0
-        return out
+        return {w: math.exp(-median(v)) for w, v in own.items()}
+
+    def speeds(self) -> dict[str, float]:
+        """Each worker's speed, from the evidence there is, most trusted first: the
+        scheduler plugin's learned speed where it is known
+        (:attr:`blockflow.scheduling.client.LearnedSpeeds.known`: the one confidence rule),
+        else the trials' own evidence (:meth:`own_speeds`), else the speed earlier ``tune``
+        calls saw on this cluster (:data:`SPEEDS_KEY`), else the speed its device declares
+        (:func:`blockflow.scheduling.client.declared_speeds`), else 1.0. Each lower source
+        is put on the scale of those above through the workers both know."""
+        known = _layered(self.workers, {**self.own_speeds(), **self.plugin_speeds},
+                         self.record, self.declared)
+        return {w: known.get(w, 1.0) for w in self.workers}
+
+    def _blind(self, worker: str) -> bool:
+        """Whether nothing at all tells ``worker``'s speed yet."""
+        return not (worker in self.plugin_speeds or worker in self.record
+                    or worker in self.declared
+                    or any(s[0] == worker for s in self.samples + self.cold_samples))
 
     def _unit_seconds(self, speeds: Mapping[str, float]) -> float:
         """Seconds one budget unit takes at speed 1 (median over finished tasks)."""
-        v = [secs * speeds.get(w, 1.0) / epochs for w, secs, epochs, _ in self.samples]
+        v = [secs * speeds.get(w, 1.0) / epochs
+             for w, secs, epochs, _ in self.samples or self.cold_samples]
         return median(v) if v else 1.0
 
     def _cost(self, job: _Job, speeds: Mapping[str, float], unit: float) -> float:
@@ -443,11 +479,12 @@ class _Tuner:
         return _Job(t, 0, self.budgets[0], None)
 
     def _submit(self, job: _Job, worker: str | None, speed: float, fastest: float,
-                estimate: float) -> None:
+                estimate: float, backup: bool = False) -> None:
         trial = self.trials[job.trial]
         if job.rung > 0:
             trial.promoted_from.add(job.rung - 1)
-        trial.status = "running"
+        if not backup:
+            trial.status = "running"
         token = f"{job.trial}-r{job.rung}-{uuid.uuid4().hex[:8]}"
         kw = {"workers": [worker], "allow_other_workers": False} if worker else {}
         out = self.client.submit(_run_trial, self.train, trial.config, job.epochs,
@@ -457,7 +494,8 @@ class _Tuner:
         fut = self.client.submit(_report, out, key=f"{REPORT_PREFIX}-{token}", pure=False,
                                  **kw)
         self.outputs[fut] = out
-        self.running[fut] = _Running(job, worker, time.time(), estimate, speed, fastest)
+        self.running[fut] = _Running(job, worker, time.time(), estimate, speed, fastest,
+                                     backup)
 
     def _dispatch(self) -> None:
         """One trial task per free worker thread: promotions by earliest finish time, then
@@ -527,16 +565,69 @@ class _Tuner:
         if free and self.promotion != "asha":  # nothing certain left: ASHA's speculation
             place([replace(j, speculative=True) for j in self._promotable()
                    if (j.trial, j.rung) not in sure])
+        self._backups(free, speeds)
+
+    def _backups(self, free: list, speeds: Mapping[str, float]) -> None:
+        """Threads still free on workers nothing is known of yet (a fresh cluster whose
+        devices declare no speed, and more threads than trials) each take a copy of a
+        running trial task (the oldest without one). The first copy to finish gives the
+        trial's result; the other's time is evidence of its worker's speed, for this run
+        and for the next (:data:`SPEEDS_KEY`): a blind start is never repeated, and it
+        costs no more than threads that would idle (a blockflow heuristic, cf. backup
+        tasks in MapReduce, Dean and Ghemawat 2004)."""
+        for slot in [s for s in free if self._blind(s[1])]:
+            twins = sorted((r for r in self.running.values()
+                            if not r.backup and r.worker != slot[1]
+                            and (r.job.trial, r.job.rung) not in self.twinned
+                            and (r.job.trial, r.job.rung) not in self.decided),
+                           key=lambda r: r.submitted)
+            if not twins:
+                return
+            job = twins[0].job
+            self.twinned.add((job.trial, job.rung))
+            fastest = speeds[free[0][1]]
+            self._submit(job, slot[1], speeds[slot[1]], fastest, twins[0].estimate,
+                         backup=True)
 
     # --- results -------------------------------------------------------------------
 
+    def _sample(self, worker: str, secs: float, job: _Job) -> None:
+        """A trial task's time on ``worker``: speed evidence (a worker's first trial pays
+        its imports: kept apart, used only while the worker has no other)."""
+        if worker in self.warm:
+            self.samples.append((worker, secs, job.epochs, job.rung))
+            self.trial_samples.setdefault(job.trial, []).append((worker, secs, job.epochs))
+        else:
+            self.cold_samples.append((worker, secs, job.epochs, job.rung))
+        self.warm.add(worker)
+
+    def _row(self, r: _Running) -> dict:
+        job = r.job
+        return {"trial": job.trial, "rung": job.rung, "budget": self.budgets[job.rung],
+                "epochs": job.epochs, "promotion": job.rung > 0,
+                "speculative": job.speculative, "speed": r.speed,
+                "fastest_free": r.fastest_free, "submitted": r.submitted,
+                "backup": r.backup}
+
     def _record(self, fut, r: _Running) -> None:
         job, trial = r.job, self.trials[r.job.trial]
-        row = {"trial": job.trial, "rung": job.rung, "budget": self.budgets[job.rung],
-               "epochs": job.epochs, "promotion": job.rung > 0,
-               "speculative": job.speculative, "speed": r.speed,
-               "fastest_free": r.fastest_free, "submitted": r.submitted}
+        row = self._row(r)
         output = self.outputs.pop(fut)
+        if (job.trial, job.rung) in self.decided:
+            # the slower copy of a job the other copy finished: its time is evidence only
+            out = self._fetch(fut) if fut.status == "finished" else None
+            if out is not None:
+                secs = out["finished"] - out["started"]
+                self._sample(out["worker"], secs, job)
+                row.update(score=out["score"], status="ok", worker=out["worker"],
+                           started=out["started"], finished=out["finished"], duration=secs,
+                           error=None)
+            else:
+                row.update(score=math.nan, status="failed", worker=r.worker,
+                           started=math.nan, finished=time.time(), duration=math.nan,
+                           error=None)
+            self.history.append(row)
+            return
         if fut.status == "finished":
             out = self._fetch(fut)
             if out is None:
@@ -546,6 +637,7 @@ class _Tuner:
                 self.outputs[fut], self.running[fut] = output, r
                 return
             score = out["score"]
+            self.decided.add((job.trial, job.rung))
             self.results[job.rung][job.trial] = score
             trial.rung, trial.score = job.rung, score
             trial.checkpoint = output  # a future of (report, checkpoint), on a worker
@@ -554,12 +646,7 @@ class _Tuner:
             trial.started = min(trial.started, out["started"]) if job.rung else out["started"]
             trial.finished = out["finished"]
             trial.duration += out["finished"] - out["started"]
-            if out["worker"] in self.warm:  # a worker's first trial pays its imports
-                self.samples.append((out["worker"], out["finished"] - out["started"],
-                                     job.epochs, job.rung))
-                self.trial_samples.setdefault(job.trial, []).append(
-                    (out["worker"], out["finished"] - out["started"], job.epochs))
-            self.warm.add(out["worker"])
+            self._sample(out["worker"], out["finished"] - out["started"], job)
             row.update(score=score, status="ok", worker=out["worker"],
                        started=out["started"], finished=out["finished"],
                        duration=out["finished"] - out["started"], error=None)
@@ -567,6 +654,7 @@ class _Tuner:
             from distributed import KilledWorker
 
             exc = fut.exception()
+            self.decided.add((job.trial, job.rung))
             err = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             if isinstance(exc, KilledWorker):  # on an internal key: name the trial
                 last = getattr(exc.last_worker, "address", exc.last_worker)
@@ -640,11 +728,56 @@ class _Tuner:
     def _wait(self, timeout: float = 1.0) -> list:
         return [f for f in wait_any(self.running, timeout=timeout) if f in self.running]
 
+    def _work_left(self) -> bool:
+        """Whether a trial task is still to run (a new configuration, a promotion)."""
+        return (self.next_new < len(self.trials) or bool(self.retry)
+                or bool(self._certain_jobs()) or bool(self._promotable()))
+
+    def _end_copies(self) -> None:
+        """Cancel the slower copies still running once nothing else is left: each ran
+        ``now - submitted`` seconds without finishing, a bound on its worker's speed kept
+        as evidence (the work cancelled runs on only as long as its task does)."""
+        now = time.time()
+        for fut, r in list(self.running.items()):
+            self.outputs.pop(fut).cancel()
+            fut.cancel()
+            del self.running[fut]
+            if r.worker is not None:
+                self._sample(r.worker, now - r.submitted, r.job)
+            row = self._row(r)
+            row.update(score=math.nan, status="cancelled", worker=r.worker,
+                       started=math.nan, finished=now, duration=math.nan, error=None)
+            self.history.append(row)
+
+    def read_record(self) -> None:
+        """The speeds earlier ``tune`` calls saw on this cluster (:data:`SPEEDS_KEY`)."""
+        try:
+            record = self.client.get_metadata(list(SPEEDS_KEY), default=None)
+        except Exception:  # an old or closing scheduler: no record, not an error
+            record = None
+        self.record = {a: float(v) for a, v in (record or {}).items()
+                       if isinstance(v, (int, float)) and math.isfinite(v) and v > 0}
+
+    def write_record(self) -> None:
+        """Keep what this run's trials showed of each worker's speed for the next call:
+        this run's evidence over the earlier record, on one scale (:func:`_layered`)."""
+        own = self.own_speeds()
+        if not own:
+            return
+        merged = _layered(set(own) | set(self.record), own, self.record)
+        self.client.set_metadata(list(SPEEDS_KEY), merged)
+
     def run_async(self) -> None:
+        self.read_record()
         self._refresh(time.time())
         while True:
             self._dispatch()
             self._publish()
+            live = [f for f, r in self.running.items()
+                    if (r.job.trial, r.job.rung) not in self.decided]
+            if not live and not self._work_left():
+                self._end_copies()
+                break
             if not self.running:
                 if not self.retry:
                     break
@@ -694,7 +827,7 @@ class _Tuner:
         trials = pd.DataFrame(rows).set_index("trial")
         cols = ["trial", "rung", "budget", "epochs", "score", "status", "worker", "promotion",
                 "speculative", "speed", "fastest_free", "submitted", "started", "finished",
-                "duration", "error"]
+                "duration", "error", "backup"]
         history = pd.DataFrame(self.history, columns=cols)
         threads = max(sum(self.workers.values()), 1)
         busy = float(np.nansum(history["duration"])) / (threads * wall) if wall > 0 else 0.0
@@ -706,6 +839,30 @@ class _Tuner:
             best_checkpoint=None if best is None else self._best_checkpoint(best),
             wall_time=wall, busy_fraction=min(busy, 1.0),
             promotion="synchronous" if self.synchronous else self.promotion)
+
+
+def _layered(workers, *sources: Mapping[str, float]) -> dict[str, float]:
+    """Relative speeds of ``workers`` from sources of evidence, most trusted first: each
+    worker's speed from the first source that has it, a lower source put on the scale of
+    those above through the workers both know
+    (:func:`blockflow.scheduling.estimate.prior_seconds_per_unit`; as is when none is
+    shared). Workers no source knows are left out."""
+    workers = set(workers)
+    known: dict[str, float] = {}
+    for source in sources:
+        source = {w: float(v) for w, v in source.items() if w in workers and v and v > 0}
+        if not known:
+            known = source
+            continue
+        if not source:
+            continue
+        if not set(source) & set(known):  # nothing to anchor on: the scales as they are
+            known = {**source, **known}
+            continue
+        spu = prior_seconds_per_unit(set(known) | set(source),
+                                     {w: 1.0 / v for w, v in known.items()}, source)
+        known = {w: 1.0 / v for w, v in spu.items()}
+    return known
 
 
 def _plain(cfg: Mapping) -> dict:
@@ -824,6 +981,8 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
     t0 = time.time()
     try:
         tuner.run_sync() if synchronous else tuner.run_async()
+        if not synchronous:
+            tuner.write_record()
     finally:
         for fut in list(tuner.running):
             tuner.outputs.pop(fut).cancel()

@@ -9,6 +9,8 @@ data kernels read the cluster through these functions rather than each their own
   confidence rule (:data:`~blockflow.scheduling.estimate.CONFIDENT`).
 - :func:`worker_memory` / :func:`memory_of`: per-worker host and device memory (total, used,
   free), built on the one metrics parser, :func:`~blockflow._distributed.metrics.read_metrics`.
+- :func:`declared_speeds`: the devices' nominal relative speeds a fresh cluster already
+  tells (the ``blockflow-capacity`` worker metric), the prior before any work is timed.
 - :class:`ThroughputView`: the one throughput estimator
   (:class:`~blockflow.scheduling.estimate.Throughput`) with the plugin's speeds as its prior.
 - :func:`wait_for`, :func:`gather_results`, :func:`wait_any`, :func:`fetch` and
@@ -30,7 +32,7 @@ from dask.utils import parse_timedelta
 from distributed import Client
 
 from blockflow import config
-from blockflow._distributed.metrics import clean_number, read_metrics
+from blockflow._distributed.metrics import CAPACITY_METRIC, clean_number, read_metrics
 from blockflow._distributed.client import has_scheduler_plugin
 from blockflow.cluster.identity import workers_info
 from blockflow.errors import WorkerLostError
@@ -41,6 +43,7 @@ __all__ = [
     "ThroughputView",
     "WorkerMemory",
     "decisions",
+    "declared_speeds",
     "fetch",
     "gather_as_done",
     "gather_results",
@@ -217,6 +220,43 @@ def learned_speeds(client: Client, status: Mapping[str, Any] | None = None) -> L
             status = {}
     return LearnedSpeeds(dict(status.get("speeds") or {}),
                          dict(status.get("speed_confidence") or {}))
+
+
+def declared_speeds(client: Client, workers: Mapping[str, Mapping] | None = None
+                    ) -> dict[str, float]:
+    """The workers' nominal relative speeds, from what their devices declare.
+
+    A worker whose device reports the ``blockflow-capacity`` metric (a GPU's SM cores x max
+    SM clock, :mod:`blockflow.cluster.devices`; a simulated device's speed) gets its
+    capacity over the median capacity of the workers that report one (1.0 typical, larger
+    faster). This is what a fresh cluster tells before any work: a prior, below speeds
+    measured on real work (:func:`learned_speeds`, :class:`ThroughputView`).
+
+    Parameters
+    ----------
+    client : distributed.Client
+    workers : mapping, optional
+        :func:`~blockflow.cluster.identity.workers_info` already fetched.
+
+    Returns
+    -------
+    dict of str to float
+        Only the workers that report a capacity (none: empty).
+    """
+    workers = workers_info(client) if workers is None else workers
+    caps = {}
+    for a, info in workers.items():
+        metrics = info.get("metrics")
+        cap = clean_number(metrics.get(CAPACITY_METRIC)) if isinstance(metrics, Mapping) \
+            else None
+        if cap:
+            caps[a] = cap
+    if not caps:
+        return {}
+    from statistics import median
+
+    typical = median(caps.values())
+    return {a: c / typical for a, c in caps.items()}
 
 
 # -- memory --------------------------------------------------------------------------------

@@ -408,3 +408,67 @@ def test_a_trial_that_kills_its_workers_is_named_not_its_internal_key():
     assert error.endswith("raise distributed.scheduler.allowed-failures if the deaths had "
                           "nothing to do with the trial."), error
     assert TRIAL_PREFIX not in error
+
+
+def _set_base_speed(speed, dask_worker=None):
+    from blockflow.testing.simulated import get_device
+
+    get_device(dask_worker).base_speed = speed
+
+
+def _drop_capacity(dask_worker=None):
+    from blockflow._distributed import remove_worker_metric
+    from blockflow._distributed.metrics import CAPACITY_METRIC
+
+    remove_worker_metric(dask_worker, CAPACITY_METRIC)
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["capacity", "no-capacity"])
+def test_trials_go_to_the_fastest_devices_and_never_blind_twice(declared):
+    """Issue 26: 8 devices (speeds 4, 2, 2, 1, 1, 1, 0.5, 0.5), 4 trials. The devices are
+    given so that a blind tuner (each worker 1.0, the cluster's worker order) puts the 4
+    trials on the slow ones (1, 1, 0.5, 0.5). When the devices declare their speed
+    (``blockflow-capacity``) the first call already uses the 4 fastest; when they do not,
+    the first call races copies on the idle devices and the second call, on the same
+    cluster, uses what the first saw."""
+    from blockflow._distributed.metrics import CAPACITY_METRIC
+    from blockflow.testing.cluster import _heartbeat
+
+    configs = [{"x": x} for x in (0.1, 0.9, 0.5, 0.3)]
+    with simulated_cluster(speeds=[1] * 8, processes=False) as client:
+        order = list(client.nthreads())  # the order a blind tuner fills threads in
+        by_addr = dict(zip(order, (1, 1, 0.5, 0.5, 4, 2, 2, 1)))
+        for a, s in by_addr.items():
+            client.run(_set_base_speed, s, workers=[a])
+        if not declared:
+            client.run(_drop_capacity)
+        client.run(_heartbeat)
+
+        def metrics_reached():
+            info = workers_info(client)
+            caps = {a: (w.get("metrics") or {}).get(CAPACITY_METRIC) for a, w in info.items()}
+            return caps == ({a: float(s) for a, s in by_addr.items()} if declared
+                            else dict.fromkeys(by_addr))
+
+        wait_until(metrics_reached, timeout=30, message="the devices' capacity metrics")
+        step = slowed_to_device_speed(train, scale=4)
+        runs = []
+        for _ in range(2):
+            r = tune(step, [{**c, "unit": 0.05} for c in configs], client=client, eta=3,
+                     min_budget=1, max_budget=3)
+            assert r.best_trial == 1 and r.trials.loc[1, "status"] == "completed"
+            runs.append(r.history)
+            time.sleep(0.5)  # cancelled copies end on their devices
+    fastest = [4, 2, 2, 1]
+    for call, h in enumerate(runs):
+        backup = h["backup"].astype(bool) if "backup" in h else h.rung < 0
+        first = h[(h.rung == 0) & ~backup]
+        placed = sorted(first.worker.map(by_addr), reverse=True)
+        if declared or call == 1:
+            assert placed == fastest, (call, placed)
+            assert not backup.any(), h
+            # the promotion went to the fastest device
+            assert h.loc[h.rung == 1, "worker"].map(by_addr).tolist() == [4], h
+        else:  # blind: the 4 idle devices each ran a copy, whose times are evidence
+            assert placed == [1, 1, 0.5, 0.5], placed
+            assert backup.sum() == 4 and set(h.worker) == set(by_addr), h
