@@ -109,7 +109,10 @@ def test_a_cold_first_answer_does_not_starve_the_fast_worker(digits):
             _check_answers(router.map(batches), batches, model)
             stats = router.stats()
     assert stats["counts"]["answered"] == 48 and stats["counts"].get("duplicates", 0) == 0
-    assert stats["answered_by"][fast] >= 2 * stats["answered_by"].get(slow, 0), stats
+    # Ideal: the slow worker answers every 0.12 s from the start, the fast one every 0.03 s
+    # after its 1.2 s cold start: 48 requests end at ~2.1 s, about 30 fast to 18 slow (a
+    # router taking the cold start for the fast worker's speed gives it ~1 in 10).
+    assert stats["answered_by"][fast] >= 1.5 * stats["answered_by"].get(slow, 0), stats
     # warm answers only: the fast worker's measured rate is its speed, not its cold start
     assert stats["seconds_per_unit"][slow] > 2 * stats["seconds_per_unit"][fast], stats
 
