@@ -97,7 +97,8 @@ def test_blockflow_rules_of_the_schema_name_its_own_keys():
                  for k, spec in sec["properties"].items() if "x-duration" in spec}
     assert durations == {"cluster.connect-timeout", "cluster.worker-loss-timeout",
                          "rebalancer.interval", "rebalancer.move-min-gain",
-                         "resources.unsatisfiable-timeout", "routing.interval"}
+                         "resources.unsatisfiable-timeout", "routing.batch-seconds",
+                         "routing.interval"}
 
 
 def test_policy_choices_come_from_the_registry_not_the_schema_file():
