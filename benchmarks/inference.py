@@ -21,9 +21,9 @@ One cluster of simulated GPU workers (speeds 1, 1, 0.5, 0.25 by default, worker 
    (sum of speeds / ``--request-seconds``), the p50 of the last quarter of requests against
    the first (a queue that grows all run shows as a ratio well above 1), and the
    idle-while-queued fraction: of the events (an arrival, a start, an end of service), the
-   share at which some worker serves nothing while a request that has arrived waits
-   unstarted (measured from the model's own start/end stamps on the workers, so the same for
-   every router). ``--load`` takes several loads (``0.4,0.8``).
+   share at which some worker serves nothing while another has a queue (a request that has
+   arrived, and that the other worker serves later, waits unstarted); measured from the
+   model's own start/end stamps on the workers, so the same for every router. ``--load`` takes several loads (``0.4,0.8``).
 3. **Lost worker**: the router's run again, one worker process killed (SIGKILL) a third of
    the way through: requests lost and answered twice.
 
@@ -209,8 +209,9 @@ def poisson_run(submit, n: int, rate: float, batch, seed: int = 0, on_progress=N
 
 
 def idle_while_queued(stamps) -> float | None:
-    """Share of events (arrival, start, end) at which a worker serves nothing while an
-    arrived request waits unstarted; workers are those that served something."""
+    """Share of events (arrival, start, end) at which a worker serves nothing while another
+    has a queue: a request that has arrived and that the other worker serves later waits
+    unstarted. Workers are those that served something."""
     stamps = [s for s in stamps if s is not None]
     if not stamps:
         return None
@@ -223,11 +224,11 @@ def idle_while_queued(stamps) -> float | None:
     eps = 1e-6
     bad = 0
     for t in events:
-        waiting = np.any((arr <= t) & (beg > t + eps))
-        if not waiting:
+        queued = set(pid[(arr <= t) & (beg > t + eps)].tolist())
+        if not queued:
             continue
-        busy = set(pid[(beg <= t + eps) & (end > t + eps)].tolist())
-        if len(busy) < len(workers):
+        idle = workers - set(pid[(beg <= t + eps) & (end > t + eps)].tolist())
+        if idle - queued or (idle and len(queued) > 1):
             bad += 1
     return bad / len(events)
 

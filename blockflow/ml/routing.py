@@ -143,14 +143,14 @@ class Router:
         at least one request whatever its estimate); default config
         ``blockflow.routing.batch-seconds``.
 
-    Attributes
-    ----------
-    decisions : deque of dict
-        Every batch sent (``action`` ``"route"``, or ``"reroute"`` when it holds a request
-        sent before), with its ``worker``, ``requests`` (ids), ``estimated_seconds``, the
-        ``projected_finish`` compared, and after it, per usable worker, the tasks in flight
-        (``in_flight``) and the requests still waiting in the router (``waiting``); and a
-        ``"lost"`` entry per request whose worker left.
+    Notes
+    -----
+    ``router.decisions`` (a deque of dict) records every batch sent (``action``
+    ``"route"``, or ``"reroute"`` when it holds a request sent before), with its ``worker``,
+    ``requests`` (ids), ``estimated_seconds``, the ``projected_finish`` compared, and in
+    ``after`` the state it left: per usable worker the tasks in flight (``in_flight``) and
+    the requests still waiting in the router (``waiting``); and a ``"lost"`` entry per
+    request whose worker left.
 
     Examples
     --------
