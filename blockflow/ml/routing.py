@@ -1,12 +1,12 @@
 """Request routing: send each inference request to the worker that will answer it first.
 
 :class:`Router` keeps a model loaded on every worker (shipped once, as :func:`blockflow.predict`
-does) and dispatches each request batch, as one task pinned to one worker, to the worker whose
-**speed-normalised projected finish** is earliest:
+does) and places each request on the worker whose **speed-normalised projected finish** is
+earliest:
 
     finish(w) = (backlog(w) / threads(w) + cost) x seconds_per_unit(w)
 
-``backlog`` is the cost (rows, by default) of the requests already routed to ``w`` and not yet
+``backlog`` is the cost (rows, by default) of the requests already sent to ``w`` and not yet
 answered; ``seconds_per_unit`` is measured from the compute time of ``w``'s own answers by
 blockflow's one throughput estimator (:class:`~blockflow.scheduling.estimate.Throughput`: the
 median of its last ``WINDOW`` answers after the first, with a fixed cost per answer; a first
@@ -14,13 +14,28 @@ answer pays for loading the model and warming up, so it counts only while no wor
 warm one), and before any answer from ``w`` it is the measured workers' seconds scaled by
 blockflow's learned speeds known with confidence (:func:`~blockflow.scheduling.client.
 learned_speeds`) where the scheduler plugin runs. The finish is placed by
-:func:`~blockflow.scheduling.estimate.earliest_finish`. This is join-the-shortest-expected-delay (blockflow heuristic after Whitt 1986), which
-beats round-robin and power-of-two-choices when devices differ in speed.
+:func:`~blockflow.scheduling.estimate.earliest_finish`. This is join-the-shortest-expected-delay
+(blockflow heuristic after Whitt 1986), which beats round-robin and power-of-two-choices when
+devices differ in speed.
+
+**Batches, not one task per request.** A Dask task costs 1.5-3 ms of client, scheduler and
+worker time (more on a loaded host), so one task per request caps a router at a few hundred
+requests per second whatever its devices can do, and the queue grows without bound beyond
+that. Requests therefore wait in the router until a worker has a free task slot (``threads +
+1`` tasks in flight: one waiting on the worker behind each running one, so the worker does
+not idle through the round trip); then the waiting requests the placement puts on that
+worker go to it as **one task**, at most ``batch_size`` requests and ``batch_seconds`` of
+estimated work (at least one request). Under light load a batch is one request; under heavy
+load batches grow with the queue, so the per-task cost is shared and the router keeps up.
+Placement happens when a slot frees, on the latest measurements (late binding), so a free
+worker is never left idle while a request it would finish first waits. Each answer is
+timed per request inside the task, so the estimator sees the same calls as before.
 
 Workers that are paused (by blockflow's plugin or by distributed) or whose device memory is
 nearly full (``blockflow.routing.memory-full``) get no new requests while another worker can
-take them. A lost worker's unanswered requests are routed again to the others; each request
-is answered exactly once (a late duplicate answer is dropped and counted).
+take them. A lost worker's unanswered requests (its whole batches) are routed again to the
+others; each request is answered exactly once (a late duplicate answer is dropped and
+counted).
 """
 
 from __future__ import annotations
@@ -41,7 +56,7 @@ from blockflow import config
 from blockflow.cluster.identity import workers_info
 from blockflow.ml.inference import ModelRef, ship_model
 from blockflow._distributed.metrics import read_metrics
-from blockflow.scheduling.client import fetch, learned_speeds, plugin_status
+from blockflow.scheduling.client import fetch, fetch_many, learned_speeds, plugin_status
 from blockflow.scheduling.estimate import Throughput, earliest_finish
 
 __all__ = ["Router"]
@@ -56,16 +71,23 @@ WINDOW = 8
 PLUGIN_REFRESH = 1.0
 
 
-def _answer(ref: ModelRef, batch):
-    """The task of one request: run the model on the batch, time the compute."""
+def _answer(ref: ModelRef, batches: list):
+    """The task of one batch of requests: run the model on each request's rows, timing each
+    call; a request whose call raises gets its exception as its answer (the others go on)."""
     from distributed import get_worker
 
     loaded, _ = ref.resolve()
-    with loaded.lock:
-        start = time.perf_counter()
-        out = loaded(batch)
-        elapsed = time.perf_counter() - start
-    return out, elapsed, get_worker().address
+    out = []
+    for batch in batches:
+        with loaded.lock:
+            start = time.perf_counter()
+            try:
+                result, ok = loaded(batch), True
+            except Exception as e:  # the model failed on this request: that is its answer
+                result, ok = e, False
+            elapsed = time.perf_counter() - start
+        out.append((ok, result, elapsed))
+    return out, get_worker().address
 
 
 @dataclass
@@ -77,14 +99,23 @@ class _Request:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     worker: str | None = None
     attempt: int = 0
-    task: Any = None  # the distributed Future of the current attempt
+    sent: Any = None  # the _Batch of the current attempt
     answered_by: str | None = None
     answered: float | None = None
-    workers_by_attempt: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Batch:
+    id: int
+    worker: str
+    requests: list
+    cost: float
+    task: Any = None  # its distributed Future
+    released: bool = False  # its worker's backlog and slot given back
 
 
 class Router:
-    """Route inference request batches to the worker that will answer first.
+    """Route inference requests, in batches, to the worker that will answer first.
 
     Parameters
     ----------
@@ -101,10 +132,25 @@ class Router:
         Device-memory fraction (0-1) at or above which a worker gets no new requests;
         default config ``blockflow.routing.memory-full``.
     depth : int, optional
-        At most this many requests per worker thread in flight; the rest wait in the
-        router and go to the worker whose projected finish is earliest when one frees up
-        (late binding: useful while speeds are unknown, costly where the answer's round
-        trip is slow). Default None: every request is routed when it arrives.
+        At most this many requests per worker thread in flight (sent, not yet answered);
+        ``depth=1`` sends one request at a time per thread. Default None: bounded only by
+        the batch bounds and the task slots (``threads + 1`` tasks per worker).
+    batch_size : int, optional
+        At most this many requests in one task (>= 1); default config
+        ``blockflow.routing.batch-size``.
+    batch_seconds : str or float, optional
+        At most this much estimated work in one task (seconds or ``"200ms"``; a batch holds
+        at least one request whatever its estimate); default config
+        ``blockflow.routing.batch-seconds``.
+
+    Notes
+    -----
+    ``router.decisions`` (a deque of dict) records every batch sent (``action``
+    ``"route"``, or ``"reroute"`` when it holds a request sent before), with its ``worker``,
+    ``requests`` (ids), ``estimated_seconds``, the ``projected_finish`` compared, and in
+    ``after`` the state it left: per usable worker the tasks in flight (``in_flight``) and
+    the requests still waiting in the router (``waiting``); and a ``"lost"`` entry per
+    request whose worker left.
 
     Examples
     --------
@@ -113,25 +159,39 @@ class Router:
     """
 
     def __init__(self, client, model, *, method: str | None = None, interval=None,
-                 memory_full: float | None = None, depth: int | None = None):
+                 memory_full: float | None = None, depth: int | None = None,
+                 batch_size: int | None = None, batch_seconds=None):
         self.client = client
-        # a model given here is shipped here and freed by close(); a ModelRef stays the
-        # caller's to close
-        self._owns_ref = not isinstance(model, ModelRef)
-        self.ref = model if isinstance(model, ModelRef) else ship_model(
-            model, method=method, client=client, entry="blockflow.Router")
         self.interval = parse_timedelta(config.get("routing.interval", interval))
         self.memory_full = float(config.get("routing.memory-full", memory_full))
         if depth is not None and (isinstance(depth, bool) or int(depth) < 1):
             raise ValueError(f"blockflow: Router depth must be None or >= 1 request per "
                              f"thread, got {depth!r}.")
         self.depth = None if depth is None else int(depth)
+        size = config.get("routing.batch-size", batch_size)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"blockflow: Router batch_size must be an int >= 1 request per "
+                             f"task, got {size!r}.")
+        self.batch_size = size
+        self.batch_seconds = parse_timedelta(config.get("routing.batch-seconds",
+                                                        batch_seconds))
+        if not self.batch_seconds or self.batch_seconds <= 0:
+            raise ValueError(f"blockflow: Router batch_seconds must be > 0 seconds of "
+                             f"estimated work per task, got {batch_seconds!r}.")
+        # a model given here is shipped here and freed by close(); a ModelRef stays the
+        # caller's to close
+        self._owns_ref = not isinstance(model, ModelRef)
+        self.ref = model if isinstance(model, ModelRef) else ship_model(
+            model, method=method, client=client, entry="blockflow.Router")
         self._ids = itertools.count()
+        self._batch_ids = itertools.count()
         self._lock = threading.Lock()
         self._requests: dict[int, _Request] = {}  # unanswered
-        self._waiting: deque[_Request] = deque()  # no usable worker yet
-        self._backlog: Counter = Counter()
-        self._inflight: Counter = Counter()  # tasks routed to each worker, not yet back
+        self._waiting: deque[_Request] = deque()  # not sent: no free slot, or no worker
+        self._batches: dict[int, _Batch] = {}  # sent, not yet released
+        self._backlog: Counter = Counter()  # cost sent to each worker, not yet back
+        self._inflight: Counter = Counter()  # requests sent to each worker, not yet back
+        self._tasks: Counter = Counter()  # batches (tasks) in flight per worker
         # seconds per cost unit from the answers' compute times; a worker's first answer
         # pays for loading the model and warming up: kept apart, trusted only while no
         # worker has a warm answer (cold starts are discounted)
@@ -140,15 +200,16 @@ class Router:
         self._speeds: dict[str, float] = {}  # learned, known with confidence
         self._excluded: dict[str, str] = {}  # worker -> why it gets no new requests
         self._events: queue.Queue = queue.Queue()
-        self.counts = Counter()  # submitted, answered, rerouted, duplicates, failed
+        self.counts = Counter()  # submitted, answered, rerouted, duplicates, failed, batches
         self.answered_by: Counter = Counter()
         self.decisions: deque = deque(maxlen=10_000)
         self._closed = False
         self._plugin_view: tuple[dict, dict] = ({}, {})
         self._plugin_due = 0.0
         self._missing: set[str] = set()
+        self._finished_batches: queue.Queue = queue.Queue()  # to fetch, oldest first
         self._fetcher = concurrent.futures.ThreadPoolExecutor(
-            4, thread_name_prefix="blockflow-router-fetch")
+            2, thread_name_prefix="blockflow-router-fetch")
         self._refresh()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="blockflow-router",
@@ -157,6 +218,8 @@ class Router:
                                          daemon=True)
         self._thread.start()
         self._watcher.start()
+        for _ in range(2):  # two gathers in flight: one round trip hides behind the other
+            self._fetcher.submit(self._fetch_loop)
 
     # -- public API ------------------------------------------------------------------
 
@@ -182,26 +245,37 @@ class Router:
         with self._lock:
             self._requests[req.id] = req
             self.counts["submitted"] += 1
-            if self._waiting:  # first come, first served
-                self._waiting.append(req)
-            else:
-                self._dispatch(req)
+            self._waiting.append(req)
+            if any(self._free(w) for w in self._usable()):
+                self._pump()
         return req.future
 
     def map(self, batches, *, costs=None) -> list[concurrent.futures.Future]:
         """:meth:`submit` each batch; the futures in the same order."""
         costs = [None] * len(batches) if costs is None else costs
-        return [self.submit(b, cost=c) for b, c in zip(batches, costs)]
+        with self._lock:  # one placement for the lot, not one per request
+            self._mapping = True
+        try:
+            futures = [self.submit(b, cost=c) for b, c in zip(batches, costs)]
+        finally:
+            with self._lock:
+                self._mapping = False
+                self._pump()
+        return futures
+
+    _mapping = False
 
     def stats(self) -> dict[str, Any]:
-        """Plain data: ``counts`` (submitted, answered, rerouted, duplicates, failed),
-        ``answered_by`` (worker -> answers), ``seconds_per_unit`` (measured, per worker:
-        from its warm answers, or its first answer while it has only that one),
-        ``excluded`` (worker -> why it gets no new requests), ``pending``."""
+        """Plain data: ``counts`` (submitted, answered, rerouted, duplicates, failed,
+        batches), ``answered_by`` (worker -> answers), ``seconds_per_unit`` (measured, per
+        worker: from its warm answers, or its first answer while it has only that one),
+        ``excluded`` (worker -> why it gets no new requests), ``pending`` (unanswered),
+        ``waiting`` (not yet sent)."""
         with self._lock:
             return {"counts": dict(self.counts), "answered_by": dict(self.answered_by),
                     "seconds_per_unit": self._throughput.observed_seconds_per_unit(),
-                    "excluded": dict(self._excluded), "pending": len(self._requests)}
+                    "excluded": dict(self._excluded), "pending": len(self._requests),
+                    "waiting": len(self._waiting)}
 
     def close(self) -> None:
         """Stop routing; unanswered requests are cancelled, and the model this Router
@@ -212,15 +286,20 @@ class Router:
         self._closed = True
         self._stop.set()
         self._events.put(None)
+        for _ in range(2):
+            self._finished_batches.put(None)
         self._thread.join(timeout=10)
         self._watcher.join(timeout=10)
         self._fetcher.shutdown(wait=True, cancel_futures=True)
         with self._lock:
+            for b in list(self._batches.values()):
+                if b.task is not None:
+                    b.task.cancel()
             for req in list(self._requests.values()):
-                if req.task is not None:
-                    req.task.cancel()
                 req.future.cancel()
             self._requests.clear()
+            self._waiting.clear()
+            self._batches.clear()
         if self._owns_ref:
             self.ref.close()
 
@@ -230,51 +309,113 @@ class Router:
     def __exit__(self, *exc):
         self.close()
 
-    # -- choosing a worker -----------------------------------------------------------------
+    # -- choosing workers and sending batches ------------------------------------------------
 
     def _threads(self, w: str) -> int:
         return max(int(self._workers[w].get("nthreads") or 1), 1)
 
-    def _choose(self, cost: float) -> tuple[str | None, dict]:
+    def _usable(self) -> list[str]:
         alive = list(self._workers)
-        usable = [w for w in alive if w not in self._excluded] or alive
-        if not usable:
-            return None, {}
-        spu = self._throughput.seconds_per_unit(alive, self._speeds)
-        ready = {w: self._backlog[w] / self._threads(w) * spu[w] for w in usable}
-        finish = {w: ready[w] + cost * spu[w] for w in usable}
-        best = earliest_finish(1, ready, spu, units=[cost],
-                               tie=lambda w, _: (self._backlog[w], w))[0]
-        return best.worker, finish
+        return [w for w in alive if w not in self._excluded] or alive
 
-    def _full(self, w: str) -> bool:
-        return self.depth is not None and self._inflight[w] >= self.depth * self._threads(w)
+    def _room(self, w: str) -> int:
+        """Requests ``w`` may still be sent now (0: no free task slot)."""
+        if self._tasks[w] >= self._threads(w) + 1:  # one waiting behind each running task
+            return 0
+        if self.depth is None:
+            return self.batch_size
+        return max(min(self.depth * self._threads(w) - self._inflight[w], self.batch_size), 0)
 
-    def _dispatch(self, req: _Request, *, front: bool = False) -> None:  # under self._lock
-        worker, finish = self._choose(req.cost)
-        if worker is None or self._full(worker):
-            # Late binding: the earliest-finishing worker has ``depth`` requests per thread
-            # already; the request waits here (not in a worker's queue) until a worker
-            # frees up, so a burst is not committed on estimates made before any answer.
-            (self._waiting.appendleft if front else self._waiting.append)(req)
+    def _free(self, w: str) -> bool:
+        return self._room(w) > 0
+
+    def _pump(self) -> None:  # under self._lock: send waiting requests to free workers
+        if self._mapping or self._closed:
             return
-        self._inflight[worker] += 1
-        req.attempt += 1
-        req.worker = worker
-        req.workers_by_attempt[req.attempt] = worker
-        self._backlog[worker] += req.cost
-        key = f"blockflow-request-{self.ref.token[:8]}-{req.id}-{req.attempt}"
-        task = self.client.submit(_answer, self.ref, req.batch, key=key, workers=[worker],
-                                  allow_other_workers=False, pure=False)
-        req.task = task
-        attempt = req.attempt
-        task.add_done_callback(lambda f, r=req, a=attempt: self._events.put((r, a, f)))
+        while self._waiting and self._waiting[0].future.done():
+            self._waiting.popleft()  # answered by an earlier attempt meanwhile
+        if not self._waiting:
+            return
+        alive = list(self._workers)
+        usable = self._usable()
+        if not usable or not any(self._free(w) for w in usable):
+            return
+        spu = self._throughput.seconds_per_unit(alive, self._speeds)
+        threads = {w: self._threads(w) for w in usable}
+        ready = {w: self._backlog[w] / threads[w] * spu[w] for w in usable}
+        # Plan the head of the queue (enough to fill every free slot with full batches):
+        # each request where it finishes first; those placed on busy workers stay waiting.
+        plan = [r for r in itertools.islice(self._waiting, self.batch_size * sum(
+            t + 1 for t in threads.values())) if not r.future.done()]
+        placed = earliest_finish(len(plan), ready, spu, units=[r.cost for r in plan],
+                                 threads=threads,
+                                 tie=lambda w, _: (self._backlog[w], w))
+        mine: dict[str, list] = {}
+        for p in placed:
+            mine.setdefault(p.worker, []).append(plan[p.item])
+        finish = {w: ready[w] + spu[w] * (plan[0].cost if plan else 0) for w in usable}
+        sent: set[int] = set()
+        for w, reqs in mine.items():
+            while reqs and self._free(w):
+                room, batch, seconds = self._room(w), [], 0.0
+                while reqs and len(batch) < room:
+                    more = reqs[0].cost * spu[w]
+                    if batch and seconds + more > self.batch_seconds:
+                        break
+                    batch.append(reqs.pop(0))
+                    seconds += more
+                self._send(w, batch, seconds, finish)
+                sent.update(r.id for r in batch)
+        if sent:
+            self._waiting = deque(r for r in self._waiting
+                                  if r.id not in sent and not r.future.done())
+            self.decisions[-1]["after"] = {  # the state the last batch left
+                "in_flight": {w: self._tasks[w] for w in usable},
+                "waiting": len(self._waiting)}
+
+    def _send(self, worker: str, reqs: list, seconds: float, finish: dict) -> None:
+        b = _Batch(next(self._batch_ids), worker, reqs, sum(r.cost for r in reqs))
+        again = False
+        for r in reqs:
+            again |= r.attempt > 0
+            r.attempt += 1
+            r.worker, r.sent = worker, b
+        self._batches[b.id] = b
+        self._tasks[worker] += 1
+        self._inflight[worker] += len(reqs)
+        self._backlog[worker] += b.cost
+        self.counts["batches"] += 1
+        key = f"blockflow-request-{self.ref.token[:8]}-{reqs[0].id}-b{b.id}"
+        b.task = self.client.submit(_answer, self.ref, [r.batch for r in reqs], key=key,
+                                    workers=[worker], allow_other_workers=False, pure=False)
+        b.task.add_done_callback(lambda f, b=b: self._events.put((b, f)))
         self.decisions.append({
-            "time": time.time(), "action": "route" if attempt == 1 else "reroute",
-            "request": req.id, "worker": worker,
+            "time": time.time(), "action": "reroute" if again else "route",
+            "request": reqs[0].id, "requests": [r.id for r in reqs], "worker": worker,
+            "estimated_seconds": round(seconds, 6),
             "reason": "earliest speed-normalised projected finish",
             "projected_finish": {w: round(v, 6) for w, v in finish.items()},
             "excluded": dict(self._excluded)})
+
+    def _release(self, b: _Batch) -> None:  # under self._lock: the batch's work is over
+        if b.released:
+            return
+        b.released = True
+        self._batches.pop(b.id, None)
+        w = b.worker
+        if self._tasks.get(w, 0) > 0:
+            self._tasks[w] -= 1
+        if self._inflight.get(w, 0) > 0:
+            self._inflight[w] = max(self._inflight[w] - len(b.requests), 0)
+        if self._backlog.get(w, 0) > 0:
+            self._backlog[w] = max(self._backlog[w] - b.cost, 0.0)
+
+    def _again(self, reqs: list, b: _Batch) -> None:  # under self._lock: route them again
+        again = [r for r in reqs if not r.future.done() and r.sent is b]
+        for r in reversed(again):  # they go first: they waited longest
+            r.sent = None
+            self._waiting.appendleft(r)
+        self.counts["rerouted"] += len(again)
 
     # -- the router's thread: answers, worker state, lost workers ---------------------------
 
@@ -299,78 +440,101 @@ class Router:
                 if not self._closed:
                     logger.exception("blockflow router: error while refreshing worker state")
 
-    def _finished(self, req: _Request, attempt: int, task) -> None:
-        with self._lock:  # the attempt's work is over: release what it held
-            worker = req.workers_by_attempt.pop(attempt, None)
-            if worker is not None:
-                if self._inflight.get(worker, 0) > 0:
-                    self._inflight[worker] -= 1
-                if self._backlog.get(worker, 0) > 0:
-                    self._backlog[worker] = max(self._backlog[worker] - req.cost, 0.0)
+    def _finished(self, b: _Batch, task) -> None:
+        with self._lock:
+            self._release(b)
         try:
-            self._settle(req, attempt, task)
+            if task.status == "finished":  # fetch the answers off the routing thread
+                self._finished_batches.put((b, task))
+            else:
+                self._failed(b, task)
         finally:
             with self._lock:
-                self._drain()
+                self._pump()
 
-    def _drain(self) -> None:  # under self._lock: send waiting requests to free workers
-        for _ in range(len(self._waiting)):
-            req = self._waiting.popleft()
-            before = len(self._waiting)
-            self._dispatch(req, front=True)
-            if len(self._waiting) > before:  # it waits again: so would those behind it
-                break
+    def _fetch_loop(self) -> None:
+        """A fetching thread: every batch finished by now, gathered in one request (one
+        round trip for many batches under load); one by one when that fails."""
+        while True:
+            item = self._finished_batches.get()
+            if item is None:
+                return
+            group = [item]
+            while len(group) < 64:
+                try:
+                    more = self._finished_batches.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._finished_batches.put(None)  # the other thread's stop
+                    break
+                group.append(more)
+            try:
+                try:
+                    results = fetch_many([t for _, t in group], timeout=30)
+                except Exception:  # a lost result or a failed task: find which, one by one
+                    results = None
+                for k, (b, task) in enumerate(group):
+                    self._fetch(b, task, None if results is None else results[k])
+            except Exception:  # never let a fetching thread die: answers would hang
+                if not self._closed:
+                    logger.exception("blockflow router: error while fetching answers")
 
-    def _settle(self, req: _Request, attempt: int, task) -> None:
-        status = task.status
-        if status == "finished":  # fetch the answer off the routing thread
-            self._fetcher.submit(self._fetch, req, attempt, task)
-            return
-        self._failed(req, attempt, task, status)
-
-    def _fetch(self, req: _Request, attempt: int, task) -> None:
+    def _fetch(self, b: _Batch, task, result=None) -> None:
         try:
-            out, elapsed, worker = fetch(task, timeout=30, deadline=30)
+            answers, worker = (fetch(task, timeout=30, deadline=30) if result is None
+                               else result)
         except Exception as e:  # lost between finishing and fetching: route again
-            logger.info("blockflow router: request %s result lost (%s)", req.id, e)
+            logger.info("blockflow router: batch of requests %s result lost (%s)",
+                        [r.id for r in b.requests], e)
             with self._lock:
-                if not req.future.done() and attempt == req.attempt:
-                    self.counts["rerouted"] += 1
-                    self._dispatch(req)
+                self._again(b.requests, b)
+                self._pump()
             return
-        try:
-            with self._lock:
-                if req.future.done():
-                    self.counts["duplicates"] += 1
-                    return
-                if attempt != req.attempt and req.task is not None:
-                    req.task.cancel()  # an earlier attempt answered first
-                req.answered_by, req.answered = worker, time.perf_counter()
-                self._requests.pop(req.id, None)
-                self.counts["answered"] += 1
-                self.answered_by[worker] += 1
-                if req.cost > 0:
-                    self._throughput.observe(worker, req.cost, elapsed)
-            req.future.set_result(out)
-        except Exception:  # never lose an answer to a bookkeeping error
-            logger.exception("blockflow router: error while answering request %s", req.id)
+        settled = []
+        with self._lock:
+            for r, (ok, out, elapsed) in zip(b.requests, answers):
+                try:
+                    if r.future.done():
+                        self.counts["duplicates"] += 1
+                        continue
+                    r.answered_by, r.answered = worker, time.perf_counter()
+                    self._requests.pop(r.id, None)
+                    if ok:
+                        self.counts["answered"] += 1
+                        self.answered_by[worker] += 1
+                        if r.cost > 0:
+                            self._throughput.observe(worker, r.cost, elapsed)
+                    else:
+                        self.counts["failed"] += 1
+                    settled.append((r, ok, out))
+                except Exception:  # never lose an answer to a bookkeeping error
+                    logger.exception("blockflow router: error while answering request %s",
+                                     r.id)
+                    settled.append((r, ok, out))
+        for r, ok, out in settled:
+            if r.future.done():
+                continue
+            (r.future.set_result if ok else r.future.set_exception)(out)
 
-    def _failed(self, req: _Request, attempt: int, task, status: str) -> None:
-        if status == "cancelled" or attempt != req.attempt:
-            return  # an attempt we replaced, or the client is closing
+    def _failed(self, b: _Batch, task) -> None:
+        if task.status == "cancelled":
+            return  # a batch whose worker left (its requests are routed again), or closing
         exc = task.exception(timeout=30)
         if _worker_lost(exc):
             with self._lock:
-                if req.future.done():
-                    return
-                self.counts["rerouted"] += 1
-                self._dispatch(req)
+                self._again(b.requests, b)
             return
-        with self._lock:  # the model itself failed: that is the answer
-            self._requests.pop(req.id, None)
-            self.counts["failed"] += 1
-        if not req.future.done():
-            req.future.set_exception(exc)
+        failed = []
+        with self._lock:  # the task itself failed (not one model call): that is the answer
+            for r in b.requests:
+                if not r.future.done() and r.sent is b:
+                    self._requests.pop(r.id, None)
+                    self.counts["failed"] += 1
+                    failed.append(r)
+        for r in failed:
+            if not r.future.done():
+                r.future.set_exception(exc)
 
     def _refresh(self) -> None:
         workers = workers_info(self.client)
@@ -400,26 +564,22 @@ class Router:
             self._speeds = dict(speeds)
             self._excluded = excluded
             # A worker is lost when two refreshes in a row miss it (one reply may be cut).
-            gone = {r.worker for r in self._requests.values()
-                    if r.worker is not None and r.worker not in workers}
+            gone = {b.worker for b in self._batches.values() if b.worker not in workers}
             lost_workers, self._missing = gone & self._missing, gone
-            lost = [r for r in self._requests.values()
-                    if r.worker in lost_workers and not r.future.done()]
-            for req in lost:  # its worker left: route it again
-                self._backlog.pop(req.worker, None)
-                req.workers_by_attempt.pop(req.attempt, None)
-                if req.task is not None:
-                    req.task.cancel()
-                self.counts["rerouted"] += 1
-                self.decisions.append({"time": time.time(), "action": "lost",
-                                       "request": req.id, "worker": req.worker,
-                                       "reason": "worker left the cluster"})
-                self._dispatch(req)
-            for w in [w for w in self._backlog if w not in workers]:
-                del self._backlog[w]
-            for w in [w for w in self._inflight if w not in workers]:
-                del self._inflight[w]
-            self._drain()
+            for b in [b for b in self._batches.values() if b.worker in lost_workers]:
+                if b.task is not None:
+                    b.task.cancel()
+                self._release(b)
+                for r in b.requests:
+                    if not r.future.done() and r.sent is b:
+                        self.decisions.append({"time": time.time(), "action": "lost",
+                                               "request": r.id, "worker": b.worker,
+                                               "reason": "worker left the cluster"})
+                self._again(b.requests, b)
+            for counter in (self._backlog, self._inflight, self._tasks):
+                for w in [w for w in counter if w not in workers]:
+                    del counter[w]
+            self._pump()
 
 
 def _worker_lost(exc: BaseException | None) -> bool:

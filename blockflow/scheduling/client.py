@@ -45,6 +45,7 @@ __all__ = [
     "decisions",
     "declared_speeds",
     "fetch",
+    "fetch_many",
     "gather_as_done",
     "gather_results",
     "learned_speeds",
@@ -618,6 +619,45 @@ def lost_roles(client: Client, what: str, roles: Mapping[str, str], fix: str,
     held = "; ".join(f"{roles[a]} on worker {a}" for a in gone)
     return WorkerLostError(
         f"blockflow: {what} failed: lost {held}, which left the cluster; {fix}", lost=gone)
+
+
+def fetch_many(futures, *, timeout: float = 10.0) -> list:
+    """The results of several finished futures in one request (one round trip, not one
+    per future, where results come back at a high rate).
+
+    The gather runs on the client's event loop under ``timeout`` (never an unbounded
+    ``Client.gather``: a result lost with its worker would be waited for). Any failure
+    (a lost result, the timeout, a task's own exception) raises; the caller falls back on
+    :func:`fetch` for each future to tell which.
+
+    Parameters
+    ----------
+    futures : list of distributed.Future
+        Finished futures of one client.
+    timeout : float, default 10.0
+        Seconds for the whole gather.
+
+    Returns
+    -------
+    list
+        The results, in the order of ``futures``.
+
+    Raises
+    ------
+    Exception
+        Whatever stopped the gather (``TimeoutError`` on the timeout).
+    """
+    import asyncio
+
+    futures = list(futures)
+    if not futures:
+        return []
+    client = futures[0].client
+
+    async def gather():
+        return await asyncio.wait_for(client.gather(futures, asynchronous=True), timeout)
+
+    return list(client.sync(gather))
 
 
 def wait_any(futures: Iterable, timeout: float = 1.0) -> list:

@@ -182,3 +182,21 @@ def test_fetch_raises_the_tasks_own_error(two_workers):
     fut = c.submit(math.sqrt, -1.0, pure=False)
     with pytest.raises(ValueError):
         fetch(fut, timeout=scaled(10))
+
+
+def test_fetch_many_gathers_finished_results_in_order(two_workers):
+    from blockflow.scheduling.client import fetch_many
+
+    _, c = two_workers
+    futures = [c.submit(_sleep_then, i, 0.0, pure=False) for i in range(6)]
+    for f in futures:
+        fetch(f, timeout=scaled(10))
+    assert fetch_many(futures[::-1], timeout=scaled(10)) == [5, 4, 3, 2, 1, 0]
+    assert fetch_many([]) == []
+    bad = c.submit(math.sqrt, -1.0, pure=False)
+    with pytest.raises(ValueError):  # a task's own error stops the gather
+        fetch_many([futures[0], bad], timeout=scaled(10))
+    slow = c.submit(time.sleep, 3, pure=False)
+    with pytest.raises(TimeoutError):  # never an unbounded wait
+        fetch_many([slow], timeout=0.2)
+    slow.cancel()
