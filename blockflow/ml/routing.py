@@ -54,7 +54,7 @@ from dask.utils import parse_timedelta
 
 from blockflow import config
 from blockflow.cluster.identity import workers_info
-from blockflow.ml.inference import ModelRef, ship_model
+from blockflow.ml.inference import ModelRef, _module, ship_model
 from blockflow._distributed.metrics import read_metrics
 from blockflow.scheduling.client import fetch, fetch_many, learned_speeds, plugin_status
 from blockflow.scheduling.estimate import Throughput, earliest_finish
@@ -73,7 +73,10 @@ PLUGIN_REFRESH = 1.0
 
 def _answer(ref: ModelRef, batches: list):
     """The task of one batch of requests: run the model on each request's rows, timing each
-    call; a request whose call raises gets its exception as its answer (the others go on)."""
+    call; a request whose call raises gets its exception as its answer (the others go on).
+    A request with no rows gets an empty output of the model's dtype and trailing shape (its
+    output on two rows of zeros, cut to none), as an empty block does in
+    ``blockflow.predict``: models such as scikit-learn's refuse zero rows."""
     from distributed import get_worker
 
     loaded, _ = ref.resolve()
@@ -82,7 +85,11 @@ def _answer(ref: ModelRef, batches: list):
         with loaded.lock:
             start = time.perf_counter()
             try:
-                result, ok = loaded(batch), True
+                if len(batch) == 0:
+                    zeros = _module(batch).zeros((2, *batch.shape[1:]), dtype=batch.dtype)
+                    result, ok = loaded(zeros)[:0], True
+                else:
+                    result, ok = loaded(batch), True
             except Exception as e:  # the model failed on this request: that is its answer
                 result, ok = e, False
             elapsed = time.perf_counter() - start

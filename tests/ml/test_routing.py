@@ -330,3 +330,23 @@ def test_killed_worker_batches_are_answered_elsewhere_exactly_once(digits):
     assert again and all(d["worker"] != victim for d in again), again
     # every request answered once: by a live worker or by the victim before it died
     assert sum(stats["answered_by"].values()) == 306
+
+
+def test_a_request_with_no_rows_gets_an_empty_answer_of_the_models_dtype(digits):
+    # scikit-learn refuses zero rows ("Found array with 0 sample(s)"): an empty request is
+    # answered as blockflow.predict answers an empty block, for predict and predict_proba
+    from sklearn.linear_model import LogisticRegression
+
+    X, model = digits
+    proba = LogisticRegression(max_iter=200).fit(X[:300] / 16, model.predict(X[:300]))
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        with Router(client, model) as router:
+            labels = router.submit(X[:0]).result(timeout=60)
+            np.testing.assert_array_equal(router.submit(X[:3]).result(timeout=60),
+                                          model.predict(X[:3]))
+        with Router(client, proba, method="predict_proba") as router:
+            probs = router.submit(X[:0] / 16).result(timeout=60)
+            assert router.stats()["counts"]["answered"] == 1
+    assert labels.shape == (0,) and labels.dtype == model.predict(X[:1]).dtype
+    assert probs.shape == (0, 10) and probs.dtype == np.float64
