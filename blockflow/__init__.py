@@ -5,34 +5,43 @@ Importing blockflow has one side effect: it loads blockflow's configuration defa
 """
 
 from blockflow import config as _config  # noqa: F401  (loads the defaults)
-from blockflow.backends import (
-    GPUUnavailableError,
-    array_module,
-    dataframe_module,
-    to_device,
-    to_host,
-)
-from blockflow.blockwise import map_blocks
-from blockflow.cluster.connection import connect
-from blockflow.decompose import BlockResize, fit_blocks, split_skewed
-from blockflow.errors import (
-    BlockflowWarning,
-    BlockKernelError,
-    ConvergenceWarning,
-    DeviceMemoryError,
-    EmptyCollectionError,
-    ResourceError,
-    WorkerLostError,
-)
-from blockflow.ml.inference import predict
-from blockflow.cluster.inventory import Inventory, inventory
-from blockflow.ml.parallel import PipelineParallel, TensorParallelMLP
-from blockflow.cluster.rebalance import rebalance
-from blockflow.reduction import choose_split_every, tree_reduce
-from blockflow.cluster.report import RunReport, run_report
-from blockflow.ml.routing import Router
-from blockflow.scheduling.client import decisions, plugin_status, task_counts
-from blockflow import scheduling  # noqa: F401  (blockflow.scheduling: the plugin and its policies)
+
+#: Public name -> the module that defines it, imported on first use (SPEC 1 lazy loading:
+#: ``import blockflow`` and ``blockflow --help`` stay quick, and a Ctrl-C pressed while a
+#: command starts reaches the command's own handler instead of an import's traceback).
+_LAZY = {
+    "BlockKernelError": "blockflow.errors",
+    "BlockResize": "blockflow.decompose",
+    "BlockflowWarning": "blockflow.errors",
+    "ConvergenceWarning": "blockflow.errors",
+    "DeviceMemoryError": "blockflow.errors",
+    "EmptyCollectionError": "blockflow.errors",
+    "GPUUnavailableError": "blockflow.backends",
+    "Inventory": "blockflow.cluster.inventory",
+    "PipelineParallel": "blockflow.ml.parallel",
+    "ResourceError": "blockflow.errors",
+    "Router": "blockflow.ml.routing",
+    "RunReport": "blockflow.cluster.report",
+    "TensorParallelMLP": "blockflow.ml.parallel",
+    "WorkerLostError": "blockflow.errors",
+    "array_module": "blockflow.backends",
+    "choose_split_every": "blockflow.reduction",
+    "connect": "blockflow.cluster.connection",
+    "dataframe_module": "blockflow.backends",
+    "decisions": "blockflow.scheduling.client",
+    "fit_blocks": "blockflow.decompose",
+    "inventory": "blockflow.cluster.inventory",
+    "map_blocks": "blockflow.blockwise",
+    "plugin_status": "blockflow.scheduling.client",
+    "predict": "blockflow.ml.inference",
+    "rebalance": "blockflow.cluster.rebalance",
+    "run_report": "blockflow.cluster.report",
+    "split_skewed": "blockflow.decompose",
+    "task_counts": "blockflow.scheduling.client",
+    "to_device": "blockflow.backends",
+    "to_host": "blockflow.backends",
+    "tree_reduce": "blockflow.reduction",
+}
 
 __version__ = "0.1.0"
 
@@ -69,3 +78,23 @@ __all__ = [
     "to_host",
     "tree_reduce",
 ]
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        try:  # a subpackage or module: blockflow.ml, blockflow.scheduling, ...
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -33,8 +33,6 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from blockflow.scheduling import POLICIES
-
 __all__ = ["cli"]
 
 _GPU_CHOICES = {"auto": "auto", "true": True, "false": False}
@@ -59,13 +57,33 @@ def _cluster_options(command: Callable) -> Callable:
                           "distributed's default on CPU."),
         click.option("--threads-per-worker", type=click.IntRange(min=1), default=None,
                      help="Embedded cluster: threads per worker."),
-        click.option("--policy", type=click.Choice(POLICIES), default=None,
+        click.option("--policy", type=_PolicyChoice(), default=None,
                      help="Policy of blockflow's scheduler plugin. Default: the "
                           "blockflow.cluster.policy setting (dynamic)."),
     ]
     for option in reversed(options):
         command = option(command)
     return command
+
+
+class _PolicyChoice(click.Choice):
+    """The names in :data:`blockflow.scheduling.POLICIES`, read when an option is checked or
+    the help is shown: importing the scheduling package (and distributed) waits until a
+    command runs, so ``blockflow --help`` is quick and a Ctrl-C while a command starts is
+    the command's to handle."""
+
+    def __init__(self):
+        super().__init__([])
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        from blockflow.scheduling import POLICIES
+
+        return tuple(POLICIES)
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ sets it; the registry rules
+        pass
 
 
 class _Duration(click.ParamType):

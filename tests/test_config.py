@@ -177,3 +177,28 @@ def test_validate_warns_once_about_a_variable_that_is_not_read(monkeypatch):
     assert dask.config.get("blockflow.cluster.policy") == "dynamic"  # indeed not applied
     config.validate()  # once per process: no second warning (they are errors in tests)
     config.validate({"blockflow": {"cluster": {"gpu": True}}})  # explicit config: no warning
+
+
+def test_public_names_resolve_lazily_to_their_modules_own_objects():
+    import importlib
+
+    for name, module in blockflow._LAZY.items():
+        assert getattr(blockflow, name) is getattr(importlib.import_module(module), name)
+    assert set(blockflow.__all__) == set(blockflow._LAZY)
+    assert set(blockflow.__all__) <= set(dir(blockflow))
+    assert blockflow.ml.LogisticRegression  # subpackages too, without importing them first
+    with pytest.raises(AttributeError, match="module 'blockflow' has no attribute 'nope'"):
+        blockflow.nope
+
+
+@pytest.mark.slow
+def test_importing_blockflow_or_its_cli_loads_the_settings_not_distributed():
+    # `blockflow --help` answers without importing distributed, and a Ctrl-C while a command
+    # starts falls inside the command (its one-line message), not inside an import
+    code = ("import sys, dask, blockflow.cli; "
+            "print(dask.config.get('blockflow.cluster.policy'), "
+            "sorted(m for m in ('distributed', 'blockflow.scheduling', 'torch', 'sklearn') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "dynamic []"
