@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 import warnings
 
 import pytest
@@ -114,6 +115,42 @@ def worker_pids(client: Client) -> dict[str, int]:
     """Worker address -> process id of the worker process (not its nanny); workers that died
     a moment ago are left out."""
     return dict(sorted(client.run(os.getpid, on_error="ignore").items()))
+
+
+def _task_and_worker(key, address: str, dask_scheduler=None) -> dict:
+    ts, ws = dask_scheduler.tasks.get(key), dask_scheduler.workers.get(address)
+    plugin = dask_scheduler.plugins.get("blockflow-rebalancer")
+    return {
+        "task": None if ts is None else {
+            "state": ts.state,
+            "processing_on": getattr(ts.processing_on, "address", None),
+            "restrictions": sorted(ts.worker_restrictions or ())},
+        "worker": None if ws is None else {
+            "status": ws.status.name, "processing": len(ws.processing),
+            "in running set": ws in dask_scheduler.running,
+            "seconds since heartbeat": round(time.time() - ws.last_seen, 1)},
+        "paused by blockflow": sorted(getattr(plugin, "paused", {}) or {}),
+    }
+
+
+def why_not_run(client: Client, key, address: str) -> str:
+    """What the scheduler knows of task ``key`` and worker ``address``, and whether the
+    worker's event loop answers (a hung worker stays listed until its heartbeat times out):
+    the message of a test waiting in vain for a task on that worker."""
+    import concurrent.futures
+
+    state = client.run_on_scheduler(_task_and_worker, key, address)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    asked = pool.submit(client.run, lambda dask_worker: {
+        "status": dask_worker.status.name,
+        "executing": len(dask_worker.state.executing),
+        "ready": len(dask_worker.state.ready)}, workers=[address], on_error="return")
+    try:
+        state["worker answers"] = asked.result(timeout=15).get(address)
+    except Exception as e:  # no answer in 15 s: the worker's event loop is stuck
+        state["worker answers"] = f"no: {e!r}"
+    pool.shutdown(wait=False)
+    return repr(state)
 
 
 def kill(pid: int) -> None:

@@ -35,6 +35,7 @@ from .conftest import (
     ready_workers,
     running_workers,
     tasks_done_on,
+    why_not_run,
     worker_pids,
 )
 
@@ -63,7 +64,12 @@ def _new_worker_runs_tasks(client, old: list[str]) -> str:
     # a task only the new worker may run shows that it runs (a paused worker would not).
     pinned = client.submit(slow_double, np.ones(2), workers=[new], allow_other_workers=False,
                            pure=False)
-    assert pinned.result(timeout=120).tolist() == [2.0, 2.0]
+    try:
+        result = pinned.result(timeout=scaled(60, at_most=120))
+    except TimeoutError:  # say why, as the scheduler and the worker itself see it
+        pytest.fail(f"the restarted worker {new} did not run a task pinned to it: "
+                    f"{why_not_run(client, pinned.key, new)}")
+    assert result.tolist() == [2.0, 2.0]
     wait_until(lambda: tasks_done_on(client, new) > before, timeout=30,
                message="the new worker's task count")
     return new
