@@ -26,6 +26,15 @@ class BlockKernelError(RuntimeError):
     """
 
 
+class NonFiniteError(ValueError):
+    """``X`` or ``y`` of an estimator or trainer holds a NaN or an infinity.
+
+    The message names the first one's column (or label), row and block, and the fix. Raised
+    by the task that first reads the block; workers do not log it as a failed computation
+    (it is the input's fault, said once, to the caller).
+    """
+
+
 class EmptyCollectionError(ValueError):
     """A collection with no data where blocks are needed."""
 

@@ -37,6 +37,7 @@ __all__ = [
     "install_worker_handlers",
     "listed_workers",
     "quiet_closing_heartbeat",
+    "quiet_task_failures",
     "registered_worker_plugin",
     "remove_worker_handler",
     "remove_worker_metric",
@@ -181,6 +182,45 @@ class QuietClose(WorkerPlugin):
     def setup(self, worker) -> None:
         check_worker(worker)
         quiet_closing_heartbeat(worker)
+
+
+#: distributed's log message (at ERROR, with a traceback) for a task that raised, and the
+#: position of the exception's ``repr`` among its arguments (distributed 2026.7.1,
+#: worker.py ``execute``).
+COMPUTE_FAILED, COMPUTE_FAILED_EXCEPTION = "Compute Failed", 3
+
+
+class _TaskFailureFilter(logging.Filter):
+    """Drop :data:`COMPUTE_FAILED` records for exceptions of the classes named in
+    :attr:`quiet`: errors in the caller's input, which the caller receives whole, and which
+    a worker's log would only repeat as a traceback."""
+
+    def __init__(self):
+        super().__init__()
+        self.quiet: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(COMPUTE_FAILED):
+            return True
+        try:
+            text = str(record.args[COMPUTE_FAILED_EXCEPTION])
+        except (TypeError, IndexError, KeyError):
+            return True
+        return not any(text.startswith(f"{name}(") for name in self.quiet)
+
+
+_failure_filter: _TaskFailureFilter | None = None
+
+
+def quiet_task_failures(exc_type: type[BaseException]) -> None:
+    """In this (worker) process, keep distributed from logging a task that raised
+    ``exc_type`` as a failed computation with a traceback; the exception still reaches the
+    caller. Idempotent; call it from the task, before raising."""
+    global _failure_filter
+    if _failure_filter is None:
+        _failure_filter = _TaskFailureFilter()
+        logging.getLogger("distributed.worker").addFilter(_failure_filter)
+    _failure_filter.quiet.add(exc_type.__name__)
 
 
 def remove_worker_handler(worker, name: str) -> None:

@@ -5,7 +5,7 @@ at its starting point and a trainer's parameters all become NaN, without an erro
 scikit-learn refuses such input; blockflow does too, but without a pass of its own over the
 data: :class:`FiniteCheck` runs inside the task that makes each block resident on its
 worker (:class:`blockflow.ml.ResidentShards`), the first task that reads the block anyway.
-It raises a :class:`ValueError` naming the first non-finite value's column (``X``) or label
+It raises a :class:`~blockflow.errors.NonFiniteError` (a :class:`ValueError`) naming the first non-finite value's column (``X``) or label
 (``y``), its block and its row (counted over the whole collection), or, opted in
 (``drop_nonfinite=True``, setting ``blockflow.ml.drop-nonfinite``), drops the rows that hold
 one, which gives the model scikit-learn fits on the finite rows. Integer and boolean blocks
@@ -15,6 +15,9 @@ cannot hold a NaN and are not looked at.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from blockflow._distributed import quiet_task_failures
+from blockflow.errors import NonFiniteError
 
 __all__ = ["FiniteCheck", "column_names", "drop_setting"]
 
@@ -111,6 +114,7 @@ class FiniteCheck:
             where = f"column {col}, " if y.ndim > 1 else ""
             what = f"y has a non-finite label ({_scalar(row[col])}) in {where}row " \
                    f"{offset + ry}"
-        raise ValueError(f"blockflow: {what} (block {block}): drop or impute such rows, or "
+        quiet_task_failures(NonFiniteError)  # the caller hears it; no worker log of it
+        raise NonFiniteError(f"blockflow: {what} (block {block}): drop or impute such rows, or "
                          f"pass drop_nonfinite=True (setting blockflow.ml.drop-nonfinite) to "
                          f"leave them out.")

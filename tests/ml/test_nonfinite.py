@@ -7,6 +7,8 @@ row counts, a pipeline asked for more micro-batches than rows. Real clusters, no
 
 from __future__ import annotations
 
+import logging
+
 import re
 
 import numpy as np
@@ -80,16 +82,21 @@ def collections(X, y, kind, rows=100):
 
 @pytest.mark.parametrize("kind", ["array", "dataframe"])
 @pytest.mark.parametrize("name", list(ESTIMATORS))
-def test_a_nan_in_X_is_refused_naming_column_block_and_row(client, cancer, name, kind):
+def test_a_nan_in_X_is_refused_naming_column_block_and_row(client, cancer, name, kind,
+                                                           caplog):
     X, y = cancer
     X = X.copy()
     X[207, 3] = np.nan
     X[450, 1] = np.inf  # a later one: the first is named
-    with pytest.raises(ValueError) as e:
-        ESTIMATORS[name](client).fit(*collections(X, y, kind))
+    with caplog.at_level(logging.ERROR, logger="distributed.worker"):
+        with pytest.raises(blockflow.NonFiniteError) as e:  # a ValueError
+            ESTIMATORS[name](client).fit(*collections(X, y, kind))
     col = "3" if kind == "array" else "'f3' (3)"
     assert str(e.value) == (f"blockflow: X has a non-finite value (nan) in column {col}, "
                             f"row 207 (block 2): {FIX}")
+    assert isinstance(e.value, ValueError)
+    # said once, to the caller: the (in-process) workers log no failed task with a traceback
+    assert not [r for r in caplog.records if "Compute Failed" in str(r.msg)], caplog.text
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
