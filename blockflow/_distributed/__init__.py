@@ -59,7 +59,8 @@ TaskState (views, actions, placement)
     ``key``, ``state``, ``priority``, ``prefix`` (``TaskPrefix.duration_average``),
     ``run_spec``, ``actor``, ``nbytes``, ``dependencies``, ``who_has``, ``processing_on``,
     ``worker_restrictions``, ``host_restrictions``, ``resource_restrictions``,
-    ``loose_restrictions``, ``dependents``, ``annotations``.
+    ``loose_restrictions``, ``dependents``, ``annotations``, ``retries`` (the task
+    retries left, asked from a worker's task: :func:`task_retries_left`).
 WorkStealing (views, actions)
     ``move_task_request(ts, victim, thief)``, ``in_flight``, ``in_flight_occupancy``.
 ActiveMemoryManager (extensions)
@@ -68,8 +69,8 @@ ActiveMemoryManager (extensions)
 Worker (worker; checked by :func:`check_worker`)
     ``metrics``, ``data`` (its in-memory part), ``plugins``, ``handlers``, ``rpc``,
     ``executors``, ``heartbeat()``, ``set_resources()``, ``state.total_resources``,
-    ``state.tasks[key].metadata``, ``get_current_task()``; ``distributed.worker``'s
-    ``thread_state`` and ``_worker_cvar``; ``scheduler.ncores(workers=)`` (the scheduler's
+    ``state.tasks[key].metadata`` and ``.annotations``, ``get_current_task()``;
+    ``distributed.worker``'s ``thread_state`` and ``_worker_cvar``; ``scheduler.ncores(workers=)`` (the scheduler's
     RPC handler, from a worker or a client: :func:`listed_workers`).
 Dashboard (extensions; checked by :func:`check_dashboard`)
     ``distributed.dashboard.scheduler.template_variables`` / ``applications``,
@@ -217,6 +218,8 @@ from blockflow._distributed.worker import (  # noqa: F401
     run_in_worker_executor,
     set_worker_metric,
     start_task_thread,
+    task_retries_given,
+    task_retries_left,
     task_wait,
     worker_data_values,
     worker_declared_resources,
@@ -325,6 +328,8 @@ __all__ = [
     "style_dashboard_doc",
     "suspend_work_stealing",
     "task_placement",
+    "task_retries_given",
+    "task_retries_left",
     "task_states",
     "task_wait",
     "task_work",

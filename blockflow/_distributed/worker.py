@@ -44,6 +44,8 @@ __all__ = [
     "run_in_worker_executor",
     "set_worker_metric",
     "start_task_thread",
+    "task_retries_given",
+    "task_retries_left",
     "task_wait",
     "worker_data_values",
     "worker_declared_resources",
@@ -277,6 +279,56 @@ def registered_worker_plugin(worker, name: str, timeout: float = 60) -> bytes | 
 
 def _scheduler_worker_plugin(name: str, dask_scheduler=None) -> bytes | None:
     return dask_scheduler.worker_plugins.get(name)
+
+
+def task_retries_given() -> int:
+    """From a task thread on a worker: distributed's task retries of the running task as
+    submitted (``client.compute(..., retries=n)``, ``Client.submit(retries=n)``,
+    ``dask.annotate(retries=n)``: the ``retries`` annotation the scheduler sends with the
+    task, ``TaskState.annotations`` on the worker); 0 without them or off a worker."""
+    worker, key = current_worker(), current_task_key()
+    if worker is None or key is None:
+        return 0
+    ts = worker.state.tasks.get(key)
+    given = ((getattr(ts, "annotations", None) or {}).get("retries") if ts is not None
+             else None)
+    return int(given) if isinstance(given, int) and not isinstance(given, bool) \
+        and given > 0 else 0
+
+
+def task_retries_left(timeout: float = 10) -> int | None:
+    """From a task thread on a worker: the task retries the scheduler still holds for the
+    running task (``TaskState.retries``, one less after each erred run), asked over the
+    worker's own connection to the scheduler (its ``run_function`` handler, as
+    ``Client.run_on_scheduler`` asks). None off a worker, when the scheduler no longer knows
+    the task, or when it does not answer within ``timeout`` seconds."""
+    import asyncio
+
+    from distributed.protocol.pickle import dumps
+
+    worker, key = current_worker(), current_task_key()
+    if worker is None or key is None:
+        return None
+
+    async def ask():
+        return await worker.scheduler.run_function(
+            function=dumps(_scheduler_task_retries), args=dumps((key,)),
+            kwargs=dumps({}), wait=True)
+
+    try:
+        reply = asyncio.run_coroutine_threadsafe(
+            ask(), worker.loop.asyncio_loop).result(timeout)
+    except Exception as e:  # the scheduler is gone or slow: the caller assumes the worst
+        logger.info("blockflow: could not ask the scheduler for the retries of %r: %r",
+                    key, e)
+        return None
+    left = reply.get("result") if reply.get("status") == "OK" else None
+    return left if isinstance(left, int) else None
+
+
+def _scheduler_task_retries(key, dask_scheduler=None) -> int | None:
+    ts = dask_scheduler.tasks.get(key)
+    return None if ts is None else ts.retries
 
 
 def worker_data_values(worker) -> list:

@@ -20,6 +20,12 @@ of array tasks, dask-expr's lowering of dataframes) drops ``dask.annotate(retrie
 an annotation would not reach the scheduler reliably. blockflow's workloads and CLI
 (``blockflow run ... --retries n``) pass the same number to ``client.compute(retries=)``
 instead, where distributed's scheduler reruns the erred task, on any worker.
+
+When both are given (``map_blocks(retries=b)`` computed with ``client.compute(retries=d)``),
+they combine to the larger, never to the product: a block is attempted at most
+``1 + max(b, d)`` times in all. Each of distributed's runs of the task tries the kernel once,
+except its first run, which also makes the ``max(b - d, 0)`` extra attempts only blockflow
+asked for (:meth:`Kernel._attempt_plan`, which asks the scheduler which run this is).
 """
 
 from __future__ import annotations
@@ -243,6 +249,9 @@ class Kernel:
     def run(self, where: Callable[[], str], *args, **kwargs):
         """Call the function, up to ``1 + retries`` times; the last failure raises.
 
+        Under distributed's task retries (``client.compute(retries=d)``), ``1 + max(retries,
+        d)`` times across all runs of the task, not per run (see :meth:`_attempt_plan`).
+
         Parameters
         ----------
         where : callable
@@ -265,8 +274,9 @@ class Kernel:
                                        args, kwargs)
 
     def _attempts(self, where: Callable[[], str], args: tuple, kwargs: dict):
-        """The attempts of :meth:`run` on this worker."""
+        """The attempts of :meth:`run` in this run of the task (see :meth:`_attempt_plan`)."""
         attempt = 0
+        plan = None  # worked out at the first failure: a kernel that succeeds asks nothing
         while True:
             attempt += 1
             try:
@@ -282,19 +292,55 @@ class Kernel:
                     # hands the block to a worker that frees up meanwhile
                     time.sleep(RESCHEDULE_BACKOFF * _reschedules.get(_current_key(), 1))
                     raise Reschedule() from e
-                if attempt > self.retries:
-                    raise self.error(e, where(), attempt) from e
-                self._warn_retry(e, where(), attempt)
+                if plan is None:
+                    plan = self._attempt_plan()
+                here, before, total = plan
+                if attempt > here:
+                    raise self.error(e, where(), before + attempt) from e
+                self._warn_retry(e, where(), before + attempt, total)
 
-    def _warn_retry(self, exc: BaseException, where: str, attempt: int) -> None:
+    def _attempt_plan(self) -> tuple[int, int, int]:
+        """How many extra attempts this run of the task makes: ``(here, before, total)``.
+
+        ``retries`` and distributed's task retries (``client.compute(retries=d)``, the
+        task's ``retries`` annotation) combine to the larger: ``total = 1 + max(retries, d)``
+        attempts of the block in all, never ``(1 + retries) * (1 + d)``. distributed reruns
+        the erred task ``d`` times (on any worker) and each run tries the kernel once; the
+        first run also makes the ``max(retries - d, 0)`` extra attempts only blockflow asked
+        for. The scheduler says which run this is (the retries it has left); when it cannot
+        be asked, no extra attempt is made here (fewer attempts, never more).
+
+        Returns
+        -------
+        (int, int, int)
+            Extra attempts allowed in this run, attempts made by the task's earlier runs,
+            and attempts in all.
+        """
+        from blockflow import _distributed
+        from blockflow.core.speculation import in_backup_copy
+
+        given = 0 if in_backup_copy() else _distributed.task_retries_given()
+        if not given:
+            return self.retries, 0, self.retries + 1
+        total = max(self.retries, given) + 1
+        extra = max(self.retries - given, 0)
+        left = _distributed.task_retries_left()
+        if left is None or left > given:
+            return 0, 0, total
+        done = given - left  # erred runs before this one
+        if done == 0:
+            return extra, 0, total
+        return 0, extra + done, total
+
+    def _warn_retry(self, exc: BaseException, where: str, attempt: int, total: int) -> None:
         if self.step is None:
             self.logger.warning("blockflow kernel %r failed on %s (attempt %d of %d), "
                                 "retrying: %s: %s", self.label, where, attempt,
-                                self.retries + 1, type(exc).__name__, exc)
+                                total, type(exc).__name__, exc)
         else:
             self.logger.warning("blockflow tree_reduce: %s function %r failed (attempt %d of "
                                 "%d), retrying: %s: %s", self.step, self.label, attempt,
-                                self.retries + 1, type(exc).__name__, exc)
+                                total, type(exc).__name__, exc)
 
     def error(self, exc: BaseException, where: str, attempts: int = 1) -> BlockKernelError:
         """The error that replaces ``exc``, the function's last failure, at the client.

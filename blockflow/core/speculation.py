@@ -29,7 +29,7 @@ from distributed.protocol import to_serialize
 from blockflow import _distributed
 from blockflow._distributed.speculation import SpeculationHandlers
 
-__all__ = ["SpeculationHandlers", "cancelled", "run_kernel"]
+__all__ = ["SpeculationHandlers", "cancelled", "in_backup_copy", "run_kernel"]
 
 logger = logging.getLogger("blockflow.speculation")
 
@@ -46,6 +46,11 @@ def cancelled() -> bool:
     will be dropped): long kernels may poll this and stop early, as simulated devices do."""
     ev = getattr(_local, "cancel", None)
     return ev is not None and ev.is_set()
+
+
+def in_backup_copy() -> bool:
+    """Whether this thread runs a backup copy of a kernel (not a task of its own)."""
+    return bool(getattr(_local, "backup", False))
 
 
 class _Slot:
