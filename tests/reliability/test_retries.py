@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from click.testing import CliRunner
+from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 import blockflow
@@ -164,6 +165,80 @@ def test_tree_reduce_retries_a_flaky_chunk(proc_client, tmp_path):
         "flaky chunk")
 
 
+# --- both at once: blockflow's retries= and distributed's task retries -------------------
+
+
+def fail_times(block, block_id=None, *, marks, times, bad=3):
+    """+1, except that block ``bad`` raises on its first ``times`` attempts in the cluster."""
+    if block_id == (bad,):
+        path = os.path.join(marks, f"block-{bad}")
+        with open(path, "a") as f:  # O_APPEND: whole lines, also from several processes
+            f.write("x\n")
+        if attempts(marks, f"block-{bad}") <= times:
+            raise ConnectionResetError(f"flaky read of block {bad}")
+    return block + 1
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [(2, 2), (3, 1), (1, 3)])
+def test_map_blocks_and_compute_retries_combine_to_the_larger(proc_client, tmp_path, ours,
+                                                              theirs):
+    """map_blocks(retries=b) computed with client.compute(retries=d): 1 + max(b, d) attempts
+    of a failing block in all, wherever distributed reruns the task; not (1 + b) * (1 + d)
+    (9 for 2 and 2, when each of distributed's runs made blockflow's attempts again)."""
+    y = blockflow.map_blocks(always_fail, da.arange(60, chunks=10), marks=str(tmp_path),
+                             retries=ours)
+    with pytest.raises(BlockKernelError) as info:
+        proc_client.compute(y, retries=theirs).result()
+    total = 1 + max(ours, theirs)
+    assert attempts(tmp_path, "block-3") == total
+    assert str(info.value) == (
+        f"blockflow kernel 'always_fail' failed on block (3,) after {total} attempts: "
+        f"ValueError: block 3 is corrupt")
+
+
+def test_combined_retries_still_rescue_a_block_within_the_larger(proc_client, tmp_path):
+    y = blockflow.map_blocks(fail_times, da.arange(60, chunks=10), marks=str(tmp_path),
+                             times=2, retries=2)
+    result = proc_client.compute(y, retries=2).result()
+    np.testing.assert_array_equal(result, np.arange(60) + 1)
+    assert attempts(tmp_path, "block-3") == 3
+    # a third failure exhausts the 3 attempts of retries=2 (it once had up to 9)
+    (tmp_path / "z").mkdir()
+    z = blockflow.map_blocks(fail_times, da.arange(60, chunks=10),
+                             marks=str(tmp_path / "z"), times=3, retries=2)
+    with pytest.raises(BlockKernelError, match=r"after 3 attempts: ConnectionResetError"):
+        proc_client.compute(z, retries=2).result()
+    assert attempts(tmp_path / "z", "block-3") == 3
+
+
+def test_tree_reduce_and_compute_retries_combine_to_the_larger(proc_client, tmp_path):
+    def corrupt_sum(x, axis=None, keepdims=False):
+        if x.size and x.ravel()[0] == 300:  # the block starting at 300
+            _attempt(str(tmp_path), "chunk")
+            raise ValueError("block is corrupt")
+        return np.sum(x, axis=axis, keepdims=keepdims)
+
+    total = blockflow.tree_reduce(da.arange(1_000, chunks=100), corrupt_sum, np.sum,
+                                  split_every=4, retries=1)
+    with pytest.raises(BlockKernelError) as info:
+        proc_client.compute(total, retries=2).result()
+    assert attempts(tmp_path, "chunk") == 3
+    assert str(info.value) == (
+        "blockflow tree_reduce: chunk function 'corrupt_sum' failed after 3 attempts: "
+        "ValueError: block is corrupt")
+
+
+def test_combined_retries_on_a_scheduler_without_blockflow(tmp_path):
+    """The same count on plain distributed (no blockflow plugin, threads in one process)."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        y = blockflow.map_blocks(always_fail, da.arange(60, chunks=10), marks=str(tmp_path),
+                                 retries=2)
+        with pytest.raises(BlockKernelError, match=r"after 3 attempts: ValueError"):
+            client.compute(y, retries=2).result()
+    assert attempts(tmp_path, "block-3") == 3
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
 def test_retries_must_be_a_non_negative_int(bad):
     x = da.ones(4, chunks=2)
@@ -206,9 +281,9 @@ def test_flights_run_with_a_partition_that_always_fails_writes_nothing(proc_clie
     out = tmp_path / "out"
     with pytest.raises(BlockKernelError) as info:
         flights.run(proc_client, scale=1, retries=1, output=out, progress=False)
-    assert str(info.value) == (
-        "blockflow kernel 'flaky_drop' failed on partition 2: OSError: lost connection while "
-        "reading partition 2")
+    assert str(info.value) == (  # the attempts of all of distributed's runs of the task
+        "blockflow kernel 'flaky_drop' failed on partition 2 after 2 attempts: OSError: lost "
+        "connection while reading partition 2")
     assert attempts(tmp_path, "partition-2") == 2  # the first try and one retry
     assert sorted(p.name for p in tmp_path.iterdir()) == [  # no output at all
         "partition-2", "partition-2.first"]
