@@ -439,7 +439,11 @@ def map_blocks(
         tasks whose *worker* died is distributed's job
         (``distributed.scheduler.allowed-failures``); to have the scheduler retry every task
         of a graph, on any worker, pass ``retries=`` to ``client.compute``/``persist``, as
-        blockflow's workloads do.
+        blockflow's workloads do. Given both, the two combine to the larger, never the
+        product: ``map_blocks(..., retries=2)`` computed with ``client.compute(y,
+        retries=2)`` attempts a failing block 3 times in all (``1 + max(2, 2)``), with
+        ``retries=3`` and ``client.compute(y, retries=1)`` 4 times, the first run of the
+        task making the attempts only ``map_blocks`` asked for and each rerun one.
     resources : dict of str to float, optional
         Worker resources each block's task needs while it runs, e.g. ``{"GPU": 1}``: only
         workers that declare them run the kernel (``dask worker --resources GPU=1``; the
@@ -464,10 +468,13 @@ def map_blocks(
         Whether a straggling block (its task still running on a slow or throttled device
         when a fast device is idle) may get a *backup copy* on another worker, the first
         result winning (default True, with ``blockflow.speculation.enabled``; see
-        :class:`blockflow.scheduling.rules.BackupRule`). The kernel must then
-        be idempotent: the same block in gives the same result, with no side effect that
-        matters twice. Pass False for kernels that write files, call services or draw random
-        numbers unseeded, and for kernels that call ``secede()`` or ``worker_client()``.
+        :class:`blockflow.scheduling.rules.BackupRule`). By default, then, the kernel may run
+        twice on one block, both calls to the end unless the kernel polls
+        :func:`blockflow.core.speculation.cancelled`: it must be idempotent (the same block
+        in gives the same result, with no side effect that matters twice). Pass False for
+        kernels that write files, call services or draw random numbers unseeded, and for
+        kernels that call ``secede()`` or ``worker_client()``: their blocks never get a
+        copy. A backup copy is one attempt, whatever ``retries``.
     **kwargs
         Passed to ``kernel`` unchanged, not split into blocks: a Dask array or dataframe
         given here reaches every call whole (computed), as in Dask (xarray refuses Dask
@@ -540,7 +547,10 @@ def map_blocks(
     Retries run inside the task rather than as Dask task annotations
     (``dask.annotate(retries=...)``): Dask's graph optimisation (linear fusion of array
     tasks, dask-expr's lowering of dataframes) drops layer annotations, so they would not
-    reach the scheduler reliably.
+    reach the scheduler reliably. When the task does carry distributed's retries
+    (``client.compute(retries=d)``, or an annotation that survived), a block is attempted
+    ``1 + max(retries, d)`` times in all (the kernel asks the scheduler which run of the task
+    it is in; when the scheduler cannot answer, it makes no extra attempt in that run).
 
     Examples
     --------

@@ -253,7 +253,9 @@ def tree_reduce(
         :func:`blockflow.map_blocks`, the attempts run in place, inside the task on the
         same worker, because Dask's graph optimisation drops ``dask.annotate(retries=...)``
         annotations; pass ``retries=`` to ``client.compute`` to have the scheduler retry
-        every task of the graph on any worker instead.
+        every task of the graph on any worker instead. Given both, they combine to the
+        larger: ``1 + max(retries, d)`` attempts of a step in all with
+        ``client.compute(..., retries=d)``, never the product.
     resources : dict of str to float, optional
         Worker resources each ``chunk``, ``combine`` and ``aggregate`` task needs while it
         runs, e.g. ``{"GPU": 1}``; applied to the tasks by blockflow's scheduler plugin

@@ -308,7 +308,8 @@ class Kernel:
         the erred task ``d`` times (on any worker) and each run tries the kernel once; the
         first run also makes the ``max(retries - d, 0)`` extra attempts only blockflow asked
         for. The scheduler says which run this is (the retries it has left); when it cannot
-        be asked, no extra attempt is made here (fewer attempts, never more).
+        be asked, no extra attempt is made here (fewer attempts, never more). A backup copy
+        of a straggling task (:mod:`blockflow.core.speculation`) makes one attempt.
 
         Returns
         -------
@@ -319,7 +320,11 @@ class Kernel:
         from blockflow import _distributed
         from blockflow.core.speculation import in_backup_copy
 
-        given = 0 if in_backup_copy() else _distributed.task_retries_given()
+        if in_backup_copy():
+            # a backup copy is one more call beside the task's own attempts: if it fails,
+            # the original runs on with its retries
+            return 0, 0, 1
+        given = _distributed.task_retries_given()
         if not given:
             return self.retries, 0, self.retries + 1
         total = max(self.retries, given) + 1
