@@ -403,3 +403,34 @@ def test_kernels_run_in_the_tasks_own_thread_unless_the_cluster_copies_tasks():
         marked = blockflow.map_blocks(where, x, dtype=object, name="t3",
                                       speculative=False).compute()
         assert not any(n.startswith("blockflow-kernel") for n in marked), marked
+
+
+def _count_and_fail(x, *, path):
+    with open(path, "a") as f:
+        f.write("x\n")
+    raise ConnectionResetError("flaky read")
+
+
+def test_a_backup_copy_is_one_attempt_whatever_the_retries(tmp_path):
+    """A copy is one more call of the kernel beside the task's own attempts: a kernel with
+    side effects and retries=2 that fails in its copy runs there once, not 3 times; the
+    original then runs on with its retries."""
+    import functools
+
+    from blockflow.core.kernel import Kernel
+
+    path = str(tmp_path / "calls")
+    kernel = Kernel(functools.partial(_count_and_fail, path=path), retries=2)
+
+    async def copy(dask_worker):
+        return await _speculation._backup_run(dask_worker, key="k", origin=None,
+                                              call=(kernel, (1,), {}))
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=":0", silence_logs=logging.CRITICAL) as cluster, \
+            Client(cluster) as client:
+        (reply,) = client.run(copy).values()
+    assert reply == {"status": "failed", "error": (
+        "BlockKernelError: blockflow kernel '_count_and_fail' failed on a backup copy of "
+        "task 'k': ConnectionResetError: flaky read")}
+    assert len(open(path).read().splitlines()) == 1
