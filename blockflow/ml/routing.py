@@ -527,6 +527,14 @@ class Router:
     def _failed(self, b: _Batch, task) -> None:
         if task.status == "cancelled":
             return  # a batch whose worker left (its requests are routed again), or closing
+        if task.status != "error":
+            # neither finished nor failed: its result went with its worker, and distributed
+            # would compute it again, but it is pinned to that worker (it would wait
+            # forever, and a wait for its exception with it): route its requests again
+            task.cancel()
+            with self._lock:
+                self._again(b.requests, b)
+            return
         exc = task.exception(timeout=30)
         if _worker_lost(exc):
             with self._lock:

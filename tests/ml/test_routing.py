@@ -350,3 +350,31 @@ def test_a_request_with_no_rows_gets_an_empty_answer_of_the_models_dtype(digits)
             assert router.stats()["counts"]["answered"] == 1
     assert labels.shape == (0,) and labels.dtype == model.predict(X[:1]).dtype
     assert probs.shape == (0, 10) and probs.dtype == np.float64
+
+
+def test_a_batch_whose_result_went_with_its_worker_is_routed_again_without_waiting(
+        digits, caplog):
+    # A batch task that had finished loses its result with its worker: distributed would
+    # compute it again, but it is pinned to that worker, so it stays pending for ever. Its
+    # done event then finds it neither finished nor failed: the router routes its requests
+    # again (it used to wait 30 s for an exception that never came, log "error while
+    # routing" and leave the requests unanswered). Modelled with a real task pinned to an
+    # address no worker has.
+    import logging
+
+    X, model = digits
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        with Router(client, SimulatedModel(model, 0.01)) as router:
+            answer = router.submit(X[:5])
+            (b,) = list(router._batches.values())
+            stranded = client.submit(np.sum, [1], workers=["tcp://127.0.0.1:9"],
+                                     allow_other_workers=False, pure=False)
+            with caplog.at_level(logging.INFO, logger="blockflow.ml.routing"):
+                router._events.put((b, stranded))
+                np.testing.assert_array_equal(answer.result(timeout=60),
+                                              model.predict(X[:5]))
+                wait_until(lambda: router.stats()["counts"].get("rerouted", 0) == 1,
+                           timeout=30, message="the batch routed again")
+            assert stranded.status == "cancelled"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
