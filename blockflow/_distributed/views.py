@@ -10,7 +10,7 @@ the scheduler: that is :mod:`blockflow._distributed.actions`.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -396,11 +396,16 @@ def new_task_views(scheduler, keys) -> list[TaskView]:
     return out
 
 
-def waiting_tasks(scheduler, *, thieves: list[str] | None = None) -> Mapping[str, Iterator]:
+def waiting_tasks(scheduler, *, thieves: list[str] | None = None,
+                  stopped: Collection[str] = ()) -> Mapping[str, Iterator]:
     """address -> iterator of :class:`TaskView` of the tasks waiting on that worker (assigned
     but not started), lowest priority (last to run) first, skipping tasks a move is already
     pending for and actors. Computed lazily, per worker, when read; each view carries the comm
     cost to each worker in ``thieves``.
+
+    On a worker with a free thread, the first tasks are about to start and are left out;
+    on a worker in ``stopped`` (paused by itself, for host memory: its threads start
+    nothing) every task not started is waiting.
     """
     stealing = scheduler.extensions.get("stealing")
     in_flight = stealing.in_flight if stealing is not None else {}
@@ -415,7 +420,7 @@ def waiting_tasks(scheduler, *, thieves: list[str] | None = None) -> Mapping[str
         # became ready behind a long one waits although it ranks before it)
         pending = sorted((ts for ts in ws.processing if ts not in ws.executing),
                          key=lambda ts: ts.priority or ())
-        free = max(ws.nthreads - len(ws.executing), 0)
+        free = 0 if addr in stopped else max(ws.nthreads - len(ws.executing), 0)
         for ts in reversed(pending[free:]):
             if ts.actor or ts in in_flight or ts.processing_on is not ws:
                 continue

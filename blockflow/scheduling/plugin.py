@@ -322,13 +322,15 @@ class Rebalancer(SchedulerPlugin):
         self._host_pause_fraction = dask.config.get("distributed.worker.memory.pause")
         views = self._views()
         thieves = [a for a, w in views.items() if w.status == "running"]
+        stopped = self._stopped(views)
         now = time.time()
         # the balancing rule reads the strict test while it is off, the weak one while on
         active = self.balancing is not None and self.balancing.active
         snap = ClusterSnapshot(time=now, workers=views,
                                queued=_distributed.queued_count(self.scheduler),
-                               waiting=_distributed.waiting_tasks(self.scheduler,
-                                                                  thieves=thieves),
+                               waiting=_distributed.waiting_tasks(
+                                   self.scheduler, thieves=thieves, stopped=stopped),
+                               stopped=stopped,
                                running=_distributed.running_tasks(self.scheduler, now),
                                backups={k: b["target"] for k, b in self.backups.items()},
                                bandwidth=_distributed.bandwidth(self.scheduler),
@@ -341,6 +343,22 @@ class Rebalancer(SchedulerPlugin):
         snap.balancing = (self.balancing.judge(snap) if self.balancing is not None
                           else snap.speeds_differ)
         return snap
+
+    def _stopped(self, views) -> frozenset:
+        """Workers that paused themselves (distributed's host-memory pause threshold): their
+        threads start nothing, so none of their tasks is about to start. blockflow's own
+        pauses and holds are scheduler-side only (the worker runs what it has), unless the
+        worker is also over its own pause threshold."""
+        limit = self._host_pause_fraction
+        out = set()
+        for a, w in views.items():
+            if w.status != "paused":
+                continue
+            hm = w.host_memory_fraction
+            if (a not in self.paused and a not in self.held) or (
+                    limit and hm is not None and hm >= limit):
+                out.add(a)
+        return frozenset(out)
 
     def run_once(self) -> list[Decision]:
         """One tick of the control loop; returns the decisions applied (for tests).

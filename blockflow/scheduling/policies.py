@@ -111,6 +111,10 @@ class ClusterSnapshot:
     held : frozenset of str
         Workers blockflow holds back from the scheduler's queue (see
         :class:`~blockflow.scheduling.rules.HoldRule`).
+    stopped : frozenset of str
+        Paused workers that start none of their tasks: paused by themselves (distributed's
+        host-memory pause threshold), not only on the scheduler side by blockflow. All their
+        tasks not started are in ``waiting``.
     speeds_differ, speeds_differ_weakly : bool
         The speed model's strict (1.3x at 0.1 %) and weak (1.15x at 10 %) tests that
         running workers differ in speed (:class:`~blockflow.scheduling.rules.BalancingRule`
@@ -139,6 +143,7 @@ class ClusterSnapshot:
     backups: Mapping[Any, str] = field(default_factory=dict)
     bandwidth: float = 100e6
     held: frozenset = frozenset()
+    stopped: frozenset = frozenset()
     speeds_differ: bool = False
     speeds_differ_weakly: bool = False
     unsatisfiable: list = field(default_factory=list, repr=False)

@@ -242,6 +242,36 @@ def test_dynamic_move_budget():
     assert len(run(DynamicPolicy(move_budget=3), s)) == 3
 
 
+def test_a_worker_that_paused_itself_keeps_no_waiting_task():
+    """A worker paused for host memory (``stopped``) starts nothing: its last task not
+    started moves too, though it holds no more tasks than threads (issue 27: one task was
+    left there for good); each rescue is logged with its reason."""
+    workers = [worker("a", processing=1, executing=0, occupancy=1.0, status="paused"),
+               worker("b", processing=3, executing=1, occupancy=3.0), worker("c")]
+    s = ClusterSnapshot(time=0.0, workers={w.address: w for w in workers},
+                        waiting={"a": [task("t")]}, stopped=frozenset({"a"}), balancing=False)
+    (d,) = run(DynamicPolicy(), s)
+    assert (d.worker, d.key, d.target) == ("a", "t", "c")
+    assert d.reason.startswith("projected finish never here (worker paused itself")
+    # a worker blockflow paused (scheduler side) takes its next task itself: none listed
+    s.stopped = frozenset()
+    s.waiting = {"a": []}
+    assert run(DynamicPolicy(), s) == []
+
+
+def test_rescues_off_a_paused_worker_are_outside_the_move_budget():
+    """However many tasks a paused worker holds, they all move in one tick; the budget bounds
+    moves between running workers only."""
+    waiting = {"a": [task(("p", i), 0.01) for i in range(200)],
+               "b": [task(("r", i)) for i in range(20)]}
+    s = snap([worker("a", processing=200, occupancy=2.0, status="paused"),
+              worker("b", processing=21, executing=1, occupancy=21.0)]
+             + [worker(f"w{i}") for i in range(4)], waiting=waiting)
+    out = run(DynamicPolicy(move_budget=3), s)
+    assert sum(d.worker == "a" for d in out) == 200
+    assert sum(d.worker == "b" for d in out) == 3
+
+
 def test_dynamic_does_nothing_when_a_graph_arrives():
     s = snap([worker("a", util=99, used=0, total=GiB, own=0), worker("b")], event="graph",
              new_tasks=[task(("blockflow-k", 0), state="released")])

@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 import math
+import time
 
+import dask.array as da
+import numpy as np
 import pytest
 from distributed import wait
 from distributed.core import Status
@@ -56,6 +59,50 @@ async def test_hot_worker_gets_no_new_tasks(c, s, a, b, w):
     await wait(futs)
     assert not any(a.address in {ws.address for ws in s.tasks[f.key].who_has} for f in futs)
     assert a.state.executed_count == 0
+
+
+def _sleep_inc(x, delay):
+    time.sleep(delay)
+    return x + 1
+
+
+@pytest.mark.parametrize("kind", ["client.map", "blockflow.map_blocks", "dask.array"])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3,
+             config={"distributed.worker.memory.pause": False})
+async def test_no_task_is_stranded_on_a_worker_paused_for_memory(c, s, a, b, w, kind):
+    """A worker pauses itself (as distributed's memory monitor does) while it holds tasks
+    placed there by data locality; once its running task ended and its heartbeat says it runs
+    nothing, one tick moves every task it has not started (issue 27: the next one was counted
+    as about to start and stayed there for good), each move logged, whatever submitted it.
+    (The memory monitor is off so that it does not resume the worker at once.)"""
+    plugin = await _plugin(c, s)
+    data = []
+    for worker in (a, b, w):  # six inputs on each worker: its tasks follow them
+        data += await c.scatter([np.full(2, i) for i in range(6)], workers=[worker.address])
+    if kind == "client.map":
+        out = c.map(_sleep_inc, data, delay=0.3, pure=False)
+    else:
+        x = da.concatenate([da.from_delayed(f, shape=(2,), dtype=int) for f in data])
+        mapper = blockflow.map_blocks if kind == "blockflow.map_blocks" else da.map_blocks
+        out = c.compute(mapper(_sleep_inc, x, delay=0.3, dtype=int))
+    await async_wait_until(lambda: a.state.executing_count, message="a task executing on a")
+    a.status = Status.paused  # what distributed's memory monitor does over its threshold
+    await async_wait_until(lambda: s.workers[a.address].status == Status.paused,
+                           message="the scheduler sees a paused")
+    await async_wait_until(lambda: not a.state.executing_count,
+                           message="a's running task finished")
+    await _heartbeats(c)
+    waiting = {ts.key for ts in s.workers[a.address].processing}
+    assert waiting, "the scenario needs tasks left on the paused worker"
+    applied = plugin.run_once() + plugin.run_once()
+    moves = _actions(applied, "move")
+    assert {d.key for d in moves} == waiting
+    assert all(d.worker == a.address and d.target != a.address for d in moves)
+    logged = [d for d in plugin.decisions if d["action"] == "move"]
+    assert len(logged) == len(waiting)
+    assert all("worker paused itself" in d["reason"] for d in logged)
+    await wait(out)  # a stays paused: everything ran elsewhere
+    assert s.workers[a.address].status == Status.paused
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)

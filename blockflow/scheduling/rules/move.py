@@ -39,6 +39,13 @@ class MoveRule(Rule):
     worker. The workers a task was moved off are remembered in :attr:`moved_off` (at most
     :attr:`moved_memory` tasks, oldest forgotten first). A blockflow heuristic.
 
+    Every waiting task on a paused worker that another worker may run moves at once,
+    outside the move budget (a rescue: plain Dask leaves them there, distributed#5235). On a
+    worker that paused itself (``snapshot.stopped``: distributed's host-memory pause) that is
+    every task not started, the one a free thread would take next included; blockflow's own
+    pauses are scheduler-side and the worker still starts the tasks its free threads take.
+    The work is proportional to the paused workers' tasks only.
+
     Targets of this snapshot's moves are added to ``context.taken``; workers in
     ``context.paused_now`` take nothing. Runs on ``"tick"`` snapshots.
 
@@ -48,7 +55,8 @@ class MoveRule(Rule):
         The earliest-finish placement:
         :func:`blockflow.scheduling.policies.earliest_finish`'s signature.
     move_budget : int
-        Most tasks moved per tick.
+        Most tasks moved per tick between running workers (rescues off paused workers are
+        not counted).
     min_gain : float
         Smallest gain in projected finish time (seconds) worth a move.
     slowed : callable, optional
@@ -117,9 +125,13 @@ class MoveRule(Rule):
         candidates: dict[str, Iterator] = {}
         out: list[Decision] = []
         exhausted: set[str] = set()
-        while len(out) < self.move_budget:
+        rescued = 0  # rescues off paused workers: outside the budget
+        while len(out) - rescued < self.move_budget:
+            # a paused worker's waiting tasks say themselves which of its tasks wait (on one
+            # that paused itself, all not started: no thread of it takes one); elsewhere the
+            # first ``nthreads`` tasks are about to start
             live = [v for v in victims if v.address not in exhausted
-                    and v.processing > v.nthreads]
+                    and v.processing > (0 if v.address in blocked else v.nthreads)]
             if not live:
                 break
             v = max(live, key=lambda w: finish[w.address])
@@ -158,10 +170,15 @@ class MoveRule(Rule):
                 continue
             seen = v.seen()
             seen["input_bytes"] = task.input_bytes
+            if rescue and v.address in snap.stopped:
+                here = "never here (worker paused itself: it starts no task)"
+            else:
+                here = f"{fmt_seconds(stay)} here"
             out.append(Decision(
                 Action.MOVE, v.address,
-                f"projected finish {fmt_seconds(stay)} here vs {fmt_seconds(best_finish)} on "
-                f"target", seen, target=best.address, key=task.key))
+                f"projected finish {here} vs {fmt_seconds(best_finish)} on target", seen,
+                target=best.address, key=task.key))
+            rescued += rescue
             self.moved_off.setdefault(task.key, set()).add(v.address)
             self.moved_off.move_to_end(task.key)
             while len(self.moved_off) > self.moved_memory:
