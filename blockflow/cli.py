@@ -398,6 +398,9 @@ def _validate_settings() -> None:
     import warnings
 
     from blockflow import config
+    # the settings whose allowed values code registers (cluster.policy: the policy
+    # registry) are checked against that registry: import it first
+    from blockflow.scheduling import policies  # noqa: F401
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -782,8 +782,7 @@ class _Tuner:
                 if not self.retry:
                     break
                 if not self.workers:
-                    raise RuntimeError("blockflow: tune has no workers left to run its "
-                                       "trials on; add workers and call tune() again.")
+                    self._await_workers()
             done = self._wait()
             for fut in done:
                 self._record(fut, self.running.pop(fut))
@@ -792,6 +791,24 @@ class _Tuner:
             now = time.time()
             if not done or now - self._refreshed >= 0.5:
                 self._refresh(now)
+
+    def _await_workers(self) -> None:
+        """Every worker is gone (a trial that kills its worker, run as a copy too, can take
+        the last one): wait for workers to come back (nannies restart killed worker
+        processes, autoscalers add workers) for ``blockflow.cluster.worker-loss-timeout``,
+        as every blockflow wait does, before giving up."""
+        from dask.utils import parse_timedelta
+
+        limit = parse_timedelta(config.get("cluster.worker-loss-timeout"))
+        since = time.monotonic()
+        while not self.workers:
+            if time.monotonic() - since >= limit:
+                raise RuntimeError(
+                    f"blockflow: tune has no workers left to run its trials on (none for "
+                    f"{limit:g} s, blockflow.cluster.worker-loss-timeout); add workers and "
+                    f"call tune() again.")
+            time.sleep(0.2)
+            self._refresh(time.time())
 
     def run_sync(self) -> None:
         """Synchronous successive halving: rung k starts when all of rung k-1 is done."""
