@@ -432,12 +432,27 @@ def _interrupt_reliably() -> None:
     """Ctrl-C raises KeyboardInterrupt as Python's own handler does, and again 0.5 s later
     if nothing caught it by then: an interrupt raised while the main thread runs a garbage
     collector callback (distributed's ``GCDiagnosis``) is swallowed ("Exception ignored
-    in ..."), and the run went on to the end (exit status 0) as if no one had pressed it."""
+    in ..."), and the run went on to the end (exit status 0) as if no one had pressed it.
+    Python's report of that swallowed interrupt (and of the timer state it leaves, on the
+    callback's next call) is kept off the terminal once an interrupt is pending: the run
+    ends with its one line."""
     import signal
+    import sys
     import threading
+
+    from blockflow._distributed import is_gc_diagnosis_callback
 
     if threading.current_thread() is not threading.main_thread():
         return
+
+    report = sys.unraisablehook
+
+    def unraisable(u):
+        if _INTERRUPT["pending"] and is_gc_diagnosis_callback(u.object):
+            return  # the interrupt, swallowed there, is sent again (resend)
+        report(u)
+
+    sys.unraisablehook = unraisable
 
     def resend():
         if _INTERRUPT["pending"] and not _INTERRUPT["handled"]:

@@ -116,6 +116,7 @@ from blockflow._distributed.client import (
     SchedulerProgress,
     data_holders,
     has_scheduler_plugin,
+    is_gc_diagnosis_callback,
 )
 from blockflow._distributed.extensions import (
     AMMPolicy,
@@ -291,6 +292,7 @@ __all__ = [
     "http_prefix",
     "import_object",
     "install_worker_handlers",
+    "is_gc_diagnosis_callback",
     "listed_workers",
     "message_length",
     "move_task",

@@ -11,8 +11,19 @@ from collections.abc import Callable
 
 from distributed.diagnostics.progressbar import ProgressBar
 
-__all__ = ["SchedulerProgress", "data_holders", "has_scheduler_plugin"]
+__all__ = ["SchedulerProgress", "data_holders", "has_scheduler_plugin", "is_gc_diagnosis_callback"]
 
+
+
+def is_gc_diagnosis_callback(obj) -> bool:
+    """Whether ``obj`` is distributed's garbage-collection timer callback
+    (``distributed.gc.GCDiagnosis``, enabled in every process that runs a scheduler or a
+    worker): an exception raised inside it, such as a Ctrl-C's KeyboardInterrupt arriving
+    during a collection, is reported by Python as "Exception ignored in ..." with a
+    traceback, and leaves the timer in a state its next call reports the same way."""
+    from distributed.gc import GCDiagnosis
+
+    return getattr(obj, "__func__", None) is GCDiagnosis._gc_callback
 
 
 def data_holders(client, futures) -> dict:
