@@ -37,6 +37,14 @@ Workloads (``--workloads``, comma-separated):
   Target: <= 1.35x that bound.
 * ``identical`` -- 4 identical devices, nothing straggles: backups must cost nothing
   (>= 5 paired repetitions; reference ``blockflow-no-backups``).
+* ``brief-pause`` -- 4 identical devices, ``--pause-blocks`` (240) blocks of
+  ``--pause-work`` (0.05) reference-seconds; another tenant holds device 0 for the first
+  ``--pause-seconds`` (0.6) of the stage (a thread of that worker's process holds the device
+  lock every kernel of it takes first: its first kernels really wait). Target (issue 27):
+  blockflow <= 1.00x plain (median of >= 5 paired repetitions) and device 0's share of the
+  blocks within 10 % of its fair share (the blocks it can run in the time left after the
+  pause, if the stage ends together: ``(blocks x work + pause) / 4 - pause``, over
+  ``work``); moves per run are counted.
 
 Each straggler run starts a fresh cluster and runs a short warm-up stage first (durations
 measured, as in any pipeline past its first stage); "duplicated" is the seconds of work
@@ -71,7 +79,7 @@ from distributed import Client, LocalCluster, wait
 
 import blockflow
 
-WORKLOADS = ("zipf-skew", "slowdown", "slow-from-start", "identical")
+WORKLOADS = ("zipf-skew", "slowdown", "slow-from-start", "identical", "brief-pause")
 
 
 def zipf_lengths(partitions: int, exponent: float, total_rows: int, seed: int = 14
@@ -335,6 +343,100 @@ def no_stragglers(client, args) -> list[dict]:
     return _spec_rows("identical", results, "blockflow-no-backups", blocks * work)
 
 
+def _hold_device(seconds: float, dask_worker=None) -> None:
+    """``client.run``: another tenant takes this worker's device for ``seconds`` (a thread
+    holds the lock each of :func:`_pause_kernel` takes before it runs)."""
+    import threading
+
+    lock = getattr(dask_worker, "_bench_tenant_lock", None)
+    if lock is None:
+        lock = dask_worker._bench_tenant_lock = threading.Lock()
+    held = threading.Event()
+
+    def tenant():
+        with lock:
+            held.set()
+            time.sleep(seconds)
+
+    threading.Thread(target=tenant, daemon=True).start()
+    held.wait()
+
+
+def _pause_kernel(block, block_id=None, work=0.05):
+    """A simulated kernel that first waits for its device (held by another tenant on the
+    paused worker); returns ``[(sum, worker address)]``."""
+    from distributed import get_worker
+
+    from blockflow.testing import simulated_kernel
+
+    worker = get_worker()
+    lock = getattr(worker, "_bench_tenant_lock", None)
+    if lock is not None:
+        with lock:
+            pass
+    out = simulated_kernel(block, op=np.sum, work=work)
+    result = np.empty(1, dtype=object)
+    result[0] = (int(out.payload), worker.address)
+    return result
+
+
+def _pause_cell(config: str, args, run: int) -> dict:
+    from blockflow.scheduling import Rebalancer
+    from blockflow.testing import simulated_cluster
+
+    blocks, work = args.pause_blocks, args.pause_work
+    with dask.config.set({"blockflow.speculation.enabled": True}), simulated_cluster(
+            speeds=[1] * 4, processes=not args.in_process,
+            silence_logs=logging.CRITICAL) as client:
+        if config != "plain":
+            client.register_plugin(Rebalancer(policy="dynamic"))
+        warm = blockflow.map_blocks(_pause_kernel, da.ones(8, chunks=1), dtype=object,
+                                    name=f"warm-{run}", work=work)
+        warm.compute()
+        paused = sorted(client.scheduler_info()["workers"])[0]
+        moves0 = (blockflow.plugin_status(client)["moves_requested"]
+                  if config != "plain" else 0)
+        y = blockflow.map_blocks(_pause_kernel, da.arange(blocks, chunks=1), dtype=object,
+                                 name=f"pause-{run}", work=work)
+        client.run(_hold_device, args.pause_seconds, workers=[paused])
+        t0 = time.perf_counter()
+        out = y.compute()
+        makespan = time.perf_counter() - t0
+        assert sorted(v for v, _ in out) == list(range(blocks))  # each block once
+        moves = on_paused = 0
+        if config != "plain":
+            status = blockflow.plugin_status(client)
+            moves = status["moves_requested"] - moves0
+            on_paused = sum(1 for d in status["decisions"]
+                            if d["action"] == "move" and d["worker"] == paused)
+    share = sum(1 for _, w in out if w == paused)
+    return {"makespan": makespan, "share": share, "moves": moves, "moves_off": on_paused,
+            "launched": 0, "won": 0}
+
+
+def brief_pause(client, args) -> list[dict]:
+    """4 identical devices; another tenant holds device 0 for the stage's first
+    ``--pause-seconds``: never slower than plain, and device 0 gets its fair share back."""
+    blocks, work, pause = args.pause_blocks, args.pause_work, args.pause_seconds
+    results = _paired(("plain", "blockflow"), max(args.repeat, 5),
+                      lambda c, rep: _pause_cell(c, args, rep))
+    fair = ((blocks * work + pause) / 4 - pause) / work
+    rows = []
+    for config, runs in results.items():
+        ms = [r["makespan"] for r in runs]
+        ratios = [r["makespan"] / q["makespan"] for r, q in zip(runs, results["plain"])]
+        shares = [r["share"] for r in runs]
+        rows.append({
+            "workload": "brief-pause", "config": config,
+            "makespan s": f"{statistics.median(ms):.2f} ({min(ms):.2f}-{max(ms):.2f})",
+            "/plain": f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
+            "paused device's blocks": f"{statistics.median(shares):g} "
+                                      f"({min(shares)}-{max(shares)}; fair {fair:.0f})",
+            "moves (off it)": f"{statistics.median(r['moves'] for r in runs):g} "
+                              f"({statistics.median(r['moves_off'] for r in runs):g})"})
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="all",
@@ -349,6 +451,12 @@ def main(argv=None) -> None:
                         help="blocks of the straggler workloads (4 simulated devices)")
     parser.add_argument("--spec-work", type=float, default=0.2,
                         help="reference-seconds per block of the straggler workloads")
+    parser.add_argument("--pause-blocks", type=int, default=240,
+                        help="blocks of the brief-pause workload")
+    parser.add_argument("--pause-work", type=float, default=0.05,
+                        help="reference-seconds per block of the brief-pause workload")
+    parser.add_argument("--pause-seconds", type=float, default=0.6,
+                        help="how long another tenant holds device 0 (brief-pause)")
     parser.add_argument("--in-process", action="store_true",
                         help="workers as threads of this process (starts faster; the "
                              "scheduler, workers and client then share one interpreter lock)")
@@ -370,7 +478,7 @@ def main(argv=None) -> None:
             rows += zipf_skew(client, args)
     # the straggler workloads start a fresh cluster of simulated devices per run
     spec = {"slowdown": slowdown, "slow-from-start": slow_from_start,
-            "identical": no_stragglers}
+            "identical": no_stragglers, "brief-pause": brief_pause}
     for name in chosen:
         if name in spec:
             rows += spec[name](None, args)

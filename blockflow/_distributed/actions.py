@@ -8,6 +8,8 @@ data) and answers whether it acted; reading the scheduler is :mod:`blockflow._di
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -126,18 +128,27 @@ def fail_tasks(scheduler, keys, exception: BaseException, stimulus_id: str) -> i
     return n
 
 
-def hold_tasks(scheduler, keys) -> list:
+def hold_tasks(scheduler, keys, stimulus_id: str | None = None) -> list:
     """Hold tasks that have not been scheduled yet: restricted to :data:`HOLD_ADDRESS`, they
-    wait in ``no-worker`` (never on a worker) until :func:`release_tasks`. Returns the keys
-    held (tasks gone, already scheduled or restricted otherwise are left alone)."""
-    held = []
+    wait in ``no-worker`` (never on a worker) until :func:`release_tasks`. A task of an
+    earlier graph still in the scheduler's queue (``queued``: root-task queuing) is taken
+    out of it and held the same way (``queued -> released -> waiting -> no-worker``, under
+    ``stimulus_id``). Returns the keys held (tasks gone, already on a worker or in memory,
+    or restricted otherwise are left alone)."""
+    held, queued = [], []
     for key in keys:
         ts = scheduler.tasks.get(key)
-        if ts is None or ts.state != "released" or _restricted(ts):
+        if ts is None or ts.state not in ("released", "queued") or _restricted(ts):
             continue
         ts.worker_restrictions = {HOLD_ADDRESS}
         ts.loose_restrictions = False
         held.append(key)
+        if ts.state == "queued":
+            queued.append(key)
+    if queued:
+        # a restricted task is never root-ish: from "waiting" it goes to "no-worker"
+        scheduler.transitions({k: "released" for k in queued},
+                              stimulus_id or f"blockflow-hold-{time.time()}")
     return held
 
 

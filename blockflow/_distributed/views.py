@@ -502,16 +502,35 @@ class FeederView:
     consumers: tuple = ()
 
 
+#: States of an earlier graph's task that may still feed a new graph's consumers: not
+#: started (queued on the scheduler, or assigned to a worker) or its output still in memory.
+_EARLIER = frozenset({"waiting", "queued", "processing", "memory"})
+
+
 def feeder_tasks(scheduler, keys) -> list[FeederView]:
-    """Among ``keys`` (a graph that just arrived), the tasks not yet scheduled that carry no
-    restriction and whose dependents (one or more) all need worker resources, in priority
-    order."""
-    out = []
+    """The feeders of a graph that just arrived (``keys``), in priority order: tasks that
+    carry no restriction and whose dependents (one or more) all need worker resources.
+
+    Among ``keys``, those not yet scheduled; among the tasks of earlier graphs that
+    ``keys`` depend on (producers submitted before their consumers, distributed#9164's
+    ``client.map(produce)`` then ``client.map(consume, resources=...)``), those not done
+    yet or whose output is still in memory (:data:`_EARLIER`)."""
+    candidates = []
     for key in keys:
         ts = scheduler.tasks.get(key)
-        if (ts is None or ts.state != "released" or _restricted(ts) or ts.actor
-                or not ts.run_spec or not ts.dependents):
+        if ts is None:
             continue
+        # (distributed lists an earlier graph's tasks the new one depends on among ``keys``)
+        if ts.state == "released" or ts.state in _EARLIER:
+            candidates.append(ts)
+        if ts.resource_restrictions:
+            candidates.extend(d for d in ts.dependencies if d.state in _EARLIER)
+    out, seen = [], set()
+    for ts in candidates:
+        if (ts.key in seen or _restricted(ts) or ts.actor or not ts.run_spec
+                or not ts.dependents):
+            continue
+        seen.add(ts.key)
         resources: dict[str, float] = {}
         for dts in ts.dependents:
             if not dts.resource_restrictions:

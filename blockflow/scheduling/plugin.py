@@ -450,7 +450,7 @@ class Rebalancer(SchedulerPlugin):
 
     def _on_hold(self, d, snap):
         if self._on_tasks(d):  # producers held back: they wait in no-worker
-            _distributed.hold_tasks(self.scheduler, list(d.keys))
+            _distributed.hold_tasks(self.scheduler, list(d.keys), self._stimulus(d))
             return None
         _distributed.set_worker_status(self.scheduler, d.worker, True, self._stimulus(d))
         self.held[d.worker] = d.reason

@@ -147,3 +147,32 @@ async def test_the_issue_scenario_200_blocks_of_10_mb_with_a_02s_gpu_consumer(c,
     assert plugin.admission.status()["budget"] == 6
     print(f"peak producer outputs held: {peak} of 200 (budget 6)")
     assert peak <= 6, peak  # plain Dask: 193 of 200
+
+
+async def map_and_poll(c, s, n: int, nbytes: int, seconds: float, tag: str = "produce"
+                       ) -> tuple[int, list]:
+    """distributed#9164's form: ``client.map`` of the producers, then a second
+    ``client.map`` of consumers needing ``GPU=1``; the most producer outputs held at once,
+    and the results."""
+    keys = [f"{tag}-{i}" for i in range(n)]
+    producers = c.map(produce, range(n), nbytes=nbytes, key=keys)
+    consumers = c.map(consume, producers, seconds=seconds, resources={"GPU": 1},
+                      key=[f"consume-{tag}-{i}" for i in range(n)])
+    del producers
+    peak = 0
+    while not all(f.done() for f in consumers):
+        held = sum(1 for k in keys if k in s.tasks and s.tasks[k].state == "memory")
+        peak = max(peak, held)
+        await asyncio.sleep(0.01)
+    return peak, await c.gather(consumers)
+
+
+@gen_cluster(client=True, nthreads=PIPELINE, timeout=120)
+@pytest.mark.slow
+async def test_producers_of_consumers_submitted_later_are_held_too(c, s, *workers):
+    # distributed#9164: client.map(produce), then client.map(consume, resources={"GPU": 1})
+    plugin = await _plugin(c, s)
+    peak, results = await map_and_poll(c, s, 60, MB, 0.05)
+    assert results == [float(i) for i in range(60)]
+    print(f"peak {peak}", plugin.admission.status())
+    assert peak <= 2 * 6, peak

@@ -197,11 +197,17 @@ class AdmissionRule(Rule):
             return None
         held = 0
         for f in asked:
-            if states[f.key] not in _HELD:
+            state = states[f.key]
+            if state in _HELD:
+                held += 1
+                heapq.heappush(self._held, (f.priority, next(self._seq), f.key))
+                self._held_keys.add(f.key)
+            elif state in _ACTIVE and f.key not in self._admitted:
+                # an earlier graph's producer already on a worker or feeding: it counts
+                # against the budget as if released here (the consumers arrived late)
+                self._admitted.add(f.key)
+            else:
                 continue
-            held += 1
-            heapq.heappush(self._held, (f.priority, next(self._seq), f.key))
-            self._held_keys.add(f.key)
             self._consumers[f.key] = f.consumers
             self._watched.update((f.key, *f.consumers))
             for r, q in f.resources.items():
