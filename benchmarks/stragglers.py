@@ -382,7 +382,7 @@ def _pause_kernel(block, block_id=None, work=0.05):
 
 def _pause_cell(config: str, args, run: int) -> dict:
     from blockflow.scheduling import Rebalancer
-    from blockflow.testing import simulated_cluster
+    from blockflow.testing import restart_clock, set_tenant, simulated_cluster
 
     blocks, work = args.pause_blocks, args.pause_work
     with dask.config.set({"blockflow.speculation.enabled": True}), simulated_cluster(
@@ -398,7 +398,12 @@ def _pause_cell(config: str, args, run: int) -> dict:
                   if config != "plain" else 0)
         y = blockflow.map_blocks(_pause_kernel, da.arange(blocks, chunks=1), dtype=object,
                                  name=f"pause-{run}", work=work)
-        client.run(_hold_device, args.pause_seconds, workers=[paused])
+        if args.pause_kind == "lock":
+            client.run(_hold_device, args.pause_seconds, workers=[paused])
+        else:  # a tenant time-slicing the device (kernels at half speed) for the pause
+            client.run(set_tenant, [(0.0, 100.0, 0), (args.pause_seconds, 0.0, 0)],
+                       workers=[paused])
+            client.run(restart_clock, time.time(), workers=[paused])
         t0 = time.perf_counter()
         out = y.compute()
         makespan = time.perf_counter() - t0
@@ -418,7 +423,7 @@ def brief_pause(client, args) -> list[dict]:
     """4 identical devices; another tenant holds device 0 for the stage's first
     ``--pause-seconds``: never slower than plain, and device 0 gets its fair share back."""
     blocks, work, pause = args.pause_blocks, args.pause_work, args.pause_seconds
-    results = _paired(("plain", "blockflow"), max(args.repeat, 5),
+    results = _paired(("plain", "blockflow"), args.pause_repeat,
                       lambda c, rep: _pause_cell(c, args, rep))
     fair = ((blocks * work + pause) / 4 - pause) / work
     rows = []
@@ -457,6 +462,11 @@ def main(argv=None) -> None:
                         help="reference-seconds per block of the brief-pause workload")
     parser.add_argument("--pause-seconds", type=float, default=0.6,
                         help="how long another tenant holds device 0 (brief-pause)")
+    parser.add_argument("--pause-kind", choices=("tenant", "lock"), default="tenant",
+                        help="brief-pause: a tenant time-slicing device 0 (its kernels at "
+                             "half speed) or holding it (its kernels wait)")
+    parser.add_argument("--pause-repeat", type=int, default=5,
+                        help="paired repetitions of the brief-pause workload")
     parser.add_argument("--in-process", action="store_true",
                         help="workers as threads of this process (starts faster; the "
                              "scheduler, workers and client then share one interpreter lock)")

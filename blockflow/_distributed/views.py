@@ -493,13 +493,20 @@ class FeederView:
     resources : dict
         The resources its consumers need (the largest amount of each).
     consumers : tuple
-        The keys of its dependents.
+        The keys of its dependents (empty for an *expected* feeder: its consumers have not
+        arrived yet).
+    group : str
+        Its task prefix (``dask.utils.key_split``).
+    earlier : bool
+        Whether an earlier graph submitted it (its consumers arrived after it).
     """
 
     key: Any
     priority: tuple
     resources: dict
     consumers: tuple = ()
+    group: str = ""
+    earlier: bool = False
 
 
 #: States of an earlier graph's task that may still feed a new graph's consumers: not
@@ -507,14 +514,17 @@ class FeederView:
 _EARLIER = frozenset({"waiting", "queued", "processing", "memory"})
 
 
-def feeder_tasks(scheduler, keys) -> list[FeederView]:
+def feeder_tasks(scheduler, keys, expect: Collection[str] = ()) -> list[FeederView]:
     """The feeders of a graph that just arrived (``keys``), in priority order: tasks that
     carry no restriction and whose dependents (one or more) all need worker resources.
 
     Among ``keys``, those not yet scheduled; among the tasks of earlier graphs that
     ``keys`` depend on (producers submitted before their consumers, distributed#9164's
     ``client.map(produce)`` then ``client.map(consume, resources=...)``), those not done
-    yet or whose output is still in memory (:data:`_EARLIER`)."""
+    yet, whose output is still in memory (:data:`_EARLIER`) or held back by
+    :func:`hold_tasks` (``earlier=True``). With ``expect`` (task prefixes), also the new
+    tasks of those prefixes that nothing depends on yet (expected feeders:
+    ``consumers=()``)."""
     candidates = []
     for key in keys:
         ts = scheduler.tasks.get(key)
@@ -524,13 +534,21 @@ def feeder_tasks(scheduler, keys) -> list[FeederView]:
         if ts.state == "released" or ts.state in _EARLIER:
             candidates.append(ts)
         if ts.resource_restrictions:
-            candidates.extend(d for d in ts.dependencies if d.state in _EARLIER)
+            candidates.extend(d for d in ts.dependencies if d.state in _EARLIER
+                              or d.worker_restrictions == {HOLD_ADDRESS})
     out, seen = [], set()
     for ts in candidates:
-        if (ts.key in seen or _restricted(ts) or ts.actor or not ts.run_spec
-                or not ts.dependents):
+        if ts.key in seen or ts.actor or not ts.run_spec:
             continue
         seen.add(ts.key)
+        held = ts.worker_restrictions == {HOLD_ADDRESS}
+        if _restricted(ts) and not held:
+            continue
+        group = key_split(ts.key)
+        if not ts.dependents:
+            if expect and group in expect and ts.state == "released" and not held:
+                out.append(FeederView(ts.key, tuple(ts.priority or ()), {}, (), group))
+            continue
         resources: dict[str, float] = {}
         for dts in ts.dependents:
             if not dts.resource_restrictions:
@@ -539,7 +557,8 @@ def feeder_tasks(scheduler, keys) -> list[FeederView]:
                 resources[r] = max(resources.get(r, 0), q)
         else:
             out.append(FeederView(ts.key, tuple(ts.priority or ()), resources,
-                                  tuple(d.key for d in ts.dependents)))
+                                  tuple(d.key for d in ts.dependents), group,
+                                  earlier=ts.state != "released" or held))
     out.sort(key=lambda f: f.priority)
     return out
 
@@ -572,7 +591,10 @@ def feeder_states(scheduler, keys) -> dict:
         elif ts.state == "processing":
             out[key] = "running"
         elif ts.state == "memory":
-            if any(d.state in _READY for d in deps):
+            # (a consumer of a graph just arriving is still "released": ready if all its
+            # inputs are in memory)
+            if any(d.state in _READY or (d.state == "released" and all(
+                    i.state == "memory" for i in d.dependencies)) for d in deps):
                 out[key] = "feeding"
             else:
                 out[key] = "stored" if pending else "done"

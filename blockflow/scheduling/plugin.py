@@ -212,7 +212,7 @@ class Rebalancer(SchedulerPlugin):
                         annotations=annotations or {}, now=time.time())
         if self.policy is None or not tasks:
             return
-        new_tasks = self._resources_on_graph(scheduler, list(tasks))
+        new_tasks = self._resources_on_graph(scheduler, list(tasks), client)
         snap = ClusterSnapshot(time=time.time(), workers=self._views(), event="graph",
                                new_tasks=new_tasks)
         for d in self.policy.run(snap):
@@ -242,7 +242,7 @@ class Rebalancer(SchedulerPlugin):
         if not self.policy.admits:  # e.g. observe only: never hold tasks back
             self.admission.enabled = False
 
-    def _resources_on_graph(self, scheduler, keys: list) -> list:
+    def _resources_on_graph(self, scheduler, keys: list, client=None) -> list:
         """New tasks: restrict them as their kernels asked (resources=, workers=), then hold
         back producers feeding resource-restricted consumers; the tasks' views for the
         policy.
@@ -262,9 +262,10 @@ class Rebalancer(SchedulerPlugin):
             views = [replace(v, restricted=True)
                      if v.key in self._placed_now and not v.restricted else v for v in views]
         if self.admission is not None and self.admission.enabled and keys:
+            feeders = _distributed.feeder_tasks(scheduler, keys,
+                                                expect=self.admission.expected(client))
             graph = ClusterSnapshot(time=time.time(), workers={}, event="graph",
-                                    new_tasks=views,
-                                    feeders=_distributed.feeder_tasks(scheduler, keys))
+                                    new_tasks=views, feeders=feeders, client=client)
             for d in self.admission.run(graph, None):
                 self._apply(d, graph)
             self._run_admission("held")

@@ -130,6 +130,9 @@ class ClusterSnapshot:
     feeder_states : FeederStates, optional
         Key -> where a feeder stands (:class:`blockflow._distributed.FeederStates`), for the
         admission rule; None on the policy's snapshots.
+    client : str, optional
+        On the admission rule's ``"graph"`` snapshot: the id of the client that submitted
+        the graph (admission control learns which of its producers get consumers later).
     """
 
     time: float
@@ -150,6 +153,7 @@ class ClusterSnapshot:
     monotonic: float = 0.0
     feeders: list = field(default_factory=list, repr=False)
     feeder_states: Any = field(default=None, repr=False)
+    client: str | None = None
 
 
 class RebalancePolicy(abc.ABC):

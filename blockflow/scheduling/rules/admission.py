@@ -43,9 +43,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from typing import Any
+
+from dask.utils import parse_timedelta
 
 from blockflow import config
 from blockflow.scheduling.actions import Action, Decision
@@ -59,6 +62,8 @@ _ACTIVE = frozenset({"pending", "running", "feeding"})
 _HELD = frozenset({"held", "orphan"})
 #: Ticks between sweeps for held feeders no consumer needs any more (O(held) each).
 _ORPHAN_SWEEP_TICKS = 10
+#: (client, task prefix) pairs remembered as feeding consumers submitted later.
+_MAX_PATTERNS = 256
 
 
 def default_budget(workers: Mapping[str, Any], resources: Mapping[str, float]) -> int:
@@ -127,14 +132,22 @@ class AdmissionRule(Rule):
         The budget last applied.
     """
 
-    def __init__(self, budget: int | None = None):
+    def __init__(self, budget: int | None = None, grace: str | float | None = None):
         budget = config.get("resources.admission-budget", budget)
         self.budget = None if budget is None else int(budget)
         self.enabled = self.budget != 0
+        self.grace = parse_timedelta(config.get("resources.admission-grace", grace))
+        # (client, prefix) -> resources its consumers needed: producers whose consumers
+        # came in a later graph of the same client (least recently seen first out)
+        self.patterns: OrderedDict[tuple, dict] = OrderedDict()
+        self._expected: dict[Any, tuple[float, tuple]] = {}  # key -> (deadline, pattern)
+        self.expired = 0  # expected feeders released because no consumer came in time
         self._held: list[tuple[tuple, int, Any]] = []  # heap of (priority, seq, key)
         self._held_keys: set = set()
         self._admitted: set = set()
         self._asked: list = []  # feeders of the last graph: held once their hold took
+        self._client = None  # the client that submitted the last graph
+        self._now = 0.0
         self._consumers: dict[Any, tuple] = {}  # feeder -> its consumers
         self._watched: Counter = Counter()  # feeders and consumers tracked -> references
         self._seq = itertools.count()
@@ -157,7 +170,7 @@ class AdmissionRule(Rule):
 
     def run(self, snap, context: RuleContext | None = None) -> list[Decision]:
         if snap.event == "graph":
-            return self._hold(snap.feeders)
+            return self._hold(snap.feeders, snap.client, snap.time)
         if snap.event == "held":
             held = self._track(snap.feeder_states)
             return [] if held is None else self._admit(snap, after_graph=held)
@@ -167,7 +180,7 @@ class AdmissionRule(Rule):
             self._ticks += 1
             out = self._orphans(snap.feeder_states) \
                 if self._ticks % _ORPHAN_SWEEP_TICKS == 0 else []
-            return out + self._admit(snap, after_graph=None)
+            return out + self._expire(snap.time) + self._admit(snap, after_graph=None)
         if snap.event == "close":
             return self._release_all()
         return []
@@ -181,38 +194,97 @@ class AdmissionRule(Rule):
                                 or f"blockflow-admission-{next(self._seq)}",
                                 "count": count})
 
-    def _hold(self, feeders) -> list[Decision]:
+    def expected(self, client) -> frozenset:
+        """Task prefixes whose new tasks from ``client`` are held as expected feeders (their
+        consumers came in a later graph of this client before); empty with no grace."""
+        if not self.enabled or self.grace <= 0 or client is None:
+            return frozenset()
+        return frozenset(p for c, p in self.patterns if c == client)
+
+    def _hold(self, feeders, client=None, now: float | None = None) -> list[Decision]:
         self._asked = list(feeders) if self.enabled else []
-        if not self._asked:
+        self._client = client
+        self._now = time.time() if now is None else now
+        keys = [f.key for f in self._asked if f.key not in self._held_keys]
+        if not keys:
             return []
-        return [Decision(Action.HOLD, "", f"{len(self._asked)} producers feed tasks that "
-                         f"need resources: held back (admission control)",
-                         keys=tuple(f.key for f in self._asked))]
+        return [Decision(Action.HOLD, "", f"{len(keys)} producers feed tasks that "
+                         f"need resources: held back (admission control)", keys=tuple(keys))]
 
     def _track(self, states) -> int | None:
-        """Track the feeders of the last graph whose hold took; their number (None when no
-        graph's feeders were waiting)."""
+        """Track the feeders of the last graph whose hold took, and an earlier graph's
+        feeders already running or feeding (they count against the budget); learn the
+        prefixes of earlier graphs' feeders; their number held (None when no graph's
+        feeders were waiting)."""
         asked, self._asked = self._asked, []
         if not asked:
             return None
         held = 0
         for f in asked:
+            if f.earlier and self._client is not None:
+                pattern = (self._client, f.group)
+                self.patterns[pattern] = dict(f.resources)
+                self.patterns.move_to_end(pattern)
+                while len(self.patterns) > _MAX_PATTERNS:
+                    self.patterns.popitem(last=False)
             state = states[f.key]
-            if state in _HELD:
+            if f.key in self._held_keys or f.key in self._admitted:
+                # tracked already (an expected feeder whose consumers came, or one feeding
+                # consumers of two graphs): add the new consumers
+                self._expected.pop(f.key, None)
+                new = tuple(c for c in f.consumers if c not in self._consumers.get(f.key, ()))
+                self._consumers[f.key] = self._consumers.get(f.key, ()) + new
+                self._watched.update(new)
+            elif not f.consumers:
+                # expected: its consumers may come in a later graph, within the grace
+                if state not in _HELD:
+                    continue
+                heapq.heappush(self._held, (f.priority, next(self._seq), f.key))
+                self._held_keys.add(f.key)
+                self._expected[f.key] = (self._now + self.grace, (self._client, f.group))
+                self._consumers[f.key] = ()
+                self._watched[f.key] += 1
+                held += 1
+                continue
+            elif state in _HELD:
                 held += 1
                 heapq.heappush(self._held, (f.priority, next(self._seq), f.key))
                 self._held_keys.add(f.key)
-            elif state in _ACTIVE and f.key not in self._admitted:
+                self._consumers[f.key] = f.consumers
+                self._watched.update((f.key, *f.consumers))
+            elif state in _ACTIVE:
                 # an earlier graph's producer already on a worker or feeding: it counts
-                # against the budget as if released here (the consumers arrived late)
+                # against the budget as if released here (its consumers arrived late)
                 self._admitted.add(f.key)
+                self._consumers[f.key] = f.consumers
+                self._watched.update((f.key, *f.consumers))
             else:
                 continue
-            self._consumers[f.key] = f.consumers
-            self._watched.update((f.key, *f.consumers))
             for r, q in f.resources.items():
                 self.resources[r] = max(self.resources.get(r, 0), q)
         return held
+
+    def _waits(self, key, state: str) -> bool:
+        """Whether an expected feeder still waits for its consumers (within the grace):
+        held, it is not an orphan; in memory, its output counts against the budget."""
+        return key in self._expected and state in ("orphan", "done")
+
+    def _expire(self, now: float) -> list[Decision]:
+        """Expected feeders whose consumers did not come within the grace: release those
+        still held, stop counting the others, and forget their patterns (a miss)."""
+        late = [k for k, (deadline, _) in self._expected.items() if deadline <= now]
+        if not late:
+            return []
+        keys = []
+        for k in late:
+            _, pattern = self._expected.pop(k)
+            self.patterns.pop(pattern, None)
+            if k in self._held_keys:
+                self._held_keys.discard(k)
+                keys.append(k)
+            self._forget(k)
+        self.expired += len(keys)
+        return [self._release(keys, count=False)] if keys else []
 
     def _budget(self, workers: Mapping[str, Any]) -> int:
         b = self.budget if self.budget is not None else default_budget(workers, self.resources)
@@ -229,7 +301,7 @@ class AdmissionRule(Rule):
             states = snap.feeder_states
             active = 0
             for key, state in states.read(list(self._admitted)).items():
-                if state in _ACTIVE:
+                if state in _ACTIVE or self._waits(key, state):
                     active += 1
                 elif state == "done":
                     self._forget(key)
@@ -240,7 +312,7 @@ class AdmissionRule(Rule):
                 if key not in self._held_keys:
                     continue
                 self._held_keys.discard(key)
-                if states[key] in ("orphan", "done"):
+                if states[key] in ("orphan", "done") and not self._waits(key, states[key]):
                     orphans.append(key)
                     self._forget(key)
                     continue
@@ -266,7 +338,7 @@ class AdmissionRule(Rule):
         if not self._held_keys:
             return []
         orphans = [k for k, s in states.read(list(self._held_keys)).items()
-                   if s in ("orphan", "done")]
+                   if s in ("orphan", "done") and not self._waits(k, s)]
         for k in orphans:
             self._held_keys.discard(k)
             self._forget(k)
@@ -276,11 +348,13 @@ class AdmissionRule(Rule):
         keys = list(self._held_keys)
         self._held_keys.clear()
         self._held.clear()
+        self._expected.clear()
         return [self._release(keys, count=False, stimulus="blockflow-admission-close")] \
             if keys else []
 
     def _forget(self, key) -> None:
         self._admitted.discard(key)
+        self._expected.pop(key, None)
         for k in (key, *self._consumers.pop(key, ())):
             self._watched[k] -= 1
             if self._watched[k] <= 0:
@@ -292,4 +366,5 @@ class AdmissionRule(Rule):
         return {"enabled": self.enabled, "budget": self.last_budget,
                 "held": len(self._held_keys), "admitted": len(self._admitted),
                 "peak_active": self.peak_active, "released": self.released,
-                "resources": dict(self.resources)}
+                "resources": dict(self.resources), "expected": len(self._expected),
+                "expired": self.expired, "patterns": len(self.patterns)}
