@@ -98,6 +98,10 @@ class WorkerView:
     recent_speed : float or None
         The speed shown on the worker's latest warm task
         (:meth:`blockflow.scheduling.speed.SpeedModel.recent_speed`); None if unknown.
+    slow_for : float or None
+        Seconds the worker is expected to stay at its (lower) learned speed before it runs
+        at the typical speed again (:meth:`blockflow.scheduling.speed.SpeedModel.slow_for`:
+        a slow streak that began recently); None: at its learned speed throughout.
     """
 
     address: str
@@ -119,11 +123,24 @@ class WorkerView:
     device_peers: tuple = ()
     peers_own_utilization: float = 0.0
     recent_speed: float | None = None
+    slow_for: float | None = None
 
     @property
     def projected_finish(self) -> float:
-        """Seconds until the worker finishes its assigned work at its learned speed."""
-        return self.occupancy / (max(self.speed, 1e-6) * max(self.nthreads, 1))
+        """Seconds until the worker finishes its assigned work at its learned speed (for
+        :attr:`slow_for` seconds only, when set; at the typical speed after)."""
+        return self.finish_at(self.occupancy)
+
+    def finish_at(self, occupancy: float) -> float:
+        """Seconds this worker needs for ``occupancy`` seconds of work at the typical
+        speed: at its learned speed, or at it for :attr:`slow_for` seconds and at the
+        typical speed after."""
+        threads = max(self.nthreads, 1)
+        speed = max(self.speed, 1e-6)
+        work = occupancy / threads
+        if self.slow_for is None or speed >= 1.0 or work <= speed * self.slow_for:
+            return work / speed
+        return self.slow_for + (work - speed * self.slow_for)
 
     @property
     def others_utilization(self) -> float | None:
@@ -256,7 +273,8 @@ def worker_addresses(scheduler) -> list[str]:
 def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
                  confidence: Callable[[str], float] | None = None,
                  paused: Mapping[str, Any] | None = None,
-                 recent_speed: Callable[[str], float | None] | None = None
+                 recent_speed: Callable[[str], float | None] | None = None,
+                 slow_for: Callable[[str], float | None] | None = None
                  ) -> dict[str, WorkerView]:
     """:class:`WorkerView` of every worker.
 
@@ -270,6 +288,8 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
         Addresses blockflow paused.
     recent_speed : callable, optional
         ``recent_speed(address) -> float or None``, the speed of the latest task.
+    slow_for : callable, optional
+        ``slow_for(address) -> float or None`` (:attr:`WorkerView.slow_for`).
     """
     stealing = scheduler.extensions.get("stealing")
     in_flight = getattr(stealing, "in_flight_occupancy", {}) if stealing else {}
@@ -297,6 +317,7 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
             memory_limit=int(limit),
             speed_confidence=float(confidence(addr)) if confidence is not None else 0.0,
             recent_speed=recent_speed(addr) if recent_speed is not None else None,
+            slow_for=slow_for(addr) if slow_for is not None else None,
             resources=dict(ws.resources or {}),
             device_uuid=m.device_uuid,
         )

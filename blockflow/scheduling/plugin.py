@@ -309,7 +309,8 @@ class Rebalancer(SchedulerPlugin):
         return _distributed.worker_views(self.scheduler, speed=self.speeds.speed,
                                          confidence=self.speeds.confidence,
                                          paused=self.paused,
-                                         recent_speed=self.speeds.recent_speed)
+                                         recent_speed=self.speeds.recent_speed,
+                                         slow_for=self.speeds.slow_for)
 
     def take_snapshot(self) -> ClusterSnapshot:
         """The rebalancer's view of the cluster now (speeds updated first); plain data.

@@ -44,7 +44,15 @@ Method (a blockflow heuristic from standard robust and shrinkage estimation):
    the work it runs now. Tasks of different kinds use different parts of a machine (a
    kernel on the GPU, input generation on the host CPU), so groups that ended long ago
    should not outvote the group running now, nor should it win on its first two tasks.
-6. **Bounded optimism.** No worker looks faster than the best well-observed worker
+6. **A pause that ended is the past.** When a worker's last ``change_run`` durations of a
+   group are back within ``recover_ratio`` of the other workers' level (their median of
+   medians) while its earlier ones lie beyond it, the earlier ones are dropped: a worker
+   back at the typical speed is judged typical at once (after two normal tasks, not after
+   as many normal ones as it ran slow: a worker busy with another tenant for 0.6 s kept
+   its tasks moved off it for as long again). And a worker is expected to stay slow about as long as the streak has
+   lasted so far (:meth:`SpeedModel.slow_for`, a horizon the projected finish uses), not for
+   all its queued work: tasks move off it as the evidence grows, not all at once.
+7. **Bounded optimism.** No worker looks faster than the best well-observed worker
    (confidence >= 0.5) by more than ``max_optimism``; before any is well observed, no worker
    looks faster than ``max_optimism`` itself.
 
@@ -98,6 +106,11 @@ class SpeedModel:
     group_half_life : float, default 16.0
         Durations per observed worker after which a group's evidence, if the group was not
         seen since, weighs half (see the module doc).
+    recover_ratio : float, default 1.25
+        A worker whose last ``change_run`` durations of a group lie within this ratio of
+        the other workers' level, its earlier ones beyond it, recovered: its earlier ones
+        are dropped. Also the ratio beyond which a task counts as slow for
+        :meth:`slow_for`.
     max_groups : int, default 256
         Task groups remembered (least recently seen forgotten first).
     max_pending : int, default 100_000
@@ -110,7 +123,7 @@ class SpeedModel:
                  change_sds: float = 3.0,
                  max_ratio: float = 64.0, min_duration: float = 0.005,
                  max_optimism: float = 1.5, group_half_life: float = 16.0,
-                 max_groups: int = 256,
+                 recover_ratio: float = 1.25, max_groups: int = 256,
                  max_pending: int = 100_000):
         self.window = window
         self.warmup = warmup
@@ -125,6 +138,9 @@ class SpeedModel:
         self.min_duration = min_duration
         self.max_log_ratio = math.log(max_ratio)
         self.max_optimism = max_optimism
+        self.recover_log = math.log(recover_ratio)
+        # worker -> seconds of its current streak of slow tasks: see slow_for
+        self.streak: dict[str, float] = {}
         self.max_groups = max_groups
         self.group_half_life = group_half_life
         self.folded = 0  # durations folded in so far (all groups), the clock of group ages
@@ -182,7 +198,8 @@ class SpeedModel:
                 window = per_worker[worker] = deque(maxlen=self.window)
             window.append(math.log(duration))
             self.last[worker] = (group, window[-1])
-            if self._changed(window):
+            self._track_streak(worker, group, duration)
+            if self._changed(window) or self._recovered(worker, per_worker, window):
                 # the worker changed speed (throttled, a new tenant, freed): judge it on
                 # its recent durations only
                 per_worker[worker] = deque(list(window)[-self.change_run:],
@@ -205,6 +222,52 @@ class SpeedModel:
         sd = max(1.4826 * median(abs(x - before) for x in earlier), self.min_spread)
         step = max(math.log(self.change_ratio), self.change_sds * sd)
         return all(x - before > step for x in recent) or all(before - x > step for x in recent)
+
+    def _track_streak(self, worker: str, group: str, duration: float) -> None:
+        """Seconds of the worker's current streak of tasks slower than the group's reference
+        by more than ``recover_ratio``; a task at the typical speed ends it (O(1))."""
+        ref = self.reference.get(group)
+        if ref is None:
+            return
+        gap = math.log(duration) - ref  # > 0: slower than the reference
+        if gap > self.recover_log:
+            self.streak[worker] = self.streak.get(worker, 0.0) + duration
+        else:
+            self.streak[worker] = 0.0
+
+    def _recovered(self, worker: str, per_worker: dict, window: deque) -> bool:
+        """Whether the last ``change_run`` durations are back within ``recover_ratio`` of
+        the other workers' level while the median of the earlier ones lies beyond twice
+        that (the worker returned to the typical speed). Costs a median per other worker,
+        only while the worker's earlier durations are off that level."""
+        k = self.change_run
+        if len(window) <= k:
+            return False
+        values = list(window)
+        before, recent = values[:-k], values[-k:]
+        earlier = median(before)
+        ref = self.reference.get(self.last[worker][0])
+        if ref is None or abs(earlier - ref) <= 2 * self.recover_log:
+            return False  # (the reference includes this worker: a cheap first look)
+        others = [median(d) for w, d in per_worker.items() if w != worker and d]
+        if not others:
+            return False
+        level = median(others)
+        # as for a change of speed: beyond the noise of the earlier durations too (two
+        # draws of a noisy group near the others' level are no recovery)
+        sd = max(1.4826 * median(abs(x - earlier) for x in before), self.min_spread)
+        return abs(earlier - level) > max(2 * self.recover_log, self.change_sds * sd) \
+            and all(abs(x - level) <= self.recover_log for x in recent)
+
+    def slow_for(self, worker: str) -> float | None:
+        """How much longer, in seconds, ``worker`` is expected to stay as slow as it is now:
+        the length of its current streak of tasks slower than the other workers' by more
+        than ``recover_ratio`` (a slowdown that has lasted t seconds is expected to last
+        about t more: what ended is evidence about the past, and a worker slow from the
+        start is expected to stay slow as long as it has been); None when it is not slow
+        now. A blockflow heuristic (the Lindy-style prior of a duration-so-far)."""
+        streak = self.streak.get(worker, 0.0)
+        return streak if streak > 0.0 else None
 
     def _estimate(self) -> None:
         self.dof = {}
@@ -339,6 +402,7 @@ class SpeedModel:
         self.var.pop(worker, None)
         self.comparable.pop(worker, None)
         self.last.pop(worker, None)
+        self.streak.pop(worker, None)
         self.pending = deque((o for o in self.pending if o[0] != worker),
                              maxlen=self.pending.maxlen)
         self._estimate()

@@ -625,3 +625,32 @@ def test_balancing_decisions_only_on_ticks_and_only_for_policies_that_hand_over(
     assert decisions == [] and s.balancing and not silent.active
     decisions, s = _balancing_tick(silent, _speeds(WEAK))
     assert decisions == [] and not s.balancing  # the strict test alone while off
+
+
+def test_a_young_slow_streak_moves_only_the_work_it_delays():
+    """Issue 27: worker "a" ran its last 0.3 s at half speed (another tenant); with 3 s of
+    work queued on every worker, it is projected slow for about as long again, not for its
+    whole queue: a few tasks move, not half of them (72 moves a run, 59 off that worker)."""
+    def cluster(slow_for):
+        a = dataclasses.replace(worker("a", processing=60, executing=1, occupancy=3.0,
+                                       speed=0.5), speed_confidence=0.8, slow_for=slow_for)
+        others = [worker(x, processing=60, executing=1, occupancy=3.0) for x in "bcd"]
+        waiting = {"a": [task(("blockflow-k", i), duration=0.05) for i in range(59, 0, -1)]}
+        return ClusterSnapshot(time=0.0, workers={w.address: w for w in [a, *others]},
+                               waiting=waiting, balancing=True)
+
+    assert cluster(0.3).workers["a"].projected_finish == pytest.approx(0.3 + 3.0 - 0.15)
+    young = [d for d in run(DynamicPolicy(), cluster(0.3)) if d.action == "move"]
+    for_good = [d for d in run(DynamicPolicy(), cluster(None)) if d.action == "move"]
+    assert len(for_good) >= 10  # slow for good: a third of its queue goes
+    assert 0 < len(young) <= 3, len(young)
+
+
+def test_moves_off_a_recovered_worker_stop():
+    # back at the typical speed (its pause ended): nothing moves off it
+    waiting = {"a": [task(("blockflow-k", i), duration=0.05) for i in range(40, 0, -1)]}
+    workers = [worker("a", processing=41, executing=1, occupancy=2.05)] + [
+        worker(x, processing=60, executing=1, occupancy=3.0) for x in "bcd"]
+    s = ClusterSnapshot(time=0.0, workers={w.address: w for w in workers}, waiting=waiting,
+                        balancing=True)
+    assert [d for d in run(DynamicPolicy(), s) if d.action == "move" and d.worker == "a"] == []

@@ -341,3 +341,66 @@ def test_declared_work_makes_tasks_of_different_sizes_comparable():
     per_row.observe("a", "shard", 0.001, 100)  # min_duration applies to the task's seconds
     per_row.observe("a", "shard", 0.4, 0)  # no work: ignored
     assert len(per_row.pending) == 0
+
+
+def _brief_pause(m: SpeedModel, slow: int, normal: int) -> list[float]:
+    """4 identical workers, 0.06 s tasks; another tenant halves worker "w0"'s speed for its
+    first ``slow`` tasks of the stage (issue 27: ~0.6 s), then ``normal`` tasks at the
+    typical speed; its learned speed after each of those."""
+    for w in ("w0", "w1", "w2", "w3"):
+        feed(m, w, "warm", [0.06, 0.06])
+    m.update()
+    for w in ("w1", "w2", "w3"):
+        feed(m, w, "stage", [0.06 * (1 + 0.01 * (i % 3)) for i in range(8)])
+    feed(m, "w0", "stage", [0.06] + [0.12] * slow)  # (the first is a cold start)
+    m.update()
+    out = []
+    for i in range(normal):
+        feed(m, "w0", "stage", [0.06 * (1 + 0.01 * (i % 2))])
+        for w in ("w1", "w2", "w3"):
+            feed(m, w, "stage", [0.06])
+        m.update()
+        out.append(m.speed("w0"))
+    return out
+
+
+def test_a_pause_that_ended_is_the_past_two_normal_durations_restore_the_speed():
+    # issue 27: one worker busy with another tenant for ~0.6 s at the start kept a lower
+    # learned speed for as many normal tasks as it had run slow (and its work moved off)
+    m = SpeedModel()
+    after = _brief_pause(m, slow=5, normal=4)
+    assert after[0] < 0.8  # one normal duration is no evidence yet
+    assert after[1] == pytest.approx(1.0, abs=0.05), after
+    assert all(s == pytest.approx(1.0, abs=0.05) for s in after[1:]), after
+    assert m.slow_for("w0") is None  # not slow now
+
+
+def test_a_slow_streak_is_expected_to_last_as_long_as_it_has_so_far():
+    m = SpeedModel()
+    feed(m, "a", "g", [0.1] * 6)
+    feed(m, "b", "g", [0.1] * 6)
+    m.update()
+    assert m.slow_for("a") is None
+    feed(m, "a", "g", [0.3, 0.3])  # a new tenant: three times slower
+    m.update()
+    assert m.slow_for("a") == pytest.approx(0.6)
+    feed(m, "a", "g", [0.3])
+    m.update()
+    assert m.slow_for("a") == pytest.approx(0.9)
+    feed(m, "a", "g", [0.1])  # back to the typical speed: the streak ended
+    m.update()
+    assert m.slow_for("a") is None
+
+
+def test_a_noisy_slow_worker_is_not_judged_recovered_on_two_lucky_draws():
+    m = SpeedModel()
+    import random
+
+    rng = random.Random(5)
+    for _ in range(30):
+        for w, s in (("a", 1.0), ("b", 1.0), ("slow", 0.25)):
+            m.observe(w, "g", 0.05 * math.exp(rng.gauss(0, 0.7)) / s)
+    m.update()
+    feed(m, "slow", "g", [0.05, 0.05])  # two draws at the others' level
+    m.update()
+    assert m.speed("slow") < 0.5

@@ -102,6 +102,7 @@ class MoveRule(Rule):
         finish = {a: (math.inf if a in blocked else w.projected_finish)
                   for a, w in views.items()}
         rate = {a: max(w.speed, 1e-6) * max(w.nthreads, 1) for a, w in views.items()}
+        occupancy = {a: w.occupancy for a, w in views.items()}
         # A backup copy runs outside the scheduler's count: its worker is busy for it.
         copying = set(snap.backups.values())
         for t in (t for tasks in snap.running.values() for t in tasks if t.key in snap.backups):
@@ -184,7 +185,9 @@ class MoveRule(Rule):
             while len(self.moved_off) > self.moved_memory:
                 self.moved_off.popitem(last=False)
             if not math.isinf(finish[v.address]):
-                finish[v.address] -= d / rate[v.address]
+                # (at the speed the worker is expected to have by the end of its queue)
+                occupancy[v.address] = max(occupancy[v.address] - d, 0.0)
+                finish[v.address] = v.finish_at(occupancy[v.address])
             finish[best.address] = best_finish
             if best.address in free:
                 free[best.address] -= 1
