@@ -71,9 +71,23 @@ def _states(keys, dask_scheduler=None):
     return _distributed.task_states(dask_scheduler, keys)
 
 
-def run(client: Client, sampler: MemorySampler, label: str, args) -> dict:
-    keys, consumers = pipeline(args.blocks, int(args.block_mib * MiB), args.consumer_seconds,
-                               label)
+def two_submissions(client: Client, n: int, nbytes: int, seconds: float, tag: str):
+    """distributed#9164's form: ``client.map`` of the producers, then a second
+    ``client.map`` of the consumers needing ``GPU=1`` (two graphs)."""
+    keys = [f"produce-{tag}-{i}" for i in range(n)]
+    producers = client.map(produce, range(n), nbytes=nbytes, key=keys)
+    consumers = client.map(consume, producers, seconds=seconds, resources={"GPU": 1},
+                           key=[f"consume-{k}" for k in keys])
+    return keys, consumers
+
+
+def run(client: Client, sampler: MemorySampler, label: str, args, form: str = "one graph"
+        ) -> dict:
+    nbytes = int(args.block_mib * MiB)
+    if form == "one graph":
+        keys, consumers = pipeline(args.blocks, nbytes, args.consumer_seconds, label)
+    else:
+        keys, consumers = None, None
     peak = 0
     done = threading.Event()
 
@@ -87,7 +101,11 @@ def run(client: Client, sampler: MemorySampler, label: str, args) -> dict:
     poller = threading.Thread(target=poll, daemon=True)
     with sampler.sample(label, interval=0.1):
         start = time.perf_counter()
-        futures = client.compute(consumers)
+        if consumers is not None:
+            futures = client.compute(consumers)
+        else:
+            keys, futures = two_submissions(client, args.blocks, nbytes,
+                                            args.consumer_seconds, label)
         poller.start()
         results = client.gather(futures)
         makespan = time.perf_counter() - start
@@ -95,7 +113,7 @@ def run(client: Client, sampler: MemorySampler, label: str, args) -> dict:
         poller.join()
     assert results == [float(i) for i in range(args.blocks)], "wrong results"
     del futures
-    print(f"{label}: peak held {peak} of {args.blocks}, makespan {makespan:.1f} s",
+    print(f"{label} ({form}): peak held {peak} of {args.blocks}, makespan {makespan:.1f} s",
           file=sys.stderr)
     return {"peak_held": peak, "makespan": makespan}
 
@@ -125,26 +143,46 @@ def main(argv=None) -> int:
             with sampler.sample("idle", interval=0.1):
                 time.sleep(1.0)
             out["plain Dask"] = run(client, sampler, "plain", args)
+            out["plain Dask, 2 submissions"] = run(client, sampler, "plain2", args,
+                                                   form="two submissions")
             client.close()
         with blockflow.connect(cluster.scheduler_address) as client:
             out["blockflow"] = run(client, sampler, "blockflow", args)
+            # the same client again: the first run of the two-submission form holds the
+            # producers once the consumers arrive; the second also finds the learned pattern
+            out["blockflow, 2 submissions"] = run(client, sampler, "blockflow2", args,
+                                                  form="two submissions")
+            out["blockflow, 2 submissions again"] = run(client, sampler, "blockflow3", args,
+                                                        form="two submissions")
             budget = blockflow.plugin_status(client)["resources"]["admission"]["budget"]
         memory = sampler.to_pandas()
     idle = float(memory["idle"].dropna().max())
-    for label, key in (("plain Dask", "plain"), ("blockflow", "blockflow")):
+    labels = {"plain Dask": "plain", "plain Dask, 2 submissions": "plain2",
+              "blockflow": "blockflow", "blockflow, 2 submissions": "blockflow2",
+              "blockflow, 2 submissions again": "blockflow3"}
+    for label, key in labels.items():
         out[label]["peak_memory"] = float(memory[key].dropna().max())
         out[label]["rise"] = out[label]["peak_memory"] - idle
 
     print(f"pipeline: {args.cpu_workers} CPU workers + 1 GPU=1 worker (processes, 1 thread "
           f"each); {args.blocks} producers x {args.block_mib:g} MiB -> "
           f"{args.consumer_seconds:g} s consumer (GPU=1); blockflow admission budget {budget}")
+    print("one graph: a delayed graph of producers and consumers; 2 submissions: "
+          "client.map(produce), then client.map(consume, resources={'GPU': 1}) "
+          "(distributed#9164); 'again': the same client's second such pipeline")
     rows = [("peak producer outputs held", lambda r: f"{r['peak_held']} of {args.blocks}"),
+            ("  / blockflow's one-graph peak",
+             lambda r: f"{r['peak_held'] / max(out['blockflow']['peak_held'], 1):.1f}x"),
             ("peak worker memory (MiB)", lambda r: f"{r['peak_memory'] / MiB:,.0f}"),
             ("  over the idle cluster (MiB)", lambda r: f"{r['rise'] / MiB:,.0f}"),
             ("makespan (s)", lambda r: f"{r['makespan']:.1f}")]
-    print(f"{'':30}{'plain Dask':>14}{'blockflow':>14}")
-    for name, fmt in rows:
-        print(f"{name:30}{fmt(out['plain Dask']):>14}{fmt(out['blockflow']):>14}")
+    for group in (("plain Dask", "blockflow"),
+                  ("plain Dask, 2 submissions", "blockflow, 2 submissions",
+                   "blockflow, 2 submissions again")):
+        print()
+        print(f"{'':32}" + "".join(f"{g:>32}" for g in group))
+        for name, fmt in rows:
+            print(f"{name:32}" + "".join(f"{fmt(out[g]):>32}" for g in group))
     return 0
 
 
