@@ -42,9 +42,11 @@ Workloads (``--workloads``, comma-separated):
   ``--pause-seconds`` (0.6) of the stage (a thread of that worker's process holds the device
   lock every kernel of it takes first: its first kernels really wait). Target (issue 27):
   blockflow <= 1.00x plain (median of >= 5 paired repetitions) and device 0's share of the
-  blocks within 10 % of its fair share (the blocks it can run in the time left after the
-  pause, if the stage ends together: ``(blocks x work + pause) / 4 - pause``, over
-  ``work``); moves per run are counted.
+  blocks within 10 % of its fair share (the blocks it runs if the stage ends together on
+  all devices: ``((blocks x work + lost) / 4 - lost) / work``, ``lost`` the device time the
+  tenant took: half the pause with ``--pause-kind tenant``, the default, where the tenant
+  time-slices the device and its kernels run at half speed; all of it with ``lock``, where
+  the tenant holds the device and its kernels wait); moves per run are counted.
 
 Each straggler run starts a fresh cluster and runs a short warm-up stage first (durations
 measured, as in any pipeline past its first stage); "duplicated" is the seconds of work
@@ -425,7 +427,10 @@ def brief_pause(client, args) -> list[dict]:
     blocks, work, pause = args.pause_blocks, args.pause_work, args.pause_seconds
     results = _paired(("plain", "blockflow"), args.pause_repeat,
                       lambda c, rep: _pause_cell(c, args, rep))
-    fair = ((blocks * work + pause) / 4 - pause) / work
+    # the device work lost to the tenant: all of the pause (lock) or half of it (a tenant
+    # time-slicing the device); with the stage ending together, device 0 runs the rest
+    lost = pause * (1.0 if args.pause_kind == "lock" else 0.5)
+    fair = ((blocks * work + lost) / 4 - lost) / work
     rows = []
     for config, runs in results.items():
         ms = [r["makespan"] for r in runs]
