@@ -345,14 +345,17 @@ def no_stragglers(client, args) -> list[dict]:
     return _spec_rows("identical", results, "blockflow-no-backups", blocks * work)
 
 
-def _hold_device(seconds: float, dask_worker=None) -> None:
+#: Name, in ``sys.modules`` of a worker process, of the lock another tenant holds
+#: (``--pause-kind lock``): a process-wide place both the tenant and the kernels find.
+_TENANT_LOCK = "blockflow-bench-tenant-lock"
+
+
+def _hold_device(seconds: float) -> None:
     """``client.run``: another tenant takes this worker's device for ``seconds`` (a thread
     holds the lock each of :func:`_pause_kernel` takes before it runs)."""
     import threading
 
-    lock = getattr(dask_worker, "_bench_tenant_lock", None)
-    if lock is None:
-        lock = dask_worker._bench_tenant_lock = threading.Lock()
+    lock = sys.modules.setdefault(_TENANT_LOCK, threading.Lock())
     held = threading.Event()
 
     def tenant():
@@ -372,7 +375,7 @@ def _pause_kernel(block, block_id=None, work=0.05):
     from blockflow.testing import simulated_kernel
 
     worker = get_worker()
-    lock = getattr(worker, "_bench_tenant_lock", None)
+    lock = sys.modules.get(_TENANT_LOCK)
     if lock is not None:
         with lock:
             pass
