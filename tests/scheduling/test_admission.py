@@ -224,3 +224,15 @@ async def test_expected_producers_run_when_no_consumer_comes_within_the_grace(c,
     more = c.map(produce, range(5), nbytes=1024, key=[f"produce-y{i}" for i in range(5)])
     await asyncio.wait_for(c.gather(more), 60)
     assert plugin.admission.status()["released"] == status["released"]
+
+
+@gen_cluster(client=True, nthreads=PIPELINE, timeout=120)
+@pytest.mark.slow
+async def test_the_same_pipeline_submitted_again_with_the_same_keys_completes(c, s, *workers):
+    # client.map's keys are deterministic: running a pipeline twice resubmits its keys
+    # (the second time, producers tracked from the first run are held anew, not left held)
+    plugin = await _plugin(c, s)
+    await map_and_poll(c, s, 20, MB, 0.01)
+    _, results = await asyncio.wait_for(map_and_poll(c, s, 30, MB, 0.02, gap=0.3), 60)
+    assert results == [float(i) for i in range(30)]
+    assert plugin.admission.status()["patterns"] == 1

@@ -228,6 +228,10 @@ class AdmissionRule(Rule):
                 while len(self.patterns) > _MAX_PATTERNS:
                     self.patterns.popitem(last=False)
             state = states[f.key]
+            if f.key in self._admitted and state in _HELD:
+                # admitted before, held again: the same key submitted anew (its earlier
+                # run forgotten); tracked afresh below
+                self._forget(f.key)
             if f.key in self._held_keys or f.key in self._admitted:
                 # tracked already (an expected feeder whose consumers came, or one feeding
                 # consumers of two graphs): add the new consumers
