@@ -25,6 +25,17 @@ enough to keep the GPU busy while the next outputs are produced. A blockflow heu
 the spirit of distributed's root-task queuing (``worker-saturation``), which does not apply
 here.
 
+Across submissions (``client.map(produce, ...)`` then ``client.map(consume, futures,
+resources={"GPU": 1})``, distributed#9164's form): when the consumers arrive, an earlier
+graph's feeders still in the scheduler's queue are taken out of it and held, and those
+already on a worker or in memory count against the budget. The rule also learns the
+(client, task prefix) of such feeders: that client's next tasks of that prefix that nothing
+depends on yet are held as they arrive (*expected* feeders, released at the budget's rate,
+their outputs counted against it) for at most ``blockflow.resources.admission-grace``; if
+no consumer comes by then they all run and the pattern is forgotten. Nothing can be held
+when root-task queuing is off (every producer is on a worker at once) or when the
+consumers come after the producers ran (see the scheduling guide).
+
 The rule reads plain data and yields decisions; the plugin applies them
 (:meth:`blockflow.scheduling.plugin.Rebalancer._apply`). On a graph it runs twice: on the
 ``"graph"`` snapshot taken after the kernels' own restrictions were applied (which tasks are
@@ -120,6 +131,10 @@ class AdmissionRule(Rule):
         Most feeder outputs (with feeders running) held at once; default
         ``blockflow.resources.admission-budget``; None there: :func:`default_budget`; 0 turns
         admission control off.
+    grace : str or float, optional
+        How long expected feeders (a learned pattern) wait for their consumers, seconds or
+        ``"2s"``; default ``blockflow.resources.admission-grace``; 0: nothing is held before
+        its consumers arrive.
 
     Attributes
     ----------
