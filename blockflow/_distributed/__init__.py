@@ -160,6 +160,7 @@ from blockflow._distributed.placement import (
     WORK_ANNOTATION,
     set_task_placement,
     task_placement,
+    task_size,
     task_work,
     task_working_set,
 )
@@ -334,6 +335,7 @@ __all__ = [
     "task_retries_left",
     "task_states",
     "task_wait",
+    "task_size",
     "task_work",
     "task_working_set",
     "unsatisfiable_tasks",

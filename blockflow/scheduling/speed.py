@@ -48,6 +48,12 @@ Method (a blockflow heuristic from standard robust and shrinkage estimation):
    (confidence >= 0.5) by more than ``max_optimism``; before any is well observed, no worker
    looks faster than ``max_optimism`` itself.
 
+7. **Sizes.** Tasks of one group may differ in size (a block with 8x the rows of the
+   others). Each observation may carry the task's size (declared work, else input bytes);
+   :meth:`SpeedModel.size_factor` tells how many times the group's typical (median) size a
+   task is, so that a block long because it is large is expected to be long, not taken
+   for a straggler (distributed's duration of a group is that of its typical task).
+
 Recording an observation is O(1) (it runs in the scheduler's transition hook); the work is
 done once per control-loop tick in :meth:`SpeedModel.update`.
 """
@@ -142,18 +148,42 @@ class SpeedModel:
         self.comparable: dict[str, int] = {}
         self.last: dict[str, tuple[str, float]] = {}  # worker -> (group, log duration), warm
         self.reference: dict[str, float] = {}  # group -> median of its workers' medians
+        self.sizes: dict[str, deque[float]] = {}  # group -> sizes of its last tasks
 
-    def observe(self, worker: str, group: str, duration: float, work: float = 1.0) -> None:
+    def observe(self, worker: str, group: str, duration: float, work: float = 1.0,
+                size: float | None = None) -> None:
         """Record that ``worker`` ran a task of ``group`` in ``duration`` seconds. O(1).
 
         ``work`` (> 0) is the task's size in units its group shares (rows, say), for groups
         whose tasks differ in size on purpose (speed-weighted training shards, which all
         last the same by design): the model then compares seconds per unit of work.
-        ``min_duration`` applies to ``duration`` itself.
+        ``min_duration`` applies to ``duration`` itself. ``size`` (declared work, else input
+        bytes; None: unknown) feeds :meth:`size_factor`, whatever the duration.
         """
+        if size is not None and size > 0 and math.isfinite(size):
+            sizes = self.sizes.get(group)
+            if sizes is None:
+                sizes = self.sizes[group] = deque(maxlen=self.window)
+                while len(self.sizes) > self.max_groups:
+                    self.sizes.pop(next(iter(self.sizes)))
+            sizes.append(float(size))
         if isinstance(duration, (int, float)) and math.isfinite(duration) \
                 and duration >= self.min_duration and work > 0:
             self.pending.append((worker, group, float(duration) / work))
+
+    def size_factor(self, group: str, size: float | None) -> float:
+        """How many times its group's typical size a task of ``size`` is: ``size`` over the
+        median size of the group's last ``window`` finished tasks, at least 1 (a small
+        task may still cost a whole task's fixed part); 1.0 when either is unknown.
+
+        A group's measured duration is that of its typical task; a running task's expected
+        duration is that times this factor (per unit of work, as :meth:`observe` compares
+        durations per unit of declared work). A blockflow heuristic.
+        """
+        sizes = self.sizes.get(group)
+        if size is None or not sizes or not size > 0:
+            return 1.0
+        return max(1.0, float(size) / median(sizes))
 
     def update(self) -> int:
         """Fold the buffered observations in and re-estimate; returns how many were folded."""
@@ -166,7 +196,11 @@ class SpeedModel:
             k = self.seen.get((worker, group), 0)
             self.seen[(worker, group)] = k + 1
             if k < self.warmup:
-                continue  # a cold start
+                # a cold start: not the worker's speed, but until a warm task replaces it,
+                # the pessimistic evidence recent_speed gives (a device slow from the start
+                # is otherwise not known slow until its second task of the group ends)
+                self.last[worker] = (group, math.log(duration))
+                continue
             per_worker = self.groups.get(group)
             if per_worker is None:
                 per_worker = self.groups[group] = {}
@@ -270,10 +304,11 @@ class SpeedModel:
         return math.exp(self.log_speed.get(worker, 0.0))
 
     def recent_speed(self, worker: str) -> float | None:
-        """The speed ``worker`` showed on its latest warm task: the group's reference
-        duration (median over workers of their median) over that task's duration, within
-        ``max_ratio``; None until the group is comparable (two workers ran it, one of them
-        more than once).
+        """The speed ``worker`` showed on its latest warm task (or on its cold start, until
+        a warm task of that group ends: a cold start is slower than the worker's speed, so
+        this stays a pessimistic guess): the group's reference duration (median over
+        workers of their median) over that task's duration, within ``max_ratio``; None
+        until the group is comparable (two workers ran it, one of them more than once).
 
         One duration, not an estimate: no confidence. It never raises a worker's speed;
         the dynamic policy uses it only as a pessimistic guess, to time backup copies, to
