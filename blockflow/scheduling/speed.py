@@ -108,6 +108,11 @@ class SpeedModel:
         Task groups remembered (least recently seen forgotten first).
     max_pending : int, default 100_000
         Bound on observations buffered between ticks (oldest dropped).
+    cold_allowance : float, default 2.0
+        How many times a warm task's duration a cold start may take for its worker's
+        speed: until a warm task of the group replaces it, a cold start of ``d`` seconds
+        counts in :meth:`recent_speed` as a task of ``d / cold_allowance`` (a device 10x
+        slow from the start shows 0.2; one whose first task paid 2x for imports, 1.0).
     """
 
     def __init__(self, window: int = 32, warmup: int = 1, prior_strength: float = 1.0,
@@ -117,7 +122,7 @@ class SpeedModel:
                  max_ratio: float = 64.0, min_duration: float = 0.005,
                  max_optimism: float = 1.5, group_half_life: float = 16.0,
                  max_groups: int = 256,
-                 max_pending: int = 100_000):
+                 max_pending: int = 100_000, cold_allowance: float = 2.0):
         self.window = window
         self.warmup = warmup
         self.prior_strength = prior_strength
@@ -132,6 +137,7 @@ class SpeedModel:
         self.max_log_ratio = math.log(max_ratio)
         self.max_optimism = max_optimism
         self.max_groups = max_groups
+        self.cold_allowance = cold_allowance
         self.group_half_life = group_half_life
         self.folded = 0  # durations folded in so far (all groups), the clock of group ages
         self.last_seen: dict[str, int] = {}  # group -> value of ``folded`` at its last one
@@ -197,9 +203,10 @@ class SpeedModel:
             self.seen[(worker, group)] = k + 1
             if k < self.warmup:
                 # a cold start: not the worker's speed, but until a warm task replaces it,
-                # the pessimistic evidence recent_speed gives (a device slow from the start
-                # is otherwise not known slow until its second task of the group ends)
-                self.last[worker] = (group, math.log(duration))
+                # the evidence recent_speed gives, allowing it cold_allowance times a warm
+                # task's duration (a device slow from the start is otherwise not known slow
+                # until its second task of the group ends)
+                self.last[worker] = (group, math.log(duration / self.cold_allowance))
                 continue
             per_worker = self.groups.get(group)
             if per_worker is None:
@@ -305,8 +312,8 @@ class SpeedModel:
 
     def recent_speed(self, worker: str) -> float | None:
         """The speed ``worker`` showed on its latest warm task (or on its cold start, until
-        a warm task of that group ends: a cold start is slower than the worker's speed, so
-        this stays a pessimistic guess): the group's reference duration (median over
+        a warm task of that group ends, allowing it ``cold_allowance`` times a warm task's
+        duration): the group's reference duration (median over
         workers of their median) over that task's duration, within ``max_ratio``; None
         until the group is comparable (two workers ran it, one of them more than once).
 
