@@ -48,10 +48,10 @@ def task_size(scheduler, key) -> float | None:
     whose inputs were fused into it). O(inputs): called from the scheduler plugin's
     transition hook."""
     ts = scheduler.tasks.get(key)
-    return None if ts is None else size_of(ts)
+    return None if ts is None else _size_of(ts)
 
 
-def size_of(ts) -> float | None:
+def _size_of(ts) -> float | None:
     """:func:`task_size` of a ``TaskState``."""
     annotations = getattr(ts, "annotations", None)
     if annotations:

@@ -22,8 +22,8 @@ from blockflow._distributed.placement import (
     _declaring_objects,
     _placement,
     _restricted,
+    _size_of,
     _working_set,
-    size_of,
 )
 
 __all__ = [
@@ -626,7 +626,7 @@ def running_tasks(scheduler, now: float) -> dict[str, list[RunningTask]]:
                 key=ts.key, group=group, elapsed=float(duration) + since,
                 duration=expected, duration_measured=measured,
                 input_bytes=sum(dts.nbytes for dts in ts.dependencies if dts.nbytes > 0),
-                kernel=kernel, size=size_of(ts)))
+                kernel=kernel, size=_size_of(ts)))
         if tasks:
             out[addr] = tasks
     return out
