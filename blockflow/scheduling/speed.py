@@ -141,7 +141,7 @@ class SpeedModel:
         self.group_half_life = group_half_life
         self.folded = 0  # durations folded in so far (all groups), the clock of group ages
         self.last_seen: dict[str, int] = {}  # group -> value of ``folded`` at its last one
-        self.pending: deque[tuple[str, str, float]] = deque(maxlen=max_pending)
+        self.pending: deque[tuple[str, str, float, float | None]] = deque(maxlen=max_pending)
         # group -> worker -> recent log durations
         self.groups: OrderedDict[str, dict[str, deque[float]]] = OrderedDict()
         self.seen: dict[tuple[str, str], int] = {}  # (worker, group) -> durations seen
@@ -175,7 +175,7 @@ class SpeedModel:
             sizes.append(float(size))
         if isinstance(duration, (int, float)) and math.isfinite(duration) \
                 and duration >= self.min_duration and work > 0:
-            self.pending.append((worker, group, float(duration) / work))
+            self.pending.append((worker, group, float(duration) / work, size))
 
     def size_factor(self, group: str, size: float | None) -> float:
         """How many times its group's typical size a task of ``size`` is: ``size`` over the
@@ -195,7 +195,10 @@ class SpeedModel:
         """Fold the buffered observations in and re-estimate; returns how many were folded."""
         n = len(self.pending)
         while self.pending:
-            worker, group, duration = self.pending.popleft()
+            worker, group, duration, size = self.pending.popleft()
+            # the latest task's duration as for a task of the group's typical size (one
+            # 8x the typical block is no sign of a slowed worker)
+            typical = duration / self.size_factor(group, size)
             self.count[worker] = self.count.get(worker, 0) + 1
             self.folded += 1
             self.last_seen[group] = self.folded
@@ -206,7 +209,7 @@ class SpeedModel:
                 # the evidence recent_speed gives, allowing it cold_allowance times a warm
                 # task's duration (a device slow from the start is otherwise not known slow
                 # until its second task of the group ends)
-                self.last[worker] = (group, math.log(duration / self.cold_allowance))
+                self.last[worker] = (group, math.log(typical / self.cold_allowance))
                 continue
             per_worker = self.groups.get(group)
             if per_worker is None:
@@ -222,7 +225,7 @@ class SpeedModel:
             if window is None:
                 window = per_worker[worker] = deque(maxlen=self.window)
             window.append(math.log(duration))
-            self.last[worker] = (group, window[-1])
+            self.last[worker] = (group, math.log(typical))
             if self._changed(window):
                 # the worker changed speed (throttled, a new tenant, freed): judge it on
                 # its recent durations only

@@ -526,3 +526,10 @@ def test_a_cold_start_is_pessimistic_evidence_until_a_warm_task_replaces_it():
     m.observe("slow", "g", 0.1)
     m.update()
     assert m.recent_speed("slow") == pytest.approx(1.0)
+    # a block 8x the group's typical size that took 8x as long: no sign of a slowed worker
+    for w in ("f1", "f2", "slow"):
+        m.observe(w, "g", 0.1, size=1000)
+    m.observe("f1", "g", 0.8, size=8000)
+    m.update()
+    assert m.size_factor("g", 8000) == 8
+    assert m.recent_speed("f1") == pytest.approx(1.0)
