@@ -47,6 +47,12 @@ Workloads (``--workloads``, comma-separated):
   tenant took: half the pause with ``--pause-kind tenant``, the default, where the tenant
   time-slices the device and its kernels run at half speed; all of it with ``lock``, where
   the tenant holds the device and its kernels wait); moves per run are counted.
+* ``coarse-slow`` -- coarse jobs: 32 blocks (~8 per device), device 0 10x slower from the
+  start, cold (no warm-up stage) and warm; the worst of ``--worst-of`` (5) runs against
+  the fast devices' bound. Target (issue 27): worst <= 1.25x.
+* ``uneven`` -- 4 identical devices, 32 persisted blocks, the last with 8x the elements
+  and work of the others: long for its size, not a straggler. Target (issue 27): work done
+  twice <= 5 % in every run.
 
 Each straggler run starts a fresh cluster and runs a short warm-up stage first (durations
 measured, as in any pipeline past its first stage); "duplicated" is the seconds of work
@@ -81,7 +87,8 @@ from distributed import Client, LocalCluster, wait
 
 import blockflow
 
-WORKLOADS = ("zipf-skew", "slowdown", "slow-from-start", "identical", "brief-pause")
+WORKLOADS = ("zipf-skew", "slowdown", "slow-from-start", "identical", "brief-pause",
+             "coarse-slow", "uneven")
 
 
 def zipf_lengths(partitions: int, exponent: float, total_rows: int, seed: int = 14
@@ -193,11 +200,23 @@ def _spec_kernel(block, block_id=None, work=0.25):
     return np.array([simulated_kernel(block, op=np.sum, work=work)], dtype=object)
 
 
+def _sized_kernel(block, block_id=None, work=0.25, unit=1000):
+    """Work proportional to the block's length: ``work`` reference-seconds per ``unit``
+    elements (a block of 8x the elements takes 8x as long)."""
+    from blockflow.testing import simulated_kernel
+
+    return np.array([simulated_kernel(block, op=np.sum, work=work * len(block) / unit)],
+                    dtype=object)
+
+
 def _spec_cell(config: str, args, *, blocks: int, work: float, speeds, schedules=None,
-               run: int = 0) -> dict:
+               run: int = 0, warm: bool = True, sizes=None) -> dict:
     """One fresh cluster of simulated devices (speeds, speed schedules), one configuration:
-    a warm-up stage (so durations are measured, as in any pipeline past its first stage),
-    then ``blocks`` kernels of ``work`` reference-seconds; makespan and backup copies."""
+    a warm-up stage (so durations are measured, as in any pipeline past its first stage;
+    ``warm=False``: none, the stage starts cold), then ``blocks`` kernels of ``work``
+    reference-seconds; makespan and backup copies. ``sizes``: the blocks' lengths in
+    thousands of elements, persisted on the workers first (real inputs, whose bytes the
+    scheduler knows), each kernel's work proportional to its block's length."""
     from blockflow.scheduling import Rebalancer
     from blockflow.testing import restart_clock, simulated_cluster
 
@@ -207,18 +226,31 @@ def _spec_cell(config: str, args, *, blocks: int, work: float, speeds, schedules
             silence_logs=logging.CRITICAL) as client:
         if config != "plain":
             client.register_plugin(Rebalancer(policy="dynamic"))
-        warm = blockflow.map_blocks(_spec_kernel, da.ones(2 * len(speeds), chunks=1),
-                                    dtype=object, name=f"warm-{run}", work=work / 4)
-        warm.compute()
-        x = da.arange(blocks, chunks=1)
-        y = blockflow.map_blocks(_spec_kernel, x, dtype=object, name=f"spec-{run}",
-                                 work=work)
+        if warm:
+            blockflow.map_blocks(_spec_kernel, da.ones(2 * len(speeds), chunks=1),
+                                 dtype=object, name=f"warm-{run}", work=work / 4).compute()
+        if sizes is None:
+            x = da.arange(blocks, chunks=1)
+            y = blockflow.map_blocks(_spec_kernel, x, dtype=object, name=f"spec-{run}",
+                                     work=work)
+            expect = list(range(blocks))
+        else:
+            # real bytes (da.ones' blocks are broadcast views of 8 bytes)
+            x = da.arange(1000 * sum(sizes), chunks=(tuple(1000 * n for n in sizes),),
+                          dtype=float)
+            x = x.persist()
+            wait(x)
+            y = blockflow.map_blocks(_sized_kernel, x, dtype=object, name=f"spec-{run}",
+                                     chunks=((1,) * len(sizes),), work=work)
+            bounds = np.cumsum([0] + [1000 * n for n in sizes])
+            expect = sorted(int(np.arange(a, b, dtype=float).sum())
+                            for a, b in zip(bounds[:-1], bounds[1:]))
         client.run(restart_clock, time.time())  # speed schedules count from here
         since = time.time()
         t0 = time.perf_counter()
         out = y.compute()
         makespan = time.perf_counter() - t0
-        assert sorted(int(b.payload) for b in out) == list(range(blocks))  # each block once
+        assert sorted(int(b.payload) for b in out) == expect  # each block once
         spec = {}
         if config != "plain":
             deadline = time.time() + 10
@@ -233,7 +265,7 @@ def _spec_cell(config: str, args, *, blocks: int, work: float, speeds, schedules
 
 
 def _spec_rows(workload: str, results: dict, reference: str, work_s: float, bound=None,
-               bound_name="") -> list[dict]:
+               bound_name="", worst: bool = False) -> list[dict]:
     rows = []
     ref = results[reference]
     for config, runs in results.items():
@@ -248,6 +280,10 @@ def _spec_rows(workload: str, results: dict, reference: str, work_s: float, boun
                "duplicated": f"{100 * statistics.median(r['duplicated'] for r in runs) / work_s:.1f}%"}
         if bound:
             row[f"/{bound_name}"] = f"{statistics.median(ms) / bound:.2f}"
+            if worst:
+                row[f"worst /{bound_name}"] = f"{max(ms) / bound:.2f}"
+        if worst:
+            row["worst duplicated"] = f"{100 * max(r['duplicated'] for r in runs) / work_s:.1f}%"
         rows.append(row)
     return rows
 
@@ -331,6 +367,41 @@ def slow_from_start(client, args) -> list[dict]:
     results = _paired(SPEC_CONFIGS, args.repeat, cell)
     return _spec_rows("slow-10x-from-start", results, "plain", blocks * work,
                       bound=blocks * work / 3, bound_name="fast-only bound")
+
+
+def coarse_slow(client, args) -> list[dict]:
+    """Coarse jobs, ~8 blocks per device, device 0 10x slower from the start; cold (no
+    warm-up stage: nothing measured) and warm; the worst of ``--worst-of`` runs against
+    the fast devices' bound (total work / 3). Target (issue 27): worst <= 1.25x."""
+    blocks, work = 32, args.spec_work
+    rows = []
+    for warm in (False, True):
+        name = f"coarse-slow-10x-{'warm' if warm else 'cold'}"
+
+        def cell(config, rep, warm=warm):
+            return _spec_cell(config, args, blocks=blocks, work=work, speeds=[0.1, 1, 1, 1],
+                              run=rep, warm=warm)
+
+        results = _paired(("plain", "blockflow"), args.worst_of, cell)
+        rows += _spec_rows(name, results, "plain", blocks * work, bound=blocks * work / 3,
+                           bound_name="fast-only bound", worst=True)
+    return rows
+
+
+def uneven(client, args) -> list[dict]:
+    """4 identical devices, 32 blocks of which the last holds 8x the others' elements
+    (and work): a block long for its size, not a straggler. Wasted copies (work done
+    twice) over ``--worst-of`` runs. Target (issue 27): <= 5 % of the work."""
+    sizes = [1] * 31 + [8]
+    work = args.spec_work
+
+    def cell(config, rep):
+        return _spec_cell(config, args, blocks=len(sizes), work=work, speeds=[1] * 4,
+                          run=rep, sizes=sizes)
+
+    results = _paired(("plain", "blockflow"), args.worst_of, cell)
+    return _spec_rows("uneven-sizes-one-8x", results, "plain", sum(sizes) * work,
+                      bound=sum(sizes) * work / 4, bound_name="fluid bound", worst=True)
 
 
 def no_stragglers(client, args) -> list[dict]:
@@ -475,6 +546,8 @@ def main(argv=None) -> None:
                              "half speed) or holding it (its kernels wait)")
     parser.add_argument("--pause-repeat", type=int, default=5,
                         help="paired repetitions of the brief-pause workload")
+    parser.add_argument("--worst-of", type=int, default=5,
+                        help="runs per configuration of coarse-slow and uneven (worst shown)")
     parser.add_argument("--in-process", action="store_true",
                         help="workers as threads of this process (starts faster; the "
                              "scheduler, workers and client then share one interpreter lock)")
@@ -496,7 +569,8 @@ def main(argv=None) -> None:
             rows += zipf_skew(client, args)
     # the straggler workloads start a fresh cluster of simulated devices per run
     spec = {"slowdown": slowdown, "slow-from-start": slow_from_start,
-            "identical": no_stragglers, "brief-pause": brief_pause}
+            "identical": no_stragglers, "brief-pause": brief_pause,
+            "coarse-slow": coarse_slow, "uneven": uneven}
     for name in chosen:
         if name in spec:
             rows += spec[name](None, args)

@@ -531,7 +531,9 @@ def map_blocks(
 
     - Skew (``blockflow.skew.enabled``, default on): blocks more than
       ``blockflow.skew.factor`` (5) times the median block and above
-      ``blockflow.skew.floor`` (64 MiB) are split, runs of tiny neighbouring blocks merged,
+      ``blockflow.skew.floor`` (64 MiB) are split (and then every block above
+      ``blockflow.skew.max-piece`` (1.25) times the target piece), runs of tiny neighbouring
+      blocks merged,
       along one axis (arrays: the axis with the most blocks, never a dropped one; xarray:
       argument 0's chunked dimension with the most blocks; dataframes: rows, for a single
       dataframe whose partition sizes are cheap to know: rows of one built from pandas,

@@ -160,6 +160,7 @@ from blockflow._distributed.placement import (
     WORK_ANNOTATION,
     set_task_placement,
     task_placement,
+    task_size,
     task_work,
     task_working_set,
 )
@@ -332,6 +333,7 @@ __all__ = [
     "task_placement",
     "task_retries_given",
     "task_retries_left",
+    "task_size",
     "task_states",
     "task_wait",
     "task_work",

@@ -17,6 +17,7 @@ __all__ = [
     "WORK_ANNOTATION",
     "set_task_placement",
     "task_placement",
+    "task_size",
     "task_work",
     "task_working_set",
 ]
@@ -39,6 +40,26 @@ def task_work(scheduler, key) -> float | None:
     if isinstance(work, (int, float)) and math.isfinite(work) and work > 0:
         return float(work)
     return None
+
+
+def task_size(scheduler, key) -> float | None:
+    """The size of task ``key`` in units its group shares: the work it declared
+    (``blockflow_work``), else the bytes of its inputs; None when neither is known (a task
+    whose inputs were fused into it). O(inputs): called from the scheduler plugin's
+    transition hook."""
+    ts = scheduler.tasks.get(key)
+    return None if ts is None else _size_of(ts)
+
+
+def _size_of(ts) -> float | None:
+    """:func:`task_size` of a ``TaskState``."""
+    annotations = getattr(ts, "annotations", None)
+    if annotations:
+        work = annotations.get(WORK_ANNOTATION)
+        if isinstance(work, (int, float)) and math.isfinite(work) and work > 0:
+            return float(work)
+    nbytes = sum(dts.nbytes for dts in ts.dependencies if dts.nbytes > 0)
+    return float(nbytes) if nbytes > 0 else None
 
 
 def _restricted(ts) -> bool:

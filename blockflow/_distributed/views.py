@@ -22,6 +22,7 @@ from blockflow._distributed.placement import (
     _declaring_objects,
     _placement,
     _restricted,
+    _size_of,
     _working_set,
 )
 
@@ -646,6 +647,11 @@ class RunningTask:
         Bytes of its inputs (a backup copy receives them from the worker running it).
     kernel : bool
         Whether it is a blockflow kernel task (only those can have backup copies).
+    size : float or None
+        Its size in units its group shares: declared work (``blockflow_work``), else its
+        input bytes; None when unknown (see :func:`task_size`). The scheduler plugin scales
+        ``duration`` by it against its group's typical size
+        (:meth:`blockflow.scheduling.speed.SpeedModel.size_factor`).
     """
 
     key: Any
@@ -655,6 +661,7 @@ class RunningTask:
     duration_measured: bool
     input_bytes: int
     kernel: bool
+    size: float | None = None
 
 
 def running_tasks(scheduler, now: float) -> dict[str, list[RunningTask]]:
@@ -681,7 +688,7 @@ def running_tasks(scheduler, now: float) -> dict[str, list[RunningTask]]:
                 key=ts.key, group=group, elapsed=float(duration) + since,
                 duration=expected, duration_measured=measured,
                 input_bytes=sum(dts.nbytes for dts in ts.dependencies if dts.nbytes > 0),
-                kernel=kernel))
+                kernel=kernel, size=_size_of(ts)))
         if tasks:
             out[addr] = tasks
     return out

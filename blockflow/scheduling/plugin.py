@@ -204,7 +204,8 @@ class Rebalancer(SchedulerPlugin):
                     self.task_log.append((worker, start, ss["stop"]))
             if compute > 0:
                 work = _distributed.task_work(self.scheduler, key)
-                self.speeds.observe(worker, group, compute, 1.0 if work is None else work)
+                self.speeds.observe(worker, group, compute, 1.0 if work is None else work,
+                                    size=_distributed.task_size(self.scheduler, key))
 
     def update_graph(self, scheduler, *, client=None, keys=None, tasks=None, annotations=None,
                      **kwargs) -> None:
@@ -312,6 +313,20 @@ class Rebalancer(SchedulerPlugin):
                                          recent_speed=self.speeds.recent_speed,
                                          slow_for=self.speeds.slow_for)
 
+    def _running(self, now: float) -> dict:
+        """The running tasks, each expected to last its group's duration times its size
+        against the group's typical size (a block with 8x the input of the others is
+        expected to take 8x as long, not judged a straggler: see
+        :meth:`~blockflow.scheduling.speed.SpeedModel.size_factor`)."""
+        running = _distributed.running_tasks(self.scheduler, now)
+        factor = self.speeds.size_factor
+        for tasks in running.values():
+            for i, t in enumerate(tasks):
+                f = factor(t.group, t.size)
+                if f != 1.0:
+                    tasks[i] = replace(t, duration=t.duration * f)
+        return running
+
     def take_snapshot(self) -> ClusterSnapshot:
         """The rebalancer's view of the cluster now (speeds updated first); plain data.
 
@@ -333,7 +348,7 @@ class Rebalancer(SchedulerPlugin):
                                waiting=_distributed.waiting_tasks(
                                    self.scheduler, thieves=thieves, stopped=stopped),
                                stopped=stopped,
-                               running=_distributed.running_tasks(self.scheduler, now),
+                               running=self._running(now),
                                backups={k: b["target"] for k, b in self.backups.items()},
                                bandwidth=_distributed.bandwidth(self.scheduler),
                                held=frozenset(self.held),

@@ -56,6 +56,12 @@ Method (a blockflow heuristic from standard robust and shrinkage estimation):
    (confidence >= 0.5) by more than ``max_optimism``; before any is well observed, no worker
    looks faster than ``max_optimism`` itself.
 
+7. **Sizes.** Tasks of one group may differ in size (a block with 8x the rows of the
+   others). Each observation may carry the task's size (declared work, else input bytes);
+   :meth:`SpeedModel.size_factor` tells how many times the group's typical (median) size a
+   task is, so that a block long because it is large is expected to be long, not taken
+   for a straggler (distributed's duration of a group is that of its typical task).
+
 Recording an observation is O(1) (it runs in the scheduler's transition hook); the work is
 done once per control-loop tick in :meth:`SpeedModel.update`.
 """
@@ -115,6 +121,11 @@ class SpeedModel:
         Task groups remembered (least recently seen forgotten first).
     max_pending : int, default 100_000
         Bound on observations buffered between ticks (oldest dropped).
+    cold_allowance : float, default 2.0
+        How many times a warm task's duration a cold start may take for its worker's
+        speed: until a warm task of the group replaces it, a cold start of ``d`` seconds
+        counts in :meth:`recent_speed` as a task of ``d / cold_allowance`` (a device 10x
+        slow from the start shows 0.2; one whose first task paid 2x for imports, 1.0).
     """
 
     def __init__(self, window: int = 32, warmup: int = 1, prior_strength: float = 1.0,
@@ -124,7 +135,7 @@ class SpeedModel:
                  max_ratio: float = 64.0, min_duration: float = 0.005,
                  max_optimism: float = 1.5, group_half_life: float = 16.0,
                  recover_ratio: float = 1.25, max_groups: int = 256,
-                 max_pending: int = 100_000):
+                 max_pending: int = 100_000, cold_allowance: float = 2.0):
         self.window = window
         self.warmup = warmup
         self.prior_strength = prior_strength
@@ -142,10 +153,11 @@ class SpeedModel:
         # worker -> seconds of its current streak of slow tasks: see slow_for
         self.streak: dict[str, float] = {}
         self.max_groups = max_groups
+        self.cold_allowance = cold_allowance
         self.group_half_life = group_half_life
         self.folded = 0  # durations folded in so far (all groups), the clock of group ages
         self.last_seen: dict[str, int] = {}  # group -> value of ``folded`` at its last one
-        self.pending: deque[tuple[str, str, float]] = deque(maxlen=max_pending)
+        self.pending: deque[tuple[str, str, float, float | None]] = deque(maxlen=max_pending)
         # group -> worker -> recent log durations
         self.groups: OrderedDict[str, dict[str, deque[float]]] = OrderedDict()
         self.seen: dict[tuple[str, str], int] = {}  # (worker, group) -> durations seen
@@ -158,31 +170,63 @@ class SpeedModel:
         self.comparable: dict[str, int] = {}
         self.last: dict[str, tuple[str, float]] = {}  # worker -> (group, log duration), warm
         self.reference: dict[str, float] = {}  # group -> median of its workers' medians
+        self.sizes: dict[str, deque[float]] = {}  # group -> sizes of its last tasks
 
-    def observe(self, worker: str, group: str, duration: float, work: float = 1.0) -> None:
+    def observe(self, worker: str, group: str, duration: float, work: float = 1.0,
+                size: float | None = None) -> None:
         """Record that ``worker`` ran a task of ``group`` in ``duration`` seconds. O(1).
 
         ``work`` (> 0) is the task's size in units its group shares (rows, say), for groups
         whose tasks differ in size on purpose (speed-weighted training shards, which all
         last the same by design): the model then compares seconds per unit of work.
-        ``min_duration`` applies to ``duration`` itself.
+        ``min_duration`` applies to ``duration`` itself. ``size`` (declared work, else input
+        bytes; None: unknown) feeds :meth:`size_factor`, whatever the duration.
         """
+        if size is not None and size > 0 and math.isfinite(size):
+            sizes = self.sizes.get(group)
+            if sizes is None:
+                sizes = self.sizes[group] = deque(maxlen=self.window)
+                while len(self.sizes) > self.max_groups:
+                    self.sizes.pop(next(iter(self.sizes)))
+            sizes.append(float(size))
         if isinstance(duration, (int, float)) and math.isfinite(duration) \
                 and duration >= self.min_duration and work > 0:
-            self.pending.append((worker, group, float(duration) / work))
+            self.pending.append((worker, group, float(duration) / work, size))
+
+    def size_factor(self, group: str, size: float | None) -> float:
+        """How many times its group's typical size a task of ``size`` is: ``size`` over the
+        median size of the group's last ``window`` finished tasks, at least 1 (a small
+        task may still cost a whole task's fixed part); 1.0 when either is unknown.
+
+        A group's measured duration is that of its typical task; a running task's expected
+        duration is that times this factor (per unit of work, as :meth:`observe` compares
+        durations per unit of declared work). A blockflow heuristic.
+        """
+        sizes = self.sizes.get(group)
+        if size is None or not sizes or not size > 0:
+            return 1.0
+        return max(1.0, float(size) / median(sizes))
 
     def update(self) -> int:
         """Fold the buffered observations in and re-estimate; returns how many were folded."""
         n = len(self.pending)
         while self.pending:
-            worker, group, duration = self.pending.popleft()
+            worker, group, duration, size = self.pending.popleft()
+            # the latest task's duration as for a task of the group's typical size (one
+            # 8x the typical block is no sign of a slowed worker)
+            typical = duration / self.size_factor(group, size)
             self.count[worker] = self.count.get(worker, 0) + 1
             self.folded += 1
             self.last_seen[group] = self.folded
             k = self.seen.get((worker, group), 0)
             self.seen[(worker, group)] = k + 1
             if k < self.warmup:
-                continue  # a cold start
+                # a cold start: not the worker's speed, but until a warm task replaces it,
+                # the evidence recent_speed gives, allowing it cold_allowance times a warm
+                # task's duration (a device slow from the start is otherwise not known slow
+                # until its second task of the group ends)
+                self.last[worker] = (group, math.log(typical / self.cold_allowance))
+                continue
             per_worker = self.groups.get(group)
             if per_worker is None:
                 per_worker = self.groups[group] = {}
@@ -197,8 +241,8 @@ class SpeedModel:
             if window is None:
                 window = per_worker[worker] = deque(maxlen=self.window)
             window.append(math.log(duration))
-            self.last[worker] = (group, window[-1])
-            self._track_streak(worker, group, duration)
+            self.last[worker] = (group, math.log(typical))
+            self._track_streak(worker, group, typical)
             if self._changed(window) or self._recovered(worker, per_worker, window):
                 # the worker changed speed (throttled, a new tenant, freed): judge it on
                 # its recent durations only
@@ -333,10 +377,11 @@ class SpeedModel:
         return math.exp(self.log_speed.get(worker, 0.0))
 
     def recent_speed(self, worker: str) -> float | None:
-        """The speed ``worker`` showed on its latest warm task: the group's reference
-        duration (median over workers of their median) over that task's duration, within
-        ``max_ratio``; None until the group is comparable (two workers ran it, one of them
-        more than once).
+        """The speed ``worker`` showed on its latest warm task (or on its cold start, until
+        a warm task of that group ends, allowing it ``cold_allowance`` times a warm task's
+        duration): the group's reference duration (median over
+        workers of their median) over that task's duration, within ``max_ratio``; None
+        until the group is comparable (two workers ran it, one of them more than once).
 
         One duration, not an estimate: no confidence. It never raises a worker's speed;
         the dynamic policy uses it only as a pessimistic guess, to time backup copies, to

@@ -106,6 +106,43 @@ def test_the_5x_rule_splits_only_blocks_above_five_times_the_median():
     assert change.before_bytes[-1] == 51 * 8 and max(change.after_bytes) == 13 * 8
 
 
+def _zipf(partitions: int, exponent: float, total: int, seed: int = 14) -> list[int]:
+    """Partition lengths after a shuffle on Zipf-distributed keys (largest remainders)."""
+    weights = 1.0 / np.arange(1, partitions + 1) ** exponent
+    exact = weights / weights.sum() * total
+    rows = np.floor(exact).astype(int)
+    rows[np.argsort(exact - rows)[::-1][: total - rows.sum()]] += 1
+    np.random.default_rng(seed).shuffle(rows)
+    return [int(r) for r in rows]
+
+
+@pytest.mark.parametrize("partitions,exponent", [(64, 1.2), (64, 1.0), (128, 1.1),
+                                                 (32, 1.2), (16, 1.0)])
+def test_a_skewed_collections_largest_piece_is_within_the_bound(partitions, exponent):
+    """Zipf-skewed keys, 64 partitions: the 5x rule split the 8 largest partitions but kept
+    one of 13,404 rows (4.7x the median 2,872: not skewed) against a target of 10,000, so
+    the stage's largest piece was 1.34x the balanced one. Once the collection is skewed,
+    every block above blockflow.skew.max-piece (1.25) x the target is cut too."""
+    lengths = _zipf(partitions, exponent, partitions * 10_000)
+    x = da.ones(sum(lengths), chunks=(tuple(lengths),))
+    y, change = split_skewed(x, floor=0)
+    assert change is not None and sum(y.chunks[0]) == sum(lengths)
+    assert max(y.chunks[0]) <= 1.25 * 10_000
+    with dask.config.set({"blockflow.skew.max-piece": 2.0}):  # the 5x rule alone
+        loose = split_skewed(x, floor=0)[0]
+    assert max(loose.chunks[0]) <= 2.0 * 10_000
+
+
+def test_blocks_near_the_target_are_kept_when_nothing_is_skewed():
+    # a block at 1.4x the mean but only 1.9x the median: not skewed, nothing re-cut
+    x = da.ones(1000, chunks=((140,) + (95,) * 9 + (5,),))
+    assert split_skewed(x, floor=0, merge_below=0)[1] is None
+    with dask.config.set({"blockflow.skew.max-piece": 0.5}):
+        with pytest.raises(ValueError, match=r"^blockflow.skew.max-piece must be at least 1, "
+                                             r"got 0.5; it is the largest piece"):
+            split_skewed(x, floor=0)
+
+
 def test_the_floor_keeps_small_skewed_blocks():
     x = da.ones(141, chunks=((10,) * 9 + (51,),))  # the big block holds 408 bytes
     assert split_skewed(x, floor=408)[1] is None

@@ -16,6 +16,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster
+from distributed.utils_test import gen_cluster
 from loadaware import async_wait_until, scaled, wait_until
 
 import blockflow
@@ -434,3 +435,101 @@ def test_a_backup_copy_is_one_attempt_whatever_the_retries(tmp_path):
         "BlockKernelError: blockflow kernel '_count_and_fail' failed on a backup copy of "
         "task 'k': ConnectionResetError: flaky read")}
     assert len(open(path).read().splitlines()) == 1
+
+
+# --- issue 27: the right evidence -------------------------------------------------------------
+
+
+def _sized(x, gate=None):
+    if gate is not None:
+        from distributed import Event
+
+        Event(gate).wait()
+    return len(x)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_block_long_for_its_input_is_expected_long_not_a_straggler(c, s, a, b):
+    """A block with 8x the input of the others was judged on the short blocks' duration
+    (a copy of a 1.6 s block estimated at 0.229 s) and copied for nothing: its expected
+    duration is the group's times its size over the group's typical size."""
+    from distributed import Event
+
+    await c.register_plugin(Rebalancer(policy="dynamic", interval=0))
+    plugin = s.plugins["blockflow-rebalancer"]
+    small = await c.scatter([np.ones(1000) for _ in range(6)])
+    futs = [c.submit(_sized, x, key=f"sized-kernel-{i}") for i, x in enumerate(small)]
+    assert await c.gather(futs) == [1000] * 6
+    big = await c.scatter(np.ones(8000))
+    gate = Event("sized-gate")
+    running = c.submit(_sized, big, gate="sized-gate", key="sized-kernel-99")
+
+    def started():
+        plugin.speeds.update()
+        snap = plugin.take_snapshot()
+        return [t for ts in snap.running.values() for t in ts if t.key == running.key]
+
+    await async_wait_until(lambda: bool(started()), timeout=20)
+    (task,) = started()
+    group_duration, _ = _distributed.prefix_duration(s, s.tasks[running.key].prefix)
+    assert task.size == 64000 and plugin.speeds.size_factor("sized-kernel", 64000) == 8
+    assert task.duration == pytest.approx(8 * group_duration)
+    # a block at the typical size, or smaller, keeps the group's duration
+    assert plugin.speeds.size_factor("sized-kernel", 8000) == 1.0
+    assert plugin.speeds.size_factor("sized-kernel", 100) == 1.0
+    assert plugin.speeds.size_factor("sized-kernel", None) == 1.0
+    await gate.set()
+    assert await running == 8000
+
+
+def test_a_long_block_expected_long_gets_no_copy_on_identical_workers():
+    ws = [_worker("a", processing=1), _worker("b")]
+    # the group's 0.2 s for a block of 8x its size: 1.6 s expected, 1.2 s run, 0.4 s to end
+    # vs 1.6 s for a copy; judged on 0.2 s it looked 6x overdue
+    assert _policy().backup.backups(_snap(ws, {"a": [_running("k", 1.2, duration=0.2)]}))
+    assert not _policy().backup.backups(_snap(ws, {"a": [_running("k", 1.2, duration=1.6)]}))
+
+
+def test_a_slowed_worker_stays_held_while_the_others_hold_tasks_they_finish_sooner():
+    """Queue empty, a device 10x slow from the start held back: released, it took a task
+    from the fast devices (stealing, a move) and ran it 10x as long, deciding the stage (2
+    of 5 coarse runs ended 1.4-1.5x the fast devices' bound)."""
+    ws, running = _slowed_fleet(recent=0.1)
+    ws[0].status = "paused"
+    busy = [ws[0]] + [_worker(w.address, processing=2) for w in ws[1:]]
+    policy = _policy()
+    # queue empty, 3 tasks not started on the others: 4 x 1 s / 3 < 10 s for its next one
+    assert policy.hold.holds(_snap(busy, running, queued=0, held={"w0"})) == []
+    # nothing left waiting: released
+    out = policy.hold.holds(_snap(ws, running, queued=0, held={"w0"}))
+    assert [(d.action, d.worker) for d in out] == [("release", "w0")]
+    # not held yet: held now, and its own waiting tasks then move off it (rescue)
+    ws[0].status = "running"
+    out = policy.hold.holds(_snap(busy, running, queued=0))
+    assert [(d.action, d.worker) for d in out] == [("hold", "w0")]
+
+
+def test_a_cold_start_is_pessimistic_evidence_until_a_warm_task_replaces_it():
+    from blockflow.scheduling.speed import SpeedModel
+
+    m = SpeedModel()
+    for w in ("f1", "f2"):
+        for _ in range(4):
+            m.observe(w, "g", 0.1)
+    m.observe("slow", "g", 1.0)  # its first task of the group: cold, 10x the others'
+    m.observe("f3", "g", 0.2)  # a cold start that paid 2x for its imports
+    m.update()
+    # a cold start may take cold_allowance (2) times a warm task: 0.2 here, 1.0 there
+    assert m.recent_speed("slow") == pytest.approx(0.2, rel=1e-6)
+    assert m.recent_speed("f3") == pytest.approx(1.0, rel=1e-6)
+    assert m.speed("slow") == 1.0  # not its learned speed
+    m.observe("slow", "g", 0.1)
+    m.update()
+    assert m.recent_speed("slow") == pytest.approx(1.0)
+    # a block 8x the group's typical size that took 8x as long: no sign of a slowed worker
+    for w in ("f1", "f2", "slow"):
+        m.observe(w, "g", 0.1, size=1000)
+    m.observe("f1", "g", 0.8, size=8000)
+    m.update()
+    assert m.size_factor("g", 8000) == 8
+    assert m.recent_speed("f1") == pytest.approx(1.0)

@@ -39,9 +39,14 @@ class HoldRule(Rule):
     waiting) x duration / (their total speed)``, ``busy`` what its running kernel has
     left at that speed, ``waiting`` the tasks the others hold but have not started (with
     two tasks per thread on each worker, the queue alone undercounts their work: a
-    worker was held two blocks too early, and the others ran one extra block each). It
-    is released when the queue is empty or the condition no longer holds;
-    its speed is not reset (it ran the same work). With backup copies off, nothing is
+    worker was held two blocks too early, and the others ran one extra block each). Once
+    the queue is empty it stays held while the others still hold tasks not started that
+    they finish before its next one would end (an idle slow worker would otherwise take
+    one by stealing or a move and decide the stage: with ~8 blocks per worker and a
+    device 10x slow from the start, 2 runs in 5 ended 1.4-1.5x the fast workers' bound),
+    and its own tasks not started move off it (the move rule's rescue). It is released
+    when nothing is left to run or the condition no longer holds; its speed is not reset
+    (it ran the same work). With backup copies off, nothing is
     held. LATE's rule of not launching work on slow nodes (Zaharia et al., OSDI 2008),
     applied to Dask's queue; a blockflow heuristic.
 
@@ -86,9 +91,10 @@ class HoldRule(Rule):
         # Between two kernels no worker may run one at a tick (short kernels, or their
         # input tasks running): the stage's kernel duration is kept while the queue lasts,
         # or a held worker would be released with the queue still full.
+        waiting = sum(max(w.processing - w.executing, 0) for w in views.values())
         if durations:
             self.duration = median(durations)
-        elif not snap.queued:
+        elif not snap.queued and not waiting:
             self.duration = None
         d = self.duration
         for addr in sorted(snap.held):
@@ -97,10 +103,10 @@ class HoldRule(Rule):
                 continue
             keep, seen = self._condition(snap, addr, d, paused_now)
             if not keep:
-                out.append(Decision(Action.RELEASE, addr, "the queue is empty or the others "
-                                    "no longer empty it before this worker's next task would "
-                                    "end", seen))
-        if not snap.queued or d is None:
+                out.append(Decision(Action.RELEASE, addr, "nothing is left to run (queue "
+                                    "empty, no task waiting) or the others no longer finish it "
+                                    "before this worker's next task would end", seen))
+        if not (snap.queued or waiting) or d is None:
             return out
         for addr, w in views.items():
             if addr in snap.held or addr in paused_now or w.status != "running":
@@ -109,8 +115,9 @@ class HoldRule(Rule):
             if hold:
                 out.append(Decision(
                     Action.HOLD, addr, f"its next task would take "
-                    f"{fmt_seconds(seen['own_time'])} here; the other workers empty the queue "
-                    f"of {snap.queued} with it in {fmt_seconds(seen['others_time'])}", seen))
+                    f"{fmt_seconds(seen['own_time'])} here; the other workers run the "
+                    f"{snap.queued} queued and their waiting tasks with it in "
+                    f"{fmt_seconds(seen['others_time'])}", seen))
         return out
 
     def _condition(self, snap, addr: str, d: float | None, paused_now) -> tuple[bool, dict]:
@@ -118,7 +125,7 @@ class HoldRule(Rule):
         speed = pessimistic_speed(snap, addr)
         seen = w.seen()
         seen.update({"pessimistic_speed": round(speed, 4), "queued": snap.queued})
-        if not snap.queued or d is None or speed * self.hold_slowdown > 1.0:
+        if d is None or speed * self.hold_slowdown > 1.0:
             return False, seen
         pool = [f for a, f in snap.workers.items()
                 if a != addr and f.status == "running" and a not in paused_now
@@ -133,6 +140,8 @@ class HoldRule(Rule):
         own = busy + d / max(speed, 1e-6)
         # ... while the others also run the tasks they hold but have not started
         waiting = sum(max(f.processing - f.executing, 0) for f in pool)
+        if not (snap.queued or waiting):
+            return False, seen  # nothing left that it could take
         theirs = (snap.queued + 1 + waiting) * d / others
         seen.update({"own_time": round(own, 4), "others_time": round(theirs, 4)})
         return own > theirs, seen
