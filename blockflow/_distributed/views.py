@@ -31,6 +31,7 @@ __all__ = [
     "RunningTask",
     "TaskView",
     "WorkerView",
+    "WorkerViewCache",
     "bandwidth",
     "feeder_states",
     "feeder_tasks",
@@ -256,7 +257,8 @@ def worker_addresses(scheduler) -> list[str]:
 def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
                  confidence: Callable[[str], float] | None = None,
                  paused: Mapping[str, Any] | None = None,
-                 recent_speed: Callable[[str], float | None] | None = None
+                 recent_speed: Callable[[str], float | None] | None = None,
+                 previous: "WorkerViewCache | None" = None
                  ) -> dict[str, WorkerView]:
     """:class:`WorkerView` of every worker.
 
@@ -270,43 +272,79 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
         Addresses blockflow paused.
     recent_speed : callable, optional
         ``recent_speed(address) -> float or None``, the speed of the latest task.
+    previous : WorkerViewCache, optional
+        The views of the last call: a worker whose heartbeat metrics, status, task counts,
+        occupancy and speed are as they were keeps its view (its metrics are not parsed
+        again), and ``previous.changed`` becomes the addresses whose view is new.
     """
     stealing = scheduler.extensions.get("stealing")
     in_flight = getattr(stealing, "in_flight_occupancy", {}) if stealing else {}
     paused = paused or {}
     views = {}
+    cache = previous.views if previous is not None else {}
+    changed = set()
     for addr, ws in scheduler.workers.items():
-        limit = ws.memory_limit or 0
         raw = ws.metrics if isinstance(ws.metrics, dict) else {}
+        spd = float(speed(addr)) if speed is not None else 1.0
+        conf = float(confidence(addr)) if confidence is not None else 0.0
+        recent = recent_speed(addr) if recent_speed is not None else None
+        occupancy = max(ws.occupancy + in_flight.get(ws, 0.0), 0.0)
+        state = (id(raw), ws.status, ws.nthreads, len(ws.processing), len(ws.executing),
+                 occupancy, spd, conf, recent, addr in paused)
+        hit = cache.get(addr)
+        if hit is not None and hit[0] == state and hit[2] is raw \
+                and hit[1].status == ws.status.name:  # (a view's status may be set)
+            views[addr] = hit[1]
+            continue
+        limit = ws.memory_limit or 0
         m = read_metrics(raw)
         cap = clean_number(raw.get(CAPACITY_METRIC))
-        views[addr] = WorkerView(
+        views[addr] = view = WorkerView(
             address=addr,
             name=str(ws.name),
             nthreads=ws.nthreads,
             status=ws.status.name,
             paused_by_blockflow=addr in paused,
             metrics=m,
-            speed=float(speed(addr)) if speed is not None else 1.0,
+            speed=spd,
             processing=len(ws.processing),
             executing=len(ws.executing),
-            occupancy=max(ws.occupancy + in_flight.get(ws, 0.0), 0.0),
+            occupancy=occupancy,
             host_memory_fraction=(m.host_memory / limit)
             if m.host_memory is not None and limit else None,
             capacity=cap if cap else None,
             memory_limit=int(limit),
-            speed_confidence=float(confidence(addr)) if confidence is not None else 0.0,
-            recent_speed=recent_speed(addr) if recent_speed is not None else None,
+            speed_confidence=conf,
+            recent_speed=recent,
             resources=dict(ws.resources or {}),
             device_uuid=m.device_uuid,
         )
-    for members in shared_devices(views).values():
+        if previous is not None:
+            previous.views[addr] = (state, view, raw)
+        changed.add(addr)
+    shared = shared_devices(views)
+    for members in shared.values():
         for addr in members:
             w = views[addr]
             w.device_peers = tuple(a for a in members if a != addr)
             w.peers_own_utilization = min(
                 sum(own_utilization_estimate(views[a]) for a in w.device_peers), 100.0)
+        changed.update(members)  # a peer's load is part of each view: judge them again
+    if previous is not None:
+        for addr in [a for a in cache if a not in views]:
+            del cache[addr]
+        previous.changed = frozenset(changed)
     return views
+
+
+class WorkerViewCache:
+    """The views :func:`worker_views` made last time, to reuse those of workers that did not
+    change; ``changed`` is the addresses whose view the last call made anew (for the
+    snapshot's ``changed``)."""
+
+    def __init__(self):
+        self.views: dict[str, tuple] = {}  # address -> (state, view, raw metrics)
+        self.changed: frozenset = frozenset()
 
 
 def shared_devices(views: Mapping[str, WorkerView]) -> dict[str, tuple[str, ...]]:

@@ -130,6 +130,12 @@ class ClusterSnapshot:
     feeder_states : FeederStates, optional
         Key -> where a feeder stands (:class:`blockflow._distributed.FeederStates`), for the
         admission rule; None on the policy's snapshots.
+    changed : frozenset of str or None
+        On ``"tick"`` snapshots, the workers whose view changed since the previous tick
+        (heartbeat metrics, status, task counts, occupancy, speed); the others' views are
+        the same objects as then. Rules judge a worker again only when it changed (a tick
+        costs in proportion to the workers that changed, not to all of them). None:
+        unknown, every worker counts as changed.
     """
 
     time: float
@@ -150,6 +156,11 @@ class ClusterSnapshot:
     monotonic: float = 0.0
     feeders: list = field(default_factory=list, repr=False)
     feeder_states: Any = field(default=None, repr=False)
+    changed: frozenset | None = field(default=None, repr=False)
+
+    def is_changed(self, address: str) -> bool:
+        """Whether worker ``address`` may have changed since the previous tick."""
+        return self.changed is None or address in self.changed
 
 
 class RebalancePolicy(abc.ABC):
