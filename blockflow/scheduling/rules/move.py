@@ -106,19 +106,21 @@ class MoveRule(Rule):
             todo = workers
         else:
             todo = snap.changed
+        blocked, free, over = self.blocked, self.free, self.over
         for a in todo:
             w = workers.get(a)
             if w is None:
                 continue
             self._index[a] = True
-            blocked = w.status != "running"
-            for group, member in ((self.blocked, blocked and w.processing > 0),
-                                  (self.free, not blocked and w.processing < w.nthreads),
-                                  (self.over, not blocked and w.processing > w.nthreads)):
-                if member:
-                    group.add(a)
-                else:
-                    group.discard(a)
+            blocked.discard(a), free.discard(a), over.discard(a)
+            if w.status != "running":
+                # (a stopped worker's tasks wait unless they run: moves take only those)
+                if w.processing > w.executing:
+                    blocked.add(a)
+            elif w.processing < w.nthreads:
+                free.add(a)
+            elif w.processing > w.nthreads:
+                over.add(a)
 
     def nothing_to_move(self, snap, paused_now) -> bool:
         """Whether this snapshot certainly gives no move, judged from the workers that
@@ -130,7 +132,7 @@ class MoveRule(Rule):
         self._update_index(snap)
         workers = snap.workers
         stuck = any(a in workers for a in self.blocked) or any(
-            workers[a].processing > 0 for a in paused_now if a in workers)
+            workers[a].processing > workers[a].executing for a in paused_now if a in workers)
         if stuck:
             return False
         if snap.queued:
