@@ -275,7 +275,7 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
     previous : WorkerViewCache, optional
         The views of the last call: a worker whose heartbeat metrics, status, task counts,
         occupancy and speed are as they were keeps its view (its metrics are not parsed
-        again), and ``previous.changed`` becomes the addresses whose view is new.
+        again), and the addresses whose view is new are added to ``previous.changed``.
     """
     stealing = scheduler.extensions.get("stealing")
     in_flight = getattr(stealing, "in_flight_occupancy", {}) if stealing else {}
@@ -333,14 +333,14 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
     if previous is not None:
         for addr in [a for a in cache if a not in views]:
             del cache[addr]
-        previous.changed = frozenset(changed)
+        previous.changed = previous.changed | changed  # until the caller consumes them
     return views
 
 
 class WorkerViewCache:
     """The views :func:`worker_views` made last time, to reuse those of workers that did not
-    change; ``changed`` is the addresses whose view the last call made anew (for the
-    snapshot's ``changed``)."""
+    change; ``changed`` is the addresses whose view a call made anew since the caller last
+    emptied it (the scheduler plugin, once a tick's rules have seen them)."""
 
     def __init__(self):
         self.views: dict[str, tuple] = {}  # address -> (state, view, raw metrics)

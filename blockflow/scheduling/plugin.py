@@ -405,6 +405,7 @@ class Rebalancer(SchedulerPlugin):
         for d in self.policy.run(snap):
             if self._apply(d, snap):
                 applied.append(d)
+        self._view_cache.changed = frozenset()  # the rules have seen them
         for a in (snap.workers if snap.changed is None else snap.changed):
             w = snap.workers.get(a)
             used = None if w is None else w.metrics.gpu_memory_used

@@ -31,6 +31,7 @@ class PauseRule(Rule):
         self.memory_high, self.memory_low = memory_high, memory_low
         self.hot_high, self.hot_low = hot_high, hot_low
         self._kept: set[str] = set()  # workers kept running as the last usable one
+        self._running: set[str] = set()  # workers running (from the changed ones)
 
     def pause_reason(self, w) -> str | None:
         """Why ``w`` (a WorkerView) should be paused, or None."""
@@ -53,10 +54,19 @@ class PauseRule(Rule):
         if snap.event != "tick":
             return []
         out = []
-        usable = None  # counted when first needed: a tick touches the changed workers only
-        # A worker whose view did not change since the last tick gets the decision it got
-        # then, which was applied (its status or pause changed since, and so its view) or
-        # was nothing; only a worker kept as the last usable one is judged again each time.
+        # the running workers, kept up to date from the changed ones (a tick reads the
+        # workers that changed, not all of them to count those that run)
+        if snap.changed is None:
+            self._running = {a for a, v in snap.workers.items() if v.status == "running"}
+        else:
+            for a in snap.changed:
+                v = snap.workers.get(a)
+                if v is not None and v.status == "running":
+                    self._running.add(a)
+                else:
+                    self._running.discard(a)
+        usable = None
+
         workers = snap.workers
         judged = workers.values() if snap.changed is None else [
             workers[a] for a in sorted((snap.changed | self._kept) & workers.keys())]
@@ -78,7 +88,7 @@ class PauseRule(Rule):
             if reason is None:
                 continue
             if usable is None:
-                usable = sum(v.status == "running" for v in workers.values())
+                usable = len(self._running & workers.keys())
             if usable <= 1:
                 kept.add(w.address)
                 out.append(Decision(Action.KEEP, w.address,
