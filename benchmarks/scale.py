@@ -10,10 +10,12 @@ Two parts, one table each (stdout; per-run lines on stderr):
   reversed on odd repetitions), ``--reps`` (3) each. Reported: the median wall time of each
   and the median of the paired ratios blockflow / plain; the same for the event loop's CPU
   time (``time.thread_time`` of the loop's thread: what the scheduler and workers spent,
-  much less sensitive than wall time to other processes on a shared machine); the plugin's
-  own cost as it measures it (``plugin_status(client)["cost"]``): hook time per finished
-  task (microseconds), and all-in (hooks and ticks) per task, and its ticks' median and
-  max (milliseconds, over the cluster's life). A short warm-up of 2N tasks runs first.
+  much less sensitive than wall time to other processes on a shared machine), and plain
+  Dask's loop CPU per task for scale; the plugin's own cost as it measures it
+  (``plugin_status(client)["cost"]``): hook time per finished task (microseconds, wall and
+  CPU; CPU sampled on 1 ``transition`` call in 32), all-in (hooks and ticks) per task, and its
+  ticks' median and max (wall milliseconds, over the cluster's life). A short warm-up of
+  2N tasks runs first.
 * ``replay`` -- ``--replay-workers`` (1,000) simulated workers, no cluster: snapshots of
   plain data (:class:`~blockflow.scheduling.policies.ClusterSnapshot`: GPU-style worker
   views, a queue of T tasks, every worker running one task, T tasks waiting on the
@@ -80,6 +82,9 @@ async def cluster_run(n_workers: int, n_tasks: int, mode: str) -> dict:
                 per_task_us=1e6 * (a["hook_seconds"] - b["hook_seconds"]) / tasks,
                 all_in_us=1e6 * (a["hook_seconds"] - b["hook_seconds"]
                                  + a["tick_seconds"] - b["tick_seconds"]) / tasks,
+                cpu_per_task_us=1e6 * (a["hook_cpu_seconds"] - b["hook_cpu_seconds"]) / tasks,
+                cpu_all_in_us=1e6 * (a["hook_cpu_seconds"] - b["hook_cpu_seconds"]
+                                     + a["tick_cpu_seconds"] - b["tick_cpu_seconds"]) / tasks,
                 tick_median_ms=a["tick_ms_median"], tick_max_ms=a["tick_ms_max"],
                 ticks=a["tick_count"])
         return out
@@ -107,6 +112,9 @@ def cluster_part(workers: list[int], n_tasks: int, reps: int) -> list[dict]:
             "cpu_ratio": med(y["cpu"] / x["cpu"] for x, y in zip(p, b)),
             "per_task_us": med(x["per_task_us"] for x in b),
             "all_in_us": med(x["all_in_us"] for x in b),
+            "cpu_per_task_us": med(x["cpu_per_task_us"] for x in b),
+            "cpu_all_in_us": med(x["cpu_all_in_us"] for x in b),
+            "plain_cpu_us": med(1e6 * x["cpu"] / n_tasks for x in p),
             "tick_median_ms": med(x["tick_median_ms"] for x in b),
             "tick_max_ms": max(x["tick_max_ms"] for x in b),
         })
@@ -273,15 +281,18 @@ def print_tables(cluster_rows, replay_rows, args) -> None:
     if cluster_rows:
         print("\n## In-process clusters: N single-thread workers, plain Dask vs blockflow "
               "dynamic\n")
-        print(f"{'N':>5} {'plain s':>8} {'bf s':>8} {'wall ratio':>11} {'(min-max)':>13} "
-              f"{'loop-CPU ratio':>15} {'hook us/task':>13} {'all-in us/task':>15} "
-              f"{'tick med ms':>12} {'tick max ms':>12}")
+        print(f"{'N':>5} {'plain s':>8} {'bf s':>8} {'wall ratio':>11} {'(min-max)':>11} "
+              f"{'CPU ratio':>10} {'plain CPU':>10} {'hooks us/task':>14} "
+              f"{'all-in us/task':>15} {'tick med':>9} {'tick max':>9}")
+        print(f"{'':>5} {'':>8} {'':>8} {'':>11} {'':>11} {'':>10} {'us/task':>10} "
+              f"{'wall / CPU':>14} {'wall / CPU':>15} {'ms':>9} {'ms':>9}")
         for r in cluster_rows:
             print(f"{r['N']:>5} {r['plain_s']:>8.2f} {r['blockflow_s']:>8.2f} "
-                  f"{r['ratio']:>10.3f}x {r['ratio_min']:>6.2f}-{r['ratio_max']:<6.2f} "
-                  f"{r['cpu_ratio']:>14.3f}x {r['per_task_us']:>13.1f} "
-                  f"{r['all_in_us']:>15.1f} {r['tick_median_ms']:>12.2f} "
-                  f"{r['tick_max_ms']:>12.2f}")
+                  f"{r['ratio']:>10.3f}x {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} "
+                  f"{r['cpu_ratio']:>9.3f}x {r['plain_cpu_us']:>10.0f} "
+                  f"{r['per_task_us']:>6.1f} / {r['cpu_per_task_us']:<5.1f} "
+                  f"{r['all_in_us']:>7.1f} / {r['cpu_all_in_us']:<5.1f} "
+                  f"{r['tick_median_ms']:>9.2f} {r['tick_max_ms']:>9.2f}")
     if replay_rows:
         print(f"\n## Replay: {args.replay_workers} simulated workers, snapshots through the "
               f"dynamic policy ({args.ticks} ticks per row)\n")
@@ -312,9 +323,12 @@ def plot(cluster_rows, replay_rows, path: str) -> None:
         ax.set_xticks(ns, [str(n) for n in ns])
         ax.legend()
         ax = axes[1]
-        ax.plot(ns, [r["per_task_us"] for r in cluster_rows], "o-", label="hooks, us/task")
-        ax.plot(ns, [r["all_in_us"] for r in cluster_rows], "s-",
-                label="hooks + ticks, us/task")
+        ax.plot(ns, [r["per_task_us"] for r in cluster_rows], "o-",
+                label="hooks, us/task (wall)")
+        ax.plot(ns, [r["cpu_per_task_us"] for r in cluster_rows], "o:",
+                label="hooks, us/task (CPU)")
+        ax.plot(ns, [r["cpu_all_in_us"] for r in cluster_rows], "s-",
+                label="hooks + ticks, us/task (CPU)")
         ax.plot(ns, [r["tick_median_ms"] for r in cluster_rows], "^-", label="tick median, ms")
         ax.plot(ns, [r["tick_max_ms"] for r in cluster_rows], "v--", label="tick max, ms")
         ax.set(xscale="log", yscale="log", xlabel="workers N",

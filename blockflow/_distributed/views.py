@@ -297,8 +297,11 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
             views[addr] = hit[1]
             continue
         limit = ws.memory_limit or 0
-        m = read_metrics(raw)
-        cap = clean_number(raw.get(CAPACITY_METRIC))
+        if hit is not None and hit[2] is raw:  # same heartbeat, new counts: parsed already
+            m, cap = hit[1].metrics, hit[1].capacity
+        else:
+            m = read_metrics(raw)
+            cap = clean_number(raw.get(CAPACITY_METRIC))
         views[addr] = view = WorkerView(
             address=addr,
             name=str(ws.name),

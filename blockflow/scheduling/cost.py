@@ -12,9 +12,10 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from time import perf_counter as clock
+from time import thread_time as cpu_clock
 from typing import Any
 
-__all__ = ["PluginCost", "clock"]
+__all__ = ["PluginCost", "clock", "cpu_clock"]
 
 
 class PluginCost:
@@ -29,10 +30,23 @@ class PluginCost:
     tick_total, tick_max : float
         Seconds in all ticks so far, and in the longest one.
     tick_count : int
+    hook_calls : int
+        Calls of the ``transition`` hook.
+    hook_cpu_sampled, hook_samples : float, int
+        CPU seconds of the event loop's thread (``time.thread_time``) in one ``transition``
+        call of every :attr:`sample_every`, and how many: wall time counts whatever else
+        the machine runs meanwhile, CPU time only the plugin's own work (a thread-time
+        reading costs a system call: sampled).
+    graph_cpu : float
+        CPU seconds in ``update_graph`` (every call: one per graph).
+    tick_cpu : float
+        CPU seconds in all ticks.
     """
 
     #: Tick durations kept for the median.
     max_ticks = 10_000
+    #: One ``transition`` call in this many (a power of 2) also reads the thread's CPU time.
+    sample_every = 32
 
     def __init__(self):
         self.hooks = 0.0
@@ -40,11 +54,22 @@ class PluginCost:
         self.tick_total = 0.0
         self.tick_max = 0.0
         self.tick_count = 0
+        self.hook_calls = 0
+        self.hook_cpu_sampled = 0.0
+        self.hook_samples = 0
+        self.graph_cpu = 0.0
+        self.tick_cpu = 0.0
 
-    def tick(self, seconds: float) -> None:
-        """Record one tick of ``seconds``."""
+    def sampled(self) -> bool:
+        """Count a ``transition`` call; whether this one reads the CPU time too."""
+        self.hook_calls += 1
+        return not self.hook_calls & (self.sample_every - 1)
+
+    def tick(self, seconds: float, cpu: float = 0.0) -> None:
+        """Record one tick of ``seconds`` (``cpu`` seconds of the thread's CPU time)."""
         self.ticks.append(seconds)
         self.tick_total += seconds
+        self.tick_cpu += cpu
         self.tick_count += 1
         if seconds > self.tick_max:
             self.tick_max = seconds
@@ -58,10 +83,17 @@ class PluginCost:
             ``tasks``; ``hook_seconds``; ``per_task_us`` (hook time per finished task,
             microseconds; None before the first); ``tick_count``; ``tick_seconds`` (all
             ticks); ``tick_ms_median``, ``tick_ms_max`` (milliseconds; None before the
-            first tick); ``all_in_per_task_us`` (hooks and ticks together per finished task).
+            first tick); ``all_in_per_task_us`` (hooks and ticks together per finished task);
+            ``hook_cpu_seconds`` (estimated from the sampled calls), ``cpu_per_task_us``
+            and ``tick_cpu_seconds``: the same in CPU time of the event loop's thread.
         """
         ticks = list(self.ticks)
+        hook_cpu = self.graph_cpu + (self.hook_cpu_sampled / self.hook_samples * self.hook_calls
+                                     if self.hook_samples else 0.0)
         return {
+            "hook_cpu_seconds": hook_cpu,
+            "cpu_per_task_us": 1e6 * hook_cpu / tasks if tasks else None,
+            "tick_cpu_seconds": self.tick_cpu,
             "tasks": tasks,
             "hook_seconds": self.hooks,
             "per_task_us": 1e6 * self.hooks / tasks if tasks else None,

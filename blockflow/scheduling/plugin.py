@@ -39,6 +39,7 @@ from blockflow.scheduling.actions import KERNEL_PREFIX, Action, Decision
 from blockflow.scheduling import resources
 from blockflow.scheduling.cost import PluginCost
 from blockflow.scheduling.cost import clock as _clock
+from blockflow.scheduling.cost import cpu_clock as _cpu_clock
 from blockflow.scheduling.policies import (
     POLICIES,
     REGISTRY,
@@ -178,11 +179,21 @@ class Rebalancer(SchedulerPlugin):
     # --- hooks: keep them O(1) -----------------------------------------------------------
 
     def transition(self, key, start, finish, *args, stimulus_id=None, **kwargs) -> None:
-        t0 = _clock()
+        cost = self.cost
+        if not cost.sampled():
+            t0 = _clock()
+            try:
+                self._transition(key, start, finish, kwargs)
+            finally:
+                cost.hooks += _clock() - t0
+            return
+        t0, c0 = _clock(), _cpu_clock()
         try:
             self._transition(key, start, finish, kwargs)
         finally:
-            self.cost.hooks += _clock() - t0
+            cost.hook_cpu_sampled += _cpu_clock() - c0
+            cost.hook_samples += 1
+            cost.hooks += _clock() - t0
 
     def _transition(self, key, start, finish, kwargs) -> None:
         if self.admission is not None and self.admission.watches(key) \
@@ -219,10 +230,11 @@ class Rebalancer(SchedulerPlugin):
 
     def update_graph(self, scheduler, *, client=None, keys=None, tasks=None, annotations=None,
                      **kwargs) -> None:
-        t0 = _clock()
+        t0, c0 = _clock(), _cpu_clock()
         try:
             self._update_graph(scheduler, client, tasks, annotations)
         finally:
+            self.cost.graph_cpu += _cpu_clock() - c0
             self.cost.hooks += _clock() - t0
 
     def _update_graph(self, scheduler, client, tasks, annotations) -> None:
@@ -388,11 +400,11 @@ class Rebalancer(SchedulerPlugin):
         """
         if self.scheduler is None or self.policy is None:
             return []
-        t0 = _clock()
+        t0, c0 = _clock(), _cpu_clock()
         try:
             return self._tick()
         finally:
-            self.cost.tick(_clock() - t0)
+            self.cost.tick(_clock() - t0, _cpu_clock() - c0)
 
     def _tick(self) -> list[Decision]:
         self.ticks += 1
