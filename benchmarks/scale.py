@@ -20,9 +20,10 @@ Two parts, one table each (stdout; per-run lines on stderr):
   plain data (:class:`~blockflow.scheduling.policies.ClusterSnapshot`: GPU-style worker
   views, a queue of T tasks, every worker running one task, T tasks waiting on the
   workers, served lazily) replayed through the ``dynamic`` policy's rules, ``--ticks`` (60)
-  ticks per row; on each tick k workers get new heartbeat metrics (about 1 in 50 of them
-  hot enough to be paused; paused ones resume when they cool). Reported: the policy's
-  median and max time per tick, and how many worker views it read, for k changed
+  ticks per row; on each tick k workers get new heartbeat metrics (other GPU work
+  comes to 1 in 200 of them and leaves 1 in 5 of the hot ones: pauses, resumes and rescues
+  of the paused workers' waiting tasks happen; decisions applied between ticks). Reported: the policy's
+  median and max CPU time per tick (``time.thread_time``), and how many worker views it read, for k changed
   workers in {0, 10, 100, 1000} and T in {5,000, 50,000, 500,000}: the cost follows k, not T.
 
 Targets (issue 28): blockflow/plain <= 1.05x at every N; tick median <= 5 ms and max <= 50 ms
@@ -202,9 +203,9 @@ def replay(n_workers: int, changed: int, n_tasks: int, ticks: int, *, count: boo
                                monotonic=float(tick))
         counter = Counting() if count else contextlib.nullcontext()
         with counter:
-            t0 = time.perf_counter()
+            t0 = time.thread_time()  # CPU time: other jobs on the machine do not count
             out = list(policy.run(snap))
-            elapsed = time.perf_counter() - t0
+            elapsed = time.thread_time() - t0
         for d in out:  # applied, as the plugin would: the views change by the next tick
             action = d.action.value
             if action == "pause":
@@ -275,33 +276,52 @@ def replay_part(n_workers: int, ticks: int, changed: list[int], tasks: list[int]
 # --- output --------------------------------------------------------------------------------
 
 
-def print_tables(cluster_rows, replay_rows, args) -> None:
-    print(f"# blockflow scale benchmark ({time.strftime('%Y-%m-%d')}): plugin cost vs cluster "
-          f"size; {args.tasks} trivial tasks, {args.reps} paired repetitions (median)")
-    if cluster_rows:
-        print("\n## In-process clusters: N single-thread workers, plain Dask vs blockflow "
-              "dynamic\n")
-        print(f"{'N':>5} {'plain s':>8} {'bf s':>8} {'wall ratio':>11} {'(min-max)':>11} "
-              f"{'CPU ratio':>10} {'plain CPU':>10} {'hooks us/task':>14} "
-              f"{'all-in us/task':>15} {'tick med':>9} {'tick max':>9}")
-        print(f"{'':>5} {'':>8} {'':>8} {'':>11} {'':>11} {'':>10} {'us/task':>10} "
-              f"{'wall / CPU':>14} {'wall / CPU':>15} {'ms':>9} {'ms':>9}")
-        for r in cluster_rows:
-            print(f"{r['N']:>5} {r['plain_s']:>8.2f} {r['blockflow_s']:>8.2f} "
-                  f"{r['ratio']:>10.3f}x {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} "
-                  f"{r['cpu_ratio']:>9.3f}x {r['plain_cpu_us']:>10.0f} "
-                  f"{r['per_task_us']:>6.1f} / {r['cpu_per_task_us']:<5.1f} "
-                  f"{r['all_in_us']:>7.1f} / {r['cpu_all_in_us']:<5.1f} "
-                  f"{r['tick_median_ms']:>9.2f} {r['tick_max_ms']:>9.2f}")
-    if replay_rows:
-        print(f"\n## Replay: {args.replay_workers} simulated workers, snapshots through the "
-              f"dynamic policy ({args.ticks} ticks per row)\n")
-        print(f"{'tasks':>8} {'changed':>8} {'tick med ms':>12} {'tick max ms':>12} "
-              f"{'views read med':>15} {'(max)':>6} {'decisions':>10}")
-        for r in replay_rows:
-            print(f"{r['tasks']:>8} {r['changed']:>8} {r['median_ms']:>12.3f} "
-                  f"{r['max_ms']:>12.3f} {r['views_read']:>15.0f} {r['views_read_max']:>6} "
-                  f"{r['decisions']:>10}")
+def print_header(args) -> None:
+    import os
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=False).stdout.strip()
+    except OSError:
+        commit = "?"
+    print(f"# python benchmarks/scale.py {' '.join(sys.argv[1:])}")
+    print(f"# blockflow scale benchmark, {time.strftime('%Y-%m-%d %H:%M')}, commit {commit}; "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start "
+          f"(a machine shared with other jobs: wall times are noisy, CPU times less so)")
+    print(f"# {args.tasks} trivial tasks per run, {args.reps} paired repetitions (median)",
+          flush=True)
+
+
+def print_replay(replay_rows, args) -> None:
+    print(f"\n## Replay: {args.replay_workers} simulated workers, snapshots through the "
+          f"dynamic policy ({args.ticks} ticks per row; no cluster)\n")
+    print(f"{'tasks':>8} {'changed':>8} {'CPU med ms':>12} {'CPU max ms':>12} "
+          f"{'views read med':>15} {'(max)':>6} {'decisions':>10}")
+    for r in replay_rows:
+        print(f"{r['tasks']:>8} {r['changed']:>8} {r['median_ms']:>12.3f} "
+              f"{r['max_ms']:>12.3f} {r['views_read']:>15.0f} {r['views_read_max']:>6} "
+              f"{r['decisions']:>10}")
+    print(flush=True)
+
+
+def print_cluster_header() -> None:
+    print("\n## In-process clusters: N single-thread workers, plain Dask vs blockflow "
+          "dynamic\n")
+    print(f"{'N':>5} {'plain s':>8} {'bf s':>8} {'wall ratio':>11} {'(min-max)':>11} "
+          f"{'CPU ratio':>10} {'plain CPU':>10} {'hooks us/task':>14} "
+          f"{'all-in us/task':>15} {'tick med':>9} {'tick max':>9}")
+    print(f"{'':>5} {'':>8} {'':>8} {'':>11} {'':>11} {'':>10} {'us/task':>10} "
+          f"{'wall / CPU':>14} {'wall / CPU':>15} {'ms':>9} {'ms':>9}", flush=True)
+
+
+def print_cluster_row(r) -> None:
+    print(f"{r['N']:>5} {r['plain_s']:>8.2f} {r['blockflow_s']:>8.2f} "
+          f"{r['ratio']:>10.3f}x {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} "
+          f"{r['cpu_ratio']:>9.3f}x {r['plain_cpu_us']:>10.0f} "
+          f"{r['per_task_us']:>6.1f} / {r['cpu_per_task_us']:<5.1f} "
+          f"{r['all_in_us']:>7.1f} / {r['cpu_all_in_us']:<5.1f} "
+          f"{r['tick_median_ms']:>9.2f} {r['tick_max_ms']:>9.2f}", flush=True)
 
 
 def plot(cluster_rows, replay_rows, path: str) -> None:
@@ -364,11 +384,22 @@ def main(argv=None) -> None:
         args.workers, args.tasks, args.reps, args.ticks = "8,32", 2000, 2, 20
     logging.getLogger("distributed").setLevel(logging.ERROR)
     parts = args.parts.split(",")
-    cluster_rows = cluster_part([int(n) for n in args.workers.split(",")], args.tasks,
-                                args.reps) if "cluster" in parts else []
-    replay_rows = replay_part(args.replay_workers, args.ticks, [0, 10, 100, 1000],
-                              [5_000, 50_000, 500_000]) if "replay" in parts else []
-    print_tables(cluster_rows, replay_rows, args)
+    print_header(args)
+    replay_rows = []
+    if "replay" in parts:
+        replay_rows = replay_part(args.replay_workers, args.ticks, [0, 10, 100, 1000],
+                                  [5_000, 50_000, 500_000])
+        print_replay(replay_rows, args)
+    cluster_rows = []
+    if "cluster" in parts:
+        print_cluster_header()
+        for n in (int(n) for n in args.workers.split(",")):
+            row = cluster_part([n], args.tasks, args.reps)[0]
+            print_cluster_row(row)
+            cluster_rows.append(row)
+            if args.plot:
+                plot(cluster_rows, replay_rows, args.plot)
+        print(f"\n# load average {__import__('os').getloadavg()[0]:.1f} at the end")
     if args.plot:
         plot(cluster_rows, replay_rows, args.plot)
 

@@ -605,6 +605,11 @@ def feeder_states(scheduler, keys) -> dict:
     return out
 
 
+# scheduler -> task key -> whether its spec runs a blockflow kernel that may be copied
+_KERNEL: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_KERNEL_MAX = 100_000  # keys remembered per scheduler
+
+
 @dataclass
 class RunningTask:
     """A task a worker is running now, as the speculation rule sees it (plain data).
@@ -642,6 +647,7 @@ def running_tasks(scheduler, now: float) -> dict[str, list[RunningTask]]:
     (seconds since the epoch). ``kernel`` marks tasks running a blockflow kernel that may be
     copied (found in the task's spec, as for working sets)."""
     out: dict[str, list[RunningTask]] = {}
+    known = _KERNEL.setdefault(scheduler, {})
     for addr, ws in scheduler.workers.items():
         if not ws.executing:
             continue
@@ -652,9 +658,15 @@ def running_tasks(scheduler, now: float) -> dict[str, list[RunningTask]]:
                 continue
             group = key_split(ts.key)
             # a blockflow kernel that may be copied, also when Dask fused it into a task of
-            # another name (``arange-blockflow-f-<token>``)
-            kernel = any(getattr(o, "speculative", False)
-                         for o in _declaring_objects(ts.run_spec)) if ts.run_spec else False
+            # another name (``arange-blockflow-f-<token>``); looked for once per task (a
+            # task runs for many ticks, and a tick should not walk every running spec)
+            kernel = known.get(ts.key)
+            if kernel is None:
+                kernel = any(getattr(o, "speculative", False)
+                             for o in _declaring_objects(ts.run_spec)) if ts.run_spec else False
+                if len(known) >= _KERNEL_MAX:
+                    known.clear()
+                known[ts.key] = kernel
             expected, measured = prefix_duration(scheduler, ts.prefix)
             tasks.append(RunningTask(
                 key=ts.key, group=group, elapsed=float(duration) + since,
