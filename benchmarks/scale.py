@@ -398,10 +398,10 @@ def main(argv=None) -> None:
             print_cluster_row(row)
             cluster_rows.append(row)
             if args.plot:
-                plot(cluster_rows, replay_rows, args.plot)
+                plot(sorted(cluster_rows, key=lambda r: r["N"]), replay_rows, args.plot)
         print(f"\n# load average {__import__('os').getloadavg()[0]:.1f} at the end")
     if args.plot:
-        plot(cluster_rows, replay_rows, args.plot)
+        plot(sorted(cluster_rows, key=lambda r: r["N"]), replay_rows, args.plot)
 
 
 if __name__ == "__main__":

@@ -693,7 +693,11 @@ class Rebalancer(SchedulerPlugin):
         dict
             Plain data. ``run`` is the run most recently given tasks
             (:meth:`~blockflow.scheduling.runs.Run.as_dict`, or None); ``run_counts`` and
-            ``run_started`` are its per-worker counts and start time.
+            ``run_started`` are its per-worker counts and start time. ``cost`` is the
+            plugin's own time on the scheduler's event loop (``blockflow.scheduling.cost``):
+            per finished task in its hooks (``per_task_us`` wall, ``cpu_per_task_us`` CPU),
+            per tick (``tick_ms_median``, ``tick_ms_max``) and in all
+            (``all_in_per_task_us``).
         """
         decisions = list(self.decisions)
         if since is not None:
