@@ -32,6 +32,7 @@ __all__ = [
     "RunningTask",
     "TaskView",
     "WorkerView",
+    "WorkerViewCache",
     "bandwidth",
     "feeder_states",
     "feeder_tasks",
@@ -275,7 +276,8 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
                  confidence: Callable[[str], float] | None = None,
                  paused: Mapping[str, Any] | None = None,
                  recent_speed: Callable[[str], float | None] | None = None,
-                 slow_for: Callable[[str], float | None] | None = None
+                 slow_for: Callable[[str], float | None] | None = None,
+                 previous: "WorkerViewCache | None" = None
                  ) -> dict[str, WorkerView]:
     """:class:`WorkerView` of every worker.
 
@@ -291,44 +293,84 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
         ``recent_speed(address) -> float or None``, the speed of the latest task.
     slow_for : callable, optional
         ``slow_for(address) -> float or None`` (:attr:`WorkerView.slow_for`).
+    previous : WorkerViewCache, optional
+        The views of the last call: a worker whose heartbeat metrics, status, task counts,
+        occupancy and speed are as they were keeps its view (its metrics are not parsed
+        again), and the addresses whose view is new are added to ``previous.changed``.
     """
     stealing = scheduler.extensions.get("stealing")
     in_flight = getattr(stealing, "in_flight_occupancy", {}) if stealing else {}
     paused = paused or {}
     views = {}
+    cache = previous.views if previous is not None else {}
+    changed = set()
     for addr, ws in scheduler.workers.items():
-        limit = ws.memory_limit or 0
         raw = ws.metrics if isinstance(ws.metrics, dict) else {}
-        m = read_metrics(raw)
-        cap = clean_number(raw.get(CAPACITY_METRIC))
-        views[addr] = WorkerView(
+        spd = float(speed(addr)) if speed is not None else 1.0
+        conf = float(confidence(addr)) if confidence is not None else 0.0
+        recent = recent_speed(addr) if recent_speed is not None else None
+        slow = slow_for(addr) if slow_for is not None else None
+        occupancy = max(ws.occupancy + in_flight.get(ws, 0.0), 0.0)
+        state = (id(raw), ws.status, ws.nthreads, len(ws.processing), len(ws.executing),
+                 occupancy, spd, conf, recent, slow, addr in paused)
+        hit = cache.get(addr)
+        if hit is not None and hit[0] == state and hit[2] is raw \
+                and hit[1].status == ws.status.name:  # (a view's status may be set)
+            views[addr] = hit[1]
+            continue
+        limit = ws.memory_limit or 0
+        if hit is not None and hit[2] is raw:  # same heartbeat, new counts: parsed already
+            m, cap = hit[1].metrics, hit[1].capacity
+        else:
+            m = read_metrics(raw)
+            cap = clean_number(raw.get(CAPACITY_METRIC))
+        views[addr] = view = WorkerView(
             address=addr,
             name=str(ws.name),
             nthreads=ws.nthreads,
             status=ws.status.name,
             paused_by_blockflow=addr in paused,
             metrics=m,
-            speed=float(speed(addr)) if speed is not None else 1.0,
+            speed=spd,
             processing=len(ws.processing),
             executing=len(ws.executing),
-            occupancy=max(ws.occupancy + in_flight.get(ws, 0.0), 0.0),
+            occupancy=occupancy,
             host_memory_fraction=(m.host_memory / limit)
             if m.host_memory is not None and limit else None,
             capacity=cap if cap else None,
             memory_limit=int(limit),
-            speed_confidence=float(confidence(addr)) if confidence is not None else 0.0,
-            recent_speed=recent_speed(addr) if recent_speed is not None else None,
-            slow_for=slow_for(addr) if slow_for is not None else None,
+            speed_confidence=conf,
+            recent_speed=recent,
+            slow_for=slow,
             resources=dict(ws.resources or {}),
             device_uuid=m.device_uuid,
         )
-    for members in shared_devices(views).values():
+        if previous is not None:
+            previous.views[addr] = (state, view, raw)
+        changed.add(addr)
+    shared = shared_devices(views)
+    for members in shared.values():
         for addr in members:
             w = views[addr]
             w.device_peers = tuple(a for a in members if a != addr)
             w.peers_own_utilization = min(
                 sum(own_utilization_estimate(views[a]) for a in w.device_peers), 100.0)
+        changed.update(members)  # a peer's load is part of each view: judge them again
+    if previous is not None:
+        for addr in [a for a in cache if a not in views]:
+            del cache[addr]
+        previous.changed = previous.changed | changed  # until the caller consumes them
     return views
+
+
+class WorkerViewCache:
+    """The views :func:`worker_views` made last time, to reuse those of workers that did not
+    change; ``changed`` is the addresses whose view a call made anew since the caller last
+    emptied it (the scheduler plugin, once a tick's rules have seen them)."""
+
+    def __init__(self):
+        self.views: dict[str, tuple] = {}  # address -> (state, view, raw metrics)
+        self.changed: frozenset = frozenset()
 
 
 def shared_devices(views: Mapping[str, WorkerView]) -> dict[str, tuple[str, ...]]:
@@ -627,6 +669,11 @@ def feeder_states(scheduler, keys) -> dict:
     return out
 
 
+# scheduler -> task key -> whether its spec runs a blockflow kernel that may be copied
+_KERNEL: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_KERNEL_MAX = 100_000  # keys remembered per scheduler
+
+
 @dataclass
 class RunningTask:
     """A task a worker is running now, as the speculation rule sees it (plain data).
@@ -670,6 +717,7 @@ def running_tasks(scheduler, now: float) -> dict[str, list[RunningTask]]:
     (seconds since the epoch). ``kernel`` marks tasks running a blockflow kernel that may be
     copied (found in the task's spec, as for working sets)."""
     out: dict[str, list[RunningTask]] = {}
+    known = _KERNEL.setdefault(scheduler, {})
     for addr, ws in scheduler.workers.items():
         if not ws.executing:
             continue
@@ -680,9 +728,15 @@ def running_tasks(scheduler, now: float) -> dict[str, list[RunningTask]]:
                 continue
             group = key_split(ts.key)
             # a blockflow kernel that may be copied, also when Dask fused it into a task of
-            # another name (``arange-blockflow-f-<token>``)
-            kernel = any(getattr(o, "speculative", False)
-                         for o in _declaring_objects(ts.run_spec)) if ts.run_spec else False
+            # another name (``arange-blockflow-f-<token>``); looked for once per task (a
+            # task runs for many ticks, and a tick should not walk every running spec)
+            kernel = known.get(ts.key)
+            if kernel is None:
+                kernel = any(getattr(o, "speculative", False)
+                             for o in _declaring_objects(ts.run_spec)) if ts.run_spec else False
+                if len(known) >= _KERNEL_MAX:
+                    known.clear()
+                known[ts.key] = kernel
             expected, measured = prefix_duration(scheduler, ts.prefix)
             tasks.append(RunningTask(
                 key=ts.key, group=group, elapsed=float(duration) + since,

@@ -375,6 +375,20 @@ def earliest_finish(
     if (seconds is None) == (speeds is None):
         raise ValueError("earliest_finish: give either seconds or speeds")
     n = items if isinstance(items, int) else len(items)
+    if n == 1 and callable(seconds) and units is None and tie is None and sizes is None:
+        # One item, per-item seconds (the move rule's question, once per move, over up to
+        # every worker): the same answer without building slots; ties go to the first
+        # worker in ``ready``'s order, slot 0, as below. Per-slot ready times: below.
+        best, best_ready, best_end = None, 0.0, math.inf
+        for w, r in ready.items():
+            if not isinstance(r, (int, float)):
+                break
+            e = r + seconds(0, w)
+            if best is None or e < best_end:
+                best, best_ready, best_end = w, r, e
+        else:
+            return [] if best is None else [
+                Placement(0, best, 0, float(best_ready), float(best_end))]
     slots: list[list] = []  # [ready, worker, slot index]
     for w, r in ready.items():
         if isinstance(r, (int, float)):

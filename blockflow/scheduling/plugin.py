@@ -37,6 +37,9 @@ from blockflow import _distributed, config
 from blockflow.errors import ResourceError
 from blockflow.scheduling.actions import KERNEL_PREFIX, Action, Decision
 from blockflow.scheduling import resources
+from blockflow.scheduling.cost import PluginCost
+from blockflow.scheduling.cost import clock as _clock
+from blockflow.scheduling.cost import cpu_clock as _cpu_clock
 from blockflow.scheduling.policies import (
     POLICIES,
     REGISTRY,
@@ -112,7 +115,6 @@ class Rebalancer(SchedulerPlugin):
         self.paused: dict[str, str] = {}  # worker -> reason, for pauses this plugin made
         self.held: dict[str, str] = {}  # worker -> reason: held back from the queue
         self.decisions: deque[dict[str, Any]] = deque(maxlen=self.decision_log_size)
-        self.snapshot_workers: dict[str, dict[str, Any]] = {}
         self.ticks = 0
         self.moves_requested = 0
         self._stealing = None
@@ -128,6 +130,9 @@ class Rebalancer(SchedulerPlugin):
                                                  saved_seconds=0.0)
         self.admission: AdmissionRule | None = None
         self._admission_kick = False  # an "admit" snapshot is scheduled
+        self.cost = PluginCost()  # the plugin's own time on the scheduler's event loop
+        self._last_snap: ClusterSnapshot | None = None  # the last tick's (for status())
+        self._view_cache = _distributed.WorkerViewCache()  # the ticks' worker views
 
     def __getstate__(self):
         return {"policy_name": self.policy_name, "interval": self.interval,
@@ -174,6 +179,23 @@ class Rebalancer(SchedulerPlugin):
     # --- hooks: keep them O(1) -----------------------------------------------------------
 
     def transition(self, key, start, finish, *args, stimulus_id=None, **kwargs) -> None:
+        cost = self.cost
+        if not cost.sampled():
+            t0 = _clock()
+            try:
+                self._transition(key, start, finish, kwargs)
+            finally:
+                cost.hooks += _clock() - t0
+            return
+        t0, c0 = _clock(), _cpu_clock()
+        try:
+            self._transition(key, start, finish, kwargs)
+        finally:
+            cost.hook_cpu_sampled += _cpu_clock() - c0
+            cost.hook_samples += 1
+            cost.hooks += _clock() - t0
+
+    def _transition(self, key, start, finish, kwargs) -> None:
         if self.admission is not None and self.admission.watches(key) \
                 and finish in _ADMISSION_EVENTS:
             self._kick_admission()
@@ -209,6 +231,14 @@ class Rebalancer(SchedulerPlugin):
 
     def update_graph(self, scheduler, *, client=None, keys=None, tasks=None, annotations=None,
                      **kwargs) -> None:
+        t0, c0 = _clock(), _cpu_clock()
+        try:
+            self._update_graph(scheduler, client, tasks, annotations)
+        finally:
+            self.cost.graph_cpu += _cpu_clock() - c0
+            self.cost.hooks += _clock() - t0
+
+    def _update_graph(self, scheduler, client, tasks, annotations) -> None:
         self.runs.graph(client=client, states=_distributed.task_states(scheduler, tasks or ()),
                         annotations=annotations or {}, now=time.time())
         if self.policy is None or not tasks:
@@ -227,7 +257,8 @@ class Rebalancer(SchedulerPlugin):
         self._apply(Decision(Action.JOIN, worker, "worker joined the cluster"))
 
     def remove_worker(self, scheduler, worker, *, stimulus_id=None, **kwargs) -> None:
-        self.snapshot_workers.pop(worker, None)
+        if self._last_snap is not None:
+            self._last_snap.workers.pop(worker, None)
         self.speeds.forget(worker)
         was_paused = self.paused.pop(worker, None)
         self.held.pop(worker, None)
@@ -306,12 +337,13 @@ class Rebalancer(SchedulerPlugin):
 
     # --- control loop -----------------------------------------------------------------
 
-    def _views(self):
+    def _views(self, previous=None):
         return _distributed.worker_views(self.scheduler, speed=self.speeds.speed,
                                          confidence=self.speeds.confidence,
                                          paused=self.paused,
                                          recent_speed=self.speeds.recent_speed,
-                                         slow_for=self.speeds.slow_for)
+                                         slow_for=self.speeds.slow_for,
+                                         previous=previous)
 
     def _running(self, now: float) -> dict:
         """The running tasks, each expected to last its group's duration times its size
@@ -337,7 +369,7 @@ class Rebalancer(SchedulerPlugin):
         """
         self.speeds.update()
         self._host_pause_fraction = dask.config.get("distributed.worker.memory.pause")
-        views = self._views()
+        views = self._views(self._view_cache)
         thieves = [a for a, w in views.items() if w.status == "running"]
         stopped = self._stopped(views)
         now = time.time()
@@ -356,7 +388,8 @@ class Rebalancer(SchedulerPlugin):
                                speeds_differ_weakly=active and self.speeds.heterogeneous(
                                    thieves, min_ratio=1.15, z=1.64),
                                unsatisfiable=_distributed.unsatisfiable_tasks(self.scheduler),
-                               monotonic=time.monotonic())
+                               monotonic=time.monotonic(),
+                               changed=self._view_cache.changed)
         snap.balancing = (self.balancing.judge(snap) if self.balancing is not None
                           else snap.speeds_differ)
         return snap
@@ -384,6 +417,13 @@ class Rebalancer(SchedulerPlugin):
         """
         if self.scheduler is None or self.policy is None:
             return []
+        t0, c0 = _clock(), _cpu_clock()
+        try:
+            return self._tick()
+        finally:
+            self.cost.tick(_clock() - t0, _cpu_clock() - c0)
+
+    def _tick(self) -> list[Decision]:
         self.ticks += 1
         snap = self.take_snapshot()
         self._resources_tick(snap)
@@ -394,17 +434,28 @@ class Rebalancer(SchedulerPlugin):
         for d in self.policy.run(snap):
             if self._apply(d, snap):
                 applied.append(d)
-        for a, w in snap.workers.items():
-            used = w.metrics.gpu_memory_used
+        self._view_cache.changed = frozenset()  # the rules have seen them
+        for a in (snap.workers if snap.changed is None else snap.changed):
+            w = snap.workers.get(a)
+            used = None if w is None else w.metrics.gpu_memory_used
             if used is not None and used > self.memory_peak.get(a, -1.0):
                 self.memory_peak[a] = used
-        self.snapshot_workers = {
+        self._last_snap = snap  # its worker table is built when status() asks
+        return applied
+
+    @property
+    def snapshot_workers(self) -> dict[str, dict[str, Any]]:
+        """Per worker, the metrics and state the last tick saw (plain data; built on
+        demand: a tick does not pay for a table nobody reads)."""
+        snap = self._last_snap
+        if snap is None:
+            return {}
+        return {
             a: {**w.metrics.to_dict(), "nthreads": w.nthreads, "status": w.status,
                 "paused_by_blockflow": a in self.paused, "speed": w.speed,
                 "processing": w.processing, "projected_finish": w.projected_finish}
             for a, w in snap.workers.items()
         }
-        return applied
 
     def _reapply_pauses(self, snap: ClusterSnapshot) -> None:
         # A worker's own status message can flip a scheduler-side pause back to running.
@@ -417,6 +468,8 @@ class Rebalancer(SchedulerPlugin):
                     _distributed.set_worker_status(self.scheduler, addr, True,
                                                    f"blockflow-{what}-{time.time()}")
                     w.status = "paused"
+                    if snap.changed is not None:
+                        snap.changed = snap.changed | {addr}
 
     # --- applying decisions: one handler per action -----------------------------------
 
@@ -657,7 +710,11 @@ class Rebalancer(SchedulerPlugin):
         dict
             Plain data. ``run`` is the run most recently given tasks
             (:meth:`~blockflow.scheduling.runs.Run.as_dict`, or None); ``run_counts`` and
-            ``run_started`` are its per-worker counts and start time.
+            ``run_started`` are its per-worker counts and start time. ``cost`` is the
+            plugin's own time on the scheduler's event loop (``blockflow.scheduling.cost``):
+            per finished task in its hooks (``per_task_us`` wall, ``cpu_per_task_us`` CPU),
+            per tick (``tick_ms_median``, ``tick_ms_max``) and in all
+            (``all_in_per_task_us``).
         """
         decisions = list(self.decisions)
         if since is not None:
@@ -673,6 +730,7 @@ class Rebalancer(SchedulerPlugin):
             "interval": self.interval,
             "ticks": self.ticks,
             "moves_requested": self.moves_requested,
+            "cost": self.cost.as_dict(sum(self.task_counts.values())),
             "task_counts": dict(self.task_counts),
             "kernel_counts": dict(self.kernel_counts),
             "run": current,

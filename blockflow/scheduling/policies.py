@@ -133,6 +133,12 @@ class ClusterSnapshot:
     client : str, optional
         On the admission rule's ``"graph"`` snapshot: the id of the client that submitted
         the graph (admission control learns which of its producers get consumers later).
+    changed : frozenset of str or None
+        On ``"tick"`` snapshots, the workers whose view changed since the previous tick
+        (heartbeat metrics, status, task counts, occupancy, speed); the others' views are
+        the same objects as then. Rules judge a worker again only when it changed (a tick
+        costs in proportion to the workers that changed, not to all of them). None:
+        unknown, every worker counts as changed.
     """
 
     time: float
@@ -154,6 +160,11 @@ class ClusterSnapshot:
     feeders: list = field(default_factory=list, repr=False)
     feeder_states: Any = field(default=None, repr=False)
     client: str | None = None
+    changed: frozenset | None = field(default=None, repr=False)
+
+    def is_changed(self, address: str) -> bool:
+        """Whether worker ``address`` may have changed since the previous tick."""
+        return self.changed is None or address in self.changed
 
 
 class RebalancePolicy(abc.ABC):

@@ -224,9 +224,13 @@ def benchmark_page(script: str, results: list[str]) -> str:
         lines += [f"{len(results)} stored result file(s) in ``benchmarks/results/``, newest "
                   "first; each starts with the command and machine it was measured on.", ""]
     for name in results:
-        lines += [f"``{name}``", "~" * (len(name) + 4), "",
-                  f".. literalinclude:: ../../../benchmarks/results/{name}",
-                  "   :language: text", ""]
+        lines += [f"``{name}``", "~" * (len(name) + 4), ""]
+        if name.endswith(".png"):  # a plot the script drew beside its table
+            lines += [f".. image:: ../../../benchmarks/results/{name}",
+                      f"   :alt: {name}", ""]
+        else:
+            lines += [f".. literalinclude:: ../../../benchmarks/results/{name}",
+                      "   :language: text", ""]
     return "\n".join(lines)
 
 

@@ -55,8 +55,9 @@ class BackupRule(Rule):
         return self.backups(snap, context.paused_now, frozenset(context.taken))
 
     def backups(self, snap, paused_now=frozenset(), taken=frozenset()) -> list[Decision]:
-        if not self.enabled or not snap.running or snap.queued:
-            return []
+        if not self.enabled or not snap.running or snap.queued or not any(
+                t.kernel for tasks in snap.running.values() for t in tasks):
+            return []  # only kernels are copied: with none running, no worker is looked at
         views = snap.workers
         usable = {a: w for a, w in views.items()
                   if w.status == "running" and a not in paused_now}

@@ -57,17 +57,15 @@ class BalancingRule(Rule):
         return self.calm < self.calm_ticks
 
     def run(self, snap, context: RuleContext | None = None) -> list[Decision]:
-        if not self.hands_over or snap.event != "tick":
-            return []
+        if not self.hands_over or snap.event != "tick" or bool(snap.balancing) == self.active:
+            return []  # (no change: no worker is looked at)
         seen = {"speeds": {a: round(w.speed, 3) for a, w in snap.workers.items()},
                 "confidence": {a: round(w.speed_confidence, 2)
                                for a, w in snap.workers.items()}}
-        if snap.balancing and not self.active:
+        if snap.balancing:
             self.active, self.calm = True, 0
             return [Decision(Action.BALANCE, "", "worker speeds known to differ: blockflow "
                              "balances on them; distributed's work stealing paused", seen)]
-        if not snap.balancing and self.active:
-            self.active = False
-            return [Decision(Action.DEFER, "", "worker speeds not known to differ: balancing "
-                             "handed back to distributed's work stealing", seen)]
-        return []
+        self.active = False
+        return [Decision(Action.DEFER, "", "worker speeds not known to differ: balancing "
+                         "handed back to distributed's work stealing", seen)]

@@ -82,6 +82,12 @@ class MoveRule(Rule):
         self.moved_memory = moved_memory
         # key -> workers the task was moved off (bounded, oldest first out)
         self.moved_off: OrderedDict[Any, set[str]] = OrderedDict()
+        # kept up to date from the changed workers only (nothing_to_move): stopped workers
+        # holding tasks, running workers with a free thread, with more tasks than threads
+        self._index: dict[str, bool] = {}
+        self.blocked: set[str] = set()
+        self.free: set[str] = set()
+        self.over: set[str] = set()
 
     def run(self, snap, context: RuleContext) -> list[Decision]:
         if snap.event != "tick":
@@ -90,7 +96,55 @@ class MoveRule(Rule):
         context.taken |= {d.target for d in out}
         return out
 
+    def _update_index(self, snap) -> None:
+        """Bring :attr:`blocked`, :attr:`free` and :attr:`over` up to date from the workers
+        whose view changed (``snapshot.changed``; all when None)."""
+        workers = snap.workers
+        if snap.changed is None or len(self._index) > 2 * len(workers) + 16:
+            self._index.clear()
+            self.blocked.clear(), self.free.clear(), self.over.clear()
+            todo = workers
+        else:
+            todo = snap.changed
+        blocked, free, over = self.blocked, self.free, self.over
+        for a in todo:
+            w = workers.get(a)
+            if w is None:
+                continue
+            self._index[a] = True
+            blocked.discard(a), free.discard(a), over.discard(a)
+            if w.status != "running":
+                # (a stopped worker's tasks wait unless they run: moves take only those)
+                if w.processing > w.executing:
+                    blocked.add(a)
+            elif w.processing < w.nthreads:
+                free.add(a)
+            elif w.processing > w.nthreads:
+                over.add(a)
+
+    def nothing_to_move(self, snap, paused_now) -> bool:
+        """Whether this snapshot certainly gives no move, judged from the workers that
+        changed since the last one: while root tasks are queued, no stopped worker holds a
+        task; otherwise, unless speeds are known to differ, no stopped worker holds a task
+        and no worker holds more tasks than threads while another has a free thread. Then
+        :meth:`moves` returns at once, touching no other worker (a tick's cost grows with
+        the workers that changed, not with all of them)."""
+        self._update_index(snap)
+        workers = snap.workers
+        stuck = any(a in workers for a in self.blocked) or any(
+            workers[a].processing > workers[a].executing for a in paused_now if a in workers)
+        if stuck:
+            return False
+        if snap.queued:
+            return True
+        if snap.balancing:
+            return False
+        return not (any(a in workers for a in self.free)
+                    and any(a in workers and a not in paused_now for a in self.over))
+
     def moves(self, snap, paused_now) -> list[Decision]:
+        if self.nothing_to_move(snap, paused_now):
+            return []
         views = snap.workers
         # a worker evidently slowed right now (see the hold rule) takes no moved work
         thieves = [w for w in views.values()

@@ -15,7 +15,8 @@ class PauseRule(Rule):
     GPU utilisation by *other* work ``hot_high`` (percent); a worker blockflow paused is
     resumed once at or below both ``memory_low`` and ``hot_low``. The last usable worker is
     never paused (logged as ``keep``). Workers paused here are added to
-    ``context.paused_now``. Runs on ``"tick"`` snapshots.
+    ``context.paused_now``. Runs on ``"tick"`` snapshots, judging only the workers whose
+    view changed since the last one (``snapshot.changed``) and those it kept.
 
     Parameters
     ----------
@@ -29,6 +30,8 @@ class PauseRule(Rule):
                  hot_low: float):
         self.memory_high, self.memory_low = memory_high, memory_low
         self.hot_high, self.hot_low = hot_high, hot_low
+        self._kept: set[str] = set()  # workers kept running as the last usable one
+        self._running: set[str] = set()  # workers running (from the changed ones)
 
     def pause_reason(self, w) -> str | None:
         """Why ``w`` (a WorkerView) should be paused, or None."""
@@ -51,8 +54,24 @@ class PauseRule(Rule):
         if snap.event != "tick":
             return []
         out = []
-        usable = sum(w.status == "running" for w in snap.workers.values())
-        for w in snap.workers.values():
+        # the running workers, kept up to date from the changed ones (a tick reads the
+        # workers that changed, not all of them to count those that run)
+        if snap.changed is None:
+            self._running = {a for a, v in snap.workers.items() if v.status == "running"}
+        else:
+            for a in snap.changed:
+                v = snap.workers.get(a)
+                if v is not None and v.status == "running":
+                    self._running.add(a)
+                else:
+                    self._running.discard(a)
+        usable = None
+
+        workers = snap.workers
+        judged = workers.values() if snap.changed is None else [
+            workers[a] for a in sorted((snap.changed | self._kept) & workers.keys())]
+        kept = set()
+        for w in judged:
             if w.paused_by_blockflow:
                 if not self.still_hot(w):
                     mem, others = w.metrics.gpu_memory_fraction, w.others_utilization
@@ -68,11 +87,15 @@ class PauseRule(Rule):
             reason = self.pause_reason(w)
             if reason is None:
                 continue
+            if usable is None:
+                usable = len(self._running & workers.keys())
             if usable <= 1:
+                kept.add(w.address)
                 out.append(Decision(Action.KEEP, w.address,
                                     f"{reason}, but it is the last usable worker", w.seen()))
                 continue
             usable -= 1
             out.append(Decision(Action.PAUSE, w.address, reason, w.seen()))
+        self._kept = (self._kept - {w.address for w in judged}) | kept
         context.paused_now |= {d.worker for d in out if d.action == Action.PAUSE}
         return out

@@ -1,0 +1,153 @@
+"""The plugin stays cheap as the cluster grows: a tick judges the workers that changed, not
+all of them, nor the tasks; the plugin measures its own cost.
+
+Counts, not times: which worker views a tick reads, which waiting tasks it asks for.
+"""
+
+from __future__ import annotations
+
+from distributed import wait
+from distributed.utils_test import gen_cluster, inc
+
+from blockflow import _distributed
+from blockflow._distributed.metrics import WorkerMetrics
+from blockflow.scheduling import Rebalancer
+from blockflow.scheduling.actions import Action
+from blockflow.scheduling.policies import ClusterSnapshot, DynamicPolicy
+
+GiB = 2**30
+
+
+class Watched(_distributed.WorkerView):
+    """A worker view that records every attribute read of it (while ``reads`` is a set)."""
+
+    reads: set | None = None
+
+    def __getattribute__(self, name):
+        reads = type(self).reads
+        if reads is not None:
+            reads.add(object.__getattribute__(self, "address"))
+        return object.__getattribute__(self, name)
+
+
+def view(addr, *, util=30.0, own=30.0, processing=2, executing=1, cls=Watched):
+    return cls(address=addr, nthreads=1, status="running", paused_by_blockflow=False,
+               metrics=WorkerMetrics(gpu_utilization=util, gpu_memory_used=4 * GiB,
+                                     gpu_memory_total=16 * GiB, host_memory=None,
+                                     own_utilization=own),
+               speed=1.0, processing=processing, executing=executing,
+               occupancy=1e-4 * processing)
+
+
+class Waiting(dict):
+    """``snapshot.waiting`` that records which workers' waiting tasks were asked for."""
+
+    def __init__(self, addresses):
+        super().__init__()
+        self.addresses = set(addresses)
+        self.asked: list[str] = []
+
+    def get(self, addr, default=()):
+        self.asked.append(addr)
+        return iter(())
+
+
+def tick(workers, *, changed, queued, waiting):
+    return ClusterSnapshot(time=0.0, workers=workers, queued=queued, waiting=waiting,
+                           changed=changed)
+
+
+def test_a_tick_reads_only_the_workers_that_changed():
+    addrs = [f"tcp://10.0.{i // 250}.{i % 250}:1" for i in range(1000)]
+    workers = {a: view(a) for a in addrs}
+    waiting = Waiting(addrs)
+    policy = DynamicPolicy()
+    assert list(policy.run(tick(workers, changed=None, queued=100_000, waiting=waiting))) == []
+    # 5 workers send new metrics; one of them is now busy with other work (95 %), with
+    # nothing waiting on it (its one task runs)
+    changed = addrs[10:15]
+    for a in changed:
+        workers[a] = view(a, cls=_distributed.WorkerView)
+    hot = addrs[12]
+    workers[hot] = view(hot, util=95.0, own=0.0, processing=1, executing=1,
+                        cls=_distributed.WorkerView)
+    Watched.reads, waiting.asked = set(), []
+    try:
+        out = list(policy.run(tick(workers, changed=frozenset(changed), queued=100_000,
+                                   waiting=waiting)))
+        unchanged_read = Watched.reads
+    finally:
+        Watched.reads = None
+    assert [(d.action, d.worker) for d in out] == [(Action.PAUSE, hot)]
+    assert unchanged_read == set()  # not one of the 995 others was looked at
+    assert waiting.asked == []  # nor any task: 100,000 queued cost what 1 would
+
+
+def test_a_worker_kept_as_the_last_usable_one_is_paused_once_another_returns():
+    a, b = "tcp://a:1", "tcp://b:1"
+    policy = DynamicPolicy()
+    hot = view(a, util=95.0, own=0.0, processing=0, executing=0,
+               cls=_distributed.WorkerView)
+    gone = view(b, processing=0, executing=0, cls=_distributed.WorkerView)
+    gone.status = "closing"
+    first = list(policy.run(tick({a: hot, b: gone}, changed=None, queued=0, waiting={})))
+    assert [(d.action, d.worker) for d in first] == [(Action.KEEP, a)]
+    back = view(b, processing=0, executing=0, cls=_distributed.WorkerView)
+    # only b changed; a, kept last time, is judged again
+    second = list(policy.run(tick({a: hot, b: back}, changed=frozenset({b}), queued=0,
+                                  waiting={})))
+    assert [(d.action, d.worker) for d in second] == [(Action.PAUSE, a)]
+
+
+def test_a_paused_workers_waiting_tasks_are_still_rescued_when_only_it_changed():
+    addrs = [f"tcp://w{i}:1" for i in range(50)]
+    workers = {a: view(a, cls=_distributed.WorkerView) for a in addrs}
+    policy = DynamicPolicy()
+    list(policy.run(tick(workers, changed=None, queued=10, waiting={})))
+    stuck = addrs[7]
+    workers[stuck] = view(stuck, processing=3, executing=1, cls=_distributed.WorkerView)
+    workers[stuck].status = "paused"
+    tasks = {stuck: [_distributed.TaskView(key=f"t{i}", group="g", duration=1.0)
+                     for i in range(2)]}
+    out = list(policy.run(ClusterSnapshot(
+        time=0.0, workers=workers, queued=10, waiting={a: iter(tasks.get(a, ()))
+                                                      for a in addrs},
+        changed=frozenset({stuck}))))
+    moves = [d for d in out if d.action == Action.MOVE]
+    assert sorted(d.key for d in moves) == ["t0", "t1"]
+    assert all(d.worker == stuck and d.target != stuck for d in moves)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_ticks_reuse_unchanged_views_and_the_plugin_reports_its_cost(c, s, a, b, w):
+    await c.register_plugin(Rebalancer(policy="dynamic", interval=0))
+    plugin = s.plugins["blockflow-rebalancer"]
+    plugin.run_once()
+    first = plugin._last_snap.workers
+    plugin.run_once()
+    snap = plugin._last_snap
+    assert snap.changed == frozenset()  # no heartbeat, no task: every view reused
+    assert all(snap.workers[x] is first[x] for x in first)
+    ws = s.workers[a.address]
+    ws.metrics = {**ws.metrics, "gpu_utilization": 97.0, "gpu_memory_used": 1.0,
+                  "gpu-memory-total": 16.0 * GiB}
+    applied = plugin.run_once()
+    assert plugin._last_snap.changed == frozenset({a.address})
+    assert plugin._last_snap.workers[a.address].metrics.gpu_utilization == 97.0
+    assert [(d.action, d.worker) for d in applied] == [(Action.PAUSE, a.address)]
+    # a snapshot taken between ticks does not hide what changed from the next tick
+    ws2 = s.workers[b.address]
+    ws2.metrics = {**ws2.metrics, "gpu_utilization": 97.0, "gpu_memory_used": 1.0,
+                   "gpu-memory-total": 16.0 * GiB}
+    plugin.take_snapshot()
+    applied = plugin.run_once()
+    assert [(d.action, d.worker) for d in applied] == [(Action.PAUSE, b.address)]
+
+    await wait(c.map(inc, range(20)))
+    cost = (await c.scheduler.blockflow_status())["cost"]
+    assert cost["tasks"] == 20
+    assert cost["hook_seconds"] > 0 and cost["per_task_us"] > 0
+    assert cost["tick_count"] == plugin.ticks >= 5
+    assert 0 < cost["tick_ms_median"] <= cost["tick_ms_max"]
+    assert cost["all_in_per_task_us"] > cost["per_task_us"]
+    assert set(plugin.status()["workers"]) == set(s.workers)  # the table, built on demand
