@@ -49,6 +49,7 @@ from blockflow.scheduling.rules import (
     KernelPlacementRule,
     UnsatisfiableRule,
 )
+from blockflow.scheduling.estimate import LinkBandwidth
 from blockflow.scheduling.runs import RunTracker
 from blockflow.scheduling.speed import SpeedModel
 
@@ -324,12 +325,16 @@ class Rebalancer(SchedulerPlugin):
         thieves = [a for a, w in views.items() if w.status == "running"]
         stopped = self._stopped(views)
         now = time.time()
+        # moves price a task's inputs over the links they would cross, as measured
+        links = LinkBandwidth(_distributed.measured_bandwidth(self.scheduler),
+                              _distributed.bandwidth(self.scheduler))
         # the balancing rule reads the strict test while it is off, the weak one while on
         active = self.balancing is not None and self.balancing.active
         snap = ClusterSnapshot(time=now, workers=views,
                                queued=_distributed.queued_count(self.scheduler),
                                waiting=_distributed.waiting_tasks(
-                                   self.scheduler, thieves=thieves, stopped=stopped),
+                                   self.scheduler, thieves=thieves, stopped=stopped,
+                                   links=links),
                                stopped=stopped,
                                running=_distributed.running_tasks(self.scheduler, now),
                                backups={k: b["target"] for k, b in self.backups.items()},

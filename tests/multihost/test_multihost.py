@@ -1,0 +1,215 @@
+"""blockflow on a cluster of three hosts (network namespaces linked by veth pairs).
+
+The same jobs give the same results as on one host, exactly; a host whose link is cut is a
+lost worker (exact results, the host forgotten, one line when nothing can finish); a host
+that comes back rejoins; an address nothing answers at is one line within the timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import dask.array as da
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+from distributed import Client, LocalCluster
+from loadaware import scaled, wait_until
+
+import blockflow
+from blockflow.cli import cli
+from blockflow.errors import ResourceError
+from blockflow.workloads import flights
+
+from .conftest import skip_without_namespaces
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def one_host():
+    """The same worker count on one host: 2 in-process workers x 1 thread."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        yield client
+
+
+def _names(client) -> dict[str, str]:
+    """Worker name -> address."""
+    return {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+
+
+def slow_double(block):
+    time.sleep(0.05)
+    return block * 2
+
+
+def _reduction(x):
+    return blockflow.tree_reduce(blockflow.map_blocks(slow_double, x), np.sum, split_every=4)
+
+
+def test_the_workers_are_on_their_own_hosts(hosts):
+    with hosts.client() as client:
+        names = _names(client)
+        assert sorted(names) == ["cpu", "gpu"]
+        assert names["cpu"].startswith(f"tcp://{hosts.hosts['cpu'].ip}:")
+        assert names["gpu"].startswith(f"tcp://{hosts.hosts['gpu'].ip}:")
+        inv = blockflow.inventory(client)
+        assert inv.n_gpus == 1  # the simulated device, reported under NVML's metric keys
+        assert blockflow.plugin_status(client)["policy"] == "dynamic"  # the preload's plugin
+
+
+def test_flights_gives_the_same_tables_as_on_one_host(hosts, one_host, tmp_path):
+    out = tmp_path / "multi"
+    result = CliRunner().invoke(cli, ["run", "flights", "--address", hosts.address,
+                                      "--partitions-per-copy", "4", "--output", str(out),
+                                      "--no-progress"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "<blockflow.Inventory: 2 workers, 2 threads, 1 GPUs>" in result.output
+    flights.run(one_host, partitions_per_copy=4, output=tmp_path / "one", progress=False)
+    for name in ("by_carrier", "by_origin_month"):
+        multi = pd.read_parquet(out / f"{name}.parquet")
+        single = pd.read_parquet(tmp_path / "one" / f"{name}.parquet")
+        pd.testing.assert_frame_equal(multi, single, check_exact=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["task_counts"]) == set(_names_of(hosts).values())  # both hosts ran
+
+
+def _names_of(hosts) -> dict[str, str]:
+    with hosts.client() as client:
+        return _names(client)
+
+
+def test_a_tree_reduction_and_training_give_the_same_results_as_on_one_host(hosts, one_host):
+    torch = pytest.importorskip("torch")
+    from blockflow.ml import DataParallelTrainer
+
+    x = da.random.default_rng(0).normal(size=2_000, chunks=100)
+    expected = one_host.compute(_reduction(x)).result()
+    X = da.random.default_rng(1).normal(size=(600, 8), chunks=(100, 8))
+    y = (X.sum(axis=1) > 0).astype("int64")
+
+    def fit(client):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 2)).double()
+        DataParallelTrainer(model, torch.nn.CrossEntropyLoss(),
+                            lambda p: torch.optim.Adam(p, lr=0.01), batch_size=200, epochs=1,
+                            seed=3, client=client).fit(X, y)
+        return np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
+
+    on_one = fit(one_host)
+    with blockflow.connect(hosts.address) as client:
+        assert client.compute(_reduction(x)).result() == expected  # bit for bit
+        # the same batches and the same update (up to the order gradients are summed in)
+        np.testing.assert_allclose(fit(client), on_one, rtol=1e-9, atol=1e-12)
+
+
+def test_the_blockflow_page_and_its_json_routes_are_served_across_hosts(hosts):
+    def get(path):
+        with urllib.request.urlopen(hosts.dashboard + path, timeout=30) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read()
+
+    status, kind, body = get("/blockflow/status.json")
+    assert status == 200 and "json" in kind
+    workers = {w["name"]: w for w in json.loads(body)["workers"]}
+    assert sorted(workers) == ["cpu", "gpu"]
+    for name, w in workers.items():
+        assert w["address"].startswith(f"tcp://{hosts.hosts[name].ip}:")
+    assert workers["gpu"]["device"] == "gpu" and workers["cpu"]["device"] == "cpu"
+    status, kind, body = get("/blockflow/decisions.json")
+    assert status == 200 and "json" in kind
+    assert {d["action"] for d in json.loads(body)["decisions"]} >= {"join"}
+    status, kind, body = get("/blockflow")
+    assert status == 200 and "html" in kind and b"bokeh" in body.lower()
+
+
+def test_an_address_nothing_answers_at_is_one_line_within_the_timeout(hosts):
+    lonely = hosts.network.hosts.get("lonely") or hosts.network.add_host("lonely")
+    lonely.cut()  # a host that is down: no answer at all, not a refusal
+    address = f"tcp://{lonely.ip}:8786"
+    start = time.monotonic()
+    with pytest.raises(OSError) as info:
+        blockflow.connect(address, timeout=3)
+    took = time.monotonic() - start
+    assert str(info.value) == (
+        f"blockflow.connect: no answer from {address!r} within 3 s. Check the address, that "
+        f"the host is up and that no firewall blocks the port; to wait longer for a scheduler "
+        f"that is still starting, raise timeout= (CLI: --timeout; setting "
+        f"blockflow.cluster.connect-timeout).")
+    assert took < scaled(6, at_most=25)
+
+
+def _restart(hosts, client, name: str) -> str:
+    """Bring host ``name`` back and start its worker again (what a supervisor such as
+    systemd or a batch system does for a worker that ended); the new worker's address."""
+    hosts.hosts[name].restore()
+    hosts.start_worker(name)
+    wait_until(lambda: name in _names(client), timeout=120,
+               message=f"the worker of host {name!r} to rejoin")
+    return _names(client)[name]
+
+
+def test_a_host_cut_mid_run_is_a_lost_worker_and_rejoins_when_it_comes_back(hosts):
+    x = da.arange(6_000, chunks=50)  # 120 blocks of 50 ms
+    with blockflow.connect(hosts.address) as client:
+        cpu = _names(client)["cpu"]
+        future = client.compute(_reduction(x))
+        wait_until(lambda: blockflow.task_counts(client).get(cpu, 0) >= 5 or future.done(),
+                   interval=0.02, message="5 blocks done on host cpu")
+        assert not future.done()
+        hosts.hosts["cpu"].cut()
+        assert future.result(timeout=180) == 2 * np.arange(6_000).sum()  # exact
+        wait_until(lambda: "cpu" not in _names(client), message="host cpu to be forgotten")
+        decisions = blockflow.plugin_status(client)["decisions"]
+        assert any(d["action"] == "forget" and d["worker"] == cpu for d in decisions)
+
+        new = _restart(hosts, client, "cpu")
+        assert new.startswith(f"tcp://{hosts.hosts['cpu'].ip}:")
+        # the host takes work again
+        done = client.submit(lambda: 7, workers=[new], pure=False).result(timeout=60)
+        assert done == 7
+        assert any(d["action"] == "join" and d["worker"] == new
+                   for d in blockflow.plugin_status(client)["decisions"])
+
+
+def test_cutting_the_only_gpu_host_mid_run_fails_its_gpu_tasks_with_one_line(hosts):
+    x = da.arange(4_000, chunks=50)
+    with blockflow.connect(hosts.address) as client:
+        gpu = _names(client)["gpu"]
+        y = blockflow.map_blocks(slow_double, x, resources={"GPU": 1})
+        future = client.compute(y.sum())
+        wait_until(lambda: blockflow.task_counts(client).get(gpu, 0) >= 3 or future.done(),
+                   interval=0.02, message="3 GPU blocks done on host gpu")
+        hosts.hosts["gpu"].cut()
+        with pytest.raises(ResourceError) as info:
+            future.result(timeout=180)
+        message = str(info.value)
+        assert "\n" not in message
+        assert message.startswith("blockflow: task ")
+        assert "needs resources {'GPU': 1}, which no worker of the cluster declares" in message
+        assert "dask worker <scheduler> --resources GPU=1" in message
+        new = _restart(hosts, client, "gpu")
+        # back with its device and its resource: GPU work runs there again
+        y = blockflow.map_blocks(slow_double, da.arange(400, chunks=100), resources={"GPU": 1})
+        assert client.compute(y.sum()).result(timeout=60) == 2 * np.arange(400).sum()
+        assert blockflow.task_counts(client).get(new, 0) >= 4
+
+
+def test_tls_works_across_hosts():
+    skip_without_namespaces()
+    from blockflow.testing.netns import NamespaceCluster
+
+    with NamespaceCluster({"w": []}, tls=True, timeout=120) as cluster:
+        assert cluster.address.startswith("tls://")
+        with blockflow.connect(cluster.address, security=cluster.security) as client:
+            x = da.arange(1_000, chunks=100)
+            assert client.compute(_reduction(x)).result() == 2 * np.arange(1_000).sum()
+            assert blockflow.plugin_status(client)["policy"] == "dynamic"
+        # without credentials: refused, in one line
+        with pytest.raises(OSError) as info:
+            blockflow.connect(cluster.address.replace("tls://", "tcp://"), timeout=5)
+        assert "\n" not in str(info.value) and "TLS" in str(info.value)
