@@ -52,7 +52,8 @@ class MoveRule(Rule):
     target and a worker holding it (per pair of workers, else per pair of hosts, else its
     cluster-wide estimate: :class:`~blockflow.scheduling.estimate.LinkBandwidth`), so the
     same move is made over a fast link and refused over a slow one. A move that would pay
-    without its transfer but not with it is logged once as ``keep``, with the bytes, the
+    without its transfer but not with it is logged as ``keep`` (one per tick, the same two
+    workers again after :attr:`refusal_interval`), with the bytes, the
     link's bandwidth, the transfer and compute times and the gain (``seen_*``); a move
     made logs its transfer too.
 
@@ -82,6 +83,9 @@ class MoveRule(Rule):
     #: The same bound while speeds are not known to differ (filling idle threads): only
     #: tasks whose inputs are cheap to send move then.
     max_fill_transfer_share = 0.05
+    #: A move refused for its transfer is logged once per tick at most, and again for the
+    #: same two workers only after this many seconds.
+    refusal_interval = 30.0
 
     def __init__(self, place: Callable, move_budget: int, min_gain: float,
                  slowed: Callable[[Any, str], bool] | None = None, moved_memory: int = 10_000):
@@ -92,8 +96,9 @@ class MoveRule(Rule):
         self.moved_memory = moved_memory
         # key -> workers the task was moved off (bounded, oldest first out)
         self.moved_off: OrderedDict[Any, set[str]] = OrderedDict()
-        # keys whose move was refused for its transfer and logged (bounded, oldest first out)
-        self.refused: OrderedDict[Any, None] = OrderedDict()
+        # (worker, target) -> when a move between them was last refused for its transfer
+        # and logged (bounded, oldest first out)
+        self.refused: OrderedDict[tuple[str, str], float] = OrderedDict()
 
     def run(self, snap, context: RuleContext) -> list[Decision]:
         if snap.event != "tick":
@@ -177,10 +182,13 @@ class MoveRule(Rule):
             if best is not None and not rescue:  # the transfer must pay for itself twice over
                 margin = max(margin, 2 * task.comm_cost.get(best.address, 0.0))
             if best is None or not stay - best_finish > margin:
-                if refusal is None and not rescue and task.comm_cost \
-                        and task.key not in self.refused:
+                if refusal is None and not rescue and task.comm_cost:
                     refusal = self._refusal(task, v, thieves, finish, rate, stay, base_margin,
                                             fill, moved_off, free)
+                    last = None if refusal is None else self.refused.get(
+                        (refusal.worker, refusal.target))
+                    if last is not None and snap.time - last < self.refusal_interval:
+                        refusal = None
                 if best is not None:
                     exhausted.add(v.address)  # later tasks on this worker gain even less
                 continue
@@ -215,7 +223,8 @@ class MoveRule(Rule):
                 if fill[best.address] <= 0:
                     del fill[best.address]
         if refusal is not None:
-            self.refused[refusal.key] = None
+            self.refused[refusal.worker, refusal.target] = snap.time
+            self.refused.move_to_end((refusal.worker, refusal.target))
             while len(self.refused) > self.moved_memory:
                 self.refused.popitem(last=False)
             out.append(refusal)
