@@ -284,6 +284,9 @@ class NamespaceCluster:
     nthreads : int, default 1
     timeout : float, default 60
         Seconds to wait for the scheduler and the workers.
+    one_host : bool, default False
+        Run the workers on the scheduler's host instead (the same processes on one
+        machine: the comparison for multi-host runs).
 
     Attributes
     ----------
@@ -297,7 +300,7 @@ class NamespaceCluster:
 
     def __init__(self, workers: Mapping[str, Sequence[str]], *, tls: bool = False,
                  env: Mapping[str, str] | None = None, nthreads: int = 1,
-                 timeout: float = 60):
+                 timeout: float = 60, one_host: bool = False):
         self.network = NamespaceNetwork()
         self.folder = Path(tempfile.mkdtemp(prefix="blockflow-netns-"))
         self.worker_args = {name: list(args) for name, args in workers.items()}
@@ -308,7 +311,8 @@ class NamespaceCluster:
         try:
             self.hosts = {"sched": self.network.add_host("sched")}
             for name in workers:
-                self.hosts[name] = self.network.add_host(name)
+                self.hosts[name] = (self.hosts["sched"] if one_host
+                                    else self.network.add_host(name))
             protocol = "tcp"
             if tls:
                 from distributed import Security

@@ -4,6 +4,8 @@ Three hosts on a private ``/24`` behind a bridge (:mod:`blockflow.testing.netns`
 runs ``dask scheduler --preload blockflow.scheduling.preload``, ``cpu`` a plain ``dask
 worker`` and ``gpu`` a ``dask worker --resources GPU=1`` whose simulated device reports
 distributed's NVML metric keys. The test process is a fourth host (the bridge's address).
+The cluster talks TLS only (self-signed credentials made for it): every test crosses hosts
+over TLS.
 Skipped, with the reason, where namespaces cannot be created (not root, no iproute2).
 """
 
@@ -48,7 +50,7 @@ def install_gpu(client) -> None:
 def hosts():
     """The three-host cluster (a :class:`~blockflow.testing.netns.NamespaceCluster`)."""
     skip_without_namespaces()
-    with NamespaceCluster(WORKERS, env=CLUSTER_ENV, timeout=120) as cluster:
+    with NamespaceCluster(WORKERS, env=CLUSTER_ENV, timeout=120, tls=True) as cluster:
         with cluster.client(timeout=60) as client:
             install_gpu(client)
         yield cluster

@@ -11,6 +11,7 @@ import json
 import time
 import urllib.request
 
+import dask
 import dask.array as da
 import numpy as np
 import pandas as pd
@@ -24,8 +25,6 @@ from blockflow.cli import cli
 from blockflow.errors import ResourceError
 from blockflow.workloads import flights
 
-from .conftest import skip_without_namespaces
-
 pytestmark = pytest.mark.slow
 
 
@@ -35,6 +34,11 @@ def one_host():
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
         yield client
+
+
+def connect(hosts):
+    """``blockflow.connect`` to the cluster, with its TLS credentials."""
+    return blockflow.connect(hosts.address, security=hosts.security)
 
 
 def _names(client) -> dict[str, str]:
@@ -55,8 +59,8 @@ def test_the_workers_are_on_their_own_hosts(hosts):
     with hosts.client() as client:
         names = _names(client)
         assert sorted(names) == ["cpu", "gpu"]
-        assert names["cpu"].startswith(f"tcp://{hosts.hosts['cpu'].ip}:")
-        assert names["gpu"].startswith(f"tcp://{hosts.hosts['gpu'].ip}:")
+        assert names["cpu"].startswith(f"tls://{hosts.hosts['cpu'].ip}:")
+        assert names["gpu"].startswith(f"tls://{hosts.hosts['gpu'].ip}:")
         inv = blockflow.inventory(client)
         assert inv.n_gpus == 1  # the simulated device, reported under NVML's metric keys
         assert blockflow.plugin_status(client)["policy"] == "dynamic"  # the preload's plugin
@@ -64,9 +68,14 @@ def test_the_workers_are_on_their_own_hosts(hosts):
 
 def test_flights_gives_the_same_tables_as_on_one_host(hosts, one_host, tmp_path):
     out = tmp_path / "multi"
-    result = CliRunner().invoke(cli, ["run", "flights", "--address", hosts.address,
-                                      "--partitions-per-copy", "4", "--output", str(out),
-                                      "--no-progress"], catch_exceptions=False)
+    # the command line takes TLS credentials from Dask's settings
+    tls = {"distributed.comm.tls.ca-file": hosts.security.tls_ca_file,
+           "distributed.comm.tls.client.cert": hosts.security.tls_client_cert,
+           "distributed.comm.tls.client.key": hosts.security.tls_client_key}
+    with dask.config.set(tls):
+        result = CliRunner().invoke(cli, ["run", "flights", "--address", hosts.address,
+                                          "--partitions-per-copy", "4", "--output", str(out),
+                                          "--no-progress"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "<blockflow.Inventory: 2 workers, 2 threads, 1 GPUs>" in result.output
     flights.run(one_host, partitions_per_copy=4, output=tmp_path / "one", progress=False)
@@ -102,7 +111,7 @@ def test_a_tree_reduction_and_training_give_the_same_results_as_on_one_host(host
         return np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
 
     on_one = fit(one_host)
-    with blockflow.connect(hosts.address) as client:
+    with connect(hosts) as client:
         assert client.compute(_reduction(x)).result() == expected  # bit for bit
         # the same batches and the same update (up to the order gradients are summed in)
         np.testing.assert_allclose(fit(client), on_one, rtol=1e-9, atol=1e-12)
@@ -118,7 +127,7 @@ def test_the_blockflow_page_and_its_json_routes_are_served_across_hosts(hosts):
     workers = {w["name"]: w for w in json.loads(body)["workers"]}
     assert sorted(workers) == ["cpu", "gpu"]
     for name, w in workers.items():
-        assert w["address"].startswith(f"tcp://{hosts.hosts[name].ip}:")
+        assert w["address"].startswith(f"tls://{hosts.hosts[name].ip}:")
     assert workers["gpu"]["device"] == "gpu" and workers["cpu"]["device"] == "cpu"
     status, kind, body = get("/blockflow/decisions.json")
     assert status == 200 and "json" in kind
@@ -155,7 +164,7 @@ def _restart(hosts, client, name: str) -> str:
 
 def test_a_host_cut_mid_run_is_a_lost_worker_and_rejoins_when_it_comes_back(hosts):
     x = da.arange(6_000, chunks=50)  # 120 blocks of 50 ms
-    with blockflow.connect(hosts.address) as client:
+    with connect(hosts) as client:
         cpu = _names(client)["cpu"]
         future = client.compute(_reduction(x))
         wait_until(lambda: blockflow.task_counts(client).get(cpu, 0) >= 5 or future.done(),
@@ -168,7 +177,7 @@ def test_a_host_cut_mid_run_is_a_lost_worker_and_rejoins_when_it_comes_back(host
         assert any(d["action"] == "forget" and d["worker"] == cpu for d in decisions)
 
         new = _restart(hosts, client, "cpu")
-        assert new.startswith(f"tcp://{hosts.hosts['cpu'].ip}:")
+        assert new.startswith(f"tls://{hosts.hosts['cpu'].ip}:")
         # the host takes work again
         done = client.submit(lambda: 7, workers=[new], pure=False).result(timeout=60)
         assert done == 7
@@ -178,7 +187,7 @@ def test_a_host_cut_mid_run_is_a_lost_worker_and_rejoins_when_it_comes_back(host
 
 def test_cutting_the_only_gpu_host_mid_run_fails_its_gpu_tasks_with_one_line(hosts):
     x = da.arange(4_000, chunks=50)
-    with blockflow.connect(hosts.address) as client:
+    with connect(hosts) as client:
         gpu = _names(client)["gpu"]
         y = blockflow.map_blocks(slow_double, x, resources={"GPU": 1})
         future = client.compute(y.sum())
@@ -199,17 +208,15 @@ def test_cutting_the_only_gpu_host_mid_run_fails_its_gpu_tasks_with_one_line(hos
         assert blockflow.task_counts(client).get(new, 0) >= 4
 
 
-def test_tls_works_across_hosts():
-    skip_without_namespaces()
-    from blockflow.testing.netns import NamespaceCluster
-
-    with NamespaceCluster({"w": []}, tls=True, timeout=120) as cluster:
-        assert cluster.address.startswith("tls://")
-        with blockflow.connect(cluster.address, security=cluster.security) as client:
-            x = da.arange(1_000, chunks=100)
-            assert client.compute(_reduction(x)).result() == 2 * np.arange(1_000).sum()
-            assert blockflow.plugin_status(client)["policy"] == "dynamic"
-        # without credentials: refused, in one line
-        with pytest.raises(OSError) as info:
-            blockflow.connect(cluster.address.replace("tls://", "tcp://"), timeout=5)
-        assert "\n" not in str(info.value) and "TLS" in str(info.value)
+def test_the_cluster_talks_tls_only_across_hosts(hosts):
+    assert hosts.address.startswith("tls://")
+    with connect(hosts) as client:
+        x = da.arange(1_000, chunks=100)
+        assert client.compute(_reduction(x)).result() == 2 * np.arange(1_000).sum()
+    # without credentials: one line, no hang
+    plain = hosts.address.replace("tls://", "tcp://")
+    with pytest.raises(OSError) as info:
+        blockflow.connect(plain, timeout=5)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("blockflow.connect: ")
+    assert "TLS" in message and "security=" in message
