@@ -220,3 +220,54 @@ def test_the_cluster_talks_tls_only_across_hosts(hosts):
     message = str(info.value)
     assert "\n" not in message and message.startswith("blockflow.connect: ")
     assert "TLS" in message and "security=" in message
+
+
+def hold(block, seconds):
+    """A task of ``seconds`` that needs ``block`` (its input)."""
+    time.sleep(seconds)
+    return len(block)
+
+
+def _measured(dask_scheduler):
+    from blockflow import _distributed
+
+    return dict(_distributed.measured_bandwidth(dask_scheduler))
+
+
+def test_a_move_over_a_slow_link_is_refused_with_the_measured_numbers(hosts):
+    """Host gpu's link limited to 50 Mbit/s (``tc ... tbf``): once distributed has measured
+    it, blockflow does not hand host cpu's 1 s tasks with 4 MB inputs to the idle gpu host
+    (0.7 s to send), and logs why with the link's measured bandwidth."""
+    gpu_host = hosts.hosts["gpu"]
+    gpu_host.limit("50mbit")
+    try:
+        with connect(hosts) as client:
+            names = _names(client)
+            cpu, gpu = names["cpu"], names["gpu"]
+            # a transfer over the slow link, measured by the receiving worker
+            x = client.submit(np.ones, 4_000_000, "uint8", workers=[cpu], pure=False)
+            assert client.submit(len, x, workers=[gpu], pure=False).result() == 4_000_000
+            wait_until(lambda: (gpu, cpu) in client.run_on_scheduler(_measured),
+                       message="the link gpu<-cpu to be measured")
+            measured = client.run_on_scheduler(_measured)[gpu, cpu]
+            assert measured < 12e6  # 50 Mbit/s is 6.25 MB/s
+            y = client.submit(np.ones, 4_000_000, "uint8", workers=[cpu], pure=False)
+            client.submit(hold, y, 0.5, pure=False).result()  # the task's duration, measured
+            started = time.time()
+            tasks = [client.submit(hold, y, 1.0, pure=False) for _ in range(6)]
+
+            def refusal():
+                return [d for d in blockflow.plugin_status(client)["decisions"]
+                        if d["time"] > started and d["action"] == "keep"
+                        and d["target"] == gpu
+                        and "refused" in d["reason"]]
+
+            found = wait_until(refusal, timeout=60, message="a refused move to host gpu")
+            client.gather(tasks)
+    finally:
+        gpu_host.unlimit()
+    d = found[0]
+    assert d["worker"] == cpu
+    assert d["seen_transfer_bytes"] == 4_000_000
+    assert 0.2 * measured < d["seen_link_bandwidth"] < 5 * measured
+    assert d["seen_transfer_seconds"] > 0.05 * d["seen_compute_seconds"]
