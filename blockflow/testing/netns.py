@@ -18,6 +18,7 @@ after a failure; the processes are stopped by their process id.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -43,6 +44,8 @@ def netns_unavailable() -> str | None:
 
     Tries what a network needs: ``ip`` and ``tc`` on the PATH, adding and deleting a
     namespace (root, or ``CAP_NET_ADMIN`` and ``CAP_SYS_ADMIN``), and a bridge.
+    (A network's names start ``bf<pid>x``: what a process killed before its ``close()``
+    left behind is removed by the next network made on the machine.)
 
     Returns
     -------
@@ -157,6 +160,40 @@ class Host:
         self.processes = []
 
 
+_TAG = re.compile(r"^bf(\d+)x\d+")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale() -> None:
+    """Remove what networks of processes that died without closing them (SIGKILL) left:
+    their namespaces (and the processes still in them), links and bridges."""
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = _TAG.match(name)
+        if m and not _alive(int(m.group(1))):
+            for pid in _ip("netns", "pids", name, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _ip("netns", "del", name, check=False)
+    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+        parts = line.split(":")
+        name = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
+        m = _TAG.match(name)
+        if m and not _alive(int(m.group(1))):
+            _ip("link", "del", name, check=False)
+
+
 class NamespaceNetwork:
     """A bridge in the root namespace and namespace hosts on it (a context manager).
 
@@ -175,7 +212,8 @@ class NamespaceNetwork:
     """
 
     def __init__(self, subnet: int | None = None):
-        self.tag = f"bf{os.getpid() % 10000}{next(_ids)}"
+        _remove_stale()
+        self.tag = f"bf{os.getpid()}x{next(_ids)}"
         self.subnet = self._free_subnet() if subnet is None else int(subnet)
         self.prefix = f"10.231.{self.subnet}"
         self.bridge = f"{self.tag}br"
