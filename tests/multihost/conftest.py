@@ -15,7 +15,9 @@ import os
 from pathlib import Path
 
 import pytest
+from loadaware import wait_until
 
+import blockflow
 from blockflow.testing import SimulatedDevice, SimulatedGPU
 from blockflow.testing.netns import NamespaceCluster, netns_unavailable
 
@@ -42,8 +44,11 @@ def skip_without_namespaces() -> None:
 
 
 def install_gpu(client) -> None:
-    """The simulated device of host ``gpu`` (again, after its worker restarted)."""
+    """The simulated device of host ``gpu`` (its worker, and the ones that replace it), once
+    its metrics reached the scheduler."""
     client.register_plugin(SimulatedGPU({"gpu": SimulatedDevice()}))
+    wait_until(lambda: blockflow.inventory(client).n_gpus == 1, interval=0.5,
+               message="the simulated GPU's metrics to reach the scheduler")
 
 
 @pytest.fixture(scope="module")

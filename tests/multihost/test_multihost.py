@@ -222,7 +222,7 @@ def test_the_cluster_talks_tls_only_across_hosts(hosts):
     assert "TLS" in message and "security=" in message
 
 
-def _link(dask_scheduler, receiver, sender):
+def _link(receiver, sender, dask_scheduler=None):
     """The link as the scheduler plugin prices it: from distributed's measurements."""
     from blockflow import _distributed
     from blockflow.scheduling.estimate import LinkBandwidth
