@@ -20,6 +20,7 @@ parallelism) and scheduler-side rules use the same rules on their own inputs:
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from statistics import median
@@ -455,9 +456,14 @@ class LinkBandwidth:
     Parameters
     ----------
     measured : mapping of (str, str) to float
-        ``(receiver, sender)`` worker addresses -> bytes per second (read, never changed).
+        ``(receiver, sender)`` worker addresses -> bytes per second (read, never changed;
+        may be a live mapping that changes between lookups).
     default : float
-        The cluster-wide estimate, bytes per second.
+        The cluster-wide estimate, bytes per second (may be updated: :attr:`default`).
+    max_age : float, default 5.0
+        Seconds the per-host table (one pass over the measured pairs, made on the first
+        lookup that needs it) is reused before it is made again: a long-lived instance
+        costs one pass per ``max_age``, not per lookup.
 
     Examples
     --------
@@ -468,14 +474,20 @@ class LinkBandwidth:
     (6000000.0, 100000000.0)
     """
 
-    def __init__(self, measured: Mapping[tuple[str, str], float], default: float):
+    def __init__(self, measured: Mapping[tuple[str, str], float], default: float,
+                 max_age: float = 5.0):
         self.measured = measured
         self.default = float(default) if default and default > 0 else 100e6
+        self.max_age = float(max_age)
         self._hosts: dict[frozenset, float] | None = None
         self._fastest: float | None = None
+        self._made = 0.0
 
     def _host_table(self) -> dict[frozenset, float]:
-        if self._hosts is None:  # built on first need: one pass over the measured pairs
+        now = time.monotonic()
+        if self._hosts is None or now - self._made > self.max_age:
+            # one pass over the measured pairs, reused for max_age seconds
+            self._made = now
             seen: dict[frozenset, list[float]] = defaultdict(list)
             for (a, b), bw in list(self.measured.items()):
                 if bw and bw > 0:

@@ -129,6 +129,7 @@ class Rebalancer(SchedulerPlugin):
                                                  saved_seconds=0.0)
         self.admission: AdmissionRule | None = None
         self._admission_kick = False  # an "admit" snapshot is scheduled
+        self._links: LinkBandwidth | None = None  # measured links, kept across ticks
 
     def __getstate__(self):
         return {"policy_name": self.policy_name, "interval": self.interval,
@@ -326,8 +327,11 @@ class Rebalancer(SchedulerPlugin):
         stopped = self._stopped(views)
         now = time.time()
         # moves price a task's inputs over the links they would cross, as measured
-        links = LinkBandwidth(_distributed.measured_bandwidth(self.scheduler),
-                              _distributed.bandwidth(self.scheduler))
+        if self._links is None:
+            self._links = LinkBandwidth(_distributed.measured_bandwidth(self.scheduler),
+                                        _distributed.bandwidth(self.scheduler))
+        links = self._links
+        links.default = _distributed.bandwidth(self.scheduler) or links.default
         # the balancing rule reads the strict test while it is off, the weak one while on
         active = self.balancing is not None and self.balancing.active
         snap = ClusterSnapshot(time=now, workers=views,
