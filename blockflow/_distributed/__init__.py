@@ -48,7 +48,7 @@ Internals used, and where
 Scheduler (views, actions, extensions; checked by :func:`check_scheduler`)
     ``workers``, ``tasks``, ``queued``, ``plugins``, ``handlers``, ``extensions``
     (``"stealing"``, ``"amm"``), ``periodic_callbacks``, ``http_application``,
-    ``handle_worker_status_change(status, worker, stimulus_id)``, ``get_comm_cost``,
+    ``handle_worker_status_change(status, worker, stimulus_id)``, ``bandwidth_workers``,
     ``valid_workers``, ``_get_prefix_duration``, ``register_worker_plugin``, ``unrunnable``,
     ``transition``, ``transitions``, ``coerce_address``, ``get_metadata``, ``bandwidth``,
     ``rpc``, ``loop``, ``add_plugin``.
@@ -176,6 +176,7 @@ from blockflow._distributed.views import (
     feeder_states,
     feeder_tasks,
     held_results,
+    measured_bandwidth,
     new_task_views,
     own_utilization_estimate,
     prefix_duration,
@@ -297,6 +298,7 @@ __all__ = [
     "install_worker_handlers",
     "is_gc_diagnosis_callback",
     "listed_workers",
+    "measured_bandwidth",
     "message_length",
     "move_task",
     "new_task_views",

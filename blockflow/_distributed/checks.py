@@ -26,8 +26,9 @@ __all__ = [
 SUPPORTED = "2026.7.1"
 
 _SCHEDULER_ATTRS = ("workers", "tasks", "queued", "plugins", "handlers", "extensions",
-                    "periodic_callbacks", "unrunnable", "loop", "bandwidth", "rpc")
-_SCHEDULER_METHODS = ("get_comm_cost", "valid_workers", "_get_prefix_duration",
+                    "periodic_callbacks", "unrunnable", "loop", "bandwidth", "bandwidth_workers",
+                    "rpc")
+_SCHEDULER_METHODS = ("valid_workers", "_get_prefix_duration",
                       "register_worker_plugin", "transition", "transitions", "coerce_address",
                       "get_metadata")
 _WORKER_STATE_ATTRS = ("address", "name", "nthreads", "status", "metrics", "memory_limit",

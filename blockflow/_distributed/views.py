@@ -35,6 +35,7 @@ __all__ = [
     "WorkerViewCache",
     "bandwidth",
     "feeder_states",
+    "measured_bandwidth",
     "feeder_tasks",
     "held_results",
     "new_task_views",
@@ -212,7 +213,12 @@ class TaskView:
     allowed_workers : frozenset of str or None
         Workers allowed to run it (restrictions, resources), None for any.
     comm_cost : mapping of str to float
-        Seconds to move its missing inputs to each worker (bytes / measured bandwidth).
+        Seconds to move its missing inputs to each worker: each input's bytes over the
+        bandwidth of the fastest link from a worker holding it (``links``: measured per pair
+        of workers, see :class:`blockflow.scheduling.estimate.LinkBandwidth`; else the
+        scheduler's cluster-wide estimate).
+    comm_bytes : mapping of str to int
+        Bytes of its inputs each worker lacks (what ``comm_cost`` sends).
     working_set : int or None
         Device memory its kernel needs, bytes, when declared (``map_blocks(working_set=)``).
     placement : dict or None
@@ -232,6 +238,7 @@ class TaskView:
     runnable: bool = True
     allowed_workers: frozenset | None = None
     comm_cost: Mapping[str, float] = field(default_factory=dict)
+    comm_bytes: Mapping[str, int] = field(default_factory=dict)
     working_set: int | None = None
     placement: dict | None = None
 
@@ -415,9 +422,31 @@ def prefix_duration(scheduler, prefix) -> tuple[float, bool]:
     return float(scheduler._get_prefix_duration(prefix)), False
 
 
-def _task_view(scheduler, ts, thieves=()) -> TaskView:
+def _comm(scheduler, ts, ws, links) -> tuple[float, int]:
+    """``(seconds, bytes)`` to send ``ts``'s inputs that ``ws`` lacks to it: each over the
+    fastest link from a worker holding it (``links(receiver, sender)``, bytes per second),
+    or the scheduler's cluster-wide bandwidth without ``links``."""
+    has = ws.has_what
+    seconds, nbytes = 0.0, 0
+    default = float(scheduler.bandwidth)
+    for dts in ts.dependencies:
+        if dts in has:
+            continue
+        n = dts.nbytes
+        if n <= 0:
+            continue
+        bw = default
+        if links is not None and dts.who_has:
+            bw = max(links(ws.address, h.address) for h in dts.who_has)
+        seconds += n / bw
+        nbytes += n
+    return seconds, nbytes
+
+
+def _task_view(scheduler, ts, thieves=(), links=None) -> TaskView:
     valid = scheduler.valid_workers(ts)
     duration, measured = prefix_duration(scheduler, ts.prefix)
+    comm = {ws.address: _comm(scheduler, ts, ws, links) for ws in thieves}
     return TaskView(
         key=ts.key,
         group=key_split(ts.key),
@@ -429,7 +458,8 @@ def _task_view(scheduler, ts, thieves=()) -> TaskView:
         restricted=_restricted(ts),
         runnable=bool(ts.run_spec),
         allowed_workers=None if valid is None else frozenset(w.address for w in valid),
-        comm_cost={ws.address: float(scheduler.get_comm_cost(ts, ws)) for ws in thieves},
+        comm_cost={a: c[0] for a, c in comm.items()},
+        comm_bytes={a: c[1] for a, c in comm.items()},
     )
 
 
@@ -461,7 +491,9 @@ def new_task_views(scheduler, keys) -> list[TaskView]:
 
 
 def waiting_tasks(scheduler, *, thieves: list[str] | None = None,
-                  stopped: Collection[str] = ()) -> Mapping[str, Iterator]:
+                  stopped: Collection[str] = (),
+                  links: Callable[[str, str], float] | None = None
+                  ) -> Mapping[str, Iterator]:
     """address -> iterator of :class:`TaskView` of the tasks waiting on that worker (assigned
     but not started), lowest priority (last to run) first, skipping tasks a move is already
     pending for and actors. Computed lazily, per worker, when read; each view carries the comm
@@ -488,7 +520,7 @@ def waiting_tasks(scheduler, *, thieves: list[str] | None = None,
         for ts in reversed(pending[free:]):
             if ts.actor or ts in in_flight or ts.processing_on is not ws:
                 continue
-            yield _task_view(scheduler, ts, targets)
+            yield _task_view(scheduler, ts, targets, links)
 
     return _LazyMapping(scheduler.workers, lambda addr: waiting(addr))
 
@@ -751,3 +783,10 @@ def running_tasks(scheduler, now: float) -> dict[str, list[RunningTask]]:
 def bandwidth(scheduler) -> float:
     """The scheduler's estimate of worker-to-worker bandwidth, bytes per second."""
     return float(scheduler.bandwidth)
+
+
+def measured_bandwidth(scheduler) -> Mapping[tuple[str, str], float]:
+    """``(receiver, sender)`` worker addresses -> bytes per second, as distributed measured
+    transfers of over 1 MB between them (``Scheduler.bandwidth_workers``; the live mapping,
+    read only; pairs of departed workers are dropped by distributed)."""
+    return scheduler.bandwidth_workers

@@ -13,18 +13,21 @@ parallelism) and scheduler-side rules use the same rules on their own inputs:
 - :func:`call_cost` and :func:`fixed_units`: a call's fixed cost, from calls of different
   sizes.
 - :func:`earliest_finish`: list scheduling by earliest finish time.
+- :class:`LinkBandwidth`: the bandwidth between two workers, from distributed's measurements
+  per pair of workers, per pair of hosts, or its cluster-wide estimate.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from statistics import median
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-__all__ = ["CONFIDENT", "Placement", "Throughput", "call_cost", "confident_speeds",
-           "earliest_finish", "fixed_units", "prior_seconds_per_unit"]
+__all__ = ["CONFIDENT", "LinkBandwidth", "Placement", "Throughput", "call_cost",
+           "confident_speeds", "earliest_finish", "fixed_units", "prior_seconds_per_unit"]
 
 #: A learned speed counts as known from this confidence (0-1) on: the threshold
 #: :meth:`~blockflow.scheduling.speed.SpeedModel.heterogeneous` uses for "well observed".
@@ -435,3 +438,94 @@ def earliest_finish(
             used[best[1]] += sizes[i]
         out.append(Placement(i, best[1], best[2], start, finish[k]))
     return out
+
+
+def address_host(address: str) -> str:
+    """The host part of a worker address: ``"tcp://10.0.0.5:4711"`` -> ``"10.0.0.5"``
+    (IPv6 brackets kept; an address without a port is its own host)."""
+    rest = address.split("://", 1)[-1]
+    host, sep, port = rest.rpartition(":")
+    return host if sep and port.isdigit() else rest
+
+
+class LinkBandwidth:
+    """The bandwidth between two workers, bytes per second, from what distributed measured.
+
+    distributed's workers time every transfer of more than 1 MB and report, with each
+    heartbeat, the average per peer; the scheduler keeps it per ``(receiver, sender)`` pair
+    of workers (``Scheduler.bandwidth_workers``) besides one cluster-wide estimate
+    (``Scheduler.bandwidth``: ``distributed.scheduler.bandwidth``, 100 MB/s, until transfers
+    are measured). A link is looked up, in order, as
+
+    1. the pair measured that way (``receiver`` fetched from ``sender``);
+    2. the pair measured the other way (links are about as fast both ways);
+    3. the two workers' hosts (the median of the pairs measured between them either way:
+       workers of one machine share its network link);
+    4. the cluster-wide estimate, ``default``.
+
+    Two workers of one host without a measurement get the fastest link measured anywhere,
+    at least ``default`` (their transfers never cross the network). A blockflow heuristic on
+    distributed's own measurements.
+
+    Parameters
+    ----------
+    measured : mapping of (str, str) to float
+        ``(receiver, sender)`` worker addresses -> bytes per second (read, never changed;
+        may be a live mapping that changes between lookups).
+    default : float
+        The cluster-wide estimate, bytes per second (may be updated: :attr:`default`).
+    max_age : float, default 5.0
+        Seconds the per-host table (one pass over the measured pairs, made on the first
+        lookup that needs it) is reused before it is made again: a long-lived instance
+        costs one pass per ``max_age``, not per lookup.
+
+    Examples
+    --------
+    >>> links = LinkBandwidth({("tcp://b:1", "tcp://a:1"): 6e6}, default=100e6)
+    >>> links("tcp://b:1", "tcp://a:1"), links("tcp://a:1", "tcp://b:1")
+    (6000000.0, 6000000.0)
+    >>> links("tcp://b:2", "tcp://a:9"), links("tcp://c:1", "tcp://a:1")
+    (6000000.0, 100000000.0)
+    """
+
+    def __init__(self, measured: Mapping[tuple[str, str], float], default: float,
+                 max_age: float = 5.0):
+        self.measured = measured
+        self.default = float(default) if default and default > 0 else 100e6
+        self.max_age = float(max_age)
+        self._hosts: dict[frozenset, float] | None = None
+        self._fastest: float | None = None
+        self._made = 0.0
+
+    def _host_table(self) -> dict[frozenset, float]:
+        now = time.monotonic()
+        if self._hosts is None or now - self._made > self.max_age:
+            # one pass over the measured pairs, reused for max_age seconds
+            self._made = now
+            seen: dict[frozenset, list[float]] = defaultdict(list)
+            for (a, b), bw in list(self.measured.items()):
+                if bw and bw > 0:
+                    seen[frozenset((address_host(a), address_host(b)))].append(float(bw))
+            self._hosts = {k: median(v) for k, v in seen.items()}
+            self._fastest = max(self._hosts.values(), default=self.default)
+        return self._hosts
+
+    def __call__(self, receiver: str, sender: str) -> float:
+        return self.lookup(receiver, sender)[0]
+
+    def lookup(self, receiver: str, sender: str) -> tuple[float, str]:
+        """``(bytes per second, source)``: source ``"measured"`` (this pair, either way),
+        ``"hosts"`` (pairs between the two hosts), ``"same host"`` or ``"estimate"``
+        (the cluster-wide one)."""
+        for pair in ((receiver, sender), (sender, receiver)):
+            bw = self.measured.get(pair)
+            if bw and bw > 0:
+                return float(bw), "measured"
+        a, b = address_host(receiver), address_host(sender)
+        table = self._host_table()
+        bw = table.get(frozenset((a, b)))
+        if bw:
+            return bw, "hosts"
+        if a == b:
+            return max(self._fastest or 0.0, self.default), "same host"
+        return self.default, "estimate"

@@ -52,6 +52,7 @@ from blockflow.scheduling.rules import (
     KernelPlacementRule,
     UnsatisfiableRule,
 )
+from blockflow.scheduling.estimate import LinkBandwidth
 from blockflow.scheduling.runs import RunTracker
 from blockflow.scheduling.speed import SpeedModel
 
@@ -133,6 +134,7 @@ class Rebalancer(SchedulerPlugin):
         self.cost = PluginCost()  # the plugin's own time on the scheduler's event loop
         self._last_snap: ClusterSnapshot | None = None  # the last tick's (for status())
         self._view_cache = _distributed.WorkerViewCache()  # the ticks' worker views
+        self._links: LinkBandwidth | None = None  # measured links, kept across ticks
 
     def __getstate__(self):
         return {"policy_name": self.policy_name, "interval": self.interval,
@@ -373,12 +375,19 @@ class Rebalancer(SchedulerPlugin):
         thieves = [a for a, w in views.items() if w.status == "running"]
         stopped = self._stopped(views)
         now = time.time()
+        # moves price a task's inputs over the links they would cross, as measured
+        if self._links is None:
+            self._links = LinkBandwidth(_distributed.measured_bandwidth(self.scheduler),
+                                        _distributed.bandwidth(self.scheduler))
+        links = self._links
+        links.default = _distributed.bandwidth(self.scheduler) or links.default
         # the balancing rule reads the strict test while it is off, the weak one while on
         active = self.balancing is not None and self.balancing.active
         snap = ClusterSnapshot(time=now, workers=views,
                                queued=_distributed.queued_count(self.scheduler),
                                waiting=_distributed.waiting_tasks(
-                                   self.scheduler, thieves=thieves, stopped=stopped),
+                                   self.scheduler, thieves=thieves, stopped=stopped,
+                                   links=links),
                                stopped=stopped,
                                running=self._running(now),
                                backups={k: b["target"] for k, b in self.backups.items()},

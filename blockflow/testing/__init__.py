@@ -4,7 +4,8 @@
 simulated device blocks after converting both sides to host objects, so one assertion serves
 CPU and GPU runs. The simulated GPU workers (:mod:`blockflow.testing.simulated`) and the
 clusters made of them (:mod:`blockflow.testing.cluster`) are re-exported here for users' own
-tests and benchmarks. Production modules of blockflow never import this package.
+tests and benchmarks, as are hosts made of network namespaces and a cluster spread over them
+(:mod:`blockflow.testing.netns`). Production modules of blockflow never import this package.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from blockflow.testing.cluster import install_simulated_devices, simulated_cluster
+from blockflow.testing.netns import NamespaceCluster, NamespaceNetwork, netns_unavailable
 from blockflow.testing.simulated import (
     PLUGIN_NAME,
     SimulatedDevice,
@@ -33,6 +35,8 @@ from blockflow.testing.simulated import (
 )
 
 __all__ = [
+    "NamespaceCluster",
+    "NamespaceNetwork",
     "PLUGIN_NAME",
     "SimulatedDevice",
     "SimulatedDeviceBlock",
@@ -45,6 +49,7 @@ __all__ = [
     "device_stats",
     "get_device",
     "install_simulated_devices",
+    "netns_unavailable",
     "restart_clock",
     "set_speed",
     "set_tenant",

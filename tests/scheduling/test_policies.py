@@ -214,14 +214,18 @@ def test_dynamic_balancing_leaves_data_bound_tasks_with_their_data():
 
     s = snap([worker("a", processing=6, executing=1, occupancy=6.0), worker("b")],
              waiting={"a": tasks()})
-    assert [(d.key, d.target) for d in run(DynamicPolicy(), s)] == [("light", "b")]
+    decisions = run(DynamicPolicy(), s)
+    assert [(d.key, d.target) for d in decisions if d.action == "move"] == [("light", "b")]
+    # the refused move is logged once, with its transfer (the heavy task)
+    assert [(d.action, d.key, d.target) for d in decisions if d.action != "move"] == [
+        ("keep", "heavy", "b")]
     # the gain (about 1 s here) must exceed twice the transfer
     s = snap([worker("a", processing=2, executing=1, occupancy=2.0), worker("b")],
              waiting={"a": [task("light", comm={"b": 0.2})]})
     assert [(d.key, d.target) for d in run(DynamicPolicy(), s)] == [("light", "b")]
     s = snap([worker("a", processing=2, executing=1, occupancy=1.5), worker("b")],
              waiting={"a": [task("light", comm={"b": 0.24})]})
-    assert run(DynamicPolicy(), s) == []
+    assert [d.action for d in run(DynamicPolicy(), s)] == ["keep"]
     s = snap([worker("a", processing=6, executing=1, occupancy=6.0, status="paused"),
               worker("b")], waiting={"a": tasks()})
     assert {d.key for d in run(DynamicPolicy(), s)} == {"heavy", "light"}
@@ -447,7 +451,9 @@ def test_dynamic_knowing_no_speeds_fills_idle_threads_with_measured_work():
     heavy = {"a": [task(("k", i), comm={"b": 0.06, "c": 0.04}) for i in range(11, 0, -1)]}
     s = ClusterSnapshot(time=0.0, workers={w.address: w for w in cluster()}, waiting=heavy,
                         balancing=False)
-    assert sorted(d.target for d in run(DynamicPolicy(), s)) == ["c", "c"]
+    decisions = run(DynamicPolicy(), s)
+    assert sorted(d.target for d in decisions if d.action == "move") == ["c", "c"]
+    assert [(d.action, d.target) for d in decisions if d.action != "move"] == [("keep", "b")]
 
 
 # --- placement by device working set ------------------------------------------------------

@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from blockflow.scheduling.actions import Action, Decision
-from blockflow.scheduling.rules.base import Rule, RuleContext, fmt_seconds
+from blockflow.scheduling.rules.base import Rule, RuleContext, fmt_bytes, fmt_seconds
 
 __all__ = ["MoveRule"]
 
@@ -46,6 +47,16 @@ class MoveRule(Rule):
     pauses are scheduler-side and the worker still starts the tasks its free threads take.
     The work is proportional to the paused workers' tasks only.
 
+    The transfer is priced over the link the inputs would cross: ``comm_cost`` holds, per
+    target, each missing input's bytes over the bandwidth distributed measured between the
+    target and a worker holding it (per pair of workers, else per pair of hosts, else its
+    cluster-wide estimate: :class:`~blockflow.scheduling.estimate.LinkBandwidth`), so the
+    same move is made over a fast link and refused over a slow one. A move that would pay
+    without its transfer but not with it is logged as ``keep`` (one per tick, the same two
+    workers again after :attr:`refusal_interval`), with the bytes, the
+    link's bandwidth, the transfer and compute times and the gain (``seen_*``); a move
+    made logs its transfer too.
+
     Targets of this snapshot's moves are added to ``context.taken``; workers in
     ``context.paused_now`` take nothing. Runs on ``"tick"`` snapshots.
 
@@ -72,6 +83,9 @@ class MoveRule(Rule):
     #: The same bound while speeds are not known to differ (filling idle threads): only
     #: tasks whose inputs are cheap to send move then.
     max_fill_transfer_share = 0.05
+    #: A move refused for its transfer is logged once per tick at most, and again for the
+    #: same two workers only after this many seconds.
+    refusal_interval = 30.0
 
     def __init__(self, place: Callable, move_budget: int, min_gain: float,
                  slowed: Callable[[Any, str], bool] | None = None, moved_memory: int = 10_000):
@@ -88,6 +102,9 @@ class MoveRule(Rule):
         self.blocked: set[str] = set()
         self.free: set[str] = set()
         self.over: set[str] = set()
+        # (worker, target) -> when a move between them was last refused for its transfer
+        # and logged (bounded, oldest first out)
+        self.refused: OrderedDict[tuple[str, str], float] = OrderedDict()
 
     def run(self, snap, context: RuleContext) -> list[Decision]:
         if snap.event != "tick":
@@ -181,6 +198,7 @@ class MoveRule(Rule):
         out: list[Decision] = []
         exhausted: set[str] = set()
         rescued = 0  # rescues off paused workers: outside the budget
+        refusal: Decision | None = None  # one move refused for its transfer, per tick
         while len(out) - rescued < self.move_budget:
             # a paused worker's waiting tasks say themselves which of its tasks wait (on one
             # that paused itself, all not started: no thread of it takes one); elsewhere the
@@ -214,25 +232,37 @@ class MoveRule(Rule):
                 free=free, max_transfer_share=self.max_transfer_share,
                 max_fill_transfer_share=self.max_fill_transfer_share)
             stay = finish[v.address]
-            if best is None:
-                continue
-            gain = stay - best_finish
-            margin = max(self.min_gain, 0.1 * d / rate[v.address])
-            if not rescue:  # the transfer must pay for itself twice over
+            base_margin = max(self.min_gain, 0.1 * d / rate[v.address])
+            margin = base_margin
+            if best is not None and not rescue:  # the transfer must pay for itself twice over
                 margin = max(margin, 2 * task.comm_cost.get(best.address, 0.0))
-            if not gain > margin:
-                exhausted.add(v.address)  # later tasks on this worker gain even less
+            if best is None or not stay - best_finish > margin:
+                if refusal is None and not rescue and task.comm_cost:
+                    refusal = self._refusal(task, v, thieves, finish, rate, stay, base_margin,
+                                            fill, moved_off, free)
+                    last = None if refusal is None else self.refused.get(
+                        (refusal.worker, refusal.target))
+                    if last is not None and snap.time - last < self.refusal_interval:
+                        refusal = None
+                if best is not None:
+                    exhausted.add(v.address)  # later tasks on this worker gain even less
                 continue
             seen = v.seen()
             seen["input_bytes"] = task.input_bytes
+            seen.update(self._transfer(task, best.address))
             if rescue and v.address in snap.stopped:
                 here = "never here (worker paused itself: it starts no task)"
             else:
                 here = f"{fmt_seconds(stay)} here"
+            sent = ""
+            if seen["transfer_bytes"]:
+                sent = (f"; inputs {fmt_bytes(seen['transfer_bytes'])} in "
+                        f"{fmt_seconds(seen['transfer_seconds'])} over a "
+                        f"{_rate(seen['link_bandwidth'])} link")
             out.append(Decision(
                 Action.MOVE, v.address,
-                f"projected finish {here} vs {fmt_seconds(best_finish)} on target", seen,
-                target=best.address, key=task.key))
+                f"projected finish {here} vs {fmt_seconds(best_finish)} on target{sent}",
+                seen, target=best.address, key=task.key))
             rescued += rescue
             self.moved_off.setdefault(task.key, set()).add(v.address)
             self.moved_off.move_to_end(task.key)
@@ -249,4 +279,50 @@ class MoveRule(Rule):
                 fill[best.address] -= 1
                 if fill[best.address] <= 0:
                     del fill[best.address]
+        if refusal is not None:
+            self.refused[refusal.worker, refusal.target] = snap.time
+            self.refused.move_to_end((refusal.worker, refusal.target))
+            while len(self.refused) > self.moved_memory:
+                self.refused.popitem(last=False)
+            out.append(refusal)
         return out
+
+    @staticmethod
+    def _transfer(task, target: str) -> dict[str, Any]:
+        """What sending ``task``'s inputs to ``target`` takes: bytes, seconds and the link's
+        bandwidth (bytes per second; None when nothing is sent)."""
+        seconds = float(task.comm_cost.get(target, 0.0))
+        nbytes = int(task.comm_bytes.get(target, 0))
+        return {"transfer_bytes": nbytes, "transfer_seconds": round(seconds, 4),
+                "link_bandwidth": round(nbytes / seconds) if seconds > 0 and nbytes else None}
+
+    def _refusal(self, task, v, thieves, finish, rate, stay, margin, fill, moved_off,
+                 free) -> Decision | None:
+        """A ``keep`` decision when ``task`` would move were its inputs free to send: the
+        link the transfer crosses is what refused it (the numbers in ``seen``)."""
+        free_task = replace(task, comm_cost={})
+        alt, alt_finish = self.place(
+            free_task, v, thieves, finish, rate, rescue=False, fill=fill, moved_off=moved_off,
+            free=free, max_transfer_share=self.max_transfer_share,
+            max_fill_transfer_share=self.max_fill_transfer_share)
+        if alt is None or not stay - alt_finish > margin:
+            return None  # no move for other reasons: nothing about links to say
+        transfer = self._transfer(task, alt.address)
+        if not transfer["transfer_seconds"]:
+            return None
+        compute = task.duration / max(alt.speed, 1e-6)
+        share = self.max_transfer_share if fill is None else self.max_fill_transfer_share
+        gain = stay - alt_finish - transfer["transfer_seconds"]
+        seen = {**v.seen(), "input_bytes": task.input_bytes, **transfer,
+                "compute_seconds": round(compute, 4), "gain_seconds": round(gain, 4)}
+        return Decision(
+            Action.KEEP, v.address,
+            f"move to {alt.address} refused: inputs {fmt_bytes(transfer['transfer_bytes'])} "
+            f"take {fmt_seconds(transfer['transfer_seconds'])} over a "
+            f"{_rate(transfer['link_bandwidth'])} link, more than {share:.0%} of its "
+            f"{fmt_seconds(compute)} compute or half its {fmt_seconds(gain)} gain",
+            seen, target=alt.address, key=task.key)
+
+
+def _rate(bytes_per_second: float | None) -> str:
+    return "?" if not bytes_per_second else f"{fmt_bytes(bytes_per_second)}/s"
