@@ -40,7 +40,17 @@ def start_spec_workers(cluster) -> None:
         from blockflow._distributed.checks import _fail
 
         _fail("SpecCluster._correct_state (starting a cluster's new workers)")
-    cluster.sync(correct_state)
+    try:
+        cluster.sync(correct_state)
+    except Exception:
+        from distributed.core import Status
+
+        # a worker whose start raised (its job refused) stays "created", and SpecCluster's
+        # close asserts that every worker it created has closed or failed
+        for w in list(cluster.workers.values()):
+            if getattr(w, "status", None) == Status.created:
+                w.status = Status.failed
+        raise
 
 
 def data_holders(client, futures) -> dict:

@@ -248,7 +248,7 @@ def _timeout(timeout) -> float:
         timeout = dask.config.get("blockflow.cluster.worker-start-timeout")
     seconds = parse_timedelta(timeout, default="s")
     if seconds is None or seconds <= 0:
-        raise ValueError(f"timeout must be a duration > 0 (seconds, or '2min'), got "
+        raise ValueError(f"timeout must be a duration > 0 (seconds, or '10m'), got "
                          f"{timeout!r}.")
     return float(seconds)
 
@@ -277,7 +277,7 @@ def jobqueue_cluster(system: str = "slurm", *, queue: str | None = None, n_worke
     policy : str, optional
         Policy of blockflow's scheduler plugin (default ``blockflow.cluster.policy``).
     timeout : str or float, optional
-        How long to wait for the workers to join (seconds, or ``"2min"``): queue wait plus
+        How long to wait for the workers to join (seconds, or ``"10m"``): queue wait plus
         worker start-up. Default ``blockflow.cluster.worker-start-timeout``.
     **jobqueue_kwargs
         Passed to the dask-jobqueue class: ``cores``, ``memory`` (both required unless set
@@ -331,13 +331,21 @@ def jobqueue_cluster(system: str = "slurm", *, queue: str | None = None, n_worke
     if system == "slurm":
         _check_slurm(queue if queue is not None
                      else dask.config.get("jobqueue.slurm.queue", None))
+    cluster = cls(n_workers=0, **kwargs)
     try:
-        cluster = cls(n_workers=n_workers, **kwargs)  # submits the jobs; raises if refused
-    except RuntimeError as e:
-        raise _submit_failure(system, e) from None
-    try:
-        _wait_joined(system, cluster, sorted(cluster.workers), wait,
-                     kwargs.get("log_directory"))
+        # dask-jobqueue's own n_workers= submits in the background, where a refused job is
+        # only logged: add the specs and start them here, failures raised
+        names = []
+        for _ in range(n_workers):
+            spec = cluster.new_worker_spec()
+            cluster.worker_spec.update(spec)
+            names.extend(spec)
+        if names:
+            try:
+                _distributed.start_spec_workers(cluster)
+            except RuntimeError as e:
+                raise _submit_failure(system, e) from None
+            _wait_joined(system, cluster, names, wait, kwargs.get("log_directory"))
     except BaseException:
         cluster.close()
         raise

@@ -118,7 +118,7 @@ def _config(d: str, node: str, partitions: Sequence[str], cpus: int, memory_mb: 
             ctld_port: int, slurmd_port: int) -> str:
     parts = "\n".join(
         f"PartitionName={p} Nodes={node} Default={'YES' if i == 0 else 'NO'} "
-        f"MaxTime=INFINITE State=UP OverSubscribe=YES"
+        f"MaxTime=INFINITE State=UP"
         for i, p in enumerate(partitions))
     return f"""\
 ClusterName=blockflow{ctld_port}
