@@ -29,8 +29,7 @@ from dask.utils import parse_timedelta
 from blockflow import _distributed
 from blockflow.errors import ClusterStartError
 
-__all__ = ["PRELOAD", "SYSTEMS", "add_workers", "batch_job", "jobqueue_cluster",
-           "slurm_cluster"]
+__all__ = ["add_workers", "batch_job", "jobqueue_cluster", "slurm_cluster"]
 
 #: The scheduler preload that installs blockflow's scheduler plugin.
 PRELOAD = "blockflow.scheduling.preload"
