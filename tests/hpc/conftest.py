@@ -13,13 +13,13 @@ from blockflow.testing.slurm import SlurmUnavailable, local_slurm
 
 
 @pytest.fixture(scope="session")
-def slurm(tmp_path_factory):
+def slurm():
     """A running Slurm with partitions ``fast`` (default) and ``slow``; ``SLURM_CONF`` is
     set in this process while it runs."""
     pytest.importorskip("dask_jobqueue", reason="pip install dask-jobqueue")
     try:
-        # in pytest's temporary folders: the daemons' and jobs' logs stay after the run
-        with local_slurm(("fast", "slow"), directory=tmp_path_factory.mktemp("slurm")) as s:
+        # its own temporary folder (not pytest's, which a concurrent session may prune)
+        with local_slurm(("fast", "slow")) as s:
             yield s
     except SlurmUnavailable as e:
         pytest.skip(f"no local Slurm: {e}")
