@@ -98,6 +98,17 @@ def _worker_lost(args, lost):
     return WorkerLostError(*args, lost=lost)
 
 
+class ClusterStartError(RuntimeError):
+    """A cluster's workers could not be started or did not join its scheduler.
+
+    Raised by :func:`blockflow.cluster.hpc.jobqueue_cluster` (the batch system is not
+    answering, a queue that does not exist, a job the queue refused, or a job whose worker
+    never reached the scheduler within the timeout). The message names what failed — the
+    queue, the job id, the scheduler address — and the fix; the jobs already submitted are
+    cancelled.
+    """
+
+
 class ResourceError(RuntimeError):
     """A task that needs worker resources (``resources={"GPU": 1}``) cannot run as asked.
 

@@ -33,7 +33,8 @@ Modules, by side (every public name is re-exported here: ``_distributed.<name>``
     The worker side: metrics, comm handlers and calls, plugins, held data, resources, the
     current worker and task, task threads, the executor, the quiet-close filter.
 :mod:`~blockflow._distributed.client`
-    Client-side helpers: :func:`data_holders`, :class:`SchedulerProgress`.
+    Client-side helpers: :func:`data_holders`, :class:`SchedulerProgress`,
+    :func:`start_spec_workers` (a SpecCluster's new workers, failures raised).
 :mod:`~blockflow._distributed.graph`
     Dask's task-spec nodes (``dask._task_spec``): fusion aliases.
 :mod:`~blockflow._distributed.nvml`
@@ -117,6 +118,7 @@ from blockflow._distributed.client import (
     data_holders,
     has_scheduler_plugin,
     is_gc_diagnosis_callback,
+    start_spec_workers,
 )
 from blockflow._distributed.extensions import (
     AMMPolicy,
@@ -331,6 +333,7 @@ __all__ = [
     "set_worker_status",
     "shared_devices",
     "spawn",
+    "start_spec_workers",
     "start_task_thread",
     "style_dashboard_doc",
     "suspend_work_stealing",

@@ -49,6 +49,11 @@ class WorkerResources:
     shares_gpu_with : tuple of str
         Addresses of the other workers that use the same GPU (same ``gpu_uuid``); empty
         when the worker has its GPU to itself.
+    job_system, job_id, job_queue : str or None
+        The batch job the worker runs in, as the worker's environment tells it
+        (:func:`blockflow.cluster.hpc.batch_job`): ``"slurm"``, ``"1234"``, ``"gpu"`` for a
+        worker started by dask-jobqueue's ``SLURMCluster`` in partition ``gpu``; None
+        outside a batch job.
     """
 
     address: str
@@ -65,6 +70,9 @@ class WorkerResources:
     simulated: bool = False
     resources: dict = field(default_factory=dict)
     shares_gpu_with: tuple = ()
+    job_system: str | None = None
+    job_id: str | None = None
+    job_queue: str | None = None
 
 
 def _probe_device(dask_worker=None) -> dict:
@@ -88,6 +96,17 @@ def _probe_device(dask_worker=None) -> dict:
     if info is None:
         return {}
     return {"gpu_name": info.name, "gpu_uuid": info.uuid, "gpu_mig": info.mig}
+
+
+def _probe_worker(gpu_workers=(), dask_worker=None) -> dict:
+    """Run on every worker: the batch job it runs in, and on GPU workers (``gpu_workers``:
+    addresses) its device (:func:`_probe_device`)."""
+    from blockflow.cluster.hpc import batch_job
+
+    out = {"job": batch_job()}
+    if dask_worker is not None and dask_worker.address in set(gpu_workers):
+        out["device"] = _probe_device(dask_worker)
+    return out
 
 
 class Inventory:
@@ -173,6 +192,11 @@ class Inventory:
                 or "none",
                 "shares GPU with": ", ".join(w.shares_gpu_with) or "-",
             })
+        if any(w.job_id for w in self.workers):  # a column only on batch-job clusters
+            for row, w in zip(rows, self.workers):
+                row["batch job"] = (
+                    f"{w.job_system} {w.job_id}" + (f" ({w.job_queue})" if w.job_queue else "")
+                    if w.job_id else "-")
         return rows
 
     def __repr__(self) -> str:
@@ -238,11 +262,14 @@ def inventory(client) -> Inventory:
         )
     workers = workers_info(client)
     gpu_workers = [a for a, info in workers.items() if read_metrics(info.get("metrics")).has_gpu]
-    probes = client.run(_probe_device, workers=gpu_workers) if gpu_workers else {}
+    # one call on every worker: its batch job, and on GPU workers its device
+    probes = client.run(_probe_worker, gpu_workers) if workers else {}
     out = []
     for addr, info in workers.items():
         m = read_metrics(info.get("metrics"))
-        probe = probes.get(addr, {}) if m.has_gpu else {}
+        probed = probes.get(addr) or {}
+        probe = (probed.get("device") or {}) if m.has_gpu else {}
+        job = probed.get("job") or {}
         limit = info.get("memory_limit") or None
         out.append(WorkerResources(
             address=addr,
@@ -258,6 +285,9 @@ def inventory(client) -> Inventory:
             gpu_utilization=m.gpu_utilization,
             simulated=bool(probe.get("simulated", False)),
             resources=dict(info.get("resources") or {}),
+            job_system=job.get("system"),
+            job_id=job.get("job_id"),
+            job_queue=job.get("queue"),
         ))
     inv = Inventory(out)
     shared = inv.shared_gpus

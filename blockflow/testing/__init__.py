@@ -2,7 +2,8 @@
 
 :func:`assert_eq` compares NumPy/CuPy arrays, pandas/cuDF frames, Dask collections and
 simulated device blocks after converting both sides to host objects, so one assertion serves
-CPU and GPU runs. The simulated GPU workers (:mod:`blockflow.testing.simulated`) and the
+CPU and GPU runs. A real one-node Slurm for HPC tests (:func:`local_slurm`), the
+simulated GPU workers (:mod:`blockflow.testing.simulated`) and the
 clusters made of them (:mod:`blockflow.testing.cluster`) are re-exported here for users' own
 tests and benchmarks, as are hosts made of network namespaces and a cluster spread over them
 (:mod:`blockflow.testing.netns`). Production modules of blockflow never import this package.
@@ -17,6 +18,7 @@ import pandas as pd
 
 from blockflow.testing.cluster import install_simulated_devices, simulated_cluster
 from blockflow.testing.netns import NamespaceCluster, NamespaceNetwork, netns_unavailable
+from blockflow.testing.slurm import LocalSlurm, SlurmUnavailable, local_slurm
 from blockflow.testing.simulated import (
     PLUGIN_NAME,
     SimulatedDevice,
@@ -37,11 +39,13 @@ from blockflow.testing.simulated import (
 __all__ = [
     "NamespaceCluster",
     "NamespaceNetwork",
+    "LocalSlurm",
     "PLUGIN_NAME",
     "SimulatedDevice",
     "SimulatedDeviceBlock",
     "SimulatedGPU",
     "SimulatedOutOfMemoryError",
+    "SlurmUnavailable",
     "Tenant",
     "as_host",
     "assert_eq",
@@ -50,6 +54,7 @@ __all__ = [
     "get_device",
     "install_simulated_devices",
     "netns_unavailable",
+    "local_slurm",
     "restart_clock",
     "set_speed",
     "set_tenant",

@@ -39,7 +39,8 @@ RESULTS = os.path.join(BENCHMARKS, "results")
 
 API_MODULES = ["blockflow", "blockflow.ml", "blockflow.tune", "blockflow.parallel",
                "blockflow.scheduling", "blockflow.testing", "blockflow.dashboard",
-               "blockflow.config", "blockflow.io"]
+               "blockflow.config", "blockflow.io", "blockflow.cluster.hpc",
+               "blockflow.cluster.kubernetes"]
 
 
 def _public_names(module) -> list[str]:

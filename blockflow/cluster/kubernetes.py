@@ -1,0 +1,200 @@
+"""Kubernetes through dask-kubernetes' operator: ``DaskCluster`` / ``DaskWorkerGroup`` manifests
+with blockflow's scheduler preload and worker resources.
+
+blockflow manages no cluster itself: :func:`cluster_spec` and :func:`worker_group_spec` build
+the resources dask-kubernetes' operator runs, with ``dask_kubernetes.operator.
+make_cluster_spec`` / ``make_worker_spec``, and add what blockflow needs — the scheduler
+started with ``--preload blockflow.scheduling.preload`` (and ``--blockflow-policy``), workers
+declaring Dask worker resources (``--resources GPU=1``) and asking Kubernetes for the GPUs
+behind them (``nvidia.com/gpu`` limits on the worker containers only). Hand the dicts to
+``KubeCluster(custom_cluster_spec=...)`` / ``cluster.add_worker_group(name,
+custom_spec=...["spec"]["worker"])``, or write them as YAML for ``kubectl apply -f``. The
+image must have blockflow installed (scheduler and workers import it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+__all__ = ["cluster_spec", "worker_group_spec"]
+
+PRELOAD = "blockflow.scheduling.preload"
+
+_MISSING = ("blockflow.cluster.kubernetes needs dask-kubernetes, which is not installed; "
+            "pip install dask-kubernetes")
+
+
+def _operator():
+    try:
+        from dask_kubernetes import operator
+    except ImportError:
+        raise ImportError(_MISSING) from None
+    return operator
+
+
+def _resource_args(worker_resources: Mapping[str, float] | None) -> list[str]:
+    from blockflow.cluster.hpc import _resources_arg  # one validation of worker resources
+
+    return _resources_arg(worker_resources)
+
+
+def _container_resources(gpus: int, container_resources: Mapping | None,
+                         gpu_resource: str) -> dict | None:
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
+        raise ValueError(f"gpus_per_worker must be an integer >= 0, got {gpus!r}.")
+    out = {k: dict(v) for k, v in (container_resources or {}).items()}
+    bad = set(out) - {"limits", "requests"}
+    if bad:
+        raise ValueError(f"container_resources takes 'limits' and 'requests' (Kubernetes' "
+                         f"container resources), got {sorted(bad)}.")
+    if gpus:
+        out.setdefault("limits", {})[gpu_resource] = gpus
+    return out or None
+
+
+def _env(env: Mapping[str, str] | None) -> list[dict] | None:
+    if not env:
+        return None
+    return [{"name": str(k), "value": str(v)} for k, v in env.items()]
+
+
+def _check_count(n: int, what: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{what} must be an integer >= 0, got {n!r}.")
+    return n
+
+
+def _worker(spec: dict, worker_resources, gpus, container_resources, gpu_resource) -> dict:
+    (container,) = [c for c in spec["spec"]["containers"] if c.get("name") == "worker"]
+    container["args"] = list(container["args"]) + _resource_args(worker_resources)
+    container["resources"] = _container_resources(gpus, container_resources, gpu_resource)
+    return spec
+
+
+def cluster_spec(name: str, image: str, n_workers: int = 1, *,
+                 worker_resources: Mapping[str, float] | None = None,
+                 gpus_per_worker: int = 0, policy: str | None = None,
+                 env: Mapping[str, str] | None = None,
+                 container_resources: Mapping[str, Mapping] | None = None,
+                 gpu_resource: str = "nvidia.com/gpu", **operator_kwargs: Any) -> dict:
+    """A dask-kubernetes ``DaskCluster`` manifest whose scheduler runs blockflow's plugin.
+
+    Parameters
+    ----------
+    name : str
+        The DaskCluster's name (a Kubernetes name: lower case, digits, ``-``).
+    image : str
+        Container image for scheduler and workers; blockflow must be installed in it.
+    n_workers : int, default 1
+        Workers of the default worker group (>= 0).
+    worker_resources : dict, optional
+        Dask worker resources the workers declare (``{"GPU": 1}`` adds
+        ``--resources GPU=1`` to the worker command), so that tasks asking for
+        ``resources={"GPU": 1}`` run there.
+    gpus_per_worker : int, default 0
+        GPUs each worker container asks Kubernetes for (``limits: {nvidia.com/gpu: n}``);
+        the scheduler container asks for none.
+    policy : str, optional
+        Policy of blockflow's scheduler plugin (``--blockflow-policy``); default the
+        image's ``blockflow.cluster.policy``.
+    env : dict, optional
+        Environment variables of scheduler and workers (e.g. ``DASK_BLOCKFLOW__...``
+        settings).
+    container_resources : dict, optional
+        Kubernetes resources of the worker containers (``{"limits": {"memory": "16Gi"},
+        "requests": {"cpu": "4"}}``); the GPU limit is added to it.
+    gpu_resource : str, default "nvidia.com/gpu"
+        The extended resource name of the cluster's GPUs (``amd.com/gpu``, ...).
+    **operator_kwargs
+        Passed to ``dask_kubernetes.operator.make_cluster_spec`` (``worker_command``,
+        ``scheduler_service_type``, ``idle_timeout``, ``jupyter``).
+
+    Returns
+    -------
+    dict
+        The ``kubernetes.dask.org/v1`` ``DaskCluster`` resource: pass it to
+        ``dask_kubernetes.operator.KubeCluster(custom_cluster_spec=...)``, or
+        ``yaml.safe_dump`` it for ``kubectl apply -f``.
+
+    Raises
+    ------
+    ImportError
+        If dask-kubernetes is not installed (the message gives the pip command).
+    ValueError
+        For a negative ``n_workers`` or ``gpus_per_worker``, bad ``worker_resources``, an
+        unknown ``policy`` or ``container_resources`` keys other than limits / requests.
+
+    See Also
+    --------
+    worker_group_spec : a further worker group (other image, GPUs or resources).
+
+    Examples
+    --------
+    >>> spec = cluster_spec("etl", "ghcr.io/me/blockflow:latest", n_workers=4,
+    ...                     worker_resources={"GPU": 1}, gpus_per_worker=1)  # doctest: +SKIP
+    >>> cluster = KubeCluster(custom_cluster_spec=spec)                      # doctest: +SKIP
+    """
+    operator = _operator()
+    _check_count(n_workers, "n_workers")
+    spec = operator.make_cluster_spec(name, image=image, n_workers=n_workers, env=_env(env),
+                                      **operator_kwargs)
+    (scheduler,) = [c for c in spec["spec"]["scheduler"]["spec"]["containers"]
+                    if c.get("name") == "scheduler"]
+    args = list(scheduler["args"]) + ["--preload", PRELOAD]
+    if policy is not None:
+        from blockflow.scheduling.plugin import POLICIES
+
+        if policy not in POLICIES:
+            raise ValueError(f"cluster_spec: unknown policy {policy!r}; choose one of "
+                             f"{', '.join(POLICIES)}.")
+        args += ["--blockflow-policy", policy]
+    scheduler["args"] = args
+    _worker(spec["spec"]["worker"], worker_resources, gpus_per_worker, container_resources,
+            gpu_resource)
+    return spec
+
+
+def worker_group_spec(cluster: str, name: str, image: str, n_workers: int = 1, *,
+                      worker_resources: Mapping[str, float] | None = None,
+                      gpus_per_worker: int = 0, env: Mapping[str, str] | None = None,
+                      container_resources: Mapping[str, Mapping] | None = None,
+                      gpu_resource: str = "nvidia.com/gpu",
+                      worker_command: str = "dask-worker") -> dict:
+    """A dask-kubernetes ``DaskWorkerGroup`` manifest: more workers for a ``DaskCluster``.
+
+    A heterogeneous cluster is a :func:`cluster_spec` plus groups: GPU workers declaring
+    ``GPU=1`` beside CPU workers, or workers of another image or node pool.
+
+    Parameters
+    ----------
+    cluster : str
+        Name of the DaskCluster the group joins.
+    name : str
+        The group's name (the resource is named ``<cluster>-<name>``, as
+        ``KubeCluster.add_worker_group`` names it).
+    image, n_workers, worker_resources, gpus_per_worker, env, container_resources, gpu_resource
+        As for :func:`cluster_spec`, for this group's workers.
+    worker_command : str, default "dask-worker"
+
+    Returns
+    -------
+    dict
+        The ``kubernetes.dask.org/v1`` ``DaskWorkerGroup`` resource (its ``["spec"]
+        ["worker"]`` is what ``KubeCluster.add_worker_group(name, custom_spec=...)`` takes).
+
+    Raises
+    ------
+    ImportError, ValueError
+        As :func:`cluster_spec`.
+    """
+    operator = _operator()
+    _check_count(n_workers, "n_workers")
+    worker = operator.make_worker_spec(image=image, n_workers=n_workers, env=_env(env),
+                                       worker_command=worker_command)
+    _worker(worker, worker_resources, gpus_per_worker, container_resources, gpu_resource)
+    return {
+        "apiVersion": "kubernetes.dask.org/v1",
+        "kind": "DaskWorkerGroup",
+        "metadata": {"name": f"{cluster}-{name}"},
+        "spec": {"cluster": cluster, "worker": worker},
+    }
