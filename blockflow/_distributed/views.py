@@ -16,7 +16,7 @@ from typing import Any
 
 from dask.utils import key_split
 
-from blockflow._distributed.metrics import CAPACITY_METRIC, WorkerMetrics, clean_number, read_metrics
+from blockflow._distributed.metrics import CAPACITY_METRIC, POOL_METRIC, WorkerMetrics, clean_number, read_metrics
 from blockflow._distributed.placement import (
     HOLD_ADDRESS,
     _declaring_objects,
@@ -98,6 +98,9 @@ class WorkerView:
     recent_speed : float or None
         The speed shown on the worker's latest warm task
         (:meth:`blockflow.scheduling.speed.SpeedModel.recent_speed`); None if unknown.
+    pool : mapping or None
+        The pool the worker reports (``blockflow-pool`` metric, plain data:
+        :meth:`blockflow.scheduling.pools.Pool.to_dict`); None if it reports none.
     """
 
     address: str
@@ -119,6 +122,7 @@ class WorkerView:
     device_peers: tuple = ()
     peers_own_utilization: float = 0.0
     recent_speed: float | None = None
+    pool: Mapping[str, Any] | None = None
 
     @property
     def projected_finish(self) -> float:
@@ -299,6 +303,7 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
             recent_speed=recent_speed(addr) if recent_speed is not None else None,
             resources=dict(ws.resources or {}),
             device_uuid=m.device_uuid,
+            pool=raw.get(POOL_METRIC) if isinstance(raw.get(POOL_METRIC), dict) else None,
         )
     for members in shared_devices(views).values():
         for addr in members:
