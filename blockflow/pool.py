@@ -20,7 +20,7 @@ import click
 @click.option("--region", default="", help="The provider's region.")
 @click.option("--price", type=float, default=None,
               help="Dollars per worker-hour (needed by a cost objective or a budget).")
-@click.option("--egress", type=float, default=0.0, show_default=True,
+@click.option("--egress", "--egress-price", "egress", type=float, default=0.0, show_default=True,
               help="Dollars per GB leaving the provider.")
 @click.option("--speed", type=float, default=None,
               help="Relative speed hint (1.0 = the typical worker).")
