@@ -16,6 +16,7 @@ prices (:class:`blockflow.cluster.adaptive.PoolAdaptive`).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 from collections.abc import Mapping
@@ -52,15 +53,16 @@ def _job_class(job_cls):
     if not isinstance(job_cls, str):
         return job_cls
     try:
-        import dask_jobqueue
+        import dask_jobqueue  # noqa: F401
     except ImportError:
         raise ImportError(f"PoolCluster(job_cls={job_cls!r}) needs dask-jobqueue: "
                           "pip install dask-jobqueue") from None
     names = {"slurm": "SLURMJob", "pbs": "PBSJob", "sge": "SGEJob", "lsf": "LSFJob",
              "htcondor": "HTCondorJob", "oar": "OARJob", "moab": "MoabJob"}
     try:
-        return getattr(dask_jobqueue, names[job_cls.lower()])
-    except KeyError:
+        module = importlib.import_module(f"dask_jobqueue.{job_cls.lower()}")
+        return getattr(module, names[job_cls.lower()])
+    except (KeyError, ImportError):
         raise ValueError(f"PoolCluster: unknown job_cls {job_cls!r}; use one of "
                          f"{sorted(names)} or a dask-jobqueue Job class.") from None
 
@@ -274,7 +276,7 @@ class PoolCluster(SpecCluster):
             if len(names) > k:
                 launched = set(self.workers)
                 # not-yet-launched first, then the newest
-                order = sorted(names, key=lambda w: (w in launched, _index(w)))
+                order = sorted(names, key=lambda w: (w in launched, -_index(w)))
                 for w in order[: len(names) - k]:
                     del self.worker_spec[w]
             elif self.status.name not in ("closing", "closed"):
