@@ -35,6 +35,7 @@ __all__ = [
     "feeder_states",
     "feeder_tasks",
     "held_results",
+    "input_holders",
     "new_task_views",
     "own_utilization_estimate",
     "prefix_duration",
@@ -383,6 +384,18 @@ def task_states(scheduler, keys) -> dict:
         if ts is not None:
             out[key] = ts.state
     return out
+
+
+def input_holders(scheduler, key, worker: str) -> list[tuple[int, tuple[str, ...]]]:
+    """``(nbytes, holders)`` of each input of a task that just finished on ``worker``:
+    the input's size and the other workers that hold it (empty: only ``worker`` does, it
+    was made there). O(inputs x their holders)."""
+    ts = scheduler.tasks.get(key)
+    if ts is None:
+        return []
+    return [(int(dep.nbytes or 0), tuple(sorted(w.address for w in dep.who_has or ()
+                                                if w.address != worker)))
+            for dep in ts.dependencies]
 
 
 def new_task_views(scheduler, keys) -> list[TaskView]:

@@ -55,6 +55,9 @@ ACTION_STYLES: dict[Action, tuple[str, str, str]] = {
     Action.MEMORY_MOVE: ("#393b79", "circle_x", "memory-move"),
     Action.JOIN: ("#8c564b", "triangle_dot", "join"),
     Action.FORGET: ("#c49c94", "inverted_triangle", "forget"),
+    Action.PARK: ("#8c6d31", "square_pin", "park"),
+    Action.UNPARK: ("#e7ba52", "square_pin", "unpark"),
+    Action.OBJECTIVE: ("#d6616b", "triangle_pin", "objective"),
 }
 #: Rows of the decision timeline, one per action.
 ACTIONS = [label for _, _, label in ACTION_STYLES.values()]

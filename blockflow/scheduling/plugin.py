@@ -49,12 +49,15 @@ from blockflow.scheduling.rules import (
     KernelPlacementRule,
     UnsatisfiableRule,
 )
+from blockflow.scheduling import cost
+from blockflow.scheduling.pools import Pool, pools_of
 from blockflow.scheduling.runs import RunTracker
 from blockflow.scheduling.speed import SpeedModel
 
 __all__ = ["POLICIES", "Rebalancer"]
 
 logger = logging.getLogger(__name__)
+objective_logger = logging.getLogger("blockflow.scheduling.objective")
 
 #: Transitions of a tracked producer or consumer after which admission control looks again.
 _ADMISSION_EVENTS = frozenset({"memory", "released", "forgotten", "erred"})
@@ -128,6 +131,14 @@ class Rebalancer(SchedulerPlugin):
                                                  saved_seconds=0.0)
         self.admission: AdmissionRule | None = None
         self._admission_kick = False  # an "admit" snapshot is scheduled
+        # pools and objectives (blockflow.scheduling.pools, .objective, .cost)
+        self.parked: dict[str, str] = {}  # worker -> reason: its pool is not needed now
+        #: Pools known before any of their workers joins (name -> Pool): a cluster that
+        #: scales pools from zero registers them here (``client.run_on_scheduler``).
+        self.declared_pools: dict[str, Pool] = {}
+        self._providers: dict[str, str] = {}  # worker -> its pool's provider
+        # task group -> [tasks seen, {provider -> input bytes}]: where a group's inputs live
+        self.group_inputs: dict[str, list] = {}
 
     def __getstate__(self):
         return {"policy_name": self.policy_name, "interval": self.interval,
@@ -186,7 +197,8 @@ class Rebalancer(SchedulerPlugin):
         if worker is None:
             return
         self.task_counts[worker] += 1
-        self.runs.finished(key, worker)
+        if len(set(self._providers.values())) > 1:
+            self._record_inputs(key, worker)
         group = key_split(key)
         if group.startswith(KERNEL_PREFIX):
             self.kernel_counts[worker] += 1
@@ -202,9 +214,34 @@ class Rebalancer(SchedulerPlugin):
                     wait = max(0.0, wait - (ss["stop"] - ss["start"]))
                     compute += ss["stop"] - start
                     self.task_log.append((worker, start, ss["stop"]))
+                    self.runs.executed(key, worker, start, ss["stop"])
             if compute > 0:
                 work = _distributed.task_work(self.scheduler, key)
                 self.speeds.observe(worker, group, compute, 1.0 if work is None else work)
+        self.runs.finished(key, worker)
+
+    def _record_inputs(self, key, worker: str) -> None:
+        """Where a finished task's inputs came from (providers): bytes that crossed into
+        ``worker``'s provider go to the run's account, and the group's inputs by provider
+        feed the objective's egress prices. O(inputs)."""
+        here = self._providers.get(worker)
+        group = key_split(key)
+        seen = self.group_inputs.get(group)
+        if seen is None:
+            seen = self.group_inputs[group] = [0, Counter()]
+            while len(self.group_inputs) > 256:
+                self.group_inputs.pop(next(iter(self.group_inputs)))
+        seen[0] += 1
+        for nbytes, holders in _distributed.input_holders(self.scheduler, key, worker):
+            providers = {self._providers.get(h) for h in holders}
+            if not holders or here in providers:
+                seen[1][here] += nbytes  # made here, or read within the provider
+                continue
+            src = sorted(p for p in providers if p is not None)
+            src = src[0] if src else here
+            seen[1][src] += nbytes
+            if src != here:
+                self.runs.crossed(key, src, here, nbytes)
 
     def update_graph(self, scheduler, *, client=None, keys=None, tasks=None, annotations=None,
                      **kwargs) -> None:
@@ -213,8 +250,12 @@ class Rebalancer(SchedulerPlugin):
         if self.policy is None or not tasks:
             return
         new_tasks = self._resources_on_graph(scheduler, list(tasks))
-        snap = ClusterSnapshot(time=time.time(), workers=self._views(), event="graph",
-                               new_tasks=new_tasks)
+        views = self._views()
+        run = self._objective_run()
+        snap = ClusterSnapshot(time=time.time(), workers=views, event="graph",
+                               new_tasks=new_tasks, run=run, parked=frozenset(self.parked),
+                               declared_pools=dict(self.declared_pools),
+                               throughput=self._throughput(views) if run else {})
         for d in self.policy.run(snap):
             self._apply(d, snap)
 
@@ -228,6 +269,8 @@ class Rebalancer(SchedulerPlugin):
     def remove_worker(self, scheduler, worker, *, stimulus_id=None, **kwargs) -> None:
         self.snapshot_workers.pop(worker, None)
         self.speeds.forget(worker)
+        self.parked.pop(worker, None)
+        self._providers.pop(worker, None)
         was_paused = self.paused.pop(worker, None)
         self.held.pop(worker, None)
         self._apply(Decision(Action.FORGET, worker, "worker left the cluster"
@@ -342,7 +385,26 @@ class Rebalancer(SchedulerPlugin):
                                monotonic=time.monotonic())
         snap.balancing = (self.balancing.judge(snap) if self.balancing is not None
                           else snap.speeds_differ)
+        pools = pools_of(views)
+        self._providers = {a: p.provider for a, p in pools.items()}
+        snap.parked = frozenset(self.parked)
+        snap.declared_pools = dict(self.declared_pools)
+        snap.run = self._objective_run()
+        if snap.run is not None:
+            snap.throughput = self._throughput(views)
+            snap.inputs = {g: {p: b / max(n, 1) for p, b in by.items()}
+                           for g, (n, by) in self.group_inputs.items()}
         return snap
+
+    def _objective_run(self):
+        """The run most recently given work, when it runs under an objective."""
+        run = self.runs.run_of(self.runs.current)
+        return run if run is not None and run.objective is not None else None
+
+    def _throughput(self, views) -> dict[str, dict[str, float]]:
+        """The throughput matrix (group -> pool -> seconds per task) from the speed model."""
+        return cost.throughput_matrix(self.speeds.group_durations(), pools_of(views),
+                                      {a: w.speed for a, w in views.items()})
 
     def _stopped(self, views) -> frozenset:
         """Workers that paused themselves (distributed's host-memory pause threshold): their
@@ -355,7 +417,7 @@ class Rebalancer(SchedulerPlugin):
             if w.status != "paused":
                 continue
             hm = w.host_memory_fraction
-            if (a not in self.paused and a not in self.held) or (
+            if (a not in self.paused and a not in self.held and a not in self.parked) or (
                     limit and hm is not None and hm >= limit):
                 out.add(a)
         return frozenset(out)
@@ -391,7 +453,8 @@ class Rebalancer(SchedulerPlugin):
 
     def _reapply_pauses(self, snap: ClusterSnapshot) -> None:
         # A worker's own status message can flip a scheduler-side pause back to running.
-        for kept, what in ((self.held, "rehold"), (self.paused, "repause")):
+        for kept, what in ((self.held, "rehold"), (self.paused, "repause"),
+                           (self.parked, "repark")):
             for addr in list(kept):
                 w = snap.workers.get(addr)
                 if w is None:
@@ -510,6 +573,13 @@ class Rebalancer(SchedulerPlugin):
         return d
 
     def _on_fail(self, d, snap):
+        if isinstance(d.detail, BaseException):  # refused before anything runs
+            held = _distributed.hold_tasks(self.scheduler, list(d.keys))
+            objective_logger.error("%s", d.detail)
+            keys = list(d.keys)  # held ones, and restricted ones waiting in no-worker
+            _distributed.call_soon(self.scheduler, lambda: _distributed.fail_tasks(
+                self.scheduler, keys, d.detail, f"blockflow-refused-{time.time()}"))
+            return replace(d, seen={**d.seen, "held": len(held)})
         need = d.seen["resources"]
         failed = _distributed.fail_tasks(self.scheduler, list(d.keys), ResourceError(d.detail),
                                          f"blockflow-unsatisfiable-{time.time()}")
@@ -535,10 +605,29 @@ class Rebalancer(SchedulerPlugin):
     def _log_only(self, d, snap):
         return d
 
+    def _on_park(self, d, snap):
+        if d.worker in self.parked:
+            return None
+        _distributed.set_worker_status(self.scheduler, d.worker, True, self._stimulus(d))
+        self.parked[d.worker] = d.reason
+        return d
+
+    def _on_unpark(self, d, snap):
+        if self.parked.pop(d.worker, None) is None:
+            return None
+        if d.worker not in self.paused and d.worker not in self.held:
+            _distributed.set_worker_status(self.scheduler, d.worker, False, self._stimulus(d))
+        return d
+
+    def _on_objective(self, d, snap):
+        if (d.detail or {}).get("warning"):
+            objective_logger.warning("blockflow: %s", d.reason)
+        return d
+
     #: Actions about one worker: applied only while their snapshot shows the worker.
     ON_WORKER = frozenset({Action.PAUSE, Action.RESUME, Action.HANDOVER, Action.HOLD,
                            Action.RELEASE, Action.MOVE, Action.ASSIGN, Action.PLACE,
-                           Action.SPECULATE, Action.KEEP})
+                           Action.SPECULATE, Action.KEEP, Action.PARK, Action.UNPARK})
     #: The one table of handlers: action -> ``handler(plugin, decision, snapshot)``.
     HANDLERS: dict[Action, Callable] = {
         Action.PAUSE: _on_pause,
@@ -561,6 +650,9 @@ class Rebalancer(SchedulerPlugin):
         Action.MEMORY_MOVE: _log_only,  # distributed's AMM applies it
         Action.JOIN: _log_only,
         Action.FORGET: _log_only,
+        Action.PARK: _on_park,
+        Action.UNPARK: _on_unpark,
+        Action.OBJECTIVE: _on_objective,
     }
 
     def _start_backup(self, d: Decision) -> None:
@@ -621,6 +713,34 @@ class Rebalancer(SchedulerPlugin):
 
     # --- read-only handler ------------------------------------------------------------
 
+    def _pool_status(self) -> dict[str, Any]:
+        """Pools, parked workers, the throughput matrix, the current run's objective, plan
+        and cost so far (plain data, for ``status``)."""
+        if self.scheduler is None:
+            return {"pools": {}, "parked": {}, "throughput": {}, "objective": None}
+        views = self._views()
+        pools = pools_of(views)
+        by_pool: dict[str, dict[str, Any]] = {}
+        for a, p in sorted(pools.items()):
+            by_pool.setdefault(p.name, {**p.to_dict(), "workers": []})["workers"].append(a)
+        for name, p in self.declared_pools.items():
+            by_pool.setdefault(name, {**p.to_dict(), "workers": []})
+        run = self.runs.run_of(self.runs.current)
+        objective = None
+        if run is not None and run.objective is not None:
+            rule = getattr(self.policy, "objective", None)
+            plan = getattr(rule, "plans", {}).get(run.id)
+            objective = {**run.objective.as_dict(), "run": run.id,
+                         "deadline_at": run.deadline_at, "plan": plan}
+        run_cost = None
+        if run is not None and run.spans:
+            run_cost = cost.run_cost(
+                [(w, s0, s1) for w, (s0, s1) in run.spans.items()], pools,
+                [(a, b, n) for (a, b), n in run.crossings.items()])
+        return {"pools": by_pool, "parked": dict(self.parked),
+                "throughput": self._throughput(views), "objective": objective,
+                "run_cost": run_cost}
+
     def status(self, comm=None, since: float | None = None,
                task_log: bool = False, run: str | None = None) -> dict[str, Any]:
         """Plain-data view of the plugin's state, served as the ``blockflow_status`` handler.
@@ -675,6 +795,7 @@ class Rebalancer(SchedulerPlugin):
             "workers": self.snapshot_workers,
             "memory_peak": dict(self.memory_peak),
             "decisions": decisions,
+            **self._pool_status(),
             "speculation": {**dict(self.speculation),
                             "running": {str(k): dict(v) for k, v in self.backups.items()}},
             "resources": {

@@ -52,6 +52,7 @@ from blockflow.scheduling.rules import (
     BackupRule,
     HoldRule,
     MoveRule,
+    ObjectiveRule,
     PauseRule,
     RoundRobinAssignmentRule,
     Rule,
@@ -130,6 +131,18 @@ class ClusterSnapshot:
     feeder_states : FeederStates, optional
         Key -> where a feeder stands (:class:`blockflow._distributed.FeederStates`), for the
         admission rule; None on the policy's snapshots.
+    run : Run, optional
+        The run most recently given work, when it runs under a
+        :func:`blockflow.objective` (:class:`blockflow.scheduling.runs.Run`); else None.
+    parked : frozenset of str
+        Workers parked for the objective (:class:`~blockflow.scheduling.rules.ObjectiveRule`).
+    declared_pools : mapping of str to Pool
+        Pools known before any worker of theirs joined (``Rebalancer.declared_pools``).
+    throughput : mapping
+        With ``run``: the throughput matrix, group -> pool name -> seconds per task
+        (:func:`blockflow.scheduling.cost.throughput_matrix`).
+    inputs : mapping
+        With ``run``: task group -> provider -> input bytes per task read from there.
     """
 
     time: float
@@ -150,6 +163,11 @@ class ClusterSnapshot:
     monotonic: float = 0.0
     feeders: list = field(default_factory=list, repr=False)
     feeder_states: Any = field(default=None, repr=False)
+    run: Any = field(default=None, repr=False)
+    parked: frozenset = frozenset()
+    declared_pools: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    throughput: Mapping[str, Mapping[str, float]] = field(default_factory=dict, repr=False)
+    inputs: Mapping[str, Mapping[str, float]] = field(default_factory=dict, repr=False)
 
 
 class RebalancePolicy(abc.ABC):
@@ -318,9 +336,12 @@ class DynamicPolicy(ComposedPolicy):
                              moved_memory=self.moved_memory)
         self.backup = BackupRule(self.speculation, self.backup_slots, self.backup_ratio,
                                  self.backup_min_elapsed)
-        # on a graph: placement; on a tick: pauses, holds (not on a worker just paused),
-        # moves (not onto a paused or held one), then copies (not onto a move's target)
-        self.rules = [self.placement, self.pause, self.hold, self.move, self.backup]
+        self.objective = ObjectiveRule()
+        # on a graph: the objective's refusals, placement; on a tick: pools parked for the
+        # objective, pauses, holds (not on a worker just paused), moves (not onto a paused,
+        # parked or held one), then copies (not onto a move's target)
+        self.rules = [self.objective, self.placement, self.pause, self.hold, self.move,
+                      self.backup]
 
     def worker_plugins(self) -> list:
         # every worker, present and future, can run and answer backup copies
