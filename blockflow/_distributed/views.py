@@ -357,6 +357,18 @@ def prefix_duration(scheduler, prefix) -> tuple[float, bool]:
     return float(scheduler._get_prefix_duration(prefix)), False
 
 
+def workers_holding_data(scheduler) -> frozenset:
+    """Addresses of the workers that hold results in memory (``WorkerState.has_what``)."""
+    return frozenset(a for a, ws in scheduler.workers.items() if ws.has_what)
+
+
+def group_duration(scheduler, name: str) -> float | None:
+    """Expected seconds of a task of the prefix named ``name`` (:func:`prefix_duration`:
+    measured, else distributed's default for unknown tasks); None for an unknown prefix."""
+    prefix = scheduler.task_prefixes.get(name)
+    return None if prefix is None else prefix_duration(scheduler, prefix)[0]
+
+
 def _task_view(scheduler, ts, thieves=()) -> TaskView:
     valid = scheduler.valid_workers(ts)
     duration, measured = prefix_duration(scheduler, ts.prefix)

@@ -58,6 +58,8 @@ ACTION_STYLES: dict[Action, tuple[str, str, str]] = {
     Action.PARK: ("#8c6d31", "square_pin", "park"),
     Action.UNPARK: ("#e7ba52", "square_pin", "unpark"),
     Action.OBJECTIVE: ("#d6616b", "triangle_pin", "objective"),
+    Action.SCALE: ("#3182bd", "diamond_cross", "scale"),
+    Action.RETIRE: ("#636363", "circle_y", "retire"),
 }
 #: Rows of the decision timeline, one per action.
 ACTIONS = [label for _, _, label in ACTION_STYLES.values()]

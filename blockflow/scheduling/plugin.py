@@ -51,6 +51,7 @@ from blockflow.scheduling.rules import (
 )
 from blockflow.scheduling import cost
 from blockflow.scheduling.pools import Pool, pools_of
+from blockflow.scheduling.rules.scaling import PoolScalingRule, ScalingRequest
 from blockflow.scheduling.runs import RunTracker
 from blockflow.scheduling.speed import SpeedModel
 
@@ -136,6 +137,9 @@ class Rebalancer(SchedulerPlugin):
         #: Pools known before any of their workers joins (name -> Pool): a cluster that
         #: scales pools from zero registers them here (``client.run_on_scheduler``).
         self.declared_pools: dict[str, Pool] = {}
+        # elastic scaling of pools (PoolCluster.adapt): its rule, the workers it retires
+        self.scaling = PoolScalingRule()
+        self.retiring: dict[str, str] = {}  # worker -> its name, retired, not gone yet
         self._providers: dict[str, str] = {}  # worker -> its pool's provider
         # task group -> [tasks seen, {provider -> input bytes}]: where a group's inputs live
         self.group_inputs: dict[str, list] = {}
@@ -156,6 +160,7 @@ class Rebalancer(SchedulerPlugin):
         self.policy = make_policy(self.policy_name)
         self._start_resources()
         _distributed.add_handler(scheduler, "blockflow_status", self.status)
+        _distributed.add_handler(scheduler, "blockflow_pool_targets", self.pool_targets)
         for amm_policy in self.policy.amm_policies():
             _distributed.add_amm_policy(scheduler, amm_policy)
         for worker_plugin in self.policy.worker_plugins():
@@ -270,6 +275,7 @@ class Rebalancer(SchedulerPlugin):
         self.snapshot_workers.pop(worker, None)
         self.speeds.forget(worker)
         self.parked.pop(worker, None)
+        self.retiring.pop(worker, None)
         self._providers.pop(worker, None)
         was_paused = self.paused.pop(worker, None)
         self.held.pop(worker, None)
@@ -605,6 +611,13 @@ class Rebalancer(SchedulerPlugin):
     def _log_only(self, d, snap):
         return d
 
+    def _on_retire(self, d, snap):
+        if d.worker in self.retiring or not _distributed.retire_idle_worker(
+                self.scheduler, d.worker, self._stimulus(d)):
+            return None
+        self.retiring[d.worker] = str(snap.workers[d.worker].name)
+        return d
+
     def _on_park(self, d, snap):
         if d.worker in self.parked:
             return None
@@ -627,7 +640,8 @@ class Rebalancer(SchedulerPlugin):
     #: Actions about one worker: applied only while their snapshot shows the worker.
     ON_WORKER = frozenset({Action.PAUSE, Action.RESUME, Action.HANDOVER, Action.HOLD,
                            Action.RELEASE, Action.MOVE, Action.ASSIGN, Action.PLACE,
-                           Action.SPECULATE, Action.KEEP, Action.PARK, Action.UNPARK})
+                           Action.SPECULATE, Action.KEEP, Action.PARK, Action.UNPARK,
+                           Action.RETIRE})
     #: The one table of handlers: action -> ``handler(plugin, decision, snapshot)``.
     HANDLERS: dict[Action, Callable] = {
         Action.PAUSE: _on_pause,
@@ -650,6 +664,8 @@ class Rebalancer(SchedulerPlugin):
         Action.MEMORY_MOVE: _log_only,  # distributed's AMM applies it
         Action.JOIN: _log_only,
         Action.FORGET: _log_only,
+        Action.RETIRE: _on_retire,
+        Action.SCALE: _log_only,  # the cluster (PoolAdaptive) starts the workers
         Action.PARK: _on_park,
         Action.UNPARK: _on_unpark,
         Action.OBJECTIVE: _on_objective,
@@ -713,6 +729,69 @@ class Rebalancer(SchedulerPlugin):
 
     # --- read-only handler ------------------------------------------------------------
 
+    def pool_targets(self, comm=None, *, pools: dict, bounds: dict,
+                     starting: dict | None = None, threads: dict | None = None,
+                     target_duration: float = 5.0, startup: float = 5.0,
+                     wait_count: int = 3) -> dict[str, Any]:
+        """Per-pool worker targets for elastic scaling (the ``blockflow_pool_targets``
+        handler, asked by :class:`blockflow.cluster.adaptive.PoolAdaptive`, as distributed's
+        ``Adaptive`` asks ``adaptive_target``).
+
+        Runs :class:`~blockflow.scheduling.rules.scaling.PoolScalingRule` on a fresh
+        snapshot and applies its decisions: ``scale`` (a target changed, logged) and
+        ``retire`` (an idle worker of a pool above its target: paused and retired here, in
+        one step with the idleness check). The pools become :attr:`declared_pools`.
+
+        Parameters
+        ----------
+        pools : dict
+            Pool name -> :meth:`~blockflow.scheduling.pools.Pool.to_dict`.
+        bounds : dict
+            Pool name -> ``[minimum, maximum]`` workers.
+        starting : dict, optional
+            Pool name -> workers started that have not joined yet.
+        threads : dict, optional
+            Pool name -> threads per worker.
+        target_duration, startup : float
+            Seconds (see :class:`~blockflow.scheduling.rules.scaling.ScalingRequest`).
+        wait_count : int
+
+        Returns
+        -------
+        dict
+            ``targets`` (pool -> workers), ``reasons`` (pool -> why), ``retiring`` (names of
+            the workers retired and not gone yet: the cluster forgets them).
+        """
+        if self.scheduler is None or self.policy is None:
+            return {"targets": {}, "reasons": {}, "retiring": []}
+        request = ScalingRequest(
+            pools={n: Pool.from_dict(d) for n, d in pools.items()},
+            bounds={n: (int(b[0]), int(b[1])) for n, b in bounds.items()},
+            starting=dict(starting or {}), threads=dict(threads or {}),
+            target_duration=float(target_duration), startup=float(startup),
+            wait_count=int(wait_count))
+        self.declared_pools.update(request.pools)
+        snap = self.take_snapshot()
+        run = self.runs.run_of(self.runs.current)
+        if run is not None and not snap.throughput:
+            snap.throughput = self._throughput(snap.workers)
+        reference = {}
+        for g in (run.group_pending if run is not None else ()):
+            seconds = _distributed.group_duration(self.scheduler, g)
+            if seconds is not None:
+                reference[g] = seconds
+        spent = 0.0
+        if run is not None and run.objective is not None and run.objective.budget is not None:
+            rule = getattr(self.policy, "objective", None)
+            if rule is not None:
+                spent = rule._spent(run, pools_of(snap.workers), snap.time, snap)
+        for d in self.scaling.run(snap, request, run, reference, spent,
+                                  frozenset(self.retiring),
+                                  _distributed.workers_holding_data(self.scheduler)):
+            self._apply(d, snap)
+        return {"targets": dict(self.scaling.targets), "reasons": dict(self.scaling.reasons),
+                "retiring": sorted(self.retiring.values())}
+
     def _pool_status(self) -> dict[str, Any]:
         """Pools, parked workers, the throughput matrix, the current run's objective, plan
         and cost so far (plain data, for ``status``)."""
@@ -738,6 +817,9 @@ class Rebalancer(SchedulerPlugin):
                 [(w, s0, s1) for w, (s0, s1) in run.spans.items()], pools,
                 [(a, b, n) for (a, b), n in run.crossings.items()])
         return {"pools": by_pool, "parked": dict(self.parked),
+                "scaling": {"targets": dict(self.scaling.targets),
+                            "reasons": dict(self.scaling.reasons),
+                            "retiring": dict(self.retiring)},
                 "throughput": self._throughput(views), "objective": objective,
                 "run_cost": run_cost}
 
