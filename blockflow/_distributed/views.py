@@ -34,6 +34,7 @@ __all__ = [
     "bandwidth",
     "feeder_states",
     "feeder_tasks",
+    "group_duration",
     "held_results",
     "input_holders",
     "new_task_views",
@@ -49,6 +50,7 @@ __all__ = [
     "worker_addresses",
     "worker_names_and_metrics",
     "worker_views",
+    "workers_holding_data",
 ]
 
 

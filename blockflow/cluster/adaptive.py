@@ -22,6 +22,8 @@ from typing import Any
 from dask.utils import parse_timedelta
 from distributed.deploy.adaptive import Adaptive
 
+from blockflow import _distributed
+
 __all__ = ["PoolAdaptive"]
 
 logger = logging.getLogger(__name__)
@@ -134,8 +136,8 @@ class PoolAdaptive(Adaptive):
         threads = {p: int((cluster.pool_worker_spec(p)["options"].get("nthreads")
                            or cluster.pool_worker_spec(p)["options"].get("cores") or 1))
                    for p in cluster.pools}
-        reply = await self.scheduler.blockflow_pool_targets(
-            pools={n: p.to_dict() for n, p in cluster.pools.items()},
+        reply = await _distributed.call_scheduler_handler(
+            self.scheduler, "blockflow_pool_targets", pools={n: p.to_dict() for n, p in cluster.pools.items()},
             bounds={n: list(b) for n, b in self.bounds.items()},
             starting=starting, threads=threads, target_duration=self.target_duration,
             startup=self.startup, wait_count=self.wait_count)
