@@ -296,14 +296,22 @@ def test_page_groups_workers_by_pool_with_names_history_and_cost(browser):
         assert {w["pool"] for w in data["workers"]} == {"fast", "slow"}
         assert all(p["cost_so_far"] is None or p["cost_so_far"] >= 0 for p in data["pools"])
 
+        hot = sorted(client.cluster.scheduler.workers)[-1]
+        client.run(set_tenant, Tenant(95, 0), workers=[hot])  # a hot GPU: a decision
+        client.run(_heartbeat, workers=[hot])
+        client.sync(_tick, client.cluster.scheduler)
         browser.get(_base(client) + "/blockflow")
         names = {str(w["name"]) for w in data["workers"]}
 
         def rendered(d):
             text = d.find_element(By.TAG_NAME, "body").text
-            return "Pools" in text and "fast" in text and "slow" in text and "$4/h" in text
+            return ("Pools" in text and "fast" in text and "slow" in text and "$4/h" in text
+                    and "reasons in full" in text)
 
-        WebDriverWait(browser, 120).until(rendered)
+        try:
+            WebDriverWait(browser, 120).until(rendered)
+        except Exception:
+            raise AssertionError(browser.find_element(By.TAG_NAME, "body").text[:3000])
         tables = browser.execute_script(_READ_TABLES)
         workers = next(t for t in tables if "Pool" in t["headers"] and "Worker" in t["headers"])
         p, w = workers["headers"].index("Pool"), workers["headers"].index("Worker")
