@@ -126,7 +126,7 @@ def objective(kind: str = "makespan", *, deadline: str | float | None = None,
                              "out, or give 'makespan' a budget=.")
         try:
             seconds = parse_timedelta(deadline)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, KeyError):  # KeyError: an unknown unit ("soon")
             seconds = None
         if seconds is None or not math.isfinite(seconds) or seconds <= 0:
             raise ValueError(f"blockflow.objective: deadline must be a positive duration "
