@@ -135,6 +135,10 @@ class ObjectiveRule(Rule):
         inputs, for status and the dashboard.
     """
 
+    #: Share of a task per thread kept free before the deadline (the last task a thread
+    #: starts must end in time; re-planning every tick catches the rest).
+    tail = 0.25
+
     def __init__(self):
         self.plans: dict[str, dict[str, Any]] = {}
         self._warned: set[str] = set()
@@ -233,10 +237,10 @@ class ObjectiveRule(Rule):
                 plan = None
             else:
                 # thread-seconds each pool has until the deadline: less what its running
-                # tasks still take, less half a task per thread (the last task a thread
-                # starts must end in time), as a number of whole-deadline workers
+                # tasks still take, less :attr:`tail` of a task per thread (the last task
+                # a thread starts must end in time), as a number of whole-deadline workers
                 usable = {name: max(n * threads[name] * left - remaining.get(name, 0.0)
-                                    - 0.5 * typical[name] * n * threads[name], 0.0)
+                                    - self.tail * typical[name] * n * threads[name], 0.0)
                           / (threads[name] * left) for name, n in workers.items()}
                 plan = cost.plan(work, seconds, by_name, usable, threads=threads,
                                  deadline=left, egress=egress)
