@@ -145,17 +145,24 @@ class ObjectiveRule(Rule):
 
     # --- graph: refuse what cannot be met -------------------------------------------
 
-    def _on_graph(self, snap) -> list[Decision]:
+    def _unknown_pools(self, snap) -> list[Decision]:
+        """Tasks waiting for a ``pool:<name>`` resource of a pool no worker declares
+        (``client.submit(..., resources={"pool:x": 1})``): fail them now."""
+        if not snap.unsatisfiable:
+            return []
+        return self._refuse_pools(snap, [(key, need, None)
+                                         for key, need in snap.unsatisfiable])
+
+    def _refuse_pools(self, snap, requests) -> list[Decision]:
         from blockflow.errors import ObjectiveError
 
         pools = pools_of(snap.workers)
         known = {p.name for p in pools.values()} | set(snap.declared_pools or ())
         bad: dict[str, list] = {}
-        for t in snap.new_tasks:
-            placement = t.placement or {}
-            for name in requested_pools(placement.get("resources"), placement.get("workers")):
+        for key, resources, workers in requests:
+            for name in requested_pools(resources, workers):
                 if name not in known:
-                    bad.setdefault(name, []).append(t.key)
+                    bad.setdefault(name, []).append(key)
         out = []
         for name, keys in bad.items():
             msg = (f"blockflow: {len(keys)} task{'s' if len(keys) != 1 else ''} (e.g. "
@@ -164,6 +171,15 @@ class ObjectiveRule(Rule):
                    f"resources={{'pool:<name>': 1}}")
             out.append(Decision(Action.FAIL, "", msg, {"pool": name, "tasks": len(keys)},
                                 keys=tuple(keys), detail=ObjectiveError(msg)))
+        return out
+
+    def _on_graph(self, snap) -> list[Decision]:
+        from blockflow.errors import ObjectiveError
+
+        pools = pools_of(snap.workers)
+        out = self._refuse_pools(snap, [
+            (t.key, (t.placement or {}).get("resources"), (t.placement or {}).get("workers"))
+            for t in snap.new_tasks])
         run = snap.run
         if run is None or run.objective is None or not snap.new_tasks:
             return out
@@ -190,7 +206,7 @@ class ObjectiveRule(Rule):
             return self._on_graph(snap)
         if snap.event != "tick":
             return []
-        out = self._tick(snap)
+        out = self._unknown_pools(snap) + self._tick(snap)
         if context is not None:  # parked now: no moves onto them this tick
             context.paused_now |= {d.worker for d in out if d.action == Action.PARK}
         return out
