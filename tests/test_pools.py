@@ -125,3 +125,133 @@ def test_run_cost_bills_first_start_to_last_stop_idle_included():
     assert c["egress"]["bytes"] == 2_000_000_000
     assert c["egress"]["cost"] == pytest.approx(0.2)
     assert c["total_cost"] == pytest.approx(16 / 3600 + 2 * 0.5 / 3600 + 0.2)
+
+
+# --- real clusters of simulated pools --------------------------------------------------
+
+from blockflow.scheduling import Rebalancer  # noqa: E402
+from blockflow.scheduling.client import plugin_status  # noqa: E402
+from blockflow.testing.cluster import simulated_cluster  # noqa: E402
+from blockflow.testing.simulated import simulated_kernel  # noqa: E402
+
+
+@pytest.fixture
+def pooled():
+    """1 fast worker (speed 4, $4/h) and 2 slow (speed 1, $0.5/h), as threads, with
+    blockflow's plugin (dynamic policy)."""
+    with simulated_cluster(pools={FAST: 1, SLOW: 2}, processes=False) as client:
+        client.register_plugin(Rebalancer(policy="dynamic", interval="50ms"))
+        yield client
+
+
+def _decisions(client, action):
+    return [d for d in plugin_status(client)["decisions"] if d["action"] == action]
+
+
+@pytest.mark.slow
+def test_pools_reach_the_scheduler_inventory_and_status(pooled):
+    inv = blockflow.inventory(pooled)
+    assert sorted((w.pool, w.provider, w.price) for w in inv) == [
+        ("fast", "gcp", 4.0), ("slow", "gcp", 0.5), ("slow", "gcp", 0.5)]
+    assert "pool" in inv.to_pandas().columns and "fast" in repr(inv)
+    status = plugin_status(pooled)
+    assert {n: len(p["workers"]) for n, p in status["pools"].items()} == {"fast": 1, "slow": 2}
+    # the pool's resource pins work to it
+    fast_worker = status["pools"]["fast"]["workers"][0]
+    fs = pooled.map(simulated_kernel, range(4), work=0.01, pure=False,
+                    resources={"pool:fast": 1})
+    pooled.gather(fs)
+    assert {tuple(v) for v in pooled.who_has(fs).values()} == {(fast_worker,)}
+
+
+@pytest.mark.slow
+def test_cost_objective_parks_the_expensive_pool_when_cheap_ones_meet_the_deadline(pooled):
+    import numpy as np
+
+    with blockflow.objective("cost", deadline=60):
+        fs = pooled.map(simulated_kernel, range(30), work=0.05, op=np.negative, pure=False)
+        out = pooled.gather(fs)
+    assert [b.payload for b in out] == [-i for i in range(30)]
+    fast = plugin_status(pooled)["pools"]["fast"]["workers"][0]
+    parks = [d for d in _decisions(pooled, "park") if d["worker"] == fast]
+    assert parks, "the fast pool was never parked"
+    d = parks[0]
+    assert d["seen_pool"] == "fast" and d["seen_objective"] == "cost"
+    assert d["seen_planned_tasks"] <= d["seen_held_tasks"] + 0.5
+    assert "cheaper pools meet the cost objective" in d["reason"]
+    # the run's cost per pool and the LP bound beside it
+    report = blockflow.run_report(pooled)
+    assert report.pools is not None
+    assert set(report.pools["pools"]) == {"fast", "slow"}
+    assert report.pools["objective"]["kind"] == "cost"
+    assert report.pools["lower_bound"]["feasible"]
+    assert report.pools["total_cost"] >= report.pools["lower_bound"]["cost"] * 0.999
+    assert set(report.cost_table().pool) == {"fast", "slow"}
+    tm = blockflow.throughput(pooled)
+    assert list(tm.columns) == ["fast", "slow"] and "simulated_kernel" in tm.index
+    # with no objective run left, nothing stays parked
+    from tests.loadaware import wait_until
+
+    wait_until(lambda: not plugin_status(pooled)["parked"], message="every pool unparked")
+
+
+@pytest.mark.slow
+def test_unknown_pool_in_resources_fails_at_once_with_one_line(pooled):
+    fut = pooled.submit(simulated_kernel, 1, work=0.01, resources={"pool:gpu-a100": 1})
+    with pytest.raises(ObjectiveError, match=re.escape(
+            "ask for pool 'gpu-a100', which no worker declares (pools: fast, slow); use "
+            "one of those names in resources={'pool:<name>': 1}")):
+        fut.result(timeout=30)
+
+
+@pytest.mark.slow
+def test_cost_objective_refuses_pools_without_a_price():
+    with simulated_cluster(pools={Pool("a", speed=2): 1, Pool("b"): 1},
+                           processes=False) as client:
+        client.register_plugin(Rebalancer(policy="dynamic", interval="50ms"))
+        with blockflow.objective("cost", deadline=30):
+            fs = client.map(simulated_kernel, range(4), work=0.01, pure=False)
+        with pytest.raises(ObjectiveError, match=re.escape(
+                "blockflow.objective: pool 'a' has no price, which the cost objective "
+                "needs; give it one")):
+            client.gather(fs)
+        assert not any(plugin_status(client)["task_counts"].values())  # nothing ran
+
+
+@pytest.mark.slow
+def test_impossible_deadline_and_budget_fail_before_anything_runs(pooled):
+    # measure the group first: the objective is judged on what was measured
+    pooled.gather(pooled.map(simulated_kernel, range(12), work=0.05, pure=False))
+    from tests.loadaware import wait_until
+
+    wait_until(lambda: "simulated_kernel" in blockflow.throughput(pooled).index,
+               message="the group measured")
+    before = sum(plugin_status(pooled)["task_counts"].values())
+    with blockflow.objective("cost", deadline=0.01):
+        fs = pooled.map(simulated_kernel, range(50), work=0.05, pure=False)
+    with pytest.raises(ObjectiveError, match=r"^blockflow\.objective: deadline 0\.01s cannot "
+                       r"be met: needs >= \d+ workers of pool '(fast|slow)' \(has \d\); add "
+                       r"workers or extend the deadline$"):
+        pooled.gather(fs)
+    with blockflow.objective("makespan", budget=1e-9):
+        fs = pooled.map(simulated_kernel, range(50), work=0.05, pure=False)
+    with pytest.raises(ObjectiveError, match=r"budget \$1e-09 is below the cheapest possible "
+                       r"run \(\$[0-9.e-]+\)"):
+        pooled.gather(fs)
+    assert sum(plugin_status(pooled)["task_counts"].values()) == before
+    assert len(_decisions(pooled, "fail")) == 2
+
+
+@pytest.mark.slow
+def test_a_deadline_missed_mid_run_warns_with_the_projected_finish_and_goes_on(pooled):
+    # a group never measured is not refused up front; once measured, the deadline is past
+    with blockflow.objective("cost", deadline=0.2):
+        fs = pooled.map(simulated_kernel, range(16), work=0.1, pure=False)
+    pooled.gather(fs)
+    from tests.loadaware import wait_until
+
+    missed = wait_until(lambda: _decisions(pooled, "objective"),
+                        message="an objective warning")
+    assert re.match(r"deadline can no longer be met: projected finish in [0-9.]+ s with "
+                    r"every pool, [0-9.]+ s left to the deadline", missed[0]["reason"])
+    assert "seen_projected_finish_in" in missed[0]
