@@ -209,6 +209,7 @@ class ObjectiveRule(Rule):
         out = self._unknown_pools(snap) + self._tick(snap)
         if context is not None:  # parked now: no moves onto them this tick
             context.paused_now |= {d.worker for d in out if d.action == Action.PARK}
+            context.taken |= {d.target for d in out if d.action == Action.MOVE}
         return out
 
     def _tick(self, snap) -> list[Decision]:
@@ -348,6 +349,58 @@ class ObjectiveRule(Rule):
                         Action.PARK, a, f"pool {name!r} parked: the plan gives it "
                         f"{plan.pool_tasks(name):.1f} tasks, it holds {holds.get(name, 0)}; "
                         f"cheaper pools meet the {obj.kind} objective", seen))
+            if want and name != keep and more[name] >= 1:
+                out += self._hand_over(snap, pools, name, int(more[name]), seen, egress,
+                                       seconds, plan, workers, threads, work)
+        return out
+
+    def _hand_over(self, snap, pools, name, n, seen, egress, seconds, plan, workers,
+                   threads, work) -> list[Decision]:
+        """Move up to ``n`` tasks waiting on other pools' workers (assigned there by
+        distributed, near their data) to free threads of pool ``name``, which the plan
+        needs to take them; each move records its inputs' bytes, their egress price and the
+        time the pool saves."""
+        free = [(a, w.nthreads - w.processing) for a, w in sorted(snap.workers.items())
+                if pools[a].name == name and w.status == "running"
+                and w.processing < w.nthreads]
+        slots = [a for a, k in free for _ in range(k)][:n]
+        if not slots:
+            return []
+        cross = None
+        out = []
+        donors = sorted((a for a, p in pools.items() if p.name != name and a in snap.workers),
+                        key=lambda a: -snap.workers[a].processing)
+        for src in donors:
+            if not slots:
+                break
+            w = snap.workers[src]
+            if w.processing <= w.nthreads:
+                continue  # nothing waits there beyond what starts next
+            for task in snap.waiting.get(src, ()):
+                if not slots:
+                    break
+                if task.allowed_workers is not None and slots[0] not in task.allowed_workers:
+                    continue
+                dst = slots.pop(0)
+                moved = dict(seen, input_bytes=task.input_bytes)
+                reason = (f"pool {name!r} takes a task the plan gives it "
+                          f"({plan.pool_tasks(name):.1f} planned, {seen['held_tasks']} held)")
+                if pools[src].provider != pools[dst].provider and task.input_bytes:
+                    if cross is None:
+                        cross = self._crossing(name, pools, egress, work, seconds, plan,
+                                               workers, threads, snap) or {}
+                    price = max(p.egress for p in pools.values()
+                                if p.provider == pools[src].provider)
+                    dollars = task.input_bytes / _GB * price
+                    moved.update(egress_bytes=task.input_bytes,
+                                 egress_cost=round(dollars, 6),
+                                 time_saved=cross.get("time_saved"))
+                    reason += (f"; its inputs cross from {pools[src].provider} to "
+                               f"{pools[dst].provider}: {task.input_bytes / _GB:.3g} GB for "
+                               f"${dollars:.4g}, the plan's pool saves "
+                               f"{cross.get('time_saved')} s")
+                out.append(Decision(Action.MOVE, src, reason, moved, target=dst,
+                                    key=task.key))
         return out
 
     def _crossing(self, name, pools, egress, work, seconds, plan, workers, threads,
