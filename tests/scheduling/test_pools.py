@@ -7,11 +7,16 @@ from __future__ import annotations
 import re
 
 import pytest
+from loadaware import wait_until
 
 import blockflow
 from blockflow.errors import ObjectiveError
+from blockflow.scheduling import Rebalancer
+from blockflow.scheduling.client import plugin_status
 from blockflow.scheduling.cost import plan, run_cost, throughput_matrix
 from blockflow.scheduling.pools import Pool, pools_of, requested_pools
+from blockflow.testing.cluster import simulated_cluster
+from blockflow.testing.simulated import simulated_kernel
 
 FAST = Pool("fast", provider="gcp", price=4.0, speed=4)
 SLOW = Pool("slow", provider="gcp", price=0.5, speed=1)
@@ -129,12 +134,6 @@ def test_run_cost_bills_first_start_to_last_stop_idle_included():
 
 # --- real clusters of simulated pools --------------------------------------------------
 
-from blockflow.scheduling import Rebalancer  # noqa: E402
-from blockflow.scheduling.client import plugin_status  # noqa: E402
-from blockflow.testing.cluster import simulated_cluster  # noqa: E402
-from blockflow.testing.simulated import simulated_kernel  # noqa: E402
-
-
 @pytest.fixture
 def pooled():
     """1 fast worker (speed 4, $4/h) and 2 slow (speed 1, $0.5/h), as threads, with
@@ -190,8 +189,6 @@ def test_cost_objective_parks_the_expensive_pool_when_cheap_ones_meet_the_deadli
     tm = blockflow.throughput(pooled)
     assert list(tm.columns) == ["fast", "slow"] and "simulated_kernel" in tm.index
     # with no objective run left, nothing stays parked
-    from tests.loadaware import wait_until
-
     wait_until(lambda: not plugin_status(pooled)["parked"], message="every pool unparked")
 
 
@@ -222,8 +219,6 @@ def test_cost_objective_refuses_pools_without_a_price():
 def test_impossible_deadline_and_budget_fail_before_anything_runs(pooled):
     # measure the group first: the objective is judged on what was measured
     pooled.gather(pooled.map(simulated_kernel, range(12), work=0.05, pure=False))
-    from tests.loadaware import wait_until
-
     wait_until(lambda: "simulated_kernel" in blockflow.throughput(pooled).index,
                message="the group measured")
     before = sum(plugin_status(pooled)["task_counts"].values())
@@ -248,8 +243,6 @@ def test_a_deadline_missed_mid_run_warns_with_the_projected_finish_and_goes_on(p
     with blockflow.objective("cost", deadline=0.2):
         fs = pooled.map(simulated_kernel, range(16), work=0.1, pure=False)
     pooled.gather(fs)
-    from tests.loadaware import wait_until
-
     missed = wait_until(lambda: _decisions(pooled, "objective"),
                         message="an objective warning")
     assert re.match(r"deadline can no longer be met: projected finish in [0-9.]+ s with "
