@@ -137,6 +137,7 @@ class Rebalancer(SchedulerPlugin):
         #: scales pools from zero registers them here (``client.run_on_scheduler``).
         self.declared_pools: dict[str, Pool] = {}
         self._providers: dict[str, str] = {}  # worker -> its pool's provider
+        self._multi_provider = False  # workers of several providers (inputs are tracked)
         # task group -> [tasks seen, {provider -> input bytes}]: where a group's inputs live
         self.group_inputs: dict[str, list] = {}
 
@@ -197,7 +198,7 @@ class Rebalancer(SchedulerPlugin):
         if worker is None:
             return
         self.task_counts[worker] += 1
-        if len(set(self._providers.values())) > 1:
+        if self._multi_provider:
             self._record_inputs(key, worker)
         group = key_split(key)
         if group.startswith(KERNEL_PREFIX):
@@ -387,6 +388,7 @@ class Rebalancer(SchedulerPlugin):
                           else snap.speeds_differ)
         pools = pools_of(views)
         self._providers = {a: p.provider for a, p in pools.items()}
+        self._multi_provider = len(set(self._providers.values())) > 1
         snap.parked = frozenset(self.parked)
         snap.declared_pools = dict(self.declared_pools)
         snap.run = self._objective_run()
