@@ -248,3 +248,26 @@ def test_a_deadline_missed_mid_run_warns_with_the_projected_finish_and_goes_on(p
     assert re.match(r"deadline can no longer be met: projected finish in [0-9.]+ s with "
                     r"every pool, [0-9.]+ s left to the deadline", missed[0]["reason"])
     assert "seen_projected_finish_in" in missed[0]
+
+
+@pytest.mark.slow
+def test_connect_puts_the_embedded_workers_in_pools():
+    client = blockflow.connect(pools={FAST: 1, SLOW: 2}, processes=False, gpu=False,
+                               threads_per_worker=1)
+    try:
+        status = plugin_status(client)
+        assert {n: len(p["workers"]) for n, p in status["pools"].items()} == {
+            "fast": 1, "slow": 2}
+        assert status["pools"]["fast"]["price"] == 4.0
+    finally:
+        client.shutdown()
+        client.close()
+
+
+def test_connect_pools_bad_input_is_one_line():
+    with pytest.raises(ValueError, match="pool 'fast' must have an integer >= 1 of workers"):
+        blockflow.connect(pools={FAST: 0})
+    with pytest.raises(ValueError, match="n_workers=3 but pools= has 1 workers"):
+        blockflow.connect(pools={FAST: 1}, n_workers=3)
+    with pytest.raises(ValueError, match="pools= puts the workers of an embedded cluster"):
+        blockflow.connect("tcp://127.0.0.1:1", pools={FAST: 1})
