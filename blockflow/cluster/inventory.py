@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import pandas as pd
 from dask.utils import format_bytes
 
+from blockflow.scheduling.pools import pools_of
 from blockflow.cluster.identity import workers_info
 from blockflow._distributed import worker_plugins
 from blockflow.cluster.devices import device_info
@@ -49,6 +50,11 @@ class WorkerResources:
     shares_gpu_with : tuple of str
         Addresses of the other workers that use the same GPU (same ``gpu_uuid``); empty
         when the worker has its GPU to itself.
+    pool, provider, region : str
+        The worker's pool and where it runs (:class:`blockflow.Pool`; ``"default"``,
+        ``"local"``, ``""`` when it reports none).
+    price : float or None
+        Dollars per worker-hour of its pool (None: unknown).
     """
 
     address: str
@@ -65,6 +71,10 @@ class WorkerResources:
     simulated: bool = False
     resources: dict = field(default_factory=dict)
     shares_gpu_with: tuple = ()
+    pool: str = "default"
+    provider: str = "local"
+    region: str = ""
+    price: float | None = None
 
 
 def _probe_device(dask_worker=None) -> dict:
@@ -152,6 +162,7 @@ class Inventory:
         for c in ("memory_limit", "gpu_memory_total", "gpu_memory_used"):
             df[c] = df[c].astype("Int64")
         df["gpu_utilization"] = df["gpu_utilization"].astype("Float64")
+        df["price"] = df["price"].astype("Float64")
         return df
 
     def _display_rows(self) -> list[dict[str, str]]:
@@ -172,6 +183,8 @@ class Inventory:
                 "resources": ", ".join(f"{k}={v:g}" for k, v in sorted(w.resources.items()))
                 or "none",
                 "shares GPU with": ", ".join(w.shares_gpu_with) or "-",
+                "pool": w.pool, "provider": w.provider + (f"/{w.region}" if w.region else ""),
+                "$/h": "n/a" if w.price is None else f"{w.price:g}",
             })
         return rows
 
@@ -211,7 +224,8 @@ def inventory(client) -> Inventory:
     Returns
     -------
     Inventory
-        One :class:`WorkerResources` per worker. Device memory and utilisation come from the
+        One :class:`WorkerResources` per worker (sorted by pool, then address), with its
+        pool (:class:`blockflow.Pool`). Device memory and utilisation come from the
         workers' latest heartbeat (distributed's NVML keys, refreshed every 0.5-2 s); a
         worker is a GPU worker when it reports ``gpu-memory-total``. CPU-only workers have
         None (never 0) in every GPU field. Workers that report the same device UUID share
@@ -240,8 +254,10 @@ def inventory(client) -> Inventory:
     gpu_workers = [a for a, info in workers.items() if read_metrics(info.get("metrics")).has_gpu]
     probes = client.run(_probe_device, workers=gpu_workers) if gpu_workers else {}
     out = []
+    pools = pools_of(workers)
     for addr, info in workers.items():
         m = read_metrics(info.get("metrics"))
+        pool = pools[addr]
         probe = probes.get(addr, {}) if m.has_gpu else {}
         limit = info.get("memory_limit") or None
         out.append(WorkerResources(
@@ -258,8 +274,9 @@ def inventory(client) -> Inventory:
             gpu_utilization=m.gpu_utilization,
             simulated=bool(probe.get("simulated", False)),
             resources=dict(info.get("resources") or {}),
+            pool=pool.name, provider=pool.provider, region=pool.region, price=pool.price,
         ))
-    inv = Inventory(out)
+    inv = Inventory(sorted(out, key=lambda w: (w.pool, w.address)))
     shared = inv.shared_gpus
     if shared:
         peers = {a: tuple(x for x in group if x != a) for group in shared.values() for a in group}

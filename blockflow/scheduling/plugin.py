@@ -141,6 +141,7 @@ class Rebalancer(SchedulerPlugin):
         self.scaling = PoolScalingRule()
         self.retiring: dict[str, str] = {}  # worker -> its name, retired, not gone yet
         self._providers: dict[str, str] = {}  # worker -> its pool's provider
+        self._multi_provider = False  # workers of several providers (inputs are tracked)
         # task group -> [tasks seen, {provider -> input bytes}]: where a group's inputs live
         self.group_inputs: dict[str, list] = {}
 
@@ -202,7 +203,7 @@ class Rebalancer(SchedulerPlugin):
         if worker is None:
             return
         self.task_counts[worker] += 1
-        if len(set(self._providers.values())) > 1:
+        if self._multi_provider:
             self._record_inputs(key, worker)
         group = key_split(key)
         if group.startswith(KERNEL_PREFIX):
@@ -393,6 +394,7 @@ class Rebalancer(SchedulerPlugin):
                           else snap.speeds_differ)
         pools = pools_of(views)
         self._providers = {a: p.provider for a, p in pools.items()}
+        self._multi_provider = len(set(self._providers.values())) > 1
         snap.parked = frozenset(self.parked)
         snap.declared_pools = dict(self.declared_pools)
         snap.run = self._objective_run()

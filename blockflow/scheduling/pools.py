@@ -3,7 +3,7 @@
 A pool is a kind of worker bought at one price: ``Pool("l4", provider="gcp", price=0.8)``.
 A worker says which pool it belongs to the Dask-native way, through its heartbeat: the
 worker plugin :class:`PoolMember` (registered by :func:`blockflow.connect` with ``pools=``,
-by ``blockflow.PoolCluster``, or installed by the worker preload ``dask worker --preload
+by a cluster of pools, or installed by the worker preload ``dask worker --preload
 blockflow.pool --pool l4 --provider gcp --price 0.8``) reports the pool as the worker metric
 :data:`POOL_METRIC` and declares the worker resource ``"pool:<name>"``, so that
 ``resources={"pool:l4": 1}`` pins tasks to that pool. The scheduler plugin, the inventory,

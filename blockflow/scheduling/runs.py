@@ -92,6 +92,7 @@ class Run:
     counts: Counter = field(default_factory=Counter)  # worker -> task executions finished
     objective: Objective | None = None  # blockflow.objective(...) it was submitted under
     group_pending: Counter = field(default_factory=Counter)  # task group -> not finished
+    group_tasks: Counter = field(default_factory=Counter)  # task group -> tasks given
     # worker -> [first start, last stop] of its task executions in this run (billing)
     spans: dict = field(default_factory=dict)
     # (from provider, to provider) -> input bytes tasks read across providers
@@ -106,7 +107,8 @@ class Run:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data: ``id, name, client, started, graphs, tasks, pending, finished,
-        counts, objective, deadline_at, group_pending, spans, crossings, ended``."""
+        counts, objective, deadline_at, group_pending, group_tasks, spans, crossings,
+        ended``."""
         return {"id": self.id, "name": self.name, "client": self.client,
                 "started": self.started, "graphs": self.graphs, "tasks": self.tasks,
                 "pending": self.pending, "finished": sum(self.counts.values()),
@@ -114,6 +116,7 @@ class Run:
                 "objective": self.objective.as_dict() if self.objective else None,
                 "deadline_at": self.deadline_at,
                 "group_pending": {g: n for g, n in self.group_pending.items() if n > 0},
+                "group_tasks": dict(self.group_tasks),
                 "spans": {w: list(s) for w, s in self.spans.items()},
                 "crossings": [[a, b, n] for (a, b), n in self.crossings.items()],
                 "ended": self.ended}
@@ -198,6 +201,7 @@ class RunTracker:
             self._key_run[key] = run_id
             self._pending.add(key)
             run.group_pending[key_split(key)] += 1
+            run.group_tasks[key_split(key)] += 1
         if goal is not None:
             run.objective = goal
         run.ended = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from statistics import median
 from typing import Any
 
 from blockflow.scheduling import cost
@@ -134,23 +135,34 @@ class ObjectiveRule(Rule):
         inputs, for status and the dashboard.
     """
 
+    #: Share of a task per thread kept free before the deadline (the last task a thread
+    #: starts must end in time; re-planning every tick catches the rest).
+    tail = 0.25
+
     def __init__(self):
         self.plans: dict[str, dict[str, Any]] = {}
         self._warned: set[str] = set()
 
     # --- graph: refuse what cannot be met -------------------------------------------
 
-    def _on_graph(self, snap) -> list[Decision]:
+    def _unknown_pools(self, snap) -> list[Decision]:
+        """Tasks waiting for a ``pool:<name>`` resource of a pool no worker declares
+        (``client.submit(..., resources={"pool:x": 1})``): fail them now."""
+        if not snap.unsatisfiable:
+            return []
+        return self._refuse_pools(snap, [(key, need, None)
+                                         for key, need in snap.unsatisfiable])
+
+    def _refuse_pools(self, snap, requests) -> list[Decision]:
         from blockflow.errors import ObjectiveError
 
         pools = pools_of(snap.workers)
         known = {p.name for p in pools.values()} | set(snap.declared_pools or ())
         bad: dict[str, list] = {}
-        for t in snap.new_tasks:
-            placement = t.placement or {}
-            for name in requested_pools(placement.get("resources"), placement.get("workers")):
+        for key, resources, workers in requests:
+            for name in requested_pools(resources, workers):
                 if name not in known:
-                    bad.setdefault(name, []).append(t.key)
+                    bad.setdefault(name, []).append(key)
         out = []
         for name, keys in bad.items():
             msg = (f"blockflow: {len(keys)} task{'s' if len(keys) != 1 else ''} (e.g. "
@@ -159,6 +171,15 @@ class ObjectiveRule(Rule):
                    f"resources={{'pool:<name>': 1}}")
             out.append(Decision(Action.FAIL, "", msg, {"pool": name, "tasks": len(keys)},
                                 keys=tuple(keys), detail=ObjectiveError(msg)))
+        return out
+
+    def _on_graph(self, snap) -> list[Decision]:
+        from blockflow.errors import ObjectiveError
+
+        pools = pools_of(snap.workers)
+        out = self._refuse_pools(snap, [
+            (t.key, (t.placement or {}).get("resources"), (t.placement or {}).get("workers"))
+            for t in snap.new_tasks])
         run = snap.run
         if run is None or run.objective is None or not snap.new_tasks:
             return out
@@ -185,9 +206,10 @@ class ObjectiveRule(Rule):
             return self._on_graph(snap)
         if snap.event != "tick":
             return []
-        out = self._tick(snap)
+        out = self._unknown_pools(snap) + self._tick(snap)
         if context is not None:  # parked now: no moves onto them this tick
             context.paused_now |= {d.worker for d in out if d.action == Action.PARK}
+            context.taken |= {d.target for d in out if d.action == Action.MOVE}
         return out
 
     def _tick(self, snap) -> list[Decision]:
@@ -207,25 +229,51 @@ class ObjectiveRule(Rule):
         if not work:  # nothing measured yet: distributed's placement, as without objective
             return self._unpark_all(snap, parked, "no task group of the run measured yet")
         workers, threads = _capacity(snap, pools, parked)
+        # tasks running now are no longer to place: their threads are busy for what is
+        # left of them (the time per task on that pool less the time they ran)
+        remaining: dict[str, float] = {}
+        running_on: dict[str, int] = {}
+        for a, tasks in snap.running.items():
+            if a not in pools:
+                continue
+            name = pools[a].name
+            for t in tasks:
+                t_task = seconds.get(t.group, {}).get(name, t.duration)
+                remaining[name] = remaining.get(name, 0.0) + max(t_task - t.elapsed, 0.0)
+                running_on[a] = running_on.get(a, 0) + 1
+                if t.group in work:
+                    work[t.group] -= 1
+        work = {g: n for g, n in work.items() if n > 0}
         egress = _egress(snap, pools, work)
         obj = run.objective
+        typical = {name: median(row[name] for row in seconds.values() if name in row)
+                   for name in workers}
         if obj.kind == "cost":
             left = (run.deadline_at - snap.time) if run.deadline_at is not None else 1e12
-            tail = max(t for row in seconds.values() for t in row.values())
-            horizon = left - tail
-            plan = (cost.plan(work, seconds, by_name, workers, threads=threads,
-                              deadline=horizon, egress=egress) if horizon > 0 else None)
+            if left <= 0:
+                plan = None
+            else:
+                # thread-seconds each pool has until the deadline: less what its running
+                # tasks still take, less :attr:`tail` of a task per thread (the last task
+                # a thread starts must end in time), as a number of whole-deadline workers
+                usable = {name: max(n * threads[name] * left - remaining.get(name, 0.0)
+                                    - self.tail * typical[name] * n * threads[name], 0.0)
+                          / (threads[name] * left) for name, n in workers.items()}
+                plan = cost.plan(work, seconds, by_name, usable, threads=threads,
+                                 deadline=left, egress=egress)
             if plan is None or not plan.feasible:
                 fastest = cost.plan(work, seconds, by_name, workers, threads=threads)
+                finish = fastest.makespan + max(typical.values())
                 return self._missed(
                     snap, parked, run.id,
-                    f"deadline can no longer be met: projected finish in "
-                    f"{fastest.makespan + tail:.1f} s with every pool, "
-                    f"{max(left, 0.0):.1f} s left to the deadline; all pools take work",
-                    {"deadline_in": round(left, 3),
-                     "projected_finish_in": round(fastest.makespan + tail, 3)})
+                    f"deadline can no longer be met: projected finish in {finish:.1f} s "
+                    f"with every pool, {max(left, 0.0):.1f} s left to the deadline; all "
+                    f"pools take work",
+                    {"deadline_in": round(left, 3), "projected_finish_in": round(finish, 3)})
         else:
-            spent = self._spent(run, pools, snap.time, snap)
+            spent = self._spent(run, pools, snap.time, snap) + sum(
+                by_name[name].price_per_second * r / threads.get(name, 1)
+                for name, r in remaining.items())
             left_budget = obj.budget - spent
             plan = cost.plan(work, seconds, by_name, workers, threads=threads,
                              budget=left_budget, egress=egress) if left_budget > 0 else None
@@ -243,7 +291,7 @@ class ObjectiveRule(Rule):
         self.plans[run.id] = {"objective": obj.as_dict(), "plan": plan.as_dict(),
                               "work": work, "seconds": seconds, "time": snap.time}
         return self._apply_plan(snap, parked, pools, plan, seconds, egress, work, workers,
-                                threads, obj)
+                                threads, obj, running_on)
 
     def _spent(self, run, pools, now, snap) -> float:
         """Dollars this run's workers cost so far (first start to now or last stop)."""
@@ -258,21 +306,29 @@ class ObjectiveRule(Rule):
         return total
 
     def _apply_plan(self, snap, parked, pools, plan, seconds, egress, work, workers,
-                    threads, obj) -> list[Decision]:
-        holds: dict[str, int] = {}
+                    threads, obj, running_on) -> list[Decision]:
+        holds: dict[str, int] = {}  # tasks waiting on the pool's workers, not started
         for a, w in snap.workers.items():
-            holds[pools[a].name] = holds.get(pools[a].name, 0) + w.processing
+            holds[pools[a].name] = holds.get(pools[a].name, 0) + max(
+                w.processing - running_on.get(a, 0), 0)
         more = {name: plan.pool_tasks(name) - holds.get(name, 0) for name in workers}
-        keep = max(more, key=more.get) if more else None
+        # the pool with the cheapest work is never parked: someone always takes the queue
+        by_name = {p.name: p for p in pools.values()}
+        keep = min(workers, key=lambda name: (sum(
+            by_name[name].price_per_second * row.get(name, math.inf) / threads.get(name, 1)
+            for row in seconds.values()), -workers[name]))
         out: list[Decision] = []
         for name in sorted(workers):
             members = sorted(a for a, p in pools.items() if p.name == name
                              and a in snap.workers and (snap.workers[a].status == "running"
                                                         or a in parked))
-            want = more[name] > 0.5 or name == keep
-            if any(a in parked for a in members) and name != keep:
+            if name == keep:
+                want = True
+            elif any(a in parked for a in members):
                 # hysteresis: a parked pool comes back for half a task per thread at least
-                want = more[name] >= threads.get(name, 1) * len(members) * 0.5
+                want = more[name] >= max(1.0, 0.5 * threads.get(name, 1) * len(members))
+            else:
+                want = more[name] > 0.5
             seen = {"pool": name, "planned_tasks": round(plan.pool_tasks(name), 2),
                     "held_tasks": holds.get(name, 0), "plan_cost": round(plan.cost, 6),
                     "plan_makespan": round(plan.makespan, 3), "objective": obj.kind}
@@ -293,6 +349,58 @@ class ObjectiveRule(Rule):
                         Action.PARK, a, f"pool {name!r} parked: the plan gives it "
                         f"{plan.pool_tasks(name):.1f} tasks, it holds {holds.get(name, 0)}; "
                         f"cheaper pools meet the {obj.kind} objective", seen))
+            if want and name != keep and more[name] >= 1:
+                out += self._hand_over(snap, pools, name, int(more[name]), seen, egress,
+                                       seconds, plan, workers, threads, work)
+        return out
+
+    def _hand_over(self, snap, pools, name, n, seen, egress, seconds, plan, workers,
+                   threads, work) -> list[Decision]:
+        """Move up to ``n`` tasks waiting on other pools' workers (assigned there by
+        distributed, near their data) to free threads of pool ``name``, which the plan
+        needs to take them; each move records its inputs' bytes, their egress price and the
+        time the pool saves."""
+        free = [(a, w.nthreads - w.processing) for a, w in sorted(snap.workers.items())
+                if pools[a].name == name and w.status == "running"
+                and w.processing < w.nthreads]
+        slots = [a for a, k in free for _ in range(k)][:n]
+        if not slots:
+            return []
+        cross = None
+        out = []
+        donors = sorted((a for a, p in pools.items() if p.name != name and a in snap.workers),
+                        key=lambda a: -snap.workers[a].processing)
+        for src in donors:
+            if not slots:
+                break
+            w = snap.workers[src]
+            if w.processing <= w.nthreads:
+                continue  # nothing waits there beyond what starts next
+            for task in snap.waiting.get(src, ()):
+                if not slots:
+                    break
+                if task.allowed_workers is not None and slots[0] not in task.allowed_workers:
+                    continue
+                dst = slots.pop(0)
+                moved = dict(seen, input_bytes=task.input_bytes)
+                reason = (f"pool {name!r} takes a task the plan gives it "
+                          f"({plan.pool_tasks(name):.1f} planned, {seen['held_tasks']} held)")
+                if pools[src].provider != pools[dst].provider and task.input_bytes:
+                    if cross is None:
+                        cross = self._crossing(name, pools, egress, work, seconds, plan,
+                                               workers, threads, snap) or {}
+                    price = max(p.egress for p in pools.values()
+                                if p.provider == pools[src].provider)
+                    dollars = task.input_bytes / _GB * price
+                    moved.update(egress_bytes=task.input_bytes,
+                                 egress_cost=round(dollars, 6),
+                                 time_saved=cross.get("time_saved"))
+                    reason += (f"; its inputs cross from {pools[src].provider} to "
+                               f"{pools[dst].provider}: {task.input_bytes / _GB:.3g} GB for "
+                               f"${dollars:.4g}, the plan's pool saves "
+                               f"{cross.get('time_saved')} s")
+                out.append(Decision(Action.MOVE, src, reason, moved, target=dst,
+                                    key=task.key))
         return out
 
     def _crossing(self, name, pools, egress, work, seconds, plan, workers, threads,
