@@ -253,7 +253,7 @@ def test_a_deadline_missed_mid_run_warns_with_the_projected_finish_and_goes_on(p
 @pytest.mark.slow
 def test_connect_puts_the_embedded_workers_in_pools():
     client = blockflow.connect(pools={FAST: 1, SLOW: 2}, processes=False, gpu=False,
-                               threads_per_worker=1)
+                               threads_per_worker=1, dashboard_address=":0")
     try:
         status = plugin_status(client)
         assert {n: len(p["workers"]) for n, p in status["pools"].items()} == {
