@@ -549,6 +549,31 @@ def _progress(no_progress: bool) -> bool | None:
     return False if no_progress else None  # None: a bar when stdout is a terminal
 
 
+def _objective(kind: str | None, deadline: str | None, budget: float | None):
+    """The run's :func:`blockflow.objective` from ``--objective/--deadline/--budget`` (a
+    no-op context without them).
+
+    Raises
+    ------
+    ValueError
+        One line naming the option to fix (a deadline without ``--objective cost``...).
+    """
+    if kind is None and deadline is None and budget is None:
+        return contextlib.nullcontext()
+    from blockflow.scheduling.objective import objective
+
+    if kind is None:
+        kind = "cost" if deadline is not None else "makespan"
+    if kind == "cost" and deadline is None:
+        raise ValueError("--objective cost needs --deadline (the cheapest run that meets "
+                         "it), e.g. --deadline 10m.")
+    try:
+        return objective(kind, deadline=deadline, budget=budget)
+    except ValueError as e:
+        raise ValueError(str(e).replace("blockflow.objective: ", "").replace(
+            "deadline=", "--deadline").replace("budget=", "--budget")) from None
+
+
 @run_group.command(name="flights")
 @click.option("--scale", type=int, default=1, show_default=True,
               help="Copies of the 336,776-row 2013 NYC flights table (>= 1).")
@@ -557,10 +582,19 @@ def _progress(no_progress: bool) -> bool | None:
 @click.option("--partitions-per-copy", type=int, default=4, show_default=True,
               help="Partitions per copy of the table (>= 1).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
+@click.option("--objective", "objective_kind", type=click.Choice(["makespan", "cost"]),
+              default=None, help="What the run optimises over the cluster's pools: the "
+              "fastest run (makespan, the default) or the cheapest one that meets --deadline "
+              "(cost).")
+@click.option("--deadline", default=None, metavar="DURATION",
+              help="With --objective cost: the run must finish within it (10m, 90s).")
+@click.option("--budget", type=float, default=None, metavar="DOLLARS",
+              help="With --objective makespan: the run may cost at most this many dollars.")
 @_retries_option
 @_cluster_options
 def flights_command(scale: int, output: str, overwrite: bool, partitions_per_copy: int,
-                    no_progress: bool, retries: int, **cluster: Any) -> None:
+                    no_progress: bool, objective_kind: str | None, deadline: str | None,
+                    budget: float | None, retries: int, **cluster: Any) -> None:
     """The 2013 NYC flights ETL: clean, feature, delay statistics per carrier and per
     (origin, month), written as Parquet."""
     from blockflow.workloads import flights
@@ -568,9 +602,10 @@ def flights_command(scale: int, output: str, overwrite: bool, partitions_per_cop
     try:  # bad input fails before a cluster starts
         flights.check_scale(scale)
         flights.check_partitions_per_copy(partitions_per_copy)
+        goal = _objective(objective_kind, deadline, budget)
     except ValueError as e:
         raise _OptionError(str(e)) from None
-    with _job(output, overwrite, cluster) as client:
+    with _job(output, overwrite, cluster) as client, goal:
         result = flights.run(client, scale=scale, output=output,
                              partitions_per_copy=partitions_per_copy, overwrite=overwrite,
                              progress=_progress(no_progress), retries=retries)

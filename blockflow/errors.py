@@ -119,6 +119,14 @@ class ResourceError(RuntimeError):
     """
 
 
+class ObjectiveError(ValueError):
+    """A run's objective or pools cannot be met as asked: a pool without a price under a
+    cost objective or a budget, a deadline no allowed pool sizes meet ("needs >= N workers
+    of pool P"), a budget below the cheapest possible run, or tasks asking for a pool no
+    worker declares. Raised at the client by the computation's tasks, which fail before any
+    of them runs (:func:`blockflow.objective`)."""
+
+
 #: Class names of device out-of-memory errors, matched by name so that no GPU library is
 #: imported: CuPy's ``cupy.cuda.memory.OutOfMemoryError`` (test doubles derive from a class
 #: of that name).

@@ -18,7 +18,8 @@ pytest.importorskip("ipykernel")
 
 NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = ["01-quickstart", "02-etl-flights", "03-xarray", "04-heterogeneous-gpus",
-             "05-training-and-tuning", "06-inference-and-model-parallelism"]
+             "05-training-and-tuning", "06-inference-and-model-parallelism",
+             "07-pools-and-cost"]
 
 CELL_TIMEOUT = 120  # seconds, per cell (nbclient)
 NOTEBOOK_BUDGET = 120  # seconds, per notebook, kernel start included (idle machine; scaled)
@@ -45,6 +46,11 @@ PROBES = {
         " 'tune_best': result.best_score, 'sync_best': sync.best_score,"
         " 'tune_tasks': len(result.history), 'sync_tasks': len(sync.history),"
         " 'statuses': sorted(set(result.trials.status))}"
+    ),
+    "07-pools-and-cost": (
+        "{'result_ok': result_ok, 'sizes': sizes,"
+        " 'retired': sorted(scaling[scaling.action == 'retire'].target),"
+        " 'where': sorted(set(where.values()))}"
     ),
     "06-inference-and-model-parallelism": (
         "{'agree': agree, 'accuracy': accuracy, 'routed_ok': routed_ok, 'tp_rel': tp_rel,"
@@ -233,6 +239,16 @@ def _check_parallelism(nb, values):
         nb, "report = blockflow.run_report")
 
 
+def _check_pools(nb, values):
+    assert values["result_ok"] is True
+    assert values["where"] == ["fast", "slow"]
+    # the slow pool shrank by its own idle workers; the fast pool kept its one
+    assert values["sizes"] == {"fast": 1, "slow": 0}
+    assert values["retired"] == ["slow", "slow"]
+    assert "cheapest" in _output_of(nb, "decisions = blockflow.decisions") or \
+        "no work left" in _output_of(nb, "decisions = blockflow.decisions")
+
+
 CHECKS = {
     "01-quickstart": _check_quickstart,
     "02-etl-flights": _check_flights,
@@ -240,4 +256,5 @@ CHECKS = {
     "04-heterogeneous-gpus": _check_heterogeneous,
     "05-training-and-tuning": _check_training,
     "06-inference-and-model-parallelism": _check_parallelism,
+    "07-pools-and-cost": _check_pools,
 }

@@ -25,6 +25,7 @@ __all__ = [
     "release_tasks",
     "request_backup",
     "restrict_task",
+    "retire_idle_worker",
     "set_worker_status",
     "spawn",
     "suspend_work_stealing",
@@ -40,6 +41,24 @@ def set_worker_status(scheduler, address: str, paused: bool, stimulus_id: str) -
         return False
     status = Status.paused if paused else Status.running
     scheduler.handle_worker_status_change(status, ws, stimulus_id=stimulus_id)
+    return True
+
+
+def retire_idle_worker(scheduler, address: str, stimulus_id: str) -> bool:
+    """Retire ``address`` if it is idle: no task processing (running or queued) on it.
+
+    The worker is paused on the scheduler first, in the same step as the check, so that no
+    task lands on it between the check and the retirement; then distributed's
+    ``Scheduler.retire_workers`` moves its results to other workers and closes it (and its
+    nanny). False (nothing done) when the worker is gone, busy or already leaving.
+    """
+    ws = scheduler.workers.get(address)
+    if ws is None or ws.processing or ws.status not in (Status.running, Status.paused):
+        return False
+    if ws.status == Status.running:
+        scheduler.handle_worker_status_change(Status.paused, ws, stimulus_id=stimulus_id)
+    spawn(scheduler, scheduler.retire_workers(workers=[address], close_workers=True,
+                                              remove=True, stimulus_id=stimulus_id))
     return True
 
 

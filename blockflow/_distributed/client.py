@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from distributed.diagnostics.progressbar import ProgressBar
 
-__all__ = ["SchedulerProgress", "data_holders", "has_scheduler_plugin", "is_gc_diagnosis_callback",
-           "start_spec_workers"]
+__all__ = ["SchedulerProgress", "call_scheduler_handler", "data_holders", "has_scheduler_plugin",
+           "is_gc_diagnosis_callback", "start_spec_workers"]
 
 
 
@@ -102,3 +102,9 @@ def has_scheduler_plugin(client, name: str) -> bool:
     bool
     """
     return bool(client.run_on_scheduler(_has_plugin, name))
+
+
+async def call_scheduler_handler(comm, name: str, **kwargs):
+    """Call the scheduler RPC handler ``name`` through ``comm`` (a cluster's
+    ``scheduler_comm`` or a client's ``scheduler``) and return its answer."""
+    return await getattr(comm, name)(**kwargs)

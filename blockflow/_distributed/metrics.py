@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-__all__ = ["CAPACITY_METRIC", "DEVICE_UUID_METRIC", "OWN_UTILIZATION_METRIC", "GPU_MEMORY_TOTAL", "GPU_MEMORY_USED", "GPU_UTILIZATION", "WorkerMetrics",
+__all__ = ["CAPACITY_METRIC", "DEVICE_UUID_METRIC", "OWN_UTILIZATION_METRIC", "POOL_METRIC", "GPU_MEMORY_TOTAL", "GPU_MEMORY_USED", "GPU_UTILIZATION", "WorkerMetrics",
            "clean_number", "read_metrics"]
 
 GPU_UTILIZATION = "gpu_utilization"
@@ -26,6 +26,8 @@ OWN_UTILIZATION_METRIC = "blockflow-gpu-own-utilization"
 #: Optional worker metric: UUID of the GPU the worker uses (``GPU-...``, ``MIG-...``; ``SIM-...``
 #: for simulated devices), so that the scheduler can tell two workers sharing one device.
 DEVICE_UUID_METRIC = "blockflow-gpu-uuid"
+#: Optional worker metric: the worker's pool, a plain dict (:class:`blockflow.Pool`'s fields).
+POOL_METRIC = "blockflow-pool"
 
 
 def clean_number(value: Any, *, upper: float | None = None) -> float | None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from dask.utils import key_split
 
-from blockflow._distributed.metrics import CAPACITY_METRIC, WorkerMetrics, clean_number, read_metrics
+from blockflow._distributed.metrics import CAPACITY_METRIC, POOL_METRIC, WorkerMetrics, clean_number, read_metrics
 from blockflow._distributed.placement import (
     HOLD_ADDRESS,
     _declaring_objects,
@@ -37,7 +37,9 @@ __all__ = [
     "feeder_states",
     "measured_bandwidth",
     "feeder_tasks",
+    "group_duration",
     "held_results",
+    "input_holders",
     "new_task_views",
     "own_utilization_estimate",
     "prefix_duration",
@@ -51,6 +53,7 @@ __all__ = [
     "worker_addresses",
     "worker_names_and_metrics",
     "worker_views",
+    "workers_holding_data",
 ]
 
 
@@ -105,6 +108,9 @@ class WorkerView:
         Seconds the worker is expected to stay at its (lower) learned speed before it runs
         at the typical speed again (:meth:`blockflow.scheduling.speed.SpeedModel.slow_for`:
         a slow streak that began recently); None: at its learned speed throughout.
+    pool : mapping or None
+        The pool the worker reports (``blockflow-pool`` metric, plain data:
+        :meth:`blockflow.scheduling.pools.Pool.to_dict`); None if it reports none.
     """
 
     address: str
@@ -127,6 +133,7 @@ class WorkerView:
     peers_own_utilization: float = 0.0
     recent_speed: float | None = None
     slow_for: float | None = None
+    pool: Mapping[str, Any] | None = None
 
     @property
     def projected_finish(self) -> float:
@@ -351,6 +358,7 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
             slow_for=slow,
             resources=dict(ws.resources or {}),
             device_uuid=m.device_uuid,
+            pool=raw.get(POOL_METRIC) if isinstance(raw.get(POOL_METRIC), dict) else None,
         )
         if previous is not None:
             previous.views[addr] = (state, view, raw)
@@ -422,6 +430,18 @@ def prefix_duration(scheduler, prefix) -> tuple[float, bool]:
     return float(scheduler._get_prefix_duration(prefix)), False
 
 
+def workers_holding_data(scheduler) -> frozenset:
+    """Addresses of the workers that hold results in memory (``WorkerState.has_what``)."""
+    return frozenset(a for a, ws in scheduler.workers.items() if ws.has_what)
+
+
+def group_duration(scheduler, name: str) -> float | None:
+    """Expected seconds of a task of the prefix named ``name`` (:func:`prefix_duration`:
+    measured, else distributed's default for unknown tasks); None for an unknown prefix."""
+    prefix = scheduler.task_prefixes.get(name)
+    return None if prefix is None else prefix_duration(scheduler, prefix)[0]
+
+
 def _comm(scheduler, ts, ws, links) -> tuple[float, int]:
     """``(seconds, bytes)`` to send ``ts``'s inputs that ``ws`` lacks to it: each over the
     fastest link from a worker holding it (``links(receiver, sender)``, bytes per second),
@@ -472,6 +492,18 @@ def task_states(scheduler, keys) -> dict:
         if ts is not None:
             out[key] = ts.state
     return out
+
+
+def input_holders(scheduler, key, worker: str) -> list[tuple[int, tuple[str, ...]]]:
+    """``(nbytes, holders)`` of each input of a task that just finished on ``worker``:
+    the input's size and the other workers that hold it (empty: only ``worker`` does, it
+    was made there). O(inputs x their holders)."""
+    ts = scheduler.tasks.get(key)
+    if ts is None:
+        return []
+    return [(int(dep.nbytes or 0), tuple(sorted(w.address for w in dep.who_has or ()
+                                                if w.address != worker)))
+            for dep in ts.dependencies]
 
 
 def new_task_views(scheduler, keys) -> list[TaskView]:

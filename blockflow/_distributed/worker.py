@@ -363,8 +363,25 @@ def worker_declared_resources(worker) -> dict:
 
 
 async def declare_worker_resources(worker, resources: Mapping[str, float]) -> None:
-    """Declare more resources on a running worker (``Worker.set_resources``): the worker
-    updates its own accounting and tells the scheduler."""
+    """Declare more resources on a worker (``Worker.set_resources``): the worker updates its
+    own accounting and tells the scheduler.
+
+    A worker that has not registered yet (a preload's ``dask_setup`` runs before it does)
+    only updates its own accounting: its registration tells the scheduler its resources
+    (``Worker.set_resources`` would ask a scheduler that does not know the worker yet, which
+    answers ``KeyError``).
+    """
+    from distributed.core import Status
+
+    if worker.status in (Status.init, Status.created, Status.starting) \
+            or getattr(worker, "batched_stream", None) is None \
+            or worker.batched_stream.comm is None:
+        state = worker.state
+        for r, quantity in dict(resources).items():
+            state.available_resources[r] = (state.available_resources.get(r, 0)
+                                            + quantity - state.total_resources.get(r, 0))
+            state.total_resources[r] = quantity
+        return
     await worker.set_resources(**dict(resources))
 
 

@@ -13,6 +13,7 @@ embedded cluster). The client's view of the running cluster (:func:`plugin_statu
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import dask.config
@@ -35,6 +36,7 @@ from blockflow.scheduling.client import (  # noqa: F401  (re-exported: the publi
     wait_for,
 )
 from blockflow.scheduling.plugin import Rebalancer
+from blockflow.scheduling.pools import Pool, PoolMember, heartbeat_now
 
 __all__ = [
     "connect",
@@ -82,6 +84,7 @@ def connect(
     policy: str | None = None,
     timeout: str | float | None = None,
     security: Security | str | None = None,
+    pools: Mapping[Pool, int] | None = None,
     **cluster_kwargs: Any,
 ) -> Client:
     """Connect to a Dask cluster (starting an embedded one if needed) and register blockflow.
@@ -118,6 +121,13 @@ def connect(
         (:meth:`distributed.Security.temporary`, needs the ``cryptography`` package) so that
         the scheduler, workers and this client talk TLS (``tls://`` addresses) and clients
         without them are refused. Default None: plain TCP.
+    pools : mapping of blockflow.Pool to int, optional
+        Embedded cluster only: its workers in pools, ``{Pool("fast", price=4): 2,
+        Pool("slow", price=0.5): 4}`` (workers named ``0, 1, ...`` in that order; each
+        reports its pool and declares the resource ``"pool:<name>"``, see
+        :class:`blockflow.scheduling.pools.PoolMember`). ``n_workers`` is their sum. For
+        simulated speeds per pool use :func:`blockflow.testing.cluster.simulated_cluster`
+        with ``pools=``.
     **cluster_kwargs
         Passed to ``LocalCluster`` / ``LocalCUDACluster``.
 
@@ -139,7 +149,8 @@ def connect(
         ``timeout``, TLS is on one side only or the credentials are refused, or it is a
         worker's address. One line naming the address, what was found and the fix.
     ValueError
-        For an unknown ``policy`` or ``gpu`` value, ``n_workers`` or ``threads_per_worker``
+        For ``pools`` with an address, a pool of fewer than 1 worker, two pools of one
+        name, or ``n_workers`` other than their sum; an unknown ``policy`` or ``gpu`` value, ``n_workers`` or ``threads_per_worker``
         below 1, an invalid blockflow setting (the message names the key),
         ``security="temporary"`` with an ``address``, or a ``tls://`` address without
         credentials.
@@ -171,6 +182,7 @@ def connect(
                 f"blockflow.connect: {name} must be an integer >= 1 (or None for the "
                 f"default), got {value!r}."
             )
+    pool_member, n_workers = _pool_members(pools, address, n_workers)
     plugin = Rebalancer(policy=policy)  # validates the policy before anything starts
     sec = _security(security, address)
     if address is not None:
@@ -215,12 +227,48 @@ def connect(
         client = Client(cluster)  # takes the cluster's security
         # its shutdown is ours: no worker logs its own close as a failed heartbeat
         client.register_plugin(_distributed.QuietClose())
+        if pool_member is not None:
+            client.register_plugin(pool_member)
+            client.run(heartbeat_now)  # the scheduler knows the pools at once
     _register_plugin(client, plugin)
     if address is not None and policy is not None:
         _warn_if_other_policy(client, plugin.policy_name)
     if address is not None:
         _warn_undeclared_gpus(client)
     return client
+
+
+def _pool_members(pools, address, n_workers) -> tuple[PoolMember | None, int | None]:
+    """The worker plugin putting the embedded cluster's workers in ``pools``, and the
+    number of workers."""
+    if pools is None:
+        return None, n_workers
+    if address is not None:
+        raise ValueError("blockflow.connect: pools= puts the workers of an embedded cluster "
+                         "in pools; workers of a running cluster declare their own "
+                         "(`dask worker --preload blockflow.pool --pool NAME --price ...`).")
+    items = list(pools.items()) if isinstance(pools, Mapping) else list(pools)
+    names, members, i = set(), {}, 0
+    for pool, n in items:
+        if not isinstance(pool, Pool):
+            raise TypeError(f"blockflow.connect: pools= maps blockflow.Pool to a number of "
+                            f"workers, got a key {describe(pool)}.")
+        if pool.name in names:
+            raise ValueError(f"blockflow.connect: two pools are named {pool.name!r}; give "
+                             f"each pool its own name.")
+        names.add(pool.name)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"blockflow.connect: pool {pool.name!r} must have an integer "
+                             f">= 1 of workers, got {n!r}.")
+        for _ in range(n):
+            members[str(i)] = pool
+            i += 1
+    if not members:
+        raise ValueError("blockflow.connect: pools= is empty; give at least one pool.")
+    if n_workers is not None and n_workers != i:
+        raise ValueError(f"blockflow.connect: n_workers={n_workers} but pools= has {i} "
+                         f"workers; leave n_workers out.")
+    return PoolMember(members), i
 
 
 def _warn_undeclared_gpus(client: Client) -> None:

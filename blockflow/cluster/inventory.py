@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import pandas as pd
 from dask.utils import format_bytes
 
+from blockflow.scheduling.pools import pools_of
 from blockflow.cluster.identity import workers_info
 from blockflow._distributed import worker_plugins
 from blockflow.cluster.devices import device_info
@@ -54,6 +55,11 @@ class WorkerResources:
         (:func:`blockflow.cluster.hpc.batch_job`): ``"slurm"``, ``"1234"``, ``"gpu"`` for a
         worker started by dask-jobqueue's ``SLURMCluster`` in partition ``gpu``; None
         outside a batch job.
+    pool, provider, region : str
+        The worker's pool and where it runs (:class:`blockflow.Pool`; ``"default"``,
+        ``"local"``, ``""`` when it reports none).
+    price : float or None
+        Dollars per worker-hour of its pool (None: unknown).
     """
 
     address: str
@@ -73,6 +79,10 @@ class WorkerResources:
     job_system: str | None = None
     job_id: str | None = None
     job_queue: str | None = None
+    pool: str = "default"
+    provider: str = "local"
+    region: str = ""
+    price: float | None = None
 
 
 def _probe_device(dask_worker=None) -> dict:
@@ -171,6 +181,7 @@ class Inventory:
         for c in ("memory_limit", "gpu_memory_total", "gpu_memory_used"):
             df[c] = df[c].astype("Int64")
         df["gpu_utilization"] = df["gpu_utilization"].astype("Float64")
+        df["price"] = df["price"].astype("Float64")
         return df
 
     def _display_rows(self) -> list[dict[str, str]]:
@@ -191,6 +202,8 @@ class Inventory:
                 "resources": ", ".join(f"{k}={v:g}" for k, v in sorted(w.resources.items()))
                 or "none",
                 "shares GPU with": ", ".join(w.shares_gpu_with) or "-",
+                "pool": w.pool, "provider": w.provider + (f"/{w.region}" if w.region else ""),
+                "$/h": "n/a" if w.price is None else f"{w.price:g}",
             })
         if any(w.job_id for w in self.workers):  # a column only on batch-job clusters
             for row, w in zip(rows, self.workers):
@@ -235,7 +248,8 @@ def inventory(client) -> Inventory:
     Returns
     -------
     Inventory
-        One :class:`WorkerResources` per worker. Device memory and utilisation come from the
+        One :class:`WorkerResources` per worker (sorted by pool, then address), with its
+        pool (:class:`blockflow.Pool`). Device memory and utilisation come from the
         workers' latest heartbeat (distributed's NVML keys, refreshed every 0.5-2 s); a
         worker is a GPU worker when it reports ``gpu-memory-total``. CPU-only workers have
         None (never 0) in every GPU field. Workers that report the same device UUID share
@@ -265,8 +279,10 @@ def inventory(client) -> Inventory:
     # one call on every worker: its batch job, and on GPU workers its device
     probes = client.run(_probe_worker, gpu_workers) if workers else {}
     out = []
+    pools = pools_of(workers)
     for addr, info in workers.items():
         m = read_metrics(info.get("metrics"))
+        pool = pools[addr]
         probed = probes.get(addr) or {}
         probe = (probed.get("device") or {}) if m.has_gpu else {}
         job = probed.get("job") or {}
@@ -288,8 +304,9 @@ def inventory(client) -> Inventory:
             job_system=job.get("system"),
             job_id=job.get("job_id"),
             job_queue=job.get("queue"),
+            pool=pool.name, provider=pool.provider, region=pool.region, price=pool.price,
         ))
-    inv = Inventory(out)
+    inv = Inventory(sorted(out, key=lambda w: (w.pool, w.address)))
     shared = inv.shared_gpus
     if shared:
         peers = {a: tuple(x for x in group if x != a) for group in shared.values() for a in group}

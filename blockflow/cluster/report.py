@@ -19,7 +19,7 @@ from blockflow.scheduling.client import plugin_status
 from blockflow.decompose import BlockResize, recorded_resizes
 from blockflow.scheduling.actions import Action
 
-__all__ = ["RunReport", "run_report"]
+__all__ = ["RunReport", "pool_costs", "run_report"]
 
 
 @dataclass
@@ -52,6 +52,12 @@ class RunReport:
         and ``ideal_bubble`` (fractions 0-1), and ``timeline``, a DataFrame of one row per
         stage task (``stage``, ``worker``, ``micro_batch``, ``phase``, ``start``, ``stop``
         in seconds since the pass started). None when no pass ran.
+    pools : dict or None
+        With pools (:class:`blockflow.Pool`): what the run cost
+        (:func:`pool_costs`): ``pools`` (pool -> workers, worker_seconds, busy_seconds,
+        price, cost), ``egress`` (bytes across providers and their price),
+        ``total_cost``, ``objective``, and ``lower_bound`` (the LP over the throughput
+        matrix: its ``cost`` and ``makespan``). None without pools.
     """
 
     since: float
@@ -64,6 +70,7 @@ class RunReport:
     tasks: pd.DataFrame = field(repr=False)
     block_changes: list[BlockResize] = field(default_factory=list, repr=False)
     pipeline: dict | None = field(default=None, repr=False)
+    pools: dict | None = field(default=None, repr=False)
 
     def to_pandas(self) -> pd.DataFrame:
         """Per-worker table: tasks, busy seconds, device-memory peak (bytes)."""
@@ -98,7 +105,29 @@ class RunReport:
                 f"{_count(self.moves, 'move')} ({format_bytes(self.bytes_moved)}), "
                 f"policy {self.policy}>\n" + self.to_pandas().to_string(index=False)
                 + "".join(f"\nblocks re-cut: {c.summary()}" for c in self.block_changes)
-                + (f"\n{self._pipeline_text()}" if self.pipeline else ""))
+                + (f"\n{self._pipeline_text()}" if self.pipeline else "")
+                + (f"\n{self._cost_text()}" if self.pools else ""))
+
+    def cost_table(self) -> pd.DataFrame:
+        """Per-pool table: workers, worker-seconds (billed: first task start to last task
+        end, idle included), busy seconds, price ($/h), cost ($); empty without pools."""
+        rows = (self.pools or {}).get("pools", {})
+        return pd.DataFrame([{"pool": name, **row} for name, row in sorted(rows.items())],
+                            columns=["pool", "workers", "worker_seconds", "busy_seconds",
+                                     "price", "cost"])
+
+    def _cost_text(self) -> str:
+        c = self.pools
+        bound = c.get("lower_bound") or {}
+        goal = c.get("objective") or {}
+        lb = (f"; LP lower bound ${bound['cost']:.4g}, makespan {bound['makespan']:.2f} s"
+              if bound.get("cost") is not None else "")
+        return (f"cost ${c['total_cost']:.4g} (egress {format_bytes(c['egress']['bytes'])} "
+                f"across providers, ${c['egress']['cost']:.4g}){lb}; objective "
+                f"{goal.get('kind', 'makespan')}"
+                + (f" deadline {goal['deadline']:g} s" if goal.get("deadline") else "")
+                + (f" budget ${goal['budget']:g}" if goal.get("budget") else "")
+                + "\n" + self.cost_table().to_string(index=False))
 
     def _pipeline_text(self) -> str:
         p = self.pipeline
@@ -177,7 +206,71 @@ def run_report(client, since: float | None = None) -> RunReport:
         tasks=log.reset_index(drop=True),
         block_changes=changes,
         pipeline=_pipeline(client, since),
+        pools=pool_costs(client, status, task_log=status["task_log"], since=since),
     )
+
+
+def pool_costs(client, status: dict | None = None, *, task_log=None,
+               since: float | None = None) -> dict | None:
+    """What the current run cost per pool, beside the LP lower bound.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    status : dict, optional
+        A :func:`blockflow.plugin_status` already read (with ``task_log`` for busy times).
+    task_log : list of (worker, start, stop), optional
+        The run's task executions; default the billed spans the plugin keeps per worker.
+    since : float, optional
+        Only task executions from then on (seconds since the epoch).
+
+    Returns
+    -------
+    dict or None
+        :func:`blockflow.scheduling.cost.run_cost` (``pools``, ``egress``,
+        ``compute_cost``, ``total_cost``) plus ``objective`` and ``lower_bound``
+        (``{"cost", "makespan", "feasible"}``: :func:`blockflow.scheduling.cost.plan` over
+        the run's tasks per group and the throughput matrix, under its deadline or budget);
+        None when no worker reports a pool.
+    """
+    from blockflow.scheduling.cost import plan, run_cost
+    from blockflow.scheduling.pools import Pool
+
+    status = status if status is not None else plugin_status(client)
+    by_pool = status.get("pools") or {}
+    if not by_pool or set(by_pool) == {"default"}:
+        return None
+    pools = {}
+    for name, info in by_pool.items():
+        pool = Pool.from_dict(info)
+        for a in info.get("workers", ()):
+            pools[a] = pool
+    run = status.get("run") or {}
+    if task_log is None:
+        task_log = [(w, s0, s1) for w, (s0, s1) in (run.get("spans") or {}).items()]
+    if since is not None:
+        task_log = [t for t in task_log if t[1] >= since - 1e-3]
+    out = run_cost(task_log, pools, [tuple(c) for c in run.get("crossings") or ()])
+    goal = run.get("objective") or None
+    out["objective"] = goal
+    work = run.get("group_tasks") or {}
+    matrix = status.get("throughput") or {}
+    seconds = {g: row for g, row in matrix.items() if g in work}
+    known = {g: n for g, n in work.items() if g in seconds}
+    out["lower_bound"] = None
+    if known:
+        names = {name: Pool.from_dict(info) for name, info in by_pool.items()}
+        workers = {name: len(info.get("workers", ())) for name, info in by_pool.items()}
+        snap = status.get("workers") or {}
+        threads = {name: max(int(min((snap.get(a, {}).get("nthreads") or 1)
+                                     for a in info["workers"])), 1)
+                   for name, info in by_pool.items() if info.get("workers")}
+        lb = plan(known, seconds, names, workers, threads=threads,
+                  deadline=(goal or {}).get("deadline"), budget=(goal or {}).get("budget"))
+        out["lower_bound"] = {"cost": lb.cost if lb.feasible else None,
+                              "makespan": lb.makespan if lb.feasible else None,
+                              "feasible": lb.feasible, "tasks": lb.tasks}
+    return out
 
 
 def _pipeline(client, since: float) -> dict | None:

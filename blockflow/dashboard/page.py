@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import time
+from collections import deque
 
 from bokeh.layouts import column, row
 from bokeh.models import (
@@ -20,8 +21,10 @@ from bokeh.models import (
     Div,
     FactorRange,
     HoverTool,
+    HTMLTemplateFormatter,
     TableColumn,
 )
+from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 from dask.utils import format_bytes
 
@@ -55,6 +58,11 @@ ACTION_STYLES: dict[Action, tuple[str, str, str]] = {
     Action.MEMORY_MOVE: ("#393b79", "circle_x", "memory-move"),
     Action.JOIN: ("#8c564b", "triangle_dot", "join"),
     Action.FORGET: ("#c49c94", "inverted_triangle", "forget"),
+    Action.PARK: ("#8c6d31", "square_pin", "park"),
+    Action.UNPARK: ("#e7ba52", "square_pin", "unpark"),
+    Action.OBJECTIVE: ("#d6616b", "triangle_pin", "objective"),
+    Action.SCALE: ("#3182bd", "diamond_cross", "scale"),
+    Action.RETIRE: ("#636363", "circle_y", "retire"),
 }
 #: Rows of the decision timeline, one per action.
 ACTIONS = [label for _, _, label in ACTION_STYLES.values()]
@@ -68,7 +76,7 @@ def action_style(action: str) -> tuple[str, str, str]:
     except ValueError:
         return ("#7f7f7f", "circle", str(action))
 WORKER_COLUMNS = [
-    ("worker", "Worker"), ("device", "Device"), ("gpu_util", "GPU util"),
+    ("pool", "Pool"), ("worker", "Worker"), ("address", "Address"), ("device", "Device"), ("gpu_util", "GPU util"),
     ("device_memory", "Device memory used / total"), ("queued", "Queued"),
     ("processing", "Processing"), ("speed", "Learned speed"),
     ("paused", "Paused by blockflow"), ("tasks_run", "Tasks (this run)"),
@@ -77,12 +85,20 @@ DECISION_COLUMNS = [("when", "Time"), ("action", "Action"), ("worker", "Worker")
                     ("target", "Target"), ("reason", "Reason")]
 
 
+#: A cell showing its whole text on hover (``title``), so a long reason is never cut off.
+_FULL_TEXT = HTMLTemplateFormatter(template='<span title="<%- value %>"><%- value %></span>')
+#: Seconds of GPU utilisation and device memory history each worker's plot keeps.
+HISTORY_SECONDS = 120
+
+
 def _table(source: ColumnDataSource, columns: list[tuple[str, str]], height: int,
-           name: str) -> DataTable:
+           name: str, full_text: tuple[str, ...] = ()) -> DataTable:
     """A full-width table of ``columns`` ((field, title) pairs) of ``source``, ``height``
-    pixels high."""
-    return DataTable(source=source, columns=[TableColumn(field=k, title=t) for k, t in columns],
-                     index_position=None, sizing_mode="stretch_width", height=height, name=name)
+    pixels high; the ``full_text`` fields show their whole text on hover."""
+    return DataTable(source=source, columns=[
+        TableColumn(field=k, title=t, **({"formatter": _FULL_TEXT} if k in full_text else {}))
+        for k, t in columns],
+        index_position=None, sizing_mode="stretch_width", height=height, name=name)
 
 
 def _na(value, fmt) -> str:
@@ -114,7 +130,26 @@ class BlockflowPage:
             {k: [] for k in ("time", "action", "worker", "target", "reason", "when", "color",
                              "marker")})
         self.decision_table = _table(self.decisions, DECISION_COLUMNS, 220,
-                                     "blockflow-decisions")
+                                     "blockflow-decisions", full_text=("reason", "target"))
+        # the latest decisions with their reasons in full, wrapped
+        self.reasons = Div(text="", sizing_mode="stretch_width", name="blockflow-reasons",
+                           styles={"white-space": "normal", "overflow-wrap": "anywhere"})
+        # pools: prices, workers by name, cost so far against the bound, the objective
+        self.pools = Div(text="", sizing_mode="stretch_width", name="blockflow-pools")
+        # each worker's recent GPU utilisation and device memory (kept by this page)
+        self.history: dict[str, deque] = {}
+        self.history_source = ColumnDataSource(
+            {k: [] for k in ("xs", "util", "memory", "worker", "pool", "color")})
+        self.util_fig = figure(title="GPU utilisation (%), last 2 min", height=200,
+                               sizing_mode="stretch_width", tools="", y_range=(0, 105),
+                               x_axis_label="seconds ago", name="blockflow-gpu-history")
+        self.memory_fig = figure(title="Device memory used (GiB), last 2 min", height=200,
+                                 sizing_mode="stretch_width", tools="",
+                                 x_axis_label="seconds ago", name="blockflow-memory-history")
+        for fig, field in ((self.util_fig, "util"), (self.memory_fig, "memory")):
+            fig.multi_line(xs="xs", ys=field, color="color", line_width=2,
+                           source=self.history_source)
+            fig.add_tools(HoverTool(tooltips=[("worker", "@worker"), ("pool", "@pool")]))
         self.timeline = figure(
             title="Rebalancer decisions (time, s ago)", height=220,
             y_range=FactorRange(*ACTIONS), sizing_mode="stretch_width",
@@ -144,10 +179,13 @@ class BlockflowPage:
                                color="color", source=self.pipeline)
         self.pipeline_fig.add_tools(HoverTool(tooltips=[
             ("phase", "@phase"), ("micro-batch", "@micro_batch"), ("worker", "@worker")]))
-        self.root = column(self.header, self.worker_table, self.tuning, self.pipeline_fig,
+        self.root = column(self.header, self.pools, self.worker_table,
+                           row(self.util_fig, self.memory_fig, sizing_mode="stretch_width"),
+                           self.tuning, self.pipeline_fig,
                            row(self.timeline, self.count_fig,
                                                                sizing_mode="stretch_width"),
-                           self.decision_table, sizing_mode="stretch_width", **kwargs)
+                           self.decision_table, self.reasons, sizing_mode="stretch_width",
+                           **kwargs)
 
     def update(self) -> None:
         state = dashboard_state(self.scheduler, max_decisions=200)
@@ -165,9 +203,13 @@ class BlockflowPage:
                             f"{len(state['decisions'])} recent decisions"
                             f"{_backups_text(state.get('speculation'))}</p>"
                             f"<p>{run_text}</p>")
-        ws = state["workers"]
+        ws = sorted(state["workers"], key=lambda w: (w["pool"], str(w["name"])))
+        self.pools.text = _pools_html(state.get("pools") or [], state.get("objective"), now)
+        self._update_history(ws, now)
         self.workers.data = {
-            "worker": [w["address"] for w in ws],
+            "pool": [w["pool"] for w in ws],
+            "worker": [str(w["name"]) for w in ws],
+            "address": [w["address"] for w in ws],
             "device": [w["device"] for w in ws],
             "gpu_util": [_na(w["gpu_utilization"], lambda v: f"{v:.0f}%") for w in ws],
             "device_memory": [
@@ -197,12 +239,36 @@ class BlockflowPage:
             "target": [d.get("target") or "" for d in ds],
             "reason": [d["reason"] for d in ds],
         }
+        self.reasons.text = _reasons_html(ds[:20])
         self.tuning.text = _tuning_html(state.get("tuning"), now)
         self._update_pipeline(state.get("pipeline"))
-        names = [w["address"] for w in ws]
+        names = [f"{w['pool']}/{w['name']}" for w in ws]
         self.count_fig.x_range.factors = names
         self.counts.data = {"worker": names, "tasks": [w["tasks_run"] for w in ws]}
 
+
+    def _update_history(self, ws: list[dict], now: float) -> None:
+        """Append each worker's GPU utilisation and device memory; draw the last
+        :data:`HISTORY_SECONDS` (workers without GPU metrics draw nothing)."""
+        for w in ws:
+            h = self.history.setdefault(w["address"], deque())
+            h.append((now, w["gpu_utilization"], w["gpu_memory_used"]))
+            while h and now - h[0][0] > HISTORY_SECONDS:
+                h.popleft()
+        for gone in set(self.history) - {w["address"] for w in ws}:
+            del self.history[gone]
+        shown = [w for w in ws if any(u is not None for _, u, _ in self.history[w["address"]])]
+        pools = sorted({w["pool"] for w in ws})
+        data = {k: [] for k in ("xs", "util", "memory", "worker", "pool", "color")}
+        for i, w in enumerate(shown):
+            h = [(t, u, m) for t, u, m in self.history[w["address"]] if u is not None]
+            data["xs"].append([t - now for t, _, _ in h])
+            data["util"].append([u for _, u, _ in h])
+            data["memory"].append([(m or 0) / 2**30 for _, _, m in h])
+            data["worker"].append(f"{w['name']} ({w['address']})")
+            data["pool"].append(w["pool"])
+            data["color"].append(Category10_10[(pools.index(w["pool"]) * 3 + i) % 10])
+        self.history_source.data = data
 
     def _update_pipeline(self, pipe: dict | None) -> None:
         if not pipe or not pipe.get("timeline"):
@@ -220,6 +286,57 @@ class BlockflowPage:
             "worker": list(t["worker"]),
             "color": ["#1f77b4" if ph == "forward" else "#ff7f0e" for ph in t["phase"]]}
         self.pipeline_fig.visible = True
+
+
+def _money(v) -> str:
+    return "n/a" if v is None else f"${v:,.4f}"
+
+
+def _pools_html(pools: list[dict], objective: dict | None, now: float) -> str:
+    """The pools (workers by name, price, cost so far against the bound) and the run's
+    objective with its projected finish, as HTML ("" with one unnamed pool)."""
+    if not pools or (len(pools) == 1 and pools[0]["name"] == "default"):
+        return ""
+    out = ["<h4>Pools</h4>"]
+    if objective:
+        what = (f"cost, deadline {objective['deadline']:g} s" if objective["kind"] == "cost"
+                else f"makespan, budget {_money(objective['budget'])}"
+                if objective.get("budget") is not None else "makespan")
+        finish = objective.get("projected_finish")
+        due = objective.get("deadline_at")
+        out.append(
+            f"<p class='blockflow-objective'>objective: <b>{html.escape(what)}</b>"
+            f" &middot; cost so far {_money(objective.get('cost_so_far'))}"
+            f" &middot; LP bound of the work left {_money(objective.get('bound_left'))}"
+            + ("" if finish is None else f" &middot; projected finish in "
+               f"{max(finish - now, 0):.1f} s")
+            + ("" if due is None else f" (deadline in {due - now:.1f} s)") + "</p>")
+    rows = "".join(_pool_row(p) for p in pools)
+    out.append("<table class='blockflow-pools'><tr><th>pool</th><th>provider</th>"
+               "<th>price</th><th>workers</th><th>names</th><th>cost so far</th>"
+               "<th>bound (work left)</th></tr>" + rows + "</table>")
+    return "".join(out)
+
+
+def _pool_row(p: dict) -> str:
+    where = html.escape(p["provider"]) + (f" / {html.escape(p['region'])}" if p["region"] else "")
+    price = "n/a" if p["price"] is None else f"${p['price']:g}/h"
+    target = "" if p.get("target") is None else f" (target {p['target']})"
+    return (f"<tr><td><b>{html.escape(p['name'])}</b></td><td>{where}</td><td>{price}</td>"
+            f"<td>{len(p['workers'])}{target}</td>"
+            f"<td style='white-space: normal'>{html.escape(', '.join(p['workers']))}</td>"
+            f"<td>{_money(p['cost_so_far'])}</td><td>{_money(p['bound_left'])}</td></tr>")
+
+
+def _reasons_html(decisions: list[dict]) -> str:
+    """The latest decisions with their reasons in full (wrapped, never cut)."""
+    if not decisions:
+        return ""
+    items = "".join(
+        f"<li><b>{html.escape(str(d['action']))}</b> {html.escape(str(d['worker'] or ''))}"
+        f"{(' &rarr; ' + html.escape(str(d['target']))) if d['target'] else ''}: "
+        f"{html.escape(str(d['reason']))}</li>" for d in decisions)
+    return f"<h4>Latest decisions, reasons in full</h4><ul>{items}</ul>"
 
 
 def _config_text(config: dict) -> str:

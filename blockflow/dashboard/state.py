@@ -12,6 +12,7 @@ from typing import Any
 
 from blockflow import _distributed
 from blockflow.scheduling.actions import Action
+from blockflow.scheduling.pools import DEFAULT_POOL
 
 __all__ = ["dashboard_state"]
 
@@ -94,6 +95,9 @@ def dashboard_state(scheduler, *, since: float | None = None,
             "gpu_uuid": m.device_uuid,
             "shares_gpu_with": list(w.device_peers),
             "resources": dict(w.resources),
+            "pool": (w.pool or {}).get("name", DEFAULT_POOL.name),
+            "provider": (w.pool or {}).get("provider", DEFAULT_POOL.provider),
+            "price": _finite((w.pool or {}).get("price")),
         })
     decisions = status.get("decisions", [])
     if since is not None:
@@ -116,9 +120,65 @@ def dashboard_state(scheduler, *, since: float | None = None,
         # the vocabulary the decisions use (blockflow.scheduling.actions.Action)
         "actions": [a.value for a in Action],
         "speculation": _speculation_summary(status.get("speculation")),
+        "pools": _pools(status, workers),
+        "objective": _objective(status),
+        "scaling": status.get("scaling"),
         "tuning": _tuning(scheduler),
         "pipeline": _pipeline(scheduler),
     }
+
+
+def _pools(status: dict, workers: list[dict]) -> list[dict[str, Any]]:
+    """One entry per pool: its prices, its workers (names), what it cost so far in the
+    current run, and the LP bound of what the work left will cost on it."""
+    declared = status.get("pools") or {}
+    names = sorted({w["pool"] for w in workers} | set(declared))
+    spent = ((status.get("run_cost") or {}).get("pools") or {})
+    objective = status.get("objective") or {}
+    plan = (objective.get("plan") or {}).get("plan") or {}
+    targets = (status.get("scaling") or {}).get("targets") or {}
+    out = []
+    for name in names:
+        info = declared.get(name) or {}
+        members = [w for w in workers if w["pool"] == name]
+        first = members[0] if members else {}
+        price = _finite(info.get("price", first.get("price")))
+        busy = (plan.get("busy") or {}).get(name)
+        out.append({
+            "name": name,
+            "provider": info.get("provider", first.get("provider", "local")),
+            "region": info.get("region", ""),
+            "price": price,
+            "egress": _finite(info.get("egress")),
+            "speed": _finite(info.get("speed")),
+            "workers": [str(w["name"]) for w in members],
+            "addresses": [w["address"] for w in members],
+            "cost_so_far": _finite((spent.get(name) or {}).get("cost")),
+            "bound_left": (None if busy is None or price is None
+                           else _finite(busy * price / 3600.0)),
+            "target": targets.get(name),
+        })
+    return out
+
+
+def _objective(status: dict) -> dict[str, Any] | None:
+    """The current run's objective, the cost so far and the projected finish (the plan's
+    makespan from when it was solved); None without an objective."""
+    obj = status.get("objective")
+    if not obj:
+        return None
+    entry = obj.get("plan") or {}
+    plan = entry.get("plan") or {}
+    run_cost = status.get("run_cost") or {}
+    projected = (entry["time"] + plan["makespan"]
+                 if plan.get("feasible") and "time" in entry else None)
+    spent = _finite(run_cost.get("total_cost"))
+    return {"kind": obj.get("kind"), "deadline": obj.get("deadline"),
+            "budget": obj.get("budget"), "deadline_at": obj.get("deadline_at"),
+            "run": obj.get("run"), "cost_so_far": spent,
+            "bound_left": _finite(plan.get("cost")),
+            "projected_finish": _finite(projected),
+            "feasible": plan.get("feasible")}
 
 
 def _pipeline(scheduler) -> dict[str, Any] | None:

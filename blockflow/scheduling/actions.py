@@ -71,6 +71,15 @@ class Action(str, Enum):
     BALANCE = "balance"
     #: Hand balancing back to distributed's work stealing (speeds not known to differ).
     DEFER = "defer"
+    #: Park a worker of a pool the run's objective does not need now (cheaper pools meet
+    #: it): paused on the scheduler, it finishes what it runs and takes nothing new.
+    PARK = "park"
+    #: Unpark a worker: its pool is needed (the plan gives it work), or no objective is on.
+    UNPARK = "unpark"
+    #: Retire an idle worker of a pool its elastic scaling shrinks (``target``: the pool):
+    #: paused on the scheduler at once, then retired (``retire_workers``). Never a worker
+    #: running or holding queued tasks, never another pool's.
+    RETIRE = "retire"
 
     #: A logged non-decision: a condition seen but not acted on (the last usable worker is
     #: hot; blocks whose working set fits no worker).
@@ -86,6 +95,13 @@ class Action(str, Enum):
     JOIN = "join"
     #: A worker left the cluster (its pause, hold and speeds are forgotten).
     FORGET = "forget"
+    #: The run's objective (cost by a deadline, makespan within a budget) can no longer be
+    #: met: the new projected finish or cost (a WARNING too); the run goes on.
+    OBJECTIVE = "objective"
+    #: A pool's worker target changed (elastic scaling, ``PoolCluster.adapt``): ``target``
+    #: is the pool, ``seen`` the target, the workers it has and the numbers behind it. The
+    #: cluster starts the workers; shrinking is done by ``retire``.
+    SCALE = "scale"
 
     def __str__(self) -> str:  # "move", not "Action.MOVE", in messages and f-strings
         return self.value

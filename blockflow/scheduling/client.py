@@ -39,6 +39,7 @@ from blockflow.errors import WorkerLostError
 from blockflow.scheduling.estimate import CONFIDENT, Throughput, confident_speeds
 
 __all__ = [
+    "throughput",
     "LearnedSpeeds",
     "ThroughputView",
     "WorkerMemory",
@@ -92,6 +93,41 @@ def plugin_status(client: Client, **kwargs: Any) -> dict[str, Any]:
         )
     status = client.sync(client.scheduler.blockflow_status, **kwargs)
     return status
+
+
+def throughput(client: Client, status: Mapping[str, Any] | None = None):
+    """The throughput matrix: seconds per task of each task group on each pool.
+
+    Learned by blockflow's speed model (warm tasks only) and read from the scheduler plugin
+    (:func:`blockflow.scheduling.cost.throughput_matrix`, Gavel's matrix): a pool that ran
+    a group shows the median over its workers; a pool that ran none of it shows the
+    group's time elsewhere scaled by the pools' typical speeds (its ``speed`` hint).
+
+    Parameters
+    ----------
+    client : distributed.Client
+    status : dict, optional
+        A :func:`plugin_status` already read.
+
+    Returns
+    -------
+    pandas.DataFrame
+        One row per task group (index ``group``), one column per pool (seconds per task),
+        sorted; empty when nothing was measured yet.
+
+    Raises
+    ------
+    RuntimeError
+        If the scheduler runs no blockflow plugin.
+    """
+    import pandas as pd
+
+    matrix = (status if status is not None else plugin_status(client)).get("throughput") or {}
+    pools = sorted({p for row in matrix.values() for p in row})
+    df = pd.DataFrame([[matrix[g].get(p) for p in pools] for g in sorted(matrix)],
+                      index=pd.Index(sorted(matrix), name="group"),
+                      columns=pd.Index(pools, name="pool"), dtype="float64")
+    return df
 
 
 def _has_plugin(client: Client) -> bool:

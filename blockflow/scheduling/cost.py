@@ -1,106 +1,343 @@
-"""The scheduler plugin's own cost: seconds it spends on the scheduler's event loop.
+"""Cost: the throughput matrix, the LP over it, and what a run cost per pool.
 
-Every second the plugin spends in a hook (``transition``, ``update_graph``) or a control-loop
-tick is a second the scheduler does not schedule. :class:`PluginCost` keeps the totals, cheaply
-(two ``time.perf_counter()`` calls per hook call, a bounded deque of tick durations), and the
-plugin serves them in its status (``plugin_status(client)["cost"]``), which is how
-``benchmarks/scale.py`` reports the plugin's cost per task and per tick.
+The **throughput matrix** (Gavel's, Narayanan et al. OSDI 2020) holds seconds per task for
+each (task group, pool), read from the one speed model
+(:meth:`blockflow.scheduling.speed.SpeedModel.group_durations`): a pool that ran a group
+gives the median over its workers of their median durations; a pool that did not gets the
+group's time on the pools that did, scaled by the pools' typical speeds
+(:func:`typical_speeds`: the pool's ``speed`` hint, else its workers' learned speed).
+
+:func:`plan` is the one LP (``scipy.optimize.linprog``, HiGHS) over that matrix: how many
+tasks of each group each pool takes, to minimise cost under a deadline, or the makespan
+under a budget (or without one). Its optimum is the lower bound run reports show beside
+the cost, the objective rule (:mod:`blockflow.scheduling.rules.objective`) re-solves it for
+the work left on every tick, and pool scaling sizes pools from it
+(:attr:`Plan.workers_needed`). :func:`run_cost` prices a finished run: each worker billed
+from its first task's start to its last task's end (idle gaps included) at its pool's
+price, plus the bytes that crossed providers at the egress price of the provider they left.
 """
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
-from time import perf_counter as clock
-from time import thread_time as cpu_clock
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from statistics import median
 from typing import Any
 
-__all__ = ["PluginCost", "clock", "cpu_clock"]
+from blockflow.scheduling.pools import Pool
+
+__all__ = ["Plan", "plan", "run_cost", "throughput_matrix", "typical_speeds"]
+
+_GB = 1e9
 
 
-class PluginCost:
-    """Seconds the scheduler plugin spent in its hooks and ticks.
+def typical_speeds(pools: Mapping[str, Pool], speeds: Mapping[str, float] | None = None
+                   ) -> dict[str, float]:
+    """Pool name -> typical relative speed: its ``speed`` hint, else the median learned
+    speed of its workers (``speeds``: address -> speed), else 1.0.
+
+    Parameters
+    ----------
+    pools : mapping of str to Pool
+        Worker address -> its pool.
+    speeds : mapping of str to float, optional
+        Worker address -> learned relative speed.
+    """
+    members: dict[str, list[str]] = {}
+    hint: dict[str, float | None] = {}
+    for addr, p in pools.items():
+        members.setdefault(p.name, []).append(addr)
+        hint[p.name] = p.speed
+    out = {}
+    for name, addrs in members.items():
+        learned = [speeds[a] for a in addrs if speeds and a in speeds]
+        out[name] = hint[name] or (median(learned) if learned else 1.0)
+    return out
+
+
+def throughput_matrix(durations: Mapping[str, Mapping[str, float]],
+                      pools: Mapping[str, Pool],
+                      speeds: Mapping[str, float] | None = None) -> dict[str, dict[str, float]]:
+    """Seconds per task of each task group on each pool.
+
+    Parameters
+    ----------
+    durations : mapping
+        Group -> worker address -> that worker's typical seconds per task (warm)
+        (:meth:`~blockflow.scheduling.speed.SpeedModel.group_durations`).
+    pools : mapping of str to Pool
+        Worker address -> its pool (workers not in it are ignored).
+    speeds : mapping of str to float, optional
+        Worker address -> learned relative speed (for pools without a ``speed`` hint).
+
+    Returns
+    -------
+    dict
+        Group -> pool name -> seconds per task. Every pool of ``pools`` has an entry for
+        every group: measured (median over the pool's workers of their durations) or, for a
+        pool that ran none of the group, the group's measured time on another pool times
+        that pool's typical speed over this one's (the median over the pools that ran it).
+    """
+    typical = typical_speeds(pools, speeds)
+    out: dict[str, dict[str, float]] = {}
+    for group, per_worker in durations.items():
+        by_pool: dict[str, list[float]] = {}
+        for addr, seconds in per_worker.items():
+            p = pools.get(addr)
+            if p is not None and seconds > 0:
+                by_pool.setdefault(p.name, []).append(seconds)
+        measured = {name: median(v) for name, v in by_pool.items()}
+        if not measured:
+            continue
+        row = dict(measured)
+        for name in typical:
+            if name not in row:
+                row[name] = median(t * typical[q] / typical[name] for q, t in measured.items())
+        out[group] = row
+    return out
+
+
+@dataclass
+class Plan:
+    """The LP's answer for some work (see :func:`plan`).
 
     Attributes
     ----------
-    hooks : float
-        Seconds in the per-task hooks (``transition``, ``update_graph``), in total.
-    ticks : deque of float
-        Seconds of each of the latest :attr:`max_ticks` control-loop ticks.
-    tick_total, tick_max : float
-        Seconds in all ticks so far, and in the longest one.
-    tick_count : int
-    hook_calls : int
-        Calls of the ``transition`` hook.
-    hook_cpu_sampled, hook_samples : float, int
-        CPU seconds of the event loop's thread (``time.thread_time``) in one ``transition``
-        call of every :attr:`sample_every`, and how many: wall time counts whatever else
-        the machine runs meanwhile, CPU time only the plugin's own work (a thread-time
-        reading costs a system call: sampled).
-    graph_cpu : float
-        CPU seconds in ``update_graph`` (every call: one per graph).
-    tick_cpu : float
-        CPU seconds in all ticks.
+    feasible : bool
+        Whether the deadline or budget can be met with the workers given.
+    tasks : dict
+        Group -> pool name -> tasks (fractional: the LP relaxation).
+    busy : dict of str to float
+        Pool name -> worker-seconds of work it takes (thread-seconds / threads per worker).
+    cost : float
+        Dollars: busy worker-seconds x price, plus egress (the lower bound of a run's cost:
+        idle time only adds to it).
+    makespan : float
+        Seconds until the last pool finishes its share, each pool's workers sharing its work
+        evenly (the lower bound of a run's makespan).
+    workers_needed : dict of str to int
+        Pool name -> workers it needs to finish its share by the deadline (or makespan).
+    shortfall : str
+        Why it is infeasible, one line naming the fix ("needs >= N workers of pool P"); "".
     """
 
-    #: Tick durations kept for the median.
-    max_ticks = 10_000
-    #: One ``transition`` call in this many (a power of 2) also reads the thread's CPU time.
-    sample_every = 32
+    feasible: bool
+    tasks: dict[str, dict[str, float]] = field(default_factory=dict)
+    busy: dict[str, float] = field(default_factory=dict)
+    cost: float = 0.0
+    makespan: float = 0.0
+    workers_needed: dict[str, int] = field(default_factory=dict)
+    shortfall: str = ""
 
-    def __init__(self):
-        self.hooks = 0.0
-        self.ticks: deque[float] = deque(maxlen=self.max_ticks)
-        self.tick_total = 0.0
-        self.tick_max = 0.0
-        self.tick_count = 0
-        self.hook_calls = 0
-        self.hook_cpu_sampled = 0.0
-        self.hook_samples = 0
-        self.graph_cpu = 0.0
-        self.tick_cpu = 0.0
+    def pool_tasks(self, pool: str) -> float:
+        """Tasks (all groups) the plan gives ``pool``."""
+        return sum(row.get(pool, 0.0) for row in self.tasks.values())
 
-    def sampled(self) -> bool:
-        """Count a ``transition`` call; whether this one reads the CPU time too."""
-        self.hook_calls += 1
-        return not self.hook_calls & (self.sample_every - 1)
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (JSON)."""
+        return {"feasible": self.feasible, "tasks": self.tasks, "busy": self.busy,
+                "cost": self.cost, "makespan": self.makespan,
+                "workers_needed": self.workers_needed, "shortfall": self.shortfall}
 
-    def tick(self, seconds: float, cpu: float = 0.0) -> None:
-        """Record one tick of ``seconds`` (``cpu`` seconds of the thread's CPU time)."""
-        self.ticks.append(seconds)
-        self.tick_total += seconds
-        self.tick_cpu += cpu
-        self.tick_count += 1
-        if seconds > self.tick_max:
-            self.tick_max = seconds
 
-    def as_dict(self, tasks: int) -> dict[str, Any]:
-        """Plain data: totals, per task (``tasks`` finished so far) and per tick.
+def plan(work: Mapping[str, float], seconds: Mapping[str, Mapping[str, float]],
+         pools: Mapping[str, Pool], workers: Mapping[str, int], *,
+         threads: Mapping[str, int] | None = None, deadline: float | None = None,
+         budget: float | None = None,
+         egress: Mapping[str, Mapping[str, float]] | None = None) -> Plan:
+    """The LP over the throughput matrix: tasks per (group, pool), cost and makespan.
 
-        Returns
-        -------
-        dict
-            ``tasks``; ``hook_seconds``; ``per_task_us`` (hook time per finished task,
-            microseconds; None before the first); ``tick_count``; ``tick_seconds`` (all
-            ticks); ``tick_ms_median``, ``tick_ms_max`` (milliseconds; None before the
-            first tick); ``all_in_per_task_us`` (hooks and ticks together per finished task);
-            ``hook_cpu_seconds`` (estimated from the sampled calls), ``cpu_per_task_us``
-            and ``tick_cpu_seconds``: the same in CPU time of the event loop's thread.
-        """
-        ticks = list(self.ticks)
-        hook_cpu = self.graph_cpu + (self.hook_cpu_sampled / self.hook_samples * self.hook_calls
-                                     if self.hook_samples else 0.0)
-        return {
-            "hook_cpu_seconds": hook_cpu,
-            "cpu_per_task_us": 1e6 * hook_cpu / tasks if tasks else None,
-            "tick_cpu_seconds": self.tick_cpu,
-            "tasks": tasks,
-            "hook_seconds": self.hooks,
-            "per_task_us": 1e6 * self.hooks / tasks if tasks else None,
-            "tick_count": self.tick_count,
-            "tick_seconds": self.tick_total,
-            "tick_ms_median": 1e3 * statistics.median(ticks) if ticks else None,
-            "tick_ms_max": 1e3 * self.tick_max if ticks else None,
-            "all_in_per_task_us": 1e6 * (self.hooks + self.tick_total) / tasks
-            if tasks else None,
-        }
+    Parameters
+    ----------
+    work : mapping of str to float
+        Group -> tasks to run.
+    seconds : mapping
+        Group -> pool name -> seconds per task (:func:`throughput_matrix`). A pool missing
+        from a group's row cannot run it.
+    pools : mapping of str to Pool
+        Pool name -> :class:`Pool` (its ``price``; None counts as 0).
+    workers : mapping of str to int
+        Pool name -> workers available (for sizing: the pool's maximum).
+    threads : mapping of str to int, optional
+        Pool name -> threads per worker (default 1): a worker runs that many tasks at once.
+    deadline : float, optional
+        Seconds: minimise cost such that every pool finishes its share within it.
+    budget : float, optional
+        Dollars: minimise the makespan such that the cost stays within it.
+    egress : mapping, optional
+        Group -> pool name -> dollars per task for its inputs leaving their provider when it
+        runs on that pool (added to the cost).
+
+    Returns
+    -------
+    Plan
+        With ``deadline``: the cheapest plan meeting it; with ``budget``: the fastest within
+        it; with neither: the fastest. Infeasible plans carry ``shortfall``.
+
+    Notes
+    -----
+    Variables ``x[g, p]`` (tasks of group g on pool p) and, without a deadline, the
+    makespan ``T``. Pool p's load is ``L_p = sum_g t[g, p] x[g, p] / threads_p``
+    worker-seconds, its cost ``price_p L_p / 3600``; constraints ``sum_p x[g, p] = n_g``
+    and ``L_p <= workers_p * D`` (or ``* T``). A relaxation of the real schedule (tasks are
+    divisible, workers of a pool share its load evenly, no dependencies): its optimum is a
+    lower bound of any run's cost (deadline) or makespan (budget). Solved with
+    ``scipy.optimize.linprog`` (HiGHS).
+    """
+    import numpy as np
+    from scipy.optimize import linprog
+
+    threads = threads or {}
+    groups = [g for g, n in work.items() if n > 0]
+    names = sorted(workers)
+    if not groups:
+        return Plan(True, {}, {p: 0.0 for p in names}, 0.0, 0.0, {p: 0 for p in names})
+    var = [(g, p) for g in groups for p in names if p in seconds.get(g, {})]
+    missing = [g for g in groups if not any(v[0] == g for v in var)]
+    if missing:
+        return Plan(False, shortfall=f"no pool can run tasks of {missing[0]!r} (no "
+                    f"throughput known for it on pools {', '.join(names)})")
+    price = {p: (pools[p].price or 0.0) / 3600.0 for p in names}
+    k = {p: max(int(threads.get(p, 1)), 1) for p in names}
+    load = np.array([[seconds[g][p] / k[p] if q == p else 0.0 for (g, p) in var]
+                     for q in names])  # worker-seconds per task, by pool
+    dollars = np.array([price[p] * seconds[g][p] / k[p]
+                        + ((egress or {}).get(g, {}).get(p, 0.0)) for (g, p) in var])
+    a_eq = np.array([[1.0 if v[0] == g else 0.0 for v in var] for g in groups])
+    b_eq = np.array([float(work[g]) for g in groups])
+    cap = np.array([float(workers.get(p, 0)) for p in names])
+    n = len(var)
+
+    def result(x: np.ndarray, feasible: bool, horizon: float | None) -> Plan:
+        tasks: dict[str, dict[str, float]] = {g: {} for g in groups}
+        for (g, p), xi in zip(var, x[:n]):
+            if xi > 1e-9:
+                tasks[g][p] = float(xi)
+        busy = {p: float(load[i] @ x[:n]) for i, p in enumerate(names)}
+        span = max((busy[p] / cap[i] for i, p in enumerate(names) if busy[p] > 1e-12),
+                   default=0.0)
+        h = horizon if horizon is not None else span
+        needed = {p: (math.ceil(busy[p] / h - 1e-6) if h > 0 and busy[p] > 1e-12 else 0)
+                  for p in names}
+        return Plan(feasible, tasks, busy, float(dollars @ x[:n]), float(span), needed)
+
+    if deadline is not None:
+        res = linprog(dollars, A_ub=load, b_ub=cap * deadline, A_eq=a_eq, b_eq=b_eq,
+                      bounds=(0, None), method="highs")
+        if res.status == 0:
+            return result(res.x, True, deadline)
+        return Plan(False, shortfall=_deadline_shortfall(
+            deadline, load, cap, a_eq, b_eq, names, groups, var, k))
+    # minimise T: variables x, T; load_p(x) - cap_p T <= 0 (+ cost <= budget)
+    c = np.zeros(n + 1)
+    c[-1] = 1.0
+    a_ub = np.hstack([load, -cap[:, None]])
+    b_ub = np.zeros(len(names))
+    if budget is not None:
+        a_ub = np.vstack([a_ub, np.append(dollars, 0.0)])
+        b_ub = np.append(b_ub, budget)
+    res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=np.hstack([a_eq, np.zeros((len(groups), 1))]),
+                  b_eq=b_eq, bounds=(0, None), method="highs")
+    if res.status == 0:
+        return result(res.x, True, None)
+    if budget is not None:
+        cheapest = linprog(dollars, A_eq=a_eq, b_eq=b_eq, bounds=(0, None), method="highs")
+        least = float(cheapest.fun) if cheapest.status == 0 else math.nan
+        return Plan(False, shortfall=f"budget ${budget:.4g} is below the cheapest possible "
+                    f"run (${least:.4g}); raise the budget to at least ${least:.4g}")
+    return Plan(False, shortfall="no pool has workers; add workers")
+
+
+def _deadline_shortfall(deadline, load, cap, a_eq, b_eq, names, groups, var, k) -> str:
+    """One line: the fewest workers of one pool (the one needing fewest more) that meet the
+    deadline, the other pools as they are."""
+    import numpy as np
+    from scipy.optimize import linprog
+
+    best = None
+    n = len(var)
+    for i, p in enumerate(names):
+        # minimise y (workers of p) with the others fixed
+        c = np.zeros(n + 1)
+        c[-1] = 1.0
+        a_ub = np.hstack([load, np.zeros((len(names), 1))])
+        a_ub[i, -1] = -deadline
+        b_ub = cap * deadline
+        b_ub[i] = 0.0
+        res = linprog(c, A_ub=a_ub, b_ub=b_ub,
+                      A_eq=np.hstack([a_eq, np.zeros((len(groups), 1))]), b_eq=b_eq,
+                      bounds=(0, None), method="highs")
+        if res.status == 0:
+            need = math.ceil(res.x[-1] - 1e-6)
+            extra = need - cap[i]
+            if best is None or extra < best[0]:
+                best = (extra, p, need, int(cap[i]))
+    if best is None:
+        return f"deadline {deadline:g}s cannot be met by any pool's workers"
+    _, p, need, have = best
+    return (f"deadline {deadline:g}s cannot be met: needs >= {need} workers of pool {p!r} "
+            f"(has {have}); add workers or extend the deadline")
+
+
+def run_cost(task_log: Iterable[tuple[str, float, float]], pools: Mapping[str, Pool],
+             crossings: Iterable[tuple[str, str, int]] = (),
+             provider_egress: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """What a run cost, per pool.
+
+    Parameters
+    ----------
+    task_log : iterable of (worker, start, stop)
+        The run's task executions (seconds since the epoch).
+    pools : mapping of str to Pool
+        Worker address -> its pool (workers missing: no price).
+    crossings : iterable of (from_provider, to_provider, bytes)
+        Bytes the run's tasks read from workers of another provider.
+    provider_egress : mapping of str to float, optional
+        Provider -> dollars per GB leaving it (default: each provider's pools' ``egress``,
+        the highest one).
+
+    Returns
+    -------
+    dict
+        ``pools``: pool name -> ``{"workers", "worker_seconds", "busy_seconds", "price",
+        "cost"}`` (a worker is billed from its first task's start to its last task's end:
+        idle gaps between included); ``egress``: ``{"bytes", "cost", "by_provider"}``;
+        ``compute_cost``, ``total_cost`` (dollars).
+    """
+    span: dict[str, list[float]] = {}
+    busy: dict[str, float] = {}
+    for worker, start, stop in task_log:
+        s = span.setdefault(worker, [start, stop])
+        s[0], s[1] = min(s[0], start), max(s[1], stop)
+        busy[worker] = busy.get(worker, 0.0) + (stop - start)
+    out: dict[str, dict[str, Any]] = {}
+    for p in {p.name: p for p in pools.values()}.values():
+        out[p.name] = {"workers": 0, "worker_seconds": 0.0, "busy_seconds": 0.0,
+                       "price": p.price, "cost": 0.0}
+    for worker, (start, stop) in span.items():
+        p = pools.get(worker)
+        if p is None:
+            continue
+        row = out[p.name]
+        row["workers"] += 1
+        row["worker_seconds"] += stop - start
+        row["busy_seconds"] += busy[worker]
+        row["cost"] += (stop - start) * p.price_per_second
+    if provider_egress is None:
+        provider_egress = {}
+        for p in pools.values():
+            provider_egress[p.provider] = max(provider_egress.get(p.provider, 0.0), p.egress)
+    by_provider: dict[str, dict[str, float]] = {}
+    for src, dst, nbytes in crossings:
+        if src == dst:
+            continue
+        row = by_provider.setdefault(src, {"bytes": 0, "cost": 0.0})
+        row["bytes"] += int(nbytes)
+        row["cost"] += nbytes / _GB * provider_egress.get(src, 0.0)
+    egress = {"bytes": sum(r["bytes"] for r in by_provider.values()),
+              "cost": sum(r["cost"] for r in by_provider.values()),
+              "by_provider": by_provider}
+    compute = sum(r["cost"] for r in out.values())
+    return {"pools": out, "egress": egress, "compute_cost": compute,
+            "total_cost": compute + egress["cost"]}

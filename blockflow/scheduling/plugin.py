@@ -37,9 +37,9 @@ from blockflow import _distributed, config
 from blockflow.errors import ResourceError
 from blockflow.scheduling.actions import KERNEL_PREFIX, Action, Decision
 from blockflow.scheduling import resources
-from blockflow.scheduling.cost import PluginCost
-from blockflow.scheduling.cost import clock as _clock
-from blockflow.scheduling.cost import cpu_clock as _cpu_clock
+from blockflow.scheduling.overhead import PluginCost
+from blockflow.scheduling.overhead import clock as _clock
+from blockflow.scheduling.overhead import cpu_clock as _cpu_clock
 from blockflow.scheduling.policies import (
     POLICIES,
     REGISTRY,
@@ -53,12 +53,16 @@ from blockflow.scheduling.rules import (
     UnsatisfiableRule,
 )
 from blockflow.scheduling.estimate import LinkBandwidth
+from blockflow.scheduling import cost
+from blockflow.scheduling.pools import Pool, pools_of
+from blockflow.scheduling.rules.scaling import PoolScalingRule, ScalingRequest
 from blockflow.scheduling.runs import RunTracker
 from blockflow.scheduling.speed import SpeedModel
 
 __all__ = ["POLICIES", "Rebalancer"]
 
 logger = logging.getLogger(__name__)
+objective_logger = logging.getLogger("blockflow.scheduling.objective")
 
 #: Transitions of a tracked producer or consumer after which admission control looks again.
 _ADMISSION_EVENTS = frozenset({"memory", "released", "forgotten", "erred"})
@@ -135,6 +139,18 @@ class Rebalancer(SchedulerPlugin):
         self._last_snap: ClusterSnapshot | None = None  # the last tick's (for status())
         self._view_cache = _distributed.WorkerViewCache()  # the ticks' worker views
         self._links: LinkBandwidth | None = None  # measured links, kept across ticks
+        # pools and objectives (blockflow.scheduling.pools, .objective, .cost)
+        self.parked: dict[str, str] = {}  # worker -> reason: its pool is not needed now
+        #: Pools known before any of their workers joins (name -> Pool): a cluster that
+        #: scales pools from zero registers them here (``client.run_on_scheduler``).
+        self.declared_pools: dict[str, Pool] = {}
+        # elastic scaling of pools (PoolCluster.adapt): its rule, the workers it retires
+        self.scaling = PoolScalingRule()
+        self.retiring: dict[str, str] = {}  # worker -> its name, retired, not gone yet
+        self._providers: dict[str, str] = {}  # worker -> its pool's provider
+        self._multi_provider = False  # workers of several providers (inputs are tracked)
+        # task group -> [tasks seen, {provider -> input bytes}]: where a group's inputs live
+        self.group_inputs: dict[str, list] = {}
 
     def __getstate__(self):
         return {"policy_name": self.policy_name, "interval": self.interval,
@@ -152,6 +168,7 @@ class Rebalancer(SchedulerPlugin):
         self.policy = make_policy(self.policy_name)
         self._start_resources()
         _distributed.add_handler(scheduler, "blockflow_status", self.status)
+        _distributed.add_handler(scheduler, "blockflow_pool_targets", self.pool_targets)
         for amm_policy in self.policy.amm_policies():
             _distributed.add_amm_policy(scheduler, amm_policy)
         for worker_plugin in self.policy.worker_plugins():
@@ -210,7 +227,8 @@ class Rebalancer(SchedulerPlugin):
         if worker is None:
             return
         self.task_counts[worker] += 1
-        self.runs.finished(key, worker)
+        if self._multi_provider:
+            self._record_inputs(key, worker)
         group = key_split(key)
         if group.startswith(KERNEL_PREFIX):
             self.kernel_counts[worker] += 1
@@ -226,10 +244,35 @@ class Rebalancer(SchedulerPlugin):
                     wait = max(0.0, wait - (ss["stop"] - ss["start"]))
                     compute += ss["stop"] - start
                     self.task_log.append((worker, start, ss["stop"]))
+                    self.runs.executed(key, worker, start, ss["stop"])
             if compute > 0:
                 work = _distributed.task_work(self.scheduler, key)
                 self.speeds.observe(worker, group, compute, 1.0 if work is None else work,
                                     size=_distributed.task_size(self.scheduler, key))
+        self.runs.finished(key, worker)
+
+    def _record_inputs(self, key, worker: str) -> None:
+        """Where a finished task's inputs came from (providers): bytes that crossed into
+        ``worker``'s provider go to the run's account, and the group's inputs by provider
+        feed the objective's egress prices. O(inputs)."""
+        here = self._providers.get(worker)
+        group = key_split(key)
+        seen = self.group_inputs.get(group)
+        if seen is None:
+            seen = self.group_inputs[group] = [0, Counter()]
+            while len(self.group_inputs) > 256:
+                self.group_inputs.pop(next(iter(self.group_inputs)))
+        seen[0] += 1
+        for nbytes, holders in _distributed.input_holders(self.scheduler, key, worker):
+            providers = {self._providers.get(h) for h in holders}
+            if not holders or here in providers:
+                seen[1][here] += nbytes  # made here, or read within the provider
+                continue
+            src = sorted(p for p in providers if p is not None)
+            src = src[0] if src else here
+            seen[1][src] += nbytes
+            if src != here:
+                self.runs.crossed(key, src, here, nbytes)
 
     def update_graph(self, scheduler, *, client=None, keys=None, tasks=None, annotations=None,
                      **kwargs) -> None:
@@ -246,8 +289,12 @@ class Rebalancer(SchedulerPlugin):
         if self.policy is None or not tasks:
             return
         new_tasks = self._resources_on_graph(scheduler, list(tasks), client)
-        snap = ClusterSnapshot(time=time.time(), workers=self._views(), event="graph",
-                               new_tasks=new_tasks)
+        views = self._views()
+        run = self._objective_run()
+        snap = ClusterSnapshot(time=time.time(), workers=views, event="graph",
+                               new_tasks=new_tasks, run=run, parked=frozenset(self.parked),
+                               declared_pools=dict(self.declared_pools),
+                               throughput=self._throughput(views) if run else {})
         for d in self.policy.run(snap):
             self._apply(d, snap)
 
@@ -262,6 +309,9 @@ class Rebalancer(SchedulerPlugin):
         if self._last_snap is not None:
             self._last_snap.workers.pop(worker, None)
         self.speeds.forget(worker)
+        self.parked.pop(worker, None)
+        self.retiring.pop(worker, None)
+        self._providers.pop(worker, None)
         was_paused = self.paused.pop(worker, None)
         self.held.pop(worker, None)
         self._apply(Decision(Action.FORGET, worker, "worker left the cluster"
@@ -401,7 +451,27 @@ class Rebalancer(SchedulerPlugin):
                                changed=self._view_cache.changed)
         snap.balancing = (self.balancing.judge(snap) if self.balancing is not None
                           else snap.speeds_differ)
+        pools = pools_of(views)
+        self._providers = {a: p.provider for a, p in pools.items()}
+        self._multi_provider = len(set(self._providers.values())) > 1
+        snap.parked = frozenset(self.parked)
+        snap.declared_pools = dict(self.declared_pools)
+        snap.run = self._objective_run()
+        if snap.run is not None:
+            snap.throughput = self._throughput(views)
+            snap.inputs = {g: {p: b / max(n, 1) for p, b in by.items()}
+                           for g, (n, by) in self.group_inputs.items()}
         return snap
+
+    def _objective_run(self):
+        """The run most recently given work, when it runs under an objective."""
+        run = self.runs.run_of(self.runs.current)
+        return run if run is not None and run.objective is not None else None
+
+    def _throughput(self, views) -> dict[str, dict[str, float]]:
+        """The throughput matrix (group -> pool -> seconds per task) from the speed model."""
+        return cost.throughput_matrix(self.speeds.group_durations(), pools_of(views),
+                                      {a: w.speed for a, w in views.items()})
 
     def _stopped(self, views) -> frozenset:
         """Workers that paused themselves (distributed's host-memory pause threshold): their
@@ -414,7 +484,7 @@ class Rebalancer(SchedulerPlugin):
             if w.status != "paused":
                 continue
             hm = w.host_memory_fraction
-            if (a not in self.paused and a not in self.held) or (
+            if (a not in self.paused and a not in self.held and a not in self.parked) or (
                     limit and hm is not None and hm >= limit):
                 out.add(a)
         return frozenset(out)
@@ -468,7 +538,8 @@ class Rebalancer(SchedulerPlugin):
 
     def _reapply_pauses(self, snap: ClusterSnapshot) -> None:
         # A worker's own status message can flip a scheduler-side pause back to running.
-        for kept, what in ((self.held, "rehold"), (self.paused, "repause")):
+        for kept, what in ((self.held, "rehold"), (self.paused, "repause"),
+                           (self.parked, "repark")):
             for addr in list(kept):
                 w = snap.workers.get(addr)
                 if w is None:
@@ -589,6 +660,13 @@ class Rebalancer(SchedulerPlugin):
         return d
 
     def _on_fail(self, d, snap):
+        if isinstance(d.detail, BaseException):  # refused before anything runs
+            held = _distributed.hold_tasks(self.scheduler, list(d.keys))
+            objective_logger.error("%s", d.detail)
+            keys = list(d.keys)  # held ones, and restricted ones waiting in no-worker
+            _distributed.call_soon(self.scheduler, lambda: _distributed.fail_tasks(
+                self.scheduler, keys, d.detail, f"blockflow-refused-{time.time()}"))
+            return replace(d, seen={**d.seen, "held": len(held)})
         need = d.seen["resources"]
         failed = _distributed.fail_tasks(self.scheduler, list(d.keys), ResourceError(d.detail),
                                          f"blockflow-unsatisfiable-{time.time()}")
@@ -614,10 +692,37 @@ class Rebalancer(SchedulerPlugin):
     def _log_only(self, d, snap):
         return d
 
+    def _on_retire(self, d, snap):
+        if d.worker in self.retiring or not _distributed.retire_idle_worker(
+                self.scheduler, d.worker, self._stimulus(d)):
+            return None
+        self.retiring[d.worker] = str(snap.workers[d.worker].name)
+        return d
+
+    def _on_park(self, d, snap):
+        if d.worker in self.parked:
+            return None
+        _distributed.set_worker_status(self.scheduler, d.worker, True, self._stimulus(d))
+        self.parked[d.worker] = d.reason
+        return d
+
+    def _on_unpark(self, d, snap):
+        if self.parked.pop(d.worker, None) is None:
+            return None
+        if d.worker not in self.paused and d.worker not in self.held:
+            _distributed.set_worker_status(self.scheduler, d.worker, False, self._stimulus(d))
+        return d
+
+    def _on_objective(self, d, snap):
+        if (d.detail or {}).get("warning"):
+            objective_logger.warning("blockflow: %s", d.reason)
+        return d
+
     #: Actions about one worker: applied only while their snapshot shows the worker.
     ON_WORKER = frozenset({Action.PAUSE, Action.RESUME, Action.HANDOVER, Action.HOLD,
                            Action.RELEASE, Action.MOVE, Action.ASSIGN, Action.PLACE,
-                           Action.SPECULATE, Action.KEEP})
+                           Action.SPECULATE, Action.KEEP, Action.PARK, Action.UNPARK,
+                           Action.RETIRE})
     #: The one table of handlers: action -> ``handler(plugin, decision, snapshot)``.
     HANDLERS: dict[Action, Callable] = {
         Action.PAUSE: _on_pause,
@@ -640,6 +745,11 @@ class Rebalancer(SchedulerPlugin):
         Action.MEMORY_MOVE: _log_only,  # distributed's AMM applies it
         Action.JOIN: _log_only,
         Action.FORGET: _log_only,
+        Action.RETIRE: _on_retire,
+        Action.SCALE: _log_only,  # the cluster (PoolAdaptive) starts the workers
+        Action.PARK: _on_park,
+        Action.UNPARK: _on_unpark,
+        Action.OBJECTIVE: _on_objective,
     }
 
     def _start_backup(self, d: Decision) -> None:
@@ -700,6 +810,100 @@ class Rebalancer(SchedulerPlugin):
 
     # --- read-only handler ------------------------------------------------------------
 
+    def pool_targets(self, comm=None, *, pools: dict, bounds: dict,
+                     starting: dict | None = None, threads: dict | None = None,
+                     target_duration: float = 5.0, startup: float = 5.0,
+                     wait_count: int = 3) -> dict[str, Any]:
+        """Per-pool worker targets for elastic scaling (the ``blockflow_pool_targets``
+        handler, asked by :class:`blockflow.cluster.adaptive.PoolAdaptive`, as distributed's
+        ``Adaptive`` asks ``adaptive_target``).
+
+        Runs :class:`~blockflow.scheduling.rules.scaling.PoolScalingRule` on a fresh
+        snapshot and applies its decisions: ``scale`` (a target changed, logged) and
+        ``retire`` (an idle worker of a pool above its target: paused and retired here, in
+        one step with the idleness check). The pools become :attr:`declared_pools`.
+
+        Parameters
+        ----------
+        pools : dict
+            Pool name -> :meth:`~blockflow.scheduling.pools.Pool.to_dict`.
+        bounds : dict
+            Pool name -> ``[minimum, maximum]`` workers.
+        starting : dict, optional
+            Pool name -> workers started that have not joined yet.
+        threads : dict, optional
+            Pool name -> threads per worker.
+        target_duration, startup : float
+            Seconds (see :class:`~blockflow.scheduling.rules.scaling.ScalingRequest`).
+        wait_count : int
+
+        Returns
+        -------
+        dict
+            ``targets`` (pool -> workers), ``reasons`` (pool -> why), ``retiring`` (names of
+            the workers retired and not gone yet: the cluster forgets them).
+        """
+        if self.scheduler is None or self.policy is None:
+            return {"targets": {}, "reasons": {}, "retiring": []}
+        request = ScalingRequest(
+            pools={n: Pool.from_dict(d) for n, d in pools.items()},
+            bounds={n: (int(b[0]), int(b[1])) for n, b in bounds.items()},
+            starting=dict(starting or {}), threads=dict(threads or {}),
+            target_duration=float(target_duration), startup=float(startup),
+            wait_count=int(wait_count))
+        self.declared_pools.update(request.pools)
+        snap = self.take_snapshot()
+        run = self.runs.run_of(self.runs.current)
+        if run is not None and not snap.throughput:
+            snap.throughput = self._throughput(snap.workers)
+        reference = {}
+        for g in (run.group_pending if run is not None else ()):
+            seconds = _distributed.group_duration(self.scheduler, g)
+            if seconds is not None:
+                reference[g] = seconds
+        spent = 0.0
+        if run is not None and run.objective is not None and run.objective.budget is not None:
+            rule = getattr(self.policy, "objective", None)
+            if rule is not None:
+                spent = rule._spent(run, pools_of(snap.workers), snap.time, snap)
+        for d in self.scaling.run(snap, request, run, reference, spent,
+                                  frozenset(self.retiring),
+                                  _distributed.workers_holding_data(self.scheduler)):
+            self._apply(d, snap)
+        return {"targets": dict(self.scaling.targets), "reasons": dict(self.scaling.reasons),
+                "retiring": sorted(self.retiring.values())}
+
+    def _pool_status(self) -> dict[str, Any]:
+        """Pools, parked workers, the throughput matrix, the current run's objective, plan
+        and cost so far (plain data, for ``status``)."""
+        if self.scheduler is None:
+            return {"pools": {}, "parked": {}, "throughput": {}, "objective": None}
+        views = self._views()
+        pools = pools_of(views)
+        by_pool: dict[str, dict[str, Any]] = {}
+        for a, p in sorted(pools.items()):
+            by_pool.setdefault(p.name, {**p.to_dict(), "workers": []})["workers"].append(a)
+        for name, p in self.declared_pools.items():
+            by_pool.setdefault(name, {**p.to_dict(), "workers": []})
+        run = self.runs.run_of(self.runs.current)
+        objective = None
+        if run is not None and run.objective is not None:
+            rule = getattr(self.policy, "objective", None)
+            plan = getattr(rule, "plans", {}).get(run.id)
+            objective = {**run.objective.as_dict(), "run": run.id,
+                         "deadline_at": run.deadline_at, "plan": plan}
+        run_cost = None
+        if run is not None and run.spans:
+            run_cost = cost.run_cost(
+                [(w, s0, s1) for w, (s0, s1) in run.spans.items()], pools,
+                [(a, b, n) for (a, b), n in run.crossings.items()])
+        return {"pools": by_pool, "parked": dict(self.parked),
+                "scaling": {"targets": dict(self.scaling.targets),
+                            "reasons": dict(self.scaling.reasons),
+                            "retiring": dict(self.retiring)},
+                "throughput": self._throughput(views), "objective": objective,
+                "run_cost": run_cost}
+
     def status(self, comm=None, since: float | None = None,
                task_log: bool = False, run: str | None = None) -> dict[str, Any]:
         """Plain-data view of the plugin's state, served as the ``blockflow_status`` handler.
@@ -720,7 +924,7 @@ class Rebalancer(SchedulerPlugin):
             Plain data. ``run`` is the run most recently given tasks
             (:meth:`~blockflow.scheduling.runs.Run.as_dict`, or None); ``run_counts`` and
             ``run_started`` are its per-worker counts and start time. ``cost`` is the
-            plugin's own time on the scheduler's event loop (``blockflow.scheduling.cost``):
+            plugin's own time on the scheduler's event loop (``blockflow.scheduling.overhead``):
             per finished task in its hooks (``per_task_us`` wall, ``cpu_per_task_us`` CPU),
             per tick (``tick_ms_median``, ``tick_ms_max``) and in all
             (``all_in_per_task_us``).
@@ -759,6 +963,7 @@ class Rebalancer(SchedulerPlugin):
             "workers": self.snapshot_workers,
             "memory_peak": dict(self.memory_peak),
             "decisions": decisions,
+            **self._pool_status(),
             "speculation": {**dict(self.speculation),
                             "running": {str(k): dict(v) for k, v in self.backups.items()}},
             "resources": {

@@ -52,6 +52,7 @@ from blockflow.scheduling.rules import (
     BackupRule,
     HoldRule,
     MoveRule,
+    ObjectiveRule,
     PauseRule,
     RoundRobinAssignmentRule,
     Rule,
@@ -139,6 +140,18 @@ class ClusterSnapshot:
         the same objects as then. Rules judge a worker again only when it changed (a tick
         costs in proportion to the workers that changed, not to all of them). None:
         unknown, every worker counts as changed.
+    run : Run, optional
+        The run most recently given work, when it runs under a
+        :func:`blockflow.objective` (:class:`blockflow.scheduling.runs.Run`); else None.
+    parked : frozenset of str
+        Workers parked for the objective (:class:`~blockflow.scheduling.rules.ObjectiveRule`).
+    declared_pools : mapping of str to Pool
+        Pools known before any worker of theirs joined (``Rebalancer.declared_pools``).
+    throughput : mapping
+        With ``run``: the throughput matrix, group -> pool name -> seconds per task
+        (:func:`blockflow.scheduling.cost.throughput_matrix`).
+    inputs : mapping
+        With ``run``: task group -> provider -> input bytes per task read from there.
     """
 
     time: float
@@ -161,6 +174,11 @@ class ClusterSnapshot:
     feeder_states: Any = field(default=None, repr=False)
     client: str | None = None
     changed: frozenset | None = field(default=None, repr=False)
+    run: Any = field(default=None, repr=False)
+    parked: frozenset = frozenset()
+    declared_pools: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    throughput: Mapping[str, Mapping[str, float]] = field(default_factory=dict, repr=False)
+    inputs: Mapping[str, Mapping[str, float]] = field(default_factory=dict, repr=False)
 
     def is_changed(self, address: str) -> bool:
         """Whether worker ``address`` may have changed since the previous tick."""
@@ -333,9 +351,12 @@ class DynamicPolicy(ComposedPolicy):
                              moved_memory=self.moved_memory)
         self.backup = BackupRule(self.speculation, self.backup_slots, self.backup_ratio,
                                  self.backup_min_elapsed)
-        # on a graph: placement; on a tick: pauses, holds (not on a worker just paused),
-        # moves (not onto a paused or held one), then copies (not onto a move's target)
-        self.rules = [self.placement, self.pause, self.hold, self.move, self.backup]
+        self.objective = ObjectiveRule()
+        # on a graph: the objective's refusals, placement; on a tick: pools parked for the
+        # objective, pauses, holds (not on a worker just paused), moves (not onto a paused,
+        # parked or held one), then copies (not onto a move's target)
+        self.rules = [self.objective, self.placement, self.pause, self.hold, self.move,
+                      self.backup]
 
     def worker_plugins(self) -> list:
         # every worker, present and future, can run and answer backup copies

@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dask
+from dask.utils import key_split
+
+from blockflow.scheduling.objective import OBJECTIVE_ANNOTATION, Objective
 
 __all__ = ["RUN_ANNOTATION", "Run", "RunTracker", "new_run_id", "run_scope"]
 
@@ -87,14 +90,36 @@ class Run:
     tasks: int = 0  # tasks its graphs submitted that were not already in memory
     pending: int = 0  # of those, not finished (nor forgotten) yet
     counts: Counter = field(default_factory=Counter)  # worker -> task executions finished
+    objective: Objective | None = None  # blockflow.objective(...) it was submitted under
+    group_pending: Counter = field(default_factory=Counter)  # task group -> not finished
+    group_tasks: Counter = field(default_factory=Counter)  # task group -> tasks given
+    # worker -> [first start, last stop] of its task executions in this run (billing)
+    spans: dict = field(default_factory=dict)
+    # (from provider, to provider) -> input bytes tasks read across providers
+    crossings: Counter = field(default_factory=Counter)
+    ended: float | None = None  # when its last pending task finished
+
+    @property
+    def deadline_at(self) -> float | None:
+        """Seconds since the epoch by which a cost objective wants the run finished."""
+        o = self.objective
+        return None if o is None or o.deadline is None else self.started + o.deadline
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data: ``id, name, client, started, graphs, tasks, pending, finished,
-        counts``."""
+        counts, objective, deadline_at, group_pending, group_tasks, spans, crossings,
+        ended``."""
         return {"id": self.id, "name": self.name, "client": self.client,
                 "started": self.started, "graphs": self.graphs, "tasks": self.tasks,
                 "pending": self.pending, "finished": sum(self.counts.values()),
-                "counts": dict(self.counts)}
+                "counts": dict(self.counts),
+                "objective": self.objective.as_dict() if self.objective else None,
+                "deadline_at": self.deadline_at,
+                "group_pending": {g: n for g, n in self.group_pending.items() if n > 0},
+                "group_tasks": dict(self.group_tasks),
+                "spans": {w: list(s) for w, s in self.spans.items()},
+                "crossings": [[a, b, n] for (a, b), n in self.crossings.items()],
+                "ended": self.ended}
 
 
 class RunTracker:
@@ -146,6 +171,8 @@ class RunTracker:
             and no run was named.
         """
         tag = next(iter((annotations.get(RUN_ANNOTATION) or {}).values()), None)
+        goal = Objective.from_dict(next(iter(
+            (annotations.get(OBJECTIVE_ANNOTATION) or {}).values()), None))
         tagged = isinstance(tag, Mapping) and bool(tag.get("id"))
         new = [k for k, s in states.items()
                if s in _TO_RUN and (s == "released" or k not in self._key_run)]
@@ -173,6 +200,11 @@ class RunTracker:
             self._unpend(key)  # a key given to another run before is this run's now
             self._key_run[key] = run_id
             self._pending.add(key)
+            run.group_pending[key_split(key)] += 1
+            run.group_tasks[key_split(key)] += 1
+        if goal is not None:
+            run.objective = goal
+        run.ended = None
         run.graphs += 1
         run.tasks += len(new)
         run.pending += len(new)
@@ -185,6 +217,10 @@ class RunTracker:
             run = self.runs.get(self._key_run.get(key))
             if run is not None:
                 run.pending -= 1
+                group = key_split(key)
+                run.group_pending[group] -= 1
+                if run.group_pending[group] <= 0:
+                    del run.group_pending[group]
 
     def finished(self, key: Hashable, worker: str) -> None:
         """A task finished on ``worker`` (processing -> memory)."""
@@ -192,6 +228,30 @@ class RunTracker:
         if run is not None:
             run.counts[worker] += 1
         self._unpend(key)
+
+    def executed(self, key: Hashable, worker: str, start: float, stop: float) -> None:
+        """A task's execution on ``worker`` from ``start`` to ``stop`` (seconds since the
+        epoch): widens the worker's billed span in the task's run. O(1)."""
+        run = self.runs.get(self._key_run.get(key))
+        if run is None:
+            return
+        span = run.spans.get(worker)
+        if span is None:
+            run.spans[worker] = [start, stop]
+        else:
+            span[0], span[1] = min(span[0], start), max(span[1], stop)
+        if run.pending <= 1:
+            run.ended = stop
+
+    def crossed(self, key: Hashable, src: str, dst: str, nbytes: int) -> None:
+        """``nbytes`` of the task's inputs came from provider ``src`` to ``dst``."""
+        run = self.runs.get(self._key_run.get(key))
+        if run is not None:
+            run.crossings[(src, dst)] += int(nbytes)
+
+    def run_of(self, run_id: str | None) -> Run | None:
+        """The :class:`Run` itself (the plugin's rules read it), or None."""
+        return self.runs.get(run_id) if run_id is not None else None
 
     def forget(self, key: Hashable) -> None:
         """The scheduler forgot the task."""

@@ -372,6 +372,18 @@ class SpeedModel:
         for w, ls in self.log_speed.items():
             self.log_speed[w] = min(ls, cap)
 
+    def group_durations(self) -> dict[str, dict[str, float]]:
+        """Group -> worker -> its typical seconds per task (per unit of work), warm.
+
+        The median of the worker's recent durations of the group, cold starts dropped: the
+        raw material of the throughput matrix
+        (:func:`blockflow.scheduling.cost.throughput_matrix`). Folds in pending observations
+        first (:meth:`update`).
+        """
+        self.update()
+        return {g: {w: math.exp(median(d)) for w, d in per_worker.items() if d}
+                for g, per_worker in self.groups.items()}
+
     def speed(self, worker: str) -> float:
         """Relative speed of ``worker`` (1.0 = the typical worker, and when nothing is known)."""
         return math.exp(self.log_speed.get(worker, 0.0))

@@ -19,7 +19,12 @@ from dask.utils import parse_timedelta
 
 from blockflow import _distributed
 from blockflow.cluster.identity import workers_info
-from blockflow._distributed.metrics import GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
+from blockflow._distributed.metrics import (
+    GPU_MEMORY_TOTAL,
+    GPU_MEMORY_USED,
+    GPU_UTILIZATION,
+    POOL_METRIC,
+)
 from blockflow.testing.simulated import PLUGIN_NAME, SimulatedDevice, SimulatedGPU
 
 __all__ = ["install_simulated_devices", "simulated_cluster"]
@@ -124,7 +129,7 @@ def simulated_cluster(speeds: Sequence[float] = (1, 1, 0.5, 0.25),
                       device_memory: int | str | Sequence[int | str] = "16GiB",
                       tenants=None, *, speed_schedules=None, threads_per_worker: int = 1,
                       processes: bool = True, host_spill: bool = False,
-                      timeout: float | str = "30s", **cluster_kwargs) -> Iterator:
+                      timeout: float | str = "30s", pools=None, **cluster_kwargs) -> Iterator:
     """Start a real ``LocalCluster`` of simulated GPU workers and yield a client to it.
 
     Worker ``i`` (named ``i``) gets ``speeds[i]``. blockflow's scheduler plugin is *not*
@@ -152,6 +157,11 @@ def simulated_cluster(speeds: Sequence[float] = (1, 1, 0.5, 0.25),
         otherwise count against host memory.
     timeout : float or str, default "30s"
         How long to wait for every worker's GPU metrics to reach the scheduler.
+    pools : mapping of blockflow.Pool to int, optional
+        Simulated pools: ``{Pool("fast", price=4, speed=4): 2, Pool("slow", price=0.5): 4}``
+        gives workers ``0, 1`` the fast pool and devices of speed 4, workers ``2..5`` the
+        slow pool and speed 1 (a pool's ``speed``, default 1); replaces ``speeds``. Each
+        worker reports its pool (:class:`blockflow.scheduling.pools.PoolMember`).
     **cluster_kwargs
         Passed to ``distributed.LocalCluster`` (``dashboard_address`` defaults to ``":0"``).
 
@@ -169,6 +179,12 @@ def simulated_cluster(speeds: Sequence[float] = (1, 1, 0.5, 0.25),
     """
     from distributed import Client, LocalCluster
 
+    member = None
+    if pools is not None:
+        from blockflow.cluster.connection import _pool_members
+
+        member, n = _pool_members(pools, None, None)
+        speeds = [member.pools[str(i)].speed or 1.0 for i in range(n)]
     n = len(speeds)
     if n == 0:
         raise ValueError("simulated_cluster: speeds is empty; give one speed per worker.")
@@ -187,11 +203,14 @@ def simulated_cluster(speeds: Sequence[float] = (1, 1, 0.5, 0.25),
                                processes=processes, **cluster_kwargs)
     with cluster, Client(cluster) as client:
         client.register_plugin(plugin)
+        if member is not None:
+            client.register_plugin(member)
         client.run(_heartbeat)
         deadline = time.monotonic() + parse_timedelta(timeout)
         while True:
             workers = workers_info(client)
-            missing = [a for a, w in workers.items() if not _has_metrics(w.get("metrics"))]
+            missing = [a for a, w in workers.items() if not _has_metrics(w.get("metrics"))
+                       or (member is not None and POOL_METRIC not in w.get("metrics", {}))]
             if not missing:
                 break
             if time.monotonic() > deadline:

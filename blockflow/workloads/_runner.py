@@ -425,6 +425,17 @@ class Job:
         return results
 
 
+def _pool_costs(client) -> dict | None:
+    """The run's cost per pool (:func:`blockflow.cluster.report.pool_costs`), or None
+    without pools or without blockflow's plugin."""
+    from blockflow.cluster.report import pool_costs
+
+    try:
+        return pool_costs(client)
+    except RuntimeError:  # no plugin on that scheduler
+        return None
+
+
 def run_workload(
     client,
     what: str,
@@ -487,5 +498,9 @@ def run_workload(
         if tmp is not None:
             result.output = os.path.abspath(os.fspath(output))
             extra = write(result, tmp) or {}
-            write_manifest(tmp, {**result.manifest(), **extra})
+            manifest = {**result.manifest(), **extra}
+            costs = _pool_costs(client)
+            if costs is not None:  # workers in pools: cost per pool, egress, LP bound
+                manifest["cost"] = costs
+            write_manifest(tmp, manifest)
     return result

@@ -199,10 +199,10 @@ return tables;
 
 
 def _shown_tasks_this_run(driver) -> dict[str, str]:
-    """worker -> the "Tasks (this run)" cell as the browser shows it."""
+    """worker address -> the "Tasks (this run)" cell as the browser shows it."""
     for table in driver.execute_script(_READ_TABLES):
-        if "Tasks (this run)" in table["headers"] and "Worker" in table["headers"]:
-            w, t = table["headers"].index("Worker"), table["headers"].index("Tasks (this run)")
+        if "Tasks (this run)" in table["headers"] and "Address" in table["headers"]:
+            w, t = table["headers"].index("Address"), table["headers"].index("Tasks (this run)")
             return {row[w]: row[t] for row in table["rows"] if len(row) > max(w, t)}
     return {}
 
@@ -267,6 +267,70 @@ def test_page_renders_in_headless_chromium(sim, browser):
         browser.save_screenshot(os.path.join(ARTIFACTS, "blockflow-dashboard.png"))
     finally:
         sim.run(set_tenant, None, workers=[addr])
+
+
+@pytest.mark.slow
+def test_page_groups_workers_by_pool_with_names_history_and_cost(browser):
+    """Pools on the page: workers grouped by pool and named, GPU utilisation and device
+    memory history plots, cost so far per pool, and decision reasons shown in full."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from blockflow.cluster.connection import _register_plugin
+    from blockflow.scheduling import Rebalancer
+    from blockflow.scheduling.pools import Pool
+
+    pools = {Pool("fast", provider="gcp", region="us-east1", price=4.0, speed=4): 1,
+             Pool("slow", provider="onprem", price=0.5): 2}
+    with simulated_cluster(pools=pools, device_memory="1GiB", processes=False,
+                           silence_logs=logging.CRITICAL,
+                           dashboard_address="127.0.0.1:0") as client:
+        _register_plugin(client, Rebalancer(policy="dynamic"))
+        x = blockflow.map_blocks(lambda b: b + 1, da.ones(30, chunks=5), name="pooled")
+        assert x.sum().compute() == 60
+        status, _, body = _get(_base(client) + "/blockflow/status.json")
+        data = json.loads(body)
+        assert [(p["name"], p["provider"], p["price"]) for p in data["pools"]] == [
+            ("fast", "gcp", 4.0), ("slow", "onprem", 0.5)]
+        assert sorted(map(len, (p["workers"] for p in data["pools"]))) == [1, 2]
+        assert {w["pool"] for w in data["workers"]} == {"fast", "slow"}
+        assert all(p["cost_so_far"] is None or p["cost_so_far"] >= 0 for p in data["pools"])
+
+        hot = sorted(client.cluster.scheduler.workers)[-1]
+        client.run(set_tenant, Tenant(95, 0), workers=[hot])  # a hot GPU: a decision
+        client.run(_heartbeat, workers=[hot])
+        client.sync(_tick, client.cluster.scheduler)
+        browser.get(_base(client) + "/blockflow")
+        names = {str(w["name"]) for w in data["workers"]}
+
+        def rendered(d):
+            text = d.find_element(By.TAG_NAME, "body").text
+            return ("Pools" in text and "fast" in text and "slow" in text and "$4/h" in text
+                    and "reasons in full" in text)
+
+        try:
+            WebDriverWait(browser, 120).until(rendered)
+        except Exception:
+            raise AssertionError(browser.find_element(By.TAG_NAME, "body").text[:3000])
+        tables = browser.execute_script(_READ_TABLES)
+        workers = next(t for t in tables if "Pool" in t["headers"] and "Worker" in t["headers"])
+        p, w = workers["headers"].index("Pool"), workers["headers"].index("Worker")
+        shown = [(r[p], r[w]) for r in workers["rows"] if len(r) > max(p, w)]
+        # grouped: the rows of one pool are together, each worker by its name
+        assert [pool for pool, _ in shown] == sorted(pool for pool, _ in shown)
+        assert {name for _, name in shown} == names
+        # the history plots are on the page (Bokeh canvases with these names)
+        for name in ("blockflow-gpu-history", "blockflow-memory-history", "blockflow-pools",
+                     "blockflow-reasons"):
+            assert browser.execute_script(
+                "return Bokeh.documents[0].get_model_by_name(arguments[0]) !== null", name)
+        text = browser.find_element(By.TAG_NAME, "body").text
+        assert "Latest decisions, reasons in full" in text
+        reasons = [d["reason"] for d in json.loads(
+            _get(_base(client) + "/blockflow/decisions.json")[2])["decisions"]]
+        assert any(r in text for r in reasons)  # one whole reason, not cut
+        os.makedirs(ARTIFACTS, exist_ok=True)
+        browser.save_screenshot(os.path.join(ARTIFACTS, "blockflow-dashboard-pools.png"))
 
 
 def test_every_action_has_its_own_drawing_and_is_logged_as_its_plain_name():

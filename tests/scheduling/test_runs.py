@@ -77,7 +77,10 @@ def test_tagged_graphs_are_one_run_and_a_rerun_counts_again():
     t.finished("a", "w2")  # "a" recomputed after its worker was lost: counted again
     assert t.get("job-1") == {"id": "job-1", "name": "the job", "client": "c",
                               "started": 1.0, "graphs": 2, "tasks": 2, "pending": 0,
-                              "finished": 3, "counts": {"w1": 1, "w2": 2}}
+                              "finished": 3, "counts": {"w1": 1, "w2": 2},
+                              "objective": None, "deadline_at": None, "group_pending": {},
+                              "group_tasks": {"a": 1, "b": 1}, "spans": {},
+                              "crossings": [], "ended": None}
     # a key still being computed for one run is not taken over by another graph
     t.graph(client="d", states={"x": "released"}, annotations=tag, now=3.0)
     other = t.graph(client="e", states={"x": "processing"}, annotations={}, now=4.0)

@@ -477,3 +477,24 @@ Odd()
     assert "GCDiagnosis._gc_callback" in before  # reported as Python reports it
     assert "GCDiagnosis" not in after, after  # kept off the terminal
     assert "someone else's" in after, after  # anything else still reported
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--objective", "cost"], "Error: --objective cost needs --deadline (the cheapest run "
+                              "that meets it), e.g. --deadline 10m."),
+    (["--objective", "makespan", "--deadline", "10m"],
+     "Error: a deadline goes with the 'cost' objective (the cheapest run that meets it); "
+     "for the fastest run leave it out, or give 'makespan' a --budget."),
+    (["--objective", "cost", "--deadline", "soon"],
+     "Error: deadline must be a positive duration ('10m', 90), got 'soon'."),
+    (["--objective", "makespan", "--budget", "-3"],
+     "Error: budget must be a positive number of dollars, got -3.0."),
+])
+def test_flights_objective_options_refuse_bad_input_in_one_line(args, message):
+    from click.testing import CliRunner
+
+    from blockflow.cli import cli
+
+    result = CliRunner().invoke(cli, ["run", "flights", *args])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1] == message

@@ -1,0 +1,161 @@
+"""Per-pool elastic scaling: :class:`PoolAdaptive`, distributed's ``Adaptive`` per pool.
+
+distributed's :class:`~distributed.deploy.adaptive.Adaptive` sizes a cluster as one number
+and retires whichever workers ``Scheduler.workers_to_close`` names; with several kinds of
+workers that grows the wrong kind and retires another group's (dask-kubernetes#914). Here
+every interval asks blockflow's scheduler plugin for one target per pool (the
+``blockflow_pool_targets`` handler: :mod:`blockflow.scheduling.rules.scaling`, the LP over
+the backlog, the throughput matrix and the prices, towards the run's objective), starts the
+workers a pool lacks, and forgets the workers the scheduler retired - only idle ones of a
+pool above its target, checked and paused in one step on the scheduler. Every change of a
+target and every retirement is a decision in the log (``scale``, ``retire``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from statistics import median
+from typing import Any
+
+from dask.utils import parse_timedelta
+from distributed.deploy.adaptive import Adaptive
+
+from blockflow import _distributed
+
+__all__ = ["PoolAdaptive"]
+
+logger = logging.getLogger(__name__)
+
+
+class PoolAdaptive(Adaptive):
+    """Adaptive scaling of a :class:`blockflow.PoolCluster`, one target per pool.
+
+    Parameters
+    ----------
+    cluster : blockflow.PoolCluster
+    pools : mapping, optional
+        Pool name -> ``(minimum, maximum)`` workers. Pools not named get ``(minimum,
+        maximum)`` (below).
+    minimum : int, default 0
+        Minimum workers of a pool not named in ``pools``.
+    maximum : int, optional
+        Maximum workers of a pool not named in ``pools``; default: its size now (at least 1).
+    interval : str or float, optional
+        Time between checks (default ``distributed.adaptive.interval``, 1 s).
+    wait_count : int, optional
+        Consecutive checks a worker must be found idle before it is retired (default
+        ``distributed.adaptive.wait-count``, 3).
+    target_duration : str or float, optional
+        Without an objective: how long the backlog should take (default
+        ``distributed.adaptive.target-duration``, 5 s).
+    startup : str or float, default "5s"
+        First guess of the time a new worker takes to join; replaced by the median measured
+        on this cluster once workers have joined.
+
+    Raises
+    ------
+    ValueError
+        For a pool name the cluster does not have, or a minimum above the maximum (one
+        line naming the pool).
+
+    Notes
+    -----
+    The targets come from the scheduler (:meth:`blockflow.scheduling.Rebalancer.pool_targets`);
+    this class only acts on them: it grows a pool to its target, and shrinks a pool only by
+    the workers the scheduler retired (idle ones of that pool), never by closing workers
+    itself. ``log`` keeps each change (distributed's ``Adaptive.log``).
+    """
+
+    def __init__(self, cluster, pools: Mapping[str, tuple[int, int]] | None = None, *,
+                 minimum: int | None = None, maximum: int | None = None,
+                 interval=None, wait_count: int | None = None, target_duration=None,
+                 startup: str | float = "5s", **kwargs: Any):
+        self.state = "inactive"  # until distributed's Adaptive starts (and for __del__)
+        bounds: dict[str, tuple[int, int]] = {}
+        for name in (pools or {}):
+            if name not in cluster.pools:
+                raise ValueError(f"PoolCluster.adapt: no pool named {name!r}; the pools are "
+                                 f"{sorted(cluster.pools)}.")
+        for name in cluster.pools:
+            if pools and name in pools:
+                lo, hi = pools[name]
+            else:
+                lo = minimum or 0
+                hi = maximum if maximum is not None else max(len(cluster.workers_of(name)), 1)
+            if not (isinstance(lo, int) and isinstance(hi, int)) or lo < 0 or hi < lo:
+                raise ValueError(f"PoolCluster.adapt: pool {name!r} needs 0 <= minimum <= "
+                                 f"maximum (whole workers), got ({lo!r}, {hi!r}).")
+            bounds[name] = (lo, hi)
+        self.bounds = bounds
+        self.startup_guess = parse_timedelta(startup)
+        self._asked: dict[str, float] = {}  # worker name -> when the cluster started it
+        self._joined: list[float] = []  # seconds workers took to join
+        self.targets: dict[str, int] = {}
+        self.reasons: dict[str, str] = {}
+        self.retired: list[str] = []  # names of the workers the scheduler retired
+        super().__init__(cluster, interval=interval, minimum=sum(b[0] for b in bounds.values()),
+                         maximum=sum(b[1] for b in bounds.values()), wait_count=wait_count,
+                         target_duration=target_duration, **kwargs)
+
+    @property
+    def startup(self) -> float:
+        """Seconds a new worker takes to join: the median measured, else the guess."""
+        return median(self._joined[-20:]) if self._joined else self.startup_guess
+
+    async def target(self) -> int:  # distributed's interface: the total of the pools
+        return sum(self.targets.values())
+
+    def _observed_names(self) -> set[str]:
+        info = self.cluster.scheduler_info.get("workers", {})
+        return {str(w.get("name")) for w in info.values()}
+
+    async def adapt(self) -> None:
+        """One check: ask the scheduler for each pool's target, start the workers a pool
+        lacks, forget the workers it retired."""
+        if self._adapting:
+            return
+        self._adapting = True
+        try:
+            await self._adapt_pools()
+        finally:
+            self._adapting = False
+
+    async def _adapt_pools(self) -> None:
+        cluster = self.cluster
+        observed = self._observed_names()
+        now = time.time()
+        for name in list(self._asked):
+            if name in observed:
+                self._joined.append(now - self._asked.pop(name))
+            elif name not in cluster.worker_spec:
+                self._asked.pop(name)
+        starting = {p: sum(1 for n in cluster.workers_of(p) if str(n) not in observed)
+                    for p in cluster.pools}
+        threads = {p: int((cluster.pool_worker_spec(p)["options"].get("nthreads")
+                           or cluster.pool_worker_spec(p)["options"].get("cores") or 1))
+                   for p in cluster.pools}
+        reply = await _distributed.call_scheduler_handler(
+            self.scheduler, "blockflow_pool_targets", pools={n: p.to_dict() for n, p in cluster.pools.items()},
+            bounds={n: list(b) for n, b in self.bounds.items()},
+            starting=starting, threads=threads, target_duration=self.target_duration,
+            startup=self.startup, wait_count=self.wait_count)
+        self.targets, self.reasons = reply["targets"], reply["reasons"]
+        gone = [n for n in reply.get("retiring", ()) if n in cluster.worker_spec]
+        if gone:  # retired on the scheduler (idle, of a pool above its target): forget them
+            self.retired.extend(gone)
+            self.log.append((time.time(), {"status": "down", "workers": gone}))
+            await cluster.scale_down(gone)
+        up = {}
+        for pool, target in self.targets.items():
+            have = len(cluster.workers_of(pool))
+            if target > have:
+                up[pool] = target
+        if up:
+            before = set(cluster.worker_spec)
+            self.log.append((time.time(), {"status": "up", "pools": dict(up)}))
+            cluster.scale(up)
+            for name in set(cluster.worker_spec) - before:
+                self._asked[str(name)] = time.time()
+

@@ -1,0 +1,336 @@
+"""``blockflow.PoolCluster``: one scheduler over several pools of workers.
+
+A :class:`distributed.SpecCluster` whose worker specs come one per pool: every worker of pool
+``fast`` is named ``fast-<i>`` and started with the worker preload ``blockflow.pool`` (so it
+reports its :class:`~blockflow.scheduling.pools.Pool` and declares the ``pool:fast``
+resource), the same way a worker started by hand with ``dask worker --preload blockflow.pool
+--pool fast`` does. The workers are local processes by default, or batch jobs of
+dask-jobqueue: one job template (``SLURMJob``, ``PBSJob``, ...) per pool, all under ONE
+scheduler, which the "one cluster per queue" workaround (dask-jobqueue#381) cannot give.
+
+The scheduler runs blockflow's scheduler plugin from the start (the
+``blockflow.scheduling.preload`` preload). :meth:`PoolCluster.scale` sizes one pool;
+:meth:`PoolCluster.adapt` sizes every pool from the backlog, the throughput matrix and the
+prices (:class:`blockflow.cluster.adaptive.PoolAdaptive`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from distributed import Nanny, Scheduler, SpecCluster, Worker
+
+from blockflow.scheduling.pools import Pool
+
+__all__ = ["PoolCluster"]
+
+logger = logging.getLogger(__name__)
+
+#: The amount of the ``pool:<name>`` resource each worker declares (as PoolMember does).
+_POOL_RESOURCE_AMOUNT = 1e6
+
+
+def pool_preload_argv(pool: Pool) -> list[str]:
+    """The ``blockflow.pool`` preload's command-line options describing ``pool``."""
+    argv = ["--pool", pool.name, "--provider", pool.provider]
+    if pool.region:
+        argv += ["--region", pool.region]
+    if pool.price is not None:
+        argv += ["--price", repr(pool.price)]
+    if pool.egress:
+        argv += ["--egress", repr(pool.egress)]
+    if pool.speed is not None:
+        argv += ["--speed", repr(pool.speed)]
+    return argv
+
+
+def _job_class(job_cls):
+    """A dask-jobqueue job class from the class or its short name (``"slurm"``)."""
+    if not isinstance(job_cls, str):
+        return job_cls
+    try:
+        import dask_jobqueue  # noqa: F401
+    except ImportError:
+        raise ImportError(f"PoolCluster(job_cls={job_cls!r}) needs dask-jobqueue: "
+                          "pip install dask-jobqueue") from None
+    names = {"slurm": "SLURMJob", "pbs": "PBSJob", "sge": "SGEJob", "lsf": "LSFJob",
+             "htcondor": "HTCondorJob", "oar": "OARJob", "moab": "MoabJob"}
+    try:
+        module = importlib.import_module(f"dask_jobqueue.{job_cls.lower()}")
+        return getattr(module, names[job_cls.lower()])
+    except (KeyError, ImportError):
+        raise ValueError(f"PoolCluster: unknown job_cls {job_cls!r}; use one of "
+                         f"{sorted(names)} or a dask-jobqueue Job class.") from None
+
+
+class PoolCluster(SpecCluster):
+    """A Dask cluster made of named pools of workers, under one scheduler.
+
+    Parameters
+    ----------
+    pools : mapping of Pool to int
+        Each pool and how many workers it starts with: ``{Pool("fast", price=4, speed=4): 2,
+        Pool("slow", price=0.5): 4}``. Worker ``i`` of pool ``p`` is named ``"p-i"``.
+    threads_per_worker : int, default 1
+        Threads of each local worker (for jobs: ``cores`` in ``jobs``).
+    memory_limit : str or int, optional
+        Host memory per local worker; distributed's default ("auto") if None.
+    processes : bool, default True
+        Local workers as processes (``Nanny``) or threads of this process (``Worker``).
+    worker_options : mapping, optional
+        Pool name -> extra keyword arguments of that pool's ``Nanny``/``Worker`` (local) or
+        job class (``jobs``); e.g. ``{"fast": {"resources": {"GPU": 1}}}``.
+    job_cls : type or str, optional
+        A dask-jobqueue job class (``dask_jobqueue.SLURMJob``) or its short name
+        (``"slurm"``, ``"pbs"``, ...): every pool's workers are batch jobs of that class,
+        under this one scheduler.
+    jobs : mapping, optional
+        With ``job_cls``: pool name -> the job template's options (``queue`` - the Slurm
+        partition -, ``cores``, ``memory``, ``walltime``, ``job_extra_directives``...).
+        The worker preload is added to ``worker_extra_args``.
+    scheduler_options : mapping, optional
+        Extra ``distributed.Scheduler`` options (``dashboard_address`` defaults to ``":0"``,
+        ``host`` to ``127.0.0.1`` for local workers).
+    policy : str, optional
+        blockflow's scheduling policy (default ``blockflow.cluster.policy``).
+    **kwargs
+        Passed to :class:`distributed.SpecCluster` (``asynchronous``, ``silence_logs``,
+        ``security``, ``name``...).
+
+    Raises
+    ------
+    TypeError, ValueError
+        For pools that are not :class:`blockflow.Pool`, a negative worker count, two pools
+        of one name, or options naming unknown pools (one line naming the pool).
+
+    See Also
+    --------
+    blockflow.cluster.adaptive.PoolAdaptive : per-pool elastic scaling.
+
+    Examples
+    --------
+    >>> cluster = PoolCluster({Pool("fast", price=4): 2, Pool("slow", price=0.5): 4})
+    >>> client = blockflow.connect(cluster.scheduler_address)     # doctest: +SKIP
+    >>> cluster.adapt(pools={"fast": (0, 2), "slow": (0, 8)})     # doctest: +SKIP
+
+    On Slurm, one partition per pool, one scheduler::
+
+        PoolCluster({Pool("gpu", price=2.5): 0, Pool("cpu", price=0.1): 0},
+                    job_cls="slurm",
+                    jobs={"gpu": {"queue": "gpu", "cores": 1, "memory": "4GB"},
+                          "cpu": {"queue": "cpu", "cores": 1, "memory": "2GB"}})
+    """
+
+    def __init__(self, pools: Mapping[Pool, int], *, threads_per_worker: int = 1,
+                 memory_limit: str | int | None = None, processes: bool = True,
+                 worker_options: Mapping[str, Mapping[str, Any]] | None = None,
+                 job_cls=None, jobs: Mapping[str, Mapping[str, Any]] | None = None,
+                 scheduler_options: Mapping[str, Any] | None = None,
+                 policy: str | None = None, **kwargs: Any):
+        if not isinstance(pools, Mapping) or not pools:
+            raise TypeError("PoolCluster: pools must be a non-empty mapping "
+                            "{blockflow.Pool(...): n_workers, ...}.")
+        self.pools: dict[str, Pool] = {}
+        counts: dict[str, int] = {}
+        for pool, n in pools.items():
+            if not isinstance(pool, Pool):
+                raise TypeError(f"PoolCluster: pools keys must be blockflow.Pool, got "
+                                f"{type(pool).__name__} ({pool!r}).")
+            if pool.name in self.pools:
+                raise ValueError(f"PoolCluster: two pools are named {pool.name!r}; give each "
+                                 f"pool its own name.")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"PoolCluster: pool {pool.name!r} needs a worker count >= 0, "
+                                 f"got {n!r}.")
+            self.pools[pool.name] = pool
+            counts[pool.name] = n
+        for what, opts in (("worker_options", worker_options), ("jobs", jobs)):
+            unknown = sorted(set(opts or ()) - set(self.pools))
+            if unknown:
+                raise ValueError(f"PoolCluster: {what} names unknown pools {unknown}; the "
+                                 f"pools are {sorted(self.pools)}.")
+        if jobs and job_cls is None:
+            raise ValueError("PoolCluster: jobs= needs job_cls= (e.g. job_cls='slurm').")
+        self.job_cls = _job_class(job_cls) if job_cls is not None else None
+        self._jobs = {k: dict(v) for k, v in (jobs or {}).items()}
+        self._worker_options = {k: dict(v) for k, v in (worker_options or {}).items()}
+        self._threads = int(threads_per_worker)
+        self._memory_limit = memory_limit
+        self._processes = bool(processes)
+        kwargs.setdefault("silence_logs", logging.ERROR)
+        self._silence_logs = kwargs["silence_logs"]
+        self._counters: dict[str, int] = {name: 0 for name in self.pools}
+        argv = ["--blockflow-policy", policy] if policy else []
+        sched = {"dashboard_address": ":0", "preload": ["blockflow.scheduling.preload"],
+                 "preload_argv": [argv], **dict(scheduler_options or {})}
+        if self.job_cls is None:
+            sched.setdefault("host", "127.0.0.1")
+        specs = {}
+        for name, n in counts.items():
+            for _ in range(n):
+                specs.update(self.new_pool_worker_spec(name))
+        super().__init__(workers=specs, scheduler={"cls": Scheduler, "options": sched},
+                         worker=None, **kwargs)
+
+    # --- worker specs, one kind per pool ------------------------------------------------
+
+    def pool_worker_spec(self, pool_name: str) -> dict[str, Any]:
+        """The spec (``{"cls", "options", "pool"}``) of one new worker of ``pool_name``.
+
+        Raises
+        ------
+        ValueError
+            If ``pool_name`` names no pool of this cluster.
+        """
+        pool = self._pool(pool_name)
+        argv = pool_preload_argv(pool)
+        if self.job_cls is not None:
+            opts = {"cores": self._threads, "memory": "2GiB", "processes": 1,
+                    **self._jobs.get(pool.name, {}), **self._worker_options.get(pool.name, {})}
+            extra = list(opts.pop("worker_extra_args", None) or [])
+            resources = f"{pool.resource}={_POOL_RESOURCE_AMOUNT:g}"
+            opts["worker_extra_args"] = extra + ["--resources", resources,
+                                                 "--preload", "blockflow.pool", *argv]
+            opts.setdefault("job_name", f"blockflow-{pool.name}")
+            return {"cls": self.job_cls, "options": opts, "pool": pool.name}
+        extra = dict(self._worker_options.get(pool.name, {}))
+        resources = {**dict(extra.pop("resources", None) or {}),
+                     pool.resource: _POOL_RESOURCE_AMOUNT}
+        opts = {"nthreads": self._threads, "resources": resources,
+                "preload": ["blockflow.pool"], "preload_argv": [argv],
+                "host": "127.0.0.1", "dashboard": False,
+                "silence_logs": self._silence_logs, **extra}
+        if self._memory_limit is not None:
+            opts["memory_limit"] = self._memory_limit
+        return {"cls": Nanny if self._processes else Worker, "options": opts,
+                "pool": pool.name}
+
+    def new_pool_worker_spec(self, pool_name: str) -> dict[str, dict[str, Any]]:
+        """``{name: spec}`` of the next worker of ``pool_name`` (named ``"<pool>-<i>"``)."""
+        while True:
+            name = f"{pool_name}-{self._counters[pool_name]}"
+            self._counters[pool_name] += 1
+            if name not in getattr(self, "worker_spec", {}):
+                return {name: self.pool_worker_spec(pool_name)}
+
+    def _pool(self, pool_name: str) -> Pool:
+        try:
+            return self.pools[pool_name]
+        except KeyError:
+            raise ValueError(f"PoolCluster: no pool named {pool_name!r}; the pools are "
+                             f"{sorted(self.pools)}.") from None
+
+    def pool_of(self, worker_name) -> str | None:
+        """The pool of the worker (or job) named ``worker_name``; None if unknown."""
+        spec = self.worker_spec.get(worker_name)
+        if spec is not None:
+            return spec.get("pool")
+        base = str(worker_name).rsplit("-", 1)[0]
+        return base if base in self.pools else None
+
+    def workers_of(self, pool_name: str) -> list[str]:
+        """Names of the workers this cluster plans for ``pool_name``."""
+        self._pool(pool_name)
+        return [n for n, s in self.worker_spec.items() if s.get("pool") == pool_name]
+
+    @property
+    def pool_sizes(self) -> dict[str, int]:
+        """Pool name -> workers planned now (launched or not)."""
+        return {p: len(self.workers_of(p)) for p in self.pools}
+
+    # --- scaling ------------------------------------------------------------------------
+
+    def scale(self, n: int | Mapping[str, int] = 0, memory=None, cores=None, *,
+              pool: str | None = None):
+        """Scale one pool to ``n`` workers (``pool=``), or several (``n={"fast": 2, ...}``).
+
+        A pool shrinks by its workers not yet launched first, then its newest; other pools
+        are left as they are. Without ``pool`` and with an int ``n`` the workers are spread
+        over the pools in proportion to their current sizes (plain
+        :meth:`distributed.SpecCluster.scale` semantics for callers that know no pools).
+
+        Raises
+        ------
+        ValueError
+            If ``pool`` names no pool, or a count is negative.
+        """
+        if isinstance(n, Mapping):
+            targets = {p: int(k) for p, k in n.items()}
+        elif pool is not None:
+            targets = {pool: int(n)}
+        else:
+            if memory is not None or cores is not None:
+                raise ValueError("PoolCluster.scale: memory= and cores= are not supported; "
+                                 "give workers per pool: scale({'fast': 2, 'slow': 4}).")
+            targets = self._spread(int(n))
+        for p, k in targets.items():
+            self._pool(p)
+            if k < 0:
+                raise ValueError(f"PoolCluster.scale: pool {p!r} needs a count >= 0, got {k}.")
+        for p, k in targets.items():
+            names = self.workers_of(p)
+            if len(names) > k:
+                launched = set(self.workers)
+                # not-yet-launched first, then the newest
+                order = sorted(names, key=lambda w: (w in launched, -_index(w)))
+                for w in order[: len(names) - k]:
+                    del self.worker_spec[w]
+            elif self.status.name not in ("closing", "closed"):
+                for _ in range(k - len(names)):
+                    self.worker_spec.update(self.new_pool_worker_spec(p))
+        self.loop.add_callback(self._correct_state)
+        if self.asynchronous:
+            from distributed.utils import NoOpAwaitable
+
+            return NoOpAwaitable()
+
+    def _spread(self, n: int) -> dict[str, int]:
+        sizes = self.pool_sizes
+        total = sum(sizes.values())
+        if total == 0:
+            weights = {p: 1 for p in sizes}
+            total = len(sizes)
+        else:
+            weights = sizes
+        out = {p: math.floor(n * w / total) for p, w in weights.items()}
+        for p in sorted(weights, key=lambda p: -weights[p])[: n - sum(out.values())]:
+            out[p] += 1
+        return out
+
+    def adapt(self, *, pools: Mapping[str, tuple[int, int]] | None = None,
+              Adaptive=None, **kwargs: Any):
+        """Size every pool from the backlog, the throughput matrix and the prices.
+
+        Parameters
+        ----------
+        pools : mapping, optional
+            Pool name -> ``(minimum, maximum)`` workers; pools not named keep
+            ``(0, their current size)``... unless ``minimum``/``maximum`` are given, which
+            apply to every pool not named.
+        Adaptive : type, default :class:`blockflow.cluster.adaptive.PoolAdaptive`
+        **kwargs
+            ``interval``, ``wait_count``, ``target_duration``, ``minimum``, ``maximum``
+            (see :class:`~blockflow.cluster.adaptive.PoolAdaptive`).
+
+        Returns
+        -------
+        PoolAdaptive
+        """
+        from blockflow.cluster.adaptive import PoolAdaptive
+
+        cls = Adaptive or PoolAdaptive
+        if getattr(self, "_adaptive", None) is not None:
+            self._adaptive.stop(reason="adapt-called")
+        self._adaptive = cls(self, pools=pools, **kwargs)
+        return self._adaptive
+
+
+def _index(name) -> int:
+    try:
+        return int(str(name).rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return -1

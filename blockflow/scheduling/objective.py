@@ -1,0 +1,145 @@
+"""Objectives: what a run optimises, "makespan" (the default) or "cost", by a deadline or a
+budget.
+
+``with blockflow.objective("cost", deadline="10m"): x.compute()`` tags every graph submitted
+inside the block with the task annotation :data:`OBJECTIVE_ANNOTATION` (a global annotation,
+as :func:`blockflow.scheduling.runs.run_scope` does, so graph optimisation cannot drop it);
+the scheduler plugin keeps it with the run and the objective rule
+(:class:`blockflow.scheduling.rules.ObjectiveRule`) plans the run's pools by it. Outside
+any block the objective is "makespan" without a budget: today's behaviour, unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import dask
+from dask.utils import parse_timedelta
+
+__all__ = ["OBJECTIVE_ANNOTATION", "OBJECTIVES", "Objective", "objective"]
+
+#: The task annotation carrying a run's objective (``Objective.as_dict``).
+OBJECTIVE_ANNOTATION = "blockflow_objective"
+#: The objective kinds.
+OBJECTIVES = ("makespan", "cost")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a run optimises (see :func:`objective`).
+
+    Attributes
+    ----------
+    kind : {"makespan", "cost"}
+    deadline : float or None
+        Seconds from the run's start (cost objective).
+    budget : float or None
+        Dollars (makespan objective).
+    """
+
+    kind: str = "makespan"
+    deadline: float | None = None
+    budget: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (the annotation's value)."""
+        return {"kind": self.kind, "deadline": self.deadline, "budget": self.budget}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Objective | None:
+        """The objective an annotation carries; None if it is not one."""
+        if not isinstance(d, dict) or d.get("kind") not in OBJECTIVES:
+            return None
+        return cls(d["kind"], d.get("deadline"), d.get("budget"))
+
+    @property
+    def needs_prices(self) -> bool:
+        """Whether pools' prices matter (a cost objective, or a budget)."""
+        return self.kind == "cost" or self.budget is not None
+
+    @contextlib.contextmanager
+    def _scope(self) -> Iterator[Objective]:
+        with warnings.catch_warnings(), dask.annotate(**{OBJECTIVE_ANNOTATION:
+                                                          self.as_dict()}):
+            warnings.filterwarnings("ignore", message="Dask annotations .* detected",
+                                    category=UserWarning)
+            yield self
+
+    def __enter__(self) -> Objective:
+        cm = self._scope()
+        self.__dict__.setdefault("_stack", []).append(cm)
+        return cm.__enter__()
+
+    def __exit__(self, *exc) -> bool | None:
+        return self.__dict__["_stack"].pop().__exit__(*exc)
+
+
+def objective(kind: str = "makespan", *, deadline: str | float | None = None,
+              budget: float | None = None) -> Objective:
+    """What the computations submitted inside the ``with`` block optimise.
+
+    Parameters
+    ----------
+    kind : {"makespan", "cost"}, default "makespan"
+        ``"cost"``: the cheapest run that meets ``deadline`` (work stays on cheap pools while
+        they can meet it; expensive pools take only what they must). ``"makespan"``: the
+        fastest run; with ``budget``, the fastest whose cost stays within it (speed is
+        bought until the money runs out).
+    deadline : str or float, optional
+        Cost objective only: seconds (or ``"10m"``) from the run's start. None: the cheapest
+        run, however long.
+    budget : float, optional
+        Makespan objective only: dollars the run may cost (pools' prices x worker-seconds,
+        plus egress).
+
+    Returns
+    -------
+    Objective
+        A context manager: ``with blockflow.objective("cost", deadline="10m"):
+        x.compute()``. Every graph submitted inside carries it (a Dask annotation); each
+        ``compute`` is one run with that objective.
+
+    Raises
+    ------
+    ValueError
+        For an unknown kind, a deadline or budget that is not positive, a deadline with
+        "makespan" or a budget with "cost". Pools without a price, a deadline no pool sizes
+        can meet or a budget below the cheapest run are refused when the work is submitted
+        (its tasks fail with :class:`blockflow.errors.ObjectiveError`, before any runs).
+
+    Notes
+    -----
+    The plan is the LP of :func:`blockflow.scheduling.cost.plan`, re-solved for the work
+    left on every tick of the scheduler plugin; see :doc:`/guide/pools`.
+    """
+    if kind not in OBJECTIVES:
+        raise ValueError(f"blockflow.objective: kind must be one of {', '.join(OBJECTIVES)}, "
+                         f"got {kind!r}.")
+    if deadline is not None:
+        if kind != "cost":
+            raise ValueError("blockflow.objective: a deadline goes with the 'cost' objective "
+                             "(the cheapest run that meets it); for the fastest run leave it "
+                             "out, or give 'makespan' a budget=.")
+        try:
+            seconds = parse_timedelta(deadline)
+        except (TypeError, ValueError, KeyError):  # KeyError: an unknown unit ("soon")
+            seconds = None
+        if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+            raise ValueError(f"blockflow.objective: deadline must be a positive duration "
+                             f"('10m', 90), got {deadline!r}.")
+        deadline = float(seconds)
+    if budget is not None:
+        if kind != "makespan":
+            raise ValueError("blockflow.objective: a budget goes with the 'makespan' "
+                             "objective (the fastest run within it); under 'cost' give a "
+                             "deadline=.")
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) \
+                or not math.isfinite(budget) or budget <= 0:
+            raise ValueError(f"blockflow.objective: budget must be a positive number of "
+                             f"dollars, got {budget!r}.")
+        budget = float(budget)
+    return Objective(kind, deadline, budget)

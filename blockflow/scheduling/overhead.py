@@ -1,0 +1,106 @@
+"""The scheduler plugin's own cost: seconds it spends on the scheduler's event loop.
+
+Every second the plugin spends in a hook (``transition``, ``update_graph``) or a control-loop
+tick is a second the scheduler does not schedule. :class:`PluginCost` keeps the totals, cheaply
+(two ``time.perf_counter()`` calls per hook call, a bounded deque of tick durations), and the
+plugin serves them in its status (``plugin_status(client)["cost"]``), which is how
+``benchmarks/scale.py`` reports the plugin's cost per task and per tick.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from time import perf_counter as clock
+from time import thread_time as cpu_clock
+from typing import Any
+
+__all__ = ["PluginCost", "clock", "cpu_clock"]
+
+
+class PluginCost:
+    """Seconds the scheduler plugin spent in its hooks and ticks.
+
+    Attributes
+    ----------
+    hooks : float
+        Seconds in the per-task hooks (``transition``, ``update_graph``), in total.
+    ticks : deque of float
+        Seconds of each of the latest :attr:`max_ticks` control-loop ticks.
+    tick_total, tick_max : float
+        Seconds in all ticks so far, and in the longest one.
+    tick_count : int
+    hook_calls : int
+        Calls of the ``transition`` hook.
+    hook_cpu_sampled, hook_samples : float, int
+        CPU seconds of the event loop's thread (``time.thread_time``) in one ``transition``
+        call of every :attr:`sample_every`, and how many: wall time counts whatever else
+        the machine runs meanwhile, CPU time only the plugin's own work (a thread-time
+        reading costs a system call: sampled).
+    graph_cpu : float
+        CPU seconds in ``update_graph`` (every call: one per graph).
+    tick_cpu : float
+        CPU seconds in all ticks.
+    """
+
+    #: Tick durations kept for the median.
+    max_ticks = 10_000
+    #: One ``transition`` call in this many (a power of 2) also reads the thread's CPU time.
+    sample_every = 32
+
+    def __init__(self):
+        self.hooks = 0.0
+        self.ticks: deque[float] = deque(maxlen=self.max_ticks)
+        self.tick_total = 0.0
+        self.tick_max = 0.0
+        self.tick_count = 0
+        self.hook_calls = 0
+        self.hook_cpu_sampled = 0.0
+        self.hook_samples = 0
+        self.graph_cpu = 0.0
+        self.tick_cpu = 0.0
+
+    def sampled(self) -> bool:
+        """Count a ``transition`` call; whether this one reads the CPU time too."""
+        self.hook_calls += 1
+        return not self.hook_calls & (self.sample_every - 1)
+
+    def tick(self, seconds: float, cpu: float = 0.0) -> None:
+        """Record one tick of ``seconds`` (``cpu`` seconds of the thread's CPU time)."""
+        self.ticks.append(seconds)
+        self.tick_total += seconds
+        self.tick_cpu += cpu
+        self.tick_count += 1
+        if seconds > self.tick_max:
+            self.tick_max = seconds
+
+    def as_dict(self, tasks: int) -> dict[str, Any]:
+        """Plain data: totals, per task (``tasks`` finished so far) and per tick.
+
+        Returns
+        -------
+        dict
+            ``tasks``; ``hook_seconds``; ``per_task_us`` (hook time per finished task,
+            microseconds; None before the first); ``tick_count``; ``tick_seconds`` (all
+            ticks); ``tick_ms_median``, ``tick_ms_max`` (milliseconds; None before the
+            first tick); ``all_in_per_task_us`` (hooks and ticks together per finished task);
+            ``hook_cpu_seconds`` (estimated from the sampled calls), ``cpu_per_task_us``
+            and ``tick_cpu_seconds``: the same in CPU time of the event loop's thread.
+        """
+        ticks = list(self.ticks)
+        hook_cpu = self.graph_cpu + (self.hook_cpu_sampled / self.hook_samples * self.hook_calls
+                                     if self.hook_samples else 0.0)
+        return {
+            "hook_cpu_seconds": hook_cpu,
+            "cpu_per_task_us": 1e6 * hook_cpu / tasks if tasks else None,
+            "tick_cpu_seconds": self.tick_cpu,
+            "tasks": tasks,
+            "hook_seconds": self.hooks,
+            "per_task_us": 1e6 * self.hooks / tasks if tasks else None,
+            "tick_count": self.tick_count,
+            "tick_seconds": self.tick_total,
+            "tick_ms_median": 1e3 * statistics.median(ticks) if ticks else None,
+            "tick_ms_max": 1e3 * self.tick_max if ticks else None,
+            "all_in_per_task_us": 1e6 * (self.hooks + self.tick_total) / tasks
+            if tasks else None,
+        }

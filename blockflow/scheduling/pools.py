@@ -1,0 +1,246 @@
+"""Pools: every worker belongs to a named pool with a provider, a region and prices.
+
+A pool is a kind of worker bought at one price: ``Pool("l4", provider="gcp", price=0.8)``.
+A worker says which pool it belongs to the Dask-native way, through its heartbeat: the
+worker plugin :class:`PoolMember` (registered by :func:`blockflow.connect` with ``pools=``,
+by a cluster of pools, or installed by the worker preload ``dask worker --preload
+blockflow.pool --pool l4 --provider gcp --price 0.8``) reports the pool as the worker metric
+:data:`POOL_METRIC` and declares the worker resource ``"pool:<name>"``, so that
+``resources={"pool:l4": 1}`` pins tasks to that pool. The scheduler plugin, the inventory,
+the dashboard and run reports read the metric (:func:`pools_of`, :func:`pool_from_metric`).
+Workers that report no pool belong to :data:`DEFAULT_POOL`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from blockflow._distributed.metrics import POOL_METRIC
+
+__all__ = ["DEFAULT_POOL", "POOL_METRIC", "POOL_RESOURCE_PREFIX", "Pool", "PoolMember",
+           "heartbeat_now", "pool_from_metric", "pools_of", "requested_pools"]
+
+#: Prefix of the worker resource a pool's workers declare (``"pool:<name>"``).
+POOL_RESOURCE_PREFIX = "pool:"
+#: Amount of the pool resource each worker declares: enough that a task asking for one
+#: unit is limited only by the worker's threads.
+_POOL_RESOURCE_AMOUNT = 1e6
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A pool of workers: one kind of machine, at one price, at one provider.
+
+    Parameters
+    ----------
+    name : str
+        The pool's name (letters, digits, ``_ . -``): ``"l4"``, ``"fast"``.
+    provider : str, default "local"
+        Who runs the machines (``"gcp"``, ``"aws"``, ``"onprem"``); data moving between
+        workers of different providers is charged ``egress`` of the provider it leaves.
+    region : str, default ""
+    price : float, optional
+        Dollars per worker-hour (>= 0). None: unknown, which a cost objective or a budget
+        refuses (:meth:`check_price`).
+    egress : float, default 0.0
+        Dollars per GB (1e9 bytes) leaving this pool's provider.
+    speed : float, optional
+        Relative speed hint (> 0; 1.0 = the typical worker): what tasks of a group no worker
+        of the pool ran yet are assumed to run at, before learned speeds replace it.
+
+    Raises
+    ------
+    ValueError
+        For an empty or malformed name, a negative or non-finite price or egress price, or a
+        speed that is not positive; one line naming the field and the fix.
+    """
+
+    name: str
+    provider: str = "local"
+    region: str = ""
+    price: float | None = None
+    egress: float = 0.0
+    speed: float | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ValueError(f"blockflow.Pool: name must be a non-empty string of letters, "
+                             f"digits, '_', '.' or '-', got {self.name!r}.")
+        for field_name in ("price", "egress"):
+            value = getattr(self, field_name)
+            if value is None and field_name == "price":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0:
+                raise ValueError(
+                    f"blockflow.Pool {self.name!r}: {field_name} must be a number >= 0 "
+                    f"({'dollars per worker-hour' if field_name == 'price' else 'dollars per GB leaving the provider'}), "
+                    f"got {value!r}.")
+            object.__setattr__(self, field_name, float(value))
+        if self.speed is not None:
+            if isinstance(self.speed, bool) or not isinstance(self.speed, (int, float)) \
+                    or not math.isfinite(self.speed) or self.speed <= 0:
+                raise ValueError(f"blockflow.Pool {self.name!r}: speed must be a number > 0 "
+                                 f"(1.0 = the typical worker), got {self.speed!r}.")
+            object.__setattr__(self, "speed", float(self.speed))
+        object.__setattr__(self, "provider", str(self.provider or "local"))
+        object.__setattr__(self, "region", str(self.region or ""))
+
+    @property
+    def resource(self) -> str:
+        """The worker resource this pool's workers declare: ``"pool:<name>"``."""
+        return POOL_RESOURCE_PREFIX + self.name
+
+    @property
+    def price_per_second(self) -> float:
+        """Dollars per worker-second (0 when the price is unknown)."""
+        return (self.price or 0.0) / 3600.0
+
+    def check_price(self, what: str = "a cost objective") -> None:
+        """Raise ``ValueError`` (one line) when the pool has no price, which ``what`` needs."""
+        if self.price is None:
+            raise ValueError(
+                f"blockflow: pool {self.name!r} has no price, which {what} needs; give it one "
+                f"(Pool({self.name!r}, price=<dollars per worker-hour>), or "
+                f"`--preload blockflow.pool --pool {self.name} --price ...`).")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (the worker metric, JSON)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Pool:
+        """The pool a :meth:`to_dict` dict describes (unknown keys ignored).
+
+        Raises
+        ------
+        ValueError
+            If the dict describes no valid pool.
+        """
+        fields = ("name", "provider", "region", "price", "egress", "speed")
+        return cls(**{k: d[k] for k in fields if k in d
+                      and not (k == "egress" and d[k] is None)})
+
+
+#: The pool of workers that report none.
+DEFAULT_POOL = Pool("default")
+
+
+def pool_from_metric(value: Any) -> Pool | None:
+    """The pool a worker's :data:`POOL_METRIC` value describes; None if it is missing or
+    malformed (never raises)."""
+    if not isinstance(value, Mapping):
+        return None
+    try:
+        return Pool.from_dict(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def pools_of(workers: Mapping[str, Any]) -> dict[str, Pool]:
+    """Address -> :class:`Pool` of each worker.
+
+    Parameters
+    ----------
+    workers : mapping
+        Address -> a :class:`~blockflow._distributed.WorkerView` (its ``pool`` attribute),
+        or a worker's info dict as the scheduler's identity gives it (its ``metrics``).
+
+    Returns
+    -------
+    dict of str to Pool
+        Workers that report no pool get :data:`DEFAULT_POOL`.
+    """
+    out = {}
+    for addr, w in workers.items():
+        if isinstance(w, Mapping):
+            value = (w.get("metrics") or {}).get(POOL_METRIC)
+        else:
+            value = getattr(w, "pool", None)
+        out[addr] = pool_from_metric(value) or DEFAULT_POOL
+    return out
+
+
+def requested_pools(resources: Mapping[str, Any] | None, workers: Any = None) -> set[str]:
+    """Pool names a task's ``resources=`` (``{"pool:fast": 1}``) or ``workers=``
+    (``"pool:fast"``) ask for."""
+    names = {k[len(POOL_RESOURCE_PREFIX):] for k in (resources or {})
+             if isinstance(k, str) and k.startswith(POOL_RESOURCE_PREFIX)}
+    if isinstance(workers, str):
+        workers = [workers]
+    for w in workers or ():
+        if isinstance(w, str) and w.startswith(POOL_RESOURCE_PREFIX):
+            names.add(w[len(POOL_RESOURCE_PREFIX):])
+    return names
+
+
+async def heartbeat_now(dask_worker=None) -> None:
+    """``client.run(heartbeat_now)``: send a heartbeat now, so the scheduler knows the
+    worker's pool at once."""
+    from blockflow import _distributed
+
+    await _distributed.worker_heartbeat(dask_worker)
+
+
+class PoolMember(WorkerPlugin):
+    """Worker plugin: each worker reports its pool and declares the pool's resource.
+
+    Parameters
+    ----------
+    pools : Pool or mapping
+        One :class:`Pool` for every worker, or a mapping from worker name (``"fast-0"``,
+        ``0``) or address to its :class:`Pool`.
+    default : Pool, optional
+        For workers not named in ``pools`` (added later); workers with neither report none
+        (they are in :data:`DEFAULT_POOL`).
+
+    Notes
+    -----
+    On ``setup`` the worker reports the pool as the metric :data:`POOL_METRIC` (sent with
+    every heartbeat, so the scheduler knows it from the worker's next heartbeat on) and
+    declares the worker resource ``"pool:<name>"`` (a large amount: a task asking for one
+    unit is bounded by the worker's threads only). ``idempotent = True``: one registration
+    serves every worker, present and future.
+    """
+
+    name = "blockflow-pool"
+    idempotent = True
+
+    def __init__(self, pools: Pool | Mapping[Any, Pool], default: Pool | None = None):
+        if isinstance(pools, Pool):
+            pools, default = {}, pools
+        self.pools = {str(k): v for k, v in dict(pools).items()}
+        for k, v in [*self.pools.items(), ("default", default)]:
+            if v is not None and not isinstance(v, Pool):
+                raise TypeError(f"blockflow: the pool for {k!r} must be a blockflow.Pool, "
+                                f"got {type(v).__name__}.")
+        self.default = default
+        self.pool: Pool | None = None
+
+    async def setup(self, worker) -> None:
+        from blockflow import _distributed
+
+        _distributed.check_worker(worker)
+        pool = self.pools.get(str(worker.address), self.pools.get(str(worker.name),
+                                                                  self.default))
+        if pool is None:
+            return
+        self.pool = pool
+        info = pool.to_dict()
+        _distributed.set_worker_metric(worker, POOL_METRIC, lambda w: info)
+        if pool.resource not in _distributed.worker_declared_resources(worker):
+            await _distributed.declare_worker_resources(
+                worker, {pool.resource: _POOL_RESOURCE_AMOUNT})
+
+    def teardown(self, worker) -> None:
+        from blockflow import _distributed
+
+        _distributed.remove_worker_metric(worker, POOL_METRIC)

@@ -1,0 +1,446 @@
+"""The objective rule: keep a run's work on the pools its objective pays for.
+
+Under ``blockflow.objective("cost", deadline=...)`` the cheap pools keep the work while they
+can meet the deadline and expensive pools take only what they must; under
+``blockflow.objective("makespan", budget=...)`` speed is bought until the money runs out.
+Both are the LP of :func:`blockflow.scheduling.cost.plan` over the throughput matrix,
+re-solved on every tick for the work the run has left; a pool the plan gives no more work
+than it already holds is *parked* (its workers paused on the scheduler: they finish what
+they run and take nothing new; the move rule hands their waiting tasks to the others), a
+pool the plan needs is unparked. Without an objective (or with "makespan" and no budget)
+the rule parks nothing: today's behaviour.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from statistics import median
+from typing import Any
+
+from blockflow.scheduling import cost
+from blockflow.scheduling.actions import Action, Decision
+from blockflow.scheduling.pools import Pool, pools_of, requested_pools
+from blockflow.scheduling.rules.base import Rule, RuleContext
+
+__all__ = ["ObjectiveRule", "check_objective"]
+
+logger = logging.getLogger("blockflow.scheduling.objective")
+
+_GB = 1e9
+
+
+def _seconds(snap, pools: dict[str, Pool], groups) -> dict[str, dict[str, float]]:
+    """Seconds per task of ``groups`` on each pool: the throughput matrix's rows."""
+    matrix = snap.throughput or {}
+    names = {p.name for p in pools.values()}
+    return {g: {p: t for p, t in matrix[g].items() if p in names}
+            for g in groups if g in matrix}
+
+
+def _egress(snap, pools: dict[str, Pool], groups) -> dict[str, dict[str, float]]:
+    """Group -> pool name -> dollars per task for inputs leaving their provider."""
+    egress_of = {}
+    for p in pools.values():
+        egress_of[p.provider] = max(egress_of.get(p.provider, 0.0), p.egress)
+    out = {}
+    for g in groups:
+        by_provider = (snap.inputs or {}).get(g)
+        if not by_provider:
+            continue
+        out[g] = {p.name: sum(b / _GB * egress_of.get(src, 0.0)
+                              for src, b in by_provider.items() if src != p.provider)
+                  for p in pools.values()}
+    return out
+
+
+def _capacity(snap, pools: dict[str, Pool], parked) -> tuple[dict, dict]:
+    """Pool name -> workers that may take work (running, or parked by this rule), and
+    threads per worker."""
+    workers: dict[str, int] = {}
+    threads: dict[str, list[int]] = {}
+    for a, w in snap.workers.items():
+        if w.status != "running" and a not in parked:
+            continue
+        name = pools[a].name
+        workers[name] = workers.get(name, 0) + 1
+        threads.setdefault(name, []).append(max(w.nthreads, 1))
+    return workers, {p: max(sorted(t)[len(t) // 2], 1) for p, t in threads.items()}
+
+
+def check_objective(objective, pools: dict[str, Pool], work: dict[str, float],
+                    seconds: dict[str, dict[str, float]], workers: dict[str, int],
+                    threads: dict[str, int]) -> str:
+    """Why ``objective`` cannot be met before anything runs, one line; ``""`` if it can (or
+    if too little is known to tell: groups never measured are left out).
+
+    Checks: a price for every pool when prices matter; a deadline some pool sizes can meet
+    (``"needs >= N workers of pool P"``); a budget at least the cheapest possible run.
+    """
+    if objective is None:
+        return ""
+    by_name = {p.name: p for p in pools.values()}
+    if objective.needs_prices:
+        for p in sorted(by_name.values(), key=lambda p: p.name):
+            if p.price is None:
+                what = ("the cost objective" if objective.kind == "cost"
+                        else "a budget")
+                return (f"blockflow.objective: pool {p.name!r} has no price, which {what} "
+                        f"needs; give it one (Pool({p.name!r}, price=<dollars per "
+                        f"worker-hour>), or `--preload blockflow.pool --pool {p.name} "
+                        f"--price ...`)")
+    known = {g: n for g, n in work.items() if g in seconds}
+    if not known:
+        return ""
+    if objective.deadline is not None:
+        plan = cost.plan(known, seconds, by_name, workers, threads=threads,
+                         deadline=objective.deadline)
+        if not plan.feasible:
+            return f"blockflow.objective: {plan.shortfall}"
+    if objective.budget is not None:
+        plan = cost.plan(known, seconds, by_name, workers, threads=threads,
+                         budget=objective.budget)
+        if not plan.feasible:
+            return f"blockflow.objective: {plan.shortfall}"
+    return ""
+
+
+class ObjectiveRule(Rule):
+    """Park and unpark pools for the current run's objective; refuse impossible ones.
+
+    On ``"graph"`` snapshots: tasks asking for a pool no worker declares
+    (``resources={"pool:x": 1}``) and objectives that cannot be met (a pool without a
+    price, a deadline no pool sizes meet, a budget below the cheapest run; judged on the
+    task groups already measured) fail at once, before any of the graph's tasks runs: one
+    ``fail`` decision whose ``detail`` is the :class:`~blockflow.errors.ObjectiveError`.
+
+    On ``"tick"`` snapshots, for the run most recently given work under an objective that
+    needs prices: solve :func:`blockflow.scheduling.cost.plan` for the work it has left
+    (``snapshot.run.group_pending``, groups with a throughput only), with the time left to
+    the deadline less one task of the slowest pool (the last task a worker starts must end
+    in time), or the budget left (``budget`` minus what its workers cost so far). A pool
+    whose planned tasks exceed the tasks its workers hold is unparked (``unpark``); one
+    whose plan it already holds is parked (``park``), except the pool with the most work
+    still to take, so that someone always takes the queue. A pool of another provider than
+    the one a group's inputs live on is charged their egress in the plan, and its
+    ``unpark`` records the bytes per task, the egress price and the time it saves. When the
+    objective can no longer be met, one ``objective`` decision (and a WARNING) gives the new
+    projected finish or cost, every pool is unparked (deadline) or only the cheapest kept
+    (budget), and the run goes on. A blockflow heuristic on Gavel's LP (OSDI 2020).
+
+    Attributes
+    ----------
+    plans : dict
+        Run id -> the latest plan (:meth:`blockflow.scheduling.cost.Plan.as_dict`) and its
+        inputs, for status and the dashboard.
+    """
+
+    #: Share of a task per thread kept free before the deadline (the last task a thread
+    #: starts must end in time; re-planning every tick catches the rest).
+    tail = 0.25
+
+    def __init__(self):
+        self.plans: dict[str, dict[str, Any]] = {}
+        self._warned: set[str] = set()
+
+    # --- graph: refuse what cannot be met -------------------------------------------
+
+    def _unknown_pools(self, snap) -> list[Decision]:
+        """Tasks waiting for a ``pool:<name>`` resource of a pool no worker declares
+        (``client.submit(..., resources={"pool:x": 1})``): fail them now."""
+        if not snap.unsatisfiable:
+            return []
+        return self._refuse_pools(snap, [(key, need, None)
+                                         for key, need in snap.unsatisfiable])
+
+    def _refuse_pools(self, snap, requests) -> list[Decision]:
+        from blockflow.errors import ObjectiveError
+
+        pools = pools_of(snap.workers)
+        known = {p.name for p in pools.values()} | set(snap.declared_pools or ())
+        bad: dict[str, list] = {}
+        for key, resources, workers in requests:
+            for name in requested_pools(resources, workers):
+                if name not in known:
+                    bad.setdefault(name, []).append(key)
+        out = []
+        for name, keys in bad.items():
+            msg = (f"blockflow: {len(keys)} task{'s' if len(keys) != 1 else ''} (e.g. "
+                   f"{keys[0]!r}) ask for pool {name!r}, which no worker declares (pools: "
+                   f"{', '.join(sorted(known)) or 'none'}); use one of those names in "
+                   f"resources={{'pool:<name>': 1}}")
+            out.append(Decision(Action.FAIL, "", msg, {"pool": name, "tasks": len(keys)},
+                                keys=tuple(keys), detail=ObjectiveError(msg)))
+        return out
+
+    def _on_graph(self, snap) -> list[Decision]:
+        from blockflow.errors import ObjectiveError
+
+        pools = pools_of(snap.workers)
+        out = self._refuse_pools(snap, [
+            (t.key, (t.placement or {}).get("resources"), (t.placement or {}).get("workers"))
+            for t in snap.new_tasks])
+        run = snap.run
+        if run is None or run.objective is None or not snap.new_tasks:
+            return out
+        all_pools = dict(pools)
+        for name, p in (snap.declared_pools or {}).items():
+            all_pools.setdefault(f"declared:{name}", p)
+        workers, threads = _capacity(snap, pools, snap.parked)
+        for name, p in (snap.declared_pools or {}).items():
+            workers.setdefault(name, 0)
+        work = dict(run.group_pending)
+        why = check_objective(run.objective, all_pools, work,
+                              _seconds(snap, all_pools, work), workers, threads)
+        if why:
+            keys = tuple(t.key for t in snap.new_tasks)
+            out.append(Decision(Action.FAIL, "", why, {"objective": run.objective.as_dict(),
+                                                       "tasks": len(keys)},
+                                keys=keys, detail=ObjectiveError(why)))
+        return out
+
+    # --- tick: park and unpark pools ------------------------------------------------
+
+    def run(self, snap, context: RuleContext) -> list[Decision]:
+        if snap.event == "graph":
+            return self._on_graph(snap)
+        if snap.event != "tick":
+            return []
+        out = self._unknown_pools(snap) + self._tick(snap)
+        if context is not None:  # parked now: no moves onto them this tick
+            context.paused_now |= {d.worker for d in out if d.action == Action.PARK}
+            context.taken |= {d.target for d in out if d.action == Action.MOVE}
+        return out
+
+    def _tick(self, snap) -> list[Decision]:
+        run = snap.run
+        parked = snap.parked
+        if run is None or run.objective is None or not run.objective.needs_prices \
+                or run.pending <= 0:
+            return self._unpark_all(snap, parked, "no run under a cost objective or a "
+                                    "budget has work left")
+        pools = pools_of(snap.workers)
+        by_name = {p.name: p for p in pools.values()}
+        if len(by_name) < 2 or any(p.price is None for p in by_name.values()):
+            return self._unpark_all(snap, parked, "one pool, or pools without prices")
+        work = dict(run.group_pending)
+        seconds = _seconds(snap, pools, work)
+        work = {g: n for g, n in work.items() if g in seconds}
+        if not work:  # nothing measured yet: distributed's placement, as without objective
+            return self._unpark_all(snap, parked, "no task group of the run measured yet")
+        workers, threads = _capacity(snap, pools, parked)
+        # tasks running now are no longer to place: their threads are busy for what is
+        # left of them (the time per task on that pool less the time they ran)
+        remaining: dict[str, float] = {}
+        running_on: dict[str, int] = {}
+        for a, tasks in snap.running.items():
+            if a not in pools:
+                continue
+            name = pools[a].name
+            for t in tasks:
+                t_task = seconds.get(t.group, {}).get(name, t.duration)
+                remaining[name] = remaining.get(name, 0.0) + max(t_task - t.elapsed, 0.0)
+                running_on[a] = running_on.get(a, 0) + 1
+                if t.group in work:
+                    work[t.group] -= 1
+        work = {g: n for g, n in work.items() if n > 0}
+        egress = _egress(snap, pools, work)
+        obj = run.objective
+        typical = {name: median(row[name] for row in seconds.values() if name in row)
+                   for name in workers}
+        if obj.kind == "cost":
+            left = (run.deadline_at - snap.time) if run.deadline_at is not None else 1e12
+            if left <= 0:
+                plan = None
+            else:
+                # thread-seconds each pool has until the deadline: less what its running
+                # tasks still take, less :attr:`tail` of a task per thread (the last task
+                # a thread starts must end in time), as a number of whole-deadline workers
+                usable = {name: max(n * threads[name] * left - remaining.get(name, 0.0)
+                                    - self.tail * typical[name] * n * threads[name], 0.0)
+                          / (threads[name] * left) for name, n in workers.items()}
+                plan = cost.plan(work, seconds, by_name, usable, threads=threads,
+                                 deadline=left, egress=egress)
+            if plan is None or not plan.feasible:
+                fastest = cost.plan(work, seconds, by_name, workers, threads=threads)
+                finish = fastest.makespan + max(typical.values())
+                return self._missed(
+                    snap, parked, run.id,
+                    f"deadline can no longer be met: projected finish in {finish:.1f} s "
+                    f"with every pool, {max(left, 0.0):.1f} s left to the deadline; all "
+                    f"pools take work",
+                    {"deadline_in": round(left, 3), "projected_finish_in": round(finish, 3)})
+        else:
+            spent = self._spent(run, pools, snap.time, snap) + sum(
+                by_name[name].price_per_second * r / threads.get(name, 1)
+                for name, r in remaining.items())
+            left_budget = obj.budget - spent
+            plan = cost.plan(work, seconds, by_name, workers, threads=threads,
+                             budget=left_budget, egress=egress) if left_budget > 0 else None
+            if plan is None or not plan.feasible:
+                cheapest = cost.plan(work, seconds, by_name, workers, threads=threads,
+                                     deadline=1e12, egress=egress)
+                keep = max(cheapest.busy, key=cheapest.busy.get) if cheapest.busy else None
+                return self._missed(
+                    snap, parked, run.id,
+                    f"budget can no longer be met: spent ${spent:.4g} of ${obj.budget:.4g}, "
+                    f"the work left costs at least ${cheapest.cost:.4g} (projected "
+                    f"${spent + cheapest.cost:.4g}); only pool {keep!r} takes work",
+                    {"budget": obj.budget, "spent": round(spent, 6),
+                     "projected_cost": round(spent + cheapest.cost, 6)}, keep=keep)
+        self.plans[run.id] = {"objective": obj.as_dict(), "plan": plan.as_dict(),
+                              "work": work, "seconds": seconds, "time": snap.time}
+        return self._apply_plan(snap, parked, pools, plan, seconds, egress, work, workers,
+                                threads, obj, running_on)
+
+    def _spent(self, run, pools, now, snap) -> float:
+        """Dollars this run's workers cost so far (first start to now or last stop)."""
+        total = 0.0
+        for a, (start, stop) in run.spans.items():
+            p = pools.get(a)
+            if p is None:
+                continue
+            w = snap.workers.get(a)
+            end = now if w is not None and w.processing else stop
+            total += max(end - start, 0.0) * p.price_per_second
+        return total
+
+    def _apply_plan(self, snap, parked, pools, plan, seconds, egress, work, workers,
+                    threads, obj, running_on) -> list[Decision]:
+        holds: dict[str, int] = {}  # tasks waiting on the pool's workers, not started
+        for a, w in snap.workers.items():
+            holds[pools[a].name] = holds.get(pools[a].name, 0) + max(
+                w.processing - running_on.get(a, 0), 0)
+        more = {name: plan.pool_tasks(name) - holds.get(name, 0) for name in workers}
+        # the pool with the cheapest work is never parked: someone always takes the queue
+        by_name = {p.name: p for p in pools.values()}
+        keep = min(workers, key=lambda name: (sum(
+            by_name[name].price_per_second * row.get(name, math.inf) / threads.get(name, 1)
+            for row in seconds.values()), -workers[name]))
+        out: list[Decision] = []
+        for name in sorted(workers):
+            members = sorted(a for a, p in pools.items() if p.name == name
+                             and a in snap.workers and (snap.workers[a].status == "running"
+                                                        or a in parked))
+            if name == keep:
+                want = True
+            elif any(a in parked for a in members):
+                # hysteresis: a parked pool comes back for half a task per thread at least
+                want = more[name] >= max(1.0, 0.5 * threads.get(name, 1) * len(members))
+            else:
+                want = more[name] > 0.5
+            seen = {"pool": name, "planned_tasks": round(plan.pool_tasks(name), 2),
+                    "held_tasks": holds.get(name, 0), "plan_cost": round(plan.cost, 6),
+                    "plan_makespan": round(plan.makespan, 3), "objective": obj.kind}
+            for a in members:
+                if want and a in parked:
+                    reason = (f"pool {name!r} needed: the plan gives it "
+                              f"{plan.pool_tasks(name):.1f} tasks, it holds "
+                              f"{holds.get(name, 0)}")
+                    seen_a = dict(seen)
+                    cross = self._crossing(name, pools, egress, work, seconds, plan, workers,
+                                           threads, snap)
+                    if cross:
+                        reason += "; " + cross.pop("reason")
+                        seen_a.update(cross)
+                    out.append(Decision(Action.UNPARK, a, reason, seen_a))
+                elif not want and a not in parked:
+                    out.append(Decision(
+                        Action.PARK, a, f"pool {name!r} parked: the plan gives it "
+                        f"{plan.pool_tasks(name):.1f} tasks, it holds {holds.get(name, 0)}; "
+                        f"cheaper pools meet the {obj.kind} objective", seen))
+            if want and name != keep and more[name] >= 1:
+                out += self._hand_over(snap, pools, name, int(more[name]), seen, egress,
+                                       seconds, plan, workers, threads, work)
+        return out
+
+    def _hand_over(self, snap, pools, name, n, seen, egress, seconds, plan, workers,
+                   threads, work) -> list[Decision]:
+        """Move up to ``n`` tasks waiting on other pools' workers (assigned there by
+        distributed, near their data) to free threads of pool ``name``, which the plan
+        needs to take them; each move records its inputs' bytes, their egress price and the
+        time the pool saves."""
+        free = [(a, w.nthreads - w.processing) for a, w in sorted(snap.workers.items())
+                if pools[a].name == name and w.status == "running"
+                and w.processing < w.nthreads]
+        slots = [a for a, k in free for _ in range(k)][:n]
+        if not slots:
+            return []
+        cross = None
+        out = []
+        donors = sorted((a for a, p in pools.items() if p.name != name and a in snap.workers),
+                        key=lambda a: -snap.workers[a].processing)
+        for src in donors:
+            if not slots:
+                break
+            w = snap.workers[src]
+            if w.processing <= w.nthreads:
+                continue  # nothing waits there beyond what starts next
+            for task in snap.waiting.get(src, ()):
+                if not slots:
+                    break
+                if task.allowed_workers is not None and slots[0] not in task.allowed_workers:
+                    continue
+                dst = slots.pop(0)
+                moved = dict(seen, input_bytes=task.input_bytes)
+                reason = (f"pool {name!r} takes a task the plan gives it "
+                          f"({plan.pool_tasks(name):.1f} planned, {seen['held_tasks']} held)")
+                if pools[src].provider != pools[dst].provider and task.input_bytes:
+                    if cross is None:
+                        cross = self._crossing(name, pools, egress, work, seconds, plan,
+                                               workers, threads, snap) or {}
+                    price = max(p.egress for p in pools.values()
+                                if p.provider == pools[src].provider)
+                    dollars = task.input_bytes / _GB * price
+                    moved.update(egress_bytes=task.input_bytes,
+                                 egress_cost=round(dollars, 6),
+                                 time_saved=cross.get("time_saved"))
+                    reason += (f"; its inputs cross from {pools[src].provider} to "
+                               f"{pools[dst].provider}: {task.input_bytes / _GB:.3g} GB for "
+                               f"${dollars:.4g}, the plan's pool saves "
+                               f"{cross.get('time_saved')} s")
+                out.append(Decision(Action.MOVE, src, reason, moved, target=dst,
+                                    key=task.key))
+        return out
+
+    def _crossing(self, name, pools, egress, work, seconds, plan, workers, threads,
+                  snap) -> dict[str, Any] | None:
+        """The numbers of a choice to send data across providers to pool ``name``."""
+        dollars = sum(egress.get(g, {}).get(name, 0.0) * plan.tasks.get(g, {}).get(name, 0.0)
+                      for g in work)
+        if dollars <= 0:
+            return None
+        nbytes = sum(sum(b for src, b in (snap.inputs or {}).get(g, {}).items()
+                         if src != next(p.provider for p in pools.values() if p.name == name))
+                     * plan.tasks.get(g, {}).get(name, 0.0) for g in work)
+        by_name = {p.name: p for p in pools.values()}
+        without = {p: n for p, n in workers.items() if p != name}
+        alone = cost.plan(work, {g: {p: t for p, t in row.items() if p != name}
+                                 for g, row in seconds.items()}, by_name, without,
+                          threads=threads) if without else None
+        fastest = cost.plan(work, seconds, by_name, workers, threads=threads)
+        saves = (alone.makespan - fastest.makespan) if alone is not None and alone.feasible \
+            else math.inf
+        return {"reason": f"its inputs cross providers: {nbytes / _GB:.3g} GB for "
+                          f"${dollars:.4g} of egress, saving {saves:.1f} s",
+                "egress_bytes": int(nbytes), "egress_cost": round(dollars, 6),
+                "time_saved": round(saves, 3) if math.isfinite(saves) else None}
+
+    def _missed(self, snap, parked, run_id, reason, seen, keep=None) -> list[Decision]:
+        out = []
+        if run_id not in self._warned:
+            self._warned.add(run_id)
+            out.append(Decision(Action.OBJECTIVE, "", reason, seen,
+                                detail={"warning": True}))
+        pools = pools_of(snap.workers)
+        for a in sorted(snap.workers):
+            if keep is None or pools[a].name == keep:
+                if a in parked:
+                    out.append(Decision(Action.UNPARK, a, "objective missed: " + reason, seen))
+            elif a not in parked and snap.workers[a].status == "running":
+                out.append(Decision(Action.PARK, a, "objective missed: " + reason, seen))
+        return out
+
+    def _unpark_all(self, snap, parked, why: str) -> list[Decision]:
+        return [Decision(Action.UNPARK, a, f"unparked: {why}", {})
+                for a in sorted(parked) if a in snap.workers]

@@ -1,0 +1,117 @@
+"""PoolCluster.adapt: per-pool elastic scaling on real clusters. It retires only idle
+workers of the pool it shrinks - never a busy worker, never another pool's
+(dask-kubernetes#914) - and logs every scaling decision with its reason."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from distributed import Client, Event, Queue
+from loadaware import wait_until
+
+import blockflow
+from blockflow.cluster.pool_cluster import PoolCluster
+from blockflow.scheduling.pools import Pool
+
+pytestmark = pytest.mark.slow
+
+FAST = Pool("fast", provider="gcp", price=4.0, speed=4)
+SLOW = Pool("slow", provider="onprem", price=0.5)
+
+
+def _names(client) -> set[str]:
+    return {str(w["name"]) for w in client.scheduler_info(n_workers=-1)["workers"].values()}
+
+
+def _decisions(client, *actions) -> list[dict]:
+    log = client.sync(client.scheduler.blockflow_status)["decisions"]
+    return [d for d in log if d["action"] in actions]
+
+
+def test_shrinking_one_pool_never_retires_another_pools_workers():
+    with PoolCluster({FAST: 2, SLOW: 2}, processes=False,
+                     silence_logs=logging.CRITICAL) as cluster, Client(cluster) as client:
+        wait_until(lambda: _names(client) == {"fast-0", "fast-1", "slow-0", "slow-1"},
+                   message="the four workers join")
+        adaptive = cluster.adapt(pools={"fast": (2, 2), "slow": (0, 2)}, interval="200ms",
+                                 wait_count=2)
+        # no work: the slow pool goes to its minimum; the fast pool, as idle, stays
+        wait_until(lambda: _names(client) == {"fast-0", "fast-1"},
+                   message="the slow pool's idle workers are retired, the fast pool's kept")
+        assert cluster.pool_sizes == {"fast": 2, "slow": 0}
+        assert sorted(adaptive.retired) == ["slow-0", "slow-1"]
+        retired = _decisions(client, "retire")
+        assert {d["target"] for d in retired} == {"slow"} and len(retired) == 2
+        scale = {d["target"]: d for d in _decisions(client, "scale")}
+        assert scale["slow"]["seen_target"] == 0 and scale["fast"]["seen_target"] == 2
+        assert "no work left" in scale["slow"]["reason"]
+        assert blockflow.decisions  # the public reader sees the same log
+        adaptive.stop()
+
+
+def test_adapt_never_retires_a_busy_worker():
+    with PoolCluster({FAST: 1, SLOW: 2}, processes=False,
+                     silence_logs=logging.CRITICAL) as cluster, Client(cluster) as client:
+        wait_until(lambda: _names(client) == {"fast-0", "slow-0", "slow-1"},
+                   message="the three workers join")
+        go = Event("go", client=client)
+        ran = Queue("ran", client=client)
+
+        def blocked(i):
+            Queue("ran").put(i)
+            Event("go").wait(timeout=300)
+            return i
+
+        futures = client.map(blocked, range(2), resources={"pool:slow": 1}, pure=False)
+        wait_until(lambda: ran.qsize() == 2, message="both slow workers run a task")
+        adaptive = cluster.adapt(pools={"fast": (0, 0), "slow": (0, 1)}, interval="200ms",
+                                 wait_count=2)
+        # both pools are above their maximum, but both slow workers are busy: only the
+        # idle fast worker goes
+        wait_until(lambda: _names(client) == {"slow-0", "slow-1"},
+                   message="the idle fast worker is retired")
+        checks = len(adaptive.log)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # more checks while the slow workers are busy
+            assert _names(client) >= {"slow-0", "slow-1"}
+            time.sleep(0.2)
+        assert adaptive.retired == ["fast-0"]
+        assert all(d["target"] == "fast" for d in _decisions(client, "retire"))
+        go.set()
+        assert client.gather(futures) == [0, 1]
+        # each ran once: no worker was taken from under its task
+        assert ran.qsize() == 2 and sorted(ran.get(batch=2)) == [0, 1]
+        assert len(adaptive.log) >= checks
+        # no work left: the slow pool shrinks too, but its last worker keeps the results
+        wait_until(lambda: len(_names(client)) == 1, message="one slow worker is kept")
+        assert client.gather(futures) == [0, 1]
+        adaptive.stop()
+
+
+def test_adapt_from_zero_grows_the_cheap_pool_for_a_cost_deadline():
+    with PoolCluster({FAST: 0, SLOW: 0}, processes=False,
+                     silence_logs=logging.CRITICAL) as cluster, Client(cluster) as client:
+        adaptive = cluster.adapt(pools={"fast": (0, 2), "slow": (0, 3)}, interval="200ms")
+
+        def work(i):
+            time.sleep(0.05)
+            return i
+
+        with blockflow.objective("cost", deadline="10m"):
+            futures = client.map(work, range(20))
+            assert sum(client.gather(futures)) == sum(range(20))
+        scale = [d for d in _decisions(client, "scale") if d["seen_target"] > 0]
+        assert scale and all(d["target"] == "slow" for d in scale)
+        assert "cheapest sizes" in scale[0]["reason"] and "deadline" in scale[0]["reason"]
+        assert not any(str(n).startswith("fast") for n in cluster.worker_spec)
+        adaptive.stop()
+
+
+def test_adapt_refuses_unknown_pools_and_bad_bounds():
+    with PoolCluster({FAST: 0}, processes=False, silence_logs=logging.CRITICAL) as cluster:
+        with pytest.raises(ValueError, match=r"no pool named 'gpu'; the pools are \['fast'\]"):
+            cluster.adapt(pools={"gpu": (0, 1)})
+        with pytest.raises(ValueError, match=r"pool 'fast' needs 0 <= minimum <= maximum"):
+            cluster.adapt(pools={"fast": (3, 1)})
