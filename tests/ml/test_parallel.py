@@ -196,6 +196,7 @@ def test_pipeline_loss_gradients_and_parameters_equal_one_device(client, schedul
     assert max_diff(fwd.output, ref(torch.tensor(X)).detach()) < TOL
 
 
+@pytest.mark.slow
 def test_micro_batch_counts_the_batch_cannot_take_are_refused_before_running(client):
     pipe = PipelineParallel(client, _mlp(), partition="equal")
     rng = np.random.default_rng(0)
@@ -419,6 +420,7 @@ def test_tensor_parallel_mlp_forward_and_gradients_equal_the_unsharded_block(cli
     tp.close()
 
 
+@pytest.mark.slow
 def test_tensor_parallel_attention_equals_multihead_attention_in_a_model(client):
     """Heads split 2, 1, 1 over three workers inside a residual block with LayerNorm: the
     model's forward, input gradient and every gradient equal the unsharded model's."""
@@ -435,7 +437,7 @@ def test_tensor_parallel_attention_equals_multihead_attention_in_a_model(client)
     x2 = x.detach().clone().requires_grad_(True)
     y2 = norm(x2 + mha(x2, x2, x2, need_weights=False)[0]).pow(2).sum()
     y2.backward()
-    assert abs(float(y - y2)) < TOL * max(1.0, abs(float(y2)))
+    assert abs(float(y.detach() - y2.detach())) < TOL * max(1.0, abs(float(y2.detach())))
     assert max_diff(x.grad, x2.grad) < TOL and max_diff(norm_grad, norm.weight.grad) < TOL
     grads = tp.grads()
     assert set(grads) == {n for n, _ in mha.named_parameters()}

@@ -206,13 +206,13 @@ def finish(key: str, step: bool, want_grads: bool, *_after) -> dict:
     if want_grads:
         grads = {n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
                  for n, p in stage.module.named_parameters()}
-    _note_peak(_here())
     if step and stage.optimizer is not None:
         stage.optimizer.step()
-        _note_peak(_here())
+    _note_peak(_here())
+    held = _tensor_bytes(stage.module, stage.optimizer)  # gradients included
     stage.module.zero_grad(set_to_none=True)
     out = {"loss": stage.loss_sum, "peak_stash": stage.peak_stash, "grads": grads,
-           "busy": stage.busy, "bytes": _tensor_bytes(stage.module, stage.optimizer)}
+           "busy": stage.busy, "bytes": held}
     stage.stash.clear()
     stage.loss_sum, stage.peak_stash, stage.busy = 0.0, 0, 0.0
     return out

@@ -921,10 +921,14 @@ class PipelineParallel:
 
     def close(self) -> None:
         """Drop the stages and their checkpoints from the workers."""
-        for k, w in zip(self._keys, self.stage_workers):
-            if w in self._alive():
-                self.client.submit(_stage.drop, k, workers=[w], pure=False)
+        alive = self._alive()
+        futs = [self.client.submit(_stage.drop, k, workers=[w], allow_other_workers=False,
+                                   pure=False)
+                for k, w in zip(self._keys, self.stage_workers) if w in alive]
         self._ckpt, self._keys = [], []
+        if futs:
+            self._gather(futs, needed={f"{w}" for w in self.stage_workers if w in alive},
+                         what="dropping the stages")
 
     def __enter__(self):
         return self
