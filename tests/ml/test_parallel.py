@@ -350,7 +350,10 @@ def test_a_lost_stage_is_rebuilt_from_its_checkpoint_and_training_resumes():
             pipe.fit(X, T, epochs=3, batch_size=16, n_micro_batches=4, shuffle=False,
                      callback=kill_at)
         assert victim not in pipe.stage_workers and pipe.steps == 12
-        assert any(h["recovered"] for h in pipe.history_)
+        assert len(pipe.history_) == 12
+        (rec,) = pipe.recoveries
+        assert rec["lost"] == [victim] and rec["stages"] == ["stage 1 (layers 2-3)"]
+        assert rec["resumed_from"] in (2, 4) and rec["step"] >= rec["resumed_from"]
         state = pipe.state_dict()
     ref = _mlp()
     opt = sgd(ref.parameters())
@@ -381,7 +384,7 @@ def test_a_lost_stage_nothing_can_take_is_one_error_naming_it():
         X = np.ones((8, 64))
         pipe.run(X, X, n_micro_batches=2, publish=False)
         victim = pipe.stage_workers[1]
-        c.sync(c.cluster.workers[1].close)
+        c.sync(next(w for w in c.cluster.workers.values() if w.address == victim).close)
         start = time.monotonic()
         with pytest.raises(WorkerLostError) as e:
             pipe.run(X, X, n_micro_batches=2, publish=False)

@@ -298,6 +298,9 @@ class PipelineParallel:
         Per stage, the measured seconds of its layers on its worker.
     steps : int
         Optimizer steps taken.
+    recoveries : list of dict
+        One per lost stage worker survived: ``step`` (when), ``resumed_from`` (the
+        checkpoint's step), ``stages`` (rebuilt), ``lost`` (workers).
 
     Raises
     ------
@@ -361,6 +364,7 @@ class PipelineParallel:
         self.stage_workers: list[str] = []
         self.bounds: list[int] = []
         self.steps = 0
+        self.recoveries: list[dict] = []
         self._keys: list[str] = []
         self._stage_bytes: list[int] = []
         self._ckpt: list[tuple] = []  # per stage: (own future, copy future or None)
@@ -656,7 +660,10 @@ class PipelineParallel:
                 if not lost:
                     raise
                 before = self.steps
-                recovered += self._recover(lost, f"the pipeline step over {sum(sizes)} rows")
+                stages = self._recover(lost, f"the pipeline step over {sum(sizes)} rows")
+                recovered += stages
+                self.recoveries.append({"step": before, "resumed_from": self.steps,
+                                        "stages": stages, "lost": sorted(lost)})
                 if self.steps < before:
                     warnings.warn(
                         f"blockflow: the pipeline rolled back to the checkpoint of step "
@@ -673,14 +680,24 @@ class PipelineParallel:
         from distributed import get_task_stream
 
         c, p, m = self.client, len(self.stage_workers), len(xs)
+        gone = set(self.stage_workers) - self._alive()
+        if gone:  # lost between steps: rebuild before sending it anything
+            raise WorkerLostError(f"blockflow: workers lost: {sorted(gone)}", lost=gone)
         train = ts is not None
         token = uuid.uuid4().hex[:8]
         step = self.steps
         on = [dict(workers=[w], allow_other_workers=False) for w in self.stage_workers]
         total = sum(sizes)
         with get_task_stream(c) as stream:
-            inputs = _place_data(c, xs, self.stage_workers[0])
-            targets = _place_data(c, ts, self.stage_workers[-1]) if train else None
+            try:
+                inputs = _place_data(c, xs, self.stage_workers[0])
+                targets = _place_data(c, ts, self.stage_workers[-1]) if train else None
+            except Exception:
+                gone = set(self.stage_workers) - self._alive()
+                if gone:  # the worker left while the data went to it
+                    raise WorkerLostError(f"blockflow: workers lost: {sorted(gone)}",
+                                          lost=gone) from None
+                raise
             fwd = [[None] * m for _ in range(p)]
             bwd = [[None] * m for _ in range(p)]
             orders = [schedule_order(self.schedule if train else "gpipe", p, m, s)
