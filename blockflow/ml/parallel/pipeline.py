@@ -506,8 +506,6 @@ class PipelineParallel:
     def _recover(self, lost: set[str], what: str) -> list[str]:
         """Rebuild the stages of ``lost`` workers on survivors from their checkpoints and
         roll every other stage back to the same checkpoint; returns the stages rebuilt."""
-        from distributed import wait as dwait
-
         deadline = time.monotonic() + 10
         while lost & self._alive() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -565,8 +563,10 @@ class PipelineParallel:
                            "checkpoint of step %d", self._stage_name(s),
                            self.stage_workers[s], t, self._ckpt_step)
             self.stage_workers[s] = t
-        dwait(futs, timeout=60)
-        self._gather(futs, needed=set(self.stage_workers), what="rebuilding the stages")
+        holders = {next(iter(self.client.who_has(self._ckpt[s][1]).get(
+            self._ckpt[s][1].key, ())), None) for s in moves}
+        self._gather(futs, needed=set(self.stage_workers) | (holders - {None}),
+                     what="rebuilding the stages")
         self.steps = self._ckpt_step
         self._checkpoint()
         return rebuilt
