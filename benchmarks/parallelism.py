@@ -6,14 +6,15 @@ side. Layers are :class:`blockflow.testing.torch_layers.SimulatedLinear`: a real
 seconds and whose backward for twice that, so stage times follow the devices' speeds, not
 this 2-core machine's load.
 
-1. **Uneven devices** (speeds 1, 1, 0.5, 0.25 set at run time): 16 linear layers of
-   different widths, work proportional to each layer's parameters. Three partitions of the
+1. **Uneven devices** (speeds 1, 1, 0.5, 0.25 set at run time): 16 linear layers widening
+   with depth (32 to 160 features), work proportional to each layer's parameters. Three partitions of the
    same model, each trained for ``--steps`` GPipe steps of m = 16 micro-batches: blockflow's
    (measured forward+backward time of every layer on every worker, min-max split), equal
    layer counts, and DeepSpeed's ``partition_method="parameters"`` (equal parameter counts).
    Throughput: rows per second through a step (forward, backward, optimizer), best step.
 2. **Bubble and activation memory** (all speeds 1): ``--layers`` equal layers on p = 2 and 4
-   devices, m = 4p micro-batches, equal stages: GPipe's measured idle fraction against
+   devices, m = 4p micro-batches, equal stages, the best of ``--steps`` steps after a warm-up
+   one: GPipe's measured idle fraction against
    ``(p - 1) / (m + p - 1)``; the most micro-batches of activations each stage held at once,
    measured on the workers, GPipe against 1F1B.
 3. **A model larger than any one device**: ``--big-layers`` layers of ``--big-width`` x
@@ -58,7 +59,7 @@ def _uneven_model(layers: int, work_per_kparam: float, seed: int = 0):
     from blockflow.testing.torch_layers import SimulatedLinear
 
     torch.manual_seed(seed)
-    dims = [32] + [int(d) for d in np.resize([64, 32, 96, 32, 128, 32, 48, 32], layers)]
+    dims = [32 + 8 * i for i in range(layers + 1)]  # wider with depth: 1,024 to 19,200
     mods = []
     for i in range(layers):
         params = dims[i] * dims[i + 1]
@@ -114,8 +115,9 @@ def bubble(client, args, workers) -> list[dict]:
             pipe = blockflow.PipelineParallel(client, model, optimizer=sgd, partition="equal",
                                               workers=workers[:p], schedule=schedule,
                                               checkpoint_every=0)
-            r = pipe.run(X, np.zeros_like(X), n_micro_batches=m, name=f"{schedule}-p{p}",
-                         return_output=False)
+            r = min((pipe.run(X, np.zeros_like(X), n_micro_batches=m,
+                              name=f"{schedule}-p{p}", return_output=False)
+                     for _ in range(1 + args.steps)), key=lambda r: r.bubble)
             rows.append({"schedule": schedule, "stages": p, "micro_batches": m,
                          "bubble": r.bubble, "gpipe_formula": r.ideal_bubble,
                          "rel_diff": r.bubble / r.ideal_bubble - 1,
@@ -167,7 +169,7 @@ def main(argv=None) -> None:
     ap.add_argument("--only", choices=["uneven", "bubble", "memory"], default=None)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--work-per-kparam", type=float, default=0.004,
+    ap.add_argument("--work-per-kparam", type=float, default=0.003,
                     help="forward reference-seconds per 1,000 parameters, uneven section")
     ap.add_argument("--bubble-layer-seconds", type=float, default=0.05,
                     help="forward reference-seconds per layer, bubble section")

@@ -259,9 +259,10 @@ def held_bytes() -> dict:
                 if a == address}
 
 
-def peaks(reset: bool = False) -> int:
-    """Most bytes of parameters, gradients and optimizer state this worker held at once."""
-    address = _here()
+def peaks(reset: bool = False, dask_worker=None) -> int:
+    """Most bytes of parameters, gradients and optimizer state this worker held at once
+    (``client.run`` passes ``dask_worker``)."""
+    address = dask_worker.address if dask_worker is not None else _here()
     with _LOCK:
         value = _PEAK.get(address, 0)
         if reset:
