@@ -446,6 +446,13 @@ def test_tensor_parallel_attention_equals_multihead_attention_in_a_model(client)
     assert set(grads) == {n for n, _ in mha.named_parameters()}
     for n, p in mha.named_parameters():
         assert max_diff(grads[n], p.grad) < TOL, n
+    # a TransformerEncoderLayer whose self-attention is the sharded one: the same layer
+    layer = torch.nn.TransformerEncoderLayer(8, 4, 16, dropout=0.0, batch_first=True,
+                                             dtype=torch.float64)
+    layer.self_attn = mha
+    want = layer(x.detach())
+    layer.self_attn = tp.as_module()
+    assert max_diff(layer(x.detach()).detach(), want.detach()) < TOL
     # an optimizer step on the shards' workers moves the reassembled weights as on one device
     tp2 = TensorParallel(client, mha, widths=[2, 1, 1],
                          optimizer=functools.partial(torch.optim.SGD, lr=0.1))
