@@ -164,6 +164,38 @@ def _table(rows: list[dict]) -> str:
     return pd.DataFrame(rows).to_string(index=False, float_format=lambda v: f"{v:.3f}")
 
 
+def _print_uneven(un, args) -> None:
+    print(f"\n== Speeds {args.speeds}: {args.layers} layers widening with depth (work "
+          f"proportional to parameters), m = 16, GPipe, best of {args.steps} steps ==")
+    print(_table(un))
+    ours = un[-1]["rows_per_s"]
+    print(f"throughput, blockflow / equal layers: {ours / un[0]['rows_per_s']:.2f}x; "
+          f"blockflow / parameters (DeepSpeed): {ours / un[1]['rows_per_s']:.2f}x "
+          f"(target >= 1.25x each)\n", flush=True)
+
+
+def _print_bubble(bb, args) -> None:
+    print(f"\n== Bubble and activations held: equal stages on speed-1 devices, m = 4p, "
+          f"{args.layers} layers of {args.bubble_layer_seconds:g} s forward, 2x backward ==")
+    print(_table(bb))
+    worst = max(abs(r["rel_diff"]) for r in bb if r["schedule"] == "gpipe")
+    print(f"GPipe bubble: largest relative difference from (p-1)/(m+p-1): {worst:.1%} "
+          f"(target <= 10 %)")
+    ok = all(r["max_peak"] <= r["stages"] for r in bb if r["schedule"] == "1f1b")
+    gp = all(r["max_peak"] == r["micro_batches"] for r in bb if r["schedule"] == "gpipe")
+    print(f"1F1B: every stage held <= p micro-batches: {ok}; GPipe held m: {gp}\n",
+          flush=True)
+
+
+def _print_big(rows, total, args) -> None:
+    print(f"\n== A {total / MiB:.1f} MiB model (parameters, gradients, Adam) on "
+          f"{args.device_mib:g} MiB devices ==")
+    print(_table(rows))
+    print(f"peak / stage bytes, worst worker: {max(r['peak/stage'] for r in rows):.3f} "
+          f"(target <= 1.1); model larger than any one device: "
+          f"{total > args.device_mib * MiB}\n", flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=["uneven", "bubble", "memory"], default=None)
@@ -180,47 +212,20 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     start = time.perf_counter()
     want = {args.only} if args.only else {"uneven", "bubble", "memory"}
-    un = bb = big = None
+    # tables are printed as each section ends, inside the cluster: a slow shutdown of a
+    # loaded machine's worker processes cannot lose them
     with simulated_cluster(speeds=(1, 1, 1, 1), device_memory=f"{args.device_mib}MiB") as c:
         workers = _speeds(c, [1, 1, 1, 1])
         if "bubble" in want:
             print("Bubble and activations held, equal devices and stages:", flush=True)
-            bb = bubble(c, args, workers)
+            _print_bubble(bubble(c, args, workers), args)
         if "memory" in want:
             print("A model larger than any one device:", flush=True)
-            big = big_model(c, args, workers)
+            _print_big(*big_model(c, args, workers), args)
         if "uneven" in want:
             _speeds(c, args.speeds)
             print(f"Pipeline on uneven devices {args.speeds}:", flush=True)
-            un = uneven(c, args, workers)
-    print()
-    if un:
-        print(f"== Speeds {args.speeds}: {args.layers} layers of different widths (work "
-              f"proportional to parameters), m = 16, GPipe, best of {args.steps} steps ==")
-        print(_table(un))
-        ours = un[-1]["rows_per_s"]
-        print(f"throughput, blockflow / equal layers: {ours / un[0]['rows_per_s']:.2f}x; "
-              f"blockflow / parameters (DeepSpeed): {ours / un[1]['rows_per_s']:.2f}x "
-              f"(target >= 1.25x each)")
-    if bb:
-        print(f"\n== Bubble and activations held: equal stages on speed-1 devices, m = 4p, "
-              f"{args.layers} layers of {args.bubble_layer_seconds:g} s forward, 2x "
-              f"backward ==")
-        print(_table(bb))
-        worst = max(abs(r["rel_diff"]) for r in bb if r["schedule"] == "gpipe")
-        print(f"GPipe bubble: largest relative difference from (p-1)/(m+p-1): {worst:.1%} "
-              f"(target <= 10 %)")
-        ok = all(r["max_peak"] <= r["stages"] for r in bb if r["schedule"] == "1f1b")
-        print(f"1F1B: every stage held <= p micro-batches: {ok}; GPipe held m: "
-              f"{all(r['max_peak'] == r['micro_batches'] for r in bb if r['schedule'] == 'gpipe')}")
-    if big:
-        rows, total = big
-        print(f"\n== A {total / MiB:.1f} MiB model (parameters, gradients, Adam) on "
-              f"{args.device_mib:g} MiB devices ==")
-        print(_table(rows))
-        print(f"peak / stage bytes, worst worker: {max(r['peak/stage'] for r in rows):.3f} "
-              f"(target <= 1.1); model larger than any one device: "
-              f"{total > args.device_mib * MiB}")
+            _print_uneven(uneven(c, args, workers), args)
     print(f"total run {time.perf_counter() - start:.0f} s")
 
 
