@@ -47,22 +47,27 @@ import math
 import time
 import uuid
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import pandas as pd
 
 from blockflow import config
 from blockflow.cluster.identity import workers_info
 from blockflow.errors import BlockflowWarning, WorkerLostError
 from blockflow.ml._pickling import FIX_TRAIN, dumps_or_explain
-from blockflow.ml.parallel import _stage
+from blockflow.ml.parallel import _recovery, _stage
 from blockflow.ml.parallel.partition import (
     equal_stages,
     parameter_stages,
     partition_stages,
     stage_times,
+)
+from blockflow.ml.parallel.schedule import (
+    SCHEDULES,
+    PipelineResult,
+    bubble_fraction,
+    schedule_order,
+    timeline,
 )
 from blockflow.scheduling.client import gather_as_done, worker_memory
 
@@ -73,138 +78,6 @@ logger = logging.getLogger(__name__)
 
 #: Scheduler metadata key under which the latest pipeline run publishes its timeline.
 METADATA_KEY = ("blockflow", "pipeline")
-
-SCHEDULES = ("gpipe", "1f1b")
-
-
-def schedule_order(schedule: str, n_stages: int, n_micro_batches: int, stage: int
-                   ) -> list[tuple[str, int]]:
-    """The order stage ``stage`` runs its tasks in: ``("F", j)`` and ``("B", j)``.
-
-    Parameters
-    ----------
-    schedule : {"gpipe", "1f1b"}
-    n_stages, n_micro_batches, stage : int
-
-    Returns
-    -------
-    list of (str, int)
-        GPipe: all forwards, then all backwards. 1F1B: ``min(p - s - 1, m)`` warm-up
-        forwards, then one forward and one backward in turn, then the remaining backwards.
-    """
-    p, m, s = n_stages, n_micro_batches, stage
-    if schedule == "gpipe":
-        return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
-    warm = min(p - s - 1, m)
-    order = [("F", j) for j in range(warm)]
-    for j in range(m - warm):
-        order += [("F", warm + j), ("B", j)]
-    order += [("B", j) for j in range(m - warm, m)]
-    return order
-
-
-def bubble_fraction(timeline: pd.DataFrame) -> float:
-    """Idle fraction of a pipeline run: ``1 - busy / (stages x span)``.
-
-    Parameters
-    ----------
-    timeline : pandas.DataFrame
-        With columns ``stage``, ``start``, ``stop`` (seconds), one row per task.
-
-    Returns
-    -------
-    float
-        Fraction 0-1 of the stages' time between the first start and the last stop spent
-        idle (the schedule's bubble, plus any scheduling gaps).
-    """
-    if timeline.empty:
-        return 0.0
-    span = float(timeline.stop.max() - timeline.start.min())
-    busy = float((timeline.stop - timeline.start).sum())
-    p = timeline.stage.nunique()
-    return max(0.0, 1.0 - busy / (p * span)) if span > 0 else 0.0
-
-
-@dataclass
-class PipelineResult:
-    """What one pipeline step gave (see :meth:`PipelineParallel.run`).
-
-    Attributes
-    ----------
-    output : numpy.ndarray
-        The model's output for the whole batch (micro-batches concatenated in order).
-    loss : float or None
-        The loss of the batch (as the loss function computes it on the whole batch), when a
-        target was given.
-    grads : dict of str to numpy.ndarray or None
-        Gradients of the parameters, named as in the model's ``state_dict()``, before the
-        optimizer stepped (``return_grads=True`` only).
-    timeline : pandas.DataFrame
-        One row per stage task: ``stage``, ``worker``, ``micro_batch``, ``phase``
-        (``"forward"``/``"backward"``), ``start``, ``stop`` (seconds since the first start).
-    makespan : float
-        Seconds from the first task start to the last stop.
-    n_micro_batches, n_stages : int
-    rows : int
-        Rows of the batch.
-    micro_batch_rows : list of int
-        Rows of each micro-batch (they may differ by one).
-    schedule : str
-    peak_activations : list of int
-        Per stage, the most micro-batches whose activations it held at once (measured on
-        the worker); empty without a backward pass.
-    recovered : list of str
-        Stages rebuilt after their worker was lost during this step.
-    """
-
-    output: np.ndarray | None
-    loss: float | None
-    grads: dict | None
-    timeline: pd.DataFrame = field(repr=False)
-    makespan: float
-    n_micro_batches: int
-    n_stages: int
-    rows: int
-    micro_batch_rows: list = field(default_factory=list)
-    schedule: str = "gpipe"
-    peak_activations: list = field(default_factory=list)
-    recovered: list = field(default_factory=list)
-
-    @property
-    def bubble(self) -> float:
-        """Measured idle fraction 0-1 (:func:`bubble_fraction` of the timeline)."""
-        return bubble_fraction(self.timeline)
-
-    @property
-    def ideal_bubble(self) -> float:
-        """GPipe's bubble for equal stages, ``(p - 1) / (m + p - 1)``."""
-        p, m = self.n_stages, self.n_micro_batches
-        return (p - 1) / (m + p - 1)
-
-    @property
-    def throughput(self) -> float:
-        """Rows per second through the pipeline (forward and backward when both ran)."""
-        return self.rows / self.makespan if self.makespan > 0 else float("inf")
-
-    def plot(self):
-        """Bokeh Gantt chart of the timeline: one row per stage, a bar per task."""
-        from bokeh.models import ColumnDataSource, HoverTool
-        from bokeh.plotting import figure
-
-        t = self.timeline.assign(
-            y=lambda d: [f"stage {s}" for s in d.stage],
-            color=lambda d: np.where(d.phase == "forward", "#1f77b4", "#ff7f0e"))
-        stages = [f"stage {s}" for s in sorted(t.stage.unique(), reverse=True)]
-        fig = figure(y_range=stages, height=60 + 40 * len(stages), width=700,
-                     title=f"Pipeline ({self.schedule}): {self.n_stages} stages, "
-                           f"{self.n_micro_batches} micro-batches, bubble {self.bubble:.1%}",
-                     x_axis_label="seconds")
-        fig.hbar(y="y", left="start", right="stop", height=0.7, color="color",
-                 source=ColumnDataSource(t), line_color="white")
-        fig.add_tools(HoverTool(tooltips=[("phase", "@phase"), ("micro-batch", "@micro_batch"),
-                                          ("worker", "@worker")]))
-        return fig
-
 
 def _modules_of(model) -> list[tuple[str, Any]]:
     """(name, module) of each layer: a Sequential's children, or a list's items."""
@@ -475,101 +348,13 @@ class PipelineParallel:
         gather_as_done(futures, alive=self._alive, needed=needed, get=get)
         return out
 
-    # --- checkpoints and recovery ------------------------------------------------------
-
-    def _holder(self, s: int, alive: set[str]) -> str | None:
-        """A worker other than stage ``s``'s for its checkpoint's copy: a spare (no stage)
-        first, else the next stage's worker."""
-        mine = self.stage_workers[s]
-        spares = sorted(w for w in alive if w not in self.stage_workers)
-        if spares:
-            return spares[s % len(spares)]
-        others = [self.stage_workers[(s + k) % len(self.stage_workers)]
-                  for k in range(1, len(self.stage_workers))]
-        return next((w for w in others if w != mine and w in alive), None)
+    # --- checkpoints and recovery (blockflow.ml.parallel._recovery) -------------------
 
     def _checkpoint(self) -> None:
-        alive = self._alive()
-        own = [self.client.submit(_stage.checkpoint, k, workers=[w], allow_other_workers=False,
-                                  pure=False)
-               for k, w in zip(self._keys, self.stage_workers)]
-        copies = []
-        for s, f in enumerate(own):
-            h = self._holder(s, alive)
-            copies.append(None if h is None else self.client.submit(
-                _stage.hold, f, workers=[h], allow_other_workers=False, pure=False))
-        wait = own + [c for c in copies if c is not None]
-        self._gather(wait, needed=set(self.stage_workers), what="checkpointing the stages")
-        self._ckpt = list(zip(own, copies))
-        self._ckpt_step = self.steps
+        _recovery.checkpoint(self)
 
     def _recover(self, lost: set[str], what: str) -> list[str]:
-        """Rebuild the stages of ``lost`` workers on survivors from their checkpoints and
-        roll every other stage back to the same checkpoint; returns the stages rebuilt."""
-        deadline = time.monotonic() + 10
-        while lost & self._alive() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        alive = self._alive()
-        placed: dict[str, int] = {}
-        for s, w in enumerate(self.stage_workers):
-            if w in alive:
-                placed[w] = placed.get(w, 0) + self._stage_bytes[s]
-        capacity = {w: c for w, c in self._capacity().items() if w in alive}
-        for w in alive - set(capacity):
-            capacity[w] = math.inf
-        moves, rebuilt = {}, []
-        for s, w in enumerate(self.stage_workers):
-            if w in alive:
-                continue
-            copy = self._ckpt[s][1] if self._ckpt else None
-            holder = None if copy is None else next(iter(
-                self.client.who_has(copy).get(copy.key, ())), None)
-            if holder is None or holder not in alive:
-                raise WorkerLostError(
-                    f"blockflow: {what} failed: lost {self._stage_name(s)} on worker {w} "
-                    f"together with its checkpoint's copy, so nothing can rebuild it; keep "
-                    f"a spare worker (checkpoint copies go there first) and build the "
-                    f"PipelineParallel again.", lost=lost)
-            need = self._stage_bytes[s]
-            room = {v: capacity[v] - placed.get(v, 0) for v in alive}
-            fits = [v for v in room if room[v] >= need]
-            if not fits:
-                best = max(room.values(), default=0)
-                raise WorkerLostError(
-                    f"blockflow: {what} failed: lost {self._stage_name(s)} on worker {w}, "
-                    f"and no surviving worker has room for it ({need:,} bytes of "
-                    f"parameters and optimizer state; the most room left is "
-                    f"{int(best) if math.isfinite(best) else best:,} bytes); add a worker "
-                    f"and build the PipelineParallel again.", lost=lost)
-            spare = [v for v in fits if v not in self.stage_workers]
-            target = max(spare or fits, key=lambda v: (room[v], v))
-            placed[target] = placed.get(target, 0) + need
-            moves[s] = target
-            rebuilt.append(self._stage_name(s))
-        futs = []
-        for s, w in enumerate(self.stage_workers):
-            own, copy = self._ckpt[s]
-            if s in moves:
-                futs.append(self.client.submit(
-                    _stage.install, self._keys[s], self._stage_payload(s), self.optimizer,
-                    self.loss_fn, self.seed, s, copy, workers=[moves[s]],
-                    allow_other_workers=False, pure=False))
-            else:
-                futs.append(self.client.submit(_stage.restore, self._keys[s], own,
-                                               workers=[w], allow_other_workers=False,
-                                               pure=False))
-        for s, t in moves.items():
-            logger.warning("blockflow: %s was lost with worker %s; rebuilt on %s from the "
-                           "checkpoint of step %d", self._stage_name(s),
-                           self.stage_workers[s], t, self._ckpt_step)
-            self.stage_workers[s] = t
-        holders = {next(iter(self.client.who_has(self._ckpt[s][1]).get(
-            self._ckpt[s][1].key, ())), None) for s in moves}
-        self._gather(futs, needed=set(self.stage_workers) | (holders - {None}),
-                     what="rebuilding the stages")
-        self.steps = self._ckpt_step
-        self._checkpoint()
-        return rebuilt
+        return _recovery.recover(self, lost, what)
 
     # --- a step ------------------------------------------------------------------------
 
@@ -784,9 +569,9 @@ class PipelineParallel:
             self.steps += 1
             if self.checkpoint_every and self.steps % self.checkpoint_every == 0:
                 self._checkpoint()
-        timeline = _timeline(stream.data, name, token, self.stage_workers)
-        makespan = float(timeline.stop.max()) if len(timeline) else 0.0
-        result = PipelineResult(output=output, loss=loss, grads=grads, timeline=timeline,
+        tasks = timeline(stream.data, name, token, self.stage_workers)
+        makespan = float(tasks.stop.max()) if len(tasks) else 0.0
+        result = PipelineResult(output=output, loss=loss, grads=grads, timeline=tasks,
                                 makespan=makespan, n_micro_batches=m, n_stages=p,
                                 rows=total, micro_batch_rows=list(sizes),
                                 schedule=self.schedule if train else "gpipe",
@@ -984,28 +769,3 @@ def _place_data(client, parts: list, worker: str) -> list:
         done = client.persist([a.rechunk(-1) for a in parts], **on)
         return [futures_of(d)[0] for d in done]
     return client.scatter(list(parts), workers=[worker], hash=False)
-
-
-def _timeline(stream: list[dict], name: str, token: str, workers: list[str]) -> pd.DataFrame:
-    """Rows of the pipeline's stage tasks from distributed's task stream records."""
-    rows = []
-    for rec in stream:
-        key = rec.get("key")
-        key = key if isinstance(key, str) else str(key)
-        for phase in ("forward", "backward"):
-            prefix = f"{name}-{phase}-{token}-"
-            if key.startswith(prefix):
-                s, j = (int(v) for v in key[len(prefix):].split("-"))
-                compute = [ss for ss in rec.get("startstops", ()) if ss["action"] == "compute"]
-                if compute:
-                    rows.append({"stage": s, "worker": workers[s], "micro_batch": j,
-                                 "phase": phase, "start": compute[0]["start"],
-                                 "stop": compute[0]["stop"]})
-    df = pd.DataFrame(rows, columns=["stage", "worker", "micro_batch", "phase", "start",
-                                     "stop"])
-    if len(df):
-        t0 = df.start.min()
-        df = df.assign(start=df.start - t0, stop=df.stop - t0).sort_values(
-            ["stage", "start"]).reset_index(drop=True)
-    return df
-
