@@ -336,8 +336,10 @@ def test_a_lost_stage_is_rebuilt_from_its_checkpoint_and_training_resumes():
     rng = np.random.default_rng(1)
     X, T = rng.standard_normal((64, 6)), rng.standard_normal((64, 3))
     sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.5)
-    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cluster, Client(cluster) as c:
+    cluster = LocalCluster(n_workers=4, threads_per_worker=1, processes=True,
+                           dashboard_address=":0")
+    c = Client(cluster)
+    try:
         pipe = PipelineParallel(c, _mlp(), optimizer=sgd, partition="equal", n_stages=3,
                                 checkpoint_every=2)
         victim = pipe.stage_workers[1]
@@ -355,6 +357,9 @@ def test_a_lost_stage_is_rebuilt_from_its_checkpoint_and_training_resumes():
         assert rec["lost"] == [victim] and rec["stages"] == ["stage 1 (layers 2-3)"]
         assert rec["resumed_from"] in (2, 4) and rec["step"] >= rec["resumed_from"]
         state = pipe.state_dict()
+    finally:  # worker processes of a loaded machine can take long to exit
+        c.close()
+        cluster.close(timeout=120)
     ref = _mlp()
     opt = sgd(ref.parameters())
     for _ in range(3):

@@ -638,6 +638,10 @@ class PipelineParallel:
         plan = [(e, b) for e in range(epochs)
                 for b in (rng.permutation(starts) if shuffle else starts)]
         self.history_: list[dict] = []
+        if not self.stage_workers:
+            self._place(_first(X[: self.probe_rows]))
+        if self._ckpt_step != self.steps:  # a rollback never reaches back before this fit
+            self._checkpoint()
         start_step = self.steps
         i = 0
         while i < len(plan):
