@@ -1,181 +1,162 @@
-"""Model (tensor) parallelism and pipeline parallelism on simulated devices (issue 13's targets).
+"""Pipeline parallelism of PyTorch models on simulated devices (issue 30's targets).
 
 One cluster of 4 simulated GPU workers (worker processes, 1 thread each), one run, side by
-side:
+side. Layers are :class:`blockflow.testing.torch_layers.SimulatedLinear`: a real
+``nn.Linear`` whose forward also keeps its simulated device busy for ``work / speed``
+seconds and whose backward for twice that, so stage times follow the devices' speeds, not
+this 2-core machine's load.
 
-1. **Tensor parallelism** (:class:`blockflow.TensorParallelMLP`), weak scaling: ``--blocks``
-   Megatron MLP blocks of width ``--d-model`` with ``--hidden`` hidden columns *per shard* on
-   1, 2 and 4 shards (all devices at speed 1), weights generated on the workers
-   (:func:`blockflow.parallel.random_blocks`). Each shard's kernel also keeps its simulated
-   device busy for ``flops x --seconds-per-gflop`` (sleep), so time scales with the work as on
-   a GPU rather than with this 2-core machine's load. Reported: forward+backward seconds
-   (median of ``--repeats``), weak-scaling efficiency ``t(1) / t(n)``, and per worker the peak
-   bytes of weight blocks held while the passes ran (``who_has`` x ``nbytes``, sampled every
-   20 ms) against its shard. At 4 shards the model is larger than any one device
-   (``--device-mib``).
-2. **Pipeline bubble** (:class:`blockflow.PipelineParallel`): ``--layers`` layers of equal cost
-   (forward ``--bubble-layer-seconds``, backward twice that), equal stages on p = 2 and 4 devices
-   of speed 1, m = 4p micro-batches; measured idle fraction of the timeline against GPipe's
-   ``(p - 1) / (m + p - 1)``.
-3. **Uneven devices** (speeds 1, 1, 0.5, 0.25 set at run time): the partition from measured
-   layer times against equal layer counts, m = 16, layers of ``--layer-seconds``; throughput (rows per second through
-   forward+backward) and each one's bubble.
+1. **Uneven devices** (speeds 1, 1, 0.5, 0.25 set at run time): 16 linear layers widening
+   with depth (32 to 160 features), work proportional to each layer's parameters. Three partitions of the
+   same model, each trained for ``--steps`` GPipe steps of m = 16 micro-batches: blockflow's
+   (measured forward+backward time of every layer on every worker, min-max split), equal
+   layer counts, and DeepSpeed's ``partition_method="parameters"`` (equal parameter counts).
+   Throughput: rows per second through a step (forward, backward, optimizer), best step.
+2. **Bubble and activation memory** (all speeds 1): ``--layers`` equal layers on p = 2 and 4
+   devices, m = 4p micro-batches, equal stages, the best of ``--steps`` steps after a warm-up
+   one: GPipe's measured idle fraction against
+   ``(p - 1) / (m + p - 1)``; the most micro-batches of activations each stage held at once,
+   measured on the workers, GPipe against 1F1B.
+3. **A model larger than any one device**: ``--big-layers`` layers of ``--big-width`` x
+   ``--big-width`` float32 with Adam (parameters, gradients and two moments: 16 bytes per
+   parameter) on devices of ``--device-mib``; stages cut within each device's free memory
+   (x ``blockflow.parallel.memory-fraction``); peak bytes of parameters, gradients and
+   optimizer state each worker held (measured on the worker, probe included) against its
+   stage's.
 
-    python benchmarks/parallelism.py               # ~2 min here
-    python benchmarks/parallelism.py --repeats 1 --bubble-layer-seconds 0.02   # smoke
+    python benchmarks/parallelism.py            # ~3 min here
+    python benchmarks/parallelism.py --steps 1 --bubble-layer-seconds 0.02   # smoke
 
-Correctness (forward and gradients equal single-device PyTorch to 1e-6) is checked by
-``tests/ml/test_parallel.py``, not here.
+Correctness (loss, gradients and parameters equal single-device PyTorch to 1e-10) is checked
+by ``tests/ml/test_parallel.py``, not here.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import functools
 import time
 
 import numpy as np
 
 import blockflow
 from blockflow.cluster.identity import workers_info
-from blockflow.ml.parallel import Linear, random_blocks
-from blockflow.testing import set_speed, simulated_cluster, simulated_kernel
+from blockflow.testing import set_speed, simulated_cluster
 
 MiB = 2**20
 
 
-class FlopClock:
-    """Decorator for the tensor-parallel shard functions: run them, then keep the simulated
-    device busy for their floating-point operations x ``seconds_per_gflop``."""
-
-    def __init__(self, seconds_per_gflop: float):
-        self.spg = seconds_per_gflop
-
-    def __call__(self, fn):
-        return _Timed(fn, self.spg)
-
-
-class _Timed:
-    def __init__(self, fn, spg):
-        self.fn, self.spg = fn, spg
-
-    def __call__(self, A, second, third, fourth, activation):
-        out = self.fn(A, second, third, fourth, activation)
-        if self.fn.__name__ == "_shard_forward":  # (A, a, B, x): 2 matmuls
-            rows = fourth.shape[0]
-            flops = 2 * rows * A.shape[1] * (A.shape[0] + second.shape[0] * 0 + third.shape[1])
-        else:  # (A, B, saved, dy): 4 matmuls
-            rows = fourth.shape[0]
-            flops = 4 * rows * A.shape[1] * (A.shape[0] + second.shape[1])
-        simulated_kernel(op=lambda: None, work=flops / 1e9 * self.spg)
-        return out
-
-
-class SleepyLinear(Linear):
-    """A linear layer whose forward takes ``work`` reference-seconds on the worker's simulated
-    device (``work / speed`` seconds of sleep) and whose backward takes twice that."""
-
-    def __init__(self, W, b=None, work=0.02):
-        super().__init__(W, b)
-        self.work = work
-
-    def forward(self, x):
-        simulated_kernel(op=lambda: None, work=self.work)
-        return super().forward(x)
-
-    def backward(self, saved, dy):
-        simulated_kernel(op=lambda: None, work=2 * self.work)
-        return super().backward(saved, dy)
-
-
 def _speeds(client, speeds):
-    by_name = {info["name"]: a for a, info in workers_info(client)
-               .items()}
+    by_name = {info["name"]: a for a, info in workers_info(client).items()}
     for i, s in enumerate(speeds):
         client.run(set_speed, s, workers=[by_name[i]])
     return [by_name[i] for i in range(len(speeds))]
 
 
-def tensor_parallel(client, args, workers) -> list[dict]:
-    rows = []
-    t1 = None
-    for n in (1, 2, 4):
-        sizes = [args.d_model] * (args.blocks + 1)
-        blocks = random_blocks(sizes, args.hidden * n, seed=n, chunk_columns=256)
-        model = blockflow.TensorParallelMLP(client, blocks, workers=workers[:n],
-                                            kernel=FlopClock(args.seconds_per_gflop))
-        X = np.random.default_rng(0).standard_normal((args.rows, args.d_model))
-        G = np.ones((args.rows, args.d_model)) / args.rows
-        times = []
-        with model.track_weight_bytes(interval=0.02) as tracker:
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                model.forward(X)
-                grads = model.backward(G)
-                client.gather([f for g in grads for v in g.values()
-                               for f in _futures(v)])
-                times.append(time.perf_counter() - start)
-        t = statistics.median(times)
-        t1 = t1 or t
-        ratio = max(tracker.peak[w] / model.shard_bytes[w] for w in model.workers)
-        total = sum(model.shard_bytes.values())
-        rows.append({"shards": n, "model_MiB": total / MiB,
-                     "shard_MiB": max(model.shard_bytes.values()) / MiB,
-                     "seconds": t, "efficiency": t1 / t, "peak/shard": ratio,
-                     "larger_than_a_device": total > args.device_mib * MiB})
-        print(f"  tensor parallel, {n} shards: {t:.2f} s {[round(x, 2) for x in times]}, "
-              f"peak/shard {ratio:.3f}", flush=True)
-        model.close()
-    return rows
+def _uneven_model(layers: int, work_per_kparam: float, seed: int = 0):
+    import torch
 
+    from blockflow.testing.torch_layers import SimulatedLinear
 
-def _futures(arr):
-    from distributed import futures_of
-    return futures_of(arr)
-
-
-def _layers(n, width, work, seed=0):
-    rng = np.random.default_rng(seed)
-    return [SleepyLinear(rng.standard_normal((width, width)) / np.sqrt(width), work=work)
-            for _ in range(n)]
-
-
-def bubble(client, args, workers) -> list[dict]:
-    rows = []
-    layers = _layers(args.layers, 32, args.bubble_layer_seconds)
-    for p in (2, 4):
-        m = 4 * p
-        pipe = blockflow.PipelineParallel(client, layers, workers=workers[:p],
-                                          partition="equal")
-        X = np.random.default_rng(1).standard_normal((8 * m, 32))
-        r = pipe.run(X, np.zeros_like(X), n_micro_batches=m, name=f"bubble-p{p}")
-        rows.append({"stages": p, "micro_batches": m, "bubble": r.bubble,
-                     "gpipe": r.ideal_bubble, "rel_diff": r.bubble / r.ideal_bubble - 1,
-                     "makespan": r.makespan})
-        print(f"  bubble p={p} m={m}: {r.bubble:.3f} vs {r.ideal_bubble:.3f} "
-              f"({r.makespan:.1f} s)", flush=True)
-    return rows
+    torch.manual_seed(seed)
+    dims = [32 + 8 * i for i in range(layers + 1)]  # wider with depth: 1,024 to 19,200
+    mods = []
+    for i in range(layers):
+        params = dims[i] * dims[i + 1]
+        mods.append(SimulatedLinear(dims[i], dims[i + 1], work=work_per_kparam * params / 1000))
+    return torch.nn.Sequential(*mods), dims
 
 
 def uneven(client, args, workers) -> list[dict]:
-    layers = _layers(args.layers, 32, args.layer_seconds, seed=2)
-    X = np.random.default_rng(3).standard_normal((128, 32))
+    import torch
+
+    model, dims = _uneven_model(args.layers, args.work_per_kparam)
+    rng = np.random.default_rng(3)
+    X = rng.standard_normal((128, dims[0])).astype(np.float32)
+    T = rng.standard_normal((128, dims[-1])).astype(np.float32)
+    sgd = functools.partial(torch.optim.SGD, lr=1e-3)
     rows = []
-    t0 = time.perf_counter()
-    speed = blockflow.PipelineParallel(client, layers, workers=workers, probe_repeats=1)
-    probe = time.perf_counter() - t0
-    equal = blockflow.PipelineParallel(client, layers, workers=workers, partition="equal")
-    for label, pipe in (("equal layers", equal), ("measured speed", speed)):
-        r = pipe.run(X, np.zeros_like(X), n_micro_batches=16, name=label)
+    for label, partition in (("equal layers", "equal"), ("parameters (DeepSpeed)",
+                                                         "parameters"),
+                             ("measured speed (blockflow)", "speed")):
+        t0 = time.perf_counter()
+        pipe = blockflow.PipelineParallel(client, model, optimizer=sgd, partition=partition,
+                                          workers=workers, sample=X, probe_repeats=1,
+                                          checkpoint_every=0)
+        place = time.perf_counter() - t0
+        results = [pipe.run(X, T, n_micro_batches=16, name=label, return_output=False)
+                   for _ in range(args.steps)]
+        best = min(results, key=lambda r: r.makespan)
         sizes = [int(n) for n in np.diff(pipe.bounds)]
         rows.append({"partition": label, "layers_per_stage": sizes,
                      "stage_speeds": [args.speeds[workers.index(w)]
                                       for w in pipe.stage_workers],
-                     "makespan": r.makespan, "rows_per_s": r.throughput,
-                     "bubble": r.bubble})
-        print(f"  {label}: {sizes} {r.makespan:.1f} s", flush=True)
-    rows[1]["probe_s"] = probe
+                     "makespan": best.makespan, "rows_per_s": best.throughput,
+                     "bubble": best.bubble, "place_s": place})
+        print(f"  {label}: {sizes} {[round(r.makespan, 2) for r in results]} s", flush=True)
+        pipe.close()
     return rows
+
+
+def bubble(client, args, workers) -> list[dict]:
+    import torch
+
+    from blockflow.testing.torch_layers import SimulatedLinear
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[SimulatedLinear(32, 32, work=args.bubble_layer_seconds)
+                                  for _ in range(args.layers)])
+    sgd = functools.partial(torch.optim.SGD, lr=1e-3)
+    rows = []
+    for p in (2, 4):
+        m = 4 * p
+        X = np.random.default_rng(1).standard_normal((8 * m, 32)).astype(np.float32)
+        for schedule in ("gpipe", "1f1b"):
+            pipe = blockflow.PipelineParallel(client, model, optimizer=sgd, partition="equal",
+                                              workers=workers[:p], schedule=schedule,
+                                              checkpoint_every=0)
+            r = min((pipe.run(X, np.zeros_like(X), n_micro_batches=m,
+                              name=f"{schedule}-p{p}", return_output=False)
+                     for _ in range(1 + args.steps)), key=lambda r: r.bubble)
+            rows.append({"schedule": schedule, "stages": p, "micro_batches": m,
+                         "bubble": r.bubble, "gpipe_formula": r.ideal_bubble,
+                         "rel_diff": r.bubble / r.ideal_bubble - 1,
+                         "peak_activations": r.peak_activations,
+                         "max_peak": max(r.peak_activations), "makespan": r.makespan})
+            print(f"  {schedule} p={p} m={m}: bubble {r.bubble:.3f} vs {r.ideal_bubble:.3f}, "
+                  f"activations held {r.peak_activations} ({r.makespan:.1f} s)", flush=True)
+            pipe.close()
+    return rows
+
+
+def big_model(client, args, workers) -> list[dict]:
+    import torch
+
+    torch.manual_seed(0)
+    w = args.big_width
+    model = torch.nn.Sequential(*[m for _ in range(args.big_layers)
+                                  for m in (torch.nn.Linear(w, w), torch.nn.GELU())])
+    total = sum(p.numel() for p in model.parameters()) * 16  # params, grads, Adam moments
+    from blockflow.ml.parallel import _stage
+
+    client.run(_stage.peaks, True)
+    X = np.random.default_rng(2).standard_normal((64, w)).astype(np.float32)
+    pipe = blockflow.PipelineParallel(client, model, optimizer=torch.optim.Adam,
+                                      workers=workers, sample=X, probe_repeats=1,
+                                      checkpoint_every=0)
+    for _ in range(args.steps):
+        pipe.run(X, np.zeros_like(X), n_micro_batches=8, return_output=False,
+                 name="big-model")
+    peaks = pipe.memory_peaks()
+    rows = []
+    for s, (wk, b) in enumerate(zip(pipe.stage_workers, pipe.stage_bytes())):
+        rows.append({"stage": s, "layers": int(pipe.bounds[s + 1] - pipe.bounds[s]),
+                     "stage_MiB": b / MiB, "peak_MiB": peaks[wk] / MiB,
+                     "peak/stage": peaks[wk] / b, "device_MiB": args.device_mib})
+    print(f"  model {total / MiB:.1f} MiB on devices of {args.device_mib:g} MiB: stages "
+          f"{[round(r['stage_MiB'], 1) for r in rows]} MiB", flush=True)
+    pipe.close()
+    return rows, total
 
 
 def _table(rows: list[dict]) -> str:
@@ -183,61 +164,68 @@ def _table(rows: list[dict]) -> str:
     return pd.DataFrame(rows).to_string(index=False, float_format=lambda v: f"{v:.3f}")
 
 
+def _print_uneven(un, args) -> None:
+    print(f"\n== Speeds {args.speeds}: {args.layers} layers widening with depth (work "
+          f"proportional to parameters), m = 16, GPipe, best of {args.steps} steps ==")
+    print(_table(un))
+    ours = un[-1]["rows_per_s"]
+    print(f"throughput, blockflow / equal layers: {ours / un[0]['rows_per_s']:.2f}x; "
+          f"blockflow / parameters (DeepSpeed): {ours / un[1]['rows_per_s']:.2f}x "
+          f"(target >= 1.25x each)\n", flush=True)
+
+
+def _print_bubble(bb, args) -> None:
+    print(f"\n== Bubble and activations held: equal stages on speed-1 devices, m = 4p, "
+          f"{args.layers} layers of {args.bubble_layer_seconds:g} s forward, 2x backward ==")
+    print(_table(bb))
+    worst = max(abs(r["rel_diff"]) for r in bb if r["schedule"] == "gpipe")
+    print(f"GPipe bubble: largest relative difference from (p-1)/(m+p-1): {worst:.1%} "
+          f"(target <= 10 %)")
+    ok = all(r["max_peak"] <= r["stages"] for r in bb if r["schedule"] == "1f1b")
+    gp = all(r["max_peak"] == r["micro_batches"] for r in bb if r["schedule"] == "gpipe")
+    print(f"1F1B: every stage held <= p micro-batches: {ok}; GPipe held m: {gp}\n",
+          flush=True)
+
+
+def _print_big(rows, total, args) -> None:
+    print(f"\n== A {total / MiB:.1f} MiB model (parameters, gradients, Adam) on "
+          f"{args.device_mib:g} MiB devices ==")
+    print(_table(rows))
+    print(f"peak / stage bytes, worst worker: {max(r['peak/stage'] for r in rows):.3f} "
+          f"(target <= 1.1); model larger than any one device: "
+          f"{total > args.device_mib * MiB}\n", flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["tensor", "bubble", "uneven"], default=None)
-    ap.add_argument("--d-model", type=int, default=512)
-    ap.add_argument("--hidden", type=int, default=2048, help="hidden columns per shard")
-    ap.add_argument("--blocks", type=int, default=2)
-    ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--seconds-per-gflop", type=float, default=2.0)
-    ap.add_argument("--device-mib", type=float, default=48)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", choices=["uneven", "bubble", "memory"], default=None)
+    ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--layer-seconds", type=float, default=0.02,
-                    help="forward reference-seconds per layer, uneven-device section")
+    ap.add_argument("--work-per-kparam", type=float, default=0.003,
+                    help="forward reference-seconds per 1,000 parameters, uneven section")
     ap.add_argument("--bubble-layer-seconds", type=float, default=0.05,
                     help="forward reference-seconds per layer, bubble section")
+    ap.add_argument("--big-layers", type=int, default=8)
+    ap.add_argument("--big-width", type=int, default=512)
+    ap.add_argument("--device-mib", type=float, default=12)
     ap.add_argument("--speeds", type=float, nargs=4, default=[1, 1, 0.5, 0.25])
     args = ap.parse_args(argv)
     start = time.perf_counter()
+    want = {args.only} if args.only else {"uneven", "bubble", "memory"}
+    # tables are printed as each section ends, inside the cluster: a slow shutdown of a
+    # loaded machine's worker processes cannot lose them
     with simulated_cluster(speeds=(1, 1, 1, 1), device_memory=f"{args.device_mib}MiB") as c:
         workers = _speeds(c, [1, 1, 1, 1])
-        want = {args.only} if args.only else {"tensor", "bubble", "uneven"}
-        tp = bb = un = None
-        if "tensor" in want:
-            print("Tensor parallelism, weak scaling (hidden columns per shard constant):",
-                  flush=True)
-            tp = tensor_parallel(c, args, workers)
         if "bubble" in want:
-            print("Pipeline bubble, equal devices and stages:", flush=True)
-            bb = bubble(c, args, workers)
+            print("Bubble and activations held, equal devices and stages:", flush=True)
+            _print_bubble(bubble(c, args, workers), args)
+        if "memory" in want:
+            print("A model larger than any one device:", flush=True)
+            _print_big(*big_model(c, args, workers), args)
         if "uneven" in want:
             _speeds(c, args.speeds)
             print(f"Pipeline on uneven devices {args.speeds}:", flush=True)
-            un = uneven(c, args, workers)
-    print()
-    if tp:
-        print(f"== Tensor parallelism: {args.blocks} blocks, d_model {args.d_model}, "
-              f"{args.hidden} hidden columns per shard, {args.rows} rows, devices of "
-              f"{args.device_mib:g} MiB (x 0.8 usable) ==")
-        print(_table(tp))
-        print(f"peak weight bytes / shard bytes, worst worker: "
-              f"{max(r['peak/shard'] for r in tp):.3f} (target <= 1.1)")
-    if bb:
-        print(f"\n== Pipeline bubble: equal stages on speed-1 devices, m = 4p, {args.layers} "
-              f"layers of {args.bubble_layer_seconds:g} s forward, 2x backward ==")
-        print(_table(bb))
-        worst = max(abs(r["rel_diff"]) for r in bb)
-        print(f"bubble: largest relative difference from (p-1)/(m+p-1): {worst:.1%} "
-              f"(target <= 10 %)")
-    if un:
-        print(f"\n== Pipeline on speeds {args.speeds}: measured-speed vs equal-layer "
-              f"partition, {args.layers} layers of {args.layer_seconds:g} s forward, m = 16 ==")
-        print(_table(un))
-        ratio = un[1]["rows_per_s"] / un[0]["rows_per_s"]
-        print(f"throughput, measured-speed partition / equal layers: {ratio:.2f}x "
-              f"(target >= 1.25x)")
+            _print_uneven(uneven(c, args, workers), args)
     print(f"total run {time.perf_counter() - start:.0f} s")
 
 

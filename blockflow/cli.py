@@ -378,6 +378,7 @@ def cli() -> None:
       train        data-parallel training of an MLP on the flights
       tune         asynchronous successive halving of an MLP on the digits
       infer        batch inference of a digits classifier
+      pipeline     pipeline-parallel training of a small transformer
     """
     _validate_settings()
     _exit_cleanly_on_sigterm()
@@ -476,7 +477,7 @@ def _interrupt_handled() -> None:
 
 @cli.group(name="run")
 def run_group() -> None:
-    """Run a ready job (flights, array-stats, train, tune, infer) on a Dask cluster.
+    """Run a ready job (flights, array-stats, train, tune, infer, pipeline) on a Dask cluster.
 
     Without --address an embedded cluster is started on this machine and shut down at the
     end. Results go to --output atomically: a failed run leaves no partial folder.
@@ -744,6 +745,45 @@ def infer_command(scale: int, blocks: int, output: str, overwrite: bool, no_prog
     with _job(output, overwrite, cluster) as client:
         result = digits_inference.run(client, scale=scale, blocks=blocks, output=output,
                                       overwrite=overwrite, progress=_progress(no_progress))
+        _written()
+        click.echo(result.report())
+        click.echo("")
+        _echo_task_counts(result.task_counts)
+        click.echo(f"Output: {result.output}")
+
+
+@run_group.command(name="pipeline")
+@click.option("--n-train", type=click.IntRange(min=1), default=2000, show_default=True,
+              help="Training sequences of the synthetic task (500 more are held out).")
+@click.option("--epochs", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--micro-batches", "n_micro_batches", type=click.IntRange(min=1), default=4,
+              show_default=True, help="Micro-batches per step (at most --batch-size).")
+@click.option("--schedule", type=click.Choice(["gpipe", "1f1b"]), default="1f1b",
+              show_default=True, help="Pipeline schedule.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@_output_options("blockflow-pipeline-out",
+                 "Folder for model.pt, history.parquet, manifest.json.")
+@_cluster_options
+def pipeline_command(n_train: int, epochs: int, batch_size: int, n_micro_batches: int,
+                     schedule: str, seed: int, output: str, overwrite: bool,
+                     **cluster: Any) -> None:
+    """Train a small transformer (a stack of nn.TransformerEncoderLayer) pipeline-parallel:
+    stages on different workers, cut from measured layer times and free device memory."""
+    if n_micro_batches > batch_size:
+        raise click.BadParameter(f"{n_micro_batches} micro-batches for batches of "
+                                 f"{batch_size} rows; pass at most --batch-size.",
+                                 param_hint="--micro-batches")
+    try:
+        import torch  # noqa: F401
+        from blockflow.workloads import sequence
+    except ImportError as e:  # PyTorch missing
+        raise click.ClickException(f"blockflow: run pipeline needs PyTorch ({e}); install "
+                                   f"it with pip install 'blockflow[ai]'.") from None
+    with _job(output, overwrite, cluster) as client:
+        result = sequence.run(client, n_train=n_train, epochs=epochs, batch_size=batch_size,
+                              n_micro_batches=n_micro_batches, schedule=schedule, seed=seed,
+                              output=output, overwrite=overwrite)
         _written()
         click.echo(result.report())
         click.echo("")

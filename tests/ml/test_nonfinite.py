@@ -33,7 +33,6 @@ from blockflow.ml import (  # noqa: E402
     PoissonRegression,
     as_row_blocks,
 )
-from blockflow.ml.parallel import Linear, PipelineParallel, ReLU  # noqa: E402
 from blockflow.ml.tune import tune  # noqa: E402
 
 #: as tests/ml/test_ml_glm.py: coefficients within 1e-4 of scikit-learn's exact solver
@@ -240,18 +239,3 @@ def test_filtered_inputs_are_compared_on_computed_row_counts(client, cancer):
         as_row_blocks(dX, dy[mask])
     assert str(e.value) == (f"blockflow: X has {len(y)} rows but y has {keep.sum()}; pass "
                             f"labels for every sample.")
-
-
-def test_a_pipeline_refuses_more_micro_batches_than_rows(client):
-    rng = np.random.default_rng(0)
-    pipe = PipelineParallel(client, [Linear(rng.standard_normal((4, 3)), np.zeros(3)), ReLU(),
-                                     Linear(rng.standard_normal((3, 2)), np.zeros(2))],
-                            partition="equal")
-    X, T = rng.standard_normal((8, 4)), rng.standard_normal((8, 2))
-    for m in (9, 0):
-        with pytest.raises(ValueError) as e:
-            pipe.run(X, T, n_micro_batches=m, publish=False)
-        assert str(e.value) == (f"blockflow: n_micro_batches={m} for a batch of 8 rows; a "
-                                f"micro-batch needs at least one row: pass n_micro_batches "
-                                f"between 1 and 8.")
-    assert pipe.run(X, T, n_micro_batches=8, publish=False).n_micro_batches == 8

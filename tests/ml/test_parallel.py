@@ -1,40 +1,40 @@
-"""Model (tensor) parallelism and pipeline parallelism on real clusters, checked against a
-single-device PyTorch model (float64, 1e-6 relative)."""
+"""Pipeline and tensor parallelism of PyTorch models on real clusters, checked against the
+same model on one device (float64, 1e-10), trained models (a conv net on digits, a small
+transformer), schedules, and lost workers."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster, futures_of
+from distributed import Client, LocalCluster
 
 import blockflow
 from blockflow.cluster.identity import workers_info
+from blockflow.errors import BlockflowWarning, WorkerLostError
 from blockflow.ml.parallel import (
-    Linear,
     PipelineParallel,
-    ReLU,
-    Tanh,
-    TensorParallelMLP,
+    TensorParallel,
     bubble_fraction,
     equal_stages,
+    parameter_stages,
     partition_stages,
+    schedule_order,
     shard_widths,
 )
-from blockflow.ml.parallel.layers import Layer, to_torch
 from blockflow.ml.parallel.partition import stage_times
-from blockflow.testing import simulated_cluster, simulated_kernel
+from blockflow.testing import simulated_cluster
 
 torch = pytest.importorskip("torch")
 
-RTOL = 1e-6
+TOL = 1e-10
 
 
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))
+def max_diff(a, b) -> float:
+    return float((torch.as_tensor(np.asarray(a)) - torch.as_tensor(np.asarray(b))).abs().max())
 
 
 # --- planners: plain data ------------------------------------------------------------------
@@ -45,7 +45,6 @@ def test_shard_widths_follow_free_memory_and_sum_to_the_width():
     assert widths == {"a": 50, "b": 25, "c": 25}
     widths = shard_widths(7, {"a": 3e6, "b": 1e6}, 1000)
     assert sum(widths.values()) == 7 and widths["a"] > widths["b"]
-    # a worker with no room gets nothing; the others hold everything within budget
     widths = shard_widths(10, {"a": 0, "b": 10_000, "c": 10_000}, 1000)
     assert widths == {"b": 5, "c": 5}
 
@@ -58,40 +57,82 @@ def test_shard_widths_name_the_shortfall():
         shard_widths(10, {"a": 4000, "b": 4000}, 1000, memory_fraction=0.5)
 
 
-def _brute_force(layer_times, p):
+def _brute_force(layer_times, p, sizes=None, caps=None):
     n = len(next(iter(layer_times.values())))
     best = np.inf
     for order in itertools.permutations(layer_times, p):
         for cuts in itertools.combinations(range(1, n), p - 1):
             bounds = [0, *cuts, n]
+            if sizes is not None and any(sum(sizes[a:b]) > caps[w] for a, b, w in
+                                         zip(bounds, bounds[1:], order)):
+                continue
             best = min(best, max(stage_times(layer_times, bounds, order)))
     return best
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_partition_is_the_min_max_contiguous_split(seed):
+def test_partition_is_the_min_max_contiguous_split_within_memory(seed):
     rng = np.random.default_rng(seed)
     n, p = int(rng.integers(3, 8)), int(rng.integers(1, 4))
     cost = rng.uniform(0.1, 1.0, n)
     layer_times = {f"w{i}": list(cost / rng.uniform(0.2, 1.0)) for i in range(p)}
     order, bounds = partition_stages(layer_times, p)
     assert bounds[0] == 0 and bounds[-1] == n and len(order) == len(bounds) - 1 == p
-    assert all(b > a for a, b in zip(bounds, bounds[1:]))
-    got = max(stage_times(layer_times, bounds, order))
-    assert got == pytest.approx(_brute_force(layer_times, p))
+    assert max(stage_times(layer_times, bounds, order)) == pytest.approx(
+        _brute_force(layer_times, p))
+    # with memory: no stage above its worker's capacity, still the best such split
+    sizes = list(rng.uniform(1, 3, n))
+    caps = {w: sum(sizes) / p * 1.5 for w in layer_times}
+    order, bounds = partition_stages(layer_times, p, layer_bytes=sizes, capacity=caps)
+    assert all(sum(sizes[a:b]) <= caps[w] for a, b, w in zip(bounds, bounds[1:], order))
+    assert max(stage_times(layer_times, bounds, order)) == pytest.approx(
+        _brute_force(layer_times, p, sizes, caps))
 
 
-def test_speed_partition_gives_slow_workers_fewer_layers():
-    cost = [1.0] * 12
-    layer_times = {"fast": cost, "slow": [4 * c for c in cost]}
+def test_partition_refuses_a_model_no_split_fits():
+    with pytest.raises(blockflow.DeviceMemoryError, match=re.escape(
+            "blockflow: no split of the model's 3 layers (300 bytes of parameters, gradients "
+            "and optimizer state) into 2 stages fits the workers' free device memory (200 "
+            "bytes usable, largest layer 100); add workers or devices, or use a smaller "
+            "model.")):
+        partition_stages({"a": [1, 1, 1], "b": [1, 1, 1]}, 2, layer_bytes=[100] * 3,
+                         capacity={"a": 100, "b": 100})
+
+
+def test_speed_partition_and_the_baselines():
+    layer_times = {"fast": [1.0] * 12, "slow": [4.0] * 12}
     order, bounds = partition_stages(layer_times)
-    sizes = dict(zip(order, np.diff(bounds)))
-    assert sizes == {"fast": 10, "slow": 2}  # max(10, 8) beats max(9, 12) and 6/6's 24
+    assert dict(zip(order, np.diff(bounds))) == {"fast": 10, "slow": 2}
     assert equal_stages(12, ["fast", "slow"]) == (["fast", "slow"], [0, 6, 12])
     assert equal_stages(7, ["a", "b", "c"])[1] == [0, 3, 5, 7]
+    # DeepSpeed's partition by parameters: equal parameter counts, whatever the speed
+    assert parameter_stages([10, 10, 0, 20, 0, 20], ["a", "b"]) == (["a", "b"], [0, 3, 6])
 
 
-# --- tensor parallelism -------------------------------------------------------------------
+@pytest.mark.parametrize("p,m", [(1, 3), (3, 2), (3, 8), (4, 16)])
+def test_schedules_run_every_task_once_and_1f1b_holds_at_most_p_micro_batches(p, m):
+    for s in range(p):
+        for schedule in ("gpipe", "1f1b"):
+            order = schedule_order(schedule, p, m, s)
+            assert sorted(order) == sorted([("F", j) for j in range(m)]
+                                           + [("B", j) for j in range(m)])
+            held = peak = 0
+            for kind, j in order:
+                assert kind == "F" or ("F", j) in order[:order.index((kind, j))]
+                held += 1 if kind == "F" else -1
+                peak = max(peak, held)
+            assert peak == (m if schedule == "gpipe" else min(p - s, m))
+
+
+def test_bubble_fraction_of_a_perfect_gpipe_schedule():
+    import pandas as pd
+
+    p, m = 3, 6
+    rows = [{"stage": s, "start": s + j, "stop": s + j + 1} for s in range(p) for j in range(m)]
+    assert bubble_fraction(pd.DataFrame(rows)) == pytest.approx((p - 1) / (m + p - 1))
+
+
+# --- pipeline parallelism: equal to one device ---------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -101,213 +142,364 @@ def client():
         yield c
 
 
-def _blocks(rng, sizes, hidden):
-    return [(rng.standard_normal((sizes[k], hidden[k])), rng.standard_normal(hidden[k]),
-             rng.standard_normal((hidden[k], sizes[k + 1])) / 4,
-             rng.standard_normal(sizes[k + 1]))
-            for k in range(len(sizes) - 1)]
-
-
-def _torch_reference(blocks, X, G, activation="tanh"):
-    act = torch.tanh if activation == "tanh" else torch.relu
-    params = [[torch.tensor(v, requires_grad=True) for v in blk] for blk in blocks]
-    x = torch.tensor(X)
-    for A, a, B, b in params:
-        x = act(x @ A + a) @ B + b
-    x.backward(torch.tensor(G))
-    return x.detach().numpy(), [{n: p.grad.numpy() for n, p in zip("AaBb", blk)}
-                                for blk in params]
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 16),
+        torch.nn.LayerNorm(16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("activation", ["tanh", "relu"])
-def test_tensor_parallel_forward_and_gradients_equal_one_device(client, activation):
-    rng = np.random.default_rng(1)
-    blocks = _blocks(rng, [10, 14, 6], [33, 20])
-    model = TensorParallelMLP(client, blocks, activation=activation)
-    assert len(model.widths) == 3 and sum(model.widths.values()) == 53
-    X = rng.standard_normal((25, 10))
-    y = model.forward(X)
-    G = rng.standard_normal(y.shape)
-    grads = model.backward(G)
-    want_y, want_grads = _torch_reference(blocks, X, G, activation)
-    assert rel_err(y, want_y) < RTOL
-    for got, want in zip(grads, want_grads):
-        for name in "AaBb":
-            assert got[name].shape == want[name].shape
-            assert rel_err(got[name].compute(), want[name]) < RTOL, name
-    # A is split by columns and B by rows, one shard per worker, and each shard's
-    # gradients are computed and held on the worker that holds the shard
-    for k, blk in enumerate(model.weights):
-        assert blk["A"].chunks[1] == blk["B"].chunks[0] == blk["a"].chunks[0]
-        assert len(blk["A"].chunks[1]) == 3
-        for name in "AaB":
-            held = [next(iter(client.who_has(f)[f.key])) for f in futures_of(blk[name])]
-            grad_at = [next(iter(client.who_has(f)[f.key]))
-                       for f in futures_of(grads[k][name])]
-            assert held == grad_at == model.workers
-
-
-@pytest.mark.slow
-def test_a_model_larger_than_any_device_runs_within_each_devices_memory():
-    rng = np.random.default_rng(2)
-    blocks = _blocks(rng, [32, 32, 32], [400, 400])  # 2 x 400 x 65 x 8 = 416,000 B + biases
-    need = sum(sum(a.nbytes for a in blk) for blk in blocks)
-    memory = [200_000, 150_000, 100_000]  # every device below the model, all together above
-    assert need > max(memory) and need < 0.8 * sum(memory) * 1.4
-    with simulated_cluster(speeds=(1, 1, 1), device_memory=memory, processes=False) as c:
-        by_name = {info["name"]: a for a, info in
-                   workers_info(c).items()}
-        model = TensorParallelMLP(c, blocks, memory_fraction=1.0)
-        widths = [model.widths[by_name[i]] for i in range(3)]
-        assert widths[0] > widths[1] > widths[2]  # proportional to free device memory
-        assert widths[0] / widths[2] == pytest.approx(2.0, rel=0.05)
-        X = rng.standard_normal((16, 32))
-        with model.track_weight_bytes(interval=0.02) as tracker:
-            y = model.forward(X)
-            G = rng.standard_normal(y.shape)
-            grads = model.backward(G)
-            got_grads = [{n: g[n].compute() for n in "AaBb"} for g in grads]
-        want_y, want_grads = _torch_reference(blocks, X, G)
-        assert rel_err(y, want_y) < RTOL
-        for got, want in zip(got_grads, want_grads):
-            for name in "AaBb":
-                assert rel_err(got[name], want[name]) < RTOL
-        for i in range(3):
-            w = by_name[i]
-            assert tracker.peak[w] <= 1.1 * model.shard_bytes[w]
-            assert model.shard_bytes[w] <= memory[i]
-        # the same model on one device alone is refused, naming the shortfall
-        with pytest.raises(blockflow.DeviceMemoryError, match=(
-                r"^blockflow: the model's weights take [\d,]+ bytes but the 1 workers' free "
-                r"device memory allows 200,000 \(memory fraction 1\): short by [\d,]+ bytes; "
-                r"add workers or devices, or use a smaller model\.$")):
-            TensorParallelMLP(c, blocks, memory_fraction=1.0, workers=[by_name[0]])
-
-
-def test_tensor_parallel_refuses_blocks_that_do_not_chain(client):
-    rng = np.random.default_rng(0)
-    blocks = _blocks(rng, [4, 5, 6], [3, 3])
-    blocks[1] = (rng.standard_normal((7, 3)),) + blocks[1][1:]
-    with pytest.raises(ValueError, match="block 1 takes 7 features but block 0 gives 5"):
-        TensorParallelMLP(client, blocks)
-
-
-# --- pipeline parallelism -----------------------------------------------------------------
-
-
-def _mlp(rng, widths, act=Tanh):
-    layers = []
-    for k in range(len(widths) - 1):
-        layers.append(Linear(rng.standard_normal((widths[k], widths[k + 1])) / 3,
-                             rng.standard_normal(widths[k + 1])))
-        if k < len(widths) - 2:
-            layers.append(act())
-    return layers
-
-
-@pytest.mark.slow
-def test_pipeline_outputs_and_gradients_equal_the_unpipelined_model(client):
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_loss_gradients_and_parameters_equal_one_device(client, schedule):
+    """float64, batch 8 in 3 micro-batches (3, 3, 2), SGD with momentum, 3 steps."""
     rng = np.random.default_rng(3)
-    layers = _mlp(rng, [6, 16, 16, 12, 3]) + [ReLU()]
-    pipe = PipelineParallel(client, layers)
+    X, T = rng.standard_normal((8, 6)), rng.standard_normal((8, 3))
+    opt = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    pipe = PipelineParallel(client, _mlp(), optimizer=opt, schedule=schedule, sample=X)
     assert len(pipe.stage_workers) == 3 and pipe.layer_times is not None
-    X, T = rng.standard_normal((50, 6)), rng.standard_normal((50, 3))
-    result = pipe.run(X, T, n_micro_batches=8)
-
-    ref = to_torch(layers)
-    out = ref(torch.tensor(X))
-    loss = torch.nn.functional.mse_loss(out, torch.tensor(T))
-    loss.backward()
-    assert rel_err(result.output, out.detach().numpy()) < RTOL
-    assert result.loss == pytest.approx(loss.item(), rel=RTOL)
-    linear = [m for m in ref if isinstance(m, torch.nn.Linear)]
-    got = [g for g in result.grads if g]
-    assert len(got) == len(linear) == 4 and len(result.grads) == len(layers)
-    for g, m in zip(got, linear):
-        assert rel_err(g["W"], m.weight.grad.numpy().T) < RTOL
-        assert rel_err(g["b"], m.bias.grad.numpy()) < RTOL
-
-    # GPipe: every micro-batch forward and backward on each stage, on the stage's worker;
-    # a stage's backward passes start after its last forward pass
-    t = result.timeline
-    assert len(t) == 2 * 3 * 8
+    ref = _mlp()
+    ref_opt = opt(ref.parameters())
+    for step in range(3):
+        r = pipe.run(X, T, n_micro_batches=3, return_grads=True)
+        ref_opt.zero_grad()
+        out = ref(torch.tensor(X))
+        loss = torch.nn.functional.mse_loss(out, torch.tensor(T))
+        loss.backward()
+        assert r.micro_batch_rows == [3, 3, 2]
+        assert abs(r.loss - loss.item()) < TOL
+        assert max_diff(r.output, out.detach()) < TOL
+        assert set(r.grads) == {n for n, _ in ref.named_parameters()}
+        for n, prm in ref.named_parameters():
+            assert max_diff(r.grads[n], prm.grad) < TOL, (step, n)
+        ref_opt.step()
+    state = pipe.state_dict()
+    assert set(state) == set(ref.state_dict())
+    for n, v in ref.state_dict().items():
+        assert max_diff(state[n], v) < TOL, n
+    # the schedule ran: every micro-batch forward and backward on each stage's worker
+    t = r.timeline
+    assert len(t) == 2 * 3 * 3
     for s, df in t.groupby("stage"):
         assert set(df.worker) == {pipe.stage_workers[s]}
-        assert sorted(df[df.phase == "forward"].micro_batch) == list(range(8))
-        assert df[df.phase == "forward"].stop.max() <= df[df.phase == "backward"].start.min()
-        assert sorted(df[df.phase == "backward"].micro_batch) == list(range(8))
-    assert 0 <= result.bubble < 1 and result.ideal_bubble == pytest.approx(2 / 10)
-
+        fwd, bwd = df[df.phase == "forward"], df[df.phase == "backward"]
+        assert sorted(fwd.micro_batch) == sorted(bwd.micro_batch) == [0, 1, 2]
+        if schedule == "gpipe":
+            assert fwd.stop.max() <= bwd.start.min()
+    # activations held per stage, measured on the workers: GPipe all m, 1F1B at most p - s
+    want = [3, 3, 3] if schedule == "gpipe" else [3, 2, 1]
+    assert r.peak_activations == want
+    assert 0 <= r.bubble < 1 and r.ideal_bubble == pytest.approx(2 / 5)
     # inference only: outputs, no gradients
-    fwd = pipe.run(X, n_micro_batches=5)
-    assert fwd.grads is None and rel_err(fwd.output, out.detach().numpy()) < RTOL
-
-
-def test_bubble_fraction_of_a_perfect_gpipe_schedule():
-    import pandas as pd
-
-    p, m = 3, 6
-    rows = [{"stage": s, "start": s + j, "stop": s + j + 1} for s in range(p) for j in range(m)]
-    t = pd.DataFrame(rows)
-    assert bubble_fraction(t) == pytest.approx((p - 1) / (m + p - 1))
-
-
-class SleepyLinear(Linear):
-    """A linear layer whose forward and backward also take ``work`` reference-seconds on the
-    worker's simulated device (``work / speed`` seconds)."""
-
-    def __init__(self, W, b=None, work=0.01):
-        super().__init__(W, b)
-        self.work = work
-
-    def forward(self, x):
-        simulated_kernel(op=lambda: None, work=self.work)
-        return super().forward(x)
-
-    def backward(self, saved, dy):
-        simulated_kernel(op=lambda: None, work=2 * self.work)
-        return super().backward(saved, dy)
+    fwd = pipe.run(X, n_micro_batches=2)
+    assert fwd.grads is None and fwd.loss is None
+    assert max_diff(fwd.output, ref(torch.tensor(X)).detach()) < TOL
 
 
 @pytest.mark.slow
-def test_speed_partition_follows_measured_device_speeds():
-    rng = np.random.default_rng(4)
-    layers = [SleepyLinear(rng.standard_normal((8, 8)) / 3, work=0.01) for _ in range(10)]
-    with simulated_cluster(speeds=(1, 0.25), processes=False) as c:
-        names = {a: info["name"] for a, info in
-                 workers_info(c).items()}
-        pipe = PipelineParallel(c, layers)
-        sizes = {names[w]: int(n) for w, n in zip(pipe.stage_workers, np.diff(pipe.bounds))}
-        assert sizes[0] > sizes[1] and sizes[0] >= 7  # the fast device takes the most layers
-        measured = {names[w]: sum(v) for w, v in pipe.layer_times.items()}
-        assert measured[1] > 2.5 * measured[0]  # speed 0.25 vs 1, seen by measurement
-        equal = PipelineParallel(c, layers, partition="equal")
-        assert max(pipe.predicted_stage_times) < max(
-            stage_times(pipe.layer_times, equal.bounds, equal.stage_workers))
-        X, T = rng.standard_normal((32, 8)), rng.standard_normal((32, 8))
-        a, b = pipe.run(X, T, n_micro_batches=4), equal.run(X, T, n_micro_batches=4)
-        np.testing.assert_allclose(a.output, b.output, rtol=1e-12)
-        for ga, gb in zip(a.grads, b.grads):
-            np.testing.assert_allclose(ga["W"], gb["W"], rtol=1e-12)
+def test_micro_batch_counts_the_batch_cannot_take_are_refused_before_running(client):
+    pipe = PipelineParallel(client, _mlp(), partition="equal")
+    rng = np.random.default_rng(0)
+    X, T = rng.standard_normal((8, 6)), rng.standard_normal((8, 3))
+    for m in (9, 0, 2.5):
+        with pytest.raises(ValueError) as e:
+            pipe.run(X, T, n_micro_batches=m, publish=False)
+        assert str(e.value) == (f"blockflow: n_micro_batches={m!r} for a batch of 8 rows; a "
+                                f"micro-batch needs at least one row: pass n_micro_batches "
+                                f"between 1 and 8.")
+    assert pipe.steps == 0  # nothing ran
+    r = pipe.run(X, T, n_micro_batches=5, publish=False)  # 5 does not divide 8: 2,2,2,1,1
+    assert r.micro_batch_rows == [2, 2, 2, 1, 1] and pipe.steps == 1
 
 
-class Broken(Layer):
-    params: dict = {}
+def test_batch_norm_is_refused_unless_the_user_opts_in(client):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4),
+                                torch.nn.Linear(4, 1))
+    with pytest.raises(ValueError) as e:
+        PipelineParallel(client, model, partition="equal")
+    assert str(e.value) == (
+        "blockflow: layer 1 is a BatchNorm1d: on micro-batches its statistics are each "
+        "micro-batch's, not the batch's, so the pipelined model is not the same model; use "
+        "LayerNorm or GroupNorm, or pass allow_batch_norm=True to accept per-micro-batch "
+        "statistics.")
+    pipe = PipelineParallel(client, model, partition="equal", allow_batch_norm=True)
+    assert pipe.run(np.ones((4, 4), np.float32), np.ones((4, 1), np.float32),
+                    n_micro_batches=2, publish=False).loss is not None
 
-    def forward(self, x):
-        return x, None
+
+def test_a_model_that_is_not_sequential_or_cannot_be_pickled_is_refused():
+    import threading
+
+    with pytest.raises(TypeError, match=r"takes a torch.nn.Sequential or a list of "
+                                        r"torch.nn.Module, got Linear"):
+        PipelineParallel(None, torch.nn.Linear(2, 2))
+    layer = torch.nn.Linear(3, 2)
+    layer.guard = threading.Lock()
+    with pytest.raises(TypeError, match=re.escape(
+            "blockflow.parallel.PipelineParallel: cannot ship the model to the workers: "
+            "model['1'].guard is a _thread.lock that cannot be pickled")):
+        PipelineParallel(None, [torch.nn.Linear(2, 3), layer])
 
 
-def test_pipeline_refuses_bad_partitions(client):
-    layers = _mlp(np.random.default_rng(0), [2, 3, 2])
-    workers = sorted(workers_info(client))[:2]
-    with pytest.raises(ValueError, match=re.escape(
-            "blockflow: partition bounds must rise from 0 to 3 with one stage per worker, "
-            "got [0, 3, 3] for 2 workers.")):
-        PipelineParallel(client, layers, partition=(workers, [0, 3, 3]))
-    with pytest.raises(ValueError, match="cannot tell the model's input width"):
-        PipelineParallel(client, [Broken()])
+@pytest.mark.slow
+def test_dropout_is_seeded_so_runs_repeat(client):
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(5, 32), torch.nn.Dropout(0.5),
+                                   torch.nn.Linear(32, 32), torch.nn.Dropout(0.5),
+                                   torch.nn.Linear(32, 1)).double()
+
+    rng = np.random.default_rng(0)
+    X, T = rng.standard_normal((12, 5)), rng.standard_normal((12, 1))
+    sgd = functools.partial(torch.optim.SGD, lr=0.05)
+    losses = []
+    for seed in (7, 7, 8):
+        pipe = PipelineParallel(client, model(), optimizer=sgd, partition="equal", seed=seed)
+        losses.append([pipe.run(X, T, n_micro_batches=4, publish=False).loss
+                       for _ in range(3)])
+    assert losses[0] == losses[1] and losses[0] != losses[2]
+
+
+def test_fit_needs_an_optimizer(client):
+    pipe = PipelineParallel(client, _mlp(), partition="equal")
+    with pytest.raises(ValueError, match=r"^blockflow: fit\(\) needs an optimizer: pass "
+                                         r"optimizer= to PipelineParallel"):
+        pipe.fit(np.ones((4, 6)), np.ones((4, 3)))
+
+
+# --- trained models --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_conv_net_with_residual_blocks_layernorm_and_gelu_learns_the_digits(client):
+    """Held-out accuracy >= 0.9 after 4 epochs of Adam through a 3-stage 1F1B pipeline."""
+    import dask.array as da
+
+    from blockflow.workloads.models import conv_net, digits
+
+    X, y = digits()
+    adam = functools.partial(torch.optim.Adam, lr=3e-3)
+    pipe = PipelineParallel(client, conv_net(), optimizer=adam, schedule="1f1b",
+                            loss=torch.nn.CrossEntropyLoss())
+    pipe.fit(da.from_array(X[:1400], chunks=(350, 64)), da.from_array(y[:1400], chunks=350),
+             epochs=4, batch_size=100, n_micro_batches=4)
+    assert len(pipe.stage_workers) == 3 and pipe.steps == 56
+    accuracy = (pipe.predict(X[1400:]).argmax(1) == y[1400:]).mean()
+    assert accuracy >= 0.9, accuracy
+    # state_dict() reassembled on the client gives the same predictions on one device
+    model = conv_net()
+    model.load_state_dict(pipe.state_dict())
+    model.eval()
+    with torch.no_grad():
+        local = model(torch.as_tensor(X[1400:])).argmax(1).numpy()
+    assert (local == pipe.predict(X[1400:]).argmax(1)).all()
+
+
+@pytest.mark.slow
+def test_a_small_transformer_learns_the_sequence_task(client):
+    """A stack of 4 nn.TransformerEncoderLayer: held-out accuracy >= 0.95."""
+    from blockflow.workloads.models import sequence_task, transformer
+
+    X, y = sequence_task(1200, seed=0)
+    Xt, yt = sequence_task(400, seed=1)
+    adam = functools.partial(torch.optim.Adam, lr=3e-3)
+    pipe = PipelineParallel(client, transformer(), optimizer=adam,
+                            loss=torch.nn.CrossEntropyLoss())
+    pipe.fit(X, y, epochs=4, batch_size=100, n_micro_batches=4)
+    accuracy = (pipe.predict(Xt).argmax(1) == yt).mean()
+    assert accuracy >= 0.95, accuracy
+    assert pipe.history_[-1]["loss"] < pipe.history_[0]["loss"]
+
+
+# --- faults ----------------------------------------------------------------------------------
+
+
+def _pid():
+    import os
+    return os.getpid()
+
+
+def _kill(client, worker):
+    import os
+    import signal
+
+    os.kill(client.run(_pid)[worker], signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_lost_stage_is_rebuilt_from_its_checkpoint_and_training_resumes():
+    """4 worker processes, 3 stages and a spare: stage 1's worker is killed during fit; the
+    stage is rebuilt on the spare from the last checkpoint, every stage rolls back to it,
+    the steps since are replayed, and the final parameters equal single-device PyTorch."""
+    import threading
+
+    rng = np.random.default_rng(1)
+    X, T = rng.standard_normal((64, 6)), rng.standard_normal((64, 3))
+    sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.5)
+    cluster = LocalCluster(n_workers=4, threads_per_worker=1, processes=True,
+                           dashboard_address=":0")
+    c = Client(cluster)
+    try:
+        pipe = PipelineParallel(c, _mlp(), optimizer=sgd, partition="equal", n_stages=3,
+                                checkpoint_every=2)
+        victim = pipe.stage_workers[1]
+
+        def kill_at(epoch, step, loss):
+            if step == 3 and victim in workers_info(c):
+                threading.Timer(0.02, _kill, (c, victim)).start()
+
+        with pytest.warns(BlockflowWarning, match="rolled back to the checkpoint of step"):
+            pipe.fit(X, T, epochs=3, batch_size=16, n_micro_batches=4, shuffle=False,
+                     callback=kill_at)
+        assert victim not in pipe.stage_workers and pipe.steps == 12
+        assert len(pipe.history_) == 12
+        (rec,) = pipe.recoveries
+        assert rec["lost"] == [victim] and rec["stages"] == ["stage 1 (layers 2-3)"]
+        assert rec["resumed_from"] in (2, 4) and rec["step"] >= rec["resumed_from"]
+        state = pipe.state_dict()
+    finally:  # worker processes of a loaded machine can take long to exit
+        c.close()
+        cluster.close(timeout=120)
+    ref = _mlp()
+    opt = sgd(ref.parameters())
+    for _ in range(3):
+        for lo in range(0, 64, 16):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ref(torch.tensor(X[lo:lo + 16])),
+                                         torch.tensor(T[lo:lo + 16])).backward()
+            opt.step()
+    for n, v in ref.state_dict().items():
+        assert max_diff(state[n], v) < TOL, n
+
+
+@pytest.mark.slow
+def test_a_lost_stage_nothing_can_take_is_one_error_naming_it():
+    """Two simulated devices, each with room for one stage: when one is lost, the survivor
+    cannot take its stage, and the step ends with one error naming the stage, quickly."""
+    import time
+
+    from loadaware import scaled
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).double()
+    stage = 2 * 64 * 65 * 8  # parameters and gradients of one layer
+    with simulated_cluster(speeds=(1, 1), device_memory=int(stage * 1.5),
+                           processes=False) as c:
+        pipe = PipelineParallel(c, model, partition="equal",
+                                optimizer=functools.partial(torch.optim.SGD, lr=0.01))
+        X = np.ones((8, 64))
+        pipe.run(X, X, n_micro_batches=2, publish=False)
+        victim = pipe.stage_workers[1]
+        c.sync(next(w for w in c.cluster.workers.values() if w.address == victim).close)
+        start = time.monotonic()
+        with pytest.raises(WorkerLostError) as e:
+            pipe.run(X, X, n_micro_batches=2, publish=False)
+        assert time.monotonic() - start < scaled(30)
+    assert re.fullmatch(
+        rf"blockflow: the pipeline step over 8 rows failed: lost stage 1 \(layer 1\) on "
+        rf"worker {re.escape(victim)}, and no surviving worker has room for it \([\d,]+ bytes "
+        rf"of parameters and optimizer state; the most room left is [\d,]+ bytes\); add a "
+        rf"worker and build the PipelineParallel again\.", str(e.value)), str(e.value)
+
+
+# --- tensor parallelism ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("widths", [None, [3, 3, 1]])
+def test_tensor_parallel_mlp_forward_and_gradients_equal_the_unsharded_block(client, widths):
+    torch.manual_seed(1)
+    mlp = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.GELU(),
+                              torch.nn.Linear(7, 4)).double()
+    tp = TensorParallel(client, mlp, widths=widths)
+    assert sum(tp.widths.values()) == 7 and len(tp.widths) == 3
+    if widths:
+        assert sorted(tp.widths.values()) == [1, 3, 3]
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    y = tp(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = mlp(x2)
+    y2.backward(g)
+    assert max_diff(y.detach(), y2.detach()) < TOL
+    assert max_diff(x.grad, x2.grad) < TOL
+    grads = tp.grads()
+    for n, p in mlp.named_parameters():
+        assert max_diff(grads[n], p.grad) < TOL, n
+    tp.close()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_attention_equals_multihead_attention_in_a_model(client):
+    """Heads split 2, 1, 1 over three workers inside a residual block with LayerNorm: the
+    model's forward, input gradient and every gradient equal the unsharded model's."""
+    torch.manual_seed(2)
+    mha = torch.nn.MultiheadAttention(8, 4, batch_first=True, dtype=torch.float64)
+    norm = torch.nn.LayerNorm(8, dtype=torch.float64)
+    tp = TensorParallel(client, mha, widths=[2, 1, 1])
+    x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    attn = tp.as_module()
+    y = norm(x + attn(x)).pow(2).sum()
+    y.backward()
+    norm_grad = norm.weight.grad.clone()
+    norm.zero_grad()
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = norm(x2 + mha(x2, x2, x2, need_weights=False)[0]).pow(2).sum()
+    y2.backward()
+    assert abs(float(y.detach() - y2.detach())) < TOL * max(1.0, abs(float(y2.detach())))
+    assert max_diff(x.grad, x2.grad) < TOL and max_diff(norm_grad, norm.weight.grad) < TOL
+    grads = tp.grads()
+    assert set(grads) == {n for n, _ in mha.named_parameters()}
+    for n, p in mha.named_parameters():
+        assert max_diff(grads[n], p.grad) < TOL, n
+    # a TransformerEncoderLayer whose self-attention is the sharded one: the same layer
+    layer = torch.nn.TransformerEncoderLayer(8, 4, 16, dropout=0.0, batch_first=True,
+                                             dtype=torch.float64)
+    layer.self_attn = mha
+    want = layer(x.detach())
+    layer.self_attn = tp.as_module()
+    assert max_diff(layer(x.detach()).detach(), want.detach()) < TOL
+    # an optimizer step on the shards' workers moves the reassembled weights as on one device
+    tp2 = TensorParallel(client, mha, widths=[2, 1, 1],
+                         optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    tp2.as_module()(x.detach()).sum().backward()
+    tp2.step()
+    mha.zero_grad()
+    mha(x.detach(), x.detach(), x.detach(), need_weights=False)[0].sum().backward()
+    with torch.no_grad():
+        for p in mha.parameters():
+            p -= 0.1 * p.grad
+    state = tp2.state_dict()
+    for n, p in mha.named_parameters():
+        assert max_diff(state[n], p.detach()) < TOL, n
+
+
+@pytest.mark.slow
+def test_tensor_parallel_shard_widths_follow_free_device_memory():
+    torch.manual_seed(3)
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 400), torch.nn.ReLU(),
+                              torch.nn.Linear(400, 32)).double()
+    need = sum(p.numel() * 8 for p in mlp.parameters())
+    memory = [200_000, 150_000, 100_000]  # each below the block, all together above
+    assert need > max(memory) and need < 0.8 * sum(memory)
+    with simulated_cluster(speeds=(1, 1, 1), device_memory=memory, processes=False) as c:
+        by_name = {info["name"]: a for a, info in workers_info(c).items()}
+        tp = TensorParallel(c, mlp)
+        widths = [tp.widths[by_name[i]] for i in range(3)]
+        assert widths[0] > widths[1] > widths[2]
+        assert widths[0] / widths[2] == pytest.approx(2.0, rel=0.05)
+        for i in range(3):
+            assert tp.shard_bytes[by_name[i]] <= 0.8 * memory[i]
+        x = torch.randn(4, 32, dtype=torch.float64)
+        assert max_diff(tp(x).detach(), mlp(x).detach()) < TOL
+        with pytest.raises(blockflow.DeviceMemoryError, match=r"short by [\d,]+ bytes"):
+            TensorParallel(c, mlp, workers=[by_name[0]])
+
+
+def test_tensor_parallel_refuses_other_modules(client):
+    with pytest.raises(TypeError, match=r"splits an MLP block Sequential\(Linear, "
+                                        r"<element-wise activation>, Linear\)"):
+        TensorParallel(client, torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Dropout(),
+                                                   torch.nn.Linear(3, 2)))
 
 
 async def _update(page):
@@ -327,107 +519,24 @@ def test_pipeline_timeline_in_the_run_report_and_on_the_dashboard_page():
     try:
         since = time.time()
         rng = np.random.default_rng(5)
-        pipe = PipelineParallel(client, _mlp(rng, [4, 8, 8, 2]), partition="equal")
-        result = pipe.run(rng.standard_normal((24, 4)), rng.standard_normal((24, 2)),
+        pipe = PipelineParallel(client, _mlp(), partition="equal")
+        result = pipe.run(rng.standard_normal((24, 6)), rng.standard_normal((24, 3)),
                           n_micro_batches=6, name="demo")
         report = blockflow.run_report(client, since=since)
         assert report.pipeline is not None and report.pipeline["name"] == "demo"
         assert report.pipeline["stages"] == 2 and report.pipeline["micro_batches"] == 6
         assert report.pipeline["timeline"].equals(result.timeline.reset_index(drop=True))
-        assert report.pipeline["bubble"] == pytest.approx(result.bubble)
         assert "pipeline 'demo': 2 stages, 6 micro-batches" in repr(report)
-        assert "pipeline &#x27;demo&#x27;: 2 stages" in report._repr_html_()
-        # a report of a later window shows no pipeline
-        assert blockflow.run_report(client, since=time.time() + 1).pipeline is None
-
         page = BlockflowPage(client.cluster.scheduler)
         client.sync(_update, page)
         assert page.pipeline_fig.visible
-        assert "Pipeline demo: 2 stages, 6 micro-batches" in page.pipeline_fig.title.text
         assert len(page.pipeline.data["start"]) == 24  # 2 stages x 6 x (forward, backward)
-        assert sorted(set(page.pipeline.data["stage"])) == ["stage 0", "stage 1"]
-        # and in the JSON route the page's data come from
         port = client.cluster.scheduler.http_server.port
-        url = f"http://127.0.0.1:{port}/blockflow/status.json"
-        with urllib.request.urlopen(url, timeout=30) as reply:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/blockflow/status.json",
+                                    timeout=30) as reply:
             data = json.loads(reply.read())
-        assert data["pipeline"]["name"] == "demo"
         assert len(data["pipeline"]["timeline"]["stage"]) == 24
         pipe.close()
     finally:
         client.shutdown()
         client.close()
-
-
-@pytest.mark.gpu
-def test_tensor_shards_live_in_device_memory_on_gpu_workers():
-    """On a worker that sees a GPU, the shards are CuPy arrays and the passes still equal
-    single-device PyTorch."""
-    pytest.importorskip("cupy", reason="CuPy is not installed (pip install 'blockflow[gpu]')")
-    from blockflow.backends import gpu_device_count
-
-    if gpu_device_count() == 0:
-        pytest.skip("no NVIDIA GPU visible to this process")
-    rng = np.random.default_rng(6)
-    blocks = _blocks(rng, [8, 8], [40])
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
-                      dashboard_address=":0") as cluster, Client(cluster) as c:
-        with TensorParallelMLP(c, blocks) as model:
-            shard = futures_of(model.weights[0]["A"])[0].result()
-            assert type(shard).__module__.split(".")[0] == "cupy"
-            X = rng.standard_normal((12, 8))
-            y = model.forward(X)
-            G = rng.standard_normal(y.shape)
-            grads = model.backward(G)
-            want_y, want_grads = _torch_reference(blocks, X, G)
-            assert isinstance(y, np.ndarray) and rel_err(y, want_y) < RTOL
-            got_A = grads[0]["A"].compute()
-            got_A = got_A.get() if hasattr(got_A, "get") else got_A
-            assert rel_err(got_A, want_grads[0]["A"]) < RTOL
-
-
-def test_a_layer_that_cannot_be_pickled_is_refused_before_anything_runs():
-    import threading
-
-    from blockflow.ml._pickling import FIX_TRAIN
-
-    layers = [Linear(np.ones((3, 2))), Linear(np.ones((2, 1)))]
-    layers[1].guard = threading.Lock()
-    with pytest.raises(TypeError) as e:  # no client needed: refused before it is used
-        PipelineParallel(None, layers)
-    assert str(e.value) == (
-        "blockflow.parallel.PipelineParallel: cannot ship the model to the workers: "
-        "layers[1].guard is a _thread.lock that cannot be pickled (TypeError: cannot pickle "
-        f"'_thread.lock' object); {FIX_TRAIN}.")
-
-
-def _pid():
-    import os
-    return os.getpid()
-
-
-@pytest.mark.slow
-def test_a_lost_stage_worker_is_named_by_stage_worker_and_rows_not_internal_keys():
-    import os
-    import signal
-
-    from blockflow.errors import WorkerLostError
-
-    rng = np.random.default_rng(3)
-    layers = _mlp(rng, [6, 16, 16, 12, 3])
-    X, T = rng.standard_normal((64, 6)), rng.standard_normal((64, 3))
-    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cluster, Client(cluster) as client:
-        pipe = PipelineParallel(client, layers, partition="equal")
-        pipe.run(X, T, n_micro_batches=4)  # placed and running
-        victim = pipe.stage_workers[1]
-        os.kill(client.run(_pid)[victim], signal.SIGKILL)
-        with pytest.raises(WorkerLostError) as e:
-            pipe.run(X, T, n_micro_batches=4)
-    a, b = pipe.bounds[1], pipe.bounds[2] - 1
-    assert str(e.value) == (
-        f"blockflow: the pipeline pass over rows 0-63 (4 micro-batches) failed: lost stage 1 "
-        f"(layers {a}-{b}) on worker {victim}, which left the cluster; the stage's layers "
-        f"and their state went with it: build the PipelineParallel again on the workers "
-        f"left and run the pass again.")
-    assert e.value.lost == {victim}

@@ -57,7 +57,7 @@ def reference_1():
 # --- help and bad input (no cluster is started) ----------------------------------------------
 
 
-JOBS = ["flights", "array-stats", "train", "tune", "infer"]
+JOBS = ["flights", "array-stats", "train", "tune", "infer", "pipeline"]
 
 
 def test_run_help_lists_every_job():
@@ -65,7 +65,7 @@ def test_run_help_lists_every_job():
     assert result.exit_code == 0
     commands = result.output.split("Commands:")[1].split()
     assert all(job in commands for job in JOBS)
-    assert "(flights, array-stats, train, tune, infer)" in result.output
+    assert "(flights, array-stats, train, tune, infer, pipeline)" in result.output
 
 
 def test_top_level_help_lists_every_job_the_run_group_has():

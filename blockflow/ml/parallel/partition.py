@@ -9,7 +9,9 @@ Both are plain functions of plain data (no cluster), so they are tested exhausti
   minimising the slowest stage's time from each layer's *measured* time on each worker
   (a min-max contiguous partition by dynamic programming, as PipeDream's planner does; the
   worker order is searched too, exhaustively up to 6 stages);
-* :func:`equal_stages`: the equal-layer-count baseline.
+* :func:`equal_stages`: the equal-layer-count baseline;
+* :func:`parameter_stages`: DeepSpeed's ``partition_method="parameters"`` baseline (stages
+  of about equal parameter counts, whatever the devices).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import numpy as np
 
 from blockflow.errors import DeviceMemoryError
 
-__all__ = ["check_fits", "equal_stages", "partition_stages", "shard_widths", "stage_times"]
+__all__ = ["check_fits", "equal_stages", "parameter_stages", "partition_stages", "shard_widths",
+           "stage_times"]
 
 
 def shard_widths(width: int, free: Mapping[str, float], bytes_per_column: int, *,
@@ -103,17 +106,23 @@ def stage_times(layer_times: Mapping[str, Sequence[float]], bounds: Sequence[int
     return [float(sum(layer_times[w][bounds[s]:bounds[s + 1]])) for s, w in enumerate(order)]
 
 
-def _best_bounds(costs: np.ndarray) -> tuple[float, list[int]]:
+def _best_bounds(costs: np.ndarray, sizes: np.ndarray | None = None,
+                 caps: Sequence[float] | None = None) -> tuple[float, list[int]]:
     """Min-max contiguous partition of layers over stages; ``costs[s, l]`` is layer ``l``'s
-    time on stage ``s``'s worker. Every stage gets at least one layer."""
+    time on stage ``s``'s worker. Every stage gets at least one layer; with ``sizes`` (bytes
+    per layer) and ``caps`` (bytes per stage), no stage holds more than its cap."""
     p, n = costs.shape
     prefix = np.concatenate([np.zeros((p, 1)), np.cumsum(costs, axis=1)], axis=1)
+    size_prefix = None if sizes is None else np.concatenate([[0.0], np.cumsum(sizes)])
     best = np.full((p + 1, n + 1), np.inf)
     cut = np.zeros((p + 1, n + 1), dtype=int)
     best[0, 0] = 0.0
     for s in range(1, p + 1):
         for j in range(s, n - (p - s) + 1):
             for k in range(s - 1, j):
+                if size_prefix is not None and \
+                        size_prefix[j] - size_prefix[k] > caps[s - 1]:
+                    continue
                 v = max(best[s - 1, k], prefix[s - 1, j] - prefix[s - 1, k])
                 if v < best[s, j]:
                     best[s, j], cut[s, j] = v, k
@@ -123,7 +132,9 @@ def _best_bounds(costs: np.ndarray) -> tuple[float, list[int]]:
     return float(best[p, n]), bounds[::-1]
 
 
-def partition_stages(layer_times: Mapping[str, Sequence[float]], n_stages: int | None = None
+def partition_stages(layer_times: Mapping[str, Sequence[float]], n_stages: int | None = None,
+                     *, layer_bytes: Sequence[float] | None = None,
+                     capacity: Mapping[str, float] | None = None
                      ) -> tuple[list[str], list[int]]:
     """Group layers into contiguous stages on workers, minimising the slowest stage's time.
 
@@ -135,6 +146,11 @@ def partition_stages(layer_times: Mapping[str, Sequence[float]], n_stages: int |
     n_stages : int, optional
         Number of stages (at most the number of workers and of layers); default
         ``min(workers, layers)``. The fastest workers (least total time) are used.
+    layer_bytes : sequence of float, optional
+        Bytes each layer takes on its worker (parameters, gradients, optimizer state).
+    capacity : mapping of str to float, optional
+        Bytes each worker may hold (free device memory x a fraction); with ``layer_bytes``,
+        no stage exceeds its worker's.
 
     Returns
     -------
@@ -147,6 +163,11 @@ def partition_stages(layer_times: Mapping[str, Sequence[float]], n_stages: int |
     Method: dynamic programming over contiguous partitions (min-max), as in PipeDream's
     planner (Narayanan et al., SOSP 2019) with one worker per stage; worker orders are tried
     exhaustively up to 6 stages, beyond that fastest-first.
+
+    Raises
+    ------
+    DeviceMemoryError
+        If no contiguous partition fits the workers' capacity (the message names the bytes).
     """
     workers = sorted(layer_times, key=lambda w: (sum(layer_times[w]), w))
     n_layers = len(next(iter(layer_times.values())))
@@ -156,11 +177,21 @@ def partition_stages(layer_times: Mapping[str, Sequence[float]], n_stages: int |
     chosen = workers[:p]
     orders = itertools.permutations(chosen) if p <= 6 else [tuple(chosen)]
     best = (math.inf, None, None)
+    sizes = None if layer_bytes is None or capacity is None else np.asarray(layer_bytes, float)
     for order in orders:
         costs = np.array([layer_times[w] for w in order], dtype=float)
-        value, bounds = _best_bounds(costs)
+        caps = None if sizes is None else [float(capacity[w]) for w in order]
+        value, bounds = _best_bounds(costs, sizes, caps)
         if value < best[0] - 1e-12:
             best = (value, list(order), bounds)
+    if best[1] is None:
+        need = float(np.sum(sizes))
+        raise DeviceMemoryError(
+            f"blockflow: no split of the model's {n_layers} layers ({int(need):,} bytes of "
+            f"parameters, gradients and optimizer state) into {p} stages fits the workers' "
+            f"free device memory ({int(sum(capacity[w] for w in chosen)):,} bytes usable, "
+            f"largest layer {int(max(sizes)):,}); add workers or devices, or use a smaller "
+            f"model.", working_set=int(need), largest_free=int(max(capacity.values())))
     return best[1], best[2]
 
 
@@ -170,3 +201,26 @@ def equal_stages(n_layers: int, workers: Sequence[str]) -> tuple[list[str], list
     p = min(len(workers), n_layers)
     sizes = [n_layers // p + (1 if s < n_layers % p else 0) for s in range(p)]
     return list(workers[:p]), [0, *itertools.accumulate(sizes)]
+
+
+def parameter_stages(n_params: Sequence[int], workers: Sequence[str]
+                     ) -> tuple[list[str], list[int]]:
+    """DeepSpeed's ``partition_method="parameters"`` baseline: contiguous stages of about
+    equal parameter counts (min-max by :func:`partition_stages`' dynamic programme), on
+    ``workers`` in the order given, whatever their speed or memory.
+
+    Parameters
+    ----------
+    n_params : sequence of int
+        Parameters of each layer (layers without any count as one, so each stage gets one).
+    workers : sequence of str
+
+    Returns
+    -------
+    (list of str, list of int)
+        As :func:`partition_stages`.
+    """
+    p = min(len(workers), len(n_params))
+    costs = np.tile(np.maximum(np.asarray(n_params, dtype=float), 1.0), (p, 1))
+    _, bounds = _best_bounds(costs)
+    return list(workers[:p]), bounds

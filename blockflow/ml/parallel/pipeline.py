@@ -1,283 +1,215 @@
-"""Pipeline parallelism: layers in stages on different workers, micro-batches streaming through.
+"""Pipeline parallelism for PyTorch models: contiguous stages on different workers.
 
-A model (a sequence of :mod:`blockflow.parallel.layers`) is cut into contiguous **stages**,
-each held on one worker. A batch is split into ``m`` micro-batches that flow stage to stage
-as futures on a **GPipe** schedule (Huang et al., 2019): every micro-batch's forward pass,
-then every backward pass in reverse stage order, gradients accumulated over micro-batches on
-the stage's worker; with ``p`` stages of equal time the idle ("bubble") fraction is
-``(p - 1) / (m + p - 1)``. Each stage's forward and backward tasks run on its worker only, in
-micro-batch order (one graph submitted at once, task priorities forward ``-j`` and backward
-``-(m + j)``: a worker runs its ready tasks highest priority first), and a stage starts its
-backward passes only after all its forward passes (GPipe's flush: a dependency on each of
-them, on the same worker, no transfer; on the last one alone, an earlier micro-batch's
-forward whose input arrived late could still follow a backward). Ordering by dependencies between a stage's tasks instead would
-cost a scheduler round trip per task.
+A ``torch.nn.Sequential`` (or a list of modules) is cut into contiguous **stages**, one per
+worker. Each stage's modules are shipped once and live on their worker
+(:mod:`blockflow.ml.parallel._stage`): a micro-batch's forward pass stashes its input,
+output and autograd graph there, and its backward pass runs ``torch.autograd.backward``
+with the gradient the next stage sent back; each stage steps its own optimizer (any
+``torch.optim`` factory) on its worker. Activations and their gradients travel between
+stages as futures; parameters travel only in checkpoints and :meth:`state_dict`.
 
-The **partition** is chosen from measured times, not equal layer counts: every layer's
-forward+backward on a probe micro-batch is timed on every worker, and
-:func:`~blockflow.parallel.partition.partition_stages` picks the worker order and the
-contiguous cut that minimise the slowest stage. ``partition="equal"`` is the equal-layer
-baseline.
+Schedules (one graph per step, tasks pinned to their stage's worker, priorities in the
+schedule's order):
+
+* ``"gpipe"`` (Huang et al., 2019): every forward, then every backward; a stage's backward
+  passes depend on all its forward passes (the flush), so a stage stashes all ``m``
+  micro-batches; the bubble of equal stages is ``(p - 1) / (m + p - 1)``;
+* ``"1f1b"`` (PipeDream-Flush, Narayanan et al., 2021; ``torch.distributed.pipelining``'s
+  ``Schedule1F1B``): after ``p - s - 1`` warm-up forwards stage ``s`` alternates one forward
+  and one backward; forward ``j`` of stage ``s`` depends on backward ``j - (p - s)``, so a
+  stage stashes at most ``p - s <= p`` micro-batches (measured: ``result.peak_activations``).
+
+The **partition** comes from measurements: every module's forward+backward is timed on every
+worker on a probe micro-batch, one module at a time (a probe never holds more than one
+module's parameters), with its bytes of parameters, gradients and optimizer state after one
+step; :func:`~blockflow.parallel.partition.partition_stages` picks the worker order and the
+contiguous cut minimising the slowest stage, within each worker's free device memory
+(``blockflow.parallel.memory-fraction`` of it). ``partition="equal"`` and
+``partition="parameters"`` (DeepSpeed's ``partition_method``) are the baselines.
+
+**Faults**: every ``checkpoint_every`` steps each stage's state is checkpointed, one copy on
+its own worker and one on another (a spare worker when there is one). When a stage's worker
+is lost mid-step, the stage is rebuilt on a survivor from its copy, every other stage rolls
+back to the same checkpoint, and :meth:`PipelineParallel.fit` resumes from that step; where
+no survivor has room (or the copy went too), one :class:`~blockflow.errors.WorkerLostError`
+names the stage. Waits go through :func:`~blockflow.scheduling.client.gather_as_done`,
+which fails as soon as a needed worker leaves: never a hang.
 
 The **timeline** (per stage and micro-batch: worker, phase, start and stop seconds, from
-distributed's task stream) comes back as a DataFrame, is published in the scheduler's
-metadata under ``("blockflow", "pipeline")`` for blockflow's dashboard page, and is read
-into :func:`blockflow.run_report`.
+distributed's task stream) is published in the scheduler's metadata under
+``("blockflow", "pipeline")`` for blockflow's dashboard page and :func:`blockflow.run_report`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+import math
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+import warnings
+from typing import Any, Callable, Sequence
 
 import numpy as np
-import pandas as pd
 
 from blockflow import config
 from blockflow.cluster.identity import workers_info
-from blockflow.scheduling.client import gather_results, lost_roles
+from blockflow.errors import BlockflowWarning, WorkerLostError
 from blockflow.ml._pickling import FIX_TRAIN, dumps_or_explain
-from blockflow.ml.parallel.layers import Layer, backward, forward
-from blockflow.ml.parallel.partition import equal_stages, partition_stages, stage_times
+from blockflow.ml.parallel import _recovery, _stage
+from blockflow.ml.parallel.partition import (
+    equal_stages,
+    parameter_stages,
+    partition_stages,
+    stage_times,
+)
+from blockflow.ml.parallel.schedule import (
+    SCHEDULES,
+    PipelineResult,
+    bubble_fraction,
+    schedule_order,
+    timeline,
+)
+from blockflow.scheduling.client import gather_as_done, worker_memory
 
-__all__ = ["METADATA_KEY", "PipelineParallel", "PipelineResult", "bubble_fraction"]
+__all__ = ["METADATA_KEY", "PipelineParallel", "PipelineResult", "bubble_fraction",
+           "schedule_order"]
 
 logger = logging.getLogger(__name__)
 
 #: Scheduler metadata key under which the latest pipeline run publishes its timeline.
 METADATA_KEY = ("blockflow", "pipeline")
 
+def _modules_of(model) -> list[tuple[str, Any]]:
+    """(name, module) of each layer: a Sequential's children, or a list's items."""
+    import torch
 
-# --- worker-side functions ---------------------------------------------------------------
-
-
-class _Stage:
-    """The layers of one stage, shipped once to its worker and kept there, with the
-    activations its forward passes saved for their backward passes (the *stash*, keyed by
-    run and micro-batch) and the gradients accumulated over micro-batches."""
-
-    def __init__(self, layers: Sequence[Layer]):
-        self.layers = list(layers)
-        self.stash: dict = {}
-        self.grads: dict = {}
-        self.loss: dict = {}
+    if isinstance(model, torch.nn.Sequential):
+        return list(model.named_children())
+    if isinstance(model, (list, tuple)) and all(isinstance(m, torch.nn.Module) for m in model):
+        return [(str(i), m) for i, m in enumerate(model)]
+    raise TypeError(f"blockflow: PipelineParallel takes a torch.nn.Sequential or a list of "
+                    f"torch.nn.Module, got {type(model).__name__}; wrap the model's layers "
+                    f"in torch.nn.Sequential(...).")
 
 
-#: Guards the stash and the accumulated gradients on a worker with several threads.
-_LOCK = threading.Lock()
+def _refuse_batch_norm(named) -> None:
+    import torch
+
+    norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d,
+             torch.nn.SyncBatchNorm, torch.nn.LazyBatchNorm1d, torch.nn.LazyBatchNorm2d,
+             torch.nn.LazyBatchNorm3d)
+    for name, module in named:
+        for sub, m in module.named_modules():
+            if isinstance(m, norms):
+                path = f"{name}.{sub}" if sub else name
+                raise ValueError(
+                    f"blockflow: layer {path} is a {type(m).__name__}: on micro-batches its "
+                    f"statistics are each micro-batch's, not the batch's, so the pipelined "
+                    f"model is not the same model; use LayerNorm or GroupNorm, or pass "
+                    f"allow_batch_norm=True to accept per-micro-batch statistics.")
 
 
-def _stage_forward(stage: _Stage, x, run: str, j: int, keep: bool, last: bool):
-    """Forward of micro-batch ``j``: the output; saves activations when ``keep``."""
-    y, saved = forward(stage.layers, x)
-    if keep:
-        with _LOCK:
-            stage.stash[run, j] = (saved, y if last else None)
-    return y
-
-
-def _stage_backward(stage: _Stage, dy, run: str, j: int, n_elements: int | None,
-                    _after=None):
-    """Backward of micro-batch ``j``; on the last stage ``dy`` is the target and the loss
-    gradient (mean squared error over ``n_elements``) is formed here. Returns ``dx``."""
-    with _LOCK:
-        saved, y = stage.stash.pop((run, j))
-    if n_elements is not None:
-        diff = y - dy
-        dy = 2.0 * diff / n_elements
-        sq = float((diff * diff).sum())
-    grads, dx = backward(stage.layers, saved, dy)
-    with _LOCK:
-        if n_elements is not None:
-            stage.loss[run] = stage.loss.get(run, 0.0) + sq
-        total = stage.grads.get(run)
-        if total is None:
-            stage.grads[run] = grads
-        else:
-            for t, g in zip(total, grads):
-                for k in t:
-                    t[k] = t[k] + g[k]
-    return dx
-
-
-def _collect(stage: _Stage, run: str, *_after):
-    """The stage's accumulated gradients and squared-error sum of ``run`` (and forget them)."""
-    with _LOCK:
-        for key in [k for k in stage.stash if k[0] == run]:
-            del stage.stash[key]
-        return stage.grads.pop(run, None), stage.loss.pop(run, None)
-
-
-def _layer_times(layers: Sequence[Layer], x, repeats: int, fn: Callable):
-    """Seconds of each layer's forward+backward on ``x`` on this worker: the least of
-    ``repeats`` timed passes after one warm-up."""
-    best = [float("inf")] * len(layers)
-    for r in range(repeats + 1):
-        h = x
-        for i, layer in enumerate(layers):
-            start = time.perf_counter()
-            y = fn(layer, h)
-            if r:
-                best[i] = min(best[i], time.perf_counter() - start)
-            h = y
-    return best
-
-
-def _one_layer(layer: Layer, x):
-    y, saved = layer.forward(x)
-    layer.backward(saved, np.ones_like(y))
-    return y
-
-
-# --- results -----------------------------------------------------------------------------
-
-
-def bubble_fraction(timeline: pd.DataFrame) -> float:
-    """Idle fraction of a pipeline run: ``1 - busy / (stages x span)``.
-
-    Parameters
-    ----------
-    timeline : pandas.DataFrame
-        With columns ``stage``, ``start``, ``stop`` (seconds), one row per task.
-
-    Returns
-    -------
-    float
-        Fraction 0-1 of the stages' time between the first start and the last stop spent
-        idle (GPipe's bubble, plus any scheduling gaps).
-    """
-    if timeline.empty:
-        return 0.0
-    span = float(timeline.stop.max() - timeline.start.min())
-    busy = float((timeline.stop - timeline.start).sum())
-    p = timeline.stage.nunique()
-    return max(0.0, 1.0 - busy / (p * span)) if span > 0 else 0.0
-
-
-@dataclass
-class PipelineResult:
-    """What one pipeline pass gave (see :meth:`PipelineParallel.run`).
-
-    Attributes
-    ----------
-    output : numpy.ndarray
-        The model's output for the whole batch (micro-batches concatenated in order).
-    loss : float or None
-        Mean squared error against the target, when one was given.
-    grads : list of dict or None
-        Per layer, gradients of its parameters (``{}`` for activations), summed over
-        micro-batches; None without a backward pass.
-    timeline : pandas.DataFrame
-        One row per stage task: ``stage``, ``worker``, ``micro_batch``, ``phase``
-        (``"forward"``/``"backward"``), ``start``, ``stop`` (seconds since the first start).
-    makespan : float
-        Seconds from the first task start to the last stop.
-    n_micro_batches, n_stages : int
-    rows : int
-        Rows of the batch.
-    """
-
-    output: np.ndarray
-    loss: float | None
-    grads: list[dict] | None
-    timeline: pd.DataFrame = field(repr=False)
-    makespan: float
-    n_micro_batches: int
-    n_stages: int
-    rows: int
-
-    @property
-    def bubble(self) -> float:
-        """Measured idle fraction 0-1 (:func:`bubble_fraction` of the timeline)."""
-        return bubble_fraction(self.timeline)
-
-    @property
-    def ideal_bubble(self) -> float:
-        """GPipe's bubble for equal stages, ``(p - 1) / (m + p - 1)``."""
-        p, m = self.n_stages, self.n_micro_batches
-        return (p - 1) / (m + p - 1)
-
-    @property
-    def throughput(self) -> float:
-        """Rows per second through the pipeline (forward and backward when both ran)."""
-        return self.rows / self.makespan if self.makespan > 0 else float("inf")
-
-    def plot(self):
-        """Bokeh Gantt chart of the timeline: one row per stage, a bar per task."""
-        from bokeh.models import ColumnDataSource, HoverTool
-        from bokeh.plotting import figure
-
-        t = self.timeline.assign(
-            y=lambda d: [f"stage {s}" for s in d.stage],
-            color=lambda d: np.where(d.phase == "forward", "#1f77b4", "#ff7f0e"))
-        stages = [f"stage {s}" for s in sorted(t.stage.unique(), reverse=True)]
-        fig = figure(y_range=stages, height=60 + 40 * len(stages), width=700,
-                     title=f"Pipeline: {self.n_stages} stages, {self.n_micro_batches} "
-                           f"micro-batches, bubble {self.bubble:.1%}",
-                     x_axis_label="seconds")
-        fig.hbar(y="y", left="start", right="stop", height=0.7, color="color",
-                 source=ColumnDataSource(t), line_color="white")
-        fig.add_tools(HoverTool(tooltips=[("phase", "@phase"), ("micro-batch", "@micro_batch"),
-                                          ("worker", "@worker")]))
-        return fig
+def _mse():
+    import torch
+    return torch.nn.MSELoss()
 
 
 class PipelineParallel:
-    """A model cut into stages on different workers, trained or run on micro-batches.
+    """A PyTorch model cut into stages on different workers, trained on micro-batches.
 
     Parameters
     ----------
     client : distributed.Client
-    layers : sequence of Layer
-        The model, in order (:class:`~blockflow.parallel.layers.Linear`,
-        :class:`~blockflow.parallel.layers.Tanh`, ... or any :class:`Layer`).
+    model : torch.nn.Sequential or list of torch.nn.Module
+        The model, in order; the output of each layer is the next one's input (one tensor).
+    optimizer : callable, optional
+        ``optimizer(params) -> torch.optim.Optimizer``, built on each stage's worker for its
+        parameters (``torch.optim.Adam``, ``functools.partial(torch.optim.SGD, lr=0.1)``).
+        Without one, :meth:`run` computes gradients and steps nothing.
+    loss : callable, optional
+        ``loss(output, target) -> scalar tensor``, any torch loss with ``reduction="mean"``
+        over rows or ``"sum"``; default ``torch.nn.MSELoss()``.
+    schedule : {"gpipe", "1f1b"}, default "gpipe"
     workers : sequence of str, optional
         Workers that may hold stages; default all. One stage per worker.
     n_stages : int, optional
         Default: as many as workers (at most the number of layers).
-    partition : {"speed", "equal"} or (list of str, list of int), default "speed"
-        ``"speed"``: from each layer's measured time on each worker (see the module
-        docstring); ``"equal"``: equal layer counts on the workers in address order; or an
-        explicit ``(workers in stage order, bounds)``.
+    partition : {"speed", "equal", "parameters"} or (list of str, list of int), default "speed"
+        ``"speed"``: from each layer's measured time on each worker and free device memory
+        (see the module docstring); ``"equal"``: equal layer counts; ``"parameters"``: about
+        equal parameter counts (DeepSpeed's); or ``(workers in stage order, bounds)``.
+    sample : array or tensor, optional
+        Input rows the layers are timed on (``"speed"``); default: the first micro-batch of
+        the first :meth:`run` or :meth:`fit`, when the stages are then placed.
     probe_rows : int, default 32
-        Rows of the probe micro-batch the layers are timed on.
+        Rows of ``sample`` used by the probe.
     probe_repeats : int, default 2
         Timed passes per worker (the least counts), after a warm-up.
+    checkpoint_every : int, optional
+        Steps between checkpoints (0: none after the first); default config
+        ``blockflow.parallel.checkpoint-every``.
+    memory_fraction : float, optional
+        Fraction (0-1) of each worker's free device memory a stage may take; default config
+        ``blockflow.parallel.memory-fraction``.
+    seed : int, default 0
+        Seeds dropout: micro-batch ``j`` of step ``k`` on stage ``s`` draws from a generator
+        seeded from ``(seed, k, j, s)``, so runs repeat.
+    allow_batch_norm : bool, default False
+        BatchNorm is refused (per-micro-batch statistics change the model) unless True.
 
     Attributes
     ----------
     stage_workers : list of str
-        The worker of each stage, in pipeline order.
+        The worker of each stage, in pipeline order (after placement).
     bounds : list of int
-        Stage ``s`` holds ``layers[bounds[s]:bounds[s+1]]``.
+        Stage ``s`` holds layers ``bounds[s]:bounds[s+1]``.
     layer_times : dict of str to list of float or None
         The measured seconds of each layer on each worker (``"speed"`` partition).
+    layer_bytes : list of int or None
+        Measured bytes of each layer's parameters, gradients and optimizer state.
     predicted_stage_times : list of float or None
         Per stage, the measured seconds of its layers on its worker.
+    steps : int
+        Optimizer steps taken.
+    recoveries : list of dict
+        One per lost stage worker survived: ``step`` (when), ``resumed_from`` (the
+        checkpoint's step), ``stages`` (rebuilt), ``lost`` (workers).
 
     Raises
     ------
+    TypeError
+        If ``model`` is not a Sequential or a list of modules, or cannot be pickled.
     ValueError
-        For no layers, workers not in the cluster, an unknown partition or bounds that do
-        not cut the layers into one non-empty stage per worker.
-    RuntimeError
-        If the cluster has no workers.
+        For BatchNorm (without ``allow_batch_norm``), no layers, workers not in the cluster,
+        an unknown schedule or partition, or bounds that do not cut the layers into one
+        non-empty stage per worker.
     """
 
-    def __init__(self, client, layers: Sequence[Layer], *, workers: Sequence[str] | None = None,
-                 n_stages: int | None = None, partition="speed", probe_rows: int = 32,
-                 probe_repeats: int = 2):
-        self.client, self.layers = client, list(layers)
-        if not self.layers:
+    def __init__(self, client, model, *, optimizer: Callable | None = None,
+                 loss: Callable | None = None, schedule: str = "gpipe",
+                 workers: Sequence[str] | None = None, n_stages: int | None = None,
+                 partition="speed", sample=None, probe_rows: int = 32,
+                 probe_repeats: int = 2, checkpoint_every: int | None = None,
+                 memory_fraction: float | None = None, seed: int = 0,
+                 allow_batch_norm: bool = False):
+        self._named = _modules_of(model)
+        if not self._named:
             raise ValueError("blockflow: a pipeline needs at least one layer.")
+        if not allow_batch_norm:
+            _refuse_batch_norm(self._named)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"blockflow: schedule must be one of {SCHEDULES}, got "
+                             f"{schedule!r}.")
         # the layers travel to their stage's worker: refuse any that cannot, before anything
         # runs, as predict, Router and DataParallelTrainer do
-        dumps_or_explain(self.layers, "blockflow.parallel.PipelineParallel", root="layers",
-                         fix=FIX_TRAIN)
+        self._payloads = [dumps_or_explain(m, "blockflow.parallel.PipelineParallel",
+                                           root=f"model[{name!r}]", fix=FIX_TRAIN)
+                          for name, m in self._named]
+        self.client, self.schedule = client, schedule
+        self.optimizer, self.loss_fn = optimizer, loss if loss is not None else _mse()
+        self.seed, self.probe_rows, self.probe_repeats = int(seed), probe_rows, probe_repeats
+        self.checkpoint_every = int(config.get("parallel.checkpoint-every", checkpoint_every))
+        self.memory_fraction = float(config.get("parallel.memory-fraction", memory_fraction))
         available = sorted(workers_info(client))
         workers = sorted(workers) if workers is not None else available
         missing = sorted(set(workers) - set(available))
@@ -285,83 +217,187 @@ class PipelineParallel:
             raise ValueError(f"blockflow: workers {missing} are not in the cluster.")
         if not workers:
             raise RuntimeError("blockflow: the cluster has no workers; start some first.")
-        p = min(n_stages or len(workers), len(workers), len(self.layers))
+        self.workers = workers
+        self.n_stages = min(n_stages or len(workers), len(workers), len(self._named))
+        if isinstance(partition, str) and partition not in ("speed", "equal", "parameters"):
+            raise ValueError(f"blockflow: partition must be 'speed', 'equal', 'parameters' "
+                             f"or (workers, bounds), got {partition!r}.")
+        if not isinstance(partition, str):
+            order, bounds = list(partition[0]), [int(b) for b in partition[1]]
+            n = len(self._named)
+            if len(bounds) != len(order) + 1 or bounds[0] != 0 or bounds[-1] != n or any(
+                    b <= a for a, b in zip(bounds, bounds[1:])):
+                raise ValueError(f"blockflow: partition bounds must rise from 0 to {n} with "
+                                 f"one stage per worker, got {bounds} for {len(order)} "
+                                 f"workers.")
+        self.partition = partition
         self.layer_times: dict[str, list[float]] | None = None
+        self.layer_bytes: list[int] | None = None
         self.predicted_stage_times: list[float] | None = None
-        if partition == "speed":
-            self.layer_times = self.measure(workers, probe_rows, probe_repeats)
-            order, bounds = partition_stages(self.layer_times, p)
-            self.predicted_stage_times = stage_times(self.layer_times, bounds, order)
-        elif partition == "equal":
-            order, bounds = equal_stages(len(self.layers), workers[:p])
-        elif isinstance(partition, str):
-            raise ValueError(f"blockflow: partition must be 'speed', 'equal' or (workers, "
-                             f"bounds), got {partition!r}.")
-        else:
-            order, bounds = partition
-            order, bounds = list(order), [int(b) for b in bounds]
-            if len(bounds) != len(order) + 1 or bounds[0] != 0 or bounds[-1] != len(
-                    self.layers) or any(b <= a for a, b in zip(bounds, bounds[1:])):
-                raise ValueError(f"blockflow: partition bounds must rise from 0 to "
-                                 f"{len(self.layers)} with one stage per worker, got {bounds} "
-                                 f"for {len(order)} workers.")
-        self.stage_workers, self.bounds = order, bounds
-        logger.info("blockflow: pipeline of %d layers in %d stages: layers %s on workers %s "
-                    "(partition %s; measured stage seconds %s)", len(self.layers), len(order),
-                    [f"{a}:{b}" for a, b in zip(bounds, bounds[1:])], order,
-                    partition if isinstance(partition, str) else "given",
-                    None if self.predicted_stage_times is None
-                    else [round(t, 4) for t in self.predicted_stage_times])
-        self._stages = [
-            client.scatter(_Stage(self.layers[bounds[s]:bounds[s + 1]]), workers=[w],
-                           hash=False)
-            for s, w in enumerate(order)]
+        self.stage_workers: list[str] = []
+        self.bounds: list[int] = []
+        self.steps = 0
+        self.recoveries: list[dict] = []
+        self._keys: list[str] = []
+        self._stage_bytes: list[int] = []
+        self._ckpt: list[tuple] = []  # per stage: (own future, copy future or None)
+        self._ckpt_step = 0
+        if partition != "speed" or sample is not None:
+            self._place(sample)
 
-    def _input_width(self) -> int:
-        for layer in self.layers:
-            W = getattr(layer, "params", {}).get("W")
-            if W is not None:
-                return int(W.shape[0])
-        raise ValueError("blockflow: cannot tell the model's input width (no layer with a "
-                         "weight W); pass partition='equal' or an explicit partition.")
+    # --- placement ---------------------------------------------------------------------
 
-    def measure(self, workers: Sequence[str], rows: int = 32, repeats: int = 2
-                ) -> dict[str, list[float]]:
-        """Each layer's forward+backward seconds on each worker, on a probe micro-batch.
+    def _stage_payload(self, s: int) -> bytes:
+        import cloudpickle
+        import torch
 
-        Returns
-        -------
-        dict of str to list of float
-            Worker address -> seconds per layer.
+        a, b = self.bounds[s], self.bounds[s + 1]
+        seq = torch.nn.Sequential()
+        for name, m in self._named[a:b]:
+            seq.add_module(name, m)
+        return cloudpickle.dumps(seq)
 
-        Notes
-        -----
-        The probe sends every layer to every worker once (one task each, in parallel), so
-        each worker must hold the whole model's parameters for a moment; for a model too
-        large for that, pass an explicit ``partition``.
-        """
-        x = np.random.default_rng(0).standard_normal((rows, self._input_width()))
-        futs = {w: self.client.submit(_layer_times, self.layers, x, repeats, _one_layer,
-                                      workers=[w], allow_other_workers=False, pure=False)
-                for w in workers}
-        times = gather_results(self.client, futs, what="the pipeline's layer probe")
-        return {w: [float(t) for t in times[w]] for w in futs}
-
-    def run(self, X, target=None, *, n_micro_batches: int | None = None,
-            publish: bool = True, name: str = "pipeline") -> PipelineResult:
-        """One pass of the batch through the pipeline: forward, and backward with a target.
+    def measure(self, sample, workers: Sequence[str] | None = None
+                ) -> tuple[dict[str, list[float]], list[int]]:
+        """Each layer's forward+backward seconds on each worker, and its bytes.
 
         Parameters
         ----------
-        X : array, shape (n_samples, d_in)
-        target : array, shape (n_samples, d_out), optional
-            With a target, the loss is the mean squared error over all elements and the
-            backward pass runs (GPipe: all forwards, then all backwards), accumulating each
-            stage's gradients over micro-batches on its worker.
+        sample : array or tensor
+            Input rows (the first ``probe_rows`` are used).
+        workers : sequence of str, optional
+            Default: the pipeline's workers.
+
+        Returns
+        -------
+        (dict of str to list of float, list of int)
+            Worker address -> seconds per layer; bytes of each layer's parameters,
+            gradients and optimizer state after one step (from the first worker).
+        """
+        x = sample[: self.probe_rows]
+        futs = {w: self.client.submit(_stage.probe, self._payloads, x, self.probe_repeats,
+                                      self.optimizer, workers=[w], allow_other_workers=False,
+                                      pure=False)
+                for w in (workers or self.workers)}
+        got = self._gather(list(futs.values()), needed=set(futs),
+                           what="the pipeline's layer probe")
+        times = {w: [float(t) for t in g[0]] for w, g in zip(futs, got)}
+        return times, [int(b) for b in got[0][1]]
+
+    def _capacity(self) -> dict[str, float]:
+        mem = worker_memory(self.client)
+        return {w: self.memory_fraction * float(mem[w].free) if w in mem else math.inf
+                for w in self.workers}
+
+    def _place(self, sample) -> None:
+        p = self.n_stages
+        if self.partition == "speed":
+            if sample is None:
+                raise ValueError("blockflow: the speed partition needs sample rows to time "
+                                 "the layers on; pass sample= or call run()/fit() first.")
+            self.layer_times, self.layer_bytes = self.measure(sample)
+            capacity = self._capacity()
+            order, bounds = partition_stages(self.layer_times, p, layer_bytes=self.layer_bytes,
+                                             capacity=capacity)
+            self.predicted_stage_times = stage_times(self.layer_times, bounds, order)
+        elif self.partition == "equal":
+            order, bounds = equal_stages(len(self._named), self.workers[:p])
+        elif self.partition == "parameters":
+            counts = [sum(q.numel() for q in m.parameters()) for _, m in self._named]
+            order, bounds = parameter_stages(counts, self.workers[:p])
+        else:
+            order, bounds = [str(w) for w in self.partition[0]], list(self.partition[1])
+        self.stage_workers, self.bounds = list(order), [int(b) for b in bounds]
+        self.n_stages = len(order)
+        logger.info("blockflow: pipeline of %d layers in %d stages: layers %s on workers %s "
+                    "(partition %s; measured stage seconds %s)", len(self._named), len(order),
+                    [f"{a}:{b}" for a, b in zip(bounds, bounds[1:])], order,
+                    self.partition if isinstance(self.partition, str) else "given",
+                    None if self.predicted_stage_times is None
+                    else [round(t, 4) for t in self.predicted_stage_times])
+        token = uuid.uuid4().hex[:10]
+        self._keys = [f"stage-{s}-{token}" for s in range(len(order))]
+        futs = [self.client.submit(_stage.install, self._keys[s], self._stage_payload(s),
+                                   self.optimizer, self.loss_fn, self.seed, s,
+                                   workers=[w], allow_other_workers=False, pure=False,
+                                   key=f"pipeline-install-{self._keys[s]}")
+                for s, w in enumerate(order)]
+        self._stage_bytes = self._gather(futs, needed=set(order), what="placing the stages")
+        self._checkpoint()
+
+    def _stage_name(self, s: int) -> str:
+        a, b = self.bounds[s], self.bounds[s + 1] - 1
+        names = [n for n, _ in self._named]
+        return f"stage {s} (layers {names[a]}-{names[b]})" if b > a else \
+            f"stage {s} (layer {names[a]})"
+
+    # --- waiting -----------------------------------------------------------------------
+
+    def _alive(self) -> set[str]:
+        return set(workers_info(self.client))
+
+    def _gather(self, futures: list, *, needed: set, what: str) -> list:
+        """Results in order; a lost needed worker raises WorkerLostError at once."""
+        index = {f.key: i for i, f in enumerate(futures)}
+        out: list = [None] * len(futures)
+
+        def get(f):
+            out[index[f.key]] = f.result()
+            return None
+
+        gather_as_done(futures, alive=self._alive, needed=needed, get=get)
+        return out
+
+    # --- checkpoints and recovery (blockflow.ml.parallel._recovery) -------------------
+
+    def _checkpoint(self) -> None:
+        _recovery.checkpoint(self)
+
+    def _recover(self, lost: set[str], what: str) -> list[str]:
+        return _recovery.recover(self, lost, what)
+
+    # --- a step ------------------------------------------------------------------------
+
+    def _micro_batches(self, n_rows: int, n_micro_batches: int | None) -> int:
+        if n_micro_batches is None:
+            p = self.n_stages
+            return max(1, min(p * int(config.get("parallel.micro-batches-per-stage")), n_rows))
+        m = n_micro_batches
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or not 1 <= m <= n_rows:
+            # each micro-batch needs a row: fewer would run than asked, silently
+            raise ValueError(f"blockflow: n_micro_batches={n_micro_batches!r} for a batch of "
+                             f"{n_rows} rows; a micro-batch needs at least one row: pass "
+                             f"n_micro_batches between 1 and {n_rows}.")
+        return int(m)
+
+    def _weight(self, rows: int, total: int) -> float:
+        reduction = getattr(self.loss_fn, "reduction", "mean")
+        if reduction == "sum":
+            return 1.0
+        if reduction != "mean":
+            raise ValueError(f"blockflow: the loss's reduction must be 'mean' or 'sum', got "
+                             f"{reduction!r}.")
+        return rows / total
+
+    def run(self, X, target=None, *, n_micro_batches: int | None = None,
+            return_grads: bool = False, return_output: bool = True, publish: bool = True,
+            name: str = "pipeline") -> PipelineResult:
+        """One step on the batch: forward, and with a target backward and the optimizer.
+
+        Parameters
+        ----------
+        X : array or tensor, shape (n_samples, ...)
+        target : array or tensor, shape (n_samples, ...), optional
+            With a target the loss is formed on the last stage, the backward pass runs and
+            each stage's optimizer (if any) steps.
         n_micro_batches : int, optional
-            Between 1 and the batch's rows (each micro-batch gets at least one row).
-            Default ``stages x`` config ``blockflow.parallel.micro-batches-per-stage``,
-            at most the rows.
+            Between 1 and the batch's rows; micro-batches differ by at most one row when
+            the count does not divide the batch (8 rows in 3: 3, 3, 2). Default ``stages x``
+            config ``blockflow.parallel.micro-batches-per-stage``, at most the rows.
+        return_grads : bool, default False
+            Gather the gradients (before the optimizer step) into ``result.grads``.
+        return_output : bool, default True
+            Gather the model's output into ``result.output``.
         publish : bool, default True
             Publish the timeline in the scheduler's metadata (dashboard, run report).
         name : str, default "pipeline"
@@ -374,108 +410,331 @@ class PipelineParallel:
         Raises
         ------
         ValueError
-            If ``n_micro_batches`` is below 1 or above the rows (before anything runs),
-            the batch is empty, or ``target``'s rows differ from ``X``'s.
+            If ``n_micro_batches`` is below 1 or above the rows (before anything runs), the
+            batch is empty, or ``target``'s rows differ from ``X``'s.
+        WorkerLostError
+            If a stage's worker was lost and nothing could rebuild the stage (the message
+            names it).
         """
+        n = len(X)
+        if n == 0:
+            raise ValueError("blockflow: the pipeline got a batch of 0 rows; pass at least "
+                             "one row.")
+        m = self._micro_batches(n, n_micro_batches)
+        if target is not None and len(target) != n:
+            raise ValueError(f"blockflow: target has {len(target)} rows but X has {n}; pass "
+                             f"one target row per sample.")
+        sizes = [len(a) for a in np.array_split(np.arange(n), m)]
+        cuts = np.concatenate([[0], np.cumsum(sizes)])
+        xs = [X[cuts[j]:cuts[j + 1]] for j in range(m)]
+        ts = None if target is None else [target[cuts[j]:cuts[j + 1]] for j in range(m)]
+        return self._step(xs, ts, sizes, return_grads=return_grads,
+                          return_output=return_output, publish=publish, name=name)
+
+    def _step(self, xs: list, ts: list | None, sizes: list[int], **kw) -> PipelineResult:
+        """A step with recovery: a lost stage worker rebuilds and the step runs again."""
+        if not self.stage_workers:
+            self._place(_first(xs[0]))
+        recovered: list[str] = []
+        while True:
+            try:
+                result = self._try_step(xs, ts, sizes, **kw)
+                break
+            except WorkerLostError as e:
+                lost = set(e.lost) - self._alive() or set(self.stage_workers) - self._alive()
+                if not lost:
+                    raise
+                before = self.steps
+                stages = self._recover(lost, f"the pipeline step over {sum(sizes)} rows")
+                recovered += stages
+                self.recoveries.append({"step": before, "resumed_from": self.steps,
+                                        "stages": stages, "lost": sorted(lost)})
+                if self.steps < before:
+                    warnings.warn(
+                        f"blockflow: the pipeline rolled back to the checkpoint of step "
+                        f"{self.steps} after losing a stage's worker: steps {self.steps + 1}-"
+                        f"{before} are undone (fit() replays them; checkpoint_every=1 loses "
+                        f"none).", BlockflowWarning, stacklevel=3)
+                    raise _RolledBack(before) from None
+        result.recovered = recovered
+        return result
+
+    def _try_step(self, xs, ts, sizes, *, return_grads, return_output, publish, name):
         import dask
         from dask import delayed
         from distributed import get_task_stream
 
-        X = np.asarray(X, dtype=np.float64)
-        p = len(self.stage_workers)
-        if len(X) == 0:
-            raise ValueError("blockflow: the pipeline got a batch of 0 rows; pass at least "
-                             "one row.")
-        if n_micro_batches is not None:
-            m = int(n_micro_batches)
-            if not 1 <= m <= len(X):
-                # each micro-batch needs a row: fewer would run than asked, silently
-                raise ValueError(f"blockflow: n_micro_batches={n_micro_batches!r} for a "
-                                 f"batch of {len(X)} rows; a micro-batch needs at least "
-                                 f"one row: pass n_micro_batches between 1 and {len(X)}.")
-        else:  # the configured default follows the stages, at most one per row
-            m = max(1, min(p * int(config.get("parallel.micro-batches-per-stage")), len(X)))
+        c, p, m = self.client, len(self.stage_workers), len(xs)
+        gone = set(self.stage_workers) - self._alive()
+        if gone:  # lost between steps: rebuild before sending it anything
+            raise WorkerLostError(f"blockflow: workers lost: {sorted(gone)}", lost=gone)
+        train = ts is not None
         token = uuid.uuid4().hex[:8]
-        c = self.client
-        mbs = np.array_split(X, m)
+        step = self.steps
         on = [dict(workers=[w], allow_other_workers=False) for w in self.stage_workers]
-        train = target is not None
-        if train:
-            T = np.asarray(target, dtype=np.float64)
-            if T.shape[0] != X.shape[0]:
-                raise ValueError(f"blockflow: target has {T.shape[0]} rows but X has "
-                                 f"{X.shape[0]}; pass one target row per sample.")
+        total = sum(sizes)
         with get_task_stream(c) as stream:
-            inputs = c.scatter(mbs, workers=[self.stage_workers[0]], hash=False)
-            targets = c.scatter(np.array_split(T, m), workers=[self.stage_workers[-1]],
-                                hash=False) if train else None
-            # One graph, one submission: the scheduler sees every task and its priority at
-            # once (separate submits may reach a worker out of order).
+            try:
+                inputs = _place_data(c, xs, self.stage_workers[0])
+                targets = _place_data(c, ts, self.stage_workers[-1]) if train else None
+            except Exception:
+                gone = set(self.stage_workers) - self._alive()
+                if gone:  # the worker left while the data went to it
+                    raise WorkerLostError(f"blockflow: workers lost: {sorted(gone)}",
+                                          lost=gone) from None
+                raise
             fwd = [[None] * m for _ in range(p)]
-            for j in range(m):
-                x = inputs[j]
-                for s in range(p):
-                    with dask.annotate(priority=-j, **on[s]):
-                        x = fwd[s][j] = delayed(_stage_forward, pure=False)(
-                            self._stages[s], x, token, j, train, s == p - 1,
-                            dask_key_name=f"{name}-forward-{token}-{s}-{j}")
-            wanted = [fwd[p - 1][j] for j in range(m)]
-            if train:
-                bwd = [[] for _ in range(p)]
+            bwd = [[None] * m for _ in range(p)]
+            orders = [schedule_order(self.schedule if train else "gpipe", p, m, s)
+                      for s in range(p)]
+            rank = [{task: i for i, task in enumerate(order)} for order in orders]
+            # every task is built after its dependencies: 1F1B's forward j of stage s
+            # waits for its backward j - (p - s) (at most p - s micro-batches stashed)
+
+            def make_forward(s, j):
+                x = inputs[j] if s == 0 else fwd[s - 1][j]
+                after = []
+                if train and self.schedule == "1f1b" and j - (p - s) >= 0:
+                    after.append(bwd[s][j - (p - s)])
+                with dask.annotate(priority=-rank[s][("F", j)], **on[s]):
+                    fwd[s][j] = delayed(_stage.forward, pure=False)(
+                        self._keys[s], x, step, j, train, *after,
+                        dask_key_name=f"{name}-forward-{token}-{s}-{j}")
+
+            def make_backward(s, j):
+                dy = targets[j] if s == p - 1 else bwd[s + 1][j]
+                after = list(fwd[s]) if self.schedule == "gpipe" else [fwd[s][j]]
+                w = self._weight(sizes[j], total) if s == p - 1 else None
+                with dask.annotate(priority=-rank[s][("B", j)], **on[s]):
+                    bwd[s][j] = delayed(_stage.backward, pure=False)(
+                        self._keys[s], dy, j, w, *after,
+                        dask_key_name=f"{name}-backward-{token}-{s}-{j}")
+
+            if not train:
                 for j in range(m):
-                    dy = targets[j]
-                    for s in range(p - 1, -1, -1):
-                        # after every forward of the stage (GPipe's flush): its last
-                        # micro-batch's forward alone is not enough, as the forwards of
-                        # earlier ones may finish after it when their inputs arrive late
-                        # (seen in CI); same worker, no transfer
-                        after = fwd[s]
-                        with dask.annotate(priority=-(m + j), **on[s]):
-                            dy = delayed(_stage_backward, pure=False)(
-                                self._stages[s], dy, token, j,
-                                T.size if s == p - 1 else None, after,
-                                dask_key_name=f"{name}-backward-{token}-{s}-{j}")
-                        bwd[s].append(dy)
+                    for s in range(p):
+                        make_forward(s, j)
+            else:
+                # resolve dependencies by sweeping until every task exists
+                todo = {(s, kind, j) for s in range(p) for kind, j in orders[s]}
+                while todo:
+                    progressed = False
+                    for s, kind, j in sorted(todo, key=lambda t: (t[2], t[1], t[0])):
+                        if kind == "F":
+                            ready = (s == 0 or fwd[s - 1][j] is not None) and (
+                                self.schedule != "1f1b" or j - (p - s) < 0
+                                or bwd[s][j - (p - s)] is not None)
+                            if ready:
+                                make_forward(s, j)
+                        else:
+                            ready = all(f is not None for f in fwd[s]) if \
+                                self.schedule == "gpipe" else fwd[s][j] is not None
+                            ready = ready and (s == p - 1 or bwd[s + 1][j] is not None)
+                            if ready:
+                                make_backward(s, j)
+                        if ready:
+                            todo.discard((s, kind, j))
+                            progressed = True
+                    if not progressed:  # pragma: no cover - the schedules are acyclic
+                        raise RuntimeError("blockflow: the pipeline schedule has a cycle.")
+            wanted = [fwd[p - 1][j] for j in range(m)] if return_output or not train else []
+            if train:
                 for s in range(p):
                     with dask.annotate(**on[s]):
-                        wanted.append(delayed(_collect, pure=False)(
-                            self._stages[s], token, *bwd[s],
-                            dask_key_name=f"{name}-collect-{token}-{s}"))
+                        wanted.append(delayed(_stage.finish, pure=False)(
+                            self._keys[s], self.optimizer is not None, return_grads, *bwd[s],
+                            dask_key_name=f"{name}-finish-{token}-{s}"))
+            futures = c.compute(wanted, optimize_graph=False)
             try:
-                futures = c.compute(wanted, optimize_graph=False)
-                done = gather_results(c, futures, what="the pipeline pass")
-            except Exception:
-                # a stage's worker left: say which stage, worker and rows, not the keys
-                lost = lost_roles(
-                    c, f"the pipeline pass over rows 0-{len(X) - 1} ({m} micro-batches)",
-                    self._stage_roles(),
-                    "the stage's layers and their state went with it: build the "
-                    "PipelineParallel again on the workers left and run the pass again.")
-                if lost is None:
-                    raise
-                raise lost from None
-            output = np.concatenate(done[:m])
-            loss, grads = None, None
-            if train:
-                collected = done[m:]
-                loss = collected[-1][1] / T.size
-                grads = [g for stage_grads, _ in collected for g in stage_grads]
-        timeline = _timeline(stream.data, name, token, self.stage_workers)
-        makespan = float(timeline.stop.max()) if len(timeline) else 0.0
-        result = PipelineResult(output=output, loss=loss, grads=grads, timeline=timeline,
-                                makespan=makespan, n_micro_batches=m, n_stages=p, rows=len(X))
+                done = self._gather(futures, needed=set(self.stage_workers),
+                                    what="the pipeline step")
+            except WorkerLostError:
+                c.cancel(futures)
+                raise
+        n_out = m if (return_output or not train) else 0
+        output = None
+        if n_out:
+            output = np.concatenate([np.asarray(o) for o in done[:n_out]])
+        loss = grads = None
+        peaks: list[int] = []
+        if train:
+            finished = done[n_out:]
+            loss = float(finished[-1]["loss"])
+            peaks = [int(f["peak_stash"]) for f in finished]
+            self._stage_bytes = [max(b, int(f["bytes"]))
+                                 for b, f in zip(self._stage_bytes, finished)]
+            if return_grads:
+                grads = {k: (None if v is None else v.numpy()) for f in finished
+                         for k, v in f["grads"].items()}
+            self.steps += 1
+            if self.checkpoint_every and self.steps % self.checkpoint_every == 0:
+                self._checkpoint()
+        tasks = timeline(stream.data, name, token, self.stage_workers)
+        makespan = float(tasks.stop.max()) if len(tasks) else 0.0
+        result = PipelineResult(output=output, loss=loss, grads=grads, timeline=tasks,
+                                makespan=makespan, n_micro_batches=m, n_stages=p,
+                                rows=total, micro_batch_rows=list(sizes),
+                                schedule=self.schedule if train else "gpipe",
+                                peak_activations=peaks)
         if publish:
             self._publish(result, name)
         return result
 
+    # --- training and inference --------------------------------------------------------
+
+    def fit(self, X, y, *, epochs: int = 1, batch_size: int | None = None,
+            n_micro_batches: int | None = None, shuffle: bool = True,
+            callback: Callable | None = None) -> "PipelineParallel":
+        """Train on ``(X, y)`` for ``epochs``, one pipeline step per batch.
+
+        Parameters
+        ----------
+        X : dask.array.Array or array, shape (n_samples, ...)
+            Batches are sliced from it on the cluster and sent to the first stage's worker;
+            the data never pass through the client when ``X`` is a dask array.
+        y : dask.array.Array or array, shape (n_samples, ...)
+            Sent to the last stage's worker.
+        epochs : int, default 1
+        batch_size : int, optional
+            Rows per step; default 256 (at most the rows).
+        n_micro_batches : int, optional
+            As for :meth:`run`.
+        shuffle : bool, default True
+            Visit the batches in a new order each epoch (seeded by ``seed``); rows within a
+            batch stay contiguous.
+        callback : callable, optional
+            ``callback(epoch, step, loss)`` after each step.
+
+        Returns
+        -------
+        PipelineParallel
+            ``self``; ``history_`` holds one row per step (``epoch``, ``step``, ``loss``,
+            ``seconds``, ``recovered``).
+
+        Raises
+        ------
+        ValueError
+            Without an optimizer, or for rows of ``X`` and ``y`` that differ.
+        WorkerLostError
+            When a stage's worker is lost and nothing can rebuild it.
+        """
+        import dask.array as da
+
+        if self.optimizer is None:
+            raise ValueError("blockflow: fit() needs an optimizer: pass optimizer= to "
+                             "PipelineParallel (e.g. torch.optim.Adam).")
+        X = X if isinstance(X, da.Array) else da.from_array(np.asarray(X), chunks=(
+            max(1, math.ceil(len(X) / 8)),) + np.shape(X)[1:])
+        y = y if isinstance(y, da.Array) else da.from_array(np.asarray(y), chunks=(
+            X.chunks[0],) + np.shape(y)[1:])
+        if X.shape[0] != y.shape[0]:
+            raise ValueError(f"blockflow: X has {X.shape[0]} rows but y has {y.shape[0]}; "
+                             f"pass labels for every sample.")
+        X, y = self.client.persist([X, y])
+        n = X.shape[0]
+        bs = min(int(batch_size or 256), n)
+        starts = list(range(0, n, bs))
+        rng = np.random.default_rng(self.seed)
+        plan = [(e, b) for e in range(epochs)
+                for b in (rng.permutation(starts) if shuffle else starts)]
+        self.history_: list[dict] = []
+        if not self.stage_workers:
+            self._place(_first(X[: self.probe_rows]))
+        if self._ckpt_step != self.steps:  # a rollback never reaches back before this fit
+            self._checkpoint()
+        start_step = self.steps
+        i = 0
+        while i < len(plan):
+            epoch, lo = plan[i]
+            hi = min(lo + bs, n)
+            rows = hi - lo
+            m = self._micro_batches(rows, n_micro_batches)
+            sizes = [len(a) for a in np.array_split(np.arange(rows), m)]
+            cuts = lo + np.concatenate([[0], np.cumsum(sizes)])
+            xs = [X[cuts[j]:cuts[j + 1]] for j in range(m)]
+            ts = [y[cuts[j]:cuts[j + 1]] for j in range(m)]
+            t0 = time.perf_counter()
+            try:
+                r = self._step(xs, ts, sizes, return_grads=False, return_output=False,
+                               publish=False, name="pipeline-fit")
+            except _RolledBack:
+                i = self.steps - start_step  # replay from the checkpoint's step
+                self.history_ = self.history_[:i]
+                continue
+            self.history_.append({"epoch": epoch, "step": self.steps, "loss": r.loss,
+                                  "seconds": time.perf_counter() - t0,
+                                  "recovered": r.recovered})
+            if callback is not None:
+                callback(epoch, self.steps, r.loss)
+            i += 1
+        return self
+
+    def predict(self, X, *, n_micro_batches: int | None = None,
+                batch_size: int | None = None) -> np.ndarray:
+        """The model's output on ``X`` (evaluation mode, no gradients).
+
+        Parameters
+        ----------
+        X : dask.array.Array or array, shape (n_samples, ...)
+        n_micro_batches : int, optional
+            Per batch, as for :meth:`run`.
+        batch_size : int, optional
+            Rows per pass; default 1024.
+
+        Returns
+        -------
+        numpy.ndarray
+        """
+        import dask.array as da
+
+        n = X.shape[0]
+        if isinstance(X, da.Array):
+            X = self.client.persist(X)
+        bs = min(int(batch_size or 1024), n)
+        outs = []
+        for lo in range(0, n, bs):
+            rows = min(bs, n - lo)
+            m = self._micro_batches(rows, n_micro_batches)
+            sizes = [len(a) for a in np.array_split(np.arange(rows), m)]
+            cuts = lo + np.concatenate([[0], np.cumsum(sizes)])
+            xs = [X[cuts[j]:cuts[j + 1]] for j in range(m)]
+            outs.append(self._step(xs, None, sizes, return_grads=False, return_output=True,
+                                   publish=False, name="pipeline-predict").output)
+        return np.concatenate(outs)
+
+    def state_dict(self) -> dict:
+        """The model's ``state_dict()``, reassembled on the client from every stage (keys as
+        in the original model's; tensors on the CPU)."""
+        futs = [self.client.submit(_stage.state, k, workers=[w], allow_other_workers=False,
+                                   pure=False) for k, w in zip(self._keys, self.stage_workers)]
+        out: dict = {}
+        for part in self._gather(futs, needed=set(self.stage_workers), what="state_dict()"):
+            out.update(part)
+        return out
+
+    def memory_peaks(self, reset: bool = False) -> dict[str, int]:
+        """Per worker: the most bytes of parameters, gradients and optimizer state it held
+        at once (its stages, and the probe's one layer at a time), measured on the worker."""
+        return self.client.run(_stage.peaks, reset, workers=self.workers)
+
+    def stage_bytes(self) -> list[int]:
+        """Per stage: bytes of its parameters, gradients and optimizer state (the most seen
+        at the end of a step)."""
+        return list(self._stage_bytes)
+
     def _stage_roles(self) -> dict[str, str]:
-        """Worker to the stage it holds, as errors name it (``"stage 1 (layers 2-3)"``)."""
-        return {w: f"stage {s} (layers {self.bounds[s]}-{self.bounds[s + 1] - 1})"
-                for s, w in enumerate(self.stage_workers)}
+        return {w: self._stage_name(s) for s, w in enumerate(self.stage_workers)}
 
     def close(self) -> None:
-        """Release the stages held on the workers."""
-        self._stages = []
+        """Drop the stages and their checkpoints from the workers."""
+        alive = self._alive()
+        futs = [self.client.submit(_stage.drop, k, workers=[w], allow_other_workers=False,
+                                   pure=False)
+                for k, w in zip(self._keys, self.stage_workers) if w in alive]
+        self._ckpt, self._keys = [], []
+        if futs:
+            self._gather(futs, needed={f"{w}" for w in self.stage_workers if w in alive},
+                         what="dropping the stages")
 
     def __enter__(self):
         return self
@@ -495,25 +754,22 @@ class PipelineParallel:
         })
 
 
-def _timeline(stream: list[dict], name: str, token: str, workers: list[str]) -> pd.DataFrame:
-    """Rows of the pipeline's stage tasks from distributed's task stream records."""
-    rows = []
-    for rec in stream:
-        key = rec.get("key")
-        key = key if isinstance(key, str) else str(key)
-        for phase in ("forward", "backward"):
-            prefix = f"{name}-{phase}-{token}-"
-            if key.startswith(prefix):
-                s, j = (int(v) for v in key[len(prefix):].split("-"))
-                compute = [ss for ss in rec.get("startstops", ()) if ss["action"] == "compute"]
-                if compute:
-                    rows.append({"stage": s, "worker": workers[s], "micro_batch": j,
-                                 "phase": phase, "start": compute[0]["start"],
-                                 "stop": compute[0]["stop"]})
-    df = pd.DataFrame(rows, columns=["stage", "worker", "micro_batch", "phase", "start",
-                                     "stop"])
-    if len(df):
-        t0 = df.start.min()
-        df = df.assign(start=df.start - t0, stop=df.stop - t0).sort_values(
-            ["stage", "start"]).reset_index(drop=True)
-    return df
+class _RolledBack(Exception):
+    """A step lost a stage and the pipeline rolled back to an earlier checkpoint."""
+
+
+def _first(x):
+    import dask.array as da
+    return x.compute() if isinstance(x, da.Array) else x
+
+
+def _place_data(client, parts: list, worker: str) -> list:
+    """Futures of ``parts`` on ``worker``: dask slices computed there, the rest scattered."""
+    import dask.array as da
+    from distributed import futures_of
+
+    on = dict(workers=[worker], allow_other_workers=False)
+    if all(isinstance(a, da.Array) for a in parts):
+        done = client.persist([a.rechunk(-1) for a in parts], **on)
+        return [futures_of(d)[0] for d in done]
+    return client.scatter(list(parts), workers=[worker], hash=False)

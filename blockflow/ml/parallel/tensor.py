@@ -1,20 +1,27 @@
-"""Tensor (model) parallelism: a stack of linear layer pairs split across workers, Megatron-style.
+"""Tensor (model) parallelism for PyTorch: pairs of ``nn.Linear`` split across workers.
 
-Each *block* of the model is ``y = act(x @ A + a) @ B + b`` (two linear layers with an
-element-wise activation between them, the MLP of a transformer layer). As in Megatron-LM
-(Shoeybi et al., 2019), ``A`` is split by **columns** and ``B`` by **rows** into shards that
-live on different workers: shard ``i`` computes ``act(x @ A_i + a_i) @ B_i`` on its own
-worker, with no communication inside the block, and the partial outputs are summed (a
-fan-in tree of futures). The backward pass mirrors it: each shard's gradients (``dA_i``,
-``da_i``, ``dB_i``) are computed on the shard's worker from the activations it saved there,
-and the input gradients ``dx_i`` are summed.
+As in Megatron-LM (Shoeybi et al., 2019), the first linear layer of a pair is split by
+**columns** (output features) and the second by **rows** (input features), so that shard
+``i`` computes its part of the block with no communication inside it and the partial outputs
+are summed:
 
-The weights are dask.array blocks pinned to workers (``client.persist(..., workers=[w])``
-per block, generated or loaded there: a dask array input is never gathered to one place),
-and each worker's shard width is proportional to its **free device memory** (the GPU
-metrics workers report; host memory on CPU workers), so a model larger than any single
-device runs when the devices together hold it. On workers with a GPU (CuPy installed, a
-device visible) the shards are moved to device memory; elsewhere they stay NumPy.
+* an **MLP block** ``nn.Sequential(Linear(d, h), act, Linear(h, d_out))``: shard ``i`` holds
+  columns ``H_i`` of the first layer and rows ``H_i`` of the second and computes
+  ``act(x A_i^T + a_i) B_i^T``; the second layer's bias is added once;
+* an **attention layer** ``nn.MultiheadAttention`` (self-attention, ``batch_first=True``):
+  the Q, K and V projections are split by heads (column-parallel), each shard attends with
+  its own heads, and the output projection is split by the same heads' columns
+  (row-parallel).
+
+Each shard is a ``torch.nn.Module`` installed once on its worker (a per-process registry
+keyed by worker address and shard key, as pipeline stages are kept,
+:mod:`blockflow.ml.parallel._stage`); its forward pass keeps its autograd graph there and
+its backward pass runs ``torch.autograd.backward`` with the output's gradient. On the client,
+:class:`TensorParallel` is a drop-in ``torch.nn.Module`` whose forward and backward are one
+``torch.autograd.Function``: the rest of the model (residuals, LayerNorm) differentiates
+through it as through the original block. Shard widths (hidden columns, or heads) are
+proportional to each worker's free device memory
+(:func:`~blockflow.parallel.partition.shard_widths`), uneven where they do not divide.
 """
 
 from __future__ import annotations
@@ -22,106 +29,21 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Callable, Sequence
+import uuid
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from blockflow import _distributed, config
-from blockflow.scheduling.client import gather_results, lost_roles, wait_for, worker_memory
-from blockflow.ml.parallel.partition import check_fits, shard_widths
+from blockflow.ml.parallel.partition import shard_widths
+from blockflow.scheduling.client import gather_as_done, worker_memory
 
-__all__ = ["TensorParallelMLP", "free_device_memory", "random_blocks"]
+__all__ = ["TensorParallel", "free_device_memory"]
 
 logger = logging.getLogger(__name__)
 
-_ACTIVATIONS = ("tanh", "relu")
-
-
-# --- worker-side functions (shipped by reference; no closures) -------------------------
-
-
-def _xp_of(x):
-    from blockflow.backends import array_module
-    return array_module(x)
-
-
-def _to_device(block):
-    """A weight block in device memory on a GPU worker (CuPy), unchanged elsewhere."""
-    from blockflow.backends import gpu_device_count, has_package
-    if has_package("cupy") and gpu_device_count() > 0:
-        import cupy
-        return cupy.asarray(block)
-    return np.asarray(block, dtype=np.float64)
-
-
-def _to_host(x):
-    return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else np.asarray(x)
-
-
-def _act(z, activation):
-    xp = _xp_of(z)
-    return xp.tanh(z) if activation == "tanh" else xp.maximum(z, 0)
-
-
-def _act_grad(z, h, activation):
-    return 1.0 - h * h if activation == "tanh" else (z > 0).astype(z.dtype)
-
-
-def _shard_forward(A, a, B, x, activation):
-    """Shard ``i``: ``(saved, partial)``; ``saved`` stays on the shard's worker."""
-    xp = _xp_of(A)
-    x = xp.asarray(x)
-    z = x @ A + a
-    h = _act(z, activation)
-    return (x, z, h), h @ B
-
-
-def _first(pair):
-    return pair[0]
-
-
-def _second(pair):
-    return pair[1]
-
-
-def _shard_backward(A, B, fwd, dy, activation):
-    """Shard ``i``'s gradients ``{"A", "a", "B"}`` and its part of ``dx``."""
-    (x, z, h), _ = fwd
-    xp = _xp_of(A)
-    dy = xp.asarray(dy)
-    dh = dy @ B.T
-    dz = dh * _act_grad(z, h, activation)
-    return {"A": x.T @ dz, "a": dz.sum(axis=0), "B": h.T @ dy}, dz @ A.T
-
-
-def _grad_part(result, name):
-    return result[0][name]
-
-
-def _add(*parts):
-    out = parts[0]
-    for p in parts[1:]:
-        out = out + _xp_of(out).asarray(p)
-    return out
-
-
-def _add_bias(y, b):
-    return _to_host(y + _xp_of(y).asarray(b))
-
-
-def _bias_grad(dy):
-    return _to_host(dy).sum(axis=0)
-
-
-def _tree_sum(client, futures: list, split_every: int, worker: str | None):
-    """Sum futures by a fan-in tree of ``split_every`` (the last add on ``worker``)."""
-    while len(futures) > 1:
-        groups = [futures[i:i + split_every] for i in range(0, len(futures), split_every)]
-        last = len(groups) == 1
-        futures = [g[0] if len(g) == 1 else client.submit(
-            _add, *g, pure=False, workers=[worker] if last and worker else None)
-            for g in groups]
-    return futures[0]
+_ELEMENTWISE = ("GELU", "ReLU", "Tanh", "SiLU", "Sigmoid", "Identity", "LeakyReLU", "ELU",
+                "Mish", "Softplus")
 
 
 def free_device_memory(client) -> dict[str, float]:
@@ -134,107 +56,227 @@ def free_device_memory(client) -> dict[str, float]:
     return {a: float(m.free) for a, m in worker_memory(client).items()}
 
 
-def random_blocks(sizes: Sequence[int], hidden: int | Sequence[int], *, seed: int = 0,
-                  chunk_columns: int = 64, scale: float | None = None) -> list[tuple]:
-    """Random weights of a tensor-parallel MLP as lazy dask arrays (never materialised whole).
+# --- worker side ---------------------------------------------------------------------------
 
-    Parameters
-    ----------
-    sizes : sequence of int
-        Feature widths between blocks: block ``k`` maps ``sizes[k]`` to ``sizes[k+1]``.
-    hidden : int or sequence of int
-        Hidden width of each block (one for all).
-    seed : int, default 0
-    chunk_columns : int, default 64
-        Columns (of ``A``; rows of ``B``) per generated chunk: the unit the shards are cut
-        from, so no worker ever generates more than its shard plus one chunk.
-    scale : float, optional
-        Standard deviation; default ``1 / sqrt(fan_in)`` (LeCun initialisation).
-
-    Returns
-    -------
-    list of (A, a, B, b) dask arrays
-        ``A`` ``(sizes[k], h)``, ``a`` ``(h,)``, ``B`` ``(h, sizes[k+1])``, ``b``
-        ``(sizes[k+1],)``, float64.
-    """
-    import dask.array as da
-
-    n = len(sizes) - 1
-    hs = [hidden] * n if isinstance(hidden, int) else list(hidden)
-    rng = da.random.default_rng(seed)
-    out = []
-    for k in range(n):
-        d_in, h, d_out = sizes[k], hs[k], sizes[k + 1]
-        c = min(chunk_columns, h)
-        sa = scale or 1 / math.sqrt(d_in)
-        sb = scale or 1 / math.sqrt(h)
-        out.append((rng.normal(0, sa, (d_in, h), chunks=(d_in, c)),
-                    rng.normal(0, sa, (h,), chunks=(c,)),
-                    rng.normal(0, sb, (h, d_out), chunks=(c, d_out)),
-                    rng.normal(0, sb, (d_out,), chunks=(d_out,))))
-    return out
+#: (worker address, shard key) -> shard state
+_SHARDS: dict[tuple[str, str], dict] = {}
+_LOCK = threading.Lock()
 
 
-class TensorParallelMLP:
-    """A stack of MLP blocks whose weights are split across workers (Megatron-LM style).
+def _here() -> str:
+    worker = _distributed.current_worker()
+    return worker.address if worker is not None else "local"
 
-    Block ``k`` computes ``y = act(x @ A_k + a_k) @ B_k + b_k``. ``A_k`` is split by columns,
-    ``a_k`` with it, ``B_k`` by rows; shard ``i`` of every block lives on worker ``i``, its
-    width proportional to that worker's free device memory.
+
+def _device():
+    import torch
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _install(key: str, payload: bytes, optimizer) -> int:
+    import cloudpickle
+
+    module = cloudpickle.loads(payload).to(_device())
+    opt = optimizer(list(module.parameters())) if optimizer is not None else None
+    with _LOCK:
+        _SHARDS[_here(), key] = {"module": module, "opt": opt, "stash": {}}
+    return int(sum(p.numel() * p.element_size() for p in module.parameters()))
+
+
+def _shard(key: str) -> dict:
+    try:
+        return _SHARDS[_here(), key]
+    except KeyError:
+        raise RuntimeError(f"blockflow: tensor-parallel shard {key} is not on worker "
+                           f"{_here()}; build the TensorParallel again.") from None
+
+
+def _forward(key: str, x, call: str | None, train: bool):
+    """The shard's partial output; with ``call`` its input and graph are kept for
+    :func:`_backward`."""
+    import torch
+
+    sh = _shard(key)
+    x = x.to(_device())
+    sh["module"].train(train)
+    if call is None:
+        with torch.no_grad():
+            return sh["module"](x).cpu()
+    leaf = x.detach().requires_grad_(x.is_floating_point())
+    y = sh["module"](leaf)
+    with _LOCK:
+        sh["stash"][call] = (leaf, y)
+    return y.detach().cpu()
+
+
+def _backward(key: str, call: str, dy):
+    """``torch.autograd.backward`` of the shard's output with ``dy``; returns its part of
+    the input's gradient (gradients of the shard's weights accumulate on this worker)."""
+    import torch
+
+    sh = _shard(key)
+    with _LOCK:
+        leaf, y = sh["stash"].pop(call)
+    torch.autograd.backward(y, dy.to(y.device))
+    return None if leaf.grad is None else leaf.grad.cpu()
+
+
+def _grads(key: str) -> dict:
+    return {n: (None if p.grad is None else p.grad.detach().cpu().clone())
+            for n, p in _shard(key)["module"].named_parameters()}
+
+
+def _params(key: str) -> dict:
+    return {n: p.detach().cpu().clone() for n, p in _shard(key)["module"].named_parameters()}
+
+
+def _step(key: str) -> None:
+    sh = _shard(key)
+    if sh["opt"] is not None:
+        sh["opt"].step()
+    sh["module"].zero_grad(set_to_none=True)
+
+
+def _zero(key: str) -> None:
+    sh = _shard(key)
+    sh["module"].zero_grad(set_to_none=True)
+    sh["stash"].clear()
+
+
+def _drop(key: str) -> None:
+    with _LOCK:
+        _SHARDS.pop((_here(), key), None)
+
+
+def _mlp_shard(lin1, act, lin2, cols, with_bias: bool):
+    """Columns ``cols`` of ``lin1`` and rows ``cols`` of ``lin2`` (its bias only on one
+    shard) as one module."""
+    import torch
+
+    a = torch.nn.Linear(lin1.in_features, len(cols), bias=lin1.bias is not None,
+                        dtype=lin1.weight.dtype)
+    b = torch.nn.Linear(len(cols), lin2.out_features, bias=with_bias and lin2.bias is not None,
+                        dtype=lin2.weight.dtype)
+    with torch.no_grad():
+        a.weight.copy_(lin1.weight[cols])
+        if lin1.bias is not None:
+            a.bias.copy_(lin1.bias[cols])
+        b.weight.copy_(lin2.weight[:, cols])
+        if b.bias is not None:
+            b.bias.copy_(lin2.bias)
+    return torch.nn.Sequential(a, act, b)
+
+
+def _attention_shard(mha, heads: Sequence[int], with_bias: bool):
+    """Heads ``heads`` of ``mha``: their rows of the Q, K, V projections (column-parallel)
+    and their columns of the output projection (row-parallel)."""
+    import torch
+
+    E, H = mha.embed_dim, mha.num_heads
+    hd = E // H
+    rows = np.concatenate([np.arange(h * hd, (h + 1) * hd) for h in heads])
+    W, b = mha.in_proj_weight, mha.in_proj_bias
+
+    class AttentionShard(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n_heads, self.head_dim = len(heads), hd
+            self.q = torch.nn.Linear(E, len(rows), bias=b is not None, dtype=W.dtype)
+            self.k = torch.nn.Linear(E, len(rows), bias=b is not None, dtype=W.dtype)
+            self.v = torch.nn.Linear(E, len(rows), bias=b is not None, dtype=W.dtype)
+            self.out = torch.nn.Linear(len(rows), E, bias=with_bias and
+                                       mha.out_proj.bias is not None, dtype=W.dtype)
+
+        def forward(self, x):
+            n, L, _ = x.shape
+
+            def heads_of(t):
+                return t.view(n, L, self.n_heads, self.head_dim).transpose(1, 2)
+
+            q, k, v = heads_of(self.q(x)), heads_of(self.k(x)), heads_of(self.v(x))
+            attn = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(self.head_dim), dim=-1)
+            o = (attn @ v).transpose(1, 2).reshape(n, L, self.n_heads * self.head_dim)
+            return self.out(o)
+
+    shard = AttentionShard()
+    idx = torch.as_tensor(rows)
+    with torch.no_grad():
+        for i, lin in enumerate((shard.q, shard.k, shard.v)):
+            lin.weight.copy_(W[i * E:(i + 1) * E][idx])
+            if b is not None:
+                lin.bias.copy_(b[i * E:(i + 1) * E][idx])
+        shard.out.weight.copy_(mha.out_proj.weight[:, idx])
+        if shard.out.bias is not None:
+            shard.out.bias.copy_(mha.out_proj.bias)
+    return shard
+
+
+# --- client side ---------------------------------------------------------------------------
+
+
+def _split(units: int, widths: Mapping[str, int] | Sequence[int] | None, free, unit_bytes,
+           fraction) -> dict[str, int]:
+    if widths is None:
+        return shard_widths(units, free, unit_bytes, memory_fraction=fraction)
+    if not isinstance(widths, Mapping):
+        widths = dict(zip(sorted(free), widths))
+    widths = {w: int(c) for w, c in widths.items() if int(c) > 0}
+    if sum(widths.values()) != units or set(widths) - set(free):
+        raise ValueError(f"blockflow: widths {widths} must be workers of the cluster whose "
+                         f"widths sum to {units}.")
+    return widths
+
+
+class TensorParallel:
+    """One block of a PyTorch model split across workers, Megatron-LM style.
 
     Parameters
     ----------
     client : distributed.Client
-    blocks : sequence of (A, a, B, b)
-        Per block: ``A`` ``(d_in, h)``, ``a`` ``(h,)``, ``B`` ``(h, d_out)``, ``b`` ``(d_out,)``;
-        NumPy or dask arrays (dask arrays are computed shard by shard on the shard's worker,
-        see :func:`random_blocks`). float64.
-    activation : {"tanh", "relu"}, default "tanh"
+    module : torch.nn.Sequential or torch.nn.MultiheadAttention
+        An MLP block ``Sequential(Linear(d, h), <element-wise activation>, Linear(h, d_out))``
+        (hidden columns split), or a self-attention layer (``batch_first=True``, heads
+        split; called as ``tp(x)`` or, inside a ``TransformerEncoderLayer``, as
+        ``tp(x, x, x, need_weights=False)`` without masks).
     workers : sequence of str, optional
-        Worker addresses to shard over; default all.
+        Workers to shard over; default all.
+    widths : mapping of str to int or sequence of int, optional
+        Hidden columns (or heads) per worker; default in proportion to their free device
+        memory (:func:`~blockflow.parallel.partition.shard_widths`).
     memory_fraction : float, optional
-        Fraction (0-1) of each worker's free device memory the weights may take; default
+        Fraction (0-1) of each worker's free device memory the shards may take; default
         config ``blockflow.parallel.memory-fraction``.
-    split_every : int, default 4
-        Fan-in of the sums of partial outputs and input gradients.
-    kernel : callable, optional
-        Decorator applied to the shard functions on the workers (e.g.
-        ``blockflow.testing.slowed_to_device_speed`` for simulated devices).
+    optimizer : callable, optional
+        ``optimizer(params)`` built on each shard's worker; :meth:`step` steps it.
 
     Attributes
     ----------
     widths : dict of str to int
-        Hidden columns per worker, all blocks together (each block is split in the same
-        proportions).
-    weights : list of dict of str to dask.array.Array
-        Per block ``{"A", "a", "B", "b"}`` as dask arrays whose blocks are the pinned shards.
-    shard_bytes : dict of str to int
-        Weight bytes planned on each worker.
+        Hidden columns (MLP) or heads (attention) per worker.
+    kind : {"mlp", "attention"}
 
     Raises
     ------
+    TypeError
+        For a module of another kind.
     DeviceMemoryError
-        If the weights do not fit the workers' free device memory together (the message
-        names the shortfall in bytes).
-    ValueError
-        For shapes that do not chain, or an unknown activation.
+        If the weights do not fit the workers' free device memory together.
+
+    Notes
+    -----
+    ``as_module()`` gives the ``torch.nn.Module`` to put in a model (``model[2] =
+    tp.as_module()``); its forward sends the input to every shard's worker and sums their
+    partial outputs, its backward sends the output's gradient and sums theirs.
     """
 
-    def __init__(self, client, blocks: Sequence[tuple], *, activation: str = "tanh",
-                 workers: Sequence[str] | None = None, memory_fraction: float | None = None,
-                 split_every: int = 4, kernel: Callable | None = None):
-        import dask.array as da
+    def __init__(self, client, module, *, workers: Sequence[str] | None = None,
+                 widths=None, memory_fraction: float | None = None,
+                 optimizer: Callable | None = None):
+        import cloudpickle
+        import torch
 
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"blockflow: activation must be one of {_ACTIVATIONS}, got "
-                             f"{activation!r}.")
-        self.client, self.activation, self.split_every = client, activation, split_every
+        self.client = client
         self.memory_fraction = float(config.get("parallel.memory-fraction", memory_fraction))
-        self._fwd = kernel(_shard_forward) if kernel else _shard_forward
-        self._bwd = kernel(_shard_backward) if kernel else _shard_backward
-        blocks = [tuple(a if isinstance(a, da.Array) else np.asarray(a, dtype=np.float64)
-                        for a in blk) for blk in blocks]
-        self._check_shapes(blocks)
         free = free_device_memory(client)
         if workers is not None:
             missing = sorted(set(workers) - set(free))
@@ -243,226 +285,184 @@ class TensorParallelMLP:
             free = {w: free[w] for w in workers}
         if not free:
             raise RuntimeError("blockflow: the cluster has no workers; start some first.")
-        # One split for all blocks: a fraction of every block's columns per worker.
-        total_h = sum(A.shape[1] for A, *_ in blocks)
-        col_bytes = sum((A.shape[0] + 1 + B.shape[1]) * 8 * A.shape[1]
-                        for A, _, B, _ in blocks) / total_h
-        bias_bytes = sum(b.shape[0] * 8 for *_, b in blocks)
-        check_fits(math.ceil(col_bytes * total_h) + bias_bytes, free, self.memory_fraction)
-        first = sorted(free)[0]  # holds the output biases
-        room = {w: f - (bias_bytes / self.memory_fraction if w == first else 0)
-                for w, f in free.items()}
-        frac = shard_widths(total_h, room, math.ceil(col_bytes),
-                            memory_fraction=self.memory_fraction)
-        self.workers = sorted(frac)
-        self.head = first  # holds the output biases and sums the partial outputs
-        self.widths = frac
-        logger.info("blockflow: tensor-parallel shards of %d hidden columns: %s, from free "
-                    "memory %s bytes (fraction %g)", total_h, frac,
-                    {w: free[w] for w in frac}, self.memory_fraction)
-        self._place(blocks)
+        self._names = [n for n, _ in module.named_parameters()]
+        self._shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+        if isinstance(module, torch.nn.MultiheadAttention):
+            self.kind = "attention"
+            if not module.batch_first or not module._qkv_same_embed_dim or \
+                    module.bias_k is not None or module.dropout:
+                raise TypeError("blockflow: TensorParallel splits self-attention with "
+                                "batch_first=True, one embedding size for Q, K and V, no "
+                                "add_bias_kv and dropout=0.")
+            E, H = module.embed_dim, module.num_heads
+            per_head = (3 * (E * (E // H) + E // H) + E * (E // H)) * module.in_proj_weight \
+                .element_size()
+            self.widths = _split(H, widths, free, per_head, self.memory_fraction)
+            self.batch_first = True
+        else:
+            kids = list(module.children()) if isinstance(module, torch.nn.Sequential) else []
+            if len(kids) < 2 or not isinstance(kids[0], torch.nn.Linear) or not isinstance(
+                    kids[-1], torch.nn.Linear) or any(type(k).__name__ not in _ELEMENTWISE
+                                                      for k in kids[1:-1]):
+                raise TypeError(f"blockflow: TensorParallel splits an MLP block "
+                                f"Sequential(Linear, <element-wise activation>, Linear) or "
+                                f"an nn.MultiheadAttention, got {type(module).__name__}.")
+            lin1, lin2 = kids[0], kids[-1]
+            if lin1.out_features != lin2.in_features:
+                raise ValueError(f"blockflow: the MLP block's first layer gives "
+                                 f"{lin1.out_features} features but the second takes "
+                                 f"{lin2.in_features}.")
+            self.kind = "mlp"
+            h = lin1.out_features
+            per_col = (lin1.in_features + 1 + lin2.out_features) * lin1.weight.element_size()
+            self.widths = _split(h, widths, free, per_col, self.memory_fraction)
+        self.workers = list(self.widths)
+        self._module = module
+        token = uuid.uuid4().hex[:10]
+        self._keys, self._units, futs = [], [], []
+        start = 0
+        for i, w in enumerate(self.workers):
+            units = list(range(start, start + self.widths[w]))
+            start += self.widths[w]
+            if self.kind == "mlp":
+                act = torch.nn.Sequential(*kids[1:-1])
+                shard = _mlp_shard(lin1, act, lin2, units, with_bias=i == 0)
+            else:
+                shard = _attention_shard(module, units, with_bias=i == 0)
+            key = f"tp-{token}-{i}"
+            self._keys.append(key)
+            self._units.append(units)
+            futs.append(client.submit(_install, key, cloudpickle.dumps(shard), optimizer,
+                                      workers=[w], allow_other_workers=False, pure=False))
+        self.shard_bytes = dict(zip(self.workers, self._gather(futs, "placing the shards")))
+        logger.info("blockflow: tensor-parallel %s split %s across workers (free memory %s "
+                    "bytes, fraction %g)", self.kind, self.widths,
+                    {w: free[w] for w in self.workers}, self.memory_fraction)
 
-    @staticmethod
-    def _check_shapes(blocks):
-        if not blocks:
-            raise ValueError("blockflow: a TensorParallelMLP needs at least one block.")
-        for k, (A, a, B, b) in enumerate(blocks):
-            if (A.ndim, a.ndim, B.ndim, b.ndim) != (2, 1, 2, 1) or a.shape[0] != A.shape[1] \
-                    or B.shape[0] != A.shape[1] or b.shape[0] != B.shape[1]:
-                raise ValueError(f"blockflow: block {k} needs A (d_in, h), a (h,), B (h, d_out), "
-                                 f"b (d_out,); got {A.shape}, {a.shape}, {B.shape}, {b.shape}.")
-            if k and A.shape[0] != blocks[k - 1][2].shape[1]:
-                raise ValueError(f"blockflow: block {k} takes {A.shape[0]} features but block "
-                                 f"{k - 1} gives {blocks[k - 1][2].shape[1]}.")
+    # --- passes --------------------------------------------------------------------------
 
-    def _split(self, h: int) -> list[int]:
-        """This block's hidden columns per worker, in the workers' proportions."""
-        total = sum(self.widths.values())
-        exact = np.array([h * self.widths[w] / total for w in self.workers])
-        cols = np.floor(exact).astype(int)
-        for i in np.argsort(-(exact - cols), kind="stable")[: h - cols.sum()]:
-            cols[i] += 1
-        return [int(c) for c in cols]
+    def _alive(self):
+        from blockflow.cluster.identity import workers_info
+        return set(workers_info(self.client))
 
-    def _pin(self, piece, worker: str):
-        """One weight block as a future held on ``worker`` (in its device memory on a GPU
-        worker): NumPy slices are sent straight there, dask pieces computed there."""
-        from distributed import futures_of
+    def _gather(self, futures: list, what: str) -> list:
+        from blockflow.errors import WorkerLostError
 
-        on = dict(workers=[worker], allow_other_workers=False)
-        if isinstance(piece, np.ndarray):
-            src = self.client.scatter(piece, workers=[worker], hash=False)
-            return self.client.submit(_to_device, src, pure=False, **on)
-        (pinned,) = self.client.persist(
-            [piece.rechunk(-1).map_blocks(_to_device, dtype=np.float64)], **on)
-        return futures_of(pinned)[0]
+        index = {f.key: i for i, f in enumerate(futures)}
+        out: list = [None] * len(futures)
 
-    def _place(self, blocks) -> None:
-        import dask.array as da
+        def get(f):
+            out[index[f.key]] = f.result()
 
-        self.shards: list[list[dict | None]] = []  # per block, per worker: futures A, a, B
-        self.bias: list = []
-        self.weights: list[dict] = []
-        self.shard_bytes = dict.fromkeys([*self.workers, self.head], 0)
-        pending = []
-        for A, a, B, b in blocks:
-            cols = self._split(A.shape[1])
-            bounds = np.concatenate([[0], np.cumsum(cols)]).astype(int)
-            parts, views = [], {"A": [], "a": [], "B": []}
-            for i, w in enumerate(self.workers):
-                lo, hi = int(bounds[i]), int(bounds[i + 1])
-                if hi == lo:
-                    parts.append(None)
-                    continue
-                pieces = (A[:, lo:hi], a[lo:hi], B[lo:hi, :])
-                futs = [self._pin(p, w) for p in pieces]
-                pending += futs
-                parts.append(dict(zip("AaB", futs), worker=w))
-                for name, p, f in zip("AaB", pieces, futs):
-                    views[name].append(da.from_delayed(f, p.shape, dtype=np.float64))
-                self.shard_bytes[w] += sum(int(p.nbytes) for p in pieces)
-            bias = self._pin(b, self.head)
-            pending.append(bias)
-            self.shard_bytes[self.head] += int(b.nbytes)
-            self.shards.append(parts)
-            self.bias.append(bias)
-            self.weights.append({"A": da.concatenate(views["A"], axis=1),
-                                 "a": da.concatenate(views["a"]),
-                                 "B": da.concatenate(views["B"], axis=0),
-                                 "b": da.from_delayed(bias, b.shape, dtype=np.float64)})
-        self._weight_futures = pending
-        wait_for(self.client, pending, what="placing the weight shards")
-
-    # --- passes ----------------------------------------------------------------------
-
-    def forward(self, X) -> np.ndarray:
-        """Run the model on ``X`` and keep each shard's activations for :meth:`backward`.
-
-        Parameters
-        ----------
-        X : array, shape (n_samples, d_in)
-            NumPy array (scattered once to the shard workers).
-
-        Returns
-        -------
-        numpy.ndarray, shape (n_samples, d_out)
-        """
-        x = self.client.scatter(np.asarray(X, dtype=np.float64), broadcast=True,
-                                workers=self.workers, hash=False)
-        self._inputs, self._saved = [], []
-        for parts, bias in zip(self.shards, self.bias):
-            self._inputs.append(x)
-            saved, partial = [], []
-            for p in parts:
-                if p is None:
-                    saved.append(None)
-                    continue
-                f = self.client.submit(self._fwd, p["A"], p["a"], p["B"], x, self.activation,
-                                       workers=[p["worker"]], allow_other_workers=False,
-                                       pure=False)
-                saved.append(f)
-                partial.append(self.client.submit(_second, f, workers=[p["worker"]],
-                                                  allow_other_workers=False, pure=False))
-            total = _tree_sum(self.client, partial, self.split_every, self.head)
-            x = self.client.submit(_add_bias, total, bias, workers=[self.head],
-                                   pure=False)
-            self._saved.append(saved)
-        self._output = x
         try:
-            return gather_results(self.client, x, what="the tensor-parallel forward pass")
-        except Exception:
-            # a shard's worker left: say which layers' shards, not the keys
-            lost = lost_roles(
-                self.client, f"the tensor-parallel forward pass over {len(X)} rows",
-                self._shard_roles(),
-                "its weight shards went with it: build the TensorParallelMLP again on the "
-                "workers left and run the pass again.")
-            if lost is None:
-                raise
-            raise lost from None
-
-    def _shard_roles(self) -> dict[str, str]:
-        """Worker to the weight shards it holds, as errors name them."""
-        held: dict[str, list[int]] = {}
-        for k, parts in enumerate(self.shards):
-            for p in parts:
-                if p is not None:
-                    held.setdefault(p["worker"], []).append(k)
-        return {w: f"the weight shards of layer{'s' if len(ks) > 1 else ''} "
-                   f"{', '.join(map(str, ks))}" for w, ks in held.items()}
-
-    def backward(self, grad_output) -> list[dict]:
-        """Gradients of every weight from ``d loss / d output`` (after :meth:`forward`).
-
-        Parameters
-        ----------
-        grad_output : array, shape (n_samples, d_out)
-
-        Returns
-        -------
-        list of dict of str to dask.array.Array
-            Per block ``{"A", "a", "B", "b"}``: gradients with the weights' shapes and
-            sharding; the blocks of ``A``, ``a``, ``B`` are computed and held on the shard's
-            worker (``.compute()`` gathers them).
-        """
-        import dask.array as da
-
-        if not getattr(self, "_saved", None):
-            raise RuntimeError("blockflow: call forward(X) before backward(grad_output).")
-        dy = self.client.scatter(np.asarray(grad_output, dtype=np.float64), broadcast=True,
-                                 workers=sorted({*self.workers, self.head}), hash=False)
-        grads: list[dict] = [None] * len(self.shards)
-        for k in range(len(self.shards) - 1, -1, -1):
-            parts, saved = self.shards[k], self._saved[k]
-            A, _, B, b = (self.weights[k][n] for n in "AaBb")
-            g = {"A": [], "a": [], "B": []}
-            dxs = []
-            for p, s in zip(parts, saved):
-                if p is None:
-                    continue
-                on = dict(workers=[p["worker"]], allow_other_workers=False, pure=False)
-                r = self.client.submit(self._bwd, p["A"], p["B"], s, dy, self.activation, **on)
-                for name in g:
-                    g[name].append(self.client.submit(_grad_part, r, name, **on))
-                dxs.append(self.client.submit(_second, r, **on))
-            cols = [c for c in self._split(A.shape[1]) if c]
-            db = self.client.submit(_bias_grad, dy, workers=[self.head], pure=False)
-            grads[k] = {
-                "A": da.concatenate([da.from_delayed(f, (A.shape[0], c), dtype=np.float64)
-                                     for f, c in zip(g["A"], cols)], axis=1),
-                "a": da.concatenate([da.from_delayed(f, (c,), dtype=np.float64)
-                                     for f, c in zip(g["a"], cols)]),
-                "B": da.concatenate([da.from_delayed(f, (c, B.shape[1]), dtype=np.float64)
-                                     for f, c in zip(g["B"], cols)], axis=0),
-                "b": da.from_delayed(db, (b.shape[0],), dtype=np.float64),
-            }
-            if k:
-                dy = _tree_sum(self.client, dxs, self.split_every, self.head)
-        return grads
-
-    # --- memory ----------------------------------------------------------------------
-
-    def weight_bytes(self) -> dict[str, int]:
-        """Bytes of weight blocks each worker holds now (``client.who_has`` x ``nbytes``):
-        replicas included, so a worker holding more than its shard shows here."""
-        keys = [f.key for f in self._weight_futures]
-        who = _distributed.data_holders(self.client, self._weight_futures)
-        nbytes = self.client.nbytes(keys, summary=False)
-        out = dict.fromkeys(self.workers, 0)
-        for k in keys:
-            for w in who.get(k, ()):
-                out[w] = out.get(w, 0) + int(nbytes.get(k, 0))
+            gather_as_done(futures, alive=self._alive, needed=set(self.workers), get=get)
+        except WorkerLostError as e:
+            roles = {w: f"the shard of {self.kind} {'columns' if self.kind == 'mlp' else 'heads'}"
+                        f" {u[0]}-{u[-1]}" for w, u in zip(self.workers, self._units)}
+            lost = sorted(set(e.lost) & set(roles))
+            raise WorkerLostError(
+                f"blockflow: {what} failed: lost "
+                f"{'; '.join(f'{roles[w]} on worker {w}' for w in lost)}, which left the "
+                f"cluster; build the TensorParallel again on the workers left.",
+                lost=lost) from None
         return out
 
-    def track_weight_bytes(self, interval: float = 0.05) -> "_PeakTracker":
-        """Context manager sampling :meth:`weight_bytes` every ``interval`` seconds; its
-        ``peak`` is the most bytes each worker held while it ran."""
-        return _PeakTracker(self, interval)
+    def _each(self, fn, *args, what: str) -> list:
+        futs = [self.client.submit(fn, k, *args, workers=[w], allow_other_workers=False,
+                                   pure=False) for k, w in zip(self._keys, self.workers)]
+        return self._gather(futs, what)
+
+    def forward_remote(self, x, call: str | None, train: bool):
+        """The block's output for ``x`` (a CPU tensor), shard outputs summed."""
+        xf = self.client.scatter(x, workers=self.workers, broadcast=True, hash=False)
+        parts = self._each(_forward, xf, call, train, what="the tensor-parallel forward pass")
+        out = parts[0]
+        for p in parts[1:]:
+            out = out + p
+        return out
+
+    def backward_remote(self, call: str, dy):
+        """The input's gradient for the output's gradient ``dy``, shard parts summed."""
+        dyf = self.client.scatter(dy, workers=self.workers, broadcast=True, hash=False)
+        parts = [p for p in self._each(_backward, call, dyf,
+                                       what="the tensor-parallel backward pass")
+                 if p is not None]
+        if not parts:
+            return None
+        out = parts[0]
+        for p in parts[1:]:
+            out = out + p
+        return out
+
+    def as_module(self):
+        """A ``torch.nn.Module`` running this block on its shards (drop-in for the
+        original module)."""
+        return _TensorParallelModule(self)
+
+    def __call__(self, *args, **kwargs):
+        return self.as_module()(*args, **kwargs)
+
+    # --- parameters ------------------------------------------------------------------------
+
+    def _assemble(self, parts: list[dict]) -> dict:
+        """Full-size tensors, named as in the original module, from each shard's."""
+        import torch
+
+        out = {}
+        if self.kind == "mlp":
+            first, last = self._mlp_names()
+            for name in self._names:
+                if name == f"{first}.weight":
+                    out[name] = torch.cat([p["0.weight"] for p in parts], 0)
+                elif name == f"{first}.bias":
+                    out[name] = torch.cat([p["0.bias"] for p in parts], 0)
+                elif name == f"{last}.weight":
+                    out[name] = torch.cat([p["2.weight"] for p in parts], 1)
+                elif name == f"{last}.bias":
+                    out[name] = parts[0]["2.bias"]
+            return out
+        E = self._module.embed_dim
+        w = [torch.cat([p[f"{x}.weight"] for p in parts], 0) for x in "qkv"]
+        out["in_proj_weight"] = torch.cat(w, 0)
+        if "in_proj_bias" in self._names:
+            out["in_proj_bias"] = torch.cat([torch.cat([p[f"{x}.bias"] for p in parts], 0)
+                                             for x in "qkv"], 0)
+        out["out_proj.weight"] = torch.cat([p["out.weight"] for p in parts], 1)
+        if "out_proj.bias" in self._names:
+            out["out_proj.bias"] = parts[0]["out.bias"]
+        assert out["in_proj_weight"].shape == (3 * E, E)
+        return out
+
+    def _mlp_names(self) -> tuple[str, str]:
+        kids = [n for n, _ in self._module.named_children()]
+        return kids[0], kids[-1]
+
+    def grads(self) -> dict:
+        """Gradients of the original module's parameters (by name), gathered from the
+        shards and reassembled: for checks; training steps with :meth:`step`."""
+        parts = self._each(_grads, what="gathering the gradients")
+        return self._assemble(parts)
+
+    def state_dict(self) -> dict:
+        """The original module's parameters (by name), reassembled on the client."""
+        parts = self._each(_params, what="state_dict()")
+        return self._assemble(parts)
+
+    def step(self) -> None:
+        """Step each shard's optimizer on its worker, then zero the gradients."""
+        self._each(_step, what="the optimizer step")
+
+    def zero_grad(self) -> None:
+        """Zero the shards' gradients and drop any kept activations."""
+        self._each(_zero, what="zeroing the gradients")
 
     def close(self) -> None:
-        """Release the weights and saved activations on the workers."""
-        self._saved, self._inputs, self.shards, self.bias = [], [], [], []
-        self.weights, self._weight_futures, self._output = [], [], None
+        """Drop the shards from their workers."""
+        alive = self._alive()
+        for k, w in zip(self._keys, self.workers):
+            if w in alive:
+                self.client.submit(_drop, k, workers=[w], pure=False)
+        self._keys = []
 
     def __enter__(self):
         return self
@@ -472,28 +472,58 @@ class TensorParallelMLP:
         return False
 
 
-class _PeakTracker:
-    def __init__(self, model: TensorParallelMLP, interval: float):
-        self.model, self.interval = model, interval
-        self.peak: dict[str, int] = {}
-        self._stop = threading.Event()
+def _function():
+    import torch
 
-    def _sample(self) -> None:
-        for w, n in self.model.weight_bytes().items():
-            self.peak[w] = max(self.peak.get(w, 0), n)
+    class _Remote(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, anchor, x, tp, call):
+            ctx.tp, ctx.call = tp, call
+            ctx.x_dtype = x.dtype
+            return tp.forward_remote(x.detach().cpu(), call, True)
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._sample()
+        @staticmethod
+        def backward(ctx, dy):
+            dx = ctx.tp.backward_remote(ctx.call, dy.detach().cpu().contiguous())
+            return None, dx, None, None
 
-    def __enter__(self):
-        self._sample()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-        return self
+    return _Remote
 
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-        return False
+
+def _make_module_class():
+    import torch
+
+    class TensorParallelModule(torch.nn.Module):
+        """``torch.nn.Module`` face of a :class:`TensorParallel` block."""
+
+        def __init__(self, tp: TensorParallel):
+            super().__init__()
+            self.tp = tp
+            self.batch_first = True
+
+        def forward(self, x, key=None, value=None, attn_mask=None, key_padding_mask=None,
+                    need_weights=False, is_causal=False, **_):
+            if self.tp.kind == "attention":
+                if (key is not None and key is not x) or (value is not None and value is not x) \
+                        or attn_mask is not None or key_padding_mask is not None or is_causal:
+                    raise ValueError("blockflow: the tensor-parallel attention is "
+                                     "self-attention without masks: call it as tp(x).")
+            if torch.is_grad_enabled() and self.training:
+                anchor = torch.zeros((), requires_grad=True)
+                out = _function().apply(anchor, x, self.tp, uuid.uuid4().hex)
+            else:
+                out = self.tp.forward_remote(x.detach().cpu(), None, False)
+            out = out.to(x.device)
+            return (out, None) if self.tp.kind == "attention" and key is not None else out
+
+    return TensorParallelModule
+
+
+_MODULE_CLASS: list = []
+
+
+def _TensorParallelModule(tp: TensorParallel):
+    if not _MODULE_CLASS:
+        _MODULE_CLASS.append(_make_module_class())
+    return _MODULE_CLASS[0](tp)
+

@@ -1,0 +1,317 @@
+"""Pipeline stages on their workers: the worker-side half of :class:`PipelineParallel`.
+
+A stage (a ``torch.nn.Sequential`` of the model's modules, its optimizer and loss) is
+installed once on its worker by one task and kept there in a per-process registry keyed by
+``(worker address, stage key)``, as :mod:`blockflow.ml._post` keeps its slots and
+:mod:`blockflow.ml.inference` its models: in-process workers share the module, each sees
+its own entries. Tasks name the stage by key; the modules, the activations and autograd
+graph of micro-batches between their forward and backward (the *stash*), the gradients and
+the optimizer state never leave the worker. Only activations, their gradients, losses,
+checkpoints (every k steps) and ``state_dict()`` travel.
+
+Every function here runs on a worker (shipped by reference, no closures).
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from blockflow import _distributed
+
+__all__ = ["install", "forward", "backward", "finish", "checkpoint", "restore", "state",
+           "drop", "probe", "held_bytes", "peaks"]
+
+#: (worker address, stage key) -> _Stage
+_STAGES: dict[tuple[str, str], "_Stage"] = {}
+#: worker address -> most bytes of parameters, gradients and optimizer state held at once
+_PEAK: dict[str, int] = {}
+_LOCK = threading.Lock()
+#: dropout draws from torch's global generator: a seeded forward holds it alone
+_RNG_LOCK = threading.Lock()
+
+
+def _here() -> str:
+    worker = _distributed.current_worker()
+    return worker.address if worker is not None else "local"
+
+
+def _device():
+    import torch
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _tensor_bytes(module, optimizer) -> int:
+    """Bytes of parameters, their gradients and the optimizer's state tensors."""
+    import torch
+
+    n = 0
+    for p in module.parameters():
+        n += p.numel() * p.element_size()
+        if p.grad is not None:
+            n += p.grad.numel() * p.grad.element_size()
+    if optimizer is not None:
+        for st in optimizer.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    n += v.numel() * v.element_size()
+    return int(n)
+
+
+def _note_peak(address: str) -> None:
+    with _LOCK:
+        held = sum(_tensor_bytes(s.module, s.optimizer) for (a, _), s in _STAGES.items()
+                   if a == address)
+        _PEAK[address] = max(_PEAK.get(address, 0), held)
+
+
+def _has_dropout(module) -> bool:
+    import torch
+    return any(isinstance(m, (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d,
+                              torch.nn.Dropout3d, torch.nn.AlphaDropout,
+                              torch.nn.TransformerEncoderLayer,
+                              torch.nn.TransformerDecoderLayer, torch.nn.MultiheadAttention))
+               for m in module.modules())
+
+
+class _Stage:
+    """One stage on its worker: modules, optimizer, loss, the stash of micro-batches between
+    forward and backward, and what this step measured."""
+
+    def __init__(self, module, optimizer: Callable | None, loss_fn, seed: int, index: int):
+        self.module = module.to(_device())
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = optimizer(params) if optimizer is not None and params else None
+        self.loss_fn, self.seed, self.index = loss_fn, int(seed), int(index)
+        self.dropout = _has_dropout(self.module)
+        self.stash: dict[int, tuple] = {}
+        self.peak_stash = 0
+        self.loss_sum = 0.0
+        self.busy = 0.0
+
+
+def _get(key: str) -> _Stage:
+    try:
+        return _STAGES[_here(), key]
+    except KeyError:
+        raise RuntimeError(f"blockflow: pipeline stage {key} is not on worker {_here()} "
+                           f"(the worker restarted?); rebuild the PipelineParallel.") from None
+
+
+def install(key: str, payload: bytes, optimizer, loss_fn, seed: int, index: int,
+            ckpt: bytes | None = None) -> int:
+    """Build the stage from ``payload`` (its pickled ``nn.Sequential``) on this worker, from
+    checkpoint ``ckpt`` when given; returns its bytes of parameters (+ optimizer state)."""
+    import cloudpickle
+
+    stage = _Stage(cloudpickle.loads(payload), optimizer, loss_fn, seed, index)
+    if ckpt is not None:
+        _load(stage, ckpt)
+    address = _here()
+    with _LOCK:
+        _STAGES[address, key] = stage
+    _note_peak(address)
+    return _tensor_bytes(stage.module, stage.optimizer)
+
+
+def drop(key: str) -> None:
+    """Forget the stage on this worker."""
+    with _LOCK:
+        _STAGES.pop((_here(), key), None)
+
+
+def _as_tensor(x):
+    import numpy as np
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.to(_device())
+    return torch.as_tensor(np.asarray(x)).to(_device())
+
+
+def _seeded(stage: _Stage, step: int, j: int):
+    """A context holding torch's generator seeded for (stage, step, micro-batch)."""
+    import contextlib
+
+    import torch
+
+    if not stage.dropout or not stage.module.training:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def ctx():
+        with _RNG_LOCK, torch.random.fork_rng(devices=[]):
+            torch.manual_seed((stage.seed * 1_000_003 + step * 10_007 + j * 101
+                               + stage.index) % (2**63))
+            yield
+    return ctx()
+
+
+def forward(key: str, x, step: int, j: int, train: bool, *_after):
+    """Forward of micro-batch ``j``; in training the input and output (and the autograd
+    graph between them) are stashed for :func:`backward`. Returns the output, detached."""
+    import torch
+
+    stage = _get(key)
+    t0 = time.perf_counter()
+    x = _as_tensor(x)
+    if train:
+        stage.module.train()
+        leaf = x.detach().requires_grad_(x.is_floating_point() and stage.index > 0)
+        with _seeded(stage, step, j):
+            y = stage.module(leaf)
+        with _LOCK:
+            stage.stash[j] = (leaf, y)
+            stage.peak_stash = max(stage.peak_stash, len(stage.stash))
+    else:
+        stage.module.eval()
+        with torch.no_grad():
+            y = stage.module(x)
+    stage.busy += time.perf_counter() - t0
+    return y.detach().cpu() if y.device.type != "cpu" else y.detach()
+
+
+def backward(key: str, dy, j: int, weight: float | None, *_after):
+    """Backward of micro-batch ``j`` with ``torch.autograd.backward``: on the last stage
+    ``dy`` is the target and the loss (times ``weight``, the micro-batch's share of the
+    batch) is formed here; elsewhere ``dy`` is the gradient from the next stage. Returns the
+    gradient of the stage's input (None on the first stage)."""
+    import torch
+
+    stage = _get(key)
+    t0 = time.perf_counter()
+    with _LOCK:
+        leaf, y = stage.stash.pop(j)
+    if weight is not None:
+        loss = stage.loss_fn(y, _as_tensor(dy)) * weight
+        torch.autograd.backward(loss)
+        stage.loss_sum += float(loss.detach())
+    else:
+        torch.autograd.backward(y, _as_tensor(dy))
+    stage.busy += time.perf_counter() - t0
+    if leaf.grad is None:
+        return None
+    g = leaf.grad
+    return g.cpu() if g.device.type != "cpu" else g
+
+
+def finish(key: str, step: bool, want_grads: bool, *_after) -> dict:
+    """End of a training step on this stage: the loss summed over micro-batches, the most
+    micro-batches stashed at once, optionally the gradients; then the optimizer steps and
+    the gradients are zeroed."""
+    stage = _get(key)
+    grads = None
+    if want_grads:
+        grads = {n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
+                 for n, p in stage.module.named_parameters()}
+    if step and stage.optimizer is not None:
+        stage.optimizer.step()
+    _note_peak(_here())
+    held = _tensor_bytes(stage.module, stage.optimizer)  # gradients included
+    stage.module.zero_grad(set_to_none=True)
+    out = {"loss": stage.loss_sum, "peak_stash": stage.peak_stash, "grads": grads,
+           "busy": stage.busy, "bytes": held}
+    stage.stash.clear()
+    stage.loss_sum, stage.peak_stash, stage.busy = 0.0, 0, 0.0
+    return out
+
+
+def checkpoint(key: str) -> bytes:
+    """The stage's modules and optimizer state (``torch.save`` bytes)."""
+    import torch
+
+    stage = _get(key)
+    buf = io.BytesIO()
+    torch.save({"module": stage.module.state_dict(),
+                "optimizer": stage.optimizer.state_dict() if stage.optimizer else None}, buf)
+    return buf.getvalue()
+
+
+def _load(stage: _Stage, ckpt: bytes) -> None:
+    import torch
+
+    saved = torch.load(io.BytesIO(ckpt), map_location=_device(), weights_only=False)
+    stage.module.load_state_dict(saved["module"])
+    if stage.optimizer is not None and saved["optimizer"] is not None:
+        stage.optimizer.load_state_dict(saved["optimizer"])
+    stage.module.zero_grad(set_to_none=True)
+    stage.stash.clear()
+    stage.loss_sum, stage.peak_stash = 0.0, 0
+
+
+def restore(key: str, ckpt: bytes) -> None:
+    """Roll the stage back to checkpoint ``ckpt``, in place."""
+    _load(_get(key), ckpt)
+
+
+def state(key: str) -> dict:
+    """The stage's ``state_dict()``, on the CPU."""
+    return {k: v.detach().cpu().clone() for k, v in _get(key).module.state_dict().items()}
+
+
+def held_bytes() -> dict:
+    """This worker's stages: key -> bytes of parameters, gradients and optimizer state."""
+    address = _here()
+    with _LOCK:
+        return {k: _tensor_bytes(s.module, s.optimizer) for (a, k), s in _STAGES.items()
+                if a == address}
+
+
+def peaks(reset: bool = False, dask_worker=None) -> int:
+    """Most bytes of parameters, gradients and optimizer state this worker held at once
+    (``client.run`` passes ``dask_worker``)."""
+    address = dask_worker.address if dask_worker is not None else _here()
+    with _LOCK:
+        value = _PEAK.get(address, 0)
+        if reset:
+            _PEAK[address] = sum(_tensor_bytes(s.module, s.optimizer)
+                                 for (a, _), s in _STAGES.items() if a == address)
+        return value
+
+
+def probe(payloads: Sequence[bytes], x, repeats: int, optimizer) -> tuple[list, list]:
+    """Each module's forward+backward seconds on this worker (the least of ``repeats``
+    timed passes after a warm-up) and its bytes of parameters, gradients and optimizer
+    state after one optimizer step; one module loaded at a time."""
+    import cloudpickle
+    import torch
+
+    times, sizes = [], []
+    h = _as_tensor(x)
+    address = _here()
+    for payload in payloads:
+        module = cloudpickle.loads(payload).to(_device())
+        module.train()
+        params = [p for p in module.parameters() if p.requires_grad]
+        opt = optimizer(params) if optimizer is not None and params else None
+        best = float("inf")
+        for r in range(repeats + 1):
+            leaf = h.detach().requires_grad_(h.is_floating_point())
+            start = time.perf_counter()
+            y = module(leaf)
+            if y.requires_grad:
+                torch.autograd.backward(y, torch.ones_like(y))
+            if r:
+                best = min(best, time.perf_counter() - start)
+        if opt is not None:
+            opt.step()
+        size = _tensor_bytes(module, opt)
+        with _LOCK:
+            _PEAK[address] = max(_PEAK.get(address, 0), size)
+        times.append(best)
+        sizes.append(size)
+        h = y.detach()
+        del module, opt
+    return times, sizes
+
+
+def _noop(*_args) -> None:
+    return None
+
+
+def hold(value: Any) -> Any:
+    """A copy of ``value`` on the worker this task runs on (a checkpoint kept off its
+    stage's worker)."""
+    return value

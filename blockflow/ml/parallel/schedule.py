@@ -1,0 +1,173 @@
+"""Pipeline schedules and what a pipeline step gives back: the plain-data half of
+:class:`~blockflow.parallel.PipelineParallel`.
+
+* :func:`schedule_order`: the order a stage runs its forward and backward tasks in, GPipe
+  (Huang et al., 2019) or 1F1B (PipeDream-Flush, Narayanan et al., 2021);
+* :class:`PipelineResult` and :func:`bubble_fraction`: a step's loss, output, gradients,
+  timeline (from distributed's task stream) and idle fraction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+__all__ = ["SCHEDULES", "PipelineResult", "bubble_fraction", "schedule_order", "timeline"]
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def schedule_order(schedule: str, n_stages: int, n_micro_batches: int, stage: int
+                   ) -> list[tuple[str, int]]:
+    """The order stage ``stage`` runs its tasks in: ``("F", j)`` and ``("B", j)``.
+
+    Parameters
+    ----------
+    schedule : {"gpipe", "1f1b"}
+    n_stages, n_micro_batches, stage : int
+
+    Returns
+    -------
+    list of (str, int)
+        GPipe: all forwards, then all backwards. 1F1B: ``min(p - s - 1, m)`` warm-up
+        forwards, then one forward and one backward in turn, then the remaining backwards.
+    """
+    p, m, s = n_stages, n_micro_batches, stage
+    if schedule == "gpipe":
+        return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
+    warm = min(p - s - 1, m)
+    order = [("F", j) for j in range(warm)]
+    for j in range(m - warm):
+        order += [("F", warm + j), ("B", j)]
+    order += [("B", j) for j in range(m - warm, m)]
+    return order
+
+
+def bubble_fraction(timeline: pd.DataFrame) -> float:
+    """Idle fraction of a pipeline run: ``1 - busy / (stages x span)``.
+
+    Parameters
+    ----------
+    timeline : pandas.DataFrame
+        With columns ``stage``, ``start``, ``stop`` (seconds), one row per task.
+
+    Returns
+    -------
+    float
+        Fraction 0-1 of the stages' time between the first start and the last stop spent
+        idle (the schedule's bubble, plus any scheduling gaps).
+    """
+    if timeline.empty:
+        return 0.0
+    span = float(timeline.stop.max() - timeline.start.min())
+    busy = float((timeline.stop - timeline.start).sum())
+    p = timeline.stage.nunique()
+    return max(0.0, 1.0 - busy / (p * span)) if span > 0 else 0.0
+
+
+@dataclass
+class PipelineResult:
+    """What one pipeline step gave (see :meth:`PipelineParallel.run`).
+
+    Attributes
+    ----------
+    output : numpy.ndarray
+        The model's output for the whole batch (micro-batches concatenated in order).
+    loss : float or None
+        The loss of the batch (as the loss function computes it on the whole batch), when a
+        target was given.
+    grads : dict of str to numpy.ndarray or None
+        Gradients of the parameters, named as in the model's ``state_dict()``, before the
+        optimizer stepped (``return_grads=True`` only).
+    timeline : pandas.DataFrame
+        One row per stage task: ``stage``, ``worker``, ``micro_batch``, ``phase``
+        (``"forward"``/``"backward"``), ``start``, ``stop`` (seconds since the first start).
+    makespan : float
+        Seconds from the first task start to the last stop.
+    n_micro_batches, n_stages : int
+    rows : int
+        Rows of the batch.
+    micro_batch_rows : list of int
+        Rows of each micro-batch (they may differ by one).
+    schedule : str
+    peak_activations : list of int
+        Per stage, the most micro-batches whose activations it held at once (measured on
+        the worker); empty without a backward pass.
+    recovered : list of str
+        Stages rebuilt after their worker was lost during this step.
+    """
+
+    output: np.ndarray | None
+    loss: float | None
+    grads: dict | None
+    timeline: pd.DataFrame = field(repr=False)
+    makespan: float
+    n_micro_batches: int
+    n_stages: int
+    rows: int
+    micro_batch_rows: list = field(default_factory=list)
+    schedule: str = "gpipe"
+    peak_activations: list = field(default_factory=list)
+    recovered: list = field(default_factory=list)
+
+    @property
+    def bubble(self) -> float:
+        """Measured idle fraction 0-1 (:func:`bubble_fraction` of the timeline)."""
+        return bubble_fraction(self.timeline)
+
+    @property
+    def ideal_bubble(self) -> float:
+        """GPipe's bubble for equal stages, ``(p - 1) / (m + p - 1)``."""
+        p, m = self.n_stages, self.n_micro_batches
+        return (p - 1) / (m + p - 1)
+
+    @property
+    def throughput(self) -> float:
+        """Rows per second through the pipeline (forward and backward when both ran)."""
+        return self.rows / self.makespan if self.makespan > 0 else float("inf")
+
+    def plot(self):
+        """Bokeh Gantt chart of the timeline: one row per stage, a bar per task."""
+        from bokeh.models import ColumnDataSource, HoverTool
+        from bokeh.plotting import figure
+
+        t = self.timeline.assign(
+            y=lambda d: [f"stage {s}" for s in d.stage],
+            color=lambda d: np.where(d.phase == "forward", "#1f77b4", "#ff7f0e"))
+        stages = [f"stage {s}" for s in sorted(t.stage.unique(), reverse=True)]
+        fig = figure(y_range=stages, height=60 + 40 * len(stages), width=700,
+                     title=f"Pipeline ({self.schedule}): {self.n_stages} stages, "
+                           f"{self.n_micro_batches} micro-batches, bubble {self.bubble:.1%}",
+                     x_axis_label="seconds")
+        fig.hbar(y="y", left="start", right="stop", height=0.7, color="color",
+                 source=ColumnDataSource(t), line_color="white")
+        fig.add_tools(HoverTool(tooltips=[("phase", "@phase"), ("micro-batch", "@micro_batch"),
+                                          ("worker", "@worker")]))
+        return fig
+
+
+def timeline(stream: list[dict], name: str, token: str, workers: list[str]) -> pd.DataFrame:
+    """Rows of the pipeline's stage tasks from distributed's task stream records."""
+    rows = []
+    for rec in stream:
+        key = rec.get("key")
+        key = key if isinstance(key, str) else str(key)
+        for phase in ("forward", "backward"):
+            prefix = f"{name}-{phase}-{token}-"
+            if key.startswith(prefix):
+                s, j = (int(v) for v in key[len(prefix):].split("-"))
+                compute = [ss for ss in rec.get("startstops", ()) if ss["action"] == "compute"]
+                if compute:
+                    rows.append({"stage": s, "worker": workers[s], "micro_batch": j,
+                                 "phase": phase, "start": compute[0]["start"],
+                                 "stop": compute[0]["stop"]})
+    df = pd.DataFrame(rows, columns=["stage", "worker", "micro_batch", "phase", "start",
+                                     "stop"])
+    if len(df):
+        t0 = df.start.min()
+        df = df.assign(start=df.start - t0, stop=df.stop - t0).sort_values(
+            ["stage", "start"]).reset_index(drop=True)
+    return df
+
