@@ -86,7 +86,9 @@ DECISION_COLUMNS = [("when", "Time"), ("action", "Action"), ("worker", "Worker")
 
 
 #: A cell showing its whole text on hover (``title``), so a long reason is never cut off.
-_FULL_TEXT = HTMLTemplateFormatter(template='<span title="<%- value %>"><%- value %></span>')
+# (a Bokeh model belongs to one document: each table gets its own formatter, or the page's
+# second viewer gets a 500 "Models must be owned by only a single document")
+_FULL_TEXT = '<span title="<%- value %>"><%- value %></span>'
 #: Seconds of GPU utilisation and device memory history each worker's plot keeps.
 HISTORY_SECONDS = 120
 
@@ -96,7 +98,8 @@ def _table(source: ColumnDataSource, columns: list[tuple[str, str]], height: int
     """A full-width table of ``columns`` ((field, title) pairs) of ``source``, ``height``
     pixels high; the ``full_text`` fields show their whole text on hover."""
     return DataTable(source=source, columns=[
-        TableColumn(field=k, title=t, **({"formatter": _FULL_TEXT} if k in full_text else {}))
+        TableColumn(field=k, title=t, **({"formatter": HTMLTemplateFormatter(template=_FULL_TEXT)}
+                                       if k in full_text else {}))
         for k, t in columns],
         index_position=None, sizing_mode="stretch_width", height=height, name=name)
 

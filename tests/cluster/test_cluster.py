@@ -71,7 +71,8 @@ def test_inventory_of_cpu_workers(embedded):
     assert list(df.columns) == [
         "address", "host", "name", "threads", "memory_limit", "device", "gpu_name",
         "gpu_uuid", "gpu_memory_total", "gpu_memory_used", "gpu_utilization", "simulated",
-        "resources", "shares_gpu_with", "pool", "provider", "region", "price",
+        "resources", "shares_gpu_with", "job_system", "job_id", "job_queue", "pool",
+        "provider", "region", "price",
     ]
     assert set(df["pool"]) == {"default"}  # workers that report no pool
     assert df["gpu_memory_total"].isna().all() and df["gpu_utilization"].isna().all()

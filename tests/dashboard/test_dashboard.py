@@ -218,7 +218,8 @@ def test_page_tables_follow_a_running_job_in_headless_chromium(sim, browser):
     values: a DataTable redraws only when its number of rows changes)."""
     browser.get(_base(sim) + "/blockflow")
     wait_until(lambda: _shown_tasks_this_run(browser), timeout=60, interval=0.25,
-               message="the page to show this run's task counts")
+               message=lambda: "the page to show this run's task counts; tables: "
+               f"{[t['headers'] for t in browser.execute_script(_READ_TABLES)]}")
     first = _shown_tasks_this_run(browser)
     assert set(first) == set(sim.cluster.scheduler.workers), first
     # 240 blocks of 50 ms on 3 single-thread workers: about 4 s of work, 8 page updates

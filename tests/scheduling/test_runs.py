@@ -137,7 +137,7 @@ def test_flights_is_one_run_for_the_dashboard_the_result_and_the_manifest(client
     assert "this run: <b>the flights ETL (scale 1)</b>" in page.header.text
     assert f"{result.n_tasks:,} tasks finished of {result.n_tasks:,} submitted" in \
         page.header.text
-    shown = dict(zip(page.workers.data["worker"], page.workers.data["tasks_run"]))
+    shown = dict(zip(page.workers.data["address"], page.workers.data["tasks_run"]))
     assert {w: n for w, n in shown.items() if n} == result.task_counts
 
 

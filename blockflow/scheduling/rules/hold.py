@@ -91,10 +91,14 @@ class HoldRule(Rule):
         # Between two kernels no worker may run one at a tick (short kernels, or their
         # input tasks running): the stage's kernel duration is kept while the queue lasts,
         # or a held worker would be released with the queue still full.
-        waiting = sum(max(w.processing - w.executing, 0) for w in views.values())
+        # (tasks waiting on workers count only once the queue is empty: read lazily, so a
+        # tick with root tasks queued walks no worker here)
+        def waiting() -> bool:
+            return any(w.processing > w.executing for w in views.values())
+
         if durations:
             self.duration = median(durations)
-        elif not snap.queued and not waiting:
+        elif not snap.queued and not waiting():
             self.duration = None
         d = self.duration
         for addr in sorted(snap.held):
@@ -106,7 +110,7 @@ class HoldRule(Rule):
                 out.append(Decision(Action.RELEASE, addr, "nothing is left to run (queue "
                                     "empty, no task waiting) or the others no longer finish it "
                                     "before this worker's next task would end", seen))
-        if not (snap.queued or waiting) or d is None:
+        if d is None or not (snap.queued or waiting()):
             return out
         for addr, w in views.items():
             if addr in snap.held or addr in paused_now or w.status != "running":
