@@ -34,7 +34,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from blockflow import _distributed, config
+from blockflow import config
+from blockflow.ml.parallel._stage import _device, _here  # where a shard lives, its device
 from blockflow.ml.parallel.partition import shard_widths
 from blockflow.scheduling.client import gather_as_done, worker_memory
 
@@ -63,14 +64,6 @@ _SHARDS: dict[tuple[str, str], dict] = {}
 _LOCK = threading.Lock()
 
 
-def _here() -> str:
-    worker = _distributed.current_worker()
-    return worker.address if worker is not None else "local"
-
-
-def _device():
-    import torch
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _install(key: str, payload: bytes, optimizer) -> int:
