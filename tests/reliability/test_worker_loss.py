@@ -30,6 +30,7 @@ from blockflow.testing import SimulatedDevice, SimulatedGPU, set_tenant
 from blockflow.workloads import flights
 
 from .conftest import (
+    _cluster_state,
     assert_forgotten,
     kill,
     ready_workers,
@@ -51,9 +52,19 @@ def _new_worker_runs_tasks(client, old: list[str]) -> str:
     """Wait for the worker that replaced a killed one and check that it gets work."""
     # ready: a restarted worker is known (status "init") before its plugins have started,
     # and the scheduler gives it no task until it runs
-    wait_until(lambda: len(set(ready_workers(client)) - set(old)) == 1, timeout=60,
-               message="the restarted worker")
-    (new,) = set(ready_workers(client)) - set(old)
+    found: dict[str, str] = {}
+
+    def one_new() -> bool:
+        # (read once: reading the workers again after the wait raced with a worker that was
+        # ready at the wait's last look and not at the next, CI 1 run in ~10)
+        fresh = set(ready_workers(client)) - set(old)
+        if len(fresh) == 1:
+            found["new"] = next(iter(fresh))
+        return len(fresh) == 1
+
+    wait_until(one_new, timeout=60, message=lambda: "the restarted worker: "
+               f"{_cluster_state(client)}")
+    new = found["new"]
     before = tasks_done_on(client, new)
     # A fresh name each time: a graph with the keys of an earlier call's (whose results the
     # scheduler may not have released yet) would run nothing at all.
