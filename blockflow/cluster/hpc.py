@@ -84,6 +84,20 @@ def batch_job(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return {}
 
 
+def jobqueue_defaults() -> None:
+    """Make sure dask-jobqueue's configuration defaults are in ``dask.config``.
+
+    dask-jobqueue adds them once, when it is imported. A configuration reset since then (such
+    as distributed's test harness restoring a snapshot taken before that import) drops them,
+    and every cluster or job class then fails with ``KeyError: 'jobqueue'``. They are added
+    back; values the user set keep priority. Call after importing dask-jobqueue.
+    """
+    if "interface" not in (dask.config.get("jobqueue.slurm", None) or {}):
+        from dask_jobqueue.config import reconfigure
+
+        reconfigure()
+
+
 def _cluster_class(system: str):
     try:
         import dask_jobqueue
@@ -92,6 +106,7 @@ def _cluster_class(system: str):
     if system not in SYSTEMS:
         raise ValueError(f"jobqueue_cluster: unknown batch system {system!r}; choose one of "
                          f"{', '.join(sorted(SYSTEMS))}.")
+    jobqueue_defaults()
     return getattr(dask_jobqueue, SYSTEMS[system])
 
 

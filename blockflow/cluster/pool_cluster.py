@@ -50,13 +50,18 @@ def pool_preload_argv(pool: Pool) -> list[str]:
 
 def _job_class(job_cls):
     """A dask-jobqueue job class from the class or its short name (``"slurm"``)."""
+    from blockflow.cluster.hpc import jobqueue_defaults
+
     if not isinstance(job_cls, str):
+        if getattr(job_cls, "__module__", "").startswith("dask_jobqueue"):
+            jobqueue_defaults()
         return job_cls
     try:
         import dask_jobqueue  # noqa: F401
     except ImportError:
         raise ImportError(f"PoolCluster(job_cls={job_cls!r}) needs dask-jobqueue: "
                           "pip install dask-jobqueue") from None
+    jobqueue_defaults()
     names = {"slurm": "SLURMJob", "pbs": "PBSJob", "sge": "SGEJob", "lsf": "LSFJob",
              "htcondor": "HTCondorJob", "oar": "OARJob", "moab": "MoabJob"}
     try:

@@ -55,3 +55,21 @@ def test_bad_input_is_one_line_before_anything_is_submitted(kwargs, error, messa
     with pytest.raises(error) as e:
         jobqueue_cluster(kwargs.pop("system"), cores=1, memory="1GB", **kwargs)
     assert str(e.value).startswith(message)
+
+
+def test_dask_jobqueue_defaults_dropped_by_a_config_reset_are_restored(monkeypatch):
+    # distributed's test harness (and any code that restores a config snapshot taken before
+    # dask_jobqueue was imported) drops the defaults dask-jobqueue adds at import; the
+    # cluster classes then fail with KeyError 'jobqueue' (seen on CI)
+    import dask
+    import dask_jobqueue  # noqa: F401  (its defaults are in the config now)
+
+    monkeypatch.delitem(dask.config.config, "jobqueue")
+    with dask.config.set({"jobqueue.pbs.walltime": "00:05:00"}):  # the user's value wins
+        cluster = jobqueue_cluster("pbs", n_workers=0, cores=1, memory="1GB",
+                                   scheduler_options={"dashboard_address": ":0"})
+        try:
+            assert dask.config.get("jobqueue.pbs.interface", "missing") is None
+            assert "walltime=00:05:00" in cluster.job_script()
+        finally:
+            cluster.close()
