@@ -30,6 +30,7 @@ import glob
 import math
 import os
 import re
+import sys
 from typing import Any, Iterator, Mapping, Sequence
 
 import dask.config
@@ -138,14 +139,19 @@ def validate(config: dict | None = None) -> None:
         that looks like a blockflow setting but that Dask does not read as one (see
         :func:`unread_variables`).
     """
-    schema = _schema()
     if config is None:
         _warn_unread_variables()
         replaced = _replaced_sections(_user_settings, defaults["blockflow"])
         if replaced is not None:  # set to a non-mapping before import, hidden by the defaults
-            _raise_first_problem({"blockflow": replaced}, schema)
-        config = {"blockflow": dask.config.get("blockflow")}
-    _raise_first_problem(config, schema)
+            _raise_first_problem({"blockflow": replaced}, _schema())
+        current = dask.config.get("blockflow")
+        if current == defaults["blockflow"]:
+            # nothing set: the packaged defaults are valid (a test checks them), and neither
+            # jsonschema nor the schema is loaded -- in a scheduler they would stay in its
+            # heap for good
+            return
+        config = {"blockflow": current}
+    _raise_first_problem(config, _schema())
 
 
 def variable_names() -> dict[str, str]:
@@ -277,10 +283,32 @@ def _schema() -> dict:
     return schema
 
 
+def _jsonschema():
+    """``jsonschema``, imported without its optional ``rfc3987-syntax`` checker.
+
+    jsonschema imports every optional format checker it finds. ``rfc3987-syntax`` (installed
+    with Jupyter) builds a grammar at import: about 2 s, and some 230,000 objects that stay
+    in the process for good -- in the scheduler, every full garbage collection walks them
+    (measured: a scheduler with the plugin made 5 % slower on trivial tasks). blockflow's
+    schema uses no ``format``; the block is lifted after the import, so a later
+    ``import rfc3987_syntax`` works. If jsonschema is already imported it is used as is.
+    """
+    if "jsonschema" in sys.modules:
+        return sys.modules["jsonschema"]
+    block = "rfc3987_syntax" not in sys.modules
+    if block:
+        sys.modules["rfc3987_syntax"] = None  # import fails: jsonschema skips the "iri" check
+    try:
+        import jsonschema
+    finally:
+        if block and sys.modules.get("rfc3987_syntax", False) is None:
+            del sys.modules["rfc3987_syntax"]
+    return jsonschema
+
+
 def _first_problem(config: Any, schema: dict) -> tuple[list[str], Any, str] | None:
     """``(path, value, what is wrong)`` of the first invalid setting, or None."""
-    import jsonschema
-
+    jsonschema = _jsonschema()
     error = jsonschema.exceptions.best_match(
         jsonschema.validators.validator_for(schema)(schema).iter_errors(config))
     if error is not None:

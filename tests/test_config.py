@@ -204,3 +204,57 @@ def test_importing_blockflow_or_its_cli_loads_the_settings_not_distributed():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "dynamic []"
+
+
+def _fresh_python(code: str) -> str:
+    """Run ``code`` in a new interpreter (no module imported yet) and return its stdout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_BLOCKFLOW")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_the_defaults_are_not_revalidated_and_jsonschema_stays_unloaded():
+    # a scheduler's plugin validates at start: with nothing set, neither jsonschema nor its
+    # format checkers (rfc3987-syntax builds a grammar of ~230,000 objects at import) are
+    # loaded into the scheduler's heap
+    assert _fresh_python(
+        "import sys; from blockflow import config; config.validate(); "
+        "print(sorted(m for m in ('jsonschema', 'rfc3987_syntax', 'lark') if m in sys.modules))"
+    ) == "[]"
+
+
+def test_a_changed_setting_is_validated_without_rfc3987_syntax():
+    code = (
+        "import sys, dask\n"
+        "from blockflow import config\n"
+        "with dask.config.set({'blockflow.rebalancer.interval': 'soon'}):\n"
+        "    try:\n"
+        "        config.validate()\n"
+        "    except ValueError as e:\n"
+        "        print('refused:', 'rebalancer.interval' in str(e))\n"
+        "print('rfc3987_syntax' in sys.modules, 'rfc3987_syntax' in sys.modules.keys())\n"
+        "import importlib.util\n"
+        "if importlib.util.find_spec('rfc3987_syntax') is not None:\n"
+        "    import rfc3987_syntax  # the block was lifted: it still imports\n"
+        "    print('importable', rfc3987_syntax.is_valid_syntax('iri', 'http://x/y'))\n"
+    )
+    lines = _fresh_python(code).splitlines()
+    assert lines[0] == "refused: True"
+    assert lines[1] == "False False"
+    assert lines[2:] in ([], ["importable True"])
+
+
+def test_a_scheduler_without_a_dashboard_does_not_load_bokeh():
+    code = (
+        "import sys\n"
+        "from distributed import Client, LocalCluster\n"
+        "from blockflow.scheduling.plugin import Rebalancer\n"
+        "with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as c, "
+        "Client(c) as client:\n"
+        "    client.register_plugin(Rebalancer(policy='dynamic'))\n"
+        "    assert client.submit(sum, [1, 2]).result() == 3\n"
+        "    print('bokeh' in sys.modules)\n"
+    )
+    assert _fresh_python(code) == "False"

@@ -113,6 +113,7 @@ from blockflow._distributed.checks import (
     check_scheduler,
     check_worker,
     check_worker_state,
+    serves_bokeh_dashboard,
 )
 from blockflow._distributed.client import (
     SchedulerProgress,
@@ -339,6 +340,7 @@ __all__ = [
     "running_tasks",
     "scheduler_metadata",
     "scheduler_plugin",
+    "serves_bokeh_dashboard",
     "set_task_placement",
     "set_worker_metric",
     "set_worker_status",

@@ -19,6 +19,7 @@ __all__ = [
     "check_scheduler",
     "check_worker",
     "check_worker_state",
+    "serves_bokeh_dashboard",
 ]
 
 
@@ -115,7 +116,17 @@ def check_scheduler(scheduler) -> None:
         _fail("TaskPrefix.duration_average")
     for ws in list(scheduler.workers.values()):
         check_worker_state(ws)
-    check_dashboard()
+    if serves_bokeh_dashboard(scheduler):
+        check_dashboard()
+
+
+def serves_bokeh_dashboard(scheduler) -> bool:
+    """Whether the scheduler serves distributed's Bokeh dashboard. Read without importing
+    Bokeh: a scheduler started without a dashboard never loads it (Bokeh's models are some
+    100,000 objects every full garbage collection of the scheduler would walk)."""
+    app = getattr(scheduler, "http_application", None)
+    return app is not None and any("bokeh" in type(a).__name__.lower()
+                                   for a in getattr(app, "applications", ()))
 
 
 def check_dashboard() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from distributed.active_memory_manager import ActiveMemoryManagerPolicy, Suggestion
 
+from blockflow._distributed.checks import serves_bokeh_dashboard
 from blockflow._distributed.views import HeldResult, WorkerView, held_results, worker_views
 
 __all__ = [
@@ -178,13 +179,13 @@ def add_dashboard_page(scheduler, path: str, doc_fn, menu_name: str) -> bool:
     added later gets a Bokeh application of its own on the scheduler's HTTP server, and its
     menu entry is appended to the (memoised) template variables every page renders from.
     """
-    app = getattr(scheduler, "http_application", None)
+    if not serves_bokeh_dashboard(scheduler):  # checked first: Bokeh is not imported then
+        return False
+    app = scheduler.http_application
     try:
         from distributed.dashboard import scheduler as dashboard
         from distributed.dashboard.core import BokehApplication
     except ImportError:  # no bokeh
-        return False
-    if app is None or not any("bokeh" in type(a).__name__.lower() for a in app.applications):
         return False
     prefix = http_prefix(scheduler)
     variables = dashboard.template_variables(scheduler)
