@@ -25,7 +25,7 @@ from blockflow.ml.parallel import (
     schedule_order,
     shard_widths,
 )
-from blockflow.ml.parallel.partition import stage_times
+from blockflow.ml.parallel.partition import flush_makespan, stage_times
 from blockflow.testing import simulated_cluster
 
 torch = pytest.importorskip("torch")
@@ -87,6 +87,26 @@ def test_partition_is_the_min_max_contiguous_split_within_memory(seed):
     assert all(sum(sizes[a:b]) <= caps[w] for a, b, w in zip(bounds, bounds[1:], order))
     assert max(stage_times(layer_times, bounds, order)) == pytest.approx(
         _brute_force(layer_times, p, sizes, caps))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_partition_with_micro_batches_minimises_the_step_and_its_bubble(seed):
+    """With m, the split of least (m - 1) x slowest stage + one micro-batch's way through
+    every stage and back + its hops, over every worker order and cut (brute force)."""
+    rng = np.random.default_rng(seed)
+    n, p, m = int(rng.integers(4, 9)), int(rng.integers(2, 4)), int(rng.integers(2, 9))
+    cost = rng.uniform(0.1, 1.0, n)
+    layer_times = {f"w{i}": list(cost / rng.uniform(0.2, 1.0)) for i in range(p)}
+    hops = list(rng.uniform(0, 0.3, n - 1))
+
+    def step(order, bounds):
+        return flush_makespan(stage_times(layer_times, bounds, order), m,
+                              sum(hops[b - 1] for b in bounds[1:-1]))
+
+    best = min(step(order, [0, *cuts, n]) for order in itertools.permutations(layer_times)
+               for cuts in itertools.combinations(range(1, n), p - 1))
+    order, bounds = partition_stages(layer_times, p, n_micro_batches=m, transfer=hops)
+    assert step(order, bounds) == pytest.approx(best)
 
 
 def test_partition_refuses_a_model_no_split_fits():

@@ -192,11 +192,14 @@ def _backward(stage: _Stage, dy, j: int, weight: float | None):
     import torch
 
     leaf, y = stage.stash.pop(j)
+    # a first stage without parameters (a reshape, an input scaling) has no graph: nothing
+    # to differentiate there
     if weight is not None:
         loss = stage.loss_fn(y, _as_tensor(dy)) * weight
-        torch.autograd.backward(loss)
+        if loss.requires_grad:
+            torch.autograd.backward(loss)
         stage.loss_sum += float(loss.detach())
-    else:
+    elif y.requires_grad:
         torch.autograd.backward(y, _as_tensor(dy))
     if leaf.grad is None:
         return None
@@ -479,14 +482,15 @@ def peaks(reset: bool = False, dask_worker=None) -> int:
         return value
 
 
-def probe(payloads: Sequence[bytes], x, repeats: int, optimizer) -> tuple[list, list]:
+def probe(payloads: Sequence[bytes], x, repeats: int, optimizer) -> tuple[list, list, list]:
     """Each module's forward+backward seconds on this worker (the least of ``repeats``
-    timed passes after a warm-up) and its bytes of parameters, gradients and optimizer
-    state after one optimizer step; one module loaded at a time."""
+    timed passes after a warm-up), its bytes of parameters, gradients and optimizer
+    state after one optimizer step, and the bytes of its output on ``x``; one module loaded
+    at a time."""
     import cloudpickle
     import torch
 
-    times, sizes = [], []
+    times, sizes, outs = [], [], []
     h = _as_tensor(x)
     address = _here()
     for payload in payloads:
@@ -510,9 +514,10 @@ def probe(payloads: Sequence[bytes], x, repeats: int, optimizer) -> tuple[list, 
             _PEAK[address] = max(_PEAK.get(address, 0), size)
         times.append(best)
         sizes.append(size)
+        outs.append(int(y.numel() * y.element_size()))
         h = y.detach()
         del module, opt
-    return times, sizes
+    return times, sizes, outs
 
 
 def _noop(*_args) -> None:

@@ -25,7 +25,9 @@ The **partition** comes from measurements: every module's forward+backward is ti
 worker on a probe micro-batch, one module at a time (a probe never holds more than one
 module's parameters), with its bytes of parameters, gradients and optimizer state after one
 step; :func:`~blockflow.parallel.partition.partition_stages` picks the worker order and the
-contiguous cut minimising the slowest stage, within each worker's free device memory
+contiguous cut minimising the step's time (``m - 1`` micro-batches at the slowest stage's
+pace, plus the bubble's fill and drain and the hops between stages at distributed's
+bandwidth estimate), within each worker's free device memory
 (``blockflow.parallel.memory-fraction`` of it). ``partition="equal"`` and
 ``partition="parameters"`` (DeepSpeed's ``partition_method``) are the baselines.
 
@@ -173,6 +175,9 @@ class PipelineParallel:
         The measured seconds of each layer on each worker (``"speed"`` partition).
     layer_bytes : list of int or None
         Measured bytes of each layer's parameters, gradients and optimizer state.
+    layer_output_bytes : list of int or None
+        Measured bytes of each layer's output on the probe's rows (what a cut after it
+        sends, and its gradient back).
     predicted_stage_times : list of float or None
         Per stage, the measured seconds of its layers on its worker.
     steps : int
@@ -244,6 +249,7 @@ class PipelineParallel:
         self.partition = partition
         self.layer_times: dict[str, list[float]] | None = None
         self.layer_bytes: list[int] | None = None
+        self.layer_output_bytes: list[int] | None = None
         self.predicted_stage_times: list[float] | None = None
         self.stage_workers: list[str] = []
         self.bounds: list[int] = []
@@ -293,6 +299,7 @@ class PipelineParallel:
         got = self._gather(list(futs.values()), needed=set(futs),
                            what="the pipeline's layer probe")
         times = {w: [float(t) for t in g[0]] for w, g in zip(futs, got)}
+        self.layer_output_bytes = [int(b) for b in got[0][2]]
         return times, [int(b) for b in got[0][1]]
 
     def _capacity(self) -> dict[str, float]:
@@ -300,7 +307,17 @@ class PipelineParallel:
         return {w: self.memory_fraction * float(mem[w].free) if w in mem else math.inf
                 for w in self.workers}
 
-    def _place(self, sample) -> None:
+    def _transfer(self) -> list[float]:
+        """Seconds to send each layer's output (on the probe's rows) to the next stage and
+        its gradient back, at distributed's bandwidth estimate."""
+        import dask
+        from dask.utils import parse_bytes
+
+        bandwidth = dask.config.get("distributed.scheduler.bandwidth")
+        bandwidth = float(parse_bytes(bandwidth) if isinstance(bandwidth, str) else bandwidth)
+        return [2 * b / bandwidth for b in (self.layer_output_bytes or [])[:-1]]
+
+    def _place(self, sample, n_micro_batches: int | None = None) -> None:
         p = self.n_stages
         if self.partition == "speed":
             if sample is None:
@@ -308,8 +325,12 @@ class PipelineParallel:
                                  "the layers on; pass sample= or call run()/fit() first.")
             self.layer_times, self.layer_bytes = self.measure(sample)
             capacity = self._capacity()
+            # the step's time: m - 1 micro-batches at the slowest stage's pace, plus the
+            # fill and drain (one micro-batch through every stage and back) and its hops
+            m = n_micro_batches or p * int(config.get("parallel.micro-batches-per-stage"))
             order, bounds = partition_stages(self.layer_times, p, layer_bytes=self.layer_bytes,
-                                             capacity=capacity)
+                                             capacity=capacity, n_micro_batches=m,
+                                             transfer=self._transfer())
             self.predicted_stage_times = stage_times(self.layer_times, bounds, order)
         elif self.partition == "equal":
             order, bounds = equal_stages(len(self._named), self.workers[:p])
@@ -449,7 +470,7 @@ class PipelineParallel:
     def _step(self, xs: list, ts: list | None, sizes: list[int], **kw) -> PipelineResult:
         """A step with recovery: a lost stage worker rebuilds and the step runs again."""
         if not self.stage_workers:
-            self._place(_first(xs[0]))
+            self._place(_first(xs[0]), len(xs))
         recovered: list[str] = []
         while True:
             try:
@@ -626,7 +647,7 @@ class PipelineParallel:
                 for b in (rng.permutation(starts) if shuffle else starts)]
         self.history_: list[dict] = []
         if not self.stage_workers:
-            self._place(_first(X[: self.probe_rows]))
+            self._place(_first(X[: self.probe_rows]), self._micro_batches(bs, n_micro_batches))
         if self._ckpt_step != self.steps:  # a rollback never reaches back before this fit
             self._checkpoint()
         start_step = self.steps
