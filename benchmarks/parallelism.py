@@ -126,7 +126,7 @@ def uneven(client, args, workers) -> list[dict]:
                              ("parameters (DeepSpeed)", "parameters")):
         t0 = time.perf_counter()
         pipe = blockflow.PipelineParallel(client, model, optimizer=sgd, partition=partition,
-                                          workers=workers, sample=X, probe_repeats=1,
+                                          workers=workers, sample=X,
                                           checkpoint_every=0)
         place = time.perf_counter() - t0
         results = [pipe.run(X, T, n_micro_batches=16, name=label, return_output=False)
