@@ -6,12 +6,18 @@ side. Layers are :class:`blockflow.testing.torch_layers.SimulatedLinear`: a real
 seconds and whose backward for twice that, so stage times follow the devices' speeds, not
 this 2-core machine's load.
 
-1. **Uneven devices** (speeds 1, 1, 0.5, 0.25 set at run time): 16 linear layers widening
-   with depth (32 to 160 features), work proportional to each layer's parameters. Three partitions of the
-   same model, each trained for ``--steps`` GPipe steps of m = 16 micro-batches: blockflow's
-   (measured forward+backward time of every layer on every worker, min-max split), equal
-   layer counts, and DeepSpeed's ``partition_method="parameters"`` (equal parameter counts).
-   Throughput: rows per second through a step (forward, backward, optimizer), best step.
+1. **Uneven devices** (speeds 1, 1, 0.5, 0.25 set at run time, devices 0-3 in that order):
+   16 linear layers widening with depth (32 to 160 features), work proportional to each
+   layer's parameters. Three partitions of the same model, each trained for ``--steps``
+   GPipe steps of m = 16 micro-batches: blockflow's (measured forward+backward time of every
+   layer on every worker; the worker order and cut of least step time), and the two
+   baselines as their users get them, stage ``s`` on device ``s`` (ranks in
+   ``torch.distributed.pipelining`` and DeepSpeed): equal layer counts, and DeepSpeed's
+   ``partition_method="parameters"`` (equal parameter counts). Throughput: rows per second
+   through the step's forward and backward passes (first start to last stop on the workers),
+   best step. Beside them, computed from the layers' declared work: the step of the best
+   contiguous split (every device order and cut), the ideal (total work over the summed
+   speeds, no bubble), and the equal split in its most favourable device order.
 2. **Bubble and activation memory** (all speeds 1): ``--layers`` equal layers on p = 2 and 4
    devices, m = 4p micro-batches, equal stages, the best of ``--steps`` steps after a warm-up
    one: GPipe's measured idle fraction against
@@ -24,7 +30,7 @@ this 2-core machine's load.
    optimizer state each worker held (measured on the worker, probe included) against its
    stage's.
 
-    python benchmarks/parallelism.py            # ~3 min here
+    python benchmarks/parallelism.py            # ~4 min here
     python benchmarks/parallelism.py --steps 1 --bubble-layer-seconds 0.02   # smoke
 
 Correctness (loss, gradients and parameters equal single-device PyTorch to 1e-10) is checked
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
 
 import numpy as np
@@ -67,21 +74,59 @@ def _uneven_model(layers: int, work_per_kparam: float, seed: int = 0):
     return torch.nn.Sequential(*mods), dims
 
 
+def _declared(args) -> dict:
+    """The step times the layers' declared work gives (GPipe/1F1B with a flush, m = 16):
+    the best contiguous split over every device order and cut, the equal split in device
+    order and in its best order, DeepSpeed's parameter split in device order, the ideal."""
+    import itertools
+
+    from blockflow.ml.parallel.partition import (
+        equal_stages,
+        flush_makespan,
+        parameter_stages,
+        partition_stages,
+        stage_times,
+    )
+
+    m = 16
+    model, dims = _uneven_model(args.layers, args.work_per_kparam)
+    work = [3 * layer.work for layer in model]  # forward + backward, reference-seconds
+    speeds = {f"device {i}": sp for i, sp in enumerate(args.speeds)}
+    times = {d: [w / sp for w in work] for d, sp in speeds.items()}
+    devices = list(speeds)
+
+    def step(order, bounds):
+        return flush_makespan(stage_times(times, bounds, order), m)
+
+    equal = equal_stages(len(work), devices)[1]
+    best_equal = min(step(list(o), equal) for o in itertools.permutations(devices))
+    params = parameter_stages([sum(p.numel() for p in layer.parameters()) for layer in model],
+                              devices)[1]
+    order, bounds = partition_stages(times, n_micro_batches=m)
+    ideal = m * sum(work) / sum(args.speeds)
+    return {"best split": step(order, bounds), "best split order": [speeds[d] for d in order],
+            "best split layers": [int(v) for v in np.diff(bounds)],
+            "equal, device order": step(devices, equal), "equal, best order": best_equal,
+            "parameters, device order": step(devices, params), "ideal": ideal}
+
+
 def uneven(client, args, workers) -> list[dict]:
     import torch
+
+    from blockflow.ml.parallel.partition import flush_makespan, stage_times
 
     model, dims = _uneven_model(args.layers, args.work_per_kparam)
     rng = np.random.default_rng(3)
     X = rng.standard_normal((128, dims[0])).astype(np.float32)
     T = rng.standard_normal((128, dims[-1])).astype(np.float32)
     sgd = functools.partial(torch.optim.SGD, lr=1e-3)
-    rows = []
-    for label, partition in (("equal layers", "equal"), ("parameters (DeepSpeed)",
-                                                         "parameters"),
-                             ("measured speed (blockflow)", "speed")):
+    rows, placed = [], []
+    for label, partition in (("measured speed (blockflow)", "speed"),
+                             ("equal layers", "equal"),
+                             ("parameters (DeepSpeed)", "parameters")):
         t0 = time.perf_counter()
         pipe = blockflow.PipelineParallel(client, model, optimizer=sgd, partition=partition,
-                                          workers=workers, sample=X, probe_repeats=1,
+                                          workers=workers, sample=X,
                                           checkpoint_every=0)
         place = time.perf_counter() - t0
         results = [pipe.run(X, T, n_micro_batches=16, name=label, return_output=False)
@@ -93,8 +138,13 @@ def uneven(client, args, workers) -> list[dict]:
                                       for w in pipe.stage_workers],
                      "makespan": best.makespan, "rows_per_s": best.throughput,
                      "bubble": best.bubble, "place_s": place})
+        placed.append((pipe.stage_workers, pipe.bounds))
+        if partition == "speed":
+            measured = pipe.layer_times  # every layer on every worker, by blockflow's probe
         print(f"  {label}: {sizes} {[round(r.makespan, 2) for r in results]} s", flush=True)
         pipe.close()
+    for row, (order, bounds) in zip(rows, placed):  # what the probe's times predicted
+        row["predicted_s"] = flush_makespan(stage_times(measured, bounds, order), 16)
     return rows
 
 
@@ -165,13 +215,26 @@ def _table(rows: list[dict]) -> str:
 
 
 def _print_uneven(un, args) -> None:
-    print(f"\n== Speeds {args.speeds}: {args.layers} layers widening with depth (work "
-          f"proportional to parameters), m = 16, GPipe, best of {args.steps} steps ==")
+    print(f"\n== Speeds {args.speeds} (devices 0-3): {args.layers} layers widening with "
+          f"depth (work proportional to parameters), m = 16, GPipe, best of {args.steps} "
+          f"steps; baselines with stage s on device s ==")
     print(_table(un))
-    ours = un[-1]["rows_per_s"]
-    print(f"throughput, blockflow / equal layers: {ours / un[0]['rows_per_s']:.2f}x; "
-          f"blockflow / parameters (DeepSpeed): {ours / un[1]['rows_per_s']:.2f}x "
-          f"(target >= 1.25x each)\n", flush=True)
+    ours = un[0]["rows_per_s"]
+    print(f"throughput, blockflow / equal layers: {ours / un[1]['rows_per_s']:.2f}x; "
+          f"blockflow / parameters (DeepSpeed): {ours / un[2]['rows_per_s']:.2f}x "
+          f"(target >= 1.25x each)")
+    d = _declared(args)
+    print(f"From the declared work (step seconds, m = 16, flush makespan): best contiguous "
+          f"split {d['best split']:.3f} (layers {d['best split layers']} on speeds "
+          f"{d['best split order']}), ideal (total work / summed speeds x m, no bubble) "
+          f"{d['ideal']:.3f}; equal layers in device order {d['equal, device order']:.3f}, "
+          f"in its best device order {d['equal, best order']:.3f}; parameters in device "
+          f"order {d['parameters, device order']:.3f}.")
+    print(f"Best possible throughput ratios: best split / equal in device order "
+          f"{d['equal, device order'] / d['best split']:.2f}x, / equal in its best order "
+          f"{d['equal, best order'] / d['best split']:.2f}x (ideal: "
+          f"{d['equal, best order'] / d['ideal']:.2f}x), / parameters "
+          f"{d['parameters, device order'] / d['best split']:.2f}x\n", flush=True)
 
 
 def _print_bubble(bb, args) -> None:
@@ -201,9 +264,9 @@ def main(argv=None) -> None:
     ap.add_argument("--only", choices=["uneven", "bubble", "memory"], default=None)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--work-per-kparam", type=float, default=0.003,
+    ap.add_argument("--work-per-kparam", type=float, default=0.0015,
                     help="forward reference-seconds per 1,000 parameters, uneven section")
-    ap.add_argument("--bubble-layer-seconds", type=float, default=0.05,
+    ap.add_argument("--bubble-layer-seconds", type=float, default=0.025,
                     help="forward reference-seconds per layer, bubble section")
     ap.add_argument("--big-layers", type=int, default=8)
     ap.add_argument("--big-width", type=int, default=512)
@@ -211,6 +274,8 @@ def main(argv=None) -> None:
     ap.add_argument("--speeds", type=float, nargs=4, default=[1, 1, 0.5, 0.25])
     args = ap.parse_args(argv)
     start = time.perf_counter()
+    print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())} "
+          f"({os.cpu_count()} cores)", flush=True)
     want = {args.only} if args.only else {"uneven", "bubble", "memory"}
     # tables are printed as each section ends, inside the cluster: a slow shutdown of a
     # loaded machine's worker processes cannot lose them
@@ -226,7 +291,8 @@ def main(argv=None) -> None:
             _speeds(c, args.speeds)
             print(f"Pipeline on uneven devices {args.speeds}:", flush=True)
             _print_uneven(uneven(c, args, workers), args)
-    print(f"total run {time.perf_counter() - start:.0f} s")
+    print(f"total run {time.perf_counter() - start:.0f} s; load average at end: "
+          f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
 
 if __name__ == "__main__":

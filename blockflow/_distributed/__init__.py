@@ -70,7 +70,8 @@ ActiveMemoryManager (extensions)
 Worker (worker; checked by :func:`check_worker`)
     ``metrics``, ``data`` (its in-memory part), ``plugins``, ``handlers``, ``rpc``,
     ``executors``, ``heartbeat()``, ``set_resources()``, ``state.total_resources``,
-    ``state.tasks[key].metadata`` and ``.annotations``, ``get_current_task()``;
+    ``state.tasks[key].metadata`` and ``.annotations``, ``get_current_task()``,
+    ``loop.asyncio_loop`` (:func:`call_worker_threadsafe`), ``scheduler_delay``;
     ``distributed.worker``'s ``thread_state`` and ``_worker_cvar``; ``scheduler.ncores(workers=)`` (the scheduler's
     RPC handler, from a worker or a client: :func:`listed_workers`).
 Dashboard (extensions; checked by :func:`check_dashboard`)
@@ -216,6 +217,7 @@ from blockflow._distributed.worker import (  # noqa: F401
     add_worker_handler,
     call_worker,
     call_worker_soon,
+    call_worker_threadsafe,
     current_task_key,
     current_worker,
     current_worker_resources,
@@ -239,6 +241,7 @@ from blockflow._distributed.worker import (  # noqa: F401
     worker_heartbeat,
     worker_metric,
     worker_plugins,
+    worker_scheduler_clock,
 )
 
 __all__ = [
@@ -284,6 +287,7 @@ __all__ = [
     "call_soon",
     "call_worker",
     "call_worker_soon",
+    "call_worker_threadsafe",
     "check_dashboard",
     "check_scheduler",
     "check_worker",
@@ -367,6 +371,7 @@ __all__ = [
     "worker_metric",
     "worker_names_and_metrics",
     "worker_plugins",
+    "worker_scheduler_clock",
     "worker_views",
     "workers_holding_data",
 ]

@@ -29,6 +29,7 @@ __all__ = [
     "add_worker_handler",
     "call_worker",
     "call_worker_soon",
+    "call_worker_threadsafe",
     "current_task_key",
     "current_worker",
     "current_worker_resources",
@@ -52,6 +53,7 @@ __all__ = [
     "worker_heartbeat",
     "worker_metric",
     "worker_plugins",
+    "worker_scheduler_clock",
 ]
 
 logger = logging.getLogger(__name__)
@@ -425,6 +427,24 @@ def call_worker_soon(worker, address: str, op: str, **kwargs) -> None:
             logger.debug("blockflow: %s on %s failed: %s", op, address, e)
 
     worker.loop.add_callback(call)
+
+
+def call_worker_threadsafe(worker, address: str, op: str, **kwargs):
+    """From a task thread of ``worker``: call RPC handler ``op`` of the worker at
+    ``address`` on ``worker``'s event loop (its pooled connections) without blocking the
+    thread; returns a :class:`concurrent.futures.Future` of the reply (its exception when
+    the call failed), for the caller to check later."""
+    import asyncio
+
+    return asyncio.run_coroutine_threadsafe(call_worker(worker, address, op, **kwargs),
+                                            worker.loop.asyncio_loop)
+
+
+def worker_scheduler_clock(worker) -> float:
+    """Seconds to add to ``time.time()`` on ``worker`` to read the scheduler's clock
+    (``Worker.scheduler_delay``, measured at each heartbeat; what distributed adds to the
+    start and stop times of the task stream), 0 off a worker."""
+    return float(getattr(worker, "scheduler_delay", 0.0) or 0.0) if worker is not None else 0.0
 
 
 def current_worker():

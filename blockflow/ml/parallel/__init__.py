@@ -13,6 +13,7 @@ The planners (shard widths, stage partition) are in :mod:`blockflow.parallel.par
 
 from blockflow.ml.parallel.partition import (
     equal_stages,
+    flush_makespan,
     parameter_stages,
     partition_stages,
     shard_widths,
@@ -31,6 +32,7 @@ __all__ = [
     "TensorParallel",
     "bubble_fraction",
     "equal_stages",
+    "flush_makespan",
     "free_device_memory",
     "parameter_stages",
     "partition_stages",

@@ -9,6 +9,15 @@ graph of micro-batches between their forward and backward (the *stash*), the gra
 the optimizer state never leave the worker. Only activations, their gradients, losses,
 checkpoints (every k steps) and ``state_dict()`` travel.
 
+A step is one task per stage (:func:`run`): the stage runs its schedule's forward and
+backward passes as a loop on its worker, and sends each micro-batch's activation to the
+next stage's worker, and its input gradient to the previous stage's, **worker to worker**
+(``blockflow_pipeline``, a worker comm handler installed by :class:`PipePlugin`, into that
+stage's mailbox); no scheduler or client round trip per micro-batch. The loop waits for
+its inputs out of the worker's thread pool (seceded), so two stages on one worker (after a
+rebuild) both run; it ends early when the client cancels the step (a lost worker), and
+after :data:`WAIT_TIMEOUT` seconds without an input with an error naming the stage.
+
 Every function here runs on a worker (shipped by reference, no closures).
 """
 
@@ -19,10 +28,17 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from blockflow import _distributed
+from distributed.diagnostics.plugin import WorkerPlugin
 
-__all__ = ["install", "forward", "backward", "finish", "checkpoint", "restore", "state",
-           "drop", "probe", "held_bytes", "peaks"]
+from blockflow import _distributed
+from blockflow._distributed import HandlerPlugin
+
+__all__ = ["HANDLER", "PipePlugin", "install", "run", "cancel", "checkpoint", "restore",
+           "state", "drop", "probe", "held_bytes", "peaks"]
+
+HANDLER = "blockflow_pipeline"
+#: Seconds a stage waits for one input (an activation or a gradient) before it gives up
+WAIT_TIMEOUT = 300.0
 
 #: (worker address, stage key) -> _Stage
 _STAGES: dict[tuple[str, str], "_Stage"] = {}
@@ -89,7 +105,6 @@ class _Stage:
         self.stash: dict[int, tuple] = {}
         self.peak_stash = 0
         self.loss_sum = 0.0
-        self.busy = 0.0
 
 
 def _get(key: str) -> _Stage:
@@ -149,59 +164,53 @@ def _seeded(stage: _Stage, step: int, j: int):
     return ctx()
 
 
-def forward(key: str, x, step: int, j: int, train: bool, *_after):
+def _forward(stage: _Stage, x, step: int, j: int, train: bool):
     """Forward of micro-batch ``j``; in training the input and output (and the autograd
-    graph between them) are stashed for :func:`backward`. Returns the output, detached."""
+    graph between them) are stashed for :func:`_backward`. Returns the output, detached."""
     import torch
 
-    stage = _get(key)
-    t0 = time.perf_counter()
     x = _as_tensor(x)
     if train:
         stage.module.train()
         leaf = x.detach().requires_grad_(x.is_floating_point() and stage.index > 0)
         with _seeded(stage, step, j):
             y = stage.module(leaf)
-        with _LOCK:
-            stage.stash[j] = (leaf, y)
-            stage.peak_stash = max(stage.peak_stash, len(stage.stash))
+        stage.stash[j] = (leaf, y)
+        stage.peak_stash = max(stage.peak_stash, len(stage.stash))
     else:
         stage.module.eval()
         with torch.no_grad():
             y = stage.module(x)
-    stage.busy += time.perf_counter() - t0
     return y.detach().cpu() if y.device.type != "cpu" else y.detach()
 
 
-def backward(key: str, dy, j: int, weight: float | None, *_after):
+def _backward(stage: _Stage, dy, j: int, weight: float | None):
     """Backward of micro-batch ``j`` with ``torch.autograd.backward``: on the last stage
     ``dy`` is the target and the loss (times ``weight``, the micro-batch's share of the
     batch) is formed here; elsewhere ``dy`` is the gradient from the next stage. Returns the
     gradient of the stage's input (None on the first stage)."""
     import torch
 
-    stage = _get(key)
-    t0 = time.perf_counter()
-    with _LOCK:
-        leaf, y = stage.stash.pop(j)
+    leaf, y = stage.stash.pop(j)
+    # a first stage without parameters (a reshape, an input scaling) has no graph: nothing
+    # to differentiate there
     if weight is not None:
         loss = stage.loss_fn(y, _as_tensor(dy)) * weight
-        torch.autograd.backward(loss)
+        if loss.requires_grad:
+            torch.autograd.backward(loss)
         stage.loss_sum += float(loss.detach())
-    else:
+    elif y.requires_grad:
         torch.autograd.backward(y, _as_tensor(dy))
-    stage.busy += time.perf_counter() - t0
     if leaf.grad is None:
         return None
     g = leaf.grad
     return g.cpu() if g.device.type != "cpu" else g
 
 
-def finish(key: str, step: bool, want_grads: bool, *_after) -> dict:
+def _finish(stage: _Stage, step: bool, want_grads: bool) -> dict:
     """End of a training step on this stage: the loss summed over micro-batches, the most
     micro-batches stashed at once, optionally the gradients; then the optimizer steps and
     the gradients are zeroed."""
-    stage = _get(key)
     grads = None
     if want_grads:
         grads = {n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
@@ -212,9 +221,211 @@ def finish(key: str, step: bool, want_grads: bool, *_after) -> dict:
     held = _tensor_bytes(stage.module, stage.optimizer)  # gradients included
     stage.module.zero_grad(set_to_none=True)
     out = {"loss": stage.loss_sum, "peak_stash": stage.peak_stash, "grads": grads,
-           "busy": stage.busy, "bytes": held}
+           "bytes": held}
     stage.stash.clear()
-    stage.loss_sum, stage.peak_stash, stage.busy = 0.0, 0, 0.0
+    stage.loss_sum, stage.peak_stash = 0.0, 0
+    return out
+
+
+# --- worker-to-worker transfers: each stage's mailbox ----------------------------------
+
+
+class _Cancelled(Exception):
+    """The client cancelled the step (a stage's worker was lost)."""
+
+
+class _Mailbox:
+    """Inputs sent to one stage on this worker: ``(token, kind, j) -> value``; the step
+    tokens the client cancelled."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.values: dict[tuple, Any] = {}
+        self.cancelled: set[str] = set()
+
+    def put(self, token: str, kind: str | None, j: int | None, value: Any,
+            cancel: bool) -> None:
+        with self.cond:
+            if cancel:
+                self.cancelled.add(token)
+            else:
+                self.values[token, kind, j] = value
+            self.cond.notify_all()
+
+    def begin(self, token: str) -> None:
+        """A step starts: what earlier steps left (a cancelled step's inputs) goes."""
+        with self.cond:
+            for k in [k for k in self.values if k[0] != token]:
+                del self.values[k]
+            self.cancelled &= {token}
+
+    def take(self, token: str, kind: str, j: int, what: str, sends: list) -> Any:
+        deadline = time.monotonic() + WAIT_TIMEOUT
+        with self.cond:
+            while (token, kind, j) not in self.values:
+                if token in self.cancelled:
+                    raise _Cancelled
+                for f in sends:  # a send of this stage failed: say so, do not wait
+                    if f.done() and f.exception() is not None:
+                        raise f.exception()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"blockflow: {what} waited {WAIT_TIMEOUT:g} s for the "
+                        f"{'activation' if kind == 'F' else 'gradient'} of micro-batch {j} "
+                        f"from its {'previous' if kind == 'F' else 'next'} stage; that "
+                        f"stage's worker is stuck or gone: build the PipelineParallel again.")
+                self.cond.wait(min(left, 1.0))
+            return self.values.pop((token, kind, j))
+
+    def end(self, token: str) -> None:
+        with self.cond:
+            for k in [k for k in self.values if k[0] == token]:
+                del self.values[k]
+            self.cancelled.discard(token)
+
+
+#: (worker address, stage key) -> _Mailbox
+_BOXES: dict[tuple[str, str], _Mailbox] = {}
+
+
+def _box(address: str, key: str) -> _Mailbox:
+    with _LOCK:
+        box = _BOXES.get((address, key))
+        if box is None:
+            box = _BOXES[address, key] = _Mailbox()
+        return box
+
+
+def deliver(address: str, key: str, token: str, kind: str | None = None,
+            j: int | None = None, value: Any = None, cancel: bool = False) -> None:
+    """Put an input (``kind`` ``"F"``: an activation, ``"B"``: a gradient) of micro-batch
+    ``j`` of step ``token`` in the mailbox of stage ``key`` on the worker at ``address``,
+    or cancel that step there."""
+    _box(address, key).put(token, kind, j, value, cancel)
+
+
+def _handler_for(worker):
+    def blockflow_pipeline(key: str, token: str, kind: str | None = None,
+                           j: int | None = None, value: Any = None,
+                           cancel: bool = False) -> str:
+        deliver(worker.address, key, token, kind, j, value, cancel)
+        return "OK"
+    return blockflow_pipeline
+
+
+class PipePlugin(HandlerPlugin, WorkerPlugin):
+    """Worker plugin installing the ``blockflow_pipeline`` comm handler (activations and
+    gradients sent from stage to stage, and cancellations from the client), on every
+    worker, those that join later included."""
+
+    name = "blockflow-pipeline"
+    op = HANDLER
+
+    def make_handler(self, worker):
+        return _handler_for(worker)
+
+
+def has_handler(dask_worker=None) -> bool:
+    """Whether this worker serves ``blockflow_pipeline`` (``client.run`` passes
+    ``dask_worker``)."""
+    return dask_worker is not None and _distributed.has_worker_handler(dask_worker, HANDLER)
+
+
+def cancel(key: str, token: str) -> None:
+    """Cancel step ``token`` of stage ``key`` on this worker (its loop ends)."""
+    deliver(_here(), key, token, cancel=True)
+
+
+def run(key: str, token: str, step: int, plan: dict, inputs: Sequence | None = None,
+        targets: Sequence | None = None) -> dict:
+    """One step of stage ``key``: its forward and backward passes in the order
+    ``plan["order"]`` (``("F", j)`` / ``("B", j)``), as a loop on this worker.
+
+    ``plan`` holds ``train``, ``order``, ``prev`` and ``next`` (``(address, key)`` of the
+    neighbouring stages, None at the ends), ``weights`` (the last stage's loss weight of
+    each micro-batch), ``want_output``, ``want_grads``, ``step_optimizer`` and ``name`` (the
+    stage's, for messages). The first stage reads its micro-batches from ``inputs``, the
+    last its targets from ``targets``; the others wait for them in their mailbox. Each
+    output (forward) and input gradient (backward) is sent to the neighbour's worker as soon
+    as it exists.
+
+    Returns
+    -------
+    dict
+        ``records`` (``(phase, j, start, stop)``, ``time.time()`` of this worker around
+        the compute of each pass), ``clock`` (seconds to add to read the scheduler's
+        clock), ``outputs`` (last stage, when asked), ``wait`` (seconds spent
+        waiting for inputs), ``cancelled``, and in training what the step's end gives
+        (``loss``, ``peak_stash``, ``grads``, ``bytes``).
+    """
+    from distributed import secede
+    from distributed.protocol import to_serialize
+
+    stage = _get(key)
+    worker = _distributed.current_worker()
+    address = _here()
+    box = _box(address, key)
+    box.begin(token)
+    clock = _distributed.worker_scheduler_clock(worker)
+    train, prev, nxt = plan["train"], plan["prev"], plan["next"]
+    records: list[tuple] = []
+    outputs: dict[int, Any] = {}
+    sends: list = []
+    wait = 0.0
+
+    def send(to, kind, j, value):
+        if worker is None:  # outside a worker (a test calling it directly)
+            deliver(to[0], to[1], token, kind, j, value)
+            return
+        sends.append(_distributed.call_worker_threadsafe(
+            worker, to[0], HANDLER, key=to[1], token=token, kind=kind, j=j,
+            value=None if value is None else to_serialize(value)))
+
+    try:
+        # the loop waits on its neighbours: out of the worker's thread pool, so a second
+        # stage on this worker (after a rebuild) or another task is never blocked by it
+        secede()
+    except (KeyError, ValueError, AttributeError):  # not on a worker's task thread
+        pass
+    try:
+        for kind, j in plan["order"]:
+            t0 = time.perf_counter()
+            if kind == "F":
+                x = inputs[j] if prev is None else box.take(token, "F", j, plan["name"], sends)
+            else:
+                x = targets[j] if nxt is None else box.take(token, "B", j, plan["name"], sends)
+            start = time.time()
+            wait += time.perf_counter() - t0
+            if kind == "F":
+                y = _forward(stage, x, step, j, train)
+                stop = time.time()
+                if nxt is not None:
+                    send(nxt, "F", j, y)
+                elif plan["want_output"]:
+                    outputs[j] = y
+                records.append(("forward", j, start, stop))
+            else:
+                g = _backward(stage, x, j, plan["weights"][j] if nxt is None else None)
+                stop = time.time()
+                if prev is not None:
+                    send(prev, "B", j, g)
+                records.append(("backward", j, start, stop))
+        for f in sends:  # every send arrived (a failed one raises here)
+            f.result(timeout=WAIT_TIMEOUT)
+    except _Cancelled:
+        stage.stash.clear()
+        stage.module.zero_grad(set_to_none=True)
+        stage.loss_sum, stage.peak_stash = 0.0, 0
+        return {"cancelled": True, "records": records, "outputs": {}, "wait": wait,
+                "clock": clock}
+    finally:
+        box.end(token)
+        _distributed.add_task_wait(wait)  # waiting is not work (the speed model)
+    out = {"cancelled": False, "records": records, "wait": wait, "clock": clock,
+           "outputs": [outputs[j] for j in sorted(outputs)]}
+    if train:
+        out.update(_finish(stage, plan["step_optimizer"], plan["want_grads"]))
     return out
 
 
@@ -271,14 +482,15 @@ def peaks(reset: bool = False, dask_worker=None) -> int:
         return value
 
 
-def probe(payloads: Sequence[bytes], x, repeats: int, optimizer) -> tuple[list, list]:
+def probe(payloads: Sequence[bytes], x, repeats: int, optimizer) -> tuple[list, list, list]:
     """Each module's forward+backward seconds on this worker (the least of ``repeats``
-    timed passes after a warm-up) and its bytes of parameters, gradients and optimizer
-    state after one optimizer step; one module loaded at a time."""
+    timed passes after a warm-up), its bytes of parameters, gradients and optimizer
+    state after one optimizer step, and the bytes of its output on ``x``; one module loaded
+    at a time."""
     import cloudpickle
     import torch
 
-    times, sizes = [], []
+    times, sizes, outs = [], [], []
     h = _as_tensor(x)
     address = _here()
     for payload in payloads:
@@ -302,9 +514,10 @@ def probe(payloads: Sequence[bytes], x, repeats: int, optimizer) -> tuple[list, 
             _PEAK[address] = max(_PEAK.get(address, 0), size)
         times.append(best)
         sizes.append(size)
+        outs.append(int(y.numel() * y.element_size()))
         h = y.detach()
         del module, opt
-    return times, sizes
+    return times, sizes, outs
 
 
 def _noop(*_args) -> None:

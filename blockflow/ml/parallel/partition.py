@@ -6,9 +6,10 @@ Both are plain functions of plain data (no cluster), so they are tested exhausti
   to each worker's free device memory (largest-remainder rounding), each shard within its
   worker's budget;
 * :func:`partition_stages`: layers grouped into contiguous pipeline stages, one per worker,
-  minimising the slowest stage's time from each layer's *measured* time on each worker
-  (a min-max contiguous partition by dynamic programming, as PipeDream's planner does; the
-  worker order is searched too, exhaustively up to 6 stages);
+  minimising the step's time from each layer's *measured* time on each worker: the slowest
+  stage's ``m - 1`` micro-batches plus one micro-batch's way through every stage and back
+  (the bubble) and its hops (:func:`flush_makespan`), by dynamic programming as PipeDream's
+  planner does; the worker order is searched too, exhaustively up to 6 stages;
 * :func:`equal_stages`: the equal-layer-count baseline;
 * :func:`parameter_stages`: DeepSpeed's ``partition_method="parameters"`` baseline (stages
   of about equal parameter counts, whatever the devices).
@@ -24,8 +25,8 @@ import numpy as np
 
 from blockflow.errors import DeviceMemoryError
 
-__all__ = ["check_fits", "equal_stages", "parameter_stages", "partition_stages", "shard_widths",
-           "stage_times"]
+__all__ = ["check_fits", "equal_stages", "flush_makespan", "parameter_stages",
+           "partition_stages", "shard_widths", "stage_times"]
 
 
 def shard_widths(width: int, free: Mapping[str, float], bytes_per_column: int, *,
@@ -106,37 +107,89 @@ def stage_times(layer_times: Mapping[str, Sequence[float]], bounds: Sequence[int
     return [float(sum(layer_times[w][bounds[s]:bounds[s + 1]])) for s, w in enumerate(order)]
 
 
+def _segments(costs: np.ndarray, sizes: np.ndarray | None, caps: Sequence[float] | None
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """``seg[s, k, j]``: the time of layers ``k:j`` on stage ``s``'s worker, and whether it
+    is a stage there (``k < j``, within the stage's cap)."""
+    p, n = costs.shape
+    prefix = np.concatenate([np.zeros((p, 1)), np.cumsum(costs, axis=1)], axis=1)
+    seg = prefix[:, None, :] - prefix[:, :, None]
+    k, j = np.indices((n + 1, n + 1))
+    ok = np.broadcast_to(k < j, seg.shape).copy()
+    if sizes is not None:
+        size_prefix = np.concatenate([[0.0], np.cumsum(sizes)])
+        held = size_prefix[None, :] - size_prefix[:, None]
+        ok &= held[None] <= np.asarray(caps, dtype=float)[:, None, None]
+    return seg, ok
+
+
 def _best_bounds(costs: np.ndarray, sizes: np.ndarray | None = None,
                  caps: Sequence[float] | None = None) -> tuple[float, list[int]]:
     """Min-max contiguous partition of layers over stages; ``costs[s, l]`` is layer ``l``'s
     time on stage ``s``'s worker. Every stage gets at least one layer; with ``sizes`` (bytes
     per layer) and ``caps`` (bytes per stage), no stage holds more than its cap."""
     p, n = costs.shape
-    prefix = np.concatenate([np.zeros((p, 1)), np.cumsum(costs, axis=1)], axis=1)
-    size_prefix = None if sizes is None else np.concatenate([[0.0], np.cumsum(sizes)])
+    seg, ok = _segments(costs, sizes, caps)
     best = np.full((p + 1, n + 1), np.inf)
     cut = np.zeros((p + 1, n + 1), dtype=int)
     best[0, 0] = 0.0
     for s in range(1, p + 1):
-        for j in range(s, n - (p - s) + 1):
-            for k in range(s - 1, j):
-                if size_prefix is not None and \
-                        size_prefix[j] - size_prefix[k] > caps[s - 1]:
-                    continue
-                v = max(best[s - 1, k], prefix[s - 1, j] - prefix[s - 1, k])
-                if v < best[s, j]:
-                    best[s, j], cut[s, j] = v, k
+        vals = np.where(ok[s - 1], np.maximum(best[s - 1][:, None], seg[s - 1]), np.inf)
+        cut[s] = np.argmin(vals, axis=0)
+        best[s] = vals[cut[s], np.arange(n + 1)]
+    if not np.isfinite(best[p, n]):
+        return math.inf, []
     bounds = [n]
     for s in range(p, 0, -1):
         bounds.append(int(cut[s, bounds[-1]]))
     return float(best[p, n]), bounds[::-1]
 
 
+def _min_sum_bounds(costs: np.ndarray, limit: float, sizes: np.ndarray | None = None,
+                    caps: Sequence[float] | None = None,
+                    transfer: np.ndarray | None = None, segments=None
+                    ) -> tuple[float, float, list[int]]:
+    """Among contiguous partitions whose every stage takes at most ``limit`` (and fits its
+    cap), the one of least total time (stages plus ``transfer[k]`` at each cut before layer
+    ``k``); returns (its slowest stage, its total, bounds), ``inf`` total when none fits."""
+    p, n = costs.shape
+    seg, ok = segments if segments is not None else _segments(costs, sizes, caps)
+    cross = np.zeros(n + 1) if transfer is None else np.concatenate([[0.0], transfer, [0.0]])
+    within = ok & (seg <= limit * (1 + 1e-12) + 1e-15)
+    total = np.full((p + 1, n + 1), np.inf)
+    worst = np.full((p + 1, n + 1), np.inf)
+    cut = np.zeros((p + 1, n + 1), dtype=int)
+    total[0, 0] = worst[0, 0] = 0.0
+    cols = np.arange(n + 1)
+    for s in range(1, p + 1):
+        vals = np.where(within[s - 1], (total[s - 1] + cross)[:, None] + seg[s - 1], np.inf)
+        cut[s] = np.argmin(vals, axis=0)
+        total[s] = vals[cut[s], cols]
+        worst[s] = np.maximum(worst[s - 1][cut[s]], seg[s - 1][cut[s], cols])
+    if not np.isfinite(total[p, n]):
+        return math.inf, math.inf, []
+    bounds = [n]
+    for s in range(p, 0, -1):
+        bounds.append(int(cut[s, bounds[-1]]))
+    return float(worst[p, n]), float(total[p, n]), bounds[::-1]
+
+
+def flush_makespan(stage_seconds: Sequence[float], n_micro_batches: int,
+                   transfer: float = 0.0) -> float:
+    """Seconds of a GPipe or 1F1B step (a flush at its end) of ``n_micro_batches`` on
+    stages taking ``stage_seconds`` per micro-batch (forward and backward): one micro-batch
+    through every stage and back (the fill and drain, plus ``transfer``, the seconds of its
+    hops), and ``m - 1`` more at the pace of the slowest stage."""
+    return (n_micro_batches - 1) * max(stage_seconds) + sum(stage_seconds) + transfer
+
+
 def partition_stages(layer_times: Mapping[str, Sequence[float]], n_stages: int | None = None,
                      *, layer_bytes: Sequence[float] | None = None,
-                     capacity: Mapping[str, float] | None = None
+                     capacity: Mapping[str, float] | None = None,
+                     n_micro_batches: int | None = None,
+                     transfer: Sequence[float] | None = None,
                      ) -> tuple[list[str], list[int]]:
-    """Group layers into contiguous stages on workers, minimising the slowest stage's time.
+    """Group layers into contiguous stages on workers, minimising the step's time.
 
     Parameters
     ----------
@@ -151,6 +204,14 @@ def partition_stages(layer_times: Mapping[str, Sequence[float]], n_stages: int |
     capacity : mapping of str to float, optional
         Bytes each worker may hold (free device memory x a fraction); with ``layer_bytes``,
         no stage exceeds its worker's.
+    n_micro_batches : int, optional
+        With it, the partition minimises the whole step's time,
+        :func:`flush_makespan`: ``(m - 1)`` times the slowest stage plus one micro-batch's
+        way through every stage and back (the bubble's fill and drain) and its hops.
+        Without it, the slowest stage, ties broken by that way's length.
+    transfer : sequence of float, optional
+        Seconds to send the output of layer ``k`` to the next stage and its gradient back
+        (``len(layers) - 1`` values), paid at each cut.
 
     Returns
     -------
@@ -160,8 +221,10 @@ def partition_stages(layer_times: Mapping[str, Sequence[float]], n_stages: int |
 
     Notes
     -----
-    Method: dynamic programming over contiguous partitions (min-max), as in PipeDream's
-    planner (Narayanan et al., SOSP 2019) with one worker per stage; worker orders are tried
+    Method: dynamic programming over contiguous partitions, as in PipeDream's planner
+    (Narayanan et al., SOSP 2019) with one worker per stage: the min-max split, then, for
+    each bound on the slowest stage from that up (the stage times the split can take), the
+    split of least total time within it (a second programme); worker orders are tried
     exhaustively up to 6 stages, beyond that fastest-first.
 
     Raises
@@ -174,17 +237,22 @@ def partition_stages(layer_times: Mapping[str, Sequence[float]], n_stages: int |
     p = min(n_stages or len(workers), len(workers), n_layers)
     if p < 1:
         raise ValueError("blockflow: need at least one worker and one layer to make stages.")
+    if transfer is not None and len(transfer) != n_layers - 1:
+        raise ValueError(f"blockflow: transfer needs one value per cut ({n_layers - 1}), got "
+                         f"{len(transfer)}.")
+    cross = None if transfer is None else np.asarray(transfer, dtype=float)
+    m = n_micro_batches
     chosen = workers[:p]
-    orders = itertools.permutations(chosen) if p <= 6 else [tuple(chosen)]
-    best = (math.inf, None, None)
+    orders = list(itertools.permutations(chosen)) if p <= 6 else [tuple(chosen)]
     sizes = None if layer_bytes is None or capacity is None else np.asarray(layer_bytes, float)
+    plans = []
     for order in orders:
         costs = np.array([layer_times[w] for w in order], dtype=float)
         caps = None if sizes is None else [float(capacity[w]) for w in order]
-        value, bounds = _best_bounds(costs, sizes, caps)
-        if value < best[0] - 1e-12:
-            best = (value, list(order), bounds)
-    if best[1] is None:
+        value, _ = _best_bounds(costs, sizes, caps)
+        if math.isfinite(value):
+            plans.append((value, order, costs, caps))
+    if not plans:
         need = float(np.sum(sizes))
         raise DeviceMemoryError(
             f"blockflow: no split of the model's {n_layers} layers ({int(need):,} bytes of "
@@ -192,7 +260,46 @@ def partition_stages(layer_times: Mapping[str, Sequence[float]], n_stages: int |
             f"free device memory ({int(sum(capacity[w] for w in chosen)):,} bytes usable, "
             f"largest layer {int(max(sizes)):,}); add workers or devices, or use a smaller "
             f"model.", working_set=int(need), largest_free=int(max(capacity.values())))
-    return best[1], best[2]
+    plans.sort(key=lambda t: t[0])
+    floor = plans[0][0]
+    best = (math.inf, math.inf, None, None)  # (objective, tie-break, order, bounds)
+    for value, order, costs, caps in plans:
+        if m is None:  # the slowest stage first, then the way through
+            if value > floor * (1 + 1e-9) + 1e-15:
+                break
+            worst, total, bounds = _min_sum_bounds(costs, value, sizes, caps, cross)
+            key = (worst, total)
+        else:
+            if (m - 1) * value >= best[0]:
+                break  # this order's slowest stage alone exceeds the best step found
+            # (orders come in rising min-max: every later one too)
+            key, bounds = _best_flush(costs, value, m, sizes, caps, cross, best[0])
+        if bounds and key < best[:2]:
+            best = (*key, list(order), bounds)
+    return best[2], best[3]
+
+
+def _best_flush(costs, floor: float, m: int, sizes, caps, cross, incumbent: float,
+                max_limits: int = 64) -> tuple[tuple[float, float], list[int]]:
+    """For one worker order: the split of least :func:`flush_makespan`, over bounds on the
+    slowest stage from ``floor`` (its min-max) up to where ``(m - 1)`` times the bound
+    alone exceeds the best step known."""
+    segments = _segments(costs, sizes, caps)
+    segs = np.unique(segments[0][segments[1]])
+    limits = segs[segs >= floor * (1 - 1e-12)]
+    least = _min_sum_bounds(costs, math.inf, transfer=cross, segments=segments)[1]
+    best, bounds_best = (math.inf, math.inf), []
+    for limit in limits[:max_limits]:
+        if (m - 1) * limit + least >= min(incumbent, best[0]):
+            break  # no split under a looser bound can beat the best
+        worst, total, bounds = _min_sum_bounds(costs, float(limit), transfer=cross,
+                                               segments=segments)
+        if not bounds:
+            continue
+        value = (m - 1) * worst + total
+        if (value, total) < best:
+            best, bounds_best = (value, total), bounds
+    return best, bounds_best
 
 
 def equal_stages(n_layers: int, workers: Sequence[str]) -> tuple[list[str], list[int]]:

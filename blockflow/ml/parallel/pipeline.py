@@ -5,25 +5,29 @@ worker. Each stage's modules are shipped once and live on their worker
 (:mod:`blockflow.ml.parallel._stage`): a micro-batch's forward pass stashes its input,
 output and autograd graph there, and its backward pass runs ``torch.autograd.backward``
 with the gradient the next stage sent back; each stage steps its own optimizer (any
-``torch.optim`` factory) on its worker. Activations and their gradients travel between
-stages as futures; parameters travel only in checkpoints and :meth:`state_dict`.
+``torch.optim`` factory) on its worker. A step is one task per stage, pinned to its
+worker, that runs the stage's schedule as a loop there; each micro-batch's activation
+(forward) and input gradient (backward) goes straight from the stage's worker to the
+next (previous) stage's worker, with no scheduler or client round trip per micro-batch;
+parameters travel only in checkpoints and :meth:`state_dict`.
 
-Schedules (one graph per step, tasks pinned to their stage's worker, priorities in the
-schedule's order):
+Schedules (the order each stage's loop runs its passes in, :func:`schedule_order`):
 
-* ``"gpipe"`` (Huang et al., 2019): every forward, then every backward; a stage's backward
-  passes depend on all its forward passes (the flush), so a stage stashes all ``m``
-  micro-batches; the bubble of equal stages is ``(p - 1) / (m + p - 1)``;
+* ``"gpipe"`` (Huang et al., 2019): every forward, then every backward (the flush), so a
+  stage stashes all ``m`` micro-batches; the bubble of equal stages is
+  ``(p - 1) / (m + p - 1)``;
 * ``"1f1b"`` (PipeDream-Flush, Narayanan et al., 2021; ``torch.distributed.pipelining``'s
   ``Schedule1F1B``): after ``p - s - 1`` warm-up forwards stage ``s`` alternates one forward
-  and one backward; forward ``j`` of stage ``s`` depends on backward ``j - (p - s)``, so a
-  stage stashes at most ``p - s <= p`` micro-batches (measured: ``result.peak_activations``).
+  and one backward, so it stashes at most ``p - s <= p`` micro-batches (measured:
+  ``result.peak_activations``).
 
 The **partition** comes from measurements: every module's forward+backward is timed on every
 worker on a probe micro-batch, one module at a time (a probe never holds more than one
 module's parameters), with its bytes of parameters, gradients and optimizer state after one
 step; :func:`~blockflow.parallel.partition.partition_stages` picks the worker order and the
-contiguous cut minimising the slowest stage, within each worker's free device memory
+contiguous cut minimising the step's time (``m - 1`` micro-batches at the slowest stage's
+pace, plus the bubble's fill and drain and the hops between stages at distributed's
+bandwidth estimate), within each worker's free device memory
 (``blockflow.parallel.memory-fraction`` of it). ``partition="equal"`` and
 ``partition="parameters"`` (DeepSpeed's ``partition_method``) are the baselines.
 
@@ -35,9 +39,10 @@ no survivor has room (or the copy went too), one :class:`~blockflow.errors.Worke
 names the stage. Waits go through :func:`~blockflow.scheduling.client.gather_as_done`,
 which fails as soon as a needed worker leaves: never a hang.
 
-The **timeline** (per stage and micro-batch: worker, phase, start and stop seconds, from
-distributed's task stream) is published in the scheduler's metadata under
-``("blockflow", "pipeline")`` for blockflow's dashboard page and :func:`blockflow.run_report`.
+The **timeline** (per stage and micro-batch: worker, phase, start and stop seconds of the
+pass's compute, measured on the stage's worker; workers on other hosts are brought to the
+scheduler's clock) is published in
+the scheduler's metadata under ``("blockflow", "pipeline")`` for blockflow's dashboard page and :func:`blockflow.run_report`.
 """
 
 from __future__ import annotations
@@ -131,7 +136,10 @@ class PipelineParallel:
         over rows or ``"sum"``; default ``torch.nn.MSELoss()``.
     schedule : {"gpipe", "1f1b"}, default "gpipe"
     workers : sequence of str, optional
-        Workers that may hold stages; default all. One stage per worker.
+        Workers that may hold stages; default all, in address order. One stage per worker.
+        ``"equal"`` and ``"parameters"`` put stage ``s`` on the ``s``-th of them (the device
+        order, as ranks do in ``torch.distributed.pipelining``); ``"speed"`` picks the
+        order.
     n_stages : int, optional
         Default: as many as workers (at most the number of layers).
     partition : {"speed", "equal", "parameters"} or (list of str, list of int), default "speed"
@@ -167,6 +175,9 @@ class PipelineParallel:
         The measured seconds of each layer on each worker (``"speed"`` partition).
     layer_bytes : list of int or None
         Measured bytes of each layer's parameters, gradients and optimizer state.
+    layer_output_bytes : list of int or None
+        Measured bytes of each layer's output on the probe's rows (what a cut after it
+        sends, and its gradient back).
     predicted_stage_times : list of float or None
         Per stage, the measured seconds of its layers on its worker.
     steps : int
@@ -211,10 +222,15 @@ class PipelineParallel:
         self.checkpoint_every = int(config.get("parallel.checkpoint-every", checkpoint_every))
         self.memory_fraction = float(config.get("parallel.memory-fraction", memory_fraction))
         available = sorted(workers_info(client))
-        workers = sorted(workers) if workers is not None else available
+        # the order given is the device order (stage s on the s-th worker, as ranks in
+        # torch.distributed.pipelining) for the equal and parameters baselines
+        workers = [str(w) for w in workers] if workers is not None else available
         missing = sorted(set(workers) - set(available))
         if missing:
             raise ValueError(f"blockflow: workers {missing} are not in the cluster.")
+        if len(set(workers)) != len(workers):
+            raise ValueError(f"blockflow: workers lists a worker twice ({workers}); one stage "
+                             f"per worker: name each once.")
         if not workers:
             raise RuntimeError("blockflow: the cluster has no workers; start some first.")
         self.workers = workers
@@ -233,6 +249,7 @@ class PipelineParallel:
         self.partition = partition
         self.layer_times: dict[str, list[float]] | None = None
         self.layer_bytes: list[int] | None = None
+        self.layer_output_bytes: list[int] | None = None
         self.predicted_stage_times: list[float] | None = None
         self.stage_workers: list[str] = []
         self.bounds: list[int] = []
@@ -282,6 +299,7 @@ class PipelineParallel:
         got = self._gather(list(futs.values()), needed=set(futs),
                            what="the pipeline's layer probe")
         times = {w: [float(t) for t in g[0]] for w, g in zip(futs, got)}
+        self.layer_output_bytes = [int(b) for b in got[0][2]]
         return times, [int(b) for b in got[0][1]]
 
     def _capacity(self) -> dict[str, float]:
@@ -289,7 +307,17 @@ class PipelineParallel:
         return {w: self.memory_fraction * float(mem[w].free) if w in mem else math.inf
                 for w in self.workers}
 
-    def _place(self, sample) -> None:
+    def _transfer(self) -> list[float]:
+        """Seconds to send each layer's output (on the probe's rows) to the next stage and
+        its gradient back, at distributed's bandwidth estimate."""
+        import dask
+        from dask.utils import parse_bytes
+
+        bandwidth = dask.config.get("distributed.scheduler.bandwidth")
+        bandwidth = float(parse_bytes(bandwidth) if isinstance(bandwidth, str) else bandwidth)
+        return [2 * b / bandwidth for b in (self.layer_output_bytes or [])[:-1]]
+
+    def _place(self, sample, n_micro_batches: int | None = None) -> None:
         p = self.n_stages
         if self.partition == "speed":
             if sample is None:
@@ -297,8 +325,12 @@ class PipelineParallel:
                                  "the layers on; pass sample= or call run()/fit() first.")
             self.layer_times, self.layer_bytes = self.measure(sample)
             capacity = self._capacity()
+            # the step's time: m - 1 micro-batches at the slowest stage's pace, plus the
+            # fill and drain (one micro-batch through every stage and back) and its hops
+            m = n_micro_batches or p * int(config.get("parallel.micro-batches-per-stage"))
             order, bounds = partition_stages(self.layer_times, p, layer_bytes=self.layer_bytes,
-                                             capacity=capacity)
+                                             capacity=capacity, n_micro_batches=m,
+                                             transfer=self._transfer())
             self.predicted_stage_times = stage_times(self.layer_times, bounds, order)
         elif self.partition == "equal":
             order, bounds = equal_stages(len(self._named), self.workers[:p])
@@ -315,6 +347,10 @@ class PipelineParallel:
                     self.partition if isinstance(self.partition, str) else "given",
                     None if self.predicted_stage_times is None
                     else [round(t, 4) for t in self.predicted_stage_times])
+        if not all(self.client.run(_stage.has_handler).values()):
+            # the comm handler stages send activations and gradients to, on every worker
+            # (and those that join later: a rebuilt stage's)
+            self.client.register_plugin(_stage.PipePlugin(), name=_stage.PipePlugin.name)
         token = uuid.uuid4().hex[:10]
         self._keys = [f"stage-{s}-{token}" for s in range(len(order))]
         futs = [self.client.submit(_stage.install, self._keys[s], self._stage_payload(s),
@@ -434,7 +470,7 @@ class PipelineParallel:
     def _step(self, xs: list, ts: list | None, sizes: list[int], **kw) -> PipelineResult:
         """A step with recovery: a lost stage worker rebuilds and the step runs again."""
         if not self.stage_workers:
-            self._place(_first(xs[0]))
+            self._place(_first(xs[0]), len(xs))
         recovered: list[str] = []
         while True:
             try:
@@ -460,116 +496,69 @@ class PipelineParallel:
         return result
 
     def _try_step(self, xs, ts, sizes, *, return_grads, return_output, publish, name):
-        import dask
-        from dask import delayed
-        from distributed import get_task_stream
-
         c, p, m = self.client, len(self.stage_workers), len(xs)
         gone = set(self.stage_workers) - self._alive()
         if gone:  # lost between steps: rebuild before sending it anything
             raise WorkerLostError(f"blockflow: workers lost: {sorted(gone)}", lost=gone)
         train = ts is not None
         token = uuid.uuid4().hex[:8]
-        step = self.steps
-        on = [dict(workers=[w], allow_other_workers=False) for w in self.stage_workers]
         total = sum(sizes)
-        with get_task_stream(c) as stream:
-            try:
-                inputs = _place_data(c, xs, self.stage_workers[0])
-                targets = _place_data(c, ts, self.stage_workers[-1]) if train else None
-            except Exception:
-                gone = set(self.stage_workers) - self._alive()
-                if gone:  # the worker left while the data went to it
-                    raise WorkerLostError(f"blockflow: workers lost: {sorted(gone)}",
-                                          lost=gone) from None
-                raise
-            fwd = [[None] * m for _ in range(p)]
-            bwd = [[None] * m for _ in range(p)]
-            orders = [schedule_order(self.schedule if train else "gpipe", p, m, s)
-                      for s in range(p)]
-            rank = [{task: i for i, task in enumerate(order)} for order in orders]
-            # every task is built after its dependencies: 1F1B's forward j of stage s
-            # waits for its backward j - (p - s) (at most p - s micro-batches stashed)
-
-            def make_forward(s, j):
-                x = inputs[j] if s == 0 else fwd[s - 1][j]
-                after = []
-                if train and self.schedule == "1f1b" and j - (p - s) >= 0:
-                    after.append(bwd[s][j - (p - s)])
-                with dask.annotate(priority=-rank[s][("F", j)], **on[s]):
-                    fwd[s][j] = delayed(_stage.forward, pure=False)(
-                        self._keys[s], x, step, j, train, *after,
-                        dask_key_name=f"{name}-forward-{token}-{s}-{j}")
-
-            def make_backward(s, j):
-                dy = targets[j] if s == p - 1 else bwd[s + 1][j]
-                after = list(fwd[s]) if self.schedule == "gpipe" else [fwd[s][j]]
-                w = self._weight(sizes[j], total) if s == p - 1 else None
-                with dask.annotate(priority=-rank[s][("B", j)], **on[s]):
-                    bwd[s][j] = delayed(_stage.backward, pure=False)(
-                        self._keys[s], dy, j, w, *after,
-                        dask_key_name=f"{name}-backward-{token}-{s}-{j}")
-
-            if not train:
-                for j in range(m):
-                    for s in range(p):
-                        make_forward(s, j)
-            else:
-                # resolve dependencies by sweeping until every task exists
-                todo = {(s, kind, j) for s in range(p) for kind, j in orders[s]}
-                while todo:
-                    progressed = False
-                    for s, kind, j in sorted(todo, key=lambda t: (t[2], t[1], t[0])):
-                        if kind == "F":
-                            ready = (s == 0 or fwd[s - 1][j] is not None) and (
-                                self.schedule != "1f1b" or j - (p - s) < 0
-                                or bwd[s][j - (p - s)] is not None)
-                            if ready:
-                                make_forward(s, j)
-                        else:
-                            ready = all(f is not None for f in fwd[s]) if \
-                                self.schedule == "gpipe" else fwd[s][j] is not None
-                            ready = ready and (s == p - 1 or bwd[s + 1][j] is not None)
-                            if ready:
-                                make_backward(s, j)
-                        if ready:
-                            todo.discard((s, kind, j))
-                            progressed = True
-                    if not progressed:  # pragma: no cover - the schedules are acyclic
-                        raise RuntimeError("blockflow: the pipeline schedule has a cycle.")
-            wanted = [fwd[p - 1][j] for j in range(m)] if return_output or not train else []
-            if train:
-                for s in range(p):
-                    with dask.annotate(**on[s]):
-                        wanted.append(delayed(_stage.finish, pure=False)(
-                            self._keys[s], self.optimizer is not None, return_grads, *bwd[s],
-                            dask_key_name=f"{name}-finish-{token}-{s}"))
-            futures = c.compute(wanted, optimize_graph=False)
-            try:
-                done = self._gather(futures, needed=set(self.stage_workers),
-                                    what="the pipeline step")
-            except WorkerLostError:
-                c.cancel(futures)
-                raise
-        n_out = m if (return_output or not train) else 0
+        try:
+            inputs = _place_data(c, xs, self.stage_workers[0])
+            targets = _place_data(c, ts, self.stage_workers[-1]) if train else None
+        except Exception:
+            gone = set(self.stage_workers) - self._alive()
+            if gone:  # the worker left while the data went to it
+                raise WorkerLostError(f"blockflow: workers lost: {sorted(gone)}",
+                                      lost=gone) from None
+            raise
+        weights = [self._weight(n, total) for n in sizes] if train else None
+        want_output = return_output or not train
+        # one task per stage: the stage runs its schedule as a loop on its worker and
+        # sends activations and gradients straight to its neighbours' workers
+        futures = []
+        for s, w in enumerate(self.stage_workers):
+            order = (schedule_order(self.schedule, p, m, s) if train
+                     else [("F", j) for j in range(m)])
+            plan = {"train": train, "order": order, "name": self._stage_name(s),
+                    "prev": (self.stage_workers[s - 1], self._keys[s - 1]) if s else None,
+                    "next": ((self.stage_workers[s + 1], self._keys[s + 1]) if s < p - 1
+                             else None),
+                    "weights": weights if s == p - 1 else None,
+                    "want_output": want_output and s == p - 1,
+                    "want_grads": return_grads, "step_optimizer": self.optimizer is not None}
+            futures.append(c.submit(
+                _stage.run, self._keys[s], token, self.steps, plan,
+                inputs if s == 0 else None, targets if s == p - 1 else None,
+                workers=[w], allow_other_workers=False, pure=False,
+                key=f"{name}-stage-{token}-{s}"))
+        try:
+            done = self._gather(futures, needed=set(self.stage_workers),
+                                what="the pipeline step")
+        except BaseException:
+            self._cancel_step(token, futures)
+            raise
         output = None
-        if n_out:
-            output = np.concatenate([np.asarray(o) for o in done[:n_out]])
+        if want_output:
+            output = np.concatenate([np.asarray(o) for o in done[-1]["outputs"]])
         loss = grads = None
         peaks: list[int] = []
         if train:
-            finished = done[n_out:]
-            loss = float(finished[-1]["loss"])
-            peaks = [int(f["peak_stash"]) for f in finished]
+            loss = float(done[-1]["loss"])
+            peaks = [int(f["peak_stash"]) for f in done]
             self._stage_bytes = [max(b, int(f["bytes"]))
-                                 for b, f in zip(self._stage_bytes, finished)]
+                                 for b, f in zip(self._stage_bytes, done)]
             if return_grads:
-                grads = {k: (None if v is None else v.numpy()) for f in finished
+                grads = {k: (None if v is None else v.numpy()) for f in done
                          for k, v in f["grads"].items()}
             self.steps += 1
             if self.checkpoint_every and self.steps % self.checkpoint_every == 0:
                 self._checkpoint()
-        tasks = timeline(stream.data, name, token, self.stage_workers)
+        # one host has one clock; across hosts each worker's offset to the scheduler's
+        hosts = {_host(w) for w in self.stage_workers}
+        tasks = timeline([[(ph, j, a + f["clock"], b + f["clock"]) for ph, j, a, b in
+                           f["records"]] if len(hosts) > 1 else f["records"] for f in done],
+                         self.stage_workers)
         makespan = float(tasks.stop.max()) if len(tasks) else 0.0
         result = PipelineResult(output=output, loss=loss, grads=grads, timeline=tasks,
                                 makespan=makespan, n_micro_batches=m, n_stages=p,
@@ -579,6 +568,25 @@ class PipelineParallel:
         if publish:
             self._publish(result, name)
         return result
+
+    def _cancel_step(self, token: str, futures: list) -> None:
+        """End a failed step's stage loops on the workers still there (they would wait for
+        a lost neighbour), then forget its tasks."""
+        alive = self._alive()
+        c = self.client
+
+        async def send():
+            import asyncio
+            calls = [asyncio.wait_for(getattr(c.rpc(w), _stage.HANDLER)(
+                key=k, token=token, cancel=True), 10)
+                for k, w in zip(self._keys, self.stage_workers) if w in alive]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        try:
+            c.sync(send)
+        except Exception as e:  # the workers are gone too: nothing waits there
+            logger.debug("blockflow: cancelling pipeline step %s: %s", token, e)
+        c.cancel(futures)
 
     # --- training and inference --------------------------------------------------------
 
@@ -639,7 +647,7 @@ class PipelineParallel:
                 for b in (rng.permutation(starts) if shuffle else starts)]
         self.history_: list[dict] = []
         if not self.stage_workers:
-            self._place(_first(X[: self.probe_rows]))
+            self._place(_first(X[: self.probe_rows]), self._micro_batches(bs, n_micro_batches))
         if self._ckpt_step != self.steps:  # a rollback never reaches back before this fit
             self._checkpoint()
         start_step = self.steps
@@ -756,6 +764,11 @@ class PipelineParallel:
 
 class _RolledBack(Exception):
     """A step lost a stage and the pipeline rolled back to an earlier checkpoint."""
+
+
+def _host(address: str) -> str:
+    """The host part of a worker's address (``tcp://10.0.0.1:4567`` -> ``10.0.0.1``)."""
+    return address.split("://")[-1].rsplit(":", 1)[0]
 
 
 def _first(x):

@@ -4,7 +4,7 @@
 * :func:`schedule_order`: the order a stage runs its forward and backward tasks in, GPipe
   (Huang et al., 2019) or 1F1B (PipeDream-Flush, Narayanan et al., 2021);
 * :class:`PipelineResult` and :func:`bubble_fraction`: a step's loss, output, gradients,
-  timeline (from distributed's task stream) and idle fraction.
+  timeline (each pass's compute, measured on its stage's worker) and idle fraction.
 """
 
 from __future__ import annotations
@@ -148,21 +148,13 @@ class PipelineResult:
         return fig
 
 
-def timeline(stream: list[dict], name: str, token: str, workers: list[str]) -> pd.DataFrame:
-    """Rows of the pipeline's stage tasks from distributed's task stream records."""
-    rows = []
-    for rec in stream:
-        key = rec.get("key")
-        key = key if isinstance(key, str) else str(key)
-        for phase in ("forward", "backward"):
-            prefix = f"{name}-{phase}-{token}-"
-            if key.startswith(prefix):
-                s, j = (int(v) for v in key[len(prefix):].split("-"))
-                compute = [ss for ss in rec.get("startstops", ()) if ss["action"] == "compute"]
-                if compute:
-                    rows.append({"stage": s, "worker": workers[s], "micro_batch": j,
-                                 "phase": phase, "start": compute[0]["start"],
-                                 "stop": compute[0]["stop"]})
+def timeline(records: list[list[tuple]], workers: list[str]) -> pd.DataFrame:
+    """Rows of a step's passes from each stage's records (``(phase, micro-batch, start,
+    stop)``, seconds on the scheduler's clock, measured around each pass's compute on the
+    stage's worker), times since the step's first start."""
+    rows = [{"stage": s, "worker": workers[s], "micro_batch": int(j), "phase": phase,
+             "start": float(a), "stop": float(b)}
+            for s, recs in enumerate(records) for phase, j, a, b in recs]
     df = pd.DataFrame(rows, columns=["stage", "worker", "micro_batch", "phase", "start",
                                      "stop"])
     if len(df):
@@ -170,4 +162,3 @@ def timeline(stream: list[dict], name: str, token: str, workers: list[str]) -> p
         df = df.assign(start=df.start - t0, stop=df.stop - t0).sort_values(
             ["stage", "start"]).reset_index(drop=True)
     return df
-
