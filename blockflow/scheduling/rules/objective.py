@@ -137,7 +137,7 @@ class ObjectiveRule(Rule):
 
     #: Share of a task per thread kept free before the deadline (the last task a thread
     #: starts must end in time; re-planning every tick catches the rest).
-    tail = 0.25
+    tail = 0.5
 
     def __init__(self):
         self.plans: dict[str, dict[str, Any]] = {}
@@ -271,47 +271,144 @@ class ObjectiveRule(Rule):
                     f"pools take work",
                     {"deadline_in": round(left, 3), "projected_finish_in": round(finish, 3)})
         else:
-            spent = self._spent(run, pools, snap.time, snap) + sum(
-                by_name[name].price_per_second * r / threads.get(name, 1)
-                for name, r in remaining.items())
-            left_budget = obj.budget - spent
-            plan = cost.plan(work, seconds, by_name, workers, threads=threads,
-                             budget=left_budget, egress=egress) if left_budget > 0 else None
+            plan, spent, committed, fixed = self._budget_plan(
+                snap, run, pools, by_name, work, seconds, workers, threads, remaining,
+                running_on, typical, egress, parked)
             if plan is None or not plan.feasible:
                 cheapest = cost.plan(work, seconds, by_name, workers, threads=threads,
                                      deadline=1e12, egress=egress)
                 keep = max(cheapest.busy, key=cheapest.busy.get) if cheapest.busy else None
                 return self._missed(
                     snap, parked, run.id,
-                    f"budget can no longer be met: spent ${spent:.4g} of ${obj.budget:.4g}, "
-                    f"the work left costs at least ${cheapest.cost:.4g} (projected "
-                    f"${spent + cheapest.cost:.4g}); only pool {keep!r} takes work",
+                    f"budget can no longer be met: spent ${spent:.4g} of ${obj.budget:.4g}"
+                    f" (${committed:.4g} more committed to tasks running or queued), the "
+                    f"work left costs at least ${cheapest.cost:.4g} (projected "
+                    f"${spent + committed + cheapest.cost:.4g}); only pool {keep!r} takes "
+                    f"work",
                     {"budget": obj.budget, "spent": round(spent, 6),
-                     "projected_cost": round(spent + cheapest.cost, 6)}, keep=keep)
+                     "committed": round(committed, 6),
+                     "projected_cost": round(spent + committed + cheapest.cost, 6)},
+                    keep=keep)
+            self.plans[run.id] = {"objective": obj.as_dict(), "plan": plan.as_dict(),
+                                  "work": work, "seconds": seconds, "time": snap.time,
+                                  "spent": round(spent, 6), "committed": round(committed, 6)}
+            return self._apply_plan(snap, parked, pools, plan, seconds, egress, work,
+                                    workers, threads, obj, running_on, fixed)
         self.plans[run.id] = {"objective": obj.as_dict(), "plan": plan.as_dict(),
                               "work": work, "seconds": seconds, "time": snap.time}
         return self._apply_plan(snap, parked, pools, plan, seconds, egress, work, workers,
                                 threads, obj, running_on)
 
-    def _spent(self, run, pools, now, snap) -> float:
-        """Dollars this run's workers cost so far (first start to now or last stop)."""
+    @staticmethod
+    def spent(run, pools, now, workers=None) -> float:
+        """Dollars ``run``'s workers cost so far: each billed from its first task's start
+        to now while it has tasks assigned, else to its last task's end (idle gaps
+        included, as :func:`blockflow.scheduling.cost.run_cost` bills).
+
+        Parameters
+        ----------
+        run : blockflow.scheduling.runs.Run
+        pools : mapping of str to Pool
+            Worker address -> its pool.
+        now : float
+            Seconds since the epoch.
+        workers : mapping of str to WorkerView, optional
+            Worker views saying which workers have tasks assigned (without them, every
+            worker is billed to its last task's end).
+        """
         total = 0.0
         for a, (start, stop) in run.spans.items():
             p = pools.get(a)
             if p is None:
                 continue
-            w = snap.workers.get(a)
+            w = workers.get(a) if workers is not None else None
             end = now if w is not None and w.processing else stop
             total += max(end - start, 0.0) * p.price_per_second
         return total
 
+    @staticmethod
+    def overhead(run, pools) -> dict[str, float]:
+        """Pool name -> billed seconds over busy seconds of ``run``'s workers so far (1 to
+        2): the gaps between a worker's tasks that its bill includes and the throughput
+        matrix does not."""
+        billed: dict[str, float] = {}
+        busy: dict[str, float] = {}
+        for a, (start, stop) in run.spans.items():
+            p = pools.get(a)
+            if p is None or not run.busy.get(a):
+                continue
+            billed[p.name] = billed.get(p.name, 0.0) + max(stop - start, 0.0)
+            busy[p.name] = busy.get(p.name, 0.0) + run.busy[a]
+        return {name: min(max(billed[name] / busy[name], 1.0), 2.0)
+                for name in busy if busy[name] > 0}
+
+    def _budget_plan(self, snap, run, pools, by_name, work, seconds, workers, threads,
+                     remaining, running_on, typical, egress, parked):
+        """The fastest plan for the work left within the budget left: the budget less what
+        the run's workers cost so far (:meth:`spent`) and what is committed already (the
+        rest of the running tasks and the tasks queued on workers, each on its pool:
+        they run there whatever the plan says), every price per task scaled by the pool's
+        :meth:`overhead`. A parked pool whose workers would be billed again for the time
+        they were parked (a worker's bill runs from its first task to its last) is
+        charged that gap when the plan uses it; the plan without the parked pools is
+        taken when it is faster within the budget. Returns ``(plan or None, spent,
+        committed, fixed)``, ``fixed``: pool name -> queued tasks fixed to it."""
+        now = snap.time
+        over = self.overhead(run, pools)
+        eff = {g: {p: t * over.get(p, 1.0) for p, t in row.items()}
+               for g, row in seconds.items()}
+        price = {name: p.price_per_second for name, p in by_name.items()}
+        spent = self.spent(run, pools, now, snap.workers)
+        committed = sum(price[name] * r * over.get(name, 1.0) / threads.get(name, 1)
+                        for name, r in remaining.items())
+        # tasks queued on workers, not started: they run on that worker's pool
+        fixed: dict[str, int] = {}
+        work = dict(work)
+        for a, w in snap.workers.items():
+            n = max(w.processing - running_on.get(a, 0), 0)
+            if n <= 0 or a not in pools:
+                continue
+            name = pools[a].name
+            queued = [t.group for t in snap.waiting.get(a, ())][:n]
+            queued += [max(work, key=work.get)] * (n - len(queued)) if work else []
+            for g in queued:
+                if work.get(g, 0) <= 0:
+                    continue
+                work[g] -= 1
+                fixed[name] = fixed.get(name, 0) + 1
+                t = eff.get(g, {}).get(name, typical.get(name, 0.0))
+                committed += price[name] * t / threads.get(name, 1)
+        work = {g: n for g, n in work.items() if n > 0}
+        left = run.objective.budget - spent - committed
+        if left <= 0:
+            return None, spent, committed, fixed
+        # a parked pool taking work again is billed for the time it was parked
+        gap = {}
+        for a in parked:
+            if a in pools and a in run.spans:
+                name = pools[a].name
+                gap[name] = gap.get(name, 0.0) + max(now - run.spans[a][1], 0.0) * price[name]
+        plans = [cost.plan(work, eff, by_name, workers, threads=threads,
+                           budget=left - sum(gap.values()), egress=egress)
+                 if left > sum(gap.values()) else None]
+        if gap:
+            active = {name: (0 if name in gap else n) for name, n in workers.items()}
+            plans.append(cost.plan(work, eff, by_name, active, threads=threads,
+                                   budget=left, egress=egress))
+        ok = [p for p in plans if p is not None and p.feasible]
+        if not ok:
+            return None, spent, committed, fixed
+        return min(ok, key=lambda p: p.makespan), spent, committed, fixed
+
     def _apply_plan(self, snap, parked, pools, plan, seconds, egress, work, workers,
-                    threads, obj, running_on) -> list[Decision]:
+                    threads, obj, running_on, fixed=None) -> list[Decision]:
         holds: dict[str, int] = {}  # tasks waiting on the pool's workers, not started
         for a, w in snap.workers.items():
             holds[pools[a].name] = holds.get(pools[a].name, 0) + max(
                 w.processing - running_on.get(a, 0), 0)
-        more = {name: plan.pool_tasks(name) - holds.get(name, 0) for name in workers}
+        fixed = fixed or {}  # queued tasks the plan left out: fixed to their pool
+        more = {name: plan.pool_tasks(name) + fixed.get(name, 0) - holds.get(name, 0)
+                for name in workers}
         # the pool with the cheapest work is never parked: someone always takes the queue
         by_name = {p.name: p for p in pools.values()}
         keep = min(workers, key=lambda name: (sum(

@@ -1,0 +1,95 @@
+"""The objective rule under a budget, on plain data: it spends only what is left after the
+money already spent *and committed* (tasks queued on a pool's workers run there), and does
+not take a parked pool back when the time it sat parked - billed again the moment it runs
+a task, a worker's bill running from its first task to its last - leaves no money for it."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from blockflow import _distributed
+from blockflow.scheduling.actions import Action
+from blockflow.scheduling.objective import Objective
+from blockflow.scheduling.policies import ClusterSnapshot
+from blockflow.scheduling.pools import Pool
+from blockflow.scheduling.rules.objective import ObjectiveRule
+from blockflow.scheduling.runs import Run
+
+FAST = Pool("fast", provider="gcp", price=4.0, speed=4)
+SLOW = Pool("slow", provider="aws", price=0.5, speed=1)
+SECONDS = {"k": {"fast": 0.125, "slow": 0.5}}
+FAST_TASK = 0.125 * 4.0 / 3600  # dollars
+SLOW_TASK = 0.5 * 0.5 / 3600
+NOW = 1000.0
+
+
+def _worker(addr, pool, processing=0):
+    from blockflow._distributed.metrics import WorkerMetrics
+
+    return _distributed.WorkerView(
+        address=addr, nthreads=1, status="running", paused_by_blockflow=False,
+        metrics=WorkerMetrics(None, None, None, None, None), speed=1.0,
+        processing=processing, executing=0, occupancy=0.0, pool=pool.to_dict())
+
+
+def _snap(budget, pending, *, fast_queued=0, parked=(), fast_stopped=None):
+    workers = {"f0": _worker("f0", FAST, fast_queued), "f1": _worker("f1", FAST),
+               **{f"s{i}": _worker(f"s{i}", SLOW) for i in range(4)}}
+    run = Run(id="r", name="r", client=None, started=NOW - 20,
+              objective=Objective("makespan", None, budget), pending=pending,
+              group_pending=Counter({"k": pending}))
+    # every worker ran one task, without gaps, ending at fast_stopped (fast) or now
+    for a in workers:
+        t = SECONDS["k"]["fast" if a.startswith("f") else "slow"]
+        stop = fast_stopped if fast_stopped is not None and a.startswith("f") else NOW
+        run.spans[a] = [stop - t, stop]
+        run.busy[a] = t
+    if fast_stopped is not None:
+        for a in ("f0", "f1"):
+            workers[a].status = "paused"
+    return ClusterSnapshot(time=NOW, workers=workers, event="tick", run=run,
+                           parked=frozenset(parked), throughput=SECONDS)
+
+
+def _spent_so_far():
+    return 2 * FAST_TASK + 4 * SLOW_TASK
+
+
+def test_tasks_queued_on_a_pool_count_as_committed_money():
+    # 20 tasks left, 4 of them already queued on a fast worker (they run there); the
+    # budget left pays for 20 slow tasks only: with the queued fast tasks the run
+    # overspends, so the rule says so now (before: the LP counted the queued tasks as
+    # free to go anywhere and saw the budget met)
+    budget = _spent_so_far() + 20 * SLOW_TASK + 1e-9
+    rule = ObjectiveRule()
+    out = rule.run(_snap(budget, 20, fast_queued=4), None)
+    missed = [d for d in out if d.action == Action.OBJECTIVE]
+    assert len(missed) == 1, out
+    assert "budget can no longer be met" in missed[0].reason
+    committed = missed[0].seen["committed"]
+    assert abs(committed - 4 * FAST_TASK) < 1e-6
+    assert missed[0].seen["projected_cost"] > budget
+
+
+def test_a_budget_that_covers_the_committed_tasks_is_planned_with_them():
+    budget = _spent_so_far() + 4 * FAST_TASK + 16 * SLOW_TASK + 6 * (FAST_TASK - SLOW_TASK)
+    rule = ObjectiveRule()
+    out = rule.run(_snap(budget, 20, fast_queued=4), None)
+    assert not [d for d in out if d.action == Action.OBJECTIVE], out
+    entry = rule.plans["r"]
+    assert abs(entry["committed"] - 4 * FAST_TASK) < 1e-6
+    # spent + committed + the plan for the 16 tasks not queued stays within the budget
+    assert entry["spent"] + entry["committed"] + entry["plan"]["cost"] <= budget + 1e-6
+    assert abs(entry["plan"]["tasks"]["k"].get("fast", 0) - 6) < 1e-6
+
+
+def test_a_parked_pool_is_not_taken_back_when_its_idle_bill_leaves_no_money():
+    # the fast pool was parked 10 s ago; the budget left would buy 6 fast tasks, but the
+    # fast workers would be billed the 10 s they sat parked (2 x 10 s x $4/h = 80 fast
+    # tasks' worth): the rule keeps the fast pool parked (before: unparked it)
+    budget = _spent_so_far() + 20 * SLOW_TASK + 6 * (FAST_TASK - SLOW_TASK)
+    rule = ObjectiveRule()
+    out = rule.run(_snap(budget, 20, parked=("f0", "f1"), fast_stopped=NOW - 10), None)
+    assert not [d for d in out if d.action in (Action.UNPARK, Action.MOVE)], out
+    assert not [d for d in out if d.action == Action.OBJECTIVE], out
+    assert rule.plans["r"]["plan"]["tasks"]["k"].get("fast", 0) == 0
