@@ -45,7 +45,9 @@ def one_rep(args, deadline: float) -> dict:
                                silence_logs=logging.CRITICAL) as cluster, \
             Client(cluster) as client:
         client.register_plugin(SimulatedGPU(devices))
-        adaptive = cluster.adapt(pools=BOUNDS, interval="500ms", wait_count=3)
+        # local in-process workers join in well under a second: a first guess of 1 s (the
+        # default 5 s suits batch queues); replaced by the measured time once one joins
+        adaptive = cluster.adapt(pools=BOUNDS, interval="500ms", wait_count=3, startup="1s")
         r = run_config(client, "adaptive", args, deadline=deadline)
         until = time.monotonic() + 120
         while sum(cluster.pool_sizes.values()) > 1 and time.monotonic() < until:

@@ -18,7 +18,8 @@ minimum and maximum:
 
 A pool above its target gives back only idle workers (nothing processing: neither running
 nor queued on it), and only after they were found idle on ``wait_count`` consecutive
-calls; a busy worker is never retired, nor a worker of another pool (dask-kubernetes#914).
+calls; while the run has work the pool's plan still uses, the pool keeps the workers it has
+(the LP's rounding would otherwise retire and restart workers mid-run); a busy worker is never retired, nor a worker of another pool (dask-kubernetes#914).
 Each change of a target is one ``scale`` decision with its reason and numbers; each worker
 given back one ``retire`` decision. A blockflow heuristic on Gavel's LP (OSDI 2020).
 """
@@ -198,6 +199,13 @@ class PoolScalingRule:
         chosen: set[str] = set()
         for pool, target in sorted(targets.items()):
             current = self._current(snap, request, pool, by_addr)
+            if seen.get("backlog", 0) > 0 and 0 < target < current:
+                # the run still has work for this pool: it keeps the workers it has (idle
+                # ones cost nothing, billed by their tasks; one retired now and started
+                # again when the plan's rounding asks for it back costs its start-up)
+                reasons[pool] += (f"; keeps its {current} workers while the run has work "
+                                  f"for the pool")
+                target = current
             if self.targets.get(pool) != target:
                 out.append(Decision(Action.SCALE, "", f"pool {pool!r}: {current} -> {target} "
                                     f"workers; {reasons[pool]}",

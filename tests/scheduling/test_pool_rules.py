@@ -1,7 +1,10 @@
-"""The objective rule under a budget, on plain data: it spends only what is left after the
-money already spent *and committed* (tasks queued on a pool's workers run there), and does
-not take a parked pool back when the time it sat parked - billed again the moment it runs
-a task, a worker's bill running from its first task to its last - leaves no money for it."""
+"""The pool rules on plain data.
+
+The objective rule under a budget spends only what is left after the money already spent
+*and committed* (tasks queued on a pool's workers run there), and does not take a parked
+pool back when the time it sat parked - billed again the moment it runs a task, a worker's
+bill running from its first task to its last - leaves no money for it. The scaling rule
+keeps a pool's workers while the run still has work for the pool."""
 
 from __future__ import annotations
 
@@ -93,3 +96,28 @@ def test_a_parked_pool_is_not_taken_back_when_its_idle_bill_leaves_no_money():
     assert not [d for d in out if d.action in (Action.UNPARK, Action.MOVE)], out
     assert not [d for d in out if d.action == Action.OBJECTIVE], out
     assert rule.plans["r"]["plan"]["tasks"]["k"].get("fast", 0) == 0
+
+
+def test_scaling_keeps_a_planned_pools_idle_workers_while_the_run_has_work():
+    # 2 fast workers idle for a moment, 4 slow busy; the cost plan for the work left needs
+    # one fast worker: the rule does not retire the other mid-run (the plan's rounding
+    # flips between 1 and 2 and a retired worker costs its start-up when it is asked back)
+    from blockflow.scheduling.rules.scaling import PoolScalingRule, ScalingRequest
+
+    snap = _snap(1.0, 96)
+    for i in range(4):
+        snap.workers[f"s{i}"].processing = 1
+    run = snap.run
+    run.objective = Objective("cost", 8.0, None)
+    run.started = NOW
+    request = ScalingRequest(pools={"fast": FAST, "slow": SLOW},
+                             bounds={"fast": (0, 2), "slow": (0, 4)}, wait_count=1,
+                             startup=0.5)
+    rule = PoolScalingRule()
+    out = [d for _ in range(3) for d in rule.run(snap, request, run, {"k": 0.5})]
+    assert not [d for d in out if d.action == Action.RETIRE], out
+    assert rule.targets["fast"] == 2 and "keeps its 2 workers" in rule.reasons["fast"]
+    # no work left: the pool shrinks to its minimum, idle workers retired
+    run.group_pending.clear()
+    out = [d for _ in range(2) for d in rule.run(snap, request, run, {"k": 0.5})]
+    assert {d.worker for d in out if d.action == Action.RETIRE} == {"f0", "f1"}
