@@ -61,7 +61,7 @@ def one_rep(args, deadline: float) -> dict:
         for w, _, stop in status.get("task_log") or []:
             last_task[w] = max(last_task.get(w, 0.0), stop)
         adaptive.stop()
-        r.update(reruns=r["completions"] - args.tasks, retired=len(retired),
+        r.update(reruns=r["completions"] - r["submitted"], retired=len(retired),
                  busy_retired=sum(1 for d in retired
                                   if last_task.get(d["worker"], 0.0) > d["time"]),
                  backups=sum(d["action"] == "speculate" for d in status["decisions"]),
