@@ -351,7 +351,8 @@ class ObjectiveRule(Rule):
         :meth:`overhead`. A parked pool whose workers would be billed again for the time
         they were parked (a worker's bill runs from its first task to its last) is
         charged that gap when the plan uses it; the plan without the parked pools is
-        taken when it is faster within the budget. Returns ``(plan or None, spent,
+        taken when it is faster within the budget. Half a task of the dearest pool is
+        kept back for the plan's rounding. Returns ``(plan or None, spent,
         committed, fixed)``, ``fixed``: pool name -> queued tasks fixed to it."""
         now = snap.time
         over = self.overhead(run, pools)
@@ -379,7 +380,12 @@ class ObjectiveRule(Rule):
                 t = eff.get(g, {}).get(name, typical.get(name, 0.0))
                 committed += price[name] * t / threads.get(name, 1)
         work = {g: n for g, n in work.items() if n > 0}
-        left = run.objective.budget - spent - committed
+        # half a task of the dearest pool kept back: the plan is fractional and a pool
+        # takes work for more than half a planned task (the rounding may buy that half)
+        reserve = 0.5 * max((price[name] * t / threads.get(name, 1)
+                             for row in eff.values() for name, t in row.items()
+                             if name in workers), default=0.0)
+        left = run.objective.budget - spent - committed - reserve
         if left <= 0:
             return None, spent, committed, fixed
         # a parked pool taking work again is billed for the time it was parked
