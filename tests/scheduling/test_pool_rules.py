@@ -123,3 +123,20 @@ def test_scaling_keeps_a_planned_pools_idle_workers_while_the_run_has_work():
     run.group_pending.clear()
     out = [d for _ in range(2) for d in rule.run(snap, request, run, {"k": 0.5})]
     assert {d.worker for d in out if d.action == Action.RETIRE} == {"f0", "f1"}
+
+
+def test_a_parked_pool_comes_back_with_the_workers_the_plan_needs_cheapest_first():
+    # near the deadline the cheap pool cannot finish alone: the plan needs a little of the
+    # parked fast pool - one worker, the one parked most recently (the other sat parked
+    # longer: taking it back bills that whole gap)
+    snap = _snap(1.0, 16, parked=("f0", "f1"), fast_stopped=NOW - 3)
+    snap.run.spans["f1"] = [NOW - 3.125, NOW - 1]
+    for i in range(4):
+        snap.workers[f"s{i}"].processing = 1
+    run = snap.run
+    run.objective = Objective("cost", 2.5, None)
+    run.started = NOW - 0.5  # 2 s left: the slow pool takes 4 x 3.5 = 14 of 16
+    rule = ObjectiveRule()
+    out = rule.run(snap, None)
+    assert 0 < rule.plans["r"]["plan"]["tasks"]["k"].get("fast", 0) < 4, rule.plans["r"]
+    assert [d.worker for d in out if d.action == Action.UNPARK] == ["f1"], out

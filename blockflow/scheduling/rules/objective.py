@@ -435,8 +435,11 @@ class ObjectiveRule(Rule):
             seen = {"pool": name, "planned_tasks": round(plan.pool_tasks(name), 2),
                     "held_tasks": holds.get(name, 0), "plan_cost": round(plan.cost, 6),
                     "plan_makespan": round(plan.makespan, 3), "objective": obj.kind}
+            wake = set(members)
+            if want and name != keep and any(a in parked for a in members):
+                wake = self._to_wake(snap, name, members, parked, plan)
             for a in members:
-                if want and a in parked:
+                if want and a in parked and a in wake:
                     reason = (f"pool {name!r} needed: the plan gives it "
                               f"{plan.pool_tasks(name):.1f} tasks, it holds "
                               f"{holds.get(name, 0)}")
@@ -456,6 +459,23 @@ class ObjectiveRule(Rule):
                 out += self._hand_over(snap, pools, name, int(more[name]), seen, egress,
                                        seconds, plan, workers, threads, work)
         return out
+
+    @staticmethod
+    def _to_wake(snap, name, members, parked, plan) -> set[str]:
+        """The parked workers of pool ``name`` to unpark: only as many as the plan needs
+        beside its running ones (:attr:`~blockflow.scheduling.cost.Plan.workers_needed`),
+        those that cost least to take back first - a worker that ran nothing in this run,
+        then the one parked most recently (a worker is billed from its first task to its
+        last, so one given work again is billed for the time it sat parked)."""
+        active = [a for a in members if a not in parked]
+        need = max(int(plan.workers_needed.get(name, len(members))), 1)
+        n = need - len(active)
+        if n <= 0:
+            return set()
+        spans = snap.run.spans if snap.run is not None else {}
+        idle = sorted((a for a in members if a in parked),
+                      key=lambda a: (a in spans, -spans[a][1] if a in spans else 0.0, a))
+        return set(idle[:n])
 
     def _hand_over(self, snap, pools, name, n, seen, egress, seconds, plan, workers,
                    threads, work) -> list[Decision]:
