@@ -140,3 +140,58 @@ def test_a_parked_pool_comes_back_with_the_workers_the_plan_needs_cheapest_first
     out = rule.run(snap, None)
     assert 0 < rule.plans["r"]["plan"]["tasks"]["k"].get("fast", 0) < 4, rule.plans["r"]
     assert [d.worker for d in out if d.action == Action.UNPARK] == ["f1"], out
+
+
+def _cost_snap(pending, left, *, fast_joined=True, fast_begun=False, throughput=SECONDS):
+    snap = _snap(1.0, pending)
+    snap.throughput = throughput
+    for i in range(4):
+        snap.workers[f"s{i}"].processing = 1
+    if not fast_begun:
+        for a in ("f0", "f1"):
+            del snap.run.spans[a]
+            del snap.run.busy[a]
+    if not fast_joined:
+        for a in ("f0", "f1"):
+            del snap.workers[a]
+    snap.run.objective = Objective("cost", 10.0, None)
+    snap.run.started = NOW - (10.0 - left)
+    return snap
+
+
+def test_a_pool_that_has_not_begun_starts_its_share_late_and_in_one_stretch():
+    # 96 tasks, 7.5 s left: the fast pool's share is a third of its time: it waits
+    rule = ObjectiveRule()
+    out = rule.run(_cost_snap(96, 7.5), None)
+    assert rule.plans["r"]["plan"]["tasks"]["k"].get("fast", 0) > 30
+    assert sorted(d.worker for d in out if d.action == Action.PARK) == ["f0", "f1"], out
+    # 3 s left and 64 tasks: the share needs nearly all the fast pool's time: it starts,
+    # both workers
+    out = rule.run(_cost_snap(64, 3.0), None)
+    assert not [d for d in out if d.action == Action.PARK], out
+    # a pool that began (ran tasks of the run) follows the plan at once
+    out = rule.run(_cost_snap(96, 7.5, fast_begun=True), None)
+    assert not [d for d in out if d.action == Action.PARK], out
+
+
+def test_before_any_group_is_measured_only_the_cheapest_pool_takes_tasks():
+    rule = ObjectiveRule()
+    out = rule.run(_cost_snap(96, 7.5, throughput={}), None)
+    park = [d for d in out if d.action == Action.PARK]
+    assert sorted(d.worker for d in park) == ["f0", "f1"], out
+    assert "pool 'slow' is the cheapest per unit of work" in park[0].reason
+
+
+def test_scaling_starts_a_dear_pool_from_zero_only_when_its_share_needs_it():
+    from blockflow.scheduling.rules.scaling import PoolScalingRule, ScalingRequest
+
+    request = ScalingRequest(pools={"fast": FAST, "slow": SLOW},
+                             bounds={"fast": (0, 2), "slow": (0, 4)}, startup=0.5)
+    rule = PoolScalingRule()
+    snap = _cost_snap(96, 6.0, fast_joined=False)
+    targets, reasons, _ = rule.size(snap, request, snap.run, {"k": 0.5})
+    assert targets == {"fast": 0, "slow": 4}, reasons
+    assert "starts later" in reasons["fast"]
+    snap = _cost_snap(96, 5.5, fast_joined=False)
+    targets, reasons, _ = rule.size(snap, request, snap.run, {"k": 0.5})
+    assert targets == {"fast": 2, "slow": 4}, reasons

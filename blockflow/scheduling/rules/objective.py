@@ -121,7 +121,11 @@ class ObjectiveRule(Rule):
     in time), or the budget left (``budget`` minus what its workers cost so far). A pool
     whose planned tasks exceed the tasks its workers hold is unparked (``unpark``); one
     whose plan it already holds is parked (``park``), except the pool with the most work
-    still to take, so that someone always takes the queue. A pool of another provider than
+    still to take, so that someone always takes the queue. Under a deadline a pool that
+    has not begun the run starts its share late (:attr:`late_start`), so that it works in
+    one stretch to the end (a worker is billed from its first task to its last); before
+    any group is measured only the pool cheapest per unit of work by the pools' hints
+    takes tasks. A parked pool comes back with only the workers the plan needs. A pool of another provider than
     the one a group's inputs live on is charged their egress in the plan, and its
     ``unpark`` records the bytes per task, the egress price and the time it saves. When the
     objective can no longer be met, one ``objective`` decision (and a WARNING) gives the new
@@ -138,6 +142,10 @@ class ObjectiveRule(Rule):
     #: Share of a task per thread kept free before the deadline (the last task a thread
     #: starts must end in time; re-planning every tick catches the rest).
     tail = 0.5
+
+    #: Under a deadline, a pool that has not begun the run starts its share once the share
+    #: needs this much of the pool's time left to the deadline (the rest is slack).
+    late_start = 0.85
 
     def __init__(self):
         self.plans: dict[str, dict[str, Any]] = {}
@@ -226,8 +234,8 @@ class ObjectiveRule(Rule):
         work = dict(run.group_pending)
         seconds = _seconds(snap, pools, work)
         work = {g: n for g, n in work.items() if g in seconds}
-        if not work:  # nothing measured yet: distributed's placement, as without objective
-            return self._unpark_all(snap, parked, "no task group of the run measured yet")
+        if not work:  # nothing measured yet
+            return self._unmeasured(snap, parked, pools, run.objective)
         workers, threads = _capacity(snap, pools, parked)
         # tasks running now are no longer to place: their threads are busy for what is
         # left of them (the time per task on that pool less the time they ran)
@@ -261,6 +269,7 @@ class ObjectiveRule(Rule):
                           / (threads[name] * left) for name, n in workers.items()}
                 plan = cost.plan(work, seconds, by_name, usable, threads=threads,
                                  deadline=left, egress=egress)
+                capacity = {name: u * left for name, u in usable.items()}
             if plan is None or not plan.feasible:
                 fastest = cost.plan(work, seconds, by_name, workers, threads=threads)
                 finish = fastest.makespan + max(typical.values())
@@ -297,7 +306,7 @@ class ObjectiveRule(Rule):
         self.plans[run.id] = {"objective": obj.as_dict(), "plan": plan.as_dict(),
                               "work": work, "seconds": seconds, "time": snap.time}
         return self._apply_plan(snap, parked, pools, plan, seconds, egress, work, workers,
-                                threads, obj, running_on)
+                                threads, obj, running_on, capacity=capacity)
 
     @staticmethod
     def spent(run, pools, now, workers=None) -> float:
@@ -407,7 +416,7 @@ class ObjectiveRule(Rule):
         return min(ok, key=lambda p: p.makespan), spent, committed, fixed
 
     def _apply_plan(self, snap, parked, pools, plan, seconds, egress, work, workers,
-                    threads, obj, running_on, fixed=None) -> list[Decision]:
+                    threads, obj, running_on, fixed=None, capacity=None) -> list[Decision]:
         holds: dict[str, int] = {}  # tasks waiting on the pool's workers, not started
         for a, w in snap.workers.items():
             holds[pools[a].name] = holds.get(pools[a].name, 0) + max(
@@ -427,6 +436,14 @@ class ObjectiveRule(Rule):
                                                         or a in parked))
             if name == keep:
                 want = True
+            elif capacity is not None and not self._begun(snap, members):
+                # a pool that ran nothing of this run yet starts its share as late as it
+                # can: once the share needs :attr:`late_start` of the pool's time left.
+                # It then works through to the end in one stretch (billed from its first
+                # task to its last: a pool that took its share first and came back for
+                # what the cheap pools fell behind on is billed for the time between)
+                want = (more[name] > 0.5 and plan.busy.get(name, 0.0)
+                        >= self.late_start * capacity.get(name, 0.0))
             elif any(a in parked for a in members):
                 # hysteresis: a parked pool comes back for half a task per thread at least
                 want = more[name] >= max(1.0, 0.5 * threads.get(name, 1) * len(members))
@@ -459,6 +476,12 @@ class ObjectiveRule(Rule):
                 out += self._hand_over(snap, pools, name, int(more[name]), seen, egress,
                                        seconds, plan, workers, threads, work)
         return out
+
+    @staticmethod
+    def _begun(snap, members) -> bool:
+        """Whether any of ``members`` ran or holds a task of the current run."""
+        spans = snap.run.spans if snap.run is not None else {}
+        return any(a in spans or snap.workers[a].processing > 0 for a in members)
 
     @staticmethod
     def _to_wake(snap, name, members, parked, plan) -> set[str]:
@@ -562,6 +585,35 @@ class ObjectiveRule(Rule):
                     out.append(Decision(Action.UNPARK, a, "objective missed: " + reason, seen))
             elif a not in parked and snap.workers[a].status == "running":
                 out.append(Decision(Action.PARK, a, "objective missed: " + reason, seen))
+        return out
+
+    def _unmeasured(self, snap, parked, pools, obj) -> list[Decision]:
+        """No group of the run measured yet. Under a cost objective only the pool cheapest
+        per unit of work by the pools' hints (price over ``speed``, 1 without one) takes
+        the first tasks, if it has a running worker: an expensive pool that ran a few
+        tasks first is billed from them to its last task (it comes back for its share
+        later). Otherwise (a budget, or no such worker) distributed's placement, as
+        without an objective."""
+        why = "no task group of the run measured yet"
+        by_name = {p.name: p for p in pools.values()}
+        if obj.kind != "cost" or len(by_name) < 2:
+            return self._unpark_all(snap, parked, why)
+        cheapest = min(by_name.values(), key=lambda p: ((p.price or 0.0) / (p.speed or 1.0),
+                                                        p.name))
+        if not any(pools[a].name == cheapest.name and w.status == "running"
+                   for a, w in snap.workers.items()):
+            return self._unpark_all(snap, parked, why)
+        out = []
+        for a, w in sorted(snap.workers.items()):
+            if pools[a].name == cheapest.name:
+                if a in parked:
+                    out.append(Decision(Action.UNPARK, a, f"unparked: {why}", {}))
+            elif a not in parked and w.status == "running":
+                out.append(Decision(
+                    Action.PARK, a, f"pool {pools[a].name!r} parked: {why}; pool "
+                    f"{cheapest.name!r} is the cheapest per unit of work by the pools' "
+                    f"prices and speeds and measures it", {"pool": pools[a].name,
+                                                          "objective": obj.kind}))
         return out
 
     def _unpark_all(self, snap, parked, why: str) -> list[Decision]:
