@@ -195,3 +195,23 @@ def test_scaling_starts_a_dear_pool_from_zero_only_when_its_share_needs_it():
     snap = _cost_snap(96, 5.5, fast_joined=False)
     targets, reasons, _ = rule.size(snap, request, snap.run, {"k": 0.5})
     assert targets == {"fast": 2, "slow": 4}, reasons
+
+
+def test_a_working_pool_takes_a_task_per_thread_beyond_its_plan_before_it_is_parked():
+    # the fast pool began the run and holds one task per worker; the plan (few tasks
+    # left beyond what the slow pool does) gives it one task: it stays on for a margin of
+    # one task per thread rather than be parked and billed its gap if it must come back
+    rule = ObjectiveRule()
+    snap = _cost_snap(20, 2.5, fast_begun=True)
+    for a in ("f0", "f1"):
+        snap.workers[a].processing = 1
+    out = rule.run(snap, None)
+    planned = rule.plans["r"]["plan"]["tasks"]["k"].get("fast", 0)
+    assert 0.5 < planned <= 2.5, rule.plans["r"]
+    assert not [d for d in out if d.action == Action.PARK], out
+    # with a plan that gives it nothing and its margin held, it is parked
+    snap = _cost_snap(8, 2.5, fast_begun=True)
+    for a in ("f0", "f1"):
+        snap.workers[a].processing = 2
+    out = rule.run(snap, None)
+    assert sorted(d.worker for d in out if d.action == Action.PARK) == ["f0", "f1"], out

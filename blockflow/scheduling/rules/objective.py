@@ -147,6 +147,11 @@ class ObjectiveRule(Rule):
     #: needs this much of the pool's time left to the deadline (the rest is slack).
     late_start = 0.85
 
+    #: Under a deadline, tasks per thread a working pool takes beyond its plan before it
+    #: is parked (insurance against coming back, billed for the time parked, when the
+    #: cheap pools fall behind their plan).
+    park_margin = 1.0
+
     def __init__(self):
         self.plans: dict[str, dict[str, Any]] = {}
         self._warned: set[str] = set()
@@ -447,6 +452,12 @@ class ObjectiveRule(Rule):
             elif any(a in parked for a in members):
                 # hysteresis: a parked pool comes back for half a task per thread at least
                 want = more[name] >= max(1.0, 0.5 * threads.get(name, 1) * len(members))
+            elif capacity is not None:
+                # a pool working under a deadline takes :attr:`park_margin` task per thread
+                # beyond its plan before it is parked: coming back later for what the
+                # cheap pools fell behind on would bill it for the time it sat parked
+                want = more[name] > 0.5 - self.park_margin * threads.get(name, 1) * len(
+                    members)
             else:
                 want = more[name] > 0.5
             seen = {"pool": name, "planned_tasks": round(plan.pool_tasks(name), 2),
