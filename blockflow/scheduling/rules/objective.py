@@ -497,7 +497,7 @@ class ObjectiveRule(Rule):
     @staticmethod
     def _to_wake(snap, name, members, parked, plan) -> set[str]:
         """The parked workers of pool ``name`` to unpark: only as many as the plan needs
-        beside its running ones (:attr:`~blockflow.scheduling.cost.Plan.workers_needed`),
+        beside its running ones (the plan's ``workers_needed``),
         those that cost least to take back first - a worker that ran nothing in this run,
         then the one parked most recently (a worker is billed from its first task to its
         last, so one given work again is billed for the time it sat parked)."""
