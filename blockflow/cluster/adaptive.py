@@ -54,6 +54,17 @@ class PoolAdaptive(Adaptive):
         First guess of the time a new worker takes to join; replaced by the median measured
         on this cluster once workers have joined.
 
+    Attributes
+    ----------
+    targets : dict of str to int
+        Pool name -> the scheduler's latest target.
+    retired : list of str
+        Names of the workers the scheduler retired (idle ones of a pool above its target),
+        in order. A retired worker's spec is removed only once it has left the scheduler
+        (its results moved to other workers first), never while it is leaving.
+    checks : int
+        Scaling checks done so far, each one counted whether it changed anything or not.
+
     Raises
     ------
     ValueError
@@ -95,6 +106,8 @@ class PoolAdaptive(Adaptive):
         self.targets: dict[str, int] = {}
         self.reasons: dict[str, str] = {}
         self.retired: list[str] = []  # names of the workers the scheduler retired
+        self._leaving: set[str] = set()  # retired on the scheduler, not gone from it yet
+        self.checks = 0  # scaling checks done (every one, whether it changed anything)
         super().__init__(cluster, interval=interval, minimum=sum(b[0] for b in bounds.values()),
                          maximum=sum(b[1] for b in bounds.values()), wait_count=wait_count,
                          target_duration=target_duration, **kwargs)
@@ -126,6 +139,17 @@ class PoolAdaptive(Adaptive):
         cluster = self.cluster
         observed = self._observed_names()
         now = time.time()
+        # a worker the scheduler retires is forgotten (its spec removed) only once it has
+        # left the scheduler: distributed's retire_workers first moves its results to other
+        # workers; closing it earlier would lose them and the scheduler would compute them
+        # again
+        gone = sorted(n for n in self._leaving if n not in observed)
+        if gone:
+            self._leaving.difference_update(gone)
+            gone = [n for n in gone if n in cluster.worker_spec]
+            if gone:
+                self.log.append((now, {"status": "down", "workers": gone}))
+                await cluster.scale_down(gone)
         for name in list(self._asked):
             if name in observed:
                 self._joined.append(now - self._asked.pop(name))
@@ -142,11 +166,12 @@ class PoolAdaptive(Adaptive):
             starting=starting, threads=threads, target_duration=self.target_duration,
             startup=self.startup, wait_count=self.wait_count)
         self.targets, self.reasons = reply["targets"], reply["reasons"]
-        gone = [n for n in reply.get("retiring", ()) if n in cluster.worker_spec]
-        if gone:  # retired on the scheduler (idle, of a pool above its target): forget them
-            self.retired.extend(gone)
-            self.log.append((time.time(), {"status": "down", "workers": gone}))
-            await cluster.scale_down(gone)
+        for name in reply.get("retiring", ()):
+            # retired on the scheduler (idle, of a pool above its target): forgotten once
+            # gone (above, on a later check)
+            if name in cluster.worker_spec and name not in self._leaving:
+                self._leaving.add(name)
+                self.retired.append(name)
         up = {}
         for pool, target in self.targets.items():
             have = len(cluster.workers_of(pool))
@@ -158,4 +183,5 @@ class PoolAdaptive(Adaptive):
             cluster.scale(up)
             for name in set(cluster.worker_spec) - before:
                 self._asked[str(name)] = time.time()
+        self.checks += 1
 

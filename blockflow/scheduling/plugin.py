@@ -865,7 +865,7 @@ class Rebalancer(SchedulerPlugin):
         if run is not None and run.objective is not None and run.objective.budget is not None:
             rule = getattr(self.policy, "objective", None)
             if rule is not None:
-                spent = rule._spent(run, pools_of(snap.workers), snap.time, snap)
+                spent = rule.spent(run, pools_of(snap.workers), snap.time, snap.workers)
         for d in self.scaling.run(snap, request, run, reference, spent,
                                   frozenset(self.retiring),
                                   _distributed.workers_holding_data(self.scheduler)):
@@ -891,7 +891,9 @@ class Rebalancer(SchedulerPlugin):
             rule = getattr(self.policy, "objective", None)
             plan = getattr(rule, "plans", {}).get(run.id)
             objective = {**run.objective.as_dict(), "run": run.id,
-                         "deadline_at": run.deadline_at, "plan": plan}
+                         "deadline_at": run.deadline_at, "plan": plan,
+                         "spent": (rule.spent(run, pools, time.time(), views)
+                                   if rule is not None else None)}
         run_cost = None
         if run is not None and run.spans:
             run_cost = cost.run_cost(

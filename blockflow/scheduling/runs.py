@@ -95,6 +95,8 @@ class Run:
     group_tasks: Counter = field(default_factory=Counter)  # task group -> tasks given
     # worker -> [first start, last stop] of its task executions in this run (billing)
     spans: dict = field(default_factory=dict)
+    # worker -> seconds its task executions in this run took (busy time within its span)
+    busy: Counter = field(default_factory=Counter)
     # (from provider, to provider) -> input bytes tasks read across providers
     crossings: Counter = field(default_factory=Counter)
     ended: float | None = None  # when its last pending task finished
@@ -240,6 +242,7 @@ class RunTracker:
             run.spans[worker] = [start, stop]
         else:
             span[0], span[1] = min(span[0], start), max(span[1], stop)
+        run.busy[worker] += max(stop - start, 0.0)
         if run.pending <= 1:
             run.ended = stop
 

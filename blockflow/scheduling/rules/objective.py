@@ -121,7 +121,11 @@ class ObjectiveRule(Rule):
     in time), or the budget left (``budget`` minus what its workers cost so far). A pool
     whose planned tasks exceed the tasks its workers hold is unparked (``unpark``); one
     whose plan it already holds is parked (``park``), except the pool with the most work
-    still to take, so that someone always takes the queue. A pool of another provider than
+    still to take, so that someone always takes the queue. Under a deadline a pool that
+    has not begun the run starts its share late (:attr:`late_start`), so that it works in
+    one stretch to the end (a worker is billed from its first task to its last); before
+    any group is measured only the pool cheapest per unit of work by the pools' hints
+    takes tasks. A parked pool comes back with only the workers the plan needs. A pool of another provider than
     the one a group's inputs live on is charged their egress in the plan, and its
     ``unpark`` records the bytes per task, the egress price and the time it saves. When the
     objective can no longer be met, one ``objective`` decision (and a WARNING) gives the new
@@ -137,7 +141,16 @@ class ObjectiveRule(Rule):
 
     #: Share of a task per thread kept free before the deadline (the last task a thread
     #: starts must end in time; re-planning every tick catches the rest).
-    tail = 0.25
+    tail = 0.5
+
+    #: Under a deadline, a pool that has not begun the run starts its share once the share
+    #: needs this much of the pool's time left to the deadline (the rest is slack).
+    late_start = 0.85
+
+    #: Under a deadline, tasks per thread a working pool takes beyond its plan before it
+    #: is parked (insurance against coming back, billed for the time parked, when the
+    #: cheap pools fall behind their plan).
+    park_margin = 1.0
 
     def __init__(self):
         self.plans: dict[str, dict[str, Any]] = {}
@@ -226,8 +239,8 @@ class ObjectiveRule(Rule):
         work = dict(run.group_pending)
         seconds = _seconds(snap, pools, work)
         work = {g: n for g, n in work.items() if g in seconds}
-        if not work:  # nothing measured yet: distributed's placement, as without objective
-            return self._unpark_all(snap, parked, "no task group of the run measured yet")
+        if not work:  # nothing measured yet
+            return self._unmeasured(snap, parked, pools, run.objective)
         workers, threads = _capacity(snap, pools, parked)
         # tasks running now are no longer to place: their threads are busy for what is
         # left of them (the time per task on that pool less the time they ran)
@@ -261,6 +274,7 @@ class ObjectiveRule(Rule):
                           / (threads[name] * left) for name, n in workers.items()}
                 plan = cost.plan(work, seconds, by_name, usable, threads=threads,
                                  deadline=left, egress=egress)
+                capacity = {name: u * left for name, u in usable.items()}
             if plan is None or not plan.feasible:
                 fastest = cost.plan(work, seconds, by_name, workers, threads=threads)
                 finish = fastest.makespan + max(typical.values())
@@ -271,47 +285,150 @@ class ObjectiveRule(Rule):
                     f"pools take work",
                     {"deadline_in": round(left, 3), "projected_finish_in": round(finish, 3)})
         else:
-            spent = self._spent(run, pools, snap.time, snap) + sum(
-                by_name[name].price_per_second * r / threads.get(name, 1)
-                for name, r in remaining.items())
-            left_budget = obj.budget - spent
-            plan = cost.plan(work, seconds, by_name, workers, threads=threads,
-                             budget=left_budget, egress=egress) if left_budget > 0 else None
+            plan, spent, committed, fixed = self._budget_plan(
+                snap, run, pools, by_name, work, seconds, workers, threads, remaining,
+                running_on, typical, egress, parked)
             if plan is None or not plan.feasible:
                 cheapest = cost.plan(work, seconds, by_name, workers, threads=threads,
                                      deadline=1e12, egress=egress)
                 keep = max(cheapest.busy, key=cheapest.busy.get) if cheapest.busy else None
                 return self._missed(
                     snap, parked, run.id,
-                    f"budget can no longer be met: spent ${spent:.4g} of ${obj.budget:.4g}, "
-                    f"the work left costs at least ${cheapest.cost:.4g} (projected "
-                    f"${spent + cheapest.cost:.4g}); only pool {keep!r} takes work",
+                    f"budget can no longer be met: spent ${spent:.4g} of ${obj.budget:.4g}"
+                    f" (${committed:.4g} more committed to tasks running or queued), the "
+                    f"work left costs at least ${cheapest.cost:.4g} (projected "
+                    f"${spent + committed + cheapest.cost:.4g}); only pool {keep!r} takes "
+                    f"work",
                     {"budget": obj.budget, "spent": round(spent, 6),
-                     "projected_cost": round(spent + cheapest.cost, 6)}, keep=keep)
+                     "committed": round(committed, 6),
+                     "projected_cost": round(spent + committed + cheapest.cost, 6)},
+                    keep=keep)
+            self.plans[run.id] = {"objective": obj.as_dict(), "plan": plan.as_dict(),
+                                  "work": work, "seconds": seconds, "time": snap.time,
+                                  "spent": round(spent, 6), "committed": round(committed, 6)}
+            return self._apply_plan(snap, parked, pools, plan, seconds, egress, work,
+                                    workers, threads, obj, running_on, fixed)
         self.plans[run.id] = {"objective": obj.as_dict(), "plan": plan.as_dict(),
                               "work": work, "seconds": seconds, "time": snap.time}
         return self._apply_plan(snap, parked, pools, plan, seconds, egress, work, workers,
-                                threads, obj, running_on)
+                                threads, obj, running_on, capacity=capacity)
 
-    def _spent(self, run, pools, now, snap) -> float:
-        """Dollars this run's workers cost so far (first start to now or last stop)."""
+    @staticmethod
+    def spent(run, pools, now, workers=None) -> float:
+        """Dollars ``run``'s workers cost so far: each billed from its first task's start
+        to now while it has tasks assigned, else to its last task's end (idle gaps
+        included, as :func:`blockflow.scheduling.cost.run_cost` bills).
+
+        Parameters
+        ----------
+        run : blockflow.scheduling.runs.Run
+        pools : mapping of str to Pool
+            Worker address -> its pool.
+        now : float
+            Seconds since the epoch.
+        workers : mapping of str to WorkerView, optional
+            Worker views saying which workers have tasks assigned (without them, every
+            worker is billed to its last task's end).
+        """
         total = 0.0
         for a, (start, stop) in run.spans.items():
             p = pools.get(a)
             if p is None:
                 continue
-            w = snap.workers.get(a)
+            w = workers.get(a) if workers is not None else None
             end = now if w is not None and w.processing else stop
             total += max(end - start, 0.0) * p.price_per_second
         return total
 
+    @staticmethod
+    def overhead(run, pools) -> dict[str, float]:
+        """Pool name -> billed seconds over busy seconds of ``run``'s workers so far (1 to
+        2): the gaps between a worker's tasks that its bill includes and the throughput
+        matrix does not."""
+        billed: dict[str, float] = {}
+        busy: dict[str, float] = {}
+        for a, (start, stop) in run.spans.items():
+            p = pools.get(a)
+            if p is None or not run.busy.get(a):
+                continue
+            billed[p.name] = billed.get(p.name, 0.0) + max(stop - start, 0.0)
+            busy[p.name] = busy.get(p.name, 0.0) + run.busy[a]
+        return {name: min(max(billed[name] / busy[name], 1.0), 2.0)
+                for name in busy if busy[name] > 0}
+
+    def _budget_plan(self, snap, run, pools, by_name, work, seconds, workers, threads,
+                     remaining, running_on, typical, egress, parked):
+        """The fastest plan for the work left within the budget left: the budget less what
+        the run's workers cost so far (:meth:`spent`) and what is committed already (the
+        rest of the running tasks and the tasks queued on workers, each on its pool:
+        they run there whatever the plan says), every price per task scaled by the pool's
+        :meth:`overhead`. A parked pool whose workers would be billed again for the time
+        they were parked (a worker's bill runs from its first task to its last) is
+        charged that gap when the plan uses it; the plan without the parked pools is
+        taken when it is faster within the budget. Half a task of the dearest pool is
+        kept back for the plan's rounding. Returns ``(plan or None, spent,
+        committed, fixed)``, ``fixed``: pool name -> queued tasks fixed to it."""
+        now = snap.time
+        over = self.overhead(run, pools)
+        eff = {g: {p: t * over.get(p, 1.0) for p, t in row.items()}
+               for g, row in seconds.items()}
+        price = {name: p.price_per_second for name, p in by_name.items()}
+        spent = self.spent(run, pools, now, snap.workers)
+        committed = sum(price[name] * r * over.get(name, 1.0) / threads.get(name, 1)
+                        for name, r in remaining.items())
+        # tasks queued on workers, not started: they run on that worker's pool
+        fixed: dict[str, int] = {}
+        work = dict(work)
+        for a, w in snap.workers.items():
+            n = max(w.processing - running_on.get(a, 0), 0)
+            if n <= 0 or a not in pools:
+                continue
+            name = pools[a].name
+            queued = [t.group for t in snap.waiting.get(a, ())][:n]
+            queued += [max(work, key=work.get)] * (n - len(queued)) if work else []
+            for g in queued:
+                if work.get(g, 0) <= 0:
+                    continue
+                work[g] -= 1
+                fixed[name] = fixed.get(name, 0) + 1
+                t = eff.get(g, {}).get(name, typical.get(name, 0.0))
+                committed += price[name] * t / threads.get(name, 1)
+        work = {g: n for g, n in work.items() if n > 0}
+        # half a task of the dearest pool kept back: the plan is fractional and a pool
+        # takes work for more than half a planned task (the rounding may buy that half)
+        reserve = 0.5 * max((price[name] * t / threads.get(name, 1)
+                             for row in eff.values() for name, t in row.items()
+                             if name in workers), default=0.0)
+        left = run.objective.budget - spent - committed - reserve
+        if left <= 0:
+            return None, spent, committed, fixed
+        # a parked pool taking work again is billed for the time it was parked
+        gap = {}
+        for a in parked:
+            if a in pools and a in run.spans:
+                name = pools[a].name
+                gap[name] = gap.get(name, 0.0) + max(now - run.spans[a][1], 0.0) * price[name]
+        plans = [cost.plan(work, eff, by_name, workers, threads=threads,
+                           budget=left - sum(gap.values()), egress=egress)
+                 if left > sum(gap.values()) else None]
+        if gap:
+            active = {name: (0 if name in gap else n) for name, n in workers.items()}
+            plans.append(cost.plan(work, eff, by_name, active, threads=threads,
+                                   budget=left, egress=egress))
+        ok = [p for p in plans if p is not None and p.feasible]
+        if not ok:
+            return None, spent, committed, fixed
+        return min(ok, key=lambda p: p.makespan), spent, committed, fixed
+
     def _apply_plan(self, snap, parked, pools, plan, seconds, egress, work, workers,
-                    threads, obj, running_on) -> list[Decision]:
+                    threads, obj, running_on, fixed=None, capacity=None) -> list[Decision]:
         holds: dict[str, int] = {}  # tasks waiting on the pool's workers, not started
         for a, w in snap.workers.items():
             holds[pools[a].name] = holds.get(pools[a].name, 0) + max(
                 w.processing - running_on.get(a, 0), 0)
-        more = {name: plan.pool_tasks(name) - holds.get(name, 0) for name in workers}
+        fixed = fixed or {}  # queued tasks the plan left out: fixed to their pool
+        more = {name: plan.pool_tasks(name) + fixed.get(name, 0) - holds.get(name, 0)
+                for name in workers}
         # the pool with the cheapest work is never parked: someone always takes the queue
         by_name = {p.name: p for p in pools.values()}
         keep = min(workers, key=lambda name: (sum(
@@ -324,16 +441,33 @@ class ObjectiveRule(Rule):
                                                         or a in parked))
             if name == keep:
                 want = True
+            elif capacity is not None and not self._begun(snap, members):
+                # a pool that ran nothing of this run yet starts its share as late as it
+                # can: once the share needs :attr:`late_start` of the pool's time left.
+                # It then works through to the end in one stretch (billed from its first
+                # task to its last: a pool that took its share first and came back for
+                # what the cheap pools fell behind on is billed for the time between)
+                want = (more[name] > 0.5 and plan.busy.get(name, 0.0)
+                        >= self.late_start * capacity.get(name, 0.0))
             elif any(a in parked for a in members):
                 # hysteresis: a parked pool comes back for half a task per thread at least
                 want = more[name] >= max(1.0, 0.5 * threads.get(name, 1) * len(members))
+            elif capacity is not None:
+                # a pool working under a deadline takes :attr:`park_margin` task per thread
+                # beyond its plan before it is parked: coming back later for what the
+                # cheap pools fell behind on would bill it for the time it sat parked
+                want = more[name] > 0.5 - self.park_margin * threads.get(name, 1) * len(
+                    members)
             else:
                 want = more[name] > 0.5
             seen = {"pool": name, "planned_tasks": round(plan.pool_tasks(name), 2),
                     "held_tasks": holds.get(name, 0), "plan_cost": round(plan.cost, 6),
                     "plan_makespan": round(plan.makespan, 3), "objective": obj.kind}
+            wake = set(members)
+            if want and name != keep and any(a in parked for a in members):
+                wake = self._to_wake(snap, name, members, parked, plan)
             for a in members:
-                if want and a in parked:
+                if want and a in parked and a in wake:
                     reason = (f"pool {name!r} needed: the plan gives it "
                               f"{plan.pool_tasks(name):.1f} tasks, it holds "
                               f"{holds.get(name, 0)}")
@@ -353,6 +487,29 @@ class ObjectiveRule(Rule):
                 out += self._hand_over(snap, pools, name, int(more[name]), seen, egress,
                                        seconds, plan, workers, threads, work)
         return out
+
+    @staticmethod
+    def _begun(snap, members) -> bool:
+        """Whether any of ``members`` ran or holds a task of the current run."""
+        spans = snap.run.spans if snap.run is not None else {}
+        return any(a in spans or snap.workers[a].processing > 0 for a in members)
+
+    @staticmethod
+    def _to_wake(snap, name, members, parked, plan) -> set[str]:
+        """The parked workers of pool ``name`` to unpark: only as many as the plan needs
+        beside its running ones (the plan's ``workers_needed``),
+        those that cost least to take back first - a worker that ran nothing in this run,
+        then the one parked most recently (a worker is billed from its first task to its
+        last, so one given work again is billed for the time it sat parked)."""
+        active = [a for a in members if a not in parked]
+        need = max(int(plan.workers_needed.get(name, len(members))), 1)
+        n = need - len(active)
+        if n <= 0:
+            return set()
+        spans = snap.run.spans if snap.run is not None else {}
+        idle = sorted((a for a in members if a in parked),
+                      key=lambda a: (a in spans, -spans[a][1] if a in spans else 0.0, a))
+        return set(idle[:n])
 
     def _hand_over(self, snap, pools, name, n, seen, egress, seconds, plan, workers,
                    threads, work) -> list[Decision]:
@@ -439,6 +596,35 @@ class ObjectiveRule(Rule):
                     out.append(Decision(Action.UNPARK, a, "objective missed: " + reason, seen))
             elif a not in parked and snap.workers[a].status == "running":
                 out.append(Decision(Action.PARK, a, "objective missed: " + reason, seen))
+        return out
+
+    def _unmeasured(self, snap, parked, pools, obj) -> list[Decision]:
+        """No group of the run measured yet. Under a cost objective only the pool cheapest
+        per unit of work by the pools' hints (price over ``speed``, 1 without one) takes
+        the first tasks, if it has a running worker: an expensive pool that ran a few
+        tasks first is billed from them to its last task (it comes back for its share
+        later). Otherwise (a budget, or no such worker) distributed's placement, as
+        without an objective."""
+        why = "no task group of the run measured yet"
+        by_name = {p.name: p for p in pools.values()}
+        if obj.kind != "cost" or len(by_name) < 2:
+            return self._unpark_all(snap, parked, why)
+        cheapest = min(by_name.values(), key=lambda p: ((p.price or 0.0) / (p.speed or 1.0),
+                                                        p.name))
+        if not any(pools[a].name == cheapest.name and w.status == "running"
+                   for a, w in snap.workers.items()):
+            return self._unpark_all(snap, parked, why)
+        out = []
+        for a, w in sorted(snap.workers.items()):
+            if pools[a].name == cheapest.name:
+                if a in parked:
+                    out.append(Decision(Action.UNPARK, a, f"unparked: {why}", {}))
+            elif a not in parked and w.status == "running":
+                out.append(Decision(
+                    Action.PARK, a, f"pool {pools[a].name!r} parked: {why}; pool "
+                    f"{cheapest.name!r} is the cheapest per unit of work by the pools' "
+                    f"prices and speeds and measures it", {"pool": pools[a].name,
+                                                          "objective": obj.kind}))
         return out
 
     def _unpark_all(self, snap, parked, why: str) -> list[Decision]:

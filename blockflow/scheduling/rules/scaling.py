@@ -18,7 +18,8 @@ minimum and maximum:
 
 A pool above its target gives back only idle workers (nothing processing: neither running
 nor queued on it), and only after they were found idle on ``wait_count`` consecutive
-calls; a busy worker is never retired, nor a worker of another pool (dask-kubernetes#914).
+calls; while the run has work the pool's plan still uses, the pool keeps the workers it has
+(the LP's rounding would otherwise retire and restart workers mid-run); a busy worker is never retired, nor a worker of another pool (dask-kubernetes#914).
 Each change of a target is one ``scale`` decision with its reason and numbers; each worker
 given back one ``retire`` decision. A blockflow heuristic on Gavel's LP (OSDI 2020).
 """
@@ -102,6 +103,11 @@ class PoolScalingRule:
         Pool name -> why it has that target.
     """
 
+    #: Under a deadline, a pool with no worker that is dearer per unit of work than the
+    #: cheapest starts once its share needs this much of its maximum's time left (the
+    #: objective rule's :attr:`~blockflow.scheduling.rules.objective.ObjectiveRule.late_start`).
+    late_start = 0.8
+
     def __init__(self):
         self.targets: dict[str, int] = {}
         self.reasons: dict[str, str] = {}
@@ -166,12 +172,27 @@ class PoolScalingRule:
                 plan = cost.plan(work, seconds, pools, hi, threads=threads)
                 what = (f"{seen['backlog']} tasks need more than {request.target_duration:g}"
                         f" s even with every pool at its maximum")
-        needed = plan.workers_needed
+        needed = dict(plan.workers_needed)
+        later: dict[str, str] = {}
+        if objective is not None and objective.kind == "cost" and run.deadline_at is not None:
+            # a pool with no worker yet, dearer per unit of work than the cheapest, starts
+            # when its share needs :attr:`late_start` of what its maximum does by the
+            # deadline: its workers then run their share in one stretch to the end (billed
+            # from their first task to their last), as the objective rule has them do
+            cheapest = min(pools, key=lambda p: ((pools[p].price or 0.0) / speeds[p], p))
+            for p in pools:
+                room = hi[p] * horizon
+                if (p != cheapest and needed.get(p, 0) > 0 and room > 0
+                        and self._current(snap, request, p, by_addr) == 0
+                        and plan.busy.get(p, 0.0) < self.late_start * room):
+                    later[p] = (f"; starts later: its share is {plan.busy[p]:.1f} of the "
+                                f"{room:.1f} worker-seconds its maximum has by the deadline")
+                    needed[p] = 0
         targets = {p: min(max(needed.get(p, 0), lo[p]), hi[p]) for p in pools}
         seen.update(plan_cost=round(plan.cost, 6), plan_makespan=round(plan.makespan, 3))
         reasons = {p: f"{what}: pool {p!r} needs {needed.get(p, 0)} "
                       f"(bounds {lo[p]}..{hi[p]}, ${pools[p].price or 0:g}/h, "
-                      f"{speeds[p]:.2g}x speed)" for p in pools}
+                      f"{speeds[p]:.2g}x speed){later.get(p, '')}" for p in pools}
         return targets, reasons, seen
 
     @staticmethod
@@ -198,6 +219,13 @@ class PoolScalingRule:
         chosen: set[str] = set()
         for pool, target in sorted(targets.items()):
             current = self._current(snap, request, pool, by_addr)
+            if seen.get("backlog", 0) > 0 and 0 < target < current:
+                # the run still has work for this pool: it keeps the workers it has (idle
+                # ones cost nothing, billed by their tasks; one retired now and started
+                # again when the plan's rounding asks for it back costs its start-up)
+                reasons[pool] += (f"; keeps its {current} workers while the run has work "
+                                  f"for the pool")
+                target = current
             if self.targets.get(pool) != target:
                 out.append(Decision(Action.SCALE, "", f"pool {pool!r}: {current} -> {target} "
                                     f"workers; {reasons[pool]}",
