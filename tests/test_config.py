@@ -204,3 +204,20 @@ def test_importing_blockflow_or_its_cli_loads_the_settings_not_distributed():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "dynamic []"
+
+
+@pytest.mark.slow
+def test_a_settings_check_loads_jsonschemas_iri_formats_only_when_one_is_checked():
+    """rfc3987_syntax (jsonschema's optional ``iri`` formats) builds a Lark grammar at
+    import, 2-3 s of each process's first check: it waits for the first ``iri`` check, which
+    still gives jsonschema's answers."""
+    pytest.importorskip("rfc3987_syntax")
+    code = ("import sys, blockflow.config as c; c.validate(); "
+            "print('rfc3987_syntax' in sys.modules); "
+            "import jsonschema; f = jsonschema.FormatChecker(); "
+            "print(f.conforms('http://example.com/a', 'iri'), "
+            "f.conforms('http://exa mple.com/ a', 'iri'), f.conforms('a b', 'iri-reference'), "
+            "type(sys.modules['rfc3987_syntax'].is_valid_syntax('iri', 'http://x')).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["False", "True", "False", "False", "bool"], out.stderr
