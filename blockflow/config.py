@@ -31,6 +31,7 @@ import math
 import os
 import re
 import sys
+import types
 from typing import Any, Iterator, Mapping, Sequence
 
 import dask.config
@@ -283,37 +284,59 @@ def _schema() -> dict:
     return schema
 
 
-def _jsonschema():
-    """``jsonschema``, imported without its optional ``rfc3987-syntax`` checker.
-
-    jsonschema imports every optional format checker it finds. ``rfc3987-syntax`` (installed
-    with Jupyter) builds a grammar at import: about 2 s, and some 230,000 objects that stay
-    in the process for good -- in the scheduler, every full garbage collection walks them
-    (measured: a scheduler with the plugin made 5 % slower on trivial tasks). blockflow's
-    schema uses no ``format``; the block is lifted after the import, so a later
-    ``import rfc3987_syntax`` works. If jsonschema is already imported it is used as is.
-    """
-    if "jsonschema" in sys.modules:
-        return sys.modules["jsonschema"]
-    block = "rfc3987_syntax" not in sys.modules
-    if block:
-        sys.modules["rfc3987_syntax"] = None  # import fails: jsonschema skips the "iri" check
-    try:
-        import jsonschema
-    finally:
-        if block and sys.modules.get("rfc3987_syntax", False) is None:
-            del sys.modules["rfc3987_syntax"]
-    return jsonschema
-
-
 def _first_problem(config: Any, schema: dict) -> tuple[list[str], Any, str] | None:
     """``(path, value, what is wrong)`` of the first invalid setting, or None."""
-    jsonschema = _jsonschema()
+    jsonschema = _import_jsonschema()
+
     error = jsonschema.exceptions.best_match(
         jsonschema.validators.validator_for(schema)(schema).iter_errors(config))
     if error is not None:
         return _describe(error)
     return next(_rule_problems(config, schema, []), None)
+
+
+def _import_jsonschema():
+    """``import jsonschema``, its optional IRI format checks loaded on their first use.
+
+    jsonschema imports ``rfc3987_syntax`` (when installed) for its ``iri`` and
+    ``iri-reference`` formats, and that module builds a Lark grammar at import: 2-3 s of
+    every process's first settings check (each ``blockflow run``, each scheduler), for
+    formats blockflow's schema does not use, and some 230,000 objects that would stay in a
+    scheduler's heap for good (every full garbage collection walks them). While jsonschema is imported, a stand-in takes
+    the module's name: its ``is_valid_syntax`` (what jsonschema keeps) and its other
+    attributes import the real module on first use, so those formats are still checked.
+    """
+    import importlib.util
+
+    if ("jsonschema" in sys.modules or "rfc3987_syntax" in sys.modules
+            or importlib.util.find_spec("rfc3987_syntax") is None):
+        import jsonschema
+
+        return jsonschema
+
+    def _real():
+        import rfc3987_syntax  # the real module: the stand-in has left sys.modules
+
+        return rfc3987_syntax
+
+    def is_valid_syntax(*args, **kwargs):
+        return _real().is_valid_syntax(*args, **kwargs)
+
+    def __getattr__(name):
+        if name.startswith("__") or sys.modules.get("rfc3987_syntax") is stand_in:
+            raise AttributeError(name)  # the import machinery's look-ups, during the import
+        return getattr(_real(), name)
+
+    stand_in = types.ModuleType("rfc3987_syntax", "Stand-in: imports rfc3987_syntax on use.")
+    stand_in.is_valid_syntax = is_valid_syntax
+    stand_in.__getattr__ = __getattr__
+    sys.modules["rfc3987_syntax"] = stand_in
+    try:
+        import jsonschema
+    finally:
+        if sys.modules.get("rfc3987_syntax") is stand_in:
+            del sys.modules["rfc3987_syntax"]
+    return jsonschema
 
 
 def _describe(error) -> tuple[list[str], Any, str]:

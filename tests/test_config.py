@@ -258,3 +258,23 @@ def test_a_scheduler_without_a_dashboard_does_not_load_bokeh():
         "    print('bokeh' in sys.modules)\n"
     )
     assert _fresh_python(code) == "False"
+
+
+@pytest.mark.slow
+def test_a_settings_check_loads_jsonschemas_iri_formats_only_when_one_is_checked():
+    """rfc3987_syntax (jsonschema's optional ``iri`` formats) builds a Lark grammar at
+    import, 2-3 s of each process's first check: it waits for the first ``iri`` check, which
+    still gives jsonschema's answers."""
+    pytest.importorskip("rfc3987_syntax")
+    # a changed setting: validate() imports jsonschema (the defaults alone skip it)
+    code = ("import sys, dask, blockflow.config as c; "
+            "dask.config.set({'blockflow.rebalancer.interval': '50ms'}); c.validate(); "
+            "print('rfc3987_syntax' in sys.modules, 'jsonschema' in sys.modules); "
+            "import jsonschema; f = jsonschema.FormatChecker(); "
+            "print(f.conforms('http://example.com/a', 'iri'), "
+            "f.conforms('http://exa mple.com/ a', 'iri'), f.conforms('a b', 'iri-reference'), "
+            "type(sys.modules['rfc3987_syntax'].is_valid_syntax('iri', 'http://x')).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["False", "True", "True", "False", "False", "bool"], \
+        out.stderr

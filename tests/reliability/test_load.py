@@ -1,4 +1,4 @@
-"""Load: 50,000 tasks through 4 workers with the dynamic policy active, and a decision log
+"""Load: 20,000 tasks through 4 workers with the dynamic policy active, and a decision log
 that stays within ``blockflow.rebalancer.decision-log-size`` however many decisions come."""
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from blockflow.testing import set_tenant, simulated_cluster
 
 from loadaware import wait_until
 
-N_TASKS = 50_000
+# 20,000 (50,000 until 2026-12-04: 170 s of a loaded 2-core machine's suite). The log's
+# bound is hit by the pause/resume swings below (108 decisions for a log of 100), however
+# many tasks run; the tasks are the load the control loop decides under.
+N_TASKS = 20_000
 LOG_SIZE = 100
 
 
@@ -45,10 +48,10 @@ async def _heartbeat(dask_worker):
 
 
 @pytest.mark.slow
-# 50,000 tasks are CPU-bound: 2.5 minutes alone on a 2-core machine, longer beside the
+# 20,000 tasks are CPU-bound: a minute alone on a loaded 2-core machine, longer beside the
 # suite's other processes; its own bound is a stall (no task finishing), not the total time
 @pytest.mark.timeout(900)
-def test_50000_tasks_with_the_dynamic_policy_and_a_bounded_decision_log():
+def test_20000_tasks_with_the_dynamic_policy_and_a_bounded_decision_log():
     with dask.config.set({"blockflow.rebalancer.decision-log-size": LOG_SIZE}), \
             simulated_cluster(speeds=(1, 1, 1, 1), threads_per_worker=4,
                               processes=False) as client:  # 4 threads: less idle time
@@ -86,4 +89,4 @@ def test_50000_tasks_with_the_dynamic_policy_and_a_bounded_decision_log():
         log = blockflow.decisions(client)
         assert len(log) <= LOG_SIZE
         assert sum(blockflow.task_counts(client).values()) >= N_TASKS
-        print(f"{N_TASKS} tasks took {took:.0f} s")  # ~40 s on an idle 2-core box
+        print(f"{N_TASKS} tasks took {took:.0f} s")  # ~16 s on an idle 2-core box

@@ -93,8 +93,8 @@ def _no_large_files():
 @pytest.mark.slow
 @pytest.mark.parametrize("job, args, first", [
     ("flights", ["--scale", "1", "--no-progress"], "by_carrier.parquet"),
-    ("train", ["--epochs", "1", "--no-progress"], "model.pt"),
-    ("tune", ["--configs", "3", "--max-epochs", "1"], "trials.parquet"),
+    ("train", ["--epochs", "1", "--batch-size", "400000", "--no-progress"], "model.pt"),
+    ("tune", ["--configs", "1", "--max-epochs", "1"], "trials.parquet"),
     ("infer", ["--scale", "1", "--blocks", "2", "--no-progress"], "predictions.parquet"),
 ])
 def test_an_output_that_cannot_be_written_is_one_error_line_for_every_job(tmp_path, job,
