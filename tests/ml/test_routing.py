@@ -110,9 +110,13 @@ def test_a_cold_first_answer_does_not_starve_the_fast_worker(digits):
             stats = router.stats()
     assert stats["counts"]["answered"] == 48 and stats["counts"].get("duplicates", 0) == 0
     # Ideal: the slow worker answers every 0.12 s from the start, the fast one every 0.03 s
-    # after its 1.2 s cold start: 48 requests end at ~2.1 s, about 30 fast to 18 slow (a
-    # router taking the cold start for the fast worker's speed gives it ~1 in 10).
-    assert stats["answered_by"][fast] >= 1.5 * stats["answered_by"].get(slow, 0), stats
+    # after its 1.2 s cold start: 48 requests end at ~2.1 s, about 30 fast to 18 slow. A
+    # router taking the cold start for the fast worker's speed gives it ~1 in 10 (about 5
+    # to 43). On a loaded machine each answer's fixed overhead (the round trip, sleeps that
+    # overshoot) weighs more on the fast worker's short answers, so the split moves towards
+    # even (28 to 20 seen): the test asserts the fast worker is not starved -- it answers
+    # more than the slow one -- not the ideal split.
+    assert stats["answered_by"][fast] > stats["answered_by"].get(slow, 0), stats
     # warm answers only: the fast worker's measured rate is its speed, not its cold start
     assert stats["seconds_per_unit"][slow] > 2 * stats["seconds_per_unit"][fast], stats
 
