@@ -781,7 +781,10 @@ def _place_data(client, parts: list, worker: str) -> list:
     import dask.array as da
     from distributed import futures_of
 
-    on = dict(workers=[worker], allow_other_workers=False)
+    # loose: the slices' keys are deterministic, so a later step (or the step replayed after
+    # a recovery) reuses tasks placed before; pinned to a worker that has since left, they
+    # would wait in "no-worker" for ever. Loose, they are recomputed on a survivor.
+    on = dict(workers=[worker], allow_other_workers=True)
     if all(isinstance(a, da.Array) for a in parts):
         done = client.persist([a.rechunk(-1) for a in parts], **on)
         return [futures_of(d)[0] for d in done]
