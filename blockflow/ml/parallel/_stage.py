@@ -16,7 +16,8 @@ next stage's worker, and its input gradient to the previous stage's, **worker to
 stage's mailbox); no scheduler or client round trip per micro-batch. The loop waits for
 its inputs out of the worker's thread pool (seceded), so two stages on one worker (after a
 rebuild) both run; it ends early when the client cancels the step (a lost worker), and
-after :data:`WAIT_TIMEOUT` seconds without an input with an error naming the stage.
+after ``blockflow.parallel.stage-wait`` (300 s) without an input with an error naming the
+stage.
 
 Every function here runs on a worker (shipped by reference, no closures).
 """
@@ -37,7 +38,8 @@ __all__ = ["HANDLER", "PipePlugin", "install", "run", "cancel", "checkpoint", "r
            "state", "drop", "probe", "held_bytes", "peaks"]
 
 HANDLER = "blockflow_pipeline"
-#: Seconds a stage waits for one input (an activation or a gradient) before it gives up
+#: Seconds a stage waits for one input (an activation or a gradient) before it gives up,
+#: when the step's plan does not say (``blockflow.parallel.stage-wait``, read by the client)
 WAIT_TIMEOUT = 300.0
 
 #: (worker address, stage key) -> _Stage
@@ -259,8 +261,9 @@ class _Mailbox:
                 del self.values[k]
             self.cancelled &= {token}
 
-    def take(self, token: str, kind: str, j: int, what: str, sends: list) -> Any:
-        deadline = time.monotonic() + WAIT_TIMEOUT
+    def take(self, token: str, kind: str, j: int, what: str, sends: list,
+             wait: float = WAIT_TIMEOUT) -> Any:
+        deadline = time.monotonic() + wait
         with self.cond:
             while (token, kind, j) not in self.values:
                 if token in self.cancelled:
@@ -271,7 +274,7 @@ class _Mailbox:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
-                        f"blockflow: {what} waited {WAIT_TIMEOUT:g} s for the "
+                        f"blockflow: {what} waited {wait:g} s for the "
                         f"{'activation' if kind == 'F' else 'gradient'} of micro-batch {j} "
                         f"from its {'previous' if kind == 'F' else 'next'} stage; that "
                         f"stage's worker is stuck or gone: build the PipelineParallel again.")
@@ -369,6 +372,7 @@ def run(key: str, token: str, step: int, plan: dict, inputs: Sequence | None = N
     box.begin(token)
     clock = _distributed.worker_scheduler_clock(worker)
     train, prev, nxt = plan["train"], plan["prev"], plan["next"]
+    patience = float(plan.get("wait", WAIT_TIMEOUT))
     records: list[tuple] = []
     outputs: dict[int, Any] = {}
     sends: list = []
@@ -392,9 +396,11 @@ def run(key: str, token: str, step: int, plan: dict, inputs: Sequence | None = N
         for kind, j in plan["order"]:
             t0 = time.perf_counter()
             if kind == "F":
-                x = inputs[j] if prev is None else box.take(token, "F", j, plan["name"], sends)
+                x = inputs[j] if prev is None else box.take(token, "F", j, plan["name"],
+                                                                sends, patience)
             else:
-                x = targets[j] if nxt is None else box.take(token, "B", j, plan["name"], sends)
+                x = targets[j] if nxt is None else box.take(token, "B", j, plan["name"],
+                                                                sends, patience)
             start = time.time()
             wait += time.perf_counter() - t0
             if kind == "F":
@@ -412,7 +418,7 @@ def run(key: str, token: str, step: int, plan: dict, inputs: Sequence | None = N
                     send(prev, "B", j, g)
                 records.append(("backward", j, start, stop))
         for f in sends:  # every send arrived (a failed one raises here)
-            f.result(timeout=WAIT_TIMEOUT)
+            f.result(timeout=patience)
     except _Cancelled:
         stage.stash.clear()
         stage.module.zero_grad(set_to_none=True)

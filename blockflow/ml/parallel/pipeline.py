@@ -55,6 +55,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from dask.utils import parse_timedelta
 
 from blockflow import config
 from blockflow.cluster.identity import workers_info
@@ -514,6 +515,7 @@ class PipelineParallel:
             raise
         weights = [self._weight(n, total) for n in sizes] if train else None
         want_output = return_output or not train
+        wait = parse_timedelta(config.get("parallel.stage-wait"))
         # one task per stage: the stage runs its schedule as a loop on its worker and
         # sends activations and gradients straight to its neighbours' workers
         futures = []
@@ -526,7 +528,8 @@ class PipelineParallel:
                              else None),
                     "weights": weights if s == p - 1 else None,
                     "want_output": want_output and s == p - 1,
-                    "want_grads": return_grads, "step_optimizer": self.optimizer is not None}
+                    "want_grads": return_grads, "step_optimizer": self.optimizer is not None,
+                    "wait": wait}
             futures.append(c.submit(
                 _stage.run, self._keys[s], token, self.steps, plan,
                 inputs if s == 0 else None, targets if s == p - 1 else None,
