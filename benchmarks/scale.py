@@ -7,7 +7,8 @@ Two parts, one table each (stdout; per-run lines on stderr):
   and client share one event loop, the worst case for a plugin's own cost) run
   ``--tasks`` (5,000) trivial tasks (``client.map`` of ``x + 1``), plain Dask and blockflow's
   ``dynamic`` policy side by side: a fresh cluster per run, the two alternating (order
-  reversed on odd repetitions), ``--reps`` (3) each. Reported: the median wall time of each
+  reversed on odd repetitions), ``--reps`` (3) each, every run in a fresh interpreter
+  (``--same-process`` to run them all here: later runs then walk the earlier ones' garbage). Reported: the median wall time of each
   and the median of the paired ratios blockflow / plain; the same for the event loop's CPU
   time (``time.thread_time`` of the loop's thread: what the scheduler and workers spent,
   much less sensitive than wall time to other processes on a shared machine), and plain
@@ -62,7 +63,27 @@ def inc(x):
 
 async def cluster_run(n_workers: int, n_tasks: int, mode: str) -> dict:
     """One run: a fresh in-process cluster, ``n_tasks`` trivial tasks; wall and loop CPU
-    seconds, and the plugin's own cost (blockflow)."""
+    seconds (and the CPU seconds of garbage collections among them), and the plugin's own
+    cost (blockflow)."""
+    import gc
+
+    gc_cpu = [0.0, 0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_cpu[1] = time.thread_time()
+        else:
+            gc_cpu[0] += time.thread_time() - gc_cpu[1]
+
+    gc.callbacks.append(on_gc)
+    try:
+        out = await _cluster_run(n_workers, n_tasks, mode, gc_cpu)
+    finally:
+        gc.callbacks.remove(on_gc)
+    return out
+
+
+async def _cluster_run(n_workers: int, n_tasks: int, mode: str, gc_cpu: list) -> dict:
     async with LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=False,
                             dashboard_address=None, asynchronous=True) as cluster, \
             Client(cluster, asynchronous=True) as client:
@@ -71,10 +92,12 @@ async def cluster_run(n_workers: int, n_tasks: int, mode: str) -> dict:
         warm = 2 * n_workers
         await client.gather(client.map(inc, range(warm), key=[f"warm-{i}" for i in range(warm)]))
         before = await client.scheduler.blockflow_status() if mode == "blockflow" else None
+        gc_cpu[0] = 0.0
         t0, c0 = time.perf_counter(), time.thread_time()
         await client.gather(client.map(inc, range(n_tasks), key=[f"inc-{i}"
                                                                  for i in range(n_tasks)]))
-        out = {"wall": time.perf_counter() - t0, "cpu": time.thread_time() - c0}
+        out = {"wall": time.perf_counter() - t0, "cpu": time.thread_time() - c0,
+               "gc_cpu": gc_cpu[0]}
         if mode == "blockflow":
             after = await client.scheduler.blockflow_status()
             a, b = after["cost"], before["cost"]
@@ -91,13 +114,32 @@ async def cluster_run(n_workers: int, n_tasks: int, mode: str) -> dict:
         return out
 
 
-def cluster_part(workers: list[int], n_tasks: int, reps: int) -> list[dict]:
+def isolated_run(n_workers: int, n_tasks: int, mode: str) -> dict:
+    """:func:`cluster_run` in a fresh interpreter (``python scale.py --one N,T,MODE``): runs
+    in one process inherit each other's heap (garbage the next run's collections walk, and
+    a full collection's cost grows with it), which made later runs slower and the paired
+    ratio depend on the order."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, __file__, "--one", f"{n_workers},{n_tasks},{mode}"],
+                         capture_output=True, text=True, check=False)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"scale run N={n_workers} {mode} failed (exit {out.returncode}): "
+                           f"{out.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def cluster_part(workers: list[int], n_tasks: int, reps: int, isolate: bool = True
+                 ) -> list[dict]:
     rows = []
     for n in workers:
         runs: dict[str, list[dict]] = {"plain": [], "blockflow": []}
         for r in range(reps):
             for mode in (("plain", "blockflow") if r % 2 == 0 else ("blockflow", "plain")):
-                res = asyncio.run(cluster_run(n, n_tasks, mode))
+                res = isolated_run(n, n_tasks, mode) if isolate \
+                    else asyncio.run(cluster_run(n, n_tasks, mode))
                 runs[mode].append(res)
                 print(f"N={n} rep={r} {mode}: " + ", ".join(
                     f"{k}={v:.4g}" for k, v in res.items() if v is not None),
@@ -116,6 +158,8 @@ def cluster_part(workers: list[int], n_tasks: int, reps: int) -> list[dict]:
             "cpu_per_task_us": med(x["cpu_per_task_us"] for x in b),
             "cpu_all_in_us": med(x["cpu_all_in_us"] for x in b),
             "plain_cpu_us": med(1e6 * x["cpu"] / n_tasks for x in p),
+            "gc_plain": med(x.get("gc_cpu", 0.0) for x in p),
+            "gc_blockflow": med(x.get("gc_cpu", 0.0) for x in b),
             "tick_median_ms": med(x["tick_median_ms"] for x in b),
             "tick_max_ms": max(x["tick_max_ms"] for x in b),
         })
@@ -310,9 +354,10 @@ def print_cluster_header() -> None:
           "dynamic\n")
     print(f"{'N':>5} {'plain s':>8} {'bf s':>8} {'wall ratio':>11} {'(min-max)':>11} "
           f"{'CPU ratio':>10} {'plain CPU':>10} {'hooks us/task':>14} "
-          f"{'all-in us/task':>15} {'tick med':>9} {'tick max':>9}")
+          f"{'all-in us/task':>15} {'tick med':>9} {'tick max':>9} {'GC CPU s':>12}")
     print(f"{'':>5} {'':>8} {'':>8} {'':>11} {'':>11} {'':>10} {'us/task':>10} "
-          f"{'wall / CPU':>14} {'wall / CPU':>15} {'ms':>9} {'ms':>9}", flush=True)
+          f"{'wall / CPU':>14} {'wall / CPU':>15} {'ms':>9} {'ms':>9} {'plain / bf':>12}",
+          flush=True)
 
 
 def print_cluster_row(r) -> None:
@@ -321,7 +366,8 @@ def print_cluster_row(r) -> None:
           f"{r['cpu_ratio']:>9.3f}x {r['plain_cpu_us']:>10.0f} "
           f"{r['per_task_us']:>6.1f} / {r['cpu_per_task_us']:<5.1f} "
           f"{r['all_in_us']:>7.1f} / {r['cpu_all_in_us']:<5.1f} "
-          f"{r['tick_median_ms']:>9.2f} {r['tick_max_ms']:>9.2f}", flush=True)
+          f"{r['tick_median_ms']:>9.2f} {r['tick_max_ms']:>9.2f} "
+          f"{r['gc_plain']:>5.2f} / {r['gc_blockflow']:<4.2f}", flush=True)
 
 
 def plot(cluster_rows, replay_rows, path: str) -> None:
@@ -379,7 +425,18 @@ def main(argv=None) -> None:
     ap.add_argument("--parts", default="cluster,replay")
     ap.add_argument("--plot", default=None, help="write a PNG of both parts here")
     ap.add_argument("--quick", action="store_true", help="8 and 32 workers, 2 reps, 2,000 tasks")
+    ap.add_argument("--same-process", action="store_true",
+                    help="run every cluster run in this process (default: each in a fresh "
+                         "interpreter)")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # N,TASKS,MODE: one run
     args = ap.parse_args(argv)
+    if args.one:
+        import json
+
+        logging.getLogger("distributed").setLevel(logging.ERROR)
+        n, t, mode = args.one.split(",")
+        print(json.dumps(asyncio.run(cluster_run(int(n), int(t), mode))), flush=True)
+        return
     if args.quick:
         args.workers, args.tasks, args.reps, args.ticks = "8,32", 2000, 2, 20
     logging.getLogger("distributed").setLevel(logging.ERROR)
@@ -394,7 +451,7 @@ def main(argv=None) -> None:
     if "cluster" in parts:
         print_cluster_header()
         for n in (int(n) for n in args.workers.split(",")):
-            row = cluster_part([n], args.tasks, args.reps)[0]
+            row = cluster_part([n], args.tasks, args.reps, isolate=not args.same_process)[0]
             print_cluster_row(row)
             cluster_rows.append(row)
             if args.plot:

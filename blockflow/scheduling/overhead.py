@@ -31,7 +31,8 @@ class PluginCost:
         Seconds in all ticks so far, and in the longest one.
     tick_count : int
     hook_calls : int
-        Calls of the ``transition`` hook.
+        Calls of the ``transition`` hook past its first test (a task's end, its forgetting,
+        an admission event); the others return at once and are not timed.
     hook_cpu_sampled, hook_samples : float, int
         CPU seconds of the event loop's thread (``time.thread_time``) in one ``transition``
         call of every :attr:`sample_every`, and how many: wall time counts whatever else

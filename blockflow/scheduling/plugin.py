@@ -198,6 +198,15 @@ class Rebalancer(SchedulerPlugin):
     # --- hooks: keep them O(1) -----------------------------------------------------------
 
     def transition(self, key, start, finish, *args, stimulus_id=None, **kwargs) -> None:
+        # Fast path, first: of a task's ~5 transitions only its end (processing -> memory),
+        # its forgetting and, for the few keys admission control watches, the events that
+        # free room in its budget need anything. The rest return here, untimed (the cost
+        # this plugin reports is the work past this test).
+        if finish != "forgotten" and (finish != "memory" or start != "processing"):
+            admission = self.admission
+            if admission is None or finish not in _ADMISSION_EVENTS \
+                    or not admission.watches(key):
+                return
         cost = self.cost
         if not cost.sampled():
             t0 = _clock()

@@ -561,3 +561,46 @@ def test_pipeline_timeline_in_the_run_report_and_on_the_dashboard_page():
     finally:
         client.shutdown()
         client.close()
+
+
+# --- on a real GPU ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_pipeline_and_tensor_parallel_on_a_cuda_device_equal_the_cpu_model():
+    """Stages and shards live on the CUDA device (the workers' own, through ``_device``);
+    activations and gradients cross between workers as host tensors. float64 results equal
+    the same model on the CPU (GPU float64 kernels differ from the CPU's in the last bits)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs PyTorch with CUDA and an NVIDIA GPU (torch.cuda.is_available() "
+                    "is False)")
+    rng = np.random.default_rng(5)
+    X, T = rng.standard_normal((8, 6)), rng.standard_normal((8, 3))
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address=None) as cluster, Client(cluster) as c:
+        before = torch.cuda.memory_allocated()
+        pipe = PipelineParallel(c, _mlp(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                                schedule="1f1b", sample=X)
+        r = pipe.run(X, T, n_micro_batches=4, return_grads=True)
+        assert torch.cuda.memory_allocated() > before  # the stages' weights are on the GPU
+        ref = _mlp()
+        out = ref(torch.tensor(X))
+        loss = torch.nn.functional.mse_loss(out, torch.tensor(T))
+        loss.backward()
+        assert abs(r.loss - loss.item()) < 1e-9
+        assert max_diff(r.output, out.detach()) < 1e-9
+        for n, prm in ref.named_parameters():
+            assert max_diff(r.grads[n], prm.grad) < 1e-9, n
+
+        torch.manual_seed(1)
+        mlp = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.GELU(),
+                                  torch.nn.Linear(7, 4)).double()
+        tp = TensorParallel(c, mlp)
+        x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+        y = tp(x)
+        y.backward(torch.ones_like(y))
+        x2 = x.detach().clone().requires_grad_(True)
+        mlp(x2).backward(torch.ones_like(y))
+        assert max_diff(y.detach(), mlp(x2).detach()) < 1e-9
+        assert max_diff(x.grad, x2.grad) < 1e-9
+        tp.close()
