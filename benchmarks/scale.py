@@ -110,7 +110,11 @@ async def _cluster_run(n_workers: int, n_tasks: int, mode: str, gc_cpu: list) ->
                 cpu_all_in_us=1e6 * (a["hook_cpu_seconds"] - b["hook_cpu_seconds"]
                                      + a["tick_cpu_seconds"] - b["tick_cpu_seconds"]) / tasks,
                 tick_median_ms=a["tick_ms_median"], tick_max_ms=a["tick_ms_max"],
-                ticks=a["tick_count"])
+                ticks=a["tick_count"],
+                # what the policy did (expected on identical idle workers: nothing)
+                decisions=len(after["decisions"]) - len(before["decisions"]),
+                moves=after["moves_requested"] - before["moves_requested"],
+                stealing_suspended=int(bool(after["balancing"])))
         return out
 
 
