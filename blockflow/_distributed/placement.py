@@ -12,6 +12,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from dask.utils import key_split
+
 __all__ = [
     "HOLD_ADDRESS",
     "WORK_ANNOTATION",
@@ -40,6 +42,23 @@ def task_work(scheduler, key) -> float | None:
     if isinstance(work, (int, float)) and math.isfinite(work) and work > 0:
         return float(work)
     return None
+
+
+def task_facts(scheduler, key) -> tuple[str, float | None, float | None]:
+    """``(group, work, size)`` of task ``key`` in one look-up, for the scheduler plugin's
+    hook on a finished task: its group (``dask.utils.key_split`` of the key, as the
+    scheduler's task prefix holds it), :func:`task_work` and :func:`task_size`. A key the
+    scheduler does not hold gives ``(key_split(key), None, None)``. O(inputs)."""
+    ts = scheduler.tasks.get(key)
+    if ts is None:
+        return key_split(key), None, None
+    annotations = ts.annotations
+    work = annotations.get(WORK_ANNOTATION) if annotations else None
+    if isinstance(work, (int, float)) and math.isfinite(work) and work > 0:
+        work = float(work)
+        return ts.prefix.name, work, work
+    nbytes = sum(dts.nbytes for dts in ts.dependencies if dts.nbytes > 0)
+    return ts.prefix.name, None, (float(nbytes) if nbytes > 0 else None)
 
 
 def task_size(scheduler, key) -> float | None:

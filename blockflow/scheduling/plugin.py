@@ -238,7 +238,7 @@ class Rebalancer(SchedulerPlugin):
         self.task_counts[worker] += 1
         if self._multi_provider:
             self._record_inputs(key, worker)
-        group = key_split(key)
+        group, work, size = _distributed.task_facts(self.scheduler, key)
         if group.startswith(KERNEL_PREFIX):
             self.kernel_counts[worker] += 1
         startstops = kwargs.get("startstops")
@@ -255,9 +255,8 @@ class Rebalancer(SchedulerPlugin):
                     self.task_log.append((worker, start, ss["stop"]))
                     self.runs.executed(key, worker, start, ss["stop"])
             if compute > 0:
-                work = _distributed.task_work(self.scheduler, key)
                 self.speeds.observe(worker, group, compute, 1.0 if work is None else work,
-                                    size=_distributed.task_size(self.scheduler, key))
+                                    size=size)
         self.runs.finished(key, worker)
 
     def _record_inputs(self, key, worker: str) -> None:

@@ -660,3 +660,22 @@ def test_moves_off_a_recovered_worker_stop():
     s = ClusterSnapshot(time=0.0, workers={w.address: w for w in workers}, waiting=waiting,
                         balancing=True)
     assert [d for d in run(DynamicPolicy(), s) if d.action == "move" and d.worker == "a"] == []
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_task_facts_equal_group_work_and_size_read_one_by_one(c, s, a):
+    import dask
+
+    x = c.submit(lambda: b"x" * 1000, key="data-1")
+    await x
+    with dask.annotate(blockflow_work=7):
+        y = c.submit(len, x, key="sized-1")
+    z = c.submit(len, x, key=("plain-len", 3))
+    await c.gather([y, z])
+    for key in ("data-1", "sized-1", ("plain-len", 3)):
+        assert _distributed.task_facts(s, key) == (
+            dask.utils.key_split(key), _distributed.task_work(s, key),
+            _distributed.task_size(s, key)), key
+    assert _distributed.task_facts(s, "sized-1")[1:] == (7.0, 7.0)
+    assert _distributed.task_facts(s, ("plain-len", 3))[2] >= 1000  # its input's bytes
+    assert _distributed.task_facts(s, "gone-9") == ("gone", None, None)
