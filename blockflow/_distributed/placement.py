@@ -18,6 +18,7 @@ __all__ = [
     "HOLD_ADDRESS",
     "WORK_ANNOTATION",
     "set_task_placement",
+    "task_facts",
     "task_placement",
     "task_size",
     "task_work",
@@ -33,15 +34,9 @@ WORK_ANNOTATION = "blockflow_work"
 
 def task_work(scheduler, key) -> float | None:
     """The work ``key`` declared with ``dask.annotate(blockflow_work=...)`` (a positive
-    number), else None. O(1): called from the scheduler plugin's transition hook."""
+    number), else None. O(1)."""
     ts = scheduler.tasks.get(key)
-    annotations = getattr(ts, "annotations", None)
-    if not annotations:
-        return None
-    work = annotations.get(WORK_ANNOTATION)
-    if isinstance(work, (int, float)) and math.isfinite(work) and work > 0:
-        return float(work)
-    return None
+    return None if ts is None else _work_of(ts)
 
 
 def task_facts(scheduler, key) -> tuple[str, float | None, float | None]:
@@ -52,33 +47,36 @@ def task_facts(scheduler, key) -> tuple[str, float | None, float | None]:
     ts = scheduler.tasks.get(key)
     if ts is None:
         return key_split(key), None, None
-    annotations = ts.annotations
-    work = annotations.get(WORK_ANNOTATION) if annotations else None
-    if isinstance(work, (int, float)) and math.isfinite(work) and work > 0:
-        work = float(work)
-        return ts.prefix.name, work, work
-    nbytes = sum(dts.nbytes for dts in ts.dependencies if dts.nbytes > 0)
-    return ts.prefix.name, None, (float(nbytes) if nbytes > 0 else None)
+    work = _work_of(ts)
+    return ts.prefix.name, work, (work if work is not None else _input_bytes(ts))
 
 
 def task_size(scheduler, key) -> float | None:
     """The size of task ``key`` in units its group shares: the work it declared
     (``blockflow_work``), else the bytes of its inputs; None when neither is known (a task
-    whose inputs were fused into it). O(inputs): called from the scheduler plugin's
-    transition hook."""
+    whose inputs were fused into it). O(inputs)."""
     ts = scheduler.tasks.get(key)
     return None if ts is None else _size_of(ts)
 
 
-def _size_of(ts) -> float | None:
-    """:func:`task_size` of a ``TaskState``."""
+def _work_of(ts) -> float | None:
+    """:func:`task_work` of a ``TaskState``."""
     annotations = getattr(ts, "annotations", None)
-    if annotations:
-        work = annotations.get(WORK_ANNOTATION)
-        if isinstance(work, (int, float)) and math.isfinite(work) and work > 0:
-            return float(work)
+    work = annotations.get(WORK_ANNOTATION) if annotations else None
+    if isinstance(work, (int, float)) and math.isfinite(work) and work > 0:
+        return float(work)
+    return None
+
+
+def _input_bytes(ts) -> float | None:
     nbytes = sum(dts.nbytes for dts in ts.dependencies if dts.nbytes > 0)
     return float(nbytes) if nbytes > 0 else None
+
+
+def _size_of(ts) -> float | None:
+    """:func:`task_size` of a ``TaskState``."""
+    work = _work_of(ts)
+    return work if work is not None else _input_bytes(ts)
 
 
 def _restricted(ts) -> bool:
