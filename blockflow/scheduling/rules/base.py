@@ -57,3 +57,8 @@ def fmt_bytes(n: float) -> str:
 
 def fmt_seconds(seconds: float) -> str:
     return "never (paused)" if math.isinf(seconds) else f"{seconds:.3f}s"
+
+
+def some_tasks(keys: list) -> str:
+    """``"N task(s) (e.g. 'key')"``: the start of a message about ``keys`` (non-empty)."""
+    return f"{len(keys)} task{'s' if len(keys) != 1 else ''} (e.g. {keys[0]!r})"

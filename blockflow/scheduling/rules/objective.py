@@ -21,7 +21,7 @@ from typing import Any
 from blockflow.scheduling import cost
 from blockflow.scheduling.actions import Action, Decision
 from blockflow.scheduling.pools import Pool, pools_of, requested_pools
-from blockflow.scheduling.rules.base import Rule, RuleContext
+from blockflow.scheduling.rules.base import Rule, RuleContext, some_tasks
 
 __all__ = ["ObjectiveRule", "check_objective"]
 
@@ -178,8 +178,8 @@ class ObjectiveRule(Rule):
                     bad.setdefault(name, []).append(key)
         out = []
         for name, keys in bad.items():
-            msg = (f"blockflow: {len(keys)} task{'s' if len(keys) != 1 else ''} (e.g. "
-                   f"{keys[0]!r}) ask for pool {name!r}, which no worker declares (pools: "
+            msg = (f"blockflow: {some_tasks(keys)} ask for pool {name!r}, which no worker "
+                   f"declares (pools: "
                    f"{', '.join(sorted(known)) or 'none'}); use one of those names in "
                    f"resources={{'pool:<name>': 1}}")
             out.append(Decision(Action.FAIL, "", msg, {"pool": name, "tasks": len(keys)},

@@ -10,7 +10,7 @@ from dask.utils import parse_timedelta
 from blockflow import config
 from blockflow.scheduling.actions import Action, Decision
 from blockflow.scheduling.resources import describe_worker_resources
-from blockflow.scheduling.rules.base import Rule, RuleContext
+from blockflow.scheduling.rules.base import Rule, RuleContext, some_tasks
 
 __all__ = ["UnsatisfiableRule"]
 
@@ -70,8 +70,8 @@ class UnsatisfiableRule(Rule):
         have = describe_worker_resources(snap.workers)
         out = []
         for need, keys in started.values():
-            msg = (f"blockflow: {len(keys)} task{'s' if len(keys) != 1 else ''} (e.g. "
-                   f"{keys[0]!r}) need{'s' if len(keys) == 1 else ''} resources {need}, which "
+            msg = (f"blockflow: {some_tasks(keys)} need{'s' if len(keys) == 1 else ''} "
+                   f"resources {need}, which "
                    f"no worker declares (workers declare: {have}); they fail in "
                    f"{self.timeout:g} s unless such a worker joins")
             out.append(Decision(Action.WAIT, "", msg, {"resources": need, "tasks": len(keys)},
