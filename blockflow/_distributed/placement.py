@@ -143,10 +143,11 @@ def _declaring_objects(run_spec, max_nodes: int = 256) -> list:
     for through ``dask._task_spec`` nodes, fused subgraphs, partials and compositions, at
     most ``max_nodes`` nodes."""
     stack, seen, found = [run_spec], 0, []
+    plans = _spec_plans
     while stack and seen < max_nodes:
         node = stack.pop()
         seen += 1
-        plan = _spec_plan(type(node))
+        plan = plans.get(type(node)) or _spec_plan(type(node))
         kind = plan[0]
         if kind == "leaf":
             continue
@@ -161,8 +162,7 @@ def _declaring_objects(run_spec, max_nodes: int = 256) -> list:
                 child = getattr(node, attr, None)
                 if child is not None:
                     stack.append(child)
-            if plan[2]:
-                d = node.__dict__
+            if plan[2] and (d := node.__dict__):  # a plain function's is empty
                 for attr in _SPEC_ATTRS:
                     if attr in d and attr not in plan[1]:
                         stack.append(d[attr])

@@ -514,7 +514,8 @@ def new_task_views(scheduler, keys) -> list[TaskView]:
         ts = scheduler.tasks.get(key)
         if ts is not None:
             declaring = _declaring_objects(ts.run_spec) if ts.run_spec else []
-            out.append(TaskView(key=ts.key, group=key_split(ts.key), state=ts.state,
+            # ts.prefix.name is key_split(ts.key): distributed names the prefix so
+            out.append(TaskView(key=ts.key, group=ts.prefix.name, state=ts.state,
                                 priority=tuple(ts.priority or ()), restricted=_restricted(ts),
                                 runnable=bool(ts.run_spec),
                                 working_set=_working_set(declaring, ts.key),
@@ -642,6 +643,9 @@ class FeederView:
 _EARLIER = frozenset({"waiting", "queued", "processing", "memory"})
 
 
+_HELD = frozenset({HOLD_ADDRESS})
+
+
 def feeder_tasks(scheduler, keys, expect: Collection[str] = ()) -> list[FeederView]:
     """The feeders of a graph that just arrived (``keys``), in priority order: tasks that
     carry no restriction and whose dependents (one or more) all need worker resources.
@@ -669,10 +673,12 @@ def feeder_tasks(scheduler, keys, expect: Collection[str] = ()) -> list[FeederVi
         if ts.key in seen or ts.actor or not ts.run_spec:
             continue
         seen.add(ts.key)
-        held = ts.worker_restrictions == {HOLD_ADDRESS}
+        if not expect and not ts.dependents:
+            continue  # feeds nothing and not expected: none of the cases below
+        held = ts.worker_restrictions == _HELD
         if _restricted(ts) and not held:
             continue
-        group = key_split(ts.key)
+        group = ts.prefix.name  # key_split(ts.key), as distributed names the prefix
         if not ts.dependents:
             if expect and group in expect and ts.state == "released" and not held:
                 out.append(FeederView(ts.key, tuple(ts.priority or ()), {}, (), group))

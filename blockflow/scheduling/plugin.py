@@ -110,13 +110,17 @@ class Rebalancer(SchedulerPlugin):
         # Called on the scheduler too: the plugin travels pickled, state starts fresh.
         self.scheduler = None
         self.policy = None
-        self.task_counts: Counter[str] = Counter()
-        self.kernel_counts: Counter[str] = Counter()
-        self.runs = RunTracker()  # "this run": see blockflow.scheduling.runs
+        # The state finished tasks update (task_counts, kernel_counts, runs, task_log,
+        # speeds, group_inputs) is read through properties that first fold in the tasks
+        # the transition hook queued (_flush_finished): the hook only queues.
+        self._finished: list[tuple] = []
+        self._task_counts: Counter[str] = Counter()
+        self._kernel_counts: Counter[str] = Counter()
+        self._runs = RunTracker()  # "this run": see blockflow.scheduling.runs
         # (worker, start, stop) of finished tasks, for run reports; bounded
-        self.task_log: deque[tuple[str, float, float]] = deque(maxlen=100_000)
+        self._task_log: deque[tuple[str, float, float]] = deque(maxlen=100_000)
         self.memory_peak: dict[str, float] = {}  # worker -> device bytes, highest seen
-        self.speeds = SpeedModel()
+        self._speeds = SpeedModel()
         self.paused: dict[str, str] = {}  # worker -> reason, for pauses this plugin made
         self.held: dict[str, str] = {}  # worker -> reason: held back from the queue
         self.decisions: deque[dict[str, Any]] = deque(maxlen=self.decision_log_size)
@@ -150,7 +154,7 @@ class Rebalancer(SchedulerPlugin):
         self._providers: dict[str, str] = {}  # worker -> its pool's provider
         self._multi_provider = False  # workers of several providers (inputs are tracked)
         # task group -> [tasks seen, {provider -> input bytes}]: where a group's inputs live
-        self.group_inputs: dict[str, list] = {}
+        self._group_inputs: dict[str, list] = {}
 
     def __getstate__(self):
         return {"policy_name": self.policy_name, "interval": self.interval,
@@ -181,6 +185,7 @@ class Rebalancer(SchedulerPlugin):
                                                self.interval)
 
     async def close(self) -> None:
+        self._flush_finished()
         if self.scheduler is not None:
             _distributed.remove_periodic_callback(self.scheduler, self.name)
         if self._stealing is not None:
@@ -214,50 +219,131 @@ class Rebalancer(SchedulerPlugin):
                 self._transition(key, start, finish, kwargs)
             finally:
                 cost.hooks += _clock() - t0
-            return
-        t0, c0 = _clock(), _cpu_clock()
-        try:
-            self._transition(key, start, finish, kwargs)
-        finally:
-            cost.hook_cpu_sampled += _cpu_clock() - c0
-            cost.hook_samples += 1
-            cost.hooks += _clock() - t0
+        else:
+            t0, c0 = _clock(), _cpu_clock()
+            try:
+                self._transition(key, start, finish, kwargs)
+            finally:
+                cost.hook_cpu_sampled += _cpu_clock() - c0
+                cost.hook_samples += 1
+                cost.hooks += _clock() - t0
+        if len(self._finished) >= self.max_queued:  # bounded with the loop off (interval=0)
+            self._flush_finished()
+
+    #: Finished (and forgotten) tasks the transition hook queues before they are folded in
+    #: where they are (:meth:`_flush_finished`, also at every tick and every read).
+    max_queued = 10_000
 
     def _transition(self, key, start, finish, kwargs) -> None:
+        # Only what may be gone later is read here (the task's facts: it may be forgotten
+        # before the queue is folded in; where its inputs are: who holds them changes);
+        # the rest waits in the queue for _flush_finished.
         if self.admission is not None and self.admission.watches(key) \
                 and finish in _ADMISSION_EVENTS:
             self._kick_admission()
         if finish == "forgotten":
-            self.runs.forget(key)
+            self._finished.append((key, None))
             return
         if start != "processing" or finish != "memory":
             return
         worker = kwargs.get("worker")
         if worker is None:
             return
-        self.task_counts[worker] += 1
         if self._multi_provider:
             self._record_inputs(key, worker)
-        group, work, size = _distributed.task_facts(self.scheduler, key)
-        if group.startswith(KERNEL_PREFIX):
-            self.kernel_counts[worker] += 1
-        startstops = kwargs.get("startstops")
-        if startstops:
-            compute = 0.0
-            # seconds the task reported waiting (seceded) at its start, for a value posted
-            # to it (a training step submitted ahead): neither busy time nor speed evidence
-            wait = _distributed.task_wait(kwargs.get("metadata"))
-            for ss in startstops:
-                if ss.get("action") == "compute":
-                    start = min(ss["start"] + wait, ss["stop"])
-                    wait = max(0.0, wait - (ss["stop"] - ss["start"]))
-                    compute += ss["stop"] - start
-                    self.task_log.append((worker, start, ss["stop"]))
-                    self.runs.executed(key, worker, start, ss["stop"])
-            if compute > 0:
-                self.speeds.observe(worker, group, compute, 1.0 if work is None else work,
-                                    size=size)
-        self.runs.finished(key, worker)
+        self._finished.append((key, worker, kwargs.get("startstops"), kwargs.get("metadata"),
+                               _distributed.task_facts(self.scheduler, key)))
+
+    def _flush_finished(self) -> None:
+        """Fold the tasks the transition hook queued, in order, into the task and kernel
+        counts, the task log, the runs and the speed model. Runs before anything reads
+        them (the properties below, ticks, graphs); its time counts as hook time (the
+        cost per finished task, wherever it is spent)."""
+        queued = self._finished
+        if not queued:
+            return
+        cost = self.cost
+        t0, c0 = _clock(), _cpu_clock()
+        self._finished = []
+        try:
+            task_counts, kernel_counts = self._task_counts, self._kernel_counts
+            runs, task_log, speeds = self._runs, self._task_log, self._speeds
+            task_wait = _distributed.task_wait
+            for entry in queued:
+                key, worker = entry[0], entry[1]
+                if worker is None:
+                    runs.forget(key)
+                    continue
+                _, _, startstops, metadata, (group, work, size) = entry
+                task_counts[worker] += 1
+                if group.startswith(KERNEL_PREFIX):
+                    kernel_counts[worker] += 1
+                if startstops:
+                    compute = 0.0
+                    # seconds the task reported waiting (seceded) at its start, for a value
+                    # posted to it (a training step submitted ahead): neither busy time nor
+                    # speed evidence
+                    wait = task_wait(metadata)
+                    for ss in startstops:
+                        if ss.get("action") == "compute":
+                            start = min(ss["start"] + wait, ss["stop"])
+                            wait = max(0.0, wait - (ss["stop"] - ss["start"]))
+                            compute += ss["stop"] - start
+                            task_log.append((worker, start, ss["stop"]))
+                            runs.executed(key, worker, start, ss["stop"])
+                    if compute > 0:
+                        speeds.observe(worker, group, compute,
+                                       1.0 if work is None else work, size=size)
+                runs.finished(key, worker)
+        finally:
+            wall, cpu = _clock() - t0, _cpu_clock() - c0
+            cost.hooks += wall
+            cost.flush_wall += wall
+            cost.flush_cpu += cpu
+
+    # The state finished tasks update, read with the queue folded in first.
+
+    @property
+    def task_counts(self) -> Counter:
+        """Worker -> tasks it finished (re-executions included)."""
+        if self._finished:
+            self._flush_finished()
+        return self._task_counts
+
+    @property
+    def kernel_counts(self) -> Counter:
+        """Worker -> blockflow kernel tasks it finished."""
+        if self._finished:
+            self._flush_finished()
+        return self._kernel_counts
+
+    @property
+    def runs(self) -> RunTracker:
+        """The runs (:mod:`blockflow.scheduling.runs`)."""
+        if self._finished:
+            self._flush_finished()
+        return self._runs
+
+    @property
+    def task_log(self) -> deque:
+        """``(worker, start, stop)`` of finished tasks' executions (bounded)."""
+        if self._finished:
+            self._flush_finished()
+        return self._task_log
+
+    @property
+    def speeds(self) -> SpeedModel:
+        """The speed model (:mod:`blockflow.scheduling.speed`)."""
+        if self._finished:
+            self._flush_finished()
+        return self._speeds
+
+    @property
+    def group_inputs(self) -> dict:
+        """Task group -> ``[tasks seen, {provider -> input bytes}]``."""
+        if self._finished:
+            self._flush_finished()
+        return self._group_inputs
 
     def _record_inputs(self, key, worker: str) -> None:
         """Where a finished task's inputs came from (providers): bytes that crossed into
@@ -265,11 +351,11 @@ class Rebalancer(SchedulerPlugin):
         feed the objective's egress prices. O(inputs)."""
         here = self._providers.get(worker)
         group = key_split(key)
-        seen = self.group_inputs.get(group)
+        seen = self._group_inputs.get(group)
         if seen is None:
-            seen = self.group_inputs[group] = [0, Counter()]
-            while len(self.group_inputs) > 256:
-                self.group_inputs.pop(next(iter(self.group_inputs)))
+            seen = self._group_inputs[group] = [0, Counter()]
+            while len(self._group_inputs) > 256:
+                self._group_inputs.pop(next(iter(self._group_inputs)))
         seen[0] += 1
         for nbytes, holders in _distributed.input_holders(self.scheduler, key, worker):
             providers = {self._providers.get(h) for h in holders}
@@ -280,16 +366,20 @@ class Rebalancer(SchedulerPlugin):
             src = src[0] if src else here
             seen[1][src] += nbytes
             if src != here:
-                self.runs.crossed(key, src, here, nbytes)
+                self._runs.crossed(key, src, here, nbytes)
 
     def update_graph(self, scheduler, *, client=None, keys=None, tasks=None, annotations=None,
                      **kwargs) -> None:
+        self._flush_finished()  # runs.graph reads the runs' pending keys (timed itself)
+        cost = self.cost
         t0, c0 = _clock(), _cpu_clock()
+        w0, f0 = cost.flush_wall, cost.flush_cpu
         try:
             self._update_graph(scheduler, client, tasks, annotations)
         finally:
-            self.cost.graph_cpu += _cpu_clock() - c0
-            self.cost.hooks += _clock() - t0
+            # a flush inside (tasks finished meanwhile) timed itself: not counted twice
+            cost.graph_cpu += _cpu_clock() - c0 - (cost.flush_cpu - f0)
+            cost.hooks += _clock() - t0 - (cost.flush_wall - w0)
 
     def _update_graph(self, scheduler, client, tasks, annotations) -> None:
         self.runs.graph(client=client, states=_distributed.task_states(scheduler, tasks or ()),
@@ -504,11 +594,15 @@ class Rebalancer(SchedulerPlugin):
         """
         if self.scheduler is None or self.policy is None:
             return []
+        self._flush_finished()  # timed as hook time: the cost of the tasks it folds in
+        cost = self.cost
         t0, c0 = _clock(), _cpu_clock()
+        w0, f0 = cost.flush_wall, cost.flush_cpu
         try:
             return self._tick()
         finally:
-            self.cost.tick(_clock() - t0, _cpu_clock() - c0)
+            cost.tick(_clock() - t0 - (cost.flush_wall - w0),
+                      _cpu_clock() - c0 - (cost.flush_cpu - f0))
 
     def _tick(self) -> list[Decision]:
         self.ticks += 1

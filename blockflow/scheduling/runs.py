@@ -202,8 +202,9 @@ class RunTracker:
             self._unpend(key)  # a key given to another run before is this run's now
             self._key_run[key] = run_id
             self._pending.add(key)
-            run.group_pending[key_split(key)] += 1
-            run.group_tasks[key_split(key)] += 1
+            group = key_split(key)
+            run.group_pending[group] += 1
+            run.group_tasks[group] += 1
         if goal is not None:
             run.objective = goal
         run.ended = None

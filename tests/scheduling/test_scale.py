@@ -6,6 +6,8 @@ Counts, not times: which worker views a tick reads, which waiting tasks it asks 
 
 from __future__ import annotations
 
+import asyncio
+
 from distributed import wait
 from distributed.utils_test import gen_cluster, inc
 
@@ -151,3 +153,68 @@ async def test_ticks_reuse_unchanged_views_and_the_plugin_reports_its_cost(c, s,
     assert 0 < cost["tick_ms_median"] <= cost["tick_ms_max"]
     assert cost["all_in_per_task_us"] > cost["per_task_us"]
     assert set(plugin.status()["workers"]) == set(s.workers)  # the table, built on demand
+
+
+# --- the transition hook queues finished tasks; every read folds them in first -----------
+
+async def _quiet_plugin(c, s) -> Rebalancer:
+    await c.register_plugin(Rebalancer(policy="dynamic", interval=0))  # no ticks
+    return s.plugins["blockflow-rebalancer"]
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_finished_tasks_are_counted_when_status_is_read_with_the_loop_off(c, s, a, b):
+    plugin = await _quiet_plugin(c, s)
+    futs = c.map(inc, range(20))
+    await wait(futs)
+    assert plugin._finished  # queued by the hook, not folded in yet (no tick)
+    status = await c.scheduler.blockflow_status()
+    assert sum(status["task_counts"].values()) == 20
+    assert sum(status["run_counts"].values()) == 20
+    assert status["run"]["pending"] == 0 and status["run"]["tasks"] == 20
+    assert status["cost"]["tasks"] == 20 and status["cost"]["hook_seconds"] > 0
+    assert not plugin._finished
+    got = await c.scheduler.blockflow_status(task_log=True)
+    assert len(got["task_log"]) == 20
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_graph_after_a_finished_compute_starts_its_own_run_with_the_loop_off(
+        c, s, a, b):
+    plugin = await _quiet_plugin(c, s)
+    first = c.map(inc, range(20))
+    await wait(first)
+    assert plugin._finished
+    # the first run's tasks are folded in before the graph is accounted: it is done, so
+    # the second graph is a run of its own (not joined to a run that looks unfinished)
+    second = c.map(inc, range(100, 110))
+    await wait(second)
+    status = await c.scheduler.blockflow_status()
+    assert status["run"]["tasks"] == 10 and status["run"]["graphs"] == 1, status["run"]
+    assert sum(status["run_counts"].values()) == 10
+    assert sum(status["task_counts"].values()) == 30
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_task_forgotten_right_after_it_finished_is_counted_in_order(c, s, a, b):
+    plugin = await _quiet_plugin(c, s)
+    fut = c.submit(inc, 1)
+    assert await fut == 2
+    key = fut.key
+    del fut
+    while key in s.tasks:
+        await asyncio.sleep(0.01)
+    assert [e[0] for e in plugin._finished] == [key, key]  # finished, then forgotten
+    status = await c.scheduler.blockflow_status()
+    # its end counted for its run before its forgetting dropped it from the run
+    assert sum(status["run_counts"].values()) == 1 and status["run"]["pending"] == 0
+    assert key not in plugin.runs._key_run
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_the_queue_of_finished_tasks_is_bounded_with_the_loop_off(c, s, a, b):
+    plugin = await _quiet_plugin(c, s)
+    plugin.max_queued = 5
+    await wait(c.map(inc, range(40)))
+    assert len(plugin._finished) < 5
+    assert sum(plugin.task_counts.values()) == 40
