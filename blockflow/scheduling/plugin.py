@@ -1,9 +1,13 @@
 """blockflow's scheduler plugin: observes workers and tasks, and runs the rebalancing loop.
 
 The plugin lives on the scheduler. Its :meth:`Rebalancer.transition` hook (called on every
-task transition) is O(1): it counts finished tasks per worker and per run (one run is
-everything one job or one ``compute()`` submitted: :mod:`blockflow.scheduling.runs`) and
-buffers the task's compute time for the speed model. A control loop
+task transition) is O(1): it queues each finished (or forgotten) task with what may be
+gone later (its worker, timings and facts); the queue is folded in, in order, before anything
+reads what it feeds (each tick, each graph, each read of the counts, the runs, the task log
+or the speed model): tasks counted per worker and per run (one run is everything one job or
+one ``compute()`` submitted: :mod:`blockflow.scheduling.runs`), compute times for the speed
+model. Batched, this per-task work runs with warm caches; its time counts as the hooks'
+(:mod:`blockflow.scheduling.overhead`). A control loop
 (:class:`tornado.ioloop.PeriodicCallback`, period ``blockflow.rebalancer.interval``) calls
 :meth:`Rebalancer.run_once`: fold in the new durations, take a
 :class:`~blockflow.scheduling.policies.ClusterSnapshot`, ask the policy for decisions, apply
