@@ -274,31 +274,35 @@ class Rebalancer(SchedulerPlugin):
             runs, task_log, speeds = self._runs, self._task_log, self._speeds
             task_wait = _distributed.task_wait
             for entry in queued:
-                key, worker = entry[0], entry[1]
-                if worker is None:
-                    runs.forget(key)
-                    continue
-                _, _, startstops, metadata, (group, work, size) = entry
-                task_counts[worker] += 1
-                if group.startswith(KERNEL_PREFIX):
-                    kernel_counts[worker] += 1
-                if startstops:
-                    compute = 0.0
-                    # seconds the task reported waiting (seceded) at its start, for a value
-                    # posted to it (a training step submitted ahead): neither busy time nor
-                    # speed evidence
-                    wait = task_wait(metadata)
-                    for ss in startstops:
-                        if ss.get("action") == "compute":
-                            start = min(ss["start"] + wait, ss["stop"])
-                            wait = max(0.0, wait - (ss["stop"] - ss["start"]))
-                            compute += ss["stop"] - start
-                            task_log.append((worker, start, ss["stop"]))
-                            runs.executed(key, worker, start, ss["stop"])
-                    if compute > 0:
-                        speeds.observe(worker, group, compute,
-                                       1.0 if work is None else work, size=size)
-                runs.finished(key, worker)
+                try:
+                    key, worker = entry[0], entry[1]
+                    if worker is None:
+                        runs.forget(key)
+                        continue
+                    _, _, startstops, metadata, (group, work, size) = entry
+                    task_counts[worker] += 1
+                    if group.startswith(KERNEL_PREFIX):
+                        kernel_counts[worker] += 1
+                    if startstops:
+                        compute = 0.0
+                        # seconds the task reported waiting (seceded) at its start, for a value
+                        # posted to it (a training step submitted ahead): neither busy time nor
+                        # speed evidence
+                        wait = task_wait(metadata)
+                        for ss in startstops:
+                            if ss.get("action") == "compute":
+                                start = min(ss["start"] + wait, ss["stop"])
+                                wait = max(0.0, wait - (ss["stop"] - ss["start"]))
+                                compute += ss["stop"] - start
+                                task_log.append((worker, start, ss["stop"]))
+                                runs.executed(key, worker, start, ss["stop"])
+                        if compute > 0:
+                            speeds.observe(worker, group, compute,
+                                           1.0 if work is None else work, size=size)
+                    runs.finished(key, worker)
+                except Exception:  # one task's bad record must not drop the rest
+                    logger.warning("blockflow: accounting for finished task %r failed",
+                                   entry[0], exc_info=True)
         finally:
             wall, cpu = _clock() - t0, _cpu_clock() - c0
             cost.hooks += wall
