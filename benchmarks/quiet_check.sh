@@ -6,7 +6,8 @@
 # then the GPU tests; scale N=128 and 256 on cores 2-3; pools on 4-7; the Zipf skew on 8-15
 # (the scale runs are single-threaded, the others sleep-based simulations). QUICK=1: tiny sizes.
 # Part "d" = the scale benchmark alone: N=8 (7 pairs) then 32 on cores 0-1; N=32 without
-# distributed's NVML metrics, then 128, on cores 2-3; N=256 on cores 4-5.
+# distributed's NVML metrics, then 128, on cores 2-3; N=256 on cores 4-5. Part "e" = a short
+# re-check (under 3 min): N=8 (6 pairs); N=32 (3) then 128 (1); N=256 (1).
 # Usage on the device machine (carry: [".whl"]):  bash benchmarks/quiet_check.sh a|b
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,6 +59,18 @@ case "${1:-a}" in
           --reps $R32 > "$O/scale-32-no-nvml.txt" 2>&1
       pin 2-3 timeout -k 5 200 $PY $S --workers $W3 --reps $R128 > "$O/scale-128.txt" 2>&1 ) &
     pin 4-5 timeout -k 5 380 $PY $S --workers $W4 --reps $R128 > "$O/scale-256.txt" 2>&1 &
+    wait
+    uptime
+    for f in "$O"/scale-*.txt; do echo "== $f"; grep -E "^ +[0-9]+ " "$f"; grep -c "decisions=0" "$f"; done ;;
+  e)
+    pin() { local cores=$1; shift; if [ "${PIN:-1}" = 1 ] && command -v taskset >/dev/null; then taskset -c "$cores" "$@"; else "$@"; fi; }
+    if [ "${QUICK:-0}" = 1 ]; then T=500 R8=1 R32=1 W3=16 W4=24; else T=5000 R8=6 R32=3 W3=128 W4=256; fi
+    uptime
+    S="benchmarks/scale.py --parts cluster --tasks $T"
+    pin 0-1 timeout -k 5 170 $PY $S --workers 8 --reps $R8 > "$O/scale-8.txt" 2>&1 &
+    ( pin 2-3 timeout -k 5 90 $PY $S --workers 32 --reps $R32 > "$O/scale-32.txt" 2>&1
+      pin 2-3 timeout -k 5 80 $PY $S --workers $W3 --reps 1 > "$O/scale-128.txt" 2>&1 ) &
+    pin 4-5 timeout -k 5 170 $PY $S --workers $W4 --reps 1 > "$O/scale-256.txt" 2>&1 &
     wait
     uptime
     for f in "$O"/scale-*.txt; do echo "== $f"; grep -E "^ +[0-9]+ " "$f"; grep -c "decisions=0" "$f"; done ;;
