@@ -26,7 +26,7 @@ def one(n: int, tasks: int, mode: str, path: str) -> None:
     from scale import inc
 
     async def run():
-        async with LocalCluster(n_workers=n, threads_per_worker=1, processes=False,
+        async with LocalCluster(n_workers=n, threads_per_worker=1, processes=False, memory_limit=0,
                                 dashboard_address=None, asynchronous=True) as cluster, \
                 Client(cluster, asynchronous=True) as client:
             if mode == "blockflow":

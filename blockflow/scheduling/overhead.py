@@ -67,20 +67,28 @@ class PluginCost:
         self.tick_cpu = 0.0
         self.flush_wall = 0.0
         self.flush_cpu = 0.0
+        self.tick_full_gc = 0
+        self.tick_max_without_gc = 0.0
 
     def sampled(self) -> bool:
         """Count a ``transition`` call; whether this one reads the CPU time too."""
         self.hook_calls += 1
         return not self.hook_calls & (self.sample_every - 1)
 
-    def tick(self, seconds: float, cpu: float = 0.0) -> None:
-        """Record one tick of ``seconds`` (``cpu`` seconds of the thread's CPU time)."""
+    def tick(self, seconds: float, cpu: float = 0.0, full_gc: bool = False) -> None:
+        """Record one tick of ``seconds`` (``cpu`` seconds of the thread's CPU time);
+        ``full_gc``: Python's full garbage collection ran during it (a pause of the whole
+        process, which the tick's allocations may trigger but does not cause alone)."""
         self.ticks.append(seconds)
         self.tick_total += seconds
         self.tick_cpu += cpu
         self.tick_count += 1
         if seconds > self.tick_max:
             self.tick_max = seconds
+        if full_gc:
+            self.tick_full_gc += 1
+        elif seconds > self.tick_max_without_gc:
+            self.tick_max_without_gc = seconds
 
     def as_dict(self, tasks: int) -> dict[str, Any]:
         """Plain data: totals, per task (``tasks`` finished so far) and per tick.
@@ -91,7 +99,9 @@ class PluginCost:
             ``tasks``; ``hook_seconds``; ``per_task_us`` (hook time per finished task,
             microseconds; None before the first); ``tick_count``; ``tick_seconds`` (all
             ticks); ``tick_ms_median``, ``tick_ms_max`` (milliseconds; None before the
-            first tick); ``all_in_per_task_us`` (hooks and ticks together per finished task);
+            first tick); ``tick_ms_max_without_full_gc`` and ``ticks_with_full_gc``: the
+            longest tick during which no full garbage collection ran, and how many ticks had
+            one; ``all_in_per_task_us`` (hooks and ticks together per finished task);
             ``hook_cpu_seconds`` (estimated from the sampled calls), ``cpu_per_task_us``
             and ``tick_cpu_seconds``: the same in CPU time of the event loop's thread.
         """
@@ -109,6 +119,8 @@ class PluginCost:
             "tick_seconds": self.tick_total,
             "tick_ms_median": 1e3 * statistics.median(ticks) if ticks else None,
             "tick_ms_max": 1e3 * self.tick_max if ticks else None,
+            "tick_ms_max_without_full_gc": 1e3 * self.tick_max_without_gc if ticks else None,
+            "ticks_with_full_gc": self.tick_full_gc,
             "all_in_per_task_us": 1e6 * (self.hooks + self.tick_total) / tasks
             if tasks else None,
         }

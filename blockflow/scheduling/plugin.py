@@ -25,6 +25,7 @@ Clients read the plugin's state through one read-only scheduler handler,
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -604,13 +605,15 @@ class Rebalancer(SchedulerPlugin):
             return []
         self._flush_finished()  # timed as hook time: the cost of the tasks it folds in
         cost = self.cost
+        full = gc.get_stats()[2]["collections"]
         t0, c0 = _clock(), _cpu_clock()
         w0, f0 = cost.flush_wall, cost.flush_cpu
         try:
             return self._tick()
         finally:
             cost.tick(_clock() - t0 - (cost.flush_wall - w0),
-                      _cpu_clock() - c0 - (cost.flush_cpu - f0))
+                      _cpu_clock() - c0 - (cost.flush_cpu - f0),
+                      full_gc=gc.get_stats()[2]["collections"] != full)
 
     def _tick(self) -> list[Decision]:
         self.ticks += 1

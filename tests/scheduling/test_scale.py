@@ -151,6 +151,8 @@ async def test_ticks_reuse_unchanged_views_and_the_plugin_reports_its_cost(c, s,
     assert cost["hook_seconds"] > 0 and cost["per_task_us"] > 0
     assert cost["tick_count"] == plugin.ticks >= 5
     assert 0 < cost["tick_ms_median"] <= cost["tick_ms_max"]
+    assert cost["tick_ms_max_without_full_gc"] <= cost["tick_ms_max"]
+    assert 0 <= cost["ticks_with_full_gc"] <= cost["tick_count"]
     assert cost["all_in_per_task_us"] > cost["per_task_us"]
     assert set(plugin.status()["workers"]) == set(s.workers)  # the table, built on demand
 
@@ -218,3 +220,16 @@ async def test_the_queue_of_finished_tasks_is_bounded_with_the_loop_off(c, s, a,
     await wait(c.map(inc, range(40)))
     assert len(plugin._finished) < 5
     assert sum(plugin.task_counts.values()) == 40
+
+
+def test_a_tick_a_full_garbage_collection_ran_in_is_counted_apart():
+    from blockflow.scheduling.overhead import PluginCost
+
+    cost = PluginCost()
+    cost.tick(0.002)
+    cost.tick(0.25, full_gc=True)  # the whole process paused for a full collection
+    cost.tick(0.004)
+    d = cost.as_dict(tasks=10)
+    assert d["tick_ms_max"] == 250.0 and d["ticks_with_full_gc"] == 1
+    assert d["tick_ms_max_without_full_gc"] == 4.0
+    assert d["tick_count"] == 3
