@@ -73,6 +73,28 @@ objective_logger = logging.getLogger("blockflow.scheduling.objective")
 _ADMISSION_EVENTS = frozenset({"memory", "released", "forgotten", "erred"})
 
 
+class _Folded:
+    """A :class:`Rebalancer` attribute fed by finished tasks (stored as ``_<name>``), read
+    with the tasks the transition hook queued folded in first
+    (:meth:`Rebalancer._flush_finished`)."""
+
+    def __init__(self, doc: str):
+        self.__doc__ = doc
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.attr = "_" + name
+
+    def __get__(self, plugin, owner=None):
+        if plugin is None:
+            return self
+        if plugin._finished:
+            plugin._flush_finished()
+        return getattr(plugin, self.attr)
+
+    def __set__(self, plugin, value) -> None:  # read-only, as a property
+        raise AttributeError(f"{self.attr[1:]} is read-only")
+
+
 class Rebalancer(SchedulerPlugin):
     """Scheduler plugin that places and moves tasks from GPU metrics and learned speed.
 
@@ -311,48 +333,13 @@ class Rebalancer(SchedulerPlugin):
             cost.flush_cpu += cpu
 
     # The state finished tasks update, read with the queue folded in first.
-
-    @property
-    def task_counts(self) -> Counter:
-        """Worker -> tasks it finished (re-executions included)."""
-        if self._finished:
-            self._flush_finished()
-        return self._task_counts
-
-    @property
-    def kernel_counts(self) -> Counter:
-        """Worker -> blockflow kernel tasks it finished."""
-        if self._finished:
-            self._flush_finished()
-        return self._kernel_counts
-
-    @property
-    def runs(self) -> RunTracker:
-        """The runs (:mod:`blockflow.scheduling.runs`)."""
-        if self._finished:
-            self._flush_finished()
-        return self._runs
-
-    @property
-    def task_log(self) -> deque:
-        """``(worker, start, stop)`` of finished tasks' executions (bounded)."""
-        if self._finished:
-            self._flush_finished()
-        return self._task_log
-
-    @property
-    def speeds(self) -> SpeedModel:
-        """The speed model (:mod:`blockflow.scheduling.speed`)."""
-        if self._finished:
-            self._flush_finished()
-        return self._speeds
-
-    @property
-    def group_inputs(self) -> dict:
-        """Task group -> ``[tasks seen, {provider -> input bytes}]``."""
-        if self._finished:
-            self._flush_finished()
-        return self._group_inputs
+    task_counts = _Folded("Worker -> tasks it finished (re-executions included): Counter.")
+    kernel_counts = _Folded("Worker -> blockflow kernel tasks it finished: Counter.")
+    runs = _Folded("The runs (:class:`~blockflow.scheduling.runs.RunTracker`).")
+    task_log = _Folded("``(worker, start, stop)`` of finished tasks' executions (bounded "
+                       "deque).")
+    speeds = _Folded("The speed model (:class:`~blockflow.scheduling.speed.SpeedModel`).")
+    group_inputs = _Folded("Task group -> ``[tasks seen, {provider -> input bytes}]``.")
 
     def _record_inputs(self, key, worker: str) -> None:
         """Where a finished task's inputs came from (providers): bytes that crossed into
