@@ -369,7 +369,10 @@ def test_a_lost_stage_is_rebuilt_from_its_checkpoint_and_training_resumes():
             if step == 3 and victim in workers_info(c):
                 threading.Timer(0.02, _kill, (c, victim)).start()
 
-        with pytest.warns(BlockflowWarning, match="rolled back to the checkpoint of step"):
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             pipe.fit(X, T, epochs=3, batch_size=16, n_micro_batches=4, shuffle=False,
                      callback=kill_at)
         assert victim not in pipe.stage_workers and pipe.steps == 12
@@ -377,6 +380,12 @@ def test_a_lost_stage_is_rebuilt_from_its_checkpoint_and_training_resumes():
         (rec,) = pipe.recoveries
         assert rec["lost"] == [victim] and rec["stages"] == ["stage 1 (layers 3-5)"]
         assert rec["resumed_from"] in (2, 4) and rec["step"] >= rec["resumed_from"]
+        # steps since the checkpoint are undone, with a warning; on a loaded machine the
+        # kill can land just after the checkpoint of step 4: nothing to undo, no warning
+        rolled = [w for w in caught if issubclass(w.category, BlockflowWarning)
+                  and "rolled back to the checkpoint of step" in str(w.message)]
+        assert len(rolled) == (1 if rec["step"] > rec["resumed_from"] else 0), \
+            (rec, [str(w.message) for w in caught])
         state = pipe.state_dict()
     finally:  # worker processes of a loaded machine can take long to exit
         c.close()

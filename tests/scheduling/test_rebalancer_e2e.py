@@ -144,6 +144,8 @@ def test_identical_workers_move_almost_nothing_on_real_data():
     input_bytes = 2 * sizeof(flights.read_table("flights"))
     # the bytes moved are the user-facing cost; a short balance/defer episode is allowed:
     # with the suite's other processes on the same cores, one worker can really run slower
-    # for a while, and then balancing on the measured speeds is right
-    assert moved < 0.01 * input_bytes, (len(moves), moved, input_bytes, status["speeds"],
-                                        sorted(set(log["action"])))
+    # for a while (speeds 0.92 and 1.08 measured in a loaded CI run: 2 moves, 8 % of the
+    # input), and then balancing on the measured speeds is right. The fault this guards
+    # against made 4-311 moves carrying up to several times the input.
+    assert len(moves) <= 3 and moved < 0.1 * input_bytes, (
+        len(moves), moved, input_bytes, status["speeds"], sorted(set(log["action"])))
