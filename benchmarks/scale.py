@@ -162,6 +162,7 @@ def cluster_part(workers: list[int], n_tasks: int, reps: int, isolate: bool = Tr
             "ratio": med(y["wall"] / x["wall"] for x, y in zip(p, b)),
             "ratio_min": min(y["wall"] / x["wall"] for x, y in zip(p, b)),
             "ratio_max": max(y["wall"] / x["wall"] for x, y in zip(p, b)),
+            "ratio_ci": median_ci([y["wall"] / x["wall"] for x, y in zip(p, b)]),
             "cpu_ratio": med(y["cpu"] / x["cpu"] for x, y in zip(p, b)),
             "per_task_us": med(x["per_task_us"] for x in b),
             "all_in_us": med(x["all_in_us"] for x in b),
@@ -175,6 +176,21 @@ def cluster_part(workers: list[int], n_tasks: int, reps: int, isolate: bool = Tr
             "tick_max_nogc_ms": max(x.get("tick_max_nogc_ms") or 0.0 for x in b),
         })
     return rows
+
+
+def median_ci(ratios: list[float], level: float = 0.9) -> tuple[float, float]:
+    """A ``level`` bootstrap confidence interval of the median of the paired ratios
+    (:func:`scipy.stats.bootstrap`, percentile method): single pairs move by +-15 % on a
+    shared machine, so a median of a few says little without it. ``(nan, nan)`` under 3
+    pairs."""
+    import numpy as np
+    from scipy.stats import bootstrap
+
+    if len(ratios) < 3:
+        return (float("nan"), float("nan"))
+    res = bootstrap((np.asarray(ratios),), np.median, confidence_level=level,
+                    method="percentile", n_resamples=5000, random_state=28)
+    return (float(res.confidence_interval.low), float(res.confidence_interval.high))
 
 
 # --- part 2: replayed snapshots through the policy ---------------------------------------
@@ -363,11 +379,11 @@ def print_replay(replay_rows, args) -> None:
 def print_cluster_header() -> None:
     print("\n## In-process clusters: N single-thread workers, plain Dask vs blockflow "
           "dynamic\n")
-    print(f"{'N':>5} {'plain s':>8} {'bf s':>8} {'wall ratio':>11} {'(min-max)':>11} "
+    print(f"{'N':>5} {'plain s':>8} {'bf s':>8} {'wall ratio':>11} {'(min-max)':>11} {'90% CI':>11} "
           f"{'CPU ratio':>10} {'plain CPU':>10} {'hooks us/task':>14} "
           f"{'all-in us/task':>15} {'tick med':>9} {'tick max':>9} {'no-GC max':>10} "
           f"{'GC CPU s':>12}")
-    print(f"{'':>5} {'':>8} {'':>8} {'':>11} {'':>11} {'':>10} {'us/task':>10} "
+    print(f"{'':>5} {'':>8} {'':>8} {'':>11} {'':>11} {'of median':>11} {'':>10} {'us/task':>10} "
           f"{'wall / CPU':>14} {'wall / CPU':>15} {'ms':>9} {'ms':>9} {'ms':>10} "
           f"{'plain / bf':>12}",
           flush=True)
@@ -376,6 +392,7 @@ def print_cluster_header() -> None:
 def print_cluster_row(r) -> None:
     print(f"{r['N']:>5} {r['plain_s']:>8.2f} {r['blockflow_s']:>8.2f} "
           f"{r['ratio']:>10.3f}x {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} "
+          f"{r['ratio_ci'][0]:>5.2f}-{r['ratio_ci'][1]:<5.2f} "
           f"{r['cpu_ratio']:>9.3f}x {r['plain_cpu_us']:>10.0f} "
           f"{r['per_task_us']:>6.1f} / {r['cpu_per_task_us']:<5.1f} "
           f"{r['all_in_us']:>7.1f} / {r['cpu_all_in_us']:<5.1f} "
