@@ -173,4 +173,13 @@ class Peers:
             return task.result()  # raises the call's own error
         finally:
             if not task.done():
+                # a call that ends with its own error after the cancel (a comm turning the
+                # cancel into a TimeoutError) is not left for asyncio to log as unretrieved
+                task.add_done_callback(_retrieve)
                 task.cancel()
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Read a finished call's outcome (nobody awaits it any more)."""
+    if not task.cancelled():
+        task.exception()
