@@ -32,6 +32,7 @@ at the largest N and on the 1,000-worker replay; plugin cost per task <= 50 us.
 
     python benchmarks/scale.py > table.txt
     python benchmarks/scale.py --quick           # smoke test (~1 min)
+    python benchmarks/scale.py --aa --workers 8 --reps 10 --parts cluster  # the harness's noise
     python benchmarks/scale.py --workers 8,32,128,256 --plot benchmarks/results/scale.png
 """
 
@@ -141,21 +142,25 @@ def isolated_run(n_workers: int, n_tasks: int, mode: str) -> dict:
     return json.loads(lines[-1])
 
 
-def cluster_part(workers: list[int], n_tasks: int, reps: int, isolate: bool = True
-                 ) -> list[dict]:
+def cluster_part(workers: list[int], n_tasks: int, reps: int, isolate: bool = True,
+                 aa: bool = False) -> list[dict]:
+    """The cluster part's rows; with ``aa`` the second arm is plain Dask again (an A/A check:
+    how far from 1.00x the harness's median ratio lands with nothing changed)."""
     rows = []
+    other = "plain-again" if aa else "blockflow"
     for n in workers:
-        runs: dict[str, list[dict]] = {"plain": [], "blockflow": []}
+        runs: dict[str, list[dict]] = {"plain": [], other: []}
         for r in range(reps):
-            for mode in (("plain", "blockflow") if r % 2 == 0 else ("blockflow", "plain")):
+            for mode in (("plain", other) if r % 2 == 0 else (other, "plain")):
                 res = isolated_run(n, n_tasks, mode) if isolate \
                     else asyncio.run(cluster_run(n, n_tasks, mode))
                 runs[mode].append(res)
                 print(f"N={n} rep={r} {mode}: " + ", ".join(
                     f"{k}={v:.4g}" for k, v in res.items() if v is not None),
                     file=sys.stderr, flush=True)
-        p, b = runs["plain"], runs["blockflow"]
+        p, b = runs["plain"], runs[other]
         med = statistics.median
+        nan = float("nan")
         rows.append({
             "N": n,
             "plain_s": med(x["wall"] for x in p), "blockflow_s": med(x["wall"] for x in b),
@@ -164,15 +169,15 @@ def cluster_part(workers: list[int], n_tasks: int, reps: int, isolate: bool = Tr
             "ratio_max": max(y["wall"] / x["wall"] for x, y in zip(p, b)),
             "ratio_ci": median_ci([y["wall"] / x["wall"] for x, y in zip(p, b)]),
             "cpu_ratio": med(y["cpu"] / x["cpu"] for x, y in zip(p, b)),
-            "per_task_us": med(x["per_task_us"] for x in b),
-            "all_in_us": med(x["all_in_us"] for x in b),
-            "cpu_per_task_us": med(x["cpu_per_task_us"] for x in b),
-            "cpu_all_in_us": med(x["cpu_all_in_us"] for x in b),
+            "per_task_us": med(x.get("per_task_us", nan) for x in b),
+            "all_in_us": med(x.get("all_in_us", nan) for x in b),
+            "cpu_per_task_us": med(x.get("cpu_per_task_us", nan) for x in b),
+            "cpu_all_in_us": med(x.get("cpu_all_in_us", nan) for x in b),
             "plain_cpu_us": med(1e6 * x["cpu"] / n_tasks for x in p),
             "gc_plain": med(x.get("gc_cpu", 0.0) for x in p),
             "gc_blockflow": med(x.get("gc_cpu", 0.0) for x in b),
-            "tick_median_ms": med(x["tick_median_ms"] for x in b),
-            "tick_max_ms": max(x["tick_max_ms"] for x in b),
+            "tick_median_ms": med(x.get("tick_median_ms", nan) for x in b),
+            "tick_max_ms": max(x.get("tick_max_ms", nan) for x in b),
             "tick_max_nogc_ms": max(x.get("tick_max_nogc_ms") or 0.0 for x in b),
         })
     return rows
@@ -360,6 +365,8 @@ def print_header(args) -> None:
     print(f"# blockflow scale benchmark, {time.strftime('%Y-%m-%d %H:%M')}, commit {commit}; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start "
           f"(a machine shared with other jobs: wall times are noisy, CPU times less so)")
+    if getattr(args, "aa", False):
+        print("# A/A check (--aa): plain Dask in both arms; the 'bf' columns are plain again")
     print(f"# {args.tasks} trivial tasks per run, {args.reps} paired repetitions (median)",
           flush=True)
 
@@ -458,6 +465,8 @@ def main(argv=None) -> None:
     ap.add_argument("--same-process", action="store_true",
                     help="run every cluster run in this process (default: each in a fresh "
                          "interpreter)")
+    ap.add_argument("--aa", action="store_true",
+                    help="A/A check: plain Dask in both arms (the bf columns are plain again)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # N,TASKS,MODE: one run
     args = ap.parse_args(argv)
     if args.one:
@@ -481,7 +490,8 @@ def main(argv=None) -> None:
     if "cluster" in parts:
         print_cluster_header()
         for n in (int(n) for n in args.workers.split(",")):
-            row = cluster_part([n], args.tasks, args.reps, isolate=not args.same_process)[0]
+            row = cluster_part([n], args.tasks, args.reps, isolate=not args.same_process,
+                               aa=args.aa)[0]
             print_cluster_row(row)
             cluster_rows.append(row)
             if args.plot:
