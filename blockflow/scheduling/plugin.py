@@ -352,17 +352,30 @@ class Rebalancer(SchedulerPlugin):
     task_log = _Folded("``(worker, start, stop)`` of finished tasks' executions (bounded "
                        "deque).")
     speeds = _Folded("The speed model (:class:`~blockflow.scheduling.speed.SpeedModel`).")
-    group_inputs = _Folded("Task group -> ``[tasks seen, {provider -> input bytes}]``.")
+    group_inputs = _Folded("Task group -> ``[tasks seen, {provider -> input bytes}, run "
+                           "id]``, of the latest run that gave the group tasks.")
+
+    def _new_run_inputs(self, run_id: str, keys) -> None:
+        """A graph gave tasks of groups whose inputs were seen in another run: forget what
+        was seen there. A run's tasks of one group read what that run gives them (a
+        group that read 100 MB from another provider in one run may read nothing in the
+        next), so the egress the objective prices for them is learnt again from this
+        run's own finished tasks, as on a fresh cluster. O(keys)."""
+        for group in {key_split(k) for k in keys}:
+            seen = self._group_inputs.get(group)
+            if seen is not None and seen[2] != run_id:
+                self._group_inputs[group] = [0, Counter(), run_id]
 
     def _record_inputs(self, key, worker: str) -> None:
         """Where a finished task's inputs came from (providers): bytes that crossed into
         ``worker``'s provider go to the run's account, and the group's inputs by provider
-        feed the objective's egress prices. O(inputs)."""
+        (in the latest run that gave the group tasks) feed the objective's egress prices.
+        O(inputs)."""
         here = self._providers.get(worker)
         group = key_split(key)
         seen = self._group_inputs.get(group)
         if seen is None:
-            seen = self._group_inputs[group] = [0, Counter()]
+            seen = self._group_inputs[group] = [0, Counter(), self._runs.run_id(key)]
             while len(self._group_inputs) > 256:
                 self._group_inputs.pop(next(iter(self._group_inputs)))
         seen[0] += 1
@@ -391,8 +404,11 @@ class Rebalancer(SchedulerPlugin):
             cost.hooks += _clock() - t0 - (cost.flush_wall - w0)
 
     def _update_graph(self, scheduler, client, tasks, annotations) -> None:
-        self.runs.graph(client=client, states=_distributed.task_states(scheduler, tasks or ()),
-                        annotations=annotations or {}, now=time.time())
+        run = self.runs.graph(client=client,
+                              states=_distributed.task_states(scheduler, tasks or ()),
+                              annotations=annotations or {}, now=time.time())
+        if self._group_inputs and run is not None and tasks:
+            self._new_run_inputs(run.id, tasks)
         if self.policy is None or not tasks:
             return
         new_tasks = self._resources_on_graph(scheduler, list(tasks), client)
@@ -567,7 +583,7 @@ class Rebalancer(SchedulerPlugin):
         if snap.run is not None:
             snap.throughput = self._throughput(views)
             snap.inputs = {g: {p: b / max(n, 1) for p, b in by.items()}
-                           for g, (n, by) in self.group_inputs.items()}
+                           for g, (n, by, _) in self.group_inputs.items()}
         return snap
 
     def _objective_run(self):

@@ -225,6 +225,10 @@ class RunTracker:
                 if run.group_pending[group] <= 0:
                     del run.group_pending[group]
 
+    def run_id(self, key: Hashable) -> str | None:
+        """The id of the run task ``key`` was given to, or None. O(1)."""
+        return self._key_run.get(key)
+
     def finished(self, key: Hashable, worker: str) -> None:
         """A task finished on ``worker`` (processing -> memory)."""
         run = self.runs.get(self._key_run.get(key))
