@@ -226,7 +226,19 @@ class RunTracker:
                     del run.group_pending[group]
 
     def run_id(self, key: Hashable) -> str | None:
-        """The id of the run task ``key`` was given to, or None. O(1)."""
+        """The run a task was given to (by :meth:`graph`). O(1).
+
+        Parameters
+        ----------
+        key : hashable
+            The task's key.
+
+        Returns
+        -------
+        str or None
+            The run's id; None for a key no graph gave to a run, or one forgotten since
+            (:meth:`forget`).
+        """
         return self._key_run.get(key)
 
     def finished(self, key: Hashable, worker: str) -> None:
