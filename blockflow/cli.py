@@ -426,7 +426,7 @@ def _exit_cleanly_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
-_INTERRUPT = {"pending": False, "handled": False}
+_INTERRUPT = {"pending": False, "handled": False, "resent": False}
 
 
 def _interrupt_reliably() -> None:
@@ -457,9 +457,16 @@ def _interrupt_reliably() -> None:
 
     def resend():
         if _INTERRUPT["pending"] and not _INTERRUPT["handled"]:
+            _INTERRUPT["resent"] = True
             os.kill(os.getpid(), signal.SIGINT)
 
     def handler(signum, frame):
+        if _INTERRUPT["resent"] and _INTERRUPT["handled"]:
+            # our own resend, sent just before the first interrupt was acted on and run
+            # only now: raised during the cleanup or at exit, it would end the process
+            # by SIGINT (status -2) after the one line, instead of 130
+            _INTERRUPT["resent"] = False
+            return
         _INTERRUPT["pending"] = True
         if not _INTERRUPT["handled"]:
             timer = threading.Timer(0.5, resend)

@@ -479,6 +479,33 @@ Odd()
     assert "someone else's" in after, after  # anything else still reported
 
 
+def test_a_resend_that_lands_after_the_interrupt_was_handled_does_not_end_the_process():
+    # The CLI sends Ctrl-C again 0.5 s later if nothing caught the first (it may have
+    # been swallowed). Under load the resend can be sent just before the first interrupt
+    # is acted on and run only afterwards: it must not raise a second KeyboardInterrupt
+    # during the cleanup or at exit (a loaded CI run ended by SIGINT, status -2, after
+    # printing its one line, instead of 130). A second Ctrl-C from the user still does.
+    import subprocess
+    import sys
+
+    code = """
+import os, signal, sys, time
+import blockflow.cli as cli
+cli._interrupt_reliably()
+cli._INTERRUPT.update(pending=True, handled=True, resent=True)
+os.kill(os.getpid(), signal.SIGINT)  # the late resend: ignored
+time.sleep(0.1)
+print("after the resend", flush=True)
+os.kill(os.getpid(), signal.SIGINT)  # the user's second Ctrl-C
+time.sleep(0.1)
+print("not reached", flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout == "after the resend\n", (out.stdout, out.stderr)
+    assert out.returncode == -2 and "KeyboardInterrupt" in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--objective", "cost"], "Error: --objective cost needs --deadline (the cheapest run "
                               "that meets it), e.g. --deadline 10m."),
