@@ -165,6 +165,7 @@ from blockflow._distributed.nvml import (
 from blockflow._distributed.placement import (
     HOLD_ADDRESS,
     WORK_ANNOTATION,
+    finished_task_record,
     set_task_placement,
     task_facts,
     task_placement,
@@ -305,6 +306,7 @@ __all__ = [
     "feeder_state_view",
     "feeder_states",
     "feeder_tasks",
+    "finished_task_record",
     "group_duration",
     "has_scheduler_plugin",
     "has_worker_handler",

@@ -14,9 +14,12 @@ from typing import Any
 
 from dask.utils import key_split
 
+from blockflow._distributed.worker import task_wait
+
 __all__ = [
     "HOLD_ADDRESS",
     "WORK_ANNOTATION",
+    "finished_task_record",
     "set_task_placement",
     "task_facts",
     "task_placement",
@@ -49,6 +52,52 @@ def task_facts(scheduler, key) -> tuple[str, float | None, float | None]:
         return key_split(key), None, None
     work = _work_of(ts)
     return ts.prefix.name, work, (work if work is not None else _input_bytes(ts))
+
+
+def finished_task_record(scheduler, key, worker: str, startstops=None,
+                         metadata=None) -> tuple:
+    """What the scheduler plugin keeps of a task that just finished on ``worker``, read in
+    one pass from its ``processing -> memory`` transition: one flat tuple of strings and
+    numbers (the garbage collector stops tracking it at its first pass), folded into the
+    speed model and the runs later.
+
+    Parameters
+    ----------
+    scheduler : distributed.Scheduler
+    key : str, tuple or int
+        The task's key.
+    worker : str
+        Address of the worker that computed it.
+    startstops : sequence of dict, optional
+        The transition's ``startstops``: the worker's ``{"action", "start", "stop"}``
+        spans (seconds since the epoch).
+    metadata : dict, optional
+        The transition's ``metadata``, with the seconds the task reported waiting at its
+        start (:func:`~blockflow._distributed.worker.task_wait`).
+
+    Returns
+    -------
+    tuple
+        ``(key, worker, group, work, size, wait, start, stop, start, stop, ...)``:
+        :func:`task_facts`, the seconds waited (0.0 when none), then the start and stop
+        of each ``compute`` span, in order (none when the worker reported none). O(inputs).
+    """
+    ts = scheduler.tasks.get(key)
+    if ts is None:
+        entry = (key, worker, key_split(key), None, None, 0.0)
+    else:
+        work = _work_of(ts) if getattr(ts, "annotations", None) else None
+        size = work if work is not None else (_input_bytes(ts) if ts.dependencies else None)
+        entry = (key, worker, ts.prefix.name, work, size, 0.0)
+    if startstops:
+        for ss in startstops:
+            if ss.get("action") == "compute":
+                entry += (ss["start"], ss["stop"])
+        if metadata and len(entry) > 6:
+            wait = task_wait(metadata)
+            if wait:
+                entry = entry[:5] + (wait,) + entry[6:]
+    return entry
 
 
 def task_size(scheduler, key) -> float | None:

@@ -278,22 +278,10 @@ class Rebalancer(SchedulerPlugin):
             return
         if self._multi_provider:
             self._record_inputs(key, worker)
-        # One flat tuple of strings and numbers (the garbage collector stops tracking it at
-        # its first pass), not the message's dicts, which would otherwise outlive the young
-        # generation waiting for the fold; folding it is cheaper too (hook and fold 12.3 ->
-        # 9.9 us per task, measured on the 2-core machine).
-        group, work, size = _distributed.task_facts(self.scheduler, key)
-        entry = (key, worker, group, work, size, 0.0)
-        startstops = kwargs.get("startstops")
-        if startstops:
-            for ss in startstops:
-                if ss.get("action") == "compute":
-                    entry += (ss["start"], ss["stop"])
-            if len(entry) > 6:
-                wait = _distributed.task_wait(kwargs.get("metadata"))
-                if wait:
-                    entry = entry[:5] + (wait,) + entry[6:]
-        self._finished.append(entry)
+        # One flat tuple of strings and numbers, read in one pass (not the message's
+        # dicts, which would outlive the young generation waiting for the fold).
+        self._finished.append(_distributed.finished_task_record(
+            self.scheduler, key, worker, kwargs.get("startstops"), kwargs.get("metadata")))
 
     def _flush_finished(self) -> None:
         """Fold the tasks the transition hook queued, in order, into the task and kernel
