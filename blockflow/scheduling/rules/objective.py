@@ -169,6 +169,8 @@ class ObjectiveRule(Rule):
     def _refuse_pools(self, snap, requests) -> list[Decision]:
         from blockflow.errors import ObjectiveError
 
+        if not requests:
+            return []
         pools = pools_of(snap.workers)
         known = {p.name for p in pools.values()} | set(snap.declared_pools or ())
         bad: dict[str, list] = {}
@@ -190,9 +192,10 @@ class ObjectiveRule(Rule):
         from blockflow.errors import ObjectiveError
 
         pools = pools_of(snap.workers)
+        # only a kernel's placement (resources=, workers=) can name a pool at graph time
         out = self._refuse_pools(snap, [
-            (t.key, (t.placement or {}).get("resources"), (t.placement or {}).get("workers"))
-            for t in snap.new_tasks])
+            (t.key, t.placement.get("resources"), t.placement.get("workers"))
+            for t in snap.new_tasks if t.placement])
         run = snap.run
         if run is None or run.objective is None or not snap.new_tasks:
             return out
