@@ -904,34 +904,3 @@ def test_the_workload_cycle_check_sees_a_lazy_import():
     assert file_import_edges(shim, "blockflow.workloads.flights") == set()  # invisible there
     assert cycles(edges) == [["blockflow.workloads.flights", ORACLES,
                               "blockflow.workloads.flights"]]
-
-
-def test_blockflows_worker_plugins_are_not_called_on_every_task_transition():
-    # A worker calls each plugin's `transition` on every transition of every task when the
-    # plugin has one (hasattr), and distributed's WorkerPlugin defines a no-op: blockflow's
-    # plugins act at setup and teardown only, so they must not have one.
-    from distributed.diagnostics.plugin import WorkerPlugin
-
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE.parent).with_suffix("")
-        if rel.name == "__main__":
-            continue
-        try:
-            importlib.import_module(".".join(rel.parts))
-        except ImportError:  # an optional dependency (cupy, torch extras)
-            continue
-
-    def subclasses(cls):
-        for sub in cls.__subclasses__():
-            yield sub
-            yield from subclasses(sub)
-
-    found = [c for c in subclasses(WorkerPlugin) if c.__module__.startswith("blockflow.")]
-    assert {"SpeculationHandlers", "QuietClose", "PoolMember", "StealPlugin"} <= \
-        {c.__name__ for c in found}
-    for cls in found:
-        own = any("transition" in vars(k) and not isinstance(
-            vars(k)["transition"], type(blockflow._distributed.NO_TRANSITION))
-            for k in cls.__mro__ if k.__module__.startswith("blockflow."))
-        if not own:
-            assert not hasattr(object.__new__(cls), "transition"), cls

@@ -13,8 +13,6 @@ import importlib
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from blockflow._distributed.worker import NO_TRANSITION
-
 __all__ = ["SpeculationHandlers", "import_object"]
 
 #: Where the handlers live (``fn(worker, **message)`` by RPC operation name).
@@ -43,7 +41,6 @@ class SpeculationHandlers(WorkerPlugin):
 
     name = "blockflow-speculation"
     idempotent = True
-    transition = NO_TRANSITION  # acts at setup only: not called on every task transition
 
     def setup(self, worker) -> None:
         from blockflow._distributed import install_worker_handlers

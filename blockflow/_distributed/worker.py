@@ -24,7 +24,6 @@ __all__ = [
     "HEARTBEAT_FAILED",
     "WAIT_METADATA",
     "HandlerPlugin",
-    "NO_TRANSITION",
     "QuietClose",
     "add_task_wait",
     "add_worker_handler",
@@ -112,36 +111,15 @@ def add_worker_handler(worker, name: str, fn: Callable) -> None:
     worker.handlers[name] = fn
 
 
-class _Absent:
-    """A class attribute that is not there: reading it from an instance raises
-    ``AttributeError``, so ``hasattr`` is False, even where a base class defines it."""
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj, owner=None):
-        raise AttributeError(self.name)
-
-
-#: Set as ``transition`` on blockflow's worker plugins, which act at setup and teardown
-#: only. A worker calls each plugin's ``transition`` on every transition of every task
-#: when the plugin has one (``hasattr``, distributed 2026.7.1 ``WorkerState._notify_plugins``)
-#: and ``WorkerPlugin`` defines a no-op one: about five calls per task, per plugin, for
-#: nothing.
-NO_TRANSITION = _Absent()
-
-
 class HandlerPlugin:
     """Base of a worker plugin that serves one comm handler on every worker, those that
     join later included: subclasses set ``name`` (the plugin's), ``op`` (the handler's)
     and ``make_handler(worker)``, which returns the handler for that worker. ``setup``
     first verifies the worker's internals
-    (:func:`~blockflow._distributed.checks.check_worker`). It has no ``transition``
-    (:data:`NO_TRANSITION`)."""
+    (:func:`~blockflow._distributed.checks.check_worker`)."""
 
     name: str
     op: str
-    transition = NO_TRANSITION
 
     def make_handler(self, worker) -> Callable:
         raise NotImplementedError
@@ -204,7 +182,6 @@ class QuietClose(WorkerPlugin):
     registers it on the clusters it starts, whose shutdown it owns)."""
 
     name = "blockflow-quiet-close"
-    transition = NO_TRANSITION
 
     def setup(self, worker) -> None:
         check_worker(worker)

@@ -31,12 +31,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from blockflow._distributed import (
-    NO_TRANSITION,
-    check_worker,
-    remove_worker_metric,
-    set_worker_metric,
-)
+from blockflow._distributed import check_worker, remove_worker_metric, set_worker_metric
 from blockflow._distributed.nvml import (
     nvml_device_name,
     nvml_handle,
@@ -350,7 +345,6 @@ class DeviceMetrics(WorkerPlugin):
 
     name = "blockflow-device-metrics"
     idempotent = True
-    transition = NO_TRANSITION  # acts at setup and teardown only
 
     def __init__(self):
         self._installed: dict[int, dict[str, Any]] = {}

@@ -142,7 +142,6 @@ class ModelCache(WorkerPlugin):
     """
 
     idempotent = True  # registering the same model again sends nothing
-    transition = _distributed.NO_TRANSITION  # acts at setup and teardown only
 
     def __init__(self, token: str, payload: bytes, kind: str, method: str | None,
                  factory: bool = False):

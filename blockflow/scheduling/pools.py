@@ -22,7 +22,6 @@ from typing import Any
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from blockflow._distributed.metrics import POOL_METRIC
-from blockflow._distributed.worker import NO_TRANSITION
 
 __all__ = ["DEFAULT_POOL", "POOL_METRIC", "POOL_RESOURCE_PREFIX", "Pool", "PoolMember",
            "heartbeat_now", "pool_from_metric", "pools_of", "requested_pools"]
@@ -213,7 +212,6 @@ class PoolMember(WorkerPlugin):
     """
 
     name = "blockflow-pool"
-    transition = NO_TRANSITION  # acts at setup and teardown only
     idempotent = True
 
     def __init__(self, pools: Pool | Mapping[Any, Pool], default: Pool | None = None):

@@ -499,7 +499,6 @@ class SimulatedGPU(WorkerPlugin):
 
     name = PLUGIN_NAME
     idempotent = True
-    transition = _distributed.NO_TRANSITION  # acts at setup and teardown only
 
     def __init__(self, devices: SimulatedDevice | Mapping[Any, SimulatedDevice] | None = None,
                  default: SimulatedDevice | None = None, declare_gpu: bool = True):
