@@ -167,6 +167,11 @@ _SPEC_LEAVES = (str, bytes, int, float, complex, type(None), type)
 _spec_plans: dict[type, tuple] = {}
 
 
+#: The exact leaf types, not pushed on the walk's stack at all (their subclasses are
+#: pushed, and found to be leaves there).
+_LEAF_TYPES = frozenset(_SPEC_LEAVES)
+
+
 def _spec_plan(t: type) -> tuple:
     plan = _spec_plans.get(t)
     if plan is None:
@@ -174,6 +179,8 @@ def _spec_plan(t: type) -> tuple:
             plan = ("leaf",)
         elif hasattr(t, "blockflow_working_set") or hasattr(t, "blockflow_placement"):
             plan = ("declares",)
+        elif t.__module__ == "dask._task_spec" and t.__name__ == "Task":
+            plan = ("task",)  # func, args, kwargs: most nodes of most graphs
         elif issubclass(t, dict):
             plan = ("dict",)
         elif issubclass(t, (list, tuple, set, frozenset)):
@@ -192,7 +199,7 @@ def _declaring_objects(run_spec, max_nodes: int = 256) -> list:
     for through ``dask._task_spec`` nodes, fused subgraphs, partials and compositions, at
     most ``max_nodes`` nodes."""
     stack, seen, found = [run_spec], 0, []
-    plans = _spec_plans
+    plans, leaves = _spec_plans, _LEAF_TYPES
     while stack and seen < max_nodes:
         node = stack.pop()
         seen += 1
@@ -202,6 +209,13 @@ def _declaring_objects(run_spec, max_nodes: int = 256) -> list:
             continue
         if kind == "declares":
             found.append(node)
+        elif kind == "task":
+            stack.append(node.func)
+            for child in node.args:
+                if type(child) not in leaves:
+                    stack.append(child)
+            if node.kwargs:
+                stack.extend(node.kwargs.values())
         elif kind == "dict":
             stack.extend(node.values())
         elif kind == "seq":
