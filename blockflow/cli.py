@@ -351,8 +351,11 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             _interrupt_handled()
             click.echo(_interrupted_message(ctx.meta), err=True)
-            _forget_caught_interrupt()
             ctx.exit(130)  # 128 + SIGINT, as shells report it
+        finally:
+            # whatever status the command ends with (0, an error's, 130, SIGTERM's 143):
+            # an interrupt caught on the way must not turn it into death by SIGINT
+            _forget_caught_interrupt()
 
 
 def _forget_caught_interrupt() -> None:
@@ -364,6 +367,8 @@ def _forget_caught_interrupt() -> None:
     up. Under ``python -m`` the process then ends by SIGINT at exit (status -2, nothing
     printed) instead of with the status it asked for: 1 run in 8 of ``blockflow run train``
     interrupted 1 s in on a loaded machine. The next ``exec`` of a string clears the mark.
+    Run as every command ends; an interrupt nothing caught still ends the process by SIGINT
+    (the interpreter marks it again at the top).
     """
     exec("pass")  # noqa: S102  # clears the mark (pythonrun.c, run_eval_code_obj)
 

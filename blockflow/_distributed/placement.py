@@ -50,8 +50,16 @@ def task_facts(scheduler, key) -> tuple[str, float | None, float | None]:
     ts = scheduler.tasks.get(key)
     if ts is None:
         return key_split(key), None, None
-    work = _work_of(ts)
-    return ts.prefix.name, work, (work if work is not None else _input_bytes(ts))
+    return (ts.prefix.name, *_work_and_size(ts))
+
+
+def _work_and_size(ts) -> tuple[float | None, float | None]:
+    """``(work, size)`` of a ``TaskState``: :func:`task_work` and :func:`task_size` in one
+    look at its annotations and inputs."""
+    work = _work_of(ts) if getattr(ts, "annotations", None) else None
+    if work is not None:
+        return work, work
+    return None, (_input_bytes(ts) if ts.dependencies else None)
 
 
 def finished_task_record(scheduler, key, worker: str, startstops=None,
@@ -86,9 +94,7 @@ def finished_task_record(scheduler, key, worker: str, startstops=None,
     if ts is None:
         entry = (key, worker, key_split(key), None, None, 0.0)
     else:
-        work = _work_of(ts) if getattr(ts, "annotations", None) else None
-        size = work if work is not None else (_input_bytes(ts) if ts.dependencies else None)
-        entry = (key, worker, ts.prefix.name, work, size, 0.0)
+        entry = (key, worker, ts.prefix.name, *_work_and_size(ts), 0.0)
     if startstops:
         for ss in startstops:
             if ss.get("action") == "compute":

@@ -535,8 +535,7 @@ def new_task_views(scheduler, keys) -> list[TaskView]:
             # ts.prefix.name is key_split(ts.key): distributed names the prefix so
             d["key"], d["group"], d["state"] = ts.key, ts.prefix.name, ts.state
             d["priority"] = tuple(ts.priority or ())
-            d["restricted"] = bool(ts.worker_restrictions or ts.host_restrictions
-                                   or ts.resource_restrictions)
+            d["restricted"] = _restricted(ts)
             d["runnable"] = bool(run_spec)
             d["working_set"] = _working_set(declaring, ts.key) if declaring else None
             d["placement"] = _placement(declaring) if declaring else None
