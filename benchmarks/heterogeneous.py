@@ -55,7 +55,7 @@ from dask.utils import format_bytes
 from distributed import futures_of, wait
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.scheduling import Rebalancer
 from blockflow.testing import (
     device_stats,

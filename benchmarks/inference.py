@@ -51,7 +51,7 @@ import dask.array as da
 import numpy as np
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.ml.inference import model_stats, ship_model
 from blockflow.testing import simulated_cluster, simulated_kernel
 

@@ -47,7 +47,7 @@ import time
 import numpy as np
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.testing import set_speed, simulated_cluster
 
 MiB = 2**20

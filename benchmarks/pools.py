@@ -29,7 +29,7 @@ reversed on odd repetitions):
 
 Cost: each worker billed from its first task's start to its last task's end in the run
 (idle gaps included) at its pool's price, as a cluster that releases idle workers pays
-(:func:`blockflow.scheduling.cost.run_cost`). The LP bound: :func:`blockflow.scheduling.cost.plan`
+(:func:`blockflow.pools.plan.run_cost`). The LP bound: :func:`blockflow.pools.plan.plan`
 over the nominal throughput matrix (work / speed), under the configuration's deadline or
 budget. Medians over ``--reps`` repetitions.
 
@@ -53,8 +53,8 @@ from distributed import wait
 import blockflow
 from blockflow.cluster.report import pool_costs
 from blockflow.scheduling import Rebalancer
-from blockflow.scheduling.cost import plan
-from blockflow.scheduling.pools import Pool
+from blockflow.pools.plan import plan
+from blockflow.pools.pool import Pool
 from blockflow.scheduling.runs import run_scope
 from blockflow.testing.cluster import simulated_cluster
 from blockflow.testing.simulated import SimulatedDeviceBlock, simulated_kernel

@@ -6,7 +6,7 @@ empty. ``--tasks`` simulated kernels of ``--work`` reference-seconds run under
 ``blockflow.objective("cost", deadline=D)``; the cluster grows each pool from the backlog,
 the throughput matrix and the prices, and retires idle workers after the work. Reported:
 makespan against D, the cost (each worker billed from its first task's start to its last
-task's end, as :func:`blockflow.scheduling.cost.run_cost`), two LP bounds over the nominal
+task's end, as :func:`blockflow.pools.plan.run_cost`), two LP bounds over the nominal
 throughput matrix: at D, and at D less the measured worker start-up time (no worker can
 run a task before it has joined: the honest bound for a run from zero workers; the start-up
 time itself is not billed, as the cost bills tasks only), task completions beyond the tasks
@@ -28,7 +28,7 @@ import time
 from distributed import Client
 
 import blockflow
-from blockflow.scheduling.cost import plan
+from blockflow.pools.plan import plan
 from blockflow.testing.simulated import SimulatedDevice, SimulatedGPU
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

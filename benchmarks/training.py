@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 
 SPEEDS = (1, 1, 0.5, 0.25)
 

@@ -180,7 +180,7 @@ def main(argv=None) -> int:
         client.run(_one_thread)
         # warm every worker (imports, first allocations) so no method pays for them
         client.run(lambda: train_digits_mlp(configs[0], 1) and None)
-        from blockflow.cluster.identity import workers_info
+        from blockflow.scheduling.view import workers_info
         speed_of = {addr: speeds[int(w["name"])] for addr, w in workers_info(client).items()}
         for rep in range(a.repeats):
             order = list(rows) if rep % 2 == 0 else list(rows)[::-1]

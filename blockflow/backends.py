@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 from dask.utils import Dispatch
 
-from blockflow.cluster.devices import device_count
+from blockflow.devices import device_count
 from blockflow.errors import describe
 
 __all__ = [
@@ -59,7 +59,7 @@ def gpu_device_count() -> int:
     """Number of NVIDIA GPUs visible to this process; 0 when none or when that cannot be told.
 
     Never raises: a missing driver, library or device counts as zero devices. See
-    :func:`blockflow.cluster.devices.device_count` (NVML through distributed, else CuPy).
+    :func:`blockflow.devices.device_count` (NVML through distributed, else CuPy).
     """
     return device_count()
 

@@ -641,7 +641,7 @@ def _warn_working_set_without_gpu(working_set) -> None:
     if client.status != "running":
         return
     # imported here: the scheduling package imports the kernel layer, which imports this
-    from blockflow.scheduling.client import worker_memory
+    from blockflow.scheduling.view import worker_memory
 
     memory = worker_memory(client)
     if memory and not any(m.has_device for m in memory.values()):

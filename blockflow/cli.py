@@ -587,7 +587,7 @@ def _objective(kind: str | None, deadline: str | None, budget: float | None):
     """
     if kind is None and deadline is None and budget is None:
         return contextlib.nullcontext()
-    from blockflow.scheduling.objective import objective
+    from blockflow.pools.objective import objective
 
     if kind is None:
         kind = "cost" if deadline is not None else "makespan"

@@ -33,7 +33,7 @@ import numpy as np
 from dask.utils import format_bytes, parse_bytes
 
 from blockflow import config
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 
 __all__ = ["BlockResize", "fit_blocks", "recorded_resizes", "split_skewed"]
 
@@ -646,7 +646,7 @@ def smallest_free_memory(client=None, *, host: bool = True) -> tuple[int, str] |
     if client.status != "running":
         return None
     # imported here: the scheduling package imports the kernel layer, which imports this
-    from blockflow.scheduling.client import worker_memory
+    from blockflow.scheduling.view import worker_memory
 
     memory = worker_memory(client).values()
     free = [m.device_free for m in memory if m.device_free is not None]

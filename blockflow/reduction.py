@@ -66,7 +66,7 @@ def smallest_worker_memory(client=None) -> tuple[int, str]:
     sizes: list[tuple[int, str]] = []
     if client is not None and client.status == "running":
         # imported here: the scheduling package imports the kernel layer, which imports this
-        from blockflow.scheduling.client import worker_memory
+        from blockflow.scheduling.view import worker_memory
 
         try:
             memory = worker_memory(client)

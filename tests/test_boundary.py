@@ -502,7 +502,7 @@ def test_boundary_reexports_every_public_name_sorted():
 def test_check_worker_runs_in_every_worker_plugin_setup():
     """A worker without the internals the boundary uses fails loudly in each plugin's setup."""
     from blockflow import _distributed
-    from blockflow.cluster.devices import DeviceMetrics
+    from blockflow.devices import DeviceMetrics
     from blockflow.core.speculation import SpeculationHandlers
     from blockflow.ml._post import PostPlugin
     from blockflow.ml._steal import StealPlugin

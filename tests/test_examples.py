@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 from distributed import Client, LocalCluster
 
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.workloads import array_stats
 from blockflow.workloads.reference import array_stats_reference, flights_reference
 

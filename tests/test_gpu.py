@@ -18,7 +18,7 @@ import pytest
 from loadaware import wait_until
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.backends import gpu_device_count, has_package, is_device_block
 
 pytestmark = pytest.mark.gpu
@@ -323,7 +323,7 @@ def test_gpu_workers_report_own_utilization_and_capacity(gpu_client):
 
 def test_device_module_sees_each_workers_gpu(gpu_client):
     """blockflow.devices on each worker: the device it uses, as the inventory lists it."""
-    from blockflow.cluster import devices
+    from blockflow import devices
 
     def describe():
         info = devices.device_info()

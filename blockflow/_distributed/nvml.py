@@ -3,7 +3,7 @@
 distributed parses ``CUDA_VISIBLE_DEVICES`` entries (integer indices, ``GPU-`` and ``MIG-``
 UUIDs) and finds a device's NVML handle (a MIG instance's included) with private helpers;
 blockflow uses them so that it sees devices as distributed does. Each function here calls
-one of them and raises what it raises (:mod:`blockflow.cluster.devices` turns any error into
+one of them and raises what it raises (:mod:`blockflow.devices` turns any error into
 "unknown"). The public part of that module (``init_once``, ``device_get_count``,
 ``get_device_index_and_uuid``, ``get_device_mig_mode``, ``pynvml``) is used directly.
 """

@@ -111,7 +111,7 @@ class WorkerView:
         a slow streak that began recently); None: at its learned speed throughout.
     pool : mapping or None
         The pool the worker reports (``blockflow-pool`` metric, plain data:
-        :meth:`blockflow.scheduling.pools.Pool.to_dict`); None if it reports none.
+        :meth:`blockflow.pools.pool.Pool.to_dict`); None if it reports none.
     """
 
     address: str

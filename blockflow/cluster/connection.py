@@ -7,7 +7,7 @@ dask-jobqueue, dask-kubernetes). Either way blockflow's scheduler plugin is regi
 ``security=`` gives the connection TLS (``"temporary"``: self-signed credentials made for an
 embedded cluster). The client's view of the running cluster (:func:`plugin_status`,
 :func:`decisions`, :func:`task_counts`, :func:`wait_for`, :func:`gather_results`) lives in
-:mod:`blockflow.scheduling.client`; it is re-exported here.
+:mod:`blockflow.scheduling.view`; it is re-exported here.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from distributed import Client, LocalCluster, Security
 from blockflow import _distributed, config
 from blockflow.cluster import handshake as _handshake
 from blockflow.cluster import main_guard as _main_guard
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.backends import GPU_INSTALL_HINT, GPUUnavailableError, gpu_device_count, has_package
 from blockflow.errors import describe
-from blockflow.scheduling.client import (  # noqa: F401  (re-exported: the public names)
+from blockflow.scheduling.view import (  # noqa: F401  (re-exported: the public names)
     DECISION_COLUMNS,
     SEEN_METRICS,
     decisions,
@@ -36,7 +36,7 @@ from blockflow.scheduling.client import (  # noqa: F401  (re-exported: the publi
     wait_for,
 )
 from blockflow.scheduling.plugin import Rebalancer
-from blockflow.scheduling.pools import Pool, PoolMember, heartbeat_now
+from blockflow.pools.pool import Pool, PoolMember, heartbeat_now
 
 __all__ = [
     "connect",
@@ -125,7 +125,7 @@ def connect(
         Embedded cluster only: its workers in pools, ``{Pool("fast", price=4): 2,
         Pool("slow", price=0.5): 4}`` (workers named ``0, 1, ...`` in that order; each
         reports its pool and declares the resource ``"pool:<name>"``, see
-        :class:`blockflow.scheduling.pools.PoolMember`). ``n_workers`` is their sum. For
+        :class:`blockflow.pools.pool.PoolMember`). ``n_workers`` is their sum. For
         simulated speeds per pool use :func:`blockflow.testing.cluster.simulated_cluster`
         with ``pools=``.
     **cluster_kwargs
@@ -246,7 +246,7 @@ def _pool_members(pools, address, n_workers) -> tuple[PoolMember | None, int | N
     if address is not None:
         raise ValueError("blockflow.connect: pools= puts the workers of an embedded cluster "
                          "in pools; workers of a running cluster declare their own "
-                         "(`dask worker --preload blockflow.pool --pool NAME --price ...`).")
+                         "(`dask worker --preload blockflow.pools.preload --pool NAME --price ...`).")
     items = list(pools.items()) if isinstance(pools, Mapping) else list(pools)
     names, members, i = set(), {}, 0
     for pool, n in items:
@@ -436,7 +436,7 @@ def _start_local_cluster(use_gpu: bool, **kwargs) -> LocalCluster:
 
 
 def _register_plugin(client: Client, plugin: Rebalancer) -> None:
-    from blockflow.cluster.devices import DeviceMetrics
+    from blockflow.devices import DeviceMetrics
     from blockflow.scheduling.extensions import scheduler_extensions
 
     try:

@@ -2,7 +2,7 @@
 
 Numbers come from the scheduler (worker identity and heartbeat metrics: distributed's NVML
 keys ``gpu_utilization``, ``gpu_memory_used``, ``gpu-memory-total``) and, for GPU name and
-UUID, from one probe on each GPU worker (:mod:`blockflow.cluster.devices`, or the ``describe_device()``
+UUID, from one probe on each GPU worker (:mod:`blockflow.devices`, or the ``describe_device()``
 of a plugin that models the worker's device). CPU-only workers report None for GPU fields.
 """
 
@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import pandas as pd
 from dask.utils import format_bytes
 
-from blockflow.scheduling.pools import pools_of
-from blockflow.cluster.identity import workers_info
+from blockflow.pools.pool import pools_of
+from blockflow.scheduling.view import workers_info
 from blockflow._distributed import worker_plugins
-from blockflow.cluster.devices import device_info
+from blockflow.devices import device_info
 from blockflow.errors import BlockflowWarning
 from blockflow._distributed.metrics import read_metrics
 
@@ -90,7 +90,7 @@ def _probe_device(dask_worker=None) -> dict:
 
     A worker plugin that owns or models the worker's device (blockflow's simulated GPUs in
     tests and benchmarks) describes it through a ``describe_device()`` method; otherwise NVML
-    is asked (:func:`blockflow.cluster.devices.device_info`). ``{}`` when neither can tell.
+    is asked (:func:`blockflow.devices.device_info`). ``{}`` when neither can tell.
     """
     for plugin in worker_plugins(dask_worker).values():
         describe_device = getattr(plugin, "describe_device", None)

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 from dask.utils import format_bytes
 
-from blockflow.scheduling.client import plugin_status
+from blockflow.scheduling.view import plugin_status
 from blockflow.decompose import BlockResize, recorded_resizes
 from blockflow.scheduling.actions import Action
 
@@ -227,14 +227,14 @@ def pool_costs(client, status: dict | None = None, *, task_log=None,
     Returns
     -------
     dict or None
-        :func:`blockflow.scheduling.cost.run_cost` (``pools``, ``egress``,
+        :func:`blockflow.pools.plan.run_cost` (``pools``, ``egress``,
         ``compute_cost``, ``total_cost``) plus ``objective`` and ``lower_bound``
-        (``{"cost", "makespan", "feasible"}``: :func:`blockflow.scheduling.cost.plan` over
+        (``{"cost", "makespan", "feasible"}``: :func:`blockflow.pools.plan.plan` over
         the run's tasks per group and the throughput matrix, under its deadline or budget);
         None when no worker reports a pool.
     """
-    from blockflow.scheduling.cost import plan, run_cost
-    from blockflow.scheduling.pools import Pool
+    from blockflow.pools.plan import plan, run_cost
+    from blockflow.pools.pool import Pool
 
     status = status if status is not None else plugin_status(client)
     by_pool = status.get("pools") or {}

@@ -492,7 +492,7 @@ def largest_free_device_memory(exclude: str | None = None) -> tuple[int | None, 
     try:
         from distributed import get_client
 
-        from blockflow.scheduling.client import worker_memory
+        from blockflow.scheduling.view import worker_memory
 
         memory = worker_memory(get_client())
     except Exception as e:  # outside a cluster, or the scheduler is gone: say "unknown"

@@ -12,7 +12,7 @@ from typing import Any
 
 from blockflow import _distributed
 from blockflow.scheduling.actions import Action
-from blockflow.scheduling.pools import DEFAULT_POOL
+from blockflow.pools.pool import DEFAULT_POOL
 
 __all__ = ["dashboard_state"]
 

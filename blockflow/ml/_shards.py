@@ -38,12 +38,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from blockflow import config
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.ml._peers import PeerGone, Peers, peer_timeout
 from blockflow.ml._post import POSTED, Posted, PostPlugin
 from blockflow.ml._steal import StealPlugin
 from blockflow.errors import WorkerLostError
-from blockflow.scheduling.client import (
+from blockflow.scheduling.view import (
     gather_as_done,
     learned_speeds,
     memory_of,
@@ -861,7 +861,7 @@ class ResidentShards:
 
     def _wait(self, parts) -> dict:
         """The sum of the top level's partial sums, each fetched as soon as it is done
-        (:func:`blockflow.scheduling.client.gather_as_done`: a lost worker holding blocks
+        (:func:`blockflow.scheduling.view.gather_as_done`: a lost worker holding blocks
         raises :class:`~blockflow.errors.WorkerLostError` naming it)."""
         got = gather_as_done(parts, alive=self._workers, needed=set(self.placement.values()),
                              poll=self.poll, get=self._fetch)

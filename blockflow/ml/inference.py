@@ -43,7 +43,7 @@ from blockflow.errors import describe
 from blockflow.ml._models import (LoadedModel, LocalModel, ModelFactory, is_cupy, model_kind,
                                   serialise)
 from blockflow.ml._pickling import dumps_or_explain
-from blockflow.scheduling.client import memory_of
+from blockflow.scheduling.view import memory_of
 from blockflow._distributed.metrics import GPU_MEMORY_TOTAL, GPU_MEMORY_USED
 
 __all__ = ["ModelCache", "ModelFactory", "ModelRef", "batch_rows", "cache_bound", "cache_state", "model_stats",

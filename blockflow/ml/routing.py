@@ -12,7 +12,7 @@ blockflow's one throughput estimator (:class:`~blockflow.scheduling.estimate.Thr
 median of its last ``WINDOW`` answers after the first, with a fixed cost per answer; a first
 answer pays for loading the model and warming up, so it counts only while no worker has a
 warm one), and before any answer from ``w`` it is the measured workers' seconds scaled by
-blockflow's learned speeds known with confidence (:func:`~blockflow.scheduling.client.
+blockflow's learned speeds known with confidence (:func:`~blockflow.scheduling.view.
 learned_speeds`) where the scheduler plugin runs. The finish is placed by
 :func:`~blockflow.scheduling.estimate.earliest_finish`. This is join-the-shortest-expected-delay
 (blockflow heuristic after Whitt 1986), which beats round-robin and power-of-two-choices when
@@ -53,10 +53,10 @@ from typing import Any
 from dask.utils import parse_timedelta
 
 from blockflow import config
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.ml.inference import ModelRef, _module, ship_model
 from blockflow._distributed.metrics import read_metrics
-from blockflow.scheduling.client import fetch, fetch_many, learned_speeds, plugin_status
+from blockflow.scheduling.view import fetch, fetch_many, learned_speeds, plugin_status
 from blockflow.scheduling.estimate import Throughput, earliest_finish
 
 __all__ = ["Router"]

@@ -52,7 +52,7 @@ import numpy as np
 
 from blockflow import _distributed, config
 from blockflow.errors import WorkerLostError
-from blockflow.scheduling.client import declared_speeds, fetch, learned_speeds, wait_any
+from blockflow.scheduling.view import declared_speeds, fetch, learned_speeds, wait_any
 from blockflow.scheduling.estimate import earliest_finish, prior_seconds_per_unit
 
 __all__ = ["TuneResult", "choice", "loguniform", "randint", "sample_configs", "tune",
@@ -386,10 +386,10 @@ class _Tuner:
     def speeds(self) -> dict[str, float]:
         """Each worker's speed, from the evidence there is, most trusted first: the
         scheduler plugin's learned speed where it is known
-        (:attr:`blockflow.scheduling.client.LearnedSpeeds.known`: the one confidence rule),
+        (:attr:`blockflow.scheduling.view.LearnedSpeeds.known`: the one confidence rule),
         else the trials' own evidence (:meth:`own_speeds`), else the speed earlier ``tune``
         calls saw on this cluster (:data:`SPEEDS_KEY`), else the speed its device declares
-        (:func:`blockflow.scheduling.client.declared_speeds`), else 1.0. Each lower source
+        (:func:`blockflow.scheduling.view.declared_speeds`), else 1.0. Each lower source
         is put on the scale of those above through the workers both know."""
         known = _layered(self.workers, {**self.own_speeds(), **self.plugin_speeds},
                          self.record, self.declared)
@@ -689,7 +689,7 @@ class _Tuner:
     @staticmethod
     def _fetch(fut, timeout: float = 10.0):
         """A finished trial's result, or None when it was lost before it was fetched
-        (:func:`blockflow.scheduling.client.fetch`: a trial pinned to a killed worker
+        (:func:`blockflow.scheduling.view.fetch`: a trial pinned to a killed worker
         would never run again; the tuner hung in CI, a worker SIGKILLed as trials were
         promoted)."""
         try:

@@ -1,20 +1,36 @@
 """Scheduling: blockflow's scheduler plugin, its policies and the speed model.
 
-:class:`Rebalancer` is the scheduler plugin; :data:`POLICIES` the one registry of policy
-names; :class:`DeviceMemoryAMMPolicy` and :class:`DeviceMemoryBalancePolicy` can be named in
-distributed's Active Memory Manager configuration. Pools, objectives and cost:
-:class:`PoolMember`, :class:`Objective`, :func:`throughput_matrix`, :func:`plan` (the LP),
-:func:`run_cost`. Worker metrics are parsed by :mod:`blockflow._distributed.metrics` (re-exported here).
+:class:`Rebalancer` is the scheduler plugin; :data:`POLICIES` the registry of policy names;
+:class:`DeviceMemoryAMMPolicy` and :class:`DeviceMemoryBalancePolicy` can be named in
+distributed's Active Memory Manager configuration. Pools, objectives and cost are in
+:mod:`blockflow.pools`. Worker metrics are parsed by :mod:`blockflow._distributed.metrics`.
+
+Names load on first use (as :mod:`blockflow` does), so importing one small module, say
+:mod:`blockflow.scheduling.actions`, does not load the plugin and every rule.
 """
 
-from blockflow._distributed.metrics import WorkerMetrics, read_metrics
-from blockflow.scheduling.plugin import Rebalancer
-from blockflow.scheduling.balance import DeviceMemoryBalancePolicy
-from blockflow.scheduling.policies import POLICIES, DeviceMemoryAMMPolicy, RebalancePolicy
-from blockflow.scheduling.cost import Plan, plan, run_cost, throughput_matrix
-from blockflow.scheduling.objective import Objective
-from blockflow.scheduling.pools import PoolMember
+import importlib
 
-__all__ = ["POLICIES", "DeviceMemoryAMMPolicy", "DeviceMemoryBalancePolicy", "Objective",
-           "Plan", "PoolMember", "RebalancePolicy", "Rebalancer", "WorkerMetrics", "plan",
-           "read_metrics", "run_cost", "throughput_matrix"]
+_LAZY = {
+    "DeviceMemoryAMMPolicy": "blockflow.scheduling.policies",
+    "DeviceMemoryBalancePolicy": "blockflow.scheduling.balance",
+    "POLICIES": "blockflow.scheduling.policies",
+    "Rebalancer": "blockflow.scheduling.plugin",
+    "RebalancePolicy": "blockflow.scheduling.policies",
+    "WorkerMetrics": "blockflow._distributed.metrics",
+    "read_metrics": "blockflow._distributed.metrics",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

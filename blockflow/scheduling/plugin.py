@@ -58,16 +58,16 @@ from blockflow.scheduling.rules import (
     UnsatisfiableRule,
 )
 from blockflow.scheduling.estimate import LinkBandwidth
-from blockflow.scheduling import cost
-from blockflow.scheduling.pools import Pool, pools_of
-from blockflow.scheduling.rules.scaling import PoolScalingRule, ScalingRequest
+from blockflow.pools import plan as cost
+from blockflow.pools.pool import Pool, pools_of
+from blockflow.pools.scaling import PoolScalingRule, ScalingRequest
 from blockflow.scheduling.runs import RunTracker
 from blockflow.scheduling.speed import SpeedModel
 
 __all__ = ["POLICIES", "Rebalancer"]
 
 logger = logging.getLogger(__name__)
-objective_logger = logging.getLogger("blockflow.scheduling.objective")
+objective_logger = logging.getLogger("blockflow.pools.objective")
 
 #: Transitions of a tracked producer or consumer after which admission control looks again.
 _ADMISSION_EVENTS = frozenset({"memory", "released", "forgotten", "erred"})
@@ -170,7 +170,7 @@ class Rebalancer(SchedulerPlugin):
         self._last_snap: ClusterSnapshot | None = None  # the last tick's (for status())
         self._view_cache = _distributed.WorkerViewCache()  # the ticks' worker views
         self._links: LinkBandwidth | None = None  # measured links, kept across ticks
-        # pools and objectives (blockflow.scheduling.pools, .objective, .cost)
+        # pools and objectives (blockflow.pools.pool, .objective, .cost)
         self.parked: dict[str, str] = {}  # worker -> reason: its pool is not needed now
         #: Pools known before any of their workers joins (name -> Pool): a cluster that
         #: scales pools from zero registers them here (``client.run_on_scheduler``).
@@ -932,10 +932,10 @@ class Rebalancer(SchedulerPlugin):
                      target_duration: float = 5.0, startup: float = 5.0,
                      wait_count: int = 3) -> dict[str, Any]:
         """Per-pool worker targets for elastic scaling (the ``blockflow_pool_targets``
-        handler, asked by :class:`blockflow.cluster.adaptive.PoolAdaptive`, as distributed's
+        handler, asked by :class:`blockflow.pools.adaptive.PoolAdaptive`, as distributed's
         ``Adaptive`` asks ``adaptive_target``).
 
-        Runs :class:`~blockflow.scheduling.rules.scaling.PoolScalingRule` on a fresh
+        Runs :class:`~blockflow.pools.scaling.PoolScalingRule` on a fresh
         snapshot and applies its decisions: ``scale`` (a target changed, logged) and
         ``retire`` (an idle worker of a pool above its target: paused and retired here, in
         one step with the idleness check). The pools become :attr:`declared_pools`.
@@ -943,7 +943,7 @@ class Rebalancer(SchedulerPlugin):
         Parameters
         ----------
         pools : dict
-            Pool name -> :meth:`~blockflow.scheduling.pools.Pool.to_dict`.
+            Pool name -> :meth:`~blockflow.pools.pool.Pool.to_dict`.
         bounds : dict
             Pool name -> ``[minimum, maximum]`` workers.
         starting : dict, optional
@@ -951,7 +951,7 @@ class Rebalancer(SchedulerPlugin):
         threads : dict, optional
             Pool name -> threads per worker.
         target_duration, startup : float
-            Seconds (see :class:`~blockflow.scheduling.rules.scaling.ScalingRequest`).
+            Seconds (see :class:`~blockflow.pools.scaling.ScalingRequest`).
         wait_count : int
 
         Returns

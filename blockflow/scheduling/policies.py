@@ -46,13 +46,13 @@ from blockflow._distributed import (
     WorkerView,
 )
 from blockflow._distributed.speculation import SpeculationHandlers
+from blockflow.pools.objective_rule import ObjectiveRule
 from blockflow.scheduling import estimate
 from blockflow.scheduling.actions import Action, Decision
 from blockflow.scheduling.rules import (
     BackupRule,
     HoldRule,
     MoveRule,
-    ObjectiveRule,
     PauseRule,
     RoundRobinAssignmentRule,
     Rule,
@@ -144,12 +144,12 @@ class ClusterSnapshot:
         The run most recently given work, when it runs under a
         :func:`blockflow.objective` (:class:`blockflow.scheduling.runs.Run`); else None.
     parked : frozenset of str
-        Workers parked for the objective (:class:`~blockflow.scheduling.rules.ObjectiveRule`).
+        Workers parked for the objective (:class:`~blockflow.pools.objective_rule.ObjectiveRule`).
     declared_pools : mapping of str to Pool
         Pools known before any worker of theirs joined (``Rebalancer.declared_pools``).
     throughput : mapping
         With ``run``: the throughput matrix, group -> pool name -> seconds per task
-        (:func:`blockflow.scheduling.cost.throughput_matrix`).
+        (:func:`blockflow.pools.plan.throughput_matrix`).
     inputs : mapping
         With ``run``: task group -> provider -> input bytes per task read from there.
     """

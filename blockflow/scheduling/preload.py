@@ -18,7 +18,7 @@ from blockflow.scheduling.plugin import POLICIES, Rebalancer
               help="Scheduling policy (default: blockflow.cluster.policy).")
 async def dask_setup(scheduler, blockflow_policy=None):
     from blockflow import _distributed
-    from blockflow.cluster.devices import DeviceMetrics
+    from blockflow.devices import DeviceMetrics
     from blockflow.scheduling.extensions import scheduler_extensions
 
     _distributed.add_scheduler_plugin(scheduler, Rebalancer(policy=blockflow_policy))

@@ -28,7 +28,7 @@ from typing import Any
 import dask
 from dask.utils import key_split
 
-from blockflow.scheduling.objective import OBJECTIVE_ANNOTATION, Objective
+from blockflow.pools.objective import OBJECTIVE_ANNOTATION, Objective
 
 __all__ = ["RUN_ANNOTATION", "Run", "RunTracker", "new_run_id", "run_scope"]
 

@@ -377,7 +377,7 @@ class SpeedModel:
 
         The median of the worker's recent durations of the group, cold starts dropped: the
         raw material of the throughput matrix
-        (:func:`blockflow.scheduling.cost.throughput_matrix`). Folds in pending observations
+        (:func:`blockflow.pools.plan.throughput_matrix`). Folds in pending observations
         first (:meth:`update`).
         """
         self.update()

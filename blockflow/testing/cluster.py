@@ -18,7 +18,7 @@ import dask.config
 from dask.utils import parse_timedelta
 
 from blockflow import _distributed
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow._distributed.metrics import (
     GPU_MEMORY_TOTAL,
     GPU_MEMORY_USED,
@@ -161,7 +161,7 @@ def simulated_cluster(speeds: Sequence[float] = (1, 1, 0.5, 0.25),
         Simulated pools: ``{Pool("fast", price=4, speed=4): 2, Pool("slow", price=0.5): 4}``
         gives workers ``0, 1`` the fast pool and devices of speed 4, workers ``2..5`` the
         slow pool and speed 1 (a pool's ``speed``, default 1); replaces ``speeds``. Each
-        worker reports its pool (:class:`blockflow.scheduling.pools.PoolMember`).
+        worker reports its pool (:class:`blockflow.pools.pool.PoolMember`).
     **cluster_kwargs
         Passed to ``distributed.LocalCluster`` (``dashboard_address`` defaults to ``":0"``).
 

@@ -35,7 +35,7 @@ from distributed.utils import is_kernel
 
 from blockflow._distributed.client import SchedulerProgress
 from blockflow.blockwise import check_retries
-from blockflow.scheduling.client import gather_results, wait_for
+from blockflow.scheduling.view import gather_results, wait_for
 from blockflow.io import atomic_output_dir, write_manifest
 from blockflow.scheduling.runs import new_run_id, run_scope
 
@@ -53,7 +53,7 @@ def task_counts_or_none(client, run_id: str | None = None) -> dict[str, int] | N
     With ``run_id``: the tasks of that run only (:mod:`blockflow.scheduling.runs`; ``{}``
     for a run that ran nothing); without: since the plugin started.
     """
-    from blockflow.scheduling.client import plugin_status
+    from blockflow.scheduling.view import plugin_status
 
     try:
         if run_id is None:
@@ -89,7 +89,7 @@ def _notebook_bars() -> bool:
 def _run_record(client, run_id: str) -> dict[str, Any] | None:
     """The run as blockflow's plugin counts it (``{}`` before its first graph), or None if
     the scheduler runs no blockflow plugin. Decisions are left out (``since`` now)."""
-    from blockflow.scheduling.client import plugin_status
+    from blockflow.scheduling.view import plugin_status
 
     try:
         return plugin_status(client, since=time.time(), run=run_id).get("requested_run") or {}

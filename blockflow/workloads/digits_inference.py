@@ -19,7 +19,7 @@ import dask.array as da
 import numpy as np
 import pandas as pd
 
-from blockflow.scheduling.client import plugin_status
+from blockflow.scheduling.view import plugin_status
 from blockflow.ml.inference import model_stats, predict, ship_model
 from blockflow.io import write_parquet
 from blockflow.workloads._runner import Job, run_workload

@@ -43,7 +43,7 @@ import dask.dataframe as dd
 import pandas as pd
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.aggregations import ROWS, grouped_moments, grouped_quantiles, quantile_label
 from blockflow.backends import dataframe_module
 from blockflow.blockwise import map_blocks

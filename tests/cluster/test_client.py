@@ -7,7 +7,7 @@ import dask
 import pytest
 from distributed import Client, LocalCluster
 
-from blockflow.cluster.identity import scheduler_identity, workers_info
+from blockflow.scheduling.view import scheduler_identity, workers_info
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from distributed import Client, LocalCluster
 from loadaware import scaled
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow._distributed import worker_metric, worker_plugins
 from blockflow.cluster.inventory import WorkerResources
 from blockflow._distributed.metrics import CAPACITY_METRIC, OWN_UTILIZATION_METRIC

@@ -1,7 +1,7 @@
 """blockflow.devices: NVML device lookup and own utilisation, with an injected fake NVML.
 
 CPU first: NVML is faked by :class:`FakeNVML`, an object with the ``pynvml`` function names.
-:class:`~blockflow.cluster.devices.OwnUtilization` and :func:`~blockflow.cluster.devices.capacity` take it as a
+:class:`~blockflow.devices.OwnUtilization` and :func:`~blockflow.devices.capacity` take it as a
 parameter; the lookups built on ``distributed.diagnostics.nvml`` see it through that module's
 ``pynvml`` attribute (the ``fake_nvml`` fixture), so distributed's own parsing of
 ``CUDA_VISIBLE_DEVICES`` and UUIDs runs for real. Real devices: tests/test_gpu.py.
@@ -18,9 +18,9 @@ from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from blockflow import _distributed
-from blockflow.cluster import devices
-from blockflow.cluster.identity import workers_info
-from blockflow.cluster.devices import DeviceMetrics, OwnUtilization
+from blockflow import devices
+from blockflow.scheduling.view import workers_info
+from blockflow.devices import DeviceMetrics, OwnUtilization
 from blockflow.cluster.inventory import _probe_device
 from blockflow._distributed.metrics import CAPACITY_METRIC, OWN_UTILIZATION_METRIC
 

@@ -12,8 +12,8 @@ from distributed import Client, Event, Queue
 from loadaware import wait_until
 
 import blockflow
-from blockflow.cluster.pool_cluster import PoolCluster
-from blockflow.scheduling.pools import Pool
+from blockflow.pools.cluster import PoolCluster
+from blockflow.pools.pool import Pool
 
 pytestmark = pytest.mark.slow
 

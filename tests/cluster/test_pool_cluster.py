@@ -12,8 +12,8 @@ import pytest
 from distributed import Client
 from loadaware import wait_until
 
-from blockflow.cluster.pool_cluster import PoolCluster
-from blockflow.scheduling.pools import POOL_METRIC, Pool
+from blockflow.pools.cluster import PoolCluster
+from blockflow.pools.pool import POOL_METRIC, Pool
 
 FAST = Pool("fast", provider="gcp", region="us-east1", price=4.0, speed=4)
 SLOW = Pool("slow", provider="onprem", price=0.5)
@@ -105,7 +105,7 @@ def test_slurm_job_templates_one_per_partition_under_one_scheduler():
         assert "#SBATCH --cpus-per-task=2" in scripts["fast"]
         for pool, script in scripts.items():
             assert cluster.scheduler_address in script
-            assert "--preload blockflow.pool --pool " + pool in script
+            assert "--preload blockflow.pools.preload --pool " + pool in script
             assert f"--resources pool:{pool}=1e+06" in script
         assert "--price 4.0" in scripts["fast"] and "--region us-east1" in scripts["fast"]
         assert "--provider onprem --price 0.5" in scripts["slow"]
@@ -113,7 +113,7 @@ def test_slurm_job_templates_one_per_partition_under_one_scheduler():
 
 @pytest.mark.slow
 def test_dask_worker_preload_puts_a_worker_in_its_pool():
-    """``dask worker --preload blockflow.pool --pool l4 --provider gcp --price 0.8``: a real
+    """``dask worker --preload blockflow.pools.preload --pool l4 --provider gcp --price 0.8``: a real
     worker process started by someone else joins its pool."""
     from distributed import LocalCluster
 
@@ -122,7 +122,7 @@ def test_dask_worker_preload_puts_a_worker_in_its_pool():
                       silence_logs=logging.CRITICAL) as cluster, Client(cluster) as client:
         procs = [subprocess.Popen(
             [dask_cli, "worker", cluster.scheduler_address, "--nthreads", "1",
-             "--no-dashboard", "--name", name, "--preload", "blockflow.pool", *argv],
+             "--no-dashboard", "--name", name, "--preload", "blockflow.pools.preload", *argv],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for name, argv in (
                 ("l4-a", ["--pool", "l4", "--provider", "gcp", "--price", "0.8",
@@ -155,7 +155,7 @@ def test_dask_worker_preload_refuses_a_bad_price_in_one_line():
 
     import click
 
-    from blockflow.pool import dask_setup
+    from blockflow.pools.preload import dask_setup
 
     with pytest.raises(click.BadParameter, match=r"price must be a number >= 0"):
         asyncio.run(dask_setup.callback(None, "l4", "gcp", "", -1.0, 0.0, None))

@@ -8,7 +8,7 @@ import dask.array as da
 import pytest
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 
 
 @pytest.fixture(scope="module")

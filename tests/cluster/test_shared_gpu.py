@@ -16,7 +16,7 @@ from distributed.utils_test import gen_cluster
 from loadaware import wait_until
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.scheduling import Rebalancer
 from blockflow.scheduling.actions import Action
 from blockflow.scheduling.rules import RuleContext

@@ -279,7 +279,7 @@ def test_page_groups_workers_by_pool_with_names_history_and_cost(browser):
 
     from blockflow.cluster.connection import _register_plugin
     from blockflow.scheduling import Rebalancer
-    from blockflow.scheduling.pools import Pool
+    from blockflow.pools.pool import Pool
 
     pools = {Pool("fast", provider="gcp", region="us-east1", price=4.0, speed=4): 1,
              Pool("slow", provider="onprem", price=0.5): 2}

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.decompose import fit_blocks, recorded_resizes, split_skewed
 from blockflow.testing import set_tenant, simulated_cluster
 

@@ -21,9 +21,9 @@ from distributed import Client, LocalCluster, get_worker, wait
 import blockflow
 from blockflow.cli import cli
 from blockflow.cluster.hpc import add_workers, slurm_cluster
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.errors import ClusterStartError
-from blockflow.scheduling.client import plugin_status
+from blockflow.scheduling.view import plugin_status
 from blockflow.testing import SimulatedDevice, SimulatedGPU, simulated_kernel
 from loadaware import scaled, wait_until
 from blockflow.workloads import flights

@@ -20,7 +20,7 @@ sklearn = pytest.importorskip("sklearn")
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.linear_model import LogisticRegression  # noqa: E402
 
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from loadaware import wait_until  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.ml import DataParallelTrainer, batch_schedule  # noqa: E402
 from blockflow.ml.train import _probe_split  # noqa: E402
 

@@ -13,7 +13,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.errors import BlockflowWarning, WorkerLostError
 from blockflow.ml.parallel import (
     PipelineParallel,

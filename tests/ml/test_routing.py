@@ -19,7 +19,7 @@ sklearn = pytest.importorskip("sklearn")
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.linear_model import RidgeClassifier  # noqa: E402
 
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 
 
 class SimulatedModel:

@@ -15,7 +15,7 @@ import pytest
 from distributed import Client, LocalCluster, get_task_stream
 from loadaware import wait_until
 
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.testing import simulated_cluster, slowed_to_device_speed
 from blockflow.ml.tune import TRIAL_PREFIX, choice, loguniform, sample_configs, tune, uniform
 

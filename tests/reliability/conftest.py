@@ -18,7 +18,7 @@ from distributed import Client
 from loadaware import wait_until
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 
 
 @pytest.fixture(scope="package")

@@ -15,7 +15,7 @@ import pytest
 
 import blockflow
 from blockflow import map_blocks
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.errors import BlockKernelError, DeviceMemoryError, is_device_oom, requested_bytes
 from blockflow.scheduling import Rebalancer
 from blockflow.testing import device_stats, set_tenant, simulated_cluster, simulated_kernel

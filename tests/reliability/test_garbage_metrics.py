@@ -17,7 +17,7 @@ from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import WorkerPlugin
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow._distributed import remove_worker_metric, set_worker_metric, worker_heartbeat
 from blockflow._distributed.metrics import (
     CAPACITY_METRIC,

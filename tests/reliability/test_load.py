@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.scheduling import Rebalancer
 from blockflow.testing import set_tenant, simulated_cluster
 

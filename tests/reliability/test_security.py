@@ -14,7 +14,7 @@ from distributed import Client, LocalCluster, Security
 from loadaware import scaled
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.dashboard.plugin import DashboardPlugin
 from blockflow.scheduling import Rebalancer
 

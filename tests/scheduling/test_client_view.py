@@ -1,4 +1,4 @@
-"""The client's one view of the cluster (blockflow.scheduling.client), on real in-process
+"""The client's one view of the cluster (blockflow.scheduling.view), on real in-process
 clusters: the plugin's state, learned speeds, memory, the throughput estimator with its
 prior, and waiting while workers die."""
 
@@ -12,10 +12,10 @@ from distributed import Client, LocalCluster
 
 import blockflow
 from blockflow.cluster import connection
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.errors import WorkerLostError
-from blockflow.scheduling import client as view
-from blockflow.scheduling.client import (
+from blockflow.scheduling import view
+from blockflow.scheduling.view import (
     LearnedSpeeds,
     ThroughputView,
     fetch,
@@ -185,7 +185,7 @@ def test_fetch_raises_the_tasks_own_error(two_workers):
 
 
 def test_fetch_many_gathers_finished_results_in_order(two_workers):
-    from blockflow.scheduling.client import fetch_many
+    from blockflow.scheduling.view import fetch_many
 
     _, c = two_workers
     futures = [c.submit(_sleep_then, i, 0.0, pure=False) for i in range(6)]

@@ -12,10 +12,10 @@ from collections import Counter
 
 from blockflow import _distributed
 from blockflow.scheduling.actions import Action
-from blockflow.scheduling.objective import Objective
+from blockflow.pools.objective import Objective
 from blockflow.scheduling.policies import ClusterSnapshot
-from blockflow.scheduling.pools import Pool
-from blockflow.scheduling.rules.objective import ObjectiveRule
+from blockflow.pools.pool import Pool
+from blockflow.pools.objective_rule import ObjectiveRule
 from blockflow.scheduling.runs import Run
 
 FAST = Pool("fast", provider="gcp", price=4.0, speed=4)
@@ -104,7 +104,7 @@ def test_scaling_keeps_a_planned_pools_idle_workers_while_the_run_has_work():
     # 2 fast workers idle for a moment, 4 slow busy; the cost plan for the work left needs
     # one fast worker: the rule does not retire the other mid-run (the plan's rounding
     # flips between 1 and 2 and a retired worker costs its start-up when it is asked back)
-    from blockflow.scheduling.rules.scaling import PoolScalingRule, ScalingRequest
+    from blockflow.pools.scaling import PoolScalingRule, ScalingRequest
 
     snap = _snap(1.0, 96)
     for i in range(4):
@@ -183,7 +183,7 @@ def test_before_any_group_is_measured_only_the_cheapest_pool_takes_tasks():
 
 
 def test_scaling_starts_a_dear_pool_from_zero_only_when_its_share_needs_it():
-    from blockflow.scheduling.rules.scaling import PoolScalingRule, ScalingRequest
+    from blockflow.pools.scaling import PoolScalingRule, ScalingRequest
 
     request = ScalingRequest(pools={"fast": FAST, "slow": SLOW},
                              bounds={"fast": (0, 2), "slow": (0, 4)}, startup=0.5)

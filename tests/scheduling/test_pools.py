@@ -12,9 +12,9 @@ from loadaware import wait_until
 import blockflow
 from blockflow.errors import ObjectiveError
 from blockflow.scheduling import Rebalancer
-from blockflow.scheduling.client import plugin_status
-from blockflow.scheduling.cost import plan, run_cost, throughput_matrix
-from blockflow.scheduling.pools import Pool, pools_of, requested_pools
+from blockflow.scheduling.view import plugin_status
+from blockflow.pools.plan import plan, run_cost, throughput_matrix
+from blockflow.pools.pool import Pool, pools_of, requested_pools
 from blockflow.testing.cluster import simulated_cluster
 from blockflow.testing.simulated import simulated_kernel
 

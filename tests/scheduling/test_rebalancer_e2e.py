@@ -18,7 +18,7 @@ import pytest
 from distributed import wait
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.scheduling import Rebalancer
 from blockflow.testing import restart_clock, set_speed, simulated_cluster, simulated_kernel
 

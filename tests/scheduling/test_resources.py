@@ -25,7 +25,7 @@ from loadaware import async_wait_until, scaled, wait_until
 
 import blockflow
 from blockflow import ResourceError
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.scheduling import Rebalancer
 from blockflow.testing import SimulatedDevice, SimulatedGPU, install_simulated_devices
 

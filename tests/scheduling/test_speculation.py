@@ -22,7 +22,7 @@ from loadaware import async_wait_until, scaled, wait_until
 import blockflow
 from blockflow import _distributed
 from blockflow.core import speculation as _speculation
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.scheduling import Rebalancer
 from blockflow.scheduling.policies import ClusterSnapshot, DynamicPolicy
 from blockflow.testing import restart_clock, simulated_cluster, simulated_kernel

@@ -15,7 +15,7 @@ from distributed.utils_test import gen_cluster
 from loadaware import scaled, wait_until
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.backends import gpu_device_count, has_package
 from blockflow.testing import (
     SimulatedDevice,

@@ -21,7 +21,7 @@ from dask.utils import key_split
 from distributed import Client, LocalCluster
 
 import blockflow
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.workloads import array_stats as A
 from blockflow.workloads import field as F
 from blockflow.workloads.reference import array_stats_reference

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from loadaware import wait_until
 
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.cli import cli
 from blockflow.cluster.connection import gpu_status
 from blockflow.workloads.reference import flights_reference

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from distributed import get_task_stream
 
-from blockflow.cluster.identity import workers_info
+from blockflow.scheduling.view import workers_info
 from blockflow.aggregations import grouped_moments, grouped_quantiles, quantile_label
 from blockflow.backends import gpu_device_count, has_package
 from blockflow.workloads import flights

@@ -37,7 +37,7 @@ import numpy as np
 from blockflow import config
 from blockflow.ml.parallel._stage import _device, _here  # where a shard lives, its device
 from blockflow.ml.parallel.partition import shard_widths
-from blockflow.scheduling.client import gather_as_done, worker_memory
+from blockflow.scheduling.view import gather_as_done, worker_memory
 
 __all__ = ["TensorParallel", "free_device_memory"]
 
@@ -52,7 +52,7 @@ def free_device_memory(client) -> dict[str, float]:
 
     Reported device memory (``gpu-memory-total`` minus ``gpu_memory_used``) where a worker
     reports it, else its host memory limit minus its process memory, else ``math.inf``
-    (unknown): :attr:`blockflow.scheduling.client.WorkerMemory.free`.
+    (unknown): :attr:`blockflow.scheduling.view.WorkerMemory.free`.
     """
     return {a: float(m.free) for a, m in worker_memory(client).items()}
 
@@ -335,7 +335,7 @@ class TensorParallel:
     # --- passes --------------------------------------------------------------------------
 
     def _alive(self):
-        from blockflow.cluster.identity import workers_info
+        from blockflow.scheduling.view import workers_info
         return set(workers_info(self.client))
 
     def _gather(self, futures: list, what: str) -> list:

@@ -16,7 +16,7 @@ yield (:meth:`blockflow.scheduling.plugin.Rebalancer._apply`).
 :class:`BackupRule`          copies of stragglers on idle workers (``speculate``)
 :class:`RoundRobinAssignmentRule`  blocks pinned up front by worker weight (``assign``)
 :class:`AdmissionRule`       producers feeding GPU consumers within a budget (``hold``, ``release``, ``admit``)
-:class:`ObjectiveRule`       pools parked for a cost objective or a budget (``park``, ``unpark``, ``objective``, ``fail``)
+:class:`~blockflow.pools.objective_rule.ObjectiveRule`  pools parked for a cost objective or a budget (``park``, ``unpark``, ``objective``, ``fail``)
 =========================  ==========================================================
 """
 
@@ -27,11 +27,10 @@ from blockflow.scheduling.rules.balancing import BalancingRule
 from blockflow.scheduling.rules.base import Rule, RuleContext
 from blockflow.scheduling.rules.hold import HoldRule, pessimistic_speed
 from blockflow.scheduling.rules.move import MoveRule
-from blockflow.scheduling.rules.objective import ObjectiveRule
 from blockflow.scheduling.rules.pause import PauseRule
 from blockflow.scheduling.rules.placement import KernelPlacementRule, WorkingSetPlacementRule
 from blockflow.scheduling.rules.unsatisfiable import UnsatisfiableRule
 
 __all__ = ["AdmissionRule", "BackupRule", "BalancingRule", "HoldRule", "KernelPlacementRule",
-           "MoveRule", "ObjectiveRule", "PauseRule", "RoundRobinAssignmentRule", "Rule", "RuleContext", "UnsatisfiableRule",
+           "MoveRule", "PauseRule", "RoundRobinAssignmentRule", "Rule", "RuleContext", "UnsatisfiableRule",
            "WorkingSetPlacementRule", "default_budget", "pessimistic_speed"]

@@ -1,9 +1,9 @@
 """``blockflow.PoolCluster``: one scheduler over several pools of workers.
 
 A :class:`distributed.SpecCluster` whose worker specs come one per pool: every worker of pool
-``fast`` is named ``fast-<i>`` and started with the worker preload ``blockflow.pool`` (so it
-reports its :class:`~blockflow.scheduling.pools.Pool` and declares the ``pool:fast``
-resource), the same way a worker started by hand with ``dask worker --preload blockflow.pool
+``fast`` is named ``fast-<i>`` and started with the worker preload ``blockflow.pools.preload`` (so it
+reports its :class:`~blockflow.pools.pool.Pool` and declares the ``pool:fast``
+resource), the same way a worker started by hand with ``dask worker --preload blockflow.pools.preload
 --pool fast`` does. The workers are local processes by default, or batch jobs of
 dask-jobqueue: one job template (``SLURMJob``, ``PBSJob``, ...) per pool, all under ONE
 scheduler, which the "one cluster per queue" workaround (dask-jobqueue#381) cannot give.
@@ -11,7 +11,7 @@ scheduler, which the "one cluster per queue" workaround (dask-jobqueue#381) cann
 The scheduler runs blockflow's scheduler plugin from the start (the
 ``blockflow.scheduling.preload`` preload). :meth:`PoolCluster.scale` sizes one pool;
 :meth:`PoolCluster.adapt` sizes every pool from the backlog, the throughput matrix and the
-prices (:class:`blockflow.cluster.adaptive.PoolAdaptive`).
+prices (:class:`blockflow.pools.adaptive.PoolAdaptive`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 from distributed import Nanny, Scheduler, SpecCluster, Worker
 
-from blockflow.scheduling.pools import Pool
+from blockflow.pools.pool import Pool
 
 __all__ = ["PoolCluster"]
 
@@ -35,7 +35,7 @@ _POOL_RESOURCE_AMOUNT = 1e6
 
 
 def pool_preload_argv(pool: Pool) -> list[str]:
-    """The ``blockflow.pool`` preload's command-line options describing ``pool``."""
+    """The ``blockflow.pools.preload`` preload's command-line options describing ``pool``."""
     argv = ["--pool", pool.name, "--provider", pool.provider]
     if pool.region:
         argv += ["--region", pool.region]
@@ -114,7 +114,7 @@ class PoolCluster(SpecCluster):
 
     See Also
     --------
-    blockflow.cluster.adaptive.PoolAdaptive : per-pool elastic scaling.
+    blockflow.pools.adaptive.PoolAdaptive : per-pool elastic scaling.
 
     Examples
     --------
@@ -199,14 +199,14 @@ class PoolCluster(SpecCluster):
             extra = list(opts.pop("worker_extra_args", None) or [])
             resources = f"{pool.resource}={_POOL_RESOURCE_AMOUNT:g}"
             opts["worker_extra_args"] = extra + ["--resources", resources,
-                                                 "--preload", "blockflow.pool", *argv]
+                                                 "--preload", "blockflow.pools.preload", *argv]
             opts.setdefault("job_name", f"blockflow-{pool.name}")
             return {"cls": self.job_cls, "options": opts, "pool": pool.name}
         extra = dict(self._worker_options.get(pool.name, {}))
         resources = {**dict(extra.pop("resources", None) or {}),
                      pool.resource: _POOL_RESOURCE_AMOUNT}
         opts = {"nthreads": self._threads, "resources": resources,
-                "preload": ["blockflow.pool"], "preload_argv": [argv],
+                "preload": ["blockflow.pools.preload"], "preload_argv": [argv],
                 "host": "127.0.0.1", "dashboard": False,
                 "silence_logs": self._silence_logs, **extra}
         if self._memory_limit is not None:
@@ -316,16 +316,16 @@ class PoolCluster(SpecCluster):
             Pool name -> ``(minimum, maximum)`` workers; pools not named keep
             ``(0, their current size)``... unless ``minimum``/``maximum`` are given, which
             apply to every pool not named.
-        Adaptive : type, default :class:`blockflow.cluster.adaptive.PoolAdaptive`
+        Adaptive : type, default :class:`blockflow.pools.adaptive.PoolAdaptive`
         **kwargs
             ``interval``, ``wait_count``, ``target_duration``, ``minimum``, ``maximum``
-            (see :class:`~blockflow.cluster.adaptive.PoolAdaptive`).
+            (see :class:`~blockflow.pools.adaptive.PoolAdaptive`).
 
         Returns
         -------
         PoolAdaptive
         """
-        from blockflow.cluster.adaptive import PoolAdaptive
+        from blockflow.pools.adaptive import PoolAdaptive
 
         cls = Adaptive or PoolAdaptive
         if getattr(self, "_adaptive", None) is not None:

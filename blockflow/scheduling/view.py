@@ -4,6 +4,8 @@ Runs in the user's process and talks to the scheduler through a ``distributed.Cl
 scheduler object is touched here). Tuning, training, inference routing, parallelism and the
 data kernels read the cluster through these functions rather than each their own:
 
+- :func:`scheduler_identity`, :func:`workers_info`: the scheduler's identity read directly
+  (never the client's shared copy, which its periodic refresh can empty).
 - :func:`plugin_status`, :func:`decisions`, :func:`task_counts`: the plugin's state.
 - :func:`learned_speeds`: the plugin's learned speeds with their confidence, under the one
   confidence rule (:data:`~blockflow.scheduling.estimate.CONFIDENT`).
@@ -34,11 +36,12 @@ from distributed import Client
 from blockflow import config
 from blockflow._distributed.metrics import CAPACITY_METRIC, clean_number, read_metrics
 from blockflow._distributed.client import has_scheduler_plugin
-from blockflow.cluster.identity import workers_info
 from blockflow.errors import WorkerLostError
 from blockflow.scheduling.estimate import CONFIDENT, Throughput, confident_speeds
 
 __all__ = [
+    "scheduler_identity",
+    "workers_info",
     "throughput",
     "LearnedSpeeds",
     "ThroughputView",
@@ -99,7 +102,7 @@ def throughput(client: Client, status: Mapping[str, Any] | None = None):
     """The throughput matrix: seconds per task of each task group on each pool.
 
     Learned by blockflow's speed model (warm tasks only) and read from the scheduler plugin
-    (:func:`blockflow.scheduling.cost.throughput_matrix`, Gavel's matrix): a pool that ran
+    (:func:`blockflow.pools.plan.throughput_matrix`, Gavel's matrix): a pool that ran
     a group shows the median over its workers; a pool that ran none of it shows the
     group's time elsewhere scaled by the pools' typical speeds (its ``speed`` hint).
 
@@ -264,7 +267,7 @@ def declared_speeds(client: Client, workers: Mapping[str, Mapping] | None = None
     """The workers' nominal relative speeds, from what their devices declare.
 
     A worker whose device reports the ``blockflow-capacity`` metric (a GPU's SM cores x max
-    SM clock, :mod:`blockflow.cluster.devices`; a simulated device's speed) gets its
+    SM clock, :mod:`blockflow.devices`; a simulated device's speed) gets its
     capacity over the median capacity of the workers that report one (1.0 typical, larger
     faster). This is what a fresh cluster tells before any work: a prior, below speeds
     measured on real work (:func:`learned_speeds`, :class:`ThroughputView`).
@@ -273,7 +276,7 @@ def declared_speeds(client: Client, workers: Mapping[str, Mapping] | None = None
     ----------
     client : distributed.Client
     workers : mapping, optional
-        :func:`~blockflow.cluster.identity.workers_info` already fetched.
+        :func:`~blockflow.scheduling.view.workers_info` already fetched.
 
     Returns
     -------
@@ -383,7 +386,7 @@ def worker_memory(client: Client, workers: Mapping[str, Mapping] | None = None
     ----------
     client : distributed.Client
     workers : mapping, optional
-        :func:`~blockflow.cluster.identity.workers_info` already fetched.
+        :func:`~blockflow.scheduling.view.workers_info` already fetched.
 
     Returns
     -------
@@ -795,3 +798,25 @@ def gather_as_done(futures: Iterable, *, alive: Callable[[], Iterable[str]],
                 raise TimeoutError(f"blockflow: {len(pending)} results not back within "
                                    f"{deadline:g} s: {[str(f.key) for f in pending[:5]]}")
     return got
+
+def scheduler_identity(client) -> dict[str, Any]:
+    """The scheduler's identity with every worker, as ``Client.scheduler_info(-1)`` gives it.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        A synchronous client (in a worker thread, ``get_client()`` is one).
+
+    Returns
+    -------
+    dict
+        ``id``, ``address``, ``workers`` (address -> info dict with ``name``, ``nthreads``,
+        ``memory_limit`` (bytes), ``metrics``, ``resources``, ...), and the scheduler's
+        other identity fields.
+    """
+    return dict(client.sync(client.scheduler.identity, n_workers=-1))
+
+
+def workers_info(client) -> dict[str, dict[str, Any]]:
+    """Worker address -> the scheduler's info on that worker (see :func:`scheduler_identity`)."""
+    return dict(scheduler_identity(client).get("workers") or {})

@@ -4,7 +4,7 @@ A pool is a kind of worker bought at one price: ``Pool("l4", provider="gcp", pri
 A worker says which pool it belongs to the Dask-native way, through its heartbeat: the
 worker plugin :class:`PoolMember` (registered by :func:`blockflow.connect` with ``pools=``,
 by a cluster of pools, or installed by the worker preload ``dask worker --preload
-blockflow.pool --pool l4 --provider gcp --price 0.8``) reports the pool as the worker metric
+blockflow.pools.preload --pool l4 --provider gcp --price 0.8``) reports the pool as the worker metric
 :data:`POOL_METRIC` and declares the worker resource ``"pool:<name>"``, so that
 ``resources={"pool:l4": 1}`` pins tasks to that pool. The scheduler plugin, the inventory,
 the dashboard and run reports read the metric (:func:`pools_of`, :func:`pool_from_metric`).
@@ -110,7 +110,7 @@ class Pool:
             raise ValueError(
                 f"blockflow: pool {self.name!r} has no price, which {what} needs; give it one "
                 f"(Pool({self.name!r}, price=<dollars per worker-hour>), or "
-                f"`--preload blockflow.pool --pool {self.name} --price ...`).")
+                f"`--preload blockflow.pools.preload --pool {self.name} --price ...`).")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (the worker metric, JSON)."""

@@ -1,8 +1,8 @@
-"""Worker preload: ``dask worker SCHEDULER --preload blockflow.pool --pool l4 --price 0.8``.
+"""Worker preload: ``dask worker SCHEDULER --preload blockflow.pools.preload --pool l4 --price 0.8``.
 
 Puts a worker started by someone else (``dask worker``, dask-jobqueue, dask-kubernetes) in
 a :class:`blockflow.Pool`: the worker reports the pool in its heartbeats and declares the
-worker resource ``"pool:<name>"`` (:class:`blockflow.scheduling.pools.PoolMember`). Options:
+worker resource ``"pool:<name>"`` (:class:`blockflow.pools.pool.PoolMember`). Options:
 ``--pool NAME`` (required), ``--provider``, ``--region``, ``--price`` (dollars per
 worker-hour), ``--egress`` (dollars per GB leaving the provider), ``--speed`` (relative speed
 hint, 1.0 = typical).
@@ -25,7 +25,7 @@ import click
 @click.option("--speed", type=float, default=None,
               help="Relative speed hint (1.0 = the typical worker).")
 async def dask_setup(worker, pool_name, provider, region, price, egress, speed):
-    from blockflow.scheduling.pools import Pool, PoolMember
+    from blockflow.pools.pool import Pool, PoolMember
 
     try:
         pool = Pool(pool_name, provider=provider, region=region, price=price, egress=egress,

@@ -1,9 +1,9 @@
 """The pool-scaling rule: how many workers each pool should have now, and which idle
 workers a shrinking pool gives back.
 
-:class:`blockflow.cluster.adaptive.PoolAdaptive` (``PoolCluster.adapt``) asks the scheduler
+:class:`blockflow.pools.adaptive.PoolAdaptive` (``PoolCluster.adapt``) asks the scheduler
 plugin for its targets every interval; the plugin runs this rule on a fresh snapshot. The
-target of each pool comes from the LP of :func:`blockflow.scheduling.cost.plan` over the
+target of each pool comes from the LP of :func:`blockflow.pools.plan.plan` over the
 work the current run has left, the throughput matrix and the prices, within the pool's
 minimum and maximum:
 
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
-from blockflow.scheduling import cost
+from blockflow.pools import plan as cost
 from blockflow.scheduling.actions import Action, Decision
-from blockflow.scheduling.pools import Pool, pools_of
+from blockflow.pools.pool import Pool, pools_of
 
 __all__ = ["PoolScalingRule", "ScalingRequest"]
 
@@ -105,7 +105,7 @@ class PoolScalingRule:
 
     #: Under a deadline, a pool with no worker that is dearer per unit of work than the
     #: cheapest starts once its share needs this much of its maximum's time left (the
-    #: objective rule's :attr:`~blockflow.scheduling.rules.objective.ObjectiveRule.late_start`).
+    #: objective rule's :attr:`~blockflow.pools.objective_rule.ObjectiveRule.late_start`).
     late_start = 0.8
 
     def __init__(self):

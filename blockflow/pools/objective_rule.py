@@ -3,7 +3,7 @@
 Under ``blockflow.objective("cost", deadline=...)`` the cheap pools keep the work while they
 can meet the deadline and expensive pools take only what they must; under
 ``blockflow.objective("makespan", budget=...)`` speed is bought until the money runs out.
-Both are the LP of :func:`blockflow.scheduling.cost.plan` over the throughput matrix,
+Both are the LP of :func:`blockflow.pools.plan.plan` over the throughput matrix,
 re-solved on every tick for the work the run has left; a pool the plan gives no more work
 than it already holds is *parked* (its workers paused on the scheduler: they finish what
 they run and take nothing new; the move rule hands their waiting tasks to the others), a
@@ -18,14 +18,14 @@ import math
 from statistics import median
 from typing import Any
 
-from blockflow.scheduling import cost
+from blockflow.pools import plan as cost
 from blockflow.scheduling.actions import Action, Decision
-from blockflow.scheduling.pools import Pool, pools_of, requested_pools
+from blockflow.pools.pool import Pool, pools_of, requested_pools
 from blockflow.scheduling.rules.base import Rule, RuleContext, some_tasks
 
 __all__ = ["ObjectiveRule", "check_objective"]
 
-logger = logging.getLogger("blockflow.scheduling.objective")
+logger = logging.getLogger("blockflow.pools.objective")
 
 _GB = 1e9
 
@@ -87,7 +87,7 @@ def check_objective(objective, pools: dict[str, Pool], work: dict[str, float],
                         else "a budget")
                 return (f"blockflow.objective: pool {p.name!r} has no price, which {what} "
                         f"needs; give it one (Pool({p.name!r}, price=<dollars per "
-                        f"worker-hour>), or `--preload blockflow.pool --pool {p.name} "
+                        f"worker-hour>), or `--preload blockflow.pools.preload --pool {p.name} "
                         f"--price ...`)")
     known = {g: n for g, n in work.items() if g in seconds}
     if not known:
@@ -115,7 +115,7 @@ class ObjectiveRule(Rule):
     ``fail`` decision whose ``detail`` is the :class:`~blockflow.errors.ObjectiveError`.
 
     On ``"tick"`` snapshots, for the run most recently given work under an objective that
-    needs prices: solve :func:`blockflow.scheduling.cost.plan` for the work it has left
+    needs prices: solve :func:`blockflow.pools.plan.plan` for the work it has left
     (``snapshot.run.group_pending``, groups with a throughput only), with the time left to
     the deadline less one task of the slowest pool (the last task a worker starts must end
     in time), or the budget left (``budget`` minus what its workers cost so far). A pool
@@ -135,7 +135,7 @@ class ObjectiveRule(Rule):
     Attributes
     ----------
     plans : dict
-        Run id -> the latest plan (:meth:`blockflow.scheduling.cost.Plan.as_dict`) and its
+        Run id -> the latest plan (:meth:`blockflow.pools.plan.Plan.as_dict`) and its
         inputs, for status and the dashboard.
     """
 
@@ -320,7 +320,7 @@ class ObjectiveRule(Rule):
     def spent(run, pools, now, workers=None) -> float:
         """Dollars ``run``'s workers cost so far: each billed from its first task's start
         to now while it has tasks assigned, else to its last task's end (idle gaps
-        included, as :func:`blockflow.scheduling.cost.run_cost` bills).
+        included, as :func:`blockflow.pools.plan.run_cost` bills).
 
         Parameters
         ----------

@@ -4,7 +4,7 @@ distributed's :class:`~distributed.deploy.adaptive.Adaptive` sizes a cluster as 
 and retires whichever workers ``Scheduler.workers_to_close`` names; with several kinds of
 workers that grows the wrong kind and retires another group's (dask-kubernetes#914). Here
 every interval asks blockflow's scheduler plugin for one target per pool (the
-``blockflow_pool_targets`` handler: :mod:`blockflow.scheduling.rules.scaling`, the LP over
+``blockflow_pool_targets`` handler: :mod:`blockflow.pools.scaling`, the LP over
 the backlog, the throughput matrix and the prices, towards the run's objective), starts the
 workers a pool lacks, and forgets the workers the scheduler retired - only idle ones of a
 pool above its target, checked and paused in one step on the scheduler. Every change of a

@@ -10,7 +10,7 @@ group's time on the pools that did, scaled by the pools' typical speeds
 :func:`plan` is the one LP (``scipy.optimize.linprog``, HiGHS) over that matrix: how many
 tasks of each group each pool takes, to minimise cost under a deadline, or the makespan
 under a budget (or without one). Its optimum is the lower bound run reports show beside
-the cost, the objective rule (:mod:`blockflow.scheduling.rules.objective`) re-solves it for
+the cost, the objective rule (:mod:`blockflow.pools.objective_rule`) re-solves it for
 the work left on every tick, and pool scaling sizes pools from it
 (:attr:`Plan.workers_needed`). :func:`run_cost` prices a finished run: each worker billed
 from its first task's start to its last task's end (idle gaps included) at its pool's
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
-from blockflow.scheduling.pools import Pool
+from blockflow.pools.pool import Pool
 
 __all__ = ["Plan", "plan", "run_cost", "throughput_matrix", "typical_speeds"]
 

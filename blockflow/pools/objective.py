@@ -5,7 +5,7 @@ budget.
 inside the block with the task annotation :data:`OBJECTIVE_ANNOTATION` (a global annotation,
 as :func:`blockflow.scheduling.runs.run_scope` does, so graph optimisation cannot drop it);
 the scheduler plugin keeps it with the run and the objective rule
-(:class:`blockflow.scheduling.rules.ObjectiveRule`) plans the run's pools by it. Outside
+(:class:`blockflow.pools.objective_rule.ObjectiveRule`) plans the run's pools by it. Outside
 any block the objective is "makespan" without a budget: today's behaviour, unchanged.
 """
 
@@ -113,7 +113,7 @@ def objective(kind: str = "makespan", *, deadline: str | float | None = None,
 
     Notes
     -----
-    The plan is the LP of :func:`blockflow.scheduling.cost.plan`, re-solved for the work
+    The plan is the LP of :func:`blockflow.pools.plan.plan`, re-solved for the work
     left on every tick of the scheduler plugin; see :doc:`/guide/pools`.
     """
     if kind not in OBJECTIVES:
