@@ -479,3 +479,30 @@ async def test_policy_named_in_distributed_config_balances_in_the_scheduler_amm(
         assert len(h) == 1
         held[h.pop()] += 256 * MiB
     assert held == {addrs["a"]: 2 * GiB, addrs["b"]: GiB, addrs["c"]: 512 * MiB}
+
+
+@pytest.mark.parametrize("policy", ["dynamic", "memory", "static-round-robin",
+                                    "static-capacity", "off"])
+def test_rebalance_leaves_work_stealing_as_it_was(policy):
+    """The copies and drops of ``blockflow.rebalance`` are records: logged, never acted on.
+    distributed's stealing loop runs before and after, under every policy."""
+
+    @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+    async def check(c, s, a, b, w):
+        addrs = await _devices(c, s, a, b, w)
+        await c.register_plugin(Rebalancer(policy=policy, interval=0))
+        plugin = s.plugins["blockflow-rebalancer"]
+        futs = _blocks(c, addrs["a"], [256 * MiB] * 14)
+        await c.gather(futs)
+        stealing = s.periodic_callbacks["stealing"]
+        before = (stealing.is_running(), plugin.status()["balancing"])
+        assert before == (True, False)
+
+        summary = await blockflow.rebalance(c, futs)
+
+        assert len(summary["moves"]) == 6
+        assert s.periodic_callbacks["stealing"] is stealing
+        assert (stealing.is_running(), plugin.status()["balancing"]) == before
+        assert [d for d in plugin.decisions if d["reason"].startswith(("copy", "drop"))]
+
+    check()
