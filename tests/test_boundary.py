@@ -762,13 +762,13 @@ def test_the_scheduler_side_imports_nothing_from_the_kernel_layer_or_the_dashboa
 
 
 #: Boundary functions that act on the scheduler for a scheduling decision: on the scheduler
-#: side only the plugin's handler table (``Rebalancer._apply``) may call them.
+#: side only the actuator's handler table (``blockflow.scheduling.actuator``) may call them.
 SCHEDULER_ACTIONS = frozenset({
     "set_worker_status", "move_task", "restrict_task", "set_task_placement", "hold_tasks",
     "release_tasks", "fail_tasks", "request_backup", "suspend_work_stealing",
     "run_amm_policy",
 })
-#: Attribute calls that write the decision log (only ``Rebalancer._log``, from ``_apply``).
+#: Attribute calls that write the decision log (only ``Actuator._log``).
 LOG_WRITES = frozenset({"_log"})
 
 
@@ -814,22 +814,23 @@ def scheduler_actions(source: str, filename: str = "<string>") -> list[str]:
 
 
 def test_only_the_plugins_handler_table_acts_on_the_scheduler():
-    """No module of ``blockflow/scheduling/`` but ``plugin.py`` (whose ``Rebalancer._apply``
-    and its handlers are the one place that acts on the scheduler for a decision and writes
-    the decision log) calls a boundary function that acts on the scheduler or writes a
-    decision log: rules and policies yield decisions."""
+    """No module of ``blockflow/scheduling/`` but ``actuator.py`` (whose handler table is the
+    one place that acts on the scheduler for a decision and writes the decision log) calls a
+    boundary function that acts on the scheduler or writes a decision log: rules, policies
+    and the plugin's hooks, tick and close yield commands."""
     root = PACKAGE / "scheduling"
     found = []
     for path in sorted(root.rglob("*.py")):
-        if path == root / "plugin.py":
+        if path == root / "actuator.py":
             continue
         found += scheduler_actions(path.read_text(), str(path.relative_to(PACKAGE)))
     assert found == [], "acting on the scheduler outside the handler table:\n" \
         + "\n".join(found)
-    # the plugin does call them: the check reads the calls the plugin makes
-    assert {u.split(": ")[1] for u in scheduler_actions((root / "plugin.py").read_text())} \
+    # the actuator does call them: the check reads the calls it makes
+    assert {u.split(": ")[1] for u in scheduler_actions((root / "actuator.py").read_text())} \
         >= {"_distributed.move_task()", "_distributed.hold_tasks()",
-            "_distributed.release_tasks()", "_log()"}
+            "_distributed.release_tasks()", "_distributed.set_worker_status()",
+            "_distributed.suspend_work_stealing()", "_log()"}
 
 
 @pytest.mark.parametrize("source", [

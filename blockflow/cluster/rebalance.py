@@ -10,7 +10,7 @@ from typing import Any
 from dask.utils import parse_bytes
 
 from blockflow import _distributed
-from blockflow.scheduling.balance import DeviceMemoryBalancePolicy
+from blockflow.scheduling.device_memory import DeviceMemoryAMMPolicy
 
 __all__ = ["rebalance"]
 
@@ -27,10 +27,11 @@ def rebalance(client, futures=None, *, workers: Iterable[str] | None = None,
     then dropped from the source) while that narrows the gaps, so that every worker ends
     within one block (the largest) of its target; ``max_deviation`` in the summary says
     how close.
-    Runs :class:`~blockflow.scheduling.balance.DeviceMemoryBalancePolicy` on the scheduler
-    in a dedicated Active Memory Manager; every copy and drop is logged as action
-    ``"balance"`` in the decision log (:func:`blockflow.decisions`) when blockflow's
-    scheduler plugin is registered, and works the same without it.
+    Runs :class:`~blockflow.scheduling.device_memory.DeviceMemoryAMMPolicy` (``even=True``)
+    on the scheduler in a dedicated Active Memory Manager; every copy and drop is recorded
+    as ``memory-move`` in the decision log (:func:`blockflow.decisions`) when blockflow's
+    scheduler plugin is registered (a record: it changes nothing else), and works the same
+    without it.
 
     Parameters
     ----------
@@ -72,7 +73,7 @@ def rebalance(client, futures=None, *, workers: Iterable[str] | None = None,
     See Also
     --------
     distributed.Client.rebalance : the same for host memory.
-    blockflow.scheduling.DeviceMemoryAMMPolicy : moves results off nearly full devices.
+    blockflow.scheduling.DeviceMemoryAMMPolicy : the policy, also for nearly full devices.
 
     Examples
     --------
@@ -126,7 +127,7 @@ async def _on_scheduler(keys, workers, tolerance, cycles, timeout,
         if unknown:
             return {"error": f"blockflow.rebalance: workers {unknown} are not in the cluster; "
                              f"pass addresses from client.scheduler_info()['workers']."}
-    policy = DeviceMemoryBalancePolicy(keys, workers, tolerance)
+    policy = DeviceMemoryAMMPolicy(even=True, keys=keys, workers=workers, tolerance=tolerance)
     caps = policy.capacities(views)
     if not caps and workers is None:
         return {"error": "blockflow.rebalance: no running worker reports device memory "

@@ -30,17 +30,18 @@ from dask.utils import format_bytes
 
 from blockflow import _distributed
 from blockflow.dashboard.state import dashboard_state
-from blockflow.scheduling.actions import Action
+from blockflow.scheduling.actions import Action, Recorded
 
 __all__ = ["ACTION_STYLES", "BlockflowPage", "blockflow_doc"]
 
-#: How each action is drawn on the decision timeline: (colour, marker, row label). Every
-#: :class:`~blockflow.scheduling.actions.Action` has its own (a test checks), so no action
-#: is drawn as another.
-ACTION_STYLES: dict[Action, tuple[str, str, str]] = {
+#: How each logged command and record is drawn on the decision timeline: (colour, marker,
+#: row label). Every :class:`~blockflow.scheduling.actions.Action` but the unlogged
+#: ``reapply`` and every :class:`~blockflow.scheduling.actions.Recorded` has its own (a test
+#: checks), so none is drawn as another.
+ACTION_STYLES: dict[Action | Recorded, tuple[str, str, str]] = {
     Action.PAUSE: ("#d62728", "square", "pause"),
     Action.RESUME: ("#2ca02c", "square", "resume"),
-    Action.HANDOVER: ("#98df8a", "square_x", "handover"),
+    Recorded.HANDOVER: ("#98df8a", "square_x", "handover"),
     Action.HOLD: ("#ff7f0e", "triangle", "hold"),
     Action.RELEASE: ("#ffbb78", "inverted_triangle", "release"),
     Action.MOVE: ("#1f77b4", "circle", "move"),
@@ -48,20 +49,20 @@ ACTION_STYLES: dict[Action, tuple[str, str, str]] = {
     Action.PLACE: ("#17becf", "diamond", "place"),
     Action.SPECULATE: ("#9467bd", "star", "speculate"),
     Action.RESTRICT: ("#9edae5", "hex", "restrict"),
-    Action.ADMIT: ("#bcbd22", "hex", "admit"),
+    Recorded.ADMIT: ("#bcbd22", "hex", "admit"),
     Action.FAIL: ("#8c1a1a", "x", "fail"),
-    Action.BALANCE: ("#e377c2", "plus", "balance"),
-    Action.DEFER: ("#f7b6d2", "plus", "defer"),
-    Action.KEEP: ("#7f7f7f", "dash", "keep"),
-    Action.WAIT: ("#dbdb8d", "asterisk", "wait"),
-    Action.BACKUP: ("#c5b0d5", "star_dot", "backup"),
-    Action.MEMORY_MOVE: ("#393b79", "circle_x", "memory-move"),
-    Action.JOIN: ("#8c564b", "triangle_dot", "join"),
-    Action.FORGET: ("#c49c94", "inverted_triangle", "forget"),
+    Action.SUSPEND_STEALING: ("#e377c2", "plus", "suspend-stealing"),
+    Action.RESTORE_STEALING: ("#f7b6d2", "plus", "restore-stealing"),
+    Recorded.KEEP: ("#7f7f7f", "dash", "keep"),
+    Recorded.WAIT: ("#dbdb8d", "asterisk", "wait"),
+    Recorded.BACKUP: ("#c5b0d5", "star_dot", "backup"),
+    Recorded.MEMORY_MOVE: ("#393b79", "circle_x", "memory-move"),
+    Recorded.JOIN: ("#8c564b", "triangle_dot", "join"),
+    Recorded.FORGET: ("#c49c94", "inverted_triangle", "forget"),
     Action.PARK: ("#8c6d31", "square_pin", "park"),
     Action.UNPARK: ("#e7ba52", "square_pin", "unpark"),
-    Action.OBJECTIVE: ("#d6616b", "triangle_pin", "objective"),
-    Action.SCALE: ("#3182bd", "diamond_cross", "scale"),
+    Recorded.OBJECTIVE: ("#d6616b", "triangle_pin", "objective"),
+    Recorded.SCALE: ("#3182bd", "diamond_cross", "scale"),
     Action.RETIRE: ("#636363", "circle_y", "retire"),
 }
 #: Rows of the decision timeline, one per action.
@@ -72,8 +73,8 @@ def action_style(action: str) -> tuple[str, str, str]:
     """(colour, marker, label) of a logged action (a name not in the vocabulary, from a
     newer scheduler, is drawn under its own name in grey)."""
     try:
-        return ACTION_STYLES[Action(action)]
-    except ValueError:
+        return ACTION_STYLES[action]
+    except KeyError:
         return ("#7f7f7f", "circle", str(action))
 WORKER_COLUMNS = [
     ("pool", "Pool"), ("worker", "Worker"), ("address", "Address"), ("device", "Device"), ("gpu_util", "GPU util"),

@@ -19,7 +19,7 @@ from statistics import median
 from typing import Any
 
 from blockflow.pools import plan as cost
-from blockflow.scheduling.actions import Action, Decision
+from blockflow.scheduling.actions import Action, Decision, Record, Recorded
 from blockflow.pools.pool import Pool, pools_of, requested_pools
 from blockflow.scheduling.rules.base import Rule, RuleContext, some_tasks
 
@@ -590,7 +590,7 @@ class ObjectiveRule(Rule):
         out = []
         if run_id not in self._warned:
             self._warned.add(run_id)
-            out.append(Decision(Action.OBJECTIVE, "", reason, seen,
+            out.append(Record(Recorded.OBJECTIVE, "", reason, seen,
                                 detail={"warning": True}))
         pools = pools_of(snap.workers)
         for a in sorted(snap.workers):

@@ -32,7 +32,7 @@ from statistics import median
 from typing import Any
 
 from blockflow.pools import plan as cost
-from blockflow.scheduling.actions import Action, Decision
+from blockflow.scheduling.actions import Action, Decision, Record, Recorded
 from blockflow.pools.pool import Pool, pools_of
 
 __all__ = ["PoolScalingRule", "ScalingRequest"]
@@ -227,7 +227,7 @@ class PoolScalingRule:
                                   f"for the pool")
                 target = current
             if self.targets.get(pool) != target:
-                out.append(Decision(Action.SCALE, "", f"pool {pool!r}: {current} -> {target} "
+                out.append(Record(Recorded.SCALE, "", f"pool {pool!r}: {current} -> {target} "
                                     f"workers; {reasons[pool]}",
                                     {**seen, "pool": pool, "current": current,
                                      "target": target}, target=pool))

@@ -1,8 +1,8 @@
 """Scheduling: blockflow's scheduler plugin, its policies and the speed model.
 
 :class:`Rebalancer` is the scheduler plugin; :data:`POLICIES` the registry of policy names;
-:class:`DeviceMemoryAMMPolicy` and :class:`DeviceMemoryBalancePolicy` can be named in
-distributed's Active Memory Manager configuration. Pools, objectives and cost are in
+:class:`DeviceMemoryAMMPolicy` can be named in distributed's Active Memory Manager
+configuration. Pools, objectives and cost are in
 :mod:`blockflow.pools`. Worker metrics are parsed by :mod:`blockflow._distributed.metrics`.
 
 Names load on first use (as :mod:`blockflow` does), so importing one small module, say
@@ -12,8 +12,7 @@ Names load on first use (as :mod:`blockflow` does), so importing one small modul
 import importlib
 
 _LAZY = {
-    "DeviceMemoryAMMPolicy": "blockflow.scheduling.policies",
-    "DeviceMemoryBalancePolicy": "blockflow.scheduling.balance",
+    "DeviceMemoryAMMPolicy": "blockflow.scheduling.device_memory",
     "POLICIES": "blockflow.scheduling.policies",
     "Rebalancer": "blockflow.scheduling.plugin",
     "RebalancePolicy": "blockflow.scheduling.policies",

@@ -1,15 +1,14 @@
-"""The scheduling vocabulary: every action blockflow's scheduler side takes or logs.
+"""The scheduling vocabulary: commands that act on the scheduler, records of what happened.
 
-A rule (:mod:`blockflow.scheduling.rules`) yields :class:`Decision` objects; each names one
-:class:`Action`. :meth:`blockflow.scheduling.plugin.Rebalancer._apply` holds one handler per
-action and is the only code that acts on the scheduler or writes the decision log, so the
-dashboard, :func:`blockflow.decisions` and run reports read the same closed list: a new
-action has to be added here, with its drawing on the dashboard
-(:data:`blockflow.dashboard.page.ACTION_STYLES`), before anything can take it.
+A rule (:mod:`blockflow.scheduling.rules`) yields :class:`Decision` objects, each naming one
+:class:`Action` (a command), and :class:`Record` objects, each naming one :class:`Recorded`
+(what happened). The actuator (:mod:`blockflow.scheduling.actuator`) holds one handler per
+command and is the only code that acts on the scheduler; a record is only logged, and its
+type keeps it from reaching a handler. The dashboard, :func:`blockflow.decisions` and run
+reports read both from the one decision log, by their plain strings.
 
-Also the names shared with the kernel layer: :data:`KERNEL_PREFIX`, the prefix of every
-blockflow kernel task's name (:mod:`blockflow.blockwise` imports it from here, so that the
-scheduler side imports nothing from the kernel layer).
+Also the prefix of blockflow kernel tasks' names, :data:`KERNEL_PREFIX`, shared with the
+kernel layer so that the scheduler side imports nothing from it.
 """
 
 from __future__ import annotations
@@ -18,35 +17,28 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["KERNEL_PREFIX", "Action", "Decision"]
+__all__ = ["KERNEL_PREFIX", "Action", "Decision", "Record", "Recorded"]
 
 #: Prefix of the names of blockflow's kernel tasks (``map_blocks`` and reductions).
 KERNEL_PREFIX = "blockflow-"
 
 
 class Action(str, Enum):
-    """What a decision does (a ``str``: JSON, the status handler and ``==`` with plain
-    strings keep working; ``Action("move")`` looks one up, an unknown name raises
-    ``ValueError``).
+    """A command: what a :class:`Decision` makes the scheduler do.
 
-    The first group changes the scheduler; the second only records what happened.
+    A ``str`` (``==`` with plain strings, JSON); ``Action("move")`` looks one up and an
+    unknown name, a :class:`Recorded` one included, raises ``ValueError``.
     """
 
-    #: Pause a hot or nearly-full worker on the scheduler: it finishes what it runs and is
-    #: given nothing new (``set_worker_status``; re-applied each tick until resumed).
+    #: Pause a hot or nearly-full worker on the scheduler (re-applied each tick until
+    #: resumed).
     PAUSE = "pause"
-    #: Lift blockflow's pause of a worker below the resume thresholds; its learned speed is
-    #: reset (it is judged on what it does from now on).
+    #: Lift blockflow's pause of a worker; its learned speed is reset.
     RESUME = "resume"
-    #: A resume left to the worker: blockflow drops its pause, but the worker stays paused
-    #: because its host memory is over the worker's own pause threshold.
-    HANDOVER = "handover"
-    #: Hold a slowed worker back from the scheduler's queue while the others empty it
-    #: (paused on the scheduler like ``pause``). With ``keys`` and no ``worker``: hold
-    #: producers back from the scheduler (admission control; not logged: ``admit`` is).
+    #: Hold a slowed worker back from the queue (paused on the scheduler). With ``keys``
+    #: and no ``worker``: hold producers back (admission control; not logged).
     HOLD = "hold"
-    #: Lift a hold (the queue is empty or the others no longer empty it first). With
-    #: ``keys`` and no ``worker``: release held producers (admission control; not logged).
+    #: Lift a hold. With ``keys`` and no ``worker``: release held producers (not logged).
     RELEASE = "release"
     #: Move a waiting, not-yet-started task to another worker (``target``).
     MOVE = "move"
@@ -56,60 +48,75 @@ class Action(str, Enum):
     PLACE = "place"
     #: Start a backup copy of a straggling kernel task on an idle worker (``target``).
     SPECULATE = "speculate"
-    #: Restrict the tasks of a new graph as their kernels asked (``resources=``,
-    #: ``workers=``).
+    #: Restrict the tasks of a new graph as their kernels asked (``resources=``, ``workers=``).
     RESTRICT = "restrict"
-    #: Producers that feed resource-bound consumers were held back (admission control);
-    #: they are released as their outputs fit the budget. Logs the ``hold`` and
-    #: ``release`` of those tasks.
-    ADMIT = "admit"
-    #: Fail tasks waiting for worker resources no worker declares, after the timeout
-    #: (:class:`~blockflow.errors.ResourceError`).
+    #: Fail tasks no worker can run (:class:`~blockflow.errors.ResourceError`) or that an
+    #: objective refuses.
     FAIL = "fail"
-    #: Suspend distributed's work stealing: worker speeds are known to differ and blockflow
-    #: balances on them.
-    BALANCE = "balance"
-    #: Hand balancing back to distributed's work stealing (speeds not known to differ).
-    DEFER = "defer"
-    #: Park a worker of a pool the run's objective does not need now (cheaper pools meet
-    #: it): paused on the scheduler, it finishes what it runs and takes nothing new.
+    #: Suspend distributed's work-stealing loop: worker speeds are known to differ.
+    SUSPEND_STEALING = "suspend-stealing"
+    #: Restore distributed's work-stealing loop (speeds not known to differ).
+    RESTORE_STEALING = "restore-stealing"
+    #: Park a worker of a pool the run's objective does not need now (paused).
     PARK = "park"
-    #: Unpark a worker: its pool is needed (the plan gives it work), or no objective is on.
+    #: Unpark a worker: its pool is needed, or no objective is on.
     UNPARK = "unpark"
-    #: Retire an idle worker of a pool its elastic scaling shrinks (``target``: the pool):
-    #: paused on the scheduler at once, then retired (``retire_workers``). Never a worker
-    #: running or holding queued tasks, never another pool's.
+    #: Retire an idle worker of a pool its elastic scaling shrinks (``target``: the pool).
     RETIRE = "retire"
+    #: Pause again a worker blockflow paused, held or parked whose own status message set
+    #: it running (not logged).
+    REAPPLY = "reapply"
 
-    #: A logged non-decision: a condition seen but not acted on (the last usable worker is
-    #: hot; blocks whose working set fits no worker).
+    def __str__(self) -> str:  # "move", not "Action.MOVE"
+        return self.value
+
+
+class Recorded(str, Enum):
+    """What a :class:`Record` says happened: logged and drawn, never acted on."""
+
+    #: A resume left to the worker: its host memory is over its own pause threshold.
+    HANDOVER = "handover"
+    #: Producers feeding resource-bound consumers were held back (admission control).
+    ADMIT = "admit"
+    #: A condition seen but not acted on (the last usable worker is hot; blocks whose
+    #: working set fits no worker; a move refused for its transfer).
     KEEP = "keep"
     #: Tasks started waiting for resources no worker declares (a WARNING, then ``fail``).
     WAIT = "wait"
     #: The outcome of a backup copy (``backup-won``, ``original-won``, ``failed``...).
     BACKUP = "backup"
-    #: A result moved off a worker above the device-memory high-water mark (distributed's
-    #: Active Memory Manager applies it; logged by the AMM policy).
+    #: A result copied or dropped by the device-memory AMM policy (distributed's Active
+    #: Memory Manager applies it).
     MEMORY_MOVE = "memory-move"
     #: A worker joined the cluster.
     JOIN = "join"
     #: A worker left the cluster (its pause, hold and speeds are forgotten).
     FORGET = "forget"
-    #: The run's objective (cost by a deadline, makespan within a budget) can no longer be
-    #: met: the new projected finish or cost (a WARNING too); the run goes on.
+    #: The run's objective can no longer be met (a WARNING too); the run goes on.
     OBJECTIVE = "objective"
-    #: A pool's worker target changed (elastic scaling, ``PoolCluster.adapt``): ``target``
-    #: is the pool, ``seen`` the target, the workers it has and the numbers behind it. The
-    #: cluster starts the workers; shrinking is done by ``retire``.
+    #: A pool's worker target changed (elastic scaling): ``target`` is the pool.
     SCALE = "scale"
 
-    def __str__(self) -> str:  # "move", not "Action.MOVE", in messages and f-strings
+    def __str__(self) -> str:
         return self.value
 
 
 @dataclass
-class Decision:
-    """One action of a rule: what to do, to which worker, and why.
+class _Entry:
+    action: Any
+    worker: str
+    reason: str
+    seen: dict[str, Any] = field(default_factory=dict)
+    target: str | None = None
+    key: Any = None
+    keys: tuple = ()
+    workers: tuple = ()
+    detail: Any = field(default=None, repr=False, compare=False)
+
+
+@dataclass
+class Decision(_Entry):
+    """A command of a rule: what to do, to which worker, and why.
 
     Attributes
     ----------
@@ -117,7 +124,7 @@ class Decision:
         What to do (a plain string naming an :class:`Action` is converted).
     worker : str
         The worker acted on (for moves: the one the task leaves; ``""`` for cluster-wide
-        actions).
+        commands).
     reason : str
     seen : dict
         The metrics the decision was based on (logged as ``seen_<name>``).
@@ -131,9 +138,8 @@ class Decision:
     workers : tuple
         For ``place``: the workers the keys are restricted to (``worker`` is the first).
     detail : optional
-        Action-specific payload for the handler (``fail``: the error message;
-        ``restrict``: the placements to apply; the ``release`` of tasks: its stimulus id
-        and whether it counts as released). Never logged.
+        Payload for the handler (``fail``: the error; ``restrict``: the placements; the
+        ``release`` of tasks: its stimulus id and whether it counts). Never logged.
 
     Raises
     ------
@@ -141,15 +147,20 @@ class Decision:
         If ``action`` names no :class:`Action`.
     """
 
-    action: Action
-    worker: str
-    reason: str
-    seen: dict[str, Any] = field(default_factory=dict)
-    target: str | None = None
-    key: Any = None
-    keys: tuple = ()
-    workers: tuple = ()
-    detail: Any = field(default=None, repr=False, compare=False)
-
     def __post_init__(self):
         self.action = Action(self.action)
+
+
+@dataclass
+class Record(_Entry):
+    """What happened, for the decision log only; the fields are those of :class:`Decision`
+    (``detail``: ``{"warning": True}`` on an ``objective`` record logs a WARNING).
+
+    Raises
+    ------
+    ValueError
+        If ``action`` names no :class:`Recorded`.
+    """
+
+    def __post_init__(self):
+        self.action = Recorded(self.action)

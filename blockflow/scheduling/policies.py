@@ -1,25 +1,22 @@
-"""Scheduling policies: small classes that read a plain-data snapshot and yield decisions.
+"""Scheduling policies: the rules one run of the scheduler plugin composes.
 
 Modelled on distributed's Active Memory Manager: every policy derives from
-:class:`RebalancePolicy` and has one entry point, :meth:`RebalancePolicy.run`, which takes a
-:class:`ClusterSnapshot` (plain data: worker views, waiting tasks, the tasks of a graph that
-just arrived) and yields :class:`Decision` objects. A policy never touches a scheduler object;
-:class:`~blockflow.scheduling.plugin.Rebalancer` applies the decisions (through
-:mod:`blockflow._distributed`) and logs each one with its reason and the metrics it saw.
-:data:`POLICIES` is the one registry of policy names: the plugin, the ``cluster.policy``
-setting's allowed values, the CLI's ``--policy`` choices and the dashboard read it.
+:class:`RebalancePolicy`, reads a plain-data :class:`ClusterSnapshot` and yields commands
+(:class:`~blockflow.scheduling.actions.Decision`) and records
+(:class:`~blockflow.scheduling.actions.Record`); the plugin's actuator applies and logs them.
+:data:`POLICIES` is the registry of built-in names (the plugin, the ``cluster.policy``
+setting, the CLI and the dashboard read it); :func:`make_policy` also loads a
+``RebalancePolicy`` subclass by dotted path (``mypkg.MyPolicy``), as distributed loads AMM
+policies.
 
 ``dynamic``
-    Keeps new work off hot or nearly-full GPUs (scheduler-side pause with hysteresis), places
-    blocks that declared a device working set only where it fits, and, once worker speeds
-    are known to differ, moves queued, not-yet-started tasks from the workers that will
-    finish last to those that will be free soonest, when the gain beats the cost of moving
-    the inputs.
+    Keeps new work off hot or nearly-full GPUs, places blocks that declared a device working
+    set where it fits and, once worker speeds are known to differ, moves waiting tasks to
+    the workers that will be free soonest.
 ``memory``
-    :class:`DeviceMemoryAMMPolicy` in distributed's Active Memory Manager: moves stored
-    results off workers above the device-memory high-water mark. It can also be named on its
-    own in ``distributed.scheduler.active-memory-manager.policies`` as
-    ``blockflow.scheduling.policies.DeviceMemoryAMMPolicy``.
+    :class:`~blockflow.scheduling.device_memory.DeviceMemoryAMMPolicy` in distributed's
+    Active Memory Manager: moves stored results off workers above the device-memory
+    high-water mark.
 ``static-round-robin`` / ``static-capacity``
     Assign every blockflow block to a worker when the graph arrives: in turn, or in
     proportion to each worker's capacity (smooth weighted round robin).
@@ -30,35 +27,35 @@ setting's allowed values, the CLI's ``--policy`` choices and the dashboard read 
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar
 
 from dask.utils import parse_timedelta
+from distributed.utils import import_term
 
 from blockflow import config
-from blockflow._distributed import (
-    AMMPolicy,
-    HeldResult,
-    MemorySuggestion,
-    TaskView,
-    WorkerView,
-)
+from blockflow._distributed import AMMPolicy, TaskView, WorkerView
 from blockflow._distributed.speculation import SpeculationHandlers
 from blockflow.pools.objective_rule import ObjectiveRule
-from blockflow.scheduling import estimate
-from blockflow.scheduling.actions import Action, Decision
+from blockflow.scheduling.actions import Action, Decision, Record
+from blockflow.scheduling.device_memory import DeviceMemoryAMMPolicy
 from blockflow.scheduling.rules import (
+    AdmissionRule,
     BackupRule,
+    BalancingRule,
     HoldRule,
+    KernelPlacementRule,
     MoveRule,
     PauseRule,
     RoundRobinAssignmentRule,
     Rule,
     RuleContext,
+    UnsatisfiableRule,
     WorkingSetPlacementRule,
 )
+from blockflow.scheduling.rules.move import best_target
 
 __all__ = [
     "POLICIES",
@@ -71,12 +68,13 @@ __all__ = [
     "MemoryPolicy",
     "ObservePolicy",
     "RebalancePolicy",
+    "Record",
     "StaticCapacityPolicy",
     "StaticRoundRobinPolicy",
     "TaskView",
     "WorkerView",
-    "earliest_finish",
     "make_policy",
+    "policy_class",
 ]
 
 
@@ -180,17 +178,16 @@ class ClusterSnapshot:
     throughput: Mapping[str, Mapping[str, float]] = field(default_factory=dict, repr=False)
     inputs: Mapping[str, Mapping[str, float]] = field(default_factory=dict, repr=False)
 
-    def is_changed(self, address: str) -> bool:
-        """Whether worker ``address`` may have changed since the previous tick."""
-        return self.changed is None or address in self.changed
-
 
 class RebalancePolicy(abc.ABC):
     """Interface of a scheduling policy (in the manner of distributed's AMM policies).
 
-    Subclasses set :attr:`name` and implement :meth:`run`. The plugin calls ``run`` on every
-    control-loop tick (``snapshot.event == "tick"``) and when a graph arrives
-    (``"graph"``, before its tasks are placed) and applies what it yields.
+    Subclasses set :attr:`name` and implement :meth:`run`, which the plugin calls on every
+    control-loop tick (``snapshot.event == "tick"``) and when a graph arrives (``"graph"``).
+    The policy also owns the rules the plugin runs at their own moments, under every
+    policy: :attr:`kernel_placement` and :attr:`admission` on a new graph,
+    :attr:`unsatisfiable`, :attr:`admission` and :attr:`balancing` on a tick, before
+    :meth:`run`; and :attr:`objective`, the run objective's rule, or None.
     """
 
     #: Registry name (``blockflow.cluster.policy``).
@@ -199,18 +196,41 @@ class RebalancePolicy(abc.ABC):
     replaces_work_stealing: ClassVar[bool] = False
     #: Whether admission control holds producers back under this policy.
     admits: ClassVar[bool] = True
+    #: The rule that parks pools for a run objective (pools' cost, budgets), or None.
+    objective: ObjectiveRule | None = None
 
     @abc.abstractmethod
-    def run(self, snapshot: ClusterSnapshot) -> Iterator[Decision]:
-        """Yield the decisions for this snapshot."""
+    def run(self, snapshot: ClusterSnapshot) -> Iterator[Decision | Record]:
+        """Yield the commands and records for this snapshot."""
+
+    @cached_property
+    def kernel_placement(self) -> KernelPlacementRule:
+        """Restricts a new graph's tasks as their kernels asked."""
+        return KernelPlacementRule()
+
+    @cached_property
+    def admission(self) -> AdmissionRule:
+        """Holds producers back while their resource-bound consumers cannot keep up."""
+        rule = AdmissionRule()
+        rule.enabled = bool(self.admits)
+        return rule
+
+    @cached_property
+    def unsatisfiable(self) -> UnsatisfiableRule:
+        """Warns about, then fails, tasks no worker can run."""
+        return UnsatisfiableRule()
+
+    @cached_property
+    def balancing(self) -> BalancingRule:
+        """Suspends or restores distributed's work stealing."""
+        return BalancingRule(hands_over=self.replaces_work_stealing)
 
     def amm_policies(self) -> list[AMMPolicy]:
         """Active Memory Manager policies to install beside this policy (default none)."""
         return []
 
     def worker_plugins(self) -> list:
-        """Worker plugins every worker, present and future, needs for this policy's
-        decisions (default none)."""
+        """Worker plugins every worker needs for this policy's commands (default none)."""
         return []
 
 
@@ -225,7 +245,7 @@ class ComposedPolicy(RebalancePolicy):
     #: The rules, in the order they run.
     rules: list[Rule]
 
-    def run(self, snapshot: ClusterSnapshot) -> Iterator[Decision]:
+    def run(self, snapshot: ClusterSnapshot) -> Iterator[Decision | Record]:
         context = RuleContext()
         for rule in self.rules:
             yield from rule.run(snapshot, context)
@@ -346,7 +366,7 @@ class DynamicPolicy(ComposedPolicy):
         self.placement = WorkingSetPlacementRule()
         self.pause = PauseRule(self.memory_high, self.memory_low, self.hot_high, self.hot_low)
         self.hold = HoldRule(self.speculation, self.hold_slowdown)
-        self.move = MoveRule(earliest_finish, self.move_budget, self.min_gain,
+        self.move = MoveRule(best_target, self.move_budget, self.min_gain,
                              slowed=self.hold.slowed_now if self.speculation else None,
                              moved_memory=self.moved_memory)
         self.backup = BackupRule(self.speculation, self.backup_slots, self.backup_ratio,
@@ -361,108 +381,6 @@ class DynamicPolicy(ComposedPolicy):
     def worker_plugins(self) -> list:
         # every worker, present and future, can run and answer backup copies
         return [SpeculationHandlers()] if self.speculation else []
-
-
-def earliest_finish(task: TaskView, v: WorkerView, thieves: list[WorkerView],
-                    finish: dict[str, float], rate: dict[str, float], *, rescue: bool,
-                    fill: dict[str, int] | None, moved_off: set[str] | None,
-                    free: dict[str, int], max_transfer_share: float,
-                    max_fill_transfer_share: float) -> tuple[WorkerView | None, float]:
-    """The worker among ``thieves`` that would finish ``task`` (waiting on ``v``) soonest,
-    and when: its projected finish ``finish`` plus the task's compute at its ``rate``
-    (speed x threads) plus the time to send its inputs there; ``(None, inf)`` if none may
-    take it. Earliest-finish placement (HEFT's selection step, Topcuoglu et al. 2002) with
-    :class:`~blockflow.scheduling.rules.MoveRule`'s limits: the task's allowed workers;
-    while filling idle threads (``fill``), only those; a task moved before (``moved_off``),
-    only to a free thread it was never moved off; unless rescued off a paused worker, inputs
-    sending in at most ``max_transfer_share`` (``max_fill_transfer_share`` while filling) of
-    its compute time. The selection among the workers left is the house's one placement
-    helper, :func:`blockflow.scheduling.estimate.earliest_finish`."""
-    d = task.duration
-    eligible = {}
-    for t in thieves:
-        if t is v or (
-                task.allowed_workers is not None and t.address not in task.allowed_workers):
-            continue
-        if not rescue and fill is not None and t.address not in fill:
-            continue
-        if moved_off is not None and (free.get(t.address, 0) <= 0
-                                      or t.address in moved_off):
-            continue
-        comm = task.comm_cost.get(t.address, 0.0)
-        share = max_transfer_share if fill is None else max_fill_transfer_share
-        if not rescue and comm > share * d / max(t.speed, 1e-6):
-            continue  # data-bound: balance by moving compute, not data
-        eligible[t.address] = t
-    placed = estimate.earliest_finish(
-        1, {a: finish[a] for a in eligible},
-        lambda _, a: d / rate[a] + task.comm_cost.get(a, 0.0))
-    if not placed or not placed[0].finish < math.inf:
-        return None, math.inf
-    return eligible[placed[0].worker], placed[0].finish
-
-class DeviceMemoryAMMPolicy(AMMPolicy):
-    """Active Memory Manager policy: move stored results off workers above the device-memory
-    high-water mark.
-
-    Each AMM cycle, results on a full worker that already have a copy on a roomy worker are
-    dropped from it; the others are replicated to workers below the low-water mark, to be
-    dropped in the next cycle. Largest results first. A blockflow heuristic on distributed's
-    AMM (``distributed.active_memory_manager``).
-
-    Parameters
-    ----------
-    memory_high, memory_low : float, optional
-        Device-memory fractions 0-1: act on workers at or above ``memory_high`` until they are
-        projected below ``memory_low``. Default ``blockflow.rebalancer.memory-high`` /
-        ``memory-low``.
-
-    Notes
-    -----
-    Installed by the ``memory`` policy, or on its own through distributed's configuration::
-
-        distributed:
-          scheduler:
-            active-memory-manager:
-              policies:
-              - class: blockflow.scheduling.policies.DeviceMemoryAMMPolicy
-    """
-
-    def __init__(self, memory_high: float | None = None, memory_low: float | None = None):
-        self.memory_high = float(config.get("rebalancer.memory-high", memory_high))
-        self.memory_low = float(config.get("rebalancer.memory-low", memory_low))
-
-    def __repr__(self) -> str:
-        return f"DeviceMemoryAMMPolicy(memory_high={self.memory_high}, " \
-               f"memory_low={self.memory_low})"
-
-    def plan(self, workers: dict[str, WorkerView], held: Mapping[str, list[HeldResult]]):
-        roomy = {a for a, w in workers.items() if w.status == "running"
-                 and w.metrics.gpu_memory_fraction is not None
-                 and w.metrics.gpu_memory_fraction < self.memory_low}
-        for addr, w in workers.items():
-            m = w.metrics
-            frac = m.gpu_memory_fraction
-            if frac is None or frac < self.memory_high or not roomy - {addr}:
-                continue
-            to_free = m.gpu_memory_used - self.memory_low * m.gpu_memory_total
-            seen = {"gpu_memory_fraction": frac}
-            for r in held.get(addr, ()):
-                if to_free <= 0:
-                    break
-                if any(other in roomy for other in r.holders if other != addr):
-                    chosen = yield MemorySuggestion("drop", r.key, frozenset({addr}))
-                    if chosen is not None:
-                        to_free -= r.nbytes
-                        self.log("memory-move", addr, f"drop {r.nbytes} B result now held "
-                                 f"elsewhere (device memory {frac:.0%})", seen, key=str(r.key))
-                else:
-                    chosen = yield MemorySuggestion("replicate", r.key, frozenset(roomy - {addr}))
-                    if chosen is not None:
-                        to_free -= r.nbytes
-                        self.log("memory-move", addr, f"copy {r.nbytes} B result off (device "
-                                 f"memory {frac:.0%} >= {self.memory_high:.0%})", seen,
-                                 key=str(r.key), target=chosen)
 
 
 class MemoryPolicy(ComposedPolicy):
@@ -536,18 +454,36 @@ POLICIES: tuple[str, ...] = tuple(REGISTRY)
 config.set_choices("cluster.policy", POLICIES)
 
 
-def make_policy(name: str) -> RebalancePolicy:
-    """The policy object for a policy name.
+def policy_class(name: str) -> type[RebalancePolicy]:
+    """The policy class for a built-in name or the dotted path of a
+    :class:`RebalancePolicy` subclass.
 
     Raises
     ------
     ValueError
-        If ``name`` is unknown; the message lists the known names.
+        If ``name`` names neither; the message lists the built-in names.
     """
-    try:
-        cls = REGISTRY[name]
-    except (KeyError, TypeError):
+    cls = REGISTRY.get(name) if isinstance(name, str) else None
+    if cls is None and isinstance(name, str) and "." in name:
+        try:
+            cls = import_term(name)
+        except (ImportError, AttributeError, ValueError):
+            cls = None
+        if not (isinstance(cls, type) and issubclass(cls, RebalancePolicy)):
+            cls = None
+    if cls is None:
         raise ValueError(
-            f"Unknown blockflow policy {name!r}; choose one of {', '.join(POLICIES)}."
-        ) from None
-    return cls()
+            f"Unknown blockflow policy {name!r}; choose one of {', '.join(POLICIES)}. A "
+            f"dotted path to a RebalancePolicy subclass (mypkg.MyPolicy) works too.")
+    return cls
+
+
+def make_policy(name: str) -> RebalancePolicy:
+    """The policy object for a built-in name or a dotted path (see :func:`policy_class`).
+
+    Raises
+    ------
+    ValueError
+        If ``name`` names no policy; the message lists the built-in names.
+    """
+    return policy_class(name)()

@@ -1,6 +1,6 @@
 """Evening out device memory: ``blockflow.rebalance`` and its AMM policy.
 
-The plan of :class:`DeviceMemoryBalancePolicy` is checked on synthetic worker views and held
+The evening plan of :class:`DeviceMemoryAMMPolicy` is checked on synthetic worker views and held
 results (no cluster), including a bounded property test of "within one block of the
 capacity-weighted target"; ``blockflow.rebalance`` runs end to end on ``gen_cluster`` workers
 with simulated devices of different capacities.
@@ -20,7 +20,7 @@ import blockflow
 from blockflow import _distributed
 from blockflow._distributed.metrics import WorkerMetrics
 from blockflow.scheduling import Rebalancer
-from blockflow.scheduling.balance import DeviceBytes, DeviceMemoryBalancePolicy
+from blockflow.scheduling.device_memory import DeviceBytes, DeviceMemoryAMMPolicy
 from blockflow.testing import (
     SimulatedDevice,
     device_stats,
@@ -50,9 +50,9 @@ def held_from(placement: dict, sizes: dict, addrs) -> dict:
     return held
 
 
-class Logged(DeviceMemoryBalancePolicy):
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
+class Logged(DeviceMemoryAMMPolicy):
+    def __init__(self, **kw):
+        super().__init__(even=True, **kw)
         self.logged = []
 
     def log(self, action, worker, reason, seen, key=None, target=None):
@@ -139,9 +139,9 @@ def test_plan_copies_to_the_under_target_worker_then_drops_from_the_source():
     assert policy.pending == {}
     assert policy.moves == [{"key": f"x{i}", "source": "a", "target": "b",
                              "nbytes": 100 * MiB} for i in range(6)]
-    # every copy and every drop in the decision log, action "balance"
+    # every copy and every drop in the decision log, recorded as "memory-move"
     assert [(a, w, k, t) for a, w, k, t, _ in policy.logged] == \
-        [("balance", "a", f"x{i}", "b") for i in range(6)] * 2
+        [("memory-move", "a", f"x{i}", "b") for i in range(6)] * 2
     assert policy.logged[0][4] == ("copy 104857600 B block to b: a holds 838860800 B of "
                                    "device blocks against a capacity-weighted target of "
                                    "209715200 B (tolerance 52428800 B)")
@@ -211,9 +211,9 @@ def test_tolerance_bytes_or_size_string():
     assert len(plan(Logged(tolerance=300 * MiB), workers, held)) == 1
     assert len(plan(Logged(tolerance=0), workers, held)) == 4
     assert Logged(tolerance="1KiB").tolerance == 1024
-    with pytest.raises(ValueError, match=r"^DeviceMemoryBalancePolicy: tolerance must be "
+    with pytest.raises(ValueError, match=r"^DeviceMemoryAMMPolicy: tolerance must be "
                                          r">= 0 bytes, got -1\.$"):
-        DeviceMemoryBalancePolicy(tolerance=-1)
+        DeviceMemoryAMMPolicy(even=True, tolerance=-1)
 
 
 def test_only_running_device_workers_named_keys_and_single_copies_count():
@@ -327,8 +327,8 @@ def test_plan_ends_within_one_block_of_the_capacity_weighted_target(caps, blocks
 def test_policy_is_nameable_by_dotted_path():
     from distributed.utils import import_term
 
-    assert import_term("blockflow.scheduling.balance.DeviceMemoryBalancePolicy") \
-        is DeviceMemoryBalancePolicy
+    assert import_term("blockflow.scheduling.device_memory.DeviceMemoryAMMPolicy") \
+        is DeviceMemoryAMMPolicy
 
 
 # --- blockflow.rebalance end to end ----------------------------------------------------
@@ -395,7 +395,7 @@ async def test_rebalance_evens_out_device_blocks_by_capacity_and_logs_moves(c, s
     assert await held_bytes() == summary["after"]
 
     # every copy and drop is in the decision log
-    log = [d for d in s.plugins["blockflow-rebalancer"].decisions if d["action"] == "balance"]
+    log = [d for d in s.plugins["blockflow-rebalancer"].decisions if d["action"] == "memory-move"]
     moved = sorted(m["key"] for m in summary["moves"])
     assert sorted(d["key"] for d in log if d["reason"].startswith("copy")) == moved
     assert sorted(d["key"] for d in log if d["reason"].startswith("drop")) == moved
@@ -462,7 +462,7 @@ async def test_rebalance_bad_input_fails_with_one_line_naming_the_fix(c, s, a, b
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, config={
     "distributed.scheduler.active-memory-manager.start": False,
     "distributed.scheduler.active-memory-manager.policies": [
-        {"class": "blockflow.scheduling.balance.DeviceMemoryBalancePolicy"}]})
+        {"class": "blockflow.scheduling.device_memory.DeviceMemoryAMMPolicy", "even": True}]})
 async def test_policy_named_in_distributed_config_balances_in_the_scheduler_amm(c, s, a, b, w):
     addrs = await _devices(c, s, a, b, w)
     futs = _blocks(c, addrs["a"], [256 * MiB] * 14)

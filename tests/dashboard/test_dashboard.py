@@ -335,32 +335,44 @@ def test_page_groups_workers_by_pool_with_names_history_and_cost(browser):
 
 
 def test_every_action_has_its_own_drawing_and_is_logged_as_its_plain_name():
-    """The scheduling vocabulary is closed: every Action has a handler in the plugin, a
-    colour/marker/label of its own on the dashboard, and reaches the decision log (what
-    ``plugin_status``, ``blockflow.decisions()`` and run reports read) as its plain name."""
+    """The scheduling vocabulary is closed: every command (Action) has a handler in the
+    plugin's actuator, and every logged command and every record (Recorded) has a
+    colour/marker/label of its own on the dashboard and reaches the decision log (what
+    ``plugin_status``, ``blockflow.decisions()`` and run reports read) as its plain name.
+    No record has a handler."""
     import json
 
     import pandas as pd
 
     from blockflow.dashboard.page import ACTION_STYLES, ACTIONS, action_style
-    from blockflow.scheduling.actions import Action, Decision
+    from blockflow.scheduling.actions import Action, Decision, Record, Recorded
     from blockflow.scheduling.plugin import Rebalancer
 
-    assert set(ACTION_STYLES) == set(Action)
-    styles = [ACTION_STYLES[a] for a in Action]
-    assert len({(c, m) for c, m, _ in styles}) == len(Action)  # no two drawn alike
-    assert [label for _, _, label in styles] == [a.value for a in Action]
-    assert len(set(ACTIONS)) == len(Action)
-    assert all(action_style(a.value) == ACTION_STYLES[a] for a in Action)
+    vocabulary = [a for a in Action if a is not Action.REAPPLY] + list(Recorded)
+    assert set(ACTION_STYLES) == set(vocabulary)
+    styles = [ACTION_STYLES[a] for a in vocabulary]
+    assert len({(c, m) for c, m, _ in styles}) == len(vocabulary)  # no two drawn alike
+    assert [label for _, _, label in styles] == [a.value for a in vocabulary]
+    assert len(set(ACTIONS)) == len(vocabulary)
+    assert all(action_style(a.value) == ACTION_STYLES[a] for a in vocabulary)
     assert set(Rebalancer.HANDLERS) == set(Action)
+    assert not set(Rebalancer.HANDLERS) & set(Recorded)
     plugin = Rebalancer(policy="off")
-    for a in Action:
-        plugin._log(Decision(a, "tcp://w:1", f"because {a}", {"x": 1}))
+    for a in vocabulary:
+        entry = (Decision if isinstance(a, Action) else Record)(a, "tcp://w:1", f"because {a}",
+                                                                {"x": 1})
+        plugin._log(entry)
     logged = plugin.status()["decisions"]
-    assert [d["action"] for d in logged] == [a.value for a in Action]
+    assert [d["action"] for d in logged] == [a.value for a in vocabulary]
     assert all(type(d["action"]) is str for d in logged)
     json.dumps(logged)  # plain data
     df = pd.DataFrame(logged)  # what blockflow.decisions() builds
-    assert list(df.action) == [a.value for a in Action]
+    assert list(df.action) == [a.value for a in vocabulary]
+    with pytest.raises(ValueError):
+        Decision("memory-move", "tcp://w:1", "a record is no command")
+    with pytest.raises(ValueError):
+        Record("move", "tcp://w:1", "a command is no record")
+    with pytest.raises(TypeError):
+        plugin.apply(Record("join", "tcp://w:1", "a record never reaches a handler"))
     with pytest.raises(ValueError):
         Decision("teleport", "tcp://w:1", "not an action")

@@ -28,10 +28,10 @@ from blockflow.scheduling.policies import (
     RebalancePolicy,
     StaticCapacityPolicy,
     StaticRoundRobinPolicy,
-    earliest_finish,
     make_policy,
 )
 from blockflow.scheduling.rules import MoveRule, RuleContext
+from blockflow.scheduling.rules.move import best_target
 
 GiB = 2**30
 
@@ -288,7 +288,7 @@ def test_dynamic_moved_memory_is_bounded():
     waiting = {"a": [task(i) for i in range(40)]}
     s = snap([worker("a", processing=41, executing=1, occupancy=41.0)]
              + [worker(f"w{i}") for i in range(8)], waiting=waiting)
-    rule = MoveRule(earliest_finish, move_budget=100, min_gain=0.005, moved_memory=10)
+    rule = MoveRule(best_target, move_budget=100, min_gain=0.005, moved_memory=10)
     assert len(rule.run(s, RuleContext())) > 10
     assert len(rule.moved_off) == 10
     policy = DynamicPolicy(move_budget=100)
@@ -526,7 +526,7 @@ def test_dynamic_moves_a_task_once_between_busy_workers_and_again_only_to_an_idl
     assert [(d.key, d.target) for d in run(policy, s3)] == [("t", "c")]
 
 
-# --- the balancing rule: which balance / defer decisions it yields ------------------------
+# --- the balancing rule: which suspend-stealing / restore-stealing commands it yields ------------------------
 
 
 def _speeds(slow: float):
@@ -577,7 +577,7 @@ def test_balancing_starts_only_on_a_strong_difference():
         assert _balancing_tick(rule, _speeds(WEAK))[0] == []
     assert not rule.active
     decisions, _ = _balancing_tick(rule, _speeds(STRONG))
-    assert decisions == [("balance", "")] and rule.active
+    assert decisions == [("suspend-stealing", "")] and rule.active
     # once on, a strong or weak difference yields nothing more
     assert _balancing_tick(rule, _speeds(STRONG))[0] == []
     assert _balancing_tick(rule, _speeds(WEAK))[0] == []
@@ -596,7 +596,7 @@ def test_the_balance_decision_shows_the_speeds_and_confidences_it_saw():
     s.speeds_differ = True
     s.balancing = BalancingRule(hands_over=True).judge(s)
     (d,) = BalancingRule(hands_over=True).run(s, RuleContext())
-    assert d.action == "balance"
+    assert d.action == "suspend-stealing"
     assert d.seen["speeds"] == {a: round(model.speed(a), 3) for a in names}
     assert d.seen["confidence"] == {a: round(model.confidence(a), 2) for a in names}
     assert d.seen["speeds"]["c"] < 0.5 < d.seen["confidence"]["c"]
@@ -606,7 +606,7 @@ def test_balancing_is_deferred_after_calm_ticks_without_even_a_weak_difference()
     from blockflow.scheduling.rules import BalancingRule
 
     rule = BalancingRule(hands_over=True)
-    assert _balancing_tick(rule, _speeds(STRONG))[0] == [("balance", "")]
+    assert _balancing_tick(rule, _speeds(STRONG))[0] == [("suspend-stealing", "")]
     # calm ticks (no difference) interrupted by a weak difference start counting again
     for _ in range(rule.calm_ticks - 2):
         assert _balancing_tick(rule, _speeds(NONE))[0] == []
@@ -614,10 +614,10 @@ def test_balancing_is_deferred_after_calm_ticks_without_even_a_weak_difference()
     assert _balancing_tick(rule, _speeds(WEAK))[0] == [] and rule.calm == 0
     out = [_balancing_tick(rule, _speeds(NONE))[0] for _ in range(rule.calm_ticks)]
     assert out[:-1] == [[]] * (rule.calm_ticks - 1)
-    assert out[-1] == [("defer", "")] and not rule.active
+    assert out[-1] == [("restore-stealing", "")] and not rule.active
     # deferred: a weak difference does not take balancing back, a strong one does
     assert _balancing_tick(rule, _speeds(WEAK))[0] == []
-    assert _balancing_tick(rule, _speeds(STRONG))[0] == [("balance", "")]
+    assert _balancing_tick(rule, _speeds(STRONG))[0] == [("suspend-stealing", "")]
 
 
 def test_balancing_decisions_only_on_ticks_and_only_for_policies_that_hand_over():

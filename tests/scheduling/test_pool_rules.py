@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from blockflow import _distributed
-from blockflow.scheduling.actions import Action
+from blockflow.scheduling.actions import Action, Recorded
 from blockflow.pools.objective import Objective
 from blockflow.scheduling.policies import ClusterSnapshot
 from blockflow.pools.pool import Pool
@@ -66,7 +66,7 @@ def test_tasks_queued_on_a_pool_count_as_committed_money():
     budget = _spent_so_far() + 20 * SLOW_TASK + 1e-9
     rule = ObjectiveRule()
     out = rule.run(_snap(budget, 20, fast_queued=4), None)
-    missed = [d for d in out if d.action == Action.OBJECTIVE]
+    missed = [d for d in out if d.action == Recorded.OBJECTIVE]
     assert len(missed) == 1, out
     assert "budget can no longer be met" in missed[0].reason
     committed = missed[0].seen["committed"]
@@ -78,7 +78,7 @@ def test_a_budget_that_covers_the_committed_tasks_is_planned_with_them():
     budget = _spent_so_far() + 4 * FAST_TASK + 16 * SLOW_TASK + 6 * (FAST_TASK - SLOW_TASK)
     rule = ObjectiveRule()
     out = rule.run(_snap(budget, 20, fast_queued=4), None)
-    assert not [d for d in out if d.action == Action.OBJECTIVE], out
+    assert not [d for d in out if d.action == Recorded.OBJECTIVE], out
     entry = rule.plans["r"]
     assert abs(entry["committed"] - 4 * FAST_TASK) < 1e-6
     # spent + committed + the plan for the 16 tasks not queued stays within the budget
@@ -96,7 +96,7 @@ def test_a_parked_pool_is_not_taken_back_when_its_idle_bill_leaves_no_money():
     rule = ObjectiveRule()
     out = rule.run(_snap(budget, 20, parked=("f0", "f1"), fast_stopped=NOW - 10), None)
     assert not [d for d in out if d.action in (Action.UNPARK, Action.MOVE)], out
-    assert not [d for d in out if d.action == Action.OBJECTIVE], out
+    assert not [d for d in out if d.action == Recorded.OBJECTIVE], out
     assert rule.plans["r"]["plan"]["tasks"]["k"].get("fast", 0) == 0
 
 

@@ -360,7 +360,7 @@ async def test_with_known_speeds_it_balances_on_queue_and_speed(c, s, a, b, w):
     applied = plugin.run_once()
     assert plugin.status()["balancing"]
     assert not s.periodic_callbacks["stealing"].is_running()
-    (handover,) = [d for d in plugin.decisions if d["action"] == "balance"]
+    (handover,) = [d for d in plugin.decisions if d["action"] == "suspend-stealing"]
     assert handover["seen_speeds"][a.address] < handover["seen_speeds"][b.address]
     assert not _actions(applied, "pause")
     moves = _actions(applied, "move")
@@ -435,7 +435,7 @@ async def test_cold_start_on_one_worker_spreads_like_plain_dask(c, s, *workers):
     assert ran[w0] <= 12 and len(ran) >= 3, ran
     for addr in s.workers:
         assert 1 / 1.5 <= plugin.speeds.speed(addr) <= 1.5, plugin.status()["speeds"]
-    assert not [d for d in plugin.decisions if d["action"] == "balance"]
+    assert not [d for d in plugin.decisions if d["action"] == "suspend-stealing"]
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=120)

@@ -14,7 +14,7 @@ from distributed.utils_test import gen_cluster, inc
 from blockflow import _distributed
 from blockflow._distributed.metrics import WorkerMetrics
 from blockflow.scheduling import Rebalancer
-from blockflow.scheduling.actions import Action
+from blockflow.scheduling.actions import Action, Recorded
 from blockflow.scheduling.policies import ClusterSnapshot, DynamicPolicy
 
 GiB = 2**30
@@ -93,7 +93,7 @@ def test_a_worker_kept_as_the_last_usable_one_is_paused_once_another_returns():
     gone = view(b, processing=0, executing=0, cls=_distributed.WorkerView)
     gone.status = "closing"
     first = list(policy.run(tick({a: hot, b: gone}, changed=None, queued=0, waiting={})))
-    assert [(d.action, d.worker) for d in first] == [(Action.KEEP, a)]
+    assert [(d.action, d.worker) for d in first] == [(Recorded.KEEP, a)]
     back = view(b, processing=0, executing=0, cls=_distributed.WorkerView)
     # only b changed; a, kept last time, is judged again
     second = list(policy.run(tick({a: hot, b: back}, changed=frozenset({b}), queued=0,

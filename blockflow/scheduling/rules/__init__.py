@@ -1,15 +1,17 @@
-"""Scheduling rules: small classes that read a plain-data snapshot and yield decisions.
+"""Scheduling rules: small classes that read a plain-data snapshot and yield commands
+(:class:`~blockflow.scheduling.actions.Decision`) and records
+(:class:`~blockflow.scheduling.actions.Record`).
 
 Each rule has one entry point, ``run(snapshot, context)``; a policy
-(:mod:`blockflow.scheduling.policies`) is a sequence of rules sharing a
-:class:`RuleContext`. Rules never touch a scheduler object: the plugin applies what they
-yield (:meth:`blockflow.scheduling.plugin.Rebalancer._apply`).
+(:mod:`blockflow.scheduling.policies`) composes them, sharing a :class:`RuleContext`. Rules
+never touch a scheduler object: the actuator applies the commands they
+yield (:meth:`blockflow.scheduling.actuator.Actuator.apply`).
 
 =========================  ==========================================================
 :class:`KernelPlacementRule`  restrict new tasks as their kernels asked (``restrict``)
 :class:`WorkingSetPlacementRule`  device working sets onto workers that hold them (``place``)
 :class:`UnsatisfiableRule`   warn about, then fail, tasks no worker can run (``wait``, ``fail``)
-:class:`BalancingRule`       blockflow or distributed balances (``balance``, ``defer``)
+:class:`BalancingRule`       blockflow or distributed balances (``suspend-stealing``, ``restore-stealing``)
 :class:`PauseRule`           hot or full GPUs take no new work (``pause``, ``resume``)
 :class:`HoldRule`            slowed workers skip the queue's last tasks (``hold``, ``release``)
 :class:`MoveRule`            waiting tasks to the workers free soonest (``move``)

@@ -37,7 +37,7 @@ when root-task queuing is off (every producer is on a worker at once) or when th
 consumers come after the producers ran (see the scheduling guide).
 
 The rule reads plain data and yields decisions; the plugin applies them
-(:meth:`blockflow.scheduling.plugin.Rebalancer._apply`). On a graph it runs twice: on the
+(:meth:`blockflow.scheduling.actuator.Actuator.apply`). On a graph it runs twice: on the
 ``"graph"`` snapshot taken after the kernels' own restrictions were applied (which tasks are
 feeders depends on them), yielding one ``hold`` of the feeders' keys; then, with the holds
 applied, on an ``"admit"`` snapshot, yielding the ``release`` of what the budget allows and
@@ -62,7 +62,7 @@ from typing import Any
 from dask.utils import parse_timedelta
 
 from blockflow import config
-from blockflow.scheduling.actions import Action, Decision
+from blockflow.scheduling.actions import Action, Decision, Record, Recorded
 from blockflow.scheduling.rules.base import Rule, RuleContext
 
 __all__ = ["AdmissionRule", "default_budget"]
@@ -344,8 +344,8 @@ class AdmissionRule(Rule):
             if not self._held_keys:
                 self._held.clear()
         if after_graph:
-            out.append(Decision(
-                Action.ADMIT, "", f"{after_graph} producers feed tasks that need resources "
+            out.append(Record(
+                Recorded.ADMIT, "", f"{after_graph} producers feed tasks that need resources "
                 f"{self.resources}: they run as their outputs fit the budget of "
                 f"{self.last_budget} held at once ({len(chosen)} released now)",
                 {"budget": self.last_budget, "held": len(self._held_keys)}))

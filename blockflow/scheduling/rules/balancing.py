@@ -22,8 +22,8 @@ class BalancingRule(Rule):
     tasks finish, most of all when blocks differ in work and durations spread widely, and
     handing balancing back and forth undoes moves; once known, a difference is given up
     only when the evidence for it has become weak, not when it is merely no longer
-    overwhelming). :meth:`run` yields ``balance`` when the flag turns on and ``defer`` when it
-    turns off; with ``hands_over`` false (a policy that does not replace stealing) it yields
+    overwhelming). :meth:`run` yields ``suspend-stealing`` when the flag turns on and
+    ``restore-stealing`` when it turns off; with ``hands_over`` false (a policy that does not replace stealing) it yields
     nothing and the flag is the strict test alone.
 
     Parameters
@@ -64,8 +64,8 @@ class BalancingRule(Rule):
                                for a, w in snap.workers.items()}}
         if snap.balancing:
             self.active, self.calm = True, 0
-            return [Decision(Action.BALANCE, "", "worker speeds known to differ: blockflow "
+            return [Decision(Action.SUSPEND_STEALING, "", "worker speeds known to differ: blockflow "
                              "balances on them; distributed's work stealing paused", seen)]
         self.active = False
-        return [Decision(Action.DEFER, "", "worker speeds not known to differ: balancing "
+        return [Decision(Action.RESTORE_STEALING, "", "worker speeds not known to differ: balancing "
                          "handed back to distributed's work stealing", seen)]

@@ -9,10 +9,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from blockflow.scheduling.actions import Action, Decision
+from blockflow._distributed import TaskView, WorkerView
+from blockflow.scheduling import estimate
+from blockflow.scheduling.actions import Action, Decision, Record, Recorded
 from blockflow.scheduling.rules.base import Rule, RuleContext, fmt_bytes, fmt_seconds
 
-__all__ = ["MoveRule"]
+__all__ = ["MoveRule", "best_target"]
 
 
 class MoveRule(Rule):
@@ -64,7 +66,7 @@ class MoveRule(Rule):
     ----------
     place : callable
         The earliest-finish placement:
-        :func:`blockflow.scheduling.policies.earliest_finish`'s signature.
+        :func:`best_target`'s signature.
     move_budget : int
         Most tasks moved per tick between running workers (rescues off paused workers are
         not counted).
@@ -315,8 +317,8 @@ class MoveRule(Rule):
         gain = stay - alt_finish - transfer["transfer_seconds"]
         seen = {**v.seen(), "input_bytes": task.input_bytes, **transfer,
                 "compute_seconds": round(compute, 4), "gain_seconds": round(gain, 4)}
-        return Decision(
-            Action.KEEP, v.address,
+        return Record(
+            Recorded.KEEP, v.address,
             f"move to {alt.address} refused: inputs {fmt_bytes(transfer['transfer_bytes'])} "
             f"take {fmt_seconds(transfer['transfer_seconds'])} over a "
             f"{_rate(transfer['link_bandwidth'])} link, more than {share:.0%} of its "
@@ -326,3 +328,42 @@ class MoveRule(Rule):
 
 def _rate(bytes_per_second: float | None) -> str:
     return "?" if not bytes_per_second else f"{fmt_bytes(bytes_per_second)}/s"
+
+
+def best_target(task: TaskView, v: WorkerView, thieves: list[WorkerView],
+                finish: dict[str, float], rate: dict[str, float], *, rescue: bool,
+                fill: dict[str, int] | None, moved_off: set[str] | None,
+                free: dict[str, int], max_transfer_share: float,
+                max_fill_transfer_share: float) -> tuple[WorkerView | None, float]:
+    """The worker among ``thieves`` that would finish ``task`` (waiting on ``v``) soonest,
+    and when: its projected finish ``finish`` plus the task's compute at its ``rate``
+    (speed x threads) plus the time to send its inputs there; ``(None, inf)`` if none may
+    take it. Earliest-finish placement (HEFT's selection step, Topcuoglu et al. 2002) with
+    :class:`~blockflow.scheduling.rules.MoveRule`'s limits: the task's allowed workers;
+    while filling idle threads (``fill``), only those; a task moved before (``moved_off``),
+    only to a free thread it was never moved off; unless rescued off a paused worker, inputs
+    sending in at most ``max_transfer_share`` (``max_fill_transfer_share`` while filling) of
+    its compute time. The selection among the workers left is
+    :func:`blockflow.scheduling.estimate.earliest_finish`."""
+    d = task.duration
+    eligible = {}
+    for t in thieves:
+        if t is v or (
+                task.allowed_workers is not None and t.address not in task.allowed_workers):
+            continue
+        if not rescue and fill is not None and t.address not in fill:
+            continue
+        if moved_off is not None and (free.get(t.address, 0) <= 0
+                                      or t.address in moved_off):
+            continue
+        comm = task.comm_cost.get(t.address, 0.0)
+        share = max_transfer_share if fill is None else max_fill_transfer_share
+        if not rescue and comm > share * d / max(t.speed, 1e-6):
+            continue  # data-bound: balance by moving compute, not data
+        eligible[t.address] = t
+    placed = estimate.earliest_finish(
+        1, {a: finish[a] for a in eligible},
+        lambda _, a: d / rate[a] + task.comm_cost.get(a, 0.0))
+    if not placed or not placed[0].finish < math.inf:
+        return None, math.inf
+    return eligible[placed[0].worker], placed[0].finish

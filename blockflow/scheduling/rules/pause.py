@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from blockflow.scheduling.actions import Action, Decision
+from blockflow.scheduling.actions import Action, Decision, Record, Recorded
 from blockflow.scheduling.rules.base import Rule, RuleContext
 
 __all__ = ["PauseRule"]
@@ -91,7 +91,7 @@ class PauseRule(Rule):
                 usable = len(self._running & workers.keys())
             if usable <= 1:
                 kept.add(w.address)
-                out.append(Decision(Action.KEEP, w.address,
+                out.append(Record(Recorded.KEEP, w.address,
                                     f"{reason}, but it is the last usable worker", w.seen()))
                 continue
             usable -= 1

@@ -10,7 +10,7 @@ a device working set to the workers whose free device memory holds it.
 
 from __future__ import annotations
 
-from blockflow.scheduling.actions import Action, Decision
+from blockflow.scheduling.actions import Action, Decision, Record, Recorded
 from blockflow.scheduling.rules.base import Rule, RuleContext, fmt_bytes
 
 __all__ = ["KernelPlacementRule", "WorkingSetPlacementRule"]
@@ -81,8 +81,8 @@ class WorkingSetPlacementRule(Rule):
                 workers=workers))
         for ws, keys in nowhere.items():
             best = max(free, key=free.get)
-            out.append(Decision(
-                Action.KEEP, best, f"{len(keys)} blocks need a {fmt_bytes(ws)} working set, "
+            out.append(Record(
+                Recorded.KEEP, best, f"{len(keys)} blocks need a {fmt_bytes(ws)} working set, "
                 f"more than the free device memory of any worker (largest "
                 f"{fmt_bytes(free[best])}): left to run and fail with DeviceMemoryError",
                 {**seen, "working_set": ws}, keys=tuple(keys)))

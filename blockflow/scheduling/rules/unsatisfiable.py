@@ -8,7 +8,7 @@ from typing import Any
 from dask.utils import parse_timedelta
 
 from blockflow import config
-from blockflow.scheduling.actions import Action, Decision
+from blockflow.scheduling.actions import Action, Decision, Record, Recorded
 from blockflow.scheduling.resources import describe_worker_resources
 from blockflow.scheduling.rules.base import Rule, RuleContext, some_tasks
 
@@ -74,7 +74,7 @@ class UnsatisfiableRule(Rule):
                    f"resources {need}, which "
                    f"no worker declares (workers declare: {have}); they fail in "
                    f"{self.timeout:g} s unless such a worker joins")
-            out.append(Decision(Action.WAIT, "", msg, {"resources": need, "tasks": len(keys)},
+            out.append(Record(Recorded.WAIT, "", msg, {"resources": need, "tasks": len(keys)},
                                 keys=tuple(keys)))
         for need, keys in due.values():
             waited = max(now - min(self.since[k] for k in keys), self.timeout)

@@ -1,8 +1,10 @@
-"""Evening out device memory: an Active Memory Manager policy that moves held results until
-every device worker holds its capacity-weighted share of the device bytes.
+"""blockflow's device-memory policy for distributed's Active Memory Manager.
 
-:class:`DeviceMemoryBalancePolicy` reads plain data (worker views, held results) and yields
-``replicate`` / ``drop`` suggestions; :func:`blockflow.rebalance` runs it to completion.
+:class:`DeviceMemoryAMMPolicy` reads plain data (worker views, held results) and yields
+``replicate`` / ``drop`` suggestions: by default it moves results off workers above the
+device-memory high-water mark (the ``memory`` policy installs it); with ``even=True`` it
+evens out the device bytes by capacity (:func:`blockflow.rebalance` runs it to completion).
+Each copy and drop it makes is recorded as ``memory-move`` in the decision log.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from typing import Any
 
 from dask.utils import parse_bytes
 
+from blockflow import config
 from blockflow._distributed import AMMPolicy, HeldResult, MemorySuggestion, WorkerView
 
-__all__ = ["DeviceBytes", "DeviceMemoryBalancePolicy"]
+__all__ = ["DeviceBytes", "DeviceMemoryAMMPolicy"]
 
 #: Plans after which a copy that never landed is forgotten (and its block planned afresh).
 _MAX_AGE = 2
@@ -75,42 +78,53 @@ class _Move:
     age: int = 0
 
 
-class DeviceMemoryBalancePolicy(AMMPolicy):
-    """Active Memory Manager policy: even out the device bytes held by device workers,
-    weighted by their device memory capacity.
+class DeviceMemoryAMMPolicy(AMMPolicy):
+    """Active Memory Manager policy for device memory: relieve full devices, or even out the
+    device bytes by capacity.
 
-    Each worker's target is its share of the held device bytes in proportion to its device
-    memory capacity (``gpu-memory-total``). While some worker deviates from its target by
-    more than ``tolerance``, the plan moves blocks, on paper, from the most over-target
-    worker to the most under-target one: the largest block that fits the receiver's deficit
-    (and its free device memory), else the block that best halves the gap. Then it suggests
-    the net moves, largest first: a block moved twice on paper is copied once, from where it
-    is to where it ends (``replicate``); in the next AMM cycle, once the copy has landed, the
-    block is dropped from the source (a move takes two cycles, as in distributed's
-    ``RetireWorker``). Every accepted copy and drop is logged as action ``"balance"`` in the
-    rebalancer's decision log when it runs.
+    By default (``even=False``), each AMM cycle, results on a worker at or above the
+    ``memory_high`` device-memory fraction that already have a copy on a roomy worker (below
+    ``memory_low``) are dropped from it; the others are replicated to the roomy workers, to
+    be dropped in the next cycle; largest results first, until the worker is projected below
+    ``memory_low``.
 
-    A blockflow heuristic (greedy descent on the sum of squared deviations from the
-    capacity-weighted targets; cf. distributed's ``Client.rebalance`` for host memory). Each
-    move of a ``b``-byte block from ``s`` to ``r`` is made only when ``b`` is smaller than
-    the gap ``(held_s - target_s) - (held_r - target_r)`` (by a byte, against rounding),
-    which strictly lowers that sum, so planning ends. When no move is left, the most over- and under-target workers are no
-    more than one block apart, so every worker ends within one block (the largest) of its
-    target, unless blocks cannot move (replicated results, full devices). The default
-    ``tolerance``, half the largest block, lets equal blocks end exactly balanced where
-    their count allows, without chasing byte-exact balance with small blocks.
+    With ``even=True``, each worker's target is its share of the held device bytes in
+    proportion to its device memory capacity (``gpu-memory-total``). While some worker
+    deviates from its target by more than ``tolerance``, the plan moves blocks, on paper,
+    from the most over-target worker to the most under-target one (the largest block that
+    fits the receiver's deficit and free device memory, else the block that best halves the
+    gap), then suggests the net moves, largest first: a copy (``replicate``), and once it has
+    landed, in the next cycle, the drop from the source (as distributed's ``RetireWorker``).
+
+    Both are blockflow heuristics on distributed's AMM. The evening is a greedy descent on
+    the sum of squared deviations from the capacity-weighted targets (cf. distributed's
+    ``Client.rebalance`` for host memory): a ``b``-byte block moves from ``s`` to ``r`` only
+    when ``b`` is below the gap ``(held_s - target_s) - (held_r - target_r)``, which lowers
+    that sum, so planning ends with every worker within one block (the largest) of its
+    target, unless blocks cannot move (replicated results, full devices).
 
     Parameters
     ----------
+    memory_high, memory_low : float, optional
+        Device-memory fractions 0-1 (without ``even``): act on workers at or above
+        ``memory_high`` until they are projected below ``memory_low``. Default
+        ``blockflow.rebalancer.memory-high`` / ``memory-low``.
+    even : bool, default False
+        Even out the device bytes by capacity instead.
     keys : iterable, optional
-        Keys of the results to balance; default every result held by a device worker.
+        With ``even``: keys of the results to balance; default every result held by a
+        device worker.
     workers : iterable of str, optional
-        Addresses of the workers to balance among; default every running worker that reports
-        its device memory capacity (``gpu-memory-total``). Workers without one never count.
+        With ``even``: addresses of the workers to balance among; default every running
+        worker that reports ``gpu-memory-total``.
     tolerance : int or str, optional
-        Bytes (``"512MiB"``): blocks move while some worker deviates from its target by
-        more. Default: half the largest block counted. Above the largest block, workers may
-        end further than one block from their targets.
+        With ``even``: bytes (``"512MiB"``) a worker may deviate from its target before
+        blocks move. Default: half the largest block counted.
+
+    Raises
+    ------
+    ValueError
+        If ``tolerance`` is negative.
 
     Attributes
     ----------
@@ -121,30 +135,77 @@ class DeviceMemoryBalancePolicy(AMMPolicy):
 
     Notes
     -----
-    Bytes are the scheduler's ``nbytes`` of each result (``dask.sizeof``: the device bytes of
-    a CuPy array, cuDF frame or simulated device block). The scheduler cannot tell device
-    results from host ones, so pass ``keys`` to balance only device blocks on workers that
-    also hold host results. Results held on workers outside ``workers`` are left alone, and
-    results with several replicas are not moved (distributed's ``ReduceReplicas`` owns them).
+    Bytes are the scheduler's ``nbytes`` of each result (``dask.sizeof``); it cannot tell
+    device results from host ones, so pass ``keys`` to even out only device blocks. Results
+    with several replicas are not moved by the evening (distributed's ``ReduceReplicas``
+    owns them). Name it in distributed's configuration::
+
+        distributed:
+          scheduler:
+            active-memory-manager:
+              policies:
+              - class: blockflow.scheduling.device_memory.DeviceMemoryAMMPolicy
+              - class: blockflow.scheduling.device_memory.DeviceMemoryAMMPolicy
+                even: true
     """
 
-    def __init__(self, keys: Iterable | None = None, workers: Iterable[str] | None = None,
-                 tolerance: int | str | None = None):
+    def __init__(self, memory_high: float | None = None, memory_low: float | None = None, *,
+                 even: bool = False, keys: Iterable | None = None,
+                 workers: Iterable[str] | None = None, tolerance: int | str | None = None):
+        self.even = bool(even)
+        self.memory_high = float(config.get("rebalancer.memory-high", memory_high))
+        self.memory_low = float(config.get("rebalancer.memory-low", memory_low))
         self.keys = None if keys is None else frozenset(
             tuple(k) if isinstance(k, list) else k for k in keys)
         self.workers = None if workers is None else frozenset(workers)
         tol = None if tolerance is None else parse_bytes(tolerance)
         if tol is not None and tol < 0:
-            raise ValueError(f"DeviceMemoryBalancePolicy: tolerance must be >= 0 bytes, "
+            raise ValueError(f"DeviceMemoryAMMPolicy: tolerance must be >= 0 bytes, "
                              f"got {tolerance!r}.")
         self.tolerance = tol
         self.pending: dict[Any, _Move] = {}
         self.moves: list[dict[str, Any]] = []
 
     def __repr__(self) -> str:
-        return (f"DeviceMemoryBalancePolicy(keys={'all' if self.keys is None else len(self.keys)}"
-                f", workers={None if self.workers is None else sorted(self.workers)}, "
+        if not self.even:
+            return (f"DeviceMemoryAMMPolicy(memory_high={self.memory_high}, "
+                    f"memory_low={self.memory_low})")
+        return (f"DeviceMemoryAMMPolicy(even=True, "
+                f"keys={'all' if self.keys is None else len(self.keys)}, "
+                f"workers={None if self.workers is None else sorted(self.workers)}, "
                 f"tolerance={self.tolerance})")
+
+    def plan(self, workers: dict[str, WorkerView], held: Mapping[str, list[HeldResult]]):
+        return (self._even if self.even else self._relieve)(workers, held)
+
+    def _relieve(self, workers: dict[str, WorkerView], held: Mapping[str, list[HeldResult]]):
+        """Suggestions that move results off the workers above the high-water mark."""
+        roomy = {a for a, w in workers.items() if w.status == "running"
+                 and w.metrics.gpu_memory_fraction is not None
+                 and w.metrics.gpu_memory_fraction < self.memory_low}
+        for addr, w in workers.items():
+            m = w.metrics
+            frac = m.gpu_memory_fraction
+            if frac is None or frac < self.memory_high or not roomy - {addr}:
+                continue
+            to_free = m.gpu_memory_used - self.memory_low * m.gpu_memory_total
+            seen = {"gpu_memory_fraction": frac}
+            for r in held.get(addr, ()):
+                if to_free <= 0:
+                    break
+                if any(other in roomy for other in r.holders if other != addr):
+                    chosen = yield MemorySuggestion("drop", r.key, frozenset({addr}))
+                    if chosen is not None:
+                        to_free -= r.nbytes
+                        self.log("memory-move", addr, f"drop {r.nbytes} B result now held "
+                                 f"elsewhere (device memory {frac:.0%})", seen, key=str(r.key))
+                else:
+                    chosen = yield MemorySuggestion("replicate", r.key, frozenset(roomy - {addr}))
+                    if chosen is not None:
+                        to_free -= r.nbytes
+                        self.log("memory-move", addr, f"copy {r.nbytes} B result off (device "
+                                 f"memory {frac:.0%} >= {self.memory_high:.0%})", seen,
+                                 key=str(r.key), target=chosen)
 
     # --- plain-data measures ----------------------------------------------------------------
 
@@ -187,7 +248,8 @@ class DeviceMemoryBalancePolicy(AMMPolicy):
 
     # --- the plan -----------------------------------------------------------------------------
 
-    def plan(self, workers: dict[str, WorkerView], held: Mapping[str, list[HeldResult]]):
+    def _even(self, workers: dict[str, WorkerView], held: Mapping[str, list[HeldResult]]):
+        """Suggestions that even out the device bytes by capacity."""
         caps = self.capacities(workers)
         if len(caps) < 2:
             return
@@ -213,7 +275,7 @@ class DeviceMemoryBalancePolicy(AMMPolicy):
                         del self.pending[key]
                         continue
                 else:
-                    self.log("balance", mv.source, f"drop {nbytes} B block: its copy has "
+                    self.log("memory-move", mv.source, f"drop {nbytes} B block: its copy has "
                              f"landed on {mv.target}", {"nbytes": nbytes},
                              key=str(key), target=mv.target)
                     self._done(key, mv)
@@ -266,7 +328,7 @@ class DeviceMemoryBalancePolicy(AMMPolicy):
             if chosen is None:
                 continue  # declined (e.g. the result is being released): it stays put
             self.pending[key] = _Move(src, chosen, nbytes)
-            self.log("balance", src, f"copy {nbytes} B block to {chosen}: {src} holds "
+            self.log("memory-move", src, f"copy {nbytes} B block to {chosen}: {src} holds "
                      f"{m.held[src]} B of device blocks against a capacity-weighted target "
                      f"of {round(m.target[src])} B (tolerance {m.tolerance} B)", seen,
                      key=str(key), target=chosen)

@@ -1,0 +1,204 @@
+"""The scheduler plugin's read handlers: ``blockflow_status`` (its state as plain data) and
+``blockflow_pool_targets`` (per-pool worker targets for elastic scaling)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from blockflow import _distributed
+from blockflow.pools import plan as cost
+from blockflow.pools.pool import Pool, pools_of
+from blockflow.pools.scaling import ScalingRequest
+from blockflow.scheduling.actions import Record
+from blockflow.scheduling.policies import POLICIES, policy_class
+
+__all__ = ["Status"]
+
+
+class Status:
+    """The read handlers of :class:`~blockflow.scheduling.plugin.Rebalancer` (a base of
+    it)."""
+
+    def pool_targets(self, comm=None, *, pools: dict, bounds: dict,
+                     starting: dict | None = None, threads: dict | None = None,
+                     target_duration: float = 5.0, startup: float = 5.0,
+                     wait_count: int = 3) -> dict[str, Any]:
+        """Per-pool worker targets for elastic scaling (the ``blockflow_pool_targets``
+        handler, asked by :class:`blockflow.pools.adaptive.PoolAdaptive`, as distributed's
+        ``Adaptive`` asks ``adaptive_target``).
+
+        Runs :class:`~blockflow.pools.scaling.PoolScalingRule` on a fresh snapshot: it
+        records ``scale`` (a target changed) and commands ``retire`` (an idle worker of a
+        pool above its target). The pools become ``declared_pools``.
+
+        Parameters
+        ----------
+        pools : dict
+            Pool name -> :meth:`~blockflow.pools.pool.Pool.to_dict`.
+        bounds : dict
+            Pool name -> ``[minimum, maximum]`` workers.
+        starting : dict, optional
+            Pool name -> workers started that have not joined yet.
+        threads : dict, optional
+            Pool name -> threads per worker.
+        target_duration, startup : float
+            Seconds (see :class:`~blockflow.pools.scaling.ScalingRequest`).
+        wait_count : int
+
+        Returns
+        -------
+        dict
+            ``targets`` (pool -> workers), ``reasons`` (pool -> why), ``retiring`` (names of
+            the workers retired and not gone yet: the cluster forgets them).
+        """
+        if self.scheduler is None or self.policy is None:
+            return {"targets": {}, "reasons": {}, "retiring": []}
+        request = ScalingRequest(
+            pools={n: Pool.from_dict(d) for n, d in pools.items()},
+            bounds={n: (int(b[0]), int(b[1])) for n, b in bounds.items()},
+            starting=dict(starting or {}), threads=dict(threads or {}),
+            target_duration=float(target_duration), startup=float(startup),
+            wait_count=int(wait_count))
+        self.declared_pools.update(request.pools)
+        snap = self.take_snapshot()
+        run = self.runs.run_of(self.runs.current)
+        if run is not None and not snap.throughput:
+            snap.throughput = self._throughput(snap.workers)
+        reference = {}
+        for g in (run.group_pending if run is not None else ()):
+            seconds = _distributed.group_duration(self.scheduler, g)
+            if seconds is not None:
+                reference[g] = seconds
+        spent = 0.0
+        objective = self.policy.objective
+        if run is not None and run.objective is not None and run.objective.budget is not None \
+                and objective is not None:
+            spent = objective.spent(run, pools_of(snap.workers), snap.time, snap.workers)
+        for d in self.scaling.run(snap, request, run, reference, spent,
+                                  frozenset(self.retiring),
+                                  _distributed.workers_holding_data(self.scheduler)):
+            if isinstance(d, Record):
+                self.record(d, snap)
+            else:
+                self.apply(d, snap)
+        return {"targets": dict(self.scaling.targets), "reasons": dict(self.scaling.reasons),
+                "retiring": sorted(self.retiring.values())}
+
+    def _pool_status(self) -> dict[str, Any]:
+        """Pools, parked workers, the throughput matrix, the current run's objective, plan
+        and cost so far (plain data)."""
+        if self.scheduler is None:
+            return {"pools": {}, "parked": {}, "throughput": {}, "objective": None}
+        views = self._views()
+        pools = pools_of(views)
+        by_pool: dict[str, dict[str, Any]] = {}
+        for a, p in sorted(pools.items()):
+            by_pool.setdefault(p.name, {**p.to_dict(), "workers": []})["workers"].append(a)
+        for name, p in self.declared_pools.items():
+            by_pool.setdefault(name, {**p.to_dict(), "workers": []})
+        run = self.runs.run_of(self.runs.current)
+        objective = None
+        if run is not None and run.objective is not None:
+            rule = self.policy.objective if self.policy is not None else None
+            objective = {**run.objective.as_dict(), "run": run.id,
+                         "deadline_at": run.deadline_at,
+                         "plan": rule.plans.get(run.id) if rule is not None else None,
+                         "spent": (rule.spent(run, pools, time.time(), views)
+                                   if rule is not None else None)}
+        run_cost = None
+        if run is not None and run.spans:
+            run_cost = cost.run_cost(
+                [(w, s0, s1) for w, (s0, s1) in run.spans.items()], pools,
+                [(a, b, n) for (a, b), n in run.crossings.items()])
+        return {"pools": by_pool, "parked": dict(self.parked),
+                "scaling": {"targets": dict(self.scaling.targets),
+                            "reasons": dict(self.scaling.reasons),
+                            "retiring": dict(self.retiring)},
+                "throughput": self._throughput(views), "objective": objective,
+                "run_cost": run_cost}
+
+    @property
+    def snapshot_workers(self) -> dict[str, dict[str, Any]]:
+        """Per worker, the metrics and state the last tick saw (plain data, built on
+        demand)."""
+        snap = self._last_snap
+        if snap is None:
+            return {}
+        return {
+            a: {**w.metrics.to_dict(), "nthreads": w.nthreads, "status": w.status,
+                "paused_by_blockflow": a in self.paused, "speed": w.speed,
+                "processing": w.processing, "projected_finish": w.projected_finish}
+            for a, w in snap.workers.items()
+        }
+
+    def status(self, comm=None, since: float | None = None,
+               task_log: bool = False, run: str | None = None) -> dict[str, Any]:
+        """Plain-data view of the plugin's state, served as the ``blockflow_status`` handler.
+
+        Parameters
+        ----------
+        since : float, optional
+            Only decisions (and task-log entries) after this time (seconds since the epoch).
+        task_log : bool, default False
+            Include ``(worker, start, stop)`` of finished tasks (for run reports).
+        run : str, optional
+            A run id (:func:`blockflow.scheduling.runs.run_scope`): include that run as
+            ``requested_run`` (None if unknown).
+
+        Returns
+        -------
+        dict
+            Plain data. ``run`` is the run most recently given tasks
+            (:meth:`~blockflow.scheduling.runs.Run.as_dict`, or None); ``run_counts`` and
+            ``run_started`` are its per-worker counts and start time. ``cost`` is the
+            plugin's own time on the scheduler's event loop
+            (:class:`~blockflow.scheduling.overhead.PluginCost`).
+        """
+        decisions = list(self.decisions)
+        if since is not None:
+            decisions = [d for d in decisions if d["time"] > since]
+        extra = {}
+        if task_log:
+            extra["task_log"] = [t for t in self.task_log if since is None or t[2] > since]
+        if run is not None:
+            extra["requested_run"] = self.runs.get(run)
+        current = self.runs.current_run()
+        addresses = _distributed.worker_addresses(self.scheduler) if self.scheduler else ()
+        return {
+            "policy": self.policy_name,
+            "interval": self.interval,
+            "ticks": self.ticks,
+            "moves_requested": self.moves_requested,
+            "cost": self.cost.as_dict(sum(self.task_counts.values())),
+            "task_counts": dict(self.task_counts),
+            "kernel_counts": dict(self.kernel_counts),
+            "run": current,
+            "run_counts": current["counts"] if current else {},
+            "run_started": current["started"] if current else None,
+            "speeds": {a: self.speeds.speed(a) for a in addresses},
+            "speed_confidence": {a: self.speeds.confidence(a) for a in addresses},
+            "balancing": self._stealing is not None,
+            "policies": list(POLICIES),
+            "policy_description": _summary(policy_class(self.policy_name)),
+            "paused": dict(self.paused),
+            "held": dict(self.held),
+            "workers": self.snapshot_workers,
+            "memory_peak": dict(self.memory_peak),
+            "decisions": decisions,
+            **self._pool_status(),
+            "speculation": {**dict(self.speculation),
+                            "running": {str(k): dict(v) for k, v in self.backups.items()}},
+            "resources": {
+                "unsatisfiable": self.unsatisfiable.status() if self.unsatisfiable else None,
+                "admission": self.admission.status() if self.admission else None,
+                "shared_gpus": {u: list(a) for u, a in _distributed.shared_devices(
+                    self._views()).items()} if self.scheduler else {},
+            },
+            **extra,
+        }
+
+
+def _summary(cls) -> str:
+    """First line of a policy's docstring (shown on the dashboard)."""
+    return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else cls.name
