@@ -55,9 +55,11 @@ _MISSING = object()
 
 # Allowed values of keys whose choices are registered in code (set_choices), by dotted key.
 _choices: dict[str, tuple[str, ...]] = {}
+# A pattern other values may match instead (a dotted path), by dotted key.
+_patterns: dict[str, str] = {}
 
 
-def set_choices(key: str, values: Sequence[str]) -> None:
+def set_choices(key: str, values: Sequence[str], pattern: str | None = None) -> None:
     """Register the allowed values of the setting ``blockflow.<key>``.
 
     :func:`validate` checks the key against them as the JSON schema ``enum`` of that key,
@@ -71,6 +73,8 @@ def set_choices(key: str, values: Sequence[str]) -> None:
         Key below the ``blockflow.`` namespace, e.g. ``"cluster.policy"``.
     values : sequence of str
         The allowed values, in the order messages list them.
+    pattern : str, optional
+        A regular expression other values may match instead (e.g. a dotted path).
 
     Raises
     ------
@@ -84,6 +88,9 @@ def set_choices(key: str, values: Sequence[str]) -> None:
     """
     _schema_node(_load_schema(), key)  # an unknown key is a programming error: fail now
     _choices[key] = tuple(values)
+    _patterns.pop(key, None)
+    if pattern is not None:
+        _patterns[key] = pattern
 
 
 def get(key: str, value: Any = None) -> Any:
@@ -280,7 +287,11 @@ def _schema() -> dict:
     """``blockflow-schema.yaml`` with the registered choices as the ``enum`` of their keys."""
     schema = _load_schema()
     for key, values in _choices.items():
-        _schema_node(schema, key)["enum"] = list(values)
+        node = _schema_node(schema, key)
+        if key in _patterns:
+            node["anyOf"] = [{"enum": list(values)}, {"pattern": _patterns[key]}]
+        else:
+            node["enum"] = list(values)
     return schema
 
 

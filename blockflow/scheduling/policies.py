@@ -451,7 +451,10 @@ REGISTRY: dict[str, type[RebalancePolicy]] = {
 #: Policy names, in the order the CLI and docs list them.
 POLICIES: tuple[str, ...] = tuple(REGISTRY)
 
-config.set_choices("cluster.policy", POLICIES)
+#: What a policy named by dotted path looks like (``mypkg.MyPolicy``).
+DOTTED_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$"
+
+config.set_choices("cluster.policy", POLICIES, pattern=DOTTED_PATH)
 
 
 def policy_class(name: str) -> type[RebalancePolicy]:

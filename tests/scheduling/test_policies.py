@@ -21,6 +21,7 @@ from blockflow.scheduling.policies import (
     POLICIES,
     REGISTRY,
     ClusterSnapshot,
+    ComposedPolicy,
     DeviceMemoryAMMPolicy,
     DynamicPolicy,
     MemoryPolicy,
@@ -30,7 +31,7 @@ from blockflow.scheduling.policies import (
     StaticRoundRobinPolicy,
     make_policy,
 )
-from blockflow.scheduling.rules import MoveRule, RuleContext
+from blockflow.scheduling.rules import MoveRule, PauseRule, RuleContext
 from blockflow.scheduling.rules.move import best_target
 
 GiB = 2**30
@@ -679,3 +680,50 @@ async def test_task_facts_equal_group_work_and_size_read_one_by_one(c, s, a):
     assert _distributed.task_facts(s, "sized-1")[1:] == (7.0, 7.0)
     assert _distributed.task_facts(s, ("plain-len", 3))[2] >= 1000  # its input's bytes
     assert _distributed.task_facts(s, "gone-9") == ("gone", None, None)
+
+
+# --- policies named by dotted path, as distributed's AMM loads its policies ------------
+
+
+class PauseEverythingHotPolicy(ComposedPolicy):
+    """A user's policy: the pause rule alone, at 50 % device memory."""
+
+    name = "pause-hot"
+
+    def __init__(self):
+        self.pause = PauseRule(0.5, 0.4, 90.0, 80.0)
+        self.rules = [self.pause]
+
+
+DOTTED = f"{__name__}.PauseEverythingHotPolicy"
+
+
+def test_a_policy_is_named_by_dotted_path_from_config():
+    import dask.config
+
+    from blockflow import config
+    from blockflow.scheduling import Rebalancer
+    from blockflow.scheduling.policies import policy_class
+
+    assert policy_class(DOTTED) is PauseEverythingHotPolicy
+    policy = make_policy(DOTTED)
+    assert isinstance(policy, PauseEverythingHotPolicy)
+    # every policy owns the rules the plugin runs at their own moments
+    assert policy.objective is None and policy.admission.enabled
+    assert not policy.balancing.hands_over and policy.kernel_placement is policy.kernel_placement
+    s = snap([worker("a", used=6 * GiB, total=10 * GiB), worker("b")])
+    assert [(d.action, d.worker) for d in run(policy, s)] == [("pause", "a")]
+    with dask.config.set({"blockflow.cluster.policy": DOTTED}):
+        config.validate()
+        assert Rebalancer().policy_name == DOTTED
+
+
+@pytest.mark.parametrize("name", ["nonsense", "blockflow.nowhere.Policy",
+                                  "blockflow.scheduling.rules.PauseRule", "collections.Counter"])
+def test_an_unknown_policy_or_path_is_one_line_naming_the_builtins_and_paths(name):
+    with pytest.raises(ValueError, match=rf"^Unknown blockflow policy '{name}'; choose one of "
+                                         r"dynamic, memory, static-round-robin, "
+                                         r"static-capacity, off\. A dotted path to a "
+                                         r"RebalancePolicy subclass \(mypkg\.MyPolicy\) works "
+                                         r"too\.$"):
+        make_policy(name)
