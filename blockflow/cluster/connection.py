@@ -189,7 +189,7 @@ def connect(
         timeout_s = parse_timedelta(config.get("cluster.connect-timeout", timeout))
         _check_tls_credentials(address, sec)
         try:
-            _handshake.check_scheduler(address, timeout_s,
+            _handshake.probe_scheduler(address, timeout_s,
                                        (sec or Security()).get_connection_args("client"))
         except _handshake.ProbeError as e:
             raise OSError(f"blockflow.connect: {e}. {_probe_fix(e, address)}") from None

@@ -3,7 +3,7 @@
 distributed's ``Client`` retries a refused connection until its timeout, waits for the
 peer's handshake without a bound, and reads the first 8 bytes of any reply as a frame length
 (an HTTP server's ``HTTP/1.0`` becomes a 3 EiB allocation and a ``MemoryError``).
-:func:`check_scheduler` looks first, with plain asyncio streams: it retries a refused
+:func:`probe_scheduler` looks first, with plain asyncio streams: it retries a refused
 connection until the deadline (a scheduler that is still starting), sends Dask's handshake as
 distributed's clients do, reads the peer's first message only when its length prefix is
 plausible, decodes it with distributed's protocol and checks that it is Dask's handshake,
@@ -26,7 +26,7 @@ from typing import Any
 
 from blockflow._distributed.wire import HEADER_BYTES, client_handshake, decode_message, message_length
 
-__all__ = ["ProbeError", "check_scheduler"]
+__all__ = ["ProbeError", "probe_scheduler"]
 
 #: Largest first message taken for Dask's handshake (bytes): it is a few hundred.
 HANDSHAKE_MAX_BYTES = 1 << 16
@@ -68,7 +68,7 @@ class ProbeError(OSError):
         return str(self.args[0])
 
 
-def check_scheduler(address: str, timeout: float, connection_args: dict[str, Any]) -> None:
+def probe_scheduler(address: str, timeout: float, connection_args: dict[str, Any]) -> None:
     """Check, within about ``timeout`` seconds, that a Dask scheduler answers at ``address``.
 
     Parameters

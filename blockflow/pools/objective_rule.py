@@ -20,90 +20,15 @@ from typing import Any
 
 from blockflow.pools import plan as cost
 from blockflow.scheduling.actions import Action, Decision, Record, Recorded
-from blockflow.pools.pool import Pool, pools_of, requested_pools
+from blockflow.pools import feasibility
+from blockflow.pools.pool import pools_of, requested_pools
 from blockflow.scheduling.rules.base import Rule, RuleContext, some_tasks
 
-__all__ = ["ObjectiveRule", "check_objective"]
+__all__ = ["ObjectiveRule"]
 
 logger = logging.getLogger("blockflow.pools.objective")
 
 _GB = 1e9
-
-
-def _seconds(snap, pools: dict[str, Pool], groups) -> dict[str, dict[str, float]]:
-    """Seconds per task of ``groups`` on each pool: the throughput matrix's rows."""
-    matrix = snap.throughput or {}
-    names = {p.name for p in pools.values()}
-    return {g: {p: t for p, t in matrix[g].items() if p in names}
-            for g in groups if g in matrix}
-
-
-def _egress(snap, pools: dict[str, Pool], groups) -> dict[str, dict[str, float]]:
-    """Group -> pool name -> dollars per task for inputs leaving their provider."""
-    egress_of = {}
-    for p in pools.values():
-        egress_of[p.provider] = max(egress_of.get(p.provider, 0.0), p.egress)
-    out = {}
-    for g in groups:
-        by_provider = (snap.inputs or {}).get(g)
-        if not by_provider:
-            continue
-        out[g] = {p.name: sum(b / _GB * egress_of.get(src, 0.0)
-                              for src, b in by_provider.items() if src != p.provider)
-                  for p in pools.values()}
-    return out
-
-
-def _capacity(snap, pools: dict[str, Pool], parked) -> tuple[dict, dict]:
-    """Pool name -> workers that may take work (running, or parked by this rule), and
-    threads per worker."""
-    workers: dict[str, int] = {}
-    threads: dict[str, list[int]] = {}
-    for a, w in snap.workers.items():
-        if w.status != "running" and a not in parked:
-            continue
-        name = pools[a].name
-        workers[name] = workers.get(name, 0) + 1
-        threads.setdefault(name, []).append(max(w.nthreads, 1))
-    return workers, {p: max(sorted(t)[len(t) // 2], 1) for p, t in threads.items()}
-
-
-def check_objective(objective, pools: dict[str, Pool], work: dict[str, float],
-                    seconds: dict[str, dict[str, float]], workers: dict[str, int],
-                    threads: dict[str, int]) -> str:
-    """Why ``objective`` cannot be met before anything runs, one line; ``""`` if it can (or
-    if too little is known to tell: groups never measured are left out).
-
-    Checks: a price for every pool when prices matter; a deadline some pool sizes can meet
-    (``"needs >= N workers of pool P"``); a budget at least the cheapest possible run.
-    """
-    if objective is None:
-        return ""
-    by_name = {p.name: p for p in pools.values()}
-    if objective.needs_prices:
-        for p in sorted(by_name.values(), key=lambda p: p.name):
-            if p.price is None:
-                what = ("the cost objective" if objective.kind == "cost"
-                        else "a budget")
-                return (f"blockflow.objective: pool {p.name!r} has no price, which {what} "
-                        f"needs; give it one (Pool({p.name!r}, price=<dollars per "
-                        f"worker-hour>), or `--preload blockflow.pools.preload --pool {p.name} "
-                        f"--price ...`)")
-    known = {g: n for g, n in work.items() if g in seconds}
-    if not known:
-        return ""
-    if objective.deadline is not None:
-        plan = cost.plan(known, seconds, by_name, workers, threads=threads,
-                         deadline=objective.deadline)
-        if not plan.feasible:
-            return f"blockflow.objective: {plan.shortfall}"
-    if objective.budget is not None:
-        plan = cost.plan(known, seconds, by_name, workers, threads=threads,
-                         budget=objective.budget)
-        if not plan.feasible:
-            return f"blockflow.objective: {plan.shortfall}"
-    return ""
-
 
 class ObjectiveRule(Rule):
     """Park and unpark pools for the current run's objective; refuse impossible ones.
@@ -202,12 +127,13 @@ class ObjectiveRule(Rule):
         all_pools = dict(pools)
         for name, p in (snap.declared_pools or {}).items():
             all_pools.setdefault(f"declared:{name}", p)
-        workers, threads = _capacity(snap, pools, snap.parked)
+        workers, threads = feasibility.capacity(snap, pools, snap.parked)
         for name, p in (snap.declared_pools or {}).items():
             workers.setdefault(name, 0)
         work = dict(run.group_pending)
-        why = check_objective(run.objective, all_pools, work,
-                              _seconds(snap, all_pools, work), workers, threads)
+        why = feasibility.check_objective(run.objective, all_pools, work,
+                                          feasibility.seconds(snap, all_pools, work),
+                                          workers, threads)
         if why:
             keys = tuple(t.key for t in snap.new_tasks)
             out.append(Decision(Action.FAIL, "", why, {"objective": run.objective.as_dict(),
@@ -240,11 +166,11 @@ class ObjectiveRule(Rule):
         if len(by_name) < 2 or any(p.price is None for p in by_name.values()):
             return self._unpark_all(snap, parked, "one pool, or pools without prices")
         work = dict(run.group_pending)
-        seconds = _seconds(snap, pools, work)
+        seconds = feasibility.seconds(snap, pools, work)
         work = {g: n for g, n in work.items() if g in seconds}
         if not work:  # nothing measured yet
             return self._unmeasured(snap, parked, pools, run.objective)
-        workers, threads = _capacity(snap, pools, parked)
+        workers, threads = feasibility.capacity(snap, pools, parked)
         # tasks running now are no longer to place: their threads are busy for what is
         # left of them (the time per task on that pool less the time they ran)
         remaining: dict[str, float] = {}
@@ -260,7 +186,7 @@ class ObjectiveRule(Rule):
                 if t.group in work:
                     work[t.group] -= 1
         work = {g: n for g, n in work.items() if n > 0}
-        egress = _egress(snap, pools, work)
+        egress = feasibility.egress(snap, pools, work)
         obj = run.objective
         typical = {name: median(row[name] for row in seconds.values() if name in row)
                    for name in workers}
