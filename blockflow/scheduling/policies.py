@@ -235,12 +235,8 @@ class RebalancePolicy(abc.ABC):
 
 
 class ComposedPolicy(RebalancePolicy):
-    """A policy that is its :attr:`rules`, run in order on every snapshot.
-
-    The rules share one :class:`~blockflow.scheduling.rules.RuleContext` per snapshot (the
-    workers paused or held, the targets of moves), passed explicitly; each rule yields
-    nothing for events it does not handle.
-    """
+    """A policy that is its :attr:`rules`, run in order on every snapshot, sharing one
+    :class:`~blockflow.scheduling.rules.RuleContext` per snapshot."""
 
     #: The rules, in the order they run.
     rules: list[Rule]
@@ -298,38 +294,11 @@ class DynamicPolicy(ComposedPolicy):
 
     Notes
     -----
-    The policy is its rules, in order (:attr:`rules`): on a graph, placement by working set
-    (:attr:`placement`); on a tick, :attr:`pause`, :attr:`hold`, :attr:`move`,
-    :attr:`backup` (:mod:`blockflow.scheduling.rules`).
-
-    Moves are a greedy list-scheduling repair (in the spirit of LPT, Graham 1969): take the
-    worker whose projected finish ``occupancy / (speed x threads)`` is latest, offer its
-    lowest-priority waiting task to the worker that would finish it soonest (including the
-    time to move its inputs, bytes / measured bandwidth), and move it when that finishes
-    earlier. While the scheduler still queues root tasks, every worker pulls more work as it
-    frees up: only tasks stuck on paused workers move. While worker speeds are not known
-    with confidence to differ (``snapshot.balancing`` false), distributed's own stealing
-    balances, and blockflow only fills the free threads of idle workers with tasks whose
-    duration has been measured and whose inputs take at most
-    ``MoveRule.max_fill_transfer_share`` of its compute to send (a cold start: inputs made on one
-    worker), one task per free thread per tick. Speeds come shrunk by their confidence
-    (:class:`~blockflow.scheduling.speed.SpeedModel`), so moves grow with what was measured.
-    A balancing move must also be worth its data: its inputs' transfer time may be at most
-    ``MoveRule.max_transfer_share`` of its compute time, and the gain must exceed twice that
-    transfer, so data-heavy tasks on workers of the same speed stay with their data.
-
-    Stragglers (:class:`~blockflow.scheduling.rules.BackupRule`): a task that already *runs* on a slow device cannot be
-    moved; when a fast worker is idle, the running blockflow kernel task with the longest
-    estimated time to end gets a backup copy there if that time exceeds
-    ``backup_ratio`` times the copy's own (LATE, Zaharia et al. OSDI 2008, with
-    blockflow's learned speeds in place of Hadoop's progress scores; see
-    :mod:`blockflow.core.speculation` for how the first result wins).
-    A task moves once between busy workers: projected finishes are estimates that shift
-    after every move, and later ticks would otherwise chase a task from worker to worker (or
-    bounce it between two). It moves again only to a worker with a free thread that it was
-    never moved off (work stealing's rule: an idle thread gains for sure), or off a paused
-    worker: a task moved early, onto a worker then believed fast, is not stranded there
-    while the others idle. A blockflow heuristic.
+    The policy is its rules, in order (:attr:`rules`): on a graph, the objective's refusals
+    and placement by working set (:attr:`placement`); on a tick, pools parked for the
+    objective, :attr:`pause`, :attr:`hold`, :attr:`move` (a greedy list-scheduling repair
+    in the spirit of LPT, Graham 1969) and :attr:`backup` (LATE, Zaharia et al. OSDI 2008);
+    see :mod:`blockflow.scheduling.rules` for each. A blockflow heuristic.
     """
 
     name = "dynamic"
@@ -372,9 +341,8 @@ class DynamicPolicy(ComposedPolicy):
         self.backup = BackupRule(self.speculation, self.backup_slots, self.backup_ratio,
                                  self.backup_min_elapsed)
         self.objective = ObjectiveRule()
-        # on a graph: the objective's refusals, placement; on a tick: pools parked for the
-        # objective, pauses, holds (not on a worker just paused), moves (not onto a paused,
-        # parked or held one), then copies (not onto a move's target)
+        # holds skip a worker just paused, moves a paused, parked or held one, copies a
+        # move's target
         self.rules = [self.objective, self.placement, self.pause, self.hold, self.move,
                       self.backup]
 

@@ -16,9 +16,7 @@ Method (a blockflow heuristic from standard robust and shrinkage estimation):
    durations all lie beyond the median of the earlier ones, on the same side, by more than
    ``change_ratio`` *and* by more than ``change_sds`` robust standard deviations of the
    earlier ones (1.4826 x their median absolute deviation), the earlier ones are dropped (a
-   change-point rule: a worker throttled mid-run is seen as slow after two tasks when its
-   durations are steady, later when they vary; blocks of uneven size, whose durations
-   spread widely, never pass two extreme draws for a change of speed).
+   change-point rule).
 3. **Only comparisons count.** A group tells something about relative speed only when at
    least two workers ran it: the group's reference is the median over those workers of their
    medians, and a worker's evidence is ``reference - its median`` (in log space; positive is
@@ -47,16 +45,13 @@ Method (a blockflow heuristic from standard robust and shrinkage estimation):
 6. **A pause that ended is the past.** When a worker's last ``change_run`` durations of a
    group are back within ``recover_ratio`` of the other workers' level (their median of
    medians) while its earlier ones lie beyond it, the earlier ones are dropped: a worker
-   back at the typical speed is judged typical at once (after two normal tasks, not after
-   as many normal ones as it ran slow: a worker busy with another tenant for 0.6 s kept
-   its tasks moved off it for as long again). And a worker is expected to stay slow about as long as the streak has
-   lasted so far (:meth:`SpeedModel.slow_for`, a horizon the projected finish uses), not for
-   all its queued work: tasks move off it as the evidence grows, not all at once.
+   back at the typical speed is judged typical after two normal tasks. A worker is
+   expected to stay slow about as long as the streak has lasted so far
+   (:meth:`SpeedModel.slow_for`, a horizon the projected finish uses).
 7. **Bounded optimism.** No worker looks faster than the best well-observed worker
    (confidence >= 0.5) by more than ``max_optimism``; before any is well observed, no worker
    looks faster than ``max_optimism`` itself.
-
-7. **Sizes.** Tasks of one group may differ in size (a block with 8x the rows of the
+8. **Sizes.** Tasks of one group may differ in size (a block with 8x the rows of the
    others). Each observation may carry the task's size (declared work, else input bytes);
    :meth:`SpeedModel.size_factor` tells how many times the group's typical (median) size a
    task is, so that a block long because it is large is expected to be long, not taken

@@ -37,14 +37,11 @@ class HoldRule(Rule):
     and takes nothing new) when its next task would end later than the other workers
     would finish the queue with that task added: ``busy + duration / speed > (queued + 1 +
     waiting) x duration / (their total speed)``, ``busy`` what its running kernel has
-    left at that speed, ``waiting`` the tasks the others hold but have not started (with
-    two tasks per thread on each worker, the queue alone undercounts their work: a
-    worker was held two blocks too early, and the others ran one extra block each). Once
-    the queue is empty it stays held while the others still hold tasks not started that
-    they finish before its next one would end (an idle slow worker would otherwise take
-    one by stealing or a move and decide the stage: with ~8 blocks per worker and a
-    device 10x slow from the start, 2 runs in 5 ended 1.4-1.5x the fast workers' bound),
-    and its own tasks not started move off it (the move rule's rescue). It is released
+    left at that speed, ``waiting`` the tasks the others hold but have not started (the
+    queue alone undercounts their work). Once the queue is empty it stays held while the
+    others still hold tasks not started that they finish before its next one would end (an
+    idle slow worker would otherwise take one and decide the stage), and its own tasks not
+    started move off it (the move rule's rescue). It is released
     when nothing is left to run or the condition no longer holds; its speed is not reset
     (it ran the same work). With backup copies off, nothing is
     held. LATE's rule of not launching work on slow nodes (Zaharia et al., OSDI 2008),
