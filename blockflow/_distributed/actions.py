@@ -8,8 +8,9 @@ data) and answers whether it acted; reading the scheduler is :mod:`blockflow._di
 
 from __future__ import annotations
 
+import asyncio
+import pickle
 import time
-
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -129,8 +130,6 @@ def fail_tasks(scheduler, keys, exception: BaseException, stimulus_id: str) -> i
     int
         Tasks failed (tasks gone or no longer in ``no-worker`` are skipped).
     """
-    import pickle
-
     payload = pickle.dumps(exception)
     recs: dict = {}
     n = 0
@@ -202,8 +201,6 @@ async def request_backup(scheduler, key, victim: str, target: str, timeout: floa
     ``target`` and wait (at most ``timeout`` seconds) for the outcome: the reply of the
     victim's ``blockflow_speculate`` handler (:mod:`blockflow.core.speculation`), or
     ``{"outcome": "failed", "error": ...}``."""
-    import asyncio
-
     try:
         return await asyncio.wait_for(
             scheduler.rpc(victim).blockflow_speculate(key=key, target=target), timeout)
@@ -213,6 +210,4 @@ async def request_backup(scheduler, key, victim: str, target: str, timeout: floa
 
 def spawn(scheduler, coro) -> None:
     """Run a coroutine on the scheduler's event loop without waiting for it."""
-    import asyncio
-
     scheduler.loop.add_callback(lambda: asyncio.ensure_future(coro))

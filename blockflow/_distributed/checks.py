@@ -10,7 +10,11 @@ the ``Worker`` internals the worker-side functions use (run in every worker plug
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+
+import distributed
+from distributed.scheduler import TaskPrefix, TaskState, WorkerState
 
 __all__ = [
     "SUPPORTED",
@@ -46,8 +50,6 @@ class IncompatibleSchedulerError(RuntimeError):
 
 
 def _fail(what: str):
-    import distributed
-
     raise IncompatibleSchedulerError(
         f"blockflow needs distributed's internal {what}, which distributed "
         f"{distributed.__version__} does not provide as expected; blockflow supports "
@@ -82,8 +84,6 @@ def check_scheduler(scheduler) -> None:
     IncompatibleSchedulerError
         Naming the missing or changed internal and the distributed version.
     """
-    from distributed.scheduler import TaskPrefix, TaskState, WorkerState
-
     if _params(getattr(scheduler, "handle_worker_status_change", None))[:3] != [
             "status", "worker", "stimulus_id"]:
         _fail("Scheduler.handle_worker_status_change(status, worker, stimulus_id)")
@@ -132,8 +132,6 @@ def serves_bokeh_dashboard(scheduler) -> bool:
 def check_dashboard() -> None:
     """Verify the dashboard internals :func:`add_dashboard_page` and
     :func:`style_dashboard_doc` use (skipped without Bokeh, where they are not used)."""
-    import importlib.util
-
     if importlib.util.find_spec("bokeh") is None:
         return
     from distributed.dashboard import components, core, scheduler as dashboard

@@ -19,6 +19,7 @@ from statistics import median
 from typing import Any
 
 from blockflow.pools import plan as cost
+from blockflow.errors import ObjectiveError
 from blockflow.scheduling.actions import Action, Decision, Record, Recorded
 from blockflow.pools import feasibility
 from blockflow.pools.pool import pools_of, requested_pools
@@ -92,8 +93,6 @@ class ObjectiveRule(Rule):
                                          for key, need in snap.unsatisfiable])
 
     def _refuse_pools(self, snap, requests) -> list[Decision]:
-        from blockflow.errors import ObjectiveError
-
         if not requests:
             return []
         pools = pools_of(snap.workers)
@@ -114,8 +113,6 @@ class ObjectiveRule(Rule):
         return out
 
     def _on_graph(self, snap) -> list[Decision]:
-        from blockflow.errors import ObjectiveError
-
         pools = pools_of(snap.workers)
         # only a kernel's placement (resources=, workers=) can name a pool at graph time
         out = self._refuse_pools(snap, [

@@ -77,14 +77,6 @@ def call_cost(calls: list[tuple[int, float]]) -> float | None:
     The cost is the part of a call that does not shrink with its size: a fixed part, a
     small batch's lower efficiency, caches cold after the device's idle time. A blockflow
     heuristic.
-
-    Parameters
-    ----------
-    calls : list of (int, float)
-
-    Returns
-    -------
-    float or None
     """
     if len(calls) < 2:
         return None

@@ -1,10 +1,6 @@
-"""Scheduler extensions: plugins installed beside blockflow's own, named in configuration.
-
-``blockflow.scheduler.extensions`` lists them by dotted path (the dashboard page,
-``blockflow.dashboard.plugin.DashboardPlugin``, by default); :func:`connect` and the
-preload load them here with :mod:`importlib`, so that the scheduler side names no module
-above it.
-"""
+"""Scheduler extensions installed beside blockflow's plugin, named by dotted path in
+``blockflow.scheduler.extensions`` (the dashboard page by default), so that the scheduler
+side names no module above it."""
 
 from __future__ import annotations
 

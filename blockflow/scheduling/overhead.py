@@ -1,11 +1,5 @@
-"""The scheduler plugin's own cost: seconds it spends on the scheduler's event loop.
-
-Every second the plugin spends in a hook (``transition``, ``update_graph``) or a control-loop
-tick is a second the scheduler does not schedule. :class:`PluginCost` keeps the totals, cheaply
-(two ``time.perf_counter()`` calls per hook call, a bounded deque of tick durations), and the
-plugin serves them in its status (``plugin_status(client)["cost"]``), which is how
-``benchmarks/scale.py`` reports the plugin's cost per task and per tick.
-"""
+"""The scheduler plugin's own cost: seconds it spends on the scheduler's event loop, in its
+hooks and ticks (served in its status as ``cost``)."""
 
 from __future__ import annotations
 
@@ -35,18 +29,16 @@ class PluginCost:
         an admission event); the others return at once and are not timed.
     hook_cpu_sampled, hook_samples : float, int
         CPU seconds of the event loop's thread (``time.thread_time``) in one ``transition``
-        call of every :attr:`sample_every`, and how many: wall time counts whatever else
-        the machine runs meanwhile, CPU time only the plugin's own work (a thread-time
-        reading costs a system call: sampled).
+        call of every :attr:`sample_every` (a thread-time reading costs a system call), and
+        how many.
     graph_cpu : float
         CPU seconds in ``update_graph`` (every call: one per graph).
     tick_cpu : float
         CPU seconds in all ticks.
     flush_wall, flush_cpu : float
-        Seconds (wall, and CPU of the event loop's thread) spent folding in the finished
-        tasks the ``transition`` hook queued (the plugin's ``_flush_finished``): per-task
-        work done in batches, counted in :attr:`hooks` and in the hooks' CPU time, not in
-        the ticks' or graphs' time.
+        Seconds (wall, and CPU of the event loop's thread) spent folding in the queued
+        finished tasks (``flush_finished``), counted in :attr:`hooks`, not in the ticks'
+        or graphs' time.
     """
 
     #: Tick durations kept for the median.

@@ -90,17 +90,15 @@ class ClusterSnapshot:
     queued : int
         Root tasks the scheduler holds back (not yet on a worker).
     event : {"tick", "graph", "held", "admit", "close"}
-        ``"tick"``: a control-loop tick; ``"graph"``: a graph just arrived (``new_tasks``).
-        The others are the admission rule's own snapshots
-        (:class:`~blockflow.scheduling.rules.AdmissionRule`): after a graph's feeders were
-        held, when a tracked task's transition may have freed room, when the plugin closes.
+        ``"tick"``: a control-loop tick; ``"graph"``: a graph just arrived (``new_tasks``);
+        the others are the admission rule's own
+        (:class:`~blockflow.scheduling.rules.AdmissionRule`).
     waiting : mapping of str to iterable of TaskView
         Per worker, its tasks that have not started, lowest priority (last to run) first.
     new_tasks : list of TaskView
         On ``"graph"`` events, the tasks of the new graph.
     balancing : bool
-        Whether worker speeds are known, with confidence, to differ: only then may a policy
-        move work for speed (distributed's stealing balances otherwise).
+        Whether worker speeds are known, with confidence, to differ.
     running : mapping of str to list of RunningTask
         Per worker, the tasks it runs now, with their elapsed time (from heartbeats).
     backups : mapping
@@ -111,9 +109,8 @@ class ClusterSnapshot:
         Workers blockflow holds back from the scheduler's queue (see
         :class:`~blockflow.scheduling.rules.HoldRule`).
     stopped : frozenset of str
-        Paused workers that start none of their tasks: paused by themselves (distributed's
-        host-memory pause threshold), not only on the scheduler side by blockflow. All their
-        tasks not started are in ``waiting``.
+        Workers that paused themselves (host-memory pause threshold): they start none of
+        their tasks, all of which are in ``waiting``.
     speeds_differ, speeds_differ_weakly : bool
         The speed model's strict (1.3x at 0.1 %) and weak (1.15x at 10 %) tests that
         running workers differ in speed (:class:`~blockflow.scheduling.rules.BalancingRule`
@@ -124,20 +121,14 @@ class ClusterSnapshot:
         ``time.monotonic()`` when the snapshot was taken.
     feeders : list of FeederView
         On the admission rule's ``"graph"`` snapshot: the new graph's feeders (tasks whose
-        every dependent needs a worker resource), read after the kernels' restrictions were
-        applied.
+        every dependent needs a worker resource).
     feeder_states : FeederStates, optional
-        Key -> where a feeder stands (:class:`blockflow._distributed.FeederStates`), for the
-        admission rule; None on the policy's snapshots.
+        Key -> where a feeder stands, for the admission rule.
     client : str, optional
-        On the admission rule's ``"graph"`` snapshot: the id of the client that submitted
-        the graph (admission control learns which of its producers get consumers later).
+        On the admission rule's ``"graph"`` snapshot: the submitting client's id.
     changed : frozenset of str or None
-        On ``"tick"`` snapshots, the workers whose view changed since the previous tick
-        (heartbeat metrics, status, task counts, occupancy, speed); the others' views are
-        the same objects as then. Rules judge a worker again only when it changed (a tick
-        costs in proportion to the workers that changed, not to all of them). None:
-        unknown, every worker counts as changed.
+        On ``"tick"`` snapshots, the workers whose view changed since the previous tick (the
+        others' views are the same objects); None: every worker counts as changed.
     run : Run, optional
         The run most recently given work, when it runs under a
         :func:`blockflow.objective` (:class:`blockflow.scheduling.runs.Run`); else None.

@@ -175,11 +175,9 @@ def decisions(client: Client, since: float | None = None):
     Returns
     -------
     pandas.DataFrame
-        Columns ``time`` (UTC timestamp), ``policy``, ``action`` (the value of a
-        :class:`~blockflow.scheduling.actions.Action`, a plain string: ``pause``,
-        ``resume``, ``handover``, ``hold``, ``release``, ``move``, ``assign``, ``place``,
-        ``speculate``, ``restrict``, ``admit``, ``fail``, ``balance``, ``defer``, ``keep``,
-        ``wait``, ``backup``, ``memory-move``, ``join``, ``forget``; each documented there),
+        Columns ``time`` (UTC timestamp), ``policy``, ``action`` (a plain string: the value
+        of a command, :class:`~blockflow.scheduling.actions.Action`, or of a record,
+        :class:`~blockflow.scheduling.actions.Recorded`; each documented there),
         ``worker``, ``target`` (moves), ``key`` (moves), ``reason``, then ``seen_*`` columns
         with the metrics the decision saw (GPU utilisation in percent, device-memory
         fraction 0-1, learned speed, tasks processing, projected finish in seconds; None

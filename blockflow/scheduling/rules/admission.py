@@ -4,8 +4,7 @@ In a pipeline of unrestricted producers (loading, decoding, on CPU workers) each
 consumer that needs ``resources={"GPU": 1}``, distributed holds back nothing: tasks with
 resource restrictions are never queued, so when a producer finishes its consumer is assigned
 to the GPU worker at once, the CPU worker takes the next producer, and the producers race
-ahead of the GPU. With 4 CPU workers, one ``GPU=1`` worker and 200 producers of 10 MB each
-feeding a 0.2 s consumer, 193 of the 200 outputs sat in memory at once.
+ahead of the GPU, their outputs piling up in memory.
 
 :class:`AdmissionRule` lets producers run only while the outputs held for consumers stay
 within a budget. When a graph arrives, its *feeders* (tasks without restrictions whose every
@@ -15,13 +14,11 @@ satisfies: they wait in ``no-worker``); the highest-priority ones are released a
     feeders running or released + outputs waiting for a consumer that has all its inputs
     <= budget
 
-and each time one of them finishes feeding (its consumer done) the next is released, at
-once (the plugin's ``transition`` hook asks for an ``"admit"`` snapshot on the next turn of
-the event loop) and on every tick of the plugin. Outputs whose consumers still wait for other inputs do not count, so a
-consumer of more inputs than the budget still gets them all (no deadlock); a held task no
-consumer needs any more is released. The default budget is twice the threads of the workers
-that declare the consumers' resources plus one per other worker (6 for the example above):
-enough to keep the GPU busy while the next outputs are produced. A blockflow heuristic, in
+and each time one of them finishes feeding (its consumer done) the next is released, on the
+next turn of the event loop and on every tick. Outputs whose consumers still wait for other
+inputs do not count, so a consumer of more inputs than the budget still gets them all (no
+deadlock); a held task no consumer needs any more is released. The default budget is twice
+the threads of the workers that declare the consumers' resources plus one per other worker. A blockflow heuristic, in
 the spirit of distributed's root-task queuing (``worker-saturation``), which does not apply
 here.
 
@@ -36,13 +33,11 @@ no consumer comes by then they all run and the pattern is forgotten. Nothing can
 when root-task queuing is off (every producer is on a worker at once) or when the
 consumers come after the producers ran (see the scheduling guide).
 
-The rule reads plain data and yields decisions; the plugin applies them
+The rule reads plain data and yields commands and records; the actuator applies them
 (:meth:`blockflow.scheduling.actuator.Actuator.apply`). On a graph it runs twice: on the
-``"graph"`` snapshot taken after the kernels' own restrictions were applied (which tasks are
-feeders depends on them), yielding one ``hold`` of the feeders' keys; then, with the holds
-applied, on an ``"admit"`` snapshot, yielding the ``release`` of what the budget allows and
-one ``admit`` decision, the only one logged (the holds and releases of single tasks are not:
-``admit`` summarises them).
+``"graph"`` snapshot taken after the kernels' own restrictions were applied, yielding one
+``hold`` of the feeders' keys; then on an ``"admit"`` snapshot, yielding the ``release`` of
+what the budget allows and one ``admit`` record, the only one logged.
 
 Admission control runs in blockflow's scheduler plugin under every policy but ``off``
 (observe only). Held tasks show as ``no-worker`` in distributed's dashboard. Setting

@@ -18,13 +18,10 @@ class BalancingRule(Rule):
     :meth:`judge` gives the snapshot's ``balancing`` flag from the speed model's two tests
     (``snapshot.speeds_differ``: speeds differ by 1.3x at 0.1 %; ``speeds_differ_weakly``:
     by 1.15x at 10 %): start balancing on the strict test; stop only after
-    :attr:`calm_ticks` snapshots in a row without even the weak one (the estimates wobble as
-    tasks finish, most of all when blocks differ in work and durations spread widely, and
-    handing balancing back and forth undoes moves; once known, a difference is given up
-    only when the evidence for it has become weak, not when it is merely no longer
-    overwhelming). :meth:`run` yields ``suspend-stealing`` when the flag turns on and
-    ``restore-stealing`` when it turns off; with ``hands_over`` false (a policy that does not replace stealing) it yields
-    nothing and the flag is the strict test alone.
+    :attr:`calm_ticks` snapshots in a row without even the weak one (hysteresis: handing
+    balancing back and forth undoes moves). :meth:`run` yields ``suspend-stealing`` when
+    the flag turns on and ``restore-stealing`` when it turns off; with ``hands_over`` false
+    it yields nothing and the flag is the strict test alone.
 
     Parameters
     ----------

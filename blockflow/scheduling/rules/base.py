@@ -1,11 +1,10 @@
-"""The rule interface: one entry point, plain data in, decisions out.
+"""The rule interface: one entry point, plain data in, commands and records out.
 
-A :class:`Rule` reads a :class:`~blockflow.scheduling.policies.ClusterSnapshot` (plain data:
-worker views, waiting and running tasks; never a scheduler object) and the
-:class:`RuleContext` its policy shares between its rules for one snapshot, and yields
-:class:`~blockflow.scheduling.actions.Decision` objects; the scheduler plugin applies them.
-A policy (:mod:`blockflow.scheduling.policies`) is its rules, run in order. In the manner of
-distributed's Active Memory Manager policies.
+A :class:`Rule` reads a :class:`~blockflow.scheduling.policies.ClusterSnapshot` (plain data,
+never a scheduler object) and the :class:`RuleContext` its policy shares between its rules
+for one snapshot, and yields :class:`~blockflow.scheduling.actions.Decision` (commands) and
+:class:`~blockflow.scheduling.actions.Record` objects, in the manner of distributed's Active
+Memory Manager policies.
 """
 
 from __future__ import annotations
@@ -16,7 +15,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from blockflow.scheduling.actions import Decision
+from dask.utils import format_bytes
+
+from blockflow.scheduling.actions import Decision, Record
 
 if TYPE_CHECKING:  # annotations only: policies.py imports the rules
     from blockflow.scheduling.policies import ClusterSnapshot
@@ -45,13 +46,12 @@ class Rule(abc.ABC):
     """One scheduling rule; subclasses implement :meth:`run`."""
 
     @abc.abstractmethod
-    def run(self, snapshot: ClusterSnapshot, context: RuleContext) -> Iterable[Decision]:
-        """The decisions for ``snapshot`` (a list or an iterator)."""
+    def run(self, snapshot: ClusterSnapshot,
+            context: RuleContext) -> Iterable[Decision | Record]:
+        """The commands and records for ``snapshot`` (a list or an iterator)."""
 
 
 def fmt_bytes(n: float) -> str:
-    from dask.utils import format_bytes
-
     return format_bytes(int(n))
 
 
