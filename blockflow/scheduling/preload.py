@@ -2,25 +2,26 @@
 
 Installs blockflow's scheduler plugin on a scheduler started outside blockflow (a real
 cluster: ``dask scheduler``, dask-jobqueue, dask-kubernetes). The policy comes from
-``blockflow.cluster.policy`` (``DASK_BLOCKFLOW__CLUSTER__POLICY``) or ``--blockflow-policy``;
-the extensions installed beside it (the dashboard page) from ``blockflow.scheduler.extensions``.
+``blockflow.cluster.policy`` (``DASK_BLOCKFLOW__CLUSTER__POLICY``) or ``--blockflow-policy``
+(a built-in name or a dotted path); the extensions installed beside it (the dashboard page)
+from ``blockflow.scheduler.extensions``.
 """
 
 from __future__ import annotations
 
 import click
 
-from blockflow.scheduling.plugin import POLICIES, Rebalancer
+from blockflow import _distributed
+from blockflow.devices import DeviceMetrics
+from blockflow.scheduling.extensions import scheduler_extensions
+from blockflow.scheduling.plugin import Rebalancer
 
 
 @click.command()
-@click.option("--blockflow-policy", type=click.Choice(POLICIES), default=None,
-              help="Scheduling policy (default: blockflow.cluster.policy).")
+@click.option("--blockflow-policy", default=None,
+              help="Scheduling policy: a built-in name or a dotted path (default: "
+                   "blockflow.cluster.policy).")
 async def dask_setup(scheduler, blockflow_policy=None):
-    from blockflow import _distributed
-    from blockflow.devices import DeviceMetrics
-    from blockflow.scheduling.extensions import scheduler_extensions
-
     _distributed.add_scheduler_plugin(scheduler, Rebalancer(policy=blockflow_policy))
     for extension in scheduler_extensions():  # the dashboard page, by default
         _distributed.add_scheduler_plugin(scheduler, extension)
