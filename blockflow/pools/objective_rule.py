@@ -34,29 +34,23 @@ _GB = 1e9
 class ObjectiveRule(Rule):
     """Park and unpark pools for the current run's objective; refuse impossible ones.
 
-    On ``"graph"`` snapshots: tasks asking for a pool no worker declares
-    (``resources={"pool:x": 1}``) and objectives that cannot be met (a pool without a
-    price, a deadline no pool sizes meet, a budget below the cheapest run; judged on the
-    task groups already measured) fail at once, before any of the graph's tasks runs: one
-    ``fail`` decision whose ``detail`` is the :class:`~blockflow.errors.ObjectiveError`.
+    On ``"graph"`` snapshots, tasks asking for a pool no worker declares and objectives that
+    cannot be met (a pool without a price, a deadline no pool sizes meet, a budget below the
+    cheapest run; judged on the groups already measured) fail at once: one ``fail`` command
+    whose ``detail`` is the :class:`~blockflow.errors.ObjectiveError`.
 
     On ``"tick"`` snapshots, for the run most recently given work under an objective that
-    needs prices: solve :func:`blockflow.pools.plan.plan` for the work it has left
-    (``snapshot.run.group_pending``, groups with a throughput only), with the time left to
-    the deadline less one task of the slowest pool (the last task a worker starts must end
-    in time), or the budget left (``budget`` minus what its workers cost so far). A pool
-    whose planned tasks exceed the tasks its workers hold is unparked (``unpark``); one
-    whose plan it already holds is parked (``park``), except the pool with the most work
-    still to take, so that someone always takes the queue. Under a deadline a pool that
-    has not begun the run starts its share late (:attr:`late_start`), so that it works in
-    one stretch to the end (a worker is billed from its first task to its last); before
-    any group is measured only the pool cheapest per unit of work by the pools' hints
-    takes tasks. A parked pool comes back with only the workers the plan needs. A pool of another provider than
-    the one a group's inputs live on is charged their egress in the plan, and its
-    ``unpark`` records the bytes per task, the egress price and the time it saves. When the
-    objective can no longer be met, one ``objective`` decision (and a WARNING) gives the new
-    projected finish or cost, every pool is unparked (deadline) or only the cheapest kept
-    (budget), and the run goes on. A blockflow heuristic on Gavel's LP (OSDI 2020).
+    needs prices: solve :func:`blockflow.pools.plan.plan` for the work it has left, with the
+    time left to the deadline less one task of the slowest pool, or the budget left. A pool
+    whose planned tasks exceed what its workers hold is unparked; one that holds its plan is
+    parked, except the pool with the most work still to take. Under a deadline a pool that
+    has not begun starts its share late (:attr:`late_start`), to work in one stretch (a
+    worker is billed from its first task to its last); before any group is measured only the
+    pool cheapest per unit of work by its hints takes tasks. A pool of another provider than
+    a group's inputs is charged their egress. When the objective can no longer be met, one
+    ``objective`` record (and a WARNING) gives the new projected finish or cost, and every
+    pool is unparked (deadline) or only the cheapest kept (budget). A blockflow heuristic on
+    Gavel's LP (OSDI 2020).
 
     Attributes
     ----------

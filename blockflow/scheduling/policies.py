@@ -90,57 +90,42 @@ class ClusterSnapshot:
     queued : int
         Root tasks the scheduler holds back (not yet on a worker).
     event : {"tick", "graph", "held", "admit", "close"}
-        ``"tick"``: a control-loop tick; ``"graph"``: a graph just arrived (``new_tasks``);
-        the others are the admission rule's own
-        (:class:`~blockflow.scheduling.rules.AdmissionRule`).
+        A control-loop tick, a graph just arrived (``new_tasks``), or one of the admission
+        rule's own (:class:`~blockflow.scheduling.rules.AdmissionRule`).
     waiting : mapping of str to iterable of TaskView
-        Per worker, its tasks that have not started, lowest priority (last to run) first.
+        Per worker, its tasks not started, lowest priority (last to run) first.
     new_tasks : list of TaskView
         On ``"graph"`` events, the tasks of the new graph.
     balancing : bool
         Whether worker speeds are known, with confidence, to differ.
     running : mapping of str to list of RunningTask
-        Per worker, the tasks it runs now, with their elapsed time (from heartbeats).
+        Per worker, the tasks it runs now, with their elapsed time.
     backups : mapping
-        Task key -> the worker running its backup copy, for copies running now.
+        Task key -> the worker running its backup copy now.
     bandwidth : float
         Worker-to-worker bandwidth estimate, bytes per second.
-    held : frozenset of str
-        Workers blockflow holds back from the scheduler's queue (see
-        :class:`~blockflow.scheduling.rules.HoldRule`).
-    stopped : frozenset of str
-        Workers that paused themselves (host-memory pause threshold): they start none of
-        their tasks, all of which are in ``waiting``.
+    held, stopped, parked : frozenset of str
+        Workers blockflow holds back from the queue; workers that paused themselves (their
+        tasks not started are all in ``waiting``); workers parked for the objective.
     speeds_differ, speeds_differ_weakly : bool
-        The speed model's strict (1.3x at 0.1 %) and weak (1.15x at 10 %) tests that
-        running workers differ in speed (:class:`~blockflow.scheduling.rules.BalancingRule`
-        turns them into ``balancing``).
+        The speed model's strict (1.3x at 0.1 %) and weak (1.15x at 10 %) tests.
     unsatisfiable : list of (key, dict)
-        Tasks waiting in ``no-worker`` for resources no connected worker declares.
+        Tasks waiting for resources no connected worker declares.
     monotonic : float
         ``time.monotonic()`` when the snapshot was taken.
-    feeders : list of FeederView
-        On the admission rule's ``"graph"`` snapshot: the new graph's feeders (tasks whose
-        every dependent needs a worker resource).
-    feeder_states : FeederStates, optional
-        Key -> where a feeder stands, for the admission rule.
-    client : str, optional
-        On the admission rule's ``"graph"`` snapshot: the submitting client's id.
+    feeders, feeder_states, client
+        For the admission rule: a new graph's feeders, where each feeder stands, and the
+        submitting client's id.
     changed : frozenset of str or None
-        On ``"tick"`` snapshots, the workers whose view changed since the previous tick (the
-        others' views are the same objects); None: every worker counts as changed.
+        On ticks, the workers whose view changed since the previous one; None: all.
     run : Run, optional
-        The run most recently given work, when it runs under a
-        :func:`blockflow.objective` (:class:`blockflow.scheduling.runs.Run`); else None.
-    parked : frozenset of str
-        Workers parked for the objective (:class:`~blockflow.pools.objective_rule.ObjectiveRule`).
+        The run most recently given work, when it runs under a :func:`blockflow.objective`.
     declared_pools : mapping of str to Pool
-        Pools known before any worker of theirs joined (``Rebalancer.declared_pools``).
-    throughput : mapping
-        With ``run``: the throughput matrix, group -> pool name -> seconds per task
-        (:func:`blockflow.pools.plan.throughput_matrix`).
-    inputs : mapping
-        With ``run``: task group -> provider -> input bytes per task read from there.
+        Pools known before any worker of theirs joined.
+    throughput, inputs : mapping
+        With ``run``: group -> pool name -> seconds per task
+        (:func:`blockflow.pools.plan.throughput_matrix`); group -> provider -> input bytes
+        per task read from there.
     """
 
     time: float

@@ -1,64 +1,42 @@
 """Per-worker speed learned from observed task durations, with a confidence.
 
 A worker's speed is how fast it runs tasks compared with the other workers that ran tasks of
-the same group. The estimate is robust by construction and shrunk towards the typical speed
-(1.0) by how much has been observed, so that blockflow acts in proportion to what it knows
-and, knowing little, behaves like plain Dask.
+the same group, shrunk towards the typical speed (1.0) by how much has been observed: knowing
+little, blockflow behaves like plain Dask. A blockflow heuristic from standard robust and
+shrinkage estimation:
 
-Method (a blockflow heuristic from standard robust and shrinkage estimation):
+1. **Cold starts are discarded**: the first ``warmup`` durations of each (worker, group).
+2. **Robust per-worker location**: the median of the last ``window`` log durations. A level
+   shift is not an outlier: when the last ``change_run`` durations all lie beyond the median
+   of the earlier ones, on one side, by more than ``change_ratio`` and by more than
+   ``change_sds`` robust standard deviations (1.4826 x MAD), the earlier ones are dropped
+   (a change-point rule).
+3. **Only comparisons count**: a group's reference is the median over the workers that ran
+   it of their medians; a worker's evidence is ``reference - its median`` (log space), with
+   the variance of a median of ``n`` samples, ``(1.2533 s)^2 / n``, ``s`` the group's
+   within-worker spread moderated towards the pooled spread (Smyth's empirical-Bayes
+   variance shrinkage, 2004). A worker's raw log speed is the inverse-variance weighted
+   mean of its evidence, clipped to ``±log(max_ratio)``; one worker alone gives none.
+4. **Confidence and shrinkage**: a normal prior on the typical speed (sd ``prior_sd``)
+   shrinks the raw estimate by ``precision / (precision + prior precision)``; that times
+   ``n / (n + prior_strength)`` is the *confidence* (0-1), and the speed is
+   ``exp(confidence x raw)`` (James-Stein-style). :meth:`SpeedModel.heterogeneous` asks
+   that two confident workers differ by more than a ratio *and* significantly (two-sided,
+   0.1 %, Student-t for few degrees of freedom).
+5. **Recent work counts most**: a group's evidence weighs ``0.5 ** (age / half_life)``, its
+   age the durations observed since its last one, the half-life ``group_half_life``
+   durations per worker (a worker's speed is its speed at the work it runs now).
+6. **A pause that ended is the past**: when a worker's last ``change_run`` durations are
+   back within ``recover_ratio`` of the other workers' level, its earlier ones are dropped.
+   A worker is expected to stay slow about as long as its slow streak has lasted
+   (:meth:`SpeedModel.slow_for`).
+7. **Bounded optimism**: no worker looks faster than the best well-observed one
+   (confidence >= 0.5) by more than ``max_optimism``.
+8. **Sizes**: :meth:`SpeedModel.size_factor` tells how many times its group's typical size
+   a task is (declared work, else input bytes), so a large block is expected to be long.
 
-1. **Cold starts are discarded.** The first ``warmup`` durations of each (worker, group) pair
-   are dropped: a worker's first task of a kind pays for imports, JIT compilation, first
-   transfers and allocator warm-up, and is not its speed.
-2. **Robust per-worker location.** Each (worker, group) keeps its last ``window`` log
-   durations; its location is their median (robust to outliers and to the log-normal spread
-   of real block durations). A level shift is not an outlier: when the last ``change_run``
-   durations all lie beyond the median of the earlier ones, on the same side, by more than
-   ``change_ratio`` *and* by more than ``change_sds`` robust standard deviations of the
-   earlier ones (1.4826 x their median absolute deviation), the earlier ones are dropped (a
-   change-point rule).
-3. **Only comparisons count.** A group tells something about relative speed only when at
-   least two workers ran it: the group's reference is the median over those workers of their
-   medians, and a worker's evidence is ``reference - its median`` (in log space; positive is
-   faster), with the variance of a median of ``n`` samples, ``(1.2533 s)^2 / n``, where
-   ``s`` is the group's within-worker spread (standard deviation of log durations around
-   each worker's mean), moderated towards the spread pooled over groups as in Smyth's
-   empirical-Bayes variance shrinkage (2004); a group without repeats gives no evidence, a
-   noisy one little. A worker's raw log speed is the inverse-variance weighted mean of its
-   evidence over groups, clipped to ``±log(max_ratio)``. One worker alone (a cold task
-   followed by a warm one, say) gives no evidence at all: its speed stays 1.0. Groups whose
-   blocks vary in size give wide spreads, hence little evidence.
-4. **Confidence and shrinkage.** The posterior of a normal model with a prior centred on the
-   typical speed (sd ``prior_sd`` in log space) shrinks the raw estimate by
-   ``precision / (precision + prior precision)``; that factor times ``n / (n +
-   prior_strength)``, ``n`` the comparable samples, is the worker's *confidence* (0-1), and
-   the speed is ``exp(confidence x raw)`` (James-Stein-style shrinkage).
-   :meth:`SpeedModel.heterogeneous` asks that two confident workers differ by more than a
-   given ratio *and* significantly (a two-sided test at 0.1 %, Student-t widened for few
-   degrees of freedom).
-5. **Recent work counts most.** A group's evidence is weighted by ``0.5 ** (age /
-   half_life)``, its age being the durations observed (of any group) since its last one and
-   the half-life ``group_half_life`` durations per worker: a worker's speed is its speed at
-   the work it runs now. Tasks of different kinds use different parts of a machine (a
-   kernel on the GPU, input generation on the host CPU), so groups that ended long ago
-   should not outvote the group running now, nor should it win on its first two tasks.
-6. **A pause that ended is the past.** When a worker's last ``change_run`` durations of a
-   group are back within ``recover_ratio`` of the other workers' level (their median of
-   medians) while its earlier ones lie beyond it, the earlier ones are dropped: a worker
-   back at the typical speed is judged typical after two normal tasks. A worker is
-   expected to stay slow about as long as the streak has lasted so far
-   (:meth:`SpeedModel.slow_for`, a horizon the projected finish uses).
-7. **Bounded optimism.** No worker looks faster than the best well-observed worker
-   (confidence >= 0.5) by more than ``max_optimism``; before any is well observed, no worker
-   looks faster than ``max_optimism`` itself.
-8. **Sizes.** Tasks of one group may differ in size (a block with 8x the rows of the
-   others). Each observation may carry the task's size (declared work, else input bytes);
-   :meth:`SpeedModel.size_factor` tells how many times the group's typical (median) size a
-   task is, so that a block long because it is large is expected to be long, not taken
-   for a straggler (distributed's duration of a group is that of its typical task).
-
-Recording an observation is O(1) (it runs in the scheduler's transition hook); the work is
-done once per control-loop tick in :meth:`SpeedModel.update`.
+Recording an observation is O(1) (the scheduler's transition hook); the work is done once
+per tick in :meth:`SpeedModel.update`.
 """
 
 from __future__ import annotations
