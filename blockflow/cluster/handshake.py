@@ -24,6 +24,9 @@ import socket
 import ssl
 from typing import Any
 
+from distributed.comm import connect, parse_address
+from distributed.comm.addressing import parse_host_port
+
 from blockflow._distributed.wire import HEADER_BYTES, client_handshake, decode_message, message_length
 
 __all__ = ["ProbeError", "probe_scheduler"]
@@ -94,9 +97,6 @@ def probe_scheduler(address: str, timeout: float, connection_args: dict[str, Any
 
 
 async def _check(address: str, timeout: float, args: dict[str, Any]) -> None:
-    from distributed.comm import parse_address
-    from distributed.comm.addressing import parse_host_port
-
     scheme, location = parse_address(address)
     if scheme in ("tcp", "tls"):
         host, port = parse_host_port(location)
@@ -270,8 +270,6 @@ def _tls_error(address: str, e: ssl.SSLError) -> ProbeError:
 async def _identity(address: str, timeout: float, args: dict[str, Any]) -> None:
     """Ask the (Dask) server its type with distributed's own comm: a worker or a nanny
     answers the handshake too."""
-    from distributed.comm import connect
-
     async def ask() -> Any:
         # distributed's connect gives its first attempt a fifth of ``timeout`` and then tries
         # again: on a loaded machine that cuts a TLS handshake short, and the scheduler logs

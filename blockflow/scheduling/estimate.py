@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import numpy as np
+
 __all__ = ["CONFIDENT", "LinkBandwidth", "Placement", "Throughput", "call_cost",
            "confident_speeds", "earliest_finish", "fixed_units", "prior_seconds_per_unit"]
 
@@ -106,8 +108,6 @@ def fixed_units(calls: Mapping[str, Iterable[tuple[float, float]]]) -> float:
     -------
     float
     """
-    import numpy as np
-
     est, sizes = [], []
     for obs in calls.values():
         obs = list(obs)
