@@ -103,7 +103,7 @@ class AdmissionRule(Rule):
         Taken once that hold is applied: ``feeder_states``
         (:class:`blockflow._distributed.FeederStates`) and ``workers``. The feeders of the
         ``"graph"`` snapshot whose hold took are tracked; then the release step (below) and,
-        if any feeder was held, an ``admit`` decision (logged). Nothing when the graph had
+        if any feeder was held, an ``admit`` record (logged). Nothing when the graph had
         no feeders.
     ``"admit"``
         The release step: a ``release`` of the held feeders the budget has room for, highest
