@@ -21,6 +21,7 @@ from loadaware import async_wait_until
 
 import blockflow
 from blockflow.scheduling import Rebalancer
+from blockflow.scheduling.actions import Action, Decision
 from blockflow._distributed import check_scheduler
 from blockflow.scheduling.speed import SpeedModel
 from blockflow.testing import SimulatedDevice, Tenant, install_simulated_devices, set_tenant
@@ -468,3 +469,28 @@ async def test_a_resumed_worker_is_judged_on_what_it_does_next(c, s, a, b, w):
     await wait(futs)
     ran = Counter(next(iter(s.tasks[f.key].who_has)).address for f in futs)
     assert ran[a.address] >= 3, ran
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_reapplied_pauses_and_closing_act_through_the_actuator_only(c, s, a, b):
+    """A worker's own status message that sets it running is paused again by a ``reapply``
+    command; closing restores stealing and releases holds through the handler table,
+    logging nothing."""
+    plugin = await _plugin(c, s, policy="off")
+    snap = plugin.take_snapshot()
+    assert plugin.apply(Decision(Action.SUSPEND_STEALING, "", "test"), snap)
+    assert plugin.apply(Decision(Action.PAUSE, a.address, "test"), snap)
+    assert plugin.apply(Decision(Action.HOLD, b.address, "test"), snap)
+    assert not s.periodic_callbacks["stealing"].is_running()
+    # the workers' own status messages set them running again
+    for addr in (a.address, b.address):
+        s.handle_worker_status_change(Status.running, s.workers[addr], stimulus_id="own")
+    logged = len(plugin.decisions)
+    plugin.run_once()
+    assert {s.workers[x].status for x in (a.address, b.address)} == {Status.paused}
+    assert len(plugin.decisions) == logged  # re-applied pauses are not logged
+    await plugin.close()
+    assert s.periodic_callbacks["stealing"].is_running()
+    assert s.workers[b.address].status == Status.running and not plugin.held
+    assert s.workers[a.address].status == Status.paused  # a pause outlives a hold
+    assert len(plugin.decisions) == logged
