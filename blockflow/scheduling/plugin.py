@@ -143,7 +143,8 @@ class Rebalancer(SchedulerPlugin):
         self._finished: list[tuple] = []
         self._task_counts: Counter[str] = Counter()
         self._kernel_counts: Counter[str] = Counter()
-        self._runs = RunTracker()  # "this run": see blockflow.scheduling.runs
+        self._runs = RunTracker(  # "this run": see blockflow.scheduling.runs
+            span_figures=lambda span_id: _distributed.span_figures(self.scheduler, span_id))
         # (worker, start, stop) of finished tasks, for run reports; bounded
         self._task_log: deque[tuple[str, float, float]] = deque(maxlen=100_000)
         self.memory_peak: dict[str, float] = {}  # worker -> device bytes, highest seen
