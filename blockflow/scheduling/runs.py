@@ -119,8 +119,7 @@ class RunTracker:
     max_runs : int, default 1000
         Runs remembered; the least recently submitted to is forgotten first.
     span_figures : callable, optional
-        Span id -> distributed's figures on it or None
-        (:func:`blockflow._distributed.spans.span_figures`), added by :meth:`get`.
+        Span id -> distributed's figures on it or None, added by :meth:`get`.
     """
 
     def __init__(self, max_runs: int = 1000,
@@ -136,24 +135,23 @@ class RunTracker:
 
     def graph(self, *, client: str | None, states: Mapping[Hashable, str],
               annotations: Mapping[str, Mapping[Hashable, Any]], now: float) -> Run | None:
-        """Account for a graph the scheduler just received (``update_graph``): the run its
+        """Give a graph the scheduler just received (``update_graph``) to a run: the one its
         annotation names, else its client's run while that has tasks pending, else a new one.
 
         Parameters
         ----------
         client : str or None
-            The submitting client's id.
         states : mapping
-            Key -> scheduler state of every task the graph touched (new: ``"released"``).
+            Key -> scheduler state of each task the graph touched (new: ``"released"``).
         annotations : mapping
-            Annotation name -> key -> value (``update_graph``'s).
+            Annotation name -> key -> value.
         now : float
             Seconds since the epoch.
 
         Returns
         -------
         Run or None
-            The run given the graph's tasks; None if nothing to run and no run named.
+            None if the graph had nothing to run and named no run.
         """
         tag = next(iter((annotations.get(RUN_ANNOTATION) or {}).values()), None)
         goal = Objective.from_dict(next(iter(
@@ -208,8 +206,7 @@ class RunTracker:
                     del run.group_pending[group]
 
     def run_id(self, key: Hashable) -> str | None:
-        """The id of the run a task was given to; None for a key no graph gave to a run,
-        or one forgotten since."""
+        """The id of the run a task was given to; None if none, or forgotten since."""
         return self._key_run.get(key)
 
     def finished(self, key: Hashable, worker: str) -> None:
