@@ -30,8 +30,8 @@ def span_figures(scheduler, span_id: str) -> dict[str, Any] | None:
     None without a scheduler, its spans extension or that span."""
     ext = scheduler.extensions.get("spans") if scheduler is not None else None
     span = ext.spans.get(span_id) if ext is not None else None
-    if span is None:
-        return None
+    if span is None or not any(True for _ in span.traverse_groups()):
+        return None  # no task group (yet): Span.stop would fail on an empty max()
     return {"name": list(span.name), "enqueued": span.enqueued, "start": span.start,
             "stop": span.stop, "done": span.done, "duration": span.duration,
             "nbytes_total": span.nbytes_total}
