@@ -35,6 +35,8 @@ Modules, by side (every public name is re-exported here: ``_distributed.<name>``
 :mod:`~blockflow._distributed.client`
     Client-side helpers: :func:`data_holders`, :class:`SchedulerProgress`,
     :func:`start_spec_workers` (a SpecCluster's new workers, failures raised).
+:mod:`~blockflow._distributed.spans`
+    distributed's spans for runs: the ``span`` annotation, a span's figures.
 :mod:`~blockflow._distributed.graph`
     Dask's task-spec nodes (``dask._task_spec``): fusion aliases.
 :mod:`~blockflow._distributed.nvml`
@@ -48,7 +50,7 @@ Internals used, and where
 -------------------------
 Scheduler (views, actions, extensions; checked by :func:`check_scheduler`)
     ``workers``, ``tasks``, ``queued``, ``plugins``, ``handlers``, ``extensions``
-    (``"stealing"``, ``"amm"``), ``periodic_callbacks``, ``http_application``,
+    (``"stealing"``, ``"amm"``, ``"spans"``), ``periodic_callbacks``, ``http_application``,
     ``handle_worker_status_change(status, worker, stimulus_id)``, ``bandwidth_workers``,
     ``valid_workers``, ``_get_prefix_duration``, ``register_worker_plugin``, ``unrunnable``,
     ``transition``, ``transitions``, ``coerce_address``, ``get_metadata``, ``bandwidth``,
@@ -174,6 +176,7 @@ from blockflow._distributed.placement import (
     task_working_set,
 )
 from blockflow._distributed.speculation import SpeculationHandlers, import_object
+from blockflow._distributed.spans import span_annotation, span_figures
 from blockflow._distributed.views import (
     FeederView,
     HeldResult,
@@ -352,6 +355,8 @@ __all__ = [
     "set_worker_metric",
     "set_worker_status",
     "shared_devices",
+    "span_annotation",
+    "span_figures",
     "spawn",
     "start_spec_workers",
     "start_task_thread",

@@ -59,7 +59,8 @@ class Accounting:
         self._finished: list[tuple] = []
         self._task_counts: Counter[str] = Counter()
         self._kernel_counts: Counter[str] = Counter()
-        self._runs = RunTracker()
+        self._runs = RunTracker(  # "this run": see blockflow.scheduling.runs
+            span_figures=lambda span_id: _distributed.span_figures(self.scheduler, span_id))
         self._task_log: deque[tuple[str, float, float]] = deque(maxlen=100_000)
         self._speeds = SpeedModel()
         self._providers: dict[str, str] = {}  # worker -> its pool's provider

@@ -1,18 +1,9 @@
 """Runs: the one meaning of "this run" in blockflow (CLI, dashboard, ``manifest.json``).
 
-**One run is everything one job or one ``compute()`` submitted.** A graph sent to the
-scheduler (one ``client.compute`` / ``persist`` / ``submit``, hence one ``.compute()``) starts
-a run of its own, unless it was submitted inside :func:`run_scope`: then every graph
-submitted under that scope's id belongs to one run (a workload submits its load-and-persist
-graph and its aggregation graph as one run). A graph the same client submits while its
-previous run still has tasks to finish joins that run: ``x.persist().sum().compute()`` is
-one run, as it is one computation for distributed's dashboard. The scheduler plugin keeps a :class:`RunTracker`; it counts,
-per run, the tasks each worker finished (re-executions after a lost worker included), so
-that a run's task counts add up to its task total wherever they are shown.
-
-A run's tasks are the tasks its graphs asked to compute that were not already in memory:
-results persisted by an earlier run are reused, not counted again. Work other clients submit
-meanwhile is a run of its own and is not counted.
+One run is everything one job (:func:`run_scope`, also a distributed span) or one
+``compute()`` submitted; its tasks are those not already in memory, counted per worker
+(re-executions included). Where and why runs go beyond distributed's spans: the
+scheduling guide, "Runs".
 """
 
 from __future__ import annotations
@@ -21,19 +12,21 @@ import contextlib
 import uuid
 import warnings
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import dask
 from dask.utils import key_split
 
+from blockflow._distributed.spans import span_annotation
 from blockflow.pools.objective import OBJECTIVE_ANNOTATION, Objective
 
 __all__ = ["RUN_ANNOTATION", "Run", "RunTracker", "new_run_id", "run_scope"]
 
-#: The task annotation that carries a run's id and name (``{"id": ..., "name": ...}``). Set
-#: as a global annotation around the submission, so graph optimisation cannot drop it.
+#: The task annotation that carries a run's id and name (``{"id": ..., "name": ...}``), a
+#: global annotation (optimisation cannot drop it). Not the span's: distributed moves a task
+#: to the span of an earlier task group of the same name (two ``client.map(f, ...)``).
 RUN_ANNOTATION = "blockflow_run"
 
 # Task states that will still run; a key in "memory" or "erred" was computed (or failed)
@@ -48,29 +41,24 @@ def new_run_id(name: str) -> str:
 
 @contextlib.contextmanager
 def run_scope(name: str, run_id: str | None = None) -> Iterator[str]:
-    """Count every graph submitted inside the block as (part of) one run named ``name``.
+    """Count every graph submitted inside the block as one run named ``name``, and open a
+    :func:`distributed.span` named ``name`` whose id is the run's.
 
     Parameters
     ----------
     name : str
         The run as the dashboard shows it (``"the flights ETL (scale 1)"``).
     run_id : str, optional
-        Continue this run (blocks entered with the same id are one run); default a new id
-        (:func:`new_run_id`).
+        Continue this run (and span); default a new id (:func:`new_run_id`).
 
     Yields
     ------
     str
-        The run's id, as :meth:`RunTracker.get` and ``Rebalancer.status(run=)`` take it.
-
-    Notes
-    -----
-    Uses :func:`dask.annotate`: the submitting client sends the annotation with each graph
-    and the scheduler applies it to every new task of that graph.
+        The run's id (``blockflow.plugin_status(client, run=...)``), also its span's.
     """
     run_id = run_id or new_run_id(name)
-    with warnings.catch_warnings(), \
-            dask.annotate(**{RUN_ANNOTATION: {"id": run_id, "name": name}}):
+    tag = {RUN_ANNOTATION: {"id": run_id, "name": name}}
+    with warnings.catch_warnings(), dask.annotate(span=span_annotation(name, run_id), **tag):
         # dask.dataframe warns that annotations are ignored with query planning: that is
         # about annotations on its expressions; a global annotation travels with the graph.
         warnings.filterwarnings("ignore", message="Dask annotations .* detected",
@@ -108,9 +96,7 @@ class Run:
         return None if o is None or o.deadline is None else self.started + o.deadline
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain data: ``id, name, client, started, graphs, tasks, pending, finished,
-        counts, objective, deadline_at, group_pending, group_tasks, spans, crossings,
-        ended``."""
+        """Plain data: the fields (``busy`` aside), ``finished`` and ``deadline_at``."""
         return {"id": self.id, "name": self.name, "client": self.client,
                 "started": self.started, "graphs": self.graphs, "tasks": self.tasks,
                 "pending": self.pending, "finished": sum(self.counts.values()),
@@ -125,24 +111,21 @@ class Run:
 
 
 class RunTracker:
-    """Runs the scheduler has seen, and which run each task not yet forgotten belongs to.
+    """Runs the scheduler has seen, and the run of each task not yet forgotten (plain data
+    in; the per-task methods are O(1)).
 
     Parameters
     ----------
     max_runs : int, default 1000
-        Runs remembered; the least recently submitted to is forgotten first (a client that
-        submits tasks one by one, each after the last finished, makes one run per
-        ``submit``).
-
-    Notes
-    -----
-    Plain data only: the scheduler plugin hands in task states read through
-    :mod:`blockflow._distributed`. :meth:`finished` and :meth:`forget` are O(1), for the
-    plugin's ``transition`` hook.
+        Runs remembered; the least recently submitted to is forgotten first.
+    span_figures : callable, optional
+        Span id -> distributed's figures on it or None, added by :meth:`get`.
     """
 
-    def __init__(self, max_runs: int = 1000):
+    def __init__(self, max_runs: int = 1000,
+                 span_figures: Callable[[str], dict | None] | None = None):
         self.max_runs = max_runs
+        self.span_figures = span_figures
         self.runs: OrderedDict[str, Run] = OrderedDict()
         self.current: str | None = None  # the run most recently given tasks
         self._key_run: dict[Hashable, str] = {}
@@ -152,33 +135,30 @@ class RunTracker:
 
     def graph(self, *, client: str | None, states: Mapping[Hashable, str],
               annotations: Mapping[str, Mapping[Hashable, Any]], now: float) -> Run | None:
-        """Account for a graph the scheduler just received (``update_graph``).
+        """Give a graph the scheduler just received (``update_graph``) to a run: the one its
+        annotation names, else its client's run while that has tasks pending, else a new one.
 
         Parameters
         ----------
         client : str or None
-            The submitting client's id.
         states : mapping
-            key -> scheduler state of every task the graph touched (before it is scheduled:
-            new tasks are ``"released"``).
+            Key -> scheduler state of each task the graph touched (new: ``"released"``).
         annotations : mapping
-            The graph's annotations by name, then key (``update_graph``'s ``annotations``).
+            Annotation name -> key -> value.
         now : float
             Seconds since the epoch.
 
         Returns
         -------
         Run or None
-            The run the graph's tasks were given to; None if the graph had nothing to run
-            and no run was named.
+            None if the graph had nothing to run and named no run.
         """
         tag = next(iter((annotations.get(RUN_ANNOTATION) or {}).values()), None)
         goal = Objective.from_dict(next(iter(
             (annotations.get(OBJECTIVE_ANNOTATION) or {}).values()), None))
-        tagged = isinstance(tag, Mapping) and bool(tag.get("id"))
         new = [k for k, s in states.items()
                if s in _TO_RUN and (s == "released" or k not in self._key_run)]
-        if tagged:
+        if isinstance(tag, Mapping) and tag.get("id"):
             run_id, name = str(tag["id"]), str(tag.get("name") or tag["id"])
         else:
             open_run = self.runs.get(self._client_run.get(client))
@@ -226,19 +206,7 @@ class RunTracker:
                     del run.group_pending[group]
 
     def run_id(self, key: Hashable) -> str | None:
-        """The run a task was given to (by :meth:`graph`). O(1).
-
-        Parameters
-        ----------
-        key : hashable
-            The task's key.
-
-        Returns
-        -------
-        str or None
-            The run's id; None for a key no graph gave to a run, or one forgotten since
-            (:meth:`forget`).
-        """
+        """The id of the run a task was given to; None if none, or forgotten since."""
         return self._key_run.get(key)
 
     def finished(self, key: Hashable, worker: str) -> None:
@@ -250,7 +218,7 @@ class RunTracker:
 
     def executed(self, key: Hashable, worker: str, start: float, stop: float) -> None:
         """A task's execution on ``worker`` from ``start`` to ``stop`` (seconds since the
-        epoch): widens the worker's billed span in the task's run. O(1)."""
+        epoch): widens the worker's billed span in the task's run."""
         run = self.runs.get(self._key_run.get(key))
         if run is None:
             return
@@ -279,9 +247,11 @@ class RunTracker:
         self._key_run.pop(key, None)
 
     def get(self, run_id: str | None) -> dict[str, Any] | None:
-        """A run as plain data (:meth:`Run.as_dict`), or None if unknown or forgotten."""
-        run = self.runs.get(run_id) if run_id is not None else None
-        return run.as_dict() if run is not None else None
+        """A run as plain data (:meth:`Run.as_dict`, plus ``span`` where distributed has
+        the run's span), or None if unknown or forgotten."""
+        run = self.run_of(run_id)
+        span = run is not None and self.span_figures is not None and self.span_figures(run.id)
+        return None if run is None else {**run.as_dict(), **({"span": span} if span else {})}
 
     def current_run(self) -> dict[str, Any] | None:
         """The run most recently given tasks, as plain data, or None."""

@@ -10,15 +10,16 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import dask
 import dask.array as da
 import pytest
 from dask.utils import key_split
-from distributed import get_task_stream
+from distributed import get_task_stream, span
 
 import blockflow
 from blockflow.dashboard.page import BlockflowPage
 from blockflow.dashboard.state import dashboard_state
-from blockflow.scheduling.runs import RUN_ANNOTATION, RunTracker
+from blockflow.scheduling.runs import RUN_ANNOTATION, RunTracker, run_scope
 from blockflow.workloads import array_stats, flights
 
 # --- the tracker on plain data ---------------------------------------------------------------
@@ -101,6 +102,28 @@ def test_tracker_remembers_a_bounded_number_of_runs():
     assert t.get(ids[0]) is None
 
 
+def test_a_run_read_from_the_tracker_carries_its_span_figures_where_distributed_has_them():
+    figures = {"job-1": {"name": ["the job"], "done": True, "nbytes_total": 8}}
+    t = RunTracker(span_figures=figures.get)
+    tag = {RUN_ANNOTATION: {"a": {"id": "job-1", "name": "the job"}}}
+    t.graph(client="c", states={"a": "released"}, annotations=tag, now=1.0)
+    assert t.get("job-1")["span"] == figures["job-1"]
+    t.graph(client="c", states={"b": "released"}, annotations={}, now=2.0)
+    assert "span" not in t.current_run()  # an untagged run is no span of its own
+
+
+def test_a_run_scope_is_a_span_nested_in_the_open_one_and_reentered_it_continues():
+    with span("study") as study, run_scope("the job", "job-1") as run_id:
+        ann = dask.get_annotations()
+        assert ann["span"] == {"name": ("study", "the job"), "ids": (study, "job-1")}
+        assert ann[RUN_ANNOTATION] == {"id": "job-1", "name": "the job"}
+        with run_scope("the job", run_id):  # the same run again: not a span in itself
+            assert dask.get_annotations()["span"] == ann["span"]
+        with run_scope("a stage") as inner:
+            assert dask.get_annotations()["span"]["ids"] == (study, "job-1", inner)
+            assert dask.get_annotations()[RUN_ANNOTATION]["id"] == inner
+
+
 # --- the same numbers everywhere, on a real cluster -------------------------------------------
 
 
@@ -139,6 +162,46 @@ def test_flights_is_one_run_for_the_dashboard_the_result_and_the_manifest(client
         page.header.text
     shown = dict(zip(page.workers.data["address"], page.workers.data["tasks_run"]))
     assert {w: n for w, n in shown.items() if n} == result.task_counts
+
+
+def _span(run_id, dask_scheduler=None):
+    s = dask_scheduler.extensions["spans"].spans.get(run_id)
+    return None if s is None else {"name": s.name, "done": s.done, "groups": len(s.groups),
+                                   "nbytes": s.nbytes_total, "duration": s.duration}
+
+
+def test_a_run_is_a_distributed_span_with_distributeds_own_figures(client):
+    with run_scope("twelve ones") as run_id:
+        assert int(da.ones(12, chunks=3).sum().compute()) == 12
+    seen = client.run_on_scheduler(_span, run_id)  # distributed's SpansSchedulerExtension
+    assert seen["name"] == ("twelve ones",) and seen["done"] and seen["groups"] >= 2
+    assert seen["nbytes"] > 0 and seen["duration"] > 0
+    run = _run_status(client, run_id)
+    assert run["name"] == "twelve ones" and run["finished"] == run["tasks"] > 4
+    figures = run["span"]  # the run as blockflow reports it carries the span's figures
+    assert figures["name"] == ["twelve ones"] and figures["done"]
+    assert figures["nbytes_total"] == seen["nbytes"]
+    assert figures["enqueued"] <= figures["start"] <= figures["stop"]
+    assert figures["duration"] == pytest.approx(seen["duration"])
+
+
+def _same(x):
+    return x
+
+
+def test_a_run_counts_its_tasks_where_distributed_files_them_under_an_earlier_span(client):
+    """distributed puts a task on the span of its task group (``_same``: every submit of
+    the function while one is held), so the run's id travels in its own annotation."""
+    with run_scope("first") as first:
+        held = client.map(_same, range(3), pure=False)
+        client.gather(held)
+    with run_scope("second") as second:
+        assert client.gather(client.map(_same, range(3, 8), pure=False)) == [3, 4, 5, 6, 7]
+    assert _run_status(client, first)["tasks"] == 3
+    assert _run_status(client, second)["tasks"] == _run_status(client, second)["finished"] == 5
+    assert client.run_on_scheduler(_span, second) is None  # filed under "first"
+    assert "span" not in _run_status(client, second)
+    del held
 
 
 async def _dashboard_state(scheduler):
