@@ -12,7 +12,9 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-__all__ = ["HEADER_BYTES", "client_handshake", "decode_message", "message_length"]
+from distributed.protocol.pickle import loads as _pickle_loads
+
+__all__ = ["HEADER_BYTES", "client_handshake", "decode_message", "message_length", "unpickle"]
 
 #: Bytes of the length prefix before each message (a little-endian uint64).
 HEADER_BYTES = 8
@@ -49,3 +51,8 @@ def decode_message(payload: bytes) -> Any | None:
         return loads(frames, deserialize=False) if not missing else None
     except Exception:
         return None
+
+
+def unpickle(data: bytes) -> Any:
+    """The object pickled in ``data`` (``distributed.protocol.pickle.loads``)."""
+    return _pickle_loads(data)

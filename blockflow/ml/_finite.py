@@ -5,8 +5,9 @@ at its starting point and a trainer's parameters all become NaN, without an erro
 scikit-learn refuses such input; blockflow does too, but without a pass of its own over the
 data: :class:`FiniteCheck` runs inside the task that makes each block resident on its
 worker (:class:`blockflow.ml.ResidentShards`), the first task that reads the block anyway.
-It raises a :class:`~blockflow.errors.NonFiniteError` (a :class:`ValueError`) naming the first non-finite value's column (``X``) or label
-(``y``), its block and its row (counted over the whole collection), or, opted in
+It raises a :class:`~blockflow.errors.NonFiniteError` (a :class:`ValueError`) naming the
+first non-finite value's column (``X``) or label (``y``), its block and its row (counted
+over the whole collection), or, opted in
 (``drop_nonfinite=True``, setting ``blockflow.ml.drop-nonfinite``), drops the rows that hold
 one, which gives the model scikit-learn fits on the finite rows. Integer and boolean blocks
 cannot hold a NaN and are not looked at.
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from blockflow import config
 from blockflow._distributed import quiet_task_failures
+from blockflow.backends import array_module as _xp
 from blockflow.errors import NonFiniteError
 
 __all__ = ["FiniteCheck", "column_names", "drop_setting"]
@@ -24,8 +27,6 @@ __all__ = ["FiniteCheck", "column_names", "drop_setting"]
 
 def drop_setting(value: bool | None) -> bool:
     """``value``, or the setting ``blockflow.ml.drop-nonfinite`` where it is None."""
-    from blockflow import config
-
     return bool(config.get("ml.drop-nonfinite", value))
 
 
@@ -33,11 +34,6 @@ def column_names(X) -> tuple | None:
     """A dataframe's column names (for messages); None for arrays."""
     cols = getattr(X, "columns", None)
     return None if cols is None else tuple(cols)
-
-
-def _xp(a):
-    from blockflow.backends import array_module
-    return array_module(a)
 
 
 def _scalar(v) -> str:

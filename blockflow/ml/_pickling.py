@@ -4,15 +4,18 @@ Every entry point that sends a model to workers (:func:`blockflow.predict`,
 :class:`blockflow.Router`, :class:`blockflow.ml.DataParallelTrainer`,
 :class:`blockflow.parallel.PipelineParallel`) serialises it through
 :func:`dumps_or_explain`, before anything is scheduled, with ``cloudpickle`` as distributed
-does (PyTorch modules through ``torch.save`` with cloudpickle as its pickler): the same model is accepted or refused the same way by all of them. A lambda attribute is shipped
-by value (cloudpickle); a lock, an open file, a socket or a CUDA stream cannot be, and the
-error names the attribute path (``model.transform_.fn``) found by :func:`unpicklable_path`.
+does (PyTorch modules through ``torch.save`` with cloudpickle as its pickler), so all of
+them accept or refuse a model alike. A lambda attribute is shipped by value; a lock, an open
+file, a socket or a CUDA stream cannot be, and the error names the attribute path
+(``model.transform_.fn``) found by :func:`unpicklable_path`.
 """
 
 from __future__ import annotations
 
 import types
 from typing import Any, Callable
+
+import cloudpickle
 
 from blockflow.errors import describe
 
@@ -37,8 +40,6 @@ FIX_TRAIN = ("build the model without it (or drop it in the model's __getstate__
 def _dumps(obj) -> bytes:
     # cloudpickle accepts what distributed's pickler accepts (it falls back to cloudpickle)
     # without logging each failure
-    import cloudpickle
-
     return cloudpickle.dumps(obj)
 
 

@@ -6,36 +6,28 @@ earliest:
 
     finish(w) = (backlog(w) / threads(w) + cost) x seconds_per_unit(w)
 
-``backlog`` is the cost (rows, by default) of the requests already sent to ``w`` and not yet
-answered; ``seconds_per_unit`` is measured from the compute time of ``w``'s own answers by
-blockflow's one throughput estimator (:class:`~blockflow.scheduling.estimate.Throughput`: the
-median of its last ``WINDOW`` answers after the first, with a fixed cost per answer; a first
-answer pays for loading the model and warming up, so it counts only while no worker has a
-warm one), and before any answer from ``w`` it is the measured workers' seconds scaled by
-blockflow's learned speeds known with confidence (:func:`~blockflow.scheduling.view.
-learned_speeds`) where the scheduler plugin runs. The finish is placed by
-:func:`~blockflow.scheduling.estimate.earliest_finish`. This is join-the-shortest-expected-delay
-(blockflow heuristic after Whitt 1986), which beats round-robin and power-of-two-choices when
-devices differ in speed.
+``backlog`` is the cost (rows, by default) of the requests sent to ``w`` and not yet
+answered; ``seconds_per_unit`` comes from the compute time of ``w``'s own answers through
+blockflow's one throughput estimator (:class:`~blockflow.scheduling.estimate.Throughput`, a
+worker's first answer counted only while no worker has a warm one), and before any answer
+from ``w`` from the measured workers scaled by the learned speeds known with confidence
+(:func:`~blockflow.scheduling.view.learned_speeds`). The finish is placed by
+:func:`~blockflow.scheduling.estimate.earliest_finish`: join-the-shortest-expected-delay
+(blockflow heuristic after Whitt 1986).
 
-**Batches, not one task per request.** A Dask task costs 1.5-3 ms of client, scheduler and
-worker time (more on a loaded host), so one task per request caps a router at a few hundred
-requests per second whatever its devices can do, and the queue grows without bound beyond
-that. Requests therefore wait in the router until a worker has a free task slot (``threads +
-1`` tasks in flight: one waiting on the worker behind each running one, so the worker does
-not idle through the round trip); then the waiting requests the placement puts on that
-worker go to it as **one task**, at most ``batch_size`` requests and ``batch_seconds`` of
-estimated work (at least one request). Under light load a batch is one request; under heavy
-load batches grow with the queue, so the per-task cost is shared and the router keeps up.
-Placement happens when a slot frees, on the latest measurements (late binding), so a free
-worker is never left idle while a request it would finish first waits. Each answer is
-timed per request inside the task, so the estimator sees the same calls as before.
+**Batches, not one task per request.** Each Dask task has a fixed cost in client, scheduler
+and worker time, so requests wait in the router until a worker has a free task slot
+(``threads + 1`` tasks in flight: one waiting behind each running one, so the worker does
+not idle through the round trip); then the waiting requests placed on that worker go to it
+as **one task**, at most ``batch_size`` requests and ``batch_seconds`` of estimated work (at
+least one request). Under light load a batch is one request; under heavy load batches grow
+with the queue. Placement happens when a slot frees, on the latest measurements (late
+binding). Each answer is timed per request inside the task.
 
 Workers that are paused (by blockflow's plugin or by distributed) or whose device memory is
 nearly full (``blockflow.routing.memory-full``) get no new requests while another worker can
-take them. A lost worker's unanswered requests (its whole batches) are routed again to the
-others; each request is answered exactly once (a late duplicate answer is dropped and
-counted).
+take them. A lost worker's unanswered requests are routed again to the others; each request
+is answered exactly once (a late duplicate answer is dropped and counted).
 """
 
 from __future__ import annotations
@@ -51,13 +43,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dask.utils import parse_timedelta
+from distributed import KilledWorker, get_worker
+from distributed.comm import CommClosedError
 
 from blockflow import config
-from blockflow.scheduling.view import workers_info
-from blockflow.ml.inference import ModelRef, _module, ship_model
 from blockflow._distributed.metrics import read_metrics
-from blockflow.scheduling.view import fetch, fetch_many, learned_speeds, plugin_status
+from blockflow.ml.inference import _module
+from blockflow.ml.model_cache import ModelRef, ship_model
 from blockflow.scheduling.estimate import Throughput, earliest_finish
+from blockflow.scheduling.view import (fetch, fetch_many, learned_speeds, plugin_status,
+                                       workers_info)
 
 __all__ = ["Router"]
 
@@ -77,8 +72,6 @@ def _answer(ref: ModelRef, batches: list):
     A request with no rows gets an empty output of the model's dtype and trailing shape (its
     output on two rows of zeros, cut to none), as an empty block does in
     ``blockflow.predict``: models such as scikit-learn's refuse zero rows."""
-    from distributed import get_worker
-
     loaded, _ = ref.resolve()
     out = []
     for batch in batches:
@@ -161,7 +154,7 @@ class Router:
 
     Examples
     --------
-    >>> with blockflow.routing.Router(client, model) as router:  # doctest: +SKIP
+    >>> with blockflow.Router(client, model) as router:  # doctest: +SKIP
     ...     answers = [f.result() for f in router.map(batches)]
     """
 
@@ -438,8 +431,8 @@ class Router:
                 logger.exception("blockflow router: error while routing")
 
     def _watch(self) -> None:
-        """The refresh thread: worker state from the scheduler (its RPCs take 0.1-0.3 s on
-        a loaded machine, so they run beside the routing thread, not in it)."""
+        """The refresh thread: worker state from the scheduler (its RPCs run beside the
+        routing thread, never in it)."""
         while not self._stop.wait(self.interval):
             try:
                 self._refresh()
@@ -601,7 +594,4 @@ def _worker_lost(exc: BaseException | None) -> bool:
     """Whether ``exc`` says the worker went away (not that the model failed)."""
     if exc is None:
         return False
-    from distributed import KilledWorker
-    from distributed.comm.core import CommClosedError
-
     return isinstance(exc, (KilledWorker, CommClosedError, OSError, TimeoutError))

@@ -360,7 +360,7 @@ def test_small_runs_reach_the_top_rung_in_either_order(client, n):
 
 
 def test_float_budgets_snap_to_max_and_bad_searches_are_refused(client):
-    from blockflow.ml.tune import _rung_budgets
+    from blockflow.ml.tune.asha import rung_budgets as _rung_budgets
 
     assert _rung_budgets(0.7, 2.1, 3) == [0.7, 2.1]  # 0.7 * 3 = 2.0999999999999996
     assert _rung_budgets(1, 27, 3) == [1, 3, 9, 27] and _rung_budgets(1, 10, 3) == [1, 3, 9, 10]
