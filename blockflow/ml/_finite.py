@@ -1,16 +1,10 @@
 """Non-finite inputs: the check (or the drop) run by the task that first reads a block.
 
-A NaN or an infinity in the features or the labels makes every gradient NaN: L-BFGS stops
-at its starting point and a trainer's parameters all become NaN, without an error.
-scikit-learn refuses such input; blockflow does too, but without a pass of its own over the
-data: :class:`FiniteCheck` runs inside the task that makes each block resident on its
-worker (:class:`blockflow.ml.ResidentShards`), the first task that reads the block anyway.
-It raises a :class:`~blockflow.errors.NonFiniteError` (a :class:`ValueError`) naming the
-first non-finite value's column (``X``) or label (``y``), its block and its row (counted
-over the whole collection), or, opted in
-(``drop_nonfinite=True``, setting ``blockflow.ml.drop-nonfinite``), drops the rows that hold
-one, which gives the model scikit-learn fits on the finite rows. Integer and boolean blocks
-cannot hold a NaN and are not looked at.
+A NaN or an infinity makes every gradient NaN without an error; scikit-learn refuses such
+input, and so does :class:`FiniteCheck`, inside the task that makes each block resident on
+its worker (:class:`blockflow.ml.ResidentShards`) rather than in a pass of its own. Opted in
+(``drop_nonfinite=True``, setting ``blockflow.ml.drop-nonfinite``) it drops those rows
+instead, which gives the model scikit-learn fits on the finite rows.
 """
 
 from __future__ import annotations

@@ -3,11 +3,8 @@
 Every entry point that sends a model to workers (:func:`blockflow.predict`,
 :class:`blockflow.Router`, :class:`blockflow.ml.DataParallelTrainer`,
 :class:`blockflow.parallel.PipelineParallel`) serialises it through
-:func:`dumps_or_explain`, before anything is scheduled, with ``cloudpickle`` as distributed
-does (PyTorch modules through ``torch.save`` with cloudpickle as its pickler), so all of
-them accept or refuse a model alike. A lambda attribute is shipped by value; a lock, an open
-file, a socket or a CUDA stream cannot be, and the error names the attribute path
-(``model.transform_.fn``) found by :func:`unpicklable_path`.
+:func:`dumps_or_explain` with ``cloudpickle``, as distributed does, before anything is
+scheduled; a refusal names the attribute path that cannot be pickled.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from blockflow.core.speculation import cancelled
 from blockflow.errors import describe
 from blockflow.ml._models import ModelFactory, is_cupy
 from blockflow.ml.model_cache import (ModelCache, ModelRef, _ship, cache_bound, cache_state,
-                                      current_worker, model_stats, ship_model)
+                                      model_stats, ship_model)
 from blockflow.scheduling.view import memory_of
 
 __all__ = ["ModelCache", "ModelFactory", "ModelRef", "batch_rows", "cache_bound",
@@ -42,10 +42,12 @@ __all__ = ["ModelCache", "ModelFactory", "ModelRef", "batch_rows", "cache_bound"
 #: Device bytes assumed per byte of a batch's input and output rows: a model's activations
 #: take a few times its input (blockflow heuristic, generous for MLPs and linear models).
 ACTIVATION_FACTOR = 4
+
+
 def free_memory() -> int | None:
     """Free device memory of this worker, bytes: its reported GPU metrics (NVML or a
     simulated device); None where it reports none (a CPU worker)."""
-    worker = current_worker()
+    worker = _distributed.current_worker()
     if worker is None:
         return None
     used_fn = _distributed.worker_metric(worker, GPU_MEMORY_USED)

@@ -17,7 +17,7 @@ from typing import Any
 
 from dask.base import tokenize
 from dask.utils import parse_bytes
-from distributed import default_client, get_worker
+from distributed import default_client
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from blockflow import _distributed, config
@@ -25,8 +25,8 @@ from blockflow.errors import describe
 from blockflow.ml._models import LoadedModel, LocalModel, ModelFactory, model_kind, serialise
 from blockflow.ml._pickling import dumps_or_explain
 
-__all__ = ["ModelCache", "ModelRef", "cache_bound", "cache_state", "current_worker",
-           "model_stats", "ship_model"]
+__all__ = ["ModelCache", "ModelRef", "cache_bound", "cache_state", "model_stats",
+           "ship_model"]
 
 #: Prefix of the worker plugins that carry models (``blockflow-model-<token>``).
 PLUGIN_PREFIX = "blockflow-model-"
@@ -190,7 +190,7 @@ class ModelCache(WorkerPlugin):
         return loaded
 
     def _fetch_again(self) -> bytes:
-        data = _distributed.registered_worker_plugin(current_worker(), self.name)
+        data = _distributed.registered_worker_plugin(_distributed.current_worker(), self.name)
         if data is None:
             raise RuntimeError(
                 f"blockflow: model {self.token[:12]} was closed (ModelRef.close) while tasks "
@@ -270,7 +270,7 @@ class ModelRef:
         RuntimeError
             If the worker has no such model (not shipped to this cluster, or closed).
         """
-        worker = current_worker()
+        worker = _distributed.current_worker()
         if worker is not None:
             plugin = _distributed.worker_plugins(worker).get(PLUGIN_PREFIX + self.token)
             if plugin is not None:
@@ -286,14 +286,6 @@ class ModelRef:
             f"this cluster as client=, and close the ModelRef only after its results are "
             f"computed."
         )
-
-
-def current_worker():
-    """The worker running this task; None outside a worker."""
-    try:
-        return get_worker()
-    except ValueError:
-        return None
 
 
 def _default_client():
@@ -365,8 +357,8 @@ def model_stats(client, ref: ModelRef | str) -> dict[str, dict[str, Any]]:
     ----------
     client : distributed.Client
     ref : ModelRef or str
-        From :func:`ship_model`, or the token; ``predict(...).attrs``-free: use
-        :func:`ship_model` and pass ``model=ref`` to :func:`predict` to keep the reference.
+        From :func:`ship_model` (pass it to :func:`~blockflow.ml.inference.predict` to keep
+        the reference), or its token.
 
     Returns
     -------

@@ -1,33 +1,21 @@
 """Request routing: send each inference request to the worker that will answer it first.
 
 :class:`Router` keeps a model loaded on every worker (shipped once, as :func:`blockflow.predict`
-does) and places each request on the worker whose **speed-normalised projected finish** is
-earliest:
+does) and places each request where its speed-normalised projected finish is earliest,
+``(backlog(w) / threads(w) + cost) x seconds_per_unit(w)``: join-the-shortest-expected-delay
+(blockflow heuristic after Whitt 1986), placed by
+:func:`~blockflow.scheduling.estimate.earliest_finish`. ``backlog`` is the cost (rows, by
+default) sent to ``w`` and not yet answered; ``seconds_per_unit`` comes from ``w``'s own
+answers (:class:`~blockflow.scheduling.estimate.Throughput`), else from the measured workers
+scaled by the learned speeds known with confidence.
 
-    finish(w) = (backlog(w) / threads(w) + cost) x seconds_per_unit(w)
-
-``backlog`` is the cost (rows, by default) of the requests sent to ``w`` and not yet
-answered; ``seconds_per_unit`` comes from the compute time of ``w``'s own answers through
-blockflow's one throughput estimator (:class:`~blockflow.scheduling.estimate.Throughput`, a
-worker's first answer counted only while no worker has a warm one), and before any answer
-from ``w`` from the measured workers scaled by the learned speeds known with confidence
-(:func:`~blockflow.scheduling.view.learned_speeds`). The finish is placed by
-:func:`~blockflow.scheduling.estimate.earliest_finish`: join-the-shortest-expected-delay
-(blockflow heuristic after Whitt 1986).
-
-**Batches, not one task per request.** Each Dask task has a fixed cost in client, scheduler
-and worker time, so requests wait in the router until a worker has a free task slot
-(``threads + 1`` tasks in flight: one waiting behind each running one, so the worker does
-not idle through the round trip); then the waiting requests placed on that worker go to it
-as **one task**, at most ``batch_size`` requests and ``batch_seconds`` of estimated work (at
-least one request). Under light load a batch is one request; under heavy load batches grow
-with the queue. Placement happens when a slot frees, on the latest measurements (late
-binding). Each answer is timed per request inside the task.
-
-Workers that are paused (by blockflow's plugin or by distributed) or whose device memory is
-nearly full (``blockflow.routing.memory-full``) get no new requests while another worker can
-take them. A lost worker's unanswered requests are routed again to the others; each request
-is answered exactly once (a late duplicate answer is dropped and counted).
+Requests wait in the router until a worker has a free task slot (``threads + 1`` tasks in
+flight, so a worker does not idle through the round trip); the waiting requests placed on
+that worker then go to it as one task of at most ``batch_size`` requests and
+``batch_seconds`` of estimated work, so the fixed cost of a Dask task is shared under load.
+Paused workers and workers whose device memory is nearly full get no new requests while
+another can take them; a lost worker's requests are routed again, and each request is
+answered exactly once.
 """
 
 from __future__ import annotations

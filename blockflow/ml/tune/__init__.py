@@ -1,35 +1,15 @@
 """Hyperparameter tuning: asynchronous successive halving (ASHA) with trials as Dask tasks.
 
-Each trial is a configuration drawn (under a seed) from a search space
-(:mod:`~blockflow.ml.tune.space`); each *rung* of a trial is one Dask task,
-``train(config, epochs, checkpoint) -> (score, checkpoint)``, which trains ``epochs`` more
-budget units from the trial's last checkpoint and reports a score. Rung ``k`` brings a trial
-to ``min_budget * eta**k`` units (capped at ``max_budget``).
-
-Search (Li et al. 2020, "A System for Massively Parallel Hyperparameter Tuning", Algorithm
-2; :mod:`~blockflow.ml.tune.asha`): there is no rung barrier. Whenever a worker thread
-frees, a trial in the top ``1/eta`` of the results its rung has so far, and not yet
-promoted, is promoted to the next rung (highest rung first); otherwise a new configuration
-starts at rung 0. The worst trials are never promoted: they are *stopped*.
-
-Promotion order (a blockflow heuristic for a finite set of configurations): a promotion
-ASHA makes on the results so far may be one that synchronous successive halving would not
-make once the rung is complete, and that work is wasted. So promotions are taken in three
-tiers: first the *certain* ones, trials sure to be in SH's top ``1/eta`` of their rung
-whatever the results still to come, highest rung first; then new configurations (work SH
-does too); then, only for a thread that would otherwise idle, ASHA's *speculative*
-promotions. Each history row says which (``speculative``).
-
-Placement (a blockflow heuristic, earliest finish time list scheduling;
-:mod:`~blockflow.ml.tune.runner`): exactly one trial task per free worker thread, pinned
-with ``workers=``, each promotion on the worker where it would finish earliest given the
-workers' speeds (:mod:`~blockflow.ml.tune.speeds`) and when the busy ones free. Threads on
-workers nothing tells the speed of run copies of running trial tasks, whose times are
-evidence for this call and the next.
-
-The synchronous successive-halving baseline (``synchronous=True``: every rung waits for all
-its trials, then the top ``1/eta`` go on, placed by Dask itself) runs the same trials, as
-dask-ml's ``SuccessiveHalvingSearchCV`` does.
+Each trial is a configuration drawn from a search space (:mod:`~blockflow.ml.tune.space`);
+each *rung* of a trial is one Dask task that trains it ``epochs`` more budget units from its
+last checkpoint and reports a score. There is no rung barrier (Li et al. 2020, "A System for
+Massively Parallel Hyperparameter Tuning", Algorithm 2; :mod:`~blockflow.ml.tune.asha`):
+whenever a worker thread frees it takes a promotion or a new configuration, promotions that
+synchronous successive halving is certain to make first (a blockflow heuristic). Trial tasks
+are placed by earliest finish time on the workers' learned speeds (a blockflow heuristic;
+:mod:`~blockflow.ml.tune.runner`, :mod:`~blockflow.ml.tune.speeds`). ``synchronous=True``
+runs the synchronous successive-halving baseline instead, as dask-ml's
+``SuccessiveHalvingSearchCV`` does.
 """
 
 from __future__ import annotations

@@ -16,13 +16,8 @@ __all__ = ["Rungs", "rung_budgets"]
 
 
 def rung_budgets(min_budget: float, max_budget: float, eta: int) -> list[float]:
-    """Budget units of each rung: ``min_budget * eta**k``, the last capped at ``max_budget``.
-
-    Raises
-    ------
-    ValueError
-        Unless ``0 < min_budget <= max_budget``.
-    """
+    """Budget units of each rung: ``min_budget * eta**k``, the last capped at ``max_budget``
+    (ValueError unless ``0 < min_budget <= max_budget``)."""
     if not 0 < min_budget <= max_budget:
         raise ValueError(f"blockflow: tune needs 0 < min_budget <= max_budget, got "
                          f"{min_budget} and {max_budget}.")
@@ -47,23 +42,14 @@ class Rungs:
         Reduction factor: the top ``1/eta`` of a rung go on.
     mode : {"max", "min"}
         Whether a higher or a lower score is better.
-
-    Attributes
-    ----------
-    scores : list of dict
-        Per rung, trial -> its score there.
-    promoted : list of set
-        Per trial, the rungs it was promoted from.
-    failed : set of int
-        Trials whose task raised.
     """
 
     def __init__(self, n_trials: int, budgets: list[float], eta: int, mode: str):
         self.n_trials, self.budgets, self.eta, self.mode = n_trials, budgets, eta, mode
         self.top = len(budgets) - 1
-        self.scores: list[dict[int, float]] = [{} for _ in budgets]
-        self.promoted: list[set[int]] = [set() for _ in range(n_trials)]
-        self.failed: set[int] = set()
+        self.scores: list[dict[int, float]] = [{} for _ in budgets]  # rung: trial -> score
+        self.promoted: list[set[int]] = [set() for _ in range(n_trials)]  # rungs left
+        self.failed: set[int] = set()  # trials whose task raised
 
     def key(self, score: float) -> float:
         """Sort key, best first; a NaN score (a diverged trial) ranks below every number."""

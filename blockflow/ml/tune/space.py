@@ -28,13 +28,8 @@ class uniform:  # noqa: N801
 
 @dataclass(frozen=True)
 class loguniform:  # noqa: N801
-    """A positive float whose logarithm is uniform on ``[log(low), log(high))``.
-
-    Raises
-    ------
-    ValueError
-        Unless ``0 < low < high``.
-    """
+    """A positive float whose logarithm is uniform on ``[log(low), log(high))`` (ValueError
+    unless ``0 < low < high``)."""
 
     low: float
     high: float
@@ -61,13 +56,8 @@ class randint:  # noqa: N801
 
 @dataclass(frozen=True)
 class choice:  # noqa: N801
-    """One of ``values``, each equally likely (a plain list in a space means the same).
-
-    Raises
-    ------
-    ValueError
-        For no values.
-    """
+    """One of ``values``, each equally likely (a plain list in a space means the same;
+    ValueError for no values)."""
 
     values: tuple
 
