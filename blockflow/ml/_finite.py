@@ -69,19 +69,10 @@ class FiniteCheck:
     columns: tuple | None = None
 
     def __call__(self, x, y, block: int, offset: int):
-        """``(x, y)`` of block ``block`` (first row ``offset`` of the collection), checked.
-
-        Returns
-        -------
-        (array, array)
-            The block, or with ``drop`` its rows without a non-finite value.
-
-        Raises
-        ------
-        ValueError
-            Without ``drop``, naming the first non-finite value: its column (``X``) or the
-            label (``y``), the block and the row.
-        """
+        """``(x, y)`` of block ``block`` (first row ``offset`` of the collection), with
+        ``drop`` without its rows holding a non-finite value; without, a
+        :class:`~blockflow.errors.NonFiniteError` naming the first one's column (``X``) or
+        label (``y``), block and row."""
         bx, by = _bad_rows(x), None if y is None else _bad_rows(y)
         if bx is None and by is None:
             return x, y

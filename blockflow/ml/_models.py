@@ -162,12 +162,9 @@ class LocalModel(LoadedModel):
 class ModelFactory:
     """Build the model on each worker instead of shipping it: for a model that cannot be
     pickled (a lock, an open file or session among its attributes), or that is cheaper to
-    build than to send.
-
-    :func:`blockflow.predict`, :class:`blockflow.Router` and
+    build than to send. :func:`blockflow.predict`, :class:`blockflow.Router` and
     :func:`~blockflow.ml.inference.ship_model` accept it wherever they take a model: it is
-    called once here (to learn the model's kind and output for the result's meta) and once
-    on each worker, whose loaded model is then cached like a shipped one.
+    called once here (for the model's kind and the result's meta) and once on each worker.
 
     Parameters
     ----------

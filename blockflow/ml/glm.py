@@ -137,15 +137,13 @@ class _GLM:
             If a setting is out of range (``max_iter`` an integer >= 1, ``tol`` and
             ``alpha`` >= 0), shapes disagree, ``y`` holds values the model cannot fit
             (labels other than 0/1 for logistic, negative counts for Poisson), or ``X``/``y``
-            hold a NaN or an infinity (unless ``drop_nonfinite``): the message names the
-            first one's column or label, block and row. The check runs in the task that
-            first reads each block, not as a pass of its own.
+            hold a NaN or an infinity (unless ``drop_nonfinite``; naming the first one's
+            column or label, block and row).
 
         Warns
         -----
         blockflow.ConvergenceWarning
-            If L-BFGS stopped before converging, with SciPy's reason (``converged_`` is
-            then False).
+            If L-BFGS stopped before converging (``converged_`` is then False).
         """
         from scipy.optimize import minimize
 
@@ -258,11 +256,6 @@ class LogisticRegression(_GLM):
         Inverse penalty strength: minimises ``C sum(log-loss) + ||w||^2 / 2``.
     fit_intercept, max_iter, tol, sharding, drop_nonfinite, client
         As :class:`LinearRegression`.
-
-    Raises
-    ------
-    ValueError
-        From :meth:`fit` if labels are not 0/1.
     """
     C: float = 1.0
 
@@ -306,11 +299,6 @@ class PoissonRegression(_GLM):
         Minimises ``sum(half deviance) / n + alpha ||w||^2 / 2``.
     fit_intercept, max_iter, tol, sharding, drop_nonfinite, client
         As :class:`LinearRegression`.
-
-    Raises
-    ------
-    ValueError
-        From :meth:`fit` if a count is negative.
     """
     alpha: float = 1.0
 

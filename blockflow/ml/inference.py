@@ -1,19 +1,14 @@
 """Batch inference: apply a trained model to every block of a Dask collection.
 
 :func:`predict` ships the model once per worker and keeps it there
-(:mod:`blockflow.ml.model_cache`); a plain ``map_blocks(model.predict)`` puts the model into
-every task instead, so its bytes cross the network once per block. Inside a task the block is
-cut into batches that fit the worker's free device memory (the GPU metrics the worker
-reports; host memory on a CPU worker), the model runs on each batch, and the outputs are
-concatenated, so the result has the input's row chunks. Blocks with no rows return empty
-outputs without calling the model.
-
-Models: a PyTorch ``nn.Module`` (run under ``torch.no_grad()``, moved to the worker's GPU when
-it has one), an ONNX model (``onnx.ModelProto``, its serialised bytes, or a path; run by
-``onnxruntime``), a scikit-learn style estimator (``predict``/``predict_proba``/``transform``)
-or any callable ``f(batch) -> array``; a :class:`ModelFactory` builds any of them on each worker
-(for a model that cannot be pickled). PyTorch, ONNX Runtime and scikit-learn are imported only
-when such a model is used.
+(:mod:`blockflow.ml.model_cache`), where ``map_blocks(model.predict)`` would put it into every
+task. Inside a task the block is cut into batches that fit the worker's free device memory
+(host memory on a CPU worker), the model runs on each, and the outputs are concatenated, so
+the result has the input's row chunks. Models: a PyTorch ``nn.Module`` (run under
+``torch.no_grad()``, on the worker's GPU when it has one), an ONNX model (``onnx.ModelProto``,
+its bytes, or a path; run by ``onnxruntime``), a scikit-learn style estimator
+(``predict``/``predict_proba``/``transform``), any callable ``f(batch) -> array``, or a
+:class:`ModelFactory` that builds one of them on each worker.
 """
 
 from __future__ import annotations
@@ -87,11 +82,9 @@ def batch_rows(n_rows: int, row_bytes: int, *, batch_size: int | None = None,
     Returns
     -------
     (rows, budget)
-        Rows per batch (>= 1) and the byte budget used (None for an explicit batch size).
-
-    Notes
-    -----
-    A batch's working set is ``ACTIVATION_FACTOR x rows x row_bytes`` (blockflow heuristic).
+        Rows per batch (>= 1) and the byte budget used (None for an explicit batch size);
+        a batch's working set is ``ACTIVATION_FACTOR x rows x row_bytes`` (blockflow
+        heuristic).
     """
     batch_size = config.get("inference.batch-size", batch_size)
     if batch_size is not None:
@@ -194,9 +187,8 @@ def predict(model: Any, data: Any, *, method: str | None = None, columns=None,
     ----------
     model : torch.nn.Module, ONNX model, estimator, callable, ModelFactory or ModelRef
         The trained model (see the module docstring), a :class:`ModelFactory` that builds it
-        on each worker, or a :class:`ModelRef` from :func:`ship_model` (which can free it:
-        ``ref.close()``). It is sent once per worker and cached there, never put into the
-        task graph.
+        on each worker, or a :class:`ModelRef` from :func:`ship_model`; sent once per worker
+        and cached there, never put into the task graph.
     data : dask.array.Array, dask DataFrame or xarray.DataArray
         Rows are samples: a 2-d array ``(samples, features)`` (axis 1 is rechunked to one
         block if needed), a dataframe (``columns`` selects the features, default all), or a
@@ -232,8 +224,8 @@ def predict(model: Any, data: Any, *, method: str | None = None, columns=None,
     Raises
     ------
     TypeError
-        For an unsupported model or collection, or a model that cannot be pickled (the
-        message names the attribute, e.g. ``model.transform_.fn``), before anything runs.
+        For an unsupported model or collection, or a model that cannot be pickled (naming
+        the attribute), before anything runs.
     ValueError
         For an array that is not 2-d or has unknown chunk sizes, or a closed ModelRef.
     """

@@ -95,23 +95,13 @@ def _models_of(address: str) -> _WorkerModels:
 class ModelCache(WorkerPlugin):
     """Worker plugin that carries one model's bytes to every worker and keeps it loaded.
 
-    Registered by :func:`ship_model` under ``blockflow-model-<token>``. The model is
+    Registered by :func:`ship_model` under ``blockflow-model-<token>`` (``token``: the
+    ``dask.base.tokenize`` of ``payload``, ``kind`` and ``method``). The model is
     deserialised once per worker, at its first batch, and reused by every task; past
     ``blockflow.inference.cache-bytes`` the least recently used models are evicted and
-    fetched again from the scheduler if a later task needs them.
-
-    Parameters
-    ----------
-    token : str
-        ``dask.base.tokenize`` of the model and method.
-    payload : bytes
-        The serialised model (``torch.save`` for PyTorch, the ONNX protobuf, else pickle).
-    kind : str
-        ``"torch"``, ``"onnx"``, ``"estimator"`` or ``"callable"``.
-    method : str or None
-        The estimator's method (``"predict"``, ``"predict_proba"``, ``"transform"``).
-    factory : bool, default False
-        ``payload`` is a pickled :class:`~blockflow.ml._models.ModelFactory`.
+    fetched again from the scheduler if a later task needs them. ``payload`` is the
+    serialised model (:func:`~blockflow.ml._models.serialise`), or with ``factory`` a
+    pickled :class:`~blockflow.ml._models.ModelFactory`.
     """
 
     idempotent = True  # registering the same model again sends nothing
@@ -313,14 +303,13 @@ def ship_model(model: Any, *, method: str | None = None, client=None,
     Returns
     -------
     ModelRef
-        Also the handle that frees the model on the cluster: ``ref.close()``, or use it as a
-        context manager (``with ship_model(model) as ref: blockflow.predict(ref, x)...``).
+        Also the handle that frees the model on the cluster: ``ref.close()``, or ``with
+        ship_model(model) as ref: blockflow.predict(ref, x)...``.
 
     Raises
     ------
     TypeError
-        If the model cannot be pickled (naming the attribute that cannot, e.g.
-        ``model.transform_.fn``), before anything is sent.
+        If the model cannot be pickled (naming the attribute), before anything is sent.
     """
     return _ship(model, method, client, entry, handle=True)
 
@@ -381,11 +370,7 @@ def _worker_stats(token: str, dask_worker=None):
 
 
 def cache_state(client) -> dict[str, dict[str, Any]]:
-    """What each worker holds of the models shipped to it (the worker-side model cache).
-
-    Parameters
-    ----------
-    client : distributed.Client
+    """What each worker holds of the models shipped to it (``client``'s workers).
 
     Returns
     -------

@@ -55,11 +55,10 @@ PLUGIN_REFRESH = 1.0
 
 
 def _answer(ref: ModelRef, batches: list):
-    """The task of one batch of requests: run the model on each request's rows, timing each
-    call; a request whose call raises gets its exception as its answer (the others go on).
-    A request with no rows gets an empty output of the model's dtype and trailing shape (its
-    output on two rows of zeros, cut to none), as an empty block does in
-    ``blockflow.predict``: models such as scikit-learn's refuse zero rows."""
+    """The task of one batch of requests: each request's ``(ok, output or exception,
+    seconds)`` and the worker. A request with no rows gets an empty output of the model's
+    dtype and trailing shape, as an empty block does in ``blockflow.predict`` (models such
+    as scikit-learn's refuse zero rows)."""
     loaded, _ = ref.resolve()
     out = []
     for batch in batches:
@@ -133,11 +132,10 @@ class Router:
 
     Notes
     -----
-    ``router.decisions`` (a deque of dict) records every batch sent (``action``
-    ``"route"``, or ``"reroute"`` when it holds a request sent before), with its ``worker``,
-    ``requests`` (ids), ``estimated_seconds``, the ``projected_finish`` compared, and in
-    ``after`` the state it left: per usable worker the tasks in flight (``in_flight``) and
-    the requests still waiting in the router (``waiting``); and a ``"lost"`` entry per
+    ``router.decisions`` (a deque of dict) records every batch sent (``action`` ``"route"``,
+    or ``"reroute"`` when it holds a request sent before: ``worker``, ``requests`` (ids),
+    ``estimated_seconds``, the ``projected_finish`` compared, and in ``after`` per usable
+    worker the tasks ``in_flight`` and the requests ``waiting``), and a ``"lost"`` entry per
     request whose worker left.
 
     Examples
@@ -212,20 +210,10 @@ class Router:
     # -- public API ------------------------------------------------------------------
 
     def submit(self, batch, *, cost: float | None = None) -> concurrent.futures.Future:
-        """Route one request batch.
-
-        Parameters
-        ----------
-        batch : array
-            The rows to predict (NumPy/CuPy array, what the model takes).
-        cost : float, optional
-            Its work in any unit proportional to compute time; default its number of rows.
-
-        Returns
-        -------
-        concurrent.futures.Future
-            Resolves to the model's output for ``batch``, exactly once.
-        """
+        """Route one request: ``batch`` (the rows to predict, what the model takes) of
+        ``cost`` (work in any unit proportional to compute time; default its rows).
+        Returns a future of the model's output for ``batch``, resolved exactly once
+        (RuntimeError once the Router is closed)."""
         if self._closed:
             raise RuntimeError("blockflow: this Router is closed; make a new one.")
         cost = float(len(batch) if cost is None else cost)

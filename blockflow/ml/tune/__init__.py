@@ -117,14 +117,12 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
         Run synchronous successive halving instead (rung barrier, Dask's placement): the
         baseline ASHA is measured against.
     promotion : {"certain-first", "asha"}, optional
-        Order of promotions (config ``blockflow.tune.promotion``, default
-        ``"certain-first"``, see the module doc): promotions synchronous SH is sure to make
-        first, then new configurations, then ASHA's speculative promotions for threads that
-        would idle; or ``"asha"``, Li et al.'s order (any promotion before a new
-        configuration: more work, busier devices).
+        Order of promotions (config ``blockflow.tune.promotion``): promotions synchronous
+        SH is sure to make first, then new configurations, then ASHA's speculative
+        promotions for threads that would idle; or Li et al.'s order (any promotion before
+        a new configuration: more work, busier devices).
     publish : bool, default True
-        Publish the running trials in the scheduler's metadata for blockflow's dashboard
-        page.
+        Publish the running trials (scheduler metadata) for blockflow's dashboard page.
     name : str, default "tune"
         Shown on the dashboard.
 

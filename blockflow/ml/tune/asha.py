@@ -76,12 +76,11 @@ class Rungs:
         """``sets[k]``: the trials sure to be in synchronous successive halving's rung ``k``
         whatever the results still to come (``sets[0]``: all).
 
-        SH takes ``q[k+1] = max(q[k] // eta, 1)`` trials to rung ``k + 1``, the best of rung
-        ``k`` (ties to the lower trial number). A trial of ``sets[k]`` with a result at rung
-        ``k`` is sure to be among them when its rank among the results of ``sets[k]`` plus
-        the results of rung ``k`` SH still awaits is within the quota. Trials that failed
-        await nothing (a failure also shrinks SH's quota, which this does not foresee: at
-        worst a promotion called certain is one SH would not make)."""
+        SH takes the best ``q[k+1] = max(q[k] // eta, 1)`` of rung ``k`` on: a scored trial
+        of ``sets[k]`` is sure to be among them when its rank among them plus the results
+        of rung ``k`` SH still awaits is within the quota. Failed trials await nothing (a
+        failure also shrinks SH's quota, not foreseen here: at worst a promotion called
+        certain is one SH would not make)."""
         quota = [self.n_trials]
         for _ in range(self.top):
             quota.append(max(quota[-1] // self.eta, 1))

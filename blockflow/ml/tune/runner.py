@@ -204,12 +204,10 @@ class Tuner:
 
     def dispatch(self) -> None:
         """One trial task per free worker thread (earliest finish time list scheduling, a
-        blockflow heuristic): trials to run again first, then promotions each on the worker
-        where it would finish earliest given the speeds and when busy workers free (a
-        promotion may wait for a faster busy worker), then new configurations on the
-        fastest free threads. With ``promotion="certain-first"`` only certain promotions
-        come before new configurations, ASHA's speculative ones after; with ``"asha"`` any
-        promotion comes first (Li et al.)."""
+        blockflow heuristic): trials to run again, then promotions each where it would
+        finish earliest (perhaps waiting for a faster busy worker), then new configurations
+        on the fastest free threads; ``promotion="certain-first"`` places ASHA's
+        speculative promotions last, ``"asha"`` before new configurations (Li et al.)."""
         now = time.time()
         speeds = self.evidence.speeds(self.workers)
         unit = self.evidence.unit_seconds(speeds)
@@ -304,9 +302,6 @@ class Tuner:
 
     # --- results -------------------------------------------------------------------
 
-    def _sample(self, worker: str, secs: float, job: _Job) -> None:
-        self.evidence.add(worker, secs, job.epochs, job.rung, job.trial)
-
     def _row(self, r: _Running, **outcome) -> dict:
         job = r.job
         return {"trial": job.trial, "rung": job.rung, "budget": self.budgets[job.rung],
@@ -315,68 +310,64 @@ class Tuner:
                 "fastest_free": r.fastest_free, "submitted": r.submitted,
                 "backup": r.backup, **outcome}
 
+    def _ok_row(self, r: _Running, out: dict) -> dict:
+        """The history row of a task that gave ``out``; its time is speed evidence."""
+        secs = out["finished"] - out["started"]
+        self.evidence.add(out["worker"], secs, r.job.epochs, r.job.rung, r.job.trial)
+        return self._row(r, score=out["score"], status="ok", worker=out["worker"],
+                         started=out["started"], finished=out["finished"], duration=secs,
+                         error=None)
+
+    def _lost_row(self, r: _Running, status: str, finished: float, error=None) -> dict:
+        return self._row(r, score=math.nan, status=status, worker=r.worker, started=math.nan,
+                         finished=finished, duration=math.nan, error=error)
+
     def _record(self, fut, r: _Running) -> None:
         """Take a finished (or failed) trial task's result into the trials, the rungs, the
         speed evidence and the history."""
         job, trial = r.job, self.trials[r.job.trial]
         output = self.outputs.pop(fut)
+        finished = fut.status == "finished"
+        out = self._fetch(fut) if finished else None
         if (job.trial, job.rung) in self.decided:
             # the slower copy of a job the other copy finished: its time is evidence only
-            out = self._fetch(fut) if fut.status == "finished" else None
-            if out is not None:
-                secs = out["finished"] - out["started"]
-                self._sample(out["worker"], secs, job)
-                row = self._row(r, score=out["score"], status="ok", worker=out["worker"],
-                                started=out["started"], finished=out["finished"],
-                                duration=secs, error=None)
-            else:
-                row = self._row(r, score=math.nan, status="failed", worker=r.worker,
-                                started=math.nan, finished=time.time(), duration=math.nan,
-                                error=None)
-            self.history.append(row)
+            self.history.append(self._ok_row(r, out) if out is not None
+                                else self._lost_row(r, "failed", time.time()))
             return
-        if fut.status == "finished":
-            out = self._fetch(fut)
+        if finished:
             if out is None:
                 # the result went with its worker before it was fetched: back among the
                 # running, where _refresh runs the trial again elsewhere
                 self.outputs[fut], self.running[fut] = output, r
                 return
-            score, secs = out["score"], out["finished"] - out["started"]
             self.decided.add((job.trial, job.rung))
-            self.rungs.scores[job.rung][job.trial] = score
-            trial.rung, trial.score = job.rung, score
+            self.rungs.scores[job.rung][job.trial] = out["score"]
+            trial.rung, trial.score = job.rung, out["score"]
             trial.checkpoint = output  # a future of (report, checkpoint), on a worker
             trial.worker = out["worker"]
             trial.status = "completed" if job.rung == self.rungs.top else "stopped"
             trial.started = min(trial.started, out["started"]) if job.rung else out["started"]
             trial.finished = out["finished"]
-            trial.duration += secs
-            self._sample(out["worker"], secs, job)
-            row = self._row(r, score=score, status="ok", worker=out["worker"],
-                            started=out["started"], finished=out["finished"], duration=secs,
-                            error=None)
-        else:
-            exc = fut.exception()
-            self.decided.add((job.trial, job.rung))
-            self.rungs.failed.add(job.trial)
-            err = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            if isinstance(exc, KilledWorker):  # on an internal key: name the trial
-                last = getattr(exc.last_worker, "address", exc.last_worker)
-                n = exc.allowed_failures + 1
-                err = (f"WorkerLostError: the workers running trial {job.trial} (rung "
-                       f"{job.rung}, {job.epochs:g} epochs) died {n} time"
-                       f"{'s' if n != 1 else ''} (the last was {last}); a trial that kills "
-                       f"its worker usually runs it out of memory: check the worker logs, "
-                       f"give workers more memory (memory_limit=), or raise "
-                       f"distributed.scheduler.allowed-failures if the deaths had nothing "
-                       f"to do with the trial.")
-            trial.status, trial.error, trial.worker = "failed", err, r.worker
-            trial.finished = time.time()
-            row = self._row(r, score=math.nan, status="failed", worker=r.worker,
-                            started=math.nan, finished=trial.finished, duration=math.nan,
-                            error=err)
-        self.history.append(row)
+            trial.duration += out["finished"] - out["started"]
+            self.history.append(self._ok_row(r, out))
+            return
+        exc = fut.exception()
+        self.decided.add((job.trial, job.rung))
+        self.rungs.failed.add(job.trial)
+        err = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        if isinstance(exc, KilledWorker):  # on an internal key: name the trial
+            last = getattr(exc.last_worker, "address", exc.last_worker)
+            n = exc.allowed_failures + 1
+            err = (f"WorkerLostError: the workers running trial {job.trial} (rung "
+                   f"{job.rung}, {job.epochs:g} epochs) died {n} time"
+                   f"{'s' if n != 1 else ''} (the last was {last}); a trial that kills "
+                   f"its worker usually runs it out of memory: check the worker logs, "
+                   f"give workers more memory (memory_limit=), or raise "
+                   f"distributed.scheduler.allowed-failures if the deaths had nothing "
+                   f"to do with the trial.")
+        trial.status, trial.error, trial.worker = "failed", err, r.worker
+        trial.finished = time.time()
+        self.history.append(self._lost_row(r, "failed", trial.finished, err))
 
     def best_checkpoint(self, best: int):
         """The best trial's model, fetched from the worker that holds it.
@@ -445,10 +436,9 @@ class Tuner:
         for fut in list(self.running):
             r = self._cancel(fut)
             if r.worker is not None:
-                self._sample(r.worker, now - r.submitted, r.job)
-            self.history.append(self._row(r, score=math.nan, status="cancelled",
-                                          worker=r.worker, started=math.nan, finished=now,
-                                          duration=math.nan, error=None))
+                self.evidence.add(r.worker, now - r.submitted, r.job.epochs, r.job.rung,
+                                  r.job.trial)
+            self.history.append(self._lost_row(r, "cancelled", now))
 
     def cancel_all(self) -> None:
         """Cancel every trial task still in flight (they stay listed as running)."""

@@ -84,10 +84,6 @@ def sample_configs(space: Mapping[str, Any], n: int, seed: int = 0) -> list[dict
         Number of configurations.
     seed : int, default 0
         Seed of the NumPy generator; parameters are drawn in the order of ``space``.
-
-    Returns
-    -------
-    list of dict
     """
     rng = np.random.default_rng(seed)
 

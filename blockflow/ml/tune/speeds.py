@@ -24,28 +24,16 @@ SPEEDS_KEY = ("blockflow", "tune-speeds")
 
 
 class SpeedEvidence:
-    """Each worker's speed as the evidence tells it (speed 1: the median worker's).
-
-    Attributes
-    ----------
-    samples, cold : list of (worker, seconds, epochs, rung)
-        Trial tasks' times; ``cold``: a worker's first, which pays its imports, used only
-        while the worker has no other.
-    per_trial : dict
-        Trial -> its warm ``(worker, seconds, epochs)``.
-    plugin, record, declared : dict
-        Worker address -> speed: the plugin's (known with confidence), earlier calls'
-        (:data:`SPEEDS_KEY`), the devices' declared ones.
-    """
+    """Each worker's speed as the evidence tells it (speed 1: the median worker's)."""
 
     def __init__(self):
-        self.samples: list[tuple[str, float, float, int]] = []
-        self.cold: list[tuple[str, float, float, int]] = []
-        self.per_trial: dict[int, list[tuple[str, float, float]]] = {}
+        self.samples: list[tuple[str, float, float, int]] = []  # worker, s, epochs, rung
+        self.cold: list[tuple[str, float, float, int]] = []  # a worker's first: pays imports
+        self.per_trial: dict[int, list[tuple[str, float, float]]] = {}  # warm, per trial
         self.warm: set[str] = set()
-        self.plugin: dict[str, float] = {}
-        self.record: dict[str, float] = {}
-        self.declared: dict[str, float] = {}
+        self.plugin: dict[str, float] = {}  # worker -> speed, known with confidence
+        self.record: dict[str, float] = {}  # earlier calls' (SPEEDS_KEY)
+        self.declared: dict[str, float] = {}  # the devices' declared speeds
 
     def add(self, worker: str, seconds: float, epochs: float, rung: int, trial: int) -> None:
         """A trial task of ``epochs`` units at ``rung`` took ``seconds`` on ``worker``."""
