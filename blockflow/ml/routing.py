@@ -82,13 +82,9 @@ class _Request:
     id: int
     batch: Any
     cost: float
-    submitted: float
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    worker: str | None = None
     attempt: int = 0
     sent: Any = None  # the _Batch of the current attempt
-    answered_by: str | None = None
-    answered: float | None = None
 
 
 @dataclass
@@ -217,7 +213,7 @@ class Router:
         if self._closed:
             raise RuntimeError("blockflow: this Router is closed; make a new one.")
         cost = float(len(batch) if cost is None else cost)
-        req = _Request(next(self._ids), batch, cost, time.perf_counter())
+        req = _Request(next(self._ids), batch, cost)
         with self._lock:
             self._requests[req.id] = req
             self.counts["submitted"] += 1
@@ -355,7 +351,7 @@ class Router:
         for r in reqs:
             again |= r.attempt > 0
             r.attempt += 1
-            r.worker, r.sent = worker, b
+            r.sent = b
         self._batches[b.id] = b
         self._tasks[worker] += 1
         self._inflight[worker] += len(reqs)
@@ -474,7 +470,6 @@ class Router:
                     if r.future.done():
                         self.counts["duplicates"] += 1
                         continue
-                    r.answered_by, r.answered = worker, time.perf_counter()
                     self._requests.pop(r.id, None)
                     if ok:
                         self.counts["answered"] += 1

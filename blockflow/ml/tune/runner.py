@@ -114,7 +114,6 @@ class Tuner:
         self.workers: dict[str, int] = {}  # address -> threads
         self.decided: set[tuple[int, int]] = set()  # (trial, rung) with a result or failure
         self.twinned: set[tuple[int, int]] = set()  # (trial, rung) with a backup copy
-        self.lost_checkpoints = 0  # checkpoints lost with a worker (trained again)
         self._speeds_read = self._refreshed = self._published = 0.0
 
     # --- the cluster -----------------------------------------------------------------
@@ -156,7 +155,6 @@ class Tuner:
             if not who.get(fut.key):
                 lost.add(fut.key)
                 self.trials[t].checkpoint = None
-                self.lost_checkpoints += 1
         for fut, r in list(self.running.items()):  # waiting for a lost checkpoint
             if r.job.checkpoint is not None and r.job.checkpoint.key in lost:
                 self._cancel(fut)
