@@ -4,7 +4,8 @@ On a TCP (or TLS) comm distributed sends each message as a little-endian uint64 
 then the message's frames packed (``distributed.protocol.utils.pack_frames``: a frame count
 and frame lengths, then the frames). :mod:`blockflow.cluster.handshake` writes Dask's
 handshake and reads a server's first message with these functions, to tell a Dask server
-from anything else before distributed's own comm waits on it.
+from anything else before distributed's own comm waits on it. :func:`unpickle` reads what
+distributed pickled (a model shipped in a worker plugin).
 """
 
 from __future__ import annotations
