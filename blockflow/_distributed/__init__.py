@@ -211,6 +211,7 @@ from blockflow._distributed.wire import (
     client_handshake,
     decode_message,
     message_length,
+    unpickle,
 )
 from blockflow._distributed.worker import (  # noqa: F401
     _ClosingHeartbeatFilter,
@@ -371,6 +372,7 @@ __all__ = [
     "task_wait",
     "task_work",
     "task_working_set",
+    "unpickle",
     "unsatisfiable_tasks",
     "waiting_tasks",
     "worker_addresses",

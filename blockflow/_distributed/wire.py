@@ -4,7 +4,8 @@ On a TCP (or TLS) comm distributed sends each message as a little-endian uint64 
 then the message's frames packed (``distributed.protocol.utils.pack_frames``: a frame count
 and frame lengths, then the frames). :mod:`blockflow.cluster.handshake` writes Dask's
 handshake and reads a server's first message with these functions, to tell a Dask server
-from anything else before distributed's own comm waits on it.
+from anything else before distributed's own comm waits on it. :func:`unpickle` reads what
+distributed pickled (a model shipped in a worker plugin).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-__all__ = ["HEADER_BYTES", "client_handshake", "decode_message", "message_length"]
+from distributed.protocol.pickle import loads as _pickle_loads
+
+__all__ = ["HEADER_BYTES", "client_handshake", "decode_message", "message_length", "unpickle"]
 
 #: Bytes of the length prefix before each message (a little-endian uint64).
 HEADER_BYTES = 8
@@ -49,3 +52,8 @@ def decode_message(payload: bytes) -> Any | None:
         return loads(frames, deserialize=False) if not missing else None
     except Exception:
         return None
+
+
+def unpickle(data: bytes) -> Any:
+    """The object pickled in ``data`` (``distributed.protocol.pickle.loads``)."""
+    return _pickle_loads(data)

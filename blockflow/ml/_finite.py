@@ -1,22 +1,19 @@
 """Non-finite inputs: the check (or the drop) run by the task that first reads a block.
 
-A NaN or an infinity in the features or the labels makes every gradient NaN: L-BFGS stops
-at its starting point and a trainer's parameters all become NaN, without an error.
-scikit-learn refuses such input; blockflow does too, but without a pass of its own over the
-data: :class:`FiniteCheck` runs inside the task that makes each block resident on its
-worker (:class:`blockflow.ml.ResidentShards`), the first task that reads the block anyway.
-It raises a :class:`~blockflow.errors.NonFiniteError` (a :class:`ValueError`) naming the first non-finite value's column (``X``) or label
-(``y``), its block and its row (counted over the whole collection), or, opted in
-(``drop_nonfinite=True``, setting ``blockflow.ml.drop-nonfinite``), drops the rows that hold
-one, which gives the model scikit-learn fits on the finite rows. Integer and boolean blocks
-cannot hold a NaN and are not looked at.
+A NaN or an infinity makes every gradient NaN without an error; scikit-learn refuses such
+input, and so does :class:`FiniteCheck`, inside the task that makes each block resident on
+its worker (:class:`blockflow.ml.ResidentShards`) rather than in a pass of its own. Opted in
+(``drop_nonfinite=True``, setting ``blockflow.ml.drop-nonfinite``) it drops those rows
+instead, which gives the model scikit-learn fits on the finite rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from blockflow import config
 from blockflow._distributed import quiet_task_failures
+from blockflow.backends import array_module as _xp
 from blockflow.errors import NonFiniteError
 
 __all__ = ["FiniteCheck", "column_names", "drop_setting"]
@@ -24,8 +21,6 @@ __all__ = ["FiniteCheck", "column_names", "drop_setting"]
 
 def drop_setting(value: bool | None) -> bool:
     """``value``, or the setting ``blockflow.ml.drop-nonfinite`` where it is None."""
-    from blockflow import config
-
     return bool(config.get("ml.drop-nonfinite", value))
 
 
@@ -33,11 +28,6 @@ def column_names(X) -> tuple | None:
     """A dataframe's column names (for messages); None for arrays."""
     cols = getattr(X, "columns", None)
     return None if cols is None else tuple(cols)
-
-
-def _xp(a):
-    from blockflow.backends import array_module
-    return array_module(a)
 
 
 def _scalar(v) -> str:
@@ -79,19 +69,10 @@ class FiniteCheck:
     columns: tuple | None = None
 
     def __call__(self, x, y, block: int, offset: int):
-        """``(x, y)`` of block ``block`` (first row ``offset`` of the collection), checked.
-
-        Returns
-        -------
-        (array, array)
-            The block, or with ``drop`` its rows without a non-finite value.
-
-        Raises
-        ------
-        ValueError
-            Without ``drop``, naming the first non-finite value: its column (``X``) or the
-            label (``y``), the block and the row.
-        """
+        """``(x, y)`` of block ``block`` (first row ``offset`` of the collection), with
+        ``drop`` without its rows holding a non-finite value; without, a
+        :class:`~blockflow.errors.NonFiniteError` naming the first one's column (``X``) or
+        label (``y``), block and row."""
         bx, by = _bad_rows(x), None if y is None else _bad_rows(y)
         if bx is None and by is None:
             return x, y

@@ -1,18 +1,21 @@
 """Models blockflow runs on workers: their kinds, how they are serialised, and a loaded
 model running one batch (:class:`LoadedModel` on a worker, :class:`LocalModel` in the process
-that holds the model). Used by :mod:`blockflow.ml.inference` and :mod:`blockflow.ml.routing`.
+that holds the model).
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import threading
 import warnings
 from typing import Any
 
+import cloudpickle
 import numpy as np
 
+from blockflow import _distributed
 from blockflow.errors import describe
 from blockflow.ml._pickling import dumps_or_explain
 
@@ -40,6 +43,8 @@ def model_kind(model: Any) -> str:
 
 
 def serialise(model: Any, kind: str, entry: str = "blockflow.predict") -> bytes:
+    """``model``'s bytes for shipping: an ONNX model's protobuf, ``torch.save`` for PyTorch,
+    else cloudpickle (TypeError naming the attribute that cannot be pickled)."""
     if kind == "onnx":
         if isinstance(model, (bytes, bytearray)):
             return bytes(model)
@@ -55,7 +60,6 @@ def serialise(model: Any, kind: str, entry: str = "blockflow.predict") -> bytes:
 def _torch_dumps(model) -> bytes:
     # torch.save's zip format, pickled by cloudpickle (as distributed pickles): a lambda
     # attribute ships by value here as it does in DataParallelTrainer's scatter
-    import cloudpickle
     import torch
 
     buf = io.BytesIO()
@@ -68,11 +72,9 @@ class LoadedModel:
     ``factory``, the payload is a pickled :class:`ModelFactory` that builds it here."""
 
     def __init__(self, payload: bytes, kind: str, method: str | None, factory: bool = False):
-        from distributed.protocol.pickle import loads
-
         self.kind, self.method, self.device = kind, method, None
         self.nbytes = len(payload)
-        built = loads(payload)() if factory else None
+        built = _distributed.unpickle(payload)() if factory else None
         if kind == "onnx" and factory:
             payload = serialise(built, kind)
         if kind == "torch":
@@ -100,7 +102,7 @@ class LoadedModel:
             self.dtype = _ONNX_TYPES.get(inp.type, np.float32)
             self.nbytes = max(self.nbytes, len(payload))
         else:
-            self.model = built if factory else loads(payload)
+            self.model = built if factory else _distributed.unpickle(payload)
             self.dtype = None
         self.lock = threading.Lock()  # one batch at a time per worker: the device is shared
 
@@ -132,6 +134,7 @@ _ONNX_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64,
 
 
 def is_cupy(x) -> bool:
+    """Whether ``x`` is a CuPy array (without importing CuPy)."""
     return type(x).__module__.startswith("cupy")
 
 
@@ -145,13 +148,11 @@ class LocalModel(LoadedModel):
         if kind == "onnx":
             LoadedModel.__init__(self, serialise(model, kind), kind, method)
         elif kind == "torch":
-            import copy
+            import torch
 
             # never switch the user's model's mode
             self.model = (model if owned else copy.deepcopy(model)).eval()
             params = list(model.parameters())
-            import torch
-
             self.dtype = params[0].dtype if params else torch.float32
             self.device = params[0].device.type if params else None
         else:
@@ -161,12 +162,9 @@ class LocalModel(LoadedModel):
 class ModelFactory:
     """Build the model on each worker instead of shipping it: for a model that cannot be
     pickled (a lock, an open file or session among its attributes), or that is cheaper to
-    build than to send.
-
-    :func:`blockflow.predict`, :class:`blockflow.Router` and
+    build than to send. :func:`blockflow.predict`, :class:`blockflow.Router` and
     :func:`~blockflow.ml.inference.ship_model` accept it wherever they take a model: it is
-    called once here (to learn the model's kind and output for the result's meta) and once
-    on each worker, whose loaded model is then cached like a shipped one.
+    called once here (for the model's kind and the result's meta) and once on each worker.
 
     Parameters
     ----------

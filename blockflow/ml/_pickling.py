@@ -3,16 +3,16 @@
 Every entry point that sends a model to workers (:func:`blockflow.predict`,
 :class:`blockflow.Router`, :class:`blockflow.ml.DataParallelTrainer`,
 :class:`blockflow.parallel.PipelineParallel`) serialises it through
-:func:`dumps_or_explain`, before anything is scheduled, with ``cloudpickle`` as distributed
-does (PyTorch modules through ``torch.save`` with cloudpickle as its pickler): the same model is accepted or refused the same way by all of them. A lambda attribute is shipped
-by value (cloudpickle); a lock, an open file, a socket or a CUDA stream cannot be, and the
-error names the attribute path (``model.transform_.fn``) found by :func:`unpicklable_path`.
+:func:`dumps_or_explain` with ``cloudpickle``, as distributed does, before anything is
+scheduled; a refusal names the attribute path that cannot be pickled.
 """
 
 from __future__ import annotations
 
 import types
 from typing import Any, Callable
+
+import cloudpickle
 
 from blockflow.errors import describe
 
@@ -37,8 +37,6 @@ FIX_TRAIN = ("build the model without it (or drop it in the model's __getstate__
 def _dumps(obj) -> bytes:
     # cloudpickle accepts what distributed's pickler accepts (it falls back to cloudpickle)
     # without logging each failure
-    import cloudpickle
-
     return cloudpickle.dumps(obj)
 
 
@@ -84,25 +82,13 @@ def _children(obj, path: str):
 
 def unpicklable_path(obj: Any, root: str = "model", *, dumps: Callable | None = None,
                      max_depth: int = MAX_DEPTH) -> tuple[str, Any, BaseException] | None:
-    """The deepest attribute path of ``obj`` that cannot be pickled, or None if it can be.
+    """``(path, value, error)`` of the deepest attribute of ``obj`` that cannot be pickled
+    by ``dumps`` (default cloudpickle), the path from ``root`` like ``"model.transform_.fn"``;
+    None if ``obj`` can be pickled.
 
-    Walks ``__getstate__`` (or ``__dict__``), nn.Module children, lists, tuples, sets,
-    dicts and function closures, at most ``max_depth`` levels down, trying ``dumps`` on each
-    (blockflow heuristic: the first child that fails is followed, cycles are cut).
-
-    Parameters
-    ----------
-    obj : object
-    root : str, default "model"
-        The name the path starts with.
-    dumps : callable, optional
-        The serialiser; default ``cloudpickle.dumps`` (distributed's fallback).
-    max_depth : int, default MAX_DEPTH
-
-    Returns
-    -------
-    (path, value, error) or None
-        ``path`` like ``"model.transform_.fn"``, the value there and its pickling error.
+    Walks ``__getstate__`` (or ``__dict__``), nn.Module children, lists, tuples, sets, dicts
+    and function closures, at most ``max_depth`` levels down, following the first child that
+    fails (blockflow heuristic; cycles are cut).
     """
     dumps = dumps or _dumps
     err = _picklable(obj, dumps)
@@ -125,29 +111,14 @@ def unpicklable_path(obj: Any, root: str = "model", *, dumps: Callable | None = 
 
 def dumps_or_explain(model: Any, entry: str, *, dumps: Callable | None = None,
                      root: str = "model", fix: str | None = None) -> bytes:
-    """Serialise ``model`` for shipping, or raise one error naming what cannot be pickled.
-
-    Parameters
-    ----------
-    model : object
-    entry : str
-        The entry point, for the message (``"blockflow.predict"``).
-    dumps : callable, optional
-        The serialiser; default ``cloudpickle.dumps`` (distributed's fallback).
-    root : str, default "model"
-        The name the attribute path starts with.
-    fix : str, optional
-        What to do, for the message; default :data:`FIX` (a :class:`ModelFactory`).
-
-    Returns
-    -------
-    bytes
+    """``model`` serialised by ``dumps`` (default cloudpickle) for shipping.
 
     Raises
     ------
     TypeError
         ``"<entry>: cannot ship the model to the workers: model.layer.lock is a
-        _thread.lock that cannot be pickled (...); give blockflow a factory ..."``.
+        _thread.lock that cannot be pickled (...); <fix>."``, the path from ``root``
+        (:func:`unpicklable_path`), ``fix`` by default :data:`FIX`.
     """
     dumps = dumps or _dumps
     try:

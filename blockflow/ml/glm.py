@@ -15,19 +15,21 @@ Objectives are scikit-learn's, so the same penalty gives the same coefficients:
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import warnings
 from typing import Any
 
+import dask
+import dask.array as da
 import numpy as np
+from distributed import default_client
 
+from blockflow.backends import array_module as _xp
+from blockflow.errors import ConvergenceWarning, check_number
 from blockflow.ml._finite import FiniteCheck, column_names, drop_setting
 from blockflow.ml._shards import ResidentShards, as_row_blocks
 
 __all__ = ["LinearRegression", "LogisticRegression", "PoissonRegression"]
-
-
-def _xp(block):
-    from blockflow.backends import array_module
-    return array_module(block)
 
 
 def _host(a) -> np.ndarray:
@@ -80,8 +82,6 @@ class _GLM:
     def _check_params(self) -> None:
         """Refuse a bad setting at construction (and again at :meth:`fit`, after
         :meth:`set_params`): the message names the parameter, its meaning and the value."""
-        from blockflow.errors import check_number
-
         f = f"blockflow.ml.{type(self).__name__}"
         check_number(self.max_iter, "max_iter", f, "L-BFGS iterations", integer=True, low=1)
         check_number(self.tol, "tol", f, "L-BFGS gradient tolerance", low=0)
@@ -100,7 +100,6 @@ class _GLM:
     # scikit-learn's estimator protocol, without importing scikit-learn
     def get_params(self, deep: bool = True) -> dict:
         """Constructor parameters (scikit-learn's protocol)."""
-        import inspect
         names = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
         return {n: getattr(self, n) for n in names}
 
@@ -138,17 +137,14 @@ class _GLM:
             If a setting is out of range (``max_iter`` an integer >= 1, ``tol`` and
             ``alpha`` >= 0), shapes disagree, ``y`` holds values the model cannot fit
             (labels other than 0/1 for logistic, negative counts for Poisson), or ``X``/``y``
-            hold a NaN or an infinity (unless ``drop_nonfinite``): the message names the
-            first one's column or label, block and row. The check runs in the task that
-            first reads each block, not as a pass of its own.
+            hold a NaN or an infinity (unless ``drop_nonfinite``; naming the first one's
+            column or label, block and row).
 
         Warns
         -----
         blockflow.ConvergenceWarning
-            If L-BFGS stopped before converging, with SciPy's reason (``converged_`` is
-            then False).
+            If L-BFGS stopped before converging (``converged_`` is then False).
         """
-        from distributed import default_client
         from scipy.optimize import minimize
 
         self._check_params()
@@ -191,7 +187,6 @@ class _GLM:
 
     def decision_function(self, X):
         """Linear predictor ``X @ coef_ + intercept_`` (dask array in, dask array out)."""
-        import dask.array as da
         if isinstance(X, da.Array):  # not a bound method: the estimator holds the client
             return X.map_blocks(_linear, self.coef_, self.intercept_, drop_axis=1,
                                 dtype=np.float64)
@@ -200,10 +195,6 @@ class _GLM:
 
 def _warn_not_converged(name: str, res, max_iter: int) -> None:
     """A :class:`blockflow.ConvergenceWarning` with SciPy's reason and the fix for it."""
-    import warnings
-
-    from blockflow.errors import ConvergenceWarning
-
     reason = res.message.decode() if isinstance(res.message, bytes) else str(res.message)
     fix = (f"raise max_iter (now {max_iter})" if res.nit >= max_iter else
            "scale the features (e.g. to zero mean and unit variance) or loosen tol")
@@ -250,7 +241,6 @@ class LinearRegression(_GLM):
 
     def score(self, X, y) -> float:
         """Coefficient of determination R^2."""
-        import dask
         pred, y = dask.compute(self.predict(X), y)
         y, pred = np.asarray(y, float).ravel(), _host(pred).ravel()
         return float(1 - ((y - pred) ** 2).sum() / ((y - y.mean()) ** 2).sum())
@@ -266,11 +256,6 @@ class LogisticRegression(_GLM):
         Inverse penalty strength: minimises ``C sum(log-loss) + ||w||^2 / 2``.
     fit_intercept, max_iter, tol, sharding, drop_nonfinite, client
         As :class:`LinearRegression`.
-
-    Raises
-    ------
-    ValueError
-        From :meth:`fit` if labels are not 0/1.
     """
     C: float = 1.0
 
@@ -280,7 +265,6 @@ class LogisticRegression(_GLM):
         return 0.5 * (w @ w) / (self.C * n), w / (self.C * n)
 
     def _check_y(self, y):
-        import dask.array as da
         # a NaN/inf label is the non-finite check's to name (with its row), or to drop
         bad = int((da.isfinite(y) & (y != 0) & (y != 1)).sum().compute())
         if bad:
@@ -290,7 +274,6 @@ class LogisticRegression(_GLM):
 
     def predict_proba(self, X):
         """Probabilities of classes 0 and 1, shape (n_samples, 2)."""
-        import dask.array as da
         z = self.decision_function(X)
         p = 1 / (1 + (da.exp(-z) if isinstance(z, da.Array) else _xp(z).exp(-z)))
         stack = da.stack if isinstance(p, da.Array) else _xp(p).stack
@@ -302,7 +285,6 @@ class LogisticRegression(_GLM):
 
     def score(self, X, y) -> float:
         """Accuracy (fraction 0-1)."""
-        import dask
         pred, y = dask.compute(self.predict(X), y)
         return float((_host(pred).ravel() == np.asarray(y).ravel()).mean())
 
@@ -317,11 +299,6 @@ class PoissonRegression(_GLM):
         Minimises ``sum(half deviance) / n + alpha ||w||^2 / 2``.
     fit_intercept, max_iter, tol, sharding, drop_nonfinite, client
         As :class:`LinearRegression`.
-
-    Raises
-    ------
-    ValueError
-        From :meth:`fit` if a count is negative.
     """
     alpha: float = 1.0
 
@@ -331,7 +308,6 @@ class PoissonRegression(_GLM):
         return 0.5 * self.alpha * (w @ w), self.alpha * w
 
     def _check_y(self, y):
-        import dask.array as da
         bad = int((da.isfinite(y) & (y < 0)).sum().compute())  # -inf: the finite check's
         if bad:
             raise ValueError(f"blockflow: PoissonRegression needs counts >= 0; {bad} are "
@@ -339,13 +315,11 @@ class PoissonRegression(_GLM):
 
     def predict(self, X):
         """Expected counts ``exp(X @ coef_ + intercept_)``."""
-        import dask.array as da
         z = self.decision_function(X)
         return da.exp(z) if isinstance(z, da.Array) else _xp(z).exp(z)
 
     def score(self, X, y) -> float:
         """D^2, the fraction of Poisson deviance explained (scikit-learn's ``score``)."""
-        import dask
         mu, y = dask.compute(self.predict(X), y)
         y, mu = np.asarray(y, float).ravel(), _host(mu).ravel()
 

@@ -1,41 +1,21 @@
 """Request routing: send each inference request to the worker that will answer it first.
 
 :class:`Router` keeps a model loaded on every worker (shipped once, as :func:`blockflow.predict`
-does) and places each request on the worker whose **speed-normalised projected finish** is
-earliest:
+does) and places each request where its speed-normalised projected finish is earliest,
+``(backlog(w) / threads(w) + cost) x seconds_per_unit(w)``: join-the-shortest-expected-delay
+(blockflow heuristic after Whitt 1986), placed by
+:func:`~blockflow.scheduling.estimate.earliest_finish`. ``backlog`` is the cost (rows, by
+default) sent to ``w`` and not yet answered; ``seconds_per_unit`` comes from ``w``'s own
+answers (:class:`~blockflow.scheduling.estimate.Throughput`), else from the measured workers
+scaled by the learned speeds known with confidence.
 
-    finish(w) = (backlog(w) / threads(w) + cost) x seconds_per_unit(w)
-
-``backlog`` is the cost (rows, by default) of the requests already sent to ``w`` and not yet
-answered; ``seconds_per_unit`` is measured from the compute time of ``w``'s own answers by
-blockflow's one throughput estimator (:class:`~blockflow.scheduling.estimate.Throughput`: the
-median of its last ``WINDOW`` answers after the first, with a fixed cost per answer; a first
-answer pays for loading the model and warming up, so it counts only while no worker has a
-warm one), and before any answer from ``w`` it is the measured workers' seconds scaled by
-blockflow's learned speeds known with confidence (:func:`~blockflow.scheduling.view.
-learned_speeds`) where the scheduler plugin runs. The finish is placed by
-:func:`~blockflow.scheduling.estimate.earliest_finish`. This is join-the-shortest-expected-delay
-(blockflow heuristic after Whitt 1986), which beats round-robin and power-of-two-choices when
-devices differ in speed.
-
-**Batches, not one task per request.** A Dask task costs 1.5-3 ms of client, scheduler and
-worker time (more on a loaded host), so one task per request caps a router at a few hundred
-requests per second whatever its devices can do, and the queue grows without bound beyond
-that. Requests therefore wait in the router until a worker has a free task slot (``threads +
-1`` tasks in flight: one waiting on the worker behind each running one, so the worker does
-not idle through the round trip); then the waiting requests the placement puts on that
-worker go to it as **one task**, at most ``batch_size`` requests and ``batch_seconds`` of
-estimated work (at least one request). Under light load a batch is one request; under heavy
-load batches grow with the queue, so the per-task cost is shared and the router keeps up.
-Placement happens when a slot frees, on the latest measurements (late binding), so a free
-worker is never left idle while a request it would finish first waits. Each answer is
-timed per request inside the task, so the estimator sees the same calls as before.
-
-Workers that are paused (by blockflow's plugin or by distributed) or whose device memory is
-nearly full (``blockflow.routing.memory-full``) get no new requests while another worker can
-take them. A lost worker's unanswered requests (its whole batches) are routed again to the
-others; each request is answered exactly once (a late duplicate answer is dropped and
-counted).
+Requests wait in the router until a worker has a free task slot (``threads + 1`` tasks in
+flight, so a worker does not idle through the round trip); the waiting requests placed on
+that worker then go to it as one task of at most ``batch_size`` requests and
+``batch_seconds`` of estimated work, so the fixed cost of a Dask task is shared under load.
+Paused workers and workers whose device memory is nearly full get no new requests while
+another can take them; a lost worker's requests are routed again, and each request is
+answered exactly once.
 """
 
 from __future__ import annotations
@@ -51,13 +31,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dask.utils import parse_timedelta
+from distributed import KilledWorker, get_worker
+from distributed.comm import CommClosedError
 
 from blockflow import config
-from blockflow.scheduling.view import workers_info
-from blockflow.ml.inference import ModelRef, _module, ship_model
 from blockflow._distributed.metrics import read_metrics
-from blockflow.scheduling.view import fetch, fetch_many, learned_speeds, plugin_status
+from blockflow.ml.inference import _module
+from blockflow.ml.model_cache import ModelRef, ship_model
 from blockflow.scheduling.estimate import Throughput, earliest_finish
+from blockflow.scheduling.view import (fetch, fetch_many, learned_speeds, plugin_status,
+                                       workers_info)
 
 __all__ = ["Router"]
 
@@ -72,13 +55,10 @@ PLUGIN_REFRESH = 1.0
 
 
 def _answer(ref: ModelRef, batches: list):
-    """The task of one batch of requests: run the model on each request's rows, timing each
-    call; a request whose call raises gets its exception as its answer (the others go on).
-    A request with no rows gets an empty output of the model's dtype and trailing shape (its
-    output on two rows of zeros, cut to none), as an empty block does in
-    ``blockflow.predict``: models such as scikit-learn's refuse zero rows."""
-    from distributed import get_worker
-
+    """The task of one batch of requests: each request's ``(ok, output or exception,
+    seconds)`` and the worker. A request with no rows gets an empty output of the model's
+    dtype and trailing shape, as an empty block does in ``blockflow.predict`` (models such
+    as scikit-learn's refuse zero rows)."""
     loaded, _ = ref.resolve()
     out = []
     for batch in batches:
@@ -102,13 +82,9 @@ class _Request:
     id: int
     batch: Any
     cost: float
-    submitted: float
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    worker: str | None = None
     attempt: int = 0
     sent: Any = None  # the _Batch of the current attempt
-    answered_by: str | None = None
-    answered: float | None = None
 
 
 @dataclass
@@ -152,16 +128,15 @@ class Router:
 
     Notes
     -----
-    ``router.decisions`` (a deque of dict) records every batch sent (``action``
-    ``"route"``, or ``"reroute"`` when it holds a request sent before), with its ``worker``,
-    ``requests`` (ids), ``estimated_seconds``, the ``projected_finish`` compared, and in
-    ``after`` the state it left: per usable worker the tasks in flight (``in_flight``) and
-    the requests still waiting in the router (``waiting``); and a ``"lost"`` entry per
+    ``router.decisions`` (a deque of dict) records every batch sent (``action`` ``"route"``,
+    or ``"reroute"`` when it holds a request sent before: ``worker``, ``requests`` (ids),
+    ``estimated_seconds``, the ``projected_finish`` compared, and in ``after`` per usable
+    worker the tasks ``in_flight`` and the requests ``waiting``), and a ``"lost"`` entry per
     request whose worker left.
 
     Examples
     --------
-    >>> with blockflow.routing.Router(client, model) as router:  # doctest: +SKIP
+    >>> with blockflow.Router(client, model) as router:  # doctest: +SKIP
     ...     answers = [f.result() for f in router.map(batches)]
     """
 
@@ -231,24 +206,14 @@ class Router:
     # -- public API ------------------------------------------------------------------
 
     def submit(self, batch, *, cost: float | None = None) -> concurrent.futures.Future:
-        """Route one request batch.
-
-        Parameters
-        ----------
-        batch : array
-            The rows to predict (NumPy/CuPy array, what the model takes).
-        cost : float, optional
-            Its work in any unit proportional to compute time; default its number of rows.
-
-        Returns
-        -------
-        concurrent.futures.Future
-            Resolves to the model's output for ``batch``, exactly once.
-        """
+        """Route one request: ``batch`` (the rows to predict, what the model takes) of
+        ``cost`` (work in any unit proportional to compute time; default its rows).
+        Returns a future of the model's output for ``batch``, resolved exactly once
+        (RuntimeError once the Router is closed)."""
         if self._closed:
             raise RuntimeError("blockflow: this Router is closed; make a new one.")
         cost = float(len(batch) if cost is None else cost)
-        req = _Request(next(self._ids), batch, cost, time.perf_counter())
+        req = _Request(next(self._ids), batch, cost)
         with self._lock:
             self._requests[req.id] = req
             self.counts["submitted"] += 1
@@ -386,7 +351,7 @@ class Router:
         for r in reqs:
             again |= r.attempt > 0
             r.attempt += 1
-            r.worker, r.sent = worker, b
+            r.sent = b
         self._batches[b.id] = b
         self._tasks[worker] += 1
         self._inflight[worker] += len(reqs)
@@ -438,8 +403,8 @@ class Router:
                 logger.exception("blockflow router: error while routing")
 
     def _watch(self) -> None:
-        """The refresh thread: worker state from the scheduler (its RPCs take 0.1-0.3 s on
-        a loaded machine, so they run beside the routing thread, not in it)."""
+        """The refresh thread: worker state from the scheduler (its RPCs run beside the
+        routing thread, never in it)."""
         while not self._stop.wait(self.interval):
             try:
                 self._refresh()
@@ -505,7 +470,6 @@ class Router:
                     if r.future.done():
                         self.counts["duplicates"] += 1
                         continue
-                    r.answered_by, r.answered = worker, time.perf_counter()
                     self._requests.pop(r.id, None)
                     if ok:
                         self.counts["answered"] += 1
@@ -601,7 +565,4 @@ def _worker_lost(exc: BaseException | None) -> bool:
     """Whether ``exc`` says the worker went away (not that the model failed)."""
     if exc is None:
         return False
-    from distributed import KilledWorker
-    from distributed.comm.core import CommClosedError
-
     return isinstance(exc, (KilledWorker, CommClosedError, OSError, TimeoutError))

@@ -360,11 +360,11 @@ def test_small_runs_reach_the_top_rung_in_either_order(client, n):
 
 
 def test_float_budgets_snap_to_max_and_bad_searches_are_refused(client):
-    from blockflow.ml.tune import _rung_budgets
+    from blockflow.ml.tune.asha import rung_budgets
 
-    assert _rung_budgets(0.7, 2.1, 3) == [0.7, 2.1]  # 0.7 * 3 = 2.0999999999999996
-    assert _rung_budgets(1, 27, 3) == [1, 3, 9, 27] and _rung_budgets(1, 10, 3) == [1, 3, 9, 10]
-    assert _rung_budgets(2, 2, 3) == [2]
+    assert rung_budgets(0.7, 2.1, 3) == [0.7, 2.1]  # 0.7 * 3 = 2.0999999999999996
+    assert rung_budgets(1, 27, 3) == [1, 3, 9, 27] and rung_budgets(1, 10, 3) == [1, 3, 9, 10]
+    assert rung_budgets(2, 2, 3) == [2]
     with pytest.raises(ValueError, match="no configurations"):
         tune(train, [], client=client)
     with pytest.raises(ValueError, match="no configurations"):

@@ -1,0 +1,233 @@
+"""Hyperparameter tuning: asynchronous successive halving (ASHA) with trials as Dask tasks.
+
+Each trial is a configuration drawn from a search space (:mod:`~blockflow.ml.tune.space`);
+each *rung* of a trial is one Dask task that trains it ``epochs`` more budget units from its
+last checkpoint and reports a score. There is no rung barrier (Li et al. 2020, "A System for
+Massively Parallel Hyperparameter Tuning", Algorithm 2; :mod:`~blockflow.ml.tune.asha`):
+whenever a worker thread frees it takes a promotion or a new configuration, promotions that
+synchronous successive halving is certain to make first (a blockflow heuristic). Trial tasks
+are placed by earliest finish time on the workers' learned speeds (a blockflow heuristic;
+:mod:`~blockflow.ml.tune.runner`, :mod:`~blockflow.ml.tune.speeds`). ``synchronous=True``
+runs the synchronous successive-halving baseline instead, as dask-ml's
+``SuccessiveHalvingSearchCV`` does.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+from distributed import default_client
+
+from blockflow import config
+from blockflow.ml.tune.runner import TRIAL_PREFIX, Tuner  # noqa: F401
+from blockflow.ml.tune.space import choice, loguniform, randint, sample_configs, uniform
+
+__all__ = ["TuneResult", "choice", "loguniform", "randint", "sample_configs", "tune",
+           "uniform"]
+
+
+@dataclass
+class TuneResult:
+    """What :func:`tune` returns.
+
+    Attributes
+    ----------
+    trials : pandas.DataFrame
+        One row per configuration (index ``trial``): its parameters (one column each),
+        ``config`` (dict), ``rung`` (highest rung reached), ``budget`` (units trained),
+        ``score`` (at that rung; NaN if none), ``status`` (``"completed"``: reached the top
+        rung; ``"stopped"``: not promoted; ``"failed"``: its task raised; ``"pending"``:
+        never started), ``worker`` (of its last task), ``error``, ``started`` /
+        ``finished`` (s since the epoch) and ``duration`` (s, all its tasks).
+    history : pandas.DataFrame
+        One row per trial task: ``trial``, ``rung``, ``budget``, ``epochs``, ``score``,
+        ``status`` (``"ok"``/``"failed"``), ``worker``, ``promotion`` (rung > 0),
+        ``speculative`` (a promotion ASHA's rule made before it was certain that
+        synchronous successive halving makes it too), ``backup`` (a copy of a trial task
+        run on a worker whose speed nothing told yet: its time is evidence; status
+        ``"cancelled"`` when the run ended before it),
+        ``speed`` (the worker's estimated speed at dispatch), ``fastest_free`` (the fastest
+        free worker's estimated speed then), ``submitted``/``started``/``finished``
+        (s since the epoch), ``duration`` (s), ``error``.
+    best_trial : int or None
+        The trial with the best score at the highest rung any trial completed.
+    best_config : dict or None
+    best_score : float
+    best_checkpoint : object
+        The best trial's last checkpoint.
+    wall_time : float
+        Seconds from the first submission to the last result.
+    busy_fraction : float
+        Summed task time over (worker threads x wall time), 0-1.
+    promotion : str
+        The promotion order used (``"certain-first"``, ``"asha"``; ``"synchronous"`` for
+        ``synchronous=True``).
+    """
+
+    trials: Any
+    history: Any
+    best_trial: int | None
+    best_config: dict | None
+    best_score: float
+    best_checkpoint: Any
+    wall_time: float
+    busy_fraction: float
+    promotion: str = "certain-first"
+
+
+def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]], *,
+         client=None, n_configs: int | None = None, eta: int | None = None,
+         min_budget: float | None = None, max_budget: float | None = None,
+         mode: str = "max", seed: int = 0, synchronous: bool = False,
+         promotion: str | None = None, publish: bool = True,
+         name: str = "tune") -> TuneResult:
+    """Tune hyperparameters by asynchronous successive halving, trials as Dask tasks.
+
+    Parameters
+    ----------
+    train : callable
+        ``train(config, epochs, checkpoint) -> (score, checkpoint)``, run on a worker: train
+        ``epochs`` more budget units (epochs, say) from ``checkpoint`` (None at rung 0) and
+        return the score and the new checkpoint (picklable). It must be deterministic given
+        its inputs for a run to be repeatable. An exception marks the trial ``"failed"``;
+        the run goes on.
+    space : mapping or sequence of mappings
+        A search space for :func:`sample_configs`, or the configurations themselves.
+    client : distributed.Client, optional
+        Default: the current client.
+    n_configs : int, optional
+        Configurations drawn from ``space`` (config ``blockflow.tune.n-configs``).
+    eta : int, optional
+        Reduction factor: the top ``1/eta`` of a rung is promoted, and each rung trains
+        ``eta`` times the budget of the one below (config ``blockflow.tune.eta``).
+    min_budget, max_budget : float, optional
+        Budget units of rung 0 and of the top rung (config ``blockflow.tune.min-budget``,
+        ``blockflow.tune.max-budget``).
+    mode : {"max", "min"}, default "max"
+        Whether a higher or a lower score is better.
+    seed : int, default 0
+        Seed of the configurations drawn.
+    synchronous : bool, default False
+        Run synchronous successive halving instead (rung barrier, Dask's placement): the
+        baseline ASHA is measured against.
+    promotion : {"certain-first", "asha"}, optional
+        Order of promotions (config ``blockflow.tune.promotion``): promotions synchronous
+        SH is sure to make first, then new configurations, then ASHA's speculative
+        promotions for threads that would idle; or Li et al.'s order (any promotion before
+        a new configuration: more work, busier devices).
+    publish : bool, default True
+        Publish the running trials (scheduler metadata) for blockflow's dashboard page.
+    name : str, default "tune"
+        Shown on the dashboard.
+
+    Returns
+    -------
+    TuneResult
+
+    Raises
+    ------
+    ValueError
+        For ``eta`` not a whole number >= 2, a bad ``mode`` or ``promotion``, budgets out
+        of order, or no configurations.
+    RuntimeError
+        If every worker leaves while trials are still to run.
+
+    Warns
+    -----
+    RuntimeWarning
+        When every trial failed (the result holds their errors) or scored NaN.
+
+    Notes
+    -----
+    Source: ASHA, Li et al. 2020 (MLSys), Algorithm 2; placement by earliest finish time on
+    learned worker speeds is a blockflow heuristic (see the module doc).
+    """
+    eta = config.get("tune.eta", eta)
+    if isinstance(eta, bool) or not float(eta).is_integer() or eta < 2:
+        raise ValueError(f"blockflow: tune needs a whole number eta >= 2 (config "
+                         f"blockflow.tune.eta), got {eta!r}.")
+    eta = int(eta)
+    if mode not in ("max", "min"):
+        raise ValueError(f"blockflow: tune mode must be 'max' or 'min', got {mode!r}.")
+    promotion = config.get("tune.promotion", promotion)
+    if promotion not in ("certain-first", "asha"):
+        raise ValueError(f"blockflow: tune promotion must be 'certain-first' or 'asha', got "
+                         f"{promotion!r} (config blockflow.tune.promotion).")
+    min_budget = config.get("tune.min-budget", min_budget)
+    max_budget = config.get("tune.max-budget", max_budget)
+    if isinstance(space, Mapping):
+        configs = sample_configs(space, int(config.get("tune.n-configs", n_configs)), seed)
+    else:
+        configs = [dict(c) for c in space]
+    if not configs:
+        raise ValueError("blockflow: tune got no configurations to try; pass a non-empty "
+                         "list of configurations, or a search space with n_configs >= 1.")
+    client = client or default_client()
+    tuner = Tuner(client, train, configs, eta=eta, min_budget=min_budget,
+                  max_budget=max_budget, mode=mode, synchronous=synchronous,
+                  publish=publish, name=name, promotion=promotion)
+    t0 = time.time()
+    try:
+        tuner.run_sync() if synchronous else tuner.run_async()
+    finally:
+        tuner.cancel_all()
+        if publish:
+            try:
+                tuner.publish_progress(force=True)
+            except Exception:  # the client may be closing: the table is only for display
+                pass
+    result = _result(tuner, time.time() - t0)
+    _warn_if_nothing_scored(result.trials)
+    return result
+
+
+
+def _result(tuner: Tuner, wall: float) -> TuneResult:
+    """The trials, the history and the best trial of ``tuner``, after ``wall`` seconds."""
+    names = list(dict.fromkeys(n for t in tuner.trials for n in t.config))
+    rows = [{"trial": i, **{n: t.config.get(n) for n in names}, "config": t.config,
+             "rung": t.rung, "budget": tuner.budgets[t.rung] if t.rung >= 0 else 0,
+             "score": t.score, "status": t.status, "worker": t.worker,
+             "error": t.error, "started": t.started, "finished": t.finished,
+             "duration": t.duration} for i, t in enumerate(tuner.trials)]
+    trials = pd.DataFrame(rows).set_index("trial")
+    cols = ["trial", "rung", "budget", "epochs", "score", "status", "worker", "promotion",
+            "speculative", "speed", "fastest_free", "submitted", "started", "finished",
+            "duration", "error", "backup"]
+    history = pd.DataFrame(tuner.history, columns=cols)
+    threads = max(sum(tuner.workers.values()), 1)
+    busy = float(np.nansum(history["duration"])) / (threads * wall) if wall > 0 else 0.0
+    best = tuner.rungs.best()
+    return TuneResult(
+        trials=trials, history=history, best_trial=best,
+        best_config=None if best is None else dict(tuner.trials[best].config),
+        best_score=math.nan if best is None else tuner.trials[best].score,
+        best_checkpoint=None if best is None else tuner.best_checkpoint(best),
+        wall_time=wall, busy_fraction=min(busy, 1.0),
+        promotion="synchronous" if tuner.synchronous else tuner.promotion)
+
+
+def _warn_if_nothing_scored(trials) -> None:
+    """One warning when no trial gave a score to rank by (every trial failed or scored
+    NaN): ``best_*`` then mean nothing."""
+    n = len(trials)
+    failed = trials["status"] == "failed" if n else None
+    if not n or not (failed | trials["score"].isna()).all():
+        return
+    k = int(failed.sum())
+    if k == n:
+        what = f"every one of the {n} trials failed; the first error: " \
+               f"{trials['error'].iloc[0]}"
+    else:
+        what = (f"every one of the {n} trials " + (f"failed ({k}) or " if k else "")
+                + "scored NaN (a diverged model, or NaN in the data it scored on); the "
+                "best trial is arbitrary: check the score your train function returns")
+        if k:
+            what += f"; the first error: {trials.loc[failed, 'error'].iloc[0]}"
+    warnings.warn(f"blockflow: {what}", RuntimeWarning, stacklevel=3)
