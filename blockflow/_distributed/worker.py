@@ -1,6 +1,6 @@
 """The worker side: what blockflow reads from and installs on distributed's workers.
 
-Heartbeat metrics, comm handlers (:class:`HandlerPlugin`) and worker-to-worker calls,
+Heartbeat metrics, comm handlers served by worker plugins (:class:`HandlerPlugin`) and worker-to-worker calls,
 installed plugins, the results a worker holds, declared resources, the current worker and
 task key, task threads and the worker's executor, the metadata a task sends with its result
 (seconds spent waiting), and the filter that keeps a closing worker's heartbeat quiet
@@ -35,7 +35,6 @@ __all__ = [
     "current_worker_resources",
     "declare_worker_resources",
     "has_worker_handler",
-    "install_worker_handlers",
     "listed_workers",
     "quiet_closing_heartbeat",
     "quiet_task_failures",
@@ -111,25 +110,37 @@ def add_worker_handler(worker, name: str, fn: Callable) -> None:
     worker.handlers[name] = fn
 
 
-class HandlerPlugin:
-    """Base of a worker plugin that serves one comm handler on every worker, those that
-    join later included: subclasses set ``name`` (the plugin's), ``op`` (the handler's)
-    and ``make_handler(worker)``, which returns the handler for that worker. ``setup``
-    first verifies the worker's internals
-    (:func:`~blockflow._distributed.checks.check_worker`)."""
+class HandlerPlugin(WorkerPlugin):
+    """Base of the worker plugins that serve blockflow's comm handlers on every worker, those
+    that join later included.
+
+    Subclasses set ``name`` and :meth:`handlers`. ``setup`` verifies the worker's internals
+    (:func:`~blockflow._distributed.checks.check_worker`), then serves each handler;
+    ``teardown`` removes them.
+    """
 
     name: str
-    op: str
 
-    def make_handler(self, worker) -> Callable:
+    def handlers(self) -> Mapping[str, Callable]:
+        """Operation name -> ``fn(worker, **message)``, called with the worker it serves;
+        its return value (or awaited coroutine) is the reply."""
         raise NotImplementedError
 
     def setup(self, worker) -> None:
         check_worker(worker)
-        add_worker_handler(worker, self.op, self.make_handler(worker))
+        for op, fn in self.handlers().items():
+            add_worker_handler(worker, op, _bound_handler(worker, fn))
 
     def teardown(self, worker) -> None:
-        remove_worker_handler(worker, self.op)
+        for op in self.handlers():
+            remove_worker_handler(worker, op)
+
+
+def _bound_handler(worker, fn: Callable) -> Callable:
+    def handler(**message):
+        return fn(worker, **message)
+
+    return handler
 
 
 #: What a worker logs (at ERROR, with a traceback) when its heartbeat fails to reach the
@@ -397,24 +408,6 @@ def current_worker_resources() -> tuple[str, dict] | None:
     except ValueError:
         return None
     return worker.address, dict(worker.state.total_resources)
-
-
-def install_worker_handlers(worker, handlers: Mapping[str, Callable]) -> None:
-    """Add RPC handlers to a worker (``Worker.handlers``), once; existing ones are kept.
-    Each ``fn(worker, **message)`` is called with the worker it was installed on. Verifies
-    the worker's internals first (:func:`~blockflow._distributed.checks.check_worker`: a
-    worker plugin's ``setup`` calls this)."""
-    check_worker(worker)
-    for name, fn in handlers.items():
-        if name not in worker.handlers:
-            worker.handlers[name] = _bound_handler(worker, fn)
-
-
-def _bound_handler(worker, fn: Callable) -> Callable:
-    def handler(**message):
-        return fn(worker, **message)
-
-    return handler
 
 
 def call_worker_soon(worker, address: str, op: str, **kwargs) -> None:

@@ -29,9 +29,9 @@ import time
 import uuid
 from typing import Any
 
-from distributed.diagnostics.plugin import WorkerPlugin
+from distributed import rejoin, secede
 
-from blockflow._distributed import HandlerPlugin
+from blockflow._distributed import HandlerPlugin, add_task_wait
 
 __all__ = ["POSTED", "Posted", "PostPlugin", "resolve"]
 
@@ -119,7 +119,6 @@ def resolve(worker: str, args: tuple, timeout: float | None = None) -> tuple | N
                 t0 = time.perf_counter()
                 ok = _wait_seceded(s.event, POST_TIMEOUT if timeout is None else timeout)
                 # waiting is not work: the scheduler plugin's speed model leaves it out
-                from blockflow._distributed import add_task_wait
                 add_task_wait(time.perf_counter() - t0)
             with _LOCK:
                 _SLOTS.pop((worker, a.key), None)
@@ -134,7 +133,6 @@ def _wait_seceded(event: threading.Event, timeout: float) -> bool:
     """Wait for ``event`` out of the worker's thread pool (``distributed.secede``): the
     waiting task holds no thread, so the tasks queued behind it (the fan-in of the pass
     before, another client's work) run meanwhile; ``rejoin`` takes a thread back."""
-    from distributed import rejoin, secede
     try:
         secede()
     except (KeyError, ValueError, AttributeError):  # not on a worker's task thread
@@ -145,15 +143,13 @@ def _wait_seceded(event: threading.Event, timeout: float) -> bool:
         rejoin()
 
 
-def _handler_for(worker):
-    def blockflow_post(key: str, value: Any = None, cancel: bool = False) -> str:
-        deliver(worker.address, key, value, cancel)
-        return "OK"
-    return blockflow_post
+def _serve(worker, key: str, value: Any = None, cancel: bool = False) -> str:
+    deliver(worker.address, key, value, cancel)
+    return "OK"
 
 
-class PostPlugin(HandlerPlugin, WorkerPlugin):
-    """Worker plugin installing the ``blockflow_post`` comm handler (see module doc).
+class PostPlugin(HandlerPlugin):
+    """Worker plugin serving the ``blockflow_post`` comm handler (see module doc).
 
     Registered by :class:`blockflow.ml.ResidentShards` before its first posted pass
     (``client.register_plugin(PostPlugin(), name="blockflow-post")``); workers that join
@@ -162,7 +158,5 @@ class PostPlugin(HandlerPlugin, WorkerPlugin):
 
     name = "blockflow-post"
 
-    op = HANDLER
-
-    def make_handler(self, worker):
-        return _handler_for(worker)
+    def handlers(self):
+        return {HANDLER: _serve}

@@ -48,9 +48,13 @@ from statistics import median
 from typing import Any, Callable
 
 import numpy as np
-from distributed.diagnostics.plugin import WorkerPlugin
+from distributed import get_worker
+from distributed.protocol import to_serialize
+from distributed.utils import sync
 
-from blockflow._distributed import HandlerPlugin
+from blockflow._distributed import HandlerPlugin, call_worker, has_worker_handler
+from blockflow.backends import _block_to_host, array_module
+from blockflow.ml._peers import Peers, peer_timeout
 from blockflow.scheduling.estimate import call_cost  # noqa: F401  (re-exported)
 
 __all__ = ["RowPool", "StealPlugin", "call_cost", "run_stealing"]
@@ -227,8 +231,6 @@ class RowPool:
 
     def data(self, lo: int, hi: int) -> tuple[Any, Any]:
         """The span's features and labels on the host (to send to a thief)."""
-        from blockflow.backends import _block_to_host
-
         blocks, rows = self.parts(lo, hi)
         xs = [_block_to_host(xb[r]) for (xb, _), r in zip(blocks, rows)]
         ys = [_block_to_host(yb[r]) for (_, yb), r in zip(blocks, rows)]
@@ -256,26 +258,24 @@ def rows_to_give(left: float, unclaimed: int, spr: float | None, thief_spr: floa
     return max(0, min(unclaimed, math.floor((left - overhead) / (spr + t))))
 
 
-def _handler_for(worker):
-    def blockflow_steal(pass_id: str, action: str = "status", spr: float | None = None,
-                        overhead: float = 0.0) -> dict:
-        from distributed.protocol import to_serialize
-
-        pool = _POOLS.get((pass_id, worker.address))
-        if pool is None:  # not started, or done
-            return {"left": 0.0, "rows": 0}
-        if action == "status":
-            return pool.status()
-        span = pool.give(spr, overhead)
-        if span is None:
-            return {"rows": 0}
-        x, y = pool.data(*span)
-        return {"rows": span[1] - span[0], "x": to_serialize(x), "y": to_serialize(y)}
-    return blockflow_steal
+def _serve(worker, pass_id: str, action: str = "status", spr: float | None = None,
+           overhead: float = 0.0) -> dict:
+    """The ``blockflow_steal`` handler: a pool's :meth:`~RowPool.status`, or (``action``
+    ``"claim"``) rows handed to the thief with their data."""
+    pool = _POOLS.get((pass_id, worker.address))
+    if pool is None:  # not started, or done
+        return {"left": 0.0, "rows": 0}
+    if action == "status":
+        return pool.status()
+    span = pool.give(spr, overhead)
+    if span is None:
+        return {"rows": 0}
+    x, y = pool.data(*span)
+    return {"rows": span[1] - span[0], "x": to_serialize(x), "y": to_serialize(y)}
 
 
-class StealPlugin(HandlerPlugin, WorkerPlugin):
-    """Worker plugin installing the ``blockflow_steal`` comm handler (see module doc).
+class StealPlugin(HandlerPlugin):
+    """Worker plugin serving the ``blockflow_steal`` comm handler (see module doc).
 
     Registered by :class:`blockflow.ml.ResidentShards` when a pass may steal
     (``client.register_plugin(StealPlugin(), name="blockflow-steal")``); workers that join
@@ -284,10 +284,8 @@ class StealPlugin(HandlerPlugin, WorkerPlugin):
 
     name = "blockflow-steal"
 
-    op = HANDLER
-
-    def make_handler(self, worker):
-        return _handler_for(worker)
+    def handlers(self):
+        return {HANDLER: _serve}
 
 
 def _add(a, b):
@@ -319,13 +317,6 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
     fourth is the worker's busy time, without the requests to its peers; the last is what
     its speed is measured on (stolen rows come in small, cold calls).
     """
-    from distributed import get_worker
-    from distributed.utils import sync
-
-    from blockflow._distributed import call_worker, has_worker_handler
-    from blockflow.backends import array_module
-    from blockflow.ml._peers import Peers, peer_timeout
-
     worker = get_worker()
     me = worker.address
     # this worker's fixed seconds per call of this kernel (a GLM's and a CNN's differ)

@@ -29,7 +29,8 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from distributed.diagnostics.plugin import WorkerPlugin
+from distributed import secede
+from distributed.protocol import to_serialize
 
 from blockflow import _distributed
 from blockflow._distributed import HandlerPlugin
@@ -308,25 +309,21 @@ def deliver(address: str, key: str, token: str, kind: str | None = None,
     _box(address, key).put(token, kind, j, value, cancel)
 
 
-def _handler_for(worker):
-    def blockflow_pipeline(key: str, token: str, kind: str | None = None,
-                           j: int | None = None, value: Any = None,
-                           cancel: bool = False) -> str:
-        deliver(worker.address, key, token, kind, j, value, cancel)
-        return "OK"
-    return blockflow_pipeline
+def _serve(worker, key: str, token: str, kind: str | None = None, j: int | None = None,
+           value: Any = None, cancel: bool = False) -> str:
+    deliver(worker.address, key, token, kind, j, value, cancel)
+    return "OK"
 
 
-class PipePlugin(HandlerPlugin, WorkerPlugin):
-    """Worker plugin installing the ``blockflow_pipeline`` comm handler (activations and
+class PipePlugin(HandlerPlugin):
+    """Worker plugin serving the ``blockflow_pipeline`` comm handler (activations and
     gradients sent from stage to stage, and cancellations from the client), on every
     worker, those that join later included."""
 
     name = "blockflow-pipeline"
-    op = HANDLER
 
-    def make_handler(self, worker):
-        return _handler_for(worker)
+    def handlers(self):
+        return {HANDLER: _serve}
 
 
 def has_handler(dask_worker=None) -> bool:
@@ -362,9 +359,6 @@ def run(key: str, token: str, step: int, plan: dict, inputs: Sequence | None = N
         waiting for inputs), ``cancelled``, and in training what the step's end gives
         (``loss``, ``peak_stash``, ``grads``, ``bytes``).
     """
-    from distributed import secede
-    from distributed.protocol import to_serialize
-
     stage = _get(key)
     worker = _distributed.current_worker()
     address = _here()
@@ -524,10 +518,6 @@ def probe(payloads: Sequence[bytes], x, repeats: int, optimizer) -> tuple[list, 
         h = y.detach()
         del module, opt
     return times, sizes, outs
-
-
-def _noop(*_args) -> None:
-    return None
 
 
 def hold(value: Any) -> Any:
