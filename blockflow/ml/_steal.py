@@ -57,7 +57,7 @@ from blockflow.backends import _block_to_host, array_module
 from blockflow.ml._peers import Peers, peer_timeout
 from blockflow.scheduling.estimate import call_cost  # noqa: F401  (re-exported)
 
-__all__ = ["RowPool", "StealPlugin", "call_cost", "run_stealing"]
+__all__ = ["RowPool", "StealPlugin", "add_values", "call_cost", "run_stealing"]
 
 # (pass id, worker address) -> the pool of that worker's task in that pass
 _POOLS: dict[tuple[str, str], RowPool] = {}
@@ -288,14 +288,14 @@ class StealPlugin(HandlerPlugin):
         return {HANDLER: _serve}
 
 
-def _add(a, b):
+def add_values(a, b):
     """``a + b`` for arrays, numbers and tuples of them; None (no rows) adds nothing."""
     if a is None:
         return b
     if b is None:
         return a
     if isinstance(a, tuple):
-        return tuple(_add(x, z) for x, z in zip(a, b))
+        return tuple(add_values(x, z) for x, z in zip(a, b))
     return a + b
 
 
@@ -353,7 +353,7 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
     try:
         while (span := pool.take_front()) is not None:
             t0 = time.perf_counter()
-            total = _add(total, func(*pool.parts(*span), *args))
+            total = add_values(total, func(*pool.parts(*span), *args))
             calls.append((span[1] - span[0], time.perf_counter() - t0))
             pool.finished(*calls[-1])
             done += span[1] - span[0]
@@ -398,7 +398,7 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
                 return total, done + stolen, stolen, busy, pool.busy
             t0 = time.perf_counter()
             x, y = xp.asarray(got["x"]), xp.asarray(got["y"])
-            total = _add(total, func([(x, y)], [None], *args))
+            total = add_values(total, func([(x, y)], [None], *args))
             seconds = time.perf_counter() - t0
             calls.append((int(got["rows"]), seconds))
             busy += seconds
