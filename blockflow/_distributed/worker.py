@@ -26,7 +26,6 @@ __all__ = [
     "HandlerPlugin",
     "QuietClose",
     "add_task_wait",
-    "add_worker_handler",
     "call_worker",
     "call_worker_soon",
     "call_worker_threadsafe",
@@ -39,7 +38,6 @@ __all__ = [
     "quiet_closing_heartbeat",
     "quiet_task_failures",
     "registered_worker_plugin",
-    "remove_worker_handler",
     "remove_worker_metric",
     "run_in_worker_executor",
     "set_worker_metric",
@@ -104,12 +102,6 @@ def worker_metric(worker, name: str):
     return worker.metrics.get(name)
 
 
-def add_worker_handler(worker, name: str, fn: Callable) -> None:
-    """Serve comm requests ``{"op": name, ...}`` on ``worker`` with ``fn(**msg)``
-    (``Worker.handlers``); its return value is the reply."""
-    worker.handlers[name] = fn
-
-
 class HandlerPlugin(WorkerPlugin):
     """Base of the worker plugins that serve blockflow's comm handlers on every worker, those
     that join later included.
@@ -129,11 +121,11 @@ class HandlerPlugin(WorkerPlugin):
     def setup(self, worker) -> None:
         check_worker(worker)
         for op, fn in self.handlers().items():
-            add_worker_handler(worker, op, _bound_handler(worker, fn))
+            worker.handlers[op] = _bound_handler(worker, fn)
 
     def teardown(self, worker) -> None:
         for op in self.handlers():
-            remove_worker_handler(worker, op)
+            worker.handlers.pop(op, None)
 
 
 def _bound_handler(worker, fn: Callable) -> Callable:
@@ -236,11 +228,6 @@ def quiet_task_failures(exc_type: type[BaseException]) -> None:
         _failure_filter = _TaskFailureFilter()
         logging.getLogger("distributed.worker").addFilter(_failure_filter)
     _failure_filter.quiet.add(exc_type.__name__)
-
-
-def remove_worker_handler(worker, name: str) -> None:
-    """Stop serving comm requests ``name`` on ``worker``."""
-    worker.handlers.pop(name, None)
 
 
 def has_worker_handler(worker, name: str) -> bool:

@@ -294,14 +294,10 @@ class ShardPasses:
 
         ``POSTED`` arguments become a :class:`blockflow.ml._post.Posted` placeholder, its
         value to be posted, where the client reaches the workers (and ``post``); else
-        ``value``. A task
-        reports the seconds it waited for its post in its metadata
-        (:func:`blockflow._distributed.add_task_wait`): the scheduler plugin's speed model
-        counts only its compute.
-
-        One graph rather than a ``client.submit`` per task: the client batches messages
-        that follow one another within 10 ms, so the later workers of a pass would start
-        up to 10 ms after the first."""
+        ``value``. A task reports the seconds it waited for its post
+        (:func:`blockflow._distributed.add_task_wait`), which the scheduler plugin's speed
+        model leaves out. One graph, not a ``client.submit`` per task, so that the client's
+        message batching does not delay the later workers."""
         posting, post = post, None
         if any(a is POSTED for a in args):
             if posting and self._direct and self._post_ahead:

@@ -2,9 +2,7 @@
 
 A synchronous training step needs the parameters of the step before it, known only once
 that step's gradient is summed and the optimizer has run. Submitting the step's tasks only
-then puts the scheduler on every step's critical path: the graph (parameters included, one
-copy per task) goes to the scheduler, which sends each worker its task: 30-60 ms on a
-loaded 2-core host, 3-5 % of a one-second step. Instead, step ``k + 1``'s pass is
+then puts the scheduler on every step's critical path. Instead, step ``k + 1``'s pass is
 submitted while step ``k`` runs, with a :class:`Posted` placeholder where the parameters
 go; its tasks wait on their workers, and the client posts the parameters straight to the
 workers (``blockflow_post``, a worker comm handler installed by :class:`PostPlugin`) the

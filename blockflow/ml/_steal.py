@@ -1,8 +1,7 @@
 """Work stealing inside a pass: the rows a worker has not started go to an idle peer.
 
 Speed-weighted shares balance what is *predicted*; a step still waits for whichever worker
-the moment slows (a co-tenant's kernel, clocks, a noisy host: on a 2-core host the compute
-time per row of one task varies by 10-20 % from step to step). Inside a pass, each worker's
+the moment slows (a co-tenant's kernel, clocks, a noisy host). Inside a pass, each worker's
 task therefore works through its rows in chunks taken from the front of a
 :class:`RowPool`:
 
@@ -87,10 +86,7 @@ class RowPool:
         Fraction 0-1 of the rows kept out of the owner's first chunk: only those can go to
         a thief. The reserve runs as one more call when the owner is on time for the
         pass's balanced end (:meth:`set_target`), else in chunks up to that end and
-        halving ones after it. Each kernel call costs device time (a fixed part, a smaller
-        batch, cold caches after another device's turn): halving chunks from the start of
-        the reserve (3-4 calls a pass) cost 4-8 % more device time per row on the
-        training benchmark than one call.
+        halving ones after it (each kernel call has a fixed cost).
     fixed : float, default 0.0
         The owner's seconds per kernel call that do not shrink with its rows
         (:func:`call_cost`), counted in its expected time left (each call still to run).

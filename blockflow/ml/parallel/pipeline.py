@@ -451,9 +451,6 @@ class PipelineParallel:
         at the end of a step)."""
         return list(self._stage_bytes)
 
-    def _stage_roles(self) -> dict[str, str]:
-        return {w: self._stage_name(s) for s, w in enumerate(self.stage_workers)}
-
     def close(self) -> None:
         """Drop the stages and their checkpoints from the workers."""
         alive = self._alive()
