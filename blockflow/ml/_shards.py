@@ -145,20 +145,14 @@ class ResidentShards(ShardPasses):
         With stealing, the fraction 0-1 of a worker's rows kept out of its first kernel
         call (only those can go to a peer); default ``blockflow.ml.steal-reserve`` (0.2).
         A worker that gave a fraction ``g`` of its rows away in the latest pass keeps
-        ``min(2/3, steal_reserve + 2 g)`` in reserve in the next (it was behind: a
-        straggler sheds more each pass until the shares follow its speed; a blockflow
-        heuristic).
+        ``min(2/3, steal_reserve + 2 g)`` in the next (a blockflow heuristic).
     steal_reserve_unmeasured : float, optional
-        The reserve (fraction 0-1) of a worker that no pass of this fit has measured yet:
-        its share follows a prior (the scheduler plugin's speed, shrunk towards the typical
-        one, or 1), so more of it is left for its peers to take over; default
-        ``blockflow.ml.steal-reserve-unmeasured`` (0.5).
+        The reserve (fraction 0-1) of a worker no pass has measured yet (its share follows
+        a prior); default ``blockflow.ml.steal-reserve-unmeasured`` (0.5).
     check : blockflow.ml._finite.FiniteCheck, optional
-        Run by the task that first reads each block (the one making it resident, no pass
-        of its own): raises naming the first non-finite value of ``X``/``y`` (column or
-        label, block, row), or with ``check.drop`` drops the rows holding one (the row
-        counts, :attr:`block_rows`, are then those kept; :attr:`dropped_rows` counts the
-        others).
+        Run by the task that first reads each block: raises naming the first non-finite
+        value of ``X``/``y`` (column or label, block, row), or with ``check.drop`` drops
+        the rows holding one (:attr:`dropped_rows` counts them).
     peer_timeout : float or str, optional
         Seconds (or a duration such as ``"5s"``) a call to a worker the scheduler still
         lists may go unanswered: a post of a pass's value, a cancellation, a thief's
@@ -329,15 +323,12 @@ class ResidentShards(ShardPasses):
     def overhead_rows(self) -> float:
         """A pass's fixed cost per worker, in rows processed (shared by the workers).
 
-        Model: a worker's pass takes ``k_a (r + r0)`` seconds for ``r`` rows, ``k_a`` its
-        seconds per row, ``r0`` the fixed part (parameters in, model set up, result out)
-        in row equivalents. ``r0`` is the median over workers of intercept / slope of a
-        least-squares line through each worker's (rows, seconds), where its row counts
-        differ by 25 % or more (the first step's probe pass gives that); else 0. Bounded
-        by the median rows per pass. Without it, a worker with a small share looks slow
-        per row, gets a smaller share still, and the shares collapse onto the fastest
-        worker (a blockflow heuristic: :func:`blockflow.scheduling.estimate.fixed_units`).
-        Fitted again with each measured pass.
+        A worker's pass takes ``k_a (r + r0)`` seconds for ``r`` rows, ``k_a`` its seconds
+        per row and ``r0`` the fixed part (parameters in, model set up, result out) in row
+        equivalents, fitted across passes of differing row counts
+        (:func:`blockflow.scheduling.estimate.fixed_units`, a blockflow heuristic); 0 until
+        such passes exist. Counting it keeps a worker with a small share from looking slow
+        per row.
         """
         return self._throughput.fixed
 

@@ -1,23 +1,19 @@
 """Pipeline stages on their workers: the worker-side half of :class:`PipelineParallel`.
 
 A stage (a ``torch.nn.Sequential`` of the model's modules, its optimizer and loss) is
-installed once on its worker by one task and kept there in a per-process registry keyed by
-``(worker address, stage key)``, as :mod:`blockflow.ml._post` keeps its slots and
-:mod:`blockflow.ml.inference` its models: in-process workers share the module, each sees
-its own entries. Tasks name the stage by key; the modules, the activations and autograd
-graph of micro-batches between their forward and backward (the *stash*), the gradients and
-the optimizer state never leave the worker. Only activations, their gradients, losses,
-checkpoints (every k steps) and ``state_dict()`` travel.
+installed once on its worker and kept in a per-process registry keyed by ``(worker
+address, stage key)`` (in-process workers share the module). The modules, the activations
+and autograd graph of micro-batches between their forward and backward (the *stash*), the
+gradients and the optimizer state never leave the worker; activations, their gradients,
+losses, checkpoints and ``state_dict()`` travel.
 
 A step is one task per stage (:func:`run`): the stage runs its schedule's forward and
 backward passes as a loop on its worker, and sends each micro-batch's activation to the
 next stage's worker, and its input gradient to the previous stage's, **worker to worker**
-(``blockflow_pipeline``, a worker comm handler installed by :class:`PipePlugin`, into that
-stage's mailbox); no scheduler or client round trip per micro-batch. The loop waits for
-its inputs out of the worker's thread pool (seceded), so two stages on one worker (after a
-rebuild) both run; it ends early when the client cancels the step (a lost worker), and
-after ``blockflow.parallel.stage-wait`` (300 s) without an input with an error naming the
-stage.
+(``blockflow_pipeline``, a comm handler served by :class:`PipePlugin`, into that stage's
+mailbox). The loop waits for its inputs seceded from the worker's thread pool, so two
+stages on one worker both run; it ends when the client cancels the step, or with an error
+naming the stage after ``blockflow.parallel.stage-wait`` (300 s) without an input.
 
 Every function here runs on a worker (shipped by reference, no closures).
 """

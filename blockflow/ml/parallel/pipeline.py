@@ -1,48 +1,22 @@
 """Pipeline parallelism for PyTorch models: contiguous stages on different workers.
 
 A ``torch.nn.Sequential`` (or a list of modules) is cut into contiguous **stages**, one per
-worker. Each stage's modules are shipped once and live on their worker
-(:mod:`blockflow.ml.parallel._stage`): a micro-batch's forward pass stashes its input,
-output and autograd graph there, and its backward pass runs ``torch.autograd.backward``
-with the gradient the next stage sent back; each stage steps its own optimizer (any
-``torch.optim`` factory) on its worker. A step is one task per stage, pinned to its
-worker, that runs the stage's schedule as a loop there; each micro-batch's activation
-(forward) and input gradient (backward) goes straight from the stage's worker to the
-next (previous) stage's worker, with no scheduler or client round trip per micro-batch;
-parameters travel only in checkpoints and :meth:`state_dict`.
+worker, each kept on its worker with its optimizer (:mod:`blockflow.ml.parallel._stage`). A
+step is one task per stage running the stage's schedule as a loop there; activations and
+gradients go worker to worker (:mod:`blockflow.ml.parallel._step`). Schedules
+(:func:`schedule_order`): ``"gpipe"`` (Huang et al., 2019: every forward, then every
+backward) and ``"1f1b"`` (PipeDream-Flush, Narayanan et al., 2021, as
+``torch.distributed.pipelining.Schedule1F1B``: a stage stashes at most ``p - s``
+micro-batches).
 
-Schedules (the order each stage's loop runs its passes in, :func:`schedule_order`):
-
-* ``"gpipe"`` (Huang et al., 2019): every forward, then every backward (the flush), so a
-  stage stashes all ``m`` micro-batches; the bubble of equal stages is
-  ``(p - 1) / (m + p - 1)``;
-* ``"1f1b"`` (PipeDream-Flush, Narayanan et al., 2021; ``torch.distributed.pipelining``'s
-  ``Schedule1F1B``): after ``p - s - 1`` warm-up forwards stage ``s`` alternates one forward
-  and one backward, so it stashes at most ``p - s <= p`` micro-batches (measured:
-  ``result.peak_activations``).
-
-The **partition** comes from measurements: every module's forward+backward is timed on every
-worker on a probe micro-batch, one module at a time (a probe never holds more than one
-module's parameters), with its bytes of parameters, gradients and optimizer state after one
-step; :func:`~blockflow.parallel.partition.partition_stages` picks the worker order and the
-contiguous cut minimising the step's time (``m - 1`` micro-batches at the slowest stage's
-pace, plus the bubble's fill and drain and the hops between stages at distributed's
-bandwidth estimate), within each worker's free device memory
-(``blockflow.parallel.memory-fraction`` of it). ``partition="equal"`` and
-``partition="parameters"`` (DeepSpeed's ``partition_method``) are the baselines.
-
-**Faults**: every ``checkpoint_every`` steps each stage's state is checkpointed, one copy on
-its own worker and one on another (a spare worker when there is one). When a stage's worker
-is lost mid-step, the stage is rebuilt on a survivor from its copy, every other stage rolls
-back to the same checkpoint, and :meth:`PipelineParallel.fit` resumes from that step; where
-no survivor has room (or the copy went too), one :class:`~blockflow.errors.WorkerLostError`
-names the stage. Waits go through :func:`~blockflow.scheduling.view.gather_as_done`,
-which fails as soon as a needed worker leaves: never a hang.
-
-The **timeline** (per stage and micro-batch: worker, phase, start and stop seconds of the
-pass's compute, measured on the stage's worker; workers on other hosts are brought to the
-scheduler's clock) is published in
-the scheduler's metadata under ``("blockflow", "pipeline")`` for blockflow's dashboard page and :func:`blockflow.run_report`.
+The **partition** minimises the step's time from every layer's forward+backward time
+measured on every worker, within each worker's free device memory
+(:mod:`blockflow.ml.parallel._placement`, :func:`~blockflow.parallel.partition_stages`);
+``"equal"`` and ``"parameters"`` (DeepSpeed's ``partition_method``) are the baselines.
+Every ``checkpoint_every`` steps each stage is checkpointed on two workers; a stage whose
+worker is lost is rebuilt from its copy (:mod:`blockflow.ml.parallel._recovery`). Each
+step's timeline is published in the scheduler's metadata under ``("blockflow",
+"pipeline")`` for the dashboard and :func:`blockflow.run_report`.
 """
 
 from __future__ import annotations
