@@ -9,14 +9,20 @@ task key, task threads and the worker's executor, the metadata a task sends with
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 import math
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from distributed import get_worker
 from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol.pickle import dumps
+from distributed.worker import _worker_cvar, thread_state
 
 from blockflow._distributed.checks import check_worker
 
@@ -66,7 +72,6 @@ def add_task_wait(seconds: float) -> None:
     """From a task's thread on a worker: count ``seconds`` of the running task as waiting,
     not computing (the task's ``metadata``, :data:`WAIT_METADATA`), so that the scheduler
     plugin's speed model and busy time leave them out. No-op off a worker."""
-    from distributed import get_worker
     try:
         worker = get_worker()
         ts = worker.state.tasks.get(worker.get_current_task())
@@ -261,9 +266,7 @@ def registered_worker_plugin(worker, name: str, timeout: float = 60) -> bytes | 
     unregistered. Asked over the worker's own connection to the scheduler (its
     ``run_function`` handler, as ``Client.run_on_scheduler`` asks), so no worker client is
     made (one would outlive the worker's cluster)."""
-    import asyncio
 
-    from distributed.protocol.pickle import dumps
 
     async def ask():
         return await worker.scheduler.run_function(
@@ -302,9 +305,7 @@ def task_retries_left(timeout: float = 10) -> int | None:
     worker's own connection to the scheduler (its ``run_function`` handler, as
     ``Client.run_on_scheduler`` asks). None off a worker, when the scheduler no longer knows
     the task, or when it does not answer within ``timeout`` seconds."""
-    import asyncio
 
-    from distributed.protocol.pickle import dumps
 
     worker, key = current_worker(), current_task_key()
     if worker is None or key is None:
@@ -371,7 +372,6 @@ async def declare_worker_resources(worker, resources: Mapping[str, float]) -> No
     (``Worker.set_resources`` would ask a scheduler that does not know the worker yet, which
     answers ``KeyError``).
     """
-    from distributed.core import Status
 
     if worker.status in (Status.init, Status.created, Status.starting) \
             or getattr(worker, "batched_stream", None) is None \
@@ -389,8 +389,6 @@ def current_worker_resources() -> tuple[str, dict] | None:
     """``(address, declared resources)`` of the worker running the current task, or None
     outside a worker's task."""
     try:
-        from distributed import get_worker
-
         worker = get_worker()
     except ValueError:
         return None
@@ -414,7 +412,6 @@ def call_worker_threadsafe(worker, address: str, op: str, **kwargs):
     ``address`` on ``worker``'s event loop (its pooled connections) without blocking the
     thread; returns a :class:`concurrent.futures.Future` of the reply (its exception when
     the call failed), for the caller to check later."""
-    import asyncio
 
     return asyncio.run_coroutine_threadsafe(call_worker(worker, address, op, **kwargs),
                                             worker.loop.asyncio_loop)
@@ -430,8 +427,6 @@ def worker_scheduler_clock(worker) -> float:
 def current_worker():
     """The worker running the current task, or None outside a worker's task."""
     try:
-        from distributed import get_worker
-
         return get_worker()
     except ValueError:
         return None
@@ -439,7 +434,6 @@ def current_worker():
 
 def current_task_key():
     """Key of the task the current thread runs for its worker, or None."""
-    from distributed.worker import thread_state
 
     return getattr(thread_state, "key", None)
 
@@ -448,10 +442,7 @@ def start_task_thread(fn: Callable[[], Any], name: str):
     """Start ``fn()`` in a new daemon thread that sees the current task's worker context
     (``get_worker()``, ``thread_state.key`` and ``execution_state``), as the worker's own
     executor thread does; returns the thread."""
-    import contextvars
-    import threading
 
-    from distributed.worker import thread_state
 
     ctx = contextvars.copy_context()
     state = {a: getattr(thread_state, a) for a in ("key", "execution_state", "start_time")
@@ -470,7 +461,6 @@ def start_task_thread(fn: Callable[[], Any], name: str):
 async def run_in_worker_executor(worker, fn: Callable[[], Any]):
     """Run ``fn()`` in the worker's default thread pool, with ``get_worker()`` working
     inside it (a backup copy's kernel); returns its result."""
-    from distributed.worker import _worker_cvar
 
     def call():
         token = _worker_cvar.set(worker)

@@ -15,6 +15,7 @@ import math
 import uuid
 from typing import Any, Sequence
 
+import cloudpickle
 import dask
 from dask.utils import parse_bytes
 
@@ -74,7 +75,6 @@ def mse():
 
 def stage_payload(pipe, s: int) -> bytes:
     """Stage ``s``'s layers as one pickled ``torch.nn.Sequential``."""
-    import cloudpickle
     import torch
 
     a, b = pipe.bounds[s], pipe.bounds[s + 1]

@@ -20,19 +20,22 @@ Every function here runs on a worker (shipped by reference, no closures).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
 import time
 from typing import Any, Callable, Sequence
 
+import cloudpickle
+import numpy as np
 from distributed import secede
 from distributed.protocol import to_serialize
 
 from blockflow import _distributed
 from blockflow._distributed import HandlerPlugin
 
-__all__ = ["HANDLER", "PipePlugin", "install", "run", "cancel", "checkpoint", "restore",
-           "state", "drop", "probe", "held_bytes", "peaks"]
+__all__ = ["HANDLER", "PipePlugin", "checkpoint", "deliver", "drop", "has_handler", "hold",
+           "install", "peaks", "probe", "restore", "run", "state"]
 
 HANDLER = "blockflow_pipeline"
 #: Seconds a stage waits for one input (an activation or a gradient) before it gives up,
@@ -118,8 +121,6 @@ def install(key: str, payload: bytes, optimizer, loss_fn, seed: int, index: int,
             ckpt: bytes | None = None) -> int:
     """Build the stage from ``payload`` (its pickled ``nn.Sequential``) on this worker, from
     checkpoint ``ckpt`` when given; returns its bytes of parameters (+ optimizer state)."""
-    import cloudpickle
-
     stage = _Stage(cloudpickle.loads(payload), optimizer, loss_fn, seed, index)
     if ckpt is not None:
         _load(stage, ckpt)
@@ -137,7 +138,6 @@ def drop(key: str) -> None:
 
 
 def _as_tensor(x):
-    import numpy as np
     import torch
 
     if isinstance(x, torch.Tensor):
@@ -147,8 +147,6 @@ def _as_tensor(x):
 
 def _seeded(stage: _Stage, step: int, j: int):
     """A context holding torch's generator seeded for (stage, step, micro-batch)."""
-    import contextlib
-
     import torch
 
     if not stage.dropout or not stage.module.training:
@@ -328,11 +326,6 @@ def has_handler(dask_worker=None) -> bool:
     return dask_worker is not None and _distributed.has_worker_handler(dask_worker, HANDLER)
 
 
-def cancel(key: str, token: str) -> None:
-    """Cancel step ``token`` of stage ``key`` on this worker (its loop ends)."""
-    deliver(_here(), key, token, cancel=True)
-
-
 def run(key: str, token: str, step: int, plan: dict, inputs: Sequence | None = None,
         targets: Sequence | None = None) -> dict:
     """One step of stage ``key``: its forward and backward passes in the order
@@ -458,14 +451,6 @@ def state(key: str) -> dict:
     return {k: v.detach().cpu().clone() for k, v in _get(key).module.state_dict().items()}
 
 
-def held_bytes() -> dict:
-    """This worker's stages: key -> bytes of parameters, gradients and optimizer state."""
-    address = _here()
-    with _LOCK:
-        return {k: _tensor_bytes(s.module, s.optimizer) for (a, k), s in _STAGES.items()
-                if a == address}
-
-
 def peaks(reset: bool = False, dask_worker=None) -> int:
     """Most bytes of parameters, gradients and optimizer state this worker held at once
     (``client.run`` passes ``dask_worker``)."""
@@ -483,7 +468,6 @@ def probe(payloads: Sequence[bytes], x, repeats: int, optimizer) -> tuple[list, 
     timed passes after a warm-up), its bytes of parameters, gradients and optimizer
     state after one optimizer step, and the bytes of its output on ``x``; one module loaded
     at a time."""
-    import cloudpickle
     import torch
 
     times, sizes, outs = [], [], []

@@ -26,8 +26,7 @@ from blockflow.errors import BlockflowWarning, WorkerLostError
 from blockflow.ml.parallel import _recovery, _stage
 from blockflow.ml.parallel.schedule import PipelineResult, schedule_order, timeline
 
-__all__ = ["METADATA_KEY", "RolledBack", "first", "loss_weight", "micro_batches",
-           "place_data", "publish_timeline", "step"]
+__all__ = ["METADATA_KEY", "RolledBack", "first", "micro_batches", "step"]
 
 logger = logging.getLogger("blockflow.ml.parallel.pipeline")
 
@@ -56,7 +55,7 @@ def micro_batches(pipe, n_rows: int, n_micro_batches: int | None) -> int:
     return int(m)
 
 
-def loss_weight(pipe, rows: int, total: int) -> float:
+def _loss_weight(pipe, rows: int, total: int) -> float:
     """A micro-batch's share of the batch's loss: ``rows / total`` for a ``"mean"`` loss,
     1 for ``"sum"``; another reduction raises ``ValueError``."""
     reduction = getattr(pipe.loss_fn, "reduction", "mean")
@@ -107,15 +106,15 @@ def _try_step(pipe, xs, ts, sizes, *, return_grads, return_output, publish, name
     token = uuid.uuid4().hex[:8]
     total = sum(sizes)
     try:
-        inputs = place_data(c, xs, pipe.stage_workers[0])
-        targets = place_data(c, ts, pipe.stage_workers[-1]) if train else None
+        inputs = _place_data(c, xs, pipe.stage_workers[0])
+        targets = _place_data(c, ts, pipe.stage_workers[-1]) if train else None
     except Exception:
         gone = set(pipe.stage_workers) - pipe._alive()
         if gone:  # the worker left while the data went to it
             raise WorkerLostError(f"blockflow: workers lost: {sorted(gone)}",
                                   lost=gone) from None
         raise
-    weights = [loss_weight(pipe, n, total) for n in sizes] if train else None
+    weights = [_loss_weight(pipe, n, total) for n in sizes] if train else None
     want_output = return_output or not train
     wait = parse_timedelta(config.get("parallel.stage-wait"))
     # one task per stage: the stage runs its schedule as a loop on its worker and
@@ -171,7 +170,7 @@ def _try_step(pipe, xs, ts, sizes, *, return_grads, return_output, publish, name
                             schedule=pipe.schedule if train else "gpipe",
                             peak_activations=peaks)
     if publish:
-        publish_timeline(pipe, result, name)
+        _publish_timeline(pipe, result, name)
     return result
 
 
@@ -208,7 +207,7 @@ def first(x):
     return x.compute() if isinstance(x, da.Array) else x
 
 
-def place_data(client, parts: list, worker: str) -> list:
+def _place_data(client, parts: list, worker: str) -> list:
     """Futures of ``parts`` on ``worker``: dask slices computed there, the rest scattered."""
     # loose: the slices' keys are deterministic, so a later step (or the step replayed after
     # a recovery) reuses tasks placed before; pinned to a worker that has since left, they
@@ -220,7 +219,7 @@ def place_data(client, parts: list, worker: str) -> list:
     return client.scatter(list(parts), workers=[worker], hash=False)
 
 
-def publish_timeline(pipe, result: PipelineResult, name: str) -> None:
+def _publish_timeline(pipe, result: PipelineResult, name: str) -> None:
     """Put a step's timeline in the scheduler's metadata under :data:`METADATA_KEY`."""
     t = result.timeline
     pipe.client.set_metadata(list(METADATA_KEY), {

@@ -30,6 +30,7 @@ import threading
 import uuid
 from typing import Callable, Mapping, Sequence
 
+import cloudpickle
 import numpy as np
 
 from blockflow import config
@@ -64,8 +65,6 @@ _LOCK = threading.Lock()
 
 
 def _install(key: str, payload: bytes, optimizer) -> int:
-    import cloudpickle
-
     module = cloudpickle.loads(payload).to(_device())
     opt = optimizer(list(module.parameters())) if optimizer is not None else None
     with _LOCK:
@@ -262,7 +261,6 @@ class TensorParallel:
     def __init__(self, client, module, *, workers: Sequence[str] | None = None,
                  widths=None, memory_fraction: float | None = None,
                  optimizer: Callable | None = None):
-        import cloudpickle
         import torch
 
         self.client = client
