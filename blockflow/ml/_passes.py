@@ -1,12 +1,12 @@
-"""A pass over resident shards: one task per worker on its own blocks, summed by a fan-in.
+"""A pass over resident shards: submitted, posted, summed by a fan-in, waited for, cancelled.
 
-:meth:`ShardPasses.map_sum` runs one task per worker over its resident blocks and sums the
-per-worker results with a fan-in tree of ``split_every`` (as :func:`blockflow.tree_reduce`
-does for collections) whose root is the client: it adds the top level's partial sums as
-each arrives, fetched straight from the workers. A pass may be submitted ahead of its
-parameters (:meth:`ShardPasses.prepare`, :mod:`blockflow.ml._post`) and may steal rows
-inside itself (:mod:`blockflow.ml._steal`). A pass that loses a worker is redone on the
-survivors after the blocks are placed again.
+:meth:`ResidentShards.map_sum <blockflow.ml.ResidentShards.map_sum>` runs one task per
+worker over its resident blocks (:func:`_run_shard`) and sums the per-worker results with
+a fan-in tree of ``split_every`` (as :func:`blockflow.tree_reduce` does for collections)
+whose root is the client: it adds the top level's partial sums as each arrives, fetched
+straight from the workers. A pass may be submitted ahead of its parameters, which are then
+posted to the waiting tasks (:mod:`blockflow.ml._post`), and may steal rows inside itself
+(:mod:`blockflow.ml._steal`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import uuid
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import dask
 from distributed import get_worker
@@ -40,7 +40,7 @@ def _run_shard(func, blocks, rows, args, steal=None):
     ``steal``: ``(pass id, peers, chunks, prior seconds per row, reserve, peer timeout)``,
     the arguments of :func:`blockflow.ml._steal.run_stealing` after ``args``; None: one
     call. A :class:`blockflow.ml._post.Posted` in ``args`` is waited for (a pass submitted
-    ahead, :meth:`ShardPasses.prepare`); cancelled, the task returns nothing."""
+    ahead, :meth:`ResidentShards.prepare`); cancelled, the task returns nothing."""
     me = get_worker().address
     args = resolve(me, args)
     if args is None:  # its pass was cancelled, or its post never came
@@ -76,145 +76,9 @@ def _add(*parts):
 
 
 class ShardPasses:
-    """The passes of :class:`blockflow.ml.ResidentShards` (a mixin: it reads the shards'
-    ``client``, ``placement``, ``futures``, ``block_rows`` and throughput model)."""
-
-    # --- a pass --------------------------------------------------------------------------
-
-    def map_sum(self, func: Callable, rows: Sequence | None = None, args: tuple = (),
-                *, measure: bool = True, steal: bool = False, posted: Any = None,
-                ahead: _Pass | None = None, then: Callable[[], Any] | None = None) -> Any:
-        """``sum over workers of func(blocks, rows, *args)``, each on its own blocks.
-
-        Parameters
-        ----------
-        func : callable
-            ``func(blocks, rows, *args)`` on a worker: ``blocks`` a list of ``(X, y)``
-            blocks it holds, ``rows`` the matching list of local row indices (None: all
-            rows); returns an array, a number or a tuple of them (summable).
-        rows : list, optional
-            Per block (index j), the rows to use; None uses all rows. Blocks given an empty
-            selection are skipped.
-        args : tuple
-            Further arguments (parameters, a model future, ...). An argument that is
-            :data:`blockflow.ml._post.POSTED` takes the value ``posted``, sent straight
-            to the pass's workers once its tasks are submitted (see :meth:`prepare`;
-            inside the graph instead where the client cannot reach the workers).
-        measure : bool, default True
-            Whether the pass's timings count towards the workers' speeds (False for a
-            warm-up pass).
-        steal : bool, default False
-            Work stealing inside the pass (:mod:`blockflow.ml._steal`): each worker runs
-            all but a reserve of its rows in one call and the reserve in halving chunks,
-            and a worker done with its own takes rows its
-            peers have not started, so the pass ends when the work does, not when the
-            slowest share does. ``func`` is then called several times per worker (on parts
-            of its blocks, and on stolen rows as one ``(X, y)`` block with rows None) and
-            its results are added; it must be a sum over rows.
-        posted : object, optional
-            The value of the ``POSTED`` arguments (a step's parameters, say).
-        ahead : object, optional
-            This pass as :meth:`prepare` submitted it earlier (same ``func``, ``rows``
-            object, ``args`` and ``steal``): used when the blocks have not moved since,
-            else cancelled and the pass submitted now.
-        then : callable, optional
-            Called once the pass is on its way (submitted, its value posted), before
-            waiting for it: to :meth:`prepare` the next pass, which the scheduler then
-            sends to the workers while this one runs.
-
-        Returns
-        -------
-        object
-            The sum, with the workers' compute seconds in :attr:`last_seconds`, rows
-            processed in :attr:`last_rows`, rows they took from peers in
-            :attr:`last_stolen`, and in :attr:`last_ahead` whether the pass ran as
-            prepared (``ahead``).
-        """
-        expected = sum(self.block_rows) if rows is None else sum(len(r) for r in rows)
-        inline = False  # a post failed: this pass carries its value in the graph
-        for attempt in range(1000):
-            self.last_ahead = ahead is not None and self._current(ahead, func, rows, steal)
-            if self.last_ahead:
-                p = ahead
-            else:
-                if ahead is not None:
-                    self._cancel(ahead)
-                p = self._submit(func, rows, args, measure, steal, value=posted,
-                                 post=not inline)
-            ahead = None
-            self._ahead.discard(p)
-            try:
-                if p.post is not None:
-                    self._post(p, posted)
-                if then is not None:
-                    then()
-                    then = None
-                out = self._wait(p.futures)
-            except WorkerLostError as e:
-                # its tasks still waiting for a post (one did not reach a lost worker)
-                # return at once; its keys are released, not cancelled: cancelling keys
-                # the scheduler is recomputing can break the client's stream
-                self._cancel(p)
-                del p
-                self._recover(e.lost)
-                continue
-            except _PostFailed:
-                inline = True  # the pass is submitted again, with its value
-                continue
-            if out.get("cancelled"):
-                self.redone_passes += 1  # a task's post never came (POST_TIMEOUT)
-                continue
-            if sum(out["rows"].values()) != expected:
-                # rows handed to a thief whose reply never arrived (a peer lost or timed
-                # out mid-request): the sum misses them, so the pass is redone, without
-                # stealing after two such passes
-                steal = steal and attempt < 1
-                self.redone_passes += 1
-                continue
-            self.last_seconds, self.last_rows = out["seconds"], out["rows"]
-            self.last_stolen = out.get("stolen", {})
-            if steal:
-                assigned = self._assigned_rows(rows)
-                self._gave = {a: max(0, n - (out["rows"].get(a, 0) - self.last_stolen.get(
-                    a, 0))) / n for a, n in assigned.items() if n}
-            if not measure:
-                return out["value"]
-            for a, s in out["own"].items():
-                # a worker's speed from its own rows: rows it stole came in extra calls,
-                # small and cold, and would make a thief look slower than it is
-                n_own = out["rows"].get(a, 0) - self.last_stolen.get(a, 0)
-                if s > 0.005 and n_own > 0:
-                    self._throughput.observe(a, n_own, s)
-            held = self.rows_per_worker()
-            resident = sum(held.get(a, 0) for a in out["rows"])
-            if resident:
-                self._fraction = sum(out["rows"].values()) / resident
-            return out["value"]
-        raise RuntimeError("blockflow: workers kept disappearing; check the cluster.")
-
-    def prepare(self, func: Callable, rows: Sequence | None = None, args: tuple = (), *,
-                steal: bool = False) -> _Pass | None:
-        """Submit a pass now whose ``POSTED`` arguments come later (:meth:`map_sum` with
-        ``ahead=``): its tasks go to their workers and wait there, holding no thread,
-        until :meth:`map_sum` posts the value straight to them (``blockflow_post``, see
-        :mod:`blockflow.ml._post`). A training step's pass is prepared while the step
-        before it runs, so the scheduler is off the step's critical path. The pass is
-        cancelled, its tasks returning at once,
-        when blocks move before it runs (:meth:`rebalance`, a lost worker) or on
-        :meth:`close`.
-
-        Returns
-        -------
-        object or None
-            The submitted pass, for ``map_sum(..., ahead=)``; None where posting is off
-            (``blockflow.ml.post-ahead`` or ``blockflow.ml.direct-gather`` false, or a
-            post failed): the pass is then submitted with its value.
-        """
-        if not (self._direct and self._post_ahead) or not any(a is POSTED for a in args):
-            return None
-        p = self._submit(func, rows, args, True, steal)
-        self._ahead.add(p)
-        return p
+    """How :class:`blockflow.ml.ResidentShards` submits, posts, waits for and cancels a
+    pass (a mixin: it reads the shards' ``client``, ``placement``, ``futures``,
+    ``block_rows`` and throughput model)."""
 
     def _current(self, p: _Pass, func, rows, steal) -> bool:
         """Whether a prepared pass still matches the blocks' placement and the call."""

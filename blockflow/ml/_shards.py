@@ -1,8 +1,9 @@
 """Resident shards: row blocks of (features, labels) kept on workers in proportion to speed.
 
 Training and GLM fitting make many passes over the same data. :class:`ResidentShards` places
-each row block of ``X``/``y`` on one worker once (a task restricted to that worker), so a pass
-(:mod:`blockflow.ml._passes`) sends only parameters and row indices, never data. Each
+each row block of ``X``/``y`` (:func:`~blockflow.ml.as_row_blocks`) on one worker once (a
+task restricted to that worker), so a pass (:mod:`blockflow.ml._passes`) sends only
+parameters and row indices, never data. Each
 worker's share of the rows follows its speed (capped by free memory), so every worker's part
 of a pass takes about as long: *speed-weighted sharding* (a blockflow heuristic;
 xgboost.dask, DDP and Ray Train give every worker an equal shard). A lost worker's blocks
@@ -18,18 +19,18 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import dask
-import dask.array as da
 import numpy as np
 from dask.utils import format_bytes
 from distributed import KilledWorker, wait
 
 from blockflow import config
 from blockflow.errors import WorkerLostError
-from blockflow.ml._passes import ShardPasses, _Pass
+from blockflow.ml._passes import ShardPasses, _Pass, _PostFailed
 from blockflow.ml._peers import peer_timeout
+from blockflow.ml._post import POSTED
 from blockflow.scheduling.estimate import Throughput, earliest_finish
 from blockflow.scheduling.view import (
     learned_speeds,
@@ -39,62 +40,7 @@ from blockflow.scheduling.view import (
     workers_info,
 )
 
-__all__ = ["ResidentShards", "as_row_blocks", "known_rows"]
-
-
-def as_row_blocks(X, y=None):
-    """``X`` (and ``y``) as dask arrays chunked along rows only, with matching row chunks.
-
-    Parameters
-    ----------
-    X : dask.array.Array, dask.dataframe.DataFrame or NumPy/CuPy array
-        Features, shape ``(n_samples, n_features)``; dataframes are converted with
-        ``to_dask_array(lengths=True)``.
-    y : dask array, dask Series/DataFrame or array, optional
-        Labels, ``n_samples`` rows.
-
-    Returns
-    -------
-    (dask.array.Array, dask.array.Array or None)
-
-    Raises
-    ------
-    ValueError
-        If ``X`` is not 2-D or ``y`` has a different number of rows.
-    """
-    import dask.dataframe as dd  # deferred: pandas and pyarrow, for dataframe input only
-
-    def arr(a):
-        if isinstance(a, (dd.DataFrame, dd.Series)):
-            return a.to_dask_array(lengths=True)
-        if not isinstance(a, da.Array):
-            return da.from_array(a, chunks=(max(1, math.ceil(len(a) / 8)),) + a.shape[1:])
-        return a
-
-    X = arr(X)
-    if X.ndim != 2:
-        raise ValueError(f"blockflow: X must be 2-D (samples x features), got shape {X.shape}; "
-                         f"reshape it first.")
-    # a filtered collection (``X[mask]``) has unknown row counts: they are computed (on
-    # both sides) before rows are compared or blocks sized
-    X = known_rows(X)
-    X = X.rechunk({1: -1})
-    if y is None:
-        return X, None
-    y = known_rows(arr(y))
-    if y.shape[0] != X.shape[0]:
-        raise ValueError(f"blockflow: X has {X.shape[0]} rows but y has {y.shape[0]}; pass "
-                         f"labels for every sample.")
-    y = y.rechunk((X.chunks[0],) + tuple((-1,) * (y.ndim - 1)))
-    return X, y
-
-
-def known_rows(a):
-    """``a`` (a dask array) with its row chunk sizes known: computed
-    (``compute_chunk_sizes()``) where a filter (``a[mask]``) left them unknown."""
-    if any(math.isnan(c) for c in a.chunks[0]):
-        a = a.compute_chunk_sizes()
-    return a
+__all__ = ["ResidentShards"]
 
 
 def _pair(x, y, check=None, block=0, offset=0):
@@ -462,6 +408,141 @@ class ResidentShards(ShardPasses):
         for j, a in self.placement.items():
             rows[a] += self.block_rows[j]
         return dict(rows)
+
+    # --- a pass (the machinery: blockflow.ml._passes) ----------------------------------
+
+    def map_sum(self, func: Callable, rows: Sequence | None = None, args: tuple = (),
+                *, measure: bool = True, steal: bool = False, posted: Any = None,
+                ahead: _Pass | None = None, then: Callable[[], Any] | None = None) -> Any:
+        """``sum over workers of func(blocks, rows, *args)``, each on its own blocks.
+
+        Parameters
+        ----------
+        func : callable
+            ``func(blocks, rows, *args)`` on a worker: ``blocks`` a list of ``(X, y)``
+            blocks it holds, ``rows`` the matching list of local row indices (None: all
+            rows); returns an array, a number or a tuple of them (summable).
+        rows : list, optional
+            Per block (index j), the rows to use; None uses all rows. Blocks given an empty
+            selection are skipped.
+        args : tuple
+            Further arguments (parameters, a model future, ...). An argument that is
+            :data:`blockflow.ml._post.POSTED` takes the value ``posted``, sent straight
+            to the pass's workers once its tasks are submitted (see :meth:`prepare`;
+            inside the graph instead where the client cannot reach the workers).
+        measure : bool, default True
+            Whether the pass's timings count towards the workers' speeds (False for a
+            warm-up pass).
+        steal : bool, default False
+            Work stealing inside the pass (:mod:`blockflow.ml._steal`): a worker done with
+            its own rows takes rows its peers have not started. ``func`` is then called
+            several times per worker (on parts of its blocks, and on stolen rows as one
+            ``(X, y)`` block with rows None) and its results added: it must be a sum over
+            rows.
+        posted : object, optional
+            The value of the ``POSTED`` arguments (a step's parameters, say).
+        ahead : object, optional
+            This pass as :meth:`prepare` submitted it earlier (same ``func``, ``rows``
+            object, ``args`` and ``steal``): used when the blocks have not moved since,
+            else cancelled and the pass submitted now.
+        then : callable, optional
+            Called once the pass is on its way (submitted, its value posted), before
+            waiting for it: to :meth:`prepare` the next pass, which the scheduler then
+            sends to the workers while this one runs.
+
+        Returns
+        -------
+        object
+            The sum, with the workers' compute seconds in :attr:`last_seconds`, rows
+            processed in :attr:`last_rows`, rows they took from peers in
+            :attr:`last_stolen`, and in :attr:`last_ahead` whether the pass ran as
+            prepared (``ahead``).
+        """
+        expected = sum(self.block_rows) if rows is None else sum(len(r) for r in rows)
+        inline = False  # a post failed: this pass carries its value in the graph
+        for attempt in range(1000):
+            self.last_ahead = ahead is not None and self._current(ahead, func, rows, steal)
+            if self.last_ahead:
+                p = ahead
+            else:
+                if ahead is not None:
+                    self._cancel(ahead)
+                p = self._submit(func, rows, args, measure, steal, value=posted,
+                                 post=not inline)
+            ahead = None
+            self._ahead.discard(p)
+            try:
+                if p.post is not None:
+                    self._post(p, posted)
+                if then is not None:
+                    then()
+                    then = None
+                out = self._wait(p.futures)
+            except WorkerLostError as e:
+                # its tasks still waiting for a post (one did not reach a lost worker)
+                # return at once; its keys are released, not cancelled: cancelling keys
+                # the scheduler is recomputing can break the client's stream
+                self._cancel(p)
+                del p
+                self._recover(e.lost)
+                continue
+            except _PostFailed:
+                inline = True  # the pass is submitted again, with its value
+                continue
+            if out.get("cancelled"):
+                self.redone_passes += 1  # a task's post never came (POST_TIMEOUT)
+                continue
+            if sum(out["rows"].values()) != expected:
+                # rows handed to a thief whose reply never arrived (a peer lost or timed
+                # out mid-request): the sum misses them, so the pass is redone, without
+                # stealing after two such passes
+                steal = steal and attempt < 1
+                self.redone_passes += 1
+                continue
+            self.last_seconds, self.last_rows = out["seconds"], out["rows"]
+            self.last_stolen = out.get("stolen", {})
+            if steal:
+                assigned = self._assigned_rows(rows)
+                self._gave = {a: max(0, n - (out["rows"].get(a, 0) - self.last_stolen.get(
+                    a, 0))) / n for a, n in assigned.items() if n}
+            if not measure:
+                return out["value"]
+            for a, s in out["own"].items():
+                # a worker's speed from its own rows: rows it stole came in extra calls,
+                # small and cold, and would make a thief look slower than it is
+                n_own = out["rows"].get(a, 0) - self.last_stolen.get(a, 0)
+                if s > 0.005 and n_own > 0:
+                    self._throughput.observe(a, n_own, s)
+            held = self.rows_per_worker()
+            resident = sum(held.get(a, 0) for a in out["rows"])
+            if resident:
+                self._fraction = sum(out["rows"].values()) / resident
+            return out["value"]
+        raise RuntimeError("blockflow: workers kept disappearing; check the cluster.")
+
+    def prepare(self, func: Callable, rows: Sequence | None = None, args: tuple = (), *,
+                steal: bool = False) -> _Pass | None:
+        """Submit a pass now whose ``POSTED`` arguments come later (:meth:`map_sum` with
+        ``ahead=``): its tasks go to their workers and wait there, holding no thread,
+        until :meth:`map_sum` posts the value straight to them (``blockflow_post``, see
+        :mod:`blockflow.ml._post`). A training step's pass is prepared while the step
+        before it runs, so the scheduler is off the step's critical path. The pass is
+        cancelled, its tasks returning at once,
+        when blocks move before it runs (:meth:`rebalance`, a lost worker) or on
+        :meth:`close`.
+
+        Returns
+        -------
+        object or None
+            The submitted pass, for ``map_sum(..., ahead=)``; None where posting is off
+            (``blockflow.ml.post-ahead`` or ``blockflow.ml.direct-gather`` false, or a
+            post failed): the pass is then submitted with its value.
+        """
+        if not (self._direct and self._post_ahead) or not any(a is POSTED for a in args):
+            return None
+        p = self._submit(func, rows, args, True, steal)
+        self._ahead.add(p)
+        return p
 
     def _recover(self, lost: set[str]) -> None:
         self.recoveries.append({"time": time.time(), "lost": sorted(lost),

@@ -1,39 +1,19 @@
 """Work stealing inside a pass: the rows a worker has not started go to an idle peer.
 
-Speed-weighted shares balance what is *predicted*; a step still waits for whichever worker
-the moment slows (a co-tenant's kernel, clocks, a noisy host). Inside a pass, each worker's
-task therefore works through its rows in chunks taken from the front of a
-:class:`RowPool`:
-
-1. all but a reserve (a fifth by default) in one kernel call;
-2. then, from its peers' progress (one status round trip) and its own rate in this pass,
-   the time the pass would end if the rows left were balanced over all workers
-   (:meth:`RowPool.set_target`), and the rows of the reserve it can finish by then in one
-   more call: all of them when it is on time, and when it is late, the rest stays at the
-   back for its peers;
-3. past that time, or with no peer to ask, halving chunks, never less than ``1 / chunks``
-   of its rows.
-
-A worker that has finished its own rows asks its peers for rows they have not started,
-taken from the back. The owner of a pool decides under its lock how many rows to give: as
-many as make the thief and the owner finish together, by both their measured seconds per
-row and the round trip (none when handing over would not finish earlier). Every row of the
-pass is still processed exactly once, so the sum over workers is unchanged (up to
-floating-point summation order). Each kernel call costs device time of its own (a fixed
-part, a smaller batch, caches cold after another device's turn), hence the fewest calls
-that still leave a late worker's excess for its peers.
-
-The request goes worker to worker through a comm handler (``blockflow_steal``, installed by
-:class:`StealPlugin`), with the rows' data in the reply: no scheduler round trip, no task.
-A thief asks only the peers the scheduler still lists, and gives up a call as soon as the
-scheduler drops its peer (:class:`~blockflow.ml._peers.Peers`; ``blockflow.ml.peer-timeout``
-bounds the rest): a lost peer costs the pass it belonged to, not distributed's connect
-timeout.
+Speed-weighted shares balance what is predicted; a step still waits for whichever worker
+slows at the moment. Inside a pass each worker's task works through a :class:`RowPool` of
+its rows from the front: all but a reserve in one kernel call, then the reserve rows it can
+finish by the pass's balanced end (:meth:`RowPool.set_target`, from its peers' progress),
+then halving chunks. A worker done with its own rows asks its peers for rows from the back
+of their pools (``blockflow_steal``, a worker-to-worker comm handler served by
+:class:`StealPlugin`, the rows' data in the reply); the owner hands over as many as make
+both finish together (:func:`rows_to_give`). Every row is processed exactly once, so the
+sum is unchanged (up to floating-point summation order). Calls to a lost peer end as soon
+as the scheduler drops it (:class:`~blockflow.ml._peers.Peers`).
 
 Sources: guided self-scheduling (Polychronopoulos and Kuck, IEEE Trans. Computers, 1987)
 for the owner's chunks; work stealing from the back of a victim's queue (Blumofe and
-Leiserson, JACM 1999); the hand-over rule that both finish together is a blockflow
-heuristic.
+Leiserson, JACM 1999); the hand-over rule and the balanced end are blockflow heuristics.
 """
 
 from __future__ import annotations
@@ -302,16 +282,10 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
     """On a worker: ``func`` over its rows in chunks, then over rows stolen from peers.
 
     ``reserve``: per worker, the fraction of its rows kept out of its first kernel call
-    (see :class:`RowPool`; default 0.2). ``timeout``: seconds a peer the scheduler still
-    lists may take to answer (default ``blockflow.ml.peer-timeout``); peers the scheduler
-    no longer lists are not asked (:class:`~blockflow.ml._peers.Peers`, refreshed while
-    the first chunk runs and whenever a peer is slow to answer). After its first chunk the worker asks its peers'
-    progress once and aims the rest of its rows at the pass's balanced end
-    (:meth:`RowPool.set_target`); a worker done with its rows stays registered, closed, so
-    that its peers see its rate. Returns ``(sum of func's results or None, rows
-    processed, rows stolen, seconds in func, seconds in func on its own rows)``: the
-    fourth is the worker's busy time, without the requests to its peers; the last is what
-    its speed is measured on (stolen rows come in small, cold calls).
+    (see :class:`RowPool`; default 0.2). ``timeout``: seconds a listed peer may take to
+    answer (default ``blockflow.ml.peer-timeout``). Returns ``(sum of func's results or
+    None, rows processed, rows stolen, seconds in func, seconds in func on its own
+    rows)``; the last is what its speed is measured on.
     """
     worker = get_worker()
     me = worker.address

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from blockflow.ml._finite import FiniteCheck, column_names, drop_setting
-from blockflow.ml._shards import ResidentShards, as_row_blocks
+from blockflow.ml._rows import as_row_blocks
+from blockflow.ml._shards import ResidentShards
 
 __all__ = ["LinearRegression", "LogisticRegression", "PoissonRegression"]
 

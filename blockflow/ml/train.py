@@ -28,7 +28,8 @@ from blockflow.errors import check_number, describe
 from blockflow.ml._finite import FiniteCheck, column_names, drop_setting
 from blockflow.ml._pickling import FIX_TRAIN, dumps_or_explain
 from blockflow.ml._post import POSTED
-from blockflow.ml._shards import ResidentShards, as_row_blocks
+from blockflow.ml._rows import as_row_blocks
+from blockflow.ml._shards import ResidentShards
 
 __all__ = ["DataParallelTrainer", "batch_schedule"]
 
