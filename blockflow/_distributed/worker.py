@@ -1,10 +1,10 @@
 """The worker side: what blockflow reads from and installs on distributed's workers.
 
-Heartbeat metrics, comm handlers served by worker plugins (:class:`HandlerPlugin`) and worker-to-worker calls,
-installed plugins, the results a worker holds, declared resources, the current worker and
-task key, task threads and the worker's executor, the metadata a task sends with its result
-(seconds spent waiting), and the filter that keeps a closing worker's heartbeat quiet
-(:class:`QuietClose`).
+Heartbeat metrics, comm handlers served by worker plugins (:class:`HandlerPlugin`, the one
+way blockflow installs them) and worker-to-worker calls, installed plugins, the results a
+worker holds, declared resources, the current worker and task key, task threads and the
+worker's executor, the seconds a task spent waiting (sent with its result), and the
+filters that keep a closing worker's log quiet (:class:`QuietClose`).
 """
 
 from __future__ import annotations
@@ -141,21 +141,17 @@ def _bound_handler(worker, fn: Callable) -> Callable:
 
 
 #: What a worker logs (at ERROR, with a traceback) when its heartbeat fails to reach the
-#: scheduler: ``Worker.close`` stops the heartbeat's periodic callback, then closes its
-#: pooled comms under a heartbeat still in flight, and the worker logs its own shutdown as a
-#: failure (dask/distributed#7192, open; distributed 2026.7.1, worker.py ``heartbeat``).
+#: scheduler, its own ``close`` included (dask/distributed#7192).
 HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat."
 #: distributed.worker_state_machine's warning (prefix, suffix) for a task its worker's
-#: close cancelled ("This should exclusively happen in Worker.close()"): Ctrl-C or
-#: SIGTERM to a run printed one per running task.
+#: close cancelled.
 CANCELLED_AT_CLOSE = ("Async instruction for ", "ended with CancelledError")
 
 
 class _ClosingHeartbeatFilter(logging.Filter):
     """Drop :data:`HEARTBEAT_FAILED` and :data:`CANCELLED_AT_CLOSE` while a worker of this
-    process is closing: its own ``close`` cut the heartbeat and cancelled its tasks. While every worker runs, the record passes, traceback and
-    all (a real failure to reach the scheduler). One per process, on the
-    ``distributed.worker`` logger; workers are held weakly."""
+    process is closing (its own ``close`` cut the heartbeat and cancelled its tasks);
+    otherwise the record passes. One per process; workers are held weakly."""
 
     def __init__(self):
         super().__init__()
