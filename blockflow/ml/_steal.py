@@ -34,9 +34,9 @@ from distributed.utils import sync
 from blockflow._distributed import HandlerPlugin, call_worker, has_worker_handler
 from blockflow.backends import _block_to_host, array_module
 from blockflow.ml._peers import Peers, peer_timeout
-from blockflow.scheduling.estimate import call_cost  # noqa: F401  (re-exported)
+from blockflow.scheduling.estimate import call_cost
 
-__all__ = ["RowPool", "StealPlugin", "add_values", "call_cost", "run_stealing"]
+__all__ = ["RowPool", "StealPlugin", "add_values", "rows_to_give", "run_stealing"]
 
 # (pass id, worker address) -> the pool of that worker's task in that pass
 _POOLS: dict[tuple[str, str], RowPool] = {}

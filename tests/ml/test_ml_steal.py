@@ -20,7 +20,8 @@ from distributed.utils_test import gen_cluster
 from loadaware import scaled
 
 from blockflow.ml._shards import ResidentShards
-from blockflow.ml._steal import RowPool, call_cost, rows_to_give
+from blockflow.ml._steal import RowPool, rows_to_give
+from blockflow.scheduling.estimate import call_cost
 
 N = 240
 
