@@ -62,7 +62,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-
 #: Key of a task's metadata (``TaskState.metadata`` on its worker, sent to the scheduler with
 #: the task's result): seconds the task spent waiting, seceded, not computing.
 WAIT_METADATA = "blockflow_wait"

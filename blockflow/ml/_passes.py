@@ -231,9 +231,8 @@ class ShardPasses:
         return dict(out)
 
     def _install(self, plugin) -> None:
-        """A worker plugin installing a comm handler (:class:`~blockflow.ml._steal.
-        StealPlugin`, :class:`~blockflow.ml._post.PostPlugin`) on every worker, once per
-        cluster: workers that join later get it as they start."""
+        """Register a worker plugin serving a comm handler (``StealPlugin``,
+        ``PostPlugin``) on every worker, once per cluster; workers that join later get it."""
         if plugin.name in self._installed:
             return
         self.client.register_plugin(plugin(), name=plugin.name)
@@ -276,7 +275,6 @@ class _Pass:
     func: Callable
     rows: Any
     steal: bool
-
 
 
 class _PostFailed(Exception):

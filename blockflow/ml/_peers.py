@@ -70,14 +70,13 @@ class Peers:
         return [a for a in self.addresses if a not in self.gone]
 
     async def refresh(self) -> None:
-        """Ask the scheduler which peers it still lists; drop the others. Concurrent
-        calls share one request; a scheduler that does not answer within ``timeout``
-        changes nothing."""
+        """Ask the scheduler which peers it still lists; drop the others (concurrent calls
+        share one request)."""
         await asyncio.shield(self.start_refresh())
 
     def start_refresh(self) -> asyncio.Future:
-        """Start :meth:`refresh` (or join the one under way) without waiting for it; on
-        the node's event loop. A call waiting for its answer wakes when it ends."""
+        """Start :meth:`refresh` (or join the one under way) on the node's event loop,
+        without waiting for it."""
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = asyncio.ensure_future(self._ask_scheduler())
         return self._refreshing
@@ -108,17 +107,9 @@ class Peers:
 
     async def call(self, address: str, make: Callable[[], Awaitable[Any]],
                    confirm: bool = False) -> Any:
-        """``await make()``, a call to the peer at ``address``, bounded.
-
-        Parameters
-        ----------
-        address : str
-        make : callable
-            Returns the awaitable call (not started before the peer is known listed).
-        confirm : bool, default False
-            On a failed call, wait (up to ``timeout``) for the scheduler to drop the peer,
-            so that the caller can tell a lost worker (:class:`PeerGone`) from one it
-            cannot reach (the call's own error).
+        """``await make()``, a call to the peer at ``address``, bounded. With ``confirm``, a
+        failed call waits (up to ``timeout``) for the scheduler to drop the peer, so that
+        the caller can tell a lost worker (:class:`PeerGone`) from one it cannot reach.
 
         Raises
         ------

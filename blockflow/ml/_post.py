@@ -8,12 +8,9 @@ go; its tasks wait on their workers, and the client posts the parameters straigh
 workers (``blockflow_post``, a worker comm handler installed by :class:`PostPlugin`) the
 moment it has them: one message per worker, no scheduler in between.
 
-A task waiting for its post holds no thread of its worker (it secedes from the worker's
-thread pool, and rejoins when the post comes), so nothing queued behind it waits on it.
-A posted pass the client abandons (its blocks moved, a worker was lost, training stopped)
-is cancelled by a post of ``cancel=True``: its waiting tasks return at once with nothing.
-A task whose post never comes gives up after :data:`POST_TIMEOUT` seconds, as cancelled,
-and the client redoes that pass with a fresh submission.
+A task waiting for its post secedes from its worker's thread pool. A pass the client
+abandons is cancelled by a post of ``cancel=True``: its tasks return at once with nothing,
+as does a task whose post has not come after :data:`POST_TIMEOUT` seconds.
 
 Sources: pushing parameters to waiting workers follows the parameter server (Li et al.,
 OSDI 2014); submitting step ``k + 1``'s tasks to the Dask scheduler during step ``k`` is a
