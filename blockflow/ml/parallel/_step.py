@@ -26,7 +26,7 @@ from blockflow.errors import BlockflowWarning, WorkerLostError
 from blockflow.ml.parallel import _recovery, _stage
 from blockflow.ml.parallel.schedule import PipelineResult, schedule_order, timeline
 
-__all__ = ["METADATA_KEY", "RolledBack", "first", "micro_batches", "step"]
+__all__ = ["METADATA_KEY", "RolledBack", "first", "micro_batches", "micro_slices", "step"]
 
 logger = logging.getLogger("blockflow.ml.parallel.pipeline")
 
@@ -53,6 +53,14 @@ def micro_batches(pipe, n_rows: int, n_micro_batches: int | None) -> int:
                          f"{n_rows} rows; a micro-batch needs at least one row: pass "
                          f"n_micro_batches between 1 and {n_rows}.")
     return int(m)
+
+
+def micro_slices(data, lo: int, rows: int, m: int) -> tuple[list, list[int]]:
+    """``data[lo:lo + rows]`` cut into ``m`` micro-batches that differ by at most one row
+    (8 rows in 3: 3, 3, 2), and their row counts."""
+    sizes = [len(a) for a in np.array_split(np.arange(rows), m)]
+    cuts = lo + np.concatenate([[0], np.cumsum(sizes)])
+    return [data[cuts[j]:cuts[j + 1]] for j in range(m)], sizes
 
 
 def _loss_weight(pipe, rows: int, total: int) -> float:

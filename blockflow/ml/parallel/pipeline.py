@@ -280,10 +280,8 @@ class PipelineParallel:
         if target is not None and len(target) != n:
             raise ValueError(f"blockflow: target has {len(target)} rows but X has {n}; pass "
                              f"one target row per sample.")
-        sizes = [len(a) for a in np.array_split(np.arange(n), m)]
-        cuts = np.concatenate([[0], np.cumsum(sizes)])
-        xs = [X[cuts[j]:cuts[j + 1]] for j in range(m)]
-        ts = None if target is None else [target[cuts[j]:cuts[j + 1]] for j in range(m)]
+        xs, sizes = _step.micro_slices(X, 0, n, m)
+        ts = None if target is None else _step.micro_slices(target, 0, n, m)[0]
         return _step.step(self, xs, ts, sizes, return_grads=return_grads,
                           return_output=return_output, publish=publish, name=name)
 
@@ -354,10 +352,8 @@ class PipelineParallel:
             hi = min(lo + bs, n)
             rows = hi - lo
             m = _step.micro_batches(self, rows, n_micro_batches)
-            sizes = [len(a) for a in np.array_split(np.arange(rows), m)]
-            cuts = lo + np.concatenate([[0], np.cumsum(sizes)])
-            xs = [X[cuts[j]:cuts[j + 1]] for j in range(m)]
-            ts = [y[cuts[j]:cuts[j + 1]] for j in range(m)]
+            xs, sizes = _step.micro_slices(X, lo, rows, m)
+            ts = _step.micro_slices(y, lo, rows, m)[0]
             t0 = time.perf_counter()
             try:
                 r = _step.step(self, xs, ts, sizes, return_grads=False, return_output=False,
@@ -398,9 +394,7 @@ class PipelineParallel:
         for lo in range(0, n, bs):
             rows = min(bs, n - lo)
             m = _step.micro_batches(self, rows, n_micro_batches)
-            sizes = [len(a) for a in np.array_split(np.arange(rows), m)]
-            cuts = lo + np.concatenate([[0], np.cumsum(sizes)])
-            xs = [X[cuts[j]:cuts[j + 1]] for j in range(m)]
+            xs, sizes = _step.micro_slices(X, lo, rows, m)
             outs.append(_step.step(self, xs, None, sizes, return_grads=False, return_output=True,
                                    publish=False, name="pipeline-predict").output)
         return np.concatenate(outs)
