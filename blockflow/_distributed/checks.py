@@ -153,8 +153,7 @@ def check_worker(worker) -> None:
     ``set_resources``, ``state.total_resources``); raise if one changed.
 
     Run in the ``setup`` of every worker plugin blockflow installs (:class:`HandlerPlugin`,
-    :class:`QuietClose`, :func:`install_worker_handlers`, the device-metrics and simulated-GPU
-    plugins).
+    :class:`QuietClose`, the device-metrics and simulated-GPU plugins).
 
     Raises
     ------

@@ -1,17 +1,17 @@
-"""Worker side of backup copies: the worker plugin that installs the copy RPC handlers.
+"""Worker side of backup copies: the worker plugin that serves the copy RPC handlers.
 
 The scheduler plugin has every worker install it when its policy may copy tasks
 (:meth:`blockflow.scheduling.policies.RebalancePolicy.worker_plugins`). The handlers
-themselves belong to the kernel layer (:data:`blockflow.core.speculation.HANDLERS`); they
-are named here by dotted path and imported on the worker, so that the scheduler side never
-imports the kernel layer.
+belong to the kernel layer (:data:`blockflow.core.speculation.HANDLERS`); they are named
+here by dotted path and imported on the worker, so that the scheduler side never imports
+the kernel layer.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from distributed.diagnostics.plugin import WorkerPlugin
+from blockflow._distributed.worker import HandlerPlugin
 
 __all__ = ["SpeculationHandlers", "import_object"]
 
@@ -34,15 +34,12 @@ def import_object(path: str):
         raise ImportError(f"blockflow: cannot import {path!r}: {e}") from e
 
 
-class SpeculationHandlers(WorkerPlugin):
-    """Worker plugin installing the backup-copy RPC handlers on every worker, present and
-    future (registered by the scheduler plugin when its policy may copy tasks). Only on
-    workers that have it do kernels run so that a copy can overtake them."""
+class SpeculationHandlers(HandlerPlugin):
+    """Worker plugin serving the backup-copy RPC handlers on every worker, present and
+    future. Only on workers that have it do kernels run so that a copy can overtake them."""
 
     name = "blockflow-speculation"
     idempotent = True
 
-    def setup(self, worker) -> None:
-        from blockflow._distributed import install_worker_handlers
-
-        install_worker_handlers(worker, import_object(HANDLERS_PATH))
+    def handlers(self):
+        return import_object(HANDLERS_PATH)

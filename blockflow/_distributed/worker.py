@@ -1,22 +1,28 @@
 """The worker side: what blockflow reads from and installs on distributed's workers.
 
-Heartbeat metrics, comm handlers (:class:`HandlerPlugin`) and worker-to-worker calls,
-installed plugins, the results a worker holds, declared resources, the current worker and
-task key, task threads and the worker's executor, the metadata a task sends with its result
-(seconds spent waiting), and the filter that keeps a closing worker's heartbeat quiet
-(:class:`QuietClose`).
+Heartbeat metrics, comm handlers served by worker plugins (:class:`HandlerPlugin`, the one
+way blockflow installs them) and worker-to-worker calls, installed plugins, the results a
+worker holds, declared resources, the current worker and task key, task threads and the
+worker's executor, the seconds a task spent waiting (sent with its result), and the
+filters that keep a closing worker's log quiet (:class:`QuietClose`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 import math
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from distributed import get_worker
 from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol.pickle import dumps
+from distributed.worker import _worker_cvar, thread_state
 
 from blockflow._distributed.checks import check_worker
 
@@ -26,7 +32,6 @@ __all__ = [
     "HandlerPlugin",
     "QuietClose",
     "add_task_wait",
-    "add_worker_handler",
     "call_worker",
     "call_worker_soon",
     "call_worker_threadsafe",
@@ -35,12 +40,10 @@ __all__ = [
     "current_worker_resources",
     "declare_worker_resources",
     "has_worker_handler",
-    "install_worker_handlers",
     "listed_workers",
     "quiet_closing_heartbeat",
     "quiet_task_failures",
     "registered_worker_plugin",
-    "remove_worker_handler",
     "remove_worker_metric",
     "run_in_worker_executor",
     "set_worker_metric",
@@ -59,7 +62,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-
 #: Key of a task's metadata (``TaskState.metadata`` on its worker, sent to the scheduler with
 #: the task's result): seconds the task spent waiting, seceded, not computing.
 WAIT_METADATA = "blockflow_wait"
@@ -69,7 +71,6 @@ def add_task_wait(seconds: float) -> None:
     """From a task's thread on a worker: count ``seconds`` of the running task as waiting,
     not computing (the task's ``metadata``, :data:`WAIT_METADATA`), so that the scheduler
     plugin's speed model and busy time leave them out. No-op off a worker."""
-    from distributed import get_worker
     try:
         worker = get_worker()
         ts = worker.state.tasks.get(worker.get_current_task())
@@ -105,49 +106,51 @@ def worker_metric(worker, name: str):
     return worker.metrics.get(name)
 
 
-def add_worker_handler(worker, name: str, fn: Callable) -> None:
-    """Serve comm requests ``{"op": name, ...}`` on ``worker`` with ``fn(**msg)``
-    (``Worker.handlers``); its return value is the reply."""
-    worker.handlers[name] = fn
+class HandlerPlugin(WorkerPlugin):
+    """Base of the worker plugins that serve blockflow's comm handlers on every worker, those
+    that join later included.
 
-
-class HandlerPlugin:
-    """Base of a worker plugin that serves one comm handler on every worker, those that
-    join later included: subclasses set ``name`` (the plugin's), ``op`` (the handler's)
-    and ``make_handler(worker)``, which returns the handler for that worker. ``setup``
-    first verifies the worker's internals
-    (:func:`~blockflow._distributed.checks.check_worker`)."""
+    Subclasses set ``name`` and :meth:`handlers`. ``setup`` verifies the worker's internals
+    (:func:`~blockflow._distributed.checks.check_worker`), then serves each handler;
+    ``teardown`` removes them.
+    """
 
     name: str
-    op: str
 
-    def make_handler(self, worker) -> Callable:
+    def handlers(self) -> Mapping[str, Callable]:
+        """Operation name -> ``fn(worker, **message)``, called with the worker it serves;
+        its return value (or awaited coroutine) is the reply."""
         raise NotImplementedError
 
     def setup(self, worker) -> None:
         check_worker(worker)
-        add_worker_handler(worker, self.op, self.make_handler(worker))
+        for op, fn in self.handlers().items():
+            worker.handlers[op] = _bound_handler(worker, fn)
 
     def teardown(self, worker) -> None:
-        remove_worker_handler(worker, self.op)
+        for op in self.handlers():
+            worker.handlers.pop(op, None)
+
+
+def _bound_handler(worker, fn: Callable) -> Callable:
+    def handler(**message):
+        return fn(worker, **message)
+
+    return handler
 
 
 #: What a worker logs (at ERROR, with a traceback) when its heartbeat fails to reach the
-#: scheduler: ``Worker.close`` stops the heartbeat's periodic callback, then closes its
-#: pooled comms under a heartbeat still in flight, and the worker logs its own shutdown as a
-#: failure (dask/distributed#7192, open; distributed 2026.7.1, worker.py ``heartbeat``).
+#: scheduler, its own ``close`` included (dask/distributed#7192).
 HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat."
 #: distributed.worker_state_machine's warning (prefix, suffix) for a task its worker's
-#: close cancelled ("This should exclusively happen in Worker.close()"): Ctrl-C or
-#: SIGTERM to a run printed one per running task.
+#: close cancelled.
 CANCELLED_AT_CLOSE = ("Async instruction for ", "ended with CancelledError")
 
 
 class _ClosingHeartbeatFilter(logging.Filter):
     """Drop :data:`HEARTBEAT_FAILED` and :data:`CANCELLED_AT_CLOSE` while a worker of this
-    process is closing: its own ``close`` cut the heartbeat and cancelled its tasks. While every worker runs, the record passes, traceback and
-    all (a real failure to reach the scheduler). One per process, on the
-    ``distributed.worker`` logger; workers are held weakly."""
+    process is closing (its own ``close`` cut the heartbeat and cancelled its tasks);
+    otherwise the record passes. One per process; workers are held weakly."""
 
     def __init__(self):
         super().__init__()
@@ -227,11 +230,6 @@ def quiet_task_failures(exc_type: type[BaseException]) -> None:
     _failure_filter.quiet.add(exc_type.__name__)
 
 
-def remove_worker_handler(worker, name: str) -> None:
-    """Stop serving comm requests ``name`` on ``worker``."""
-    worker.handlers.pop(name, None)
-
-
 def has_worker_handler(worker, name: str) -> bool:
     """Whether ``worker`` serves comm requests ``name``."""
     return name in worker.handlers
@@ -263,9 +261,7 @@ def registered_worker_plugin(worker, name: str, timeout: float = 60) -> bytes | 
     unregistered. Asked over the worker's own connection to the scheduler (its
     ``run_function`` handler, as ``Client.run_on_scheduler`` asks), so no worker client is
     made (one would outlive the worker's cluster)."""
-    import asyncio
 
-    from distributed.protocol.pickle import dumps
 
     async def ask():
         return await worker.scheduler.run_function(
@@ -304,9 +300,7 @@ def task_retries_left(timeout: float = 10) -> int | None:
     worker's own connection to the scheduler (its ``run_function`` handler, as
     ``Client.run_on_scheduler`` asks). None off a worker, when the scheduler no longer knows
     the task, or when it does not answer within ``timeout`` seconds."""
-    import asyncio
 
-    from distributed.protocol.pickle import dumps
 
     worker, key = current_worker(), current_task_key()
     if worker is None or key is None:
@@ -373,7 +367,6 @@ async def declare_worker_resources(worker, resources: Mapping[str, float]) -> No
     (``Worker.set_resources`` would ask a scheduler that does not know the worker yet, which
     answers ``KeyError``).
     """
-    from distributed.core import Status
 
     if worker.status in (Status.init, Status.created, Status.starting) \
             or getattr(worker, "batched_stream", None) is None \
@@ -391,30 +384,10 @@ def current_worker_resources() -> tuple[str, dict] | None:
     """``(address, declared resources)`` of the worker running the current task, or None
     outside a worker's task."""
     try:
-        from distributed import get_worker
-
         worker = get_worker()
     except ValueError:
         return None
     return worker.address, dict(worker.state.total_resources)
-
-
-def install_worker_handlers(worker, handlers: Mapping[str, Callable]) -> None:
-    """Add RPC handlers to a worker (``Worker.handlers``), once; existing ones are kept.
-    Each ``fn(worker, **message)`` is called with the worker it was installed on. Verifies
-    the worker's internals first (:func:`~blockflow._distributed.checks.check_worker`: a
-    worker plugin's ``setup`` calls this)."""
-    check_worker(worker)
-    for name, fn in handlers.items():
-        if name not in worker.handlers:
-            worker.handlers[name] = _bound_handler(worker, fn)
-
-
-def _bound_handler(worker, fn: Callable) -> Callable:
-    def handler(**message):
-        return fn(worker, **message)
-
-    return handler
 
 
 def call_worker_soon(worker, address: str, op: str, **kwargs) -> None:
@@ -434,7 +407,6 @@ def call_worker_threadsafe(worker, address: str, op: str, **kwargs):
     ``address`` on ``worker``'s event loop (its pooled connections) without blocking the
     thread; returns a :class:`concurrent.futures.Future` of the reply (its exception when
     the call failed), for the caller to check later."""
-    import asyncio
 
     return asyncio.run_coroutine_threadsafe(call_worker(worker, address, op, **kwargs),
                                             worker.loop.asyncio_loop)
@@ -450,8 +422,6 @@ def worker_scheduler_clock(worker) -> float:
 def current_worker():
     """The worker running the current task, or None outside a worker's task."""
     try:
-        from distributed import get_worker
-
         return get_worker()
     except ValueError:
         return None
@@ -459,7 +429,6 @@ def current_worker():
 
 def current_task_key():
     """Key of the task the current thread runs for its worker, or None."""
-    from distributed.worker import thread_state
 
     return getattr(thread_state, "key", None)
 
@@ -468,10 +437,7 @@ def start_task_thread(fn: Callable[[], Any], name: str):
     """Start ``fn()`` in a new daemon thread that sees the current task's worker context
     (``get_worker()``, ``thread_state.key`` and ``execution_state``), as the worker's own
     executor thread does; returns the thread."""
-    import contextvars
-    import threading
 
-    from distributed.worker import thread_state
 
     ctx = contextvars.copy_context()
     state = {a: getattr(thread_state, a) for a in ("key", "execution_state", "start_time")
@@ -490,7 +456,6 @@ def start_task_thread(fn: Callable[[], Any], name: str):
 async def run_in_worker_executor(worker, fn: Callable[[], Any]):
     """Run ``fn()`` in the worker's default thread pool, with ``get_worker()`` working
     inside it (a backup copy's kernel); returns its result."""
-    from distributed.worker import _worker_cvar
 
     def call():
         token = _worker_cvar.set(worker)

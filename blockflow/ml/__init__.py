@@ -7,7 +7,8 @@ PyTorch, scikit-learn and SciPy come with the ``ai`` extra (``pip install "block
 and are imported only when used.
 """
 
-from blockflow.ml._shards import ResidentShards, as_row_blocks
+from blockflow.ml._rows import as_row_blocks
+from blockflow.ml._shards import ResidentShards
 from blockflow.ml.glm import LinearRegression, LogisticRegression, PoissonRegression
 from blockflow.ml.train import DataParallelTrainer, batch_schedule
 

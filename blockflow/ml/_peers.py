@@ -1,24 +1,13 @@
 """Calls to a pass's peer workers that end as soon as the scheduler drops the peer.
 
 A call to a worker that died does not fail at once: distributed's ``connect`` retries a
-refused connection until ``distributed.comm.timeouts.connect`` (30 s by default), so a
-thief asking a lost peer for rows, or a client posting a step's parameters to it, used to
-hold the step for tens of seconds (20-42 s measured, against 0.08 s steps) while the
-scheduler had known the worker was gone within milliseconds (its comm closed). A
-:class:`Peers` therefore
-
-- keeps the peers of a pass that the scheduler still lists (``refresh``, one small request
-  to the scheduler for those addresses: at the start of a pass, concurrently with its
-  first kernel call, and whenever a call is slow);
-- never calls a peer the scheduler no longer lists, and calls none before it has the
-  scheduler's word once (:meth:`Peers.ready`: a pass submitted before a worker was lost
-  lists it);
-- ends a call as soon as the scheduler drops its peer (checked every ``poll`` seconds
-  while the call has no answer), and after ``timeout`` seconds in any case
-  (``blockflow.ml.peer-timeout``).
-
-A peer dropped once stays dropped for the pass (an address the scheduler removed never
-comes back as the same worker). A blockflow heuristic over distributed's public RPCs.
+refused connection until ``distributed.comm.timeouts.connect`` (30 s by default), while
+the scheduler knows the worker is gone as soon as its comm closes. A :class:`Peers` keeps
+the peers the scheduler still lists (one small request, at the start of a pass and
+whenever a call is slow), never calls one it dropped, and ends a call as soon as the
+scheduler drops its peer, or after ``timeout`` seconds (``blockflow.ml.peer-timeout``).
+A dropped peer stays dropped for the pass. A blockflow heuristic over distributed's public
+RPCs.
 """
 
 from __future__ import annotations
@@ -28,16 +17,17 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from dask.utils import parse_timedelta
+
+from blockflow import config
+from blockflow._distributed import listed_workers
+
 __all__ = ["PeerGone", "Peers", "peer_timeout"]
 
 
 def peer_timeout(value: float | str | None = None) -> float:
     """Seconds a call to a peer worker may go unanswered: ``value``, else
     ``blockflow.ml.peer-timeout`` (a number of seconds or a duration such as ``"5s"``)."""
-    from dask.utils import parse_timedelta
-
-    from blockflow import config
-
     return float(parse_timedelta(config.get("ml.peer-timeout", value), default="s"))
 
 
@@ -80,21 +70,18 @@ class Peers:
         return [a for a in self.addresses if a not in self.gone]
 
     async def refresh(self) -> None:
-        """Ask the scheduler which peers it still lists; drop the others. Concurrent
-        calls share one request; a scheduler that does not answer within ``timeout``
-        changes nothing."""
+        """Ask the scheduler which peers it still lists; drop the others (concurrent calls
+        share one request)."""
         await asyncio.shield(self.start_refresh())
 
     def start_refresh(self) -> asyncio.Future:
-        """Start :meth:`refresh` (or join the one under way) without waiting for it; on
-        the node's event loop. A call waiting for its answer wakes when it ends."""
+        """Start :meth:`refresh` (or join the one under way) on the node's event loop,
+        without waiting for it."""
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = asyncio.ensure_future(self._ask_scheduler())
         return self._refreshing
 
     async def _ask_scheduler(self) -> None:
-        from blockflow._distributed import listed_workers
-
         ask = self.live
         if not ask:
             return
@@ -120,17 +107,9 @@ class Peers:
 
     async def call(self, address: str, make: Callable[[], Awaitable[Any]],
                    confirm: bool = False) -> Any:
-        """``await make()``, a call to the peer at ``address``, bounded.
-
-        Parameters
-        ----------
-        address : str
-        make : callable
-            Returns the awaitable call (not started before the peer is known listed).
-        confirm : bool, default False
-            On a failed call, wait (up to ``timeout``) for the scheduler to drop the peer,
-            so that the caller can tell a lost worker (:class:`PeerGone`) from one it
-            cannot reach (the call's own error).
+        """``await make()``, a call to the peer at ``address``, bounded. With ``confirm``, a
+        failed call waits (up to ``timeout``) for the scheduler to drop the peer, so that
+        the caller can tell a lost worker (:class:`PeerGone`) from one it cannot reach.
 
         Raises
         ------

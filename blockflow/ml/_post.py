@@ -2,20 +2,15 @@
 
 A synchronous training step needs the parameters of the step before it, known only once
 that step's gradient is summed and the optimizer has run. Submitting the step's tasks only
-then puts the scheduler on every step's critical path: the graph (parameters included, one
-copy per task) goes to the scheduler, which sends each worker its task: 30-60 ms on a
-loaded 2-core host, 3-5 % of a one-second step. Instead, step ``k + 1``'s pass is
+then puts the scheduler on every step's critical path. Instead, step ``k + 1``'s pass is
 submitted while step ``k`` runs, with a :class:`Posted` placeholder where the parameters
 go; its tasks wait on their workers, and the client posts the parameters straight to the
 workers (``blockflow_post``, a worker comm handler installed by :class:`PostPlugin`) the
 moment it has them: one message per worker, no scheduler in between.
 
-A task waiting for its post holds no thread of its worker (it secedes from the worker's
-thread pool, and rejoins when the post comes), so nothing queued behind it waits on it.
-A posted pass the client abandons (its blocks moved, a worker was lost, training stopped)
-is cancelled by a post of ``cancel=True``: its waiting tasks return at once with nothing.
-A task whose post never comes gives up after :data:`POST_TIMEOUT` seconds, as cancelled,
-and the client redoes that pass with a fresh submission.
+A task waiting for its post secedes from its worker's thread pool. A pass the client
+abandons is cancelled by a post of ``cancel=True``: its tasks return at once with nothing,
+as does a task whose post has not come after :data:`POST_TIMEOUT` seconds.
 
 Sources: pushing parameters to waiting workers follows the parameter server (Li et al.,
 OSDI 2014); submitting step ``k + 1``'s tasks to the Dask scheduler during step ``k`` is a
@@ -29,9 +24,9 @@ import time
 import uuid
 from typing import Any
 
-from distributed.diagnostics.plugin import WorkerPlugin
+from distributed import rejoin, secede
 
-from blockflow._distributed import HandlerPlugin
+from blockflow._distributed import HandlerPlugin, add_task_wait
 
 __all__ = ["POSTED", "Posted", "PostPlugin", "resolve"]
 
@@ -119,7 +114,6 @@ def resolve(worker: str, args: tuple, timeout: float | None = None) -> tuple | N
                 t0 = time.perf_counter()
                 ok = _wait_seceded(s.event, POST_TIMEOUT if timeout is None else timeout)
                 # waiting is not work: the scheduler plugin's speed model leaves it out
-                from blockflow._distributed import add_task_wait
                 add_task_wait(time.perf_counter() - t0)
             with _LOCK:
                 _SLOTS.pop((worker, a.key), None)
@@ -134,7 +128,6 @@ def _wait_seceded(event: threading.Event, timeout: float) -> bool:
     """Wait for ``event`` out of the worker's thread pool (``distributed.secede``): the
     waiting task holds no thread, so the tasks queued behind it (the fan-in of the pass
     before, another client's work) run meanwhile; ``rejoin`` takes a thread back."""
-    from distributed import rejoin, secede
     try:
         secede()
     except (KeyError, ValueError, AttributeError):  # not on a worker's task thread
@@ -145,15 +138,13 @@ def _wait_seceded(event: threading.Event, timeout: float) -> bool:
         rejoin()
 
 
-def _handler_for(worker):
-    def blockflow_post(key: str, value: Any = None, cancel: bool = False) -> str:
-        deliver(worker.address, key, value, cancel)
-        return "OK"
-    return blockflow_post
+def _serve(worker, key: str, value: Any = None, cancel: bool = False) -> str:
+    deliver(worker.address, key, value, cancel)
+    return "OK"
 
 
-class PostPlugin(HandlerPlugin, WorkerPlugin):
-    """Worker plugin installing the ``blockflow_post`` comm handler (see module doc).
+class PostPlugin(HandlerPlugin):
+    """Worker plugin serving the ``blockflow_post`` comm handler (see module doc).
 
     Registered by :class:`blockflow.ml.ResidentShards` before its first posted pass
     (``client.register_plugin(PostPlugin(), name="blockflow-post")``); workers that join
@@ -162,7 +153,5 @@ class PostPlugin(HandlerPlugin, WorkerPlugin):
 
     name = "blockflow-post"
 
-    op = HANDLER
-
-    def make_handler(self, worker):
-        return _handler_for(worker)
+    def handlers(self):
+        return {HANDLER: _serve}

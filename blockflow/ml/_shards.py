@@ -1,114 +1,46 @@
 """Resident shards: row blocks of (features, labels) kept on workers in proportion to speed.
 
 Training and GLM fitting make many passes over the same data. :class:`ResidentShards` places
-each row block of ``X``/``y`` on one worker once (a task restricted to that worker), so a pass
-sends only parameters and row indices, never data. Each worker's share of the rows follows
-its speed (capped by free memory), so every worker's part of a pass takes about as long:
-*speed-weighted sharding* (a blockflow heuristic; xgboost.dask, DDP and Ray Train give
-every worker an equal shard and a synchronous step waits for the slowest).
+each row block of ``X``/``y`` (:func:`~blockflow.ml.as_row_blocks`) on one worker once (a
+task restricted to that worker), so a pass (:mod:`blockflow.ml._passes`) sends only
+parameters and row indices, never data. Each
+worker's share of the rows follows its speed (capped by free memory), so every worker's part
+of a pass takes about as long: *speed-weighted sharding* (a blockflow heuristic;
+xgboost.dask, DDP and Ray Train give every worker an equal shard). A lost worker's blocks
+are placed again on the survivors from the source collection.
 
-A pass (:meth:`ResidentShards.map_sum`) runs one task per worker over its own blocks and sums
-the per-worker results with a fan-in tree of ``split_every`` (as :func:`blockflow.tree_reduce`
-does for collections) whose root is the client: it adds the top level's partial sums as each
-arrives, fetched straight from the workers, so only the last one's transfer follows the
-slowest worker. If a worker is lost during a pass, its blocks are placed again on the
-survivors from the source collection and the pass is redone: at most one pass is lost. A
-call to a lost worker (a post, a thief's request) ends as soon as the scheduler drops it
-(:mod:`blockflow.ml._peers`), not after distributed's connect timeout.
-
-Speeds: the prior is the scheduler plugin's learned speed (``blockflow.plugin_status``) when
-blockflow's plugin runs, else 1; it is then refined from the shards' own throughput (rows per
-compute second, a median over the 16 latest passes, so that one cold first pass stops
-counting from the third, with a pass's fixed cost estimated and counted apart: see
-:meth:`ResidentShards.overhead_rows`), which the plugin's per-task speed model cannot
-measure here because speed-weighted tasks deliberately differ in size.
+Speeds: the prior is the scheduler plugin's learned speed when blockflow's plugin runs, else
+1; it is refined from the shards' own throughput (rows per compute second over the 16
+latest passes, a pass's fixed cost counted apart: :meth:`ResidentShards.overhead_rows`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
-import uuid
-import warnings
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import dask
 import numpy as np
+from dask.utils import format_bytes
+from distributed import KilledWorker, wait
 
 from blockflow import config
-from blockflow.scheduling.view import workers_info
-from blockflow.ml._peers import PeerGone, Peers, peer_timeout
-from blockflow.ml._post import POSTED, Posted, PostPlugin
-from blockflow.ml._steal import StealPlugin
 from blockflow.errors import WorkerLostError
+from blockflow.ml._passes import ShardPasses, _Pass, _PostFailed
+from blockflow.ml._peers import peer_timeout
+from blockflow.ml._post import POSTED
+from blockflow.scheduling.estimate import Throughput, earliest_finish
 from blockflow.scheduling.view import (
-    gather_as_done,
     learned_speeds,
     memory_of,
     wait_for,
     worker_memory,
+    workers_info,
 )
-from blockflow.scheduling.estimate import Throughput, earliest_finish
 
-__all__ = ["ResidentShards", "as_row_blocks", "known_rows"]
-
-
-def as_row_blocks(X, y=None):
-    """``X`` (and ``y``) as dask arrays chunked along rows only, with matching row chunks.
-
-    Parameters
-    ----------
-    X : dask.array.Array, dask.dataframe.DataFrame or NumPy/CuPy array
-        Features, shape ``(n_samples, n_features)``; dataframes are converted with
-        ``to_dask_array(lengths=True)``.
-    y : dask array, dask Series/DataFrame or array, optional
-        Labels, ``n_samples`` rows.
-
-    Returns
-    -------
-    (dask.array.Array, dask.array.Array or None)
-
-    Raises
-    ------
-    ValueError
-        If ``X`` is not 2-D or ``y`` has a different number of rows.
-    """
-    import dask.array as da
-    import dask.dataframe as dd
-
-    def arr(a):
-        if isinstance(a, (dd.DataFrame, dd.Series)):
-            return a.to_dask_array(lengths=True)
-        if not isinstance(a, da.Array):
-            return da.from_array(a, chunks=(max(1, math.ceil(len(a) / 8)),) + a.shape[1:])
-        return a
-
-    X = arr(X)
-    if X.ndim != 2:
-        raise ValueError(f"blockflow: X must be 2-D (samples x features), got shape {X.shape}; "
-                         f"reshape it first.")
-    # a filtered collection (``X[mask]``) has unknown row counts: they are computed (on
-    # both sides) before rows are compared or blocks sized
-    X = known_rows(X)
-    X = X.rechunk({1: -1})
-    if y is None:
-        return X, None
-    y = known_rows(arr(y))
-    if y.shape[0] != X.shape[0]:
-        raise ValueError(f"blockflow: X has {X.shape[0]} rows but y has {y.shape[0]}; pass "
-                         f"labels for every sample.")
-    y = y.rechunk((X.chunks[0],) + tuple((-1,) * (y.ndim - 1)))
-    return X, y
-
-
-def known_rows(a):
-    """``a`` (a dask array) with its row chunk sizes known: computed
-    (``compute_chunk_sizes()``) where a filter (``a[mask]``) left them unknown."""
-    if any(math.isnan(c) for c in a.chunks[0]):
-        a = a.compute_chunk_sizes()
-    return a
+__all__ = ["ResidentShards"]
 
 
 def _pair(x, y, check=None, block=0, offset=0):
@@ -127,60 +59,7 @@ def _pair_copy(pair):
     return pair
 
 
-def _run_shard(func, blocks, rows, args, steal=None):
-    """On a worker: ``func([(X, y) blocks], [row indices or None], *args)`` timed.
-
-    ``steal``: ``(pass id, peers, chunks, prior seconds per row, reserve, peer timeout)``,
-    the
-    arguments of :func:`blockflow.ml._steal.run_stealing` after ``args``, to run the rows
-    in chunks and then take rows peers have not started; None: one call. A
-    :class:`blockflow.ml._post.Posted` in ``args`` is waited for (a pass submitted ahead,
-    :meth:`ResidentShards.prepare`); cancelled, the task returns nothing."""
-    from blockflow.ml._post import resolve
-
-    me = _worker_address()
-    args = resolve(me, args)
-    if args is None:  # its pass was cancelled, or its post never came
-        return {"value": None, "seconds": {}, "rows": {}, "stolen": {}, "own": {},
-                "cancelled": True}
-    t0 = time.perf_counter()  # after the wait: only work is timed
-    if steal is None:
-        out = func(blocks, rows, *args)
-        n, stolen = sum(len(r) if r is not None else len(b[0])
-                        for b, r in zip(blocks, rows)), 0
-        busy = own = time.perf_counter() - t0
-    else:
-        from blockflow.ml._steal import run_stealing
-        out, n, stolen, busy, own = run_stealing(func, blocks, rows, args, *steal)
-    # seconds in func: a stealing worker's last requests to its peers are not work; "own":
-    # the seconds on its own rows, which its speed is measured on
-    return {"value": out, "seconds": {me: busy}, "rows": {me: n}, "stolen": {me: stolen},
-            "own": {me: own}}
-
-
-def _worker_address() -> str:
-    from distributed import get_worker
-    return get_worker().address
-
-
-def _add(*parts):
-    """Sum the ``value``s (arrays, numbers, tuples of them); merge the timing dicts."""
-    from blockflow.ml._steal import _add as add  # None (a worker left no rows) adds nothing
-
-    value = None
-    for p in parts:
-        value = add(value, p["value"])
-    seconds, rows, stolen, own = {}, {}, {}, {}
-    for p in parts:
-        seconds.update(p["seconds"])
-        rows.update(p["rows"])
-        stolen.update(p.get("stolen", {}))
-        own.update(p.get("own", {}))
-    return {"value": value, "seconds": seconds, "rows": rows, "stolen": stolen, "own": own,
-            "cancelled": any(p.get("cancelled") for p in parts)}
-
-
-class ResidentShards:
+class ResidentShards(ShardPasses):
     """Row blocks of ``(X, y)`` held on workers, shares proportional to speed.
 
     Parameters
@@ -212,20 +91,14 @@ class ResidentShards:
         With stealing, the fraction 0-1 of a worker's rows kept out of its first kernel
         call (only those can go to a peer); default ``blockflow.ml.steal-reserve`` (0.2).
         A worker that gave a fraction ``g`` of its rows away in the latest pass keeps
-        ``min(2/3, steal_reserve + 2 g)`` in reserve in the next (it was behind: a
-        straggler sheds more each pass until the shares follow its speed; a blockflow
-        heuristic).
+        ``min(2/3, steal_reserve + 2 g)`` in the next (a blockflow heuristic).
     steal_reserve_unmeasured : float, optional
-        The reserve (fraction 0-1) of a worker that no pass of this fit has measured yet:
-        its share follows a prior (the scheduler plugin's speed, shrunk towards the typical
-        one, or 1), so more of it is left for its peers to take over; default
-        ``blockflow.ml.steal-reserve-unmeasured`` (0.5).
+        The reserve (fraction 0-1) of a worker no pass has measured yet (its share follows
+        a prior); default ``blockflow.ml.steal-reserve-unmeasured`` (0.5).
     check : blockflow.ml._finite.FiniteCheck, optional
-        Run by the task that first reads each block (the one making it resident, no pass
-        of its own): raises naming the first non-finite value of ``X``/``y`` (column or
-        label, block, row), or with ``check.drop`` drops the rows holding one (the row
-        counts, :attr:`block_rows`, are then those kept; :attr:`dropped_rows` counts the
-        others).
+        Run by the task that first reads each block: raises naming the first non-finite
+        value of ``X``/``y`` (column or label, block, row), or with ``check.drop`` drops
+        the rows holding one (:attr:`dropped_rows` counts them).
     peer_timeout : float or str, optional
         Seconds (or a duration such as ``"5s"``) a call to a worker the scheduler still
         lists may go unanswered: a post of a pass's value, a cancellation, a thief's
@@ -319,8 +192,6 @@ class ResidentShards:
 
     def _block(self, j: int) -> str:
         """Block ``j`` as messages name it: its index, rows and bytes."""
-        from dask.utils import format_bytes
-
         return (f"block {j} (rows {int(self.offsets[j]):,}-{int(self.offsets[j + 1]) - 1:,}, "
                 f"{format_bytes(self.block_bytes[j])} of X and y)")
 
@@ -328,8 +199,6 @@ class ResidentShards:
         """Why block ``j`` cannot be held by any worker (its bytes above the largest
         worker's memory limit, device memory on GPU workers), or None if it can or the
         limits are unknown."""
-        from dask.utils import format_bytes
-
         limits = {a: m.total for a, m in worker_memory(self.client, workers).items()
                   if m.total}
         if not limits:
@@ -357,8 +226,6 @@ class ResidentShards:
     def _killed(self, blocks: list[int], e: BaseException) -> WorkerLostError:
         """distributed's KilledWorker on blocks' tasks, as a message naming the blocks
         whose tasks ran on the workers that died (the culprit among them)."""
-        from dask.utils import format_bytes
-
         workers = self._workers()
         for j in blocks:
             why = self._too_large(j, workers)
@@ -402,15 +269,12 @@ class ResidentShards:
     def overhead_rows(self) -> float:
         """A pass's fixed cost per worker, in rows processed (shared by the workers).
 
-        Model: a worker's pass takes ``k_a (r + r0)`` seconds for ``r`` rows, ``k_a`` its
-        seconds per row, ``r0`` the fixed part (parameters in, model set up, result out)
-        in row equivalents. ``r0`` is the median over workers of intercept / slope of a
-        least-squares line through each worker's (rows, seconds), where its row counts
-        differ by 25 % or more (the first step's probe pass gives that); else 0. Bounded
-        by the median rows per pass. Without it, a worker with a small share looks slow
-        per row, gets a smaller share still, and the shares collapse onto the fastest
-        worker (a blockflow heuristic: :func:`blockflow.scheduling.estimate.fixed_units`).
-        Fitted again with each measured pass.
+        A worker's pass takes ``k_a (r + r0)`` seconds for ``r`` rows, ``k_a`` its seconds
+        per row and ``r0`` the fixed part (parameters in, model set up, result out) in row
+        equivalents, fitted across passes of differing row counts
+        (:func:`blockflow.scheduling.estimate.fixed_units`, a blockflow heuristic); 0 until
+        such passes exist. Counting it keeps a worker with a small share from looking slow
+        per row.
         """
         return self._throughput.fixed
 
@@ -479,8 +343,6 @@ class ResidentShards:
         return self.overhead_rows() / max(self._fraction, 1e-9)
 
     def _place(self, placement: dict[int, str]) -> None:
-        import dask
-
         moved = [j for j, a in placement.items() if self.placement.get(j) != a]
         if moved:
             # prepared passes would run on the old placement: cancelled first
@@ -508,8 +370,6 @@ class ResidentShards:
         self.placement = dict(placement)
         wait_for(self.client, [self.futures[j] for j in moved], what="moving blocks")
         if any(self.futures[j].status == "error" for j in moved):
-            from distributed import KilledWorker, wait
-
             killed = {j: self.futures[j].exception() for j in moved
                       if self.futures[j].status == "error"}
             killed = {j: e for j, e in killed.items() if isinstance(e, KilledWorker)}
@@ -549,7 +409,7 @@ class ResidentShards:
             rows[a] += self.block_rows[j]
         return dict(rows)
 
-    # --- a pass --------------------------------------------------------------------------
+    # --- a pass (the machinery: blockflow.ml._passes) ----------------------------------
 
     def map_sum(self, func: Callable, rows: Sequence | None = None, args: tuple = (),
                 *, measure: bool = True, steal: bool = False, posted: Any = None,
@@ -574,13 +434,11 @@ class ResidentShards:
             Whether the pass's timings count towards the workers' speeds (False for a
             warm-up pass).
         steal : bool, default False
-            Work stealing inside the pass (:mod:`blockflow.ml._steal`): each worker runs
-            all but a reserve of its rows in one call and the reserve in halving chunks,
-            and a worker done with its own takes rows its
-            peers have not started, so the pass ends when the work does, not when the
-            slowest share does. ``func`` is then called several times per worker (on parts
-            of its blocks, and on stolen rows as one ``(X, y)`` block with rows None) and
-            its results are added; it must be a sum over rows.
+            Work stealing inside the pass (:mod:`blockflow.ml._steal`): a worker done with
+            its own rows takes rows its peers have not started. ``func`` is then called
+            several times per worker (on parts of its blocks, and on stolen rows as one
+            ``(X, y)`` block with rows None) and its results added: it must be a sum over
+            rows.
         posted : object, optional
             The value of the ``POSTED`` arguments (a step's parameters, say).
         ahead : object, optional
@@ -668,8 +526,8 @@ class ResidentShards:
         ``ahead=``): its tasks go to their workers and wait there, holding no thread,
         until :meth:`map_sum` posts the value straight to them (``blockflow_post``, see
         :mod:`blockflow.ml._post`). A training step's pass is prepared while the step
-        before it runs, so the scheduler is off the step's critical path (30-60 ms a
-        step on a loaded 2-core host). The pass is cancelled, its tasks returning at once,
+        before it runs, so the scheduler is off the step's critical path. The pass is
+        cancelled, its tasks returning at once,
         when blocks move before it runs (:meth:`rebalance`, a lost worker) or on
         :meth:`close`.
 
@@ -686,204 +544,6 @@ class ResidentShards:
         self._ahead.add(p)
         return p
 
-    def _current(self, p: _Pass, func, rows, steal) -> bool:
-        """Whether a prepared pass still matches the blocks' placement and the call."""
-        return (p in self._ahead and p.version == self._version and p.func is func
-                and p.rows is rows and p.steal == bool(steal))
-
-    def _post(self, p: _Pass, value) -> None:
-        """Send the pass's posted value to each of its workers (concurrently).
-
-        A post to a worker the scheduler drops meanwhile ends at once and the pass is
-        redone on the survivors (:class:`~blockflow.ml._peers.Peers`); a failed post waits
-        for the scheduler's word (at most ``peer_timeout``) before it is taken for a
-        worker out of the client's reach, so that a worker lost a moment before is not."""
-        from distributed.protocol import to_serialize
-
-        from blockflow.ml._post import HANDLER
-
-        peers = Peers(self.client, p.workers, self.peer_timeout)
-
-        async def send():
-            # the scheduler's word comes while the posts travel: a post to a worker it
-            # dropped ends as soon as it comes (waiting for it first would put a round
-            # trip to the scheduler on every step)
-            peers.start_refresh()
-            return await asyncio.gather(*(peers.call(
-                a, lambda a=a: getattr(self.client.rpc(a), HANDLER)(
-                    key=p.post.key, value=to_serialize(value)), confirm=True)
-                for a in p.workers), return_exceptions=True)
-
-        replies = self.client.sync(send)
-        errors = {a: r for a, r in zip(p.workers, replies) if isinstance(r, BaseException)}
-        if not errors:
-            return
-        lost = {a for a, r in errors.items() if isinstance(r, PeerGone)}
-        if lost:
-            raise WorkerLostError(f"blockflow: workers lost: {sorted(lost)}", lost=lost)
-        self._cancel(p)
-        a, e = next(iter(errors.items()))
-        if any(isinstance(r, TimeoutError) for r in errors.values()):
-            # a listed worker slow to answer (a loaded host, a hung process): this pass
-            # carries its value in the graph; posting stays on for the next
-            raise _PostFailed()
-        if len(errors) < len(p.workers):  # others took it: that worker is the problem
-            warnings.warn(f"blockflow: worker {a} did not take a pass's parameters ({e}); "
-                          f"this pass is submitted with them inside its task graph.",
-                          RuntimeWarning, stacklevel=3)
-            raise _PostFailed()
-        warnings.warn(f"blockflow: the client cannot post a pass's parameters to the "
-                      f"workers directly ({e!r}); sending them inside the task "
-                      f"graph from now on. Set blockflow.ml.direct-gather: false where the "
-                      f"workers are out of the client's reach.", RuntimeWarning, stacklevel=3)
-        self._direct = False
-        raise _PostFailed()
-
-    def _cancel(self, p: _Pass) -> None:
-        """Cancel a prepared pass: its waiting tasks return at once, with nothing."""
-        self._ahead.discard(p)
-        if p.post is None:
-            return
-        from blockflow.ml._post import HANDLER
-
-        peers = Peers(self.client, p.workers, self.peer_timeout)
-
-        async def send():
-            # a lost worker has nothing to cancel: those the scheduler lists, none waited
-            # on long
-            await peers.refresh()
-            return await asyncio.gather(*(peers.call(
-                a, lambda a=a: getattr(self.client.rpc(a), HANDLER)(key=p.post.key,
-                                                                    cancel=True))
-                for a in peers.live), return_exceptions=True)
-        try:
-            self.client.sync(send)
-        except Exception:  # the client is closing, or the cluster has no worker left
-            pass
-
-    def _submit(self, func, rows, args, measure: bool = True, steal: bool = False,
-                value: Any = None, post: bool = True) -> _Pass:
-        """The pass as one graph (one message to the scheduler): a task per worker,
-        restricted to it, and the fan-in tree of their sums up to its top level (at most
-        ``split_every`` partial sums, added on the client by :meth:`_wait`); returns the
-        pass, with the top level's futures.
-
-        ``POSTED`` arguments become a :class:`blockflow.ml._post.Posted` placeholder, its
-        value to be posted, where the client reaches the workers (and ``post``); else
-        ``value``. A task
-        reports the seconds it waited for its post in its metadata
-        (:func:`blockflow._distributed.add_task_wait`): the scheduler plugin's speed model
-        counts only its compute.
-
-        One graph rather than a ``client.submit`` per task: the client batches messages
-        that follow one another within 10 ms, so the later workers of a pass would start
-        up to 10 ms after the first."""
-        import dask
-
-        from blockflow.reduction import choose_split_every
-
-        posting, post = post, None
-        if any(a is POSTED for a in args):
-            if posting and self._direct and self._post_ahead:
-                self._install(PostPlugin)
-                post = Posted()
-            args = tuple((post or value) if a is POSTED else a for a in args)
-        by_worker: dict[str, list[int]] = defaultdict(list)
-        for j in sorted(self.placement):
-            if rows is None or len(rows[j]):
-                by_worker[self.placement[j]].append(j)
-        parts = []
-        r0 = self.overhead_rows()
-        plan = None
-        if steal and len(by_worker) > 1:
-            self._install(StealPlugin)
-            plan = self._steal_plan(sorted(by_worker))
-        for a, js in sorted(by_worker.items()):
-            n = sum(self.block_rows[j] if rows is None else len(rows[j]) for j in js)
-            # the shares differ in rows on purpose (so that they last the same): the
-            # scheduler plugin's speed model compares seconds per row, not per task
-            with dask.annotate(workers=[a], allow_other_workers=False,
-                               blockflow_work=n + r0):
-                parts.append(dask.delayed(_run_shard, pure=False)(
-                    func, [self.futures[j] for j in js],
-                    [None if rows is None else rows[j] for j in js], args, plan,
-                    # a warm-up pass (fixed costs, cold) is a group of its own: the speed
-                    # model compares it with nothing
-                    dask_key_name=None if measure else f"blockflow-warmup-{uuid.uuid4().hex}"))
-        k = max(2, self.split_every or choose_split_every(1 << 20, 1 << 30))
-        while len(parts) > k:  # the fan-in tree on the workers: a node sums up to k parts
-            parts = [parts[i] if len(parts[i:i + k]) == 1 else
-                     dask.delayed(_add, pure=False)(*parts[i:i + k])
-                     for i in range(0, len(parts), k)]
-        # the tree's root is the client: it adds the top level's (at most k) partial sums
-        # as each arrives, so only the last one's transfer follows the slowest worker
-        return _Pass(futures=self.client.compute(parts, optimize_graph=False), post=post,
-                     workers=sorted(by_worker), version=self._version, func=func, rows=rows,
-                     steal=bool(steal))
-
-    def _steal_plan(self, workers: list[str]) -> tuple:
-        """A stealing pass's arguments for :func:`blockflow.ml._steal.run_stealing`:
-        ``(pass id, workers, chunks, seconds per row, reserve, peer timeout)``, seconds per
-        row and reserve per worker.
-
-        The reserve is ``steal_reserve``, raised to ``min(2/3, steal_reserve + 2 g)`` for a
-        worker that gave a fraction ``g`` of its rows away in the latest pass (it was
-        behind), and to at least ``steal_reserve_unmeasured`` for a worker no pass of this
-        fit has measured (its share follows a prior). A blockflow heuristic."""
-        # seconds per row of each worker's latest passes (k_a of the pass model): how
-        # its rows compare with a thief's before its first chunk is timed
-        spr = self._throughput.measured_seconds_per_unit()
-        reserve = {}
-        for a in workers:
-            reserve[a] = min(2 / 3, self.steal_reserve + 2 * self._gave.get(a, 0.0))
-            if a not in spr:
-                # its share follows a prior (the plugin's speed is shrunk towards the
-                # typical one): a larger reserve lets its peers take over a wrong share
-                reserve[a] = max(reserve[a], self.steal_reserve_unmeasured)
-        return (uuid.uuid4().hex, list(workers), self.steal_chunks, spr, reserve,
-                self.peer_timeout)
-
-    def _assigned_rows(self, rows) -> dict[str, int]:
-        """Rows of a pass on each worker's own blocks (before any stealing)."""
-        out: dict[str, int] = defaultdict(int)
-        for j, a in self.placement.items():
-            out[a] += self.block_rows[j] if rows is None else len(rows[j])
-        return dict(out)
-
-    def _install(self, plugin) -> None:
-        """A worker plugin installing a comm handler (:class:`~blockflow.ml._steal.
-        StealPlugin`, :class:`~blockflow.ml._post.PostPlugin`) on every worker, once per
-        cluster: workers that join later get it as they start."""
-        if plugin.name in self._installed:
-            return
-        self.client.register_plugin(plugin(), name=plugin.name)
-        self._installed.add(plugin.name)
-
-    def _wait(self, parts) -> dict:
-        """The sum of the top level's partial sums, each fetched as soon as it is done
-        (:func:`blockflow.scheduling.view.gather_as_done`: a lost worker holding blocks
-        raises :class:`~blockflow.errors.WorkerLostError` naming it)."""
-        got = gather_as_done(parts, alive=self._workers, needed=set(self.placement.values()),
-                             poll=self.poll, get=self._fetch)
-        return _add(*got)
-
-    def _fetch(self, future):
-        """A finished partial sum, straight from its worker where the client can reach
-        the workers (``blockflow.ml.direct-gather``), else through the scheduler."""
-        if self._direct:
-            try:
-                return self.client.gather(future, direct=True)
-            except OSError as e:  # distributed's CommClosedError is one
-                if future.status != "finished":
-                    raise
-                warnings.warn(f"blockflow: the client cannot fetch results from the "
-                              f"workers directly ({e}); fetching through the scheduler "
-                              f"from now on. Set blockflow.ml.direct-gather: false where "
-                              f"the workers are out of the client's reach.", RuntimeWarning,
-                              stacklevel=3)
-                self._direct = False
-        return self.client.gather(future)
-
     def _recover(self, lost: set[str]) -> None:
         self.recoveries.append({"time": time.time(), "lost": sorted(lost),
                                 "blocks": sum(a in lost for a in self.placement.values())})
@@ -898,19 +558,6 @@ class ResidentShards:
         self.futures.clear()  # releases the blocks
 
 
-@dataclass(eq=False)
-class _Pass:
-    """A submitted pass: the fan-in's top-level futures and what it was submitted for."""
-
-    futures: list
-    post: Any  # blockflow.ml._post.Posted, or None: the pass carries its arguments
-    workers: list[str]  # the workers running its tasks (each gets the post)
-    version: int  # ResidentShards._version at submission
-    func: Callable
-    rows: Any
-    steal: bool
-
-
 def _peer_timeout(value) -> float:
     t = peer_timeout(value)
     if not (t > 0 and math.isfinite(t)):
@@ -918,9 +565,3 @@ def _peer_timeout(value) -> float:
                          f"got {value!r}; pass it or set blockflow.ml.peer-timeout "
                          f"(\"5s\", say).")
     return t
-
-
-class _PostFailed(Exception):
-    """A post did not reach a live worker: posting is off, the pass is submitted again."""
-
-

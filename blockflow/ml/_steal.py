@@ -1,40 +1,19 @@
 """Work stealing inside a pass: the rows a worker has not started go to an idle peer.
 
-Speed-weighted shares balance what is *predicted*; a step still waits for whichever worker
-the moment slows (a co-tenant's kernel, clocks, a noisy host: on a 2-core host the compute
-time per row of one task varies by 10-20 % from step to step). Inside a pass, each worker's
-task therefore works through its rows in chunks taken from the front of a
-:class:`RowPool`:
-
-1. all but a reserve (a fifth by default) in one kernel call;
-2. then, from its peers' progress (one status round trip) and its own rate in this pass,
-   the time the pass would end if the rows left were balanced over all workers
-   (:meth:`RowPool.set_target`), and the rows of the reserve it can finish by then in one
-   more call: all of them when it is on time, and when it is late, the rest stays at the
-   back for its peers;
-3. past that time, or with no peer to ask, halving chunks, never less than ``1 / chunks``
-   of its rows.
-
-A worker that has finished its own rows asks its peers for rows they have not started,
-taken from the back. The owner of a pool decides under its lock how many rows to give: as
-many as make the thief and the owner finish together, by both their measured seconds per
-row and the round trip (none when handing over would not finish earlier). Every row of the
-pass is still processed exactly once, so the sum over workers is unchanged (up to
-floating-point summation order). Each kernel call costs device time of its own (a fixed
-part, a smaller batch, caches cold after another device's turn), hence the fewest calls
-that still leave a late worker's excess for its peers.
-
-The request goes worker to worker through a comm handler (``blockflow_steal``, installed by
-:class:`StealPlugin`), with the rows' data in the reply: no scheduler round trip, no task.
-A thief asks only the peers the scheduler still lists, and gives up a call as soon as the
-scheduler drops its peer (:class:`~blockflow.ml._peers.Peers`; ``blockflow.ml.peer-timeout``
-bounds the rest): a lost peer costs the pass it belonged to, not distributed's connect
-timeout.
+Speed-weighted shares balance what is predicted; a step still waits for whichever worker
+slows at the moment. Inside a pass each worker's task works through a :class:`RowPool` of
+its rows from the front: all but a reserve in one kernel call, then the reserve rows it can
+finish by the pass's balanced end (:meth:`RowPool.set_target`, from its peers' progress),
+then halving chunks. A worker done with its own rows asks its peers for rows from the back
+of their pools (``blockflow_steal``, a worker-to-worker comm handler served by
+:class:`StealPlugin`, the rows' data in the reply); the owner hands over as many as make
+both finish together (:func:`rows_to_give`). Every row is processed exactly once, so the
+sum is unchanged (up to floating-point summation order). Calls to a lost peer end as soon
+as the scheduler drops it (:class:`~blockflow.ml._peers.Peers`).
 
 Sources: guided self-scheduling (Polychronopoulos and Kuck, IEEE Trans. Computers, 1987)
 for the owner's chunks; work stealing from the back of a victim's queue (Blumofe and
-Leiserson, JACM 1999); the hand-over rule that both finish together is a blockflow
-heuristic.
+Leiserson, JACM 1999); the hand-over rule and the balanced end are blockflow heuristics.
 """
 
 from __future__ import annotations
@@ -48,12 +27,16 @@ from statistics import median
 from typing import Any, Callable
 
 import numpy as np
-from distributed.diagnostics.plugin import WorkerPlugin
+from distributed import get_worker
+from distributed.protocol import to_serialize
+from distributed.utils import sync
 
-from blockflow._distributed import HandlerPlugin
-from blockflow.scheduling.estimate import call_cost  # noqa: F401  (re-exported)
+from blockflow._distributed import HandlerPlugin, call_worker, has_worker_handler
+from blockflow.backends import _block_to_host, array_module
+from blockflow.ml._peers import Peers, peer_timeout
+from blockflow.scheduling.estimate import call_cost
 
-__all__ = ["RowPool", "StealPlugin", "call_cost", "run_stealing"]
+__all__ = ["RowPool", "StealPlugin", "add_values", "rows_to_give", "run_stealing"]
 
 # (pass id, worker address) -> the pool of that worker's task in that pass
 _POOLS: dict[tuple[str, str], RowPool] = {}
@@ -83,10 +66,7 @@ class RowPool:
         Fraction 0-1 of the rows kept out of the owner's first chunk: only those can go to
         a thief. The reserve runs as one more call when the owner is on time for the
         pass's balanced end (:meth:`set_target`), else in chunks up to that end and
-        halving ones after it. Each kernel call costs device time (a fixed part, a smaller
-        batch, cold caches after another device's turn): halving chunks from the start of
-        the reserve (3-4 calls a pass) cost 4-8 % more device time per row on the
-        training benchmark than one call.
+        halving ones after it (each kernel call has a fixed cost).
     fixed : float, default 0.0
         The owner's seconds per kernel call that do not shrink with its rows
         (:func:`call_cost`), counted in its expected time left (each call still to run).
@@ -227,8 +207,6 @@ class RowPool:
 
     def data(self, lo: int, hi: int) -> tuple[Any, Any]:
         """The span's features and labels on the host (to send to a thief)."""
-        from blockflow.backends import _block_to_host
-
         blocks, rows = self.parts(lo, hi)
         xs = [_block_to_host(xb[r]) for (xb, _), r in zip(blocks, rows)]
         ys = [_block_to_host(yb[r]) for (_, yb), r in zip(blocks, rows)]
@@ -256,26 +234,24 @@ def rows_to_give(left: float, unclaimed: int, spr: float | None, thief_spr: floa
     return max(0, min(unclaimed, math.floor((left - overhead) / (spr + t))))
 
 
-def _handler_for(worker):
-    def blockflow_steal(pass_id: str, action: str = "status", spr: float | None = None,
-                        overhead: float = 0.0) -> dict:
-        from distributed.protocol import to_serialize
-
-        pool = _POOLS.get((pass_id, worker.address))
-        if pool is None:  # not started, or done
-            return {"left": 0.0, "rows": 0}
-        if action == "status":
-            return pool.status()
-        span = pool.give(spr, overhead)
-        if span is None:
-            return {"rows": 0}
-        x, y = pool.data(*span)
-        return {"rows": span[1] - span[0], "x": to_serialize(x), "y": to_serialize(y)}
-    return blockflow_steal
+def _serve(worker, pass_id: str, action: str = "status", spr: float | None = None,
+           overhead: float = 0.0) -> dict:
+    """The ``blockflow_steal`` handler: a pool's :meth:`~RowPool.status`, or (``action``
+    ``"claim"``) rows handed to the thief with their data."""
+    pool = _POOLS.get((pass_id, worker.address))
+    if pool is None:  # not started, or done
+        return {"left": 0.0, "rows": 0}
+    if action == "status":
+        return pool.status()
+    span = pool.give(spr, overhead)
+    if span is None:
+        return {"rows": 0}
+    x, y = pool.data(*span)
+    return {"rows": span[1] - span[0], "x": to_serialize(x), "y": to_serialize(y)}
 
 
-class StealPlugin(HandlerPlugin, WorkerPlugin):
-    """Worker plugin installing the ``blockflow_steal`` comm handler (see module doc).
+class StealPlugin(HandlerPlugin):
+    """Worker plugin serving the ``blockflow_steal`` comm handler (see module doc).
 
     Registered by :class:`blockflow.ml.ResidentShards` when a pass may steal
     (``client.register_plugin(StealPlugin(), name="blockflow-steal")``); workers that join
@@ -284,20 +260,18 @@ class StealPlugin(HandlerPlugin, WorkerPlugin):
 
     name = "blockflow-steal"
 
-    op = HANDLER
-
-    def make_handler(self, worker):
-        return _handler_for(worker)
+    def handlers(self):
+        return {HANDLER: _serve}
 
 
-def _add(a, b):
+def add_values(a, b):
     """``a + b`` for arrays, numbers and tuples of them; None (no rows) adds nothing."""
     if a is None:
         return b
     if b is None:
         return a
     if isinstance(a, tuple):
-        return tuple(_add(x, z) for x, z in zip(a, b))
+        return tuple(add_values(x, z) for x, z in zip(a, b))
     return a + b
 
 
@@ -308,24 +282,11 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
     """On a worker: ``func`` over its rows in chunks, then over rows stolen from peers.
 
     ``reserve``: per worker, the fraction of its rows kept out of its first kernel call
-    (see :class:`RowPool`; default 0.2). ``timeout``: seconds a peer the scheduler still
-    lists may take to answer (default ``blockflow.ml.peer-timeout``); peers the scheduler
-    no longer lists are not asked (:class:`~blockflow.ml._peers.Peers`, refreshed while
-    the first chunk runs and whenever a peer is slow to answer). After its first chunk the worker asks its peers'
-    progress once and aims the rest of its rows at the pass's balanced end
-    (:meth:`RowPool.set_target`); a worker done with its rows stays registered, closed, so
-    that its peers see its rate. Returns ``(sum of func's results or None, rows
-    processed, rows stolen, seconds in func, seconds in func on its own rows)``: the
-    fourth is the worker's busy time, without the requests to its peers; the last is what
-    its speed is measured on (stolen rows come in small, cold calls).
+    (see :class:`RowPool`; default 0.2). ``timeout``: seconds a listed peer may take to
+    answer (default ``blockflow.ml.peer-timeout``). Returns ``(sum of func's results or
+    None, rows processed, rows stolen, seconds in func, seconds in func on its own
+    rows)``; the last is what its speed is measured on.
     """
-    from distributed import get_worker
-    from distributed.utils import sync
-
-    from blockflow._distributed import call_worker, has_worker_handler
-    from blockflow.backends import array_module
-    from blockflow.ml._peers import Peers, peer_timeout
-
     worker = get_worker()
     me = worker.address
     # this worker's fixed seconds per call of this kernel (a GLM's and a CNN's differ)
@@ -362,7 +323,7 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
     try:
         while (span := pool.take_front()) is not None:
             t0 = time.perf_counter()
-            total = _add(total, func(*pool.parts(*span), *args))
+            total = add_values(total, func(*pool.parts(*span), *args))
             calls.append((span[1] - span[0], time.perf_counter() - t0))
             pool.finished(*calls[-1])
             done += span[1] - span[0]
@@ -407,7 +368,7 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
                 return total, done + stolen, stolen, busy, pool.busy
             t0 = time.perf_counter()
             x, y = xp.asarray(got["x"]), xp.asarray(got["y"])
-            total = _add(total, func([(x, y)], [None], *args))
+            total = add_values(total, func([(x, y)], [None], *args))
             seconds = time.perf_counter() - t0
             calls.append((int(got["rows"]), seconds))
             busy += seconds

@@ -27,7 +27,8 @@ from distributed import default_client
 from blockflow.backends import array_module as _xp
 from blockflow.errors import ConvergenceWarning, check_number
 from blockflow.ml._finite import FiniteCheck, column_names, drop_setting
-from blockflow.ml._shards import ResidentShards, as_row_blocks
+from blockflow.ml._rows import as_row_blocks
+from blockflow.ml._shards import ResidentShards
 
 __all__ = ["LinearRegression", "LogisticRegression", "PoissonRegression"]
 

@@ -1,19 +1,13 @@
 """Data-parallel training of a PyTorch module over row-chunked Dask collections.
 
-Each step: the current parameters go to the workers; each worker sums per-sample gradients
-(autograd on ``loss x n``) over the step's rows of the blocks it holds; the sums are added by
-a fan-in tree (sample-count weighted: the total is divided by the step's sample count); the
-optimizer steps on the client; the new parameters are posted straight to the next step's
-tasks, which the scheduler placed on the workers while this step ran (:mod:`blockflow.ml._post`:
-the scheduler is off a step's critical path). Data stays on the workers across epochs (:class:`blockflow.ml.ResidentShards`), each worker's share
-following its speed, so the update is exactly the mini-batch gradient whatever the
-placement (up to floating-point summation order).
-
-Mini-batches are *stratified by block* and do not depend on placement: in epoch ``e`` block
-``j`` is permuted by a generator seeded with ``(seed, e, j)`` and step ``k`` of ``S`` takes
-rows ``perm[floor(k n_j / S) : floor((k+1) n_j / S)]`` of every block (see
-:func:`batch_schedule`), so a run is deterministic under its seed, on any number of workers,
-and after a lost worker.
+Synchronous data parallelism (as PyTorch DDP), with speed-weighted resident shards
+(:class:`blockflow.ml.ResidentShards`). Each step each worker sums per-sample gradients
+(autograd on ``loss x n``) over the step's rows of the blocks it holds; a fan-in tree adds
+the sums, divided by the step's sample count; the optimizer steps on the client and the new
+parameters are posted straight to the next step's tasks, already waiting on the workers
+(:mod:`blockflow.ml._post`). The update is the mini-batch gradient whatever the placement
+(up to floating-point summation order). Mini-batches are stratified by block and seeded
+(:func:`batch_schedule`), so a run is deterministic on any number of workers.
 """
 
 from __future__ import annotations
@@ -27,11 +21,15 @@ from collections import defaultdict
 from typing import Any, Callable, Iterator
 
 import numpy as np
+from distributed import default_client
 
+from blockflow import config
+from blockflow.errors import check_number, describe
 from blockflow.ml._finite import FiniteCheck, column_names, drop_setting
 from blockflow.ml._pickling import FIX_TRAIN, dumps_or_explain
 from blockflow.ml._post import POSTED
-from blockflow.ml._shards import ResidentShards, as_row_blocks
+from blockflow.ml._rows import as_row_blocks
+from blockflow.ml._shards import ResidentShards
 
 __all__ = ["DataParallelTrainer", "batch_schedule"]
 
@@ -58,9 +56,8 @@ def batch_schedule(block_rows, batch_size: int, epoch: int, seed: int = 0
     -----
     Each block's rows are permuted (seeded by ``seed``, ``epoch`` and the block index) and
     row ``i`` of block ``j`` goes to step ``floor((i + u_j) x steps / n_j)``, ``u_j`` a
-    seeded phase in [0, 1): every block gives every step its share, give or take one row,
-    and blocks with fewer rows than the epoch has steps spread them over its steps instead
-    of all landing on the same ones. Stratified sampling by block; a blockflow heuristic.
+    seeded phase in [0, 1): every block gives every step its share, give or take one row.
+    Stratified sampling by block; a blockflow heuristic.
     """
     n = int(sum(block_rows))
     steps = max(1, math.ceil(n / batch_size))
@@ -68,10 +65,7 @@ def batch_schedule(block_rows, batch_size: int, epoch: int, seed: int = 0
     for j, r in enumerate(block_rows):
         rng = np.random.default_rng([seed, epoch, j])
         perms.append(rng.permutation(r))
-        # Row i of block j goes to step floor((i + u_j) steps / n_j), u_j a seeded phase in
-        # [0, 1): each block gives every step its share, give or take a row, and blocks
-        # smaller than the number of steps spread their rows over the epoch (without the
-        # phase they all cut at the same points: most steps got no row and one got all).
+        # the phase spreads a block smaller than the number of steps over the epoch
         u = rng.random()
         cuts.append([min(max(math.ceil(k * r / steps - u), 0), r) for k in range(steps + 1)])
     for k in range(steps):
@@ -83,11 +77,8 @@ def _probe_split(rows: list[np.ndarray], fraction: float,
     """A step's rows as (probe, rest): ``fraction`` of every worker's rows in this step
     (rounded up: at least one row per worker), taken a row at a time from each of its
     blocks in turn, then the others; one pass when the probe would be the whole step.
-
-    Rounding per worker, not per block: with few rows per block and step, a share of each
-    block rounds to nothing (no probe at all) or to a whole row (a probe far larger than
-    asked), and the probe, run on equal shards, waits for the slowest worker.
-    ``placement`` maps block index to worker (default: all blocks on one worker).
+    Rounded per worker, not per block, so that few rows per block still give a probe of
+    the size asked. ``placement`` maps block index to worker (default: all on one).
     """
     by_worker: dict[Any, list[int]] = {}
     for j in range(len(rows)):
@@ -198,11 +189,8 @@ class DataParallelTrainer:
         after each of the first 3 steps, so that shares follow speeds from the start).
     block_hook : callable, optional
         ``block_hook(seconds, cpu_seconds, rows)`` called on the worker after each gradient
-        call with its elapsed seconds, the CPU seconds of the thread that ran it (the
-        kernel's own compute, with PyTorch's intra-op threads set to 1 as one process per
-        device has; not the worker's event loop, which answers peers and the scheduler
-        meanwhile) and its rows (used by benchmarks and tests to scale compute by a
-        simulated device's speed).
+        call with its elapsed seconds, the CPU seconds of the thread that ran it, and its
+        rows (benchmarks use it to scale compute by a simulated device's speed).
     callback : callable, optional
         ``callback(trainer, record) -> bool``, called after each step with the step's
         history record; returning True stops training.
@@ -211,17 +199,12 @@ class DataParallelTrainer:
         scheduler plugin), the first step runs as two passes: this fraction (0-1) of every
         worker's rows of the step (at least one row each) on equal shards, whose timings set
         the speed-weighted shares for the rest of the step (the sum of the two passes is the
-        step's gradient). The probe waits for the slowest worker, so it is kept small: a
-        quarter of the rows cost 0.45 s of a 12 s run on devices of speeds 1 to 0.25. A
-        warm-up pass of one row per worker, whose result is dropped, runs before it, so that
-        the probe times warm workers. Without it, a whole first step would wait for the slowest
-        worker on an equal shard (a blockflow heuristic).
+        step's gradient). A warm-up pass of one row per worker, its result dropped, runs
+        first. A blockflow heuristic.
     steal : bool, optional
         Work stealing inside each step: a worker done with its rows takes rows a peer has
-        not started (worker to worker, the rows' data in the reply), so that a step ends
-        when its work does although a device slowed this step (a co-tenant, clocks, a noisy
-        host: speed-weighted shares balance only what is predicted). The gradient is the
-        same sum over the same rows. Default ``blockflow.ml.steal`` (True) with
+        not started (worker to worker), so that a step ends when its work does although a
+        device slowed. The gradient is the same sum over the same rows. Default ``blockflow.ml.steal`` (True) with
         ``sharding="speed"``; never with ``sharding="equal"`` unless asked (that is the
         synchronous equal-shard baseline). See :mod:`blockflow.ml._steal`.
     drop_nonfinite : bool, optional
@@ -260,11 +243,8 @@ class DataParallelTrainer:
                  block_hook: Callable | None = None, callback: Callable | None = None,
                  probe_fraction: float = 0.1, steal: bool | None = None,
                  drop_nonfinite: bool | None = None):
-        from blockflow.errors import check_number, describe
-
         f = "blockflow.ml.DataParallelTrainer"
-        # every argument is checked here, before any work (batch_size=0 was a
-        # ZeroDivisionError in the first step)
+        # every argument is checked here, before any work
         batch_size = check_number(batch_size, "batch_size", f, "samples per step",
                                   integer=True, low=1)
         epochs = check_number(epochs, "epochs", f, "passes over the rows", integer=True,
@@ -315,11 +295,9 @@ class DataParallelTrainer:
         ValueError
             If shapes disagree, the model has no trainable parameters, or ``X``/``y``
             hold a NaN or an infinity (unless ``drop_nonfinite``): the message names the
-            first one's column or label, block and row. The check runs in the task that
-            makes each block resident, not as a pass of its own.
+            first one's column or label, block and row.
         """
         import torch
-        from distributed import default_client
 
         # the module travels to every worker (scatter): refuse one that cannot, before
         # anything is scheduled, as blockflow.predict and Router do
@@ -333,7 +311,6 @@ class DataParallelTrainer:
                              "some before training.")
         opt = (self.optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(params)
         token = uuid.uuid4().hex
-        from blockflow import config
         steal = (bool(config.get("ml.steal")) and self.sharding == "speed"
                  if self.steal is None else bool(self.steal))
         [model_future] = client.scatter([self.model], broadcast=True, hash=False)

@@ -20,7 +20,8 @@ from distributed.utils_test import gen_cluster
 from loadaware import scaled
 
 from blockflow.ml._shards import ResidentShards
-from blockflow.ml._steal import RowPool, call_cost, rows_to_give
+from blockflow.ml._steal import RowPool, rows_to_give
+from blockflow.scheduling.estimate import call_cost
 
 N = 240
 
@@ -237,7 +238,7 @@ def test_a_pass_that_steals_sums_every_row_once(processes):
 def test_a_pass_steals_only_where_a_peer_is_registered():
     """Without the worker plugin (a pass that does not steal never installs it), a chunked
     pass still processes every row, on its own worker."""
-    from blockflow.ml._shards import _run_shard
+    from blockflow.ml._passes import _run_shard
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
@@ -308,7 +309,7 @@ def test_a_thief_never_asks_a_peer_that_is_no_longer_a_worker():
     answer up to 10 s, twice: a 20-42 s training step after a lost worker)."""
     import dask
 
-    from blockflow.ml._shards import _run_shard
+    from blockflow.ml._passes import _run_shard
     from blockflow.ml._steal import StealPlugin
 
     gone, accepted, close = _silent_server()

@@ -17,7 +17,7 @@ import math
 import time
 
 from blockflow.errors import WorkerLostError
-from blockflow.ml.parallel import _stage
+from blockflow.ml.parallel import _placement, _stage
 
 __all__ = ["checkpoint", "holder", "recover"]
 
@@ -64,7 +64,7 @@ def recover(pipe, lost: set[str], what: str) -> list[str]:
     for s, w in enumerate(pipe.stage_workers):
         if w in alive:
             placed[w] = placed.get(w, 0) + pipe._stage_bytes[s]
-    capacity = {w: c for w, c in pipe._capacity().items() if w in alive}
+    capacity = {w: c for w, c in _placement.capacity(pipe).items() if w in alive}
     for w in alive - set(capacity):
         capacity[w] = math.inf
     moves, rebuilt = {}, []
@@ -101,7 +101,7 @@ def recover(pipe, lost: set[str], what: str) -> list[str]:
         own, copy = pipe._ckpt[s]
         if s in moves:
             futs.append(pipe.client.submit(
-                _stage.install, pipe._keys[s], pipe._stage_payload(s), pipe.optimizer,
+                _stage.install, pipe._keys[s], _placement.stage_payload(pipe, s), pipe.optimizer,
                 pipe.loss_fn, pipe.seed, s, copy, workers=[moves[s]],
                 allow_other_workers=False, pure=False))
         else:

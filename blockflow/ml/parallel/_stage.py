@@ -1,41 +1,41 @@
 """Pipeline stages on their workers: the worker-side half of :class:`PipelineParallel`.
 
 A stage (a ``torch.nn.Sequential`` of the model's modules, its optimizer and loss) is
-installed once on its worker by one task and kept there in a per-process registry keyed by
-``(worker address, stage key)``, as :mod:`blockflow.ml._post` keeps its slots and
-:mod:`blockflow.ml.inference` its models: in-process workers share the module, each sees
-its own entries. Tasks name the stage by key; the modules, the activations and autograd
-graph of micro-batches between their forward and backward (the *stash*), the gradients and
-the optimizer state never leave the worker. Only activations, their gradients, losses,
-checkpoints (every k steps) and ``state_dict()`` travel.
+installed once on its worker and kept in a per-process registry keyed by ``(worker
+address, stage key)`` (in-process workers share the module). The modules, the activations
+and autograd graph of micro-batches between their forward and backward (the *stash*), the
+gradients and the optimizer state never leave the worker; activations, their gradients,
+losses, checkpoints and ``state_dict()`` travel.
 
 A step is one task per stage (:func:`run`): the stage runs its schedule's forward and
 backward passes as a loop on its worker, and sends each micro-batch's activation to the
 next stage's worker, and its input gradient to the previous stage's, **worker to worker**
-(``blockflow_pipeline``, a worker comm handler installed by :class:`PipePlugin`, into that
-stage's mailbox); no scheduler or client round trip per micro-batch. The loop waits for
-its inputs out of the worker's thread pool (seceded), so two stages on one worker (after a
-rebuild) both run; it ends early when the client cancels the step (a lost worker), and
-after ``blockflow.parallel.stage-wait`` (300 s) without an input with an error naming the
-stage.
+(``blockflow_pipeline``, a comm handler served by :class:`PipePlugin`, into that stage's
+mailbox). The loop waits for its inputs seceded from the worker's thread pool, so two
+stages on one worker both run; it ends when the client cancels the step, or with an error
+naming the stage after ``blockflow.parallel.stage-wait`` (300 s) without an input.
 
 Every function here runs on a worker (shipped by reference, no closures).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
 import time
 from typing import Any, Callable, Sequence
 
-from distributed.diagnostics.plugin import WorkerPlugin
+import cloudpickle
+import numpy as np
+from distributed import secede
+from distributed.protocol import to_serialize
 
 from blockflow import _distributed
 from blockflow._distributed import HandlerPlugin
 
-__all__ = ["HANDLER", "PipePlugin", "install", "run", "cancel", "checkpoint", "restore",
-           "state", "drop", "probe", "held_bytes", "peaks"]
+__all__ = ["HANDLER", "PipePlugin", "checkpoint", "deliver", "drop", "has_handler", "hold",
+           "install", "peaks", "probe", "restore", "run", "state"]
 
 HANDLER = "blockflow_pipeline"
 #: Seconds a stage waits for one input (an activation or a gradient) before it gives up,
@@ -121,8 +121,6 @@ def install(key: str, payload: bytes, optimizer, loss_fn, seed: int, index: int,
             ckpt: bytes | None = None) -> int:
     """Build the stage from ``payload`` (its pickled ``nn.Sequential``) on this worker, from
     checkpoint ``ckpt`` when given; returns its bytes of parameters (+ optimizer state)."""
-    import cloudpickle
-
     stage = _Stage(cloudpickle.loads(payload), optimizer, loss_fn, seed, index)
     if ckpt is not None:
         _load(stage, ckpt)
@@ -140,7 +138,6 @@ def drop(key: str) -> None:
 
 
 def _as_tensor(x):
-    import numpy as np
     import torch
 
     if isinstance(x, torch.Tensor):
@@ -150,8 +147,6 @@ def _as_tensor(x):
 
 def _seeded(stage: _Stage, step: int, j: int):
     """A context holding torch's generator seeded for (stage, step, micro-batch)."""
-    import contextlib
-
     import torch
 
     if not stage.dropout or not stage.module.training:
@@ -308,36 +303,27 @@ def deliver(address: str, key: str, token: str, kind: str | None = None,
     _box(address, key).put(token, kind, j, value, cancel)
 
 
-def _handler_for(worker):
-    def blockflow_pipeline(key: str, token: str, kind: str | None = None,
-                           j: int | None = None, value: Any = None,
-                           cancel: bool = False) -> str:
-        deliver(worker.address, key, token, kind, j, value, cancel)
-        return "OK"
-    return blockflow_pipeline
+def _serve(worker, key: str, token: str, kind: str | None = None, j: int | None = None,
+           value: Any = None, cancel: bool = False) -> str:
+    deliver(worker.address, key, token, kind, j, value, cancel)
+    return "OK"
 
 
-class PipePlugin(HandlerPlugin, WorkerPlugin):
-    """Worker plugin installing the ``blockflow_pipeline`` comm handler (activations and
+class PipePlugin(HandlerPlugin):
+    """Worker plugin serving the ``blockflow_pipeline`` comm handler (activations and
     gradients sent from stage to stage, and cancellations from the client), on every
     worker, those that join later included."""
 
     name = "blockflow-pipeline"
-    op = HANDLER
 
-    def make_handler(self, worker):
-        return _handler_for(worker)
+    def handlers(self):
+        return {HANDLER: _serve}
 
 
 def has_handler(dask_worker=None) -> bool:
     """Whether this worker serves ``blockflow_pipeline`` (``client.run`` passes
     ``dask_worker``)."""
     return dask_worker is not None and _distributed.has_worker_handler(dask_worker, HANDLER)
-
-
-def cancel(key: str, token: str) -> None:
-    """Cancel step ``token`` of stage ``key`` on this worker (its loop ends)."""
-    deliver(_here(), key, token, cancel=True)
 
 
 def run(key: str, token: str, step: int, plan: dict, inputs: Sequence | None = None,
@@ -362,9 +348,6 @@ def run(key: str, token: str, step: int, plan: dict, inputs: Sequence | None = N
         waiting for inputs), ``cancelled``, and in training what the step's end gives
         (``loss``, ``peak_stash``, ``grads``, ``bytes``).
     """
-    from distributed import secede
-    from distributed.protocol import to_serialize
-
     stage = _get(key)
     worker = _distributed.current_worker()
     address = _here()
@@ -468,14 +451,6 @@ def state(key: str) -> dict:
     return {k: v.detach().cpu().clone() for k, v in _get(key).module.state_dict().items()}
 
 
-def held_bytes() -> dict:
-    """This worker's stages: key -> bytes of parameters, gradients and optimizer state."""
-    address = _here()
-    with _LOCK:
-        return {k: _tensor_bytes(s.module, s.optimizer) for (a, k), s in _STAGES.items()
-                if a == address}
-
-
 def peaks(reset: bool = False, dask_worker=None) -> int:
     """Most bytes of parameters, gradients and optimizer state this worker held at once
     (``client.run`` passes ``dask_worker``)."""
@@ -493,7 +468,6 @@ def probe(payloads: Sequence[bytes], x, repeats: int, optimizer) -> tuple[list, 
     timed passes after a warm-up), its bytes of parameters, gradients and optimizer
     state after one optimizer step, and the bytes of its output on ``x``; one module loaded
     at a time."""
-    import cloudpickle
     import torch
 
     times, sizes, outs = [], [], []
@@ -524,10 +498,6 @@ def probe(payloads: Sequence[bytes], x, repeats: int, optimizer) -> tuple[list, 
         h = y.detach()
         del module, opt
     return times, sizes, outs
-
-
-def _noop(*_args) -> None:
-    return None
 
 
 def hold(value: Any) -> Any:

@@ -1,18 +1,8 @@
 """Splitting a model between workers: shard widths by free memory, stages by measured speed.
 
-Both are plain functions of plain data (no cluster), so they are tested exhaustively:
-
-* :func:`shard_widths`: the hidden width of a tensor-parallel layer pair split in proportion
-  to each worker's free device memory (largest-remainder rounding), each shard within its
-  worker's budget;
-* :func:`partition_stages`: layers grouped into contiguous pipeline stages, one per worker,
-  minimising the step's time from each layer's *measured* time on each worker: the slowest
-  stage's ``m - 1`` micro-batches plus one micro-batch's way through every stage and back
-  (the bubble) and its hops (:func:`flush_makespan`), by dynamic programming as PipeDream's
-  planner does; the worker order is searched too, exhaustively up to 6 stages;
-* :func:`equal_stages`: the equal-layer-count baseline;
-* :func:`parameter_stages`: DeepSpeed's ``partition_method="parameters"`` baseline (stages
-  of about equal parameter counts, whatever the devices).
+Plain functions of plain data (no cluster): :func:`shard_widths` for tensor parallelism;
+:func:`partition_stages` (dynamic programming as PipeDream's planner) and the baselines
+:func:`equal_stages` and :func:`parameter_stages` (DeepSpeed's) for pipeline stages.
 """
 
 from __future__ import annotations

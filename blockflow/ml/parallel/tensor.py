@@ -13,15 +13,13 @@ are summed:
   its own heads, and the output projection is split by the same heads' columns
   (row-parallel).
 
-Each shard is a ``torch.nn.Module`` installed once on its worker (a per-process registry
-keyed by worker address and shard key, as pipeline stages are kept,
-:mod:`blockflow.ml.parallel._stage`); its forward pass keeps its autograd graph there and
-its backward pass runs ``torch.autograd.backward`` with the output's gradient. On the client,
-:class:`TensorParallel` is a drop-in ``torch.nn.Module`` whose forward and backward are one
-``torch.autograd.Function``: the rest of the model (residuals, LayerNorm) differentiates
-through it as through the original block. Shard widths (hidden columns, or heads) are
-proportional to each worker's free device memory
-(:func:`~blockflow.parallel.partition.shard_widths`), uneven where they do not divide.
+Each shard is a ``torch.nn.Module`` kept on its worker (keyed by worker address and shard
+key); its forward pass keeps its autograd graph there and its backward pass runs
+``torch.autograd.backward`` with the output's gradient. On the client,
+:meth:`TensorParallel.as_module` is a drop-in ``torch.nn.Module`` whose forward and
+backward are one ``torch.autograd.Function``, so the rest of the model differentiates through it. Shard
+widths (hidden columns, or heads) follow each worker's free device memory
+(:func:`~blockflow.parallel.partition.shard_widths`).
 """
 
 from __future__ import annotations
@@ -32,12 +30,14 @@ import threading
 import uuid
 from typing import Callable, Mapping, Sequence
 
+import cloudpickle
 import numpy as np
 
 from blockflow import config
+from blockflow.errors import WorkerLostError
 from blockflow.ml.parallel._stage import _device, _here  # where a shard lives, its device
 from blockflow.ml.parallel.partition import shard_widths
-from blockflow.scheduling.view import gather_as_done, worker_memory
+from blockflow.scheduling.view import gather_as_done, worker_memory, workers_info
 
 __all__ = ["TensorParallel", "free_device_memory"]
 
@@ -64,11 +64,7 @@ _SHARDS: dict[tuple[str, str], dict] = {}
 _LOCK = threading.Lock()
 
 
-
-
 def _install(key: str, payload: bytes, optimizer) -> int:
-    import cloudpickle
-
     module = cloudpickle.loads(payload).to(_device())
     opt = optimizer(list(module.parameters())) if optimizer is not None else None
     with _LOCK:
@@ -265,7 +261,6 @@ class TensorParallel:
     def __init__(self, client, module, *, workers: Sequence[str] | None = None,
                  widths=None, memory_fraction: float | None = None,
                  optimizer: Callable | None = None):
-        import cloudpickle
         import torch
 
         self.client = client
@@ -335,12 +330,9 @@ class TensorParallel:
     # --- passes --------------------------------------------------------------------------
 
     def _alive(self):
-        from blockflow.scheduling.view import workers_info
         return set(workers_info(self.client))
 
     def _gather(self, futures: list, what: str) -> list:
-        from blockflow.errors import WorkerLostError
-
         index = {f.key: i for i, f in enumerate(futures)}
         out: list = [None] * len(futures)
 
