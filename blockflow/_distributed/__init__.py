@@ -34,7 +34,10 @@ Modules, by side (every public name is re-exported here: ``_distributed.<name>``
     current worker and task, task threads, the executor, the quiet-close filter.
 :mod:`~blockflow._distributed.client`
     Client-side helpers: :func:`data_holders`, :class:`SchedulerProgress`,
-    :func:`start_spec_workers` (a SpecCluster's new workers, failures raised).
+    :func:`in_notebook_kernel`.
+:mod:`~blockflow._distributed.deploy`
+    A SpecCluster's private hooks: :func:`start_spec_workers` (new workers, failures raised),
+    :func:`correct_state_soon`, :func:`replace_adaptive`.
 :mod:`~blockflow._distributed.graph`
     Dask's task-spec nodes (``dask._task_spec``): fusion aliases.
 :mod:`~blockflow._distributed.nvml`
@@ -80,7 +83,9 @@ Dashboard (extensions; checked by :func:`check_dashboard`)
     ``distributed.dashboard.components.add_periodic_callback``,
     ``distributed.dashboard.components.scheduler.BOKEH_THEME`` / ``env``.
 Client (client)
-    ``ProgressBar._draw_bar`` (overridden).
+    ``ProgressBar._draw_bar`` (overridden), ``distributed.utils.is_kernel``.
+SpecCluster (deploy)
+    ``SpecCluster._correct_state``, ``Cluster._adaptive``, ``distributed.utils.NoOpAwaitable``.
 NVML (nvml)
     ``distributed.diagnostics.nvml._parse_cuda_visible_device``, ``_get_handle``,
     ``_get_memory_total``, ``_get_name``.
@@ -121,9 +126,10 @@ from blockflow._distributed.client import (
     call_scheduler_handler,
     data_holders,
     has_scheduler_plugin,
+    in_notebook_kernel,
     is_gc_diagnosis_callback,
-    start_spec_workers,
 )
+from blockflow._distributed.deploy import correct_state_soon, replace_adaptive, start_spec_workers
 from blockflow._distributed.extensions import (
     AMMPolicy,
     MemorySuggestion,
@@ -296,6 +302,7 @@ __all__ = [
     "check_worker_state",
     "clean_number",
     "client_handshake",
+    "correct_state_soon",
     "current_task_key",
     "current_worker",
     "current_worker_resources",
@@ -314,6 +321,7 @@ __all__ = [
     "hold_tasks",
     "http_prefix",
     "import_object",
+    "in_notebook_kernel",
     "input_holders",
     "install_worker_handlers",
     "is_gc_diagnosis_callback",
@@ -339,6 +347,7 @@ __all__ = [
     "remove_worker_handler",
     "remove_worker_metric",
     "renamed_task",
+    "replace_adaptive",
     "request_backup",
     "restrict_task",
     "retire_idle_worker",

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from distributed.diagnostics.progressbar import ProgressBar
+from distributed.utils import is_kernel
 
 __all__ = ["SchedulerProgress", "call_scheduler_handler", "data_holders", "has_scheduler_plugin",
-           "is_gc_diagnosis_callback", "start_spec_workers"]
-
+           "in_notebook_kernel", "is_gc_diagnosis_callback"]
 
 
 def is_gc_diagnosis_callback(obj) -> bool:
@@ -27,30 +27,9 @@ def is_gc_diagnosis_callback(obj) -> bool:
     return getattr(obj, "__func__", None) is GCDiagnosis._gc_callback
 
 
-def start_spec_workers(cluster) -> None:
-    """Start the workers of a ``distributed.deploy.SpecCluster`` (dask-jobqueue's clusters)
-    whose specs were added to ``cluster.worker_spec``, and wait until each started or failed.
-
-    ``SpecCluster.scale`` does the same in the background, where a worker that fails to
-    start (a job the queue refuses) is only logged; here its exception is raised
-    (``SpecCluster._correct_state``, internal, awaited as the cluster's constructor does).
-    """
-    correct_state = getattr(cluster, "_correct_state", None)
-    if not callable(correct_state):
-        from blockflow._distributed.checks import _fail
-
-        _fail("SpecCluster._correct_state (starting a cluster's new workers)")
-    try:
-        cluster.sync(correct_state)
-    except Exception:
-        from distributed.core import Status
-
-        # a worker whose start raised (its job refused) stays "created", and SpecCluster's
-        # close asserts that every worker it created has closed or failed
-        for w in list(cluster.workers.values()):
-            if getattr(w, "status", None) == Status.created:
-                w.status = Status.failed
-        raise
+def in_notebook_kernel() -> bool:
+    """Whether this process runs inside a Jupyter/IPython kernel (``distributed.utils.is_kernel``)."""
+    return is_kernel()
 
 
 def data_holders(client, futures) -> dict:

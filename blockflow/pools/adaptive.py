@@ -108,6 +108,7 @@ class PoolAdaptive(Adaptive):
         self.retired: list[str] = []  # names of the workers the scheduler retired
         self._leaving: set[str] = set()  # retired on the scheduler, not gone from it yet
         self.checks = 0  # scaling checks done (every one, whether it changed anything)
+        self._pool_check_running = False
         super().__init__(cluster, interval=interval, minimum=sum(b[0] for b in bounds.values()),
                          maximum=sum(b[1] for b in bounds.values()), wait_count=wait_count,
                          target_duration=target_duration, **kwargs)
@@ -127,13 +128,13 @@ class PoolAdaptive(Adaptive):
     async def adapt(self) -> None:
         """One check: ask the scheduler for each pool's target, start the workers a pool
         lacks, forget the workers it retired."""
-        if self._adapting:
+        if self._pool_check_running:
             return
-        self._adapting = True
+        self._pool_check_running = True
         try:
             await self._adapt_pools()
         finally:
-            self._adapting = False
+            self._pool_check_running = False
 
     async def _adapt_pools(self) -> None:
         cluster = self.cluster

@@ -24,6 +24,7 @@ from typing import Any
 
 from distributed import Nanny, Scheduler, SpecCluster, Worker
 
+from blockflow._distributed import correct_state_soon, replace_adaptive
 from blockflow.pools.pool import Pool
 
 __all__ = ["PoolCluster"]
@@ -287,11 +288,7 @@ class PoolCluster(SpecCluster):
             elif self.status.name not in ("closing", "closed"):
                 for _ in range(k - len(names)):
                     self.worker_spec.update(self.new_pool_worker_spec(p))
-        self.loop.add_callback(self._correct_state)
-        if self.asynchronous:
-            from distributed.utils import NoOpAwaitable
-
-            return NoOpAwaitable()
+        return correct_state_soon(self)
 
     def _spread(self, n: int) -> dict[str, int]:
         sizes = self.pool_sizes
@@ -328,10 +325,7 @@ class PoolCluster(SpecCluster):
         from blockflow.pools.adaptive import PoolAdaptive
 
         cls = Adaptive or PoolAdaptive
-        if getattr(self, "_adaptive", None) is not None:
-            self._adaptive.stop(reason="adapt-called")
-        self._adaptive = cls(self, pools=pools, **kwargs)
-        return self._adaptive
+        return replace_adaptive(self, lambda: cls(self, pools=pools, **kwargs))
 
 
 def _index(name) -> int:

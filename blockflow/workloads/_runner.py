@@ -31,9 +31,8 @@ import time
 from typing import Any, Callable, Mapping, TypeVar
 
 from distributed import futures_of
-from distributed.utils import is_kernel
 
-from blockflow._distributed.client import SchedulerProgress
+from blockflow._distributed.client import SchedulerProgress, in_notebook_kernel
 from blockflow.blockwise import check_retries
 from blockflow.scheduling.view import gather_results, wait_for
 from blockflow.io import atomic_output_dir, write_manifest
@@ -69,7 +68,7 @@ def show_progress(progress: bool | None) -> bool:
     """Whether to show progress bars: as asked, or (None) in a Jupyter kernel or when stderr
     (where the terminal bars go) is a terminal."""
     if progress is None:
-        return is_kernel() or bool(getattr(sys.stderr, "isatty", lambda: False)())
+        return in_notebook_kernel() or bool(getattr(sys.stderr, "isatty", lambda: False)())
     return bool(progress)
 
 
@@ -83,7 +82,7 @@ def _columns(stream) -> int:
 
 def _notebook_bars() -> bool:
     """In a Jupyter kernel with ipywidgets: tqdm's widget bar works."""
-    return is_kernel() and importlib.util.find_spec("ipywidgets") is not None
+    return in_notebook_kernel() and importlib.util.find_spec("ipywidgets") is not None
 
 
 def _run_record(client, run_id: str) -> dict[str, Any] | None:
@@ -110,7 +109,7 @@ def new_bar(label: str, total: int | None, unit: str):
         return tqdm(total=total, desc=label, unit=unit), False
     from tqdm import tqdm
 
-    if is_kernel():  # no ipywidgets: one line at the end, never escape codes
+    if in_notebook_kernel():  # no ipywidgets: one line at the end, never escape codes
         return tqdm(total=total, desc=label, disable=True), True
     # a terminal that reports no width (a fresh pseudo-terminal) would get empty bars
     width = {"dynamic_ncols": True} if _columns(sys.stderr) else {"ncols": 100}
