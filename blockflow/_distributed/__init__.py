@@ -18,8 +18,12 @@ Modules, by side (every public name is re-exported here: ``_distributed.<name>``
     :data:`SUPPORTED`, :func:`check_scheduler`, :func:`check_worker`,
     :func:`check_worker_state`, :func:`check_dashboard`, :class:`IncompatibleSchedulerError`.
 :mod:`~blockflow._distributed.views`
-    The scheduler as plain data: worker and task views, held results, task states, feeders,
-    running tasks, unsatisfiable tasks, prefix durations.
+    The scheduler's workers as plain data: worker views, links, queued count, metadata.
+:mod:`~blockflow._distributed.tasks`
+    The scheduler's tasks as plain data: task views, held results, task states, running
+    and unsatisfiable tasks, prefix durations.
+:mod:`~blockflow._distributed.admission`
+    Feeder tasks (producers feeding resource-bound consumers) and their states.
 :mod:`~blockflow._distributed.actions`
     Actions on the scheduler: worker status, moves, restrictions, hold / release / fail,
     suspending the balancer, callbacks on its loop, backup requests.
@@ -111,7 +115,13 @@ from blockflow._distributed.actions import (
     spawn,
     suspend_work_stealing,
 )
-from blockflow._distributed.admission import FeederStates, feeder_state_view
+from blockflow._distributed.admission import (
+    FeederStates,
+    FeederView,
+    feeder_state_view,
+    feeder_states,
+    feeder_tasks,
+)
 from blockflow._distributed.checks import (
     IncompatibleSchedulerError,
     SUPPORTED,
@@ -180,34 +190,33 @@ from blockflow._distributed.placement import (
     task_working_set,
 )
 from blockflow._distributed.speculation import SpeculationHandlers, import_object
-from blockflow._distributed.views import (
-    FeederView,
+from blockflow._distributed.tasks import (
     HeldResult,
     RunningTask,
     TaskView,
-    WorkerView,
-    WorkerViewCache,
-    bandwidth,
-    feeder_states,
-    feeder_tasks,
+    group_duration,
     held_results,
-    measured_bandwidth,
     input_holders,
     new_task_views,
-    own_utilization_estimate,
-    group_duration,
     prefix_duration,
-    workers_holding_data,
-    queued_count,
     running_tasks,
-    scheduler_metadata,
-    shared_devices,
     task_states,
     unsatisfiable_tasks,
     waiting_tasks,
+)
+from blockflow._distributed.views import (
+    WorkerView,
+    WorkerViewCache,
+    bandwidth,
+    measured_bandwidth,
+    own_utilization_estimate,
+    queued_count,
+    scheduler_metadata,
+    shared_devices,
     worker_addresses,
     worker_names_and_metrics,
     worker_views,
+    workers_holding_data,
 )
 from blockflow._distributed.wire import (
     HEADER_BYTES,

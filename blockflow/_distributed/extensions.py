@@ -16,7 +16,8 @@ from typing import Any
 from distributed.active_memory_manager import ActiveMemoryManagerPolicy, Suggestion
 
 from blockflow._distributed.checks import serves_bokeh_dashboard
-from blockflow._distributed.views import HeldResult, WorkerView, held_results, worker_views
+from blockflow._distributed.tasks import HeldResult, held_results
+from blockflow._distributed.views import WorkerView, worker_views
 
 __all__ = [
     "AMMPolicy",

@@ -6,8 +6,8 @@ processes. With an address it connects to a running scheduler (``dask scheduler`
 dask-jobqueue, dask-kubernetes). Either way blockflow's scheduler plugin is registered.
 ``security=`` gives the connection TLS (``"temporary"``: self-signed credentials made for an
 embedded cluster). The client's view of the running cluster (:func:`plugin_status`,
-:func:`decisions`, :func:`task_counts`, :func:`wait_for`, :func:`gather_results`) lives in
-:mod:`blockflow.scheduling.view`; it is re-exported here.
+:func:`decisions`, :func:`task_counts`; :mod:`blockflow.scheduling.view`) and its waits
+(:func:`wait_for`, :func:`gather_results`; :mod:`blockflow.scheduling.wait`) are re-exported here.
 """
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ from blockflow.scheduling.view import (  # noqa: F401  (re-exported: the public 
     DECISION_COLUMNS,
     SEEN_METRICS,
     decisions,
-    gather_results,
     plugin_status,
     task_counts,
-    wait_for,
 )
+from blockflow.scheduling.wait import gather_results, wait_for  # noqa: F401  (re-exported)
 from blockflow.scheduling.plugin import Rebalancer
 from blockflow.pools.pool import Pool, PoolMember, heartbeat_now
 

@@ -43,13 +43,8 @@ from blockflow.ml._peers import PeerGone, Peers, peer_timeout
 from blockflow.ml._post import POSTED, Posted, PostPlugin
 from blockflow.ml._steal import StealPlugin
 from blockflow.errors import WorkerLostError
-from blockflow.scheduling.view import (
-    gather_as_done,
-    learned_speeds,
-    memory_of,
-    wait_for,
-    worker_memory,
-)
+from blockflow.scheduling.view import learned_speeds, memory_of, worker_memory
+from blockflow.scheduling.wait import gather_as_done, wait_for
 from blockflow.scheduling.estimate import Throughput, earliest_finish
 
 __all__ = ["ResidentShards", "as_row_blocks", "known_rows"]
@@ -861,7 +856,7 @@ class ResidentShards:
 
     def _wait(self, parts) -> dict:
         """The sum of the top level's partial sums, each fetched as soon as it is done
-        (:func:`blockflow.scheduling.view.gather_as_done`: a lost worker holding blocks
+        (:func:`blockflow.scheduling.wait.gather_as_done`: a lost worker holding blocks
         raises :class:`~blockflow.errors.WorkerLostError` naming it)."""
         got = gather_as_done(parts, alive=self._workers, needed=set(self.placement.values()),
                              poll=self.poll, get=self._fetch)

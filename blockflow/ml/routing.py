@@ -56,7 +56,8 @@ from blockflow import config
 from blockflow.scheduling.view import workers_info
 from blockflow.ml.inference import ModelRef, _module, ship_model
 from blockflow._distributed.metrics import read_metrics
-from blockflow.scheduling.view import fetch, fetch_many, learned_speeds, plugin_status
+from blockflow.scheduling.view import learned_speeds, plugin_status
+from blockflow.scheduling.wait import fetch, fetch_many
 from blockflow.scheduling.estimate import Throughput, earliest_finish
 
 __all__ = ["Router"]

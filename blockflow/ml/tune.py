@@ -52,7 +52,8 @@ import numpy as np
 
 from blockflow import _distributed, config
 from blockflow.errors import WorkerLostError
-from blockflow.scheduling.view import declared_speeds, fetch, learned_speeds, wait_any
+from blockflow.scheduling.view import declared_speeds, learned_speeds
+from blockflow.scheduling.wait import fetch, wait_any
 from blockflow.scheduling.estimate import earliest_finish, prior_seconds_per_unit
 
 __all__ = ["TuneResult", "choice", "loguniform", "randint", "sample_configs", "tune",
@@ -689,7 +690,7 @@ class _Tuner:
     @staticmethod
     def _fetch(fut, timeout: float = 10.0):
         """A finished trial's result, or None when it was lost before it was fetched
-        (:func:`blockflow.scheduling.view.fetch`: a trial pinned to a killed worker
+        (:func:`blockflow.scheduling.wait.fetch`: a trial pinned to a killed worker
         would never run again; the tuner hung in CI, a worker SIGKILLed as trials were
         promoted)."""
         try:

@@ -230,14 +230,6 @@ class PoolCluster(SpecCluster):
             raise ValueError(f"PoolCluster: no pool named {pool_name!r}; the pools are "
                              f"{sorted(self.pools)}.") from None
 
-    def pool_of(self, worker_name) -> str | None:
-        """The pool of the worker (or job) named ``worker_name``; None if unknown."""
-        spec = self.worker_spec.get(worker_name)
-        if spec is not None:
-            return spec.get("pool")
-        base = str(worker_name).rsplit("-", 1)[0]
-        return base if base in self.pools else None
-
     def workers_of(self, pool_name: str) -> list[str]:
         """Names of the workers this cluster plans for ``pool_name``."""
         self._pool(pool_name)

@@ -49,7 +49,7 @@ class Pool:
     region : str, default ""
     price : float, optional
         Dollars per worker-hour (>= 0). None: unknown, which a cost objective or a budget
-        refuses (:meth:`check_price`).
+        refuses.
     egress : float, default 0.0
         Dollars per GB (1e9 bytes) leaving this pool's provider.
     speed : float, optional
@@ -103,14 +103,6 @@ class Pool:
     def price_per_second(self) -> float:
         """Dollars per worker-second (0 when the price is unknown)."""
         return (self.price or 0.0) / 3600.0
-
-    def check_price(self, what: str = "a cost objective") -> None:
-        """Raise ``ValueError`` (one line) when the pool has no price, which ``what`` needs."""
-        if self.price is None:
-            raise ValueError(
-                f"blockflow: pool {self.name!r} has no price, which {what} needs; give it one "
-                f"(Pool({self.name!r}, price=<dollars per worker-hour>), or "
-                f"`--preload blockflow.pools.preload --pool {self.name} --price ...`).")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (the worker metric, JSON)."""

@@ -34,7 +34,7 @@ from distributed import futures_of
 
 from blockflow._distributed.client import SchedulerProgress, in_notebook_kernel
 from blockflow.blockwise import check_retries
-from blockflow.scheduling.view import gather_results, wait_for
+from blockflow.scheduling.wait import gather_results, wait_for
 from blockflow.io import atomic_output_dir, write_manifest
 from blockflow.scheduling.runs import new_run_id, run_scope
 

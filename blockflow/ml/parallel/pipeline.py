@@ -36,7 +36,7 @@ its own worker and one on another (a spare worker when there is one). When a sta
 is lost mid-step, the stage is rebuilt on a survivor from its copy, every other stage rolls
 back to the same checkpoint, and :meth:`PipelineParallel.fit` resumes from that step; where
 no survivor has room (or the copy went too), one :class:`~blockflow.errors.WorkerLostError`
-names the stage. Waits go through :func:`~blockflow.scheduling.view.gather_as_done`,
+names the stage. Waits go through :func:`~blockflow.scheduling.wait.gather_as_done`,
 which fails as soon as a needed worker leaves: never a hang.
 
 The **timeline** (per stage and micro-batch: worker, phase, start and stop seconds of the
@@ -75,7 +75,8 @@ from blockflow.ml.parallel.schedule import (
     schedule_order,
     timeline,
 )
-from blockflow.scheduling.view import gather_as_done, worker_memory
+from blockflow.scheduling.view import worker_memory
+from blockflow.scheduling.wait import gather_as_done
 
 __all__ = ["METADATA_KEY", "PipelineParallel", "PipelineResult", "bubble_fraction",
            "schedule_order"]

@@ -37,7 +37,8 @@ import numpy as np
 from blockflow import config
 from blockflow.ml.parallel._stage import _device, _here  # where a shard lives, its device
 from blockflow.ml.parallel.partition import shard_widths
-from blockflow.scheduling.view import gather_as_done, worker_memory
+from blockflow.scheduling.view import worker_memory
+from blockflow.scheduling.wait import gather_as_done
 
 __all__ = ["TensorParallel", "free_device_memory"]
 
