@@ -25,7 +25,8 @@ from blockflow._distributed.metrics import (
     GPU_UTILIZATION,
     POOL_METRIC,
 )
-from blockflow.testing.simulated import PLUGIN_NAME, SimulatedDevice, SimulatedGPU
+from blockflow.testing.simulated import PLUGIN_NAME, SimulatedGPU
+from blockflow.testing.simulated_device import SimulatedDevice
 
 __all__ = ["install_simulated_devices", "simulated_cluster"]
 
