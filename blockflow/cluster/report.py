@@ -15,9 +15,11 @@ import numpy as np
 import pandas as pd
 from dask.utils import format_bytes
 
-from blockflow.scheduling.view import plugin_status
 from blockflow.decompose import BlockResize, recorded_resizes
+from blockflow.pools.plan import plan, run_cost
+from blockflow.pools.pool import Pool
 from blockflow.scheduling.actions import Action
+from blockflow.scheduling.view import plugin_status
 
 __all__ = ["RunReport", "pool_costs", "run_report"]
 
@@ -233,9 +235,6 @@ def pool_costs(client, status: dict | None = None, *, task_log=None,
         the run's tasks per group and the throughput matrix, under its deadline or budget);
         None when no worker reports a pool.
     """
-    from blockflow.pools.plan import plan, run_cost
-    from blockflow.pools.pool import Pool
-
     status = status if status is not None else plugin_status(client)
     by_pool = status.get("pools") or {}
     if not by_pool or set(by_pool) == {"default"}:

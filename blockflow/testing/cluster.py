@@ -16,15 +16,16 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import dask.config
 from dask.utils import parse_timedelta
+from distributed import Client, LocalCluster
 
 from blockflow import _distributed
-from blockflow.scheduling.view import workers_info
 from blockflow._distributed.metrics import (
     GPU_MEMORY_TOTAL,
     GPU_MEMORY_USED,
     GPU_UTILIZATION,
     POOL_METRIC,
 )
+from blockflow.scheduling.view import workers_info
 from blockflow.testing.simulated import PLUGIN_NAME, SimulatedGPU
 from blockflow.testing.simulated_device import SimulatedDevice
 
@@ -76,8 +77,6 @@ async def install_simulated_devices(client_or_scheduler, devices, *, default=Non
     TimeoutError
         If some worker's metrics have not reached the scheduler within ``timeout``.
     """
-    from distributed import Client
-
     plugin = SimulatedGPU(devices, default=default)
     deadline = time.monotonic() + parse_timedelta(timeout)
     if isinstance(client_or_scheduler, Client):
@@ -178,8 +177,6 @@ def simulated_cluster(speeds: Sequence[float] = (1, 1, 0.5, 0.25),
     TimeoutError
         If the metrics do not reach the scheduler within ``timeout``.
     """
-    from distributed import Client, LocalCluster
-
     member = None
     if pools is not None:
         from blockflow.cluster.connection import _pool_members

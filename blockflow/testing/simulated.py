@@ -31,10 +31,14 @@ What is not simulated: transfers (only the small payload moves between workers, 
 from __future__ import annotations
 
 import copy
+import functools
+import math
+import os
 import time
 from typing import Any, Callable, Mapping, Sequence
 
 from dask.sizeof import sizeof
+from distributed import get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from blockflow import _distributed
@@ -162,8 +166,6 @@ def get_device(dask_worker=None) -> SimulatedDevice | None:
     """The simulated device of ``dask_worker`` (default: the worker running this task), or
     None on a plain worker or outside any worker."""
     if dask_worker is None:
-        from distributed import get_worker
-
         try:
             dask_worker = get_worker()
         except ValueError:
@@ -305,9 +307,6 @@ def device_scale(speeds: Sequence[float], fraction: float = 0.7) -> float:
     ValueError
         If ``fraction`` is not in (0, 1].
     """
-    import math
-    import os
-
     if not 0 < fraction <= 1:
         raise ValueError(f"blockflow: fraction must be in (0, 1], got {fraction!r}.")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
@@ -354,8 +353,6 @@ def slowed_to_device_speed(fn: Callable, clock: str = "wall", scale: float = 1.0
         If ``clock`` is not ``"wall"``, ``"cpu"`` or ``"thread"``, or ``scale`` is not
         positive.
     """
-    import functools
-
     if clock not in ("cpu", "wall", "thread"):
         raise ValueError(f"blockflow: clock must be 'wall', 'cpu' or 'thread', got "
                          f"{clock!r}.")

@@ -22,6 +22,7 @@ from dask.sizeof import sizeof
 from dask.utils import parse_bytes, parse_timedelta
 
 from blockflow import _distributed
+from blockflow.core.speculation import cancelled
 
 __all__ = ["OutOfMemoryError", "SimulatedDevice", "SimulatedDeviceBlock",
            "SimulatedOutOfMemoryError", "Tenant"]
@@ -410,8 +411,6 @@ class SimulatedDevice:
         """Sleep until ``work`` reference-seconds are done, re-reading speed, tenant and the
         number of concurrent kernels at least every 50 ms; stop early when this copy of a
         speculated task lost (:func:`blockflow.core.speculation.cancelled`)."""
-        from blockflow.core.speculation import cancelled
-
         remaining = work
         while remaining > 1e-9:
             if cancelled():  # the other copy of this task won: stop, as a real device would

