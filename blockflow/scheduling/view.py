@@ -1,24 +1,11 @@
 """The client's one view of the cluster: what blockflow's scheduler plugin knows.
 
-Runs in the user's process and talks to the scheduler through a ``distributed.Client`` (no
-scheduler object is touched here). Tuning, training, inference routing, parallelism and the
-data kernels read the cluster through these functions rather than each their own:
-
-- :func:`scheduler_identity`, :func:`workers_info`: the scheduler's identity read directly
-  (never the client's shared copy, which its periodic refresh can empty).
-- :func:`plugin_status`, :func:`decisions`, :func:`task_counts`: the plugin's state.
-- :func:`learned_speeds`: the plugin's learned speeds with their confidence, under the one
-  confidence rule (:data:`~blockflow.scheduling.estimate.CONFIDENT`).
-- :func:`worker_memory` / :func:`memory_of`: per-worker host and device memory (total, used,
-  free), built on the one metrics parser, :func:`~blockflow._distributed.metrics.read_metrics`.
-- :func:`declared_speeds`: the devices' nominal relative speeds a fresh cluster already
-  tells (the ``blockflow-capacity`` worker metric), the prior before any work is timed.
-- :class:`ThroughputView`: the one throughput estimator
-  (:class:`~blockflow.scheduling.estimate.Throughput`) with the plugin's speeds as its prior.
-
-Waiting for futures while workers die is :mod:`blockflow.scheduling.wait`;
-the placement arithmetic is :mod:`blockflow.scheduling.estimate` (pure, for scheduler-side
-rules too).
+Runs in the user's process and reads the scheduler through a ``distributed.Client``:
+its identity (:func:`scheduler_identity`, :func:`workers_info`), the plugin's state
+(:func:`plugin_status`, :func:`decisions`, :func:`task_counts`), learned and declared speeds
+(:func:`learned_speeds`, :func:`declared_speeds`), per-worker memory (:func:`worker_memory`)
+and the one throughput estimator (:class:`ThroughputView`). Waiting is
+:mod:`blockflow.scheduling.wait`; placement arithmetic :mod:`blockflow.scheduling.estimate`.
 """
 
 from __future__ import annotations
@@ -56,25 +43,15 @@ __all__ = [
 def plugin_status(client: Client, **kwargs: Any) -> dict[str, Any]:
     """State of blockflow's scheduler plugin: policy, task counts, worker snapshot, decisions.
 
-    Parameters
-    ----------
-    client : distributed.Client
-    **kwargs
-        ``since`` (seconds since the epoch) and ``task_log`` (bool), passed to
-        :meth:`blockflow.scheduling.Rebalancer.status`.
-
-    Returns
-    -------
-    dict
-        Plain data: ``policy``, ``ticks``, ``task_counts``, ``kernel_counts``, ``run_counts``,
-        ``speeds``, ``speed_confidence`` (read them with :func:`learned_speeds`), ``paused``,
-        ``workers``, ``memory_peak`` (bytes), ``decisions``.
+    ``kwargs`` (``since``: seconds since the epoch, ``task_log``: bool) go to
+    :meth:`blockflow.scheduling.Rebalancer.status`. Returns plain data: ``policy``, ``ticks``,
+    ``task_counts``, ``kernel_counts``, ``run_counts``, ``speeds``, ``speed_confidence``,
+    ``paused``, ``workers``, ``memory_peak`` (bytes), ``decisions``.
 
     Raises
     ------
     RuntimeError
-        If the scheduler runs no blockflow plugin (connect with :func:`blockflow.connect`, or
-        start the scheduler with ``--preload blockflow.scheduling.preload``).
+        If the scheduler runs no blockflow plugin.
     """
     if not _has_plugin(client):  # spares the scheduler an unknown-op error
         raise RuntimeError(
@@ -86,24 +63,9 @@ def plugin_status(client: Client, **kwargs: Any) -> dict[str, Any]:
 
 
 def throughput(client: Client, status: Mapping[str, Any] | None = None):
-    """The throughput matrix: seconds per task of each task group on each pool.
-
-    Learned by blockflow's speed model (warm tasks only) and read from the scheduler plugin
-    (:func:`blockflow.pools.plan.throughput_matrix`, Gavel's matrix): a pool that ran
-    a group shows the median over its workers; a pool that ran none of it shows the
-    group's time elsewhere scaled by the pools' typical speeds (its ``speed`` hint).
-
-    Parameters
-    ----------
-    client : distributed.Client
-    status : dict, optional
-        A :func:`plugin_status` already read.
-
-    Returns
-    -------
-    pandas.DataFrame
-        One row per task group (index ``group``), one column per pool (seconds per task),
-        sorted; empty when nothing was measured yet.
+    """The throughput matrix (Gavel's): seconds per task of each task group (rows) on each
+    pool (columns), as :func:`blockflow.pools.plan.throughput_matrix` learns it; empty before
+    anything was measured. ``status``: a :func:`plugin_status` already read.
 
     Raises
     ------
@@ -127,19 +89,8 @@ def _has_plugin(client: Client) -> bool:
 
 
 def task_counts(client: Client, *, kernels_only: bool = False) -> dict[str, int]:
-    """Tasks finished per worker since the plugin started (cumulative).
-
-    Parameters
-    ----------
-    client : distributed.Client
-    kernels_only : bool, default False
-        Count only blockflow kernel tasks (names starting ``blockflow-``).
-
-    Returns
-    -------
-    dict of str to int
-        Worker address to number of tasks it finished.
-    """
+    """Worker address -> tasks it finished since the plugin started (with ``kernels_only``,
+    only blockflow kernel tasks, named ``blockflow-...``)."""
     status = plugin_status(client)
     return status["kernel_counts" if kernels_only else "task_counts"]
 
@@ -156,21 +107,15 @@ def decisions(client: Client, since: float | None = None):
     ----------
     client : distributed.Client
     since : float, optional
-        Only decisions after this time (seconds since the epoch, e.g. ``time.time()`` taken
-        before a computation).
+        Only decisions after this time (seconds since the epoch).
 
     Returns
     -------
     pandas.DataFrame
-        Columns ``time`` (UTC timestamp), ``policy``, ``action`` (the value of a
-        :class:`~blockflow.scheduling.actions.Action`, a plain string: ``pause``,
-        ``resume``, ``handover``, ``hold``, ``release``, ``move``, ``assign``, ``place``,
-        ``speculate``, ``restrict``, ``admit``, ``fail``, ``balance``, ``defer``, ``keep``,
-        ``wait``, ``backup``, ``memory-move``, ``join``, ``forget``; each documented there),
-        ``worker``, ``target`` (moves), ``key`` (moves), ``reason``, then ``seen_*`` columns
-        with the metrics the decision saw (GPU utilisation in percent, device-memory
-        fraction 0-1, learned speed, tasks processing, projected finish in seconds; None
-        where unknown). The log is bounded (``blockflow.rebalancer.decision-log-size``).
+        Columns :data:`DECISION_COLUMNS` (``time`` a UTC timestamp, ``action`` an
+        :class:`~blockflow.scheduling.actions.Action` value), then ``seen_*``: the metrics
+        the decision saw (GPU utilisation %, device-memory fraction 0-1, speed, tasks
+        processing, projected finish in seconds; None where unknown).
 
     Raises
     ------
@@ -203,16 +148,8 @@ def decisions(client: Client, since: float | None = None):
 
 @dataclass(frozen=True)
 class LearnedSpeeds:
-    """The scheduler plugin's learned speeds, with the one rule for which count as known.
-
-    Attributes
-    ----------
-    speeds : dict of str to float
-        Worker address to relative speed (1.0 typical, larger faster), shrunk towards 1.0 by
-        what the plugin has not seen (see :mod:`blockflow.scheduling.speed`).
-    confidence : dict of str to float
-        Worker address to confidence 0-1.
-    """
+    """The plugin's learned speeds (worker -> relative speed, 1.0 typical) and confidences
+    (0-1), with the one rule for which count as known (:attr:`known`)."""
 
     speeds: dict
     confidence: dict
@@ -228,18 +165,8 @@ class LearnedSpeeds:
 
 
 def learned_speeds(client: Client, status: Mapping[str, Any] | None = None) -> LearnedSpeeds:
-    """The plugin's learned speeds and confidences; empty without a reachable plugin.
-
-    Parameters
-    ----------
-    client : distributed.Client
-    status : mapping, optional
-        A :func:`plugin_status` reply already fetched (spares a round trip).
-
-    Returns
-    -------
-    LearnedSpeeds
-    """
+    """The plugin's :class:`LearnedSpeeds` (from ``status``, a :func:`plugin_status` reply, if
+    given); empty without a reachable plugin."""
     if status is None:
         try:
             status = plugin_status(client)
@@ -251,25 +178,10 @@ def learned_speeds(client: Client, status: Mapping[str, Any] | None = None) -> L
 
 def declared_speeds(client: Client, workers: Mapping[str, Mapping] | None = None
                     ) -> dict[str, float]:
-    """The workers' nominal relative speeds, from what their devices declare.
-
-    A worker whose device reports the ``blockflow-capacity`` metric (a GPU's SM cores x max
-    SM clock, :mod:`blockflow.devices`; a simulated device's speed) gets its
-    capacity over the median capacity of the workers that report one (1.0 typical, larger
-    faster). This is what a fresh cluster tells before any work: a prior, below speeds
-    measured on real work (:func:`learned_speeds`, :class:`ThroughputView`).
-
-    Parameters
-    ----------
-    client : distributed.Client
-    workers : mapping, optional
-        :func:`~blockflow.scheduling.view.workers_info` already fetched.
-
-    Returns
-    -------
-    dict of str to float
-        Only the workers that report a capacity (none: empty).
-    """
+    """Worker -> its device's ``blockflow-capacity`` metric (SM cores x clock,
+    :mod:`blockflow.devices`) over the median of those reported: nominal relative speeds, the
+    prior before any work is timed. Only workers that report one; ``workers``:
+    :func:`workers_info` already read."""
     workers = workers_info(client) if workers is None else workers
     caps = {}
     for a, info in workers.items():
@@ -290,17 +202,8 @@ def declared_speeds(client: Client, workers: Mapping[str, Mapping] | None = None
 
 @dataclass(frozen=True)
 class WorkerMemory:
-    """One worker's memory, bytes; None where the worker does not report it.
-
-    Attributes
-    ----------
-    host_total : float or None
-        The worker's ``memory_limit``.
-    host_used : float or None
-        Its process memory (the ``memory`` metric).
-    device_total, device_used : float or None
-        Device memory from its GPU metrics (NVML, or a simulated device).
-    """
+    """One worker's memory in bytes (None: not reported): ``host_total`` (its
+    ``memory_limit``), ``host_used`` (process memory), ``device_total``, ``device_used``."""
 
     host_total: float | None
     host_used: float | None
@@ -348,17 +251,8 @@ class WorkerMemory:
 
 
 def memory_of(info: Mapping[str, Any]) -> WorkerMemory:
-    """A worker's memory from the scheduler's info on it (as :func:`workers_info` gives).
-
-    Parameters
-    ----------
-    info : mapping
-        With ``memory_limit`` and ``metrics``; anything missing or malformed is unknown.
-
-    Returns
-    -------
-    WorkerMemory
-    """
+    """A worker's :class:`WorkerMemory` from its :func:`workers_info` entry (missing or
+    malformed values are unknown)."""
     m = read_metrics(info.get("metrics"))
     return WorkerMemory(host_total=clean_number(info.get("memory_limit")) or None,
                         host_used=m.host_memory, device_total=m.gpu_memory_total,
@@ -367,18 +261,8 @@ def memory_of(info: Mapping[str, Any]) -> WorkerMemory:
 
 def worker_memory(client: Client, workers: Mapping[str, Mapping] | None = None
                   ) -> dict[str, WorkerMemory]:
-    """Worker address to its memory, from the metrics of its last heartbeat.
-
-    Parameters
-    ----------
-    client : distributed.Client
-    workers : mapping, optional
-        :func:`~blockflow.scheduling.view.workers_info` already fetched.
-
-    Returns
-    -------
-    dict of str to WorkerMemory
-    """
+    """Worker address -> :class:`WorkerMemory` from its last heartbeat (``workers``:
+    :func:`workers_info` already read)."""
     workers = workers_info(client) if workers is None else workers
     return {a: memory_of(info) for a, info in workers.items()}
 
@@ -388,10 +272,8 @@ def worker_memory(client: Client, workers: Mapping[str, Mapping] | None = None
 class ThroughputView:
     """The one throughput estimator, fed by timed calls, with the plugin's speeds as prior.
 
-    Seconds per unit of work per worker (:class:`~blockflow.scheduling.estimate.
-    Throughput`: cold start dropped, a fixed cost per call, median of the warm calls);
-    workers not yet measured get the plugin's speeds known with confidence
-    (:func:`learned_speeds`), read at most every ``refresh`` seconds.
+    Seconds per unit of work per worker (:class:`~blockflow.scheduling.estimate.Throughput`);
+    workers not yet measured get the plugin's known speeds, re-read every ``refresh`` s.
 
     Parameters
     ----------
@@ -436,20 +318,9 @@ class ThroughputView:
 
 
 def scheduler_identity(client) -> dict[str, Any]:
-    """The scheduler's identity with every worker, as ``Client.scheduler_info(-1)`` gives it.
-
-    Parameters
-    ----------
-    client : distributed.Client
-        A synchronous client (in a worker thread, ``get_client()`` is one).
-
-    Returns
-    -------
-    dict
-        ``id``, ``address``, ``workers`` (address -> info dict with ``name``, ``nthreads``,
-        ``memory_limit`` (bytes), ``metrics``, ``resources``, ...), and the scheduler's
-        other identity fields.
-    """
+    """The scheduler's identity with every worker (``id``, ``address``, ``workers``: address
+    -> ``name``, ``nthreads``, ``memory_limit`` in bytes, ``metrics``, ``resources``, ...),
+    read from the scheduler, not the client's cached copy. ``client`` must be synchronous."""
     return dict(client.sync(client.scheduler.identity, n_workers=-1))
 
 

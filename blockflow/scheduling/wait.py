@@ -9,12 +9,14 @@ need are alive.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from asyncio import CancelledError
 from typing import Any, Callable, Iterable
 
-from dask.utils import parse_timedelta
-from distributed import Client
+from dask.utils import key_split, parse_timedelta
+from distributed import Client, KilledWorker, futures_of, wait
+from distributed import TimeoutError as DTimeout
 
 from blockflow import config
 from blockflow.errors import WorkerLostError
@@ -27,10 +29,8 @@ def wait_for(client: Client, futures: Any, *, what: str = "the computation",
              worker_loss_timeout: str | float | None = None) -> None:
     """Wait until ``futures`` are done (finished or failed), failing if every worker is lost.
 
-    Like :func:`distributed.wait`, except that a cluster left without any worker does not
-    make it wait forever: tasks cannot run then, so after ``worker_loss_timeout`` without a
-    worker it raises. Workers that come back (a nanny restarting a killed worker process, an
-    autoscaler) reset the clock.
+    Like :func:`distributed.wait`, but gives up after ``worker_loss_timeout`` without any
+    worker (workers that come back reset the clock).
 
     Parameters
     ----------
@@ -48,8 +48,6 @@ def wait_for(client: Client, futures: Any, *, what: str = "the computation",
         If the cluster has had no worker for ``worker_loss_timeout`` while results were
         unfinished.
     """
-    from distributed import futures_of
-
     pending = futures_of(futures)
     n = len(pending)
     futures = None  # a traceback keeps this frame: it must not keep the results alive
@@ -116,8 +114,6 @@ def gather_results(client: Client, futures: Any, *, what: str = "the computation
     Exception
         A task's own exception, as ``client.gather`` raises it.
     """
-    from distributed import KilledWorker
-
     wait_for(client, futures, what=what, worker_loss_timeout=worker_loss_timeout)
     try:
         return client.gather(futures)
@@ -140,8 +136,6 @@ def task_label(key) -> str:
     """A task key as messages name it: the step (the key's name without its token) and,
     for a block's task, the block index: ``"block (3,) of step 'blockflow-clean'"`` for
     ``('blockflow-clean-1f3a...', 3)``; never the token."""
-    from dask.utils import key_split
-
     name = key_split(key)
     if isinstance(key, tuple) and len(key) > 1:
         return f"block {tuple(key[1:])} of step {name!r}"
@@ -218,8 +212,6 @@ def fetch_many(futures, *, timeout: float = 10.0) -> list:
     Exception
         Whatever stopped the gather (``TimeoutError`` on the timeout).
     """
-    import asyncio
-
     futures = list(futures)
     if not futures:
         return []
@@ -244,9 +236,6 @@ def wait_any(futures: Iterable, timeout: float = 1.0) -> list:
     list
         Done futures (empty when none finished in time).
     """
-    from distributed import TimeoutError as DTimeout
-    from distributed import wait
-
     futures = list(futures)
     if not futures:
         return []
