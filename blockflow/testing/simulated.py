@@ -68,10 +68,8 @@ PLUGIN_NAME = "blockflow-simulated-gpu"
 class SimulatedGPU(WorkerPlugin):
     """Worker plugin giving CPU workers simulated devices that report NVML-style metrics.
 
-    One plugin object, registered cluster-wide with ``client.register_plugin``, carries the
-    devices of all workers; each worker (thread or process) picks its own on ``setup`` and
-    sets ``worker.metrics["gpu_utilization" | "gpu_memory_used" | "gpu-memory-total"]``, the
-    keys of distributed's NVML monitor (whose own values win on a real GPU worker).
+    Registered cluster-wide, it carries every worker's device; each worker picks its own on
+    ``setup`` and reports the keys of distributed's NVML monitor from it.
 
     Parameters
     ----------
@@ -79,21 +77,15 @@ class SimulatedGPU(WorkerPlugin):
         A mapping from worker address or worker name (``0``, ``"0"``, ...) to
         :class:`SimulatedDevice`; a single device is used for every worker.
     default : SimulatedDevice, optional
-        For workers not named in ``devices`` (e.g. added later). Workers with neither get no
-        device and report no GPU metrics.
+        For workers not named in ``devices``; workers with neither get no device.
     declare_gpu : bool, default True
-        Whether a worker given a device declares a ``GPU`` worker resource (see Notes);
-        False models GPU workers started without ``--resources GPU=1``.
+        Whether a worker given a device declares one ``GPU`` worker resource (as the GPU
+        workers :func:`blockflow.connect` starts do).
 
     Notes
     -----
-    A worker given a device declares one ``GPU`` worker resource (unless it declares
-    ``GPU`` already), as the GPU workers :func:`blockflow.connect` starts do, so that
-    ``resources={"GPU": 1}`` places tasks on simulated GPU workers too.
-
-    ``idempotent = True``: registering a second plugin under the same name is a no-op. To
-    change devices at run time use :func:`set_speed` / :func:`set_tenant`; to replace them,
-    ``client.unregister_worker_plugin("blockflow-simulated-gpu")`` first.
+    Idempotent: registering a second plugin under the same name is a no-op; change devices
+    with :func:`set_speed` / :func:`set_tenant`, or unregister :data:`PLUGIN_NAME` first.
     """
 
     name = PLUGIN_NAME
@@ -217,33 +209,26 @@ def simulated_kernel(*blocks: Any, op: Callable | None = None, work: float = 0.0
 
     Parameters
     ----------
-    *blocks : SimulatedDeviceBlock or host data (NumPy array, scalar, ...)
-        Inputs. Their payloads (the value itself for host data) are passed to ``op``.
+    *blocks : SimulatedDeviceBlock or host data
+        Inputs; their payloads are passed to ``op``.
     op : callable, optional
-        ``op(*payloads)``: the real computation on the small payloads, e.g. ``np.sum``, so
-        results can be checked against NumPy. Default: the single input's payload unchanged.
-        (Not named ``func``, which would clash with ``client.submit(func, ...)``.)
+        ``op(*payloads)``, the real computation (``np.sum``); default the single input's
+        payload.
     work : float, default 0.05
-        Reference-seconds of device time; the kernel sleeps ``work / speed`` seconds (longer
-        beside a busy tenant or concurrent kernels: see :class:`SimulatedDevice`).
+        Reference-seconds of device time: the kernel sleeps ``work / speed`` seconds.
     working_set : int or str, optional
-        Peak device bytes the kernel needs while running. Default: ``output_bytes`` plus the
-        bytes of inputs that are not yet on the device (host data is copied over).
+        Peak device bytes while running; default ``output_bytes`` plus the host inputs' bytes.
     output_bytes : int or str, optional
-        Simulated size of the result in bytes; default the largest input's nbytes.
+        Simulated size of the result; default the largest input's.
 
     Returns
     -------
     SimulatedDeviceBlock
-        ``output_bytes`` of device memory (while a worker holds it) carrying
-        ``op(*payloads)``.
 
     Raises
     ------
     SimulatedOutOfMemoryError
-        If ``working_set`` exceeds free simulated memory: capacity minus held blocks, the
-        tenant's bytes and working sets of kernels running concurrently. Counted in
-        ``device_stats()["oom_errors"]``.
+        If ``working_set`` exceeds free simulated memory.
     TypeError
         If several blocks are given without ``op``.
     ValueError
@@ -251,8 +236,7 @@ def simulated_kernel(*blocks: Any, op: Callable | None = None, work: float = 0.0
 
     Notes
     -----
-    On a worker without a simulated device (or outside a worker) the kernel runs at speed 1
-    with unlimited memory, so plain-Dask baselines can use the same kernel.
+    Without a simulated device the kernel runs at speed 1 with unlimited memory.
     """
     if work < 0:
         raise ValueError(f"simulated_kernel: work must be >= 0 seconds, got {work!r}.")
@@ -285,22 +269,9 @@ def device_scale(speeds: Sequence[float], fraction: float = 0.7) -> float:
     """Host-core seconds per simulated device-second at speed 1, for
     ``slowed_to_device_speed(..., scale=device_scale(speeds))``.
 
-    The smallest whole factor that keeps the simulated devices' real compute within
-    ``fraction`` of this host's cores: four devices of total speed 2.75 on a 2-core host
-    would otherwise fight over the cores whenever they compute at once, and each would run
-    slower than its speed says (a limit of the host, not of the scheduling under test).
-
-    Parameters
-    ----------
-    speeds : sequence of float
-        The simulated devices' speeds (1.0 = one host core).
-    fraction : float, default 0.7
-        Share 0-1 of the host's cores (``os.sched_getaffinity``) the devices may use.
-
-    Returns
-    -------
-    float
-        A whole number, at least 1 (2 for speeds 1, 1, 0.5, 0.25 on 2 cores).
+    The smallest whole factor (>= 1) that keeps the devices' real compute (``speeds``, 1.0 =
+    one host core) within ``fraction`` (0-1) of this host's cores, so that devices do not
+    contend for cores.
 
     Raises
     ------
@@ -318,29 +289,18 @@ def slowed_to_device_speed(fn: Callable, clock: str = "wall", scale: float = 1.0
                            ) -> Callable:
     """Wrap ``fn`` so that on a simulated device it takes its real compute time / speed.
 
-    The call runs for real (on the CPU); then, on a worker with a simulated device of speed
-    ``s``, the device is kept busy until the call has taken ``scale x t / s`` seconds in
-    all, ``t`` the call's measured time, so a device at speed 0.25 takes four times the
-    real compute time, and the device's utilisation counts the whole call. Elsewhere ``fn``
-    runs unchanged. Used to give real workloads (training, tuning trials) honest uneven
-    devices.
+    The call runs for real; then, on a worker with a simulated device of speed ``s``, the
+    device stays busy until the call took ``scale x t / s`` seconds, ``t`` its measured
+    time. Elsewhere ``fn`` runs unchanged.
 
     Parameters
     ----------
     fn : callable
     clock : {"wall", "cpu", "thread"}, default "wall"
-        How ``t`` is measured. ``"wall"``: elapsed seconds (for calls whose work includes
-        sleeping or waiting). ``"cpu"``: the worker process's CPU seconds during the call
-        (``time.process_time``, all its threads; use with one worker per process): on a
-        host with fewer cores than simulated devices, the time a call waits for a shared
-        core is not work, and is not multiplied by ``1/s``. ``"thread"``: the CPU seconds
-        of the thread that ran the call (``time.thread_time``): as ``"cpu"``, without the
-        worker's event loop (serving peers' transfers, heartbeats) meanwhile; for calls
-        whose compute stays on their own thread (one BLAS or intra-op thread).
+        How ``t`` is measured: elapsed seconds, the process's CPU seconds
+        (``time.process_time``) or the calling thread's (``time.thread_time``).
     scale : float, default 1.0
-        Device seconds per measured second at speed 1 (> 0). With ``scale=2`` the devices
-        are twice as slow as the host's cores, so that several simulated devices' real
-        compute fits fewer host cores without contending.
+        Device seconds per measured second at speed 1 (> 0).
 
     Returns
     -------
