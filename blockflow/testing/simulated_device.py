@@ -38,11 +38,10 @@ class SimulatedDeviceBlock:
     Parameters
     ----------
     payload : object
-        The real, small value the block carries (usually a NumPy array or scalar), so that
-        results can be checked against NumPy.
+        The real, small value the block carries.
     nbytes : int or str, optional
-        Simulated size in device memory, bytes (``"256MiB"`` accepted); default the payload's
-        ``dask.sizeof``. ``dask.sizeof`` of the block reports this number.
+        Simulated size in bytes (``"256MiB"``), what ``dask.sizeof`` reports; default the
+        payload's.
     """
 
     payload: Any
@@ -65,26 +64,15 @@ def _sizeof_device_block(block: SimulatedDeviceBlock) -> int:
 
 
 class OutOfMemoryError(MemoryError):
-    """Base named like CuPy's ``cupy.cuda.memory.OutOfMemoryError``, so that production code
-    (``blockflow.errors.is_device_oom``, which matches class names to avoid importing GPU
-    libraries) recognises the simulated error as a device OOM without naming the test double."""
+    """Named like CuPy's ``OutOfMemoryError``, which ``blockflow.errors.is_device_oom``
+    recognises by class name."""
 
 
 class SimulatedOutOfMemoryError(OutOfMemoryError):
     """A simulated kernel's working set does not fit in free simulated device memory.
 
-    The message follows CuPy's ``cupy.cuda.memory.OutOfMemoryError`` ("Out of memory
-    allocating N bytes (allocated so far: M bytes)") and names the worker.
-
-    Attributes
-    ----------
-    size : int
-        Bytes the kernel asked for.
-    allocated : int
-        Bytes this worker already had allocated on the device (held blocks and working sets
-        of running kernels; the tenant's bytes are not included, as in CuPy).
-    where : str
-        Which device and why, appended to the message.
+    Worded as CuPy's: ``size`` bytes asked, ``allocated`` bytes this worker holds (the
+    tenant's excluded), ``where`` (the device) appended.
     """
 
     def __init__(self, size: int, allocated: int, where: str = ""):
@@ -174,10 +162,9 @@ def _check_speed(speed) -> float:
 class SimulatedDevice:
     """One simulated GPU: its speed, memory capacity, background tenant, and run-time state.
 
-    A configuration object until :class:`SimulatedGPU` attaches it to a worker; from then on
-    it measures utilisation and accounts device memory (see the module docstring). Speed,
-    tenant and the schedules' clock can be changed while work runs (:meth:`set_speed`,
-    :meth:`set_tenant`, :meth:`restart_clock`), e.g. for mid-run slowdown experiments.
+    A configuration until a :class:`~blockflow.testing.simulated.SimulatedGPU` attaches it to
+    a worker; then it measures utilisation and accounts memory. :meth:`set_speed`,
+    :meth:`set_tenant` and :meth:`restart_clock` change it while work runs.
 
     Parameters
     ----------
@@ -192,17 +179,13 @@ class SimulatedDevice:
         From ``seconds`` after the clock started the speed is ``speed``; before the first
         entry, ``speed`` applies. Sorted by time.
     tenant_contention : bool, default True
-        Whether the tenant slows kernels down. Blockflow heuristic for time-sliced sharing
-        between processes (no MPS): a tenant busy ``u`` percent of the time leaves kernels
-        ``max(1 - u/100, 0.5)`` of the device. Set False to let the tenant show only in the
-        metrics and memory.
+        Whether a tenant busy ``u`` % leaves kernels ``max(1 - u/100, 0.5)`` of the device
+        (time-sliced sharing, a blockflow heuristic); False: it shows only in the metrics.
     window : float or str, default 1.0
-        Seconds over which utilisation is measured (NVML samples over 1/6-1 s).
+        Seconds over which utilisation is measured.
     uuid : str, optional
-        The device's UUID (reported as the ``blockflow-gpu-uuid`` metric and to
-        ``blockflow.inventory``); give two workers the same one to simulate two workers on
-        one GPU. Default: a stable ``SIM-`` UUID of the worker's host and name, one device
-        per worker.
+        The device's UUID (``blockflow-gpu-uuid``); the same one on two workers simulates a
+        shared GPU. Default: a stable ``SIM-`` UUID of the worker's host and name.
 
     Notes
     -----
