@@ -58,18 +58,16 @@ class TaskView:
     allowed_workers : frozenset of str or None
         Workers allowed to run it (restrictions, resources), None for any.
     comm_cost : mapping of str to float
-        Seconds to move its missing inputs to each worker: each input's bytes over the
-        bandwidth of the fastest link from a worker holding it (``links``: measured per pair
-        of workers, see :class:`blockflow.scheduling.estimate.LinkBandwidth`; else the
-        scheduler's cluster-wide estimate).
+        Seconds to move its missing inputs to each worker, over the fastest link from a
+        holder (:class:`blockflow.scheduling.estimate.LinkBandwidth`, else the scheduler's
+        bandwidth).
     comm_bytes : mapping of str to int
         Bytes of its inputs each worker lacks (what ``comm_cost`` sends).
     working_set : int or None
         Device memory its kernel needs, bytes, when declared (``map_blocks(working_set=)``).
     placement : dict or None
         Where its kernel asked to run (``map_blocks(resources=, workers=,
-        allow_other_workers=)``): ``{"resources": dict or None, "workers": tuple or None,
-        "allow_other_workers": bool}``; None when it asked nothing.
+        allow_other_workers=)``); None when it asked nothing.
     """
 
     key: Any
@@ -99,8 +97,6 @@ class HeldResult:
 
 # scheduler -> prefix name -> the last measured average duration (seconds) of its tasks
 _MEASURED: "weakref.WeakKeyDictionary[Any, dict[str, float]]" = weakref.WeakKeyDictionary()
-
-
 _MEASURED_MAX = 10_000  # prefix names remembered per scheduler
 
 
@@ -108,11 +104,8 @@ def prefix_duration(scheduler, prefix) -> tuple[float, bool]:
     """``(seconds, measured)``: the expected compute time of a task of ``prefix`` and whether
     it comes from measured durations.
 
-    distributed forgets a prefix's average (``duration_average = -1``) as soon as one of
-    its tasks runs for more than twice that average, and estimates its tasks at twice the
-    longest time any of them has run so far: the moment a straggler appears, its group's
-    tasks look unmeasured and as long as the straggler. The last measured average is kept
-    here for that case (it is what the straggler is judged against).
+    distributed resets a prefix's average (``duration_average = -1``) once a task runs over
+    twice it; the last measured average is kept here so a straggler is judged against it.
     """
     memory = _MEASURED.setdefault(scheduler, {})
     average = float(prefix.duration_average)
