@@ -90,29 +90,16 @@ def gather_results(client: Client, futures: Any, *, what: str = "the computation
                    worker_loss_timeout: str | float | None = None) -> Any:
     """:func:`wait_for` the futures, then gather their results; worker deaths explained.
 
-    Parameters
-    ----------
-    client : distributed.Client
-    futures : future or collection of futures
-        As for :meth:`distributed.Client.gather`.
-    what : str, default "the computation"
-        Named in error messages.
-    worker_loss_timeout : str or float, optional
-        See :func:`wait_for`.
-
-    Returns
-    -------
-    object
-        What ``client.gather(futures)`` returns.
+    Parameters and the loss of every worker as for :func:`wait_for`; returns what
+    ``client.gather(futures)`` returns.
 
     Raises
     ------
     WorkerLostError
-        If every worker was lost (see :func:`wait_for`), or in place of distributed's
-        ``KilledWorker`` (a task whose workers died ``allowed-failures + 1`` times); the
-        original is chained as ``__cause__``.
+        If every worker was lost, or in place of distributed's ``KilledWorker`` (chained as
+        ``__cause__``).
     Exception
-        A task's own exception, as ``client.gather`` raises it.
+        A task's own exception.
     """
     wait_for(client, futures, what=what, worker_loss_timeout=worker_loss_timeout)
     try:
@@ -145,25 +132,10 @@ def task_label(key) -> str:
 def fetch(future, *, timeout: float = 10.0, deadline: float | None = None) -> Any:
     """The result of a finished future; raises if it was lost before it came back.
 
-    ``Future.result(timeout=)`` runs distributed's ``sync()`` with a callback timeout: it
-    blocks while the client re-schedules a result it could not gather (its worker was killed
-    between the task's end and the fetch), and a timeout racing the result's arrival can end
-    with neither a result nor an error (``UnboundLocalError``). This handles both: it asks
-    again while the future is still finished, and gives up once it is not (a task pinned to
-    a lost worker would never run again) or after ``deadline`` seconds.
-
-    Parameters
-    ----------
-    future : distributed.Future
-    timeout : float, default 10.0
-        Seconds per ask.
-    deadline : float, optional
-        Seconds in all before giving up (default: no bound while the future stays finished).
-
-    Returns
-    -------
-    object
-        The future's result.
+    ``Future.result(timeout=)`` can block on a result whose worker died, or end with
+    neither result nor error when the timeout races the result (``UnboundLocalError``):
+    this asks again, ``timeout`` seconds each, while the future stays finished, and gives up
+    when it is not or after ``deadline`` seconds in all.
 
     Raises
     ------
@@ -187,31 +159,9 @@ def fetch(future, *, timeout: float = 10.0, deadline: float | None = None) -> An
 
 
 def fetch_many(futures, *, timeout: float = 10.0) -> list:
-    """The results of several finished futures in one request (one round trip, not one
-    per future, where results come back at a high rate).
-
-    The gather runs on the client's event loop under ``timeout`` (never an unbounded
-    ``Client.gather``: a result lost with its worker would be waited for). Any failure
-    (a lost result, the timeout, a task's own exception) raises; the caller falls back on
-    :func:`fetch` for each future to tell which.
-
-    Parameters
-    ----------
-    futures : list of distributed.Future
-        Finished futures of one client.
-    timeout : float, default 10.0
-        Seconds for the whole gather.
-
-    Returns
-    -------
-    list
-        The results, in the order of ``futures``.
-
-    Raises
-    ------
-    Exception
-        Whatever stopped the gather (``TimeoutError`` on the timeout).
-    """
+    """The results of several finished futures of one client, in their order, in one
+    request bounded by ``timeout`` seconds; any failure (a lost result, the timeout, a task's
+    exception) raises, and the caller falls back on :func:`fetch` per future."""
     futures = list(futures)
     if not futures:
         return []
@@ -224,18 +174,8 @@ def fetch_many(futures, *, timeout: float = 10.0) -> list:
 
 
 def wait_any(futures: Iterable, timeout: float = 1.0) -> list:
-    """The futures of ``futures`` that are done, waiting up to ``timeout`` for the first.
-
-    Parameters
-    ----------
-    futures : iterable of distributed.Future
-    timeout : float, default 1.0
-
-    Returns
-    -------
-    list
-        Done futures (empty when none finished in time).
-    """
+    """The futures of ``futures`` that are done, waiting up to ``timeout`` seconds for the
+    first (empty when none finished in time)."""
     futures = list(futures)
     if not futures:
         return []
@@ -252,10 +192,8 @@ def gather_as_done(futures: Iterable, *, alive: Callable[[], Iterable[str]],
                    deadline: float | None = None) -> list:
     """Every future's result, fetched as soon as it is done; fails fast on a lost worker.
 
-    Waits with :func:`wait_any`, then fetches (never ``Future.result(timeout=)``, see
-    :func:`fetch`). A result whose fetch fails, or a wait that times out, checks the workers:
-    when one of ``needed`` is no longer ``alive`` (distributed would recompute or raise, but
-    results pinned to it never come), it raises.
+    A failed fetch or a wait that times out checks the workers: when one of ``needed`` is no
+    longer ``alive`` (results pinned to it never come), it raises.
 
     Parameters
     ----------
