@@ -25,14 +25,12 @@ from typing import Any
 from distributed import Nanny, Scheduler, SpecCluster, Worker
 
 from blockflow._distributed import correct_state_soon, replace_adaptive
-from blockflow.pools.pool import Pool
+from blockflow.pools.pool import _POOL_RESOURCE_AMOUNT, Pool
 
 __all__ = ["PoolCluster"]
 
 logger = logging.getLogger(__name__)
 
-#: The amount of the ``pool:<name>`` resource each worker declares (as PoolMember does).
-_POOL_RESOURCE_AMOUNT = 1e6
 
 
 def pool_preload_argv(pool: Pool) -> list[str]:
