@@ -59,21 +59,17 @@ class WorkerView:
     device_uuid : str or None
         UUID of the GPU the worker uses, when it reports one (``blockflow-gpu-uuid``).
     device_peers : tuple of str
-        Addresses of the other workers that report the same device UUID (they share one
-        GPU), sorted; empty when the device is the worker's own.
+        The other workers reporting the same device UUID (sharing one GPU), sorted.
     peers_own_utilization : float
-        Percent 0-100 of the shared device taken by those peers' own tasks (measured or
-        estimated as for this worker, see :attr:`others_utilization`); 0 without peers.
+        Percent 0-100 of the shared device those peers' own tasks take; 0 without peers.
     recent_speed : float or None
-        The speed shown on the worker's latest warm task
-        (:meth:`blockflow.scheduling.speed.SpeedModel.recent_speed`); None if unknown.
+        The speed of the worker's latest warm task
+        (:meth:`blockflow.scheduling.speed.SpeedModel.recent_speed`).
     slow_for : float or None
-        Seconds the worker is expected to stay at its (lower) learned speed before it runs
-        at the typical speed again (:meth:`blockflow.scheduling.speed.SpeedModel.slow_for`:
-        a slow streak that began recently); None: at its learned speed throughout.
+        Seconds the worker is expected to stay at its lower learned speed
+        (:meth:`blockflow.scheduling.speed.SpeedModel.slow_for`); None: throughout.
     pool : mapping or None
-        The pool the worker reports (``blockflow-pool`` metric, plain data:
-        :meth:`blockflow.pools.pool.Pool.to_dict`); None if it reports none.
+        The pool the worker reports (:meth:`blockflow.pools.pool.Pool.to_dict`).
     """
 
     address: str
@@ -117,14 +113,9 @@ class WorkerView:
 
     @property
     def others_utilization(self) -> float | None:
-        """GPU utilisation (percent) taken by work other than this worker's own tasks.
-
-        Utilisation minus the worker's own share: measured when the worker reports
-        ``blockflow-gpu-own-utilization``; else, while it runs tasks, the share of its threads
-        executing (a lower bound of others' load); exact when it is idle. Workers that share
-        the device (:attr:`device_peers`) are not "other work": their own share
-        (:attr:`peers_own_utilization`) is subtracted too. None when utilisation is unknown.
-        """
+        """GPU utilisation (percent) taken by work other than this worker's and its
+        :attr:`device_peers`' own tasks (:func:`own_utilization_estimate`); None when
+        unknown."""
         util = self.metrics.gpu_utilization
         if util is None:
             return None
@@ -204,9 +195,8 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
     slow_for : callable, optional
         ``slow_for(address) -> float or None`` (:attr:`WorkerView.slow_for`).
     previous : WorkerViewCache, optional
-        The views of the last call: a worker whose heartbeat metrics, status, task counts,
-        occupancy and speed are as they were keeps its view (its metrics are not parsed
-        again), and the addresses whose view is new are added to ``previous.changed``.
+        The last call's views: an unchanged worker keeps its view; the addresses whose view
+        is new are added to ``previous.changed``.
     """
     stealing = scheduler.extensions.get("stealing")
     in_flight = getattr(stealing, "in_flight_occupancy", {}) if stealing else {}
@@ -302,9 +292,6 @@ def queued_count(scheduler) -> int:
 def workers_holding_data(scheduler) -> frozenset:
     """Addresses of the workers that hold results in memory (``WorkerState.has_what``)."""
     return frozenset(a for a, ws in scheduler.workers.items() if ws.has_what)
-
-
-# --- actions ------------------------------------------------------------------------------
 
 
 def scheduler_metadata(scheduler, keys) -> Any:
