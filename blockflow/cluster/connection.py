@@ -105,28 +105,17 @@ def connect(
         Where the embedded cluster's dashboard listens; default
         ``blockflow.cluster.dashboard-address`` (localhost only).
     policy : str, optional
-        Scheduling policy of blockflow's scheduler plugin; default ``blockflow.cluster.policy``.
-        A scheduler that already runs the plugin (started with the preload, or by another
-        client) keeps its policy; a different ``policy=`` then warns (``BlockflowWarning``).
+        Policy of blockflow's scheduler plugin; default ``blockflow.cluster.policy``. A
+        scheduler already running the plugin keeps its policy (another one warns).
     timeout : str or float, optional
-        Seconds (or ``"30s"``) to wait for the scheduler at ``address``: a refused
-        connection is retried until then (a scheduler that is still starting), and the
-        server must answer Dask's handshake within it. Default
-        ``blockflow.cluster.connect-timeout`` (5 s).
+        Seconds (or ``"30s"``) to wait for the scheduler at ``address`` to accept and
+        answer Dask's handshake; default ``blockflow.cluster.connect-timeout``.
     security : distributed.Security or "temporary", optional
-        TLS credentials. With ``address``: the credentials the cluster's scheduler trusts
-        (required for a ``tls://`` address unless ``distributed.comm.tls.*`` is configured).
-        For the embedded cluster: its credentials; ``"temporary"`` makes self-signed ones
-        (:meth:`distributed.Security.temporary`, needs the ``cryptography`` package) so that
-        the scheduler, workers and this client talk TLS (``tls://`` addresses) and clients
-        without them are refused. Default None: plain TCP.
+        TLS credentials; ``"temporary"`` (embedded cluster only) makes self-signed ones
+        (needs ``cryptography``). Default None: plain TCP.
     pools : mapping of blockflow.Pool to int, optional
-        Embedded cluster only: its workers in pools, ``{Pool("fast", price=4): 2,
-        Pool("slow", price=0.5): 4}`` (workers named ``0, 1, ...`` in that order; each
-        reports its pool and declares the resource ``"pool:<name>"``, see
-        :class:`blockflow.pools.pool.PoolMember`). ``n_workers`` is their sum. For
-        simulated speeds per pool use :func:`blockflow.testing.cluster.simulated_cluster`
-        with ``pools=``.
+        Embedded cluster only: its workers in pools (``{Pool("fast", price=4): 2}``,
+        :class:`blockflow.pools.pool.PoolMember`); ``n_workers`` is their sum.
     **cluster_kwargs
         Passed to ``LocalCluster`` / ``LocalCUDACluster``.
 
@@ -139,14 +128,10 @@ def connect(
     Raises
     ------
     GPUUnavailableError
-        If ``gpu=True`` and no GPU is visible or dask-cuda is not installed; the message
-        lists the missing pieces and the ``pip install "blockflow[gpu]"`` fix.
+        If ``gpu=True`` and no GPU is visible or dask-cuda is not installed.
     OSError
-        If no Dask scheduler answers at ``address``: nothing listens there (refused for
-        ``timeout``), the host cannot be reached or resolved, the server answers something
-        other than Dask's handshake (an HTTP server, garbage: at once) or nothing within
-        ``timeout``, TLS is on one side only or the credentials are refused, or it is a
-        worker's address. One line naming the address, what was found and the fix.
+        If no Dask scheduler answers at ``address`` (refused, unreachable, not Dask, TLS on
+        one side only, a worker's address); one line naming what was found and the fix.
     ValueError
         For ``pools`` with an address, a pool of fewer than 1 worker, two pools of one
         name, or ``n_workers`` other than their sum; an unknown ``policy`` or ``gpu`` value, ``n_workers`` or ``threads_per_worker``
@@ -159,11 +144,9 @@ def connect(
     ModuleNotFoundError
         For ``security="temporary"`` without the ``cryptography`` package.
     RuntimeError
-        If the embedded cluster's worker processes could not start because importing the
-        main script calls ``connect()`` again (the call is not under
-        ``if __name__ == "__main__":``); within seconds, instead of hanging.
-    SystemExit
-        In such a worker process itself (see :mod:`blockflow.cluster.main_guard`).
+        If the embedded cluster's workers could not start because the main script calls
+        ``connect()`` outside ``if __name__ == "__main__":``
+        (:mod:`blockflow.cluster.main_guard`).
     """
     # A worker process importing a script that calls connect() at top level: end it now.
     _main_guard.exit_if_bootstrapping()
