@@ -13,6 +13,7 @@ embedded cluster). The client's view of the running cluster (:func:`plugin_statu
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,21 +22,24 @@ from dask.utils import parse_timedelta
 from distributed import Client, LocalCluster, Security
 
 from blockflow import _distributed, config
+from blockflow._distributed.metrics import read_metrics
+from blockflow.backends import GPU_INSTALL_HINT, GPUUnavailableError, gpu_device_count, has_package
 from blockflow.cluster import handshake as _handshake
 from blockflow.cluster import main_guard as _main_guard
-from blockflow.scheduling.view import workers_info
-from blockflow.backends import GPU_INSTALL_HINT, GPUUnavailableError, gpu_device_count, has_package
-from blockflow.errors import describe
+from blockflow.devices import DeviceMetrics
+from blockflow.errors import BlockflowWarning, describe
+from blockflow.pools.pool import Pool, PoolMember, heartbeat_now
+from blockflow.scheduling.extensions import scheduler_extensions
+from blockflow.scheduling.plugin import Rebalancer
 from blockflow.scheduling.view import (  # noqa: F401  (re-exported: the public names)
     DECISION_COLUMNS,
     SEEN_METRICS,
     decisions,
     plugin_status,
     task_counts,
+    workers_info,
 )
 from blockflow.scheduling.wait import gather_results, wait_for  # noqa: F401  (re-exported)
-from blockflow.scheduling.plugin import Rebalancer
-from blockflow.pools.pool import Pool, PoolMember, heartbeat_now
 
 __all__ = [
     "connect",
@@ -257,11 +261,6 @@ def _warn_undeclared_gpus(client: Client) -> None:
     """GPU workers of a running cluster that declare no ``GPU`` resource never run tasks
     that ask for ``resources={"GPU": 1}``, and workers that declare one without a GPU get
     them: say which, and how to fix it."""
-    import warnings
-
-    from blockflow.errors import BlockflowWarning
-    from blockflow._distributed.metrics import read_metrics
-
     workers = workers_info(client)
     bare = sorted(a for a, w in workers.items() if read_metrics(w.get("metrics")).has_gpu
                   and not (w.get("resources") or {}).get("GPU"))
@@ -299,10 +298,6 @@ def _running_policy(dask_scheduler=None) -> str | None:
 def _warn_if_other_policy(client: Client, asked: str) -> None:
     """A scheduler that already runs blockflow's plugin (``--preload``, an earlier client)
     keeps it, and its policy: say so rather than ignore ``policy=`` silently."""
-    import warnings
-
-    from blockflow.errors import BlockflowWarning
-
     running = client.run_on_scheduler(_running_policy)
     if running is not None and running != asked:
         warnings.warn(
@@ -418,9 +413,6 @@ def _start_local_cluster(use_gpu: bool, **kwargs) -> LocalCluster:
 
 
 def _register_plugin(client: Client, plugin: Rebalancer) -> None:
-    from blockflow.devices import DeviceMetrics
-    from blockflow.scheduling.extensions import scheduler_extensions
-
     try:
         client.register_plugin(plugin)
         for extension in scheduler_extensions():  # blockflow.scheduler.extensions

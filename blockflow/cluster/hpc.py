@@ -21,6 +21,7 @@ from dask.utils import parse_timedelta
 
 from blockflow import _distributed
 from blockflow.errors import ClusterStartError
+from blockflow.scheduling.plugin import POLICIES
 
 __all__ = ["add_workers", "batch_job", "jobqueue_cluster", "slurm_cluster"]
 
@@ -117,8 +118,6 @@ def _scheduler_options(options: Mapping[str, Any] | None, policy: str | None) ->
         preload.append(PRELOAD)
     options["preload"] = preload
     if policy is not None:
-        from blockflow.scheduling.plugin import POLICIES
-
         if policy not in POLICIES:
             raise ValueError(f"jobqueue_cluster: unknown policy {policy!r}; choose one of "
                              f"{', '.join(POLICIES)}.")

@@ -14,13 +14,15 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import pandas as pd
 from dask.utils import format_bytes
+from distributed import Client
 
-from blockflow.pools.pool import pools_of
-from blockflow.scheduling.view import workers_info
 from blockflow._distributed import worker_plugins
+from blockflow._distributed.metrics import read_metrics
+from blockflow.cluster.hpc import batch_job
 from blockflow.devices import device_info
 from blockflow.errors import BlockflowWarning
-from blockflow._distributed.metrics import read_metrics
+from blockflow.pools.pool import pools_of
+from blockflow.scheduling.view import workers_info
 
 __all__ = ["Inventory", "WorkerResources", "inventory"]
 
@@ -111,8 +113,6 @@ def _probe_device(dask_worker=None) -> dict:
 def _probe_worker(gpu_workers=(), dask_worker=None) -> dict:
     """Run on every worker: the batch job it runs in, and on GPU workers (``gpu_workers``:
     addresses) its device (:func:`_probe_device`)."""
-    from blockflow.cluster.hpc import batch_job
-
     out = {"job": batch_job()}
     if dask_worker is not None and dask_worker.address in set(gpu_workers):
         out["device"] = _probe_device(dask_worker)
@@ -267,8 +267,6 @@ def inventory(client) -> Inventory:
     TypeError
         If ``client`` is not a ``distributed.Client``.
     """
-    from distributed import Client
-
     if not isinstance(client, Client):
         raise TypeError(
             f"blockflow.inventory: expected a distributed.Client, got {type(client).__name__}; "

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from blockflow.cluster.hpc import _resources_arg
+from blockflow.scheduling.plugin import POLICIES
+
 __all__ = ["cluster_spec", "worker_group_spec"]
 
 PRELOAD = "blockflow.scheduling.preload"
@@ -29,8 +32,6 @@ def _operator():
 
 
 def _resource_args(worker_resources: Mapping[str, float] | None) -> list[str]:
-    from blockflow.cluster.hpc import _resources_arg  # one validation of worker resources
-
     return _resources_arg(worker_resources)
 
 
@@ -129,8 +130,6 @@ def cluster_spec(name: str, image: str, n_workers: int = 1, *,
                     if c.get("name") == "scheduler"]
     args = list(scheduler["args"]) + ["--preload", PRELOAD]
     if policy is not None:
-        from blockflow.scheduling.plugin import POLICIES
-
         if policy not in POLICIES:
             raise ValueError(f"cluster_spec: unknown policy {policy!r}; choose one of "
                              f"{', '.join(POLICIES)}.")
