@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from distributed.diagnostics.progressbar import ProgressBar
+from distributed.gc import GCDiagnosis
 from distributed.utils import is_kernel
 
 __all__ = ["SchedulerProgress", "call_scheduler_handler", "data_holders", "has_scheduler_plugin",
@@ -22,8 +23,6 @@ def is_gc_diagnosis_callback(obj) -> bool:
     worker): an exception raised inside it, such as a Ctrl-C's KeyboardInterrupt arriving
     during a collection, is reported by Python as "Exception ignored in ..." with a
     traceback, and leaves the timer in a state its next call reports the same way."""
-    from distributed.gc import GCDiagnosis
-
     return getattr(obj, "__func__", None) is GCDiagnosis._gc_callback
 
 

@@ -25,6 +25,8 @@ from typing import Any
 from distributed import Nanny, Scheduler, SpecCluster, Worker
 
 from blockflow._distributed import correct_state_soon, replace_adaptive
+from blockflow.cluster.hpc import jobqueue_defaults
+from blockflow.pools.adaptive import PoolAdaptive
 from blockflow.pools.pool import _POOL_RESOURCE_AMOUNT, Pool
 
 __all__ = ["PoolCluster"]
@@ -49,8 +51,6 @@ def pool_preload_argv(pool: Pool) -> list[str]:
 
 def _job_class(job_cls):
     """A dask-jobqueue job class from the class or its short name (``"slurm"``)."""
-    from blockflow.cluster.hpc import jobqueue_defaults
-
     if not isinstance(job_cls, str):
         if getattr(job_cls, "__module__", "").startswith("dask_jobqueue"):
             jobqueue_defaults()
@@ -312,8 +312,6 @@ class PoolCluster(SpecCluster):
         -------
         PoolAdaptive
         """
-        from blockflow.pools.adaptive import PoolAdaptive
-
         cls = Adaptive or PoolAdaptive
         return replace_adaptive(self, lambda: cls(self, pools=pools, **kwargs))
 

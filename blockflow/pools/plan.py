@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
+import numpy as np
+
 from blockflow.pools.pool import Pool
 
 __all__ = ["Plan", "plan", "run_cost", "throughput_matrix", "typical_speeds"]
@@ -176,7 +178,6 @@ def plan(work: Mapping[str, float], seconds: Mapping[str, Mapping[str, float]],
     lower bound of any run's cost (deadline) or makespan (budget). Solved with
     ``scipy.optimize.linprog`` (HiGHS).
     """
-    import numpy as np
     from scipy.optimize import linprog
 
     threads = threads or {}
@@ -243,7 +244,6 @@ def plan(work: Mapping[str, float], seconds: Mapping[str, Mapping[str, float]],
 def _deadline_shortfall(deadline, load, cap, a_eq, b_eq, names, groups, var, k) -> str:
     """One line: the fewest workers of one pool (the one needing fewest more) that meet the
     deadline, the other pools as they are."""
-    import numpy as np
     from scipy.optimize import linprog
 
     best = None

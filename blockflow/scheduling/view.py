@@ -13,12 +13,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from statistics import median
 from typing import Any, Iterable, Mapping
 
 from distributed import Client
 
-from blockflow._distributed.metrics import CAPACITY_METRIC, clean_number, read_metrics
 from blockflow._distributed.client import has_scheduler_plugin
+from blockflow._distributed.metrics import CAPACITY_METRIC, clean_number, read_metrics
 from blockflow.scheduling.estimate import CONFIDENT, Throughput, confident_speeds
 
 __all__ = [
@@ -192,7 +193,6 @@ def declared_speeds(client: Client, workers: Mapping[str, Mapping] | None = None
             caps[a] = cap
     if not caps:
         return {}
-    from statistics import median
 
     typical = median(caps.values())
     return {a: c / typical for a, c in caps.items()}
