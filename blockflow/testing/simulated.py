@@ -1,33 +1,12 @@
 """Simulated GPU workers: CPU workers that report honest, measured GPU metrics.
 
-blockflow's GPU-metric-aware scheduling reads the keys distributed's NVML monitor reports
-(``gpu_utilization`` in percent, ``gpu_memory_used`` and ``gpu-memory-total`` in bytes). To
-test and benchmark it on CPU-only machines, :class:`SimulatedGPU` (a
-``distributed.WorkerPlugin``) gives each CPU worker a :class:`SimulatedDevice` and reports the
-same keys from it, and :func:`simulated_kernel` is the work that runs "on" the device:
-
-* **time**: a kernel of ``work`` reference-seconds takes ``work / speed`` seconds (longer
-  beside a busy tenant or concurrent kernels), spent in ``time.sleep`` so that many
-  simulated workers fit on a 2-core machine;
-* **utilisation** is *measured*: the fraction of the last ``window`` seconds during which at
-  least one simulated kernel was running on the device, plus a background tenant's share;
-* **device memory** is *accounted*: bytes of :class:`SimulatedDeviceBlock` results the worker
-  holds in ``worker.data``, plus working sets of running kernels, plus the tenant's bytes; a
-  kernel whose working set does not fit raises :class:`SimulatedOutOfMemoryError`, worded
-  like CuPy's ``OutOfMemoryError``.
-
-Nothing here registers blockflow's scheduler plugin, so a simulated cluster also serves as
-the plain-Dask baseline; on a worker without a simulated device :func:`simulated_kernel` runs
-at speed 1 with unlimited memory. Clusters of simulated workers are started or equipped by
-:mod:`blockflow.testing.cluster`.
-
-This is a test double: production modules never import it. They find the simulated device
-the way they find any device-owning worker plugin, by its ``describe_device()`` method.
-
-What is not simulated: transfers (only the small payload moves between workers, whatever
-``nbytes`` says), device-to-host spilling, and kernel launch overheads.
+:class:`SimulatedGPU` (a worker plugin) gives each CPU worker a
+:class:`~blockflow.testing.simulated_device.SimulatedDevice` and reports distributed's NVML
+metric keys from it; :func:`simulated_kernel` is the work that runs on the device (``work /
+speed`` seconds of ``time.sleep``, a working set in accounted device memory). Not simulated:
+transfers (only the small payload moves), spilling and launch overheads. Clusters of simulated
+workers: :mod:`blockflow.testing.cluster`. A test double: production modules never import it.
 """
-
 from __future__ import annotations
 
 import copy
