@@ -1,8 +1,5 @@
-"""The client side: distributed's client API where blockflow needs more than its public face.
-
-:func:`data_holders` (``Client.who_has``, whose name is also a ``TaskState`` internal's) and
-:class:`SchedulerProgress`, distributed's progress feed handed to a drawing callback (it
-overrides ``ProgressBar``'s private drawing method, so it lives here).
+"""The client side: distributed's client API where blockflow needs more than its public face
+(``Client.who_has``, ``ProgressBar``'s drawing hook, ``is_kernel``, the GC timer callback).
 """
 
 from __future__ import annotations
@@ -19,10 +16,8 @@ __all__ = ["SchedulerProgress", "call_scheduler_handler", "data_holders", "has_s
 
 def is_gc_diagnosis_callback(obj) -> bool:
     """Whether ``obj`` is distributed's garbage-collection timer callback
-    (``distributed.gc.GCDiagnosis``, enabled in every process that runs a scheduler or a
-    worker): an exception raised inside it, such as a Ctrl-C's KeyboardInterrupt arriving
-    during a collection, is reported by Python as "Exception ignored in ..." with a
-    traceback, and leaves the timer in a state its next call reports the same way."""
+    (``distributed.gc.GCDiagnosis``), whose exceptions Python reports as "Exception ignored
+    in ..."."""
     return getattr(obj, "__func__", None) is GCDiagnosis._gc_callback
 
 
