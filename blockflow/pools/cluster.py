@@ -86,19 +86,15 @@ class PoolCluster(SpecCluster):
     processes : bool, default True
         Local workers as processes (``Nanny``) or threads of this process (``Worker``).
     worker_options : mapping, optional
-        Pool name -> extra keyword arguments of that pool's ``Nanny``/``Worker`` (local) or
-        job class (``jobs``); e.g. ``{"fast": {"resources": {"GPU": 1}}}``.
+        Pool name -> extra keyword arguments of its ``Nanny``/``Worker`` or job class.
     job_cls : type or str, optional
-        A dask-jobqueue job class (``dask_jobqueue.SLURMJob``) or its short name
-        (``"slurm"``, ``"pbs"``, ...): every pool's workers are batch jobs of that class,
-        under this one scheduler.
+        A dask-jobqueue job class or its short name (``"slurm"``): every pool's workers
+        are batch jobs of it, under this one scheduler.
     jobs : mapping, optional
-        With ``job_cls``: pool name -> the job template's options (``queue`` - the Slurm
-        partition -, ``cores``, ``memory``, ``walltime``, ``job_extra_directives``...).
-        The worker preload is added to ``worker_extra_args``.
+        With ``job_cls``: pool name -> the job's options (``queue``, ``cores``, ``memory``,
+        ``walltime``, ...).
     scheduler_options : mapping, optional
-        Extra ``distributed.Scheduler`` options (``dashboard_address`` defaults to ``":0"``,
-        ``host`` to ``127.0.0.1`` for local workers).
+        Extra ``distributed.Scheduler`` options.
     policy : str, optional
         blockflow's scheduling policy (default ``blockflow.cluster.policy``).
     **kwargs
@@ -109,7 +105,7 @@ class PoolCluster(SpecCluster):
     ------
     TypeError, ValueError
         For pools that are not :class:`blockflow.Pool`, a negative worker count, two pools
-        of one name, or options naming unknown pools (one line naming the pool).
+        of one name, or options naming unknown pools.
 
     See Also
     --------
