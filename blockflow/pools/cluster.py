@@ -1,19 +1,13 @@
 """``blockflow.PoolCluster``: one scheduler over several pools of workers.
 
-A :class:`distributed.SpecCluster` whose worker specs come one per pool: every worker of pool
-``fast`` is named ``fast-<i>`` and started with the worker preload ``blockflow.pools.preload`` (so it
-reports its :class:`~blockflow.pools.pool.Pool` and declares the ``pool:fast``
-resource), the same way a worker started by hand with ``dask worker --preload blockflow.pools.preload
---pool fast`` does. The workers are local processes by default, or batch jobs of
-dask-jobqueue: one job template (``SLURMJob``, ``PBSJob``, ...) per pool, all under ONE
-scheduler, which the "one cluster per queue" workaround (dask-jobqueue#381) cannot give.
-
-The scheduler runs blockflow's scheduler plugin from the start (the
-``blockflow.scheduling.preload`` preload). :meth:`PoolCluster.scale` sizes one pool;
-:meth:`PoolCluster.adapt` sizes every pool from the backlog, the throughput matrix and the
-prices (:class:`blockflow.pools.adaptive.PoolAdaptive`).
+A :class:`distributed.SpecCluster` whose workers come one spec per pool: worker ``i`` of pool
+``fast`` is named ``fast-<i>`` and started with the worker preload ``blockflow.pools.preload``
+(it reports its :class:`~blockflow.pools.pool.Pool` and declares ``pool:fast``). Workers are
+local processes, or dask-jobqueue batch jobs with one job template per pool under one
+scheduler (dask-jobqueue#381). The scheduler runs blockflow's plugin from the start;
+:meth:`PoolCluster.scale` sizes a pool, :meth:`PoolCluster.adapt` every pool
+(:class:`blockflow.pools.adaptive.PoolAdaptive`).
 """
-
 from __future__ import annotations
 
 import importlib
