@@ -57,7 +57,8 @@ from blockflow.pools.plan import plan
 from blockflow.pools.pool import Pool
 from blockflow.scheduling.runs import run_scope
 from blockflow.testing.cluster import simulated_cluster
-from blockflow.testing.simulated import SimulatedDeviceBlock, simulated_kernel
+from blockflow.testing.simulated import simulated_kernel
+from blockflow.testing.simulated_device import SimulatedDeviceBlock
 
 FAST = Pool("fast", provider="gcp", price=4.0, speed=4)
 SLOW = Pool("slow", provider="aws", price=0.5, speed=1, egress=0.09)

@@ -29,7 +29,8 @@ from distributed import Client
 
 import blockflow
 from blockflow.pools.plan import plan
-from blockflow.testing.simulated import SimulatedDevice, SimulatedGPU
+from blockflow.testing.simulated import SimulatedGPU
+from blockflow.testing.simulated_device import SimulatedDevice
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pools import FAST, SLOW, run_config  # noqa: E402  (benchmarks/pools.py)

@@ -73,7 +73,7 @@ class WorkerLostError(RuntimeError):
     Raised by blockflow's workloads when every worker of the cluster is gone for longer than
     ``blockflow.cluster.worker-loss-timeout``, or in place of distributed's ``KilledWorker``
     (a task whose workers died ``distributed.scheduler.allowed-failures + 1`` times), and by
-    :func:`blockflow.scheduling.view.gather_as_done` / :func:`~blockflow.scheduling.view.
+    :func:`blockflow.scheduling.wait.gather_as_done` / :func:`~blockflow.scheduling.wait.
     fetch` when workers a computation needs left, or a result was lost before it was fetched.
     The message says what happened and what to do.
 

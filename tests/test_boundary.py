@@ -29,6 +29,9 @@ INTERNAL_MODULES = ("distributed.scheduler", "distributed.stealing",
                     "distributed.dashboard", "distributed.http", "distributed.core",
                     "distributed.worker", "distributed.nanny", "distributed.protocol.utils",
                     "distributed.comm.tcp")
+#: Public-looking names of distributed that its API documentation does not list (helpers
+#: of its own deploy and notebook code).
+INTERNAL_NAMES = {"distributed.utils.NoOpAwaitable", "distributed.utils.is_kernel"}
 #: Top-level packages whose private (``_name``) objects only the boundary may use.
 PRIVATE_ROOTS = ("distributed", "dask")
 #: Attribute names that only distributed's internal objects have (flagged on any receiver
@@ -285,7 +288,7 @@ class _Checker:
                 self.flag(node, f"from {node.module} import ... (a private module)")
             elif _root(node.module):
                 for a in node.names:
-                    if _private(a.name):
+                    if _private(a.name) or f"{node.module}.{a.name}" in INTERNAL_NAMES:
                         self.flag(node, f"from {node.module} import {a.name}")
         elif isinstance(node, ast.Import):
             for a in node.names:
@@ -304,6 +307,12 @@ class _Checker:
         if _private(node.attr) and _root_name(receiver) in self.dd:
             self.flag(node, f"{ast.unparse(node)} (a private name of "
                             f"{self.dd[_root_name(receiver)]})")
+        elif _private(node.attr) and self.is_self(receiver):
+            self.check_inherited(node)
+        elif _root_name(receiver) in self.dd and ".".join(
+                [self.dd[_root_name(receiver)]] + ast.unparse(node).split(".")[1:]) \
+                in INTERNAL_NAMES:
+            self.flag(node, ast.unparse(node))
         elif node.attr in INTERNAL_ATTRS:
             if not (self.is_client(receiver) and node.attr in self.client_api):
                 self.flag(node, f".{node.attr}")
@@ -312,6 +321,28 @@ class _Checker:
                 self.flag(node, f"{ast.unparse(receiver)}.{node.attr}")
         elif node.attr in SCHEDULER_COLLECTIONS and self.is_state(receiver, weak=True):
             self.flag(node, f"{ast.unparse(receiver)}.{node.attr}")
+
+    def is_self(self, node: ast.AST) -> bool:
+        """``self`` or ``super()``."""
+        return (isinstance(node, ast.Name) and node.id == "self") or (
+            isinstance(node, ast.Call) and _last_name(node.func) == "super")
+
+    def check_inherited(self, node: ast.Attribute) -> None:
+        """``self._x`` (or ``super()._x``) in a class derived from a distributed/dask class
+        whose private name ``_x`` the base class has or uses (``SpecCluster._correct_state``,
+        ``Cluster._adaptive``)."""
+        klass = self.parents.get(node)
+        while klass is not None and not isinstance(klass, ast.ClassDef):
+            klass = self.parents.get(klass)
+        if klass is None:
+            return
+        for b in klass.bases:
+            if _root_name(b) not in self.dd:
+                continue
+            base = _resolve(self.dd[_root_name(b)], ast.unparse(b).split(".")[1:])
+            if base is None or _knows(base, node.attr):
+                self.flag(node, f"{ast.unparse(node)} (a private name of {ast.unparse(b)})")
+                return
 
     def check_overrides(self, node: ast.ClassDef) -> None:
         """A class derived from a distributed/dask class that defines a private method the
@@ -332,13 +363,15 @@ def _knows(base, name: str) -> bool:
     """Whether distributed's or dask's class ``base`` has or calls the method ``name`` (a
     hook the base class calls without defining it, as ``ProgressBar._draw_bar``)."""
     import inspect
+    import re
 
     if hasattr(base, name):
         return True
+    word = re.compile(rf"\b{re.escape(name)}\b")
     for klass in getattr(base, "__mro__", ()):
         if _root(getattr(klass, "__module__", "")):
             try:
-                if name in inspect.getsource(klass):
+                if word.search(inspect.getsource(klass)):
                     return True
             except (OSError, TypeError):
                 return True  # no source to tell: take it for a hook
@@ -449,6 +482,16 @@ def test_the_check_catches_the_internal_uses_of_issue_25(source):
     "from distributed.diagnostics.nvml import _parse_cuda_visible_device",
     "from distributed import diagnostics\ndiagnostics.nvml._get_name(h)",
     "view.who_has",  # not a client: TaskState.who_has
+    # a private name of a distributed base class, reached on self (issue 36)
+    "from distributed import SpecCluster\nclass C(SpecCluster):\n    def scale(self, n):\n"
+    "        self.loop.add_callback(self._correct_state)",
+    "import distributed\nclass C(distributed.SpecCluster):\n    def adapt(self):\n"
+    "        self._adaptive = None",
+    "from distributed.deploy.spec import SpecCluster\nclass C(SpecCluster):\n"
+    "    async def f(self):\n        await super()._correct_state()",
+    "from distributed.utils import NoOpAwaitable",
+    "from distributed.utils import is_kernel\nis_kernel()",
+    "import distributed.utils\ndistributed.utils.is_kernel()",
 ])
 def test_the_check_catches_internal_uses(line):
     assert internal_uses(line)
@@ -473,6 +516,10 @@ def test_the_check_catches_internal_uses(line):
     "class Feed(ProgressBar):\n    def _own_helper(self):\n        pass",
     "from distributed.protocol import dumps, loads",
     "class P(WorkerPlugin):\n    def setup(self, worker):\n        worker.address",
+    # a subclass's own private names pass
+    "from distributed import SpecCluster\nclass C(SpecCluster):\n    def f(self):\n"
+    "        self._pool_names = []\n        return self._pool_names",
+    "class C:\n    def f(self):\n        return self._correct_state",
 ])
 def test_the_check_lets_public_uses_pass(line):
     assert internal_uses(line) == []

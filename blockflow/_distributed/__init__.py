@@ -18,8 +18,12 @@ Modules, by side (every public name is re-exported here: ``_distributed.<name>``
     :data:`SUPPORTED`, :func:`check_scheduler`, :func:`check_worker`,
     :func:`check_worker_state`, :func:`check_dashboard`, :class:`IncompatibleSchedulerError`.
 :mod:`~blockflow._distributed.views`
-    The scheduler as plain data: worker and task views, held results, task states, feeders,
-    running tasks, unsatisfiable tasks, prefix durations.
+    The scheduler's workers as plain data: worker views, links, queued count, metadata.
+:mod:`~blockflow._distributed.tasks`
+    The scheduler's tasks as plain data: task views, held results, task states, running
+    and unsatisfiable tasks, prefix durations.
+:mod:`~blockflow._distributed.admission`
+    Feeder tasks (producers feeding resource-bound consumers) and their states.
 :mod:`~blockflow._distributed.actions`
     Actions on the scheduler: worker status, moves, restrictions, hold / release / fail,
     suspending the balancer, callbacks on its loop, backup requests.
@@ -34,7 +38,10 @@ Modules, by side (every public name is re-exported here: ``_distributed.<name>``
     current worker and task, task threads, the executor, the quiet-close filter.
 :mod:`~blockflow._distributed.client`
     Client-side helpers: :func:`data_holders`, :class:`SchedulerProgress`,
-    :func:`start_spec_workers` (a SpecCluster's new workers, failures raised).
+    :func:`in_notebook_kernel`.
+:mod:`~blockflow._distributed.deploy`
+    A SpecCluster's private hooks: :func:`start_spec_workers` (new workers, failures raised),
+    :func:`correct_state_soon`, :func:`replace_adaptive`.
 :mod:`~blockflow._distributed.spans`
     distributed's spans for runs: the ``span`` annotation, a span's figures.
 :mod:`~blockflow._distributed.graph`
@@ -82,7 +89,9 @@ Dashboard (extensions; checked by :func:`check_dashboard`)
     ``distributed.dashboard.components.add_periodic_callback``,
     ``distributed.dashboard.components.scheduler.BOKEH_THEME`` / ``env``.
 Client (client)
-    ``ProgressBar._draw_bar`` (overridden).
+    ``ProgressBar._draw_bar`` (overridden), ``distributed.utils.is_kernel``.
+SpecCluster (deploy)
+    ``SpecCluster._correct_state``, ``Cluster._adaptive``, ``distributed.utils.NoOpAwaitable``.
 NVML (nvml)
     ``distributed.diagnostics.nvml._parse_cuda_visible_device``, ``_get_handle``,
     ``_get_memory_total``, ``_get_name``.
@@ -108,7 +117,13 @@ from blockflow._distributed.actions import (
     spawn,
     suspend_work_stealing,
 )
-from blockflow._distributed.admission import FeederStates, feeder_state_view
+from blockflow._distributed.admission import (
+    FeederStates,
+    FeederView,
+    feeder_state_view,
+    feeder_states,
+    feeder_tasks,
+)
 from blockflow._distributed.checks import (
     IncompatibleSchedulerError,
     SUPPORTED,
@@ -123,9 +138,10 @@ from blockflow._distributed.client import (
     call_scheduler_handler,
     data_holders,
     has_scheduler_plugin,
+    in_notebook_kernel,
     is_gc_diagnosis_callback,
-    start_spec_workers,
 )
+from blockflow._distributed.deploy import correct_state_soon, replace_adaptive, start_spec_workers
 from blockflow._distributed.extensions import (
     AMMPolicy,
     MemorySuggestion,
@@ -177,34 +193,33 @@ from blockflow._distributed.placement import (
 )
 from blockflow._distributed.speculation import SpeculationHandlers, import_object
 from blockflow._distributed.spans import span_annotation, span_figures
-from blockflow._distributed.views import (
-    FeederView,
+from blockflow._distributed.tasks import (
     HeldResult,
     RunningTask,
     TaskView,
-    WorkerView,
-    WorkerViewCache,
-    bandwidth,
-    feeder_states,
-    feeder_tasks,
+    group_duration,
     held_results,
-    measured_bandwidth,
     input_holders,
     new_task_views,
-    own_utilization_estimate,
-    group_duration,
     prefix_duration,
-    workers_holding_data,
-    queued_count,
     running_tasks,
-    scheduler_metadata,
-    shared_devices,
     task_states,
     unsatisfiable_tasks,
     waiting_tasks,
+)
+from blockflow._distributed.views import (
+    WorkerView,
+    WorkerViewCache,
+    bandwidth,
+    measured_bandwidth,
+    own_utilization_estimate,
+    queued_count,
+    scheduler_metadata,
+    shared_devices,
     worker_addresses,
     worker_names_and_metrics,
     worker_views,
+    workers_holding_data,
 )
 from blockflow._distributed.wire import (
     HEADER_BYTES,
@@ -296,6 +311,7 @@ __all__ = [
     "check_worker_state",
     "clean_number",
     "client_handshake",
+    "correct_state_soon",
     "current_task_key",
     "current_worker",
     "current_worker_resources",
@@ -314,6 +330,7 @@ __all__ = [
     "hold_tasks",
     "http_prefix",
     "import_object",
+    "in_notebook_kernel",
     "input_holders",
     "is_gc_diagnosis_callback",
     "listed_workers",
@@ -337,6 +354,7 @@ __all__ = [
     "remove_periodic_callback",
     "remove_worker_metric",
     "renamed_task",
+    "replace_adaptive",
     "request_backup",
     "restrict_task",
     "retire_idle_worker",

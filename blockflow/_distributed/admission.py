@@ -1,4 +1,7 @@
-"""Admission control's read of feeder tasks: where each producer stands, read when asked.
+"""Admission control's read of feeder tasks: producers feeding resource-bound consumers.
+
+:func:`feeder_tasks` gives a :class:`FeederView` of each producer whose every dependent needs
+a worker resource it does not need; :func:`feeder_states` where each stands.
 
 :class:`FeederStates` is the plain-string view the admission rule
 (:class:`blockflow.scheduling.rules.AdmissionRule`) reads: key -> state as
@@ -10,11 +13,14 @@ held ones as the budget has room for, not every held one.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
-from blockflow._distributed.views import feeder_states
 
-__all__ = ["FeederStates", "feeder_state_view"]
+from blockflow._distributed.placement import HOLD_ADDRESS, _restricted
+
+__all__ = ["FeederStates", "FeederView", "feeder_state_view", "feeder_states", "feeder_tasks"]
 
 
 class FeederStates:
@@ -45,3 +51,135 @@ class FeederStates:
 def feeder_state_view(scheduler) -> FeederStates:
     """A :class:`FeederStates` view of ``scheduler``'s tasks."""
     return FeederStates(scheduler)
+
+
+@dataclass(frozen=True)
+class FeederView:
+    """A task whose every dependent needs a worker resource it does not (a CPU producer
+    feeding GPU consumers), as admission control sees it (plain data).
+
+    Attributes
+    ----------
+    key : str, tuple or int
+    priority : tuple
+        Dask's priority (smaller runs first).
+    resources : dict
+        The resources its consumers need (the largest amount of each).
+    consumers : tuple
+        The keys of its dependents (empty for an *expected* feeder: its consumers have not
+        arrived yet).
+    group : str
+        Its task prefix (``dask.utils.key_split``).
+    earlier : bool
+        Whether an earlier graph submitted it (its consumers arrived after it).
+    """
+
+    key: Any
+    priority: tuple
+    resources: dict
+    consumers: tuple = ()
+    group: str = ""
+    earlier: bool = False
+
+
+#: States of an earlier graph's task that may still feed a new graph's consumers: not
+#: started (queued on the scheduler, or assigned to a worker) or its output still in memory.
+_EARLIER = frozenset({"waiting", "queued", "processing", "memory"})
+
+
+_HELD = frozenset({HOLD_ADDRESS})
+
+
+def feeder_tasks(scheduler, keys, expect: Collection[str] = ()) -> list[FeederView]:
+    """The feeders of a graph that just arrived (``keys``), in priority order: tasks that
+    carry no restriction and whose dependents (one or more) all need worker resources.
+
+    Among ``keys``, those not yet scheduled; among the tasks of earlier graphs that
+    ``keys`` depend on (producers submitted before their consumers, distributed#9164's
+    ``client.map(produce)`` then ``client.map(consume, resources=...)``), those not done
+    yet, whose output is still in memory (:data:`_EARLIER`) or held back by
+    :func:`hold_tasks` (``earlier=True``). With ``expect`` (task prefixes), also the new
+    tasks of those prefixes that nothing depends on yet (expected feeders:
+    ``consumers=()``)."""
+    candidates = []
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if ts is None:
+            continue
+        # (distributed lists an earlier graph's tasks the new one depends on among ``keys``)
+        if ts.state == "released" or ts.state in _EARLIER:
+            candidates.append(ts)
+        if ts.resource_restrictions:
+            candidates.extend(d for d in ts.dependencies if d.state in _EARLIER
+                              or d.worker_restrictions == {HOLD_ADDRESS})
+    out, seen = [], set()
+    for ts in candidates:
+        if ts.key in seen or ts.actor or not ts.run_spec:
+            continue
+        seen.add(ts.key)
+        if not expect and not ts.dependents:
+            continue  # feeds nothing and not expected: none of the cases below
+        held = ts.worker_restrictions == _HELD
+        if _restricted(ts) and not held:
+            continue
+        group = ts.prefix.name  # key_split(ts.key), as distributed names the prefix
+        if not ts.dependents:
+            if expect and group in expect and ts.state == "released" and not held:
+                out.append(FeederView(ts.key, tuple(ts.priority or ()), {}, (), group))
+            continue
+        resources: dict[str, float] = {}
+        for dts in ts.dependents:
+            if not dts.resource_restrictions:
+                break
+            for r, q in dts.resource_restrictions.items():
+                resources[r] = max(resources.get(r, 0), q)
+        else:
+            out.append(FeederView(ts.key, tuple(ts.priority or ()), resources,
+                                  tuple(d.key for d in ts.dependents), group,
+                                  earlier=ts.state != "released" or held))
+    out.sort(key=lambda f: f.priority)
+    return out
+
+
+#: Dependent states in which a consumer has not run yet.
+_PENDING = frozenset({"released", "waiting", "queued", "no-worker", "processing"})
+
+
+#: Dependent states of a consumer that has all its inputs (ready, or running).
+_READY = frozenset({"queued", "no-worker", "processing"})
+
+
+def feeder_states(scheduler, keys) -> dict:
+    """key -> where a feeder task stands, for admission control (plain strings):
+
+    ``"held"`` (held back, a consumer still needs it), ``"orphan"`` (held back, but no
+    consumer needs it any more), ``"pending"`` (released, not yet run), ``"running"``
+    (assigned to a worker), ``"feeding"`` (its output is in memory and a consumer that has
+    all its inputs has not finished), ``"stored"`` (in memory, its consumers still wait for
+    other inputs), ``"done"`` (no consumer needs it any more, failed, or gone).
+    """
+    out = {}
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if ts is None or ts.state in ("erred", "forgotten"):
+            out[key] = "done"
+            continue
+        deps = ts.dependents or ()
+        pending = any(d.state in _PENDING for d in deps)
+        if ts.worker_restrictions == {HOLD_ADDRESS}:
+            out[key] = "held" if pending else "orphan"
+        elif ts.state == "processing":
+            out[key] = "running"
+        elif ts.state == "memory":
+            # (a consumer of a graph just arriving is still "released": ready if all its
+            # inputs are in memory)
+            if any(d.state in _READY or (d.state == "released" and all(
+                    i.state == "memory" for i in d.dependencies)) for d in deps):
+                out[key] = "feeding"
+            else:
+                out[key] = "stored" if pending else "done"
+        elif ts.state in ("waiting", "queued", "no-worker"):
+            out[key] = "pending"
+        else:  # released with nothing left to feed
+            out[key] = "pending" if pending else "done"
+    return out

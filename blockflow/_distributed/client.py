@@ -1,8 +1,5 @@
-"""The client side: distributed's client API where blockflow needs more than its public face.
-
-:func:`data_holders` (``Client.who_has``, whose name is also a ``TaskState`` internal's) and
-:class:`SchedulerProgress`, distributed's progress feed handed to a drawing callback (it
-overrides ``ProgressBar``'s private drawing method, so it lives here).
+"""The client side: distributed's client API where blockflow needs more than its public face
+(``Client.who_has``, ``ProgressBar``'s drawing hook, ``is_kernel``, the GC timer callback).
 """
 
 from __future__ import annotations
@@ -10,47 +7,23 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from distributed.diagnostics.progressbar import ProgressBar
+from distributed.gc import GCDiagnosis
+from distributed.utils import is_kernel
 
 __all__ = ["SchedulerProgress", "call_scheduler_handler", "data_holders", "has_scheduler_plugin",
-           "is_gc_diagnosis_callback", "start_spec_workers"]
-
+           "in_notebook_kernel", "is_gc_diagnosis_callback"]
 
 
 def is_gc_diagnosis_callback(obj) -> bool:
     """Whether ``obj`` is distributed's garbage-collection timer callback
-    (``distributed.gc.GCDiagnosis``, enabled in every process that runs a scheduler or a
-    worker): an exception raised inside it, such as a Ctrl-C's KeyboardInterrupt arriving
-    during a collection, is reported by Python as "Exception ignored in ..." with a
-    traceback, and leaves the timer in a state its next call reports the same way."""
-    from distributed.gc import GCDiagnosis
-
+    (``distributed.gc.GCDiagnosis``), whose exceptions Python reports as "Exception ignored
+    in ..."."""
     return getattr(obj, "__func__", None) is GCDiagnosis._gc_callback
 
 
-def start_spec_workers(cluster) -> None:
-    """Start the workers of a ``distributed.deploy.SpecCluster`` (dask-jobqueue's clusters)
-    whose specs were added to ``cluster.worker_spec``, and wait until each started or failed.
-
-    ``SpecCluster.scale`` does the same in the background, where a worker that fails to
-    start (a job the queue refuses) is only logged; here its exception is raised
-    (``SpecCluster._correct_state``, internal, awaited as the cluster's constructor does).
-    """
-    correct_state = getattr(cluster, "_correct_state", None)
-    if not callable(correct_state):
-        from blockflow._distributed.checks import _fail
-
-        _fail("SpecCluster._correct_state (starting a cluster's new workers)")
-    try:
-        cluster.sync(correct_state)
-    except Exception:
-        from distributed.core import Status
-
-        # a worker whose start raised (its job refused) stays "created", and SpecCluster's
-        # close asserts that every worker it created has closed or failed
-        for w in list(cluster.workers.values()):
-            if getattr(w, "status", None) == Status.created:
-                w.status = Status.failed
-        raise
+def in_notebook_kernel() -> bool:
+    """Whether this process runs inside a Jupyter/IPython kernel (``distributed.utils.is_kernel``)."""
+    return is_kernel()
 
 
 def data_holders(client, futures) -> dict:

@@ -8,15 +8,19 @@ from the scheduler side.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from distributed.active_memory_manager import ActiveMemoryManagerPolicy, Suggestion
+from tornado.ioloop import IOLoop, PeriodicCallback
 
 from blockflow._distributed.checks import serves_bokeh_dashboard
-from blockflow._distributed.views import HeldResult, WorkerView, held_results, worker_views
+from blockflow._distributed.tasks import HeldResult, held_results
+from blockflow._distributed.views import WorkerView, worker_views
 
 __all__ = [
     "AMMPolicy",
@@ -42,8 +46,6 @@ logger = logging.getLogger(__name__)
 def add_periodic_callback(scheduler, name: str, fn: Callable[[], Any], interval: float):
     """Run ``fn`` every ``interval`` seconds on the scheduler's event loop, registered under
     ``name`` in the scheduler's periodic callbacks (stopped with the scheduler)."""
-    from tornado.ioloop import PeriodicCallback
-
     pc = PeriodicCallback(fn, interval * 1000)
     scheduler.periodic_callbacks[name] = pc
     pc.start()
@@ -194,7 +196,6 @@ def add_dashboard_page(scheduler, path: str, doc_fn, menu_name: str) -> bool:
         variables["plots"].append(entry)
     if path in dashboard.applications:  # served by the dashboard's own Bokeh app already
         return True
-    from tornado.ioloop import IOLoop
 
     bokeh_app = BokehApplication({path: doc_fn}, scheduler, prefix=prefix,
                                  template_variables=variables)
@@ -242,9 +243,6 @@ async def run_amm_policy(scheduler, policy, cycles: int = 10, timeout: float = 3
         Cycles in which the manager accepted at least one suggestion; it stops at the first
         cycle in which it accepted none.
     """
-    import asyncio
-    import time
-
     from distributed.active_memory_manager import ActiveMemoryManagerExtension
 
     amm = ActiveMemoryManagerExtension(scheduler, policies=set(), register=False, start=False)

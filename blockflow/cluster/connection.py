@@ -6,13 +6,14 @@ processes. With an address it connects to a running scheduler (``dask scheduler`
 dask-jobqueue, dask-kubernetes). Either way blockflow's scheduler plugin is registered.
 ``security=`` gives the connection TLS (``"temporary"``: self-signed credentials made for an
 embedded cluster). The client's view of the running cluster (:func:`plugin_status`,
-:func:`decisions`, :func:`task_counts`, :func:`wait_for`, :func:`gather_results`) lives in
-:mod:`blockflow.scheduling.view`; it is re-exported here.
+:func:`decisions`, :func:`task_counts`; :mod:`blockflow.scheduling.view`) and its waits
+(:func:`wait_for`, :func:`gather_results`; :mod:`blockflow.scheduling.wait`) are re-exported here.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,22 +22,24 @@ from dask.utils import parse_timedelta
 from distributed import Client, LocalCluster, Security
 
 from blockflow import _distributed, config
+from blockflow._distributed.metrics import read_metrics
+from blockflow.backends import GPU_INSTALL_HINT, GPUUnavailableError, gpu_device_count, has_package
 from blockflow.cluster import handshake as _handshake
 from blockflow.cluster import main_guard as _main_guard
-from blockflow.scheduling.view import workers_info
-from blockflow.backends import GPU_INSTALL_HINT, GPUUnavailableError, gpu_device_count, has_package
-from blockflow.errors import describe
+from blockflow.devices import DeviceMetrics
+from blockflow.errors import BlockflowWarning, describe
+from blockflow.pools.pool import Pool, PoolMember, heartbeat_now
+from blockflow.scheduling.extensions import scheduler_extensions
+from blockflow.scheduling.plugin import Rebalancer
 from blockflow.scheduling.view import (  # noqa: F401  (re-exported: the public names)
     DECISION_COLUMNS,
     SEEN_METRICS,
     decisions,
-    gather_results,
     plugin_status,
     task_counts,
-    wait_for,
+    workers_info,
 )
-from blockflow.scheduling.plugin import Rebalancer
-from blockflow.pools.pool import Pool, PoolMember, heartbeat_now
+from blockflow.scheduling.wait import gather_results, wait_for  # noqa: F401  (re-exported)
 
 __all__ = [
     "connect",
@@ -106,28 +109,17 @@ def connect(
         Where the embedded cluster's dashboard listens; default
         ``blockflow.cluster.dashboard-address`` (localhost only).
     policy : str, optional
-        Scheduling policy of blockflow's scheduler plugin; default ``blockflow.cluster.policy``.
-        A scheduler that already runs the plugin (started with the preload, or by another
-        client) keeps its policy; a different ``policy=`` then warns (``BlockflowWarning``).
+        Policy of blockflow's scheduler plugin; default ``blockflow.cluster.policy``. A
+        scheduler already running the plugin keeps its policy (another one warns).
     timeout : str or float, optional
-        Seconds (or ``"30s"``) to wait for the scheduler at ``address``: a refused
-        connection is retried until then (a scheduler that is still starting), and the
-        server must answer Dask's handshake within it. Default
-        ``blockflow.cluster.connect-timeout`` (5 s).
+        Seconds (or ``"30s"``) to wait for the scheduler at ``address`` to accept and
+        answer Dask's handshake; default ``blockflow.cluster.connect-timeout``.
     security : distributed.Security or "temporary", optional
-        TLS credentials. With ``address``: the credentials the cluster's scheduler trusts
-        (required for a ``tls://`` address unless ``distributed.comm.tls.*`` is configured).
-        For the embedded cluster: its credentials; ``"temporary"`` makes self-signed ones
-        (:meth:`distributed.Security.temporary`, needs the ``cryptography`` package) so that
-        the scheduler, workers and this client talk TLS (``tls://`` addresses) and clients
-        without them are refused. Default None: plain TCP.
+        TLS credentials; ``"temporary"`` (embedded cluster only) makes self-signed ones
+        (needs ``cryptography``). Default None: plain TCP.
     pools : mapping of blockflow.Pool to int, optional
-        Embedded cluster only: its workers in pools, ``{Pool("fast", price=4): 2,
-        Pool("slow", price=0.5): 4}`` (workers named ``0, 1, ...`` in that order; each
-        reports its pool and declares the resource ``"pool:<name>"``, see
-        :class:`blockflow.pools.pool.PoolMember`). ``n_workers`` is their sum. For
-        simulated speeds per pool use :func:`blockflow.testing.cluster.simulated_cluster`
-        with ``pools=``.
+        Embedded cluster only: its workers in pools (``{Pool("fast", price=4): 2}``,
+        :class:`blockflow.pools.pool.PoolMember`); ``n_workers`` is their sum.
     **cluster_kwargs
         Passed to ``LocalCluster`` / ``LocalCUDACluster``.
 
@@ -140,14 +132,10 @@ def connect(
     Raises
     ------
     GPUUnavailableError
-        If ``gpu=True`` and no GPU is visible or dask-cuda is not installed; the message
-        lists the missing pieces and the ``pip install "blockflow[gpu]"`` fix.
+        If ``gpu=True`` and no GPU is visible or dask-cuda is not installed.
     OSError
-        If no Dask scheduler answers at ``address``: nothing listens there (refused for
-        ``timeout``), the host cannot be reached or resolved, the server answers something
-        other than Dask's handshake (an HTTP server, garbage: at once) or nothing within
-        ``timeout``, TLS is on one side only or the credentials are refused, or it is a
-        worker's address. One line naming the address, what was found and the fix.
+        If no Dask scheduler answers at ``address`` (refused, unreachable, not Dask, TLS on
+        one side only, a worker's address); one line naming what was found and the fix.
     ValueError
         For ``pools`` with an address, a pool of fewer than 1 worker, two pools of one
         name, or ``n_workers`` other than their sum; an unknown ``policy`` or ``gpu`` value, ``n_workers`` or ``threads_per_worker``
@@ -160,11 +148,9 @@ def connect(
     ModuleNotFoundError
         For ``security="temporary"`` without the ``cryptography`` package.
     RuntimeError
-        If the embedded cluster's worker processes could not start because importing the
-        main script calls ``connect()`` again (the call is not under
-        ``if __name__ == "__main__":``); within seconds, instead of hanging.
-    SystemExit
-        In such a worker process itself (see :mod:`blockflow.cluster.main_guard`).
+        If the embedded cluster's workers could not start because the main script calls
+        ``connect()`` outside ``if __name__ == "__main__":``
+        (:mod:`blockflow.cluster.main_guard`).
     """
     # A worker process importing a script that calls connect() at top level: end it now.
     _main_guard.exit_if_bootstrapping()
@@ -275,11 +261,6 @@ def _warn_undeclared_gpus(client: Client) -> None:
     """GPU workers of a running cluster that declare no ``GPU`` resource never run tasks
     that ask for ``resources={"GPU": 1}``, and workers that declare one without a GPU get
     them: say which, and how to fix it."""
-    import warnings
-
-    from blockflow.errors import BlockflowWarning
-    from blockflow._distributed.metrics import read_metrics
-
     workers = workers_info(client)
     bare = sorted(a for a, w in workers.items() if read_metrics(w.get("metrics")).has_gpu
                   and not (w.get("resources") or {}).get("GPU"))
@@ -317,10 +298,6 @@ def _running_policy(dask_scheduler=None) -> str | None:
 def _warn_if_other_policy(client: Client, asked: str) -> None:
     """A scheduler that already runs blockflow's plugin (``--preload``, an earlier client)
     keeps it, and its policy: say so rather than ignore ``policy=`` silently."""
-    import warnings
-
-    from blockflow.errors import BlockflowWarning
-
     running = client.run_on_scheduler(_running_policy)
     if running is not None and running != asked:
         warnings.warn(
@@ -436,9 +413,6 @@ def _start_local_cluster(use_gpu: bool, **kwargs) -> LocalCluster:
 
 
 def _register_plugin(client: Client, plugin: Rebalancer) -> None:
-    from blockflow.devices import DeviceMetrics
-    from blockflow.scheduling.extensions import scheduler_extensions
-
     try:
         client.register_plugin(plugin)
         for extension in scheduler_extensions():  # blockflow.scheduler.extensions

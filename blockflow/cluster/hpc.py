@@ -1,17 +1,10 @@
 """HPC job queues through dask-jobqueue: workers as batch jobs, blockflow's plugin on the scheduler.
 
-blockflow manages no cluster itself: :func:`jobqueue_cluster` (and :func:`slurm_cluster`)
-build a dask-jobqueue cluster (``SLURMCluster``, ``PBSCluster``, ``SGECluster``, ...) whose
+:func:`jobqueue_cluster` (and :func:`slurm_cluster`) build a dask-jobqueue cluster whose
 scheduler preloads :mod:`blockflow.scheduling.preload` and whose workers declare worker
-resources (``--resources GPU=1``), submit its jobs, wait until their workers have joined, and
-turn dask-jobqueue's failures — the batch system not answering, a queue that does not exist,
-a job refused, a worker that never reaches the scheduler — into one line naming what failed
-and the fix (:class:`~blockflow.errors.ClusterStartError`). :func:`add_workers` adds a group
-of workers from another queue (a heterogeneous cluster: GPU and CPU partitions) to the same
-cluster. Scaling afterwards is dask-jobqueue's own (``cluster.scale``, ``cluster.adapt``).
-
-:func:`batch_job` runs on a worker: the batch job it runs in (from the environment the batch
-system sets), which :func:`blockflow.inventory` lists for every worker.
+resources, submit its jobs and wait until their workers joined, turning each failure into one
+:class:`~blockflow.errors.ClusterStartError` line with the fix. :func:`add_workers` adds
+workers from another queue; :func:`batch_job` reads, on a worker, the batch job it runs in.
 """
 
 from __future__ import annotations
@@ -28,6 +21,7 @@ from dask.utils import parse_timedelta
 
 from blockflow import _distributed
 from blockflow.errors import ClusterStartError
+from blockflow.scheduling.plugin import POLICIES
 
 __all__ = ["add_workers", "batch_job", "jobqueue_cluster", "slurm_cluster"]
 
@@ -61,17 +55,9 @@ _MISSING = ("blockflow.cluster.hpc needs dask-jobqueue, which is not installed; 
 def batch_job(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The batch job this process runs in, read from the variables the batch system sets.
 
-    Parameters
-    ----------
-    environ : mapping, optional
-        The environment to read (default ``os.environ``).
-
-    Returns
-    -------
-    dict
-        ``{"system": "slurm", "job_id": "1234", "queue": "gpu"}`` (``queue`` only when the
-        batch system names it) for Slurm (``SLURM_JOB_ID``), PBS (``PBS_JOBID``), LSF
-        (``LSB_JOBID``) and SGE (``JOB_ID`` with ``SGE_ROOT``); ``{}`` outside a batch job.
+    ``{"system": "slurm", "job_id": "1234", "queue": "gpu"}`` (``queue`` when named) for
+    Slurm, PBS, LSF and SGE; ``{}`` outside a batch job. ``environ`` defaults to
+    ``os.environ``.
     """
     env = os.environ if environ is None else environ
     for system, job_var, queue_var, marker in _JOB_ENV:
@@ -85,13 +71,8 @@ def batch_job(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def jobqueue_defaults() -> None:
-    """Make sure dask-jobqueue's configuration defaults are in ``dask.config``.
-
-    dask-jobqueue adds them once, when it is imported. A configuration reset since then (such
-    as distributed's test harness restoring a snapshot taken before that import) drops them,
-    and every cluster or job class then fails with ``KeyError: 'jobqueue'``. They are added
-    back; values the user set keep priority. Call after importing dask-jobqueue.
-    """
+    """Put dask-jobqueue's configuration defaults back into ``dask.config`` if a reset since
+    its import dropped them (user values keep priority). Call after importing dask-jobqueue."""
     if "interface" not in (dask.config.get("jobqueue.slurm", None) or {}):
         from dask_jobqueue.config import reconfigure
 
@@ -137,8 +118,6 @@ def _scheduler_options(options: Mapping[str, Any] | None, policy: str | None) ->
         preload.append(PRELOAD)
     options["preload"] = preload
     if policy is not None:
-        from blockflow.scheduling.plugin import POLICIES
-
         if policy not in POLICIES:
             raise ValueError(f"jobqueue_cluster: unknown policy {policy!r}; choose one of "
                              f"{', '.join(POLICIES)}.")
@@ -276,49 +255,36 @@ def jobqueue_cluster(system: str = "slurm", *, queue: str | None = None, n_worke
     Parameters
     ----------
     system : str, default "slurm"
-        Batch system: ``"slurm"``, ``"pbs"``, ``"sge"``, ``"lsf"``, ``"htcondor"``,
-        ``"oar"`` or ``"moab"`` (the dask-jobqueue class of :data:`SYSTEMS`).
+        A batch system of :data:`SYSTEMS`.
     queue : str, optional
-        Queue (Slurm partition) of the worker jobs; default the batch system's (or
-        dask-jobqueue's ``jobqueue.<system>.queue`` setting).
+        Queue (Slurm partition) of the worker jobs; default dask-jobqueue's.
     n_workers : int, default 0
-        Worker jobs to submit now; :func:`jobqueue_cluster` returns once all of their workers
-        have joined the scheduler. 0 submits none (scale later with ``cluster.scale``).
+        Worker jobs to submit now; returns once their workers joined.
     worker_resources : dict, optional
-        Worker resources every worker declares (``{"GPU": 1}``: passed as
-        ``worker_extra_args=["--resources", "GPU=1"]``), so that tasks asking for
-        ``resources={"GPU": 1}`` run there.
+        Worker resources every worker declares (``{"GPU": 1}``).
     policy : str, optional
         Policy of blockflow's scheduler plugin (default ``blockflow.cluster.policy``).
     timeout : str or float, optional
-        How long to wait for the workers to join (seconds, or ``"10m"``): queue wait plus
-        worker start-up. Default ``blockflow.cluster.worker-start-timeout``.
+        How long to wait for the workers to join; default
+        ``blockflow.cluster.worker-start-timeout``.
     **jobqueue_kwargs
-        Passed to the dask-jobqueue class: ``cores``, ``memory`` (both required unless set
-        in dask-jobqueue's configuration), ``processes``, ``walltime``, ``account``,
-        ``interface``, ``log_directory``, ``job_extra_directives``, ``scheduler_options``
-        (blockflow's preload is added to its ``preload``), ``worker_extra_args``, ...
+        Passed to the dask-jobqueue class (``cores``, ``memory``, ``walltime``,
+        ``scheduler_options``, ...).
 
     Returns
     -------
     dask_jobqueue.JobQueueCluster
-        The cluster (``SLURMCluster``, ...); connect with ``blockflow.connect(
-        cluster.scheduler_address)`` or ``distributed.Client(cluster)``. Its workers are
-        named by dask-jobqueue (``SLURMCluster-0``, ...) and their batch job ids are listed
-        by :func:`blockflow.inventory` and ``blockflow info --address``.
 
     Raises
     ------
     ImportError
-        If dask-jobqueue is not installed (the message gives the pip command).
+        If dask-jobqueue is not installed.
     ValueError, TypeError
         For an unknown ``system`` or ``policy``, a negative ``n_workers``, bad
         ``worker_resources`` or ``timeout``.
     ClusterStartError
-        Slurm not answering, a partition that does not exist (both checked before any job is
-        submitted), a job the batch system refused, or a worker that has not joined within
-        ``timeout`` (the message says whether its job is still queued, runs but cannot reach
-        the scheduler, or ended). The cluster is closed and its jobs cancelled first.
+        Slurm not answering, an unknown partition, a refused job, or a worker not joined
+        within ``timeout``. The cluster is closed first.
 
     See Also
     --------
@@ -384,17 +350,12 @@ def slurm_cluster(queue: str | None = None, *, n_workers: int = 0, **kwargs: Any
 def add_workers(cluster, n: int, *, queue: str | None = None,
                 worker_resources: Mapping[str, float] | None = None,
                 timeout: str | float | None = None, **job_kwargs: Any) -> list[str]:
-    """Add ``n`` workers from another queue (or with other job options) to a jobqueue cluster.
-
-    The jobs are submitted with the cluster's own job options, changed by ``queue``,
-    ``worker_resources`` and ``job_kwargs``; the call returns once their workers have joined
-    the scheduler. They belong to the cluster from then on (closed with it; dask-jobqueue's
-    ``cluster.scale(n)`` counts them and, scaling down, may remove them).
+    """Add ``n`` workers from another queue (or with other job options) to a jobqueue cluster;
+    returns once they joined. ``cluster.scale`` counts them from then on.
 
     Parameters
     ----------
     cluster : dask_jobqueue.JobQueueCluster
-        From :func:`jobqueue_cluster` / :func:`slurm_cluster` (or dask-jobqueue directly).
     n : int
         Workers to add (>= 1).
     queue : str, optional

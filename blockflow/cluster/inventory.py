@@ -14,13 +14,15 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import pandas as pd
 from dask.utils import format_bytes
+from distributed import Client
 
-from blockflow.pools.pool import pools_of
-from blockflow.scheduling.view import workers_info
 from blockflow._distributed import worker_plugins
+from blockflow._distributed.metrics import read_metrics
+from blockflow.cluster.hpc import batch_job
 from blockflow.devices import device_info
 from blockflow.errors import BlockflowWarning
-from blockflow._distributed.metrics import read_metrics
+from blockflow.pools.pool import pools_of
+from blockflow.scheduling.view import workers_info
 
 __all__ = ["Inventory", "WorkerResources", "inventory"]
 
@@ -45,19 +47,13 @@ class WorkerResources:
     simulated : bool
         True for blockflow's simulated devices (tests, benchmarks).
     resources : dict
-        Worker resources the worker declares (``{"GPU": 1}``); tasks asking for
-        ``resources=`` run only where they are declared.
+        Worker resources the worker declares (``{"GPU": 1}``).
     shares_gpu_with : tuple of str
-        Addresses of the other workers that use the same GPU (same ``gpu_uuid``); empty
-        when the worker has its GPU to itself.
+        The other workers using the same GPU (same ``gpu_uuid``).
     job_system, job_id, job_queue : str or None
-        The batch job the worker runs in, as the worker's environment tells it
-        (:func:`blockflow.cluster.hpc.batch_job`): ``"slurm"``, ``"1234"``, ``"gpu"`` for a
-        worker started by dask-jobqueue's ``SLURMCluster`` in partition ``gpu``; None
-        outside a batch job.
+        The batch job the worker runs in (:func:`blockflow.cluster.hpc.batch_job`).
     pool, provider, region : str
-        The worker's pool and where it runs (:class:`blockflow.Pool`; ``"default"``,
-        ``"local"``, ``""`` when it reports none).
+        The worker's pool and where it runs (:class:`blockflow.Pool`).
     price : float or None
         Dollars per worker-hour of its pool (None: unknown).
     """
@@ -86,12 +82,9 @@ class WorkerResources:
 
 
 def _probe_device(dask_worker=None) -> dict:
-    """Run on a worker: the name and UUID of the GPU it uses, if any.
-
-    A worker plugin that owns or models the worker's device (blockflow's simulated GPUs in
-    tests and benchmarks) describes it through a ``describe_device()`` method; otherwise NVML
-    is asked (:func:`blockflow.devices.device_info`). ``{}`` when neither can tell.
-    """
+    """Run on a worker: the name and UUID of its GPU, from a worker plugin's
+    ``describe_device()`` (simulated devices) or NVML (:func:`blockflow.devices.device_info`);
+    ``{}`` when neither can tell."""
     for plugin in worker_plugins(dask_worker).values():
         describe_device = getattr(plugin, "describe_device", None)
         if not callable(describe_device):
@@ -111,8 +104,6 @@ def _probe_device(dask_worker=None) -> dict:
 def _probe_worker(gpu_workers=(), dask_worker=None) -> dict:
     """Run on every worker: the batch job it runs in, and on GPU workers (``gpu_workers``:
     addresses) its device (:func:`_probe_device`)."""
-    from blockflow.cluster.hpc import batch_job
-
     out = {"job": batch_job()}
     if dask_worker is not None and dask_worker.address in set(gpu_workers):
         out["device"] = _probe_device(dask_worker)
@@ -267,8 +258,6 @@ def inventory(client) -> Inventory:
     TypeError
         If ``client`` is not a ``distributed.Client``.
     """
-    from distributed import Client
-
     if not isinstance(client, Client):
         raise TypeError(
             f"blockflow.inventory: expected a distributed.Client, got {type(client).__name__}; "

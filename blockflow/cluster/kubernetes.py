@@ -1,20 +1,19 @@
 """Kubernetes through dask-kubernetes' operator: ``DaskCluster`` / ``DaskWorkerGroup`` manifests
 with blockflow's scheduler preload and worker resources.
 
-blockflow manages no cluster itself: :func:`cluster_spec` and :func:`worker_group_spec` build
-the resources dask-kubernetes' operator runs, with ``dask_kubernetes.operator.
-make_cluster_spec`` / ``make_worker_spec``, and add what blockflow needs — the scheduler
-started with ``--preload blockflow.scheduling.preload`` (and ``--blockflow-policy``), workers
-declaring Dask worker resources (``--resources GPU=1``) and asking Kubernetes for the GPUs
-behind them (``nvidia.com/gpu`` limits on the worker containers only). Hand the dicts to
-``KubeCluster(custom_cluster_spec=...)`` / ``cluster.add_worker_group(name,
-custom_spec=...["spec"]["worker"])``, or write them as YAML for ``kubectl apply -f``. The
-image must have blockflow installed (scheduler and workers import it).
+:func:`cluster_spec` and :func:`worker_group_spec` build the resources with
+``dask_kubernetes.operator.make_cluster_spec`` / ``make_worker_spec`` and add the scheduler
+preload, worker resources (``--resources GPU=1``) and the GPU limits of the worker containers.
+Hand them to ``KubeCluster(custom_cluster_spec=...)`` or ``kubectl apply -f``; the image must
+have blockflow installed.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
+
+from blockflow.cluster.hpc import _resources_arg
+from blockflow.scheduling.plugin import POLICIES
 
 __all__ = ["cluster_spec", "worker_group_spec"]
 
@@ -33,8 +32,6 @@ def _operator():
 
 
 def _resource_args(worker_resources: Mapping[str, float] | None) -> list[str]:
-    from blockflow.cluster.hpc import _resources_arg  # one validation of worker resources
-
     return _resources_arg(worker_resources)
 
 
@@ -88,38 +85,29 @@ def cluster_spec(name: str, image: str, n_workers: int = 1, *,
     n_workers : int, default 1
         Workers of the default worker group (>= 0).
     worker_resources : dict, optional
-        Dask worker resources the workers declare (``{"GPU": 1}`` adds
-        ``--resources GPU=1`` to the worker command), so that tasks asking for
-        ``resources={"GPU": 1}`` run there.
+        Dask worker resources the workers declare (``{"GPU": 1}``).
     gpus_per_worker : int, default 0
-        GPUs each worker container asks Kubernetes for (``limits: {nvidia.com/gpu: n}``);
-        the scheduler container asks for none.
+        GPUs each worker container asks Kubernetes for.
     policy : str, optional
-        Policy of blockflow's scheduler plugin (``--blockflow-policy``); default the
-        image's ``blockflow.cluster.policy``.
+        Policy of blockflow's scheduler plugin; default ``blockflow.cluster.policy``.
     env : dict, optional
-        Environment variables of scheduler and workers (e.g. ``DASK_BLOCKFLOW__...``
-        settings).
+        Environment variables of scheduler and workers.
     container_resources : dict, optional
-        Kubernetes resources of the worker containers (``{"limits": {"memory": "16Gi"},
-        "requests": {"cpu": "4"}}``); the GPU limit is added to it.
+        Kubernetes ``limits`` / ``requests`` of the worker containers.
     gpu_resource : str, default "nvidia.com/gpu"
-        The extended resource name of the cluster's GPUs (``amd.com/gpu``, ...).
+        The extended resource name of the cluster's GPUs.
     **operator_kwargs
-        Passed to ``dask_kubernetes.operator.make_cluster_spec`` (``worker_command``,
-        ``scheduler_service_type``, ``idle_timeout``, ``jupyter``).
+        Passed to ``dask_kubernetes.operator.make_cluster_spec``.
 
     Returns
     -------
     dict
-        The ``kubernetes.dask.org/v1`` ``DaskCluster`` resource: pass it to
-        ``dask_kubernetes.operator.KubeCluster(custom_cluster_spec=...)``, or
-        ``yaml.safe_dump`` it for ``kubectl apply -f``.
+        The ``kubernetes.dask.org/v1`` ``DaskCluster`` resource.
 
     Raises
     ------
     ImportError
-        If dask-kubernetes is not installed (the message gives the pip command).
+        If dask-kubernetes is not installed.
     ValueError
         For a negative ``n_workers`` or ``gpus_per_worker``, bad ``worker_resources``, an
         unknown ``policy`` or ``container_resources`` keys other than limits / requests.
@@ -142,8 +130,6 @@ def cluster_spec(name: str, image: str, n_workers: int = 1, *,
                     if c.get("name") == "scheduler"]
     args = list(scheduler["args"]) + ["--preload", PRELOAD]
     if policy is not None:
-        from blockflow.scheduling.plugin import POLICIES
-
         if policy not in POLICIES:
             raise ValueError(f"cluster_spec: unknown policy {policy!r}; choose one of "
                              f"{', '.join(POLICIES)}.")
@@ -162,16 +148,12 @@ def worker_group_spec(cluster: str, name: str, image: str, n_workers: int = 1, *
                       worker_command: str = "dask-worker") -> dict:
     """A dask-kubernetes ``DaskWorkerGroup`` manifest: more workers for a ``DaskCluster``.
 
-    A heterogeneous cluster is a :func:`cluster_spec` plus groups: GPU workers declaring
-    ``GPU=1`` beside CPU workers, or workers of another image or node pool.
-
     Parameters
     ----------
     cluster : str
         Name of the DaskCluster the group joins.
     name : str
-        The group's name (the resource is named ``<cluster>-<name>``, as
-        ``KubeCluster.add_worker_group`` names it).
+        The group's name (the resource is named ``<cluster>-<name>``).
     image, n_workers, worker_resources, gpus_per_worker, env, container_resources, gpu_resource
         As for :func:`cluster_spec`, for this group's workers.
     worker_command : str, default "dask-worker"
@@ -179,8 +161,7 @@ def worker_group_spec(cluster: str, name: str, image: str, n_workers: int = 1, *
     Returns
     -------
     dict
-        The ``kubernetes.dask.org/v1`` ``DaskWorkerGroup`` resource (its ``["spec"]
-        ["worker"]`` is what ``KubeCluster.add_worker_group(name, custom_spec=...)`` takes).
+        The ``kubernetes.dask.org/v1`` ``DaskWorkerGroup`` resource.
 
     Raises
     ------

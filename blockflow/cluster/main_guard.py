@@ -1,21 +1,11 @@
 """A script that calls ``blockflow.connect()`` outside ``if __name__ == "__main__":``.
 
-Worker processes are started with ``spawn`` (distributed's default), which makes each child
-import the main script again before it runs anything. A script whose top-level code calls
-``connect()`` then starts a cluster in every child while it is still bootstrapping:
-multiprocessing refuses (a ``RuntimeError`` traceback per worker) and the cluster waits
-forever for workers that never come. blockflow ends it within seconds instead:
-
-- in the child, :func:`exit_if_bootstrapping` (called first thing by ``connect()``) sees
-  multiprocessing's bootstrapping flag and exits at once; when the parent is blockflow's
-  ``connect()`` it leaves a note for it and exits quietly, else it prints one line;
-- in the parent, :func:`children_ran_main` tells a cluster that failed to start because its
-  worker processes ran the script's ``connect()`` (the note) from any other failure, so
-  ``connect()`` raises :data:`MESSAGE`.
-
-Method: the rule of Python's multiprocessing documentation ("Safe importing of main
-module"); detection by ``multiprocessing.current_process()._inheriting``, the flag
-multiprocessing itself checks for its "bootstrapping phase" error.
+Spawned worker processes import the main script again; one that calls ``connect()`` at top
+level would start a cluster in every child. In the child, :func:`exit_if_bootstrapping` (first
+thing in ``connect()``) sees multiprocessing's bootstrapping flag and exits, leaving a note;
+in the parent, :func:`children_ran_main` finds the note and ``connect()`` raises
+:data:`MESSAGE`. Method: Python's multiprocessing documentation, "Safe importing of main
+module".
 """
 
 from __future__ import annotations

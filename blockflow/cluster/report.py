@@ -15,9 +15,11 @@ import numpy as np
 import pandas as pd
 from dask.utils import format_bytes
 
-from blockflow.scheduling.view import plugin_status
 from blockflow.decompose import BlockResize, recorded_resizes
+from blockflow.pools.plan import plan, run_cost
+from blockflow.pools.pool import Pool
 from blockflow.scheduling.actions import Action
+from blockflow.scheduling.view import plugin_status
 
 __all__ = ["RunReport", "pool_costs", "run_report"]
 
@@ -43,21 +45,13 @@ class RunReport:
     tasks : pandas.DataFrame
         One row per task: ``worker``, ``start``, ``stop`` (seconds since ``since``).
     block_changes : list of BlockResize
-        Blocks re-cut before blockwise stages in this process (:mod:`blockflow.decompose`):
-        skewed blocks split, tiny ones merged, blocks fitted to device memory, with the
-        block sizes (rows, bytes) before and after.
+        Blocks re-cut before blockwise stages in this process (:mod:`blockflow.decompose`).
     pipeline : dict or None
-        The latest pipeline-parallel pass in the window (:class:`blockflow.PipelineParallel`):
-        ``name``, ``stages``, ``micro_batches``, ``workers``, ``makespan`` (s), ``bubble``
-        and ``ideal_bubble`` (fractions 0-1), and ``timeline``, a DataFrame of one row per
-        stage task (``stage``, ``worker``, ``micro_batch``, ``phase``, ``start``, ``stop``
-        in seconds since the pass started). None when no pass ran.
+        The latest pipeline-parallel pass in the window: ``name``, ``stages``,
+        ``micro_batches``, ``workers``, ``makespan`` (s), ``bubble`` and ``ideal_bubble``
+        (0-1), and ``timeline`` (one row per stage task).
     pools : dict or None
-        With pools (:class:`blockflow.Pool`): what the run cost
-        (:func:`pool_costs`): ``pools`` (pool -> workers, worker_seconds, busy_seconds,
-        price, cost), ``egress`` (bytes across providers and their price),
-        ``total_cost``, ``objective``, and ``lower_bound`` (the LP over the throughput
-        matrix: its ``cost`` and ``makespan``). None without pools.
+        What the run cost per pool (:func:`pool_costs`); None without pools.
     """
 
     since: float
@@ -166,11 +160,8 @@ def run_report(client, since: float | None = None) -> RunReport:
     client : distributed.Client
         Connected to a scheduler running blockflow's plugin.
     since : float, optional
-        Seconds since the epoch (e.g. ``t0 = time.time()`` before the computation); default
-        the start of the current computation as the plugin saw it (the last graph submitted
-        to an idle cluster). Block changes (:mod:`blockflow.decompose`) are those made in
-        this process since ``since``; by default those no earlier default report showed
-        (they are made when the graph is built, before it is submitted).
+        Seconds since the epoch; default the start of the current computation as the plugin
+        saw it (block changes: those no earlier report showed).
 
     Returns
     -------
@@ -227,15 +218,10 @@ def pool_costs(client, status: dict | None = None, *, task_log=None,
     Returns
     -------
     dict or None
-        :func:`blockflow.pools.plan.run_cost` (``pools``, ``egress``,
-        ``compute_cost``, ``total_cost``) plus ``objective`` and ``lower_bound``
-        (``{"cost", "makespan", "feasible"}``: :func:`blockflow.pools.plan.plan` over
-        the run's tasks per group and the throughput matrix, under its deadline or budget);
-        None when no worker reports a pool.
+        :func:`blockflow.pools.plan.run_cost` plus ``objective`` and ``lower_bound``
+        (``cost``, ``makespan``, ``feasible`` of :func:`blockflow.pools.plan.plan` over the
+        run's tasks); None when no worker reports a pool.
     """
-    from blockflow.pools.plan import plan, run_cost
-    from blockflow.pools.pool import Pool
-
     status = status if status is not None else plugin_status(client)
     by_pool = status.get("pools") or {}
     if not by_pool or set(by_pool) == {"default"}:

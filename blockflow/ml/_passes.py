@@ -29,7 +29,7 @@ from blockflow.ml._post import HANDLER as POST_HANDLER
 from blockflow.ml._post import POSTED, Posted, PostPlugin, resolve
 from blockflow.ml._steal import StealPlugin, add_values, run_stealing
 from blockflow.reduction import choose_split_every
-from blockflow.scheduling.view import gather_as_done
+from blockflow.scheduling.wait import gather_as_done
 
 __all__ = ["ShardPasses"]
 
@@ -240,7 +240,7 @@ class ShardPasses:
 
     def _wait(self, parts) -> dict:
         """The sum of the top level's partial sums, each fetched as soon as it is done
-        (:func:`blockflow.scheduling.view.gather_as_done`: a lost worker holding blocks
+        (:func:`blockflow.scheduling.wait.gather_as_done`: a lost worker holding blocks
         raises :class:`~blockflow.errors.WorkerLostError` naming it)."""
         got = gather_as_done(parts, alive=self._workers, needed=set(self.placement.values()),
                              poll=self.poll, get=self._fetch)

@@ -32,13 +32,8 @@ from blockflow.ml._passes import ShardPasses, _Pass, _PostFailed
 from blockflow.ml._peers import peer_timeout
 from blockflow.ml._post import POSTED
 from blockflow.scheduling.estimate import Throughput, earliest_finish
-from blockflow.scheduling.view import (
-    learned_speeds,
-    memory_of,
-    wait_for,
-    worker_memory,
-    workers_info,
-)
+from blockflow.scheduling.view import learned_speeds, memory_of, worker_memory, workers_info
+from blockflow.scheduling.wait import wait_for
 
 __all__ = ["ResidentShards"]
 

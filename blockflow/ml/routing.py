@@ -39,8 +39,8 @@ from blockflow._distributed.metrics import read_metrics
 from blockflow.ml.inference import _module
 from blockflow.ml.model_cache import ModelRef, ship_model
 from blockflow.scheduling.estimate import Throughput, earliest_finish
-from blockflow.scheduling.view import (fetch, fetch_many, learned_speeds, plugin_status,
-                                       workers_info)
+from blockflow.scheduling.view import learned_speeds, plugin_status, workers_info
+from blockflow.scheduling.wait import fetch, fetch_many
 
 __all__ = ["Router"]
 

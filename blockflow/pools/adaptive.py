@@ -1,14 +1,10 @@
 """Per-pool elastic scaling: :class:`PoolAdaptive`, distributed's ``Adaptive`` per pool.
 
-distributed's :class:`~distributed.deploy.adaptive.Adaptive` sizes a cluster as one number
-and retires whichever workers ``Scheduler.workers_to_close`` names; with several kinds of
-workers that grows the wrong kind and retires another group's (dask-kubernetes#914). Here
-every interval asks blockflow's scheduler plugin for one target per pool (the
-``blockflow_pool_targets`` handler: :mod:`blockflow.pools.scaling`, the LP over
-the backlog, the throughput matrix and the prices, towards the run's objective), starts the
-workers a pool lacks, and forgets the workers the scheduler retired - only idle ones of a
-pool above its target, checked and paused in one step on the scheduler. Every change of a
-target and every retirement is a decision in the log (``scale``, ``retire``).
+distributed's ``Adaptive`` sizes a cluster as one number (dask-kubernetes#914 with several
+kinds of workers). Every interval :class:`PoolAdaptive` asks blockflow's scheduler plugin for
+one target per pool (:mod:`blockflow.pools.scaling`: the LP over the backlog, the throughput
+matrix and the prices), starts the workers a pool lacks and forgets those the scheduler
+retired (idle ones of a pool above its target).
 """
 
 from __future__ import annotations
@@ -42,41 +38,24 @@ class PoolAdaptive(Adaptive):
         Minimum workers of a pool not named in ``pools``.
     maximum : int, optional
         Maximum workers of a pool not named in ``pools``; default: its size now (at least 1).
-    interval : str or float, optional
-        Time between checks (default ``distributed.adaptive.interval``, 1 s).
-    wait_count : int, optional
-        Consecutive checks a worker must be found idle before it is retired (default
-        ``distributed.adaptive.wait-count``, 3).
-    target_duration : str or float, optional
-        Without an objective: how long the backlog should take (default
-        ``distributed.adaptive.target-duration``, 5 s).
+    interval, wait_count, target_duration : optional
+        As for distributed's ``Adaptive`` (``distributed.adaptive.*`` settings).
     startup : str or float, default "5s"
-        First guess of the time a new worker takes to join; replaced by the median measured
-        on this cluster once workers have joined.
+        First guess of the time a new worker takes to join, until one is measured.
 
     Attributes
     ----------
     targets : dict of str to int
         Pool name -> the scheduler's latest target.
     retired : list of str
-        Names of the workers the scheduler retired (idle ones of a pool above its target),
-        in order. A retired worker's spec is removed only once it has left the scheduler
-        (its results moved to other workers first), never while it is leaving.
+        Workers the scheduler retired, in order (a spec is removed once its worker left).
     checks : int
-        Scaling checks done so far, each one counted whether it changed anything or not.
+        Scaling checks done so far.
 
     Raises
     ------
     ValueError
-        For a pool name the cluster does not have, or a minimum above the maximum (one
-        line naming the pool).
-
-    Notes
-    -----
-    The targets come from the scheduler (:meth:`blockflow.scheduling.Rebalancer.pool_targets`);
-    this class only acts on them: it grows a pool to its target, and shrinks a pool only by
-    the workers the scheduler retired (idle ones of that pool), never by closing workers
-    itself. ``log`` keeps each change (distributed's ``Adaptive.log``).
+        For a pool name the cluster does not have, or a minimum above the maximum.
     """
 
     def __init__(self, cluster, pools: Mapping[str, tuple[int, int]] | None = None, *,
@@ -108,6 +87,7 @@ class PoolAdaptive(Adaptive):
         self.retired: list[str] = []  # names of the workers the scheduler retired
         self._leaving: set[str] = set()  # retired on the scheduler, not gone from it yet
         self.checks = 0  # scaling checks done (every one, whether it changed anything)
+        self._pool_check_running = False
         super().__init__(cluster, interval=interval, minimum=sum(b[0] for b in bounds.values()),
                          maximum=sum(b[1] for b in bounds.values()), wait_count=wait_count,
                          target_duration=target_duration, **kwargs)
@@ -127,13 +107,13 @@ class PoolAdaptive(Adaptive):
     async def adapt(self) -> None:
         """One check: ask the scheduler for each pool's target, start the workers a pool
         lacks, forget the workers it retired."""
-        if self._adapting:
+        if self._pool_check_running:
             return
-        self._adapting = True
+        self._pool_check_running = True
         try:
             await self._adapt_pools()
         finally:
-            self._adapting = False
+            self._pool_check_running = False
 
     async def _adapt_pools(self) -> None:
         cluster = self.cluster

@@ -1,19 +1,13 @@
 """``blockflow.PoolCluster``: one scheduler over several pools of workers.
 
-A :class:`distributed.SpecCluster` whose worker specs come one per pool: every worker of pool
-``fast`` is named ``fast-<i>`` and started with the worker preload ``blockflow.pools.preload`` (so it
-reports its :class:`~blockflow.pools.pool.Pool` and declares the ``pool:fast``
-resource), the same way a worker started by hand with ``dask worker --preload blockflow.pools.preload
---pool fast`` does. The workers are local processes by default, or batch jobs of
-dask-jobqueue: one job template (``SLURMJob``, ``PBSJob``, ...) per pool, all under ONE
-scheduler, which the "one cluster per queue" workaround (dask-jobqueue#381) cannot give.
-
-The scheduler runs blockflow's scheduler plugin from the start (the
-``blockflow.scheduling.preload`` preload). :meth:`PoolCluster.scale` sizes one pool;
-:meth:`PoolCluster.adapt` sizes every pool from the backlog, the throughput matrix and the
-prices (:class:`blockflow.pools.adaptive.PoolAdaptive`).
+A :class:`distributed.SpecCluster` whose workers come one spec per pool: worker ``i`` of pool
+``fast`` is named ``fast-<i>`` and started with the worker preload ``blockflow.pools.preload``
+(it reports its :class:`~blockflow.pools.pool.Pool` and declares ``pool:fast``). Workers are
+local processes, or dask-jobqueue batch jobs with one job template per pool under one
+scheduler (dask-jobqueue#381). The scheduler runs blockflow's plugin from the start;
+:meth:`PoolCluster.scale` sizes a pool, :meth:`PoolCluster.adapt` every pool
+(:class:`blockflow.pools.adaptive.PoolAdaptive`).
 """
-
 from __future__ import annotations
 
 import importlib
@@ -24,14 +18,15 @@ from typing import Any
 
 from distributed import Nanny, Scheduler, SpecCluster, Worker
 
-from blockflow.pools.pool import Pool
+from blockflow._distributed import correct_state_soon, replace_adaptive
+from blockflow.cluster.hpc import jobqueue_defaults
+from blockflow.pools.adaptive import PoolAdaptive
+from blockflow.pools.pool import _POOL_RESOURCE_AMOUNT, Pool
 
 __all__ = ["PoolCluster"]
 
 logger = logging.getLogger(__name__)
 
-#: The amount of the ``pool:<name>`` resource each worker declares (as PoolMember does).
-_POOL_RESOURCE_AMOUNT = 1e6
 
 
 def pool_preload_argv(pool: Pool) -> list[str]:
@@ -50,8 +45,6 @@ def pool_preload_argv(pool: Pool) -> list[str]:
 
 def _job_class(job_cls):
     """A dask-jobqueue job class from the class or its short name (``"slurm"``)."""
-    from blockflow.cluster.hpc import jobqueue_defaults
-
     if not isinstance(job_cls, str):
         if getattr(job_cls, "__module__", "").startswith("dask_jobqueue"):
             jobqueue_defaults()
@@ -87,19 +80,15 @@ class PoolCluster(SpecCluster):
     processes : bool, default True
         Local workers as processes (``Nanny``) or threads of this process (``Worker``).
     worker_options : mapping, optional
-        Pool name -> extra keyword arguments of that pool's ``Nanny``/``Worker`` (local) or
-        job class (``jobs``); e.g. ``{"fast": {"resources": {"GPU": 1}}}``.
+        Pool name -> extra keyword arguments of its ``Nanny``/``Worker`` or job class.
     job_cls : type or str, optional
-        A dask-jobqueue job class (``dask_jobqueue.SLURMJob``) or its short name
-        (``"slurm"``, ``"pbs"``, ...): every pool's workers are batch jobs of that class,
-        under this one scheduler.
+        A dask-jobqueue job class or its short name (``"slurm"``): every pool's workers
+        are batch jobs of it, under this one scheduler.
     jobs : mapping, optional
-        With ``job_cls``: pool name -> the job template's options (``queue`` - the Slurm
-        partition -, ``cores``, ``memory``, ``walltime``, ``job_extra_directives``...).
-        The worker preload is added to ``worker_extra_args``.
+        With ``job_cls``: pool name -> the job's options (``queue``, ``cores``, ``memory``,
+        ``walltime``, ...).
     scheduler_options : mapping, optional
-        Extra ``distributed.Scheduler`` options (``dashboard_address`` defaults to ``":0"``,
-        ``host`` to ``127.0.0.1`` for local workers).
+        Extra ``distributed.Scheduler`` options.
     policy : str, optional
         blockflow's scheduling policy (default ``blockflow.cluster.policy``).
     **kwargs
@@ -110,7 +99,7 @@ class PoolCluster(SpecCluster):
     ------
     TypeError, ValueError
         For pools that are not :class:`blockflow.Pool`, a negative worker count, two pools
-        of one name, or options naming unknown pools (one line naming the pool).
+        of one name, or options naming unknown pools.
 
     See Also
     --------
@@ -229,14 +218,6 @@ class PoolCluster(SpecCluster):
             raise ValueError(f"PoolCluster: no pool named {pool_name!r}; the pools are "
                              f"{sorted(self.pools)}.") from None
 
-    def pool_of(self, worker_name) -> str | None:
-        """The pool of the worker (or job) named ``worker_name``; None if unknown."""
-        spec = self.worker_spec.get(worker_name)
-        if spec is not None:
-            return spec.get("pool")
-        base = str(worker_name).rsplit("-", 1)[0]
-        return base if base in self.pools else None
-
     def workers_of(self, pool_name: str) -> list[str]:
         """Names of the workers this cluster plans for ``pool_name``."""
         self._pool(pool_name)
@@ -287,11 +268,7 @@ class PoolCluster(SpecCluster):
             elif self.status.name not in ("closing", "closed"):
                 for _ in range(k - len(names)):
                     self.worker_spec.update(self.new_pool_worker_spec(p))
-        self.loop.add_callback(self._correct_state)
-        if self.asynchronous:
-            from distributed.utils import NoOpAwaitable
-
-            return NoOpAwaitable()
+        return correct_state_soon(self)
 
     def _spread(self, n: int) -> dict[str, int]:
         sizes = self.pool_sizes
@@ -325,13 +302,8 @@ class PoolCluster(SpecCluster):
         -------
         PoolAdaptive
         """
-        from blockflow.pools.adaptive import PoolAdaptive
-
         cls = Adaptive or PoolAdaptive
-        if getattr(self, "_adaptive", None) is not None:
-            self._adaptive.stop(reason="adapt-called")
-        self._adaptive = cls(self, pools=pools, **kwargs)
-        return self._adaptive
+        return replace_adaptive(self, lambda: cls(self, pools=pools, **kwargs))
 
 
 def _index(name) -> int:

@@ -2,11 +2,9 @@
 budget.
 
 ``with blockflow.objective("cost", deadline="10m"): x.compute()`` tags every graph submitted
-inside the block with the task annotation :data:`OBJECTIVE_ANNOTATION` (a global annotation,
-as :func:`blockflow.scheduling.runs.run_scope` does, so graph optimisation cannot drop it);
-the scheduler plugin keeps it with the run and the objective rule
+inside with the task annotation :data:`OBJECTIVE_ANNOTATION`; the objective rule
 (:class:`blockflow.pools.objective_rule.ObjectiveRule`) plans the run's pools by it. Outside
-any block the objective is "makespan" without a budget: today's behaviour, unchanged.
+any block the objective is "makespan" without a budget.
 """
 
 from __future__ import annotations
@@ -85,36 +83,29 @@ def objective(kind: str = "makespan", *, deadline: str | float | None = None,
     Parameters
     ----------
     kind : {"makespan", "cost"}, default "makespan"
-        ``"cost"``: the cheapest run that meets ``deadline`` (work stays on cheap pools while
-        they can meet it; expensive pools take only what they must). ``"makespan"``: the
-        fastest run; with ``budget``, the fastest whose cost stays within it (speed is
-        bought until the money runs out).
+        ``"cost"``: the cheapest run that meets ``deadline``; ``"makespan"``: the fastest
+        run, within ``budget`` if given.
     deadline : str or float, optional
-        Cost objective only: seconds (or ``"10m"``) from the run's start. None: the cheapest
-        run, however long.
+        Cost objective only: seconds (or ``"10m"``) from the run's start.
     budget : float, optional
-        Makespan objective only: dollars the run may cost (pools' prices x worker-seconds,
-        plus egress).
+        Makespan objective only: dollars the run may cost (compute plus egress).
 
     Returns
     -------
     Objective
-        A context manager: ``with blockflow.objective("cost", deadline="10m"):
-        x.compute()``. Every graph submitted inside carries it (a Dask annotation); each
-        ``compute`` is one run with that objective.
+        A context manager; each ``compute`` inside is one run with that objective.
 
     Raises
     ------
     ValueError
         For an unknown kind, a deadline or budget that is not positive, a deadline with
-        "makespan" or a budget with "cost". Pools without a price, a deadline no pool sizes
-        can meet or a budget below the cheapest run are refused when the work is submitted
-        (its tasks fail with :class:`blockflow.errors.ObjectiveError`, before any runs).
+        "makespan" or a budget with "cost". Unpriced pools, an unmeetable deadline or a
+        budget below the cheapest run fail the submitted tasks with
+        :class:`blockflow.errors.ObjectiveError`.
 
     Notes
     -----
-    The plan is the LP of :func:`blockflow.pools.plan.plan`, re-solved for the work
-    left on every tick of the scheduler plugin; see :doc:`/guide/pools`.
+    The plan is the LP of :func:`blockflow.pools.plan.plan`, re-solved on every tick.
     """
     if kind not in OBJECTIVES:
         raise ValueError(f"blockflow.objective: kind must be one of {', '.join(OBJECTIVES)}, "

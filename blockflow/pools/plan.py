@@ -1,20 +1,11 @@
 """Cost: the throughput matrix, the LP over it, and what a run cost per pool.
 
-The **throughput matrix** (Gavel's, Narayanan et al. OSDI 2020) holds seconds per task for
-each (task group, pool), read from the one speed model
-(:meth:`blockflow.scheduling.speed.SpeedModel.group_durations`): a pool that ran a group
-gives the median over its workers of their median durations; a pool that did not gets the
-group's time on the pools that did, scaled by the pools' typical speeds
-(:func:`typical_speeds`: the pool's ``speed`` hint, else its workers' learned speed).
-
-:func:`plan` is the one LP (``scipy.optimize.linprog``, HiGHS) over that matrix: how many
-tasks of each group each pool takes, to minimise cost under a deadline, or the makespan
-under a budget (or without one). Its optimum is the lower bound run reports show beside
-the cost, the objective rule (:mod:`blockflow.pools.objective_rule`) re-solves it for
-the work left on every tick, and pool scaling sizes pools from it
-(:attr:`Plan.workers_needed`). :func:`run_cost` prices a finished run: each worker billed
-from its first task's start to its last task's end (idle gaps included) at its pool's
-price, plus the bytes that crossed providers at the egress price of the provider they left.
+:func:`throughput_matrix` (Gavel's, Narayanan et al. OSDI 2020): seconds per task of each
+(task group, pool) from the speed model, scaled by :func:`typical_speeds` for pools that ran
+none of a group. :func:`plan` is the one LP over it (``scipy.optimize.linprog``, HiGHS):
+tasks per group and pool minimising cost under a deadline, or the makespan under a budget;
+its optimum is the lower bound reports show, and what pool scaling sizes pools from.
+:func:`run_cost` prices a finished run per pool, egress included.
 """
 
 from __future__ import annotations
@@ -24,6 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
+
+import numpy as np
 
 from blockflow.pools.pool import Pool
 
@@ -185,7 +178,6 @@ def plan(work: Mapping[str, float], seconds: Mapping[str, Mapping[str, float]],
     lower bound of any run's cost (deadline) or makespan (budget). Solved with
     ``scipy.optimize.linprog`` (HiGHS).
     """
-    import numpy as np
     from scipy.optimize import linprog
 
     threads = threads or {}
@@ -252,7 +244,6 @@ def plan(work: Mapping[str, float], seconds: Mapping[str, Mapping[str, float]],
 def _deadline_shortfall(deadline, load, cap, a_eq, b_eq, names, groups, var, k) -> str:
     """One line: the fewest workers of one pool (the one needing fewest more) that meet the
     deadline, the other pools as they are."""
-    import numpy as np
     from scipy.optimize import linprog
 
     best = None

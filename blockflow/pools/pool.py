@@ -1,14 +1,11 @@
 """Pools: every worker belongs to a named pool with a provider, a region and prices.
 
 A pool is a kind of worker bought at one price: ``Pool("l4", provider="gcp", price=0.8)``.
-A worker says which pool it belongs to the Dask-native way, through its heartbeat: the
-worker plugin :class:`PoolMember` (registered by :func:`blockflow.connect` with ``pools=``,
-by a cluster of pools, or installed by the worker preload ``dask worker --preload
-blockflow.pools.preload --pool l4 --provider gcp --price 0.8``) reports the pool as the worker metric
-:data:`POOL_METRIC` and declares the worker resource ``"pool:<name>"``, so that
-``resources={"pool:l4": 1}`` pins tasks to that pool. The scheduler plugin, the inventory,
-the dashboard and run reports read the metric (:func:`pools_of`, :func:`pool_from_metric`).
-Workers that report no pool belong to :data:`DEFAULT_POOL`.
+The worker plugin :class:`PoolMember` (registered by :func:`blockflow.connect` with
+``pools=``, a :class:`~blockflow.PoolCluster`, or the worker preload
+``blockflow.pools.preload``) reports a worker's pool as the metric :data:`POOL_METRIC` and
+declares the resource ``"pool:<name>"`` (``resources={"pool:l4": 1}`` pins tasks there);
+:func:`pools_of` reads it back. Workers that report none are in :data:`DEFAULT_POOL`.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from blockflow import _distributed
 from blockflow._distributed.metrics import POOL_METRIC
 
 __all__ = ["DEFAULT_POOL", "POOL_METRIC", "POOL_RESOURCE_PREFIX", "Pool", "PoolMember",
@@ -44,23 +42,20 @@ class Pool:
     name : str
         The pool's name (letters, digits, ``_ . -``): ``"l4"``, ``"fast"``.
     provider : str, default "local"
-        Who runs the machines (``"gcp"``, ``"aws"``, ``"onprem"``); data moving between
-        workers of different providers is charged ``egress`` of the provider it leaves.
+        Who runs the machines (``"gcp"``, ``"onprem"``).
     region : str, default ""
     price : float, optional
         Dollars per worker-hour (>= 0). None: unknown, which a cost objective or a budget
-        refuses (:meth:`check_price`).
+        refuses.
     egress : float, default 0.0
         Dollars per GB (1e9 bytes) leaving this pool's provider.
     speed : float, optional
-        Relative speed hint (> 0; 1.0 = the typical worker): what tasks of a group no worker
-        of the pool ran yet are assumed to run at, before learned speeds replace it.
+        Relative speed hint (> 0; 1.0 = the typical worker) until learned speeds replace it.
 
     Raises
     ------
     ValueError
-        For an empty or malformed name, a negative or non-finite price or egress price, or a
-        speed that is not positive; one line naming the field and the fix.
+        For a malformed name, a negative or non-finite price or egress, or a speed <= 0.
     """
 
     name: str
@@ -104,14 +99,6 @@ class Pool:
         """Dollars per worker-second (0 when the price is unknown)."""
         return (self.price or 0.0) / 3600.0
 
-    def check_price(self, what: str = "a cost objective") -> None:
-        """Raise ``ValueError`` (one line) when the pool has no price, which ``what`` needs."""
-        if self.price is None:
-            raise ValueError(
-                f"blockflow: pool {self.name!r} has no price, which {what} needs; give it one "
-                f"(Pool({self.name!r}, price=<dollars per worker-hour>), or "
-                f"`--preload blockflow.pools.preload --pool {self.name} --price ...`).")
-
     def to_dict(self) -> dict[str, Any]:
         """Plain data (the worker metric, JSON)."""
         return asdict(self)
@@ -146,19 +133,9 @@ def pool_from_metric(value: Any) -> Pool | None:
 
 
 def pools_of(workers: Mapping[str, Any]) -> dict[str, Pool]:
-    """Address -> :class:`Pool` of each worker.
-
-    Parameters
-    ----------
-    workers : mapping
-        Address -> a :class:`~blockflow._distributed.WorkerView` (its ``pool`` attribute),
-        or a worker's info dict as the scheduler's identity gives it (its ``metrics``).
-
-    Returns
-    -------
-    dict of str to Pool
-        Workers that report no pool get :data:`DEFAULT_POOL`.
-    """
+    """Address -> :class:`Pool` of each of ``workers`` (address -> a
+    :class:`~blockflow._distributed.WorkerView` or a scheduler info dict);
+    :data:`DEFAULT_POOL` for workers that report none."""
     out = {}
     for addr, w in workers.items():
         if isinstance(w, Mapping):
@@ -185,8 +162,6 @@ def requested_pools(resources: Mapping[str, Any] | None, workers: Any = None) ->
 async def heartbeat_now(dask_worker=None) -> None:
     """``client.run(heartbeat_now)``: send a heartbeat now, so the scheduler knows the
     worker's pool at once."""
-    from blockflow import _distributed
-
     await _distributed.worker_heartbeat(dask_worker)
 
 
@@ -199,16 +174,7 @@ class PoolMember(WorkerPlugin):
         One :class:`Pool` for every worker, or a mapping from worker name (``"fast-0"``,
         ``0``) or address to its :class:`Pool`.
     default : Pool, optional
-        For workers not named in ``pools`` (added later); workers with neither report none
-        (they are in :data:`DEFAULT_POOL`).
-
-    Notes
-    -----
-    On ``setup`` the worker reports the pool as the metric :data:`POOL_METRIC` (sent with
-    every heartbeat, so the scheduler knows it from the worker's next heartbeat on) and
-    declares the worker resource ``"pool:<name>"`` (a large amount: a task asking for one
-    unit is bounded by the worker's threads only). ``idempotent = True``: one registration
-    serves every worker, present and future.
+        For workers not named in ``pools``; workers with neither report none.
     """
 
     name = "blockflow-pool"
@@ -226,8 +192,6 @@ class PoolMember(WorkerPlugin):
         self.pool: Pool | None = None
 
     async def setup(self, worker) -> None:
-        from blockflow import _distributed
-
         _distributed.check_worker(worker)
         pool = self.pools.get(str(worker.address), self.pools.get(str(worker.name),
                                                                   self.default))
@@ -241,6 +205,4 @@ class PoolMember(WorkerPlugin):
                 worker, {pool.resource: _POOL_RESOURCE_AMOUNT})
 
     def teardown(self, worker) -> None:
-        from blockflow import _distributed
-
         _distributed.remove_worker_metric(worker, POOL_METRIC)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import click
 
+from blockflow.pools.pool import Pool, PoolMember
+
 
 @click.command()
 @click.option("--pool", "pool_name", required=True, help="The worker's pool (e.g. l4).")
@@ -25,8 +27,6 @@ import click
 @click.option("--speed", type=float, default=None,
               help="Relative speed hint (1.0 = the typical worker).")
 async def dask_setup(worker, pool_name, provider, region, price, egress, speed):
-    from blockflow.pools.pool import Pool, PoolMember
-
     try:
         pool = Pool(pool_name, provider=provider, region=region, price=price, egress=egress,
                     speed=speed)

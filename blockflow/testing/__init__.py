@@ -21,11 +21,7 @@ from blockflow.testing.netns import NamespaceCluster, NamespaceNetwork, netns_un
 from blockflow.testing.slurm import LocalSlurm, SlurmUnavailable, local_slurm
 from blockflow.testing.simulated import (
     PLUGIN_NAME,
-    SimulatedDevice,
-    SimulatedDeviceBlock,
     SimulatedGPU,
-    SimulatedOutOfMemoryError,
-    Tenant,
     device_scale,
     device_stats,
     get_device,
@@ -34,6 +30,12 @@ from blockflow.testing.simulated import (
     set_tenant,
     simulated_kernel,
     slowed_to_device_speed,
+)
+from blockflow.testing.simulated_device import (
+    SimulatedDevice,
+    SimulatedDeviceBlock,
+    SimulatedOutOfMemoryError,
+    Tenant,
 )
 
 __all__ = [

@@ -16,16 +16,19 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import dask.config
 from dask.utils import parse_timedelta
+from distributed import Client, LocalCluster
 
 from blockflow import _distributed
-from blockflow.scheduling.view import workers_info
 from blockflow._distributed.metrics import (
     GPU_MEMORY_TOTAL,
     GPU_MEMORY_USED,
     GPU_UTILIZATION,
     POOL_METRIC,
 )
-from blockflow.testing.simulated import PLUGIN_NAME, SimulatedDevice, SimulatedGPU
+from blockflow.cluster.connection import _pool_members
+from blockflow.scheduling.view import workers_info
+from blockflow.testing.simulated import PLUGIN_NAME, SimulatedGPU
+from blockflow.testing.simulated_device import SimulatedDevice
 
 __all__ = ["install_simulated_devices", "simulated_cluster"]
 
@@ -75,8 +78,6 @@ async def install_simulated_devices(client_or_scheduler, devices, *, default=Non
     TimeoutError
         If some worker's metrics have not reached the scheduler within ``timeout``.
     """
-    from distributed import Client
-
     plugin = SimulatedGPU(devices, default=default)
     deadline = time.monotonic() + parse_timedelta(timeout)
     if isinstance(client_or_scheduler, Client):
@@ -132,9 +133,8 @@ def simulated_cluster(speeds: Sequence[float] = (1, 1, 0.5, 0.25),
                       timeout: float | str = "30s", pools=None, **cluster_kwargs) -> Iterator:
     """Start a real ``LocalCluster`` of simulated GPU workers and yield a client to it.
 
-    Worker ``i`` (named ``i``) gets ``speeds[i]``. blockflow's scheduler plugin is *not*
-    registered, so the same cluster can be the plain-Dask baseline; register it with
-    ``client.register_plugin(blockflow.scheduling.Rebalancer(...))``.
+    Worker ``i`` (named ``i``) gets ``speeds[i]``. blockflow's scheduler plugin is not
+    registered (the cluster is also the plain-Dask baseline).
 
     Parameters
     ----------
@@ -143,25 +143,21 @@ def simulated_cluster(speeds: Sequence[float] = (1, 1, 0.5, 0.25),
     device_memory : int, str or sequence, default "16GiB"
         Capacity in bytes, one for all or one per worker.
     tenants : Tenant, list or dict, optional
-        One :class:`Tenant` for all workers, or per worker (a list of n, or
-        ``{index: tenant}``) a Tenant or what :meth:`Tenant.coerce` accepts; None: no tenant.
+        One :class:`Tenant` for all workers, or one per worker (a list, or
+        ``{index: tenant}``).
     speed_schedules : list or dict, optional
-        Per worker (a list of n, or ``{index: schedule}``): a list of ``(seconds, speed)``
-        (see :class:`SimulatedDevice`).
+        Per worker: a list of ``(seconds, speed)`` (see :class:`SimulatedDevice`).
     threads_per_worker : int, default 1
     processes : bool, default True
         Worker processes (as in production) or threads in this process.
     host_spill : bool, default False
-        Whether workers may spill results to disk by host-memory accounting. Off by default
-        because ``dask.sizeof`` of a device block is its simulated device size, which would
-        otherwise count against host memory.
+        Whether workers may spill to disk by host memory (a device block's ``sizeof`` is its
+        simulated device size).
     timeout : float or str, default "30s"
         How long to wait for every worker's GPU metrics to reach the scheduler.
     pools : mapping of blockflow.Pool to int, optional
-        Simulated pools: ``{Pool("fast", price=4, speed=4): 2, Pool("slow", price=0.5): 4}``
-        gives workers ``0, 1`` the fast pool and devices of speed 4, workers ``2..5`` the
-        slow pool and speed 1 (a pool's ``speed``, default 1); replaces ``speeds``. Each
-        worker reports its pool (:class:`blockflow.pools.pool.PoolMember`).
+        Workers in pools, each pool's devices at its ``speed`` (default 1); replaces
+        ``speeds``.
     **cluster_kwargs
         Passed to ``distributed.LocalCluster`` (``dashboard_address`` defaults to ``":0"``).
 
@@ -177,12 +173,8 @@ def simulated_cluster(speeds: Sequence[float] = (1, 1, 0.5, 0.25),
     TimeoutError
         If the metrics do not reach the scheduler within ``timeout``.
     """
-    from distributed import Client, LocalCluster
-
     member = None
     if pools is not None:
-        from blockflow.cluster.connection import _pool_members
-
         member, n = _pool_members(pools, None, None)
         speeds = [member.pools[str(i)].speed or 1.0 for i in range(n)]
     n = len(speeds)

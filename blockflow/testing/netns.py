@@ -30,6 +30,8 @@ from itertools import count
 from pathlib import Path
 from typing import Any
 
+from distributed import Client, Security
+
 __all__ = ["Host", "NamespaceCluster", "NamespaceNetwork", "netns_unavailable"]
 
 _ids = count()
@@ -292,8 +294,6 @@ def _dask_cli() -> str:
 
 def _write_credentials(folder: Path) -> dict[str, str]:
     """Self-signed TLS credentials as files (distributed's ``Security.temporary``)."""
-    from distributed import Security
-
     sec = Security.temporary()
     files = {"ca": folder / "ca.pem", "cert": folder / "cert.pem", "key": folder / "key.pem"}
     files["ca"].write_text(sec.tls_ca_file)
@@ -353,8 +353,6 @@ class NamespaceCluster:
                                     else self.network.add_host(name))
             protocol = "tcp"
             if tls:
-                from distributed import Security
-
                 files = _write_credentials(self.folder)
                 self.tls_args = ["--tls-ca-file", files["ca"], "--tls-cert", files["cert"],
                                  "--tls-key", files["key"]]
@@ -398,8 +396,6 @@ class NamespaceCluster:
 
     def client(self, **kwargs: Any):
         """A ``distributed.Client`` of this cluster (with :attr:`security`)."""
-        from distributed import Client
-
         return Client(self.address, security=self.security, **kwargs)
 
     def wait_for_workers(self, n: int, timeout: float = 60) -> None:

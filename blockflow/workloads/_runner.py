@@ -1,21 +1,9 @@
 """The workload runner: what every ready workload does around its own graph (not public API).
 
-A workload (:mod:`~blockflow.workloads.flights`, :mod:`~blockflow.workloads.array_stats`)
-supplies two steps, and :func:`run_workload` does the rest the same way for all of them:
-
-* ``compute(job)`` builds the workload's graph and runs it through the :class:`Job` it is
-  handed: :meth:`Job.persist` / :meth:`Job.compute` submit with distributed's task
-  ``retries``, show one labelled progress bar per stage (:class:`StageProgress`: tqdm in a
-  terminal, an ipywidgets bar in Jupyter), and wait while watching for lost workers
-  (:func:`blockflow.cluster.wait_for`, :func:`~blockflow.cluster.gather_results`). Every
-  graph a job submits belongs to one run (:mod:`blockflow.scheduling.runs`): :meth:`Job.stop`
-  reads the tasks each worker finished for that run from blockflow's scheduler plugin, the
-  same numbers the dashboard's "Tasks (this run)" column shows. It returns the workload's
-  result object.
-* ``write(result, directory)`` writes the data files into a temporary folder and returns
-  extra manifest entries; :func:`run_workload` adds ``manifest.json``
-  (``result.manifest()`` plus those entries) and renames the folder into place
-  (:func:`blockflow.io.atomic_output_dir`): a failed run leaves nothing behind.
+A workload supplies ``compute(job)``, which builds its graph and runs it through a
+:class:`Job` (submission with task retries, one progress bar per stage, waits that notice lost
+workers, the run's task counts), and ``write(result, directory)``, which writes its data
+files; :func:`run_workload` adds ``manifest.json`` and moves the folder into place atomically.
 """
 
 from __future__ import annotations
@@ -31,13 +19,14 @@ import time
 from typing import Any, Callable, Mapping, TypeVar
 
 from distributed import futures_of
-from distributed.utils import is_kernel
 
-from blockflow._distributed.client import SchedulerProgress
+from blockflow._distributed.client import SchedulerProgress, in_notebook_kernel
 from blockflow.blockwise import check_retries
-from blockflow.scheduling.view import gather_results, wait_for
+from blockflow.cluster.report import pool_costs
 from blockflow.io import atomic_output_dir, write_manifest
 from blockflow.scheduling.runs import new_run_id, run_scope
+from blockflow.scheduling.view import plugin_status
+from blockflow.scheduling.wait import gather_results, wait_for
 
 __all__ = ["Job", "StageProgress", "StepProgress", "new_bar", "run_workload", "show_progress",
            "task_counts_or_none"]
@@ -48,13 +37,8 @@ R = TypeVar("R")
 
 
 def task_counts_or_none(client, run_id: str | None = None) -> dict[str, int] | None:
-    """Tasks finished per worker per blockflow's plugin, or None if the scheduler has none.
-
-    With ``run_id``: the tasks of that run only (:mod:`blockflow.scheduling.runs`; ``{}``
-    for a run that ran nothing); without: since the plugin started.
-    """
-    from blockflow.scheduling.view import plugin_status
-
+    """Worker -> tasks finished (of run ``run_id`` only, if given) per blockflow's plugin;
+    None if the scheduler runs none."""
     try:
         if run_id is None:
             return dict(plugin_status(client)["task_counts"])
@@ -69,7 +53,7 @@ def show_progress(progress: bool | None) -> bool:
     """Whether to show progress bars: as asked, or (None) in a Jupyter kernel or when stderr
     (where the terminal bars go) is a terminal."""
     if progress is None:
-        return is_kernel() or bool(getattr(sys.stderr, "isatty", lambda: False)())
+        return in_notebook_kernel() or bool(getattr(sys.stderr, "isatty", lambda: False)())
     return bool(progress)
 
 
@@ -83,14 +67,12 @@ def _columns(stream) -> int:
 
 def _notebook_bars() -> bool:
     """In a Jupyter kernel with ipywidgets: tqdm's widget bar works."""
-    return is_kernel() and importlib.util.find_spec("ipywidgets") is not None
+    return in_notebook_kernel() and importlib.util.find_spec("ipywidgets") is not None
 
 
 def _run_record(client, run_id: str) -> dict[str, Any] | None:
     """The run as blockflow's plugin counts it (``{}`` before its first graph), or None if
     the scheduler runs no blockflow plugin. Decisions are left out (``since`` now)."""
-    from blockflow.scheduling.view import plugin_status
-
     try:
         return plugin_status(client, since=time.time(), run=run_id).get("requested_run") or {}
     except RuntimeError:
@@ -98,19 +80,15 @@ def _run_record(client, run_id: str) -> dict[str, Any] | None:
 
 
 def new_bar(label: str, total: int | None, unit: str):
-    """A tqdm bar as every job draws one: ``(bar, line)``.
-
-    In a Jupyter kernel with ipywidgets a widget; in a kernel without them a disabled bar
-    (``line`` True: the caller prints one line when it ends, never escape codes); else a
-    text bar on stderr.
-    """
+    """``(bar, line)``: a tqdm widget in Jupyter with ipywidgets, a disabled bar in a kernel
+    without them (``line`` True: print one line at the end), else a text bar on stderr."""
     if _notebook_bars():
         from tqdm.notebook import tqdm
 
         return tqdm(total=total, desc=label, unit=unit), False
     from tqdm import tqdm
 
-    if is_kernel():  # no ipywidgets: one line at the end, never escape codes
+    if in_notebook_kernel():  # no ipywidgets: one line at the end, never escape codes
         return tqdm(total=total, desc=label, disable=True), True
     # a terminal that reports no width (a fresh pseudo-terminal) would get empty bars
     width = {"dynamic_ncols": True} if _columns(sys.stderr) else {"ncols": 100}
@@ -118,18 +96,8 @@ def new_bar(label: str, total: int | None, unit: str):
 
 
 class StepProgress:
-    """A labelled progress bar of a job's steps that are not one graph each (training
-    steps): :meth:`advance` after each, :meth:`finish` at the end; drawn as
-    :class:`StageProgress` draws its bars (tqdm on stderr, a widget in Jupyter).
-
-    Parameters
-    ----------
-    label : str
-        The stage, as the bar names it (``"train [2/2] 132 steps"``).
-    total : int
-        Steps expected.
-    unit : str, default " steps"
-    """
+    """A labelled bar of ``total`` steps that are not one graph each (training steps):
+    :meth:`advance` after each, :meth:`finish` at the end."""
 
     def __init__(self, label: str, total: int, unit: str = " steps"):
         self.label, self._started = label, time.perf_counter()
@@ -150,40 +118,12 @@ class StepProgress:
 
 
 class StageProgress:
-    """One labelled progress bar for one stage (one submitted graph) of a job, drawn with
-    tqdm.
+    """The progress bar of one stage (one submitted graph) of a job (see :func:`new_bar`).
 
-    In a terminal (or any non-Jupyter stream) a text bar on stderr
-    (``label:  45%|####  | 18/40 [00:01<00:01, 14.2 tasks/s]``); in a Jupyter kernel an
-    ipywidgets bar (``tqdm.notebook``): no text lines and no escape codes in the cell; in a
-    kernel without ipywidgets one line when the stage ends.
-
-    With blockflow's scheduler plugin the bar counts the tasks the stage's graph added to
-    the job's run (:mod:`blockflow.scheduling.runs`) and how many of them finished: the
-    stages' totals add up to the run's task count that the report, the dashboard and
-    ``manifest.json`` show. Without the plugin it counts, with distributed's
-    :class:`~distributed.diagnostics.progress.Progress`, the tasks still to run for the
-    stage's futures. Either way results already in memory (an earlier stage's persisted
-    output) are not counted: each bar starts at 0.
-
-    Parameters
-    ----------
-    client : distributed.Client
-    label : str
-        The stage, as the bar names it (``"flights [1/2] load, clean, persist"``).
-    run_id : str
-        The job's run.
-    before : dict or None
-        The run's record (:meth:`blockflow.scheduling.runs.Run.as_dict`, ``{}`` if none yet)
-        read before the stage was submitted; None when the scheduler runs no blockflow plugin.
-    futures : list of distributed.Future
-        The stage's futures (used without the plugin).
-
-    Notes
-    -----
-    The bar is created in the calling thread (a widget is displayed in the running cell);
-    counts are read in a background thread every 200 ms, so the caller may block meanwhile.
-    Call :meth:`finish` when the stage is over.
+    With blockflow's plugin it counts the tasks the stage added to the job's run and those
+    finished (``before``: the run's record read before submitting); without (``before``
+    None), distributed's progress feed of ``futures``. Counts are read in a background
+    thread every 200 ms; call :meth:`finish` when the stage is over.
     """
 
     def __init__(self, client, label: str, *, run_id: str, before: dict | None, futures):
@@ -259,36 +199,27 @@ class StageProgress:
 
 
 class Job:
-    """One run of a workload on a cluster: submission, progress, timing and task counts.
-
-    Every graph the job submits (:meth:`persist`, :meth:`compute`) is part of one run
-    (:func:`blockflow.scheduling.runs.run_scope`), so the dashboard's "Tasks (this run)"
-    does not start over at the second graph, and :attr:`task_counts` are the tasks of this
-    job only (not those other clients ran meanwhile).
+    """One run of a workload: every graph it submits (:meth:`persist`, :meth:`compute`)
+    belongs to one run (:func:`blockflow.scheduling.runs.run_scope`).
 
     Parameters
     ----------
     client : distributed.Client
-        Connected client; the work runs on its cluster.
     what : str
-        The run as error messages and the dashboard name it (``"the flights ETL (scale 2)"``).
+        The run as error messages and the dashboard name it.
     progress : bool, optional
-        Show one labelled progress bar per stage (:class:`StageProgress`); default: in
-        Jupyter, or when stderr is a terminal.
+        One progress bar per stage; default in Jupyter or when stderr is a terminal.
     retries : int, default 0
-        Distributed task retries: a task that raises is run again up to ``retries`` more
-        times by the scheduler, possibly on another worker (``client.compute(retries=)``).
+        Distributed task retries.
 
     Attributes
     ----------
     run_id : str
-        The run's id on the scheduler (``Rebalancer.status(run=)``).
     wall_time : float or None
         Seconds from :meth:`start` to :meth:`stop`.
     task_counts : dict of str to int, or None
-        Tasks each worker finished for this run (workers with none left out; a task run
-        again after a lost worker counts again); None when the scheduler runs no blockflow
-        plugin. Set by :meth:`stop`.
+        Tasks each worker finished for this run (None without blockflow's plugin); set by
+        :meth:`stop`.
     """
 
     def __init__(self, client, what: str, *, progress: bool | None = None, retries: int = 0):
@@ -316,13 +247,7 @@ class Job:
         self._start = time.perf_counter()
 
     def stop(self) -> float:
-        """Stop the clock and read the tasks each worker finished for this run.
-
-        Returns
-        -------
-        float
-            :attr:`wall_time`, seconds.
-        """
+        """Stop the clock, read :attr:`task_counts`; :attr:`wall_time` in seconds."""
         self.wall_time = time.perf_counter() - self._start
         self.task_counts = task_counts_or_none(self.client, self.run_id)
         return self.wall_time
@@ -354,16 +279,7 @@ class Job:
 
     def _stage(self, submit: Callable, wait: Callable, collections, label: str | None
                ) -> tuple[Any, Any]:
-        """Submit ``collections`` as a stage of this run with ``submit`` (the client's
-        ``persist`` or ``compute``, with the job's retries) and wait for them with ``wait``
-        (:func:`~blockflow.cluster.wait_for` or :func:`~blockflow.cluster.gather_results`),
-        under the stage's progress bar if one is shown.
-
-        Returns
-        -------
-        tuple
-            (what ``submit`` returned, what ``wait`` returned).
-        """
+        """``(submit(collections), wait(...))`` as a stage of this run, under its bar."""
         before = self._before()
         with run_scope(self.what, self.run_id):
             submitted = submit(collections, retries=self.retries or None)
@@ -378,49 +294,15 @@ class Job:
             submitted = None  # a traceback keeps this frame: it must not keep the results
 
     def persist(self, collections, *, label: str | None = None):
-        """Persist ``collections`` on the cluster and wait until they are done.
-
-        Parameters
-        ----------
-        collections : Dask collection or list of them
-            As for :meth:`distributed.Client.persist`.
-        label : str, optional
-            The stage, as its progress bar names it; default the job's ``what``.
-
-        Returns
-        -------
-        Same as ``collections``, persisted.
-
-        Raises
-        ------
-        WorkerLostError
-            If every worker is lost for ``blockflow.cluster.worker-loss-timeout``.
-        """
+        """``client.persist(collections)``, waited for (:func:`~blockflow.scheduling.wait.
+        wait_for`: raises WorkerLostError when every worker is lost); ``label`` names the bar."""
         persisted, _ = self._stage(self.client.persist, wait_for, collections, label)
         return persisted
 
     def compute(self, collections, *, label: str | None = None):
-        """Compute ``collections`` on the cluster and gather the results to the client.
-
-        Parameters
-        ----------
-        collections : Dask collection or list of them
-            As for :meth:`distributed.Client.compute`.
-        label : str, optional
-            The stage, as its progress bar names it; default the job's ``what``.
-
-        Returns
-        -------
-        The computed results, as ``client.gather`` returns them.
-
-        Raises
-        ------
-        WorkerLostError
-            If every worker is lost, or workers die repeatedly under one task (see
-            :func:`blockflow.cluster.gather_results`).
-        Exception
-            A task's own exception, on its last attempt.
-        """
+        """The results of ``client.compute(collections)``
+        (:func:`~blockflow.scheduling.wait.gather_results`: WorkerLostError when workers are
+        lost, else a task's own exception); ``label`` names the bar."""
         _, results = self._stage(self.client.compute, gather_results, collections, label)
         return results
 
@@ -428,8 +310,6 @@ class Job:
 def _pool_costs(client) -> dict | None:
     """The run's cost per pool (:func:`blockflow.cluster.report.pool_costs`), or None
     without pools or without blockflow's plugin."""
-    from blockflow.cluster.report import pool_costs
-
     try:
         return pool_costs(client)
     except RuntimeError:  # no plugin on that scheduler
@@ -453,32 +333,24 @@ def run_workload(
     Parameters
     ----------
     client : distributed.Client
-        Connected client; the work runs on its cluster.
     what : str
         The run as error messages name it.
     compute : callable
-        ``compute(job)`` builds the graph, runs it through ``job`` (a :class:`Job`) and
-        returns the result object (with ``output`` and ``manifest()``).
+        ``compute(job)`` -> the result object (with ``output`` and ``manifest()``).
     write : callable
-        ``write(result, directory)`` writes the data files into ``directory`` and returns
-        extra ``manifest.json`` entries (or None).
+        ``write(result, directory)`` writes the data files; returns extra manifest entries.
     name : str
-        The workload, as argument errors name it (``"flights"``).
+        The workload, as argument errors name it.
     output : str or path-like, optional
-        Folder to write to: claimed before computing (an existing one fails before any
-        work), renamed into place only when everything is written.
+        Folder claimed before computing and renamed into place once written.
     overwrite : bool, default False
-        Replace ``output`` if it exists.
     progress : bool, optional
-        Show a labelled progress bar per stage; default: in Jupyter (a widget), or when
-        stderr is a terminal.
     retries : int, optional
-        Distributed task retries (default 0): a task that raises is run again up to
-        ``retries`` more times by the scheduler, possibly on another worker.
+        Distributed task retries (default 0).
 
     Returns
     -------
-    The result of ``compute``, with ``output`` set to the absolute output folder, if any.
+    The result of ``compute``, its ``output`` the absolute output folder, if any.
 
     Raises
     ------

@@ -1,21 +1,11 @@
 """Array statistics workload: per-grid-point moments of a generated gridded field.
 
-A seeded synthetic temperature field (dims ``time x lat x lon``, float32, kelvin) is
-generated block by block on the workers, a known climatology (seasonal cycle per day of year
-and latitude) is subtracted by a blockwise anomaly kernel (:func:`blockflow.map_blocks` on
-xarray objects), and the anomalies are tree-reduced along ``time``
-(:func:`blockflow.tree_reduce`) to their count, mean, variance, minimum and maximum at every
-grid point, in one pass over the data.
-
-The moments are merged with the pairwise update of Chan, Golub & LeVeque (1979), "Updating
-formulae and a pairwise algorithm for computing sample variances" (Stanford CS report
-STAN-CS-79-773): each partial result holds ``(n, mean, M2)`` where ``M2`` is the sum of
-squared deviations from the partial's own mean, so no step subtracts two large, nearly equal
-sums (the failure of the textbook ``E[x^2] - E[x]^2`` formula). The same scheme underlies
-dask's ``moment_chunk`` / ``moment_combine`` / ``moment_agg``. The merge is
-:func:`blockflow.core.moments.merge_moments`, shared with
-:func:`blockflow.aggregations.grouped_moments`; the partials here are
-``(n, mean, M2, min, max)``.
+A seeded synthetic temperature field (``time x lat x lon``, float32, kelvin) is generated
+on the workers, its climatology subtracted by a blockwise kernel, and the anomalies
+tree-reduced along ``time`` to count, mean, variance, min and max per grid point in one pass.
+Partials ``(n, mean, M2, min, max)`` are merged with the pairwise update of Chan, Golub &
+LeVeque (1979, STAN-CS-79-773) (:func:`blockflow.core.moments.merge_moments`), as dask's
+``moment_chunk`` / ``moment_combine`` / ``moment_agg`` do.
 """
 
 from __future__ import annotations
@@ -72,8 +62,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Record layout of the reduced result: one record per grid point. float64 moments of
-#: float32 data; min/max keep the data's dtype (they are exact).
+#: Record layout of the reduced result, one record per grid point (min/max in the data's dtype).
 STATS_DTYPE = np.dtype(
     [("count", "i8"), ("mean", "f8"), ("var", "f8"), ("min", "f4"), ("max", "f4")]
 )
@@ -85,25 +74,10 @@ def _generate_dask_block(*, seed, shape, block_id=None, block_info=None):
 
 
 def generate_field(size: str = "small", seed: int = 0) -> xr.DataArray:
-    """The synthetic temperature field as a lazy, dask-backed DataArray.
-
-    Parameters
-    ----------
-    size : {"small", "medium", "large"}, default "small"
-        See :data:`SIZES` for shapes and chunks.
-    seed : int, default 0
-        Seed of the noise; block ``(i, j, k)`` draws from
-        ``numpy.random.default_rng([seed, i, j, k])``.
-
-    Returns
-    -------
-    xarray.DataArray
-        ``temperature``, float32, kelvin, dims ``(time, lat, lon)``, chunked as
-        ``SIZES[size].chunks``. Coordinates: daily ``time`` from 2001-01-01, cell-centre
-        ``lat`` (degrees north) and ``lon`` (degrees east). Blocks are generated on the
-        workers (one ``blockflow-generate-field`` task each, no inputs); nothing large goes
-        through the client.
-    """
+    """The synthetic temperature field (float32, kelvin, dims ``(time, lat, lon)``, chunked
+    as ``SIZES[size].chunks``), lazy: one ``blockflow-generate-field`` task per block, block
+    ``(i, j, k)`` seeded ``[seed, i, j, k]``; daily ``time`` from 2001-01-01, cell-centre
+    ``lat``/``lon`` in degrees."""
     spec = _spec(size)
     seed = _check_seed(seed)
     # Full per-axis chunk tuples: with no input arrays, dask takes the shape from chunks=.
@@ -143,22 +117,8 @@ def _anomaly_kernel(block: xr.DataArray, clim: xr.DataArray) -> xr.DataArray:
 
 
 def anomalies(field: xr.DataArray, clim: xr.DataArray) -> xr.DataArray:
-    """Subtract the climatology from every block of ``field`` (lazy, blockwise).
-
-    Parameters
-    ----------
-    field : xarray.DataArray
-        Dask-backed, dims ``(time, lat, lon)``, any chunking (see :func:`generate_field`).
-    clim : xarray.DataArray
-        Dims ``(dayofyear, lat)``, as from :func:`climatology`; chunked here along ``lat``
-        like ``field`` so :func:`xarray.map_blocks` hands each block its rows.
-
-    Returns
-    -------
-    xarray.DataArray
-        ``anomaly``, float32, kelvin, same dims, coordinates and chunks as ``field``; one
-        ``blockflow-anomaly`` task per block.
-    """
+    """``field`` (dims ``(time, lat, lon)``) minus ``clim`` (dims ``(dayofyear, lat)``, from
+    :func:`climatology`), lazy: ``anomaly``, float32, one ``blockflow-anomaly`` task per block."""
     clim = clim.chunk({"dayofyear": -1, "lat": field.chunksizes["lat"]})
     template = field.copy(data=field.data).rename("anomaly")
     return map_blocks(_anomaly_kernel, field, clim, template=template, name="anomaly")
@@ -168,14 +128,9 @@ def anomalies(field: xr.DataArray, clim: xr.DataArray) -> xr.DataArray:
 
 
 def moment_chunk(x, axis=None, keepdims=True, computing_meta=False, **kwargs):
-    """Partial moments of one block along ``axis``: ``dict(n, mean, m2, min, max)``.
-
-    Follows the ``chunk(x, axis=, keepdims=)`` convention of :func:`dask.array.reduction`.
-    ``n`` is an int64 count (the block's extent along ``axis``); ``mean`` and ``m2`` (sum of
-    squared deviations from ``mean``) are float64 with the reduced axes kept (length 1);
-    ``min``/``max`` keep ``x``'s dtype. Two-pass within the block: mean first, then the
-    squared deviations, which is exact to rounding for float32 data.
-    """
+    """Partial moments of one block along ``axis`` (:func:`dask.array.reduction`'s ``chunk``):
+    ``dict(n, mean, m2, min, max)``, ``n`` int64, ``mean`` and ``m2`` (sum of squared
+    deviations) float64 with the reduced axes kept, ``min``/``max`` in ``x``'s dtype."""
     if computing_meta:
         return x
     axis = _axis_tuple(axis, x.ndim)
@@ -212,9 +167,7 @@ def _flatten(partials) -> list[dict]:
 
 
 def _merge(partials) -> dict:
-    """Merge partial moments with :func:`blockflow.core.moments.merge_moments` (Chan, Golub &
-    LeVeque 1979): the parts are stacked along a new first axis and summed along it; the
-    count of a part is its block's extent, one number for all its points."""
+    """Partial moments merged with :func:`blockflow.core.moments.merge_moments`."""
     parts = _flatten(partials)
     if len(parts) == 1:
         return parts[0]
@@ -232,22 +185,15 @@ def _merge(partials) -> dict:
 
 
 def moment_combine(partials, axis=None, keepdims=True, computing_meta=False, **kwargs):
-    """Merge a nested list of partials from :func:`moment_chunk` into one partial.
-
-    ``combine(partials, axis=, keepdims=)`` as in :func:`dask.array.reduction` with
-    ``concatenate=False``; merged by :func:`_merge` (Chan et al. 1979).
-    """
+    """Nested partials of :func:`moment_chunk` merged into one (``combine`` of
+    :func:`dask.array.reduction` with ``concatenate=False``)."""
     if computing_meta:  # dask passes the chunk's meta (an empty array) through
         return partials
     return _merge(partials)
 
 
 def moment_aggregate(partials, axis=None, keepdims=False, computing_meta=False, **kwargs):
-    """Final step: merge the partials and return one :data:`STATS_DTYPE` record per point.
-
-    The variance is the population variance, ``M2 / n`` (ddof=0). With ``keepdims=False``
-    the reduced axes (length 1 in the partials) are dropped.
-    """
+    """The merged partials as one :data:`STATS_DTYPE` record per point (variance ddof=0)."""
     if computing_meta:  # an empty array of the result's ndim and dtype
         shape = np.sum(partials, axis=axis, keepdims=keepdims).shape
         return np.empty(shape, dtype=STATS_DTYPE)
@@ -267,26 +213,9 @@ def moment_aggregate(partials, axis=None, keepdims=False, computing_meta=False, 
 
 
 def moments(anomaly: xr.DataArray, *, split_every: int | None = None) -> xr.Dataset:
-    """Per-grid-point count, mean, variance (ddof=0), min and max along ``time`` (lazy).
-
-    One tree reduction (:func:`blockflow.tree_reduce` with ``concatenate=False``) whose
-    partials are ``(n, mean, M2, min, max)`` dicts merged by Chan et al. (1979); its result
-    is one :data:`STATS_DTYPE` record per grid point, split into variables afterwards.
-
-    Parameters
-    ----------
-    anomaly : xarray.DataArray
-        Dask-backed, dims include ``time``; float32 (accumulated in float64).
-    split_every : int, optional
-        Fan-in of the tree; default: :func:`blockflow.choose_split_every`.
-
-    Returns
-    -------
-    xarray.Dataset
-        Variables ``count`` (int64), ``mean``, ``var`` (float64, K and K^2), ``min``,
-        ``max`` (float32, K), dims = ``anomaly``'s other dims (``lat, lon``) with their
-        coordinates, chunked like ``anomaly`` along them.
-    """
+    """Per-grid-point ``count``, ``mean``, ``var`` (ddof=0), ``min``, ``max`` of ``anomaly``
+    along ``time``: one lazy tree reduction (:func:`blockflow.tree_reduce`, fan-in
+    ``split_every``, default :func:`blockflow.choose_split_every`)."""
     rec = tree_reduce(
         anomaly, moment_chunk, moment_combine, moment_aggregate, dim="time",
         concatenate=False, dtype=STATS_DTYPE, split_every=split_every, name="moments",
@@ -311,27 +240,21 @@ class ArrayStatsResult:
     Attributes
     ----------
     stats : xarray.Dataset
-        In memory: ``count``, ``mean``, ``var`` (ddof=0), ``min``, ``max`` of the anomaly over
-        ``time``, dims ``(lat, lon)`` with coordinates.
+        ``count``, ``mean``, ``var`` (ddof=0), ``min``, ``max`` over ``time``, dims
+        ``(lat, lon)``.
     size : str
     seed : int
     shape, chunks : tuple of int
-        Of the generated field (``time, lat, lon``), chunks as the block shape.
+        Of the field (``time, lat, lon``).
     nbytes : int
-        Bytes of the float32 field processed (generated, anomalised and reduced).
+        Bytes of the field processed.
     wall_time : float
-        Seconds from submitting the graph to having the result on the client.
+        Seconds from submitting the graph to the result on the client.
     bytes_per_second : float
-        ``nbytes / wall_time``.
     n_tasks : int or None
-        Tasks this run finished: the sum of ``task_counts`` (None without them).
     task_counts : dict of str to int, or None
-        Tasks each worker finished for this run: everything it submitted, not other
-        clients' work; the dashboard's "Tasks (this run)" shows the same counts (blockflow's
-        scheduler plugin; None when the scheduler runs none).
-    dashboard_link : str or None
-    output : str or None
-        Directory the results were written to, if any.
+        Tasks each worker finished for this run (None without blockflow's plugin).
+    dashboard_link, output : str or None
     """
 
     stats: xr.Dataset
@@ -348,15 +271,8 @@ class ArrayStatsResult:
     output: str | None = None
 
     def summary(self) -> pd.DataFrame:
-        """Global summary of each statistic: one row per statistic.
-
-        Returns
-        -------
-        pandas.DataFrame
-            Index ``stat`` (mean, var, min, max); columns ``units``, ``grid_mean``
-            (unweighted mean over grid points), ``area_mean`` (weighted by cos(latitude),
-            i.e. by cell area on a regular grid), ``grid_min``, ``grid_max``.
-        """
+        """One row per statistic: ``units``, ``grid_mean``, ``area_mean`` (weighted by
+        cos(latitude)), ``grid_min``, ``grid_max``."""
         weights = np.cos(np.deg2rad(self.stats["lat"]))
         rows = {}
         for k in ("mean", "var", "min", "max"):
@@ -412,20 +328,8 @@ class ArrayStatsResult:
 
 
 def build(size: str = "small", seed: int = 0, *, split_every: int | None = None) -> xr.Dataset:
-    """The whole workload as one lazy Dataset (generate -> anomaly -> moments).
-
-    Parameters
-    ----------
-    size : {"small", "medium", "large"}, default "small"
-    seed : int, default 0
-    split_every : int, optional
-        Fan-in of the tree reduction; default chosen from worker memory.
-
-    Returns
-    -------
-    xarray.Dataset
-        Lazy statistics, as from :func:`moments`.
-    """
+    """The whole workload as one lazy Dataset: :func:`moments` of :func:`anomalies` of
+    :func:`generate_field`."""
     field = generate_field(size, seed)
     anom = anomalies(field, climatology(size))
     return moments(anom, split_every=split_every)
@@ -446,27 +350,16 @@ def run(
     Parameters
     ----------
     client : distributed.Client
-        Connected client; the work runs on its cluster.
     size : {"small", "medium", "large"}, default "small"
-        ``small``: 120 x 32 x 64 (1 MB); ``medium``: 960 x 180 x 360 (249 MB, blocks of
-        120 days = 31 MB); ``large``: 3650 x 360 x 720 (3.8 GB, blocks of 73 days = 76 MB).
-        All float32, chunked along time (see :data:`SIZES`).
+        Shapes and chunks in :data:`SIZES` (1 MB, 249 MB, 3.8 GB of float32).
     output : str or path, optional
-        Directory to write ``stats.parquet`` (``stats.to_dataframe()``, index ``lat, lon``)
-        and ``manifest.json`` to, atomically (:func:`blockflow.io.atomic_output_dir`).
+        Directory for ``stats.parquet`` and ``manifest.json``, written atomically.
     overwrite : bool, default False
-        Replace ``output`` if it exists; otherwise an existing ``output`` is an error.
     seed : int, default 0
-        Seed of the generated field.
     progress : bool, optional
-        Show a labelled progress bar (``array-stats (small) generate, anomalies,
-        moments``): a widget in Jupyter, a text bar on stderr in a terminal. Default: in
-        Jupyter, or when stderr is a terminal.
+        A progress bar; default in Jupyter or when stderr is a terminal.
     retries : int, optional
-        Distributed task retries (default 0): a task of the run that raises is run again up
-        to ``retries`` more times by the scheduler, possibly on another worker (passed to
-        ``client.compute``). Not in-place kernel retries: see ``retries=`` of
-        :func:`blockflow.map_blocks` for those.
+        Distributed task retries (default 0).
 
     Returns
     -------
@@ -477,11 +370,9 @@ def run(
     ValueError
         For an unknown ``size``, or ``retries`` not an integer >= 0.
     FileExistsError
-        If ``output`` exists and ``overwrite`` is False (raised by
-        :func:`blockflow.io.atomic_output_dir`).
+        If ``output`` exists and ``overwrite`` is False.
     WorkerLostError
-        If every worker is lost for ``blockflow.cluster.worker-loss-timeout``, or workers
-        die repeatedly under one task (``KilledWorker``). Nothing is written.
+        If every worker is lost, or workers die repeatedly under one task.
     """
     spec = _spec(size)
     seed = _check_seed(seed)

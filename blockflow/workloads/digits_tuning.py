@@ -23,8 +23,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from blockflow.scheduling.runs import run_scope
+import numpy as np
+
+from blockflow.io import write_parquet
 from blockflow.ml.tune import choice, loguniform, tune
+from blockflow.scheduling.runs import run_scope
 from blockflow.workloads import JobFailed
 from blockflow.workloads._runner import Job, run_workload
 
@@ -74,7 +77,6 @@ def train_digits_mlp(config: dict, epochs: int, checkpoint=None):
     (float, MLPClassifier)
         Validation accuracy (0-1) and the estimator, the next checkpoint.
     """
-    import numpy as np
     from sklearn.neural_network import MLPClassifier
 
     X_tr, y_tr, X_val, y_val, _, _ = digits_split()
@@ -164,8 +166,6 @@ class DigitsTuneResult:
 
 
 def _write(result: DigitsTuneResult, directory) -> dict[str, Any]:
-    from blockflow.io import write_parquet
-
     trials = result.tuned.trials.copy()
     trials["config"] = trials["config"].map(lambda c: json.dumps(c, sort_keys=True))
     write_parquet(trials, os.path.join(directory, "trials.parquet"), index=True)

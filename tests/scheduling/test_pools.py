@@ -280,7 +280,7 @@ def test_connect_pools_bad_input_is_one_line():
 
 
 def _made_on(i):
-    from blockflow.testing.simulated import SimulatedDeviceBlock
+    from blockflow.testing.simulated_device import SimulatedDeviceBlock
 
     return SimulatedDeviceBlock(i, 10_000_000)
 

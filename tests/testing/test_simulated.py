@@ -6,6 +6,7 @@ import re
 import time
 
 import dask
+import dask.dataframe  # noqa: F401  (dask.dataframe.from_pandas below)
 import numpy as np
 import pandas as pd
 import pytest
@@ -275,11 +276,11 @@ def test_simulated_devices_live_in_blockflow_testing_only():
     import importlib
 
     import blockflow.testing
-    from blockflow.testing import cluster, simulated
+    from blockflow.testing import cluster, simulated_device
 
-    assert SimulatedDeviceBlock.__module__ == "blockflow.testing.simulated"
+    assert SimulatedDeviceBlock.__module__ == "blockflow.testing.simulated_device"
     assert blockflow.testing.simulated_cluster is cluster.simulated_cluster
-    assert blockflow.testing.Tenant is simulated.Tenant
+    assert blockflow.testing.Tenant is simulated_device.Tenant
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("blockflow.scheduling.simulated")
 

@@ -38,7 +38,8 @@ from blockflow.ml.parallel.schedule import (
     bubble_fraction,
     schedule_order,
 )
-from blockflow.scheduling.view import gather_as_done, workers_info
+from blockflow.scheduling.view import workers_info
+from blockflow.scheduling.wait import gather_as_done
 
 __all__ = ["METADATA_KEY", "PipelineParallel", "PipelineResult", "bubble_fraction",
            "schedule_order"]

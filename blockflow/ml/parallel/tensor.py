@@ -37,7 +37,8 @@ from blockflow import config
 from blockflow.errors import WorkerLostError
 from blockflow.ml.parallel._stage import _device, _here  # where a shard lives, its device
 from blockflow.ml.parallel.partition import shard_widths
-from blockflow.scheduling.view import gather_as_done, worker_memory, workers_info
+from blockflow.scheduling.view import worker_memory, workers_info
+from blockflow.scheduling.wait import gather_as_done
 
 __all__ = ["TensorParallel", "free_device_memory"]
 

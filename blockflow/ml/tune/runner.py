@@ -25,7 +25,8 @@ from blockflow.errors import WorkerLostError
 from blockflow.ml.tune.asha import Rungs, rung_budgets
 from blockflow.ml.tune.speeds import SpeedEvidence
 from blockflow.scheduling.estimate import earliest_finish
-from blockflow.scheduling.view import declared_speeds, fetch, learned_speeds, wait_any
+from blockflow.scheduling.view import declared_speeds, learned_speeds
+from blockflow.scheduling.wait import fetch, wait_any
 
 __all__ = ["METADATA_KEY", "REPORT_PREFIX", "TRIAL_PREFIX", "Tuner"]
 

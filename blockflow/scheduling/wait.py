@@ -1,0 +1,257 @@
+"""Waiting for futures while workers die: the client's one wait.
+
+:func:`wait_for` and :func:`gather_results` fail with :class:`~blockflow.errors.WorkerLostError`
+when the cluster is left without any worker, instead of waiting forever; :func:`fetch`
+handles distributed's ``Future.result(timeout=)`` race in one place; :func:`wait_any` and
+:func:`gather_as_done` collect results as they come while checking that the workers they
+need are alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from asyncio import CancelledError
+from typing import Any, Callable, Iterable
+
+from dask.utils import key_split, parse_timedelta
+from distributed import Client, KilledWorker, futures_of, wait
+from distributed import TimeoutError as DTimeout
+
+from blockflow import config
+from blockflow.errors import WorkerLostError
+
+__all__ = ["fetch", "fetch_many", "gather_as_done", "gather_results", "task_label", "wait_any",
+           "wait_for"]
+
+
+def wait_for(client: Client, futures: Any, *, what: str = "the computation",
+             worker_loss_timeout: str | float | None = None) -> None:
+    """Wait until ``futures`` are done (finished or failed), failing if every worker is lost.
+
+    Like :func:`distributed.wait`, but gives up after ``worker_loss_timeout`` without any
+    worker (workers that come back reset the clock).
+
+    Parameters
+    ----------
+    client : distributed.Client
+    futures : future, collection of futures, or persisted Dask collection
+    what : str, default "the computation"
+        Named in the error message (e.g. ``"the flights ETL"``).
+    worker_loss_timeout : str or float, optional
+        Seconds (or ``"60s"``) without any worker before giving up; default
+        ``blockflow.cluster.worker-loss-timeout``.
+
+    Raises
+    ------
+    WorkerLostError
+        If the cluster has had no worker for ``worker_loss_timeout`` while results were
+        unfinished.
+    """
+    pending = futures_of(futures)
+    n = len(pending)
+    futures = None  # a traceback keeps this frame: it must not keep the results alive
+    limit = parse_timedelta(config.get("cluster.worker-loss-timeout", worker_loss_timeout))
+    check_every = min(0.5, max(limit / 4, 0.05))
+    checked = time.monotonic()
+    lost_since = None
+    # Polls Future.done() (local state) rather than distributed.wait(timeout=): a timed-out
+    # wait leaves the futures referenced by its traceback until the garbage collector runs,
+    # which keeps finished results on the workers for longer.
+    while True:
+        if any(f.status in ("error", "cancelled") for f in pending):
+            return  # the caller's gather raises it: no need to wait for the rest
+        pending = [f for f in pending if not f.done()]
+        if not pending:
+            return
+        time.sleep(0.02)
+        now = time.monotonic()
+        if now - checked < check_every:
+            continue
+        checked = now
+        if client.nthreads():
+            lost_since = None
+            continue
+        lost_since = now if lost_since is None else lost_since
+        if now - lost_since >= limit:
+            left = len([f for f in pending if not f.done()])
+            pending = None
+            raise WorkerLostError(
+                f"blockflow: every worker of the cluster at {client.scheduler.address} was "
+                f"lost during {what}; with no worker for {limit:g} s, {left} of {n} "
+                f"results could not be computed. Restart the workers (or the cluster) and run "
+                f"again. Workers that keep dying usually run out of memory or crash: their "
+                f"logs say which; give them more memory (memory_limit=) or use smaller blocks. "
+                f"(blockflow.cluster.worker-loss-timeout sets how long to wait.)"
+            )
+
+
+def gather_results(client: Client, futures: Any, *, what: str = "the computation",
+                   worker_loss_timeout: str | float | None = None) -> Any:
+    """:func:`wait_for` the futures, then gather their results; worker deaths explained.
+
+    Parameters and the loss of every worker as for :func:`wait_for`; returns what
+    ``client.gather(futures)`` returns.
+
+    Raises
+    ------
+    WorkerLostError
+        If every worker was lost, or in place of distributed's ``KilledWorker`` (chained as
+        ``__cause__``).
+    Exception
+        A task's own exception.
+    """
+    wait_for(client, futures, what=what, worker_loss_timeout=worker_loss_timeout)
+    try:
+        return client.gather(futures)
+    except KilledWorker as e:
+        futures = None  # the traceback keeps this frame: don't keep the results alive
+        last = getattr(e.last_worker, "address", e.last_worker)
+        n = e.allowed_failures + 1
+        raise WorkerLostError(
+            f"blockflow: {what} failed because workers died while running "
+            f"{task_label(e.task)}: "
+            f"the worker running it died {n} time{'s' if n != 1 else ''} (the last one was "
+            f"{last}), so Dask gave up on it (KilledWorker). A task that kills its worker usually runs "
+            f"it out of memory or crashes native code: check the worker logs, give workers "
+            f"more memory (memory_limit=) or use smaller blocks; if the deaths had nothing to "
+            f"do with the task, raise distributed.scheduler.allowed-failures and run again."
+        ) from e
+
+
+def task_label(key) -> str:
+    """A task key as messages name it: the step (the key's name without its token) and,
+    for a block's task, the block index: ``"block (3,) of step 'blockflow-clean'"`` for
+    ``('blockflow-clean-1f3a...', 3)``; never the token."""
+    name = key_split(key)
+    if isinstance(key, tuple) and len(key) > 1:
+        return f"block {tuple(key[1:])} of step {name!r}"
+    return f"step {name!r}"
+
+
+def fetch(future, *, timeout: float = 10.0, deadline: float | None = None) -> Any:
+    """The result of a finished future; raises if it was lost before it came back.
+
+    ``Future.result(timeout=)`` can block on a result whose worker died, or end with
+    neither result nor error when the timeout races the result (``UnboundLocalError``):
+    this asks again, ``timeout`` seconds each, while the future stays finished, and gives up
+    when it is not or after ``deadline`` seconds in all.
+
+    Raises
+    ------
+    WorkerLostError
+        If the result was lost before it was fetched, or the deadline passed; ``lost`` names
+        the future's key.
+    Exception
+        The task's own exception, as ``Future.result`` raises it.
+    """
+    end = None if deadline is None else time.monotonic() + deadline
+    while True:
+        try:
+            return future.result(timeout=timeout)
+        except (TimeoutError, UnboundLocalError):
+            pass
+        if future.status != "finished" or (end is not None and time.monotonic() >= end):
+            raise WorkerLostError(
+                f"blockflow: the result of {future.key!r} was lost before it could be "
+                f"fetched (status {future.status!r}): the worker holding it left.",
+                lost=[str(future.key)])
+
+
+def fetch_many(futures, *, timeout: float = 10.0) -> list:
+    """The results of several finished futures of one client, in their order, in one
+    request bounded by ``timeout`` seconds; any failure (a lost result, the timeout, a task's
+    exception) raises, and the caller falls back on :func:`fetch` per future."""
+    futures = list(futures)
+    if not futures:
+        return []
+    client = futures[0].client
+
+    async def gather():
+        return await asyncio.wait_for(client.gather(futures, asynchronous=True), timeout)
+
+    return list(client.sync(gather))
+
+
+def wait_any(futures: Iterable, timeout: float = 1.0) -> list:
+    """The futures of ``futures`` that are done, waiting up to ``timeout`` seconds for the
+    first (empty when none finished in time)."""
+    futures = list(futures)
+    if not futures:
+        return []
+    try:
+        done, _ = wait(futures, timeout=timeout, return_when="FIRST_COMPLETED")
+    except (DTimeout, TimeoutError):
+        return []
+    return [f for f in futures if f in done]
+
+
+def gather_as_done(futures: Iterable, *, alive: Callable[[], Iterable[str]],
+                   needed: Iterable[str] = (), poll: float = 0.5,
+                   get: Callable[[Any], Any] | None = None,
+                   deadline: float | None = None) -> list:
+    """Every future's result, fetched as soon as it is done; fails fast on a lost worker.
+
+    A failed fetch or a wait that times out checks the workers: when one of ``needed`` is no
+    longer ``alive`` (results pinned to it never come), it raises.
+
+    Parameters
+    ----------
+    futures : iterable of distributed.Future
+    alive : callable
+        Returns the addresses of the workers alive now.
+    needed : iterable of str
+        The workers the futures need (those holding their inputs).
+    poll : float, default 0.5
+        Seconds between checks of the workers while nothing finishes.
+    get : callable, optional
+        Fetches one done future (default: ``future.result()``).
+    deadline : float, optional
+        Seconds in all before giving up on the results still to come (default: no bound).
+
+    Returns
+    -------
+    list
+        The results, in the order they finished.
+
+    Raises
+    ------
+    WorkerLostError
+        When workers of ``needed`` left; ``lost`` names them.
+    TimeoutError
+        When ``deadline`` passed with results still to come and no needed worker lost.
+    Exception
+        A task's own exception, when no needed worker was lost.
+    """
+    needed = set(needed)
+    get = get or (lambda f: f.result())
+    pending, got = list(futures), []
+    end = None if deadline is None else time.monotonic() + deadline
+
+    def check() -> None:
+        lost = needed - set(alive())
+        if lost:
+            raise WorkerLostError(f"blockflow: workers lost: {sorted(lost)}", lost=lost)
+
+    while pending:
+        try:
+            # a future cancelled for "lost dependencies" raises in the wait as in the fetch
+            done = wait_any(pending, timeout=poll)
+            for f in done:
+                got.append(get(f))
+                pending.remove(f)
+        except CancelledError:  # "lost dependencies": a worker died under the computation
+            raise WorkerLostError(f"blockflow: workers lost: "
+                                  f"{sorted(needed - set(alive()))}",
+                                  lost=needed - set(alive())) from None
+        except WorkerLostError:
+            raise
+        except Exception:
+            check()
+            raise
+        if not done:
+            check()
+            if end is not None and time.monotonic() >= end:
+                raise TimeoutError(f"blockflow: {len(pending)} results not back within "
+                                   f"{deadline:g} s: {[str(f.key) for f in pending[:5]]}")
+    return got
