@@ -28,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -157,29 +159,19 @@ def _client(address: str | None, gpu: str | None = None, n_workers: int | None =
         _check_address(address)
         options = {"timeout": timeout}
     client = None
-    _quiet_interrupted_sync()
+    _raise_if_stopped()
     try:
         try:
             with _sigint_deferred(enabled=address is None):
                 client = blockflow.connect(address, policy=policy, **options)
         except (GPUUnavailableError, OSError, ValueError) as e:  # incl. invalid settings
             raise click.ClickException(str(e)) from None
+        # a stop closes the client from its own event loop: the command's waits on it end
+        _STOP["hooks"].append(lambda: client.loop.add_callback(client.close))
+        _raise_if_stopped()
         if announce:  # blockflow's page; an embedded cluster's is live only during the job
             click.echo(f"Dashboard (while the job runs): {_page(client.dashboard_link)}")
         yield client
-    except (KeyboardInterrupt, SystemExit):
-        _interrupt_handled()
-        # The run is being abandoned (Ctrl-C, SIGTERM) and the process ends: distributed's
-        # warnings about the work it loses while the cluster shuts down ("Removing worker
-        # ... lose already computed tasks"), and the errors of its calls the interrupt cut
-        # short (a scatter to a worker already removed: "Task exception was never
-        # retrieved ... KeyError: 'tcp://...'", logged by asyncio) would only bury the one
-        # line that says what happened.
-        for name in ("distributed", "distributed.scheduler", "distributed.nanny",
-                     "distributed.worker", "distributed.core", "asyncio",
-                     "tornado.application"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-        raise
     finally:
         if client is None:
             pass
@@ -215,25 +207,6 @@ def _quiet_shutdown() -> Iterator[None]:
             lg.setLevel(level)
 
 
-class _InterruptedSyncFilter(logging.Filter):
-    """Drop the traceback distributed's ``sync()`` leaves when Ctrl-C interrupts a blocking
-    client call before its coroutine started: its cancel callback then fails with a
-    ``NameError`` on its unassigned ``future``, which tornado logs at ERROR (10 lines
-    after the one that says the run was interrupted; seen in 1 of 3 runs)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        return not (isinstance(exc, NameError) and "sync.<locals>.cancel" in
-                    record.getMessage())
-
-
-def _quiet_interrupted_sync() -> None:
-    """Install :class:`_InterruptedSyncFilter` on tornado's logger, once per process."""
-    tornado = logging.getLogger("tornado.application")
-    if not any(isinstance(f, _InterruptedSyncFilter) for f in tornado.filters):
-        tornado.addFilter(_InterruptedSyncFilter())
-
-
 def _close_workers_first(client, timeout: float = 30.0) -> None:
     """Close an embedded cluster's workers before its scheduler.
 
@@ -251,7 +224,7 @@ def _close_workers_first(client, timeout: float = 30.0) -> None:
     try:
         cluster.scale(0)
         deadline = time.monotonic() + timeout
-        while client.nthreads() and time.monotonic() < deadline:
+        while cluster.workers and time.monotonic() < deadline:
             time.sleep(0.05)
     except Exception:  # a cluster already closing, or a worker stuck: shutdown handles it
         pass
@@ -266,9 +239,6 @@ def _sigint_deferred(enabled: bool = True) -> Iterator[None]:
     cluster down in order, rather than every worker printing a KeyboardInterrupt traceback.
     A Ctrl-C pressed meanwhile is delivered when the block ends, once the client exists.
     """
-    import signal
-    import threading
-
     if (not enabled or not hasattr(signal, "pthread_sigmask")
             or threading.current_thread() is not threading.main_thread()):
         yield
@@ -341,36 +311,70 @@ def _print_inventory(client) -> None:
 
 
 class _Group(click.Group):
-    """Ctrl-C ends a command with one line and exit status 130, once the command has cleaned
-    up (temporary output folder deleted, embedded cluster shut down), instead of click's
-    "Aborted!" and status 1."""
+    """SIGINT (Ctrl-C) and SIGTERM stop a command once it has cleaned up (temporary output
+    folder deleted, embedded cluster shut down): exit status 130 with one line, or 143,
+    instead of click's "Aborted!" and status 1."""
 
     def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except KeyboardInterrupt:
-            _interrupt_handled()
-            click.echo(_interrupted_message(ctx.meta), err=True)
-            ctx.exit(130)  # 128 + SIGINT, as shells report it
-        finally:
-            # whatever status the command ends with (0, an error's, 130, SIGTERM's 143):
-            # an interrupt caught on the way must not turn it into death by SIGINT
-            _forget_caught_interrupt()
+        with _stop_on_signals():
+            try:
+                result = super().invoke(ctx)
+            except BaseException:
+                if _STOP["signum"] is None:
+                    raise
+                result = None  # what the stop made the command raise
+            if _STOP["signum"] is not None:
+                if _STOP["signum"] == signal.SIGINT:
+                    click.echo(_interrupted_message(ctx.meta), err=True)
+                ctx.exit(128 + _STOP["signum"])  # as shells report a signal's end
+            return result
 
 
-def _forget_caught_interrupt() -> None:
-    """Clear CPython's mark of an interrupt that was caught after all.
+_STOP: dict[str, Any] = {"signum": None, "hooks": []}
 
-    An interrupt that leaves code run by ``exec`` or ``eval`` of a string (the functions
-    ``namedtuple`` and ``dataclass`` build, as a job imports PyTorch) is marked "unhandled"
-    by the interpreter, and the mark stays when the ``KeyboardInterrupt`` is caught further
-    up. Under ``python -m`` the process then ends by SIGINT at exit (status -2, nothing
-    printed) instead of with the status it asked for: 1 run in 8 of ``blockflow run train``
-    interrupted 1 s in on a loaded machine. The next ``exec`` of a string clears the mark.
-    Run as every command ends; an interrupt nothing caught still ends the process by SIGINT
-    (the interpreter marks it again at the top).
-    """
-    exec("pass")  # noqa: S102  # clears the mark (pythonrun.c, run_eval_code_obj)
+
+class _Stopped(Exception):
+    """Raised where a command checks for a stop before it starts work."""
+
+
+def _raise_if_stopped() -> None:
+    if _STOP["signum"] is not None:
+        raise _Stopped
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM ask the command to stop, the way ``dask scheduler`` takes them
+    (``distributed._signals.wait_for_signals``): the handler raises nothing, it records the
+    signal, quiets distributed's logs of the work the stop abandons and runs the stop hooks
+    (closing the command's client ends its waits on the cluster); the old handler is put
+    back, so a second signal gets Python's own handling. A signal ignored at start stays
+    ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        signal.signal(signum, old[signum])
+        _STOP["signum"] = signum
+        for name in ("distributed", "distributed.scheduler", "distributed.nanny",
+                     "distributed.worker", "distributed.core", "asyncio",
+                     "tornado.application"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        for hook in _STOP["hooks"]:
+            hook()
+
+    _STOP.update(signum=None, hooks=[])
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig, was in old.items():
+        if was not in (signal.SIG_IGN, None):
+            signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, was in old.items():
+            if was is not None:
+                signal.signal(sig, was)
 
 
 def _interrupted_message(meta: dict) -> str:
@@ -400,8 +404,6 @@ def cli() -> None:
       pipeline     pipeline-parallel training of a small transformer
     """
     _validate_settings()
-    _exit_cleanly_on_sigterm()
-    _interrupt_reliably()
 
 
 class _SettingsError(click.ClickException):
@@ -430,75 +432,6 @@ def _validate_settings() -> None:
             raise _SettingsError(str(e)) from None
     for w in caught:
         click.echo(f"Warning: {w.message}", err=True)
-
-
-def _exit_cleanly_on_sigterm() -> None:
-    """SIGTERM (kill, Slurm, Kubernetes) unwinds like Ctrl-C: temporary output folders are
-    removed and the embedded cluster is shut down; exit status 143."""
-    import signal
-    import threading
-
-    if threading.current_thread() is threading.main_thread():
-        def handler(signum, frame):
-            raise SystemExit(128 + signum)
-
-        signal.signal(signal.SIGTERM, handler)
-
-
-_INTERRUPT = {"pending": False, "handled": False, "resent": False}
-
-
-def _interrupt_reliably() -> None:
-    """Ctrl-C raises KeyboardInterrupt as Python's own handler does, and again 0.5 s later
-    if nothing caught it by then: an interrupt raised while the main thread runs a garbage
-    collector callback (distributed's ``GCDiagnosis``) is swallowed ("Exception ignored
-    in ..."), and the run went on to the end (exit status 0) as if no one had pressed it.
-    Python's report of that swallowed interrupt (and of the timer state it leaves, on the
-    callback's next call) is kept off the terminal once an interrupt is pending: the run
-    ends with its one line."""
-    import signal
-    import sys
-    import threading
-
-    from blockflow._distributed import is_gc_diagnosis_callback
-
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    report = sys.unraisablehook
-
-    def unraisable(u):
-        if _INTERRUPT["pending"] and is_gc_diagnosis_callback(u.object):
-            return  # the interrupt, swallowed there, is sent again (resend)
-        report(u)
-
-    sys.unraisablehook = unraisable
-
-    def resend():
-        if _INTERRUPT["pending"] and not _INTERRUPT["handled"]:
-            _INTERRUPT["resent"] = True
-            os.kill(os.getpid(), signal.SIGINT)
-
-    def handler(signum, frame):
-        if _INTERRUPT["resent"] and _INTERRUPT["handled"]:
-            # our own resend, sent just before the first interrupt was acted on and run
-            # only now: raised during the cleanup or at exit, it would end the process
-            # by SIGINT (status -2) after the one line, instead of 130
-            _INTERRUPT["resent"] = False
-            return
-        _INTERRUPT["pending"] = True
-        if not _INTERRUPT["handled"]:
-            timer = threading.Timer(0.5, resend)
-            timer.daemon = True
-            timer.start()
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, handler)
-
-
-def _interrupt_handled() -> None:
-    """An interrupt reached code that acts on it: no second one is sent."""
-    _INTERRUPT["handled"] = True
 
 
 @cli.group(name="run")
