@@ -11,6 +11,7 @@ shape; a partition's type, columns and dtypes), so a wrong block fails in its ta
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import warnings
@@ -19,9 +20,8 @@ from typing import Any, Callable
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
-from dask.utils import (
-    funcname,
-)
+from dask.utils import funcname, parse_bytes
+from distributed import default_client
 
 from blockflow import block_sizing
 from blockflow.block_kernels import (
@@ -32,13 +32,14 @@ from blockflow.block_kernels import (
     _XarrayKernel,
 )
 from blockflow.core.kernel import check_placement, check_retries
-from blockflow.scheduling.actions import KERNEL_PREFIX  # the scheduling vocabulary's name
 from blockflow.errors import (
     BlockflowWarning,
     EmptyCollectionError,
     describe,
     not_a_collection,
 )
+from blockflow.scheduling.actions import KERNEL_PREFIX  # the scheduling vocabulary's name
+from blockflow.scheduling.view import worker_memory
 
 __all__ = ["KERNEL_PREFIX", "check_retries", "kernel_name", "map_blocks", "validate_array"]
 
@@ -109,187 +110,98 @@ def map_blocks(
     """Run ``kernel`` on every block of one or more Dask collections, lazily.
 
     The same kernel runs on NumPy/pandas blocks on CPU workers and on CuPy/cuDF blocks on GPU
-    workers: find the right module inside the kernel with
-    :func:`blockflow.backends.array_module` / :func:`~blockflow.backends.dataframe_module`.
+    workers (find the module with :func:`blockflow.backends.array_module` /
+    :func:`~blockflow.backends.dataframe_module`). A thin layer over
+    :func:`dask.array.map_blocks`, ``map_partitions`` and :func:`xarray.map_blocks`.
 
     Parameters
     ----------
     kernel : callable
-        ``kernel(*blocks, **kwargs) -> block``. Array kernels may take ``block_id`` (tuple of
-        block indices) or ``block_info``; dataframe kernels may take ``partition_info``
-        (``{"number": int, "division": object}``), as in Dask.
+        ``kernel(*blocks, **kwargs) -> block``. Array kernels may take ``block_id`` or
+        ``block_info``; dataframe kernels ``partition_info``, as in Dask.
     *collections : dask.array.Array, dask.dataframe.DataFrame/Series, or xarray object
-        The inputs, all of one kind, whose blocks pair up one to one. Arrays: axes align
-        from the right, as in NumPy broadcasting; an axis of length 1 broadcasts, every
-        other axis must have identical chunks in every array that has it. Dataframes: the
-        same number of partitions. Xarray objects (DataArray or Dataset): each argument after
-        the first must be chunked like argument 0 along the dimensions they share, and be in
-        one block along any dimension argument 0 lacks (:func:`xarray.map_blocks` would
-        otherwise hand each call just one of those blocks); their indexes are aligned
-        exactly by :func:`xarray.map_blocks`.
+        Inputs of one kind whose blocks pair up one to one. Arrays: axes align from the
+        right; an axis of length 1 broadcasts, every other axis has identical chunks in every
+        array that has it. Dataframes: the same number of partitions. Xarray: each argument
+        after the first is chunked like argument 0 along shared dimensions and in one block
+        along the others.
     name : str, optional
-        Task-name prefix; default ``blockflow-<kernel name>``. Always starts with
+        Task-name prefix; default ``blockflow-<kernel name>``; always starts with
         ``blockflow-`` so the scheduler plugin recognises the tasks.
     dtype, meta, chunks, drop_axis, new_axis : optional
-        Arrays: as in :func:`dask.array.map_blocks`, except that the kernel always runs once
-        per block. ``drop_axis`` (an int or a sequence of ints; negative axes count from the
-        end of the input's axes) may only drop axes that are in one block in every input:
-        where Dask would concatenate the blocks along a dropped axis into one call,
-        blockflow refuses, and says to rechunk that axis to one block
-        (``x.rechunk({0: -1})``) or to reduce along it with :func:`blockflow.tree_reduce`
-        (there is no per-block meaning of dropping an axis that would not change what the
-        kernel computes). ``new_axis`` (an int or a sequence of ints; negative axes count
-        from the end of the output's axes) adds axes of one block each: their length is 1
-        unless ``chunks`` gives it, and ``chunks`` may not split a new axis into several
-        blocks (the kernel would run once per block of the new axis on the same input
-        block). Every block must be an array (NumPy or
-        CuPy; a NumPy scalar for 0-d output); when given, its dtype, ndim and shape are
-        checked against them at run time. ``meta`` also applies to dataframes (as in
-        ``map_partitions``): every partition is checked against the output's meta, declared
-        or inferred from a sample, at run time: its type (DataFrame, Series or Index; any
-        object but None is fine for a Series, as in Dask) and its column names and order.
-        Its dtypes are checked only against a declared ``meta=`` (Dask's inferred meta can
-        be wrong about them), exactly except that categoricals match whatever their
-        categories, object and pandas' string dtypes match each other, and datetimes and
-        timedeltas match whatever their unit. Empty partitions are not checked: Dask
-        replaces them with the meta.
+        Arrays: as in :func:`dask.array.map_blocks`, but the kernel runs once per block:
+        ``drop_axis`` may only drop axes in one block in every input, and ``chunks`` may not
+        split a new axis. Each block returned is checked at run time against the declared
+        dtype, ndim and shape. ``meta`` also applies to dataframes: each partition's type and
+        columns are checked against the output's meta, and its dtypes against a declared
+        ``meta=`` (categoricals whatever their categories, object and string alike,
+        datetimes whatever their unit). Empty partitions are not checked.
     template : xarray object, optional
-        Xarray: the output template, as in :func:`xarray.map_blocks`. Output declarations
-        that do not apply to the inputs' kind (``template`` for arrays, ``dtype``/``chunks``
-        for dataframes or xarray objects, ...) are refused rather than ignored.
+        Xarray: the output template, as in :func:`xarray.map_blocks`. Declarations that do
+        not apply to the inputs' kind are refused, not ignored.
     working_set : int, str or callable, optional
-        Device memory the kernel needs for one block, in bytes (``"2GiB"`` accepted), or a
-        callable ``working_set(nbytes) -> bytes`` of the block's size in bytes (arrays only:
-        argument 0's block, known from its chunks). With it, blockflow's ``dynamic`` policy
-        places each block only on workers whose free device memory holds it, and a block
-        that runs out of device memory while another worker has room is rescheduled
-        (:class:`distributed.Reschedule`) instead of failing;
-        :class:`~blockflow.DeviceMemoryError` is raised only when it fits nowhere. Default:
-        nothing declared (blocks go where the scheduler puts them). On a cluster without
-        GPU workers it is not applied, and a ``BlockflowWarning`` says so (host memory is
-        managed by the workers' ``memory_limit`` and spilling).
+        Device memory, in bytes, the kernel needs for one block (``"2GiB"`` accepted), or
+        ``working_set(block nbytes) -> bytes`` (arrays only). The ``dynamic`` policy then
+        places each block only where it fits, and a block that runs out of device memory
+        while another worker has room is rescheduled. Not applied, with a
+        ``BlockflowWarning``, on a cluster without GPU workers.
     retries : int, optional
-        Extra attempts of a block whose kernel raises (default 0): as everywhere in blockflow,
-        the task is run up to ``retries`` more times before it fails. Here the attempts run
-        in place, inside the task on the same worker (see Notes), and only the kernel is
-        retried. For flaky kernels (a network read, a transient device error). Retrying
-        tasks whose *worker* died is distributed's job
-        (``distributed.scheduler.allowed-failures``); to have the scheduler retry every task
-        of a graph, on any worker, pass ``retries=`` to ``client.compute``/``persist``, as
-        blockflow's workloads do. Given both, the two combine to the larger, never the
-        product: ``map_blocks(..., retries=2)`` computed with ``client.compute(y,
-        retries=2)`` attempts a failing block 3 times in all (``1 + max(2, 2)``), with
-        ``retries=3`` and ``client.compute(y, retries=1)`` 4 times, the first run of the
-        task making the attempts only ``map_blocks`` asked for and each rerun one.
+        Extra attempts, in place inside the task, of a block whose kernel raises (default
+        0). With distributed's task retries (``client.compute(..., retries=d)``) a block is
+        attempted ``1 + max(retries, d)`` times in all.
     resources : dict of str to float, optional
-        Worker resources each block's task needs while it runs, e.g. ``{"GPU": 1}``: only
-        workers that declare them run the kernel (``dask worker --resources GPU=1``; the
-        workers :func:`blockflow.connect` starts on GPUs declare ``GPU=1`` per device), and a
-        worker runs at most as many such tasks at once as it has. Unlike
-        ``dask.annotate(resources=...)``, which Dask's graph optimisation drops, this survives
-        optimisation: blockflow's scheduler plugin finds the kernel in each task, including
-        tasks into which Dask fused it (a block's producer, or the first step of a reduction
-        of the result, then run with it on such a worker). A task whose resources no worker
-        has fails after ``blockflow.resources.unsatisfiable-timeout``
-        (:class:`~blockflow.ResourceError`) instead of waiting forever. Needs blockflow's
-        scheduler plugin (:func:`blockflow.connect`); on a scheduler without it, a kernel
-        that lands on a worker without the resources raises
-        :class:`~blockflow.ResourceError` rather than run there.
+        Worker resources each block's task needs, e.g. ``{"GPU": 1}``. Unlike
+        ``dask.annotate(resources=...)`` it survives graph optimisation (the scheduler
+        plugin finds the kernel in fused tasks). A task whose resources no worker has fails
+        after ``blockflow.resources.unsatisfiable-timeout`` with
+        :class:`~blockflow.ResourceError`.
     workers : str or list of str, optional
-        Worker addresses, names or host names that may run the kernel's tasks (distributed's
-        ``workers=``), applied like ``resources``.
+        Workers that may run the kernel's tasks (distributed's ``workers=``).
     allow_other_workers : bool, optional
-        With ``workers``: other workers may run the tasks when those cannot (distributed's
-        ``allow_other_workers=``).
+        With ``workers``: others may run the tasks when those cannot.
     speculative : bool, optional
-        Whether a straggling block (its task still running on a slow or throttled device
-        when a fast device is idle) may get a *backup copy* on another worker, the first
-        result winning (default True, with ``blockflow.speculation.enabled``; see
-        :class:`blockflow.scheduling.rules.BackupRule`). By default, then, the kernel may run
-        twice on one block, both calls to the end unless the kernel polls
-        :func:`blockflow.core.speculation.cancelled`: it must be idempotent (the same block
-        in gives the same result, with no side effect that matters twice). Pass False for
-        kernels that write files, call services or draw random numbers unseeded, and for
-        kernels that call ``secede()`` or ``worker_client()``: their blocks never get a
-        copy. A backup copy is one attempt, whatever ``retries``.
+        Whether a straggling block may get a backup copy on another worker, the first result
+        winning (default True, with ``blockflow.speculation.enabled``). The kernel must then
+        be idempotent; pass False for kernels with side effects, unseeded randomness, or that
+        call ``secede()``/``worker_client()``.
     **kwargs
-        Passed to ``kernel`` unchanged, not split into blocks: a Dask array or dataframe
-        given here reaches every call whole (computed), as in Dask (xarray refuses Dask
-        collections here). Pass inputs positionally to have them split like the others.
+        Passed to ``kernel`` whole, not split into blocks.
 
     Returns
     -------
     dask.array.Array, dask.dataframe.DataFrame/Series, or xarray object
-        Lazy result with one block per input block: the kernel runs exactly once per block
-        (per block of the broadcast inputs for arrays; per block of argument 0 for xarray).
-        The blocks are those after skew handling and device-memory fitting (see Notes):
-        when those re-cut the inputs, the output's chunks follow the new blocks.
+        Lazy result with one block per input block, after any re-cut (see Notes).
 
     Raises
     ------
     TypeError
-        If an input is not a Dask collection (e.g. a NumPy array or pandas frame: the message
-        says how to wrap it), inputs are of different kinds (e.g. an xarray object and a
-        Dask array), an output declaration does not apply to the inputs' kind, or
-        ``drop_axis``/``new_axis`` is not an int or a sequence of ints.
+        If an input is not a Dask collection, inputs are of different kinds, a declaration
+        does not apply to the inputs' kind, or ``drop_axis``/``new_axis`` is not an int or
+        a sequence of ints.
     ValueError
-        If array chunk sizes are unknown (NaN); chunks / partition counts of the inputs
-        differ (the message names the inputs, the axis or dimension, both chunkings and the
-        fix: ``"blockflow.map_blocks: arguments 0 and 1 have different chunks along axis 0:
-        (2, 1) vs (3,); rechunk one to match, e.g. y = y.rechunk(x.chunks)."``, or for
-        xarray ``"... along dimension 'x': (2, 2, 2) vs (3, 3); chunk one to match, e.g.
-        y = y.chunk({'x': (2, 2, 2)})."``); ``drop_axis`` drops an axis split into several
-        blocks; ``chunks`` splits a new axis into several blocks; an axis is out of range
-        or given twice; ``retries`` is not an int >= 0; a resource amount is not > 0;
-        ``workers`` is empty; or ``allow_other_workers=True`` comes without ``workers``.
+        If chunk sizes are unknown, inputs' chunks or partition counts differ (the message
+        names both and the rechunk that fixes it), ``drop_axis`` drops a split axis,
+        ``chunks`` splits a new axis, an axis is out of range or repeated, ``retries`` is not
+        an int >= 0, a resource amount is not > 0, ``workers`` is empty, or
+        ``allow_other_workers=True`` comes without ``workers``.
     EmptyCollectionError
         If an input array has no elements.
     BlockKernelError
-        At compute time, if the kernel raises on a block (on its last attempt): the message
-        names the kernel, the block, the number of attempts and the original exception.
-        Also at compute time, if the kernel returns something other than declared: an array
-        kernel a non-array (``None``, a list, a Python scalar: ``"blockflow kernel 'f'
-        returned a NoneType for block (0, 0), not an array; ..."``) or an array of another
-        dtype, ndim or shape; a dataframe kernel a partition of another type, other columns
-        or column order than the output's meta, or, when ``meta=`` was given, other dtypes
-        (datetimes match whatever their unit; Dask's inferred meta is not trusted for
-        dtypes). The message names the kernel, the block or partition, what differs, and
-        how to fix it.
+        At compute time, if the kernel raises on a block on its last attempt, or returns
+        something other than declared; the message names the kernel, the block and the fix.
     DeviceMemoryError
-        At compute time, if the kernel runs out of device memory on a block (CuPy's or RMM's
-        out-of-memory error, or a simulated device's): the message names the block, the
-        bytes it asked for and the largest free device memory of any worker. A subclass of
-        :class:`BlockKernelError`.
+        At compute time, if the kernel runs out of device memory on a block and no worker
+        has room (a subclass of :class:`BlockKernelError`).
 
     Notes
     -----
-    Before the stage, blocks may be re-cut (:mod:`blockflow.decompose`, each change logged
-    on the ``blockflow.decompose`` logger and shown by :func:`blockflow.run_report`):
-
-    - Skew (``blockflow.skew.enabled``, default on): blocks more than
-      ``blockflow.skew.factor`` (5) times the median block and above
-      ``blockflow.skew.floor`` (64 MiB) are split (and then every block above
-      ``blockflow.skew.max-piece`` (1.25) times the target piece), runs of tiny neighbouring
-      blocks merged,
-      along one axis (arrays: the axis with the most blocks, never a dropped one; xarray:
-      argument 0's chunked dimension with the most blocks; dataframes: rows, for a single
-      dataframe whose partition sizes are cheap to know: rows of one built from pandas,
-      bytes held of a persisted one - never an extra pass over the data). Not with
-      ``chunks=``/``template=``.
-    - Device memory (``blockflow.blocks.fit-device-memory: auto``): with ``working_set=`` on
-      a cluster with GPU workers, blocks are split so that block + working set fits the
-      smallest free device memory x (1 - ``blockflow.blocks.safety``); blocks that fit, or
-      that no split can make fit, are left alone. Not with ``chunks=``/``template=``.
-
-    Block indices (``block_id``, ``partition_info``) are then those of the new blocks.
-
-    Retries run inside the task rather than as Dask task annotations
-    (``dask.annotate(retries=...)``): Dask's graph optimisation (linear fusion of array
-    tasks, dask-expr's lowering of dataframes) drops layer annotations, so they would not
-    reach the scheduler reliably. When the task does carry distributed's retries
-    (``client.compute(retries=d)``, or an annotation that survived), a block is attempted
-    ``1 + max(retries, d)`` times in all (the kernel asks the scheduler which run of the task
-    it is in; when the scheduler cannot answer, it makes no extra attempt in that run).
+    Before the stage, blocks may be re-cut along one axis (:mod:`blockflow.decompose`,
+    :mod:`blockflow.block_sizing`; logged on ``blockflow.decompose`` and shown by
+    :func:`blockflow.run_report`), not with ``chunks=``/``template=``: skewed blocks split
+    and tiny ones merged (``blockflow.skew.*``), and with ``working_set=`` on GPU workers,
+    blocks split to fit free device memory (``blockflow.blocks.*``). Block indices are
+    those of the new blocks. Retries run inside the task because Dask's graph optimisation
+    drops layer annotations such as ``dask.annotate(retries=...)``.
 
     Examples
     --------
@@ -341,8 +253,6 @@ def map_blocks(
 
 def _check_working_set(working_set, kind: str):
     """``working_set=`` as bytes (int) or a callable (arrays only); a clear error otherwise."""
-    from dask.utils import parse_bytes
-
     if working_set is None:
         return None
     if callable(working_set):
@@ -370,16 +280,11 @@ def _warn_working_set_without_gpu(working_set) -> None:
     if working_set is None:
         return
     try:
-        from distributed import default_client
-
         client = default_client()
     except ValueError:
         return
     if client.status != "running":
         return
-    # imported here: the scheduling package imports the kernel layer, which imports this
-    from blockflow.scheduling.view import worker_memory
-
     memory = worker_memory(client)
     if memory and not any(m.has_device for m in memory.values()):
         warnings.warn(
@@ -395,8 +300,6 @@ def _block_working_sets(working_set, x) -> dict[tuple, int] | int | None:
     widest argument's blocks, whose indices are the output's)."""
     if not callable(working_set):
         return working_set
-    import itertools
-
     itemsize = x.dtype.itemsize
     out = {}
     for index in itertools.product(*(range(len(c)) for c in x.chunks)):
