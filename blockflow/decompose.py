@@ -1,21 +1,14 @@
-"""Block decomposition before a blockwise stage: split skewed blocks, merge tiny ones, and
-size blocks to fit device memory.
+"""Skew splitting: re-cut a collection's blocks so that no block dominates a stage.
 
-A few blocks far larger than the rest (Zipf-distributed keys, uneven files) make a few tasks
-dominate a stage's makespan. :func:`split_skewed` splits every block more than ``factor``
-times the median block (and above an absolute ``floor`` of bytes) into pieces of about the
-larger of the median and the mean block, and merges runs of neighbouring tiny blocks, as
-Spark's adaptive query execution does for skewed shuffle partitions
-(``spark.sql.adaptive.skewJoin``: a partition is skewed when larger than 5x the median and
-an absolute threshold). Arrays are rechunked along their
-chunked axis, xarray objects along their chunked dimension, dataframes re-cut by rows.
-:func:`fit_blocks` rechunks so that each block plus its kernel's working set fits the
-smallest worker's free device memory with a safety margin.
+:func:`split_skewed` splits every block more than ``factor`` times the median block (and
+above ``floor`` bytes) into pieces of about the larger of the median and the mean block, and
+merges runs of tiny neighbouring blocks, as Spark's adaptive query execution does for skewed
+shuffle partitions (``spark.sql.adaptive.skewJoin``). Arrays are rechunked along one axis,
+xarray objects along one dimension, dataframes re-cut by rows. Sizing blocks to device
+memory is :mod:`blockflow.block_sizing`.
 
-Every change is logged on the ``blockflow.decompose`` logger with the block sizes before and
-after, and kept (the last 1,000, in this process) as a :class:`BlockResize` record that
-:func:`blockflow.run_report` shows. :func:`blockflow.map_blocks` applies both before its
-stage (settings ``blockflow.skew.*`` and ``blockflow.blocks.*``).
+Every re-cut, either kind, is logged on the ``blockflow.decompose`` logger and kept (the last
+1,000 in this process) as a :class:`BlockResize` that :func:`blockflow.run_report` shows.
 """
 
 from __future__ import annotations
@@ -27,10 +20,15 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
+import dask
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
+import pandas as pd
+from dask import delayed
+from dask.dataframe.dispatch import concat
 from dask.utils import format_bytes, parse_bytes
+from distributed import Future, futures_of
 
 from blockflow import config
 from blockflow.scheduling.view import workers_info
@@ -49,21 +47,20 @@ _count = 0  # records made in this process so far
 @dataclass(frozen=True)
 class BlockResize:
     """One change of a collection's blocks along one axis (see :func:`split_skewed`,
-    :func:`fit_blocks`).
+    :func:`blockflow.fit_blocks`).
 
     Attributes
     ----------
     kind : str
         ``"array"``, ``"dataframe"`` or ``"xarray"``.
     reason : str
-        ``"skew"`` (split skewed blocks, merged tiny ones) or ``"fit-device-memory"``.
+        ``"skew"`` or ``"fit-device-memory"``.
     axis : int or str
         The axis (arrays), dimension name (xarray) or ``0`` (dataframe rows) re-cut.
     before, after : tuple of int
-        Rows per block along ``axis`` before and after (partition lengths for dataframes).
+        Rows per block along ``axis`` before and after.
     row_bytes : float
-        Bytes of one row of the largest block (the cross-section along the other axes);
-        dataframes: the mean bytes per row, measured or estimated from the dtypes.
+        Bytes of one row of the largest block; dataframes: mean bytes per row.
     split, merged : int
         Input blocks split into pieces; input blocks merged with neighbours.
     time : float
@@ -71,9 +68,8 @@ class BlockResize:
     label : str
         What it was made for (the kernel's task-name prefix in :func:`blockflow.map_blocks`).
     unit : str
-        ``"rows"``, or ``"bytes"`` for a persisted dataframe whose partitions were sized by
-        the bytes the scheduler holds for them (``before``/``after`` are then bytes, and
-        ``row_bytes`` is 1; pieces are cut at the same fractions of their rows).
+        ``"rows"``, or ``"bytes"`` for a persisted dataframe sized by the bytes the scheduler
+        holds (``before``/``after`` are then bytes and ``row_bytes`` is 1).
     """
 
     kind: str
@@ -187,16 +183,8 @@ def _even(n: int, k: int) -> list[int]:
 
 def _skew_plan(sizes: Sequence[int], row_bytes: float, factor: float, floor: int,
                merge_below: float, max_piece: float | None = None) -> _Plan | None:
-    """Split blocks above ``factor`` x the median (and ``floor`` bytes) into pieces of
-    about the target size; merge runs of blocks below ``merge_below`` x the target into
-    pieces of at most the target (only when the whole collection is above ``floor``). The
-    median is that of the non-empty blocks; the target is the larger of it and the mean
-    block (so that a collection of mostly tiny blocks is not cut into tiny pieces). Once
-    some block is skewed, every block above ``max_piece`` x the target (and ``floor``
-    bytes) is cut too: a block just under ``factor`` x the median (1.34x the target with a
-    Zipf law of exponent 1.2 on 64 partitions) would otherwise be the stage's largest
-    piece. ``max_piece`` defaults to ``blockflow.skew.max-piece``. None when nothing
-    changes."""
+    """The re-cut :func:`split_skewed` describes, as a plan of pieces; None when nothing
+    changes. ``max_piece`` defaults to ``blockflow.skew.max-piece``."""
     max_piece = _max_piece() if max_piece is None else max_piece
     sizes = [int(s) for s in sizes]
     nonempty = [s for s in sizes if s > 0]
@@ -322,17 +310,14 @@ def split_skewed(collection, *, factor: float | None = None, floor: int | str | 
     """Split blocks far larger than the median, and merge runs of tiny ones.
 
     A block is skewed when it holds more than ``factor`` times the median block's rows and
-    more than ``floor`` bytes; it is split into pieces of about the target size, the larger
-    of the median and the mean block (piece sizes differ by at most one row); once some
-    block is skewed, every block above ``blockflow.skew.max-piece`` (1.25) times that target
-    is cut too, so that no kept block dominates the stage. When the whole
-    collection holds more than ``floor`` bytes, each run of two or more neighbouring blocks
-    smaller than ``merge_below`` times the target is merged into pieces of at most the
-    target. Values and order are unchanged; only the block boundaries move. Method: Spark's
-    adaptive skew handling (a partition larger than 5x the median and an absolute threshold
-    is split, into pieces of at least the mean of the other partitions); the median over
-    non-empty blocks, the mean as a lower bound of the target (so mostly-tiny collections
-    are not cut into tiny pieces) and the merging rule are blockflow heuristics.
+    more than ``floor`` bytes; it is split into even pieces of about the target size, the
+    larger of the median and the mean block. Once some block is skewed, every block above
+    ``blockflow.skew.max-piece`` times the target is cut too. When the collection holds more
+    than ``floor`` bytes, runs of neighbouring blocks below ``merge_below`` times the target
+    are merged into pieces of at most the target. Values and order are unchanged. Method:
+    Spark's adaptive skew handling (a partition above 5x the median and a threshold is
+    split); the median over non-empty blocks, the mean as a floor of the target and the
+    merging rule are blockflow heuristics.
 
     Parameters
     ----------
@@ -341,31 +326,25 @@ def split_skewed(collection, *, factor: float | None = None, floor: int | str | 
         objects along dimension ``axis`` (default: the chunked dimension with the most
         blocks), dataframes re-cut by rows.
     factor : float, optional
-        How many times the median a block must exceed to be split; default
-        ``blockflow.skew.factor`` (5).
+        Times the median a block must exceed to be split; default ``blockflow.skew.factor``.
     floor : int or str, optional
-        Bytes (``"64MiB"`` accepted) a block must exceed to be split, and the whole
-        collection to have tiny blocks merged; default ``blockflow.skew.floor`` (64 MiB).
+        Bytes (``"64MiB"`` accepted) a block must exceed to be split, and the collection to
+        have tiny blocks merged; default ``blockflow.skew.floor``.
     merge_below : float, optional
-        Fraction 0-1 of the target size below which a block counts as tiny; 0 merges
-        nothing.
-        Default ``blockflow.skew.merge-below`` (0.25).
+        Fraction 0-1 of the target below which a block is tiny (0: no merging); default
+        ``blockflow.skew.merge-below``.
     axis : int or str, optional
         The axis (arrays) or dimension (xarray) to re-cut.
     lengths : sequence of int or bool, optional
-        Dataframes: the partitions' lengths in rows, if known; ``True`` computes them (one
-        pass over the data). Default: sizes only where they are cheap to know: rows for a
-        dataframe built from pandas, the bytes the scheduler holds for each partition of a
-        persisted one (no task runs; pieces are then cut at the same fractions of their
-        rows); otherwise the dataframe is returned unchanged.
+        Dataframes: the partitions' lengths in rows; ``True`` computes them (one pass).
+        Default: sizes where they are cheap to know (rows of a dataframe built from pandas,
+        the bytes the scheduler holds for a persisted one); otherwise nothing changes.
 
     Returns
     -------
     (collection, BlockResize or None)
         The re-cut collection (the input itself when nothing changes) and the record of the
-        change (None when nothing changes). Dataframes whose partitions were split get
-        unknown divisions (the index values at the split rows are not known without reading
-        them); merging alone keeps known divisions.
+        change. Dataframes whose partitions were split get unknown divisions.
 
     Raises
     ------
@@ -416,8 +395,6 @@ def _check_axis(axis, ndim: int) -> int:
 # -- dataframes ----------------------------------------------------------------------------
 
 def _len_and_bytes(part):
-    import pandas as pd
-
     nbytes = part.memory_usage(deep=True)
     nbytes = int(nbytes.sum()) if hasattr(nbytes, "sum") else int(nbytes)
     return pd.Series([(len(part), nbytes)])
@@ -439,8 +416,6 @@ def _persisted_futures(df) -> list | None:
         return None
     try:
         layer = expr.operand("layer")
-        from distributed import Future
-
         futures = [layer[k] for k in expr.operand("keys")]
     except Exception:
         return None
@@ -503,8 +478,6 @@ def _slice_share(part, lo: int, hi: int, size: int):
 
 
 def _concat_parts(*parts):
-    from dask.dataframe.dispatch import concat
-
     return concat(list(parts))
 
 
@@ -522,10 +495,6 @@ def _spread_persisted(futures, rows: Sequence[int], plan: _Plan) -> list:
     is (no transfer) and then copied, alone, to the next worker in turn: (k-1)/k of a split
     partition moves, once, and each piece's kernel then runs where its piece is. blockflow
     heuristic."""
-    import dask
-    from dask import delayed
-    from distributed import futures_of
-
     client = futures[0].client
     workers = sorted(workers_info(client))
     # One graph for all cuts, copies and merges: the scheduler takes one graph update per
@@ -549,8 +518,6 @@ def _spread_persisted(futures, rows: Sequence[int], plan: _Plan) -> list:
 
 
 def _frame_from_plan(df, rows: Sequence[int], plan: _Plan):
-    from dask import delayed
-
     futures = _persisted_futures(df) if plan.split else None
     if futures is not None:
         new = _spread_persisted(futures, rows, plan)

@@ -15,15 +15,21 @@ It also decides the result dtype, the way NumPy would for the whole input (see
 from __future__ import annotations
 
 import logging
+import inspect
 from typing import Any, Callable
 
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
+from dask.array.optimization import optimize
 from dask.array.utils import meta_from_array
+from dask.base import tokenize
+from dask.core import flatten
+from dask.dataframe.utils import is_dataframe_like, is_series_like, meta_nonempty
 from dask.utils import parse_bytes
 
 from blockflow import config
+from blockflow._distributed.graph import alias_target, renamed_task
 from blockflow.core.kernel import Kernel, check_placement, check_retries
 from blockflow.core.reduction_dtypes import (
     _decomposition,
@@ -304,10 +310,6 @@ def optimize_without_aliases(dsk, keys, **kwargs):
     by the target itself, renamed: one task per block, then the tree. A blockflow heuristic
     on top of :func:`dask.array.optimization.optimize`.
     """
-    from dask.array.optimization import optimize
-
-    from blockflow._distributed.graph import alias_target, renamed_task
-
     dsk = dict(optimize(dsk, keys, **kwargs))
     dependents: dict = {}
     for node in dsk.values():
@@ -327,8 +329,6 @@ def optimize_without_aliases(dsk, keys, **kwargs):
 
 
 def flatten_keys(keys):
-    from dask.core import flatten
-
     return flatten(keys) if isinstance(keys, list) else [keys]
 
 
@@ -358,8 +358,6 @@ class _ReductionStep(Kernel):
 
     def __init__(self, func, stage: str, retries: int = 0, label: str | None = None,
                  placement: dict | None = None):
-        import inspect
-
         super().__init__(func, retries, step=stage, placement=placement)
         self.__wrapped__ = inspect.unwrap(func)  # e.g. np.sum's Python implementation
         self.stage = stage
@@ -383,8 +381,6 @@ class _ReductionStep(Kernel):
         return out
 
     def __dask_tokenize__(self):
-        from dask.base import tokenize
-
         return (type(self).__name__, tokenize(self.func), self.stage, self.retries,
                 str(self.dtype), str(self.cast), repr(self.placement))
 
@@ -468,8 +464,6 @@ class _FrameStep:
         return _Empty(out) if all_empty and self.step.stage == "combine" else out
 
     def _empty(self, part, out, kwargs):
-        from dask.dataframe.utils import is_dataframe_like, is_series_like, meta_nonempty
-
         if is_series_like(out) and is_dataframe_like(part):  # one value per column
             try:
                 sample = self.step.func(meta_nonempty(part), **kwargs)
@@ -483,8 +477,6 @@ class _FrameStep:
         return _Empty(out)
 
     def __dask_tokenize__(self):
-        from dask.base import tokenize
-
         return (type(self).__name__, tokenize(self.step))
 
 
