@@ -293,33 +293,12 @@ def _to_host_frame(frame):
 
 
 def write_parquet(frame, path: str | os.PathLike, *, index: bool | None = None) -> Path:
-    """Write a DataFrame to one Parquet file with pyarrow.
+    """Write a pandas or cuDF DataFrame (copied to the host) to one Parquet file with pyarrow.
 
-    Parameters
-    ----------
-    frame : pandas.DataFrame or cudf.DataFrame
-        The table; cuDF frames are copied to host memory first.
-    path : str or path-like
-        File to write (normally inside the folder yielded by :func:`atomic_output_dir`).
-    index : bool, optional
-        As in :meth:`pandas.DataFrame.to_parquet`: None stores a non-default index as
-        columns and a RangeIndex as metadata only.
-
-    Returns
-    -------
-    pathlib.Path
-        ``path``; inside :func:`atomic_output_dir`, the file's final path under the output
-        folder (where it is once the block has finished), not the temporary one.
-
-    Raises
-    ------
-    TypeError
-        If ``frame`` is not a pandas or cuDF DataFrame.
-    pyarrow.ArrowException
-        If a column cannot be converted to Arrow (e.g. mixed Python objects).
-    OutputWriteError
-        If the file system refuses the write (no space left, read-only, ...); the message
-        names the file and the OS error.
+    ``index`` is as in :meth:`pandas.DataFrame.to_parquet`. Returns ``path`` (inside
+    :func:`atomic_output_dir`, the file's final path). Raises ``TypeError`` for another
+    type, ``pyarrow.ArrowException`` for a column Arrow cannot hold, and
+    :class:`OutputWriteError` (naming the file) when the file system refuses.
     """
     path = Path(path)
     frame = _to_host_frame(frame)
@@ -364,24 +343,8 @@ def _clean_floats(obj: Any) -> Any:
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to the file ``path`` (a model, a CSV a workload serialised itself).
-
-    Parameters
-    ----------
-    path : str or path-like
-    data : bytes
-
-    Returns
-    -------
-    pathlib.Path
-        Where the file is once an enclosing :func:`atomic_output_dir` has finished.
-
-    Raises
-    ------
-    OutputWriteError
-        If the file system refuses (no space, file too large, read-only); the message
-        names the file, and :func:`atomic_output_dir` turns it into one naming the output.
-    """
+    """Write ``data`` (bytes) to the file ``path``; return its final path, as
+    :func:`write_parquet` does, or raise :class:`OutputWriteError` naming the file."""
     path = Path(path)
     try:
         with open(path, "wb") as fh:
@@ -394,27 +357,10 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 def write_manifest(directory: str | os.PathLike, manifest: Mapping[str, Any]) -> Path:
     """Write run metadata to ``<directory>/manifest.json``.
 
-    Parameters
-    ----------
-    directory : str or path-like
-        Folder to write into (normally the one yielded by :func:`atomic_output_dir`).
-    manifest : mapping
-        JSON-serialisable metadata. NumPy scalars and arrays, dates and paths are converted;
-        NaN and infinities are written as ``null`` (strict JSON). A ``created`` key (UTC,
-        ISO 8601) is added when missing.
-
-    Returns
-    -------
-    pathlib.Path
-        The manifest file (inside :func:`atomic_output_dir`, its final path, as for
-        :func:`write_parquet`).
-
-    Raises
-    ------
-    TypeError
-        If a value cannot be represented in JSON.
-    OutputWriteError
-        If the file system refuses the write; the message names the file and the OS error.
+    NumPy scalars and arrays, dates and paths are converted, NaN and infinities written as
+    ``null`` (strict JSON), and a ``created`` key (UTC, ISO 8601) added when missing.
+    Returns the file's final path, as :func:`write_parquet` does. Raises ``TypeError`` for a
+    value JSON cannot hold and :class:`OutputWriteError` when the file system refuses.
     """
     data = dict(manifest)
     data.setdefault("created", _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
@@ -429,27 +375,8 @@ def write_manifest(directory: str | os.PathLike, manifest: Mapping[str, Any]) ->
 
 
 def write_tables(directory: str | os.PathLike, tables: Mapping[str, Any]) -> dict[str, dict]:
-    """Write tables as ``<directory>/<name>.parquet`` (pyarrow, no index).
-
-    Parameters
-    ----------
-    directory : str or path-like
-        Folder to write into (normally the one yielded by :func:`atomic_output_dir`).
-    tables : mapping of str to DataFrame
-        File stem to pandas or cuDF table, e.g. ``{"by_carrier": df}`` ->
-        ``by_carrier.parquet``. Written with ``index=False``: keep keys in columns.
-
-    Returns
-    -------
-    dict of str to dict
-        Per table: ``{"file": "<name>.parquet", "rows": int, "columns": [str, ...]}``, ready
-        for the manifest's ``files`` entry.
-
-    Raises
-    ------
-    OutputWriteError
-        If the file system refuses a write (see :func:`write_parquet`).
-    """
+    """Write ``{name: table}`` as ``<directory>/<name>.parquet`` (pyarrow, no index) and
+    return ``{name: {"file", "rows", "columns"}}`` for the manifest's ``files`` entry."""
     files = {}
     for name, table in tables.items():
         write_parquet(table, Path(directory) / f"{name}.parquet", index=False)
@@ -465,32 +392,9 @@ def write_outputs(
     *,
     overwrite: bool = False,
 ) -> Path:
-    """Write tables as ``<name>.parquet`` plus ``manifest.json`` atomically into ``path``.
-
-    Parameters
-    ----------
-    path : str or path-like
-        Output folder (see :func:`atomic_output_dir`).
-    tables : mapping of str to DataFrame
-        File stem to table (see :func:`write_tables`).
-    manifest : mapping
-        Run metadata; a ``files`` entry (from :func:`write_tables`) is added.
-    overwrite : bool, default False
-        Replace an existing ``path``.
-
-    Returns
-    -------
-    pathlib.Path
-        The absolute output folder.
-
-    Raises
-    ------
-    FileExistsError
-        If ``path`` exists and ``overwrite`` is False; nothing is written.
-    OutputWriteError
-        If the file system refuses the write; nothing is written (see
-        :func:`atomic_output_dir`).
-    """
+    """Write tables as ``<name>.parquet`` plus ``manifest.json`` (with a ``files`` entry)
+    atomically into ``path`` (:func:`atomic_output_dir`); return the absolute folder.
+    Raises ``FileExistsError`` or :class:`OutputWriteError` with nothing written."""
     target = check_output_dir(path, overwrite)
     with atomic_output_dir(target, overwrite=overwrite) as tmp:
         files = write_tables(tmp, tables)
