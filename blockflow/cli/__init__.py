@@ -29,6 +29,8 @@ import warnings
 from typing import Any
 
 import click
+import dask.config
+from dask.utils import format_bytes
 
 from blockflow import config
 from blockflow.cli.options import (
@@ -159,8 +161,6 @@ def array_stats_command(size: str, seed: int, output: str, overwrite: bool, no_p
                         retries: int, **cluster: Any) -> None:
     """Array statistics: per-grid-point moments of a generated gridded field (xarray),
     written as Parquet."""
-    from dask.utils import format_bytes
-
     from blockflow.workloads import array_stats
 
     with _job(output, overwrite, cluster) as client:
@@ -340,8 +340,6 @@ def _echo_task_counts(counts: dict[str, int] | None) -> None:
 @_timeout_option
 def info_command(address: str | None, timeout: float | None) -> None:
     """Print the workers of a running cluster with their threads, memory and GPUs."""
-    import dask.config
-
     address = address or dask.config.get("scheduler-address", None)
     if not address:  # an embedded cluster started here would be gone before it was seen
         raise _OptionError(

@@ -6,6 +6,7 @@ import contextlib
 from typing import Any, Callable
 
 import click
+from dask.utils import parse_timedelta
 
 _GPU_CHOICES = {"auto": "auto", "true": True, "false": False}
 
@@ -61,8 +62,6 @@ class _Duration(click.ParamType):
     name = "duration"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> float:
-        from dask.utils import parse_timedelta
-
         try:
             seconds = parse_timedelta(value)
         except (ValueError, KeyError, TypeError):

@@ -8,15 +8,18 @@ with exit status 130 and one line, or 143.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
 import threading
 import time
+from multiprocessing import resource_tracker
 from typing import Any, Iterator
 
 import click
 
+import blockflow
 from blockflow.cli.options import _GPU_CHOICES, _check_address, _check_cluster_options
 
 _OUTPUT = "blockflow.output"  # ctx.meta: the run's --output, and whether it was written
@@ -28,7 +31,6 @@ def _client(address: str | None, gpu: str | None = None, n_workers: int | None =
             threads_per_worker: int | None = None, policy: str | None = None,
             timeout: float | None = None, announce: bool = True) -> Iterator[Any]:
     """A client with blockflow's plugin; an embedded cluster is shut down afterwards."""
-    import blockflow
     from blockflow.backends import GPUUnavailableError
 
     _check_cluster_options(address, gpu, n_workers, threads_per_worker, timeout)
@@ -73,8 +75,6 @@ def _quiet_shutdown() -> Iterator[None]:
     "Worker process still alive after 4.0 seconds, killing") off the terminal: the cluster
     is being stopped on purpose, and nothing of the job is lost that it still needed. The
     log levels are restored afterwards."""
-    import gc
-
     gc.collect()  # futures held only by reference cycles are released before, not lost
     loggers = [logging.getLogger(name) for name in ("distributed", "distributed.scheduler",
                                                     "distributed.nanny")]
@@ -127,8 +127,6 @@ def _sigint_deferred(enabled: bool = True) -> Iterator[None]:
     # multiprocessing's resource tracker, started on first use, unblocks SIGINT in the
     # thread that starts it (distributed's event loop thread, which then starts the
     # workers): start it now, before the block.
-    from multiprocessing import resource_tracker
-
     resource_tracker.ensure_running()
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
@@ -161,8 +159,6 @@ def _without_dashboard_line(text: str) -> str:
 
 
 def _print_inventory(client) -> None:
-    import blockflow
-
     click.echo(blockflow.inventory(client))
     click.echo("")
 

@@ -24,6 +24,12 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from dask.utils import format_bytes, funcname
+from distributed import Reschedule, get_client, get_worker
+
+from blockflow import _distributed
+from blockflow._distributed import current_worker_resources
+from blockflow.core import speculation as _speculation
+from blockflow.core.speculation import in_backup_copy
 
 from blockflow.errors import (
     BlockKernelError,
@@ -32,6 +38,7 @@ from blockflow.errors import (
     is_device_oom,
     requested_bytes,
 )
+from blockflow.scheduling.view import worker_memory
 
 __all__ = ["Kernel", "check_placement", "check_retries", "device_memory_error",
            "largest_free_device_memory"]
@@ -142,8 +149,6 @@ def _check_worker_resources(label: str, step: str | None, resources: dict) -> No
     """Refuse to run a kernel on a worker that lacks the resources it asked for (a scheduler
     without blockflow's plugin placed it there); anywhere outside a distributed worker (the
     local schedulers) resources mean nothing and the kernel runs."""
-    from blockflow._distributed import current_worker_resources
-
     here = current_worker_resources()
     if here is None:
         return
@@ -244,8 +249,6 @@ class Kernel:
         placement = getattr(self, "placement", None)
         if placement and placement["resources"] and not placement["allow_other_workers"]:
             _check_worker_resources(self.label, self.step, placement["resources"])
-        from blockflow.core import speculation as _speculation
-
         return _speculation.run_kernel(self, lambda: self._attempts(where, args, kwargs),
                                        args, kwargs)
 
@@ -259,8 +262,6 @@ class Kernel:
                 return self.func(*args, **kwargs)
             except Exception as e:
                 if is_device_oom(e) and _fits_on_another_worker(e) and _may_reschedule():
-                    from distributed import Reschedule
-
                     self.logger.info("blockflow kernel %r ran out of device memory on %s; "
                                      "another worker has room: rescheduled", self.label,
                                      where())
@@ -293,9 +294,6 @@ class Kernel:
             Extra attempts allowed in this run, attempts made by the task's earlier runs,
             and attempts in all.
         """
-        from blockflow import _distributed
-        from blockflow.core.speculation import in_backup_copy
-
         if in_backup_copy():
             # a backup copy is one more call beside the task's own attempts: if it fails,
             # the original runs on with its retries
@@ -409,8 +407,6 @@ _reschedules: dict = {}  # task key -> times this worker process rescheduled it
 
 def _current_key():
     try:
-        from distributed import get_worker
-
         return get_worker().get_current_task()
     except Exception:  # not in a task on a worker
         return None
@@ -432,8 +428,6 @@ def _may_reschedule() -> bool:
 
 def _this_worker() -> str | None:
     try:
-        from distributed import get_worker
-
         return get_worker().address
     except Exception:  # not in a task on a worker
         return None
@@ -466,10 +460,6 @@ def largest_free_device_memory(exclude: str | None = None) -> tuple[int | None, 
         when no worker reports device memory or no scheduler is reachable.
     """
     try:
-        from distributed import get_client
-
-        from blockflow.scheduling.view import worker_memory
-
         memory = worker_memory(get_client())
     except Exception as e:  # outside a cluster, or the scheduler is gone: say "unknown"
         logging.getLogger(__name__).info(
