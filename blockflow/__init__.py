@@ -34,7 +34,7 @@ _LAZY = {
     "connect": "blockflow.cluster.connection",
     "dataframe_module": "blockflow.backends",
     "decisions": "blockflow.scheduling.view",
-    "fit_blocks": "blockflow.decompose",
+    "fit_blocks": "blockflow.block_sizing",
     "inventory": "blockflow.cluster.inventory",
     "map_blocks": "blockflow.blockwise",
     "objective": "blockflow.pools.objective",

@@ -1,28 +1,10 @@
 """Grouped tree reductions of dask dataframes: per-group moments and quantiles in one pass.
 
-Both reductions run through :func:`blockflow.tree_reduce`: a ``chunk`` kernel summarises each
-partition per group, ``combine`` merges ``split_every`` partial summaries at a time, and
-``aggregate`` turns the last merge into the result table. Partials are small (one row per
-group, or per group and histogram bin), so the tree's memory does not grow with the data.
-
-* :func:`grouped_moments` keeps ``(n, mean, M2, max)`` per group and column and merges them
-  with the parallel-variance update of Chan, Golub & LeVeque (1979): no step subtracts two
-  large, nearly equal sums of squares, so the standard deviation stays accurate when the
-  mean is large compared with the spread.
-* :func:`grouped_quantiles` keeps a per-group histogram (value counts on a grid of
-  ``bin_width``) and merges by adding counts. The quantiles are then interpolated from the
-  cumulative counts exactly as NumPy's / pandas' default ``"linear"`` method does on the
-  binned values: exact for data on the grid (e.g. whole minutes with ``bin_width=1``), an
-  estimate within ``bin_width / 2`` otherwise (a blockflow heuristic).
-
-Both give what pandas' ``groupby(by, dropna=dropna)`` gives on the whole frame, also for
-empty partitions, groups present in only some partitions and groups whose values are all
-missing (count 0, NaN statistics); when no row is left at all the result is an empty table
-with the documented columns and dtypes (the same as the lazy result's metadata).
-
-Kernels use :func:`blockflow.dataframe_module`-style generic dataframe methods (``groupby``,
-``agg``, ``transform``, ``where``), so partitions may be pandas or cuDF; only the final
-quantile interpolation runs on the host (its input is the small merged histogram).
+Both run through :func:`blockflow.tree_reduce` with small partials (one row per group, or
+per group and histogram bin), so the tree's memory does not grow with the data, and give
+what pandas' ``groupby(by, dropna=dropna)`` gives on the whole frame, empty partitions and
+all-missing groups included. Partitions may be pandas or cuDF; only the final quantile
+interpolation runs on the host.
 """
 
 from __future__ import annotations
@@ -114,19 +96,12 @@ def _moment_columns(columns: Sequence[str]) -> list[str]:
 
 
 def _moments_chunk(part, *, by: list[str], columns: list[str], dropna: bool):
-    """Per-group ``(rows, count, mean, M2, max)`` of one partition (keys as columns).
-
-    Every group with a row in the partition gets a partial, also when all its values are
-    missing (count 0, mean and max NaN, M2 0); an empty partition gives an empty partial with
-    the same columns and dtypes.
-    """
+    """Per-group ``(rows, count, mean, M2, max)`` of one partition (keys as columns); a
+    group whose values are all missing gets count 0, NaN mean and max, M2 0."""
     groups = part.groupby(by, dropna=dropna, sort=False)
     values = groups[columns]
-    # One grouping for all statistics, each its own groupby method: agg([...]) with a list
-    # and then column-by-column inserts cost more in pandas' per-call overhead than the
-    # arithmetic on an 80,000-row partition (profile of benchmarks/flights.py, issue 11).
-    # "var" is the ddof=1 variance, so M2 = var * (count - 1), which is 0 for single-row
-    # groups (var is NaN there).
+    # one grouping, one groupby method per statistic (cheaper than agg([...]) in pandas);
+    # M2 = var(ddof=1) * (count - 1), 0 for single-row groups
     count, mean, var, vmax = values.count(), values.mean(), values.var(), values.max()
     stats = {}
     for c in columns:
@@ -138,13 +113,7 @@ def _moments_chunk(part, *, by: list[str], columns: list[str], dropna: bool):
 
 
 def _merge_moments(partials, *, by: list[str], columns: list[str]):
-    """Merge partial moments of the same groups (:func:`blockflow.core.moments.merge_moments`).
-
-    The rows of one group are its parts: their ``(n_i, mean_i, M2_i)`` merge into
-    ``n = sum n_i``, ``mean = sum n_i mean_i / n`` and
-    ``M2 = sum M2_i + sum n_i (mean_i - mean)**2`` (Chan, Golub & LeVeque 1979). Parts with
-    ``n_i = 0`` carry no weight.
-    """
+    """Merge partial moments of the same groups (:func:`blockflow.core.moments.merge_moments`)."""
     partials = partials.reset_index(drop=True)  # concatenated partials repeat index labels
     group = partials.groupby(by, dropna=False, sort=False).ngroup()
 
@@ -168,10 +137,8 @@ def _merge_moments(partials, *, by: list[str], columns: list[str]):
 
 
 def _finalize_moments(partials, *, by: list[str], columns: list[str], dtypes: dict):
-    """The last merge, turned into ``count, mean, std (ddof=1), max`` per column.
-
-    ``dtypes`` maps each value column to its input dtype: ``max`` keeps it, as in pandas.
-    """
+    """The last merge as ``count, mean, std (ddof=1), max`` per column; ``max`` keeps the
+    input dtype (``dtypes``), as in pandas."""
     merged = _merge_moments(partials, by=by, columns=columns)
     out = merged[by + [ROWS]].copy()
     for c in columns:
@@ -196,10 +163,8 @@ def grouped_moments(
 ) -> dd.DataFrame:
     """Rows, count, mean, standard deviation and maximum of columns per group, by tree reduction.
 
-    One pass over the data: each partition is summarised per group as
-    ``(n, mean, M2, max)`` (``M2`` is the sum of squared deviations from the partial's own
-    mean), and the summaries are merged up a tree of fan-in ``split_every`` with the
-    parallel-variance update of Chan, Golub & LeVeque (1979).
+    Each partition is summarised per group as ``(n, mean, M2, max)`` and the summaries are
+    merged up a tree of fan-in ``split_every`` (see Notes).
 
     Parameters
     ----------
@@ -208,11 +173,10 @@ def grouped_moments(
     by : str or sequence of str
         Group-key column(s).
     columns : str or sequence of str
-        Numeric (integer or float) value columns. Missing values (NaN / NA) are skipped, as
-        in pandas.
+        Numeric (integer or float) value columns; missing values are skipped.
     dropna : bool, default True
-        As pandas' ``groupby(..., dropna=)``: True drops rows whose key (any of the ``by``
-        columns) is missing; False keeps them as groups of their own, sorted last.
+        As pandas' ``groupby(..., dropna=)``: drop rows with a missing key, or keep them as
+        groups of their own, sorted last.
     split_every : int, optional
         Fan-in of the tree (>= 2); default: sized from worker memory by
         :func:`blockflow.tree_reduce`.
@@ -220,25 +184,12 @@ def grouped_moments(
     Returns
     -------
     dask.dataframe.DataFrame
-        Lazy, one partition. One row per group (every key combination that occurs in some
-        partition, also when all its values are missing), sorted by the keys, with the key
-        columns (their input dtypes), ``rows`` (int64, rows in the group) and per value
-        column ``c``: ``c_count`` (int64, non-missing values), ``c_mean`` (float64),
-        ``c_std`` (float64; sample standard deviation, ddof=1, as in pandas) and ``c_max``
-        (the column's dtype), in the column's units. As in pandas, a group with no
-        non-missing value has count 0 and NaN mean, std and max; a group with one value
-        has NaN std. Equal to pandas' ``ddf.compute().groupby(by, dropna=dropna)``
-        ``.agg(["size", "count", "mean", "std", "max"])`` up to float64 rounding of mean
-        and std (pandas gives float32 mean and std for float32 columns; here they are
-        float64).
-
-        Empty table: when no row is left (every partition empty, e.g. after a filter, or
-        every key missing with ``dropna=True``) the result has zero rows and exactly these
-        columns and dtypes, e.g. for ``by="k"`` (string) and an int8 column ``x``:
-        ``k`` string, ``rows`` int64, ``x_count`` int64, ``x_mean`` float64, ``x_std``
-        float64, ``x_max`` int8. Columns of pandas' nullable dtypes (``Int64``,
-        ``Float64``) give pandas' nullable results (``Int64`` counts, ``Float64`` mean and
-        std, missing values as ``<NA>``), as pandas does.
+        Lazy, one partition, one row per group sorted by the keys: the key columns, ``rows``
+        (int64) and per value column ``c``: ``c_count`` (int64), ``c_mean`` (float64),
+        ``c_std`` (float64, ddof=1) and ``c_max`` (the column's dtype). Equal to pandas'
+        ``groupby(by, dropna=dropna).agg(["size", "count", "mean", "std", "max"])`` up to
+        float64 rounding; nullable columns give pandas' nullable results. With no row left,
+        an empty table with these columns and dtypes.
 
     Raises
     ------
@@ -258,12 +209,10 @@ def grouped_moments(
     Notes
     -----
     Method: T. F. Chan, G. H. Golub, R. J. LeVeque, "Updating formulae and a pairwise
-    algorithm for computing sample variances", Stanford CS report STAN-CS-79-773 (1979).
-    Merging parts ``i`` of a group: ``n = sum(n_i)``, ``mean = sum(n_i mean_i) / n``,
-    ``M2 = sum(M2_i) + sum(n_i (mean_i - mean)^2)``; ``std = sqrt(M2 / (n - 1))``.
-    Partial means are float64, so the standard deviation's relative error grows like
-    machine epsilon x ``|mean| / std`` (about 1e-12 for a mean of 1e6 and a spread of 1,
-    where the sum-of-squares formula loses about 5e-5); counts and maxima are exact.
+    algorithm for computing sample variances", STAN-CS-79-773 (1979): ``n = sum(n_i)``,
+    ``mean = sum(n_i mean_i) / n``, ``M2 = sum(M2_i) + sum(n_i (mean_i - mean)^2)``,
+    ``std = sqrt(M2 / (n - 1))``. No step subtracts two large, nearly equal sums, so the
+    relative error of std grows like machine epsilon x ``|mean| / std``.
 
     Examples
     --------
@@ -312,12 +261,8 @@ def _check_quantiles(q: float | Sequence[float], func: str) -> list[float]:
 
 
 def _histogram_chunk(part, *, by: list[str], column: str, bin_width: float, dropna: bool):
-    """Per-group value counts of one partition on the grid ``bin_width * k`` (k integer).
-
-    Every group with a row in the partition gets at least one row, also when all its values
-    are missing: those count 0 (in bin 0), so the group reaches the result with NaN
-    quantiles, as in pandas. An empty partition gives an empty histogram.
-    """
+    """Per-group value counts of one partition on the grid ``bin_width * k`` (k integer); a
+    group whose values are all missing counts 0 in bin 0, so it gets NaN quantiles."""
     x = part[column]
     present = x.notna()
     filled = x.fillna(0)
@@ -426,10 +371,9 @@ def grouped_quantiles(
 ) -> dd.DataFrame:
     """Quantiles of a column per group, from a tree reduction of per-group histograms.
 
-    Each partition is turned into value counts per (group, bin) with bins of width
-    ``bin_width`` centred on multiples of it; partial histograms are merged by adding counts
-    up a tree of fan-in ``split_every``; the quantiles are interpolated from the merged
-    cumulative counts (see :func:`histogram_quantiles`).
+    Each partition becomes value counts per (group, bin) on a grid of ``bin_width``; partial
+    histograms are added up a tree of fan-in ``split_every``, and the quantiles interpolated
+    from the merged counts (:func:`histogram_quantiles`).
 
     Parameters
     ----------
@@ -438,16 +382,14 @@ def grouped_quantiles(
     by : str or sequence of str
         Group-key column(s).
     column : str
-        Numeric (integer or float) value column; missing values are skipped. Values must be
-        finite.
+        Numeric value column with finite values; missing values are skipped.
     q : float or sequence of float, default (0.5, 0.9)
         Quantiles in [0, 1].
     bin_width : float, default 1.0
-        Histogram resolution, in the column's units (> 0). Each value counts as the nearest
-        multiple of ``bin_width`` (ties to even).
+        Histogram resolution, in the column's units (> 0); each value counts as the nearest
+        multiple of it (ties to even).
     dropna : bool, default True
-        As pandas' ``groupby(..., dropna=)``: True drops rows whose key (any of the ``by``
-        columns) is missing; False keeps them as groups of their own, sorted last.
+        As pandas' ``groupby(..., dropna=)``.
     split_every : int, optional
         Fan-in of the tree (>= 2); default: sized from worker memory by
         :func:`blockflow.tree_reduce`.
@@ -455,16 +397,10 @@ def grouped_quantiles(
     Returns
     -------
     dask.dataframe.DataFrame
-        Lazy, one partition. One row per group (every key combination that occurs in some
-        partition), sorted by the keys: the key columns (their input dtypes) and
-        ``<column>_p<100 q>`` (float64) per quantile, e.g. ``arr_delay_p50``,
-        ``arr_delay_p90``. As in pandas' ``groupby(by, dropna=dropna)[column].quantile(q)``,
-        a group whose values are all missing has NaN quantiles (float64 NaN also for
-        nullable columns, where pandas gives ``Float64`` ``<NA>``).
-
-        Empty table: when no row is left (every partition empty, e.g. after a filter, or
-        every key missing with ``dropna=True``) the result has zero rows and exactly these
-        columns: the key columns (input dtypes) and one float64 column per quantile.
+        Lazy, one partition, one row per group sorted by the keys: the key columns and
+        ``<column>_p<100 q>`` (float64) per quantile, e.g. ``arr_delay_p50``. A group whose
+        values are all missing has NaN quantiles. With no row left, an empty table with
+        these columns.
 
     Raises
     ------
@@ -475,7 +411,7 @@ def grouped_quantiles(
         If a column is missing.
     ValueError
         If a quantile is outside [0, 1], ``bin_width`` is not a finite positive number, or
-        ``split_every < 2``; at compute time (as the cause of a
+        ``split_every < 2``; at compute time (the cause of a
         :class:`~blockflow.BlockKernelError`) if the column holds an infinite value.
 
     See Also
@@ -484,13 +420,10 @@ def grouped_quantiles(
 
     Notes
     -----
-    Method: a blockflow heuristic. When every value is a multiple of ``bin_width`` (e.g.
-    delays in whole minutes with ``bin_width=1``) the result is EXACT: it equals pandas'
-    ``groupby(...).quantile(q)`` and ``numpy.quantile`` (``"linear"`` interpolation), because
-    the histogram then holds every value with its multiplicity. For other data it is the
-    exact quantile of the values rounded to the grid, so it is within ``bin_width / 2`` of
-    the true quantile. Memory per partial is one row per distinct (group, bin): choose
-    ``bin_width`` so that ``range / bin_width`` stays moderate.
+    Method: blockflow heuristic. Exact (equal to pandas' and ``numpy.quantile``'s
+    ``"linear"``) when every value is a multiple of ``bin_width``, e.g. whole minutes with
+    ``bin_width=1``; otherwise within ``bin_width / 2``. A partial holds one row per
+    distinct (group, bin).
 
     Examples
     --------

@@ -100,36 +100,16 @@ def _register_cudf():
 
 
 def array_module(block: Any) -> types.ModuleType:
-    """The array module (``numpy`` or ``cupy``) that handles ``block``.
-
-    Parameters
-    ----------
-    block : numpy.ndarray, cupy.ndarray or scalar
-        One block of a dask array. Python scalars and lists map to NumPy.
-
-    Returns
-    -------
-    module
-        ``numpy`` or ``cupy``; CuPy is imported only if ``block`` is a CuPy array.
-    """
+    """The array module (``numpy`` or ``cupy``) that handles ``block`` (a block of a dask
+    array; Python scalars and lists map to NumPy). CuPy is imported only for CuPy arrays."""
     if isinstance(block, (int, float, complex, bool, list, tuple)):
         return np
     return _array_module(block)
 
 
 def dataframe_module(block: Any) -> types.ModuleType:
-    """The dataframe module (``pandas`` or ``cudf``) that handles ``block``.
-
-    Parameters
-    ----------
-    block : pandas or cudf DataFrame, Series or Index
-        One partition of a dask dataframe.
-
-    Returns
-    -------
-    module
-        ``pandas`` or ``cudf``; cuDF is imported only if ``block`` is a cuDF object.
-    """
+    """The dataframe module (``pandas`` or ``cudf``) that handles ``block`` (a partition of
+    a dask dataframe). cuDF is imported only for cuDF objects."""
     return _dataframe_module(block)
 
 
@@ -243,22 +223,7 @@ def to_device(collection):
 
 
 def to_host(collection):
-    """Move a Dask collection's blocks to host memory (CuPy -> NumPy, cuDF -> pandas).
-
-    The inverse of :func:`to_device`; host blocks pass through unchanged, so this is safe to
-    call on any collection.
-
-    Parameters
-    ----------
-    collection : dask.array.Array, dask.dataframe.DataFrame or Series, xarray.DataArray or Dataset
-
-    Returns
-    -------
-    Same type as ``collection``, with NumPy / pandas blocks.
-
-    Raises
-    ------
-    TypeError
-        If ``collection`` is not a Dask collection.
-    """
+    """Move a Dask collection's blocks to host memory (CuPy -> NumPy, cuDF -> pandas), lazily;
+    the inverse of :func:`to_device`. Host blocks pass through unchanged. Raises
+    ``TypeError`` if ``collection`` is not a Dask collection."""
     return _move(collection, "host")

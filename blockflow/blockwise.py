@@ -11,7 +11,7 @@ shape; a partition's type, columns and dtypes), so a wrong block fails in its ta
 
 from __future__ import annotations
 
-import inspect
+import itertools
 import logging
 import math
 import warnings
@@ -20,25 +20,26 @@ from typing import Any, Callable
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
-import pandas as pd
-from dask.utils import (
-    funcname,
-    is_arraylike,
-    is_dataframe_like,
-    is_index_like,
-    is_series_like,
-)
+from dask.utils import funcname, parse_bytes
+from distributed import default_client
 
-from blockflow import decompose
-from blockflow.core.kernel import Kernel, check_placement, check_retries
-from blockflow.scheduling.actions import KERNEL_PREFIX  # the scheduling vocabulary's name
+from blockflow import block_sizing
+from blockflow.block_kernels import (
+    _ArrayKernel,
+    _ArrayKernelWithInfo,
+    _PartitionKernel,
+    _wants,
+    _XarrayKernel,
+)
+from blockflow.core.kernel import check_placement, check_retries
 from blockflow.errors import (
     BlockflowWarning,
-    BlockKernelError,
     EmptyCollectionError,
     describe,
     not_a_collection,
 )
+from blockflow.scheduling.actions import KERNEL_PREFIX  # the scheduling vocabulary's name
+from blockflow.scheduling.view import worker_memory
 
 __all__ = ["KERNEL_PREFIX", "check_retries", "kernel_name", "map_blocks", "validate_array"]
 
@@ -50,269 +51,6 @@ def kernel_name(kernel: Callable, name: str | None = None) -> str:
     base = name or funcname(kernel)
     base = base.replace("_", "-").strip("-").lower() or "kernel"
     return base if base.startswith(KERNEL_PREFIX) else KERNEL_PREFIX + base
-
-
-def _wants(func: Callable, keyword: str) -> bool:
-    try:
-        params = inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return False
-    return keyword in params
-
-
-class _Kernel(Kernel):
-    """A blockwise kernel as its tasks run it (see :class:`blockflow.core.kernel.Kernel`), named
-    so that its tasks start with ``blockflow-``."""
-
-    logger = logger
-
-    def __init__(self, kernel: Callable, name: str, retries: int = 0, working_set=None,
-                 placement=None):
-        super().__init__(kernel, retries, working_set=working_set, placement=placement)
-        self.__name__ = name  # dask.utils.funcname -> task names start with "blockflow-"
-
-    def __repr__(self) -> str:
-        return f"<blockflow kernel {self.label}>"
-
-
-class _ArrayKernel(_Kernel):
-    def __init__(self, kernel, name, *, dtype=None, ndim=None, retries=0, working_set=None,
-                 placement=None):
-        super().__init__(kernel, name, retries, working_set, placement)
-        self.pass_block_id = _wants(kernel, "block_id")
-        self.dtype = np.dtype(dtype) if dtype is not None else None
-        self.ndim = ndim
-        # Set after the output collection is built (before any task runs) so each block's
-        # result can be checked against the chunk shape Dask expects.
-        self.expected_chunks: tuple[tuple[int, ...], ...] | None = None
-
-    def __call__(self, *blocks, block_id=None, **kwargs):
-        if self.pass_block_id:
-            kwargs["block_id"] = block_id
-        if block_id is None:  # metadata inference on empty blocks: let Dask handle errors
-            out = self.func(*blocks, **kwargs)
-            # A non-array (None, a list) would become the output's meta and break it while
-            # the graph is built; without it Dask falls back to dtype=, and the first block
-            # that runs says what is wrong (see _check).
-            return out if _is_array(out) else None
-        out = self.run(lambda: f"block {tuple(block_id)}", *blocks, **kwargs)
-        self._check(out, block_id)
-        return out
-
-    def _check(self, out, block_id):
-        where = f"block {tuple(block_id)}"
-        if not _is_array(out):
-            raise BlockKernelError(
-                f"blockflow kernel {self.label!r} returned a {_type_name(out)} for {where}, not "
-                f"an array; return one array per block from the kernel (a NumPy or CuPy array: "
-                f"wrap scalars and lists with np.asarray, or cupy.asarray on GPU)."
-            )
-        shape = out.shape
-        if self.ndim is not None and len(shape) != self.ndim:
-            raise BlockKernelError(
-                f"blockflow kernel {self.label!r} returned a {len(shape)}-d block for {where}, "
-                f"but the output is declared {self.ndim}-d; pass chunks=/drop_axis=/new_axis= "
-                f"to map_blocks to declare the shape it returns."
-            )
-        if self.dtype is not None and getattr(out, "dtype", self.dtype) != self.dtype:
-            raise BlockKernelError(
-                f"blockflow kernel {self.label!r} returned dtype {out.dtype} for {where}, but "
-                f"the output is declared {self.dtype}; cast inside the kernel or pass "
-                f"dtype={out.dtype}/meta= to map_blocks."
-            )
-        if self.expected_chunks is not None and len(block_id) == len(self.expected_chunks):
-            expected = tuple(c[i] for c, i in zip(self.expected_chunks, block_id))
-            if tuple(shape) != expected:
-                raise BlockKernelError(
-                    f"blockflow kernel {self.label!r} returned shape {tuple(shape)} for {where}, "
-                    f"but Dask expects {expected} from the output chunks; pass chunks= to "
-                    f"map_blocks to declare the block shapes it returns."
-                )
-
-
-class _ArrayKernelWithInfo(_ArrayKernel):
-    def __call__(self, *blocks, block_id=None, block_info=None, **kwargs):
-        return super().__call__(*blocks, block_id=block_id, block_info=block_info, **kwargs)
-
-
-def _is_array(out) -> bool:
-    """Whether a kernel's result is an array block: a duck array (NumPy, CuPy, sparse) or a
-    NumPy scalar (0-d blocks), but not None, a list or a Python scalar."""
-    return is_arraylike(out) or all(hasattr(out, a) for a in ("shape", "dtype", "ndim"))
-
-
-def _type_name(obj) -> str:
-    """``NoneType``, ``list``, ``pandas.Series``: the type of a result, for error messages."""
-    t = type(obj)
-    return t.__name__ if t.__module__ == "builtins" else describe(obj)
-
-
-class _PartitionKernel(_Kernel):
-    def __init__(self, kernel, name, retries=0, working_set=None, placement=None):
-        super().__init__(kernel, name, retries, working_set, placement)
-        self.pass_info = _wants(kernel, "partition_info")
-        # Set after the output collection is built (before any task runs) so each
-        # partition's result can be checked against the output's meta; dtypes only when the
-        # caller declared it (meta=): Dask's inferred meta is sometimes wrong about them.
-        self.meta = None
-        self.check_dtypes = False
-
-    def __call__(self, *parts, partition_info=None, **kwargs):
-        if self.pass_info:
-            kwargs["partition_info"] = partition_info
-        if partition_info is None:  # metadata emulation on sample partitions
-            return self.func(*parts, **kwargs)
-        where = f"partition {partition_info['number']}"
-        out = self.run(lambda: where, *parts, **kwargs)
-        if self.meta is not None:
-            _check_partition(self.label, where, out, self.meta, self.check_dtypes)
-        return out
-
-
-def _frame_kind(obj) -> str | None:
-    """``"DataFrame"``, ``"Series"`` or ``"Index"`` for pandas and cuDF objects alike."""
-    if is_dataframe_like(obj):
-        return "DataFrame"
-    if is_series_like(obj):
-        return "Series"
-    if is_index_like(obj):
-        return "Index"
-    return None
-
-
-def _check_partition(label: str, where: str, out, meta, check_dtypes: bool = True) -> None:
-    """Check a partition a kernel returned against the output's meta: its type, column names
-    and order, and (``check_dtypes``) dtypes. Reads metadata only (no data is copied).
-
-    As in Dask (``apply_and_enforce``), any object but None is fine for a Series output (a
-    scalar, a tuple: it becomes one row) and an empty result is replaced by the meta, so
-    neither is checked further. Dtypes are checked only against a declared ``meta=``: Dask's
-    inferred meta can be wrong about them (after ``dd.to_datetime`` or a left merge, say),
-    and a kernel that changes nothing must not fail for it.
-    """
-    want = _frame_kind(meta)
-    if want is None:  # the output is not a frame (e.g. arrays): Dask takes what comes
-        return
-    got = _frame_kind(out)
-    if got is None and want == "Series" and out is not None:
-        return
-    declared = f"a DataFrame with columns {_names(meta.columns)}" if want == "DataFrame" \
-        else f"a{'n' if want == 'Index' else ''} {want} of dtype {meta.dtype}"
-    if got != want:
-        raise BlockKernelError(
-            f"blockflow kernel {label!r} returned a {_type_name(out)} for {where}, but the "
-            f"output is declared {declared}; return a{'n' if want == 'Index' else ''} {want} "
-            f"from the kernel, or pass meta= to map_blocks to declare what it returns."
-        )
-    if not len(out):
-        return
-    if want == "DataFrame":
-        _check_columns(label, where, out, meta)
-    if not check_dtypes:
-        return
-    if want == "DataFrame":
-        diffs = [(c, g, w) for c, g, w in zip(meta.columns, out.dtypes, meta.dtypes)
-                 if not _same_dtype(g, w)]
-        if diffs:
-            listed = ", ".join(f"column {c!r} is {g} but declared {w}" for c, g, w in diffs)
-            casts = ", ".join(f"{c!r}: {str(w)!r}" for c, _, w in diffs)
-            raise BlockKernelError(
-                f"blockflow kernel {label!r} returned dtypes for {where} that differ from the "
-                f"output's meta: {listed}; cast inside the kernel (e.g. "
-                f"part.astype({{{casts}}})) or pass meta= to map_blocks with the dtypes it "
-                f"returns."
-            )
-    elif not _same_dtype(out.dtype, meta.dtype):
-        raise BlockKernelError(
-            f"blockflow kernel {label!r} returned a {got} of dtype {out.dtype} for {where}, "
-            f"but the output is declared {meta.dtype}; cast inside the kernel (e.g. "
-            f"part.astype({str(meta.dtype)!r})) or pass meta= to map_blocks with the dtype it "
-            f"returns."
-        )
-
-
-def _check_columns(label: str, where: str, out, meta) -> None:
-    got, want = list(out.columns), list(meta.columns)
-    if got == want:
-        return
-    missing = [c for c in want if c not in got]
-    extra = [c for c in got if c not in want]
-    if missing or extra:
-        detail = ", ".join(part for part in (
-            f"missing {_names(missing)}" if missing else "",
-            f"unexpected {_names(extra)}" if extra else "") if part)
-        fix = "return those columns from the kernel"
-    else:
-        detail = "the same columns in another order"
-        fix = "select them in the declared order inside the kernel (part[columns])"
-    raise BlockKernelError(
-        f"blockflow kernel {label!r} returned columns {_names(got)} for {where}, but the "
-        f"output is declared with columns {_names(want)} ({detail}); {fix}, or pass meta= "
-        f"to map_blocks to declare the columns it returns."
-    )
-
-
-def _names(names, limit: int = 10) -> str:
-    """``['a', 'b']``, shortened to the first ``limit`` names for wide frames."""
-    names = list(names)
-    if len(names) <= limit:
-        return repr(names)
-    return repr(names[:limit])[:-1] + f", ... ({len(names) - limit} more)]"
-
-
-def _same_dtype(got, want) -> bool:
-    """Exact dtype equality, except for differences that pandas and Dask bring about:
-    categoricals match whatever their categories (they differ per partition; Dask's meta may
-    hold unknown categories); object and pandas' string dtypes match each other (Dask
-    converts object columns to strings, ``dataframe.convert-string``, so a meta built from a
-    pandas frame can differ from the partitions in that only); and datetimes and timedeltas
-    match whatever their unit (pandas 3 infers ``us`` or ``s`` where older code and metas
-    say ``ns``), though not across time zones."""
-    try:
-        if got == want:
-            return True
-    except TypeError:
-        pass
-    got_cat, want_cat = (getattr(d, "name", None) == "category" for d in (got, want))
-    if got_cat or want_cat:
-        return got_cat and want_cat
-    if _is_text(got) and _is_text(want):
-        return True
-    return _time_kind(got) is not None and _time_kind(got) == _time_kind(want)
-
-
-def _time_kind(dtype) -> tuple | None:
-    """``("M", tz)`` for datetimes, ``("m", None)`` for timedeltas, whatever the unit."""
-    tz = getattr(dtype, "tz", None)
-    if tz is not None:
-        return ("M", str(tz))
-    kind = getattr(dtype, "kind", None)
-    return (kind, None) if kind in ("M", "m") else None
-
-
-def _is_text(dtype) -> bool:
-    try:
-        return (pd.api.types.is_object_dtype(dtype) or isinstance(dtype, pd.StringDtype)
-                or (isinstance(dtype, pd.ArrowDtype) and pd.api.types.is_string_dtype(dtype)))
-    except TypeError:
-        return False
-
-
-class _XarrayKernel(_Kernel):
-    def __call__(self, *objs, **kwargs):
-        return self.run(lambda: f"the block at {_xarray_block_label(objs[0])}", *objs,
-                         **kwargs)
-
-
-def _xarray_block_label(obj) -> str:
-    parts = []
-    for dim in obj.dims:
-        if dim in obj.indexes and obj.sizes[dim]:
-            idx = obj.indexes[dim]
-            parts.append(f"{dim}={idx[0]}..{idx[-1]}")
-        else:
-            parts.append(f"{dim}[{obj.sizes[dim]}]")
-    return "{" + ", ".join(parts) + "}"
 
 
 def validate_array(x: da.Array, func: str, position: str = "argument 0") -> None:
@@ -372,187 +110,98 @@ def map_blocks(
     """Run ``kernel`` on every block of one or more Dask collections, lazily.
 
     The same kernel runs on NumPy/pandas blocks on CPU workers and on CuPy/cuDF blocks on GPU
-    workers: find the right module inside the kernel with
-    :func:`blockflow.backends.array_module` / :func:`~blockflow.backends.dataframe_module`.
+    workers (find the module with :func:`blockflow.backends.array_module` /
+    :func:`~blockflow.backends.dataframe_module`). A thin layer over
+    :func:`dask.array.map_blocks`, ``map_partitions`` and :func:`xarray.map_blocks`.
 
     Parameters
     ----------
     kernel : callable
-        ``kernel(*blocks, **kwargs) -> block``. Array kernels may take ``block_id`` (tuple of
-        block indices) or ``block_info``; dataframe kernels may take ``partition_info``
-        (``{"number": int, "division": object}``), as in Dask.
+        ``kernel(*blocks, **kwargs) -> block``. Array kernels may take ``block_id`` or
+        ``block_info``; dataframe kernels ``partition_info``, as in Dask.
     *collections : dask.array.Array, dask.dataframe.DataFrame/Series, or xarray object
-        The inputs, all of one kind, whose blocks pair up one to one. Arrays: axes align
-        from the right, as in NumPy broadcasting; an axis of length 1 broadcasts, every
-        other axis must have identical chunks in every array that has it. Dataframes: the
-        same number of partitions. Xarray objects (DataArray or Dataset): each argument after
-        the first must be chunked like argument 0 along the dimensions they share, and be in
-        one block along any dimension argument 0 lacks (:func:`xarray.map_blocks` would
-        otherwise hand each call just one of those blocks); their indexes are aligned
-        exactly by :func:`xarray.map_blocks`.
+        Inputs of one kind whose blocks pair up one to one. Arrays: axes align from the
+        right; an axis of length 1 broadcasts, every other axis has identical chunks in every
+        array that has it. Dataframes: the same number of partitions. Xarray: each argument
+        after the first is chunked like argument 0 along shared dimensions and in one block
+        along the others.
     name : str, optional
-        Task-name prefix; default ``blockflow-<kernel name>``. Always starts with
+        Task-name prefix; default ``blockflow-<kernel name>``; always starts with
         ``blockflow-`` so the scheduler plugin recognises the tasks.
     dtype, meta, chunks, drop_axis, new_axis : optional
-        Arrays: as in :func:`dask.array.map_blocks`, except that the kernel always runs once
-        per block. ``drop_axis`` (an int or a sequence of ints; negative axes count from the
-        end of the input's axes) may only drop axes that are in one block in every input:
-        where Dask would concatenate the blocks along a dropped axis into one call,
-        blockflow refuses, and says to rechunk that axis to one block
-        (``x.rechunk({0: -1})``) or to reduce along it with :func:`blockflow.tree_reduce`
-        (there is no per-block meaning of dropping an axis that would not change what the
-        kernel computes). ``new_axis`` (an int or a sequence of ints; negative axes count
-        from the end of the output's axes) adds axes of one block each: their length is 1
-        unless ``chunks`` gives it, and ``chunks`` may not split a new axis into several
-        blocks (the kernel would run once per block of the new axis on the same input
-        block). Every block must be an array (NumPy or
-        CuPy; a NumPy scalar for 0-d output); when given, its dtype, ndim and shape are
-        checked against them at run time. ``meta`` also applies to dataframes (as in
-        ``map_partitions``): every partition is checked against the output's meta, declared
-        or inferred from a sample, at run time: its type (DataFrame, Series or Index; any
-        object but None is fine for a Series, as in Dask) and its column names and order.
-        Its dtypes are checked only against a declared ``meta=`` (Dask's inferred meta can
-        be wrong about them), exactly except that categoricals match whatever their
-        categories, object and pandas' string dtypes match each other, and datetimes and
-        timedeltas match whatever their unit. Empty partitions are not checked: Dask
-        replaces them with the meta.
+        Arrays: as in :func:`dask.array.map_blocks`, but the kernel runs once per block:
+        ``drop_axis`` may only drop axes in one block in every input, and ``chunks`` may not
+        split a new axis. Each block returned is checked at run time against the declared
+        dtype, ndim and shape. ``meta`` also applies to dataframes: each partition's type and
+        columns are checked against the output's meta, and its dtypes against a declared
+        ``meta=`` (categoricals whatever their categories, object and string alike,
+        datetimes whatever their unit). Empty partitions are not checked.
     template : xarray object, optional
-        Xarray: the output template, as in :func:`xarray.map_blocks`. Output declarations
-        that do not apply to the inputs' kind (``template`` for arrays, ``dtype``/``chunks``
-        for dataframes or xarray objects, ...) are refused rather than ignored.
+        Xarray: the output template, as in :func:`xarray.map_blocks`. Declarations that do
+        not apply to the inputs' kind are refused, not ignored.
     working_set : int, str or callable, optional
-        Device memory the kernel needs for one block, in bytes (``"2GiB"`` accepted), or a
-        callable ``working_set(nbytes) -> bytes`` of the block's size in bytes (arrays only:
-        argument 0's block, known from its chunks). With it, blockflow's ``dynamic`` policy
-        places each block only on workers whose free device memory holds it, and a block
-        that runs out of device memory while another worker has room is rescheduled
-        (:class:`distributed.Reschedule`) instead of failing;
-        :class:`~blockflow.DeviceMemoryError` is raised only when it fits nowhere. Default:
-        nothing declared (blocks go where the scheduler puts them). On a cluster without
-        GPU workers it is not applied, and a ``BlockflowWarning`` says so (host memory is
-        managed by the workers' ``memory_limit`` and spilling).
+        Device memory, in bytes, the kernel needs for one block (``"2GiB"`` accepted), or
+        ``working_set(block nbytes) -> bytes`` (arrays only). The ``dynamic`` policy then
+        places each block only where it fits, and a block that runs out of device memory
+        while another worker has room is rescheduled. Not applied, with a
+        ``BlockflowWarning``, on a cluster without GPU workers.
     retries : int, optional
-        Extra attempts of a block whose kernel raises (default 0): as everywhere in blockflow,
-        the task is run up to ``retries`` more times before it fails. Here the attempts run
-        in place, inside the task on the same worker (see Notes), and only the kernel is
-        retried. For flaky kernels (a network read, a transient device error). Retrying
-        tasks whose *worker* died is distributed's job
-        (``distributed.scheduler.allowed-failures``); to have the scheduler retry every task
-        of a graph, on any worker, pass ``retries=`` to ``client.compute``/``persist``, as
-        blockflow's workloads do. Given both, the two combine to the larger, never the
-        product: ``map_blocks(..., retries=2)`` computed with ``client.compute(y,
-        retries=2)`` attempts a failing block 3 times in all (``1 + max(2, 2)``), with
-        ``retries=3`` and ``client.compute(y, retries=1)`` 4 times, the first run of the
-        task making the attempts only ``map_blocks`` asked for and each rerun one.
+        Extra attempts, in place inside the task, of a block whose kernel raises (default
+        0). With distributed's task retries (``client.compute(..., retries=d)``) a block is
+        attempted ``1 + max(retries, d)`` times in all.
     resources : dict of str to float, optional
-        Worker resources each block's task needs while it runs, e.g. ``{"GPU": 1}``: only
-        workers that declare them run the kernel (``dask worker --resources GPU=1``; the
-        workers :func:`blockflow.connect` starts on GPUs declare ``GPU=1`` per device), and a
-        worker runs at most as many such tasks at once as it has. Unlike
-        ``dask.annotate(resources=...)``, which Dask's graph optimisation drops, this survives
-        optimisation: blockflow's scheduler plugin finds the kernel in each task, including
-        tasks into which Dask fused it (a block's producer, or the first step of a reduction
-        of the result, then run with it on such a worker). A task whose resources no worker
-        has fails after ``blockflow.resources.unsatisfiable-timeout``
-        (:class:`~blockflow.ResourceError`) instead of waiting forever. Needs blockflow's
-        scheduler plugin (:func:`blockflow.connect`); on a scheduler without it, a kernel
-        that lands on a worker without the resources raises
-        :class:`~blockflow.ResourceError` rather than run there.
+        Worker resources each block's task needs, e.g. ``{"GPU": 1}``. Unlike
+        ``dask.annotate(resources=...)`` it survives graph optimisation (the scheduler
+        plugin finds the kernel in fused tasks). A task whose resources no worker has fails
+        after ``blockflow.resources.unsatisfiable-timeout`` with
+        :class:`~blockflow.ResourceError`.
     workers : str or list of str, optional
-        Worker addresses, names or host names that may run the kernel's tasks (distributed's
-        ``workers=``), applied like ``resources``.
+        Workers that may run the kernel's tasks (distributed's ``workers=``).
     allow_other_workers : bool, optional
-        With ``workers``: other workers may run the tasks when those cannot (distributed's
-        ``allow_other_workers=``).
+        With ``workers``: others may run the tasks when those cannot.
     speculative : bool, optional
-        Whether a straggling block (its task still running on a slow or throttled device
-        when a fast device is idle) may get a *backup copy* on another worker, the first
-        result winning (default True, with ``blockflow.speculation.enabled``; see
-        :class:`blockflow.scheduling.rules.BackupRule`). By default, then, the kernel may run
-        twice on one block, both calls to the end unless the kernel polls
-        :func:`blockflow.core.speculation.cancelled`: it must be idempotent (the same block
-        in gives the same result, with no side effect that matters twice). Pass False for
-        kernels that write files, call services or draw random numbers unseeded, and for
-        kernels that call ``secede()`` or ``worker_client()``: their blocks never get a
-        copy. A backup copy is one attempt, whatever ``retries``.
+        Whether a straggling block may get a backup copy on another worker, the first result
+        winning (default True, with ``blockflow.speculation.enabled``). The kernel must then
+        be idempotent; pass False for kernels with side effects, unseeded randomness, or that
+        call ``secede()``/``worker_client()``.
     **kwargs
-        Passed to ``kernel`` unchanged, not split into blocks: a Dask array or dataframe
-        given here reaches every call whole (computed), as in Dask (xarray refuses Dask
-        collections here). Pass inputs positionally to have them split like the others.
+        Passed to ``kernel`` whole, not split into blocks.
 
     Returns
     -------
     dask.array.Array, dask.dataframe.DataFrame/Series, or xarray object
-        Lazy result with one block per input block: the kernel runs exactly once per block
-        (per block of the broadcast inputs for arrays; per block of argument 0 for xarray).
-        The blocks are those after skew handling and device-memory fitting (see Notes):
-        when those re-cut the inputs, the output's chunks follow the new blocks.
+        Lazy result with one block per input block, after any re-cut (see Notes).
 
     Raises
     ------
     TypeError
-        If an input is not a Dask collection (e.g. a NumPy array or pandas frame: the message
-        says how to wrap it), inputs are of different kinds (e.g. an xarray object and a
-        Dask array), an output declaration does not apply to the inputs' kind, or
-        ``drop_axis``/``new_axis`` is not an int or a sequence of ints.
+        If an input is not a Dask collection, inputs are of different kinds, a declaration
+        does not apply to the inputs' kind, or ``drop_axis``/``new_axis`` is not an int or
+        a sequence of ints.
     ValueError
-        If array chunk sizes are unknown (NaN); chunks / partition counts of the inputs
-        differ (the message names the inputs, the axis or dimension, both chunkings and the
-        fix: ``"blockflow.map_blocks: arguments 0 and 1 have different chunks along axis 0:
-        (2, 1) vs (3,); rechunk one to match, e.g. y = y.rechunk(x.chunks)."``, or for
-        xarray ``"... along dimension 'x': (2, 2, 2) vs (3, 3); chunk one to match, e.g.
-        y = y.chunk({'x': (2, 2, 2)})."``); ``drop_axis`` drops an axis split into several
-        blocks; ``chunks`` splits a new axis into several blocks; an axis is out of range
-        or given twice; ``retries`` is not an int >= 0; a resource amount is not > 0;
-        ``workers`` is empty; or ``allow_other_workers=True`` comes without ``workers``.
+        If chunk sizes are unknown, inputs' chunks or partition counts differ (the message
+        names both and the rechunk that fixes it), ``drop_axis`` drops a split axis,
+        ``chunks`` splits a new axis, an axis is out of range or repeated, ``retries`` is not
+        an int >= 0, a resource amount is not > 0, ``workers`` is empty, or
+        ``allow_other_workers=True`` comes without ``workers``.
     EmptyCollectionError
         If an input array has no elements.
     BlockKernelError
-        At compute time, if the kernel raises on a block (on its last attempt): the message
-        names the kernel, the block, the number of attempts and the original exception.
-        Also at compute time, if the kernel returns something other than declared: an array
-        kernel a non-array (``None``, a list, a Python scalar: ``"blockflow kernel 'f'
-        returned a NoneType for block (0, 0), not an array; ..."``) or an array of another
-        dtype, ndim or shape; a dataframe kernel a partition of another type, other columns
-        or column order than the output's meta, or, when ``meta=`` was given, other dtypes
-        (datetimes match whatever their unit; Dask's inferred meta is not trusted for
-        dtypes). The message names the kernel, the block or partition, what differs, and
-        how to fix it.
+        At compute time, if the kernel raises on a block on its last attempt, or returns
+        something other than declared; the message names the kernel, the block and the fix.
     DeviceMemoryError
-        At compute time, if the kernel runs out of device memory on a block (CuPy's or RMM's
-        out-of-memory error, or a simulated device's): the message names the block, the
-        bytes it asked for and the largest free device memory of any worker. A subclass of
-        :class:`BlockKernelError`.
+        At compute time, if the kernel runs out of device memory on a block and no worker
+        has room (a subclass of :class:`BlockKernelError`).
 
     Notes
     -----
-    Before the stage, blocks may be re-cut (:mod:`blockflow.decompose`, each change logged
-    on the ``blockflow.decompose`` logger and shown by :func:`blockflow.run_report`):
-
-    - Skew (``blockflow.skew.enabled``, default on): blocks more than
-      ``blockflow.skew.factor`` (5) times the median block and above
-      ``blockflow.skew.floor`` (64 MiB) are split (and then every block above
-      ``blockflow.skew.max-piece`` (1.25) times the target piece), runs of tiny neighbouring
-      blocks merged,
-      along one axis (arrays: the axis with the most blocks, never a dropped one; xarray:
-      argument 0's chunked dimension with the most blocks; dataframes: rows, for a single
-      dataframe whose partition sizes are cheap to know: rows of one built from pandas,
-      bytes held of a persisted one - never an extra pass over the data). Not with
-      ``chunks=``/``template=``.
-    - Device memory (``blockflow.blocks.fit-device-memory: auto``): with ``working_set=`` on
-      a cluster with GPU workers, blocks are split so that block + working set fits the
-      smallest free device memory x (1 - ``blockflow.blocks.safety``); blocks that fit, or
-      that no split can make fit, are left alone. Not with ``chunks=``/``template=``.
-
-    Block indices (``block_id``, ``partition_info``) are then those of the new blocks.
-
-    Retries run inside the task rather than as Dask task annotations
-    (``dask.annotate(retries=...)``): Dask's graph optimisation (linear fusion of array
-    tasks, dask-expr's lowering of dataframes) drops layer annotations, so they would not
-    reach the scheduler reliably. When the task does carry distributed's retries
-    (``client.compute(retries=d)``, or an annotation that survived), a block is attempted
-    ``1 + max(retries, d)`` times in all (the kernel asks the scheduler which run of the task
-    it is in; when the scheduler cannot answer, it makes no extra attempt in that run).
+    Before the stage, blocks may be re-cut along one axis (:mod:`blockflow.decompose`,
+    :mod:`blockflow.block_sizing`; logged on ``blockflow.decompose`` and shown by
+    :func:`blockflow.run_report`), not with ``chunks=``/``template=``: skewed blocks split
+    and tiny ones merged (``blockflow.skew.*``), and with ``working_set=`` on GPU workers,
+    blocks split to fit free device memory (``blockflow.blocks.*``). Block indices are
+    those of the new blocks. Retries run inside the task because Dask's graph optimisation
+    drops layer annotations such as ``dask.annotate(retries=...)``.
 
     Examples
     --------
@@ -604,8 +253,6 @@ def map_blocks(
 
 def _check_working_set(working_set, kind: str):
     """``working_set=`` as bytes (int) or a callable (arrays only); a clear error otherwise."""
-    from dask.utils import parse_bytes
-
     if working_set is None:
         return None
     if callable(working_set):
@@ -633,16 +280,11 @@ def _warn_working_set_without_gpu(working_set) -> None:
     if working_set is None:
         return
     try:
-        from distributed import default_client
-
         client = default_client()
     except ValueError:
         return
     if client.status != "running":
         return
-    # imported here: the scheduling package imports the kernel layer, which imports this
-    from blockflow.scheduling.view import worker_memory
-
     memory = worker_memory(client)
     if memory and not any(m.has_device for m in memory.values()):
         warnings.warn(
@@ -658,8 +300,6 @@ def _block_working_sets(working_set, x) -> dict[tuple, int] | int | None:
     widest argument's blocks, whose indices are the output's)."""
     if not callable(working_set):
         return working_set
-    import itertools
-
     itemsize = x.dtype.itemsize
     out = {}
     for index in itertools.product(*(range(len(c)) for c in x.chunks)):
@@ -704,7 +344,7 @@ def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_a
     drop = _axes(drop_axis, ndim, "drop_axis", "input") if drop_axis is not None else []
     _check_dropped_axes(arrays, drop, drop_axis)
     if chunks is None:  # declared output chunks pin the input's: never re-cut then
-        arrays = decompose.prepare_arrays(arrays, working_set=working_set, skip_axes=drop,
+        arrays = block_sizing.prepare_arrays(arrays, working_set=working_set, skip_axes=drop,
                                           label=task_name)
     kept = ndim - len(drop)
     if new_axis is not None:
@@ -864,7 +504,7 @@ def _map_partitions(kernel, frames, task_name, meta, kwargs, retries=0, working_
                 f"{f.npartitions} partitions; repartition one to match, e.g. "
                 f"b = b.repartition(npartitions=a.npartitions)."
             )
-    frames = decompose.prepare_frames(frames, label=task_name)
+    frames = block_sizing.prepare_frames(frames, label=task_name)
     first = frames[0]
     wrapped = _PartitionKernel(kernel, task_name, retries, working_set, placement)
     if not speculative:
@@ -885,7 +525,7 @@ def _map_xarray(kernel, objs, task_name, template, kwargs, retries=0, working_se
             raise not_a_collection("blockflow.map_blocks", f"argument {i}", o)
     _check_xarray_chunks(objs)
     if template is None:  # a template pins the output's chunks: never re-cut then
-        objs = decompose.prepare_xarray(objs, working_set=working_set, label=task_name)
+        objs = block_sizing.prepare_xarray(objs, working_set=working_set, label=task_name)
     wrapped = _XarrayKernel(kernel, task_name, retries, working_set, placement)
     if not speculative:
         wrapped.speculative = False

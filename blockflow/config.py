@@ -1,41 +1,38 @@
-"""blockflow's settings: defaults in ``blockflow.yaml`` under ``dask.config``'s ``blockflow.`` namespace.
+"""blockflow's settings: the defaults in ``blockflow.yaml``, under ``dask.config``'s
+``blockflow.`` namespace, checked against ``blockflow-schema.yaml``.
 
-Importing blockflow loads the defaults (its one import side effect); it never checks them, so
-an import never fails or exits on a bad setting and never loads ``jsonschema``. The settings
-are checked against ``blockflow-schema.yaml`` where they are used: by
-:func:`blockflow.connect`, by the scheduler plugin when it starts and once by the command line
-before it starts anything. An invalid value (say from
-``DASK_BLOCKFLOW__REBALANCER__HOT_HIGH=500``) then fails with a ``ValueError`` naming the key,
-its value, where it was set and what is allowed. Users override the settings the usual Dask
-ways: ``dask.config.set({"blockflow.reduction.split-every": 8})``, a YAML file in
-``~/.config/dask/``, or environment variables such as ``DASK_BLOCKFLOW__CLUSTER__GPU=false``.
+Importing blockflow loads the defaults with :func:`dask.config.update_defaults` (its one import
+side effect) and never checks them: :func:`validate` does, where the settings are used
+(:func:`blockflow.connect`, the scheduler plugin's start, the command line). An invalid value
+fails with a ``ValueError`` naming the key, its value, where it was set (an environment
+variable or a Dask config file, found with :func:`dask.config.collect_env` and
+:func:`dask.config.collect_yaml`) and what is allowed.
 
-Beyond plain JSON schema, the schema file carries blockflow's own rules, checked here:
-``x-duration`` (a time :func:`dask.utils.parse_timedelta` reads, ``positive`` or
-``non-negative``), ``x-bytes`` (a size :func:`dask.utils.parse_bytes` reads, above 0) and, on
-a section, ``x-ordered`` (one setting below another, e.g. the hysteresis pair
-``memory-low`` < ``memory-high``). The allowed values of a key that names something
-registered in code (``cluster.policy``: the policy registry of
-:mod:`blockflow.scheduling.policies`) are registered with :func:`set_choices`.
-
-The command line (``blockflow``, ``python -m blockflow``, ``dask blockflow``) reports an invalid
-setting as one line, ``Error: <message>``, and exit status 2.
+Beyond JSON schema, the schema carries blockflow's own rules: ``x-duration`` (a time
+:func:`dask.utils.parse_timedelta` reads, ``positive`` or ``non-negative``), ``x-bytes`` (a
+size :func:`dask.utils.parse_bytes` reads, above 0) and, on a section, ``x-ordered`` (one
+setting below another, e.g. ``memory-low`` < ``memory-high``). Keys naming something
+registered in code (``cluster.policy``) get their allowed values from :func:`set_choices`.
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
-import glob
+import importlib.util
 import math
 import os
 import re
 import sys
 import types
+import warnings
 from typing import Any, Iterator, Mapping, Sequence
 
 import dask.config
 import yaml
+from dask.utils import parse_bytes, parse_timedelta
+
+from blockflow.errors import BlockflowWarning
 
 _here = os.path.dirname(__file__)
 DEFAULTS_PATH = os.path.join(_here, "blockflow.yaml")
@@ -62,10 +59,8 @@ _patterns: dict[str, str] = {}
 def set_choices(key: str, values: Sequence[str], pattern: str | None = None) -> None:
     """Register the allowed values of the setting ``blockflow.<key>``.
 
-    :func:`validate` checks the key against them as the JSON schema ``enum`` of that key,
-    so an unknown value gets the usual message naming the key, the value, where it was set
-    and the allowed values. Until choices are registered, the key is checked by its type
-    only. Registering again replaces the earlier choices.
+    :func:`validate` checks the key against them as its JSON schema ``enum``; until then the
+    key is checked by its type only. Registering again replaces the earlier choices.
 
     Parameters
     ----------
@@ -80,11 +75,6 @@ def set_choices(key: str, values: Sequence[str], pattern: str | None = None) -> 
     ------
     KeyError
         If ``blockflow-schema.yaml`` has no such key.
-
-    Examples
-    --------
-    >>> from blockflow import config
-    >>> config.set_choices("cluster.policy", ("dynamic", "off"))  # doctest: +SKIP
     """
     _schema_node(_load_schema(), key)  # an unknown key is a programming error: fail now
     _choices[key] = tuple(values)
@@ -94,20 +84,8 @@ def set_choices(key: str, values: Sequence[str], pattern: str | None = None) -> 
 
 
 def get(key: str, value: Any = None) -> Any:
-    """Return ``value`` unless it is None, else the setting ``blockflow.<key>``.
-
-    Parameters
-    ----------
-    key : str
-        Key below the ``blockflow.`` namespace, e.g. ``"reduction.split-every"``.
-    value : object, optional
-        An explicit argument; it wins over the configuration when not None.
-
-    Returns
-    -------
-    object
-        The explicit value or the configured one.
-    """
+    """Return ``value`` unless it is None, else the setting ``blockflow.<key>``
+    (``key`` below the namespace, e.g. ``"reduction.split-every"``)."""
     if value is not None:
         return value
     return dask.config.get(f"blockflow.{key}")
@@ -116,36 +94,28 @@ def get(key: str, value: Any = None) -> Any:
 def validate(config: dict | None = None) -> None:
     """Check blockflow's settings against ``blockflow-schema.yaml``.
 
-    Checks types, allowed values and ranges (JSON schema), that durations and sizes parse
-    (``"100ms"``, ``"4GiB"``) and lie in range, that sections are mappings without unknown
-    keys, and the rules between settings (``memory-low`` below ``memory-high``,
-    ``hot-low`` below ``hot-high``, ``min-split-every`` at most ``max-split-every``). Keys
-    with registered choices (:func:`set_choices`) must take one of them. Called by
-    :func:`blockflow.connect`, the scheduler plugin's ``start`` and the command line; never
-    at import. ``jsonschema`` is imported here, on first use.
+    Types, allowed values and ranges (JSON schema), durations and sizes that parse, sections
+    that are mappings without unknown keys, the ``x-ordered`` rules between settings, and the
+    choices registered with :func:`set_choices`. ``jsonschema`` is imported on first use.
 
     Parameters
     ----------
     config : dict, optional
-        A mapping with a top-level ``"blockflow"`` key; by default the current
-        ``dask.config`` settings, after the sections that were set to a non-mapping before
-        blockflow was imported (``DASK_BLOCKFLOW__REBALANCER=5``: loading the defaults
-        replaces them, so only the settings captured at import show them). Keys may be
-        partial (missing keys are not checked).
+        A mapping with a top-level ``"blockflow"`` key (missing keys are not checked). By
+        default the current ``dask.config`` settings, with the sections set to a non-mapping
+        before blockflow was imported (which loading the defaults replaced).
 
     Raises
     ------
     ValueError
-        If a setting is invalid. The message names the key, its value, the environment
-        variable or Dask config file that set it (where one did), what is allowed, and the
-        schema file.
+        If a setting is invalid: the key, its value, the environment variable or Dask config
+        file that set it, what is allowed, and the schema file.
 
     Warns
     -----
     BlockflowWarning
-        When checking the current settings: once per process for each environment variable
-        that looks like a blockflow setting but that Dask does not read as one (see
-        :func:`unread_variables`).
+        Once per process for each environment variable that looks like a blockflow setting
+        but that Dask does not read (:func:`unread_variables`).
     """
     if config is None:
         _warn_unread_variables()
@@ -154,10 +124,7 @@ def validate(config: dict | None = None) -> None:
             _raise_first_problem({"blockflow": replaced}, _schema())
         current = dask.config.get("blockflow")
         if current == defaults["blockflow"]:
-            # nothing set: the packaged defaults are valid (a test checks them), and neither
-            # jsonschema nor the schema is loaded -- in a scheduler they would stay in its
-            # heap for good
-            return
+            return  # the packaged defaults are valid (a test checks them): load no schema
         config = {"blockflow": current}
     _raise_first_problem(config, _schema())
 
@@ -185,16 +152,12 @@ def _squash(name: str) -> str:
 
 def unread_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     """One-line messages for environment variables that look like blockflow settings but
-    that Dask does not read as settings.
+    that Dask does not read (``DASK_BLOCKFLOW_CLUSTER__POLICY``, lower-case ``dask_...``,
+    ``BLOCKFLOW__CLUSTER__POLICY``).
 
-    Dask reads ``DASK_`` followed by the key's parts joined by two underscores
-    (``DASK_BLOCKFLOW__CLUSTER__POLICY``); a variable such as
-    ``DASK_BLOCKFLOW_CLUSTER__POLICY`` (one underscore after ``BLOCKFLOW``),
-    ``dask_blockflow__cluster__policy`` (Dask's prefix is upper case) or
-    ``BLOCKFLOW__CLUSTER__POLICY`` is silently ignored. Flagged: variables whose name
-    starts with ``DASK`` and names ``BLOCKFLOW`` but is not read, and any variable whose
-    letters and digits are those of a setting's variable. Variables Dask does read, with a
-    misspelt key, are errors of :func:`validate` instead.
+    Flagged: names starting with ``DASK`` that name ``BLOCKFLOW`` but are not read, and any
+    name whose letters and digits are those of a setting's variable. A variable Dask reads
+    with a misspelt key is an error of :func:`validate` instead.
 
     Parameters
     ----------
@@ -204,8 +167,7 @@ def unread_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     Returns
     -------
     list of str
-        One message per variable, sorted by name; each names the variable and the one
-        meant, where its letters match one (or one is close).
+        One message per variable, sorted by name, naming the variable meant where one matches.
     """
     environ = os.environ if environ is None else environ
     names = variable_names()
@@ -235,10 +197,6 @@ _warned: set[str] = set()  # messages given (once per process)
 
 
 def _warn_unread_variables() -> None:
-    import warnings
-
-    from blockflow.errors import BlockflowWarning
-
     for message in unread_variables():
         if message not in _warned:
             _warned.add(message)
@@ -307,18 +265,8 @@ def _first_problem(config: Any, schema: dict) -> tuple[list[str], Any, str] | No
 
 
 def _import_jsonschema():
-    """``import jsonschema``, its optional IRI format checks loaded on their first use.
-
-    jsonschema imports ``rfc3987_syntax`` (when installed) for its ``iri`` and
-    ``iri-reference`` formats, and that module builds a Lark grammar at import: 2-3 s of
-    every process's first settings check (each ``blockflow run``, each scheduler), for
-    formats blockflow's schema does not use, and some 230,000 objects that would stay in a
-    scheduler's heap for good (every full garbage collection walks them). While jsonschema is imported, a stand-in takes
-    the module's name: its ``is_valid_syntax`` (what jsonschema keeps) and its other
-    attributes import the real module on first use, so those formats are still checked.
-    """
-    import importlib.util
-
+    """``import jsonschema`` with ``rfc3987_syntax`` (its ``iri`` formats, which build a
+    large Lark grammar at import) replaced by a stand-in that imports it on first use."""
     if ("jsonschema" in sys.modules or "rfc3987_syntax" in sys.modules
             or importlib.util.find_spec("rfc3987_syntax") is None):
         import jsonschema
@@ -410,8 +358,6 @@ def _is_number(value: Any) -> bool:
 
 
 def _duration_problem(value: Any, rule: str) -> str | None:
-    from dask.utils import parse_timedelta
-
     if not (_is_number(value) or isinstance(value, str)):
         return None  # a wrong type: the JSON schema's "type" reports it
     try:
@@ -427,8 +373,6 @@ def _duration_problem(value: Any, rule: str) -> str | None:
 
 
 def _bytes_problem(value: Any) -> str | None:
-    from dask.utils import parse_bytes
-
     if not (_is_number(value) or isinstance(value, str)):
         return None
     try:
@@ -486,35 +430,37 @@ def _env_part(key: str) -> str:
 
 def _source(path: list[str], value: Any) -> str:
     """`` (from the environment variable NAME='raw')`` or `` (from the Dask config file
-    PATH)`` when one of them set ``path`` to ``value``; else ``""``."""
+    PATH)`` when one set ``path`` to ``value``, as :mod:`dask.config` reads them; else ``""``."""
+    key = ".".join(path)
     below = []  # variables that set keys inside ``path`` (a misspelled section, say)
-    for name, raw in os.environ.items():
-        if not name.startswith("DASK_"):
+    for name, raw in sorted(os.environ.items()):
+        if not name.startswith("DASK_") or name == "DASK_INTERNAL_INHERIT_CONFIG":
             continue
-        parts = [p.replace("_", "-") for p in name[5:].lower().split("__")]
-        if parts == path and _same(_interpret(raw), value):
-            return f" (from the environment variable {name}={raw!r})"
-        if isinstance(value, dict) and len(parts) > len(path) and parts[:len(path)] == path:
+        found = _lookup(dask.config.collect_env({name: raw}), key)
+        if found is _MISSING:
+            continue
+        if isinstance(value, dict) and name.count("__") >= len(path):
             below.append(f"{name}={raw!r}")
+        elif _same(found, value):
+            return f" (from the environment variable {name}={raw!r})"
     if below:
         s = "s" if len(below) > 1 else ""
-        return f" (from the environment variable{s} {', '.join(sorted(below))})"
-    for file in _config_files():
-        try:
-            with open(file) as f:
-                node = _kebab_keys(yaml.safe_load(f))
-        except (OSError, yaml.YAMLError):
-            continue
-        for part in path:
-            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
-        if node is not _MISSING and _same(node, value):
-            return f" (from the Dask config file {file})"
+        return f" (from the environment variable{s} {', '.join(below)})"
+    try:
+        for file, settings in dask.config.collect_yaml(dask.config.paths, return_paths=True):
+            found = _lookup(settings, key)
+            if found is not _MISSING and _same(found, value):
+                return f" (from the Dask config file {file})"
+    except ValueError:  # a file made malformed since dask read it
+        pass
     return ""
 
 
-def _interpret(raw: str) -> Any:
-    interpret = getattr(dask.config, "interpret_value", None)
-    return interpret(raw) if interpret is not None else raw
+def _lookup(settings: dict, key: str) -> Any:
+    try:
+        return dask.config.get(key, config=settings)
+    except (KeyError, TypeError):
+        return _MISSING
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -524,22 +470,9 @@ def _same(a: Any, b: Any) -> bool:
         return True
 
 
-def _config_files() -> list[str]:
-    """The YAML files ``dask.config`` reads, in its order."""
-    files = []
-    for root in getattr(dask.config, "paths", []):
-        if os.path.isdir(root):
-            files += sorted(glob.glob(os.path.join(root, "*.yaml"))
-                            + glob.glob(os.path.join(root, "*.yml")))
-        elif os.path.isfile(root):
-            files.append(root)
-    return files
-
-
 def _kebab_keys(config: Any) -> Any:
-    """Keys with ``_`` spelled ``-``, as ``dask.config.get`` reads them (environment
-    variables arrive as ``hot_high``); where both spellings exist the ``-`` one wins, as in
-    ``dask.config.get``."""
+    """Keys with ``_`` spelled ``-`` (environment variables arrive as ``hot_high``); where
+    both exist the ``-`` one wins, as in ``dask.config.get``."""
     if not isinstance(config, dict):
         return config
     out: dict[Any, Any] = {}

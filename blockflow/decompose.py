@@ -1,21 +1,14 @@
-"""Block decomposition before a blockwise stage: split skewed blocks, merge tiny ones, and
-size blocks to fit device memory.
+"""Skew splitting: re-cut a collection's blocks so that no block dominates a stage.
 
-A few blocks far larger than the rest (Zipf-distributed keys, uneven files) make a few tasks
-dominate a stage's makespan. :func:`split_skewed` splits every block more than ``factor``
-times the median block (and above an absolute ``floor`` of bytes) into pieces of about the
-larger of the median and the mean block, and merges runs of neighbouring tiny blocks, as
-Spark's adaptive query execution does for skewed shuffle partitions
-(``spark.sql.adaptive.skewJoin``: a partition is skewed when larger than 5x the median and
-an absolute threshold). Arrays are rechunked along their
-chunked axis, xarray objects along their chunked dimension, dataframes re-cut by rows.
-:func:`fit_blocks` rechunks so that each block plus its kernel's working set fits the
-smallest worker's free device memory with a safety margin.
+:func:`split_skewed` splits every block more than ``factor`` times the median block (and
+above ``floor`` bytes) into pieces of about the larger of the median and the mean block, and
+merges runs of tiny neighbouring blocks, as Spark's adaptive query execution does for skewed
+shuffle partitions (``spark.sql.adaptive.skewJoin``). Arrays are rechunked along one axis,
+xarray objects along one dimension, dataframes re-cut by rows. Sizing blocks to device
+memory is :mod:`blockflow.block_sizing`.
 
-Every change is logged on the ``blockflow.decompose`` logger with the block sizes before and
-after, and kept (the last 1,000, in this process) as a :class:`BlockResize` record that
-:func:`blockflow.run_report` shows. :func:`blockflow.map_blocks` applies both before its
-stage (settings ``blockflow.skew.*`` and ``blockflow.blocks.*``).
+Every re-cut, either kind, is logged on the ``blockflow.decompose`` logger and kept (the last
+1,000 in this process) as a :class:`BlockResize` that :func:`blockflow.run_report` shows.
 """
 
 from __future__ import annotations
@@ -27,15 +20,20 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
+import dask
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
+import pandas as pd
+from dask import delayed
+from dask.dataframe.dispatch import concat
 from dask.utils import format_bytes, parse_bytes
+from distributed import Future, futures_of
 
 from blockflow import config
 from blockflow.scheduling.view import workers_info
 
-__all__ = ["BlockResize", "fit_blocks", "recorded_resizes", "split_skewed"]
+__all__ = ["BlockResize", "recorded_resizes", "split_skewed"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,21 +47,20 @@ _count = 0  # records made in this process so far
 @dataclass(frozen=True)
 class BlockResize:
     """One change of a collection's blocks along one axis (see :func:`split_skewed`,
-    :func:`fit_blocks`).
+    :func:`blockflow.fit_blocks`).
 
     Attributes
     ----------
     kind : str
         ``"array"``, ``"dataframe"`` or ``"xarray"``.
     reason : str
-        ``"skew"`` (split skewed blocks, merged tiny ones) or ``"fit-device-memory"``.
+        ``"skew"`` or ``"fit-device-memory"``.
     axis : int or str
         The axis (arrays), dimension name (xarray) or ``0`` (dataframe rows) re-cut.
     before, after : tuple of int
-        Rows per block along ``axis`` before and after (partition lengths for dataframes).
+        Rows per block along ``axis`` before and after.
     row_bytes : float
-        Bytes of one row of the largest block (the cross-section along the other axes);
-        dataframes: the mean bytes per row, measured or estimated from the dtypes.
+        Bytes of one row of the largest block; dataframes: mean bytes per row.
     split, merged : int
         Input blocks split into pieces; input blocks merged with neighbours.
     time : float
@@ -71,9 +68,8 @@ class BlockResize:
     label : str
         What it was made for (the kernel's task-name prefix in :func:`blockflow.map_blocks`).
     unit : str
-        ``"rows"``, or ``"bytes"`` for a persisted dataframe whose partitions were sized by
-        the bytes the scheduler holds for them (``before``/``after`` are then bytes, and
-        ``row_bytes`` is 1; pieces are cut at the same fractions of their rows).
+        ``"rows"``, or ``"bytes"`` for a persisted dataframe sized by the bytes the scheduler
+        holds (``before``/``after`` are then bytes and ``row_bytes`` is 1).
     """
 
     kind: str
@@ -187,16 +183,8 @@ def _even(n: int, k: int) -> list[int]:
 
 def _skew_plan(sizes: Sequence[int], row_bytes: float, factor: float, floor: int,
                merge_below: float, max_piece: float | None = None) -> _Plan | None:
-    """Split blocks above ``factor`` x the median (and ``floor`` bytes) into pieces of
-    about the target size; merge runs of blocks below ``merge_below`` x the target into
-    pieces of at most the target (only when the whole collection is above ``floor``). The
-    median is that of the non-empty blocks; the target is the larger of it and the mean
-    block (so that a collection of mostly tiny blocks is not cut into tiny pieces). Once
-    some block is skewed, every block above ``max_piece`` x the target (and ``floor``
-    bytes) is cut too: a block just under ``factor`` x the median (1.34x the target with a
-    Zipf law of exponent 1.2 on 64 partitions) would otherwise be the stage's largest
-    piece. ``max_piece`` defaults to ``blockflow.skew.max-piece``. None when nothing
-    changes."""
+    """The re-cut :func:`split_skewed` describes, as a plan of pieces; None when nothing
+    changes. ``max_piece`` defaults to ``blockflow.skew.max-piece``."""
     max_piece = _max_piece() if max_piece is None else max_piece
     sizes = [int(s) for s in sizes]
     nonempty = [s for s in sizes if s > 0]
@@ -322,17 +310,14 @@ def split_skewed(collection, *, factor: float | None = None, floor: int | str | 
     """Split blocks far larger than the median, and merge runs of tiny ones.
 
     A block is skewed when it holds more than ``factor`` times the median block's rows and
-    more than ``floor`` bytes; it is split into pieces of about the target size, the larger
-    of the median and the mean block (piece sizes differ by at most one row); once some
-    block is skewed, every block above ``blockflow.skew.max-piece`` (1.25) times that target
-    is cut too, so that no kept block dominates the stage. When the whole
-    collection holds more than ``floor`` bytes, each run of two or more neighbouring blocks
-    smaller than ``merge_below`` times the target is merged into pieces of at most the
-    target. Values and order are unchanged; only the block boundaries move. Method: Spark's
-    adaptive skew handling (a partition larger than 5x the median and an absolute threshold
-    is split, into pieces of at least the mean of the other partitions); the median over
-    non-empty blocks, the mean as a lower bound of the target (so mostly-tiny collections
-    are not cut into tiny pieces) and the merging rule are blockflow heuristics.
+    more than ``floor`` bytes; it is split into even pieces of about the target size, the
+    larger of the median and the mean block. Once some block is skewed, every block above
+    ``blockflow.skew.max-piece`` times the target is cut too. When the collection holds more
+    than ``floor`` bytes, runs of neighbouring blocks below ``merge_below`` times the target
+    are merged into pieces of at most the target. Values and order are unchanged. Method:
+    Spark's adaptive skew handling (a partition above 5x the median and a threshold is
+    split); the median over non-empty blocks, the mean as a floor of the target and the
+    merging rule are blockflow heuristics.
 
     Parameters
     ----------
@@ -341,31 +326,25 @@ def split_skewed(collection, *, factor: float | None = None, floor: int | str | 
         objects along dimension ``axis`` (default: the chunked dimension with the most
         blocks), dataframes re-cut by rows.
     factor : float, optional
-        How many times the median a block must exceed to be split; default
-        ``blockflow.skew.factor`` (5).
+        Times the median a block must exceed to be split; default ``blockflow.skew.factor``.
     floor : int or str, optional
-        Bytes (``"64MiB"`` accepted) a block must exceed to be split, and the whole
-        collection to have tiny blocks merged; default ``blockflow.skew.floor`` (64 MiB).
+        Bytes (``"64MiB"`` accepted) a block must exceed to be split, and the collection to
+        have tiny blocks merged; default ``blockflow.skew.floor``.
     merge_below : float, optional
-        Fraction 0-1 of the target size below which a block counts as tiny; 0 merges
-        nothing.
-        Default ``blockflow.skew.merge-below`` (0.25).
+        Fraction 0-1 of the target below which a block is tiny (0: no merging); default
+        ``blockflow.skew.merge-below``.
     axis : int or str, optional
         The axis (arrays) or dimension (xarray) to re-cut.
     lengths : sequence of int or bool, optional
-        Dataframes: the partitions' lengths in rows, if known; ``True`` computes them (one
-        pass over the data). Default: sizes only where they are cheap to know: rows for a
-        dataframe built from pandas, the bytes the scheduler holds for each partition of a
-        persisted one (no task runs; pieces are then cut at the same fractions of their
-        rows); otherwise the dataframe is returned unchanged.
+        Dataframes: the partitions' lengths in rows; ``True`` computes them (one pass).
+        Default: sizes where they are cheap to know (rows of a dataframe built from pandas,
+        the bytes the scheduler holds for a persisted one); otherwise nothing changes.
 
     Returns
     -------
     (collection, BlockResize or None)
         The re-cut collection (the input itself when nothing changes) and the record of the
-        change (None when nothing changes). Dataframes whose partitions were split get
-        unknown divisions (the index values at the split rows are not known without reading
-        them); merging alone keeps known divisions.
+        change. Dataframes whose partitions were split get unknown divisions.
 
     Raises
     ------
@@ -416,8 +395,6 @@ def _check_axis(axis, ndim: int) -> int:
 # -- dataframes ----------------------------------------------------------------------------
 
 def _len_and_bytes(part):
-    import pandas as pd
-
     nbytes = part.memory_usage(deep=True)
     nbytes = int(nbytes.sum()) if hasattr(nbytes, "sum") else int(nbytes)
     return pd.Series([(len(part), nbytes)])
@@ -439,8 +416,6 @@ def _persisted_futures(df) -> list | None:
         return None
     try:
         layer = expr.operand("layer")
-        from distributed import Future
-
         futures = [layer[k] for k in expr.operand("keys")]
     except Exception:
         return None
@@ -503,8 +478,6 @@ def _slice_share(part, lo: int, hi: int, size: int):
 
 
 def _concat_parts(*parts):
-    from dask.dataframe.dispatch import concat
-
     return concat(list(parts))
 
 
@@ -522,10 +495,6 @@ def _spread_persisted(futures, rows: Sequence[int], plan: _Plan) -> list:
     is (no transfer) and then copied, alone, to the next worker in turn: (k-1)/k of a split
     partition moves, once, and each piece's kernel then runs where its piece is. blockflow
     heuristic."""
-    import dask
-    from dask import delayed
-    from distributed import futures_of
-
     client = futures[0].client
     workers = sorted(workers_info(client))
     # One graph for all cuts, copies and merges: the scheduler takes one graph update per
@@ -549,8 +518,6 @@ def _spread_persisted(futures, rows: Sequence[int], plan: _Plan) -> list:
 
 
 def _frame_from_plan(df, rows: Sequence[int], plan: _Plan):
-    from dask import delayed
-
     futures = _persisted_futures(df) if plan.split else None
     if futures is not None:
         new = _spread_persisted(futures, rows, plan)
@@ -624,256 +591,3 @@ def _xarray_resize(obj, dim, planner: Callable, reason: str, label: str = ""):
     _record(BlockResize("xarray", reason, str(dim), sizes, plan.sizes, rb, plan.split,
                         plan.merged, time.time(), label))
     return obj.chunk({dim: plan.sizes})
-
-
-# -- fitting blocks to device memory -------------------------------------------------------
-
-def smallest_free_memory(client=None, *, host: bool = True) -> tuple[int, str] | None:
-    """Free memory of the worker with the least, in bytes, and its kind.
-
-    GPU workers (real or simulated: those reporting distributed's NVML metrics) count their
-    free device memory (total minus used, from the last heartbeat). Without GPU workers and
-    with ``host=True``, the smallest host ``memory_limit`` counts. None without a reachable
-    cluster, or when no worker reports either.
-    """
-    if client is None:
-        try:
-            from distributed import default_client
-
-            client = default_client()
-        except ValueError:
-            return None
-    if client.status != "running":
-        return None
-    # imported here: the scheduling package imports the kernel layer, which imports this
-    from blockflow.scheduling.view import worker_memory
-
-    memory = worker_memory(client).values()
-    free = [m.device_free for m in memory if m.device_free is not None]
-    if free:
-        return int(min(free)), "device"
-    if not host:
-        return None
-    limits = [int(m.host_total) for m in memory if m.host_total]
-    return (min(limits), "host") if limits else None
-
-
-def _max_rows(row_bytes: float, working_set, budget: float, most: int) -> int:
-    """The most rows ``r <= most`` with ``r x row_bytes + working_set(bytes) <= budget``
-    (``working_set`` non-decreasing in the block's bytes); 0 when not even one row fits."""
-    def fits(r: int) -> bool:
-        nbytes = int(r * row_bytes)
-        need = working_set(nbytes) if callable(working_set) else (working_set or 0)
-        return nbytes + need <= budget
-
-    if fits(most):
-        return most
-    lo, hi = 0, most  # fits(lo) (or lo == 0), not fits(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo if lo and fits(lo) else 0
-
-
-def _array_fit(x: da.Array, working_set, budget: float, axes=None, label=""
-               ) -> tuple[int, tuple] | None | str:
-    """``(axis, new chunks)`` so every block fits; None when all fit; ``("nowhere", row
-    bytes)`` when not even one row along the axis does."""
-    if x.ndim == 0 or not _known(x.chunks):
-        return None
-    axes = list(range(x.ndim)) if axes is None else list(axes)
-    axes = [a for a in axes if x.shape[a] > 1]
-    if not axes:
-        return None
-    axis = max(axes, key=lambda a: (max(x.chunks[a]), -a))  # the longest blocks
-    rb = _row_bytes(x, axis)
-    most = max(x.chunks[axis])
-    r = _max_rows(rb, working_set, budget, most)
-    if r == 0:
-        return "nowhere", rb
-    plan = _fit_plan(x.chunks[axis], r)
-    if plan is None:
-        return None
-    _record(BlockResize("array", "fit-device-memory", axis, tuple(x.chunks[axis]),
-                        plan.sizes, rb, plan.split, 0, time.time(), label))
-    return axis, plan.sizes
-
-
-def fit_blocks(x, working_set: int | str | Callable[[int], int] = 0, *,
-               safety: float | None = None, client=None, axis: int | str | None = None):
-    """Rechunk so each block plus its kernel's working set fits the smallest worker's free
-    memory, with a safety margin.
-
-    The budget is the least free device memory of any GPU worker (real or simulated, from
-    the workers' last heartbeat) times ``1 - safety``; on a cluster without GPU workers, the
-    smallest host ``memory_limit`` times ``1 - safety``. Blocks are split along one axis
-    (``axis``, default the axis with the longest blocks) into even pieces of the most rows
-    ``r`` for which ``r x row bytes + working_set(r x row bytes) <= budget``; blocks that
-    fit are left alone. Method: blockflow heuristic (binary search on rows, assuming the
-    working set does not shrink as blocks grow).
-
-    Parameters
-    ----------
-    x : dask.array.Array or xarray object
-    working_set : int, str or callable, default 0
-        Bytes the kernel needs besides its block (``"2GiB"`` accepted), or a callable
-        ``working_set(block nbytes) -> bytes``.
-    safety : float, optional
-        Fraction 0-1 of the free memory kept free; default ``blockflow.blocks.safety``
-        (0.2).
-    client : distributed.Client, optional
-        Default: the current default client.
-    axis : int or str, optional
-        The axis (arrays) or dimension (xarray) to split.
-
-    Returns
-    -------
-    (collection, BlockResize or None)
-        The rechunked collection (the input itself when every block fits, or without a
-        reachable cluster or any memory figure: logged, nothing to fit to) and the record
-        of the change, or None.
-
-    Raises
-    ------
-    TypeError
-        If ``x`` is not a Dask array or chunked xarray object.
-    ValueError
-        If not even a one-row block along the axis fits the budget with its working set
-        (the message gives the bytes), or ``safety`` is not in [0, 1).
-    """
-    safety = float(config.get("blocks.safety", safety))
-    if not 0 <= safety < 1:
-        raise ValueError(f"blockflow.fit_blocks: safety must be a fraction 0-1 of the free "
-                         f"memory to keep free, got {safety!r}; e.g. 0.2.")
-    if isinstance(working_set, str):
-        working_set = parse_bytes(working_set)
-    is_xarray = type(x).__module__.split(".")[0] == "xarray"
-    if not isinstance(x, da.Array) and not is_xarray:
-        raise TypeError(f"blockflow.fit_blocks: expected a Dask array or chunked xarray "
-                        f"object, got {type(x).__name__}; for dataframes, repartition by "
-                        f"rows (df.repartition(partition_size=...)).")
-    free = smallest_free_memory(client)
-    if free is None:
-        logger.info("blockflow: fit_blocks found no cluster memory figures; blocks unchanged")
-        return x, None
-    budget = free[0] * (1 - safety)
-    before = _count
-    if is_xarray:
-        out = _xarray_fit(x, working_set, budget, axis, free)
-    else:
-        axes = None if axis is None else [_check_axis(axis, x.ndim)]
-        found = _array_fit(x, working_set, budget, axes)
-        if found is not None and found[0] == "nowhere":
-            raise ValueError(_nowhere("blockflow.fit_blocks", found[1], working_set, free,
-                                      safety))
-        out = x if found is None else x.rechunk({found[0]: found[1]})
-    return out, (_records[-1] if _count > before else None)
-
-
-def _xarray_fit(obj, working_set, budget, dim, free):
-    dim = _xarray_dim(obj, dim)
-    if dim is None:
-        return obj
-    sizes = tuple(int(s) for s in obj.chunksizes[dim])
-    rb = _xarray_row_bytes(obj, dim)
-    r = _max_rows(rb, working_set, budget, max(sizes))
-    if r == 0:
-        raise ValueError(_nowhere("blockflow.fit_blocks", rb, working_set, free,
-                                  1 - budget / free[0]))
-    return _xarray_resize(obj, dim, lambda s, _: _fit_plan(s, r), "fit-device-memory")
-
-
-def _nowhere(func: str, row_bytes, working_set, free, safety) -> str:
-    need = working_set(int(row_bytes)) if callable(working_set) else working_set
-    return (f"{func}: even a one-row block ({format_bytes(int(row_bytes))}) with its working "
-            f"set ({format_bytes(int(need or 0))}) exceeds {1 - safety:.0%} of the smallest "
-            f"worker's free {free[1]} memory ({format_bytes(free[0])}); lower the working "
-            f"set, the safety margin (blockflow.blocks.safety), or use workers with more "
-            f"memory.")
-
-
-# -- what blockflow.map_blocks calls ------------------------------------------------------
-
-def prepare_arrays(arrays: Sequence[da.Array], *, working_set=None, skip_axes=(),
-                   label: str = "") -> list[da.Array]:
-    """Re-cut aligned arrays (axes align from the right) before a blockwise stage: split
-    skewed blocks (``blockflow.skew.*``) and, with a working set and GPU workers,
-    fit blocks to free device memory (``blockflow.blocks.fit-device-memory``). Every
-    array gets the same new chunks along the re-cut axis; axes in ``skip_axes`` (output
-    axes: dropped ones) are never re-cut."""
-    arrays = list(arrays)
-    ndim = max(x.ndim for x in arrays)
-    widest = max(arrays, key=lambda a: a.ndim)
-    axes = [a for a in range(ndim) if a not in set(skip_axes)]
-    if config.get("skew.enabled"):
-        factor, floor, merge_below = _settings(None, None, None)
-        found = _array_skew(widest, factor, floor, merge_below, axes, label)
-        if found is not None:
-            arrays = _rechunk_all(arrays, ndim, *found)
-            widest = max(arrays, key=lambda a: a.ndim)
-    if working_set is not None and config.get("blocks.fit-device-memory") == "auto":
-        free = smallest_free_memory(host=False)
-        if free is not None:
-            budget = free[0] * (1 - float(config.get("blocks.safety")))
-            found = _array_fit(widest, working_set, budget, axes, label)
-            if found is not None and found[0] == "nowhere":  # leave it to the run time
-                logger.info("blockflow: %s: no block size fits its working set in %s of "
-                            "free %s memory; blocks unchanged", label or "map_blocks",
-                            format_bytes(int(budget)), free[1])
-            elif found is not None:
-                arrays = _rechunk_all(arrays, ndim, *found)
-    return arrays
-
-
-def _rechunk_all(arrays, ndim: int, axis: int, sizes: tuple) -> list[da.Array]:
-    out = []
-    for x in arrays:
-        a = axis - (ndim - x.ndim)
-        if a >= 0 and x.shape[a] != 1 and tuple(x.chunks[a]) != tuple(sizes):
-            x = x.rechunk({a: sizes})
-        out.append(x)
-    return out
-
-
-def prepare_frames(frames: Sequence, *, label: str = "") -> list:
-    """Split skewed partitions of a single dataframe whose lengths are cheap to know
-    (``blockflow.skew.*``); several frames are left as they are (their partitions pair up)."""
-    frames = list(frames)
-    if not config.get("skew.enabled") or len(frames) != 1:
-        return frames
-    factor, floor, merge_below = _settings(None, None, None)
-    return [_frame_skew(frames[0], factor, floor, merge_below, None, label)]
-
-
-def prepare_xarray(objs: Sequence, *, working_set=None, label: str = "") -> list:
-    """Re-cut argument 0 of an xarray stage along its chunked dimension (skew, then device
-    memory), and every other argument chunked along that dimension the same way."""
-    objs = list(objs)
-    main = objs[0]
-    if config.get("skew.enabled"):
-        factor, floor, merge_below = _settings(None, None, None)
-        main = _xarray_resize(main, None, lambda s, rb: _skew_plan(
-            s, rb, factor, floor, merge_below), "skew", label)
-    if working_set is not None and config.get("blocks.fit-device-memory") == "auto" \
-            and not callable(working_set):
-        free = smallest_free_memory(host=False)
-        dim = _xarray_dim(main)
-        if free is not None and dim is not None:
-            budget = free[0] * (1 - float(config.get("blocks.safety")))
-            rb = _xarray_row_bytes(main, dim)
-            r = _max_rows(rb, working_set, budget, max(main.chunksizes[dim]))
-            if r:
-                main = _xarray_resize(main, dim, lambda s, _: _fit_plan(s, r),
-                                      "fit-device-memory", label)
-    if main is objs[0]:
-        return objs
-    new = dict(main.chunksizes)
-    out = [main]
-    for o in objs[1:]:
-        change = {d: new[d] for d in o.chunksizes if d in new and
-                  tuple(o.chunksizes[d]) != tuple(new[d])}
-        out.append(o.chunk(change) if change else o)
-    return out

@@ -1,25 +1,16 @@
 """Devices: the NVIDIA GPU a process uses, read through distributed's NVML helpers.
 
-The one place blockflow asks NVML about devices. It builds on
-:mod:`distributed.diagnostics.nvml` (``init_once``, ``device_get_count``,
-``get_device_index_and_uuid``, ``get_device_mig_mode``; its private helpers through
-:mod:`blockflow._distributed.nvml`), so NVML is initialised
-once per process, honours ``distributed.diagnostics.nvml: False``, and parses
-``CUDA_VISIBLE_DEVICES`` as distributed does: integer indices, ``GPU-`` and ``MIG-`` UUIDs.
+Built on :mod:`distributed.diagnostics.nvml` (private helpers through
+:mod:`blockflow._distributed.nvml`): NVML is initialised once per process, honours
+``distributed.diagnostics.nvml: False``, and ``CUDA_VISIBLE_DEVICES`` is parsed as distributed
+does. Every function answers None (a count 0) when it cannot tell, never raising; None is
+unknown, never zero load.
 
-Every function here answers None (a count answers 0) when it cannot tell: no NVML, no
-driver, no device, a query the device does not support, any NVML error. None is *unknown*,
-never zero load; it never raises.
-
-:class:`DeviceMetrics`, a worker plugin, adds two worker metrics on workers that see a GPU:
-
-- ``blockflow-gpu-own-utilization``: percent of the device's SM time used by *this worker
-  process* (:class:`OwnUtilization`), so that the scheduler can tell other tenants' load
-  from the worker's own;
-- ``blockflow-capacity``: the device's nominal throughput, SM cores x max SM clock (MHz), used
-  by the ``static-capacity`` policy to weigh workers;
-- ``blockflow-gpu-uuid``: the device's UUID, so that the scheduler can tell two workers that
-  share one GPU (they then count as one device: inventory, dashboard, dynamic policy).
+:class:`DeviceMetrics`, a worker plugin, adds worker metrics on workers that see a GPU:
+``blockflow-gpu-own-utilization`` (percent of the device's SM time used by this worker
+process), ``blockflow-capacity`` (SM cores x max SM clock in MHz, for the
+``static-capacity`` policy) and ``blockflow-gpu-uuid`` (so workers sharing a GPU count as
+one device).
 """
 
 from __future__ import annotations
@@ -260,31 +251,18 @@ def capacity(handle, *, pynvml=None) -> float | None:
 class OwnUtilization:
     """This process's share of a device's SM time, from NVML's per-process samples.
 
-    A callable sampler: each call reads ``nvmlDeviceGetProcessUtilization`` for the samples
-    newer than the previous call's newest, and returns a percent 0-100, or None when NVML
-    cannot attribute the device's load to this process:
-
-    - samples carry this process's PID: the highest ``smUtil`` among them;
-    - NVML raises "not found" (no sample newer than the last one, i.e. no process ran
-      kernels since): 0.0 if the device's own utilisation is idle (at most
-      :data:`IDLE_UTILIZATION`), else None (the device is busy but NVML has no sample to
-      attribute it by);
-    - samples exist but none carries our PID (another tenant, or a container where NVML
-      reports host PIDs, so our own kernels show under a foreign PID): 0.0 if they and the
-      device are idle, else None, since we cannot tell whose the load is;
-    - any other NVML error (MIG: not supported, driver errors): None.
-
-    None is unknown, never zero load: a 0.0 for a busy worker would make its own load count
-    as another tenant's and could pause a healthy GPU.
+    Each call reads ``nvmlDeviceGetProcessUtilization`` for samples newer than the previous
+    call's and returns a percent 0-100: the highest ``smUtil`` of this PID's samples; 0.0
+    when there are none of ours and the device is idle (at most :data:`IDLE_UTILIZATION`);
+    None when the load cannot be attributed (a busy device without our samples, MIG, NVML
+    errors), so a busy worker's own load never counts as another tenant's.
 
     Parameters
     ----------
     handle : NVML device handle
         From :func:`device_handle`.
     pynvml : module, optional
-        The NVML bindings (default distributed's ``pynvml``); tests pass a fake object with
-        ``nvmlDeviceGetProcessUtilization``, ``nvmlDeviceGetUtilizationRates`` and
-        ``NVMLError_NotFound``.
+        The NVML bindings (default distributed's ``pynvml``; tests pass a fake).
     pid : int, optional
         Default: this process's.
     """

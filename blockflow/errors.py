@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from typing import Any
 
@@ -18,21 +20,15 @@ class ConvergenceWarning(BlockflowWarning):
 class BlockKernelError(RuntimeError):
     """A blockwise kernel failed on one block, or a tree-reduction step failed.
 
-    The message names the kernel, the block (index of an array block, partition number of a
-    dataframe, coordinate range of an xarray block) or the step of :func:`blockflow.tree_reduce`
-    (``chunk``, ``combine``, ``aggregate``), the attempts when ``retries=`` allowed more than
-    one, and the original exception, which is also chained as ``__cause__`` where the
-    traceback survives serialisation.
+    The message names the kernel, the block or the :func:`blockflow.tree_reduce` step, the
+    attempts, and the original exception (also the ``__cause__``, where it survives
+    serialisation).
     """
 
 
 class NonFiniteError(ValueError):
-    """``X`` or ``y`` of an estimator or trainer holds a NaN or an infinity.
-
-    The message names the first one's column (or label), row and block, and the fix. Raised
-    by the task that first reads the block; workers do not log it as a failed computation
-    (it is the input's fault, said once, to the caller).
-    """
+    """``X`` or ``y`` of an estimator or trainer holds a NaN or an infinity; the message names
+    the first one's column, row and block, and the fix."""
 
 
 class EmptyCollectionError(ValueError):
@@ -42,20 +38,18 @@ class EmptyCollectionError(ValueError):
 class DeviceMemoryError(BlockKernelError, MemoryError):
     """A blockwise kernel ran out of device (GPU) memory on one block.
 
-    Raised in place of the device library's own out-of-memory error (CuPy's
-    ``cupy.cuda.memory.OutOfMemoryError``, RMM's ``MemoryError``, or a simulated device's
-    error derived from a class of that name; see :func:`is_device_oom`). The message names the kernel, the block, the bytes the
-    kernel asked for and the largest free device memory of any worker (from the workers'
-    last reported metrics), and says how to make the block fit.
+    Raised in place of the device library's out-of-memory error (:func:`is_device_oom`); the
+    message names the kernel, the block, the bytes asked for and the largest free device
+    memory of any worker.
 
     Attributes
     ----------
     block : str
         The block, as named in the message (``"block (3, 0)"``, ``"partition 7"``).
     working_set : int or None
-        Bytes the kernel asked for when it failed, when the original error says.
+        Bytes the kernel asked for, when the original error says.
     largest_free : int or None
-        Largest free device memory of any worker in bytes, None when no worker reports it.
+        Largest free device memory of any worker in bytes, None when none reports it.
     """
 
     def __init__(self, message: str, block: str | None = None, working_set: int | None = None,
@@ -70,20 +64,18 @@ class DeviceMemoryError(BlockKernelError, MemoryError):
 class WorkerLostError(RuntimeError):
     """Workers died under a computation and Dask gave up on it.
 
-    Raised by blockflow's workloads when every worker of the cluster is gone for longer than
-    ``blockflow.cluster.worker-loss-timeout``, or in place of distributed's ``KilledWorker``
-    (a task whose workers died ``distributed.scheduler.allowed-failures + 1`` times), and by
-    :func:`blockflow.scheduling.wait.gather_as_done` / :func:`~blockflow.scheduling.wait.
-    fetch` when workers a computation needs left, or a result was lost before it was fetched.
-    The message says what happened and what to do.
+    Raised by blockflow's workloads when every worker is gone for longer than
+    ``blockflow.cluster.worker-loss-timeout`` or in place of distributed's ``KilledWorker``,
+    and by :func:`blockflow.scheduling.wait.gather_as_done` / ``fetch`` when workers or
+    results a computation needs are lost.
 
     Parameters
     ----------
     *args
-        The message, as for any exception.
+        The message.
     lost : iterable of str, optional
-        What was lost: worker addresses (or, for a result lost before it was fetched, the
-        task keys); :attr:`lost` holds them as a frozenset.
+        Worker addresses (or task keys of lost results); :attr:`lost` holds them as a
+        frozenset.
     """
 
     def __init__(self, *args, lost=()):
@@ -99,55 +91,31 @@ def _worker_lost(args, lost):
 
 
 class ClusterStartError(RuntimeError):
-    """A cluster's workers could not be started or did not join its scheduler.
-
-    Raised by :func:`blockflow.cluster.hpc.jobqueue_cluster` (the batch system is not
-    answering, a queue that does not exist, a job the queue refused, or a job whose worker
-    never reached the scheduler within the timeout). The message names what failed — the
-    queue, the job id, the scheduler address — and the fix; the jobs already submitted are
-    cancelled.
-    """
+    """A cluster's workers could not be started or did not join its scheduler
+    (:func:`blockflow.cluster.hpc.jobqueue_cluster`); the message names the queue, job id or
+    scheduler address and the fix, and the jobs already submitted are cancelled."""
 
 
 class ResourceError(RuntimeError):
-    """A task that needs worker resources (``resources={"GPU": 1}``) cannot run as asked.
-
-    Raised at the client when no worker of the cluster declares the resources a task needs
-    for longer than ``blockflow.resources.unsatisfiable-timeout`` (the message names the
-    resources and those the workers have), and by a blockflow kernel that a scheduler
-    without blockflow's plugin ran on a worker lacking the resources it asked for.
-    """
+    """A task that needs worker resources (``resources={"GPU": 1}``) cannot run as asked: no
+    worker declares them for longer than ``blockflow.resources.unsatisfiable-timeout``, or a
+    scheduler without blockflow's plugin ran it on a worker lacking them."""
 
 
 class ObjectiveError(ValueError):
-    """A run's objective or pools cannot be met as asked: a pool without a price under a
-    cost objective or a budget, a deadline no allowed pool sizes meet ("needs >= N workers
-    of pool P"), a budget below the cheapest possible run, or tasks asking for a pool no
-    worker declares. Raised at the client by the computation's tasks, which fail before any
-    of them runs (:func:`blockflow.objective`)."""
+    """A run's objective or pools cannot be met as asked (a pool without a price, a deadline
+    or budget no allowed pool sizes meet, a pool no worker declares); raised by the
+    computation's tasks before any runs (:func:`blockflow.objective`)."""
 
 
-#: Class names of device out-of-memory errors, matched by name so that no GPU library is
-#: imported: CuPy's ``cupy.cuda.memory.OutOfMemoryError`` (test doubles derive from a class
-#: of that name).
+#: Class names of device out-of-memory errors (CuPy's), matched by name: no GPU import.
 DEVICE_OOM_NAMES = frozenset({"OutOfMemoryError"})
 
 
 def is_device_oom(exc: BaseException) -> bool:
-    """Whether ``exc`` reports device memory exhaustion (CuPy, RMM/cuDF, simulated devices).
-
-    Parameters
-    ----------
-    exc : BaseException
-
-    Returns
-    -------
-    bool
-        True for an exception whose class (or a base class) is named ``OutOfMemoryError``
-        (CuPy's, or a simulated device's derived from one), and for RMM's ``MemoryError``
-        whose message says ``out_of_memory``; False otherwise (a host ``MemoryError``
-        included).
-    """
+    """Whether ``exc`` reports device memory exhaustion: a class (or base) named
+    ``OutOfMemoryError`` (CuPy, simulated devices), or RMM's ``MemoryError`` saying
+    ``out_of_memory``; a host ``MemoryError`` is not."""
     if any(cls.__name__ in DEVICE_OOM_NAMES for cls in type(exc).__mro__):
         return True
     return isinstance(exc, MemoryError) and "out_of_memory" in str(exc).lower()
@@ -198,30 +166,22 @@ def check_number(value: Any, name: str, func: str, what: str, *, integer: bool =
     ----------
     value : Any
         The argument as given.
-    name : str
-        Its name (``"batch_size"``).
-    func : str
-        The caller, as the message names it (``"blockflow.ml.DataParallelTrainer"``).
-    what : str
-        What the argument means, with its unit (``"samples per step"``).
+    name, func, what : str
+        Its name, the caller as messages name it, and its meaning with its unit.
     integer : bool, default False
-        Whether it must be an integer (``bool`` is refused; an integral float is not).
+        Whether it must be an integer (``bool`` is refused).
     low, high : float, optional
         Bounds; ``low_open`` / ``high_open`` exclude them.
     none : bool, default False
-        Whether None is accepted (and returned as is).
+        Whether None is accepted (and returned).
     finite : bool, default True
         Whether infinity is refused (NaN always is).
 
     Raises
     ------
     ValueError
-        ``"<func>: <name> must be an integer >= 1 (<what>), got 0."``: the range, the
-        meaning and the value given. Also for NaN and non-numbers.
+        ``"<func>: <name> must be an integer >= 1 (<what>), got 0."``.
     """
-    import math
-    import numbers
-
     if value is None and none:
         return None
     kind = numbers.Integral if integer else numbers.Real

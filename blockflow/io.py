@@ -1,16 +1,10 @@
 """Atomic output: results are written to a hidden sibling folder and renamed into place.
 
-A run writes its Parquet tables and ``manifest.json`` inside :func:`atomic_output_dir`, which
-yields a temporary folder beside the requested output (same parent, so the final
-:func:`os.replace` is a rename within one file system). Only when everything has been written
-does the temporary folder take the output's name. A run that fails at any point deletes the
-temporary folder and leaves an existing output untouched, so readers never see a
-half-written result.
-
-A write that fails for a reason of the file system (no space left, read-only, a folder that
-cannot hold new folders such as ``/proc``) raises :class:`OutputWriteError`, an ``OSError``
-whose one-line message names the output folder, the OS error, that nothing was written, and
-the fix.
+:func:`atomic_output_dir` yields a temporary folder beside the output (same parent, so the
+final :func:`os.replace` is a rename within one file system); it takes the output's name only
+once everything is written, and a failed run deletes it and leaves an existing output
+untouched. A write the file system refuses raises :class:`OutputWriteError` with one line
+naming the output, the OS error, that nothing was written, and the fix.
 """
 
 from __future__ import annotations
@@ -28,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import numpy as np
+import pandas as pd
 
 __all__ = [
     "MANIFEST_NAME",
@@ -55,11 +50,8 @@ _NO_SPACE = {getattr(_errno, name) for name in ("ENOSPC", "EDQUOT") if hasattr(_
 class OutputWriteError(OSError):
     """Results could not be written: the file system refused (no space, read-only, ...).
 
-    ``errno`` and ``filename`` are those of the OS error (also the ``__cause__``). Raised by
-    :func:`atomic_output_dir` (and so by the workloads' ``output=``) with a message that
-    names the output folder (``output``), the OS error, that nothing was written, and the
-    fix; by :func:`write_parquet` / :func:`write_manifest` alone with one that names the
-    file (``output`` is None).
+    ``errno`` and ``filename`` are the OS error's (also the ``__cause__``); ``output`` is the
+    output folder when :func:`atomic_output_dir` raised it, None for a single file's write.
     """
 
     output: str | None = None
@@ -119,16 +111,14 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
     Raises
     ------
     FileExistsError
-        If ``path`` exists and is not a folder blockflow wrote (a file, a link, or a
-        non-empty folder without ``manifest.json``), whatever ``overwrite`` says:
-        overwriting never deletes other data, and the message says so at once (choose
-        another folder, or move it yourself); or if ``path`` is a blockflow output (or an
-        empty folder) and ``overwrite`` is False: the message names ``--overwrite``.
+        If ``path`` exists and is not a folder blockflow wrote (a file, a link, a non-empty
+        folder without ``manifest.json``), whatever ``overwrite`` says; or if it is one (or
+        an empty folder) and ``overwrite`` is False.
     PermissionError
         If the folder that would hold ``path`` is not writable.
     OutputWriteError
-        If that folder refuses a new folder all the same (a read-only or special file
-        system such as ``/proc``): a hidden probe folder is created there and removed again.
+        If that folder refuses a new folder all the same (e.g. ``/proc``), found by creating
+        and removing a hidden probe folder.
     """
     target = Path(os.path.abspath(os.fspath(path)))
     exists = target.exists() or target.is_symlink()
@@ -185,50 +175,38 @@ def _remove(path: Path) -> None:
 def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Write an output folder atomically: yield a temporary sibling, rename it on success.
 
-    The temporary folder is ``<parent>/.<name>.tmp-<uuid4 hex>`` (hidden, same parent as
-    ``path``). When the ``with`` block finishes without an exception it is renamed to
-    ``path``. If ``path`` already exists and ``overwrite`` is True, the old output is first
-    renamed aside to ``<parent>/.<name>.old-<uuid4 hex>``, the new folder is renamed in, and
-    only then is the old one deleted; if renaming the new folder in fails, the old output is
-    renamed back. On any exception inside the block the temporary folder is deleted and
-    ``path`` is left untouched; the exception propagates.
+    The temporary folder is ``<parent>/.<name>.tmp-<uuid4 hex>``. With ``overwrite`` an
+    existing output is renamed aside, the new one renamed in, and only then the old one
+    deleted (renamed back if the rename in fails). On any exception inside the block the
+    temporary folder is deleted, ``path`` is left untouched and the exception propagates.
 
     Parameters
     ----------
     path : str or path-like
-        The output folder to create (or replace). Missing parent folders are created (and
-        stay if the block fails).
+        The output folder to create or replace; missing parents are created.
     overwrite : bool, default False
-        Replace an existing ``path``. When False an existing ``path`` is an error, checked
-        both on entry (before any work is done) and again just before the final rename.
+        Replace an existing ``path``; checked on entry and again before the final rename.
 
     Yields
     ------
     pathlib.Path
-        The (empty) temporary folder to write into. :func:`write_parquet` and
-        :func:`write_manifest` given a path inside it return the file's final path, under
-        ``path``, where it is once the block has finished.
+        The empty temporary folder. :func:`write_parquet` and friends given a path inside it
+        return the file's final path under ``path``.
 
     Raises
     ------
     FileExistsError
-        If ``path`` exists and ``overwrite`` is False; the message names the path and
-        ``--overwrite``.
+        If ``path`` exists and ``overwrite`` is False.
     OutputWriteError
         If the temporary folder cannot be created or renamed, or a write inside the block
-        fails with :class:`OutputWriteError` (what :func:`write_parquet`,
-        :func:`write_manifest` and :func:`write_tables` raise) or with an OS error that can
-        only come from the file system (no space left, disk quota, file too large,
-        read-only). The temporary folder is deleted first; the message names ``path``, the
-        OS error, that nothing was written, and the fix.
+        fails with :class:`OutputWriteError` or an OS error only a file system raises (no
+        space, quota, file too large, read-only); the message names ``path``.
 
     Notes
     -----
-    Readers see either the old output or the complete new one, never a partial folder: on
-    POSIX file systems renaming a folder within one parent is atomic. With
-    ``overwrite=True`` there is a short window between the two renames where ``path`` does
-    not exist. A process killed mid-run (SIGKILL) leaves its hidden ``.tmp-`` folder behind;
-    it never takes the output's name.
+    Renaming a folder within one parent is atomic on POSIX file systems, so readers see the
+    old output or the complete new one (with ``overwrite``, ``path`` is briefly missing
+    between the two renames). A process killed by SIGKILL leaves its ``.tmp-`` folder.
 
     Examples
     --------
@@ -304,8 +282,6 @@ def _commit(tmp: Path, target: Path, overwrite: bool, token: str) -> None:
 
 def _to_host_frame(frame):
     """A pandas DataFrame for ``frame`` (cuDF frames are copied to host memory)."""
-    import pandas as pd
-
     if isinstance(frame, pd.DataFrame):
         return frame
     if hasattr(frame, "to_pandas"):
@@ -317,33 +293,12 @@ def _to_host_frame(frame):
 
 
 def write_parquet(frame, path: str | os.PathLike, *, index: bool | None = None) -> Path:
-    """Write a DataFrame to one Parquet file with pyarrow.
+    """Write a pandas or cuDF DataFrame (copied to the host) to one Parquet file with pyarrow.
 
-    Parameters
-    ----------
-    frame : pandas.DataFrame or cudf.DataFrame
-        The table; cuDF frames are copied to host memory first.
-    path : str or path-like
-        File to write (normally inside the folder yielded by :func:`atomic_output_dir`).
-    index : bool, optional
-        As in :meth:`pandas.DataFrame.to_parquet`: None stores a non-default index as
-        columns and a RangeIndex as metadata only.
-
-    Returns
-    -------
-    pathlib.Path
-        ``path``; inside :func:`atomic_output_dir`, the file's final path under the output
-        folder (where it is once the block has finished), not the temporary one.
-
-    Raises
-    ------
-    TypeError
-        If ``frame`` is not a pandas or cuDF DataFrame.
-    pyarrow.ArrowException
-        If a column cannot be converted to Arrow (e.g. mixed Python objects).
-    OutputWriteError
-        If the file system refuses the write (no space left, read-only, ...); the message
-        names the file and the OS error.
+    ``index`` is as in :meth:`pandas.DataFrame.to_parquet`. Returns ``path`` (inside
+    :func:`atomic_output_dir`, the file's final path). Raises ``TypeError`` for another
+    type, ``pyarrow.ArrowException`` for a column Arrow cannot hold, and
+    :class:`OutputWriteError` (naming the file) when the file system refuses.
     """
     path = Path(path)
     frame = _to_host_frame(frame)
@@ -388,24 +343,8 @@ def _clean_floats(obj: Any) -> Any:
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to the file ``path`` (a model, a CSV a workload serialised itself).
-
-    Parameters
-    ----------
-    path : str or path-like
-    data : bytes
-
-    Returns
-    -------
-    pathlib.Path
-        Where the file is once an enclosing :func:`atomic_output_dir` has finished.
-
-    Raises
-    ------
-    OutputWriteError
-        If the file system refuses (no space, file too large, read-only); the message
-        names the file, and :func:`atomic_output_dir` turns it into one naming the output.
-    """
+    """Write ``data`` (bytes) to the file ``path``; return its final path, as
+    :func:`write_parquet` does, or raise :class:`OutputWriteError` naming the file."""
     path = Path(path)
     try:
         with open(path, "wb") as fh:
@@ -418,27 +357,10 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 def write_manifest(directory: str | os.PathLike, manifest: Mapping[str, Any]) -> Path:
     """Write run metadata to ``<directory>/manifest.json``.
 
-    Parameters
-    ----------
-    directory : str or path-like
-        Folder to write into (normally the one yielded by :func:`atomic_output_dir`).
-    manifest : mapping
-        JSON-serialisable metadata. NumPy scalars and arrays, dates and paths are converted;
-        NaN and infinities are written as ``null`` (strict JSON). A ``created`` key (UTC,
-        ISO 8601) is added when missing.
-
-    Returns
-    -------
-    pathlib.Path
-        The manifest file (inside :func:`atomic_output_dir`, its final path, as for
-        :func:`write_parquet`).
-
-    Raises
-    ------
-    TypeError
-        If a value cannot be represented in JSON.
-    OutputWriteError
-        If the file system refuses the write; the message names the file and the OS error.
+    NumPy scalars and arrays, dates and paths are converted, NaN and infinities written as
+    ``null`` (strict JSON), and a ``created`` key (UTC, ISO 8601) added when missing.
+    Returns the file's final path, as :func:`write_parquet` does. Raises ``TypeError`` for a
+    value JSON cannot hold and :class:`OutputWriteError` when the file system refuses.
     """
     data = dict(manifest)
     data.setdefault("created", _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
@@ -453,27 +375,8 @@ def write_manifest(directory: str | os.PathLike, manifest: Mapping[str, Any]) ->
 
 
 def write_tables(directory: str | os.PathLike, tables: Mapping[str, Any]) -> dict[str, dict]:
-    """Write tables as ``<directory>/<name>.parquet`` (pyarrow, no index).
-
-    Parameters
-    ----------
-    directory : str or path-like
-        Folder to write into (normally the one yielded by :func:`atomic_output_dir`).
-    tables : mapping of str to DataFrame
-        File stem to pandas or cuDF table, e.g. ``{"by_carrier": df}`` ->
-        ``by_carrier.parquet``. Written with ``index=False``: keep keys in columns.
-
-    Returns
-    -------
-    dict of str to dict
-        Per table: ``{"file": "<name>.parquet", "rows": int, "columns": [str, ...]}``, ready
-        for the manifest's ``files`` entry.
-
-    Raises
-    ------
-    OutputWriteError
-        If the file system refuses a write (see :func:`write_parquet`).
-    """
+    """Write ``{name: table}`` as ``<directory>/<name>.parquet`` (pyarrow, no index) and
+    return ``{name: {"file", "rows", "columns"}}`` for the manifest's ``files`` entry."""
     files = {}
     for name, table in tables.items():
         write_parquet(table, Path(directory) / f"{name}.parquet", index=False)
@@ -489,32 +392,9 @@ def write_outputs(
     *,
     overwrite: bool = False,
 ) -> Path:
-    """Write tables as ``<name>.parquet`` plus ``manifest.json`` atomically into ``path``.
-
-    Parameters
-    ----------
-    path : str or path-like
-        Output folder (see :func:`atomic_output_dir`).
-    tables : mapping of str to DataFrame
-        File stem to table (see :func:`write_tables`).
-    manifest : mapping
-        Run metadata; a ``files`` entry (from :func:`write_tables`) is added.
-    overwrite : bool, default False
-        Replace an existing ``path``.
-
-    Returns
-    -------
-    pathlib.Path
-        The absolute output folder.
-
-    Raises
-    ------
-    FileExistsError
-        If ``path`` exists and ``overwrite`` is False; nothing is written.
-    OutputWriteError
-        If the file system refuses the write; nothing is written (see
-        :func:`atomic_output_dir`).
-    """
+    """Write tables as ``<name>.parquet`` plus ``manifest.json`` (with a ``files`` entry)
+    atomically into ``path`` (:func:`atomic_output_dir`); return the absolute folder.
+    Raises ``FileExistsError`` or :class:`OutputWriteError` with nothing written."""
     target = check_output_dir(path, overwrite)
     with atomic_output_dir(target, overwrite=overwrite) as tmp:
         files = write_tables(tmp, tables)

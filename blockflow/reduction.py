@@ -1,29 +1,28 @@
 """Tree reductions over dask arrays, dataframes and xarray objects, with a memory-aware fan-in.
 
-:func:`tree_reduce` builds on Dask's public reduction APIs (:func:`dask.array.reduction`,
-:meth:`dask.dataframe.DataFrame.reduction`). What blockflow adds is the choice of
-``split_every``: Dask's default (4 for arrays, 8 for dataframes) ignores how large blocks are
-and how much memory the reducing worker has. :func:`choose_split_every` sizes the fan-in so
-that ``split_every x block bytes`` stays under a fraction of the smallest worker's memory
-(device memory on GPU workers).
-
-It also decides the result dtype, the way NumPy would for the whole input (see
-:func:`result_dtypes`, in :mod:`blockflow.core.reduction_dtypes`): Dask's ``reduction`` needs one and hands it to ``chunk`` and
-``aggregate``, so taking the input's dtype made ``np.sum`` of ``int8`` blocks wrap around.
+:func:`tree_reduce` builds on :func:`dask.array.reduction` and ``DataFrame.reduction``,
+adding the fan-in choice of :mod:`blockflow.fan_in` and the result dtype NumPy would give
+for the whole input (:func:`result_dtypes`).
 """
 
 from __future__ import annotations
 
 import logging
+import inspect
 from typing import Any, Callable
 
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
+from dask.array.optimization import optimize
 from dask.array.utils import meta_from_array
-from dask.utils import format_bytes, parse_bytes
+from dask.base import tokenize
+from dask.core import flatten
+from dask.dataframe.utils import is_dataframe_like, is_series_like, meta_nonempty
+from dask.utils import parse_bytes
 
 from blockflow import config
+from blockflow._distributed.graph import alias_target, renamed_task
 from blockflow.core.kernel import Kernel, check_placement, check_retries
 from blockflow.core.reduction_dtypes import (
     _decomposition,
@@ -33,139 +32,17 @@ from blockflow.core.reduction_dtypes import (
 )
 from blockflow.blockwise import kernel_name, validate_array
 from blockflow.errors import not_a_collection
+from blockflow.fan_in import (
+    _array_block_bytes,
+    _check_split_every_dict,
+    _resolve_split_every,
+    choose_split_every,
+    smallest_worker_memory,
+)
 
 __all__ = ["choose_split_every", "result_dtypes", "smallest_worker_memory", "tree_reduce"]
 
 logger = logging.getLogger(__name__)
-
-
-def smallest_worker_memory(client=None) -> tuple[int, str]:
-    """Memory of the smallest worker of the current cluster, in bytes.
-
-    GPU workers (those reporting distributed's NVML key ``gpu-memory-total``) count their
-    device memory; CPU workers their host ``memory_limit``.
-
-    Parameters
-    ----------
-    client : distributed.Client, optional
-        Default: the current default client, if any.
-
-    Returns
-    -------
-    (int, str)
-        Bytes, and where the number comes from (``"device"``, ``"host"`` or ``"config"``
-        when no cluster is reachable: ``blockflow.reduction.default-worker-memory``).
-    """
-    if client is None:
-        try:
-            from distributed import default_client
-
-            client = default_client()
-        except ValueError:
-            client = None
-    sizes: list[tuple[int, str]] = []
-    if client is not None and client.status == "running":
-        # imported here: the scheduling package imports the kernel layer, which imports this
-        from blockflow.scheduling.view import worker_memory
-
-        try:
-            memory = worker_memory(client)
-        except Exception:  # a client that cannot reach its scheduler: fall back to config
-            memory = {}
-        for m in memory.values():
-            if m.total is not None:
-                sizes.append((int(m.total[0]), m.total[1]))
-    if not sizes:
-        return parse_bytes(config.get("reduction.default-worker-memory")), "config"
-    return min(sizes)
-
-
-def choose_split_every(
-    block_bytes: int,
-    worker_memory: int,
-    *,
-    memory_fraction: float | None = None,
-    min_split_every: int | None = None,
-    max_split_every: int | None = None,
-) -> int:
-    """Fan-in of a tree reduction so that ``fan-in x block_bytes <= fraction x worker_memory``.
-
-    A blockflow heuristic: each combine step holds ``split_every`` partial results at once on
-    one worker, so their bytes must fit a share of that worker's memory (the rest is for the
-    worker's other tasks and for spill headroom).
-
-    Parameters
-    ----------
-    block_bytes : int
-        Bytes of one block entering a combine step (an upper bound is fine).
-    worker_memory : int
-        Bytes of the smallest worker's memory (device memory on GPU workers).
-    memory_fraction : float, optional
-        Fraction 0-1; default ``blockflow.reduction.memory-fraction`` (0.25).
-    min_split_every, max_split_every : int, optional
-        Clamp; defaults from ``blockflow.reduction.min-split-every`` / ``max-split-every``.
-
-    Returns
-    -------
-    int
-        The fan-in, at least 2.
-    """
-    fraction = config.get("reduction.memory-fraction", memory_fraction)
-    lo = max(2, int(config.get("reduction.min-split-every", min_split_every)))
-    hi = max(lo, int(config.get("reduction.max-split-every", max_split_every)))
-    fits = int(fraction * worker_memory // max(int(block_bytes), 1))
-    return int(min(max(fits, lo), hi))
-
-
-def _array_block_bytes(x: da.Array) -> int:
-    itemsize = x.dtype.itemsize if x.dtype != object else 64
-    return int(np.prod([max(c) for c in x.chunks])) * itemsize
-
-
-def _check_split_every_dict(split_every: dict, ndim: int) -> dict[int, int]:
-    """Dask's per-axis fan-in ``{axis: n}`` for arrays: axes in range, fan-ins >= 2."""
-    out = {}
-    for ax, n in split_every.items():
-        if isinstance(ax, bool) or not isinstance(ax, (int, np.integer)) \
-                or not -ndim <= ax < ndim:
-            raise ValueError(
-                f"blockflow.tree_reduce: split_every={split_every!r} names axis {ax!r}, which "
-                f"the collection's {ndim} dimensions do not have; use axes from {-ndim} to "
-                f"{ndim - 1}."
-            )
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
-            raise ValueError(
-                f"blockflow.tree_reduce: split_every={split_every!r} gives axis {ax} a fan-in "
-                f"of {n!r}; each must be an int >= 2."
-            )
-        out[int(ax) % ndim] = int(n)
-    return out
-
-
-def _resolve_split_every(split_every, block_bytes, what: str) -> int:
-    split_every = config.get("reduction.split-every", split_every)
-    if split_every is not None:
-        if isinstance(split_every, bool) or not isinstance(split_every, (int, np.integer)):
-            raise TypeError(
-                f"blockflow.tree_reduce: split_every must be an int >= 2 or None, got "
-                f"{split_every!r}."
-            )
-        if split_every < 2:
-            raise ValueError(
-                f"blockflow.tree_reduce: split_every={split_every} is too small; a tree "
-                f"reduction combines at least 2 blocks per step (use split_every >= 2, or "
-                f"None to size it from worker memory)."
-            )
-        return int(split_every)
-    memory, source = smallest_worker_memory()
-    chosen = choose_split_every(block_bytes, memory)
-    logger.info(
-        "tree_reduce of %s: split_every=%d (%d x %s blocks within %.0f%% of the smallest "
-        "worker's %s memory, %s)",
-        what, chosen, chosen, format_bytes(block_bytes),
-        100 * config.get("reduction.memory-fraction"), source, format_bytes(memory),
-    )
-    return chosen
 
 
 def tree_reduce(
@@ -190,81 +67,60 @@ def tree_reduce(
 ):
     """Reduce a Dask collection with a tree of ``chunk``, ``combine`` and ``aggregate`` tasks.
 
+    Built on :func:`dask.array.reduction` and ``DataFrame.reduction``; the tree shape is
+    Dask's (``ceil(log_split_every(n_blocks))`` levels of ``combine``).
+
     Parameters
     ----------
     collection : dask.array.Array, dask.dataframe.DataFrame/Series, or xarray.DataArray
         Any chunking. Arrays need known chunk sizes and at least one element.
     chunk : callable
-        Applied to every block. Arrays: ``chunk(block, axis=, keepdims=)`` as in
-        :func:`dask.array.reduction`. Dataframes: ``chunk(partition)`` returning a pandas
-        (or cuDF) object. Given alone, it also reduces the partials, so it must combine with
-        itself (``np.sum``, ``np.prod``, ``np.min``, ``np.max``, ``np.any``, ``np.all`` and
-        their nan- forms). For arrays, ``np.mean``, ``np.var``, ``np.std`` (ddof 0), their
-        nan- forms and ``np.count_nonzero`` given alone are run as a proper decomposition
-        (counts and sums; Chan et al.'s moments merge, :mod:`blockflow.core.moments`);
-        ``np.median``, percentiles, quantiles, ``np.ptp``, arg-reductions and
-        ``np.average`` given alone are refused (``ValueError``), as are NumPy's mean, var,
-        std and count_nonzero given alone for dataframes.
+        Applied to every block: ``chunk(block, axis=, keepdims=)`` for arrays, as in
+        :func:`dask.array.reduction`; ``chunk(partition)`` for dataframes. Given alone it
+        also reduces the partials, so it must combine with itself (``np.sum``, ``np.max``,
+        ...). For arrays, ``np.mean``, ``np.var``, ``np.std`` (ddof 0), their nan- forms and
+        ``np.count_nonzero`` alone run as a proper decomposition (Chan et al.'s moments
+        merge); ``np.median``, percentiles, ``np.ptp``, arg-reductions and ``np.average``
+        alone are refused.
     combine : callable, optional
-        Merges ``split_every`` partial results (concatenated along the reduced axes for
-        arrays unless ``concatenate=False``; concatenated rows for dataframes). Default:
-        ``aggregate``.
+        Merges ``split_every`` partial results (concatenated unless ``concatenate=False``).
+        Default: ``aggregate``.
     aggregate : callable, optional
-        Final step, same calling convention as ``combine``. Default: ``chunk``.
+        Final step, called as ``combine``. Default: ``chunk``.
     split_every : int or dict of int to int, optional
-        Fan-in of each tree level, >= 2. Default ``blockflow.reduction.split-every``; if that
-        is None, :func:`choose_split_every` sizes it from the largest block and the smallest
-        worker's memory (logged at INFO on the ``blockflow.reduction`` logger). Arrays also
-        take Dask's per-axis form ``{axis: fan-in}``.
+        Fan-in of each level, >= 2. Default ``blockflow.reduction.split-every``, else sized
+        by :func:`choose_split_every` from the largest block and the smallest worker's
+        memory (logged on ``blockflow.reduction``). Arrays also take ``{axis: fan-in}``.
     axis : int or tuple of int, optional
         Arrays: the axes to reduce (default all).
     dim : str or tuple of str, optional
-        xarray: the dimensions to reduce (default all); the result keeps the other dimensions
-        and their coordinates.
+        xarray: the dimensions to reduce (default all).
     keepdims : bool, default False
         Arrays: keep reduced axes with length 1.
     dtype : numpy dtype, optional
-        Arrays: dtype of the result; the result is cast to it. Default: what NumPy gives for
-        the same reduction of the whole input, found by running the steps on a one-element
-        sample (:func:`result_dtypes`): ``np.sum``/``np.prod`` of bool and small integers in
-        the platform integer (``uint8`` -> ``uint64``), ``np.mean``/``var``/``std`` of
-        integers in float64 (float16/float32 keep theirs), ``np.min``/``np.max`` the input's,
-        ``np.any``/``np.all`` bool. When the sample raises, the input's dtype is declared and
-        the steps follow their own rules. Steps with a ``dtype`` parameter are called with
-        one: ``chunk`` and ``combine`` the result's dtype widened to their partials' natural
-        one (partials never narrow), ``aggregate`` the result's. Dataframe reductions keep
-        the dtypes pandas gives for the steps.
+        Arrays: the result's dtype. Default: what NumPy gives for the same reduction of the
+        whole input (:func:`result_dtypes`, e.g. ``np.sum`` of ``uint8`` in ``uint64``).
+        Steps with a ``dtype`` parameter get one; partials never narrow.
     meta : object, optional
         Metadata of the result (dataframes: as in ``DataFrame.reduction``).
     concatenate : bool, default True
-        Arrays: concatenate partial results before ``combine`` / ``aggregate``; set False
-        when ``chunk`` returns dicts or other non-array partials (``combine`` then gets
-        nested lists).
+        Arrays: concatenate partials before ``combine``/``aggregate``; False for non-array
+        partials (``combine`` then gets nested lists).
     block_bytes : int, optional
-        Bytes of one block, for sizing ``split_every``; default the largest array block, or
-        ``blockflow.reduction.dataframe-block-bytes`` for dataframes (partition sizes are not
-        known without computing them).
+        Bytes of one block for sizing ``split_every``; default the largest array block, or
+        ``blockflow.reduction.dataframe-block-bytes``.
     name : str, optional
-        Task-name prefix (``blockflow-`` is prepended).
+        Task-name prefix (``blockflow-`` is prepended; arrays only, dask-expr names
+        dataframe reductions itself).
     retries : int, optional
-        Extra attempts of a ``chunk``, ``combine`` or ``aggregate`` task whose function
-        raises (default 0): as everywhere in blockflow, the task is run up to ``retries``
-        more times before it fails with :class:`~blockflow.BlockKernelError`. As in
-        :func:`blockflow.map_blocks`, the attempts run in place, inside the task on the
-        same worker, because Dask's graph optimisation drops ``dask.annotate(retries=...)``
-        annotations; pass ``retries=`` to ``client.compute`` to have the scheduler retry
-        every task of the graph on any worker instead. Given both, they combine to the
-        larger: ``1 + max(retries, d)`` attempts of a step in all with
-        ``client.compute(..., retries=d)``, never the product.
+        Extra attempts, in place inside the task, of a step whose function raises (default
+        0); with ``client.compute(..., retries=d)``, ``1 + max(retries, d)`` in all.
     resources : dict of str to float, optional
-        Worker resources each ``chunk``, ``combine`` and ``aggregate`` task needs while it
-        runs, e.g. ``{"GPU": 1}``; applied to the tasks by blockflow's scheduler plugin
-        whatever Dask's graph optimisation fuses, as in :func:`blockflow.map_blocks` (see
-        there).
+        Worker resources each task needs, as in :func:`blockflow.map_blocks`.
     workers : str or list of str, optional
-        Workers that may run those tasks (distributed's ``workers=``).
+        Workers that may run the tasks (distributed's ``workers=``).
     allow_other_workers : bool, optional
-        With ``workers``: other workers may run them when those cannot.
+        With ``workers``: others may run them when those cannot.
 
     Returns
     -------
@@ -276,29 +132,16 @@ def tree_reduce(
         If ``collection`` is not a Dask collection, ``split_every`` is not an int, or ``axis``
         is not an int or a tuple of ints.
     ValueError
-        If ``split_every < 2``, array chunk sizes are unknown, ``retries`` is not an int
-        >= 0, ``resources``/``workers``/``allow_other_workers`` are invalid (as in
-        :func:`blockflow.map_blocks`), ``chunk`` alone is a NumPy function that cannot reduce its own partials
-        (``np.median``, ...; the message names what to use), or ``axis`` names an axis the array does not have or the same axis twice
-        (the message names the axis and the array's number of dimensions).
+        If ``split_every < 2``, chunk sizes are unknown, ``retries`` or the placement
+        arguments are invalid, ``chunk`` alone cannot reduce its own partials (the message
+        names what to use), or ``axis`` is out of range or repeated.
     EmptyCollectionError
         If an array has no elements.
     BlockKernelError
-        At compute time, if ``chunk``, ``combine`` or ``aggregate`` raises (on its last
-        attempt): ``"blockflow tree_reduce: chunk function 'f' failed after 2 attempts:
-        ZeroDivisionError: division by zero"`` names the step, the function, the attempts
-        (when more than one) and the original exception, which is chained as ``__cause__``.
+        At compute time, if a step raises on its last attempt; the message names the step,
+        the function, the attempts and the original exception.
     DeviceMemoryError
-        At compute time, if one of them runs out of device memory (as in
-        :func:`blockflow.map_blocks`); a subclass of :class:`BlockKernelError`.
-
-    Notes
-    -----
-    Array reductions name their tasks ``blockflow-<chunk>``, ``-partial`` and ``-aggregate``;
-    dataframe reductions keep dask-expr's own names (``chunk-*``, ``customreduction-tree-*``),
-    which its lowering sets regardless of ``name``.
-    The tree shape is Dask's: ``depth = ceil(log_split_every(n_blocks))`` levels of
-    ``combine``. For multi-axis array reductions Dask splits the fan-in across the axes.
+        At compute time, if a step runs out of device memory.
     """
     retries = check_retries(retries, "blockflow.tree_reduce")
     placement = check_placement(resources, workers, allow_other_workers,
@@ -426,10 +269,6 @@ def optimize_without_aliases(dsk, keys, **kwargs):
     by the target itself, renamed: one task per block, then the tree. A blockflow heuristic
     on top of :func:`dask.array.optimization.optimize`.
     """
-    from dask.array.optimization import optimize
-
-    from blockflow._distributed.graph import alias_target, renamed_task
-
     dsk = dict(optimize(dsk, keys, **kwargs))
     dependents: dict = {}
     for node in dsk.values():
@@ -449,8 +288,6 @@ def optimize_without_aliases(dsk, keys, **kwargs):
 
 
 def flatten_keys(keys):
-    from dask.core import flatten
-
     return flatten(keys) if isinstance(keys, list) else [keys]
 
 
@@ -480,8 +317,6 @@ class _ReductionStep(Kernel):
 
     def __init__(self, func, stage: str, retries: int = 0, label: str | None = None,
                  placement: dict | None = None):
-        import inspect
-
         super().__init__(func, retries, step=stage, placement=placement)
         self.__wrapped__ = inspect.unwrap(func)  # e.g. np.sum's Python implementation
         self.stage = stage
@@ -505,8 +340,6 @@ class _ReductionStep(Kernel):
         return out
 
     def __dask_tokenize__(self):
-        from dask.base import tokenize
-
         return (type(self).__name__, tokenize(self.func), self.stage, self.retries,
                 str(self.dtype), str(self.cast), repr(self.placement))
 
@@ -590,8 +423,6 @@ class _FrameStep:
         return _Empty(out) if all_empty and self.step.stage == "combine" else out
 
     def _empty(self, part, out, kwargs):
-        from dask.dataframe.utils import is_dataframe_like, is_series_like, meta_nonempty
-
         if is_series_like(out) and is_dataframe_like(part):  # one value per column
             try:
                 sample = self.step.func(meta_nonempty(part), **kwargs)
@@ -605,8 +436,6 @@ class _FrameStep:
         return _Empty(out)
 
     def __dask_tokenize__(self):
-        from dask.base import tokenize
-
         return (type(self).__name__, tokenize(self.step))
 
 

@@ -1,31 +1,18 @@
 """The kernel wrapper: how a blockflow task runs a user's function on one block.
 
-:func:`blockflow.map_blocks` and :func:`blockflow.tree_reduce` (its ``chunk``, ``combine``
-and ``aggregate`` steps) both run the user's function through :class:`Kernel`, which adds
-three things inside the task: in-place retries (``retries=``), an error that names the block
-or reduction step that failed (:class:`~blockflow.BlockKernelError`), and device
-out-of-memory errors translated into :class:`~blockflow.DeviceMemoryError`.
+:func:`blockflow.map_blocks` and :func:`blockflow.tree_reduce` run the user's function
+through :class:`Kernel`, which adds inside the task: in-place retries, an error naming the
+block or reduction step that failed (:class:`~blockflow.BlockKernelError`), and device
+out-of-memory errors as :class:`~blockflow.DeviceMemoryError`. ``resources=``, ``workers=``
+and ``allow_other_workers=`` travel on the kernel object inside each task, which Dask's graph
+optimisation cannot drop; the scheduler plugin reads them there.
 
-``resources=``, ``workers=`` and ``allow_other_workers=`` (where a kernel's tasks may run) travel
-the same way, on the kernel object inside each task, so that Dask's graph optimisation cannot
-drop them: blockflow's scheduler plugin finds them in the tasks of each graph that arrives
-and restricts those tasks (:func:`blockflow._distributed.task_placement`), and a kernel that
-lands on a worker without the resources it asked for (a scheduler without the plugin) fails
-with :class:`~blockflow.errors.ResourceError` instead of running there.
-
-``retries`` means the same everywhere in blockflow: *a task whose kernel raises is run up to
-``retries`` more times* (1 + ``retries`` attempts in all, 0 by default). Here the attempts
-run in place, in the same task on the same worker: Dask's graph optimisation (linear fusion
-of array tasks, dask-expr's lowering of dataframes) drops ``dask.annotate(retries=...)``, so
-an annotation would not reach the scheduler reliably. blockflow's workloads and CLI
-(``blockflow run ... --retries n``) pass the same number to ``client.compute(retries=)``
-instead, where distributed's scheduler reruns the erred task, on any worker.
-
-When both are given (``map_blocks(retries=b)`` computed with ``client.compute(retries=d)``),
-they combine to the larger, never to the product: a block is attempted at most
-``1 + max(b, d)`` times in all. Each of distributed's runs of the task tries the kernel once,
-except its first run, which also makes the ``max(b - d, 0)`` extra attempts only blockflow
-asked for (:meth:`Kernel._attempt_plan`, which asks the scheduler which run this is).
+``retries`` means everywhere in blockflow: up to ``retries`` more attempts of a task whose
+kernel raises. They run in place because graph optimisation drops
+``dask.annotate(retries=...)``. Combined with distributed's task retries
+(``client.compute(retries=d)``), a block is attempted at most ``1 + max(retries, d)`` times:
+the first run makes the ``max(retries - d, 0)`` extra attempts only blockflow asked for
+(:meth:`Kernel._attempt_plan`).
 """
 
 from __future__ import annotations
@@ -37,6 +24,12 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from dask.utils import format_bytes, funcname
+from distributed import Reschedule, get_client, get_worker
+
+from blockflow import _distributed
+from blockflow._distributed import current_worker_resources
+from blockflow.core import speculation as _speculation
+from blockflow.core.speculation import in_backup_copy
 
 from blockflow.errors import (
     BlockKernelError,
@@ -45,6 +38,7 @@ from blockflow.errors import (
     is_device_oom,
     requested_bytes,
 )
+from blockflow.scheduling.view import worker_memory
 
 __all__ = ["Kernel", "check_placement", "check_retries", "device_memory_error",
            "largest_free_device_memory"]
@@ -87,21 +81,19 @@ def check_placement(resources: Any, workers: Any, allow_other_workers: Any,
     Parameters
     ----------
     resources : mapping of str to float, optional
-        Worker resources each task needs while it runs (``{"GPU": 1}``): only workers that
-        declare at least that much run it (``dask worker --resources GPU=1``; blockflow's
-        GPU workers declare ``GPU=1``).
+        Worker resources each task needs while it runs (``{"GPU": 1}``).
     workers : str or sequence of str, optional
-        Worker addresses, names (strings or ints) or host names that may run the tasks.
+        Worker addresses, names or host names that may run the tasks.
     allow_other_workers : bool, optional
-        With ``workers``: other workers may run the tasks when those are busy or gone.
+        With ``workers``: other workers may run the tasks when those cannot.
     func : str
         The caller, as messages name it (``"blockflow.map_blocks"``).
 
     Returns
     -------
     dict or None
-        ``{"resources": dict or None, "workers": tuple or None, "allow_other_workers":
-        bool}``, or None when nothing was asked.
+        ``{"resources": ..., "workers": tuple or None, "allow_other_workers": bool}``, or
+        None when nothing was asked.
 
     Raises
     ------
@@ -109,8 +101,8 @@ def check_placement(resources: Any, workers: Any, allow_other_workers: Any,
         ``resources`` not a mapping, ``workers`` not a string or strings,
         ``allow_other_workers`` not a bool.
     ValueError
-        A resource amount that is not a number > 0, an empty ``workers``, or
-        ``allow_other_workers=True`` without ``workers``.
+        A resource amount not > 0, an empty ``workers``, or ``allow_other_workers=True``
+        without ``workers``.
     """
     if resources is not None:
         if not isinstance(resources, Mapping):
@@ -157,8 +149,6 @@ def _check_worker_resources(label: str, step: str | None, resources: dict) -> No
     """Refuse to run a kernel on a worker that lacks the resources it asked for (a scheduler
     without blockflow's plugin placed it there); anywhere outside a distributed worker (the
     local schedulers) resources mean nothing and the kernel runs."""
-    from blockflow._distributed import current_worker_resources
-
     here = current_worker_resources()
     if here is None:
         return
@@ -178,40 +168,31 @@ class Kernel:
     """A user's function as a blockflow task runs it: retried in place, failures labelled.
 
     Picklable when the function is. Subclasses (the wrappers of ``map_blocks`` and
-    ``tree_reduce``) decide the calling convention and what a block is called; they call
-    :meth:`run` on real blocks.
+    ``tree_reduce``) decide the calling convention and call :meth:`run` on real blocks.
 
     Parameters
     ----------
     func : callable
         The user's function.
     retries : int, default 0
-        Extra attempts when ``func`` raises (validated by :func:`check_retries`).
+        Extra attempts when ``func`` raises (:func:`check_retries`).
     step : str, optional
         The tree-reduction step (``"chunk"``, ``"combine"``, ``"aggregate"``); None for a
-        blockwise kernel. It selects the wording of errors: ``"blockflow kernel 'f' failed
-        on block (3,) ..."`` or ``"blockflow tree_reduce: chunk function 'f' failed ..."``.
+        blockwise kernel. It selects the wording of errors.
     working_set : int or dict, optional
-        Device memory the function needs, bytes: one number for every block, or a dict
-        from block index (the task key without its name) to bytes. The scheduler plugin reads
-        it through :meth:`blockflow_working_set` to place each block where it fits.
+        Device memory the function needs, in bytes: one number, or a dict from block index
+        to bytes (read by the scheduler plugin through :meth:`blockflow_working_set`).
     placement : dict, optional
-        Where the tasks may run, as :func:`check_placement` returns it; the scheduler plugin
-        reads it through :meth:`blockflow_placement` and restricts the tasks.
+        Where the tasks may run, as :func:`check_placement` returns it.
     speculative : bool, default True
-        Whether a straggling task may get a backup copy on another worker (the function
-        must then be idempotent: same blocks in, same result out, no side effects that
-        matter twice); see :mod:`blockflow.core.speculation`.
+        Whether a straggling task may get a backup copy (the function must then be
+        idempotent); see :mod:`blockflow.core.speculation`.
 
     Notes
     -----
-    A block that runs out of device memory while another worker has enough free device
-    memory for it is not an error: the task raises :class:`distributed.Reschedule` and the
-    scheduler places it again (on a worker where it fits, when the dynamic policy placed it
-    by its working set), at most :data:`MAX_RESCHEDULES` times from one worker (a scheduler
-    that knows nothing of device memory may keep choosing the same, idle, too-small
-    device). :class:`~blockflow.DeviceMemoryError` is raised when no other worker has that
-    much free device memory, or after those attempts.
+    A block that runs out of device memory while another worker has room for it raises
+    :class:`distributed.Reschedule`, at most :data:`MAX_RESCHEDULES` times from one worker;
+    :class:`~blockflow.DeviceMemoryError` is raised when no worker has room, or after those.
     """
 
     #: Logger of the retry warnings (subclasses log under their own module's name).
@@ -268,8 +249,6 @@ class Kernel:
         placement = getattr(self, "placement", None)
         if placement and placement["resources"] and not placement["allow_other_workers"]:
             _check_worker_resources(self.label, self.step, placement["resources"])
-        from blockflow.core import speculation as _speculation
-
         return _speculation.run_kernel(self, lambda: self._attempts(where, args, kwargs),
                                        args, kwargs)
 
@@ -283,8 +262,6 @@ class Kernel:
                 return self.func(*args, **kwargs)
             except Exception as e:
                 if is_device_oom(e) and _fits_on_another_worker(e) and _may_reschedule():
-                    from distributed import Reschedule
-
                     self.logger.info("blockflow kernel %r ran out of device memory on %s; "
                                      "another worker has room: rescheduled", self.label,
                                      where())
@@ -317,9 +294,6 @@ class Kernel:
             Extra attempts allowed in this run, attempts made by the task's earlier runs,
             and attempts in all.
         """
-        from blockflow import _distributed
-        from blockflow.core.speculation import in_backup_copy
-
         if in_backup_copy():
             # a backup copy is one more call beside the task's own attempts: if it fails,
             # the original runs on with its retries
@@ -433,8 +407,6 @@ _reschedules: dict = {}  # task key -> times this worker process rescheduled it
 
 def _current_key():
     try:
-        from distributed import get_worker
-
         return get_worker().get_current_task()
     except Exception:  # not in a task on a worker
         return None
@@ -456,8 +428,6 @@ def _may_reschedule() -> bool:
 
 def _this_worker() -> str | None:
     try:
-        from distributed import get_worker
-
         return get_worker().address
     except Exception:  # not in a task on a worker
         return None
@@ -490,10 +460,6 @@ def largest_free_device_memory(exclude: str | None = None) -> tuple[int | None, 
         when no worker reports device memory or no scheduler is reachable.
     """
     try:
-        from distributed import get_client
-
-        from blockflow.scheduling.view import worker_memory
-
         memory = worker_memory(get_client())
     except Exception as e:  # outside a cluster, or the scheduler is gone: say "unknown"
         logging.getLogger(__name__).info(

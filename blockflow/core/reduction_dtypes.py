@@ -68,35 +68,28 @@ def result_dtypes(
 ) -> tuple[np.dtype | None, np.dtype | None]:
     """The dtypes a tree reduction's partials and result naturally have, found by running it.
 
-    The steps run once, as their tasks would, on an empty sample of ``x``'s dtype and array
-    type (as Dask calls functions on empty ``meta``), or, when they refuse empty input
-    (``np.min``), on one element per axis (ones): ``chunk(sample, axis=, keepdims=True)``,
-    then ``combine``
-    and ``aggregate`` on that single partial (nested one list per reduced axis when
-    ``concatenate=False``). NumPy's dtype rules depend on the dtypes, not the values or
-    sizes, so this gives what NumPy gives on the whole input: ``np.sum`` of ``int8`` ->
-    ``int64``, of ``uint8`` -> ``uint64``, of ``bool`` -> ``int64``; ``np.mean`` of ints ->
-    ``float64``, of ``float16`` -> ``float16``; ``np.max`` keeps the dtype; ``np.any`` ->
-    ``bool``. Method: Dask's own dtype inference for its reductions
+    The steps run once on an empty sample of ``x``'s dtype and array type (or one element per
+    axis when they refuse empty input): NumPy's dtype rules depend on dtypes, not values, so
+    this gives what NumPy gives on the whole input (``np.sum`` of ``uint8`` -> ``uint64``,
+    ``np.mean`` of ints -> ``float64``). Method: Dask's own dtype inference for its reductions
     (``np.sum(np.ones(1, dtype)).dtype`` in :func:`dask.array.sum`).
 
     Parameters
     ----------
     x : dask.array.Array
-        The input (only its dtype, dimensions and ``_meta`` type are used).
+        The input (its dtype, dimensions and ``_meta`` type).
     chunk, combine, aggregate : callable
-        The steps, as :func:`tree_reduce` takes them (``combine`` defaults to ``aggregate``,
-        which defaults to ``chunk``).
+        The steps, as :func:`blockflow.tree_reduce` takes them.
     axis : tuple of int, optional
         Reduced axes, non-negative (default all).
-    keepdims : bool, default False
-    concatenate : bool, default True
+    keepdims, concatenate : bool
+        As in :func:`blockflow.tree_reduce`.
 
     Returns
     -------
     (numpy.dtype or None, numpy.dtype or None)
-        The dtype of ``chunk``'s partials (None when they are not arrays, e.g. dicts) and of
-        the result; ``(None, None)`` when a step raises on the sample or returns no array.
+        The dtype of ``chunk``'s partials (None when they are not arrays) and of the result;
+        ``(None, None)`` when a step raises on the sample or returns no array.
     """
     combine = combine or aggregate or chunk
     aggregate = aggregate or combine

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from distributed.protocol import to_serialize
 
-from blockflow import _distributed
+from blockflow import _distributed, config
 from blockflow._distributed.speculation import SpeculationHandlers
 
 __all__ = ["SpeculationHandlers", "cancelled", "in_backup_copy", "run_kernel"]
@@ -76,8 +76,6 @@ class _Slot:
 
 
 def _enabled() -> bool:
-    from blockflow import config
-
     return bool(config.get("speculation.enabled"))
 
 

@@ -491,7 +491,7 @@ def test_map_blocks_and_tree_reduce_run_kernels_through_one_wrapper(monkeypatch)
     out = blockflow.tree_reduce(x, np.sum, split_every=2, retries=2)
     assert out.compute(scheduler="sync") == -8
     assert sorted(set(ran)) == [
-        ("blockflow.blockwise", "block (0,)", 1), ("blockflow.blockwise", "block (1,)", 1),
+        ("blockflow.block_kernels", "block (0,)", 1), ("blockflow.block_kernels", "block (1,)", 1),
         ("blockflow.reduction", "a tree_reduce aggregate step", 2),
         ("blockflow.reduction", "a tree_reduce chunk step", 2)]
 

@@ -1,4 +1,4 @@
-"""Skew-aware blocks and block sizing for devices (blockflow.decompose), on real clusters.
+"""Skew-aware blocks and block sizing for devices (blockflow.decompose, blockflow.block_sizing), on real clusters.
 
 Property tests (hypothesis) check that re-cutting blocks never changes values or their order
 (arrays of any dtype, dataframes with empty partitions); the rest checks the rules (5x the
@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 import blockflow
 from blockflow.scheduling.view import workers_info
-from blockflow.decompose import fit_blocks, recorded_resizes, split_skewed
+from blockflow.block_sizing import fit_blocks
+from blockflow.decompose import recorded_resizes, split_skewed
 from blockflow.testing import set_tenant, simulated_cluster
 
 GiB, MiB = 2**30, 2**20

@@ -1,0 +1,177 @@
+"""The command line's options and their checks, shared by the ``run`` commands."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import click
+from dask.utils import parse_timedelta
+
+_GPU_CHOICES = {"auto": "auto", "true": True, "false": False}
+
+
+def _cluster_options(command: Callable) -> Callable:
+    """The options that choose or start the cluster, shared by the ``run`` commands."""
+    options = [
+        click.option("--address", metavar="ADDRESS", default=None,
+                     help="Scheduler to connect to (tcp://host:8786). Default: start an "
+                          "embedded cluster on this machine."),
+        _timeout_option,
+        click.option("--gpu", type=click.Choice(list(_GPU_CHOICES)), default=None,
+                     help="Embedded cluster: GPU workers (LocalCUDACluster) if available "
+                          "(auto), required (true) or never (false). Default: the "
+                          "blockflow.cluster.gpu setting (auto)."),
+        click.option("--n-workers", type=click.IntRange(min=1), default=None,
+                     help="Embedded cluster: number of workers. Default: one per GPU, or "
+                          "distributed's default on CPU."),
+        click.option("--threads-per-worker", type=click.IntRange(min=1), default=None,
+                     help="Embedded cluster: threads per worker."),
+        click.option("--policy", type=_PolicyChoice(), default=None,
+                     help="Policy of blockflow's scheduler plugin. Default: the "
+                          "blockflow.cluster.policy setting (dynamic)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+class _PolicyChoice(click.Choice):
+    """The names in :data:`blockflow.scheduling.POLICIES`, read when an option is checked or
+    the help is shown: importing the scheduling package (and distributed) waits until a
+    command runs, so ``blockflow --help`` is quick and a Ctrl-C while a command starts is
+    the command's to handle."""
+
+    def __init__(self):
+        super().__init__([])
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        from blockflow.scheduling import POLICIES
+
+        return tuple(POLICIES)
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ sets it; the registry rules
+        pass
+
+
+class _Duration(click.ParamType):
+    """A time: seconds or a string :func:`dask.utils.parse_timedelta` reads ("30s", "2min")."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        try:
+            seconds = parse_timedelta(value)
+        except (ValueError, KeyError, TypeError):
+            seconds = None
+        if seconds is None or not seconds > 0:
+            self.fail(f"{value!r} is not a duration above 0; give seconds or a time with a "
+                      f"unit, e.g. 30 or '2min'.", param, ctx)
+        return seconds
+
+
+_timeout_option = click.option(
+    "--timeout", type=_Duration(), default=None, metavar="DURATION",
+    help="With --address: how long to wait for the scheduler (seconds, or 30s, 2min); a "
+         "refused connection is retried until then, for a scheduler that is still starting. "
+         "Default: the blockflow.cluster.connect-timeout setting (5s).")
+
+
+class _OptionError(click.ClickException):
+    """A bad option value that blockflow checks itself (``--scale 0``, a malformed
+    ``--address``): ``Error: <message>`` and exit status 2, as for click's own checks of
+    option types and ranges, without click's usage lines."""
+
+    exit_code = 2
+
+
+def _check_cluster_options(address: str | None, gpu: str | None, n_workers: int | None,
+                           threads_per_worker: int | None, timeout: float | None = None
+                           ) -> None:
+    """Options of the embedded cluster make no sense with --address, nor --timeout without
+    it: refuse, don't ignore."""
+    if address is None:
+        if timeout is not None:
+            raise _OptionError("--timeout only applies with --address (how long to wait for "
+                               "that scheduler); the embedded cluster is started here.")
+        return
+    given = [name for name, value in (("--gpu", gpu), ("--n-workers", n_workers),
+                                      ("--threads-per-worker", threads_per_worker))
+             if value is not None]
+    if given:
+        verb = "applies" if len(given) == 1 else "apply"
+        raise _OptionError(
+            f"{', '.join(given)} only {verb} to the embedded cluster and cannot be combined "
+            f"with --address; size the workers of {address} where they are started."
+        )
+
+
+def _check_address(address: str) -> None:
+    """A scheduler address must look like ``[tcp://|tls://|ucx://]host:port``."""
+    from distributed.comm import parse_address
+    from distributed.comm.addressing import parse_host_port
+
+    port = None
+    try:
+        scheme, loc = parse_address(address)
+        if scheme not in ("tcp", "tls", "ucx", "inproc"):
+            raise ValueError(scheme)
+        if scheme != "inproc":
+            _, port = parse_host_port(loc)
+    except (ValueError, TypeError):
+        raise _OptionError(
+            f"--address {address!r} is not a scheduler address; give "
+            f"tcp://host:port (or tls://host:port), e.g. tcp://10.0.0.5:8786."
+        ) from None
+    if port is not None and not 1 <= port <= 65535:
+        raise _OptionError(
+            f"--address {address!r} has port {port}, outside 1-65535; give the port the "
+            f"scheduler listens on, e.g. tcp://10.0.0.5:8786."
+        )
+
+
+def _output_options(default: str, help: str) -> Callable:
+    """``--output`` (default folder ``default``, described by ``help``) and ``--overwrite``,
+    shared by the ``run`` commands."""
+    def decorate(command: Callable) -> Callable:
+        command = click.option("--overwrite", is_flag=True,
+                               help="Replace --output if it exists.")(command)
+        return click.option("--output", type=click.Path(), default=default,
+                            show_default=True, help=help)(command)
+    return decorate
+
+
+_retries_option = click.option(
+    "--retries", type=click.IntRange(min=0), default=0, show_default=True,
+    help="Extra attempts of a task that raises, on any worker (distributed's task retries).")
+
+
+def _progress(no_progress: bool) -> bool | None:
+    return False if no_progress else None  # None: a bar when stdout is a terminal
+
+
+def _objective(kind: str | None, deadline: str | None, budget: float | None):
+    """The run's :func:`blockflow.objective` from ``--objective/--deadline/--budget`` (a
+    no-op context without them).
+
+    Raises
+    ------
+    ValueError
+        One line naming the option to fix (a deadline without ``--objective cost``...).
+    """
+    if kind is None and deadline is None and budget is None:
+        return contextlib.nullcontext()
+    from blockflow.pools.objective import objective
+
+    if kind is None:
+        kind = "cost" if deadline is not None else "makespan"
+    if kind == "cost" and deadline is None:
+        raise ValueError("--objective cost needs --deadline (the cheapest run that meets "
+                         "it), e.g. --deadline 10m.")
+    try:
+        return objective(kind, deadline=deadline, budget=budget)
+    except ValueError as e:
+        raise ValueError(str(e).replace("blockflow.objective: ", "").replace(
+            "deadline=", "--deadline").replace("budget=", "--budget")) from None

@@ -1,0 +1,287 @@
+"""A command's session: connect to or start the cluster, stop on SIGINT/SIGTERM, shut down.
+
+SIGINT (Ctrl-C) and SIGTERM are taken the way ``dask scheduler`` takes them: a handler
+records the signal and closes the command's client, raising nothing; the command then ends
+with exit status 130 and one line, or 143.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import signal
+import threading
+import time
+from multiprocessing import resource_tracker
+from typing import Any, Iterator
+
+import click
+
+import blockflow
+from blockflow.cli.options import _GPU_CHOICES, _check_address, _check_cluster_options
+
+_OUTPUT = "blockflow.output"  # ctx.meta: the run's --output, and whether it was written
+_WRITTEN = "blockflow.output-written"
+
+
+@contextlib.contextmanager
+def _client(address: str | None, gpu: str | None = None, n_workers: int | None = None,
+            threads_per_worker: int | None = None, policy: str | None = None,
+            timeout: float | None = None, announce: bool = True) -> Iterator[Any]:
+    """A client with blockflow's plugin; an embedded cluster is shut down afterwards."""
+    from blockflow.backends import GPUUnavailableError
+
+    _check_cluster_options(address, gpu, n_workers, threads_per_worker, timeout)
+    options = {}
+    if address is None:
+        options = {"gpu": None if gpu is None else _GPU_CHOICES[gpu], "n_workers": n_workers,
+                   "threads_per_worker": threads_per_worker}
+    if address is not None:
+        _check_address(address)
+        options = {"timeout": timeout}
+    client = None
+    _raise_if_stopped()
+    try:
+        try:
+            with _sigint_deferred(enabled=address is None):
+                client = blockflow.connect(address, policy=policy, **options)
+        except (GPUUnavailableError, OSError, ValueError) as e:  # incl. invalid settings
+            raise click.ClickException(str(e)) from None
+        # a stop closes the client from its own event loop: the command's waits on it end
+        _STOP["hooks"].append(lambda: client.loop.add_callback(client.close))
+        _raise_if_stopped()
+        if announce:  # blockflow's page; an embedded cluster's is live only during the job
+            click.echo(f"Dashboard (while the job runs): {_page(client.dashboard_link)}")
+        yield client
+    finally:
+        if client is None:
+            pass
+        elif address is None:
+            with _quiet_shutdown():
+                _close_workers_first(client)
+                client.shutdown()  # we started the cluster: stop its workers and scheduler
+        else:
+            client.close()  # someone else's cluster: leave it running
+
+
+@contextlib.contextmanager
+def _quiet_shutdown() -> Iterator[None]:
+    """While the embedded cluster shuts down, at the end of a job, on Ctrl-C or SIGTERM:
+    release what this process still holds (results of a job that is over, a model kept by
+    a reference cycle), and keep distributed's warnings about what the closing workers take
+    with them ("Removing worker ... caused the cluster to lose already computed task(s)",
+    "Worker process still alive after 4.0 seconds, killing") off the terminal: the cluster
+    is being stopped on purpose, and nothing of the job is lost that it still needed. The
+    log levels are restored afterwards."""
+    gc.collect()  # futures held only by reference cycles are released before, not lost
+    loggers = [logging.getLogger(name) for name in ("distributed", "distributed.scheduler",
+                                                    "distributed.nanny")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _close_workers_first(client, timeout: float = 30.0) -> None:
+    """Close an embedded cluster's workers before its scheduler.
+
+    ``Client.shutdown()`` stops the scheduler while the workers still run: a worker whose
+    heartbeat is in flight then logs "Failed to communicate with scheduler during
+    heartbeat" with a CommClosedError traceback, as a *running* worker (distributed logs
+    it at ERROR; seen in CI after a run that had succeeded). Scaling the cluster to zero
+    first closes each worker in order while the scheduler still answers; a heartbeat its
+    own close cuts is then logged while the worker is closing, which the filter blockflow
+    installs on the workers it starts drops (:class:`blockflow._distributed.QuietClose`).
+    Best effort: whatever it leaves, ``shutdown`` stops."""
+    cluster = getattr(client, "cluster", None)
+    if cluster is None or not hasattr(cluster, "scale"):
+        return
+    try:
+        cluster.scale(0)
+        deadline = time.monotonic() + timeout
+        while cluster.workers and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # a cluster already closing, or a worker stuck: shutdown handles it
+        pass
+
+
+@contextlib.contextmanager
+def _sigint_deferred(enabled: bool = True) -> Iterator[None]:
+    """Block SIGINT while the embedded cluster starts.
+
+    Worker processes started meanwhile inherit the blocked signal, so Ctrl-C (which the
+    terminal sends to the whole process group) reaches only this process, which shuts the
+    cluster down in order, rather than every worker printing a KeyboardInterrupt traceback.
+    A Ctrl-C pressed meanwhile is delivered when the block ends, once the client exists.
+    """
+    if (not enabled or not hasattr(signal, "pthread_sigmask")
+            or threading.current_thread() is not threading.main_thread()):
+        yield
+        return
+    # multiprocessing's resource tracker, started on first use, unblocks SIGINT in the
+    # thread that starts it (distributed's event loop thread, which then starts the
+    # workers): start it now, before the block.
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _page(link: str | None) -> str:
+    """blockflow's dashboard page from the cluster's dashboard link (``.../status``)."""
+    if not link:
+        return "n/a"
+    if link.endswith("/status"):
+        return link[: -len("status")] + "blockflow"
+    return f"{link} (blockflow's page: More... > blockflow)"
+
+
+def _dashboard_after(address: str | None, link: str | None) -> str:
+    """The dashboard line once the job is done: no link to an embedded cluster, now gone."""
+    if address is None:
+        return ("Dashboard: closed (the embedded cluster has stopped; to keep a dashboard "
+                "after the job, run it on a cluster of your own with --address)")
+    return f"Dashboard: {_page(link)} (the cluster at {address} keeps running)"
+
+
+def _without_dashboard_line(text: str) -> str:
+    """A job's report without its ``Dashboard: <link>`` line (printed once the cluster's
+    fate is known, by :func:`_dashboard_after`)."""
+    return "\n".join(x for x in text.splitlines() if not x.startswith("Dashboard:"))
+
+
+def _print_inventory(client) -> None:
+    click.echo(blockflow.inventory(client))
+    click.echo("")
+
+
+class _Group(click.Group):
+    """SIGINT (Ctrl-C) and SIGTERM stop a command once it has cleaned up (temporary output
+    folder deleted, embedded cluster shut down): exit status 130 with one line, or 143,
+    instead of click's "Aborted!" and status 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _stop_on_signals():
+            try:
+                result = super().invoke(ctx)
+            except BaseException:
+                if _STOP["signum"] is None:
+                    raise
+                result = None  # what the stop made the command raise
+            if _STOP["signum"] is not None:
+                if _STOP["signum"] == signal.SIGINT:
+                    click.echo(_interrupted_message(ctx.meta), err=True)
+                ctx.exit(128 + _STOP["signum"])  # as shells report a signal's end
+            return result
+
+
+_STOP: dict[str, Any] = {"signum": None, "hooks": []}
+
+
+class _Stopped(Exception):
+    """Raised where a command checks for a stop before it starts work."""
+
+
+def _raise_if_stopped() -> None:
+    if _STOP["signum"] is not None:
+        raise _Stopped
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM ask the command to stop, the way ``dask scheduler`` takes them
+    (``distributed._signals.wait_for_signals``): the handler raises nothing, it records the
+    signal, quiets distributed's logs of the work the stop abandons and runs the stop hooks
+    (closing the command's client ends its waits on the cluster); the old handler is put
+    back, so a second signal gets Python's own handling. A signal ignored at start stays
+    ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        signal.signal(signum, old[signum])
+        _STOP["signum"] = signum
+        for name in ("distributed", "distributed.scheduler", "distributed.nanny",
+                     "distributed.worker", "distributed.core", "asyncio",
+                     "tornado.application"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        for hook in _STOP["hooks"]:
+            hook()
+
+    _STOP.update(signum=None, hooks=[])
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig, was in old.items():
+        if was not in (signal.SIG_IGN, None):
+            signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, was in old.items():
+            if was is not None:
+                signal.signal(sig, was)
+
+
+def _interrupted_message(meta: dict) -> str:
+    output = meta.get(_OUTPUT)
+    if output is None:
+        return "Interrupted (Ctrl-C)."
+    if meta.get(_WRITTEN):
+        return f"Interrupted (Ctrl-C) after the results were written to {output!r}."
+    kept = " (the existing output there is untouched)" if os.path.lexists(output) else ""
+    return (f"Interrupted (Ctrl-C): the run was stopped and nothing was written to "
+            f"{output!r}{kept}.")
+
+
+def _check_output(output: str, overwrite: bool) -> None:
+    from blockflow.io import check_output_dir
+
+    try:
+        check_output_dir(output, overwrite)
+    except OSError as e:  # exists, not a blockflow output, not writable, refuses folders
+        raise click.ClickException(str(e)) from None
+    click.get_current_context().meta[_OUTPUT] = os.path.abspath(output)
+
+
+def _written() -> None:
+    """The run has renamed its output into place: an interrupt no longer undoes it."""
+    click.get_current_context().meta[_WRITTEN] = True
+
+
+def _job_errors() -> tuple[type[BaseException], ...]:
+    """The errors that end every ``run`` job with one ``Error: ...`` line (exit status 1),
+    whichever the job: an output that exists or cannot be written (disk full, read-only),
+    a block's kernel that failed, workers lost, resources no worker has, a job that ends
+    with nothing to write (:class:`blockflow.workloads.JobFailed`)."""
+    from blockflow.errors import BlockKernelError, ResourceError, WorkerLostError
+    from blockflow.io import OutputWriteError
+    from blockflow.workloads import JobFailed
+
+    return (FileExistsError, OutputWriteError, BlockKernelError, WorkerLostError,
+            ResourceError, JobFailed)
+
+
+@contextlib.contextmanager
+def _job(output: str, overwrite: bool, cluster: dict[str, Any]) -> Iterator[Any]:
+    """The frame of every ``run`` command: check ``--output`` before any cluster starts,
+    start or connect to the cluster (``cluster``: the ``_cluster_options``), print its
+    inventory and yield the client; the errors of :func:`_job_errors` raised by the job end
+    it with one ``Error: ...`` line (exit status 1), the same for every job; once the
+    cluster is closed, print where its dashboard is, if anywhere."""
+    _check_output(output, overwrite)
+    with _client(**cluster) as client:
+        _print_inventory(client)
+        try:
+            yield client
+        except _job_errors() as e:
+            raise click.ClickException(str(e)) from None
+        link = client.dashboard_link
+    click.echo(_dashboard_after(cluster["address"], link))
