@@ -31,7 +31,7 @@ extensions = [
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
-exclude_patterns = ["_build"]
+exclude_patterns = ["_build", "_generated"]  # _generated: included by pages
 templates_path = ["_templates"]
 
 # API reference: one generated page per public name (docs/api/generated/, not committed).
@@ -52,8 +52,22 @@ myst_enable_extensions = ["colon_fence"]
 
 html_theme = "pydata_sphinx_theme"
 html_title = "blockflow"
+html_show_sourcelink = False
+html_static_path = ["_static"]
+html_css_files = ["blockflow.css"]  # code blocks wrap, sidebars narrower (1280 px screens)
+# The left sidebar lists a section's pages: the guide's, the API modules, the benchmarks.
+# Pages that are a section of their own have none rather than an empty one.
+html_sidebars = {"index": [], "configuration": []}
 html_theme_options = {
+    "navbar_align": "left",
+    "header_links_before_dropdown": 4,  # the four sections: one row of the top bar
+    "navbar_persistent": ["search-button"],  # an icon, not a field
+    "navbar_end": ["theme-switcher"],
     "navigation_with_keys": False,
     "show_toc_level": 2,
+    "show_prev_next": True,
+    "secondary_sidebar_items": ["page-toc"],
+    "primary_sidebar_end": [],
+    "footer_start": ["copyright"],
+    "footer_end": [],
 }
-html_static_path: list[str] = []

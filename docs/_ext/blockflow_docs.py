@@ -4,7 +4,8 @@ benchmark pages.
 The API reference has one page per public module (:data:`API_MODULES`, and each public module
 of :mod:`blockflow.workloads`) listing every name of its ``__all__`` in an ``autosummary``
 table, so a name added to ``__all__`` is documented without editing the docs (autosummary
-then writes one page per name into ``docs/api/generated/``).
+then writes one page per name into ``docs/api/generated/``); its index page repeats the
+tables, each name with its one-line summary, under each module's own summary.
 
 The configuration reference is read from ``blockflow/blockflow-schema.yaml`` (types,
 descriptions, blockflow's own ``x-`` rules) and ``blockflow/blockflow.yaml`` (defaults and
@@ -38,9 +39,8 @@ RESULTS = os.path.join(BENCHMARKS, "results")
 # -- API reference -------------------------------------------------------------------------
 
 API_MODULES = ["blockflow", "blockflow.ml", "blockflow.tune", "blockflow.parallel",
-               "blockflow.scheduling", "blockflow.testing", "blockflow.dashboard",
-               "blockflow.config", "blockflow.io", "blockflow.cluster.hpc",
-               "blockflow.cluster.kubernetes"]
+               "blockflow.scheduling", "blockflow.cluster.hpc", "blockflow.cluster.kubernetes",
+               "blockflow.config", "blockflow.io", "blockflow.dashboard", "blockflow.testing"]
 
 
 def _public_names(module) -> list[str]:
@@ -83,6 +83,30 @@ def api_page(name: str) -> str:
         lines += ["", "Also here, documented at the top level: " + ", ".join(
             f":obj:`{n} <blockflow.{n}>`" for n in again) + "."]
     return "\n".join(lines) + "\n"
+
+
+def _summary(name: str) -> str:
+    """The first paragraph of module ``name``'s docstring, on one line."""
+    doc = (importlib.import_module(name).__doc__ or "").strip()
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def api_index(modules: list[str]) -> str:
+    """The API index: per module its summary and a table of its names with theirs."""
+    lines = [".. toctree::", "   :hidden:", ""]
+    lines += [f"   {m} <modules/{m}>" for m in modules] + [""]  # plain titles: they wrap
+    for name in modules:
+        names, again = api_names(name)
+        lines += [name, "-" * len(name), "",
+                  f"{_summary(name)} (:mod:`module page <{name}>`)", "",
+                  f".. currentmodule:: {name}", ""]
+        if names:
+            lines += [".. autosummary::", "   :nosignatures:", ""]
+            lines += [f"   {n}" for n in names] + [""]
+        if again:
+            lines += ["Also here, documented at the top level: " + ", ".join(
+                f":obj:`{n} <blockflow.{n}>`" for n in again) + ".", ""]
+    return "\n".join(lines)
 
 
 # -- configuration reference ---------------------------------------------------------------
@@ -254,6 +278,7 @@ def generate(app=None, config=None) -> None:
     stubs = os.path.join(DOCS, "api", "generated")  # autosummary's; drop names gone
     if os.path.isdir(stubs):
         _prune(stubs, {f"{m}.{n}.rst" for m in modules for n in api_names(m)[0]})
+    _write(os.path.join(DOCS, "_generated", "api-index.rst"), api_index(modules))
     if config is not None:  # autosummary reads these pages, listed now, not the old ones
         config.autosummary_generate = [f"api/modules/{m}.rst" for m in modules]
     _write(os.path.join(DOCS, "_generated", "configuration-table.rst"), configuration_table())
