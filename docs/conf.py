@@ -55,9 +55,10 @@ html_title = "blockflow"
 html_show_sourcelink = False
 html_static_path = ["_static"]
 html_css_files = ["blockflow.css"]  # code blocks wrap, sidebars narrower (1280 px screens)
-# The left sidebar lists a section's pages: the guide's, the API modules, the benchmarks.
-# Pages that are a section of their own have none rather than an empty one.
-html_sidebars = {"index": [], "configuration": []}
+# One sidebar, at the left: a section's pages (the guide's, the API modules, the benchmarks)
+# and this page's headings under them, so the text column keeps the width code needs at
+# 1280 px. A page that is a section of its own has its headings at the right instead.
+html_sidebars = {"**": ["sidebar-nav-bs", "page-toc"], "index": [], "configuration": []}
 html_theme_options = {
     "navbar_align": "left",
     "header_links_before_dropdown": 4,  # the four sections: one row of the top bar
@@ -66,7 +67,8 @@ html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,
     "show_prev_next": True,
-    "secondary_sidebar_items": ["page-toc"],
+    "secondary_sidebar_items": {"**": [], "index": ["page-toc"],
+                                "configuration": ["page-toc"]},
     "primary_sidebar_end": [],
     "footer_start": ["copyright"],
     "footer_end": [],
