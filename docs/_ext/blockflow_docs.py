@@ -12,9 +12,10 @@ descriptions, blockflow's own ``x-`` rules) and ``blockflow/blockflow.yaml`` (de
 their comments), so it cannot drift from the settings blockflow validates. The benchmark
 pages pair each script in ``benchmarks/`` (its module docstring says what it measures) with
 its stored results in ``benchmarks/results/`` (``<script>-<cpu|gpu>-<date>[-note].txt``),
-newest first. All are written under the source tree before Sphinx (and autosummary) reads it:
-``docs/_generated/`` (included, never a page of its own), ``docs/api/modules/`` and
-``docs/benchmarks/generated/``; none is committed.
+newest first, and the index lists each script with what it measures. All are written under
+the source tree before Sphinx (and autosummary) reads it: ``docs/_generated/`` (included,
+never a page of its own), ``docs/api/modules/`` and ``docs/benchmarks/generated/``; none is
+committed.
 """
 
 from __future__ import annotations
@@ -259,6 +260,20 @@ def benchmark_page(script: str, results: list[str]) -> str:
     return "\n".join(lines)
 
 
+def benchmarks_index(scripts: list[str]) -> str:
+    """The benchmark index: each script with its docstring's first paragraph."""
+    lines = [".. toctree::", "   :hidden:", ""]
+    lines += [f"   {s}.py <generated/{s}>" for s in scripts]
+    lines += ["", ".. list-table::", "   :header-rows: 1", "", "   * - script",
+              "     - what it measures"]
+    for script in scripts:
+        with open(os.path.join(BENCHMARKS, script + ".py")) as f:
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+        lines += [f"   * - :ref:`{script}.py <benchmark-{script}>`",
+                  f"     - {_cell(' '.join(doc.split(chr(10) * 2)[0].split()))}"]
+    return "\n".join(lines) + "\n"
+
+
 def _write(path: str, text: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if os.path.exists(path):
@@ -289,6 +304,7 @@ def generate(app=None, config=None) -> None:
     for script in scripts:
         _write(os.path.join(out, script + ".rst"), benchmark_page(script, results.get(script, [])))
     _prune(out, {s + ".rst" for s in scripts})
+    _write(os.path.join(DOCS, "_generated", "benchmarks-index.rst"), benchmarks_index(scripts))
 
 
 def _prune(folder: str, keep: set[str]) -> None:
