@@ -31,7 +31,7 @@ extensions = [
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
-exclude_patterns = ["_build"]
+exclude_patterns = ["_build", "_generated"]  # _generated: included by pages
 templates_path = ["_templates"]
 
 # API reference: one generated page per public name (docs/api/generated/, not committed).
@@ -52,8 +52,24 @@ myst_enable_extensions = ["colon_fence"]
 
 html_theme = "pydata_sphinx_theme"
 html_title = "blockflow"
+html_show_sourcelink = False
+html_static_path = ["_static"]
+html_css_files = ["blockflow.css"]  # code blocks wrap, sidebars narrower (1280 px screens)
+# One sidebar, at the left: a section's pages (the guide's, the API modules, the benchmarks)
+# and this page's headings under them, so the text column keeps the width code needs at
+# 1280 px. A page that is a section of its own has its headings at the right instead.
+html_sidebars = {"**": ["sidebar-nav-bs", "page-toc"], "index": [], "configuration": []}
 html_theme_options = {
+    "navbar_align": "left",
+    "header_links_before_dropdown": 4,  # the four sections: one row of the top bar
+    "navbar_persistent": ["search-button"],  # an icon, not a field
+    "navbar_end": ["theme-switcher"],
     "navigation_with_keys": False,
     "show_toc_level": 2,
+    "show_prev_next": True,
+    "secondary_sidebar_items": {"**": [], "index": ["page-toc"],
+                                "configuration": ["page-toc"]},
+    "primary_sidebar_end": [],
+    "footer_start": ["copyright"],
+    "footer_end": [],
 }
-html_static_path: list[str] = []

@@ -4,16 +4,18 @@ benchmark pages.
 The API reference has one page per public module (:data:`API_MODULES`, and each public module
 of :mod:`blockflow.workloads`) listing every name of its ``__all__`` in an ``autosummary``
 table, so a name added to ``__all__`` is documented without editing the docs (autosummary
-then writes one page per name into ``docs/api/generated/``).
+then writes one page per name into ``docs/api/generated/``); its index page repeats the
+tables, each name with its one-line summary, under each module's own summary.
 
 The configuration reference is read from ``blockflow/blockflow-schema.yaml`` (types,
 descriptions, blockflow's own ``x-`` rules) and ``blockflow/blockflow.yaml`` (defaults and
 their comments), so it cannot drift from the settings blockflow validates. The benchmark
 pages pair each script in ``benchmarks/`` (its module docstring says what it measures) with
 its stored results in ``benchmarks/results/`` (``<script>-<cpu|gpu>-<date>[-note].txt``),
-newest first. All are written under the source tree before Sphinx (and autosummary) reads it:
-``docs/_generated/`` (included, never a page of its own), ``docs/api/modules/`` and
-``docs/benchmarks/generated/``; none is committed.
+newest first, and the index lists each script with what it measures. All are written under
+the source tree before Sphinx (and autosummary) reads it: ``docs/_generated/`` (included,
+never a page of its own), ``docs/api/modules/`` and ``docs/benchmarks/generated/``; none is
+committed.
 """
 
 from __future__ import annotations
@@ -38,9 +40,8 @@ RESULTS = os.path.join(BENCHMARKS, "results")
 # -- API reference -------------------------------------------------------------------------
 
 API_MODULES = ["blockflow", "blockflow.ml", "blockflow.tune", "blockflow.parallel",
-               "blockflow.scheduling", "blockflow.testing", "blockflow.dashboard",
-               "blockflow.config", "blockflow.io", "blockflow.cluster.hpc",
-               "blockflow.cluster.kubernetes"]
+               "blockflow.scheduling", "blockflow.cluster.hpc", "blockflow.cluster.kubernetes",
+               "blockflow.config", "blockflow.io", "blockflow.dashboard", "blockflow.testing"]
 
 
 def _public_names(module) -> list[str]:
@@ -83,6 +84,30 @@ def api_page(name: str) -> str:
         lines += ["", "Also here, documented at the top level: " + ", ".join(
             f":obj:`{n} <blockflow.{n}>`" for n in again) + "."]
     return "\n".join(lines) + "\n"
+
+
+def _summary(name: str) -> str:
+    """The first paragraph of module ``name``'s docstring, on one line."""
+    doc = (importlib.import_module(name).__doc__ or "").strip()
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def api_index(modules: list[str]) -> str:
+    """The API index: per module its summary and a table of its names with theirs."""
+    lines = [".. toctree::", "   :hidden:", ""]
+    lines += [f"   {m} <modules/{m}>" for m in modules] + [""]  # plain titles: they wrap
+    for name in modules:
+        names, again = api_names(name)
+        lines += [name, "-" * len(name), "",
+                  f"{_summary(name)} (:mod:`module page <{name}>`)", "",
+                  f".. currentmodule:: {name}", ""]
+        if names:
+            lines += [".. autosummary::", "   :nosignatures:", ""]
+            lines += [f"   {n}" for n in names] + [""]
+        if again:
+            lines += ["Also here, documented at the top level: " + ", ".join(
+                f":obj:`{n} <blockflow.{n}>`" for n in again) + ".", ""]
+    return "\n".join(lines)
 
 
 # -- configuration reference ---------------------------------------------------------------
@@ -235,6 +260,20 @@ def benchmark_page(script: str, results: list[str]) -> str:
     return "\n".join(lines)
 
 
+def benchmarks_index(scripts: list[str]) -> str:
+    """The benchmark index: each script with its docstring's first paragraph."""
+    lines = [".. toctree::", "   :hidden:", ""]
+    lines += [f"   {s}.py <generated/{s}>" for s in scripts]
+    lines += ["", ".. list-table::", "   :header-rows: 1", "", "   * - script",
+              "     - what it measures"]
+    for script in scripts:
+        with open(os.path.join(BENCHMARKS, script + ".py")) as f:
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+        lines += [f"   * - :ref:`{script}.py <benchmark-{script}>`",
+                  f"     - {_cell(' '.join(doc.split(chr(10) * 2)[0].split()))}"]
+    return "\n".join(lines) + "\n"
+
+
 def _write(path: str, text: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if os.path.exists(path):
@@ -254,6 +293,7 @@ def generate(app=None, config=None) -> None:
     stubs = os.path.join(DOCS, "api", "generated")  # autosummary's; drop names gone
     if os.path.isdir(stubs):
         _prune(stubs, {f"{m}.{n}.rst" for m in modules for n in api_names(m)[0]})
+    _write(os.path.join(DOCS, "_generated", "api-index.rst"), api_index(modules))
     if config is not None:  # autosummary reads these pages, listed now, not the old ones
         config.autosummary_generate = [f"api/modules/{m}.rst" for m in modules]
     _write(os.path.join(DOCS, "_generated", "configuration-table.rst"), configuration_table())
@@ -264,6 +304,7 @@ def generate(app=None, config=None) -> None:
     for script in scripts:
         _write(os.path.join(out, script + ".rst"), benchmark_page(script, results.get(script, [])))
     _prune(out, {s + ".rst" for s in scripts})
+    _write(os.path.join(DOCS, "_generated", "benchmarks-index.rst"), benchmarks_index(scripts))
 
 
 def _prune(folder: str, keep: set[str]) -> None:
