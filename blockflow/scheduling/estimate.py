@@ -1,20 +1,7 @@
-"""Throughput and earliest-finish placement: the pure arithmetic of "which worker, how long".
+"""Throughput and earliest-finish placement: the plain arithmetic of "which worker, how long".
 
-Everything here is plain Python on plain data (worker addresses, seconds, units of work); it
-imports nothing of distributed, so that client-side code (tuning, training, inference routing,
-parallelism) and scheduler-side rules use the same rules on their own inputs:
-
-- :data:`CONFIDENT` and :func:`confident_speeds`: the one rule for when a speed learned by
-  the scheduler plugin (:class:`~blockflow.scheduling.speed.SpeedModel`) counts as known.
-- :class:`Throughput`: the one estimator of seconds per unit of work per worker from timed
-  calls, under the model ``seconds = fixed + units x seconds_per_unit``, with each worker's
-  first call (its cold start) dropped and the plugin's learned speeds as the prior for
-  workers not yet measured.
-- :func:`call_cost` and :func:`fixed_units`: a call's fixed cost, from calls of different
-  sizes.
-- :func:`earliest_finish`: list scheduling by earliest finish time.
-- :class:`LinkBandwidth`: the bandwidth between two workers, from distributed's measurements
-  per pair of workers, per pair of hosts, or its cluster-wide estimate.
+Plain Python on plain data (addresses, seconds, units of work), free of distributed, so that
+client-side code and scheduler-side rules share one estimator. Guide: :doc:`/guide/scheduling`.
 """
 
 from __future__ import annotations
@@ -45,17 +32,16 @@ def confident_speeds(speeds: Mapping[str, float] | None,
     Parameters
     ----------
     speeds : mapping of str to float
-        Worker address to relative speed (1.0 typical; larger is faster), as the plugin's
-        status reports it (``speeds``).
+        Worker address to relative speed (1.0 typical; larger is faster), the plugin's
+        ``speeds``.
     confidence : mapping of str to float
-        Worker address to confidence 0-1 (``speed_confidence``); a worker missing here has
-        confidence 0.
+        Worker address to confidence 0-1 (``speed_confidence``); missing means 0.
     threshold : float, default :data:`CONFIDENT`
 
     Returns
     -------
     dict of str to float
-        Only the workers known with confidence, and only positive, finite speeds.
+        The confident workers with positive, finite speeds.
     """
     conf = confidence or {}
     out = {}
@@ -70,15 +56,11 @@ def confident_speeds(speeds: Mapping[str, float] | None,
 
 
 def call_cost(calls: list[tuple[int, float]]) -> float | None:
-    """A worker's fixed seconds per call, from one pass's calls.
+    """A worker's fixed seconds per call, from one pass's ``(units, seconds)`` calls, largest first.
 
-    ``calls``: ``(units, seconds)`` of each call, the first (all but the reserve) the
-    largest. With every call taking ``c + s x units``, the first call against the others
-    gives ``c = (T n1 - t1 N) / (k n1 - N)`` (``n1, t1`` the first; ``k`` calls of ``N``
-    units in ``T`` seconds the others), at least 0 and at most ``t1``; None with one call.
-    The cost is the part of a call that does not shrink with its size: a fixed part, a
-    small batch's lower efficiency, caches cold after the device's idle time. A blockflow
-    heuristic.
+    With every call taking ``c + s x units``: ``c = (T n1 - t1 N) / (k n1 - N)`` (``n1, t1`` the
+    first call; ``k`` calls of ``N`` units in ``T`` seconds the rest), clipped to ``[0, t1]``;
+    None with one call. A blockflow heuristic.
     """
     if len(calls) < 2:
         return None
@@ -93,11 +75,10 @@ def call_cost(calls: list[tuple[int, float]]) -> float | None:
 def fixed_units(calls: Mapping[str, Iterable[tuple[float, float]]]) -> float:
     """A call's fixed cost in units of work, shared by the workers.
 
-    Model: a worker's call takes ``k (u + u0)`` seconds for ``u`` units, ``k`` its seconds
-    per unit, ``u0`` the fixed part in unit equivalents. ``u0`` is the median over workers of
-    intercept / slope of a least-squares line through each worker's ``(units, seconds)``,
-    where its sizes differ by 25 % or more; else 0. Bounded by the median size of a call
-    (time that does not grow with the units is all fixed cost). A blockflow heuristic.
+    Model: a call of ``u`` units takes ``k (u + u0)`` seconds. ``u0`` is the median over workers
+    of intercept / slope of a least-squares line through their ``(units, seconds)`` (only workers
+    whose sizes differ by 25 % or more; else 0), at most the median call size. A blockflow
+    heuristic.
 
     Parameters
     ----------
@@ -127,20 +108,17 @@ def prior_seconds_per_unit(workers: Iterable[str], measured: Mapping[str, float]
                            prior: Mapping[str, float] | None) -> dict[str, float]:
     """Seconds per unit for every worker: measured where it is, else from its prior speed.
 
-    A worker not measured gets the measured workers' typical seconds per unit times the
-    ratio of their prior speed to its own: the prior (relative speeds) is put into seconds
-    through the workers seen in both (their median of ``measured x speed``), else through
-    all measured workers (their median, at speed 1). With nothing measured it is ``1 /
-    speed`` (1.0 without a prior).
+    An unmeasured worker gets the median of ``measured x speed`` over workers in both (else the
+    measured median) divided by its prior speed; with nothing measured, ``1 / speed`` (1.0
+    without a prior).
 
     Parameters
     ----------
     workers : iterable of str
     measured : mapping of str to float
-        Worker address to its measured seconds per unit.
+        Worker address to measured seconds per unit.
     prior : mapping of str to float, optional
-        Worker address to a relative speed (larger is faster), e.g.
-        :func:`confident_speeds`.
+        Worker address to relative speed (larger is faster), e.g. :func:`confident_speeds`.
 
     Returns
     -------
@@ -160,18 +138,11 @@ def prior_seconds_per_unit(workers: Iterable[str], measured: Mapping[str, float]
 class Throughput:
     """Seconds per unit of work per worker, learned from timed calls.
 
-    Model: a call of ``u`` units on worker ``a`` takes ``k_a (u + u0)`` seconds: ``k_a`` its
-    seconds per unit, ``u0`` a fixed cost per call in unit equivalents, shared by the
-    workers (:func:`fixed_units`; parameters in, model set up, result out). Without ``u0`` a
-    worker given little work looks slow per unit, gets less work still, and the shares
-    collapse onto the fastest worker.
-
-    The first ``cold`` calls of each worker are its cold start (imports, JIT compilation,
-    allocator and caches warming up), not its speed: they are kept apart and used only while
-    no worker has a warm call. A worker's seconds per unit is the median of its last
-    ``window`` warm calls' ``seconds / (units + u0)``. Workers not yet measured get the
-    prior (learned speeds, :func:`confident_speeds`) put into seconds through the measured
-    ones (:func:`prior_seconds_per_unit`). A blockflow heuristic from robust estimation.
+    Model: a call of ``u`` units on worker ``a`` takes ``k_a (u + u0)`` seconds, ``u0`` a fixed
+    cost per call shared by the workers (:func:`fixed_units`). Each worker's first ``cold`` calls
+    are kept apart as its cold start; ``k_a`` is the median over its last ``window`` warm calls.
+    Unmeasured workers get the prior (:func:`prior_seconds_per_unit`). A blockflow heuristic
+    from robust estimation.
 
     Parameters
     ----------
@@ -180,8 +151,7 @@ class Throughput:
     cold : int, default 1
         First calls per worker dropped as its cold start.
     fixed : bool, default True
-        Fit the fixed cost per call; False: ``u0 = 0`` (calls of one size, or a cost already
-        in the units).
+        Fit the fixed cost per call; False: ``u0 = 0``.
     """
 
     def __init__(self, window: int = 16, cold: int = 1, fixed: bool = True):
@@ -246,18 +216,15 @@ class Throughput:
         return {a: median(t / u for u, t in v) for a, v in self._cold.items() if v}
 
     def observed_seconds_per_unit(self) -> dict[str, float]:
-        """Seconds per unit of every worker seen: from its warm calls, or its cold start
-        while it has only that (for reports; placement uses :meth:`seconds_per_unit`)."""
+        """Seconds per unit of every worker seen, warm or else cold (for reports)."""
         return {**self.cold_seconds_per_unit(), **self.measured_seconds_per_unit()}
 
     def seconds_per_unit(self, workers: Iterable[str],
                          prior: Mapping[str, float] | None = None) -> dict[str, float]:
         """Seconds per unit of work of each of ``workers``.
 
-        Measured (warm calls) where a worker has some; else its prior speed put into
-        seconds through the measured workers (:func:`prior_seconds_per_unit`). While no
-        worker of ``workers`` has a warm call, cold starts stand in for measurements (they
-        compare workers that all started cold).
+        Measured where a worker has warm calls (cold starts stand in while none of ``workers``
+        has one); else from ``prior`` (:func:`prior_seconds_per_unit`).
 
         Parameters
         ----------
@@ -291,9 +258,9 @@ class Placement:
         Index of the item in the input.
     worker : str
     slot : int
-        Index of the worker's slot (thread) it runs in.
+        Index of the worker's slot (thread).
     start, finish : float
-        When it starts (its slot's ready time) and is predicted to end.
+        Start (the slot's ready time) and predicted end.
     """
 
     item: int
@@ -320,52 +287,46 @@ def earliest_finish(
     """Assign items, in the order given, each to the worker slot where it finishes first.
 
     Source: list scheduling / earliest finish time (HEFT-style: Topcuoglu, Hariri and Wu,
-    2002), a blockflow heuristic. Each worker has one or more slots (threads), each free
-    from a ready time; an item placed in a slot ends at ``ready + seconds`` and the slot is
-    ready again then. Items are taken in the order given (sort them first, e.g. largest
-    first, for the classic LPT-style variant).
-
-    Two ways to give the times:
-
-    - in seconds: ``ready`` (when each worker or slot is free) and ``seconds`` (per worker
-      seconds per unit, or ``seconds(item, worker)``); an item ends at ``ready + seconds``;
-    - in units of work, from a snapshot: ``ready`` is the work queued on each worker or slot
-      and ``speeds`` its units per second; an item ends at ``(ready + units + fixed) /
-      speed`` (``fixed``: a cost per call, in units) and its units join the queue.
+    2002), a blockflow heuristic. Sort items first (largest first) for the LPT variant.
+    Times are either in seconds (``ready`` and ``seconds``: an item ends at ``ready + seconds``)
+    or in units of work (``ready`` queued units and ``speeds``: it ends at
+    ``(ready + units + fixed) / speed``).
 
     Parameters
     ----------
     items : int or sequence
         The items (or how many); only their positions are used.
     ready : mapping of str to float or sequence of float
-        Per worker, when it is free (seconds on any common clock: 0 for "now"), or its
-        queued units with ``speeds``; or one such number per slot.
+        Per worker (or per slot), when it is free in seconds, or its queued units with
+        ``speeds``.
     seconds : mapping of str to float, or callable, optional
-        Per worker, seconds per unit of work (with ``units``; 1 unit per item without), or
-        ``seconds(item, worker)``: the seconds item ``item`` takes on ``worker`` (items with
-        their own seconds per unit). Not with ``speeds``.
+        Per worker seconds per unit, or ``seconds(item, worker)``. Not with ``speeds``.
     units : sequence of float, optional
         Units of work per item (default 1 each).
     speeds : mapping of str to float, optional
-        Per worker, units of work per second: ``ready`` is then queued work.
+        Per worker units of work per second.
     fixed : float, default 0.0
-        With ``speeds``: a call's fixed cost in units (counted once per item's finish).
+        With ``speeds``: a call's fixed cost in units.
     threads : mapping of str to int, optional
-        Per worker, its slots when ``ready`` gives it one number (default 1).
+        Slots per worker when ``ready`` gives one number (default 1).
     sizes, capacity : optional
-        Bytes per item and per worker: a worker is eligible while its items' bytes plus the
-        item's stay within its capacity (when none is, every worker is).
+        Bytes per item and per worker: a worker is eligible while its bytes stay within its
+        capacity (if none is, every worker is).
     held : mapping of str to float, optional
-        Bytes each worker holds already (counted against its capacity).
+        Bytes each worker holds already.
     tie : callable, optional
-        ``tie(worker, slot)``: a sort key that breaks equal finish times (default: the
-        first worker in ``ready``'s order, then the first slot).
+        ``tie(worker, slot)``: sort key for equal finish times (default: ``ready``'s order,
+        then slot).
 
     Returns
     -------
     list of Placement
-        One per item, in the order given. With ``speeds``, ``start`` and ``finish`` are in
-        seconds from the snapshot (``ready / speed`` and the item's end).
+        One per item, in order; with ``speeds``, times in seconds from the snapshot.
+
+    Raises
+    ------
+    ValueError
+        If not exactly one of ``seconds`` and ``speeds`` is given.
     """
     if (seconds is None) == (speeds is None):
         raise ValueError("earliest_finish: give either seconds or speeds")
@@ -433,43 +394,28 @@ def earliest_finish(
 
 
 def address_host(address: str) -> str:
-    """The host part of a worker address: ``"tcp://10.0.0.5:4711"`` -> ``"10.0.0.5"``
-    (IPv6 brackets kept; an address without a port is its own host)."""
+    """The host part of a worker address: ``"tcp://10.0.0.5:4711"`` -> ``"10.0.0.5"``."""
     rest = address.split("://", 1)[-1]
     host, sep, port = rest.rpartition(":")
     return host if sep and port.isdigit() else rest
 
 
 class LinkBandwidth:
-    """The bandwidth between two workers, bytes per second, from what distributed measured.
+    """The bandwidth between two workers, bytes per second, from distributed's measurements.
 
-    distributed's workers time every transfer of more than 1 MB and report, with each
-    heartbeat, the average per peer; the scheduler keeps it per ``(receiver, sender)`` pair
-    of workers (``Scheduler.bandwidth_workers``) besides one cluster-wide estimate
-    (``Scheduler.bandwidth``: ``distributed.scheduler.bandwidth``, 100 MB/s, until transfers
-    are measured). A link is looked up, in order, as
-
-    1. the pair measured that way (``receiver`` fetched from ``sender``);
-    2. the pair measured the other way (links are about as fast both ways);
-    3. the two workers' hosts (the median of the pairs measured between them either way:
-       workers of one machine share its network link);
-    4. the cluster-wide estimate, ``default``.
-
-    Two workers of one host without a measurement get the fastest link measured anywhere,
-    at least ``default`` (their transfers never cross the network). A blockflow heuristic on
-    distributed's own measurements.
+    Looked up in order: the pair (``Scheduler.bandwidth_workers``) either way; the median of
+    pairs measured between the two hosts; for two workers of one host, the fastest link
+    measured (at least ``default``); else ``default`` (``Scheduler.bandwidth``). A blockflow
+    heuristic.
 
     Parameters
     ----------
     measured : mapping of (str, str) to float
-        ``(receiver, sender)`` worker addresses -> bytes per second (read, never changed;
-        may be a live mapping that changes between lookups).
+        ``(receiver, sender)`` addresses -> bytes per second (read only; may be live).
     default : float
-        The cluster-wide estimate, bytes per second (may be updated: :attr:`default`).
+        The cluster-wide estimate, bytes per second (100e6 if not positive).
     max_age : float, default 5.0
-        Seconds the per-host table (one pass over the measured pairs, made on the first
-        lookup that needs it) is reused before it is made again: a long-lived instance
-        costs one pass per ``max_age``, not per lookup.
+        Seconds the per-host table is reused before it is rebuilt.
 
     Examples
     --------
@@ -506,9 +452,9 @@ class LinkBandwidth:
         return self.lookup(receiver, sender)[0]
 
     def lookup(self, receiver: str, sender: str) -> tuple[float, str]:
-        """``(bytes per second, source)``: source ``"measured"`` (this pair, either way),
-        ``"hosts"`` (pairs between the two hosts), ``"same host"`` or ``"estimate"``
-        (the cluster-wide one)."""
+        """``(bytes per second, source)``, source one of ``"measured"``, ``"hosts"``, ``"same host"``,
+        ``"estimate"``.
+        """
         for pair in ((receiver, sender), (sender, receiver)):
             bw = self.measured.get(pair)
             if bw and bw > 0:

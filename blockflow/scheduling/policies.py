@@ -1,27 +1,10 @@
 """Scheduling policies: the rules one run of the scheduler plugin composes.
 
-Modelled on distributed's Active Memory Manager: every policy derives from
-:class:`RebalancePolicy`, reads a plain-data :class:`ClusterSnapshot` and yields commands
-(:class:`~blockflow.scheduling.actions.Decision`) and records
-(:class:`~blockflow.scheduling.actions.Record`); the plugin's actuator applies and logs them.
-:data:`POLICIES` is the registry of built-in names (the plugin, the ``cluster.policy``
-setting, the CLI and the dashboard read it); :func:`make_policy` also loads a
-``RebalancePolicy`` subclass by dotted path (``mypkg.MyPolicy``), as distributed loads AMM
-policies.
-
-``dynamic``
-    Keeps new work off hot or nearly-full GPUs, places blocks that declared a device working
-    set where it fits and, once worker speeds are known to differ, moves waiting tasks to
-    the workers that will be free soonest.
-``memory``
-    :class:`~blockflow.scheduling.device_memory.DeviceMemoryAMMPolicy` in distributed's
-    Active Memory Manager: moves stored results off workers above the device-memory
-    high-water mark.
-``static-round-robin`` / ``static-capacity``
-    Assign every blockflow block to a worker when the graph arrives: in turn, or in
-    proportion to each worker's capacity (smooth weighted round robin).
-``off``
-    Observe only.
+Modelled on distributed's Active Memory Manager: a :class:`RebalancePolicy` reads a
+:class:`ClusterSnapshot` and yields :class:`~blockflow.scheduling.actions.Decision` and
+:class:`~blockflow.scheduling.actions.Record` objects. :data:`POLICIES` names the built-in
+ones (``dynamic``, ``memory``, ``static-round-robin``, ``static-capacity``, ``off``);
+:func:`make_policy` also loads a subclass by dotted path. Guide: :doc:`/guide/scheduling`.
 """
 
 from __future__ import annotations
@@ -88,44 +71,40 @@ class ClusterSnapshot:
         Seconds since the epoch.
     workers : dict of str to WorkerView
     queued : int
-        Root tasks the scheduler holds back (not yet on a worker).
+        Root tasks the scheduler holds back.
     event : {"tick", "graph", "held", "admit", "close"}
-        A control-loop tick, a graph just arrived (``new_tasks``), or one of the admission
-        rule's own (:class:`~blockflow.scheduling.rules.AdmissionRule`).
+        A tick, a new graph (``new_tasks``), or an admission rule event.
     waiting : mapping of str to iterable of TaskView
-        Per worker, its tasks not started, lowest priority (last to run) first.
+        Per worker, its tasks not started, last to run first.
     new_tasks : list of TaskView
-        On ``"graph"`` events, the tasks of the new graph.
+        On ``"graph"`` events, the new graph's tasks.
     balancing : bool
         Whether worker speeds are known, with confidence, to differ.
     running : mapping of str to list of RunningTask
-        Per worker, the tasks it runs now, with their elapsed time.
+        Per worker, its running tasks with elapsed time.
     backups : mapping
-        Task key -> the worker running its backup copy now.
+        Task key -> worker running its backup copy.
     bandwidth : float
         Worker-to-worker bandwidth estimate, bytes per second.
     held, stopped, parked : frozenset of str
-        Workers blockflow holds back from the queue; workers that paused themselves (their
-        tasks not started are all in ``waiting``); workers parked for the objective.
+        Workers held back from the queue; paused by themselves; parked for the objective.
     speeds_differ, speeds_differ_weakly : bool
-        The speed model's strict (1.3x at 0.1 %) and weak (1.15x at 10 %) tests.
+        The speed model's strict and weak tests.
     unsatisfiable : list of (key, dict)
         Tasks waiting for resources no connected worker declares.
     monotonic : float
-        ``time.monotonic()`` when the snapshot was taken.
+        ``time.monotonic()`` at the snapshot.
     feeders, feeder_states, client
-        For the admission rule: a new graph's feeders, where each feeder stands, and the
-        submitting client's id.
+        For the admission rule: a new graph's feeders, their states, the client's id.
     changed : frozenset of str or None
-        On ticks, the workers whose view changed since the previous one; None: all.
+        On ticks, workers whose view changed; None: all.
     run : Run, optional
-        The run most recently given work, when it runs under a :func:`blockflow.objective`.
+        The run most recently given work, under a :func:`blockflow.objective`.
     declared_pools : mapping of str to Pool
         Pools known before any worker of theirs joined.
     throughput, inputs : mapping
-        With ``run``: group -> pool name -> seconds per task
-        (:func:`blockflow.pools.plan.throughput_matrix`); group -> provider -> input bytes
-        per task read from there.
+        With ``run``: group -> pool -> seconds per task
+        (:func:`blockflow.pools.plan.throughput_matrix`); group -> provider -> input bytes.
     """
 
     time: float
@@ -158,12 +137,9 @@ class ClusterSnapshot:
 class RebalancePolicy(abc.ABC):
     """Interface of a scheduling policy (in the manner of distributed's AMM policies).
 
-    Subclasses set :attr:`name` and implement :meth:`run`, which the plugin calls on every
-    control-loop tick (``snapshot.event == "tick"``) and when a graph arrives (``"graph"``).
-    The policy also owns the rules the plugin runs at their own moments, under every
-    policy: :attr:`kernel_placement` and :attr:`admission` on a new graph,
-    :attr:`unsatisfiable`, :attr:`admission` and :attr:`balancing` on a tick, before
-    :meth:`run`; and :attr:`objective`, the run objective's rule, or None.
+    Subclasses set :attr:`name` and implement :meth:`run`, called on every tick and new graph.
+    The rules the plugin runs under every policy are attributes: :attr:`kernel_placement`,
+    :attr:`admission`, :attr:`unsatisfiable`, :attr:`balancing` and :attr:`objective`.
     """
 
     #: Registry name (``blockflow.cluster.policy``).
@@ -211,8 +187,9 @@ class RebalancePolicy(abc.ABC):
 
 
 class ComposedPolicy(RebalancePolicy):
-    """A policy that is its :attr:`rules`, run in order on every snapshot, sharing one
-    :class:`~blockflow.scheduling.rules.RuleContext` per snapshot."""
+    """A policy that runs its :attr:`rules` in order, sharing one
+    :class:`~blockflow.scheduling.rules.RuleContext` per snapshot.
+    """
 
     #: The rules, in the order they run.
     rules: list[Rule]
@@ -224,7 +201,7 @@ class ComposedPolicy(RebalancePolicy):
 
 
 class ObservePolicy(ComposedPolicy):
-    """``off``: record metrics and decisions of others, change nothing (no rules)."""
+    """``off``: record metrics, change nothing."""
 
     name = "off"
     admits = False  # observe only: never hold tasks back
@@ -236,45 +213,41 @@ class ObservePolicy(ComposedPolicy):
 class DynamicPolicy(ComposedPolicy):
     """Pause hot / nearly-full GPUs and move queued tasks to the workers that will be free first.
 
+    Rules: objective, working-set placement, :attr:`pause`, :attr:`hold`, :attr:`move` (greedy
+    list-scheduling repair after LPT, Graham 1969) and :attr:`backup` (LATE, Zaharia et al.
+    OSDI 2008); see :mod:`blockflow.scheduling.rules`. A blockflow heuristic.
+
     Parameters
     ----------
     memory_high, memory_low : float, optional
-        Device-memory fractions (0-1) at which a worker is paused / resumed (hysteresis).
-        Default ``blockflow.rebalancer.memory-high`` / ``memory-low``.
+        Device-memory fractions 0-1 to pause / resume a worker
+        (``blockflow.rebalancer.memory-high`` / ``memory-low``).
     hot_high, hot_low : float, optional
-        GPU utilisation (percent) by *other* work at which a worker is paused / resumed.
+        GPU utilisation (percent) by other work to pause / resume
+        (``rebalancer.hot-high`` / ``hot-low``).
     move_budget : int, optional
-        Most tasks moved per tick.
+        Most tasks moved per tick (``rebalancer.move-budget``).
     min_gain : str or float, optional
-        Smallest gain in projected finish time (seconds) worth a move.
+        Smallest gain in finish time, seconds, worth a move (``rebalancer.move-min-gain``).
     speculation : bool, optional
-        Start backup copies of straggling kernel tasks (``blockflow.speculation.enabled``).
+        Start backup copies of stragglers (``blockflow.speculation.enabled``).
     backup_slots : float, optional
-        Most backup copies at once, as a fraction 0-1 of all worker threads, at least one
-        (``blockflow.speculation.max-slots``).
+        Most backup copies at once, fraction 0-1 of worker threads, at least one
+        (``speculation.max-slots``).
     backup_ratio : float, optional
-        A copy starts when the task's estimated time to end exceeds this many times the
-        copy's own time (``blockflow.speculation.min-ratio``).
+        Copy when the task's time to end exceeds this many times the copy's
+        (``speculation.min-ratio``).
     backup_min_elapsed : float, optional
-        Share 0-1 of its expected duration a task must have run before it may be copied
-        (``blockflow.speculation.min-elapsed``).
+        Fraction 0-1 of its expected duration a task must have run before a copy
+        (``speculation.min-elapsed``).
     hold_slowdown : float, optional
-        How many times slower than typical (> 1) a worker must evidently be before it is
-        held back from the queue's last tasks (``blockflow.speculation.hold-slowdown``;
-        see :class:`~blockflow.scheduling.rules.HoldRule`).
+        Slowdown (> 1) past which a worker is held back from the queue's last tasks
+        (``speculation.hold-slowdown``; :class:`~blockflow.scheduling.rules.HoldRule`).
 
     Raises
     ------
     ValueError
         If a resume threshold is not below its pause threshold.
-
-    Notes
-    -----
-    The policy is its rules, in order (:attr:`rules`): on a graph, the objective's refusals
-    and placement by working set (:attr:`placement`); on a tick, pools parked for the
-    objective, :attr:`pause`, :attr:`hold`, :attr:`move` (a greedy list-scheduling repair
-    in the spirit of LPT, Graham 1969) and :attr:`backup` (LATE, Zaharia et al. OSDI 2008);
-    see :mod:`blockflow.scheduling.rules` for each. A blockflow heuristic.
     """
 
     name = "dynamic"
@@ -330,10 +303,8 @@ class DynamicPolicy(ComposedPolicy):
 class MemoryPolicy(ComposedPolicy):
     """``memory``: move stored results off workers above the device-memory high-water mark.
 
-    Installs :class:`DeviceMemoryAMMPolicy` into distributed's Active Memory Manager, which
-    replicates results to the workers with most free device memory and then drops them from
-    the full worker (two AMM cycles; each move logged as ``memory-move`` through the
-    plugin). Its own rules: none (no tick or graph decisions).
+    Installs :class:`DeviceMemoryAMMPolicy` into distributed's Active Memory Manager; no rules
+    of its own.
 
     Parameters
     ----------
@@ -353,13 +324,10 @@ class MemoryPolicy(ComposedPolicy):
 
 
 class StaticRoundRobinPolicy(ComposedPolicy):
-    """``static-round-robin``: blockflow blocks go to workers in turn, fixed up front.
+    """``static-round-robin``: each new blockflow block pinned to a worker in turn, in key order.
 
-    When a graph arrives, each blockflow kernel task that is not yet assigned and carries no
-    user restriction is pinned to one running worker (strict restriction), in key order.
-    Smooth weighted round robin (as in nginx) with equal weights: the policy is one
-    :class:`~blockflow.scheduling.rules.RoundRobinAssignmentRule` weighted by
-    :meth:`weight`.
+    Smooth weighted round robin (as in nginx) by :meth:`weight`, through
+    :class:`~blockflow.scheduling.rules.RoundRobinAssignmentRule`.
     """
 
     name = "static-round-robin"
@@ -374,11 +342,8 @@ class StaticRoundRobinPolicy(ComposedPolicy):
 
 
 class StaticCapacityPolicy(StaticRoundRobinPolicy):
-    """``static-capacity``: blocks assigned up front in proportion to worker capacity.
-
-    Capacity is the ``blockflow-capacity`` worker metric when a worker reports one (GPU
-    workers report SM cores x clock; simulated devices their nominal speed), else the
-    worker's thread count.
+    """``static-capacity``: blocks assigned up front in proportion to the ``blockflow-capacity``
+    worker metric, else the thread count.
     """
 
     name = "static-capacity"
@@ -402,8 +367,7 @@ config.set_choices("cluster.policy", POLICIES, pattern=DOTTED_PATH)
 
 
 def policy_class(name: str) -> type[RebalancePolicy]:
-    """The policy class for a built-in name or the dotted path of a
-    :class:`RebalancePolicy` subclass.
+    """The policy class for a built-in name or a dotted path to a :class:`RebalancePolicy` subclass.
 
     Raises
     ------
@@ -431,6 +395,6 @@ def make_policy(name: str) -> RebalancePolicy:
     Raises
     ------
     ValueError
-        If ``name`` names no policy; the message lists the built-in names.
+        If ``name`` names no policy.
     """
     return policy_class(name)()

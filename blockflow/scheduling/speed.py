@@ -1,42 +1,28 @@
 """Per-worker speed learned from observed task durations, with a confidence.
 
-A worker's speed is how fast it runs tasks compared with the other workers that ran tasks of
-the same group, shrunk towards the typical speed (1.0) by how much has been observed: knowing
-little, blockflow behaves like plain Dask. A blockflow heuristic from standard robust and
-shrinkage estimation:
+A worker's speed compares it with the other workers that ran tasks of the same group, shrunk
+towards the typical speed (1.0) by how little has been observed. A blockflow heuristic from
+robust and shrinkage estimation (guide: :doc:`/guide/scheduling`, "Learned speeds"):
 
-1. **Cold starts are discarded**: the first ``warmup`` durations of each (worker, group).
-2. **Robust per-worker location**: the median of the last ``window`` log durations. A level
-   shift is not an outlier: when the last ``change_run`` durations all lie beyond the median
-   of the earlier ones, on one side, by more than ``change_ratio`` and by more than
-   ``change_sds`` robust standard deviations (1.4826 x MAD), the earlier ones are dropped
-   (a change-point rule).
-3. **Only comparisons count**: a group's reference is the median over the workers that ran
-   it of their medians; a worker's evidence is ``reference - its median`` (log space), with
-   the variance of a median of ``n`` samples, ``(1.2533 s)^2 / n``, ``s`` the group's
-   within-worker spread moderated towards the pooled spread (Smyth's empirical-Bayes
-   variance shrinkage, 2004). A worker's raw log speed is the inverse-variance weighted
-   mean of its evidence, clipped to ``±log(max_ratio)``; one worker alone gives none.
-4. **Confidence and shrinkage**: a normal prior on the typical speed (sd ``prior_sd``)
-   shrinks the raw estimate by ``precision / (precision + prior precision)``; that times
-   ``n / (n + prior_strength)`` is the *confidence* (0-1), and the speed is
-   ``exp(confidence x raw)`` (James-Stein-style). :meth:`SpeedModel.heterogeneous` asks
-   that two confident workers differ by more than a ratio *and* significantly (two-sided,
-   0.1 %, Student-t for few degrees of freedom).
-5. **Recent work counts most**: a group's evidence weighs ``0.5 ** (age / half_life)``, its
-   age the durations observed since its last one, the half-life ``group_half_life``
-   durations per worker (a worker's speed is its speed at the work it runs now).
-6. **A pause that ended is the past**: when a worker's last ``change_run`` durations are
-   back within ``recover_ratio`` of the other workers' level, its earlier ones are dropped.
-   A worker is expected to stay slow about as long as its slow streak has lasted
-   (:meth:`SpeedModel.slow_for`).
-7. **Bounded optimism**: no worker looks faster than the best well-observed one
-   (confidence >= 0.5) by more than ``max_optimism``.
-8. **Sizes**: :meth:`SpeedModel.size_factor` tells how many times its group's typical size
-   a task is (declared work, else input bytes), so a large block is expected to be long.
+1. The first ``warmup`` durations of each (worker, group) are cold starts, discarded.
+2. A worker's location is the median of its last ``window`` log durations; a level shift
+   (``change_run`` durations beyond ``change_ratio`` and ``change_sds`` robust sds,
+   1.4826 x MAD) drops the earlier ones (change-point rule).
+3. Evidence is ``reference - median`` per group (reference: median of the workers' medians),
+   variance ``(1.2533 s)^2 / n`` with ``s`` moderated towards the pooled spread (Smyth's
+   empirical-Bayes shrinkage, 2004); the raw log speed is its inverse-variance mean,
+   clipped to ``±log(max_ratio)``.
+4. Confidence is ``precision / (precision + prior precision) x n / (n + prior_strength)``;
+   the speed is ``exp(confidence x raw)`` (James-Stein-style).
+   :meth:`SpeedModel.heterogeneous` is a two-sided test (0.1 %, Student-t for few dof).
+5. A group's evidence weighs ``0.5 ** (age / half_life)``.
+6. Durations back within ``recover_ratio`` of the others' level drop the earlier ones;
+   :meth:`SpeedModel.slow_for` expects a slow streak to last as long again.
+7. No worker looks faster than the best confident one by more than ``max_optimism``.
+8. :meth:`SpeedModel.size_factor` scales expected durations by task size.
 
-Recording an observation is O(1) (the scheduler's transition hook); the work is done once
-per tick in :meth:`SpeedModel.update`.
+:meth:`SpeedModel.observe` is O(1); the work is done once per tick in
+:meth:`SpeedModel.update`.
 """
 
 from __future__ import annotations
@@ -49,7 +35,7 @@ __all__ = ["SpeedModel"]
 
 
 class SpeedModel:
-    """Learned relative speeds of workers, each with a confidence (see the module doc).
+    """Learned relative speeds of workers, each with a confidence (method: the module doc).
 
     Parameters
     ----------
@@ -60,45 +46,34 @@ class SpeedModel:
     prior_strength : float, default 1.0
         Weight, in samples, of the prior speed 1.0.
     prior_sd : float, default 0.5
-        Standard deviation of the prior log speed (speeds mostly within ``e**±1``).
+        Standard deviation of the prior log speed.
     min_spread : float, default 0.05
-        Smallest spread of log durations assumed (5 % timing noise).
+        Smallest spread of log durations assumed (timing noise).
     prior_spread, prior_dof : float, default 0.2 and 2.0
-        Prior spread of log durations and its weight in degrees of freedom: a group's
-        measured spread is shrunk towards it, so that two or three similar durations never
-        pass for a precise measurement.
+        Prior spread of log durations and its weight in degrees of freedom.
     change_run, change_ratio : int and float, default 2 and 2.0
-        A worker whose last ``change_run`` durations of a group are all ``change_ratio``
-        times slower (or faster) than the median of its earlier ones, and beyond
-        ``change_sds`` robust standard deviations of them, changed speed: its earlier
-        durations are dropped.
+        A level shift: the last ``change_run`` durations all ``change_ratio`` times off the
+        earlier median (and beyond ``change_sds``).
     change_sds : float, default 3.0
-        See ``change_run``: how far, in robust standard deviations of the earlier log
-        durations, the recent ones must lie.
+        Robust standard deviations a level shift must also exceed.
     min_duration : float, default 0.005
-        Durations below this (seconds) are ignored: tasks that short time the scheduler's
-        and Python's overhead, not the device.
+        Durations below this, seconds, are ignored.
     max_ratio : float, default 64.0
-        Largest speed ratio to the group's reference one worker can show (clip).
+        Largest speed ratio to the group's reference (clip).
     max_optimism : float, default 1.5
         How much faster than the best well-observed worker any worker may look.
     group_half_life : float, default 16.0
-        Durations per observed worker after which a group's evidence, if the group was not
-        seen since, weighs half (see the module doc).
+        Durations per observed worker after which an unseen group's evidence weighs half.
     recover_ratio : float, default 1.25
-        A worker whose last ``change_run`` durations of a group lie within this ratio of
-        the other workers' level, its earlier ones beyond it, recovered: its earlier ones
-        are dropped. Also the ratio beyond which a task counts as slow for
-        :meth:`slow_for`.
+        Within this ratio of the others' level a worker counts as recovered; beyond it a task
+        counts as slow for :meth:`slow_for`.
     max_groups : int, default 256
         Task groups remembered (least recently seen forgotten first).
     max_pending : int, default 100_000
-        Bound on observations buffered between ticks (oldest dropped).
+        Observations buffered between ticks (oldest dropped).
     cold_allowance : float, default 2.0
-        How many times a warm task's duration a cold start may take for its worker's
-        speed: until a warm task of the group replaces it, a cold start of ``d`` seconds
-        counts in :meth:`recent_speed` as a task of ``d / cold_allowance`` (a device 10x
-        slow from the start shows 0.2; one whose first task paid 2x for imports, 1.0).
+        A cold start of ``d`` seconds counts in :meth:`recent_speed` as ``d / cold_allowance``
+        until a warm task of its group replaces it.
     """
 
     def __init__(self, window: int = 32, warmup: int = 1, prior_strength: float = 1.0,
@@ -149,11 +124,9 @@ class SpeedModel:
                 size: float | None = None) -> None:
         """Record that ``worker`` ran a task of ``group`` in ``duration`` seconds. O(1).
 
-        ``work`` (> 0) is the task's size in units its group shares (rows, say), for groups
-        whose tasks differ in size on purpose (speed-weighted training shards, which all
-        last the same by design): the model then compares seconds per unit of work.
-        ``min_duration`` applies to ``duration`` itself. ``size`` (declared work, else input
-        bytes; None: unknown) feeds :meth:`size_factor`, whatever the duration.
+        ``work`` (> 0): the task's size in units its group shares, so the model compares seconds
+        per unit. ``size`` (declared work, else input bytes; None: unknown) feeds
+        :meth:`size_factor`.
         """
         if size is not None and size > 0 and math.isfinite(size):
             sizes = self.sizes.get(group)
@@ -167,13 +140,8 @@ class SpeedModel:
             self.pending.append((worker, group, float(duration) / work, size))
 
     def size_factor(self, group: str, size: float | None) -> float:
-        """How many times its group's typical size a task of ``size`` is: ``size`` over the
-        median size of the group's last ``window`` finished tasks, at least 1 (a small
-        task may still cost a whole task's fixed part); 1.0 when either is unknown.
-
-        A group's measured duration is that of its typical task; a running task's expected
-        duration is that times this factor (per unit of work, as :meth:`observe` compares
-        durations per unit of declared work). A blockflow heuristic.
+        """``size`` over the median size of the group's last ``window`` tasks, at least 1; 1.0 when
+        either is unknown. A blockflow heuristic.
         """
         sizes = self.sizes.get(group)
         if size is None or not sizes or not size > 0:
@@ -226,9 +194,7 @@ class SpeedModel:
         return n
 
     def _changed(self, window: deque) -> bool:
-        """Whether the last ``change_run`` durations all lie beyond ``change_ratio`` of the
-        median of the earlier ones, and beyond ``change_sds`` robust standard deviations of
-        them, on the same side (a level shift, not an outlier or a noisy group's spread)."""
+        """Whether the last ``change_run`` durations are a level shift (see the module doc, 2)."""
         k = self.change_run
         if len(window) < 2 * k:
             return False
@@ -241,8 +207,7 @@ class SpeedModel:
         return all(x - before > step for x in recent) or all(before - x > step for x in recent)
 
     def _track_streak(self, worker: str, group: str, duration: float) -> None:
-        """Seconds of the worker's current streak of tasks slower than the group's reference
-        by more than ``recover_ratio``; a task at the typical speed ends it (O(1))."""
+        """Extend or end the worker's streak of tasks slower than ``recover_ratio`` (O(1))."""
         ref = self.reference.get(group)
         if ref is None:
             return
@@ -253,10 +218,7 @@ class SpeedModel:
             self.streak[worker] = 0.0
 
     def _recovered(self, worker: str, per_worker: dict, window: deque) -> bool:
-        """Whether the last ``change_run`` durations are back within ``recover_ratio`` of
-        the other workers' level while the median of the earlier ones lies beyond twice
-        that (the worker returned to the typical speed). Costs a median per other worker,
-        only while the worker's earlier durations are off that level."""
+        """Whether the recent durations are back at the other workers' level (module doc, 6)."""
         k = self.change_run
         if len(window) <= k:
             return False
@@ -277,12 +239,9 @@ class SpeedModel:
             and all(abs(x - level) <= self.recover_log for x in recent)
 
     def slow_for(self, worker: str) -> float | None:
-        """How much longer, in seconds, ``worker`` is expected to stay as slow as it is now:
-        the length of its current streak of tasks slower than the other workers' by more
-        than ``recover_ratio`` (a slowdown that has lasted t seconds is expected to last
-        about t more: what ended is evidence about the past, and a worker slow from the
-        start is expected to stay slow as long as it has been); None when it is not slow
-        now. A blockflow heuristic (the Lindy-style prior of a duration-so-far)."""
+        """Seconds ``worker`` is expected to stay slow: its current slow streak's length; None when
+        it is not slow now. A blockflow heuristic (Lindy-style prior).
+        """
         streak = self.streak.get(worker, 0.0)
         return streak if streak > 0.0 else None
 
@@ -346,12 +305,9 @@ class SpeedModel:
             self.log_speed[w] = min(ls, cap)
 
     def group_durations(self) -> dict[str, dict[str, float]]:
-        """Group -> worker -> its typical seconds per task (per unit of work), warm.
+        """Group -> worker -> typical warm seconds per task (per unit of work), after :meth:`update`.
 
-        The median of the worker's recent durations of the group, cold starts dropped: the
-        raw material of the throughput matrix
-        (:func:`blockflow.pools.plan.throughput_matrix`). Folds in pending observations
-        first (:meth:`update`).
+        The raw material of :func:`blockflow.pools.plan.throughput_matrix`.
         """
         self.update()
         return {g: {w: math.exp(median(d)) for w, d in per_worker.items() if d}
@@ -362,18 +318,9 @@ class SpeedModel:
         return math.exp(self.log_speed.get(worker, 0.0))
 
     def recent_speed(self, worker: str) -> float | None:
-        """The speed ``worker`` showed on its latest warm task (or on its cold start, until
-        a warm task of that group ends, allowing it ``cold_allowance`` times a warm task's
-        duration): the group's reference duration (median over
-        workers of their median) over that task's duration, within ``max_ratio``; None
-        until the group is comparable (two workers ran it, one of them more than once).
-
-        One duration, not an estimate: no confidence. It never raises a worker's speed;
-        the dynamic policy uses it only as a pessimistic guess, to time backup copies, to
-        hold a slowed worker back from the queue's last tasks and to send it no moved work
-        (a worker whose last task took five times the others' is likely to take as long on
-        the task it runs now: a device that slowed stays slow for a while), as LATE judges
-        a task by its own progress. O(1): the group's reference is kept by :meth:`update`.
+        """The speed ``worker`` showed on its latest warm task (or cold start, see
+        ``cold_allowance``): group reference over its duration, within ``max_ratio``; None until
+        the group is comparable. One duration, no confidence: a pessimistic guess only. O(1).
         """
         last = self.last.get(worker)
         if last is None:
@@ -404,8 +351,7 @@ class SpeedModel:
         min_ratio : float, default 1.3
         min_confidence : float, default 0.5
         z : float, default 3.29
-            Critical value of the two-sided test of the gap between the fastest and the
-            slowest confident worker (3.29: 0.1 %), widened for few degrees of freedom.
+            Critical value of the two-sided test (3.29: 0.1 %), widened for few degrees of freedom.
         """
         pool = self.log_speed if workers is None else [w for w in workers if w in self.log_speed]
         known = [w for w in pool if self.conf.get(w, 0.0) >= min_confidence]
@@ -423,8 +369,7 @@ class SpeedModel:
             self.var[fast] + self.var[slow])
 
     def reset(self, worker: str) -> None:
-        """Forget the durations of ``worker`` but not that it is warm (it was paused, throttled
-        or shared, and is to be judged on what it does from now on)."""
+        """Forget the durations of ``worker`` but not that it is warm (judge it afresh)."""
         for per_worker in self.groups.values():
             per_worker.pop(worker, None)
         self.log_speed.pop(worker, None)
