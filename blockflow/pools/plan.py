@@ -1,11 +1,7 @@
 """Cost: the throughput matrix, the LP over it, and what a run cost per pool.
 
-:func:`throughput_matrix` (Gavel's, Narayanan et al. OSDI 2020): seconds per task of each
-(task group, pool) from the speed model, scaled by :func:`typical_speeds` for pools that ran
-none of a group. :func:`plan` is the one LP over it (``scipy.optimize.linprog``, HiGHS):
-tasks per group and pool minimising cost under a deadline, or the makespan under a budget;
-its optimum is the lower bound reports show, and what pool scaling sizes pools from.
-:func:`run_cost` prices a finished run per pool, egress included.
+The throughput matrix follows Gavel (Narayanan et al. OSDI 2020); the LP is solved with
+``scipy.optimize.linprog`` (HiGHS). Guide: :doc:`/guide/pools`.
 """
 
 from __future__ import annotations
@@ -27,8 +23,8 @@ _GB = 1e9
 
 def typical_speeds(pools: Mapping[str, Pool], speeds: Mapping[str, float] | None = None
                    ) -> dict[str, float]:
-    """Pool name -> typical relative speed: its ``speed`` hint, else the median learned
-    speed of its workers (``speeds``: address -> speed), else 1.0.
+    """Pool name -> typical relative speed: its ``speed`` hint, else its workers' median learned
+    speed, else 1.0.
 
     Parameters
     ----------
@@ -57,20 +53,19 @@ def throughput_matrix(durations: Mapping[str, Mapping[str, float]],
     Parameters
     ----------
     durations : mapping
-        Group -> worker address -> that worker's typical seconds per task (warm)
+        Group -> worker address -> typical warm seconds per task
         (:meth:`~blockflow.scheduling.speed.SpeedModel.group_durations`).
     pools : mapping of str to Pool
-        Worker address -> its pool (workers not in it are ignored).
+        Worker address -> its pool (other workers ignored).
     speeds : mapping of str to float, optional
         Worker address -> learned relative speed (for pools without a ``speed`` hint).
 
     Returns
     -------
     dict
-        Group -> pool name -> seconds per task. Every pool of ``pools`` has an entry for
-        every group: measured (median over the pool's workers of their durations) or, for a
-        pool that ran none of the group, the group's measured time on another pool times
-        that pool's typical speed over this one's (the median over the pools that ran it).
+        Group -> pool name -> seconds per task, for every pool: the median over its workers,
+        or for a pool that ran none of the group, scaled from the others by
+        :func:`typical_speeds`.
     """
     typical = typical_speeds(pools, speeds)
     out: dict[str, dict[str, float]] = {}
@@ -100,19 +95,17 @@ class Plan:
     feasible : bool
         Whether the deadline or budget can be met with the workers given.
     tasks : dict
-        Group -> pool name -> tasks (fractional: the LP relaxation).
+        Group -> pool name -> tasks (fractional).
     busy : dict of str to float
-        Pool name -> worker-seconds of work it takes (thread-seconds / threads per worker).
+        Pool name -> worker-seconds of work.
     cost : float
-        Dollars: busy worker-seconds x price, plus egress (the lower bound of a run's cost:
-        idle time only adds to it).
+        Dollars, egress included: a lower bound of the run's cost.
     makespan : float
-        Seconds until the last pool finishes its share, each pool's workers sharing its work
-        evenly (the lower bound of a run's makespan).
+        Seconds until the last pool finishes: a lower bound of the run's makespan.
     workers_needed : dict of str to int
-        Pool name -> workers it needs to finish its share by the deadline (or makespan).
+        Pool name -> workers needed to finish its share by the deadline (or makespan).
     shortfall : str
-        Why it is infeasible, one line naming the fix ("needs >= N workers of pool P"); "".
+        Why it is infeasible, one line naming the fix; "" when feasible.
     """
 
     feasible: bool
@@ -146,37 +139,33 @@ def plan(work: Mapping[str, float], seconds: Mapping[str, Mapping[str, float]],
     work : mapping of str to float
         Group -> tasks to run.
     seconds : mapping
-        Group -> pool name -> seconds per task (:func:`throughput_matrix`). A pool missing
-        from a group's row cannot run it.
+        Group -> pool name -> seconds per task (:func:`throughput_matrix`); a pool missing
+        from a row cannot run that group.
     pools : mapping of str to Pool
-        Pool name -> :class:`Pool` (its ``price``; None counts as 0).
+        Pool name -> :class:`Pool` (``price``; None counts as 0).
     workers : mapping of str to int
-        Pool name -> workers available (for sizing: the pool's maximum).
+        Pool name -> workers available.
     threads : mapping of str to int, optional
-        Pool name -> threads per worker (default 1): a worker runs that many tasks at once.
+        Pool name -> threads per worker (default 1).
     deadline : float, optional
-        Seconds: minimise cost such that every pool finishes its share within it.
+        Seconds: minimise cost such that every pool finishes within it.
     budget : float, optional
-        Dollars: minimise the makespan such that the cost stays within it.
+        Dollars: minimise the makespan within it.
     egress : mapping, optional
-        Group -> pool name -> dollars per task for its inputs leaving their provider when it
-        runs on that pool (added to the cost).
+        Group -> pool name -> dollars per task for inputs leaving their provider.
 
     Returns
     -------
     Plan
-        With ``deadline``: the cheapest plan meeting it; with ``budget``: the fastest within
-        it; with neither: the fastest. Infeasible plans carry ``shortfall``.
+        The cheapest plan meeting ``deadline``, else the fastest (within ``budget``);
+        infeasible plans carry ``shortfall``.
 
     Notes
     -----
-    Variables ``x[g, p]`` (tasks of group g on pool p) and, without a deadline, the
-    makespan ``T``. Pool p's load is ``L_p = sum_g t[g, p] x[g, p] / threads_p``
-    worker-seconds, its cost ``price_p L_p / 3600``; constraints ``sum_p x[g, p] = n_g``
-    and ``L_p <= workers_p * D`` (or ``* T``). A relaxation of the real schedule (tasks are
-    divisible, workers of a pool share its load evenly, no dependencies): its optimum is a
-    lower bound of any run's cost (deadline) or makespan (budget). Solved with
-    ``scipy.optimize.linprog`` (HiGHS).
+    Variables ``x[g, p]`` and, without a deadline, the makespan ``T``; load
+    ``L_p = sum_g t[g, p] x[g, p] / threads_p``, cost ``price_p L_p / 3600``, constraints
+    ``sum_p x[g, p] = n_g`` and ``L_p <= workers_p * D`` (or ``* T``). A relaxation (divisible
+    tasks, no dependencies): its optimum is a lower bound.
     """
     from scipy.optimize import linprog
 
@@ -242,8 +231,7 @@ def plan(work: Mapping[str, float], seconds: Mapping[str, Mapping[str, float]],
 
 
 def _deadline_shortfall(deadline, load, cap, a_eq, b_eq, names, groups, var, k) -> str:
-    """One line: the fewest workers of one pool (the one needing fewest more) that meet the
-    deadline, the other pools as they are."""
+    """One line: the fewest workers of one pool that meet the deadline, the others as they are."""
     from scipy.optimize import linprog
 
     best = None
@@ -283,18 +271,17 @@ def run_cost(task_log: Iterable[tuple[str, float, float]], pools: Mapping[str, P
     pools : mapping of str to Pool
         Worker address -> its pool (workers missing: no price).
     crossings : iterable of (from_provider, to_provider, bytes)
-        Bytes the run's tasks read from workers of another provider.
+        Bytes read across providers.
     provider_egress : mapping of str to float, optional
-        Provider -> dollars per GB leaving it (default: each provider's pools' ``egress``,
-        the highest one).
+        Provider -> dollars per GB leaving it (default: its pools' highest ``egress``).
 
     Returns
     -------
     dict
         ``pools``: pool name -> ``{"workers", "worker_seconds", "busy_seconds", "price",
-        "cost"}`` (a worker is billed from its first task's start to its last task's end:
-        idle gaps between included); ``egress``: ``{"bytes", "cost", "by_provider"}``;
-        ``compute_cost``, ``total_cost`` (dollars).
+        "cost"}`` (a worker billed from its first task's start to its last's end);
+        ``egress``: ``{"bytes", "cost", "by_provider"}``; ``compute_cost``, ``total_cost``
+        (dollars).
     """
     span: dict[str, list[float]] = {}
     busy: dict[str, float] = {}

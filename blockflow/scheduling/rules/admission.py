@@ -1,48 +1,19 @@
 """The admission rule: CPU producers feeding consumers that need a worker resource (a GPU).
 
-In a pipeline of unrestricted producers (loading, decoding, on CPU workers) each feeding a
-consumer that needs ``resources={"GPU": 1}``, distributed holds back nothing: tasks with
-resource restrictions are never queued, so when a producer finishes its consumer is assigned
-to the GPU worker at once, the CPU worker takes the next producer, and the producers race
-ahead of the GPU, their outputs piling up in memory.
+distributed never queues tasks with resource restrictions, so unrestricted producers race
+ahead of their GPU consumers and their outputs pile up. :class:`AdmissionRule` holds a
+graph's *feeders* (unrestricted tasks whose every dependent needs a resource) in
+``no-worker`` and releases them, highest priority first, while
 
-:class:`AdmissionRule` lets producers run only while the outputs held for consumers stay
-within a budget. When a graph arrives, its *feeders* (tasks without restrictions whose every
-dependent needs a worker resource) are held back by the scheduler (a restriction no worker
-satisfies: they wait in ``no-worker``); the highest-priority ones are released as long as
+    feeders running or released + outputs waiting for a ready consumer <= budget
 
-    feeders running or released + outputs waiting for a consumer that has all its inputs
-    <= budget
+(:func:`default_budget`; ``blockflow.resources.admission-budget``). Feeders of an earlier
+graph, and a client's later tasks of a learned feeder prefix (for at most
+``blockflow.resources.admission-grace``), are held too. A blockflow heuristic in the spirit
+of distributed's root-task queuing. Guide: :doc:`/guide/scheduling`, "Admission".
 
-and each time one of them finishes feeding (its consumer done) the next is released, on the
-next turn of the event loop and on every tick. Outputs whose consumers still wait for other
-inputs do not count, so a consumer of more inputs than the budget still gets them all (no
-deadlock); a held task no consumer needs any more is released. The default budget is twice
-the threads of the workers that declare the consumers' resources plus one per other worker. A blockflow heuristic, in
-the spirit of distributed's root-task queuing (``worker-saturation``), which does not apply
-here.
-
-Across submissions (``client.map(produce, ...)`` then ``client.map(consume, futures,
-resources={"GPU": 1})``, distributed#9164's form): when the consumers arrive, an earlier
-graph's feeders still in the scheduler's queue are taken out of it and held, and those
-already on a worker or in memory count against the budget. The rule also learns the
-(client, task prefix) of such feeders: that client's next tasks of that prefix that nothing
-depends on yet are held as they arrive (*expected* feeders, released at the budget's rate,
-their outputs counted against it) for at most ``blockflow.resources.admission-grace``; if
-no consumer comes by then they all run and the pattern is forgotten. Nothing can be held
-when root-task queuing is off (every producer is on a worker at once) or when the
-consumers come after the producers ran (see the scheduling guide).
-
-The rule reads plain data and yields commands and records; the actuator applies them
-(:meth:`blockflow.scheduling.actuator.Actuator.apply`). On a graph it runs twice: on the
-``"graph"`` snapshot taken after the kernels' own restrictions were applied, yielding one
-``hold`` of the feeders' keys; then on an ``"admit"`` snapshot, yielding the ``release`` of
-what the budget allows and one ``admit`` record, the only one logged.
-
-Admission control runs in blockflow's scheduler plugin under every policy but ``off``
-(observe only). Held tasks show as ``no-worker`` in distributed's dashboard. Setting
-``distributed.scheduler.no-workers-timeout`` would fail them: leave it unset with admission
-control on, or turn this off (``blockflow.resources.admission-budget: 0``).
+Setting ``distributed.scheduler.no-workers-timeout`` fails held tasks: leave it unset, or
+turn admission off (``blockflow.resources.admission-budget: 0``).
 """
 
 from __future__ import annotations
@@ -73,8 +44,8 @@ _MAX_PATTERNS = 256
 
 
 def default_budget(workers: Mapping[str, Any], resources: Mapping[str, float]) -> int:
-    """Twice the threads of the workers that declare ``resources``, plus one per other
-    worker; at least 1 (blockflow heuristic, see the module docstring).
+    """Twice the threads of the workers that declare ``resources``, plus one per other worker;
+    at least 1. A blockflow heuristic.
 
     Parameters
     ----------
@@ -94,48 +65,27 @@ def default_budget(workers: Mapping[str, Any], resources: Mapping[str, float]) -
 class AdmissionRule(Rule):
     """Hold producers back until their outputs fit the budget (see the module docstring).
 
-    Snapshots it reads (:class:`~blockflow.scheduling.policies.ClusterSnapshot`):
-
-    ``"graph"``
-        ``feeders`` (the new graph's feeders, :func:`blockflow._distributed.feeder_tasks`,
-        taken after the kernels' restrictions were applied): one ``hold`` of their keys.
-    ``"held"``
-        Taken once that hold is applied: ``feeder_states``
-        (:class:`blockflow._distributed.FeederStates`) and ``workers``. The feeders of the
-        ``"graph"`` snapshot whose hold took are tracked; then the release step (below) and,
-        if any feeder was held, an ``admit`` record (logged). Nothing when the graph had
-        no feeders.
-    ``"admit"``
-        The release step: a ``release`` of the held feeders the budget has room for, highest
-        priority first, and of those no consumer needs any more. The plugin takes one when
-        a transition of a tracked task may have freed room (:meth:`watches`).
-    ``"tick"``
-        The release step; every tenth tick first a ``release`` of every held feeder no
-        consumer needs any more.
-    ``"close"``
-        A ``release`` of every held feeder (the plugin is closing).
-
-    ``hold`` and ``release`` decisions here are about tasks (``keys``, no ``worker``); their
-    ``detail`` is ``{"stimulus": str, "count": bool}``: the stimulus id of the release and
-    whether the plugin adds the tasks it released to :attr:`released` (the orphan sweep's
-    and the closing release are not counted).
+    Events (:class:`~blockflow.scheduling.policies.ClusterSnapshot`): ``"graph"`` holds the new
+    feeders; ``"held"`` tracks those whose hold took, releases what fits and records ``admit``;
+    ``"admit"`` and ``"tick"`` release what fits (every tenth tick also orphans); ``"close"``
+    releases everything. ``hold`` / ``release`` decisions carry ``keys`` and
+    ``detail={"stimulus": str, "count": bool}``.
 
     Parameters
     ----------
     budget : int, optional
         Most feeder outputs (with feeders running) held at once; default
-        ``blockflow.resources.admission-budget``; None there: :func:`default_budget`; 0 turns
+        ``blockflow.resources.admission-budget``, None there: :func:`default_budget`; 0 turns
         admission control off.
     grace : str or float, optional
-        How long expected feeders (a learned pattern) wait for their consumers, seconds or
-        ``"2s"``; default ``blockflow.resources.admission-grace``; 0: nothing is held before
-        its consumers arrive.
+        Seconds (or ``"2s"``) expected feeders wait for their consumers; default
+        ``blockflow.resources.admission-grace``; 0: hold only once consumers arrive.
 
     Attributes
     ----------
     enabled : bool
     released : int
-        Feeders released so far (counted by the plugin as it applies ``release``).
+        Feeders released so far.
     peak_active : int
         The most feeders active at once.
     last_budget : int or None
@@ -205,8 +155,7 @@ class AdmissionRule(Rule):
                                 "count": count})
 
     def expected(self, client) -> frozenset:
-        """Task prefixes whose new tasks from ``client`` are held as expected feeders (their
-        consumers came in a later graph of this client before); empty with no grace."""
+        """Task prefixes of ``client`` held as expected feeders; empty with no grace."""
         if not self.enabled or self.grace <= 0 or client is None:
             return frozenset()
         return frozenset(p for c, p in self.patterns if c == client)
@@ -222,10 +171,7 @@ class AdmissionRule(Rule):
                          f"need resources: held back (admission control)", keys=tuple(keys))]
 
     def _track(self, states) -> int | None:
-        """Track the feeders of the last graph whose hold took, and an earlier graph's
-        feeders already running or feeding (they count against the budget); learn the
-        prefixes of earlier graphs' feeders; their number held (None when no graph's
-        feeders were waiting)."""
+        """Track the last graph's held feeders and an earlier graph's taken over."""
         asked, self._asked = self._asked, []
         if not asked:
             return None
@@ -279,13 +225,11 @@ class AdmissionRule(Rule):
         return held
 
     def _waits(self, key, state: str) -> bool:
-        """Whether an expected feeder still waits for its consumers (within the grace):
-        held, it is not an orphan; in memory, its output counts against the budget."""
+        """Whether an expected feeder still waits for its consumers within the grace."""
         return key in self._expected and state in ("orphan", "done")
 
     def _expire(self, now: float) -> list[Decision]:
-        """Expected feeders whose consumers did not come within the grace: release those
-        still held, stop counting the others, and forget their patterns (a miss)."""
+        """Give up on expected feeders whose consumers did not come within the grace."""
         late = [k for k, (deadline, _) in self._expected.items() if deadline <= now]
         if not late:
             return []
@@ -306,9 +250,7 @@ class AdmissionRule(Rule):
         return b
 
     def _admit(self, snap, after_graph: int | None) -> list[Decision]:
-        """Release held feeders, highest priority first, while the active ones fit the
-        budget; a held feeder no consumer needs any more is released without counting
-        against it. After a graph that held feeders, the ``admit`` decision too."""
+        """Release held feeders, highest priority first, while the active ones fit the budget."""
         out: list[Decision] = []
         chosen: list = []
         if self._held_keys or self._admitted:
@@ -347,8 +289,7 @@ class AdmissionRule(Rule):
         return out
 
     def _orphans(self, states) -> list[Decision]:
-        """Release held feeders that no consumer needs any more (their consumers were
-        cancelled or failed): O(held), on some ticks only."""
+        """Release held feeders no consumer needs any more: O(held), on some ticks only."""
         if not self._held_keys:
             return []
         orphans = [k for k, s in states.read(list(self._held_keys)).items()
@@ -375,8 +316,7 @@ class AdmissionRule(Rule):
                 del self._watched[k]
 
     def status(self) -> dict[str, Any]:
-        """Plain data for the plugin's status: the budget last applied, feeders held and
-        admitted now, the most active at once, released so far."""
+        """Plain data for the plugin's status: budget, held, admitted, peak, released."""
         return {"enabled": self.enabled, "budget": self.last_budget,
                 "held": len(self._held_keys), "admitted": len(self._admitted),
                 "peak_active": self.peak_active, "released": self.released,
