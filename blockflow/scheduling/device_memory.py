@@ -1,10 +1,8 @@
 """blockflow's device-memory policy for distributed's Active Memory Manager.
 
-:class:`DeviceMemoryAMMPolicy` reads plain data (worker views, held results) and yields
-``replicate`` / ``drop`` suggestions: by default it moves results off workers above the
-device-memory high-water mark (the ``memory`` policy installs it); with ``even=True`` it
-evens out the device bytes by capacity (:func:`blockflow.rebalance` runs it to completion).
-Each copy and drop it makes is recorded as ``memory-move`` in the decision log.
+:class:`DeviceMemoryAMMPolicy` relieves workers above the device-memory high-water mark
+(the ``memory`` policy), or evens out device bytes by capacity (:func:`blockflow.rebalance`).
+Guide: :doc:`/guide/scheduling`, "Evening out device memory".
 """
 
 from __future__ import annotations
@@ -32,15 +30,14 @@ class DeviceBytes:
     Attributes
     ----------
     held : dict of str to int
-        Worker address -> bytes of results it holds (each replica counts on its holder).
+        Worker address -> bytes of results it holds (each replica counts).
     target : dict of str to float
-        Worker address -> its share of ``sum(held)``, proportional to its device memory
-        capacity (``gpu-memory-total``), bytes.
+        Worker address -> its share of ``sum(held)`` by ``gpu-memory-total``, bytes.
     largest_block : int
         Bytes of the largest result counted (0 when none).
     tolerance : int
-        Bytes a worker may deviate from its target before blocks move (the policy's
-        ``tolerance``, else half of ``largest_block``).
+        Bytes a worker may deviate from its target (the policy's ``tolerance``, else half of
+        ``largest_block``).
     """
 
     held: dict[str, int]
@@ -55,7 +52,7 @@ class DeviceBytes:
 
     @property
     def max_deviation(self) -> float:
-        """Largest absolute deviation from a target, bytes (0 with fewer than 2 workers)."""
+        """Largest absolute deviation from a target, bytes."""
         return max((abs(d) for d in self.deviation.values()), default=0.0)
 
     @property
@@ -65,8 +62,7 @@ class DeviceBytes:
 
     @property
     def within_one_block(self) -> bool:
-        """Whether every worker is within ``largest_block`` bytes of its target (give or take
-        the one byte of slack the plan allows for rounding)."""
+        """Whether every worker is within ``largest_block`` (+1) bytes of its target."""
         return self.max_deviation <= self.largest_block + 1
 
 
@@ -82,44 +78,28 @@ class DeviceMemoryAMMPolicy(AMMPolicy):
     """Active Memory Manager policy for device memory: relieve full devices, or even out the
     device bytes by capacity.
 
-    By default (``even=False``), each AMM cycle, results on a worker at or above the
-    ``memory_high`` device-memory fraction that already have a copy on a roomy worker (below
-    ``memory_low``) are dropped from it; the others are replicated to the roomy workers, to
-    be dropped in the next cycle; largest results first, until the worker is projected below
-    ``memory_low``.
-
-    With ``even=True``, each worker's target is its share of the held device bytes in
-    proportion to its device memory capacity (``gpu-memory-total``). While some worker
-    deviates from its target by more than ``tolerance``, the plan moves blocks, on paper,
-    from the most over-target worker to the most under-target one (the largest block that
-    fits the receiver's deficit and free device memory, else the block that best halves the
-    gap), then suggests the net moves, largest first: a copy (``replicate``), and once it has
-    landed, in the next cycle, the drop from the source (as distributed's ``RetireWorker``).
-
-    Both are blockflow heuristics on distributed's AMM. The evening is a greedy descent on
-    the sum of squared deviations from the capacity-weighted targets (cf. distributed's
-    ``Client.rebalance`` for host memory): a ``b``-byte block moves from ``s`` to ``r`` only
-    when ``b`` is below the gap ``(held_s - target_s) - (held_r - target_r)``, which lowers
-    that sum, so planning ends with every worker within one block (the largest) of its
-    target, unless blocks cannot move (replicated results, full devices).
+    Default: results on a worker at or above ``memory_high`` are replicated to roomy workers
+    (below ``memory_low``) and dropped the next cycle, largest first, until it is projected
+    below ``memory_low``. With ``even=True``: a greedy descent on the sum of squared deviations
+    from capacity-weighted targets (cf. distributed's ``Client.rebalance``), copy then drop as
+    ``RetireWorker`` does; it ends with every worker within one block of its target unless
+    blocks cannot move. Both blockflow heuristics; each move is logged as ``memory-move``.
 
     Parameters
     ----------
     memory_high, memory_low : float, optional
-        Device-memory fractions 0-1 (without ``even``): act on workers at or above
-        ``memory_high`` until they are projected below ``memory_low``. Default
+        Device-memory fractions 0-1 (without ``even``); default
         ``blockflow.rebalancer.memory-high`` / ``memory-low``.
     even : bool, default False
         Even out the device bytes by capacity instead.
     keys : iterable, optional
-        With ``even``: keys of the results to balance; default every result held by a
-        device worker.
+        With ``even``: keys to balance; default every result on a device worker.
     workers : iterable of str, optional
-        With ``even``: addresses of the workers to balance among; default every running
-        worker that reports ``gpu-memory-total``.
+        With ``even``: workers to balance among; default every running worker that reports
+        ``gpu-memory-total``.
     tolerance : int or str, optional
-        With ``even``: bytes (``"512MiB"``) a worker may deviate from its target before
-        blocks move. Default: half the largest block counted.
+        With ``even``: bytes (``"512MiB"``) a worker may deviate from its target. Default: half
+        the largest block.
 
     Raises
     ------
@@ -129,16 +109,15 @@ class DeviceMemoryAMMPolicy(AMMPolicy):
     Attributes
     ----------
     pending : dict
-        Key -> move whose copy was requested but whose source still holds the block.
+        Key -> move copied but not yet dropped from its source.
     moves : list of dict
         Completed moves: ``{"key", "source", "target", "nbytes"}``.
 
     Notes
     -----
-    Bytes are the scheduler's ``nbytes`` of each result (``dask.sizeof``); it cannot tell
-    device results from host ones, so pass ``keys`` to even out only device blocks. Results
-    with several replicas are not moved by the evening (distributed's ``ReduceReplicas``
-    owns them). Name it in distributed's configuration::
+    Bytes are the scheduler's ``nbytes`` (``dask.sizeof``), which cannot tell device from host
+    results: pass ``keys`` to even out device blocks only. Results with several replicas are
+    left to ``ReduceReplicas``. In distributed's configuration::
 
         distributed:
           scheduler:
@@ -210,8 +189,7 @@ class DeviceMemoryAMMPolicy(AMMPolicy):
     # --- plain-data measures ----------------------------------------------------------------
 
     def capacities(self, workers: Mapping[str, WorkerView]) -> dict[str, float]:
-        """Address -> device memory capacity (bytes) of the workers balanced among: running,
-        reporting ``gpu-memory-total``, and in ``self.workers`` when given."""
+        """Address -> device memory capacity, bytes, of the workers balanced among."""
         return {a: float(w.metrics.gpu_memory_total) for a, w in sorted(workers.items())
                 if w.status == "running" and w.metrics.has_gpu
                 and (self.workers is None or a in self.workers)}
@@ -241,8 +219,7 @@ class DeviceMemoryAMMPolicy(AMMPolicy):
 
     def device_bytes(self, workers: Mapping[str, WorkerView],
                      held: Mapping[str, list[HeldResult]]) -> DeviceBytes:
-        """Device bytes held per worker and the capacity-weighted targets, as the policy
-        counts them (see :class:`DeviceBytes`)."""
+        """Device bytes held per worker and their targets, as the policy counts them."""
         caps = self.capacities(workers)
         return self._measure(caps, self._blocks(caps, held))
 
@@ -341,10 +318,11 @@ class DeviceMemoryAMMPolicy(AMMPolicy):
 
 def _choose(excess: dict[str, float], movable: dict[str, list[tuple[int, int, Any]]],
             free: dict[str, float]):
-    """The next move ``(block, source, receiver)``, or None when no move lowers the sum of
-    squared deviations. First the largest block that fits a receiver's deficit (and its free
-    device memory), from the most over-target workers to the most under-target ones; else
-    the block closest to half the gap."""
+    """The next move ``(block, source, receiver)`` that lowers the squared deviations, or None.
+
+    The largest block that fits a receiver's deficit and free memory; else the one closest to
+    half the gap.
+    """
     # A byte of slack everywhere: targets are fractional, and float rounding must not turn
     # an even swap (block == gap) into a "gain".
     sources = sorted((a for a in excess if excess[a] >= 1 and movable[a]),
