@@ -1,12 +1,8 @@
 """``blockflow.PoolCluster``: one scheduler over several pools of workers.
 
-A :class:`distributed.SpecCluster` whose workers come one spec per pool: worker ``i`` of pool
-``fast`` is named ``fast-<i>`` and started with the worker preload ``blockflow.pools.preload``
-(it reports its :class:`~blockflow.pools.pool.Pool` and declares ``pool:fast``). Workers are
-local processes, or dask-jobqueue batch jobs with one job template per pool under one
-scheduler (dask-jobqueue#381). The scheduler runs blockflow's plugin from the start;
-:meth:`PoolCluster.scale` sizes a pool, :meth:`PoolCluster.adapt` every pool
-(:class:`blockflow.pools.adaptive.PoolAdaptive`).
+A :class:`distributed.SpecCluster` with one worker spec per pool; workers are local
+processes or dask-jobqueue jobs (one template per pool, dask-jobqueue#381). Guide:
+:doc:`/guide/pools`.
 """
 from __future__ import annotations
 
@@ -30,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 def pool_preload_argv(pool: Pool) -> list[str]:
-    """The ``blockflow.pools.preload`` preload's command-line options describing ``pool``."""
+    """The ``blockflow.pools.preload`` options describing ``pool``."""
     argv = ["--pool", pool.name, "--provider", pool.provider]
     if pool.region:
         argv += ["--region", pool.region]
@@ -68,38 +64,40 @@ def _job_class(job_cls):
 class PoolCluster(SpecCluster):
     """A Dask cluster made of named pools of workers, under one scheduler.
 
+    Worker ``i`` of pool ``p`` is named ``"p-i"``, declares the resource ``pool:p`` and reports
+    its :class:`~blockflow.pools.pool.Pool` through the ``blockflow.pools.preload`` preload; the
+    scheduler runs blockflow's plugin.
+
     Parameters
     ----------
     pools : mapping of Pool to int
-        Each pool and how many workers it starts with: ``{Pool("fast", price=4, speed=4): 2,
-        Pool("slow", price=0.5): 4}``. Worker ``i`` of pool ``p`` is named ``"p-i"``.
+        Each pool and its initial worker count.
     threads_per_worker : int, default 1
         Threads of each local worker (for jobs: ``cores`` in ``jobs``).
     memory_limit : str or int, optional
-        Host memory per local worker; distributed's default ("auto") if None.
+        Host memory per local worker; distributed's default if None.
     processes : bool, default True
-        Local workers as processes (``Nanny``) or threads of this process (``Worker``).
+        Local workers as processes (``Nanny``) or threads (``Worker``).
     worker_options : mapping, optional
-        Pool name -> extra keyword arguments of its ``Nanny``/``Worker`` or job class.
+        Pool name -> extra keyword arguments of its worker or job class.
     job_cls : type or str, optional
-        A dask-jobqueue job class or its short name (``"slurm"``): every pool's workers
-        are batch jobs of it, under this one scheduler.
+        A dask-jobqueue job class or its short name (``"slurm"``).
     jobs : mapping, optional
-        With ``job_cls``: pool name -> the job's options (``queue``, ``cores``, ``memory``,
-        ``walltime``, ...).
+        With ``job_cls``: pool name -> job options (``queue``, ``cores``, ``memory``, ...).
     scheduler_options : mapping, optional
         Extra ``distributed.Scheduler`` options.
     policy : str, optional
         blockflow's scheduling policy (default ``blockflow.cluster.policy``).
     **kwargs
-        Passed to :class:`distributed.SpecCluster` (``asynchronous``, ``silence_logs``,
-        ``security``, ``name``...).
+        Passed to :class:`distributed.SpecCluster`.
 
     Raises
     ------
     TypeError, ValueError
-        For pools that are not :class:`blockflow.Pool`, a negative worker count, two pools
-        of one name, or options naming unknown pools.
+        For keys that are not :class:`blockflow.Pool`, a negative count, duplicate pool names,
+        or options naming unknown pools.
+    ImportError
+        If ``job_cls`` is a name and dask-jobqueue is missing.
 
     See Also
     --------
@@ -111,7 +109,7 @@ class PoolCluster(SpecCluster):
     >>> client = blockflow.connect(cluster.scheduler_address)     # doctest: +SKIP
     >>> cluster.adapt(pools={"fast": (0, 2), "slow": (0, 8)})     # doctest: +SKIP
 
-    On Slurm, one partition per pool, one scheduler::
+    On Slurm, one partition per pool::
 
         PoolCluster({Pool("gpu", price=2.5): 0, Pool("cpu", price=0.1): 0},
                     job_cls="slurm",
@@ -234,15 +232,13 @@ class PoolCluster(SpecCluster):
               pool: str | None = None):
         """Scale one pool to ``n`` workers (``pool=``), or several (``n={"fast": 2, ...}``).
 
-        A pool shrinks by its workers not yet launched first, then its newest; other pools
-        are left as they are. Without ``pool`` and with an int ``n`` the workers are spread
-        over the pools in proportion to their current sizes (plain
-        :meth:`distributed.SpecCluster.scale` semantics for callers that know no pools).
+        A pool shrinks by its unlaunched workers first, then its newest. An int ``n`` without
+        ``pool`` is spread over the pools in proportion to their sizes.
 
         Raises
         ------
         ValueError
-            If ``pool`` names no pool, or a count is negative.
+            If ``pool`` names no pool, a count is negative, or ``memory``/``cores`` are given.
         """
         if isinstance(n, Mapping):
             targets = {p: int(k) for p, k in n.items()}
@@ -290,13 +286,11 @@ class PoolCluster(SpecCluster):
         Parameters
         ----------
         pools : mapping, optional
-            Pool name -> ``(minimum, maximum)`` workers; pools not named keep
-            ``(0, their current size)``... unless ``minimum``/``maximum`` are given, which
-            apply to every pool not named.
+            Pool name -> ``(minimum, maximum)`` workers; other pools get ``minimum``/``maximum``
+            when given, else ``(0, current size)``.
         Adaptive : type, default :class:`blockflow.pools.adaptive.PoolAdaptive`
         **kwargs
-            ``interval``, ``wait_count``, ``target_duration``, ``minimum``, ``maximum``
-            (see :class:`~blockflow.pools.adaptive.PoolAdaptive`).
+            ``interval``, ``wait_count``, ``target_duration``, ``minimum``, ``maximum``.
 
         Returns
         -------
