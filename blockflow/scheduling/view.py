@@ -1,11 +1,8 @@
 """The client's one view of the cluster: what blockflow's scheduler plugin knows.
 
-Runs in the user's process and reads the scheduler through a ``distributed.Client``:
-its identity (:func:`scheduler_identity`, :func:`workers_info`), the plugin's state
-(:func:`plugin_status`, :func:`decisions`, :func:`task_counts`), learned and declared speeds
-(:func:`learned_speeds`, :func:`declared_speeds`), per-worker memory (:func:`worker_memory`)
-and the one throughput estimator (:class:`ThroughputView`). Waiting is
-:mod:`blockflow.scheduling.wait`; placement arithmetic :mod:`blockflow.scheduling.estimate`.
+Runs in the user's process and reads the scheduler through a ``distributed.Client``.
+Waiting is :mod:`blockflow.scheduling.wait`; placement arithmetic
+:mod:`blockflow.scheduling.estimate`. Guide: :doc:`/guide/scheduling`.
 """
 
 from __future__ import annotations
@@ -42,12 +39,10 @@ __all__ = [
 # -- the plugin's state --------------------------------------------------------------------
 
 def plugin_status(client: Client, **kwargs: Any) -> dict[str, Any]:
-    """State of blockflow's scheduler plugin: policy, task counts, worker snapshot, decisions.
+    """State of blockflow's scheduler plugin, as plain data.
 
     ``kwargs`` (``since``: seconds since the epoch, ``task_log``: bool) go to
-    :meth:`blockflow.scheduling.Rebalancer.status`. Returns plain data: ``policy``, ``ticks``,
-    ``task_counts``, ``kernel_counts``, ``run_counts``, ``speeds``, ``speed_confidence``,
-    ``paused``, ``workers``, ``memory_peak`` (bytes), ``decisions``.
+    :meth:`blockflow.scheduling.Rebalancer.status`.
 
     Raises
     ------
@@ -64,9 +59,8 @@ def plugin_status(client: Client, **kwargs: Any) -> dict[str, Any]:
 
 
 def throughput(client: Client, status: Mapping[str, Any] | None = None):
-    """The throughput matrix (Gavel's): seconds per task of each task group (rows) on each
-    pool (columns), as :func:`blockflow.pools.plan.throughput_matrix` learns it; empty before
-    anything was measured. ``status``: a :func:`plugin_status` already read.
+    """The throughput matrix as a DataFrame: seconds per task, task groups by pools
+    (:func:`blockflow.pools.plan.throughput_matrix`); ``status``: a :func:`plugin_status` reply.
 
     Raises
     ------
@@ -90,8 +84,9 @@ def _has_plugin(client: Client) -> bool:
 
 
 def task_counts(client: Client, *, kernels_only: bool = False) -> dict[str, int]:
-    """Worker address -> tasks it finished since the plugin started (with ``kernels_only``,
-    only blockflow kernel tasks, named ``blockflow-...``)."""
+    """Worker address -> tasks finished since the plugin started (``kernels_only``: blockflow
+    kernel tasks only).
+    """
     status = plugin_status(client)
     return status["kernel_counts" if kernels_only else "task_counts"]
 
@@ -113,10 +108,9 @@ def decisions(client: Client, since: float | None = None):
     Returns
     -------
     pandas.DataFrame
-        Columns :data:`DECISION_COLUMNS` (``time`` a UTC timestamp, ``action`` an
-        :class:`~blockflow.scheduling.actions.Action` value), then ``seen_*``: the metrics
-        the decision saw (GPU utilisation %, device-memory fraction 0-1, speed, tasks
-        processing, projected finish in seconds; None where unknown).
+        Columns :data:`DECISION_COLUMNS` (``time`` UTC), then ``seen_*``: the metrics the
+        decision saw (GPU utilisation %, device-memory fraction 0-1, speed, tasks processing,
+        projected finish in seconds; None where unknown).
 
     Raises
     ------
@@ -149,16 +143,14 @@ def decisions(client: Client, since: float | None = None):
 
 @dataclass(frozen=True)
 class LearnedSpeeds:
-    """The plugin's learned speeds (worker -> relative speed, 1.0 typical) and confidences
-    (0-1), with the one rule for which count as known (:attr:`known`)."""
+    """The plugin's learned speeds (1.0 typical) and confidences (0-1)."""
 
     speeds: dict
     confidence: dict
 
     @property
     def known(self) -> dict[str, float]:
-        """Speeds with confidence at least :data:`~blockflow.scheduling.estimate.CONFIDENT`:
-        the only ones blockflow's client-side code acts on (a speed below it is a guess)."""
+        """Speeds with confidence at least :data:`~blockflow.scheduling.estimate.CONFIDENT`."""
         return confident_speeds(self.speeds, self.confidence, CONFIDENT)
 
     def __bool__(self) -> bool:
@@ -166,8 +158,7 @@ class LearnedSpeeds:
 
 
 def learned_speeds(client: Client, status: Mapping[str, Any] | None = None) -> LearnedSpeeds:
-    """The plugin's :class:`LearnedSpeeds` (from ``status``, a :func:`plugin_status` reply, if
-    given); empty without a reachable plugin."""
+    """The plugin's :class:`LearnedSpeeds` (from ``status`` if given); empty without a plugin."""
     if status is None:
         try:
             status = plugin_status(client)
@@ -179,10 +170,9 @@ def learned_speeds(client: Client, status: Mapping[str, Any] | None = None) -> L
 
 def declared_speeds(client: Client, workers: Mapping[str, Mapping] | None = None
                     ) -> dict[str, float]:
-    """Worker -> its device's ``blockflow-capacity`` metric (SM cores x clock,
-    :mod:`blockflow.devices`) over the median of those reported: nominal relative speeds, the
-    prior before any work is timed. Only workers that report one; ``workers``:
-    :func:`workers_info` already read."""
+    """Worker -> its ``blockflow-capacity`` metric over the median reported: nominal relative
+    speeds, the prior before any timing. ``workers``: a :func:`workers_info` reply.
+    """
     workers = workers_info(client) if workers is None else workers
     caps = {}
     for a, info in workers.items():
@@ -202,8 +192,9 @@ def declared_speeds(client: Client, workers: Mapping[str, Mapping] | None = None
 
 @dataclass(frozen=True)
 class WorkerMemory:
-    """One worker's memory in bytes (None: not reported): ``host_total`` (its
-    ``memory_limit``), ``host_used`` (process memory), ``device_total``, ``device_used``."""
+    """One worker's memory in bytes (None: not reported): ``host_total`` (``memory_limit``),
+    ``host_used``, ``device_total``, ``device_used``.
+    """
 
     host_total: float | None
     host_used: float | None
@@ -217,7 +208,7 @@ class WorkerMemory:
 
     @property
     def host_free(self) -> float | None:
-        """``host_total - host_used`` (used unknown counts as 0), or None without a limit."""
+        """``host_total - host_used``, or None without a limit."""
         if not self.host_total:
             return None
         return max(self.host_total - (self.host_used or 0.0), 0.0)
@@ -231,9 +222,9 @@ class WorkerMemory:
 
     @property
     def free(self) -> float:
-        """The memory blocks placed on this worker live in: free device memory on a GPU
-        worker (its total while its use is unknown), else free host memory, else
-        ``math.inf`` (nothing known)."""
+        """Free device memory on a GPU worker (its total if use is unknown), else free host memory,
+        else ``math.inf``.
+        """
         if self.has_device:
             return self.device_total if self.device_free is None else self.device_free
         host = self.host_free
@@ -241,8 +232,7 @@ class WorkerMemory:
 
     @property
     def total(self) -> tuple[float, str] | None:
-        """``(bytes, "device" or "host")``: device memory on a GPU worker, else the host
-        limit; None when neither is known."""
+        """``(bytes, "device" or "host")``, or None when neither is known."""
         if self.has_device:
             return self.device_total, "device"
         if self.host_total:
@@ -251,8 +241,7 @@ class WorkerMemory:
 
 
 def memory_of(info: Mapping[str, Any]) -> WorkerMemory:
-    """A worker's :class:`WorkerMemory` from its :func:`workers_info` entry (missing or
-    malformed values are unknown)."""
+    """A worker's :class:`WorkerMemory` from its :func:`workers_info` entry."""
     m = read_metrics(info.get("metrics"))
     return WorkerMemory(host_total=clean_number(info.get("memory_limit")) or None,
                         host_used=m.host_memory, device_total=m.gpu_memory_total,
@@ -261,8 +250,7 @@ def memory_of(info: Mapping[str, Any]) -> WorkerMemory:
 
 def worker_memory(client: Client, workers: Mapping[str, Mapping] | None = None
                   ) -> dict[str, WorkerMemory]:
-    """Worker address -> :class:`WorkerMemory` from its last heartbeat (``workers``:
-    :func:`workers_info` already read)."""
+    """Worker address -> :class:`WorkerMemory` from its last heartbeat."""
     workers = workers_info(client) if workers is None else workers
     return {a: memory_of(info) for a, info in workers.items()}
 
@@ -270,15 +258,12 @@ def worker_memory(client: Client, workers: Mapping[str, Mapping] | None = None
 # -- throughput ----------------------------------------------------------------------------
 
 class ThroughputView:
-    """The one throughput estimator, fed by timed calls, with the plugin's speeds as prior.
-
-    Seconds per unit of work per worker (:class:`~blockflow.scheduling.estimate.Throughput`);
-    workers not yet measured get the plugin's known speeds, re-read every ``refresh`` s.
+    """The one throughput estimator, fed by timed calls, with the plugin's known speeds as prior.
 
     Parameters
     ----------
     client : distributed.Client or None
-        None: no prior (measurements only).
+        None: no prior.
     refresh : float, default 1.0
         Seconds between reads of the plugin's speeds.
     **kwargs
@@ -300,12 +285,12 @@ class ThroughputView:
         self.estimate.forget(worker)
 
     def set_prior(self, speeds: Mapping[str, float]) -> None:
-        """Use these speeds (known with confidence) as the prior until the next read."""
+        """Use these speeds as the prior until the next read."""
         self._prior = dict(speeds)
         self._read = time.monotonic()
 
     def prior(self) -> dict[str, float]:
-        """The plugin's speeds known with confidence (re-read every ``refresh`` seconds)."""
+        """The plugin's known speeds (re-read every ``refresh`` seconds)."""
         now = time.monotonic()
         if self.client is not None and now - self._read >= self.refresh:
             self._read = now
@@ -318,12 +303,12 @@ class ThroughputView:
 
 
 def scheduler_identity(client) -> dict[str, Any]:
-    """The scheduler's identity with every worker (``id``, ``address``, ``workers``: address
-    -> ``name``, ``nthreads``, ``memory_limit`` in bytes, ``metrics``, ``resources``, ...),
-    read from the scheduler, not the client's cached copy. ``client`` must be synchronous."""
+    """The scheduler's identity with every worker, read from the scheduler (``client``
+    synchronous).
+    """
     return dict(client.sync(client.scheduler.identity, n_workers=-1))
 
 
 def workers_info(client) -> dict[str, dict[str, Any]]:
-    """Worker address -> the scheduler's info on that worker (see :func:`scheduler_identity`)."""
+    """Worker address -> the scheduler's info on it (see :func:`scheduler_identity`)."""
     return dict(scheduler_identity(client).get("workers") or {})
