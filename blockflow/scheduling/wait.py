@@ -1,10 +1,7 @@
 """Waiting for futures while workers die: the client's one wait.
 
-:func:`wait_for` and :func:`gather_results` fail with :class:`~blockflow.errors.WorkerLostError`
-when the cluster is left without any worker, instead of waiting forever; :func:`fetch`
-handles distributed's ``Future.result(timeout=)`` race in one place; :func:`wait_any` and
-:func:`gather_as_done` collect results as they come while checking that the workers they
-need are alive.
+Waits that fail with :class:`~blockflow.errors.WorkerLostError` when the workers they need
+are gone, instead of waiting forever. Guide: :doc:`/guide/reliability`.
 """
 
 from __future__ import annotations
@@ -29,15 +26,14 @@ def wait_for(client: Client, futures: Any, *, what: str = "the computation",
              worker_loss_timeout: str | float | None = None) -> None:
     """Wait until ``futures`` are done (finished or failed), failing if every worker is lost.
 
-    Like :func:`distributed.wait`, but gives up after ``worker_loss_timeout`` without any
-    worker (workers that come back reset the clock).
+    Like :func:`distributed.wait`; workers that come back reset the clock.
 
     Parameters
     ----------
     client : distributed.Client
     futures : future, collection of futures, or persisted Dask collection
     what : str, default "the computation"
-        Named in the error message (e.g. ``"the flights ETL"``).
+        Named in the error message.
     worker_loss_timeout : str or float, optional
         Seconds (or ``"60s"``) without any worker before giving up; default
         ``blockflow.cluster.worker-loss-timeout``.
@@ -45,8 +41,7 @@ def wait_for(client: Client, futures: Any, *, what: str = "the computation",
     Raises
     ------
     WorkerLostError
-        If the cluster has had no worker for ``worker_loss_timeout`` while results were
-        unfinished.
+        If the cluster had no worker for ``worker_loss_timeout`` with results unfinished.
     """
     pending = futures_of(futures)
     n = len(pending)
@@ -88,16 +83,12 @@ def wait_for(client: Client, futures: Any, *, what: str = "the computation",
 
 def gather_results(client: Client, futures: Any, *, what: str = "the computation",
                    worker_loss_timeout: str | float | None = None) -> Any:
-    """:func:`wait_for` the futures, then gather their results; worker deaths explained.
-
-    Parameters and the loss of every worker as for :func:`wait_for`; returns what
-    ``client.gather(futures)`` returns.
+    """:func:`wait_for` the futures, then ``client.gather`` them; worker deaths explained.
 
     Raises
     ------
     WorkerLostError
-        If every worker was lost, or in place of distributed's ``KilledWorker`` (chained as
-        ``__cause__``).
+        If every worker was lost, or in place of distributed's ``KilledWorker`` (chained).
     Exception
         A task's own exception.
     """
@@ -120,9 +111,7 @@ def gather_results(client: Client, futures: Any, *, what: str = "the computation
 
 
 def task_label(key) -> str:
-    """A task key as messages name it: the step (the key's name without its token) and,
-    for a block's task, the block index: ``"block (3,) of step 'blockflow-clean'"`` for
-    ``('blockflow-clean-1f3a...', 3)``; never the token."""
+    """A task key as messages name it, never the token: ``"block (3,) of step 'blockflow-clean'"``."""
     name = key_split(key)
     if isinstance(key, tuple) and len(key) > 1:
         return f"block {tuple(key[1:])} of step {name!r}"
@@ -132,18 +121,15 @@ def task_label(key) -> str:
 def fetch(future, *, timeout: float = 10.0, deadline: float | None = None) -> Any:
     """The result of a finished future; raises if it was lost before it came back.
 
-    ``Future.result(timeout=)`` can block on a result whose worker died, or end with
-    neither result nor error when the timeout races the result (``UnboundLocalError``):
-    this asks again, ``timeout`` seconds each, while the future stays finished, and gives up
-    when it is not or after ``deadline`` seconds in all.
+    Asks again, ``timeout`` seconds each, while the future stays finished (distributed's
+    ``Future.result(timeout=)`` can race), for at most ``deadline`` seconds.
 
     Raises
     ------
     WorkerLostError
-        If the result was lost before it was fetched, or the deadline passed; ``lost`` names
-        the future's key.
+        If the result was lost or the deadline passed; ``lost`` names the key.
     Exception
-        The task's own exception, as ``Future.result`` raises it.
+        The task's own exception.
     """
     end = None if deadline is None else time.monotonic() + deadline
     while True:
@@ -159,9 +145,9 @@ def fetch(future, *, timeout: float = 10.0, deadline: float | None = None) -> An
 
 
 def fetch_many(futures, *, timeout: float = 10.0) -> list:
-    """The results of several finished futures of one client, in their order, in one
-    request bounded by ``timeout`` seconds; any failure (a lost result, the timeout, a task's
-    exception) raises, and the caller falls back on :func:`fetch` per future."""
+    """The results of finished futures of one client, in order, in one request within
+    ``timeout`` seconds; any failure raises (fall back on :func:`fetch`).
+    """
     futures = list(futures)
     if not futures:
         return []
@@ -174,8 +160,7 @@ def fetch_many(futures, *, timeout: float = 10.0) -> list:
 
 
 def wait_any(futures: Iterable, timeout: float = 1.0) -> list:
-    """The futures of ``futures`` that are done, waiting up to ``timeout`` seconds for the
-    first (empty when none finished in time)."""
+    """The done futures of ``futures``, waiting up to ``timeout`` seconds for the first."""
     futures = list(futures)
     if not futures:
         return []
@@ -192,22 +177,19 @@ def gather_as_done(futures: Iterable, *, alive: Callable[[], Iterable[str]],
                    deadline: float | None = None) -> list:
     """Every future's result, fetched as soon as it is done; fails fast on a lost worker.
 
-    A failed fetch or a wait that times out checks the workers: when one of ``needed`` is no
-    longer ``alive`` (results pinned to it never come), it raises.
-
     Parameters
     ----------
     futures : iterable of distributed.Future
     alive : callable
         Returns the addresses of the workers alive now.
     needed : iterable of str
-        The workers the futures need (those holding their inputs).
+        The workers holding the futures' inputs.
     poll : float, default 0.5
-        Seconds between checks of the workers while nothing finishes.
+        Seconds between worker checks while nothing finishes.
     get : callable, optional
         Fetches one done future (default: ``future.result()``).
     deadline : float, optional
-        Seconds in all before giving up on the results still to come (default: no bound).
+        Seconds in all before giving up (default: no bound).
 
     Returns
     -------
@@ -219,7 +201,7 @@ def gather_as_done(futures: Iterable, *, alive: Callable[[], Iterable[str]],
     WorkerLostError
         When workers of ``needed`` left; ``lost`` names them.
     TimeoutError
-        When ``deadline`` passed with results still to come and no needed worker lost.
+        When ``deadline`` passed with no needed worker lost.
     Exception
         A task's own exception, when no needed worker was lost.
     """
