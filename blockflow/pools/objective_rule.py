@@ -1,14 +1,9 @@
 """The objective rule: keep a run's work on the pools its objective pays for.
 
-Under ``blockflow.objective("cost", deadline=...)`` the cheap pools keep the work while they
-can meet the deadline and expensive pools take only what they must; under
-``blockflow.objective("makespan", budget=...)`` speed is bought until the money runs out.
-Both are the LP of :func:`blockflow.pools.plan.plan` over the throughput matrix,
-re-solved on every tick for the work the run has left; a pool the plan gives no more work
-than it already holds is *parked* (its workers paused on the scheduler: they finish what
-they run and take nothing new; the move rule hands their waiting tasks to the others), a
-pool the plan needs is unparked. Without an objective (or with "makespan" and no budget)
-the rule parks nothing: today's behaviour.
+Under :func:`blockflow.objective` the LP of :func:`blockflow.pools.plan.plan` is re-solved
+each tick for the work left; pools it gives no more work are *parked* (paused on the
+scheduler), pools it needs are unparked. Without a cost objective or budget nothing is
+parked. Guide: :doc:`/guide/pools`, "Objectives".
 """
 
 from __future__ import annotations
@@ -34,29 +29,17 @@ _GB = 1e9
 class ObjectiveRule(Rule):
     """Park and unpark pools for the current run's objective; refuse impossible ones.
 
-    On ``"graph"`` snapshots, tasks asking for a pool no worker declares and objectives that
-    cannot be met (a pool without a price, a deadline no pool sizes meet, a budget below the
-    cheapest run; judged on the groups already measured) fail at once: one ``fail`` command
-    whose ``detail`` is the :class:`~blockflow.errors.ObjectiveError`.
-
-    On ``"tick"`` snapshots, for the run most recently given work under an objective that
-    needs prices: solve :func:`blockflow.pools.plan.plan` for the work it has left, with the
-    time left to the deadline less one task of the slowest pool, or the budget left. A pool
-    whose planned tasks exceed what its workers hold is unparked; one that holds its plan is
-    parked, except the pool with the most work still to take. Under a deadline a pool that
-    has not begun starts its share late (:attr:`late_start`), to work in one stretch (a
-    worker is billed from its first task to its last); before any group is measured only the
-    pool cheapest per unit of work by its hints takes tasks. A pool of another provider than
-    a group's inputs is charged their egress. When the objective can no longer be met, one
-    ``objective`` record (and a WARNING) gives the new projected finish or cost, and every
-    pool is unparked (deadline) or only the cheapest kept (budget). A blockflow heuristic on
-    Gavel's LP (OSDI 2020).
+    On ``"graph"``: tasks asking for an undeclared pool, and objectives that cannot be met, fail
+    at once (one ``fail`` whose ``detail`` is the :class:`~blockflow.errors.ObjectiveError`).
+    On ``"tick"``: plan the run's remaining work (time to the deadline less one slow task, or
+    the budget left); unpark pools the plan needs more of, park those holding their plan
+    (except the one with most work to take). When the objective can no longer be met, one
+    ``objective`` record and a WARNING. A blockflow heuristic on Gavel's LP (OSDI 2020).
 
     Attributes
     ----------
     plans : dict
-        Run id -> the latest plan (:meth:`blockflow.pools.plan.Plan.as_dict`) and its
-        inputs, for status and the dashboard.
+        Run id -> the latest plan (:meth:`blockflow.pools.plan.Plan.as_dict`) and its inputs.
     """
 
     #: Share of a task per thread kept free before the deadline (the last task a thread
@@ -79,8 +62,7 @@ class ObjectiveRule(Rule):
     # --- graph: refuse what cannot be met -------------------------------------------
 
     def _unknown_pools(self, snap) -> list[Decision]:
-        """Tasks waiting for a ``pool:<name>`` resource of a pool no worker declares
-        (``client.submit(..., resources={"pool:x": 1})``): fail them now."""
+        """Fail tasks waiting for a ``pool:<name>`` resource no worker declares."""
         if not snap.unsatisfiable:
             return []
         return self._refuse_pools(snap, [(key, need, None)
@@ -235,9 +217,8 @@ class ObjectiveRule(Rule):
 
     @staticmethod
     def spent(run, pools, now, workers=None) -> float:
-        """Dollars ``run``'s workers cost so far: each billed from its first task's start
-        to now while it has tasks assigned, else to its last task's end (idle gaps
-        included, as :func:`blockflow.pools.plan.run_cost` bills).
+        """Dollars ``run``'s workers cost so far, billed as :func:`blockflow.pools.plan.run_cost` bills
+        (to now while a worker has tasks assigned).
 
         Parameters
         ----------
@@ -247,8 +228,7 @@ class ObjectiveRule(Rule):
         now : float
             Seconds since the epoch.
         workers : mapping of str to WorkerView, optional
-            Worker views saying which workers have tasks assigned (without them, every
-            worker is billed to its last task's end).
+            Which workers have tasks assigned (without: each billed to its last task's end).
         """
         total = 0.0
         for a, (start, stop) in run.spans.items():
@@ -262,9 +242,7 @@ class ObjectiveRule(Rule):
 
     @staticmethod
     def overhead(run, pools) -> dict[str, float]:
-        """Pool name -> billed seconds over busy seconds of ``run``'s workers so far (1 to
-        2): the gaps between a worker's tasks that its bill includes and the throughput
-        matrix does not."""
+        """Pool name -> billed over busy seconds of ``run``'s workers so far (1 to 2)."""
         billed: dict[str, float] = {}
         busy: dict[str, float] = {}
         for a, (start, stop) in run.spans.items():
@@ -278,16 +256,9 @@ class ObjectiveRule(Rule):
 
     def _budget_plan(self, snap, run, pools, by_name, work, seconds, workers, threads,
                      remaining, running_on, typical, egress, parked):
-        """The fastest plan for the work left within the budget left: the budget less what
-        the run's workers cost so far (:meth:`spent`) and what is committed already (the
-        rest of the running tasks and the tasks queued on workers, each on its pool:
-        they run there whatever the plan says), every price per task scaled by the pool's
-        :meth:`overhead`. A parked pool whose workers would be billed again for the time
-        they were parked (a worker's bill runs from its first task to its last) is
-        charged that gap when the plan uses it; the plan without the parked pools is
-        taken when it is faster within the budget. Half a task of the dearest pool is
-        kept back for the plan's rounding. Returns ``(plan or None, spent,
-        committed, fixed)``, ``fixed``: pool name -> queued tasks fixed to it."""
+        """The fastest plan for the work left within the budget left (less spent and committed,
+        prices scaled by :meth:`overhead`). Returns ``(plan or None, spent, committed, fixed)``.
+        """
         now = snap.time
         over = self.overhead(run, pools)
         eff = {g: {p: t * over.get(p, 1.0) for p, t in row.items()}
@@ -416,11 +387,9 @@ class ObjectiveRule(Rule):
 
     @staticmethod
     def _to_wake(snap, name, members, parked, plan) -> set[str]:
-        """The parked workers of pool ``name`` to unpark: only as many as the plan needs
-        beside its running ones (the plan's ``workers_needed``),
-        those that cost least to take back first - a worker that ran nothing in this run,
-        then the one parked most recently (a worker is billed from its first task to its
-        last, so one given work again is billed for the time it sat parked)."""
+        """The parked workers of pool ``name`` to unpark, as many as the plan needs, cheapest to take
+        back first (a worker is billed from its first task to its last).
+        """
         active = [a for a in members if a not in parked]
         need = max(int(plan.workers_needed.get(name, len(members))), 1)
         n = need - len(active)
@@ -433,10 +402,7 @@ class ObjectiveRule(Rule):
 
     def _hand_over(self, snap, pools, name, n, seen, egress, seconds, plan, workers,
                    threads, work) -> list[Decision]:
-        """Move up to ``n`` tasks waiting on other pools' workers (assigned there by
-        distributed, near their data) to free threads of pool ``name``, which the plan
-        needs to take them; each move records its inputs' bytes, their egress price and the
-        time the pool saves."""
+        """Move up to ``n`` tasks waiting on other pools' workers to free threads of pool ``name``."""
         free = [(a, w.nthreads - w.processing) for a, w in sorted(snap.workers.items())
                 if pools[a].name == name and w.status == "running"
                 and w.processing < w.nthreads]
@@ -519,12 +485,9 @@ class ObjectiveRule(Rule):
         return out
 
     def _unmeasured(self, snap, parked, pools, obj) -> list[Decision]:
-        """No group of the run measured yet. Under a cost objective only the pool cheapest
-        per unit of work by the pools' hints (price over ``speed``, 1 without one) takes
-        the first tasks, if it has a running worker: an expensive pool that ran a few
-        tasks first is billed from them to its last task (it comes back for its share
-        later). Otherwise (a budget, or no such worker) distributed's placement, as
-        without an objective."""
+        """Before any group is measured: under a cost objective only the pool cheapest per unit of
+        work by its hints takes tasks; otherwise distributed's placement.
+        """
         why = "no task group of the run measured yet"
         by_name = {p.name: p for p in pools.values()}
         if obj.kind != "cost" or len(by_name) < 2:
