@@ -1,11 +1,7 @@
 """Worker preload: ``dask worker SCHEDULER --preload blockflow.pools.preload --pool l4 --price 0.8``.
 
-Puts a worker started by someone else (``dask worker``, dask-jobqueue, dask-kubernetes) in
-a :class:`blockflow.Pool`: the worker reports the pool in its heartbeats and declares the
-worker resource ``"pool:<name>"`` (:class:`blockflow.pools.pool.PoolMember`). Options:
-``--pool NAME`` (required), ``--provider``, ``--region``, ``--price`` (dollars per
-worker-hour), ``--egress`` (dollars per GB leaving the provider), ``--speed`` (relative speed
-hint, 1.0 = typical).
+Puts a worker started elsewhere in a :class:`blockflow.Pool`
+(:class:`blockflow.pools.pool.PoolMember`); ``--help`` lists the options.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Scheduling: blockflow's scheduler plugin, its policies and the speed model.
 
-:class:`Rebalancer` is the scheduler plugin; :data:`POLICIES` the registry of policy names;
-:class:`DeviceMemoryAMMPolicy` can be named in distributed's Active Memory Manager
-configuration. Pools, objectives and cost are in
-:mod:`blockflow.pools`. Worker metrics are parsed by :mod:`blockflow._distributed.metrics`.
-
-Names load on first use (as :mod:`blockflow` does), so importing one small module, say
-:mod:`blockflow.scheduling.actions`, does not load the plugin and every rule.
+Names load on first use, so importing one small module does not load the plugin.
+Pools and cost: :mod:`blockflow.pools`. Guide: :doc:`/guide/scheduling`.
 """
 
 import importlib

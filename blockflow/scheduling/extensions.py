@@ -1,6 +1,4 @@
-"""Scheduler extensions installed beside blockflow's plugin, named by dotted path in
-``blockflow.scheduler.extensions`` (the dashboard page by default), so that the scheduler
-side names no module above it."""
+"""Scheduler extensions installed beside blockflow's plugin (``blockflow.scheduler.extensions``)."""
 
 from __future__ import annotations
 
@@ -16,12 +14,12 @@ def scheduler_extensions(paths: list[str] | None = None) -> list:
     Parameters
     ----------
     paths : list of str, optional
-        Dotted paths of scheduler-plugin classes taking no arguments; default
+        Dotted paths of argument-free scheduler-plugin classes; default
         ``blockflow.scheduler.extensions``.
 
     Raises
     ------
     ImportError
-        If a path names no importable object (the message names the path).
+        If a path names no importable object.
     """
     return [import_object(path)() for path in config.get("scheduler.extensions", paths) or ()]

@@ -1,10 +1,8 @@
 """Preload module for ``dask scheduler --preload blockflow.scheduling.preload``.
 
-Installs blockflow's scheduler plugin on a scheduler started outside blockflow (a real
-cluster: ``dask scheduler``, dask-jobqueue, dask-kubernetes). The policy comes from
-``blockflow.cluster.policy`` (``DASK_BLOCKFLOW__CLUSTER__POLICY``) or ``--blockflow-policy``
-(a built-in name or a dotted path); the extensions installed beside it (the dashboard page)
-from ``blockflow.scheduler.extensions``.
+Installs blockflow's plugin (policy: ``--blockflow-policy`` or ``blockflow.cluster.policy``)
+and the extensions of ``blockflow.scheduler.extensions`` on a scheduler started outside
+blockflow.
 """
 
 from __future__ import annotations

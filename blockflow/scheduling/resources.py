@@ -1,10 +1,4 @@
-"""Worker resources as people read them: what the workers declare, for messages.
-
-The rules that act on resources are :class:`~blockflow.scheduling.rules.KernelPlacementRule`
-(restrict new tasks as their kernels asked) and
-:class:`~blockflow.scheduling.rules.UnsatisfiableRule` (warn about, then fail, tasks that
-wait for resources no worker declares).
-"""
+"""Worker resources as people read them: what the workers declare, for messages."""
 
 from __future__ import annotations
 
@@ -19,8 +13,7 @@ logger = logging.getLogger(__name__)
 
 
 def describe_worker_resources(workers: Mapping[str, Any], limit: int = 4) -> str:
-    """What the workers declare, for messages: ``"none (4 workers)"``,
-    ``"{'FPGA': 1} (tcp://10.0.0.5:40000), none (3 workers)"``; ``"no worker"`` for none."""
+    """What the workers declare: ``"{'FPGA': 1} (tcp://10.0.0.5:40000); none (3 workers)"``."""
     if not workers:
         return "no worker is connected"
     groups: dict[str, list[str]] = {}

@@ -1,11 +1,5 @@
-"""Scheduling rules: small classes that read a plain-data snapshot and yield commands
-(:class:`~blockflow.scheduling.actions.Decision`) and records
-(:class:`~blockflow.scheduling.actions.Record`).
-
-Each rule has one entry point, ``run(snapshot, context)``; a policy
-(:mod:`blockflow.scheduling.policies`) composes them, sharing a :class:`RuleContext`. Rules
-never touch a scheduler object: the actuator applies the commands they
-yield (:meth:`blockflow.scheduling.actuator.Actuator.apply`).
+"""Scheduling rules: small classes with one entry point, ``run(snapshot, context)``, yielding
+commands and records (:mod:`blockflow.scheduling.actions`); a policy composes them.
 
 =========================  ==========================================================
 :class:`KernelPlacementRule`  restrict new tasks as their kernels asked (``restrict``)

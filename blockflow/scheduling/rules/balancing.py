@@ -1,7 +1,4 @@
-"""The balancing rule: who balances load, blockflow on known speeds or distributed's stealing.
-
-Hysteresis in both the size of a speed difference and the evidence for it.
-"""
+"""The balancing rule: who balances load, blockflow on known speeds or distributed's stealing."""
 
 from __future__ import annotations
 
@@ -12,26 +9,23 @@ __all__ = ["BalancingRule"]
 
 
 class BalancingRule(Rule):
-    """Suspend distributed's stealing while blockflow balances on known speeds; hand it
-    back when blockflow knows too little.
+    """Suspend distributed's stealing while blockflow balances on known speeds; hand it back when
+    blockflow knows too little.
 
-    :meth:`judge` gives the snapshot's ``balancing`` flag from the speed model's two tests
-    (``snapshot.speeds_differ``: speeds differ by 1.3x at 0.1 %; ``speeds_differ_weakly``:
-    by 1.15x at 10 %): start balancing on the strict test; stop only after
-    :attr:`calm_ticks` snapshots in a row without even the weak one (hysteresis: handing
-    balancing back and forth undoes moves). :meth:`run` yields ``suspend-stealing`` when
-    the flag turns on and ``restore-stealing`` when it turns off; with ``hands_over`` false
-    it yields nothing and the flag is the strict test alone.
+    Balancing starts on the speed model's strict test (``speeds_differ``) and stops after
+    :attr:`calm_ticks` snapshots without the weak one (``speeds_differ_weakly``): hysteresis.
+    Yields ``suspend-stealing`` / ``restore-stealing`` when it changes.
 
     Parameters
     ----------
     hands_over : bool
-        Whether the policy replaces distributed's work stealing while it balances.
+        Whether the policy replaces distributed's work stealing while it balances; if not, the
+        rule yields nothing.
 
     Attributes
     ----------
     active : bool
-        Whether blockflow balances now (distributed's stealing suspended).
+        Whether blockflow balances now.
     """
 
     #: Snapshots in a row without a speed difference before balancing goes back to
@@ -44,7 +38,7 @@ class BalancingRule(Rule):
         self.calm = 0
 
     def judge(self, snap) -> bool:
-        """The ``balancing`` flag for a snapshot's speed tests (counts calm snapshots)."""
+        """The snapshot's ``balancing`` flag from its speed tests (counts calm snapshots)."""
         if not self.active:
             return bool(snap.speeds_differ)
         if snap.speeds_differ_weakly:

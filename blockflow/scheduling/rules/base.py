@@ -1,11 +1,4 @@
-"""The rule interface: one entry point, plain data in, commands and records out.
-
-A :class:`Rule` reads a :class:`~blockflow.scheduling.policies.ClusterSnapshot` (plain data,
-never a scheduler object) and the :class:`RuleContext` its policy shares between its rules
-for one snapshot, and yields :class:`~blockflow.scheduling.actions.Decision` (commands) and
-:class:`~blockflow.scheduling.actions.Record` objects, in the manner of distributed's Active
-Memory Manager policies.
-"""
+"""The rule interface: plain data in, commands and records out, as distributed's AMM policies."""
 
 from __future__ import annotations
 
@@ -32,10 +25,9 @@ class RuleContext:
     Attributes
     ----------
     paused_now : set of str
-        Workers paused or held by an earlier rule for this snapshot (no new work for them).
+        Workers paused or held by an earlier rule (no new work for them).
     taken : set of str
-        Workers a waiting task moves to for this snapshot (their free thread is not free
-        for a backup copy).
+        Workers a waiting task moves to (no free thread for a backup copy).
     """
 
     paused_now: set = field(default_factory=set)
