@@ -1,7 +1,9 @@
 """Worker preload: ``dask worker SCHEDULER --preload blockflow.pools.preload --pool l4 --price 0.8``.
 
 Puts a worker started elsewhere in a :class:`blockflow.Pool`
-(:class:`blockflow.pools.pool.PoolMember`); ``--help`` lists the options.
+(:class:`blockflow.pools.pool.PoolMember`). Options: ``--pool`` (required), ``--provider``,
+``--region``, ``--price`` (dollars per worker-hour), ``--egress`` (dollars per GB leaving the
+provider), ``--speed`` (relative, 1.0 typical).
 """
 
 from __future__ import annotations

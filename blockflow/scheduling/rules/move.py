@@ -20,62 +20,29 @@ __all__ = ["MoveRule", "best_target"]
 class MoveRule(Rule):
     """Moves of waiting tasks, latest projected finish first.
 
-    Moves are a greedy list-scheduling repair (in the spirit of LPT, Graham 1969): take the
-    worker whose projected finish ``occupancy / (speed x threads)`` is latest, offer its
-    lowest-priority waiting task to the worker that would finish it soonest (``place``:
-    including the time to move its inputs, bytes / measured bandwidth), and move it when
-    that finishes earlier. While the scheduler still queues root tasks, every worker pulls
-    more work as it frees up: only tasks stuck on paused workers move. While worker speeds
-    are not known with confidence to differ (``snapshot.balancing`` false), distributed's
-    own stealing balances, and blockflow only fills the free threads of idle workers with
-    tasks whose duration has been measured and whose inputs take at most
-    :attr:`max_fill_transfer_share` of its compute to send (a cold start: inputs made on one
-    worker), one task per free thread per tick. A balancing move must also be worth its
-    data: its inputs' transfer time may be at most :attr:`max_transfer_share` of its compute
-    time, and the gain must exceed twice that transfer, so data-heavy tasks on workers of
-    the same speed stay with their data.
-
-    A task moves once between busy workers: projected finishes are estimates that shift
-    after every move, and later ticks would otherwise chase a task from worker to worker (or
-    bounce it between two). It moves again only to a worker with a free thread that it was
-    never moved off (work stealing's rule: an idle thread gains for sure), or off a paused
-    worker. The workers a task was moved off are remembered in :attr:`moved_off` (at most
-    :attr:`moved_memory` tasks, oldest forgotten first). A blockflow heuristic.
-
-    Every waiting task on a paused worker that another worker may run moves at once,
-    outside the move budget (a rescue: plain Dask leaves them there, distributed#5235). On a
-    worker that paused itself (``snapshot.stopped``: distributed's host-memory pause) that is
-    every task not started, the one a free thread would take next included; blockflow's own
-    pauses are scheduler-side and the worker still starts the tasks its free threads take.
-    The work is proportional to the paused workers' tasks only.
-
-    The transfer is priced over the link the inputs would cross: ``comm_cost`` holds, per
-    target, each missing input's bytes over the bandwidth distributed measured between the
-    target and a worker holding it (per pair of workers, else per pair of hosts, else its
-    cluster-wide estimate: :class:`~blockflow.scheduling.estimate.LinkBandwidth`), so the
-    same move is made over a fast link and refused over a slow one. A move that would pay
-    without its transfer but not with it is logged as ``keep`` (one per tick, the same two
-    workers again after :attr:`refusal_interval`), with the bytes, the
-    link's bandwidth, the transfer and compute times and the gain (``seen_*``); a move
-    made logs its transfer too.
-
-    Targets of this snapshot's moves are added to ``context.taken``; workers in
-    ``context.paused_now`` take nothing. Runs on ``"tick"`` snapshots.
+    A greedy list-scheduling repair (after LPT, Graham 1969), a blockflow heuristic: the
+    lowest-priority waiting task of the worker finishing last (``occupancy / (speed x
+    threads)``) moves to the worker that would finish it soonest (``place``, inputs' transfer
+    included, :class:`~blockflow.scheduling.estimate.LinkBandwidth`) when that gains more than
+    ``min_gain`` and twice the transfer. While root tasks are queued only tasks stuck on paused
+    workers move; while speeds are not known to differ only measured, cheap-to-send tasks fill
+    idle threads. A task moves once between busy workers (then only to a free thread it was
+    never moved off; :attr:`moved_off`). Tasks on paused workers move at once, outside the
+    budget (distributed#5235). A move refused for its transfer is logged as ``keep``. Runs on
+    ``"tick"``; adds targets to ``context.taken``. Guide: :doc:`/guide/scheduling`.
 
     Parameters
     ----------
     place : callable
-        The earliest-finish placement:
-        :func:`best_target`'s signature.
+        The earliest-finish placement, :func:`best_target`'s signature.
     move_budget : int
-        Most tasks moved per tick between running workers (rescues off paused workers are
-        not counted).
+        Most tasks moved per tick between running workers (rescues not counted).
     min_gain : float
-        Smallest gain in projected finish time (seconds) worth a move.
+        Smallest gain in projected finish time, seconds, worth a move.
     slowed : callable, optional
-        ``slowed(snapshot, address)``: a worker evidently slowed right now takes no moved
-        work (the hold rule's test, when backup copies are on).
+        ``slowed(snapshot, address)``: an evidently slowed worker takes no moved work.
     moved_memory : int, default 10000
+        Tasks remembered in :attr:`moved_off` (oldest forgotten first).
     """
 
     #: A balancing move's input transfer may take at most this share of the task's compute
@@ -116,8 +83,7 @@ class MoveRule(Rule):
         return out
 
     def _update_index(self, snap) -> None:
-        """Bring :attr:`blocked`, :attr:`free` and :attr:`over` up to date from the workers
-        whose view changed (``snapshot.changed``; all when None)."""
+        """Update :attr:`blocked`, :attr:`free` and :attr:`over` from the workers that changed."""
         workers = snap.workers
         if snap.changed is None or len(self._index) > 2 * len(workers) + 16:
             self._index.clear()
@@ -142,12 +108,9 @@ class MoveRule(Rule):
                 over.add(a)
 
     def nothing_to_move(self, snap, paused_now) -> bool:
-        """Whether this snapshot certainly gives no move, judged from the workers that
-        changed since the last one: while root tasks are queued, no stopped worker holds a
-        task; otherwise, unless speeds are known to differ, no stopped worker holds a task
-        and no worker holds more tasks than threads while another has a free thread. Then
-        :meth:`moves` returns at once, touching no other worker (a tick's cost grows with
-        the workers that changed, not with all of them)."""
+        """Whether this snapshot certainly gives no move, judged from the changed workers only (a
+        tick's cost grows with the workers that changed).
+        """
         self._update_index(snap)
         workers = snap.workers
         stuck = any(a in workers for a in self.blocked) or any(
@@ -291,8 +254,9 @@ class MoveRule(Rule):
 
     @staticmethod
     def _transfer(task, target: str) -> dict[str, Any]:
-        """What sending ``task``'s inputs to ``target`` takes: bytes, seconds and the link's
-        bandwidth (bytes per second; None when nothing is sent)."""
+        """Bytes, seconds and link bandwidth (bytes per second; None if nothing is sent) of sending
+        ``task``'s inputs to ``target``.
+        """
         seconds = float(task.comm_cost.get(target, 0.0))
         nbytes = int(task.comm_bytes.get(target, 0))
         return {"transfer_bytes": nbytes, "transfer_seconds": round(seconds, 4),
@@ -300,8 +264,7 @@ class MoveRule(Rule):
 
     def _refusal(self, task, v, thieves, finish, rate, stay, margin, fill, moved_off,
                  free) -> Decision | None:
-        """A ``keep`` decision when ``task`` would move were its inputs free to send: the
-        link the transfer crosses is what refused it (the numbers in ``seen``)."""
+        """A ``keep`` record when ``task`` would move were its inputs free to send."""
         free_task = replace(task, comm_cost={})
         alt, alt_finish = self.place(
             free_task, v, thieves, finish, rate, rescue=False, fill=fill, moved_off=moved_off,
@@ -335,16 +298,15 @@ def best_target(task: TaskView, v: WorkerView, thieves: list[WorkerView],
                 fill: dict[str, int] | None, moved_off: set[str] | None,
                 free: dict[str, int], max_transfer_share: float,
                 max_fill_transfer_share: float) -> tuple[WorkerView | None, float]:
-    """The worker among ``thieves`` that would finish ``task`` (waiting on ``v``) soonest,
-    and when: its projected finish ``finish`` plus the task's compute at its ``rate``
-    (speed x threads) plus the time to send its inputs there; ``(None, inf)`` if none may
-    take it. Earliest-finish placement (HEFT's selection step, Topcuoglu et al. 2002) with
-    :class:`~blockflow.scheduling.rules.MoveRule`'s limits: the task's allowed workers;
-    while filling idle threads (``fill``), only those; a task moved before (``moved_off``),
-    only to a free thread it was never moved off; unless rescued off a paused worker, inputs
-    sending in at most ``max_transfer_share`` (``max_fill_transfer_share`` while filling) of
-    its compute time. The selection among the workers left is
-    :func:`blockflow.scheduling.estimate.earliest_finish`."""
+    """The worker among ``thieves`` that would finish ``task`` (waiting on ``v``) soonest, and when;
+    ``(None, inf)`` if none may take it.
+
+    HEFT's selection step (Topcuoglu et al. 2002) through
+    :func:`blockflow.scheduling.estimate.earliest_finish`, within
+    :class:`~blockflow.scheduling.rules.MoveRule`'s limits: allowed workers, idle threads while
+    filling, never back to a worker it was moved off, and (unless rescued) inputs sent within
+    ``max_transfer_share`` (``max_fill_transfer_share`` while filling) of its compute time.
+    """
     d = task.duration
     eligible = {}
     for t in thieves:
