@@ -1,9 +1,7 @@
 """Runs: the one meaning of "this run" in blockflow (CLI, dashboard, ``manifest.json``).
 
-One run is everything one job (:func:`run_scope`, also a distributed span) or one
-``compute()`` submitted; its tasks are those not already in memory, counted per worker
-(re-executions included). Where and why runs go beyond distributed's spans: the
-scheduling guide, "Runs".
+A run is everything one job (:func:`run_scope`) or one ``compute()`` submitted that was not
+already in memory. Guide: :doc:`/guide/scheduling`, "Runs".
 """
 
 from __future__ import annotations
@@ -41,20 +39,20 @@ def new_run_id(name: str) -> str:
 
 @contextlib.contextmanager
 def run_scope(name: str, run_id: str | None = None) -> Iterator[str]:
-    """Count every graph submitted inside the block as one run named ``name``, and open a
-    :func:`distributed.span` named ``name`` whose id is the run's.
+    """Count every graph submitted inside the block as one run named ``name``, in a
+    :func:`distributed.span` of the same name and id.
 
     Parameters
     ----------
     name : str
-        The run as the dashboard shows it (``"the flights ETL (scale 1)"``).
+        The run as the dashboard shows it.
     run_id : str, optional
-        Continue this run (and span); default a new id (:func:`new_run_id`).
+        Continue this run; default a new id (:func:`new_run_id`).
 
     Yields
     ------
     str
-        The run's id (``blockflow.plugin_status(client, run=...)``), also its span's.
+        The run's id, also its span's.
     """
     run_id = run_id or new_run_id(name)
     tag = {RUN_ANNOTATION: {"id": run_id, "name": name}}
@@ -111,8 +109,8 @@ class Run:
 
 
 class RunTracker:
-    """Runs the scheduler has seen, and the run of each task not yet forgotten (plain data
-    in; the per-task methods are O(1)).
+    """Runs the scheduler has seen, and the run of each task not yet forgotten (per-task methods
+    O(1)).
 
     Parameters
     ----------
@@ -135,14 +133,14 @@ class RunTracker:
 
     def graph(self, *, client: str | None, states: Mapping[Hashable, str],
               annotations: Mapping[str, Mapping[Hashable, Any]], now: float) -> Run | None:
-        """Give a graph the scheduler just received (``update_graph``) to a run: the one its
-        annotation names, else its client's run while that has tasks pending, else a new one.
+        """Give a graph just received to a run: the one its annotation names, else its client's run
+        while that has tasks pending, else a new one.
 
         Parameters
         ----------
         client : str or None
         states : mapping
-            Key -> scheduler state of each task the graph touched (new: ``"released"``).
+            Key -> scheduler state of each task the graph touched.
         annotations : mapping
             Annotation name -> key -> value.
         now : float
@@ -217,8 +215,7 @@ class RunTracker:
         self._unpend(key)
 
     def executed(self, key: Hashable, worker: str, start: float, stop: float) -> None:
-        """A task's execution on ``worker`` from ``start`` to ``stop`` (seconds since the
-        epoch): widens the worker's billed span in the task's run."""
+        """Widen ``worker``'s billed span in the task's run by an execution (seconds since the epoch)."""
         run = self.runs.get(self._key_run.get(key))
         if run is None:
             return
@@ -247,8 +244,7 @@ class RunTracker:
         self._key_run.pop(key, None)
 
     def get(self, run_id: str | None) -> dict[str, Any] | None:
-        """A run as plain data (:meth:`Run.as_dict`, plus ``span`` where distributed has
-        the run's span), or None if unknown or forgotten."""
+        """A run as plain data (with ``span`` where distributed has it), or None."""
         run = self.run_of(run_id)
         span = run is not None and self.span_figures is not None and self.span_figures(run.id)
         return None if run is None else {**run.as_dict(), **({"span": span} if span else {})}
