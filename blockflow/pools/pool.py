@@ -1,11 +1,8 @@
 """Pools: every worker belongs to a named pool with a provider, a region and prices.
 
-A pool is a kind of worker bought at one price: ``Pool("l4", provider="gcp", price=0.8)``.
-The worker plugin :class:`PoolMember` (registered by :func:`blockflow.connect` with
-``pools=``, a :class:`~blockflow.PoolCluster`, or the worker preload
-``blockflow.pools.preload``) reports a worker's pool as the metric :data:`POOL_METRIC` and
-declares the resource ``"pool:<name>"`` (``resources={"pool:l4": 1}`` pins tasks there);
-:func:`pools_of` reads it back. Workers that report none are in :data:`DEFAULT_POOL`.
+:class:`PoolMember` reports a worker's pool as :data:`POOL_METRIC` and declares the resource
+``"pool:<name>"``; :func:`pools_of` reads it back; workers reporting none are in
+:data:`DEFAULT_POOL`. Guide: :doc:`/guide/pools`.
 """
 
 from __future__ import annotations
@@ -40,17 +37,16 @@ class Pool:
     Parameters
     ----------
     name : str
-        The pool's name (letters, digits, ``_ . -``): ``"l4"``, ``"fast"``.
+        Letters, digits, ``_ . -``: ``"l4"``, ``"fast"``.
     provider : str, default "local"
         Who runs the machines (``"gcp"``, ``"onprem"``).
     region : str, default ""
     price : float, optional
-        Dollars per worker-hour (>= 0). None: unknown, which a cost objective or a budget
-        refuses.
+        Dollars per worker-hour (>= 0); None (unknown) is refused by a cost objective or budget.
     egress : float, default 0.0
-        Dollars per GB (1e9 bytes) leaving this pool's provider.
+        Dollars per GB (1e9 bytes) leaving the provider.
     speed : float, optional
-        Relative speed hint (> 0; 1.0 = the typical worker) until learned speeds replace it.
+        Relative speed hint (> 0; 1.0 typical) until learned speeds replace it.
 
     Raises
     ------
@@ -122,8 +118,7 @@ DEFAULT_POOL = Pool("default")
 
 
 def pool_from_metric(value: Any) -> Pool | None:
-    """The pool a worker's :data:`POOL_METRIC` value describes; None if it is missing or
-    malformed (never raises)."""
+    """The pool a :data:`POOL_METRIC` value describes; None if missing or malformed."""
     if not isinstance(value, Mapping):
         return None
     try:
@@ -133,9 +128,9 @@ def pool_from_metric(value: Any) -> Pool | None:
 
 
 def pools_of(workers: Mapping[str, Any]) -> dict[str, Pool]:
-    """Address -> :class:`Pool` of each of ``workers`` (address -> a
-    :class:`~blockflow._distributed.WorkerView` or a scheduler info dict);
-    :data:`DEFAULT_POOL` for workers that report none."""
+    """Address -> :class:`Pool` of each worker (a :class:`~blockflow._distributed.WorkerView` or
+    scheduler info dict); :data:`DEFAULT_POOL` for those reporting none.
+    """
     out = {}
     for addr, w in workers.items():
         if isinstance(w, Mapping):
@@ -160,8 +155,7 @@ def requested_pools(resources: Mapping[str, Any] | None, workers: Any = None) ->
 
 
 async def heartbeat_now(dask_worker=None) -> None:
-    """``client.run(heartbeat_now)``: send a heartbeat now, so the scheduler knows the
-    worker's pool at once."""
+    """``client.run(heartbeat_now)``: heartbeat now, so the scheduler knows the pool at once."""
     await _distributed.worker_heartbeat(dask_worker)
 
 
@@ -171,10 +165,14 @@ class PoolMember(WorkerPlugin):
     Parameters
     ----------
     pools : Pool or mapping
-        One :class:`Pool` for every worker, or a mapping from worker name (``"fast-0"``,
-        ``0``) or address to its :class:`Pool`.
+        One :class:`Pool` for every worker, or worker name or address -> :class:`Pool`.
     default : Pool, optional
-        For workers not named in ``pools``; workers with neither report none.
+        For workers not named in ``pools``.
+
+    Raises
+    ------
+    TypeError
+        If a value is not a :class:`Pool`.
     """
 
     name = "blockflow-pool"

@@ -1,13 +1,10 @@
-"""blockflow's scheduler plugin: hooks on the scheduler and a control loop.
+"""blockflow's scheduler plugin: O(1) hooks on the scheduler and a control loop.
 
-In the manner of distributed's stealing and Active Memory Manager extensions. The
-``transition`` hook is O(1): it queues each finished (or forgotten) task for the accounts
-(:class:`~blockflow.scheduling.accounting.Accounting`). A periodic callback (period
-``blockflow.rebalancer.interval``) calls :meth:`Rebalancer.run_once`: take a
-:class:`~blockflow.scheduling.policies.ClusterSnapshot`, run the policy's rules on it, and
-hand what they yield to the actuator (:class:`~blockflow.scheduling.actuator.Actuator`):
-commands are applied and logged, records only logged. Clients read the plugin's state
-through its read handlers (:class:`~blockflow.scheduling.status.Status`).
+In the manner of distributed's stealing and Active Memory Manager extensions: each tick
+(``blockflow.rebalancer.interval``) takes a
+:class:`~blockflow.scheduling.policies.ClusterSnapshot`, runs the policy's rules and hands
+what they yield to the :class:`~blockflow.scheduling.actuator.Actuator`. Guide:
+:doc:`/guide/scheduling`.
 """
 
 from __future__ import annotations
@@ -44,26 +41,23 @@ _ADMISSION_EVENTS = frozenset({"memory", "released", "forgotten", "erred"})
 class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
     """Scheduler plugin that places and moves tasks from GPU metrics and learned speed.
 
+    Register with ``client.register_plugin(Rebalancer())`` (as :func:`blockflow.connect` does)
+    or ``dask scheduler --preload blockflow.scheduling.preload``.
+
     Parameters
     ----------
     policy : str, optional
-        A name of :data:`blockflow.scheduling.policies.POLICIES` (``"dynamic"``,
-        ``"memory"``, ``"static-round-robin"``, ``"static-capacity"``, ``"off"``) or the
-        dotted path of a :class:`~blockflow.scheduling.policies.RebalancePolicy` subclass;
-        default ``blockflow.cluster.policy``.
+        A name of :data:`blockflow.scheduling.policies.POLICIES` or the dotted path of a
+        :class:`~blockflow.scheduling.policies.RebalancePolicy` subclass; default
+        ``blockflow.cluster.policy``.
     interval : str or float, optional
-        Period of the control loop (``"200ms"`` or seconds); default
-        ``blockflow.rebalancer.interval``. 0 disables the loop (call :meth:`run_once`).
+        Control loop period (``"200ms"`` or seconds); default ``blockflow.rebalancer.interval``;
+        0 disables the loop.
 
     Raises
     ------
     ValueError
         If ``policy`` names no policy.
-
-    Notes
-    -----
-    Register with ``client.register_plugin(Rebalancer())`` (what :func:`blockflow.connect`
-    does) or ``dask scheduler --preload blockflow.scheduling.preload``.
     """
 
     name = "blockflow-rebalancer"
@@ -259,12 +253,8 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
     # --- worker resources: placement, unsatisfiable tasks, admission control ----------
 
     def _resources_on_graph(self, scheduler, keys: list, client=None) -> list:
-        """New tasks: restrict them as their kernels asked, then hold back producers feeding
-        resource-restricted consumers; the tasks' views for the policy.
-
-        Three snapshots, each read after the commands before it were applied: the new tasks
-        (``restrict``); the feeders among them, which depend on those restrictions
-        (``hold``); where the feeders stand after the holds (``release``, ``admit``).
+        """New tasks: restrict them as their kernels asked, then hold back feeders of
+        resource-restricted consumers (three snapshots: ``restrict``, ``hold``, ``release``).
         """
         views = _distributed.new_task_views(scheduler, keys)
         snap = ClusterSnapshot(time=time.time(), workers={}, event="graph", new_tasks=views)
@@ -283,8 +273,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         return views
 
     def _run_admission(self, event: str, workers=None) -> None:
-        """Run the admission rule on an admission snapshot (``"held"``, ``"admit"``,
-        ``"close"``)."""
+        """Run the admission rule on a ``"held"``, ``"admit"`` or ``"close"`` snapshot."""
         snap = ClusterSnapshot(time=time.time(),
                                workers=self._views() if workers is None else workers,
                                event=event,
@@ -292,8 +281,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         self.act(self.admission.run(snap, None), snap)
 
     def _kick_admission(self) -> None:
-        """Run the admission rule on the event loop soon (coalesced): the ``transition``
-        hook must not change scheduler state."""
+        """Run the admission rule on the event loop soon, coalesced (hooks must not change state)."""
         if self._admission_kick or not self.admission.holding:
             return
         self._admission_kick = True
@@ -315,8 +303,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
                                          previous=previous)
 
     def _running(self, now: float) -> dict:
-        """The running tasks, each expected to last its group's duration scaled by its size
-        (:meth:`~blockflow.scheduling.speed.SpeedModel.size_factor`)."""
+        """The running tasks, durations scaled by their size factor."""
         running = _distributed.running_tasks(self.scheduler, now)
         factor = self.speeds.size_factor
         for tasks in running.values():
@@ -327,11 +314,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         return running
 
     def take_snapshot(self) -> ClusterSnapshot:
-        """The plugin's view of the cluster now (speeds updated first); plain data.
-
-        ``balancing`` is True when the speed model knows, with confidence, that running
-        workers differ in speed (:class:`~blockflow.scheduling.rules.BalancingRule`).
-        """
+        """The plugin's view of the cluster now (speeds updated first); plain data."""
         self.speeds.update()
         self._host_pause_fraction = dask.config.get("distributed.worker.memory.pause")
         views = self._views(self._view_cache)
@@ -385,9 +368,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
                                       {a: w.speed for a, w in views.items()})
 
     def _stopped(self, views) -> frozenset:
-        """Workers that paused themselves (distributed's host-memory pause threshold): their
-        threads start nothing. blockflow's own pauses are scheduler-side only, unless the
-        worker is also over its own pause threshold."""
+        """Workers that paused themselves (distributed's host-memory pause): they start nothing."""
         limit = self._host_pause_fraction
         out = set()
         for a, w in views.items():
@@ -400,8 +381,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         return frozenset(out)
 
     def run_once(self) -> list[Decision | Record]:
-        """One tick of the control loop; returns the commands applied and the records
-        logged by the policy's rules (for tests)."""
+        """One control-loop tick; the commands applied and records logged."""
         if self.scheduler is None or self.policy is None:
             return []
         self.flush_finished()  # timed as hook time: the cost of the tasks it folds in
@@ -435,8 +415,9 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         return applied
 
     def _reapply_pauses(self, snap: ClusterSnapshot) -> list[Decision]:
-        """``reapply`` commands for workers blockflow paused, held or parked whose own status
-        message set them running again; forgets those gone."""
+        """``reapply`` commands for workers blockflow keeps paused, held or parked whose own status
+        message set them running again; forgets those gone.
+        """
         out = []
         for kept, what in ((self.held, "rehold"), (self.paused, "repause"),
                            (self.parked, "repark")):
