@@ -1,14 +1,8 @@
 """The scheduling vocabulary: commands that act on the scheduler, records of what happened.
 
-A rule (:mod:`blockflow.scheduling.rules`) yields :class:`Decision` objects, each naming one
-:class:`Action` (a command), and :class:`Record` objects, each naming one :class:`Recorded`
-(what happened). The actuator (:mod:`blockflow.scheduling.actuator`) holds one handler per
-command and is the only code that acts on the scheduler; a record is only logged, and its
-type keeps it from reaching a handler. The dashboard, :func:`blockflow.decisions` and run
-reports read both from the one decision log, by their plain strings.
-
-Also the prefix of blockflow kernel tasks' names, :data:`KERNEL_PREFIX`, shared with the
-kernel layer so that the scheduler side imports nothing from it.
+Rules yield :class:`Decision` (one :class:`Action`) and :class:`Record` (one
+:class:`Recorded`); only the actuator (:mod:`blockflow.scheduling.actuator`) acts, and
+records are only logged. Guide: :doc:`/guide/scheduling`, "Decisions".
 """
 
 from __future__ import annotations
@@ -26,8 +20,7 @@ KERNEL_PREFIX = "blockflow-"
 class Action(str, Enum):
     """A command: what a :class:`Decision` makes the scheduler do.
 
-    A ``str`` (``==`` with plain strings, JSON); ``Action("move")`` looks one up and an
-    unknown name, a :class:`Recorded` one included, raises ``ValueError``.
+    A ``str``; ``Action("move")`` looks one up, an unknown name raises ``ValueError``.
     """
 
     #: Pause a hot or nearly-full worker on the scheduler (re-applied each tick until
@@ -121,10 +114,9 @@ class Decision(_Entry):
     Attributes
     ----------
     action : Action
-        What to do (a plain string naming an :class:`Action` is converted).
+        What to do (a plain string is converted).
     worker : str
-        The worker acted on (for moves: the one the task leaves; ``""`` for cluster-wide
-        commands).
+        The worker acted on (a move's source; ``""`` for cluster-wide commands).
     reason : str
     seen : dict
         The metrics the decision was based on (logged as ``seen_<name>``).
@@ -133,13 +125,12 @@ class Decision(_Entry):
     key : optional
         For moves and backup copies: the task's key.
     keys : tuple
-        For ``assign``, ``place``, ``restrict``, ``fail``, and the ``hold`` and ``release`` of
-        tasks: the keys acted on.
+        The keys acted on (``assign``, ``place``, ``restrict``, ``fail``, task ``hold`` /
+        ``release``).
     workers : tuple
-        For ``place``: the workers the keys are restricted to (``worker`` is the first).
+        For ``place``: the workers the keys are restricted to.
     detail : optional
-        Payload for the handler (``fail``: the error; ``restrict``: the placements; the
-        ``release`` of tasks: its stimulus id and whether it counts). Never logged.
+        Payload for the handler; never logged.
 
     Raises
     ------
@@ -153,8 +144,8 @@ class Decision(_Entry):
 
 @dataclass
 class Record(_Entry):
-    """What happened, for the decision log only; the fields are those of :class:`Decision`
-    (``detail``: ``{"warning": True}`` on an ``objective`` record logs a WARNING).
+    """What happened, for the decision log only; fields as :class:`Decision`
+    (``detail={"warning": True}`` on ``objective`` logs a WARNING).
 
     Raises
     ------

@@ -1,5 +1,4 @@
-"""The scheduler plugin's read handlers: ``blockflow_status`` (its state as plain data) and
-``blockflow_pool_targets`` (per-pool worker targets for elastic scaling)."""
+"""The scheduler plugin's read handlers: ``blockflow_status`` and ``blockflow_pool_targets``."""
 
 from __future__ import annotations
 
@@ -17,20 +16,17 @@ __all__ = ["Status"]
 
 
 class Status:
-    """The read handlers of :class:`~blockflow.scheduling.plugin.Rebalancer` (a base of
-    it)."""
+    """The read handlers of :class:`~blockflow.scheduling.plugin.Rebalancer` (a base of it)."""
 
     def pool_targets(self, comm=None, *, pools: dict, bounds: dict,
                      starting: dict | None = None, threads: dict | None = None,
                      target_duration: float = 5.0, startup: float = 5.0,
                      wait_count: int = 3) -> dict[str, Any]:
-        """Per-pool worker targets for elastic scaling (the ``blockflow_pool_targets``
-        handler, asked by :class:`blockflow.pools.adaptive.PoolAdaptive`, as distributed's
-        ``Adaptive`` asks ``adaptive_target``).
+        """Per-pool worker targets for elastic scaling: the ``blockflow_pool_targets`` handler, asked
+        by :class:`blockflow.pools.adaptive.PoolAdaptive` as ``Adaptive`` asks ``adaptive_target``.
 
-        Runs :class:`~blockflow.pools.scaling.PoolScalingRule` on a fresh snapshot: it
-        records ``scale`` (a target changed) and commands ``retire`` (an idle worker of a
-        pool above its target). The pools become ``declared_pools``.
+        Runs :class:`~blockflow.pools.scaling.PoolScalingRule` on a fresh snapshot (``scale``
+        records, ``retire`` commands); the pools become ``declared_pools``.
 
         Parameters
         ----------
@@ -39,7 +35,7 @@ class Status:
         bounds : dict
             Pool name -> ``[minimum, maximum]`` workers.
         starting : dict, optional
-            Pool name -> workers started that have not joined yet.
+            Pool name -> workers started, not joined yet.
         threads : dict, optional
             Pool name -> threads per worker.
         target_duration, startup : float
@@ -50,7 +46,7 @@ class Status:
         -------
         dict
             ``targets`` (pool -> workers), ``reasons`` (pool -> why), ``retiring`` (names of
-            the workers retired and not gone yet: the cluster forgets them).
+            workers retired, not gone yet).
         """
         if self.scheduler is None or self.policy is None:
             return {"targets": {}, "reasons": {}, "retiring": []}
@@ -86,8 +82,7 @@ class Status:
                 "retiring": sorted(self.retiring.values())}
 
     def _pool_status(self) -> dict[str, Any]:
-        """Pools, parked workers, the throughput matrix, the current run's objective, plan
-        and cost so far (plain data)."""
+        """Pools, parked workers, throughput matrix, the current run's objective, plan and cost."""
         if self.scheduler is None:
             return {"pools": {}, "parked": {}, "throughput": {}, "objective": None}
         views = self._views()
@@ -120,8 +115,7 @@ class Status:
 
     @property
     def snapshot_workers(self) -> dict[str, dict[str, Any]]:
-        """Per worker, the metrics and state the last tick saw (plain data, built on
-        demand)."""
+        """Per worker, the metrics and state the last tick saw."""
         snap = self._last_snap
         if snap is None:
             return {}
@@ -134,26 +128,22 @@ class Status:
 
     def status(self, comm=None, since: float | None = None,
                task_log: bool = False, run: str | None = None) -> dict[str, Any]:
-        """Plain-data view of the plugin's state, served as the ``blockflow_status`` handler.
+        """The plugin's state as plain data: the ``blockflow_status`` handler.
 
         Parameters
         ----------
         since : float, optional
-            Only decisions (and task-log entries) after this time (seconds since the epoch).
+            Only decisions (and task-log entries) after this time, seconds since the epoch.
         task_log : bool, default False
-            Include ``(worker, start, stop)`` of finished tasks (for run reports).
+            Include ``(worker, start, stop)`` of finished tasks.
         run : str, optional
-            A run id (:func:`blockflow.scheduling.runs.run_scope`): include that run as
-            ``requested_run`` (None if unknown).
+            A run id: include that run as ``requested_run`` (None if unknown).
 
         Returns
         -------
         dict
-            Plain data. ``run`` is the run most recently given tasks
-            (:meth:`~blockflow.scheduling.runs.Run.as_dict`, or None); ``run_counts`` and
-            ``run_started`` are its per-worker counts and start time. ``cost`` is the
-            plugin's own time on the scheduler's event loop
-            (:class:`~blockflow.scheduling.overhead.PluginCost`).
+            Plain data; ``run`` is the run most recently given tasks; ``cost`` the plugin's own
+            time on the event loop (:class:`~blockflow.scheduling.overhead.PluginCost`).
         """
         decisions = list(self.decisions)
         if since is not None:
