@@ -1,10 +1,5 @@
 """Objectives: what a run optimises, "makespan" (the default) or "cost", by a deadline or a
-budget.
-
-``with blockflow.objective("cost", deadline="10m"): x.compute()`` tags every graph submitted
-inside with the task annotation :data:`OBJECTIVE_ANNOTATION`; the objective rule
-(:class:`blockflow.pools.objective_rule.ObjectiveRule`) plans the run's pools by it. Outside
-any block the objective is "makespan" without a budget.
+budget. Guide: :doc:`/guide/pools`, "Objectives".
 """
 
 from __future__ import annotations
@@ -80,32 +75,35 @@ def objective(kind: str = "makespan", *, deadline: str | float | None = None,
               budget: float | None = None) -> Objective:
     """What the computations submitted inside the ``with`` block optimise.
 
+    Each graph inside carries :data:`OBJECTIVE_ANNOTATION`; the LP of
+    :func:`blockflow.pools.plan.plan`, re-solved every tick, plans the run's pools.
+
     Parameters
     ----------
     kind : {"makespan", "cost"}, default "makespan"
-        ``"cost"``: the cheapest run that meets ``deadline``; ``"makespan"``: the fastest
-        run, within ``budget`` if given.
+        ``"cost"``: the cheapest run that meets ``deadline``; ``"makespan"``: the fastest run,
+        within ``budget`` if given.
     deadline : str or float, optional
         Cost objective only: seconds (or ``"10m"``) from the run's start.
     budget : float, optional
-        Makespan objective only: dollars the run may cost (compute plus egress).
+        Makespan objective only: dollars (compute plus egress).
 
     Returns
     -------
     Objective
-        A context manager; each ``compute`` inside is one run with that objective.
+        A context manager; each ``compute`` inside is one run.
 
     Raises
     ------
     ValueError
-        For an unknown kind, a deadline or budget that is not positive, a deadline with
-        "makespan" or a budget with "cost". Unpriced pools, an unmeetable deadline or a
-        budget below the cheapest run fail the submitted tasks with
+        For an unknown kind, a non-positive deadline or budget, a deadline with "makespan" or
+        a budget with "cost". Impossible objectives fail the submitted tasks with
         :class:`blockflow.errors.ObjectiveError`.
 
-    Notes
-    -----
-    The plan is the LP of :func:`blockflow.pools.plan.plan`, re-solved on every tick.
+    Examples
+    --------
+    >>> with blockflow.objective("cost", deadline="10m"):  # doctest: +SKIP
+    ...     x.compute()
     """
     if kind not in OBJECTIVES:
         raise ValueError(f"blockflow.objective: kind must be one of {', '.join(OBJECTIVES)}, "

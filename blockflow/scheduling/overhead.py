@@ -1,5 +1,4 @@
-"""The scheduler plugin's own cost: seconds it spends on the scheduler's event loop, in its
-hooks and ticks (served in its status as ``cost``)."""
+"""The scheduler plugin's own cost: seconds on the scheduler's event loop (status ``cost``)."""
 
 from __future__ import annotations
 
@@ -18,27 +17,20 @@ class PluginCost:
     Attributes
     ----------
     hooks : float
-        Seconds in the per-task hooks (``transition``, ``update_graph``), in total.
+        Seconds in the per-task hooks, in total.
     ticks : deque of float
-        Seconds of each of the latest :attr:`max_ticks` control-loop ticks.
+        Seconds of each of the latest :attr:`max_ticks` ticks.
     tick_total, tick_max : float
-        Seconds in all ticks so far, and in the longest one.
+        Seconds in all ticks, and in the longest.
     tick_count : int
     hook_calls : int
-        Calls of the ``transition`` hook past its first test (a task's end, its forgetting,
-        an admission event); the others return at once and are not timed.
+        Timed ``transition`` calls (past its first test).
     hook_cpu_sampled, hook_samples : float, int
-        CPU seconds of the event loop's thread (``time.thread_time``) in one ``transition``
-        call of every :attr:`sample_every` (a thread-time reading costs a system call), and
-        how many.
-    graph_cpu : float
-        CPU seconds in ``update_graph`` (every call: one per graph).
-    tick_cpu : float
-        CPU seconds in all ticks.
+        Thread CPU seconds of one ``transition`` call in :attr:`sample_every`, and how many.
+    graph_cpu, tick_cpu : float
+        CPU seconds in ``update_graph`` and in all ticks.
     flush_wall, flush_cpu : float
-        Seconds (wall, and CPU of the event loop's thread) spent folding in the queued
-        finished tasks (``flush_finished``), counted in :attr:`hooks`, not in the ticks'
-        or graphs' time.
+        Seconds folding in finished tasks, counted in :attr:`hooks`.
     """
 
     #: Tick durations kept for the median.
@@ -68,9 +60,9 @@ class PluginCost:
         return not self.hook_calls & (self.sample_every - 1)
 
     def tick(self, seconds: float, cpu: float = 0.0, full_gc: bool = False) -> None:
-        """Record one tick of ``seconds`` (``cpu`` seconds of the thread's CPU time);
-        ``full_gc``: Python's full garbage collection ran during it (a pause of the whole
-        process, which the tick's allocations may trigger but does not cause alone)."""
+        """Record one tick of ``seconds`` (``cpu``: thread CPU seconds; ``full_gc``: a full garbage
+        collection ran during it).
+        """
         self.ticks.append(seconds)
         self.tick_total += seconds
         self.tick_cpu += cpu
@@ -83,19 +75,16 @@ class PluginCost:
             self.tick_max_without_gc = seconds
 
     def as_dict(self, tasks: int) -> dict[str, Any]:
-        """Plain data: totals, per task (``tasks`` finished so far) and per tick.
+        """Plain data: totals, per finished task (``tasks``) and per tick.
 
         Returns
         -------
         dict
-            ``tasks``; ``hook_seconds``; ``per_task_us`` (hook time per finished task,
-            microseconds; None before the first); ``tick_count``; ``tick_seconds`` (all
-            ticks); ``tick_ms_median``, ``tick_ms_max`` (milliseconds; None before the
-            first tick); ``tick_ms_max_without_full_gc`` and ``ticks_with_full_gc``: the
-            longest tick during which no full garbage collection ran, and how many ticks had
-            one; ``all_in_per_task_us`` (hooks and ticks together per finished task);
-            ``hook_cpu_seconds`` (estimated from the sampled calls), ``cpu_per_task_us``
-            and ``tick_cpu_seconds``: the same in CPU time of the event loop's thread.
+            ``tasks``, ``hook_seconds``, ``per_task_us`` (microseconds), ``tick_count``,
+            ``tick_seconds``, ``tick_ms_median``, ``tick_ms_max``, ``tick_ms_max_without_full_gc``
+            (milliseconds), ``ticks_with_full_gc``, ``all_in_per_task_us``, ``hook_cpu_seconds``,
+            ``cpu_per_task_us``, ``tick_cpu_seconds``; per-task and per-tick values None before
+            the first.
         """
         ticks = list(self.ticks)
         hook_cpu = self.graph_cpu + self.flush_cpu + (self.hook_cpu_sampled / self.hook_samples * self.hook_calls
