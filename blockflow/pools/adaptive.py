@@ -1,10 +1,5 @@
-"""Per-pool elastic scaling: :class:`PoolAdaptive`, distributed's ``Adaptive`` per pool.
-
-distributed's ``Adaptive`` sizes a cluster as one number (dask-kubernetes#914 with several
-kinds of workers). Every interval :class:`PoolAdaptive` asks blockflow's scheduler plugin for
-one target per pool (:mod:`blockflow.pools.scaling`: the LP over the backlog, the throughput
-matrix and the prices), starts the workers a pool lacks and forgets those the scheduler
-retired (idle ones of a pool above its target).
+"""Per-pool elastic scaling: :class:`PoolAdaptive`, distributed's ``Adaptive`` per pool
+(dask-kubernetes#914). Guide: :doc:`/guide/pools`.
 """
 
 from __future__ import annotations
@@ -28,27 +23,30 @@ logger = logging.getLogger(__name__)
 class PoolAdaptive(Adaptive):
     """Adaptive scaling of a :class:`blockflow.PoolCluster`, one target per pool.
 
+    Every interval it asks the scheduler plugin for each pool's target
+    (:mod:`blockflow.pools.scaling`), starts the workers a pool lacks and forgets those the
+    scheduler retired once they have left.
+
     Parameters
     ----------
     cluster : blockflow.PoolCluster
     pools : mapping, optional
-        Pool name -> ``(minimum, maximum)`` workers. Pools not named get ``(minimum,
-        maximum)`` (below).
+        Pool name -> ``(minimum, maximum)`` workers.
     minimum : int, default 0
         Minimum workers of a pool not named in ``pools``.
     maximum : int, optional
-        Maximum workers of a pool not named in ``pools``; default: its size now (at least 1).
+        Maximum workers of a pool not named in ``pools``; default its size now (at least 1).
     interval, wait_count, target_duration : optional
-        As for distributed's ``Adaptive`` (``distributed.adaptive.*`` settings).
+        As for distributed's ``Adaptive`` (``distributed.adaptive.*``).
     startup : str or float, default "5s"
-        First guess of the time a new worker takes to join, until one is measured.
+        Seconds a new worker takes to join, until one is measured.
 
     Attributes
     ----------
     targets : dict of str to int
         Pool name -> the scheduler's latest target.
     retired : list of str
-        Workers the scheduler retired, in order (a spec is removed once its worker left).
+        Workers the scheduler retired, in order.
     checks : int
         Scaling checks done so far.
 
@@ -105,8 +103,7 @@ class PoolAdaptive(Adaptive):
         return {str(w.get("name")) for w in info.values()}
 
     async def adapt(self) -> None:
-        """One check: ask the scheduler for each pool's target, start the workers a pool
-        lacks, forget the workers it retired."""
+        """One check: ask for each pool's target, start the workers it lacks, forget those retired."""
         if self._pool_check_running:
             return
         self._pool_check_running = True

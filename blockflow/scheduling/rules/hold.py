@@ -11,8 +11,9 @@ __all__ = ["HoldRule", "pessimistic_speed"]
 
 
 def pessimistic_speed(snap, addr: str) -> float:
-    """The lower of the learned speed (when confident), the speed of the latest task and
-    the bound ``duration / elapsed`` of a kernel task overrunning its duration now."""
+    """The lowest of the confident learned speed, the latest task's speed and ``duration /
+    elapsed`` of an overrunning kernel task.
+    """
     w = snap.workers[addr]
     speed = w.speed if w.speed_confidence >= 0.5 else 1.0
     if w.recent_speed is not None:
@@ -26,29 +27,13 @@ def pessimistic_speed(snap, addr: str) -> float:
 class HoldRule(Rule):
     """Hold a slow worker back from the scheduler's queue while the others empty it.
 
-    While root tasks are queued, distributed hands the next one to whichever thread
-    frees first, the slowest worker's included: near the end of a stage, a slowed
-    device then pulls a task it needs ``duration / speed`` for, long after the other
-    workers have emptied the queue, and the stage waits for it. A running worker whose
-    pessimistic speed (the lower of its learned speed, when its confidence is at least
-    0.5, and the speed its latest task showed) is below ``1 /`` :attr:`hold_slowdown`
-    (or one of its kernel tasks has run ``duration / elapsed`` times too long: a
-    bound on its speed now) is held (paused on the scheduler: it finishes what it runs
-    and takes nothing new) when its next task would end later than the other workers
-    would finish the queue with that task added: ``busy + duration / speed > (queued + 1 +
-    waiting) x duration / (their total speed)``, ``busy`` what its running kernel has
-    left at that speed, ``waiting`` the tasks the others hold but have not started (the
-    queue alone undercounts their work). Once the queue is empty it stays held while the
-    others still hold tasks not started that they finish before its next one would end (an
-    idle slow worker would otherwise take one and decide the stage), and its own tasks not
-    started move off it (the move rule's rescue). It is released
-    when nothing is left to run or the condition no longer holds; its speed is not reset
-    (it ran the same work). With backup copies off, nothing is
-    held. LATE's rule of not launching work on slow nodes (Zaharia et al., OSDI 2008),
-    applied to Dask's queue; a blockflow heuristic.
-
-    Workers held here are added to ``context.paused_now``. A ``"graph"`` snapshot forgets
-    the stage's kernel duration (a new stage's kernels are measured afresh).
+    A running worker whose :func:`pessimistic_speed` is below ``1 /`` :attr:`hold_slowdown` is
+    held (paused on the scheduler) when its next task would end after the others finish the
+    queue with it: ``busy + duration / speed > (queued + 1 + waiting) x duration / (their total
+    speed)``; released when nothing is left to run or the condition fails. LATE's rule of not
+    launching work on slow nodes (Zaharia et al., OSDI 2008) applied to Dask's queue; a
+    blockflow heuristic. Held workers join ``context.paused_now``; a ``"graph"`` snapshot
+    forgets the stage's kernel duration.
 
     Parameters
     ----------
@@ -66,8 +51,7 @@ class HoldRule(Rule):
         self.duration: float | None = None
 
     def slowed_now(self, snap, addr: str) -> bool:
-        """Whether ``addr`` is evidently :attr:`hold_slowdown` times slower than typical
-        now, by its pessimistic speed."""
+        """Whether ``addr`` is now :attr:`hold_slowdown` times slower than typical, pessimistically."""
         return pessimistic_speed(snap, addr) * self.hold_slowdown <= 1.0
 
     def run(self, snap, context: RuleContext) -> list[Decision]:
