@@ -31,18 +31,15 @@ def _sort_key(key):
 
 
 class RoundRobinAssignmentRule(Rule):
-    """On ``"graph"`` snapshots: pin each new blockflow kernel task that is not yet assigned
-    and carries no user restriction to one running worker (``assign``: a strict restriction),
-    in key order, spreading them in proportion to ``weight(worker)`` (smooth weighted round
-    robin, as in nginx). One ``assign`` decision per worker.
+    """On ``"graph"``: pin each new, unassigned, unrestricted kernel task to a running worker, in
+    key order, by smooth weighted round robin (nginx); one ``assign`` decision per worker.
 
     Parameters
     ----------
     weight : callable
-        ``weight(WorkerView) -> float``: a worker's relative share of blocks (a worker of
-        weight 0 gets none, unless all are 0: then equal shares).
+        ``weight(WorkerView) -> float``: relative share of blocks (all 0: equal shares).
     name : str
-        The policy's name, in the decisions' reasons.
+        The policy's name, in the reasons.
     """
 
     def __init__(self, weight: Callable, name: str):

@@ -13,27 +13,14 @@ __all__ = ["BackupRule"]
 class BackupRule(Rule):
     """Backup copies of straggling kernel tasks on idle fast workers (LATE-style).
 
-    A running blockflow kernel task on worker ``w`` is expected to take ``duration /
-    speed(w)`` seconds (its group's measured duration at speed 1, and the lower of the
-    worker's learned speed, shrunk by its confidence, and the speed its latest task
-    showed: a device that just slowed is judged by what it just did, as LATE judges a
-    task by its own progress); its estimated time to end is what remains of that, or,
-    once it overran it, as long again as it has run (a heavy-tailed guess: the worker
-    is slower than believed). The tasks with the longest times to end come first;
-    copies start only once the scheduler holds no task back for a free thread (nothing
-    queued: while it does, the hold rule keeps a slowed worker from pulling the
-    queue's last tasks), and never on a worker a waiting task moves to in the same tick
-    (``context.taken``: new work before copies, as in LATE). Each task may get one copy, on
-    the idle worker (a free thread, nothing waiting there) that would finish it soonest:
-    its compute there plus sending inputs and result (bytes / bandwidth). A task
-    waiting behind the straggler on its own worker does not hold a copy back: no idle
-    worker would take it (stealing and moves leave tasks where their data is). The copy
-    starts when the time to end exceeds :attr:`backup_ratio` times that, the task has
-    run at least :attr:`backup_min_elapsed` of its group's duration, and fewer than
-    :attr:`backup_slots` of all threads run copies. Knowing nothing (no measured
-    duration), nothing is copied. A blockflow heuristic after LATE (Zaharia et al.,
-    OSDI 2008) and MapReduce's backup tasks (Dean & Ghemawat, OSDI 2004). Runs on
-    ``"tick"`` snapshots; workers in ``context.paused_now`` take no copy.
+    A running kernel task's time to end is what remains of ``duration / speed`` (pessimistic
+    speed), or as long again as it has run once overrun; longest first. Once nothing is queued,
+    a task gets one copy on the idle worker that would finish it soonest (compute plus
+    transfers), when its time to end exceeds :attr:`backup_ratio` times that, it has run
+    :attr:`backup_min_elapsed` of its duration, and fewer than :attr:`backup_slots` of all
+    threads run copies. Workers in ``context.taken`` or ``context.paused_now`` take none. A
+    blockflow heuristic after LATE (Zaharia et al., OSDI 2008) and MapReduce's backup tasks
+    (Dean & Ghemawat, OSDI 2004). Runs on ``"tick"``.
 
     Parameters
     ----------

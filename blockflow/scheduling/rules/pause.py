@@ -11,12 +11,10 @@ __all__ = ["PauseRule"]
 class PauseRule(Rule):
     """Pause and resume decisions (hysteresis; never the last usable worker).
 
-    A running worker is paused at or above a device-memory fraction ``memory_high`` or a
-    GPU utilisation by *other* work ``hot_high`` (percent); a worker blockflow paused is
-    resumed once at or below both ``memory_low`` and ``hot_low``. The last usable worker is
-    never paused (logged as ``keep``). Workers paused here are added to
-    ``context.paused_now``. Runs on ``"tick"`` snapshots, judging only the workers whose
-    view changed since the last one (``snapshot.changed``) and those it kept.
+    Pause at or above ``memory_high`` device memory or ``hot_high`` utilisation by other work;
+    resume at or below both ``memory_low`` and ``hot_low``. The last usable worker is kept
+    (``keep``). Paused workers join ``context.paused_now``. Runs on ``"tick"``, judging only
+    changed and kept workers.
 
     Parameters
     ----------

@@ -1,11 +1,7 @@
 """Placement rules for a graph that just arrived: kernels' own requests, device working sets.
 
-:class:`KernelPlacementRule` restricts the new tasks as their kernels asked
-(``map_blocks(resources=, workers=, allow_other_workers=)``, same for
-:func:`~blockflow.tree_reduce`); the request travels inside each task (on the kernel object),
-so Dask's graph optimisation, which drops ``dask.annotate(...)`` layer annotations when it
-fuses tasks, cannot lose it. :class:`WorkingSetPlacementRule` restricts tasks that declared
-a device working set to the workers whose free device memory holds it.
+A kernel's request travels inside its task, so graph optimisation (which drops
+``dask.annotate`` layer annotations when it fuses tasks) cannot lose it.
 """
 
 from __future__ import annotations
@@ -20,12 +16,8 @@ _UNSCHEDULED = ("released", "waiting")
 
 
 class KernelPlacementRule(Rule):
-    """On ``"graph"`` snapshots: one ``restrict`` decision for the new tasks whose kernels
-    declared a placement (``TaskView.placement``) and that are not scheduled yet.
-
-    The decision's ``detail`` maps each key to its placement; the plugin applies them
-    (:func:`blockflow._distributed.set_task_placement`) and marks the views restricted, so
-    that later rules leave those tasks alone.
+    """On ``"graph"``: one ``restrict`` decision for the new, unscheduled tasks whose kernels
+    declared a placement; ``detail`` maps each key to its placement.
     """
 
     def run(self, snap, context: RuleContext) -> list[Decision]:
@@ -41,14 +33,11 @@ class KernelPlacementRule(Rule):
 
 
 class WorkingSetPlacementRule(Rule):
-    """Restrict new tasks that declared a device working set to the running workers whose
-    free device memory holds it (``map_blocks(working_set=)``).
+    """On ``"graph"``: restrict tasks that declared a device working set
+    (``map_blocks(working_set=)``) to the running workers whose free device memory holds it.
 
-    Nothing is restricted when every running worker fits, or when no worker reports
-    device memory; when none fits, the task is left to run and fail with
-    :class:`~blockflow.DeviceMemoryError` (logged as ``"keep"``). Workers that report no
-    device memory are not counted as fitting once any worker reports it. Runs on
-    ``"graph"`` snapshots only.
+    Nothing is restricted when every worker fits or none reports device memory; when none fits
+    the task runs and fails with :class:`~blockflow.DeviceMemoryError` (logged as ``keep``).
     """
 
     def run(self, snap, context: RuleContext) -> list[Decision]:

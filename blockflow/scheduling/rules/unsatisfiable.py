@@ -18,16 +18,11 @@ __all__ = ["UnsatisfiableRule"]
 class UnsatisfiableRule(Rule):
     """Warn about, then fail, tasks waiting for worker resources no worker declares.
 
-    ``resources={"GPU": 1}`` on a CPU-only cluster: distributed lets such tasks wait
-    silently, forever. Reads ``snapshot.unsatisfiable`` (``(key, resources)`` of the tasks
-    in distributed's ``no-worker`` state needing resources no connected worker declares) and
-    ``snapshot.monotonic``. A task counts from the first snapshot that finds it waiting; a
-    ``wait`` decision (logged as a WARNING too) is yielded then, once per kind of resources.
-    After ``timeout`` seconds a ``fail`` decision fails it with
-    :class:`~blockflow.errors.ResourceError` (its ``detail`` the error message), naming the
-    resources and what the workers declare; a worker that declares them joining in time
-    lets it run. A cluster with no worker at all is left to distributed and blockflow's
-    ``worker-loss-timeout``. Runs on ``"tick"`` snapshots.
+    distributed lets such tasks (``resources={"GPU": 1}`` on a CPU-only cluster) wait forever.
+    From ``snapshot.unsatisfiable``: a ``wait`` record (and WARNING) once per kind of
+    resources, then after ``timeout`` seconds a ``fail`` with
+    :class:`~blockflow.errors.ResourceError`, unless a worker declaring them joins. A cluster
+    with no worker is left to ``worker-loss-timeout``. Runs on ``"tick"``.
 
     Parameters
     ----------
@@ -39,7 +34,7 @@ class UnsatisfiableRule(Rule):
     since : dict
         Key -> monotonic time first seen waiting.
     failed : int
-        Tasks failed so far (counted by the plugin as it applies ``fail``).
+        Tasks failed so far.
     """
 
     def __init__(self, timeout: str | float | None = None):
