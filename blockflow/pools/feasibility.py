@@ -1,5 +1,4 @@
-"""What the objective rule reads off a snapshot: seconds and egress dollars per task by
-pool, the workers that may take work, and whether an objective can be met at all."""
+"""What the objective rule reads off a snapshot, and whether an objective can be met at all."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ def egress(snap, pools: dict[str, Pool], groups) -> dict[str, dict[str, float]]:
 
 
 def capacity(snap, pools: dict[str, Pool], parked) -> tuple[dict, dict]:
-    """Pool name -> workers that may take work (running, or parked by this rule), and
-    threads per worker."""
+    """Pool name -> workers that may take work, and threads per worker."""
     workers: dict[str, int] = {}
     threads: dict[str, list[int]] = {}
     for a, w in snap.workers.items():
@@ -52,11 +50,10 @@ def capacity(snap, pools: dict[str, Pool], parked) -> tuple[dict, dict]:
 def check_objective(objective, pools: dict[str, Pool], work: dict[str, float],
                     seconds: dict[str, dict[str, float]], workers: dict[str, int],
                     threads: dict[str, int]) -> str:
-    """Why ``objective`` cannot be met before anything runs, one line; ``""`` if it can (or
-    if too little is known to tell: groups never measured are left out).
+    """Why ``objective`` cannot be met, one line; ``""`` if it can or too little is known.
 
-    Checks: a price for every pool when prices matter; a deadline some pool sizes can meet
-    (``"needs >= N workers of pool P"``); a budget at least the cheapest possible run.
+    Checks a price for every pool when prices matter, a deadline some pool sizes meet, a budget
+    at least the cheapest run.
     """
     if objective is None:
         return ""

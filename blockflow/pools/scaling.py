@@ -1,27 +1,12 @@
-"""The pool-scaling rule: how many workers each pool should have now, and which idle
-workers a shrinking pool gives back.
+"""The pool-scaling rule: how many workers each pool should have now, and which idle workers a
+shrinking pool gives back.
 
-:class:`blockflow.pools.adaptive.PoolAdaptive` (``PoolCluster.adapt``) asks the scheduler
-plugin for its targets every interval; the plugin runs this rule on a fresh snapshot. The
-target of each pool comes from the LP of :func:`blockflow.pools.plan.plan` over the
-work the current run has left, the throughput matrix and the prices, within the pool's
-minimum and maximum:
-
-* ``blockflow.objective("cost", deadline=...)``: the cheapest pool sizes that finish the
-  work before the deadline (less the time a new worker takes to start and one task of the
-  slowest pool);
-* ``blockflow.objective("makespan", budget=...)``: the fastest sizes the budget left pays
-  for;
-* no objective: the cheapest sizes that finish the backlog within ``target_duration``
-  (distributed's ``Adaptive`` aims at the same), every pool at its maximum when even that
-  cannot.
-
-A pool above its target gives back only idle workers (nothing processing: neither running
-nor queued on it), and only after they were found idle on ``wait_count`` consecutive
-calls; while the run has work the pool's plan still uses, the pool keeps the workers it has
-(the LP's rounding would otherwise retire and restart workers mid-run); a busy worker is never retired, nor a worker of another pool (dask-kubernetes#914).
-Each change of a target is one ``scale`` decision with its reason and numbers; each worker
-given back one ``retire`` decision. A blockflow heuristic on Gavel's LP (OSDI 2020).
+Targets come from the LP of :func:`blockflow.pools.plan.plan` over the work left, within each
+pool's bounds: the cheapest sizes meeting a deadline, the fastest a budget pays for, or
+without an objective the cheapest finishing the backlog within ``target_duration``. Only
+idle workers are retired, after ``wait_count`` idle checks, never while the plan still uses
+the pool (dask-kubernetes#914). A blockflow heuristic on Gavel's LP (OSDI 2020). Guide:
+:doc:`/guide/pools`.
 """
 
 from __future__ import annotations
@@ -49,16 +34,16 @@ class ScalingRequest:
     bounds : dict of str to (int, int)
         Pool name -> (minimum, maximum) workers.
     starting : dict of str to int
-        Pool name -> workers the cluster started that have not joined yet.
+        Pool name -> workers started, not joined yet.
     threads : dict of str to int
         Pool name -> threads per worker.
     target_duration : float
-        Seconds the backlog should take without an objective (distributed's
-        ``distributed.adaptive.target-duration``).
+        Seconds the backlog should take without an objective
+        (``distributed.adaptive.target-duration``).
     startup : float
-        Seconds a new worker takes to join (measured by the cluster).
+        Seconds a new worker takes to join.
     wait_count : int
-        Consecutive calls a worker must be found idle before it is retired.
+        Consecutive idle checks before a worker is retired.
     """
 
     pools: dict[str, Pool]
@@ -73,9 +58,9 @@ class ScalingRequest:
 def _fill_seconds(seconds: Mapping[str, Mapping[str, float]], work: Mapping[str, float],
                   reference: Mapping[str, float], pools: Mapping[str, Pool],
                   speeds: Mapping[str, float]) -> dict[str, dict[str, float]]:
-    """Seconds per task of every pending group on every pool: measured rows completed for
-    pools without workers by their typical speed; groups never measured from
-    ``reference`` (distributed's estimate, at speed 1) over each pool's typical speed."""
+    """Seconds per task of every pending group on every pool, gaps filled by typical speeds
+    (unmeasured groups from ``reference``, distributed's estimate).
+    """
     out = {}
     for g in work:
         row = dict(seconds.get(g, {}))
@@ -204,13 +189,9 @@ class PoolScalingRule:
     def run(self, snap, request: ScalingRequest, run, reference: Mapping[str, float],
             spent: float = 0.0, retiring: frozenset = frozenset(),
             holding: frozenset = frozenset()) -> list[Decision]:
-        """``scale`` decisions for changed targets and ``retire`` decisions for the idle
-        workers of pools above their targets.
-
-        ``retiring``: workers already being retired; ``holding``: workers holding results in
-        memory. A worker holding results is retired only while another running worker stays
-        to take them (distributed's ``retire_workers`` moves them there), so results a
-        client still holds are never lost.
+        """``scale`` decisions for changed targets and ``retire`` decisions for idle workers of pools
+        above their targets; a worker holding results only while another running worker can take
+        them (``holding``; ``retiring``: being retired already).
         """
         targets, reasons, seen = self.size(snap, request, run, reference, spent)
         by_addr = pools_of(snap.workers)

@@ -1,11 +1,7 @@
 """What finished tasks tell the scheduler plugin: counts, busy time, speeds, runs, egress.
 
-The plugin's ``transition`` hook only queues a finished (or forgotten) task's record;
-:meth:`Accounting.flush_finished` folds the queue in, in order, before anything reads what
-it feeds: the task and kernel counts, the task log (busy time), the runs
-(:class:`~blockflow.scheduling.runs.RunTracker`), the speed model and, across providers,
-where each task group's inputs came from. Its time counts as the hooks'
-(:mod:`blockflow.scheduling.overhead`).
+The ``transition`` hook only queues a finished task; :meth:`Accounting.flush_finished`
+folds the queue in before anything reads it.
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ logger = logging.getLogger("blockflow.scheduling.plugin")
 
 
 class _Folded:
-    """An :class:`Accounting` attribute fed by finished tasks (stored as ``_<name>``), read
-    with the queued tasks folded in first."""
+    """An :class:`Accounting` attribute (stored as ``_<name>``) read with queued tasks folded in."""
 
     def __init__(self, doc: str):
         self.__doc__ = doc
@@ -48,9 +43,7 @@ class _Folded:
 
 
 class Accounting:
-    """The finished-task accounts of the scheduler plugin (a base of
-    :class:`~blockflow.scheduling.plugin.Rebalancer`; needs its ``scheduler`` and ``cost``).
-    """
+    """The finished-task accounts of :class:`~blockflow.scheduling.plugin.Rebalancer` (a base)."""
 
     #: Finished tasks queued before they are folded in where they are.
     max_queued = 10_000
@@ -78,8 +71,7 @@ class Accounting:
                            "id]``, of the latest run that gave the group tasks.")
 
     def flush_finished(self) -> None:
-        """Fold the queued finished tasks, in order, into the counts, the task log, the
-        runs and the speed model; timed as hook time."""
+        """Fold the queued finished tasks in, in order; timed as hook time."""
         queued = self._finished
         if not queued:
             return
@@ -130,17 +122,16 @@ class Accounting:
         self._multi_provider = len(set(providers.values())) > 1
 
     def new_run_inputs(self, run_id: str, keys) -> None:
-        """Forget the inputs seen for the groups of ``keys`` in other runs: a run's tasks
-        read what that run gives them, so their egress is learnt again. O(keys)."""
+        """Forget the inputs seen for the groups of ``keys`` in other runs. O(keys)."""
         for group in {key_split(k) for k in keys}:
             seen = self._group_inputs.get(group)
             if seen is not None and seen[2] != run_id:
                 self._group_inputs[group] = [0, Counter(), run_id]
 
     def record_inputs(self, key, worker: str) -> None:
-        """Where a finished task's inputs came from (providers): bytes that crossed into
-        ``worker``'s provider go to the run's account, and the group's inputs by provider
-        feed the objective's egress prices. O(inputs)."""
+        """Account a finished task's input bytes by provider (run egress, objective prices).
+        O(inputs).
+        """
         here = self._providers.get(worker)
         group = key_split(key)
         seen = self._group_inputs.get(group)

@@ -1,12 +1,8 @@
 """The actuator: the one table of handlers that acts on the scheduler, and the decision log.
 
-:meth:`Actuator.apply` runs a :class:`~blockflow.scheduling.actions.Decision` (a command)
-through its handler (:attr:`Actuator.HANDLERS`, one per
-:class:`~blockflow.scheduling.actions.Action`), which acts through
-:mod:`blockflow._distributed`, and logs it; it is the only code that acts on the scheduler
-for a scheduling decision. :meth:`Actuator.record` logs a
-:class:`~blockflow.scheduling.actions.Record` and nothing else: a record never reaches a
-handler.
+:meth:`Actuator.apply` runs a command through its handler (:attr:`Actuator.HANDLERS`, one
+per :class:`~blockflow.scheduling.actions.Action`) and logs it; :meth:`Actuator.record`
+only logs.
 """
 
 from __future__ import annotations
@@ -29,23 +25,19 @@ objective_logger = logging.getLogger("blockflow.pools.objective")
 
 
 class Actuator:
-    """Handlers of the scheduler plugin's commands and its decision log (a base of
-    :class:`~blockflow.scheduling.plugin.Rebalancer`, whose state they change: ``paused``,
-    ``held``, ``parked``, ``retiring``, ``backups``, ...)."""
+    """Handlers of the plugin's commands and its decision log (a base of
+    :class:`~blockflow.scheduling.plugin.Rebalancer`).
+    """
 
     def apply(self, d: Decision, snap=None, *, log: bool = True) -> bool:
         """Apply one command and log what it did; True if it was applied.
 
-        The handler of ``d.action`` acts on the scheduler and returns what to log (the
-        decision, or a record in its place: a resume left to the worker is a ``handover``),
-        or None when nothing was applied or nothing is to be logged (admission control's
-        holds and releases of tasks, re-applied pauses). Commands about one worker apply
-        only while the snapshot they came from shows it.
+        Commands about one worker apply only while their snapshot shows it.
 
         Raises
         ------
         TypeError
-            If ``d`` is not a :class:`~blockflow.scheduling.actions.Decision` (a record).
+            If ``d`` is not a :class:`~blockflow.scheduling.actions.Decision`.
         """
         if type(d) is not Decision:
             raise TypeError(f"blockflow: only a Decision is applied, not {d!r}")
@@ -60,8 +52,7 @@ class Actuator:
         return True
 
     def record(self, r: Record, snap=None) -> bool:
-        """Log a record (what happened); True if logged. A ``keep`` about a worker the
-        snapshot does not show, or the same as the last logged, is dropped."""
+        """Log a record; True if logged (a ``keep`` on an unseen worker, or repeated, is dropped)."""
         if type(r) is not Record:
             raise TypeError(f"blockflow: only a Record is logged as one, not {r!r}")
         if r.action is Recorded.KEEP:
