@@ -1,5 +1,7 @@
 """Per-pool elastic scaling: :class:`PoolAdaptive`, distributed's ``Adaptive`` per pool
-(dask-kubernetes#914). Guide: :doc:`/guide/pools`.
+(dask-kubernetes#914).
+
+Guide: :doc:`/guide/pools`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Objectives: what a run optimises, "makespan" (the default) or "cost", by a deadline or a
-budget. Guide: :doc:`/guide/pools`, "Objectives".
+budget.
+
+Guide: :doc:`/guide/pools`, "Objectives".
 """
 
 from __future__ import annotations

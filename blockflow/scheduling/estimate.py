@@ -32,10 +32,9 @@ def confident_speeds(speeds: Mapping[str, float] | None,
     Parameters
     ----------
     speeds : mapping of str to float
-        Worker address to relative speed (1.0 typical; larger is faster), the plugin's
-        ``speeds``.
+        Worker address -> relative speed (1.0 typical; larger is faster).
     confidence : mapping of str to float
-        Worker address to confidence 0-1 (``speed_confidence``); missing means 0.
+        Worker address -> confidence 0-1 (missing: 0).
     threshold : float, default :data:`CONFIDENT`
 
     Returns
@@ -73,21 +72,12 @@ def call_cost(calls: list[tuple[int, float]]) -> float | None:
 
 
 def fixed_units(calls: Mapping[str, Iterable[tuple[float, float]]]) -> float:
-    """A call's fixed cost in units of work, shared by the workers.
+    """A call's fixed cost in units of work, shared by the workers (``calls``: worker address ->
+    its calls' ``(units, seconds)``).
 
-    Model: a call of ``u`` units takes ``k (u + u0)`` seconds. ``u0`` is the median over workers
-    of intercept / slope of a least-squares line through their ``(units, seconds)`` (only workers
-    whose sizes differ by 25 % or more; else 0), at most the median call size. A blockflow
-    heuristic.
-
-    Parameters
-    ----------
-    calls : mapping of str to iterable of (float, float)
-        Worker address to its calls' ``(units, seconds)``.
-
-    Returns
-    -------
-    float
+    Model: a call of ``u`` units takes ``k (u + u0)`` seconds; ``u0`` is the median over workers
+    of intercept / slope of a least-squares line through their calls (where sizes differ by
+    25 % or more; else 0), at most the median call size. A blockflow heuristic.
     """
     est, sizes = [], []
     for obs in calls.values():
@@ -106,23 +96,11 @@ def fixed_units(calls: Mapping[str, Iterable[tuple[float, float]]]) -> float:
 
 def prior_seconds_per_unit(workers: Iterable[str], measured: Mapping[str, float],
                            prior: Mapping[str, float] | None) -> dict[str, float]:
-    """Seconds per unit for every worker: measured where it is, else from its prior speed.
+    """Seconds per unit for every worker: ``measured`` where given, else from its ``prior`` speed.
 
     An unmeasured worker gets the median of ``measured x speed`` over workers in both (else the
-    measured median) divided by its prior speed; with nothing measured, ``1 / speed`` (1.0
-    without a prior).
-
-    Parameters
-    ----------
-    workers : iterable of str
-    measured : mapping of str to float
-        Worker address to measured seconds per unit.
-    prior : mapping of str to float, optional
-        Worker address to relative speed (larger is faster), e.g. :func:`confident_speeds`.
-
-    Returns
-    -------
-    dict of str to float
+    measured median) over its prior speed; with nothing measured, ``1 / speed`` (1.0 without).
+    ``prior``: worker -> relative speed (larger is faster), e.g. :func:`confident_speeds`.
     """
     prior = {a: s for a, s in (prior or {}).items() if s and s > 0}
     measured = {a: m for a, m in measured.items() if m is not None}
@@ -221,20 +199,8 @@ class Throughput:
 
     def seconds_per_unit(self, workers: Iterable[str],
                          prior: Mapping[str, float] | None = None) -> dict[str, float]:
-        """Seconds per unit of work of each of ``workers``.
-
-        Measured where a worker has warm calls (cold starts stand in while none of ``workers``
-        has one); else from ``prior`` (:func:`prior_seconds_per_unit`).
-
-        Parameters
-        ----------
-        workers : iterable of str
-        prior : mapping of str to float, optional
-            Relative speeds (larger is faster) known with confidence.
-
-        Returns
-        -------
-        dict of str to float
+        """Seconds per unit of work of each of ``workers``: measured (cold starts while none of them
+        has a warm call), else from ``prior`` relative speeds (:func:`prior_seconds_per_unit`).
         """
         workers = list(workers)
         measured = self.measured_seconds_per_unit(workers)
@@ -286,19 +252,17 @@ def earliest_finish(
 ) -> list[Placement]:
     """Assign items, in the order given, each to the worker slot where it finishes first.
 
-    Source: list scheduling / earliest finish time (HEFT-style: Topcuoglu, Hariri and Wu,
-    2002), a blockflow heuristic. Sort items first (largest first) for the LPT variant.
-    Times are either in seconds (``ready`` and ``seconds``: an item ends at ``ready + seconds``)
-    or in units of work (``ready`` queued units and ``speeds``: it ends at
-    ``(ready + units + fixed) / speed``).
+    List scheduling by earliest finish time (HEFT-style: Topcuoglu, Hariri and Wu, 2002), a
+    blockflow heuristic; sort items largest first for the LPT variant. Times are in seconds
+    (``ready``, ``seconds``: an item ends at ``ready + seconds``) or in units of work
+    (``ready`` queued units, ``speeds``: it ends at ``(ready + units + fixed) / speed``).
 
     Parameters
     ----------
     items : int or sequence
         The items (or how many); only their positions are used.
     ready : mapping of str to float or sequence of float
-        Per worker (or per slot), when it is free in seconds, or its queued units with
-        ``speeds``.
+        Per worker (or per slot): when it is free, seconds, or its queued units with ``speeds``.
     seconds : mapping of str to float, or callable, optional
         Per worker seconds per unit, or ``seconds(item, worker)``. Not with ``speeds``.
     units : sequence of float, optional
@@ -309,14 +273,11 @@ def earliest_finish(
         With ``speeds``: a call's fixed cost in units.
     threads : mapping of str to int, optional
         Slots per worker when ``ready`` gives one number (default 1).
-    sizes, capacity : optional
-        Bytes per item and per worker: a worker is eligible while its bytes stay within its
-        capacity (if none is, every worker is).
-    held : mapping of str to float, optional
-        Bytes each worker holds already.
+    sizes, capacity, held : optional
+        Bytes per item, per worker and held already: a worker is eligible while its bytes stay
+        within its capacity (if none is, every worker is).
     tie : callable, optional
-        ``tie(worker, slot)``: sort key for equal finish times (default: ``ready``'s order,
-        then slot).
+        ``tie(worker, slot)``: sort key for equal finish times (default: ``ready``'s order).
 
     Returns
     -------
@@ -403,19 +364,18 @@ def address_host(address: str) -> str:
 class LinkBandwidth:
     """The bandwidth between two workers, bytes per second, from distributed's measurements.
 
-    Looked up in order: the pair (``Scheduler.bandwidth_workers``) either way; the median of
-    pairs measured between the two hosts; for two workers of one host, the fastest link
-    measured (at least ``default``); else ``default`` (``Scheduler.bandwidth``). A blockflow
-    heuristic.
+    Looked up in order: the pair either way (``Scheduler.bandwidth_workers``); the median of
+    pairs between the two hosts; for one host, the fastest link measured (at least
+    ``default``); else ``default`` (``Scheduler.bandwidth``). A blockflow heuristic.
 
     Parameters
     ----------
     measured : mapping of (str, str) to float
-        ``(receiver, sender)`` addresses -> bytes per second (read only; may be live).
+        ``(receiver, sender)`` -> bytes per second (read only; may be live).
     default : float
         The cluster-wide estimate, bytes per second (100e6 if not positive).
     max_age : float, default 5.0
-        Seconds the per-host table is reused before it is rebuilt.
+        Seconds the per-host table is reused.
 
     Examples
     --------
