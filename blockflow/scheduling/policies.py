@@ -63,48 +63,38 @@ __all__ = [
 
 @dataclass
 class ClusterSnapshot:
-    """What a policy sees: plain data, no scheduler objects.
+    """What a policy sees: plain data, no scheduler objects. Times in seconds.
 
     Attributes
     ----------
-    time : float
-        Seconds since the epoch.
+    time, monotonic : float
+        ``time.time()`` and ``time.monotonic()`` at the snapshot.
     workers : dict of str to WorkerView
+    event : {"tick", "graph", "held", "admit", "close"}
+        A tick, a new graph (``new_tasks``), or an admission event.
     queued : int
         Root tasks the scheduler holds back.
-    event : {"tick", "graph", "held", "admit", "close"}
-        A tick, a new graph (``new_tasks``), or an admission rule event.
-    waiting : mapping of str to iterable of TaskView
-        Per worker, its tasks not started, last to run first.
+    waiting, running : mapping of str to list
+        Per worker, its tasks not started (last to run first) and running (with elapsed time).
     new_tasks : list of TaskView
-        On ``"graph"`` events, the new graph's tasks.
-    balancing : bool
-        Whether worker speeds are known, with confidence, to differ.
-    running : mapping of str to list of RunningTask
-        Per worker, its running tasks with elapsed time.
     backups : mapping
         Task key -> worker running its backup copy.
     bandwidth : float
-        Worker-to-worker bandwidth estimate, bytes per second.
+        Worker-to-worker estimate, bytes per second.
     held, stopped, parked : frozenset of str
         Workers held back from the queue; paused by themselves; parked for the objective.
-    speeds_differ, speeds_differ_weakly : bool
-        The speed model's strict and weak tests.
+    balancing, speeds_differ, speeds_differ_weakly : bool
+        Whether blockflow balances; the speed model's strict and weak tests.
     unsatisfiable : list of (key, dict)
         Tasks waiting for resources no connected worker declares.
-    monotonic : float
-        ``time.monotonic()`` at the snapshot.
     feeders, feeder_states, client
-        For the admission rule: a new graph's feeders, their states, the client's id.
+        For the admission rule.
     changed : frozenset of str or None
         On ticks, workers whose view changed; None: all.
-    run : Run, optional
-        The run most recently given work, under a :func:`blockflow.objective`.
-    declared_pools : mapping of str to Pool
-        Pools known before any worker of theirs joined.
-    throughput, inputs : mapping
-        With ``run``: group -> pool -> seconds per task
-        (:func:`blockflow.pools.plan.throughput_matrix`); group -> provider -> input bytes.
+    run, declared_pools, throughput, inputs
+        For the objective rule: the run under a :func:`blockflow.objective`, pools known
+        before their workers, group -> pool -> seconds per task
+        (:func:`blockflow.pools.plan.throughput_matrix`), group -> provider -> input bytes.
     """
 
     time: float
@@ -213,36 +203,33 @@ class ObservePolicy(ComposedPolicy):
 class DynamicPolicy(ComposedPolicy):
     """Pause hot / nearly-full GPUs and move queued tasks to the workers that will be free first.
 
-    Rules: objective, working-set placement, :attr:`pause`, :attr:`hold`, :attr:`move` (greedy
-    list-scheduling repair after LPT, Graham 1969) and :attr:`backup` (LATE, Zaharia et al.
-    OSDI 2008); see :mod:`blockflow.scheduling.rules`. A blockflow heuristic.
+    Rules: objective, working-set placement, :attr:`pause`, :attr:`hold`, :attr:`move` (after
+    LPT, Graham 1969) and :attr:`backup` (LATE, Zaharia et al. OSDI 2008); see
+    :mod:`blockflow.scheduling.rules`. A blockflow heuristic. Each default comes from the
+    setting named.
 
     Parameters
     ----------
     memory_high, memory_low : float, optional
-        Device-memory fractions 0-1 to pause / resume a worker
-        (``blockflow.rebalancer.memory-high`` / ``memory-low``).
+        Device-memory fractions 0-1 to pause / resume (``blockflow.rebalancer.memory-high``,
+        ``memory-low``).
     hot_high, hot_low : float, optional
-        GPU utilisation (percent) by other work to pause / resume
-        (``rebalancer.hot-high`` / ``hot-low``).
+        GPU utilisation by other work, percent, to pause / resume (``rebalancer.hot-high``,
+        ``hot-low``).
     move_budget : int, optional
         Most tasks moved per tick (``rebalancer.move-budget``).
     min_gain : str or float, optional
-        Smallest gain in finish time, seconds, worth a move (``rebalancer.move-min-gain``).
+        Smallest gain in finish time worth a move, seconds (``rebalancer.move-min-gain``).
     speculation : bool, optional
-        Start backup copies of stragglers (``blockflow.speculation.enabled``).
+        Backup copies of stragglers (``blockflow.speculation.enabled``).
     backup_slots : float, optional
-        Most backup copies at once, fraction 0-1 of worker threads, at least one
-        (``speculation.max-slots``).
+        Most copies at once, fraction 0-1 of threads (``speculation.max-slots``).
     backup_ratio : float, optional
-        Copy when the task's time to end exceeds this many times the copy's
-        (``speculation.min-ratio``).
+        Copy when the time to end exceeds this many times the copy's (``speculation.min-ratio``).
     backup_min_elapsed : float, optional
-        Fraction 0-1 of its expected duration a task must have run before a copy
-        (``speculation.min-elapsed``).
+        Fraction 0-1 of its duration a task must have run (``speculation.min-elapsed``).
     hold_slowdown : float, optional
-        Slowdown (> 1) past which a worker is held back from the queue's last tasks
-        (``speculation.hold-slowdown``; :class:`~blockflow.scheduling.rules.HoldRule`).
+        Slowdown (> 1) past which a worker is held back (``speculation.hold-slowdown``).
 
     Raises
     ------
