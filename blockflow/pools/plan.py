@@ -24,14 +24,7 @@ _GB = 1e9
 def typical_speeds(pools: Mapping[str, Pool], speeds: Mapping[str, float] | None = None
                    ) -> dict[str, float]:
     """Pool name -> typical relative speed: its ``speed`` hint, else its workers' median learned
-    speed, else 1.0.
-
-    Parameters
-    ----------
-    pools : mapping of str to Pool
-        Worker address -> its pool.
-    speeds : mapping of str to float, optional
-        Worker address -> learned relative speed.
+    speed (``speeds``: address -> speed), else 1.0. ``pools``: address -> its pool.
     """
     members: dict[str, list[str]] = {}
     hint: dict[str, float | None] = {}
@@ -58,14 +51,13 @@ def throughput_matrix(durations: Mapping[str, Mapping[str, float]],
     pools : mapping of str to Pool
         Worker address -> its pool (other workers ignored).
     speeds : mapping of str to float, optional
-        Worker address -> learned relative speed (for pools without a ``speed`` hint).
+        Worker address -> learned relative speed.
 
     Returns
     -------
     dict
-        Group -> pool name -> seconds per task, for every pool: the median over its workers,
-        or for a pool that ran none of the group, scaled from the others by
-        :func:`typical_speeds`.
+        Group -> pool name -> seconds per task for every pool: its workers' median, or scaled
+        from the others by :func:`typical_speeds` for a pool that ran none.
     """
     typical = typical_speeds(pools, speeds)
     out: dict[str, dict[str, float]] = {}
@@ -134,15 +126,20 @@ def plan(work: Mapping[str, float], seconds: Mapping[str, Mapping[str, float]],
          egress: Mapping[str, Mapping[str, float]] | None = None) -> Plan:
     """The LP over the throughput matrix: tasks per (group, pool), cost and makespan.
 
+    Variables ``x[g, p]`` (and the makespan ``T`` without a deadline); pool load
+    ``L_p = sum_g t[g, p] x[g, p] / threads_p``, cost ``price_p L_p / 3600``; constraints
+    ``sum_p x[g, p] = n_g`` and ``L_p <= workers_p * D`` (or ``* T``). A relaxation (divisible
+    tasks, no dependencies), so its optimum is a lower bound.
+
     Parameters
     ----------
     work : mapping of str to float
         Group -> tasks to run.
     seconds : mapping
-        Group -> pool name -> seconds per task (:func:`throughput_matrix`); a pool missing
-        from a row cannot run that group.
+        Group -> pool name -> seconds per task (:func:`throughput_matrix`); a missing pool
+        cannot run the group.
     pools : mapping of str to Pool
-        Pool name -> :class:`Pool` (``price``; None counts as 0).
+        Pool name -> :class:`Pool` (``price`` None counts as 0).
     workers : mapping of str to int
         Pool name -> workers available.
     threads : mapping of str to int, optional
@@ -159,13 +156,6 @@ def plan(work: Mapping[str, float], seconds: Mapping[str, Mapping[str, float]],
     Plan
         The cheapest plan meeting ``deadline``, else the fastest (within ``budget``);
         infeasible plans carry ``shortfall``.
-
-    Notes
-    -----
-    Variables ``x[g, p]`` and, without a deadline, the makespan ``T``; load
-    ``L_p = sum_g t[g, p] x[g, p] / threads_p``, cost ``price_p L_p / 3600``, constraints
-    ``sum_p x[g, p] = n_g`` and ``L_p <= workers_p * D`` (or ``* T``). A relaxation (divisible
-    tasks, no dependencies): its optimum is a lower bound.
     """
     from scipy.optimize import linprog
 
