@@ -1,28 +1,16 @@
 """Per-worker speed learned from observed task durations, with a confidence.
 
-A worker's speed compares it with the other workers that ran tasks of the same group, shrunk
-towards the typical speed (1.0) by how little has been observed. A blockflow heuristic from
-robust and shrinkage estimation (guide: :doc:`/guide/scheduling`, "Learned speeds"):
-
-1. The first ``warmup`` durations of each (worker, group) are cold starts, discarded.
-2. A worker's location is the median of its last ``window`` log durations; a level shift
-   (``change_run`` durations beyond ``change_ratio`` and ``change_sds`` robust sds,
-   1.4826 x MAD) drops the earlier ones (change-point rule).
-3. Evidence is ``reference - median`` per group (reference: median of the workers' medians),
-   variance ``(1.2533 s)^2 / n`` with ``s`` moderated towards the pooled spread (Smyth's
-   empirical-Bayes shrinkage, 2004); the raw log speed is its inverse-variance mean,
-   clipped to ``±log(max_ratio)``.
-4. Confidence is ``precision / (precision + prior precision) x n / (n + prior_strength)``;
-   the speed is ``exp(confidence x raw)`` (James-Stein-style).
-   :meth:`SpeedModel.heterogeneous` is a two-sided test (0.1 %, Student-t for few dof).
-5. A group's evidence weighs ``0.5 ** (age / half_life)``.
-6. Durations back within ``recover_ratio`` of the others' level drop the earlier ones;
-   :meth:`SpeedModel.slow_for` expects a slow streak to last as long again.
-7. No worker looks faster than the best confident one by more than ``max_optimism``.
-8. :meth:`SpeedModel.size_factor` scales expected durations by task size.
-
-:meth:`SpeedModel.observe` is O(1); the work is done once per tick in
-:meth:`SpeedModel.update`.
+A blockflow heuristic from robust and shrinkage estimation (guide: :doc:`/guide/scheduling`,
+"Learned speeds"). Per (worker, group): cold starts (``warmup``) dropped, location the
+median of the last ``window`` log durations, a level shift (change-point rule, 1.4826 x MAD)
+or a recovery to the others' level drops older ones. Evidence is the group reference
+(median of medians) minus the worker's median, variance ``(1.2533 s)^2 / n`` with ``s``
+shrunk towards the pooled spread (Smyth 2004) and aged by ``group_half_life``; the raw log
+speed is the inverse-variance mean, clipped to ``±log(max_ratio)``. Confidence is
+``precision / (precision + prior precision) x n / (n + prior_strength)`` and the speed
+``exp(confidence x raw)`` (James-Stein-style), capped at ``max_optimism`` times the best
+confident worker. :meth:`SpeedModel.heterogeneous` is a two-sided test with Student-t
+widening. :meth:`SpeedModel.observe` is O(1); :meth:`SpeedModel.update` does the work.
 """
 
 from __future__ import annotations
@@ -42,38 +30,30 @@ class SpeedModel:
     window : int, default 32
         Recent durations kept per (worker, group).
     warmup : int, default 1
-        First durations of each (worker, group) discarded as cold starts.
-    prior_strength : float, default 1.0
-        Weight, in samples, of the prior speed 1.0.
-    prior_sd : float, default 0.5
-        Standard deviation of the prior log speed.
+        First durations per (worker, group) dropped as cold starts.
+    prior_strength, prior_sd : float, default 1.0 and 0.5
+        Weight in samples of the prior speed 1.0, and the sd of the prior log speed.
     min_spread : float, default 0.05
-        Smallest spread of log durations assumed (timing noise).
+        Smallest spread of log durations assumed.
     prior_spread, prior_dof : float, default 0.2 and 2.0
-        Prior spread of log durations and its weight in degrees of freedom.
-    change_run, change_ratio : int and float, default 2 and 2.0
-        A level shift: the last ``change_run`` durations all ``change_ratio`` times off the
-        earlier median (and beyond ``change_sds``).
-    change_sds : float, default 3.0
-        Robust standard deviations a level shift must also exceed.
+        Prior spread of log durations and its degrees of freedom.
+    change_run, change_ratio, change_sds : default 2, 2.0 and 3.0
+        A level shift: the last ``change_run`` durations all ``change_ratio`` times and
+        ``change_sds`` robust sds off the earlier median.
     min_duration : float, default 0.005
-        Durations below this, seconds, are ignored.
+        Shorter durations, seconds, are ignored.
     max_ratio : float, default 64.0
-        Largest speed ratio to the group's reference (clip).
+        Largest speed ratio to the group's reference.
     max_optimism : float, default 1.5
         How much faster than the best well-observed worker any worker may look.
     group_half_life : float, default 16.0
         Durations per observed worker after which an unseen group's evidence weighs half.
     recover_ratio : float, default 1.25
-        Within this ratio of the others' level a worker counts as recovered; beyond it a task
-        counts as slow for :meth:`slow_for`.
-    max_groups : int, default 256
-        Task groups remembered (least recently seen forgotten first).
-    max_pending : int, default 100_000
-        Observations buffered between ticks (oldest dropped).
+        Within it of the others' level a worker has recovered; beyond it a task is slow.
+    max_groups, max_pending : int, default 256 and 100_000
+        Task groups remembered, observations buffered between ticks.
     cold_allowance : float, default 2.0
-        A cold start of ``d`` seconds counts in :meth:`recent_speed` as ``d / cold_allowance``
-        until a warm task of its group replaces it.
+        A cold start of ``d`` seconds counts in :meth:`recent_speed` as ``d / cold_allowance``.
     """
 
     def __init__(self, window: int = 32, warmup: int = 1, prior_strength: float = 1.0,
