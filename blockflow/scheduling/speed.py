@@ -174,7 +174,7 @@ class SpeedModel:
         return n
 
     def _changed(self, window: deque) -> bool:
-        """Whether the last ``change_run`` durations are a level shift (see the module doc, 2)."""
+        """Whether the last ``change_run`` durations are a level shift (change-point rule)."""
         k = self.change_run
         if len(window) < 2 * k:
             return False
@@ -198,7 +198,7 @@ class SpeedModel:
             self.streak[worker] = 0.0
 
     def _recovered(self, worker: str, per_worker: dict, window: deque) -> bool:
-        """Whether the recent durations are back at the other workers' level (module doc, 6)."""
+        """Whether the recent durations are back at the other workers' level, the earlier ones off it."""
         k = self.change_run
         if len(window) <= k:
             return False
