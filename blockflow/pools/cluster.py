@@ -64,8 +64,7 @@ def _job_class(job_cls):
 class PoolCluster(SpecCluster):
     """A Dask cluster made of named pools of workers, under one scheduler.
 
-    Worker ``i`` of pool ``p`` is named ``"p-i"``, declares the resource ``pool:p`` and reports
-    its :class:`~blockflow.pools.pool.Pool` through the ``blockflow.pools.preload`` preload; the
+    Worker ``i`` of pool ``p`` is named ``"p-i"`` and declares the resource ``pool:p``; the
     scheduler runs blockflow's plugin.
 
     Parameters
@@ -73,9 +72,9 @@ class PoolCluster(SpecCluster):
     pools : mapping of Pool to int
         Each pool and its initial worker count.
     threads_per_worker : int, default 1
-        Threads of each local worker (for jobs: ``cores`` in ``jobs``).
+        Threads of each local worker (jobs: ``cores`` in ``jobs``).
     memory_limit : str or int, optional
-        Host memory per local worker; distributed's default if None.
+        Host memory per local worker (distributed's default if None).
     processes : bool, default True
         Local workers as processes (``Nanny``) or threads (``Worker``).
     worker_options : mapping, optional
@@ -85,34 +84,27 @@ class PoolCluster(SpecCluster):
     jobs : mapping, optional
         With ``job_cls``: pool name -> job options (``queue``, ``cores``, ``memory``, ...).
     scheduler_options : mapping, optional
-        Extra ``distributed.Scheduler`` options.
     policy : str, optional
-        blockflow's scheduling policy (default ``blockflow.cluster.policy``).
+        Scheduling policy (default ``blockflow.cluster.policy``).
     **kwargs
         Passed to :class:`distributed.SpecCluster`.
 
     Raises
     ------
     TypeError, ValueError
-        For keys that are not :class:`blockflow.Pool`, a negative count, duplicate pool names,
-        or options naming unknown pools.
+        For keys that are not :class:`blockflow.Pool`, a negative count, duplicate names, or
+        options naming unknown pools.
     ImportError
         If ``job_cls`` is a name and dask-jobqueue is missing.
-
-    See Also
-    --------
-    blockflow.pools.adaptive.PoolAdaptive : per-pool elastic scaling.
 
     Examples
     --------
     >>> cluster = PoolCluster({Pool("fast", price=4): 2, Pool("slow", price=0.5): 4})
-    >>> client = blockflow.connect(cluster.scheduler_address)     # doctest: +SKIP
     >>> cluster.adapt(pools={"fast": (0, 2), "slow": (0, 8)})     # doctest: +SKIP
 
     On Slurm, one partition per pool::
 
-        PoolCluster({Pool("gpu", price=2.5): 0, Pool("cpu", price=0.1): 0},
-                    job_cls="slurm",
+        PoolCluster({Pool("gpu", price=2.5): 0, Pool("cpu", price=0.1): 0}, job_cls="slurm",
                     jobs={"gpu": {"queue": "gpu", "cores": 1, "memory": "4GB"},
                           "cpu": {"queue": "cpu", "cores": 1, "memory": "2GB"}})
     """
@@ -176,7 +168,7 @@ class PoolCluster(SpecCluster):
         Raises
         ------
         ValueError
-            If ``pool_name`` names no pool of this cluster.
+            If ``pool_name`` names no pool.
         """
         pool = self._pool(pool_name)
         argv = pool_preload_argv(pool)
