@@ -78,28 +78,25 @@ class DeviceMemoryAMMPolicy(AMMPolicy):
     """Active Memory Manager policy for device memory: relieve full devices, or even out the
     device bytes by capacity.
 
-    Default: results on a worker at or above ``memory_high`` are replicated to roomy workers
-    (below ``memory_low``) and dropped the next cycle, largest first, until it is projected
-    below ``memory_low``. With ``even=True``: a greedy descent on the sum of squared deviations
-    from capacity-weighted targets (cf. distributed's ``Client.rebalance``), copy then drop as
-    ``RetireWorker`` does; it ends with every worker within one block of its target unless
-    blocks cannot move. Both blockflow heuristics; each move is logged as ``memory-move``.
+    Default: results on a worker at or above ``memory_high`` are copied to roomy workers (below
+    ``memory_low``) and dropped the next cycle, largest first. ``even=True``: a greedy descent
+    on the squared deviations from capacity-weighted targets (cf. ``Client.rebalance``), copy
+    then drop, ending within one block of the targets unless blocks cannot move. blockflow
+    heuristics; each move is logged as ``memory-move``.
 
     Parameters
     ----------
     memory_high, memory_low : float, optional
-        Device-memory fractions 0-1 (without ``even``); default
-        ``blockflow.rebalancer.memory-high`` / ``memory-low``.
+        Device-memory fractions 0-1; default ``blockflow.rebalancer.memory-high`` / ``-low``.
     even : bool, default False
         Even out the device bytes by capacity instead.
     keys : iterable, optional
-        With ``even``: keys to balance; default every result on a device worker.
+        With ``even``: keys to balance (default all on device workers; ``nbytes`` cannot tell
+        device from host results).
     workers : iterable of str, optional
-        With ``even``: workers to balance among; default every running worker that reports
-        ``gpu-memory-total``.
+        With ``even``: workers to balance among (default all reporting ``gpu-memory-total``).
     tolerance : int or str, optional
-        With ``even``: bytes (``"512MiB"``) a worker may deviate from its target. Default: half
-        the largest block.
+        With ``even``: bytes (``"512MiB"``) off target allowed; default half the largest block.
 
     Raises
     ------
@@ -109,15 +106,13 @@ class DeviceMemoryAMMPolicy(AMMPolicy):
     Attributes
     ----------
     pending : dict
-        Key -> move copied but not yet dropped from its source.
+        Key -> move copied, not yet dropped from its source.
     moves : list of dict
         Completed moves: ``{"key", "source", "target", "nbytes"}``.
 
-    Notes
-    -----
-    Bytes are the scheduler's ``nbytes`` (``dask.sizeof``), which cannot tell device from host
-    results: pass ``keys`` to even out device blocks only. Results with several replicas are
-    left to ``ReduceReplicas``. In distributed's configuration::
+    Examples
+    --------
+    In distributed's configuration::
 
         distributed:
           scheduler:

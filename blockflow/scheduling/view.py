@@ -39,10 +39,8 @@ __all__ = [
 # -- the plugin's state --------------------------------------------------------------------
 
 def plugin_status(client: Client, **kwargs: Any) -> dict[str, Any]:
-    """State of blockflow's scheduler plugin, as plain data.
-
-    ``kwargs`` (``since``: seconds since the epoch, ``task_log``: bool) go to
-    :meth:`blockflow.scheduling.Rebalancer.status`.
+    """State of blockflow's scheduler plugin, as plain data (``kwargs``: ``since``, ``task_log``,
+    ``run``, see :meth:`blockflow.scheduling.Rebalancer.status`).
 
     Raises
     ------
@@ -103,14 +101,13 @@ def decisions(client: Client, since: float | None = None):
     ----------
     client : distributed.Client
     since : float, optional
-        Only decisions after this time (seconds since the epoch).
+        Only decisions after this time, seconds since the epoch.
 
     Returns
     -------
     pandas.DataFrame
-        Columns :data:`DECISION_COLUMNS` (``time`` UTC), then ``seen_*``: the metrics the
-        decision saw (GPU utilisation %, device-memory fraction 0-1, speed, tasks processing,
-        projected finish in seconds; None where unknown).
+        Columns :data:`DECISION_COLUMNS` (``time`` UTC), then ``seen_*``: the metrics each
+        decision saw (None where unknown).
 
     Raises
     ------
@@ -258,16 +255,9 @@ def worker_memory(client: Client, workers: Mapping[str, Mapping] | None = None
 # -- throughput ----------------------------------------------------------------------------
 
 class ThroughputView:
-    """The one throughput estimator, fed by timed calls, with the plugin's known speeds as prior.
-
-    Parameters
-    ----------
-    client : distributed.Client or None
-        None: no prior.
-    refresh : float, default 1.0
-        Seconds between reads of the plugin's speeds.
-    **kwargs
-        Passed to :class:`~blockflow.scheduling.estimate.Throughput`.
+    """The one throughput estimator, fed by timed calls, with the plugin's known speeds as prior
+    (re-read every ``refresh`` seconds; ``client`` None: no prior). ``kwargs`` go to
+    :class:`~blockflow.scheduling.estimate.Throughput`.
     """
 
     def __init__(self, client: Client | None, refresh: float = 1.0, **kwargs: Any):
