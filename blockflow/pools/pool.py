@@ -37,7 +37,7 @@ class Pool:
     Parameters
     ----------
     name : str
-        Letters, digits, ``_ . -``: ``"l4"``, ``"fast"``.
+        Letters, digits, ``_ . -``: ``"l4"``.
     provider : str, default "local"
         Who runs the machines (``"gcp"``, ``"onprem"``).
     region : str, default ""
@@ -46,7 +46,7 @@ class Pool:
     egress : float, default 0.0
         Dollars per GB (1e9 bytes) leaving the provider.
     speed : float, optional
-        Relative speed hint (> 0; 1.0 typical) until learned speeds replace it.
+        Relative speed hint (> 0; 1.0 typical) until speeds are learned.
 
     Raises
     ------
@@ -101,13 +101,7 @@ class Pool:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Pool:
-        """The pool a :meth:`to_dict` dict describes (unknown keys ignored).
-
-        Raises
-        ------
-        ValueError
-            If the dict describes no valid pool.
-        """
+        """The pool a :meth:`to_dict` dict describes (unknown keys ignored); ``ValueError`` if invalid."""
         fields = ("name", "provider", "region", "price", "egress", "speed")
         return cls(**{k: d[k] for k in fields if k in d
                       and not (k == "egress" and d[k] is None)})
@@ -162,17 +156,8 @@ async def heartbeat_now(dask_worker=None) -> None:
 class PoolMember(WorkerPlugin):
     """Worker plugin: each worker reports its pool and declares the pool's resource.
 
-    Parameters
-    ----------
-    pools : Pool or mapping
-        One :class:`Pool` for every worker, or worker name or address -> :class:`Pool`.
-    default : Pool, optional
-        For workers not named in ``pools``.
-
-    Raises
-    ------
-    TypeError
-        If a value is not a :class:`Pool`.
+    ``pools``: one :class:`Pool` for every worker, or worker name or address -> :class:`Pool`;
+    ``default``: for workers not named. ``TypeError`` for a value that is not a :class:`Pool`.
     """
 
     name = "blockflow-pool"

@@ -35,13 +35,13 @@ def wait_for(client: Client, futures: Any, *, what: str = "the computation",
     what : str, default "the computation"
         Named in the error message.
     worker_loss_timeout : str or float, optional
-        Seconds (or ``"60s"``) without any worker before giving up; default
+        Seconds (or ``"60s"``) without any worker; default
         ``blockflow.cluster.worker-loss-timeout``.
 
     Raises
     ------
     WorkerLostError
-        If the cluster had no worker for ``worker_loss_timeout`` with results unfinished.
+        If the cluster had no worker that long with results unfinished.
     """
     pending = futures_of(futures)
     n = len(pending)
@@ -119,10 +119,8 @@ def task_label(key) -> str:
 
 
 def fetch(future, *, timeout: float = 10.0, deadline: float | None = None) -> Any:
-    """The result of a finished future; raises if it was lost before it came back.
-
-    Asks again, ``timeout`` seconds each, while the future stays finished (distributed's
-    ``Future.result(timeout=)`` can race), for at most ``deadline`` seconds.
+    """The result of a finished future, asked again every ``timeout`` seconds (distributed's
+    ``Future.result(timeout=)`` can race) for at most ``deadline`` seconds.
 
     Raises
     ------
@@ -175,7 +173,7 @@ def gather_as_done(futures: Iterable, *, alive: Callable[[], Iterable[str]],
                    needed: Iterable[str] = (), poll: float = 0.5,
                    get: Callable[[Any], Any] | None = None,
                    deadline: float | None = None) -> list:
-    """Every future's result, fetched as soon as it is done; fails fast on a lost worker.
+    """Every future's result, in the order they finish; fails fast on a lost worker.
 
     Parameters
     ----------
@@ -187,14 +185,9 @@ def gather_as_done(futures: Iterable, *, alive: Callable[[], Iterable[str]],
     poll : float, default 0.5
         Seconds between worker checks while nothing finishes.
     get : callable, optional
-        Fetches one done future (default: ``future.result()``).
+        Fetches one done future (default ``future.result()``).
     deadline : float, optional
-        Seconds in all before giving up (default: no bound).
-
-    Returns
-    -------
-    list
-        The results, in the order they finished.
+        Seconds in all (default no bound).
 
     Raises
     ------
