@@ -101,7 +101,13 @@ class Pool:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Pool:
-        """The pool a :meth:`to_dict` dict describes (unknown keys ignored); ``ValueError`` if invalid."""
+        """The pool a :meth:`to_dict` dict describes (unknown keys ignored).
+
+        Raises
+        ------
+        ValueError
+            If the dict describes no valid pool.
+        """
         fields = ("name", "provider", "region", "price", "egress", "speed")
         return cls(**{k: d[k] for k in fields if k in d
                       and not (k == "egress" and d[k] is None)})
@@ -156,8 +162,17 @@ async def heartbeat_now(dask_worker=None) -> None:
 class PoolMember(WorkerPlugin):
     """Worker plugin: each worker reports its pool and declares the pool's resource.
 
-    ``pools``: one :class:`Pool` for every worker, or worker name or address -> :class:`Pool`;
-    ``default``: for workers not named. ``TypeError`` for a value that is not a :class:`Pool`.
+    Parameters
+    ----------
+    pools : Pool or mapping
+        One :class:`Pool` for every worker, or worker name or address -> :class:`Pool`.
+    default : Pool, optional
+        For workers not named in ``pools``.
+
+    Raises
+    ------
+    TypeError
+        If a value is not a :class:`Pool`.
     """
 
     name = "blockflow-pool"
