@@ -26,18 +26,15 @@ class PoolAdaptive(Adaptive):
     """Adaptive scaling of a :class:`blockflow.PoolCluster`, one target per pool.
 
     Every interval it asks the scheduler plugin for each pool's target
-    (:mod:`blockflow.pools.scaling`), starts the workers a pool lacks and forgets those the
-    scheduler retired once they have left.
+    (:mod:`blockflow.pools.scaling`), starts the workers a pool lacks and forgets those retired.
 
     Parameters
     ----------
     cluster : blockflow.PoolCluster
     pools : mapping, optional
         Pool name -> ``(minimum, maximum)`` workers.
-    minimum : int, default 0
-        Minimum workers of a pool not named in ``pools``.
-    maximum : int, optional
-        Maximum workers of a pool not named in ``pools``; default its size now (at least 1).
+    minimum, maximum : int, optional
+        Bounds of pools not named in ``pools``; default 0 and the pool's size now (at least 1).
     interval, wait_count, target_duration : optional
         As for distributed's ``Adaptive`` (``distributed.adaptive.*``).
     startup : str or float, default "5s"
@@ -50,12 +47,11 @@ class PoolAdaptive(Adaptive):
     retired : list of str
         Workers the scheduler retired, in order.
     checks : int
-        Scaling checks done so far.
 
     Raises
     ------
     ValueError
-        For a pool name the cluster does not have, or a minimum above the maximum.
+        For a pool the cluster does not have, or a minimum above the maximum.
     """
 
     def __init__(self, cluster, pools: Mapping[str, tuple[int, int]] | None = None, *,

@@ -77,30 +77,29 @@ def objective(kind: str = "makespan", *, deadline: str | float | None = None,
               budget: float | None = None) -> Objective:
     """What the computations submitted inside the ``with`` block optimise.
 
-    Each graph inside carries :data:`OBJECTIVE_ANNOTATION`; the LP of
-    :func:`blockflow.pools.plan.plan`, re-solved every tick, plans the run's pools.
+    Each graph inside carries :data:`OBJECTIVE_ANNOTATION` and is one run, planned by the LP
+    of :func:`blockflow.pools.plan.plan`.
 
     Parameters
     ----------
     kind : {"makespan", "cost"}, default "makespan"
-        ``"cost"``: the cheapest run that meets ``deadline``; ``"makespan"``: the fastest run,
+        ``"cost"``: the cheapest run that meets ``deadline``; ``"makespan"``: the fastest,
         within ``budget`` if given.
     deadline : str or float, optional
-        Cost objective only: seconds (or ``"10m"``) from the run's start.
+        Cost only: seconds (or ``"10m"``) from the run's start.
     budget : float, optional
-        Makespan objective only: dollars (compute plus egress).
+        Makespan only: dollars (compute plus egress).
 
     Returns
     -------
     Objective
-        A context manager; each ``compute`` inside is one run.
+        A context manager.
 
     Raises
     ------
     ValueError
-        For an unknown kind, a non-positive deadline or budget, a deadline with "makespan" or
-        a budget with "cost". Impossible objectives fail the submitted tasks with
-        :class:`blockflow.errors.ObjectiveError`.
+        For an unknown kind, a non-positive deadline or budget, or one with the wrong kind.
+        Impossible objectives fail the tasks with :class:`blockflow.errors.ObjectiveError`.
 
     Examples
     --------

@@ -116,19 +116,14 @@ class Decision(_Entry):
     action : Action
         What to do (a plain string is converted).
     worker : str
-        The worker acted on (a move's source; ``""`` for cluster-wide commands).
+        The worker acted on (a move's source; ``""`` cluster-wide).
     reason : str
     seen : dict
-        The metrics the decision was based on (logged as ``seen_<name>``).
-    target : str, optional
-        For moves and backup copies: the receiving worker.
-    key : optional
-        For moves and backup copies: the task's key.
-    keys : tuple
-        The keys acted on (``assign``, ``place``, ``restrict``, ``fail``, task ``hold`` /
-        ``release``).
-    workers : tuple
-        For ``place``: the workers the keys are restricted to.
+        The metrics it was based on (logged as ``seen_<name>``).
+    target, key : optional
+        Moves and backup copies: the receiving worker and the task's key.
+    keys, workers : tuple
+        The keys acted on; for ``place``, the workers they are restricted to.
     detail : optional
         Payload for the handler; never logged.
 

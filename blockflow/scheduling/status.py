@@ -22,31 +22,19 @@ class Status:
                      starting: dict | None = None, threads: dict | None = None,
                      target_duration: float = 5.0, startup: float = 5.0,
                      wait_count: int = 3) -> dict[str, Any]:
-        """Per-pool worker targets for elastic scaling: the ``blockflow_pool_targets`` handler, asked
-        by :class:`blockflow.pools.adaptive.PoolAdaptive` as ``Adaptive`` asks ``adaptive_target``.
+        """Per-pool worker targets for elastic scaling: the ``blockflow_pool_targets`` handler that
+        :class:`blockflow.pools.adaptive.PoolAdaptive` asks, as ``Adaptive`` asks ``adaptive_target``.
 
-        Runs :class:`~blockflow.pools.scaling.PoolScalingRule` on a fresh snapshot (``scale``
-        records, ``retire`` commands); the pools become ``declared_pools``.
-
-        Parameters
-        ----------
-        pools : dict
-            Pool name -> :meth:`~blockflow.pools.pool.Pool.to_dict`.
-        bounds : dict
-            Pool name -> ``[minimum, maximum]`` workers.
-        starting : dict, optional
-            Pool name -> workers started, not joined yet.
-        threads : dict, optional
-            Pool name -> threads per worker.
-        target_duration, startup : float
-            Seconds (see :class:`~blockflow.pools.scaling.ScalingRequest`).
-        wait_count : int
+        Runs :class:`~blockflow.pools.scaling.PoolScalingRule` on a fresh snapshot; arguments are
+        the fields of :class:`~blockflow.pools.scaling.ScalingRequest` (``pools`` as
+        :meth:`~blockflow.pools.pool.Pool.to_dict`, ``bounds`` as ``[minimum, maximum]``), and
+        become ``declared_pools``.
 
         Returns
         -------
         dict
-            ``targets`` (pool -> workers), ``reasons`` (pool -> why), ``retiring`` (names of
-            workers retired, not gone yet).
+            ``targets`` (pool -> workers), ``reasons`` (pool -> why), ``retiring`` (workers
+            retired, not gone yet).
         """
         if self.scheduler is None or self.policy is None:
             return {"targets": {}, "reasons": {}, "retiring": []}
@@ -133,17 +121,11 @@ class Status:
         Parameters
         ----------
         since : float, optional
-            Only decisions (and task-log entries) after this time, seconds since the epoch.
+            Only decisions and task-log entries after this time, seconds since the epoch.
         task_log : bool, default False
             Include ``(worker, start, stop)`` of finished tasks.
         run : str, optional
-            A run id: include that run as ``requested_run`` (None if unknown).
-
-        Returns
-        -------
-        dict
-            Plain data; ``run`` is the run most recently given tasks; ``cost`` the plugin's own
-            time on the event loop (:class:`~blockflow.scheduling.overhead.PluginCost`).
+            A run id to include as ``requested_run`` (None if unknown).
         """
         decisions = list(self.decisions)
         if since is not None:
