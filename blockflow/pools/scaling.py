@@ -30,18 +30,13 @@ class ScalingRequest:
     Attributes
     ----------
     pools : dict of str to Pool
-        Every pool the cluster can grow, by name.
     bounds : dict of str to (int, int)
         Pool name -> (minimum, maximum) workers.
-    starting : dict of str to int
-        Pool name -> workers started, not joined yet.
-    threads : dict of str to int
-        Pool name -> threads per worker.
-    target_duration : float
+    starting, threads : dict of str to int
+        Pool name -> workers started but not joined; threads per worker.
+    target_duration, startup : float
         Seconds the backlog should take without an objective
-        (``distributed.adaptive.target-duration``).
-    startup : float
-        Seconds a new worker takes to join.
+        (``distributed.adaptive.target-duration``); seconds a new worker takes to join.
     wait_count : int
         Consecutive idle checks before a worker is retired.
     """

@@ -9,17 +9,7 @@ __all__ = ["scheduler_extensions"]
 
 
 def scheduler_extensions(paths: list[str] | None = None) -> list:
-    """One instance of each configured scheduler extension, in order.
-
-    Parameters
-    ----------
-    paths : list of str, optional
-        Dotted paths of argument-free scheduler-plugin classes; default
-        ``blockflow.scheduler.extensions``.
-
-    Raises
-    ------
-    ImportError
-        If a path names no importable object.
+    """One instance of each scheduler-plugin class named by dotted path in ``paths`` (default
+    ``blockflow.scheduler.extensions``); ``ImportError`` names a path that does not import.
     """
     return [import_object(path)() for path in config.get("scheduler.extensions", paths) or ()]

@@ -16,21 +16,17 @@ class PluginCost:
 
     Attributes
     ----------
-    hooks : float
-        Seconds in the per-task hooks, in total.
+    hooks, tick_total, tick_max : float
+        Seconds in the per-task hooks, in all ticks, in the longest tick.
     ticks : deque of float
-        Seconds of each of the latest :attr:`max_ticks` ticks.
-    tick_total, tick_max : float
-        Seconds in all ticks, and in the longest.
-    tick_count : int
-    hook_calls : int
-        Timed ``transition`` calls (past its first test).
-    hook_cpu_sampled, hook_samples : float, int
-        Thread CPU seconds of one ``transition`` call in :attr:`sample_every`, and how many.
-    graph_cpu, tick_cpu : float
-        CPU seconds in ``update_graph`` and in all ticks.
+        Seconds of the latest :attr:`max_ticks` ticks.
+    tick_count, hook_calls : int
+        Ticks, and timed ``transition`` calls.
+    hook_cpu_sampled, graph_cpu, tick_cpu : float
+        Thread CPU seconds: sampled ``transition`` calls (one in :attr:`sample_every`),
+        ``update_graph``, ticks.
     flush_wall, flush_cpu : float
-        Seconds folding in finished tasks, counted in :attr:`hooks`.
+        Seconds folding in finished tasks (counted in :attr:`hooks`).
     """
 
     #: Tick durations kept for the median.

@@ -41,18 +41,15 @@ _ADMISSION_EVENTS = frozenset({"memory", "released", "forgotten", "erred"})
 class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
     """Scheduler plugin that places and moves tasks from GPU metrics and learned speed.
 
-    Register with ``client.register_plugin(Rebalancer())`` (as :func:`blockflow.connect` does)
-    or ``dask scheduler --preload blockflow.scheduling.preload``.
+    Registered by :func:`blockflow.connect` or ``--preload blockflow.scheduling.preload``.
 
     Parameters
     ----------
     policy : str, optional
-        A name of :data:`blockflow.scheduling.policies.POLICIES` or the dotted path of a
-        :class:`~blockflow.scheduling.policies.RebalancePolicy` subclass; default
+        A name of :data:`blockflow.scheduling.policies.POLICIES` or a dotted path; default
         ``blockflow.cluster.policy``.
     interval : str or float, optional
-        Control loop period (``"200ms"`` or seconds); default ``blockflow.rebalancer.interval``;
-        0 disables the loop.
+        Control loop period; default ``blockflow.rebalancer.interval``; 0 disables the loop.
 
     Raises
     ------

@@ -39,20 +39,14 @@ def new_run_id(name: str) -> str:
 
 @contextlib.contextmanager
 def run_scope(name: str, run_id: str | None = None) -> Iterator[str]:
-    """Count every graph submitted inside the block as one run named ``name``, in a
-    :func:`distributed.span` of the same name and id.
-
-    Parameters
-    ----------
-    name : str
-        The run as the dashboard shows it.
-    run_id : str, optional
-        Continue this run; default a new id (:func:`new_run_id`).
+    """Count every graph submitted inside the block as one run named ``name`` (default id
+    :func:`new_run_id`, or continue ``run_id``), in a :func:`distributed.span` of the same name
+    and id.
 
     Yields
     ------
     str
-        The run's id, also its span's.
+        The run's id.
     """
     run_id = run_id or new_run_id(name)
     tag = {RUN_ANNOTATION: {"id": run_id, "name": name}}
@@ -136,20 +130,9 @@ class RunTracker:
         """Give a graph just received to a run: the one its annotation names, else its client's run
         while that has tasks pending, else a new one.
 
-        Parameters
-        ----------
-        client : str or None
-        states : mapping
-            Key -> scheduler state of each task the graph touched.
-        annotations : mapping
-            Annotation name -> key -> value.
-        now : float
-            Seconds since the epoch.
-
-        Returns
-        -------
-        Run or None
-            None if the graph had nothing to run and named no run.
+        ``states``: key -> scheduler state of each task the graph touched; ``annotations``: name ->
+        key -> value; ``now``: seconds since the epoch. Returns None if the graph had nothing to
+        run and named no run.
         """
         tag = next(iter((annotations.get(RUN_ANNOTATION) or {}).values()), None)
         goal = Objective.from_dict(next(iter(

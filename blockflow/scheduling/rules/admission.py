@@ -1,19 +1,11 @@
 """The admission rule: CPU producers feeding consumers that need a worker resource (a GPU).
 
-distributed never queues tasks with resource restrictions, so unrestricted producers race
-ahead of their GPU consumers and their outputs pile up. :class:`AdmissionRule` holds a
-graph's *feeders* (unrestricted tasks whose every dependent needs a resource) in
-``no-worker`` and releases them, highest priority first, while
-
-    feeders running or released + outputs waiting for a ready consumer <= budget
-
-(:func:`default_budget`; ``blockflow.resources.admission-budget``). Feeders of an earlier
-graph, and a client's later tasks of a learned feeder prefix (for at most
-``blockflow.resources.admission-grace``), are held too. A blockflow heuristic in the spirit
-of distributed's root-task queuing. Guide: :doc:`/guide/scheduling`, "Admission".
-
-Setting ``distributed.scheduler.no-workers-timeout`` fails held tasks: leave it unset, or
-turn admission off (``blockflow.resources.admission-budget: 0``).
+distributed never queues resource-restricted tasks, so unrestricted producers race ahead of
+their GPU consumers. :class:`AdmissionRule` holds the *feeders* in ``no-worker`` and
+releases them while ``feeders running or released + outputs waiting for a ready consumer
+<= budget``. A blockflow heuristic in the spirit of root-task queuing; guide:
+:doc:`/guide/scheduling`, "Admission". ``distributed.scheduler.no-workers-timeout`` would
+fail held tasks: leave it unset, or set ``blockflow.resources.admission-budget: 0``.
 """
 
 from __future__ import annotations
@@ -65,31 +57,24 @@ def default_budget(workers: Mapping[str, Any], resources: Mapping[str, float]) -
 class AdmissionRule(Rule):
     """Hold producers back until their outputs fit the budget (see the module docstring).
 
-    Events (:class:`~blockflow.scheduling.policies.ClusterSnapshot`): ``"graph"`` holds the new
-    feeders; ``"held"`` tracks those whose hold took, releases what fits and records ``admit``;
-    ``"admit"`` and ``"tick"`` release what fits (every tenth tick also orphans); ``"close"``
-    releases everything. ``hold`` / ``release`` decisions carry ``keys`` and
-    ``detail={"stimulus": str, "count": bool}``.
+    Runs on ``"graph"`` (hold), ``"held"`` (track, release, ``admit`` record), ``"admit"`` and
+    ``"tick"`` (release what fits) and ``"close"`` (release all).
 
     Parameters
     ----------
     budget : int, optional
-        Most feeder outputs (with feeders running) held at once; default
-        ``blockflow.resources.admission-budget``, None there: :func:`default_budget`; 0 turns
-        admission control off.
+        Most feeder outputs held at once; default ``blockflow.resources.admission-budget``,
+        None there: :func:`default_budget`; 0 turns admission off.
     grace : str or float, optional
-        Seconds (or ``"2s"``) expected feeders wait for their consumers; default
-        ``blockflow.resources.admission-grace``; 0: hold only once consumers arrive.
+        Seconds expected feeders of a learned prefix wait for consumers; default
+        ``blockflow.resources.admission-grace``.
 
     Attributes
     ----------
     enabled : bool
-    released : int
-        Feeders released so far.
-    peak_active : int
-        The most feeders active at once.
+    released, peak_active : int
+        Feeders released so far; the most active at once.
     last_budget : int or None
-        The budget last applied.
     """
 
     def __init__(self, budget: int | None = None, grace: str | float | None = None):

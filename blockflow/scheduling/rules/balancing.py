@@ -12,20 +12,9 @@ class BalancingRule(Rule):
     """Suspend distributed's stealing while blockflow balances on known speeds; hand it back when
     blockflow knows too little.
 
-    Balancing starts on the speed model's strict test (``speeds_differ``) and stops after
-    :attr:`calm_ticks` snapshots without the weak one (``speeds_differ_weakly``): hysteresis.
-    Yields ``suspend-stealing`` / ``restore-stealing`` when it changes.
-
-    Parameters
-    ----------
-    hands_over : bool
-        Whether the policy replaces distributed's work stealing while it balances; if not, the
-        rule yields nothing.
-
-    Attributes
-    ----------
-    active : bool
-        Whether blockflow balances now.
+    Starts on the speed model's strict test, stops after :attr:`calm_ticks` snapshots without
+    the weak one (hysteresis); yields ``suspend-stealing`` / ``restore-stealing``. With
+    ``hands_over`` false it yields nothing. :attr:`active`: whether blockflow balances now.
     """
 
     #: Snapshots in a row without a speed difference before balancing goes back to

@@ -20,29 +20,25 @@ __all__ = ["MoveRule", "best_target"]
 class MoveRule(Rule):
     """Moves of waiting tasks, latest projected finish first.
 
-    A greedy list-scheduling repair (after LPT, Graham 1969), a blockflow heuristic: the
-    lowest-priority waiting task of the worker finishing last (``occupancy / (speed x
-    threads)``) moves to the worker that would finish it soonest (``place``, inputs' transfer
-    included, :class:`~blockflow.scheduling.estimate.LinkBandwidth`) when that gains more than
-    ``min_gain`` and twice the transfer. While root tasks are queued only tasks stuck on paused
-    workers move; while speeds are not known to differ only measured, cheap-to-send tasks fill
-    idle threads. A task moves once between busy workers (then only to a free thread it was
-    never moved off; :attr:`moved_off`). Tasks on paused workers move at once, outside the
-    budget (distributed#5235). A move refused for its transfer is logged as ``keep``. Runs on
-    ``"tick"``; adds targets to ``context.taken``. Guide: :doc:`/guide/scheduling`.
+    A greedy list-scheduling repair (after LPT, Graham 1969), a blockflow heuristic: the last
+    waiting task of the worker finishing last moves to the worker that would finish it soonest
+    (``place``, inputs' transfer included) when that gains more than ``min_gain`` and twice the
+    transfer. A task moves once between busy workers (:attr:`moved_off`); tasks on paused
+    workers move at once, outside the budget (distributed#5235); a move refused for its
+    transfer is logged as ``keep``. Guide: :doc:`/guide/scheduling`, "Moving tasks".
 
     Parameters
     ----------
     place : callable
         The earliest-finish placement, :func:`best_target`'s signature.
     move_budget : int
-        Most tasks moved per tick between running workers (rescues not counted).
+        Most tasks moved per tick between running workers.
     min_gain : float
         Smallest gain in projected finish time, seconds, worth a move.
     slowed : callable, optional
         ``slowed(snapshot, address)``: an evidently slowed worker takes no moved work.
     moved_memory : int, default 10000
-        Tasks remembered in :attr:`moved_off` (oldest forgotten first).
+        Tasks remembered in :attr:`moved_off`.
     """
 
     #: A balancing move's input transfer may take at most this share of the task's compute
