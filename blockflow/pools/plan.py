@@ -85,19 +85,16 @@ class Plan:
     Attributes
     ----------
     feasible : bool
-        Whether the deadline or budget can be met with the workers given.
     tasks : dict
         Group -> pool name -> tasks (fractional).
     busy : dict of str to float
         Pool name -> worker-seconds of work.
-    cost : float
-        Dollars, egress included: a lower bound of the run's cost.
-    makespan : float
-        Seconds until the last pool finishes: a lower bound of the run's makespan.
+    cost, makespan : float
+        Dollars (egress included) and seconds: lower bounds of the run's.
     workers_needed : dict of str to int
-        Pool name -> workers needed to finish its share by the deadline (or makespan).
+        Pool name -> workers needed to finish its share in time.
     shortfall : str
-        Why it is infeasible, one line naming the fix; "" when feasible.
+        Why it is infeasible, naming the fix; "" when feasible.
     """
 
     feasible: bool
@@ -257,21 +254,19 @@ def run_cost(task_log: Iterable[tuple[str, float, float]], pools: Mapping[str, P
     Parameters
     ----------
     task_log : iterable of (worker, start, stop)
-        The run's task executions (seconds since the epoch).
+        Task executions, seconds since the epoch.
     pools : mapping of str to Pool
-        Worker address -> its pool (workers missing: no price).
+        Worker address -> its pool.
     crossings : iterable of (from_provider, to_provider, bytes)
-        Bytes read across providers.
     provider_egress : mapping of str to float, optional
-        Provider -> dollars per GB leaving it (default: its pools' highest ``egress``).
+        Provider -> dollars per GB leaving it (default its pools' highest ``egress``).
 
     Returns
     -------
     dict
-        ``pools``: pool name -> ``{"workers", "worker_seconds", "busy_seconds", "price",
-        "cost"}`` (a worker billed from its first task's start to its last's end);
-        ``egress``: ``{"bytes", "cost", "by_provider"}``; ``compute_cost``, ``total_cost``
-        (dollars).
+        ``pools`` (pool -> ``workers``, ``worker_seconds``, ``busy_seconds``, ``price``,
+        ``cost``; a worker billed from its first start to its last end), ``egress`` (``bytes``,
+        ``cost``, ``by_provider``), ``compute_cost``, ``total_cost`` (dollars).
     """
     span: dict[str, list[float]] = {}
     busy: dict[str, float] = {}

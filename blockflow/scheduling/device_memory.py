@@ -25,19 +25,9 @@ _MAX_AGE = 2
 
 @dataclass(frozen=True)
 class DeviceBytes:
-    """Device bytes held per worker against each worker's capacity-weighted target.
-
-    Attributes
-    ----------
-    held : dict of str to int
-        Worker address -> bytes of results it holds (each replica counts).
-    target : dict of str to float
-        Worker address -> its share of ``sum(held)`` by ``gpu-memory-total``, bytes.
-    largest_block : int
-        Bytes of the largest result counted (0 when none).
-    tolerance : int
-        Bytes a worker may deviate from its target (the policy's ``tolerance``, else half of
-        ``largest_block``).
+    """Device bytes held per worker (``held``, each replica counted) against capacity-weighted
+    targets (``target``, by ``gpu-memory-total``), the ``largest_block`` and the ``tolerance``
+    (bytes off target allowed).
     """
 
     held: dict[str, int]

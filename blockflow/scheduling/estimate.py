@@ -27,20 +27,8 @@ CONFIDENT = 0.5
 def confident_speeds(speeds: Mapping[str, float] | None,
                      confidence: Mapping[str, float] | None,
                      threshold: float = CONFIDENT) -> dict[str, float]:
-    """The learned speeds that count as known: confidence at least ``threshold``.
-
-    Parameters
-    ----------
-    speeds : mapping of str to float
-        Worker address -> relative speed (1.0 typical; larger is faster).
-    confidence : mapping of str to float
-        Worker address -> confidence 0-1 (missing: 0).
-    threshold : float, default :data:`CONFIDENT`
-
-    Returns
-    -------
-    dict of str to float
-        The confident workers with positive, finite speeds.
+    """The learned ``speeds`` (worker -> relative speed, 1.0 typical) whose ``confidence`` (0-1,
+    missing 0) is at least ``threshold``, positive and finite only.
     """
     conf = confidence or {}
     out = {}
@@ -116,20 +104,17 @@ def prior_seconds_per_unit(workers: Iterable[str], measured: Mapping[str, float]
 class Throughput:
     """Seconds per unit of work per worker, learned from timed calls.
 
-    Model: a call of ``u`` units on worker ``a`` takes ``k_a (u + u0)`` seconds, ``u0`` a fixed
-    cost per call shared by the workers (:func:`fixed_units`). Each worker's first ``cold`` calls
-    are kept apart as its cold start; ``k_a`` is the median over its last ``window`` warm calls.
-    Unmeasured workers get the prior (:func:`prior_seconds_per_unit`). A blockflow heuristic
-    from robust estimation.
+    Model: a call of ``u`` units on worker ``a`` takes ``k_a (u + u0)`` seconds, ``u0`` a shared
+    fixed cost (:func:`fixed_units`); ``k_a`` is the median over the worker's last ``window``
+    warm calls, its first ``cold`` calls kept apart as cold starts; unmeasured workers get the
+    prior (:func:`prior_seconds_per_unit`). A blockflow heuristic from robust estimation.
 
     Parameters
     ----------
     window : int, default 16
-        Warm calls kept per worker.
     cold : int, default 1
-        First calls per worker dropped as its cold start.
     fixed : bool, default True
-        Fit the fixed cost per call; False: ``u0 = 0``.
+        Fit ``u0``; False: ``u0 = 0``.
     """
 
     def __init__(self, window: int = 16, cold: int = 1, fixed: bool = True):
@@ -216,17 +201,8 @@ class Throughput:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where :func:`earliest_finish` put one item.
-
-    Attributes
-    ----------
-    item : int
-        Index of the item in the input.
-    worker : str
-    slot : int
-        Index of the worker's slot (thread).
-    start, finish : float
-        Start (the slot's ready time) and predicted end.
+    """Where :func:`earliest_finish` put item ``item`` (its index): ``worker``, ``slot`` (thread
+    index), ``start`` and predicted ``finish``.
     """
 
     item: int

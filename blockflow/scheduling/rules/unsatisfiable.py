@@ -18,23 +18,11 @@ __all__ = ["UnsatisfiableRule"]
 class UnsatisfiableRule(Rule):
     """Warn about, then fail, tasks waiting for worker resources no worker declares.
 
-    distributed lets such tasks (``resources={"GPU": 1}`` on a CPU-only cluster) wait forever.
-    From ``snapshot.unsatisfiable``: a ``wait`` record (and WARNING) once per kind of
-    resources, then after ``timeout`` seconds a ``fail`` with
-    :class:`~blockflow.errors.ResourceError`, unless a worker declaring them joins. A cluster
-    with no worker is left to ``worker-loss-timeout``. Runs on ``"tick"``.
-
-    Parameters
-    ----------
-    timeout : str or float, optional
-        Default ``blockflow.resources.unsatisfiable-timeout``.
-
-    Attributes
-    ----------
-    since : dict
-        Key -> monotonic time first seen waiting.
-    failed : int
-        Tasks failed so far.
+    distributed lets them wait forever. A ``wait`` record (and WARNING) once per kind of
+    resources, then after ``timeout`` seconds (default
+    ``blockflow.resources.unsatisfiable-timeout``) a ``fail`` with
+    :class:`~blockflow.errors.ResourceError` unless a worker declaring them joins. Runs on
+    ``"tick"``. :attr:`since`: key -> monotonic time first seen; :attr:`failed`: tasks failed.
     """
 
     def __init__(self, timeout: str | float | None = None):
