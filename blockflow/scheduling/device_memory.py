@@ -70,21 +70,18 @@ class DeviceMemoryAMMPolicy(AMMPolicy):
 
     Default: results on a worker at or above ``memory_high`` are copied to roomy workers (below
     ``memory_low``) and dropped the next cycle, largest first. ``even=True``: a greedy descent
-    on the squared deviations from capacity-weighted targets (cf. ``Client.rebalance``), copy
-    then drop, ending within one block of the targets unless blocks cannot move. blockflow
-    heuristics; each move is logged as ``memory-move``.
+    on the squared deviations from capacity-weighted targets (cf. ``Client.rebalance``), ending
+    within one block of them unless blocks cannot move. blockflow heuristics; moves are logged
+    as ``memory-move``.
 
     Parameters
     ----------
     memory_high, memory_low : float, optional
         Device-memory fractions 0-1; default ``blockflow.rebalancer.memory-high`` / ``-low``.
     even : bool, default False
-        Even out the device bytes by capacity instead.
-    keys : iterable, optional
-        With ``even``: keys to balance (default all on device workers; ``nbytes`` cannot tell
-        device from host results).
-    workers : iterable of str, optional
-        With ``even``: workers to balance among (default all reporting ``gpu-memory-total``).
+    keys, workers : iterable, optional
+        With ``even``: keys to balance (``nbytes`` cannot tell device from host results) and
+        workers to balance among; default all on / reporting ``gpu-memory-total``.
     tolerance : int or str, optional
         With ``even``: bytes (``"512MiB"``) off target allowed; default half the largest block.
 
@@ -104,13 +101,9 @@ class DeviceMemoryAMMPolicy(AMMPolicy):
     --------
     In distributed's configuration::
 
-        distributed:
-          scheduler:
-            active-memory-manager:
-              policies:
-              - class: blockflow.scheduling.device_memory.DeviceMemoryAMMPolicy
-              - class: blockflow.scheduling.device_memory.DeviceMemoryAMMPolicy
-                even: true
+        distributed.scheduler.active-memory-manager.policies:
+        - class: blockflow.scheduling.device_memory.DeviceMemoryAMMPolicy
+          even: true
     """
 
     def __init__(self, memory_high: float | None = None, memory_low: float | None = None, *,

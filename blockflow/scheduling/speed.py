@@ -322,16 +322,9 @@ class SpeedModel:
 
     def heterogeneous(self, workers=None, *, min_ratio: float = 1.3,
                       min_confidence: float = 0.5, z: float = 3.29) -> bool:
-        """Whether two workers are known, with confidence, to differ in speed by ``min_ratio``.
-
-        Parameters
-        ----------
-        workers : iterable of str, optional
-            Restrict to these workers (default: all observed).
-        min_ratio : float, default 1.3
-        min_confidence : float, default 0.5
-        z : float, default 3.29
-            Critical value of the two-sided test (3.29: 0.1 %), widened for few degrees of freedom.
+        """Whether two confident workers (of ``workers``, default all) differ in speed by
+        ``min_ratio`` and significantly: a two-sided test at critical value ``z`` (3.29: 0.1 %),
+        widened for few degrees of freedom.
         """
         pool = self.log_speed if workers is None else [w for w in workers if w in self.log_speed]
         known = [w for w in pool if self.conf.get(w, 0.0) >= min_confidence]

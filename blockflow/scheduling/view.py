@@ -95,19 +95,9 @@ SEEN_METRICS = ("gpu_utilization", "gpu_memory_fraction", "speed", "processing",
 
 
 def decisions(client: Client, since: float | None = None):
-    """The rebalancer's decision log as a pandas DataFrame, oldest first.
-
-    Parameters
-    ----------
-    client : distributed.Client
-    since : float, optional
-        Only decisions after this time, seconds since the epoch.
-
-    Returns
-    -------
-    pandas.DataFrame
-        Columns :data:`DECISION_COLUMNS` (``time`` UTC), then ``seen_*``: the metrics each
-        decision saw (None where unknown).
+    """The rebalancer's decision log since ``since`` (seconds since the epoch) as a pandas
+    DataFrame, oldest first: columns :data:`DECISION_COLUMNS` (``time`` UTC), then ``seen_*``,
+    the metrics each decision saw (None where unknown).
 
     Raises
     ------

@@ -192,11 +192,9 @@ def gather_as_done(futures: Iterable, *, alive: Callable[[], Iterable[str]],
     Raises
     ------
     WorkerLostError
-        When workers of ``needed`` left; ``lost`` names them.
+        When workers of ``needed`` left (``lost`` names them).
     TimeoutError
-        When ``deadline`` passed with no needed worker lost.
-    Exception
-        A task's own exception, when no needed worker was lost.
+        When ``deadline`` passed.
     """
     needed = set(needed)
     get = get or (lambda f: f.result())
