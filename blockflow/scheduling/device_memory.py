@@ -101,9 +101,12 @@ class DeviceMemoryAMMPolicy(AMMPolicy):
     --------
     In distributed's configuration::
 
-        distributed.scheduler.active-memory-manager.policies:
-        - class: blockflow.scheduling.device_memory.DeviceMemoryAMMPolicy
-          even: true
+        distributed:
+          scheduler:
+            active-memory-manager:
+              policies:
+              - class: blockflow.scheduling.device_memory.DeviceMemoryAMMPolicy
+                even: true
     """
 
     def __init__(self, memory_high: float | None = None, memory_low: float | None = None, *,

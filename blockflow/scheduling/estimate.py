@@ -229,20 +229,20 @@ def earliest_finish(
     """Assign items, in the order given, each to the worker slot where it finishes first.
 
     List scheduling by earliest finish time (HEFT-style: Topcuoglu, Hariri and Wu, 2002), a
-    blockflow heuristic; sort items largest first for the LPT variant. Times are in seconds
-    (``ready``, ``seconds``: an item ends at ``ready + seconds``) or in units of work
-    (``ready`` queued units, ``speeds``: it ends at ``(ready + units + fixed) / speed``).
+    blockflow heuristic; sort items largest first for the LPT variant. An item ends at
+    ``ready + seconds`` (times in seconds), or with ``speeds`` at ``(ready + units + fixed) /
+    speed`` (``ready`` in queued units).
 
     Parameters
     ----------
     items : int or sequence
-        The items (or how many); only their positions are used.
+        The items (or how many).
     ready : mapping of str to float or sequence of float
-        Per worker (or per slot): when it is free, seconds, or its queued units with ``speeds``.
+        Per worker (or per slot): when it is free, or its queued units with ``speeds``.
     seconds : mapping of str to float, or callable, optional
         Per worker seconds per unit, or ``seconds(item, worker)``. Not with ``speeds``.
     units : sequence of float, optional
-        Units of work per item (default 1 each).
+        Units of work per item (default 1).
     speeds : mapping of str to float, optional
         Per worker units of work per second.
     fixed : float, default 0.0
@@ -250,15 +250,15 @@ def earliest_finish(
     threads : mapping of str to int, optional
         Slots per worker when ``ready`` gives one number (default 1).
     sizes, capacity, held : optional
-        Bytes per item, per worker and held already: a worker is eligible while its bytes stay
-        within its capacity (if none is, every worker is).
+        Bytes per item, per worker and held already: a worker is eligible while within its
+        capacity (if none is, all are).
     tie : callable, optional
-        ``tie(worker, slot)``: sort key for equal finish times (default: ``ready``'s order).
+        ``tie(worker, slot)``: sort key for equal finishes (default ``ready``'s order).
 
     Returns
     -------
     list of Placement
-        One per item, in order; with ``speeds``, times in seconds from the snapshot.
+        One per item, in order; with ``speeds``, in seconds from the snapshot.
 
     Raises
     ------
@@ -340,18 +340,11 @@ def address_host(address: str) -> str:
 class LinkBandwidth:
     """The bandwidth between two workers, bytes per second, from distributed's measurements.
 
-    Looked up in order: the pair either way (``Scheduler.bandwidth_workers``); the median of
-    pairs between the two hosts; for one host, the fastest link measured (at least
-    ``default``); else ``default`` (``Scheduler.bandwidth``). A blockflow heuristic.
-
-    Parameters
-    ----------
-    measured : mapping of (str, str) to float
-        ``(receiver, sender)`` -> bytes per second (read only; may be live).
-    default : float
-        The cluster-wide estimate, bytes per second (100e6 if not positive).
-    max_age : float, default 5.0
-        Seconds the per-host table is reused.
+    Looked up in order: the pair either way (``Scheduler.bandwidth_workers``), the median
+    between the two hosts, for one host the fastest link measured, else ``default``
+    (``Scheduler.bandwidth``; 100e6 if not positive). ``measured``: ``(receiver, sender)`` ->
+    bytes per second, read only; ``max_age``: seconds the per-host table is reused. A blockflow
+    heuristic.
 
     Examples
     --------

@@ -127,9 +127,8 @@ class ClusterSnapshot:
 class RebalancePolicy(abc.ABC):
     """Interface of a scheduling policy (in the manner of distributed's AMM policies).
 
-    Subclasses set :attr:`name` and implement :meth:`run`, called on every tick and new graph.
-    The rules the plugin runs under every policy are attributes: :attr:`kernel_placement`,
-    :attr:`admission`, :attr:`unsatisfiable`, :attr:`balancing` and :attr:`objective`.
+    Subclasses set :attr:`name` and implement :meth:`run`, called on every tick and new graph;
+    the rules run under every policy are attributes.
     """
 
     #: Registry name (``blockflow.cluster.policy``).
@@ -290,13 +289,8 @@ class DynamicPolicy(ComposedPolicy):
 class MemoryPolicy(ComposedPolicy):
     """``memory``: move stored results off workers above the device-memory high-water mark.
 
-    Installs :class:`DeviceMemoryAMMPolicy` into distributed's Active Memory Manager; no rules
-    of its own.
-
-    Parameters
-    ----------
-    memory_high, memory_low : float, optional
-        See :class:`DeviceMemoryAMMPolicy`.
+    Installs :class:`DeviceMemoryAMMPolicy` (``memory_high``, ``memory_low``) into
+    distributed's Active Memory Manager; no rules of its own.
     """
 
     name = "memory"
