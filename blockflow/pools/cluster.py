@@ -77,12 +77,11 @@ class PoolCluster(SpecCluster):
         Host memory per local worker (distributed's default if None).
     processes : bool, default True
         Local workers as processes (``Nanny``) or threads (``Worker``).
-    worker_options : mapping, optional
-        Pool name -> extra keyword arguments of its worker or job class.
+    worker_options, jobs : mapping, optional
+        Pool name -> extra keyword arguments of its worker or job class; with ``job_cls``,
+        pool name -> job options (``queue``, ``cores``, ``memory``, ...).
     job_cls : type or str, optional
         A dask-jobqueue job class or its short name (``"slurm"``).
-    jobs : mapping, optional
-        With ``job_cls``: pool name -> job options (``queue``, ``cores``, ``memory``, ...).
     scheduler_options : mapping, optional
     policy : str, optional
         Scheduling policy (default ``blockflow.cluster.policy``).
@@ -105,8 +104,7 @@ class PoolCluster(SpecCluster):
     On Slurm, one partition per pool::
 
         PoolCluster({Pool("gpu", price=2.5): 0, Pool("cpu", price=0.1): 0}, job_cls="slurm",
-                    jobs={"gpu": {"queue": "gpu", "cores": 1, "memory": "4GB"},
-                          "cpu": {"queue": "cpu", "cores": 1, "memory": "2GB"}})
+                    jobs={"gpu": {"queue": "gpu"}, "cpu": {"queue": "cpu"}})
     """
 
     def __init__(self, pools: Mapping[Pool, int], *, threads_per_worker: int = 1,
@@ -278,8 +276,7 @@ class PoolCluster(SpecCluster):
         Parameters
         ----------
         pools : mapping, optional
-            Pool name -> ``(minimum, maximum)`` workers; other pools get ``minimum``/``maximum``
-            when given, else ``(0, current size)``.
+            Pool name -> ``(minimum, maximum)`` workers.
         Adaptive : type, default :class:`blockflow.pools.adaptive.PoolAdaptive`
         **kwargs
             ``interval``, ``wait_count``, ``target_duration``, ``minimum``, ``maximum``.

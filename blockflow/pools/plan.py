@@ -137,22 +137,18 @@ def plan(work: Mapping[str, float], seconds: Mapping[str, Mapping[str, float]],
         cannot run the group.
     pools : mapping of str to Pool
         Pool name -> :class:`Pool` (``price`` None counts as 0).
-    workers : mapping of str to int
-        Pool name -> workers available.
-    threads : mapping of str to int, optional
-        Pool name -> threads per worker (default 1).
-    deadline : float, optional
-        Seconds: minimise cost such that every pool finishes within it.
-    budget : float, optional
-        Dollars: minimise the makespan within it.
+    workers, threads : mapping of str to int
+        Pool name -> workers available; threads per worker (default 1).
+    deadline, budget : float, optional
+        Seconds to finish within, minimising cost; or dollars to stay within, minimising the
+        makespan.
     egress : mapping, optional
         Group -> pool name -> dollars per task for inputs leaving their provider.
 
     Returns
     -------
     Plan
-        The cheapest plan meeting ``deadline``, else the fastest (within ``budget``);
-        infeasible plans carry ``shortfall``.
+        Infeasible plans carry ``shortfall``.
     """
     from scipy.optimize import linprog
 
