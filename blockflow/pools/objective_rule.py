@@ -217,18 +217,9 @@ class ObjectiveRule(Rule):
 
     @staticmethod
     def spent(run, pools, now, workers=None) -> float:
-        """Dollars ``run``'s workers cost so far, billed as :func:`blockflow.pools.plan.run_cost` bills
-        (to now while a worker has tasks assigned).
-
-        Parameters
-        ----------
-        run : blockflow.scheduling.runs.Run
-        pools : mapping of str to Pool
-            Worker address -> its pool.
-        now : float
-            Seconds since the epoch.
-        workers : mapping of str to WorkerView, optional
-            Which workers have tasks assigned (without: each billed to its last task's end).
+        """Dollars ``run``'s workers (``pools``: address -> pool) cost by ``now`` (seconds since the
+        epoch), billed as :func:`blockflow.pools.plan.run_cost` bills, to ``now`` for workers with
+        tasks assigned in ``workers``.
         """
         total = 0.0
         for a, (start, stop) in run.spans.items():

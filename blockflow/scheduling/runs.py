@@ -104,14 +104,8 @@ class Run:
 
 class RunTracker:
     """Runs the scheduler has seen, and the run of each task not yet forgotten (per-task methods
-    O(1)).
-
-    Parameters
-    ----------
-    max_runs : int, default 1000
-        Runs remembered; the least recently submitted to is forgotten first.
-    span_figures : callable, optional
-        Span id -> distributed's figures on it or None, added by :meth:`get`.
+    O(1)). ``max_runs``: runs remembered (least recently used forgotten first);
+    ``span_figures``: span id -> distributed's figures on it, added by :meth:`get`.
     """
 
     def __init__(self, max_runs: int = 1000,

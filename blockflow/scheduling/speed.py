@@ -27,25 +27,19 @@ class SpeedModel:
 
     Parameters
     ----------
-    window : int, default 32
-        Recent durations kept per (worker, group).
-    warmup : int, default 1
-        First durations per (worker, group) dropped as cold starts.
+    window, warmup : int, default 32 and 1
+        Recent durations kept, and first ones dropped as cold starts, per (worker, group).
     prior_strength, prior_sd : float, default 1.0 and 0.5
         Weight in samples of the prior speed 1.0, and the sd of the prior log speed.
-    min_spread : float, default 0.05
-        Smallest spread of log durations assumed.
-    prior_spread, prior_dof : float, default 0.2 and 2.0
-        Prior spread of log durations and its degrees of freedom.
+    min_spread, prior_spread, prior_dof : float, default 0.05, 0.2 and 2.0
+        Smallest spread of log durations; prior spread and its degrees of freedom.
     change_run, change_ratio, change_sds : default 2, 2.0 and 3.0
         A level shift: the last ``change_run`` durations all ``change_ratio`` times and
         ``change_sds`` robust sds off the earlier median.
     min_duration : float, default 0.005
         Shorter durations, seconds, are ignored.
-    max_ratio : float, default 64.0
-        Largest speed ratio to the group's reference.
-    max_optimism : float, default 1.5
-        How much faster than the best well-observed worker any worker may look.
+    max_ratio, max_optimism : float, default 64.0 and 1.5
+        Largest speed ratio to a group's reference; to the best well-observed worker.
     group_half_life : float, default 16.0
         Durations per observed worker after which an unseen group's evidence weighs half.
     recover_ratio : float, default 1.25

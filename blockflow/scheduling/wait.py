@@ -35,13 +35,8 @@ def wait_for(client: Client, futures: Any, *, what: str = "the computation",
     what : str, default "the computation"
         Named in the error message.
     worker_loss_timeout : str or float, optional
-        Seconds (or ``"60s"``) without any worker; default
+        Seconds (or ``"60s"``) without any worker before :class:`WorkerLostError`; default
         ``blockflow.cluster.worker-loss-timeout``.
-
-    Raises
-    ------
-    WorkerLostError
-        If the cluster had no worker that long with results unfinished.
     """
     pending = futures_of(futures)
     n = len(pending)
