@@ -101,7 +101,7 @@ class PoolAdaptive(Adaptive):
         return {str(w.get("name")) for w in info.values()}
 
     async def adapt(self) -> None:
-        """One check: ask for each pool's target, start the workers it lacks, forget those retired."""
+        """One check: ask each pool's target, start the workers it lacks, forget those retired."""
         if self._pool_check_running:
             return
         self._pool_check_running = True

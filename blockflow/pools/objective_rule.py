@@ -378,8 +378,8 @@ class ObjectiveRule(Rule):
 
     @staticmethod
     def _to_wake(snap, name, members, parked, plan) -> set[str]:
-        """The parked workers of pool ``name`` to unpark, as many as the plan needs, cheapest to take
-        back first (a worker is billed from its first task to its last).
+        """The parked workers of pool ``name`` to unpark, as many as the plan needs,
+        cheapest to take back first (a worker is billed from its first task to its last).
         """
         active = [a for a in members if a not in parked]
         need = max(int(plan.workers_needed.get(name, len(members))), 1)
@@ -393,7 +393,7 @@ class ObjectiveRule(Rule):
 
     def _hand_over(self, snap, pools, name, n, seen, egress, seconds, plan, workers,
                    threads, work) -> list[Decision]:
-        """Move up to ``n`` tasks waiting on other pools' workers to free threads of pool ``name``."""
+        """Move up to ``n`` tasks waiting on other pools' workers to free threads of ``name``."""
         free = [(a, w.nthreads - w.processing) for a, w in sorted(snap.workers.items())
                 if pools[a].name == name and w.status == "running"
                 and w.processing < w.nthreads]

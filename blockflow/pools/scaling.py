@@ -184,9 +184,9 @@ class PoolScalingRule:
     def run(self, snap, request: ScalingRequest, run, reference: Mapping[str, float],
             spent: float = 0.0, retiring: frozenset = frozenset(),
             holding: frozenset = frozenset()) -> list[Decision]:
-        """``scale`` decisions for changed targets and ``retire`` decisions for idle workers of pools
-        above their targets; a worker holding results only while another running worker can take
-        them (``holding``; ``retiring``: being retired already).
+        """``scale`` decisions for changed targets, ``retire`` for idle workers of pools above
+        theirs; a worker holding results (``holding``) only while another running worker can
+        take them (``retiring``: being retired already).
         """
         targets, reasons, seen = self.size(snap, request, run, reference, spent)
         by_addr = pools_of(snap.workers)

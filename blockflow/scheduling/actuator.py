@@ -52,7 +52,7 @@ class Actuator:
         return True
 
     def record(self, r: Record, snap=None) -> bool:
-        """Log a record; True if logged (a ``keep`` on an unseen worker, or repeated, is dropped)."""
+        """Log a record; True if logged (a ``keep`` on an unseen worker, or repeated, is not)."""
         if type(r) is not Record:
             raise TypeError(f"blockflow: only a Record is logged as one, not {r!r}")
         if r.action is Recorded.KEEP:

@@ -381,8 +381,8 @@ class LinkBandwidth:
         return self.lookup(receiver, sender)[0]
 
     def lookup(self, receiver: str, sender: str) -> tuple[float, str]:
-        """``(bytes per second, source)``, source one of ``"measured"``, ``"hosts"``, ``"same host"``,
-        ``"estimate"``.
+        """``(bytes per second, source)``, source one of ``"measured"``, ``"hosts"``,
+        ``"same host"``, ``"estimate"``.
         """
         for pair in ((receiver, sender), (sender, receiver)):
             bw = self.measured.get(pair)

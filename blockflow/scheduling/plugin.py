@@ -278,7 +278,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         self.act(self.admission.run(snap, None), snap)
 
     def _kick_admission(self) -> None:
-        """Run the admission rule on the event loop soon, coalesced (hooks must not change state)."""
+        """Run the admission rule on the event loop soon, coalesced (hooks change no state)."""
         if self._admission_kick or not self.admission.holding:
             return
         self._admission_kick = True

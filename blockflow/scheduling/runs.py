@@ -192,7 +192,7 @@ class RunTracker:
         self._unpend(key)
 
     def executed(self, key: Hashable, worker: str, start: float, stop: float) -> None:
-        """Widen ``worker``'s billed span in the task's run by an execution (seconds since the epoch)."""
+        """Widen ``worker``'s billed span in the task's run (times: seconds since the epoch)."""
         run = self.runs.get(self._key_run.get(key))
         if run is None:
             return

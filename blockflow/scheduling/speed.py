@@ -192,7 +192,7 @@ class SpeedModel:
             self.streak[worker] = 0.0
 
     def _recovered(self, worker: str, per_worker: dict, window: deque) -> bool:
-        """Whether the recent durations are back at the other workers' level, the earlier ones off it."""
+        """Whether the recent durations are back at the others' level, the earlier ones off it."""
         k = self.change_run
         if len(window) <= k:
             return False
@@ -279,7 +279,7 @@ class SpeedModel:
             self.log_speed[w] = min(ls, cap)
 
     def group_durations(self) -> dict[str, dict[str, float]]:
-        """Group -> worker -> typical warm seconds per task (per unit of work), after :meth:`update`.
+        """Group -> worker -> typical warm seconds per task (per unit), after :meth:`update`.
 
         The raw material of :func:`blockflow.pools.plan.throughput_matrix`.
         """

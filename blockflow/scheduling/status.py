@@ -22,11 +22,11 @@ class Status:
                      starting: dict | None = None, threads: dict | None = None,
                      target_duration: float = 5.0, startup: float = 5.0,
                      wait_count: int = 3) -> dict[str, Any]:
-        """Per-pool worker targets for elastic scaling: the ``blockflow_pool_targets`` handler that
-        :class:`blockflow.pools.adaptive.PoolAdaptive` asks, as ``Adaptive`` asks ``adaptive_target``.
+        """Per-pool worker targets for elastic scaling: the ``blockflow_pool_targets`` handler.
 
-        Runs :class:`~blockflow.pools.scaling.PoolScalingRule` on a fresh snapshot; arguments are
-        the fields of :class:`~blockflow.pools.scaling.ScalingRequest` (``pools`` as
+        :class:`blockflow.pools.adaptive.PoolAdaptive` asks it as ``Adaptive`` asks
+        ``adaptive_target``. Runs :class:`~blockflow.pools.scaling.PoolScalingRule` on a fresh
+        snapshot; arguments are the fields of :class:`~blockflow.pools.scaling.ScalingRequest` (``pools`` as
         :meth:`~blockflow.pools.pool.Pool.to_dict`, ``bounds`` as ``[minimum, maximum]``), and
         become ``declared_pools``.
 

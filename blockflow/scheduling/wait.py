@@ -106,7 +106,7 @@ def gather_results(client: Client, futures: Any, *, what: str = "the computation
 
 
 def task_label(key) -> str:
-    """A task key as messages name it, never the token: ``"block (3,) of step 'blockflow-clean'"``."""
+    """A task key as messages name it, never the token: ``"block (3,) of step 'blockflow-x'"``."""
     name = key_split(key)
     if isinstance(key, tuple) and len(key) > 1:
         return f"block {tuple(key[1:])} of step {name!r}"

@@ -51,7 +51,7 @@ class HoldRule(Rule):
         self.duration: float | None = None
 
     def slowed_now(self, snap, addr: str) -> bool:
-        """Whether ``addr`` is now :attr:`hold_slowdown` times slower than typical, pessimistically."""
+        """Whether ``addr`` is now :attr:`hold_slowdown` times slower than typical, at worst."""
         return pessimistic_speed(snap, addr) * self.hold_slowdown <= 1.0
 
     def run(self, snap, context: RuleContext) -> list[Decision]:
