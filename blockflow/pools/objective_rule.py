@@ -217,9 +217,9 @@ class ObjectiveRule(Rule):
 
     @staticmethod
     def spent(run, pools, now, workers=None) -> float:
-        """Dollars ``run``'s workers (``pools``: address -> pool) cost by ``now`` (seconds since the
-        epoch), billed as :func:`blockflow.pools.plan.run_cost` bills, to ``now`` for workers with
-        tasks assigned in ``workers``.
+        """Dollars ``run``'s workers (``pools``: address -> pool) cost by ``now`` (epoch
+        seconds), billed as :func:`blockflow.pools.plan.run_cost` bills, to ``now`` for workers
+        with tasks assigned in ``workers``.
         """
         total = 0.0
         for a, (start, stop) in run.spans.items():

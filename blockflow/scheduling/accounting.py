@@ -23,7 +23,7 @@ logger = logging.getLogger("blockflow.scheduling.plugin")
 
 
 class _Folded:
-    """An :class:`Accounting` attribute (stored as ``_<name>``) read with queued tasks folded in."""
+    """An :class:`Accounting` attribute (``_<name>``), read with queued tasks folded in."""
 
     def __init__(self, doc: str):
         self.__doc__ = doc

@@ -43,7 +43,7 @@ def confident_speeds(speeds: Mapping[str, float] | None,
 
 
 def call_cost(calls: list[tuple[int, float]]) -> float | None:
-    """A worker's fixed seconds per call, from one pass's ``(units, seconds)`` calls, largest first.
+    """A worker's fixed seconds per call, from one pass's ``(units, seconds)``, largest first.
 
     With every call taking ``c + s x units``: ``c = (T n1 - t1 N) / (k n1 - N)`` (``n1, t1`` the
     first call; ``k`` calls of ``N`` units in ``T`` seconds the rest), clipped to ``[0, t1]``;
@@ -184,7 +184,7 @@ class Throughput:
 
     def seconds_per_unit(self, workers: Iterable[str],
                          prior: Mapping[str, float] | None = None) -> dict[str, float]:
-        """Seconds per unit of work of each of ``workers``: measured (cold starts while none of them
+        """Seconds per unit of work of each of ``workers``: measured (cold starts while none
         has a warm call), else from ``prior`` relative speeds (:func:`prior_seconds_per_unit`).
         """
         workers = list(workers)

@@ -1,4 +1,4 @@
-"""Scheduler extensions installed beside blockflow's plugin (``blockflow.scheduler.extensions``)."""
+"""Scheduler extensions beside blockflow's plugin (``blockflow.scheduler.extensions``)."""
 
 from __future__ import annotations
 

@@ -348,7 +348,7 @@ config.set_choices("cluster.policy", POLICIES, pattern=DOTTED_PATH)
 
 
 def policy_class(name: str) -> type[RebalancePolicy]:
-    """The policy class for a built-in name or a dotted path to a :class:`RebalancePolicy` subclass.
+    """The policy class for a built-in name or the dotted path of a :class:`RebalancePolicy`.
 
     Raises
     ------

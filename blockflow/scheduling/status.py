@@ -26,9 +26,9 @@ class Status:
 
         :class:`blockflow.pools.adaptive.PoolAdaptive` asks it as ``Adaptive`` asks
         ``adaptive_target``. Runs :class:`~blockflow.pools.scaling.PoolScalingRule` on a fresh
-        snapshot; arguments are the fields of :class:`~blockflow.pools.scaling.ScalingRequest` (``pools`` as
-        :meth:`~blockflow.pools.pool.Pool.to_dict`, ``bounds`` as ``[minimum, maximum]``), and
-        become ``declared_pools``.
+        snapshot; arguments are the fields of :class:`~blockflow.pools.scaling.ScalingRequest`
+        (``pools`` as :meth:`~blockflow.pools.pool.Pool.to_dict`, ``bounds`` as ``[minimum,
+        maximum]``), and become ``declared_pools``.
 
         Returns
         -------

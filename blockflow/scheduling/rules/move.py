@@ -294,7 +294,7 @@ def best_target(task: TaskView, v: WorkerView, thieves: list[WorkerView],
                 fill: dict[str, int] | None, moved_off: set[str] | None,
                 free: dict[str, int], max_transfer_share: float,
                 max_fill_transfer_share: float) -> tuple[WorkerView | None, float]:
-    """The worker among ``thieves`` that would finish ``task`` (waiting on ``v``) soonest, and when;
+    """The worker of ``thieves`` that would finish ``task`` (waiting on ``v``) soonest, and when;
     ``(None, inf)`` if none may take it.
 
     HEFT's selection step (Topcuoglu et al. 2002) through
