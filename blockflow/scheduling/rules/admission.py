@@ -1,11 +1,12 @@
 """The admission rule: CPU producers feeding consumers that need a worker resource (a GPU).
 
 distributed never queues resource-restricted tasks, so unrestricted producers race ahead of
-their GPU consumers. :class:`AdmissionRule` holds the *feeders* in ``no-worker`` and
-releases them while ``feeders running or released + outputs waiting for a ready consumer
-<= budget``. A blockflow heuristic in the spirit of root-task queuing; guide:
-:doc:`/guide/scheduling`, "Admission". ``distributed.scheduler.no-workers-timeout`` would
-fail held tasks: leave it unset, or set ``blockflow.resources.admission-budget: 0``.
+their GPU consumers. :class:`AdmissionRule` holds the *feeders* (unrestricted tasks whose
+every dependent needs a resource) in ``no-worker`` and releases them while ``feeders running
+or released + outputs waiting for a ready consumer <= budget``; a blockflow heuristic in the
+spirit of root-task queuing (guide: :doc:`/guide/scheduling`, "Admission").
+``distributed.scheduler.no-workers-timeout`` would fail held tasks: leave it unset, or set
+``blockflow.resources.admission-budget: 0``.
 """
 
 from __future__ import annotations
