@@ -33,17 +33,15 @@ def data_holders(client, futures) -> dict:
 
 
 class SchedulerProgress(ProgressBar):
-    """distributed's progress feed (tasks still to run for some futures), for clusters
-    without blockflow's plugin; hands each count to ``draw(done, total)``.
+    """distributed's progress feed for clusters without blockflow's plugin.
 
     Parameters
     ----------
     futures : list of distributed.Future
     client : distributed.Client
     draw : callable
-        ``draw(done, total)``, called from the client's event loop on each update.
+        ``draw(done, total)``, called from the client's event loop.
     interval : str, default "200ms"
-        How often the scheduler sends counts.
     """
 
     def __init__(self, futures, client, draw: Callable[[int, int], None],
@@ -63,17 +61,7 @@ def _has_plugin(name: str, dask_scheduler=None) -> bool:
 
 
 def has_scheduler_plugin(client, name: str) -> bool:
-    """Whether the scheduler ``client`` talks to has a plugin registered under ``name``.
-
-    Parameters
-    ----------
-    client : distributed.Client
-    name : str
-
-    Returns
-    -------
-    bool
-    """
+    """Whether the scheduler ``client`` talks to has a plugin registered under ``name``."""
     return bool(client.run_on_scheduler(_has_plugin, name))
 
 

@@ -1,9 +1,5 @@
-"""Extensions of the scheduler: what blockflow installs into it.
-
-Scheduler plugins, RPC handlers and periodic callbacks, Active Memory Manager policies
-(:class:`AMMPolicy`, an adapter from plain views to distributed's ``Suggestion`` s, and
-:func:`run_amm_policy`), HTTP routes and Bokeh dashboard pages, worker plugins registered
-from the scheduler side.
+"""What blockflow installs into the scheduler: plugins, handlers, callbacks, AMM policies,
+HTTP routes and dashboard pages.
 """
 
 from __future__ import annotations
@@ -91,9 +87,8 @@ class MemorySuggestion:
 class AMMPolicy(ActiveMemoryManagerPolicy):
     """Base of blockflow's Active Memory Manager policies: plain data in, plain data out.
 
-    Subclasses implement :meth:`plan`, a generator that reads the worker views and held
-    results, yields :class:`MemorySuggestion` objects and is sent back the address the AMM
-    chose (None when it declined). This class turns them into distributed's ``Suggestion`` s.
+    :meth:`plan` yields :class:`MemorySuggestion` objects and is sent the chosen address (None:
+    declined); this class turns them into distributed's ``Suggestion`` s.
     """
 
     def plan(self, workers: dict[str, WorkerView],
@@ -175,11 +170,7 @@ def add_http_routes(scheduler, routes) -> bool:
 
 def add_dashboard_page(scheduler, path: str, doc_fn, menu_name: str) -> bool:
     """Serve a Bokeh page ``doc_fn(scheduler, extra, doc)`` at ``path`` and list it in the
-    dashboard's "More..." menu. False when the scheduler has no Bokeh dashboard.
-
-    The dashboard builds its page table and menu once, when the scheduler starts, so a page
-    added later gets a Bokeh application of its own on the scheduler's HTTP server, and its
-    menu entry is appended to the (memoised) template variables every page renders from.
+    "More..." menu. False when the scheduler has no Bokeh dashboard.
     """
     if not serves_bokeh_dashboard(scheduler):  # checked first: Bokeh is not imported then
         return False
@@ -217,31 +208,23 @@ async def register_worker_plugin_on_scheduler(scheduler, plugin, name: str,
 
 
 async def run_amm_policy(scheduler, policy, cycles: int = 10, timeout: float = 30.0) -> int:
-    """Run one Active Memory Manager policy to completion, on its own, now.
+    """Run one Active Memory Manager policy alone, now, on a dedicated manager.
 
-    A dedicated manager (``ActiveMemoryManagerExtension(..., register=False, start=False)``,
-    as distributed's ``retire_workers`` makes one) runs ``policy`` alone, so the scheduler's
-    own AMM policies (``ReduceReplicas``) take no part in its cycles. Each cycle runs the
-    policy once and enacts what the manager accepted; between cycles it waits until every
-    accepted replica has landed (``TaskState.who_has``), so a policy that moves results
-    (replicate, then drop) sees its copies in the next cycle.
+    Between cycles it waits until accepted replicas have landed, so a policy that replicates
+    then drops sees its copies.
 
     Parameters
     ----------
     scheduler : distributed.Scheduler
     policy : ActiveMemoryManagerPolicy
-        E.g. an :class:`AMMPolicy`; its ``manager`` is set to the dedicated manager.
     cycles : int, default 10
-        At most this many cycles.
     timeout : float, default 30.0
-        Seconds to wait, per cycle, for accepted replicas to land (then the next cycle runs
-        anyway; the policy sees which copies are missing).
+        Seconds to wait per cycle for accepted replicas.
 
     Returns
     -------
     int
-        Cycles in which the manager accepted at least one suggestion; it stops at the first
-        cycle in which it accepted none.
+        Cycles with at least one accepted suggestion (it stops at the first with none).
     """
     from distributed.active_memory_manager import ActiveMemoryManagerExtension
 

@@ -1,9 +1,4 @@
-"""Dask's task graph nodes (``dask._task_spec``): what blockflow reads of an optimised graph.
-
-Since Dask 2024.12 an optimised graph maps keys to task-spec nodes (``Task``, ``DataNode``,
-``Alias``...) of the private module ``dask._task_spec``; the one use blockflow makes of
-their classes (telling a fusion alias from a task) is here.
-"""
+"""Dask's task-spec nodes (``dask._task_spec``): telling a fusion alias from a task."""
 
 from __future__ import annotations
 

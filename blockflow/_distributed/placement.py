@@ -1,10 +1,4 @@
-"""Task placement: what a task's kernels declare, and the restrictions that place it.
-
-Reads a task's spec (``dask._task_spec`` nodes, fused subgraphs, partials) for what
-blockflow's kernels declare (device working set, resources and workers) and its annotations
-(``blockflow_work``), and writes the scheduler-side restrictions that place it
-(:func:`set_task_placement`) or hold it back (:data:`HOLD_ADDRESS`).
-"""
+"""Task placement: what a task's kernels declare, and the restrictions that place or hold it."""
 
 from __future__ import annotations
 
@@ -64,31 +58,23 @@ def _work_and_size(ts) -> tuple[float | None, float | None]:
 
 def finished_task_record(scheduler, key, worker: str, startstops=None,
                          metadata=None) -> tuple:
-    """What the scheduler plugin keeps of a task that just finished on ``worker``, read in
-    one pass from its ``processing -> memory`` transition: one flat tuple of strings and
-    numbers (the garbage collector stops tracking it at its first pass), folded into the
-    speed model and the runs later.
+    """What the scheduler plugin keeps of a task that finished on ``worker``, as one flat tuple.
 
     Parameters
     ----------
     scheduler : distributed.Scheduler
     key : str, tuple or int
-        The task's key.
     worker : str
-        Address of the worker that computed it.
     startstops : sequence of dict, optional
-        The transition's ``startstops``: the worker's ``{"action", "start", "stop"}``
-        spans (seconds since the epoch).
+        The transition's ``{"action", "start", "stop"}`` spans (epoch seconds).
     metadata : dict, optional
-        The transition's ``metadata``, with the seconds the task reported waiting at its
-        start (:func:`~blockflow._distributed.worker.task_wait`).
+        The transition's metadata (:func:`~blockflow._distributed.worker.task_wait`).
 
     Returns
     -------
     tuple
-        ``(key, worker, group, work, size, wait, start, stop, start, stop, ...)``:
-        :func:`task_facts`, the seconds waited (0.0 when none), then the start and stop
-        of each ``compute`` span, in order (none when the worker reported none). O(inputs).
+        ``(key, worker, group, work, size, wait, start, stop, ...)``: :func:`task_facts`, the
+        seconds waited, then each ``compute`` span's start and stop.
     """
     ts = scheduler.tasks.get(key)
     if ts is None:
@@ -139,12 +125,7 @@ def _restricted(ts) -> bool:
 
 
 def task_working_set(run_spec, key, *, max_nodes: int = 256) -> int | None:
-    """Device memory (bytes) a task's kernel declared, or None.
-
-    Looks through the task's spec (``dask._task_spec`` nodes, fused subgraphs included, at
-    most ``max_nodes`` of them) for an object with a ``blockflow_working_set(key)`` method,
-    which blockflow's kernels have when ``map_blocks(working_set=)`` was given.
-    """
+    """Device memory (bytes) a task's kernel declared (``map_blocks(working_set=)``), or None."""
     return _working_set(_declaring_objects(run_spec, max_nodes), key)
 
 
@@ -246,18 +227,13 @@ HOLD_ADDRESS = "blockflow-admission://held"
 def task_placement(run_spec, *, max_nodes: int = 256) -> dict | None:
     """Where a task's kernels asked to run, or None.
 
-    Looks through the task's spec (fused subgraphs included, at most ``max_nodes`` nodes,
-    as :func:`task_working_set`) for objects with a ``blockflow_placement()`` method
-    (blockflow's kernels given ``resources=``, ``workers=`` or ``allow_other_workers=``). A
-    task that runs several such kernels (Dask fused them) needs each one's resources
-    (the largest amount of each), the first kernel's workers, and may go elsewhere only if
-    every kernel allows it.
+    Fused kernels combine: the largest amount of each resource, the first kernel's workers,
+    other workers only if every kernel allows it.
 
     Returns
     -------
     dict or None
-        ``{"resources": dict or None, "workers": tuple or None, "allow_other_workers":
-        bool}``.
+        ``{"resources": dict or None, "workers": tuple or None, "allow_other_workers": bool}``.
     """
     return _placement(_declaring_objects(run_spec, max_nodes))
 
@@ -286,13 +262,8 @@ def _placement(objects: list) -> dict | None:
 
 
 def set_task_placement(scheduler, key, placement: Mapping[str, Any]) -> bool:
-    """Restrict a task that has not been scheduled yet as its kernel asked.
-
-    ``placement`` as :func:`task_placement` returns it. Resources add to any the task
-    carries; ``workers`` (addresses, worker names or host names, resolved as distributed
-    resolves ``workers=`` annotations) replace its worker and host restrictions;
-    ``allow_other_workers`` makes the restrictions loose. False when the task is gone or
-    already past ``released``/``waiting``.
+    """Restrict an unscheduled task as ``placement`` (:func:`task_placement`) asks. False when the
+    task is gone or past ``released``/``waiting``.
     """
     ts = scheduler.tasks.get(key)
     if ts is None or ts.state not in ("released", "waiting"):

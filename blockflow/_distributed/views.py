@@ -1,10 +1,4 @@
-"""The scheduler's workers as plain data: worker views, links, scheduler-wide counts.
-
-Reads ``Scheduler.workers`` and ``WorkerState`` and hands out plain objects
-(:class:`WorkerView`, dicts, strings) that rules read without touching a scheduler object.
-Tasks are :mod:`blockflow._distributed.tasks`, feeders :mod:`blockflow._distributed.admission`;
-nothing here changes the scheduler (that is :mod:`blockflow._distributed.actions`).
-"""
+"""The scheduler's workers as plain data (:class:`WorkerView`, dicts, strings); read-only."""
 
 from __future__ import annotations
 
@@ -27,49 +21,45 @@ class WorkerView:
 
     Attributes
     ----------
-    address : str
+    address, name : str
     nthreads : int
     status : str
         Scheduler-side status name (``"running"``, ``"paused"``, ...).
     paused_by_blockflow : bool
         Paused by blockflow's scheduler plugin (it only ever resumes those).
     metrics : WorkerMetrics
-        GPU utilisation (percent), device memory (bytes); None when unknown.
     speed : float
         Learned relative speed (1.0 = typical worker).
     processing : int
         Tasks assigned to the worker (running or waiting there).
     executing : int
-        Tasks the worker reported running at its last heartbeat.
+        Tasks running at its last heartbeat.
     occupancy : float
-        Seconds of assigned work at the typical worker's speed (distributed's estimate,
-        including moves in flight).
+        Seconds of assigned work at speed 1 (distributed's estimate, moves in flight included).
     host_memory_fraction : float or None
         Process memory / memory limit, 0-1.
-    name : str
-        The worker's name.
     capacity : float or None
-        Nominal relative capacity the worker reports (``blockflow-capacity`` metric).
+        Nominal relative capacity (``blockflow-capacity`` metric).
     memory_limit : int
-        Host memory limit in bytes (0: none).
+        Host memory limit, bytes (0: none).
     speed_confidence : float
-        Confidence of the learned speed, 0-1 (0: nothing comparable observed).
+        Confidence of the learned speed, 0-1.
     resources : mapping of str to float
-        Worker resources the worker declares (``{"GPU": 1}``; ``dask worker --resources``).
+        Declared worker resources (``{"GPU": 1}``).
     device_uuid : str or None
-        UUID of the GPU the worker uses, when it reports one (``blockflow-gpu-uuid``).
+        UUID of its GPU (``blockflow-gpu-uuid``).
     device_peers : tuple of str
-        The other workers reporting the same device UUID (sharing one GPU), sorted.
+        The other workers on the same device, sorted.
     peers_own_utilization : float
-        Percent 0-100 of the shared device those peers' own tasks take; 0 without peers.
+        Percent 0-100 of the shared device those peers' tasks take; 0 without peers.
     recent_speed : float or None
-        The speed of the worker's latest warm task
+        Speed of its latest warm task
         (:meth:`blockflow.scheduling.speed.SpeedModel.recent_speed`).
     slow_for : float or None
-        Seconds the worker is expected to stay at its lower learned speed
+        Seconds it is expected to stay slow
         (:meth:`blockflow.scheduling.speed.SpeedModel.slow_for`); None: throughout.
     pool : mapping or None
-        The pool the worker reports (:meth:`blockflow.pools.pool.Pool.to_dict`).
+        Its pool (:meth:`blockflow.pools.pool.Pool.to_dict`).
     """
 
     address: str
@@ -184,19 +174,14 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
 
     Parameters
     ----------
-    speed : callable, optional
-        ``speed(address) -> float``, learned speeds (default 1.0).
-    confidence : callable, optional
-        ``confidence(address) -> float``, 0-1 (default 0).
+    speed, confidence, recent_speed, slow_for : callable, optional
+        ``f(address)``: learned speed (default 1.0), its confidence 0-1 (default 0), the latest
+        task's speed and :attr:`WorkerView.slow_for` (default None).
     paused : mapping, optional
         Addresses blockflow paused.
-    recent_speed : callable, optional
-        ``recent_speed(address) -> float or None``, the speed of the latest task.
-    slow_for : callable, optional
-        ``slow_for(address) -> float or None`` (:attr:`WorkerView.slow_for`).
     previous : WorkerViewCache, optional
-        The last call's views: an unchanged worker keeps its view; the addresses whose view
-        is new are added to ``previous.changed``.
+        The last call's views: unchanged workers keep theirs; changed addresses are added to
+        ``previous.changed``.
     """
     stealing = scheduler.extensions.get("stealing")
     in_flight = getattr(stealing, "in_flight_occupancy", {}) if stealing else {}

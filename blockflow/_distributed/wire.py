@@ -1,12 +1,4 @@
-"""distributed's wire framing: the bytes of a message on a TCP comm.
-
-On a TCP (or TLS) comm distributed sends each message as a little-endian uint64 byte count,
-then the message's frames packed (``distributed.protocol.utils.pack_frames``: a frame count
-and frame lengths, then the frames). :mod:`blockflow.cluster.handshake` writes Dask's
-handshake and reads a server's first message with these functions, to tell a Dask server
-from anything else before distributed's own comm waits on it. :func:`unpickle` reads what
-distributed pickled (a model shipped in a worker plugin).
-"""
+"""distributed's TCP framing (uint64 length prefix, ``pack_frames``), and :func:`unpickle`."""
 
 from __future__ import annotations
 

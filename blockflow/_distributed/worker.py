@@ -1,10 +1,5 @@
-"""The worker side: what blockflow reads from and installs on distributed's workers.
-
-Heartbeat metrics, comm handlers served by worker plugins (:class:`HandlerPlugin`, the one
-way blockflow installs them) and worker-to-worker calls, installed plugins, the results a
-worker holds, declared resources, the current worker and task key, task threads and the
-worker's executor, the seconds a task spent waiting (sent with its result), and the
-filters that keep a closing worker's log quiet (:class:`QuietClose`).
+"""The worker side: metrics, comm handlers (:class:`HandlerPlugin`), held data, resources,
+task threads, and :class:`QuietClose`.
 """
 
 from __future__ import annotations
@@ -107,12 +102,8 @@ def worker_metric(worker, name: str):
 
 
 class HandlerPlugin(WorkerPlugin):
-    """Base of the worker plugins that serve blockflow's comm handlers on every worker, those
-    that join later included.
-
-    Subclasses set ``name`` and :meth:`handlers`. ``setup`` verifies the worker's internals
-    (:func:`~blockflow._distributed.checks.check_worker`), then serves each handler;
-    ``teardown`` removes them.
+    """Base of the worker plugins that serve blockflow's comm handlers (subclasses set ``name`` and
+    :meth:`handlers`); ``setup`` runs :func:`~blockflow._distributed.checks.check_worker` first.
     """
 
     name: str
@@ -328,11 +319,8 @@ def _scheduler_task_retries(key, dask_scheduler=None) -> int | None:
 
 
 def worker_data_values(worker) -> list:
-    """The results the worker holds in memory (``Worker.data``), spilled ones excluded.
-
-    Safe to call from a thread beside the worker's event loop: a SpillBuffer's fast part
-    (a ``zict.LRU``) is read through its dict without touching the LRU order, in one
-    C-level pass, retried if a non-dict mapping changed size while being copied.
+    """The results the worker holds in memory (``Worker.data``), spilled ones excluded; safe from
+    a thread beside the worker's event loop.
     """
     data = worker.data
     fast = getattr(data, "fast", data)
@@ -359,13 +347,8 @@ def worker_declared_resources(worker) -> dict:
 
 
 async def declare_worker_resources(worker, resources: Mapping[str, float]) -> None:
-    """Declare more resources on a worker (``Worker.set_resources``): the worker updates its
-    own accounting and tells the scheduler.
-
-    A worker that has not registered yet (a preload's ``dask_setup`` runs before it does)
-    only updates its own accounting: its registration tells the scheduler its resources
-    (``Worker.set_resources`` would ask a scheduler that does not know the worker yet, which
-    answers ``KeyError``).
+    """Declare more resources on a worker (``Worker.set_resources``); before it registers, only its
+    own accounting changes.
     """
 
     if worker.status in (Status.init, Status.created, Status.starting) \
