@@ -1,11 +1,4 @@
-"""The ``/blockflow`` dashboard page: workers, rebalancer decisions, tasks per worker (Bokeh).
-
-"Tasks (this run)" counts the tasks each worker finished for the run most recently given
-tasks: everything one job or one ``compute()`` submitted (:mod:`blockflow.scheduling.runs`).
-
-Updates every 500 ms through a periodic callback that holds the component only weakly
-(distributed's ``add_periodic_callback``), so a closed browser tab leaves nothing behind.
-"""
+"""The ``/blockflow`` dashboard page (Bokeh): workers, rebalancer decisions, tasks per worker."""
 
 from __future__ import annotations
 
@@ -110,13 +103,8 @@ def _na(value, fmt) -> str:
 
 
 def _redraw_on_new_data(table: DataTable) -> None:
-    """Make ``table`` redraw in the browser whenever its source's data is replaced.
-
-    BokehJS 3.x (checked with 3.9.2) redraws a DataTable's cells only when the indices of its
-    ``CDSView`` change; new ``source.data`` with as many rows as before leaves them equal, so
-    the cells kept showing the first values while plots on the same source moved. After each
-    change the browser now signals the table's view itself, which makes the table re-read
-    its source (BokehJS's ``DataTableView.updateGrid``).
+    """Make ``table`` redraw whenever its source's data is replaced (BokehJS 3.x redraws only on
+    new ``CDSView`` indices).
     """
     table.source.js_on_change("data", CustomJS(args={"table": table},
                                                code="table.view.change.emit()"))

@@ -1,11 +1,7 @@
-"""Array statistics workload: per-grid-point moments of a generated gridded field.
+"""Array statistics workload: per-grid-point moments of a generated temperature field.
 
-A seeded synthetic temperature field (``time x lat x lon``, float32, kelvin) is generated
-on the workers, its climatology subtracted by a blockwise kernel, and the anomalies
-tree-reduced along ``time`` to count, mean, variance, min and max per grid point in one pass.
-Partials ``(n, mean, M2, min, max)`` are merged with the pairwise update of Chan, Golub &
-LeVeque (1979, STAN-CS-79-773) (:func:`blockflow.core.moments.merge_moments`), as dask's
-``moment_chunk`` / ``moment_combine`` / ``moment_agg`` do.
+Partials are merged with the pairwise update of Chan, Golub & LeVeque (1979, STAN-CS-79-773)
+(:func:`blockflow.core.moments.merge_moments`), as dask's ``moment_*`` functions do.
 """
 
 from __future__ import annotations
@@ -240,20 +236,16 @@ class ArrayStatsResult:
     Attributes
     ----------
     stats : xarray.Dataset
-        ``count``, ``mean``, ``var`` (ddof=0), ``min``, ``max`` over ``time``, dims
-        ``(lat, lon)``.
+        ``count``, ``mean``, ``var`` (ddof=0), ``min``, ``max`` over ``time``.
     size : str
     seed : int
     shape, chunks : tuple of int
-        Of the field (``time, lat, lon``).
     nbytes : int
-        Bytes of the field processed.
     wall_time : float
-        Seconds from submitting the graph to the result on the client.
+        Seconds.
     bytes_per_second : float
     n_tasks : int or None
     task_counts : dict of str to int, or None
-        Tasks each worker finished for this run (None without blockflow's plugin).
     dashboard_link, output : str or None
     """
 
@@ -351,15 +343,13 @@ def run(
     ----------
     client : distributed.Client
     size : {"small", "medium", "large"}, default "small"
-        Shapes and chunks in :data:`SIZES` (1 MB, 249 MB, 3.8 GB of float32).
+        See :data:`SIZES`.
     output : str or path, optional
-        Directory for ``stats.parquet`` and ``manifest.json``, written atomically.
+        Folder for ``stats.parquet`` and ``manifest.json``.
     overwrite : bool, default False
     seed : int, default 0
     progress : bool, optional
-        A progress bar; default in Jupyter or when stderr is a terminal.
     retries : int, optional
-        Distributed task retries (default 0).
 
     Returns
     -------
@@ -368,7 +358,7 @@ def run(
     Raises
     ------
     ValueError
-        For an unknown ``size``, or ``retries`` not an integer >= 0.
+        Unknown ``size`` or bad ``retries``.
     FileExistsError
         If ``output`` exists and ``overwrite`` is False.
     WorkerLostError

