@@ -180,10 +180,9 @@ def call_soon(scheduler, fn: Callable[[], Any]) -> None:
 
 
 async def request_backup(scheduler, key, victim: str, target: str, timeout: float) -> dict:
-    """Ask worker ``victim`` to start a backup copy of its running task ``key`` on worker
-    ``target`` and wait (at most ``timeout`` seconds) for the outcome: the reply of the
-    victim's ``blockflow_speculate`` handler (:mod:`blockflow.core.speculation`), or
-    ``{"outcome": "failed", "error": ...}``."""
+    """Ask ``victim`` to start a backup copy of its running task ``key`` on ``target``; the reply
+    of its ``blockflow_speculate`` handler, or ``{"outcome": "failed", "error": ...}``.
+    """
     try:
         return await asyncio.wait_for(
             scheduler.rpc(victim).blockflow_speculate(key=key, target=target), timeout)

@@ -18,10 +18,9 @@ __all__ = ["FeederStates", "FeederView", "feeder_state_view", "feeder_states", "
 
 
 class FeederStates:
-    """key -> a feeder task's state (``"held"``, ``"orphan"``, ``"pending"``, ``"running"``,
-    ``"feeding"``, ``"stored"``, ``"done"``: see
-    :func:`blockflow._distributed.feeder_states`), read on first access; any key may be
-    asked (a task the scheduler no longer knows reads ``"done"``)."""
+    """key -> feeder state (:func:`blockflow._distributed.feeder_states`), read on first access;
+    an unknown key reads ``"done"``.
+    """
 
     def __init__(self, scheduler):
         self._scheduler = scheduler

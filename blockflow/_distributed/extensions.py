@@ -154,10 +154,8 @@ def http_prefix(scheduler) -> str:
 
 
 def add_http_routes(scheduler, routes) -> bool:
-    """Serve ``routes`` (``[(path, handler, kwargs)]``) from the scheduler's HTTP server.
-
-    Handlers get the scheduler as ``dask_server``, as distributed's own route modules do.
-    False when the scheduler runs no HTTP server.
+    """Serve ``routes`` (``[(path, handler, kwargs)]``, handlers get ``dask_server``) from the
+    scheduler's HTTP server; False without one.
     """
     app = getattr(scheduler, "http_application", None)
     if app is None:

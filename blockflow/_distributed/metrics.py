@@ -81,10 +81,7 @@ class WorkerMetrics:
 
 
 def read_metrics(metrics: Mapping[str, Any] | None) -> WorkerMetrics:
-    """Parse a worker's ``metrics`` dict (as held by the scheduler) into :class:`WorkerMetrics`.
-
-    Never raises, whatever the dict holds.
-    """
+    """Parse a worker's ``metrics`` dict into :class:`WorkerMetrics`; never raises."""
     if not isinstance(metrics, Mapping):
         metrics = {}
     total = clean_number(metrics.get(GPU_MEMORY_TOTAL))

@@ -37,10 +37,9 @@ def task_work(scheduler, key) -> float | None:
 
 
 def task_facts(scheduler, key) -> tuple[str, float | None, float | None]:
-    """``(group, work, size)`` of task ``key`` in one look-up, for the scheduler plugin's
-    hook on a finished task: its group (``dask.utils.key_split`` of the key, as the
-    scheduler's task prefix holds it), :func:`task_work` and :func:`task_size`. A key the
-    scheduler does not hold gives ``(key_split(key), None, None)``. O(inputs)."""
+    """``(group, work, size)`` of task ``key`` (:func:`task_work`, :func:`task_size`); ``(group,
+    None, None)`` for an unknown key.
+    """
     ts = scheduler.tasks.get(key)
     if ts is None:
         return key_split(key), None, None
@@ -181,10 +180,9 @@ def _spec_plan(t: type) -> tuple:
 
 
 def _declaring_objects(run_spec, max_nodes: int = 256) -> list:
-    """The objects in a task's spec that declare something to blockflow (a
-    ``blockflow_working_set`` or ``blockflow_placement`` method: blockflow's kernels), looked
-    for through ``dask._task_spec`` nodes, fused subgraphs, partials and compositions, at
-    most ``max_nodes`` nodes."""
+    """The objects in a task's spec with a ``blockflow_working_set`` or ``blockflow_placement``
+    method, at most ``max_nodes`` nodes searched.
+    """
     stack, seen, found = [run_spec], 0, []
     plans, leaves = _spec_plans, _LEAF_TYPES
     while stack and seen < max_nodes:

@@ -24,10 +24,9 @@ def span_annotation(tag: str, span_id: str) -> dict[str, tuple[str, ...]]:
 
 
 def span_figures(scheduler, span_id: str) -> dict[str, Any] | None:
-    """A span's figures over it and its sub-spans: ``name``, ``enqueued``, ``start``,
-    ``stop`` (seconds since the epoch; ``start`` 0 until a task finished, ``stop`` now until
-    ``done``), ``done``, ``duration`` (task seconds) and ``nbytes_total`` (output bytes);
-    None without a scheduler, its spans extension or that span."""
+    """A span's ``name``, ``enqueued``, ``start``, ``stop`` (epoch seconds), ``done``, ``duration``
+    (task seconds) and ``nbytes_total``, sub-spans included; None when unavailable.
+    """
     ext = scheduler.extensions.get("spans") if scheduler is not None else None
     span = ext.spans.get(span_id) if ext is not None else None
     if span is None or not any(True for _ in span.traverse_groups()):

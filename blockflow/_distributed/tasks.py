@@ -260,10 +260,9 @@ def held_results(scheduler) -> Mapping[str, list[HeldResult]]:
 
 
 def unsatisfiable_tasks(scheduler) -> list[tuple[Any, dict]]:
-    """``(key, resources)`` of the tasks ready to run but held in ``no-worker`` because no
-    connected worker declares the resources they need (``resources={"GPU": 1}`` on a cluster
-    without GPU workers). Empty when no worker is connected at all (then every task waits,
-    a different problem). Tasks blockflow holds back (:func:`hold_tasks`) are not listed."""
+    """``(key, resources)`` of tasks in ``no-worker`` because no connected worker declares their
+    resources; empty with no worker; held tasks (:func:`hold_tasks`) excluded.
+    """
     workers = list(scheduler.workers.values())
     if not workers:
         return []
@@ -321,10 +320,9 @@ class RunningTask:
 
 
 def running_tasks(scheduler, now: float) -> dict[str, list[RunningTask]]:
-    """address -> the tasks it reported running at its last heartbeat and still runs (the
-    scheduler still has them processing there), with their elapsed time to ``now``
-    (seconds since the epoch). ``kernel`` marks tasks running a blockflow kernel that may be
-    copied (found in the task's spec, as for working sets)."""
+    """address -> the tasks it still runs (per its last heartbeat), with their elapsed seconds to
+    ``now``; ``kernel`` marks copyable blockflow kernels.
+    """
     out: dict[str, list[RunningTask]] = {}
     known = _KERNEL.setdefault(scheduler, {})
     for addr, ws in scheduler.workers.items():

@@ -234,10 +234,9 @@ async def call_worker(worker, address: str, op: str, **kwargs) -> Any:
 
 
 async def listed_workers(node, addresses) -> set[str]:
-    """Those of ``addresses`` that the scheduler lists as workers now, asked by ``node`` (a
-    worker or a client: each holds an RPC to the scheduler, ``node.scheduler``): one small
-    request (the scheduler's ``ncores`` handler, the worker addresses it knows among those
-    asked)."""
+    """Those of ``addresses`` the scheduler lists as workers now, asked by ``node`` (a worker or a
+    client) with one ``ncores`` request.
+    """
     return set(await node.scheduler.ncores(workers=list(addresses)))
 
 
@@ -247,11 +246,9 @@ def worker_plugins(worker) -> dict:
 
 
 def registered_worker_plugin(worker, name: str, timeout: float = 60) -> bytes | None:
-    """From a task thread of ``worker``: worker plugin ``name`` as the scheduler keeps it for
-    workers that join later (serialised, ``Scheduler.worker_plugins``), or None once
-    unregistered. Asked over the worker's own connection to the scheduler (its
-    ``run_function`` handler, as ``Client.run_on_scheduler`` asks), so no worker client is
-    made (one would outlive the worker's cluster)."""
+    """From a task thread: worker plugin ``name`` as the scheduler keeps it (serialised), or None;
+    asked over the worker's own scheduler connection.
+    """
 
 
     async def ask():
@@ -271,10 +268,9 @@ def _scheduler_worker_plugin(name: str, dask_scheduler=None) -> bytes | None:
 
 
 def task_retries_given() -> int:
-    """From a task thread on a worker: distributed's task retries of the running task as
-    submitted (``client.compute(..., retries=n)``, ``Client.submit(retries=n)``,
-    ``dask.annotate(retries=n)``: the ``retries`` annotation the scheduler sends with the
-    task, ``TaskState.annotations`` on the worker); 0 without them or off a worker."""
+    """From a task thread: the running task's ``retries`` annotation as submitted; 0 without one
+    or off a worker.
+    """
     worker, key = current_worker(), current_task_key()
     if worker is None or key is None:
         return 0
@@ -286,11 +282,9 @@ def task_retries_given() -> int:
 
 
 def task_retries_left(timeout: float = 10) -> int | None:
-    """From a task thread on a worker: the task retries the scheduler still holds for the
-    running task (``TaskState.retries``, one less after each erred run), asked over the
-    worker's own connection to the scheduler (its ``run_function`` handler, as
-    ``Client.run_on_scheduler`` asks). None off a worker, when the scheduler no longer knows
-    the task, or when it does not answer within ``timeout`` seconds."""
+    """From a task thread: the retries the scheduler still holds for the running task
+    (``TaskState.retries``); None off a worker, for an unknown task, or after ``timeout`` s.
+    """
 
 
     worker, key = current_worker(), current_task_key()
@@ -386,10 +380,9 @@ def call_worker_soon(worker, address: str, op: str, **kwargs) -> None:
 
 
 def call_worker_threadsafe(worker, address: str, op: str, **kwargs):
-    """From a task thread of ``worker``: call RPC handler ``op`` of the worker at
-    ``address`` on ``worker``'s event loop (its pooled connections) without blocking the
-    thread; returns a :class:`concurrent.futures.Future` of the reply (its exception when
-    the call failed), for the caller to check later."""
+    """From a task thread: call handler ``op`` of the worker at ``address`` on ``worker``'s loop;
+    returns a :class:`concurrent.futures.Future` of the reply.
+    """
 
     return asyncio.run_coroutine_threadsafe(call_worker(worker, address, op, **kwargs),
                                             worker.loop.asyncio_loop)

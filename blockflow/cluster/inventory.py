@@ -104,10 +104,7 @@ def _probe_worker(gpu_workers=(), dask_worker=None) -> dict:
 
 
 class Inventory:
-    """Table of a cluster's workers and their resources (see :func:`inventory`).
-
-    Iterable over :class:`WorkerResources`; ``len()`` is the number of workers.
-    """
+    """Table of a cluster's workers: iterable over :class:`WorkerResources` (:func:`inventory`)."""
 
     def __init__(self, workers: list[WorkerResources]):
         self.workers = sorted(workers, key=lambda w: w.address)

@@ -1,8 +1,4 @@
-"""The data behind the dashboard page and the JSON routes, read from the scheduler.
-
-One function, :func:`dashboard_state`, builds a plain-data snapshot: one row per worker and
-the rebalancer's recent decisions. Read-only: nothing here changes the scheduler.
-"""
+"""The data behind the dashboard page and the JSON routes (:func:`dashboard_state`), read-only."""
 
 from __future__ import annotations
 

@@ -61,10 +61,8 @@ __all__ = [
 
 
 def as_host(obj: Any) -> Any:
-    """``obj`` as a host object: CuPy -> NumPy, cuDF -> pandas, Dask collection -> computed,
-    :class:`SimulatedDeviceBlock` -> its payload; anything else unchanged.
-
-    GPU packages are never imported here: device objects are recognised by their module.
+    """``obj`` as a host object (CuPy -> NumPy, cuDF -> pandas, Dask -> computed, device block ->
+    payload), without importing GPU packages.
     """
     if hasattr(obj, "__dask_graph__") and obj.__dask_graph__() is not None:
         obj = obj.compute()

