@@ -1,6 +1,5 @@
 """Actions on the scheduler: pause, move, restrict, hold, release, fail, backups; plain data in,
-whether it acted out.
-"""
+whether it acted out."""
 
 from __future__ import annotations
 
@@ -44,9 +43,8 @@ def set_worker_status(scheduler, address: str, paused: bool, stimulus_id: str) -
 def retire_idle_worker(scheduler, address: str, stimulus_id: str) -> bool:
     """Retire ``address`` if no task is processing on it (``Scheduler.retire_workers``).
 
-    Paused in the same step as the check so nothing lands on it meanwhile. False when the worker
-    is gone, busy or already leaving.
-    """
+    Paused in the same step as the check so nothing lands on it meanwhile. False when the worker is
+    gone, busy or already leaving."""
     ws = scheduler.workers.get(address)
     if ws is None or ws.processing or ws.status not in (Status.running, Status.paused):
         return False
@@ -61,8 +59,7 @@ def move_task(scheduler, key, victim: str, thief: str) -> bool:
     """Ask ``victim`` to give up its queued task ``key`` for ``thief`` (work-stealing protocol).
 
     False when no request was sent (task or worker gone, task started or no longer waiting on
-    ``victim``, stealing disabled, a move pending); a started task never moves.
-    """
+    ``victim``, stealing disabled, a move pending); a started task never moves."""
     stealing = scheduler.extensions.get("stealing")
     ts = scheduler.tasks.get(key)
     v, t = scheduler.workers.get(victim), scheduler.workers.get(thief)
@@ -77,8 +74,7 @@ def move_task(scheduler, key, victim: str, thief: str) -> bool:
 def restrict_task(scheduler, key, address: str | Iterable[str]) -> bool:
     """Pin an unassigned task to one worker or a set of workers (strict restriction).
 
-    False when the task is gone, assigned, finished, user-restricted, or no worker is connected.
-    """
+    False when the task is gone, assigned, finished, user-restricted, or no worker is connected."""
     ts = scheduler.tasks.get(key)
     addresses = {address} if isinstance(address, str) else set(address)
     addresses &= set(scheduler.workers)
@@ -93,8 +89,7 @@ def restrict_task(scheduler, key, address: str | Iterable[str]) -> bool:
 class suspend_work_stealing:
     """Stop distributed's balancing loop (not the stealing protocol) until :meth:`restore`.
 
-    Its balancer treats all workers as equally fast, which undoes speed-aware placement.
-    """
+    Its balancer treats all workers as equally fast, which undoes speed-aware placement."""
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
@@ -134,8 +129,7 @@ def fail_tasks(scheduler, keys, exception: BaseException, stimulus_id: str) -> i
 
 def hold_tasks(scheduler, keys, stimulus_id: str | None = None) -> list:
     """Hold unscheduled tasks in ``no-worker`` (restricted to :data:`HOLD_ADDRESS`) until
-    :func:`release_tasks`; ``queued`` tasks of earlier graphs too. Returns the keys held.
-    """
+    :func:`release_tasks`; ``queued`` tasks of earlier graphs too. Returns the keys held."""
     held, queued = [], []
     for key in keys:
         ts = scheduler.tasks.get(key)
@@ -181,8 +175,7 @@ def call_soon(scheduler, fn: Callable[[], Any]) -> None:
 
 async def request_backup(scheduler, key, victim: str, target: str, timeout: float) -> dict:
     """Ask ``victim`` to start a backup copy of its running task ``key`` on ``target``; the reply
-    of its ``blockflow_speculate`` handler, or ``{"outcome": "failed", "error": ...}``.
-    """
+    of its ``blockflow_speculate`` handler, or ``{"outcome": "failed", "error": ...}``."""
     try:
         return await asyncio.wait_for(
             scheduler.rpc(victim).blockflow_speculate(key=key, target=target), timeout)

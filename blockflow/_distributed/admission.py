@@ -2,8 +2,7 @@
 
 :func:`feeder_tasks` finds them, :func:`feeder_states` (and the lazy snapshot
 :class:`FeederStates`) says where each stands for
-:class:`blockflow.scheduling.rules.AdmissionRule`.
-"""
+:class:`blockflow.scheduling.rules.AdmissionRule`."""
 
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ __all__ = ["FeederStates", "FeederView", "feeder_state_view", "feeder_states", "
 
 
 class FeederStates:
-    """key -> feeder state (:func:`blockflow._distributed.feeder_states`), read on first access;
-    an unknown key reads ``"done"``.
-    """
+    """key -> feeder state (:func:`blockflow._distributed.feeder_states`), read on first access; an
+    unknown key reads ``"done"``."""
 
     def __init__(self, scheduler):
         self._scheduler = scheduler
@@ -82,9 +80,8 @@ _HELD = frozenset({HOLD_ADDRESS})
 
 def feeder_tasks(scheduler, keys, expect: Collection[str] = ()) -> list[FeederView]:
     """The feeders among ``keys`` and the unfinished earlier tasks they depend on, in priority
-    order: unrestricted tasks whose dependents all need worker resources (distributed#9164).
-    With ``expect`` (task prefixes), also new tasks of those prefixes with no dependents yet.
-    """
+    order: unrestricted tasks whose dependents all need worker resources (distributed#9164). With
+    ``expect`` (task prefixes), also new tasks of those prefixes with no dependents yet."""
     candidates = []
     for key in keys:
         ts = scheduler.tasks.get(key)
@@ -135,9 +132,8 @@ _READY = frozenset({"queued", "no-worker", "processing"})
 
 def feeder_states(scheduler, keys) -> dict:
     """key -> feeder state: ``"held"``, ``"orphan"`` (held, no consumer left), ``"pending"``,
-    ``"running"``, ``"feeding"`` (in memory, a ready consumer unfinished), ``"stored"`` (in
-    memory, consumers wait for other inputs) or ``"done"``.
-    """
+    ``"running"``, ``"feeding"`` (in memory, a ready consumer unfinished), ``"stored"`` (in memory,
+    consumers wait for other inputs) or ``"done"``."""
     out = {}
     for key in keys:
         ts = scheduler.tasks.get(key)

@@ -1,7 +1,6 @@
 """Compatibility checks: does the running distributed still have the internals blockflow uses?
 
-Each check raises :class:`IncompatibleSchedulerError` naming the internal and the version.
-"""
+Each check raises :class:`IncompatibleSchedulerError` naming the internal and the version."""
 
 from __future__ import annotations
 

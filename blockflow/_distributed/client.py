@@ -1,6 +1,5 @@
 """The client side: distributed's client API where blockflow needs more than its public face
-(``Client.who_has``, ``ProgressBar``'s drawing hook, ``is_kernel``, the GC timer callback).
-"""
+(``Client.who_has``, ``ProgressBar``'s drawing hook, ``is_kernel``, the GC timer callback)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""What blockflow installs into the scheduler: plugins, handlers, callbacks, AMM policies,
-HTTP routes and dashboard pages.
-"""
+"""What blockflow installs into the scheduler: plugins, handlers, callbacks, AMM policies, HTTP
+routes and dashboard pages."""
 
 from __future__ import annotations
 
@@ -88,8 +87,7 @@ class AMMPolicy(ActiveMemoryManagerPolicy):
     """Base of blockflow's Active Memory Manager policies: plain data in, plain data out.
 
     :meth:`plan` yields :class:`MemorySuggestion` objects and is sent the chosen address (None:
-    declined); this class turns them into distributed's ``Suggestion`` s.
-    """
+    declined); this class turns them into distributed's ``Suggestion`` s."""
 
     def plan(self, workers: dict[str, WorkerView],
              held: Mapping[str, list[HeldResult]]):  # pragma: no cover - abstract
@@ -155,8 +153,7 @@ def http_prefix(scheduler) -> str:
 
 def add_http_routes(scheduler, routes) -> bool:
     """Serve ``routes`` (``[(path, handler, kwargs)]``, handlers get ``dask_server``) from the
-    scheduler's HTTP server; False without one.
-    """
+    scheduler's HTTP server; False without one."""
     app = getattr(scheduler, "http_application", None)
     if app is None:
         return False
@@ -168,8 +165,7 @@ def add_http_routes(scheduler, routes) -> bool:
 
 def add_dashboard_page(scheduler, path: str, doc_fn, menu_name: str) -> bool:
     """Serve a Bokeh page ``doc_fn(scheduler, extra, doc)`` at ``path`` and list it in the
-    "More..." menu. False when the scheduler has no Bokeh dashboard.
-    """
+    "More..." menu. False when the scheduler has no Bokeh dashboard."""
     if not serves_bokeh_dashboard(scheduler):  # checked first: Bokeh is not imported then
         return False
     app = scheduler.http_application

@@ -1,7 +1,6 @@
 """distributed's private NVML helpers (:mod:`distributed.diagnostics.nvml`) behind plain functions.
 
-Each raises what the helper raises; :mod:`blockflow.devices` turns errors into "unknown".
-"""
+Each raises what the helper raises; :mod:`blockflow.devices` turns errors into "unknown"."""
 
 from __future__ import annotations
 

@@ -38,8 +38,7 @@ def task_work(scheduler, key) -> float | None:
 
 def task_facts(scheduler, key) -> tuple[str, float | None, float | None]:
     """``(group, work, size)`` of task ``key`` (:func:`task_work`, :func:`task_size`); ``(group,
-    None, None)`` for an unknown key.
-    """
+    None, None)`` for an unknown key."""
     ts = scheduler.tasks.get(key)
     if ts is None:
         return key_split(key), None, None
@@ -181,8 +180,7 @@ def _spec_plan(t: type) -> tuple:
 
 def _declaring_objects(run_spec, max_nodes: int = 256) -> list:
     """The objects in a task's spec with a ``blockflow_working_set`` or ``blockflow_placement``
-    method, at most ``max_nodes`` nodes searched.
-    """
+    method, at most ``max_nodes`` nodes searched."""
     stack, seen, found = [run_spec], 0, []
     plans, leaves = _spec_plans, _LEAF_TYPES
     while stack and seen < max_nodes:
@@ -261,8 +259,7 @@ def _placement(objects: list) -> dict | None:
 
 def set_task_placement(scheduler, key, placement: Mapping[str, Any]) -> bool:
     """Restrict an unscheduled task as ``placement`` (:func:`task_placement`) asks. False when the
-    task is gone or past ``released``/``waiting``.
-    """
+    task is gone or past ``released``/``waiting``."""
     ts = scheduler.tasks.get(key)
     if ts is None or ts.state not in ("released", "waiting"):
         return False

@@ -25,8 +25,7 @@ def span_annotation(tag: str, span_id: str) -> dict[str, tuple[str, ...]]:
 
 def span_figures(scheduler, span_id: str) -> dict[str, Any] | None:
     """A span's ``name``, ``enqueued``, ``start``, ``stop`` (epoch seconds), ``done``, ``duration``
-    (task seconds) and ``nbytes_total``, sub-spans included; None when unavailable.
-    """
+    (task seconds) and ``nbytes_total``, sub-spans included; None when unavailable."""
     ext = scheduler.extensions.get("spans") if scheduler is not None else None
     span = ext.spans.get(span_id) if ext is not None else None
     if span is None or not any(True for _ in span.traverse_groups()):

@@ -1,6 +1,5 @@
 """Worker side of backup copies: the plugin serving the copy handlers
-(:data:`blockflow.core.speculation.HANDLERS`, imported by dotted path on the worker).
-"""
+(:data:`blockflow.core.speculation.HANDLERS`, imported by dotted path on the worker)."""
 
 from __future__ import annotations
 

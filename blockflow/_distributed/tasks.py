@@ -188,9 +188,8 @@ _NEW_VIEW_DEFAULTS = {"duration": 0.0, "duration_measured": True, "input_bytes":
 
 
 def new_task_views(scheduler, keys) -> list[TaskView]:
-    """Views of the tasks of a graph that just arrived, in the order of ``keys``; gone keys skipped,
-    no comm costs.
-    """
+    """Views of the tasks of a graph that just arrived, in the order of ``keys``; gone keys
+    skipped, no comm costs."""
     out = []
     tasks = scheduler.tasks
     new = object.__new__
@@ -222,8 +221,7 @@ def waiting_tasks(scheduler, *, thieves: list[str] | None = None,
     run first; actors and tasks with a pending move skipped, comm costs to each of ``thieves``.
 
     Tasks about to start on a free thread are left out; on a ``stopped`` worker every task not
-    started is waiting.
-    """
+    started is waiting."""
     stealing = scheduler.extensions.get("stealing")
     in_flight = stealing.in_flight if stealing is not None else {}
 
@@ -261,8 +259,7 @@ def held_results(scheduler) -> Mapping[str, list[HeldResult]]:
 
 def unsatisfiable_tasks(scheduler) -> list[tuple[Any, dict]]:
     """``(key, resources)`` of tasks in ``no-worker`` because no connected worker declares their
-    resources; empty with no worker; held tasks (:func:`hold_tasks`) excluded.
-    """
+    resources; empty with no worker; held tasks (:func:`hold_tasks`) excluded."""
     workers = list(scheduler.workers.values())
     if not workers:
         return []
@@ -321,8 +318,7 @@ class RunningTask:
 
 def running_tasks(scheduler, now: float) -> dict[str, list[RunningTask]]:
     """address -> the tasks it still runs (per its last heartbeat), with their elapsed seconds to
-    ``now``; ``kernel`` marks copyable blockflow kernels.
-    """
+    ``now``; ``kernel`` marks copyable blockflow kernels."""
     out: dict[str, list[RunningTask]] = {}
     known = _KERNEL.setdefault(scheduler, {})
     for addr, ws in scheduler.workers.items():

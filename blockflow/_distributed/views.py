@@ -91,9 +91,8 @@ class WorkerView:
         return self.finish_at(self.occupancy)
 
     def finish_at(self, occupancy: float) -> float:
-        """Seconds this worker needs for ``occupancy`` seconds of work at the typical
-        speed: at its learned speed, or at it for :attr:`slow_for` seconds and at the
-        typical speed after."""
+        """Seconds this worker needs for ``occupancy`` seconds of work at the typical speed: at its
+        learned speed, or at it for :attr:`slow_for` seconds and at the typical speed after."""
         threads = max(self.nthreads, 1)
         speed = max(self.speed, 1e-6)
         work = occupancy / threads
@@ -104,8 +103,7 @@ class WorkerView:
     @property
     def others_utilization(self) -> float | None:
         """GPU utilisation (percent) taken by work other than this worker's and its
-        :attr:`device_peers`' own tasks (:func:`own_utilization_estimate`); None when
-        unknown."""
+        :attr:`device_peers`' own tasks (:func:`own_utilization_estimate`); None when unknown."""
         util = self.metrics.gpu_utilization
         if util is None:
             return None

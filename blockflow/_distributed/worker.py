@@ -1,6 +1,5 @@
-"""The worker side: metrics, comm handlers (:class:`HandlerPlugin`), held data, resources,
-task threads, and :class:`QuietClose`.
-"""
+"""The worker side: metrics, comm handlers (:class:`HandlerPlugin`), held data, resources, task
+threads, and :class:`QuietClose`."""
 
 from __future__ import annotations
 
@@ -103,8 +102,7 @@ def worker_metric(worker, name: str):
 
 class HandlerPlugin(WorkerPlugin):
     """Base of the worker plugins that serve blockflow's comm handlers (subclasses set ``name`` and
-    :meth:`handlers`); ``setup`` runs :func:`~blockflow._distributed.checks.check_worker` first.
-    """
+    :meth:`handlers`); ``setup`` runs :func:`~blockflow._distributed.checks.check_worker` first."""
 
     name: str
 
@@ -227,16 +225,14 @@ def has_worker_handler(worker, name: str) -> bool:
 
 
 async def call_worker(worker, address: str, op: str, **kwargs) -> Any:
-    """Call RPC handler ``op`` of the worker at ``address`` from ``worker``: send
-    ``{"op": op, **kwargs}`` over the worker's pooled connections (``Worker.rpc``) and return
-    the reply."""
+    """Call RPC handler ``op`` of the worker at ``address`` from ``worker``: send ``{"op": op,
+    **kwargs}`` over the worker's pooled connections (``Worker.rpc``) and return the reply."""
     return await getattr(worker.rpc(address), op)(**kwargs)
 
 
 async def listed_workers(node, addresses) -> set[str]:
     """Those of ``addresses`` the scheduler lists as workers now, asked by ``node`` (a worker or a
-    client) with one ``ncores`` request.
-    """
+    client) with one ``ncores`` request."""
     return set(await node.scheduler.ncores(workers=list(addresses)))
 
 
@@ -247,8 +243,7 @@ def worker_plugins(worker) -> dict:
 
 def registered_worker_plugin(worker, name: str, timeout: float = 60) -> bytes | None:
     """From a task thread: worker plugin ``name`` as the scheduler keeps it (serialised), or None;
-    asked over the worker's own scheduler connection.
-    """
+    asked over the worker's own scheduler connection."""
 
 
     async def ask():
@@ -268,9 +263,8 @@ def _scheduler_worker_plugin(name: str, dask_scheduler=None) -> bytes | None:
 
 
 def task_retries_given() -> int:
-    """From a task thread: the running task's ``retries`` annotation as submitted; 0 without one
-    or off a worker.
-    """
+    """From a task thread: the running task's ``retries`` annotation as submitted; 0 without one or
+    off a worker."""
     worker, key = current_worker(), current_task_key()
     if worker is None or key is None:
         return 0
@@ -283,8 +277,7 @@ def task_retries_given() -> int:
 
 def task_retries_left(timeout: float = 10) -> int | None:
     """From a task thread: the retries the scheduler still holds for the running task
-    (``TaskState.retries``); None off a worker, for an unknown task, or after ``timeout`` s.
-    """
+    (``TaskState.retries``); None off a worker, for an unknown task, or after ``timeout`` s."""
 
 
     worker, key = current_worker(), current_task_key()
@@ -313,9 +306,8 @@ def _scheduler_task_retries(key, dask_scheduler=None) -> int | None:
 
 
 def worker_data_values(worker) -> list:
-    """The results the worker holds in memory (``Worker.data``), spilled ones excluded; safe from
-    a thread beside the worker's event loop.
-    """
+    """The results the worker holds in memory (``Worker.data``), spilled ones excluded; safe from a
+    thread beside the worker's event loop."""
     data = worker.data
     fast = getattr(data, "fast", data)
     d = getattr(fast, "d", fast)
@@ -342,8 +334,7 @@ def worker_declared_resources(worker) -> dict:
 
 async def declare_worker_resources(worker, resources: Mapping[str, float]) -> None:
     """Declare more resources on a worker (``Worker.set_resources``); before it registers, only its
-    own accounting changes.
-    """
+    own accounting changes."""
 
     if worker.status in (Status.init, Status.created, Status.starting) \
             or getattr(worker, "batched_stream", None) is None \
@@ -381,8 +372,7 @@ def call_worker_soon(worker, address: str, op: str, **kwargs) -> None:
 
 def call_worker_threadsafe(worker, address: str, op: str, **kwargs):
     """From a task thread: call handler ``op`` of the worker at ``address`` on ``worker``'s loop;
-    returns a :class:`concurrent.futures.Future` of the reply.
-    """
+    returns a :class:`concurrent.futures.Future` of the reply."""
 
     return asyncio.run_coroutine_threadsafe(call_worker(worker, address, op, **kwargs),
                                             worker.loop.asyncio_loop)

@@ -1,8 +1,7 @@
 """Start an embedded cluster or connect to a running Dask scheduler, with blockflow's plugin.
 
-See :func:`connect`; the client's view of the cluster (:mod:`blockflow.scheduling.view`) and
-its waits (:mod:`blockflow.scheduling.wait`) are re-exported here.
-"""
+See :func:`connect`; the client's view of the cluster (:mod:`blockflow.scheduling.view`) and its
+waits (:mod:`blockflow.scheduling.wait`) are re-exported here."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Whether a Dask scheduler answers at an address: one bounded look before a Client connects.
 
-distributed's ``Client`` retries refused connections, waits for a handshake without bound
-and takes any reply's first 8 bytes as a frame length; :func:`probe_scheduler` looks first
-and names what it found. Method: blockflow heuristic on distributed's TCP framing
-(:mod:`blockflow._distributed.wire`).
-"""
+distributed's ``Client`` retries refused connections, waits for a handshake without bound and takes
+any reply's first 8 bytes as a frame length; :func:`probe_scheduler` looks first and names what it
+found. Method: blockflow heuristic on distributed's TCP framing
+(:mod:`blockflow._distributed.wire`)."""
 
 from __future__ import annotations
 

@@ -47,8 +47,7 @@ _MISSING = ("blockflow.cluster.hpc needs dask-jobqueue, which is not installed; 
 
 def batch_job(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The batch job this process runs in (Slurm, PBS, LSF, SGE), from ``environ`` (default
-    ``os.environ``): ``{"system", "job_id", "queue"}``, or ``{}``.
-    """
+    ``os.environ``): ``{"system", "job_id", "queue"}``, or ``{}``."""
     env = os.environ if environ is None else environ
     for system, job_var, queue_var, marker in _JOB_ENV:
         job_id = env.get(job_var)
@@ -316,8 +315,7 @@ def jobqueue_cluster(system: str = "slurm", *, queue: str | None = None, n_worke
 
 def slurm_cluster(queue: str | None = None, *, n_workers: int = 0, **kwargs: Any):
     """``jobqueue_cluster("slurm", queue=queue, n_workers=n_workers, **kwargs)``
-    (:func:`jobqueue_cluster`).
-    """
+    (:func:`jobqueue_cluster`)."""
     return jobqueue_cluster("slurm", queue=queue, n_workers=n_workers, **kwargs)
 
 

@@ -1,6 +1,5 @@
 """Kubernetes through dask-kubernetes' operator: ``DaskCluster`` / ``DaskWorkerGroup`` manifests
-with blockflow's scheduler preload, worker resources and GPU limits.
-"""
+with blockflow's scheduler preload, worker resources and GPU limits."""
 
 from __future__ import annotations
 
@@ -133,8 +132,7 @@ def worker_group_spec(cluster: str, name: str, image: str, n_workers: int = 1, *
                       worker_command: str = "dask-worker") -> dict:
     """A ``DaskWorkerGroup`` manifest named ``<cluster>-<name>``: more workers for a DaskCluster.
 
-    Other parameters and errors as for :func:`cluster_spec`.
-    """
+    Other parameters and errors as for :func:`cluster_spec`."""
     operator = _operator()
     _check_count(n_workers, "n_workers")
     worker = operator.make_worker_spec(image=image, n_workers=n_workers, env=_env(env),

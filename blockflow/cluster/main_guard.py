@@ -1,8 +1,7 @@
 """A script that calls ``blockflow.connect()`` outside ``if __name__ == "__main__":``.
 
 A spawned child exits (:func:`exit_if_bootstrapping`) and the parent raises :data:`MESSAGE`.
-Method: Python's multiprocessing documentation, "Safe importing of main module".
-"""
+Method: Python's multiprocessing documentation, "Safe importing of main module"."""
 
 from __future__ import annotations
 

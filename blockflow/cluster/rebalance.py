@@ -1,6 +1,5 @@
 """Evening out device memory on request: :func:`rebalance`, the device-memory counterpart of
-``distributed.Client.rebalance`` (which balances host memory only).
-"""
+``distributed.Client.rebalance`` (which balances host memory only)."""
 
 from __future__ import annotations
 

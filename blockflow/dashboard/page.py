@@ -104,8 +104,7 @@ def _na(value, fmt) -> str:
 
 def _redraw_on_new_data(table: DataTable) -> None:
     """Make ``table`` redraw whenever its source's data is replaced (BokehJS 3.x redraws only on
-    new ``CDSView`` indices).
-    """
+    new ``CDSView`` indices)."""
     table.source.js_on_change("data", CustomJS(args={"table": table},
                                                code="table.view.change.emit()"))
 

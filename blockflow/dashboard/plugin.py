@@ -16,9 +16,8 @@ PAGE_PATH = "/blockflow"
 
 
 class DashboardPlugin(SchedulerPlugin):
-    """Serve ``/blockflow``, ``/blockflow/status.json`` and ``/blockflow/decisions.json`` (read-only)
-    from the scheduler; nothing without an HTTP server or Bokeh.
-    """
+    """Serve ``/blockflow``, ``/blockflow/status.json`` and ``/blockflow/decisions.json``
+    (read-only) from the scheduler; nothing without an HTTP server or Bokeh."""
 
     name = "blockflow-dashboard"
     idempotent = True

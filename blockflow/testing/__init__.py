@@ -1,7 +1,6 @@
 """Public helpers for tests: compare results across backends (:func:`assert_eq`), simulated GPU
-workers and clusters, a local Slurm and network-namespace hosts. Production modules of
-blockflow never import this package.
-"""
+workers and clusters, a local Slurm and network-namespace hosts. Production modules of blockflow
+never import this package."""
 
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ __all__ = [
 
 def as_host(obj: Any) -> Any:
     """``obj`` as a host object (CuPy -> NumPy, cuDF -> pandas, Dask -> computed, device block ->
-    payload), without importing GPU packages.
-    """
+    payload), without importing GPU packages."""
     if hasattr(obj, "__dask_graph__") and obj.__dask_graph__() is not None:
         obj = obj.compute()
     if isinstance(obj, SimulatedDeviceBlock):

@@ -1,6 +1,5 @@
-"""Clusters of simulated GPU workers: start one, or give an existing one simulated devices.
-Both return once every equipped worker's GPU metrics reached the scheduler.
-"""
+"""Clusters of simulated GPU workers: start one, or give an existing one simulated devices. Both
+return once every equipped worker's GPU metrics reached the scheduler."""
 
 from __future__ import annotations
 

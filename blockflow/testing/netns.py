@@ -1,9 +1,8 @@
 """Hosts made of Linux network namespaces, and a Dask cluster spread over them, for tests.
 
-Each host is a namespace with a veth link to a bridge on ``10.231.X.0/24``; links can be cut
-and rate-limited (``ip``, ``tc``). Needs root (``CAP_NET_ADMIN``) and ``iproute2``
-(:func:`netns_unavailable` says why not); ``close()`` removes everything a network made.
-"""
+Each host is a namespace with a veth link to a bridge on ``10.231.X.0/24``; links can be cut and
+rate-limited (``ip``, ``tc``). Needs root (``CAP_NET_ADMIN``) and ``iproute2``
+(:func:`netns_unavailable` says why not); ``close()`` removes everything a network made."""
 
 from __future__ import annotations
 
@@ -81,8 +80,7 @@ class Host:
         return p
 
     def run(self, args: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
-        """Run ``args`` on this host to the end (``subprocess.run`` arguments in
-        ``kwargs``)."""
+        """Run ``args`` on this host to the end (``subprocess.run`` arguments in ``kwargs``)."""
         return subprocess.run(self.command(args), **kwargs)
 
     def cut(self) -> None:

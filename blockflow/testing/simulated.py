@@ -1,7 +1,6 @@
 """Simulated GPU workers: CPU workers that report measured, NVML-style GPU metrics.
 
-Transfers, spilling and launch overheads are not simulated.
-"""
+Transfers, spilling and launch overheads are not simulated."""
 from __future__ import annotations
 
 import copy

@@ -25,8 +25,7 @@ _UUID_NAMESPACE = uuid.UUID("5f0c6f7e-2b1d-4c4e-9a57-b10cf10e51a5")
 @dataclass(frozen=True, eq=False)
 class SimulatedDeviceBlock:
     """A result in simulated device memory: a small real ``payload`` and a simulated ``nbytes``
-    (int or ``"256MiB"``; default the payload's).
-    """
+    (int or ``"256MiB"``; default the payload's)."""
 
     payload: Any
     nbytes: int = None  # type: ignore[assignment]
@@ -54,8 +53,7 @@ class OutOfMemoryError(MemoryError):
 
 class SimulatedOutOfMemoryError(OutOfMemoryError):
     """A simulated kernel's working set does not fit in free simulated device memory (worded as
-    CuPy's).
-    """
+    CuPy's)."""
 
     def __init__(self, size: int, allocated: int, where: str = ""):
         self.size, self.allocated, self.where = int(size), int(allocated), where

@@ -1,6 +1,5 @@
-"""A real one-node Slurm for tests: munge, slurmctld and slurmd started without systemd, every
-file in one temporary folder (:func:`local_slurm`); :class:`SlurmUnavailable` says why not.
-"""
+"""A real one-node Slurm for tests: munge, slurmctld and slurmd started without systemd, every file
+in one temporary folder (:func:`local_slurm`); :class:`SlurmUnavailable` says why not."""
 
 from __future__ import annotations
 

@@ -20,8 +20,7 @@ class _Busy:
 
 class SimulatedLinear(torch.nn.Linear):
     """``nn.Linear`` taking ``work`` reference-seconds forward (default 0.02) and twice that
-    backward on the worker's simulated device; ``**kwargs`` go to ``torch.nn.Linear``.
-    """
+    backward on the worker's simulated device; ``**kwargs`` go to ``torch.nn.Linear``."""
 
     def __init__(self, in_features: int, out_features: int, work: float = 0.02, **kwargs):
         super().__init__(in_features, out_features, **kwargs)

@@ -1,7 +1,6 @@
 """Ready workloads that blockflow's CLI runs; each submodule's ``run(client, ...)`` returns a
 result with the data, timings and per-worker task counts. Oracles:
-:mod:`blockflow.workloads.reference`.
-"""
+:mod:`blockflow.workloads.reference`."""
 
 __all__ = ["JobFailed"]
 

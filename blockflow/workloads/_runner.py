@@ -113,8 +113,7 @@ class StepProgress:
 
 class StageProgress:
     """The progress bar of one stage of a job (:func:`new_bar`), from blockflow's run record
-    (``before``) or distributed's progress feed; call :meth:`finish` at the stage's end.
-    """
+    (``before``) or distributed's progress feed; call :meth:`finish` at the stage's end."""
 
     def __init__(self, client, label: str, *, run_id: str, before: dict | None, futures):
         self.client, self.label, self.run_id, self.before = client, label, run_id, before

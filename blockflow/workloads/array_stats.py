@@ -1,8 +1,7 @@
 """Array statistics workload: per-grid-point moments of a generated temperature field.
 
 Partials are merged with the pairwise update of Chan, Golub & LeVeque (1979, STAN-CS-79-773)
-(:func:`blockflow.core.moments.merge_moments`), as dask's ``moment_*`` functions do.
-"""
+(:func:`blockflow.core.moments.merge_moments`), as dask's ``moment_*`` functions do."""
 
 from __future__ import annotations
 
@@ -70,9 +69,8 @@ def _generate_dask_block(*, seed, shape, block_id=None, block_info=None):
 
 
 def generate_field(size: str = "small", seed: int = 0) -> xr.DataArray:
-    """The synthetic temperature field (float32, kelvin, ``(time, lat, lon)``), lazy; block
-    ``(i, j, k)`` seeded ``[seed, i, j, k]``.
-    """
+    """The synthetic temperature field (float32, kelvin, ``(time, lat, lon)``), lazy; block ``(i,
+    j, k)`` seeded ``[seed, i, j, k]``."""
     spec = _spec(size)
     seed = _check_seed(seed)
     # Full per-axis chunk tuples: with no input arrays, dask takes the shape from chunks=.

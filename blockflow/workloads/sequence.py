@@ -1,6 +1,5 @@
-"""Pipeline-parallel training workload: a small transformer on a synthetic sequence task, cut
-into stages by :class:`blockflow.PipelineParallel`.
-"""
+"""Pipeline-parallel training workload: a small transformer on a synthetic sequence task, cut into
+stages by :class:`blockflow.PipelineParallel`."""
 
 from __future__ import annotations
 

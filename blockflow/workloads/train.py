@@ -1,6 +1,5 @@
 """Workload: train a delay classifier on the 2013 NYC flights (``blockflow run train``) with
-:class:`blockflow.ml.DataParallelTrainer`; is a flight more than 15 minutes late?
-"""
+:class:`blockflow.ml.DataParallelTrainer`; is a flight more than 15 minutes late?"""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ N_FEATURES = 2 + len(CARRIERS) + len(ORIGINS) + 2
 
 def flight_features(part) -> "np.ndarray":
     """Kernel: float32 features and label (last column, 1.0 when ``arr_delay`` > 15 min) of the
-    flights with departure time and both delays.
-    """
+    flights with departure time and both delays."""
     part = part[part["dep_time"].notna() & part["dep_delay"].notna()
                 & part["arr_delay"].notna()]
     dep = part["dep_time"].to_numpy(dtype=np.float64)
