@@ -1,5 +1,4 @@
-"""Actions on the scheduler: pause, move, restrict, hold, release, fail, backups; plain data in,
-whether it acted out."""
+"""Actions on the scheduler: pause, move, restrict, hold, release, fail, backups."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ __all__ = [
 
 
 def set_worker_status(scheduler, address: str, paused: bool, stimulus_id: str) -> bool:
-    """Pause (or resume) a worker on the scheduler side only; the worker keeps running the
-    tasks it already has. False when the worker is gone."""
+    """Pause (or resume) a worker on the scheduler side only; False when it is gone."""
     ws = scheduler.workers.get(address)
     if ws is None:
         return False
@@ -148,9 +146,7 @@ def hold_tasks(scheduler, keys, stimulus_id: str | None = None) -> list:
 
 
 def release_tasks(scheduler, keys, stimulus_id: str) -> list:
-    """Lift :func:`hold_tasks`'s hold; tasks ready to run are scheduled at once (distributed
-    picks the worker, as for any unrestricted task), the others when their inputs are done.
-    Returns the keys released."""
+    """Lift :func:`hold_tasks`'s hold (ready ones run at once); returns the keys released."""
     released, recs = [], []
     for key in keys:
         ts = scheduler.tasks.get(key)
@@ -168,8 +164,7 @@ def release_tasks(scheduler, keys, stimulus_id: str) -> list:
 
 
 def call_soon(scheduler, fn: Callable[[], Any]) -> None:
-    """Run ``fn()`` on the scheduler's event loop, after the current handler (e.g. from a
-    plugin's ``transition`` hook, where changing scheduler state is not safe)."""
+    """Run ``fn()`` on the scheduler's loop after the current handler."""
     scheduler.loop.add_callback(fn)
 
 

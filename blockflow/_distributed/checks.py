@@ -111,9 +111,7 @@ def check_scheduler(scheduler) -> None:
 
 
 def serves_bokeh_dashboard(scheduler) -> bool:
-    """Whether the scheduler serves distributed's Bokeh dashboard. Read without importing
-    Bokeh: a scheduler started without a dashboard never loads it (Bokeh's models are some
-    100,000 objects every full garbage collection of the scheduler would walk)."""
+    """Whether the scheduler serves distributed's Bokeh dashboard (Bokeh not imported)."""
     app = getattr(scheduler, "http_application", None)
     return app is not None and any("bokeh" in type(a).__name__.lower()
                                    for a in getattr(app, "applications", ()))
@@ -165,8 +163,7 @@ def check_worker(worker) -> None:
 
 
 def check_worker_state(ws) -> None:
-    """Verify a live ``WorkerState`` has every attribute this module reads (run when the first
-    worker joins: a scheduler started with ``--preload`` has none at start)."""
+    """Verify a live ``WorkerState`` has every attribute this module reads."""
     for name in _WORKER_STATE_ATTRS:
         if not hasattr(ws, name):
             _fail(f"WorkerState.{name}")

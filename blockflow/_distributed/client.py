@@ -1,5 +1,4 @@
-"""The client side: distributed's client API where blockflow needs more than its public face
-(``Client.who_has``, ``ProgressBar``'s drawing hook, ``is_kernel``, the GC timer callback)."""
+"""The client side: distributed's client API where blockflow needs more than its public face."""
 
 from __future__ import annotations
 
@@ -14,9 +13,7 @@ __all__ = ["SchedulerProgress", "call_scheduler_handler", "data_holders", "has_s
 
 
 def is_gc_diagnosis_callback(obj) -> bool:
-    """Whether ``obj`` is distributed's garbage-collection timer callback
-    (``distributed.gc.GCDiagnosis``), whose exceptions Python reports as "Exception ignored
-    in ..."."""
+    """Whether ``obj`` is distributed's garbage-collection timer callback (``GCDiagnosis``)."""
     return getattr(obj, "__func__", None) is GCDiagnosis._gc_callback
 
 
@@ -65,6 +62,5 @@ def has_scheduler_plugin(client, name: str) -> bool:
 
 
 async def call_scheduler_handler(comm, name: str, **kwargs):
-    """Call the scheduler RPC handler ``name`` through ``comm`` (a cluster's
-    ``scheduler_comm`` or a client's ``scheduler``) and return its answer."""
+    """Call the scheduler RPC handler ``name`` through ``comm`` and return its answer."""
     return await getattr(comm, name)(**kwargs)

@@ -1,4 +1,4 @@
-"""A ``SpecCluster``'s private hooks (``_correct_state``, ``Cluster._adaptive``) behind functions."""
+"""A ``SpecCluster``'s private hooks (``_correct_state``, ``Cluster._adaptive``) as functions."""
 
 from __future__ import annotations
 
@@ -13,16 +13,13 @@ __all__ = ["correct_state_soon", "replace_adaptive", "start_spec_workers"]
 
 
 def correct_state_soon(cluster):
-    """Reconcile ``cluster``'s workers with its ``worker_spec`` on its event loop, as
-    ``SpecCluster.scale`` does; an awaitable that does nothing when ``cluster`` is asynchronous,
-    else None."""
+    """Reconcile ``cluster``'s workers with its ``worker_spec``, as ``SpecCluster.scale`` does."""
     cluster.loop.add_callback(cluster._correct_state)
     return NoOpAwaitable() if cluster.asynchronous else None
 
 
 def replace_adaptive(cluster, make: Callable[[], object]):
-    """Stop ``cluster``'s running adaptive (``Cluster._adaptive``), install ``make()`` in its
-    place and return it, as ``Cluster.adapt`` does."""
+    """Stop ``cluster``'s running adaptive, install ``make()`` in its place and return it."""
     old = getattr(cluster, "_adaptive", None)
     if old is not None:
         old.stop(reason="adapt-called")

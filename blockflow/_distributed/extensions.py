@@ -1,5 +1,4 @@
-"""What blockflow installs into the scheduler: plugins, handlers, callbacks, AMM policies, HTTP
-routes and dashboard pages."""
+"""What blockflow installs into the scheduler: plugins, handlers, AMM policies, dashboard pages."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_periodic_callback(scheduler, name: str, fn: Callable[[], Any], interval: float):
-    """Run ``fn`` every ``interval`` seconds on the scheduler's event loop, registered under
-    ``name`` in the scheduler's periodic callbacks (stopped with the scheduler)."""
+    """Run ``fn`` every ``interval`` seconds on the scheduler's loop, registered as ``name``."""
     pc = PeriodicCallback(fn, interval * 1000)
     scheduler.periodic_callbacks[name] = pc
     pc.start()
@@ -122,9 +120,7 @@ class AMMPolicy(ActiveMemoryManagerPolicy):
 
 
 def style_dashboard_doc(doc, component, extra: dict, *, title: str, interval_ms: int) -> None:
-    """Make a Bokeh document look and update like distributed's own dashboard pages:
-    ``component.update()`` every ``interval_ms`` (held weakly, so a closed tab leaves nothing
-    behind), distributed's page template, menu variables and theme."""
+    """Make a Bokeh document update (every ``interval_ms``) and look like distributed's pages."""
     from distributed.dashboard.components import add_periodic_callback
     from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 
@@ -194,8 +190,7 @@ def add_dashboard_page(scheduler, path: str, doc_fn, menu_name: str) -> bool:
 
 async def register_worker_plugin_on_scheduler(scheduler, plugin, name: str,
                                               idempotent: bool = False) -> None:
-    """Register the worker plugin ``plugin`` under ``name`` from the scheduler side
-    (``Scheduler.register_worker_plugin``), for tests holding a Scheduler but no Client."""
+    """Register worker plugin ``plugin`` as ``name`` from the scheduler side (tests)."""
     from distributed.protocol.pickle import dumps
 
     await scheduler.register_worker_plugin(None, dumps(plugin), name, idempotent=idempotent)

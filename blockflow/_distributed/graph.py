@@ -8,8 +8,7 @@ __all__ = ["alias_target", "renamed_task"]
 
 
 def alias_target(node) -> Any | None:
-    """The key ``node`` stands for when it is an ``Alias`` (the node Dask's linear fusion
-    leaves at a fused producer's old key), else None."""
+    """The key ``node`` stands for when it is a fusion ``Alias``, else None."""
     from dask._task_spec import Alias
 
     return node.target if isinstance(node, Alias) else None

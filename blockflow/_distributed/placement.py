@@ -30,8 +30,7 @@ WORK_ANNOTATION = "blockflow_work"
 
 
 def task_work(scheduler, key) -> float | None:
-    """The work ``key`` declared with ``dask.annotate(blockflow_work=...)`` (a positive
-    number), else None. O(1)."""
+    """The positive work ``key`` declared with ``dask.annotate(blockflow_work=...)``, else None."""
     ts = scheduler.tasks.get(key)
     return None if ts is None else _work_of(ts)
 
@@ -46,8 +45,7 @@ def task_facts(scheduler, key) -> tuple[str, float | None, float | None]:
 
 
 def _work_and_size(ts) -> tuple[float | None, float | None]:
-    """``(work, size)`` of a ``TaskState``: :func:`task_work` and :func:`task_size` in one
-    look at its annotations and inputs."""
+    """``(work, size)`` of a ``TaskState`` in one look."""
     work = _work_of(ts) if getattr(ts, "annotations", None) else None
     if work is not None:
         return work, work
@@ -91,9 +89,7 @@ def finished_task_record(scheduler, key, worker: str, startstops=None,
 
 
 def task_size(scheduler, key) -> float | None:
-    """The size of task ``key`` in units its group shares: the work it declared
-    (``blockflow_work``), else the bytes of its inputs; None when neither is known (a task
-    whose inputs were fused into it). O(inputs)."""
+    """Task ``key``'s declared work, else its input bytes; None when neither is known."""
     ts = scheduler.tasks.get(key)
     return None if ts is None else _size_of(ts)
 

@@ -1,6 +1,4 @@
-"""distributed's spans (:mod:`distributed.spans`) for blockflow's runs: the ``span``
-annotation with an id of blockflow's choosing, and figures read from the scheduler's
-``SpansSchedulerExtension``."""
+"""distributed's spans (:mod:`distributed.spans`) for blockflow's runs: annotation and figures."""
 
 from __future__ import annotations
 
@@ -12,9 +10,7 @@ __all__ = ["span_annotation", "span_figures"]
 
 
 def span_annotation(tag: str, span_id: str) -> dict[str, tuple[str, ...]]:
-    """The ``span`` annotation (``{"name": tags, "ids": ids}``, outermost first) of a span
-    ``tag`` with id ``span_id`` nested in the open one, as :func:`distributed.span` nests;
-    re-entering an open span (same id) continues it."""
+    """The ``span`` annotation of span ``tag`` (id ``span_id``) nested in the open one."""
     outer = dask.get_annotations().get("span") or {}
     names, ids = tuple(outer.get("name", ())), tuple(outer.get("ids", ()))
     if span_id in ids:

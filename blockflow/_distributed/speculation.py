@@ -29,8 +29,7 @@ def import_object(path: str):
 
 
 class SpeculationHandlers(HandlerPlugin):
-    """Worker plugin serving the backup-copy RPC handlers on every worker, present and
-    future. Only on workers that have it do kernels run so that a copy can overtake them."""
+    """Worker plugin serving the backup-copy RPC handlers on every worker."""
 
     name = "blockflow-speculation"
     idempotent = True

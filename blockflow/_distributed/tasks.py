@@ -1,4 +1,4 @@
-"""The scheduler's tasks as plain data: task views, held results, running and unsatisfiable tasks."""
+"""The scheduler's tasks as plain data: views, held results, running and unsatisfiable tasks."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ _MEASURED_MAX = 10_000  # prefix names remembered per scheduler
 
 
 def prefix_duration(scheduler, prefix) -> tuple[float, bool]:
-    """``(seconds, measured)``: expected compute time of a task of ``prefix``, and whether measured.
+    """``(seconds, measured)``: expected compute time of a task of ``prefix``; whether measured.
 
     Keeps the last measured average when distributed resets it (``duration_average = -1``).
     """
@@ -109,16 +109,13 @@ def prefix_duration(scheduler, prefix) -> tuple[float, bool]:
 
 
 def group_duration(scheduler, name: str) -> float | None:
-    """Expected seconds of a task of the prefix named ``name`` (:func:`prefix_duration`:
-    measured, else distributed's default for unknown tasks); None for an unknown prefix."""
+    """Expected seconds of a task of prefix ``name`` (:func:`prefix_duration`); None if unknown."""
     prefix = scheduler.task_prefixes.get(name)
     return None if prefix is None else prefix_duration(scheduler, prefix)[0]
 
 
 def _comm(scheduler, ts, ws, links) -> tuple[float, int]:
-    """``(seconds, bytes)`` to send ``ts``'s inputs that ``ws`` lacks to it: each over the
-    fastest link from a worker holding it (``links(receiver, sender)``, bytes per second),
-    or the scheduler's cluster-wide bandwidth without ``links``."""
+    """``(seconds, bytes)`` to send ``ts``'s missing inputs to ``ws`` over the fastest links."""
     has = ws.has_what
     seconds, nbytes = 0.0, 0
     default = float(scheduler.bandwidth)
@@ -157,8 +154,7 @@ def _task_view(scheduler, ts, thieves=(), links=None) -> TaskView:
 
 
 def task_states(scheduler, keys) -> dict:
-    """key -> the scheduler's state of that task (``"released"``, ``"waiting"``,
-    ``"processing"``, ``"memory"``, ...); keys the scheduler does not hold are left out."""
+    """key -> the scheduler's state of that task; unknown keys left out."""
     out = {}
     for key in keys:
         ts = scheduler.tasks.get(key)
@@ -168,9 +164,7 @@ def task_states(scheduler, keys) -> dict:
 
 
 def input_holders(scheduler, key, worker: str) -> list[tuple[int, tuple[str, ...]]]:
-    """``(nbytes, holders)`` of each input of a task that just finished on ``worker``:
-    the input's size and the other workers that hold it (empty: only ``worker`` does, it
-    was made there). O(inputs x their holders)."""
+    """``(nbytes, holders)`` of each input of a task that finished on ``worker``."""
     ts = scheduler.tasks.get(key)
     if ts is None:
         return []

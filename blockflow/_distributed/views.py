@@ -86,8 +86,7 @@ class WorkerView:
 
     @property
     def projected_finish(self) -> float:
-        """Seconds until the worker finishes its assigned work at its learned speed (for
-        :attr:`slow_for` seconds only, when set; at the typical speed after)."""
+        """Seconds until the worker finishes its assigned work (:meth:`finish_at`)."""
         return self.finish_at(self.occupancy)
 
     def finish_at(self, occupancy: float) -> float:
@@ -102,8 +101,7 @@ class WorkerView:
 
     @property
     def others_utilization(self) -> float | None:
-        """GPU utilisation (percent) taken by work other than this worker's and its
-        :attr:`device_peers`' own tasks (:func:`own_utilization_estimate`); None when unknown."""
+        """GPU percent taken by work other than this worker's and its peers'; None if unknown."""
         util = self.metrics.gpu_utilization
         if util is None:
             return None
@@ -124,9 +122,7 @@ class WorkerView:
 
 
 def own_utilization_estimate(w: WorkerView) -> float:
-    """Percent 0-100 of its device a worker's own tasks take: measured when it reports
-    ``blockflow-gpu-own-utilization``, else the share of its threads executing (a lower bound
-    of others' load while it runs tasks; exact when it is idle)."""
+    """Percent 0-100 of its device a worker's own tasks take (reported, else busy-thread share)."""
     own = w.metrics.own_utilization
     if own is None:
         busy = min(max(w.executing, 1 if w.processing else 0), w.nthreads)
@@ -248,9 +244,7 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
 
 
 class WorkerViewCache:
-    """The views :func:`worker_views` made last time, to reuse those of workers that did not
-    change; ``changed`` is the addresses whose view a call made anew since the caller last
-    emptied it (the scheduler plugin, once a tick's rules have seen them)."""
+    """The last :func:`worker_views` call's views; ``changed``: addresses redone since emptied."""
 
     def __init__(self):
         self.views: dict[str, tuple] = {}  # address -> (state, view, raw metrics)
@@ -258,8 +252,7 @@ class WorkerViewCache:
 
 
 def shared_devices(views: Mapping[str, WorkerView]) -> dict[str, tuple[str, ...]]:
-    """Device UUID -> the addresses (sorted) of the workers that report it, for devices that
-    two or more workers report (two workers on one GPU); plain data from worker views."""
+    """Device UUID -> sorted addresses of the workers reporting it, for shared devices."""
     by_uuid: dict[str, list[str]] = {}
     for addr, w in views.items():
         if w.device_uuid:
@@ -278,14 +271,12 @@ def workers_holding_data(scheduler) -> frozenset:
 
 
 def scheduler_metadata(scheduler, keys) -> Any:
-    """What a client stored with ``Client.set_metadata(keys, ...)``, or None (the
-    scheduler-side reader, ``Scheduler.get_metadata``, is a handler method)."""
+    """What a client stored with ``Client.set_metadata(keys, ...)``, or None."""
     return scheduler.get_metadata(keys=list(keys), default=None)
 
 
 def worker_names_and_metrics(scheduler) -> dict:
-    """``{address: (name, metrics)}`` for every worker the scheduler knows, where metrics
-    is a copy of the heartbeat metrics the scheduler last received (``WorkerState.metrics``)."""
+    """``{address: (name, metrics)}`` for every worker (a copy of its last heartbeat metrics)."""
     return {a: (ws.name, dict(ws.metrics or {})) for a, ws in scheduler.workers.items()}
 
 
@@ -295,7 +286,5 @@ def bandwidth(scheduler) -> float:
 
 
 def measured_bandwidth(scheduler) -> Mapping[tuple[str, str], float]:
-    """``(receiver, sender)`` worker addresses -> bytes per second, as distributed measured
-    transfers of over 1 MB between them (``Scheduler.bandwidth_workers``; the live mapping,
-    read only; pairs of departed workers are dropped by distributed)."""
+    """``(receiver, sender)`` -> bytes per second distributed measured (live, read only)."""
     return scheduler.bandwidth_workers

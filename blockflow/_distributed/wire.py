@@ -14,8 +14,7 @@ HEADER_BYTES = 8
 
 
 def client_handshake() -> bytes:
-    """The bytes of the handshake a Dask client sends first (distributed's TCP framing: a
-    little-endian uint64 byte count, then the packed frames of the message)."""
+    """The bytes of the handshake a Dask client sends first."""
     import pickle
     import sys
 
@@ -34,8 +33,7 @@ def message_length(header: bytes) -> int:
 
 
 def decode_message(payload: bytes) -> Any | None:
-    """The message in ``payload`` (the bytes after the length prefix), not deserialising
-    its contents; None when the frames are incomplete or do not decode."""
+    """The message in ``payload`` (after the length prefix), undeserialised; None if incomplete."""
     try:
         from distributed.protocol import loads
         from distributed.protocol.utils import unpack_frames

@@ -62,9 +62,7 @@ WAIT_METADATA = "blockflow_wait"
 
 
 def add_task_wait(seconds: float) -> None:
-    """From a task's thread on a worker: count ``seconds`` of the running task as waiting,
-    not computing (the task's ``metadata``, :data:`WAIT_METADATA`), so that the scheduler
-    plugin's speed model and busy time leave them out. No-op off a worker."""
+    """From a task's thread: count ``seconds`` of the running task as waiting, not computing."""
     try:
         worker = get_worker()
         ts = worker.state.tasks.get(worker.get_current_task())
@@ -75,16 +73,14 @@ def add_task_wait(seconds: float) -> None:
 
 
 def task_wait(metadata: dict | None) -> float:
-    """Seconds a finished task reported waiting (:func:`add_task_wait`), from the
-    ``metadata`` its worker sent with the result; 0 when none."""
+    """Seconds a finished task reported waiting (:func:`add_task_wait`); 0 when none."""
     wait = (metadata or {}).get(WAIT_METADATA, 0.0)
     return float(wait) if isinstance(wait, (int, float)) and math.isfinite(wait) \
         and wait > 0 else 0.0
 
 
 def set_worker_metric(worker, name: str, fn) -> None:
-    """Report ``fn(worker)`` under ``name`` in the worker's heartbeat metrics
-    (``Worker.metrics``, read on the scheduler as ``WorkerState.metrics[name]``)."""
+    """Report ``fn(worker)`` as heartbeat metric ``name`` (``WorkerState.metrics[name]``)."""
     worker.metrics[name] = fn
 
 
@@ -107,8 +103,7 @@ class HandlerPlugin(WorkerPlugin):
     name: str
 
     def handlers(self) -> Mapping[str, Callable]:
-        """Operation name -> ``fn(worker, **message)``, called with the worker it serves;
-        its return value (or awaited coroutine) is the reply."""
+        """Operation name -> ``fn(worker, **message)``; its (awaited) return value is the reply."""
         raise NotImplementedError
 
     def setup(self, worker) -> None:
@@ -137,9 +132,7 @@ CANCELLED_AT_CLOSE = ("Async instruction for ", "ended with CancelledError")
 
 
 class _ClosingHeartbeatFilter(logging.Filter):
-    """Drop :data:`HEARTBEAT_FAILED` and :data:`CANCELLED_AT_CLOSE` while a worker of this
-    process is closing (its own ``close`` cut the heartbeat and cancelled its tasks);
-    otherwise the record passes. One per process; workers are held weakly."""
+    """Drop heartbeat and cancellation records while a worker of this process closes."""
 
     def __init__(self):
         super().__init__()
@@ -158,8 +151,7 @@ _closing_filter: _ClosingHeartbeatFilter | None = None
 
 
 def quiet_closing_heartbeat(worker) -> None:
-    """Keep ``worker``'s own shutdown from logging a failed heartbeat with a traceback
-    (:class:`_ClosingHeartbeatFilter`); idempotent."""
+    """Keep ``worker``'s own shutdown from logging a failed heartbeat; idempotent."""
     global _closing_filter
     if _closing_filter is None:
         _closing_filter = _ClosingHeartbeatFilter()
@@ -170,8 +162,7 @@ def quiet_closing_heartbeat(worker) -> None:
 
 
 class QuietClose(WorkerPlugin):
-    """Worker plugin that installs :func:`quiet_closing_heartbeat` on every worker (blockflow
-    registers it on the clusters it starts, whose shutdown it owns)."""
+    """Worker plugin installing :func:`quiet_closing_heartbeat` on every worker."""
 
     name = "blockflow-quiet-close"
 
@@ -187,9 +178,7 @@ COMPUTE_FAILED, COMPUTE_FAILED_EXCEPTION = "Compute Failed", 3
 
 
 class _TaskFailureFilter(logging.Filter):
-    """Drop :data:`COMPUTE_FAILED` records for exceptions of the classes named in
-    :attr:`quiet`: errors in the caller's input, which the caller receives whole, and which
-    a worker's log would only repeat as a traceback."""
+    """Drop :data:`COMPUTE_FAILED` records for the exception classes in :attr:`quiet`."""
 
     def __init__(self):
         super().__init__()
@@ -209,9 +198,7 @@ _failure_filter: _TaskFailureFilter | None = None
 
 
 def quiet_task_failures(exc_type: type[BaseException]) -> None:
-    """In this (worker) process, keep distributed from logging a task that raised
-    ``exc_type`` as a failed computation with a traceback; the exception still reaches the
-    caller. Idempotent; call it from the task, before raising."""
+    """Keep distributed from logging tasks raising ``exc_type`` (call from the task)."""
     global _failure_filter
     if _failure_filter is None:
         _failure_filter = _TaskFailureFilter()
@@ -225,8 +212,7 @@ def has_worker_handler(worker, name: str) -> bool:
 
 
 async def call_worker(worker, address: str, op: str, **kwargs) -> Any:
-    """Call RPC handler ``op`` of the worker at ``address`` from ``worker``: send ``{"op": op,
-    **kwargs}`` over the worker's pooled connections (``Worker.rpc``) and return the reply."""
+    """Call handler ``op`` of the worker at ``address`` from ``worker``; return the reply."""
     return await getattr(worker.rpc(address), op)(**kwargs)
 
 
@@ -349,8 +335,7 @@ async def declare_worker_resources(worker, resources: Mapping[str, float]) -> No
 
 
 def current_worker_resources() -> tuple[str, dict] | None:
-    """``(address, declared resources)`` of the worker running the current task, or None
-    outside a worker's task."""
+    """``(address, declared resources)`` of the current task's worker, or None."""
     try:
         worker = get_worker()
     except ValueError:
@@ -359,8 +344,7 @@ def current_worker_resources() -> tuple[str, dict] | None:
 
 
 def call_worker_soon(worker, address: str, op: str, **kwargs) -> None:
-    """From any thread: call RPC handler ``op`` of the worker at ``address`` from ``worker``,
-    on its event loop, without waiting (errors are logged at debug level)."""
+    """From any thread: call handler ``op`` at ``address`` from ``worker`` without waiting."""
     async def call():
         try:
             await getattr(worker.rpc(address), op)(**kwargs)
@@ -379,9 +363,7 @@ def call_worker_threadsafe(worker, address: str, op: str, **kwargs):
 
 
 def worker_scheduler_clock(worker) -> float:
-    """Seconds to add to ``time.time()`` on ``worker`` to read the scheduler's clock
-    (``Worker.scheduler_delay``, measured at each heartbeat; what distributed adds to the
-    start and stop times of the task stream), 0 off a worker."""
+    """Seconds to add to ``time.time()`` on ``worker`` for the scheduler's clock (0 off one)."""
     return float(getattr(worker, "scheduler_delay", 0.0) or 0.0) if worker is not None else 0.0
 
 
@@ -400,9 +382,7 @@ def current_task_key():
 
 
 def start_task_thread(fn: Callable[[], Any], name: str):
-    """Start ``fn()`` in a new daemon thread that sees the current task's worker context
-    (``get_worker()``, ``thread_state.key`` and ``execution_state``), as the worker's own
-    executor thread does; returns the thread."""
+    """Start ``fn()`` in a daemon thread that sees the current task's worker context."""
 
 
     ctx = contextvars.copy_context()
@@ -420,8 +400,7 @@ def start_task_thread(fn: Callable[[], Any], name: str):
 
 
 async def run_in_worker_executor(worker, fn: Callable[[], Any]):
-    """Run ``fn()`` in the worker's default thread pool, with ``get_worker()`` working
-    inside it (a backup copy's kernel); returns its result."""
+    """Run ``fn()`` in the worker's default thread pool and return its result."""
 
     def call():
         token = _worker_cvar.set(worker)

@@ -211,8 +211,7 @@ def connect(
 
 
 def _pool_members(pools, address, n_workers) -> tuple[PoolMember | None, int | None]:
-    """The worker plugin putting the embedded cluster's workers in ``pools``, and the
-    number of workers."""
+    """The worker plugin putting the embedded workers in ``pools``, and their number."""
     if pools is None:
         return None, n_workers
     if address is not None:
@@ -244,9 +243,7 @@ def _pool_members(pools, address, n_workers) -> tuple[PoolMember | None, int | N
 
 
 def _warn_undeclared_gpus(client: Client) -> None:
-    """GPU workers of a running cluster that declare no ``GPU`` resource never run tasks
-    that ask for ``resources={"GPU": 1}``, and workers that declare one without a GPU get
-    them: say which, and how to fix it."""
+    """Warn about GPU workers without a ``GPU`` resource and the reverse."""
     workers = workers_info(client)
     bare = sorted(a for a, w in workers.items() if read_metrics(w.get("metrics")).has_gpu
                   and not (w.get("resources") or {}).get("GPU"))
@@ -282,8 +279,7 @@ def _running_policy(dask_scheduler=None) -> str | None:
 
 
 def _warn_if_other_policy(client: Client, asked: str) -> None:
-    """A scheduler that already runs blockflow's plugin (``--preload``, an earlier client)
-    keeps it, and its policy: say so rather than ignore ``policy=`` silently."""
+    """Warn that a scheduler already running blockflow's plugin keeps its policy."""
     running = client.run_on_scheduler(_running_policy)
     if running is not None and running != asked:
         warnings.warn(

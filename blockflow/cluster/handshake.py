@@ -112,9 +112,7 @@ async def _look(address: str, host: str, port: int, ctx: ssl.SSLContext | None,
 
 async def _what_else(address: str, host: str, port: int, error: ProbeError,
                      deadline: float) -> None:
-    """A plain-TCP server that hung up or stayed silent: a web server (a dashboard's port,
-    the commonest wrong address) waits for a request, a TLS server hangs up on Dask's
-    handshake. Ask each on a fresh connection, to say what it is; raises."""
+    """Ask a silent or hung-up server, on fresh connections, if it speaks HTTP or TLS; raises."""
     loop = asyncio.get_running_loop()
     if error.kind == "silent":
         asked_until = deadline - max(deadline - loop.time(), 0) / 2  # half for the TLS check
@@ -226,8 +224,7 @@ def _not_dask(address: str, reply: bytes, asked_http: bool = False) -> ProbeErro
 
 
 async def _talks_tls(host: str, port: int, timeout: float) -> bool:
-    """Whether the server at ``host:port`` starts a TLS handshake (credentials unchecked:
-    only the protocol is in question)."""
+    """Whether the server at ``host:port`` starts a TLS handshake."""
     ctx = ssl.create_default_context()
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
     try:
@@ -251,8 +248,7 @@ def _tls_error(address: str, e: ssl.SSLError) -> ProbeError:
 
 
 async def _identity(address: str, timeout: float, args: dict[str, Any]) -> None:
-    """Ask the (Dask) server its type with distributed's own comm: a worker or a nanny
-    answers the handshake too."""
+    """Ask the Dask server its type (a worker or nanny answers the handshake too)."""
     async def ask() -> Any:
         # distributed's connect gives its first attempt a fifth of ``timeout`` and then tries
         # again: on a loaded machine that cuts a TLS handshake short, and the scheduler logs

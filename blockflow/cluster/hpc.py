@@ -1,4 +1,4 @@
-"""HPC job queues through dask-jobqueue: workers as batch jobs, blockflow's plugin on the scheduler."""
+"""HPC job queues through dask-jobqueue: workers as batch jobs, blockflow's scheduler plugin."""
 
 from __future__ import annotations
 
@@ -179,8 +179,7 @@ def _job_state(system: str, job_id: str | None) -> dict[str, str]:
 
 
 def _joined(cluster, names) -> set[str]:
-    """Spec names whose worker(s) have joined the scheduler (a job with several worker
-    processes names them ``<name>-<i>``)."""
+    """Spec names whose workers have joined (``<name>-<i>`` for multi-process jobs)."""
     seen = {str(w.get("name")) for w in (cluster.scheduler_info.get("workers") or {}).values()}
     return {n for n in names if n in seen or any(s.startswith(f"{n}-") for s in seen)}
 

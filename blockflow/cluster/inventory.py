@@ -75,9 +75,7 @@ class WorkerResources:
 
 
 def _probe_device(dask_worker=None) -> dict:
-    """Run on a worker: the name and UUID of its GPU, from a worker plugin's
-    ``describe_device()`` (simulated devices) or NVML (:func:`blockflow.devices.device_info`);
-    ``{}`` when neither can tell."""
+    """Run on a worker: its GPU's name and UUID (``describe_device()`` or NVML), or ``{}``."""
     for plugin in worker_plugins(dask_worker).values():
         describe_device = getattr(plugin, "describe_device", None)
         if not callable(describe_device):
@@ -95,8 +93,7 @@ def _probe_device(dask_worker=None) -> dict:
 
 
 def _probe_worker(gpu_workers=(), dask_worker=None) -> dict:
-    """Run on every worker: the batch job it runs in, and on GPU workers (``gpu_workers``:
-    addresses) its device (:func:`_probe_device`)."""
+    """Run on every worker: its batch job and, on ``gpu_workers``, its device."""
     out = {"job": batch_job()}
     if dask_worker is not None and dask_worker.address in set(gpu_workers):
         out["device"] = _probe_device(dask_worker)
@@ -128,8 +125,7 @@ class Inventory:
 
     @property
     def shared_gpus(self) -> dict[str, tuple[str, ...]]:
-        """GPU UUID -> the workers (addresses, sorted) sharing that device, for each GPU two
-        or more workers use."""
+        """GPU UUID -> sorted addresses of the workers sharing it, for shared GPUs."""
         groups: dict[str, list[str]] = {}
         for w in self.workers:
             if w.device == "gpu" and w.gpu_uuid:
@@ -138,16 +134,13 @@ class Inventory:
 
     @property
     def undeclared_gpu_workers(self) -> list[str]:
-        """GPU workers that declare no ``GPU`` resource (``resources={"GPU": 1}`` tasks never
-        run on them)."""
+        """GPU workers that declare no ``GPU`` resource."""
         return [w.address for w in self.workers
                 if w.device == "gpu" and not w.resources.get("GPU")]
 
     @property
     def gpu_resource_without_gpu(self) -> list[str]:
-        """Workers that declare a ``GPU`` resource but report no GPU: tasks asking for
-        ``resources={"GPU": 1}`` are sent there and find no device
-        (:func:`blockflow.connect` warns, naming them)."""
+        """Workers that declare a ``GPU`` resource but report no GPU."""
         return [w.address for w in self.workers
                 if w.device != "gpu" and w.resources.get("GPU")]
 

@@ -1,5 +1,4 @@
-"""Evening out device memory on request: :func:`rebalance`, the device-memory counterpart of
-``distributed.Client.rebalance`` (which balances host memory only)."""
+"""Evening out device memory on request (:func:`rebalance`)."""
 
 from __future__ import annotations
 

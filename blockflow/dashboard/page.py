@@ -63,8 +63,7 @@ ACTIONS = [label for _, _, label in ACTION_STYLES.values()]
 
 
 def action_style(action: str) -> tuple[str, str, str]:
-    """(colour, marker, label) of a logged action (a name not in the vocabulary, from a
-    newer scheduler, is drawn under its own name in grey)."""
+    """(colour, marker, label) of a logged action (unknown names in grey)."""
     try:
         return ACTION_STYLES[action]
     except KeyError:
@@ -89,8 +88,7 @@ HISTORY_SECONDS = 120
 
 def _table(source: ColumnDataSource, columns: list[tuple[str, str]], height: int,
            name: str, full_text: tuple[str, ...] = ()) -> DataTable:
-    """A full-width table of ``columns`` ((field, title) pairs) of ``source``, ``height``
-    pixels high; the ``full_text`` fields show their whole text on hover."""
+    """A full-width table of ``columns`` ((field, title) pairs) of ``source``."""
     return DataTable(source=source, columns=[
         TableColumn(field=k, title=t, **({"formatter": HTMLTemplateFormatter(template=_FULL_TEXT)}
                                        if k in full_text else {}))

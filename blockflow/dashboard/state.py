@@ -157,15 +157,13 @@ def _objective(status: dict) -> dict[str, Any] | None:
 
 
 def _pipeline(scheduler) -> dict[str, Any] | None:
-    """The timeline the latest :class:`blockflow.PipelineParallel` pass published (None
-    before any)."""
+    """The latest :class:`blockflow.PipelineParallel` timeline, or None."""
     meta = _distributed.scheduler_metadata(scheduler, ("blockflow", "pipeline"))
     return meta if isinstance(meta, dict) else None
 
 
 def _tuning(scheduler) -> dict[str, Any] | None:
-    """What a running :func:`blockflow.tune.tune` published: its running trials and progress
-    (None when no tuner has published)."""
+    """What a running :func:`blockflow.tune.tune` published, or None."""
     meta = _distributed.scheduler_metadata(scheduler, ("blockflow", "tune"))
     return meta if isinstance(meta, dict) else None
 

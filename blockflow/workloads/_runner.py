@@ -1,4 +1,4 @@
-"""The workload runner: progress, retries, task counts, timing and atomic output (not public API)."""
+"""The workload runner: progress, retries, task counts, timing and atomic output (private)."""
 
 from __future__ import annotations
 
@@ -44,8 +44,7 @@ def task_counts_or_none(client, run_id: str | None = None) -> dict[str, int] | N
 
 
 def show_progress(progress: bool | None) -> bool:
-    """Whether to show progress bars: as asked, or (None) in a Jupyter kernel or when stderr
-    (where the terminal bars go) is a terminal."""
+    """Whether to show progress bars: as asked, else (None) in Jupyter or a terminal."""
     if progress is None:
         return in_notebook_kernel() or bool(getattr(sys.stderr, "isatty", lambda: False)())
     return bool(progress)
@@ -250,8 +249,7 @@ class Job:
             return None
 
     def steps(self, label: str, total: int) -> StepProgress | None:
-        """A bar of ``total`` steps that are not one graph each (training steps), if the
-        job shows bars; None otherwise. See :class:`StepProgress`."""
+        """A :class:`StepProgress` of ``total`` steps if the job shows bars, else None."""
         if not self.show:
             return None
         try:
@@ -281,15 +279,14 @@ class Job:
             submitted = None  # a traceback keeps this frame: it must not keep the results
 
     def persist(self, collections, *, label: str | None = None):
-        """``client.persist(collections)``, waited for (:func:`~blockflow.scheduling.wait.
-        wait_for`: raises WorkerLostError when every worker is lost); ``label`` names the bar."""
+        """``client.persist(collections)``, waited for
+        (:func:`~blockflow.scheduling.wait.wait_for`)."""
         persisted, _ = self._stage(self.client.persist, wait_for, collections, label)
         return persisted
 
     def compute(self, collections, *, label: str | None = None):
         """The results of ``client.compute(collections)``
-        (:func:`~blockflow.scheduling.wait.gather_results`: WorkerLostError when workers are
-        lost, else a task's own exception); ``label`` names the bar."""
+        (:func:`~blockflow.scheduling.wait.gather_results`)."""
         _, results = self._stage(self.client.compute, gather_results, collections, label)
         return results
 

@@ -149,8 +149,7 @@ def _axis_tuple(axis, ndim: int) -> tuple[int, ...]:
 
 
 def _flatten(partials) -> list[dict]:
-    """Nested lists of partials (one nesting level per reduced axis, as
-    :func:`dask.array.reduction` hands them over with ``concatenate=False``) -> flat list."""
+    """Nested lists of partials (one level per reduced axis) -> flat list."""
     if isinstance(partials, dict):
         return [partials]
     out: list[dict] = []
@@ -178,8 +177,7 @@ def _merge(partials) -> dict:
 
 
 def moment_combine(partials, axis=None, keepdims=True, computing_meta=False, **kwargs):
-    """Nested partials of :func:`moment_chunk` merged into one (``combine`` of
-    :func:`dask.array.reduction` with ``concatenate=False``)."""
+    """Nested partials of :func:`moment_chunk` merged into one."""
     if computing_meta:  # dask passes the chunk's meta (an empty array) through
         return partials
     return _merge(partials)
@@ -317,8 +315,7 @@ class ArrayStatsResult:
 
 
 def build(size: str = "small", seed: int = 0, *, split_every: int | None = None) -> xr.Dataset:
-    """The whole workload as one lazy Dataset: :func:`moments` of :func:`anomalies` of
-    :func:`generate_field`."""
+    """The whole workload as one lazy Dataset."""
     field = generate_field(size, seed)
     anom = anomalies(field, climatology(size))
     return moments(anom, split_every=split_every)

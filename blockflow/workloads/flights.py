@@ -77,8 +77,7 @@ def _cached_flights() -> pd.DataFrame:
 
 def _load_partition(spec: tuple[int, int, int], columns: list[str] | None = None
                     ) -> pd.DataFrame:
-    """Partition ``index`` of ``parts`` of copy ``copy``: a contiguous slice of the table
-    (only ``columns``, if given)."""
+    """Partition ``index`` of ``parts`` of copy ``copy`` (only ``columns``, if given)."""
     copy, index, parts = spec
     table = _cached_flights()
     n = len(table)
@@ -165,8 +164,7 @@ def add_delay_columns(part):
 
 
 def _like(lookup: pd.DataFrame, part, key: str):
-    """``lookup`` in the partition's backend (pandas or cuDF), typed like ``part[key]`` (so
-    the join key and the name columns keep the frame's string dtype)."""
+    """``lookup`` in ``part``'s backend, typed like ``part[key]``."""
     xdf = dataframe_module(part)
     if xdf is not pd:
         lookup = xdf.from_pandas(lookup)
