@@ -314,7 +314,14 @@ def jobqueue_cluster(system: str = "slurm", *, queue: str | None = None, n_worke
 
 def slurm_cluster(queue: str | None = None, *, n_workers: int = 0, **kwargs: Any):
     """``jobqueue_cluster("slurm", queue=queue, n_workers=n_workers, **kwargs)``
-    (:func:`jobqueue_cluster`)."""
+    (:func:`jobqueue_cluster`).
+
+    Examples
+    --------
+    >>> cluster = slurm_cluster("gpu", n_workers=2, cores=8, memory="64GB",
+    ...                         worker_resources={"GPU": 1})  # doctest: +SKIP
+    >>> add_workers(cluster, 4, queue="cpu")                  # doctest: +SKIP
+    """
     return jobqueue_cluster("slurm", queue=queue, n_workers=n_workers, **kwargs)
 
 
