@@ -1,105 +1,40 @@
 """The boundary to distributed's internals: the one package that touches them.
 
 Everything blockflow reads from or does to a running scheduler or worker beyond distributed's
-public API goes through here: the scheduler plugin, the policies, the dashboard and the worker
-plugins see only the plain data it returns (:class:`WorkerView`, :class:`TaskView`,
-:class:`HeldResult`, ...) and act only through its functions (pause, resume, move, restrict,
-hold, handlers, periodic callbacks, AMM policies, dashboard pages, worker metrics). A change
-in distributed therefore breaks this package, loudly: :func:`check_scheduler` verifies every
-scheduler-side internal listed below on the scheduler and its classes (and again on the
-first live worker, :func:`check_worker_state`), :func:`check_worker` the worker's in every
-worker plugin's ``setup``, and ``tests/test_boundary.py`` fails if any other module of
-blockflow imports a private (``_name``) object of ``distributed`` or ``dask``, or touches an
-attribute of distributed's state objects. Verified against distributed 2026.7.1.
+public API goes through here; the rest of blockflow sees only the plain data it returns
+(:class:`WorkerView`, :class:`TaskView`, :class:`HeldResult`, ...) and acts only through its
+functions. Every public name of its modules is re-exported here (``_distributed.<name>``);
+the architecture guide's module table says which module holds what.
 
-Modules, by side (every public name is re-exported here: ``_distributed.<name>``)
--------------------------------------------------------------------------------
-:mod:`~blockflow._distributed.checks`
-    :data:`SUPPORTED`, :func:`check_scheduler`, :func:`check_worker`,
-    :func:`check_worker_state`, :func:`check_dashboard`, :class:`IncompatibleSchedulerError`.
-:mod:`~blockflow._distributed.views`
-    The scheduler's workers as plain data: worker views, links, queued count, metadata.
-:mod:`~blockflow._distributed.tasks`
-    The scheduler's tasks as plain data: task views, held results, task states, running
-    and unsatisfiable tasks, prefix durations.
-:mod:`~blockflow._distributed.admission`
-    Feeder tasks (producers feeding resource-bound consumers) and their states.
-:mod:`~blockflow._distributed.actions`
-    Actions on the scheduler: worker status, moves, restrictions, hold / release / fail,
-    suspending the balancer, callbacks on its loop, backup requests.
-:mod:`~blockflow._distributed.placement`
-    What a task's spec declares (working set, placement, ``blockflow_work``) and the
-    restrictions that place it; :data:`HOLD_ADDRESS`.
-:mod:`~blockflow._distributed.extensions`
-    What blockflow installs into the scheduler: plugins, handlers, periodic callbacks, the
-    AMM policy adapter, HTTP routes, dashboard pages.
-:mod:`~blockflow._distributed.worker`
-    The worker side: metrics, comm handlers and calls, plugins, held data, resources, the
-    current worker and task, task threads, the executor, the quiet-close filter.
-:mod:`~blockflow._distributed.client`
-    Client-side helpers: :func:`data_holders`, :class:`SchedulerProgress`,
-    :func:`in_notebook_kernel`.
-:mod:`~blockflow._distributed.deploy`
-    A SpecCluster's private hooks: :func:`start_spec_workers` (new workers, failures raised),
-    :func:`correct_state_soon`, :func:`replace_adaptive`.
-:mod:`~blockflow._distributed.spans`
-    distributed's spans for runs: the ``span`` annotation, a span's figures.
-:mod:`~blockflow._distributed.graph`
-    Dask's task-spec nodes (``dask._task_spec``): fusion aliases.
-:mod:`~blockflow._distributed.nvml`
-    distributed's private NVML helpers behind plain functions.
-:mod:`~blockflow._distributed.wire`
-    distributed's TCP framing (Dask's handshake, a message's length prefix and frames).
-:mod:`~blockflow._distributed.metrics`
-    The heartbeat metric names and their one parser (:func:`read_metrics`).
+A change in distributed breaks this package loudly: :func:`check_scheduler` verifies the
+scheduler-side internals (and :func:`check_worker_state` on the first live worker),
+:func:`check_worker` the worker's in every worker plugin's ``setup``, and
+``tests/test_boundary.py`` fails if any other module imports a private (``_name``) object of
+``distributed`` or ``dask``. Verified against distributed 2026.7.1.
 
-Internals used, and where
--------------------------
-Scheduler (views, actions, extensions; checked by :func:`check_scheduler`)
-    ``workers``, ``tasks``, ``queued``, ``plugins``, ``handlers``, ``extensions``
-    (``"stealing"``, ``"amm"``, ``"spans"``), ``periodic_callbacks``, ``http_application``,
-    ``handle_worker_status_change(status, worker, stimulus_id)``, ``bandwidth_workers``,
-    ``valid_workers``, ``_get_prefix_duration``, ``register_worker_plugin``, ``unrunnable``,
-    ``transition``, ``transitions``, ``coerce_address``, ``get_metadata``, ``bandwidth``,
-    ``rpc``, ``loop``, ``add_plugin``.
-WorkerState (views, actions)
-    ``address``, ``name``, ``nthreads``, ``status``, ``metrics``, ``memory_limit``,
-    ``processing``, ``executing``, ``occupancy``, ``has_what``, ``resources``, ``last_seen``.
-TaskState (views, actions, placement)
-    ``key``, ``state``, ``priority``, ``prefix`` (``TaskPrefix.duration_average``),
-    ``run_spec``, ``actor``, ``nbytes``, ``dependencies``, ``who_has``, ``processing_on``,
-    ``worker_restrictions``, ``host_restrictions``, ``resource_restrictions``,
-    ``loose_restrictions``, ``dependents``, ``annotations``, ``retries`` (the task
-    retries left, asked from a worker's task: :func:`task_retries_left`).
-WorkStealing (views, actions)
+Internals used beyond those :mod:`~blockflow._distributed.checks` lists
+-----------------------------------------------------------------------
+WorkStealing
     ``move_task_request(ts, victim, thief)``, ``in_flight``, ``in_flight_occupancy``.
-ActiveMemoryManager (extensions)
-    ``ActiveMemoryManagerPolicy.manager.scheduler``; ``Suggestion`` (``"replicate"`` /
-    ``"drop"``); ``ActiveMemoryManagerExtension(register=False, start=False).run_once()``.
-Worker (worker; checked by :func:`check_worker`)
-    ``metrics``, ``data`` (its in-memory part), ``plugins``, ``handlers``, ``rpc``,
-    ``executors``, ``heartbeat()``, ``set_resources()``, ``state.total_resources``,
-    ``state.tasks[key].metadata`` and ``.annotations``, ``get_current_task()``,
-    ``loop.asyncio_loop`` (:func:`call_worker_threadsafe`), ``scheduler_delay``;
-    ``distributed.worker``'s ``thread_state`` and ``_worker_cvar``; ``scheduler.ncores(workers=)`` (the scheduler's
-    RPC handler, from a worker or a client: :func:`listed_workers`).
-Dashboard (extensions; checked by :func:`check_dashboard`)
+ActiveMemoryManager
+    ``ActiveMemoryManagerPolicy.manager.scheduler``; ``Suggestion``;
+    ``ActiveMemoryManagerExtension(register=False, start=False).run_once()``.
+Worker
+    ``state.tasks[key].metadata`` / ``.annotations``, ``get_current_task()``,
+    ``loop.asyncio_loop``, ``scheduler_delay``; ``distributed.worker``'s ``thread_state`` and
+    ``_worker_cvar``; the scheduler's ``ncores(workers=)`` handler.
+Dashboard (:func:`check_dashboard`)
     ``distributed.dashboard.scheduler.template_variables`` / ``applications``,
     ``distributed.dashboard.core.BokehApplication``,
     ``distributed.dashboard.components.add_periodic_callback``,
     ``distributed.dashboard.components.scheduler.BOKEH_THEME`` / ``env``.
-Client (client)
-    ``ProgressBar._draw_bar`` (overridden), ``distributed.utils.is_kernel``.
-SpecCluster (deploy)
-    ``SpecCluster._correct_state``, ``Cluster._adaptive``, ``distributed.utils.NoOpAwaitable``.
-NVML (nvml)
-    ``distributed.diagnostics.nvml._parse_cuda_visible_device``, ``_get_handle``,
-    ``_get_memory_total``, ``_get_name``.
-Dask (graph)
-    ``dask._task_spec.Alias`` (``target``), ``GraphNode.substitute``.
-Wire (wire)
-    ``distributed.protocol.utils.pack_frames`` / ``unpack_frames`` and the uint64 length
-    prefix of distributed's TCP comm.
+Client, SpecCluster
+    ``ProgressBar._draw_bar``, ``distributed.utils.is_kernel``; ``SpecCluster._correct_state``,
+    ``Cluster._adaptive``, ``distributed.utils.NoOpAwaitable``.
+NVML, Dask, wire
+    ``distributed.diagnostics.nvml``'s ``_parse_cuda_visible_device``, ``_get_handle``,
+    ``_get_memory_total``, ``_get_name``; ``dask._task_spec.Alias``,
+    ``GraphNode.substitute``; ``distributed.protocol.utils.pack_frames`` / ``unpack_frames``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,4 @@
-"""Actions on the scheduler: what blockflow does to distributed's scheduler state.
-
-Pause and resume workers, move a waiting task (the work-stealing protocol), restrict, hold,
-release and fail tasks, suspend distributed's balancer, schedule callbacks and coroutines on
-the scheduler's loop, ask a worker for a backup copy. Each takes keys and addresses (plain
-data) and answers whether it acted; reading the scheduler is :mod:`blockflow._distributed.views`.
-"""
+"""Actions on the scheduler: pause, move, restrict, hold, release, fail, backups."""
 
 from __future__ import annotations
 
@@ -35,8 +29,7 @@ __all__ = [
 
 
 def set_worker_status(scheduler, address: str, paused: bool, stimulus_id: str) -> bool:
-    """Pause (or resume) a worker on the scheduler side only; the worker keeps running the
-    tasks it already has. False when the worker is gone."""
+    """Pause (or resume) a worker on the scheduler side only; False when it is gone."""
     ws = scheduler.workers.get(address)
     if ws is None:
         return False
@@ -46,13 +39,10 @@ def set_worker_status(scheduler, address: str, paused: bool, stimulus_id: str) -
 
 
 def retire_idle_worker(scheduler, address: str, stimulus_id: str) -> bool:
-    """Retire ``address`` if it is idle: no task processing (running or queued) on it.
+    """Retire ``address`` if no task is processing on it (``Scheduler.retire_workers``).
 
-    The worker is paused on the scheduler first, in the same step as the check, so that no
-    task lands on it between the check and the retirement; then distributed's
-    ``Scheduler.retire_workers`` moves its results to other workers and closes it (and its
-    nanny). False (nothing done) when the worker is gone, busy or already leaving.
-    """
+    Paused in the same step as the check so nothing lands on it meanwhile. False when the worker is
+    gone, busy or already leaving."""
     ws = scheduler.workers.get(address)
     if ws is None or ws.processing or ws.status not in (Status.running, Status.paused):
         return False
@@ -64,14 +54,10 @@ def retire_idle_worker(scheduler, address: str, stimulus_id: str) -> bool:
 
 
 def move_task(scheduler, key, victim: str, thief: str) -> bool:
-    """Ask ``victim`` to give up its queued task ``key`` for ``thief`` (work-stealing
-    protocol).
+    """Ask ``victim`` to give up its queued task ``key`` for ``thief`` (work-stealing protocol).
 
-    Returns False when no request was sent: the task or a worker is gone, the task is no
-    longer waiting on ``victim`` or has started, stealing is disabled, or a move is already
-    pending. The victim refuses if it started the task meanwhile, so a started task never
-    moves.
-    """
+    False when no request was sent (task or worker gone, task started or no longer waiting on
+    ``victim``, stealing disabled, a move pending); a started task never moves."""
     stealing = scheduler.extensions.get("stealing")
     ts = scheduler.tasks.get(key)
     v, t = scheduler.workers.get(victim), scheduler.workers.get(thief)
@@ -84,12 +70,9 @@ def move_task(scheduler, key, victim: str, thief: str) -> bool:
 
 
 def restrict_task(scheduler, key, address: str | Iterable[str]) -> bool:
-    """Pin a task that has not been assigned yet to one worker, or a set of workers (strict
-    restriction).
+    """Pin an unassigned task to one worker or a set of workers (strict restriction).
 
-    False when the task is gone, already assigned or finished, restricted by the user, or
-    none of the workers is connected.
-    """
+    False when the task is gone, assigned, finished, user-restricted, or no worker is connected."""
     ts = scheduler.tasks.get(key)
     addresses = {address} if isinstance(address, str) else set(address)
     addresses &= set(scheduler.workers)
@@ -104,10 +87,7 @@ def restrict_task(scheduler, key, address: str | Iterable[str]) -> bool:
 class suspend_work_stealing:
     """Stop distributed's balancing loop (not the stealing protocol) until :meth:`restore`.
 
-    distributed's balancer models all workers as equally fast and hands queued work to any
-    idle worker, which undoes speed-aware placement (it gives a slow worker the last tasks).
-    The stealing extension stays installed: blockflow's moves use its protocol.
-    """
+    Its balancer treats all workers as equally fast, which undoes speed-aware placement."""
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
@@ -122,13 +102,12 @@ class suspend_work_stealing:
 
 
 def fail_tasks(scheduler, keys, exception: BaseException, stimulus_id: str) -> int:
-    """Fail tasks waiting in ``no-worker`` with ``exception``, as distributed's own
-    ``no-workers-timeout`` fails them (their dependents fail too; clients get the error).
+    """Fail tasks waiting in ``no-worker`` with ``exception``, as ``no-workers-timeout`` does.
 
     Returns
     -------
     int
-        Tasks failed (tasks gone or no longer in ``no-worker`` are skipped).
+        Tasks failed (those gone or no longer in ``no-worker`` are skipped).
     """
     payload = pickle.dumps(exception)
     recs: dict = {}
@@ -147,12 +126,8 @@ def fail_tasks(scheduler, keys, exception: BaseException, stimulus_id: str) -> i
 
 
 def hold_tasks(scheduler, keys, stimulus_id: str | None = None) -> list:
-    """Hold tasks that have not been scheduled yet: restricted to :data:`HOLD_ADDRESS`, they
-    wait in ``no-worker`` (never on a worker) until :func:`release_tasks`. A task of an
-    earlier graph still in the scheduler's queue (``queued``: root-task queuing) is taken
-    out of it and held the same way (``queued -> released -> waiting -> no-worker``, under
-    ``stimulus_id``). Returns the keys held (tasks gone, already on a worker or in memory,
-    or restricted otherwise are left alone)."""
+    """Hold unscheduled tasks in ``no-worker`` (restricted to :data:`HOLD_ADDRESS`) until
+    :func:`release_tasks`; ``queued`` tasks of earlier graphs too. Returns the keys held."""
     held, queued = [], []
     for key in keys:
         ts = scheduler.tasks.get(key)
@@ -171,9 +146,7 @@ def hold_tasks(scheduler, keys, stimulus_id: str | None = None) -> list:
 
 
 def release_tasks(scheduler, keys, stimulus_id: str) -> list:
-    """Lift :func:`hold_tasks`'s hold; tasks ready to run are scheduled at once (distributed
-    picks the worker, as for any unrestricted task), the others when their inputs are done.
-    Returns the keys released."""
+    """Lift :func:`hold_tasks`'s hold (ready ones run at once); returns the keys released."""
     released, recs = [], []
     for key in keys:
         ts = scheduler.tasks.get(key)
@@ -191,16 +164,13 @@ def release_tasks(scheduler, keys, stimulus_id: str) -> list:
 
 
 def call_soon(scheduler, fn: Callable[[], Any]) -> None:
-    """Run ``fn()`` on the scheduler's event loop, after the current handler (e.g. from a
-    plugin's ``transition`` hook, where changing scheduler state is not safe)."""
+    """Run ``fn()`` on the scheduler's loop after the current handler."""
     scheduler.loop.add_callback(fn)
 
 
 async def request_backup(scheduler, key, victim: str, target: str, timeout: float) -> dict:
-    """Ask worker ``victim`` to start a backup copy of its running task ``key`` on worker
-    ``target`` and wait (at most ``timeout`` seconds) for the outcome: the reply of the
-    victim's ``blockflow_speculate`` handler (:mod:`blockflow.core.speculation`), or
-    ``{"outcome": "failed", "error": ...}``."""
+    """Ask ``victim`` to start a backup copy of its running task ``key`` on ``target``; the reply
+    of its ``blockflow_speculate`` handler, or ``{"outcome": "failed", "error": ...}``."""
     try:
         return await asyncio.wait_for(
             scheduler.rpc(victim).blockflow_speculate(key=key, target=target), timeout)

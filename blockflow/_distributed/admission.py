@@ -1,15 +1,8 @@
 """Admission control's read of feeder tasks: producers feeding resource-bound consumers.
 
-:func:`feeder_tasks` gives a :class:`FeederView` of each producer whose every dependent needs
-a worker resource it does not need; :func:`feeder_states` where each stands.
-
-:class:`FeederStates` is the plain-string view the admission rule
-(:class:`blockflow.scheduling.rules.AdmissionRule`) reads: key -> state as
-:func:`blockflow._distributed.feeder_states` gives it, read from the scheduler on first
-access and kept (a rule reads it fully before the plugin applies anything, so it is a
-snapshot of one moment). Lazy because a tick reads only the admitted feeders and as many
-held ones as the budget has room for, not every held one.
-"""
+:func:`feeder_tasks` finds them, :func:`feeder_states` (and the lazy snapshot
+:class:`FeederStates`) says where each stands for
+:class:`blockflow.scheduling.rules.AdmissionRule`."""
 
 from __future__ import annotations
 
@@ -24,10 +17,8 @@ __all__ = ["FeederStates", "FeederView", "feeder_state_view", "feeder_states", "
 
 
 class FeederStates:
-    """key -> a feeder task's state (``"held"``, ``"orphan"``, ``"pending"``, ``"running"``,
-    ``"feeding"``, ``"stored"``, ``"done"``: see
-    :func:`blockflow._distributed.feeder_states`), read on first access; any key may be
-    asked (a task the scheduler no longer knows reads ``"done"``)."""
+    """key -> feeder state (:func:`blockflow._distributed.feeder_states`), read on first access; an
+    unknown key reads ``"done"``."""
 
     def __init__(self, scheduler):
         self._scheduler = scheduler
@@ -55,23 +46,20 @@ def feeder_state_view(scheduler) -> FeederStates:
 
 @dataclass(frozen=True)
 class FeederView:
-    """A task whose every dependent needs a worker resource it does not (a CPU producer
-    feeding GPU consumers), as admission control sees it (plain data).
+    """A task whose every dependent needs a worker resource it does not (plain data).
 
     Attributes
     ----------
     key : str, tuple or int
     priority : tuple
-        Dask's priority (smaller runs first).
     resources : dict
-        The resources its consumers need (the largest amount of each).
+        The resources its consumers need (largest amount of each).
     consumers : tuple
-        The keys of its dependents (empty for an *expected* feeder: its consumers have not
-        arrived yet).
+        Its dependents' keys (empty for an expected feeder).
     group : str
-        Its task prefix (``dask.utils.key_split``).
+        Its task prefix.
     earlier : bool
-        Whether an earlier graph submitted it (its consumers arrived after it).
+        Submitted by an earlier graph than its consumers.
     """
 
     key: Any
@@ -91,16 +79,9 @@ _HELD = frozenset({HOLD_ADDRESS})
 
 
 def feeder_tasks(scheduler, keys, expect: Collection[str] = ()) -> list[FeederView]:
-    """The feeders of a graph that just arrived (``keys``), in priority order: tasks that
-    carry no restriction and whose dependents (one or more) all need worker resources.
-
-    Among ``keys``, those not yet scheduled; among the tasks of earlier graphs that
-    ``keys`` depend on (producers submitted before their consumers, distributed#9164's
-    ``client.map(produce)`` then ``client.map(consume, resources=...)``), those not done
-    yet, whose output is still in memory (:data:`_EARLIER`) or held back by
-    :func:`hold_tasks` (``earlier=True``). With ``expect`` (task prefixes), also the new
-    tasks of those prefixes that nothing depends on yet (expected feeders:
-    ``consumers=()``)."""
+    """The feeders among ``keys`` and the unfinished earlier tasks they depend on, in priority
+    order: unrestricted tasks whose dependents all need worker resources (distributed#9164). With
+    ``expect`` (task prefixes), also new tasks of those prefixes with no dependents yet."""
     candidates = []
     for key in keys:
         ts = scheduler.tasks.get(key)
@@ -150,14 +131,9 @@ _READY = frozenset({"queued", "no-worker", "processing"})
 
 
 def feeder_states(scheduler, keys) -> dict:
-    """key -> where a feeder task stands, for admission control (plain strings):
-
-    ``"held"`` (held back, a consumer still needs it), ``"orphan"`` (held back, but no
-    consumer needs it any more), ``"pending"`` (released, not yet run), ``"running"``
-    (assigned to a worker), ``"feeding"`` (its output is in memory and a consumer that has
-    all its inputs has not finished), ``"stored"`` (in memory, its consumers still wait for
-    other inputs), ``"done"`` (no consumer needs it any more, failed, or gone).
-    """
+    """key -> feeder state: ``"held"``, ``"orphan"`` (held, no consumer left), ``"pending"``,
+    ``"running"``, ``"feeding"`` (in memory, a ready consumer unfinished), ``"stored"`` (in memory,
+    consumers wait for other inputs) or ``"done"``."""
     out = {}
     for key in keys:
         ts = scheduler.tasks.get(key)

@@ -1,12 +1,6 @@
 """Compatibility checks: does the running distributed still have the internals blockflow uses?
 
-:func:`check_scheduler` verifies every scheduler-side internal the boundary reads or calls
-(on the scheduler, its extensions and the ``WorkerState`` / ``TaskState`` / ``TaskPrefix``
-classes), :func:`check_worker_state` the same on a live ``WorkerState``, :func:`check_worker`
-the ``Worker`` internals the worker-side functions use (run in every worker plugin's
-``setup``), :func:`check_dashboard` the dashboard's. Each raises
-:class:`IncompatibleSchedulerError` naming the internal and the distributed version.
-"""
+Each check raises :class:`IncompatibleSchedulerError` naming the internal and the version."""
 
 from __future__ import annotations
 
@@ -72,17 +66,13 @@ def _class_has(cls, attr: str) -> bool:
 
 
 def check_scheduler(scheduler) -> None:
-    """Verify every scheduler-side distributed internal the boundary uses; raise if one
-    changed.
-
-    Checks the scheduler's attributes and methods, the stealing extension, the
-    ``WorkerState`` and ``TaskState`` classes (so it works before any worker joins) and every
-    worker already connected (:func:`check_worker_state`).
+    """Verify the scheduler-side internals the boundary uses (scheduler, stealing extension, state
+    classes, connected workers).
 
     Raises
     ------
     IncompatibleSchedulerError
-        Naming the missing or changed internal and the distributed version.
+        Naming the missing or changed internal.
     """
     if _params(getattr(scheduler, "handle_worker_status_change", None))[:3] != [
             "status", "worker", "stimulus_id"]:
@@ -121,9 +111,7 @@ def check_scheduler(scheduler) -> None:
 
 
 def serves_bokeh_dashboard(scheduler) -> bool:
-    """Whether the scheduler serves distributed's Bokeh dashboard. Read without importing
-    Bokeh: a scheduler started without a dashboard never loads it (Bokeh's models are some
-    100,000 objects every full garbage collection of the scheduler would walk)."""
+    """Whether the scheduler serves distributed's Bokeh dashboard (Bokeh not imported)."""
     app = getattr(scheduler, "http_application", None)
     return app is not None and any("bokeh" in type(a).__name__.lower()
                                    for a in getattr(app, "applications", ()))
@@ -148,17 +136,13 @@ def check_dashboard() -> None:
 
 
 def check_worker(worker) -> None:
-    """Verify the ``Worker`` internals :mod:`blockflow._distributed.worker` uses
-    (``metrics``, ``data``, ``plugins``, ``heartbeat``, ``rpc``, ``handlers``, ``executors``,
-    ``set_resources``, ``state.total_resources``); raise if one changed.
-
-    Run in the ``setup`` of every worker plugin blockflow installs (:class:`HandlerPlugin`,
-    :class:`QuietClose`, the device-metrics and simulated-GPU plugins).
+    """Verify the ``Worker`` internals :mod:`blockflow._distributed.worker` uses; run in every
+    blockflow worker plugin's ``setup``.
 
     Raises
     ------
     IncompatibleSchedulerError
-        Naming the missing or changed internal and the distributed version.
+        Naming the missing or changed internal.
     """
     if not isinstance(getattr(worker, "metrics", None), dict):
         _fail("Worker.metrics (a dict)")
@@ -179,8 +163,7 @@ def check_worker(worker) -> None:
 
 
 def check_worker_state(ws) -> None:
-    """Verify a live ``WorkerState`` has every attribute this module reads (run when the first
-    worker joins: a scheduler started with ``--preload`` has none at start)."""
+    """Verify a live ``WorkerState`` has every attribute this module reads."""
     for name in _WORKER_STATE_ATTRS:
         if not hasattr(ws, name):
             _fail(f"WorkerState.{name}")

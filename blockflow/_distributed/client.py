@@ -1,6 +1,4 @@
-"""The client side: distributed's client API where blockflow needs more than its public face
-(``Client.who_has``, ``ProgressBar``'s drawing hook, ``is_kernel``, the GC timer callback).
-"""
+"""The client side: distributed's client API where blockflow needs more than its public face."""
 
 from __future__ import annotations
 
@@ -15,9 +13,7 @@ __all__ = ["SchedulerProgress", "call_scheduler_handler", "data_holders", "has_s
 
 
 def is_gc_diagnosis_callback(obj) -> bool:
-    """Whether ``obj`` is distributed's garbage-collection timer callback
-    (``distributed.gc.GCDiagnosis``), whose exceptions Python reports as "Exception ignored
-    in ..."."""
+    """Whether ``obj`` is distributed's garbage-collection timer callback (``GCDiagnosis``)."""
     return getattr(obj, "__func__", None) is GCDiagnosis._gc_callback
 
 
@@ -33,17 +29,15 @@ def data_holders(client, futures) -> dict:
 
 
 class SchedulerProgress(ProgressBar):
-    """distributed's progress feed (tasks still to run for some futures), for clusters
-    without blockflow's plugin; hands each count to ``draw(done, total)``.
+    """distributed's progress feed for clusters without blockflow's plugin.
 
     Parameters
     ----------
     futures : list of distributed.Future
     client : distributed.Client
     draw : callable
-        ``draw(done, total)``, called from the client's event loop on each update.
+        ``draw(done, total)``, called from the client's event loop.
     interval : str, default "200ms"
-        How often the scheduler sends counts.
     """
 
     def __init__(self, futures, client, draw: Callable[[int, int], None],
@@ -63,21 +57,10 @@ def _has_plugin(name: str, dask_scheduler=None) -> bool:
 
 
 def has_scheduler_plugin(client, name: str) -> bool:
-    """Whether the scheduler ``client`` talks to has a plugin registered under ``name``.
-
-    Parameters
-    ----------
-    client : distributed.Client
-    name : str
-
-    Returns
-    -------
-    bool
-    """
+    """Whether the scheduler ``client`` talks to has a plugin registered under ``name``."""
     return bool(client.run_on_scheduler(_has_plugin, name))
 
 
 async def call_scheduler_handler(comm, name: str, **kwargs):
-    """Call the scheduler RPC handler ``name`` through ``comm`` (a cluster's
-    ``scheduler_comm`` or a client's ``scheduler``) and return its answer."""
+    """Call the scheduler RPC handler ``name`` through ``comm`` and return its answer."""
     return await getattr(comm, name)(**kwargs)

@@ -1,9 +1,4 @@
-"""A ``SpecCluster``'s private hooks: starting workers, reconciling the spec, the adaptive slot.
-
-``SpecCluster._correct_state`` (start and stop workers until they match ``worker_spec``) and
-``Cluster._adaptive`` (the one running ``Adaptive``) are internal to distributed;
-:class:`blockflow.PoolCluster` and the HPC helpers drive them only through these functions.
-"""
+"""A ``SpecCluster``'s private hooks (``_correct_state``, ``Cluster._adaptive``) as functions."""
 
 from __future__ import annotations
 
@@ -18,16 +13,13 @@ __all__ = ["correct_state_soon", "replace_adaptive", "start_spec_workers"]
 
 
 def correct_state_soon(cluster):
-    """Reconcile ``cluster``'s workers with its ``worker_spec`` on its event loop, as
-    ``SpecCluster.scale`` does; an awaitable that does nothing when ``cluster`` is asynchronous,
-    else None."""
+    """Reconcile ``cluster``'s workers with its ``worker_spec``, as ``SpecCluster.scale`` does."""
     cluster.loop.add_callback(cluster._correct_state)
     return NoOpAwaitable() if cluster.asynchronous else None
 
 
 def replace_adaptive(cluster, make: Callable[[], object]):
-    """Stop ``cluster``'s running adaptive (``Cluster._adaptive``), install ``make()`` in its
-    place and return it, as ``Cluster.adapt`` does."""
+    """Stop ``cluster``'s running adaptive, install ``make()`` in its place and return it."""
     old = getattr(cluster, "_adaptive", None)
     if old is not None:
         old.stop(reason="adapt-called")
@@ -36,16 +28,14 @@ def replace_adaptive(cluster, make: Callable[[], object]):
 
 
 def start_spec_workers(cluster) -> None:
-    """Start the workers whose specs were added to ``cluster.worker_spec`` (a ``SpecCluster``,
-    such as dask-jobqueue's) and wait until each started or failed.
+    """Start the workers newly added to ``cluster.worker_spec`` and wait for each.
 
     Raises
     ------
     Exception
-        The first worker's start failure (a job the queue refused); ``SpecCluster.scale``
-        only logs it.
+        The first start failure (``SpecCluster.scale`` only logs it).
     IncompatibleSchedulerError
-        If distributed no longer has ``SpecCluster._correct_state``.
+        If ``SpecCluster._correct_state`` is gone.
     """
     correct_state = getattr(cluster, "_correct_state", None)
     if not callable(correct_state):

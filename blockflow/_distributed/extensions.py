@@ -1,10 +1,4 @@
-"""Extensions of the scheduler: what blockflow installs into it.
-
-Scheduler plugins, RPC handlers and periodic callbacks, Active Memory Manager policies
-(:class:`AMMPolicy`, an adapter from plain views to distributed's ``Suggestion`` s, and
-:func:`run_amm_policy`), HTTP routes and Bokeh dashboard pages, worker plugins registered
-from the scheduler side.
-"""
+"""What blockflow installs into the scheduler: plugins, handlers, AMM policies, dashboard pages."""
 
 from __future__ import annotations
 
@@ -44,8 +38,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_periodic_callback(scheduler, name: str, fn: Callable[[], Any], interval: float):
-    """Run ``fn`` every ``interval`` seconds on the scheduler's event loop, registered under
-    ``name`` in the scheduler's periodic callbacks (stopped with the scheduler)."""
+    """Run ``fn`` every ``interval`` seconds on the scheduler's loop, registered as ``name``."""
     pc = PeriodicCallback(fn, interval * 1000)
     scheduler.periodic_callbacks[name] = pc
     pc.start()
@@ -91,10 +84,8 @@ class MemorySuggestion:
 class AMMPolicy(ActiveMemoryManagerPolicy):
     """Base of blockflow's Active Memory Manager policies: plain data in, plain data out.
 
-    Subclasses implement :meth:`plan`, a generator that reads the worker views and held
-    results, yields :class:`MemorySuggestion` objects and is sent back the address the AMM
-    chose (None when it declined). This class turns them into distributed's ``Suggestion`` s.
-    """
+    :meth:`plan` yields :class:`MemorySuggestion` objects and is sent the chosen address (None:
+    declined); this class turns them into distributed's ``Suggestion`` s."""
 
     def plan(self, workers: dict[str, WorkerView],
              held: Mapping[str, list[HeldResult]]):  # pragma: no cover - abstract
@@ -129,9 +120,7 @@ class AMMPolicy(ActiveMemoryManagerPolicy):
 
 
 def style_dashboard_doc(doc, component, extra: dict, *, title: str, interval_ms: int) -> None:
-    """Make a Bokeh document look and update like distributed's own dashboard pages:
-    ``component.update()`` every ``interval_ms`` (held weakly, so a closed tab leaves nothing
-    behind), distributed's page template, menu variables and theme."""
+    """Make a Bokeh document update (every ``interval_ms``) and look like distributed's pages."""
     from distributed.dashboard.components import add_periodic_callback
     from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 
@@ -159,11 +148,8 @@ def http_prefix(scheduler) -> str:
 
 
 def add_http_routes(scheduler, routes) -> bool:
-    """Serve ``routes`` (``[(path, handler, kwargs)]``) from the scheduler's HTTP server.
-
-    Handlers get the scheduler as ``dask_server``, as distributed's own route modules do.
-    False when the scheduler runs no HTTP server.
-    """
+    """Serve ``routes`` (``[(path, handler, kwargs)]``, handlers get ``dask_server``) from the
+    scheduler's HTTP server; False without one."""
     app = getattr(scheduler, "http_application", None)
     if app is None:
         return False
@@ -175,12 +161,7 @@ def add_http_routes(scheduler, routes) -> bool:
 
 def add_dashboard_page(scheduler, path: str, doc_fn, menu_name: str) -> bool:
     """Serve a Bokeh page ``doc_fn(scheduler, extra, doc)`` at ``path`` and list it in the
-    dashboard's "More..." menu. False when the scheduler has no Bokeh dashboard.
-
-    The dashboard builds its page table and menu once, when the scheduler starts, so a page
-    added later gets a Bokeh application of its own on the scheduler's HTTP server, and its
-    menu entry is appended to the (memoised) template variables every page renders from.
-    """
+    "More..." menu. False when the scheduler has no Bokeh dashboard."""
     if not serves_bokeh_dashboard(scheduler):  # checked first: Bokeh is not imported then
         return False
     app = scheduler.http_application
@@ -209,39 +190,30 @@ def add_dashboard_page(scheduler, path: str, doc_fn, menu_name: str) -> bool:
 
 async def register_worker_plugin_on_scheduler(scheduler, plugin, name: str,
                                               idempotent: bool = False) -> None:
-    """Register the worker plugin ``plugin`` under ``name`` from the scheduler side
-    (``Scheduler.register_worker_plugin``), for tests holding a Scheduler but no Client."""
+    """Register worker plugin ``plugin`` as ``name`` from the scheduler side (tests)."""
     from distributed.protocol.pickle import dumps
 
     await scheduler.register_worker_plugin(None, dumps(plugin), name, idempotent=idempotent)
 
 
 async def run_amm_policy(scheduler, policy, cycles: int = 10, timeout: float = 30.0) -> int:
-    """Run one Active Memory Manager policy to completion, on its own, now.
+    """Run one Active Memory Manager policy alone, now, on a dedicated manager.
 
-    A dedicated manager (``ActiveMemoryManagerExtension(..., register=False, start=False)``,
-    as distributed's ``retire_workers`` makes one) runs ``policy`` alone, so the scheduler's
-    own AMM policies (``ReduceReplicas``) take no part in its cycles. Each cycle runs the
-    policy once and enacts what the manager accepted; between cycles it waits until every
-    accepted replica has landed (``TaskState.who_has``), so a policy that moves results
-    (replicate, then drop) sees its copies in the next cycle.
+    Between cycles it waits until accepted replicas have landed, so a policy that replicates
+    then drops sees its copies.
 
     Parameters
     ----------
     scheduler : distributed.Scheduler
     policy : ActiveMemoryManagerPolicy
-        E.g. an :class:`AMMPolicy`; its ``manager`` is set to the dedicated manager.
     cycles : int, default 10
-        At most this many cycles.
     timeout : float, default 30.0
-        Seconds to wait, per cycle, for accepted replicas to land (then the next cycle runs
-        anyway; the policy sees which copies are missing).
+        Seconds to wait per cycle for accepted replicas.
 
     Returns
     -------
     int
-        Cycles in which the manager accepted at least one suggestion; it stops at the first
-        cycle in which it accepted none.
+        Cycles with at least one accepted suggestion (it stops at the first with none).
     """
     from distributed.active_memory_manager import ActiveMemoryManagerExtension
 

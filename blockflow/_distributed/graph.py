@@ -1,9 +1,4 @@
-"""Dask's task graph nodes (``dask._task_spec``): what blockflow reads of an optimised graph.
-
-Since Dask 2024.12 an optimised graph maps keys to task-spec nodes (``Task``, ``DataNode``,
-``Alias``...) of the private module ``dask._task_spec``; the one use blockflow makes of
-their classes (telling a fusion alias from a task) is here.
-"""
+"""Dask's task-spec nodes (``dask._task_spec``): telling a fusion alias from a task."""
 
 from __future__ import annotations
 
@@ -13,8 +8,7 @@ __all__ = ["alias_target", "renamed_task"]
 
 
 def alias_target(node) -> Any | None:
-    """The key ``node`` stands for when it is an ``Alias`` (the node Dask's linear fusion
-    leaves at a fused producer's old key), else None."""
+    """The key ``node`` stands for when it is a fusion ``Alias``, else None."""
     from dask._task_spec import Alias
 
     return node.target if isinstance(node, Alias) else None

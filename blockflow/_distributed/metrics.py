@@ -1,10 +1,4 @@
-"""Reading worker metrics on the scheduler: GPU keys of distributed's NVML monitor, made safe.
-
-Workers report ``gpu_utilization`` (percent), ``gpu_memory_used`` and ``gpu-memory-total``
-(bytes) at the top level of ``WorkerState.metrics`` when NVML sees a device (or when
-blockflow's simulated device reports them). Anything missing, None, non-numeric, negative or
-non-finite is *unknown* (None) here, never zero load.
-"""
+"""Worker heartbeat metrics read safely: missing, non-numeric, negative or non-finite is None."""
 
 from __future__ import annotations
 
@@ -31,15 +25,7 @@ POOL_METRIC = "blockflow-pool"
 
 
 def clean_number(value: Any, *, upper: float | None = None) -> float | None:
-    """``value`` as a finite, non-negative float, or None if it is anything else.
-
-    Parameters
-    ----------
-    value : object
-        A metric as reported (may be None, a string, NaN, negative, ...).
-    upper : float, optional
-        Values above this bound are also unknown (e.g. 100 for a percentage).
-    """
+    """``value`` as a finite, non-negative float (at most ``upper``, when given), else None."""
     if isinstance(value, bool) or value is None:
         return None
     try:
@@ -57,17 +43,11 @@ class WorkerMetrics:
 
     Attributes
     ----------
-    gpu_utilization : float or None
-        Percent 0-100.
-    own_utilization : float or None
-        Percent 0-100 of the device spent on this worker's own kernels, when the worker
-        reports it (``blockflow-gpu-own-utilization``).
-    gpu_memory_used, gpu_memory_total : float or None
-        Bytes of device memory.
-    host_memory : float or None
-        Bytes of the worker process's resident memory.
+    gpu_utilization, own_utilization : float or None
+        Percent 0-100 (own: this worker's kernels, ``blockflow-gpu-own-utilization``).
+    gpu_memory_used, gpu_memory_total, host_memory : float or None
+        Bytes.
     device_uuid : str or None
-        UUID of the worker's GPU, when it reports one (``blockflow-gpu-uuid``).
     """
 
     gpu_utilization: float | None
@@ -101,10 +81,7 @@ class WorkerMetrics:
 
 
 def read_metrics(metrics: Mapping[str, Any] | None) -> WorkerMetrics:
-    """Parse a worker's ``metrics`` dict (as held by the scheduler) into :class:`WorkerMetrics`.
-
-    Never raises, whatever the dict holds.
-    """
+    """Parse a worker's ``metrics`` dict into :class:`WorkerMetrics`; never raises."""
     if not isinstance(metrics, Mapping):
         metrics = {}
     total = clean_number(metrics.get(GPU_MEMORY_TOTAL))

@@ -1,12 +1,6 @@
-"""NVML through distributed: the private helpers of :mod:`distributed.diagnostics.nvml`.
+"""distributed's private NVML helpers (:mod:`distributed.diagnostics.nvml`) behind plain functions.
 
-distributed parses ``CUDA_VISIBLE_DEVICES`` entries (integer indices, ``GPU-`` and ``MIG-``
-UUIDs) and finds a device's NVML handle (a MIG instance's included) with private helpers;
-blockflow uses them so that it sees devices as distributed does. Each function here calls
-one of them and raises what it raises (:mod:`blockflow.devices` turns any error into
-"unknown"). The public part of that module (``init_once``, ``device_get_count``,
-``get_device_index_and_uuid``, ``get_device_mig_mode``, ``pynvml``) is used directly.
-"""
+Each raises what the helper raises; :mod:`blockflow.devices` turns errors into "unknown"."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""Task placement: what a task's kernels declare, and the restrictions that place it.
-
-Reads a task's spec (``dask._task_spec`` nodes, fused subgraphs, partials) for what
-blockflow's kernels declare (device working set, resources and workers) and its annotations
-(``blockflow_work``), and writes the scheduler-side restrictions that place it
-(:func:`set_task_placement`) or hold it back (:data:`HOLD_ADDRESS`).
-"""
+"""Task placement: what a task's kernels declare, and the restrictions that place or hold it."""
 
 from __future__ import annotations
 
@@ -36,17 +30,14 @@ WORK_ANNOTATION = "blockflow_work"
 
 
 def task_work(scheduler, key) -> float | None:
-    """The work ``key`` declared with ``dask.annotate(blockflow_work=...)`` (a positive
-    number), else None. O(1)."""
+    """The positive work ``key`` declared with ``dask.annotate(blockflow_work=...)``, else None."""
     ts = scheduler.tasks.get(key)
     return None if ts is None else _work_of(ts)
 
 
 def task_facts(scheduler, key) -> tuple[str, float | None, float | None]:
-    """``(group, work, size)`` of task ``key`` in one look-up, for the scheduler plugin's
-    hook on a finished task: its group (``dask.utils.key_split`` of the key, as the
-    scheduler's task prefix holds it), :func:`task_work` and :func:`task_size`. A key the
-    scheduler does not hold gives ``(key_split(key), None, None)``. O(inputs)."""
+    """``(group, work, size)`` of task ``key`` (:func:`task_work`, :func:`task_size`); ``(group,
+    None, None)`` for an unknown key."""
     ts = scheduler.tasks.get(key)
     if ts is None:
         return key_split(key), None, None
@@ -54,8 +45,7 @@ def task_facts(scheduler, key) -> tuple[str, float | None, float | None]:
 
 
 def _work_and_size(ts) -> tuple[float | None, float | None]:
-    """``(work, size)`` of a ``TaskState``: :func:`task_work` and :func:`task_size` in one
-    look at its annotations and inputs."""
+    """``(work, size)`` of a ``TaskState`` in one look."""
     work = _work_of(ts) if getattr(ts, "annotations", None) else None
     if work is not None:
         return work, work
@@ -64,31 +54,23 @@ def _work_and_size(ts) -> tuple[float | None, float | None]:
 
 def finished_task_record(scheduler, key, worker: str, startstops=None,
                          metadata=None) -> tuple:
-    """What the scheduler plugin keeps of a task that just finished on ``worker``, read in
-    one pass from its ``processing -> memory`` transition: one flat tuple of strings and
-    numbers (the garbage collector stops tracking it at its first pass), folded into the
-    speed model and the runs later.
+    """What the scheduler plugin keeps of a task that finished on ``worker``, as one flat tuple.
 
     Parameters
     ----------
     scheduler : distributed.Scheduler
     key : str, tuple or int
-        The task's key.
     worker : str
-        Address of the worker that computed it.
     startstops : sequence of dict, optional
-        The transition's ``startstops``: the worker's ``{"action", "start", "stop"}``
-        spans (seconds since the epoch).
+        The transition's ``{"action", "start", "stop"}`` spans (epoch seconds).
     metadata : dict, optional
-        The transition's ``metadata``, with the seconds the task reported waiting at its
-        start (:func:`~blockflow._distributed.worker.task_wait`).
+        The transition's metadata (:func:`~blockflow._distributed.worker.task_wait`).
 
     Returns
     -------
     tuple
-        ``(key, worker, group, work, size, wait, start, stop, start, stop, ...)``:
-        :func:`task_facts`, the seconds waited (0.0 when none), then the start and stop
-        of each ``compute`` span, in order (none when the worker reported none). O(inputs).
+        ``(key, worker, group, work, size, wait, start, stop, ...)``: :func:`task_facts`, the
+        seconds waited, then each ``compute`` span's start and stop.
     """
     ts = scheduler.tasks.get(key)
     if ts is None:
@@ -107,9 +89,7 @@ def finished_task_record(scheduler, key, worker: str, startstops=None,
 
 
 def task_size(scheduler, key) -> float | None:
-    """The size of task ``key`` in units its group shares: the work it declared
-    (``blockflow_work``), else the bytes of its inputs; None when neither is known (a task
-    whose inputs were fused into it). O(inputs)."""
+    """Task ``key``'s declared work, else its input bytes; None when neither is known."""
     ts = scheduler.tasks.get(key)
     return None if ts is None else _size_of(ts)
 
@@ -139,12 +119,7 @@ def _restricted(ts) -> bool:
 
 
 def task_working_set(run_spec, key, *, max_nodes: int = 256) -> int | None:
-    """Device memory (bytes) a task's kernel declared, or None.
-
-    Looks through the task's spec (``dask._task_spec`` nodes, fused subgraphs included, at
-    most ``max_nodes`` of them) for an object with a ``blockflow_working_set(key)`` method,
-    which blockflow's kernels have when ``map_blocks(working_set=)`` was given.
-    """
+    """Device memory (bytes) a task's kernel declared (``map_blocks(working_set=)``), or None."""
     return _working_set(_declaring_objects(run_spec, max_nodes), key)
 
 
@@ -200,10 +175,8 @@ def _spec_plan(t: type) -> tuple:
 
 
 def _declaring_objects(run_spec, max_nodes: int = 256) -> list:
-    """The objects in a task's spec that declare something to blockflow (a
-    ``blockflow_working_set`` or ``blockflow_placement`` method: blockflow's kernels), looked
-    for through ``dask._task_spec`` nodes, fused subgraphs, partials and compositions, at
-    most ``max_nodes`` nodes."""
+    """The objects in a task's spec with a ``blockflow_working_set`` or ``blockflow_placement``
+    method, at most ``max_nodes`` nodes searched."""
     stack, seen, found = [run_spec], 0, []
     plans, leaves = _spec_plans, _LEAF_TYPES
     while stack and seen < max_nodes:
@@ -246,18 +219,13 @@ HOLD_ADDRESS = "blockflow-admission://held"
 def task_placement(run_spec, *, max_nodes: int = 256) -> dict | None:
     """Where a task's kernels asked to run, or None.
 
-    Looks through the task's spec (fused subgraphs included, at most ``max_nodes`` nodes,
-    as :func:`task_working_set`) for objects with a ``blockflow_placement()`` method
-    (blockflow's kernels given ``resources=``, ``workers=`` or ``allow_other_workers=``). A
-    task that runs several such kernels (Dask fused them) needs each one's resources
-    (the largest amount of each), the first kernel's workers, and may go elsewhere only if
-    every kernel allows it.
+    Fused kernels combine: the largest amount of each resource, the first kernel's workers,
+    other workers only if every kernel allows it.
 
     Returns
     -------
     dict or None
-        ``{"resources": dict or None, "workers": tuple or None, "allow_other_workers":
-        bool}``.
+        ``{"resources": dict or None, "workers": tuple or None, "allow_other_workers": bool}``.
     """
     return _placement(_declaring_objects(run_spec, max_nodes))
 
@@ -286,14 +254,8 @@ def _placement(objects: list) -> dict | None:
 
 
 def set_task_placement(scheduler, key, placement: Mapping[str, Any]) -> bool:
-    """Restrict a task that has not been scheduled yet as its kernel asked.
-
-    ``placement`` as :func:`task_placement` returns it. Resources add to any the task
-    carries; ``workers`` (addresses, worker names or host names, resolved as distributed
-    resolves ``workers=`` annotations) replace its worker and host restrictions;
-    ``allow_other_workers`` makes the restrictions loose. False when the task is gone or
-    already past ``released``/``waiting``.
-    """
+    """Restrict an unscheduled task as ``placement`` (:func:`task_placement`) asks. False when the
+    task is gone or past ``released``/``waiting``."""
     ts = scheduler.tasks.get(key)
     if ts is None or ts.state not in ("released", "waiting"):
         return False

@@ -1,6 +1,4 @@
-"""distributed's spans (:mod:`distributed.spans`) for blockflow's runs: the ``span``
-annotation with an id of blockflow's choosing, and figures read from the scheduler's
-``SpansSchedulerExtension``."""
+"""distributed's spans (:mod:`distributed.spans`) for blockflow's runs: annotation and figures."""
 
 from __future__ import annotations
 
@@ -12,9 +10,7 @@ __all__ = ["span_annotation", "span_figures"]
 
 
 def span_annotation(tag: str, span_id: str) -> dict[str, tuple[str, ...]]:
-    """The ``span`` annotation (``{"name": tags, "ids": ids}``, outermost first) of a span
-    ``tag`` with id ``span_id`` nested in the open one, as :func:`distributed.span` nests;
-    re-entering an open span (same id) continues it."""
+    """The ``span`` annotation of span ``tag`` (id ``span_id``) nested in the open one."""
     outer = dask.get_annotations().get("span") or {}
     names, ids = tuple(outer.get("name", ())), tuple(outer.get("ids", ()))
     if span_id in ids:
@@ -24,10 +20,8 @@ def span_annotation(tag: str, span_id: str) -> dict[str, tuple[str, ...]]:
 
 
 def span_figures(scheduler, span_id: str) -> dict[str, Any] | None:
-    """A span's figures over it and its sub-spans: ``name``, ``enqueued``, ``start``,
-    ``stop`` (seconds since the epoch; ``start`` 0 until a task finished, ``stop`` now until
-    ``done``), ``done``, ``duration`` (task seconds) and ``nbytes_total`` (output bytes);
-    None without a scheduler, its spans extension or that span."""
+    """A span's ``name``, ``enqueued``, ``start``, ``stop`` (epoch seconds), ``done``, ``duration``
+    (task seconds) and ``nbytes_total``, sub-spans included; None when unavailable."""
     ext = scheduler.extensions.get("spans") if scheduler is not None else None
     span = ext.spans.get(span_id) if ext is not None else None
     if span is None or not any(True for _ in span.traverse_groups()):

@@ -1,11 +1,5 @@
-"""Worker side of backup copies: the worker plugin that serves the copy RPC handlers.
-
-The scheduler plugin has every worker install it when its policy may copy tasks
-(:meth:`blockflow.scheduling.policies.RebalancePolicy.worker_plugins`). The handlers
-belong to the kernel layer (:data:`blockflow.core.speculation.HANDLERS`); they are named
-here by dotted path and imported on the worker, so that the scheduler side never imports
-the kernel layer.
-"""
+"""Worker side of backup copies: the plugin serving the copy handlers
+(:data:`blockflow.core.speculation.HANDLERS`, imported by dotted path on the worker)."""
 
 from __future__ import annotations
 
@@ -20,12 +14,12 @@ HANDLERS_PATH = "blockflow.core.speculation.HANDLERS"
 
 
 def import_object(path: str):
-    """The object a dotted path ``package.module.name`` names (imported on first use).
+    """The object a dotted path ``package.module.name`` names.
 
     Raises
     ------
     ImportError
-        If the module or the name does not exist (the message names the path).
+        If the module or the name does not exist.
     """
     module, _, name = path.rpartition(".")
     try:
@@ -35,8 +29,7 @@ def import_object(path: str):
 
 
 class SpeculationHandlers(HandlerPlugin):
-    """Worker plugin serving the backup-copy RPC handlers on every worker, present and
-    future. Only on workers that have it do kernels run so that a copy can overtake them."""
+    """Worker plugin serving the backup-copy RPC handlers on every worker."""
 
     name = "blockflow-speculation"
     idempotent = True

@@ -1,10 +1,4 @@
-"""The scheduler's tasks as plain data: task views, held results, running and unsatisfiable tasks.
-
-Reads ``Scheduler.tasks``, ``TaskState`` and the stealing extension and hands out plain objects
-(:class:`TaskView`, :class:`HeldResult`, :class:`RunningTask`, dicts) that rules read without
-touching a scheduler object. Nothing here changes the scheduler
-(that is :mod:`blockflow._distributed.actions`).
-"""
+"""The scheduler's tasks as plain data: views, held results, running and unsatisfiable tasks."""
 
 from __future__ import annotations
 
@@ -37,37 +31,34 @@ class TaskView:
     Attributes
     ----------
     key : str, tuple or int
-        The task's key.
     group : str
-        Its task group (``dask.utils.key_split`` of the key).
+        Its task group (``dask.utils.key_split``).
     state : str
         Scheduler state (``"released"``, ``"waiting"``, ``"processing"``, ...).
     priority : tuple
         Dask's priority (smaller runs first).
     duration : float
-        distributed's estimate of its compute time at speed 1, seconds.
+        distributed's compute-time estimate at speed 1, seconds.
     duration_measured : bool
-        Whether that estimate comes from finished tasks of its prefix (not the default
+        Whether it comes from finished tasks of its prefix (not
         ``distributed.scheduler.unknown-task-duration``).
     input_bytes : int
-        Bytes of its inputs.
     restricted : bool
-        Whether it carries worker, host or resource restrictions.
+        Carries worker, host or resource restrictions.
     runnable : bool
-        Whether it has something to run (not a scattered or pure-data key).
+        Has something to run (not a scattered or pure-data key).
     allowed_workers : frozenset of str or None
-        Workers allowed to run it (restrictions, resources), None for any.
+        Workers allowed to run it, None for any.
     comm_cost : mapping of str to float
-        Seconds to move its missing inputs to each worker, over the fastest link from a
-        holder (:class:`blockflow.scheduling.estimate.LinkBandwidth`, else the scheduler's
-        bandwidth).
+        Seconds to move its missing inputs to each worker
+        (:class:`blockflow.scheduling.estimate.LinkBandwidth`, else the scheduler's bandwidth).
     comm_bytes : mapping of str to int
-        Bytes of its inputs each worker lacks (what ``comm_cost`` sends).
+        Bytes of its inputs each worker lacks.
     working_set : int or None
-        Device memory its kernel needs, bytes, when declared (``map_blocks(working_set=)``).
+        Declared device memory of its kernel, bytes (``map_blocks(working_set=)``).
     placement : dict or None
         Where its kernel asked to run (``map_blocks(resources=, workers=,
-        allow_other_workers=)``); None when it asked nothing.
+        allow_other_workers=)``).
     """
 
     key: Any
@@ -101,11 +92,9 @@ _MEASURED_MAX = 10_000  # prefix names remembered per scheduler
 
 
 def prefix_duration(scheduler, prefix) -> tuple[float, bool]:
-    """``(seconds, measured)``: the expected compute time of a task of ``prefix`` and whether
-    it comes from measured durations.
+    """``(seconds, measured)``: expected compute time of a task of ``prefix``; whether measured.
 
-    distributed resets a prefix's average (``duration_average = -1``) once a task runs over
-    twice it; the last measured average is kept here so a straggler is judged against it.
+    Keeps the last measured average when distributed resets it (``duration_average = -1``).
     """
     memory = _MEASURED.setdefault(scheduler, {})
     average = float(prefix.duration_average)
@@ -120,16 +109,13 @@ def prefix_duration(scheduler, prefix) -> tuple[float, bool]:
 
 
 def group_duration(scheduler, name: str) -> float | None:
-    """Expected seconds of a task of the prefix named ``name`` (:func:`prefix_duration`:
-    measured, else distributed's default for unknown tasks); None for an unknown prefix."""
+    """Expected seconds of a task of prefix ``name`` (:func:`prefix_duration`); None if unknown."""
     prefix = scheduler.task_prefixes.get(name)
     return None if prefix is None else prefix_duration(scheduler, prefix)[0]
 
 
 def _comm(scheduler, ts, ws, links) -> tuple[float, int]:
-    """``(seconds, bytes)`` to send ``ts``'s inputs that ``ws`` lacks to it: each over the
-    fastest link from a worker holding it (``links(receiver, sender)``, bytes per second),
-    or the scheduler's cluster-wide bandwidth without ``links``."""
+    """``(seconds, bytes)`` to send ``ts``'s missing inputs to ``ws`` over the fastest links."""
     has = ws.has_what
     seconds, nbytes = 0.0, 0
     default = float(scheduler.bandwidth)
@@ -168,8 +154,7 @@ def _task_view(scheduler, ts, thieves=(), links=None) -> TaskView:
 
 
 def task_states(scheduler, keys) -> dict:
-    """key -> the scheduler's state of that task (``"released"``, ``"waiting"``,
-    ``"processing"``, ``"memory"``, ...); keys the scheduler does not hold are left out."""
+    """key -> the scheduler's state of that task; unknown keys left out."""
     out = {}
     for key in keys:
         ts = scheduler.tasks.get(key)
@@ -179,9 +164,7 @@ def task_states(scheduler, keys) -> dict:
 
 
 def input_holders(scheduler, key, worker: str) -> list[tuple[int, tuple[str, ...]]]:
-    """``(nbytes, holders)`` of each input of a task that just finished on ``worker``:
-    the input's size and the other workers that hold it (empty: only ``worker`` does, it
-    was made there). O(inputs x their holders)."""
+    """``(nbytes, holders)`` of each input of a task that finished on ``worker``."""
     ts = scheduler.tasks.get(key)
     if ts is None:
         return []
@@ -199,12 +182,8 @@ _NEW_VIEW_DEFAULTS = {"duration": 0.0, "duration_measured": True, "input_bytes":
 
 
 def new_task_views(scheduler, keys) -> list[TaskView]:
-    """Views of the tasks of a graph that just arrived (``update_graph``), in key order of
-    ``keys``; keys the scheduler no longer holds are skipped. No comm costs.
-
-    Built without the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per
-    field: 2.7 us of the 5.5 us a view cost, for every task of every graph); the views
-    are the same as ``TaskView(...)`` gives, and share one empty read-only comm mapping."""
+    """Views of the tasks of a graph that just arrived, in the order of ``keys``; gone keys
+    skipped, no comm costs."""
     out = []
     tasks = scheduler.tasks
     new = object.__new__
@@ -232,15 +211,11 @@ def waiting_tasks(scheduler, *, thieves: list[str] | None = None,
                   stopped: Collection[str] = (),
                   links: Callable[[str, str], float] | None = None
                   ) -> Mapping[str, Iterator]:
-    """address -> iterator of :class:`TaskView` of the tasks waiting on that worker (assigned
-    but not started), lowest priority (last to run) first, skipping tasks a move is already
-    pending for and actors. Computed lazily, per worker, when read; each view carries the comm
-    cost to each worker in ``thieves``.
+    """address -> lazy iterator of :class:`TaskView` of the tasks waiting on that worker, last to
+    run first; actors and tasks with a pending move skipped, comm costs to each of ``thieves``.
 
-    On a worker with a free thread, the first tasks are about to start and are left out;
-    on a worker in ``stopped`` (paused by itself, for host memory: its threads start
-    nothing) every task not started is waiting.
-    """
+    Tasks about to start on a free thread are left out; on a ``stopped`` worker every task not
+    started is waiting."""
     stealing = scheduler.extensions.get("stealing")
     in_flight = stealing.in_flight if stealing is not None else {}
 
@@ -277,10 +252,8 @@ def held_results(scheduler) -> Mapping[str, list[HeldResult]]:
 
 
 def unsatisfiable_tasks(scheduler) -> list[tuple[Any, dict]]:
-    """``(key, resources)`` of the tasks ready to run but held in ``no-worker`` because no
-    connected worker declares the resources they need (``resources={"GPU": 1}`` on a cluster
-    without GPU workers). Empty when no worker is connected at all (then every task waits,
-    a different problem). Tasks blockflow holds back (:func:`hold_tasks`) are not listed."""
+    """``(key, resources)`` of tasks in ``no-worker`` because no connected worker declares their
+    resources; empty with no worker; held tasks (:func:`hold_tasks`) excluded."""
     workers = list(scheduler.workers.values())
     if not workers:
         return []
@@ -314,23 +287,17 @@ class RunningTask:
     ----------
     key : str, tuple or int
     group : str
-        Its task group (``dask.utils.key_split``).
     elapsed : float
-        Seconds it has been running: the duration the worker reported at its last heartbeat
-        plus the time since.
+        Seconds running (last heartbeat's report plus the time since).
     duration : float
-        distributed's estimate of its compute time at speed 1, seconds.
+        distributed's compute-time estimate at speed 1, seconds.
     duration_measured : bool
-        Whether that estimate comes from finished tasks of its prefix.
     input_bytes : int
-        Bytes of its inputs (a backup copy receives them from the worker running it).
     kernel : bool
-        Whether it is a blockflow kernel task (only those can have backup copies).
+        A blockflow kernel task (only those can have backup copies).
     size : float or None
-        Its size in units its group shares: declared work (``blockflow_work``), else its
-        input bytes; None when unknown (see :func:`task_size`). The scheduler plugin scales
-        ``duration`` by it against its group's typical size
-        (:meth:`blockflow.scheduling.speed.SpeedModel.size_factor`).
+        Declared work (``blockflow_work``), else input bytes (:func:`task_size`); scales
+        ``duration`` (:meth:`blockflow.scheduling.speed.SpeedModel.size_factor`).
     """
 
     key: Any
@@ -344,10 +311,8 @@ class RunningTask:
 
 
 def running_tasks(scheduler, now: float) -> dict[str, list[RunningTask]]:
-    """address -> the tasks it reported running at its last heartbeat and still runs (the
-    scheduler still has them processing there), with their elapsed time to ``now``
-    (seconds since the epoch). ``kernel`` marks tasks running a blockflow kernel that may be
-    copied (found in the task's spec, as for working sets)."""
+    """address -> the tasks it still runs (per its last heartbeat), with their elapsed seconds to
+    ``now``; ``kernel`` marks copyable blockflow kernels."""
     out: dict[str, list[RunningTask]] = {}
     known = _KERNEL.setdefault(scheduler, {})
     for addr, ws in scheduler.workers.items():

@@ -1,10 +1,4 @@
-"""The scheduler's workers as plain data: worker views, links, scheduler-wide counts.
-
-Reads ``Scheduler.workers`` and ``WorkerState`` and hands out plain objects
-(:class:`WorkerView`, dicts, strings) that rules read without touching a scheduler object.
-Tasks are :mod:`blockflow._distributed.tasks`, feeders :mod:`blockflow._distributed.admission`;
-nothing here changes the scheduler (that is :mod:`blockflow._distributed.actions`).
-"""
+"""The scheduler's workers as plain data (:class:`WorkerView`, dicts, strings); read-only."""
 
 from __future__ import annotations
 
@@ -27,49 +21,45 @@ class WorkerView:
 
     Attributes
     ----------
-    address : str
+    address, name : str
     nthreads : int
     status : str
         Scheduler-side status name (``"running"``, ``"paused"``, ...).
     paused_by_blockflow : bool
         Paused by blockflow's scheduler plugin (it only ever resumes those).
     metrics : WorkerMetrics
-        GPU utilisation (percent), device memory (bytes); None when unknown.
     speed : float
         Learned relative speed (1.0 = typical worker).
     processing : int
         Tasks assigned to the worker (running or waiting there).
     executing : int
-        Tasks the worker reported running at its last heartbeat.
+        Tasks running at its last heartbeat.
     occupancy : float
-        Seconds of assigned work at the typical worker's speed (distributed's estimate,
-        including moves in flight).
+        Seconds of assigned work at speed 1 (distributed's estimate, moves in flight included).
     host_memory_fraction : float or None
         Process memory / memory limit, 0-1.
-    name : str
-        The worker's name.
     capacity : float or None
-        Nominal relative capacity the worker reports (``blockflow-capacity`` metric).
+        Nominal relative capacity (``blockflow-capacity`` metric).
     memory_limit : int
-        Host memory limit in bytes (0: none).
+        Host memory limit, bytes (0: none).
     speed_confidence : float
-        Confidence of the learned speed, 0-1 (0: nothing comparable observed).
+        Confidence of the learned speed, 0-1.
     resources : mapping of str to float
-        Worker resources the worker declares (``{"GPU": 1}``; ``dask worker --resources``).
+        Declared worker resources (``{"GPU": 1}``).
     device_uuid : str or None
-        UUID of the GPU the worker uses, when it reports one (``blockflow-gpu-uuid``).
+        UUID of its GPU (``blockflow-gpu-uuid``).
     device_peers : tuple of str
-        The other workers reporting the same device UUID (sharing one GPU), sorted.
+        The other workers on the same device, sorted.
     peers_own_utilization : float
-        Percent 0-100 of the shared device those peers' own tasks take; 0 without peers.
+        Percent 0-100 of the shared device those peers' tasks take; 0 without peers.
     recent_speed : float or None
-        The speed of the worker's latest warm task
+        Speed of its latest warm task
         (:meth:`blockflow.scheduling.speed.SpeedModel.recent_speed`).
     slow_for : float or None
-        Seconds the worker is expected to stay at its lower learned speed
+        Seconds it is expected to stay slow
         (:meth:`blockflow.scheduling.speed.SpeedModel.slow_for`); None: throughout.
     pool : mapping or None
-        The pool the worker reports (:meth:`blockflow.pools.pool.Pool.to_dict`).
+        Its pool (:meth:`blockflow.pools.pool.Pool.to_dict`).
     """
 
     address: str
@@ -96,14 +86,12 @@ class WorkerView:
 
     @property
     def projected_finish(self) -> float:
-        """Seconds until the worker finishes its assigned work at its learned speed (for
-        :attr:`slow_for` seconds only, when set; at the typical speed after)."""
+        """Seconds until the worker finishes its assigned work (:meth:`finish_at`)."""
         return self.finish_at(self.occupancy)
 
     def finish_at(self, occupancy: float) -> float:
-        """Seconds this worker needs for ``occupancy`` seconds of work at the typical
-        speed: at its learned speed, or at it for :attr:`slow_for` seconds and at the
-        typical speed after."""
+        """Seconds this worker needs for ``occupancy`` seconds of work at the typical speed: at its
+        learned speed, or at it for :attr:`slow_for` seconds and at the typical speed after."""
         threads = max(self.nthreads, 1)
         speed = max(self.speed, 1e-6)
         work = occupancy / threads
@@ -113,9 +101,7 @@ class WorkerView:
 
     @property
     def others_utilization(self) -> float | None:
-        """GPU utilisation (percent) taken by work other than this worker's and its
-        :attr:`device_peers`' own tasks (:func:`own_utilization_estimate`); None when
-        unknown."""
+        """GPU percent taken by work other than this worker's and its peers'; None if unknown."""
         util = self.metrics.gpu_utilization
         if util is None:
             return None
@@ -136,9 +122,7 @@ class WorkerView:
 
 
 def own_utilization_estimate(w: WorkerView) -> float:
-    """Percent 0-100 of its device a worker's own tasks take: measured when it reports
-    ``blockflow-gpu-own-utilization``, else the share of its threads executing (a lower bound
-    of others' load while it runs tasks; exact when it is idle)."""
+    """Percent 0-100 of its device a worker's own tasks take (reported, else busy-thread share)."""
     own = w.metrics.own_utilization
     if own is None:
         busy = min(max(w.executing, 1 if w.processing else 0), w.nthreads)
@@ -184,19 +168,14 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
 
     Parameters
     ----------
-    speed : callable, optional
-        ``speed(address) -> float``, learned speeds (default 1.0).
-    confidence : callable, optional
-        ``confidence(address) -> float``, 0-1 (default 0).
+    speed, confidence, recent_speed, slow_for : callable, optional
+        ``f(address)``: learned speed (default 1.0), its confidence 0-1 (default 0), the latest
+        task's speed and :attr:`WorkerView.slow_for` (default None).
     paused : mapping, optional
         Addresses blockflow paused.
-    recent_speed : callable, optional
-        ``recent_speed(address) -> float or None``, the speed of the latest task.
-    slow_for : callable, optional
-        ``slow_for(address) -> float or None`` (:attr:`WorkerView.slow_for`).
     previous : WorkerViewCache, optional
-        The last call's views: an unchanged worker keeps its view; the addresses whose view
-        is new are added to ``previous.changed``.
+        The last call's views: unchanged workers keep theirs; changed addresses are added to
+        ``previous.changed``.
     """
     stealing = scheduler.extensions.get("stealing")
     in_flight = getattr(stealing, "in_flight_occupancy", {}) if stealing else {}
@@ -265,9 +244,7 @@ def worker_views(scheduler, *, speed: Callable[[str], float] | None = None,
 
 
 class WorkerViewCache:
-    """The views :func:`worker_views` made last time, to reuse those of workers that did not
-    change; ``changed`` is the addresses whose view a call made anew since the caller last
-    emptied it (the scheduler plugin, once a tick's rules have seen them)."""
+    """The last :func:`worker_views` call's views; ``changed``: addresses redone since emptied."""
 
     def __init__(self):
         self.views: dict[str, tuple] = {}  # address -> (state, view, raw metrics)
@@ -275,8 +252,7 @@ class WorkerViewCache:
 
 
 def shared_devices(views: Mapping[str, WorkerView]) -> dict[str, tuple[str, ...]]:
-    """Device UUID -> the addresses (sorted) of the workers that report it, for devices that
-    two or more workers report (two workers on one GPU); plain data from worker views."""
+    """Device UUID -> sorted addresses of the workers reporting it, for shared devices."""
     by_uuid: dict[str, list[str]] = {}
     for addr, w in views.items():
         if w.device_uuid:
@@ -295,14 +271,12 @@ def workers_holding_data(scheduler) -> frozenset:
 
 
 def scheduler_metadata(scheduler, keys) -> Any:
-    """What a client stored with ``Client.set_metadata(keys, ...)``, or None (the
-    scheduler-side reader, ``Scheduler.get_metadata``, is a handler method)."""
+    """What a client stored with ``Client.set_metadata(keys, ...)``, or None."""
     return scheduler.get_metadata(keys=list(keys), default=None)
 
 
 def worker_names_and_metrics(scheduler) -> dict:
-    """``{address: (name, metrics)}`` for every worker the scheduler knows, where metrics
-    is a copy of the heartbeat metrics the scheduler last received (``WorkerState.metrics``)."""
+    """``{address: (name, metrics)}`` for every worker (a copy of its last heartbeat metrics)."""
     return {a: (ws.name, dict(ws.metrics or {})) for a, ws in scheduler.workers.items()}
 
 
@@ -312,7 +286,5 @@ def bandwidth(scheduler) -> float:
 
 
 def measured_bandwidth(scheduler) -> Mapping[tuple[str, str], float]:
-    """``(receiver, sender)`` worker addresses -> bytes per second, as distributed measured
-    transfers of over 1 MB between them (``Scheduler.bandwidth_workers``; the live mapping,
-    read only; pairs of departed workers are dropped by distributed)."""
+    """``(receiver, sender)`` -> bytes per second distributed measured (live, read only)."""
     return scheduler.bandwidth_workers

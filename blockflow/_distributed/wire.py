@@ -1,12 +1,4 @@
-"""distributed's wire framing: the bytes of a message on a TCP comm.
-
-On a TCP (or TLS) comm distributed sends each message as a little-endian uint64 byte count,
-then the message's frames packed (``distributed.protocol.utils.pack_frames``: a frame count
-and frame lengths, then the frames). :mod:`blockflow.cluster.handshake` writes Dask's
-handshake and reads a server's first message with these functions, to tell a Dask server
-from anything else before distributed's own comm waits on it. :func:`unpickle` reads what
-distributed pickled (a model shipped in a worker plugin).
-"""
+"""distributed's TCP framing (uint64 length prefix, ``pack_frames``), and :func:`unpickle`."""
 
 from __future__ import annotations
 
@@ -22,8 +14,7 @@ HEADER_BYTES = 8
 
 
 def client_handshake() -> bytes:
-    """The bytes of the handshake a Dask client sends first (distributed's TCP framing: a
-    little-endian uint64 byte count, then the packed frames of the message)."""
+    """The bytes of the handshake a Dask client sends first."""
     import pickle
     import sys
 
@@ -42,8 +33,7 @@ def message_length(header: bytes) -> int:
 
 
 def decode_message(payload: bytes) -> Any | None:
-    """The message in ``payload`` (the bytes after the length prefix), not deserialising
-    its contents; None when the frames are incomplete or do not decode."""
+    """The message in ``payload`` (after the length prefix), undeserialised; None if incomplete."""
     try:
         from distributed.protocol import loads
         from distributed.protocol.utils import unpack_frames

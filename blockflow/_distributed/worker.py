@@ -1,11 +1,5 @@
-"""The worker side: what blockflow reads from and installs on distributed's workers.
-
-Heartbeat metrics, comm handlers served by worker plugins (:class:`HandlerPlugin`, the one
-way blockflow installs them) and worker-to-worker calls, installed plugins, the results a
-worker holds, declared resources, the current worker and task key, task threads and the
-worker's executor, the seconds a task spent waiting (sent with its result), and the
-filters that keep a closing worker's log quiet (:class:`QuietClose`).
-"""
+"""The worker side: metrics, comm handlers (:class:`HandlerPlugin`), held data, resources, task
+threads, and :class:`QuietClose`."""
 
 from __future__ import annotations
 
@@ -68,9 +62,7 @@ WAIT_METADATA = "blockflow_wait"
 
 
 def add_task_wait(seconds: float) -> None:
-    """From a task's thread on a worker: count ``seconds`` of the running task as waiting,
-    not computing (the task's ``metadata``, :data:`WAIT_METADATA`), so that the scheduler
-    plugin's speed model and busy time leave them out. No-op off a worker."""
+    """From a task's thread: count ``seconds`` of the running task as waiting, not computing."""
     try:
         worker = get_worker()
         ts = worker.state.tasks.get(worker.get_current_task())
@@ -81,16 +73,14 @@ def add_task_wait(seconds: float) -> None:
 
 
 def task_wait(metadata: dict | None) -> float:
-    """Seconds a finished task reported waiting (:func:`add_task_wait`), from the
-    ``metadata`` its worker sent with the result; 0 when none."""
+    """Seconds a finished task reported waiting (:func:`add_task_wait`); 0 when none."""
     wait = (metadata or {}).get(WAIT_METADATA, 0.0)
     return float(wait) if isinstance(wait, (int, float)) and math.isfinite(wait) \
         and wait > 0 else 0.0
 
 
 def set_worker_metric(worker, name: str, fn) -> None:
-    """Report ``fn(worker)`` under ``name`` in the worker's heartbeat metrics
-    (``Worker.metrics``, read on the scheduler as ``WorkerState.metrics[name]``)."""
+    """Report ``fn(worker)`` as heartbeat metric ``name`` (``WorkerState.metrics[name]``)."""
     worker.metrics[name] = fn
 
 
@@ -107,19 +97,13 @@ def worker_metric(worker, name: str):
 
 
 class HandlerPlugin(WorkerPlugin):
-    """Base of the worker plugins that serve blockflow's comm handlers on every worker, those
-    that join later included.
-
-    Subclasses set ``name`` and :meth:`handlers`. ``setup`` verifies the worker's internals
-    (:func:`~blockflow._distributed.checks.check_worker`), then serves each handler;
-    ``teardown`` removes them.
-    """
+    """Base of the worker plugins that serve blockflow's comm handlers (subclasses set ``name`` and
+    :meth:`handlers`); ``setup`` runs :func:`~blockflow._distributed.checks.check_worker` first."""
 
     name: str
 
     def handlers(self) -> Mapping[str, Callable]:
-        """Operation name -> ``fn(worker, **message)``, called with the worker it serves;
-        its return value (or awaited coroutine) is the reply."""
+        """Operation name -> ``fn(worker, **message)``; its (awaited) return value is the reply."""
         raise NotImplementedError
 
     def setup(self, worker) -> None:
@@ -148,9 +132,7 @@ CANCELLED_AT_CLOSE = ("Async instruction for ", "ended with CancelledError")
 
 
 class _ClosingHeartbeatFilter(logging.Filter):
-    """Drop :data:`HEARTBEAT_FAILED` and :data:`CANCELLED_AT_CLOSE` while a worker of this
-    process is closing (its own ``close`` cut the heartbeat and cancelled its tasks);
-    otherwise the record passes. One per process; workers are held weakly."""
+    """Drop heartbeat and cancellation records while a worker of this process closes."""
 
     def __init__(self):
         super().__init__()
@@ -169,8 +151,7 @@ _closing_filter: _ClosingHeartbeatFilter | None = None
 
 
 def quiet_closing_heartbeat(worker) -> None:
-    """Keep ``worker``'s own shutdown from logging a failed heartbeat with a traceback
-    (:class:`_ClosingHeartbeatFilter`); idempotent."""
+    """Keep ``worker``'s own shutdown from logging a failed heartbeat; idempotent."""
     global _closing_filter
     if _closing_filter is None:
         _closing_filter = _ClosingHeartbeatFilter()
@@ -181,8 +162,7 @@ def quiet_closing_heartbeat(worker) -> None:
 
 
 class QuietClose(WorkerPlugin):
-    """Worker plugin that installs :func:`quiet_closing_heartbeat` on every worker (blockflow
-    registers it on the clusters it starts, whose shutdown it owns)."""
+    """Worker plugin installing :func:`quiet_closing_heartbeat` on every worker."""
 
     name = "blockflow-quiet-close"
 
@@ -198,9 +178,7 @@ COMPUTE_FAILED, COMPUTE_FAILED_EXCEPTION = "Compute Failed", 3
 
 
 class _TaskFailureFilter(logging.Filter):
-    """Drop :data:`COMPUTE_FAILED` records for exceptions of the classes named in
-    :attr:`quiet`: errors in the caller's input, which the caller receives whole, and which
-    a worker's log would only repeat as a traceback."""
+    """Drop :data:`COMPUTE_FAILED` records for the exception classes in :attr:`quiet`."""
 
     def __init__(self):
         super().__init__()
@@ -220,9 +198,7 @@ _failure_filter: _TaskFailureFilter | None = None
 
 
 def quiet_task_failures(exc_type: type[BaseException]) -> None:
-    """In this (worker) process, keep distributed from logging a task that raised
-    ``exc_type`` as a failed computation with a traceback; the exception still reaches the
-    caller. Idempotent; call it from the task, before raising."""
+    """Keep distributed from logging tasks raising ``exc_type`` (call from the task)."""
     global _failure_filter
     if _failure_filter is None:
         _failure_filter = _TaskFailureFilter()
@@ -236,17 +212,13 @@ def has_worker_handler(worker, name: str) -> bool:
 
 
 async def call_worker(worker, address: str, op: str, **kwargs) -> Any:
-    """Call RPC handler ``op`` of the worker at ``address`` from ``worker``: send
-    ``{"op": op, **kwargs}`` over the worker's pooled connections (``Worker.rpc``) and return
-    the reply."""
+    """Call handler ``op`` of the worker at ``address`` from ``worker``; return the reply."""
     return await getattr(worker.rpc(address), op)(**kwargs)
 
 
 async def listed_workers(node, addresses) -> set[str]:
-    """Those of ``addresses`` that the scheduler lists as workers now, asked by ``node`` (a
-    worker or a client: each holds an RPC to the scheduler, ``node.scheduler``): one small
-    request (the scheduler's ``ncores`` handler, the worker addresses it knows among those
-    asked)."""
+    """Those of ``addresses`` the scheduler lists as workers now, asked by ``node`` (a worker or a
+    client) with one ``ncores`` request."""
     return set(await node.scheduler.ncores(workers=list(addresses)))
 
 
@@ -256,11 +228,8 @@ def worker_plugins(worker) -> dict:
 
 
 def registered_worker_plugin(worker, name: str, timeout: float = 60) -> bytes | None:
-    """From a task thread of ``worker``: worker plugin ``name`` as the scheduler keeps it for
-    workers that join later (serialised, ``Scheduler.worker_plugins``), or None once
-    unregistered. Asked over the worker's own connection to the scheduler (its
-    ``run_function`` handler, as ``Client.run_on_scheduler`` asks), so no worker client is
-    made (one would outlive the worker's cluster)."""
+    """From a task thread: worker plugin ``name`` as the scheduler keeps it (serialised), or None;
+    asked over the worker's own scheduler connection."""
 
 
     async def ask():
@@ -280,10 +249,8 @@ def _scheduler_worker_plugin(name: str, dask_scheduler=None) -> bytes | None:
 
 
 def task_retries_given() -> int:
-    """From a task thread on a worker: distributed's task retries of the running task as
-    submitted (``client.compute(..., retries=n)``, ``Client.submit(retries=n)``,
-    ``dask.annotate(retries=n)``: the ``retries`` annotation the scheduler sends with the
-    task, ``TaskState.annotations`` on the worker); 0 without them or off a worker."""
+    """From a task thread: the running task's ``retries`` annotation as submitted; 0 without one or
+    off a worker."""
     worker, key = current_worker(), current_task_key()
     if worker is None or key is None:
         return 0
@@ -295,11 +262,8 @@ def task_retries_given() -> int:
 
 
 def task_retries_left(timeout: float = 10) -> int | None:
-    """From a task thread on a worker: the task retries the scheduler still holds for the
-    running task (``TaskState.retries``, one less after each erred run), asked over the
-    worker's own connection to the scheduler (its ``run_function`` handler, as
-    ``Client.run_on_scheduler`` asks). None off a worker, when the scheduler no longer knows
-    the task, or when it does not answer within ``timeout`` seconds."""
+    """From a task thread: the retries the scheduler still holds for the running task
+    (``TaskState.retries``); None off a worker, for an unknown task, or after ``timeout`` s."""
 
 
     worker, key = current_worker(), current_task_key()
@@ -328,12 +292,8 @@ def _scheduler_task_retries(key, dask_scheduler=None) -> int | None:
 
 
 def worker_data_values(worker) -> list:
-    """The results the worker holds in memory (``Worker.data``), spilled ones excluded.
-
-    Safe to call from a thread beside the worker's event loop: a SpillBuffer's fast part
-    (a ``zict.LRU``) is read through its dict without touching the LRU order, in one
-    C-level pass, retried if a non-dict mapping changed size while being copied.
-    """
+    """The results the worker holds in memory (``Worker.data``), spilled ones excluded; safe from a
+    thread beside the worker's event loop."""
     data = worker.data
     fast = getattr(data, "fast", data)
     d = getattr(fast, "d", fast)
@@ -359,14 +319,8 @@ def worker_declared_resources(worker) -> dict:
 
 
 async def declare_worker_resources(worker, resources: Mapping[str, float]) -> None:
-    """Declare more resources on a worker (``Worker.set_resources``): the worker updates its
-    own accounting and tells the scheduler.
-
-    A worker that has not registered yet (a preload's ``dask_setup`` runs before it does)
-    only updates its own accounting: its registration tells the scheduler its resources
-    (``Worker.set_resources`` would ask a scheduler that does not know the worker yet, which
-    answers ``KeyError``).
-    """
+    """Declare more resources on a worker (``Worker.set_resources``); before it registers, only its
+    own accounting changes."""
 
     if worker.status in (Status.init, Status.created, Status.starting) \
             or getattr(worker, "batched_stream", None) is None \
@@ -381,8 +335,7 @@ async def declare_worker_resources(worker, resources: Mapping[str, float]) -> No
 
 
 def current_worker_resources() -> tuple[str, dict] | None:
-    """``(address, declared resources)`` of the worker running the current task, or None
-    outside a worker's task."""
+    """``(address, declared resources)`` of the current task's worker, or None."""
     try:
         worker = get_worker()
     except ValueError:
@@ -391,8 +344,7 @@ def current_worker_resources() -> tuple[str, dict] | None:
 
 
 def call_worker_soon(worker, address: str, op: str, **kwargs) -> None:
-    """From any thread: call RPC handler ``op`` of the worker at ``address`` from ``worker``,
-    on its event loop, without waiting (errors are logged at debug level)."""
+    """From any thread: call handler ``op`` at ``address`` from ``worker`` without waiting."""
     async def call():
         try:
             await getattr(worker.rpc(address), op)(**kwargs)
@@ -403,19 +355,15 @@ def call_worker_soon(worker, address: str, op: str, **kwargs) -> None:
 
 
 def call_worker_threadsafe(worker, address: str, op: str, **kwargs):
-    """From a task thread of ``worker``: call RPC handler ``op`` of the worker at
-    ``address`` on ``worker``'s event loop (its pooled connections) without blocking the
-    thread; returns a :class:`concurrent.futures.Future` of the reply (its exception when
-    the call failed), for the caller to check later."""
+    """From a task thread: call handler ``op`` of the worker at ``address`` on ``worker``'s loop;
+    returns a :class:`concurrent.futures.Future` of the reply."""
 
     return asyncio.run_coroutine_threadsafe(call_worker(worker, address, op, **kwargs),
                                             worker.loop.asyncio_loop)
 
 
 def worker_scheduler_clock(worker) -> float:
-    """Seconds to add to ``time.time()`` on ``worker`` to read the scheduler's clock
-    (``Worker.scheduler_delay``, measured at each heartbeat; what distributed adds to the
-    start and stop times of the task stream), 0 off a worker."""
+    """Seconds to add to ``time.time()`` on ``worker`` for the scheduler's clock (0 off one)."""
     return float(getattr(worker, "scheduler_delay", 0.0) or 0.0) if worker is not None else 0.0
 
 
@@ -434,9 +382,7 @@ def current_task_key():
 
 
 def start_task_thread(fn: Callable[[], Any], name: str):
-    """Start ``fn()`` in a new daemon thread that sees the current task's worker context
-    (``get_worker()``, ``thread_state.key`` and ``execution_state``), as the worker's own
-    executor thread does; returns the thread."""
+    """Start ``fn()`` in a daemon thread that sees the current task's worker context."""
 
 
     ctx = contextvars.copy_context()
@@ -454,8 +400,7 @@ def start_task_thread(fn: Callable[[], Any], name: str):
 
 
 async def run_in_worker_executor(worker, fn: Callable[[], Any]):
-    """Run ``fn()`` in the worker's default thread pool, with ``get_worker()`` working
-    inside it (a backup copy's kernel); returns its result."""
+    """Run ``fn()`` in the worker's default thread pool and return its result."""
 
     def call():
         token = _worker_cvar.set(worker)

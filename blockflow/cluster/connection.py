@@ -1,14 +1,7 @@
 """Start an embedded cluster or connect to a running Dask scheduler, with blockflow's plugin.
 
-With no address, :func:`connect` starts ``dask_cuda.LocalCUDACluster`` (one worker per GPU)
-when dask-cuda and a GPU are present, else ``distributed.LocalCluster`` with worker
-processes. With an address it connects to a running scheduler (``dask scheduler``,
-dask-jobqueue, dask-kubernetes). Either way blockflow's scheduler plugin is registered.
-``security=`` gives the connection TLS (``"temporary"``: self-signed credentials made for an
-embedded cluster). The client's view of the running cluster (:func:`plugin_status`,
-:func:`decisions`, :func:`task_counts`; :mod:`blockflow.scheduling.view`) and its waits
-(:func:`wait_for`, :func:`gather_results`; :mod:`blockflow.scheduling.wait`) are re-exported here.
-"""
+See :func:`connect`; the client's view of the cluster (:mod:`blockflow.scheduling.view`) and its
+waits (:mod:`blockflow.scheduling.wait`) are re-exported here."""
 
 from __future__ import annotations
 
@@ -55,13 +48,12 @@ logger = logging.getLogger(__name__)
 
 
 def gpu_status() -> tuple[bool, list[str]]:
-    """Whether this machine can start GPU workers, and the pieces missing if not.
+    """Whether this machine can start GPU workers (dask-cuda and a visible NVIDIA GPU).
 
     Returns
     -------
     (bool, list of str)
-        ``(True, [])`` when dask-cuda (with its CUDA bindings) is installed and at least one
-        NVIDIA GPU is visible; else False and a description of each missing piece.
+        ``(True, [])``, or False and each missing piece.
     """
     missing = []
     if gpu_device_count() == 0:
@@ -92,65 +84,59 @@ def connect(
 ) -> Client:
     """Connect to a Dask cluster (starting an embedded one if needed) and register blockflow.
 
+    With no address: ``dask_cuda.LocalCUDACluster`` (one worker per GPU) when dask-cuda and a GPU
+    are present, else ``distributed.LocalCluster``.
+
     Parameters
     ----------
     address : str, optional
         Scheduler address (``"tcp://host:8786"``). None starts an embedded cluster.
     gpu : bool or "auto", optional
-        Embedded cluster only. ``"auto"``: GPU workers when dask-cuda and a GPU are present;
-        True: require them; False: CPU workers. Default ``blockflow.cluster.gpu``.
+        Embedded cluster only: ``"auto"``, True (require GPU workers) or False.
+        Default ``blockflow.cluster.gpu``.
     n_workers : int, optional
-        Embedded cluster's workers; default one per GPU, or distributed's default on CPU.
+        Embedded workers; default one per GPU, or distributed's default on CPU.
     threads_per_worker : int, optional
-        Threads per worker of the embedded cluster (GPU workers default to 1).
+        Embedded cluster (GPU workers default to 1).
     memory_limit : str or int, optional
-        Host memory per worker (``"4GiB"`` or bytes); distributed's default if None.
+        Host memory per worker (``"4GiB"`` or bytes).
     dashboard_address : str, optional
-        Where the embedded cluster's dashboard listens; default
-        ``blockflow.cluster.dashboard-address`` (localhost only).
+        Default ``blockflow.cluster.dashboard-address``.
     policy : str, optional
-        Policy of blockflow's scheduler plugin; default ``blockflow.cluster.policy``. A
-        scheduler already running the plugin keeps its policy (another one warns).
+        Scheduler plugin policy; default ``blockflow.cluster.policy``. A running plugin keeps
+        its policy (another one warns).
     timeout : str or float, optional
-        Seconds (or ``"30s"``) to wait for the scheduler at ``address`` to accept and
-        answer Dask's handshake; default ``blockflow.cluster.connect-timeout``.
+        Seconds to wait for the scheduler's handshake; default
+        ``blockflow.cluster.connect-timeout``.
     security : distributed.Security or "temporary", optional
-        TLS credentials; ``"temporary"`` (embedded cluster only) makes self-signed ones
-        (needs ``cryptography``). Default None: plain TCP.
+        TLS credentials; ``"temporary"`` (embedded only, needs ``cryptography``) makes
+        self-signed ones. Default None: plain TCP.
     pools : mapping of blockflow.Pool to int, optional
-        Embedded cluster only: its workers in pools (``{Pool("fast", price=4): 2}``,
-        :class:`blockflow.pools.pool.PoolMember`); ``n_workers`` is their sum.
+        Embedded cluster only: workers per pool (:class:`blockflow.pools.pool.PoolMember`).
     **cluster_kwargs
         Passed to ``LocalCluster`` / ``LocalCUDACluster``.
 
     Returns
     -------
     distributed.Client
-        The client (set as default). For an embedded cluster, ``client.cluster`` is it;
-        ``client.shutdown()`` stops both.
+        Set as default; ``client.shutdown()`` also stops an embedded cluster.
 
     Raises
     ------
     GPUUnavailableError
-        If ``gpu=True`` and no GPU is visible or dask-cuda is not installed.
+        ``gpu=True`` without a GPU or dask-cuda.
     OSError
-        If no Dask scheduler answers at ``address`` (refused, unreachable, not Dask, TLS on
-        one side only, a worker's address); one line naming what was found and the fix.
+        No Dask scheduler answers at ``address``; the message says what was found.
     ValueError
-        For ``pools`` with an address, a pool of fewer than 1 worker, two pools of one
-        name, or ``n_workers`` other than their sum; an unknown ``policy`` or ``gpu`` value, ``n_workers`` or ``threads_per_worker``
-        below 1, an invalid blockflow setting (the message names the key),
-        ``security="temporary"`` with an ``address``, or a ``tls://`` address without
-        credentials.
+        Invalid ``pools``, ``policy``, ``gpu``, worker or thread counts, blockflow setting,
+        ``security="temporary"`` with an address, or ``tls://`` without credentials.
     TypeError
-        For an ``address`` that is not a string, or a ``security`` that is not a
-        ``distributed.Security``, ``"temporary"`` or None.
+        A non-string ``address`` or an invalid ``security``.
     ModuleNotFoundError
-        For ``security="temporary"`` without the ``cryptography`` package.
+        ``security="temporary"`` without ``cryptography``.
     RuntimeError
-        If the embedded cluster's workers could not start because the main script calls
-        ``connect()`` outside ``if __name__ == "__main__":``
-        (:mod:`blockflow.cluster.main_guard`).
+        Workers could not start because the script calls ``connect()`` outside
+        ``if __name__ == "__main__":`` (:mod:`blockflow.cluster.main_guard`).
     """
     # A worker process importing a script that calls connect() at top level: end it now.
     _main_guard.exit_if_bootstrapping()
@@ -225,8 +211,7 @@ def connect(
 
 
 def _pool_members(pools, address, n_workers) -> tuple[PoolMember | None, int | None]:
-    """The worker plugin putting the embedded cluster's workers in ``pools``, and the
-    number of workers."""
+    """The worker plugin putting the embedded workers in ``pools``, and their number."""
     if pools is None:
         return None, n_workers
     if address is not None:
@@ -258,9 +243,7 @@ def _pool_members(pools, address, n_workers) -> tuple[PoolMember | None, int | N
 
 
 def _warn_undeclared_gpus(client: Client) -> None:
-    """GPU workers of a running cluster that declare no ``GPU`` resource never run tasks
-    that ask for ``resources={"GPU": 1}``, and workers that declare one without a GPU get
-    them: say which, and how to fix it."""
+    """Warn about GPU workers without a ``GPU`` resource and the reverse."""
     workers = workers_info(client)
     bare = sorted(a for a, w in workers.items() if read_metrics(w.get("metrics")).has_gpu
                   and not (w.get("resources") or {}).get("GPU"))
@@ -296,8 +279,7 @@ def _running_policy(dask_scheduler=None) -> str | None:
 
 
 def _warn_if_other_policy(client: Client, asked: str) -> None:
-    """A scheduler that already runs blockflow's plugin (``--preload``, an earlier client)
-    keeps it, and its policy: say so rather than ignore ``policy=`` silently."""
+    """Warn that a scheduler already running blockflow's plugin keeps its policy."""
     running = client.run_on_scheduler(_running_policy)
     if running is not None and running != asked:
         warnings.warn(

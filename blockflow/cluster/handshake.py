@@ -1,19 +1,9 @@
 """Whether a Dask scheduler answers at an address: one bounded look before a Client connects.
 
-distributed's ``Client`` retries a refused connection until its timeout, waits for the
-peer's handshake without a bound, and reads the first 8 bytes of any reply as a frame length
-(an HTTP server's ``HTTP/1.0`` becomes a 3 EiB allocation and a ``MemoryError``).
-:func:`probe_scheduler` looks first, with plain asyncio streams: it retries a refused
-connection until the deadline (a scheduler that is still starting), sends Dask's handshake as
-distributed's clients do, reads the peer's first message only when its length prefix is
-plausible, decodes it with distributed's protocol and checks that it is Dask's handshake,
-then asks the server who it is (distributed's ``identity``). A server that stays silent or
-hangs up is asked, on fresh connections, whether it speaks HTTP or TLS, to say what it is.
-Each failure is a :class:`ProbeError` whose ``kind`` says what was found there and whose
-text says it in words. Method: blockflow heuristic on distributed's TCP framing (a
-little-endian uint64 byte count, then the packed frames), written and read by
-:mod:`blockflow._distributed.wire`.
-"""
+distributed's ``Client`` retries refused connections, waits for a handshake without bound and takes
+any reply's first 8 bytes as a frame length; :func:`probe_scheduler` looks first and names what it
+found. Method: blockflow heuristic on distributed's TCP framing
+(:mod:`blockflow._distributed.wire`)."""
 
 from __future__ import annotations
 
@@ -52,13 +42,9 @@ class ProbeError(OSError):
     Attributes
     ----------
     kind : str
-        ``"refused"`` (nothing listens), ``"unreachable"`` (no answer to the connection),
-        ``"unresolved"`` (unknown host), ``"silent"`` (connected, no handshake in time),
-        ``"closed"`` (closed without a handshake), ``"not-dask"`` (a reply that is not
-        Dask's protocol), ``"not-tls"`` (a ``tls://`` address, a peer without TLS),
-        ``"tls"`` (the TLS handshake failed: credentials), ``"tls-server"`` (a plain
-        connection to a server that talks TLS), ``"not-scheduler"`` (a Dask worker or
-        nanny).
+        ``"refused"``, ``"unreachable"``, ``"unresolved"``, ``"silent"`` (no handshake in
+        time), ``"closed"``, ``"not-dask"``, ``"not-tls"``, ``"tls"`` (TLS handshake failed),
+        ``"tls-server"`` (plain connection to a TLS server) or ``"not-scheduler"``.
     reply : bytes
         The first bytes a non-Dask server sent (``"not-dask"``), else empty.
     """
@@ -77,19 +63,16 @@ def probe_scheduler(address: str, timeout: float, connection_args: dict[str, Any
     Parameters
     ----------
     address : str
-        ``tcp://host:port`` or ``tls://host:port`` (other schemes skip the raw look and only
-        ask for the server's identity).
+        ``tcp://`` or ``tls://host:port`` (other schemes only ask the server's identity).
     timeout : float
-        Seconds for reaching the server (refused connections are retried until then) and for
-        its handshake; asking its identity then has as long again.
+        Seconds to connect and get the handshake; the identity query has as long again.
     connection_args : dict
-        ``distributed.Security(...).get_connection_args("client")``; its ``ssl_context`` is
-        used for ``tls://``.
+        ``distributed.Security(...).get_connection_args("client")``.
 
     Raises
     ------
     ProbeError
-        If no Dask scheduler answers: the ``kind`` and message say what was found.
+        If no Dask scheduler answers.
     """
     # A thread of its own: Jupyter's main thread already runs an event loop.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -129,9 +112,7 @@ async def _look(address: str, host: str, port: int, ctx: ssl.SSLContext | None,
 
 async def _what_else(address: str, host: str, port: int, error: ProbeError,
                      deadline: float) -> None:
-    """A plain-TCP server that hung up or stayed silent: a web server (a dashboard's port,
-    the commonest wrong address) waits for a request, a TLS server hangs up on Dask's
-    handshake. Ask each on a fresh connection, to say what it is; raises."""
+    """Ask a silent or hung-up server, on fresh connections, if it speaks HTTP or TLS; raises."""
     loop = asyncio.get_running_loop()
     if error.kind == "silent":
         asked_until = deadline - max(deadline - loop.time(), 0) / 2  # half for the TLS check
@@ -243,8 +224,7 @@ def _not_dask(address: str, reply: bytes, asked_http: bool = False) -> ProbeErro
 
 
 async def _talks_tls(host: str, port: int, timeout: float) -> bool:
-    """Whether the server at ``host:port`` starts a TLS handshake (credentials unchecked:
-    only the protocol is in question)."""
+    """Whether the server at ``host:port`` starts a TLS handshake."""
     ctx = ssl.create_default_context()
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
     try:
@@ -268,8 +248,7 @@ def _tls_error(address: str, e: ssl.SSLError) -> ProbeError:
 
 
 async def _identity(address: str, timeout: float, args: dict[str, Any]) -> None:
-    """Ask the (Dask) server its type with distributed's own comm: a worker or a nanny
-    answers the handshake too."""
+    """Ask the Dask server its type (a worker or nanny answers the handshake too)."""
     async def ask() -> Any:
         # distributed's connect gives its first attempt a fifth of ``timeout`` and then tries
         # again: on a loaded machine that cuts a TLS handshake short, and the scheduler logs

@@ -1,11 +1,4 @@
-"""HPC job queues through dask-jobqueue: workers as batch jobs, blockflow's plugin on the scheduler.
-
-:func:`jobqueue_cluster` (and :func:`slurm_cluster`) build a dask-jobqueue cluster whose
-scheduler preloads :mod:`blockflow.scheduling.preload` and whose workers declare worker
-resources, submit its jobs and wait until their workers joined, turning each failure into one
-:class:`~blockflow.errors.ClusterStartError` line with the fix. :func:`add_workers` adds
-workers from another queue; :func:`batch_job` reads, on a worker, the batch job it runs in.
-"""
+"""HPC job queues through dask-jobqueue: workers as batch jobs, blockflow's scheduler plugin."""
 
 from __future__ import annotations
 
@@ -53,12 +46,8 @@ _MISSING = ("blockflow.cluster.hpc needs dask-jobqueue, which is not installed; 
 
 
 def batch_job(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The batch job this process runs in, read from the variables the batch system sets.
-
-    ``{"system": "slurm", "job_id": "1234", "queue": "gpu"}`` (``queue`` when named) for
-    Slurm, PBS, LSF and SGE; ``{}`` outside a batch job. ``environ`` defaults to
-    ``os.environ``.
-    """
+    """The batch job this process runs in (Slurm, PBS, LSF, SGE), from ``environ`` (default
+    ``os.environ``): ``{"system", "job_id", "queue"}``, or ``{}``."""
     env = os.environ if environ is None else environ
     for system, job_var, queue_var, marker in _JOB_ENV:
         job_id = env.get(job_var)
@@ -190,8 +179,7 @@ def _job_state(system: str, job_id: str | None) -> dict[str, str]:
 
 
 def _joined(cluster, names) -> set[str]:
-    """Spec names whose worker(s) have joined the scheduler (a job with several worker
-    processes names them ``<name>-<i>``)."""
+    """Spec names whose workers have joined (``<name>-<i>`` for multi-process jobs)."""
     seen = {str(w.get("name")) for w in (cluster.scheduler_info.get("workers") or {}).values()}
     return {n for n in names if n in seen or any(s.startswith(f"{n}-") for s in seen)}
 
@@ -257,19 +245,17 @@ def jobqueue_cluster(system: str = "slurm", *, queue: str | None = None, n_worke
     system : str, default "slurm"
         A batch system of :data:`SYSTEMS`.
     queue : str, optional
-        Queue (Slurm partition) of the worker jobs; default dask-jobqueue's.
+        Queue (Slurm partition) of the worker jobs.
     n_workers : int, default 0
-        Worker jobs to submit now; returns once their workers joined.
+        Worker jobs to submit; returns once their workers joined.
     worker_resources : dict, optional
         Worker resources every worker declares (``{"GPU": 1}``).
     policy : str, optional
-        Policy of blockflow's scheduler plugin (default ``blockflow.cluster.policy``).
+        Default ``blockflow.cluster.policy``.
     timeout : str or float, optional
-        How long to wait for the workers to join; default
-        ``blockflow.cluster.worker-start-timeout``.
+        Default ``blockflow.cluster.worker-start-timeout``.
     **jobqueue_kwargs
-        Passed to the dask-jobqueue class (``cores``, ``memory``, ``walltime``,
-        ``scheduler_options``, ...).
+        Passed to the dask-jobqueue class (``cores``, ``memory``, ``walltime``, ...).
 
     Returns
     -------
@@ -280,22 +266,16 @@ def jobqueue_cluster(system: str = "slurm", *, queue: str | None = None, n_worke
     ImportError
         If dask-jobqueue is not installed.
     ValueError, TypeError
-        For an unknown ``system`` or ``policy``, a negative ``n_workers``, bad
-        ``worker_resources`` or ``timeout``.
+        For an invalid argument.
     ClusterStartError
-        Slurm not answering, an unknown partition, a refused job, or a worker not joined
-        within ``timeout``. The cluster is closed first.
-
-    See Also
-    --------
-    slurm_cluster, add_workers
+        Slurm not answering, an unknown partition, a refused job, or a worker not joined within
+        ``timeout`` (the cluster is closed first).
 
     Examples
     --------
     >>> cluster = jobqueue_cluster("slurm", queue="gpu", n_workers=4, cores=8,
     ...                            memory="64GB", worker_resources={"GPU": 1})
     ... # doctest: +SKIP
-    >>> client = blockflow.connect(cluster.scheduler_address)  # doctest: +SKIP
     """
     cls = _cluster_class(system)
     if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 0:
@@ -333,10 +313,8 @@ def jobqueue_cluster(system: str = "slurm", *, queue: str | None = None, n_worke
 
 
 def slurm_cluster(queue: str | None = None, *, n_workers: int = 0, **kwargs: Any):
-    """A dask-jobqueue ``SLURMCluster`` with blockflow's scheduler plugin, its workers up.
-
-    ``jobqueue_cluster("slurm", queue=queue, n_workers=n_workers, **kwargs)``: see
-    :func:`jobqueue_cluster` for the parameters and errors.
+    """``jobqueue_cluster("slurm", queue=queue, n_workers=n_workers, **kwargs)``
+    (:func:`jobqueue_cluster`).
 
     Examples
     --------
@@ -351,7 +329,7 @@ def add_workers(cluster, n: int, *, queue: str | None = None,
                 worker_resources: Mapping[str, float] | None = None,
                 timeout: str | float | None = None, **job_kwargs: Any) -> list[str]:
     """Add ``n`` workers from another queue (or with other job options) to a jobqueue cluster;
-    returns once they joined. ``cluster.scale`` counts them from then on.
+    returns once they joined.
 
     Parameters
     ----------
@@ -359,13 +337,13 @@ def add_workers(cluster, n: int, *, queue: str | None = None,
     n : int
         Workers to add (>= 1).
     queue : str, optional
-        Their queue (Slurm partition); default the cluster's.
+        Default the cluster's.
     worker_resources : dict, optional
-        Worker resources they declare instead of the cluster's (``{}`` for none).
+        Instead of the cluster's (``{}`` for none).
     timeout : str or float, optional
         As for :func:`jobqueue_cluster`.
     **job_kwargs
-        Other job options to change (``cores``, ``memory``, ``walltime``, ...).
+        Job options to change (``cores``, ``memory``, ...).
 
     Returns
     -------
@@ -375,7 +353,7 @@ def add_workers(cluster, n: int, *, queue: str | None = None,
     Raises
     ------
     ClusterStartError
-        As :func:`jobqueue_cluster` (only the new jobs are cancelled on failure).
+        As :func:`jobqueue_cluster` (only the new jobs are cancelled).
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"add_workers: n must be an integer >= 1, got {n!r}.")

@@ -1,10 +1,4 @@
-"""Resource discovery: the workers of a cluster with their CPUs, host memory and GPUs.
-
-Numbers come from the scheduler (worker identity and heartbeat metrics: distributed's NVML
-keys ``gpu_utilization``, ``gpu_memory_used``, ``gpu-memory-total``) and, for GPU name and
-UUID, from one probe on each GPU worker (:mod:`blockflow.devices`, or the ``describe_device()``
-of a plugin that models the worker's device). CPU-only workers report None for GPU fields.
-"""
+"""Resource discovery: the workers of a cluster with their CPUs, host memory and GPUs."""
 
 from __future__ import annotations
 
@@ -29,33 +23,32 @@ __all__ = ["Inventory", "WorkerResources", "inventory"]
 
 @dataclass(frozen=True)
 class WorkerResources:
-    """One worker's resources.
+    """One worker's resources (GPU fields None on CPU workers).
 
     Attributes
     ----------
     address, host, name : str
     threads : int
     memory_limit : int or None
-        Host memory limit in bytes (None when unlimited).
+        Host memory limit, bytes (None: unlimited).
     device : str
         ``"gpu"`` or ``"cpu"``.
     gpu_name, gpu_uuid : str or None
     gpu_memory_total, gpu_memory_used : int or None
-        Device memory in bytes.
+        Bytes.
     gpu_utilization : float or None
-        Percent 0-100 (None also on GPUs where NVML does not report it, e.g. MIG).
+        Percent 0-100 (None where NVML does not report it, e.g. MIG).
     simulated : bool
-        True for blockflow's simulated devices (tests, benchmarks).
     resources : dict
-        Worker resources the worker declares (``{"GPU": 1}``).
+        Declared worker resources.
     shares_gpu_with : tuple of str
-        The other workers using the same GPU (same ``gpu_uuid``).
+        The other workers with the same ``gpu_uuid``.
     job_system, job_id, job_queue : str or None
-        The batch job the worker runs in (:func:`blockflow.cluster.hpc.batch_job`).
+        Its batch job (:func:`blockflow.cluster.hpc.batch_job`).
     pool, provider, region : str
-        The worker's pool and where it runs (:class:`blockflow.Pool`).
+        Its pool (:class:`blockflow.Pool`).
     price : float or None
-        Dollars per worker-hour of its pool (None: unknown).
+        Dollars per worker-hour.
     """
 
     address: str
@@ -82,9 +75,7 @@ class WorkerResources:
 
 
 def _probe_device(dask_worker=None) -> dict:
-    """Run on a worker: the name and UUID of its GPU, from a worker plugin's
-    ``describe_device()`` (simulated devices) or NVML (:func:`blockflow.devices.device_info`);
-    ``{}`` when neither can tell."""
+    """Run on a worker: its GPU's name and UUID (``describe_device()`` or NVML), or ``{}``."""
     for plugin in worker_plugins(dask_worker).values():
         describe_device = getattr(plugin, "describe_device", None)
         if not callable(describe_device):
@@ -102,8 +93,7 @@ def _probe_device(dask_worker=None) -> dict:
 
 
 def _probe_worker(gpu_workers=(), dask_worker=None) -> dict:
-    """Run on every worker: the batch job it runs in, and on GPU workers (``gpu_workers``:
-    addresses) its device (:func:`_probe_device`)."""
+    """Run on every worker: its batch job and, on ``gpu_workers``, its device."""
     out = {"job": batch_job()}
     if dask_worker is not None and dask_worker.address in set(gpu_workers):
         out["device"] = _probe_device(dask_worker)
@@ -111,10 +101,7 @@ def _probe_worker(gpu_workers=(), dask_worker=None) -> dict:
 
 
 class Inventory:
-    """Table of a cluster's workers and their resources (see :func:`inventory`).
-
-    Iterable over :class:`WorkerResources`; ``len()`` is the number of workers.
-    """
+    """Table of a cluster's workers: iterable over :class:`WorkerResources` (:func:`inventory`)."""
 
     def __init__(self, workers: list[WorkerResources]):
         self.workers = sorted(workers, key=lambda w: w.address)
@@ -138,8 +125,7 @@ class Inventory:
 
     @property
     def shared_gpus(self) -> dict[str, tuple[str, ...]]:
-        """GPU UUID -> the workers (addresses, sorted) sharing that device, for each GPU two
-        or more workers use."""
+        """GPU UUID -> sorted addresses of the workers sharing it, for shared GPUs."""
         groups: dict[str, list[str]] = {}
         for w in self.workers:
             if w.device == "gpu" and w.gpu_uuid:
@@ -148,16 +134,13 @@ class Inventory:
 
     @property
     def undeclared_gpu_workers(self) -> list[str]:
-        """GPU workers that declare no ``GPU`` resource (``resources={"GPU": 1}`` tasks never
-        run on them)."""
+        """GPU workers that declare no ``GPU`` resource."""
         return [w.address for w in self.workers
                 if w.device == "gpu" and not w.resources.get("GPU")]
 
     @property
     def gpu_resource_without_gpu(self) -> list[str]:
-        """Workers that declare a ``GPU`` resource but report no GPU: tasks asking for
-        ``resources={"GPU": 1}`` are sent there and find no device
-        (:func:`blockflow.connect` warns, naming them)."""
+        """Workers that declare a ``GPU`` resource but report no GPU."""
         return [w.address for w in self.workers
                 if w.device != "gpu" and w.resources.get("GPU")]
 
@@ -231,27 +214,22 @@ class Inventory:
 def inventory(client) -> Inventory:
     """Discover the workers of a cluster and their CPUs, host memory and GPUs.
 
+    Device figures come from the latest heartbeat (distributed's NVML keys); workers reporting
+    one device UUID share a GPU, counted once in :attr:`Inventory.n_gpus`.
+
     Parameters
     ----------
     client : distributed.Client
-        Connected to the cluster.
 
     Returns
     -------
     Inventory
-        One :class:`WorkerResources` per worker (sorted by pool, then address), with its
-        pool (:class:`blockflow.Pool`). Device memory and utilisation come from the
-        workers' latest heartbeat (distributed's NVML keys, refreshed every 0.5-2 s); a
-        worker is a GPU worker when it reports ``gpu-memory-total``. CPU-only workers have
-        None (never 0) in every GPU field. Workers that report the same device UUID share
-        one GPU: ``shares_gpu_with`` names the others, and :attr:`Inventory.n_gpus` counts
-        the device once.
+        One :class:`WorkerResources` per worker, sorted by pool, then address.
 
     Warns
     -----
     BlockflowWarning
-        When two or more workers use the same GPU (same device UUID), naming them: they
-        share its memory and compute.
+        When workers share a GPU.
 
     Raises
     ------

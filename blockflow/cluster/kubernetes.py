@@ -1,12 +1,5 @@
 """Kubernetes through dask-kubernetes' operator: ``DaskCluster`` / ``DaskWorkerGroup`` manifests
-with blockflow's scheduler preload and worker resources.
-
-:func:`cluster_spec` and :func:`worker_group_spec` build the resources with
-``dask_kubernetes.operator.make_cluster_spec`` / ``make_worker_spec`` and add the scheduler
-preload, worker resources (``--resources GPU=1``) and the GPU limits of the worker containers.
-Hand them to ``KubeCluster(custom_cluster_spec=...)`` or ``kubectl apply -f``; the image must
-have blockflow installed.
-"""
+with blockflow's scheduler preload, worker resources and GPU limits."""
 
 from __future__ import annotations
 
@@ -79,23 +72,19 @@ def cluster_spec(name: str, image: str, n_workers: int = 1, *,
     Parameters
     ----------
     name : str
-        The DaskCluster's name (a Kubernetes name: lower case, digits, ``-``).
+        A Kubernetes name.
     image : str
-        Container image for scheduler and workers; blockflow must be installed in it.
+        Container image with blockflow installed.
     n_workers : int, default 1
-        Workers of the default worker group (>= 0).
     worker_resources : dict, optional
-        Dask worker resources the workers declare (``{"GPU": 1}``).
+        Dask worker resources (``{"GPU": 1}``).
     gpus_per_worker : int, default 0
-        GPUs each worker container asks Kubernetes for.
     policy : str, optional
-        Policy of blockflow's scheduler plugin; default ``blockflow.cluster.policy``.
+        Default ``blockflow.cluster.policy``.
     env : dict, optional
-        Environment variables of scheduler and workers.
     container_resources : dict, optional
         Kubernetes ``limits`` / ``requests`` of the worker containers.
     gpu_resource : str, default "nvidia.com/gpu"
-        The extended resource name of the cluster's GPUs.
     **operator_kwargs
         Passed to ``dask_kubernetes.operator.make_cluster_spec``.
 
@@ -109,12 +98,7 @@ def cluster_spec(name: str, image: str, n_workers: int = 1, *,
     ImportError
         If dask-kubernetes is not installed.
     ValueError
-        For a negative ``n_workers`` or ``gpus_per_worker``, bad ``worker_resources``, an
-        unknown ``policy`` or ``container_resources`` keys other than limits / requests.
-
-    See Also
-    --------
-    worker_group_spec : a further worker group (other image, GPUs or resources).
+        For an invalid argument.
 
     Examples
     --------
@@ -146,28 +130,9 @@ def worker_group_spec(cluster: str, name: str, image: str, n_workers: int = 1, *
                       container_resources: Mapping[str, Mapping] | None = None,
                       gpu_resource: str = "nvidia.com/gpu",
                       worker_command: str = "dask-worker") -> dict:
-    """A dask-kubernetes ``DaskWorkerGroup`` manifest: more workers for a ``DaskCluster``.
+    """A ``DaskWorkerGroup`` manifest named ``<cluster>-<name>``: more workers for a DaskCluster.
 
-    Parameters
-    ----------
-    cluster : str
-        Name of the DaskCluster the group joins.
-    name : str
-        The group's name (the resource is named ``<cluster>-<name>``).
-    image, n_workers, worker_resources, gpus_per_worker, env, container_resources, gpu_resource
-        As for :func:`cluster_spec`, for this group's workers.
-    worker_command : str, default "dask-worker"
-
-    Returns
-    -------
-    dict
-        The ``kubernetes.dask.org/v1`` ``DaskWorkerGroup`` resource.
-
-    Raises
-    ------
-    ImportError, ValueError
-        As :func:`cluster_spec`.
-    """
+    Other parameters and errors as for :func:`cluster_spec`."""
     operator = _operator()
     _check_count(n_workers, "n_workers")
     worker = operator.make_worker_spec(image=image, n_workers=n_workers, env=_env(env),

@@ -1,12 +1,7 @@
 """A script that calls ``blockflow.connect()`` outside ``if __name__ == "__main__":``.
 
-Spawned worker processes import the main script again; one that calls ``connect()`` at top
-level would start a cluster in every child. In the child, :func:`exit_if_bootstrapping` (first
-thing in ``connect()``) sees multiprocessing's bootstrapping flag and exits, leaving a note;
-in the parent, :func:`children_ran_main` finds the note and ``connect()`` raises
-:data:`MESSAGE`. Method: Python's multiprocessing documentation, "Safe importing of main
-module".
-"""
+A spawned child exits (:func:`exit_if_bootstrapping`) and the parent raises :data:`MESSAGE`.
+Method: Python's multiprocessing documentation, "Safe importing of main module"."""
 
 from __future__ import annotations
 
@@ -42,9 +37,7 @@ def exit_if_bootstrapping() -> None:
     Raises
     ------
     SystemExit
-        In such a child: quietly (status 1) after leaving a note when blockflow's
-        ``connect()`` in the parent is starting workers (it reports the problem), else with
-        :data:`MESSAGE` (printed on stderr, status 1). Nothing otherwise.
+        In such a child (status 1; :data:`MESSAGE` on stderr unless the parent reports it).
     """
     if not bootstrapping():
         return

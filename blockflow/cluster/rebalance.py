@@ -1,6 +1,4 @@
-"""Evening out device memory on request: :func:`rebalance`, the device-memory counterpart of
-``distributed.Client.rebalance`` (which balances host memory only).
-"""
+"""Evening out device memory on request (:func:`rebalance`)."""
 
 from __future__ import annotations
 
@@ -19,58 +17,45 @@ __all__ = ["rebalance"]
 def rebalance(client, futures=None, *, workers: Iterable[str] | None = None,
               tolerance: int | str | None = None, cycles: int = 10,
               timeout: float = 30.0):
-    """Move results held on devices until each device worker holds its capacity-weighted
-    share of their bytes, within one block.
+    """Move results held on devices until each device worker holds its capacity-weighted share of
+    their bytes (by ``gpu-memory-total``), within one block.
 
-    The device-memory counterpart of ``client.rebalance()``: each worker's target is its
-    share of the held device bytes in proportion to its ``gpu-memory-total``.
-    Runs :class:`~blockflow.scheduling.device_memory.DeviceMemoryAMMPolicy` (``even=True``)
-    on the scheduler in a dedicated Active Memory Manager; every copy and drop is recorded
-    as ``memory-move`` in the decision log (:func:`blockflow.decisions`) when blockflow's
-    scheduler plugin is registered (a record: it changes nothing else), and works the same
-    without it.
+    The device-memory counterpart of ``client.rebalance()``; runs
+    :class:`~blockflow.scheduling.device_memory.DeviceMemoryAMMPolicy` (``even=True``) in a
+    dedicated Active Memory Manager, logging ``memory-move`` decisions when blockflow's plugin
+    is registered.
 
     Parameters
     ----------
     client : distributed.Client
         Synchronous or asynchronous (then ``await`` the call).
     futures : future, list of futures or persisted Dask collection, optional
-        The results to balance; default every result held by a device worker. Pass them when
-        workers also hold host results: the scheduler's byte counts (``dask.sizeof``) cannot
-        tell device from host memory.
+        Default every result on a device worker (pass them when workers also hold host results).
     workers : iterable of str, optional
-        Addresses of the workers to balance among; default every running worker that
-        reports its device memory capacity.
+        Default every running worker reporting device memory.
     tolerance : int or str, optional
-        Bytes (``"512MiB"``): blocks move while some worker is further than this from its
-        target. Default: half the largest block (equal blocks end exactly balanced where
-        their count allows). Above the largest block, "within one block" is not promised.
+        Bytes (``"512MiB"``) a worker may be off its target; default half the largest block.
     cycles : int, default 10
-        At most this many AMM cycles (a move takes two: copy, then drop).
+        At most this many AMM cycles (a move takes two).
     timeout : float, default 30.0
-        Seconds to wait per cycle for copies to land on their new workers.
+        Seconds per cycle for copies to land.
 
     Returns
     -------
     dict
-        ``before`` / ``after`` / ``target``: worker address -> device bytes held (targets
-        rounded to whole bytes); ``moves``: list of ``{"key", "source", "target",
-        "nbytes"}``; ``bytes_moved``; ``largest_block`` and ``tolerance`` (bytes);
-        ``max_deviation`` (bytes: the largest distance of a worker from its target, after);
-        ``within_one_block`` (``max_deviation <= largest_block``); ``cycles`` (AMM cycles
-        that acted).
+        ``before`` / ``after`` / ``target`` (address -> bytes), ``moves``, ``bytes_moved``,
+        ``largest_block``, ``tolerance``, ``max_deviation`` (bytes), ``within_one_block``,
+        ``cycles``.
 
     Raises
     ------
     ValueError
-        If ``workers`` names a worker the scheduler does not know or fewer than two of them
-        report device memory, if no worker reports device memory, or for a negative or
-        unparsable ``tolerance`` or ``cycles < 1``.
+        Unknown ``workers``, fewer than two reporting device memory, a bad ``tolerance`` or
+        ``cycles < 1``.
 
     See Also
     --------
     distributed.Client.rebalance : the same for host memory.
-    blockflow.scheduling.DeviceMemoryAMMPolicy : the policy, also for nearly full devices.
 
     Examples
     --------

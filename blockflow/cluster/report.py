@@ -1,10 +1,4 @@
-"""Run reports: what a computation did on the cluster, for notebooks and logs.
-
-:func:`run_report` reads blockflow's scheduler plugin (task start/stop times, decisions,
-device-memory peaks) and summarises one computation: makespan, tasks per worker, moves and
-the bytes they moved, each worker's device-memory peak, and the blocks blockflow re-cut
-before its stages (skewed blocks split, tiny ones merged, blocks fitted to device memory).
-"""
+"""Run reports: what a computation did on the cluster, from blockflow's scheduler plugin."""
 
 from __future__ import annotations
 
@@ -31,27 +25,26 @@ class RunReport:
     Attributes
     ----------
     since : float
-        Start of the window, seconds since the epoch.
+        Start of the window, epoch seconds.
     makespan : float
-        Seconds from the first task start to the last task end in the window (0 if none).
+        Seconds from first task start to last task end (0 if none).
     tasks_per_worker : dict of str to int
     moves : int
-        Tasks the rebalancer moved between workers.
+        Tasks the rebalancer moved.
     bytes_moved : int
-        Input bytes of the moved tasks (what the moves had to transfer, at most).
+        Input bytes of the moved tasks (at most).
     device_memory_peak : dict of str to float or None
-        Highest device memory seen per worker (bytes; None for workers without a GPU).
+        Bytes per worker (None without a GPU).
     policy : str
     tasks : pandas.DataFrame
-        One row per task: ``worker``, ``start``, ``stop`` (seconds since ``since``).
+        ``worker``, ``start``, ``stop`` (seconds since ``since``) per task.
     block_changes : list of BlockResize
-        Blocks re-cut before blockwise stages in this process (:mod:`blockflow.decompose`).
+        Blocks re-cut in this process (:mod:`blockflow.decompose`).
     pipeline : dict or None
-        The latest pipeline-parallel pass in the window: ``name``, ``stages``,
-        ``micro_batches``, ``workers``, ``makespan`` (s), ``bubble`` and ``ideal_bubble``
-        (0-1), and ``timeline`` (one row per stage task).
+        Latest pipeline pass: ``name``, ``stages``, ``micro_batches``, ``workers``,
+        ``makespan`` (s), ``bubble``, ``ideal_bubble`` (0-1), ``timeline``.
     pools : dict or None
-        What the run cost per pool (:func:`pool_costs`); None without pools.
+        Cost per pool (:func:`pool_costs`).
     """
 
     since: float
@@ -153,15 +146,8 @@ def _count(n: int, noun: str) -> str:
 
 
 def run_report(client, since: float | None = None) -> RunReport:
-    """Summarise what ran on the cluster since ``since``.
-
-    Parameters
-    ----------
-    client : distributed.Client
-        Connected to a scheduler running blockflow's plugin.
-    since : float, optional
-        Seconds since the epoch; default the start of the current computation as the plugin
-        saw it (block changes: those no earlier report showed).
+    """Summarise what ran on the cluster since ``since`` (epoch seconds; default the current
+    computation's start).
 
     Returns
     -------
@@ -209,18 +195,17 @@ def pool_costs(client, status: dict | None = None, *, task_log=None,
     ----------
     client : distributed.Client
     status : dict, optional
-        A :func:`blockflow.plugin_status` already read (with ``task_log`` for busy times).
+        A :func:`blockflow.plugin_status` already read.
     task_log : list of (worker, start, stop), optional
-        The run's task executions; default the billed spans the plugin keeps per worker.
+        Default the billed spans the plugin keeps.
     since : float, optional
-        Only task executions from then on (seconds since the epoch).
+        Epoch seconds.
 
     Returns
     -------
     dict or None
         :func:`blockflow.pools.plan.run_cost` plus ``objective`` and ``lower_bound``
-        (``cost``, ``makespan``, ``feasible`` of :func:`blockflow.pools.plan.plan` over the
-        run's tasks); None when no worker reports a pool.
+        (:func:`blockflow.pools.plan.plan`); None when no worker reports a pool.
     """
     status = status if status is not None else plugin_status(client)
     by_pool = status.get("pools") or {}

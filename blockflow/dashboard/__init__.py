@@ -1,9 +1,5 @@
-"""blockflow in the Dask dashboard: a live ``/blockflow`` page and read-only JSON routes.
-
-Installed on the scheduler by :class:`~blockflow.dashboard.plugin.DashboardPlugin`, which
-:func:`blockflow.connect` registers beside the rebalancer (and the
-``blockflow.scheduling.preload`` preload installs on ``dask scheduler``).
-"""
+"""blockflow in the Dask dashboard: a live ``/blockflow`` page and read-only JSON routes
+(:class:`~blockflow.dashboard.plugin.DashboardPlugin`)."""
 
 from blockflow.dashboard.plugin import DashboardPlugin
 from blockflow.dashboard.state import dashboard_state

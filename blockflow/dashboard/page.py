@@ -1,11 +1,4 @@
-"""The ``/blockflow`` dashboard page: workers, rebalancer decisions, tasks per worker (Bokeh).
-
-"Tasks (this run)" counts the tasks each worker finished for the run most recently given
-tasks: everything one job or one ``compute()`` submitted (:mod:`blockflow.scheduling.runs`).
-
-Updates every 500 ms through a periodic callback that holds the component only weakly
-(distributed's ``add_periodic_callback``), so a closed browser tab leaves nothing behind.
-"""
+"""The ``/blockflow`` dashboard page (Bokeh): workers, rebalancer decisions, tasks per worker."""
 
 from __future__ import annotations
 
@@ -70,8 +63,7 @@ ACTIONS = [label for _, _, label in ACTION_STYLES.values()]
 
 
 def action_style(action: str) -> tuple[str, str, str]:
-    """(colour, marker, label) of a logged action (a name not in the vocabulary, from a
-    newer scheduler, is drawn under its own name in grey)."""
+    """(colour, marker, label) of a logged action (unknown names in grey)."""
     try:
         return ACTION_STYLES[action]
     except KeyError:
@@ -96,8 +88,7 @@ HISTORY_SECONDS = 120
 
 def _table(source: ColumnDataSource, columns: list[tuple[str, str]], height: int,
            name: str, full_text: tuple[str, ...] = ()) -> DataTable:
-    """A full-width table of ``columns`` ((field, title) pairs) of ``source``, ``height``
-    pixels high; the ``full_text`` fields show their whole text on hover."""
+    """A full-width table of ``columns`` ((field, title) pairs) of ``source``."""
     return DataTable(source=source, columns=[
         TableColumn(field=k, title=t, **({"formatter": HTMLTemplateFormatter(template=_FULL_TEXT)}
                                        if k in full_text else {}))
@@ -110,14 +101,8 @@ def _na(value, fmt) -> str:
 
 
 def _redraw_on_new_data(table: DataTable) -> None:
-    """Make ``table`` redraw in the browser whenever its source's data is replaced.
-
-    BokehJS 3.x (checked with 3.9.2) redraws a DataTable's cells only when the indices of its
-    ``CDSView`` change; new ``source.data`` with as many rows as before leaves them equal, so
-    the cells kept showing the first values while plots on the same source moved. After each
-    change the browser now signals the table's view itself, which makes the table re-read
-    its source (BokehJS's ``DataTableView.updateGrid``).
-    """
+    """Make ``table`` redraw whenever its source's data is replaced (BokehJS 3.x redraws only on
+    new ``CDSView`` indices)."""
     table.source.js_on_change("data", CustomJS(args={"table": table},
                                                code="table.view.change.emit()"))
 

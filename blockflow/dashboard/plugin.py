@@ -16,12 +16,8 @@ PAGE_PATH = "/blockflow"
 
 
 class DashboardPlugin(SchedulerPlugin):
-    """Serve ``/blockflow`` (live Bokeh page, in the dashboard's "More..." menu),
-    ``/blockflow/status.json`` and ``/blockflow/decisions.json`` from the scheduler.
-
-    Works with an ``http_prefix``; does nothing on a scheduler without an HTTP server or
-    Bokeh. The routes are read-only.
-    """
+    """Serve ``/blockflow``, ``/blockflow/status.json`` and ``/blockflow/decisions.json``
+    (read-only) from the scheduler; nothing without an HTTP server or Bokeh."""
 
     name = "blockflow-dashboard"
     idempotent = True

@@ -1,7 +1,4 @@
-"""Read-only JSON routes: ``/blockflow/status.json`` and ``/blockflow/decisions.json``.
-
-For scripts and Prometheus-style scrapers. Only GET is served; no route changes anything.
-"""
+"""Read-only JSON routes: ``/blockflow/status.json`` and ``/blockflow/decisions.json`` (GET)."""
 
 from __future__ import annotations
 

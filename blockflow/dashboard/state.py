@@ -1,8 +1,4 @@
-"""The data behind the dashboard page and the JSON routes, read from the scheduler.
-
-One function, :func:`dashboard_state`, builds a plain-data snapshot: one row per worker and
-the rebalancer's recent decisions. Read-only: nothing here changes the scheduler.
-"""
+"""The data behind the dashboard page and the JSON routes (:func:`dashboard_state`), read-only."""
 
 from __future__ import annotations
 
@@ -25,45 +21,24 @@ def _finite(v):
 
 def dashboard_state(scheduler, *, since: float | None = None,
                     max_decisions: int = 500) -> dict[str, Any]:
-    """Plain-data snapshot of workers and rebalancer decisions (JSON-serialisable).
+    """JSON-serialisable snapshot of workers and rebalancer decisions.
 
     Parameters
     ----------
     scheduler : distributed.Scheduler
-        Read only through :mod:`blockflow._distributed` and the rebalancer's ``status()``.
     since : float, optional
-        Only decisions after this time (seconds since the epoch).
+        Only decisions after this time (epoch seconds).
     max_decisions : int, default 500
-        Most recent decisions returned.
 
     Returns
     -------
     dict
-        ``time`` (s since the epoch), ``policy`` (None without the rebalancer), ``workers``
-        (list of dicts: ``address``, ``name``, ``device`` "gpu"/"cpu", ``gpu_utilization``
-        percent, ``gpu_memory_used`` / ``gpu_memory_total`` bytes - None when the worker
-        reports no GPU metrics, never 0 - ``nthreads``, ``processing``, ``executing``,
-        ``queued`` (processing minus executing), ``speed`` (learned, 1.0 typical),
-        ``status``, ``paused_by_blockflow``, ``paused_reason``, ``tasks_run`` (tasks it
-        finished for this run), ``tasks_total`` (since the plugin started), ``gpu_uuid``
-        (the device's UUID when the worker reports it), ``shares_gpu_with`` (other workers
-        reporting the same device), ``resources`` (declared worker resources)),
-        ``shared_gpus`` (one ``{"uuid", "workers"}`` per GPU that two or more workers
-        report: they share one device), ``run`` (this run: ``id``, ``name``, ``started``
-        (s since the epoch), ``tasks`` (submitted), ``finished``; None before any),
-        ``run_started``, ``policy_description``, ``policies`` (the registry's names),
-        ``n_decisions`` (decisions in the log), ``decisions`` (oldest first),
-        ``speculation`` (backup copies of straggling kernels: ``launched``, ``won`` by the
-        copy, ``lost`` to the original, ``failed``, ``running`` now, ``duplicated_seconds``
-        of work done twice; None without the rebalancer) and
-        ``tuning`` (what the latest :func:`blockflow.tune.tune` published: ``name``,
-        ``running`` trials - ``trial``, ``rung``, ``epochs``, ``worker``, ``since``,
-        ``config`` -, ``n_trials``, ``n_done``, ``n_failed``, ``best_trial``,
-        ``best_score``, ``finished``; None before any).
-
-        "This run" is the run most recently given tasks: everything one job or one
-        ``compute()`` submitted (:mod:`blockflow.scheduling.runs`), so a workload that
-        submits two graphs stays one run.
+        ``time``, ``policy``, ``workers`` (per worker: device, GPU utilisation (percent) and
+        memory (bytes; None without GPU metrics), threads, task counts, learned ``speed``,
+        status, ``tasks_run`` this run, GPU sharing, resources), ``shared_gpus``, ``run`` (the
+        run most recently given tasks, :mod:`blockflow.scheduling.runs`), ``run_started``,
+        ``policy_description``, ``policies``, ``n_decisions``, ``decisions`` (oldest first),
+        ``speculation`` (backup copies) and ``tuning`` (the latest :func:`blockflow.tune.tune`).
     """
     plugin = _distributed.scheduler_plugin(scheduler, REBALANCER)
     status = plugin.status() if plugin is not None and plugin.scheduler is not None else {}
@@ -182,15 +157,13 @@ def _objective(status: dict) -> dict[str, Any] | None:
 
 
 def _pipeline(scheduler) -> dict[str, Any] | None:
-    """The timeline the latest :class:`blockflow.PipelineParallel` pass published (None
-    before any)."""
+    """The latest :class:`blockflow.PipelineParallel` timeline, or None."""
     meta = _distributed.scheduler_metadata(scheduler, ("blockflow", "pipeline"))
     return meta if isinstance(meta, dict) else None
 
 
 def _tuning(scheduler) -> dict[str, Any] | None:
-    """What a running :func:`blockflow.tune.tune` published: its running trials and progress
-    (None when no tuner has published)."""
+    """What a running :func:`blockflow.tune.tune` published, or None."""
     meta = _distributed.scheduler_metadata(scheduler, ("blockflow", "tune"))
     return meta if isinstance(meta, dict) else None
 

@@ -1,13 +1,6 @@
-"""Public helpers for tests: compare results across backends, and simulated GPU clusters.
-
-:func:`assert_eq` compares NumPy/CuPy arrays, pandas/cuDF frames, Dask collections and
-simulated device blocks after converting both sides to host objects, so one assertion serves
-CPU and GPU runs. A real one-node Slurm for HPC tests (:func:`local_slurm`), the
-simulated GPU workers (:mod:`blockflow.testing.simulated`) and the
-clusters made of them (:mod:`blockflow.testing.cluster`) are re-exported here for users' own
-tests and benchmarks, as are hosts made of network namespaces and a cluster spread over them
-(:mod:`blockflow.testing.netns`). Production modules of blockflow never import this package.
-"""
+"""Public helpers for tests: compare results across backends (:func:`assert_eq`), simulated GPU
+workers and clusters, a local Slurm and network-namespace hosts. Production modules of blockflow
+never import this package."""
 
 from __future__ import annotations
 
@@ -67,11 +60,8 @@ __all__ = [
 
 
 def as_host(obj: Any) -> Any:
-    """``obj`` as a host object: CuPy -> NumPy, cuDF -> pandas, Dask collection -> computed,
-    :class:`SimulatedDeviceBlock` -> its payload; anything else unchanged.
-
-    GPU packages are never imported here: device objects are recognised by their module.
-    """
+    """``obj`` as a host object (CuPy -> NumPy, cuDF -> pandas, Dask -> computed, device block ->
+    payload), without importing GPU packages."""
     if hasattr(obj, "__dask_graph__") and obj.__dask_graph__() is not None:
         obj = obj.compute()
     if isinstance(obj, SimulatedDeviceBlock):
@@ -99,19 +89,17 @@ def assert_eq(a: Any, b: Any, *, rtol: float = 1e-7, atol: float = 0.0,
     Parameters
     ----------
     a, b : array, frame, series, index, scalar, Dask collection or SimulatedDeviceBlock
-        NumPy or CuPy arrays, pandas or cuDF objects; Dask collections are computed (and a
-        Dask array's computed shape and dtype are checked against its metadata).
+        Dask collections are computed (a Dask array's shape and dtype checked against its meta).
     rtol, atol : float, default 1e-7 and 0
-        Tolerances for floating-point values (as in :func:`numpy.testing.assert_allclose`).
+        As in :func:`numpy.testing.assert_allclose`.
     check_dtype : bool, default True
-        Whether dtypes must match too.
     check_index : bool, default True
-        For frames and series: whether the index must match (else it is reset first).
+        For frames and series (else the index is reset first).
 
     Raises
     ------
     AssertionError
-        If the values, shapes, dtypes or types differ; the message says which.
+        If values, shapes, dtypes or types differ.
     """
     metas = (_lazy_array_meta(a), _lazy_array_meta(b))
     a, b = as_host(a), as_host(b)

@@ -1,11 +1,5 @@
-"""Clusters of simulated GPU workers: start one, or give an existing one simulated devices.
-
-:func:`simulated_cluster` starts a real ``LocalCluster`` whose CPU workers carry the simulated
-devices of :mod:`blockflow.testing.simulated`; :func:`install_simulated_devices` registers
-them on a running cluster (a ``gen_cluster`` test's client or scheduler). Both return only
-once every equipped worker's GPU metrics have reached the scheduler, so a test or benchmark
-can rely on them from its first line. Test doubles: production modules never import this.
-"""
+"""Clusters of simulated GPU workers: start one, or give an existing one simulated devices. Both
+return once every equipped worker's GPU metrics reached the scheduler."""
 
 from __future__ import annotations
 
@@ -53,17 +47,15 @@ async def install_simulated_devices(client_or_scheduler, devices, *, default=Non
                                     timeout: float | str = "10s") -> SimulatedGPU:
     """Register simulated devices and wait until the scheduler sees their metrics (async).
 
-    For ``distributed.utils_test.gen_cluster`` tests::
+    For ``gen_cluster`` tests::
 
         await install_simulated_devices(c, {a.address: SimulatedDevice(speed=0.5)})
 
     Parameters
     ----------
     client_or_scheduler : distributed.Client (asynchronous) or distributed.Scheduler
-        With a Client the workers send a heartbeat at once; with a Scheduler the plugin is
-        registered through the scheduler and the next heartbeats (<= 1 s) are awaited.
     devices : SimulatedDevice or mapping
-        Worker address or name -> :class:`SimulatedDevice` (see :class:`SimulatedGPU`).
+        Worker address or name -> :class:`SimulatedDevice`.
     default : SimulatedDevice, optional
         For workers not in ``devices``.
     timeout : float or str, default "10s"
@@ -71,12 +63,11 @@ async def install_simulated_devices(client_or_scheduler, devices, *, default=Non
     Returns
     -------
     SimulatedGPU
-        The plugin as registered.
 
     Raises
     ------
     TimeoutError
-        If some worker's metrics have not reached the scheduler within ``timeout``.
+        If some worker's metrics have not arrived within ``timeout``.
     """
     plugin = SimulatedGPU(devices, default=default)
     deadline = time.monotonic() + parse_timedelta(timeout)
@@ -131,47 +122,39 @@ def simulated_cluster(speeds: Sequence[float] = (1, 1, 0.5, 0.25),
                       tenants=None, *, speed_schedules=None, threads_per_worker: int = 1,
                       processes: bool = True, host_spill: bool = False,
                       timeout: float | str = "30s", pools=None, **cluster_kwargs) -> Iterator:
-    """Start a real ``LocalCluster`` of simulated GPU workers and yield a client to it.
-
-    Worker ``i`` (named ``i``) gets ``speeds[i]``. blockflow's scheduler plugin is not
-    registered (the cluster is also the plain-Dask baseline).
+    """Start a real ``LocalCluster`` of simulated GPU workers (no blockflow plugin) and yield a
+    client to it.
 
     Parameters
     ----------
     speeds : sequence of float, default (1, 1, 0.5, 0.25)
-        One speed factor per worker (1.0 = reference device).
+        One speed per worker (worker ``i`` is named ``i``).
     device_memory : int, str or sequence, default "16GiB"
-        Capacity in bytes, one for all or one per worker.
+        Bytes, one for all or one per worker.
     tenants : Tenant, list or dict, optional
-        One :class:`Tenant` for all workers, or one per worker (a list, or
-        ``{index: tenant}``).
+        One :class:`Tenant` for all, or per worker (list or ``{index: tenant}``).
     speed_schedules : list or dict, optional
-        Per worker: a list of ``(seconds, speed)`` (see :class:`SimulatedDevice`).
+        Per worker, ``(seconds, speed)`` pairs (:class:`SimulatedDevice`).
     threads_per_worker : int, default 1
     processes : bool, default True
-        Worker processes (as in production) or threads in this process.
     host_spill : bool, default False
-        Whether workers may spill to disk by host memory (a device block's ``sizeof`` is its
-        simulated device size).
     timeout : float or str, default "30s"
-        How long to wait for every worker's GPU metrics to reach the scheduler.
     pools : mapping of blockflow.Pool to int, optional
-        Workers in pools, each pool's devices at its ``speed`` (default 1); replaces
-        ``speeds``.
+        Workers in pools at each pool's ``speed``; replaces ``speeds``.
     **cluster_kwargs
-        Passed to ``distributed.LocalCluster`` (``dashboard_address`` defaults to ``":0"``).
+        Passed to ``distributed.LocalCluster``.
 
     Yields
     ------
     distributed.Client
-        Connected to the cluster (``client.cluster``); both are closed on exit.
+        Closed with its cluster on exit.
 
     Raises
     ------
     ValueError
         For an empty ``speeds``, a speed <= 0, or per-worker lists of the wrong length.
     TimeoutError
-        If the metrics do not reach the scheduler within ``timeout``.
+        If the metrics do not arrive within ``timeout``.
     """
     member = None
     if pools is not None:

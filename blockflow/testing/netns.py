@@ -1,19 +1,8 @@
 """Hosts made of Linux network namespaces, and a Dask cluster spread over them, for tests.
 
-Each host is a network namespace with one virtual Ethernet link (a veth pair) to a bridge
-in the root namespace, on a private ``/24`` (``10.231.X.0/24``, the bridge at ``.1``). The
-process that builds the network stays in the root namespace and reaches every host through
-the bridge (it is a host of its own, like a user's laptop). A host's link can be cut and
-restored (``ip link set ... down|up``) and its bandwidth limited in both directions (``tc
-qdisc ... tbf``). :class:`NamespaceCluster` starts ``dask scheduler --preload
-blockflow.scheduling.preload`` on one host and a ``dask worker`` on each of the others, as
-on a real cluster of machines.
-
-Needs root (``CAP_NET_ADMIN``) and ``iproute2`` (``ip``, ``tc``):
-:func:`netns_unavailable` says why a machine cannot, for a test's skip reason. Everything a
-network made (processes, namespaces, links, the bridge) is removed by its ``close()``, also
-after a failure; the processes are stopped by their process id.
-"""
+Each host is a namespace with a veth link to a bridge on ``10.231.X.0/24``; links can be cut and
+rate-limited (``ip``, ``tc``). Needs root (``CAP_NET_ADMIN``) and ``iproute2``
+(:func:`netns_unavailable` says why not); ``close()`` removes everything a network made."""
 
 from __future__ import annotations
 
@@ -42,18 +31,7 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def netns_unavailable() -> str | None:
-    """Why network namespaces cannot be used here, or None when they can.
-
-    Tries what a network needs: ``ip`` and ``tc`` on the PATH, adding and deleting a
-    namespace (root, or ``CAP_NET_ADMIN`` and ``CAP_SYS_ADMIN``), and a bridge.
-    (A network's names start ``bf<pid>x``: what a process killed before its ``close()``
-    left behind is removed by the next network made on the machine.)
-
-    Returns
-    -------
-    str or None
-        A one-line reason (for ``pytest.skip``), or None.
-    """
+    """Why network namespaces cannot be used here (a one-line reason for ``pytest.skip``), or None."""
     if not sys.platform.startswith("linux"):
         return f"network namespaces are Linux only (this is {sys.platform})"
     for tool in ("ip", "tc"):
@@ -77,12 +55,8 @@ class Host:
 
     Attributes
     ----------
-    name : str
-        The host's short name (``"sched"``, ``"gpu"``, ...).
-    netns : str
-        The network namespace's name.
-    ip : str
-        Its address on the network.
+    name, netns, ip : str
+        Short name, namespace name, address.
     link : str
         The root-namespace end of its veth pair (what :meth:`cut` takes down).
     """
@@ -106,8 +80,7 @@ class Host:
         return p
 
     def run(self, args: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
-        """Run ``args`` on this host to the end (``subprocess.run`` arguments in
-        ``kwargs``)."""
+        """Run ``args`` on this host to the end (``subprocess.run`` arguments in ``kwargs``)."""
         return subprocess.run(self.command(args), **kwargs)
 
     def cut(self) -> None:
@@ -119,14 +92,7 @@ class Host:
         _ip("link", "set", self.link, "up")
 
     def limit(self, rate: str = "50mbit", burst: str = "64kb") -> None:
-        """Limit the host's link to ``rate`` each way (a token bucket, ``tc qdisc ... tbf``).
-
-        Parameters
-        ----------
-        rate : str, default "50mbit"
-            ``tc``'s rate syntax (``"50mbit"``, ``"1gbit"``).
-        burst : str, default "64kb"
-        """
+        """Limit the host's link to ``rate`` each way (``tc``'s token bucket; ``"50mbit"``, ``"1gbit"``)."""
         spec = ["root", "tbf", "rate", rate, "burst", burst, "latency", "100ms"]
         subprocess.run(["tc", "qdisc", "replace", "dev", self.link, *spec], check=True,
                        capture_output=True)
@@ -202,15 +168,13 @@ class NamespaceNetwork:
     Parameters
     ----------
     subnet : int, optional
-        The third octet ``X`` of ``10.231.X.0/24``; default: the first one free on this
-        machine, starting from one derived from the process id.
+        ``X`` of ``10.231.X.0/24``; default the first free one.
 
     Examples
     --------
     >>> with NamespaceNetwork() as net:                       # doctest: +SKIP
     ...     a, b = net.add_host("a"), net.add_host("b")
     ...     b.limit("50mbit")
-    ...     a.popen(["python", "-m", "http.server", "--bind", a.ip])
     """
 
     def __init__(self, subnet: int | None = None):
@@ -303,35 +267,26 @@ def _write_credentials(folder: Path) -> dict[str, str]:
 
 
 class NamespaceCluster:
-    """A Dask cluster over namespace hosts: a scheduler host and one host per worker.
-
-    The scheduler runs ``dask scheduler --preload blockflow.scheduling.preload`` (port
-    8786, dashboard 8787) on host ``"sched"``; each worker ``dask worker`` (with a nanny,
-    one thread) on a host of its own, named after it.
+    """A Dask cluster over namespace hosts: ``dask scheduler`` with blockflow's preload on host
+    ``"sched"`` (ports 8786, 8787), one ``dask worker`` per host.
 
     Parameters
     ----------
     workers : mapping of str to sequence of str
-        Worker (and host) name -> extra ``dask worker`` arguments, e.g.
-        ``{"cpu": [], "gpu": ["--resources", "GPU=1"]}``.
+        Worker (and host) name -> extra ``dask worker`` arguments.
     tls : bool, default False
-        Serve TLS only (``tls://``), with self-signed credentials made for the cluster; the
-        client's credentials are :attr:`security`.
+        TLS only, self-signed; the client's credentials are :attr:`security`.
     env : mapping, optional
-        Extra environment for every process (Dask settings as ``DASK_...`` variables).
+        Extra environment for every process.
     nthreads : int, default 1
     timeout : float, default 60
-        Seconds to wait for the scheduler and the workers.
+        Seconds to wait for scheduler and workers.
     one_host : bool, default False
-        Run the workers on the scheduler's host instead (the same processes on one
-        machine: the comparison for multi-host runs).
+        Run the workers on the scheduler's host (the single-machine comparison).
 
     Attributes
     ----------
-    address : str
-        The scheduler's address (``tcp://10.231.X.11:8786``).
-    dashboard : str
-        The dashboard's base URL.
+    address, dashboard : str
     hosts : dict of str to Host
     security : distributed.Security or None
     """
@@ -399,13 +354,7 @@ class NamespaceCluster:
         return Client(self.address, security=self.security, **kwargs)
 
     def wait_for_workers(self, n: int, timeout: float = 60) -> None:
-        """Wait until ``n`` workers are connected.
-
-        Raises
-        ------
-        TimeoutError
-            Naming the hosts whose workers did not connect and their last log line.
-        """
+        """Wait until ``n`` workers are connected; TimeoutError names the hosts that did not connect."""
         with self.client(timeout=timeout) as c:
             try:
                 c.wait_for_workers(n, timeout=timeout)

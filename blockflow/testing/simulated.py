@@ -1,12 +1,6 @@
-"""Simulated GPU workers: CPU workers that report honest, measured GPU metrics.
+"""Simulated GPU workers: CPU workers that report measured, NVML-style GPU metrics.
 
-:class:`SimulatedGPU` (a worker plugin) gives each CPU worker a
-:class:`~blockflow.testing.simulated_device.SimulatedDevice` and reports distributed's NVML
-metric keys from it; :func:`simulated_kernel` is the work that runs on the device (``work /
-speed`` seconds of ``time.sleep``, a working set in accounted device memory). Not simulated:
-transfers (only the small payload moves), spilling and launch overheads. Clusters of simulated
-workers: :mod:`blockflow.testing.cluster`. A test double: production modules never import it.
-"""
+Transfers, spilling and launch overheads are not simulated."""
 from __future__ import annotations
 
 import copy
@@ -47,24 +41,19 @@ PLUGIN_NAME = "blockflow-simulated-gpu"
 class SimulatedGPU(WorkerPlugin):
     """Worker plugin giving CPU workers simulated devices that report NVML-style metrics.
 
-    Registered cluster-wide, it carries every worker's device; each worker picks its own on
-    ``setup`` and reports the keys of distributed's NVML monitor from it.
-
     Parameters
     ----------
     devices : SimulatedDevice or mapping, optional
-        A mapping from worker address or worker name (``0``, ``"0"``, ...) to
-        :class:`SimulatedDevice`; a single device is used for every worker.
+        Worker address or name -> :class:`SimulatedDevice`; one device for every worker.
     default : SimulatedDevice, optional
-        For workers not named in ``devices``; workers with neither get no device.
+        For workers not in ``devices``.
     declare_gpu : bool, default True
-        Whether a worker given a device declares one ``GPU`` worker resource (as the GPU
-        workers :func:`blockflow.connect` starts do).
+        Whether a worker with a device declares one ``GPU`` resource.
 
     Notes
     -----
-    Idempotent: registering a second plugin under the same name is a no-op; change devices
-    with :func:`set_speed` / :func:`set_tenant`, or unregister :data:`PLUGIN_NAME` first.
+    Registering a second plugin under the same name is a no-op; use :func:`set_speed` /
+    :func:`set_tenant`, or unregister :data:`PLUGIN_NAME` first.
     """
 
     name = PLUGIN_NAME
@@ -184,21 +173,20 @@ def _input_bytes(block: Any) -> int:
 def simulated_kernel(*blocks: Any, op: Callable | None = None, work: float = 0.05,
                      working_set: int | str | None = None,
                      output_bytes: int | str | None = None) -> SimulatedDeviceBlock:
-    """Run a simulated GPU kernel on blocks, on the simulated device of this worker.
+    """Run a simulated GPU kernel on blocks, on this worker's simulated device (speed 1 and
+    unlimited memory without one).
 
     Parameters
     ----------
     *blocks : SimulatedDeviceBlock or host data
-        Inputs; their payloads are passed to ``op``.
     op : callable, optional
-        ``op(*payloads)``, the real computation (``np.sum``); default the single input's
-        payload.
+        ``op(*payloads)``; default the single input's payload.
     work : float, default 0.05
-        Reference-seconds of device time: the kernel sleeps ``work / speed`` seconds.
+        Reference-seconds: the kernel sleeps ``work / speed`` seconds.
     working_set : int or str, optional
-        Peak device bytes while running; default ``output_bytes`` plus the host inputs' bytes.
+        Peak device bytes; default ``output_bytes`` plus the host inputs' bytes.
     output_bytes : int or str, optional
-        Simulated size of the result; default the largest input's.
+        Default the largest input's.
 
     Returns
     -------
@@ -209,13 +197,9 @@ def simulated_kernel(*blocks: Any, op: Callable | None = None, work: float = 0.0
     SimulatedOutOfMemoryError
         If ``working_set`` exceeds free simulated memory.
     TypeError
-        If several blocks are given without ``op``.
+        Several blocks without ``op``.
     ValueError
-        If ``work`` is negative.
-
-    Notes
-    -----
-    Without a simulated device the kernel runs at speed 1 with unlimited memory.
+        Negative ``work``.
     """
     if work < 0:
         raise ValueError(f"simulated_kernel: work must be >= 0 seconds, got {work!r}.")
@@ -245,12 +229,8 @@ def simulated_kernel(*blocks: Any, op: Callable | None = None, work: float = 0.0
 
 
 def device_scale(speeds: Sequence[float], fraction: float = 0.7) -> float:
-    """Host-core seconds per simulated device-second at speed 1, for
-    ``slowed_to_device_speed(..., scale=device_scale(speeds))``.
-
-    The smallest whole factor (>= 1) that keeps the devices' real compute (``speeds``, 1.0 =
-    one host core) within ``fraction`` (0-1) of this host's cores, so that devices do not
-    contend for cores.
+    """The smallest whole host-core seconds per device-second (>= 1) that keeps the devices' real
+    compute within ``fraction`` (0, 1] of this host's cores.
 
     Raises
     ------
@@ -266,31 +246,21 @@ def device_scale(speeds: Sequence[float], fraction: float = 0.7) -> float:
 
 def slowed_to_device_speed(fn: Callable, clock: str = "wall", scale: float = 1.0
                            ) -> Callable:
-    """Wrap ``fn`` so that on a simulated device it takes its real compute time / speed.
-
-    The call runs for real; then, on a worker with a simulated device of speed ``s``, the
-    device stays busy until the call took ``scale x t / s`` seconds, ``t`` its measured
-    time. Elsewhere ``fn`` runs unchanged.
+    """Wrap ``fn`` so that on a simulated device of speed ``s`` the call takes ``scale x t / s``
+    seconds, ``t`` its measured time; unchanged elsewhere.
 
     Parameters
     ----------
     fn : callable
     clock : {"wall", "cpu", "thread"}, default "wall"
-        How ``t`` is measured: elapsed seconds, the process's CPU seconds
-        (``time.process_time``) or the calling thread's (``time.thread_time``).
+        How ``t`` is measured.
     scale : float, default 1.0
         Device seconds per measured second at speed 1 (> 0).
-
-    Returns
-    -------
-    callable
-        Same signature and result as ``fn``.
 
     Raises
     ------
     ValueError
-        If ``clock`` is not ``"wall"``, ``"cpu"`` or ``"thread"``, or ``scale`` is not
-        positive.
+        For another ``clock`` or a non-positive ``scale``.
     """
     if clock not in ("cpu", "wall", "thread"):
         raise ValueError(f"blockflow: clock must be 'wall', 'cpu' or 'thread', got "

@@ -1,13 +1,4 @@
-"""The simulated GPU: a device with a speed, measured utilisation and accounted memory.
-
-:class:`SimulatedDevice` is what :class:`~blockflow.testing.simulated.SimulatedGPU` attaches
-to a CPU worker: kernels run on it for ``work / speed`` seconds (slower beside a busy
-:class:`Tenant` or concurrent kernels), its utilisation is the measured busy fraction of the
-last ``window`` seconds, and its memory is the bytes of :class:`SimulatedDeviceBlock` results
-the worker holds plus running kernels' working sets plus the tenant's; a working set that
-does not fit raises :class:`SimulatedOutOfMemoryError`. A test double: production modules
-never import it.
-"""
+"""The simulated GPU: a device with a speed, measured utilisation and accounted memory."""
 
 from __future__ import annotations
 
@@ -33,16 +24,8 @@ _UUID_NAMESPACE = uuid.UUID("5f0c6f7e-2b1d-4c4e-9a57-b10cf10e51a5")
 
 @dataclass(frozen=True, eq=False)
 class SimulatedDeviceBlock:
-    """A result living in simulated device memory.
-
-    Parameters
-    ----------
-    payload : object
-        The real, small value the block carries.
-    nbytes : int or str, optional
-        Simulated size in bytes (``"256MiB"``), what ``dask.sizeof`` reports; default the
-        payload's.
-    """
+    """A result in simulated device memory: a small real ``payload`` and a simulated ``nbytes``
+    (int or ``"256MiB"``; default the payload's)."""
 
     payload: Any
     nbytes: int = None  # type: ignore[assignment]
@@ -69,11 +52,8 @@ class OutOfMemoryError(MemoryError):
 
 
 class SimulatedOutOfMemoryError(OutOfMemoryError):
-    """A simulated kernel's working set does not fit in free simulated device memory.
-
-    Worded as CuPy's: ``size`` bytes asked, ``allocated`` bytes this worker holds (the
-    tenant's excluded), ``where`` (the device) appended.
-    """
+    """A simulated kernel's working set does not fit in free simulated device memory (worded as
+    CuPy's)."""
 
     def __init__(self, size: int, allocated: int, where: str = ""):
         self.size, self.allocated, self.where = int(size), int(allocated), where
@@ -95,18 +75,16 @@ class Tenant:
     Parameters
     ----------
     utilization : float, default 0
-        Percent 0-100 of the device's time the tenant keeps busy.
+        Percent 0-100.
     memory : int or str, default 0
-        Device memory the tenant holds, bytes (``"2GiB"`` accepted).
+        Bytes.
     schedule : list of (seconds, percent, bytes), optional
-        Changes over time: from ``seconds`` after the device's clock started (see
-        :func:`restart_clock`) the tenant takes ``percent`` and ``bytes``; before the first
-        entry, ``utilization`` and ``memory`` apply. Entries must be sorted by time.
+        Sorted changes from ``seconds`` after the clock started (:func:`restart_clock`).
 
     Raises
     ------
     ValueError
-        If a percentage is outside 0-100, a size is negative or the schedule is unsorted.
+        A percentage outside 0-100, a negative size or an unsorted schedule.
     """
 
     utilization: float = 0.0
@@ -160,37 +138,28 @@ def _check_speed(speed) -> float:
 
 
 class SimulatedDevice:
-    """One simulated GPU: its speed, memory capacity, background tenant, and run-time state.
-
-    A configuration until a :class:`~blockflow.testing.simulated.SimulatedGPU` attaches it to
-    a worker; then it measures utilisation and accounts memory. :meth:`set_speed`,
-    :meth:`set_tenant` and :meth:`restart_clock` change it while work runs.
+    """One simulated GPU: speed, memory capacity, background tenant and run-time state.
 
     Parameters
     ----------
     speed : float, default 1.0
-        Throughput relative to the reference device: a kernel of ``work`` seconds takes
-        ``work / speed`` seconds.
+        Relative throughput: ``work`` seconds take ``work / speed``.
     device_memory : int or str, default "16GiB"
-        Capacity in bytes.
     tenant : Tenant, tuple, dict or list, optional
-        Background tenant (see :class:`Tenant` and :meth:`Tenant.coerce`).
+        See :meth:`Tenant.coerce`.
     speed_schedule : list of (seconds, speed), optional
-        From ``seconds`` after the clock started the speed is ``speed``; before the first
-        entry, ``speed`` applies. Sorted by time.
+        Sorted speed changes from the clock's start.
     tenant_contention : bool, default True
-        Whether a tenant busy ``u`` % leaves kernels ``max(1 - u/100, 0.5)`` of the device
-        (time-sliced sharing, a blockflow heuristic); False: it shows only in the metrics.
+        A tenant busy ``u`` % leaves kernels ``max(1 - u/100, 0.5)`` of the device (blockflow
+        heuristic); False: metrics only.
     window : float or str, default 1.0
         Seconds over which utilisation is measured.
     uuid : str, optional
-        The device's UUID (``blockflow-gpu-uuid``); the same one on two workers simulates a
-        shared GPU. Default: a stable ``SIM-`` UUID of the worker's host and name.
+        ``blockflow-gpu-uuid``; equal on two workers simulates a shared GPU.
 
     Notes
     -----
-    Concurrent kernels (a multi-threaded worker) share the device's throughput equally
-    (processor sharing, blockflow heuristic) and count once in the utilisation.
+    Concurrent kernels share throughput equally (processor sharing, blockflow heuristic).
     """
 
     def __init__(self, speed: float = 1.0, device_memory: int | str = "16GiB", tenant=None,

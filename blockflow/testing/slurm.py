@@ -1,18 +1,5 @@
-"""A real one-node Slurm for tests: munge, slurmctld and slurmd started without systemd.
-
-:func:`local_slurm` starts Debian's ``slurm-wlm`` daemons (``munged``, ``slurmctld``,
-``slurmd``) as the current (root) user, with every file — configuration, munge key and socket,
-state, spool, pid files and logs — in one temporary folder and ports chosen free, so it never
-touches the machine's own ``/etc/slurm`` or ``/etc/munge`` and several can run side by side.
-The node is this machine; each name in ``partitions`` becomes a partition on it. Jobs run as
-the submitting user, in the submitting directory, with ``SLURM_CONF`` pointing at the
-temporary configuration (set in this process's environment while the Slurm runs, so
-``sbatch`` / ``squeue`` / dask-jobqueue find it).
-
-Test doubles: production modules never import this. Without Slurm installed, or where the
-daemons cannot start (not root, no munge), :class:`SlurmUnavailable` says why; a test fixture
-turns it into a skip with that reason.
-"""
+"""A real one-node Slurm for tests: munge, slurmctld and slurmd started without systemd, every file
+in one temporary folder (:func:`local_slurm`); :class:`SlurmUnavailable` says why not."""
 
 from __future__ import annotations
 
@@ -44,19 +31,13 @@ class LocalSlurm:
     Attributes
     ----------
     directory : str
-        The temporary folder holding everything (logs: ``slurmctld.log``, ``slurmd.log``,
-        ``munged.log``; job output under ``jobs/``).
-    conf : str
-        Path of its ``slurm.conf``.
-    node : str
-        The node's name (this host's short name).
+        Holds config, state, logs and job output (``jobs/``).
+    conf, node : str
     partitions : tuple of str
-        Partition names, the first the default.
+        The first is the default.
     cpus : int
-        CPUs the node offers (more than the machine has: jobs of simulated workers mostly
-        wait, so Slurm is told to trust the configured count).
     env : dict
-        Environment variables that point Slurm's commands at this Slurm (``SLURM_CONF``).
+        ``SLURM_CONF`` for Slurm's commands.
     """
 
     directory: str
@@ -198,27 +179,22 @@ def local_slurm(partitions: Sequence[str] = ("fast", "slow"), *, cpus: int = 16,
     Parameters
     ----------
     partitions : sequence of str, default ("fast", "slow")
-        Partition names on the one node; the first is the default partition.
     cpus : int, default 16
-        CPUs the node offers to jobs (``SlurmdParameters=config_overrides`` lets it offer more
-        than the machine has, so several one-core worker jobs run at once on a small box).
+        CPUs offered to jobs (may exceed the machine's).
     directory : str, optional
-        Folder for configuration, state and logs (default: a new temporary folder, removed
-        on exit).
+        Default a temporary folder, removed on exit.
     timeout : float, default 60
-        Seconds to wait for the node to be idle in every partition.
+        Seconds for the node to be idle in every partition.
 
     Yields
     ------
     LocalSlurm
-        With ``SLURM_CONF`` set in ``os.environ`` for the duration (restored on exit).
+        With ``SLURM_CONF`` set in ``os.environ`` meanwhile.
 
     Raises
     ------
     SlurmUnavailable
-        If a Slurm or munge program is missing, this process is not root (``SlurmUser=root``
-        runs the daemons and the jobs as root), or the node is not ready within ``timeout``
-        (the message ends with the daemon's last log lines).
+        A program missing, not root, or the node not ready (with the daemon's last log lines).
     """
     missing = [p for p in _DAEMONS if shutil.which(p) is None]
     if missing:

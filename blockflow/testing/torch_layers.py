@@ -1,11 +1,4 @@
-"""PyTorch layers that keep a simulated device busy, for pipeline tests and benchmarks.
-
-:class:`SimulatedLinear` is an ``nn.Linear`` whose forward pass also takes ``work``
-reference-seconds on the worker's simulated device (``work / speed`` seconds, see
-:func:`blockflow.testing.simulated_kernel`) and whose backward pass takes twice that (a
-gradient hook on its output), so stage times follow the simulated speeds rather than this
-machine's load. Its gradients are ``nn.Linear``'s, by PyTorch's autograd.
-"""
+"""PyTorch layers that keep a simulated device busy, for pipeline tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -26,17 +19,8 @@ class _Busy:
 
 
 class SimulatedLinear(torch.nn.Linear):
-    """``nn.Linear`` taking ``work`` reference-seconds forward and ``2 x work`` backward on
-    the simulated device of the worker it runs on.
-
-    Parameters
-    ----------
-    in_features, out_features : int
-    work : float, default 0.02
-        Reference-seconds of the forward pass.
-    **kwargs
-        Passed to ``torch.nn.Linear`` (``bias``, ``dtype``).
-    """
+    """``nn.Linear`` taking ``work`` reference-seconds forward (default 0.02) and twice that
+    backward on the worker's simulated device; ``**kwargs`` go to ``torch.nn.Linear``."""
 
     def __init__(self, in_features: int, out_features: int, work: float = 0.02, **kwargs):
         super().__init__(in_features, out_features, **kwargs)

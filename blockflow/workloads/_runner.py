@@ -1,10 +1,4 @@
-"""The workload runner: what every ready workload does around its own graph (not public API).
-
-A workload supplies ``compute(job)``, which builds its graph and runs it through a
-:class:`Job` (submission with task retries, one progress bar per stage, waits that notice lost
-workers, the run's task counts), and ``write(result, directory)``, which writes its data
-files; :func:`run_workload` adds ``manifest.json`` and moves the folder into place atomically.
-"""
+"""The workload runner: progress, retries, task counts, timing and atomic output (private)."""
 
 from __future__ import annotations
 
@@ -50,8 +44,7 @@ def task_counts_or_none(client, run_id: str | None = None) -> dict[str, int] | N
 
 
 def show_progress(progress: bool | None) -> bool:
-    """Whether to show progress bars: as asked, or (None) in a Jupyter kernel or when stderr
-    (where the terminal bars go) is a terminal."""
+    """Whether to show progress bars: as asked, else (None) in Jupyter or a terminal."""
     if progress is None:
         return in_notebook_kernel() or bool(getattr(sys.stderr, "isatty", lambda: False)())
     return bool(progress)
@@ -118,13 +111,8 @@ class StepProgress:
 
 
 class StageProgress:
-    """The progress bar of one stage (one submitted graph) of a job (see :func:`new_bar`).
-
-    With blockflow's plugin it counts the tasks the stage added to the job's run and those
-    finished (``before``: the run's record read before submitting); without (``before``
-    None), distributed's progress feed of ``futures``. Counts are read in a background
-    thread every 200 ms; call :meth:`finish` when the stage is over.
-    """
+    """The progress bar of one stage of a job (:func:`new_bar`), from blockflow's run record
+    (``before``) or distributed's progress feed; call :meth:`finish` at the stage's end."""
 
     def __init__(self, client, label: str, *, run_id: str, before: dict | None, futures):
         self.client, self.label, self.run_id, self.before = client, label, run_id, before
@@ -199,18 +187,17 @@ class StageProgress:
 
 
 class Job:
-    """One run of a workload: every graph it submits (:meth:`persist`, :meth:`compute`)
-    belongs to one run (:func:`blockflow.scheduling.runs.run_scope`).
+    """One run of a workload: every graph it submits belongs to one run
+    (:func:`blockflow.scheduling.runs.run_scope`).
 
     Parameters
     ----------
     client : distributed.Client
     what : str
-        The run as error messages and the dashboard name it.
+        The run's name in errors and the dashboard.
     progress : bool, optional
-        One progress bar per stage; default in Jupyter or when stderr is a terminal.
+        Default in Jupyter or a terminal.
     retries : int, default 0
-        Distributed task retries.
 
     Attributes
     ----------
@@ -218,8 +205,7 @@ class Job:
     wall_time : float or None
         Seconds from :meth:`start` to :meth:`stop`.
     task_counts : dict of str to int, or None
-        Tasks each worker finished for this run (None without blockflow's plugin); set by
-        :meth:`stop`.
+        Tasks per worker (None without blockflow's plugin).
     """
 
     def __init__(self, client, what: str, *, progress: bool | None = None, retries: int = 0):
@@ -263,8 +249,7 @@ class Job:
             return None
 
     def steps(self, label: str, total: int) -> StepProgress | None:
-        """A bar of ``total`` steps that are not one graph each (training steps), if the
-        job shows bars; None otherwise. See :class:`StepProgress`."""
+        """A :class:`StepProgress` of ``total`` steps if the job shows bars, else None."""
         if not self.show:
             return None
         try:
@@ -294,15 +279,14 @@ class Job:
             submitted = None  # a traceback keeps this frame: it must not keep the results
 
     def persist(self, collections, *, label: str | None = None):
-        """``client.persist(collections)``, waited for (:func:`~blockflow.scheduling.wait.
-        wait_for`: raises WorkerLostError when every worker is lost); ``label`` names the bar."""
+        """``client.persist(collections)``, waited for
+        (:func:`~blockflow.scheduling.wait.wait_for`)."""
         persisted, _ = self._stage(self.client.persist, wait_for, collections, label)
         return persisted
 
     def compute(self, collections, *, label: str | None = None):
         """The results of ``client.compute(collections)``
-        (:func:`~blockflow.scheduling.wait.gather_results`: WorkerLostError when workers are
-        lost, else a task's own exception); ``label`` names the bar."""
+        (:func:`~blockflow.scheduling.wait.gather_results`)."""
         _, results = self._stage(self.client.compute, gather_results, collections, label)
         return results
 
@@ -328,36 +312,32 @@ def run_workload(
     progress: bool | None = None,
     retries: int | None = None,
 ) -> R:
-    """Run a workload's ``compute`` step on the cluster and write its output atomically.
+    """Run a workload's ``compute(job)`` on the cluster and write its output atomically.
 
     Parameters
     ----------
     client : distributed.Client
-    what : str
-        The run as error messages name it.
+    what, name : str
+        The run and the workload, as messages name them.
     compute : callable
-        ``compute(job)`` -> the result object (with ``output`` and ``manifest()``).
+        ``compute(job)`` -> result (with ``output`` and ``manifest()``).
     write : callable
-        ``write(result, directory)`` writes the data files; returns extra manifest entries.
-    name : str
-        The workload, as argument errors name it.
+        ``write(result, directory)`` -> extra manifest entries.
     output : str or path-like, optional
-        Folder claimed before computing and renamed into place once written.
     overwrite : bool, default False
     progress : bool, optional
     retries : int, optional
-        Distributed task retries (default 0).
 
     Returns
     -------
-    The result of ``compute``, its ``output`` the absolute output folder, if any.
+    The result of ``compute``, ``output`` set to the absolute folder.
 
     Raises
     ------
     ValueError
-        If ``retries`` is not an integer >= 0 (before ``output`` is claimed).
+        If ``retries`` is not an integer >= 0.
     FileExistsError
-        If ``output`` exists and ``overwrite`` is False (before any work starts).
+        If ``output`` exists and ``overwrite`` is False.
     """
     retries = check_retries(retries, name)
     with contextlib.ExitStack() as stack:

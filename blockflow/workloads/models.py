@@ -1,16 +1,5 @@
-"""PyTorch models and data the pipeline-parallel job, the tests and notebook 06 share.
-
-* :func:`conv_net`: a convolutional net for scikit-learn's 8x8 digits with residual blocks,
-  ``LayerNorm`` and ``GELU``, as one ``torch.nn.Sequential``;
-* :func:`transformer`: a small transformer classifier (token and position embeddings, a
-  stack of ``nn.TransformerEncoderLayer``, mean pooling, a linear head) as one
-  ``torch.nn.Sequential``;
-* :func:`sequence_task`: the synthetic sequence task the transformer learns: which of
-  tokens 1 and 2 occurs more often in a sequence (odd counts, no ties).
-
-The modules defined here (:class:`Residual`, :class:`Embed`, :class:`MeanPool`) are
-importable on every worker, so the models travel by reference to their classes.
-"""
+"""PyTorch models and data the pipeline-parallel job, the tests and notebook 06 share; its module
+classes are importable on workers, so models travel by reference."""
 
 from __future__ import annotations
 
@@ -53,14 +42,8 @@ class MeanPool(torch.nn.Module):
 
 def conv_net(channels: int = 16, blocks: int = 2, *, seed: int = 0,
              dtype=torch.float32) -> torch.nn.Sequential:
-    """A conv net for 8x8 digits (inputs ``(n, 64)`` scaled to 0-1, 10 classes).
-
-    Returns
-    -------
-    torch.nn.Sequential
-        ``Unflatten -> Conv2d -> GELU -> blocks x Residual(Conv2d, LayerNorm, GELU) ->
-        Flatten -> Linear``.
-    """
+    """A conv net for 8x8 digits (inputs ``(n, 64)`` in 0-1, 10 classes) as a
+    ``torch.nn.Sequential`` with residual blocks."""
     torch.manual_seed(seed)
     layers = [torch.nn.Unflatten(1, (1, 8, 8)), torch.nn.Conv2d(1, channels, 3, padding=1),
               torch.nn.GELU()]
@@ -75,9 +58,8 @@ def conv_net(channels: int = 16, blocks: int = 2, *, seed: int = 0,
 def transformer(vocab: int = 8, length: int = 9, d_model: int = 32, n_heads: int = 4,
                 n_layers: int = 4, n_classes: int = 2, *, dropout: float = 0.0,
                 seed: int = 0, dtype=torch.float32) -> torch.nn.Sequential:
-    """A small transformer classifier: ``Embed -> n_layers x TransformerEncoderLayer ->
-    MeanPool -> Linear``, as one ``torch.nn.Sequential`` (one stage boundary between any
-    two of them)."""
+    """A small transformer classifier: ``Embed -> n_layers x TransformerEncoderLayer -> MeanPool ->
+    Linear``, as one ``torch.nn.Sequential`` (one stage boundary between any two of them)."""
     torch.manual_seed(seed)
     layers = [Embed(vocab, length, d_model)]
     layers += [torch.nn.TransformerEncoderLayer(d_model, n_heads, 2 * d_model, dropout=dropout,
@@ -89,14 +71,8 @@ def transformer(vocab: int = 8, length: int = 9, d_model: int = 32, n_heads: int
 
 def sequence_task(n: int, *, vocab: int = 8, length: int = 9, seed: int = 0
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """Sequences of ``length`` tokens in ``0..vocab-1`` and their label: 1 where token 2
-    occurs more often than token 1, else 0 (``length`` odd and sequences drawn so the two
-    counts differ).
-
-    Returns
-    -------
-    (numpy.ndarray of int64, shape (n, length), numpy.ndarray of int64, shape (n,))
-    """
+    """``(x, y)``: ``n`` int64 sequences of odd ``length`` over ``0..vocab-1`` and labels (1 where
+    token 2 occurs more often than token 1)."""
     rng = np.random.default_rng(seed)
     X = rng.integers(0, vocab, size=(n, length))
     ones, twos = (X == 1).sum(1), (X == 2).sum(1)

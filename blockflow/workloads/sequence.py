@@ -1,14 +1,5 @@
-"""Pipeline-parallel training workload: a small transformer on a synthetic sequence task.
-
-The model (:func:`blockflow.workloads.models.transformer`: embeddings, a stack of
-``nn.TransformerEncoderLayer``, mean pooling, a linear head) is cut into stages on the
-cluster's workers by :class:`blockflow.PipelineParallel` (stages from each layer's measured
-time on each worker and free device memory) and trained with Adam on
-:func:`~blockflow.workloads.models.sequence_task` (which of tokens 1 and 2 occurs more
-often). The output holds the trained ``state_dict`` (``model.pt``, reassembled on the
-client), the loss of every step (``history.parquet``) and a manifest with the held-out
-accuracy, the stages and the last step's bubble.
-"""
+"""Pipeline-parallel training workload: a small transformer on a synthetic sequence task, cut into
+stages by :class:`blockflow.PipelineParallel`."""
 
 from __future__ import annotations
 
@@ -35,15 +26,15 @@ class PipelineTrainingResult:
     Attributes
     ----------
     accuracy : float
-        Fraction (0-1) of held-out sequences classified correctly.
+        Held-out, 0-1.
     history : pandas.DataFrame
-        One row per step: ``epoch``, ``step``, ``loss``, ``seconds``.
+        ``epoch``, ``step``, ``loss``, ``seconds`` per step.
     stages : list of dict
-        Per stage: ``worker``, ``layers`` (first and last index), ``bytes``.
+        ``worker``, ``layers``, ``bytes`` per stage.
     bubble : float
-        Idle fraction 0-1 of the last step's timeline.
+        Idle fraction 0-1 of the last step.
     wall_time : float
-        Seconds of training and evaluation.
+        Seconds.
     """
 
     accuracy: float
@@ -91,18 +82,16 @@ def run(client, *, n_train: int = 2000, epochs: int = 4, batch_size: int = 100,
     ----------
     client : distributed.Client
     n_train : int, default 2000
-        Training sequences (500 more are held out).
+        Training sequences (500 more held out).
     epochs, batch_size, n_micro_batches : int
     schedule : {"gpipe", "1f1b"}, default "1f1b"
     lr : float, default 3e-3
-        Adam's learning rate.
     seed : int, default 0
     output : str or path, optional
-        Folder for ``model.pt``, ``history.parquet`` and ``manifest.json``, written
-        atomically.
+        Folder for ``model.pt``, ``history.parquet`` and ``manifest.json``.
     overwrite : bool, default False
     progress : bool, optional
-        Unused (the steps are reported in ``history``); accepted as by the other jobs.
+        Unused.
 
     Returns
     -------
@@ -111,7 +100,7 @@ def run(client, *, n_train: int = 2000, epochs: int = 4, batch_size: int = 100,
     Raises
     ------
     ValueError
-        If ``n_train``, ``epochs``, ``batch_size`` or ``n_micro_batches`` is below 1.
+        If a count is below 1.
     """
     for name, v in (("n_train", n_train), ("epochs", epochs), ("batch_size", batch_size),
                     ("n_micro_batches", n_micro_batches)):

@@ -1,17 +1,5 @@
-"""Workload: train a delay classifier on the 2013 NYC flights (``blockflow run train``).
-
-Predicts, at departure, whether a flight will arrive more than 15 minutes late from its
-departure time (hour of day, as sine and cosine), carrier (one-hot over the 16 carriers),
-origin (one-hot over EWR, JFK, LGA), distance (thousands of miles) and departure delay
-(hours), with a small MLP trained data-parallel by :class:`blockflow.ml.DataParallelTrainer`
-on row blocks resident on the workers. Rows whose flight number hashes into the last
-``holdout`` fraction are held out for the metrics, printed beside the majority class's
-accuracy (0.758): without the departure delay no model of these columns beats it by much
-(0.774 for gradient-boosted trees), with it the default MLP reaches about 0.90. The job runs
-through the workloads' runner (:mod:`blockflow.workloads._runner`): one progress bar for the
-features, one for the steps, and ``model.pt`` (the ``state_dict``), ``metrics.json``,
-``loss_curve.csv`` and ``manifest.json`` written into one folder atomically.
-"""
+"""Workload: train a delay classifier on the 2013 NYC flights (``blockflow run train``) with
+:class:`blockflow.ml.DataParallelTrainer`; is a flight more than 15 minutes late?"""
 
 from __future__ import annotations
 
@@ -40,22 +28,8 @@ N_FEATURES = 2 + len(CARRIERS) + len(ORIGINS) + 2
 
 
 def flight_features(part) -> "np.ndarray":
-    """Kernel: features and label of the flights that departed and arrived.
-
-    Parameters
-    ----------
-    part : pandas.DataFrame
-        Rows of the flights table (columns ``dep_time``, ``dep_delay``, ``arr_delay``,
-        ``carrier``, ``origin``, ``distance``).
-
-    Returns
-    -------
-    numpy.ndarray, float32, shape (n, 24)
-        Columns: sin and cos of the departure hour, 16 carrier indicators, 3 origin
-        indicators, distance in thousands of miles, departure delay in hours, and last the
-        label (1.0 when the arrival delay exceeds 15 minutes), for rows with a departure
-        time, a departure delay and an arrival delay.
-    """
+    """Kernel: float32 features and label (last column, 1.0 when ``arr_delay`` > 15 min) of the
+    flights with departure time and both delays."""
     part = part[part["dep_time"].notna() & part["dep_delay"].notna()
                 & part["arr_delay"].notna()]
     dep = part["dep_time"].to_numpy(dtype=np.float64)
@@ -88,17 +62,12 @@ class TrainResult:
     Attributes
     ----------
     metrics : dict
-        What ``metrics.json`` holds: held-out ``test_accuracy`` (0-1) beside
-        ``majority_baseline_accuracy``, ``test_auc``, ``test_log_loss``, ``steps``,
-        ``seconds``, ``n_train``, ``n_test``, ...
+        ``metrics.json``: ``test_accuracy``, ``majority_baseline_accuracy``, ``test_auc``, ...
     state_dict : dict
-        The trained model's parameters (``model.pt``).
     history : list of dict
         :attr:`blockflow.ml.DataParallelTrainer.history_`.
     task_counts : dict of str to int, or None
-        Tasks each worker finished for this run (None without blockflow's plugin).
     output : str, optional
-        The output folder (absolute), once written.
     """
 
     metrics: dict
@@ -139,26 +108,18 @@ def run(client, *, output: str | None = None, scale: int = 1, epochs: int = 2,
     ----------
     client : distributed.Client
     output : str, optional
-        Output folder, claimed before any work and written atomically (see
-        :func:`blockflow.io.atomic_output_dir`); None writes nothing.
+        Folder (:func:`blockflow.io.atomic_output_dir`); None writes nothing.
     scale : int, default 1
-        Copies of the 336,776-row table.
     epochs : int, default 2
     batch_size : int, default 4096
-        Samples per step.
     hidden : int, default 32
-        Width of the MLP's hidden layer.
     lr : float, default 0.01
-        Adam's learning rate.
     seed : int, default 0
-        Seeds the initialisation and the batches.
     holdout : float, default 0.2
-        Fraction 0-1 of flight numbers held out for the metrics.
+        Fraction 0-1 of flight numbers held out.
     partitions_per_copy : int, default 8
     overwrite : bool, default False
     progress : bool, optional
-        Progress bars (the features' tasks, then the steps); default: in a terminal or
-        Jupyter.
 
     Returns
     -------
@@ -167,11 +128,11 @@ def run(client, *, output: str | None = None, scale: int = 1, epochs: int = 2,
     Raises
     ------
     ValueError
-        If an argument is out of range (before ``output`` is claimed).
+        An argument out of range.
     FileExistsError
-        If ``output`` exists and ``overwrite`` is False (before any work).
+        If ``output`` exists and ``overwrite`` is False.
     blockflow.io.OutputWriteError
-        If the folder cannot be written (the old output, if any, stays).
+        If the folder cannot be written.
     """
     f = "train"
     check_number(scale, "scale", f, "copies of the flights table", integer=True, low=1)
