@@ -108,6 +108,7 @@ def map_blocks(
 
     The same kernel runs on NumPy/pandas blocks on CPU workers and CuPy/cuDF blocks on GPU
     workers (:func:`blockflow.backends.array_module`).
+
     Parameters
     ----------
     kernel : callable

@@ -67,6 +67,7 @@ def choose_split_every(
     """Fan-in of a tree reduction so that ``fan-in x block_bytes <= fraction x worker_memory``.
 
     A blockflow heuristic: a combine step holds ``split_every`` partials at once.
+
     Parameters
     ----------
     block_bytes : int

@@ -38,18 +38,8 @@ __all__ = ["Kernel", "check_placement", "check_retries", "device_memory_error",
 
 
 def check_retries(retries: Any, func: str) -> int:
-    """Validate a ``retries=`` argument: an integer >= 0 (None means 0).
-
-    Parameters
-    ----------
-    retries : int or None
-        Extra attempts of a task whose kernel raises.
-    func : str
-        The caller, as the message names it (``"blockflow.map_blocks"``, ``"flights"``).
-
-    Returns
-    -------
-    int
+    """Validate a ``retries=`` argument (extra attempts of a task whose kernel raises; None
+    means 0) for the caller ``func``, as messages name it; returns an int.
 
     Raises
     ------
@@ -69,18 +59,7 @@ def check_retries(retries: Any, func: str) -> int:
 def check_placement(resources: Any, workers: Any, allow_other_workers: Any,
                     func: str) -> dict | None:
     """Validate ``resources=``, ``workers=``, ``allow_other_workers=`` (as in
-    ``Client.submit``).
-
-    Parameters
-    ----------
-    resources : mapping of str to float, optional
-        Worker resources each task needs while it runs (``{"GPU": 1}``).
-    workers : str or sequence of str, optional
-        Worker addresses, names or host names that may run the tasks.
-    allow_other_workers : bool, optional
-        With ``workers``: other workers may run the tasks when those cannot.
-    func : str
-        The caller, as messages name it (``"blockflow.map_blocks"``).
+    ``Client.submit``) for the caller ``func``, as messages name it.
 
     Returns
     -------
@@ -91,8 +70,7 @@ def check_placement(resources: Any, workers: Any, allow_other_workers: Any,
     Raises
     ------
     TypeError
-        ``resources`` not a mapping, ``workers`` not a string or strings,
-        ``allow_other_workers`` not a bool.
+        For an argument of the wrong type.
     ValueError
         A resource amount not > 0, an empty ``workers``, or ``allow_other_workers=True``
         without ``workers``.
@@ -259,15 +237,8 @@ class Kernel:
                 self._warn_retry(e, where(), before + attempt, total)
 
     def _attempt_plan(self) -> tuple[int, int, int]:
-        """Extra attempts this run of the task makes: ``(here, before, total)``, with
-        ``total = 1 + max(retries, d)`` under distributed's ``retries=d``; the first run
-        makes the ``max(retries - d, 0)`` extra attempts only blockflow asked for.
-        Returns
-        -------
-        (int, int, int)
-            Extra attempts allowed in this run, attempts made by the task's earlier runs,
-            and attempts in all.
-        """
+        """Extra attempts this run of the task makes, attempts its earlier runs made, and
+        attempts in all: ``1 + max(retries, d)`` under distributed's ``retries=d``."""
         if in_backup_copy():
             # a backup copy is one more call beside the task's own attempts: if it fails,
             # the original runs on with its retries
@@ -326,19 +297,8 @@ class Kernel:
 
 def device_memory_error(label: str, where: str, exc: BaseException, after: str = ""
                         ) -> DeviceMemoryError:
-    """The error for a kernel out of device memory.
-
-    Parameters
-    ----------
-    label : str
-        The kernel's name.
-    where : str
-        The block (``"block (0,)"``) or step (``"a tree_reduce chunk step"``).
-    exc : BaseException
-        The device library's out-of-memory error.
-    after : str, default ""
-        ``" after 3 attempts"`` when the kernel was retried.
-    """
+    """The error for kernel ``label`` out of device memory on ``where`` (a block or step):
+    ``exc`` is the device library's error, ``after`` e.g. ``" after 3 attempts"``."""
     need = requested_bytes(exc)
     free, worker = largest_free_device_memory()
     if need is not None and free is not None and free >= need:
@@ -416,18 +376,8 @@ def _fits_on_another_worker(exc: BaseException) -> bool:
 
 
 def largest_free_device_memory(exclude: str | None = None) -> tuple[int | None, str | None]:
-    """The worker with the most free device memory, from the metrics the scheduler holds.
-
-    Parameters
-    ----------
-    exclude : str, optional
-        A worker address left out (the one that just ran out of device memory).
-
-    Returns
-    -------
-    (int or None, str or None)
-            Free bytes and the worker's address; ``(None, None)`` when unknown.
-    """
+    """``(free bytes, worker address)`` of the worker with the most free device memory,
+    ``exclude`` left out; ``(None, None)`` when unknown."""
     try:
         memory = worker_memory(get_client())
     except Exception as e:  # outside a cluster, or the scheduler is gone: say "unknown"
