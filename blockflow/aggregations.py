@@ -183,14 +183,12 @@ def grouped_moments(
 
     Raises
     ------
-    TypeError
         If ``ddf`` is not a dask DataFrame, a value column is not numeric or ``dropna`` is
         not a bool.
     KeyError
-        If a column is missing; the message lists the available ones.
+        If a column is missing.
     ValueError
-        If ``by`` or ``columns`` is empty, has duplicates or they overlap; if
-        ``split_every < 2``.
+        If ``by`` or ``columns`` is empty, duplicated or overlapping, or ``split_every < 2``.
 
     See Also
     --------

@@ -72,10 +72,6 @@ def device_count() -> int:
     """Number of NVIDIA GPUs visible to this process; 0 when none or when that cannot be told.
 
     NVML, clipped to ``CUDA_VISIBLE_DEVICES``; else the CUDA runtime through CuPy.
-
-    Returns
-    -------
-    int
     """
     if _nvml() is not None:
         try:

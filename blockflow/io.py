@@ -170,8 +170,8 @@ def _remove(path: Path) -> None:
 def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Write an output folder atomically: yield a temporary sibling, rename it on success.
 
-    The temporary folder is ``<parent>/.<name>.tmp-<uuid4 hex>``; on an exception it is
-    deleted and ``path`` left untouched.
+    The temporary folder is ``<parent>/.<name>.tmp-<uuid4 hex>``, renamed atomically on
+    POSIX file systems; on an exception it is deleted and ``path`` left untouched.
 
     Parameters
     ----------
@@ -192,11 +192,6 @@ def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Itera
     OutputWriteError
         If the temporary folder cannot be created or renamed, or a write inside fails for
         a file-system reason (no space, quota, read-only).
-
-    Notes
-    -----
-    Renaming within one parent is atomic on POSIX file systems. A process killed by
-    SIGKILL leaves its ``.tmp-`` folder.
 
     Examples
     --------

@@ -210,15 +210,8 @@ def tree_reduce(
 
 
 def _check_axis(axis: Any, ndim: int) -> tuple[int, ...]:
-    """The axes ``axis=`` reduces, as non-negative ints (all of them for None).
-
-    Raises
-    ------
-    TypeError
-        If ``axis`` is not None, an int or a tuple/list of ints.
-    ValueError
-        If an axis is out of range for ``ndim`` dimensions, or named twice.
-    """
+    """The axes ``axis=`` reduces, as non-negative ints (all for None); TypeError for a bad
+    type, ValueError for an axis out of range or named twice."""
     if axis is None:
         return tuple(range(ndim))
     items = list(axis) if isinstance(axis, (tuple, list)) else [axis]
@@ -286,10 +279,8 @@ class TreeReducedArray(da.Array):
 
 
 class _ReductionStep(Kernel):
-    """``chunk``, ``combine`` or ``aggregate`` of a tree reduction as its tasks run it
-    (:class:`blockflow.core.kernel.Kernel`); before ``live``, calls (Dask's metadata
-    inference) run once and let errors through.
-    """
+    """``chunk``, ``combine`` or ``aggregate`` as its tasks run it
+    (:class:`blockflow.core.kernel.Kernel`); Dask's metadata inference calls run once."""
 
     logger = logger
 
@@ -323,10 +314,7 @@ class _ReductionStep(Kernel):
 
 
 class _MetaSafeChunk:
-    """Chunk function whose non-array partials (dicts) are hidden from Dask's meta inference.
-
-    On a zero-size block (Dask's meta inference) it returns an empty array, not a dict.
-    """
+    """Chunk function returning an empty array, not a dict, on Dask's zero-size meta block."""
 
     def __init__(self, func):
         self.func = func
@@ -361,11 +349,8 @@ def _drop_empty(obj) -> tuple[Any, bool]:
 
 
 class _FrameStep:
-    """A dataframe reduction step that keeps empty partitions from widening the dtypes.
-
-    pandas reduces no rows to NaN or a float, which would turn int partials into float64;
-    empty partitions' partials are set aside (:class:`_Empty`). A blockflow heuristic.
-    """
+    """A dataframe reduction step that sets empty partitions' partials aside
+    (:class:`_Empty`), so they cannot widen the dtypes. A blockflow heuristic."""
 
     def __init__(self, step: _ReductionStep):
         self.step = step

@@ -147,13 +147,8 @@ def _progress(no_progress: bool) -> bool | None:
 
 
 def _objective(kind: str | None, deadline: str | None, budget: float | None):
-    """The run's :func:`blockflow.objective` from ``--objective/--deadline/--budget``.
-
-    Raises
-    ------
-    ValueError
-        One line naming the option to fix.
-    """
+    """The run's :func:`blockflow.objective` from ``--objective/--deadline/--budget``;
+    ValueError naming the option to fix."""
     if kind is None and deadline is None and budget is None:
         return contextlib.nullcontext()
     from blockflow.pools.objective import objective

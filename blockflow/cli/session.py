@@ -83,10 +83,8 @@ def _quiet_shutdown() -> Iterator[None]:
 
 
 def _close_workers_first(client, timeout: float = 30.0) -> None:
-    """Close an embedded cluster's workers before its scheduler.
-
-    Scaling to zero first avoids workers logging failed heartbeats to a stopped scheduler.
-    Best effort: whatever it leaves, ``shutdown`` stops."""
+    """Close an embedded cluster's workers before its scheduler (no failed heartbeats
+    logged); best effort."""
     cluster = getattr(client, "cluster", None)
     if cluster is None or not hasattr(cluster, "scale"):
         return
@@ -101,11 +99,8 @@ def _close_workers_first(client, timeout: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def _sigint_deferred(enabled: bool = True) -> Iterator[None]:
-    """Block SIGINT while the embedded cluster starts.
-
-    Worker processes inherit the blocked signal, so Ctrl-C reaches only this process, which
-    shuts the cluster down in order.
-    """
+    """Block SIGINT while the embedded cluster starts, so worker processes inherit it and
+    Ctrl-C reaches only this process."""
     if (not enabled or not hasattr(signal, "pthread_sigmask")
             or threading.current_thread() is not threading.main_thread()):
         yield

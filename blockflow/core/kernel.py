@@ -1,11 +1,9 @@
 """The kernel wrapper: how a blockflow task runs a user's function on one block.
 
-:class:`Kernel` adds, inside the task, in-place retries, an error naming the failed block or
-step (:class:`~blockflow.BlockKernelError`) and device out-of-memory errors as
-:class:`~blockflow.DeviceMemoryError`; placement (``resources=``, ``workers=``) travels on
-the kernel, where graph optimisation cannot drop it. ``retries`` means up to ``retries``
-more attempts; with distributed's ``retries=d`` a block runs at most ``1 + max(retries, d)``
-times. Guide: docs/guide/reliability.md.
+:class:`Kernel` adds in-place retries (at most ``1 + max(retries, d)`` attempts under
+distributed's ``retries=d``), errors naming the failed block (:class:`~blockflow.BlockKernelError`,
+:class:`~blockflow.DeviceMemoryError`) and placement that graph optimisation cannot drop.
+Guide: docs/guide/reliability.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Speculative backup copies of blockflow kernels: the worker side.
 
-A copyable kernel task runs its kernel in a helper thread and takes the first of two results:
-its own or a backup copy's that the scheduler plugin
-(:class:`blockflow.scheduling.rules.BackupRule`) asked another worker to run. Keys and
-outputs are unchanged. Sources: MapReduce backup tasks (Dean & Ghemawat 2004) and LATE
-(Zaharia et al., OSDI 2008); how the result travels is a blockflow design. Guide:
+A copyable kernel task takes the first of two results, its own or that of a backup copy the
+scheduler plugin (:class:`blockflow.scheduling.rules.BackupRule`) started elsewhere. Sources:
+MapReduce backup tasks (Dean & Ghemawat 2004), LATE (Zaharia et al., OSDI 2008). Guide:
 docs/guide/reliability.md.
 """
 

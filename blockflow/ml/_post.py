@@ -1,10 +1,9 @@
 """Posted arguments: a pass submitted ahead of its parameters, which the client sends later.
 
-Step ``k + 1``'s pass is submitted while step ``k`` runs, with a :class:`Posted` placeholder;
-its tasks wait seceded, and the client posts the parameters straight to the workers
-(``blockflow_post``, :class:`PostPlugin`), keeping the scheduler off the critical path. A
-cancelled pass's tasks return nothing, as after :data:`POST_TIMEOUT` seconds. Sources: the
-parameter server (Li et al., OSDI 2014); submitting ahead is a blockflow heuristic.
+Step ``k + 1``'s tasks wait on their workers for a :class:`Posted` value that the client
+posts straight to them (``blockflow_post``, :class:`PostPlugin`), keeping the scheduler off
+the critical path. Sources: the parameter server (Li et al., OSDI 2014); submitting ahead is
+a blockflow heuristic.
 """
 
 from __future__ import annotations

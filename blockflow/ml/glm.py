@@ -1,10 +1,8 @@
 """Generalised linear models fitted by full-batch gradients on resident shards and L-BFGS.
 
-Each objective evaluation is one pass over the resident shards
-(:class:`blockflow.ml.ResidentShards`), summed up a fan-in tree; SciPy's L-BFGS-B steps on
-the client. Objectives are scikit-learn's (``Ridge``, binary ``LogisticRegression``,
-``PoissonRegressor``), so the same penalty gives the same coefficients. Guide:
-docs/guide/ai.md.
+One pass over :class:`blockflow.ml.ResidentShards` per objective evaluation, SciPy's
+L-BFGS-B on the client. Objectives are scikit-learn's (``Ridge``, ``LogisticRegression``,
+``PoissonRegressor``). Guide: docs/guide/ai.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Request routing: send each inference request to the worker that will answer it first.
 
-:class:`Router` keeps a model on every worker and places each request where its projected
-finish ``(backlog / threads + cost) x seconds_per_unit`` is earliest: join-the-shortest-
-expected-delay (blockflow heuristic after Whitt 1986;
-:func:`~blockflow.scheduling.estimate.earliest_finish`). Waiting requests go to a worker in
-batches when it has a free task slot; each request is answered exactly once. Guide:
-docs/guide/ai.md.
+:class:`Router` places each request where ``(backlog / threads + cost) x seconds_per_unit``
+is earliest: join-the-shortest-expected-delay (blockflow heuristic after Whitt 1986).
+Requests go out in batches when a worker has a free task slot. Guide: docs/guide/ai.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Data-parallel training of a PyTorch module over row-chunked Dask collections.
 
 Synchronous data parallelism (as PyTorch DDP) on speed-weighted resident shards
-(:class:`blockflow.ml.ResidentShards`): each step the workers' gradient sums are added up a
-fan-in tree and the optimizer steps on the client. Mini-batches are stratified by block and
-seeded (:func:`batch_schedule`), so a run is deterministic on any number of workers.
-Guide: docs/guide/ai.md.
+(:class:`blockflow.ml.ResidentShards`); mini-batches stratified and seeded by block
+(:func:`batch_schedule`), so a run is deterministic on any number of workers. Guide:
+docs/guide/ai.md.
 """
 
 from __future__ import annotations

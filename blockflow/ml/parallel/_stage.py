@@ -1,10 +1,8 @@
 """Pipeline stages on their workers: the worker-side half of :class:`PipelineParallel`.
 
-A stage (modules, optimizer, loss) is installed once on its worker, in a registry keyed by
-``(worker address, stage key)``; modules, stashed activations, gradients and optimizer state
-never leave it. A step is one task per stage (:func:`run`) looping over its schedule;
-activations and gradients go worker to worker through ``blockflow_pipeline``
-(:class:`PipePlugin`). Every function here runs on a worker.
+A stage's modules, stash, gradients and optimizer state stay on its worker; a step is one
+task per stage (:func:`run`), activations and gradients going worker to worker through
+``blockflow_pipeline`` (:class:`PipePlugin`). Every function here runs on a worker.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Pipeline parallelism for PyTorch models: contiguous stages on different workers.
 
-A ``torch.nn.Sequential`` is cut into contiguous stages, one per worker, each kept there with
-its optimizer; activations and gradients go worker to worker. Schedules (:func:`schedule_order`):
-``"gpipe"`` (Huang et al., 2019) and ``"1f1b"`` (PipeDream-Flush, Narayanan et al., 2021).
-The ``"speed"`` partition (:func:`~blockflow.parallel.partition_stages`) uses each layer's
-measured time per worker within free device memory; ``"equal"`` and ``"parameters"``
-(DeepSpeed's) are the baselines. Guide: docs/guide/ai.md.
+Schedules (:func:`schedule_order`): ``"gpipe"`` (Huang et al., 2019) and ``"1f1b"``
+(PipeDream-Flush, Narayanan et al., 2021). The ``"speed"`` partition
+(:func:`~blockflow.parallel.partition_stages`) uses measured layer times and free device
+memory; ``"equal"`` and ``"parameters"`` (DeepSpeed's) are baselines. Guide: docs/guide/ai.md.
 """
 
 from __future__ import annotations

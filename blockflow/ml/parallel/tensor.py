@@ -1,11 +1,8 @@
 """Tensor (model) parallelism for PyTorch: pairs of ``nn.Linear`` split across workers.
 
-As in Megatron-LM (Shoeybi et al., 2019), the first linear layer of a pair is split by
-columns and the second by rows, so each shard computes its part with no communication inside
-it and the partial outputs are summed; an ``nn.MultiheadAttention`` layer is split by heads.
-:meth:`TensorParallel.as_module` is a drop-in ``torch.nn.Module``; shard widths follow each
-worker's free device memory (:func:`~blockflow.parallel.partition.shard_widths`). Guide:
-docs/guide/ai.md.
+As in Megatron-LM (Shoeybi et al., 2019): the first layer of a pair split by columns, the
+second by rows, partial outputs summed; attention split by heads. Shard widths follow free
+device memory (:func:`~blockflow.parallel.partition.shard_widths`). Guide: docs/guide/ai.md.
 """
 
 from __future__ import annotations

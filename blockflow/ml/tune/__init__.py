@@ -1,10 +1,8 @@
 """Hyperparameter tuning: asynchronous successive halving (ASHA) with trials as Dask tasks.
 
-Each rung of a trial is one Dask task training it further from its last checkpoint. There is
-no rung barrier (Li et al. 2020, "A System for Massively Parallel Hyperparameter Tuning",
-Algorithm 2; :mod:`~blockflow.ml.tune.asha`); trials are placed by earliest finish time on
-the workers' learned speeds (a blockflow heuristic; :mod:`~blockflow.ml.tune.runner`).
-``synchronous=True`` runs synchronous successive halving, as dask-ml's
+ASHA (Li et al. 2020, "A System for Massively Parallel Hyperparameter Tuning", Algorithm 2)
+without a rung barrier, trials placed by earliest finish time on learned worker speeds (a
+blockflow heuristic). ``synchronous=True`` runs synchronous successive halving, as dask-ml's
 ``SuccessiveHalvingSearchCV``. Guide: docs/guide/ai.md.
 """
 

@@ -455,13 +455,8 @@ class Tuner:
         self.evidence.write_record(self.client)
 
     def _await_workers(self) -> None:
-        """Every worker is gone: wait ``blockflow.cluster.worker-loss-timeout`` for some.
-
-        Raises
-        ------
-        RuntimeError
-            If none comes back in time.
-        """
+        """Every worker is gone: wait ``blockflow.cluster.worker-loss-timeout`` for some,
+        else RuntimeError."""
         limit = parse_timedelta(config.get("cluster.worker-loss-timeout"))
         since = time.monotonic()
         while not self.workers:
