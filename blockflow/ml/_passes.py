@@ -31,10 +31,8 @@ __all__ = ["ShardPasses"]
 
 
 def _run_shard(func, blocks, rows, args, steal=None):
-    """On a worker: ``func([(X, y) blocks], [row indices or None], *args)`` timed.
-
-    ``steal``: the arguments of :func:`blockflow.ml._steal.run_stealing` after ``args``, or
-    None for one call. A :class:`blockflow.ml._post.Posted` in ``args`` is waited for."""
+    """On a worker: ``func([(X, y) blocks], [row indices or None], *args)`` timed; ``steal``
+    holds :func:`blockflow.ml._steal.run_stealing`'s further arguments, or None."""
     me = get_worker().address
     args = resolve(me, args)
     if args is None:  # its pass was cancelled, or its post never came
@@ -140,10 +138,8 @@ class ShardPasses:
 
     def _submit(self, func, rows, args, measure: bool = True, steal: bool = False,
                 value: Any = None, post: bool = True) -> _Pass:
-        """The pass as one graph: a task per worker and the fan-in tree up to its top level
-        (added on the client by :meth:`_wait`). ``POSTED`` arguments become a
-        :class:`blockflow.ml._post.Posted` placeholder where the client reaches the
-        workers."""
+        """The pass as one graph: a task per worker and the fan-in tree up to its top level;
+        ``POSTED`` arguments become :class:`blockflow.ml._post.Posted` placeholders."""
         posting, post = post, None
         if any(a is POSTED for a in args):
             if posting and self._direct and self._post_ahead:
@@ -184,10 +180,8 @@ class ShardPasses:
                      steal=bool(steal))
 
     def _steal_plan(self, workers: list[str]) -> tuple:
-        """A stealing pass's arguments for :func:`blockflow.ml._steal.run_stealing`. A
-        worker that gave a fraction ``g`` of its rows away keeps
-        ``min(2/3, steal_reserve + 2 g)``, one not yet measured at least
-        ``steal_reserve_unmeasured`` (a blockflow heuristic)."""
+        """A stealing pass's arguments for :func:`blockflow.ml._steal.run_stealing`, with
+        each worker's reserve raised after it gave rows away (a blockflow heuristic)."""
         # seconds per row of each worker's latest passes (k_a of the pass model): how
         # its rows compare with a thief's before its first chunk is timed
         spr = self._throughput.measured_seconds_per_unit()

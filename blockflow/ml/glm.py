@@ -120,10 +120,6 @@ class _GLM:
         X : dask.array.Array, dask.dataframe.DataFrame, or NumPy/CuPy array
         y : dask array / Series, or NumPy/CuPy array
 
-        Returns
-        -------
-        self
-
         Raises
         ------
         ValueError

@@ -256,10 +256,6 @@ class DataParallelTrainer:
         X : dask.array.Array or dask.dataframe.DataFrame, shape (n_samples, n_features)
         y : dask.array.Array or dask.dataframe.Series, shape (n_samples,) or (n, k)
 
-        Returns
-        -------
-        self
-
         Raises
         ------
         ValueError

@@ -170,21 +170,9 @@ class PipelineParallel:
 
     def measure(self, sample, workers: Sequence[str] | None = None
                 ) -> tuple[dict[str, list[float]], list[int]]:
-        """Each layer's forward+backward seconds on each worker, and its bytes.
-
-        Parameters
-        ----------
-        sample : array or tensor
-            Input rows (the first ``probe_rows`` are used).
-        workers : sequence of str, optional
-            Default: the pipeline's workers.
-
-        Returns
-        -------
-        (dict of str to list of float, list of int)
-            Worker address -> seconds per layer; bytes per layer (parameters, gradients and
-            optimizer state).
-        """
+        """Each layer's forward+backward seconds on each worker (on the first ``probe_rows``
+        of ``sample``; ``workers`` default the pipeline's), and each layer's bytes of
+        parameters, gradients and optimizer state: ``({worker: [seconds]}, [bytes])``."""
         return _placement.measure(self, sample, workers)
 
     def _place(self, sample, n_micro_batches: int | None = None) -> None:
@@ -346,7 +334,7 @@ class PipelineParallel:
 
     def predict(self, X, *, n_micro_batches: int | None = None,
                 batch_size: int | None = None) -> np.ndarray:
-        """The model's output on ``X`` (evaluation mode, no gradients).
+        """The model's output on ``X`` as a NumPy array (evaluation mode, no gradients).
 
         Parameters
         ----------
@@ -355,10 +343,6 @@ class PipelineParallel:
             Per batch, as for :meth:`run`.
         batch_size : int, optional
             Rows per pass; default 1024.
-
-        Returns
-        -------
-        numpy.ndarray
         """
         n = X.shape[0]
         if isinstance(X, da.Array):

@@ -123,10 +123,6 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
     -----
     RuntimeWarning
         When every trial failed (the result holds their errors) or scored NaN.
-
-    Notes
-    -----
-    Source: ASHA, Li et al. 2020 (MLSys), Algorithm 2.
     """
     eta = config.get("tune.eta", eta)
     if isinstance(eta, bool) or not float(eta).is_integer() or eta < 2:
