@@ -372,8 +372,7 @@ def grouped_quantiles(
     Raises
     ------
     TypeError
-        If ``ddf`` is not a dask DataFrame, ``column`` is not numeric or ``dropna`` is not a
-        bool.
+        If ``ddf`` is not a dask DataFrame, ``column`` is not numeric or ``dropna`` not bool.
     KeyError
         If a column is missing.
     ValueError

@@ -190,9 +190,7 @@ def _move(obj: Any, target: str):
 
 
 def to_device(collection):
-    """Move a Dask collection's blocks to GPU memory (NumPy -> CuPy, pandas -> cuDF).
-
-    Lazy: blocks are converted when computed.
+    """Move a Dask collection's blocks to GPU memory (NumPy -> CuPy, pandas -> cuDF), lazily.
 
     Parameters
     ----------

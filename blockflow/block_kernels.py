@@ -152,10 +152,8 @@ def _frame_kind(obj) -> str | None:
 
 
 def _check_partition(label: str, where: str, out, meta, check_dtypes: bool = True) -> None:
-    """Check a partition against the output's meta: type, column names and order, and
-    (``check_dtypes``, only for a declared ``meta=``) dtypes. As in Dask's
-    ``apply_and_enforce``, empty results and Series outputs are not checked further.
-    """
+    """Check a partition against the output's meta: type, columns and (``check_dtypes``)
+    dtypes; as Dask's ``apply_and_enforce``, empty results and Series outputs pass."""
     want = _frame_kind(meta)
     if want is None:  # the output is not a frame (e.g. arrays): Dask takes what comes
         return

@@ -174,8 +174,7 @@ def _even(n: int, k: int) -> list[int]:
 
 def _skew_plan(sizes: Sequence[int], row_bytes: float, factor: float, floor: int,
                merge_below: float, max_piece: float | None = None) -> _Plan | None:
-    """The re-cut :func:`split_skewed` describes, as a plan of pieces; None when nothing
-    changes."""
+    """The re-cut :func:`split_skewed` describes, as pieces; None when nothing changes."""
     max_piece = _max_piece() if max_piece is None else max_piece
     sizes = [int(s) for s in sizes]
     nonempty = [s for s in sizes if s > 0]

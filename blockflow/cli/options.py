@@ -37,8 +37,7 @@ def _cluster_options(command: Callable) -> Callable:
 
 
 class _PolicyChoice(click.Choice):
-    """The names in :data:`blockflow.scheduling.POLICIES`, read lazily so ``--help`` stays
-    quick."""
+    """The names in :data:`blockflow.scheduling.POLICIES`, read lazily."""
 
     def __init__(self):
         super().__init__([])

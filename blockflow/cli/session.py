@@ -83,8 +83,7 @@ def _quiet_shutdown() -> Iterator[None]:
 
 
 def _close_workers_first(client, timeout: float = 30.0) -> None:
-    """Close an embedded cluster's workers before its scheduler (no failed heartbeats
-    logged); best effort."""
+    """Close an embedded cluster's workers before its scheduler (best effort)."""
     cluster = getattr(client, "cluster", None)
     if cluster is None or not hasattr(cluster, "scale"):
         return

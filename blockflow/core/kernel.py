@@ -115,8 +115,7 @@ def check_placement(resources: Any, workers: Any, allow_other_workers: Any,
 
 
 def _check_worker_resources(label: str, step: str | None, resources: dict) -> None:
-    """Refuse to run on a worker lacking the kernel's resources (outside a distributed
-    worker resources mean nothing)."""
+    """Refuse to run on a distributed worker lacking the kernel's resources."""
     here = current_worker_resources()
     if here is None:
         return

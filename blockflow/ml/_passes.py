@@ -210,15 +210,13 @@ class ShardPasses:
         self._installed.add(plugin.name)
 
     def _wait(self, parts) -> dict:
-        """The sum of the top level's partial sums, each fetched once done
-        (:func:`blockflow.scheduling.wait.gather_as_done`)."""
+        """The sum of the top level's partial sums, each fetched once done."""
         got = gather_as_done(parts, alive=self._workers, needed=set(self.placement.values()),
                              poll=self.poll, get=self._fetch)
         return _add(*got)
 
     def _fetch(self, future):
-        """A finished partial sum, straight from its worker where possible
-        (``blockflow.ml.direct-gather``)."""
+        """A finished partial sum, from its worker directly (``blockflow.ml.direct-gather``)."""
         if self._direct:
             try:
                 return self.client.gather(future, direct=True)

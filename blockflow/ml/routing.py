@@ -88,7 +88,6 @@ class Router:
     Parameters
     ----------
     client : distributed.Client
-        The cluster (its workers all get the model once).
     model : torch.nn.Module, ONNX model, estimator or callable
         As in :func:`blockflow.predict`.
     method : str, optional

@@ -188,8 +188,7 @@ def _backward(stage: _Stage, dy, j: int, weight: float | None):
 
 
 def _finish(stage: _Stage, step: bool, want_grads: bool) -> dict:
-    """End of a training step: summed loss, peak stash, gradients if asked; the optimizer
-    steps."""
+    """End of a training step: summed loss, peak stash, gradients; the optimizer steps."""
     grads = None
     if want_grads:
         grads = {n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
