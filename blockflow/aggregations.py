@@ -1,10 +1,8 @@
 """Grouped tree reductions of dask dataframes: per-group moments and quantiles in one pass.
 
-Both run through :func:`blockflow.tree_reduce` with small partials (one row per group, or
-per group and histogram bin), so the tree's memory does not grow with the data, and give
-what pandas' ``groupby(by, dropna=dropna)`` gives on the whole frame, empty partitions and
-all-missing groups included. Partitions may be pandas or cuDF; only the final quantile
-interpolation runs on the host.
+Both run through :func:`blockflow.tree_reduce` with one-row-per-group partials and match
+pandas' ``groupby(by, dropna=dropna)``; partitions may be pandas or cuDF. Guide:
+docs/guide/data.md.
 """
 
 from __future__ import annotations
@@ -96,8 +94,7 @@ def _moment_columns(columns: Sequence[str]) -> list[str]:
 
 
 def _moments_chunk(part, *, by: list[str], columns: list[str], dropna: bool):
-    """Per-group ``(rows, count, mean, M2, max)`` of one partition (keys as columns); a
-    group whose values are all missing gets count 0, NaN mean and max, M2 0."""
+    """Per-group ``(rows, count, mean, M2, max)`` of one partition (keys as columns)."""
     groups = part.groupby(by, dropna=dropna, sort=False)
     values = groups[columns]
     # one grouping, one groupby method per statistic (cheaper than agg([...]) in pandas);
@@ -137,8 +134,7 @@ def _merge_moments(partials, *, by: list[str], columns: list[str]):
 
 
 def _finalize_moments(partials, *, by: list[str], columns: list[str], dtypes: dict):
-    """The last merge as ``count, mean, std (ddof=1), max`` per column; ``max`` keeps the
-    input dtype (``dtypes``), as in pandas."""
+    """The last merge as ``count, mean, std (ddof=1), max`` per column."""
     merged = _merge_moments(partials, by=by, columns=columns)
     out = merged[by + [ROWS]].copy()
     for c in columns:
@@ -163,13 +159,10 @@ def grouped_moments(
 ) -> dd.DataFrame:
     """Rows, count, mean, standard deviation and maximum of columns per group, by tree reduction.
 
-    Each partition is summarised per group as ``(n, mean, M2, max)`` and the summaries are
-    merged up a tree of fan-in ``split_every`` (see Notes).
-
     Parameters
     ----------
     ddf : dask.dataframe.DataFrame
-        Any partitioning; pandas or cuDF partitions.
+        Pandas or cuDF partitions.
     by : str or sequence of str
         Group-key column(s).
     columns : str or sequence of str
@@ -184,23 +177,18 @@ def grouped_moments(
     Returns
     -------
     dask.dataframe.DataFrame
-        Lazy, one partition, one row per group sorted by the keys: the key columns, ``rows``
-        (int64) and per value column ``c``: ``c_count`` (int64), ``c_mean`` (float64),
-        ``c_std`` (float64, ddof=1) and ``c_max`` (the column's dtype). Equal to pandas'
-        ``groupby(by, dropna=dropna).agg(["size", "count", "mean", "std", "max"])`` up to
-        float64 rounding; nullable columns give pandas' nullable results. With no row left,
-        an empty table with these columns and dtypes.
+        Lazy, one partition, one row per group sorted by the keys: the keys, ``rows`` and per
+        value column ``c_count``, ``c_mean``, ``c_std`` (ddof=1), ``c_max`` (the column's
+        dtype), as pandas' ``.agg(["size", "count", "mean", "std", "max"])``.
 
     Raises
     ------
-    TypeError
         If ``ddf`` is not a dask DataFrame, a value column is not numeric or ``dropna`` is
         not a bool.
     KeyError
-        If a column is missing; the message lists the available ones.
+        If a column is missing.
     ValueError
-        If ``by`` or ``columns`` is empty, has duplicates or they overlap; if
-        ``split_every < 2``.
+        If ``by`` or ``columns`` is empty, duplicated or overlapping, or ``split_every < 2``.
 
     See Also
     --------
@@ -208,11 +196,8 @@ def grouped_moments(
 
     Notes
     -----
-    Method: T. F. Chan, G. H. Golub, R. J. LeVeque, "Updating formulae and a pairwise
-    algorithm for computing sample variances", STAN-CS-79-773 (1979): ``n = sum(n_i)``,
-    ``mean = sum(n_i mean_i) / n``, ``M2 = sum(M2_i) + sum(n_i (mean_i - mean)^2)``,
-    ``std = sqrt(M2 / (n - 1))``. No step subtracts two large, nearly equal sums, so the
-    relative error of std grows like machine epsilon x ``|mean| / std``.
+    Method: Chan, Golub and LeVeque, "Updating formulae and a pairwise algorithm for
+    computing sample variances", STAN-CS-79-773 (1979).
 
     Examples
     --------
@@ -261,8 +246,7 @@ def _check_quantiles(q: float | Sequence[float], func: str) -> list[float]:
 
 
 def _histogram_chunk(part, *, by: list[str], column: str, bin_width: float, dropna: bool):
-    """Per-group value counts of one partition on the grid ``bin_width * k`` (k integer); a
-    group whose values are all missing counts 0 in bin 0, so it gets NaN quantiles."""
+    """Per-group value counts of one partition on the grid ``bin_width * k``."""
     x = part[column]
     present = x.notna()
     filled = x.fillna(0)
@@ -297,9 +281,8 @@ def histogram_quantiles(
     Parameters
     ----------
     histogram : pandas.DataFrame or cudf.DataFrame
-        Columns ``by``, ``"__bin"`` (int64 bin index ``k``: the bin holds the values nearest
-        to ``k * bin_width``) and ``"__count"`` (int64, >= 0). Each (group, bin) pair once.
-        A group whose counts are all 0 (no non-missing value) gets NaN quantiles.
+        Columns ``by``, ``"__bin"`` (int64 ``k``: values nearest ``k * bin_width``) and
+        ``"__count"`` (int64), each (group, bin) once.
     by : sequence of str
         Group-key columns.
     q : sequence of float
@@ -312,16 +295,7 @@ def histogram_quantiles(
     Returns
     -------
     pandas.DataFrame
-        One row per group (sorted by the keys, missing keys last) with the key columns and
-        one float64 column per quantile; zero rows, with the same columns, for an empty
-        histogram.
-
-    Notes
-    -----
-    For a group of ``n`` values sorted as ``v_0 <= ... <= v_{n-1}``, NumPy's linear method
-    takes ``h = (n - 1) q`` and returns ``v_floor(h) + (h - floor(h)) (v_ceil(h) - v_floor(h))``.
-    Here ``v_i`` is read off the cumulative counts (the bin in which the running count first
-    exceeds ``i``), so the result equals ``numpy.quantile`` of the binned values exactly.
+        One row per group (sorted by the keys) with one float64 column per quantile.
     """
     by = list(by)
     hist = _to_host(histogram)
@@ -371,14 +345,10 @@ def grouped_quantiles(
 ) -> dd.DataFrame:
     """Quantiles of a column per group, from a tree reduction of per-group histograms.
 
-    Each partition becomes value counts per (group, bin) on a grid of ``bin_width``; partial
-    histograms are added up a tree of fan-in ``split_every``, and the quantiles interpolated
-    from the merged counts (:func:`histogram_quantiles`).
-
     Parameters
     ----------
     ddf : dask.dataframe.DataFrame
-        Any partitioning; pandas or cuDF partitions.
+        Pandas or cuDF partitions.
     by : str or sequence of str
         Group-key column(s).
     column : str
@@ -386,8 +356,7 @@ def grouped_quantiles(
     q : float or sequence of float, default (0.5, 0.9)
         Quantiles in [0, 1].
     bin_width : float, default 1.0
-        Histogram resolution, in the column's units (> 0); each value counts as the nearest
-        multiple of it (ties to even).
+        Histogram resolution, in the column's units (> 0).
     dropna : bool, default True
         As pandas' ``groupby(..., dropna=)``.
     split_every : int, optional
@@ -397,22 +366,18 @@ def grouped_quantiles(
     Returns
     -------
     dask.dataframe.DataFrame
-        Lazy, one partition, one row per group sorted by the keys: the key columns and
-        ``<column>_p<100 q>`` (float64) per quantile, e.g. ``arr_delay_p50``. A group whose
-        values are all missing has NaN quantiles. With no row left, an empty table with
-        these columns.
+        Lazy, one partition, one row per group sorted by the keys: the keys and
+        ``<column>_p<100 q>`` (float64) per quantile, e.g. ``arr_delay_p50``.
 
     Raises
     ------
     TypeError
-        If ``ddf`` is not a dask DataFrame, ``column`` is not numeric or ``dropna`` is not a
-        bool.
+        If ``ddf`` is not a dask DataFrame, ``column`` is not numeric or ``dropna`` not bool.
     KeyError
         If a column is missing.
     ValueError
-        If a quantile is outside [0, 1], ``bin_width`` is not a finite positive number, or
-        ``split_every < 2``; at compute time (the cause of a
-        :class:`~blockflow.BlockKernelError`) if the column holds an infinite value.
+        If a quantile is outside [0, 1], ``bin_width`` is not finite and positive, or
+        ``split_every < 2``; at compute time for an infinite value.
 
     See Also
     --------
@@ -420,10 +385,8 @@ def grouped_quantiles(
 
     Notes
     -----
-    Method: blockflow heuristic. Exact (equal to pandas' and ``numpy.quantile``'s
-    ``"linear"``) when every value is a multiple of ``bin_width``, e.g. whole minutes with
-    ``bin_width=1``; otherwise within ``bin_width / 2``. A partial holds one row per
-    distinct (group, bin).
+    Method: blockflow heuristic. Exact when every value is a multiple of ``bin_width``,
+    otherwise within ``bin_width / 2``.
 
     Examples
     --------

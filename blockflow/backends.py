@@ -1,8 +1,7 @@
 """Backends: NumPy/CuPy and pandas/cuDF dispatch, and moving collections to and from the device.
 
-GPU packages are never imported at module import time. The array and dataframe modules of a
-block are found with :class:`dask.utils.Dispatch` and lazily registered CuPy / cuDF handlers,
-so a CPU-only machine never touches them.
+GPU packages are never imported at module import time: :class:`dask.utils.Dispatch` with
+lazily registered CuPy / cuDF handlers. Guide: docs/guide/clusters.md.
 """
 
 from __future__ import annotations
@@ -58,8 +57,7 @@ def require(package: str, why: str) -> types.ModuleType:
 def gpu_device_count() -> int:
     """Number of NVIDIA GPUs visible to this process; 0 when none or when that cannot be told.
 
-    Never raises: a missing driver, library or device counts as zero devices. See
-    :func:`blockflow.devices.device_count` (NVML through distributed, else CuPy).
+    Never raises (:func:`blockflow.devices.device_count`).
     """
     return device_count()
 
@@ -100,24 +98,19 @@ def _register_cudf():
 
 
 def array_module(block: Any) -> types.ModuleType:
-    """The array module (``numpy`` or ``cupy``) that handles ``block`` (a block of a dask
-    array; Python scalars and lists map to NumPy). CuPy is imported only for CuPy arrays."""
+    """The array module (``numpy`` or ``cupy``) that handles ``block``."""
     if isinstance(block, (int, float, complex, bool, list, tuple)):
         return np
     return _array_module(block)
 
 
 def dataframe_module(block: Any) -> types.ModuleType:
-    """The dataframe module (``pandas`` or ``cudf``) that handles ``block`` (a partition of
-    a dask dataframe). cuDF is imported only for cuDF objects."""
+    """The dataframe module (``pandas`` or ``cudf``) that handles ``block``."""
     return _dataframe_module(block)
 
 
 def is_device_block(block: Any) -> bool:
-    """Whether ``block`` lives in GPU memory (a CuPy array or a cuDF object).
-
-    Decided from the type's module so that neither package is imported here.
-    """
+    """Whether ``block`` lives in GPU memory (a CuPy array or a cuDF object)."""
     mod = type(block).__module__.split(".")[0]
     return mod in ("cupy", "cudf")
 
@@ -197,15 +190,12 @@ def _move(obj: Any, target: str):
 
 
 def to_device(collection):
-    """Move a Dask collection's blocks to GPU memory (NumPy -> CuPy, pandas -> cuDF).
-
-    Lazy: returns a new collection whose blocks are converted when computed.
+    """Move a Dask collection's blocks to GPU memory (NumPy -> CuPy, pandas -> cuDF), lazily.
 
     Parameters
     ----------
     collection : dask.array.Array, dask.dataframe.DataFrame or Series, xarray.DataArray or Dataset
-        Chunks and partitions are kept as they are. For xarray, every dask-backed variable
-        moves; in-memory coordinates stay on the host.
+        Chunks and partitions are kept; xarray in-memory coordinates stay on the host.
 
     Returns
     -------
@@ -216,14 +206,12 @@ def to_device(collection):
     TypeError
         If ``collection`` is not a Dask collection.
     GPUUnavailableError
-        If CuPy (arrays) or cuDF (dataframes) is not installed; the message gives the
-        ``pip install "blockflow[gpu]"`` fix.
+        If CuPy (arrays) or cuDF (dataframes) is not installed.
     """
     return _move(collection, "device")
 
 
 def to_host(collection):
-    """Move a Dask collection's blocks to host memory (CuPy -> NumPy, cuDF -> pandas), lazily;
-    the inverse of :func:`to_device`. Host blocks pass through unchanged. Raises
-    ``TypeError`` if ``collection`` is not a Dask collection."""
+    """Move a Dask collection's blocks to host memory, lazily; the inverse of
+    :func:`to_device`. Raises ``TypeError`` for a non-Dask collection."""
     return _move(collection, "host")

@@ -1,7 +1,5 @@
-"""Block kernels: the wrappers :func:`blockflow.map_blocks` runs on each block, which name the
-block that failed and check what the kernel returns against the declared output (an array
-block's type, dtype, ndim and shape; a partition's type, columns and dtypes).
-"""
+"""Block kernels: the wrappers :func:`blockflow.map_blocks` runs on each block, naming the
+failed block and checking each result against the declared output."""
 
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ def _wants(func: Callable, keyword: str) -> bool:
 
 
 class _Kernel(Kernel):
-    """A blockwise kernel as its tasks run it (see :class:`blockflow.core.kernel.Kernel`), named
-    so that its tasks start with ``blockflow-``."""
+    """A blockwise kernel as its tasks run it (:class:`blockflow.core.kernel.Kernel`)."""
 
     logger = logger
 
@@ -111,8 +108,7 @@ class _ArrayKernelWithInfo(_ArrayKernel):
 
 
 def _is_array(out) -> bool:
-    """Whether a kernel's result is an array block: a duck array (NumPy, CuPy, sparse) or a
-    NumPy scalar (0-d blocks), but not None, a list or a Python scalar."""
+    """Whether a kernel's result is an array block (a duck array or a NumPy scalar)."""
     return is_arraylike(out) or all(hasattr(out, a) for a in ("shape", "dtype", "ndim"))
 
 
@@ -156,15 +152,8 @@ def _frame_kind(obj) -> str | None:
 
 
 def _check_partition(label: str, where: str, out, meta, check_dtypes: bool = True) -> None:
-    """Check a partition a kernel returned against the output's meta: its type, column names
-    and order, and (``check_dtypes``) dtypes. Reads metadata only (no data is copied).
-
-    As in Dask (``apply_and_enforce``), any object but None is fine for a Series output (a
-    scalar, a tuple: it becomes one row) and an empty result is replaced by the meta, so
-    neither is checked further. Dtypes are checked only against a declared ``meta=``: Dask's
-    inferred meta can be wrong about them (after ``dd.to_datetime`` or a left merge, say),
-    and a kernel that changes nothing must not fail for it.
-    """
+    """Check a partition against the output's meta: type, columns and (``check_dtypes``)
+    dtypes; as Dask's ``apply_and_enforce``, empty results and Series outputs pass."""
     want = _frame_kind(meta)
     if want is None:  # the output is not a frame (e.g. arrays): Dask takes what comes
         return
@@ -236,13 +225,8 @@ def _names(names, limit: int = 10) -> str:
 
 
 def _same_dtype(got, want) -> bool:
-    """Exact dtype equality, except for differences that pandas and Dask bring about:
-    categoricals match whatever their categories (they differ per partition; Dask's meta may
-    hold unknown categories); object and pandas' string dtypes match each other (Dask
-    converts object columns to strings, ``dataframe.convert-string``, so a meta built from a
-    pandas frame can differ from the partitions in that only); and datetimes and timedeltas
-    match whatever their unit (pandas 3 infers ``us`` or ``s`` where older code and metas
-    say ``ns``), though not across time zones."""
+    """Exact dtype equality, except categoricals (any categories), object vs string, and
+    datetime/timedelta units (not time zones), which pandas and Dask change."""
     try:
         if got == want:
             return True

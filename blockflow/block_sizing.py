@@ -1,10 +1,7 @@
 """Block sizing: rechunk so each block plus its kernel's working set fits the smallest
 worker's free memory (:func:`fit_blocks`), and the re-cutting :func:`blockflow.map_blocks`
-applies before its stage (skew splitting from :mod:`blockflow.decompose`, then sizing;
-settings ``blockflow.skew.*`` and ``blockflow.blocks.*``).
-
-Changes are logged on the ``blockflow.decompose`` logger and recorded as
-:class:`blockflow.BlockResize` records, as the skew splitting's are.
+applies before its stage (config ``blockflow.skew.*``, ``blockflow.blocks.*``). Guide:
+docs/guide/data.md.
 """
 
 from __future__ import annotations
@@ -44,10 +41,8 @@ logger = logging.getLogger("blockflow.decompose")
 def smallest_free_memory(client=None, *, host: bool = True) -> tuple[int, str] | None:
     """Free memory of the worker with the least, in bytes, and its kind.
 
-    GPU workers (real or simulated: those reporting distributed's NVML metrics) count their
-    free device memory (total minus used, from the last heartbeat). Without GPU workers and
-    with ``host=True``, the smallest host ``memory_limit`` counts. None without a reachable
-    cluster, or when no worker reports either.
+    GPU workers count free device memory; without them and with ``host=True``, the smallest
+    host ``memory_limit``. None when unknown.
     """
     if client is None:
         try:
@@ -67,8 +62,7 @@ def smallest_free_memory(client=None, *, host: bool = True) -> tuple[int, str] |
 
 
 def _max_rows(row_bytes: float, working_set, budget: float, most: int) -> int:
-    """The most rows ``r <= most`` with ``r x row_bytes + working_set(bytes) <= budget``
-    (``working_set`` non-decreasing in the block's bytes); 0 when not even one row fits."""
+    """The most rows ``r <= most`` with ``r x row_bytes + working_set(bytes) <= budget``."""
     def fits(r: int) -> bool:
         nbytes = int(r * row_bytes)
         need = working_set(nbytes) if callable(working_set) else (working_set or 0)
@@ -89,7 +83,7 @@ def _max_rows(row_bytes: float, working_set, budget: float, most: int) -> int:
 def _array_fit(x: da.Array, working_set, budget: float, axes=None, label=""
                ) -> tuple[int, tuple] | None | str:
     """``(axis, new chunks)`` so every block fits; None when all fit; ``("nowhere", row
-    bytes)`` when not even one row along the axis does."""
+    bytes)`` when one row does not."""
     if x.ndim == 0 or not _known(x.chunks):
         return None
     axes = list(range(x.ndim)) if axes is None else list(axes)
@@ -115,13 +109,9 @@ def fit_blocks(x, working_set: int | str | Callable[[int], int] = 0, *,
     """Rechunk so each block plus its kernel's working set fits the smallest worker's free
     memory, with a safety margin.
 
-    The budget is the least free device memory of any GPU worker (real or simulated, from
-    the workers' last heartbeat) times ``1 - safety``; on a cluster without GPU workers, the
-    smallest host ``memory_limit`` times ``1 - safety``. Blocks are split along one axis
-    (``axis``, default the axis with the longest blocks) into even pieces of the most rows
-    ``r`` for which ``r x row bytes + working_set(r x row bytes) <= budget``; blocks that
-    fit are left alone. Method: blockflow heuristic (binary search on rows, assuming the
-    working set does not shrink as blocks grow).
+    The budget is the least free device memory of any GPU worker (else the smallest host
+    ``memory_limit``) times ``1 - safety``; blocks above it are split evenly along one axis.
+    Method: blockflow heuristic (binary search on rows).
 
     Parameters
     ----------
@@ -130,27 +120,24 @@ def fit_blocks(x, working_set: int | str | Callable[[int], int] = 0, *,
         Bytes the kernel needs besides its block (``"2GiB"`` accepted), or a callable
         ``working_set(block nbytes) -> bytes``.
     safety : float, optional
-        Fraction 0-1 of the free memory kept free; default ``blockflow.blocks.safety``
-        (0.2).
+        Fraction 0-1 of the free memory kept free; default ``blockflow.blocks.safety``.
     client : distributed.Client, optional
         Default: the current default client.
     axis : int or str, optional
-        The axis (arrays) or dimension (xarray) to split.
+        The axis (arrays) or dimension (xarray) to split; default the longest blocks'.
 
     Returns
     -------
     (collection, BlockResize or None)
-        The rechunked collection (the input itself when every block fits, or without a
-        reachable cluster or any memory figure: logged, nothing to fit to) and the record
-        of the change, or None.
+        The rechunked collection (the input itself when nothing changes) and the change,
+        or None.
 
     Raises
     ------
     TypeError
         If ``x`` is not a Dask array or chunked xarray object.
     ValueError
-        If not even a one-row block along the axis fits the budget with its working set
-        (the message gives the bytes), or ``safety`` is not in [0, 1).
+        If not even a one-row block fits the budget, or ``safety`` is not in [0, 1).
     """
     safety = float(config.get("blocks.safety", safety))
     if not 0 <= safety < 1:
@@ -207,11 +194,8 @@ def _nowhere(func: str, row_bytes, working_set, free, safety) -> str:
 
 def prepare_arrays(arrays: Sequence[da.Array], *, working_set=None, skip_axes=(),
                    label: str = "") -> list[da.Array]:
-    """Re-cut aligned arrays (axes align from the right) before a blockwise stage: split
-    skewed blocks (``blockflow.skew.*``) and, with a working set and GPU workers,
-    fit blocks to free device memory (``blockflow.blocks.fit-device-memory``). Every
-    array gets the same new chunks along the re-cut axis; axes in ``skip_axes`` (output
-    axes: dropped ones) are never re-cut."""
+    """Re-cut aligned arrays before a blockwise stage (skew, then device memory); axes in
+    ``skip_axes`` are never re-cut."""
     arrays = list(arrays)
     ndim = max(x.ndim for x in arrays)
     widest = max(arrays, key=lambda a: a.ndim)
@@ -247,8 +231,7 @@ def _rechunk_all(arrays, ndim: int, axis: int, sizes: tuple) -> list[da.Array]:
 
 
 def prepare_frames(frames: Sequence, *, label: str = "") -> list:
-    """Split skewed partitions of a single dataframe whose lengths are cheap to know
-    (``blockflow.skew.*``); several frames are left as they are (their partitions pair up)."""
+    """Split skewed partitions of a single dataframe whose lengths are cheap to know."""
     frames = list(frames)
     if not config.get("skew.enabled") or len(frames) != 1:
         return frames
@@ -257,8 +240,8 @@ def prepare_frames(frames: Sequence, *, label: str = "") -> list:
 
 
 def prepare_xarray(objs: Sequence, *, working_set=None, label: str = "") -> list:
-    """Re-cut argument 0 of an xarray stage along its chunked dimension (skew, then device
-    memory), and every other argument chunked along that dimension the same way."""
+    """Re-cut argument 0 of an xarray stage along its chunked dimension, and the others
+    alike."""
     objs = list(objs)
     main = objs[0]
     if config.get("skew.enabled"):

@@ -1,12 +1,9 @@
 """Blockwise kernels: run a per-block function over dask arrays, dataframes and xarray objects.
 
-:func:`map_blocks` is a thin layer over :meth:`dask.array.map_blocks`,
-:meth:`dask.dataframe.DataFrame.map_partitions` and :func:`xarray.map_blocks`. It keeps
-Dask's laziness and metadata and adds four things: the input is checked (with errors that
-say how to fix it), tasks are named ``blockflow-<kernel>`` so blockflow's scheduler plugin
-recognises its kernels, an exception inside a kernel names the block that failed, and what a
-kernel returns is checked against the declared output (an array block's type, dtype, ndim and
-shape; a partition's type, columns and dtypes), so a wrong block fails in its task, naming it.
+:func:`map_blocks` wraps :meth:`dask.array.map_blocks`,
+:meth:`dask.dataframe.DataFrame.map_partitions` and :func:`xarray.map_blocks`, adding input
+checks, ``blockflow-<kernel>`` task names, errors naming the failed block, and a check of
+each returned block against the declared output. Guide: docs/guide/data.md.
 """
 
 from __future__ import annotations
@@ -109,10 +106,8 @@ def map_blocks(
 ):
     """Run ``kernel`` on every block of one or more Dask collections, lazily.
 
-    The same kernel runs on NumPy/pandas blocks on CPU workers and on CuPy/cuDF blocks on GPU
-    workers (find the module with :func:`blockflow.backends.array_module` /
-    :func:`~blockflow.backends.dataframe_module`). A thin layer over
-    :func:`dask.array.map_blocks`, ``map_partitions`` and :func:`xarray.map_blocks`.
+    The same kernel runs on NumPy/pandas blocks on CPU workers and CuPy/cuDF blocks on GPU
+    workers (:func:`blockflow.backends.array_module`).
 
     Parameters
     ----------
@@ -120,50 +115,35 @@ def map_blocks(
         ``kernel(*blocks, **kwargs) -> block``. Array kernels may take ``block_id`` or
         ``block_info``; dataframe kernels ``partition_info``, as in Dask.
     *collections : dask.array.Array, dask.dataframe.DataFrame/Series, or xarray object
-        Inputs of one kind whose blocks pair up one to one. Arrays: axes align from the
-        right; an axis of length 1 broadcasts, every other axis has identical chunks in every
-        array that has it. Dataframes: the same number of partitions. Xarray: each argument
-        after the first is chunked like argument 0 along shared dimensions and in one block
-        along the others.
+        Inputs of one kind whose blocks pair up one to one. Arrays align from the right
+        (length-1 axes broadcast, other axes chunked alike); dataframes have equal partition
+        counts; xarray arguments are chunked like argument 0.
     name : str, optional
-        Task-name prefix; default ``blockflow-<kernel name>``; always starts with
-        ``blockflow-`` so the scheduler plugin recognises the tasks.
+        Task-name prefix; default ``blockflow-<kernel name>`` (always ``blockflow-...``).
     dtype, meta, chunks, drop_axis, new_axis : optional
-        Arrays: as in :func:`dask.array.map_blocks`, but the kernel runs once per block:
-        ``drop_axis`` may only drop axes in one block in every input, and ``chunks`` may not
-        split a new axis. Each block returned is checked at run time against the declared
-        dtype, ndim and shape. ``meta`` also applies to dataframes: each partition's type and
-        columns are checked against the output's meta, and its dtypes against a declared
-        ``meta=`` (categoricals whatever their categories, object and string alike,
-        datetimes whatever their unit). Empty partitions are not checked.
+        As in :func:`dask.array.map_blocks`, but the kernel runs once per block
+        (``drop_axis`` and ``chunks`` may not merge or split blocks). Returned blocks are
+        checked against the declared dtype, ndim and shape, partitions against ``meta``.
     template : xarray object, optional
-        Xarray: the output template, as in :func:`xarray.map_blocks`. Declarations that do
-        not apply to the inputs' kind are refused, not ignored.
+        Xarray: the output template, as in :func:`xarray.map_blocks`.
     working_set : int, str or callable, optional
         Device memory, in bytes, the kernel needs for one block (``"2GiB"`` accepted), or
-        ``working_set(block nbytes) -> bytes`` (arrays only). The ``dynamic`` policy then
-        places each block only where it fits, and a block that runs out of device memory
-        while another worker has room is rescheduled. Not applied, with a
-        ``BlockflowWarning``, on a cluster without GPU workers.
+        ``working_set(block nbytes) -> bytes`` (arrays only); blocks are placed where they
+        fit. Ignored with a ``BlockflowWarning`` without GPU workers.
     retries : int, optional
         Extra attempts, in place inside the task, of a block whose kernel raises (default
-        0). With distributed's task retries (``client.compute(..., retries=d)``) a block is
-        attempted ``1 + max(retries, d)`` times in all.
+        0); ``1 + max(retries, d)`` in all under ``client.compute(..., retries=d)``.
     resources : dict of str to float, optional
-        Worker resources each block's task needs, e.g. ``{"GPU": 1}``. Unlike
-        ``dask.annotate(resources=...)`` it survives graph optimisation (the scheduler
-        plugin finds the kernel in fused tasks). A task whose resources no worker has fails
-        after ``blockflow.resources.unsatisfiable-timeout`` with
-        :class:`~blockflow.ResourceError`.
+        Worker resources each block's task needs, e.g. ``{"GPU": 1}``; survives graph
+        optimisation. Unsatisfiable ones fail after
+        ``blockflow.resources.unsatisfiable-timeout`` with :class:`~blockflow.ResourceError`.
     workers : str or list of str, optional
         Workers that may run the kernel's tasks (distributed's ``workers=``).
     allow_other_workers : bool, optional
         With ``workers``: others may run the tasks when those cannot.
     speculative : bool, optional
-        Whether a straggling block may get a backup copy on another worker, the first result
-        winning (default True, with ``blockflow.speculation.enabled``). The kernel must then
-        be idempotent; pass False for kernels with side effects, unseeded randomness, or that
-        call ``secede()``/``worker_client()``.
+        Whether a straggling block may get a backup copy (default True, with
+        ``blockflow.speculation.enabled``); pass False for kernels that are not idempotent.
     **kwargs
         Passed to ``kernel`` whole, not split into blocks.
 
@@ -175,33 +155,25 @@ def map_blocks(
     Raises
     ------
     TypeError
-        If an input is not a Dask collection, inputs are of different kinds, a declaration
-        does not apply to the inputs' kind, or ``drop_axis``/``new_axis`` is not an int or
-        a sequence of ints.
+        If an input is not a Dask collection, inputs are of different kinds, or a
+        declaration does not apply to the inputs' kind.
     ValueError
-        If chunk sizes are unknown, inputs' chunks or partition counts differ (the message
-        names both and the rechunk that fixes it), ``drop_axis`` drops a split axis,
-        ``chunks`` splits a new axis, an axis is out of range or repeated, ``retries`` is not
-        an int >= 0, a resource amount is not > 0, ``workers`` is empty, or
-        ``allow_other_workers=True`` comes without ``workers``.
+        If chunk sizes are unknown, inputs' chunks or partition counts differ, an axis or
+        ``chunks`` would merge or split blocks, or ``retries``, ``resources``, ``workers``
+        or ``allow_other_workers`` is invalid.
     EmptyCollectionError
         If an input array has no elements.
     BlockKernelError
-        At compute time, if the kernel raises on a block on its last attempt, or returns
-        something other than declared; the message names the kernel, the block and the fix.
+        At compute time, if the kernel raises on its last attempt or returns something other
+        than declared.
     DeviceMemoryError
-        At compute time, if the kernel runs out of device memory on a block and no worker
-        has room (a subclass of :class:`BlockKernelError`).
+        At compute time, if the kernel runs out of device memory and no worker has room.
 
     Notes
     -----
-    Before the stage, blocks may be re-cut along one axis (:mod:`blockflow.decompose`,
-    :mod:`blockflow.block_sizing`; logged on ``blockflow.decompose`` and shown by
-    :func:`blockflow.run_report`), not with ``chunks=``/``template=``: skewed blocks split
-    and tiny ones merged (``blockflow.skew.*``), and with ``working_set=`` on GPU workers,
-    blocks split to fit free device memory (``blockflow.blocks.*``). Block indices are
-    those of the new blocks. Retries run inside the task because Dask's graph optimisation
-    drops layer annotations such as ``dask.annotate(retries=...)``.
+    Blocks may be re-cut along one axis first (:mod:`blockflow.decompose`,
+    :mod:`blockflow.block_sizing`; config ``blockflow.skew.*`` and ``blockflow.blocks.*``);
+    block indices are those of the new blocks.
 
     Examples
     --------
@@ -274,9 +246,7 @@ def _check_working_set(working_set, kind: str):
 
 
 def _warn_working_set_without_gpu(working_set) -> None:
-    """``working_set=`` declares device memory: on a cluster whose workers have no GPU it
-    is not applied, so say so rather than ignore it silently (host memory is distributed's
-    to manage). Nothing without a running client (the graph may run elsewhere)."""
+    """Warn that ``working_set=`` is not applied on a cluster without GPU workers."""
     if working_set is None:
         return
     try:
@@ -296,8 +266,7 @@ def _warn_working_set_without_gpu(working_set) -> None:
 
 
 def _block_working_sets(working_set, x) -> dict[tuple, int] | int | None:
-    """Per block index of ``x``, the bytes ``working_set(block nbytes)`` declares (the
-    widest argument's blocks, whose indices are the output's)."""
+    """Per block index of ``x``, the bytes ``working_set(block nbytes)`` declares."""
     if not callable(working_set):
         return working_set
     itemsize = x.dtype.itemsize
@@ -324,8 +293,7 @@ _OPTIONS = {
 
 
 def _check_options(kind: str, **options) -> None:
-    """Refuse output declarations that do not apply to the inputs' kind (they would be
-    ignored silently)."""
+    """Refuse output declarations that do not apply to the inputs' kind."""
     used, label, instead = _OPTIONS[kind]
     unused = [f"{k}=" for k, v in options.items() if v is not None and k not in used]
     if unused:
@@ -402,8 +370,7 @@ def _axis_list(value, option: str) -> list:
 
 
 def _axes(value, ndim: int, option: str, of: str) -> list[int]:
-    """``drop_axis``/``new_axis`` normalised to sorted axes ``0 <= a < ndim`` (negative ones
-    count from the end, as in NumPy)."""
+    """``drop_axis``/``new_axis`` as sorted axes ``0 <= a < ndim``."""
     items = _axis_list(value, option)
     for a in items:
         if not -ndim <= a < ndim:
@@ -421,14 +388,8 @@ def _axes(value, ndim: int, option: str, of: str) -> list[int]:
 
 
 def _check_aligned_chunks(arrays) -> None:
-    """Refuse arrays whose blocks do not pair up one to one.
-
-    Axes align from the right, as in NumPy broadcasting; an axis of length 1 broadcasts (its
-    one block goes with every block of the others). Every other axis must have the same
-    chunks in every array that has it: Dask's ``map_blocks`` pairs blocks by index without
-    aligning them (``align_arrays=False``), so different chunks would hand a kernel blocks
-    of different extents, or fail late with a shape error.
-    """
+    """Refuse arrays whose blocks do not pair up one to one (axes aligned from the right,
+    length-1 axes broadcasting)."""
     ndim = max(x.ndim for x in arrays)
     for axis in range(ndim):
         ref = None
@@ -457,12 +418,7 @@ def _check_aligned_chunks(arrays) -> None:
 
 
 def _check_dropped_axes(arrays, drop: list[int], drop_axis) -> None:
-    """Refuse a dropped axis split into several blocks.
-
-    Dask's ``map_blocks`` concatenates the blocks along a dropped axis into one kernel call;
-    blockflow promises one call per block, and there is no per-block meaning to give a
-    dropped axis that does not change what the kernel computes, so it refuses.
-    """
+    """Refuse a dropped axis split into several blocks (one kernel call per block)."""
     ndim = max(x.ndim for x in arrays)
     for axis in drop:
         for i, x in enumerate(arrays):
@@ -480,8 +436,7 @@ def _check_dropped_axes(arrays, drop: list[int], drop_axis) -> None:
 
 
 def _check_new_axes(out, new: list[int]) -> None:
-    """Refuse a new axis split into several blocks: each input block would go to the
-    kernel once per block of the new axis."""
+    """Refuse a new axis split into several blocks."""
     for axis in new:
         c = out.chunks[axis]
         if len(c) > 1:
@@ -533,15 +488,8 @@ def _map_xarray(kernel, objs, task_name, template, kwargs, retries=0, working_se
 
 
 def _check_xarray_chunks(objs) -> None:
-    """Refuse xarray arguments whose blocks do not match argument 0's.
-
-    :func:`xarray.map_blocks` runs one task per combination of the blocks of *all* its
-    arguments but keys the output by the output's dimensions only, so an argument split
-    along a dimension that argument 0 lacks hands each call one of its blocks and keeps one
-    result (silently wrong values). Along shared dimensions every argument must be chunked
-    like argument 0 (a dimension of argument 0 held in memory counts as one block); along
-    other dimensions it must be in one block.
-    """
+    """Refuse xarray arguments not chunked like argument 0 (``xarray.map_blocks`` would
+    silently keep one result per output block)."""
     main = objs[0]
     own = dict(main.chunksizes)
     ref = {d: tuple(own.get(d, (main.sizes[d],))) for d in main.dims}

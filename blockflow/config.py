@@ -1,18 +1,10 @@
 """blockflow's settings: the defaults in ``blockflow.yaml``, under ``dask.config``'s
 ``blockflow.`` namespace, checked against ``blockflow-schema.yaml``.
 
-Importing blockflow loads the defaults with :func:`dask.config.update_defaults` (its one import
-side effect) and never checks them: :func:`validate` does, where the settings are used
-(:func:`blockflow.connect`, the scheduler plugin's start, the command line). An invalid value
-fails with a ``ValueError`` naming the key, its value, where it was set (an environment
-variable or a Dask config file, found with :func:`dask.config.collect_env` and
-:func:`dask.config.collect_yaml`) and what is allowed.
-
-Beyond JSON schema, the schema carries blockflow's own rules: ``x-duration`` (a time
-:func:`dask.utils.parse_timedelta` reads, ``positive`` or ``non-negative``), ``x-bytes`` (a
-size :func:`dask.utils.parse_bytes` reads, above 0) and, on a section, ``x-ordered`` (one
-setting below another, e.g. ``memory-low`` < ``memory-high``). Keys naming something
-registered in code (``cluster.policy``) get their allowed values from :func:`set_choices`.
+Importing blockflow loads the defaults (:func:`dask.config.update_defaults`); :func:`validate`
+checks them where they are used, naming the key, its value and where it was set. The schema
+adds ``x-duration``, ``x-bytes`` and ``x-ordered`` rules; :func:`set_choices` registers
+allowed values from code. Reference: docs/configuration.rst.
 """
 
 from __future__ import annotations
@@ -59,8 +51,8 @@ _patterns: dict[str, str] = {}
 def set_choices(key: str, values: Sequence[str], pattern: str | None = None) -> None:
     """Register the allowed values of the setting ``blockflow.<key>``.
 
-    :func:`validate` checks the key against them as its JSON schema ``enum``; until then the
-    key is checked by its type only. Registering again replaces the earlier choices.
+    :func:`validate` checks the key against them as its JSON schema ``enum``;
+    registering again replaces the earlier choices.
 
     Parameters
     ----------
@@ -94,28 +86,25 @@ def get(key: str, value: Any = None) -> Any:
 def validate(config: dict | None = None) -> None:
     """Check blockflow's settings against ``blockflow-schema.yaml``.
 
-    Types, allowed values and ranges (JSON schema), durations and sizes that parse, sections
-    that are mappings without unknown keys, the ``x-ordered`` rules between settings, and the
-    choices registered with :func:`set_choices`. ``jsonschema`` is imported on first use.
+    Types, allowed values, ranges, durations, sizes, unknown keys, ``x-ordered`` rules and
+    the choices registered with :func:`set_choices`.
 
     Parameters
     ----------
     config : dict, optional
-        A mapping with a top-level ``"blockflow"`` key (missing keys are not checked). By
-        default the current ``dask.config`` settings, with the sections set to a non-mapping
-        before blockflow was imported (which loading the defaults replaced).
+        A mapping with a top-level ``"blockflow"`` key; default the current ``dask.config``
+        settings.
 
     Raises
     ------
     ValueError
-        If a setting is invalid: the key, its value, the environment variable or Dask config
-        file that set it, what is allowed, and the schema file.
+        If a setting is invalid: the key, its value, where it was set and what is allowed.
 
     Warns
     -----
     BlockflowWarning
-        Once per process for each environment variable that looks like a blockflow setting
-        but that Dask does not read (:func:`unread_variables`).
+        Once per environment variable that looks like a blockflow setting but that Dask does
+        not read (:func:`unread_variables`).
     """
     if config is None:
         _warn_unread_variables()
@@ -152,12 +141,7 @@ def _squash(name: str) -> str:
 
 def unread_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     """One-line messages for environment variables that look like blockflow settings but
-    that Dask does not read (``DASK_BLOCKFLOW_CLUSTER__POLICY``, lower-case ``dask_...``,
-    ``BLOCKFLOW__CLUSTER__POLICY``).
-
-    Flagged: names starting with ``DASK`` that name ``BLOCKFLOW`` but are not read, and any
-    name whose letters and digits are those of a setting's variable. A variable Dask reads
-    with a misspelt key is an error of :func:`validate` instead.
+    that Dask does not read (``DASK_BLOCKFLOW_CLUSTER__POLICY``, ``BLOCKFLOW__...``).
 
     Parameters
     ----------
@@ -167,7 +151,7 @@ def unread_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     Returns
     -------
     list of str
-        One message per variable, sorted by name, naming the variable meant where one matches.
+        One message per variable, sorted by name.
     """
     environ = os.environ if environ is None else environ
     names = variable_names()
@@ -215,8 +199,7 @@ def _raise_first_problem(config: dict, schema: dict) -> None:
 
 
 def _replaced_sections(user: Any, default: Any) -> Any:
-    """The part of the user's settings that set a section of ``default`` to a non-mapping
-    (``update_defaults`` silently replaced it by the default section), or None."""
+    """The user's settings that replaced a section of ``default`` by a non-mapping, or None."""
     if not isinstance(default, dict):
         return None
     if not isinstance(user, dict):
@@ -265,8 +248,7 @@ def _first_problem(config: Any, schema: dict) -> tuple[list[str], Any, str] | No
 
 
 def _import_jsonschema():
-    """``import jsonschema`` with ``rfc3987_syntax`` (its ``iri`` formats, which build a
-    large Lark grammar at import) replaced by a stand-in that imports it on first use."""
+    """``import jsonschema`` with ``rfc3987_syntax`` imported lazily (slow import)."""
     if ("jsonschema" in sys.modules or "rfc3987_syntax" in sys.modules
             or importlib.util.find_spec("rfc3987_syntax") is None):
         import jsonschema
@@ -429,8 +411,8 @@ def _env_part(key: str) -> str:
 
 
 def _source(path: list[str], value: Any) -> str:
-    """`` (from the environment variable NAME='raw')`` or `` (from the Dask config file
-    PATH)`` when one set ``path`` to ``value``, as :mod:`dask.config` reads them; else ``""``."""
+    """Where ``path`` was set to ``value`` (environment variable or Dask config file), as a
+    suffix for messages; else ``""``."""
     key = ".".join(path)
     below = []  # variables that set keys inside ``path`` (a misspelled section, say)
     for name, raw in sorted(os.environ.items()):

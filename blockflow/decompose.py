@@ -1,14 +1,9 @@
 """Skew splitting: re-cut a collection's blocks so that no block dominates a stage.
 
-:func:`split_skewed` splits every block more than ``factor`` times the median block (and
-above ``floor`` bytes) into pieces of about the larger of the median and the mean block, and
-merges runs of tiny neighbouring blocks, as Spark's adaptive query execution does for skewed
-shuffle partitions (``spark.sql.adaptive.skewJoin``). Arrays are rechunked along one axis,
-xarray objects along one dimension, dataframes re-cut by rows. Sizing blocks to device
-memory is :mod:`blockflow.block_sizing`.
-
-Every re-cut, either kind, is logged on the ``blockflow.decompose`` logger and kept (the last
-1,000 in this process) as a :class:`BlockResize` that :func:`blockflow.run_report` shows.
+:func:`split_skewed` splits blocks far above the median and merges runs of tiny ones, as
+Spark's adaptive query execution does for skewed shuffle partitions; sizing blocks to device
+memory is :mod:`blockflow.block_sizing`. Every re-cut is logged on ``blockflow.decompose``
+and kept as a :class:`BlockResize` for :func:`blockflow.run_report`. Guide: docs/guide/data.md.
 """
 
 from __future__ import annotations
@@ -46,8 +41,7 @@ _count = 0  # records made in this process so far
 
 @dataclass(frozen=True)
 class BlockResize:
-    """One change of a collection's blocks along one axis (see :func:`split_skewed`,
-    :func:`blockflow.fit_blocks`).
+    """One change of a collection's blocks along one axis.
 
     Attributes
     ----------
@@ -66,10 +60,9 @@ class BlockResize:
     time : float
         When the change was made (seconds since the epoch).
     label : str
-        What it was made for (the kernel's task-name prefix in :func:`blockflow.map_blocks`).
+        What it was made for (the kernel's task-name prefix).
     unit : str
-        ``"rows"``, or ``"bytes"`` for a persisted dataframe sized by the bytes the scheduler
-        holds (``before``/``after`` are then bytes and ``row_bytes`` is 1).
+        ``"rows"``, or ``"bytes"`` for a persisted dataframe (``row_bytes`` is then 1).
     """
 
     kind: str
@@ -143,9 +136,7 @@ def recorded_resizes(since: float | None = None, *, unreported: bool = False
     since : float, optional
         Only those made at or after this time (seconds since the epoch).
     unreported : bool, default False
-        Only those no earlier call with ``unreported=True`` returned (what
-        :func:`blockflow.run_report` uses when it is given no ``since``), and mark them
-        returned.
+        Only those no earlier ``unreported=True`` call returned, and mark them returned.
 
     Returns
     -------
@@ -183,8 +174,7 @@ def _even(n: int, k: int) -> list[int]:
 
 def _skew_plan(sizes: Sequence[int], row_bytes: float, factor: float, floor: int,
                merge_below: float, max_piece: float | None = None) -> _Plan | None:
-    """The re-cut :func:`split_skewed` describes, as a plan of pieces; None when nothing
-    changes. ``max_piece`` defaults to ``blockflow.skew.max-piece``."""
+    """The re-cut :func:`split_skewed` describes, as pieces; None when nothing changes."""
     max_piece = _max_piece() if max_piece is None else max_piece
     sizes = [int(s) for s in sizes]
     nonempty = [s for s in sizes if s > 0]
@@ -309,51 +299,42 @@ def split_skewed(collection, *, factor: float | None = None, floor: int | str | 
                  lengths: Sequence[int] | bool | None = None):
     """Split blocks far larger than the median, and merge runs of tiny ones.
 
-    A block is skewed when it holds more than ``factor`` times the median block's rows and
-    more than ``floor`` bytes; it is split into even pieces of about the target size, the
-    larger of the median and the mean block. Once some block is skewed, every block above
-    ``blockflow.skew.max-piece`` times the target is cut too. When the collection holds more
-    than ``floor`` bytes, runs of neighbouring blocks below ``merge_below`` times the target
-    are merged into pieces of at most the target. Values and order are unchanged. Method:
-    Spark's adaptive skew handling (a partition above 5x the median and a threshold is
-    split); the median over non-empty blocks, the mean as a floor of the target and the
-    merging rule are blockflow heuristics.
+    A block is skewed above ``factor`` times the median block's rows and ``floor`` bytes; it
+    is split into even pieces of about the larger of the median and the mean block. Runs of
+    blocks below ``merge_below`` times that target are merged. Values and order are
+    unchanged. Method: Spark's adaptive skew handling; the target and merging rule are
+    blockflow heuristics.
 
     Parameters
     ----------
     collection : dask.array.Array, dask.dataframe.DataFrame/Series, or xarray object
-        Arrays are rechunked along ``axis`` (default: the axis with the most blocks), xarray
-        objects along dimension ``axis`` (default: the chunked dimension with the most
-        blocks), dataframes re-cut by rows.
+        Re-cut along ``axis`` (arrays, xarray) or by rows (dataframes).
     factor : float, optional
         Times the median a block must exceed to be split; default ``blockflow.skew.factor``.
     floor : int or str, optional
-        Bytes (``"64MiB"`` accepted) a block must exceed to be split, and the collection to
-        have tiny blocks merged; default ``blockflow.skew.floor``.
+        Bytes (``"64MiB"`` accepted) a block must exceed to be split; default
+        ``blockflow.skew.floor``.
     merge_below : float, optional
         Fraction 0-1 of the target below which a block is tiny (0: no merging); default
         ``blockflow.skew.merge-below``.
     axis : int or str, optional
-        The axis (arrays) or dimension (xarray) to re-cut.
+        The axis (arrays) or dimension (xarray) to re-cut; default the one with most blocks.
     lengths : sequence of int or bool, optional
-        Dataframes: the partitions' lengths in rows; ``True`` computes them (one pass).
-        Default: sizes where they are cheap to know (rows of a dataframe built from pandas,
-        the bytes the scheduler holds for a persisted one); otherwise nothing changes.
+        Dataframes: partition lengths in rows; ``True`` computes them. Default: sizes where
+        cheap to know, otherwise nothing changes.
 
     Returns
     -------
     (collection, BlockResize or None)
-        The re-cut collection (the input itself when nothing changes) and the record of the
-        change. Dataframes whose partitions were split get unknown divisions.
+        The re-cut collection (the input itself when nothing changes) and the change.
 
     Raises
     ------
     TypeError
         If ``collection`` is not a Dask array, dataframe or chunked xarray object.
     ValueError
-        If ``factor`` is not above 1, ``floor`` is negative, ``merge_below`` is not in
-        [0, 1), ``axis`` is out of range, or ``lengths`` does not give one length per
-        partition.
+        If ``factor <= 1``, ``floor < 0``, ``merge_below`` is not in [0, 1), ``axis`` is out
+        of range, or ``lengths`` does not match the partitions.
 
     Examples
     --------
@@ -409,8 +390,7 @@ def _meta_row_bytes(meta) -> float:
 
 
 def _persisted_futures(df) -> list | None:
-    """The futures of a persisted dataframe's partitions, in partition order, or None when
-    some partition is not a finished future (not persisted, or still computing)."""
+    """Futures of a persisted dataframe's partitions in order, or None if any is not done."""
     expr = df.expr
     if type(expr).__name__ != "FromGraph":
         return None
@@ -428,12 +408,7 @@ def _persisted_futures(df) -> list | None:
 def partition_sizes(df, lengths: Sequence[int] | bool | None = None
                     ) -> tuple[tuple[int, ...], float, str] | None:
     """``(sizes per partition, bytes per unit, unit)`` of a dataframe when cheap to know,
-    else None. Rows (``unit="rows"``) when given, known to dask-expr (a frame built from
-    pandas) or computed (``lengths=True``, one pass); bytes per row measured where the
-    partitions are read (from the first 1,000 rows of a pandas source), else estimated
-    from the dtypes. A persisted frame is sized by the
-    bytes the scheduler holds for each partition (``client.nbytes``: no task runs;
-    ``unit="bytes"``)."""
+    else None; ``unit`` is ``"rows"``, or ``"bytes"`` for a persisted frame."""
     if lengths is not None and lengths is not True and lengths is not False:
         lengths = tuple(int(n) for n in lengths)
         if len(lengths) != df.npartitions:
@@ -470,9 +445,7 @@ def partition_sizes(df, lengths: Sequence[int] | bool | None = None
 
 
 def _slice_share(part, lo: int, hi: int, size: int):
-    """Rows ``[lo, hi)`` of a partition of ``size`` units (rows, or bytes: then the same
-    fractions of its rows; neighbouring pieces share their bounds, so every row lands in
-    exactly one piece)."""
+    """Rows ``[lo, hi)`` of a partition of ``size`` units (rows or bytes)."""
     n = len(part)
     return part.iloc[n * lo // size: n * hi // size] if size else part.iloc[0:0]
 
@@ -486,15 +459,8 @@ def _identity(part):
 
 
 def _spread_persisted(futures, rows: Sequence[int], plan: _Plan) -> list:
-    """The pieces of a persisted frame as futures, the pieces of split partitions spread
-    over the workers (the call does not wait for them).
-
-    Dask places a task on a worker holding its input, so kernels on pieces cut lazily from
-    one persisted partition would all queue where that partition is, and only work stealing
-    (late, one task at a time) would spread them. Here each piece is cut where its partition
-    is (no transfer) and then copied, alone, to the next worker in turn: (k-1)/k of a split
-    partition moves, once, and each piece's kernel then runs where its piece is. blockflow
-    heuristic."""
+    """The pieces of a persisted frame as futures, split partitions' pieces spread over the
+    workers (a blockflow heuristic; Dask would queue them where the partition is)."""
     client = futures[0].client
     workers = sorted(workers_info(client))
     # One graph for all cuts, copies and merges: the scheduler takes one graph update per

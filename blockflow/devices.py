@@ -1,16 +1,9 @@
 """Devices: the NVIDIA GPU a process uses, read through distributed's NVML helpers.
 
-Built on :mod:`distributed.diagnostics.nvml` (private helpers through
-:mod:`blockflow._distributed.nvml`): NVML is initialised once per process, honours
-``distributed.diagnostics.nvml: False``, and ``CUDA_VISIBLE_DEVICES`` is parsed as distributed
-does. Every function answers None (a count 0) when it cannot tell, never raising; None is
-unknown, never zero load.
-
-:class:`DeviceMetrics`, a worker plugin, adds worker metrics on workers that see a GPU:
-``blockflow-gpu-own-utilization`` (percent of the device's SM time used by this worker
-process), ``blockflow-capacity`` (SM cores x max SM clock in MHz, for the
-``static-capacity`` policy) and ``blockflow-gpu-uuid`` (so workers sharing a GPU count as
-one device).
+Built on :mod:`distributed.diagnostics.nvml` (via :mod:`blockflow._distributed.nvml`). Every
+function answers None (a count 0) when it cannot tell, never raising. :class:`DeviceMetrics`
+adds the worker metrics ``blockflow-gpu-own-utilization``, ``blockflow-capacity`` and
+``blockflow-gpu-uuid``. Guide: docs/guide/clusters.md.
 """
 
 from __future__ import annotations
@@ -78,14 +71,7 @@ def _visible_list() -> list[str] | None:
 def device_count() -> int:
     """Number of NVIDIA GPUs visible to this process; 0 when none or when that cannot be told.
 
-    NVML (through distributed) when it is available, clipped to the number of entries of
-    ``CUDA_VISIBLE_DEVICES`` when that is set; else the CUDA runtime through CuPy. Never
-    raises: a missing driver, library or device counts as zero devices (the guarded count
-    dask-cuda's unguarded NVML initialisation lacks).
-
-    Returns
-    -------
-    int
+    NVML, clipped to ``CUDA_VISIBLE_DEVICES``; else the CUDA runtime through CuPy.
     """
     if _nvml() is not None:
         try:
@@ -112,9 +98,8 @@ def visible_device() -> int | str | None:
     Returns
     -------
     int, str or None
-        An NVML index, or a ``GPU-``/``MIG-`` UUID string; 0 when the variable is unset (as
-        distributed and CUDA assume); None when it is set but empty (no device visible) or
-        its first entry is neither an index nor a UUID.
+        An NVML index, or a ``GPU-``/``MIG-`` UUID string; 0 when the variable is unset;
+        None when it is empty or unparsable.
     """
     visible = _visible_list()
     if visible is None:
@@ -133,7 +118,7 @@ def device_handle(device: int | str | None = None):
     Parameters
     ----------
     device : int or str, optional
-        NVML index, or a ``GPU-``/``MIG-`` UUID (a MIG UUID gives the MIG instance's handle).
+        NVML index, or a ``GPU-``/``MIG-`` UUID.
     """
     if _nvml() is None:
         return None
@@ -159,8 +144,7 @@ class DeviceInfo:
     uuid : str or None
         ``GPU-...`` or, for a MIG instance, ``MIG-...``.
     mig : bool or None
-        Whether the device is a MIG instance or a GPU in MIG mode (NVML then reports no
-        per-process utilisation).
+        Whether the device is a MIG instance or a GPU in MIG mode.
     memory_total : int or None
         Device memory in bytes.
     """
@@ -186,8 +170,7 @@ def device_info(device: int | str | None = None) -> DeviceInfo | None:
     Returns
     -------
     DeviceInfo or None
-        None when NVML is unavailable or the device cannot be found; a field NVML cannot
-        give is None.
+        None when NVML is unavailable or the device cannot be found.
     """
     device = visible_device() if device is None else device
     handle = device_handle(device)
@@ -228,7 +211,7 @@ def memory_total(device: int | str | None = None) -> int | None:
 def capacity(handle, *, pynvml=None) -> float | None:
     """Nominal throughput of a device: SM cores x max SM clock (MHz), or None.
 
-    A datasheet figure (blockflow heuristic for relative capacity), not a live speed.
+    A datasheet figure (blockflow heuristic), not a live speed.
 
     Parameters
     ----------
@@ -251,11 +234,8 @@ def capacity(handle, *, pynvml=None) -> float | None:
 class OwnUtilization:
     """This process's share of a device's SM time, from NVML's per-process samples.
 
-    Each call reads ``nvmlDeviceGetProcessUtilization`` for samples newer than the previous
-    call's and returns a percent 0-100: the highest ``smUtil`` of this PID's samples; 0.0
-    when there are none of ours and the device is idle (at most :data:`IDLE_UTILIZATION`);
-    None when the load cannot be attributed (a busy device without our samples, MIG, NVML
-    errors), so a busy worker's own load never counts as another tenant's.
+    Each call returns a percent 0-100: the highest ``smUtil`` of this PID's samples since
+    the last call; 0.0 on an idle device; None when the load cannot be attributed.
 
     Parameters
     ----------
@@ -284,10 +264,7 @@ class OwnUtilization:
         return 0 <= util <= IDLE_UTILIZATION
 
     def __call__(self, worker=None) -> float | None:
-        """Percent 0-100 of the device used by this process since the last call, or None.
-
-        ``worker`` is ignored (the signature of a worker metric function).
-        """
+        """Percent 0-100 of the device used by this process since the last call, or None."""
         nv = self._bindings()
         if nv is None:
             return None
@@ -313,12 +290,8 @@ class OwnUtilization:
 
 
 class DeviceMetrics(WorkerPlugin):
-    """Report this worker's own GPU utilisation and its device's capacity (see module doc).
-
-    On workers without NVML or a GPU it adds nothing. NVML errors never reach the worker: a
-    metric that cannot be read is None, which the scheduler treats as unknown. Teardown
-    removes only the metric functions this plugin installed (compared by identity), so a
-    metric another plugin set since is left alone.
+    """Worker plugin reporting its own GPU utilisation and the device's capacity (see the
+    module docstring); adds nothing without NVML or a GPU.
     """
 
     name = "blockflow-device-metrics"

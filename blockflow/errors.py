@@ -13,22 +13,19 @@ class BlockflowWarning(UserWarning):
 
 
 class ConvergenceWarning(BlockflowWarning):
-    """An optimiser stopped before it converged (scikit-learn's ``ConvergenceWarning``):
-    the fitted model may be off; the message gives the optimiser's reason."""
+    """An optimiser stopped before it converged (scikit-learn's ``ConvergenceWarning``)."""
 
 
 class BlockKernelError(RuntimeError):
     """A blockwise kernel failed on one block, or a tree-reduction step failed.
 
-    The message names the kernel, the block or the :func:`blockflow.tree_reduce` step, the
-    attempts, and the original exception (also the ``__cause__``, where it survives
-    serialisation).
+    The message names the kernel, the block or step, the attempts and the original
+    exception (the ``__cause__``).
     """
 
 
 class NonFiniteError(ValueError):
-    """``X`` or ``y`` of an estimator or trainer holds a NaN or an infinity; the message names
-    the first one's column, row and block, and the fix."""
+    """``X`` or ``y`` holds a NaN or an infinity; the message names the first one."""
 
 
 class EmptyCollectionError(ValueError):
@@ -38,9 +35,7 @@ class EmptyCollectionError(ValueError):
 class DeviceMemoryError(BlockKernelError, MemoryError):
     """A blockwise kernel ran out of device (GPU) memory on one block.
 
-    Raised in place of the device library's out-of-memory error (:func:`is_device_oom`); the
-    message names the kernel, the block, the bytes asked for and the largest free device
-    memory of any worker.
+    Raised in place of the device library's out-of-memory error (:func:`is_device_oom`).
 
     Attributes
     ----------
@@ -64,18 +59,15 @@ class DeviceMemoryError(BlockKernelError, MemoryError):
 class WorkerLostError(RuntimeError):
     """Workers died under a computation and Dask gave up on it.
 
-    Raised by blockflow's workloads when every worker is gone for longer than
-    ``blockflow.cluster.worker-loss-timeout`` or in place of distributed's ``KilledWorker``,
-    and by :func:`blockflow.scheduling.wait.gather_as_done` / ``fetch`` when workers or
-    results a computation needs are lost.
+    Raised when every worker is gone longer than ``blockflow.cluster.worker-loss-timeout``,
+    in place of ``KilledWorker``, and when results a computation needs are lost.
 
     Parameters
     ----------
     *args
         The message.
     lost : iterable of str, optional
-        Worker addresses (or task keys of lost results); :attr:`lost` holds them as a
-        frozenset.
+        Worker addresses or task keys, kept in :attr:`lost` as a frozenset.
     """
 
     def __init__(self, *args, lost=()):
@@ -91,21 +83,17 @@ def _worker_lost(args, lost):
 
 
 class ClusterStartError(RuntimeError):
-    """A cluster's workers could not be started or did not join its scheduler
-    (:func:`blockflow.cluster.hpc.jobqueue_cluster`); the message names the queue, job id or
-    scheduler address and the fix, and the jobs already submitted are cancelled."""
+    """A cluster's workers could not be started or did not join its scheduler; submitted
+    jobs are cancelled."""
 
 
 class ResourceError(RuntimeError):
-    """A task that needs worker resources (``resources={"GPU": 1}``) cannot run as asked: no
-    worker declares them for longer than ``blockflow.resources.unsatisfiable-timeout``, or a
-    scheduler without blockflow's plugin ran it on a worker lacking them."""
+    """A task's worker resources cannot be met: none declares them within
+    ``blockflow.resources.unsatisfiable-timeout``, or it ran on a worker lacking them."""
 
 
 class ObjectiveError(ValueError):
-    """A run's objective or pools cannot be met as asked (a pool without a price, a deadline
-    or budget no allowed pool sizes meet, a pool no worker declares); raised by the
-    computation's tasks before any runs (:func:`blockflow.objective`)."""
+    """A run's objective or pools cannot be met as asked (:func:`blockflow.objective`)."""
 
 
 #: Class names of device out-of-memory errors (CuPy's), matched by name: no GPU import.
@@ -113,9 +101,8 @@ DEVICE_OOM_NAMES = frozenset({"OutOfMemoryError"})
 
 
 def is_device_oom(exc: BaseException) -> bool:
-    """Whether ``exc`` reports device memory exhaustion: a class (or base) named
-    ``OutOfMemoryError`` (CuPy, simulated devices), or RMM's ``MemoryError`` saying
-    ``out_of_memory``; a host ``MemoryError`` is not."""
+    """Whether ``exc`` reports device memory exhaustion (CuPy's or RMM's; not a host
+    ``MemoryError``)."""
     if any(cls.__name__ in DEVICE_OOM_NAMES for cls in type(exc).__mro__):
         return True
     return isinstance(exc, MemoryError) and "out_of_memory" in str(exc).lower()
@@ -124,8 +111,7 @@ def is_device_oom(exc: BaseException) -> bool:
 def requested_bytes(exc: BaseException) -> int | None:
     """Bytes a failed device allocation asked for, from the error, or None if it does not say.
 
-    Reads a ``size`` attribute (a simulated device's error) or CuPy's wording
-    ``"Out of memory allocating 1,024 bytes ..."``.
+    Reads a ``size`` attribute or CuPy's wording ``"Out of memory allocating 1,024 bytes"``.
     """
     size = getattr(exc, "size", None)
     if isinstance(size, int) and not isinstance(size, bool) and size >= 0:

@@ -1,9 +1,7 @@
 """The fan-in (``split_every``) of a tree reduction, sized to the smallest worker's memory.
 
-Dask's default fan-in (4 for arrays, 8 for dataframes) ignores how large blocks are and how
-much memory the reducing worker has; :func:`choose_split_every` keeps ``split_every x block
-bytes`` under a fraction of the smallest worker's memory (device memory on GPU workers).
-Method: blockflow heuristic.
+:func:`choose_split_every` keeps ``split_every x block bytes`` under a fraction of the
+smallest worker's memory (Dask's default fan-in ignores both). Method: blockflow heuristic.
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ logger = logging.getLogger("blockflow.reduction")
 def smallest_worker_memory(client=None) -> tuple[int, str]:
     """Memory of the smallest worker of the current cluster, in bytes.
 
-    GPU workers (those reporting distributed's NVML key ``gpu-memory-total``) count their
-    device memory; CPU workers their host ``memory_limit``.
+    GPU workers count device memory; CPU workers their host ``memory_limit``.
 
     Parameters
     ----------
@@ -37,8 +34,8 @@ def smallest_worker_memory(client=None) -> tuple[int, str]:
     Returns
     -------
     (int, str)
-        Bytes, and where the number comes from (``"device"``, ``"host"`` or ``"config"``
-        when no cluster is reachable: ``blockflow.reduction.default-worker-memory``).
+        Bytes, and the source: ``"device"``, ``"host"`` or ``"config"``
+        (``blockflow.reduction.default-worker-memory``).
     """
     if client is None:
         try:
@@ -69,9 +66,7 @@ def choose_split_every(
 ) -> int:
     """Fan-in of a tree reduction so that ``fan-in x block_bytes <= fraction x worker_memory``.
 
-    A blockflow heuristic: each combine step holds ``split_every`` partial results at once on
-    one worker, so their bytes must fit a share of that worker's memory (the rest is for the
-    worker's other tasks and for spill headroom).
+    A blockflow heuristic: a combine step holds ``split_every`` partials at once.
 
     Parameters
     ----------
@@ -80,7 +75,7 @@ def choose_split_every(
     worker_memory : int
         Bytes of the smallest worker's memory (device memory on GPU workers).
     memory_fraction : float, optional
-        Fraction 0-1; default ``blockflow.reduction.memory-fraction`` (0.25).
+        Fraction 0-1; default ``blockflow.reduction.memory-fraction``.
     min_split_every, max_split_every : int, optional
         Clamp; defaults from ``blockflow.reduction.min-split-every`` / ``max-split-every``.
 

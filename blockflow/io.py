@@ -1,10 +1,7 @@
 """Atomic output: results are written to a hidden sibling folder and renamed into place.
 
-:func:`atomic_output_dir` yields a temporary folder beside the output (same parent, so the
-final :func:`os.replace` is a rename within one file system); it takes the output's name only
-once everything is written, and a failed run deletes it and leaves an existing output
-untouched. A write the file system refuses raises :class:`OutputWriteError` with one line
-naming the output, the OS error, that nothing was written, and the fix.
+A failed run leaves an existing output untouched; a write the file system refuses raises
+:class:`OutputWriteError` naming the output and the fix. Guide: docs/guide/reliability.md.
 """
 
 from __future__ import annotations
@@ -50,8 +47,8 @@ _NO_SPACE = {getattr(_errno, name) for name in ("ENOSPC", "EDQUOT") if hasattr(_
 class OutputWriteError(OSError):
     """Results could not be written: the file system refused (no space, read-only, ...).
 
-    ``errno`` and ``filename`` are the OS error's (also the ``__cause__``); ``output`` is the
-    output folder when :func:`atomic_output_dir` raised it, None for a single file's write.
+    ``errno`` and ``filename`` are the OS error's; ``output`` is the output folder, or None
+    for a single file's write.
     """
 
     output: str | None = None
@@ -111,14 +108,12 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
     Raises
     ------
     FileExistsError
-        If ``path`` exists and is not a folder blockflow wrote (a file, a link, a non-empty
-        folder without ``manifest.json``), whatever ``overwrite`` says; or if it is one (or
-        an empty folder) and ``overwrite`` is False.
+        If ``path`` exists and is not a folder blockflow wrote, or exists and ``overwrite``
+        is False.
     PermissionError
         If the folder that would hold ``path`` is not writable.
     OutputWriteError
-        If that folder refuses a new folder all the same (e.g. ``/proc``), found by creating
-        and removing a hidden probe folder.
+        If that folder refuses a new folder all the same (e.g. ``/proc``).
     """
     target = Path(os.path.abspath(os.fspath(path)))
     exists = target.exists() or target.is_symlink()
@@ -175,38 +170,28 @@ def _remove(path: Path) -> None:
 def atomic_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Write an output folder atomically: yield a temporary sibling, rename it on success.
 
-    The temporary folder is ``<parent>/.<name>.tmp-<uuid4 hex>``. With ``overwrite`` an
-    existing output is renamed aside, the new one renamed in, and only then the old one
-    deleted (renamed back if the rename in fails). On any exception inside the block the
-    temporary folder is deleted, ``path`` is left untouched and the exception propagates.
+    The temporary folder is ``<parent>/.<name>.tmp-<uuid4 hex>``, renamed atomically on
+    POSIX file systems; on an exception it is deleted and ``path`` left untouched.
 
     Parameters
     ----------
     path : str or path-like
         The output folder to create or replace; missing parents are created.
     overwrite : bool, default False
-        Replace an existing ``path``; checked on entry and again before the final rename.
+        Replace an existing ``path``.
 
     Yields
     ------
     pathlib.Path
-        The empty temporary folder. :func:`write_parquet` and friends given a path inside it
-        return the file's final path under ``path``.
+        The empty temporary folder; writers given a path inside it return the final path.
 
     Raises
     ------
     FileExistsError
         If ``path`` exists and ``overwrite`` is False.
     OutputWriteError
-        If the temporary folder cannot be created or renamed, or a write inside the block
-        fails with :class:`OutputWriteError` or an OS error only a file system raises (no
-        space, quota, file too large, read-only); the message names ``path``.
-
-    Notes
-    -----
-    Renaming a folder within one parent is atomic on POSIX file systems, so readers see the
-    old output or the complete new one (with ``overwrite``, ``path`` is briefly missing
-    between the two renames). A process killed by SIGKILL leaves its ``.tmp-`` folder.
+        If the temporary folder cannot be created or renamed, or a write inside fails for
+        a file-system reason (no space, quota, read-only).
 
     Examples
     --------
@@ -245,8 +230,7 @@ _PENDING: dict[Path, Path] = {}
 
 
 def _final_path(path: Path) -> Path:
-    """Where ``path`` will be once its atomic output is committed (``path`` itself when it is
-    not inside a temporary output folder)."""
+    """Where ``path`` will be once its atomic output is committed."""
     absolute = Path(os.path.abspath(os.fspath(path)))
     for tmp, target in list(_PENDING.items()):
         if absolute == tmp or tmp in absolute.parents:
@@ -295,10 +279,9 @@ def _to_host_frame(frame):
 def write_parquet(frame, path: str | os.PathLike, *, index: bool | None = None) -> Path:
     """Write a pandas or cuDF DataFrame (copied to the host) to one Parquet file with pyarrow.
 
-    ``index`` is as in :meth:`pandas.DataFrame.to_parquet`. Returns ``path`` (inside
-    :func:`atomic_output_dir`, the file's final path). Raises ``TypeError`` for another
-    type, ``pyarrow.ArrowException`` for a column Arrow cannot hold, and
-    :class:`OutputWriteError` (naming the file) when the file system refuses.
+    ``index`` as in :meth:`pandas.DataFrame.to_parquet`; returns the final path. Raises
+    ``TypeError`` for another type and :class:`OutputWriteError` when the file system
+    refuses.
     """
     path = Path(path)
     frame = _to_host_frame(frame)
@@ -357,10 +340,8 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 def write_manifest(directory: str | os.PathLike, manifest: Mapping[str, Any]) -> Path:
     """Write run metadata to ``<directory>/manifest.json``.
 
-    NumPy scalars and arrays, dates and paths are converted, NaN and infinities written as
-    ``null`` (strict JSON), and a ``created`` key (UTC, ISO 8601) added when missing.
-    Returns the file's final path, as :func:`write_parquet` does. Raises ``TypeError`` for a
-    value JSON cannot hold and :class:`OutputWriteError` when the file system refuses.
+    NaN and infinities become ``null`` and a UTC ``created`` key is added when missing;
+    returns the final path. Raises ``TypeError`` or :class:`OutputWriteError`.
     """
     data = dict(manifest)
     data.setdefault("created", _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))

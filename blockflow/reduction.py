@@ -67,30 +67,25 @@ def tree_reduce(
 ):
     """Reduce a Dask collection with a tree of ``chunk``, ``combine`` and ``aggregate`` tasks.
 
-    Built on :func:`dask.array.reduction` and ``DataFrame.reduction``; the tree shape is
-    Dask's (``ceil(log_split_every(n_blocks))`` levels of ``combine``).
 
     Parameters
     ----------
     collection : dask.array.Array, dask.dataframe.DataFrame/Series, or xarray.DataArray
         Any chunking. Arrays need known chunk sizes and at least one element.
     chunk : callable
-        Applied to every block: ``chunk(block, axis=, keepdims=)`` for arrays, as in
-        :func:`dask.array.reduction`; ``chunk(partition)`` for dataframes. Given alone it
-        also reduces the partials, so it must combine with itself (``np.sum``, ``np.max``,
-        ...). For arrays, ``np.mean``, ``np.var``, ``np.std`` (ddof 0), their nan- forms and
-        ``np.count_nonzero`` alone run as a proper decomposition (Chan et al.'s moments
-        merge); ``np.median``, percentiles, ``np.ptp``, arg-reductions and ``np.average``
-        alone are refused.
+        Applied to every block: ``chunk(block, axis=, keepdims=)`` for arrays (as in
+        :func:`dask.array.reduction`), ``chunk(partition)`` for dataframes. Given alone it
+        also reduces the partials; ``np.mean``, ``np.var``, ``np.std`` and
+        ``np.count_nonzero`` alone run as a moments merge (Chan et al.), ``np.median`` and
+        arg-reductions alone are refused.
     combine : callable, optional
         Merges ``split_every`` partial results (concatenated unless ``concatenate=False``).
         Default: ``aggregate``.
     aggregate : callable, optional
         Final step, called as ``combine``. Default: ``chunk``.
     split_every : int or dict of int to int, optional
-        Fan-in of each level, >= 2. Default ``blockflow.reduction.split-every``, else sized
-        by :func:`choose_split_every` from the largest block and the smallest worker's
-        memory (logged on ``blockflow.reduction``). Arrays also take ``{axis: fan-in}``.
+        Fan-in of each level, >= 2. Default ``blockflow.reduction.split-every``, else
+        :func:`choose_split_every`. Arrays also take ``{axis: fan-in}``.
     axis : int or tuple of int, optional
         Arrays: the axes to reduce (default all).
     dim : str or tuple of str, optional
@@ -98,9 +93,8 @@ def tree_reduce(
     keepdims : bool, default False
         Arrays: keep reduced axes with length 1.
     dtype : numpy dtype, optional
-        Arrays: the result's dtype. Default: what NumPy gives for the same reduction of the
-        whole input (:func:`result_dtypes`, e.g. ``np.sum`` of ``uint8`` in ``uint64``).
-        Steps with a ``dtype`` parameter get one; partials never narrow.
+        Arrays: the result's dtype; default what NumPy gives for the whole input
+        (:func:`result_dtypes`).
     meta : object, optional
         Metadata of the result (dataframes: as in ``DataFrame.reduction``).
     concatenate : bool, default True
@@ -110,8 +104,7 @@ def tree_reduce(
         Bytes of one block for sizing ``split_every``; default the largest array block, or
         ``blockflow.reduction.dataframe-block-bytes``.
     name : str, optional
-        Task-name prefix (``blockflow-`` is prepended; arrays only, dask-expr names
-        dataframe reductions itself).
+        Task-name prefix, after ``blockflow-`` (arrays only).
     retries : int, optional
         Extra attempts, in place inside the task, of a step whose function raises (default
         0); with ``client.compute(..., retries=d)``, ``1 + max(retries, d)`` in all.
@@ -129,17 +122,16 @@ def tree_reduce(
     Raises
     ------
     TypeError
-        If ``collection`` is not a Dask collection, ``split_every`` is not an int, or ``axis``
-        is not an int or a tuple of ints.
+        If ``collection`` is not a Dask collection, or ``split_every`` or ``axis`` has the
+        wrong type.
     ValueError
-        If ``split_every < 2``, chunk sizes are unknown, ``retries`` or the placement
-        arguments are invalid, ``chunk`` alone cannot reduce its own partials (the message
-        names what to use), or ``axis`` is out of range or repeated.
+        If ``split_every < 2``, chunk sizes are unknown, ``retries`` or placement arguments
+        are invalid, ``chunk`` alone cannot reduce its own partials, or ``axis`` is out of
+        range or repeated.
     EmptyCollectionError
         If an array has no elements.
     BlockKernelError
-        At compute time, if a step raises on its last attempt; the message names the step,
-        the function, the attempts and the original exception.
+        At compute time, if a step raises on its last attempt.
     DeviceMemoryError
         At compute time, if a step runs out of device memory.
     """
@@ -218,15 +210,8 @@ def tree_reduce(
 
 
 def _check_axis(axis: Any, ndim: int) -> tuple[int, ...]:
-    """The axes ``axis=`` reduces, as non-negative ints (all of them for None).
-
-    Raises
-    ------
-    TypeError
-        If ``axis`` is not None, an int or a tuple/list of ints.
-    ValueError
-        If an axis is out of range for ``ndim`` dimensions, or named twice.
-    """
+    """The axes ``axis=`` reduces, as non-negative ints (all for None); TypeError for a bad
+    type, ValueError for an axis out of range or named twice."""
     if axis is None:
         return tuple(range(ndim))
     items = list(axis) if isinstance(axis, (tuple, list)) else [axis]
@@ -260,14 +245,9 @@ def _go_live(steps) -> None:
 
 
 def optimize_without_aliases(dsk, keys, **kwargs):
-    """Dask's array optimisation, then fused tasks take over the keys of their aliases.
-
-    Dask's linear fusion merges a block's producer (e.g. a generator or a blockwise kernel)
-    into the reduction's first step under a new key and leaves an ``Alias`` task at the old
-    key for the tree to depend on: two tasks per block, the alias costing a scheduler round
-    trip and a worker slot. Here each alias whose target has no other dependent is replaced
-    by the target itself, renamed: one task per block, then the tree. A blockflow heuristic
-    on top of :func:`dask.array.optimization.optimize`.
+    """Dask's array optimisation, then each fusion ``Alias`` task with a single dependent is
+    replaced by its renamed target: one task per block. A blockflow heuristic on top of
+    :func:`dask.array.optimization.optimize`.
     """
     dsk = dict(optimize(dsk, keys, **kwargs))
     dependents: dict = {}
@@ -292,26 +272,15 @@ def flatten_keys(keys):
 
 
 class TreeReducedArray(da.Array):
-    """The dask array :func:`tree_reduce` returns: a plain ``dask.array.Array`` whose graph
-    optimisation also removes fusion aliases (see :func:`optimize_without_aliases`).
-    Operations on it return ordinary dask arrays."""
+    """The dask array :func:`tree_reduce` returns; its optimisation also removes fusion
+    aliases (:func:`optimize_without_aliases`)."""
 
     __dask_optimize__ = staticmethod(optimize_without_aliases)
 
 
 class _ReductionStep(Kernel):
-    """``chunk``, ``combine`` or ``aggregate`` of a tree reduction, as its tasks run it (see
-    :class:`blockflow.core.kernel.Kernel`): the function is called up to ``1 + retries`` times;
-    the last failure raises a :class:`BlockKernelError` naming the step and the function.
-
-    Calls while the graph is built (Dask inferring metadata from sample blocks, before
-    ``live`` is set) run the function once and let its errors through, for Dask to report
-    as it does.
-
-    ``__wrapped__`` (the innermost wrapped function) makes :func:`inspect.signature` and
-    Dask's ``getargspec`` / ``has_keyword`` checks (``computing_meta``, ``dtype``, ...) see the
-    signature of the function it wraps.
-    """
+    """``chunk``, ``combine`` or ``aggregate`` as its tasks run it
+    (:class:`blockflow.core.kernel.Kernel`); Dask's metadata inference calls run once."""
 
     logger = logger
 
@@ -345,12 +314,7 @@ class _ReductionStep(Kernel):
 
 
 class _MetaSafeChunk:
-    """Chunk function whose non-array partials (dicts) are hidden from Dask's meta inference.
-
-    Dask infers a reduction's intermediate metadata by calling ``chunk`` on a zero-size
-    block; a dict partial then becomes the array's ``_meta`` and breaks it. On zero-size input
-    this wrapper returns an empty array instead (tree_reduce removes zero-size blocks first).
-    """
+    """Chunk function returning an empty array, not a dict, on Dask's zero-size meta block."""
 
     def __init__(self, func):
         self.func = func
@@ -364,17 +328,14 @@ class _MetaSafeChunk:
 
 
 class _Empty:
-    """The partial of an empty partition, set aside so that it cannot change the dtype of
-    the others (a NaN minimum of no rows would make int8 minima float64); ``value`` is what
-    ``chunk`` returned, used only when every partition was empty."""
+    """The partial of an empty partition, set aside so it cannot widen the others' dtype."""
 
     def __init__(self, value):
         self.value = value
 
 
 def _drop_empty(obj) -> tuple[Any, bool]:
-    """The scalar partials Dask gathered in an object Series, without empty partitions' ones
-    (rebuilt as Dask builds them: ``pd.Series(values)``); True when all were empty."""
+    """The scalar partials without empty partitions' ones; True when all were empty."""
     if getattr(obj, "dtype", None) != object or not hasattr(obj, "tolist"):
         return obj, False
     values = obj.tolist()
@@ -388,16 +349,8 @@ def _drop_empty(obj) -> tuple[Any, bool]:
 
 
 class _FrameStep:
-    """A dataframe reduction step that keeps empty partitions from widening the dtypes.
-
-    pandas reduces no rows to NaN (``min``, ``max``, ...) or to a float, and one such
-    partial turns the concatenated int or bool partials into float64 (an ``int8`` maximum
-    came back as ``11.0``). An empty partition's per-column partial is therefore handed on
-    with no rows (Dask's concatenation drops those; its columns take the dtypes ``chunk``
-    gives on a non-empty sample, for when every partition is empty) and a scalar partial is
-    set aside (:class:`_Empty`). A blockflow heuristic; pandas' own reductions skip empty
-    partitions the same way.
-    """
+    """A dataframe reduction step that sets empty partitions' partials aside
+    (:class:`_Empty`), so they cannot widen the dtypes. A blockflow heuristic."""
 
     def __init__(self, step: _ReductionStep):
         self.step = step

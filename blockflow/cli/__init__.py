@@ -1,26 +1,11 @@
 """blockflow's command line: run a ready workload on a Dask cluster, or show its inventory.
 
-``blockflow run flights`` / ``blockflow run array-stats`` start an embedded cluster with
-:func:`blockflow.connect` (``LocalCUDACluster`` when a GPU and dask-cuda are present, else
-``LocalCluster``) or connect to a running scheduler with ``--address``, run the workload, print
-what ran where and how fast, and write the results atomically to ``--output``. A run prints
-the URL of blockflow's dashboard page when it starts; an embedded cluster's dashboard goes
-with the cluster, so the last line says so rather than repeating a dead link. ``blockflow
-info`` prints the worker inventory of a running cluster (``--address`` or Dask's
-``scheduler-address`` setting); it starts none. The same commands run as
-``python -m blockflow ...`` and ``dask blockflow ...`` (the ``dask_cli`` entry point).
-
-Exit statuses: 2 for a bad option, as click gives for its own checks of option types and
-ranges (which also print the usage): blockflow's checks (``--scale 0``, a malformed
-``--address``, options of the embedded cluster with ``--address``, ``blockflow info``
-without an address) and an invalid blockflow setting (``DASK_BLOCKFLOW__...``, checked once
-by the ``blockflow`` group; see :mod:`blockflow.config`) end with a one-line ``Error: ...``.
-1 when the job cannot run or fails: an existing or unwritable output folder, an unreachable
-``--address`` or something other than a scheduler there, ``--gpu true`` without a GPU, a
-failed task, an output that fails to be written (nothing is written); one line ``Error:
-...``, before any cluster is started where it can be checked up front. Ctrl-C and SIGTERM
-stop a run cleanly, leaving no partial output: exit status 130 (with one line saying so)
-and 143.
+``blockflow run JOB`` starts an embedded cluster (:func:`blockflow.connect`) or connects to
+``--address``, runs the workload and writes its results atomically to ``--output``;
+``blockflow info`` prints a running cluster's workers. Also ``python -m blockflow`` and
+``dask blockflow``. Exit statuses: 2 for a bad option or setting, 1 when the job cannot run
+or fails (one line ``Error: ...``), 130 on Ctrl-C and 143 on SIGTERM, leaving no partial
+output. Guide: docs/guide/clusters.md.
 """
 
 from __future__ import annotations
@@ -76,16 +61,13 @@ def cli() -> None:
 
 
 class _SettingsError(click.ClickException):
-    """An invalid blockflow setting: ``Error: <message>`` and exit status 2 (a usage error,
-    as for a bad option), without click's usage lines."""
+    """An invalid blockflow setting: ``Error: <message>`` and exit status 2."""
 
     exit_code = 2
 
 
 def _validate_settings() -> None:
-    """Check blockflow's settings once, before any command starts a cluster or reads input;
-    its warnings (environment variables that look like settings but are not read) are
-    printed as one ``Warning: ...`` line each on stderr."""
+    """Check blockflow's settings once, before any command starts; warnings go to stderr."""
     # the settings whose allowed values code registers (cluster.policy: the policy
     # registry) are checked against that registry: import it first
     from blockflow.scheduling import policies  # noqa: F401

@@ -37,10 +37,7 @@ def _cluster_options(command: Callable) -> Callable:
 
 
 class _PolicyChoice(click.Choice):
-    """The names in :data:`blockflow.scheduling.POLICIES`, read when an option is checked or
-    the help is shown: importing the scheduling package (and distributed) waits until a
-    command runs, so ``blockflow --help`` is quick and a Ctrl-C while a command starts is
-    the command's to handle."""
+    """The names in :data:`blockflow.scheduling.POLICIES`, read lazily."""
 
     def __init__(self):
         super().__init__([])
@@ -80,9 +77,7 @@ _timeout_option = click.option(
 
 
 class _OptionError(click.ClickException):
-    """A bad option value that blockflow checks itself (``--scale 0``, a malformed
-    ``--address``): ``Error: <message>`` and exit status 2, as for click's own checks of
-    option types and ranges, without click's usage lines."""
+    """A bad option value blockflow checks itself: ``Error: <message>``, exit status 2."""
 
     exit_code = 2
 
@@ -90,8 +85,7 @@ class _OptionError(click.ClickException):
 def _check_cluster_options(address: str | None, gpu: str | None, n_workers: int | None,
                            threads_per_worker: int | None, timeout: float | None = None
                            ) -> None:
-    """Options of the embedded cluster make no sense with --address, nor --timeout without
-    it: refuse, don't ignore."""
+    """Refuse embedded-cluster options with --address, and --timeout without it."""
     if address is None:
         if timeout is not None:
             raise _OptionError("--timeout only applies with --address (how long to wait for "
@@ -133,8 +127,7 @@ def _check_address(address: str) -> None:
 
 
 def _output_options(default: str, help: str) -> Callable:
-    """``--output`` (default folder ``default``, described by ``help``) and ``--overwrite``,
-    shared by the ``run`` commands."""
+    """``--output`` and ``--overwrite``, shared by the ``run`` commands."""
     def decorate(command: Callable) -> Callable:
         command = click.option("--overwrite", is_flag=True,
                                help="Replace --output if it exists.")(command)
@@ -153,14 +146,8 @@ def _progress(no_progress: bool) -> bool | None:
 
 
 def _objective(kind: str | None, deadline: str | None, budget: float | None):
-    """The run's :func:`blockflow.objective` from ``--objective/--deadline/--budget`` (a
-    no-op context without them).
-
-    Raises
-    ------
-    ValueError
-        One line naming the option to fix (a deadline without ``--objective cost``...).
-    """
+    """The run's :func:`blockflow.objective` from ``--objective/--deadline/--budget``;
+    ValueError naming the option to fix."""
     if kind is None and deadline is None and budget is None:
         return contextlib.nullcontext()
     from blockflow.pools.objective import objective

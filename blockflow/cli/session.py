@@ -1,8 +1,7 @@
 """A command's session: connect to or start the cluster, stop on SIGINT/SIGTERM, shut down.
 
-SIGINT (Ctrl-C) and SIGTERM are taken the way ``dask scheduler`` takes them: a handler
-records the signal and closes the command's client, raising nothing; the command then ends
-with exit status 130 and one line, or 143.
+SIGINT (Ctrl-C) and SIGTERM are taken as ``dask scheduler`` takes them: the command's client
+is closed and it ends with exit status 130 and one line, or 143.
 """
 
 from __future__ import annotations
@@ -68,13 +67,8 @@ def _client(address: str | None, gpu: str | None = None, n_workers: int | None =
 
 @contextlib.contextmanager
 def _quiet_shutdown() -> Iterator[None]:
-    """While the embedded cluster shuts down, at the end of a job, on Ctrl-C or SIGTERM:
-    release what this process still holds (results of a job that is over, a model kept by
-    a reference cycle), and keep distributed's warnings about what the closing workers take
-    with them ("Removing worker ... caused the cluster to lose already computed task(s)",
-    "Worker process still alive after 4.0 seconds, killing") off the terminal: the cluster
-    is being stopped on purpose, and nothing of the job is lost that it still needed. The
-    log levels are restored afterwards."""
+    """While the embedded cluster shuts down on purpose: release what this process holds
+    and keep distributed's worker-loss warnings off the terminal."""
     gc.collect()  # futures held only by reference cycles are released before, not lost
     loggers = [logging.getLogger(name) for name in ("distributed", "distributed.scheduler",
                                                     "distributed.nanny")]
@@ -89,16 +83,7 @@ def _quiet_shutdown() -> Iterator[None]:
 
 
 def _close_workers_first(client, timeout: float = 30.0) -> None:
-    """Close an embedded cluster's workers before its scheduler.
-
-    ``Client.shutdown()`` stops the scheduler while the workers still run: a worker whose
-    heartbeat is in flight then logs "Failed to communicate with scheduler during
-    heartbeat" with a CommClosedError traceback, as a *running* worker (distributed logs
-    it at ERROR; seen in CI after a run that had succeeded). Scaling the cluster to zero
-    first closes each worker in order while the scheduler still answers; a heartbeat its
-    own close cuts is then logged while the worker is closing, which the filter blockflow
-    installs on the workers it starts drops (:class:`blockflow._distributed.QuietClose`).
-    Best effort: whatever it leaves, ``shutdown`` stops."""
+    """Close an embedded cluster's workers before its scheduler (best effort)."""
     cluster = getattr(client, "cluster", None)
     if cluster is None or not hasattr(cluster, "scale"):
         return
@@ -113,13 +98,8 @@ def _close_workers_first(client, timeout: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def _sigint_deferred(enabled: bool = True) -> Iterator[None]:
-    """Block SIGINT while the embedded cluster starts.
-
-    Worker processes started meanwhile inherit the blocked signal, so Ctrl-C (which the
-    terminal sends to the whole process group) reaches only this process, which shuts the
-    cluster down in order, rather than every worker printing a KeyboardInterrupt traceback.
-    A Ctrl-C pressed meanwhile is delivered when the block ends, once the client exists.
-    """
+    """Block SIGINT while the embedded cluster starts, so worker processes inherit it and
+    Ctrl-C reaches only this process."""
     if (not enabled or not hasattr(signal, "pthread_sigmask")
             or threading.current_thread() is not threading.main_thread()):
         yield
@@ -153,8 +133,7 @@ def _dashboard_after(address: str | None, link: str | None) -> str:
 
 
 def _without_dashboard_line(text: str) -> str:
-    """A job's report without its ``Dashboard: <link>`` line (printed once the cluster's
-    fate is known, by :func:`_dashboard_after`)."""
+    """A job's report without its ``Dashboard: <link>`` line."""
     return "\n".join(x for x in text.splitlines() if not x.startswith("Dashboard:"))
 
 
@@ -164,9 +143,8 @@ def _print_inventory(client) -> None:
 
 
 class _Group(click.Group):
-    """SIGINT (Ctrl-C) and SIGTERM stop a command once it has cleaned up (temporary output
-    folder deleted, embedded cluster shut down): exit status 130 with one line, or 143,
-    instead of click's "Aborted!" and status 1."""
+    """SIGINT and SIGTERM stop a command once it has cleaned up: exit status 130 with one
+    line, or 143."""
 
     def invoke(self, ctx: click.Context) -> Any:
         with _stop_on_signals():
@@ -197,12 +175,8 @@ def _raise_if_stopped() -> None:
 
 @contextlib.contextmanager
 def _stop_on_signals() -> Iterator[None]:
-    """SIGINT and SIGTERM ask the command to stop, the way ``dask scheduler`` takes them
-    (``distributed._signals.wait_for_signals``): the handler raises nothing, it records the
-    signal, quiets distributed's logs of the work the stop abandons and runs the stop hooks
-    (closing the command's client ends its waits on the cluster); the old handler is put
-    back, so a second signal gets Python's own handling. A signal ignored at start stays
-    ignored."""
+    """SIGINT and SIGTERM ask the command to stop, as ``dask scheduler`` takes them: record
+    the signal and run the stop hooks; a second signal gets Python's own handling."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -257,10 +231,7 @@ def _written() -> None:
 
 
 def _job_errors() -> tuple[type[BaseException], ...]:
-    """The errors that end every ``run`` job with one ``Error: ...`` line (exit status 1),
-    whichever the job: an output that exists or cannot be written (disk full, read-only),
-    a block's kernel that failed, workers lost, resources no worker has, a job that ends
-    with nothing to write (:class:`blockflow.workloads.JobFailed`)."""
+    """The errors that end every ``run`` job with one ``Error: ...`` line (exit status 1)."""
     from blockflow.errors import BlockKernelError, ResourceError, WorkerLostError
     from blockflow.io import OutputWriteError
     from blockflow.workloads import JobFailed
@@ -271,11 +242,8 @@ def _job_errors() -> tuple[type[BaseException], ...]:
 
 @contextlib.contextmanager
 def _job(output: str, overwrite: bool, cluster: dict[str, Any]) -> Iterator[Any]:
-    """The frame of every ``run`` command: check ``--output`` before any cluster starts,
-    start or connect to the cluster (``cluster``: the ``_cluster_options``), print its
-    inventory and yield the client; the errors of :func:`_job_errors` raised by the job end
-    it with one ``Error: ...`` line (exit status 1), the same for every job; once the
-    cluster is closed, print where its dashboard is, if anywhere."""
+    """The frame of every ``run`` command: check ``--output``, start or connect to the
+    cluster, yield the client; :func:`_job_errors` end it with one ``Error: ...`` line."""
     _check_output(output, overwrite)
     with _client(**cluster) as client:
         _print_inventory(client)

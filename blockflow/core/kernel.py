@@ -1,18 +1,9 @@
 """The kernel wrapper: how a blockflow task runs a user's function on one block.
 
-:func:`blockflow.map_blocks` and :func:`blockflow.tree_reduce` run the user's function
-through :class:`Kernel`, which adds inside the task: in-place retries, an error naming the
-block or reduction step that failed (:class:`~blockflow.BlockKernelError`), and device
-out-of-memory errors as :class:`~blockflow.DeviceMemoryError`. ``resources=``, ``workers=``
-and ``allow_other_workers=`` travel on the kernel object inside each task, which Dask's graph
-optimisation cannot drop; the scheduler plugin reads them there.
-
-``retries`` means everywhere in blockflow: up to ``retries`` more attempts of a task whose
-kernel raises. They run in place because graph optimisation drops
-``dask.annotate(retries=...)``. Combined with distributed's task retries
-(``client.compute(retries=d)``), a block is attempted at most ``1 + max(retries, d)`` times:
-the first run makes the ``max(retries - d, 0)`` extra attempts only blockflow asked for
-(:meth:`Kernel._attempt_plan`).
+:class:`Kernel` adds in-place retries (at most ``1 + max(retries, d)`` attempts under
+distributed's ``retries=d``), errors naming the failed block (:class:`~blockflow.BlockKernelError`,
+:class:`~blockflow.DeviceMemoryError`) and placement that graph optimisation cannot drop.
+Guide: docs/guide/reliability.md.
 """
 
 from __future__ import annotations
@@ -45,23 +36,13 @@ __all__ = ["Kernel", "check_placement", "check_retries", "device_memory_error",
 
 
 def check_retries(retries: Any, func: str) -> int:
-    """Validate a ``retries=`` argument: an integer >= 0 (None means 0).
-
-    Parameters
-    ----------
-    retries : int or None
-        Extra attempts of a task whose kernel raises.
-    func : str
-        The caller, as the message names it (``"blockflow.map_blocks"``, ``"flights"``).
-
-    Returns
-    -------
-    int
+    """Validate a ``retries=`` argument (extra attempts of a task whose kernel raises; None
+    means 0) for the caller ``func``, as messages name it; returns an int.
 
     Raises
     ------
     ValueError
-        ``"<func>: retries must be an integer >= 0 (extra attempts per block), got -1."``
+        If ``retries`` is not an integer >= 0.
     """
     if retries is None:
         return 0
@@ -75,31 +56,19 @@ def check_retries(retries: Any, func: str) -> int:
 
 def check_placement(resources: Any, workers: Any, allow_other_workers: Any,
                     func: str) -> dict | None:
-    """Validate where a kernel's tasks may run: ``resources=``, ``workers=``,
-    ``allow_other_workers=`` (distributed's meanings, as in ``Client.submit``).
-
-    Parameters
-    ----------
-    resources : mapping of str to float, optional
-        Worker resources each task needs while it runs (``{"GPU": 1}``).
-    workers : str or sequence of str, optional
-        Worker addresses, names or host names that may run the tasks.
-    allow_other_workers : bool, optional
-        With ``workers``: other workers may run the tasks when those cannot.
-    func : str
-        The caller, as messages name it (``"blockflow.map_blocks"``).
+    """Validate ``resources=``, ``workers=``, ``allow_other_workers=`` (as in
+    ``Client.submit``) for the caller ``func``, as messages name it.
 
     Returns
     -------
     dict or None
-        ``{"resources": ..., "workers": tuple or None, "allow_other_workers": bool}``, or
+        ``{"resources": ..., "workers": tuple or None, "allow_other_workers": bool}``;
         None when nothing was asked.
 
     Raises
     ------
     TypeError
-        ``resources`` not a mapping, ``workers`` not a string or strings,
-        ``allow_other_workers`` not a bool.
+        For an argument of the wrong type.
     ValueError
         A resource amount not > 0, an empty ``workers``, or ``allow_other_workers=True``
         without ``workers``.
@@ -146,9 +115,7 @@ def check_placement(resources: Any, workers: Any, allow_other_workers: Any,
 
 
 def _check_worker_resources(label: str, step: str | None, resources: dict) -> None:
-    """Refuse to run a kernel on a worker that lacks the resources it asked for (a scheduler
-    without blockflow's plugin placed it there); anywhere outside a distributed worker (the
-    local schedulers) resources mean nothing and the kernel runs."""
+    """Refuse to run on a distributed worker lacking the kernel's resources."""
     here = current_worker_resources()
     if here is None:
         return
@@ -167,9 +134,6 @@ def _check_worker_resources(label: str, step: str | None, resources: dict) -> No
 class Kernel:
     """A user's function as a blockflow task runs it: retried in place, failures labelled.
 
-    Picklable when the function is. Subclasses (the wrappers of ``map_blocks`` and
-    ``tree_reduce``) decide the calling convention and call :meth:`run` on real blocks.
-
     Parameters
     ----------
     func : callable
@@ -178,21 +142,19 @@ class Kernel:
         Extra attempts when ``func`` raises (:func:`check_retries`).
     step : str, optional
         The tree-reduction step (``"chunk"``, ``"combine"``, ``"aggregate"``); None for a
-        blockwise kernel. It selects the wording of errors.
+        blockwise kernel.
     working_set : int or dict, optional
-        Device memory the function needs, in bytes: one number, or a dict from block index
-        to bytes (read by the scheduler plugin through :meth:`blockflow_working_set`).
+        Device memory the function needs, in bytes: one number or block index -> bytes.
     placement : dict, optional
         Where the tasks may run, as :func:`check_placement` returns it.
     speculative : bool, default True
-        Whether a straggling task may get a backup copy (the function must then be
-        idempotent); see :mod:`blockflow.core.speculation`.
+        Whether a straggling task may get a backup copy (the function must be idempotent;
+        :mod:`blockflow.core.speculation`).
 
     Notes
     -----
-    A block that runs out of device memory while another worker has room for it raises
-    :class:`distributed.Reschedule`, at most :data:`MAX_RESCHEDULES` times from one worker;
-    :class:`~blockflow.DeviceMemoryError` is raised when no worker has room, or after those.
+    Out of device memory while another worker has room, a block raises
+    :class:`distributed.Reschedule`, at most :data:`MAX_RESCHEDULES` times per worker.
     """
 
     #: Logger of the retry warnings (subclasses log under their own module's name).
@@ -215,8 +177,7 @@ class Kernel:
         self.placement = placement
 
     def blockflow_placement(self) -> dict | None:
-        """Where the kernel's tasks may run (``resources``, ``workers``,
-        ``allow_other_workers``), or None when the caller asked nothing."""
+        """Where the kernel's tasks may run, or None when the caller asked nothing."""
         return getattr(self, "placement", None)
 
     def blockflow_working_set(self, key) -> int | None:
@@ -230,14 +191,10 @@ class Kernel:
     def run(self, where: Callable[[], str], *args, **kwargs):
         """Call the function, up to ``1 + retries`` times; the last failure raises.
 
-        Under distributed's task retries (``client.compute(retries=d)``), ``1 + max(retries,
-        d)`` times across all runs of the task, not per run (see :meth:`_attempt_plan`).
-
         Parameters
         ----------
         where : callable
-            ``where() -> str`` names the block for messages (``"block (3, 0)"``,
-            ``"partition 7"``); called only on failure.
+            ``where() -> str`` names the block for messages; called only on failure.
         *args, **kwargs
             Passed to the function.
 
@@ -277,23 +234,8 @@ class Kernel:
                 self._warn_retry(e, where(), before + attempt, total)
 
     def _attempt_plan(self) -> tuple[int, int, int]:
-        """How many extra attempts this run of the task makes: ``(here, before, total)``.
-
-        ``retries`` and distributed's task retries (``client.compute(retries=d)``, the
-        task's ``retries`` annotation) combine to the larger: ``total = 1 + max(retries, d)``
-        attempts of the block in all, never ``(1 + retries) * (1 + d)``. distributed reruns
-        the erred task ``d`` times (on any worker) and each run tries the kernel once; the
-        first run also makes the ``max(retries - d, 0)`` extra attempts only blockflow asked
-        for. The scheduler says which run this is (the retries it has left); when it cannot
-        be asked, no extra attempt is made here (fewer attempts, never more). A backup copy
-        of a straggling task (:mod:`blockflow.core.speculation`) makes one attempt.
-
-        Returns
-        -------
-        (int, int, int)
-            Extra attempts allowed in this run, attempts made by the task's earlier runs,
-            and attempts in all.
-        """
+        """Extra attempts this run of the task makes, attempts its earlier runs made, and
+        attempts in all: ``1 + max(retries, d)`` under distributed's ``retries=d``."""
         if in_backup_copy():
             # a backup copy is one more call beside the task's own attempts: if it fails,
             # the original runs on with its retries
@@ -327,11 +269,9 @@ class Kernel:
         Returns
         -------
         BlockKernelError
-            A :class:`~blockflow.DeviceMemoryError` when ``exc`` is a device out-of-memory
-            error (:func:`~blockflow.errors.is_device_oom`), naming the bytes asked for and
-            the largest free device memory of any worker. Otherwise the message names the
-            function, the block or step, the attempts (when more than one) and ``exc``.
-            ``exc`` is chained as ``__cause__``.
+            A :class:`~blockflow.DeviceMemoryError` for a device out-of-memory error
+            (:func:`~blockflow.errors.is_device_oom`), else one naming the function, block or
+            step, attempts and ``exc`` (chained as ``__cause__``).
         """
         after = f" after {attempts} attempts" if attempts > 1 else ""
         if is_device_oom(exc):
@@ -354,21 +294,8 @@ class Kernel:
 
 def device_memory_error(label: str, where: str, exc: BaseException, after: str = ""
                         ) -> DeviceMemoryError:
-    """The error for a kernel out of device memory.
-
-    Reads the workers' free device memory from the scheduler (on this error path only).
-
-    Parameters
-    ----------
-    label : str
-        The kernel's name.
-    where : str
-        The block (``"block (0,)"``) or step (``"a tree_reduce chunk step"``).
-    exc : BaseException
-        The device library's out-of-memory error.
-    after : str, default ""
-        ``" after 3 attempts"`` when the kernel was retried.
-    """
+    """The error for kernel ``label`` out of device memory on ``where`` (a block or step):
+    ``exc`` is the device library's error, ``after`` e.g. ``" after 3 attempts"``."""
     need = requested_bytes(exc)
     free, worker = largest_free_device_memory()
     if need is not None and free is not None and free >= need:
@@ -446,19 +373,8 @@ def _fits_on_another_worker(exc: BaseException) -> bool:
 
 
 def largest_free_device_memory(exclude: str | None = None) -> tuple[int | None, str | None]:
-    """The worker with the most free device memory, from the metrics the scheduler holds.
-
-    Parameters
-    ----------
-    exclude : str, optional
-        A worker address left out (the one that just ran out of device memory).
-
-    Returns
-    -------
-    (int or None, str or None)
-        Free bytes and the worker's address (the first address on a tie); ``(None, None)``
-        when no worker reports device memory or no scheduler is reachable.
-    """
+    """``(free bytes, worker address)`` of the worker with the most free device memory,
+    ``exclude`` left out; ``(None, None)`` when unknown."""
     try:
         memory = worker_memory(get_client())
     except Exception as e:  # outside a cluster, or the scheduler is gone: say "unknown"

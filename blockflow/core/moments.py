@@ -1,8 +1,5 @@
-"""The moments merge: Chan, Golub & LeVeque's pairwise update of ``(n, mean, M2)`` partials,
-shared by :mod:`blockflow.aggregations` and :mod:`blockflow.workloads.array_stats`.
-
-Method: T. F. Chan, G. H. Golub, R. J. LeVeque, "Updating formulae and a pairwise algorithm
-for computing sample variances", STAN-CS-79-773 (1979), as in dask's ``moment_agg``.
+"""The moments merge of ``(n, mean, M2)`` partials: Chan, Golub & LeVeque, "Updating formulae
+and a pairwise algorithm for computing sample variances", STAN-CS-79-773 (1979).
 """
 
 from __future__ import annotations
@@ -23,23 +20,19 @@ def _where(cond, x, other):
 
 def merge_moments(n: Any, mean: Any, m2: Any, total: Callable[[Any], Any]
                   ) -> tuple[Any, Any, Any]:
-    """Merge partial moments of k parts at once: ``n = sum n_i``,
-    ``mean = sum n_i mean_i / n``, ``M2 = sum M2_i + sum n_i (mean_i - mean)^2``; parts with
-    ``n_i = 0`` carry no weight.
+    """Merge partial moments of k parts at once; parts with ``n_i = 0`` carry no weight.
 
     Parameters
     ----------
     n, mean, m2 : array-like
         Per part: count (int64), mean and sum of squared deviations from it (float64).
     total : callable
-        Sums a per-part array over the parts that merge together (``a.sum(axis=0)``, or a
-        grouped ``transform("sum")``), broadcastable against the per-part arrays.
+        Sums a per-part array over the parts that merge together (``a.sum(axis=0)``).
 
     Returns
     -------
     (n, mean, m2)
-        Merged count (int64), mean (float64; NaN where ``n == 0``) and M2, in ``total``'s
-        shape.
+        Merged count (int64), mean (NaN where ``n == 0``) and M2, in ``total``'s shape.
     """
     has_values = n > 0
     weighted = _where(has_values, n * mean, 0.0)

@@ -1,13 +1,9 @@
 """How tree reductions get NumPy's result dtypes, and NumPy functions that are not trees.
 
-:func:`result_dtypes` runs a reduction's chunk, combine and aggregate steps once on an
-empty (else one-element) sample of the input's dtype and array type, the way Dask infers
-their dtypes (``np.sum(np.ones(1, dtype)).dtype``), so that a tree reduction's result has the
-dtype NumPy gives for the whole input, and partials never narrow. NumPy's mean, var, std
-and count_nonzero do not combine with themselves (the mean of block means is not the mean):
-:func:`_decomposition` gives them as counts and sums, or moments merged with Chan et al.'s
-update (:mod:`blockflow.core.moments`); medians and percentiles are refused (they are not tree
-reductions). Used by :func:`blockflow.tree_reduce`.
+:func:`result_dtypes` runs a reduction's steps once on a sample, as Dask infers dtypes, so a
+tree reduction's result has NumPy's dtype and partials never narrow. :func:`_decomposition`
+gives mean, var, std and count_nonzero as sums or moments merged with Chan et al.'s update
+(:mod:`blockflow.core.moments`); medians and percentiles are refused.
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ def _accepts_dtype(func: Callable) -> bool:
 
 
 def _nest(part: Any, depth: int) -> Any:
-    """One partial as Dask hands it to ``combine`` with ``concatenate=False``: one level of
-    list per reduced axis."""
+    """One partial as Dask hands it to ``combine`` with ``concatenate=False``."""
     for _ in range(depth):
         part = [part]
     return part
@@ -68,11 +63,8 @@ def result_dtypes(
 ) -> tuple[np.dtype | None, np.dtype | None]:
     """The dtypes a tree reduction's partials and result naturally have, found by running it.
 
-    The steps run once on an empty sample of ``x``'s dtype and array type (or one element per
-    axis when they refuse empty input): NumPy's dtype rules depend on dtypes, not values, so
-    this gives what NumPy gives on the whole input (``np.sum`` of ``uint8`` -> ``uint64``,
-    ``np.mean`` of ints -> ``float64``). Method: Dask's own dtype inference for its reductions
-    (``np.sum(np.ones(1, dtype)).dtype`` in :func:`dask.array.sum`).
+    NumPy's dtype rules depend on dtypes, not values, so running the steps on an empty (or
+    one-element) sample gives NumPy's result dtype. Method: Dask's own dtype inference.
 
     Parameters
     ----------
@@ -88,8 +80,8 @@ def result_dtypes(
     Returns
     -------
     (numpy.dtype or None, numpy.dtype or None)
-        The dtype of ``chunk``'s partials (None when they are not arrays) and of the result;
-        ``(None, None)`` when a step raises on the sample or returns no array.
+        The dtype of ``chunk``'s partials (None when not arrays) and of the result;
+        ``(None, None)`` when a step fails on the sample.
     """
     combine = combine or aggregate or chunk
     aggregate = aggregate or combine
@@ -122,9 +114,7 @@ def result_dtypes(
 
 def _accumulation_dtype(partial: np.dtype | None, result: np.dtype, given: np.dtype
                         ) -> np.dtype:
-    """The dtype ``chunk`` and ``combine`` accumulate in: the result's or wider, never the
-    partials' natural dtype narrowed (``given``: the input's dtype when the partials' is not
-    known)."""
+    """The dtype ``chunk`` and ``combine`` accumulate in: the result's or wider."""
     natural = partial if partial is not None else given
     if natural.kind in "biufc" and result.kind in "biufc":
         return np.promote_types(natural, result)
@@ -183,8 +173,7 @@ def _moments_combine(parts, axis=None, keepdims=True, *, order, computing_meta=F
 
 def _moments_aggregate(parts, axis=None, keepdims=False, *, stat, order, result,
                        computing_meta=False):
-    """``mean``, ``var`` (ddof 0, NumPy's default) or ``std`` from the merged partials, in
-    the result dtype."""
+    """``mean``, ``var`` (ddof 0) or ``std`` from the merged partials."""
     if computing_meta:
         return parts
     m = _moments_combine(parts, axis=axis, order=order)
@@ -202,8 +191,7 @@ def _count_nonzero_chunk(x, axis=None, keepdims=True):
 
 def _decomposition(func: Callable, x: da.Array, axes, keepdims, dtype) -> tuple | None:
     """``(chunk, combine, aggregate, concatenate)`` for NumPy's mean/var/std/count_nonzero
-    (and nan- forms) given alone, in ``dtype`` (the user's) or NumPy's dtype; None for any
-    other function."""
+    (and nan- forms) given alone; None for any other function."""
     moments = {np.mean: ("mean", 1, False), np.nanmean: ("mean", 1, True),
                np.var: ("var", 2, False), np.nanvar: ("var", 2, True),
                np.std: ("std", 2, False), np.nanstd: ("std", 2, True)}
@@ -247,15 +235,8 @@ def _refuse_non_tree(func: Callable, what: str) -> None:
 
 
 def _plan_dtypes(x: da.Array, funcs, steps, axes, keepdims, concatenate, dtype) -> np.dtype:
-    """Set the dtype each step computes in; return the result's dtype.
-
-    The result's dtype is the user's ``dtype=``, else what the steps give on a one-element
-    sample (:func:`result_dtypes`: NumPy's rules), else (when the sample fails) the input's.
-    Steps that take a ``dtype`` parameter get it: ``chunk`` and ``combine`` the accumulation
-    dtype (the result's, widened to the partials' natural dtype, so partials never narrow),
-    ``aggregate`` the result's. A user's ``dtype=`` also casts the final result. Without a
-    known dtype (the sample failed) the steps get none and follow their own rules.
-    """
+    """Set the dtype each step computes in; return the result's dtype (the user's, else
+    :func:`result_dtypes`'s, else the input's)."""
     partial, natural = result_dtypes(x, *funcs, axis=axes, keepdims=keepdims,
                                      concatenate=concatenate)
     chunk, combine, aggregate = steps

@@ -1,20 +1,9 @@
 """Speculative backup copies of blockflow kernels: the worker side.
 
-A blockflow kernel task whose kernel may be copied (idempotent: the default; see
-``map_blocks(speculative=False)``) runs its kernel in a helper thread and waits for the first
-of two results: its own, or that of a *backup copy* another worker ran. The scheduler plugin
-(:class:`blockflow.scheduling.rules.BackupRule`) decides when a running task is a straggler and asks
-the worker running it (RPC ``blockflow_speculate``) to start a copy on a fast, idle worker;
-that worker sends the kernel and its input blocks along (``blockflow_backup_run`` on the
-target), the target runs the kernel in its own thread pool and answers with the result.
-
-The first result wins; the task finishes on the worker that ran it as far as Dask knows, so
-the graph, its keys and its outputs are unchanged, nothing is ever stored twice and a result
-is never half-written. The other copy is cancelled: a simulated device stops at once (it polls
-:func:`cancelled`); a real kernel that cannot be interrupted finishes in its thread and its
-result is dropped. This is the backup-task scheme of MapReduce (Dean & Ghemawat 2004) with
-LATE's choice of which task to copy (Zaharia et al., OSDI 2008); how the result travels is a
-blockflow design (Dask allows one running copy per key).
+A copyable kernel task takes the first of two results, its own or that of a backup copy the
+scheduler plugin (:class:`blockflow.scheduling.rules.BackupRule`) started elsewhere. Sources:
+MapReduce backup tasks (Dean & Ghemawat 2004), LATE (Zaharia et al., OSDI 2008). Guide:
+docs/guide/reliability.md.
 """
 
 from __future__ import annotations
@@ -42,8 +31,8 @@ _backups: dict[tuple[str, Any], threading.Event] = {}
 
 
 def cancelled() -> bool:
-    """Whether the kernel running in this thread was overtaken by its other copy (its result
-    will be dropped): long kernels may poll this and stop early, as simulated devices do."""
+    """Whether the kernel in this thread was overtaken by its other copy (long kernels may
+    poll this and stop early)."""
     ev = getattr(_local, "cancel", None)
     return ev is not None and ev.is_set()
 
@@ -82,17 +71,14 @@ def _enabled() -> bool:
 def run_kernel(kernel, call: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
     """Run ``call()`` (one task's kernel attempts) so that a backup copy may overtake it.
 
-    Outside a worker, on a worker without :class:`SpeculationHandlers` (a cluster whose
-    scheduler plugin does not copy tasks), with speculation off
-    (``blockflow.speculation.enabled``) or for a kernel marked not to be copied, it is just
-    ``call()``, in the task's own thread. Otherwise the kernel runs in a helper thread that
-    sees the task's worker context (``get_worker()``); a kernel that calls ``secede()`` or
-    ``worker_client()`` must be marked ``speculative=False``.
+    Just ``call()`` outside a worker, with speculation off (``blockflow.speculation.enabled``)
+    or for a kernel marked ``speculative=False``; otherwise the kernel runs in a helper
+    thread.
 
     Parameters
     ----------
     kernel : blockflow.core.kernel.Kernel
-        Sent to the backup's worker with ``args`` and ``kwargs`` when a copy is asked for.
+        Sent to the backup's worker when a copy is asked for.
     call : callable
         The kernel's attempts on this worker.
     args, kwargs

@@ -1,10 +1,7 @@
-"""The AI uses of blockflow: data-parallel training and generalised linear models
-(:mod:`~blockflow.ml.train`, :mod:`~blockflow.ml.glm`), hyperparameter tuning
-(:mod:`~blockflow.ml.tune`), batch inference and request routing (:mod:`~blockflow.ml.inference`,
-:mod:`~blockflow.ml.routing`), model and pipeline parallelism (:mod:`blockflow.ml.parallel`).
+"""The AI uses of blockflow: training, GLMs, tuning, inference, routing and model parallelism.
 
-PyTorch, scikit-learn and SciPy come with the ``ai`` extra (``pip install "blockflow[ai]"``)
-and are imported only when used.
+Needs the ``ai`` extra (``pip install "blockflow[ai]"``); imported only when used. Guide:
+docs/guide/ai.md.
 """
 
 from blockflow.ml._rows import as_row_blocks

@@ -1,10 +1,8 @@
 """Non-finite inputs: the check (or the drop) run by the task that first reads a block.
 
-A NaN or an infinity makes every gradient NaN without an error; scikit-learn refuses such
-input, and so does :class:`FiniteCheck`, inside the task that makes each block resident on
-its worker (:class:`blockflow.ml.ResidentShards`) rather than in a pass of its own. Opted in
-(``drop_nonfinite=True``, setting ``blockflow.ml.drop-nonfinite``) it drops those rows
-instead, which gives the model scikit-learn fits on the finite rows.
+:class:`FiniteCheck` refuses a NaN or an infinity (as scikit-learn does) inside the task that
+makes each block resident, or with ``drop_nonfinite=True`` (``blockflow.ml.drop-nonfinite``)
+drops those rows.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ def _scalar(v) -> str:
 
 
 def _bad_rows(a):
-    """Boolean mask of the rows of ``a`` holding a non-finite value; None if none (or if
-    its dtype cannot hold one)."""
+    """Boolean mask of the rows of ``a`` holding a non-finite value; None if none."""
     if a.dtype.kind not in "fc":
         return None  # integers and booleans: no NaN, nothing to look at
     xp = _xp(a)
@@ -69,10 +66,8 @@ class FiniteCheck:
     columns: tuple | None = None
 
     def __call__(self, x, y, block: int, offset: int):
-        """``(x, y)`` of block ``block`` (first row ``offset`` of the collection), with
-        ``drop`` without its rows holding a non-finite value; without, a
-        :class:`~blockflow.errors.NonFiniteError` naming the first one's column (``X``) or
-        label (``y``), block and row."""
+        """``(x, y)`` of block ``block``, its non-finite rows dropped, or a
+        :class:`~blockflow.errors.NonFiniteError` naming the first one."""
         bx, by = _bad_rows(x), None if y is None else _bad_rows(y)
         if bx is None and by is None:
             return x, y

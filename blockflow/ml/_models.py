@@ -1,7 +1,5 @@
-"""Models blockflow runs on workers: their kinds, how they are serialised, and a loaded
-model running one batch (:class:`LoadedModel` on a worker, :class:`LocalModel` in the process
-that holds the model).
-"""
+"""Models blockflow runs on workers: their kinds, serialisation, and a loaded model running
+one batch."""
 
 from __future__ import annotations
 
@@ -68,8 +66,7 @@ def _torch_dumps(model) -> bytes:
 
 
 class LoadedModel:
-    """A model deserialised on a worker, ready to run batches (``__call__(batch)``); with
-    ``factory``, the payload is a pickled :class:`ModelFactory` that builds it here."""
+    """A model deserialised on a worker, ready to run batches (``__call__(batch)``)."""
 
     def __init__(self, payload: bytes, kind: str, method: str | None, factory: bool = False):
         self.kind, self.method, self.device = kind, method, None
@@ -139,8 +136,7 @@ def is_cupy(x) -> bool:
 
 
 class LocalModel(LoadedModel):
-    """The model in the process that holds it (no (de)serialisation); ``owned``: blockflow
-    built it (a :class:`ModelFactory`'s), so it is not copied before switching to eval."""
+    """The model in the process that holds it (no (de)serialisation)."""
 
     def __init__(self, model, kind, method, owned: bool = False):  # noqa: D107
         self.kind, self.method, self.device, self.nbytes = kind, method, None, 0
@@ -160,22 +156,17 @@ class LocalModel(LoadedModel):
 
 
 class ModelFactory:
-    """Build the model on each worker instead of shipping it: for a model that cannot be
-    pickled (a lock, an open file or session among its attributes), or that is cheaper to
-    build than to send. :func:`blockflow.predict`, :class:`blockflow.Router` and
-    :func:`~blockflow.ml.inference.ship_model` accept it wherever they take a model: it is
-    called once here (for the model's kind and the result's meta) and once on each worker.
+    """Build the model on each worker instead of shipping it (one that cannot be pickled,
+    or is cheaper to build than to send); accepted wherever a model is.
 
     Parameters
     ----------
     build : callable
-        ``build(*args, **kwargs) -> model`` (a PyTorch module, an ONNX model, an estimator or
-        a callable), picklable (a module-level function or class; cloudpickle ships a
-        lambda or a local function by value).
+        ``build(*args, **kwargs) -> model``, picklable.
     *args, **kwargs
         Passed to ``build``.
     state_dict : mapping, optional
-        PyTorch: loaded into the built module (``load_state_dict``): the trained weights.
+        PyTorch: the trained weights, loaded into the built module.
 
     Examples
     --------

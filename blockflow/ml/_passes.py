@@ -1,12 +1,8 @@
 """A pass over resident shards: submitted, posted, summed by a fan-in, waited for, cancelled.
 
-:meth:`ResidentShards.map_sum <blockflow.ml.ResidentShards.map_sum>` runs one task per
-worker over its resident blocks (:func:`_run_shard`) and sums the per-worker results with
-a fan-in tree of ``split_every`` (as :func:`blockflow.tree_reduce` does for collections)
-whose root is the client: it adds the top level's partial sums as each arrives, fetched
-straight from the workers. A pass may be submitted ahead of its parameters, which are then
-posted to the waiting tasks (:mod:`blockflow.ml._post`), and may steal rows inside itself
-(:mod:`blockflow.ml._steal`).
+One task per worker over its resident blocks, summed by a fan-in tree whose root is the
+client (:meth:`ResidentShards.map_sum <blockflow.ml.ResidentShards.map_sum>`); see
+:mod:`blockflow.ml._post` and :mod:`blockflow.ml._steal`.
 """
 
 from __future__ import annotations
@@ -35,12 +31,8 @@ __all__ = ["ShardPasses"]
 
 
 def _run_shard(func, blocks, rows, args, steal=None):
-    """On a worker: ``func([(X, y) blocks], [row indices or None], *args)`` timed.
-
-    ``steal``: ``(pass id, peers, chunks, prior seconds per row, reserve, peer timeout)``,
-    the arguments of :func:`blockflow.ml._steal.run_stealing` after ``args``; None: one
-    call. A :class:`blockflow.ml._post.Posted` in ``args`` is waited for (a pass submitted
-    ahead, :meth:`ResidentShards.prepare`); cancelled, the task returns nothing."""
+    """On a worker: ``func([(X, y) blocks], [row indices or None], *args)`` timed; ``steal``
+    holds :func:`blockflow.ml._steal.run_stealing`'s further arguments, or None."""
     me = get_worker().address
     args = resolve(me, args)
     if args is None:  # its pass was cancelled, or its post never came
@@ -77,8 +69,7 @@ def _add(*parts):
 
 class ShardPasses:
     """How :class:`blockflow.ml.ResidentShards` submits, posts, waits for and cancels a
-    pass (a mixin: it reads the shards' ``client``, ``placement``, ``futures``,
-    ``block_rows`` and throughput model)."""
+    pass (a mixin)."""
 
     def _current(self, p: _Pass, func, rows, steal) -> bool:
         """Whether a prepared pass still matches the blocks' placement and the call."""
@@ -86,12 +77,8 @@ class ShardPasses:
                 and p.rows is rows and p.steal == bool(steal))
 
     def _post(self, p: _Pass, value) -> None:
-        """Send the pass's posted value to each of its workers (concurrently).
-
-        A post to a worker the scheduler drops meanwhile ends at once and the pass is
-        redone on the survivors (:class:`~blockflow.ml._peers.Peers`); a failed post waits
-        for the scheduler's word (at most ``peer_timeout``) before it is taken for a
-        worker out of the client's reach, so that a worker lost a moment before is not."""
+        """Send the pass's posted value to each of its workers (concurrently); a post to a
+        lost worker redoes the pass on the survivors."""
         peers = Peers(self.client, p.workers, self.peer_timeout)
 
         async def send():
@@ -151,17 +138,8 @@ class ShardPasses:
 
     def _submit(self, func, rows, args, measure: bool = True, steal: bool = False,
                 value: Any = None, post: bool = True) -> _Pass:
-        """The pass as one graph (one message to the scheduler): a task per worker,
-        restricted to it, and the fan-in tree of their sums up to its top level (at most
-        ``split_every`` partial sums, added on the client by :meth:`_wait`); returns the
-        pass, with the top level's futures.
-
-        ``POSTED`` arguments become a :class:`blockflow.ml._post.Posted` placeholder, its
-        value to be posted, where the client reaches the workers (and ``post``); else
-        ``value``. A task reports the seconds it waited for its post
-        (:func:`blockflow._distributed.add_task_wait`), which the scheduler plugin's speed
-        model leaves out. One graph, not a ``client.submit`` per task, so that the client's
-        message batching does not delay the later workers."""
+        """The pass as one graph: a task per worker and the fan-in tree up to its top level;
+        ``POSTED`` arguments become :class:`blockflow.ml._post.Posted` placeholders."""
         posting, post = post, None
         if any(a is POSTED for a in args):
             if posting and self._direct and self._post_ahead:
@@ -202,14 +180,8 @@ class ShardPasses:
                      steal=bool(steal))
 
     def _steal_plan(self, workers: list[str]) -> tuple:
-        """A stealing pass's arguments for :func:`blockflow.ml._steal.run_stealing`:
-        ``(pass id, workers, chunks, seconds per row, reserve, peer timeout)``, seconds per
-        row and reserve per worker.
-
-        The reserve is ``steal_reserve``, raised to ``min(2/3, steal_reserve + 2 g)`` for a
-        worker that gave a fraction ``g`` of its rows away in the latest pass (it was
-        behind), and to at least ``steal_reserve_unmeasured`` for a worker no pass of this
-        fit has measured (its share follows a prior). A blockflow heuristic."""
+        """A stealing pass's arguments for :func:`blockflow.ml._steal.run_stealing`, with
+        each worker's reserve raised after it gave rows away (a blockflow heuristic)."""
         # seconds per row of each worker's latest passes (k_a of the pass model): how
         # its rows compare with a thief's before its first chunk is timed
         spr = self._throughput.measured_seconds_per_unit()
@@ -231,24 +203,20 @@ class ShardPasses:
         return dict(out)
 
     def _install(self, plugin) -> None:
-        """Register a worker plugin serving a comm handler (``StealPlugin``,
-        ``PostPlugin``) on every worker, once per cluster; workers that join later get it."""
+        """Register a worker plugin serving a comm handler on every worker, once."""
         if plugin.name in self._installed:
             return
         self.client.register_plugin(plugin(), name=plugin.name)
         self._installed.add(plugin.name)
 
     def _wait(self, parts) -> dict:
-        """The sum of the top level's partial sums, each fetched as soon as it is done
-        (:func:`blockflow.scheduling.wait.gather_as_done`: a lost worker holding blocks
-        raises :class:`~blockflow.errors.WorkerLostError` naming it)."""
+        """The sum of the top level's partial sums, each fetched once done."""
         got = gather_as_done(parts, alive=self._workers, needed=set(self.placement.values()),
                              poll=self.poll, get=self._fetch)
         return _add(*got)
 
     def _fetch(self, future):
-        """A finished partial sum, straight from its worker where the client can reach
-        the workers (``blockflow.ml.direct-gather``), else through the scheduler."""
+        """A finished partial sum, from its worker directly (``blockflow.ml.direct-gather``)."""
         if self._direct:
             try:
                 return self.client.gather(future, direct=True)

@@ -1,13 +1,8 @@
 """Calls to a pass's peer workers that end as soon as the scheduler drops the peer.
 
-A call to a worker that died does not fail at once: distributed's ``connect`` retries a
-refused connection until ``distributed.comm.timeouts.connect`` (30 s by default), while
-the scheduler knows the worker is gone as soon as its comm closes. A :class:`Peers` keeps
-the peers the scheduler still lists (one small request, at the start of a pass and
-whenever a call is slow), never calls one it dropped, and ends a call as soon as the
-scheduler drops its peer, or after ``timeout`` seconds (``blockflow.ml.peer-timeout``).
-A dropped peer stays dropped for the pass. A blockflow heuristic over distributed's public
-RPCs.
+A call to a dead worker retries until ``distributed.comm.timeouts.connect``; a
+:class:`Peers` ends it as soon as the scheduler drops the peer, or after
+``blockflow.ml.peer-timeout``. A blockflow heuristic over distributed's public RPCs.
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ __all__ = ["PeerGone", "Peers", "peer_timeout"]
 
 def peer_timeout(value: float | str | None = None) -> float:
     """Seconds a call to a peer worker may go unanswered: ``value``, else
-    ``blockflow.ml.peer-timeout`` (a number of seconds or a duration such as ``"5s"``)."""
+    ``blockflow.ml.peer-timeout``."""
     return float(parse_timedelta(config.get("ml.peer-timeout", value), default="s"))
 
 
@@ -70,13 +65,11 @@ class Peers:
         return [a for a in self.addresses if a not in self.gone]
 
     async def refresh(self) -> None:
-        """Ask the scheduler which peers it still lists; drop the others (concurrent calls
-        share one request)."""
+        """Ask the scheduler which peers it still lists; drop the others."""
         await asyncio.shield(self.start_refresh())
 
     def start_refresh(self) -> asyncio.Future:
-        """Start :meth:`refresh` (or join the one under way) on the node's event loop,
-        without waiting for it."""
+        """Start :meth:`refresh` (or join the one under way) without waiting."""
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = asyncio.ensure_future(self._ask_scheduler())
         return self._refreshing
@@ -95,21 +88,18 @@ class Peers:
         self.checked = True
 
     def refresh_soon(self) -> None:
-        """Start :meth:`refresh` without waiting for it (on the node's event loop; from
-        any thread)."""
+        """Start :meth:`refresh` without waiting for it, from any thread."""
         self.node.loop.add_callback(self.refresh)
 
     async def ready(self) -> None:
-        """Wait for the scheduler's word on the peers once (the refresh a pass started
-        with, or one now); then at once."""
+        """Wait for the scheduler's word on the peers once."""
         if not self.checked:
             await self.refresh()
 
     async def call(self, address: str, make: Callable[[], Awaitable[Any]],
                    confirm: bool = False) -> Any:
-        """``await make()``, a call to the peer at ``address``, bounded. With ``confirm``, a
-        failed call waits (up to ``timeout``) for the scheduler to drop the peer, so that
-        the caller can tell a lost worker (:class:`PeerGone`) from one it cannot reach.
+        """``await make()``, a call to the peer at ``address``, bounded; with ``confirm`` a
+        failed call waits for the scheduler's word on the peer.
 
         Raises
         ------

@@ -1,10 +1,8 @@
 """Whether a model can be shipped to the workers, and if not, which attribute stops it.
 
-Every entry point that sends a model to workers (:func:`blockflow.predict`,
-:class:`blockflow.Router`, :class:`blockflow.ml.DataParallelTrainer`,
-:class:`blockflow.parallel.PipelineParallel`) serialises it through
-:func:`dumps_or_explain` with ``cloudpickle``, as distributed does, before anything is
-scheduled; a refusal names the attribute path that cannot be pickled.
+Entry points that send a model to workers serialise it through :func:`dumps_or_explain`
+(``cloudpickle``, as distributed does) before anything is scheduled; a refusal names the
+attribute path that cannot be pickled.
 """
 
 from __future__ import annotations
@@ -83,12 +81,7 @@ def _children(obj, path: str):
 def unpicklable_path(obj: Any, root: str = "model", *, dumps: Callable | None = None,
                      max_depth: int = MAX_DEPTH) -> tuple[str, Any, BaseException] | None:
     """``(path, value, error)`` of the deepest attribute of ``obj`` that cannot be pickled
-    by ``dumps`` (default cloudpickle), the path from ``root`` like ``"model.transform_.fn"``;
-    None if ``obj`` can be pickled.
-
-    Walks ``__getstate__`` (or ``__dict__``), nn.Module children, lists, tuples, sets, dicts
-    and function closures, at most ``max_depth`` levels down, following the first child that
-    fails (blockflow heuristic; cycles are cut).
+    (path like ``"model.transform_.fn"``); None if ``obj`` can be. A blockflow heuristic.
     """
     dumps = dumps or _dumps
     err = _picklable(obj, dumps)
@@ -116,9 +109,8 @@ def dumps_or_explain(model: Any, entry: str, *, dumps: Callable | None = None,
     Raises
     ------
     TypeError
-        ``"<entry>: cannot ship the model to the workers: model.layer.lock is a
-        _thread.lock that cannot be pickled (...); <fix>."``, the path from ``root``
-        (:func:`unpicklable_path`), ``fix`` by default :data:`FIX`.
+        Naming the attribute path (:func:`unpicklable_path`) and ``fix`` (default
+        :data:`FIX`).
     """
     dumps = dumps or _dumps
     try:

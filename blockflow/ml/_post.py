@@ -1,20 +1,9 @@
 """Posted arguments: a pass submitted ahead of its parameters, which the client sends later.
 
-A synchronous training step needs the parameters of the step before it, known only once
-that step's gradient is summed and the optimizer has run. Submitting the step's tasks only
-then puts the scheduler on every step's critical path. Instead, step ``k + 1``'s pass is
-submitted while step ``k`` runs, with a :class:`Posted` placeholder where the parameters
-go; its tasks wait on their workers, and the client posts the parameters straight to the
-workers (``blockflow_post``, a worker comm handler installed by :class:`PostPlugin`) the
-moment it has them: one message per worker, no scheduler in between.
-
-A task waiting for its post secedes from its worker's thread pool. A pass the client
-abandons is cancelled by a post of ``cancel=True``: its tasks return at once with nothing,
-as does a task whose post has not come after :data:`POST_TIMEOUT` seconds.
-
-Sources: pushing parameters to waiting workers follows the parameter server (Li et al.,
-OSDI 2014); submitting step ``k + 1``'s tasks to the Dask scheduler during step ``k`` is a
-blockflow heuristic.
+Step ``k + 1``'s tasks wait on their workers for a :class:`Posted` value that the client
+posts straight to them (``blockflow_post``, :class:`PostPlugin`), keeping the scheduler off
+the critical path. Sources: the parameter server (Li et al., OSDI 2014); submitting ahead is
+a blockflow heuristic.
 """
 
 from __future__ import annotations
@@ -89,8 +78,7 @@ def _slot(key: tuple[str, str]) -> _Slot:
 
 
 def deliver(worker: str, key: str, value: Any = None, cancel: bool = False) -> None:
-    """Put ``value`` (or a cancellation) in the slot ``key`` of the worker at address
-    ``worker`` and wake its task."""
+    """Put ``value`` (or a cancellation) in slot ``key`` on ``worker`` and wake its task."""
     s = _slot((worker, key))
     if cancel:
         s.cancelled = True
@@ -100,9 +88,8 @@ def deliver(worker: str, key: str, value: Any = None, cancel: bool = False) -> N
 
 
 def resolve(worker: str, args: tuple, timeout: float | None = None) -> tuple | None:
-    """On the worker at address ``worker``: ``args`` with each :class:`Posted` replaced by
-    its value, waiting for it; None when the pass was cancelled or the post did not come
-    within ``timeout`` seconds (default :data:`POST_TIMEOUT`)."""
+    """``args`` with each :class:`Posted` replaced by its value, waiting for it; None when
+    cancelled or after ``timeout`` seconds (default :data:`POST_TIMEOUT`)."""
     if not any(isinstance(a, Posted) for a in args):
         return args
     out = []
@@ -125,9 +112,7 @@ def resolve(worker: str, args: tuple, timeout: float | None = None) -> tuple | N
 
 
 def _wait_seceded(event: threading.Event, timeout: float) -> bool:
-    """Wait for ``event`` out of the worker's thread pool (``distributed.secede``): the
-    waiting task holds no thread, so the tasks queued behind it (the fan-in of the pass
-    before, another client's work) run meanwhile; ``rejoin`` takes a thread back."""
+    """Wait for ``event`` seceded from the worker's thread pool, then rejoin."""
     try:
         secede()
     except (KeyError, ValueError, AttributeError):  # not on a worker's task thread
@@ -144,12 +129,8 @@ def _serve(worker, key: str, value: Any = None, cancel: bool = False) -> str:
 
 
 class PostPlugin(HandlerPlugin):
-    """Worker plugin serving the ``blockflow_post`` comm handler (see module doc).
-
-    Registered by :class:`blockflow.ml.ResidentShards` before its first posted pass
-    (``client.register_plugin(PostPlugin(), name="blockflow-post")``); workers that join
-    later get it too.
-    """
+    """Worker plugin serving the ``blockflow_post`` comm handler (name
+    ``"blockflow-post"``)."""
 
     name = "blockflow-post"
 

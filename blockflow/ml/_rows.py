@@ -15,8 +15,7 @@ def as_row_blocks(X, y=None):
     Parameters
     ----------
     X : dask.array.Array, dask.dataframe.DataFrame or NumPy/CuPy array
-        Features, shape ``(n_samples, n_features)``; dataframes are converted with
-        ``to_dask_array(lengths=True)``.
+        Features, shape ``(n_samples, n_features)``.
     y : dask array, dask Series/DataFrame or array, optional
         Labels, ``n_samples`` rows.
 
@@ -57,8 +56,7 @@ def as_row_blocks(X, y=None):
 
 
 def known_rows(a):
-    """``a`` (a dask array) with its row chunk sizes known: computed
-    (``compute_chunk_sizes()``) where a filter (``a[mask]``) left them unknown."""
+    """``a`` with its row chunk sizes known (computed where a filter left them unknown)."""
     if any(math.isnan(c) for c in a.chunks[0]):
         a = a.compute_chunk_sizes()
     return a

@@ -1,17 +1,9 @@
 """Resident shards: row blocks of (features, labels) kept on workers in proportion to speed.
 
-Training and GLM fitting make many passes over the same data. :class:`ResidentShards` places
-each row block of ``X``/``y`` (:func:`~blockflow.ml.as_row_blocks`) on one worker once (a
-task restricted to that worker), so a pass (:mod:`blockflow.ml._passes`) sends only
-parameters and row indices, never data. Each
-worker's share of the rows follows its speed (capped by free memory), so every worker's part
-of a pass takes about as long: *speed-weighted sharding* (a blockflow heuristic;
-xgboost.dask, DDP and Ray Train give every worker an equal shard). A lost worker's blocks
-are placed again on the survivors from the source collection.
-
-Speeds: the prior is the scheduler plugin's learned speed when blockflow's plugin runs, else
-1; it is refined from the shards' own throughput (rows per compute second over the 16
-latest passes, a pass's fixed cost counted apart: :meth:`ResidentShards.overhead_rows`).
+:class:`ResidentShards` places each row block on one worker once, so a pass
+(:mod:`blockflow.ml._passes`) sends only parameters and row indices. Each worker's share
+follows its speed, capped by free memory (*speed-weighted sharding*, a blockflow heuristic;
+xgboost.dask, DDP and Ray Train shard equally). Guide: docs/guide/ai.md.
 """
 
 from __future__ import annotations
@@ -39,8 +31,7 @@ __all__ = ["ResidentShards"]
 
 
 def _pair(x, y, check=None, block=0, offset=0):
-    """A block's ``(X, y)``; ``check`` (a :class:`blockflow.ml._finite.FiniteCheck`) looks
-    for non-finite values in this, the first task that reads the block."""
+    """A block's ``(X, y)``, checked for non-finite values by ``check``."""
     if check is not None:
         return check(x, y, block, offset)
     return (x, y)
@@ -65,40 +56,30 @@ class ResidentShards(ShardPasses):
     y : dask.array.Array
         Labels with the same row chunks.
     sharding : {"speed", "equal"}, default "speed"
-        ``"speed"``: each worker's rows proportional to its speed; ``"equal"``: the same
-        number of blocks per worker (the equal-shard baseline).
+        Rows proportional to speed, or the same number of blocks per worker.
     memory_fraction : float, default 0.5
-        Fraction 0-1 of a worker's free memory (free device memory on GPU workers) its
-        blocks may take; caps the speed share.
+        Fraction 0-1 of a worker's free (device) memory its blocks may take.
     split_every : int, optional
-        Fan-in of the sum over workers; default from ``choose_split_every`` for the result
-        size.
+        Fan-in of the sum over workers; default from ``choose_split_every``.
     rebalance_gain : float, default 0.05
-        Move blocks between passes only when the predicted slowest worker's time drops by
-        more than this fraction (0-1).
+        Move blocks only when the slowest worker's predicted time drops by more than this
+        fraction (0-1).
     poll : float, default 0.5
         Seconds between checks for lost workers while a pass runs.
     steal_chunks : int, optional
-        With ``map_sum(..., steal=True)``, a worker's chunks are never smaller than this
-        fraction ``1 / steal_chunks`` of its rows in the pass; default
-        ``blockflow.ml.steal-chunks`` (16).
+        Smallest stolen chunk as the fraction ``1 / steal_chunks`` of a worker's rows;
+        default ``blockflow.ml.steal-chunks``.
     steal_reserve : float, optional
-        With stealing, the fraction 0-1 of a worker's rows kept out of its first kernel
-        call (only those can go to a peer); default ``blockflow.ml.steal-reserve`` (0.2).
-        A worker that gave a fraction ``g`` of its rows away in the latest pass keeps
-        ``min(2/3, steal_reserve + 2 g)`` in the next (a blockflow heuristic).
+        Fraction 0-1 of a worker's rows kept back for peers to steal; default
+        ``blockflow.ml.steal-reserve``.
     steal_reserve_unmeasured : float, optional
-        The reserve (fraction 0-1) of a worker no pass has measured yet (its share follows
-        a prior); default ``blockflow.ml.steal-reserve-unmeasured`` (0.5).
+        The reserve of a worker no pass has measured yet; default
+        ``blockflow.ml.steal-reserve-unmeasured``.
     check : blockflow.ml._finite.FiniteCheck, optional
-        Run by the task that first reads each block: raises naming the first non-finite
-        value of ``X``/``y`` (column or label, block, row), or with ``check.drop`` drops
-        the rows holding one (:attr:`dropped_rows` counts them).
+        Raises on the first non-finite value, or with ``check.drop`` drops its rows.
     peer_timeout : float or str, optional
-        Seconds (or a duration such as ``"5s"``) a call to a worker the scheduler still
-        lists may go unanswered: a post of a pass's value, a cancellation, a thief's
-        request to a peer. A worker the scheduler drops is given up at once. Default
-        ``blockflow.ml.peer-timeout`` (5 s).
+        Seconds (or ``"5s"``) a call to a worker still listed may go unanswered; default
+        ``blockflow.ml.peer-timeout``.
 
     Raises
     ------
@@ -107,12 +88,9 @@ class ResidentShards(ShardPasses):
     ValueError
         From ``check``: a non-finite value, or no finite row left after dropping.
     MemoryError
-        If a block of ``X`` and ``y`` is larger than any worker's memory limit (device
-        memory on GPU workers), before anything runs; the message names the block, its
-        rows and bytes, the largest limit and a ``rechunk`` that fits.
+        If a block is larger than any worker's memory limit, before anything runs.
     WorkerLostError
-        In place of distributed's ``KilledWorker`` on a block's internal key while the
-        blocks are loaded or moved: the message names the block and the memory limits.
+        In place of ``KilledWorker`` while blocks are loaded or moved, naming the block.
     """
 
     def __init__(self, client, X, y, *, sharding: str = "speed", memory_fraction: float = 0.5,
@@ -167,8 +145,7 @@ class ResidentShards(ShardPasses):
             self._count_kept_rows()
 
     def _count_kept_rows(self) -> None:
-        """Row counts after the non-finite rows were dropped (a length per resident block,
-        no pass over the data)."""
+        """Row counts per resident block after non-finite rows were dropped."""
         order = sorted(self.futures)
         kept = self.client.gather([self.client.submit(_rows_of, self.futures[j], pure=False)
                                    for j in order])
@@ -191,9 +168,7 @@ class ResidentShards(ShardPasses):
                 f"{format_bytes(self.block_bytes[j])} of X and y)")
 
     def _too_large(self, j: int, workers: dict[str, dict]) -> str | None:
-        """Why block ``j`` cannot be held by any worker (its bytes above the largest
-        worker's memory limit, device memory on GPU workers), or None if it can or the
-        limits are unknown."""
+        """Why no worker can hold block ``j``, or None if one can or limits are unknown."""
         limits = {a: m.total for a, m in worker_memory(self.client, workers).items()
                   if m.total}
         if not limits:
@@ -210,8 +185,7 @@ class ResidentShards(ShardPasses):
                 f"memory (memory_limit=).")
 
     def _check_blocks_fit(self, workers: dict[str, dict]) -> None:
-        """Refuse, before anything runs, a block no worker can hold (distributed would kill
-        worker after worker on it, then raise KilledWorker on an internal key)."""
+        """Refuse a block no worker can hold before anything runs."""
         if self.block_bytes:
             j = int(np.argmax(self.block_bytes))
             why = self._too_large(j, workers)
@@ -219,8 +193,7 @@ class ResidentShards(ShardPasses):
                 raise MemoryError(why)
 
     def _killed(self, blocks: list[int], e: BaseException) -> WorkerLostError:
-        """distributed's KilledWorker on blocks' tasks, as a message naming the blocks
-        whose tasks ran on the workers that died (the culprit among them)."""
+        """KilledWorker on blocks' tasks as a message naming the blocks."""
         workers = self._workers()
         for j in blocks:
             why = self._too_large(j, workers)
@@ -262,22 +235,14 @@ class ResidentShards(ShardPasses):
                     or self._prior_speeds())
 
     def overhead_rows(self) -> float:
-        """A pass's fixed cost per worker, in rows processed (shared by the workers).
-
-        A worker's pass takes ``k_a (r + r0)`` seconds for ``r`` rows, ``k_a`` its seconds
-        per row and ``r0`` the fixed part (parameters in, model set up, result out) in row
-        equivalents, fitted across passes of differing row counts
-        (:func:`blockflow.scheduling.estimate.fixed_units`, a blockflow heuristic); 0 until
-        such passes exist. Counting it keeps a worker with a small share from looking slow
-        per row.
-        """
+        """A pass's fixed cost per worker, in rows processed; 0 until passes of differing
+        row counts exist (:func:`blockflow.scheduling.estimate.fixed_units`, a blockflow
+        heuristic)."""
         return self._throughput.fixed
 
     def speeds(self, workers) -> dict[str, float]:
-        """Relative speed per worker: measured row equivalents (rows plus
-        :meth:`overhead_rows`) per second where seen, else the plugin's learned speed
-        scaled to the measured ones, else 1 (the inverse of
-        :meth:`blockflow.scheduling.estimate.Throughput.seconds_per_unit`)."""
+        """Relative speed per worker: measured rows (plus :meth:`overhead_rows`) per
+        second, else the plugin's learned speed, else 1."""
         spu = self._throughput.seconds_per_unit(workers, self._prior_speeds())
         return {a: 1.0 / s for a, s in spu.items()}
 
@@ -291,11 +256,8 @@ class ResidentShards(ShardPasses):
     # --- placement -----------------------------------------------------------------------
 
     def _assign(self, workers: dict[str, dict], keep: dict[int, str]) -> dict[int, str]:
-        """Block -> worker. ``"equal"``: round robin; ``"speed"``: rows such that every
-        worker's predicted pass time ``(rows + r0) / speed`` is the same (``r0`` from
-        :meth:`overhead_rows`, in resident rows), largest blocks first to the worker whose
-        predicted finish stays lowest, within capacity; blocks in ``keep`` stay where they
-        are while under their target."""
+        """Block -> worker: round robin (``"equal"``) or equal predicted pass times
+        ``(rows + r0) / speed`` within capacity (``"speed"``)."""
         addrs = sorted(workers)
         n = len(self.block_rows)
         if self.sharding == "equal":
@@ -379,9 +341,8 @@ class ResidentShards(ShardPasses):
             self.futures[min(j for j in moved if self.futures[j].status == "error")].result()
 
     def rebalance(self) -> int:
-        """Between passes: move blocks when measured speeds predict a gain of more than
-        ``rebalance_gain``; workers that joined get blocks, lost ones give theirs up.
-        Returns the number of blocks moved."""
+        """Move blocks when measured speeds predict a gain over ``rebalance_gain``; returns
+        the number of blocks moved."""
         workers = self._workers()
         lost = {j for j, a in self.placement.items() if a not in workers}
         proposal = self._assign(workers, {j: a for j, a in self.placement.items()
@@ -414,44 +375,29 @@ class ResidentShards(ShardPasses):
         Parameters
         ----------
         func : callable
-            ``func(blocks, rows, *args)`` on a worker: ``blocks`` a list of ``(X, y)``
-            blocks it holds, ``rows`` the matching list of local row indices (None: all
-            rows); returns an array, a number or a tuple of them (summable).
+            ``func(blocks, rows, *args)`` on a worker, over its ``(X, y)`` blocks and local
+            row indices (None: all); returns a summable array, number or tuple.
         rows : list, optional
-            Per block (index j), the rows to use; None uses all rows. Blocks given an empty
-            selection are skipped.
+            Per block, the rows to use; None uses all. Empty selections are skipped.
         args : tuple
-            Further arguments (parameters, a model future, ...). An argument that is
-            :data:`blockflow.ml._post.POSTED` takes the value ``posted``, sent straight
-            to the pass's workers once its tasks are submitted (see :meth:`prepare`;
-            inside the graph instead where the client cannot reach the workers).
+            Further arguments; :data:`blockflow.ml._post.POSTED` takes the value ``posted``.
         measure : bool, default True
-            Whether the pass's timings count towards the workers' speeds (False for a
-            warm-up pass).
+            Whether the pass's timings count towards the workers' speeds.
         steal : bool, default False
-            Work stealing inside the pass (:mod:`blockflow.ml._steal`): a worker done with
-            its own rows takes rows its peers have not started. ``func`` is then called
-            several times per worker (on parts of its blocks, and on stolen rows as one
-            ``(X, y)`` block with rows None) and its results added: it must be a sum over
-            rows.
+            Work stealing inside the pass (:mod:`blockflow.ml._steal`); ``func`` must then
+            be a sum over rows.
         posted : object, optional
-            The value of the ``POSTED`` arguments (a step's parameters, say).
+            The value of the ``POSTED`` arguments.
         ahead : object, optional
-            This pass as :meth:`prepare` submitted it earlier (same ``func``, ``rows``
-            object, ``args`` and ``steal``): used when the blocks have not moved since,
-            else cancelled and the pass submitted now.
+            This pass as :meth:`prepare` submitted it; resubmitted if the blocks moved.
         then : callable, optional
-            Called once the pass is on its way (submitted, its value posted), before
-            waiting for it: to :meth:`prepare` the next pass, which the scheduler then
-            sends to the workers while this one runs.
+            Called once the pass is submitted, before waiting (to prepare the next one).
 
         Returns
         -------
         object
-            The sum, with the workers' compute seconds in :attr:`last_seconds`, rows
-            processed in :attr:`last_rows`, rows they took from peers in
-            :attr:`last_stolen`, and in :attr:`last_ahead` whether the pass ran as
-            prepared (``ahead``).
+            The sum; :attr:`last_seconds`, :attr:`last_rows`, :attr:`last_stolen` and
+            :attr:`last_ahead` describe the pass.
         """
         expected = sum(self.block_rows) if rows is None else sum(len(r) for r in rows)
         inline = False  # a post failed: this pass carries its value in the graph
@@ -517,21 +463,14 @@ class ResidentShards(ShardPasses):
 
     def prepare(self, func: Callable, rows: Sequence | None = None, args: tuple = (), *,
                 steal: bool = False) -> _Pass | None:
-        """Submit a pass now whose ``POSTED`` arguments come later (:meth:`map_sum` with
-        ``ahead=``): its tasks go to their workers and wait there, holding no thread,
-        until :meth:`map_sum` posts the value straight to them (``blockflow_post``, see
-        :mod:`blockflow.ml._post`). A training step's pass is prepared while the step
-        before it runs, so the scheduler is off the step's critical path. The pass is
-        cancelled, its tasks returning at once,
-        when blocks move before it runs (:meth:`rebalance`, a lost worker) or on
-        :meth:`close`.
+        """Submit a pass now whose ``POSTED`` arguments :meth:`map_sum` sends later, so the
+        scheduler is off a training step's critical path (:mod:`blockflow.ml._post`).
 
         Returns
         -------
         object or None
             The submitted pass, for ``map_sum(..., ahead=)``; None where posting is off
-            (``blockflow.ml.post-ahead`` or ``blockflow.ml.direct-gather`` false, or a
-            post failed): the pass is then submitted with its value.
+            (``blockflow.ml.post-ahead`` or ``blockflow.ml.direct-gather`` false).
         """
         if not (self._direct and self._post_ahead) or not any(a is POSTED for a in args):
             return None

@@ -1,19 +1,10 @@
 """Work stealing inside a pass: the rows a worker has not started go to an idle peer.
 
-Speed-weighted shares balance what is predicted; a step still waits for whichever worker
-slows at the moment. Inside a pass each worker's task works through a :class:`RowPool` of
-its rows from the front: all but a reserve in one kernel call, then the reserve rows it can
-finish by the pass's balanced end (:meth:`RowPool.set_target`, from its peers' progress),
-then halving chunks. A worker done with its own rows asks its peers for rows from the back
-of their pools (``blockflow_steal``, a worker-to-worker comm handler served by
-:class:`StealPlugin`, the rows' data in the reply); the owner hands over as many as make
-both finish together (:func:`rows_to_give`). Every row is processed exactly once, so the
-sum is unchanged (up to floating-point summation order). Calls to a lost peer end as soon
-as the scheduler drops it (:class:`~blockflow.ml._peers.Peers`).
-
-Sources: guided self-scheduling (Polychronopoulos and Kuck, IEEE Trans. Computers, 1987)
-for the owner's chunks; work stealing from the back of a victim's queue (Blumofe and
-Leiserson, JACM 1999); the hand-over rule and the balanced end are blockflow heuristics.
+Each worker's task works through a :class:`RowPool` of its rows from the front; a worker
+done with its own rows asks peers for rows from the back of theirs (``blockflow_steal``,
+served by :class:`StealPlugin`). Every row is processed exactly once, so the sum is
+unchanged. Sources: guided self-scheduling (Polychronopoulos and Kuck, 1987); work stealing
+(Blumofe and Leiserson, JACM 1999); the hand-over rule is a blockflow heuristic.
 """
 
 from __future__ import annotations
@@ -48,7 +39,7 @@ _CALL_COST: dict[tuple[str, str], deque] = defaultdict(lambda: deque(maxlen=16))
 
 class RowPool:
     """One worker's rows of one pass, claimed from the front by its own task and from the
-    back by peers, each row exactly once.
+    back by peers.
 
     Parameters
     ----------
@@ -57,19 +48,14 @@ class RowPool:
     rows : list of numpy.ndarray or None
         Per block, the local row indices of the pass (None: all its rows).
     chunks : int
-        The owner's chunks are never smaller than ``1 / chunks`` of its rows (fewer, larger
-        kernel calls; the last chunk in flight bounds how unevenly the workers can end).
+        The owner's chunks are never smaller than ``1 / chunks`` of its rows.
     prior_spr : float, optional
-        Seconds per row expected for this worker (from earlier passes), used until its
-        first chunk is timed.
+        Expected seconds per row for this worker, until its first chunk is timed.
     reserve : float, default 0.2
-        Fraction 0-1 of the rows kept out of the owner's first chunk: only those can go to
-        a thief. The reserve runs as one more call when the owner is on time for the
-        pass's balanced end (:meth:`set_target`), else in chunks up to that end and
-        halving ones after it (each kernel call has a fixed cost).
+        Fraction 0-1 of the rows kept out of the owner's first chunk (only those can be
+        stolen).
     fixed : float, default 0.0
-        The owner's seconds per kernel call that do not shrink with its rows
-        (:func:`call_cost`), counted in its expected time left (each call still to run).
+        The owner's fixed seconds per kernel call (:func:`call_cost`).
     """
 
     def __init__(self, blocks, rows, chunks: int, prior_spr: float | None = None,
@@ -131,12 +117,9 @@ class RowPool:
     def set_target(self, peers: list[dict]) -> None:
         """The time the pass ends when its rows left are balanced over all workers.
 
-        ``peers``: the other workers' :meth:`status` replies (those without a rate are left
-        out; a peer done with its rows counts with its rate and no work). With ``R_i`` the
-        rows each worker has left (its seconds left x its rate) and ``r_i`` its rate in
-        rows per second, the end is ``now + sum(R_i) / sum(r_i)`` (a blockflow heuristic:
-        the owner's next chunk then stops there, and a late owner leaves its excess for
-        the peers that will be idle).
+        ``peers``: the other workers' :meth:`status` replies. The end is
+        ``now + sum(R_i) / sum(r_i)`` over rows left ``R_i`` and rates ``r_i`` (a blockflow
+        heuristic).
         """
         with self.lock:
             now = time.perf_counter()
@@ -217,11 +200,8 @@ def rows_to_give(left: float, unclaimed: int, spr: float | None, thief_spr: floa
                  overhead: float) -> int:
     """Rows an owner hands to a thief so that both finish together.
 
-    With ``T`` the owner's expected seconds left (``left``), ``s`` its seconds per row,
-    ``t`` the thief's and ``o`` the hand-over's cost to the thief (the round trip, and its
-    fixed seconds per kernel call, :func:`call_cost`), ``r = floor((T - o) / (s + t))``,
-    at most ``unclaimed``: the owner then ends at ``T - s r`` and the thief at ``o + t r``.
-    Unknown rates: the thief's is taken as the owner's; with neither, half the rows.
+    ``r = floor((T - o) / (s + t))`` rows, at most ``unclaimed``: ``T`` the owner's seconds
+    left, ``s`` and ``t`` owner's and thief's seconds per row, ``o`` the hand-over's cost.
     A blockflow heuristic.
     """
     if unclaimed <= 0:
@@ -251,12 +231,8 @@ def _serve(worker, pass_id: str, action: str = "status", spr: float | None = Non
 
 
 class StealPlugin(HandlerPlugin):
-    """Worker plugin serving the ``blockflow_steal`` comm handler (see module doc).
-
-    Registered by :class:`blockflow.ml.ResidentShards` when a pass may steal
-    (``client.register_plugin(StealPlugin(), name="blockflow-steal")``); workers that join
-    later get it too.
-    """
+    """Worker plugin serving the ``blockflow_steal`` comm handler (name
+    ``"blockflow-steal"``)."""
 
     name = "blockflow-steal"
 
@@ -281,11 +257,8 @@ def run_stealing(func: Callable, blocks, rows, args, pass_id: str, peers: list[s
                  ) -> tuple[Any, int, int, float, float]:
     """On a worker: ``func`` over its rows in chunks, then over rows stolen from peers.
 
-    ``reserve``: per worker, the fraction of its rows kept out of its first kernel call
-    (see :class:`RowPool`; default 0.2). ``timeout``: seconds a listed peer may take to
-    answer (default ``blockflow.ml.peer-timeout``). Returns ``(sum of func's results or
-    None, rows processed, rows stolen, seconds in func, seconds in func on its own
-    rows)``; the last is what its speed is measured on.
+    Returns ``(sum or None, rows processed, rows stolen, seconds in func, seconds in func
+    on its own rows)``.
     """
     worker = get_worker()
     me = worker.address

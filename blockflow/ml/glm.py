@@ -1,15 +1,8 @@
 """Generalised linear models fitted by full-batch gradients on resident shards and L-BFGS.
 
-Each objective evaluation is one pass over the data: every worker sums the loss and its
-gradient over the blocks it holds (NumPy or CuPy, whichever the blocks are), the sums are
-added by a fan-in tree, and SciPy's L-BFGS-B steps on the client. The data stays on the
-workers between passes (:class:`blockflow.ml.ResidentShards`), shares following speed.
-
-Objectives are scikit-learn's, so the same penalty gives the same coefficients:
-:class:`LinearRegression` is ``Ridge`` (``||y - Xw - b||^2 + alpha ||w||^2``),
-:class:`LogisticRegression` is binary ``LogisticRegression(penalty="l2")``
-(``C sum(log-loss) + ||w||^2 / 2``), :class:`PoissonRegression` is ``PoissonRegressor``
-(``sum(half deviance) / n + alpha ||w||^2 / 2``, log link). The intercept is not penalised.
+One pass over :class:`blockflow.ml.ResidentShards` per objective evaluation, SciPy's
+L-BFGS-B on the client. Objectives are scikit-learn's (``Ridge``, ``LogisticRegression``,
+``PoissonRegressor``). Guide: docs/guide/ai.md.
 """
 
 from __future__ import annotations
@@ -81,8 +74,7 @@ class _GLM:
         self._check_params()
 
     def _check_params(self) -> None:
-        """Refuse a bad setting at construction (and again at :meth:`fit`, after
-        :meth:`set_params`): the message names the parameter, its meaning and the value."""
+        """Refuse a bad setting, naming the parameter, its meaning and the value."""
         f = f"blockflow.ml.{type(self).__name__}"
         check_number(self.max_iter, "max_iter", f, "L-BFGS iterations", integer=True, low=1)
         check_number(self.tol, "tol", f, "L-BFGS gradient tolerance", low=0)
@@ -128,18 +120,12 @@ class _GLM:
         X : dask.array.Array, dask.dataframe.DataFrame, or NumPy/CuPy array
         y : dask array / Series, or NumPy/CuPy array
 
-        Returns
-        -------
-        self
-
         Raises
         ------
         ValueError
-            If a setting is out of range (``max_iter`` an integer >= 1, ``tol`` and
-            ``alpha`` >= 0), shapes disagree, ``y`` holds values the model cannot fit
-            (labels other than 0/1 for logistic, negative counts for Poisson), or ``X``/``y``
-            hold a NaN or an infinity (unless ``drop_nonfinite``; naming the first one's
-            column or label, block and row).
+            If a setting is out of range, shapes disagree, ``y`` holds values the model
+            cannot fit, or ``X``/``y`` hold a NaN or an infinity (unless
+            ``drop_nonfinite``).
 
         Warns
         -----
@@ -224,9 +210,8 @@ class LinearRegression(_GLM):
         L-BFGS projected-gradient tolerance on the objective divided by ``n_samples``.
     sharding : {"speed", "equal"}, default "speed"
     drop_nonfinite : bool, optional
-        Leave out the rows holding a NaN or an infinity in ``X`` or ``y`` (the model
-        scikit-learn fits on the finite rows; ``n_dropped_`` counts them) instead of
-        raising; default the setting ``blockflow.ml.drop-nonfinite`` (False).
+        Drop rows holding a NaN or infinity instead of raising (``n_dropped_`` counts
+        them); default ``blockflow.ml.drop-nonfinite``.
     client : distributed.Client, optional
     """
     alpha: float = 0.0

@@ -1,14 +1,9 @@
 """Batch inference: apply a trained model to every block of a Dask collection.
 
-:func:`predict` ships the model once per worker and keeps it there
-(:mod:`blockflow.ml.model_cache`), where ``map_blocks(model.predict)`` would put it into every
-task. Inside a task the block is cut into batches that fit the worker's free device memory
-(host memory on a CPU worker), the model runs on each, and the outputs are concatenated, so
-the result has the input's row chunks. Models: a PyTorch ``nn.Module`` (run under
-``torch.no_grad()``, on the worker's GPU when it has one), an ONNX model (``onnx.ModelProto``,
-its bytes, or a path; run by ``onnxruntime``), a scikit-learn style estimator
-(``predict``/``predict_proba``/``transform``), any callable ``f(batch) -> array``, or a
-:class:`ModelFactory` that builds one of them on each worker.
+:func:`predict` ships the model once per worker (:mod:`blockflow.ml.model_cache`) and cuts
+each block into batches that fit the worker's free device memory. Models: a PyTorch
+``nn.Module``, an ONNX model, a scikit-learn style estimator, any callable
+``f(batch) -> array``, or a :class:`ModelFactory`. Guide: docs/guide/ai.md.
 """
 
 from __future__ import annotations
@@ -40,8 +35,7 @@ ACTIVATION_FACTOR = 4
 
 
 def free_memory() -> int | None:
-    """Free device memory of this worker, bytes: its reported GPU metrics (NVML or a
-    simulated device); None where it reports none (a CPU worker)."""
+    """Free device memory of this worker, bytes; None on a CPU worker."""
     worker = _distributed.current_worker()
     if worker is None:
         return None
@@ -74,17 +68,15 @@ def batch_rows(n_rows: int, row_bytes: int, *, batch_size: int | None = None,
         Fraction (0-1) of free device memory a batch may take; default config
         ``blockflow.inference.memory-fraction``.
     free : int, optional
-        Free device memory, bytes (default :func:`free_memory`; host memory available on a
-        CPU worker).
+        Free device memory, bytes; default :func:`free_memory`.
     model_bytes : int, default 0
         The loaded model's bytes, taken from the budget.
 
     Returns
     -------
     (rows, budget)
-        Rows per batch (>= 1) and the byte budget used (None for an explicit batch size);
-        a batch's working set is ``ACTIVATION_FACTOR x rows x row_bytes`` (blockflow
-        heuristic).
+        Rows per batch (>= 1) and the byte budget (None for an explicit batch size); a
+        batch takes ``ACTIVATION_FACTOR x rows x row_bytes`` (blockflow heuristic).
     """
     batch_size = config.get("inference.batch-size", batch_size)
     if batch_size is not None:
@@ -186,29 +178,25 @@ def predict(model: Any, data: Any, *, method: str | None = None, columns=None,
     Parameters
     ----------
     model : torch.nn.Module, ONNX model, estimator, callable, ModelFactory or ModelRef
-        The trained model (see the module docstring), a :class:`ModelFactory` that builds it
-        on each worker, or a :class:`ModelRef` from :func:`ship_model`; sent once per worker
-        and cached there, never put into the task graph.
+        The trained model, a :class:`ModelFactory`, or a :class:`ModelRef`; sent once per
+        worker, never put into the task graph.
     data : dask.array.Array, dask DataFrame or xarray.DataArray
-        Rows are samples: a 2-d array ``(samples, features)`` (axis 1 is rechunked to one
-        block if needed), a dataframe (``columns`` selects the features, default all), or a
-        2-d dask-backed DataArray whose first dimension is the sample dimension.
+        Rows are samples: a 2-d array, a dataframe (``columns`` selects features) or a
+        2-d DataArray.
     method : str, optional
         Estimators: ``"predict"`` (default), ``"predict_proba"``, ``"transform"``...
     columns : list of str, optional
         Dataframes: the feature columns, in the model's order.
     batch_size : int, optional
-        Rows per model call; default config ``blockflow.inference.batch-size`` (null: sized
-        from free device memory, see :func:`batch_rows`).
+        Rows per model call; default config ``blockflow.inference.batch-size`` (null:
+        :func:`batch_rows`).
     memory_fraction : float, optional
         Fraction (0-1) of free device memory one batch may take; default config
         ``blockflow.inference.memory-fraction``.
     output_name : str, default "prediction"
-        Dataframes: name of the output Series (columns ``<name>_0``.. for several outputs);
-        xarray: the name of the DataArray.
+        Name of the output Series (``<name>_0``.. for several) or DataArray.
     client : distributed.Client or False, optional
-        The cluster to ship the model to; default the current client. None found, or
-        False: the model stays in this process, for Dask's local schedulers.
+        Default the current client; False keeps the model in this process.
     **placement
         ``resources=``, ``workers=``, ``allow_other_workers=``, ``retries=``: as in
         :func:`blockflow.map_blocks`.
@@ -216,16 +204,13 @@ def predict(model: Any, data: Any, *, method: str | None = None, columns=None,
     Returns
     -------
     dask.array.Array, dask Series/DataFrame or xarray.DataArray
-        Same row chunks (partitions) as ``data``: shape ``(samples,)`` for one output per
-        row, ``(samples, k)`` otherwise; dtype and meta from running the model on two rows
-        of zeros here. A block with no rows gives an empty output of that dtype and shape
-        (columns for a dataframe), without calling the model.
+        Same row chunks as ``data``: shape ``(samples,)`` or ``(samples, k)``; dtype from
+        running the model on two rows of zeros.
 
     Raises
     ------
     TypeError
-        For an unsupported model or collection, or a model that cannot be pickled (naming
-        the attribute), before anything runs.
+        For an unsupported model or collection, or a model that cannot be pickled.
     ValueError
         For an array that is not 2-d or has unknown chunk sizes, or a closed ModelRef.
     """

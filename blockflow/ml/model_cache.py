@@ -1,11 +1,9 @@
 """Models shipped once per worker: the worker-side cache and the references tasks carry.
 
-A model's bytes travel inside a small worker plugin (:class:`ModelCache`, distributed's own
-way to give every worker, including workers that join later, the same object); each task
-carries only a :class:`ModelRef` (the model's token). A worker holds one copy of a model (its
-bytes until it is loaded, then the loaded model); :meth:`ModelRef.close` frees it everywhere,
-and ``blockflow.inference.cache-bytes`` bounds what each worker keeps of models nobody closes
-(least recently used evicted first; see :func:`cache_state`).
+A model's bytes travel inside a worker plugin (:class:`ModelCache`); each task carries only
+a :class:`ModelRef`. :meth:`ModelRef.close` frees a model everywhere, and
+``blockflow.inference.cache-bytes`` bounds what each worker keeps (least recently used
+evicted first). Guide: docs/guide/ai.md.
 """
 
 from __future__ import annotations
@@ -95,13 +93,11 @@ def _models_of(address: str) -> _WorkerModels:
 class ModelCache(WorkerPlugin):
     """Worker plugin that carries one model's bytes to every worker and keeps it loaded.
 
-    Registered by :func:`ship_model` under ``blockflow-model-<token>`` (``token``: the
-    ``dask.base.tokenize`` of ``payload``, ``kind`` and ``method``). The model is
-    deserialised once per worker, at its first batch, and reused by every task; past
-    ``blockflow.inference.cache-bytes`` the least recently used models are evicted and
-    fetched again from the scheduler if a later task needs them. ``payload`` is the
-    serialised model (:func:`~blockflow.ml._models.serialise`), or with ``factory`` a
-    pickled :class:`~blockflow.ml._models.ModelFactory`.
+    Registered by :func:`ship_model` under ``blockflow-model-<token>``; the model is
+    deserialised once per worker and evicted least recently used past
+    ``blockflow.inference.cache-bytes``. ``payload`` is the serialised model
+    (:func:`~blockflow.ml._models.serialise`) or a pickled
+    :class:`~blockflow.ml._models.ModelFactory`.
     """
 
     idempotent = True  # registering the same model again sends nothing
@@ -142,9 +138,7 @@ class ModelCache(WorkerPlugin):
 
     @property
     def held_bytes(self) -> int:
-        """Bytes this worker holds for the model: its serialised bytes, plus the loaded
-        model's (counted as its serialised size, or its tensors' for a factory's); 0 once
-        evicted."""
+        """Bytes this worker holds for the model (serialised plus loaded); 0 once evicted."""
         loaded = self._loaded
         return self.serialised_bytes + (loaded.nbytes if loaded is not None else 0)
 
@@ -163,8 +157,7 @@ class ModelCache(WorkerPlugin):
         self.stats.evictions += 1
 
     def model(self) -> LoadedModel:
-        """The loaded model: deserialised at the first call, fetched again from the
-        scheduler after an eviction (RuntimeError if it was closed meanwhile)."""
+        """The loaded model, deserialised at the first call (RuntimeError if closed)."""
         with self._lock:
             loaded = self._loaded
             if loaded is None:
@@ -196,12 +189,9 @@ _OPEN_LOCK = threading.Lock()
 
 
 class ModelRef:
-    """What a task carries instead of the model: its token (and, in the process that made
-    it, the model itself, never pickled), resolved to the worker's :class:`ModelCache`.
-
-    In the process that shipped it, the reference is also the handle that frees the model:
-    :meth:`close` (or ``with ship_model(model) as ref:``) removes it from every worker and
-    from the scheduler once no other open reference to the same model remains.
+    """What a task carries instead of the model: its token, resolved to the worker's
+    :class:`ModelCache`; in the shipping process also the handle that frees the model
+    (:meth:`close`, or ``with ship_model(model) as ref:``).
     """
 
     def __init__(self, token: str, kind: str, method: str | None, local: Any = None,
@@ -225,9 +215,8 @@ class ModelRef:
         self.close()
 
     def close(self) -> None:
-        """Free the model: unregister its :class:`ModelCache` from the cluster (its workers
-        drop it at once, the scheduler forgets it) when this is the last open reference to
-        it from this client. Compute the results that use it first. Idempotent."""
+        """Free the model on the cluster when this is the last open reference to it.
+        Idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -252,8 +241,7 @@ class ModelRef:
         return LocalModel(self._local, self.kind, self.method, owned=self._built)
 
     def resolve(self) -> tuple[LoadedModel, _Stats | None]:
-        """The model this task runs and this worker's stats for it (None in the process
-        that shipped it, for Dask's local schedulers).
+        """The model this task runs and this worker's stats for it.
 
         Raises
         ------
@@ -303,8 +291,7 @@ def ship_model(model: Any, *, method: str | None = None, client=None,
     Returns
     -------
     ModelRef
-        Also the handle that frees the model on the cluster: ``ref.close()``, or ``with
-        ship_model(model) as ref: blockflow.predict(ref, x)...``.
+        Also the handle that frees the model: ``ref.close()`` or ``with``.
 
     Raises
     ------
@@ -315,8 +302,7 @@ def ship_model(model: Any, *, method: str | None = None, client=None,
 
 
 def _ship(model, method, client, entry, *, handle: bool) -> ModelRef:
-    """ship_model's work; ``handle``: the reference can close the model (predict's own
-    reference, never handed out, cannot: the cache bound frees what it leaves)."""
+    """ship_model's work; ``handle``: the reference can close the model."""
     factory = isinstance(model, ModelFactory)
     if factory:  # built here once: its kind and (in predict) the output's meta
         factory, model = model, model()
@@ -346,17 +332,14 @@ def model_stats(client, ref: ModelRef | str) -> dict[str, dict[str, Any]]:
     ----------
     client : distributed.Client
     ref : ModelRef or str
-        From :func:`ship_model` (pass it to :func:`~blockflow.ml.inference.predict` to keep
-        the reference), or its token.
+        From :func:`ship_model`, or its token.
 
     Returns
     -------
     dict
-        Worker address -> ``bytes_received`` (bytes of the model that reached the worker),
-        ``loads`` (times deserialised), ``evictions`` (times dropped by the cache bound),
-        ``blocks``, ``batches``, ``rows`` (non-empty blocks run and their batches and rows),
-        ``max_batch_rows``, ``batch_budget`` (bytes), ``state`` and ``held_bytes`` (as in
-        :func:`cache_state`). Workers without the model are absent.
+        Worker address -> ``bytes_received``, ``loads``, ``evictions``, ``blocks``,
+        ``batches``, ``rows``, ``max_batch_rows``, ``batch_budget`` (bytes), ``state`` and
+        ``held_bytes``. Workers without the model are absent.
     """
     token = ref.token if isinstance(ref, ModelRef) else str(ref)
     return {a: s for a, s in client.run(_worker_stats, token).items() if s is not None}
@@ -375,13 +358,9 @@ def cache_state(client) -> dict[str, dict[str, Any]]:
     Returns
     -------
     dict
-        Worker address -> ``bound`` (``blockflow.inference.cache-bytes`` there, bytes or
-        None), ``held_bytes`` (all its models), ``models``: token -> ``state`` (``"bytes"``:
-        the serialised model arrived, not loaded yet; ``"loaded"``: the loaded model alone,
-        its bytes dropped; ``"evicted"``: neither, fetched again when next used;
-        ``"bytes+loaded"``: both, which blockflow never leaves), ``held_bytes`` (all it
-        holds for the model), ``serialised_bytes`` (of that, the serialised model's) and
-        ``kind``, least recently used first.
+        Worker address -> ``bound`` (bytes or None), ``held_bytes``, ``models``: token ->
+        ``state`` (``"bytes"``, ``"loaded"``, ``"evicted"``, ``"bytes+loaded"``),
+        ``held_bytes``, ``serialised_bytes`` and ``kind``, least recently used first.
     """
     return client.run(_worker_cache_state)
 

@@ -1,21 +1,8 @@
 """Request routing: send each inference request to the worker that will answer it first.
 
-:class:`Router` keeps a model loaded on every worker (shipped once, as :func:`blockflow.predict`
-does) and places each request where its speed-normalised projected finish is earliest,
-``(backlog(w) / threads(w) + cost) x seconds_per_unit(w)``: join-the-shortest-expected-delay
-(blockflow heuristic after Whitt 1986), placed by
-:func:`~blockflow.scheduling.estimate.earliest_finish`. ``backlog`` is the cost (rows, by
-default) sent to ``w`` and not yet answered; ``seconds_per_unit`` comes from ``w``'s own
-answers (:class:`~blockflow.scheduling.estimate.Throughput`), else from the measured workers
-scaled by the learned speeds known with confidence.
-
-Requests wait in the router until a worker has a free task slot (``threads + 1`` tasks in
-flight, so a worker does not idle through the round trip); the waiting requests placed on
-that worker then go to it as one task of at most ``batch_size`` requests and
-``batch_seconds`` of estimated work, so the fixed cost of a Dask task is shared under load.
-Paused workers and workers whose device memory is nearly full get no new requests while
-another can take them; a lost worker's requests are routed again, and each request is
-answered exactly once.
+:class:`Router` places each request where ``(backlog / threads + cost) x seconds_per_unit``
+is earliest: join-the-shortest-expected-delay (blockflow heuristic after Whitt 1986).
+Requests go out in batches when a worker has a free task slot. Guide: docs/guide/ai.md.
 """
 
 from __future__ import annotations
@@ -56,9 +43,7 @@ PLUGIN_REFRESH = 1.0
 
 def _answer(ref: ModelRef, batches: list):
     """The task of one batch of requests: each request's ``(ok, output or exception,
-    seconds)`` and the worker. A request with no rows gets an empty output of the model's
-    dtype and trailing shape, as an empty block does in ``blockflow.predict`` (models such
-    as scikit-learn's refuse zero rows)."""
+    seconds)`` and the worker."""
     loaded, _ = ref.resolve()
     out = []
     for batch in batches:
@@ -103,36 +88,30 @@ class Router:
     Parameters
     ----------
     client : distributed.Client
-        The cluster (its workers all get the model once).
     model : torch.nn.Module, ONNX model, estimator or callable
         As in :func:`blockflow.predict`.
     method : str, optional
         Estimators: ``"predict"`` (default), ``"predict_proba"``...
     interval : str or float, optional
-        How often worker state is refreshed and lost workers' requests routed again
-        (seconds or ``"200ms"``); default config ``blockflow.routing.interval``.
+        How often worker state is refreshed (seconds or ``"200ms"``); default config
+        ``blockflow.routing.interval``.
     memory_full : float, optional
         Device-memory fraction (0-1) at or above which a worker gets no new requests;
         default config ``blockflow.routing.memory-full``.
     depth : int, optional
-        At most this many requests per worker thread in flight (sent, not yet answered);
-        ``depth=1`` sends one request at a time per thread. Default None: bounded only by
-        the batch bounds and the task slots (``threads + 1`` tasks per worker).
+        At most this many requests per worker thread in flight; default None (bounded by
+        the batch bounds and task slots).
     batch_size : int, optional
         At most this many requests in one task (>= 1); default config
         ``blockflow.routing.batch-size``.
     batch_seconds : str or float, optional
-        At most this much estimated work in one task (seconds or ``"200ms"``; a batch holds
-        at least one request whatever its estimate); default config
-        ``blockflow.routing.batch-seconds``.
+        At most this much estimated work in one task (seconds or ``"200ms"``); default
+        config ``blockflow.routing.batch-seconds``.
 
     Notes
     -----
-    ``router.decisions`` (a deque of dict) records every batch sent (``action`` ``"route"``,
-    or ``"reroute"`` when it holds a request sent before: ``worker``, ``requests`` (ids),
-    ``estimated_seconds``, the ``projected_finish`` compared, and in ``after`` per usable
-    worker the tasks ``in_flight`` and the requests ``waiting``), and a ``"lost"`` entry per
-    request whose worker left.
+    ``router.decisions`` (a deque of dict) records every batch sent (``"route"`` or
+    ``"reroute"``) and each request lost with its worker.
 
     Examples
     --------
@@ -206,10 +185,8 @@ class Router:
     # -- public API ------------------------------------------------------------------
 
     def submit(self, batch, *, cost: float | None = None) -> concurrent.futures.Future:
-        """Route one request: ``batch`` (the rows to predict, what the model takes) of
-        ``cost`` (work in any unit proportional to compute time; default its rows).
-        Returns a future of the model's output for ``batch``, resolved exactly once
-        (RuntimeError once the Router is closed)."""
+        """Route one request (``batch``, of ``cost``, default its rows); returns a future
+        of the model's output, resolved exactly once."""
         if self._closed:
             raise RuntimeError("blockflow: this Router is closed; make a new one.")
         cost = float(len(batch) if cost is None else cost)
@@ -238,11 +215,8 @@ class Router:
     _mapping = False
 
     def stats(self) -> dict[str, Any]:
-        """Plain data: ``counts`` (submitted, answered, rerouted, duplicates, failed,
-        batches), ``answered_by`` (worker -> answers), ``seconds_per_unit`` (measured, per
-        worker: from its warm answers, or its first answer while it has only that one),
-        ``excluded`` (worker -> why it gets no new requests), ``pending`` (unanswered),
-        ``waiting`` (not yet sent)."""
+        """Plain data: ``counts``, ``answered_by``, ``seconds_per_unit``, ``excluded``,
+        ``pending`` and ``waiting``."""
         with self._lock:
             return {"counts": dict(self.counts), "answered_by": dict(self.answered_by),
                     "seconds_per_unit": self._throughput.observed_seconds_per_unit(),
@@ -250,9 +224,8 @@ class Router:
                     "waiting": len(self._waiting)}
 
     def close(self) -> None:
-        """Stop routing; unanswered requests are cancelled, and the model this Router
-        shipped leaves the workers (a :class:`~blockflow.ml.inference.ModelRef` passed in
-        stays open: close it yourself)."""
+        """Stop routing and cancel unanswered requests; a model this Router shipped leaves
+        the workers (a passed-in ModelRef stays open)."""
         if self._closed:
             return
         self._closed = True
@@ -403,8 +376,7 @@ class Router:
                 logger.exception("blockflow router: error while routing")
 
     def _watch(self) -> None:
-        """The refresh thread: worker state from the scheduler (its RPCs run beside the
-        routing thread, never in it)."""
+        """The refresh thread: worker state from the scheduler."""
         while not self._stop.wait(self.interval):
             try:
                 self._refresh()
@@ -425,8 +397,7 @@ class Router:
                 self._pump()
 
     def _fetch_loop(self) -> None:
-        """A fetching thread: every batch finished by now, gathered in one request (one
-        round trip for many batches under load); one by one when that fails."""
+        """A fetching thread: finished batches gathered in one request."""
         while True:
             item = self._finished_batches.get()
             if item is None:

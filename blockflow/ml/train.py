@@ -1,13 +1,9 @@
 """Data-parallel training of a PyTorch module over row-chunked Dask collections.
 
-Synchronous data parallelism (as PyTorch DDP), with speed-weighted resident shards
-(:class:`blockflow.ml.ResidentShards`). Each step each worker sums per-sample gradients
-(autograd on ``loss x n``) over the step's rows of the blocks it holds; a fan-in tree adds
-the sums, divided by the step's sample count; the optimizer steps on the client and the new
-parameters are posted straight to the next step's tasks, already waiting on the workers
-(:mod:`blockflow.ml._post`). The update is the mini-batch gradient whatever the placement
-(up to floating-point summation order). Mini-batches are stratified by block and seeded
-(:func:`batch_schedule`), so a run is deterministic on any number of workers.
+Synchronous data parallelism (as PyTorch DDP) on speed-weighted resident shards
+(:class:`blockflow.ml.ResidentShards`); mini-batches stratified and seeded by block
+(:func:`batch_schedule`), so a run is deterministic on any number of workers. Guide:
+docs/guide/ai.md.
 """
 
 from __future__ import annotations
@@ -54,10 +50,8 @@ def batch_schedule(block_rows, batch_size: int, epoch: int, seed: int = 0
 
     Notes
     -----
-    Each block's rows are permuted (seeded by ``seed``, ``epoch`` and the block index) and
-    row ``i`` of block ``j`` goes to step ``floor((i + u_j) x steps / n_j)``, ``u_j`` a
-    seeded phase in [0, 1): every block gives every step its share, give or take one row.
-    Stratified sampling by block; a blockflow heuristic.
+    Stratified sampling by block, seeded by ``seed``, ``epoch`` and the block index; a
+    blockflow heuristic.
     """
     n = int(sum(block_rows))
     steps = max(1, math.ceil(n / batch_size))
@@ -74,12 +68,8 @@ def batch_schedule(block_rows, batch_size: int, epoch: int, seed: int = 0
 
 def _probe_split(rows: list[np.ndarray], fraction: float,
                  placement: dict[int, str] | None = None) -> list[list[np.ndarray]]:
-    """A step's rows as (probe, rest): ``fraction`` of every worker's rows in this step
-    (rounded up: at least one row per worker), taken a row at a time from each of its
-    blocks in turn, then the others; one pass when the probe would be the whole step.
-    Rounded per worker, not per block, so that few rows per block still give a probe of
-    the size asked. ``placement`` maps block index to worker (default: all on one).
-    """
+    """A step's rows as (probe, rest): ``fraction`` of every worker's rows (at least one),
+    or one pass when the probe would be the whole step."""
     by_worker: dict[Any, list[int]] = {}
     for j in range(len(rows)):
         by_worker.setdefault(None if placement is None else placement.get(j), []).append(j)
@@ -117,8 +107,7 @@ _CACHE_LOCK = threading.Lock()
 
 
 def _local_model(model, token: str):
-    """A private copy of the model per (run, worker thread): in-process workers may share
-    one deserialised object, and tasks on several threads must not race on it."""
+    """A private copy of the model per (run, worker thread), so threads do not race."""
     key = (token, threading.get_ident())
     with _CACHE_LOCK:
         m = _CACHE.get(key)
@@ -166,8 +155,8 @@ class DataParallelTrainer:
     model : torch.nn.Module
         Trained in place on the client (its parameters are the run's state).
     loss_fn : callable
-        ``loss_fn(output, target)`` returning the *mean* loss over the rows (PyTorch's
-        default ``reduction="mean"``), e.g. ``torch.nn.CrossEntropyLoss()``.
+        ``loss_fn(output, target)`` returning the *mean* loss over the rows, e.g.
+        ``torch.nn.CrossEntropyLoss()``.
     optimizer : callable, optional
         ``optimizer(params) -> torch.optim.Optimizer``; default SGD with lr 0.1.
     batch_size : int, default 256
@@ -176,8 +165,7 @@ class DataParallelTrainer:
     seed : int, default 0
         Seeds the batch schedule; seed the model's initialisation yourself.
     sharding : {"speed", "equal"}, default "speed"
-        Rows per worker proportional to learned speed (capped by free memory), or equal
-        shards (the synchronous data-parallel baseline).
+        Rows per worker proportional to learned speed, or equal shards.
     client : distributed.Client, optional
         Default: the current client.
     split_every : int, optional
@@ -185,53 +173,35 @@ class DataParallelTrainer:
     memory_fraction : float, default 0.5
         Fraction 0-1 of a worker's free memory its resident blocks may take.
     rebalance_every : int, default 10
-        Steps between checks whether blocks should move to follow measured speeds (also
-        after each of the first 3 steps, so that shares follow speeds from the start).
+        Steps between checks whether blocks should move to follow measured speeds.
     block_hook : callable, optional
         ``block_hook(seconds, cpu_seconds, rows)`` called on the worker after each gradient
-        call with its elapsed seconds, the CPU seconds of the thread that ran it, and its
-        rows (benchmarks use it to scale compute by a simulated device's speed).
+        call.
     callback : callable, optional
-        ``callback(trainer, record) -> bool``, called after each step with the step's
-        history record; returning True stops training.
+        ``callback(trainer, record) -> bool`` after each step; True stops training.
     probe_fraction : float, default 0.1
-        With ``sharding="speed"`` and no speeds known yet (no earlier pass, no blockflow
-        scheduler plugin), the first step runs as two passes: this fraction (0-1) of every
-        worker's rows of the step (at least one row each) on equal shards, whose timings set
-        the speed-weighted shares for the rest of the step (the sum of the two passes is the
-        step's gradient). A warm-up pass of one row per worker, its result dropped, runs
-        first. A blockflow heuristic.
+        With ``sharding="speed"`` and no speeds known, the first step times this fraction
+        (0-1) of every worker's rows on equal shards first. A blockflow heuristic.
     steal : bool, optional
-        Work stealing inside each step: a worker done with its rows takes rows a peer has
-        not started (worker to worker), so that a step ends when its work does although a
-        device slowed. The gradient is the same sum over the same rows. Default ``blockflow.ml.steal`` (True) with
-        ``sharding="speed"``; never with ``sharding="equal"`` unless asked (that is the
-        synchronous equal-shard baseline). See :mod:`blockflow.ml._steal`.
+        Work stealing inside each step (:mod:`blockflow.ml._steal`); default
+        ``blockflow.ml.steal`` with ``sharding="speed"``, off with ``"equal"``.
     drop_nonfinite : bool, optional
-        Leave out the rows holding a NaN or an infinity in ``X`` or ``y`` instead of
-        raising (``shards_.dropped_rows`` counts them); default the setting
-        ``blockflow.ml.drop-nonfinite`` (False).
+        Drop rows holding a NaN or infinity instead of raising; default
+        ``blockflow.ml.drop-nonfinite``.
 
     Raises
     ------
     ValueError
-        If a numeric argument is out of range (``batch_size``, ``epochs``,
-        ``rebalance_every`` integers >= 1, ``seed`` >= 0, ``split_every`` >= 2,
-        ``memory_fraction`` in (0, 1], ``probe_fraction`` in (0, 1)) or ``sharding`` is
-        unknown: the message names the argument, its meaning and the value given.
+        If a numeric argument is out of range or ``sharding`` is unknown.
     TypeError
         If ``loss_fn``, ``optimizer``, ``block_hook`` or ``callback`` is not callable.
 
     Attributes
     ----------
     history_ : list of dict
-        Per step: ``epoch``, ``step``, ``loss`` (mean over the batch, before the update),
-        ``samples``, ``started`` (seconds since the epoch), ``seconds`` (wall),
-        ``worker_seconds``, ``worker_rows`` (rows each worker processed, those it took
-        from peers included), ``worker_stolen`` (rows it took from peers) and ``ahead``
-        (whether the step's pass was submitted while the step before ran, its parameters
-        then posted straight to the waiting tasks: see
-        :meth:`ResidentShards.prepare <blockflow.ml.ResidentShards.prepare>`).
+        Per step: ``epoch``, ``step``, ``loss`` (mean, before the update), ``samples``,
+        ``started``, ``seconds``, ``worker_seconds``, ``worker_rows``, ``worker_stolen``
+        and ``ahead``.
     shards_ : ResidentShards
         The placement (``rows_per_worker()``, ``recoveries``, ``moves``).
     """
@@ -286,16 +256,11 @@ class DataParallelTrainer:
         X : dask.array.Array or dask.dataframe.DataFrame, shape (n_samples, n_features)
         y : dask.array.Array or dask.dataframe.Series, shape (n_samples,) or (n, k)
 
-        Returns
-        -------
-        self
-
         Raises
         ------
         ValueError
             If shapes disagree, the model has no trainable parameters, or ``X``/``y``
-            hold a NaN or an infinity (unless ``drop_nonfinite``): the message names the
-            first one's column or label, block and row.
+            hold a NaN or an infinity (unless ``drop_nonfinite``).
         """
         import torch
 

@@ -1,11 +1,7 @@
 """Where a pipeline's stages go: the model's layers, their probe, the partition, the install.
 
-:func:`measure` times every layer's forward+backward on every worker on a probe micro-batch,
-one layer at a time, with its bytes of parameters, gradients and optimizer state after one
-step; :func:`place` turns that (or the ``"equal"``/``"parameters"`` baselines, or given
-bounds) into one stage per worker with
-:func:`~blockflow.parallel.partition.partition_stages` and installs the stages. The
-functions take the :class:`~blockflow.parallel.PipelineParallel` they place (``pipe``).
+:func:`measure` times every layer on every worker; :func:`place` turns that into one stage
+per worker (:func:`~blockflow.parallel.partition.partition_stages`) and installs the stages.
 """
 
 from __future__ import annotations
@@ -49,8 +45,7 @@ def modules_of(model) -> list[tuple[str, Any]]:
 
 
 def refuse_batch_norm(named) -> None:
-    """Raise ``ValueError`` naming the first BatchNorm layer of ``named`` ((name, module)
-    pairs): its statistics would be each micro-batch's, not the batch's."""
+    """Raise ``ValueError`` naming the first BatchNorm layer of ``named``."""
     import torch
 
     norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d,
@@ -86,8 +81,7 @@ def stage_payload(pipe, s: int) -> bytes:
 
 def measure(pipe, sample, workers: Sequence[str] | None = None
             ) -> tuple[dict[str, list[float]], list[int]]:
-    """``PipelineParallel.measure``:
-    each layer's seconds on each worker (probed one layer at a time), and its bytes."""
+    """``PipelineParallel.measure``: each layer's seconds on each worker, and its bytes."""
     x = sample[: pipe.probe_rows]
     futs = {w: pipe.client.submit(_stage.probe, pipe._payloads, x, pipe.probe_repeats,
                                   pipe.optimizer, workers=[w], allow_other_workers=False,
@@ -101,24 +95,21 @@ def measure(pipe, sample, workers: Sequence[str] | None = None
 
 
 def capacity(pipe) -> dict[str, float]:
-    """Bytes each pipeline worker may give its stages: ``memory_fraction`` of its free
-    (device) memory; unknown: unbounded."""
+    """Bytes each worker may give its stages: ``memory_fraction`` of free (device) memory."""
     mem = worker_memory(pipe.client)
     return {w: pipe.memory_fraction * float(mem[w].free) if w in mem else math.inf
             for w in pipe.workers}
 
 
 def transfer(pipe) -> list[float]:
-    """Seconds to send each layer's output (on the probe's rows) to the next stage and
-    its gradient back, at distributed's bandwidth estimate."""
+    """Seconds to send each layer's output on and its gradient back."""
     bandwidth = dask.config.get("distributed.scheduler.bandwidth")
     bandwidth = float(parse_bytes(bandwidth) if isinstance(bandwidth, str) else bandwidth)
     return [2 * b / bandwidth for b in (pipe.layer_output_bytes or [])[:-1]]
 
 
 def place(pipe, sample, n_micro_batches: int | None = None) -> None:
-    """Choose the stages' workers and layer bounds (``pipe.partition``) and install each
-    stage on its worker.
+    """Choose the stages' workers and bounds and install each stage on its worker.
 
     Raises
     ------

@@ -1,13 +1,8 @@
 """Checkpoints of pipeline stages and the rebuild of a stage whose worker was lost.
 
-Every ``checkpoint_every`` steps each stage's modules and optimizer state (``torch.save``
-bytes) are kept twice: on the stage's worker and on another (a spare worker without a stage
-first, else the next stage's), so any one lost worker leaves every stage a copy of the same
-step. :func:`recover` rebuilds each lost stage on a survivor with room (a spare first) from
-its copy, rolls every other stage back to the same checkpoint in place, and takes fresh
-checkpoints; where no survivor has room, or the copy went too, one
-:class:`~blockflow.errors.WorkerLostError` names the stage. The functions take the
-:class:`~blockflow.parallel.PipelineParallel` whose stages they handle (``pipe``).
+Every ``checkpoint_every`` steps each stage is kept on its worker and on another, so any one
+lost worker leaves every stage a copy; :func:`recover` rebuilds lost stages on survivors,
+rolling the others back, or raises :class:`~blockflow.errors.WorkerLostError`.
 """
 
 from __future__ import annotations
@@ -25,8 +20,7 @@ logger = logging.getLogger("blockflow.ml.parallel.pipeline")
 
 
 def holder(pipe, s: int, alive: set[str]) -> str | None:
-    """A worker other than stage ``s``'s for its checkpoint's copy: a spare (no stage)
-    first, else the next stage's worker."""
+    """A worker other than stage ``s``'s for its checkpoint's copy (a spare first)."""
     mine = pipe.stage_workers[s]
     spares = sorted(w for w in alive if w not in pipe.stage_workers)
     if spares:

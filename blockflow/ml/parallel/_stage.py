@@ -1,21 +1,8 @@
 """Pipeline stages on their workers: the worker-side half of :class:`PipelineParallel`.
 
-A stage (a ``torch.nn.Sequential`` of the model's modules, its optimizer and loss) is
-installed once on its worker and kept in a per-process registry keyed by ``(worker
-address, stage key)`` (in-process workers share the module). The modules, the activations
-and autograd graph of micro-batches between their forward and backward (the *stash*), the
-gradients and the optimizer state never leave the worker; activations, their gradients,
-losses, checkpoints and ``state_dict()`` travel.
-
-A step is one task per stage (:func:`run`): the stage runs its schedule's forward and
-backward passes as a loop on its worker, and sends each micro-batch's activation to the
-next stage's worker, and its input gradient to the previous stage's, **worker to worker**
-(``blockflow_pipeline``, a comm handler served by :class:`PipePlugin`, into that stage's
-mailbox). The loop waits for its inputs seceded from the worker's thread pool, so two
-stages on one worker both run; it ends when the client cancels the step, or with an error
-naming the stage after ``blockflow.parallel.stage-wait`` (300 s) without an input.
-
-Every function here runs on a worker (shipped by reference, no closures).
+A stage's modules, stash, gradients and optimizer state stay on its worker; a step is one
+task per stage (:func:`run`), activations and gradients going worker to worker through
+``blockflow_pipeline`` (:class:`PipePlugin`). Every function here runs on a worker.
 """
 
 from __future__ import annotations
@@ -95,8 +82,7 @@ def _has_dropout(module) -> bool:
 
 
 class _Stage:
-    """One stage on its worker: modules, optimizer, loss, the stash of micro-batches between
-    forward and backward, and what this step measured."""
+    """One stage on its worker: modules, optimizer, loss, stash and this step's measures."""
 
     def __init__(self, module, optimizer: Callable | None, loss_fn, seed: int, index: int):
         self.module = module.to(_device())
@@ -119,8 +105,8 @@ def _get(key: str) -> _Stage:
 
 def install(key: str, payload: bytes, optimizer, loss_fn, seed: int, index: int,
             ckpt: bytes | None = None) -> int:
-    """Build the stage from ``payload`` (its pickled ``nn.Sequential``) on this worker, from
-    checkpoint ``ckpt`` when given; returns its bytes of parameters (+ optimizer state)."""
+    """Build the stage from ``payload`` (from checkpoint ``ckpt`` when given); returns its
+    bytes."""
     stage = _Stage(cloudpickle.loads(payload), optimizer, loss_fn, seed, index)
     if ckpt is not None:
         _load(stage, ckpt)
@@ -162,8 +148,7 @@ def _seeded(stage: _Stage, step: int, j: int):
 
 
 def _forward(stage: _Stage, x, step: int, j: int, train: bool):
-    """Forward of micro-batch ``j``; in training the input and output (and the autograd
-    graph between them) are stashed for :func:`_backward`. Returns the output, detached."""
+    """Forward of micro-batch ``j`` (stashed in training); returns the output, detached."""
     import torch
 
     x = _as_tensor(x)
@@ -182,10 +167,8 @@ def _forward(stage: _Stage, x, step: int, j: int, train: bool):
 
 
 def _backward(stage: _Stage, dy, j: int, weight: float | None):
-    """Backward of micro-batch ``j`` with ``torch.autograd.backward``: on the last stage
-    ``dy`` is the target and the loss (times ``weight``, the micro-batch's share of the
-    batch) is formed here; elsewhere ``dy`` is the gradient from the next stage. Returns the
-    gradient of the stage's input (None on the first stage)."""
+    """Backward of micro-batch ``j``: ``dy`` is the target on the last stage (loss times
+    ``weight``), else the next stage's gradient; returns the input's gradient or None."""
     import torch
 
     leaf, y = stage.stash.pop(j)
@@ -205,9 +188,7 @@ def _backward(stage: _Stage, dy, j: int, weight: float | None):
 
 
 def _finish(stage: _Stage, step: bool, want_grads: bool) -> dict:
-    """End of a training step on this stage: the loss summed over micro-batches, the most
-    micro-batches stashed at once, optionally the gradients; then the optimizer steps and
-    the gradients are zeroed."""
+    """End of a training step: summed loss, peak stash, gradients; the optimizer steps."""
     grads = None
     if want_grads:
         grads = {n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
@@ -232,8 +213,7 @@ class _Cancelled(Exception):
 
 
 class _Mailbox:
-    """Inputs sent to one stage on this worker: ``(token, kind, j) -> value``; the step
-    tokens the client cancelled."""
+    """Inputs sent to one stage on this worker: ``(token, kind, j) -> value``."""
 
     def __init__(self):
         self.cond = threading.Condition()
@@ -297,9 +277,8 @@ def _box(address: str, key: str) -> _Mailbox:
 
 def deliver(address: str, key: str, token: str, kind: str | None = None,
             j: int | None = None, value: Any = None, cancel: bool = False) -> None:
-    """Put an input (``kind`` ``"F"``: an activation, ``"B"``: a gradient) of micro-batch
-    ``j`` of step ``token`` in the mailbox of stage ``key`` on the worker at ``address``,
-    or cancel that step there."""
+    """Put input ``kind`` (``"F"``/``"B"``) of micro-batch ``j`` of step ``token`` in stage
+    ``key``'s mailbox at ``address``, or cancel that step there."""
     _box(address, key).put(token, kind, j, value, cancel)
 
 
@@ -310,9 +289,7 @@ def _serve(worker, key: str, token: str, kind: str | None = None, j: int | None 
 
 
 class PipePlugin(HandlerPlugin):
-    """Worker plugin serving the ``blockflow_pipeline`` comm handler (activations and
-    gradients sent from stage to stage, and cancellations from the client), on every
-    worker, those that join later included."""
+    """Worker plugin serving the ``blockflow_pipeline`` comm handler."""
 
     name = "blockflow-pipeline"
 
@@ -321,8 +298,7 @@ class PipePlugin(HandlerPlugin):
 
 
 def has_handler(dask_worker=None) -> bool:
-    """Whether this worker serves ``blockflow_pipeline`` (``client.run`` passes
-    ``dask_worker``)."""
+    """Whether this worker serves ``blockflow_pipeline``."""
     return dask_worker is not None and _distributed.has_worker_handler(dask_worker, HANDLER)
 
 
@@ -331,22 +307,15 @@ def run(key: str, token: str, step: int, plan: dict, inputs: Sequence | None = N
     """One step of stage ``key``: its forward and backward passes in the order
     ``plan["order"]`` (``("F", j)`` / ``("B", j)``), as a loop on this worker.
 
-    ``plan`` holds ``train``, ``order``, ``prev`` and ``next`` (``(address, key)`` of the
-    neighbouring stages, None at the ends), ``weights`` (the last stage's loss weight of
-    each micro-batch), ``want_output``, ``want_grads``, ``step_optimizer`` and ``name`` (the
-    stage's, for messages). The first stage reads its micro-batches from ``inputs``, the
-    last its targets from ``targets``; the others wait for them in their mailbox. Each
-    output (forward) and input gradient (backward) is sent to the neighbour's worker as soon
-    as it exists.
+    ``plan`` holds ``train``, ``order``, ``prev``/``next`` (``(address, key)`` or None),
+    ``weights``, ``want_output``, ``want_grads``, ``step_optimizer`` and ``name``.
 
     Returns
     -------
     dict
-        ``records`` (``(phase, j, start, stop)``, ``time.time()`` of this worker around
-        the compute of each pass), ``clock`` (seconds to add to read the scheduler's
-        clock), ``outputs`` (last stage, when asked), ``wait`` (seconds spent
-        waiting for inputs), ``cancelled``, and in training what the step's end gives
-        (``loss``, ``peak_stash``, ``grads``, ``bytes``).
+        ``records`` (``(phase, j, start, stop)``), ``clock`` (offset to the scheduler's
+        clock), ``outputs``, ``wait`` (seconds), ``cancelled``, and in training ``loss``,
+        ``peak_stash``, ``grads``, ``bytes``.
     """
     stage = _get(key)
     worker = _distributed.current_worker()
@@ -452,8 +421,7 @@ def state(key: str) -> dict:
 
 
 def peaks(reset: bool = False, dask_worker=None) -> int:
-    """Most bytes of parameters, gradients and optimizer state this worker held at once
-    (``client.run`` passes ``dask_worker``)."""
+    """Most bytes of parameters, gradients and optimizer state this worker held at once."""
     address = dask_worker.address if dask_worker is not None else _here()
     with _LOCK:
         value = _PEAK.get(address, 0)
@@ -464,10 +432,8 @@ def peaks(reset: bool = False, dask_worker=None) -> int:
 
 
 def probe(payloads: Sequence[bytes], x, repeats: int, optimizer) -> tuple[list, list, list]:
-    """Each module's forward+backward seconds on this worker (the least of ``repeats``
-    timed passes after a warm-up), its bytes of parameters, gradients and optimizer
-    state after one optimizer step, and the bytes of its output on ``x``; one module loaded
-    at a time."""
+    """Each module's forward+backward seconds on this worker (least of ``repeats``), its
+    bytes after one optimizer step, and its output's bytes on ``x``."""
     import torch
 
     times, sizes, outs = [], [], []
@@ -501,6 +467,5 @@ def probe(payloads: Sequence[bytes], x, repeats: int, optimizer) -> tuple[list, 
 
 
 def hold(value: Any) -> Any:
-    """A copy of ``value`` on the worker this task runs on (a checkpoint kept off its
-    stage's worker)."""
+    """A copy of ``value`` on this task's worker (a checkpoint kept off its stage's)."""
     return value

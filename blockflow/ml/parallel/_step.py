@@ -1,11 +1,8 @@
 """One pipeline step, driven from the client: micro-batches in, one task per stage, results.
 
-Each stage's task runs the stage's schedule (:func:`~blockflow.parallel.schedule_order`) as a
-loop on its worker (:func:`blockflow.ml.parallel._stage.run`); activations and gradients go
-worker to worker. A step that loses a stage's worker rebuilds it from its checkpoint
-(:mod:`blockflow.ml.parallel._recovery`) and runs again, or raises :class:`RolledBack`
-when the pipeline went back to an earlier step. The functions take the
-:class:`~blockflow.parallel.PipelineParallel` they step (``pipe``).
+Each stage's task loops over its schedule on its worker
+(:func:`blockflow.ml.parallel._stage.run`); a lost stage worker is rebuilt from its
+checkpoint (:mod:`blockflow.ml.parallel._recovery`).
 """
 
 from __future__ import annotations
@@ -56,8 +53,8 @@ def micro_batches(pipe, n_rows: int, n_micro_batches: int | None) -> int:
 
 
 def micro_slices(data, lo: int, rows: int, m: int) -> tuple[list, list[int]]:
-    """``data[lo:lo + rows]`` cut into ``m`` micro-batches that differ by at most one row
-    (8 rows in 3: 3, 3, 2), and their row counts."""
+    """``data[lo:lo + rows]`` cut into ``m`` micro-batches differing by at most one row,
+    and their row counts."""
     sizes = [len(a) for a in np.array_split(np.arange(rows), m)]
     cuts = lo + np.concatenate([[0], np.cumsum(sizes)])
     return [data[cuts[j]:cuts[j + 1]] for j in range(m)], sizes
@@ -183,8 +180,7 @@ def _try_step(pipe, xs, ts, sizes, *, return_grads, return_output, publish, name
 
 
 def _cancel_step(pipe, token: str, futures: list) -> None:
-    """End a failed step's stage loops on the workers still there (they would wait for
-    a lost neighbour), then forget its tasks."""
+    """End a failed step's stage loops on the workers still there, then forget its tasks."""
     alive = pipe._alive()
     c = pipe.client
 

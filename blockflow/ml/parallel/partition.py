@@ -30,7 +30,7 @@ def shard_widths(width: int, free: Mapping[str, float], bytes_per_column: int, *
     free : mapping of str to float
         Free device memory per worker, bytes (``math.inf`` where unknown and unlimited).
     bytes_per_column : int
-        Weight bytes one column of the split takes on its worker (all layer pairs together).
+        Weight bytes one column takes on its worker (all layer pairs together).
     memory_fraction : float, default 1.0
         Fraction (0-1) of each worker's free memory the weights may take.
 
@@ -42,15 +42,14 @@ def shard_widths(width: int, free: Mapping[str, float], bytes_per_column: int, *
     Raises
     ------
     DeviceMemoryError
-        If the weights do not fit the workers' free memory together; the message names the
-        shortfall in bytes.
+        If the weights do not fit the workers' free memory together.
     ValueError
         If ``free`` is empty or ``width`` < 1.
 
     Notes
     -----
     Method: blockflow heuristic (proportional shares, largest-remainder rounding, then
-    columns moved off any worker over its budget to the one with the most room left).
+    moves off workers over budget).
     """
     if width < 1 or not free:
         raise ValueError(f"blockflow: need width >= 1 and at least one worker, got width "
@@ -78,8 +77,8 @@ def shard_widths(width: int, free: Mapping[str, float], bytes_per_column: int, *
 
 
 def check_fits(need: int, free: Mapping[str, float], memory_fraction: float = 1.0) -> None:
-    """Raise :class:`DeviceMemoryError` naming the shortfall when ``need`` bytes exceed
-    ``memory_fraction`` of the workers' free memory together (bytes per worker in ``free``)."""
+    """Raise :class:`DeviceMemoryError` when ``need`` bytes exceed ``memory_fraction`` of
+    the workers' free memory together."""
     total = sum(memory_fraction * max(float(f), 0.0) for f in free.values())
     if need > total:
         finite = all(map(math.isfinite, free.values()))
@@ -99,8 +98,7 @@ def stage_times(layer_times: Mapping[str, Sequence[float]], bounds: Sequence[int
 
 def _segments(costs: np.ndarray, sizes: np.ndarray | None, caps: Sequence[float] | None
               ) -> tuple[np.ndarray, np.ndarray]:
-    """``seg[s, k, j]``: the time of layers ``k:j`` on stage ``s``'s worker, and whether it
-    is a stage there (``k < j``, within the stage's cap)."""
+    """``seg[s, k, j]``: time of layers ``k:j`` on stage ``s``'s worker, and whether it fits."""
     p, n = costs.shape
     prefix = np.concatenate([np.zeros((p, 1)), np.cumsum(costs, axis=1)], axis=1)
     seg = prefix[:, None, :] - prefix[:, :, None]
@@ -115,9 +113,8 @@ def _segments(costs: np.ndarray, sizes: np.ndarray | None, caps: Sequence[float]
 
 def _best_bounds(costs: np.ndarray, sizes: np.ndarray | None = None,
                  caps: Sequence[float] | None = None) -> tuple[float, list[int]]:
-    """Min-max contiguous partition of layers over stages; ``costs[s, l]`` is layer ``l``'s
-    time on stage ``s``'s worker. Every stage gets at least one layer; with ``sizes`` (bytes
-    per layer) and ``caps`` (bytes per stage), no stage holds more than its cap."""
+    """Min-max contiguous partition of layers over stages within ``caps`` (bytes per stage);
+    ``costs[s, l]`` is layer ``l``'s time on stage ``s``'s worker."""
     p, n = costs.shape
     seg, ok = _segments(costs, sizes, caps)
     best = np.full((p + 1, n + 1), np.inf)
@@ -139,9 +136,8 @@ def _min_sum_bounds(costs: np.ndarray, limit: float, sizes: np.ndarray | None = 
                     caps: Sequence[float] | None = None,
                     transfer: np.ndarray | None = None, segments=None
                     ) -> tuple[float, float, list[int]]:
-    """Among contiguous partitions whose every stage takes at most ``limit`` (and fits its
-    cap), the one of least total time (stages plus ``transfer[k]`` at each cut before layer
-    ``k``); returns (its slowest stage, its total, bounds), ``inf`` total when none fits."""
+    """Least-total-time contiguous partition whose every stage takes at most ``limit``:
+    (slowest stage, total, bounds); ``inf`` total when none fits."""
     p, n = costs.shape
     seg, ok = segments if segments is not None else _segments(costs, sizes, caps)
     cross = np.zeros(n + 1) if transfer is None else np.concatenate([[0.0], transfer, [0.0]])
@@ -166,10 +162,8 @@ def _min_sum_bounds(costs: np.ndarray, limit: float, sizes: np.ndarray | None = 
 
 def flush_makespan(stage_seconds: Sequence[float], n_micro_batches: int,
                    transfer: float = 0.0) -> float:
-    """Seconds of a GPipe or 1F1B step (a flush at its end) of ``n_micro_batches`` on
-    stages taking ``stage_seconds`` per micro-batch (forward and backward): one micro-batch
-    through every stage and back (the fill and drain, plus ``transfer``, the seconds of its
-    hops), and ``m - 1`` more at the pace of the slowest stage."""
+    """Seconds of a GPipe or 1F1B step of ``n_micro_batches``: the fill and drain of one
+    micro-batch (plus ``transfer``), and ``m - 1`` more at the slowest stage's pace."""
     return (n_micro_batches - 1) * max(stage_seconds) + sum(stage_seconds) + transfer
 
 
@@ -184,43 +178,34 @@ def partition_stages(layer_times: Mapping[str, Sequence[float]], n_stages: int |
     Parameters
     ----------
     layer_times : mapping of str to sequence of float
-        For each worker, each layer's measured time there (seconds; forward and backward of
-        one micro-batch).
+        For each worker, each layer's forward+backward seconds for one micro-batch.
     n_stages : int, optional
-        Number of stages (at most the number of workers and of layers); default
-        ``min(workers, layers)``. The fastest workers (least total time) are used.
+        Number of stages; default ``min(workers, layers)``, on the fastest workers.
     layer_bytes : sequence of float, optional
         Bytes each layer takes on its worker (parameters, gradients, optimizer state).
     capacity : mapping of str to float, optional
-        Bytes each worker may hold (free device memory x a fraction); with ``layer_bytes``,
-        no stage exceeds its worker's.
+        Bytes each worker may hold; with ``layer_bytes`` no stage exceeds its worker's.
     n_micro_batches : int, optional
-        With it, the partition minimises the whole step's time,
-        :func:`flush_makespan`: ``(m - 1)`` times the slowest stage plus one micro-batch's
-        way through every stage and back (the bubble's fill and drain) and its hops.
-        Without it, the slowest stage, ties broken by that way's length.
+        With it, minimise :func:`flush_makespan`; without, the slowest stage.
     transfer : sequence of float, optional
-        Seconds to send the output of layer ``k`` to the next stage and its gradient back
-        (``len(layers) - 1`` values), paid at each cut.
+        Seconds to send layer ``k``'s output on and its gradient back, paid at each cut.
 
     Returns
     -------
     (list of str, list of int)
-        The worker of each stage, in pipeline order, and the stage bounds: stage ``s`` holds
-        layers ``bounds[s]:bounds[s+1]`` (``bounds[0] == 0``, ``bounds[-1] ==`` layers).
+        The worker of each stage in pipeline order, and bounds: stage ``s`` holds layers
+        ``bounds[s]:bounds[s+1]``.
 
     Notes
     -----
-    Method: dynamic programming over contiguous partitions, as in PipeDream's planner
-    (Narayanan et al., SOSP 2019) with one worker per stage: the min-max split, then, for
-    each bound on the slowest stage from that up (the stage times the split can take), the
-    split of least total time within it (a second programme); worker orders are tried
-    exhaustively up to 6 stages, beyond that fastest-first.
+    Method: dynamic programming over contiguous partitions, as PipeDream's planner
+    (Narayanan et al., SOSP 2019), with one worker per stage; worker orders tried
+    exhaustively up to 6 stages, else fastest-first.
 
     Raises
     ------
     DeviceMemoryError
-        If no contiguous partition fits the workers' capacity (the message names the bytes).
+        If no contiguous partition fits the workers' capacity.
     """
     workers = sorted(layer_times, key=lambda w: (sum(layer_times[w]), w))
     n_layers = len(next(iter(layer_times.values())))
@@ -271,9 +256,7 @@ def partition_stages(layer_times: Mapping[str, Sequence[float]], n_stages: int |
 
 def _best_flush(costs, floor: float, m: int, sizes, caps, cross, incumbent: float,
                 max_limits: int = 64) -> tuple[tuple[float, float], list[int]]:
-    """For one worker order: the split of least :func:`flush_makespan`, over bounds on the
-    slowest stage from ``floor`` (its min-max) up to where ``(m - 1)`` times the bound
-    alone exceeds the best step known."""
+    """For one worker order: the split of least :func:`flush_makespan`."""
     segments = _segments(costs, sizes, caps)
     segs = np.unique(segments[0][segments[1]])
     limits = segs[segs >= floor * (1 - 1e-12)]
@@ -303,13 +286,12 @@ def equal_stages(n_layers: int, workers: Sequence[str]) -> tuple[list[str], list
 def parameter_stages(n_params: Sequence[int], workers: Sequence[str]
                      ) -> tuple[list[str], list[int]]:
     """DeepSpeed's ``partition_method="parameters"`` baseline: contiguous stages of about
-    equal parameter counts (min-max by :func:`partition_stages`' dynamic programme), on
-    ``workers`` in the order given, whatever their speed or memory.
+    equal parameter counts on ``workers`` in the order given.
 
     Parameters
     ----------
     n_params : sequence of int
-        Parameters of each layer (layers without any count as one, so each stage gets one).
+        Parameters of each layer (0 counts as one).
     workers : sequence of str
 
     Returns

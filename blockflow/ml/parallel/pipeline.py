@@ -1,22 +1,9 @@
 """Pipeline parallelism for PyTorch models: contiguous stages on different workers.
 
-A ``torch.nn.Sequential`` (or a list of modules) is cut into contiguous **stages**, one per
-worker, each kept on its worker with its optimizer (:mod:`blockflow.ml.parallel._stage`). A
-step is one task per stage running the stage's schedule as a loop there; activations and
-gradients go worker to worker (:mod:`blockflow.ml.parallel._step`). Schedules
-(:func:`schedule_order`): ``"gpipe"`` (Huang et al., 2019: every forward, then every
-backward) and ``"1f1b"`` (PipeDream-Flush, Narayanan et al., 2021, as
-``torch.distributed.pipelining.Schedule1F1B``: a stage stashes at most ``p - s``
-micro-batches).
-
-The **partition** minimises the step's time from every layer's forward+backward time
-measured on every worker, within each worker's free device memory
-(:mod:`blockflow.ml.parallel._placement`, :func:`~blockflow.parallel.partition_stages`);
-``"equal"`` and ``"parameters"`` (DeepSpeed's ``partition_method``) are the baselines.
-Every ``checkpoint_every`` steps each stage is checkpointed on two workers; a stage whose
-worker is lost is rebuilt from its copy (:mod:`blockflow.ml.parallel._recovery`). Each
-step's timeline is published in the scheduler's metadata under ``("blockflow",
-"pipeline")`` for the dashboard and :func:`blockflow.run_report`.
+Schedules (:func:`schedule_order`): ``"gpipe"`` (Huang et al., 2019) and ``"1f1b"``
+(PipeDream-Flush, Narayanan et al., 2021). The ``"speed"`` partition
+(:func:`~blockflow.parallel.partition_stages`) uses measured layer times and free device
+memory; ``"equal"`` and ``"parameters"`` (DeepSpeed's) are baselines. Guide: docs/guide/ai.md.
 """
 
 from __future__ import annotations
@@ -62,19 +49,14 @@ class PipelineParallel:
         over rows or ``"sum"``; default ``torch.nn.MSELoss()``.
     schedule : {"gpipe", "1f1b"}, default "gpipe"
     workers : sequence of str, optional
-        Workers that may hold stages; default all, in address order. One stage per worker.
-        ``"equal"`` and ``"parameters"`` put stage ``s`` on the ``s``-th of them (the device
-        order, as ranks do in ``torch.distributed.pipelining``); ``"speed"`` picks the
-        order.
+        Workers that may hold stages, one stage each; default all, in address order.
     n_stages : int, optional
         Default: as many as workers (at most the number of layers).
     partition : {"speed", "equal", "parameters"} or (list of str, list of int), default "speed"
-        ``"speed"``: from each layer's measured time on each worker and free device memory
-        (see the module docstring); ``"equal"``: equal layer counts; ``"parameters"``: about
-        equal parameter counts (DeepSpeed's); or ``(workers in stage order, bounds)``.
+        Measured layer times and memory, equal layer counts, about equal parameter counts,
+        or ``(workers in stage order, bounds)``.
     sample : array or tensor, optional
-        Input rows the layers are timed on (``"speed"``); default: the first micro-batch of
-        the first :meth:`run` or :meth:`fit`, when the stages are then placed.
+        Input rows the layers are timed on; default the first micro-batch of the first run.
     probe_rows : int, default 32
         Rows of ``sample`` used by the probe.
     probe_repeats : int, default 2
@@ -86,8 +68,7 @@ class PipelineParallel:
         Fraction (0-1) of each worker's free device memory a stage may take; default config
         ``blockflow.parallel.memory-fraction``.
     seed : int, default 0
-        Seeds dropout: micro-batch ``j`` of step ``k`` on stage ``s`` draws from a generator
-        seeded from ``(seed, k, j, s)``, so runs repeat.
+        Seeds dropout per ``(seed, step, micro-batch, stage)``, so runs repeat.
     allow_batch_norm : bool, default False
         BatchNorm is refused (per-micro-batch statistics change the model) unless True.
 
@@ -102,24 +83,21 @@ class PipelineParallel:
     layer_bytes : list of int or None
         Measured bytes of each layer's parameters, gradients and optimizer state.
     layer_output_bytes : list of int or None
-        Measured bytes of each layer's output on the probe's rows (what a cut after it
-        sends, and its gradient back).
+        Measured bytes of each layer's output on the probe's rows.
     predicted_stage_times : list of float or None
         Per stage, the measured seconds of its layers on its worker.
     steps : int
         Optimizer steps taken.
     recoveries : list of dict
-        One per lost stage worker survived: ``step`` (when), ``resumed_from`` (the
-        checkpoint's step), ``stages`` (rebuilt), ``lost`` (workers).
+        One per lost stage worker survived (``step``, ``resumed_from``, ``stages``, ``lost``).
 
     Raises
     ------
     TypeError
         If ``model`` is not a Sequential or a list of modules, or cannot be pickled.
     ValueError
-        For BatchNorm (without ``allow_batch_norm``), no layers, workers not in the cluster,
-        an unknown schedule or partition, or bounds that do not cut the layers into one
-        non-empty stage per worker.
+        For BatchNorm (without ``allow_batch_norm``), no layers, unknown workers, schedule
+        or partition, or bounds that do not give one non-empty stage per worker.
     """
 
     def __init__(self, client, model, *, optimizer: Callable | None = None,
@@ -192,21 +170,9 @@ class PipelineParallel:
 
     def measure(self, sample, workers: Sequence[str] | None = None
                 ) -> tuple[dict[str, list[float]], list[int]]:
-        """Each layer's forward+backward seconds on each worker, and its bytes.
-
-        Parameters
-        ----------
-        sample : array or tensor
-            Input rows (the first ``probe_rows`` are used).
-        workers : sequence of str, optional
-            Default: the pipeline's workers.
-
-        Returns
-        -------
-        (dict of str to list of float, list of int)
-            Worker address -> seconds per layer; bytes of each layer's parameters,
-            gradients and optimizer state after one step (from the first worker).
-        """
+        """Each layer's forward+backward seconds on each worker (on the first ``probe_rows``
+        of ``sample``; ``workers`` default the pipeline's), and each layer's bytes of
+        parameters, gradients and optimizer state: ``({worker: [seconds]}, [bytes])``."""
         return _placement.measure(self, sample, workers)
 
     def _place(self, sample, n_micro_batches: int | None = None) -> None:
@@ -245,18 +211,16 @@ class PipelineParallel:
         ----------
         X : array or tensor, shape (n_samples, ...)
         target : array or tensor, shape (n_samples, ...), optional
-            With a target the loss is formed on the last stage, the backward pass runs and
-            each stage's optimizer (if any) steps.
+            With a target the loss, backward pass and optimizer step run too.
         n_micro_batches : int, optional
-            Between 1 and the batch's rows; micro-batches differ by at most one row when
-            the count does not divide the batch (8 rows in 3: 3, 3, 2). Default ``stages x``
-            config ``blockflow.parallel.micro-batches-per-stage``, at most the rows.
+            1 to the batch's rows; default ``stages x`` config
+            ``blockflow.parallel.micro-batches-per-stage``.
         return_grads : bool, default False
             Gather the gradients (before the optimizer step) into ``result.grads``.
         return_output : bool, default True
             Gather the model's output into ``result.output``.
         publish : bool, default True
-            Publish the timeline in the scheduler's metadata (dashboard, run report).
+            Publish the timeline in the scheduler's metadata.
         name : str, default "pipeline"
             Label of the run on the dashboard.
 
@@ -267,11 +231,10 @@ class PipelineParallel:
         Raises
         ------
         ValueError
-            If ``n_micro_batches`` is below 1 or above the rows (before anything runs), the
-            batch is empty, or ``target``'s rows differ from ``X``'s.
+            If ``n_micro_batches`` is out of range, the batch is empty, or ``target``'s rows
+            differ from ``X``'s.
         WorkerLostError
-            If a stage's worker was lost and nothing could rebuild the stage (the message
-            names it).
+            If a stage's worker was lost and the stage could not be rebuilt.
         """
         n = len(X)
         if n == 0:
@@ -296,8 +259,7 @@ class PipelineParallel:
         Parameters
         ----------
         X : dask.array.Array or array, shape (n_samples, ...)
-            Batches are sliced from it on the cluster and sent to the first stage's worker;
-            the data never pass through the client when ``X`` is a dask array.
+            Batches are sliced on the cluster and sent to the first stage's worker.
         y : dask.array.Array or array, shape (n_samples, ...)
             Sent to the last stage's worker.
         epochs : int, default 1
@@ -306,15 +268,14 @@ class PipelineParallel:
         n_micro_batches : int, optional
             As for :meth:`run`.
         shuffle : bool, default True
-            Visit the batches in a new order each epoch (seeded by ``seed``); rows within a
-            batch stay contiguous.
+            New batch order each epoch (seeded by ``seed``).
         callback : callable, optional
             ``callback(epoch, step, loss)`` after each step.
 
         Returns
         -------
         PipelineParallel
-            ``self``; ``history_`` holds one row per step (``epoch``, ``step``, ``loss``,
+            ``self``; ``history_`` has one row per step (``epoch``, ``step``, ``loss``,
             ``seconds``, ``recovered``).
 
         Raises
@@ -373,7 +334,7 @@ class PipelineParallel:
 
     def predict(self, X, *, n_micro_batches: int | None = None,
                 batch_size: int | None = None) -> np.ndarray:
-        """The model's output on ``X`` (evaluation mode, no gradients).
+        """The model's output on ``X`` as a NumPy array (evaluation mode, no gradients).
 
         Parameters
         ----------
@@ -382,10 +343,6 @@ class PipelineParallel:
             Per batch, as for :meth:`run`.
         batch_size : int, optional
             Rows per pass; default 1024.
-
-        Returns
-        -------
-        numpy.ndarray
         """
         n = X.shape[0]
         if isinstance(X, da.Array):
@@ -401,8 +358,7 @@ class PipelineParallel:
         return np.concatenate(outs)
 
     def state_dict(self) -> dict:
-        """The model's ``state_dict()``, reassembled on the client from every stage (keys as
-        in the original model's; tensors on the CPU)."""
+        """The model's ``state_dict()`` reassembled from every stage (tensors on the CPU)."""
         futs = [self.client.submit(_stage.state, k, workers=[w], allow_other_workers=False,
                                    pure=False) for k, w in zip(self._keys, self.stage_workers)]
         out: dict = {}
@@ -411,13 +367,11 @@ class PipelineParallel:
         return out
 
     def memory_peaks(self, reset: bool = False) -> dict[str, int]:
-        """Per worker: the most bytes of parameters, gradients and optimizer state it held
-        at once (its stages, and the probe's one layer at a time), measured on the worker."""
+        """Per worker: peak bytes of parameters, gradients and optimizer state held."""
         return self.client.run(_stage.peaks, reset, workers=self.workers)
 
     def stage_bytes(self) -> list[int]:
-        """Per stage: bytes of its parameters, gradients and optimizer state (the most seen
-        at the end of a step)."""
+        """Per stage: bytes of its parameters, gradients and optimizer state."""
         return list(self._stage_bytes)
 
     def close(self) -> None:

@@ -1,10 +1,5 @@
-"""Pipeline schedules and what a pipeline step gives back: the plain-data half of
-:class:`~blockflow.parallel.PipelineParallel`.
-
-* :func:`schedule_order`: the order a stage runs its forward and backward tasks in, GPipe
-  (Huang et al., 2019) or 1F1B (PipeDream-Flush, Narayanan et al., 2021);
-* :class:`PipelineResult` and :func:`bubble_fraction`: a step's loss, output, gradients,
-  timeline (each pass's compute, measured on its stage's worker) and idle fraction.
+"""Pipeline schedules (GPipe, Huang et al., 2019; 1F1B, Narayanan et al., 2021) and
+:class:`PipelineResult`, what a :class:`~blockflow.parallel.PipelineParallel` step gives.
 """
 
 from __future__ import annotations
@@ -56,8 +51,7 @@ def bubble_fraction(timeline: pd.DataFrame) -> float:
     Returns
     -------
     float
-        Fraction 0-1 of the stages' time between the first start and the last stop spent
-        idle (the schedule's bubble, plus any scheduling gaps).
+        Fraction 0-1 of the stages' time between first start and last stop spent idle.
     """
     if timeline.empty:
         return 0.0
@@ -74,16 +68,15 @@ class PipelineResult:
     Attributes
     ----------
     output : numpy.ndarray
-        The model's output for the whole batch (micro-batches concatenated in order).
+        The model's output for the whole batch.
     loss : float or None
-        The loss of the batch (as the loss function computes it on the whole batch), when a
-        target was given.
+        The loss of the batch, when a target was given.
     grads : dict of str to numpy.ndarray or None
-        Gradients of the parameters, named as in the model's ``state_dict()``, before the
-        optimizer stepped (``return_grads=True`` only).
+        Gradients by ``state_dict()`` name, before the optimizer stepped
+        (``return_grads=True`` only).
     timeline : pandas.DataFrame
         One row per stage task: ``stage``, ``worker``, ``micro_batch``, ``phase``
-        (``"forward"``/``"backward"``), ``start``, ``stop`` (seconds since the first start).
+        (``"forward"``/``"backward"``), ``start``, ``stop`` (seconds).
     makespan : float
         Seconds from the first task start to the last stop.
     n_micro_batches, n_stages : int
@@ -93,8 +86,7 @@ class PipelineResult:
         Rows of each micro-batch (they may differ by one).
     schedule : str
     peak_activations : list of int
-        Per stage, the most micro-batches whose activations it held at once (measured on
-        the worker); empty without a backward pass.
+        Per stage, the most micro-batches whose activations it held at once.
     recovered : list of str
         Stages rebuilt after their worker was lost during this step.
     """
@@ -149,9 +141,7 @@ class PipelineResult:
 
 
 def timeline(records: list[list[tuple]], workers: list[str]) -> pd.DataFrame:
-    """Rows of a step's passes from each stage's records (``(phase, micro-batch, start,
-    stop)``, seconds on the scheduler's clock, measured around each pass's compute on the
-    stage's worker), times since the step's first start."""
+    """Rows of a step's passes from each stage's records, seconds since the first start."""
     rows = [{"stage": s, "worker": workers[s], "micro_batch": int(j), "phase": phase,
              "start": float(a), "stop": float(b)}
             for s, recs in enumerate(records) for phase, j, a, b in recs]

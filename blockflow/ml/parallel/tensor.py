@@ -1,25 +1,8 @@
 """Tensor (model) parallelism for PyTorch: pairs of ``nn.Linear`` split across workers.
 
-As in Megatron-LM (Shoeybi et al., 2019), the first linear layer of a pair is split by
-**columns** (output features) and the second by **rows** (input features), so that shard
-``i`` computes its part of the block with no communication inside it and the partial outputs
-are summed:
-
-* an **MLP block** ``nn.Sequential(Linear(d, h), act, Linear(h, d_out))``: shard ``i`` holds
-  columns ``H_i`` of the first layer and rows ``H_i`` of the second and computes
-  ``act(x A_i^T + a_i) B_i^T``; the second layer's bias is added once;
-* an **attention layer** ``nn.MultiheadAttention`` (self-attention, ``batch_first=True``):
-  the Q, K and V projections are split by heads (column-parallel), each shard attends with
-  its own heads, and the output projection is split by the same heads' columns
-  (row-parallel).
-
-Each shard is a ``torch.nn.Module`` kept on its worker (keyed by worker address and shard
-key); its forward pass keeps its autograd graph there and its backward pass runs
-``torch.autograd.backward`` with the output's gradient. On the client,
-:meth:`TensorParallel.as_module` is a drop-in ``torch.nn.Module`` whose forward and
-backward are one ``torch.autograd.Function``, so the rest of the model differentiates through it. Shard
-widths (hidden columns, or heads) follow each worker's free device memory
-(:func:`~blockflow.parallel.partition.shard_widths`).
+As in Megatron-LM (Shoeybi et al., 2019): the first layer of a pair split by columns, the
+second by rows, partial outputs summed; attention split by heads. Shard widths follow free
+device memory (:func:`~blockflow.parallel.partition.shard_widths`). Guide: docs/guide/ai.md.
 """
 
 from __future__ import annotations
@@ -51,9 +34,8 @@ _ELEMENTWISE = ("GELU", "ReLU", "Tanh", "SiLU", "Sigmoid", "Identity", "LeakyReL
 def free_device_memory(client) -> dict[str, float]:
     """Free memory per worker in bytes, as the client's view of the cluster reads it.
 
-    Reported device memory (``gpu-memory-total`` minus ``gpu_memory_used``) where a worker
-    reports it, else its host memory limit minus its process memory, else ``math.inf``
-    (unknown): :attr:`blockflow.scheduling.view.WorkerMemory.free`.
+    Reported device memory where a worker reports it, else host memory limit minus process
+    memory, else ``math.inf`` (:attr:`blockflow.scheduling.view.WorkerMemory.free`).
     """
     return {a: float(m.free) for a, m in worker_memory(client).items()}
 
@@ -82,8 +64,7 @@ def _shard(key: str) -> dict:
 
 
 def _forward(key: str, x, call: str | None, train: bool):
-    """The shard's partial output; with ``call`` its input and graph are kept for
-    :func:`_backward`."""
+    """The shard's partial output; with ``call`` its input and graph are kept."""
     import torch
 
     sh = _shard(key)
@@ -100,8 +81,7 @@ def _forward(key: str, x, call: str | None, train: bool):
 
 
 def _backward(key: str, call: str, dy):
-    """``torch.autograd.backward`` of the shard's output with ``dy``; returns its part of
-    the input's gradient (gradients of the shard's weights accumulate on this worker)."""
+    """Backward of the shard's output with ``dy``; returns its part of the input's gradient."""
     import torch
 
     sh = _shard(key)
@@ -139,8 +119,7 @@ def _drop(key: str) -> None:
 
 
 def _mlp_shard(lin1, act, lin2, cols, with_bias: bool):
-    """Columns ``cols`` of ``lin1`` and rows ``cols`` of ``lin2`` (its bias only on one
-    shard) as one module."""
+    """Columns ``cols`` of ``lin1`` and rows ``cols`` of ``lin2`` as one module."""
     import torch
 
     a = torch.nn.Linear(lin1.in_features, len(cols), bias=lin1.bias is not None,
@@ -158,8 +137,7 @@ def _mlp_shard(lin1, act, lin2, cols, with_bias: bool):
 
 
 def _attention_shard(mha, heads: Sequence[int], with_bias: bool):
-    """Heads ``heads`` of ``mha``: their rows of the Q, K, V projections (column-parallel)
-    and their columns of the output projection (row-parallel)."""
+    """Heads ``heads`` of ``mha``: their Q, K, V rows and output-projection columns."""
     import torch
 
     E, H = mha.embed_dim, mha.num_heads
@@ -224,15 +202,12 @@ class TensorParallel:
     ----------
     client : distributed.Client
     module : torch.nn.Sequential or torch.nn.MultiheadAttention
-        An MLP block ``Sequential(Linear(d, h), <element-wise activation>, Linear(h, d_out))``
-        (hidden columns split), or a self-attention layer (``batch_first=True``, heads
-        split; called as ``tp(x)`` or, inside a ``TransformerEncoderLayer``, as
-        ``tp(x, x, x, need_weights=False)`` without masks).
+        An MLP block ``Sequential(Linear(d, h), <element-wise activation>, Linear(h, d_out))``,
+        or a self-attention layer (``batch_first=True``, no masks).
     workers : sequence of str, optional
         Workers to shard over; default all.
     widths : mapping of str to int or sequence of int, optional
-        Hidden columns (or heads) per worker; default in proportion to their free device
-        memory (:func:`~blockflow.parallel.partition.shard_widths`).
+        Hidden columns (or heads) per worker; default by free device memory.
     memory_fraction : float, optional
         Fraction (0-1) of each worker's free device memory the shards may take; default
         config ``blockflow.parallel.memory-fraction``.
@@ -254,9 +229,7 @@ class TensorParallel:
 
     Notes
     -----
-    ``as_module()`` gives the ``torch.nn.Module`` to put in a model (``model[2] =
-    tp.as_module()``); its forward sends the input to every shard's worker and sums their
-    partial outputs, its backward sends the output's gradient and sums theirs.
+    Put ``tp.as_module()`` in a model (``model[2] = tp.as_module()``).
     """
 
     def __init__(self, client, module, *, workers: Sequence[str] | None = None,
@@ -381,8 +354,7 @@ class TensorParallel:
         return out
 
     def as_module(self):
-        """A ``torch.nn.Module`` running this block on its shards (drop-in for the
-        original module)."""
+        """A drop-in ``torch.nn.Module`` running this block on its shards."""
         return _TensorParallelModule(self)
 
     def __call__(self, *args, **kwargs):
@@ -424,8 +396,7 @@ class TensorParallel:
         return kids[0], kids[-1]
 
     def grads(self) -> dict:
-        """Gradients of the original module's parameters (by name), gathered from the
-        shards and reassembled: for checks; training steps with :meth:`step`."""
+        """Gradients of the original module's parameters (by name), reassembled."""
         parts = self._each(_grads, what="gathering the gradients")
         return self._assemble(parts)
 

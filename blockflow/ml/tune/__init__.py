@@ -1,15 +1,9 @@
 """Hyperparameter tuning: asynchronous successive halving (ASHA) with trials as Dask tasks.
 
-Each trial is a configuration drawn from a search space (:mod:`~blockflow.ml.tune.space`);
-each *rung* of a trial is one Dask task that trains it ``epochs`` more budget units from its
-last checkpoint and reports a score. There is no rung barrier (Li et al. 2020, "A System for
-Massively Parallel Hyperparameter Tuning", Algorithm 2; :mod:`~blockflow.ml.tune.asha`):
-whenever a worker thread frees it takes a promotion or a new configuration, promotions that
-synchronous successive halving is certain to make first (a blockflow heuristic). Trial tasks
-are placed by earliest finish time on the workers' learned speeds (a blockflow heuristic;
-:mod:`~blockflow.ml.tune.runner`, :mod:`~blockflow.ml.tune.speeds`). ``synchronous=True``
-runs the synchronous successive-halving baseline instead, as dask-ml's
-``SuccessiveHalvingSearchCV`` does.
+ASHA (Li et al. 2020, "A System for Massively Parallel Hyperparameter Tuning", Algorithm 2)
+without a rung barrier, trials placed by earliest finish time on learned worker speeds (a
+blockflow heuristic). ``synchronous=True`` runs synchronous successive halving, as dask-ml's
+``SuccessiveHalvingSearchCV``. Guide: docs/guide/ai.md.
 """
 
 from __future__ import annotations
@@ -39,22 +33,15 @@ class TuneResult:
     Attributes
     ----------
     trials : pandas.DataFrame
-        One row per configuration (index ``trial``): its parameters (one column each),
-        ``config`` (dict), ``rung`` (highest rung reached), ``budget`` (units trained),
-        ``score`` (at that rung; NaN if none), ``status`` (``"completed"``: reached the top
-        rung; ``"stopped"``: not promoted; ``"failed"``: its task raised; ``"pending"``:
-        never started), ``worker`` (of its last task), ``error``, ``started`` /
-        ``finished`` (s since the epoch) and ``duration`` (s, all its tasks).
+        One row per configuration (index ``trial``): its parameters, ``config``, ``rung``,
+        ``budget``, ``score``, ``status`` (``"completed"``, ``"stopped"``, ``"failed"``,
+        ``"pending"``), ``worker``, ``error``, ``started``/``finished`` (s since the epoch)
+        and ``duration`` (s).
     history : pandas.DataFrame
         One row per trial task: ``trial``, ``rung``, ``budget``, ``epochs``, ``score``,
-        ``status`` (``"ok"``/``"failed"``), ``worker``, ``promotion`` (rung > 0),
-        ``speculative`` (a promotion ASHA's rule made before it was certain that
-        synchronous successive halving makes it too), ``backup`` (a copy of a trial task
-        run on a worker whose speed nothing told yet: its time is evidence; status
-        ``"cancelled"`` when the run ended before it),
-        ``speed`` (the worker's estimated speed at dispatch), ``fastest_free`` (the fastest
-        free worker's estimated speed then), ``submitted``/``started``/``finished``
-        (s since the epoch), ``duration`` (s), ``error``.
+        ``status``, ``worker``, ``promotion``, ``speculative``, ``backup``, ``speed``,
+        ``fastest_free``, ``submitted``/``started``/``finished``, ``duration`` (s),
+        ``error``.
     best_trial : int or None
         The trial with the best score at the highest rung any trial completed.
     best_config : dict or None
@@ -66,8 +53,7 @@ class TuneResult:
     busy_fraction : float
         Summed task time over (worker threads x wall time), 0-1.
     promotion : str
-        The promotion order used (``"certain-first"``, ``"asha"``; ``"synchronous"`` for
-        ``synchronous=True``).
+        ``"certain-first"``, ``"asha"`` or ``"synchronous"``.
     """
 
     trials: Any
@@ -92,11 +78,9 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
     Parameters
     ----------
     train : callable
-        ``train(config, epochs, checkpoint) -> (score, checkpoint)``, run on a worker: train
-        ``epochs`` more budget units (epochs, say) from ``checkpoint`` (None at rung 0) and
-        return the score and the new checkpoint (picklable). It must be deterministic given
-        its inputs for a run to be repeatable. An exception marks the trial ``"failed"``;
-        the run goes on.
+        ``train(config, epochs, checkpoint) -> (score, checkpoint)``, run on a worker:
+        train ``epochs`` more budget units from ``checkpoint`` (None at rung 0). An
+        exception marks the trial ``"failed"``.
     space : mapping or sequence of mappings
         A search space for :func:`sample_configs`, or the configurations themselves.
     client : distributed.Client, optional
@@ -104,8 +88,8 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
     n_configs : int, optional
         Configurations drawn from ``space`` (config ``blockflow.tune.n-configs``).
     eta : int, optional
-        Reduction factor: the top ``1/eta`` of a rung is promoted, and each rung trains
-        ``eta`` times the budget of the one below (config ``blockflow.tune.eta``).
+        Reduction factor: the top ``1/eta`` of a rung is promoted (config
+        ``blockflow.tune.eta``).
     min_budget, max_budget : float, optional
         Budget units of rung 0 and of the top rung (config ``blockflow.tune.min-budget``,
         ``blockflow.tune.max-budget``).
@@ -114,15 +98,12 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
     seed : int, default 0
         Seed of the configurations drawn.
     synchronous : bool, default False
-        Run synchronous successive halving instead (rung barrier, Dask's placement): the
-        baseline ASHA is measured against.
+        Run synchronous successive halving instead (the baseline).
     promotion : {"certain-first", "asha"}, optional
-        Order of promotions (config ``blockflow.tune.promotion``): promotions synchronous
-        SH is sure to make first, then new configurations, then ASHA's speculative
-        promotions for threads that would idle; or Li et al.'s order (any promotion before
-        a new configuration: more work, busier devices).
+        Promotions synchronous SH is sure to make first (a blockflow heuristic), or Li et
+        al.'s order; config ``blockflow.tune.promotion``.
     publish : bool, default True
-        Publish the running trials (scheduler metadata) for blockflow's dashboard page.
+        Publish the running trials for blockflow's dashboard.
     name : str, default "tune"
         Shown on the dashboard.
 
@@ -142,11 +123,6 @@ def tune(train: Callable, space: Mapping[str, Any] | Sequence[Mapping[str, Any]]
     -----
     RuntimeWarning
         When every trial failed (the result holds their errors) or scored NaN.
-
-    Notes
-    -----
-    Source: ASHA, Li et al. 2020 (MLSys), Algorithm 2; placement by earliest finish time on
-    learned worker speeds is a blockflow heuristic (see the module doc).
     """
     eta = config.get("tune.eta", eta)
     if isinstance(eta, bool) or not float(eta).is_integer() or eta < 2:
@@ -214,8 +190,7 @@ def _result(tuner: Tuner, wall: float) -> TuneResult:
 
 
 def _warn_if_nothing_scored(trials) -> None:
-    """One warning when no trial gave a score to rank by (every trial failed or scored
-    NaN): ``best_*`` then mean nothing."""
+    """Warn once when no trial gave a score (every trial failed or scored NaN)."""
     n = len(trials)
     failed = trials["status"] == "failed" if n else None
     if not n or not (failed | trials["score"].isna()).all():

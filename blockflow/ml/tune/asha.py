@@ -1,11 +1,7 @@
 """Successive halving's rungs: which trials to promote, and which promotions are certain.
 
-Rung ``k`` brings a trial to ``budgets[k]`` units, ``min_budget * eta**k`` capped at
-``max_budget`` (:func:`rung_budgets`). :meth:`Rungs.promotable` is ASHA's rule (Li et al.
-2020, "A System for Massively Parallel Hyperparameter Tuning", Algorithm 2): a trial in the
-top ``1/eta`` of the results its rung has so far, not yet promoted. :meth:`Rungs.certain` is
-the subset synchronous successive halving makes too whatever the results still to come (a
-blockflow heuristic that orders promotions for a finite set of configurations).
+:meth:`Rungs.promotable` is ASHA's rule (Li et al. 2020, Algorithm 2); :meth:`Rungs.certain`
+is the subset synchronous successive halving makes too (a blockflow heuristic).
 """
 
 from __future__ import annotations
@@ -76,11 +72,7 @@ class Rungs:
         """``sets[k]``: the trials sure to be in synchronous successive halving's rung ``k``
         whatever the results still to come (``sets[0]``: all).
 
-        SH takes the best ``q[k+1] = max(q[k] // eta, 1)`` of rung ``k`` on: a scored trial
-        of ``sets[k]`` is sure to be among them when its rank among them plus the results
-        of rung ``k`` SH still awaits is within the quota. Failed trials await nothing (a
-        failure also shrinks SH's quota, not foreseen here: at worst a promotion called
-        certain is one SH would not make)."""
+        A blockflow heuristic on SH's quota ``q[k+1] = max(q[k] // eta, 1)``."""
         quota = [self.n_trials]
         for _ in range(self.top):
             quota.append(max(quota[-1] // self.eta, 1))

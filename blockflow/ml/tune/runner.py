@@ -1,11 +1,8 @@
 """The trial runner: trial tasks placed on the workers, their results, and the loops.
 
-Each *rung* of a trial is one Dask task, ``train(config, epochs, checkpoint) -> (score,
-checkpoint)``, pinned to a worker with ``workers=``; its checkpoint stays on that worker for
-the trial's next rung. :class:`Tuner` keeps exactly one trial task per free worker thread
-(:meth:`Tuner.dispatch`), records each result in the :class:`~blockflow.ml.tune.asha.Rungs`
-and the :class:`~blockflow.ml.tune.speeds.SpeedEvidence`, and runs trials again whose worker
-left.
+Each rung of a trial is one Dask task pinned to a worker, where its checkpoint stays;
+:class:`Tuner` keeps one trial task per free worker thread and runs trials again whose
+worker left.
 """
 
 from __future__ import annotations
@@ -39,8 +36,7 @@ METADATA_KEY = ("blockflow", "tune")
 
 
 def _run_trial(train: Callable, cfg: dict, epochs: float, previous: tuple | None) -> tuple:
-    """The trial task: train ``epochs`` more units from the checkpoint of the trial's
-    ``previous`` task (its ``(report, checkpoint)`` result; None at rung 0) and time it."""
+    """The trial task: train ``epochs`` more units from ``previous``'s checkpoint, timed."""
     checkpoint = None if previous is None else previous[1]
     started = time.time()
     score, checkpoint = train(cfg, epochs, checkpoint)
@@ -95,8 +91,7 @@ class _Trial:
 class Tuner:
     """One ``tune`` call: its trials, their tasks in flight, and the loops that run them.
 
-    Parameters are those of :func:`blockflow.tune.tune`, checked there; ``configs`` is the
-    list of configurations.
+    Parameters are those of :func:`blockflow.tune.tune`.
     """
 
     def __init__(self, client, train, configs, *, eta, min_budget, max_budget, mode,
@@ -120,8 +115,7 @@ class Tuner:
     # --- the cluster -----------------------------------------------------------------
 
     def _refresh(self, now: float) -> None:
-        """Read the workers (and at most once a second the plugin's speeds); run again the
-        trial tasks pinned to a worker that left."""
+        """Read the workers and speeds; run again trial tasks whose worker left."""
         self._refreshed = now
         before = set(self.workers)
         self.workers = {a: int(n) for a, n in self.client.nthreads().items()}
@@ -143,9 +137,7 @@ class Tuner:
                 self.retry.append(job)
 
     def _forget_lost_checkpoints(self) -> None:
-        """Checkpoints held only by workers that left are gone (their tasks were pinned
-        there, so Dask cannot recompute them elsewhere): those trials train their next
-        rung from scratch, which gives the same model when ``train`` is deterministic."""
+        """Trials whose checkpoints were only on workers that left restart from scratch."""
         held = {t: tr.checkpoint for t, tr in enumerate(self.trials)
                 if tr.checkpoint is not None}
         if not held:
@@ -202,11 +194,8 @@ class Tuner:
                                      backup)
 
     def dispatch(self) -> None:
-        """One trial task per free worker thread (earliest finish time list scheduling, a
-        blockflow heuristic): trials to run again, then promotions each where it would
-        finish earliest (perhaps waiting for a faster busy worker), then new configurations
-        on the fastest free threads; ``promotion="certain-first"`` places ASHA's
-        speculative promotions last, ``"asha"`` before new configurations (Li et al.)."""
+        """One trial task per free worker thread, earliest finish time first (a blockflow
+        heuristic): reruns, promotions, then new configurations."""
         now = time.time()
         speeds = self.evidence.speeds(self.workers)
         unit = self.evidence.unit_seconds(speeds)
@@ -281,11 +270,8 @@ class Tuner:
         self._backups(free, speeds)
 
     def _backups(self, free: list, speeds: Mapping[str, float]) -> None:
-        """Threads still free on workers nothing tells the speed of each take a copy of a
-        running trial task (the oldest without one). The first copy to finish gives the
-        trial's result; the other's time is evidence of its worker's speed, for this run
-        and the next (a blockflow heuristic, after backup tasks in MapReduce, Dean and
-        Ghemawat 2004)."""
+        """Free threads on workers of unknown speed take a copy of a running trial task
+        (a blockflow heuristic, after MapReduce's backup tasks, Dean and Ghemawat 2004)."""
         for slot in [s for s in free if self.evidence.blind(s[1])]:
             twins = sorted((r for r in self.running.values()
                             if not r.backup and r.worker != slot[1]
@@ -322,8 +308,7 @@ class Tuner:
                          finished=finished, duration=math.nan, error=error)
 
     def _record(self, fut, r: _Running) -> None:
-        """Take a finished (or failed) trial task's result into the trials, the rungs, the
-        speed evidence and the history."""
+        """Take a finished (or failed) trial task's result into the run's records."""
         job, trial = r.job, self.trials[r.job.trial]
         output = self.outputs.pop(fut)
         finished = fut.status == "finished"
@@ -374,7 +359,7 @@ class Tuner:
         Raises
         ------
         WorkerLostError
-            If that worker left with it (naming the trial, not the checkpoint's key).
+            If that worker left with it.
         """
         trial = self.trials[best]
         try:
@@ -389,16 +374,15 @@ class Tuner:
 
     @staticmethod
     def _fetch(fut, timeout: float = 10.0):
-        """A finished trial's result, or None when it was lost before it was fetched (a
-        trial pinned to a lost worker would never run again)."""
+        """A finished trial's result, or None when it was lost first."""
         try:
             return fetch(fut, timeout=timeout)
         except WorkerLostError:
             return None
 
     def publish_progress(self, force: bool = False) -> None:
-        """Running trials for the dashboard page (scheduler metadata :data:`METADATA_KEY`;
-        at most 4 times a second unless ``force``)."""
+        """Running trials for the dashboard (:data:`METADATA_KEY`; at most 4 times a
+        second unless ``force``)."""
         now = time.time()
         if not self.publish or (not force and now - self._published < 0.25):
             return
@@ -428,9 +412,7 @@ class Tuner:
                 or bool(self.rungs.certain()) or bool(self.rungs.promotable()))
 
     def _end_copies(self) -> None:
-        """Cancel the slower copies still running once nothing else is left: each ran
-        ``now - submitted`` seconds without finishing, a bound on its worker's speed kept
-        as evidence."""
+        """Cancel the slower copies still running once nothing else is left."""
         now = time.time()
         for fut in list(self.running):
             r = self._cancel(fut)
@@ -473,14 +455,8 @@ class Tuner:
         self.evidence.write_record(self.client)
 
     def _await_workers(self) -> None:
-        """Every worker is gone: wait for workers to come back (nannies restart killed
-        workers, autoscalers add some) for ``blockflow.cluster.worker-loss-timeout``.
-
-        Raises
-        ------
-        RuntimeError
-            If none comes back in time.
-        """
+        """Every worker is gone: wait ``blockflow.cluster.worker-loss-timeout`` for some,
+        else RuntimeError."""
         limit = parse_timedelta(config.get("cluster.worker-loss-timeout"))
         since = time.monotonic()
         while not self.workers:

@@ -1,8 +1,5 @@
-"""Search spaces: the distributions a configuration's parameters are drawn from.
-
-Named like the distributions of ``scipy.stats`` and Optuna; :func:`sample_configs` draws
-the same configurations for the same seed.
-"""
+"""Search spaces: the distributions a configuration's parameters are drawn from (named as in
+``scipy.stats`` and Optuna)."""
 
 from __future__ import annotations
 
@@ -56,8 +53,7 @@ class randint:  # noqa: N801
 
 @dataclass(frozen=True)
 class choice:  # noqa: N801
-    """One of ``values``, each equally likely (a plain list in a space means the same;
-    ValueError for no values)."""
+    """One of ``values``, each equally likely (a plain list in a space means the same)."""
 
     values: tuple
 
@@ -77,9 +73,8 @@ def sample_configs(space: Mapping[str, Any], n: int, seed: int = 0) -> list[dict
     Parameters
     ----------
     space : mapping
-        Parameter name to a distribution (:class:`uniform`, :class:`loguniform`,
-        :class:`randint`, :class:`choice` or anything with ``sample(rng)``), a list or
-        tuple (a choice), or a fixed value.
+        Parameter name to a distribution (anything with ``sample(rng)``), a list or tuple
+        (a choice), or a fixed value.
     n : int
         Number of configurations.
     seed : int, default 0

@@ -1,11 +1,8 @@
 """What tells the tuner each worker's relative speed, and what a trial task will cost.
 
-Sources, most trusted first: blockflow's scheduler plugin where it is confident
-(:attr:`blockflow.scheduling.view.LearnedSpeeds.known`), the trials' own durations
-(:meth:`SpeedEvidence.own`), the record earlier ``tune`` calls left on the cluster
-(:data:`SPEEDS_KEY`), the speeds the devices declare
-(:func:`blockflow.scheduling.view.declared_speeds`). Each lower source is put on the scale of
-those above through the workers both know (:func:`layered`).
+Sources, most trusted first: the scheduler plugin's confident speeds, the trials' own
+durations, the record earlier calls left (:data:`SPEEDS_KEY`) and declared speeds, each put
+on the scale of those above (:func:`layered`).
 """
 
 from __future__ import annotations
@@ -45,9 +42,8 @@ class SpeedEvidence:
         self.warm.add(worker)
 
     def own(self) -> dict[str, float]:
-        """The trials' own evidence: each worker's time per unit against the median of its
-        rung (the log-median over its tasks), from its warm tasks, or from its first while
-        it has no other. Only a rung two workers ran compares them."""
+        """Each worker's time per unit against the median of its rung, from its warm
+        tasks."""
         per_rung: dict[int, list[float]] = {}
         seen: dict[int, set] = {}
         for w, secs, epochs, rung in self.samples + self.cold:
@@ -64,8 +60,7 @@ class SpeedEvidence:
         return {w: math.exp(-median(v)) for w, v in own.items()}
 
     def speeds(self, workers) -> dict[str, float]:
-        """Each of ``workers``' speed from the first source that knows it (the plugin's and
-        the trials' own together, then the record, then the declared), else 1.0."""
+        """Each of ``workers``' speed from the first source that knows it, else 1.0."""
         known = layered(workers, {**self.own(), **self.plugin}, self.record, self.declared)
         return {w: known.get(w, 1.0) for w in workers}
 
@@ -75,17 +70,14 @@ class SpeedEvidence:
                     or any(s[0] == worker for s in self.samples + self.cold))
 
     def unit_seconds(self, speeds: Mapping[str, float]) -> float:
-        """Seconds one budget unit takes at speed 1 (median over finished tasks; 1.0 before
-        any)."""
+        """Seconds one budget unit takes at speed 1 (1.0 before any task)."""
         v = [secs * speeds.get(w, 1.0) / epochs for w, secs, epochs, _ in self.samples
              or self.cold]
         return median(v) if v else 1.0
 
     def cost(self, trial: int, epochs: float, speeds: Mapping[str, float],
              unit: float) -> float:
-        """Seconds ``epochs`` units of ``trial`` take at speed 1: from the trial's own
-        seconds per unit on its earlier rungs (configurations differ in cost), else
-        ``unit`` per unit."""
+        """Seconds ``epochs`` units of ``trial`` take at speed 1."""
         own = self.per_trial.get(trial)
         if not own:
             return epochs * unit
@@ -101,8 +93,7 @@ class SpeedEvidence:
                        if isinstance(v, (int, float)) and math.isfinite(v) and v > 0}
 
     def write_record(self, client) -> None:
-        """Keep this run's evidence over the earlier record, on one scale, for the next
-        call (:data:`SPEEDS_KEY`)."""
+        """Merge this run's evidence into the record (:data:`SPEEDS_KEY`)."""
         own = self.own()
         if own:
             client.set_metadata(list(SPEEDS_KEY),
@@ -112,10 +103,8 @@ class SpeedEvidence:
 def layered(workers, *sources: Mapping[str, float]) -> dict[str, float]:
     """Relative speeds of ``workers`` from sources of evidence, most trusted first.
 
-    Each worker's speed comes from the first source that has it, a lower source put on the
-    scale of those above through the workers both know
-    (:func:`blockflow.scheduling.estimate.prior_seconds_per_unit`; as is when none is
-    shared). Workers no source knows are left out.
+    Each worker's speed comes from the first source that has it, rescaled through shared
+    workers (:func:`blockflow.scheduling.estimate.prior_seconds_per_unit`).
     """
     workers = set(workers)
     known: dict[str, float] = {}
