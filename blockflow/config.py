@@ -292,6 +292,10 @@ def _describe(error) -> tuple[list[str], Any, str]:
         return (path + [str(key)], error.instance[key],
                 f"{error.instance[key]!r} is set for an unknown key{hint}; {where!r} has the "
                 f"keys {', '.join(known)}")
+    if error.validator == "anyOf" and any("pattern" in b for b in error.validator_value):
+        # a name or a dotted path (policy): the names, as an enum's message gives them
+        names = [v for b in error.validator_value for v in b.get("enum", [])]
+        return path, error.instance, f"{error.instance!r} is not one of {names!r}"
     if error.validator in ("oneOf", "anyOf"):  # e.g. gpu: a boolean or "auto"
         allowed = []
         for branch in error.validator_value:

@@ -74,7 +74,6 @@ from blockflow._distributed.client import (
     data_holders,
     has_scheduler_plugin,
     in_notebook_kernel,
-    is_gc_diagnosis_callback,
 )
 from blockflow._distributed.deploy import correct_state_soon, replace_adaptive, start_spec_workers
 from blockflow._distributed.extensions import (
@@ -267,7 +266,6 @@ __all__ = [
     "import_object",
     "in_notebook_kernel",
     "input_holders",
-    "is_gc_diagnosis_callback",
     "listed_workers",
     "measured_bandwidth",
     "message_length",

@@ -5,16 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from distributed.diagnostics.progressbar import ProgressBar
-from distributed.gc import GCDiagnosis
 from distributed.utils import is_kernel
 
 __all__ = ["SchedulerProgress", "call_scheduler_handler", "data_holders", "has_scheduler_plugin",
-           "in_notebook_kernel", "is_gc_diagnosis_callback"]
-
-
-def is_gc_diagnosis_callback(obj) -> bool:
-    """Whether ``obj`` is distributed's garbage-collection timer callback (``GCDiagnosis``)."""
-    return getattr(obj, "__func__", None) is GCDiagnosis._gc_callback
+           "in_notebook_kernel"]
 
 
 def in_notebook_kernel() -> bool:

@@ -28,8 +28,9 @@ def _cluster_options(command: Callable) -> Callable:
         click.option("--threads-per-worker", type=click.IntRange(min=1), default=None,
                      help="Embedded cluster: threads per worker."),
         click.option("--policy", type=_PolicyChoice(), default=None,
-                     help="Policy of blockflow's scheduler plugin. Default: the "
-                          "blockflow.cluster.policy setting (dynamic)."),
+                     help="Policy of blockflow's scheduler plugin (a name, or the dotted path of a "
+                          "policy class). Default: the blockflow.cluster.policy setting "
+                          "(dynamic)."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -37,7 +38,8 @@ def _cluster_options(command: Callable) -> Callable:
 
 
 class _PolicyChoice(click.Choice):
-    """The names in :data:`blockflow.scheduling.POLICIES`, read lazily."""
+    """The names in :data:`blockflow.scheduling.POLICIES`, read lazily, or the dotted path of
+    a policy class (as ``blockflow.cluster.policy`` takes)."""
 
     def __init__(self):
         super().__init__([])
@@ -51,6 +53,17 @@ class _PolicyChoice(click.Choice):
     @choices.setter
     def choices(self, value) -> None:  # click.Choice.__init__ sets it; the registry rules
         pass
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and "." in value:
+            from blockflow.scheduling.policies import policy_class
+
+            try:
+                policy_class(value)
+            except ValueError as e:
+                self.fail(str(e), param, ctx)
+            return value
+        return super().convert(value, param, ctx)
 
 
 class _Duration(click.ParamType):

@@ -14,7 +14,7 @@ from dask.utils import parse_timedelta
 
 from blockflow import _distributed
 from blockflow.errors import ClusterStartError
-from blockflow.scheduling.plugin import POLICIES
+from blockflow.scheduling.policies import POLICIES, policy_class
 
 __all__ = ["add_workers", "batch_job", "jobqueue_cluster", "slurm_cluster"]
 
@@ -107,7 +107,9 @@ def _scheduler_options(options: Mapping[str, Any] | None, policy: str | None) ->
         preload.append(PRELOAD)
     options["preload"] = preload
     if policy is not None:
-        if policy not in POLICIES:
+        if "." in policy:
+            policy_class(policy)  # a dotted path: importable here, or a one-line ValueError
+        elif policy not in POLICIES:
             raise ValueError(f"jobqueue_cluster: unknown policy {policy!r}; choose one of "
                              f"{', '.join(POLICIES)}.")
         argv = options.get("preload_argv") or []

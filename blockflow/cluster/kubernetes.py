@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from blockflow.cluster.hpc import _resources_arg
-from blockflow.scheduling.plugin import POLICIES
+from blockflow.scheduling.policies import POLICIES
 
 __all__ = ["cluster_spec", "worker_group_spec"]
 
@@ -80,7 +80,8 @@ def cluster_spec(name: str, image: str, n_workers: int = 1, *,
         Dask worker resources (``{"GPU": 1}``).
     gpus_per_worker : int, default 0
     policy : str, optional
-        Default ``blockflow.cluster.policy``.
+        A built-in name or the dotted path of a policy class on the scheduler's image;
+        default ``blockflow.cluster.policy``.
     env : dict, optional
     container_resources : dict, optional
         Kubernetes ``limits`` / ``requests`` of the worker containers.
@@ -114,7 +115,7 @@ def cluster_spec(name: str, image: str, n_workers: int = 1, *,
                     if c.get("name") == "scheduler"]
     args = list(scheduler["args"]) + ["--preload", PRELOAD]
     if policy is not None:
-        if policy not in POLICIES:
+        if policy not in POLICIES and "." not in policy:  # a dotted path loads there
             raise ValueError(f"cluster_spec: unknown policy {policy!r}; choose one of "
                              f"{', '.join(POLICIES)}.")
         args += ["--blockflow-policy", policy]

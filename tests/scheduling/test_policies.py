@@ -727,3 +727,26 @@ def test_an_unknown_policy_or_path_is_one_line_naming_the_builtins_and_paths(nam
                                          r"RebalancePolicy subclass \(mypkg\.MyPolicy\) works "
                                          r"too\.$"):
         make_policy(name)
+
+
+def test_a_policy_named_by_dotted_path_passes_the_cli_option_and_the_cluster_builders():
+    """``--policy mypkg.MyPolicy`` and ``cluster_spec(policy=...)`` take a dotted path as
+    ``blockflow.cluster.policy`` does; a dotted path naming no policy is one line."""
+    import click
+    from click.testing import CliRunner
+
+    from blockflow.cli.options import _PolicyChoice
+    from blockflow.cluster.kubernetes import cluster_spec
+
+    @click.command()
+    @click.option("--policy", type=_PolicyChoice())
+    def show(policy):
+        click.echo(policy)
+
+    ok = CliRunner().invoke(show, ["--policy", "blockflow.scheduling.policies.DynamicPolicy"])
+    assert ok.exit_code == 0 and ok.output.strip() == "blockflow.scheduling.policies.DynamicPolicy"
+    bad = CliRunner().invoke(show, ["--policy", "nowhere.Policy"])
+    assert bad.exit_code == 2 and "Unknown blockflow policy 'nowhere.Policy'" in bad.output
+    spec = cluster_spec("bf", "ghcr.io/dask/dask:latest", policy="mypkg.MyPolicy")
+    args = spec["spec"]["scheduler"]["spec"]["containers"][0]["args"]
+    assert args[-2:] == ["--blockflow-policy", "mypkg.MyPolicy"]
