@@ -85,7 +85,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         self._host_pause_fraction: float | None = None
         self._worker_checked = False
         # the policy's rules the plugin runs at their own moments (set in start())
-        self.balancing = self.kernel_placement = self.unsatisfiable = self.admission = None
+        self.stealing_rule = self.kernel_placement = self.unsatisfiable = self.admission = None
         self._placed_now: set = set()  # keys the last "restrict" command restricted
         self.backups: dict[Any, dict[str, Any]] = {}  # key -> backup copy running now
         self.speculation: Counter[str] = Counter(launched=0, duplicated_seconds=0.0,
@@ -112,7 +112,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         self._worker_checked = bool(_distributed.worker_addresses(scheduler))
         self.scheduler = scheduler
         self.policy = policy = make_policy(self.policy_name)
-        self.balancing, self.kernel_placement = policy.balancing, policy.kernel_placement
+        self.stealing_rule, self.kernel_placement = policy.stealing_rule, policy.kernel_placement
         self.unsatisfiable, self.admission = policy.unsatisfiable, policy.admission
         _distributed.add_handler(scheduler, "blockflow_status", self.status)
         _distributed.add_handler(scheduler, "blockflow_pool_targets", self.pool_targets)
@@ -325,7 +325,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         links = self._links
         links.default = _distributed.bandwidth(self.scheduler) or links.default
         # the balancing rule reads the strict test while it is off, the weak one while on
-        active = self.balancing is not None and self.balancing.active
+        active = self.stealing_rule is not None and self.stealing_rule.active
         snap = ClusterSnapshot(time=now, workers=views,
                                queued=_distributed.queued_count(self.scheduler),
                                waiting=_distributed.waiting_tasks(
@@ -342,7 +342,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
                                unsatisfiable=_distributed.unsatisfiable_tasks(self.scheduler),
                                monotonic=time.monotonic(),
                                changed=self._view_cache.changed)
-        snap.balancing = (self.balancing.judge(snap) if self.balancing is not None
+        snap.balancing = (self.stealing_rule.judge(snap) if self.stealing_rule is not None
                           else snap.speeds_differ)
         self.set_providers({a: p.provider for a, p in pools_of(views).items()})
         snap.parked = frozenset(self.parked)
@@ -400,7 +400,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         tick = replace(snap, feeder_states=_distributed.feeder_state_view(self.scheduler))
         self.act(self.admission.run(tick, None), tick)
         self.act(self._reapply_pauses(snap), snap)
-        self.act(self.balancing.run(snap, None), snap)  # suspend or restore stealing
+        self.act(self.stealing_rule.run(snap, None), snap)  # suspend or restore stealing
         applied = self.act(self.policy.run(snap), snap)
         self._view_cache.changed = frozenset()  # the rules have seen them
         for a in (snap.workers if snap.changed is None else snap.changed):

@@ -27,7 +27,7 @@ from blockflow.scheduling.device_memory import DeviceMemoryAMMPolicy
 from blockflow.scheduling.rules import (
     AdmissionRule,
     BackupRule,
-    BalancingRule,
+    StealingRule,
     HoldRule,
     KernelPlacementRule,
     MoveRule,
@@ -162,9 +162,9 @@ class RebalancePolicy(abc.ABC):
         return UnsatisfiableRule()
 
     @cached_property
-    def balancing(self) -> BalancingRule:
+    def stealing_rule(self) -> StealingRule:
         """Suspends or restores distributed's work stealing."""
-        return BalancingRule(hands_over=self.replaces_work_stealing)
+        return StealingRule(hands_over=self.replaces_work_stealing)
 
     def amm_policies(self) -> list[AMMPolicy]:
         """Active Memory Manager policies to install beside this policy (default none)."""

@@ -549,8 +549,8 @@ STRONG, WEAK, NONE = 0.25, 0.8, 1.0
 
 def _balancing_tick(rule, model, event="tick"):
     """One snapshot as the plugin takes it (the strict test while the rule is off, the weak
-    one while on; ``balancing`` from :meth:`BalancingRule.judge`) and the decisions
-    :meth:`BalancingRule.run` yields for it."""
+    one while on; ``balancing`` from :meth:`StealingRule.judge`) and the decisions
+    :meth:`StealingRule.run` yields for it."""
     names = ["a", "b", "c"]
     ws = [worker(a, speed=model.speed(a)) for a in names]
     for w in ws:
@@ -570,9 +570,9 @@ def test_the_speed_models_of_the_balancing_tests_differ_as_named():
 
 
 def test_balancing_starts_only_on_a_strong_difference():
-    from blockflow.scheduling.rules import BalancingRule
+    from blockflow.scheduling.rules import StealingRule
 
-    rule = BalancingRule(hands_over=True)
+    rule = StealingRule(hands_over=True)
     for _ in range(3):  # no difference, then a weak one: distributed keeps balancing
         assert _balancing_tick(rule, _speeds(NONE))[0] == []
         assert _balancing_tick(rule, _speeds(WEAK))[0] == []
@@ -586,7 +586,7 @@ def test_balancing_starts_only_on_a_strong_difference():
 
 
 def test_the_balance_decision_shows_the_speeds_and_confidences_it_saw():
-    from blockflow.scheduling.rules import BalancingRule
+    from blockflow.scheduling.rules import StealingRule
 
     model = _speeds(STRONG)
     names = ["a", "b", "c"]
@@ -595,8 +595,8 @@ def test_the_balance_decision_shows_the_speeds_and_confidences_it_saw():
         w.speed_confidence = model.confidence(w.address)
     s = snap(ws)
     s.speeds_differ = True
-    s.balancing = BalancingRule(hands_over=True).judge(s)
-    (d,) = BalancingRule(hands_over=True).run(s, RuleContext())
+    s.balancing = StealingRule(hands_over=True).judge(s)
+    (d,) = StealingRule(hands_over=True).run(s, RuleContext())
     assert d.action == "suspend-stealing"
     assert d.seen["speeds"] == {a: round(model.speed(a), 3) for a in names}
     assert d.seen["confidence"] == {a: round(model.confidence(a), 2) for a in names}
@@ -604,9 +604,9 @@ def test_the_balance_decision_shows_the_speeds_and_confidences_it_saw():
 
 
 def test_balancing_is_deferred_after_calm_ticks_without_even_a_weak_difference():
-    from blockflow.scheduling.rules import BalancingRule
+    from blockflow.scheduling.rules import StealingRule
 
-    rule = BalancingRule(hands_over=True)
+    rule = StealingRule(hands_over=True)
     assert _balancing_tick(rule, _speeds(STRONG))[0] == [("suspend-stealing", "")]
     # calm ticks (no difference) interrupted by a weak difference start counting again
     for _ in range(rule.calm_ticks - 2):
@@ -622,12 +622,12 @@ def test_balancing_is_deferred_after_calm_ticks_without_even_a_weak_difference()
 
 
 def test_balancing_decisions_only_on_ticks_and_only_for_policies_that_hand_over():
-    from blockflow.scheduling.rules import BalancingRule
+    from blockflow.scheduling.rules import StealingRule
 
-    rule = BalancingRule(hands_over=True)
+    rule = StealingRule(hands_over=True)
     decisions, s = _balancing_tick(rule, _speeds(STRONG), event="graph")
     assert decisions == [] and s.balancing and not rule.active  # graphs: never
-    silent = BalancingRule(hands_over=False)  # e.g. static policies: the flag alone
+    silent = StealingRule(hands_over=False)  # e.g. static policies: the flag alone
     decisions, s = _balancing_tick(silent, _speeds(STRONG))
     assert decisions == [] and s.balancing and not silent.active
     decisions, s = _balancing_tick(silent, _speeds(WEAK))
@@ -710,7 +710,7 @@ def test_a_policy_is_named_by_dotted_path_from_config():
     assert isinstance(policy, PauseEverythingHotPolicy)
     # every policy owns the rules the plugin runs at their own moments
     assert policy.objective is None and policy.admission.enabled
-    assert not policy.balancing.hands_over and policy.kernel_placement is policy.kernel_placement
+    assert not policy.stealing_rule.hands_over and policy.kernel_placement is policy.kernel_placement
     s = snap([worker("a", used=6 * GiB, total=10 * GiB), worker("b")])
     assert [(d.action, d.worker) for d in run(policy, s)] == [("pause", "a")]
     with dask.config.set({"blockflow.cluster.policy": DOTTED}):

@@ -280,7 +280,7 @@ def test_balancing_started_is_kept_while_the_evidence_stays_fair():
     import random
 
     from blockflow.scheduling.policies import ClusterSnapshot
-    from blockflow.scheduling.rules import BalancingRule
+    from blockflow.scheduling.rules import StealingRule
 
     def tick(model, rule):
         """The balancing flag of one tick: the rule reads the speed model's two tests off a
@@ -301,7 +301,7 @@ def test_balancing_started_is_kept_while_the_evidence_stays_fair():
     m.update()
     assert not m.heterogeneous()
     assert m.heterogeneous(min_ratio=1.15, z=1.64)
-    rule = BalancingRule(hands_over=True)
+    rule = StealingRule(hands_over=True)
     workers = ["a", "b", "c", "d"]
     assert not tick(m, rule)  # not started: the strict test
     assert not rule.active

@@ -1,14 +1,14 @@
-"""The balancing rule: who balances load, blockflow on known speeds or distributed's stealing."""
+"""The stealing hand-over: blockflow balances on known speeds, or distributed's work stealing does."""
 
 from __future__ import annotations
 
 from blockflow.scheduling.actions import Action, Decision
 from blockflow.scheduling.rules.base import Rule, RuleContext
 
-__all__ = ["BalancingRule"]
+__all__ = ["StealingRule"]
 
 
-class BalancingRule(Rule):
+class StealingRule(Rule):
     """Suspend distributed's stealing while blockflow balances on known speeds; hand it back when
     blockflow knows too little.
 
