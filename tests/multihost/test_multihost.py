@@ -159,6 +159,9 @@ def _restart(hosts, client, name: str) -> str:
     hosts.start_worker(name)
     wait_until(lambda: name in _names(client), timeout=120,
                message=f"the worker of host {name!r} to rejoin")
+    if name == "gpu":  # its simulated device reports from the plugin's first heartbeat on
+        wait_until(lambda: blockflow.inventory(client).n_gpus == 1, interval=0.5,
+                   timeout=60, message="the simulated GPU's metrics to reach the scheduler")
     return _names(client)[name]
 
 
