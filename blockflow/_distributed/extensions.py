@@ -26,6 +26,7 @@ __all__ = [
     "add_periodic_callback",
     "add_scheduler_plugin",
     "http_prefix",
+    "is_registered",
     "register_worker_plugin_on_scheduler",
     "remove_periodic_callback",
     "run_amm_policy",
@@ -50,6 +51,12 @@ def remove_periodic_callback(scheduler, name: str) -> None:
     pc = scheduler.periodic_callbacks.pop(name, None)
     if pc is not None:
         pc.stop()
+
+
+def is_registered(scheduler, name: str, plugin) -> bool:
+    """Whether ``plugin`` is still the scheduler plugin registered as ``name``
+    (``unregister_scheduler_plugin`` removes it without calling its ``close``)."""
+    return scheduler.plugins.get(name) is plugin
 
 
 def add_handler(scheduler, name: str, fn: Callable) -> None:

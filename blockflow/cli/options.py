@@ -54,16 +54,19 @@ class _PolicyChoice(click.Choice):
     def choices(self, value) -> None:  # click.Choice.__init__ sets it; the registry rules
         pass
 
-    def convert(self, value, param, ctx):
-        if isinstance(value, str) and "." in value:
-            from blockflow.scheduling.policies import policy_class
+    def get_metavar(self, *args, **kwargs) -> str:
+        return "[" + "|".join(self.choices) + "|PKG.POLICY]"
 
-            try:
-                policy_class(value)
-            except ValueError as e:
-                self.fail(str(e), param, ctx)
-            return value
-        return super().convert(value, param, ctx)
+    def convert(self, value, param, ctx):
+        if value in self.choices or (isinstance(value, str) and "." in value):
+            return value  # a dotted path is checked where the scheduler runs (connect)
+        from blockflow.scheduling.policies import policy_class
+
+        try:
+            policy_class(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        return value
 
 
 class _Duration(click.ParamType):

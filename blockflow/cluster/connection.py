@@ -24,6 +24,7 @@ from blockflow.errors import BlockflowWarning, describe
 from blockflow.pools.pool import Pool, PoolMember, heartbeat_now
 from blockflow.scheduling.extensions import scheduler_extensions
 from blockflow.scheduling.plugin import Rebalancer
+from blockflow.scheduling.policies import policy_error
 from blockflow.scheduling.view import (  # noqa: F401  (re-exported: the public names)
     DECISION_COLUMNS,
     SEEN_METRICS,
@@ -202,9 +203,16 @@ def connect(
         if pool_member is not None:
             client.register_plugin(pool_member)
             client.run(heartbeat_now)  # the scheduler knows the pools at once
-    _register_plugin(client, plugin)
-    if address is not None and policy is not None:
-        _warn_if_other_policy(client, plugin.policy_name)
+    try:
+        _register_plugin(client, plugin)
+        if address is not None and policy is not None:
+            _warn_if_other_policy(client, plugin.policy_name)
+    except BaseException:  # nothing connect started outlives its error
+        cluster = None if address is not None else client.cluster
+        client.close()
+        if cluster is not None:
+            cluster.close()
+        raise
     if address is not None:
         _warn_undeclared_gpus(client)
     return client
@@ -396,6 +404,10 @@ def _start_local_cluster(use_gpu: bool, **kwargs) -> LocalCluster:
 
 def _register_plugin(client: Client, plugin: Rebalancer) -> None:
     try:
+        if "." in plugin.policy_name:  # a dotted path: importable where the scheduler runs?
+            error = client.run_on_scheduler(policy_error, plugin.policy_name)
+            if error:
+                raise ValueError(f"blockflow.connect: {error}")
         client.register_plugin(plugin)
         for extension in scheduler_extensions():  # blockflow.scheduler.extensions
             client.register_plugin(extension)

@@ -1,5 +1,9 @@
 """Scheduling: blockflow's scheduler plugin, its policies and the speed model.
 
+A policy of one's own subclasses :class:`ComposedPolicy`, runs :class:`Rule` objects over a
+:class:`ClusterSnapshot` that yield :class:`Decision` commands and :class:`Record` records, and
+is named by dotted path in ``blockflow.cluster.policy``.
+
 Names load on first use, so importing one small module does not load the plugin.
 Pools and cost: :mod:`blockflow.pools`. Guide: :doc:`/guide/scheduling`.
 """
@@ -7,7 +11,15 @@ Pools and cost: :mod:`blockflow.pools`. Guide: :doc:`/guide/scheduling`.
 import importlib
 
 _LAZY = {
+    "Action": "blockflow.scheduling.actions",
+    "ClusterSnapshot": "blockflow.scheduling.policies",
+    "ComposedPolicy": "blockflow.scheduling.policies",
+    "Decision": "blockflow.scheduling.actions",
     "DeviceMemoryAMMPolicy": "blockflow.scheduling.device_memory",
+    "Record": "blockflow.scheduling.actions",
+    "Recorded": "blockflow.scheduling.actions",
+    "Rule": "blockflow.scheduling.rules.base",
+    "RuleContext": "blockflow.scheduling.rules.base",
     "POLICIES": "blockflow.scheduling.policies",
     "Rebalancer": "blockflow.scheduling.plugin",
     "RebalancePolicy": "blockflow.scheduling.policies",

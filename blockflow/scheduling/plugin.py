@@ -62,7 +62,8 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
 
     def __init__(self, policy: str | None = None, interval: str | float | None = None):
         policy = config.get("cluster.policy", policy)
-        policy_class(policy)  # an unknown name fails here, before anything starts
+        if "." not in str(policy):  # a built-in name fails here, before anything starts;
+            policy_class(policy)  # a dotted path is checked where the scheduler runs
         self.policy_name = policy
         self.interval = parse_timedelta(config.get("rebalancer.interval", interval))
         self.decision_log_size = int(config.get("rebalancer.decision-log-size"))
@@ -72,6 +73,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         # Called on the scheduler too: the plugin travels pickled, state starts fresh.
         self.scheduler = None
         self.policy = None
+        self._registered = False
         self._init_accounting()
         self.memory_peak: dict[str, float] = {}  # worker -> device bytes, highest seen
         self.paused: dict[str, str] = {}  # worker -> reason, for pauses this plugin made
@@ -123,13 +125,20 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
                 scheduler, worker_plugin, worker_plugin.name, idempotent=True)
         # A first tick now, so hot or full workers are paused before the first graph lands.
         self.run_once()
+        # distributed registers a plugin right after its start(): later ticks check it still is
+        self._registered = True
         if self.interval > 0:
             _distributed.add_periodic_callback(scheduler, self.name, self.run_once,
                                                self.interval)
 
     async def close(self) -> None:
         self.flush_finished()
-        if self.scheduler is None:
+        self._detach()
+
+    def _detach(self) -> None:
+        """Stop the loop and hand back what the plugin holds (stealing, held workers and
+        producers): at close, or at the first tick after the plugin was unregistered."""
+        if self.scheduler is None or self.policy is None:
             return
         _distributed.remove_periodic_callback(self.scheduler, self.name)
         # nothing stays suspended or held back without the plugin (not logged)
@@ -140,6 +149,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         for addr in list(self.held):
             self.apply(Decision(Action.RELEASE, addr, "plugin closing"), snap, log=False)
             self.held.pop(addr, None)
+        self.policy = None  # no tick acts any more
 
     def act(self, items: Iterable[Decision | Record], snap=None) -> list:
         """Apply the commands and log the records ``items`` yields; those that took effect."""
@@ -380,6 +390,9 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
     def run_once(self) -> list[Decision | Record]:
         """One control-loop tick; the commands applied and records logged."""
         if self.scheduler is None or self.policy is None:
+            return []
+        if self._registered and not _distributed.is_registered(self.scheduler, self.name, self):
+            self._detach()  # unregistered: distributed does not call close() then
             return []
         self.flush_finished()  # timed as hook time: the cost of the tasks it folds in
         cost = self.cost

@@ -348,26 +348,32 @@ config.set_choices("cluster.policy", POLICIES, pattern=DOTTED_PATH)
 
 
 def policy_class(name: str) -> type[RebalancePolicy]:
-    """The policy class for a built-in name or the dotted path of a :class:`RebalancePolicy`.
+    """The policy class for a built-in name or the dotted path of a :class:`RebalancePolicy`
+    (imported with :func:`dask.utils.import_term`, as distributed's AMM loads policies).
 
     Raises
     ------
     ValueError
-        If ``name`` names neither; the message lists the built-in names.
+        If ``name`` names neither, in one line: the built-in names, or why the dotted path
+        did not give a policy class (its import error, or what it is instead).
     """
     cls = REGISTRY.get(name) if isinstance(name, str) else None
-    if cls is None and isinstance(name, str) and "." in name:
+    if cls is not None:
+        return cls
+    why = ""
+    if isinstance(name, str) and "." in name:
         try:
             cls = import_term(name)
-        except (ImportError, AttributeError, ValueError):
-            cls = None
-        if not (isinstance(cls, type) and issubclass(cls, RebalancePolicy)):
-            cls = None
-    if cls is None:
-        raise ValueError(
-            f"Unknown blockflow policy {name!r}; choose one of {', '.join(POLICIES)}. A "
-            f"dotted path to a RebalancePolicy subclass (mypkg.MyPolicy) works too.")
-    return cls
+        except Exception as e:  # noqa: BLE001 - any import failure of the user's module
+            why = f": cannot import it here ({type(e).__name__}: {e})"
+        else:
+            if isinstance(cls, type) and issubclass(cls, RebalancePolicy):
+                return cls
+            why = f": it is {cls!r}, not a RebalancePolicy subclass"
+    raise ValueError(
+        f"Unknown blockflow policy {name!r}{why}; choose one of {', '.join(POLICIES)}. A "
+        f"dotted path to a RebalancePolicy subclass (mypkg.MyPolicy), importable where the "
+        f"scheduler runs, works too.")
 
 
 def make_policy(name: str) -> RebalancePolicy:
@@ -376,6 +382,22 @@ def make_policy(name: str) -> RebalancePolicy:
     Raises
     ------
     ValueError
-        If ``name`` names no policy.
+        If ``name`` names no policy, or its class cannot be built without arguments.
     """
-    return policy_class(name)()
+    cls = policy_class(name)
+    try:
+        return cls()
+    except Exception as e:  # noqa: BLE001 - a user's policy whose constructor fails
+        raise ValueError(f"blockflow policy {name!r} could not be built: "
+                         f"{type(e).__name__}: {e}") from None
+
+
+def policy_error(name: str, dask_scheduler=None) -> str | None:
+    """Why ``name`` gives no policy where this runs (the message of :func:`make_policy`'s
+    ``ValueError``), or None: run on the scheduler (``client.run_on_scheduler``) before the
+    plugin is registered, so that a dotted path the scheduler cannot import is one line."""
+    try:
+        make_policy(name)
+    except ValueError as e:
+        return str(e)
+    return None

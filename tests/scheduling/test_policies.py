@@ -718,20 +718,72 @@ def test_a_policy_is_named_by_dotted_path_from_config():
         assert Rebalancer().policy_name == DOTTED
 
 
-@pytest.mark.parametrize("name", ["nonsense", "blockflow.nowhere.Policy",
-                                  "blockflow.scheduling.rules.PauseRule", "collections.Counter"])
-def test_an_unknown_policy_or_path_is_one_line_naming_the_builtins_and_paths(name):
-    with pytest.raises(ValueError, match=rf"^Unknown blockflow policy '{name}'; choose one of "
-                                         r"dynamic, memory, static-round-robin, "
-                                         r"static-capacity, off\. A dotted path to a "
-                                         r"RebalancePolicy subclass \(mypkg\.MyPolicy\) works "
-                                         r"too\.$"):
+BUILTINS = ("choose one of dynamic, memory, static-round-robin, static-capacity, off. A dotted "
+            "path to a RebalancePolicy subclass (mypkg.MyPolicy), importable where the "
+            "scheduler runs, works too.")
+
+
+class NeedsArgumentsPolicy(ComposedPolicy):
+    """A user's policy whose constructor needs an argument blockflow does not pass."""
+
+    def __init__(self, threshold):
+        self.rules = []
+
+
+@pytest.mark.parametrize("name, why", [
+    ("nonsense", ""),
+    ("blockflow.nowhere.Policy", ": cannot import it here (ModuleNotFoundError: No module "
+                                 "named 'blockflow.nowhere')"),
+    ("blockflow.scheduling.rules.PauseRule", ": it is <class "
+     "'blockflow.scheduling.rules.pause.PauseRule'>, not a RebalancePolicy subclass"),
+    ("collections.Counter", ": it is <class 'collections.Counter'>, not a RebalancePolicy "
+                            "subclass"),
+])
+def test_an_unknown_policy_or_path_is_one_line_naming_why_and_the_builtins(name, why):
+    with pytest.raises(ValueError) as info:
         make_policy(name)
+    assert str(info.value) == f"Unknown blockflow policy {name!r}{why}; {BUILTINS}"
+
+
+def test_a_policy_whose_module_fails_to_import_or_build_is_one_line_with_the_cause(
+        tmp_path, monkeypatch):
+    (tmp_path / "broken_policy_mod.py").write_text("raise ImportError('boom')\n")
+    (tmp_path / "syntax_policy_mod.py").write_text("def (:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"^Unknown blockflow policy 'broken_policy_mod\.X': "
+                                         r"cannot import it here \(ImportError: boom\); "):
+        make_policy("broken_policy_mod.X")
+    with pytest.raises(ValueError, match=r"^Unknown blockflow policy 'syntax_policy_mod\.X': "
+                                         r"cannot import it here \(SyntaxError: "):
+        make_policy("syntax_policy_mod.X")
+    path = f"{__name__}.NeedsArgumentsPolicy"
+    with pytest.raises(ValueError) as info:
+        make_policy(path)
+    assert str(info.value) == (f"blockflow policy {path!r} could not be built: TypeError: "
+                               f"NeedsArgumentsPolicy.__init__() missing 1 required "
+                               f"positional argument: 'threshold'")
+
+
+def test_connect_with_a_policy_the_scheduler_cannot_build_leaves_nothing_running():
+    """The error is one line, and neither the client nor the cluster connect started
+    outlives it."""
+    import distributed
+
+    import blockflow
+
+    path = f"{__name__}.NeedsArgumentsPolicy"
+    with pytest.raises(ValueError) as info:
+        blockflow.connect(n_workers=1, processes=False, dashboard_address=":0", policy=path)
+    assert str(info.value).startswith(f"blockflow.connect: blockflow policy {path!r} could "
+                                      f"not be built: TypeError: ")
+    with pytest.raises(ValueError):
+        distributed.default_client()  # no client left behind
 
 
 def test_a_policy_named_by_dotted_path_passes_the_cli_option_and_the_cluster_builders():
     """``--policy mypkg.MyPolicy`` and ``cluster_spec(policy=...)`` take a dotted path as
-    ``blockflow.cluster.policy`` does; a dotted path naming no policy is one line."""
+    ``blockflow.cluster.policy`` does (checked where the scheduler runs); a mistyped name is
+    one line that says a dotted path works too."""
     import click
     from click.testing import CliRunner
 
@@ -745,8 +797,12 @@ def test_a_policy_named_by_dotted_path_passes_the_cli_option_and_the_cluster_bui
 
     ok = CliRunner().invoke(show, ["--policy", "blockflow.scheduling.policies.DynamicPolicy"])
     assert ok.exit_code == 0 and ok.output.strip() == "blockflow.scheduling.policies.DynamicPolicy"
-    bad = CliRunner().invoke(show, ["--policy", "nowhere.Policy"])
-    assert bad.exit_code == 2 and "Unknown blockflow policy 'nowhere.Policy'" in bad.output
+    later = CliRunner().invoke(show, ["--policy", "nowhere.Policy"])  # checked by connect
+    assert later.exit_code == 0 and later.output.strip() == "nowhere.Policy"
+    typo = CliRunner().invoke(show, ["--policy", "dynamc"])
+    assert typo.exit_code == 2 and "Unknown blockflow policy 'dynamc'" in typo.output
+    assert "dotted path" in typo.output
+    assert "|PKG.POLICY]" in CliRunner().invoke(show, ["--help"]).output
     spec = cluster_spec("bf", "ghcr.io/dask/dask:latest", policy="mypkg.MyPolicy")
     args = spec["spec"]["scheduler"]["spec"]["containers"][0]["args"]
     assert args[-2:] == ["--blockflow-policy", "mypkg.MyPolicy"]

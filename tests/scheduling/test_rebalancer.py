@@ -494,3 +494,21 @@ async def test_reapplied_pauses_and_closing_act_through_the_actuator_only(c, s, 
     assert s.workers[b.address].status == Status.running and not plugin.held
     assert s.workers[a.address].status == Status.paused  # a pause outlives a hold
     assert len(plugin.decisions) == logged
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_an_unregistered_plugin_hands_back_stealing_and_stops_its_loop(c, s, a, b):
+    """distributed's ``unregister_scheduler_plugin`` does not call ``close()``: the plugin's
+    next tick sees it is gone and hands back what it holds."""
+    await c.register_plugin(Rebalancer(policy="dynamic", interval=0.05))
+    plugin = s.plugins["blockflow-rebalancer"]
+    plugin.act([Decision(Action.SUSPEND_STEALING, "", "speeds differ (test)")])
+    assert not s.periodic_callbacks["stealing"].is_running()
+    assert "blockflow-rebalancer" in s.periodic_callbacks
+
+    await c.unregister_scheduler_plugin("blockflow-rebalancer")
+
+    await async_wait_until(lambda: "blockflow-rebalancer" not in s.periodic_callbacks,
+                           message="the unregistered plugin's loop to stop")
+    assert s.periodic_callbacks["stealing"].is_running()
+    assert plugin.run_once() == []  # it acts no more
