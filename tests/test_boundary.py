@@ -550,7 +550,7 @@ def test_check_worker_runs_in_every_worker_plugin_setup():
     """A worker without the internals the boundary uses fails loudly in each plugin's setup."""
     from blockflow import _distributed
     from blockflow.devices import DeviceMetrics
-    from blockflow.core.speculation import SpeculationHandlers
+    from blockflow.scheduling.speculation import SpeculationHandlers
     from blockflow.ml._post import PostPlugin
     from blockflow.ml._steal import StealPlugin
 

@@ -126,7 +126,6 @@ from blockflow._distributed.placement import (
     task_work,
     task_working_set,
 )
-from blockflow._distributed.speculation import SpeculationHandlers, import_object
 from blockflow._distributed.spans import span_annotation, span_figures
 from blockflow._distributed.tasks import (
     HeldResult,
@@ -219,7 +218,6 @@ __all__ = [
     "RunningTask",
     "SUPPORTED",
     "SchedulerProgress",
-    "SpeculationHandlers",
     "TaskView",
     "WAIT_METADATA",
     "WORK_ANNOTATION",
@@ -264,7 +262,6 @@ __all__ = [
     "held_results",
     "hold_tasks",
     "http_prefix",
-    "import_object",
     "in_notebook_kernel",
     "input_holders",
     "is_registered",

@@ -19,8 +19,8 @@ from distributed import Reschedule, get_client, get_worker
 
 from blockflow import _distributed
 from blockflow._distributed import current_worker_resources
-from blockflow.core import speculation as _speculation
-from blockflow.core.speculation import in_backup_copy
+from blockflow.scheduling import speculation as _speculation
+from blockflow.scheduling.speculation import in_backup_copy
 
 from blockflow.errors import (
     BlockKernelError,
@@ -149,7 +149,7 @@ class Kernel:
         Where the tasks may run, as :func:`check_placement` returns it.
     speculative : bool, default True
         Whether a straggling task may get a backup copy (the function must be idempotent;
-        :mod:`blockflow.core.speculation`).
+        :mod:`blockflow.scheduling.speculation`).
 
     Notes
     -----

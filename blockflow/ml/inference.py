@@ -19,7 +19,7 @@ from dask.utils import is_dataframe_like
 from blockflow import _distributed, config
 from blockflow._distributed.metrics import GPU_MEMORY_TOTAL, GPU_MEMORY_USED
 from blockflow.blockwise import map_blocks, validate_array
-from blockflow.core.speculation import cancelled
+from blockflow.scheduling.speculation import cancelled
 from blockflow.errors import describe
 from blockflow.ml._models import ModelFactory, is_cupy
 from blockflow.ml.model_cache import (ModelCache, ModelRef, _ship, cache_bound, cache_state,

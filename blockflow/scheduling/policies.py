@@ -20,7 +20,7 @@ from distributed.utils import import_term
 
 from blockflow import config
 from blockflow._distributed import AMMPolicy, TaskView, WorkerView
-from blockflow._distributed.speculation import SpeculationHandlers
+from blockflow.scheduling.speculation import SpeculationHandlers
 from blockflow.pools.objective_rule import ObjectiveRule
 from blockflow.scheduling.actions import Action, Decision, Record
 from blockflow.scheduling.device_memory import DeviceMemoryAMMPolicy

@@ -13,7 +13,7 @@ from dask.sizeof import sizeof
 from dask.utils import parse_bytes, parse_timedelta
 
 from blockflow import _distributed
-from blockflow.core.speculation import cancelled
+from blockflow.scheduling.speculation import cancelled
 
 __all__ = ["OutOfMemoryError", "SimulatedDevice", "SimulatedDeviceBlock",
            "SimulatedOutOfMemoryError", "Tenant"]
@@ -362,7 +362,7 @@ class SimulatedDevice:
     def _run(self, work: float) -> None:
         """Sleep until ``work`` reference-seconds are done, re-reading speed, tenant and the
         number of concurrent kernels at least every 50 ms; stop early when this copy of a
-        speculated task lost (:func:`blockflow.core.speculation.cancelled`)."""
+        speculated task lost (:func:`blockflow.scheduling.speculation.cancelled`)."""
         remaining = work
         while remaining > 1e-9:
             if cancelled():  # the other copy of this task won: stop, as a real device would

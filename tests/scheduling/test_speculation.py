@@ -21,7 +21,7 @@ from loadaware import async_wait_until, scaled, wait_until
 
 import blockflow
 from blockflow import _distributed
-from blockflow.core import speculation as _speculation
+from blockflow.scheduling import speculation as _speculation
 from blockflow.scheduling.view import workers_info
 from blockflow.scheduling import Rebalancer
 from blockflow.scheduling.policies import ClusterSnapshot, DynamicPolicy
@@ -350,7 +350,7 @@ def test_the_first_result_wins_and_the_other_copy_is_cancelled():
             w0, w1 = sorted(cluster.workers.values(), key=lambda w: w.name)
             await client.register_plugin(SimulatedGPU({
                 w0.name: SimulatedDevice(speed=0.05), w1.name: SimulatedDevice(speed=1.0)}))
-            from blockflow.core.speculation import SpeculationHandlers
+            from blockflow.scheduling.speculation import SpeculationHandlers
 
             await client.register_plugin(SpeculationHandlers())
             x = da.from_array(np.arange(4.0), chunks=4)
@@ -386,7 +386,7 @@ def test_kernels_run_in_the_tasks_own_thread_unless_the_cluster_copies_tasks():
 
     from distributed import get_worker
 
-    from blockflow.core.speculation import SpeculationHandlers
+    from blockflow.scheduling.speculation import SpeculationHandlers
 
     def where(block):
         get_worker()  # the worker context reaches the kernel either way

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from distributed.protocol import to_serialize
 
 from blockflow import _distributed, config
-from blockflow._distributed.speculation import SpeculationHandlers
+from blockflow._distributed.worker import HandlerPlugin
 
 __all__ = ["SpeculationHandlers", "cancelled", "in_backup_copy", "run_kernel"]
 
@@ -198,3 +198,14 @@ HANDLERS: dict[str, Callable] = {
     "blockflow_backup_run": _backup_run,
     "blockflow_backup_cancel": _backup_cancel,
 }
+
+
+class SpeculationHandlers(HandlerPlugin):
+    """Worker plugin serving the backup-copy RPC handlers (:data:`HANDLERS`) on every
+    worker; installed by a policy that starts backup copies."""
+
+    name = "blockflow-speculation"
+    idempotent = True
+
+    def handlers(self):
+        return HANDLERS
