@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from distributed.core import Status
@@ -14,9 +14,13 @@ from blockflow._distributed.placement import HOLD_ADDRESS, _restricted
 
 __all__ = [
     "call_soon",
+    "dispatch_tasks",
     "fail_tasks",
+    "free_slots",
+    "held_state",
     "hold_tasks",
     "move_task",
+    "rehold_tasks",
     "release_tasks",
     "request_backup",
     "restrict_task",
@@ -181,3 +185,54 @@ async def request_backup(scheduler, key, victim: str, target: str, timeout: floa
 def spawn(scheduler, coro) -> None:
     """Run a coroutine on the scheduler's event loop without waiting for it."""
     scheduler.loop.add_callback(lambda: asyncio.ensure_future(coro))
+
+
+def dispatch_tasks(scheduler, assignments: Mapping[Any, str], stimulus_id: str) -> list:
+    """Send held tasks (:func:`hold_tasks`) that are ready to the workers ``assignments`` names
+    (key -> address): each is restricted to its worker and starts there. Returns the keys sent;
+    those gone, not held, not ready or whose worker left are skipped (they stay held)."""
+    sent = []
+    for key, address in assignments.items():
+        ts = scheduler.tasks.get(key)
+        if (ts is None or ts.state != "no-worker" or ts.worker_restrictions != {HOLD_ADDRESS}
+                or address not in scheduler.workers):
+            continue
+        ts.worker_restrictions = {address}
+        sent.append(key)
+    if sent:
+        scheduler.transitions({k: "processing" for k in sent}, stimulus_id)
+    return sent
+
+
+def free_slots(scheduler) -> dict[str, int]:
+    """Address -> threads free now (threads less tasks processing, long-running ones aside) of
+    each running worker."""
+    out = {}
+    for a, ws in scheduler.workers.items():
+        if ws.status != Status.running:
+            continue
+        out[a] = ws.nthreads - (len(ws.processing) - len(ws.long_running))
+    return out
+
+
+def held_state(scheduler, key) -> str | None:
+    """``"ready"`` for a held task that could start, ``"waiting"`` for one whose inputs are not
+    done, None when it is gone or no longer held."""
+    ts = scheduler.tasks.get(key)
+    if ts is None or ts.worker_restrictions != {HOLD_ADDRESS}:
+        return None
+    return "ready" if ts.state == "no-worker" else "waiting"
+
+
+def rehold_tasks(scheduler, keys) -> dict:
+    """Hold again tasks sent to a worker that left (restricted to it, they could start
+    nowhere). Returns key -> whether it is ready to start, for those held."""
+    out = {}
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if ts is None or ts.state not in ("released", "waiting", "no-worker") \
+                or not ts.worker_restrictions or ts.worker_restrictions & set(scheduler.workers):
+            continue
+        ts.worker_restrictions = {HOLD_ADDRESS}
+        out[key] = ts.state == "no-worker"
+    return out

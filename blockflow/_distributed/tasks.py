@@ -20,8 +20,8 @@ from blockflow._distributed.placement import (
 from blockflow._distributed.views import _LazyMapping
 
 __all__ = ["HeldResult", "RunningTask", "TaskView", "group_duration", "held_results",
-           "input_holders", "new_task_views", "prefix_duration", "running_tasks", "task_states",
-           "unsatisfiable_tasks", "waiting_tasks"]
+           "input_sources", "new_task_views", "prefix_duration", "running_tasks", "task_start_inputs",
+           "task_states", "unsatisfiable_tasks", "waiting_tasks"]
 
 
 @dataclass(frozen=True)
@@ -163,14 +163,17 @@ def task_states(scheduler, keys) -> dict:
     return out
 
 
-def input_holders(scheduler, key, worker: str) -> list[tuple[int, tuple[str, ...]]]:
-    """``(nbytes, holders)`` of each input of a task that finished on ``worker``."""
+def task_start_inputs(scheduler, key) -> tuple[str | None, list[tuple[Any, int, tuple]]]:
+    """Where a task that just started processing runs, and ``(input key, nbytes, holders)`` of
+    each input its worker does not hold yet (holders sorted; read before the memory manager
+    drops a copy)."""
     ts = scheduler.tasks.get(key)
-    if ts is None:
-        return []
-    return [(int(dep.nbytes or 0), tuple(sorted(w.address for w in dep.who_has or ()
-                                                if w.address != worker)))
-            for dep in ts.dependencies]
+    ws = ts.processing_on if ts is not None else None
+    if ws is None:
+        return None, []
+    return ws.address, [(dep.key, int(dep.nbytes or 0),
+                         tuple(sorted(w.address for w in dep.who_has or ())))
+                        for dep in ts.dependencies if ws not in (dep.who_has or ())]
 
 
 #: The comm costs of a view that has none (a new task's): one shared, read-only mapping.
@@ -342,4 +345,17 @@ def running_tasks(scheduler, now: float) -> dict[str, list[RunningTask]]:
                 kernel=kernel, size=_size_of(ts)))
         if tasks:
             out[addr] = tasks
+    return out
+
+
+def input_sources(scheduler, keys) -> list[list[tuple[int, tuple[str, ...]]]]:
+    """Per task of ``keys`` (gone ones skipped): ``(nbytes, holders)`` of each of its inputs
+    in memory, holders sorted."""
+    out = []
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if ts is None:
+            continue
+        out.append([(int(dep.nbytes or 0), tuple(sorted(w.address for w in dep.who_has)))
+                    for dep in ts.dependencies if dep.who_has])
     return out

@@ -96,12 +96,17 @@ class RunReport:
                 + (f"\n{self._cost_text()}" if self.pools else ""))
 
     def cost_table(self) -> pd.DataFrame:
-        """Per-pool table: workers, worker-seconds (billed: first task start to last task
-        end, idle included), busy seconds, price ($/h), cost ($); empty without pools."""
-        rows = (self.pools or {}).get("pools", {})
-        return pd.DataFrame([{"pool": name, **row} for name, row in sorted(rows.items())],
-                            columns=["pool", "workers", "worker_seconds", "busy_seconds",
-                                     "price", "cost"])
+        """Per-pool table: workers, billed seconds (arrival to retirement, at least the pool's
+        ``min_billed``; see :func:`blockflow.pools.plan.run_cost`), busy and idle seconds,
+        price ($/h), compute, idle, egress and total cost ($); empty without pools."""
+        c = self.pools or {}
+        egress = (c.get("egress") or {}).get("by_pool") or {}
+        rows = [{"pool": name, **row, "egress_cost": egress.get(name, {}).get("cost", 0.0),
+                 "cost": row["cost"] + egress.get(name, {}).get("cost", 0.0)}
+                for name, row in sorted(c.get("pools", {}).items())]
+        return pd.DataFrame(rows, columns=["pool", "workers", "billed_seconds",
+                                           "busy_seconds", "idle_seconds", "price",
+                                           "compute_cost", "idle_cost", "egress_cost", "cost"])
 
     def _cost_text(self) -> str:
         c = self.pools
@@ -109,8 +114,9 @@ class RunReport:
         goal = c.get("objective") or {}
         lb = (f"; LP lower bound ${bound['cost']:.4g}, makespan {bound['makespan']:.2f} s"
               if bound.get("cost") is not None else "")
-        return (f"cost ${c['total_cost']:.4g} (egress {format_bytes(c['egress']['bytes'])} "
-                f"across providers, ${c['egress']['cost']:.4g}){lb}; objective "
+        return (f"cost ${c['total_cost']:.4g}: compute ${c['compute_cost']:.4g}, idle "
+                f"${c['idle_cost']:.4g}, egress ${c['egress']['cost']:.4g} "
+                f"({format_bytes(c['egress']['bytes'])} across providers){lb}; objective "
                 f"{goal.get('kind', 'makespan')}"
                 + (f" deadline {goal['deadline']:g} s" if goal.get("deadline") else "")
                 + (f" budget ${goal['budget']:g}" if goal.get("budget") else "")
@@ -183,12 +189,11 @@ def run_report(client, since: float | None = None) -> RunReport:
         tasks=log.reset_index(drop=True),
         block_changes=changes,
         pipeline=_pipeline(client, since),
-        pools=pool_costs(client, status, task_log=status["task_log"], since=since),
+        pools=pool_costs(client, status),
     )
 
 
-def pool_costs(client, status: dict | None = None, *, task_log=None,
-               since: float | None = None) -> dict | None:
+def pool_costs(client, status: dict | None = None) -> dict | None:
     """What the current run cost per pool, beside the LP lower bound.
 
     Parameters
@@ -196,32 +201,21 @@ def pool_costs(client, status: dict | None = None, *, task_log=None,
     client : distributed.Client
     status : dict, optional
         A :func:`blockflow.plugin_status` already read.
-    task_log : list of (worker, start, stop), optional
-        Default the billed spans the plugin keeps.
-    since : float, optional
-        Epoch seconds.
 
     Returns
     -------
     dict or None
-        :func:`blockflow.pools.plan.run_cost` plus ``objective`` and ``lower_bound``
-        (:func:`blockflow.pools.plan.plan`); None when no worker reports a pool.
+        :func:`blockflow.pools.plan.run_cost` of the run, as the scheduler bills it, plus
+        ``objective`` and ``lower_bound`` (:func:`blockflow.pools.plan.plan` over the run's
+        work: every worker billed its busy time only, the bound of the same billing); None
+        when no worker reports a pool.
     """
     status = status if status is not None else plugin_status(client)
     by_pool = status.get("pools") or {}
     if not by_pool or set(by_pool) == {"default"}:
         return None
-    pools = {}
-    for name, info in by_pool.items():
-        pool = Pool.from_dict(info)
-        for a in info.get("workers", ()):
-            pools[a] = pool
     run = status.get("run") or {}
-    if task_log is None:
-        task_log = [(w, s0, s1) for w, (s0, s1) in (run.get("spans") or {}).items()]
-    if since is not None:
-        task_log = [t for t in task_log if t[1] >= since - 1e-3]
-    out = run_cost(task_log, pools, [tuple(c) for c in run.get("crossings") or ()])
+    out = dict(status.get("run_cost") or run_cost({}, (0.0, 0.0)))
     goal = run.get("objective") or None
     out["objective"] = goal
     work = run.get("group_tasks") or {}

@@ -19,27 +19,26 @@ def seconds(snap, pools: dict[str, Pool], groups) -> dict[str, dict[str, float]]
 
 
 def egress(snap, pools: dict[str, Pool], groups) -> dict[str, dict[str, float]]:
-    """Group -> pool name -> dollars per task for inputs leaving their provider."""
-    egress_of = {}
-    for p in pools.values():
-        egress_of[p.provider] = max(egress_of.get(p.provider, 0.0), p.egress)
+    """Group -> pool name -> dollars per task for inputs sent to it from another provider
+    (``snap.inputs``: group -> sending pool -> input bytes per task), priced by the sender."""
+    by_name = {p.name: p for p in pools.values()}
     out = {}
     for g in groups:
-        by_provider = (snap.inputs or {}).get(g)
-        if not by_provider:
+        by_sender = (snap.inputs or {}).get(g)
+        if not by_sender:
             continue
-        out[g] = {p.name: sum(b / _GB * egress_of.get(src, 0.0)
-                              for src, b in by_provider.items() if src != p.provider)
-                  for p in pools.values()}
+        out[g] = {p.name: sum(b / _GB * by_name[src].egress for src, b in by_sender.items()
+                              if src in by_name and by_name[src].provider != p.provider)
+                  for p in by_name.values()}
     return out
 
 
-def capacity(snap, pools: dict[str, Pool], parked) -> tuple[dict, dict]:
-    """Pool name -> workers that may take work, and threads per worker."""
+def capacity(snap, pools: dict[str, Pool]) -> tuple[dict, dict]:
+    """Pool name -> running workers, and threads per worker (the median)."""
     workers: dict[str, int] = {}
     threads: dict[str, list[int]] = {}
     for a, w in snap.workers.items():
-        if w.status != "running" and a not in parked:
+        if w.status != "running":
             continue
         name = pools[a].name
         workers[name] = workers.get(name, 0) + 1

@@ -16,32 +16,33 @@ import numpy as np
 
 from blockflow.pools.pool import Pool
 
-__all__ = ["Plan", "plan", "run_cost", "throughput_matrix", "typical_speeds"]
+__all__ = ["Plan", "plan", "prior_speeds", "run_cost", "throughput_matrix"]
 
 _GB = 1e9
 
 
-def typical_speeds(pools: Mapping[str, Pool], speeds: Mapping[str, float] | None = None
-                   ) -> dict[str, float]:
-    """Pool name -> typical relative speed: its ``speed`` hint, else its workers' median learned
-    speed (``speeds``: address -> speed), else 1.0. ``pools``: address -> its pool.
-    """
+def prior_speeds(pools: Mapping[str, Pool], group: str | None = None,
+                 speeds: Mapping[str, float] | None = None) -> dict[str, float]:
+    """Pool name -> relative speed of ``group``'s tasks there before they are measured: the
+    pool's declared prior (:meth:`~blockflow.pools.pool.Pool.speed_of`), else its workers'
+    median learned speed (``speeds``: address -> speed), else 1.0. ``pools``: address -> its
+    pool."""
     members: dict[str, list[str]] = {}
-    hint: dict[str, float | None] = {}
+    by_name: dict[str, Pool] = {}
     for addr, p in pools.items():
         members.setdefault(p.name, []).append(addr)
-        hint[p.name] = p.speed
+        by_name[p.name] = p
     out = {}
     for name, addrs in members.items():
         learned = [speeds[a] for a in addrs if speeds and a in speeds]
-        out[name] = hint[name] or (median(learned) if learned else 1.0)
+        out[name] = by_name[name].speed_of(group) or (median(learned) if learned else 1.0)
     return out
 
 
 def throughput_matrix(durations: Mapping[str, Mapping[str, float]],
                       pools: Mapping[str, Pool],
                       speeds: Mapping[str, float] | None = None) -> dict[str, dict[str, float]]:
-    """Seconds per task of each task group on each pool.
+    """Seconds per task of each task group on each pool (Gavel's throughput matrix, inverted).
 
     Parameters
     ----------
@@ -56,10 +57,10 @@ def throughput_matrix(durations: Mapping[str, Mapping[str, float]],
     Returns
     -------
     dict
-        Group -> pool name -> seconds per task for every pool: its workers' median, or scaled
-        from the others by :func:`typical_speeds` for a pool that ran none.
+        Group -> pool name -> seconds per task for every pool: its workers' median where the
+        group ran there, else scaled from the pools where it ran by the group's
+        :func:`prior_speeds` (a per-group prior where the pool declares one).
     """
-    typical = typical_speeds(pools, speeds)
     out: dict[str, dict[str, float]] = {}
     for group, per_worker in durations.items():
         by_pool: dict[str, list[float]] = {}
@@ -70,10 +71,11 @@ def throughput_matrix(durations: Mapping[str, Mapping[str, float]],
         measured = {name: median(v) for name, v in by_pool.items()}
         if not measured:
             continue
+        prior = prior_speeds(pools, group, speeds)
         row = dict(measured)
-        for name in typical:
+        for name in prior:
             if name not in row:
-                row[name] = median(t * typical[q] / typical[name] for q, t in measured.items())
+                row[name] = median(t * prior[q] / prior[name] for q, t in measured.items())
         out[group] = row
     return out
 
@@ -242,61 +244,78 @@ def _deadline_shortfall(deadline, load, cap, a_eq, b_eq, names, groups, var, k) 
             f"(has {have}); add workers or extend the deadline")
 
 
-def run_cost(task_log: Iterable[tuple[str, float, float]], pools: Mapping[str, Pool],
-             crossings: Iterable[tuple[str, str, int]] = (),
-             provider_egress: Mapping[str, float] | None = None) -> dict[str, Any]:
-    """What a run cost, per pool.
+def run_cost(lifetimes: Mapping[str, tuple[Pool, float, float | None]],
+             window: tuple[float, float], *, first_use: Mapping[str, float] | None = None,
+             busy: Mapping[str, float] | None = None,
+             crossings: Iterable[tuple[str, str, int]] = ()) -> dict[str, Any]:
+    """What a run cost, per pool, billed as clouds bill: from a worker's arrival to its
+    retirement, idle included, at least its pool's ``min_billed``.
+
+    A worker that arrived during the run is billed to it from its arrival to its departure
+    (to the run's end while it stays); one present before the run, from the run's first task
+    on it to the run's end or its departure; one present that took no task of the run, not at
+    all. Egress: bytes sent to another provider, priced by the sending pool's ``egress``.
 
     Parameters
     ----------
-    task_log : iterable of (worker, start, stop)
-        Task executions, seconds since the epoch.
-    pools : mapping of str to Pool
-        Worker address -> its pool.
-    crossings : iterable of (from_provider, to_provider, bytes)
-    provider_egress : mapping of str to float, optional
-        Provider -> dollars per GB leaving it (default its pools' highest ``egress``).
+    lifetimes : mapping
+        Worker address -> ``(pool, arrival, departure or None)``, seconds since the epoch.
+    window : (float, float)
+        The run's start and end (or now), seconds since the epoch.
+    first_use : mapping of str to float, optional
+        Worker -> start of its first task of the run.
+    busy : mapping of str to float, optional
+        Worker -> seconds its tasks of the run took.
+    crossings : iterable of (sending pool, receiving provider, bytes)
 
     Returns
     -------
     dict
-        ``pools`` (pool -> ``workers``, ``worker_seconds``, ``busy_seconds``, ``price``,
-        ``cost``; a worker billed from its first start to its last end), ``egress`` (``bytes``,
-        ``cost``, ``by_provider``), ``compute_cost``, ``total_cost`` (dollars).
+        ``pools``: pool -> ``workers``, ``billed_seconds``, ``busy_seconds``,
+        ``idle_seconds``, ``price``, ``compute_cost`` (busy), ``idle_cost``, ``cost``;
+        ``egress``: ``bytes``, ``cost``, ``by_pool`` (pool -> ``bytes``, ``cost``, ``to``:
+        provider -> bytes); ``compute_cost``, ``idle_cost``, ``total_cost`` (dollars).
     """
-    span: dict[str, list[float]] = {}
-    busy: dict[str, float] = {}
-    for worker, start, stop in task_log:
-        s = span.setdefault(worker, [start, stop])
-        s[0], s[1] = min(s[0], start), max(s[1], stop)
-        busy[worker] = busy.get(worker, 0.0) + (stop - start)
+    start, end = window
+    first_use, busy = first_use or {}, busy or {}
     out: dict[str, dict[str, Any]] = {}
-    for p in {p.name: p for p in pools.values()}.values():
-        out[p.name] = {"workers": 0, "worker_seconds": 0.0, "busy_seconds": 0.0,
-                       "price": p.price, "cost": 0.0}
-    for worker, (start, stop) in span.items():
-        p = pools.get(worker)
-        if p is None:
+    by_name: dict[str, Pool] = {}
+    for worker, (p, arrival, departure) in lifetimes.items():
+        by_name[p.name] = p
+        row = out.setdefault(p.name, {"workers": 0, "billed_seconds": 0.0,
+                                      "busy_seconds": 0.0, "idle_seconds": 0.0,
+                                      "price": p.price, "compute_cost": 0.0,
+                                      "idle_cost": 0.0, "cost": 0.0})
+        arrived_in_run = start <= arrival <= end
+        if arrived_in_run:
+            lo = arrival
+            hi = departure if departure is not None else end
+            hi = max(hi, arrival + p.min_billed)
+        elif arrival < start and worker in first_use and (departure is None
+                                                          or departure > start):
+            lo = max(first_use[worker], start)
+            hi = min(departure if departure is not None else end, end)
+        else:
             continue
-        row = out[p.name]
+        billed = max(hi - lo, 0.0)
+        used = min(float(busy.get(worker, 0.0)), billed)
         row["workers"] += 1
-        row["worker_seconds"] += stop - start
-        row["busy_seconds"] += busy[worker]
-        row["cost"] += (stop - start) * p.price_per_second
-    if provider_egress is None:
-        provider_egress = {}
-        for p in pools.values():
-            provider_egress[p.provider] = max(provider_egress.get(p.provider, 0.0), p.egress)
-    by_provider: dict[str, dict[str, float]] = {}
+        row["billed_seconds"] += billed
+        row["busy_seconds"] += used
+        row["idle_seconds"] += billed - used
+        row["compute_cost"] += used * p.price_per_second
+        row["idle_cost"] += (billed - used) * p.price_per_second
+        row["cost"] += billed * p.price_per_second
+    by_pool: dict[str, dict[str, Any]] = {}
     for src, dst, nbytes in crossings:
-        if src == dst:
-            continue
-        row = by_provider.setdefault(src, {"bytes": 0, "cost": 0.0})
+        p = by_name.get(src)
+        row = by_pool.setdefault(src, {"bytes": 0, "cost": 0.0, "to": {}})
         row["bytes"] += int(nbytes)
-        row["cost"] += nbytes / _GB * provider_egress.get(src, 0.0)
-    egress = {"bytes": sum(r["bytes"] for r in by_provider.values()),
-              "cost": sum(r["cost"] for r in by_provider.values()),
-              "by_provider": by_provider}
-    compute = sum(r["cost"] for r in out.values())
-    return {"pools": out, "egress": egress, "compute_cost": compute,
-            "total_cost": compute + egress["cost"]}
+        row["to"][dst] = row["to"].get(dst, 0) + int(nbytes)
+        row["cost"] += nbytes / _GB * (p.egress if p is not None else 0.0)
+    egress = {"bytes": sum(r["bytes"] for r in by_pool.values()),
+              "cost": sum(r["cost"] for r in by_pool.values()), "by_pool": by_pool}
+    compute = sum(r["compute_cost"] for r in out.values())
+    idle = sum(r["idle_cost"] for r in out.values())
+    return {"pools": out, "egress": egress, "compute_cost": compute, "idle_cost": idle,
+            "total_cost": compute + idle + egress["cost"]}

@@ -11,6 +11,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from statistics import median
 from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -44,14 +45,20 @@ class Pool:
     price : float, optional
         Dollars per worker-hour (>= 0); None (unknown) is refused by a cost objective or budget.
     egress : float, default 0.0
-        Dollars per GB (1e9 bytes) leaving the provider.
-    speed : float, optional
-        Relative speed hint (> 0; 1.0 typical) until speeds are learned.
+        Dollars per GB (1e9 bytes) sent from this pool's workers to another provider's.
+    speed : float or mapping of str to float, optional
+        Relative speed prior (> 0; 1.0 typical) until speeds are learned: one number, or task
+        group (key prefix) -> speed where groups gain differently from this pool's machines
+        (a row of Gavel's throughput matrix); groups not named use the median of the others.
+    min_billed : float, default 0.0
+        Seconds: the least a worker is billed for, from its arrival (a cloud's minimum
+        increment, 60 for many).
 
     Raises
     ------
     ValueError
-        For a malformed name, a negative or non-finite price or egress, or a speed <= 0.
+        For a malformed name, a negative or non-finite price, egress or ``min_billed``, or a
+        speed <= 0.
     """
 
     name: str
@@ -59,13 +66,14 @@ class Pool:
     region: str = ""
     price: float | None = None
     egress: float = 0.0
-    speed: float | None = None
+    speed: float | Mapping[str, float] | None = None
+    min_billed: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise ValueError(f"blockflow.Pool: name must be a non-empty string of letters, "
                              f"digits, '_', '.' or '-', got {self.name!r}.")
-        for field_name in ("price", "egress"):
+        for field_name in ("price", "egress", "min_billed"):
             value = getattr(self, field_name)
             if value is None and field_name == "price":
                 continue
@@ -73,17 +81,30 @@ class Pool:
                     or not math.isfinite(value) or value < 0:
                 raise ValueError(
                     f"blockflow.Pool {self.name!r}: {field_name} must be a number >= 0 "
-                    f"({'dollars per worker-hour' if field_name == 'price' else 'dollars per GB leaving the provider'}), "
-                    f"got {value!r}.")
+                    f"({_UNITS[field_name]}), got {value!r}.")
             object.__setattr__(self, field_name, float(value))
-        if self.speed is not None:
-            if isinstance(self.speed, bool) or not isinstance(self.speed, (int, float)) \
-                    or not math.isfinite(self.speed) or self.speed <= 0:
-                raise ValueError(f"blockflow.Pool {self.name!r}: speed must be a number > 0 "
-                                 f"(1.0 = the typical worker), got {self.speed!r}.")
-            object.__setattr__(self, "speed", float(self.speed))
+        if isinstance(self.speed, Mapping) or isinstance(self.speed, tuple):
+            # kept as sorted (group, speed) pairs: a Pool stays hashable
+            pairs = tuple(sorted((str(g), _speed(self.name, v, g))
+                                 for g, v in dict(self.speed).items()))
+            if not pairs:
+                raise ValueError(f"blockflow.Pool {self.name!r}: speed mapping is empty; give "
+                                 f"task group -> speed, or one number.")
+            object.__setattr__(self, "speed", pairs)
+        elif self.speed is not None:
+            object.__setattr__(self, "speed", _speed(self.name, self.speed))
         object.__setattr__(self, "provider", str(self.provider or "local"))
         object.__setattr__(self, "region", str(self.region or ""))
+
+    def speed_of(self, group: str | None = None) -> float | None:
+        """The speed prior of ``group``'s tasks here: its own, else the pool's (the median of
+        a per-group mapping); None when the pool declares none."""
+        if not isinstance(self.speed, tuple):
+            return self.speed
+        pairs = dict(self.speed)
+        if group in pairs:
+            return pairs[group]
+        return median(pairs.values())
 
     @property
     def resource(self) -> str:
@@ -97,7 +118,10 @@ class Pool:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (the worker metric, JSON)."""
-        return asdict(self)
+        d = asdict(self)
+        if isinstance(self.speed, tuple):
+            d["speed"] = dict(self.speed)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Pool:
@@ -108,9 +132,22 @@ class Pool:
         ValueError
             If the dict describes no valid pool.
         """
-        fields = ("name", "provider", "region", "price", "egress", "speed")
+        fields = ("name", "provider", "region", "price", "egress", "speed", "min_billed")
         return cls(**{k: d[k] for k in fields if k in d
-                      and not (k == "egress" and d[k] is None)})
+                      and not (k in ("egress", "min_billed") and d[k] is None)})
+
+
+_UNITS = {"price": "dollars per worker-hour", "egress": "dollars per GB sent to another "
+          "provider", "min_billed": "seconds"}
+
+
+def _speed(pool: str, value: Any, group: str | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        what = f"speed of group {group!r}" if group is not None else "speed"
+        raise ValueError(f"blockflow.Pool {pool!r}: {what} must be a number > 0 (1.0 = the "
+                         f"typical worker), got {value!r}.")
+    return float(value)
 
 
 #: The pool of workers that report none.

@@ -56,10 +56,12 @@ class Accounting:
             span_figures=lambda span_id: _distributed.span_figures(self.scheduler, span_id))
         self._task_log: deque[tuple[str, float, float]] = deque(maxlen=100_000)
         self._speeds = SpeedModel()
-        self._providers: dict[str, str] = {}  # worker -> its pool's provider
+        self._pools: dict = {}  # worker -> its Pool (set each tick)
         self._multi_provider = False  # workers of several providers: inputs are tracked
-        # task group -> [tasks seen, {provider -> input bytes}, run id]
+        # task group -> [tasks seen, {sending pool -> input bytes}, run id]
         self._group_inputs: dict[str, list] = {}
+        self._fetched: dict = {}  # (input key, worker) whose crossing was counted (bounded)
+        self._lifetimes: dict[str, list] = {}  # worker -> [pool, arrival, departure]
 
     task_counts = _Folded("Worker -> tasks it finished (re-executions included): Counter.")
     kernel_counts = _Folded("Worker -> blockflow kernel tasks it finished: Counter.")
@@ -67,7 +69,7 @@ class Accounting:
     task_log = _Folded("``(worker, start, stop)`` of finished tasks' executions (bounded "
                        "deque).")
     speeds = _Folded("The speed model (:class:`~blockflow.scheduling.speed.SpeedModel`).")
-    group_inputs = _Folded("Task group -> ``[tasks seen, {provider -> input bytes}, run "
+    group_inputs = _Folded("Task group -> ``[tasks seen, {sending pool -> input bytes}, run "
                            "id]``, of the latest run that gave the group tasks.")
 
     def flush_finished(self) -> None:
@@ -116,10 +118,40 @@ class Accounting:
             cost.flush_wall += wall
             cost.flush_cpu += cpu
 
-    def set_providers(self, providers: dict[str, str]) -> None:
-        """Worker -> its pool's provider; inputs are tracked while there are several."""
-        self._providers = providers
-        self._multi_provider = len(set(providers.values())) > 1
+    def set_pools(self, pools: dict, now: float) -> None:
+        """Worker address -> its :class:`~blockflow.pools.pool.Pool`, each tick: inputs are
+        tracked while there are several providers; a worker first seen now arrived now
+        (workers present before the plugin started arrived at its start)."""
+        self._pools = pools
+        self._multi_provider = len({p.provider for p in pools.values()}) > 1
+        lifetimes = self._lifetimes
+        for a, p in pools.items():
+            life = lifetimes.get(a)
+            if life is None or life[2] is not None:
+                lifetimes[a] = [p, now, None]
+            else:
+                life[0] = p
+
+    def worker_arrived(self, worker: str, now: float) -> None:
+        """``worker`` joined the cluster at ``now`` (epoch seconds): it is billed from here."""
+        pool = self._pools.get(worker)
+        self._lifetimes[worker] = [pool, now, None]
+
+    def worker_left(self, worker: str, now: float) -> None:
+        """``worker`` left (retired or lost) at ``now``: its billing stops here."""
+        life = self._lifetimes.get(worker)
+        if life is not None and life[2] is None:
+            life[2] = now
+        self._pools.pop(worker, None)
+        gone = [a for a, life in self._lifetimes.items() if life[2] is not None]
+        for a in gone[:max(len(gone) - 10_000, 0)]:
+            del self._lifetimes[a]
+
+    @property
+    def lifetimes(self) -> dict[str, tuple]:
+        """Worker -> ``(pool, arrival, departure or None)`` (epoch seconds) of the workers seen,
+        the billing of :func:`blockflow.pools.plan.run_cost`; pool None until it reported."""
+        return {a: tuple(life) for a, life in self._lifetimes.items() if life[0] is not None}
 
     def new_run_inputs(self, run_id: str, keys) -> None:
         """Forget the inputs seen for the groups of ``keys`` in other runs. O(keys)."""
@@ -128,11 +160,16 @@ class Accounting:
             if seen is not None and seen[2] != run_id:
                 self._group_inputs[group] = [0, Counter(), run_id]
 
-    def record_inputs(self, key, worker: str) -> None:
-        """Account a finished task's input bytes by provider (run egress, objective prices).
-        O(inputs).
-        """
-        here = self._providers.get(worker)
+    def record_inputs(self, key) -> None:
+        """Account the inputs of a task that just started, where it runs: bytes from another
+        provider's worker cross providers (run egress, priced by the sending pool; the
+        objective's prices per group). O(inputs); called from the ``transition`` hook, before
+        the memory manager can drop the source copy."""
+        worker, inputs = _distributed.task_start_inputs(self.scheduler, key)
+        pools = self._pools
+        here = pools.get(worker)
+        if here is None:
+            return
         group = key_split(key)
         seen = self._group_inputs.get(group)
         if seen is None:
@@ -140,13 +177,18 @@ class Accounting:
             while len(self._group_inputs) > 256:
                 self._group_inputs.pop(next(iter(self._group_inputs)))
         seen[0] += 1
-        for nbytes, holders in _distributed.input_holders(self.scheduler, key, worker):
-            providers = {self._providers.get(h) for h in holders}
-            if not holders or here in providers:
-                seen[1][here] += nbytes  # made here, or read within the provider
+        fetched = self._fetched
+        for dep, nbytes, holders in inputs:
+            srcs = [pools[h] for h in holders if h in pools]
+            local = [p for p in srcs if p.provider == here.provider]
+            if local or not srcs:  # read within the provider (or its holder left)
+                seen[1][local[0].name if local else here.name] += nbytes
                 continue
-            src = sorted(p for p in providers if p is not None)
-            src = src[0] if src else here
-            seen[1][src] += nbytes
-            if src != here:
-                self._runs.crossed(key, src, here, nbytes)
+            src = min(srcs, key=lambda p: (p.egress, p.name))  # the cheapest sender
+            seen[1][src.name] += nbytes
+            if (dep, worker) in fetched:
+                continue  # this worker fetches it once
+            fetched[(dep, worker)] = None
+            if len(fetched) > 100_000:
+                fetched.pop(next(iter(fetched)))
+            self._runs.crossed(key, src.name, here.provider, nbytes)

@@ -50,13 +50,12 @@ class Action(str, Enum):
     SUSPEND_STEALING = "suspend-stealing"
     #: Restore distributed's work-stealing loop (speeds not known to differ).
     RESTORE_STEALING = "restore-stealing"
-    #: Park a worker of a pool the run's objective does not need now (paused).
-    PARK = "park"
-    #: Unpark a worker: its pool is needed, or no objective is on.
-    UNPARK = "unpark"
+    #: Send held tasks to the workers a run's plan chose (``detail``: key -> worker; not
+    #: logged).
+    DISPATCH = "dispatch"
     #: Retire an idle worker of a pool its elastic scaling shrinks (``target``: the pool).
     RETIRE = "retire"
-    #: Pause again a worker blockflow paused, held or parked whose own status message set
+    #: Pause again a worker blockflow paused or held whose own status message set
     #: it running (not logged).
     REAPPLY = "reapply"
 

@@ -203,24 +203,20 @@ class Actuator:
         self.retiring[d.worker] = str(snap.workers[d.worker].name)
         return d
 
-    def _on_park(self, d, snap):
-        if d.worker in self.parked:
-            return None
-        _distributed.set_worker_status(self.scheduler, d.worker, True, self._stimulus(d))
-        self.parked[d.worker] = d.reason
-        return d
+    def _on_dispatch(self, d, snap):
+        sent = _distributed.dispatch_tasks(self.scheduler, d.detail, self._stimulus(d))
+        rule = self.policy.objective if self.policy is not None else None
+        if rule is not None and rule.dispatch is not None and len(sent) != len(d.detail):
+            unsent = set(d.detail) - set(sent)
+            for k in unsent:
+                rule.dispatch.forget(k)
+            rule.dispatch.hold([k for k in unsent
+                                if _distributed.held_state(self.scheduler, k) is not None])
+        return None
 
-    def _on_unpark(self, d, snap):
-        if self.parked.pop(d.worker, None) is None:
-            return None
-        if d.worker not in self.paused and d.worker not in self.held:
-            _distributed.set_worker_status(self.scheduler, d.worker, False, self._stimulus(d))
-        return d
-
-    #: Commands about one worker: applied only while their snapshot shows the worker.
     ON_WORKER = frozenset({Action.PAUSE, Action.RESUME, Action.HOLD, Action.RELEASE,
                            Action.MOVE, Action.ASSIGN, Action.PLACE, Action.SPECULATE,
-                           Action.PARK, Action.UNPARK, Action.RETIRE, Action.REAPPLY})
+                           Action.RETIRE, Action.REAPPLY})
     #: The one table of handlers: command -> ``handler(plugin, decision, snapshot)``.
     HANDLERS: dict[Action, Callable] = {
         Action.PAUSE: _on_pause,
@@ -235,8 +231,7 @@ class Actuator:
         Action.FAIL: _on_fail,
         Action.SUSPEND_STEALING: _on_suspend_stealing,
         Action.RESTORE_STEALING: _on_restore_stealing,
-        Action.PARK: _on_park,
-        Action.UNPARK: _on_unpark,
+        Action.DISPATCH: _on_dispatch,
         Action.RETIRE: _on_retire,
         Action.REAPPLY: _on_reapply,
     }

@@ -10,6 +10,7 @@ what they yield to the :class:`~blockflow.scheduling.actuator.Actuator`. Guide:
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
@@ -78,7 +79,6 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         self.memory_peak: dict[str, float] = {}  # worker -> device bytes, highest seen
         self.paused: dict[str, str] = {}  # worker -> reason, for pauses this plugin made
         self.held: dict[str, str] = {}  # worker -> reason: held back from the queue
-        self.parked: dict[str, str] = {}  # worker -> reason: its pool is not needed now
         self.retiring: dict[str, str] = {}  # worker -> its name, retired, not gone yet
         self.decisions: deque[dict[str, Any]] = deque(maxlen=self.decision_log_size)
         self.ticks = 0
@@ -93,6 +93,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         self.speculation: Counter[str] = Counter(launched=0, duplicated_seconds=0.0,
                                                  saved_seconds=0.0)
         self._admission_kick = False  # an "admit" snapshot is scheduled
+        self._dispatch_kick = False  # a plan dispatch is scheduled
         self.cost = PluginCost()  # the plugin's own time on the scheduler's event loop
         self._last_snap: ClusterSnapshot | None = None  # the last tick's (for status())
         self._view_cache = _distributed.WorkerViewCache()  # the ticks' worker views
@@ -149,6 +150,11 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         for addr in list(self.held):
             self.apply(Decision(Action.RELEASE, addr, "plugin closing"), snap, log=False)
             self.held.pop(addr, None)
+        objective = self.policy.objective
+        if objective is not None:  # a run's held tasks go back to distributed's placement
+            for d in objective._release(objective.dispatch, "plugin closing"):
+                self.apply(d, snap, log=False)
+            objective.dispatch = None
         self.policy = None  # no tick acts any more
 
     def act(self, items: Iterable[Decision | Record], snap=None) -> list:
@@ -165,6 +171,9 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         # Fast path, first: of a task's ~5 transitions only its end (processing -> memory),
         # its forgetting and, for the few keys admission control watches, the events that
         # free room in its budget need anything; the rest return here, untimed.
+        if finish == "processing" or finish == "no-worker":
+            self._started(key, finish)
+            return
         if finish != "forgotten" and (finish != "memory" or start != "processing"):
             admission = self.admission
             if admission is None or finish not in _ADMISSION_EVENTS \
@@ -194,6 +203,10 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         if self.admission is not None and self.admission.watches(key) \
                 and finish in _ADMISSION_EVENTS:
             self._kick_admission()
+        dispatch = self._plan_dispatch()
+        if dispatch is not None and (finish == "forgotten" or finish == "memory"):
+            dispatch.forget(key)
+            self._kick_dispatch()
         if finish == "forgotten":
             self._finished.append((key, None))
             return
@@ -202,11 +215,48 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         worker = kwargs.get("worker")
         if worker is None:
             return
-        if self._multi_provider:
-            self.record_inputs(key, worker)
         # one flat tuple of strings and numbers (not the message's dicts)
         self._finished.append(_distributed.finished_task_record(
             self.scheduler, key, worker, kwargs.get("startstops"), kwargs.get("metadata")))
+
+    def _started(self, key, finish: str) -> None:
+        """A task started processing (its inputs' crossings are counted) or, held for a plan,
+        became ready (a dispatch is due)."""
+        if finish == "processing":
+            if self._multi_provider:
+                self.record_inputs(key)
+            return
+        dispatch = self._plan_dispatch()
+        if dispatch is not None and dispatch.became_ready(key):
+            self._kick_dispatch()
+
+    def _plan_dispatch(self):
+        """The objective rule's :class:`~blockflow.pools.dispatch.PlanDispatch`, or None."""
+        objective = self.policy.objective if self.policy is not None else None
+        return objective.dispatch if objective is not None else None
+
+    def _kick_dispatch(self) -> None:
+        """Dispatch held tasks on the event loop soon, coalesced (hooks change no state)."""
+        if self._dispatch_kick:
+            return
+        self._dispatch_kick = True
+
+        def run():
+            self._dispatch_kick = False
+            self._dispatch()
+
+        _distributed.call_soon(self.scheduler, run)
+
+    def _dispatch(self) -> None:
+        """Send the ready held tasks the plan places on the free threads now."""
+        dispatch = self._plan_dispatch()
+        if dispatch is None or not any(dispatch.ready.values()):
+            return
+        chosen = dispatch.choose(_distributed.free_slots(self.scheduler), self._pools,
+                                 time.time())
+        if chosen:
+            self.apply(Decision(Action.DISPATCH, "", "tasks placed by the plan",
+                                keys=tuple(chosen), detail=chosen), log=False)
 
     def update_graph(self, scheduler, *, client=None, keys=None, tasks=None, annotations=None,
                      **kwargs) -> None:
@@ -233,7 +283,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         views = self._views()
         run = self._objective_run()
         snap = ClusterSnapshot(time=time.time(), workers=views, event="graph",
-                               new_tasks=new_tasks, run=run, parked=frozenset(self.parked),
+                               new_tasks=new_tasks, run=run,
                                declared_pools=dict(self.declared_pools),
                                throughput=self._throughput(views) if run else {})
         self.act(self.policy.run(snap), snap)
@@ -243,15 +293,20 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
             # a scheduler started with --preload has no worker when the plugin starts
             self._worker_checked = True
             _distributed.check_scheduler(scheduler)
+        self.worker_arrived(worker, time.time())
         self.record(Record(Recorded.JOIN, worker, "worker joined the cluster"))
 
     def remove_worker(self, scheduler, worker, *, stimulus_id=None, **kwargs) -> None:
         if self._last_snap is not None:
             self._last_snap.workers.pop(worker, None)
         self.speeds.forget(worker)
-        self.parked.pop(worker, None)
         self.retiring.pop(worker, None)
-        self._providers.pop(worker, None)
+        self.worker_left(worker, time.time())
+        dispatch = self._plan_dispatch()
+        if dispatch is not None:  # its planned tasks wait for the plan again
+            ready = _distributed.rehold_tasks(scheduler, dispatch.lost(worker))
+            dispatch.hold(list(ready), ready)
+            self._kick_dispatch()
         was_paused = self.paused.pop(worker, None)
         self.held.pop(worker, None)
         self.record(Record(Recorded.FORGET, worker, "worker left the cluster"
@@ -354,15 +409,41 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
                                changed=self._view_cache.changed)
         snap.balancing = (self.stealing_rule.judge(snap) if self.stealing_rule is not None
                           else snap.speeds_differ)
-        self.set_providers({a: p.provider for a, p in pools_of(views).items()})
-        snap.parked = frozenset(self.parked)
+        self.set_pools(pools_of(views), now)
+        snap.lifetimes = self.lifetimes
         snap.declared_pools = dict(self.declared_pools)
         snap.run = self._objective_run()
         if snap.run is not None:
             snap.throughput = self._throughput(views)
             snap.inputs = {g: {p: b / max(n, 1) for p, b in by.items()}
                            for g, (n, by, _) in self.group_inputs.items()}
+            snap.inputs.update(self._ready_inputs())
         return snap
+
+    def _ready_inputs(self, sample: int = 16) -> dict[str, dict[str, float]]:
+        """Group -> sending pool -> input bytes per task, read off up to ``sample`` held
+        tasks per group that are ready (their inputs exist: where they are is known before
+        any of them runs)."""
+        dispatch = self._plan_dispatch()
+        if dispatch is None:
+            return {}
+        pools = self._pools
+        out = {}
+        for group, ready in dispatch.ready.items():
+            keys = list(itertools.islice(ready, sample))
+            if not keys:
+                continue
+            by: dict[str, float] = {}
+            tasks = _distributed.input_sources(self.scheduler, keys)
+            for inputs in tasks:
+                for nbytes, holders in inputs:
+                    src = [pools[h] for h in holders if h in pools]
+                    if src:  # the cheapest sender
+                        name = min(src, key=lambda p: (p.egress, p.name)).name
+                        by[name] = by.get(name, 0.0) + nbytes
+            if tasks:
+                out[group] = {name: b / len(tasks) for name, b in by.items()}
+        return out
 
     def _objective_run(self):
         """The run most recently given work, when it runs under an objective."""
@@ -382,7 +463,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
             if w.status != "paused":
                 continue
             hm = w.host_memory_fraction
-            if (a not in self.paused and a not in self.held and a not in self.parked) or (
+            if (a not in self.paused and a not in self.held) or (
                     limit and hm is not None and hm >= limit):
                 out.add(a)
         return frozenset(out)
@@ -415,6 +496,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         self.act(self._reapply_pauses(snap), snap)
         self.act(self.stealing_rule.run(snap, None), snap)  # suspend or restore stealing
         applied = self.act(self.policy.run(snap), snap)
+        self._dispatch()
         self._view_cache.changed = frozenset()  # the rules have seen them
         for a in (snap.workers if snap.changed is None else snap.changed):
             w = snap.workers.get(a)
@@ -425,12 +507,11 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         return applied
 
     def _reapply_pauses(self, snap: ClusterSnapshot) -> list[Decision]:
-        """``reapply`` commands for workers blockflow keeps paused, held or parked whose own status
+        """``reapply`` commands for workers blockflow keeps paused or held whose own status
         message set them running again; forgets those gone.
         """
         out = []
-        for kept, what in ((self.held, "rehold"), (self.paused, "repause"),
-                           (self.parked, "repark")):
+        for kept, what in ((self.held, "rehold"), (self.paused, "repause")):
             for addr in list(kept):
                 w = snap.workers.get(addr)
                 if w is None:

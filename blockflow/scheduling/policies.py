@@ -81,8 +81,8 @@ class ClusterSnapshot:
         Task key -> worker running its backup copy.
     bandwidth : float
         Worker-to-worker estimate, bytes per second.
-    held, stopped, parked : frozenset of str
-        Workers held back from the queue; paused by themselves; parked for the objective.
+    held, stopped : frozenset of str
+        Workers held back from the queue; paused by themselves.
     balancing, speeds_differ, speeds_differ_weakly : bool
         Whether blockflow balances; the speed model's strict and weak tests.
     unsatisfiable : list of (key, dict)
@@ -91,10 +91,11 @@ class ClusterSnapshot:
         For the admission rule.
     changed : frozenset of str or None
         On ticks, workers whose view changed; None: all.
-    run, declared_pools, throughput, inputs
+    run, declared_pools, throughput, inputs, lifetimes
         For the objective rule: the run under a :func:`blockflow.objective`, pools known
         before their workers, group -> pool -> seconds per task
-        (:func:`blockflow.pools.plan.throughput_matrix`), group -> provider -> input bytes.
+        (:func:`blockflow.pools.plan.throughput_matrix`), group -> sending pool -> input bytes
+        per task, worker -> ``(pool, arrival, departure)`` (billing).
     """
 
     time: float
@@ -118,7 +119,7 @@ class ClusterSnapshot:
     client: str | None = None
     changed: frozenset | None = field(default=None, repr=False)
     run: Any = field(default=None, repr=False)
-    parked: frozenset = frozenset()
+    lifetimes: Mapping[str, tuple] = field(default_factory=dict, repr=False)
     declared_pools: Mapping[str, Any] = field(default_factory=dict, repr=False)
     throughput: Mapping[str, Mapping[str, float]] = field(default_factory=dict, repr=False)
     inputs: Mapping[str, Mapping[str, float]] = field(default_factory=dict, repr=False)
@@ -137,7 +138,7 @@ class RebalancePolicy(abc.ABC):
     replaces_work_stealing: ClassVar[bool] = False
     #: Whether admission control holds producers back under this policy.
     admits: ClassVar[bool] = True
-    #: The rule that parks pools for a run objective (pools' cost, budgets), or None.
+    #: The rule that plans a run under a cost objective or a budget, or None.
     objective: ObjectiveRule | None = None
 
     @abc.abstractmethod
@@ -276,7 +277,7 @@ class DynamicPolicy(ComposedPolicy):
         self.backup = BackupRule(self.speculation, self.backup_slots, self.backup_ratio,
                                  self.backup_min_elapsed)
         self.objective = ObjectiveRule()
-        # holds skip a worker just paused, moves a paused, parked or held one, copies a
+        # holds skip a worker just paused, moves a paused or held one, copies a
         # move's target
         self.rules = [self.objective, self.placement, self.pause, self.hold, self.move,
                       self.backup]

@@ -82,6 +82,8 @@ class SpeedModel:
         self.pending: deque[tuple[str, str, float, float | None]] = deque(maxlen=max_pending)
         # group -> worker -> recent log durations
         self.groups: OrderedDict[str, dict[str, deque[float]]] = OrderedDict()
+        # group -> worker -> log seconds of its cold start (until a warm task is seen)
+        self.cold: dict[str, dict[str, float]] = {}
         self.seen: dict[tuple[str, str], int] = {}  # (worker, group) -> durations seen
         self.count: dict[str, int] = {}  # worker -> durations seen (all)
         self.log_speed: dict[str, float] = {}
@@ -141,6 +143,8 @@ class SpeedModel:
                 # task's duration (a device slow from the start is otherwise not known slow
                 # until its second task of the group ends)
                 self.last[worker] = (group, math.log(typical / self.cold_allowance))
+                if group in self.cold or len(self.cold) < self.max_groups:
+                    self.cold.setdefault(group, {})[worker] = math.log(typical)
                 continue
             per_worker = self.groups.get(group)
             if per_worker is None:
@@ -279,13 +283,20 @@ class SpeedModel:
             self.log_speed[w] = min(ls, cap)
 
     def group_durations(self) -> dict[str, dict[str, float]]:
-        """Group -> worker -> typical warm seconds per task (per unit), after :meth:`update`.
+        """Group -> worker -> typical warm seconds per task (per unit), after :meth:`update`;
+        a worker's cold start where it ran no warm task of the group yet (a first estimate
+        beats none for a plan).
 
         The raw material of :func:`blockflow.pools.plan.throughput_matrix`.
         """
         self.update()
-        return {g: {w: math.exp(median(d)) for w, d in per_worker.items() if d}
-                for g, per_worker in self.groups.items()}
+        out = {g: {w: math.exp(median(d)) for w, d in per_worker.items() if d}
+               for g, per_worker in self.groups.items()}
+        for g, per_worker in self.cold.items():
+            row = out.setdefault(g, {})
+            for w, log_d in per_worker.items():
+                row.setdefault(w, math.exp(log_d))
+        return {g: row for g, row in out.items() if row}
 
     def speed(self, worker: str) -> float:
         """Relative speed of ``worker`` (1.0 = the typical worker, and when nothing is known)."""
@@ -355,3 +366,5 @@ class SpeedModel:
         self.count.pop(worker, None)
         for key in [k for k in self.seen if k[0] == worker]:
             del self.seen[key]
+        for per_worker in self.cold.values():
+            per_worker.pop(worker, None)

@@ -58,7 +58,7 @@ class Status:
         objective = self.policy.objective
         if run is not None and run.objective is not None and run.objective.budget is not None \
                 and objective is not None:
-            spent = objective.spent(run, pools_of(snap.workers), snap.time, snap.workers)
+            spent = objective.spent(run, snap)
         for d in self.scaling.run(snap, request, run, reference, spent,
                                   frozenset(self.retiring),
                                   _distributed.workers_holding_data(self.scheduler)):
@@ -70,9 +70,9 @@ class Status:
                 "retiring": sorted(self.retiring.values())}
 
     def _pool_status(self) -> dict[str, Any]:
-        """Pools, parked workers, throughput matrix, the current run's objective, plan and cost."""
+        """Pools, throughput matrix, the current run's objective, plan, dispatch and cost."""
         if self.scheduler is None:
-            return {"pools": {}, "parked": {}, "throughput": {}, "objective": None}
+            return {"pools": {}, "throughput": {}, "objective": None, "run_cost": None}
         views = self._views()
         pools = pools_of(views)
         by_pool: dict[str, dict[str, Any]] = {}
@@ -81,20 +81,24 @@ class Status:
         for name, p in self.declared_pools.items():
             by_pool.setdefault(name, {**p.to_dict(), "workers": []})
         run = self.runs.run_of(self.runs.current)
-        objective = None
+        objective = run_cost = None
+        if run is not None:
+            end = run.ended if run.ended is not None and run.pending <= 0 else time.time()
+            run_cost = cost.run_cost(self.lifetimes, (run.started, end),
+                                     first_use={a: s[0] for a, s in run.spans.items()},
+                                     busy=run.busy,
+                                     crossings=[(a, b, n) for (a, b), n in
+                                                run.crossings.items()])
         if run is not None and run.objective is not None:
             rule = self.policy.objective if self.policy is not None else None
+            dispatch = rule.dispatch if rule is not None else None
             objective = {**run.objective.as_dict(), "run": run.id,
                          "deadline_at": run.deadline_at,
                          "plan": rule.plans.get(run.id) if rule is not None else None,
-                         "spent": (rule.spent(run, pools, time.time(), views)
-                                   if rule is not None else None)}
-        run_cost = None
-        if run is not None and run.spans:
-            run_cost = cost.run_cost(
-                [(w, s0, s1) for w, (s0, s1) in run.spans.items()], pools,
-                [(a, b, n) for (a, b), n in run.crossings.items()])
-        return {"pools": by_pool, "parked": dict(self.parked),
+                         "dispatch": (dispatch.as_dict() if dispatch is not None
+                                      and dispatch.run_id == run.id else None),
+                         "spent": run_cost["compute_cost"] + run_cost["idle_cost"]}
+        return {"pools": by_pool,
                 "scaling": {"targets": dict(self.scaling.targets),
                             "reasons": dict(self.scaling.reasons),
                             "retiring": dict(self.retiring)},

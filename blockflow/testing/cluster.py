@@ -140,7 +140,8 @@ def simulated_cluster(speeds: Sequence[float] = (1, 1, 0.5, 0.25),
     host_spill : bool, default False
     timeout : float or str, default "30s"
     pools : mapping of blockflow.Pool to int, optional
-        Workers in pools at each pool's ``speed``; replaces ``speeds``.
+        Workers in pools at each pool's ``speed`` (per task group where it maps groups to
+        speeds); replaces ``speeds``.
     **cluster_kwargs
         Passed to ``distributed.LocalCluster``.
 
@@ -159,15 +160,18 @@ def simulated_cluster(speeds: Sequence[float] = (1, 1, 0.5, 0.25),
     member = None
     if pools is not None:
         member, n = _pool_members(pools, None, None)
-        speeds = [member.pools[str(i)].speed or 1.0 for i in range(n)]
+        speeds = [member.pools[str(i)].speed_of() or 1.0 for i in range(n)]
     n = len(speeds)
     if n == 0:
         raise ValueError("simulated_cluster: speeds is empty; give one speed per worker.")
     per_worker = zip(speeds, _per_worker(device_memory, n, "device_memory"),
                      _per_worker(tenants, n, "tenants"),
                      _per_worker(speed_schedules, n, "speed_schedules"))
+    group_speeds = ({i: dict(member.pools[str(i)].speed) for i in range(n)
+                     if isinstance(member.pools[str(i)].speed, tuple)} if member else {})
     plugin = SimulatedGPU({
-        i: SimulatedDevice(speed=s, device_memory=m, tenant=t, speed_schedule=sch)
+        i: SimulatedDevice(speed=s, device_memory=m, tenant=t, speed_schedule=sch,
+                           group_speeds=group_speeds.get(i))
         for i, (s, m, t, sch) in enumerate(per_worker)
     })
     cluster_kwargs.setdefault("dashboard_address", ":0")

@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from dask.sizeof import sizeof
+from dask.utils import key_split
 from distributed import get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
 
@@ -219,6 +220,9 @@ def simulated_kernel(*blocks: Any, op: Callable | None = None, work: float = 0.0
         result = op(*payloads) if op is not None else payloads[0]
         time.sleep(work)
         return SimulatedDeviceBlock(result, out_bytes)
+    if device.group_speeds:
+        key = _distributed.current_task_key()
+        work = device.work_of(work, key_split(key) if key is not None else None)
     token = device._begin(working_set)
     try:
         result = op(*payloads) if op is not None else payloads[0]

@@ -156,6 +156,9 @@ class SimulatedDevice:
         Seconds over which utilisation is measured.
     uuid : str, optional
         ``blockflow-gpu-uuid``; equal on two workers simulates a shared GPU.
+    group_speeds : mapping of str to float, optional
+        Task group (key prefix) -> its speed here, for groups that gain differently from this
+        device (:meth:`work_of`); others run at ``speed``.
 
     Notes
     -----
@@ -165,8 +168,9 @@ class SimulatedDevice:
     def __init__(self, speed: float = 1.0, device_memory: int | str = "16GiB", tenant=None,
                  speed_schedule: Sequence[tuple[float, float]] | None = None,
                  tenant_contention: bool = True, window: float | str = 1.0,
-                 uuid: str | None = None):
+                 uuid: str | None = None, group_speeds: Mapping[str, float] | None = None):
         self.base_speed = _check_speed(speed)
+        self.group_speeds = {str(g): _check_speed(v) for g, v in (group_speeds or {}).items()}
         self.uuid = uuid
         self.capacity = _parse_bytes(device_memory)
         if self.capacity <= 0:
@@ -358,6 +362,12 @@ class SimulatedDevice:
                 self._busy_since = None
                 while self._busy and self._busy[0][1] <= now - self.window:
                     self._busy.popleft()
+
+    def work_of(self, work: float, group: str | None) -> float:
+        """Reference-seconds ``work`` of a ``group`` task as this device's base speed runs it:
+        scaled by the group's own speed (``group_speeds``), when it has one."""
+        speed = self.group_speeds.get(group) if group is not None else None
+        return work if speed is None else work * self.base_speed / speed
 
     def _run(self, work: float) -> None:
         """Sleep until ``work`` reference-seconds are done, re-reading speed, tenant and the

@@ -1,0 +1,190 @@
+"""Plan dispatch: a run's tasks wait at the scheduler and go to pools in the plan's shares.
+
+Under a cost objective or a budget, the objective rule holds the run's tasks at the scheduler
+(distributed's ``no-worker`` state, as admission control does) and :class:`PlanDispatch` hands
+each ready one to a free thread of a worker the plan uses, of the group the plan gives that
+worker's pool most of. Nothing waits on a worker before it can start there, so the plan, re-solved
+every tick, decides where every task not yet started runs ("queued is not spent"). Guide:
+:doc:`/guide/pools`, "How the plan runs".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+from dask.utils import key_split
+
+from blockflow.pools.pool import Pool
+
+__all__ = ["PlanDispatch"]
+
+
+class PlanDispatch:
+    """One run's held tasks and the plan's shares they are dispatched by.
+
+    Attributes
+    ----------
+    run_id : str or None
+    quota : dict
+        Group -> pool name -> tasks the latest plan still gives the pool (fractional; each
+        dispatch takes one).
+    active : set of str
+        Workers that take the run's tasks now: those that began it, and those the plan needs
+        to begin now.
+    greedy : bool
+        The objective can no longer be met: every free thread takes work, each the group
+        it is fastest at relative to the others.
+    finish_by : float or None
+        Epoch seconds the plan ends by: a worker the plan gives nothing takes a task only if
+        it ends by then (it is billed to the run's end anyway).
+    seconds : dict
+        Group -> pool -> seconds per task (the plan's throughput matrix).
+    egress : dict
+        Group -> pool -> dollars of egress per task: off the plan, a worker takes no task
+        whose inputs it would pay to receive.
+    first : dict of str to str
+        Group -> the pool an unmeasured group's tasks go to (cheapest per unit of work by the
+        pools' priors), until it is measured.
+    sent : dict
+        Key -> worker of the tasks dispatched and not finished.
+    """
+
+    def __init__(self, run_id: str | None = None):
+        self.run_id = run_id
+        self.waiting: dict[str, dict[Hashable, None]] = {}  # group -> held, inputs not done
+        self.ready: dict[str, dict[Hashable, None]] = {}  # group -> held and ready
+        self.quota: dict[str, dict[str, float]] = {}
+        self.active: set[str] = set()
+        self.greedy = False
+        self.finish_by: float | None = None
+        self.seconds: dict[str, dict[str, float]] = {}
+        self.egress: dict[str, dict[str, float]] = {}
+        self.first: dict[str, str] = {}
+        self.sent: dict[Hashable, str] = {}
+        self.dispatched = 0
+
+    # --- the held tasks ------------------------------------------------------------------
+
+    def hold(self, keys, ready: Mapping[Hashable, bool] | None = None) -> None:
+        """Track ``keys`` as held (ready ones per ``ready``: key -> whether it could start)."""
+        for key in keys:
+            where = self.ready if ready and ready.get(key) else self.waiting
+            where.setdefault(key_split(key), {})[key] = None
+
+    def became_ready(self, key) -> bool:
+        """A held task's inputs are done; False if it is not one of this run's held tasks."""
+        group = key_split(key)
+        waiting = self.waiting.get(group)
+        if waiting is None or key not in waiting:
+            return False
+        del waiting[key]
+        self.ready.setdefault(group, {})[key] = None
+        return True
+
+    def forget(self, key) -> None:
+        """The task finished, was forgotten or is no longer held."""
+        group = key_split(key)
+        for where in (self.waiting, self.ready):
+            d = where.get(group)
+            if d is not None:
+                d.pop(key, None)
+        self.sent.pop(key, None)
+
+    def lost(self, worker: str) -> list:
+        """Keys dispatched to ``worker`` that did not finish (it left): to hold again."""
+        keys = [k for k, w in self.sent.items() if w == worker]
+        for k in keys:
+            del self.sent[k]
+        return keys
+
+    def holds(self) -> int:
+        """Tasks held now (waiting for inputs or ready)."""
+        return sum(map(len, self.waiting.values())) + sum(map(len, self.ready.values()))
+
+    def ready_count(self) -> dict[str, int]:
+        """Group -> held tasks ready to start."""
+        return {g: len(d) for g, d in self.ready.items() if d}
+
+    # --- choosing ------------------------------------------------------------------------
+
+    def choose(self, slots: Mapping[str, int], pools: Mapping[str, Pool],
+               now: float) -> dict[Hashable, str]:
+        """Key -> worker for as many ready tasks as the plan places on the free threads
+        ``slots`` (address -> free threads; ``pools``: address -> its pool)."""
+        out: dict[Hashable, str] = {}
+        if not any(self.ready.values()):
+            return out
+        order = sorted(slots, key=lambda a: (a not in self.active, a))
+        for addr in order:
+            free = slots[addr]
+            pool = pools.get(addr)
+            if free <= 0 or pool is None or not (self.greedy or addr in self.active):
+                continue
+            while free > 0:
+                group = self._pick(pool.name, now)
+                if group is None:
+                    break
+                ready = self.ready[group]
+                key = next(iter(ready))
+                del ready[key]
+                out[key] = addr
+                self.sent[key] = addr
+                row = self.quota.setdefault(group, {})
+                row[pool.name] = row.get(pool.name, 0.0) - 1.0
+                free -= 1
+        self.dispatched += len(out)
+        return out
+
+    def _owners(self, group: str) -> set[str]:
+        """Pools the plan gives ``group``'s next task: those with half a task or more left,
+        else the one with most."""
+        row = self.quota.get(group) or {}
+        owners = {p for p, q in row.items() if q >= 0.5}
+        if not owners and row:
+            best = max(row.values())
+            if best > 1e-9:
+                owners = {p for p, q in row.items() if q == best}
+        return owners
+
+    def _fit(self, group: str, pool: str) -> float:
+        """Seconds per task of ``group`` on ``pool`` over its best pool's (1 = its best)."""
+        row = self.seconds.get(group) or {}
+        if pool not in row:
+            return math.inf
+        return row[pool] / max(min(row.values()), 1e-12)
+
+    def _pick(self, pool: str, now: float) -> str | None:
+        """The group whose next ready task ``pool`` takes, or None."""
+        groups = [g for g, d in self.ready.items() if d]
+        if not groups:
+            return None
+        # an unmeasured group first, on the pool cheapest for it by the priors: the plan
+        # needs its speed
+        new = [g for g in groups if g not in self.seconds
+               and (self.greedy or self.first.get(g) in (None, pool))]
+        if new:
+            return new[0]
+        planned = [g for g in groups if g in self.seconds and pool in self._owners(g)]
+        if planned:
+            return max(planned, key=lambda g: (self.quota[g].get(pool, 0.0), g))
+        if self.greedy:
+            return min(groups, key=lambda g: (self._fit(g, pool), g))
+        if self.finish_by is None:
+            return None
+        # off the plan: only what ends before the plan does (this worker is billed to the
+        # run's end anyway), the group it suits best first
+        fits = [g for g in groups if g in self.seconds
+                and not self.egress.get(g, {}).get(pool, 0.0) > 0.0
+                and now + self.seconds[g].get(pool, math.inf) <= self.finish_by]
+        return min(fits, key=lambda g: (self._fit(g, pool), g)) if fits else None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (status)."""
+        return {"run": self.run_id, "held": self.holds(), "ready": self.ready_count(),
+                "quota": {g: {p: round(q, 3) for p, q in row.items()}
+                          for g, row in self.quota.items()},
+                "active": sorted(self.active), "greedy": self.greedy,
+                "finish_by": self.finish_by, "dispatched": self.dispatched,
+                "running": len(self.sent)}
