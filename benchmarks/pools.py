@@ -1,40 +1,36 @@
-"""Pools benchmark: blockflow's objectives against "one cluster per queue", beside the LP bound.
+"""Pools benchmark: the cost and budget objectives beside an independent LP and the baselines.
 
-Simulated pools on one scheduler (issue 29): ``fast`` (speed 4, $4 per worker-hour, 2
-workers, provider gcp) and ``slow`` (speed 1, $0.5 per worker-hour, 4 workers, provider aws,
-$0.09 per GB leaving aws). The work: ``--tasks`` simulated kernels of ``--work``
-reference-seconds (speed 1), so the slow pool alone needs ``tasks x work / 4`` seconds.
+Two scenarios on simulated pools, each in its own cluster, every configuration side by side:
 
-Configurations, side by side in one run (each repetition starts one cluster, measures the
-kernel group once, then runs every configuration, the order of the comparable ones
-reversed on odd repetitions):
+* ``matrix`` (issue 37): three pools on two providers - ``cpu`` (aws, $0.5/h, 3 workers,
+  egress $0.09/GB), ``mid`` (aws, $1.5/h, 1 worker), ``gpu`` (gcp, $4/h, 1 worker); two task
+  groups whose speed-ups differ per pool (``etl`` 1/1.5/2x, ``train`` 1/3/8x: a throughput
+  matrix as in Gavel); every task reads a 20 MB input made on ``cpu`` (aws), so a task on
+  ``gpu`` pays egress.
+* ``single`` (issue 29): ``fast`` (gcp, speed 4, $4/h, 2 workers) and ``slow`` (aws,
+  speed 1, $0.5/h, 4 workers), one group, no inputs.
 
-* ``cost``: ``blockflow.objective("cost", deadline=D)``, D a deadline the slow pool alone
-  misses (``--deadline``, default 2/3 of the slow pool's time);
-* ``all-fast``: the "one cluster per queue" workaround, all work on the fast pool
-  (``resources={"pool:fast": 1}``): only the fast pool is billed;
-* ``split``: the workaround with a fixed split, half the tasks on each pool;
-* ``split@D``: the best fixed split for the deadline D: the LP's share of the fast pool at
-  D (rounded up) there, the rest on the slow pool - what a user who knows the nominal
-  speeds would choose. With one task group this split *is* the LP optimum, so no policy can
-  be much cheaper than it; it shows what the objective costs against perfect knowledge;
-* ``cost@all-fast``: the cost objective with the deadline the all-fast run took (the
-  comparison at equal makespan);
-* ``budget``: ``blockflow.objective("makespan", budget=B)``, B halfway between the cheapest
-  run and the fastest one (LP);
-* ``default``: no objective (today's behaviour);
-* ``egress``: every task reads a 100 MB input made on the slow pool (aws); the cost
-  objective at deadline D: bytes leaving aws, against what the deadline needs (the LP's
-  tasks on the fast pool x 100 MB).
+Configurations (each a fresh run on the scenario's cluster):
 
-Cost: each worker billed from its first task's start to its last task's end in the run
-(idle gaps included) at its pool's price, as a cluster that releases idle workers pays
-(:func:`blockflow.pools.plan.run_cost`). The LP bound: :func:`blockflow.pools.plan.plan`
-over the nominal throughput matrix (work / speed), under the configuration's deadline or
-budget. Medians over ``--reps`` repetitions.
+* ``cost``: ``blockflow.objective("cost", deadline=D)``, D = ``--slack`` (1.15) x the LP's
+  shortest makespan;
+* ``budget``: ``blockflow.objective("makespan", budget=B)``, B = ``--budget-x`` (1.2) x the
+  LP's cheapest cost;
+* ``plain``: no objective, no blockflow plugin placement beyond the default policy's;
+* ``static``: one cluster per pool, each group split across pools by the pools' declared
+  speeds x workers (``resources={"pool:<name>": 1}``);
+* ``fastest``: all work on the fastest pool.
 
-    python benchmarks/pools.py                 # 3 repetitions (~4-6 min on a loaded 2-core host)
-    python benchmarks/pools.py --reps 1        # a check
+Cost is computed here, independently of the plugin: a worker (present before the run) is
+billed from its first task of the run to the run's end, idle included (the plugin's
+:func:`blockflow.pools.plan.run_cost` model); egress = the input bytes of every task that ran
+on another provider than its input (counted from the tasks' own records) x the sending pool's
+price. The LP bound: ``scipy.optimize.linprog`` over the nominal throughput matrix written out
+here (not :func:`blockflow.pools.plan.plan`), egress included. ``egress counted`` is the
+plugin's report over this count. Medians over ``--reps``.
+
+    python benchmarks/pools.py              # 3 repetitions (~12 min on a loaded 2-core host)
+    python benchmarks/pools.py --reps 1     # a check
 """
 
 from __future__ import annotations
@@ -48,180 +44,229 @@ import sys
 import time
 
 import numpy as np
-from distributed import wait
+from distributed import get_worker, wait
+from scipy.optimize import linprog
 
 import blockflow
 from blockflow.cluster.report import pool_costs
-from blockflow.scheduling import Rebalancer
-from blockflow.pools.plan import plan
 from blockflow.pools.pool import Pool
+from blockflow.scheduling import Rebalancer
 from blockflow.scheduling.runs import run_scope
 from blockflow.testing.cluster import simulated_cluster
 from blockflow.testing.simulated import simulated_kernel
 from blockflow.testing.simulated_device import SimulatedDeviceBlock
 
-FAST = Pool("fast", provider="gcp", price=4.0, speed=4)
-SLOW = Pool("slow", provider="aws", price=0.5, speed=1, egress=0.09)
-POOLS = {"fast": FAST, "slow": SLOW}
-WORKERS = {"fast": 2, "slow": 4}
-INPUT_BYTES = 100_000_000
+INPUT = 20_000_000
+SCENARIOS = {
+    "matrix": {
+        "pools": {Pool("cpu", provider="aws", price=0.5, egress=0.09,
+                       speed={"etl": 1, "train": 1}): 3,
+                  Pool("mid", provider="aws", price=1.5, speed={"etl": 1.5, "train": 3}): 1,
+                  Pool("gpu", provider="gcp", price=4.0, speed={"etl": 2, "train": 8}): 1},
+        "work": {"etl": 0.4, "train": 0.8}, "tasks": {"etl": 80, "train": 80},
+        "inputs": "cpu"},
+    "single": {
+        "pools": {Pool("fast", provider="gcp", price=4.0, speed=4): 2,
+                  Pool("slow", provider="aws", price=0.5, speed=1, egress=0.09): 4},
+        "work": {"k": 0.5}, "tasks": {"k": 160}, "inputs": None},
+}
 
 
 def make_input(i: int) -> SimulatedDeviceBlock:
-    return SimulatedDeviceBlock(np.int64(i), INPUT_BYTES)
+    return SimulatedDeviceBlock(np.int64(i), INPUT)
 
 
-def run_config(client, name: str, args, *, deadline=None, budget=None, split=None,
-               only=None, inputs=False) -> dict:
-    n, w = args.tasks, args.work
+def _kernel(x, work):
+    t0 = time.time()
+    simulated_kernel(x, work=work)
+    nbytes = x.nbytes if isinstance(x, SimulatedDeviceBlock) else 0
+    return get_worker().address, t0, time.time(), nbytes
+
+
+def etl(x, work):
+    return _kernel(x, work)
+
+
+def train(x, work):
+    return _kernel(x, work)
+
+
+def k(x, work):
+    return _kernel(x, work)
+
+
+KERNELS = {"etl": etl, "train": train, "k": k}
+
+
+# --- the independent LP --------------------------------------------------------------------
+
+def lp(sc, *, deadline=None, budget=None):
+    """(cost $, makespan s, tasks per (group, pool)) of the LP over the nominal matrix."""
+    pools = {p.name: (p, n) for p, n in sc["pools"].items()}
+    groups = list(sc["tasks"])
+    src = next((p for p, _ in pools.values() if p.name == sc["inputs"]), None)
+    var = [(g, q) for g in groups for q in pools]
+    sec = {(g, q): sc["work"][g] / pools[q][0].speed_of(g) for g, q in var}
+    egress = {(g, q): (INPUT / 1e9 * src.egress if src is not None
+                       and pools[q][0].provider != src.provider else 0.0) for g, q in var}
+    usd = np.array([sec[v] * pools[v[1]][0].price / 3600 + egress[v] for v in var])
+    load = np.array([[sec[v] if v[1] == q else 0.0 for v in var] for q in pools])
+    cap = np.array([float(pools[q][1]) for q in pools])
+    a_eq = np.array([[1.0 if v[0] == g else 0.0 for v in var] for g in groups])
+    b_eq = np.array([float(sc["tasks"][g]) for g in groups])
+    if deadline is not None:
+        r = linprog(usd, A_ub=load, b_ub=cap * deadline, A_eq=a_eq, b_eq=b_eq,
+                    method="highs")
+        return float(r.fun), deadline, dict(zip(var, r.x))
+    n = len(var)
+    c = np.zeros(n + 1)
+    c[-1] = 1.0
+    a_ub = np.hstack([load, -cap[:, None]])
+    b_ub = np.zeros(len(pools))
+    if budget is not None:
+        a_ub = np.vstack([a_ub, np.append(usd, 0.0)])
+        b_ub = np.append(b_ub, budget)
+    r = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=np.hstack([a_eq, np.zeros((len(groups), 1))]),
+                b_eq=b_eq, method="highs")
+    return float(usd @ r.x[:n]), float(r.x[-1]), dict(zip(var, r.x[:n]))
+
+
+# --- running one configuration --------------------------------------------------------------
+
+def run_config(client, sc, name, *, deadline=None, budget=None, placement=None) -> dict:
+    """One run: returns makespan, cost (independent), egress bytes (independent and plugin's)."""
+    pools = {p.name: p for p in sc["pools"]}
+    addr_pool = {a: p for p, info in blockflow.plugin_status(client)["pools"].items()
+                 for a in info["workers"]}
     t0 = time.time()
     with run_scope(f"pools-{name}-{t0}"):
         ctx = (blockflow.objective("cost", deadline=deadline) if deadline is not None
                else blockflow.objective("makespan", budget=budget) if budget is not None
                else blockflow.objective())
+        futures = []
         with ctx:
-            if inputs:
-                xs = client.map(make_input, range(n), pure=False,
-                                resources={"pool:slow": 1})
-                fs = client.map(simulated_kernel, xs, work=w, pure=False)
-            elif split is not None:
-                k = int(round(n * split)) if isinstance(split, float) else int(split)
-                fs = client.map(simulated_kernel, range(k), work=w, pure=False,
-                                resources={"pool:fast": 1})
-                fs += client.map(simulated_kernel, range(k, n), work=w, pure=False,
-                                 resources={"pool:slow": 1})
-            else:
-                fs = client.map(simulated_kernel, range(n), work=w, pure=False,
-                                resources={f"pool:{only}": 1} if only else None)
-            wait(fs)
-    makespan = time.time() - t0
-    time.sleep(0.3)  # the last task's transition reaches the plugin
-    c = pool_costs(client)
-    del fs
-    status = blockflow.plugin_status(client)
-    fast_tasks = sum(status["run_counts"].get(a, 0)
-                     for a in status["pools"]["fast"]["workers"])
-    return {"makespan": makespan, "cost": c["total_cost"], "egress_bytes": c["egress"]["bytes"],
-            "fast_tasks": fast_tasks,
-            "completions": sum(status["run_counts"].values()),
-            "submitted": 2 * n if inputs else n,
-            "missed": sum(1 for d in status["decisions"]
-                          if d["action"] == "objective" and d["time"] >= t0)}
+            for g, n in sc["tasks"].items():
+                if sc["inputs"]:
+                    xs = client.map(make_input, range(n), pure=False,
+                                    resources={f"pool:{sc['inputs']}": 1}, key=f"input-{g}-{t0}")
+                else:
+                    xs = list(range(n))
+                where = (placement or {}).get(g)
+                for i, x in enumerate(xs):
+                    res = {f"pool:{where[i]}": 1} if where else None
+                    futures.append(client.submit(KERNELS[g], x, sc["work"][g], pure=False,
+                                                 resources=res, key=f"{g}-{t0}-{i}"))
+            wait(futures)
+    end = time.time()
+    makespan = end - t0
+    records = client.gather(futures)
+    time.sleep(0.3)
+    first, crossed, egress_usd = {}, 0, 0.0
+    src = pools.get(sc["inputs"]) if sc["inputs"] else None
+    for addr, s0, s1, nbytes in records:
+        first[addr] = min(first.get(addr, s0), s0)
+        p = pools[addr_pool[addr]]
+        if src is not None and p.provider != src.provider:
+            crossed += nbytes
+            egress_usd += nbytes / 1e9 * src.egress
+    compute = sum((end - s0) * pools[addr_pool[a]].price / 3600 for a, s0 in first.items())
+    report = pool_costs(client) or {}
+    counted = (report.get("egress") or {}).get("bytes", 0)
+    del futures
+    return {"makespan": makespan, "cost": compute + egress_usd, "crossed": crossed,
+            "counted": counted, "report_cost": report.get("total_cost", math.nan),
+            "per_pool": {q: sum(1 for a, *_ in records if addr_pool[a] == q) for q in pools}}
 
 
-def one_rep(rep: int, args, deadline: float, budget: float, results: dict,
-            split_d: int | None = None) -> None:
-    """One repetition: a fresh cluster, the group measured once, every configuration."""
-    with simulated_cluster(pools={FAST: WORKERS["fast"], SLOW: WORKERS["slow"]}) as c:
+def static_split(sc, only=None):
+    """Group -> pool per task: ``only``, or split by declared speed x workers."""
+    out = {}
+    for g, n in sc["tasks"].items():
+        if only:
+            out[g] = [only] * n
+            continue
+        weight = {p.name: p.speed_of(g) * w for p, w in sc["pools"].items()}
+        total = sum(weight.values())
+        shares, acc, seq = {}, 0.0, []
+        for q, wgt in weight.items():
+            shares[q] = wgt / total * n
+        counts = {q: int(s) for q, s in shares.items()}
+        for q in sorted(shares, key=lambda q: shares[q] - counts[q], reverse=True):
+            if sum(counts.values()) < n:
+                counts[q] += 1
+        for q, c in counts.items():
+            seq += [q] * c
+        out[g] = seq
+    return out
+
+
+def one_rep(rep, scenario, sc, args, results):
+    with simulated_cluster(pools=sc["pools"]) as c:
         c.register_plugin(Rebalancer(policy="dynamic"))
-        c.gather(c.map(simulated_kernel, range(12), work=args.work, pure=False))
-        order = [("cost", dict(deadline=deadline)), ("split", dict(split=0.5)),
-                 ("split@D", dict(split=split_d)),
-                 ("budget", dict(budget=budget)), ("default", {}),
-                 ("egress", dict(deadline=deadline, inputs=True))]
+        # each group measured once, as a user's second run finds it (two tasks per worker)
+        n = 2 * sum(sc["pools"].values())
+        for g in sc["tasks"]:
+            c.gather(c.map(KERNELS[g], range(n), work=sc["work"][g], pure=False,
+                           key=[f"{g}-warm-{i}" for i in range(n)]))
+        tmin = lp(sc)[1]
+        deadline = round(args.slack * tmin, 2)
+        budget = args.budget_x * lp(sc, deadline=1e9)[0]
+        fastest = max(sc["pools"], key=lambda p: p.speed_of(None)).name
+        cells = [("cost", dict(deadline=deadline)), ("budget", dict(budget=budget)),
+                 ("plain", {}), ("static", dict(placement=static_split(sc))),
+                 ("fastest", dict(placement=static_split(sc, fastest)))]
         if rep % 2:
-            order.reverse()
-        cells = [("all-fast", dict(only="fast"))] + order
+            cells.reverse()
         for name, kw in cells:
-            r = run_config(c, name, args, **kw)
-            results.setdefault(name, []).append(r)
-            print(f"rep {rep} {name}: {r}", file=sys.stderr)
-            if name == "all-fast":
-                eq = round(r["makespan"], 2)
-                r2 = run_config(c, "cost@all-fast", args, deadline=eq)
-                r2["deadline"] = eq
-                results.setdefault("cost@all-fast", []).append(r2)
-                print(f"rep {rep} cost@all-fast: {r2}", file=sys.stderr)
-
-
-def lp(args, **kw):
-    seconds = {"k": {p: args.work / POOLS[p].speed for p in POOLS}}
-    egress = None
-    if kw.pop("inputs", False):
-        egress = {"k": {"fast": INPUT_BYTES / 1e9 * SLOW.egress, "slow": 0.0}}
-    return plan({"k": args.tasks}, seconds, POOLS, WORKERS, egress=egress, **kw)
+            r = run_config(c, sc, name, **kw)
+            r.update(deadline=deadline, budget=budget)
+            results.setdefault((scenario, name), []).append(r)
+            print(f"rep {rep} {scenario} {name}: " + ", ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
+                file=sys.stderr)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--tasks", type=int, default=96)
-    ap.add_argument("--work", type=float, default=0.5)
-    ap.add_argument("--deadline", type=float, default=None)
+    ap.add_argument("--slack", type=float, default=1.15)
+    ap.add_argument("--budget-x", type=float, default=1.2)
+    ap.add_argument("--scenarios", default="matrix,single")
     args = ap.parse_args(argv)
     logging.getLogger("distributed").setLevel(logging.ERROR)
-    slow_alone = args.tasks * args.work / WORKERS["slow"]
-    deadline = args.deadline or round(slow_alone * 2 / 3, 2)
-    fastest, cheapest = lp(args), lp(args, deadline=1e9)
-    # the fixed split a user who knows the nominal speeds picks for deadline D: the LP's
-    # tasks on the fast pool at D, rounded up (the best any fixed split can do)
-    split_d = math.ceil(lp(args, deadline=deadline).tasks["k"].get("fast", 0.0) - 1e-6)
-    budget = round((fastest.cost + cheapest.cost) / 2, 6)
-    task_cost = args.work / FAST.speed * FAST.price / 3600  # one task on the fast pool
-    results: dict[str, list[dict]] = {}
+    results: dict = {}
+    names = args.scenarios.split(",")
     for rep in range(args.reps):
-        try:
-            one_rep(rep, args, deadline, budget, results, split_d)
-        except TimeoutError as e:  # a cluster that does not close in time on a loaded host
-            print(f"rep {rep}: cluster teardown timed out ({e!r}); its cells are kept",
-                  file=sys.stderr)
-    def med(name, key):
-        return statistics.median(r[key] for r in results[name]) if results.get(name) \
-            else float("nan")
+        for scenario in names:
+            one_rep(rep, scenario, SCENARIOS[scenario], args, results)
 
-    bound = {"cost": lp(args, deadline=deadline), "budget": lp(args, budget=budget),
-             "egress": lp(args, deadline=deadline, inputs=True),
-             "default": fastest, "all-fast": fastest, "split": fastest,
-             "split@D": lp(args, deadline=deadline)}
-    eq_deadline = med("cost@all-fast", "deadline")
-    bound["cost@all-fast"] = lp(args, deadline=eq_deadline)
-    counts = sorted({len(v) for v in results.values()})
+    def med(key, field):
+        return statistics.median(r[field] for r in results[key])
+
     print(f"# blockflow pools benchmark ({time.strftime('%Y-%m-%d')}), medians of "
-          f"{'/'.join(map(str, counts))} of {args.reps} repetitions; load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs at the end: {args.tasks} tasks x {args.work} reference-s; fast pool: 2 workers "
-          f"speed 4 $4/h (gcp); slow pool: 4 workers speed 1 $0.5/h (aws, egress $0.09/GB)")
-    print(f"# slow pool alone: {slow_alone:.2f} s; deadline D = {deadline:g} s; budget "
-          f"B = ${budget:.6f}; one fast task costs ${task_cost:.6f}")
-    print(f"{'configuration':<16}{'makespan s':>11}{'cost $':>11}{'LP cost $':>11}"
-          f"{'cost/LP':>9}{'LP makesp':>10}{'mk/LP':>7}{'fast tasks':>11}{'egress MB':>10}")
-    for name in ["cost", "all-fast", "split", "split@D", "cost@all-fast", "budget",
-                 "default", "egress"]:
-        b = bound[name]
-        mk, cst = med(name, "makespan"), med(name, "cost")
-        print(f"{name:<16}{mk:>11.2f}{cst:>11.6f}{b.cost:>11.6f}{cst / b.cost:>9.2f}"
-              f"{b.makespan:>10.2f}{mk / b.makespan:>7.2f}{med(name, 'fast_tasks'):>11.0f}"
-              f"{med(name, 'egress_bytes') / 1e6:>10.0f}")
-    cost, allfast, split = (med(n, "cost") for n in ("cost", "all-fast", "split"))
-    eqc = med("cost@all-fast", "cost")
-    print("# targets")
-    print(f"cost objective: cost / LP bound = {cost / bound['cost'].cost:.3f} (target <= "
-          f"1.05); deadline met in {sum(r['makespan'] <= deadline for r in results.get('cost', []))}"
-          f" of {len(results.get('cost', []))} (median {med('cost', 'makespan'):.2f} s <= {deadline:g} s)")
-    print(f"vs all-fast: cost {allfast / cost:.2f}x lower at makespan "
-          f"{med('cost', 'makespan'):.2f} vs {med('all-fast', 'makespan'):.2f} s; at equal "
-          f"makespan (deadline {eq_deadline:g} s): {allfast / eqc:.2f}x lower, makespan "
-          f"{med('cost@all-fast', 'makespan'):.2f} s (target >= 1.3x)")
-    print(f"vs fixed split (half the tasks on each pool): cost {split / cost:.2f}x lower at "
-          f"makespan {med('cost', 'makespan'):.2f} vs {med('split', 'makespan'):.2f} s; at "
-          f"about equal makespan (cost@all-fast, {med('cost@all-fast', 'makespan'):.2f} s): "
-          f"{split / eqc:.2f}x (target >= 1.3x)")
-    print(f"vs the best fixed split for D ({split_d} of {args.tasks} tasks on the fast "
-          f"pool, the LP's share: what a user who knows the nominal speeds picks): cost "
-          f"{med('split@D', 'cost') / cost:.2f}x lower at makespan {med('cost', 'makespan'):.2f}"
-          f" vs {med('split@D', 'makespan'):.2f} s (1.0x is the most any policy can reach "
-          f"against it: with one task group that split is the LP optimum)")
-    extra = max((r["completions"] - r["submitted"] for rs in results.values() for r in rs),
-                default=0)
-    print(f"extra task completions (results computed twice) in any cell: {extra}")
-    over = max((r["cost"] - budget for r in results.get("budget", [])), default=math.nan)
-    print(f"budget: makespan / LP bound = {med('budget', 'makespan') / bound['budget'].makespan:.3f}"
-          f" (target <= 1.10); worst overspend ${over:.6f} = {over / task_cost:.2f} fast "
-          f"tasks (target <= 1)")
-    need = bound["egress"].tasks["k"].get("fast", 0.0) * INPUT_BYTES
-    print(f"egress: bytes leaving aws {med('egress', 'egress_bytes') / 1e6:.0f} MB, the "
-          f"deadline needs {need / 1e6:.0f} MB (LP)")
-    print(f"default objective: makespan / LP {med('default', 'makespan') / fastest.makespan:.2f}"
-          f" (no objective: nothing parked; see heterogeneous.py for the unchanged figures)")
+          f"{args.reps}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
+          f"deadline {args.slack}x the LP's shortest makespan, budget {args.budget_x}x the "
+          f"LP's cheapest cost")
+    print(f"{'scenario':<8}{'config':<9}{'makespan':>9}{'LP mk':>7}{'mk/LP':>7}{'cost $':>10}"
+          f"{'LP $':>10}{'cost/LP':>8}{'met':>5}{'over B':>8}{'egress':>8}  tasks per pool")
+    for scenario in names:
+        sc = SCENARIOS[scenario]
+        tmin = lp(sc)[1]
+        deadline = round(args.slack * tmin, 2)
+        budget = args.budget_x * lp(sc, deadline=1e9)[0]
+        bound = {"cost": lp(sc, deadline=deadline), "budget": lp(sc, budget=budget)}
+        for name in ("cost", "budget", "plain", "static", "fastest"):
+            rs = results[(scenario, name)]
+            b = bound.get(name, lp(sc))
+            mk, cst = med((scenario, name), "makespan"), med((scenario, name), "cost")
+            met = sum(r["makespan"] <= r["deadline"] for r in rs) if name == "cost" else ""
+            over = (f"{max(r['cost'] - r['budget'] for r in rs):+.5f}" if name == "budget"
+                    else "")
+            crossed = sum(r["crossed"] for r in rs)
+            eg = (f"{sum(r['counted'] for r in rs) / crossed:.0%}" if crossed else "-")
+            per = {q: statistics.median(r["per_pool"][q] for r in rs) for q in rs[0]["per_pool"]}
+            print(f"{scenario:<8}{name:<9}{mk:>9.2f}{b[1]:>7.2f}{mk / b[1]:>7.2f}{cst:>10.6f}"
+                  f"{b[0]:>10.6f}{cst / b[0]:>8.2f}{met!s:>5}{over:>8}{eg:>8}  {per}")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import pickle
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -204,14 +205,20 @@ def dispatch_tasks(scheduler, assignments: Mapping[Any, str], stimulus_id: str) 
     return sent
 
 
-def free_slots(scheduler) -> dict[str, int]:
-    """Address -> threads free now (threads less tasks processing, long-running ones aside) of
-    each running worker."""
+def free_slots(scheduler) -> dict[str, tuple[int, int]]:
+    """Address -> ``(slots, idle threads)`` of each running worker: tasks it may still be
+    sent, as distributed's queuing counts them (``ceil(worker-saturation x nthreads)``, one
+    task beyond its threads when saturation is off), and threads running nothing.
+    Long-running (seceded) tasks take no thread."""
+    saturation = scheduler.WORKER_SATURATION
     out = {}
     for a, ws in scheduler.workers.items():
         if ws.status != Status.running:
             continue
-        out[a] = ws.nthreads - (len(ws.processing) - len(ws.long_running))
+        busy = len(ws.processing) - len(ws.long_running)
+        limit = (max(math.ceil(saturation * ws.nthreads), ws.nthreads)
+                 if math.isfinite(saturation) else ws.nthreads + 1)
+        out[a] = (limit - busy, ws.nthreads - busy)
     return out
 
 

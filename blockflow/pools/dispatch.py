@@ -49,6 +49,8 @@ class PlanDispatch:
         pools' priors), until it is measured.
     sent : dict
         Key -> worker of the tasks dispatched and not finished.
+    ends : dict
+        Key -> when (epoch seconds) a dispatched task is expected to end.
     """
 
     def __init__(self, run_id: str | None = None):
@@ -63,6 +65,7 @@ class PlanDispatch:
         self.egress: dict[str, dict[str, float]] = {}
         self.first: dict[str, str] = {}
         self.sent: dict[Hashable, str] = {}
+        self.ends: dict[Hashable, float] = {}
         self.dispatched = 0
 
     # --- the held tasks ------------------------------------------------------------------
@@ -91,12 +94,14 @@ class PlanDispatch:
             if d is not None:
                 d.pop(key, None)
         self.sent.pop(key, None)
+        self.ends.pop(key, None)
 
     def lost(self, worker: str) -> list:
         """Keys dispatched to ``worker`` that did not finish (it left): to hold again."""
         keys = [k for k, w in self.sent.items() if w == worker]
         for k in keys:
             del self.sent[k]
+            self.ends.pop(k, None)
         return keys
 
     def holds(self) -> int:
@@ -109,33 +114,75 @@ class PlanDispatch:
 
     # --- choosing ------------------------------------------------------------------------
 
-    def choose(self, slots: Mapping[str, int], pools: Mapping[str, Pool],
+    def choose(self, free: Mapping[str, tuple[int, int]], pools: Mapping[str, Pool],
                now: float) -> dict[Hashable, str]:
-        """Key -> worker for as many ready tasks as the plan places on the free threads
-        ``slots`` (address -> free threads; ``pools``: address -> its pool)."""
+        """Key -> worker for as many ready tasks as the plan places on the free slots
+        (``free``: address -> ``(slots, idle threads)``, as
+        :func:`blockflow._distributed.free_slots` reads them; ``pools``: address -> its
+        pool)."""
         out: dict[Hashable, str] = {}
         if not any(self.ready.values()):
             return out
+        slots = {a: n for a, (n, _) in free.items()}
         order = sorted(slots, key=lambda a: (a not in self.active, a))
+        users = [a for a in order if a in pools and (self.greedy or a in self.active)]
+        free_at = self._free_at(free, users, now)
+        tail = sum(map(len, self.ready.values())) <= sum(max(slots.get(a, 0), 0) for a in users
+                                                          ) + len(self.sent)
         for addr in order:
             free = slots[addr]
             pool = pools.get(addr)
             if free <= 0 or pool is None or not (self.greedy or addr in self.active):
                 continue
             while free > 0:
-                group = self._pick(pool.name, now)
+                group = self._pick(pool.name, now, tail)
                 if group is None:
+                    break
+                if tail and self._finishes_sooner_elsewhere(group, addr, users, pools,
+                                                            free_at):
                     break
                 ready = self.ready[group]
                 key = next(iter(ready))
                 del ready[key]
                 out[key] = addr
                 self.sent[key] = addr
+                took = self.seconds.get(group, {}).get(pool.name, 0.0)
+                self.ends[key] = free_at.get(addr, now) + took
+                free_at[addr] = self.ends[key]
                 row = self.quota.setdefault(group, {})
                 row[pool.name] = row.get(pool.name, 0.0) - 1.0
                 free -= 1
         self.dispatched += len(out)
         return out
+
+    def _free_at(self, free, users, now: float) -> dict[str, float]:
+        """Worker -> when a thread of it can start another task: now with an idle thread,
+        else when the last task sent to it is expected to end (one thread; a blockflow
+        approximation for several)."""
+        ends: dict[str, float] = {}
+        for key, addr in self.sent.items():
+            t = self.ends.get(key, now)
+            ends[addr] = max(ends.get(addr, t), t)
+        return {a: now if free.get(a, (0, 0))[1] > 0 else max(ends.get(a, now), now)
+                for a in users}
+
+    def _finishes_sooner_elsewhere(self, group, addr, users, pools, free_at) -> bool:
+        """At the run's tail (no more ready tasks than threads to run them): whether another
+        worker that takes work would end ``group``'s next task before ``addr`` would, starting
+        when it is free (earliest finish time, as list schedulers end a run)."""
+        row = self.seconds.get(group)
+        if not row:
+            return False
+        own = free_at.get(addr, 0.0) + row.get(pools[addr].name, math.inf)
+        return any(free_at[v] + row.get(pools[v].name, math.inf) < own - 1e-3
+                   for v in users if v != addr and v in free_at
+                   and self._may_take(group, pools[v].name))
+
+    def _may_take(self, group: str, pool: str) -> bool:
+        """Whether ``pool`` may take ``group``'s task at the run's tail: the plan gives it
+        some, or it would pay no egress for its inputs."""
+        return (self.greedy or pool in self._owners(group)
+                or not self.egress.get(group, {}).get(pool, 0.0) > 0.0)
 
     def _owners(self, group: str) -> set[str]:
         """Pools the plan gives ``group``'s next task: those with half a task or more left,
@@ -155,7 +202,7 @@ class PlanDispatch:
             return math.inf
         return row[pool] / max(min(row.values()), 1e-12)
 
-    def _pick(self, pool: str, now: float) -> str | None:
+    def _pick(self, pool: str, now: float, tail: bool = False) -> str | None:
         """The group whose next ready task ``pool`` takes, or None."""
         groups = [g for g, d in self.ready.items() if d]
         if not groups:
@@ -169,8 +216,9 @@ class PlanDispatch:
         planned = [g for g in groups if g in self.seconds and pool in self._owners(g)]
         if planned:
             return max(planned, key=lambda g: (self.quota[g].get(pool, 0.0), g))
-        if self.greedy:
-            return min(groups, key=lambda g: (self._fit(g, pool), g))
+        if self.greedy or tail:  # at the tail the earliest finish decides (see choose)
+            fits = [g for g in groups if g in self.seconds and self._may_take(g, pool)]
+            return min(fits, key=lambda g: (self._fit(g, pool), g)) if fits else None
         if self.finish_by is None:
             return None
         # off the plan: only what ends before the plan does (this worker is billed to the

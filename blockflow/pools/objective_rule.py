@@ -57,6 +57,11 @@ class ObjectiveRule(Rule):
     #: of the plan's horizon (it is then billed to the run's end).
     late_start = 0.85
 
+    #: Under a budget, the plan's makespan is taken this many times longer when checking
+    #: that the workers it begins fit the money left (the gaps between a worker's tasks,
+    #: which the measured task durations leave out; a blockflow heuristic).
+    overrun = 1.1
+
     def __init__(self):
         self.plans: dict[str, dict[str, Any]] = {}
         self.dispatch: PlanDispatch | None = None
@@ -165,6 +170,10 @@ class ObjectiveRule(Rule):
         work = {g: n for g, n in held.items() if g in seconds}
         running = {a: tasks for a, tasks in snap.running.items() if a in pools}
         begun = {a for a in snap.workers if a in run.spans or a in d.sent.values()}
+        sunk: dict[str, int] = {}  # pool -> workers billed to the run's end already
+        for a in begun:
+            if a in pools and snap.workers[a].status == "running":
+                sunk[pools[a].name] = sunk.get(pools[a].name, 0) + 1
         if not work or not workers:
             d.quota, d.seconds, d.greedy, d.finish_by = {}, seconds, False, None
             d.active = begun | {a for a, p in pools.items() if p.name in d.first.values()}
@@ -189,7 +198,7 @@ class ObjectiveRule(Rule):
                       / (threads[name] * left) if left > 0 else 0.0
                       for name, n in workers.items()}
             plan = (cost.plan(work, seconds, by_name, usable, threads=threads, deadline=left,
-                              egress=egress) if left > 0 else None)
+                              egress=egress, sunk=sunk) if left > 0 else None)
             if plan is None or not plan.feasible:
                 fastest = cost.plan(work, seconds, by_name, workers, threads=threads)
                 finish = fastest.makespan + max(typical.values())
@@ -201,7 +210,7 @@ class ObjectiveRule(Rule):
                     f"worker takes work"),
                     {"deadline_in": round(left, 3), "projected_finish_in": round(finish, 3)})
             horizon, finish_by = left, run.deadline_at
-            extra = {}
+            extra, out = {}, []
         else:
             spent = self.spent(run, snap)
             committed = sum(by_name[n].price_per_second * r / threads.get(n, 1)
@@ -211,31 +220,83 @@ class ObjectiveRule(Rule):
                                  for row in seconds.values() for n, t in row.items()
                                  if n in workers), default=0.0)
             left = obj.budget - spent - committed - reserve
-            plan = (cost.plan(work, seconds, by_name, workers, threads=threads, budget=left,
-                              egress=egress) if left > 0 else None)
+            plan, active = self._budget_plan(snap, pools, by_name, work, seconds, workers,
+                                             threads, egress, begun, sunk, obj.budget - spent
+                                             - committed - reserve, left)
             extra = {"spent": round(spent, 6), "committed": round(committed, 6)}
-            if plan is None or not plan.feasible:
-                keep = self._cheapest(by_name, next(iter(work)), workers)
-                cheapest = cost.plan(work, seconds, by_name, workers, threads=threads,
-                                     deadline=1e12, egress=egress)
-                d.quota = {g: {keep: float(n)} for g, n in work.items()}
-                d.seconds, d.greedy, d.finish_by = seconds, False, None
-                d.active = {a for a, p in pools.items() if p.name == keep} | begun
-                return self._missed(run.id, (
-                    f"budget can no longer be met: spent ${spent:.4g} of ${obj.budget:.4g} "
-                    f"(${committed:.4g} more on tasks running), the work left costs at least "
-                    f"${cheapest.cost:.4g}; only pool {keep!r} takes more work"),
-                    {"budget": obj.budget, **extra,
-                     "projected_cost": round(spent + committed + cheapest.cost, 6)})
+            out = []
+            if plan is None:
+                # no new worker fits the budget: those that began the run (billed to its end
+                # whatever they do) finish it as soon as they can, which is also the cheapest
+                caps = {n: sunk.get(n, 0) for n in workers}
+                if not any(caps.values()):
+                    keep = self._cheapest(by_name, next(iter(work)), workers)
+                    caps[keep] = workers[keep]
+                plan = cost.plan(work, seconds, by_name, caps, threads=threads,
+                                 egress=egress, sunk=sunk)
+                active = begun | {a for a, p in pools.items() if caps.get(p.name, 0) > 0
+                                  and a not in begun and not sunk.get(p.name)}
+                projected = spent + committed + plan.cost
+                one_task = max((by_name[n].price_per_second * t for row in seconds.values()
+                                for n, t in row.items() if caps.get(n)), default=0.0)
+                if projected > obj.budget + one_task:
+                    out = self._missed(run.id, (
+                        f"budget can no longer be met: spent ${spent:.4g} of "
+                        f"${obj.budget:.4g}, projected ${projected:.4g} with the workers "
+                        f"that began the run finishing it; no other worker takes work"),
+                        {"budget": obj.budget, **extra, "projected_cost": round(projected, 6)})
             horizon = plan.makespan
             finish_by = snap.time + horizon
         d.quota = {g: dict(row) for g, row in plan.tasks.items()}
         d.seconds, d.greedy, d.finish_by, d.egress = seconds, False, finish_by, egress
-        d.active = self._active(snap, pools, plan, horizon, begun)
+        d.active = (active if obj.kind != "cost"
+                    else self._active(snap, pools, plan, horizon, begun))
         self.plans[run.id] = {"objective": obj.as_dict(), "plan": plan.as_dict(),
                               "work": work, "seconds": seconds, "time": snap.time,
                               "dispatch": d.as_dict(), **extra}
-        return []
+        return out
+
+    def _budget_plan(self, snap, pools, by_name, work, seconds, workers, threads, egress,
+                     begun, sunk, future_budget, left):
+        """The fastest plan within the budget left, and the workers it uses.
+
+        The LP within the budget says how many workers of each pool to use (:meth:`_active`);
+        as they are billed from their first task to the run's end, the plan they run is the
+        fastest with them, and it must fit ``future_budget`` over its makespan (times
+        :attr:`overrun`, plus the slowest pool's last task). Otherwise new workers are dropped,
+        dearest first. ``(None, set())`` when none fits."""
+        caps = dict(workers)
+        for _ in range(sum(workers.values()) + 1):
+            if left <= 0:
+                return None, set()
+            plan = cost.plan(work, seconds, by_name, caps, threads=threads, budget=left,
+                             egress=egress, sunk=sunk)
+            if not plan.feasible:
+                return None, set()
+            active = self._active(snap, pools, plan, plan.makespan, begun)
+            using: dict[str, int] = {}
+            for a in active:
+                if a in pools:
+                    using[pools[a].name] = using.get(pools[a].name, 0) + 1
+            run = cost.plan(work, seconds, by_name, {n: using.get(n, 0) for n in workers},
+                            threads=threads, egress=egress, sunk=sunk)
+            if not run.feasible:
+                return None, set()
+            # billed to the run's end: the plan's makespan, and the last task of the
+            # slowest pool working (the plan is fractional, tasks are not)
+            last = max((seconds[g][p] for g in work for p in using if p in seconds[g]),
+                       default=0.0)
+            dollars = sum(by_name[pools[a].name].price_per_second for a in active
+                          if a in pools) * (run.makespan * self.overrun + last)
+            dollars += sum(n * egress.get(g, {}).get(p, 0.0)
+                           for g, row in run.tasks.items() for p, n in row.items())
+            newcomers = [a for a in active if a not in begun and a in pools]
+            if dollars <= future_budget or not newcomers:
+                return run, active
+            dearest = max(newcomers, key=lambda a: (pools[a].price_per_second, a))
+            name = pools[dearest].name
+            caps[name] = max(using.get(name, 0) - 1, sunk.get(name, 0))
+        return None, set()
 
     def _active(self, snap, pools, plan, horizon: float, begun: set) -> set[str]:
         """The workers that take the run's tasks: those that began it, and of each pool as

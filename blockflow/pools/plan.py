@@ -122,7 +122,8 @@ def plan(work: Mapping[str, float], seconds: Mapping[str, Mapping[str, float]],
          pools: Mapping[str, Pool], workers: Mapping[str, int], *,
          threads: Mapping[str, int] | None = None, deadline: float | None = None,
          budget: float | None = None,
-         egress: Mapping[str, Mapping[str, float]] | None = None) -> Plan:
+         egress: Mapping[str, Mapping[str, float]] | None = None,
+         sunk: Mapping[str, float] | None = None) -> Plan:
     """The LP over the throughput matrix: tasks per (group, pool), cost and makespan.
 
     Variables ``x[g, p]`` (and the makespan ``T`` without a deadline); pool load
@@ -146,6 +147,9 @@ def plan(work: Mapping[str, float], seconds: Mapping[str, Mapping[str, float]],
         makespan.
     egress : mapping, optional
         Group -> pool name -> dollars per task for inputs leaving their provider.
+    sunk : mapping of str to float, optional
+        Pool name -> workers billed to the run's end whatever they run (they began it):
+        the pool costs ``price x max(load, sunk x horizon)``, so their time is free to use.
 
     Returns
     -------
@@ -168,12 +172,14 @@ def plan(work: Mapping[str, float], seconds: Mapping[str, Mapping[str, float]],
     k = {p: max(int(threads.get(p, 1)), 1) for p in names}
     load = np.array([[seconds[g][p] / k[p] if q == p else 0.0 for (g, p) in var]
                      for q in names])  # worker-seconds per task, by pool
-    dollars = np.array([price[p] * seconds[g][p] / k[p]
-                        + ((egress or {}).get(g, {}).get(p, 0.0)) for (g, p) in var])
+    eg = np.array([(egress or {}).get(g, {}).get(p, 0.0) for (g, p) in var])
+    dollars = np.array([price[p] * seconds[g][p] / k[p] for (g, p) in var]) + eg
     a_eq = np.array([[1.0 if v[0] == g else 0.0 for v in var] for g in groups])
     b_eq = np.array([float(work[g]) for g in groups])
     cap = np.array([float(workers.get(p, 0)) for p in names])
-    n = len(var)
+    n, m = len(var), len(names)
+    owed = np.array([min(float((sunk or {}).get(p, 0.0)), cap[i]) for i, p in enumerate(names)])
+    prices = np.array([price[p] for p in names])
 
     def result(x: np.ndarray, feasible: bool, horizon: float | None) -> Plan:
         tasks: dict[str, dict[str, float]] = {g: {} for g in groups}
@@ -186,24 +192,36 @@ def plan(work: Mapping[str, float], seconds: Mapping[str, Mapping[str, float]],
         h = horizon if horizon is not None else span
         needed = {p: (math.ceil(busy[p] / h - 1e-6) if h > 0 and busy[p] > 1e-12 else 0)
                   for p in names}
-        return Plan(feasible, tasks, busy, float(dollars @ x[:n]), float(span), needed)
+        billed = sum(price[p] * max(busy[p], owed[i] * h) for i, p in enumerate(names))
+        return Plan(feasible, tasks, busy, float(billed + eg @ x[:n]), float(span), needed)
 
+    eye = np.eye(m)
     if deadline is not None:
-        res = linprog(dollars, A_ub=load, b_ub=cap * deadline, A_eq=a_eq, b_eq=b_eq,
-                      bounds=(0, None), method="highs")
+        # variables x, y: minimise egress + price . y, y_p >= load_p(x), y_p >= sunk_p D
+        res = linprog(np.concatenate([eg, prices]),
+                      A_ub=np.vstack([np.hstack([load, np.zeros((m, m))]),
+                                      np.hstack([load, -eye])]),
+                      b_ub=np.concatenate([cap * deadline, np.zeros(m)]),
+                      A_eq=np.hstack([a_eq, np.zeros((len(groups), m))]), b_eq=b_eq,
+                      bounds=[(0, None)] * n + [(o * deadline, None) for o in owed],
+                      method="highs")
         if res.status == 0:
             return result(res.x, True, deadline)
         return Plan(False, shortfall=_deadline_shortfall(
             deadline, load, cap, a_eq, b_eq, names, groups, var, k))
-    # minimise T: variables x, T; load_p(x) - cap_p T <= 0 (+ cost <= budget)
-    c = np.zeros(n + 1)
-    c[-1] = 1.0
-    a_ub = np.hstack([load, -cap[:, None]])
-    b_ub = np.zeros(len(names))
+    # minimise T: variables x, T, y; load_p(x) <= cap_p T; y_p >= load_p(x), y_p >= sunk_p T
+    # (+ egress + price . y <= budget)
+    c = np.zeros(n + 1 + m)
+    c[n] = 1.0
+    a_ub = np.vstack([np.hstack([load, -cap[:, None], np.zeros((m, m))]),
+                      np.hstack([load, np.zeros((m, 1)), -eye]),
+                      np.hstack([np.zeros((m, n)), owed[:, None], -eye])])
+    b_ub = np.zeros(3 * m)
     if budget is not None:
-        a_ub = np.vstack([a_ub, np.append(dollars, 0.0)])
+        a_ub = np.vstack([a_ub, np.concatenate([eg, [0.0], prices])])
         b_ub = np.append(b_ub, budget)
-    res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=np.hstack([a_eq, np.zeros((len(groups), 1))]),
+    res = linprog(c, A_ub=a_ub, b_ub=b_ub,
+                  A_eq=np.hstack([a_eq, np.zeros((len(groups), 1 + m))]),
                   b_eq=b_eq, bounds=(0, None), method="highs")
     if res.status == 0:
         return result(res.x, True, None)
