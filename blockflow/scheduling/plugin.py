@@ -243,12 +243,14 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
             # a scheduler started with --preload has no worker when the plugin starts
             self._worker_checked = True
             _distributed.check_scheduler(scheduler)
+        self.scaling.arrived[worker] = time.time()  # a new worker is kept its hold time
         self.record(Record(Recorded.JOIN, worker, "worker joined the cluster"))
 
     def remove_worker(self, scheduler, worker, *, stimulus_id=None, **kwargs) -> None:
         if self._last_snap is not None:
             self._last_snap.workers.pop(worker, None)
         self.speeds.forget(worker)
+        self.scaling.forget(worker)
         self.parked.pop(worker, None)
         self.retiring.pop(worker, None)
         self._providers.pop(worker, None)
