@@ -101,7 +101,7 @@ def test_blockflow_rules_of_the_schema_name_its_own_keys():
                          "ml.peer-timeout", "resources.unsatisfiable-timeout",
                          "resources.admission-grace",
                          "routing.batch-seconds",
-                         "routing.interval", "parallel.stage-wait"}
+                         "routing.interval", "parallel.stage-wait", "scaling.hold"}
 
 
 def test_policy_choices_come_from_the_registry_not_the_schema_file():

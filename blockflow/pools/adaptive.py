@@ -15,7 +15,7 @@ from typing import Any
 from dask.utils import parse_timedelta
 from distributed.deploy.adaptive import Adaptive
 
-from blockflow import _distributed
+from blockflow import _distributed, config
 
 __all__ = ["PoolAdaptive"]
 
@@ -38,7 +38,11 @@ class PoolAdaptive(Adaptive):
     interval, wait_count, target_duration : optional
         As for distributed's ``Adaptive`` (``distributed.adaptive.*``).
     startup : str or float, default "5s"
-        Seconds a new worker takes to join, until one is measured.
+        Seconds a new worker takes to join, until one of its pool (or, before that, of any
+        pool) is measured.
+    hold : str or float, optional
+        How long a worker is kept after it arrives, and a pool's target after the plan asked
+        for it (default ``blockflow.scaling.hold``; 0: no hysteresis).
 
     Attributes
     ----------
@@ -51,13 +55,15 @@ class PoolAdaptive(Adaptive):
     Raises
     ------
     ValueError
-        For a pool the cluster does not have, or a minimum above the maximum.
+        For a pool the cluster does not have, a minimum above the maximum, or a negative
+        or unreadable ``hold``.
     """
 
     def __init__(self, cluster, pools: Mapping[str, tuple[int, int]] | None = None, *,
                  minimum: int | None = None, maximum: int | None = None,
                  interval=None, wait_count: int | None = None, target_duration=None,
-                 startup: str | float = "5s", **kwargs: Any):
+                 startup: str | float = "5s", hold: str | float | None = None,
+                 **kwargs: Any):
         self.state = "inactive"  # until distributed's Adaptive starts (and for __del__)
         bounds: dict[str, tuple[int, int]] = {}
         for name in (pools or {}):
@@ -75,9 +81,17 @@ class PoolAdaptive(Adaptive):
                                  f"maximum (whole workers), got ({lo!r}, {hi!r}).")
             bounds[name] = (lo, hi)
         self.bounds = bounds
+        try:
+            self.hold = float(parse_timedelta(config.get("scaling.hold", hold)))
+        except (TypeError, ValueError):
+            self.hold = -1.0
+        if not self.hold >= 0:
+            raise ValueError(f"PoolCluster.adapt: hold must be a duration >= 0 (\"30s\", or "
+                             f"seconds): how long a worker is kept after it arrives; got "
+                             f"{config.get('scaling.hold', hold)!r}.")
         self.startup_guess = parse_timedelta(startup)
-        self._asked: dict[str, float] = {}  # worker name -> when the cluster started it
-        self._joined: list[float] = []  # seconds workers took to join
+        self._asked: dict[str, tuple[str, float]] = {}  # worker name -> (pool, when started)
+        self._joined: dict[str, list[float]] = {}  # pool -> seconds its workers took to join
         self.targets: dict[str, int] = {}
         self.reasons: dict[str, str] = {}
         self.retired: list[str] = []  # names of the workers the scheduler retired
@@ -90,8 +104,15 @@ class PoolAdaptive(Adaptive):
 
     @property
     def startup(self) -> float:
-        """Seconds a new worker takes to join: the median measured, else the guess."""
-        return median(self._joined[-20:]) if self._joined else self.startup_guess
+        """Seconds a new worker takes to join: the median measured (all pools), else the guess."""
+        joined = [t for times in self._joined.values() for t in times]
+        return median(joined) if joined else self.startup_guess
+
+    def startup_of(self, pool: str) -> float:
+        """Seconds a new worker of ``pool`` takes to join: the median measured of the pool,
+        else of all pools (:attr:`startup`)."""
+        times = self._joined.get(pool)
+        return median(times) if times else self.startup
 
     async def target(self) -> int:  # distributed's interface: the total of the pools
         return sum(self.targets.values())
@@ -127,7 +148,10 @@ class PoolAdaptive(Adaptive):
                 await cluster.scale_down(gone)
         for name in list(self._asked):
             if name in observed:
-                self._joined.append(now - self._asked.pop(name))
+                pool, asked = self._asked.pop(name)
+                times = self._joined.setdefault(pool, [])
+                times.append(now - asked)
+                del times[:-20]
             elif name not in cluster.worker_spec:
                 self._asked.pop(name)
         starting = {p: sum(1 for n in cluster.workers_of(p) if str(n) not in observed)
@@ -139,7 +163,8 @@ class PoolAdaptive(Adaptive):
             self.scheduler, "blockflow_pool_targets", pools={n: p.to_dict() for n, p in cluster.pools.items()},
             bounds={n: list(b) for n, b in self.bounds.items()},
             starting=starting, threads=threads, target_duration=self.target_duration,
-            startup=self.startup, wait_count=self.wait_count)
+            startup={p: self.startup_of(p) for p in cluster.pools},
+            wait_count=self.wait_count, hold=self.hold, interval=self.interval)
         self.targets, self.reasons = reply["targets"], reply["reasons"]
         for name in reply.get("retiring", ()):
             # retired on the scheduler (idle, of a pool above its target): forgotten once
@@ -157,6 +182,6 @@ class PoolAdaptive(Adaptive):
             self.log.append((time.time(), {"status": "up", "pools": dict(up)}))
             cluster.scale(up)
             for name in set(cluster.worker_spec) - before:
-                self._asked[str(name)] = time.time()
+                self._asked[str(name)] = (cluster.worker_spec[name].get("pool"), time.time())
         self.checks += 1
 

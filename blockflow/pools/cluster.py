@@ -279,7 +279,8 @@ class PoolCluster(SpecCluster):
             Pool name -> ``(minimum, maximum)`` workers.
         Adaptive : type, default :class:`blockflow.pools.adaptive.PoolAdaptive`
         **kwargs
-            ``interval``, ``wait_count``, ``target_duration``, ``minimum``, ``maximum``.
+            ``interval``, ``wait_count``, ``target_duration``, ``minimum``, ``maximum``,
+            ``startup``, ``hold`` (:class:`~blockflow.pools.adaptive.PoolAdaptive`).
 
         Returns
         -------

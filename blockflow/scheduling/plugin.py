@@ -293,13 +293,14 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
             # a scheduler started with --preload has no worker when the plugin starts
             self._worker_checked = True
             _distributed.check_scheduler(scheduler)
-        self.worker_arrived(worker, time.time())
+        self.worker_arrived(worker, time.time())  # billed, and kept its hold, from now
         self.record(Record(Recorded.JOIN, worker, "worker joined the cluster"))
 
     def remove_worker(self, scheduler, worker, *, stimulus_id=None, **kwargs) -> None:
         if self._last_snap is not None:
             self._last_snap.workers.pop(worker, None)
         self.speeds.forget(worker)
+        self.scaling.forget(worker)
         self.retiring.pop(worker, None)
         self.worker_left(worker, time.time())
         dispatch = self._plan_dispatch()

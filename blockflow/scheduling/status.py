@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from blockflow import _distributed
+from dask.utils import parse_timedelta
+
+from blockflow import _distributed, config
 from blockflow.pools import plan as cost
 from blockflow.pools.pool import Pool, pools_of
 from blockflow.pools.scaling import ScalingRequest
@@ -20,15 +22,17 @@ class Status:
 
     def pool_targets(self, comm=None, *, pools: dict, bounds: dict,
                      starting: dict | None = None, threads: dict | None = None,
-                     target_duration: float = 5.0, startup: float = 5.0,
-                     wait_count: int = 3) -> dict[str, Any]:
+                     target_duration: float = 5.0, startup: float | dict = 5.0,
+                     wait_count: int = 3, hold: float | None = None,
+                     interval: float = 1.0) -> dict[str, Any]:
         """Per-pool worker targets for elastic scaling: the ``blockflow_pool_targets`` handler.
 
         :class:`blockflow.pools.adaptive.PoolAdaptive` asks it as ``Adaptive`` asks
         ``adaptive_target``. Runs :class:`~blockflow.pools.scaling.PoolScalingRule` on a fresh
         snapshot; arguments are the fields of :class:`~blockflow.pools.scaling.ScalingRequest`
         (``pools`` as :meth:`~blockflow.pools.pool.Pool.to_dict`, ``bounds`` as ``[minimum,
-        maximum]``), and become ``declared_pools``.
+        maximum]``, ``startup`` seconds or pool -> seconds, ``hold`` None for
+        ``blockflow.scaling.hold``), and become ``declared_pools``.
 
         Returns
         -------
@@ -42,8 +46,11 @@ class Status:
             pools={n: Pool.from_dict(d) for n, d in pools.items()},
             bounds={n: (int(b[0]), int(b[1])) for n, b in bounds.items()},
             starting=dict(starting or {}), threads=dict(threads or {}),
-            target_duration=float(target_duration), startup=float(startup),
-            wait_count=int(wait_count))
+            target_duration=float(target_duration),
+            startup=({n: float(v) for n, v in startup.items()} if isinstance(startup, dict)
+                     else float(startup)),
+            wait_count=int(wait_count),
+            hold=parse_timedelta(config.get("scaling.hold", hold)), interval=float(interval))
         self.declared_pools.update(request.pools)
         snap = self.take_snapshot()
         run = self.runs.run_of(self.runs.current)

@@ -1,6 +1,8 @@
 """PoolCluster.adapt: per-pool elastic scaling on real clusters. It retires only idle
 workers of the pool it shrinks - never a busy worker, never another pool's
-(dask-kubernetes#914) - and logs every scaling decision with its reason."""
+(dask-kubernetes#914), never one within its hold time of arriving - does not let a pool's
+target go down and straight back up, and logs every change of a target with its reason
+(the learned speeds once measured), never a target a pool already has."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import logging
 import time
 
 import pytest
-from distributed import Client, Event, Queue
+from distributed import Client, Event, Queue, get_worker
 from loadaware import wait_until
 
 import blockflow
@@ -36,7 +38,7 @@ def test_shrinking_one_pool_never_retires_another_pools_workers():
         wait_until(lambda: _names(client) == {"fast-0", "fast-1", "slow-0", "slow-1"},
                    message="the four workers join")
         adaptive = cluster.adapt(pools={"fast": (2, 2), "slow": (0, 2)}, interval="200ms",
-                                 wait_count=2)
+                                 wait_count=2, hold="300ms")
         # no work: the slow pool goes to its minimum; the fast pool, as idle, stays
         wait_until(lambda: _names(client) == {"fast-0", "fast-1"},
                    message="the slow pool's idle workers are retired, the fast pool's kept")
@@ -47,7 +49,8 @@ def test_shrinking_one_pool_never_retires_another_pools_workers():
         retired = _decisions(client, "retire")
         assert {d["target"] for d in retired} == {"slow"} and len(retired) == 2
         scale = {d["target"]: d for d in _decisions(client, "scale")}
-        assert scale["slow"]["seen_target"] == 0 and scale["fast"]["seen_target"] == 2
+        # the fast pool has its target: nothing to record (no "2 -> 2 workers")
+        assert scale["slow"]["seen_target"] == 0 and "fast" not in scale
         assert "no work left" in scale["slow"]["reason"]
         assert blockflow.decisions  # the public reader sees the same log
         adaptive.stop()
@@ -69,7 +72,7 @@ def test_adapt_never_retires_a_busy_worker():
         futures = client.map(blocked, range(2), resources={"pool:slow": 1}, pure=False)
         wait_until(lambda: ran.qsize() == 2, message="both slow workers run a task")
         adaptive = cluster.adapt(pools={"fast": (0, 0), "slow": (0, 1)}, interval="200ms",
-                                 wait_count=2)
+                                 wait_count=2, hold="300ms")
         # both pools are above their maximum, but both slow workers are busy: only the
         # idle fast worker goes
         wait_until(lambda: _names(client) == {"slow-0", "slow-1"},
@@ -111,12 +114,81 @@ def test_adapt_from_zero_grows_the_cheap_pool_for_a_cost_deadline():
         adaptive.stop()
 
 
+def _pool_work(i):
+    # a fast worker runs it ten times as fast as a slow one
+    time.sleep(0.02 if str(get_worker().name).startswith("fast") else 0.2)
+    return i
+
+
+def test_from_zero_targets_never_flap_and_new_workers_are_kept_their_hold():
+    """From zero under a cost deadline the slow pool cannot meet alone: a pool's target only
+    grows while the run has work (no 0 -> 1 -> 0 -> 1), no record repeats what a pool has
+    ("0 -> 0 workers"), and no worker is retired within the hold time of its arrival
+    (before: the slow pool's target fell from 2 to 0 mid-run while the fast worker took the
+    work, and idle workers were retired a few checks after the work, whatever their age)."""
+    hold = 3.0
+    with PoolCluster({FAST: 0, SLOW: 0}, processes=False,
+                     silence_logs=logging.CRITICAL) as cluster, Client(cluster) as client:
+        adaptive = cluster.adapt(pools={"fast": (0, 1), "slow": (0, 2)}, interval="200ms",
+                                 wait_count=2, hold=f"{hold}s", startup="0.5s")
+        with blockflow.objective("cost", deadline="2s"):
+            futures = client.map(_pool_work, range(24), pure=False)
+            assert sum(client.gather(futures)) == sum(range(24))
+        ended = time.time()
+        del futures  # the last worker keeps no result: every worker may go
+        wait_until(lambda: not cluster.worker_spec and adaptive.retired,
+                   message="the workers are retired after their hold")
+        log = client.sync(client.scheduler.blockflow_status)["decisions"]
+        scale = [d for d in log if d["action"] == "scale"]
+        assert not [d for d in scale if d["seen_current"] == d["seen_target"]], scale
+        for pool in ("fast", "slow"):
+            during = [d["seen_target"] for d in scale if d["target"] == pool
+                      and d["time"] <= ended]
+            assert during and during == sorted(during), (pool, scale)
+        joined = {d["worker"]: d["time"] for d in log if d["action"] == "join"}
+        retired = [d for d in log if d["action"] == "retire"]
+        assert {d["target"] for d in retired} == {"fast", "slow"}
+        for d in retired:
+            assert d["time"] - joined[d["worker"]] >= hold - 0.05, (d, joined)
+        adaptive.stop()
+
+
+def test_scaling_reasons_give_a_pools_learned_speed_once_measured():
+    """The fast pool declares speed 4; it runs ten times as fast as the slow pool, which the
+    speed model learns: the reasons print the learned speeds (before: the declared 4x, and
+    the slow pool's none, for ever)."""
+    with PoolCluster({FAST: 1, SLOW: 1}, processes=False,
+                     silence_logs=logging.CRITICAL) as cluster, Client(cluster) as client:
+        wait_until(lambda: _names(client) == {"fast-0", "slow-0"},
+                   message="the two workers join")
+        for name in ("fast-0", "slow-0"):
+            client.gather(client.map(_pool_work, range(5), pure=False, workers=[name]))
+        adaptive = cluster.adapt(pools={"fast": (1, 1), "slow": (1, 1)}, interval="100ms",
+                                 hold="0s")
+        go = Event("go-speed", client=client)
+        futures = client.map(lambda i: Event("go-speed").wait(timeout=300) and i, range(4),
+                             pure=False)
+        wait_until(lambda: "learned" in adaptive.reasons.get("slow", ""),
+                   message="the reasons print learned speeds")
+        reasons = adaptive.reasons
+        assert "speed 4x" not in reasons["fast"] and "learned" in reasons["fast"], reasons
+        fast = float(reasons["fast"].split("speed ")[1].split("x")[0])
+        slow = float(reasons["slow"].split("speed ")[1].split("x")[0])
+        # learned as measured (10 times as fast, shrunk by the speed model's confidence)
+        assert fast / slow > 2, reasons
+        go.set()
+        client.gather(futures)
+        adaptive.stop()
+
+
 def test_adapt_refuses_unknown_pools_and_bad_bounds():
     with PoolCluster({FAST: 0}, processes=False, silence_logs=logging.CRITICAL) as cluster:
         with pytest.raises(ValueError, match=r"no pool named 'gpu'; the pools are \['fast'\]"):
             cluster.adapt(pools={"gpu": (0, 1)})
         with pytest.raises(ValueError, match=r"pool 'fast' needs 0 <= minimum <= maximum"):
             cluster.adapt(pools={"fast": (3, 1)})
+        with pytest.raises(ValueError, match=r"hold must be a duration >= 0 .* got '-1s'"):
+            cluster.adapt(hold="-1s")
 
 
 def test_a_retired_worker_leaves_only_after_its_results_moved():
@@ -136,7 +208,7 @@ def test_a_retired_worker_leaves_only_after_its_results_moved():
         assert client.who_has(futures) and all(
             set(v) == {fast} for v in client.who_has(futures).values())
         adaptive = cluster.adapt(pools={"fast": (0, 0), "slow": (1, 1)}, interval="100ms",
-                                 wait_count=1)
+                                 wait_count=1, hold="300ms")
         wait_until(lambda: _names(client) == {"slow-0"},
                    message="the idle fast worker is retired and leaves")
         wait_until(lambda: "fast-0" not in cluster.worker_spec,
