@@ -70,7 +70,7 @@ class _PolicyChoice(click.Choice):
 
 
 class _Duration(click.ParamType):
-    """A time: seconds or a string :func:`dask.utils.parse_timedelta` reads ("30s", "2min")."""
+    """A time: seconds or a string :func:`dask.utils.parse_timedelta` reads ("30s", "2m")."""
 
     name = "duration"
 
@@ -81,13 +81,13 @@ class _Duration(click.ParamType):
             seconds = None
         if seconds is None or not seconds > 0:
             self.fail(f"{value!r} is not a duration above 0; give seconds or a time with a "
-                      f"unit, e.g. 30 or '2min'.", param, ctx)
+                      f"unit, e.g. 30 or '2m'.", param, ctx)
         return seconds
 
 
 _timeout_option = click.option(
     "--timeout", type=_Duration(), default=None, metavar="DURATION",
-    help="With --address: how long to wait for the scheduler (seconds, or 30s, 2min); a "
+    help="With --address: how long to wait for the scheduler (seconds, or 30s, 2m); a "
          "refused connection is retried until then, for a scheduler that is still starting. "
          "Default: the blockflow.cluster.connect-timeout setting (5s).")
 

@@ -312,8 +312,8 @@ def _embedded_pools(cluster: dict[str, Any], goal) -> dict | None:
         raise _OptionError(
             f"{_goal_option(goal)} needs each pool's price, but the embedded cluster's "
             f"workers are all in the pool 'default', which has none; declare pools with "
-            f"prices in the blockflow.pools setting (a Dask config file, see the pools "
-            f"guide), or run on a cluster with priced pools (--address).")
+            f"prices in the blockflow.pools setting (a Dask config file: docs/guide/pools.md, "
+            f"'Pools in a config file'), or run on a cluster with priced pools (--address).")
     unpriced = [p.name for p in pools if p.price is None]
     if unpriced:
         raise _OptionError(
