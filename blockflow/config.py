@@ -188,14 +188,38 @@ def _warn_unread_variables() -> None:
 
 
 def _raise_first_problem(config: dict, schema: dict) -> None:
-    problem = _first_problem(_kebab_keys(config), schema)
+    config = _kebab_keys(config)
+    problem = _first_problem(config, schema)
     if problem is not None:
         path, value, text = problem
-        where = ".".join(path) or "blockflow"
+        where, entry = _where(path, config)
+        if entry is not None:  # inside a list (blockflow.pools): the list's source
+            path = path[:entry]
+            value = _lookup(config, ".".join(path))
         raise ValueError(
-            f"Invalid blockflow setting {where!r}{_source(path, value)}: {text}. "
+            f"Invalid blockflow setting {where}{_source(path, value)}: {text}. "
             f"See {SCHEMA_PATH} for the allowed values."
         ) from None
+
+
+def _where(path: list[str], config: dict) -> tuple[str, int | None]:
+    """``'blockflow.pools[1].price' of pool 'fast'`` for a path into a list of named entries,
+    and the index in ``path`` of the first list position (None outside lists)."""
+    node: Any = config
+    text, entry, name = "", None, None
+    for i, part in enumerate(path):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            text += f"[{part}]"
+            node = node[int(part)]
+            if entry is None:
+                entry = i
+                if isinstance(node, dict) and isinstance(node.get("name"), str):
+                    name = node["name"]
+            continue
+        text += ("." if text else "") + part
+        node = node.get(part) if isinstance(node, dict) else None
+    text = repr(text or "blockflow")
+    return (f"{text} of pool {name!r}" if name else text), entry
 
 
 def _replaced_sections(user: Any, default: Any) -> Any:
@@ -321,6 +345,10 @@ def _describe(error) -> tuple[list[str], Any, str]:
 def _rule_problems(node: Any, schema: dict, path: list[str]
                    ) -> Iterator[tuple[list[str], Any, str]]:
     """blockflow's ``x-`` rules of the schema (the JSON schema checks have passed)."""
+    if isinstance(node, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(node):
+            yield from _rule_problems(item, schema["items"], path + [str(i)])
+        return
     if not isinstance(node, dict):
         return
     for key, sub in schema.get("properties", {}).items():
@@ -457,8 +485,11 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _kebab_keys(config: Any) -> Any:
-    """Keys with ``_`` spelled ``-`` (environment variables arrive as ``hot_high``); where
-    both exist the ``-`` one wins, as in ``dask.config.get``."""
+    """Keys with ``_`` spelled ``-`` (environment variables arrive as ``hot_high``), also in
+    the mappings of a list (``blockflow.pools``); where both exist the ``-`` one wins, as in
+    ``dask.config.get``."""
+    if isinstance(config, list):
+        return [_kebab_keys(v) for v in config]
     if not isinstance(config, dict):
         return config
     out: dict[Any, Any] = {}

@@ -127,14 +127,14 @@ def _record(change: BlockResize) -> BlockResize:
     return change
 
 
-def recorded_resizes(since: float | None = None, *, unreported: bool = False
-                     ) -> list[BlockResize]:
+def recorded_resizes(since=None, *, unreported: bool = False) -> list[BlockResize]:
     """The block changes made in this process (the last 1,000), oldest first.
 
     Parameters
     ----------
-    since : float, optional
-        Only those made at or after this time (seconds since the epoch).
+    since : float or datetime, optional
+        Only those made at or after this time (seconds since the epoch or a datetime,
+        :func:`blockflow.scheduling.view.epoch_seconds`).
     unreported : bool, default False
         Only those no earlier ``unreported=True`` call returned, and mark them returned.
 
@@ -142,7 +142,10 @@ def recorded_resizes(since: float | None = None, *, unreported: bool = False
     -------
     list of BlockResize
     """
+    from blockflow.scheduling.view import epoch_seconds
+
     global _reported
+    since = epoch_seconds(since)
     out = list(_records)
     if unreported:
         first = max(0, len(out) - (_count - _reported))

@@ -85,7 +85,9 @@ def test_blockflow_rules_of_the_schema_name_its_own_keys():
     """The x- keywords checked by config.validate refer to settings that exist."""
     with open(config.SCHEMA_PATH) as f:
         schema = yaml.safe_load(f)
-    sections = schema["properties"]["blockflow"]["properties"]
+    # a section of settings, or the items of a list setting (blockflow.pools)
+    sections = {name: node.get("items", node)
+                for name, node in schema["properties"]["blockflow"]["properties"].items()}
     for section in sections.values():
         keys = section["properties"]
         for rule in section.get("x-ordered", []):
@@ -101,7 +103,8 @@ def test_blockflow_rules_of_the_schema_name_its_own_keys():
                          "ml.peer-timeout", "resources.unsatisfiable-timeout",
                          "resources.admission-grace",
                          "routing.batch-seconds",
-                         "routing.interval", "parallel.stage-wait", "scaling.hold"}
+                         "routing.interval", "parallel.stage-wait", "scaling.hold",
+                         "pools.min-billed"}
 
 
 def test_policy_choices_come_from_the_registry_not_the_schema_file():

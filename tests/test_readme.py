@@ -42,6 +42,24 @@ def test_library_example_runs(tmp_path):
     assert len(numbers) == 5
 
 
+@pytest.mark.slow
+def test_the_pools_guides_run_scope_example_runs(tmp_path):
+    """The guide's example of a run (run_scope): two computations, one run, one objective."""
+    with open(os.path.join(ROOT, "docs", "guide", "pools.md")) as f:
+        text = f.read()
+    example = re.search(r"<!-- the block below is run by tests/test_readme.py -->\n"
+                        r"```python\n(.*?)```", text, flags=re.S).group(1)
+    assert "run_scope(" in example and '__name__ == "__main__"' in example
+    env = dict(os.environ, DASK_BLOCKFLOW__CLUSTER__DASHBOARD_ADDRESS=":0")
+    script = tmp_path / "runs.py"
+    script.write_text(example)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.fullmatch(r"run 'nightly stats': 2 graphs, \d+ tasks, objective cost",
+                        out.stdout.splitlines()[-1]), out.stdout
+
+
 def _docs_pages() -> list[str]:
     docs = os.path.join(ROOT, "docs")
     return sorted(os.path.join(d, f) for d, _, files in os.walk(docs)

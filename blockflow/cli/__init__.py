@@ -20,7 +20,8 @@ from dask.utils import format_bytes
 from blockflow import config
 from blockflow.cli.options import (
     _cluster_options,
-    _objective,
+    _goal,
+    _objective_options,
     _OptionError,
     _output_options,
     _progress,
@@ -99,30 +100,22 @@ def run_group() -> None:
 @click.option("--partitions-per-copy", type=int, default=4, show_default=True,
               help="Partitions per copy of the table (>= 1).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
-@click.option("--objective", "objective_kind", type=click.Choice(["makespan", "cost"]),
-              default=None, help="What the run optimises over the cluster's pools: the "
-              "fastest run (makespan, the default) or the cheapest one that meets --deadline "
-              "(cost).")
-@click.option("--deadline", default=None, metavar="DURATION",
-              help="With --objective cost: the run must finish within it (10m, 90s).")
-@click.option("--budget", type=float, default=None, metavar="DOLLARS",
-              help="With --objective makespan: the run may cost at most this many dollars.")
+@_objective_options
 @_retries_option
 @_cluster_options
 def flights_command(scale: int, output: str, overwrite: bool, partitions_per_copy: int,
-                    no_progress: bool, objective_kind: str | None, deadline: str | None,
-                    budget: float | None, retries: int, **cluster: Any) -> None:
+                    no_progress: bool, retries: int, **options: Any) -> None:
     """The 2013 NYC flights ETL: clean, feature, delay statistics per carrier and per
     (origin, month), written as Parquet."""
     from blockflow.workloads import flights
 
+    goal, cluster = _goal(options)
     try:  # bad input fails before a cluster starts
         flights.check_scale(scale)
         flights.check_partitions_per_copy(partitions_per_copy)
-        goal = _objective(objective_kind, deadline, budget)
     except ValueError as e:
         raise _OptionError(str(e)) from None
-    with _job(output, overwrite, cluster) as client, goal:
+    with _job(output, overwrite, cluster, goal) as client:
         result = flights.run(client, scale=scale, output=output,
                              partitions_per_copy=partitions_per_copy, overwrite=overwrite,
                              progress=_progress(no_progress), retries=retries)
@@ -138,14 +131,16 @@ def flights_command(scale: int, output: str, overwrite: bool, partitions_per_cop
 @_output_options("blockflow-array-stats-out", "Folder for stats.parquet and manifest.json.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @_retries_option
+@_objective_options
 @_cluster_options
 def array_stats_command(size: str, seed: int, output: str, overwrite: bool, no_progress: bool,
-                        retries: int, **cluster: Any) -> None:
+                        retries: int, **options: Any) -> None:
     """Array statistics: per-grid-point moments of a generated gridded field (xarray),
     written as Parquet."""
+    goal, cluster = _goal(options)
     from blockflow.workloads import array_stats
 
-    with _job(output, overwrite, cluster) as client:
+    with _job(output, overwrite, cluster, goal) as client:
         result = array_stats.run(client, size=size, output=output, overwrite=overwrite,
                                  seed=seed, progress=_progress(no_progress), retries=retries)
         _written()
@@ -177,13 +172,15 @@ def array_stats_command(size: str, seed: int, output: str, overwrite: bool, no_p
 @_output_options("blockflow-train-out",
                  "Folder for model.pt, metrics.json, loss_curve.csv, manifest.json.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
+@_objective_options
 @_cluster_options
 def train_command(scale: int, epochs: int, batch_size: int, lr: float, hidden: int,
                   seed: int, output: str, overwrite: bool, no_progress: bool,
-                  **cluster: Any) -> None:
+                  **options: Any) -> None:
     """Train an MLP predicting, at departure, whether a 2013 NYC flight arrives > 15 minutes
     late (departure time and delay, carrier, origin, distance), data-parallel with
     speed-weighted shards; prints its held-out accuracy beside the majority class's."""
+    goal, cluster = _goal(options)
     try:
         import torch  # noqa: F401
     except ImportError as e:
@@ -191,7 +188,7 @@ def train_command(scale: int, epochs: int, batch_size: int, lr: float, hidden: i
                                    f"with pip install 'blockflow[ai]'.") from None
     from blockflow.workloads import train
 
-    with _job(output, overwrite, cluster) as client:
+    with _job(output, overwrite, cluster, goal) as client:
         result = train.run(client, output=output, scale=scale, epochs=epochs,
                            batch_size=batch_size, lr=lr, hidden=hidden, seed=seed,
                            overwrite=overwrite, progress=_progress(no_progress))
@@ -216,19 +213,21 @@ def train_command(scale: int, epochs: int, batch_size: int, lr: float, hidden: i
                    "Default: the setting blockflow.tune.promotion (certain-first).")
 @_output_options("blockflow-tune-out",
                  "Folder for trials.parquet, history.parquet, best_model.pkl, manifest.json.")
+@_objective_options
 @_cluster_options
 def tune_command(n_configs: int, eta: int, max_epochs: int, seed: int,
                  promotion: str | None, output: str, overwrite: bool,
-                 **cluster: Any) -> None:
+                 **options: Any) -> None:
     """Tune a small MLP on scikit-learn's bundled digits by asynchronous successive halving,
     trials running as Dask tasks on the fastest free workers."""
+    goal, cluster = _goal(options)
     try:
         from blockflow.workloads import digits_tuning
         import sklearn  # noqa: F401  (the trials' model; digits_tuning imports it lazily)
     except ImportError as e:  # scikit-learn missing
         raise click.ClickException(f"blockflow: run tune needs scikit-learn ({e}); install "
                                    f"it with pip install 'blockflow[ai]'.") from None
-    with _job(output, overwrite, cluster) as client:
+    with _job(output, overwrite, cluster, goal) as client:
         result = digits_tuning.run(client, n_configs=n_configs, eta=eta, max_budget=max_epochs,
                                    seed=seed, promotion=promotion, output=output,
                                    overwrite=overwrite)
@@ -245,18 +244,20 @@ def tune_command(n_configs: int, eta: int, max_epochs: int, seed: int,
               help="Row blocks of the replicated data.")
 @_output_options("blockflow-infer-out", "Folder for predictions.parquet and manifest.json.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
+@_objective_options
 @_cluster_options
 def infer_command(scale: int, blocks: int, output: str, overwrite: bool, no_progress: bool,
-                  **cluster: Any) -> None:
+                  **options: Any) -> None:
     """Batch inference: a digits classifier trained here, applied to a chunked copy of the
     digits with blockflow.predict (the model shipped once per worker)."""
+    goal, cluster = _goal(options)
     try:
         from blockflow.workloads import digits_inference
         import sklearn  # noqa: F401
     except ImportError as e:  # scikit-learn missing
         raise click.ClickException(f"blockflow: run infer needs scikit-learn ({e}); install "
                                    f"it with pip install 'blockflow[ai]'.") from None
-    with _job(output, overwrite, cluster) as client:
+    with _job(output, overwrite, cluster, goal) as client:
         result = digits_inference.run(client, scale=scale, blocks=blocks, output=output,
                                       overwrite=overwrite, progress=_progress(no_progress))
         _written()
@@ -278,12 +279,14 @@ def infer_command(scale: int, blocks: int, output: str, overwrite: bool, no_prog
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @_output_options("blockflow-pipeline-out",
                  "Folder for model.pt, history.parquet, manifest.json.")
+@_objective_options
 @_cluster_options
 def pipeline_command(n_train: int, epochs: int, batch_size: int, n_micro_batches: int,
                      schedule: str, seed: int, output: str, overwrite: bool,
-                     **cluster: Any) -> None:
+                     **options: Any) -> None:
     """Train a small transformer (a stack of nn.TransformerEncoderLayer) pipeline-parallel:
     stages on different workers, cut from measured layer times and free device memory."""
+    goal, cluster = _goal(options)
     if n_micro_batches > batch_size:
         raise click.BadParameter(f"{n_micro_batches} micro-batches for batches of "
                                  f"{batch_size} rows; pass at most --batch-size.",
@@ -294,7 +297,7 @@ def pipeline_command(n_train: int, epochs: int, batch_size: int, n_micro_batches
     except ImportError as e:  # PyTorch missing
         raise click.ClickException(f"blockflow: run pipeline needs PyTorch ({e}); install "
                                    f"it with pip install 'blockflow[ai]'.") from None
-    with _job(output, overwrite, cluster) as client:
+    with _job(output, overwrite, cluster, goal) as client:
         result = sequence.run(client, n_train=n_train, epochs=epochs, batch_size=batch_size,
                               n_micro_batches=n_micro_batches, schedule=schedule, seed=seed,
                               output=output, overwrite=overwrite)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import math
 from typing import Any, Callable
 
 import click
@@ -70,7 +70,7 @@ class _PolicyChoice(click.Choice):
 
 
 class _Duration(click.ParamType):
-    """A time: seconds or a string :func:`dask.utils.parse_timedelta` reads ("30s", "2min")."""
+    """A time: seconds or a string :func:`dask.utils.parse_timedelta` reads ("30s", "2m")."""
 
     name = "duration"
 
@@ -81,13 +81,13 @@ class _Duration(click.ParamType):
             seconds = None
         if seconds is None or not seconds > 0:
             self.fail(f"{value!r} is not a duration above 0; give seconds or a time with a "
-                      f"unit, e.g. 30 or '2min'.", param, ctx)
+                      f"unit, e.g. 30 or '2m'.", param, ctx)
         return seconds
 
 
 _timeout_option = click.option(
     "--timeout", type=_Duration(), default=None, metavar="DURATION",
-    help="With --address: how long to wait for the scheduler (seconds, or 30s, 2min); a "
+    help="With --address: how long to wait for the scheduler (seconds, or 30s, 2m); a "
          "refused connection is retried until then, for a scheduler that is still starting. "
          "Default: the blockflow.cluster.connect-timeout setting (5s).")
 
@@ -161,20 +161,77 @@ def _progress(no_progress: bool) -> bool | None:
     return False if no_progress else None  # None: a bar when stdout is a terminal
 
 
-def _objective(kind: str | None, deadline: str | None, budget: float | None):
-    """The run's :func:`blockflow.objective` from ``--objective/--deadline/--budget``;
-    ValueError naming the option to fix."""
-    if kind is None and deadline is None and budget is None:
-        return contextlib.nullcontext()
-    from blockflow.pools.objective import objective
+def _objective_options(command: Callable) -> Callable:
+    """``--objective``, ``--deadline`` and ``--budget``, shared by the ``run`` commands."""
+    options = [
+        click.option("--objective", "objective_kind", type=click.Choice(["makespan", "cost"]),
+                     default=None, help="What the run optimises over the cluster's pools: "
+                     "the fastest run (makespan, the default) or the cheapest one that meets "
+                     "--deadline (cost). Prices per pool: the blockflow.pools setting "
+                     "(embedded cluster) or the workers' pools (--address)."),
+        click.option("--deadline", default=None, metavar="DURATION",
+                     help="With --objective cost: the run must finish within it (10m, 90s)."),
+        click.option("--budget", default=None, metavar="DOLLARS",
+                     help="With --objective makespan: the run may cost at most this many "
+                          "dollars."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
 
+
+def _goal(options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """A ``run`` command's keyword options split into its objective (:func:`_objective`)
+    and the cluster options (:func:`_cluster_options`)."""
+    options = dict(options)
+    goal = _objective(options.pop("objective_kind"), options.pop("deadline"),
+                      options.pop("budget"))
+    return goal, options
+
+
+def _objective(kind: str | None, deadline: str | None, budget: str | None):
+    """The run's :class:`blockflow.pools.objective.Objective` from ``--objective``,
+    ``--deadline`` and ``--budget``, or None when none is given.
+
+    Raises
+    ------
+    _OptionError
+        One line naming the options to fix (exit status 2).
+    """
+    if kind is None and deadline is None and budget is None:
+        return None
+    if kind is None and deadline is not None and budget is not None:
+        raise _OptionError("--deadline and --budget ask for two objectives (the cheapest run "
+                           "by a deadline, the fastest within a budget); give one of them.")
     if kind is None:
         kind = "cost" if deadline is not None else "makespan"
     if kind == "cost" and deadline is None:
-        raise ValueError("--objective cost needs --deadline (the cheapest run that meets "
-                         "it), e.g. --deadline 10m.")
-    try:
-        return objective(kind, deadline=deadline, budget=budget)
-    except ValueError as e:
-        raise ValueError(str(e).replace("blockflow.objective: ", "").replace(
-            "deadline=", "--deadline").replace("budget=", "--budget")) from None
+        raise _OptionError("--objective cost needs --deadline (the cheapest run that meets "
+                           "it), e.g. --deadline 10m.")
+    if kind == "cost" and budget is not None:
+        raise _OptionError("--budget goes with --objective makespan (the fastest run within "
+                           "it); with --objective cost give a --deadline only.")
+    if kind == "makespan" and deadline is not None:
+        raise _OptionError("--deadline goes with --objective cost (the cheapest run that "
+                           "meets it); for the fastest run leave --deadline out, or give "
+                           "--budget.")
+    seconds = dollars = None
+    if deadline is not None:
+        try:
+            seconds = parse_timedelta(deadline)
+        except (TypeError, ValueError, KeyError):  # KeyError: an unknown unit ("soon")
+            seconds = None
+        if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+            raise _OptionError(f"--deadline {deadline!r} is not a duration above 0; give "
+                               f"seconds or a time with a unit, e.g. 10m or 90s.")
+    if budget is not None:
+        try:
+            dollars = float(budget)
+        except ValueError:
+            dollars = None
+        if dollars is None or not math.isfinite(dollars) or dollars <= 0:
+            raise _OptionError(f"--budget {budget!r} is not a number of dollars above 0; "
+                               f"give e.g. --budget 2.5.")
+    from blockflow.pools.objective import objective
+
+    return objective(kind, deadline=seconds, budget=dollars)

@@ -19,7 +19,12 @@ from typing import Any, Iterator
 import click
 
 import blockflow
-from blockflow.cli.options import _GPU_CHOICES, _check_address, _check_cluster_options
+from blockflow.cli.options import (
+    _GPU_CHOICES,
+    _check_address,
+    _check_cluster_options,
+    _OptionError,
+)
 
 _OUTPUT = "blockflow.output"  # ctx.meta: the run's --output, and whether it was written
 _WRITTEN = "blockflow.output-written"
@@ -28,15 +33,17 @@ _WRITTEN = "blockflow.output-written"
 @contextlib.contextmanager
 def _client(address: str | None, gpu: str | None = None, n_workers: int | None = None,
             threads_per_worker: int | None = None, policy: str | None = None,
-            timeout: float | None = None, announce: bool = True) -> Iterator[Any]:
-    """A client with blockflow's plugin; an embedded cluster is shut down afterwards."""
+            timeout: float | None = None, announce: bool = True,
+            pools: dict | None = None) -> Iterator[Any]:
+    """A client with blockflow's plugin; an embedded cluster (its workers in ``pools``, from
+    :func:`_embedded_pools`) is shut down afterwards."""
     from blockflow.backends import GPUUnavailableError
 
     _check_cluster_options(address, gpu, n_workers, threads_per_worker, timeout)
     options = {}
     if address is None:
         options = {"gpu": None if gpu is None else _GPU_CHOICES[gpu], "n_workers": n_workers,
-                   "threads_per_worker": threads_per_worker}
+                   "threads_per_worker": threads_per_worker, "pools": pools or None}
     if address is not None:
         _check_address(address)
         options = {"timeout": timeout}
@@ -236,20 +243,121 @@ def _job_errors() -> tuple[type[BaseException], ...]:
     from blockflow.io import OutputWriteError
     from blockflow.workloads import JobFailed
 
+    from blockflow.errors import ObjectiveError
+
     return (FileExistsError, OutputWriteError, BlockKernelError, WorkerLostError,
-            ResourceError, JobFailed)
+            ResourceError, ObjectiveError, JobFailed)
 
 
 @contextlib.contextmanager
-def _job(output: str, overwrite: bool, cluster: dict[str, Any]) -> Iterator[Any]:
-    """The frame of every ``run`` command: check ``--output``, start or connect to the
-    cluster, yield the client; :func:`_job_errors` end it with one ``Error: ...`` line."""
+def _job(output: str, overwrite: bool, cluster: dict[str, Any], goal=None) -> Iterator[Any]:
+    """The frame of every ``run`` command: check ``--output`` and the pools, start or connect
+    to the cluster, yield the client inside ``with goal:`` (the run's objective, from
+    :func:`blockflow.cli.options._objective`); :func:`_job_errors` end it with one
+    ``Error: ...`` line."""
+    pools = _embedded_pools(cluster, goal)  # before anything starts
     _check_output(output, overwrite)
-    with _client(**cluster) as client:
+    with _client(**cluster, pools=pools) as client:
         _print_inventory(client)
+        if cluster["address"] is not None:
+            _check_prices(client, goal, cluster["address"])
         try:
-            yield client
+            with _objective_scope(goal):
+                yield client
         except _job_errors() as e:
             raise click.ClickException(str(e)) from None
         link = client.dashboard_link
     click.echo(_dashboard_after(cluster["address"], link))
+
+
+def _goal_option(goal) -> str:
+    """The option that asked for prices: ``--objective cost`` or ``--budget``."""
+    return "--objective cost" if goal.kind == "cost" else "--budget"
+
+
+def _embedded_pools(cluster: dict[str, Any], goal) -> dict | None:
+    """The embedded cluster's pools (the ``blockflow.pools`` setting), checked with the
+    command's options before anything starts: None with ``--address`` or without pools.
+
+    Raises
+    ------
+    _OptionError
+        A bad pool, ``--n-workers`` (or ``blockflow.cluster.n-workers``) other than the
+        pools' workers, or an objective needing prices of pools that have none.
+    """
+    from blockflow import config
+
+    if cluster["address"] is not None:
+        return None
+    from blockflow.pools.cluster import pools_from_settings
+
+    try:
+        pools = pools_from_settings()
+    except ValueError as e:
+        raise _OptionError(str(e)) from None
+    total = sum(pools.values())
+    if pools:
+        for name, n in (("--n-workers", cluster["n_workers"]),
+                        ("the setting blockflow.cluster.n-workers",
+                         config.get("cluster.n-workers"))):
+            if n is not None and n != total:
+                raise _OptionError(
+                    f"{name} is {n} but the blockflow.pools setting puts {total} workers in "
+                    f"pools ({', '.join(f'{p.name}: {k}' for p, k in pools.items())}); "
+                    f"leave {name.removeprefix('the setting ')} out, or change the pools' "
+                    f"workers.")
+    if goal is None or not goal.needs_prices:
+        return pools or None
+    if not pools:
+        raise _OptionError(
+            f"{_goal_option(goal)} needs each pool's price, but the embedded cluster's "
+            f"workers are all in the pool 'default', which has none; declare pools with "
+            f"prices in the blockflow.pools setting (a Dask config file: docs/guide/pools.md, "
+            f"'Pools in a config file'), or run on a cluster with priced pools (--address).")
+    unpriced = [p.name for p in pools if p.price is None]
+    if unpriced:
+        raise _OptionError(
+            f"{_goal_option(goal)} needs each pool's price, but pool {unpriced[0]!r} of the "
+            f"blockflow.pools setting has none; give it price: <dollars per worker-hour>.")
+    return pools
+
+
+def _check_prices(client, goal, address: str) -> None:
+    """With ``--address``: an objective needing prices needs every pool of that cluster to
+    have one (:class:`click.ClickException`, exit status 1, before any task runs)."""
+    if goal is None or not goal.needs_prices:
+        return
+    from blockflow.pools.pool import pools_of
+    from blockflow.scheduling.view import workers_info
+
+    unpriced = sorted({p.name for p in pools_of(workers_info(client)).values()
+                       if p.price is None})
+    if unpriced:
+        raise click.ClickException(
+            f"{_goal_option(goal)} needs each pool's price, but pool {unpriced[0]!r} of the "
+            f"cluster at {address} has none; start its workers with `--preload "
+            f"blockflow.pools.preload --pool {unpriced[0]} --price <dollars per "
+            f"worker-hour>`, or leave out {_goal_option(goal)}.")
+
+
+class _DropRefusals(logging.Filter):
+    """Drops the scheduler's ERROR line about an objective it refused: the embedded
+    scheduler runs in this process, and the job's ``Error: ...`` line says the same."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
+@contextlib.contextmanager
+def _objective_scope(goal) -> Iterator[None]:
+    if goal is None:
+        yield
+        return
+    log = logging.getLogger("blockflow.pools.objective")
+    drop = _DropRefusals()
+    log.addFilter(drop)
+    try:
+        with goal:
+            yield
+    finally:
+        log.removeFilter(drop)

@@ -21,6 +21,7 @@ from blockflow.cluster import handshake as _handshake
 from blockflow.cluster import main_guard as _main_guard
 from blockflow.devices import DeviceMetrics
 from blockflow.errors import BlockflowWarning, describe
+from blockflow.pools.cluster import pools_from_settings
 from blockflow.pools.pool import Pool, PoolMember, heartbeat_now
 from blockflow.scheduling.extensions import scheduler_extensions
 from blockflow.scheduling.plugin import Rebalancer
@@ -114,6 +115,8 @@ def connect(
         self-signed ones. Default None: plain TCP.
     pools : mapping of blockflow.Pool to int, optional
         Embedded cluster only: workers per pool (:class:`blockflow.pools.pool.PoolMember`).
+        Default the ``blockflow.pools`` setting
+        (:func:`blockflow.pools.cluster.pools_from_settings`; none when empty).
     **cluster_kwargs
         Passed to ``LocalCluster`` / ``LocalCUDACluster``.
 
@@ -155,7 +158,11 @@ def connect(
                 f"blockflow.connect: {name} must be an integer >= 1 (or None for the "
                 f"default), got {value!r}."
             )
-    pool_member, n_workers = _pool_members(pools, address, n_workers)
+    source = "pools="
+    if pools is None and address is None:
+        pools = pools_from_settings() or None  # the blockflow.pools setting
+        source = "the blockflow.pools setting"
+    pool_member, n_workers = _pool_members(pools, address, n_workers, source)
     plugin = Rebalancer(policy=policy)  # validates the policy before anything starts
     sec = _security(security, address)
     if address is not None:
@@ -218,8 +225,10 @@ def connect(
     return client
 
 
-def _pool_members(pools, address, n_workers) -> tuple[PoolMember | None, int | None]:
-    """The worker plugin putting the embedded workers in ``pools``, and their number."""
+def _pool_members(pools, address, n_workers, source: str = "pools="
+                  ) -> tuple[PoolMember | None, int | None]:
+    """The worker plugin putting the embedded workers in ``pools``, and their number; the
+    ``blockflow.cluster.n-workers`` setting, when set, must agree."""
     if pools is None:
         return None, n_workers
     if address is not None:
@@ -245,8 +254,13 @@ def _pool_members(pools, address, n_workers) -> tuple[PoolMember | None, int | N
     if not members:
         raise ValueError("blockflow.connect: pools= is empty; give at least one pool.")
     if n_workers is not None and n_workers != i:
-        raise ValueError(f"blockflow.connect: n_workers={n_workers} but pools= has {i} "
+        raise ValueError(f"blockflow.connect: n_workers={n_workers} but {source} has {i} "
                          f"workers; leave n_workers out.")
+    configured = config.get("cluster.n-workers") if n_workers is None else None
+    if configured is not None and configured != i:
+        raise ValueError(f"blockflow.connect: the setting blockflow.cluster.n-workers is "
+                         f"{configured} but {source} has {i} workers; unset it (the pools' "
+                         f"workers are the cluster's).")
     return PoolMember(members), i
 
 

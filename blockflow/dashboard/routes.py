@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 
 from tornado import web
 
 from blockflow.dashboard.state import dashboard_state
+from blockflow.scheduling.view import epoch_seconds
 
 __all__ = ["DecisionsHandler", "StatusHandler", "routes"]
 
@@ -35,19 +37,34 @@ class StatusHandler(_JSONHandler):
 
 
 class DecisionsHandler(_JSONHandler):
-    """``GET /blockflow/decisions.json[?since=<epoch seconds>&limit=N]``: the decision log."""
+    """``GET /blockflow/decisions.json[?since=<time>&limit=N]``: the decision log; ``since``
+    in seconds since the epoch or an ISO 8601 datetime (``2026-12-06T10:00:00+00:00``; without
+    an offset, the scheduler's local time), each decision's ``time`` in seconds since the
+    epoch."""
 
     def get(self):
         try:
-            since = float(self.get_argument("since")) if self.get_argument("since", None) else None
+            since = _since(self.get_argument("since", None))
             limit = int(self.get_argument("limit", "1000"))
             if limit < 0:
                 raise ValueError(limit)
-        except ValueError:
-            raise web.HTTPError(400, "since must be seconds since the epoch, limit an int >= 0")
+        except (TypeError, ValueError):
+            raise web.HTTPError(400, "since must be seconds since the epoch or an ISO 8601 "
+                                     "datetime, limit an int >= 0")
         state = dashboard_state(self.server, since=since, max_decisions=limit)
         self._write({"time": state["time"], "policy": state["policy"],
                      "decisions": state["decisions"]})
+
+
+def _since(text: str | None) -> float | None:
+    """A ``since`` query value as seconds since the epoch (:func:`epoch_seconds`)."""
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = datetime.datetime.fromisoformat(text)
+    return epoch_seconds(value)
 
 
 #: For ``distributed.scheduler.http.routes``-style registration.

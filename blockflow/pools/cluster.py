@@ -9,9 +9,11 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import dask.config
+from dask.utils import parse_timedelta
 from distributed import Nanny, Scheduler, SpecCluster, Worker
 
 from blockflow._distributed import correct_state_soon, replace_adaptive
@@ -19,10 +21,97 @@ from blockflow.cluster.hpc import jobqueue_defaults
 from blockflow.pools.adaptive import PoolAdaptive
 from blockflow.pools.pool import _POOL_RESOURCE_AMOUNT, Pool
 
-__all__ = ["PoolCluster"]
+__all__ = ["PoolCluster", "pools_from_settings"]
 
 logger = logging.getLogger(__name__)
 
+#: The keys of an entry of the ``blockflow.pools`` setting.
+SETTING_KEYS = ("name", "provider", "region", "price", "egress", "speed", "min-billed",
+                "workers")
+
+
+def pools_from_settings(entries: Sequence[Mapping[str, Any]] | None = None
+                        ) -> dict[Pool, int]:
+    """The pools of the ``blockflow.pools`` setting, each with its number of workers.
+
+    Parameters
+    ----------
+    entries : sequence of mapping, optional
+        Default the setting (``dask.config``): one mapping per pool with ``name``,
+        ``workers`` (>= 1) and optionally ``provider``, ``region``, ``price`` (dollars per
+        worker-hour), ``egress`` (dollars per GB leaving the provider), ``speed`` (a number,
+        or task group -> number) and ``min-billed`` (a duration: least billed per worker).
+
+    Returns
+    -------
+    dict of Pool to int
+        In the setting's order; empty when no pools are set.
+
+    Raises
+    ------
+    ValueError
+        One line naming the pool and the field: a missing name or worker count, an unknown
+        key, a value :class:`~blockflow.pools.pool.Pool` refuses, two pools of one name, or
+        a field (``min-billed``, a per-group ``speed``) this version of ``Pool`` lacks.
+    """
+    if entries is None:
+        entries = dask.config.get("blockflow.pools", default=None) or []
+    if isinstance(entries, (str, bytes)) or not isinstance(entries, Sequence):
+        raise ValueError(f"The blockflow.pools setting must be a list of pools (mappings with "
+                         f"name, workers, price, ...), got {entries!r}.")
+    out: dict[Pool, int] = {}
+    for i, raw in enumerate(entries):
+        out_pool, n = _pool_from_setting(i, raw)
+        if any(p.name == out_pool.name for p in out):
+            raise ValueError(f"The blockflow.pools setting names pool {out_pool.name!r} twice "
+                             f"(entry {i}); give each pool its own name.")
+        out[out_pool] = n
+    return out
+
+
+def _pool_from_setting(i: int, raw: Any) -> tuple[Pool, int]:
+    where = f"The blockflow.pools setting, entry {i}"
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: a pool is a mapping (name: ..., workers: ..., price: ...), "
+                         f"got {raw!r}.")
+    entry = {str(k).replace("_", "-"): v for k, v in raw.items()}
+    name = entry.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: the pool has no name; give it name: <letters, digits, "
+                         f"'_', '.' or '-'>.")
+    where = f"The blockflow.pools setting, pool {name!r}"
+    unknown = sorted(set(entry) - set(SETTING_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown field {unknown[0]!r}; a pool has the fields "
+                         f"{', '.join(SETTING_KEYS)}.")
+    n = entry.get("workers")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{where}: workers must be an integer >= 1 (the embedded cluster's "
+                         f"workers in this pool), got {n!r}.")
+    kwargs = {k: entry[k] for k in ("name", "provider", "region", "price", "egress", "speed")
+              if entry.get(k) is not None}
+    if entry.get("min-billed") is not None:
+        try:
+            seconds = parse_timedelta(entry["min-billed"])
+        except (TypeError, ValueError, KeyError):
+            seconds = None
+        if seconds is None or not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"{where}: min-billed must be a duration >= 0 ('60s' or "
+                             f"seconds), got {entry['min-billed']!r}.")
+        kwargs["min_billed"] = float(seconds)
+    try:
+        pool = Pool(**kwargs)
+    except TypeError as e:  # a Pool without min_billed
+        text = ("min-billed is not supported by this version of blockflow.Pool; leave it out"
+                if "min_billed" in str(e) else str(e))
+        raise ValueError(f"{where}: {text}.") from None
+    except ValueError as e:
+        text = str(e).split(": ", 1)[-1]
+        if isinstance(kwargs.get("speed"), Mapping) and "speed" in text:
+            text = (f"a speed per task group ({kwargs['speed']!r}) is not supported by this "
+                    f"version of blockflow.Pool; give one number")
+        raise ValueError(f"{where}: {text.rstrip('.')}.") from None
+    return pool, n
 
 
 def pool_preload_argv(pool: Pool) -> list[str]:

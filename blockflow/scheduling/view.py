@@ -7,7 +7,9 @@ Waiting is :mod:`blockflow.scheduling.wait`; placement arithmetic
 
 from __future__ import annotations
 
+import datetime as _dt
 import math
+import numbers
 import time
 from dataclasses import dataclass
 from statistics import median
@@ -20,6 +22,7 @@ from blockflow._distributed.metrics import CAPACITY_METRIC, clean_number, read_m
 from blockflow.scheduling.estimate import CONFIDENT, Throughput, confident_speeds
 
 __all__ = [
+    "epoch_seconds",
     "scheduler_identity",
     "workers_info",
     "throughput",
@@ -36,17 +39,61 @@ __all__ = [
 ]
 
 
+# -- times ---------------------------------------------------------------------------------
+
+def epoch_seconds(value: Any, name: str = "since") -> float | None:
+    """A time as seconds since the epoch, the one time type of decisions, reports and routes.
+
+    Parameters
+    ----------
+    value : float, int, datetime.datetime (or pandas.Timestamp), or None
+        Seconds since the epoch, or a datetime: one with a time zone is that instant, a naive
+        one is local time (as :meth:`datetime.datetime.timestamp` reads it, also for a naive
+        ``pandas.Timestamp``). None passes through.
+    name : str, default "since"
+        The argument's name, for the error message.
+
+    Returns
+    -------
+    float or None
+
+    Raises
+    ------
+    TypeError
+        For anything else (a string, a bool, a date without a time).
+    ValueError
+        For a number that is not finite.
+    """
+    if value is None:
+        return None
+    if isinstance(value, _dt.datetime):
+        if value.tzinfo is None:  # local time, whatever the class (pandas reads UTC)
+            return _dt.datetime(*value.timetuple()[:6], value.microsecond).timestamp()
+        return float(value.timestamp())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}= must be seconds since the epoch (time.time()) or a "
+                        f"datetime, got {type(value).__name__} {value!r}.")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}= must be a finite time, got {value!r}.")
+    return float(value)
+
+
 # -- the plugin's state --------------------------------------------------------------------
 
 def plugin_status(client: Client, **kwargs: Any) -> dict[str, Any]:
     """State of blockflow's scheduler plugin, as plain data (``kwargs``: ``since``, ``task_log``,
-    ``run``, see :meth:`blockflow.scheduling.Rebalancer.status`).
+    ``run``, see :meth:`blockflow.scheduling.Rebalancer.status`; ``since`` in seconds since
+    the epoch or a datetime, :func:`epoch_seconds`).
 
     Raises
     ------
     RuntimeError
         If the scheduler runs no blockflow plugin.
+    TypeError, ValueError
+        For a ``since`` that is no time.
     """
+    if "since" in kwargs:
+        kwargs["since"] = epoch_seconds(kwargs["since"])
     if not _has_plugin(client):  # spares the scheduler an unknown-op error
         raise RuntimeError(
             "The scheduler runs no blockflow plugin: connect with blockflow.connect(...) or "
@@ -94,18 +141,33 @@ SEEN_METRICS = ("gpu_utilization", "gpu_memory_fraction", "speed", "processing",
                 "projected_finish")
 
 
-def decisions(client: Client, since: float | None = None):
-    """The rebalancer's decision log since ``since`` (seconds since the epoch) as a pandas
-    DataFrame, oldest first: columns :data:`DECISION_COLUMNS` (``time`` UTC), then ``seen_*``,
-    the metrics each decision saw (None where unknown).
+def decisions(client: Client, since: Any = None):
+    """The rebalancer's decision log after ``since`` as a pandas DataFrame, oldest first:
+    columns :data:`DECISION_COLUMNS`, then ``seen_*``, the metrics each decision saw (None
+    where unknown).
+
+    Parameters
+    ----------
+    client : distributed.Client
+    since : float or datetime, optional
+        Seconds since the epoch or a datetime (:func:`epoch_seconds`).
+
+    Returns
+    -------
+    pandas.DataFrame
+        ``time`` in seconds since the epoch (float), as :func:`blockflow.run_report`'s
+        ``since=`` and ``/blockflow/status.json`` take and give times.
 
     Raises
     ------
     RuntimeError
         If the scheduler runs no blockflow plugin.
+    TypeError, ValueError
+        For a ``since`` that is no time.
     """
     import pandas as pd
 
+    since = epoch_seconds(since)
     rows = plugin_status(client)["decisions"]
     if since is not None:
         rows = [r for r in rows if r["time"] > since]
@@ -121,7 +183,7 @@ def decisions(client: Client, since: float | None = None):
         if c not in df:
             df[c] = pd.Series(dtype="object")
     df = df[DECISION_COLUMNS + seen]
-    df["time"] = pd.to_datetime(df["time"], unit="s", utc=True)
+    df["time"] = df["time"].astype("float64")
     return df.reset_index(drop=True)
 
 

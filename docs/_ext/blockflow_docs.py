@@ -189,7 +189,7 @@ def configuration_table() -> str:
     def section(node: dict, values: dict, path: list[str]) -> None:
         leaves = {k: v for k, v in node["properties"].items() if "properties" not in v}
         if leaves:
-            title = "blockflow." + ".".join(path)
+            title = ".".join(["blockflow", *path])
             out.extend([title, "-" * len(title), ""])
             for rule in node.get("x-ordered", []):
                 relation = "below" if rule.get("strict", True) else "at most"
@@ -214,9 +214,8 @@ def configuration_table() -> str:
             if "properties" in sub:
                 section(sub, values.get(key, {}), path + [key])
 
-    blockflow = schema["properties"]["blockflow"]
-    for key, sub in blockflow["properties"].items():
-        section(sub, defaults["blockflow"].get(key, {}), [key])
+    # blockflow's own leaves (the list blockflow.pools) first, then each section
+    section(schema["properties"]["blockflow"], defaults["blockflow"], [])
     return "\n".join(out) + "\n"
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
 import shutil
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import dask.array as da
@@ -84,6 +86,12 @@ def test_json_routes_after_a_forced_pause_and_read_only(sim):
         _, _, body = _get(_base(sim) + f"/blockflow/decisions.json?since={since}")
         log = json.loads(body)["decisions"]
         assert any(d["action"] == "pause" and d["worker"] == addr for d in log), log
+        assert all(isinstance(d["time"], float) and d["time"] > since for d in log)
+        # the same instant as an ISO 8601 datetime: the same decisions
+        iso = datetime.datetime.fromtimestamp(since, datetime.timezone.utc).isoformat()
+        _, _, body = _get(_base(sim) + "/blockflow/decisions.json?since="
+                          + urllib.parse.quote(iso))
+        assert json.loads(body)["decisions"] == log
         worker = next(w for w in json.loads(_get(_base(sim) + "/blockflow/status.json")[2])
                       ["workers"] if w["address"] == addr)
         assert worker["paused_by_blockflow"] and "device memory" in worker["paused_reason"]
@@ -96,7 +104,8 @@ def test_json_routes_after_a_forced_pause_and_read_only(sim):
             urllib.request.urlopen(_base(sim) + "/blockflow/decisions.json?since=yesterday")
         assert e.value.code == 400
         assert json.loads(e.value.read())["error"] == (
-            "since must be seconds since the epoch, limit an int >= 0")
+            "since must be seconds since the epoch or an ISO 8601 datetime, limit an "
+            "int >= 0")
         with pytest.raises(urllib.error.HTTPError) as e:  # not the whole log
             urllib.request.urlopen(_base(sim) + "/blockflow/decisions.json?limit=-1")
         assert e.value.code == 400

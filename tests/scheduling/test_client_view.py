@@ -4,9 +4,11 @@ prior, and waiting while workers die."""
 
 from __future__ import annotations
 
+import datetime
 import math
 import time
 
+import pandas as pd
 import pytest
 from distributed import Client, LocalCluster
 
@@ -42,6 +44,41 @@ def test_plugin_status_task_counts_and_decisions(client):
     counts = view.task_counts(client)
     assert sum(counts.values()) >= 1
     assert list(view.decisions(client).columns[:7]) == view.DECISION_COLUMNS
+
+
+def _record(dask_scheduler, reason: str) -> None:
+    """Log a ``keep`` record in the scheduler's plugin (a decision with a known reason)."""
+    from blockflow.scheduling.actions import Record, Recorded
+
+    dask_scheduler.plugins["blockflow-rebalancer"]._log(
+        Record(Recorded.KEEP, "tcp://w:1", reason, {}))
+
+
+def test_decisions_give_epoch_seconds_and_since_takes_seconds_or_a_datetime(client):
+    # decisions() gave datetimes where run_report(since=) and status.json take epoch seconds
+    client.run_on_scheduler(_record, reason="before")
+    time.sleep(0.05)
+    between = time.time()
+    time.sleep(0.05)
+    client.run_on_scheduler(_record, reason="after")
+    log = view.decisions(client)
+    assert log["time"].dtype == "float64"
+    after = log[log.reason == "after"]["time"].iloc[0]
+    assert between < after <= time.time()  # the clock time.time() and status.json use
+    aware = datetime.datetime.fromtimestamp(between, datetime.timezone.utc)
+    naive_local = datetime.datetime.fromtimestamp(between)  # local time, as Python reads it
+    for since in (between, aware, naive_local, pd.Timestamp(aware)):
+        assert list(view.decisions(client, since=since).reason) == ["after"], since
+        assert [d["reason"] for d in view.plugin_status(client, since=since)["decisions"]
+                ] == ["after"], since
+    # a time the log gives back selects what came after it
+    assert list(view.decisions(client, since=after).reason) == []
+    for bad in ("yesterday", True, datetime.date.today()):
+        with pytest.raises(TypeError, match=r"since= must be seconds since the epoch "
+                                            r"\(time.time\(\)\) or a datetime, got "):
+            view.decisions(client, since=bad)
+    with pytest.raises(ValueError, match="since= must be a finite time, got nan"):
+        view.plugin_status(client, since=float("nan"))
 
 
 def test_plugin_status_without_the_plugin_says_how_to_get_it():

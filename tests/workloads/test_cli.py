@@ -526,22 +526,43 @@ def test_a_second_ctrl_c_ends_a_command_that_has_not_stopped(tmp_path):
     assert out.stderr == "Interrupted (Ctrl-C).\n", out.stderr
 
 
-@pytest.mark.parametrize("args, message", [
+#: Each bad combination of --objective, --deadline and --budget, and its one line.
+OBJECTIVE_MISUSES = [
     (["--objective", "cost"], "Error: --objective cost needs --deadline (the cheapest run "
                               "that meets it), e.g. --deadline 10m."),
     (["--objective", "makespan", "--deadline", "10m"],
-     "Error: a deadline goes with the 'cost' objective (the cheapest run that meets it); "
-     "for the fastest run leave it out, or give 'makespan' a --budget."),
+     "Error: --deadline goes with --objective cost (the cheapest run that meets it); for the "
+     "fastest run leave --deadline out, or give --budget."),
+    (["--objective", "cost", "--deadline", "10m", "--budget", "3"],
+     "Error: --budget goes with --objective makespan (the fastest run within it); with "
+     "--objective cost give a --deadline only."),
+    (["--deadline", "10m", "--budget", "3"],
+     "Error: --deadline and --budget ask for two objectives (the cheapest run by a deadline, "
+     "the fastest within a budget); give one of them."),
     (["--objective", "cost", "--deadline", "soon"],
-     "Error: deadline must be a positive duration ('10m', 90), got 'soon'."),
+     "Error: --deadline 'soon' is not a duration above 0; give seconds or a time with a unit, "
+     "e.g. 10m or 90s."),
     (["--objective", "makespan", "--budget", "-3"],
-     "Error: budget must be a positive number of dollars, got -3.0."),
-])
-def test_flights_objective_options_refuse_bad_input_in_one_line(args, message):
-    from click.testing import CliRunner
+     "Error: --budget '-3' is not a number of dollars above 0; give e.g. --budget 2.5."),
+    (["--budget", "inf"],
+     "Error: --budget 'inf' is not a number of dollars above 0; give e.g. --budget 2.5."),
+]
 
-    from blockflow.cli import cli
 
-    result = CliRunner().invoke(cli, ["run", "flights", *args])
+@pytest.mark.parametrize("job", JOBS)
+@pytest.mark.parametrize("args, message", OBJECTIVE_MISUSES)
+def test_every_job_refuses_a_bad_objective_in_one_line_before_it_starts(job, args, message,
+                                                                        tmp_path):
+    # only flights had --objective; its messages named Python's deadline=, budget=
+    result = invoke("run", job, *args, "--output", str(tmp_path / "out"))
     assert result.exit_code == 2, result.output
-    assert result.output.strip().splitlines()[-1] == message
+    assert result.output == message + "\n"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_every_job_that_runs_tasks_takes_an_objective(job):
+    result = invoke("run", job, "--help")
+    assert result.exit_code == 0
+    for option in ("--objective [makespan|cost]", "--deadline DURATION", "--budget DOLLARS"):
+        assert option in result.output, (job, option)
