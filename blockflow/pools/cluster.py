@@ -101,15 +101,8 @@ def _pool_from_setting(i: int, raw: Any) -> tuple[Pool, int]:
         kwargs["min_billed"] = float(seconds)
     try:
         pool = Pool(**kwargs)
-    except TypeError as e:  # a Pool without min_billed
-        text = ("min-billed is not supported by this version of blockflow.Pool; leave it out"
-                if "min_billed" in str(e) else str(e))
-        raise ValueError(f"{where}: {text}.") from None
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         text = str(e).split(": ", 1)[-1]
-        if isinstance(kwargs.get("speed"), Mapping) and "speed" in text:
-            text = (f"a speed per task group ({kwargs['speed']!r}) is not supported by this "
-                    f"version of blockflow.Pool; give one number")
         raise ValueError(f"{where}: {text.rstrip('.')}.") from None
     return pool, n
 
@@ -123,8 +116,12 @@ def pool_preload_argv(pool: Pool) -> list[str]:
         argv += ["--price", repr(pool.price)]
     if pool.egress:
         argv += ["--egress", repr(pool.egress)]
-    if pool.speed is not None:
+    if isinstance(pool.speed, tuple):
+        argv += ["--speed", ",".join(f"{g}={v!r}" for g, v in pool.speed)]
+    elif pool.speed is not None:
         argv += ["--speed", repr(pool.speed)]
+    if pool.min_billed:
+        argv += ["--min-billed", repr(pool.min_billed)]
     return argv
 
 
