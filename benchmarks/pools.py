@@ -19,7 +19,9 @@ Configurations (each a fresh run on the scenario's cluster):
 * ``plain``: no objective, no blockflow plugin placement beyond the default policy's;
 * ``static``: one cluster per pool, each group split across pools by the pools' declared
   speeds x workers (``resources={"pool:<name>": 1}``);
-* ``fastest``: all work on the fastest pool.
+* ``fastest``: all work on the fastest pool;
+* ``lp@D``: the LP's own plan at the deadline D, its tasks per (group, pool) rounded and
+  pinned by hand (``resources=``): what the machine allows the plan, with no policy.
 
 Cost is computed here, independently of the plugin: a worker (present before the run) is
 billed from its first task of the run to the run's end, idle included (the plugin's
@@ -178,6 +180,20 @@ def run_config(client, sc, name, *, deadline=None, budget=None, placement=None) 
             "per_pool": {q: sum(1 for a, *_ in records if addr_pool[a] == q) for q in pools}}
 
 
+def lp_split(sc, deadline):
+    """Group -> pool per task: the LP's plan at ``deadline``, rounded (largest remainders)."""
+    _, _, x = lp(sc, deadline=deadline)
+    out = {}
+    for g, n in sc["tasks"].items():
+        shares = {q: x[(g, q)] for (h, q) in x if h == g}
+        counts = {q: int(v) for q, v in shares.items()}
+        for q in sorted(shares, key=lambda q: shares[q] - counts[q], reverse=True):
+            if sum(counts.values()) < n:
+                counts[q] += 1
+        out[g] = [q for q, c in counts.items() for _ in range(c)]
+    return out
+
+
 def static_split(sc, only=None):
     """Group -> pool per task: ``only``, or split by declared speed x workers."""
     out = {}
@@ -214,7 +230,8 @@ def one_rep(rep, scenario, sc, args, results):
         fastest = max(sc["pools"], key=lambda p: p.speed_of(None)).name
         cells = [("cost", dict(deadline=deadline)), ("budget", dict(budget=budget)),
                  ("plain", {}), ("static", dict(placement=static_split(sc))),
-                 ("fastest", dict(placement=static_split(sc, fastest)))]
+                 ("fastest", dict(placement=static_split(sc, fastest))),
+                 ("lp@D", dict(placement=lp_split(sc, deadline)))]
         if rep % 2:
             cells.reverse()
         for name, kw in cells:
@@ -254,12 +271,14 @@ def main(argv=None) -> int:
         tmin = lp(sc)[1]
         deadline = round(args.slack * tmin, 2)
         budget = args.budget_x * lp(sc, deadline=1e9)[0]
-        bound = {"cost": lp(sc, deadline=deadline), "budget": lp(sc, budget=budget)}
-        for name in ("cost", "budget", "plain", "static", "fastest"):
+        bound = {"cost": lp(sc, deadline=deadline), "budget": lp(sc, budget=budget),
+                 "lp@D": lp(sc, deadline=deadline)}
+        for name in ("cost", "budget", "plain", "static", "fastest", "lp@D"):
             rs = results[(scenario, name)]
             b = bound.get(name, lp(sc))
             mk, cst = med((scenario, name), "makespan"), med((scenario, name), "cost")
-            met = sum(r["makespan"] <= r["deadline"] for r in rs) if name == "cost" else ""
+            met = (sum(r["makespan"] <= r["deadline"] for r in rs)
+                   if name in ("cost", "lp@D") else "")
             over = (f"{max(r['cost'] - r['budget'] for r in rs):+.5f}" if name == "budget"
                     else "")
             crossed = sum(r["crossed"] for r in rs)

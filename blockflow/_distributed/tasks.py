@@ -163,17 +163,15 @@ def task_states(scheduler, keys) -> dict:
     return out
 
 
-def task_start_inputs(scheduler, key) -> tuple[str | None, list[tuple[Any, int, tuple]]]:
-    """Where a task that just started processing runs, and ``(input key, nbytes, holders)`` of
-    each input its worker does not hold yet (holders sorted; read before the memory manager
-    drops a copy)."""
+def task_start_inputs(scheduler, key) -> list[tuple[Any, int, tuple]]:
+    """``(input key, nbytes, holders)`` of each input of a task that just started processing
+    (holders sorted): where its inputs are before the memory manager drops a copy, and
+    before the task moves."""
     ts = scheduler.tasks.get(key)
-    ws = ts.processing_on if ts is not None else None
-    if ws is None:
-        return None, []
-    return ws.address, [(dep.key, int(dep.nbytes or 0),
-                         tuple(sorted(w.address for w in dep.who_has or ())))
-                        for dep in ts.dependencies if ws not in (dep.who_has or ())]
+    if ts is None:
+        return []
+    return [(dep.key, int(dep.nbytes or 0), tuple(sorted(w.address for w in dep.who_has or ())))
+            for dep in ts.dependencies]
 
 
 #: The comm costs of a view that has none (a new task's): one shared, read-only mapping.

@@ -57,6 +57,12 @@ class ObjectiveRule(Rule):
     #: of the plan's horizon (it is then billed to the run's end).
     late_start = 0.85
 
+    #: Seconds after a run's latest graph before a worker that has not begun it may begin
+    #: (it is then billed to the run's end): work submitted task by task is planned whole,
+    #: not by its first tasks. Until then the workers that began and the pool cheapest for
+    #: the work take it.
+    settle = 0.25
+
     #: Under a budget, the plan's makespan is taken this many times longer when checking
     #: that the workers it begins fit the money left (the gaps between a worker's tasks,
     #: which the measured task durations leave out; a blockflow heuristic).
@@ -247,10 +253,15 @@ class ObjectiveRule(Rule):
                         {"budget": obj.budget, **extra, "projected_cost": round(projected, 6)})
             horizon = plan.makespan
             finish_by = snap.time + horizon
-        d.quota = {g: dict(row) for g, row in plan.tasks.items()}
+        # shares only for groups with tasks ready now: where their inputs are is known (a
+        # group whose inputs do not exist yet is placed once they do, priced by the tick)
+        d.quota = {g: dict(row) for g, row in plan.tasks.items() if d.ready.get(g)}
         d.seconds, d.greedy, d.finish_by, d.egress = seconds, False, finish_by, egress
         d.active = (active if obj.kind != "cost"
                     else self._active(snap, pools, plan, horizon, begun))
+        if snap.time - run.last_graph < self.settle:  # the run's graph is still arriving
+            cheapest = self._cheapest(by_name, max(work, key=work.get), workers)
+            d.active = begun | {a for a, p in pools.items() if p.name == cheapest}
         self.plans[run.id] = {"objective": obj.as_dict(), "plan": plan.as_dict(),
                               "work": work, "seconds": seconds, "time": snap.time,
                               "dispatch": d.as_dict(), **extra}

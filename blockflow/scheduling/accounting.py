@@ -61,6 +61,7 @@ class Accounting:
         # task group -> [tasks seen, {sending pool -> input bytes}, run id]
         self._group_inputs: dict[str, list] = {}
         self._fetched: dict = {}  # (input key, worker) whose crossing was counted (bounded)
+        self._started_inputs: dict = {}  # key -> its inputs' holders when it started
         self._lifetimes: dict[str, list] = {}  # worker -> [pool, arrival, departure]
 
     task_counts = _Folded("Worker -> tasks it finished (re-executions included): Counter.")
@@ -160,15 +161,25 @@ class Accounting:
             if seen is not None and seen[2] != run_id:
                 self._group_inputs[group] = [0, Counter(), run_id]
 
-    def record_inputs(self, key) -> None:
-        """Account the inputs of a task that just started, where it runs: bytes from another
-        provider's worker cross providers (run egress, priced by the sending pool; the
-        objective's prices per group). O(inputs); called from the ``transition`` hook, before
-        the memory manager can drop the source copy."""
-        worker, inputs = _distributed.task_start_inputs(self.scheduler, key)
+    def note_inputs(self, key) -> None:
+        """Where a task's inputs are as it starts processing (read again by
+        :meth:`record_inputs` when it finishes, wherever it moved meanwhile). O(inputs)."""
+        inputs = _distributed.task_start_inputs(self.scheduler, key)
+        if inputs:
+            started = self._started_inputs
+            started[key] = inputs
+            if len(started) > 100_000:  # tasks forgotten unfinished
+                started.pop(next(iter(started)))
+
+    def record_inputs(self, key, worker: str) -> None:
+        """Account the inputs of a task that finished on ``worker``: bytes of an input it did
+        not hold when the task started, from another provider's worker, crossed providers
+        (run egress, priced by the sending pool; the objective's prices per group). O(inputs);
+        called from the ``transition`` hook."""
+        inputs = self._started_inputs.pop(key, ())
         pools = self._pools
         here = pools.get(worker)
-        if here is None:
+        if here is None or not inputs:
             return
         group = key_split(key)
         seen = self._group_inputs.get(group)
@@ -179,6 +190,8 @@ class Accounting:
         seen[0] += 1
         fetched = self._fetched
         for dep, nbytes, holders in inputs:
+            if worker in holders:
+                continue  # it was there already
             srcs = [pools[h] for h in holders if h in pools]
             local = [p for p in srcs if p.provider == here.provider]
             if local or not srcs:  # read within the provider (or its holder left)

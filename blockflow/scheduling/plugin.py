@@ -208,6 +208,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
             dispatch.forget(key)
             self._kick_dispatch()
         if finish == "forgotten":
+            self._started_inputs.pop(key, None)
             self._finished.append((key, None))
             return
         if start != "processing" or finish != "memory":
@@ -215,6 +216,8 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         worker = kwargs.get("worker")
         if worker is None:
             return
+        if self._multi_provider:
+            self.record_inputs(key, worker)
         # one flat tuple of strings and numbers (not the message's dicts)
         self._finished.append(_distributed.finished_task_record(
             self.scheduler, key, worker, kwargs.get("startstops"), kwargs.get("metadata")))
@@ -224,7 +227,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         became ready (a dispatch is due)."""
         if finish == "processing":
             if self._multi_provider:
-                self.record_inputs(key)
+                self.note_inputs(key)
             return
         dispatch = self._plan_dispatch()
         if dispatch is not None and dispatch.became_ready(key):

@@ -80,6 +80,7 @@ class Run:
     # (from provider, to provider) -> input bytes tasks read across providers
     crossings: Counter = field(default_factory=Counter)
     ended: float | None = None  # when its last pending task finished
+    last_graph: float = 0.0  # when it was last given a graph (seconds since the epoch)
 
     @property
     def deadline_at(self) -> float | None:
@@ -164,6 +165,7 @@ class RunTracker:
             run.objective = goal
         run.ended = None
         run.graphs += 1
+        run.last_graph = now
         run.tasks += len(new)
         run.pending += len(new)
         self.current = run_id

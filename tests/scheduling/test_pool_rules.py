@@ -1,10 +1,6 @@
-"""The pool rules on plain data.
-
-The objective rule under a budget spends only what is left after the money already spent
-*and committed* (tasks queued on a pool's workers run there), and does not take a parked
-pool back when the time it sat parked - billed again the moment it runs a task, a worker's
-bill running from its first task to its last - leaves no money for it. The scaling rule
-keeps a pool's workers while the run still has work for the pool."""
+"""The pool rules on plain data: the scaling rule's targets, hysteresis and hold; the
+objective rule's plan over held work (tests/scheduling/test_plan_dispatch.py has the
+dispatch)."""
 
 from __future__ import annotations
 
@@ -15,7 +11,6 @@ from blockflow.scheduling.actions import Action, Recorded
 from blockflow.pools.objective import Objective
 from blockflow.scheduling.policies import ClusterSnapshot
 from blockflow.pools.pool import Pool
-from blockflow.pools.objective_rule import ObjectiveRule
 from blockflow.scheduling.runs import Run
 
 FAST = Pool("fast", provider="gcp", price=4.0, speed=4)
@@ -35,7 +30,7 @@ def _worker(addr, pool, processing=0):
         processing=processing, executing=0, occupancy=0.0, pool=pool.to_dict())
 
 
-def _snap(budget, pending, *, fast_queued=0, parked=(), fast_stopped=None):
+def _snap(budget, pending, *, fast_queued=0, fast_stopped=None):
     workers = {"f0": _worker("f0", FAST, fast_queued), "f1": _worker("f1", FAST),
                **{f"s{i}": _worker(f"s{i}", SLOW) for i in range(4)}}
     run = Run(id="r", name="r", client=None, started=NOW - 20,
@@ -51,53 +46,11 @@ def _snap(budget, pending, *, fast_queued=0, parked=(), fast_stopped=None):
         for a in ("f0", "f1"):
             workers[a].status = "paused"
     return ClusterSnapshot(time=NOW, workers=workers, event="tick", run=run,
-                           parked=frozenset(parked), throughput=SECONDS)
+                           throughput=SECONDS)
 
 
 def _spent_so_far():
     return 2 * FAST_TASK + 4 * SLOW_TASK
-
-
-def test_tasks_queued_on_a_pool_count_as_committed_money():
-    # 20 tasks left, 4 of them already queued on a fast worker (they run there); the
-    # budget left pays for 20 slow tasks only: with the queued fast tasks the run
-    # overspends, so the rule says so now (before: the LP counted the queued tasks as
-    # free to go anywhere and saw the budget met)
-    budget = _spent_so_far() + 20 * SLOW_TASK + 1e-9
-    rule = ObjectiveRule()
-    out = rule.run(_snap(budget, 20, fast_queued=4), None)
-    missed = [d for d in out if d.action == Recorded.OBJECTIVE]
-    assert len(missed) == 1, out
-    assert "budget can no longer be met" in missed[0].reason
-    committed = missed[0].seen["committed"]
-    assert abs(committed - 4 * FAST_TASK) < 1e-6
-    assert missed[0].seen["projected_cost"] > budget
-
-
-def test_a_budget_that_covers_the_committed_tasks_is_planned_with_them():
-    budget = _spent_so_far() + 4 * FAST_TASK + 16 * SLOW_TASK + 6 * (FAST_TASK - SLOW_TASK)
-    rule = ObjectiveRule()
-    out = rule.run(_snap(budget, 20, fast_queued=4), None)
-    assert not [d for d in out if d.action == Recorded.OBJECTIVE], out
-    entry = rule.plans["r"]
-    assert abs(entry["committed"] - 4 * FAST_TASK) < 1e-6
-    # spent + committed + the plan for the 16 tasks not queued stays within the budget
-    assert entry["spent"] + entry["committed"] + entry["plan"]["cost"] <= budget + 1e-6
-    # the money of 6 slow tasks made fast, less half a fast task kept back for rounding
-    # (one slow task's upgrade here): 5
-    assert abs(entry["plan"]["tasks"]["k"].get("fast", 0) - 5) < 1e-6
-
-
-def test_a_parked_pool_is_not_taken_back_when_its_idle_bill_leaves_no_money():
-    # the fast pool was parked 10 s ago; the budget left would buy 6 fast tasks, but the
-    # fast workers would be billed the 10 s they sat parked (2 x 10 s x $4/h = 80 fast
-    # tasks' worth): the rule keeps the fast pool parked (before: unparked it)
-    budget = _spent_so_far() + 20 * SLOW_TASK + 6 * (FAST_TASK - SLOW_TASK)
-    rule = ObjectiveRule()
-    out = rule.run(_snap(budget, 20, parked=("f0", "f1"), fast_stopped=NOW - 10), None)
-    assert not [d for d in out if d.action in (Action.UNPARK, Action.MOVE)], out
-    assert not [d for d in out if d.action == Recorded.OBJECTIVE], out
-    assert rule.plans["r"]["plan"]["tasks"]["k"].get("fast", 0) == 0
 
 
 def _scaling(hold=0.0, interval=0.2, startup=0.5, wait_count=1, fast=(0, 2)):
@@ -258,23 +211,6 @@ def test_reasons_print_the_learned_speed_of_a_pool_once_measured():
     assert _speed_hint(SimpleNamespace(speed=None)) is None
 
 
-def test_a_parked_pool_comes_back_with_the_workers_the_plan_needs_cheapest_first():
-    # near the deadline the cheap pool cannot finish alone: the plan needs a little of the
-    # parked fast pool - one worker, the one parked most recently (the other sat parked
-    # longer: taking it back bills that whole gap)
-    snap = _snap(1.0, 16, parked=("f0", "f1"), fast_stopped=NOW - 3)
-    snap.run.spans["f1"] = [NOW - 3.125, NOW - 1]
-    for i in range(4):
-        snap.workers[f"s{i}"].processing = 1
-    run = snap.run
-    run.objective = Objective("cost", 2.5, None)
-    run.started = NOW - 0.5  # 2 s left: the slow pool takes 4 x 3.5 = 14 of 16
-    rule = ObjectiveRule()
-    out = rule.run(snap, None)
-    assert 0 < rule.plans["r"]["plan"]["tasks"]["k"].get("fast", 0) < 4, rule.plans["r"]
-    assert [d.worker for d in out if d.action == Action.UNPARK] == ["f1"], out
-
-
 def _cost_snap(pending, left, *, fast_joined=True, fast_begun=False, throughput=SECONDS):
     snap = _snap(1.0, pending)
     snap.throughput = throughput
@@ -290,29 +226,6 @@ def _cost_snap(pending, left, *, fast_joined=True, fast_begun=False, throughput=
     snap.run.objective = Objective("cost", 10.0, None)
     snap.run.started = NOW - (10.0 - left)
     return snap
-
-
-def test_a_pool_that_has_not_begun_starts_its_share_late_and_in_one_stretch():
-    # 96 tasks, 7.5 s left: the fast pool's share is a third of its time: it waits
-    rule = ObjectiveRule()
-    out = rule.run(_cost_snap(96, 7.5), None)
-    assert rule.plans["r"]["plan"]["tasks"]["k"].get("fast", 0) > 30
-    assert sorted(d.worker for d in out if d.action == Action.PARK) == ["f0", "f1"], out
-    # 3 s left and 64 tasks: the share needs nearly all the fast pool's time: it starts,
-    # both workers
-    out = rule.run(_cost_snap(64, 3.0), None)
-    assert not [d for d in out if d.action == Action.PARK], out
-    # a pool that began (ran tasks of the run) follows the plan at once
-    out = rule.run(_cost_snap(96, 7.5, fast_begun=True), None)
-    assert not [d for d in out if d.action == Action.PARK], out
-
-
-def test_before_any_group_is_measured_only_the_cheapest_pool_takes_tasks():
-    rule = ObjectiveRule()
-    out = rule.run(_cost_snap(96, 7.5, throughput={}), None)
-    park = [d for d in out if d.action == Action.PARK]
-    assert sorted(d.worker for d in park) == ["f0", "f1"], out
-    assert "pool 'slow' is the cheapest per unit of work" in park[0].reason
 
 
 def test_scaling_starts_a_dear_pool_from_zero_only_when_its_share_needs_it():
@@ -337,21 +250,3 @@ def test_a_dear_pool_is_not_started_so_late_that_its_share_cannot_fit():
     assert targets == {"fast": 2, "slow": 4}, reasons
 
 
-def test_a_working_pool_takes_a_task_per_thread_beyond_its_plan_before_it_is_parked():
-    # the fast pool began the run and holds one task per worker; the plan (few tasks
-    # left beyond what the slow pool does) gives it one task: it stays on for a margin of
-    # one task per thread rather than be parked and billed its gap if it must come back
-    rule = ObjectiveRule()
-    snap = _cost_snap(20, 2.5, fast_begun=True)
-    for a in ("f0", "f1"):
-        snap.workers[a].processing = 1
-    out = rule.run(snap, None)
-    planned = rule.plans["r"]["plan"]["tasks"]["k"].get("fast", 0)
-    assert 0.5 < planned <= 2.5, rule.plans["r"]
-    assert not [d for d in out if d.action == Action.PARK], out
-    # with a plan that gives it nothing and its margin held, it is parked
-    snap = _cost_snap(8, 2.5, fast_begun=True)
-    for a in ("f0", "f1"):
-        snap.workers[a].processing = 2
-    out = rule.run(snap, None)
-    assert sorted(d.worker for d in out if d.action == Action.PARK) == ["f0", "f1"], out
