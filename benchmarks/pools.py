@@ -5,8 +5,8 @@ Two scenarios on simulated pools, each in its own cluster, every configuration s
 * ``matrix`` (issue 37): three pools on two providers - ``cpu`` (aws, $0.5/h, 3 workers,
   egress $0.09/GB), ``mid`` (aws, $1.5/h, 1 worker), ``gpu`` (gcp, $4/h, 1 worker); two task
   groups whose speed-ups differ per pool (``etl`` 1/1.5/2x, ``train`` 1/3/8x: a throughput
-  matrix as in Gavel); every task reads a 20 MB input made on ``cpu`` (aws), so a task on
-  ``gpu`` pays egress.
+  matrix as in Gavel); every task reads a 20 MB input made on ``cpu`` (aws) by an earlier
+  step (before the run's clock starts), so a task on ``gpu`` pays egress.
 * ``single`` (issue 29): ``fast`` (gcp, speed 4, $4/h, 2 workers) and ``slow`` (aws,
   speed 1, $0.5/h, 4 workers), one group, no inputs.
 
@@ -140,6 +140,14 @@ def run_config(client, sc, name, *, deadline=None, budget=None, placement=None) 
     pools = {p.name: p for p in sc["pools"]}
     addr_pool = {a: p for p, info in blockflow.plugin_status(client)["pools"].items()
                  for a in info["workers"]}
+    inputs = {}
+    for g, n in sc["tasks"].items():  # made on the cheap provider by an earlier step
+        inputs[g] = (client.map(make_input, range(n), pure=False,
+                                resources={f"pool:{sc['inputs']}": 1},
+                                key=[f"input-{g}-{time.time()}-{i}" for i in range(n)])
+                     if sc["inputs"] else list(range(n)))
+    if sc["inputs"]:
+        wait([x for xs in inputs.values() for x in xs])
     t0 = time.time()
     with run_scope(f"pools-{name}-{t0}"):
         ctx = (blockflow.objective("cost", deadline=deadline) if deadline is not None
@@ -148,11 +156,7 @@ def run_config(client, sc, name, *, deadline=None, budget=None, placement=None) 
         futures = []
         with ctx:
             for g, n in sc["tasks"].items():
-                if sc["inputs"]:
-                    xs = client.map(make_input, range(n), pure=False,
-                                    resources={f"pool:{sc['inputs']}": 1}, key=f"input-{g}-{t0}")
-                else:
-                    xs = list(range(n))
+                xs = inputs[g]
                 where = (placement or {}).get(g)
                 for i, x in enumerate(xs):
                     res = {f"pool:{where[i]}": 1} if where else None

@@ -64,9 +64,9 @@ class ObjectiveRule(Rule):
     settle = 0.25
 
     #: Under a budget, the plan's makespan is taken this many times longer when checking
-    #: that the workers it begins fit the money left (the gaps between a worker's tasks,
-    #: which the measured task durations leave out; a blockflow heuristic).
-    overrun = 1.1
+    #: that the workers it begins fit the money left (a margin on :meth:`_paced`; a
+    #: blockflow heuristic).
+    overrun = 1.05
 
     def __init__(self):
         self.plans: dict[str, dict[str, Any]] = {}
@@ -171,7 +171,7 @@ class ObjectiveRule(Rule):
         held = {g: len(d.waiting.get(g, ())) + len(d.ready.get(g, ()))
                 for g in set(d.waiting) | set(d.ready)}
         held = {g: n for g, n in held.items() if n > 0}
-        seconds = feasibility.seconds(snap, pools, held)
+        seconds = self._paced(feasibility.seconds(snap, pools, held), run, pools, snap.time)
         d.first = {g: self._cheapest(by_name, g, workers) for g in held if g not in seconds}
         work = {g: n for g, n in held.items() if g in seconds}
         running = {a: tasks for a, tasks in snap.running.items() if a in pools}
@@ -327,6 +327,20 @@ class ObjectiveRule(Rule):
             more = whole + (1 if extra - whole * horizon >= self.late_start * horizon else 0)
             active |= set([a for a in members if a not in begun][:more])
         return active
+
+    @staticmethod
+    def _paced(seconds, run, pools, now: float) -> dict:
+        """``seconds`` (group -> pool -> seconds per task, as measured: compute only) at the
+        pace the run's workers keep: divided by each pool's median share of a worker's time
+        from its first task's start to its last's end spent running tasks (within 0.5-1; the
+        gaps between tasks, the scheduler's round trips, count in the makespan and bill)."""
+        shares: dict[str, list[float]] = {}
+        for a, (first, last) in run.spans.items():
+            if a in pools and last - first > 1.0 and run.busy.get(a):
+                shares.setdefault(pools[a].name, []).append(run.busy[a] / (last - first))
+        pace = {name: min(max(median(v), 0.5), 1.0) for name, v in shares.items()}
+        return {g: {p: t / pace.get(p, 1.0) for p, t in row.items()}
+                for g, row in seconds.items()}
 
     @staticmethod
     def _cheapest(by_name, group, workers) -> str:
