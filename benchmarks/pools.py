@@ -207,7 +207,7 @@ def static_split(sc, only=None):
             continue
         weight = {p.name: p.speed_of(g) * w for p, w in sc["pools"].items()}
         total = sum(weight.values())
-        shares, acc, seq = {}, 0.0, []
+        shares, seq = {}, []
         for q, wgt in weight.items():
             shares[q] = wgt / total * n
         counts = {q: int(s) for q, s in shares.items()}
@@ -227,7 +227,7 @@ def one_rep(rep, scenario, sc, args, results):
         n = 2 * sum(sc["pools"].values())
         for g in sc["tasks"]:
             c.gather(c.map(KERNELS[g], range(n), work=sc["work"][g], pure=False,
-                           key=[f"{g}-warm-{i}" for i in range(n)]))
+                           key=[f"{g}-{i}" for i in range(n)]))
         tmin = lp(sc)[1]
         deadline = round(args.slack * tmin, 2)
         budget = args.budget_x * lp(sc, deadline=1e9)[0]

@@ -124,6 +124,7 @@ class PlanDispatch:
         if not any(self.ready.values()):
             return out
         slots = {a: n for a, (n, _) in free.items()}
+        free_threads = {a: t for a, (_, t) in free.items()}
         order = sorted(slots, key=lambda a: (a not in self.active, a))
         users = [a for a in order if a in pools and (self.greedy or a in self.active)]
         free_at = self._free_at(free, users, now)
@@ -134,8 +135,9 @@ class PlanDispatch:
             pool = pools.get(addr)
             if free <= 0 or pool is None or not (self.greedy or addr in self.active):
                 continue
+            idle = free_threads.get(addr, 0)
             while free > 0:
-                group = self._pick(pool.name, now, tail)
+                group = self._pick(pool.name, now, tail, probe=idle > 0)
                 if group is None:
                     break
                 if tail and self._finishes_sooner_elsewhere(group, addr, users, pools,
@@ -149,6 +151,7 @@ class PlanDispatch:
                 took = self.seconds.get(group, {}).get(pool.name, 0.0)
                 self.ends[key] = free_at.get(addr, now) + took
                 free_at[addr] = self.ends[key]
+                idle -= 1
                 row = self.quota.setdefault(group, {})
                 row[pool.name] = row.get(pool.name, 0.0) - 1.0
                 free -= 1
@@ -202,17 +205,24 @@ class PlanDispatch:
             return math.inf
         return row[pool] / max(min(row.values()), 1e-12)
 
-    def _pick(self, pool: str, now: float, tail: bool = False) -> str | None:
-        """The group whose next ready task ``pool`` takes, or None."""
+    def _pick(self, pool: str, now: float, tail: bool = False,
+              probe: bool = True) -> str | None:
+        """The group whose next ready task ``pool`` takes, or None (``probe``: a thread of the
+        worker is idle, so a task of an unmeasured group would start at once)."""
         groups = [g for g, d in self.ready.items() if d]
         if not groups:
             return None
-        # an unmeasured group first, on the pool cheapest for it by the priors: the plan
-        # needs its speed
+        # an unmeasured group first, on an idle thread of the pool cheapest for it by the
+        # priors, the group with fewest tasks out first: the plan needs their speeds soon
         new = [g for g in groups if g not in self.seconds
                and (self.greedy or self.first.get(g) in (None, pool))]
-        if new:
-            return new[0]
+        if new and probe:
+            out = {g: 0 for g in new}
+            for key in self.sent:
+                g = key_split(key)
+                if g in out:
+                    out[g] += 1
+            return min(new, key=lambda g: (out[g], g))
         planned = [g for g in groups if g in self.seconds and pool in self._owners(g)]
         if planned:
             return max(planned, key=lambda g: (self.quota[g].get(pool, 0.0), g))

@@ -57,10 +57,10 @@ class ObjectiveRule(Rule):
     #: of the plan's horizon (it is then billed to the run's end).
     late_start = 0.85
 
-    #: Seconds after a run's latest graph before a worker that has not begun it may begin
-    #: (it is then billed to the run's end): work submitted task by task is planned whole,
-    #: not by its first tasks. Until then the workers that began and the pool cheapest for
-    #: the work take it.
+    #: Under a budget, seconds after a run's latest graph before a worker that has not begun
+    #: it may begin (it is then billed to the run's end): work submitted task by task is
+    #: planned whole, not by its first tasks. Until then the workers that began and the pool
+    #: cheapest for the work take it.
     settle = 0.25
 
     #: Under a budget, the plan's makespan is taken this many times longer when checking
@@ -259,7 +259,8 @@ class ObjectiveRule(Rule):
         d.seconds, d.greedy, d.finish_by, d.egress = seconds, False, finish_by, egress
         d.active = (active if obj.kind != "cost"
                     else self._active(snap, pools, plan, horizon, begun))
-        if snap.time - run.last_graph < self.settle:  # the run's graph is still arriving
+        if obj.kind != "cost" and snap.time - run.last_graph < self.settle:
+            # the run's graph is still arriving: a budget is not spent on its first tasks
             cheapest = self._cheapest(by_name, max(work, key=work.get), workers)
             d.active = begun | {a for a, p in pools.items() if p.name == cheapest}
         self.plans[run.id] = {"objective": obj.as_dict(), "plan": plan.as_dict(),
