@@ -52,8 +52,6 @@ ACTION_STYLES: dict[Action | Recorded, tuple[str, str, str]] = {
     Recorded.MEMORY_MOVE: ("#393b79", "circle_x", "memory-move"),
     Recorded.JOIN: ("#8c564b", "triangle_dot", "join"),
     Recorded.FORGET: ("#c49c94", "inverted_triangle", "forget"),
-    Action.PARK: ("#8c6d31", "square_pin", "park"),
-    Action.UNPARK: ("#e7ba52", "square_pin", "unpark"),
     Recorded.OBJECTIVE: ("#d6616b", "triangle_pin", "objective"),
     Recorded.SCALE: ("#3182bd", "diamond_cross", "scale"),
     Action.RETIRE: ("#636363", "circle_y", "retire"),

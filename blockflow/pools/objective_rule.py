@@ -210,10 +210,11 @@ class ObjectiveRule(Rule):
                 finish = fastest.makespan + max(typical.values())
                 d.quota, d.seconds, d.greedy = fastest.tasks, seconds, True
                 d.active, d.finish_by = set(snap.workers), None
+                when = (f"{left:.1f} s left to the deadline" if left > 0 else
+                        f"the deadline passed {-left:.1f} s ago")
                 return self._missed(run.id, (
                     f"deadline can no longer be met: projected finish in {finish:.1f} s with "
-                    f"every pool, {max(left, 0.0):.1f} s left to the deadline; every free "
-                    f"worker takes work"),
+                    f"every pool, {when}; every free worker takes work"),
                     {"deadline_in": round(left, 3), "projected_finish_in": round(finish, 3)})
             horizon, finish_by = left, run.deadline_at
             extra, out = {}, []

@@ -190,8 +190,9 @@ class Accounting:
         seen[0] += 1
         fetched = self._fetched
         for dep, nbytes, holders in inputs:
-            if worker in holders:
-                continue  # it was there already
+            if worker in holders:  # it was there already
+                seen[1][here.name] += nbytes
+                continue
             srcs = [pools[h] for h in holders if h in pools]
             local = [p for p in srcs if p.provider == here.provider]
             if local or not srcs:  # read within the provider (or its holder left)

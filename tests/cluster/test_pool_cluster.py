@@ -158,4 +158,4 @@ def test_dask_worker_preload_refuses_a_bad_price_in_one_line():
     from blockflow.pools.preload import dask_setup
 
     with pytest.raises(click.BadParameter, match=r"price must be a number >= 0"):
-        asyncio.run(dask_setup.callback(None, "l4", "gcp", "", -1.0, 0.0, None))
+        asyncio.run(dask_setup.callback(None, "l4", "gcp", "", -1.0, 0.0, None, 0.0))
