@@ -4,14 +4,14 @@ Two simulated pools on one scheduler (issue 29): ``fast`` (speed 4, $4 per worke
 most 2 workers) and ``slow`` (speed 1, $0.5 per worker-hour, at most 4), both starting
 empty. ``--tasks`` simulated kernels of ``--work`` reference-seconds run under
 ``blockflow.objective("cost", deadline=D)``; the cluster grows each pool from the backlog,
-the throughput matrix and the prices, and retires idle workers after the work. Reported:
-makespan against D, the cost (each worker billed from its first task's start to its last
-task's end, as :func:`blockflow.pools.plan.run_cost`), two LP bounds over the nominal
-throughput matrix: at D, and at D less the measured worker start-up time (no worker can
-run a task before it has joined: the honest bound for a run from zero workers; the start-up
-time itself is not billed, as the cost bills tasks only), task completions beyond the tasks
-(a result computed twice: 0 expected), busy workers retired, and the scaling decisions.
-The run itself is :func:`pools.run_config` (benchmarks/pools.py). Medians of ``--reps``.
+the throughput matrix and the prices, and retires idle workers after the work (once they
+have been there ``--hold``). Reported: makespan against D, the cost as the run report bills
+it (each worker from its arrival to its retirement, idle included:
+:func:`blockflow.pools.plan.run_cost`), two LP bounds over the nominal throughput matrix:
+at D, and at D less the measured worker start-up time (no worker can run a task before it
+has joined: the honest bound for a run from zero workers), task completions beyond the
+tasks (a result computed twice: 0 expected), busy workers retired, workers retired within
+the hold after they arrived, and the scaling decisions. Medians of ``--reps``.
 
     python benchmarks/pools_adaptive.py --reps 1     # a check (~1-3 min on a loaded host)
 """
@@ -20,21 +20,24 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import statistics
 import sys
 import time
 
-from distributed import Client
+from distributed import Client, wait
 
 import blockflow
+from blockflow.cluster.report import pool_costs
 from blockflow.pools.plan import plan
-from blockflow.testing.simulated import SimulatedGPU
+from blockflow.pools.pool import Pool
+from blockflow.scheduling.runs import run_scope
+from blockflow.testing.simulated import SimulatedGPU, simulated_kernel
 from blockflow.testing.simulated_device import SimulatedDevice
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pools import FAST, SLOW, run_config  # noqa: E402  (benchmarks/pools.py)
-
+FAST = Pool("fast", provider="gcp", price=4.0, speed=4)
+SLOW = Pool("slow", provider="aws", price=0.5, speed=1)
 POOLS = {"fast": FAST, "slow": SLOW}
 BOUNDS = {"fast": (0, 2), "slow": (0, 4)}
 
@@ -48,8 +51,15 @@ def one_rep(args, deadline: float) -> dict:
         client.register_plugin(SimulatedGPU(devices))
         # local in-process workers join in well under a second: a first guess of 1 s (the
         # default 5 s suits batch queues); replaced by the measured time once one joins
-        adaptive = cluster.adapt(pools=BOUNDS, interval="500ms", wait_count=3, startup="1s")
-        r = run_config(client, "adaptive", args, deadline=deadline)
+        adaptive = cluster.adapt(pools=BOUNDS, interval="500ms", wait_count=3, startup="1s",
+                                 hold=args.hold)
+        t0 = time.time()
+        with run_scope(f"adaptive-{t0}"), blockflow.objective("cost", deadline=deadline):
+            fs = client.map(simulated_kernel, range(args.tasks), work=args.work, pure=False)
+            wait(fs)
+        r = {"makespan": time.time() - t0, "submitted": args.tasks}
+        time.sleep(0.5)
+        r["completions"] = sum(blockflow.plugin_status(client)["run_counts"].values())
         until = time.monotonic() + 120
         while sum(cluster.pool_sizes.values()) > 1 and time.monotonic() < until:
             time.sleep(0.5)  # idle workers retired after the work
@@ -61,8 +71,10 @@ def one_rep(args, deadline: float) -> dict:
         last_task = {}
         for w, _, stop in status.get("task_log") or []:
             last_task[w] = max(last_task.get(w, 0.0), stop)
+        r["cost"] = pool_costs(client)["total_cost"]  # the retired workers' lives included
         adaptive.stop()
         r.update(reruns=r["completions"] - r["submitted"], retired=len(retired),
+                 early=sum(1 for d in retired if d.get("seen_age", math.inf) < args.hold),
                  busy_retired=sum(1 for d in retired
                                   if last_task.get(d["worker"], 0.0) > d["time"]),
                  backups=sum(d["action"] == "speculate" for d in status["decisions"]),
@@ -77,6 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", type=int, default=96)
     ap.add_argument("--work", type=float, default=0.5)
     ap.add_argument("--deadline", type=float, default=None)
+    ap.add_argument("--hold", type=float, default=3.0, help="blockflow.scaling.hold, seconds")
     args = ap.parse_args(argv)
     logging.getLogger("distributed").setLevel(logging.ERROR)
     slow_alone = args.tasks * args.work / BOUNDS["slow"][1]
@@ -105,16 +118,17 @@ def main(argv=None) -> int:
           f"${bound_up.cost:.6f}")
     print(f"{'configuration':<16}{'makespan s':>11}{'deadline':>9}{'cost $':>11}"
           f"{'LP@D-up $':>11}{'cost/LP':>9}{'LP@D $':>10}{'cost/LP@D':>10}"
-          f"{'extra runs':>11}{'busy ret.':>10}")
+          f"{'extra runs':>11}{'busy ret.':>10}{'in hold':>8}")
     print(f"{'adaptive-cost':<16}{med('makespan'):>11.2f}{deadline:>9.2f}{med('cost'):>11.6f}"
           f"{bound_up.cost:>11.6f}{med('cost') / bound_up.cost:>9.2f}{bound.cost:>10.6f}"
           f"{med('cost') / bound.cost:>10.2f}{max(r['reruns'] for r in rows):>11d}"
-          f"{max(r['busy_retired'] for r in rows):>10d}")
+          f"{max(r['busy_retired'] for r in rows):>10d}{max(r['early'] for r in rows):>8d}")
     print(f"# targets: deadline met in {sum(r['makespan'] <= deadline for r in rows)} of "
           f"{len(rows)} (median makespan {med('makespan'):.2f} s); cost / LP bound with "
           f"start-up {med('cost') / bound_up.cost:.2f} (target <= 1.15; "
           f"{med('cost') / bound.cost:.2f} against the bound without start-up); busy workers "
-          f"retired: {max(r['busy_retired'] for r in rows)} (target 0); task completions "
+          f"retired: {max(r['busy_retired'] for r in rows)} (target 0); retired within the "
+          f"{args.hold:g} s hold: {max(r['early'] for r in rows)} (target 0); task completions "
           f"beyond the {args.tasks} tasks: {max(r['reruns'] for r in rows)} (results "
           f"computed twice; 0 expected)")
     print(f"# scaling decisions of the last repetition: {rows[-1]['scale']}; retired "

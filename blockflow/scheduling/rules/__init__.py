@@ -12,7 +12,7 @@ commands and records (:mod:`blockflow.scheduling.actions`); a policy composes th
 :class:`BackupRule`          copies of stragglers on idle workers (``speculate``)
 :class:`RoundRobinAssignmentRule`  blocks pinned up front by worker weight (``assign``)
 :class:`AdmissionRule`       producers feeding GPU consumers within a budget (``hold``, ``release``, ``admit``)
-:class:`~blockflow.pools.objective_rule.ObjectiveRule`  pools parked for a cost objective or a budget (``park``, ``unpark``, ``objective``, ``fail``)
+:class:`~blockflow.pools.objective_rule.ObjectiveRule`  a priced run held and planned (``hold``, ``release``, ``objective``, ``fail``)
 =========================  ==========================================================
 """
 
