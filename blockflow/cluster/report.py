@@ -13,7 +13,7 @@ from blockflow.decompose import BlockResize, recorded_resizes
 from blockflow.pools.plan import plan, run_cost
 from blockflow.pools.pool import Pool
 from blockflow.scheduling.actions import Action
-from blockflow.scheduling.view import plugin_status
+from blockflow.scheduling.view import epoch_seconds, plugin_status
 
 __all__ = ["RunReport", "pool_costs", "run_report"]
 
@@ -152,8 +152,8 @@ def _count(n: int, noun: str) -> str:
 
 
 def run_report(client, since: float | None = None) -> RunReport:
-    """Summarise what ran on the cluster since ``since`` (epoch seconds; default the current
-    computation's start).
+    """Summarise what ran on the cluster since ``since`` (epoch seconds or a datetime; default
+    the current computation's start).
 
     Returns
     -------
@@ -164,6 +164,7 @@ def run_report(client, since: float | None = None) -> RunReport:
     RuntimeError
         If the scheduler runs no blockflow plugin.
     """
+    since = epoch_seconds(since)
     first = plugin_status(client)
     changes = recorded_resizes(since, unreported=since is None)
     if since is None:

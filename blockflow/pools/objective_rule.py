@@ -175,7 +175,11 @@ class ObjectiveRule(Rule):
         d.first = {g: self._cheapest(by_name, g, workers) for g in held if g not in seconds}
         work = {g: n for g, n in held.items() if g in seconds}
         running = {a: tasks for a, tasks in snap.running.items() if a in pools}
-        begun = {a for a in snap.workers if a in run.spans or a in d.sent.values()}
+        # workers billed to the run's end already: those that ran or hold its tasks, and
+        # those that arrived during it (billed from their arrival)
+        lifetimes = snap.lifetimes or {}
+        begun = {a for a in snap.workers if a in run.spans or a in d.sent.values()
+                 or (a in lifetimes and lifetimes[a][1] >= run.started)}
         sunk: dict[str, int] = {}  # pool -> workers billed to the run's end already
         for a in begun:
             if a in pools and snap.workers[a].status == "running":

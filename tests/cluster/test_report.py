@@ -50,6 +50,12 @@ def test_run_report_summarises_one_computation(bf_client):
     assert repr(report).startswith("<blockflow.RunReport: makespan")
     fig = report.plot()
     assert len(fig.renderers) == len(report.tasks_per_worker)
+    # one time type: since= as a datetime is the same window
+    from datetime import datetime, timezone
+
+    again = blockflow.run_report(bf_client, since=datetime.fromtimestamp(t0, timezone.utc))
+    assert again.since == pytest.approx(t0)
+    assert again.tasks_per_worker == report.tasks_per_worker
     from bokeh.embed import json_item
 
     assert json_item(fig)["doc"]  # serialisable: renders in a notebook
