@@ -200,6 +200,8 @@ def _objective(kind: str | None, deadline: str | None, budget: str | None):
     """
     if kind is None and deadline is None and budget is None:
         return None
+    from blockflow.pools.objective import objective, positive_seconds
+
     if kind is None and deadline is not None and budget is not None:
         raise _OptionError("--deadline and --budget ask for two objectives (the cheapest run "
                            "by a deadline, the fastest within a budget); give one of them.")
@@ -217,11 +219,8 @@ def _objective(kind: str | None, deadline: str | None, budget: str | None):
                            "--budget.")
     seconds = dollars = None
     if deadline is not None:
-        try:
-            seconds = parse_timedelta(deadline)
-        except (TypeError, ValueError, KeyError):  # KeyError: an unknown unit ("soon")
-            seconds = None
-        if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        seconds = positive_seconds(deadline)
+        if seconds is None:
             raise _OptionError(f"--deadline {deadline!r} is not a duration above 0; give "
                                f"seconds or a time with a unit, e.g. 10m or 90s.")
     if budget is not None:
@@ -232,6 +231,4 @@ def _objective(kind: str | None, deadline: str | None, budget: str | None):
         if dollars is None or not math.isfinite(dollars) or dollars <= 0:
             raise _OptionError(f"--budget {budget!r} is not a number of dollars above 0; "
                                f"give e.g. --budget 2.5.")
-    from blockflow.pools.objective import objective
-
     return objective(kind, deadline=seconds, budget=dollars)

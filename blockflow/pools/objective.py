@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import dask
 from dask.utils import parse_timedelta
 
-__all__ = ["OBJECTIVE_ANNOTATION", "OBJECTIVES", "Objective", "objective"]
+__all__ = ["OBJECTIVE_ANNOTATION", "OBJECTIVES", "Objective", "objective", "positive_seconds"]
 
 #: The task annotation carrying a run's objective (``Objective.as_dict``).
 OBJECTIVE_ANNOTATION = "blockflow_objective"
@@ -73,6 +73,18 @@ class Objective:
         return self.__dict__["_stack"].pop().__exit__(*exc)
 
 
+def positive_seconds(value: Any) -> float | None:
+    """Seconds in ``value`` (a number or a duration such as ``"10m"``, parsed by
+    :func:`dask.utils.parse_timedelta`) when finite and above 0, else None."""
+    try:
+        seconds = parse_timedelta(value)
+    except (TypeError, ValueError, KeyError):  # KeyError: an unknown unit ("soon")
+        return None
+    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        return None
+    return float(seconds)
+
+
 def objective(kind: str = "makespan", *, deadline: str | float | None = None,
               budget: float | None = None) -> Objective:
     """What the computations submitted inside the ``with`` block optimise.
@@ -114,14 +126,11 @@ def objective(kind: str = "makespan", *, deadline: str | float | None = None,
             raise ValueError("blockflow.objective: a deadline goes with the 'cost' objective "
                              "(the cheapest run that meets it); for the fastest run leave it "
                              "out, or give 'makespan' a budget=.")
-        try:
-            seconds = parse_timedelta(deadline)
-        except (TypeError, ValueError, KeyError):  # KeyError: an unknown unit ("soon")
-            seconds = None
-        if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        seconds = positive_seconds(deadline)
+        if seconds is None:
             raise ValueError(f"blockflow.objective: deadline must be a positive duration "
                              f"('10m', 90), got {deadline!r}.")
-        deadline = float(seconds)
+        deadline = seconds
     if budget is not None:
         if kind != "makespan":
             raise ValueError("blockflow.objective: a budget goes with the 'makespan' "
