@@ -53,6 +53,10 @@ class ObjectiveRule(Rule):
     #: starts must end in time; re-planning every tick catches the rest).
     tail = 0.5
 
+    #: Share of a run's deadline the plan keeps free at its end (task times are estimates,
+    #: the scheduler's round trips are not in them; a blockflow heuristic).
+    margin = 0.03
+
     #: A worker that has not begun the run begins once its share of the plan needs this much
     #: of the plan's horizon (it is then billed to the run's end).
     late_start = 0.85
@@ -200,7 +204,9 @@ class ObjectiveRule(Rule):
         typical = {name: median(row[name] for row in seconds.values() if name in row)
                    for name in workers}
         if obj.kind == "cost":
-            left = (run.deadline_at - snap.time) if run.deadline_at is not None else 1e12
+            until = (run.deadline_at - snap.time) if run.deadline_at is not None else 1e12
+            # :attr:`margin` of the run's deadline kept free: the plan's ends are estimates
+            left = until - self.margin * (run.objective.deadline or 0.0)
             # worker-equivalents each pool has until the deadline: less what its running
             # tasks still take and :attr:`tail` of a task per thread
             usable = {name: max(n * threads[name] * left - remaining.get(name, 0.0)
@@ -214,12 +220,12 @@ class ObjectiveRule(Rule):
                 finish = fastest.makespan + max(typical.values())
                 d.quota, d.seconds, d.greedy = fastest.tasks, seconds, True
                 d.active, d.finish_by = set(snap.workers), None
-                when = (f"{left:.1f} s left to the deadline" if left > 0 else
-                        f"the deadline passed {-left:.1f} s ago")
+                when = (f"{until:.1f} s left to the deadline" if until > 0 else
+                        f"the deadline passed {-until:.1f} s ago")
                 return self._missed(run.id, (
                     f"deadline can no longer be met: projected finish in {finish:.1f} s with "
                     f"every pool, {when}; every free worker takes work"),
-                    {"deadline_in": round(left, 3), "projected_finish_in": round(finish, 3)})
+                    {"deadline_in": round(until, 3), "projected_finish_in": round(finish, 3)})
             horizon, finish_by = left, run.deadline_at
             extra, out = {}, []
         else:
