@@ -70,7 +70,7 @@ class ObjectiveRule(Rule):
     #: Under a budget, the plan's makespan is taken this many times longer when checking
     #: that the workers it begins fit the money left (a margin on :meth:`_paced`; a
     #: blockflow heuristic).
-    overrun = 1.05
+    overrun = 1.1
 
     def __init__(self):
         self.plans: dict[str, dict[str, Any]] = {}
