@@ -53,6 +53,11 @@ class ObjectiveRule(Rule):
     #: starts must end in time; re-planning every tick catches the rest).
     tail = 0.5
 
+    #: Under a deadline, the share of the time left the fastest plan must leave free for
+    #: workers to begin late (:attr:`late_start`); with less, every worker the plan uses
+    #: begins now.
+    slack = 0.25
+
     #: Share of a run's deadline the plan keeps free at its end (task times are estimates,
     #: the scheduler's round trips are not in them; a blockflow heuristic).
     margin = 0.03
@@ -228,6 +233,10 @@ class ObjectiveRule(Rule):
                     {"deadline_in": round(until, 3), "projected_finish_in": round(finish, 3)})
             horizon, finish_by = left, run.deadline_at
             extra, out = {}, []
+            # a tight deadline (the fastest plan needs most of the time left) starts every
+            # worker the plan uses now: a late start saves less than a slip costs
+            fastest = cost.plan(work, seconds, by_name, usable, threads=threads)
+            tight = fastest.feasible and fastest.makespan > (1 - self.slack) * left
         else:
             spent = self.spent(run, snap)
             committed = sum(by_name[n].price_per_second * r / threads.get(n, 1)
@@ -269,7 +278,7 @@ class ObjectiveRule(Rule):
         d.quota = {g: dict(row) for g, row in plan.tasks.items() if d.ready.get(g)}
         d.seconds, d.greedy, d.finish_by, d.egress = seconds, False, finish_by, egress
         d.active = (active if obj.kind != "cost"
-                    else self._active(snap, pools, plan, horizon, begun))
+                    else self._active(snap, pools, plan, horizon, begun, late=not tight))
         if obj.kind != "cost" and snap.time - run.last_graph < self.settle:
             # the run's graph is still arriving: a budget is not spent on its first tasks
             cheapest = self._cheapest(by_name, max(work, key=work.get), workers)
@@ -321,10 +330,11 @@ class ObjectiveRule(Rule):
             caps[name] = max(using.get(name, 0) - 1, sunk.get(name, 0))
         return None, set()
 
-    def _active(self, snap, pools, plan, horizon: float, begun: set) -> set[str]:
+    def _active(self, snap, pools, plan, horizon: float, begun: set,
+                late: bool = True) -> set[str]:
         """The workers that take the run's tasks: those that began it, and of each pool as
-        many more as its planned busy time needs, the last one only once its share needs
-        :attr:`late_start` of ``horizon``."""
+        many more as its planned busy time needs, the last one (all, with ``late``) only once
+        its share needs :attr:`late_start` of ``horizon``."""
         active = set(begun)
         if horizon <= 0:
             return active | set(snap.workers)
@@ -336,7 +346,9 @@ class ObjectiveRule(Rule):
             if extra <= 0:
                 continue
             whole = math.floor(extra / horizon + 1e-9)
-            more = whole + (1 if extra - whole * horizon >= self.late_start * horizon else 0)
+            rest = extra - whole * horizon
+            more = whole + (1 if rest >= (self.late_start if late else 0.0) * horizon
+                            and rest > 1e-9 else 0)
             active |= set([a for a in members if a not in begun][:more])
         return active
 
