@@ -241,8 +241,8 @@ class ObjectiveRule(Rule):
             spent = self.spent(run, snap)
             committed = sum(by_name[n].price_per_second * r / threads.get(n, 1)
                             for n, r in remaining.items())
-            # half a task of the dearest pool kept back: the plan is fractional
-            reserve = 0.5 * max((by_name[n].price_per_second * t / threads.get(n, 1)
+            # a task of the dearest pool kept back: the plan is fractional, tasks are not
+            reserve = max((by_name[n].price_per_second * t / threads.get(n, 1)
                                  for row in seconds.values() for n, t in row.items()
                                  if n in workers), default=0.0)
             left = obj.budget - spent - committed - reserve
