@@ -48,6 +48,18 @@ def _ran_on(client, futures):
     return [where[client.who_has([f])[f.key][0]] for f in futures]
 
 
+@pytest.fixture
+def fast_slow():
+    """One fast worker (speed 4, $4/h) and two slow (speed 1, $0.5/h), as threads, with
+    blockflow's plugin; the ``train`` group measured."""
+    fast = Pool("fast", price=4.0, speed=4)
+    slow = Pool("slow", price=0.5, speed=1)
+    with simulated_cluster(pools={fast: 1, slow: 2}, processes=False) as client:
+        client.register_plugin(Rebalancer(policy="dynamic", interval="50ms"))
+        _warm(client, train)
+        yield client
+
+
 def _warm(client, *fns):
     n = 2 * len(client.scheduler_info()["workers"])
     for fn in fns:
@@ -83,47 +95,43 @@ def test_each_group_runs_on_the_pool_the_plan_gives_it():
         assert on_train.count("gpu") > 2 * on_etl.count("gpu"), (on_etl, on_train)
 
 
-def test_a_budget_buys_speed_when_tasks_have_inputs_and_stays_within_it():
+def test_a_budget_buys_speed_when_tasks_have_inputs_and_stays_within_it(fast_slow):
     # every task reads an input made on the slow pool; the budget is twice the slow pool's
-    # run, enough for part of the work on the fast pool (before: nothing went to the fast pool, the queued tasks were
-    # taken as fixed where Dask had put them, next to their inputs)
-    fast = Pool("fast", price=4.0, speed=4)
-    slow = Pool("slow", price=0.5, speed=1)
-    with simulated_cluster(pools={fast: 1, slow: 2}, processes=False) as client:
-        client.register_plugin(Rebalancer(policy="dynamic", interval="50ms"))
-        _warm(client, train)
-        xs = client.map(_made, range(24), pure=False, resources={"pool:slow": 1})
-        client.gather(xs)
-        slow_only = 24 * 0.4 / 2 * 2 * 0.5 / 3600  # 4.8 s on both slow workers
-        budget = 2 * slow_only
-        queued = []
-        stop = threading.Event()
+    # run, enough for part of the work on the fast pool (before: nothing went to the fast
+    # pool, the queued tasks were taken as fixed where Dask had put them, by their inputs)
+    client = fast_slow
+    xs = client.map(_made, range(24), pure=False, resources={"pool:slow": 1})
+    client.gather(xs)
+    slow_only = 24 * 0.4 / 2 * 2 * 0.5 / 3600  # 4.8 s on both slow workers
+    budget = 2 * slow_only
+    queued = []
+    stop = threading.Event()
 
-        def most_queued():
-            while not stop.is_set():
-                queued.append(max(client.run_on_scheduler(
-                    lambda dask_scheduler: [len(ws.processing) for ws in
-                                            dask_scheduler.workers.values()])))
-                time.sleep(0.1)
+    def most_queued():
+        while not stop.is_set():
+            queued.append(max(client.run_on_scheduler(
+                lambda dask_scheduler: [len(ws.processing) for ws in
+                                        dask_scheduler.workers.values()])))
+            time.sleep(0.1)
 
-        watcher = threading.Thread(target=most_queued, daemon=True)
-        with run_scope("budget with inputs") as run_id:
-            with blockflow.objective("makespan", budget=budget):
-                fs = client.map(train, xs, pure=False)
-                watcher.start()
-                client.gather(fs)
-        stop.set()
-        watcher.join()
-        on = _ran_on(client, fs)
-        assert on.count("fast") >= 3, on
-        # queued is not spent: no worker held more of the run's tasks than distributed's
-        # queuing allows a 1-thread worker (before: all 24 sat on the workers holding inputs)
-        assert max(queued) <= 2, queued
-        time.sleep(0.3)
-        report = blockflow.run_report(client)
-        one_task = 0.4 / 4 * 4.0 / 3600
-        assert report.pools["total_cost"] <= budget + one_task, (report.pools, budget)
-        assert plugin_status(client, run=run_id)["requested_run"]["pending"] == 0
+    watcher = threading.Thread(target=most_queued, daemon=True)
+    with run_scope("budget with inputs") as run_id:
+        with blockflow.objective("makespan", budget=budget):
+            fs = client.map(train, xs, pure=False)
+            watcher.start()
+            client.gather(fs)
+    stop.set()
+    watcher.join()
+    on = _ran_on(client, fs)
+    assert on.count("fast") >= 3, on
+    # queued is not spent: no worker held more of the run's tasks than distributed's
+    # queuing allows a 1-thread worker (before: all 24 sat on the workers holding inputs)
+    assert max(queued) <= 2, queued
+    time.sleep(0.3)
+    report = blockflow.run_report(client)
+    one_task = 0.4 / 4 * 4.0 / 3600
+    assert report.pools["total_cost"] <= budget + one_task, (report.pools, budget)
+    assert plugin_status(client, run=run_id)["requested_run"]["pending"] == 0
 
 
 def test_egress_is_counted_when_data_moves_whatever_the_memory_manager_drops():
@@ -153,38 +161,30 @@ def test_egress_is_counted_when_data_moves_whatever_the_memory_manager_drops():
         assert egress["cost"] == pytest.approx(12 * 0.01 * 0.09)
 
 
-def test_a_lost_workers_planned_tasks_run_elsewhere():
-    fast = Pool("fast", price=4.0, speed=4)
-    slow = Pool("slow", price=0.5, speed=1)
-    with simulated_cluster(pools={fast: 1, slow: 2}, processes=False) as client:
-        client.register_plugin(Rebalancer(policy="dynamic", interval="50ms"))
-        _warm(client, train)
-        with blockflow.objective("cost", deadline=2.0):
-            fs = client.map(train, range(16), pure=False)
-        # once the fast worker holds planned tasks, it is lost
-        fast_addr = [a for a, p in _pools_of(client).items() if p == "fast"][0]
-        wait_until(lambda: client.run_on_scheduler(
-            lambda dask_scheduler: len(dask_scheduler.workers[fast_addr].processing)) > 0,
-            message="tasks dispatched to the fast worker")
+def test_a_lost_workers_planned_tasks_run_elsewhere(fast_slow):
+    client = fast_slow
+    with blockflow.objective("cost", deadline=2.0):
+        fs = client.map(train, range(16), pure=False)
+    # once the fast worker holds planned tasks, it is lost
+    fast_addr = [a for a, p in _pools_of(client).items() if p == "fast"][0]
+    wait_until(lambda: client.run_on_scheduler(
+        lambda dask_scheduler: len(dask_scheduler.workers[fast_addr].processing)) > 0,
+        message="tasks dispatched to the fast worker")
 
-        async def lose(dask_scheduler):
-            await dask_scheduler.remove_worker(fast_addr, stimulus_id="test-lost")
+    async def lose(dask_scheduler):
+        await dask_scheduler.remove_worker(fast_addr, stimulus_id="test-lost")
 
-        client.run_on_scheduler(lose)
-        out = client.gather(fs)  # nothing waits for the worker that is gone
-        assert len(out) == 16
-        assert set(_ran_on(client, fs)) == {"slow"}
+    client.run_on_scheduler(lose)
+    out = client.gather(fs)  # nothing waits for the worker that is gone
+    assert len(out) == 16
+    assert set(_ran_on(client, fs)) == {"slow"}
 
 
-def test_held_tasks_go_back_to_dask_when_the_plugin_goes():
-    fast = Pool("fast", price=4.0, speed=4)
-    slow = Pool("slow", price=0.5, speed=1)
-    with simulated_cluster(pools={fast: 1, slow: 2}, processes=False) as client:
-        client.register_plugin(Rebalancer(policy="dynamic", interval="50ms"))
-        _warm(client, train)
-        with blockflow.objective("makespan", budget=0.01):
-            fs = client.map(train, range(40), pure=False)
-        wait_until(lambda: (plugin_status(client)["objective"] or {}).get("dispatch"),
-                   message="the run is held for its plan")
-        client.unregister_scheduler_plugin("blockflow-rebalancer")
-        assert len(client.gather(fs, errors="raise")) == 40
+def test_held_tasks_go_back_to_dask_when_the_plugin_goes(fast_slow):
+    client = fast_slow
+    with blockflow.objective("makespan", budget=0.01):
+        fs = client.map(train, range(40), pure=False)
+    wait_until(lambda: (plugin_status(client)["objective"] or {}).get("dispatch"),
+               message="the run is held for its plan")
+    client.unregister_scheduler_plugin("blockflow-rebalancer")
+    assert len(client.gather(fs, errors="raise")) == 40
