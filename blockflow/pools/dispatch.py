@@ -17,6 +17,7 @@ from typing import Any
 from dask.utils import key_split
 
 from blockflow.pools.pool import Pool
+from blockflow.scheduling.estimate import earliest_finish
 
 __all__ = ["PlanDispatch"]
 
@@ -171,15 +172,17 @@ class PlanDispatch:
 
     def _finishes_sooner_elsewhere(self, group, addr, users, pools, free_at) -> bool:
         """At the run's tail (no more ready tasks than threads to run them): whether another
-        worker that takes work would end ``group``'s next task before ``addr`` would, starting
-        when it is free (earliest finish time, as list schedulers end a run)."""
+        worker that may take ``group``'s next task ends it before ``addr`` would, each
+        starting when it is free (:func:`~blockflow.scheduling.estimate.earliest_finish`;
+        ties stay with ``addr``)."""
         row = self.seconds.get(group)
         if not row:
             return False
-        own = free_at.get(addr, 0.0) + row.get(pools[addr].name, math.inf)
-        return any(free_at[v] + row.get(pools[v].name, math.inf) < own - 1e-3
-                   for v in users if v != addr and v in free_at
-                   and self._may_take(group, pools[v].name))
+        ready = {addr: free_at.get(addr, 0.0)}
+        ready.update({v: free_at[v] for v in users if v != addr and v in free_at
+                      and self._may_take(group, pools[v].name)})
+        best = earliest_finish(1, ready, lambda i, w: row.get(pools[w].name, math.inf))
+        return bool(best) and best[0].worker != addr
 
     def _may_take(self, group: str, pool: str) -> bool:
         """Whether ``pool`` may take ``group``'s task at the run's tail: the plan gives it

@@ -5,7 +5,6 @@ errors for what cannot be met."""
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 from loadaware import wait_until
@@ -301,5 +300,4 @@ def test_egress_is_priced_from_this_runs_inputs_not_the_groups_past():
                        message="the second run's graph seen")
             assert _group_inputs(client, "simulated_kernel")[1] == {}
             client.gather(fs)
-        time.sleep(0.3)
         assert _group_inputs(client, "simulated_kernel")[1] == {}
