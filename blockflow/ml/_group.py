@@ -1,0 +1,277 @@
+"""torch.distributed process groups on Dask workers: blockflow places, torch communicates.
+
+:func:`run_group` runs ``fn`` as one Dask task per rank, one rank per chosen worker (a
+worker process holds at most one group at a time: torch's default group is per process).
+The ranks meet through the scheduler: rank 0 opens a ``torch.distributed.TCPStore`` on its
+worker's address at a free port and publishes ``host:port`` in a
+:class:`distributed.Variable`; every rank then joins ``init_process_group`` on that store,
+with ``nccl`` when every rank sees a CUDA device and ``gloo`` otherwise. Collectives time
+out after ``blockflow.ml.collective-timeout``, so a lost peer is an error, never a hang; the
+client watches the ranks' workers and ends the group as soon as one leaves. This is how
+dask-pytorch-ddp and Ray Train run torch on their clusters. Guide: docs/guide/ai.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+from urllib.parse import urlparse
+
+from dask.utils import parse_timedelta
+from distributed import Variable, get_client, get_worker
+
+from blockflow import config
+from blockflow.errors import WorkerLostError
+from blockflow.scheduling.view import workers_info
+from blockflow.scheduling.wait import wait_any
+
+__all__ = ["GroupLost", "Rank", "RankFailed", "run_group", "worker_processes"]
+
+_ONE_GROUP = threading.Lock()  # torch's default group is one per process
+
+
+@dataclass
+class Rank:
+    """What a rank's function is given: its place in the group.
+
+    Attributes
+    ----------
+    rank, world_size : int
+    worker : str
+        This rank's Dask worker address.
+    workers : list of str
+        Every rank's worker, in rank order.
+    backend : {"nccl", "gloo"}
+    device : torch.device
+        ``cuda`` (the worker's device) with nccl, else ``cpu``.
+    """
+
+    rank: int
+    world_size: int
+    worker: str
+    workers: list
+    backend: str
+    device: Any
+
+
+class GroupLost(WorkerLostError):
+    """Workers holding ranks left the cluster while the group ran (``lost`` names them)."""
+
+
+class RankFailed(RuntimeError):
+    """A rank ended because a peer did (a collective failed or timed out): not the cause."""
+
+
+def _seconds(name: str, value) -> float:
+    return float(parse_timedelta(config.get(f"ml.{name}") if value is None else value))
+
+
+def _interface_of(ip: str) -> str | None:
+    """The network interface holding ``ip`` on this host, or None."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            return name
+    return None
+
+
+def _join(store, rank: int, workers: Sequence[str], timeout: float, what: str) -> None:
+    """Every rank writes ``joined/<rank>``; waits for all, naming the workers that did not."""
+    store.set(f"joined/{rank}", "1")
+    end = time.monotonic() + timeout
+    missing = list(range(len(workers)))
+    while missing:
+        missing = [r for r in missing if not store.check([f"joined/{r}"])]
+        if not missing:
+            return
+        if time.monotonic() > end:
+            names = ", ".join(f"{workers[r]} (rank {r})" for r in missing)
+            raise RuntimeError(
+                f"blockflow: {what}: {names} did not join within {timeout:g} s; their "
+                f"threads may be busy with other tasks. Raise blockflow.ml.rendezvous-"
+                f"timeout or free those workers.")
+        time.sleep(0.01)
+
+
+def _rank_main(fn: Callable, rank: int, workers: list, token: str, what: str,
+               timeouts: tuple[float, float], threads: int | None, args: tuple) -> Any:
+    """On a worker: join the group as ``rank``, run ``fn(Rank, *args)``, leave the group."""
+    import torch
+    import torch.distributed as dist
+
+    rendezvous, collective = timeouts
+    worker = get_worker()
+    if not _ONE_GROUP.acquire(timeout=rendezvous):
+        raise RuntimeError(f"blockflow: {what}: worker {worker.address} still runs the "
+                           f"ranks of another torch.distributed group; run one at a time.")
+    threads_before = torch.get_num_threads()
+    store, formed = None, False
+    var = Variable(f"blockflow-rendezvous-{token}", client=get_client())
+    try:
+        host = urlparse(worker.address).hostname or "127.0.0.1"
+        ifname = _interface_of(host)
+        if ifname is not None:  # gloo and nccl bind to the worker's own interface
+            os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = ifname
+        wait = datetime.timedelta(seconds=rendezvous)
+        if rank == 0:
+            store = dist.TCPStore(host, 0, len(workers), True, timeout=wait,
+                                  wait_for_workers=False)
+            var.set(f"{host}:{store.port}")
+        else:
+            try:
+                where = var.get(timeout=rendezvous)
+            except TimeoutError:
+                raise RuntimeError(
+                    f"blockflow: {what}: rank 0 on {workers[0]} did not open the group "
+                    f"within {rendezvous:g} s; its threads may be busy with other tasks."
+                ) from None
+            h, _, p = str(where).rpartition(":")
+            store = dist.TCPStore(h, int(p), len(workers), False, timeout=wait)
+        store.set(f"cuda/{rank}", "1" if torch.cuda.is_available() else "0")
+        _join(store, rank, workers, rendezvous, what)
+        cuda = all(store.get(f"cuda/{r}") == b"1" for r in range(len(workers)))
+        backend = "nccl" if cuda else "gloo"
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else \
+            torch.device("cpu")
+        dist.init_process_group(backend, store=store, rank=rank, world_size=len(workers),
+                                timeout=datetime.timedelta(seconds=collective))
+        formed = True
+        if threads:
+            torch.set_num_threads(threads)
+        ctx = Rank(rank, len(workers), worker.address, list(workers), backend, device)
+        try:
+            return fn(ctx, *args)
+        except (dist.DistError, RuntimeError) as e:
+            if _is_peer_failure(e):
+                raise RankFailed(f"rank {rank} on {worker.address}: {str(e).splitlines()[0]}"
+                                 ) from None
+            raise
+    finally:
+        torch.set_num_threads(threads_before)
+        if formed:
+            dist.destroy_process_group()
+        if rank == 0:
+            try:
+                var.delete()
+            except Exception:  # the scheduler may be gone: nothing left to tidy
+                pass
+        _ONE_GROUP.release()
+
+
+def _is_peer_failure(e: BaseException) -> bool:
+    """Whether a torch error says a peer went away or a collective timed out."""
+    import torch.distributed as dist
+
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e).lower()
+    return any(s in text for s in ("connection closed", "connection reset", "timed out",
+                                   "broken pipe", "gloo", "nccl", "connection refused"))
+
+
+def worker_processes(client, workers: Sequence[str] | None = None,
+                     info: dict | None = None) -> list[str]:
+    """``workers`` (default all), keeping the first of any that share one process (by pid
+    and host): a process holds one torch.distributed rank."""
+    info = workers_info(client) if info is None else info
+    seen, out = set(), []
+    for a in sorted(info) if workers is None else workers:
+        if a not in info:
+            raise ValueError(f"blockflow: worker {a} is not in the cluster; choose among "
+                             f"{sorted(info)}.")
+        one = (urlparse(a).hostname, info[a].get("pid")) if info[a].get("pid") else a
+        if one not in seen:
+            seen.add(one)
+            out.append(a)
+    return out
+
+
+def run_group(client, workers: Sequence[str], fn: Callable, args: Sequence[tuple] = (), *,
+              name: str = "rank", what: str = "the group", threads: bool = True,
+              rendezvous_timeout=None, collective_timeout=None, gather: bool = True,
+              poll: float = 0.25) -> list:
+    """Run ``fn(Rank, *args[r])`` on each of ``workers`` as rank ``r`` of one torch group.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    workers : sequence of str
+        One worker per rank, in rank order (see :func:`worker_processes`).
+    fn : callable
+        ``fn(rank: Rank, *args)``, run on the worker in a task, inside the group.
+    args : sequence of tuple, optional
+        Per rank, the extra arguments (futures among them are resolved on the worker).
+    name : str, default "rank"
+        Task key prefix, as the dashboard shows it.
+    what : str
+        Named in errors ("training", "pipeline stage 2").
+    threads : bool, default True
+        Let torch use as many threads as the worker has.
+    rendezvous_timeout, collective_timeout : str or float, optional
+        Defaults ``blockflow.ml.rendezvous-timeout`` and ``blockflow.ml.collective-timeout``.
+    gather : bool, default True
+        Return the results; False returns the finished futures, leaving each result in its
+        worker's memory (a checkpoint kept by peers: ``client.replicate`` it).
+
+    Returns
+    -------
+    list
+        Each rank's result (or finished future), in rank order.
+
+    Raises
+    ------
+    GroupLost
+        A rank's worker left the cluster (``lost``: their addresses); the other ranks are
+        cancelled.
+    Exception
+        The first rank's own error (a user's function failing, bad data), not the
+        :class:`RankFailed` of the peers it took down.
+    """
+    workers = list(workers)
+    if not workers:
+        raise ValueError(f"blockflow: {what} needs at least one worker.")
+    timeouts = (_seconds("rendezvous-timeout", rendezvous_timeout),
+                _seconds("collective-timeout", collective_timeout))
+    token = uuid.uuid4().hex
+    args = list(args) or [()] * len(workers)
+    info = workers_info(client)
+    futures = [client.submit(_rank_main, fn, r, workers, token, what, timeouts,
+                             int(info.get(w, {}).get("nthreads") or 1) if threads else None,
+                             tuple(args[r]), key=f"{name}-{token}-{r}", workers=[w],
+                             allow_other_workers=False, pure=False)
+               for r, w in enumerate(workers)]
+    try:
+        _wait_ranks(client, futures, workers, what, poll, grace=min(timeouts[1], 10.0))
+    except BaseException:
+        client.cancel(futures)
+        raise
+    return [f.result() for f in futures] if gather else futures
+
+
+def _wait_ranks(client, futures: list, workers: list, what: str, poll: float,
+                grace: float) -> None:
+    """Until every rank is done; the cause when one fails; :class:`GroupLost` when workers
+    go."""
+    pending = set(futures)
+    failed_at = None
+    while pending:
+        for f in wait_any(pending, timeout=poll):
+            pending.discard(f)
+            if f.status == "error" and failed_at is None:
+                failed_at = time.monotonic()
+        gone = set(workers) - set(workers_info(client))
+        if gone:
+            ranks = ", ".join(f"{w} (rank {workers.index(w)})" for w in workers if w in gone)
+            raise GroupLost(f"blockflow: {what}: lost {ranks}.", lost=gone)
+        if failed_at is not None and (not pending or time.monotonic() - failed_at > grace):
+            break
+    errors = [(f, f.exception()) for f in futures if f.status == "error"]
+    if errors:
+        own = [e for _, e in errors if not isinstance(e, RankFailed)]
+        raise (own or [errors[0][1]])[0].with_traceback(None)
