@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 from dask.utils import parse_timedelta
 from distributed import Variable, get_client, get_worker
 
-from blockflow import config
+from blockflow import _distributed, config
 from blockflow.errors import WorkerLostError
 from blockflow.scheduling.view import workers_info
 from blockflow.scheduling.wait import wait_any
@@ -33,6 +33,7 @@ from blockflow.scheduling.wait import wait_any
 __all__ = ["GroupLost", "Rank", "RankFailed", "run_group", "worker_processes"]
 
 _ONE_GROUP = threading.Lock()  # torch's default group is one per process
+_held_by: list = [None]  # the token of the group this process holds a rank of
 
 
 @dataclass
@@ -107,9 +108,15 @@ def _rank_main(fn: Callable, rank: int, workers: list, token: str, what: str,
 
     rendezvous, collective = timeouts
     worker = get_worker()
+    if _held_by[0] == token:
+        raise RuntimeError(
+            f"blockflow: {what}: workers {workers[_held_by[1]]} and {worker.address} run in "
+            f"one process, and torch.distributed needs a process per rank: start workers as "
+            f"processes (LocalCluster(processes=True), or one `dask worker` per process).")
     if not _ONE_GROUP.acquire(timeout=rendezvous):
         raise RuntimeError(f"blockflow: {what}: worker {worker.address} still runs the "
                            f"ranks of another torch.distributed group; run one at a time.")
+    _held_by[:] = [token, rank]
     threads_before = torch.get_num_threads()
     store, formed = None, False
     var = Variable(f"blockflow-rendezvous-{token}", client=get_client())
@@ -145,6 +152,7 @@ def _rank_main(fn: Callable, rank: int, workers: list, token: str, what: str,
         if threads:
             torch.set_num_threads(threads)
         ctx = Rank(rank, len(workers), worker.address, list(workers), backend, device)
+        _distributed.quiet_task_failures(RankFailed)  # a peer's end is logged by that peer
         try:
             return fn(ctx, *args)
         except (dist.DistError, RuntimeError) as e:
@@ -161,6 +169,7 @@ def _rank_main(fn: Callable, rank: int, workers: list, token: str, what: str,
                 var.delete()
             except Exception:  # the scheduler may be gone: nothing left to tidy
                 pass
+        _held_by[:] = [None]
         _ONE_GROUP.release()
 
 
@@ -177,15 +186,19 @@ def _is_peer_failure(e: BaseException) -> bool:
 
 def worker_processes(client, workers: Sequence[str] | None = None,
                      info: dict | None = None) -> list[str]:
-    """``workers`` (default all), keeping the first of any that share one process (by pid
-    and host): a process holds one torch.distributed rank."""
+    """``workers`` (default all), keeping the first of any that share one process (one
+    nanny, or one ``inproc://host/pid/`` process): a process holds one torch.distributed
+    rank. Workers without a nanny over TCP cannot be told apart here; a group that puts two
+    ranks in one process ends at once with an error naming both."""
     info = workers_info(client) if info is None else info
     seen, out = set(), []
     for a in sorted(info) if workers is None else workers:
         if a not in info:
             raise ValueError(f"blockflow: worker {a} is not in the cluster; choose among "
                              f"{sorted(info)}.")
-        one = (urlparse(a).hostname, info[a].get("pid")) if info[a].get("pid") else a
+        u = urlparse(a)
+        one = (u.hostname, u.path.split("/")[1]) if u.scheme == "inproc" else \
+            (info[a].get("nanny") or a)
         if one not in seen:
             seen.add(one)
             out.append(a)
@@ -263,15 +276,17 @@ def _wait_ranks(client, futures: list, workers: list, what: str, poll: float,
     while pending:
         for f in wait_any(pending, timeout=poll):
             pending.discard(f)
-            if f.status == "error" and failed_at is None:
-                failed_at = time.monotonic()
+            if f.status == "error":
+                e = f.exception()
+                if not isinstance(e, RankFailed):  # the cause: at once
+                    raise e.with_traceback(None)
+                failed_at = failed_at or time.monotonic()
         gone = set(workers) - set(workers_info(client))
         if gone:
             ranks = ", ".join(f"{w} (rank {workers.index(w)})" for w in workers if w in gone)
             raise GroupLost(f"blockflow: {what}: lost {ranks}.", lost=gone)
         if failed_at is not None and (not pending or time.monotonic() - failed_at > grace):
             break
-    errors = [(f, f.exception()) for f in futures if f.status == "error"]
-    if errors:
-        own = [e for _, e in errors if not isinstance(e, RankFailed)]
-        raise (own or [errors[0][1]])[0].with_traceback(None)
+    errors = [f.exception() for f in futures if f.status == "error"]
+    if errors:  # every rank that ended said a peer did: the first
+        raise errors[0].with_traceback(None)
