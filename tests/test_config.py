@@ -98,6 +98,7 @@ def test_blockflow_rules_of_the_schema_name_its_own_keys():
     durations = {f"{s}.{k}" for s, sec in sections.items()
                  for k, spec in sec["properties"].items() if "x-duration" in spec}
     assert durations == {"cluster.connect-timeout", "cluster.worker-loss-timeout",
+                         "cluster.worker-call-timeout",
                          "cluster.worker-start-timeout",
                          "rebalancer.interval", "rebalancer.move-min-gain",
                          "ml.peer-timeout", "ml.rendezvous-timeout", "ml.collective-timeout",

@@ -34,7 +34,7 @@ from blockflow.scheduling.view import (  # noqa: F401  (re-exported: the public 
     task_counts,
     workers_info,
 )
-from blockflow.scheduling.wait import gather_results, wait_for  # noqa: F401  (re-exported)
+from blockflow.scheduling.wait import gather_results, run_each, wait_for  # noqa: F401  (re-exported)
 
 __all__ = [
     "connect",
@@ -209,7 +209,8 @@ def connect(
         client.register_plugin(_distributed.QuietClose())
         if pool_member is not None:
             client.register_plugin(pool_member)
-            client.run(heartbeat_now)  # the scheduler knows the pools at once
+            # the scheduler knows the pools at once
+            run_each(client, heartbeat_now, what="the pools' heartbeat")
     try:
         _register_plugin(client, plugin)
         if address is not None and policy is not None:

@@ -17,6 +17,7 @@ from blockflow.devices import device_info
 from blockflow.errors import BlockflowWarning
 from blockflow.pools.pool import pools_of
 from blockflow.scheduling.view import workers_info
+from blockflow.scheduling.wait import run_each
 
 __all__ = ["Inventory", "WorkerResources", "inventory"]
 
@@ -244,7 +245,9 @@ def inventory(client) -> Inventory:
     workers = workers_info(client)
     gpu_workers = [a for a, info in workers.items() if read_metrics(info.get("metrics")).has_gpu]
     # one call on every worker: its batch job, and on GPU workers its device
-    probes = client.run(_probe_worker, gpu_workers) if workers else {}
+    probes = run_each(client, _probe_worker, gpu_workers, workers=list(workers),
+                      what="the inventory's probe") if workers else {}
+    probes = {a: p for a, p in probes.items() if isinstance(p, dict)}
     out = []
     pools = pools_of(workers)
     for addr, info in workers.items():

@@ -22,6 +22,7 @@ from blockflow import _distributed, config
 from blockflow.errors import describe
 from blockflow.ml._models import LoadedModel, LocalModel, ModelFactory, model_kind, serialise
 from blockflow.ml._pickling import dumps_or_explain
+from blockflow.scheduling.wait import run_each
 
 __all__ = ["ModelCache", "ModelRef", "cache_bound", "cache_state", "model_stats",
            "ship_model"]
@@ -342,7 +343,9 @@ def model_stats(client, ref: ModelRef | str) -> dict[str, dict[str, Any]]:
         ``held_bytes``. Workers without the model are absent.
     """
     token = ref.token if isinstance(ref, ModelRef) else str(ref)
-    return {a: s for a, s in client.run(_worker_stats, token).items() if s is not None}
+    return {a: s for a, s in run_each(client, _worker_stats, token,
+                                      what="the model cache's counters").items()
+            if isinstance(s, dict)}
 
 
 def _worker_stats(token: str, dask_worker=None):
@@ -362,7 +365,9 @@ def cache_state(client) -> dict[str, dict[str, Any]]:
         ``state`` (``"bytes"``, ``"loaded"``, ``"evicted"``, ``"bytes+loaded"``),
         ``held_bytes``, ``serialised_bytes`` and ``kind``, least recently used first.
     """
-    return client.run(_worker_cache_state)
+    return {a: s for a, s in run_each(client, _worker_cache_state,
+                                      what="the model cache's state").items()
+            if isinstance(s, dict)}
 
 
 def _worker_cache_state(dask_worker=None) -> dict[str, Any]:

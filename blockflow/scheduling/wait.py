@@ -18,8 +18,8 @@ from distributed import TimeoutError as DTimeout
 from blockflow import config
 from blockflow.errors import WorkerLostError
 
-__all__ = ["fetch", "fetch_many", "gather_as_done", "gather_results", "task_label", "wait_any",
-           "wait_for"]
+__all__ = ["fetch", "fetch_many", "gather_as_done", "gather_results", "run_each", "task_label",
+           "wait_any", "wait_for"]
 
 
 def wait_for(client: Client, futures: Any, *, what: str = "the computation",
@@ -150,6 +150,66 @@ def fetch_many(futures, *, timeout: float = 10.0) -> list:
         return await asyncio.wait_for(client.gather(futures, asynchronous=True), timeout)
 
     return list(client.sync(gather))
+
+
+def run_each(client: Client, fn: Callable, *args: Any, workers: Iterable[str] | None = None,
+             what: str = "a call", timeout: str | float | None = None) -> dict[str, Any]:
+    """``client.run(fn, *args)`` on each worker, each bounded: the workers that answered.
+
+    A worker that does not answer within ``timeout`` (unreachable, dying, its event loop
+    stuck) or whose call fails on the way is left out, named in one
+    :class:`~blockflow.errors.BlockflowWarning`; the call itself failing on a worker that
+    answered is that worker's result (an exception object), as ``on_error="return"`` gives.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    fn : callable
+        Run on each worker (``dask_worker=`` is passed when it takes one, as ``client.run``).
+    workers : iterable of str, optional
+        Default: the workers the scheduler lists now.
+    what : str, default "a call"
+        Named in the warning ("the inventory's probe").
+    timeout : str or float, optional
+        Seconds per worker; default ``blockflow.cluster.worker-call-timeout``.
+
+    Returns
+    -------
+    dict
+        Worker address -> its result, for the workers that answered.
+    """
+    import warnings
+
+    from blockflow.errors import BlockflowWarning
+
+    workers = list(client.scheduler_info()["workers"]) if workers is None else list(workers)
+    limit = float(parse_timedelta(config.get("cluster.worker-call-timeout", timeout)))
+
+    async def one(w: str):
+        try:
+            got = await asyncio.wait_for(client.run(fn, *args, workers=[w], on_error="return",
+                                                    asynchronous=True), limit)
+            return w, got.get(w), None
+        except (asyncio.TimeoutError, TimeoutError):
+            return w, None, f"no answer within {limit:g} s"
+        except (OSError, CancelledError) as e:  # the comm closed, the worker went
+            return w, None, type(e).__name__
+
+    async def every():
+        return await asyncio.gather(*(one(w) for w in workers))
+
+    out, silent = {}, []
+    for w, value, why in (client.sync(every) if workers else []):
+        if why is None:
+            out[w] = value
+        else:
+            silent.append(f"{w} ({why})")
+    if silent:
+        warnings.warn(f"blockflow: {what}: going on without worker{'s' * (len(silent) > 1)} "
+                      f"{', '.join(silent)}; check they are reachable, or raise "
+                      f"blockflow.cluster.worker-call-timeout.", BlockflowWarning,
+                      stacklevel=2)
+    return out
 
 
 def wait_any(futures: Iterable, timeout: float = 1.0) -> list:
