@@ -252,8 +252,7 @@ def run_segment(rank, plan: dict, payloads: list, ckpts: list, inputs: list | No
             stages = [Stage(mod, s, plan["n_stages"], device, seed=plan["seed"],
                             dropout=_has_dropout(mod))
                       for s, mod in zip(plan["stages"], mods)]
-            schedules[key] = (stages, _schedule(plan["schedule"] if plan["train"] else "gpipe",
-                                                stages, m, loss))
+            schedules[key] = (stages, _schedule(plan["schedule"], stages, m, loss))
         stages, sched = schedules[key]
         for st in stages:
             st.records, st.peak, st.step_no = [], 0, plan["first_step"] + k
