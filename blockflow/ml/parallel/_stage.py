@@ -189,6 +189,7 @@ def _build(plan: dict, s: int, payloads: list, ckpts: list, device):
     model: dict = {}
     optim: dict = {"state": {}, "group": None}
     for c in ckpts:
+        c = _loads(c, device)
         model.update({k: v for k, v in c["model"].items() if k in own})
         if c.get("optim"):
             optim["state"].update({k: v for k, v in c["optim"]["state"].items() if k in own})
@@ -276,10 +277,11 @@ def run_segment(rank, plan: dict, payloads: list, ckpts: list, inputs: list | No
             if plan["train"]:
                 losses.append(float(sum(float(v.detach()) for v in mb_losses)))
             if out is not None and plan["want_output"]:
-                outputs.append(_unpadded(out.detach(), sizes).cpu())
+                outputs.append(_portable(_unpadded(out.detach(), sizes).cpu()))
         if plan["train"]:
             if plan["want_grads"]:
-                grads = {n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
+                grads = {n: (_portable(p.grad.detach().cpu().clone()) if p.grad is not None
+                             else None)
                          for mod in mods for n, p in mod.named_parameters()}
             for opt in opts:
                 if opt is not None:
@@ -294,12 +296,40 @@ def run_segment(rank, plan: dict, payloads: list, ckpts: list, inputs: list | No
     state = []
     for mod, opt in zip(mods, opts):
         names = [n for n, p in mod.named_parameters() if p.requires_grad]
-        state.append({"model": {k: v.detach().cpu().clone() for k, v in
-                                mod.state_dict().items()},
-                      "optim": _optim_state(opt, names) if opt is not None else None})
+        state.append(_dumps({"model": mod.state_dict(),
+                             "optim": _optim_state(opt, names) if opt is not None else None}))
     return {"state": state, "losses": losses, "seconds": seconds, "records": records,
             "peak": peaks, "outputs": outputs, "grads": grads, "clock": clock,
             "bytes": held, "stages": list(plan["stages"])}
+
+
+def _portable(t):
+    """``t`` as Dask can send it: bfloat16 (no NumPy dtype) widened to float32."""
+    import torch
+    return t.float() if t.dtype == torch.bfloat16 else t
+
+
+def _dumps(state: dict) -> bytes:
+    """A checkpoint as ``torch.save`` bytes: every dtype (bfloat16 too) travels as bytes."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes, device="cpu") -> dict:
+    import io
+
+    import torch
+    return torch.load(io.BytesIO(data), map_location=device, weights_only=False)
+
+
+def model_state(data: bytes) -> bytes:
+    """A checkpoint's model tensors, as ``torch.save`` bytes."""
+    return _dumps(_loads(data)["model"])
 
 
 def part(result: dict, name: str, i: int | None = None) -> Any:

@@ -20,7 +20,7 @@ import numpy as np
 
 from blockflow import config
 from blockflow.ml._pickling import FIX_TRAIN, dumps_or_explain
-from blockflow.ml.parallel import _placement, _step
+from blockflow.ml.parallel import _placement, _stage, _step
 from blockflow.ml.parallel._step import METADATA_KEY
 from blockflow.ml.parallel.schedule import (
     SCHEDULES,
@@ -407,10 +407,10 @@ class PipelineParallel:
             return {f"{name}.{k}": v for name, m in self._named
                     for k, v in m.state_dict().items()} if self._named else \
                 torch.nn.Sequential().state_dict()
-        futs = [self.client.submit(_stage_model, f, pure=False) for _, _, f in self._ckpt]
+        futs = [self.client.submit(_stage.model_state, f, pure=False) for _, _, f in self._ckpt]
         out: dict = {}
         for part in self.client.gather(futs):
-            out.update(part)
+            out.update(_stage._loads(part))
         return out
 
     def stage_bytes(self) -> list[int]:
@@ -428,7 +428,3 @@ class PipelineParallel:
         self.close()
         return False
 
-
-def _stage_model(state: dict) -> dict:
-    """A checkpoint's model tensors (on its worker)."""
-    return state["model"]
