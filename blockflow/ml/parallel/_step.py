@@ -10,6 +10,7 @@ the stages on the survivors and the segment runs again from the last checkpoint.
 from __future__ import annotations
 
 import time
+from concurrent.futures import CancelledError
 
 import dask.array as da
 import numpy as np
@@ -135,6 +136,12 @@ def run_steps(pipe, batches: list, *, train: bool, want_grads: bool = False,
                                        want_output=want_output)
         except GroupLost as e:
             _recovery.recover(pipe, set(e.lost), what, redone=len(seg) if train else 0)
+            continue
+        except CancelledError:  # a killed worker's rank task is forgotten, not errored
+            gone = set(pipe.ranks) - pipe._alive()
+            if not gone:
+                raise
+            _recovery.recover(pipe, gone, what, redone=len(seg) if train else 0)
             continue
         wall = time.perf_counter() - t0
         if train:
