@@ -12,7 +12,6 @@ in segments of ``checkpoint_every`` steps, one group each. Guide: docs/guide/ai.
 from __future__ import annotations
 
 import math
-import time
 from typing import Callable, Sequence
 
 import dask.array as da
