@@ -162,6 +162,14 @@ def client():
         yield c
 
 
+@pytest.fixture(scope="module")
+def pclient():
+    """Worker processes: each holds one torch.distributed rank."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as c:
+        yield c
+
+
 def _mlp(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(
@@ -169,56 +177,99 @@ def _mlp(seed=0):
         torch.nn.LayerNorm(16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
 
 
+def _reference(opt, X, T, batches, model=None, optimizer=None):
+    ref = model or _mlp()
+    o = optimizer or opt(ref.parameters())
+    losses = []
+    for lo, hi in batches:
+        o.zero_grad()
+        loss = torch.nn.functional.mse_loss(ref(torch.tensor(X[lo:hi])), torch.tensor(T[lo:hi]))
+        loss.backward()
+        losses.append(loss.item())
+        o.step()
+    return ref, losses
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pipeline_loss_gradients_and_parameters_equal_one_device(client, schedule):
-    """float64, batch 8 in 3 micro-batches (3, 3, 2), SGD with momentum, 3 steps."""
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved1f1b"])
+def test_pipeline_loss_gradients_and_parameters_equal_one_device(pclient, schedule):
+    """float64, torch's schedules over a group of two ranks: run() with batch 8 in
+    micro-batches of 3, 3, 2 (padded for torch, the padding ignored) gives the loss,
+    output and gradients of one process; then fit() for 18 more steps in segments of 5
+    (one group each): losses and parameters over the 20 steps equal one process's."""
     rng = np.random.default_rng(3)
-    X, T = rng.standard_normal((8, 6)), rng.standard_normal((8, 3))
+    X, T = rng.standard_normal((24, 6)), rng.standard_normal((24, 3))
     opt = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
-    pipe = PipelineParallel(client, _mlp(), optimizer=opt, schedule=schedule, sample=X)
-    assert len(pipe.stage_workers) == 3 and pipe.layer_times is not None
+    m = 4 if schedule == "interleaved1f1b" else 3
+    pipe = PipelineParallel(pclient, _mlp(), optimizer=opt, schedule=schedule, sample=X,
+                            checkpoint_every=5)
+    assert len(pipe.ranks) == 2 and pipe.layer_times is not None
+    assert len(pipe.stage_workers) == (4 if schedule == "interleaved1f1b" else 2)
     ref = _mlp()
     ref_opt = opt(ref.parameters())
-    for step in range(3):
-        r = pipe.run(X, T, n_micro_batches=3, return_grads=True)
+    for step in range(2):
+        r = pipe.run(X[:8], T[:8], n_micro_batches=m, return_grads=True, publish=False)
         ref_opt.zero_grad()
-        out = ref(torch.tensor(X))
-        loss = torch.nn.functional.mse_loss(out, torch.tensor(T))
+        out = ref(torch.tensor(X[:8]))
+        loss = torch.nn.functional.mse_loss(out, torch.tensor(T[:8]))
         loss.backward()
-        assert r.micro_batch_rows == [3, 3, 2]
         assert abs(r.loss - loss.item()) < TOL
         assert max_diff(r.output, out.detach()) < TOL
         assert set(r.grads) == {n for n, _ in ref.named_parameters()}
         for n, prm in ref.named_parameters():
             assert max_diff(r.grads[n], prm.grad) < TOL, (step, n)
         ref_opt.step()
+    if schedule != "interleaved1f1b":
+        assert r.micro_batch_rows == [3, 3, 2]
+    # the measured schedule: every micro-batch forward and backward on each stage's worker
+    t = r.timeline
+    assert len(t) == 2 * m * pipe.n_stages
+    for s, df in t.groupby("stage"):
+        assert set(df.worker) == {pipe.stage_workers[s]}
+        assert sorted(df[df.phase == "forward"].micro_batch) == list(range(m))
+        assert sorted(df[df.phase == "backward"].micro_batch) == list(range(m))
+    # peak stashed activations per stage: GPipe all m, 1F1B at most the stages
+    if schedule == "gpipe":
+        assert r.peak_activations == [m] * pipe.n_stages
+    else:
+        assert all(1 <= a <= pipe.n_stages for a in r.peak_activations), r.peak_activations
+    pipe.fit(X, T, epochs=6, batch_size=8, n_micro_batches=m if m == 4 else 2,
+             shuffle=False)
+    assert pipe.steps == 20 and len(pipe.history_) == 18
+    ref, losses = _reference(opt, X, T, [(lo, lo + 8) for _ in range(6) for lo in (0, 8, 16)],
+                             model=ref, optimizer=ref_opt)
+    assert max(abs(h["loss"] - v) for h, v in zip(pipe.history_, losses)) < TOL
     state = pipe.state_dict()
     assert set(state) == set(ref.state_dict())
     for n, v in ref.state_dict().items():
         assert max_diff(state[n], v) < TOL, n
-    # the schedule ran: every micro-batch forward and backward on each stage's worker
-    t = r.timeline
-    assert len(t) == 2 * 3 * 3
-    for s, df in t.groupby("stage"):
-        assert set(df.worker) == {pipe.stage_workers[s]}
-        fwd, bwd = df[df.phase == "forward"], df[df.phase == "backward"]
-        assert sorted(fwd.micro_batch) == sorted(bwd.micro_batch) == [0, 1, 2]
-        if schedule == "gpipe":
-            assert fwd.stop.max() <= bwd.start.min()
-    # activations held per stage, measured on the workers: GPipe all m, 1F1B at most p - s
-    want = [3, 3, 3] if schedule == "gpipe" else [3, 2, 1]
-    assert r.peak_activations == want
-    assert 0 <= r.bubble < 1 and r.ideal_bubble == pytest.approx(2 / 5)
     # inference only: outputs, no gradients
-    fwd = pipe.run(X, n_micro_batches=2)
+    fwd = pipe.run(X, n_micro_batches=2, publish=False)
     assert fwd.grads is None and fwd.loss is None
     assert max_diff(fwd.output, ref(torch.tensor(X)).detach()) < TOL
+    assert max_diff(pipe.predict(X, batch_size=10, n_micro_batches=2),
+                    ref(torch.tensor(X)).detach()) < TOL
 
 
 @pytest.mark.slow
-def test_micro_batch_counts_the_batch_cannot_take_are_refused_before_running(client):
-    pipe = PipelineParallel(client, _mlp(), partition="equal")
+def test_a_bfloat16_model_trains_and_keeps_its_dtype(pclient):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 3)).to(torch.bfloat16)
+    rng = np.random.default_rng(0)
+    X, T = rng.standard_normal((16, 6)).astype(np.float32), rng.standard_normal((16, 3))
+    pipe = PipelineParallel(pclient, model, optimizer=functools.partial(torch.optim.SGD,
+                                                                        lr=0.05),
+                            schedule="1f1b", partition="equal")
+    pipe.fit(X, T, epochs=2, batch_size=8, n_micro_batches=2)
+    assert len(pipe.history_) == 4 and all(np.isfinite(h["loss"]) for h in pipe.history_)
+    assert {v.dtype for v in pipe.state_dict().values()} == {torch.bfloat16}
+    assert pipe.predict(X).shape == (16, 3)
+
+
+@pytest.mark.slow
+def test_micro_batch_counts_the_batch_cannot_take_are_refused_before_running(pclient):
+    pipe = PipelineParallel(pclient, _mlp(), partition="equal")
     rng = np.random.default_rng(0)
     X, T = rng.standard_normal((8, 6)), rng.standard_normal((8, 3))
     for m in (9, 0, 2.5):
@@ -232,17 +283,17 @@ def test_micro_batch_counts_the_batch_cannot_take_are_refused_before_running(cli
     assert r.micro_batch_rows == [2, 2, 2, 1, 1] and pipe.steps == 1
 
 
-def test_batch_norm_is_refused_unless_the_user_opts_in(client):
+def test_batch_norm_is_refused_unless_the_user_opts_in(pclient):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4),
                                 torch.nn.Linear(4, 1))
     with pytest.raises(ValueError) as e:
-        PipelineParallel(client, model, partition="equal")
+        PipelineParallel(pclient, model, partition="equal")
     assert str(e.value) == (
         "blockflow: layer 1 is a BatchNorm1d: on micro-batches its statistics are each "
         "micro-batch's, not the batch's, so the pipelined model is not the same model; use "
         "LayerNorm or GroupNorm, or pass allow_batch_norm=True to accept per-micro-batch "
         "statistics.")
-    pipe = PipelineParallel(client, model, partition="equal", allow_batch_norm=True)
+    pipe = PipelineParallel(pclient, model, partition="equal", allow_batch_norm=True)
     assert pipe.run(np.ones((4, 4), np.float32), np.ones((4, 1), np.float32),
                     n_micro_batches=2, publish=False).loss is not None
 
@@ -262,7 +313,7 @@ def test_a_model_that_is_not_sequential_or_cannot_be_pickled_is_refused():
 
 
 @pytest.mark.slow
-def test_dropout_is_seeded_so_runs_repeat(client):
+def test_dropout_is_seeded_so_runs_repeat(pclient):
     def model():
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(5, 32), torch.nn.Dropout(0.5),
@@ -274,14 +325,14 @@ def test_dropout_is_seeded_so_runs_repeat(client):
     sgd = functools.partial(torch.optim.SGD, lr=0.05)
     losses = []
     for seed in (7, 7, 8):
-        pipe = PipelineParallel(client, model(), optimizer=sgd, partition="equal", seed=seed)
-        losses.append([pipe.run(X, T, n_micro_batches=4, publish=False).loss
-                       for _ in range(3)])
+        pipe = PipelineParallel(pclient, model(), optimizer=sgd, partition="equal", seed=seed)
+        pipe.fit(X, T, epochs=3, batch_size=12, n_micro_batches=4, shuffle=False)
+        losses.append([h["loss"] for h in pipe.history_])
     assert losses[0] == losses[1] and losses[0] != losses[2]
 
 
-def test_fit_needs_an_optimizer(client):
-    pipe = PipelineParallel(client, _mlp(), partition="equal")
+def test_fit_needs_an_optimizer(pclient):
+    pipe = PipelineParallel(pclient, _mlp(), partition="equal")
     with pytest.raises(ValueError, match=r"^blockflow: fit\(\) needs an optimizer: pass "
                                          r"optimizer= to PipelineParallel"):
         pipe.fit(np.ones((4, 6)), np.ones((4, 3)))
@@ -291,19 +342,19 @@ def test_fit_needs_an_optimizer(client):
 
 
 @pytest.mark.slow
-def test_a_conv_net_with_residual_blocks_layernorm_and_gelu_learns_the_digits(client):
-    """Held-out accuracy >= 0.9 after 4 epochs of Adam through a 3-stage 1F1B pipeline."""
+def test_a_conv_net_with_residual_blocks_layernorm_and_gelu_learns_the_digits(pclient):
+    """Held-out accuracy >= 0.9 after 4 epochs of Adam through a 2-stage 1F1B pipeline."""
     import dask.array as da
 
     from blockflow.workloads.models import conv_net, digits
 
     X, y = digits()
     adam = functools.partial(torch.optim.Adam, lr=3e-3)
-    pipe = PipelineParallel(client, conv_net(), optimizer=adam, schedule="1f1b",
+    pipe = PipelineParallel(pclient, conv_net(), optimizer=adam, schedule="1f1b",
                             loss=torch.nn.CrossEntropyLoss())
     pipe.fit(da.from_array(X[:1400], chunks=(350, 64)), da.from_array(y[:1400], chunks=350),
              epochs=4, batch_size=100, n_micro_batches=4)
-    assert len(pipe.stage_workers) == 3 and pipe.steps == 56
+    assert len(pipe.stage_workers) == 2 and pipe.steps == 56
     accuracy = (pipe.predict(X[1400:]).argmax(1) == y[1400:]).mean()
     assert accuracy >= 0.9, accuracy
     # state_dict() reassembled on the client gives the same predictions on one device
@@ -316,14 +367,14 @@ def test_a_conv_net_with_residual_blocks_layernorm_and_gelu_learns_the_digits(cl
 
 
 @pytest.mark.slow
-def test_a_small_transformer_learns_the_sequence_task(client):
+def test_a_small_transformer_learns_the_sequence_task(pclient):
     """A stack of 4 nn.TransformerEncoderLayer: held-out accuracy >= 0.95."""
     from blockflow.workloads.models import sequence_task, transformer
 
     X, y = sequence_task(800, seed=0)  # 16 steps: single-device Adam reaches 1.0 by then
     Xt, yt = sequence_task(400, seed=1)
     adam = functools.partial(torch.optim.Adam, lr=3e-3)
-    pipe = PipelineParallel(client, transformer(), optimizer=adam,
+    pipe = PipelineParallel(pclient, transformer(), optimizer=adam,
                             loss=torch.nn.CrossEntropyLoss())
     pipe.fit(X, y, epochs=2, batch_size=100, n_micro_batches=4)
     accuracy = (pipe.predict(Xt).argmax(1) == yt).mean()
@@ -347,12 +398,13 @@ def _kill(client, worker):
 
 
 @pytest.mark.slow
-def test_a_lost_stage_is_rebuilt_from_its_checkpoint_and_training_resumes():
-    """3 worker processes, 2 stages and a spare: the last stage's worker is killed during
-    fit (the first stage waits on its gradients); the stage is rebuilt on the spare from the
-    last checkpoint, every stage rolls back to it, the steps since are replayed, and the
-    final parameters equal single-device PyTorch."""
+def test_a_lost_stage_worker_re_forms_the_group_on_the_survivors_and_resumes():
+    """3 worker processes, 3 stages: the last stage's worker is killed during fit; one
+    warning names it and its stage, the group re-forms on the 2 survivors (the layers
+    re-partitioned) from the last checkpoint, and the final parameters equal one process's
+    (float64, 1e-10)."""
     import threading
+    import warnings
 
     rng = np.random.default_rng(1)
     X, T = rng.standard_normal((64, 6)), rng.standard_normal((64, 3))
@@ -361,43 +413,30 @@ def test_a_lost_stage_is_rebuilt_from_its_checkpoint_and_training_resumes():
                            dashboard_address=":0")
     c = Client(cluster)
     try:
-        pipe = PipelineParallel(c, _mlp(), optimizer=sgd, partition="equal", n_stages=2,
+        pipe = PipelineParallel(c, _mlp(), optimizer=sgd, partition="equal",
                                 checkpoint_every=2)
-        victim = pipe.stage_workers[1]
+        victim = pipe.stage_workers[2]
 
         def kill_at(epoch, step, loss):
-            if step == 3 and victim in workers_info(c):
-                threading.Timer(0.02, _kill, (c, victim)).start()
-
-        import warnings
+            if step == 4 and victim in workers_info(c):
+                threading.Thread(target=_kill, args=(c, victim)).start()
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             pipe.fit(X, T, epochs=3, batch_size=16, n_micro_batches=4, shuffle=False,
                      callback=kill_at)
         assert victim not in pipe.stage_workers and pipe.steps == 12
-        assert len(pipe.history_) == 12
+        assert len(pipe.ranks) == 2
         (rec,) = pipe.recoveries
-        assert rec["lost"] == [victim] and rec["stages"] == ["stage 1 (layers 3-5)"]
-        assert rec["resumed_from"] in (2, 4) and rec["step"] >= rec["resumed_from"]
-        # steps since the checkpoint are undone, with a warning; on a loaded machine the
-        # kill can land just after the checkpoint of step 4: nothing to undo, no warning
-        rolled = [w for w in caught if issubclass(w.category, BlockflowWarning)
-                  and "rolled back to the checkpoint of step" in str(w.message)]
-        assert len(rolled) == (1 if rec["step"] > rec["resumed_from"] else 0), \
-            (rec, [str(w.message) for w in caught])
+        assert rec["lost"] == [victim] and rec["stages"] == ["stage 2 (layers 4-5)"]
+        assert rec["resumed_from"] >= 4 and rec["redone"] >= 1
+        lines = [str(w.message) for w in caught if issubclass(w.category, BlockflowWarning)]
+        assert len(lines) == 1 and victim in lines[0] and "stage 2" in lines[0], lines
         state = pipe.state_dict()
     finally:  # worker processes of a loaded machine can take long to exit
         c.close()
         cluster.close(timeout=120)
-    ref = _mlp()
-    opt = sgd(ref.parameters())
-    for _ in range(3):
-        for lo in range(0, 64, 16):
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(ref(torch.tensor(X[lo:lo + 16])),
-                                         torch.tensor(T[lo:lo + 16])).backward()
-            opt.step()
+    ref, _ = _reference(sgd, X, T, [(lo, lo + 16) for _ in range(3) for lo in range(0, 64, 16)])
     for n, v in ref.state_dict().items():
         assert max_diff(state[n], v) < TOL, n
 
@@ -413,22 +452,22 @@ def test_a_lost_stage_nothing_can_take_is_one_error_naming_it():
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).double()
     stage = 2 * 64 * 65 * 8  # parameters and gradients of one layer
     with simulated_cluster(speeds=(1, 1), device_memory=int(stage * 1.5),
-                           processes=False) as c:
-        pipe = PipelineParallel(c, model, partition="equal",
+                           processes=True) as c:
+        pipe = PipelineParallel(c, model, sample=np.ones((8, 64)),
                                 optimizer=functools.partial(torch.optim.SGD, lr=0.01))
         X = np.ones((8, 64))
         pipe.run(X, X, n_micro_batches=2, publish=False)
         victim = pipe.stage_workers[1]
-        c.sync(next(w for w in c.cluster.workers.values() if w.address == victim).close)
+        _kill(c, victim)
         start = time.monotonic()
         with pytest.raises(WorkerLostError) as e:
             pipe.run(X, X, n_micro_batches=2, publish=False)
-        assert time.monotonic() - start < scaled(30)
+        assert time.monotonic() - start < scaled(60)
     assert re.fullmatch(
         rf"blockflow: the pipeline step over 8 rows failed: lost stage 1 \(layer 1\) on "
-        rf"worker {re.escape(victim)}, and no surviving worker has room for it \([\d,]+ bytes "
-        rf"of parameters and optimizer state; the most room left is [\d,]+ bytes\); add a "
-        rf"worker and build the PipelineParallel again\.", str(e.value)), str(e.value)
+        rf"worker {re.escape(victim)}, and the 1 surviving workers have no room for its "
+        rf"layers \(.*\); add a worker and build the PipelineParallel again\.",
+        str(e.value)), str(e.value)
 
 
 # --- tensor parallelism ----------------------------------------------------------------------
@@ -544,7 +583,7 @@ def test_pipeline_timeline_in_the_run_report_and_on_the_dashboard_page():
 
     from blockflow.dashboard.page import BlockflowPage
 
-    client = blockflow.connect(gpu=False, n_workers=2, threads_per_worker=1, processes=False,
+    client = blockflow.connect(gpu=False, n_workers=2, threads_per_worker=1, processes=True,
                                dashboard_address="127.0.0.1:0")
     try:
         since = time.time()
@@ -577,21 +616,19 @@ def test_pipeline_timeline_in_the_run_report_and_on_the_dashboard_page():
 
 @pytest.mark.gpu
 def test_pipeline_and_tensor_parallel_on_a_cuda_device_equal_the_cpu_model():
-    """Stages and shards live on the CUDA device (the workers' own, through ``_device``);
-    activations and gradients cross between workers as host tensors. float64 results equal
+    """Stages and shards live on the CUDA device (the rank's, nccl); float64 results equal
     the same model on the CPU (GPU float64 kernels differ from the CPU's in the last bits)."""
     if not torch.cuda.is_available():
         pytest.skip("needs PyTorch with CUDA and an NVIDIA GPU (torch.cuda.is_available() "
                     "is False)")
     rng = np.random.default_rng(5)
     X, T = rng.standard_normal((8, 6)), rng.standard_normal((8, 3))
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
                       dashboard_address=None) as cluster, Client(cluster) as c:
-        before = torch.cuda.memory_allocated()
+        # one GPU holds one nccl rank: a one-stage group (the transport is torch's)
         pipe = PipelineParallel(c, _mlp(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                 schedule="1f1b", sample=X)
         r = pipe.run(X, T, n_micro_batches=4, return_grads=True)
-        assert torch.cuda.memory_allocated() > before  # the stages' weights are on the GPU
         ref = _mlp()
         out = ref(torch.tensor(X))
         loss = torch.nn.functional.mse_loss(out, torch.tensor(T))

@@ -1,23 +1,24 @@
-"""Where a pipeline's stages go: the model's layers, their probe, the partition, the install.
+"""Where a pipeline's stages go: the model's layers, their probe, the partition.
 
-:func:`measure` times every layer on every worker; :func:`place` turns that into one stage
-per worker (:func:`~blockflow.parallel.partition.partition_stages`) and installs the stages.
+:func:`measure` times every layer on every worker (a plain task per worker); :func:`place`
+turns that into contiguous stages in the worker order of least step time
+(:func:`~blockflow.parallel.partition.partition_stages`), one rank per worker (several
+virtual stages per rank for the interleaved schedule).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import uuid
 from typing import Any, Sequence
 
-import cloudpickle
 import dask
 from dask.utils import parse_bytes
 
 from blockflow import config
 from blockflow.ml.parallel import _stage
 from blockflow.ml.parallel.partition import (
+    _best_bounds,
     equal_stages,
     parameter_stages,
     partition_stages,
@@ -26,7 +27,7 @@ from blockflow.ml.parallel.partition import (
 from blockflow.scheduling.view import worker_memory
 
 __all__ = ["capacity", "measure", "modules_of", "mse", "place", "refuse_batch_norm",
-           "stage_payload", "transfer"]
+           "transfer"]
 
 logger = logging.getLogger("blockflow.ml.parallel.pipeline")
 
@@ -68,17 +69,6 @@ def mse():
     return torch.nn.MSELoss()
 
 
-def stage_payload(pipe, s: int) -> bytes:
-    """Stage ``s``'s layers as one pickled ``torch.nn.Sequential``."""
-    import torch
-
-    a, b = pipe.bounds[s], pipe.bounds[s + 1]
-    seq = torch.nn.Sequential()
-    for name, m in pipe._named[a:b]:
-        seq.add_module(name, m)
-    return cloudpickle.dumps(seq)
-
-
 def measure(pipe, sample, workers: Sequence[str] | None = None
             ) -> tuple[dict[str, list[float]], list[int]]:
     """``PipelineParallel.measure``: each layer's seconds on each worker, and its bytes."""
@@ -108,52 +98,93 @@ def transfer(pipe) -> list[float]:
     return [2 * b / bandwidth for b in (pipe.layer_output_bytes or [])[:-1]]
 
 
-def place(pipe, sample, n_micro_batches: int | None = None) -> None:
-    """Choose the stages' workers and bounds and install each stage on its worker.
+def _interleaved(layer_times: dict, ranks: int, n_stages: int) -> tuple[list, list]:
+    """Stages ``s`` on ``order[s % ranks]``: the worker order and bounds whose busiest
+    worker (its stages together) is least."""
+    import itertools
+
+    import numpy as np
+
+    workers = sorted(layer_times, key=lambda w: (sum(layer_times[w]), w))[:ranks]
+    orders = list(itertools.permutations(workers)) if ranks <= 5 else [tuple(workers)]
+    best = (math.inf, None, None)
+    for order in orders:
+        costs = np.array([layer_times[order[s % ranks]] for s in range(n_stages)], float)
+        _, bounds = _best_bounds(costs)
+        if not bounds:
+            continue
+        load = [0.0] * ranks
+        for s in range(n_stages):
+            load[s % ranks] += float(costs[s, bounds[s]:bounds[s + 1]].sum())
+        if max(load) < best[0]:
+            best = (max(load), list(order), bounds)
+    return [best[1][s % ranks] for s in range(n_stages)], best[2]
+
+
+def place(pipe, sample, n_micro_batches: int | None = None, *, keep_probe: bool = False
+          ) -> None:
+    """Choose the stages' workers and bounds (``pipe.stage_workers``, ``pipe.bounds``,
+    ``pipe.ranks``) and put each stage's layers on its worker.
 
     Raises
     ------
     ValueError
         For the ``"speed"`` partition without ``sample``.
+    DeviceMemoryError
+        If no split fits the workers' free memory.
     """
-    p = pipe.n_stages
-    if pipe.partition == "speed":
-        if sample is None:
-            raise ValueError("blockflow: the speed partition needs sample rows to time "
-                             "the layers on; pass sample= or call run()/fit() first.")
-        pipe.layer_times, pipe.layer_bytes = measure(pipe, sample)
-        caps = capacity(pipe)
-        # the step's time: m - 1 micro-batches at the slowest stage's pace, plus the
-        # fill and drain (one micro-batch through every stage and back) and its hops
-        m = n_micro_batches or p * int(config.get("parallel.micro-batches-per-stage"))
-        order, bounds = partition_stages(pipe.layer_times, p, layer_bytes=pipe.layer_bytes,
-                                         capacity=caps, n_micro_batches=m,
-                                         transfer=transfer(pipe))
+    workers = list(pipe.workers)
+    v = pipe.virtual
+    ranks = min(len(workers), max(1, pipe.requested_stages // v))
+    p = min(ranks * v, len(pipe._named))
+    if pipe.schedule == "interleaved1f1b":
+        ranks = max(1, p // v) if p >= v else 1
+        p = ranks * v if ranks * v <= len(pipe._named) else ranks
+    partition = pipe.partition
+    if not isinstance(partition, str) and keep_probe:  # a given split after a loss
+        partition = "speed" if pipe.layer_times else "equal"
+    if partition == "speed":
+        if pipe.layer_times is None or not keep_probe:
+            if sample is None:
+                raise ValueError("blockflow: the speed partition needs sample rows to time "
+                                 "the layers on; pass sample= or call run()/fit() first.")
+            pipe.layer_times, pipe.layer_bytes = measure(pipe, sample)
+        times = {w: t for w, t in pipe.layer_times.items() if w in workers}
+        if pipe.schedule == "interleaved1f1b" and p > ranks:
+            order, bounds = _interleaved(times, ranks, p)
+        else:
+            caps = capacity(pipe)
+            m = n_micro_batches or p * int(config.get("parallel.micro-batches-per-stage"))
+            # the step's time: m - 1 micro-batches at the slowest stage's pace, plus the
+            # fill and drain (one micro-batch through every stage and back) and its hops
+            order, bounds = partition_stages(times, p, layer_bytes=pipe.layer_bytes,
+                                             capacity=caps, n_micro_batches=m,
+                                             transfer=transfer(pipe))
         pipe.predicted_stage_times = stage_times(pipe.layer_times, bounds, order)
-    elif pipe.partition == "equal":
-        order, bounds = equal_stages(len(pipe._named), pipe.workers[:p])
-    elif pipe.partition == "parameters":
+    elif partition == "equal":
+        _, bounds = equal_stages(len(pipe._named), list(range(p)))
+        order = [workers[s % ranks] for s in range(len(bounds) - 1)]
+    elif partition == "parameters":
         counts = [sum(q.numel() for q in m.parameters()) for _, m in pipe._named]
-        order, bounds = parameter_stages(counts, pipe.workers[:p])
+        _, bounds = parameter_stages(counts, list(range(p)))
+        order = [workers[s % ranks] for s in range(len(bounds) - 1)]
     else:
-        order, bounds = [str(w) for w in pipe.partition[0]], list(pipe.partition[1])
+        order, bounds = [str(w) for w in partition[0]], list(partition[1])
     pipe.stage_workers, pipe.bounds = list(order), [int(b) for b in bounds]
+    pipe.ranks = list(dict.fromkeys(order))
     pipe.n_stages = len(order)
     logger.info("blockflow: pipeline of %d layers in %d stages: layers %s on workers %s "
                 "(partition %s; measured stage seconds %s)", len(pipe._named), len(order),
                 [f"{a}:{b}" for a, b in zip(bounds, bounds[1:])], order,
-                pipe.partition if isinstance(pipe.partition, str) else "given",
+                partition if isinstance(partition, str) else "given",
                 None if pipe.predicted_stage_times is None
                 else [round(t, 4) for t in pipe.predicted_stage_times])
-    if not all(pipe.client.run(_stage.has_handler).values()):
-        # the comm handler stages send activations and gradients to, on every worker
-        # (and those that join later: a rebuilt stage's)
-        pipe.client.register_plugin(_stage.PipePlugin(), name=_stage.PipePlugin.name)
-    token = uuid.uuid4().hex[:10]
-    pipe._keys = [f"stage-{s}-{token}" for s in range(len(order))]
-    futs = [pipe.client.submit(_stage.install, pipe._keys[s], stage_payload(pipe, s),
-                               pipe.optimizer, pipe.loss_fn, pipe.seed, s,
-                               workers=[w], allow_other_workers=False, pure=False,
-                               key=f"pipeline-install-{pipe._keys[s]}")
-            for s, w in enumerate(order)]
-    pipe._stage_bytes = pipe._gather(futs, needed=set(order), what="placing the stages")
+    # each layer's pickled module on the worker of its stage (scattered data is not
+    # recomputed: placed again after a loss)
+    futs = {}
+    for s, w in enumerate(order):
+        idx = list(range(bounds[s], bounds[s + 1]))
+        for k, f in zip(idx, pipe.client.scatter([pipe._payloads[k] for k in idx],
+                                                  workers=[w], hash=False)):
+            futs[k] = f
+    pipe._layer_futs = [futs[k] for k in range(len(pipe._named))]

@@ -1,116 +1,60 @@
-"""Checkpoints of pipeline stages and the rebuild of a stage whose worker was lost.
+"""A pipeline that lost a worker: the stages re-placed on the survivors, from the checkpoint.
 
-Every ``checkpoint_every`` steps each stage is kept on its worker and on another, so any one
-lost worker leaves every stage a copy; :func:`recover` rebuilds lost stages on survivors,
-rolling the others back, or raises :class:`~blockflow.errors.WorkerLostError`.
+Every segment ends with each stage's checkpoint in worker memory, replicated on a second
+worker (:mod:`~blockflow.ml.parallel._step`). :func:`recover` re-partitions the layers over
+the surviving workers (the same planner as the first placement) and the segment runs again
+from that checkpoint; :class:`~blockflow.errors.WorkerLostError` when nothing can take it.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 import time
+import warnings
 
-from blockflow.errors import WorkerLostError
-from blockflow.ml.parallel import _placement, _stage
+from blockflow.errors import BlockflowWarning, DeviceMemoryError, WorkerLostError
+from blockflow.ml.parallel import _placement
 
-__all__ = ["checkpoint", "holder", "recover"]
-
-logger = logging.getLogger("blockflow.ml.parallel.pipeline")
-
-
-def holder(pipe, s: int, alive: set[str]) -> str | None:
-    """A worker other than stage ``s``'s for its checkpoint's copy (a spare first)."""
-    mine = pipe.stage_workers[s]
-    spares = sorted(w for w in alive if w not in pipe.stage_workers)
-    if spares:
-        return spares[s % len(spares)]
-    others = [pipe.stage_workers[(s + k) % len(pipe.stage_workers)]
-              for k in range(1, len(pipe.stage_workers))]
-    return next((w for w in others if w != mine and w in alive), None)
+__all__ = ["recover"]
 
 
-def checkpoint(pipe) -> None:
-    """Checkpoint every stage: a copy on its worker and one on :func:`holder`'s."""
-    alive = pipe._alive()
-    own = [pipe.client.submit(_stage.checkpoint, k, workers=[w], allow_other_workers=False,
-                              pure=False)
-           for k, w in zip(pipe._keys, pipe.stage_workers)]
-    copies = []
-    for s, f in enumerate(own):
-        h = holder(pipe, s, alive)
-        copies.append(None if h is None else pipe.client.submit(
-            _stage.hold, f, workers=[h], allow_other_workers=False, pure=False))
-    wait = own + [c for c in copies if c is not None]
-    pipe._gather(wait, needed=set(pipe.stage_workers), what="checkpointing the stages")
-    pipe._ckpt = list(zip(own, copies))
-    pipe._ckpt_step = pipe.steps
+def recover(pipe, lost: set[str], what: str, redone: int) -> None:
+    """Re-place the stages on the workers left, resuming from the last checkpoint.
 
-
-def recover(pipe, lost: set[str], what: str) -> list[str]:
-    """Rebuild the stages of ``lost`` workers on survivors from their checkpoints and
-    roll every other stage back to the same checkpoint; returns the stages rebuilt."""
-    deadline = time.monotonic() + 10
+    Raises
+    ------
+    WorkerLostError
+        One line naming the lost stage when no worker is left, its checkpoint went with
+        the worker, or the survivors have no room for the layers.
+    """
+    deadline = time.monotonic() + 10  # the scheduler may still list a dying worker
     while lost & pipe._alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    alive = pipe._alive()
-    placed: dict[str, int] = {}
-    for s, w in enumerate(pipe.stage_workers):
-        if w in alive:
-            placed[w] = placed.get(w, 0) + pipe._stage_bytes[s]
-    capacity = {w: c for w, c in _placement.capacity(pipe).items() if w in alive}
-    for w in alive - set(capacity):
-        capacity[w] = math.inf
-    moves, rebuilt = {}, []
-    for s, w in enumerate(pipe.stage_workers):
-        if w in alive:
-            continue
-        copy = pipe._ckpt[s][1] if pipe._ckpt else None
-        holder = None if copy is None else next(iter(
-            pipe.client.who_has(copy).get(copy.key, ())), None)
-        if holder is None or holder not in alive:
-            raise WorkerLostError(
-                f"blockflow: {what} failed: lost {pipe._stage_name(s)} on worker {w} "
-                f"together with its checkpoint's copy, so nothing can rebuild it; keep "
-                f"a spare worker (checkpoint copies go there first) and build the "
-                f"PipelineParallel again.", lost=lost)
-        need = pipe._stage_bytes[s]
-        room = {v: capacity[v] - placed.get(v, 0) for v in alive}
-        fits = [v for v in room if room[v] >= need]
-        if not fits:
-            best = max(room.values(), default=0)
-            raise WorkerLostError(
-                f"blockflow: {what} failed: lost {pipe._stage_name(s)} on worker {w}, "
-                f"and no surviving worker has room for it ({need:,} bytes of "
-                f"parameters and optimizer state; the most room left is "
-                f"{int(best) if math.isfinite(best) else best:,} bytes); add a worker "
-                f"and build the PipelineParallel again.", lost=lost)
-        spare = [v for v in fits if v not in pipe.stage_workers]
-        target = max(spare or fits, key=lambda v: (room[v], v))
-        placed[target] = placed.get(target, 0) + need
-        moves[s] = target
-        rebuilt.append(pipe._stage_name(s))
-    futs = []
-    for s, w in enumerate(pipe.stage_workers):
-        own, copy = pipe._ckpt[s]
-        if s in moves:
-            futs.append(pipe.client.submit(
-                _stage.install, pipe._keys[s], _placement.stage_payload(pipe, s), pipe.optimizer,
-                pipe.loss_fn, pipe.seed, s, copy, workers=[moves[s]],
-                allow_other_workers=False, pure=False))
-        else:
-            futs.append(pipe.client.submit(_stage.restore, pipe._keys[s], own,
-                                           workers=[w], allow_other_workers=False,
-                                           pure=False))
-    for s, t in moves.items():
-        logger.warning("blockflow: %s was lost with worker %s; rebuilt on %s from the "
-                       "checkpoint of step %d", pipe._stage_name(s),
-                       pipe.stage_workers[s], t, pipe._ckpt_step)
-        pipe.stage_workers[s] = t
-    holders = {next(iter(pipe.client.who_has(pipe._ckpt[s][1]).get(
-        pipe._ckpt[s][1].key, ())), None) for s in moves}
-    pipe._gather(futs, needed=set(pipe.stage_workers) | (holders - {None}),
-                 what="rebuilding the stages")
-    pipe.steps = pipe._ckpt_step
-    checkpoint(pipe)
-    return rebuilt
+        time.sleep(0.05)
+    lost = set(lost) | (set(pipe.stage_workers) - pipe._alive())
+    names = [pipe._stage_name(s) for s, w in enumerate(pipe.stage_workers) if w in lost]
+    stages = ", ".join(names) or "no stage"
+    workers = ", ".join(sorted(lost))
+    survivors = [w for w in pipe.workers if w not in lost and w in pipe._alive()]
+    gone = [f for _, _, f in pipe._ckpt if f.status != "finished"]
+    reason = None
+    if not survivors:
+        reason = "no worker is left to take it"
+    elif gone:
+        reason = "its checkpoint was lost with it (no second worker held a copy)"
+    if reason is None:
+        before = (list(pipe.stage_workers), list(pipe.bounds))
+        pipe.workers = survivors
+        try:
+            _placement.place(pipe, None, keep_probe=True)
+        except DeviceMemoryError as e:
+            pipe.stage_workers, pipe.bounds = before
+            reason = (f"the {len(survivors)} surviving workers have no room for its layers "
+                      f"({str(e).split('; ')[0].split('(')[-1].rstrip(')')})")
+    if reason is not None:
+        raise WorkerLostError(f"blockflow: {what} failed: lost {stages} on worker {workers}, "
+                              f"and {reason}; add a worker and build the PipelineParallel "
+                              f"again.", lost=lost)
+    pipe.recoveries.append({"step": pipe.steps + redone, "resumed_from": pipe.steps,
+                            "redone": redone, "stages": names, "lost": sorted(lost)})
+    warnings.warn(f"blockflow: the pipeline lost worker {workers} ({stages}); re-formed on "
+                  f"{len(pipe.ranks)} worker(s) from the checkpoint of step {pipe.steps}, "
+                  f"redoing {redone} step(s).", BlockflowWarning, stacklevel=4)

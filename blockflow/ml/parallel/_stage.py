@@ -1,41 +1,24 @@
-"""Pipeline stages on their workers: the worker-side half of :class:`PipelineParallel`.
+"""The rank side of :class:`PipelineParallel`: stages run by ``torch.distributed.pipelining``.
 
-A stage's modules, stash, gradients and optimizer state stay on its worker; a step is one
-task per stage (:func:`run`), activations and gradients going worker to worker through
-``blockflow_pipeline`` (:class:`PipePlugin`). Every function here runs on a worker.
+:func:`run_segment` runs in one rank task of :func:`blockflow.ml._group.run_group`: it
+builds the rank's stages (``PipelineStage``) from the layers and the last checkpoint, runs
+the steps of a segment with torch's schedule (``ScheduleGPipe``, ``Schedule1F1B``,
+``ScheduleInterleaved1F1B``; activations and gradients go point to point over the group)
+and returns the stages' new checkpoint, kept in worker memory. :func:`probe` times layers
+(a plain task). Every function here runs on a worker.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-import threading
 import time
 from typing import Any, Callable, Sequence
 
 import cloudpickle
 import numpy as np
-from distributed import secede
-from distributed.protocol import to_serialize
 
 from blockflow import _distributed
-from blockflow._distributed import HandlerPlugin
 
-__all__ = ["HANDLER", "PipePlugin", "checkpoint", "deliver", "drop", "has_handler", "hold",
-           "install", "peaks", "probe", "restore", "run", "state"]
-
-HANDLER = "blockflow_pipeline"
-#: Seconds a stage waits for one input (an activation or a gradient) before it gives up,
-#: when the step's plan does not say (``blockflow.parallel.stage-wait``, read by the client)
-WAIT_TIMEOUT = 300.0
-
-#: (worker address, stage key) -> _Stage
-_STAGES: dict[tuple[str, str], "_Stage"] = {}
-#: worker address -> most bytes of parameters, gradients and optimizer state held at once
-_PEAK: dict[str, int] = {}
-_LOCK = threading.Lock()
-#: dropout draws from torch's global generator: a seeded forward holds it alone
-_RNG_LOCK = threading.Lock()
+__all__ = ["part", "probe", "run_segment"]
 
 
 def _here() -> str:
@@ -65,13 +48,6 @@ def _tensor_bytes(module, optimizer) -> int:
     return int(n)
 
 
-def _note_peak(address: str) -> None:
-    with _LOCK:
-        held = sum(_tensor_bytes(s.module, s.optimizer) for (a, _), s in _STAGES.items()
-                   if a == address)
-        _PEAK[address] = max(_PEAK.get(address, 0), held)
-
-
 def _has_dropout(module) -> bool:
     import torch
     return any(isinstance(m, (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d,
@@ -81,367 +57,302 @@ def _has_dropout(module) -> bool:
                for m in module.modules())
 
 
-class _Stage:
-    """One stage on its worker: modules, optimizer, loss, stash and this step's measures."""
-
-    def __init__(self, module, optimizer: Callable | None, loss_fn, seed: int, index: int):
-        self.module = module.to(_device())
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = optimizer(params) if optimizer is not None and params else None
-        self.loss_fn, self.seed, self.index = loss_fn, int(seed), int(index)
-        self.dropout = _has_dropout(self.module)
-        self.stash: dict[int, tuple] = {}
-        self.peak_stash = 0
-        self.loss_sum = 0.0
-
-
-def _get(key: str) -> _Stage:
-    try:
-        return _STAGES[_here(), key]
-    except KeyError:
-        raise RuntimeError(f"blockflow: pipeline stage {key} is not on worker {_here()} "
-                           f"(the worker restarted?); rebuild the PipelineParallel.") from None
-
-
-def install(key: str, payload: bytes, optimizer, loss_fn, seed: int, index: int,
-            ckpt: bytes | None = None) -> int:
-    """Build the stage from ``payload`` (from checkpoint ``ckpt`` when given); returns its
-    bytes."""
-    stage = _Stage(cloudpickle.loads(payload), optimizer, loss_fn, seed, index)
-    if ckpt is not None:
-        _load(stage, ckpt)
-    address = _here()
-    with _LOCK:
-        _STAGES[address, key] = stage
-    _note_peak(address)
-    return _tensor_bytes(stage.module, stage.optimizer)
-
-
-def drop(key: str) -> None:
-    """Forget the stage on this worker."""
-    with _LOCK:
-        _STAGES.pop((_here(), key), None)
-
-
-def _as_tensor(x):
+def _as_tensor(x, device, like=None):
+    """``x`` as a tensor on ``device``; floating data cast to ``like``'s dtype."""
     import torch
 
-    if isinstance(x, torch.Tensor):
-        return x.to(_device())
-    return torch.as_tensor(np.asarray(x)).to(_device())
+    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+    if like is not None and t.is_floating_point() and t.dtype != like:
+        t = t.to(like)
+    return t.to(device)
 
 
-def _seeded(stage: _Stage, step: int, j: int):
-    """A context holding torch's generator seeded for (stage, step, micro-batch)."""
+def _padded(t, sizes: Sequence[int]):
+    """``t`` (``sum(sizes)`` rows) as ``len(sizes)`` equal micro-batches of ``max(sizes)``
+    rows, zero rows after each shorter one (torch's schedules need equal micro-batches)."""
     import torch
 
-    if not stage.dropout or not stage.module.training:
-        return contextlib.nullcontext()
+    size = max(sizes)
+    if all(s == size for s in sizes):
+        return t
+    out = t.new_zeros((size * len(sizes),) + tuple(t.shape[1:]))
+    lo = 0
+    for j, s in enumerate(sizes):
+        out[j * size: j * size + s] = t[lo: lo + s]
+        lo += s
+    return torch.as_tensor(out)
 
-    @contextlib.contextmanager
-    def ctx():
-        with _RNG_LOCK, torch.random.fork_rng(devices=[]):
-            torch.manual_seed((stage.seed * 1_000_003 + step * 10_007 + j * 101
-                               + stage.index) % (2**63))
-            yield
-    return ctx()
 
-
-def _forward(stage: _Stage, x, step: int, j: int, train: bool):
-    """Forward of micro-batch ``j`` (stashed in training); returns the output, detached."""
+def _unpadded(t, sizes: Sequence[int]):
     import torch
 
-    x = _as_tensor(x)
-    if train:
-        stage.module.train()
-        leaf = x.detach().requires_grad_(x.is_floating_point() and stage.index > 0)
-        with _seeded(stage, step, j):
-            y = stage.module(leaf)
-        stage.stash[j] = (leaf, y)
-        stage.peak_stash = max(stage.peak_stash, len(stage.stash))
-    else:
-        stage.module.eval()
-        with torch.no_grad():
-            y = stage.module(x)
-    return y.detach().cpu() if y.device.type != "cpu" else y.detach()
+    size = max(sizes)
+    if all(s == size for s in sizes):
+        return t
+    return torch.cat([t[j * size: j * size + s] for j, s in enumerate(sizes)])
 
 
-def _backward(stage: _Stage, dy, j: int, weight: float | None):
-    """Backward of micro-batch ``j``: ``dy`` is the target on the last stage (loss times
-    ``weight``), else the next stage's gradient; returns the input's gradient or None."""
+class _Loss:
+    """The user's loss on a micro-batch's real rows, weighted by its share of the batch
+    (``rows / total`` for a ``"mean"`` loss), so summed gradients equal the batch's."""
+
+    def __init__(self, fn):
+        self.fn, self.sizes, self.total = fn, [1], 1
+        reduction = getattr(fn, "reduction", "mean")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"blockflow: the loss's reduction must be 'mean' or 'sum', got "
+                             f"{reduction!r}.")
+        self.mean = reduction == "mean"
+
+    def __call__(self, out, target):
+        size = max(self.sizes)
+        row = max(1, target[0].numel()) if target.dim() else 1
+        j = target.storage_offset() // (row * size)  # which micro-batch: torch's views
+        r = self.sizes[j] if 0 <= j < len(self.sizes) else out.shape[0]
+        out, target = out[:r], target[:r]
+        if target.is_floating_point() and target.dtype != out.dtype:
+            target = target.to(out.dtype)
+        loss = self.fn(out, target)
+        return loss * (r / self.total) if self.mean else loss
+
+
+def _stage_class():
+    """``PipelineStage`` measuring its passes: a timeline and the peak stash."""
     import torch
+    from torch.distributed.pipelining import PipelineStage
 
-    leaf, y = stage.stash.pop(j)
-    # a first stage without parameters (a reshape, an input scaling) has no graph: nothing
-    # to differentiate there
-    if weight is not None:
-        loss = stage.loss_fn(y, _as_tensor(dy)) * weight
-        if loss.requires_grad:
-            torch.autograd.backward(loss)
-        stage.loss_sum += float(loss.detach())
-    elif y.requires_grad:
-        torch.autograd.backward(y, _as_tensor(dy))
-    if leaf.grad is None:
-        return None
-    g = leaf.grad
-    return g.cpu() if g.device.type != "cpu" else g
+    class Stage(PipelineStage):
+        def __init__(self, *a, seed=0, dropout=False, **kw):
+            super().__init__(*a, **kw)
+            self.records: list[tuple] = []
+            self.peak, self.seed, self.dropout, self.step_no = 0, int(seed), dropout, 0
 
-
-def _finish(stage: _Stage, step: bool, want_grads: bool) -> dict:
-    """End of a training step: summed loss, peak stash, gradients; the optimizer steps."""
-    grads = None
-    if want_grads:
-        grads = {n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
-                 for n, p in stage.module.named_parameters()}
-    if step and stage.optimizer is not None:
-        stage.optimizer.step()
-    _note_peak(_here())
-    held = _tensor_bytes(stage.module, stage.optimizer)  # gradients included
-    stage.module.zero_grad(set_to_none=True)
-    out = {"loss": stage.loss_sum, "peak_stash": stage.peak_stash, "grads": grads,
-           "bytes": held}
-    stage.stash.clear()
-    stage.loss_sum, stage.peak_stash = 0.0, 0
-    return out
-
-
-# --- worker-to-worker transfers: each stage's mailbox ----------------------------------
-
-
-class _Cancelled(Exception):
-    """The client cancelled the step (a stage's worker was lost)."""
-
-
-class _Mailbox:
-    """Inputs sent to one stage on this worker: ``(token, kind, j) -> value``."""
-
-    def __init__(self):
-        self.cond = threading.Condition()
-        self.values: dict[tuple, Any] = {}
-        self.cancelled: set[str] = set()
-
-    def put(self, token: str, kind: str | None, j: int | None, value: Any,
-            cancel: bool) -> None:
-        with self.cond:
-            if cancel:
-                self.cancelled.add(token)
+        def forward_one_chunk(self, fwd_chunk_id, *a, **kw):
+            start = time.time()
+            if self.dropout and self.submod.training:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed((self.seed * 1_000_003 + self.step_no * 10_007
+                                       + fwd_chunk_id * 101 + self.stage_index) % (2**63))
+                    out = super().forward_one_chunk(fwd_chunk_id, *a, **kw)
             else:
-                self.values[token, kind, j] = value
-            self.cond.notify_all()
+                out = super().forward_one_chunk(fwd_chunk_id, *a, **kw)
+            self.records.append(("forward", fwd_chunk_id, start, time.time()))
+            if self.has_backward:
+                self.peak = max(self.peak, len(self.fwd_cache))
+            return out
 
-    def begin(self, token: str) -> None:
-        """A step starts: what earlier steps left (a cancelled step's inputs) goes."""
-        with self.cond:
-            for k in [k for k in self.values if k[0] != token]:
-                del self.values[k]
-            self.cancelled &= {token}
+        def backward_one_chunk(self, bwd_chunk_id, *a, **kw):
+            start = time.time()
+            out = super().backward_one_chunk(bwd_chunk_id, *a, **kw)
+            self.records.append(("backward", bwd_chunk_id, start, time.time()))
+            return out
 
-    def take(self, token: str, kind: str, j: int, what: str, sends: list,
-             wait: float = WAIT_TIMEOUT) -> Any:
-        deadline = time.monotonic() + wait
-        with self.cond:
-            while (token, kind, j) not in self.values:
-                if token in self.cancelled:
-                    raise _Cancelled
-                for f in sends:  # a send of this stage failed: say so, do not wait
-                    if f.done() and f.exception() is not None:
-                        raise f.exception()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"blockflow: {what} waited {wait:g} s for the "
-                        f"{'activation' if kind == 'F' else 'gradient'} of micro-batch {j} "
-                        f"from its {'previous' if kind == 'F' else 'next'} stage; that "
-                        f"stage's worker is stuck or gone: build the PipelineParallel again.")
-                self.cond.wait(min(left, 1.0))
-            return self.values.pop((token, kind, j))
-
-    def end(self, token: str) -> None:
-        with self.cond:
-            for k in [k for k in self.values if k[0] == token]:
-                del self.values[k]
-            self.cancelled.discard(token)
+    return Stage
 
 
-#: (worker address, stage key) -> _Mailbox
-_BOXES: dict[tuple[str, str], _Mailbox] = {}
+def _schedule(kind: str, stages: list, m: int, loss):
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    if kind == "interleaved1f1b":
+        return ScheduleInterleaved1F1B(stages, m, loss_fn=loss, scale_grads=False)
+    cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
+    return cls(stages[0], m, loss_fn=loss, scale_grads=False)
 
 
-def _box(address: str, key: str) -> _Mailbox:
-    with _LOCK:
-        box = _BOXES.get((address, key))
-        if box is None:
-            box = _BOXES[address, key] = _Mailbox()
-        return box
+def _optim_state(opt, names: list[str]) -> dict:
+    """The optimizer's state keyed by parameter name (placement-free)."""
+    sd = opt.state_dict()
+    return {"state": {names[i]: v for i, v in sd["state"].items()},
+            "group": {k: v for k, v in sd["param_groups"][0].items() if k != "params"}}
 
 
-def deliver(address: str, key: str, token: str, kind: str | None = None,
-            j: int | None = None, value: Any = None, cancel: bool = False) -> None:
-    """Put input ``kind`` (``"F"``/``"B"``) of micro-batch ``j`` of step ``token`` in stage
-    ``key``'s mailbox at ``address``, or cancel that step there."""
-    _box(address, key).put(token, kind, j, value, cancel)
+def _load_optim(opt, names: list[str], saved: dict) -> None:
+    state = {i: saved["state"][n] for i, n in enumerate(names) if n in saved["state"]}
+    opt.load_state_dict({"state": state,
+                         "param_groups": [dict(saved["group"], params=list(range(len(names))))]})
 
 
-def _serve(worker, key: str, token: str, kind: str | None = None, j: int | None = None,
-           value: Any = None, cancel: bool = False) -> str:
-    deliver(worker.address, key, token, kind, j, value, cancel)
-    return "OK"
+def _build(plan: dict, s: int, payloads: list, ckpts: list, device):
+    """Stage ``s``'s modules from the layers' payloads and the checkpoints holding them."""
+    import torch
+
+    seq = torch.nn.Sequential()
+    for name, payload in zip(plan["names"][plan["bounds"][s]:plan["bounds"][s + 1]],
+                             payloads):
+        seq.add_module(name, cloudpickle.loads(payload))
+    seq = seq.to(device)
+    own = set(seq.state_dict())
+    model: dict = {}
+    optim: dict = {"state": {}, "group": None}
+    for c in ckpts:
+        c = _loads(c, device)
+        model.update({k: v for k, v in c["model"].items() if k in own})
+        if c.get("optim"):
+            optim["state"].update({k: v for k, v in c["optim"]["state"].items() if k in own})
+            optim["group"] = c["optim"]["group"]
+    if model:
+        seq.load_state_dict(model, strict=False)
+    names = [n for n, p in seq.named_parameters() if p.requires_grad]
+    params = [p for n, p in seq.named_parameters() if p.requires_grad]
+    opt = plan["optimizer"](params) if plan["optimizer"] is not None and params else None
+    if opt is not None and optim["group"] is not None:
+        _load_optim(opt, names, optim)
+    return seq, opt, names
 
 
-class PipePlugin(HandlerPlugin):
-    """Worker plugin serving the ``blockflow_pipeline`` comm handler."""
+def run_segment(rank, plan: dict, payloads: list, ckpts: list, inputs: list | None,
+                targets: list | None) -> dict:
+    """Run a segment's steps as rank ``rank.rank`` (a :class:`~blockflow.ml._group.Rank`).
 
-    name = "blockflow-pipeline"
-
-    def handlers(self):
-        return {HANDLER: _serve}
-
-
-def has_handler(dask_worker=None) -> bool:
-    """Whether this worker serves ``blockflow_pipeline``."""
-    return dask_worker is not None and _distributed.has_worker_handler(dask_worker, HANDLER)
-
-
-def run(key: str, token: str, step: int, plan: dict, inputs: Sequence | None = None,
-        targets: Sequence | None = None) -> dict:
-    """One step of stage ``key``: its forward and backward passes in the order
-    ``plan["order"]`` (``("F", j)`` / ``("B", j)``), as a loop on this worker.
-
-    ``plan`` holds ``train``, ``order``, ``prev``/``next`` (``(address, key)`` or None),
-    ``weights``, ``want_output``, ``want_grads``, ``step_optimizer`` and ``name``.
+    Parameters
+    ----------
+    plan : dict
+        ``stages`` (this rank's stage indices), ``n_stages``, ``bounds``, ``names``,
+        ``schedule``, ``optimizer``, ``loss``, ``seed``, ``first_step``, ``steps`` (per step
+        its micro-batch ``sizes``), ``train``, ``want_grads``, ``want_output``.
+    payloads : list of list of bytes
+        Per stage of this rank, its layers pickled.
+    ckpts : list of list of dict
+        Per stage, the checkpoints holding its layers (empty: the layers as given).
+    inputs, targets : list of arrays, optional
+        Per step, the batch (first stage's rank) and the target (last stage's rank).
 
     Returns
     -------
     dict
-        ``records`` (``(phase, j, start, stop)``), ``clock`` (offset to the scheduler's
-        clock), ``outputs``, ``wait`` (seconds), ``cancelled``, and in training ``loss``,
-        ``peak_stash``, ``grads``, ``bytes``.
+        ``state`` (per stage: ``model`` and ``optim`` by parameter name, on the CPU),
+        ``losses``, ``seconds``, ``records`` and ``peak`` per stage, ``outputs``, ``grads``,
+        ``bytes`` per stage, ``clock``.
     """
-    stage = _get(key)
-    worker = _distributed.current_worker()
-    address = _here()
-    box = _box(address, key)
-    box.begin(token)
-    clock = _distributed.worker_scheduler_clock(worker)
-    train, prev, nxt = plan["train"], plan["prev"], plan["next"]
-    patience = float(plan.get("wait", WAIT_TIMEOUT))
-    records: list[tuple] = []
-    outputs: dict[int, Any] = {}
-    sends: list = []
-    wait = 0.0
-
-    def send(to, kind, j, value):
-        if worker is None:  # outside a worker (a test calling it directly)
-            deliver(to[0], to[1], token, kind, j, value)
-            return
-        sends.append(_distributed.call_worker_threadsafe(
-            worker, to[0], HANDLER, key=to[1], token=token, kind=kind, j=j,
-            value=None if value is None else to_serialize(value)))
-
-    try:
-        # the loop waits on its neighbours: out of the worker's thread pool, so a second
-        # stage on this worker (after a rebuild) or another task is never blocked by it
-        secede()
-    except (KeyError, ValueError, AttributeError):  # not on a worker's task thread
-        pass
-    try:
-        for kind, j in plan["order"]:
-            t0 = time.perf_counter()
-            if kind == "F":
-                x = inputs[j] if prev is None else box.take(token, "F", j, plan["name"],
-                                                                sends, patience)
-            else:
-                x = targets[j] if nxt is None else box.take(token, "B", j, plan["name"],
-                                                                sends, patience)
-            start = time.time()
-            wait += time.perf_counter() - t0
-            if kind == "F":
-                y = _forward(stage, x, step, j, train)
-                stop = time.time()
-                if nxt is not None:
-                    send(nxt, "F", j, y)
-                elif plan["want_output"]:
-                    outputs[j] = y
-                records.append(("forward", j, start, stop))
-            else:
-                g = _backward(stage, x, j, plan["weights"][j] if nxt is None else None)
-                stop = time.time()
-                if prev is not None:
-                    send(prev, "B", j, g)
-                records.append(("backward", j, start, stop))
-        for f in sends:  # every send arrived (a failed one raises here)
-            f.result(timeout=patience)
-    except _Cancelled:
-        stage.stash.clear()
-        stage.module.zero_grad(set_to_none=True)
-        stage.loss_sum, stage.peak_stash = 0.0, 0
-        return {"cancelled": True, "records": records, "outputs": {}, "wait": wait,
-                "clock": clock}
-    finally:
-        box.end(token)
-        _distributed.add_task_wait(wait)  # waiting is not work (the speed model)
-    out = {"cancelled": False, "records": records, "wait": wait, "clock": clock,
-           "outputs": [outputs[j] for j in sorted(outputs)]}
-    if train:
-        out.update(_finish(stage, plan["step_optimizer"], plan["want_grads"]))
-    return out
-
-
-def checkpoint(key: str) -> bytes:
-    """The stage's modules and optimizer state (``torch.save`` bytes)."""
     import torch
 
-    stage = _get(key)
+    device = rank.device
+    Stage = _stage_class()
+    mods, opts, stages_of = [], [], {}
+    for s, pay, ck in zip(plan["stages"], payloads, ckpts):
+        seq, opt, _ = _build(plan, s, pay, ck, device)
+        seq.train(plan["train"])
+        mods.append(seq)
+        opts.append(opt)
+    loss = _Loss(plan["loss"]) if plan["train"] else None
+    first_dtype = next((p.dtype for p in mods[0].parameters() if p.is_floating_point()), None)
+    last = plan["n_stages"] - 1
+    schedules: dict = {}
+    losses, seconds, outputs, grads, held = [], [], [], None, []
+    records = [[] for _ in mods]
+    peaks = [0] * len(mods)
+    clock = _distributed.worker_scheduler_clock(_distributed.current_worker())
+    for k, sizes in enumerate(plan["steps"]):
+        m, size = len(sizes), max(sizes)
+        key = (m, size)
+        if key not in schedules:
+            stages = [Stage(mod, s, plan["n_stages"], device, seed=plan["seed"],
+                            dropout=_has_dropout(mod))
+                      for s, mod in zip(plan["stages"], mods)]
+            schedules[key] = (stages, _schedule(plan["schedule"], stages, m, loss))
+        stages, sched = schedules[key]
+        for st in stages:
+            st.records, st.peak, st.step_no = [], 0, plan["first_step"] + k
+        if loss is not None:
+            loss.sizes, loss.total = list(sizes), sum(sizes)
+        args = ()
+        if 0 in plan["stages"]:
+            args = (_padded(_as_tensor(inputs[k], device, first_dtype), sizes),)
+        target = None
+        if last in plan["stages"] and plan["train"]:
+            target = _padded(_as_tensor(targets[k], device), sizes)
+        mb_losses: list = []
+        t0 = time.perf_counter()
+        if plan["train"]:
+            out = sched.step(*args, target=target, losses=mb_losses,
+                             return_outputs=plan["want_output"])
+        else:
+            with torch.no_grad():
+                out = sched.eval(*args)
+        if last in plan["stages"]:
+            if plan["train"]:
+                losses.append(float(sum(float(v.detach()) for v in mb_losses)))
+            if out is not None and plan["want_output"]:
+                outputs.append(_portable(_unpadded(out.detach(), sizes).cpu()))
+        if plan["train"]:
+            if plan["want_grads"]:
+                grads = {n: (_portable(p.grad.detach().cpu().clone()) if p.grad is not None
+                             else None)
+                         for mod in mods for n, p in mod.named_parameters()}
+            for opt in opts:
+                if opt is not None:
+                    opt.step()
+        seconds.append(time.perf_counter() - t0)
+        for i, st in enumerate(stages):
+            records[i] = st.records
+            peaks[i] = max(peaks[i], st.peak)
+        held = [_tensor_bytes(mod, opt) for mod, opt in zip(mods, opts)]
+        for mod in mods:
+            mod.zero_grad(set_to_none=True)
+    state = []
+    for mod, opt in zip(mods, opts):
+        names = [n for n, p in mod.named_parameters() if p.requires_grad]
+        state.append(_dumps({"model": mod.state_dict(),
+                             "optim": _optim_state(opt, names) if opt is not None else None}))
+    return {"state": state, "losses": losses, "seconds": seconds, "records": records,
+            "peak": peaks, "outputs": outputs, "grads": grads, "clock": clock,
+            "bytes": held, "stages": list(plan["stages"])}
+
+
+def _portable(t):
+    """``t`` as Dask can send it: bfloat16 (no NumPy dtype) widened to float32."""
+    import torch
+    return t.float() if t.dtype == torch.bfloat16 else t
+
+
+def _dumps(state: dict) -> bytes:
+    """A checkpoint as ``torch.save`` bytes: every dtype (bfloat16 too) travels as bytes."""
+    import io
+
+    import torch
+
     buf = io.BytesIO()
-    torch.save({"module": stage.module.state_dict(),
-                "optimizer": stage.optimizer.state_dict() if stage.optimizer else None}, buf)
+    torch.save(state, buf)
     return buf.getvalue()
 
 
-def _load(stage: _Stage, ckpt: bytes) -> None:
+def _loads(data: bytes, device="cpu") -> dict:
+    import io
+
     import torch
-
-    saved = torch.load(io.BytesIO(ckpt), map_location=_device(), weights_only=False)
-    stage.module.load_state_dict(saved["module"])
-    if stage.optimizer is not None and saved["optimizer"] is not None:
-        stage.optimizer.load_state_dict(saved["optimizer"])
-    stage.module.zero_grad(set_to_none=True)
-    stage.stash.clear()
-    stage.loss_sum, stage.peak_stash = 0.0, 0
+    return torch.load(io.BytesIO(data), map_location=device, weights_only=False)
 
 
-def restore(key: str, ckpt: bytes) -> None:
-    """Roll the stage back to checkpoint ``ckpt``, in place."""
-    _load(_get(key), ckpt)
+def model_state(data: bytes) -> bytes:
+    """A checkpoint's model tensors, as ``torch.save`` bytes."""
+    return _dumps(_loads(data)["model"])
 
 
-def state(key: str) -> dict:
-    """The stage's ``state_dict()``, on the CPU."""
-    return {k: v.detach().cpu().clone() for k, v in _get(key).module.state_dict().items()}
+def part(result: dict, name: str, i: int | None = None) -> Any:
+    """``result[name]`` (``[i]``): a piece of a rank's result, on its worker."""
+    return result[name] if i is None else result[name][i]
 
 
-def peaks(reset: bool = False, dask_worker=None) -> int:
-    """Most bytes of parameters, gradients and optimizer state this worker held at once."""
-    address = dask_worker.address if dask_worker is not None else _here()
-    with _LOCK:
-        value = _PEAK.get(address, 0)
-        if reset:
-            _PEAK[address] = sum(_tensor_bytes(s.module, s.optimizer)
-                                 for (a, _), s in _STAGES.items() if a == address)
-        return value
-
-
-def probe(payloads: Sequence[bytes], x, repeats: int, optimizer) -> tuple[list, list, list]:
+def probe(payloads: Sequence[bytes], x, repeats: int, optimizer: Callable | None
+          ) -> tuple[list, list, list]:
     """Each module's forward+backward seconds on this worker (least of ``repeats``), its
     bytes after one optimizer step, and its output's bytes on ``x``."""
     import torch
 
     times, sizes, outs = [], [], []
-    h = _as_tensor(x)
-    address = _here()
+    device = _device()
+    h = None
     for payload in payloads:
-        module = cloudpickle.loads(payload).to(_device())
+        module = cloudpickle.loads(payload).to(device)
         module.train()
+        if h is None:
+            dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()),
+                         None)
+            h = _as_tensor(x, device, dtype)
         params = [p for p in module.parameters() if p.requires_grad]
         opt = optimizer(params) if optimizer is not None and params else None
         best = float("inf")
@@ -455,17 +366,10 @@ def probe(payloads: Sequence[bytes], x, repeats: int, optimizer) -> tuple[list, 
                 best = min(best, time.perf_counter() - start)
         if opt is not None:
             opt.step()
-        size = _tensor_bytes(module, opt)
-        with _LOCK:
-            _PEAK[address] = max(_PEAK.get(address, 0), size)
         times.append(best)
-        sizes.append(size)
+        sizes.append(_tensor_bytes(module, opt))
         outs.append(int(y.numel() * y.element_size()))
         h = y.detach()
         del module, opt
     return times, sizes, outs
 
-
-def hold(value: Any) -> Any:
-    """A copy of ``value`` on this task's worker (a checkpoint kept off its stage's)."""
-    return value

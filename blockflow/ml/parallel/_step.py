@@ -1,31 +1,27 @@
-"""One pipeline step, driven from the client: micro-batches in, one task per stage, results.
+"""Pipeline segments driven from the client: one torch.distributed group per segment.
 
-Each stage's task loops over its schedule on its worker
-(:func:`blockflow.ml.parallel._stage.run`); a lost stage worker is rebuilt from its
-checkpoint (:mod:`blockflow.ml.parallel._recovery`).
+A segment is up to ``checkpoint_every`` steps run by one group of rank tasks
+(:func:`blockflow.ml._group.run_group`, :func:`blockflow.ml.parallel._stage.run_segment`);
+it ends with every stage's checkpoint kept in worker memory (replicated on a second
+worker). A lost worker ends the segment; :mod:`~blockflow.ml.parallel._recovery` re-places
+the stages on the survivors and the segment runs again from the last checkpoint.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
-import uuid
-import warnings
+from concurrent.futures import CancelledError
 
 import dask.array as da
 import numpy as np
-from dask.utils import parse_timedelta
-from distributed import futures_of
+from distributed import futures_of, wait
 
 from blockflow import config
-from blockflow.errors import BlockflowWarning, WorkerLostError
+from blockflow.ml._group import GroupLost, run_group
 from blockflow.ml.parallel import _recovery, _stage
-from blockflow.ml.parallel.schedule import PipelineResult, schedule_order, timeline
+from blockflow.ml.parallel.schedule import PipelineResult, timeline
 
-__all__ = ["METADATA_KEY", "RolledBack", "first", "micro_batches", "micro_slices", "step"]
-
-logger = logging.getLogger("blockflow.ml.parallel.pipeline")
+__all__ = ["METADATA_KEY", "first", "micro_batches", "micro_sizes", "run_steps"]
 
 #: Scheduler metadata key under which the latest pipeline run publishes its timeline.
 METADATA_KEY = ("blockflow", "pipeline")
@@ -49,161 +45,20 @@ def micro_batches(pipe, n_rows: int, n_micro_batches: int | None) -> int:
         raise ValueError(f"blockflow: n_micro_batches={n_micro_batches!r} for a batch of "
                          f"{n_rows} rows; a micro-batch needs at least one row: pass "
                          f"n_micro_batches between 1 and {n_rows}.")
-    return int(m)
+    m = int(m)
+    if pipe.schedule == "interleaved1f1b":
+        rounds = max(1, m // max(1, len(pipe.ranks) or pipe.n_stages))
+        if m % rounds:
+            raise ValueError(f"blockflow: the interleaved 1F1B schedule runs micro-batches "
+                             f"in rounds of the {len(pipe.ranks)} ranks; {m} is not a "
+                             f"multiple of {rounds} rounds: pass a multiple of "
+                             f"{len(pipe.ranks)}.")
+    return m
 
 
-def micro_slices(data, lo: int, rows: int, m: int) -> tuple[list, list[int]]:
-    """``data[lo:lo + rows]`` cut into ``m`` micro-batches differing by at most one row,
-    and their row counts."""
-    sizes = [len(a) for a in np.array_split(np.arange(rows), m)]
-    cuts = lo + np.concatenate([[0], np.cumsum(sizes)])
-    return [data[cuts[j]:cuts[j + 1]] for j in range(m)], sizes
-
-
-def _loss_weight(pipe, rows: int, total: int) -> float:
-    """A micro-batch's share of the batch's loss: ``rows / total`` for a ``"mean"`` loss,
-    1 for ``"sum"``; another reduction raises ``ValueError``."""
-    reduction = getattr(pipe.loss_fn, "reduction", "mean")
-    if reduction == "sum":
-        return 1.0
-    if reduction != "mean":
-        raise ValueError(f"blockflow: the loss's reduction must be 'mean' or 'sum', got "
-                         f"{reduction!r}.")
-    return rows / total
-
-
-def step(pipe, xs: list, ts: list | None, sizes: list[int], **kw) -> PipelineResult:
-    """A step with recovery: a lost stage worker rebuilds and the step runs again."""
-    if not pipe.stage_workers:
-        pipe._place(first(xs[0]), len(xs))
-    recovered: list[str] = []
-    while True:
-        try:
-            result = _try_step(pipe, xs, ts, sizes, **kw)
-            break
-        except WorkerLostError as e:
-            lost = set(e.lost) - pipe._alive() or set(pipe.stage_workers) - pipe._alive()
-            if not lost:
-                raise
-            before = pipe.steps
-            stages = _recovery.recover(pipe, lost, f"the pipeline step over {sum(sizes)} rows")
-            recovered += stages
-            pipe.recoveries.append({"step": before, "resumed_from": pipe.steps,
-                                    "stages": stages, "lost": sorted(lost)})
-            if pipe.steps < before:
-                warnings.warn(
-                    f"blockflow: the pipeline rolled back to the checkpoint of step "
-                    f"{pipe.steps} after losing a stage's worker: steps {pipe.steps + 1}-"
-                    f"{before} are undone (fit() replays them; checkpoint_every=1 loses "
-                    f"none).", BlockflowWarning, stacklevel=3)
-                raise RolledBack(before) from None
-    result.recovered = recovered
-    return result
-
-
-def _try_step(pipe, xs, ts, sizes, *, return_grads, return_output, publish, name):
-    """One try of a step: a task per stage running its schedule as a loop on its worker."""
-    c, p, m = pipe.client, len(pipe.stage_workers), len(xs)
-    gone = set(pipe.stage_workers) - pipe._alive()
-    if gone:  # lost between steps: rebuild before sending it anything
-        raise WorkerLostError(f"blockflow: workers lost: {sorted(gone)}", lost=gone)
-    train = ts is not None
-    token = uuid.uuid4().hex[:8]
-    total = sum(sizes)
-    try:
-        inputs = _place_data(c, xs, pipe.stage_workers[0])
-        targets = _place_data(c, ts, pipe.stage_workers[-1]) if train else None
-    except Exception:
-        gone = set(pipe.stage_workers) - pipe._alive()
-        if gone:  # the worker left while the data went to it
-            raise WorkerLostError(f"blockflow: workers lost: {sorted(gone)}",
-                                  lost=gone) from None
-        raise
-    weights = [_loss_weight(pipe, n, total) for n in sizes] if train else None
-    want_output = return_output or not train
-    wait = parse_timedelta(config.get("parallel.stage-wait"))
-    # one task per stage: the stage runs its schedule as a loop on its worker and
-    # sends activations and gradients straight to its neighbours' workers
-    futures = []
-    for s, w in enumerate(pipe.stage_workers):
-        order = (schedule_order(pipe.schedule, p, m, s) if train
-                 else [("F", j) for j in range(m)])
-        plan = {"train": train, "order": order, "name": pipe._stage_name(s),
-                "prev": (pipe.stage_workers[s - 1], pipe._keys[s - 1]) if s else None,
-                "next": ((pipe.stage_workers[s + 1], pipe._keys[s + 1]) if s < p - 1
-                         else None),
-                "weights": weights if s == p - 1 else None,
-                "want_output": want_output and s == p - 1,
-                "want_grads": return_grads, "step_optimizer": pipe.optimizer is not None,
-                "wait": wait}
-        futures.append(c.submit(
-            _stage.run, pipe._keys[s], token, pipe.steps, plan,
-            inputs if s == 0 else None, targets if s == p - 1 else None,
-            workers=[w], allow_other_workers=False, pure=False,
-            key=f"{name}-stage-{token}-{s}"))
-    try:
-        done = pipe._gather(futures, needed=set(pipe.stage_workers),
-                            what="the pipeline step")
-    except BaseException:
-        _cancel_step(pipe, token, futures)
-        raise
-    output = None
-    if want_output:
-        output = np.concatenate([np.asarray(o) for o in done[-1]["outputs"]])
-    loss = grads = None
-    peaks: list[int] = []
-    if train:
-        loss = float(done[-1]["loss"])
-        peaks = [int(f["peak_stash"]) for f in done]
-        pipe._stage_bytes = [max(b, int(f["bytes"]))
-                             for b, f in zip(pipe._stage_bytes, done)]
-        if return_grads:
-            grads = {k: (None if v is None else v.numpy()) for f in done
-                     for k, v in f["grads"].items()}
-        pipe.steps += 1
-        if pipe.checkpoint_every and pipe.steps % pipe.checkpoint_every == 0:
-            _recovery.checkpoint(pipe)
-    # one host has one clock; across hosts each worker's offset to the scheduler's
-    hosts = {_host(w) for w in pipe.stage_workers}
-    tasks = timeline([[(ph, j, a + f["clock"], b + f["clock"]) for ph, j, a, b in
-                       f["records"]] if len(hosts) > 1 else f["records"] for f in done],
-                     pipe.stage_workers)
-    makespan = float(tasks.stop.max()) if len(tasks) else 0.0
-    result = PipelineResult(output=output, loss=loss, grads=grads, timeline=tasks,
-                            makespan=makespan, n_micro_batches=m, n_stages=p,
-                            rows=total, micro_batch_rows=list(sizes),
-                            schedule=pipe.schedule if train else "gpipe",
-                            peak_activations=peaks)
-    if publish:
-        _publish_timeline(pipe, result, name)
-    return result
-
-
-def _cancel_step(pipe, token: str, futures: list) -> None:
-    """End a failed step's stage loops on the workers still there, then forget its tasks."""
-    alive = pipe._alive()
-    c = pipe.client
-
-    async def send():
-        calls = [asyncio.wait_for(getattr(c.rpc(w), _stage.HANDLER)(
-            key=k, token=token, cancel=True), 10)
-            for k, w in zip(pipe._keys, pipe.stage_workers) if w in alive]
-        return await asyncio.gather(*calls, return_exceptions=True)
-
-    try:
-        c.sync(send)
-    except Exception as e:  # the workers are gone too: nothing waits there
-        logger.debug("blockflow: cancelling pipeline step %s: %s", token, e)
-    c.cancel(futures)
-
-
-class RolledBack(Exception):
-    """A step lost a stage and the pipeline rolled back to an earlier checkpoint."""
-
-
-def _host(address: str) -> str:
-    """The host part of a worker's address (``tcp://10.0.0.1:4567`` -> ``10.0.0.1``)."""
-    return address.split("://")[-1].rsplit(":", 1)[0]
+def micro_sizes(rows: int, m: int) -> list[int]:
+    """Rows of each of ``m`` micro-batches of a ``rows`` batch (differing by at most one)."""
+    return [len(a) for a in np.array_split(np.arange(rows), m)]
 
 
 def first(x):
@@ -213,17 +68,131 @@ def first(x):
 
 def _place_data(client, parts: list, worker: str) -> list:
     """Futures of ``parts`` on ``worker``: dask slices computed there, the rest scattered."""
-    # loose: the slices' keys are deterministic, so a later step (or the step replayed after
-    # a recovery) reuses tasks placed before; pinned to a worker that has since left, they
-    # would wait in "no-worker" for ever. Loose, they are recomputed on a survivor.
-    on = dict(workers=[worker], allow_other_workers=True)
+    # loose: a slice pinned to a worker that has since left would wait for ever
     if all(isinstance(a, da.Array) for a in parts):
-        done = client.persist([a.rechunk(-1) for a in parts], **on)
+        done = client.persist([a.rechunk(-1) for a in parts], workers=[worker],
+                              allow_other_workers=True)
         return [futures_of(d)[0] for d in done]
-    return client.scatter(list(parts), workers=[worker], hash=False)
+    return client.scatter([np.asarray(a) if not hasattr(a, "detach") else a for a in parts],
+                          workers=[worker], hash=False)
 
 
-def _publish_timeline(pipe, result: PipelineResult, name: str) -> None:
+def _segment(pipe, batches: list, *, train: bool, want_grads: bool, want_output: bool
+             ) -> tuple[list, list]:
+    """One group over ``batches`` (``(x, target, sizes)`` each): the ranks' summaries and
+    the new checkpoint futures (per stage)."""
+    c = pipe.client
+    ranks, n, W = pipe.ranks, pipe.n_stages, len(pipe.ranks)
+    xs = _place_data(c, [b[0] for b in batches], pipe.stage_workers[0])
+    ts = _place_data(c, [b[1] for b in batches], pipe.stage_workers[-1]) if train else None
+    common = {"n_stages": n, "bounds": list(pipe.bounds), "names": [m for m, _ in pipe._named],
+              "schedule": pipe.schedule, "optimizer": pipe.optimizer, "loss": pipe.loss_fn,
+              "seed": pipe.seed, "first_step": pipe.steps, "train": train,
+              "steps": [b[2] for b in batches], "want_grads": want_grads,
+              "want_output": want_output}
+    args = []
+    for r in range(W):
+        mine = [s for s in range(n) if s % W == r]
+        payloads = [[pipe._layer_futs[k] for k in range(pipe.bounds[s], pipe.bounds[s + 1])]
+                    for s in mine]
+        ckpts = [[f for a, b, f in pipe._ckpt if a < pipe.bounds[s + 1] and b > pipe.bounds[s]]
+                 for s in mine]
+        args.append((dict(common, stages=mine), payloads, ckpts,
+                     xs if 0 in mine else None, ts if n - 1 in mine else None))
+    futs = run_group(c, ranks, _stage.run_segment, args, name="pipeline-rank",
+                     what="the pipeline", gather=False)
+    summaries = c.gather([c.submit(_summary, f, workers=[w], pure=False)
+                          for f, w in zip(futs, ranks)])
+    ckpt = []
+    if train:
+        for s in range(n):
+            r = s % W
+            ckpt.append((pipe.bounds[s], pipe.bounds[s + 1], c.submit(
+                _stage.part, futs[r], "state", s // W, workers=[ranks[r]], pure=False)))
+        wait([f for _, _, f in ckpt])
+        if len(pipe._alive()) > 1:
+            c.replicate([f for _, _, f in ckpt], n=2)
+    del futs
+    return summaries, ckpt
+
+
+def _summary(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "state"}
+
+
+def run_steps(pipe, batches: list, *, train: bool, want_grads: bool = False,
+              want_output: bool = False, callback=None, what: str = "the pipeline step"
+              ) -> list[dict]:
+    """Run ``batches`` (``(x, target, sizes)``) in segments of ``checkpoint_every`` steps,
+    recovering from lost workers; returns per segment the last-rank summary and timing."""
+    every = pipe.checkpoint_every or len(batches) or 1
+    out: list[dict] = []
+    i = 0
+    while i < len(batches) or (not batches and not out):
+        seg = batches[i:i + every]
+        t0 = time.perf_counter()
+        try:
+            summaries, ckpt = _segment(pipe, seg, train=train, want_grads=want_grads,
+                                       want_output=want_output)
+        except GroupLost as e:
+            _recovery.recover(pipe, set(e.lost), what, redone=len(seg) if train else 0)
+            continue
+        except CancelledError:  # a killed worker's rank task is forgotten, not errored
+            gone = set(pipe.ranks) - pipe._alive()
+            if not gone:
+                raise
+            _recovery.recover(pipe, gone, what, redone=len(seg) if train else 0)
+            continue
+        wall = time.perf_counter() - t0
+        if train:
+            pipe._ckpt = ckpt
+            pipe.steps += len(seg)
+            held = [0] * pipe.n_stages
+            for s in summaries:
+                for k, st in enumerate(s["stages"]):
+                    held[st] = int(s["bytes"][k]) if k < len(s["bytes"]) else 0
+            pipe._stage_bytes = held
+        out.append({"summaries": summaries, "wall": wall, "first": i})
+        if callback is not None:
+            callback(i, summaries)
+        i += len(seg)
+        if not batches:
+            break
+    return out
+
+
+def result_of(pipe, seg: dict, sizes: list[int], train: bool, schedule: str) -> PipelineResult:
+    """A :class:`PipelineResult` for the last step of a segment's summaries."""
+    sums = seg["summaries"]
+    last = next(s for s in sums if pipe.n_stages - 1 in s["stages"])
+    hosts = {h.split("://")[-1].rsplit(":", 1)[0] for h in pipe.ranks}
+    records, workers = [None] * pipe.n_stages, [None] * pipe.n_stages
+    peaks = [0] * pipe.n_stages
+    for s in sums:
+        for i, st in enumerate(s["stages"]):
+            recs = s["records"][i]
+            records[st] = [(ph, j, a + s["clock"], b + s["clock"]) for ph, j, a, b in recs] \
+                if len(hosts) > 1 else recs
+            workers[st] = pipe.stage_workers[st]
+            peaks[st] = int(s["peak"][i])
+    tasks = timeline(records, workers)
+    makespan = float(tasks.stop.max()) if len(tasks) else 0.0
+    grads = None
+    if any(s["grads"] is not None for s in sums):
+        grads = {k: (None if v is None else v.numpy()) for s in sums
+                 for k, v in (s["grads"] or {}).items()}
+    output = None
+    if last["outputs"]:
+        output = np.concatenate([o.float().numpy() if str(o.dtype) in (
+            "torch.bfloat16", "torch.float16") else o.numpy() for o in last["outputs"]])
+    return PipelineResult(output=output, loss=last["losses"][-1] if last["losses"] else None,
+                          grads=grads, timeline=tasks, makespan=makespan,
+                          n_micro_batches=len(sizes), n_stages=pipe.n_stages, rows=sum(sizes),
+                          micro_batch_rows=list(sizes), schedule=schedule if train else "gpipe",
+                          peak_activations=peaks if train else [])
+
+
+def publish_timeline(pipe, result: PipelineResult, name: str) -> None:
     """Put a step's timeline in the scheduler's metadata under :data:`METADATA_KEY`."""
     t = result.timeline
     pipe.client.set_metadata(list(METADATA_KEY), {

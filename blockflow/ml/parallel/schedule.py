@@ -1,5 +1,7 @@
-"""Pipeline schedules (GPipe, Huang et al., 2019; 1F1B, Narayanan et al., 2021) and
-:class:`PipelineResult`, what a :class:`~blockflow.parallel.PipelineParallel` step gives.
+"""Pipeline schedules (GPipe, Huang et al., 2019; 1F1B, Narayanan et al., 2021; torch's
+interleaved 1F1B) and :class:`PipelineResult`, what a
+:class:`~blockflow.parallel.PipelineParallel` step gives (its timeline measured on the
+ranks by hooks on torch's ``PipelineStage``).
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ import pandas as pd
 
 __all__ = ["SCHEDULES", "PipelineResult", "bubble_fraction", "schedule_order", "timeline"]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
 
 def schedule_order(schedule: str, n_stages: int, n_micro_batches: int, stage: int
                    ) -> list[tuple[str, int]]:
-    """The order stage ``stage`` runs its tasks in: ``("F", j)`` and ``("B", j)``.
+    """The order stage ``stage`` runs its tasks in: ``("F", j)`` and ``("B", j)``: the
+    order torch's ``ScheduleGPipe`` and ``Schedule1F1B`` run (a run's measured order is
+    :attr:`PipelineResult.timeline`; ``ScheduleInterleaved1F1B``'s is torch's own).
 
     Parameters
     ----------
@@ -30,6 +34,9 @@ def schedule_order(schedule: str, n_stages: int, n_micro_batches: int, stage: in
         forwards, then one forward and one backward in turn, then the remaining backwards.
     """
     p, m, s = n_stages, n_micro_batches, stage
+    if schedule not in ("gpipe", "1f1b"):
+        raise ValueError(f"blockflow: schedule_order knows 'gpipe' and '1f1b', got "
+                         f"{schedule!r} (the interleaved order is torch's).")
     if schedule == "gpipe":
         return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
     warm = min(p - s - 1, m)
