@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import uuid
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 from urllib.parse import urlparse
@@ -30,7 +31,8 @@ from blockflow.errors import WorkerLostError
 from blockflow.scheduling.view import workers_info
 from blockflow.scheduling.wait import wait_any
 
-__all__ = ["GroupLost", "Rank", "RankFailed", "run_group", "worker_processes"]
+__all__ = ["GroupLost", "Rank", "RankFailed", "first_kept", "keep_copies", "run_group",
+           "worker_processes"]
 
 _ONE_GROUP = threading.Lock()  # torch's default group is one per process
 _held_by: list = [None]  # the token of the group this process holds a rank of
@@ -184,6 +186,34 @@ def _is_peer_failure(e: BaseException) -> bool:
                                    "broken pipe", "gloo", "nccl", "connection refused"))
 
 
+def _copy(value):
+    return value
+
+
+def keep_copies(client, futures: Sequence, workers: Sequence[str], made_on: Sequence[str],
+                copies: int = 2) -> list:
+    """Each of ``futures`` (finished, made on ``made_on[i]``) kept on ``copies`` workers: per
+    future, a list of it and copies under keys of their own on other workers of ``workers``
+    (a checkpoint kept in peers' memory). Copies of one key would not do: distributed's
+    active memory manager drops the replicas ``client.replicate`` makes (``ReduceReplicas``).
+    """
+    out = []
+    for f, home in zip(futures, made_on):
+        others = [w for w in workers if w != home][:max(0, copies - 1)]
+        out.append([f] + [client.submit(_copy, f, workers=[w], allow_other_workers=False,
+                                        pure=False, key=f"checkpoint-copy-{uuid.uuid4().hex}")
+                          for w in others])
+    from distributed import wait
+
+    wait([k for ks in out for k in ks[1:]])
+    return out
+
+
+def first_kept(kept: Sequence):
+    """The first of ``kept`` (from :func:`keep_copies`) still in memory, or None."""
+    return next((f for f in kept if f.status == "finished"), None)
+
+
 def worker_processes(client, workers: Sequence[str] | None = None,
                      info: dict | None = None) -> list[str]:
     """``workers`` (default all), keeping the first of any that share one process (one
@@ -270,23 +300,32 @@ def run_group(client, workers: Sequence[str], fn: Callable, args: Sequence[tuple
 def _wait_ranks(client, futures: list, workers: list, what: str, poll: float,
                 grace: float) -> None:
     """Until every rank is done; the cause when one fails; :class:`GroupLost` when workers
-    go."""
+    go (a killed worker's rank, and a rank whose inputs it held, come back cancelled)."""
     pending = set(futures)
     failed_at = None
     while pending:
-        for f in wait_any(pending, timeout=poll):
+        try:
+            done = wait_any(pending, timeout=poll)
+        except CancelledError:
+            done = [f for f in pending if f.cancelled()]
+        gone = set(workers) - set(workers_info(client))
+        if gone:
+            ranks = ", ".join(f"{w} (rank {workers.index(w)})" for w in workers if w in gone)
+            raise GroupLost(f"blockflow: {what}: lost {ranks}.", lost=gone)
+        for f in done:
             pending.discard(f)
             if f.status == "error":
                 e = f.exception()
                 if not isinstance(e, RankFailed):  # the cause: at once
                     raise e.with_traceback(None)
-                failed_at = failed_at or time.monotonic()
-        gone = set(workers) - set(workers_info(client))
-        if gone:
-            ranks = ", ".join(f"{w} (rank {workers.index(w)})" for w in workers if w in gone)
-            raise GroupLost(f"blockflow: {what}: lost {ranks}.", lost=gone)
+            failed_at = failed_at or (None if f.status == "finished" else time.monotonic())
         if failed_at is not None and (not pending or time.monotonic() - failed_at > grace):
             break
     errors = [f.exception() for f in futures if f.status == "error"]
     if errors:  # every rank that ended said a peer did: the first
         raise errors[0].with_traceback(None)
+    cancelled = [workers[i] for i, f in enumerate(futures) if f.status != "finished"]
+    if cancelled:
+        raise GroupLost(f"blockflow: {what}: the ranks on {', '.join(cancelled)} were "
+                        f"cancelled: data they read was lost with a worker.",
+                        lost=set(workers) - set(workers_info(client)))

@@ -12,6 +12,7 @@ import time
 import warnings
 
 from blockflow.errors import BlockflowWarning, DeviceMemoryError, WorkerLostError
+from blockflow.ml._group import first_kept
 from blockflow.ml.parallel import _placement
 
 __all__ = ["recover"]
@@ -34,7 +35,7 @@ def recover(pipe, lost: set[str], what: str, redone: int) -> None:
     stages = ", ".join(names) or "no stage"
     workers = ", ".join(sorted(lost))
     survivors = [w for w in pipe.workers if w not in lost and w in pipe._alive()]
-    gone = [f for _, _, f in pipe._ckpt if f.status != "finished"]
+    gone = [k for _, _, k in pipe._ckpt if first_kept(k) is None]
     reason = None
     if not survivors:
         reason = "no worker is left to take it"

@@ -232,7 +232,7 @@ def run_segment(rank, plan: dict, payloads: list, ckpts: list, inputs: list | No
 
     device = rank.device
     Stage = _stage_class()
-    mods, opts, stages_of = [], [], {}
+    mods, opts = [], []
     for s, pay, ck in zip(plan["stages"], payloads, ckpts):
         seq, opt, _ = _build(plan, s, pay, ck, device)
         seq.train(plan["train"])

@@ -17,7 +17,7 @@ import numpy as np
 from distributed import futures_of, wait
 
 from blockflow import config
-from blockflow.ml._group import GroupLost, run_group
+from blockflow.ml._group import GroupLost, first_kept, keep_copies, run_group
 from blockflow.ml.parallel import _recovery, _stage
 from blockflow.ml.parallel.schedule import PipelineResult, timeline
 
@@ -95,7 +95,8 @@ def _segment(pipe, batches: list, *, train: bool, want_grads: bool, want_output:
         mine = [s for s in range(n) if s % W == r]
         payloads = [[pipe._layer_futs[k] for k in range(pipe.bounds[s], pipe.bounds[s + 1])]
                     for s in mine]
-        ckpts = [[f for a, b, f in pipe._ckpt if a < pipe.bounds[s + 1] and b > pipe.bounds[s]]
+        ckpts = [[first_kept(k) for a, b, k in pipe._ckpt
+                  if a < pipe.bounds[s + 1] and b > pipe.bounds[s]]
                  for s in mine]
         args.append((dict(common, stages=mine), payloads, ckpts,
                      xs if 0 in mine else None, ts if n - 1 in mine else None))
@@ -110,8 +111,9 @@ def _segment(pipe, batches: list, *, train: bool, want_grads: bool, want_output:
             ckpt.append((pipe.bounds[s], pipe.bounds[s + 1], c.submit(
                 _stage.part, futs[r], "state", s // W, workers=[ranks[r]], pure=False)))
         wait([f for _, _, f in ckpt])
-        if len(pipe._alive()) > 1:
-            c.replicate([f for _, _, f in ckpt], n=2)
+        kept = keep_copies(c, [f for _, _, f in ckpt], sorted(pipe._alive()),
+                           [ranks[s % W] for s in range(n)])
+        ckpt = [(a, b, k) for (a, b, _), k in zip(ckpt, kept)]
     del futs
     return summaries, ckpt
 
@@ -131,13 +133,19 @@ def run_steps(pipe, batches: list, *, train: bool, want_grads: bool = False,
     while i < len(batches) or (not batches and not out):
         seg = batches[i:i + every]
         t0 = time.perf_counter()
+        gone = set(pipe.ranks) - pipe._alive()
+        if gone:  # lost between segments (or calls): re-place before sending anything
+            _recovery.recover(pipe, gone, what, redone=0)
         try:
             summaries, ckpt = _segment(pipe, seg, train=train, want_grads=want_grads,
                                        want_output=want_output)
         except GroupLost as e:
             _recovery.recover(pipe, set(e.lost), what, redone=len(seg) if train else 0)
             continue
-        except CancelledError:  # a killed worker's rank task is forgotten, not errored
+        except (CancelledError, OSError):  # data sent to a worker that just died
+            deadline = time.monotonic() + 10  # the scheduler notices within a heartbeat
+            while not set(pipe.ranks) - pipe._alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
             gone = set(pipe.ranks) - pipe._alive()
             if not gone:
                 raise

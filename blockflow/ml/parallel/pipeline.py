@@ -27,7 +27,7 @@ from blockflow.ml.parallel.schedule import (
     bubble_fraction,
     schedule_order,
 )
-from blockflow.ml._group import worker_processes
+from blockflow.ml._group import first_kept, worker_processes
 from blockflow.scheduling.view import workers_info
 from blockflow.scheduling.wait import gather_as_done
 
@@ -406,7 +406,8 @@ class PipelineParallel:
             return {f"{name}.{k}": v for name, m in self._named
                     for k, v in m.state_dict().items()} if self._named else \
                 torch.nn.Sequential().state_dict()
-        futs = [self.client.submit(_stage.model_state, f, pure=False) for _, _, f in self._ckpt]
+        futs = [self.client.submit(_stage.model_state, first_kept(k), pure=False)
+                for _, _, k in self._ckpt]
         out: dict = {}
         for part in self.client.gather(futs):
             out.update(_stage._loads(part))
