@@ -70,6 +70,41 @@ class RankFailed(RuntimeError):
     """A rank ended because a peer did (a collective failed or timed out): not the cause."""
 
 
+class _HeapForTensors:
+    """glibc's heap kept for tensors while a rank runs, as in a plain process.
+
+    Dask's nanny sets ``MALLOC_TRIM_THRESHOLD_`` (64 KiB) in its workers, which also fixes
+    glibc's mmap threshold at 128 KiB: every activation or gradient above it is then
+    mmapped and unmapped (zeroed pages, faults) at each step, measured 1.4x slower per
+    training step of a 4-layer 1024-wide MLP here. A rank raises both thresholds to
+    glibc's largest mmap threshold (32 MiB) and restores the nanny's on leaving, trimming
+    the heap then. Linux glibc only; elsewhere nothing changes.
+    """
+
+    TRIM, MMAP, LARGE = -1, -3, 32 * 2**20
+
+    def __enter__(self):
+        import ctypes
+        import sys
+
+        self.libc = None
+        if sys.platform.startswith("linux"):
+            try:
+                self.libc = ctypes.CDLL("libc.so.6")
+                self.libc.mallopt(self.MMAP, self.LARGE)
+                self.libc.mallopt(self.TRIM, 8 * self.LARGE)
+            except (OSError, AttributeError):
+                self.libc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.libc is not None:
+            trim = os.environ.get("MALLOC_TRIM_THRESHOLD_", "")
+            self.libc.mallopt(self.TRIM, int(trim) if trim.isdigit() else 128 * 1024)
+            self.libc.mallopt(self.MMAP, 128 * 1024)
+            self.libc.malloc_trim(0)
+
+
 def _seconds(name: str, value) -> float:
     return float(parse_timedelta(config.get(f"ml.{name}") if value is None else value))
 
@@ -156,7 +191,8 @@ def _rank_main(fn: Callable, rank: int, workers: list, token: str, what: str,
         ctx = Rank(rank, len(workers), worker.address, list(workers), backend, device)
         _distributed.quiet_task_failures(RankFailed)  # a peer's end is logged by that peer
         try:
-            return fn(ctx, *args)
+            with _HeapForTensors():
+                return fn(ctx, *args)
         except (dist.DistError, RuntimeError) as e:
             if _is_peer_failure(e):
                 raise RankFailed(f"rank {rank} on {worker.address}: {str(e).splitlines()[0]}"
