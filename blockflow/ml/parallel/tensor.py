@@ -332,8 +332,9 @@ class TensorParallel:
     workers : list of str
         The ranks' workers, in rank order.
     widths : dict of str to dict of str to int
-        Per sharded block (its name in ``module``, ``""`` for the module itself): hidden
-        columns (MLP) or heads (attention) per worker; equal (torch shards evenly).
+        Per worker, per sharded block (its name in ``module``, ``""`` for the module
+        itself): its hidden columns (MLP) or heads (attention); the same on every worker
+        (torch shards evenly).
     blocks : dict of str to str
         Each sharded block's kind, ``"mlp"`` or ``"attention"``.
     shard_bytes : int
@@ -410,8 +411,8 @@ class TensorParallel:
             if len(fits) >= n:
                 self.workers = sorted(fits[:n])
                 self.shard_bytes = int(need)
-                self.widths = {name: {w: units // n for w in self.workers}
-                               for name, _, units, _ in self._blocks}
+                self.widths = {w: {name: units // n for name, _, units, _ in self._blocks}
+                               for w in self.workers}
                 logger.info("blockflow: tensor parallelism over %d workers: %s", n,
                             self.widths)
                 return
