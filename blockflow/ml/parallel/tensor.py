@@ -18,6 +18,7 @@ import copy
 import logging
 import math
 import operator
+import time
 import warnings
 from typing import Callable, Sequence
 
@@ -263,7 +264,7 @@ def _rank(rank, model: bytes, plan: dict, state, job: dict, data: tuple):
             opt.load_state_dict(saved)
         X, Y = tensor(data[0]), tensor(data[1])
         rows, size = X.shape[0], job["batch_size"] or X.shape[0]
-        losses = []
+        losses, seconds = [], []
         model.train()
         for epoch in range(job["epochs"]):
             if job["shuffle"]:
@@ -274,18 +275,20 @@ def _rank(rank, model: bytes, plan: dict, state, job: dict, data: tuple):
                 order = torch.arange(rows, device=rank.device)
             for start in range(0, rows, size):
                 idx = order[start:start + size]
+                t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
                 y = model(X[idx])
                 loss = job["loss"](y[0] if isinstance(y, tuple) else y, Y[idx])
                 loss.backward()
                 opt.step()
                 losses.append(float(loss.detach()))
+                seconds.append(time.perf_counter() - t0)
         opt.zero_grad(set_to_none=True)
         osd = opt.state_dict()
         osd["state"] = {i: {k: _full(v).detach().cpu().clone() if torch.is_tensor(v) else v
                             for k, v in s.items()} for i, s in osd["state"].items()}
         msd = {n: _full(t).detach().cpu().clone() for n, t in model.state_dict().items()}
-        out = {"losses": losses, "state": _pack({"model": msd, "optim": osd})}
+        out = {"losses": losses, "seconds": seconds, "state": _pack({"model": msd, "optim": osd})}
     return (out if kind == "fit" else _pack(out)) if rank.rank == 0 else None
 
 
@@ -341,6 +344,9 @@ class TensorParallel:
         Parameter bytes each rank holds (its shards and the replicated parameters).
     history_ : list of float
         The loss of every training step so far.
+    step_seconds_ : list of float
+        Wall seconds of every training step so far on rank 0 (forward, backward with
+        torch's collectives, optimizer step).
     steps_ : int
 
     Raises
@@ -378,6 +384,7 @@ class TensorParallel:
         self.optimizer, self.loss = optimizer or _sgd, loss or _mse()
         self.seed = int(seed)
         self.history_: list[float] = []
+        self.step_seconds_: list[float] = []
         self.steps_, self._epochs = 0, 0
         self._state = None  # future of the checkpoint {"model", "optim"}, or None
         self._fresh_optimizer = True
@@ -519,13 +526,15 @@ class TensorParallel:
                    seed=self.seed, epoch0=self._epochs, optimizer=self.optimizer,
                    loss=self.loss, fresh=self._fresh_optimizer)
         rank0 = self._call(job, (X, y), "training", gather=False)[0]
-        losses = self.client.submit(operator.getitem, rank0, "losses", pure=False).result()
+        losses, seconds = self.client.submit(operator.itemgetter("losses", "seconds"), rank0,
+                                             pure=False).result()
         state = self.client.submit(operator.getitem, rank0, "state", pure=False)
         wait(state)  # kept on the worker
         if len(self.workers) > 1:
             self.client.replicate(state, n=2)
         self._state, self._fresh_optimizer = state, False
         self.history_ += losses
+        self.step_seconds_ += seconds
         self.steps_ += len(losses)
         self._epochs += int(epochs)
         return self
