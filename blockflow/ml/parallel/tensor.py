@@ -15,6 +15,7 @@ Guide: docs/guide/ai.md.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import operator
@@ -292,18 +293,6 @@ def _rank(rank, model: bytes, plan: dict, state, job: dict, data: tuple):
     return (out if kind == "fit" else _pack(out)) if rank.rank == 0 else None
 
 
-def _mse():
-    import torch
-
-    return torch.nn.MSELoss()
-
-
-def _sgd(params):
-    import torch
-
-    return torch.optim.SGD(params, lr=0.01)
-
-
 # --- the client's handle ----------------------------------------------------------------------
 
 
@@ -372,6 +361,8 @@ class TensorParallel:
     def __init__(self, client, module, *, workers: Sequence[str] | None = None,
                  memory_fraction: float | None = None, optimizer: Callable | None = None,
                  loss: Callable | None = None, seed: int = 0):
+        import torch
+
         self.client = client
         self.memory_fraction = float(config.get("parallel.memory-fraction", memory_fraction))
         self._model, blocks = _prepare(module)
@@ -381,7 +372,8 @@ class TensorParallel:
         self.blocks = {name: kind for name, kind, *_ in blocks}
         self._plan = _plan(self._model, blocks)
         self._choices = None if workers is None else list(workers)
-        self.optimizer, self.loss = optimizer or _sgd, loss or _mse()
+        self.optimizer = optimizer or functools.partial(torch.optim.SGD, lr=0.01)
+        self.loss = loss or torch.nn.MSELoss()
         self.seed = int(seed)
         self.history_: list[float] = []
         self.step_seconds_: list[float] = []
@@ -403,33 +395,35 @@ class TensorParallel:
             raise ValueError(f"blockflow: TensorParallel: workers {missing} are not in the "
                              f"cluster; choose among {sorted(free)}.")
         if not choices:
-            raise RuntimeError("blockflow: TensorParallel: no workers left to place the "
-                               "model on; start some first.")
+            raise RuntimeError("blockflow: TensorParallel: no workers to place the model on.")
         choices = sorted(worker_processes(self.client, choices),
                          key=lambda w: (-free[w], w))
         total = sum(p.numel() * p.element_size() for p in self._model.parameters())
         sharded = sum(units * b for _, _, units, b in self._blocks)
-        need = None
+        smallest = None
         for n in range(len(choices), 0, -1):
             if any(units % n for _, _, units, _ in self._blocks):
                 continue
             need = total - sharded + sharded // n
+            smallest = smallest or (n, need)
             fits = [w for w in choices if self.memory_fraction * free[w] >= need]
             if len(fits) >= n:
-                self.workers = sorted(fits[:n])
-                self.shard_bytes = int(need)
+                self.workers, self.shard_bytes = sorted(fits[:n]), int(need)
                 self.widths = {w: {name: units // n for name, _, units, _ in self._blocks}
                                for w in self.workers}
                 logger.info("blockflow: tensor parallelism over %d workers: %s", n,
                             self.widths)
                 return
-        best = choices[0]
+        (n, need), best = smallest, choices[0]
+        room = self.memory_fraction * free[best]
+        short = (f"short by {int(need - room):,} bytes" if need > room else
+                 f"only {sum(self.memory_fraction * free[w] >= need for w in choices)} of "
+                 f"the {n} workers it needs have that much")
         raise DeviceMemoryError(
-            f"blockflow: TensorParallel: an even shard over {len(choices)} worker(s) takes "
-            f"{int(need):,} bytes of parameters but the most free device memory is "
-            f"{int(free[best]):,} bytes on {best} (memory fraction {self.memory_fraction:g}): "
-            f"short by {int(need - self.memory_fraction * free[best]):,} bytes; add workers "
-            f"or devices, or use a smaller model.", working_set=int(need),
+            f"blockflow: TensorParallel: an even shard over {n} worker(s) takes {int(need):,} "
+            f"bytes of parameters but the most free device memory is {int(free[best]):,} "
+            f"bytes on {best} (memory fraction {self.memory_fraction:g}): {short}; add "
+            f"workers or devices, or use a smaller model.", working_set=int(need),
             largest_free=int(free[best]) if math.isfinite(free[best]) else None)
 
     def _shard(self, worker: str) -> str:
@@ -513,8 +507,7 @@ class TensorParallel:
         if int(epochs) < 1 or (batch_size is not None and int(batch_size) < 1):
             raise ValueError(f"blockflow: TensorParallel.fit needs epochs >= 1 and "
                              f"batch_size >= 1, got epochs={epochs}, batch_size={batch_size}.")
-        _check(X, "X")
-        _check(y, "y")
+        _check(X=X, y=y)
         if len(X) != len(y):
             raise ValueError(f"blockflow: TensorParallel.fit: X has {len(X)} rows but y has "
                              f"{len(y)}.")
@@ -541,22 +534,20 @@ class TensorParallel:
 
     def forward(self, x):
         """The model's output for ``x`` (evaluation mode, no gradients), a CPU tensor."""
-        _check(x, "x")
+        _check(x=x)
         out = self._call(dict(kind="forward", seed=self.seed), (x,), "forward pass")[0]
         return _unpack(out)["output"]
 
     def predict(self, X) -> np.ndarray:
         """:meth:`forward` as a NumPy array (float32 for a bfloat16 or float16 model)."""
-        import torch
-
         out = self.forward(X)
-        return (out.float() if out.dtype in (torch.bfloat16, torch.float16) else out).numpy()
+        return (out.float() if out.is_floating_point() and out.dtype.itemsize < 4 else
+                out).numpy()
 
     def gradients(self, X, y, loss: Callable | None = None) -> dict:
         """Loss and full gradients (by the module's parameter names) of one batch, without
         an update: ``{"loss": float, "grads": {name: tensor}}``."""
-        _check(X, "X")
-        _check(y, "y")
+        _check(X=X, y=y)
         job = dict(kind="gradients", seed=self.seed, loss=loss or self.loss)
         out = _unpack(self._call(job, (X, y), "gradient pass")[0])
         return {"loss": out["loss"], "grads": _external(out["grads"], self._blocks)}
@@ -589,17 +580,17 @@ def _host(a) -> np.ndarray:
     """A host array to ship (half-precision tensors as float32: cast back on the rank)."""
     if hasattr(a, "detach"):
         a = a.detach().cpu()
-        if not a.dtype.is_floating_point or a.dtype.itemsize >= 4:
-            return a.numpy()
-        return a.float().numpy()
+        return (a.float() if a.dtype.is_floating_point and a.dtype.itemsize < 4 else a).numpy()
     return np.asarray(a)
 
 
-def _check(a, what: str) -> None:
+def _check(**arrays) -> None:
     """Non-finite values refused naming the argument (dask arrays are checked on use)."""
-    if hasattr(a, "dask") or a is None:
-        return
-    arr = np.asarray(a.detach().float().cpu() if hasattr(a, "detach") else a)
-    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-        raise ValueError(f"blockflow: TensorParallel: {what} has "
-                         f"{int((~np.isfinite(arr)).sum())} non-finite values (NaN or inf).")
+    for what, a in arrays.items():
+        if hasattr(a, "dask"):
+            continue
+        arr = _host(a)
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise ValueError(f"blockflow: TensorParallel: {what} has "
+                             f"{int((~np.isfinite(arr)).sum())} non-finite values (NaN or "
+                             f"inf).")
