@@ -29,7 +29,7 @@ import numpy as np
 
 from blockflow import config
 from blockflow.errors import BlockflowWarning, DeviceMemoryError, WorkerLostError
-from blockflow.ml._group import GroupLost, run_group, worker_processes
+from blockflow.ml._group import GroupLost, RankFailed, run_group, worker_processes
 from blockflow.ml._pickling import FIX_TRAIN, dumps_or_explain
 from blockflow.scheduling.view import worker_memory, workers_info
 
@@ -185,12 +185,6 @@ def _external(state: dict, blocks) -> dict:
 # --- on the workers: one rank ---------------------------------------------------------------
 
 
-def _full(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _pack(obj) -> bytes:
     """``torch.save`` bytes: every dtype travels (distributed's tensor serialiser does not
     take bfloat16, issue 39)."""
@@ -221,6 +215,9 @@ def _rank(rank, model: bytes, plan: dict, state, job: dict, data: tuple):
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
+
+    def _full(t):  # a collective: every rank calls it, in the same order
+        return t.full_tensor() if isinstance(t, DTensor) else t
 
     torch.manual_seed(job["seed"])
     model = cloudpickle.loads(model).to(rank.device)
@@ -389,7 +386,8 @@ class TensorParallel:
         """Choose the ranks' workers: the most that divide every block's width and whose
         free memory fits the even shard."""
         free = free_device_memory(self.client)
-        choices = [w for w in (self._choices or sorted(free)) if w not in exclude]
+        choices = [w for w in (self._choices or sorted(free)) if w not in exclude and
+                   (w in free or not exclude)]  # re-placing: the chosen workers left
         missing = sorted(set(choices) - set(free))
         if missing:
             raise ValueError(f"blockflow: TensorParallel: workers {missing} are not in the "
@@ -481,6 +479,10 @@ class TensorParallel:
                              what=f"tensor-parallel {what}", gather=gather)
         except GroupLost as e:
             raise self._lost(e.lost, what) from None
+        except RankFailed as e:  # a peer's collective failed before its worker was seen gone
+            gone = set(self.workers) - set(workers_info(self.client))
+            raise (self._lost(gone, what) if gone else RuntimeError(
+                f"blockflow: TensorParallel {what} failed: {e}")) from None
 
     # --- calls ---------------------------------------------------------------------------
 
