@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import io
 import logging
 import math
 import operator
@@ -100,8 +101,7 @@ def _attention_class():
             def heads(t):  # the local heads: the rank's columns of Q, K and V
                 return t.reshape(n, L, -1, self.head_dim).transpose(1, 2)
 
-            q, k, v = heads(self.q_proj(query)), heads(self.k_proj(query)), \
-                heads(self.v_proj(query))
+            q, k, v = (heads(f(query)) for f in (self.q_proj, self.k_proj, self.v_proj))
             attn = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(self.head_dim), dim=-1)
             out = self.out_proj((attn @ v).transpose(1, 2).reshape(n, L, -1))
             return out, None
@@ -171,14 +171,11 @@ def _external(state: dict, blocks) -> dict:
 
     out = dict(state)
     for name, kind, *_ in blocks:
-        if kind != "attention":
-            continue
         pre = f"{name}." if name else ""
-        out[pre + "in_proj_weight"] = torch.cat([out.pop(f"{pre}{p}_proj.weight")
-                                                 for p in "qkv"])
-        if f"{pre}q_proj.bias" in out:
-            out[pre + "in_proj_bias"] = torch.cat([out.pop(f"{pre}{p}_proj.bias")
-                                                   for p in "qkv"])
+        for part in ("weight", "bias") if kind == "attention" else ():
+            if f"{pre}q_proj.{part}" in out:
+                out[f"{pre}in_proj_{part}"] = torch.cat([out.pop(f"{pre}{p}_proj.{part}")
+                                                         for p in "qkv"])
     return out
 
 
@@ -188,8 +185,6 @@ def _external(state: dict, blocks) -> dict:
 def _pack(obj) -> bytes:
     """``torch.save`` bytes: every dtype travels (distributed's tensor serialiser does not
     take bfloat16, issue 39)."""
-    import io
-
     import torch
 
     buf = io.BytesIO()
@@ -198,8 +193,6 @@ def _pack(obj) -> bytes:
 
 
 def _unpack(data: bytes):
-    import io
-
     import torch
 
     return torch.load(io.BytesIO(data), weights_only=False)
@@ -221,9 +214,8 @@ def _rank(rank, model: bytes, plan: dict, state, job: dict, data: tuple):
 
     torch.manual_seed(job["seed"])
     model = cloudpickle.loads(model).to(rank.device)
-    state = None if state is None else _unpack(state)
     if state is not None:
-        model.load_state_dict(state["model"])
+        model.load_state_dict((state := _unpack(state))["model"])
     mesh = init_device_mesh(rank.device.type, (rank.world_size,))
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     parallelize_module(model, mesh, {n: styles[s]() for n, s in plan.items()})
@@ -234,8 +226,7 @@ def _rank(rank, model: bytes, plan: dict, state, job: dict, data: tuple):
         t = torch.as_tensor(np.asarray(a)).to(rank.device)
         return t.to(dtype) if t.is_floating_point() else t
 
-    out: dict = {}
-    kind = job["kind"]
+    out, kind = {}, job["kind"]
     if kind == "forward":
         model.eval()
         with torch.no_grad():
@@ -264,23 +255,19 @@ def _rank(rank, model: bytes, plan: dict, state, job: dict, data: tuple):
         rows, size = X.shape[0], job["batch_size"] or X.shape[0]
         losses, seconds = [], []
         model.train()
-        for epoch in range(job["epochs"]):
-            if job["shuffle"]:
-                g = torch.Generator().manual_seed(job["seed"] * 1_000_003 + job["epoch0"] +
-                                                  epoch)
-                order = torch.randperm(rows, generator=g).to(rank.device)
-            else:
-                order = torch.arange(rows, device=rank.device)
-            for start in range(0, rows, size):
-                idx = order[start:start + size]
-                t0 = time.perf_counter()
-                opt.zero_grad(set_to_none=True)
-                y = model(X[idx])
-                loss = job["loss"](y[0] if isinstance(y, tuple) else y, Y[idx])
-                loss.backward()
-                opt.step()
-                losses.append(float(loss.detach()))
-                seconds.append(time.perf_counter() - t0)
+        g = torch.Generator().manual_seed(job["seed"] * 1_000_003 + job["epoch0"])
+        order = (torch.randperm(rows, generator=g) if job["shuffle"] else
+                 torch.arange(rows)).to(rank.device)
+        for start in range(0, rows, size):  # one epoch
+            idx = order[start:start + size]
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            y = model(X[idx])
+            loss = job["loss"](y[0] if isinstance(y, tuple) else y, Y[idx])
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+            seconds.append(time.perf_counter() - t0)
         opt.zero_grad(set_to_none=True)
         osd = opt.state_dict()
         osd["state"] = {i: {k: _full(v).detach().cpu().clone() if torch.is_tensor(v) else v
@@ -334,6 +321,9 @@ class TensorParallel:
         Wall seconds of every training step so far on rank 0 (forward, backward with
         torch's collectives, optimizer step).
     steps_ : int
+    recoveries : list of dict
+        Per rank's worker lost during a call: ``step`` and ``resumed_from`` (the checkpoint's
+        step), ``lost`` (workers), ``redone`` (the segment's steps run again).
 
     Raises
     ------
@@ -346,9 +336,11 @@ class TensorParallel:
 
     Notes
     -----
-    Each call (:meth:`fit`, :meth:`forward`, :meth:`gradients`) is one torch process group
-    over the chosen workers; the model and optimizer state are a checkpoint (full tensors)
-    kept in the workers' memory (two copies) between calls. torch's DTensor shards a
+    Each call (:meth:`forward`, :meth:`gradients`, each epoch of :meth:`fit`) is one torch
+    process group over the chosen workers; the model and optimizer state are a checkpoint
+    (full tensors) kept in the workers' memory (two copies) between them. A rank's worker
+    lost: one warning line names its shard, the model is re-placed on the workers left and
+    the segment runs again from the checkpoint. torch's DTensor shards a
     dimension evenly, so blockflow keeps the workers whose free memory fits the even shard
     and takes as many of them as divide every block's width (uneven shards by free memory,
     :func:`~blockflow.parallel.partition.shard_widths`, are no longer used here).
@@ -362,22 +354,18 @@ class TensorParallel:
 
         self.client = client
         self.memory_fraction = float(config.get("parallel.memory-fraction", memory_fraction))
-        self._model, blocks = _prepare(module)
+        self._model, self._blocks = _prepare(module)
         self._payload = dumps_or_explain(self._model, "blockflow: TensorParallel",
                                          fix=FIX_TRAIN)
-        self._blocks = blocks
-        self.blocks = {name: kind for name, kind, *_ in blocks}
-        self._plan = _plan(self._model, blocks)
+        self.blocks = {name: kind for name, kind, *_ in self._blocks}
+        self._plan = _plan(self._model, self._blocks)
         self._choices = None if workers is None else list(workers)
         self.optimizer = optimizer or functools.partial(torch.optim.SGD, lr=0.01)
         self.loss = loss or torch.nn.MSELoss()
         self.seed = int(seed)
-        self.history_: list[float] = []
-        self.step_seconds_: list[float] = []
-        self.steps_, self._epochs = 0, 0
-        self._state = None  # future of the checkpoint {"model", "optim"}, or None
-        self._fresh_optimizer = True
-        self._model_future = None
+        self.history_, self.step_seconds_, self.recoveries = [], [], []
+        self.steps_, self._epochs, self._fresh_optimizer = 0, 0, True
+        self._state = self._model_future = None  # futures: the checkpoint's _pack bytes, model
         self._place()
 
     # --- placement -----------------------------------------------------------------------
@@ -434,62 +422,72 @@ class TensorParallel:
             parts.append(f"{what} {r * w}-{(r + 1) * w - 1} of {name or 'the module'}")
         return f"rank {r}'s shard ({', '.join(parts)}) on worker {worker}"
 
-    def _ready(self) -> None:
-        """Re-place on the workers left if a rank's worker left since the last call."""
-        alive = set(workers_info(self.client))
-        gone = [w for w in self.workers if w not in alive]
-        if gone:
-            if self._state is not None and self._state.status != "finished":
-                raise WorkerLostError(
-                    f"blockflow: TensorParallel: lost {'; '.join(map(self._shard, gone))} "
-                    f"and both copies of the checkpoint of step {self.steps_}; build the "
-                    f"TensorParallel again.", lost=gone)
-            lost = "; ".join(map(self._shard, gone))
+    def _ready(self, what: str) -> bool:
+        """Re-place on the workers left, from the checkpoint, if a rank's worker left."""
+        gone = [w for w in self.workers if w not in set(workers_info(self.client))]
+        if not gone:
+            return False
+        lost = "; ".join(map(self._shard, gone))
+        if self._state is not None and self._state.status != "finished":
+            raise WorkerLostError(
+                f"blockflow: TensorParallel {what}: lost {lost} and both copies of the "
+                f"checkpoint of step {self.steps_}; build the TensorParallel again.", lost=gone)
+        try:
             self._place(exclude=gone)
-            warnings.warn(f"blockflow: TensorParallel: lost {lost}; re-placed on "
-                          f"{len(self.workers)} worker(s) from the checkpoint of step "
-                          f"{self.steps_}.", BlockflowWarning, stacklevel=3)
-            self._model_future = None
+        except (DeviceMemoryError, RuntimeError) as e:
+            raise WorkerLostError(
+                f"blockflow: TensorParallel {what}: lost {lost}, and the workers left cannot "
+                f"take the model: {str(e).removeprefix('blockflow: TensorParallel: ')}",
+                lost=gone) from None
+        warnings.warn(f"blockflow: TensorParallel {what}: lost {lost}; re-placed on "
+                      f"{len(self.workers)} worker(s) from the checkpoint of step "
+                      f"{self.steps_}.", BlockflowWarning, stacklevel=4)
+        self._model_future = None
+        return True
 
     def _scatter(self, value, what: str):
-        try:
-            return self.client.scatter(value, workers=self.workers, broadcast=True,
-                                       hash=False)
-        except KeyError as e:  # a worker left between the check and the scatter
-            raise self._lost({str(e.args[0]) if e.args else ""}, what) from None
+        while True:
+            try:
+                return self.client.scatter(value, workers=self.workers, broadcast=True,
+                                           hash=False)
+            except KeyError as e:  # a worker left between the check and the scatter
+                if not self._ready(what):
+                    raise RuntimeError(f"blockflow: TensorParallel {what}: could not send "
+                                       f"to {e}.") from None
 
-    def _lost(self, lost, what: str) -> WorkerLostError:
-        held = [w for w in self.workers if w in set(lost)] or sorted(lost)
-        names = "; ".join(self._shard(w) if w in self.workers else f"worker {w}"
-                          for w in held)
-        return WorkerLostError(
-            f"blockflow: TensorParallel {what} failed: lost {names}, which left the cluster; "
-            f"the model stays as of step {self.steps_}: call again to re-place it on the "
-            f"workers left.", lost=held)
+    def _ship(self, data: tuple, what: str) -> tuple:
+        """The call's arrays as futures on the ranks' workers (dask arrays computed there)."""
+        return tuple(self.client.compute(d) if hasattr(d, "dask") else
+                     self._scatter(_host(d), what) for d in data)
 
     def _call(self, job: dict, data: tuple, what: str, gather: bool = True):
-        self._ready()
-        if self._model_future is None:
-            self._model_future = self._scatter(self._payload, what)
-        data = tuple(self.client.compute(d) if hasattr(d, "dask") else
-                     self._scatter(_host(d), what) for d in data)
-        args = [(self._model_future, self._plan, self._state, job, data)] * len(self.workers)
-        try:
-            return run_group(self.client, self.workers, _rank, args, name="tensor-parallel",
-                             what=f"tensor-parallel {what}", gather=gather)
-        except GroupLost as e:
-            raise self._lost(e.lost, what) from None
-        except RankFailed as e:  # a peer's collective failed before its worker was seen gone
-            gone = set(self.workers) - set(workers_info(self.client))
-            raise (self._lost(gone, what) if gone else RuntimeError(
-                f"blockflow: TensorParallel {what} failed: {e}")) from None
+        """One group running ``job``; a rank's worker lost: re-placed, the job run again."""
+        while True:
+            self._ready(what)
+            if self._model_future is None:
+                self._model_future = self._scatter(self._payload, what)
+            args = [(self._model_future, self._plan, self._state, job, data)] * \
+                len(self.workers)
+            try:
+                return run_group(self.client, self.workers, _rank, args, gather=gather,
+                                 name="tensor-parallel", what=f"tensor-parallel {what}")
+            except (GroupLost, RankFailed) as e:
+                end = time.monotonic() + 10  # a peer's collective may fail first
+                while not (gone := set(self.workers) - set(workers_info(self.client))) and \
+                        isinstance(e, RankFailed) and time.monotonic() < end:
+                    time.sleep(0.2)
+                if not gone:
+                    raise RuntimeError(f"blockflow: TensorParallel {what} failed: {e}"
+                                       ) from None
+                self.recoveries.append(dict(step=self.steps_, resumed_from=self.steps_,
+                                            lost=sorted(gone), redone=job.get("steps", 0)))
 
     # --- calls ---------------------------------------------------------------------------
 
     def fit(self, X, y, *, epochs: int = 1, batch_size: int | None = None,
             optimizer: Callable | None = None, loss: Callable | None = None,
             shuffle: bool = False) -> "TensorParallel":
-        """Train on ``X``, ``y`` (NumPy, torch or dask arrays): one group for the call.
+        """Train on ``X``, ``y`` (NumPy, torch or dask arrays): a group per epoch.
 
         Every rank runs every batch (tensor parallelism splits the model, not the data);
         batches are rows ``[i*batch_size, (i+1)*batch_size)`` of each epoch's order (the rows'
@@ -504,7 +502,8 @@ class TensorParallel:
             For rows of ``X`` and ``y`` that differ, non-finite values, or epochs or
             batch_size below 1.
         WorkerLostError
-            One line naming the lost shard's worker; the model stays as before the call.
+            One line naming the lost shard's worker where the workers left cannot take the
+            model or the checkpoint's copies went with it.
         """
         if int(epochs) < 1 or (batch_size is not None and int(batch_size) < 1):
             raise ValueError(f"blockflow: TensorParallel.fit needs epochs >= 1 and "
@@ -517,27 +516,31 @@ class TensorParallel:
             self.optimizer, self._fresh_optimizer = optimizer, True
         if loss is not None:
             self.loss = loss
-        job = dict(kind="fit", epochs=int(epochs), batch_size=batch_size, shuffle=shuffle,
-                   seed=self.seed, epoch0=self._epochs, optimizer=self.optimizer,
-                   loss=self.loss, fresh=self._fresh_optimizer)
-        rank0 = self._call(job, (X, y), "training", gather=False)[0]
-        losses, seconds = self.client.submit(operator.itemgetter("losses", "seconds"), rank0,
-                                             pure=False).result()
-        state = self.client.submit(operator.getitem, rank0, "state", pure=False)
-        wait(state)  # kept on the worker
-        if len(self.workers) > 1:
-            self.client.replicate(state, n=2)
-        self._state, self._fresh_optimizer = state, False
-        self.history_ += losses
-        self.step_seconds_ += seconds
-        self.steps_ += len(losses)
-        self._epochs += int(epochs)
+        data = self._ship((X, y), "training")
+        for _ in range(int(epochs)):  # a segment per epoch, each ending in a checkpoint
+            job = dict(kind="fit", batch_size=batch_size, shuffle=shuffle,
+                       seed=self.seed, epoch0=self._epochs, optimizer=self.optimizer,
+                       loss=self.loss, fresh=self._fresh_optimizer,
+                       steps=-(-len(X) // (batch_size or len(X))))
+            rank0 = self._call(job, data, "training", gather=False)[0]
+            losses, seconds = self.client.submit(operator.itemgetter("losses", "seconds"),
+                                                 rank0, pure=False).result()
+            state = self.client.submit(operator.getitem, rank0, "state", pure=False)
+            wait(state)  # kept on the worker, and a copy on another
+            if len(self.workers) > 1:
+                self.client.replicate(state, n=2)
+            self._state, self._fresh_optimizer = state, False
+            self.history_ += losses
+            self.step_seconds_ += seconds
+            self.steps_ += len(losses)
+            self._epochs += 1
         return self
 
     def forward(self, x):
         """The model's output for ``x`` (evaluation mode, no gradients), a CPU tensor."""
         _check(x=x)
-        out = self._call(dict(kind="forward", seed=self.seed), (x,), "forward pass")[0]
+        out = self._call(dict(kind="forward", seed=self.seed),
+                         self._ship((x,), "forward pass"), "forward pass")[0]
         return _unpack(out)["output"]
 
     def predict(self, X) -> np.ndarray:
@@ -551,7 +554,8 @@ class TensorParallel:
         an update: ``{"loss": float, "grads": {name: tensor}}``."""
         _check(X=X, y=y)
         job = dict(kind="gradients", seed=self.seed, loss=loss or self.loss)
-        out = _unpack(self._call(job, (X, y), "gradient pass")[0])
+        what = "gradient pass"
+        out = _unpack(self._call(job, self._ship((X, y), what), what)[0])
         return {"loss": out["loss"], "grads": _external(out["grads"], self._blocks)}
 
     def state_dict(self) -> dict:
@@ -589,10 +593,8 @@ def _host(a) -> np.ndarray:
 def _check(**arrays) -> None:
     """Non-finite values refused naming the argument (dask arrays are checked on use)."""
     for what, a in arrays.items():
-        if hasattr(a, "dask"):
-            continue
-        arr = _host(a)
-        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-            raise ValueError(f"blockflow: TensorParallel: {what} has "
-                             f"{int((~np.isfinite(arr)).sum())} non-finite values (NaN or "
-                             f"inf).")
+        bad = 0 if hasattr(a, "dask") or (arr := _host(a)).dtype.kind != "f" else \
+            int((~np.isfinite(arr)).sum())
+        if bad:
+            raise ValueError(f"blockflow: TensorParallel: {what} has {bad} non-finite "
+                             f"values (NaN or inf).")
