@@ -14,12 +14,13 @@ import signal
 import threading
 import warnings
 
+import dask.array as da
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster
 
 import blockflow
-from blockflow.errors import BlockflowWarning
+from blockflow.errors import BlockflowWarning, WorkerLostError
 from blockflow.ml.parallel import TensorParallel
 from blockflow.scheduling.view import workers_info
 from blockflow.testing import simulated_cluster
@@ -109,6 +110,11 @@ def test_mlp_block_forward_gradients_and_20_steps_equal_one_process(procs):
     for n in grads:
         assert max_diff(got["grads"][n], grads[n]) < TOL, n
     assert tp.predict(X).shape == (40, 4)
+    # dask arrays: computed on the cluster, the same steps
+    other = TensorParallel(procs, _mlp(), optimizer=sgd)
+    other.fit(da.from_array(X, chunks=15), da.from_array(Y, chunks=15), epochs=5,
+              batch_size=10)
+    assert np.abs(np.subtract(other.history_, want)).max() < TOL
 
 
 class _Small(torch.nn.Module):
@@ -269,6 +275,18 @@ def test_a_worker_lost_between_calls_or_during_one_is_named_and_training_resumes
         state = tp.state_dict()
         for n, p in ref.state_dict().items():
             assert max_diff(state[n], p) < TOL, n
+
+        # nothing left to take the model: the one chosen worker is lost
+        only = TensorParallel(c, _mlp(), workers=[tp.workers[0]])
+        only.fit(X, Y, batch_size=20)
+        _kill(c, only.workers[0])
+        wait_until(lambda: only.workers[0] not in workers_info(c), timeout=scaled(60))
+        with pytest.raises(WorkerLostError, match=(
+                rf"^blockflow: TensorParallel forward pass: lost rank 0's shard \(hidden "
+                rf"columns 0-7 of the module\) on worker {re.escape(only.workers[0])}, and "
+                rf"the workers left cannot take the model: no workers to place the model "
+                rf"on\.$")):
+            only.forward(X)
 
 
 @pytest.mark.gpu

@@ -527,7 +527,7 @@ class TensorParallel:
                                                  rank0, pure=False).result()
             state = self.client.submit(operator.getitem, rank0, "state", pure=False)
             wait(state)  # kept on the worker, and a copy on another
-            if len(self.workers) > 1:
+            if len(workers_info(self.client)) > 1:
                 self.client.replicate(state, n=2)
             self._state, self._fresh_optimizer = state, False
             self.history_ += losses
