@@ -258,6 +258,212 @@ def _print_big(rows, total, args) -> None:
           f"(target <= 1.1); model larger than any one device: "
           f"{total > args.device_mib * MiB}\n", flush=True)
 
+# --- tensor parallelism (issue 38): blockflow beside plain torch TP ------------------------
+
+
+def _tp_block(d: int, hidden: int, dtype, seed: int = 0):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(d, hidden), torch.nn.GELU(),
+                               torch.nn.Linear(hidden, d)).to(dtype)
+
+
+def _tp_data(rows: int, d: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((rows, d)), rng.standard_normal((rows, d))
+
+
+def _torch_tp_rank(rank: int, world: int, port: int, d: int, hidden: int, batch: int,
+                   steps: int, out: str) -> None:
+    """Plain torch TP, as a user launches it (torch.multiprocessing spawn, gloo, 1 thread):
+    the same MLP block Colwise then Rowwise, the same batch every step, SGD."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    torch.set_num_threads(1)
+    model = _tp_block(d, hidden, torch.float32)
+    parallelize_module(model, init_device_mesh("cpu", (world,)),
+                       {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    X, Y = (torch.tensor(a, dtype=torch.float32) for a in _tp_data(batch, d))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(X), Y).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
+    dist.destroy_process_group()
+
+
+def _one_process_steps(d: int, hidden: int, batch: int, steps: int) -> list[float]:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model = _tp_block(d, hidden, torch.float32)
+    X, Y = (torch.tensor(a, dtype=torch.float32) for a in _tp_data(batch, d))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(X), Y).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    torch.set_num_threads(threads)
+    return times
+
+
+def _torch_tp_steps(d: int, hidden: int, batch: int, steps: int) -> tuple[list, float]:
+    import json
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s_:
+        s_.bind(("127.0.0.1", 0))
+        port = s_.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        t0 = time.perf_counter()
+        mp.spawn(_torch_tp_rank, args=(2, port, d, hidden, batch, steps, out), nprocs=2)
+        wall = time.perf_counter() - t0
+        with open(out) as f:
+            return json.load(f), wall
+
+
+def _float64_check(c) -> tuple[float, float]:
+    """20 SGD-momentum steps of a float64 MLP block on 2 workers against one process."""
+    import functools
+
+    import torch
+
+    from blockflow.ml.parallel import TensorParallel
+
+    want = _tp_block(16, 64, torch.float64, seed=3)
+    Xf, Yf = _tp_data(80, 16, seed=4)
+    tp = TensorParallel(c, _tp_block(16, 64, torch.float64, seed=3),
+                        optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))
+    tp.fit(Xf, Yf, epochs=5, batch_size=20)
+    opt = torch.optim.SGD(want.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(5):
+        for i in range(0, 80, 20):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(want(torch.tensor(Xf[i:i + 20])),
+                                                torch.tensor(Yf[i:i + 20]))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    state = tp.state_dict()
+    return (float(np.abs(np.subtract(tp.history_, losses)).max()),
+            max(float((state[n] - p).abs().max()) for n, p in want.state_dict().items()))
+
+
+def tensor_parallel(args) -> str:
+    """blockflow ``TensorParallel`` (2 worker processes of 1 thread) beside plain torch TP
+    (2 spawned gloo ranks of 1 thread) and one process of 1 thread: the same MLP block and
+    batch, ``--rounds`` rounds each running the three in turn (the load of a shared machine
+    drifts), median step after ``--warmup`` steps; and float64 losses and parameters over 20
+    steps against one process. Returns the printed report."""
+    import functools
+
+    import torch
+    from distributed import Client, LocalCluster
+
+    from blockflow.ml.parallel import TensorParallel
+
+    d, hidden, batch, steps = args.tp_dim, args.tp_hidden, args.tp_batch, args.tp_steps
+    total, w = steps + args.warmup, args.warmup
+    params = 2 * d * hidden + hidden + d
+    lines = [f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())} "
+             f"({os.cpu_count()} cores)",
+             f"MLP block Linear({d}, {hidden}) -> GELU -> Linear({hidden}, {d}), {params:,} "
+             f"parameters, float32, batch {batch}, SGD; per round {steps} timed steps after "
+             f"{w} warm-up, {args.rounds} rounds"]
+    one, ref, bf, walls, rounds = [], [], [], {"torch": [], "blockflow": []}, []
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=None) as cluster, Client(cluster) as c:
+        sgd = functools.partial(torch.optim.SGD, lr=1e-3)
+        tp = TensorParallel(c, _tp_block(d, hidden, torch.float32), optimizer=sgd)
+        Xb, Yb = _tp_data(batch, d)
+        Xs, Ys = np.tile(Xb, (total, 1)), np.tile(Yb, (total, 1))  # the same batch each step
+        tp.forward(Xb[:2])  # the workers import torch's distributed modules once
+        for _ in range(args.rounds):
+            o = _one_process_steps(d, hidden, batch, total)[w:]
+            r, wall = _torch_tp_steps(d, hidden, batch, total)
+            t0 = time.perf_counter()
+            tp.fit(Xs, Ys, epochs=1, batch_size=batch)
+            walls["blockflow"].append(time.perf_counter() - t0)
+            walls["torch"].append(wall)
+            b = tp.step_seconds_[-total:][w:]
+            one += o
+            ref += r[w:]
+            bf += b
+            rounds.append((np.median(o), np.median(r[w:]), np.median(b),
+                           os.getloadavg()[0]))
+        loss_diff, param_diff = _float64_check(c)
+
+    def ms(ts):
+        return float(np.median(ts)) * 1e3
+
+    per = [b / r for _, r, b, _ in rounds]
+    rows = [{"run": "one process (1 thread)", "median step ms": f"{ms(one):.2f}",
+             "wall s (median)": "", "/ torch TP": f"{ms(one) / ms(ref):.2f}"},
+            {"run": "torch TP (spawn, gloo, 2 ranks x 1 thread)",
+             "median step ms": f"{ms(ref):.2f}",
+             "wall s (median)": f"{np.median(walls['torch']):.2f}", "/ torch TP": "1.00"},
+            {"run": "blockflow TensorParallel (2 workers x 1 thread)",
+             "median step ms": f"{ms(bf):.2f}",
+             "wall s (median)": f"{np.median(walls['blockflow']):.2f}",
+             "/ torch TP": f"{ms(bf) / ms(ref):.2f}"}]
+    lines += [_table(rows),
+              "per round (median step ms: one process, torch TP, blockflow; blockflow / "
+              "torch TP; load): " + "; ".join(
+                  f"{o * 1e3:.1f}, {r * 1e3:.1f}, {b * 1e3:.1f}; {b / r:.2f}x; {la:.1f}"
+                  for o, r, b, la in rounds),
+              f"median of the rounds' ratios blockflow / torch TP: {np.median(per):.2f}x",
+              "wall s: torch TP from spawn to join (process start, group, all steps); "
+              "blockflow: one fit call (group formed on the workers, data shipped, all "
+              "steps, the checkpoint kept on the workers)",
+              f"float64, MLP 16-64-16 over 2 workers, 20 SGD-momentum steps against one "
+              f"process: max |loss difference| {loss_diff:.1e}, max |parameter difference| "
+              f"{param_diff:.1e} (target <= 1e-10)",
+              f"load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}"]
+    report = "\n".join(lines)
+    print(report, flush=True)
+    return report
+
+
+def tensor_parallel_main(argv=None) -> None:
+    """``python benchmarks/parallelism.py tensor [--tp-steps N] [--out PATH]``."""
+    ap = argparse.ArgumentParser(description="tensor parallelism: blockflow beside torch TP")
+    ap.add_argument("--tp-dim", type=int, default=512)
+    ap.add_argument("--tp-hidden", type=int, default=2048)
+    ap.add_argument("--tp-batch", type=int, default=256)
+    ap.add_argument("--tp-steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None, help="also write the report here")
+    args = ap.parse_args(argv)
+    report = tensor_parallel(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report + "\n")
+
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -296,4 +502,9 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:2] == ["tensor"]:
+        tensor_parallel_main(sys.argv[2:])
+    else:
+        main()

@@ -1,4 +1,4 @@
-"""Pipeline and tensor parallelism of PyTorch models on real clusters, checked against the
+"""Pipeline parallelism of PyTorch models on real clusters, checked against the
 same model on one device (float64, 1e-10), trained models (a conv net on digits, a small
 transformer), schedules, and lost workers."""
 
@@ -17,7 +17,6 @@ from blockflow.scheduling.view import workers_info
 from blockflow.errors import BlockflowWarning, WorkerLostError
 from blockflow.ml.parallel import (
     PipelineParallel,
-    TensorParallel,
     bubble_fraction,
     equal_stages,
     parameter_stages,
@@ -470,107 +469,6 @@ def test_a_lost_stage_nothing_can_take_is_one_error_naming_it():
         str(e.value)), str(e.value)
 
 
-# --- tensor parallelism ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("widths", [None, [3, 3, 1]])
-def test_tensor_parallel_mlp_forward_and_gradients_equal_the_unsharded_block(client, widths):
-    torch.manual_seed(1)
-    mlp = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.GELU(),
-                              torch.nn.Linear(7, 4)).double()
-    tp = TensorParallel(client, mlp, widths=widths)
-    assert sum(tp.widths.values()) == 7 and len(tp.widths) == 3
-    if widths:
-        assert sorted(tp.widths.values()) == [1, 3, 3]
-    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
-    y = tp(x)
-    g = torch.randn_like(y)
-    y.backward(g)
-    x2 = x.detach().clone().requires_grad_(True)
-    y2 = mlp(x2)
-    y2.backward(g)
-    assert max_diff(y.detach(), y2.detach()) < TOL
-    assert max_diff(x.grad, x2.grad) < TOL
-    grads = tp.grads()
-    for n, p in mlp.named_parameters():
-        assert max_diff(grads[n], p.grad) < TOL, n
-    tp.close()
-
-
-@pytest.mark.slow
-def test_tensor_parallel_attention_equals_multihead_attention_in_a_model(client):
-    """Heads split 2, 1, 1 over three workers inside a residual block with LayerNorm: the
-    model's forward, input gradient and every gradient equal the unsharded model's."""
-    torch.manual_seed(2)
-    mha = torch.nn.MultiheadAttention(8, 4, batch_first=True, dtype=torch.float64)
-    norm = torch.nn.LayerNorm(8, dtype=torch.float64)
-    tp = TensorParallel(client, mha, widths=[2, 1, 1])
-    x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
-    attn = tp.as_module()
-    y = norm(x + attn(x)).pow(2).sum()
-    y.backward()
-    norm_grad = norm.weight.grad.clone()
-    norm.zero_grad()
-    x2 = x.detach().clone().requires_grad_(True)
-    y2 = norm(x2 + mha(x2, x2, x2, need_weights=False)[0]).pow(2).sum()
-    y2.backward()
-    assert abs(float(y.detach() - y2.detach())) < TOL * max(1.0, abs(float(y2.detach())))
-    assert max_diff(x.grad, x2.grad) < TOL and max_diff(norm_grad, norm.weight.grad) < TOL
-    grads = tp.grads()
-    assert set(grads) == {n for n, _ in mha.named_parameters()}
-    for n, p in mha.named_parameters():
-        assert max_diff(grads[n], p.grad) < TOL, n
-    # a TransformerEncoderLayer whose self-attention is the sharded one: the same layer
-    layer = torch.nn.TransformerEncoderLayer(8, 4, 16, dropout=0.0, batch_first=True,
-                                             dtype=torch.float64)
-    layer.self_attn = mha
-    want = layer(x.detach())
-    layer.self_attn = tp.as_module()
-    assert max_diff(layer(x.detach()).detach(), want.detach()) < TOL
-    # an optimizer step on the shards' workers moves the reassembled weights as on one device
-    tp2 = TensorParallel(client, mha, widths=[2, 1, 1],
-                         optimizer=functools.partial(torch.optim.SGD, lr=0.1))
-    tp2.as_module()(x.detach()).sum().backward()
-    tp2.step()
-    mha.zero_grad()
-    mha(x.detach(), x.detach(), x.detach(), need_weights=False)[0].sum().backward()
-    with torch.no_grad():
-        for p in mha.parameters():
-            p -= 0.1 * p.grad
-    state = tp2.state_dict()
-    for n, p in mha.named_parameters():
-        assert max_diff(state[n], p.detach()) < TOL, n
-
-
-@pytest.mark.slow
-def test_tensor_parallel_shard_widths_follow_free_device_memory():
-    torch.manual_seed(3)
-    mlp = torch.nn.Sequential(torch.nn.Linear(32, 400), torch.nn.ReLU(),
-                              torch.nn.Linear(400, 32)).double()
-    need = sum(p.numel() * 8 for p in mlp.parameters())
-    memory = [200_000, 150_000, 100_000]  # each below the block, all together above
-    assert need > max(memory) and need < 0.8 * sum(memory)
-    with simulated_cluster(speeds=(1, 1, 1), device_memory=memory, processes=False) as c:
-        by_name = {info["name"]: a for a, info in workers_info(c).items()}
-        tp = TensorParallel(c, mlp)
-        widths = [tp.widths[by_name[i]] for i in range(3)]
-        assert widths[0] > widths[1] > widths[2]
-        assert widths[0] / widths[2] == pytest.approx(2.0, rel=0.05)
-        for i in range(3):
-            assert tp.shard_bytes[by_name[i]] <= 0.8 * memory[i]
-        x = torch.randn(4, 32, dtype=torch.float64)
-        assert max_diff(tp(x).detach(), mlp(x).detach()) < TOL
-        with pytest.raises(blockflow.DeviceMemoryError, match=r"short by [\d,]+ bytes"):
-            TensorParallel(c, mlp, workers=[by_name[0]])
-
-
-def test_tensor_parallel_refuses_other_modules(client):
-    with pytest.raises(TypeError, match=r"splits an MLP block Sequential\(Linear, "
-                                        r"<element-wise activation>, Linear\)"):
-        TensorParallel(client, torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Dropout(),
-                                                   torch.nn.Linear(3, 2)))
-
-
 async def _update(page):
     page.update()
 
@@ -615,8 +513,8 @@ def test_pipeline_timeline_in_the_run_report_and_on_the_dashboard_page():
 
 
 @pytest.mark.gpu
-def test_pipeline_and_tensor_parallel_on_a_cuda_device_equal_the_cpu_model():
-    """Stages and shards live on the CUDA device (the rank's, nccl); float64 results equal
+def test_pipeline_on_a_cuda_device_equals_the_cpu_model():
+    """Stages live on the CUDA device (the rank's, nccl); float64 results equal
     the same model on the CPU (GPU float64 kernels differ from the CPU's in the last bits)."""
     if not torch.cuda.is_available():
         pytest.skip("needs PyTorch with CUDA and an NVIDIA GPU (torch.cuda.is_available() "
@@ -637,16 +535,3 @@ def test_pipeline_and_tensor_parallel_on_a_cuda_device_equal_the_cpu_model():
         assert max_diff(r.output, out.detach()) < 1e-9
         for n, prm in ref.named_parameters():
             assert max_diff(r.grads[n], prm.grad) < 1e-9, n
-
-        torch.manual_seed(1)
-        mlp = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.GELU(),
-                                  torch.nn.Linear(7, 4)).double()
-        tp = TensorParallel(c, mlp)
-        x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
-        y = tp(x)
-        y.backward(torch.ones_like(y))
-        x2 = x.detach().clone().requires_grad_(True)
-        mlp(x2).backward(torch.ones_like(y))
-        assert max_diff(y.detach(), mlp(x2).detach()) < 1e-9
-        assert max_diff(x.grad, x2.grad) < 1e-9
-        tp.close()

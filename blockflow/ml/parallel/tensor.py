@@ -1,27 +1,38 @@
-"""Tensor (model) parallelism for PyTorch: pairs of ``nn.Linear`` split across workers.
+"""Tensor (model) parallelism for PyTorch on torch's tensor-parallel API, placed by blockflow.
 
-As in Megatron-LM (Shoeybi et al., 2019): the first layer of a pair split by columns, the
-second by rows, partial outputs summed; attention split by heads. Shard widths follow free
-device memory (:func:`~blockflow.parallel.partition.shard_widths`). Guide: docs/guide/ai.md.
+As in Megatron-LM (Shoeybi et al., 2019): in an MLP block ``Sequential(Linear, act, Linear)``
+the first layer is split by columns and the second by rows; ``nn.MultiheadAttention`` is
+split by heads. torch does the sharding and the communication
+(``torch.distributed.device_mesh.init_device_mesh`` and
+``torch.distributed.tensor.parallel.parallelize_module`` with ``ColwiseParallel`` and
+``RowwiseParallel``): one rank per chosen worker, in a group that
+:func:`blockflow.ml._group.run_group` forms on the workers. blockflow chooses the workers (free
+device memory, one per worker process) and keeps the model between calls as a checkpoint on
+the workers. torch's DTensor shards evenly, so every rank holds the same width.
+Guide: docs/guide/ai.md.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+import io
 import logging
 import math
-import threading
-import uuid
-from typing import Callable, Mapping, Sequence
+import operator
+import time
+import warnings
+from typing import Callable, Sequence
 
-import cloudpickle
+from distributed import wait
+
 import numpy as np
 
 from blockflow import config
-from blockflow.errors import WorkerLostError
-from blockflow.ml.parallel._stage import _device, _here  # where a shard lives, its device
-from blockflow.ml.parallel.partition import shard_widths
+from blockflow.errors import BlockflowWarning, DeviceMemoryError, WorkerLostError
+from blockflow.ml._group import GroupLost, RankFailed, run_group, worker_processes
+from blockflow.ml._pickling import FIX_TRAIN, dumps_or_explain
 from blockflow.scheduling.view import worker_memory, workers_info
-from blockflow.scheduling.wait import gather_as_done
 
 __all__ = ["TensorParallel", "free_device_memory"]
 
@@ -29,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 _ELEMENTWISE = ("GELU", "ReLU", "Tanh", "SiLU", "Sigmoid", "Identity", "LeakyReLU", "ELU",
                 "Mish", "Softplus")
+_REFUSED = ("blockflow: TensorParallel splits an MLP block Sequential(Linear, <element-wise "
+            "activation>, Linear) or an nn.MultiheadAttention")
 
 
 def free_device_memory(client) -> dict[str, float]:
@@ -40,386 +53,526 @@ def free_device_memory(client) -> dict[str, float]:
     return {a: float(m.free) for a, m in worker_memory(client).items()}
 
 
-# --- worker side ---------------------------------------------------------------------------
+# --- the model as torch shards it -------------------------------------------------------------
 
-#: (worker address, shard key) -> shard state
-_SHARDS: dict[tuple[str, str], dict] = {}
-_LOCK = threading.Lock()
+_ATTENTION: list = []
 
 
-def _install(key: str, payload: bytes, optimizer) -> int:
-    module = cloudpickle.loads(payload).to(_device())
-    opt = optimizer(list(module.parameters())) if optimizer is not None else None
-    with _LOCK:
-        _SHARDS[_here(), key] = {"module": module, "opt": opt, "stash": {}}
-    return int(sum(p.numel() * p.element_size() for p in module.parameters()))
-
-
-def _shard(key: str) -> dict:
-    try:
-        return _SHARDS[_here(), key]
-    except KeyError:
-        raise RuntimeError(f"blockflow: tensor-parallel shard {key} is not on worker "
-                           f"{_here()}; build the TensorParallel again.") from None
-
-
-def _forward(key: str, x, call: str | None, train: bool):
-    """The shard's partial output; with ``call`` its input and graph are kept."""
+def _attention_class():
+    """``nn.MultiheadAttention`` with separate Q, K, V projections (torch shards each by
+    columns, the output projection by rows); built once, shipped by value."""
+    if _ATTENTION:
+        return _ATTENTION[0]
     import torch
 
-    sh = _shard(key)
-    x = x.to(_device())
-    sh["module"].train(train)
-    if call is None:
-        with torch.no_grad():
-            return sh["module"](x).cpu()
-    leaf = x.detach().requires_grad_(x.is_floating_point())
-    y = sh["module"](leaf)
-    with _LOCK:
-        sh["stash"][call] = (leaf, y)
-    return y.detach().cpu()
+    class ShardableAttention(torch.nn.Module):
+        """Self-attention, ``batch_first``, no masks; heads taken from the local width."""
 
+        batch_first, _qkv_same_embed_dim, in_proj_bias = True, False, None  # no fast path
 
-def _backward(key: str, call: str, dy):
-    """Backward of the shard's output with ``dy``; returns its part of the input's gradient."""
-    import torch
-
-    sh = _shard(key)
-    with _LOCK:
-        leaf, y = sh["stash"].pop(call)
-    torch.autograd.backward(y, dy.to(y.device))
-    return None if leaf.grad is None else leaf.grad.cpu()
-
-
-def _grads(key: str) -> dict:
-    return {n: (None if p.grad is None else p.grad.detach().cpu().clone())
-            for n, p in _shard(key)["module"].named_parameters()}
-
-
-def _params(key: str) -> dict:
-    return {n: p.detach().cpu().clone() for n, p in _shard(key)["module"].named_parameters()}
-
-
-def _step(key: str) -> None:
-    sh = _shard(key)
-    if sh["opt"] is not None:
-        sh["opt"].step()
-    sh["module"].zero_grad(set_to_none=True)
-
-
-def _zero(key: str) -> None:
-    sh = _shard(key)
-    sh["module"].zero_grad(set_to_none=True)
-    sh["stash"].clear()
-
-
-def _drop(key: str) -> None:
-    with _LOCK:
-        _SHARDS.pop((_here(), key), None)
-
-
-def _mlp_shard(lin1, act, lin2, cols, with_bias: bool):
-    """Columns ``cols`` of ``lin1`` and rows ``cols`` of ``lin2`` as one module."""
-    import torch
-
-    a = torch.nn.Linear(lin1.in_features, len(cols), bias=lin1.bias is not None,
-                        dtype=lin1.weight.dtype)
-    b = torch.nn.Linear(len(cols), lin2.out_features, bias=with_bias and lin2.bias is not None,
-                        dtype=lin2.weight.dtype)
-    with torch.no_grad():
-        a.weight.copy_(lin1.weight[cols])
-        if lin1.bias is not None:
-            a.bias.copy_(lin1.bias[cols])
-        b.weight.copy_(lin2.weight[:, cols])
-        if b.bias is not None:
-            b.bias.copy_(lin2.bias)
-    return torch.nn.Sequential(a, act, b)
-
-
-def _attention_shard(mha, heads: Sequence[int], with_bias: bool):
-    """Heads ``heads`` of ``mha``: their Q, K, V rows and output-projection columns."""
-    import torch
-
-    E, H = mha.embed_dim, mha.num_heads
-    hd = E // H
-    rows = np.concatenate([np.arange(h * hd, (h + 1) * hd) for h in heads])
-    W, b = mha.in_proj_weight, mha.in_proj_bias
-
-    class AttentionShard(torch.nn.Module):
-        def __init__(self):
+        def __init__(self, mha):
             super().__init__()
-            self.n_heads, self.head_dim = len(heads), hd
-            self.q = torch.nn.Linear(E, len(rows), bias=b is not None, dtype=W.dtype)
-            self.k = torch.nn.Linear(E, len(rows), bias=b is not None, dtype=W.dtype)
-            self.v = torch.nn.Linear(E, len(rows), bias=b is not None, dtype=W.dtype)
-            self.out = torch.nn.Linear(len(rows), E, bias=with_bias and
-                                       mha.out_proj.bias is not None, dtype=W.dtype)
+            E, H = mha.embed_dim, mha.num_heads
+            self.embed_dim, self.num_heads, self.head_dim = E, H, E // H
+            bias = mha.in_proj_bias is not None
+            kw = dict(dtype=mha.in_proj_weight.dtype, device=mha.in_proj_weight.device)
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(E, E, bias=bias, **kw)
+                                                     for _ in range(3))
+            self.out_proj = torch.nn.Linear(E, E, bias=mha.out_proj.bias is not None, **kw)
+            with torch.no_grad():
+                for i, lin in enumerate((self.q_proj, self.k_proj, self.v_proj)):
+                    lin.weight.copy_(mha.in_proj_weight[i * E:(i + 1) * E])
+                    if bias:
+                        lin.bias.copy_(mha.in_proj_bias[i * E:(i + 1) * E])
+                self.out_proj.weight.copy_(mha.out_proj.weight)
+                if self.out_proj.bias is not None:
+                    self.out_proj.bias.copy_(mha.out_proj.bias)
 
-        def forward(self, x):
-            n, L, _ = x.shape
+        def forward(self, query, key=None, value=None, key_padding_mask=None,
+                    need_weights=False, attn_mask=None, average_attn_weights=True,
+                    is_causal=False):
+            if (key is not None and key is not query) or (value is not None and value is
+                                                          not query) or \
+                    key_padding_mask is not None or attn_mask is not None or is_causal:
+                raise ValueError("blockflow: the tensor-parallel attention is self-attention "
+                                 "without masks: call it as attn(x, x, x).")
+            n, L, _ = query.shape
 
-            def heads_of(t):
-                return t.view(n, L, self.n_heads, self.head_dim).transpose(1, 2)
+            def heads(t):  # the local heads: the rank's columns of Q, K and V
+                return t.reshape(n, L, -1, self.head_dim).transpose(1, 2)
 
-            q, k, v = heads_of(self.q(x)), heads_of(self.k(x)), heads_of(self.v(x))
+            q, k, v = (heads(f(query)) for f in (self.q_proj, self.k_proj, self.v_proj))
             attn = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(self.head_dim), dim=-1)
-            o = (attn @ v).transpose(1, 2).reshape(n, L, self.n_heads * self.head_dim)
-            return self.out(o)
+            out = self.out_proj((attn @ v).transpose(1, 2).reshape(n, L, -1))
+            return out, None
 
-    shard = AttentionShard()
-    idx = torch.as_tensor(rows)
-    with torch.no_grad():
-        for i, lin in enumerate((shard.q, shard.k, shard.v)):
-            lin.weight.copy_(W[i * E:(i + 1) * E][idx])
-            if b is not None:
-                lin.bias.copy_(b[i * E:(i + 1) * E][idx])
-        shard.out.weight.copy_(mha.out_proj.weight[:, idx])
-        if shard.out.bias is not None:
-            shard.out.bias.copy_(mha.out_proj.bias)
-    return shard
+    _ATTENTION.append(ShardableAttention)
+    return ShardableAttention
 
 
-# --- client side ---------------------------------------------------------------------------
+def _prepare(module):
+    """A copy of ``module`` torch can shard, and its blocks: ``[(name, kind, units,
+    unit_bytes)]`` (kind "mlp": hidden columns; "attention": heads)."""
+    import torch
+
+    model = copy.deepcopy(module)
+    blocks = []
+    for name, m in list(model.named_modules()):
+        if isinstance(m, torch.nn.MultiheadAttention):
+            if not m.batch_first or not m._qkv_same_embed_dim or m.bias_k is not None or \
+                    m.dropout:
+                raise TypeError(f"blockflow: TensorParallel splits self-attention with "
+                                f"batch_first=True, one embedding size for Q, K and V, no "
+                                f"add_bias_kv and dropout=0 (attention {name or 'module'!r}).")
+            E, H = m.embed_dim, m.num_heads
+            per_head = (4 * E * (E // H) + 3 * (E // H)) * m.in_proj_weight.element_size()
+            blocks.append((name, "attention", H, per_head))
+            if name:
+                parent, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(parent), leaf, _attention_class()(m))
+            else:
+                model = _attention_class()(m)
+        elif isinstance(m, torch.nn.Sequential) and not any(name.startswith(b + ".") or
+                                                            not b for b, *_ in blocks):
+            kids = list(m.children())
+            if len(kids) >= 3 and isinstance(kids[0], torch.nn.Linear) and isinstance(
+                    kids[-1], torch.nn.Linear) and all(type(k).__name__ in _ELEMENTWISE
+                                                       for k in kids[1:-1]):
+                if kids[0].out_features != kids[-1].in_features:
+                    raise ValueError(f"blockflow: the MLP block {name or 'module'!r}'s first "
+                                     f"layer gives {kids[0].out_features} features but its "
+                                     f"last takes {kids[-1].in_features}.")
+                per_col = (kids[0].in_features + 1 + kids[-1].out_features) * \
+                    kids[0].weight.element_size()
+                blocks.append((name, "mlp", kids[0].out_features, per_col))
+    if not blocks:
+        raise TypeError(f"{_REFUSED}, or a model holding them; got {type(module).__name__} "
+                        f"with none.")
+    return model, blocks
 
 
-def _split(units: int, widths: Mapping[str, int] | Sequence[int] | None, free, unit_bytes,
-           fraction) -> dict[str, int]:
-    if widths is None:
-        return shard_widths(units, free, unit_bytes, memory_fraction=fraction)
-    if not isinstance(widths, Mapping):
-        widths = dict(zip(sorted(free), widths))
-    widths = {w: int(c) for w, c in widths.items() if int(c) > 0}
-    if sum(widths.values()) != units or set(widths) - set(free):
-        raise ValueError(f"blockflow: widths {widths} must be workers of the cluster whose "
-                         f"widths sum to {units}.")
-    return widths
+def _plan(model, blocks) -> dict[str, str]:
+    """Submodule name -> "colwise" or "rowwise" for ``parallelize_module``."""
+    plan = {}
+    for name, kind, *_ in blocks:
+        pre = f"{name}." if name else ""
+        if kind == "attention":
+            plan.update({f"{pre}{p}_proj": "colwise" for p in "qkv"})
+            plan[f"{pre}out_proj"] = "rowwise"
+        else:
+            kids = [n for n, _ in model.get_submodule(name).named_children()]
+            plan[pre + kids[0]], plan[pre + kids[-1]] = "colwise", "rowwise"
+    return plan
+
+
+def _external(state: dict, blocks) -> dict:
+    """Full tensors named as in the user's module, from the shardable copy's."""
+    import torch
+
+    out = dict(state)
+    for name, kind, *_ in blocks:
+        pre = f"{name}." if name else ""
+        for part in ("weight", "bias") if kind == "attention" else ():
+            if f"{pre}q_proj.{part}" in out:
+                out[f"{pre}in_proj_{part}"] = torch.cat([out.pop(f"{pre}{p}_proj.{part}")
+                                                         for p in "qkv"])
+    return out
+
+
+# --- on the workers: one rank ---------------------------------------------------------------
+
+
+def _pack(obj) -> bytes:
+    """``torch.save`` bytes: every dtype travels (distributed's tensor serialiser does not
+    take bfloat16, issue 39)."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes):
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _rank(rank, model: bytes, plan: dict, state, job: dict, data: tuple):
+    """Rank ``rank.rank``'s part of one call: build the sharded model (from the checkpoint
+    ``state``, ``_pack`` bytes), run ``job``, and return rank 0's result as ``_pack`` bytes
+    (the others return None)."""
+    import cloudpickle
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    def _full(t):  # a collective: every rank calls it, in the same order
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    torch.manual_seed(job["seed"])
+    model = cloudpickle.loads(model).to(rank.device)
+    if state is not None:
+        model.load_state_dict((state := _unpack(state))["model"])
+    mesh = init_device_mesh(rank.device.type, (rank.world_size,))
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, mesh, {n: styles[s]() for n, s in plan.items()})
+    params = list(model.parameters())
+    dtype = params[0].dtype
+
+    def tensor(a):
+        t = torch.as_tensor(np.asarray(a)).to(rank.device)
+        return t.to(dtype) if t.is_floating_point() else t
+
+    out, kind = {}, job["kind"]
+    if kind == "forward":
+        model.eval()
+        with torch.no_grad():
+            y = model(tensor(data[0]))
+        out["output"] = (y[0] if isinstance(y, tuple) else y).detach().cpu().clone()
+    elif kind == "gradients":
+        model.train()
+        y = model(tensor(data[0]))
+        loss = job["loss"](y[0] if isinstance(y, tuple) else y, tensor(data[1]))
+        loss.backward()
+        out["loss"] = float(loss.detach())
+        out["grads"] = {n: _full(p.grad).detach().cpu().clone()
+                        for n, p in model.named_parameters() if p.grad is not None}
+    else:  # fit
+        opt = job["optimizer"](params)
+        if state is not None and state.get("optim") is not None and not job["fresh"]:
+            saved = state["optim"]  # full tensors: each rank takes its part, no comms
+            for i, s in saved["state"].items():
+                p = params[i]
+                saved["state"][i] = {k: distribute_tensor(v.to(rank.device), p.device_mesh,
+                                                          p.placements, src_data_rank=None)
+                                     if isinstance(p, DTensor) and torch.is_tensor(v) and
+                                     v.shape == p.shape else v for k, v in s.items()}
+            opt.load_state_dict(saved)
+        X, Y = tensor(data[0]), tensor(data[1])
+        rows, size = X.shape[0], job["batch_size"] or X.shape[0]
+        losses, seconds = [], []
+        model.train()
+        g = torch.Generator().manual_seed(job["seed"] * 1_000_003 + job["epoch0"])
+        order = (torch.randperm(rows, generator=g) if job["shuffle"] else
+                 torch.arange(rows)).to(rank.device)
+        for start in range(0, rows, size):  # one epoch
+            idx = order[start:start + size]
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            y = model(X[idx])
+            loss = job["loss"](y[0] if isinstance(y, tuple) else y, Y[idx])
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+            seconds.append(time.perf_counter() - t0)
+        opt.zero_grad(set_to_none=True)
+        osd = opt.state_dict()
+        osd["state"] = {i: {k: _full(v).detach().cpu().clone() if torch.is_tensor(v) else v
+                            for k, v in s.items()} for i, s in osd["state"].items()}
+        msd = {n: _full(t).detach().cpu().clone() for n, t in model.state_dict().items()}
+        out = {"losses": losses, "seconds": seconds, "state": _pack({"model": msd, "optim": osd})}
+    return (out if kind == "fit" else _pack(out)) if rank.rank == 0 else None
+
+
+# --- the client's handle ----------------------------------------------------------------------
 
 
 class TensorParallel:
-    """One block of a PyTorch model split across workers, Megatron-LM style.
+    """A PyTorch model whose MLP blocks and attention layers torch shards across workers.
 
     Parameters
     ----------
     client : distributed.Client
-    module : torch.nn.Sequential or torch.nn.MultiheadAttention
+    module : torch.nn.Module
         An MLP block ``Sequential(Linear(d, h), <element-wise activation>, Linear(h, d_out))``,
-        or a self-attention layer (``batch_first=True``, no masks).
+        an ``nn.MultiheadAttention`` (self-attention, ``batch_first=True``, no masks), or a
+        model holding them: every such block is sharded, every other parameter replicated.
     workers : sequence of str, optional
-        Workers to shard over; default all.
-    widths : mapping of str to int or sequence of int, optional
-        Hidden columns (or heads) per worker; default by free device memory.
+        Workers to choose among; default all (one per worker process).
     memory_fraction : float, optional
-        Fraction (0-1) of each worker's free device memory the shards may take; default
-        config ``blockflow.parallel.memory-fraction``.
+        Fraction (0-1) of each worker's free device memory a rank's parameters may take;
+        default config ``blockflow.parallel.memory-fraction``.
     optimizer : callable, optional
-        ``optimizer(params)`` built on each shard's worker; :meth:`step` steps it.
+        ``optimizer(params) -> torch.optim.Optimizer``, built on every rank; default SGD with
+        lr 0.01. Its state is carried between :meth:`fit` calls.
+    loss : callable, optional
+        ``loss(output, target)``, default mean squared error.
+    seed : int, default 0
+        Seeds each call's ranks and the batch order under ``shuffle``.
 
     Attributes
     ----------
-    widths : dict of str to int
-        Hidden columns (MLP) or heads (attention) per worker.
-    kind : {"mlp", "attention"}
+    workers : list of str
+        The ranks' workers, in rank order.
+    widths : dict of str to dict of str to int
+        Per worker, per sharded block (its name in ``module``, ``""`` for the module
+        itself): its hidden columns (MLP) or heads (attention); the same on every worker
+        (torch shards evenly).
+    blocks : dict of str to str
+        Each sharded block's kind, ``"mlp"`` or ``"attention"``.
+    shard_bytes : int
+        Parameter bytes each rank holds (its shards and the replicated parameters).
+    history_ : list of float
+        The loss of every training step so far.
+    step_seconds_ : list of float
+        Wall seconds of every training step so far on rank 0 (forward, backward with
+        torch's collectives, optimizer step).
+    steps_ : int
+    recoveries : list of dict
+        Per rank's worker lost during a call: ``step`` and ``resumed_from`` (the checkpoint's
+        step), ``lost`` (workers), ``redone`` (the segment's steps run again).
 
     Raises
     ------
     TypeError
-        For a module of another kind.
+        For a module with no MLP block or attention layer, an attention layer with masks,
+        dropout or bias_kv, or a module that cannot be pickled.
     DeviceMemoryError
-        If the weights do not fit the workers' free device memory together.
+        If no even split over the workers fits their free device memory (names the
+        shortfall).
 
     Notes
     -----
-    Put ``tp.as_module()`` in a model (``model[2] = tp.as_module()``).
+    Each call (:meth:`forward`, :meth:`gradients`, each epoch of :meth:`fit`) is one torch
+    process group over the chosen workers; the model and optimizer state are a checkpoint
+    (full tensors) kept in the workers' memory (two copies) between them. A rank's worker
+    lost: one warning line names its shard, the model is re-placed on the workers left and
+    the segment runs again from the checkpoint. torch's DTensor shards a
+    dimension evenly, so blockflow keeps the workers whose free memory fits the even shard
+    and takes as many of them as divide every block's width (uneven shards by free memory,
+    :func:`~blockflow.parallel.partition.shard_widths`, are no longer used here).
+    Method: Megatron-LM (Shoeybi et al., 2019) through ``torch.distributed.tensor.parallel``.
     """
 
     def __init__(self, client, module, *, workers: Sequence[str] | None = None,
-                 widths=None, memory_fraction: float | None = None,
-                 optimizer: Callable | None = None):
+                 memory_fraction: float | None = None, optimizer: Callable | None = None,
+                 loss: Callable | None = None, seed: int = 0):
         import torch
 
         self.client = client
         self.memory_fraction = float(config.get("parallel.memory-fraction", memory_fraction))
-        free = free_device_memory(client)
-        if workers is not None:
-            missing = sorted(set(workers) - set(free))
-            if missing:
-                raise ValueError(f"blockflow: workers {missing} are not in the cluster.")
-            free = {w: free[w] for w in workers}
-        if not free:
-            raise RuntimeError("blockflow: the cluster has no workers; start some first.")
-        self._names = [n for n, _ in module.named_parameters()]
-        self._shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
-        if isinstance(module, torch.nn.MultiheadAttention):
-            self.kind = "attention"
-            if not module.batch_first or not module._qkv_same_embed_dim or \
-                    module.bias_k is not None or module.dropout:
-                raise TypeError("blockflow: TensorParallel splits self-attention with "
-                                "batch_first=True, one embedding size for Q, K and V, no "
-                                "add_bias_kv and dropout=0.")
-            E, H = module.embed_dim, module.num_heads
-            per_head = (3 * (E * (E // H) + E // H) + E * (E // H)) * module.in_proj_weight \
-                .element_size()
-            self.widths = _split(H, widths, free, per_head, self.memory_fraction)
-            self.batch_first = True
-        else:
-            kids = list(module.children()) if isinstance(module, torch.nn.Sequential) else []
-            if len(kids) < 2 or not isinstance(kids[0], torch.nn.Linear) or not isinstance(
-                    kids[-1], torch.nn.Linear) or any(type(k).__name__ not in _ELEMENTWISE
-                                                      for k in kids[1:-1]):
-                raise TypeError(f"blockflow: TensorParallel splits an MLP block "
-                                f"Sequential(Linear, <element-wise activation>, Linear) or "
-                                f"an nn.MultiheadAttention, got {type(module).__name__}.")
-            lin1, lin2 = kids[0], kids[-1]
-            if lin1.out_features != lin2.in_features:
-                raise ValueError(f"blockflow: the MLP block's first layer gives "
-                                 f"{lin1.out_features} features but the second takes "
-                                 f"{lin2.in_features}.")
-            self.kind = "mlp"
-            h = lin1.out_features
-            per_col = (lin1.in_features + 1 + lin2.out_features) * lin1.weight.element_size()
-            self.widths = _split(h, widths, free, per_col, self.memory_fraction)
-        self.workers = list(self.widths)
-        self._module = module
-        token = uuid.uuid4().hex[:10]
-        self._keys, self._units, futs = [], [], []
-        start = 0
-        for i, w in enumerate(self.workers):
-            units = list(range(start, start + self.widths[w]))
-            start += self.widths[w]
-            if self.kind == "mlp":
-                act = torch.nn.Sequential(*kids[1:-1])
-                shard = _mlp_shard(lin1, act, lin2, units, with_bias=i == 0)
-            else:
-                shard = _attention_shard(module, units, with_bias=i == 0)
-            key = f"tp-{token}-{i}"
-            self._keys.append(key)
-            self._units.append(units)
-            futs.append(client.submit(_install, key, cloudpickle.dumps(shard), optimizer,
-                                      workers=[w], allow_other_workers=False, pure=False))
-        self.shard_bytes = dict(zip(self.workers, self._gather(futs, "placing the shards")))
-        logger.info("blockflow: tensor-parallel %s split %s across workers (free memory %s "
-                    "bytes, fraction %g)", self.kind, self.widths,
-                    {w: free[w] for w in self.workers}, self.memory_fraction)
+        self._model, self._blocks = _prepare(module)
+        self._payload = dumps_or_explain(self._model, "blockflow: TensorParallel",
+                                         fix=FIX_TRAIN)
+        self.blocks = {name: kind for name, kind, *_ in self._blocks}
+        self._plan = _plan(self._model, self._blocks)
+        self._choices = None if workers is None else list(workers)
+        self.optimizer = optimizer or functools.partial(torch.optim.SGD, lr=0.01)
+        self.loss = loss or torch.nn.MSELoss()
+        self.seed = int(seed)
+        self.history_, self.step_seconds_, self.recoveries = [], [], []
+        self.steps_, self._epochs, self._fresh_optimizer = 0, 0, True
+        self._state = self._model_future = None  # futures: the checkpoint's _pack bytes, model
+        self._place()
 
-    # --- passes --------------------------------------------------------------------------
+    # --- placement -----------------------------------------------------------------------
 
-    def _alive(self):
-        return set(workers_info(self.client))
+    def _place(self, exclude: Sequence[str] = ()) -> None:
+        """Choose the ranks' workers: the most that divide every block's width and whose
+        free memory fits the even shard."""
+        free = free_device_memory(self.client)
+        choices = [w for w in (self._choices or sorted(free)) if w not in exclude and
+                   (w in free or not exclude)]  # re-placing: the chosen workers left
+        missing = sorted(set(choices) - set(free))
+        if missing:
+            raise ValueError(f"blockflow: TensorParallel: workers {missing} are not in the "
+                             f"cluster; choose among {sorted(free)}.")
+        if not choices:
+            raise RuntimeError("blockflow: TensorParallel: no workers to place the model on.")
+        choices = sorted(worker_processes(self.client, choices),
+                         key=lambda w: (-free[w], w))
+        total = sum(p.numel() * p.element_size() for p in self._model.parameters())
+        sharded = sum(units * b for _, _, units, b in self._blocks)
+        smallest = None
+        for n in range(len(choices), 0, -1):
+            if any(units % n for _, _, units, _ in self._blocks):
+                continue
+            need = total - sharded + sharded // n
+            smallest = smallest or (n, need)
+            fits = [w for w in choices if self.memory_fraction * free[w] >= need]
+            if len(fits) >= n:
+                self.workers, self.shard_bytes = sorted(fits[:n]), int(need)
+                self.widths = {w: {name: units // n for name, _, units, _ in self._blocks}
+                               for w in self.workers}
+                logger.info("blockflow: tensor parallelism over %d workers: %s", n,
+                            self.widths)
+                return
+        (n, need), best = smallest, choices[0]
+        room = self.memory_fraction * free[best]
+        short = (f"short by {int(need - room):,} bytes" if need > room else
+                 f"only {sum(self.memory_fraction * free[w] >= need for w in choices)} of "
+                 f"the {n} workers it needs have that much")
+        raise DeviceMemoryError(
+            f"blockflow: TensorParallel: an even shard over {n} worker(s) takes {int(need):,} "
+            f"bytes of parameters but the most free device memory is {int(free[best]):,} "
+            f"bytes on {best} (memory fraction {self.memory_fraction:g}): {short}; add "
+            f"workers or devices, or use a smaller model.", working_set=int(need),
+            largest_free=int(free[best]) if math.isfinite(free[best]) else None)
 
-    def _gather(self, futures: list, what: str) -> list:
-        index = {f.key: i for i, f in enumerate(futures)}
-        out: list = [None] * len(futures)
+    def _shard(self, worker: str) -> str:
+        """Which shard ``worker`` holds, in words."""
+        r = self.workers.index(worker)
+        parts = []
+        for name, kind, units, _ in self._blocks:
+            w = units // len(self.workers)
+            what = "heads" if kind == "attention" else "hidden columns"
+            parts.append(f"{what} {r * w}-{(r + 1) * w - 1} of {name or 'the module'}")
+        return f"rank {r}'s shard ({', '.join(parts)}) on worker {worker}"
 
-        def get(f):
-            out[index[f.key]] = f.result()
-
-        try:
-            gather_as_done(futures, alive=self._alive, needed=set(self.workers), get=get)
-        except WorkerLostError as e:
-            roles = {w: f"the shard of {self.kind} {'columns' if self.kind == 'mlp' else 'heads'}"
-                        f" {u[0]}-{u[-1]}" for w, u in zip(self.workers, self._units)}
-            lost = sorted(set(e.lost) & set(roles))
+    def _ready(self, what: str) -> bool:
+        """Re-place on the workers left, from the checkpoint, if a rank's worker left."""
+        gone = [w for w in self.workers if w not in set(workers_info(self.client))]
+        if not gone:
+            return False
+        lost = "; ".join(map(self._shard, gone))
+        if self._state is not None and self._state.status != "finished":
             raise WorkerLostError(
-                f"blockflow: {what} failed: lost "
-                f"{'; '.join(f'{roles[w]} on worker {w}' for w in lost)}, which left the "
-                f"cluster; build the TensorParallel again on the workers left.",
-                lost=lost) from None
-        return out
+                f"blockflow: TensorParallel {what}: lost {lost} and both copies of the "
+                f"checkpoint of step {self.steps_}; build the TensorParallel again.", lost=gone)
+        try:
+            self._place(exclude=gone)
+        except (DeviceMemoryError, RuntimeError) as e:
+            raise WorkerLostError(
+                f"blockflow: TensorParallel {what}: lost {lost}, and the workers left cannot "
+                f"take the model: {str(e).removeprefix('blockflow: TensorParallel: ')}",
+                lost=gone) from None
+        warnings.warn(f"blockflow: TensorParallel {what}: lost {lost}; re-placed on "
+                      f"{len(self.workers)} worker(s) from the checkpoint of step "
+                      f"{self.steps_}.", BlockflowWarning, stacklevel=4)
+        self._model_future = None
+        return True
 
-    def _each(self, fn, *args, what: str) -> list:
-        futs = [self.client.submit(fn, k, *args, workers=[w], allow_other_workers=False,
-                                   pure=False) for k, w in zip(self._keys, self.workers)]
-        return self._gather(futs, what)
+    def _scatter(self, value, what: str):
+        while True:
+            try:
+                return self.client.scatter(value, workers=self.workers, broadcast=True,
+                                           hash=False)
+            except KeyError as e:  # a worker left between the check and the scatter
+                if not self._ready(what):
+                    raise RuntimeError(f"blockflow: TensorParallel {what}: could not send "
+                                       f"to {e}.") from None
 
-    def forward_remote(self, x, call: str | None, train: bool):
-        """The block's output for ``x`` (a CPU tensor), shard outputs summed."""
-        xf = self.client.scatter(x, workers=self.workers, broadcast=True, hash=False)
-        parts = self._each(_forward, xf, call, train, what="the tensor-parallel forward pass")
-        out = parts[0]
-        for p in parts[1:]:
-            out = out + p
-        return out
+    def _ship(self, data: tuple, what: str) -> tuple:
+        """The call's arrays as futures on the ranks' workers (dask arrays computed there)."""
+        return tuple(self.client.compute(d) if hasattr(d, "dask") else
+                     self._scatter(_host(d), what) for d in data)
 
-    def backward_remote(self, call: str, dy):
-        """The input's gradient for the output's gradient ``dy``, shard parts summed."""
-        dyf = self.client.scatter(dy, workers=self.workers, broadcast=True, hash=False)
-        parts = [p for p in self._each(_backward, call, dyf,
-                                       what="the tensor-parallel backward pass")
-                 if p is not None]
-        if not parts:
-            return None
-        out = parts[0]
-        for p in parts[1:]:
-            out = out + p
-        return out
+    def _call(self, job: dict, data: tuple, what: str, gather: bool = True):
+        """One group running ``job``; a rank's worker lost: re-placed, the job run again."""
+        while True:
+            self._ready(what)
+            if self._model_future is None:
+                self._model_future = self._scatter(self._payload, what)
+            args = [(self._model_future, self._plan, self._state, job, data)] * \
+                len(self.workers)
+            try:
+                return run_group(self.client, self.workers, _rank, args, gather=gather,
+                                 name="tensor-parallel", what=f"tensor-parallel {what}")
+            except (GroupLost, RankFailed) as e:
+                end = time.monotonic() + 10  # a peer's collective may fail first
+                while not (gone := set(self.workers) - set(workers_info(self.client))) and \
+                        isinstance(e, RankFailed) and time.monotonic() < end:
+                    time.sleep(0.2)
+                if not gone:
+                    raise RuntimeError(f"blockflow: TensorParallel {what} failed: {e}"
+                                       ) from None
+                self.recoveries.append(dict(step=self.steps_, resumed_from=self.steps_,
+                                            lost=sorted(gone), redone=job.get("steps", 0)))
 
-    def as_module(self):
-        """A drop-in ``torch.nn.Module`` running this block on its shards."""
-        return _TensorParallelModule(self)
+    # --- calls ---------------------------------------------------------------------------
 
-    def __call__(self, *args, **kwargs):
-        return self.as_module()(*args, **kwargs)
+    def fit(self, X, y, *, epochs: int = 1, batch_size: int | None = None,
+            optimizer: Callable | None = None, loss: Callable | None = None,
+            shuffle: bool = False) -> "TensorParallel":
+        """Train on ``X``, ``y`` (NumPy, torch or dask arrays): a group per epoch.
 
-    # --- parameters ------------------------------------------------------------------------
+        Every rank runs every batch (tensor parallelism splits the model, not the data);
+        batches are rows ``[i*batch_size, (i+1)*batch_size)`` of each epoch's order (the rows'
+        order, or under ``shuffle`` a permutation seeded by ``seed`` and the epoch). Floating
+        inputs are cast to the model's dtype. The model and optimizer state after the call
+        stay on the workers (two copies). ``optimizer=`` other than the current one starts
+        a fresh optimizer state; ``loss=`` replaces the loss.
 
-    def _assemble(self, parts: list[dict]) -> dict:
-        """Full-size tensors, named as in the original module, from each shard's."""
-        import torch
+        Raises
+        ------
+        ValueError
+            For rows of ``X`` and ``y`` that differ, non-finite values, or epochs or
+            batch_size below 1.
+        WorkerLostError
+            One line naming the lost shard's worker where the workers left cannot take the
+            model or the checkpoint's copies went with it.
+        """
+        if int(epochs) < 1 or (batch_size is not None and int(batch_size) < 1):
+            raise ValueError(f"blockflow: TensorParallel.fit needs epochs >= 1 and "
+                             f"batch_size >= 1, got epochs={epochs}, batch_size={batch_size}.")
+        _check(X=X, y=y)
+        if len(X) != len(y):
+            raise ValueError(f"blockflow: TensorParallel.fit: X has {len(X)} rows but y has "
+                             f"{len(y)}.")
+        if optimizer is not None and optimizer is not self.optimizer:
+            self.optimizer, self._fresh_optimizer = optimizer, True
+        if loss is not None:
+            self.loss = loss
+        data = self._ship((X, y), "training")
+        for _ in range(int(epochs)):  # a segment per epoch, each ending in a checkpoint
+            job = dict(kind="fit", batch_size=batch_size, shuffle=shuffle,
+                       seed=self.seed, epoch0=self._epochs, optimizer=self.optimizer,
+                       loss=self.loss, fresh=self._fresh_optimizer,
+                       steps=-(-len(X) // (batch_size or len(X))))
+            rank0 = self._call(job, data, "training", gather=False)[0]
+            losses, seconds = self.client.submit(operator.itemgetter("losses", "seconds"),
+                                                 rank0, pure=False).result()
+            state = self.client.submit(operator.getitem, rank0, "state", pure=False)
+            wait(state)  # kept on the worker, and a copy on another
+            if len(workers_info(self.client)) > 1:
+                self.client.replicate(state, n=2)
+            self._state, self._fresh_optimizer = state, False
+            self.history_ += losses
+            self.step_seconds_ += seconds
+            self.steps_ += len(losses)
+            self._epochs += 1
+        return self
 
-        out = {}
-        if self.kind == "mlp":
-            first, last = self._mlp_names()
-            for name in self._names:
-                if name == f"{first}.weight":
-                    out[name] = torch.cat([p["0.weight"] for p in parts], 0)
-                elif name == f"{first}.bias":
-                    out[name] = torch.cat([p["0.bias"] for p in parts], 0)
-                elif name == f"{last}.weight":
-                    out[name] = torch.cat([p["2.weight"] for p in parts], 1)
-                elif name == f"{last}.bias":
-                    out[name] = parts[0]["2.bias"]
-            return out
-        E = self._module.embed_dim
-        w = [torch.cat([p[f"{x}.weight"] for p in parts], 0) for x in "qkv"]
-        out["in_proj_weight"] = torch.cat(w, 0)
-        if "in_proj_bias" in self._names:
-            out["in_proj_bias"] = torch.cat([torch.cat([p[f"{x}.bias"] for p in parts], 0)
-                                             for x in "qkv"], 0)
-        out["out_proj.weight"] = torch.cat([p["out.weight"] for p in parts], 1)
-        if "out_proj.bias" in self._names:
-            out["out_proj.bias"] = parts[0]["out.bias"]
-        assert out["in_proj_weight"].shape == (3 * E, E)
-        return out
+    def forward(self, x):
+        """The model's output for ``x`` (evaluation mode, no gradients), a CPU tensor."""
+        _check(x=x)
+        out = self._call(dict(kind="forward", seed=self.seed),
+                         self._ship((x,), "forward pass"), "forward pass")[0]
+        return _unpack(out)["output"]
 
-    def _mlp_names(self) -> tuple[str, str]:
-        kids = [n for n, _ in self._module.named_children()]
-        return kids[0], kids[-1]
+    def predict(self, X) -> np.ndarray:
+        """:meth:`forward` as a NumPy array (float32 for a bfloat16 or float16 model)."""
+        out = self.forward(X)
+        return (out.float() if out.is_floating_point() and out.dtype.itemsize < 4 else
+                out).numpy()
 
-    def grads(self) -> dict:
-        """Gradients of the original module's parameters (by name), reassembled."""
-        parts = self._each(_grads, what="gathering the gradients")
-        return self._assemble(parts)
+    def gradients(self, X, y, loss: Callable | None = None) -> dict:
+        """Loss and full gradients (by the module's parameter names) of one batch, without
+        an update: ``{"loss": float, "grads": {name: tensor}}``."""
+        _check(X=X, y=y)
+        job = dict(kind="gradients", seed=self.seed, loss=loss or self.loss)
+        what = "gradient pass"
+        out = _unpack(self._call(job, self._ship((X, y), what), what)[0])
+        return {"loss": out["loss"], "grads": _external(out["grads"], self._blocks)}
 
     def state_dict(self) -> dict:
-        """The original module's parameters (by name), reassembled on the client."""
-        parts = self._each(_params, what="state_dict()")
-        return self._assemble(parts)
-
-    def step(self) -> None:
-        """Step each shard's optimizer on its worker, then zero the gradients."""
-        self._each(_step, what="the optimizer step")
-
-    def zero_grad(self) -> None:
-        """Zero the shards' gradients and drop any kept activations."""
-        self._each(_zero, what="zeroing the gradients")
+        """The module's parameters and buffers as full tensors, named as in ``module``
+        (from the checkpoint on the workers; no group is formed)."""
+        if self._state is None:
+            return _external(self._model.state_dict(), self._blocks)
+        try:
+            state = _unpack(self._state.result())["model"]
+        except Exception:
+            raise WorkerLostError(f"blockflow: TensorParallel.state_dict: the checkpoint of "
+                                  f"step {self.steps_} was lost with its workers.") from None
+        return _external(state, self._blocks)
 
     def close(self) -> None:
-        """Drop the shards from their workers."""
-        alive = self._alive()
-        for k, w in zip(self._keys, self.workers):
-            if w in alive:
-                self.client.submit(_drop, k, workers=[w], pure=False)
-        self._keys = []
+        """Drop the checkpoint and the shipped model from the workers."""
+        self._state = self._model_future = None
 
     def __enter__(self):
         return self
@@ -429,58 +582,19 @@ class TensorParallel:
         return False
 
 
-def _function():
-    import torch
-
-    class _Remote(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, anchor, x, tp, call):
-            ctx.tp, ctx.call = tp, call
-            ctx.x_dtype = x.dtype
-            return tp.forward_remote(x.detach().cpu(), call, True)
-
-        @staticmethod
-        def backward(ctx, dy):
-            dx = ctx.tp.backward_remote(ctx.call, dy.detach().cpu().contiguous())
-            return None, dx, None, None
-
-    return _Remote
+def _host(a) -> np.ndarray:
+    """A host array to ship (half-precision tensors as float32: cast back on the rank)."""
+    if hasattr(a, "detach"):
+        a = a.detach().cpu()
+        return (a.float() if a.dtype.is_floating_point and a.dtype.itemsize < 4 else a).numpy()
+    return np.asarray(a)
 
 
-def _make_module_class():
-    import torch
-
-    class TensorParallelModule(torch.nn.Module):
-        """``torch.nn.Module`` face of a :class:`TensorParallel` block."""
-
-        def __init__(self, tp: TensorParallel):
-            super().__init__()
-            self.tp = tp
-            self.batch_first = True
-
-        def forward(self, x, key=None, value=None, attn_mask=None, key_padding_mask=None,
-                    need_weights=False, is_causal=False, **_):
-            if self.tp.kind == "attention":
-                if (key is not None and key is not x) or (value is not None and value is not x) \
-                        or attn_mask is not None or key_padding_mask is not None or is_causal:
-                    raise ValueError("blockflow: the tensor-parallel attention is "
-                                     "self-attention without masks: call it as tp(x).")
-            if torch.is_grad_enabled() and self.training:
-                anchor = torch.zeros((), requires_grad=True)
-                out = _function().apply(anchor, x, self.tp, uuid.uuid4().hex)
-            else:
-                out = self.tp.forward_remote(x.detach().cpu(), None, False)
-            out = out.to(x.device)
-            return (out, None) if self.tp.kind == "attention" and key is not None else out
-
-    return TensorParallelModule
-
-
-_MODULE_CLASS: list = []
-
-
-def _TensorParallelModule(tp: TensorParallel):
-    if not _MODULE_CLASS:
-        _MODULE_CLASS.append(_make_module_class())
-    return _MODULE_CLASS[0](tp)
-
+def _check(**arrays) -> None:
+    """Non-finite values refused naming the argument (dask arrays are checked on use)."""
+    for what, a in arrays.items():
+        bad = 0 if hasattr(a, "dask") or (arr := _host(a)).dtype.kind != "f" else \
+            int((~np.isfinite(arr)).sum())
+        if bad:
+            raise ValueError(f"blockflow: TensorParallel: {what} has {bad} non-finite "
+                             f"values (NaN or inf).")
