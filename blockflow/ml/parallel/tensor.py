@@ -24,13 +24,13 @@ import time
 import warnings
 from typing import Callable, Sequence
 
-from distributed import wait
-
 import numpy as np
+from distributed import wait
 
 from blockflow import config
 from blockflow.errors import BlockflowWarning, DeviceMemoryError, WorkerLostError
-from blockflow.ml._group import GroupLost, RankFailed, run_group, worker_processes
+from blockflow.ml._group import GroupLost, RankFailed, first_kept, keep_copies, run_group
+from blockflow.ml._group import worker_processes
 from blockflow.ml._pickling import FIX_TRAIN, dumps_or_explain
 from blockflow.scheduling.view import worker_memory, workers_info
 
@@ -428,7 +428,7 @@ class TensorParallel:
         if not gone:
             return False
         lost = "; ".join(map(self._shard, gone))
-        if self._state is not None and self._state.status != "finished":
+        if self._state is not None and first_kept(self._state) is None:
             raise WorkerLostError(
                 f"blockflow: TensorParallel {what}: lost {lost} and both copies of the "
                 f"checkpoint of step {self.steps_}; build the TensorParallel again.", lost=gone)
@@ -466,7 +466,8 @@ class TensorParallel:
             self._ready(what)
             if self._model_future is None:
                 self._model_future = self._scatter(self._payload, what)
-            args = [(self._model_future, self._plan, self._state, job, data)] * \
+            state = None if self._state is None else first_kept(self._state)
+            args = [(self._model_future, self._plan, state, job, data)] * \
                 len(self.workers)
             try:
                 return run_group(self.client, self.workers, _rank, args, gather=gather,
@@ -527,9 +528,9 @@ class TensorParallel:
                                                  rank0, pure=False).result()
             state = self.client.submit(operator.getitem, rank0, "state", pure=False)
             wait(state)  # kept on the worker, and a copy on another
-            if len(workers_info(self.client)) > 1:
-                self.client.replicate(state, n=2)
-            self._state, self._fresh_optimizer = state, False
+            [kept] = keep_copies(self.client, [state], sorted(workers_info(self.client)),
+                                 [self.workers[0]])
+            self._state, self._fresh_optimizer = kept, False
             self.history_ += losses
             self.step_seconds_ += seconds
             self.steps_ += len(losses)
@@ -564,7 +565,7 @@ class TensorParallel:
         if self._state is None:
             return _external(self._model.state_dict(), self._blocks)
         try:
-            state = _unpack(self._state.result())["model"]
+            state = _unpack(first_kept(self._state).result())["model"]
         except Exception:
             raise WorkerLostError(f"blockflow: TensorParallel.state_dict: the checkpoint of "
                                   f"step {self.steps_} was lost with its workers.") from None
@@ -579,7 +580,6 @@ class TensorParallel:
 
     def __exit__(self, *exc):
         self.close()
-        return False
 
 
 def _host(a) -> np.ndarray:
