@@ -105,7 +105,7 @@ def test_blockflow_rules_of_the_schema_name_its_own_keys():
                          "resources.unsatisfiable-timeout",
                          "resources.admission-grace",
                          "routing.batch-seconds",
-                         "routing.interval", "parallel.stage-wait", "scaling.hold",
+                         "routing.interval", "ml.checkpoint-seconds", "scaling.hold",
                          "pools.min-billed"}
 
 

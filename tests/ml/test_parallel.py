@@ -21,7 +21,6 @@ from blockflow.ml.parallel import (
     equal_stages,
     parameter_stages,
     partition_stages,
-    schedule_order,
     shard_widths,
 )
 from blockflow.ml.parallel.partition import flush_makespan, stage_times
@@ -126,21 +125,6 @@ def test_speed_partition_and_the_baselines():
     assert equal_stages(7, ["a", "b", "c"])[1] == [0, 3, 5, 7]
     # DeepSpeed's partition by parameters: equal parameter counts, whatever the speed
     assert parameter_stages([10, 10, 0, 20, 0, 20], ["a", "b"]) == (["a", "b"], [0, 3, 6])
-
-
-@pytest.mark.parametrize("p,m", [(1, 3), (3, 2), (3, 8), (4, 16)])
-def test_schedules_run_every_task_once_and_1f1b_holds_at_most_p_micro_batches(p, m):
-    for s in range(p):
-        for schedule in ("gpipe", "1f1b"):
-            order = schedule_order(schedule, p, m, s)
-            assert sorted(order) == sorted([("F", j) for j in range(m)]
-                                           + [("B", j) for j in range(m)])
-            held = peak = 0
-            for kind, j in order:
-                assert kind == "F" or ("F", j) in order[:order.index((kind, j))]
-                held += 1 if kind == "F" else -1
-                peak = max(peak, held)
-            assert peak == (m if schedule == "gpipe" else min(p - s, m))
 
 
 def test_bubble_fraction_of_a_perfect_gpipe_schedule():

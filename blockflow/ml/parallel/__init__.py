@@ -16,7 +16,6 @@ from blockflow.ml.parallel.pipeline import (
     PipelineParallel,
     PipelineResult,
     bubble_fraction,
-    schedule_order,
 )
 from blockflow.ml.parallel.tensor import TensorParallel, free_device_memory
 
@@ -30,6 +29,5 @@ __all__ = [
     "free_device_memory",
     "parameter_stages",
     "partition_stages",
-    "schedule_order",
     "shard_widths",
 ]

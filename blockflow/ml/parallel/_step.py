@@ -16,6 +16,8 @@ import dask.array as da
 import numpy as np
 from distributed import futures_of, wait
 
+from dask.utils import parse_timedelta
+
 from blockflow import config
 from blockflow.ml._group import GroupLost, first_kept, keep_copies, run_group
 from blockflow.ml.parallel import _recovery, _stage
@@ -127,10 +129,16 @@ def run_steps(pipe, batches: list, *, train: bool, want_grads: bool = False,
               ) -> list[dict]:
     """Run ``batches`` (``(x, target, sizes)``) in segments of ``checkpoint_every`` steps,
     recovering from lost workers; returns per segment the last-rank summary and timing."""
-    every = pipe.checkpoint_every or len(batches) or 1
+    fixed = pipe.checkpoint_every
+    interval = float(parse_timedelta(config.get("ml.checkpoint-seconds")))
+    step_seconds = None  # measured on the ranks, the last segment's median
     out: list[dict] = []
     i = 0
     while i < len(batches) or (not batches and not out):
+        if fixed is not None:
+            every = fixed or len(batches) or 1
+        else:  # segments of about checkpoint-seconds: a checkpoint's cost stays small
+            every = 2 if step_seconds is None else max(1, int(interval / step_seconds))
         seg = batches[i:i + every]
         t0 = time.perf_counter()
         gone = set(pipe.ranks) - pipe._alive()
@@ -152,6 +160,9 @@ def run_steps(pipe, batches: list, *, train: bool, want_grads: bool = False,
             _recovery.recover(pipe, gone, what, redone=len(seg) if train else 0)
             continue
         wall = time.perf_counter() - t0
+        per_step = [t for s in summaries for t in s.get("seconds", ())]
+        if per_step:
+            step_seconds = max(float(np.median(per_step)), 1e-6)
         if train:
             pipe._ckpt = ckpt
             pipe.steps += len(seg)

@@ -25,14 +25,12 @@ from blockflow.ml.parallel.schedule import (
     SCHEDULES,
     PipelineResult,
     bubble_fraction,
-    schedule_order,
 )
 from blockflow.ml._group import first_kept, worker_processes
 from blockflow.scheduling.view import workers_info
 from blockflow.scheduling.wait import gather_as_done
 
-__all__ = ["METADATA_KEY", "PipelineParallel", "PipelineResult", "bubble_fraction",
-           "schedule_order"]
+__all__ = ["METADATA_KEY", "PipelineParallel", "PipelineResult", "bubble_fraction"]
 
 
 class PipelineParallel:
@@ -72,7 +70,9 @@ class PipelineParallel:
         Steps per segment: one torch.distributed group runs them and ends with every
         stage's checkpoint (model and optimizer state) kept in worker memory on two
         workers; 0 a whole ``fit`` in one segment. Default config
-        ``blockflow.parallel.checkpoint-every``.
+        ``blockflow.parallel.checkpoint-every``; when that is null too, segments of about
+        ``blockflow.ml.checkpoint-seconds`` from the measured step time (the first is 2
+        steps).
     memory_fraction : float, optional
         Fraction (0-1) of each worker's free device memory a stage may take; default config
         ``blockflow.parallel.memory-fraction``.
@@ -136,7 +136,8 @@ class PipelineParallel:
         self.client, self.schedule = client, schedule
         self.optimizer, self.loss_fn = optimizer, loss if loss is not None else _placement.mse()
         self.seed, self.probe_rows, self.probe_repeats = int(seed), probe_rows, probe_repeats
-        self.checkpoint_every = int(config.get("parallel.checkpoint-every", checkpoint_every))
+        every = config.get("parallel.checkpoint-every", checkpoint_every)
+        self.checkpoint_every = None if every is None else int(every)
         self.memory_fraction = float(config.get("parallel.memory-fraction", memory_fraction))
         available = sorted(workers_info(client))
         # the order given is the device order (stage s on the s-th worker, as ranks in

@@ -11,40 +11,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-__all__ = ["SCHEDULES", "PipelineResult", "bubble_fraction", "schedule_order", "timeline"]
+__all__ = ["SCHEDULES", "PipelineResult", "bubble_fraction", "timeline"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
-
-
-def schedule_order(schedule: str, n_stages: int, n_micro_batches: int, stage: int
-                   ) -> list[tuple[str, int]]:
-    """The order stage ``stage`` runs its tasks in: ``("F", j)`` and ``("B", j)``: the
-    order torch's ``ScheduleGPipe`` and ``Schedule1F1B`` run (a run's measured order is
-    :attr:`PipelineResult.timeline`; ``ScheduleInterleaved1F1B``'s is torch's own).
-
-    Parameters
-    ----------
-    schedule : {"gpipe", "1f1b"}
-    n_stages, n_micro_batches, stage : int
-
-    Returns
-    -------
-    list of (str, int)
-        GPipe: all forwards, then all backwards. 1F1B: ``min(p - s - 1, m)`` warm-up
-        forwards, then one forward and one backward in turn, then the remaining backwards.
-    """
-    p, m, s = n_stages, n_micro_batches, stage
-    if schedule not in ("gpipe", "1f1b"):
-        raise ValueError(f"blockflow: schedule_order knows 'gpipe' and '1f1b', got "
-                         f"{schedule!r} (the interleaved order is torch's).")
-    if schedule == "gpipe":
-        return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
-    warm = min(p - s - 1, m)
-    order = [("F", j) for j in range(warm)]
-    for j in range(m - warm):
-        order += [("F", warm + j), ("B", j)]
-    order += [("B", j) for j in range(m - warm, m)]
-    return order
 
 
 def bubble_fraction(timeline: pd.DataFrame) -> float:
