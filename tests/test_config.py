@@ -100,7 +100,7 @@ def test_blockflow_rules_of_the_schema_name_its_own_keys():
     assert durations == {"cluster.connect-timeout", "cluster.worker-loss-timeout",
                          "cluster.worker-start-timeout",
                          "rebalancer.interval", "rebalancer.move-min-gain",
-                         "ml.peer-timeout", "resources.unsatisfiable-timeout",
+                         "resources.unsatisfiable-timeout",
                          "resources.admission-grace",
                          "routing.batch-seconds",
                          "routing.interval", "parallel.stage-wait", "scaling.hold",
