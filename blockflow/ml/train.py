@@ -122,6 +122,14 @@ def _timed_allreduce(timer: _Timer, bucket):
     return allreduce_hook(None, bucket)
 
 
+class _Opaque:
+    """A module or a checkpoint's state dicts as one opaque object: pickled whole (torch's
+    own pickling carries every dtype; distributed's tensor serialiser refuses bfloat16)."""
+
+    def __init__(self, state):
+        self.state = state
+
+
 def _pick(result: dict, key: str):
     return result.get(key)
 
@@ -140,8 +148,8 @@ def _rank_segment(rank, model, state, blocks, ids, seg: _Segment) -> dict:
     if isinstance(state, str):  # a checkpoint file
         state = torch.load(state, weights_only=False)
     elif state is not None:  # rank 0's result of the segment before
-        state = state["state"]
-    model = copy.deepcopy(model)  # the scattered module is shared by this worker's tasks
+        state = state["state"].state
+    model = copy.deepcopy(model.state)  # the scattered module is shared by this worker's tasks
     if state is not None:
         model.load_state_dict(state["model"])
     model.to(rank.device)
@@ -160,8 +168,9 @@ def _rank_segment(rank, model, state, blocks, ids, seg: _Segment) -> dict:
         if seg.fsdp:
             set_optimizer_state_dict(model, opt, state["optim"],
                                      options=StateDictOptions(full_state_dict=True))
-        else:
-            opt.load_state_dict(state["optim"])
+        else:  # a copy: the optimizer updates its state in place, and the checkpoint
+            # may live in this process's memory (the last one, kept for a recovery)
+            opt.load_state_dict(copy.deepcopy(state["optim"]))
     xs, ys = [], []
     for xb, yb in blocks:  # once per segment: the blocks stay on the device
         x, y = torch.as_tensor(xb), torch.as_tensor(yb)
@@ -206,10 +215,11 @@ def _rank_segment(rank, model, state, blocks, ids, seg: _Segment) -> dict:
         msd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         osd = opt.state_dict()
     if rank.rank == 0:
-        result["state"] = {"model": msd, "optim": osd, "step": seg.steps[-1][0] + 1}
+        state = {"model": msd, "optim": osd, "step": seg.steps[-1][0] + 1}
+        result["state"] = _Opaque(state)
         if seg.path:
             tmp = f"{seg.path}.tmp-{os.getpid()}"
-            torch.save(result["state"], tmp)
+            torch.save(state, tmp)
             os.replace(tmp, seg.path)
     return result
 
@@ -369,7 +379,7 @@ class DataParallelTrainer:
             client, shards, probe)
         del probe
         steps = self._steps(shards.block_rows)
-        [model_future] = client.scatter([self.model], broadcast=True, hash=False)
+        [model_future] = client.scatter([_Opaque(self.model)], broadcast=True, hash=False)
         self.history_, self.recoveries_ = [], []
         ckpt, done, segment = None, 0, 0
         try:
@@ -401,7 +411,7 @@ class DataParallelTrainer:
                 if self.sharding == "speed" and done < len(steps):
                     shards.rebalance()
             if ckpt is not None:
-                sd = client.submit(_pick, ckpt, "state", pure=False).result()
+                sd = client.submit(_pick, ckpt, "state", pure=False).result().state
                 with torch.no_grad():
                     self.model.load_state_dict(sd["model"])
         finally:
