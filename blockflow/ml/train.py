@@ -17,7 +17,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 from distributed import default_client
