@@ -30,9 +30,10 @@ FEATURES, CLASSES, BATCH = 512, 10, 256
 
 
 def data(n, seed=0):
-    """A separable-with-noise 10-class problem on 512 features (float32)."""
-    rng = np.random.default_rng(seed)
-    W = rng.normal(size=(FEATURES, CLASSES)).astype(np.float32)
+    """A separable-with-noise 10-class problem on 512 features (float32); one ``W`` for
+    every seed (training and held-out rows of the same problem)."""
+    W = np.random.default_rng(0).normal(size=(FEATURES, CLASSES)).astype(np.float32)
+    rng = np.random.default_rng(seed + 1)
     X = rng.normal(size=(n, FEATURES)).astype(np.float32)
     y = (X @ W + 4 * rng.normal(size=(n, CLASSES))).argmax(1).astype(np.int64)
     return X, y
@@ -61,6 +62,9 @@ class Transformer:  # built lazily: torch imported in the ranks
 def make(kind, seed=0):
     import torch
     torch.manual_seed(seed)
+    if kind == "small":
+        return torch.nn.Sequential(torch.nn.Linear(FEATURES, 256), torch.nn.ReLU(),
+                                   torch.nn.Linear(256, CLASSES))
     if kind == "mlp":
         return torch.nn.Sequential(torch.nn.Linear(FEATURES, 2048), torch.nn.ReLU(),
                                    torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
@@ -131,15 +135,14 @@ def ddp(kind, X, y, block_rows, epochs, max_steps):
     return r["times"], r["wall"], launch, model
 
 
-def _stretch(seconds, cpu_seconds, rows, scale=None):
-    """block_hook: the rank's step takes ``scale x CPU seconds / speed`` (worker name i has
-    speed SPEEDS[i]), before it waits on its peers."""
+def _stretch(seconds, cpu_seconds, rows, per_row=1e-3):
+    """block_hook: the rank's local step takes ``per_row x rows / speed`` seconds in all
+    (worker name i has speed SPEEDS[i]; its real compute counts towards it), before it
+    waits on its peers: a device whose work is its rows, as 4 ranks on 2 shared cores
+    cannot show by their CPU seconds."""
     from distributed import get_worker
-
-    from blockflow.testing import device_scale
     speed = SPEEDS[int(get_worker().name)]
-    scale = device_scale(SPEEDS) if scale is None else scale
-    time.sleep(max(0.0, scale * cpu_seconds / speed - seconds))
+    time.sleep(max(0.0, per_row * rows / speed - seconds))
 
 
 def blockflow_fit(client, kind, X, y, epochs, max_steps, sharding="equal", hook=None,
@@ -191,17 +194,18 @@ def uneven_section(args, out):
     from distributed import Client, LocalCluster
     X, y = data(args.rows)
     Xte, yte = data(2000, seed=1)
-    out("\n## uneven workers: simulated speeds 1, 1, 0.5, 0.25 (4 ranks), MLP, "
+    out("\n## uneven workers: simulated speeds 1, 1, 0.5, 0.25 (4 ranks, 1 ms per row at "
+        "speed 1), MLP 512-256-10, "
         f"{args.uneven_epochs} epochs")
     out("| shares | fit s | steps | final held-out acc | rows per worker (speed order) |")
     out("|---|---|---|---|---|")
     res = {}
     with LocalCluster(n_workers=4, threads_per_worker=1, processes=True,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
-        blockflow_fit(client, "mlp", X[:1024], y[:1024], 1, 3)  # warm the workers
+        blockflow_fit(client, "small", X[:1024], y[:1024], 1, 3)  # warm the workers
         names = None
         for sharding in ("equal", "speed"):
-            tr, wall, model = blockflow_fit(client, "mlp", X, y, args.uneven_epochs,
+            tr, wall, model = blockflow_fit(client, "small", X, y, args.uneven_epochs,
                                                10 ** 9, sharding=sharding, hook=_stretch,
                                                every=args.segment)
             if names is None:
