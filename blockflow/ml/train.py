@@ -213,7 +213,7 @@ def _rank_segment(rank, model, state, blocks, ids, seg: _Segment) -> dict:
         osd = get_optimizer_state_dict(model, opt, options=full)
     elif rank.rank == 0:
         msd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        osd = opt.state_dict()
+        osd = _to_cpu(opt.state_dict())  # a peer without that device can hold it
     if rank.rank == 0:
         state = {"model": msd, "optim": osd, "step": seg.steps[-1][0] + 1}
         result["state"] = _Opaque(state)
@@ -222,6 +222,17 @@ def _rank_segment(rank, model, state, blocks, ids, seg: _Segment) -> dict:
             torch.save(state, tmp)
             os.replace(tmp, seg.path)
     return result
+
+
+def _to_cpu(value):
+    """``value`` with every tensor inside (dicts, lists, tuples) on the CPU."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 def _state_bytes(model, opt) -> int:

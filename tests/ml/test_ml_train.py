@@ -193,6 +193,36 @@ def test_fsdp2_is_chosen_when_the_state_does_not_fit_the_smallest_worker(client3
     assert not trainer._needs_fsdp(client3, Shards(), adam(list(model.parameters())))
 
 
+@pytest.mark.gpu
+def test_a_gpu_worker_trains_with_nccl_and_the_client_model_stays_put(digits):
+    """One rank per GPU worker: nccl, the blocks moved to the device once per segment; the
+    client's model (on the CPU) gets the result, equal to one process on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    Xtr, _, ytr, _ = digits
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        model = mlp(3, torch.float32)
+        trainer = DataParallelTrainer(model, torch.nn.CrossEntropyLoss(), adam,
+                                      batch_size=128, epochs=2, seed=1, client=client,
+                                      checkpoint_every=5)
+        trainer.fit(*collections(Xtr, ytr))
+    reference = mlp(3, torch.float32).cuda()
+    opt = adam(list(reference.parameters()))
+    off = np.concatenate([[0], np.cumsum(trainer.shards_.block_rows)])
+    for epoch in range(2):
+        for rows in batch_schedule(trainer.shards_.block_rows, 128, epoch, 1):
+            idx = np.concatenate([off[j] + r for j, r in enumerate(rows)])
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(
+                reference(torch.as_tensor(Xtr[idx], dtype=torch.float32).cuda()),
+                torch.as_tensor(ytr[idx]).cuda()).backward()
+            opt.step()
+    assert model[0].weight.device.type == "cpu"
+    np.testing.assert_allclose(params(model), params(reference.cpu()), rtol=1e-4,
+                               atol=1e-5)
+
+
 def _slow_by_name(seconds, cpu_seconds, rows):
     """Worker named i runs at speed (1, 1, 0.25)[i]: 2 ms of reference work per row."""
     from distributed import get_worker
