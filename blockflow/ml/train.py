@@ -172,25 +172,29 @@ def _rank_segment(rank, model, state, blocks, ids, seg: _Segment) -> dict:
             # may live in this process's memory (the last one, kept for a recovery)
             opt.load_state_dict(copy.deepcopy(state["optim"]))
     xs, ys = [], []
-    for xb, yb in blocks:  # once per segment: the blocks stay on the device
-        x, y = torch.as_tensor(xb), torch.as_tensor(yb)
-        xs.append(x.to(rank.device, dtype) if x.is_floating_point() else x.to(rank.device))
-        ys.append(y.to(rank.device))
+    for xb, yb in blocks:
+        xs.append(torch.as_tensor(xb))
+        ys.append(torch.as_tensor(yb))
+    # the rank's rows as one tensor on its device, once per segment: a step indexes it once
+    X, Y = torch.cat(xs), torch.cat(ys).to(rank.device)
+    X = X.to(rank.device, dtype) if X.is_floating_point() else X.to(rank.device)
+    starts = np.concatenate([[0], np.cumsum([len(x) for x in xs])])
+    del xs, ys
     steps_per_epoch = _steps_per_epoch(seg.block_rows, seg.batch_size)
     plans, out, wait, world = {}, [], 0.0, rank.world_size
     for g, epoch, k, n_global in seg.steps:
         if epoch not in plans:
             plans = {epoch: [_block_plan(seg.block_rows[j], j, steps_per_epoch, epoch,
                                          seg.seed) for j in ids]}
-        idx = [torch.as_tensor(p[c[k]:c[k + 1]]) for p, c in plans[epoch]]
-        n = int(sum(len(i) for i in idx))
+        idx = torch.as_tensor(np.concatenate(
+            [s + p[c[k]:c[k + 1]] for s, (p, c) in zip(starts, plans[epoch])]))
+        n = len(idx)
         started, t0 = time.time(), time.perf_counter()
         timer.start(n)
         if n:
-            x = torch.cat([xb[i] for xb, i in zip(xs, idx)])
-            y = torch.cat([yb[i] for yb, i in zip(ys, idx)])
+            x, y = X[idx], Y[idx]
         else:  # no rows this step: an empty batch keeps the collectives matched
-            x, y = xs[0][:0], None
+            x, y = X[:0], None
         result = net(x)
         if n:
             loss = seg.loss_fn(result, y)
