@@ -177,7 +177,7 @@ def equal_section(args, out):
     Xte, yte = data(2000, seed=1)
     block_rows = [64] * (len(X) // 64) + ([len(X) % 64] if len(X) % 64 else [])
     out("## identical workers: 2 ranks x 1 thread, global batch 256 (median step after "
-        "2 warm-up steps)")
+        f"2 warm-up steps; medians of {args.repeat} alternated runs)")
     out("DDP fit s: its ranks' training loop, after their processes started and joined "
         "(launch s: spawn to exit); blockflow fit s: fit() from the call, blocks placed on "
         "the ranks, group formed, the model back on the client")
@@ -189,10 +189,15 @@ def equal_section(args, out):
         for kind in ("mlp", "transformer"):
             n_params = sum(p.numel() for p in make(kind).parameters())
             blockflow_fit(client, kind, X[:1024], y[:1024], 1, 3)  # warm the workers
-            times, wall, launch, m_ddp = ddp(kind, X, y, block_rows, args.epochs, args.steps)
-            tr, bwall, m_bf = blockflow_fit(client, kind, X, y, args.epochs, args.steps)
-            d = statistics.median(times[2:]) * 1e3
-            b = statistics.median([r["seconds"] for r in tr.history_[2:]]) * 1e3
+            runs = []
+            for _ in range(args.repeat):  # alternated: a load change hits both sides
+                times, wall, launch, m_ddp = ddp(kind, X, y, block_rows, args.epochs,
+                                                 args.steps)
+                tr, bwall, m_bf = blockflow_fit(client, kind, X, y, args.epochs, args.steps)
+                runs.append((statistics.median(times[2:]) * 1e3,
+                             statistics.median([r["seconds"] for r in tr.history_[2:]]) * 1e3,
+                             wall, bwall, launch))
+            d, b, wall, bwall, launch = (statistics.median(c) for c in zip(*runs))
             out(f"| {kind} | {n_params / 1e6:.2f} M | {d:.1f} | {b:.1f} | {b / d:.2f}x | "
                 f"{wall:.2f} | {bwall:.2f} | {bwall / wall:.2f}x | {launch:.2f} | "
                 f"{accuracy(m_ddp, Xte, yte):.4f} | {accuracy(m_bf, Xte, yte):.4f} |")
@@ -233,6 +238,7 @@ def uneven_section(args, out):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=8192)
+    p.add_argument("--repeat", type=int, default=3, help="alternated runs per model (1.)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--steps", type=int, default=48, help="steps per fit in section 1")
     p.add_argument("--uneven-epochs", type=int, default=3)
