@@ -134,6 +134,11 @@ def _pick(result: dict, key: str):
     return result.get(key)
 
 
+def _model_state(result: dict) -> _Opaque:
+    """Rank 0's model state dict alone (the optimizer's stays on the workers)."""
+    return _Opaque(result["state"].state["model"])
+
+
 def _rank_segment(rank, model, state, blocks, ids, seg: _Segment) -> dict:
     """On a worker, as one rank: the segment's steps over its blocks' rows, under DDP (or
     FSDP2); returns per-step (loss sum, rows, own seconds) and, on rank 0, the checkpoint."""
@@ -415,7 +420,7 @@ class DataParallelTrainer:
                                                      pure=False)
                                        for f, w in zip(futures, ranks)])
                 ckpt = futures[0]
-                if len(ranks) > 1:
+                if len(ranks) > 1 and done + len(seg.steps) < len(steps):
                     client.replicate([ckpt], n=2)  # kept in a peer's memory too
                 del futures
                 stop = self._record(shards, stats, ranks, seg, segment)
@@ -426,9 +431,9 @@ class DataParallelTrainer:
                 if self.sharding == "speed" and done < len(steps):
                     shards.rebalance()
             if ckpt is not None:
-                sd = client.submit(_pick, ckpt, "state", pure=False).result().state
+                sd = client.submit(_model_state, ckpt, pure=False).result().state
                 with torch.no_grad():
-                    self.model.load_state_dict(sd["model"])
+                    self.model.load_state_dict(sd)
         finally:
             shards.close()
             del model_future, ckpt
