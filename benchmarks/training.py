@@ -235,6 +235,64 @@ def uneven_section(args, out):
         f"(difference {abs(as_ - ae) * 100:.2f} %)")
 
 
+def _kill_at(flag, step, seconds, cpu_seconds, rows):
+    """block_hook: worker named 1 kills its own process at its ``step``-th step of the
+    fit (once: the flag file); 1 ms per row of device time on every worker."""
+    from distributed import get_worker
+    time.sleep(max(0.0, 1e-3 * rows - seconds))
+    if get_worker().name != 1 or os.path.exists(flag):
+        return
+    _kill_at.calls = getattr(_kill_at, "calls", 0) + 1
+    if _kill_at.calls == step:
+        open(flag, "w").close()
+        os.kill(os.getpid(), 9)
+
+
+def fault_section(args, out):
+    """A worker killed mid-epoch: the fit's time against a fault-free one (same cluster
+    size, same data and seed), parameters compared (float64)."""
+    import functools
+    import tempfile
+
+    import dask.array as da
+    import torch
+    from distributed import Client, LocalCluster, wait
+
+    from blockflow.ml import DataParallelTrainer
+    X, y = data(args.rows)
+    out("\n## a worker killed mid-epoch (3 workers, MLP 512-256-10 in float64, "
+        f"{args.fault_epochs} epochs, checkpoint_every {args.segment})")
+    out("| run | fit s | steps | recoveries | max abs parameter difference |")
+    out("|---|---|---|---|---|")
+    flag = os.path.join(tempfile.mkdtemp(), "killed")
+    models, walls = [], []
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        Xd, yd = client.persist([da.from_array(X.astype(np.float64), chunks=(64, -1)),
+                                 da.from_array(y, chunks=64)])
+        wait([Xd, yd])
+        steps = args.fault_epochs * (len(X) // BATCH)
+        for i, kill in enumerate((None, steps // 2, None)):
+            model = make("small").double()
+            hook = functools.partial(_kill_at, flag if kill else flag + "-none",
+                                     kill or 10 ** 9)
+            if kill is None:
+                open(flag + "-none", "w").close()
+            tr = DataParallelTrainer(model, torch.nn.CrossEntropyLoss(), adam,
+                                     batch_size=BATCH, epochs=args.fault_epochs,
+                                     client=client, sharding="equal", block_hook=hook,
+                                     checkpoint_every=args.segment)
+            t0 = time.perf_counter()
+            tr.fit(Xd, yd)
+            walls.append(time.perf_counter() - t0)
+            models.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach())
+            diff = float((models[-1] - models[0]).abs().max())
+            name = "warm-up, fault-free" if i == 0 else "killed" if kill else "fault-free"
+            out(f"| {name} | {walls[-1]:.2f} | {len(tr.history_)} | "
+                f"{tr.recoveries_ if kill else '-'} | {diff:.1e} |")
+    out(f"\nkilled / fault-free: {walls[1] / walls[2]:.2f}x (target <= 2x plus the restart)")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=8192)
@@ -244,7 +302,8 @@ def main():
     p.add_argument("--uneven-epochs", type=int, default=3)
     p.add_argument("--segment", type=int, default=100,
                    help="checkpoint_every (section 2; blockflow.ml.checkpoint-every)")
-    p.add_argument("--only", choices=["equal", "uneven"], default=None)
+    p.add_argument("--fault-epochs", type=int, default=2)
+    p.add_argument("--only", choices=["equal", "uneven", "fault"], default=None)
     p.add_argument("--output", default=None)
     args = p.parse_args()
     lines = []
@@ -259,6 +318,8 @@ def main():
         equal_section(args, out)
     if args.only in (None, "uneven"):
         uneven_section(args, out)
+    if args.only in (None, "fault"):
+        fault_section(args, out)
     out(f"load {os.getloadavg()[0]:.1f} at the end")
     if args.output:
         with open(args.output, "a") as f:
