@@ -1,88 +1,80 @@
-"""Data-parallel training and GLMs (issue 12): correctness, uneven devices, overhead.
+"""Data-parallel training (issue 38): blockflow's DataParallelTrainer beside torch DDP.
 
-Run: ``python benchmarks/training.py --repeat 3`` (needs ``blockflow[ai]``).
+Run: ``python benchmarks/training.py`` (full) or ``--steps 12 --epochs 1`` (smoke).
 
-1. Correctness: an MLP on scikit-learn's digits on 4 workers against a single-process PyTorch
-   loop over the same batches (max relative loss difference per step, held-out accuracy);
-   GLMs against scikit-learn's coefficients on breast_cancer and a flights subset.
-2. Uneven devices: a simulated cluster with speeds 1, 1, 0.5, 0.25 training a small CNN
-   on digits (compute-bound steps: weight sharing gives ~60 MFLOP per sample, forward and
-   backward, at 128 channels against 0.23 M parameters). Each gradient task takes ``k x
-   CPU seconds / speed`` on its device (sleep after the real compute, :func:`_stretch`),
-   ``k`` from :func:`blockflow.testing.device_scale` (2 on a 2-core host: 4 devices of
-   total speed 2.75 would otherwise contend for 2 cores, a limit of the host and not of
-   the sharding). Time to a held-out accuracy target, from the first step (placing the
-   blocks is reported beside it), for speed-weighted shards with work stealing inside a
-   step (the default), the same without stealing, and for equal shards
-   (synchronous data parallelism as DDP/xgboost.dask shard), on the same cluster; ideal =
-   total reference work / total speed (sum over tasks of device seconds x speed, divided
-   by 2.75), i.e. no overhead and perfect balance. blockflow's scheduler plugin is
-   registered, as ``blockflow.connect()`` does (``--no-plugin``: without it): fits after
-   the first start from the speeds it learned, per row, from earlier work on the cluster.
-3. Per-step overhead on identical CPU workers: median step wall time on 4 identical workers
-   against the same step in one process.
-
-Medians over ``--repeat`` repetitions are printed as tables.
+1. Identical workers: torch DDP launched as torchrun would (``torch.multiprocessing.spawn``,
+   gloo, 2 ranks x 1 thread) against ``DataParallelTrainer`` on a 2-worker LocalCluster (1
+   thread each), same model (an MLP 512-2048-2048-10, 5.3 M parameters, and a small
+   transformer), same data, same global batch (256) and the same per-rank rows (the equal
+   round-robin blocks ``sharding="equal"`` gives): median step time after warm-up, fit wall
+   time for the same epochs and held-out accuracy; ratios blockflow / DDP.
+2. Uneven workers (simulated speeds 1, 1, 0.5, 0.25; each rank's step stretched to
+   ``k x CPU seconds / speed``, ``k`` from :func:`blockflow.testing.device_scale`, in the
+   block hook, before the rank's allreduce): time to a held-out accuracy with
+   speed-weighted shares against DDP's equal local batches on the same ranks
+   (``sharding="equal"``), final accuracies side by side.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import os
 import statistics
 import sys
 import time
 
 import numpy as np
 
-from blockflow.scheduling.view import workers_info
-
 SPEEDS = (1, 1, 0.5, 0.25)
+FEATURES, CLASSES, BATCH = 512, 10, 256
 
 
-def _stretch(seconds, cpu_seconds, rows=None, scale=None):
-    """block_hook: the task takes ``scale x CPU seconds / speed`` in all on its simulated
-    device (CPU seconds, not elapsed: time spent waiting for a shared host core is not
-    work its device would do; the rule of :func:`blockflow.testing.slowed_to_device_speed`).
-    """
-    from blockflow.testing.simulated import get_device
-    dev = get_device()
-    if dev is not None:
-        from blockflow.testing import device_scale
-        scale = device_scale(SPEEDS) if scale is None else scale
-        time.sleep(max(0.0, scale * cpu_seconds / dev.speed() - seconds))
+def data(n, seed=0):
+    """A separable-with-noise 10-class problem on 512 features (float32); one ``W`` for
+    every seed (training and held-out rows of the same problem)."""
+    W = np.random.default_rng(0).normal(size=(FEATURES, CLASSES)).astype(np.float32)
+    rng = np.random.default_rng(seed + 1)
+    X = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    y = (X @ W + 4 * rng.normal(size=(n, CLASSES))).argmax(1).astype(np.int64)
+    return X, y
 
 
-def mlp(hidden, seed=0, layers=1):
-    """An MLP on the 64 digits pixels: ``layers`` hidden layers of ``hidden`` units."""
+class Transformer:  # built lazily: torch imported in the ranks
+    @staticmethod
+    def build():
+        import torch
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = torch.nn.Linear(32, 64)
+                layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0,
+                                                         batch_first=True)
+                self.encoder = torch.nn.TransformerEncoder(layer, 2)
+                self.head = torch.nn.Linear(64, CLASSES)
+
+            def forward(self, x):
+                h = self.encoder(self.embed(x.reshape(len(x), 16, 32)))
+                return self.head(h.mean(1))
+        return Net()
+
+
+def make(kind, seed=0):
     import torch
     torch.manual_seed(seed)
-    sizes = [64] + [hidden] * layers
-    parts = []
-    for a, b in zip(sizes, sizes[1:]):
-        parts += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    return torch.nn.Sequential(*parts, torch.nn.Linear(hidden, 10)).double()
+    if kind == "small":
+        return torch.nn.Sequential(torch.nn.Linear(FEATURES, 256), torch.nn.ReLU(),
+                                   torch.nn.Linear(256, CLASSES))
+    if kind == "mlp":
+        return torch.nn.Sequential(torch.nn.Linear(FEATURES, 2048), torch.nn.ReLU(),
+                                   torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
+                                   torch.nn.Linear(2048, CLASSES))
+    return Transformer.build()
 
 
-def cnn(channels, seed=0):
-    """A small convolutional net on the 8 x 8 digits images: two 3 x 3 convolutions of
-    ``channels`` filters and a linear read-out. Weight sharing gives it far more compute per
-    parameter than an MLP (about 60 MFLOP per sample, forward and backward, at 128 channels
-    against 0.23 M parameters), the regime where a data-parallel step is compute-bound."""
+def adam(params):
     import torch
-    torch.manual_seed(seed)
-    c = channels
-    return torch.nn.Sequential(
-        torch.nn.Unflatten(1, (1, 8, 8)), torch.nn.Conv2d(1, c, 3, padding=1),
-        torch.nn.ReLU(), torch.nn.Conv2d(c, c, 3, padding=1), torch.nn.ReLU(),
-        torch.nn.Flatten(), torch.nn.Linear(c * 64, 10)).double()
-
-
-def digits():
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    X, y = load_digits(return_X_y=True)
-    return train_test_split(X / 16.0, y, test_size=0.25, random_state=0)
+    return torch.optim.Adam(params, lr=1e-3)
 
 
 def accuracy(model, X, y):
@@ -91,260 +83,247 @@ def accuracy(model, X, y):
         return float((model(torch.as_tensor(X)).argmax(1).numpy() == y).mean())
 
 
-def single_process(model, X, y, block_rows, batch, epochs, seed):
+def _ddp_rank(rank, world, port, kind, X, y, block_rows, epochs, max_steps, out):
     import torch
+    import torch.distributed as dist
 
     from blockflow.ml import batch_schedule
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    model = make(kind)
+    net = torch.nn.parallel.DistributedDataParallel(model)
+    opt = adam(model.parameters())
     off = np.concatenate([[0], np.cumsum(block_rows)])
-    losses, times = [], []
+    mine = [j for j in range(len(block_rows)) if j % world == rank]  # round robin
+    Xt, yt = torch.as_tensor(X), torch.as_tensor(y)
+    times, t_fit, steps = [], time.perf_counter(), 0
     for e in range(epochs):
-        for rows in batch_schedule(block_rows, batch, e, seed):
+        for rows in batch_schedule(block_rows, BATCH, e, 0):
+            n_g = sum(len(r) for r in rows)
+            idx = np.concatenate([off[j] + rows[j] for j in mine])
             t0 = time.perf_counter()
-            idx = np.concatenate([off[j] + r for j, r in enumerate(rows)])
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(torch.as_tensor(X[idx])),
-                                                     torch.as_tensor(y[idx]))
+            out_ = net(Xt[idx])
+            loss = torch.nn.functional.cross_entropy(out_, yt[idx]) * (len(idx) * world / n_g)
             loss.backward()
             opt.step()
-            losses.append(loss.item())
+            opt.zero_grad()
             times.append(time.perf_counter() - t0)
-    return np.array(losses), times
+            steps += 1
+            if steps >= max_steps:
+                break
+    wall = time.perf_counter() - t_fit
+    if rank == 0:
+        torch.save({"times": times, "wall": wall, "state": model.state_dict()}, out)
+    dist.destroy_process_group()
 
 
-def correctness(client, hidden):
+def ddp(kind, X, y, block_rows, epochs, max_steps):
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+    from distributed.utils import open_port
+    out = os.path.join(tempfile.mkdtemp(), "ddp.pt")
+    t0 = time.perf_counter()
+    mp.spawn(_ddp_rank, args=(2, open_port(), kind, X, y, block_rows, epochs, max_steps,
+                              out), nprocs=2)
+    launch = time.perf_counter() - t0
+    r = torch.load(out, weights_only=False)
+    model = make(kind)
+    model.load_state_dict(r["state"])
+    return r["times"], r["wall"], launch, model
+
+
+def _stretch(seconds, cpu_seconds, rows, per_row=1e-3):
+    """block_hook: the rank's local step takes ``per_row x rows / speed`` seconds in all
+    (worker name i has speed SPEEDS[i]; its real compute counts towards it), before it
+    waits on its peers: a device whose work is its rows, as 4 ranks on 2 shared cores
+    cannot show by their CPU seconds."""
+    from distributed import get_worker
+    speed = SPEEDS[int(get_worker().name)]
+    time.sleep(max(0.0, per_row * rows / speed - seconds))
+
+
+def blockflow_fit(client, kind, X, y, epochs, max_steps, sharding="equal", hook=None,
+                  every=None):
     import dask.array as da
     import torch
+    from distributed import wait
 
     from blockflow.ml import DataParallelTrainer
-    Xtr, Xte, ytr, yte = digits()
-    model = mlp(hidden)
-    ref = copy.deepcopy(model)
-    tr = DataParallelTrainer(model, torch.nn.CrossEntropyLoss(),
-                             lambda p: torch.optim.Adam(p, lr=0.01), batch_size=256,
-                             epochs=14, seed=3, client=client)
-    tr.fit(da.from_array(Xtr, chunks=100), da.from_array(ytr, chunks=100))
-    expected, times = single_process(ref, Xtr, ytr, tr.shards_.block_rows, 256, 14, 3)
-    rel = float(np.max(np.abs(tr.loss_curve() - expected) / np.abs(expected)))
-    return {"max_rel_loss_diff": rel, "accuracy": accuracy(model, Xte, yte),
-            "step_s": statistics.median(r["seconds"] for r in tr.history_),
-            "single_step_s": statistics.median(times)}
+    model = make(kind)
+
+    def stop(trainer, rec):  # ends at the end of a segment: segments of max_steps here
+        return rec["step"] + 1 >= max_steps
+
+    trainer = DataParallelTrainer(model, torch.nn.CrossEntropyLoss(), adam, batch_size=BATCH,
+                                  epochs=epochs, client=client, sharding=sharding,
+                                  block_hook=hook, callback=stop,
+                                  checkpoint_every=every or max_steps)
+    # the data already in the cluster's memory, as the DDP ranks have theirs (a user
+    # loading with Dask); the fit's own placement of blocks on the ranks is timed
+    Xd, yd = client.persist([da.from_array(X, chunks=(64, -1)), da.from_array(y, chunks=64)])
+    wait([Xd, yd])
+    t0 = time.perf_counter()
+    trainer.fit(Xd, yd)
+    wall = time.perf_counter() - t0
+    return trainer, wall, model
 
 
-#: scikit-learn's reference solver: Newton steps on the Cholesky-factored Hessian reach the
-#: exact optimum (gradient norm 2e-16 on flights 50k); its lbfgs stops at a gradient norm
-#: 16x blockflow's L-BFGS, 1.4e-4 relative from the optimum, so against lbfgs the table
-#: would measure scikit-learn's stopping point rather than blockflow's.
-NEWTON = "newton-cholesky"
+def equal_section(args, out):
+    from distributed import Client, LocalCluster
+    X, y = data(args.rows)
+    Xte, yte = data(2000, seed=1)
+    block_rows = [64] * (len(X) // 64) + ([len(X) % 64] if len(X) % 64 else [])
+    out("## identical workers: 2 ranks x 1 thread, global batch 256 (median step after "
+        f"2 warm-up steps; medians of {args.repeat} alternated runs)")
+    out("DDP fit s: its ranks' training loop, after their processes started and joined "
+        "(launch s: spawn to exit); blockflow fit s: fit() from the call, blocks placed on "
+        "the ranks, group formed, the model back on the client")
+    out("| model | params | torch DDP step ms | blockflow step ms | ratio | DDP fit s | "
+        "blockflow fit s | ratio | DDP launch s | DDP acc | blockflow acc |")
+    out("|---|---|---|---|---|---|---|---|---|---|---|")
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        for kind in ("mlp", "transformer"):
+            n_params = sum(p.numel() for p in make(kind).parameters())
+            blockflow_fit(client, kind, X[:1024], y[:1024], 1, 3)  # warm the workers
+            runs = []
+            for _ in range(args.repeat):  # alternated: a load change hits both sides
+                times, wall, launch, m_ddp = ddp(kind, X, y, block_rows, args.epochs,
+                                                 args.steps)
+                tr, bwall, m_bf = blockflow_fit(client, kind, X, y, args.epochs, args.steps)
+                runs.append((statistics.median(times[2:]) * 1e3,
+                             statistics.median([r["seconds"] for r in tr.history_[2:]]) * 1e3,
+                             wall, bwall, launch))
+            d, b, wall, bwall, launch = (statistics.median(c) for c in zip(*runs))
+            out(f"| {kind} | {n_params / 1e6:.2f} M | {d:.1f} | {b:.1f} | {b / d:.2f}x | "
+                f"{wall:.2f} | {bwall:.2f} | {bwall / wall:.2f}x | {launch:.2f} | "
+                f"{accuracy(m_ddp, Xte, yte):.4f} | {accuracy(m_bf, Xte, yte):.4f} |")
 
 
-def glms(client):
-    import dask.array as da
-    import sklearn.linear_model as sk
-    from sklearn.datasets import load_breast_cancer
-    from sklearn.preprocessing import StandardScaler
-
-    from blockflow.ml import LinearRegression, LogisticRegression, PoissonRegression
-    from blockflow.workloads.flights import read_table
-    from blockflow.workloads.train import N_FEATURES, flight_features
-
-    X, y = load_breast_cancer(return_X_y=True)
-    X = StandardScaler().fit_transform(X)
-    f = flight_features(read_table("flights", nrows=50_000)).astype(np.float64)
-    counts = load_breast_cancer().data[:, 0].round()
-    cases = [
-        ("logistic, breast_cancer", LogisticRegression(C=0.5, client=client),
-         sk.LogisticRegression(C=0.5, tol=1e-12, max_iter=10_000, solver=NEWTON), X,
-         y),
-        ("ridge, breast_cancer", LinearRegression(alpha=2.0, client=client),
-         sk.Ridge(alpha=2.0), X, y.astype(float)),
-        ("poisson, breast_cancer", PoissonRegression(alpha=0.01, client=client),
-         sk.PoissonRegressor(alpha=0.01, tol=1e-12, max_iter=10_000, solver=NEWTON), X,
-         counts),
-        ("logistic, flights 50k", LogisticRegression(C=1.0, client=client),
-         sk.LogisticRegression(C=1.0, tol=1e-12, max_iter=10_000, solver=NEWTON),
-         f[:, :N_FEATURES],
-         f[:, N_FEATURES]),
-    ]
-    out = {}
-    for name, ours, theirs, A, b in cases:
-        t0 = time.perf_counter()
-        ours.fit(da.from_array(A, chunks=(max(50, len(A) // 8), -1)),
-                 da.from_array(b, chunks=max(50, len(A) // 8)))
-        secs = time.perf_counter() - t0
-        theirs.fit(A, b)
-        a1 = np.append(ours.coef_, ours.intercept_)
-        b1 = np.append(np.ravel(theirs.coef_), theirs.intercept_)
-        out[name] = (float(np.linalg.norm(a1 - b1) / np.linalg.norm(b1)), secs,
-                     ours.n_passes_)
-    return out
+def uneven_section(args, out):
+    from distributed import Client, LocalCluster
+    X, y = data(args.rows)
+    Xte, yte = data(2000, seed=1)
+    out("\n## uneven workers: simulated speeds 1, 1, 0.5, 0.25 (4 ranks, 1 ms per row at "
+        "speed 1), MLP 512-256-10, "
+        f"{args.uneven_epochs} epochs")
+    out("| shares | fit s | steps | final held-out acc | rows per worker (speed order) |")
+    out("|---|---|---|---|---|")
+    res = {}
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        blockflow_fit(client, "small", X[:1024], y[:1024], 1, 3)  # warm the workers
+        names = None
+        for sharding in ("equal", "speed"):
+            tr, wall, model = blockflow_fit(client, "small", X, y, args.uneven_epochs,
+                                               10 ** 9, sharding=sharding, hook=_stretch,
+                                               every=args.segment)
+            if names is None:
+                from blockflow.scheduling.view import workers_info
+                names = {a: int(w["name"]) for a, w in workers_info(client).items()}
+            rows = tr.shards_.rows_per_worker()
+            order = [rows.get(a, 0) for a in sorted(rows, key=lambda a: names[a])]
+            acc = accuracy(model, Xte, yte)
+            res[sharding] = (wall, acc)
+            out(f"| {sharding} | {wall:.2f} | {len(tr.history_)} | {acc:.4f} | {order} |")
+    (we, ae), (ws, as_) = res["equal"], res["speed"]
+    out(f"\nspeed-weighted vs DDP equal local batches: {we / ws:.2f}x faster to the same "
+        f"epochs (ideal 2.75x); accuracy {as_:.4f} vs {ae:.4f} "
+        f"(difference {abs(as_ - ae) * 100:.2f} %)")
 
 
-def uneven(client, sharding, model_spec, target, max_epochs, lr=0.01, batch=512, block=25,
-           steal=None):
-    """Time to ``target`` held-out accuracy from the first step, the held-out evaluations
-    excluded (they are the benchmark's instrument, run on the client every third step);
-    ``setup`` is the time before the first step (placing the blocks on the workers, once
-    per fit, the same for both shardings)."""
+def _kill_at(flag, step, seconds, cpu_seconds, rows):
+    """block_hook: worker named 1 kills its own process at its ``step``-th step of the
+    fit (once: the flag file); 1 ms per row of device time on every worker."""
+    from distributed import get_worker
+    time.sleep(max(0.0, 1e-3 * rows - seconds))
+    if get_worker().name != 1 or os.path.exists(flag):
+        return
+    _kill_at.calls = getattr(_kill_at, "calls", 0) + 1
+    if _kill_at.calls == step:
+        open(flag, "w").close()
+        os.kill(os.getpid(), 9)
+
+
+def fault_section(args, out):
+    """A worker killed mid-epoch: the fit's time against a fault-free one (same cluster
+    size, same data and seed), parameters compared (float64)."""
+    import functools
+    import tempfile
+
     import dask.array as da
     import torch
+    from distributed import Client, LocalCluster, wait
 
     from blockflow.ml import DataParallelTrainer
-    Xtr, Xte, ytr, yte = digits()
-    speed_of = {}
-    for a, w in workers_info(client).items():
-        speed_of[a] = SPEEDS[int(w["name"])]
-    model = make_model(model_spec)
-    t_start = time.time()
-    reached = {}
-    evaluating = [0.0]
-
-    def stop(trainer, record):
-        if record["step"] % 3 == 2:
-            t0 = time.time()
-            if accuracy(model, Xte, yte) >= target:
-                reached["t"] = t0 - evaluating[0]  # this step's end, earlier checks excluded
-                return True
-            evaluating[0] += time.time() - t0
-        return False
-
-    tr = DataParallelTrainer(model, torch.nn.CrossEntropyLoss(),
-                             lambda p: torch.optim.Adam(p, lr=lr), batch_size=batch,
-                             epochs=max_epochs, seed=0, client=client, sharding=sharding,
-                             block_hook=_stretch, callback=stop, rebalance_every=5,
-                             steal=steal)
-    tr.fit(da.from_array(Xtr, chunks=block), da.from_array(ytr, chunks=block))
-    first = tr.history_[0]["started"]
-    wall = reached.get("t", float("nan")) - first
-    work = sum(s * speed_of.get(a, 1) for r in tr.history_
-               for a, s in r["worker_seconds"].items())
-    ideal = work / sum(SPEEDS)
-    return {"wall": wall, "setup": first - t_start, "ideal": ideal, "steps": len(tr.history_),
-            "step_s": statistics.median(r["seconds"] for r in tr.history_),
-            "rows": sorted(tr.shards_.rows_per_worker().values()),
-            "stolen": sum(sum(r.get("worker_stolen", {}).values()) for r in tr.history_)
-            / max(1, sum(r["samples"] for r in tr.history_))}
-
-
-def make_model(spec: str):
-    """``"cnn:48"`` (channels) or ``"mlp:256x1"`` (hidden units x layers)."""
-    kind, _, arg = spec.partition(":")
-    if kind == "cnn":
-        return cnn(int(arg or 48))
-    hidden, _, layers = (arg or "256x1").partition("x")
-    return mlp(int(hidden), layers=int(layers or 1))
+    X, y = data(args.rows)
+    out("\n## a worker killed mid-epoch (3 workers, MLP 512-256-10 in float64, "
+        f"{args.fault_epochs} epochs, checkpoint_every {args.segment})")
+    out("| run | fit s | steps | recoveries | max abs parameter difference |")
+    out("|---|---|---|---|---|")
+    flag = os.path.join(tempfile.mkdtemp(), "killed")
+    models, walls = [], []
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        Xd, yd = client.persist([da.from_array(X.astype(np.float64), chunks=(64, -1)),
+                                 da.from_array(y, chunks=64)])
+        wait([Xd, yd])
+        steps = args.fault_epochs * (len(X) // BATCH)
+        for i, kill in enumerate((None, steps // 2, None)):
+            model = make("small").double()
+            hook = functools.partial(_kill_at, flag if kill else flag + "-none",
+                                     kill or 10 ** 9)
+            if kill is None:
+                open(flag + "-none", "w").close()
+            tr = DataParallelTrainer(model, torch.nn.CrossEntropyLoss(), adam,
+                                     batch_size=BATCH, epochs=args.fault_epochs,
+                                     client=client, sharding="equal", block_hook=hook,
+                                     checkpoint_every=args.segment)
+            t0 = time.perf_counter()
+            tr.fit(Xd, yd)
+            walls.append(time.perf_counter() - t0)
+            models.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach())
+            diff = float((models[-1] - models[0]).abs().max())
+            name = "warm-up, fault-free" if i == 0 else "killed" if kill else "fault-free"
+            out(f"| {name} | {walls[-1]:.2f} | {len(tr.history_)} | "
+                f"{tr.recoveries_ if kill else '-'} | {diff:.1e} |")
+    out(f"\nkilled / fault-free: {walls[1] / walls[2]:.2f}x (target <= 2x plus the restart)")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=256, help="hidden units of the correctness MLP")
-    p.add_argument("--model", default="cnn:128",
-                   help="uneven-devices model: 'cnn:CHANNELS' or 'mlp:HIDDENxLAYERS'")
-    p.add_argument("--lr", type=float, default=0.01, help="Adam's learning rate (uneven)")
-    p.add_argument("--block", type=int, default=12,
-                   help="rows per block (uneven): finer blocks give finer speed shares")
-    p.add_argument("--batch", type=int, default=512,
-                   help="samples per step asked (uneven); digits' 1,347 training rows give "
-                        "2 steps of 674 per epoch at 1024, 3 of 449 at 512")
-    p.add_argument("--no-plugin", action="store_true",
-                   help="uneven: no blockflow scheduler plugin (every fit then probes speeds "
-                        "in its first step; with the plugin, as blockflow.connect() runs, a "
-                        "fit starts from the speeds it learned per row from earlier work)")
-    p.add_argument("--skip-no-steal", action="store_true",
-                   help="uneven: do not also run speed-weighted shards without work stealing")
-    p.add_argument("--target", type=float, default=0.95)
-    p.add_argument("--max-epochs", type=int, default=30)
-    p.add_argument("--only", choices=["correctness", "uneven"], default=None)
+    p.add_argument("--rows", type=int, default=8192)
+    p.add_argument("--repeat", type=int, default=3, help="alternated runs per model (1.)")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--steps", type=int, default=48, help="steps per fit in section 1")
+    p.add_argument("--uneven-epochs", type=int, default=3)
+    p.add_argument("--segment", type=int, default=100,
+                   help="checkpoint_every (section 2; blockflow.ml.checkpoint-every)")
+    p.add_argument("--fault-epochs", type=int, default=2)
+    p.add_argument("--only", choices=["equal", "uneven", "fault"], default=None)
+    p.add_argument("--output", default=None)
     args = p.parse_args()
-    if args.only != "uneven":
-        _correctness_tables(args)
-    if args.only != "correctness":
-        _uneven_table(args)
+    lines = []
 
+    def out(s):
+        print(s, flush=True)
+        lines.append(s)
 
-def _correctness_tables(args):
-    from distributed import Client, LocalCluster
-
-    rows = []
-    with LocalCluster(n_workers=4, threads_per_worker=1, dashboard_address=":0") as c, \
-            Client(c) as client:
-        for _ in range(args.repeat):
-            rows.append(correctness(client, args.hidden))
-        g = glms(client)
-    print("\n## Correctness and overhead (4 identical CPU workers; medians of "
-          f"{args.repeat})")
-    for k in rows[0]:
-        print(f"{k:20s} {statistics.median(r[k] for r in rows):.3g}")
-    print("\n## GLMs vs scikit-learn (relative coefficient difference, seconds, passes)")
-    for name, (rel, secs, passes) in g.items():
-        print(f"{name:26s} {rel:.2e}  {secs:6.1f} s  {passes} passes")
-
-
-def _one_thread():
-    import torch
-    torch.set_num_threads(1)
-
-
-def _uneven_table(args):
-    from blockflow.testing import simulated_cluster
-
-    # speed-weighted shards with work stealing inside a step (the default), the same
-    # without stealing, and equal shards (synchronous data parallelism), side by side
-    runs = {"speed": ("speed", None), "speed, no steal": ("speed", False),
-            "equal": ("equal", None)}
-    if args.skip_no_steal:
-        del runs["speed, no steal"]
-    res = {k: [] for k in runs}
-    with simulated_cluster(speeds=SPEEDS) as client:
-        if not args.no_plugin:  # as blockflow.connect() registers it
-            from blockflow.scheduling import Rebalancer
-            client.register_plugin(Rebalancer(policy="dynamic"))
-        # one intra-op thread per worker, as one process per device would have: 4 workers
-        # with a thread per core each would fight over the cores
-        client.run(_one_thread)
-        uneven(client, "equal", args.model, 0.0, 1)  # warm-up: imports, transfers
-        for i in range(args.repeat):
-            order = list(runs) if i % 2 == 0 else list(runs)[::-1]
-            for name in order:
-                sharding, steal = runs[name]
-                r = uneven(client, sharding, args.model, args.target, args.max_epochs,
-                           args.lr, batch=args.batch, block=args.block, steal=steal)
-                res[name].append(r)
-                print(f"# rep {i} {name:16s} train {r['wall']:.2f} s ideal {r['ideal']:.2f} s "
-                      f"({r['wall'] / r['ideal']:.3f}) steps {r['steps']} setup "
-                      f"{r['setup']:.2f} s stolen {r['stolen']:.1%}", file=sys.stderr)
-    print(f"\n## Uneven devices (speeds {SPEEDS}), time to {args.target:.0%} held-out "
-          f"accuracy, medians of {args.repeat}; model {args.model}, Adam lr {args.lr:g}, "
-          f"batch {args.batch}, blocks of {args.block} rows")
-    from blockflow.testing import device_scale
-    print(f"device-seconds per CPU-second: {device_scale(SPEEDS):g} (device_scale); 'train s' "
-          f"runs from the first step to the target; 'setup s' places the blocks, before it; "
-          f"'ideal s' = the run's own device work / total speed (stealing runs a worker's rows "
-          f"as several kernel calls: more work); 'x no-steal ideal' = train s / the "
-          f"no-steal run's ideal; 'stolen' = rows taken from peers")
-    print(f"{'sharding':16s} {'train s':>8s} {'ideal s':>8s} {'train/ideal':>11s} "
-          f"{'x no-steal ideal':>16s} {'setup s':>8s} {'steps':>6s} {'step s':>7s} "
-          f"{'stolen':>7s}")
-    base = res.get("speed, no steal") or res["speed"]
-    base_ideal = statistics.median(r["ideal"] for r in base)
-    for k, rs in res.items():
-        wall = statistics.median(r["wall"] for r in rs)
-        ideal = statistics.median(r["ideal"] for r in rs)
-        setup = statistics.median(r["setup"] for r in rs)
-        ratio = statistics.median(r["wall"] / r["ideal"] for r in rs)
-        print(f"{k:16s} {wall:8.2f} {ideal:8.2f} {ratio:11.2f} {wall / base_ideal:16.2f} "
-              f"{setup:8.2f} {statistics.median(r['steps'] for r in rs):6.0f} "
-              f"{statistics.median(r['step_s'] for r in rs):7.3f} "
-              f"{statistics.median(r['stolen'] for r in rs):7.1%}  rows {rs[-1]['rows']}")
-        print(f"{'':16s} per run train/ideal: "
-              + ", ".join(f"{r['wall'] / r['ideal']:.3f}" for r in rs))
-    sw = statistics.median(r["wall"] for r in res["speed"])
-    ew = statistics.median(r["wall"] for r in res["equal"])
-    print(f"equal / speed wall time: {ew / sw:.2f}x")
-    if "speed, no steal" in res:
-        nw = statistics.median(r["wall"] for r in res["speed, no steal"])
-        print(f"speed without / with stealing, wall time: {nw / sw:.2f}x")
+    load = os.getloadavg()
+    out(f"# {time.strftime('%Y-%m-%d')} {' '.join(sys.argv)}; load {load[0]:.1f} at start")
+    if args.only in (None, "equal"):
+        equal_section(args, out)
+    if args.only in (None, "uneven"):
+        uneven_section(args, out)
+    if args.only in (None, "fault"):
+        fault_section(args, out)
+    out(f"load {os.getloadavg()[0]:.1f} at the end")
+    if args.output:
+        with open(args.output, "a") as f:
+            f.write("\n".join(lines) + "\n\n")
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def test_blockflow_rules_of_the_schema_name_its_own_keys():
                          "cluster.worker-call-timeout",
                          "cluster.worker-start-timeout",
                          "rebalancer.interval", "rebalancer.move-min-gain",
-                         "ml.peer-timeout", "ml.rendezvous-timeout", "ml.collective-timeout",
+                         "ml.rendezvous-timeout", "ml.collective-timeout",
                          "resources.unsatisfiable-timeout",
                          "resources.admission-grace",
                          "routing.batch-seconds",

@@ -1,14 +1,15 @@
 """Resident shards: row blocks of (features, labels) kept on workers in proportion to speed.
 
-:class:`ResidentShards` places each row block on one worker once, so a pass
-(:mod:`blockflow.ml._passes`) sends only parameters and row indices. Each worker's share
-follows its speed, capped by free memory (*speed-weighted sharding*, a blockflow heuristic;
-xgboost.dask, DDP and Ray Train shard equally). Guide: docs/guide/ai.md.
+:class:`ResidentShards` places each row block on one worker once: a GLM's pass
+(:mod:`blockflow.ml._passes`) sends only its parameters and row indices, and a
+data-parallel rank (:mod:`blockflow.ml.train`) reads the blocks on its worker. Each
+worker's share follows its speed, capped by free memory (*speed-weighted sharding*, a
+blockflow heuristic; xgboost.dask, DDP and Ray Train shard equally). Guide:
+docs/guide/ai.md.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from typing import Any, Callable, Sequence
@@ -18,11 +19,9 @@ import numpy as np
 from dask.utils import format_bytes
 from distributed import KilledWorker, wait
 
-from blockflow import config
 from blockflow.errors import WorkerLostError
-from blockflow.ml._passes import ShardPasses, _Pass, _PostFailed
-from blockflow.ml._peers import peer_timeout
-from blockflow.ml._post import POSTED
+from blockflow.ml._group import worker_processes
+from blockflow.ml._passes import ShardPasses
 from blockflow.scheduling.estimate import Throughput, earliest_finish
 from blockflow.scheduling.view import learned_speeds, memory_of, worker_memory, workers_info
 from blockflow.scheduling.wait import wait_for
@@ -66,20 +65,9 @@ class ResidentShards(ShardPasses):
         fraction (0-1).
     poll : float, default 0.5
         Seconds between checks for lost workers while a pass runs.
-    steal_chunks : int, optional
-        Smallest stolen chunk as the fraction ``1 / steal_chunks`` of a worker's rows;
-        default ``blockflow.ml.steal-chunks``.
-    steal_reserve : float, optional
-        Fraction 0-1 of a worker's rows kept back for peers to steal; default
-        ``blockflow.ml.steal-reserve``.
-    steal_reserve_unmeasured : float, optional
-        The reserve of a worker no pass has measured yet; default
-        ``blockflow.ml.steal-reserve-unmeasured``.
-    check : blockflow.ml._finite.FiniteCheck, optional
-        Raises on the first non-finite value, or with ``check.drop`` drops its rows.
-    peer_timeout : float or str, optional
-        Seconds (or ``"5s"``) a call to a worker still listed may go unanswered; default
-        ``blockflow.ml.peer-timeout``.
+    one_per_process : bool, default False
+        Place blocks only on one worker per process (:func:`blockflow.ml._group.
+        worker_processes`): each holds one torch.distributed rank.
 
     Raises
     ------
@@ -95,16 +83,14 @@ class ResidentShards(ShardPasses):
 
     def __init__(self, client, X, y, *, sharding: str = "speed", memory_fraction: float = 0.5,
                  split_every: int | None = None, rebalance_gain: float = 0.05,
-                 poll: float = 0.5, steal_chunks: int | None = None,
-                 steal_reserve: float | None = None,
-                 steal_reserve_unmeasured: float | None = None,
-                 peer_timeout: float | str | None = None, check=None):
+                 poll: float = 0.5, one_per_process: bool = False, check=None):
         if sharding not in ("speed", "equal"):
             raise ValueError(f"blockflow: sharding must be 'speed' or 'equal', got "
                              f"{sharding!r}.")
         self.client, self.sharding = client, sharding
         self.memory_fraction, self.split_every = memory_fraction, split_every
         self.rebalance_gain, self.poll = rebalance_gain, poll
+        self.one_per_process = bool(one_per_process)
         self._x_blocks, self._y_blocks = X.to_delayed().ravel(), y.to_delayed().ravel()
         self.block_rows = [int(c) for c in X.chunks[0]]
         row_bytes = X.dtype.itemsize * X.shape[1] + y.dtype.itemsize * int(
@@ -116,27 +102,14 @@ class ResidentShards(ShardPasses):
         self._source_offsets = [int(o) for o in self.offsets[:-1]]  # rows as in X
         self.dropped_rows = 0
         self._check_blocks_fit(self._workers())
-        # per worker, the latest passes' (rows processed, seconds) and the fixed cost per
-        # pass fitted through them (the one throughput estimator). No pass is dropped as a
-        # cold start: the blocks are resident before the first, and the first step's probe
-        # pass is the one whose differing row counts fit the fixed cost.
+        # per worker, the latest passes' or steps' (rows processed, seconds) and the fixed
+        # cost per pass fitted through them (the one throughput estimator). No call is
+        # dropped as a cold start: the blocks are resident before the first.
         self._throughput = Throughput(window=16, cold=0)
         self._fraction = 1.0  # rows processed per resident row, latest pass
         self.recoveries: list[dict] = []
-        self.steal_chunks = int(config.get("ml.steal-chunks", steal_chunks))
-        self.steal_reserve = float(config.get("ml.steal-reserve", steal_reserve))
-        self.steal_reserve_unmeasured = float(config.get("ml.steal-reserve-unmeasured",
-                                                         steal_reserve_unmeasured))
-        self.peer_timeout = _peer_timeout(peer_timeout)
-        self._installed: set[str] = set()  # worker plugins registered
-        self._ahead: set[_Pass] = set()  # passes prepared, not yet run (prepare())
         self._version = 0  # counts placements that moved blocks
-        self.redone_passes = 0  # passes redone because rows went missing while stealing
-        self._gave: dict[str, float] = {}  # fraction of its rows each gave, latest pass
-        self._direct = bool(config.get("ml.direct-gather"))
-        self._post_ahead = bool(config.get("ml.post-ahead"))
-        self.last_seconds, self.last_rows, self.last_stolen = {}, {}, {}
-        self.last_ahead = False
+        self.last_seconds, self.last_rows = {}, {}
         self.moves = 0
         self.placement: dict[int, str] = {}
         self.futures: dict[int, Any] = {}
@@ -222,6 +195,16 @@ class ResidentShards(ShardPasses):
         if not workers:
             raise RuntimeError("blockflow: the cluster has no workers; start some before "
                                "training.")
+        if self.one_per_process:
+            workers = {a: workers[a] for a in worker_processes(self.client, info=workers)}
+            # in-process workers (inproc://host/pid/n) share their process: keep the first
+            seen: set = set()
+            for a in sorted(workers):
+                if a.startswith("inproc://"):
+                    one = a.rsplit("/", 1)[0]
+                    if one in seen:
+                        del workers[a]
+                    seen.add(one)
         return workers
 
     def _prior_speeds(self) -> dict[str, float]:
@@ -233,6 +216,16 @@ class ResidentShards(ShardPasses):
         """Whether a pass has measured a speed, or the scheduler plugin has learned some."""
         return bool(self._throughput.measured_seconds_per_unit()
                     or self._prior_speeds())
+
+    def observe(self, worker: str, rows: float, seconds: float) -> None:
+        """Feed one timed call (``rows`` processed in ``seconds`` of the worker's own work,
+        waits on peers excluded) to the speed model; the call's rows per resident row set
+        how the fixed cost per call is counted in resident rows."""
+        if seconds > 0 and rows > 0:
+            self._throughput.observe(worker, rows, seconds)
+            held = self.rows_per_worker().get(worker, 0)
+            if held:
+                self._fraction = min(1.0, rows / held)
 
     def overhead_rows(self) -> float:
         """A pass's fixed cost per worker, in rows processed; 0 until passes of differing
@@ -302,9 +295,6 @@ class ResidentShards(ShardPasses):
     def _place(self, placement: dict[int, str]) -> None:
         moved = [j for j, a in placement.items() if self.placement.get(j) != a]
         if moved:
-            # prepared passes would run on the old placement: cancelled first
-            for p in list(self._ahead):
-                self._cancel(p)
             self._version += 1
         alive = set(self._workers()) if self.placement else set()
         # A block still held by a live worker is copied from there (worker to worker); the
@@ -368,8 +358,7 @@ class ResidentShards(ShardPasses):
     # --- a pass (the machinery: blockflow.ml._passes) ----------------------------------
 
     def map_sum(self, func: Callable, rows: Sequence | None = None, args: tuple = (),
-                *, measure: bool = True, steal: bool = False, posted: Any = None,
-                ahead: _Pass | None = None, then: Callable[[], Any] | None = None) -> Any:
+                *, measure: bool = True) -> Any:
         """``sum over workers of func(blocks, rows, *args)``, each on its own blocks.
 
         Parameters
@@ -380,103 +369,39 @@ class ResidentShards(ShardPasses):
         rows : list, optional
             Per block, the rows to use; None uses all. Empty selections are skipped.
         args : tuple
-            Further arguments; :data:`blockflow.ml._post.POSTED` takes the value ``posted``.
+            Further arguments (small: they travel in the graph).
         measure : bool, default True
             Whether the pass's timings count towards the workers' speeds.
-        steal : bool, default False
-            Work stealing inside the pass (:mod:`blockflow.ml._steal`); ``func`` must then
-            be a sum over rows.
-        posted : object, optional
-            The value of the ``POSTED`` arguments.
-        ahead : object, optional
-            This pass as :meth:`prepare` submitted it; resubmitted if the blocks moved.
-        then : callable, optional
-            Called once the pass is submitted, before waiting (to prepare the next one).
 
         Returns
         -------
         object
-            The sum; :attr:`last_seconds`, :attr:`last_rows`, :attr:`last_stolen` and
-            :attr:`last_ahead` describe the pass.
+            The sum; :attr:`last_seconds` and :attr:`last_rows` describe the pass.
+
+        Raises
+        ------
+        RuntimeError
+            If workers keep leaving (1000 passes lost in a row).
         """
-        expected = sum(self.block_rows) if rows is None else sum(len(r) for r in rows)
-        inline = False  # a post failed: this pass carries its value in the graph
-        for attempt in range(1000):
-            self.last_ahead = ahead is not None and self._current(ahead, func, rows, steal)
-            if self.last_ahead:
-                p = ahead
-            else:
-                if ahead is not None:
-                    self._cancel(ahead)
-                p = self._submit(func, rows, args, measure, steal, value=posted,
-                                 post=not inline)
-            ahead = None
-            self._ahead.discard(p)
+        for _ in range(1000):
+            parts = self._submit(func, rows, args)
             try:
-                if p.post is not None:
-                    self._post(p, posted)
-                if then is not None:
-                    then()
-                    then = None
-                out = self._wait(p.futures)
+                out = self._wait(parts)
             except WorkerLostError as e:
-                # its tasks still waiting for a post (one did not reach a lost worker)
-                # return at once; its keys are released, not cancelled: cancelling keys
-                # the scheduler is recomputing can break the client's stream
-                self._cancel(p)
-                del p
+                del parts
                 self._recover(e.lost)
                 continue
-            except _PostFailed:
-                inline = True  # the pass is submitted again, with its value
-                continue
-            if out.get("cancelled"):
-                self.redone_passes += 1  # a task's post never came (POST_TIMEOUT)
-                continue
-            if sum(out["rows"].values()) != expected:
-                # rows handed to a thief whose reply never arrived (a peer lost or timed
-                # out mid-request): the sum misses them, so the pass is redone, without
-                # stealing after two such passes
-                steal = steal and attempt < 1
-                self.redone_passes += 1
-                continue
             self.last_seconds, self.last_rows = out["seconds"], out["rows"]
-            self.last_stolen = out.get("stolen", {})
-            if steal:
-                assigned = self._assigned_rows(rows)
-                self._gave = {a: max(0, n - (out["rows"].get(a, 0) - self.last_stolen.get(
-                    a, 0))) / n for a, n in assigned.items() if n}
-            if not measure:
-                return out["value"]
-            for a, s in out["own"].items():
-                # a worker's speed from its own rows: rows it stole came in extra calls,
-                # small and cold, and would make a thief look slower than it is
-                n_own = out["rows"].get(a, 0) - self.last_stolen.get(a, 0)
-                if s > 0.005 and n_own > 0:
-                    self._throughput.observe(a, n_own, s)
-            held = self.rows_per_worker()
-            resident = sum(held.get(a, 0) for a in out["rows"])
-            if resident:
-                self._fraction = sum(out["rows"].values()) / resident
+            if measure:
+                for a, s in out["seconds"].items():
+                    if s > 0.005 and out["rows"].get(a, 0) > 0:
+                        self._throughput.observe(a, out["rows"][a], s)
+                held = self.rows_per_worker()
+                resident = sum(held.get(a, 0) for a in out["rows"])
+                if resident:
+                    self._fraction = sum(out["rows"].values()) / resident
             return out["value"]
         raise RuntimeError("blockflow: workers kept disappearing; check the cluster.")
-
-    def prepare(self, func: Callable, rows: Sequence | None = None, args: tuple = (), *,
-                steal: bool = False) -> _Pass | None:
-        """Submit a pass now whose ``POSTED`` arguments :meth:`map_sum` sends later, so the
-        scheduler is off a training step's critical path (:mod:`blockflow.ml._post`).
-
-        Returns
-        -------
-        object or None
-            The submitted pass, for ``map_sum(..., ahead=)``; None where posting is off
-            (``blockflow.ml.post-ahead`` or ``blockflow.ml.direct-gather`` false).
-        """
-        if not (self._direct and self._post_ahead) or not any(a is POSTED for a in args):
-            return None
-        p = self._submit(func, rows, args, True, steal)
-        self._ahead.add(p)
-        return p
 
     def _recover(self, lost: set[str]) -> None:
         self.recoveries.append({"time": time.time(), "lost": sorted(lost),
@@ -486,16 +411,5 @@ class ResidentShards(ShardPasses):
         self.rebalance()
 
     def close(self) -> None:
-        """Cancel the prepared passes and release the blocks."""
-        for p in list(self._ahead):
-            self._cancel(p)
-        self.futures.clear()  # releases the blocks
-
-
-def _peer_timeout(value) -> float:
-    t = peer_timeout(value)
-    if not (t > 0 and math.isfinite(t)):
-        raise ValueError(f"blockflow: peer_timeout must be a positive number of seconds, "
-                         f"got {value!r}; pass it or set blockflow.ml.peer-timeout "
-                         f"(\"5s\", say).")
-    return t
+        """Release the blocks."""
+        self.futures.clear()
