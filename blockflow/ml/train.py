@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
+from dask.utils import parse_timedelta
 from distributed import default_client
 
 from blockflow import config
-from blockflow.errors import check_number, describe
+from blockflow.errors import BlockflowWarning, check_number, describe
 from blockflow.ml._finite import FiniteCheck, column_names, drop_setting
-from blockflow.ml._group import GroupLost, run_group
+from blockflow.ml._group import GroupLost, first_kept, keep_copies, run_group
 from blockflow.ml._pickling import FIX_TRAIN, dumps_or_explain
 from blockflow.ml._rows import as_row_blocks
 from blockflow.ml._shards import ResidentShards
@@ -281,8 +282,10 @@ class DataParallelTrainer:
         FSDP2 shards them.
     checkpoint_every : int, optional
         Steps per segment (one torch.distributed group, ending with a checkpoint of the model
-        and optimizer); shares are rebalanced between segments and a lost worker redoes at
-        most one. Default ``blockflow.ml.checkpoint-every``.
+        and optimizer kept on two workers); shares are rebalanced between segments and a
+        lost worker redoes at most one. Default ``blockflow.ml.checkpoint-every``; when that
+        is null too, segments of about ``blockflow.ml.checkpoint-seconds`` from the measured
+        step time.
     checkpoint_path : str, optional
         Also write each checkpoint there (atomically, ``torch.save``), from rank 0's worker.
     fsdp : bool, optional
@@ -341,7 +344,7 @@ class DataParallelTrainer:
                                        "take", low=0, low_open=True, high=1)
         checkpoint_every = check_number(
             config.get("ml.checkpoint-every", checkpoint_every), "checkpoint_every", f,
-            "steps between checkpoints", integer=True, low=1)
+            "steps between checkpoints", integer=True, low=1, none=True)
         if sharding not in ("speed", "equal"):
             raise ValueError(f"{f}: sharding must be 'speed' or 'equal', got {sharding!r}.")
         if fsdp not in (None, True, False):
@@ -402,9 +405,13 @@ class DataParallelTrainer:
         [model_future] = client.scatter([_Opaque(self.model)], broadcast=True, hash=False)
         self.history_, self.recoveries_ = [], []
         ckpt, done, segment = None, 0, 0
+        interval = float(parse_timedelta(config.get("ml.checkpoint-seconds")))
         try:
             while done < len(steps):
-                length = self.checkpoint_every
+                length = self.checkpoint_every or _FIRST_SEGMENT
+                if self.checkpoint_every is None and self.history_:  # about `interval`
+                    per = float(np.median([r["seconds"] for r in self.history_[-20:]]))
+                    length = max(1, int(interval / max(per, 1e-6)))
                 if (self.sharding == "speed" and not shards.knows_speeds()):
                     length = min(length, _FIRST_SEGMENT)  # shares follow speeds early
                 seg = _Segment(steps[done:done + length], shards.block_rows, self.batch_size,
@@ -419,9 +426,9 @@ class DataParallelTrainer:
                 stats = client.gather([client.submit(_pick, f, "steps", workers=[w],
                                                      pure=False)
                                        for f, w in zip(futures, ranks)])
-                ckpt = futures[0]
-                if len(ranks) > 1 and done + len(seg.steps) < len(steps):
-                    client.replicate([ckpt], n=2)  # kept in a peer's memory too
+                ckpt = [futures[0]]
+                if done + len(seg.steps) < len(steps):  # kept in a peer's memory too
+                    [ckpt] = keep_copies(client, ckpt, ranks, [ranks[0]])
                 del futures
                 stop = self._record(shards, stats, ranks, seg, segment)
                 done += len(seg.steps)
@@ -431,7 +438,7 @@ class DataParallelTrainer:
                 if self.sharding == "speed" and done < len(steps):
                     shards.rebalance()
             if ckpt is not None:
-                sd = client.submit(_model_state, ckpt, pure=False).result().state
+                sd = client.submit(_model_state, first_kept(ckpt), pure=False).result().state
                 with torch.no_grad():
                     self.model.load_state_dict(sd)
         finally:
@@ -462,8 +469,8 @@ class DataParallelTrainer:
         """One group over the workers holding blocks, each rank given its own blocks."""
         ranks = sorted(shards.rows_per_worker())
         mine = {a: sorted(j for j, w in shards.placement.items() if w == a) for a in ranks}
-        state = ckpt if ckpt is not None else None
-        if state is not None and ckpt.status != "finished":
+        state = None if ckpt is None else first_kept(ckpt)
+        if ckpt is not None and state is None:
             if seg.path and os.path.exists(seg.path):
                 state = seg.path
             else:
@@ -486,7 +493,7 @@ class DataParallelTrainer:
         warnings.warn(f"blockflow: training lost worker(s) {', '.join(lost)} during steps "
                       f"{first}-{last}; resuming from the checkpoint at step {resumed} on "
                       f"the survivors (redoing up to {last - resumed + 1} steps).",
-                      RuntimeWarning, stacklevel=3)
+                      BlockflowWarning, stacklevel=3)
         self.recoveries_.append({"step": first, "resumed_from": resumed, "lost": lost,
                                  "redone": last - resumed + 1})
         shards._recover(set(lost))

@@ -70,7 +70,7 @@ class PipelineParallel:
         Steps per segment: one torch.distributed group runs them and ends with every
         stage's checkpoint (model and optimizer state) kept in worker memory on two
         workers; 0 a whole ``fit`` in one segment. Default config
-        ``blockflow.parallel.checkpoint-every``; when that is null too, segments of about
+        ``blockflow.ml.checkpoint-every``; when that is null too, segments of about
         ``blockflow.ml.checkpoint-seconds`` from the measured step time (the first is 2
         steps).
     memory_fraction : float, optional
@@ -136,7 +136,7 @@ class PipelineParallel:
         self.client, self.schedule = client, schedule
         self.optimizer, self.loss_fn = optimizer, loss if loss is not None else _placement.mse()
         self.seed, self.probe_rows, self.probe_repeats = int(seed), probe_rows, probe_repeats
-        every = config.get("parallel.checkpoint-every", checkpoint_every)
+        every = config.get("ml.checkpoint-every", checkpoint_every)
         self.checkpoint_every = None if every is None else int(every)
         self.memory_fraction = float(config.get("parallel.memory-fraction", memory_fraction))
         available = sorted(workers_info(client))
