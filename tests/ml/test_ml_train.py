@@ -319,8 +319,8 @@ def test_a_non_finite_value_is_one_line_naming_block_and_row(client3, digits):
     (dict(memory_fraction=float("nan")), "memory_fraction must be a finite number > 0 and "
                                          "<= 1 (fraction of a worker's free memory its "
                                          "blocks may take), got nan."),
-    (dict(checkpoint_every=0), "checkpoint_every must be an integer >= 1 (steps between "
-                               "checkpoints), got 0."),
+    (dict(checkpoint_every=0), "checkpoint_every must be an integer >= 1 (or None) (steps "
+                               "between checkpoints), got 0."),
     (dict(sharding="fast"), "sharding must be 'speed' or 'equal', got 'fast'."),
     (dict(fsdp="yes"), "fsdp must be True, False or None (automatic), got 'yes'."),
 ])
