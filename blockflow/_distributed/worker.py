@@ -28,13 +28,10 @@ __all__ = [
     "add_task_wait",
     "call_worker",
     "call_worker_soon",
-    "call_worker_threadsafe",
     "current_task_key",
     "current_worker",
     "current_worker_resources",
     "declare_worker_resources",
-    "has_worker_handler",
-    "listed_workers",
     "quiet_closing_heartbeat",
     "quiet_task_failures",
     "registered_worker_plugin",
@@ -206,20 +203,9 @@ def quiet_task_failures(exc_type: type[BaseException]) -> None:
     _failure_filter.quiet.add(exc_type.__name__)
 
 
-def has_worker_handler(worker, name: str) -> bool:
-    """Whether ``worker`` serves comm requests ``name``."""
-    return name in worker.handlers
-
-
 async def call_worker(worker, address: str, op: str, **kwargs) -> Any:
     """Call handler ``op`` of the worker at ``address`` from ``worker``; return the reply."""
     return await getattr(worker.rpc(address), op)(**kwargs)
-
-
-async def listed_workers(node, addresses) -> set[str]:
-    """Those of ``addresses`` the scheduler lists as workers now, asked by ``node`` (a worker or a
-    client) with one ``ncores`` request."""
-    return set(await node.scheduler.ncores(workers=list(addresses)))
 
 
 def worker_plugins(worker) -> dict:
@@ -352,14 +338,6 @@ def call_worker_soon(worker, address: str, op: str, **kwargs) -> None:
             logger.debug("blockflow: %s on %s failed: %s", op, address, e)
 
     worker.loop.add_callback(call)
-
-
-def call_worker_threadsafe(worker, address: str, op: str, **kwargs):
-    """From a task thread: call handler ``op`` of the worker at ``address`` on ``worker``'s loop;
-    returns a :class:`concurrent.futures.Future` of the reply."""
-
-    return asyncio.run_coroutine_threadsafe(call_worker(worker, address, op, **kwargs),
-                                            worker.loop.asyncio_loop)
 
 
 def worker_scheduler_clock(worker) -> float:

@@ -197,14 +197,6 @@ class ResidentShards(ShardPasses):
                                "training.")
         if self.one_per_process:
             workers = {a: workers[a] for a in worker_processes(self.client, info=workers)}
-            # in-process workers (inproc://host/pid/n) share their process: keep the first
-            seen: set = set()
-            for a in sorted(workers):
-                if a.startswith("inproc://"):
-                    one = a.rsplit("/", 1)[0]
-                    if one in seen:
-                        del workers[a]
-                    seen.add(one)
         return workers
 
     def _prior_speeds(self) -> dict[str, float]:
