@@ -23,7 +23,7 @@ from blockflow.errors import WorkerLostError
 from blockflow.ml._group import worker_processes
 from blockflow.ml._passes import ShardPasses
 from blockflow.scheduling.estimate import Throughput, earliest_finish
-from blockflow.scheduling.view import learned_speeds, memory_of, worker_memory, workers_info
+from blockflow.scheduling.view import declared_speeds, learned_speeds, memory_of, worker_memory, workers_info
 from blockflow.scheduling.wait import wait_for
 
 __all__ = ["ResidentShards"]
@@ -201,13 +201,13 @@ class ResidentShards(ShardPasses):
 
     def _prior_speeds(self) -> dict[str, float]:
         # only speeds the plugin knows with confidence (it reports 1.0 for workers it
-        # knows nothing about)
-        return learned_speeds(self.client).known
+        # knows nothing about), else the devices' declared nominal speeds (GPU models)
+        return learned_speeds(self.client).known or declared_speeds(self.client)
 
     def knows_speeds(self) -> bool:
         """Whether a pass has measured a speed, or the scheduler plugin has learned some."""
         return bool(self._throughput.measured_seconds_per_unit()
-                    or self._prior_speeds())
+                    or learned_speeds(self.client).known)
 
     def observe(self, worker: str, rows: float, seconds: float) -> None:
         """Feed one timed call (``rows`` processed in ``seconds`` of the worker's own work,
