@@ -216,6 +216,7 @@ def equal(args) -> str:
                      "torch rows/s": rows_total / tw, "blockflow rows/s": rows_total / bw,
                      "throughput bf/torch": tw / bw,
                      "per-round bf/torch": " ".join(f"{v:.2f}" for v in per),
+                     "median per-round": statistics.median(per),
                      "with ctor bf/torch": tw / bc,
                      "torch step ms": ts * 1e3, "bf step ms": bs * 1e3,
                      "step throughput bf/torch": ts / bs})
@@ -232,7 +233,8 @@ def equal(args) -> str:
               "placed, checkpoint kept on two workers); 'with ctor' adds the "
               "PipelineParallel(...) construction; step = median step on the last rank "
               f"after {warm} warm-up steps (blockflow: inside the group)",
-              "target: blockflow throughput >= 0.95x torch's"]
+              "target: blockflow throughput >= 0.95x torch's (the rounds' median ratio: "
+              "torch and blockflow of a round ran back to back, under the same load)"]
     peaks = {s: r["blockflow"][-1]["peaks"] for s, r in res.items()}
     lines.append(f"peak stashed activations per stage, this model (m = {MICRO}, 2 stages): "
                  f"1F1B {peaks['1f1b']} (<= 2), GPipe {peaks['gpipe']} (<= {MICRO})")
