@@ -152,7 +152,7 @@ def run_steps(pipe, batches: list, *, train: bool, want_grads: bool = False,
         try:
             summaries, ckpt = _segment(pipe, seg, train=train, want_grads=want_grads,
                                        want_output=want_output, budget=budget)
-        except GroupLost as e:
+        except GroupLost as e:  # a first segment's steps given: at most that many ran
             _recovery.recover(pipe, set(e.lost), what, redone=len(seg) if train else 0)
             continue
         except (CancelledError, OSError):  # data sent to a worker that just died
