@@ -31,7 +31,7 @@
    bytes of parameters, gradients and optimizer state (``pipe.stage_bytes()``, measured on
    the workers) against each device's budget.
 
-    python benchmarks/parallelism.py                  # all four, ~8 min on 2 cores
+    python benchmarks/parallelism.py                  # all four, ~6 min on 2 cores
     python benchmarks/parallelism.py --only equal --repeat 3 --pipe-steps 48
     python benchmarks/parallelism.py --steps 1 --pipe-steps 12 --repeat 1 \
         --bubble-layer-seconds 0.02                   # smoke
