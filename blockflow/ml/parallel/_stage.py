@@ -213,7 +213,9 @@ def run_segment(rank, plan: dict, payloads: list, ckpts: list, inputs: list | No
     plan : dict
         ``stages`` (this rank's stage indices), ``n_stages``, ``bounds``, ``names``,
         ``schedule``, ``optimizer``, ``loss``, ``seed``, ``first_step``, ``steps`` (per step
-        its micro-batch ``sizes``), ``train``, ``want_grads``, ``want_output``.
+        its micro-batch ``sizes``), ``train``, ``want_grads``, ``want_output``, and
+        ``budget`` (seconds, optional: after two steps the ranks run only the steps that fit
+        it, at the second step's pace, rank 0's measure).
     payloads : list of list of bytes
         Per stage of this rank, its layers pickled.
     ckpts : list of list of dict
@@ -246,7 +248,10 @@ def run_segment(rank, plan: dict, payloads: list, ckpts: list, inputs: list | No
     records = [[] for _ in mods]
     peaks = [0] * len(mods)
     clock = _distributed.worker_scheduler_clock(_distributed.current_worker())
+    limit = len(plan["steps"])
     for k, sizes in enumerate(plan["steps"]):
+        if k >= limit:
+            break
         m, size = len(sizes), max(sizes)
         key = (m, size)
         if key not in schedules:
@@ -293,6 +298,8 @@ def run_segment(rank, plan: dict, payloads: list, ckpts: list, inputs: list | No
         held = [_tensor_bytes(mod, opt) for mod, opt in zip(mods, opts)]
         for mod in mods:
             mod.zero_grad(set_to_none=True)
+        if k == 1 and plan.get("budget") and limit > 2:
+            limit = _steps_within(plan["budget"], seconds[-1], limit, device)
     state = []
     for mod, opt in zip(mods, opts):
         names = [n for n, p in mod.named_parameters() if p.requires_grad]
@@ -301,6 +308,17 @@ def run_segment(rank, plan: dict, payloads: list, ckpts: list, inputs: list | No
     return {"state": state, "losses": losses, "seconds": seconds, "records": records,
             "peak": peaks, "outputs": outputs, "grads": grads, "clock": clock,
             "bytes": held, "stages": list(plan["stages"])}
+
+
+def _steps_within(budget: float, step: float, most: int, device) -> int:
+    """Steps of a segment that fit ``budget`` seconds at ``step`` seconds each (2 to
+    ``most``), rank 0's measure broadcast so that every rank runs as many."""
+    import torch
+    import torch.distributed as dist
+
+    n = torch.tensor([max(2, min(most, int(budget / max(step, 1e-6))))], device=device)
+    dist.broadcast(n, src=0)
+    return int(n.item())
 
 
 def _portable(t):

@@ -14,7 +14,7 @@ from concurrent.futures import CancelledError
 
 import dask.array as da
 import numpy as np
-from distributed import futures_of, wait
+from distributed import futures_of
 
 from dask.utils import parse_timedelta
 
@@ -79,10 +79,11 @@ def _place_data(client, parts: list, worker: str) -> list:
                           workers=[worker], hash=False)
 
 
-def _segment(pipe, batches: list, *, train: bool, want_grads: bool, want_output: bool
-             ) -> tuple[list, list]:
-    """One group over ``batches`` (``(x, target, sizes)`` each): the ranks' summaries and
-    the new checkpoint futures (per stage)."""
+def _segment(pipe, batches: list, *, train: bool, want_grads: bool, want_output: bool,
+             budget: float | None = None) -> tuple[list, list]:
+    """One group over ``batches`` (``(x, target, sizes)`` each; with ``budget`` seconds the
+    ranks run the first of them that fit it): the ranks' summaries and the new checkpoint
+    futures (per stage)."""
     c = pipe.client
     ranks, n, W = pipe.ranks, pipe.n_stages, len(pipe.ranks)
     xs = _place_data(c, [b[0] for b in batches], pipe.stage_workers[0])
@@ -91,7 +92,7 @@ def _segment(pipe, batches: list, *, train: bool, want_grads: bool, want_output:
               "schedule": pipe.schedule, "optimizer": pipe.optimizer, "loss": pipe.loss_fn,
               "seed": pipe.seed, "first_step": pipe.steps, "train": train,
               "steps": [b[2] for b in batches], "want_grads": want_grads,
-              "want_output": want_output}
+              "want_output": want_output, "budget": budget}
     args = []
     for r in range(W):
         mine = [s for s in range(n) if s % W == r]
@@ -104,18 +105,19 @@ def _segment(pipe, batches: list, *, train: bool, want_grads: bool, want_output:
                      xs if 0 in mine else None, ts if n - 1 in mine else None))
     futs = run_group(c, ranks, _stage.run_segment, args, name="pipeline-rank",
                      what="the pipeline", gather=False)
-    summaries = c.gather([c.submit(_summary, f, workers=[w], pure=False)
-                          for f, w in zip(futs, ranks)])
+    # the summaries, the checkpoint's pieces and their copies asked for together: one
+    # round trip to the scheduler, not three, at every segment's end
+    summaries = [c.submit(_summary, f, workers=[w], pure=False) for f, w in zip(futs, ranks)]
     ckpt = []
     if train:
         for s in range(n):
             r = s % W
             ckpt.append((pipe.bounds[s], pipe.bounds[s + 1], c.submit(
                 _stage.part, futs[r], "state", s // W, workers=[ranks[r]], pure=False)))
-        wait([f for _, _, f in ckpt])
         kept = keep_copies(c, [f for _, _, f in ckpt], sorted(pipe._alive()),
                            [ranks[s % W] for s in range(n)])
         ckpt = [(a, b, k) for (a, b, _), k in zip(ckpt, kept)]
+    summaries = c.gather(summaries)
     del futs
     return summaries, ckpt
 
@@ -135,10 +137,13 @@ def run_steps(pipe, batches: list, *, train: bool, want_grads: bool = False,
     out: list[dict] = []
     i = 0
     while i < len(batches) or (not batches and not out):
+        budget = None
         if fixed is not None:
             every = fixed or len(batches) or 1
+        elif step_seconds is None:  # the ranks time two steps and run what fits the budget
+            every, budget = _first_segment(batches[i:]), interval
         else:  # segments of about checkpoint-seconds: a checkpoint's cost stays small
-            every = 2 if step_seconds is None else max(1, int(interval / step_seconds))
+            every = max(1, int(interval / step_seconds))
         seg = batches[i:i + every]
         t0 = time.perf_counter()
         gone = set(pipe.ranks) - pipe._alive()
@@ -146,8 +151,8 @@ def run_steps(pipe, batches: list, *, train: bool, want_grads: bool = False,
             _recovery.recover(pipe, gone, what, redone=0)
         try:
             summaries, ckpt = _segment(pipe, seg, train=train, want_grads=want_grads,
-                                       want_output=want_output)
-        except GroupLost as e:
+                                       want_output=want_output, budget=budget)
+        except GroupLost as e:  # a first segment's steps given: at most that many ran
             _recovery.recover(pipe, set(e.lost), what, redone=len(seg) if train else 0)
             continue
         except (CancelledError, OSError):  # data sent to a worker that just died
@@ -160,6 +165,7 @@ def run_steps(pipe, batches: list, *, train: bool, want_grads: bool = False,
             _recovery.recover(pipe, gone, what, redone=len(seg) if train else 0)
             continue
         wall = time.perf_counter() - t0
+        seg = seg[:min(len(s["seconds"]) for s in summaries)] if budget else seg
         per_step = [t for s in summaries for t in s.get("seconds", ())]
         if per_step:
             step_seconds = max(float(np.median(per_step)), 1e-6)
@@ -178,6 +184,14 @@ def run_steps(pipe, batches: list, *, train: bool, want_grads: bool = False,
         if not batches:
             break
     return out
+
+
+def _first_segment(batches: list, most: int = 64, most_bytes: int = 256 * 2**20) -> int:
+    """Batches given to a first segment (the ranks run those that fit the checkpoint
+    interval): up to ``most``, their inputs within ``most_bytes``."""
+    x = batches[0][0] if batches else None
+    size = getattr(x, "nbytes", None) or 1
+    return max(2, min(most, len(batches), most_bytes // int(size)))
 
 
 def result_of(pipe, seg: dict, sizes: list[int], train: bool, schedule: str) -> PipelineResult:
