@@ -125,9 +125,16 @@ def ddp(kind, X, y, block_rows, epochs, max_steps):
     import torch.multiprocessing as mp
     from distributed.utils import open_port
     out = os.path.join(tempfile.mkdtemp(), "ddp.pt")
+    # a LocalCluster leaves MALLOC_TRIM_THRESHOLD_ in this process's environment (Dask's
+    # nanny setting); torchrun from a shell would not pass it to the ranks
+    trim = os.environ.pop("MALLOC_TRIM_THRESHOLD_", None)
     t0 = time.perf_counter()
-    mp.spawn(_ddp_rank, args=(2, open_port(), kind, X, y, block_rows, epochs, max_steps,
-                              out), nprocs=2)
+    try:
+        mp.spawn(_ddp_rank, args=(2, open_port(), kind, X, y, block_rows, epochs, max_steps,
+                                  out), nprocs=2)
+    finally:
+        if trim is not None:
+            os.environ["MALLOC_TRIM_THRESHOLD_"] = trim
     launch = time.perf_counter() - t0
     r = torch.load(out, weights_only=False)
     model = make(kind)
