@@ -71,8 +71,8 @@ class PipelineParallel:
         stage's checkpoint (model and optimizer state) kept in worker memory on two
         workers; 0 a whole ``fit`` in one segment. Default config
         ``blockflow.ml.checkpoint-every``; when that is null too, segments of about
-        ``blockflow.ml.checkpoint-seconds`` from the measured step time (the first is 2
-        steps).
+        ``blockflow.ml.checkpoint-seconds`` from the measured step time (the first runs
+        the steps that fit in it, timed on the ranks after two).
     memory_fraction : float, optional
         Fraction (0-1) of each worker's free device memory a stage may take; default config
         ``blockflow.parallel.memory-fraction``.
