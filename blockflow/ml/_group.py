@@ -70,6 +70,10 @@ class RankFailed(RuntimeError):
     """A rank ended because a peer did (a collective failed or timed out): not the cause."""
 
 
+class _FormFailed(RuntimeError):
+    """The group did not form (a peer late or gone, a stale store): tried once more."""
+
+
 class _HeapForTensors:
     """glibc's heap kept for tensors while a rank runs, as in a plain process.
 
@@ -151,8 +155,8 @@ def _rank_main(fn: Callable, rank: int, workers: list, token: str, what: str,
             f"one process, and torch.distributed needs a process per rank: start workers as "
             f"processes (LocalCluster(processes=True), or one `dask worker` per process).")
     if not _ONE_GROUP.acquire(timeout=rendezvous):
-        raise RuntimeError(f"blockflow: {what}: worker {worker.address} still runs the "
-                           f"ranks of another torch.distributed group; run one at a time.")
+        raise _FormFailed(f"blockflow: {what}: worker {worker.address} still runs a rank of "
+                          f"another torch.distributed group; run one group at a time.")
     _held_by[:] = [token, rank]
     threads_before = torch.get_num_threads()
     store, formed = None, False
@@ -163,33 +167,28 @@ def _rank_main(fn: Callable, rank: int, workers: list, token: str, what: str,
         if ifname is not None:  # gloo and nccl bind to the worker's own interface
             os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = ifname
         wait = datetime.timedelta(seconds=rendezvous)
-        if rank == 0:
-            store = dist.TCPStore(host, 0, len(workers), True, timeout=wait,
-                                  wait_for_workers=False)
-            var.set(f"{host}:{store.port}")
-        else:
-            try:
-                where = var.get(timeout=rendezvous)
-            except TimeoutError:
-                raise RuntimeError(
-                    f"blockflow: {what}: rank 0 on {workers[0]} did not open the group "
-                    f"within {rendezvous:g} s; its threads may be busy with other tasks."
-                ) from None
-            h, _, p = str(where).rpartition(":")
-            store = dist.TCPStore(h, int(p), len(workers), False, timeout=wait)
-        store.set(f"cuda/{rank}", "1" if torch.cuda.is_available() else "0")
-        _join(store, rank, workers, rendezvous, what)
-        cuda = all(store.get(f"cuda/{r}") == b"1" for r in range(len(workers)))
-        backend = "nccl" if cuda else "gloo"
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else \
-            torch.device("cpu")
-        dist.init_process_group(backend, store=store, rank=rank, world_size=len(workers),
-                                timeout=datetime.timedelta(seconds=collective))
+        try:
+            store, backend, device = _form(dist, torch, var, worker, rank, workers, host, wait,
+                                           rendezvous, what)
+        except (dist.DistError, RuntimeError, TimeoutError) as e:
+            text = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise _FormFailed(text if text.startswith("blockflow:") else
+                              f"blockflow: {what}: the group of workers {', '.join(workers)} "
+                              f"did not form ({text}).") from None
         formed = True
+        try:  # forming waits at most the rendezvous timeout, each collective its own
+            from torch.distributed.distributed_c10d import _set_pg_timeout
+
+            _set_pg_timeout(datetime.timedelta(seconds=collective))
+        except (ImportError, RuntimeError, ValueError):  # torch keeps the rendezvous's
+            pass
+        # a store that goes with its rank is not waited for long on the way out
+        store.set_timeout(datetime.timedelta(seconds=min(rendezvous, 10.0)))
         if threads:
             torch.set_num_threads(threads)
         ctx = Rank(rank, len(workers), worker.address, list(workers), backend, device)
         _distributed.quiet_task_failures(RankFailed)  # a peer's end is logged by that peer
+        _distributed.quiet_task_failures(_FormFailed)
         try:
             with _HeapForTensors():
                 return fn(ctx, *args)
@@ -209,6 +208,56 @@ def _rank_main(fn: Callable, rank: int, workers: list, token: str, what: str,
                 pass
         _held_by[:] = [None]
         _ONE_GROUP.release()
+
+
+def _form(dist, torch, var, worker, rank: int, workers: list, host: str, wait, rendezvous,
+          what: str):
+    """Meet the other ranks (rank 0's store, published in ``var``) and form the default
+    group: (store, backend, device)."""
+    if rank == 0:
+        store = dist.TCPStore(host, 0, len(workers), True, timeout=wait,
+                              wait_for_workers=False)
+        var.set(f"{host}:{store.port}")
+    else:
+        try:
+            where = var.get(timeout=rendezvous)
+        except TimeoutError:
+            raise RuntimeError(
+                f"blockflow: {what}: rank 0 on {workers[0]} did not open the group "
+                f"within {rendezvous:g} s; its threads may be busy with other tasks."
+            ) from None
+        h, _, p = str(where).rpartition(":")
+        store = dist.TCPStore(h, int(p), len(workers), False, timeout=wait)
+    store.set(f"cuda/{rank}", "1" if torch.cuda.is_available() else "0")
+    # a rank may first wait for its process's lock: a rank of a broken group there
+    # leaves it within the rendezvous timeout (its init waits no longer)
+    _join(store, rank, workers, 2 * rendezvous, what)
+    cuda = all(store.get(f"cuda/{r}") == b"1" for r in range(len(workers)))
+    backend = "nccl" if cuda else "gloo"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else \
+        torch.device("cpu")
+    _fresh_group_names(dist)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=len(workers),
+                            timeout=wait)
+    return store, backend, device
+
+
+def _fresh_group_names(dist) -> None:
+    """Name the new group's keys as every rank of it does: from a count of 0.
+
+    torch prefixes a group's store keys with a per-process count of the groups it formed,
+    which agrees across ranks under torchrun (every process forms the same groups). A
+    long-lived worker whose earlier group failed while forming keeps a higher count, and
+    its keys would never meet its peers'; ``destroy_process_group`` resets the count, and
+    this does where no group is left to destroy (torch's private ``_world``).
+    """
+    if not dist.is_initialized():
+        try:
+            from torch.distributed.distributed_c10d import _world
+
+            _world.group_count = 0
+        except (ImportError, AttributeError):
+            pass
 
 
 def _is_peer_failure(e: BaseException) -> bool:
@@ -317,20 +366,26 @@ def run_group(client, workers: Sequence[str], fn: Callable, args: Sequence[tuple
         raise ValueError(f"blockflow: {what} needs at least one worker.")
     timeouts = (_seconds("rendezvous-timeout", rendezvous_timeout),
                 _seconds("collective-timeout", collective_timeout))
-    token = uuid.uuid4().hex
     args = list(args) or [()] * len(workers)
     info = workers_info(client)
-    futures = [client.submit(_rank_main, fn, r, workers, token, what, timeouts,
-                             int(info.get(w, {}).get("nthreads") or 1) if threads else None,
-                             tuple(args[r]), key=f"{name}-{token}-{r}", workers=[w],
-                             allow_other_workers=False, pure=False)
-               for r, w in enumerate(workers)]
-    try:
-        _wait_ranks(client, futures, workers, what, poll, grace=min(timeouts[1], 10.0))
-    except BaseException:
-        client.cancel(futures)
-        raise
-    return [f.result() for f in futures] if gather else futures
+    for attempt in (1, 2):  # a group that did not form (a stale rank, a late peer): once more
+        token = uuid.uuid4().hex
+        futures = [client.submit(_rank_main, fn, r, workers, token, what, timeouts,
+                                 int(info.get(w, {}).get("nthreads") or 1) if threads
+                                 else None, tuple(args[r]), key=f"{name}-{token}-{r}",
+                                 workers=[w], allow_other_workers=False, pure=False)
+                   for r, w in enumerate(workers)]
+        try:
+            _wait_ranks(client, futures, workers, what, poll, grace=min(timeouts[1], 10.0))
+        except _FormFailed as e:
+            client.cancel(futures)
+            if attempt == 2:
+                raise RuntimeError(str(e)) from None
+            continue
+        except BaseException:
+            client.cancel(futures)
+            raise
+        return [f.result() for f in futures] if gather else futures
 
 
 def _wait_ranks(client, futures: list, workers: list, what: str, poll: float,

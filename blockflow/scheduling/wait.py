@@ -203,7 +203,14 @@ def run_each(client: Client, fn: Callable, *args: Any, workers: Iterable[str] | 
         if why is None:
             out[w] = value
         else:
-            silent.append(f"{w} ({why})")
+            silent.append((w, why))
+    if silent and any(why != f"no answer within {limit:g} s" for _, why in silent):
+        try:  # a worker that left the cluster meanwhile (a shutdown, Ctrl-C) is no news
+            listed = set(client.scheduler_info(n_workers=-1)["workers"])
+        except Exception:
+            listed = set()
+        silent = [(w, why) for w, why in silent if w in listed]
+    silent = [f"{w} ({why})" for w, why in silent]
     if silent:
         warnings.warn(f"blockflow: {what}: going on without worker{'s' * (len(silent) > 1)} "
                       f"{', '.join(silent)}; check they are reachable, or raise "

@@ -106,3 +106,16 @@ def test_two_ranks_in_one_process_are_refused_naming_both_workers():
         workers = sorted(c.scheduler_info()["workers"])
         with pytest.raises(RuntimeError, match="run in one process"):
             run_group(c, workers, _sum_ranks, [(1,), (2,)], rendezvous_timeout=5)
+
+
+def _group_count_off_by(n):
+    from torch.distributed.distributed_c10d import _world
+
+    _world.group_count += n  # as a group that failed while forming leaves it
+
+
+def test_a_worker_whose_earlier_group_failed_to_form_joins_the_next(client):
+    workers = worker_processes(client)
+    client.run(_group_count_off_by, 1, workers=[workers[1]])
+    out = run_group(client, workers, _sum_ranks, [(1,), (2,), (3,)], rendezvous_timeout=10)
+    assert [o[3] for o in out] == [6.0] * 3

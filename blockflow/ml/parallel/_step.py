@@ -155,7 +155,8 @@ def run_steps(pipe, batches: list, *, train: bool, want_grads: bool = False,
         except GroupLost as e:  # a first segment's steps given: at most that many ran
             _recovery.recover(pipe, set(e.lost), what, redone=len(seg) if train else 0)
             continue
-        except (CancelledError, OSError):  # data sent to a worker that just died
+        except (CancelledError, OSError, KeyError):  # data sent to a worker that just died
+            # (a scatter to a worker the scheduler has just dropped is a KeyError there)
             deadline = time.monotonic() + 10  # the scheduler notices within a heartbeat
             while not set(pipe.ranks) - pipe._alive() and time.monotonic() < deadline:
                 time.sleep(0.05)
