@@ -536,15 +536,7 @@ def _torch_tp_rank(rank: int, world: int, port: int, d: int, hidden: int, batch:
     model = _tp_block(d, hidden, torch.float32)
     parallelize_module(model, init_device_mesh("cpu", (world,)),
                        {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    X, Y = (torch.tensor(a, dtype=torch.float32) for a in _tp_data(batch, d))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(model(X), Y).backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
+    times = _timed_steps(model, batch, d, steps)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(times, f)
@@ -556,7 +548,15 @@ def _one_process_steps(d: int, hidden: int, batch: int, steps: int) -> list[floa
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    model = _tp_block(d, hidden, torch.float32)
+    times = _timed_steps(_tp_block(d, hidden, torch.float32), batch, d, steps)
+    torch.set_num_threads(threads)
+    return times
+
+
+def _timed_steps(model, batch: int, d: int, steps: int) -> list[float]:
+    """Seconds of each SGD step of ``model`` on the benchmark's data (MSE)."""
+    import torch
+
     X, Y = (torch.tensor(a, dtype=torch.float32) for a in _tp_data(batch, d))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     times = []
@@ -566,7 +566,6 @@ def _one_process_steps(d: int, hidden: int, batch: int, steps: int) -> list[floa
         torch.nn.functional.mse_loss(model(X), Y).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    torch.set_num_threads(threads)
     return times
 
 
