@@ -1,4 +1,8 @@
-"""A pass over resident shards: one task per worker, summed by a fan-in tree to the client.
+"""A pass over resident shards: one task per worker, gathered by a fan-in tree to the client.
+
+Each block's value is kept apart up the tree and the client adds them in block order, so a
+pass's sum is bitwise the same whatever the placement and the order tasks finish in (a
+fixed-order sum, as NumPy's over the same blocks).
 
 What :meth:`ResidentShards.map_sum <blockflow.ml.ResidentShards.map_sum>` submits and waits
 for (GLMs' full-batch gradients: a few parameters, passed as a small task argument).
@@ -30,23 +34,24 @@ def add_values(a, b):
     return a + b
 
 
-def _run_shard(func, blocks, rows, args):
-    """On a worker: ``func([(X, y) blocks], [row indices or None], *args)``, timed."""
+def _run_shard(func, blocks, rows, args, ids):
+    """On a worker: ``func([(X, y)], [row indices or None], *args)`` per block, timed; the
+    values by block id."""
     me = get_worker().address
     t0 = time.perf_counter()
-    out = func(blocks, rows, *args)
+    values = {j: func([b], [r], *args) for j, b, r in zip(ids, blocks, rows)}
     n = sum(len(r) if r is not None else len(b[0]) for b, r in zip(blocks, rows))
-    return {"value": out, "seconds": {me: time.perf_counter() - t0}, "rows": {me: n}}
+    return {"values": values, "seconds": {me: time.perf_counter() - t0}, "rows": {me: n}}
 
 
 def _add(*parts):
-    """Sum the ``value``s (arrays, numbers, tuples of them); merge the timing dicts."""
-    value, seconds, rows = None, {}, {}
+    """Merge the blocks' ``values`` and the timing dicts (no arithmetic: the client adds)."""
+    values, seconds, rows = {}, {}, {}
     for p in parts:
-        value = add_values(value, p["value"])
+        values.update(p["values"])
         seconds.update(p["seconds"])
         rows.update(p["rows"])
-    return {"value": value, "seconds": seconds, "rows": rows}
+    return {"values": values, "seconds": seconds, "rows": rows}
 
 
 class ShardPasses:
@@ -69,7 +74,7 @@ class ShardPasses:
                                blockflow_work=n + r0):
                 parts.append(dask.delayed(_run_shard, pure=False)(
                     func, [self.futures[j] for j in js],
-                    [None if rows is None else rows[j] for j in js], args))
+                    [None if rows is None else rows[j] for j in js], args, js))
         k = max(2, self.split_every or choose_split_every(1 << 20, 1 << 30))
         while len(parts) > k:  # the fan-in tree on the workers: a node sums up to k parts
             parts = [parts[i] if len(parts[i:i + k]) == 1 else
@@ -78,7 +83,11 @@ class ShardPasses:
         return self.client.compute(parts, optimize_graph=False)
 
     def _wait(self, parts) -> dict:
-        """The sum of the top level's partial sums, each fetched once done."""
-        got = gather_as_done(parts, alive=self._workers, needed=set(self.placement.values()),
-                             poll=self.poll)
-        return _add(*got)
+        """The top level's parts, each fetched once done; ``value``: the blocks' values added
+        in block order."""
+        got = _add(*gather_as_done(parts, alive=self._workers,
+                                   needed=set(self.placement.values()), poll=self.poll))
+        value = None
+        for j in sorted(got["values"]):
+            value = add_values(value, got["values"][j])
+        return dict(got, value=value)

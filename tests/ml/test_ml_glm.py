@@ -157,3 +157,14 @@ def test_bad_glm_settings_given_by_set_params_are_refused_by_fit(client, cancer)
     model = LogisticRegression().set_params(C=0.0)
     with pytest.raises(ValueError, match=r"^blockflow.ml.LogisticRegression: C must be"):
         model.fit(*chunked(*cancer))
+
+
+def test_a_glm_is_bitwise_the_same_whatever_the_placement_and_timing(client, cancer):
+    """Partial sums are added in block order, not in the order workers answer: three fits,
+    and fits on another placement, give the same coefficients to the last bit."""
+    X, y = cancer
+    fits = [LogisticRegression(C=0.5, client=client, sharding=s).fit(*chunked(X, y, 37))
+            for s in ("speed", "speed", "speed", "equal")]
+    first = np.append(fits[0].coef_, fits[0].intercept_)
+    for other in fits[1:]:
+        assert np.array_equal(first, np.append(other.coef_, other.intercept_))
