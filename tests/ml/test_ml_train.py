@@ -125,9 +125,12 @@ def test_ddp_on_three_workers_equals_single_process_training(client3, digits, sh
     np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(params(model), params(reference), rtol=1e-10, atol=1e-12)
     assert len({r["segment"] for r in trainer.history_}) >= 5
-    # three ranks, each on the rows it holds; uneven local batches
+    # a rank per worker holding blocks (three with equal shares; speed-weighted shares may
+    # leave a worker measured slow on a loaded machine without blocks), each on its rows
     rows = trainer.history_[-1]["worker_rows"]
-    assert len(rows) == 3 and sum(rows.values()) == trainer.history_[-1]["samples"]
+    assert set(rows) == set(trainer.shards_.rows_per_worker())
+    assert len(rows) == 3 if sharding == "equal" else len(rows) >= 2
+    assert sum(rows.values()) == trainer.history_[-1]["samples"]
     assert sum(trainer.shards_.rows_per_worker().values()) == len(Xtr)
     assert model[0].weight.dtype == torch.float64 and not trainer.fsdp_
     assert (model(torch.as_tensor(Xte)).argmax(1).numpy() == yte).mean() > 0.9

@@ -24,7 +24,7 @@ from blockflow.errors import BlockflowWarning, WorkerLostError
 from blockflow.ml.parallel import TensorParallel
 from blockflow.scheduling.view import workers_info
 from blockflow.testing import simulated_cluster
-from tests.loadaware import scaled, wait_until
+from loadaware import scaled, wait_until
 
 torch = pytest.importorskip("torch")
 
