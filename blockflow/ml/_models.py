@@ -112,6 +112,8 @@ class LoadedModel:
                 warnings.filterwarnings("ignore", "The given NumPy array is not writable")
                 xt = torch.as_tensor(batch).to(dtype=self.dtype, device=self.device or "cpu")
                 out = self.model(xt)
+            if out.dtype == torch.bfloat16:  # NumPy and CuPy have no bfloat16: float32
+                out = out.float()            # holds every bfloat16 value exactly
             if is_cupy(batch):
                 import cupy
 

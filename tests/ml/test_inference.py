@@ -134,6 +134,23 @@ def test_torch_module(client, digits):
     assert (got.argmax(1) == y).mean() > 0.9
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+def test_torch_modules_of_every_training_dtype_predict_their_own_values(client, digits,
+                                                                       dtype):
+    """bfloat16 outputs come back as float32 (NumPy has no bfloat16; float32 holds each
+    value exactly); float16 and float64 keep their dtype. Inputs take the model's dtype."""
+    torch = pytest.importorskip("torch")
+    X, _, _ = digits
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(),
+                              torch.nn.Linear(16, 3)).to(getattr(torch, dtype))
+    got = blockflow.predict(net, da.from_array(X, chunks=(400, 64))).compute()
+    with torch.no_grad():
+        want = net(torch.as_tensor(X).to(getattr(torch, dtype))).float().numpy()
+    assert got.dtype == (np.float32 if dtype == "bfloat16" else np.dtype(dtype))
+    np.testing.assert_array_equal(got.astype(np.float32), want)
+
+
 def _onnx_logistic(model):
     """The fitted logistic regression as an ONNX graph (Gemm + Softmax), batch dim free."""
     onnx = pytest.importorskip("onnx")
