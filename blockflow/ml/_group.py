@@ -31,8 +31,8 @@ from blockflow.errors import WorkerLostError
 from blockflow.scheduling.view import workers_info
 from blockflow.scheduling.wait import wait_any
 
-__all__ = ["GroupLost", "Rank", "RankFailed", "first_kept", "keep_copies", "run_group",
-           "worker_processes"]
+__all__ = ["GroupLost", "Rank", "RankFailed", "first_kept", "gone_workers", "keep_copies",
+           "run_group", "worker_processes"]
 
 _ONE_GROUP = threading.Lock()  # torch's default group is one per process
 _held_by: list = [None]  # the token of the group this process holds a rank of
@@ -297,6 +297,20 @@ def keep_copies(client, futures: Sequence, workers: Sequence[str], made_on: Sequ
 def first_kept(kept: Sequence):
     """The first of ``kept`` (from :func:`keep_copies`) still in memory, or None."""
     return next((f for f in kept if f.status == "finished"), None)
+
+
+def gone_workers(client, workers: Sequence[str], *, expect: Sequence[str] = (),
+                 timeout: float = 10.0) -> set[str]:
+    """Those of ``workers`` the scheduler no longer lists, after waiting up to ``timeout``
+    seconds for ``expect`` to leave (or, without ``expect``, for any of ``workers`` to):
+    a worker that died is dropped within a heartbeat, and a failure can arrive first."""
+    workers, expect = set(workers), set(expect)
+    end = time.monotonic() + timeout
+    while True:
+        gone = workers - set(workers_info(client))
+        if (gone >= expect if expect else gone) or time.monotonic() >= end:
+            return gone
+        time.sleep(0.05)
 
 
 def worker_processes(client, workers: Sequence[str] | None = None,

@@ -8,11 +8,10 @@ from that checkpoint; :class:`~blockflow.errors.WorkerLostError` when nothing ca
 
 from __future__ import annotations
 
-import time
 import warnings
 
 from blockflow.errors import BlockflowWarning, DeviceMemoryError, WorkerLostError
-from blockflow.ml._group import first_kept
+from blockflow.ml._group import first_kept, gone_workers
 from blockflow.ml.parallel import _placement
 
 __all__ = ["recover"]
@@ -27,10 +26,9 @@ def recover(pipe, lost: set[str], what: str, redone: int) -> None:
         One line naming the lost stage when no worker is left, its checkpoint went with
         the worker, or the survivors have no room for the layers.
     """
-    deadline = time.monotonic() + 10  # the scheduler may still list a dying worker
-    while lost & pipe._alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    lost = set(lost) | (set(pipe.stage_workers) - pipe._alive())
+    # the scheduler may still list a dying worker
+    lost = set(lost) | gone_workers(pipe.client, set(pipe.stage_workers) | set(lost),
+                                    expect=lost)
     names = [pipe._stage_name(s) for s, w in enumerate(pipe.stage_workers) if w in lost]
     stages = ", ".join(names) or "no stage"
     workers = ", ".join(sorted(lost))

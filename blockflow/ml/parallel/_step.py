@@ -19,7 +19,7 @@ from distributed import futures_of
 from dask.utils import parse_timedelta
 
 from blockflow import config
-from blockflow.ml._group import GroupLost, first_kept, keep_copies, run_group
+from blockflow.ml._group import GroupLost, first_kept, gone_workers, keep_copies, run_group
 from blockflow.ml.parallel import _recovery, _stage
 from blockflow.ml.parallel.schedule import PipelineResult, timeline
 
@@ -157,10 +157,7 @@ def run_steps(pipe, batches: list, *, train: bool, want_grads: bool = False,
             continue
         except (CancelledError, OSError, KeyError):  # data sent to a worker that just died
             # (a scatter to a worker the scheduler has just dropped is a KeyError there)
-            deadline = time.monotonic() + 10  # the scheduler notices within a heartbeat
-            while not set(pipe.ranks) - pipe._alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            gone = set(pipe.ranks) - pipe._alive()
+            gone = gone_workers(pipe.client, pipe.ranks)
             if not gone:
                 raise
             _recovery.recover(pipe, gone, what, redone=len(seg) if train else 0)

@@ -29,8 +29,8 @@ from distributed import wait
 
 from blockflow import config
 from blockflow.errors import BlockflowWarning, DeviceMemoryError, WorkerLostError
-from blockflow.ml._group import GroupLost, RankFailed, first_kept, keep_copies, run_group
-from blockflow.ml._group import worker_processes
+from blockflow.ml._group import GroupLost, RankFailed, first_kept, gone_workers, keep_copies
+from blockflow.ml._group import run_group, worker_processes
 from blockflow.ml._pickling import FIX_TRAIN, dumps_or_explain
 from blockflow.scheduling.view import worker_memory, workers_info
 
@@ -473,10 +473,9 @@ class TensorParallel:
                 return run_group(self.client, self.workers, _rank, args, gather=gather,
                                  name="tensor-parallel", what=f"tensor-parallel {what}")
             except (GroupLost, RankFailed) as e:
-                end = time.monotonic() + 10  # a peer's collective may fail first
-                while not (gone := set(self.workers) - set(workers_info(self.client))) and \
-                        isinstance(e, RankFailed) and time.monotonic() < end:
-                    time.sleep(0.2)
+                # a peer's collective may fail before the scheduler drops the worker
+                gone = set(e.lost) if isinstance(e, GroupLost) else \
+                    gone_workers(self.client, self.workers)
                 if not gone:
                     raise RuntimeError(f"blockflow: TensorParallel {what} failed: {e}"
                                        ) from None
