@@ -62,6 +62,7 @@ from blockflow._distributed.admission import (
     feeder_state_view,
     feeder_states,
     feeder_tasks,
+    take_back_tasks,
 )
 from blockflow._distributed.checks import (
     IncompatibleSchedulerError,
@@ -257,6 +258,7 @@ __all__ = [
     "feeder_state_view",
     "feeder_states",
     "feeder_tasks",
+    "take_back_tasks",
     "finished_task_record",
     "free_slots",
     "group_duration",

@@ -2,18 +2,21 @@
 
 :func:`feeder_tasks` finds them, :func:`feeder_states` (and the lazy snapshot
 :class:`FeederStates`) says where each stands for
-:class:`blockflow.scheduling.rules.AdmissionRule`."""
+:class:`blockflow.scheduling.rules.AdmissionRule`; :func:`take_back_tasks` holds again those
+sent to workers over its budget."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any
 
 
 from blockflow._distributed.placement import HOLD_ADDRESS, _restricted
 
-__all__ = ["FeederStates", "FeederView", "feeder_state_view", "feeder_states", "feeder_tasks"]
+__all__ = ["FeederStates", "FeederView", "feeder_state_view", "feeder_states", "feeder_tasks",
+           "take_back_tasks"]
 
 
 class FeederStates:
@@ -159,3 +162,40 @@ def feeder_states(scheduler, keys) -> dict:
         else:  # released with nothing left to feed
             out[key] = "pending" if pending else "done"
     return out
+
+
+def take_back_tasks(scheduler, keys, count: int, stimulus_id: str) -> list:
+    """Take up to ``count`` of the tasks ``keys`` sent to workers (``processing``) back to the
+    scheduler and hold them as :func:`blockflow._distributed.hold_tasks` does.
+
+    Those waiting behind their worker's threads go first (the ``nthreads`` of highest priority
+    on a worker are taken to run), lowest priority first; a running one is cancelled there (a
+    worker sent it again goes on with it, as with stolen tasks). Long-running (seceded),
+    restricted and actor tasks stay. Returns the keys taken back.
+    """
+    tasks = []
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        ws = None if ts is None else ts.processing_on
+        if ws is None or ts.state != "processing" or ts.actor or _restricted(ts) \
+                or ts in ws.long_running:
+            continue
+        tasks.append(ts)
+    if count <= 0 or not tasks:
+        return []
+    started = set()
+    tasks.sort(key=lambda ts: ts.processing_on.address)
+    for ws, _ in groupby(tasks, key=lambda ts: ts.processing_on):
+        first = sorted((t for t in ws.processing if t not in ws.long_running),
+                       key=lambda t: t.priority or ())
+        started.update(first[:max(int(ws.nthreads), 1)])
+    tasks.sort(key=lambda ts: ts.priority or (), reverse=True)  # lowest priority first
+    tasks.sort(key=lambda ts: ts in started)  # (stable) not started first
+    chosen = tasks[:count]
+    for ts in chosen:
+        ts.worker_restrictions = {HOLD_ADDRESS}
+        ts.loose_restrictions = False
+    # processing -> released tells the worker to let it go; a restricted task is never
+    # root-ish: from "waiting" it goes to "no-worker" (held)
+    scheduler.transitions({ts.key: "released" for ts in chosen}, stimulus_id)
+    return [ts.key for ts in chosen]

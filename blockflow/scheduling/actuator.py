@@ -116,7 +116,11 @@ class Actuator:
 
     def _on_hold(self, d, snap):
         if _on_tasks(d):  # producers held back: they wait in no-worker
-            _distributed.hold_tasks(self.scheduler, list(d.keys), self._stimulus(d))
+            if d.detail:  # admission over its budget: some sent to workers come back
+                _distributed.take_back_tasks(self.scheduler, list(d.keys),
+                                             d.detail["take_back"], self._stimulus(d))
+            else:
+                _distributed.hold_tasks(self.scheduler, list(d.keys), self._stimulus(d))
             return None
         _distributed.set_worker_status(self.scheduler, d.worker, True, self._stimulus(d))
         self.held[d.worker] = d.reason

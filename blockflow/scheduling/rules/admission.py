@@ -4,7 +4,10 @@ distributed never queues resource-restricted tasks, so unrestricted producers ra
 their GPU consumers. :class:`AdmissionRule` holds the *feeders* (unrestricted tasks whose
 every dependent needs a resource) in ``no-worker`` and releases them while ``feeders running
 or released + outputs waiting for a ready consumer <= budget``; a blockflow heuristic in the
-spirit of root-task queuing (guide: :doc:`/guide/scheduling`, "Admission").
+spirit of root-task queuing (guide: :doc:`/guide/scheduling`, "Admission"). The budget is the
+scheduler's, across graphs and clients: producers of an earlier graph already sent to workers
+when their consumers arrive count against it, and those over it are taken back (the ones
+waiting behind a worker's threads first) and held with the rest.
 ``distributed.scheduler.no-workers-timeout`` would fail held tasks: leave it unset, or set
 ``blockflow.resources.admission-budget: 0``.
 """
@@ -91,6 +94,7 @@ class AdmissionRule(Rule):
         self._held: list[tuple[tuple, int, Any]] = []  # heap of (priority, seq, key)
         self._held_keys: set = set()
         self._admitted: set = set()
+        self._priority: dict[Any, tuple] = {}  # tracked feeder -> its priority
         self._asked: list = []  # feeders of the last graph: held once their hold took
         self._client = None  # the client that submitted the last graph
         self._now = 0.0
@@ -133,6 +137,10 @@ class AdmissionRule(Rule):
 
     # --- the steps ----------------------------------------------------------------------
 
+    def _hold_again(self, key) -> None:
+        heapq.heappush(self._held, (self._priority.get(key, ()), next(self._seq), key))
+        self._held_keys.add(key)
+
     def _release(self, keys: list, count: bool, stimulus: str | None = None) -> Decision:
         return Decision(Action.RELEASE, "", f"{len(keys)} producers released (admission "
                         f"control)", keys=tuple(keys),
@@ -174,6 +182,7 @@ class AdmissionRule(Rule):
                 # admitted before, held again: the same key submitted anew (its earlier
                 # run forgotten); tracked afresh below
                 self._forget(f.key)
+            self._priority[f.key] = f.priority
             if f.key in self._held_keys or f.key in self._admitted:
                 # tracked already (an expected feeder whose consumers came, or one feeding
                 # consumers of two graphs): add the new consumers
@@ -184,9 +193,9 @@ class AdmissionRule(Rule):
             elif not f.consumers:
                 # expected: its consumers may come in a later graph, within the grace
                 if state not in _HELD:
+                    self._priority.pop(f.key, None)
                     continue
-                heapq.heappush(self._held, (f.priority, next(self._seq), f.key))
-                self._held_keys.add(f.key)
+                self._hold_again(f.key)
                 self._expected[f.key] = (self._now + self.grace, (self._client, f.group))
                 self._consumers[f.key] = ()
                 self._watched[f.key] += 1
@@ -194,8 +203,7 @@ class AdmissionRule(Rule):
                 continue
             elif state in _HELD:
                 held += 1
-                heapq.heappush(self._held, (f.priority, next(self._seq), f.key))
-                self._held_keys.add(f.key)
+                self._hold_again(f.key)
                 self._consumers[f.key] = f.consumers
                 self._watched.update((f.key, *f.consumers))
             elif state in _ACTIVE:
@@ -205,6 +213,7 @@ class AdmissionRule(Rule):
                 self._consumers[f.key] = f.consumers
                 self._watched.update((f.key, *f.consumers))
             else:
+                self._priority.pop(f.key, None)
                 continue
             for r, q in f.resources.items():
                 self.resources[r] = max(self.resources.get(r, 0), q)
@@ -236,18 +245,35 @@ class AdmissionRule(Rule):
         return b
 
     def _admit(self, snap, after_graph: int | None) -> list[Decision]:
-        """Release held feeders, highest priority first, while the active ones fit the budget."""
+        """Release held feeders, highest priority first, while the active ones fit the budget;
+        take back running ones over it."""
         out: list[Decision] = []
         chosen: list = []
+        taken = 0
         if self._held_keys or self._admitted:
             states = snap.feeder_states
             active = 0
+            running = []
             for key, state in states.read(list(self._admitted)).items():
                 if state in _ACTIVE or self._waits(key, state):
                     active += 1
+                    if state == "running":
+                        running.append(key)
+                elif state in _HELD:  # taken back over the budget: held with the others
+                    self._admitted.discard(key)
+                    self._hold_again(key)
                 elif state == "done":
                     self._forget(key)
-            room = self._budget(snap.workers) - active
+            budget = self._budget(snap.workers)
+            room = budget - active
+            if room < 0 and running:
+                # sent to workers before their consumers came (an earlier graph): the ones
+                # over the budget go back to the held ones, those not started first
+                taken = min(-room, len(running))
+                out.append(Decision(
+                    Action.HOLD, "", f"{taken} producers taken back from the workers: "
+                    f"{active} outputs would be held against the budget of {budget} "
+                    f"(admission control)", keys=tuple(running), detail={"take_back": taken}))
             orphans: list = []
             while self._held and room > 0:
                 _, _, key = heapq.heappop(self._held)
@@ -263,14 +289,15 @@ class AdmissionRule(Rule):
                 room -= 1
             if chosen or orphans:
                 out.append(self._release(chosen + orphans, count=True))
-            self.peak_active = max(self.peak_active, active + len(chosen))
+            self.peak_active = max(self.peak_active, active - taken + len(chosen))
             if not self._held_keys:
                 self._held.clear()
         if after_graph:
             out.append(Record(
                 Recorded.ADMIT, "", f"{after_graph} producers feed tasks that need resources "
                 f"{self.resources}: they run as their outputs fit the budget of "
-                f"{self.last_budget} held at once ({len(chosen)} released now)",
+                f"{self.last_budget} held at once ({len(chosen)} released now"
+                + (f", {taken} taken back from the workers)" if taken else ")"),
                 {"budget": self.last_budget, "held": len(self._held_keys)}))
         return out
 
@@ -287,6 +314,8 @@ class AdmissionRule(Rule):
 
     def _release_all(self) -> list[Decision]:
         keys = list(self._held_keys)
+        for k in keys:
+            self._priority.pop(k, None)
         self._held_keys.clear()
         self._held.clear()
         self._expected.clear()
@@ -295,6 +324,7 @@ class AdmissionRule(Rule):
 
     def _forget(self, key) -> None:
         self._admitted.discard(key)
+        self._priority.pop(key, None)
         self._expected.pop(key, None)
         for k in (key, *self._consumers.pop(key, ())):
             self._watched[k] -= 1
