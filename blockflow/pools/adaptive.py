@@ -42,7 +42,9 @@ class PoolAdaptive(Adaptive):
         pool) is measured.
     hold : str or float, optional
         How long a worker is kept after it arrives, and a pool's target after the plan asked
-        for it (default ``blockflow.scaling.hold``; 0: no hysteresis).
+        for it, while the run has an objective (default ``blockflow.scaling.hold``; 0: no
+        hysteresis). Without an objective idle workers go after ``wait_count`` checks, as
+        with distributed's ``Adaptive``.
 
     Attributes
     ----------

@@ -218,3 +218,48 @@ def test_a_retired_worker_leaves_only_after_its_results_moved():
         counts = client.sync(client.scheduler.blockflow_status)["task_counts"]
         assert sum(counts.values()) == 8  # each task ran once: no result was lost
         adaptive.stop()
+
+
+def _sleep(i):
+    time.sleep(0.2)
+    return i
+
+
+def test_without_an_objective_idle_workers_go_as_with_distributed_adaptive():
+    """Issue 39: after a run's short tasks ended, an adaptive cluster with blockflow kept 3
+    workers for 12.9 s (the 30 s hold after each arrived) where distributed's Adaptive
+    scaled down to its minimum within 0.8 s. Nothing but the backlog asked for those
+    workers: with no objective the target after the work is plain's (the scheduler's
+    ``adaptive_target`` within the bounds) and the idle workers go after ``wait_count``
+    checks, whatever the hold."""
+    cpu = Pool("cpu")
+    wait_count = 2
+    with PoolCluster({cpu: 1}, processes=False,
+                     silence_logs=logging.CRITICAL) as cluster, Client(cluster) as client:
+        wait_until(lambda: _names(client) == {"cpu-0"}, message="the first worker joins")
+        # no pools named, no objective, the hold at its default (30 s)
+        adaptive = cluster.adapt(minimum=1, maximum=3, interval="100ms",
+                                 wait_count=wait_count)
+        futures = client.map(_sleep, range(60), pure=False)
+        wait_until(lambda: len(_names(client)) == 3, timeout=60,
+                   message="the backlog grows the cluster to its maximum")
+        assert sorted(client.gather(futures)) == list(range(60))
+        del futures
+        ended = adaptive.checks
+
+        def plain_target(dask_scheduler=None):
+            return dask_scheduler.adaptive_target()
+
+        plain = min(max(client.run_on_scheduler(plain_target), 1), 3)
+        assert plain == 1  # what distributed's Adaptive asks for after the work
+        # the first check after the work asks plain's target; the idle workers are retired
+        # at the wait_count-th idle check (counted in checks, not seconds)
+        wait_until(lambda: adaptive.checks >= ended + wait_count + 2, timeout=60,
+                   message=f"{wait_count + 2} scaling checks after the work")
+        assert client.sync(adaptive.target) == plain
+        assert len(adaptive.retired) == 2, (adaptive.retired, adaptive.reasons)
+        retired = _decisions(client, "retire")
+        assert len(retired) == 2 and all(d["seen_idle_checks"] == wait_count for d in retired)
+        wait_until(lambda: len(_names(client)) == 1, timeout=60,
+                   message="the retired workers leave")
+        adaptive.stop()
