@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -203,11 +202,15 @@ async def register_worker_plugin_on_scheduler(scheduler, plugin, name: str,
     await scheduler.register_worker_plugin(None, dumps(plugin), name, idempotent=idempotent)
 
 
-async def run_amm_policy(scheduler, policy, cycles: int = 10, timeout: float = 30.0) -> int:
+async def run_amm_policy(scheduler, policy, cycles: int = 10,
+                         timeout: float = 30.0) -> tuple[int, list]:
     """Run one Active Memory Manager policy alone, now, on a dedicated manager.
 
-    Between cycles it waits until accepted replicas have landed, so a policy that replicates
-    then drops sees its copies.
+    Its copies are made at once: each receiving worker gathers them from their holders
+    (``Scheduler.gather_on_worker``, as ``Scheduler.rebalance`` does), where the manager's
+    ``acquire-replicas`` would queue them behind every fetch of the work running there (30 s
+    while work ran, issue 39). Its drops go through the manager (never the last copy, nor
+    one a task running there needs). A cycle waits for its copies, not for the work.
 
     Parameters
     ----------
@@ -215,20 +218,36 @@ async def run_amm_policy(scheduler, policy, cycles: int = 10, timeout: float = 3
     policy : ActiveMemoryManagerPolicy
     cycles : int, default 10
     timeout : float, default 30.0
-        Seconds to wait per cycle for accepted replicas.
+        Seconds a cycle waits for its copies; those still landing then land in the
+        background and are reported.
 
     Returns
     -------
-    int
-        Cycles with at least one accepted suggestion (it stops at the first with none).
+    tuple of (int, list)
+        Cycles with at least one accepted suggestion (it stops at the first with none), and
+        the keys whose copy failed or had not landed within ``timeout``.
     """
     from distributed.active_memory_manager import ActiveMemoryManagerExtension
 
     amm = ActiveMemoryManagerExtension(scheduler, policies=set(), register=False, start=False)
     accepted: list = []
+    copies: dict[str, dict] = {}  # receiving address -> key -> holders' addresses
+
+    def recipient(ts, candidates):
+        """The worker that copies ``ts`` now (the manager's checks), or None."""
+        if ts.state != "memory" or ts.actor or not ts.who_has:
+            return None
+        running = scheduler.running
+        options = [ws for ws in (candidates or running) if ws in running
+                   and ws not in ts.who_has and ts.key not in copies.get(ws.address, ())]
+        if not options:
+            return None
+        ws = min(options, key=lambda w: w.address)
+        copies.setdefault(ws.address, {})[ts.key] = [w.address for w in ts.who_has]
+        return ws
 
     class _Recorder(ActiveMemoryManagerPolicy):
-        """Passes ``policy``'s suggestions through, recording the ones accepted."""
+        """Passes ``policy``'s drops through, makes its copies; records those accepted."""
 
         def run(self):
             gen = policy.run()
@@ -238,26 +257,33 @@ async def run_amm_policy(scheduler, policy, cycles: int = 10, timeout: float = 3
                     suggestion = gen.send(ws)
                 except StopIteration:
                     return
-                ws = yield suggestion
+                if suggestion.op == "replicate":
+                    ws = recipient(suggestion.ts, suggestion.candidates)
+                else:
+                    ws = yield suggestion
                 if ws is not None:
-                    accepted.append((suggestion.op, suggestion.ts, ws))
+                    accepted.append(suggestion.op)
 
     amm.add_policy(_Recorder())
     policy.manager = amm
     done = 0
+    missed: list = []
     for _ in range(int(cycles)):
         accepted.clear()
+        copies.clear()
         amm.run_once()
         if not accepted:
             break
         done += 1
-        landing = [(ts, ws) for op, ts, ws in accepted if op == "replicate"]
-        deadline = time.monotonic() + timeout
-        while any(ts.state == "memory" and scheduler.workers.get(ws.address) is ws
-                  and ws not in ts.who_has for ts, ws in landing):
-            if time.monotonic() > deadline:
-                logger.warning("run_amm_policy: replicas of %s not landed within %g s",
-                               policy, timeout)
-                break
-            await asyncio.sleep(0.01)
-    return done
+        if copies:
+            gathers = {asyncio.ensure_future(scheduler.gather_on_worker(addr, who_has)): who_has
+                       for addr, who_has in copies.items()}
+            finished, landing = await asyncio.wait(gathers, timeout=timeout)
+            for fut in finished:
+                missed.extend(fut.result() if fut.exception() is None else gathers[fut])
+            for fut in landing:  # they land in the background; their sources keep theirs
+                missed.extend(gathers[fut])
+            if landing:
+                logger.warning("run_amm_policy: %d copies of %s not landed within %g s",
+                               sum(len(gathers[f]) for f in landing), policy, timeout)
+    return done, missed

@@ -38,14 +38,16 @@ def rebalance(client, futures=None, *, workers: Iterable[str] | None = None,
     cycles : int, default 10
         At most this many AMM cycles (a move takes two).
     timeout : float, default 30.0
-        Seconds per cycle for copies to land.
+        Seconds a cycle waits for its copies (each receiving worker gathers them at once,
+        as ``client.rebalance()`` does, not after the fetches of work running there).
 
     Returns
     -------
     dict
         ``before`` / ``after`` / ``target`` (address -> bytes), ``moves``, ``bytes_moved``,
         ``largest_block``, ``tolerance``, ``max_deviation`` (bytes), ``within_one_block``,
-        ``cycles``.
+        ``cycles``, ``skipped`` (keys of blocks not moved: their copy failed or was still
+        landing at the timeout; their source keeps them).
 
     Raises
     ------
@@ -113,8 +115,9 @@ async def _on_scheduler(keys, workers, tolerance, cycles, timeout,
         return {"error": f"blockflow.rebalance: {len(caps)} of workers {sorted(workers)} "
                          f"run and report device memory; name at least two device workers."}
     before = policy.device_bytes(views, _distributed.held_results(dask_scheduler))
-    acted = await _distributed.run_amm_policy(dask_scheduler, policy, cycles=cycles,
-                                              timeout=timeout)
+    acted, missed = await _distributed.run_amm_policy(dask_scheduler, policy, cycles=cycles,
+                                                      timeout=timeout)
+    moved = {m["key"] for m in policy.moves}
     after = policy.device_bytes(_distributed.worker_views(dask_scheduler),
                                 _distributed.held_results(dask_scheduler))
     return {
@@ -128,4 +131,5 @@ async def _on_scheduler(keys, workers, tolerance, cycles, timeout,
         "max_deviation": round(after.max_deviation),
         "within_one_block": after.within_one_block,
         "cycles": acted,
+        "skipped": sorted({k for k in missed if k not in moved}, key=str),
     }

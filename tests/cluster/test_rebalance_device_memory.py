@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from distributed import wait
 from distributed.utils_test import gen_cluster
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -373,6 +374,7 @@ async def test_rebalance_evens_out_device_blocks_by_capacity_and_logs_moves(c, s
     assert summary["max_deviation"] == 0 and summary["within_one_block"]
     assert len(summary["moves"]) == 6 and summary["bytes_moved"] == 6 * 256 * MiB
     assert summary["cycles"] == 2  # copies, then drops
+    assert summary["skipped"] == []
     assert {m["source"] for m in summary["moves"]} == {by["a"]}
     assert sorted(m["target"] for m in summary["moves"]).count(by["b"]) == 4
 
@@ -404,6 +406,48 @@ async def test_rebalance_evens_out_device_blocks_by_capacity_and_logs_moves(c, s
     # a second call finds nothing to do
     again = await blockflow.rebalance(c, futs)
     assert again["moves"] == [] and again["cycles"] == 0 and again["after"] == summary["after"]
+
+
+def _use(x):
+    return int(x[0])
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=300, config={
+    # a receiver fetches one input at a time: the work's fetches stay queued for seconds
+    "distributed.worker.connections.outgoing": 1})
+async def test_rebalance_while_work_fetches_data_does_not_wait_for_the_work(c, s, a, b, w):
+    """Issue 39: called while work ran, ``blockflow.rebalance`` returned after 30 s (plain
+    ``client.rebalance`` at once): its copies, asked of the receiving workers with the
+    Active Memory Manager's ``acquire-replicas``, queue behind every input the work running
+    there fetches. The receivers gather them at once, as ``client.rebalance`` does: it returns
+    while the work still has inputs to fetch, the blocks moved."""
+    addrs = await _devices(c, s, a, b, w)
+    futs = _blocks(c, addrs["a"], [256 * MiB] * 14)
+    await c.gather(futs)
+    # work on the two receivers whose inputs (8 MiB each) are all on the sender
+    inputs = [c.submit(np.ones, 2**20, workers=[addrs["a"]], pure=False) for _ in range(200)]
+    await wait(inputs)
+    work = [c.submit(_use, x, workers=[addrs["b"], addrs["c"]], pure=False) for x in inputs]
+    receivers = {s.workers[addrs["b"]], s.workers[addrs["c"]]}
+
+    def unfetched() -> int:  # work tasks on a receiver whose input is not there yet
+        return sum(1 for f in work if (ts := s.tasks.get(f.key)) is not None
+                   and ts.processing_on in receivers
+                   and not any(ts.processing_on in d.who_has for d in ts.dependencies))
+
+    await async_wait_until(lambda: unfetched() > 40, timeout=60,
+                           message="the work to queue its fetches on the receivers")
+    summary = await blockflow.rebalance(c, futs)
+    left = unfetched()
+
+    # it returned before the work had fetched its inputs (before: only once the receivers'
+    # fetch queues ran dry)
+    assert left > 10, left  # one fetch in flight per receiver
+    by = {n: addrs[n] for n in "abc"}
+    assert summary["after"] == {by["a"]: 2 * GiB, by["b"]: GiB, by["c"]: 512 * MiB}
+    assert len(summary["moves"]) == 6 and summary["skipped"] == []
+    assert await c.gather(work) == [1] * 200
+    assert all(len(h) == 1 for h in (await _holders(c, futs)).values())
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
