@@ -124,8 +124,8 @@ def rebalance(args, with_blockflow: bool) -> dict:
         wait(blocks)
         inputs = [client.submit(np.ones, 2**20, workers=[a], pure=False) for _ in range(200)]
         wait(inputs)
-        work = [client.submit(_use, x, workers=[b, c], pure=False) for x in inputs]
-        until = time.monotonic() + 60
+        work = client.map(_use, inputs, workers=[b, c], pure=False)
+        until = time.monotonic() + 30
         while _unfetched(client, work, inputs, (b, c)) < 40 and time.monotonic() < until:
             time.sleep(0.05)  # the receivers' fetch queues fill
         t0 = time.perf_counter()
