@@ -8,8 +8,14 @@ import subprocess
 import sys
 
 import pytest
+from loadaware import scaled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+#: pytest's own bound on each test here: above the load-scaled subprocess bounds (``scaled``
+#: stretches up to 10x), so that the scaled bound, which says what was waited for, fails.
+pytestmark = pytest.mark.timeout(3600)
 
 
 def _python_blocks() -> list[str]:
@@ -35,7 +41,7 @@ def test_library_example_runs(tmp_path):
     script = tmp_path / "example.py"  # as a user runs it: a script, worker processes
     script.write_text(example)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         cwd=tmp_path, env=env, timeout=240)
+                         cwd=tmp_path, env=env, timeout=scaled(240))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "<blockflow.Inventory: 2 workers" in out.stdout
     numbers = re.findall(r"-?\d+\.\d+", out.stdout.splitlines()[-1])
@@ -54,7 +60,7 @@ def test_the_pools_guides_run_scope_example_runs(tmp_path):
     script = tmp_path / "runs.py"
     script.write_text(example)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         cwd=tmp_path, env=env, timeout=240)
+                         cwd=tmp_path, env=env, timeout=scaled(240))
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.fullmatch(r"run 'nightly stats': 2 graphs, \d+ tasks, objective cost",
                         out.stdout.splitlines()[-1]), out.stdout

@@ -11,7 +11,7 @@ import dask
 import pandas as pd
 import pytest
 from click.testing import CliRunner
-from loadaware import wait_until
+from loadaware import scaled, wait_until
 
 from blockflow.scheduling.view import workers_info
 from blockflow.cli import cli
@@ -26,16 +26,22 @@ FOREIGN = ("Error: Output {path!r} exists and is a folder blockflow did not writ
 BAD_SCALE = ("Error: flights: scale must be an integer >= 1 (copies of the 336,776-row 2013 NYC "
              "flights table), got {scale}.\n")
 
+#: pytest's own bound on each test here: above every load-scaled subprocess bound below
+#: (``scaled`` stretches up to 10x on a loaded machine), so that the scaled bound, which
+#: says what was waited for, is the one that fails.
+pytestmark = pytest.mark.timeout(3600)
+
 
 def invoke(*args: str):
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
 def _blockflow(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``python -m blockflow ARGS`` in a fresh process, dashboard on a free port."""
+    """``python -m blockflow ARGS`` in a fresh process, dashboard on a free port; ``timeout``
+    seconds on an idle machine, stretched by its load."""
     env = {**os.environ, "DASK_BLOCKFLOW__CLUSTER__DASHBOARD_ADDRESS": "127.0.0.1:0"}
     return subprocess.run([sys.executable, "-m", "blockflow", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+                          text=True, timeout=scaled(timeout), env=env)
 
 
 def _assert_flights_output(out, expected: dict[str, pd.DataFrame]) -> None:
@@ -106,7 +112,7 @@ def test_an_output_that_cannot_be_written_is_one_error_line_for_every_job(tmp_pa
            "PYTHONDONTWRITEBYTECODE": "1"}
     proc = subprocess.run([sys.executable, "-m", "blockflow", "run", job, "--n-workers", "1",
                            "--output", str(out), *args], capture_output=True, text=True,
-                          timeout=300, env=env, preexec_fn=_no_large_files)
+                          timeout=scaled(180), env=env, preexec_fn=_no_large_files)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.splitlines()[-1] == (
@@ -356,7 +362,7 @@ def test_python_m_blockflow_bad_input_exits_2_with_one_line(tmp_path):
 def test_dask_blockflow_entry_point():
     proc = subprocess.run(
         [sys.executable, "-c", "from dask.cli import run_cli; run_cli()", "blockflow", "run",
-         "--help"], capture_output=True, text=True, timeout=60)
+         "--help"], capture_output=True, text=True, timeout=scaled(60))
     assert proc.returncode == 0, proc.stderr
     assert "flights" in proc.stdout and "array-stats" in proc.stdout
 
@@ -409,7 +415,7 @@ def test_sigterm_mid_run_leaves_no_temporary_folder(tmp_path):
     wait_until(started, timeout=60, interval=0.1,
                message=lambda: f"the temporary output folder; output: {proc.stdout.read()}")
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 143
+    assert proc.wait(timeout=scaled(60)) == 143
     assert list(tmp_path.iterdir()) == []  # no output, no temporary folder
     output = proc.stdout.read()
     # the cluster is stopped on purpose: no warnings about the work its workers take along
@@ -435,7 +441,7 @@ def test_ctrl_c_to_the_whole_process_group_prints_one_line(tmp_path, after):
     assert first.startswith("Dashboard (while the job runs):"), first
     time.sleep(after)
     os.killpg(proc.pid, signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=scaled(120))
     assert proc.returncode == 130, stderr[-3000:]
     assert stderr.splitlines() == [
         f"Interrupted (Ctrl-C): the run was stopped and nothing was written to {str(out)!r}."
@@ -461,7 +467,7 @@ def boom():
 cli.main()
 """)
     return subprocess.run([sys.executable, "-m", "interrupted", "boom"], capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path)
+                          text=True, timeout=scaled(120), cwd=tmp_path)
 
 
 def test_an_interrupt_during_a_garbage_collection_callback_is_not_lost(tmp_path):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from distributed import Client, LocalCluster
+from loadaware import scaled
 
 from blockflow.workloads import array_stats
 from blockflow.workloads._runner import show_progress
@@ -31,6 +32,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # A tqdm bar line: "<label>: <percent>%|<bar>| <done>/<total> [...]"
 BAR = re.compile(r"(?P<label>[^\r\n]*?):\s+(?P<pct>\d+)%\|[^|]*\|\s*(?P<done>\d+)/(?P<total>\d+)")
+
+
+#: pytest's own bound on each test here: above the load-scaled subprocess bounds (``scaled``
+#: stretches up to 10x), so that the scaled bound, which says what was waited for, fails.
+pytestmark = pytest.mark.timeout(3600)
 
 
 def run_in_terminal(args: list[str], cwd, timeout: float = 240) -> tuple[int, str]:
@@ -42,6 +48,7 @@ def run_in_terminal(args: list[str], cwd, timeout: float = 240) -> tuple[int, st
     proc = subprocess.Popen([sys.executable, "-m", "blockflow", *args], stdin=child,
                             stdout=child, stderr=child, cwd=cwd, env=env, close_fds=True)
     os.close(child)
+    timeout = scaled(timeout)
     out, deadline = b"", time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
@@ -58,7 +65,7 @@ def run_in_terminal(args: list[str], cwd, timeout: float = 240) -> tuple[int, st
                 break
         else:
             proc.kill()
-            pytest.fail(f"blockflow {' '.join(args)} still running after {timeout} s:\n"
+            pytest.fail(f"blockflow {' '.join(args)} still running after {timeout:.0f} s:\n"
                         + out.decode(errors="replace")[-3000:])
         return proc.wait(timeout=30), out.decode(errors="replace")
     finally:
