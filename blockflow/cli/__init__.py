@@ -98,21 +98,24 @@ def run_group() -> None:
               help="Copies of the 336,776-row 2013 NYC flights table (>= 1).")
 @_output_options("blockflow-flights-out",
                  "Folder for by_carrier.parquet, by_origin_month.parquet, manifest.json.")
-@click.option("--partitions-per-copy", type=int, default=4, show_default=True,
-              help="Partitions per copy of the table (>= 1).")
+@click.option("--partitions-per-copy", type=int, default=None,
+              help="Partitions per copy of the table (>= 1). Default: 1 to 4, so that every "
+                   "worker thread gets two (as flights.run chooses).")
 @_progress_option
 @_objective_options
 @_retries_option
 @_cluster_options
-def flights_command(scale: int, output: str, overwrite: bool, partitions_per_copy: int,
-                    no_progress: bool, retries: int, **options: Any) -> None:
+def flights_command(scale: int, output: str, overwrite: bool,
+                    partitions_per_copy: int | None, no_progress: bool, retries: int,
+                    **options: Any) -> None:
     """The 2013 NYC flights ETL: clean, feature, delay statistics per carrier and per
     (origin, month), written as Parquet."""
     from blockflow.workloads.flights_data import check_partitions_per_copy, check_scale
 
     try:  # bad input fails before the job's imports and before a cluster starts
         check_scale(scale)
-        check_partitions_per_copy(partitions_per_copy)
+        if partitions_per_copy is not None:
+            check_partitions_per_copy(partitions_per_copy)
     except ValueError as e:
         raise _OptionError(str(e)) from None
     goal, cluster = _goal(options)
