@@ -10,6 +10,7 @@ import logging
 import os
 import platform
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -446,7 +447,11 @@ def _compute(job: Job, *, scale: int, partitions_per_copy: int | None,
     # read: seconds) would otherwise leave the first stage's tasks to whichever worker read
     # it first, and the second stage follows their data (a cold run on two identical
     # workers: 57 and 182 tasks with blockflow's policy off, 33 and 34 warm).
-    run_each(job.client, cache_table_here, what="reading the flights table")
+    # Best effort: a worker still reading after blockflow.cluster.worker-call-timeout
+    # goes on reading for its first task, which is no news.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="blockflow: reading the flights table")
+        run_each(job.client, cache_table_here, what="reading the flights table")
     airlines, airports = lookup_tables()
     # only the columns the tables use, grouped by codes; names joined to the result tables
     raw = load_flights(scale, partitions_per_copy, columns=list(JOB_COLUMNS))
