@@ -146,6 +146,19 @@ def connect(
     RuntimeError
         Workers could not start because the script calls ``connect()`` outside
         ``if __name__ == "__main__":`` (:mod:`blockflow.cluster.main_guard`).
+
+    Warns
+    -----
+    BlockflowWarning
+        Embedded cluster: the dashboard's port is taken (one line naming the port used
+        instead). With an address: GPU workers without a ``GPU`` resource, or the reverse;
+        a running plugin that keeps another policy.
+
+    Notes
+    -----
+    An embedded cluster's workers take a terminal's Ctrl-C quietly
+    (:class:`QuietInterrupt`), and its shutdown logs nothing about the data its workers
+    take along (:class:`_ClosingClusterFilter`).
     """
     # A worker process importing a script that calls connect() at top level: end it now.
     _main_guard.exit_if_bootstrapping()
