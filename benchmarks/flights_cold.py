@@ -11,7 +11,7 @@ round runs, in turn so that load from other processes hits both alike:
   same shape that ran the job once at scale 1 before the first round.
 
 Medians over ``--repeat`` rounds; per-run lines to stderr, the table to stdout and to
-``benchmarks/results/flights-cold-cpu-<date>.txt``.
+``benchmarks/results/flights_cold-cpu-<date>.txt``.
 
     python benchmarks/flights_cold.py                  # scale 4, 3 rounds
     python benchmarks/flights_cold.py --repeat 1       # smoke
@@ -65,7 +65,8 @@ def main(argv=None) -> int:
             print(f"round {i}: cold command {command:.2f} s, cold job {job:.2f} s, warm job "
                   f"{warm:.2f} s, load {os.getloadavg()[0]:.1f}", file=sys.stderr)
     client.shutdown()
-    lines = [f"flights --scale {args.scale}, 2 workers x 1 thread, medians of {args.repeat} "
+    command = " ".join(["python benchmarks/flights_cold.py", *(argv or sys.argv[1:])])
+    lines = [f"# {command}", f"flights --scale {args.scale}, 2 workers x 1 thread, medians of {args.repeat} "
              f"rounds (cold and warm alternated), load average {os.getloadavg()[0]:.1f} at "
              f"the end, {datetime.date.today()}"]
     lines += [f"{name:>13}: {statistics.median(v):6.2f} s  (runs: "
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     text = "\n".join(lines) + "\n"
     print(text, end="")
     out = os.path.join(os.path.dirname(__file__), "results",
-                       f"flights-cold-cpu-{datetime.date.today()}-issue39.txt")
+                       f"flights_cold-cpu-{datetime.date.today()}.txt")
     with open(out, "w") as f:
         f.write(text)
     return 0
