@@ -6,6 +6,7 @@ waits (:mod:`blockflow.scheduling.wait`) are re-exported here."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 import threading
@@ -477,9 +478,13 @@ class QuietInterrupt(WorkerPlugin):
 
     name = "blockflow-quiet-interrupt"
 
+    def __init__(self):
+        self.parent = os.getpid()  # the process that started the cluster keeps its handler
+
     def setup(self, worker) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # a worker in threads of the client's process: that process's handler
+        if (os.getpid() == self.parent
+                or threading.current_thread() is not threading.main_thread()):
+            return  # a worker in this process, or in threads of another's: theirs rules
         signal.signal(signal.SIGINT, _silence_logs)
         if hasattr(signal, "pthread_sigmask"):  # the command line starts workers with it
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked: take it
