@@ -10,7 +10,6 @@ import logging
 import os
 import platform
 import threading
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +19,6 @@ import pandas as pd
 
 import blockflow
 from blockflow.scheduling.view import workers_info
-from blockflow.scheduling.wait import run_each
 from blockflow.aggregations import ROWS, grouped_moments, grouped_quantiles, quantile_label
 from blockflow.backends import dataframe_module
 from blockflow.blockwise import map_blocks
@@ -32,7 +30,6 @@ from blockflow.workloads.flights_data import (
     GROUPINGS,
     LATE_MINUTES,
     QUANTILES,
-    cache_table_here,
     check_partitions_per_copy,
     check_scale,
     read_table,
@@ -443,15 +440,6 @@ def _compute(job: Job, *, scale: int, partitions_per_copy: int | None,
         nthreads = sum(int(w.get("nthreads") or 1) for w in workers_info(job.client).values())
         partitions_per_copy = choose_partitions_per_copy(scale, nthreads)
     job.start()
-    # Every worker reads the table at once, before the first task: a cold worker (the first
-    # read: seconds) would otherwise leave the first stage's tasks to whichever worker read
-    # it first, and the second stage follows their data (a cold run on two identical
-    # workers: 57 and 182 tasks with blockflow's policy off, 33 and 34 warm).
-    # Best effort: a worker still reading after blockflow.cluster.worker-call-timeout
-    # goes on reading for its first task, which is no news.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="blockflow: reading the flights table")
-        run_each(job.client, cache_table_here, what="reading the flights table")
     airlines, airports = lookup_tables()
     # only the columns the tables use, grouped by codes; names joined to the result tables
     raw = load_flights(scale, partitions_per_copy, columns=list(JOB_COLUMNS))

@@ -17,7 +17,6 @@ __all__ = [
     "GROUPINGS",
     "LATE_MINUTES",
     "QUANTILES",
-    "cache_table_here",
     "check_partitions_per_copy",
     "check_scale",
     "read_table",
@@ -111,16 +110,3 @@ def check_partitions_per_copy(partitions_per_copy: Any) -> int:
     return _check_positive_int(partitions_per_copy, "partitions_per_copy",
                                "partitions per copy of the table")
 
-
-async def cache_table_here() -> None:
-    """On a worker (``client.run``): read the flights table into the ETL's per-process cache
-    (:mod:`blockflow.workloads.flights`), importing that module and reading the file in a
-    thread, so the worker's event loop keeps answering meanwhile."""
-    import asyncio
-
-    def read() -> None:
-        from blockflow.workloads.flights import _cached_flights
-
-        _cached_flights()
-
-    await asyncio.get_running_loop().run_in_executor(None, read)

@@ -458,24 +458,3 @@ def test_run_chooses_larger_partitions_for_many_copies(client):
     expected = 4 * flights.choose_partitions_per_copy(4, threads)
     assert result.partitions == expected
 
-
-@pytest.mark.slow
-def test_every_worker_reads_the_table_before_the_first_stage():
-    """Cold worker processes: each reads the table at the start of the run, at once, not
-    with its first task (the worker that read it first took most of the first stage's
-    tasks, and the second stage followed their data: 35 and 204 tasks on two identical
-    workers). One partition: only one worker runs a load task."""
-    from blockflow.cluster.connection import connect
-
-    def cached():
-        from blockflow.workloads import flights as f
-
-        return f._flights_table is not None
-
-    with connect(gpu=False, n_workers=2, threads_per_worker=1, dashboard_address=":0") as c:
-        try:
-            result = flights.run(c, scale=1, partitions_per_copy=1, progress=False)
-            assert result.input_rows == 336_776
-            assert list(c.run(cached).values()) == [True, True]
-        finally:
-            c.shutdown()
