@@ -10,7 +10,6 @@ output. Guide: docs/guide/clusters.md.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import click
@@ -19,12 +18,14 @@ from dask.utils import format_bytes
 
 from blockflow import config
 from blockflow.cli.options import (
+    _check_address,
     _cluster_options,
     _goal,
     _objective_options,
     _OptionError,
     _output_options,
     _progress,
+    _progress_option,
     _retries_option,
     _timeout_option,
 )
@@ -34,6 +35,7 @@ from blockflow.cli.session import (
     _job,
     _page,
     _print_inventory,
+    _warnings_as_lines,
     _without_dashboard_line,
     _written,
 )
@@ -69,18 +71,17 @@ class _SettingsError(click.ClickException):
 
 def _validate_settings() -> None:
     """Check blockflow's settings once, before any command starts; warnings go to stderr."""
-    # the settings whose allowed values code registers (cluster.policy: the policy
-    # registry) are checked against that registry: import it first
-    from blockflow.scheduling import policies  # noqa: F401
+    # a policy other than the packaged one is checked against the policy registry: import
+    # it then (it imports distributed, seconds on a loaded machine, which a command that
+    # refuses its arguments should not wait for)
+    if config.get("cluster.policy") != config.defaults["blockflow"]["cluster"]["policy"]:
+        from blockflow.scheduling import policies  # noqa: F401
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with _warnings_as_lines():
         try:
             config.validate()
         except ValueError as e:
             raise _SettingsError(str(e)) from None
-    for w in caught:
-        click.echo(f"Warning: {w.message}", err=True)
 
 
 @cli.group(name="run")
@@ -97,24 +98,28 @@ def run_group() -> None:
               help="Copies of the 336,776-row 2013 NYC flights table (>= 1).")
 @_output_options("blockflow-flights-out",
                  "Folder for by_carrier.parquet, by_origin_month.parquet, manifest.json.")
-@click.option("--partitions-per-copy", type=int, default=4, show_default=True,
-              help="Partitions per copy of the table (>= 1).")
-@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@click.option("--partitions-per-copy", type=int, default=None,
+              help="Partitions per copy of the table (>= 1). Default: 1 to 4, so that every "
+                   "worker thread gets two (as flights.run chooses).")
+@_progress_option
 @_objective_options
 @_retries_option
 @_cluster_options
-def flights_command(scale: int, output: str, overwrite: bool, partitions_per_copy: int,
-                    no_progress: bool, retries: int, **options: Any) -> None:
+def flights_command(scale: int, output: str, overwrite: bool,
+                    partitions_per_copy: int | None, no_progress: bool, retries: int,
+                    **options: Any) -> None:
     """The 2013 NYC flights ETL: clean, feature, delay statistics per carrier and per
     (origin, month), written as Parquet."""
-    from blockflow.workloads import flights
+    from blockflow.workloads.flights_data import check_partitions_per_copy, check_scale
 
-    goal, cluster = _goal(options)
-    try:  # bad input fails before a cluster starts
-        flights.check_scale(scale)
-        flights.check_partitions_per_copy(partitions_per_copy)
+    try:  # bad input fails before the job's imports and before a cluster starts
+        check_scale(scale)
+        if partitions_per_copy is not None:
+            check_partitions_per_copy(partitions_per_copy)
     except ValueError as e:
         raise _OptionError(str(e)) from None
+    goal, cluster = _goal(options)
+    from blockflow.workloads import flights
     with _job(output, overwrite, cluster, goal) as client:
         result = flights.run(client, scale=scale, output=output,
                              partitions_per_copy=partitions_per_copy, overwrite=overwrite,
@@ -129,7 +134,7 @@ def flights_command(scale: int, output: str, overwrite: bool, partitions_per_cop
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the field (>= 0).")
 @_output_options("blockflow-array-stats-out", "Folder for stats.parquet and manifest.json.")
-@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@_progress_option
 @_retries_option
 @_objective_options
 @_cluster_options
@@ -171,7 +176,7 @@ def array_stats_command(size: str, seed: int, output: str, overwrite: bool, no_p
               help="Seed of the initialisation and the batches (>= 0).")
 @_output_options("blockflow-train-out",
                  "Folder for model.pt, metrics.json, loss_curve.csv, manifest.json.")
-@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@_progress_option
 @_objective_options
 @_cluster_options
 def train_command(scale: int, epochs: int, batch_size: int, lr: float, hidden: int,
@@ -213,10 +218,11 @@ def train_command(scale: int, epochs: int, batch_size: int, lr: float, hidden: i
                    "Default: the setting blockflow.tune.promotion (certain-first).")
 @_output_options("blockflow-tune-out",
                  "Folder for trials.parquet, history.parquet, best_model.pkl, manifest.json.")
+@_progress_option
 @_objective_options
 @_cluster_options
 def tune_command(n_configs: int, eta: int, max_epochs: int, seed: int,
-                 promotion: str | None, output: str, overwrite: bool,
+                 promotion: str | None, output: str, overwrite: bool, no_progress: bool,
                  **options: Any) -> None:
     """Tune a small MLP on scikit-learn's bundled digits by asynchronous successive halving,
     trials running as Dask tasks on the fastest free workers."""
@@ -230,7 +236,7 @@ def tune_command(n_configs: int, eta: int, max_epochs: int, seed: int,
     with _job(output, overwrite, cluster, goal) as client:
         result = digits_tuning.run(client, n_configs=n_configs, eta=eta, max_budget=max_epochs,
                                    seed=seed, promotion=promotion, output=output,
-                                   overwrite=overwrite)
+                                   overwrite=overwrite, progress=_progress(no_progress))
         _written()
         click.echo(result.report())
         click.echo("")
@@ -243,7 +249,7 @@ def tune_command(n_configs: int, eta: int, max_epochs: int, seed: int,
 @click.option("--blocks", type=click.IntRange(min=1), default=20, show_default=True,
               help="Row blocks of the replicated data.")
 @_output_options("blockflow-infer-out", "Folder for predictions.parquet and manifest.json.")
-@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@_progress_option
 @_objective_options
 @_cluster_options
 def infer_command(scale: int, blocks: int, output: str, overwrite: bool, no_progress: bool,
@@ -279,11 +285,12 @@ def infer_command(scale: int, blocks: int, output: str, overwrite: bool, no_prog
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @_output_options("blockflow-pipeline-out",
                  "Folder for model.pt, history.parquet, manifest.json.")
+@_progress_option
 @_objective_options
 @_cluster_options
 def pipeline_command(n_train: int, epochs: int, batch_size: int, n_micro_batches: int,
                      schedule: str, seed: int, output: str, overwrite: bool,
-                     **options: Any) -> None:
+                     no_progress: bool, **options: Any) -> None:
     """Train a small transformer (a stack of nn.TransformerEncoderLayer) pipeline-parallel:
     stages on different workers, cut from measured layer times and free device memory."""
     goal, cluster = _goal(options)
@@ -300,7 +307,8 @@ def pipeline_command(n_train: int, epochs: int, batch_size: int, n_micro_batches
     with _job(output, overwrite, cluster, goal) as client:
         result = sequence.run(client, n_train=n_train, epochs=epochs, batch_size=batch_size,
                               n_micro_batches=n_micro_batches, schedule=schedule, seed=seed,
-                              output=output, overwrite=overwrite)
+                              output=output, overwrite=overwrite,
+                              progress=_progress(no_progress))
         _written()
         click.echo(result.report())
         click.echo("")
@@ -309,8 +317,11 @@ def pipeline_command(n_train: int, epochs: int, batch_size: int, n_micro_batches
 
 
 def _echo_task_counts(counts: dict[str, int] | None) -> None:
-    if not counts:
+    if counts is None:
         click.echo("Tasks per worker: n/a (the scheduler runs no blockflow plugin)")
+        return
+    if not counts:
+        click.echo("Tasks per worker (this run): none finished")
         return
     click.echo("Tasks per worker (this run):")
     width = max(len(w) for w in counts)
@@ -331,6 +342,7 @@ def info_command(address: str | None, timeout: float | None) -> None:
             "blockflow info shows a running cluster: point it at one with --address "
             "tcp://host:8786 (or DASK_SCHEDULER_ADDRESS=tcp://host:8786). `blockflow run` "
             "starts an embedded cluster only for the length of its job.")
+    _check_address(address)
     with _client(address, timeout=timeout, announce=False) as client:
         _print_inventory(client)
         click.echo(f"Dashboard: {_page(client.dashboard_link)}")

@@ -119,18 +119,30 @@ def _check_cluster_options(address: str | None, gpu: str | None, n_workers: int 
 
 
 def _check_address(address: str) -> None:
-    """A scheduler address must look like ``[tcp://|tls://|ucx://]host:port``."""
-    from distributed.comm import parse_address
-    from distributed.comm.addressing import parse_host_port
+    """A scheduler address must look like ``[tcp://|tls://|ucx://]host:port``.
 
+    Read as :func:`distributed.comm.parse_address` and ``parse_host_port`` read it, without
+    importing distributed (seconds on a loaded machine): a bad address fails at once."""
+    scheme, sep, loc = address.rpartition("://")
+    scheme = scheme if sep else "tcp"
     port = None
     try:
-        scheme, loc = parse_address(address)
         if scheme not in ("tcp", "tls", "ucx", "inproc"):
             raise ValueError(scheme)
         if scheme != "inproc":
-            _, port = parse_host_port(loc)
-    except (ValueError, TypeError):
+            if loc.startswith("["):  # [IPv6]:port
+                host, bracket, tail = loc[1:].partition("]")
+                if not bracket or not tail.startswith(":"):
+                    raise ValueError(loc)
+                port = tail[1:]
+            else:
+                host, colon, port = loc.rpartition(":")
+                if not colon or ":" in host:
+                    raise ValueError(loc)
+            if not port.isdigit():
+                raise ValueError(loc)
+            port = int(port)
+    except ValueError:
         raise _OptionError(
             f"--address {address!r} is not a scheduler address; give "
             f"tcp://host:port (or tls://host:port), e.g. tcp://10.0.0.5:8786."
@@ -155,6 +167,11 @@ def _output_options(default: str, help: str) -> Callable:
 _retries_option = click.option(
     "--retries", type=click.IntRange(min=0), default=0, show_default=True,
     help="Extra attempts of a task that raises, on any worker (distributed's task retries).")
+
+
+_progress_option = click.option(
+    "--no-progress", is_flag=True,
+    help="No progress bars (default: bars on stderr when it is a terminal).")
 
 
 def _progress(no_progress: bool) -> bool | None:
@@ -182,10 +199,16 @@ def _objective_options(command: Callable) -> Callable:
 
 def _goal(options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """A ``run`` command's keyword options split into its objective (:func:`_objective`)
-    and the cluster options (:func:`_cluster_options`)."""
+    and the cluster options (:func:`_cluster_options`), both checked: a bad value fails
+    here, before the job imports its libraries (dask.dataframe, PyTorch) or starts a
+    cluster."""
     options = dict(options)
     goal = _objective(options.pop("objective_kind"), options.pop("deadline"),
                       options.pop("budget"))
+    _check_cluster_options(options["address"], options["gpu"], options["n_workers"],
+                           options["threads_per_worker"], options["timeout"])
+    if options["address"] is not None:
+        _check_address(options["address"])
     return goal, options
 
 

@@ -13,18 +13,15 @@ import os
 import signal
 import threading
 import time
+import warnings
 from multiprocessing import resource_tracker
 from typing import Any, Iterator
 
 import click
 
 import blockflow
-from blockflow.cli.options import (
-    _GPU_CHOICES,
-    _check_address,
-    _check_cluster_options,
-    _OptionError,
-)
+from blockflow.cli.options import _GPU_CHOICES, _OptionError
+from blockflow.workloads import dashboard_page
 
 _OUTPUT = "blockflow.output"  # ctx.meta: the run's --output, and whether it was written
 _WRITTEN = "blockflow.output-written"
@@ -36,22 +33,19 @@ def _client(address: str | None, gpu: str | None = None, n_workers: int | None =
             timeout: float | None = None, announce: bool = True,
             pools: dict | None = None) -> Iterator[Any]:
     """A client with blockflow's plugin; an embedded cluster (its workers in ``pools``, from
-    :func:`_embedded_pools`) is shut down afterwards."""
+    :func:`_embedded_pools`) is shut down afterwards. The options were checked before
+    (:func:`blockflow.cli.options._goal`)."""
     from blockflow.backends import GPUUnavailableError
 
-    _check_cluster_options(address, gpu, n_workers, threads_per_worker, timeout)
-    options = {}
+    options = {"timeout": timeout}
     if address is None:
         options = {"gpu": None if gpu is None else _GPU_CHOICES[gpu], "n_workers": n_workers,
                    "threads_per_worker": threads_per_worker, "pools": pools or None}
-    if address is not None:
-        _check_address(address)
-        options = {"timeout": timeout}
     client = None
     _raise_if_stopped()
     try:
         try:
-            with _sigint_deferred(enabled=address is None):
+            with _sigint_deferred(enabled=address is None), _warnings_as_lines():
                 client = blockflow.connect(address, policy=policy, **options)
         except (GPUUnavailableError, OSError, ValueError) as e:  # incl. invalid settings
             raise click.ClickException(str(e)) from None
@@ -70,6 +64,18 @@ def _client(address: str | None, gpu: str | None = None, n_workers: int | None =
                 client.shutdown()  # we started the cluster: stop its workers and scheduler
         else:
             client.close()  # someone else's cluster: leave it running
+
+
+@contextlib.contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """Warnings raised inside go to stderr as one line each, ``Warning: <message>``, not
+    as Python shows them (file, line and source line)."""
+    with warnings.catch_warnings(record=True) as caught:
+        try:
+            yield
+        finally:
+            for w in caught:
+                click.echo(f"Warning: {w.message}", err=True)
 
 
 @contextlib.contextmanager
@@ -124,11 +130,10 @@ def _sigint_deferred(enabled: bool = True) -> Iterator[None]:
 
 def _page(link: str | None) -> str:
     """blockflow's dashboard page from the cluster's dashboard link (``.../status``)."""
-    if not link:
+    page = dashboard_page(link)
+    if not page:
         return "n/a"
-    if link.endswith("/status"):
-        return link[: -len("status")] + "blockflow"
-    return f"{link} (blockflow's page: More... > blockflow)"
+    return page if page != link else f"{link} (blockflow's page: More... > blockflow)"
 
 
 def _dashboard_after(address: str | None, link: str | None) -> str:

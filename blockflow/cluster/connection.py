@@ -6,13 +6,19 @@ waits (:mod:`blockflow.scheduling.wait`) are re-exported here."""
 from __future__ import annotations
 
 import logging
+import os
+import re
+import signal
+import threading
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import dask.config
 from dask.utils import parse_timedelta
 from distributed import Client, LocalCluster, Security
+from distributed.diagnostics.plugin import WorkerPlugin
 
 from blockflow import _distributed, config
 from blockflow._distributed.metrics import read_metrics
@@ -141,6 +147,19 @@ def connect(
     RuntimeError
         Workers could not start because the script calls ``connect()`` outside
         ``if __name__ == "__main__":`` (:mod:`blockflow.cluster.main_guard`).
+
+    Warns
+    -----
+    BlockflowWarning
+        Embedded cluster: the dashboard's port is taken (one line naming the port used
+        instead). With an address: GPU workers without a ``GPU`` resource, or the reverse;
+        a running plugin that keeps another policy.
+
+    Notes
+    -----
+    An embedded cluster's workers take a terminal's Ctrl-C quietly
+    (:class:`QuietInterrupt`), and its shutdown logs nothing about the data its workers
+    take along (:class:`_ClosingClusterFilter`).
     """
     # A worker process importing a script that calls connect() at top level: end it now.
     _main_guard.exit_if_bootstrapping()
@@ -204,9 +223,12 @@ def connect(
                 if _main_guard.children_ran_main(note):
                     raise RuntimeError(_main_guard.MESSAGE) from None
                 raise
+        _quiet_on_purpose(cluster)
         client = Client(cluster)  # takes the cluster's security
-        # its shutdown is ours: no worker logs its own close as a failed heartbeat
+        # its shutdown is ours: no worker logs its own close as a failed heartbeat, nor
+        # a Ctrl-C that its parent (this process) takes
         client.register_plugin(_distributed.QuietClose())
+        client.register_plugin(QuietInterrupt())
         if pool_member is not None:
             client.register_plugin(pool_member)
             # the scheduler knows the pools at once
@@ -406,15 +428,107 @@ def _check_tls_credentials(address: str, security: Security | None) -> None:
 def _start_local_cluster(use_gpu: bool, **kwargs) -> LocalCluster:
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if use_gpu:
-        from dask_cuda import LocalCUDACluster
-
+        from dask_cuda import LocalCUDACluster as start
         # one worker per device: each declares its GPU, for resources={"GPU": 1} tasks
         kwargs["resources"] = {"GPU": 1, **(kwargs.get("resources") or {})}
-        logger.info("blockflow: starting LocalCUDACluster (%s)", kwargs)
-        return LocalCUDACluster(**kwargs)
-    kwargs.setdefault("processes", True)
-    logger.info("blockflow: starting LocalCluster (%s)", kwargs)
-    return LocalCluster(**kwargs)
+    else:
+        start = LocalCluster
+        kwargs.setdefault("processes", True)
+    logger.info("blockflow: starting %s (%s)", start.__name__, kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        cluster = start(**kwargs)
+    try:
+        _rewarn(caught)
+    except BaseException:  # warnings turned into errors: nothing connect started outlives it
+        cluster.close()
+        raise
+    return cluster
+
+
+def _rewarn(caught: list[warnings.WarningMessage]) -> None:
+    """Warn again what the cluster's start warned; distributed's warning about a taken
+    dashboard port (three lines, about distributed's own source line) as one line."""
+    for w in caught:
+        taken = _PORT_TAKEN.match(str(w.message))
+        if taken is None:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno,
+                                   source=w.source)
+            continue
+        msg = (f"blockflow.connect: the dashboard's port {taken[1]} is taken (another Dask "
+               f"cluster on this machine?), so this cluster's dashboard is on port {taken[2]} "
+               f"instead; choose one with dashboard_address= (setting "
+               f"blockflow.cluster.dashboard-address, ':0' for any free port).")
+        warnings.warn(msg, BlockflowWarning, stacklevel=4)  # the caller of connect()
+
+
+#: distributed's warning (node.py) when the dashboard's port is taken: the port asked for,
+#: and the one it took instead.
+_PORT_TAKEN = re.compile(r"Port (\d+) is already in use\..*?on port (\d+) instead", re.S)
+
+
+class QuietInterrupt(WorkerPlugin):
+    """Worker plugin of the clusters :func:`connect` starts: a SIGINT (a terminal's Ctrl-C
+    reaches every process of its group) does not interrupt the worker process with a
+    ``KeyboardInterrupt`` traceback; it silences the worker's logs instead. The process
+    that started the cluster takes the Ctrl-C and closes the workers (the command line:
+    one line and exit status 130; a script: its ``KeyboardInterrupt``), and what a worker
+    closed under a running task would log is not news then. Worker processes whose main
+    thread runs the worker only (distributed's nanny); threads of this process keep
+    Python's handling."""
+
+    name = "blockflow-quiet-interrupt"
+
+    def __init__(self):
+        self.parent = os.getpid()  # the process that started the cluster keeps its handler
+
+    def setup(self, worker) -> None:
+        if (os.getpid() == self.parent
+                or threading.current_thread() is not threading.main_thread()):
+            return  # a worker in this process, or in threads of another's: theirs rules
+        signal.signal(signal.SIGINT, _silence_logs)
+        if hasattr(signal, "pthread_sigmask"):  # the command line starts workers with it
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked: take it
+
+
+def _silence_logs(signum, frame) -> None:
+    """A worker's SIGINT handler (:class:`QuietInterrupt`): from now on it logs nothing."""
+    names = [n for n in list(logging.root.manager.loggerDict)
+             if n.split(".")[0] in ("distributed", "tornado", "asyncio", "blockflow")]
+    for name in ("distributed", "tornado", "asyncio", "blockflow", *names):
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+
+
+class _ClosingClusterFilter(logging.Filter):
+    """Drops distributed's records about the work and worker processes a cluster started
+    by :func:`connect` loses while it is being closed on purpose (``client.shutdown()``,
+    ``cluster.close()``, the end of the script): the scheduler's "Removing worker ...
+    caused the cluster to lose ..." (a WARNING and an ERROR listing every key still held)
+    and the nanny's "Worker process still alive after 4.0 seconds, killing". Only while
+    such a cluster closes: the same records at any other time are real losses."""
+
+    def __init__(self):
+        super().__init__()
+        self.clusters: weakref.WeakSet = weakref.WeakSet()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if not (msg.startswith("Worker process still alive after")
+                or (msg.startswith("Removing worker ") and "caused the cluster to lose" in msg)):
+            return True
+        return not any(getattr(c.status, "name", None) in ("closing", "closed")
+                       for c in list(self.clusters))
+
+
+_closing_filter = _ClosingClusterFilter()
+
+
+def _quiet_on_purpose(cluster) -> None:
+    """Keep ``cluster``'s own shutdown from logging what it drops (:class:`_ClosingClusterFilter`)."""
+    for name in ("distributed.scheduler", "distributed.nanny"):
+        log = logging.getLogger(name)
+        if _closing_filter not in log.filters:
+            log.addFilter(_closing_filter)
+    _closing_filter.clusters.add(cluster)
 
 
 def _register_plugin(client: Client, plugin: Rebalancer) -> None:

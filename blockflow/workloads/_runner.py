@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -21,6 +22,7 @@ from blockflow.io import atomic_output_dir, write_manifest
 from blockflow.scheduling.runs import new_run_id, run_scope
 from blockflow.scheduling.view import plugin_status
 from blockflow.scheduling.wait import gather_results, wait_for
+from blockflow.workloads import dashboard_page
 
 __all__ = ["Job", "StageProgress", "StepProgress", "new_bar", "run_workload", "show_progress",
            "task_counts_or_none"]
@@ -50,12 +52,20 @@ def show_progress(progress: bool | None) -> bool:
     return bool(progress)
 
 
-def _columns(stream) -> int:
-    """The width of the terminal ``stream`` writes to; 0 if unknown."""
+def _bar_size(stream) -> dict[str, Any]:
+    """tqdm's size arguments for a bar on ``stream``: its terminal's own size, read again
+    as it changes, where the terminal reports one; else fixed, with what it does not report
+    (0 columns or 0 rows, as a fresh pseudo-terminal does) from
+    :func:`shutil.get_terminal_size` (``COLUMNS``/``LINES``, stdout's terminal, 100 x 24).
+    tqdm draws no bar at all on a terminal of 0 rows (nor one of 0 columns)."""
     try:
-        return os.get_terminal_size(stream.fileno()).columns
+        size = os.get_terminal_size(stream.fileno())
     except (AttributeError, OSError, ValueError):
-        return 0
+        size = os.terminal_size((0, 0))
+    if size.columns > 0 and size.lines > 0:
+        return {"dynamic_ncols": True}
+    fallback = shutil.get_terminal_size((100, 24))
+    return {"ncols": size.columns or fallback.columns, "nrows": size.lines or fallback.lines}
 
 
 def _notebook_bars() -> bool:
@@ -83,9 +93,8 @@ def new_bar(label: str, total: int | None, unit: str):
 
     if in_notebook_kernel():  # no ipywidgets: one line at the end, never escape codes
         return tqdm(total=total, desc=label, disable=True), True
-    # a terminal that reports no width (a fresh pseudo-terminal) would get empty bars
-    width = {"dynamic_ncols": True} if _columns(sys.stderr) else {"ncols": 100}
-    return tqdm(total=total, desc=label, unit=unit, file=sys.stderr, **width), False
+    return tqdm(total=total, desc=label, unit=unit, file=sys.stderr,
+                **_bar_size(sys.stderr)), False
 
 
 class StepProgress:
@@ -220,8 +229,9 @@ class Job:
 
     @property
     def dashboard_link(self) -> str | None:
-        """The cluster's dashboard address, if it has one."""
-        return self.client.dashboard_link
+        """blockflow's page of the cluster's dashboard (:func:`dashboard_page`), if it has
+        one."""
+        return dashboard_page(self.client.dashboard_link)
 
     @property
     def n_tasks(self) -> int | None:

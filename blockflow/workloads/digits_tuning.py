@@ -148,7 +148,7 @@ def _write(result: DigitsTuneResult, directory) -> dict[str, Any]:
 
 def run(client, *, n_configs: int = 81, eta: int = 3, max_budget: int = 27, seed: int = 0,
         promotion: str | None = None, output: str | None = None,
-        overwrite: bool = False) -> DigitsTuneResult:
+        overwrite: bool = False, progress: bool | None = None) -> DigitsTuneResult:
     """Tune the digits MLP on a cluster; write the trials and the best model atomically.
 
     Parameters
@@ -164,6 +164,8 @@ def run(client, *, n_configs: int = 81, eta: int = 3, max_budget: int = 27, seed
         Default ``blockflow.tune.promotion``.
     output : str, optional
     overwrite : bool, default False
+    progress : bool, optional
+        Progress bars (the trials draw none yet).
 
     Returns
     -------
@@ -199,4 +201,4 @@ def run(client, *, n_configs: int = 81, eta: int = 3, max_budget: int = 27, seed
                                 job.task_counts)
 
     return run_workload(client, what, compute, _write, name="tune", output=output,
-                        overwrite=overwrite, progress=False)
+                        overwrite=overwrite, progress=progress)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import importlib.util
 import numbers
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = [
     "DELAY_COLUMNS",
@@ -88,6 +89,8 @@ def read_table(name: str, *, nrows: int | None = None) -> pd.DataFrame:
         )
     path = os.path.join(_data_dir(), _TABLE_FILES[name])
     dtype = FLIGHTS_DTYPES if name == "flights" else None
+    import pandas as pd  # here: the command line checks its arguments without pandas
+
     return pd.read_csv(path, dtype=dtype, nrows=nrows)
 
 
@@ -106,3 +109,4 @@ def check_partitions_per_copy(partitions_per_copy: Any) -> int:
     """Validate ``partitions_per_copy`` (an integer >= 1); ValueError otherwise."""
     return _check_positive_int(partitions_per_copy, "partitions_per_copy",
                                "partitions per copy of the table")
+

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from blockflow.io import write_parquet
+from blockflow.scheduling.runs import run_scope
 from blockflow.workloads._runner import Job, run_workload
 
 __all__ = ["PipelineTrainingResult", "run"]
@@ -124,20 +125,21 @@ def _compute(job: Job, *, n_train, epochs, batch_size, n_micro_batches, schedule
     X, y = sequence_task(n_train, seed=seed)
     Xt, yt = sequence_task(500, seed=seed + 1)
     job.start()
-    pipe = PipelineParallel(job.client, transformer(seed=seed), schedule=schedule,
-                            optimizer=functools.partial(torch.optim.Adam, lr=lr),
-                            loss=torch.nn.CrossEntropyLoss(), seed=seed)
-    rows = max(1, -(-n_train // 4))
-    pipe.fit(da.from_array(X, chunks=(rows, X.shape[1])), da.from_array(y, chunks=rows),
-             epochs=epochs, batch_size=batch_size, n_micro_batches=n_micro_batches)
-    accuracy = float((pipe.predict(Xt).argmax(1) == yt).mean())
-    last = pipe.run(X[:batch_size], y[:batch_size], n_micro_batches=n_micro_batches,
-                    return_output=False, name="pipeline-transformer")
-    state = pipe.state_dict()
-    stages = [{"worker": w, "layers": [int(pipe.bounds[s]), int(pipe.bounds[s + 1] - 1)],
-               "bytes": int(b)}
-              for s, (w, b) in enumerate(zip(pipe.stage_workers, pipe.stage_bytes()))]
-    pipe.close()
+    with run_scope(job.what, job.run_id):  # the stages' tasks count as this run's
+        pipe = PipelineParallel(job.client, transformer(seed=seed), schedule=schedule,
+                                optimizer=functools.partial(torch.optim.Adam, lr=lr),
+                                loss=torch.nn.CrossEntropyLoss(), seed=seed)
+        rows = max(1, -(-n_train // 4))
+        pipe.fit(da.from_array(X, chunks=(rows, X.shape[1])), da.from_array(y, chunks=rows),
+                 epochs=epochs, batch_size=batch_size, n_micro_batches=n_micro_batches)
+        accuracy = float((pipe.predict(Xt).argmax(1) == yt).mean())
+        last = pipe.run(X[:batch_size], y[:batch_size], n_micro_batches=n_micro_batches,
+                        return_output=False, name="pipeline-transformer")
+        state = pipe.state_dict()
+        stages = [{"worker": w, "layers": [int(pipe.bounds[s]), int(pipe.bounds[s + 1] - 1)],
+                   "bytes": int(b)}
+                  for s, (w, b) in enumerate(zip(pipe.stage_workers, pipe.stage_bytes()))]
+        pipe.close()
     wall = job.stop()
     history = pd.DataFrame(pipe.history_)[["epoch", "step", "loss", "seconds"]]
     result = PipelineTrainingResult(

@@ -21,6 +21,7 @@ from dask.utils import key_split
 from distributed import Client, LocalCluster
 
 import blockflow
+from blockflow.workloads import dashboard_page
 from blockflow.scheduling.view import workers_info
 from blockflow.workloads import array_stats as A
 from blockflow.workloads import field as F
@@ -76,7 +77,7 @@ def test_result_metadata(client):
     # one run's tasks: what the workers finished for it, never more than the graph has
     assert result.n_tasks == sum(result.task_counts.values())
     assert result.n_tasks <= len(A.build("small", 0).__dask_graph__())
-    assert result.dashboard_link == client.dashboard_link
+    assert result.dashboard_link == dashboard_page(client.dashboard_link)
     workers = set(workers_info(client))
     assert result.task_counts and set(result.task_counts) <= workers
     # every counted task belongs to this run: at most the graph's tasks, at least one per block

@@ -11,7 +11,7 @@ import dask
 import pandas as pd
 import pytest
 from click.testing import CliRunner
-from loadaware import wait_until
+from loadaware import scaled, wait_until
 
 from blockflow.scheduling.view import workers_info
 from blockflow.cli import cli
@@ -26,16 +26,22 @@ FOREIGN = ("Error: Output {path!r} exists and is a folder blockflow did not writ
 BAD_SCALE = ("Error: flights: scale must be an integer >= 1 (copies of the 336,776-row 2013 NYC "
              "flights table), got {scale}.\n")
 
+#: pytest's own bound on each test here: above every load-scaled subprocess bound below
+#: (``scaled`` stretches up to 10x on a loaded machine), so that the scaled bound, which
+#: says what was waited for, is the one that fails.
+pytestmark = pytest.mark.timeout(3600)
+
 
 def invoke(*args: str):
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
 def _blockflow(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``python -m blockflow ARGS`` in a fresh process, dashboard on a free port."""
+    """``python -m blockflow ARGS`` in a fresh process, dashboard on a free port; ``timeout``
+    seconds on an idle machine, stretched by its load."""
     env = {**os.environ, "DASK_BLOCKFLOW__CLUSTER__DASHBOARD_ADDRESS": "127.0.0.1:0"}
     return subprocess.run([sys.executable, "-m", "blockflow", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+                          text=True, timeout=scaled(timeout), env=env)
 
 
 def _assert_flights_output(out, expected: dict[str, pd.DataFrame]) -> None:
@@ -106,7 +112,7 @@ def test_an_output_that_cannot_be_written_is_one_error_line_for_every_job(tmp_pa
            "PYTHONDONTWRITEBYTECODE": "1"}
     proc = subprocess.run([sys.executable, "-m", "blockflow", "run", job, "--n-workers", "1",
                            "--output", str(out), *args], capture_output=True, text=True,
-                          timeout=300, env=env, preexec_fn=_no_large_files)
+                          timeout=scaled(180), env=env, preexec_fn=_no_large_files)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.splitlines()[-1] == (
@@ -284,6 +290,9 @@ def test_flights_on_a_running_cluster(client, tmp_path, reference_1):
     assert text.count("Dashboard") == 2 and "/status" not in text
     assert f"Output: {out}" in text
     _assert_flights_output(out, reference_1)
+    # the manifest's link is the page the command line prints (it was .../status)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dashboard_link"].endswith(f":{page}")
     # The cluster was not ours to stop.
     assert client.submit(sum, [1, 2]).result() == 3
 
@@ -356,7 +365,7 @@ def test_python_m_blockflow_bad_input_exits_2_with_one_line(tmp_path):
 def test_dask_blockflow_entry_point():
     proc = subprocess.run(
         [sys.executable, "-c", "from dask.cli import run_cli; run_cli()", "blockflow", "run",
-         "--help"], capture_output=True, text=True, timeout=60)
+         "--help"], capture_output=True, text=True, timeout=scaled(60))
     assert proc.returncode == 0, proc.stderr
     assert "flights" in proc.stdout and "array-stats" in proc.stdout
 
@@ -409,7 +418,7 @@ def test_sigterm_mid_run_leaves_no_temporary_folder(tmp_path):
     wait_until(started, timeout=60, interval=0.1,
                message=lambda: f"the temporary output folder; output: {proc.stdout.read()}")
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 143
+    assert proc.wait(timeout=scaled(60)) == 143
     assert list(tmp_path.iterdir()) == []  # no output, no temporary folder
     output = proc.stdout.read()
     # the cluster is stopped on purpose: no warnings about the work its workers take along
@@ -435,7 +444,7 @@ def test_ctrl_c_to_the_whole_process_group_prints_one_line(tmp_path, after):
     assert first.startswith("Dashboard (while the job runs):"), first
     time.sleep(after)
     os.killpg(proc.pid, signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=scaled(120))
     assert proc.returncode == 130, stderr[-3000:]
     assert stderr.splitlines() == [
         f"Interrupted (Ctrl-C): the run was stopped and nothing was written to {str(out)!r}."
@@ -461,7 +470,7 @@ def boom():
 cli.main()
 """)
     return subprocess.run([sys.executable, "-m", "interrupted", "boom"], capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path)
+                          text=True, timeout=scaled(120), cwd=tmp_path)
 
 
 def test_an_interrupt_during_a_garbage_collection_callback_is_not_lost(tmp_path):
@@ -566,3 +575,178 @@ def test_every_job_that_runs_tasks_takes_an_objective(job):
     assert result.exit_code == 0
     for option in ("--objective [makespan|cost]", "--deadline DURATION", "--budget DOLLARS"):
         assert option in result.output, (job, option)
+
+
+# --- first-minute friction -------------------------------------------------------------------
+
+#: Libraries a job imports (seconds on a loaded machine): a bad argument is refused first.
+HEAVY = ("distributed", "pandas", "dask.dataframe", "torch", "sklearn")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "flights", "--scale", "0"], BAD_SCALE.format(scale=0).strip()),
+    (["run", "flights", "--address", "notaurl"],
+     "Error: --address 'notaurl' is not a scheduler address; give tcp://host:port (or "
+     "tls://host:port), e.g. tcp://10.0.0.5:8786."),
+    (["run", "train", "--address", "tcp://localhost"],
+     "Error: --address 'tcp://localhost' is not a scheduler address; give tcp://host:port "
+     "(or tls://host:port), e.g. tcp://10.0.0.5:8786."),
+    (["run", "pipeline", "--address", "tcp://10.0.0.5:99999"],
+     "Error: --address 'tcp://10.0.0.5:99999' has port 99999, outside 1-65535; give the "
+     "port the scheduler listens on, e.g. tcp://10.0.0.5:8786."),
+    (["run", "tune", "--timeout", "10"],
+     "Error: --timeout only applies with --address (how long to wait for that scheduler); "
+     "the embedded cluster is started here."),
+    (["run", "infer", "--n-workers", "2", "--address", "tcp://127.0.0.1:1"],
+     "Error: --n-workers only applies to the embedded cluster and cannot be combined with "
+     "--address; size the workers of tcp://127.0.0.1:1 where they are started."),
+])
+def test_a_bad_argument_is_refused_before_the_heavy_imports(args, message, tmp_path):
+    # `--scale 0` and a malformed address were refused only after distributed,
+    # dask.dataframe (and PyTorch) were imported: 4-8 s on a loaded machine
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    proc = subprocess.run([sys.executable, "-m", "blockflow", *args, "--output",
+                           str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=scaled(60), env=env)
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines()
+                if line.startswith("import time:")}
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert lines == [message] and proc.stdout == ""
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:8786", "tls://[::1]:8786", "host:1",
+                                     "inproc://10.0.0.5/1/2"])
+def test_a_well_formed_address_passes_the_early_check(address):
+    from blockflow.cli.options import _check_address
+
+    _check_address(address)  # no error: connecting is the next step's business
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_every_job_takes_no_progress(job):
+    # tune and pipeline had no --no-progress
+    result = invoke("run", job, "--help")
+    assert result.exit_code == 0
+    assert "--no-progress" in result.output, job
+
+
+@pytest.mark.slow
+def test_a_taken_dashboard_port_is_one_warning_line(tmp_path):
+    """Another cluster holds the dashboard's port: one line naming the port taken instead,
+    not distributed's three-line UserWarning with its source line."""
+    import re
+    import socket
+
+    with socket.socket() as held:  # another program's dashboard
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**os.environ, "DASK_BLOCKFLOW__CLUSTER__DASHBOARD_ADDRESS": f"127.0.0.1:{port}"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "blockflow", "run", "array-stats", "--n-workers", "1",
+             "--threads-per-worker", "1", "--no-progress", "--output", str(tmp_path / "out")],
+            capture_output=True, text=True, timeout=scaled(120), env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = proc.stderr.splitlines()
+    taken = re.fullmatch(
+        rf"Warning: blockflow.connect: the dashboard's port {port} is taken \(another Dask "
+        rf"cluster on this machine\?\), so this cluster's dashboard is on port (\d+) instead; "
+        rf"choose one with dashboard_address= \(setting blockflow.cluster.dashboard-address, "
+        rf"':0' for any free port\).", line)
+    assert taken, line
+    assert proc.stdout.splitlines()[0] == (
+        f"Dashboard (while the job runs): http://127.0.0.1:{taken[1]}/blockflow")
+
+
+def test_connect_says_a_taken_dashboard_port_in_one_warning():
+    import socket
+
+    import blockflow
+    from blockflow.cluster.connection import connect
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.warns(blockflow.BlockflowWarning, match=f"port {port} is taken") as w:
+            client = connect(gpu=False, n_workers=1, threads_per_worker=1, processes=False,
+                             dashboard_address=f"127.0.0.1:{port}")
+        with client:
+            assert f":{port}/" not in client.dashboard_link
+            client.cluster.close()
+    assert [str(x.message) for x in w if "already in use" in str(x.message)] == []
+    ours = [x for x in w if issubclass(x.category, blockflow.BlockflowWarning)]
+    assert len(ours) == 1 and ours[0].filename == __file__  # the caller's line
+
+
+@pytest.mark.slow
+def test_run_pipeline_counts_its_tasks(tmp_path):
+    """The scheduler runs blockflow's plugin: the pipeline's tasks are this run's (it said
+    "the scheduler runs no blockflow plugin")."""
+    pytest.importorskip("torch")
+    out = tmp_path / "out"
+    proc = _blockflow("run", "pipeline", "--n-train", "40", "--epochs", "1", "--batch-size",
+                      "20", "--micro-batches", "2", "--n-workers", "2",
+                      "--threads-per-worker", "1", "--no-progress", "--output", str(out),
+                      timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no blockflow plugin" not in proc.stdout
+    assert "Tasks per worker (this run):" in proc.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sum(manifest["task_counts"].values()) > 0
+    assert proc.stderr == "", proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_process_group_in_the_second_stage_of_flights_prints_one_line(tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the whole process group) while `flights` runs its
+    second stage: the worker processes, which receive it too, print nothing (a distributed
+    worker traceback came before the promised line)."""
+    import fcntl
+    import pty
+    import select
+    import signal
+    import struct
+    import termios
+
+    out = tmp_path / "out"
+    main, child = pty.openpty()  # a terminal: the stages' bars say which one runs
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blockflow", "run", "flights", "--scale", "4", "--n-workers",
+         "2", "--threads-per-worker", "1", "--output", str(out)],
+        stdin=child, stdout=child, stderr=child, start_new_session=True, close_fds=True,
+        env={**os.environ, "DASK_BLOCKFLOW__CLUSTER__DASHBOARD_ADDRESS": "127.0.0.1:0"})
+    os.close(child)
+    text, after = b"", None
+    try:
+        while True:
+            ready, _, _ = select.select([main], [], [], scaled(120))
+            assert ready, f"no output for {scaled(120):.0f} s: {text[-3000:]!r}"
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # the command closed the terminal
+                break
+            if not chunk:
+                break
+            text += chunk
+            if after is None and b"flights [2/2]" in text:
+                os.killpg(proc.pid, signal.SIGINT)
+                after = len(text)
+        status = proc.wait(timeout=scaled(60))
+    finally:
+        os.close(main)
+        if proc.poll() is None:
+            proc.kill()
+    assert after is not None, text[-3000:]
+    tail = text[after:].decode(errors="replace").replace("\r", "\n")
+    lines = [line for line in tail.splitlines()  # less the bars' redrawings
+             if line.strip() and not line.startswith("flights [")]
+    assert status == 130, tail[-3000:]
+    assert lines == [
+        f"Interrupted (Ctrl-C): the run was stopped and nothing was written to {str(out)!r}."
+    ], tail[-3000:]
+    assert list(tmp_path.iterdir()) == []

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import yaml
+from loadaware import scaled
 
 import blockflow
 from blockflow.cli import run_group
@@ -22,6 +23,11 @@ POOLS = [
 ]
 
 
+#: pytest's own bound on each test here: above the load-scaled subprocess bounds (``scaled``
+#: stretches up to 10x), so that the scaled bound, which says what was waited for, fails.
+pytestmark = pytest.mark.timeout(3600)
+
+
 def _blockflow(*args: str, config_dir=None, env: dict | None = None,
                timeout: float = 300) -> subprocess.CompletedProcess:
     """``python -m blockflow ARGS`` in a fresh process, reading the Dask config files of
@@ -31,7 +37,7 @@ def _blockflow(*args: str, config_dir=None, env: dict | None = None,
     if config_dir is not None:
         full["DASK_CONFIG"] = str(config_dir)
     return subprocess.run([sys.executable, "-m", "blockflow", *args], capture_output=True,
-                          text=True, timeout=timeout, env=full)
+                          text=True, timeout=scaled(timeout), env=full)
 
 
 def _config(tmp_path, pools) -> os.PathLike:

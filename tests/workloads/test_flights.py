@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 from distributed import get_task_stream
 
+from blockflow.workloads import dashboard_page
 from blockflow.scheduling.view import workers_info
 from blockflow.aggregations import grouped_moments, grouped_quantiles, quantile_label
 from blockflow.backends import gpu_device_count, has_package
@@ -83,7 +84,7 @@ def test_run_matches_pandas_reference(client, tmp_path, reference_1):
     workers = set(workers_info(client))
     assert result.task_counts and set(result.task_counts) <= workers
     assert sum(result.task_counts.values()) >= 4 * 5  # 4 partitions x 5 blockwise steps at least
-    assert result.dashboard_link == client.dashboard_link
+    assert result.dashboard_link == dashboard_page(client.dashboard_link)
     report = result.report()
     for text in ("Delays per carrier (minutes):", "United Air Lines Inc.",
                  "Tasks per worker (this run):", "rows/s", "Dashboard: http"):
@@ -456,3 +457,4 @@ def test_run_chooses_larger_partitions_for_many_copies(client):
     result = flights.run(client, scale=4, progress=False)
     expected = 4 * flights.choose_partitions_per_copy(4, threads)
     assert result.partitions == expected
+

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from distributed import Client, LocalCluster
+from loadaware import scaled
 
 from blockflow.workloads import array_stats
 from blockflow.workloads._runner import show_progress
@@ -31,6 +32,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # A tqdm bar line: "<label>: <percent>%|<bar>| <done>/<total> [...]"
 BAR = re.compile(r"(?P<label>[^\r\n]*?):\s+(?P<pct>\d+)%\|[^|]*\|\s*(?P<done>\d+)/(?P<total>\d+)")
+
+
+#: pytest's own bound on each test here: above the load-scaled subprocess bounds (``scaled``
+#: stretches up to 10x), so that the scaled bound, which says what was waited for, fails.
+pytestmark = pytest.mark.timeout(3600)
 
 
 def run_in_terminal(args: list[str], cwd, timeout: float = 240) -> tuple[int, str]:
@@ -42,6 +48,7 @@ def run_in_terminal(args: list[str], cwd, timeout: float = 240) -> tuple[int, st
     proc = subprocess.Popen([sys.executable, "-m", "blockflow", *args], stdin=child,
                             stdout=child, stderr=child, cwd=cwd, env=env, close_fds=True)
     os.close(child)
+    timeout = scaled(timeout)
     out, deadline = b"", time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
@@ -58,7 +65,7 @@ def run_in_terminal(args: list[str], cwd, timeout: float = 240) -> tuple[int, st
                 break
         else:
             proc.kill()
-            pytest.fail(f"blockflow {' '.join(args)} still running after {timeout} s:\n"
+            pytest.fail(f"blockflow {' '.join(args)} still running after {timeout:.0f} s:\n"
                         + out.decode(errors="replace")[-3000:])
         return proc.wait(timeout=30), out.decode(errors="replace")
     finally:
@@ -156,3 +163,41 @@ def test_bar_without_blockflow_plugin(capsys):
     label = "array-stats (small) generate, anomalies, moments"
     assert drawn and {b["label"] for b in drawn} == {label}
     assert drawn[-1]["pct"] == 100 and drawn[-1]["done"] == drawn[-1]["total"] > 0
+
+
+@pytest.mark.parametrize("rows, columns", [(0, 120), (0, 0), (40, 0)])
+def test_bars_show_in_a_terminal_that_reports_no_size(rows, columns, tmp_path):
+    """A pseudo-terminal that reports 0 rows (or 0 columns), as a fresh one does: tqdm drew
+    nothing at all with 0 rows."""
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+    code = ("from blockflow.workloads._runner import StepProgress\n"
+            "bar = StepProgress('train [2/2] steps', 5)\n"
+            "for _ in range(5):\n"
+            "    bar.advance(1)\n"
+            "bar.finish()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=child, stdout=child,
+                            stderr=child, env=env, close_fds=True)
+    os.close(child)
+    out = b""
+    try:
+        while True:
+            ready, _, _ = select.select([main], [], [], scaled(60))
+            if not ready:
+                proc.kill()
+                pytest.fail(f"no output for {scaled(60):.0f} s: {out[-3000:]!r}")
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        assert proc.wait(timeout=scaled(30)) == 0, out[-3000:]
+    finally:
+        os.close(main)
+    drawn = bars(out.decode(errors="replace"))
+    assert drawn, out[-3000:]
+    assert {b["label"] for b in drawn} == {"train [2/2] steps"}
+    assert drawn[-1]["pct"] == 100 and drawn[-1]["done"] == drawn[-1]["total"] == 5

@@ -9,12 +9,14 @@ import sys
 
 import pandas as pd
 import pytest
+from loadaware import scaled
 
 pytest.importorskip("torch")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # 24 pipeline steps on worker processes: minutes on a loaded machine
+@pytest.mark.timeout(3600)  # above the load-scaled bound below (24 pipeline steps on worker
+# processes: minutes on a loaded machine)
 def test_run_pipeline_trains_the_transformer_in_stages(tmp_path):
     import torch
 
@@ -24,7 +26,7 @@ def test_run_pipeline_trains_the_transformer_in_stages(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "blockflow", "run", "pipeline", "--n-train", "800",
          "--epochs", "3", "--n-workers", "3", "--output", str(out)],
-        capture_output=True, text=True, timeout=840)
+        capture_output=True, text=True, timeout=scaled(600))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "a transformer in 3 stages (1f1b)" in proc.stdout
     manifest = json.loads((out / "manifest.json").read_text())
@@ -42,6 +44,6 @@ def test_run_pipeline_refuses_more_micro_batches_than_rows(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "blockflow", "run", "pipeline", "--batch-size", "4",
          "--micro-batches", "5", "--output", str(tmp_path / "x")],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=scaled(60))
     assert proc.returncode == 2
     assert "5 micro-batches for batches of 4 rows; pass at most --batch-size." in proc.stderr
