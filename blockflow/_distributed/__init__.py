@@ -55,6 +55,7 @@ from blockflow._distributed.actions import (
     set_worker_status,
     spawn,
     suspend_work_stealing,
+    warn_client,
 )
 from blockflow._distributed.admission import (
     FeederStates,
@@ -310,6 +311,7 @@ __all__ = [
     "start_task_thread",
     "style_dashboard_doc",
     "suspend_work_stealing",
+    "warn_client",
     "task_facts",
     "task_placement",
     "task_retries_given",
