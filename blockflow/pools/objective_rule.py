@@ -324,12 +324,14 @@ class ObjectiveRule(Rule):
         d.quota = {g: dict(row) for g, row in plan.tasks.items() if d.ready.get(g)}
         d.seconds, d.greedy, d.finish_by, d.egress = seconds, False, finish_by, egress
         d.due = run.deadline_at if obj.kind == "cost" else finish_by
-        # the run's first workers begin now: begun later they would only end it later (a
-        # worker is billed from its first task to the run's end), a late start saves money
-        # only beside a worker billed to the end already
+        # with no worker begun, the pool with most of the plan's work begins now: begun
+        # later it would only end the run later (a worker is billed from its first task to
+        # the run's end); a late start saves money beside a worker billed to the end already
+        now_pool = (None if any(sunk.values()) or not plan.busy
+                    else max(sorted(plan.busy), key=lambda n: plan.busy[n]))
         d.active = (active if obj.kind != "cost"
-                    else self._active(snap, pools, plan, horizon, begun,
-                                      late=not tight and any(sunk.values())))
+                    else self._active(snap, pools, plan, horizon, begun, late=not tight,
+                                      now_pool=now_pool))
         if obj.kind != "cost" and snap.time - run.last_graph < self.settle:
             # the run's graph is still arriving: a budget is not spent on its first tasks
             cheapest = self._cheapest(by_name, max(work, key=work.get), workers)
@@ -474,10 +476,10 @@ class ObjectiveRule(Rule):
         return None, set()
 
     def _active(self, snap, pools, plan, horizon: float, begun: set,
-                late: bool = True) -> set[str]:
+                late: bool = True, now_pool: str | None = None) -> set[str]:
         """The workers that take the run's tasks: those that began it, and of each pool as
-        many more as its planned busy time needs, the last one (all, with ``late``) only once
-        its share needs :attr:`late_start` of ``horizon``."""
+        many more as its planned busy time needs, the last one (all, with ``late``; but in
+        pool ``now_pool``) only once its share needs :attr:`late_start` of ``horizon``."""
         active = set(begun)
         if horizon <= 0:
             return active | set(snap.workers)
@@ -490,8 +492,8 @@ class ObjectiveRule(Rule):
                 continue
             whole = math.floor(extra / horizon + 1e-9)
             rest = extra - whole * horizon
-            more = whole + (1 if rest >= (self.late_start if late else 0.0) * horizon
-                            and rest > 1e-9 else 0)
+            wait = self.late_start if late and name != now_pool else 0.0
+            more = whole + (1 if rest >= wait * horizon and rest > 1e-9 else 0)
             active |= set([a for a in members if a not in begun][:more])
         return active
 

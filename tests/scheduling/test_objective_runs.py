@@ -197,6 +197,36 @@ def test_a_deadline_lost_with_a_pools_workers_is_one_line_on_the_client_and_in_d
 # --- two runs at once, each with its own objective -----------------------------------------
 
 
+def test_one_lp_plans_two_runs_work_on_the_same_workers():
+    from blockflow.pools.plan import RunWork, plan, plan_runs
+
+    pools = {"fast": Pool("fast", price=4.0), "slow": Pool("slow", price=0.5)}
+    seconds = {"k": {"fast": 0.1, "slow": 0.4}}
+    workers = {"fast": 1, "slow": 2}
+    a = RunWork({"k": 24}, seconds, deadline=3.0)
+    b = RunWork({"k": 24}, seconds, budget=0.01)
+    both = plan_runs({"A": a, "B": b}, pools, workers)
+    # A alone is cheapest with the slow pool full to its deadline (15 tasks) and 9 fast;
+    # beside B it keeps that plan: B's work runs in what A leaves
+    alone = plan({"k": 24}, seconds, pools, workers, deadline=3.0)
+    assert both["A"].tasks["k"] == pytest.approx(alone.tasks["k"])
+    assert both["A"].cost == pytest.approx(alone.cost) and both["A"].makespan == 3.0
+    # B: 2.1 s of fast time before 3 s (21 tasks), then 3 tasks at 15 a second: 3.2 s
+    assert both["B"].makespan == pytest.approx(3.2, rel=1e-5)
+    assert sum(both["B"].tasks["k"].values()) == pytest.approx(24)
+    # planned apart, each would take the whole cluster: B alone ends by 1.6 s
+    assert plan({"k": 24}, seconds, pools, workers, budget=0.01).makespan == pytest.approx(1.6)
+    # a budget that buys little keeps B on the slow pool after A's deadline
+    poor = plan_runs({"A": a, "B": RunWork({"k": 24}, seconds, budget=0.0014)}, pools,
+                     workers)
+    assert poor["B"].cost <= 0.0014 + 1e-12 and poor["B"].makespan > 3.2
+    # what cannot be met together is None (the caller tells the misses)
+    assert plan_runs({"A": RunWork({"k": 24}, seconds, deadline=1.0), "B": b}, pools,
+                     workers) is None
+
+
+
+
 def test_two_clients_objectives_are_planned_together_and_each_kept_met_or_told(pooled):
     import threading
     import time
