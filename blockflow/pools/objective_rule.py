@@ -179,6 +179,8 @@ class ObjectiveRule(Rule):
         disp = self.dispatch
         for run in [r for r in self.runs.values() if r.pending <= 0]:  # ended
             del self.runs[run.id]
+            while len(self.plans) > 200:  # the latest runs' plans stay for status
+                del self.plans[next(iter(self.plans))]
             out += self._ended(run, snap)
             d = disp.drop(run.id) if disp is not None else None
             out += self._release(d, "its run ended")
@@ -198,8 +200,11 @@ class ObjectiveRule(Rule):
         return out
 
     def _ended(self, run, snap) -> list[Record]:
-        """A miss not told before, told as the run ends (``run.ended``)."""
-        o, end = run.objective, run.ended if run.ended is not None else snap.time
+        """A miss not told before, told as the run ends (``run.ended``; a run whose tasks
+        were all cancelled has none, and no miss)."""
+        o, end = run.objective, run.ended
+        if end is None:
+            return []
         if o.deadline is not None and end > run.deadline_at:
             return self._missed(run, (
                 f"deadline missed: the run took {end - run.started:.1f} s, its deadline was "
@@ -209,7 +214,7 @@ class ObjectiveRule(Rule):
             lifetimes = snap.lifetimes or {}
             c = cost.run_cost(lifetimes, (run.started, end),
                               first_use={a: s[0] for a, s in run.spans.items()},
-                              busy=run.busy, busy_cost=run.busy_cost,
+                              busy=run.busy, busy_cost=run.busy_cost, shared=run.shared,
                               crossings=[(a, b, n) for (a, b), n in run.crossings.items()])
             if c["total_cost"] > o.budget * (1 + 1e-9):
                 return self._missed(run, (
@@ -525,7 +530,8 @@ class ObjectiveRule(Rule):
         lifetimes = snap.lifetimes or {}
         billed = cost.run_cost(lifetimes, (run.started, snap.time),
                                first_use={a: s[0] for a, s in run.spans.items()},
-                               busy=run.busy, busy_cost=run.busy_cost)
+                               busy=run.busy, busy_cost=run.busy_cost,
+                               shared=run.shared)
         return billed["compute_cost"] + billed["idle_cost"]
 
     def _missed(self, run, reason: str, seen: dict) -> list[Record]:

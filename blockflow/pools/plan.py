@@ -458,6 +458,7 @@ def run_cost(lifetimes: Mapping[str, tuple], window: tuple[float, float], *,
              first_use: Mapping[str, float] | None = None,
              busy: Mapping[str, float] | None = None,
              busy_cost: Mapping[str, float] | None = None,
+             shared: Mapping[str, float] | None = None,
              crossings: Iterable[tuple[str, str, int]] = ()) -> dict[str, Any]:
     """What a run cost, per pool, billed as clouds bill: from a worker's arrival to its
     retirement, idle included, at least its pool's ``min_billed``, at the prices in force
@@ -486,6 +487,9 @@ def run_cost(lifetimes: Mapping[str, tuple], window: tuple[float, float], *,
     busy_cost : mapping of str to float, optional
         Worker -> dollars of those seconds at the prices in force as they ran; default
         ``busy`` spread evenly over the billed time.
+    shared : mapping of str to float, optional
+        Worker -> seconds of its billed time other runs' tasks used (runs at once): billed to
+        those runs, not this one (at most its idle time).
     crossings : iterable of (sending pool, receiving provider, bytes)
 
     Returns
@@ -499,6 +503,7 @@ def run_cost(lifetimes: Mapping[str, tuple], window: tuple[float, float], *,
     """
     start, end = window
     first_use, busy, busy_cost = first_use or {}, busy or {}, busy_cost or {}
+    shared = shared or {}
     out: dict[str, dict[str, Any]] = {}
     by_name: dict[str, Pool] = {}
     for worker, life in lifetimes.items():
@@ -520,9 +525,11 @@ def run_cost(lifetimes: Mapping[str, tuple], window: tuple[float, float], *,
             hi = min(departure if departure is not None else end, end)
         else:
             continue
-        billed = max(hi - lo, 0.0)
-        dollars = dollars_between(history, lo, hi) if billed > 0 else 0.0
-        used = min(float(busy.get(worker, 0.0)), billed)
+        span = max(hi - lo, 0.0)
+        used = min(float(busy.get(worker, 0.0)), span)
+        billed = max(span - float(shared.get(worker, 0.0)), used)
+        # the worker's dollars over its span, less the share other runs' tasks used
+        dollars = dollars_between(history, lo, hi) * billed / span if span > 0 else 0.0
         spent = (min(float(busy_cost[worker]), dollars) if worker in busy_cost
                  else dollars * used / billed if billed > 0 else 0.0)
         row["workers"] += 1

@@ -79,6 +79,8 @@ class Run:
     busy: Counter = field(default_factory=Counter)
     # worker -> dollars of that busy time at the prices in force as the tasks ran
     busy_cost: Counter = field(default_factory=Counter)
+    # worker -> seconds within its span here that other runs' tasks took (billed to them)
+    shared: Counter = field(default_factory=Counter)
     # (from provider, to provider) -> input bytes tasks read across providers
     crossings: Counter = field(default_factory=Counter)
     ended: float | None = None  # when its last pending task finished
@@ -121,6 +123,7 @@ class RunTracker:
         self._pending: set[Hashable] = set()  # keys given to a run, not finished yet
         # (client, objective scope or None) -> its latest untagged run
         self._client_run: dict[tuple, str] = {}
+        self._open: dict[str, Run] = {}  # runs with tasks pending
         self._untagged = 0
 
     def graph(self, *, client: str | None, states: Mapping[Hashable, str],
@@ -159,6 +162,7 @@ class RunTracker:
             run = self.runs[run_id] = Run(id=run_id, name=name, client=client, started=now)
             while len(self.runs) > self.max_runs:
                 old = self.runs.popitem(last=False)[1]
+                self._open.pop(old.id, None)
                 for slot in [s for s, r in self._client_run.items() if r == old.id]:
                     del self._client_run[slot]
         self.runs.move_to_end(run_id)
@@ -177,6 +181,8 @@ class RunTracker:
         run.last_graph = now
         run.tasks += len(new)
         run.pending += len(new)
+        if run.pending > 0:
+            self._open[run_id] = run
         self.current = run_id
         return run
 
@@ -203,6 +209,8 @@ class RunTracker:
             run = self.runs.get(self._key_run.get(key))
             if run is not None:
                 run.pending -= 1
+                if run.pending <= 0:
+                    self._open.pop(run.id, None)
                 group = key_split(key)
                 run.group_pending[group] -= 1
                 if run.group_pending[group] <= 0:
@@ -243,6 +251,10 @@ class RunTracker:
         run.busy[worker] += max(stop - start, 0.0)
         if dollars is not None:
             run.busy_cost[worker] += dollars
+        for other in self._open.values():  # runs at once: each billed its own use
+            span = other.spans.get(worker) if other is not run else None
+            if span is not None and stop > max(start, span[0]):
+                other.shared[worker] += stop - max(start, span[0])
         if run.pending <= 1:
             run.ended = stop
 

@@ -109,6 +109,7 @@ class Status:
         return cost.run_cost(self.lifetimes, (run.started, end),
                              first_use={a: s[0] for a, s in run.spans.items()},
                              busy=run.busy, busy_cost=run.busy_cost,
+                             shared=run.shared,
                              crossings=[(a, b, n) for (a, b), n in run.crossings.items()])
 
     def _objective_of(self, run, run_cost: dict | None = None) -> dict[str, Any]:

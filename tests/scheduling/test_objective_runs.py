@@ -102,6 +102,31 @@ def test_the_plugin_keeps_each_price_a_worker_reported_from_when_it_reported_it(
     assert plugin.lifetimes["w"] == (cheap, 5.0, None, ((5.0, dear), (20.0, cheap)))
 
 
+def test_two_runs_sharing_a_worker_are_each_billed_their_own_use_of_it():
+    from blockflow.pools.plan import run_cost
+    from blockflow.scheduling.runs import RunTracker
+
+    t = RunTracker()
+    a = t.graph(client="c1", states={"a1": "released", "a2": "released"}, annotations={},
+                now=0.0)
+    b = t.graph(client="c2", states={"b1": "released"}, annotations={}, now=0.0)
+    t.executed("a1", "w", 0.0, 1.0)
+    t.finished("a1", "w")
+    t.executed("b1", "w", 1.0, 3.0)  # inside a's span on w: b's use, billed to b
+    t.finished("b1", "w")
+    t.executed("a2", "w", 3.0, 4.0)
+    t.finished("a2", "w")
+    assert a.shared == {"w": 2.0} and b.shared == {}
+    life = {"w": (Pool("p", price=3600.0), -10.0, None)}  # $1 a second
+
+    def bill(run, end):
+        return run_cost(life, (run.started, end), first_use={"w": run.spans["w"][0]},
+                        busy=run.busy, shared=run.shared)["total_cost"]
+
+    # the worker's 4 s are billed once: 2 s to each run (before: 4 s to a and 2 s to b)
+    assert bill(a, 4.0) == pytest.approx(2.0) and bill(b, 3.0) == pytest.approx(2.0)
+
+
 def _set_price(price):
     def set_it(dask_worker):
         from blockflow import _distributed
