@@ -84,7 +84,12 @@ class ObjectiveRule(Rule):
     #: blockflow heuristic).
     overrun = 1.1
 
+    #: A run's objective is checked again on a new graph once its work left is this many
+    #: times what it was at the last check.
+    recheck = 1.25
+
     def __init__(self):
+        self._checked: dict[str, float] = {}  # run -> its work left when last checked
         self.plans: dict[str, dict[str, Any]] = {}
         self.dispatch: RunDispatches | None = None
         self.runs: dict[str, Any] = {}
@@ -132,10 +137,18 @@ class ObjectiveRule(Rule):
         for name in (snap.declared_pools or {}):
             workers.setdefault(name, 0)
         work = dict(run.group_pending)
-        why = feasibility.check_objective(run.objective, all_pools, work,
-                                          feasibility.seconds(snap, all_pools, work),
-                                          workers, threads)
+        # checked on the run's first graph, then each time its work left grew by a quarter:
+        # a run submitted task by task pays the check's LPs O(log tasks) times, not per task
+        size = sum(work.values())
+        last = self._checked.get(run.id)
+        why = ""
+        if last is None or size >= self.recheck * last:
+            self._checked[run.id] = size
+            why = feasibility.check_objective(run.objective, all_pools, work,
+                                              feasibility.seconds(snap, all_pools, work),
+                                              workers, threads)
         if why:
+            self._checked.pop(run.id, None)
             keys = tuple(t.key for t in snap.new_tasks)
             return out + [Decision(Action.FAIL, "", why, {"objective": run.objective.as_dict(),
                                                           "run": run.id, "tasks": len(keys)},
@@ -179,6 +192,7 @@ class ObjectiveRule(Rule):
         disp = self.dispatch
         for run in [r for r in self.runs.values() if r.pending <= 0]:  # ended
             del self.runs[run.id]
+            self._checked.pop(run.id, None)
             while len(self.plans) > 200:  # the latest runs' plans stay for status
                 del self.plans[next(iter(self.plans))]
             out += self._ended(run, snap)
