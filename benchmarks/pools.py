@@ -31,8 +31,18 @@ price. The LP bound: ``scipy.optimize.linprog`` over the nominal throughput matr
 here (not :func:`blockflow.pools.plan.plan`), egress included. ``egress counted`` is the
 plugin's report over this count. Medians over ``--reps``.
 
-    python benchmarks/pools.py              # 3 repetitions (~12 min on a loaded 2-core host)
+* ``concurrent`` (issue 39): the ``single`` pools, two clients at once, run ``A``
+  (``--concurrent-tasks`` tasks, ``blockflow.objective("cost", deadline=D)``, D =
+  ``--concurrent-slack`` (1.3) x the shortest makespan of both runs' work together) and run
+  ``B`` (as many tasks, ``objective("makespan", budget=B)``, B = ``--budget-x`` x B's
+  cheapest cost alone), submitted together; beside ``plain`` (the same two runs, no
+  objective). Bound: an LP over both runs written out here (time cut at D; B's end T
+  before or after it, both tried; min T, then A's dollars), not
+  :func:`blockflow.pools.plan.plan_runs`. ``told``: the runs whose miss was one line.
+
+    python benchmarks/pools.py              # 3 repetitions (~15 min on a loaded 2-core host)
     python benchmarks/pools.py --reps 1     # a check
+    python benchmarks/pools.py --scenarios concurrent --reps 1 --concurrent-tasks 40  # smoke
 """
 
 from __future__ import annotations
@@ -247,19 +257,195 @@ def one_rep(rep, scenario, sc, args, results):
                 file=sys.stderr)
 
 
+# --- two runs at once -------------------------------------------------------------------
+
+def joint_lp(sc, n_a, n_b, deadline, budget):
+    """(A's cost $, B's end T s) of the LP over both runs: A's tasks within ``deadline``, B's
+    within T and ``budget``, each pool's load within its workers' time in [0, D] and
+    [D, T] (or [0, T], [T, D]); min T, then A's dollars. Independent of blockflow's."""
+    pools = [(p, n) for p, n in sc["pools"].items()]
+    work = sc["work"]["k"]
+    sec = [work / p.speed_of("k") for p, _ in pools]
+    usd = [t * p.price / 3600 for t, (p, _) in zip(sec, pools)]
+    cap = [float(n) for _, n in pools]
+    m = len(pools)
+    best = None
+    for b_first in (True, False):
+        # variables: a[p, s], b[p, s] for slices s = 0, 1; T
+        idx = {}
+        for who in "ab":
+            for q in range(m):
+                for sl in (0, 1):
+                    idx[(who, q, sl)] = len(idx)
+        t = len(idx)
+        n = t + 1
+        a_ub, b_ub, a_eq, b_eq, bounds = [], [], [], [], [(0, None)] * t
+        for q in range(m):
+            for sl in (0, 1):
+                row = np.zeros(n)
+                row[idx[("a", q, sl)]] = row[idx[("b", q, sl)]] = sec[q]
+                if b_first:  # slices [0, T], [T, D]
+                    row[t] = -cap[q] if sl == 0 else cap[q]
+                    rhs = 0.0 if sl == 0 else cap[q] * deadline
+                else:  # slices [0, D], [D, T]
+                    row[t] = 0.0 if sl == 0 else -cap[q]
+                    rhs = cap[q] * deadline if sl == 0 else -cap[q] * deadline
+                a_ub.append(row)
+                b_ub.append(rhs)
+        for who, count in (("a", n_a), ("b", n_b)):
+            row = np.zeros(n)
+            for q in range(m):
+                for sl in (0, 1):
+                    row[idx[(who, q, sl)]] = 1.0
+            a_eq.append(row)
+            b_eq.append(float(count))
+        row = np.zeros(n)
+        for q in range(m):
+            for sl in (0, 1):
+                row[idx[("b", q, sl)]] = usd[q]
+        a_ub.append(row)
+        b_ub.append(budget)
+        # A only before D; B only before T
+        for q in range(m):
+            if b_first:  # B in slice 0 only
+                bounds[idx[("b", q, 1)]] = (0, 0)
+            else:  # A in slice 0 only
+                bounds[idx[("a", q, 1)]] = (0, 0)
+        bounds = bounds + [(0, deadline) if b_first else (deadline, None)]
+        c = np.zeros(n)
+        c[t] = 1.0
+        r = linprog(c, A_ub=np.array(a_ub), b_ub=b_ub, A_eq=np.array(a_eq), b_eq=b_eq,
+                    bounds=bounds, method="highs")
+        if r.status != 0:
+            continue
+        big_t = float(r.x[t])
+        bounds[-1] = (bounds[-1][0], big_t * (1 + 1e-6) + 1e-9)
+        c = np.zeros(n)
+        for q in range(m):
+            for sl in (0, 1):
+                c[idx[("a", q, sl)]] = usd[q]
+        r = linprog(c, A_ub=np.array(a_ub), b_ub=b_ub, A_eq=np.array(a_eq), b_eq=b_eq,
+                    bounds=bounds, method="highs")
+        if r.status == 0 and (best is None or big_t < best[1]):
+            best = (float(r.fun), big_t)
+    return best if best is not None else (math.nan, math.nan)
+
+
+def run_two(c, other, sc, name, n_a, n_b, deadline, budget) -> dict:
+    """Runs A (``c``, a deadline) and B (``other``, a budget) at once; with ``name``
+    "plain" no objective. Each run's makespan, and its cost billed here (a worker from its
+    first task of the run to the run's end), and the objective lines told per run."""
+    pools = {p.name: p for p in sc["pools"]}
+    addr_pool = {a: p for p, info in blockflow.plugin_status(c)["pools"].items()
+                 for a in info["workers"]}
+    t0 = time.time()
+    work = sc["work"]["k"]
+    runs, futures = {}, {}
+    for who, client, n, ctx in (
+            ("A", c, n_a, blockflow.objective("cost", deadline=deadline)),
+            ("B", other, n_b, blockflow.objective("makespan", budget=budget))):
+        with run_scope(f"pools-{name}-{who}-{t0}") as run_id, (
+                ctx if name != "plain" else blockflow.objective()):
+            futures[who] = [client.submit(k, i, work, pure=False, key=f"k-{t0}-{who}{i}")
+                            for i in range(n)]
+        runs[who] = run_id
+    out = {}
+    for who, client in (("A", c), ("B", other)):
+        records = client.gather(futures[who])
+        end = max(s1 for _, _, s1, _ in records)
+        first: dict = {}
+        for addr, s0, _, _ in records:
+            first[addr] = min(first.get(addr, s0), s0)
+        out[f"{who}_makespan"] = end - t0
+        out[f"{who}_cost"] = sum((end - s0) * pools[addr_pool[a]].price / 3600
+                                 for a, s0 in first.items())
+    time.sleep(0.3)
+    decisions = blockflow.plugin_status(c)["decisions"]
+    out["told"] = "".join(who for who, rid in runs.items() if any(
+        d["action"] == "objective" and d.get("seen_run") == rid for d in decisions))
+    return out
+
+
+def concurrent_rep(rep, sc, args, results):
+    from distributed import Client
+
+    n = args.concurrent_tasks
+    try:
+        _concurrent_rep(rep, sc, args, results, n, Client)
+    except TimeoutError:  # closing the cluster on a loaded host; the results are in
+        print(f"rep {rep} concurrent: the cluster closed late", file=sys.stderr)
+
+
+def _concurrent_rep(rep, sc, args, results, n, Client):
+    with simulated_cluster(pools=sc["pools"]) as c:
+        c.register_plugin(Rebalancer(policy="dynamic"))
+        other = Client(c.scheduler.address, set_as_default=False)
+        try:
+            m = 2 * sum(sc["pools"].values())
+            c.gather(c.map(k, range(m), work=sc["work"]["k"], pure=False,
+                           key=[f"k-{i}" for i in range(m)]))
+            both = {**sc, "tasks": {"k": 2 * n}}
+            deadline = round(args.concurrent_slack * lp(both)[1], 2)
+            budget = args.budget_x * lp({**sc, "tasks": {"k": n}}, deadline=1e9)[0]
+            cells = ["joint", "plain"] if rep % 2 == 0 else ["plain", "joint"]
+            for name in cells:
+                r = run_two(c, other, sc, name, n, n, deadline, budget)
+                r.update(deadline=deadline, budget=budget)
+                results.setdefault(("concurrent", name), []).append(r)
+                print(f"rep {rep} concurrent {name}: " + ", ".join(
+                    f"{key}={v:.4g}" if isinstance(v, float) else f"{key}={v}"
+                    for key, v in r.items()), file=sys.stderr)
+        finally:
+            other.close()
+
+
+def concurrent_table(results, args):
+    sc = SCENARIOS["single"]
+    n = args.concurrent_tasks
+    rs = results[("concurrent", "joint")]
+    deadline, budget = rs[0]["deadline"], rs[0]["budget"]
+    a_cost, t_b = joint_lp(sc, n, n, deadline, budget)
+    print(f"\n# concurrent: A {n} tasks, deadline {deadline:g} s; B {n} tasks, budget "
+          f"${budget:.5f}; joint LP bound: A ${a_cost:.6f} by {deadline:g} s, B ends "
+          f"{t_b:.2f} s")
+    print(f"{'config':<8}{'A mk':>7}{'A met':>6}{'A $':>10}{'A $/LP':>7}{'B mk':>7}"
+          f"{'B mk/LP':>8}{'B $':>10}{'B over':>9}{'missed':>7}{'told':>6}")
+    for name in ("joint", "plain"):
+        rs = results[("concurrent", name)]
+
+        def med(f):
+            return statistics.median(r[f] for r in rs)
+
+        met = sum(r["A_makespan"] <= r["deadline"] for r in rs)
+        over = max(r["B_cost"] - r["budget"] for r in rs)
+        missed = sum((r["A_makespan"] > r["deadline"]) + (r["B_cost"] > r["budget"])
+                     for r in rs)
+        told = sum(len(r["told"]) for r in rs)
+        print(f"{name:<8}{med('A_makespan'):>7.2f}{met:>6}{med('A_cost'):>10.6f}"
+              f"{med('A_cost') / a_cost:>7.2f}{med('B_makespan'):>7.2f}"
+              f"{med('B_makespan') / t_b:>8.2f}{med('B_cost'):>10.6f}{over:>+9.5f}"
+              f"{missed:>7}{told:>6}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--slack", type=float, default=1.15)
     ap.add_argument("--budget-x", type=float, default=1.2)
-    ap.add_argument("--scenarios", default="matrix,single")
+    ap.add_argument("--scenarios", default="matrix,single,concurrent")
+    ap.add_argument("--concurrent-tasks", type=int, default=80)
+    ap.add_argument("--concurrent-slack", type=float, default=1.3)
     args = ap.parse_args(argv)
     logging.getLogger("distributed").setLevel(logging.ERROR)
     results: dict = {}
     names = args.scenarios.split(",")
+    concurrent = "concurrent" in names
+    names = [s for s in names if s != "concurrent"]
     for rep in range(args.reps):
         for scenario in names:
             one_rep(rep, scenario, SCENARIOS[scenario], args, results)
+        if concurrent:
+            concurrent_rep(rep, SCENARIOS["single"], args, results)
 
     def med(key, field):
         return statistics.median(r[field] for r in results[key])
@@ -290,6 +476,8 @@ def main(argv=None) -> int:
             per = {q: statistics.median(r["per_pool"][q] for r in rs) for q in rs[0]["per_pool"]}
             print(f"{scenario:<8}{name:<9}{mk:>9.2f}{b[1]:>7.2f}{mk / b[1]:>7.2f}{cst:>10.6f}"
                   f"{b[0]:>10.6f}{cst / b[0]:>8.2f}{met!s:>5}{over:>8}{eg:>8}  {per}")
+    if concurrent:
+        concurrent_table(results, args)
     return 0
 
 

@@ -55,6 +55,7 @@ from blockflow._distributed.actions import (
     set_worker_status,
     spawn,
     suspend_work_stealing,
+    warn_client,
 )
 from blockflow._distributed.admission import (
     FeederStates,
@@ -325,6 +326,7 @@ __all__ = [
     "unpickle",
     "unsatisfiable_tasks",
     "waiting_tasks",
+    "warn_client",
     "worker_addresses",
     "worker_data_values",
     "worker_declared_resources",

@@ -29,6 +29,7 @@ __all__ = [
     "set_worker_status",
     "spawn",
     "suspend_work_stealing",
+    "warn_client",
 ]
 
 
@@ -243,3 +244,18 @@ def rehold_tasks(scheduler, keys) -> dict:
         ts.worker_restrictions = {HOLD_ADDRESS}
         out[key] = ts.state == "no-worker"
     return out
+
+
+def warn_client(scheduler, client: str | None, message: str, category=None) -> bool:
+    """Show ``message`` as a warning on one client (``category``, a Warning class, default
+    UserWarning), as :func:`distributed.warn` from a task shows one on every client: the
+    client's ``warn`` event handler calls :func:`warnings.warn`. False when the client is
+    gone (or ``client`` is None)."""
+    if client is None or client not in scheduler.client_comms:
+        return False
+    event = {"message": pickle.dumps(message)}
+    if category is not None:
+        event["category"] = pickle.dumps(category)
+    scheduler.report({"op": "event", "topic": "warn", "event": (time.time(), event)},
+                     client=client)
+    return True

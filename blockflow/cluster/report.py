@@ -165,11 +165,12 @@ def run_report(client, since: float | None = None) -> RunReport:
         If the scheduler runs no blockflow plugin.
     """
     since = epoch_seconds(since)
-    first = plugin_status(client)
+    first = plugin_status(client, for_client=client.id)
     changes = recorded_resizes(since, unreported=since is None)
-    if since is None:
-        since = first.get("run_started") or 0.0
-    status = plugin_status(client, since=since, task_log=True)
+    if since is None:  # this client's latest run (another's may run beside it)
+        since = (first.get("client_run") or {}).get("started") or first.get(
+            "run_started") or 0.0
+    status = plugin_status(client, since=since, task_log=True, for_client=client.id)
     log = pd.DataFrame(status["task_log"], columns=["worker", "start", "stop"])
     log = log[log.start >= since - 1e-3] if len(log) else log
     makespan = float(log.stop.max() - log.start.min()) if len(log) else 0.0
@@ -195,7 +196,8 @@ def run_report(client, since: float | None = None) -> RunReport:
 
 
 def pool_costs(client, status: dict | None = None) -> dict | None:
-    """What the current run cost per pool, beside the LP lower bound.
+    """What the client's latest run (else the current run) cost per pool, beside the LP
+    lower bound.
 
     Parameters
     ----------
@@ -211,12 +213,14 @@ def pool_costs(client, status: dict | None = None) -> dict | None:
         work: every worker billed its busy time only, the bound of the same billing); None
         when no worker reports a pool.
     """
-    status = status if status is not None else plugin_status(client)
+    status = status if status is not None else plugin_status(client, for_client=client.id)
     by_pool = status.get("pools") or {}
     if not by_pool or set(by_pool) == {"default"}:
         return None
-    run = status.get("run") or {}
-    out = dict(status.get("run_cost") or run_cost({}, (0.0, 0.0)))
+    mine = status.get("client_run")
+    run = mine or status.get("run") or {}
+    out = dict((mine or {}).get("run_cost") or status.get("run_cost")
+               or run_cost({}, (0.0, 0.0)))
     goal = run.get("objective") or None
     out["objective"] = goal
     work = run.get("group_tasks") or {}

@@ -19,7 +19,7 @@ from dask.utils import key_split
 from blockflow.pools.pool import Pool
 from blockflow.scheduling.estimate import earliest_finish
 
-__all__ = ["PlanDispatch"]
+__all__ = ["PlanDispatch", "RunDispatches"]
 
 
 class PlanDispatch:
@@ -52,6 +52,9 @@ class PlanDispatch:
         Key -> worker of the tasks dispatched and not finished.
     ends : dict
         Key -> when (epoch seconds) a dispatched task is expected to end.
+    due : float or None
+        Epoch seconds its run is due (a deadline, or the plan's end): the order in which
+        :class:`RunDispatches` gives runs the free threads.
     """
 
     def __init__(self, run_id: str | None = None):
@@ -68,6 +71,7 @@ class PlanDispatch:
         self.sent: dict[Hashable, str] = {}
         self.ends: dict[Hashable, float] = {}
         self.dispatched = 0
+        self.due: float | None = None  # epoch seconds its run is due (the order runs take)
 
     # --- the held tasks ------------------------------------------------------------------
 
@@ -249,3 +253,115 @@ class PlanDispatch:
                 "active": sorted(self.active), "greedy": self.greedy,
                 "finish_by": self.finish_by, "dispatched": self.dispatched,
                 "running": len(self.sent)}
+
+
+class RunDispatches:
+    """The held tasks of every run under an objective at once: one :class:`PlanDispatch` per
+    run, behind the interface of one (the scheduler plugin's hooks call it by key).
+
+    Free threads go to the runs in the order their plans end (earliest first, as
+    earliest-deadline-first meets deadlines), each taking what its own plan places.
+
+    Attributes
+    ----------
+    runs : dict of str to PlanDispatch
+        Run id -> its held tasks and plan shares.
+    """
+
+    def __init__(self):
+        self.runs: dict[str, PlanDispatch] = {}
+        self._key_run: dict[Hashable, str] = {}  # held or sent key -> its run
+
+    def of(self, run_id: str) -> PlanDispatch:
+        """The run's dispatch, made on first use."""
+        d = self.runs.get(run_id)
+        if d is None:
+            d = self.runs[run_id] = PlanDispatch(run_id)
+        return d
+
+    def drop(self, run_id: str) -> PlanDispatch | None:
+        """Forget a run (ended); its dispatch, whose held tasks the caller releases."""
+        d = self.runs.pop(run_id, None)
+        if d is not None:
+            self._key_run = {k: r for k, r in self._key_run.items() if r != run_id}
+        return d
+
+    @property
+    def run_id(self) -> str | None:
+        """The run whose plan ends first (the one status shows as the dispatch's)."""
+        order = self._order()
+        return order[0].run_id if order else None
+
+    @property
+    def waiting(self) -> dict[str, dict[Hashable, None]]:
+        """Group -> held keys whose inputs are not done, over every run."""
+        return self._merged("waiting")
+
+    @property
+    def ready(self) -> dict[str, dict[Hashable, None]]:
+        """Group -> held keys ready to start, over every run."""
+        return self._merged("ready")
+
+    def _merged(self, what: str) -> dict[str, dict[Hashable, None]]:
+        out: dict[str, dict[Hashable, None]] = {}
+        for d in self.runs.values():
+            for g, keys in getattr(d, what).items():
+                if keys:
+                    out.setdefault(g, {}).update(keys)
+        return out
+
+    def hold(self, keys, ready: Mapping[Hashable, bool] | None = None,
+             run_id: str | None = None) -> None:
+        """Track ``keys`` as held by ``run_id``'s plan (by default the run that held each
+        before)."""
+        by_run: dict[str, list] = {}
+        for key in keys:
+            r = run_id if run_id is not None else self._key_run.get(key)
+            if r is None or (run_id is None and r not in self.runs):
+                continue
+            self._key_run[key] = r
+            by_run.setdefault(r, []).append(key)
+        for r, ks in by_run.items():
+            self.of(r).hold(ks, ready)
+
+    def became_ready(self, key) -> bool:
+        d = self.runs.get(self._key_run.get(key))
+        return d is not None and d.became_ready(key)
+
+    def forget(self, key) -> None:
+        d = self.runs.get(self._key_run.get(key))
+        if d is not None:
+            d.forget(key)
+
+    def lost(self, worker: str) -> list:
+        return [k for d in self.runs.values() for k in d.lost(worker)]
+
+    def holds(self) -> int:
+        return sum(d.holds() for d in self.runs.values())
+
+    def _order(self) -> list[PlanDispatch]:
+        return sorted(self.runs.values(), key=lambda d: (
+            d.due if d.due is not None else d.finish_by if d.finish_by is not None
+            else math.inf, d.run_id or ""))
+
+    def choose(self, free: Mapping[str, tuple[int, int]], pools: Mapping[str, Pool],
+               now: float) -> dict[Hashable, str]:
+        """Key -> worker: each run's :meth:`PlanDispatch.choose` in turn, on the slots the
+        runs before it left (the plan ending first first)."""
+        left = dict(free)
+        out: dict[Hashable, str] = {}
+        for d in self._order():
+            if not any(d.ready.values()):
+                continue
+            chosen = d.choose(left, pools, now)
+            for addr in chosen.values():
+                slots, idle = left[addr]
+                left[addr] = (slots - 1, max(idle - 1, 0))
+            out.update(chosen)
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (status): the first run's dispatch, and ``runs``: run id -> each."""
+        order = self._order()
+        first = order[0].as_dict() if order else {"run": None, "held": 0}
+        return {**first, "runs": {d.run_id: d.as_dict() for d in order}}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import uuid
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -15,7 +16,8 @@ from typing import Any, Iterator
 import dask
 from dask.utils import parse_timedelta
 
-__all__ = ["OBJECTIVE_ANNOTATION", "OBJECTIVES", "Objective", "objective", "positive_seconds"]
+__all__ = ["OBJECTIVE_ANNOTATION", "OBJECTIVES", "Objective", "objective", "objective_scope",
+           "positive_seconds"]
 
 #: The task annotation carrying a run's objective (``Objective.as_dict``).
 OBJECTIVE_ANNOTATION = "blockflow_objective"
@@ -46,7 +48,8 @@ class Objective:
 
     @classmethod
     def from_dict(cls, d: Any) -> Objective | None:
-        """The objective an annotation carries; None if it is not one."""
+        """The objective an annotation (or :meth:`as_dict`) carries; None if it is not one
+        (its ``scope`` token aside: see :func:`objective_scope`)."""
         if not isinstance(d, dict) or d.get("kind") not in OBJECTIVES:
             return None
         return cls(d["kind"], d.get("deadline"), d.get("budget"))
@@ -58,8 +61,10 @@ class Objective:
 
     @contextlib.contextmanager
     def _scope(self) -> Iterator[Objective]:
-        with warnings.catch_warnings(), dask.annotate(**{OBJECTIVE_ANNOTATION:
-                                                          self.as_dict()}):
+        # "scope": this ``with`` block's token: graphs submitted inside it are one run, the
+        # only run this objective applies to (a graph outside is a run of its own)
+        tag = {**self.as_dict(), "scope": uuid.uuid4().hex[:12]}
+        with warnings.catch_warnings(), dask.annotate(**{OBJECTIVE_ANNOTATION: tag}):
             warnings.filterwarnings("ignore", message="Dask annotations .* detected",
                                     category=UserWarning)
             yield self
@@ -71,6 +76,12 @@ class Objective:
 
     def __exit__(self, *exc) -> bool | None:
         return self.__dict__["_stack"].pop().__exit__(*exc)
+
+
+def objective_scope(d: Any) -> str | None:
+    """The ``with`` block an objective annotation was given in (a token), or None."""
+    scope = d.get("scope") if isinstance(d, dict) else None
+    return str(scope) if scope else None
 
 
 def positive_seconds(value: Any) -> float | None:
@@ -89,8 +100,9 @@ def objective(kind: str = "makespan", *, deadline: str | float | None = None,
               budget: float | None = None) -> Objective:
     """What the computations submitted inside the ``with`` block optimise.
 
-    Each graph inside carries :data:`OBJECTIVE_ANNOTATION` and is one run, planned by the LP
-    of :func:`blockflow.pools.plan.plan`.
+    The graphs submitted inside carry :data:`OBJECTIVE_ANNOTATION` and are one run, planned
+    by the LP of :func:`blockflow.pools.plan.plan`; the objective is that run's alone (it ends
+    with the run, refused, erred or done; graphs submitted after the block are other runs).
 
     Parameters
     ----------

@@ -16,7 +16,7 @@ from typing import Any
 from blockflow.errors import ObjectiveError
 from blockflow.pools import feasibility
 from blockflow.pools import plan as cost
-from blockflow.pools.dispatch import PlanDispatch
+from blockflow.pools.dispatch import PlanDispatch, RunDispatches
 from blockflow.pools.pool import pools_of, requested_pools
 from blockflow.scheduling.actions import Action, Decision, Record, Recorded
 from blockflow.scheduling.rules.base import Rule, RuleContext, some_tasks
@@ -45,8 +45,15 @@ class ObjectiveRule(Rule):
     ----------
     plans : dict
         Run id -> the latest plan (:meth:`blockflow.pools.plan.Plan.as_dict`) and its inputs.
-    dispatch : PlanDispatch or None
-        The held tasks of the current priced run.
+    dispatch : RunDispatches or None
+        The held tasks of the priced runs, each run's apart.
+    runs : dict
+        Run id -> :class:`~blockflow.scheduling.runs.Run` of each run under an objective with
+        tasks still to run. Several at once are planned by one LP
+        (:func:`blockflow.pools.plan.plan_runs`); one alone as above. Each miss (a deadline
+        or a budget) is one ``objective`` record and one warning on the run's client, when
+        it becomes certain: the plan cannot meet it, the deadline passed with tasks left,
+        or at the latest when the run ends.
     """
 
     #: Share of a task per thread kept free before the deadline (the last task a thread
@@ -77,10 +84,16 @@ class ObjectiveRule(Rule):
     #: blockflow heuristic).
     overrun = 1.1
 
+    #: A run's objective is checked again on a new graph once its work left is this many
+    #: times what it was at the last check.
+    recheck = 1.25
+
     def __init__(self):
+        self._checked: dict[str, float] = {}  # run -> its work left when last checked
         self.plans: dict[str, dict[str, Any]] = {}
-        self.dispatch: PlanDispatch | None = None
-        self._warned: set[str] = set()
+        self.dispatch: RunDispatches | None = None
+        self.runs: dict[str, Any] = {}
+        self._warned: dict[str, None] = {}  # runs whose miss was told (bounded)
 
     # --- graph: refuse what cannot be met, hold the run's tasks ------------------------
 
@@ -124,25 +137,32 @@ class ObjectiveRule(Rule):
         for name in (snap.declared_pools or {}):
             workers.setdefault(name, 0)
         work = dict(run.group_pending)
-        why = feasibility.check_objective(run.objective, all_pools, work,
-                                          feasibility.seconds(snap, all_pools, work),
-                                          workers, threads)
+        # checked on the run's first graph, then each time its work left grew by a quarter:
+        # a run submitted task by task pays the check's LPs O(log tasks) times, not per task
+        size = sum(work.values())
+        last = self._checked.get(run.id)
+        why = ""
+        if last is None or size >= self.recheck * last:
+            self._checked[run.id] = size
+            why = feasibility.check_objective(run.objective, all_pools, work,
+                                              feasibility.seconds(snap, all_pools, work),
+                                              workers, threads)
         if why:
+            self._checked.pop(run.id, None)
             keys = tuple(t.key for t in snap.new_tasks)
             return out + [Decision(Action.FAIL, "", why, {"objective": run.objective.as_dict(),
-                                                          "tasks": len(keys)},
+                                                          "run": run.id, "tasks": len(keys)},
                                    keys=keys, detail=ObjectiveError(why))]
+        self.runs[run.id] = run  # its misses are told; planned with the others open
         priced = {p.name for p in all_pools.values() if p.price is not None}
         if not run.objective.needs_prices or len(priced) < 2:
             return out
-        d = self.dispatch
-        if d is None or d.run_id != run.id:
-            out += self._release(d, f"run {run.id!r} now has the cluster")
-            d = self.dispatch = PlanDispatch(run.id)
+        if self.dispatch is None:
+            self.dispatch = RunDispatches()
         keys = [t.key for t in snap.new_tasks
                 if not t.restricted and t.state in ("released", "queued")]
         if keys:
-            d.hold(keys)
+            self.dispatch.hold(keys, run_id=run.id)
             out.append(Decision(Action.HOLD, "", f"{len(keys)} tasks held for the plan",
                                 {"tasks": len(keys)}, keys=tuple(keys)))
         return out
@@ -168,12 +188,57 @@ class ObjectiveRule(Rule):
         return out + self._tick(snap)
 
     def _tick(self, snap) -> list[Decision]:
-        d, run = self.dispatch, snap.run
-        if d is None:
+        out: list = []
+        disp = self.dispatch
+        for run in [r for r in self.runs.values() if r.pending <= 0]:  # ended
+            del self.runs[run.id]
+            self._checked.pop(run.id, None)
+            while len(self.plans) > 200:  # the latest runs' plans stay for status
+                del self.plans[next(iter(self.plans))]
+            out += self._ended(run, snap)
+            d = disp.drop(run.id) if disp is not None else None
+            out += self._release(d, "its run ended")
+        planned = [r for r in self.runs.values() if disp is not None and r.id in disp.runs
+                   and disp.runs[r.id].holds()]
+        if len(planned) == 1:
+            out += self._tick_run(snap, planned[0], disp.runs[planned[0].id])
+        elif planned:
+            out += self._tick_joint(snap, planned)
+        for run in list(self.runs.values()):
+            o = run.objective
+            if o.deadline is not None and snap.time > run.deadline_at:
+                out += self._missed(run, (
+                    f"deadline missed: {o.deadline:g} s passed {snap.time - run.deadline_at:.1f}"
+                    f" s ago with {run.pending} tasks of the run left; the run goes on"),
+                    {"deadline": o.deadline, "pending": run.pending})
+        return out
+
+    def _ended(self, run, snap) -> list[Record]:
+        """A miss not told before, told as the run ends (``run.ended``; a run whose tasks
+        were all cancelled has none, and no miss)."""
+        o, end = run.objective, run.ended
+        if end is None:
             return []
-        if run is None or run.id != d.run_id:
-            self.dispatch = None
-            return self._release(d, "its run is no longer the current one")
+        if o.deadline is not None and end > run.deadline_at:
+            return self._missed(run, (
+                f"deadline missed: the run took {end - run.started:.1f} s, its deadline was "
+                f"{o.deadline:g} s"), {"deadline": o.deadline,
+                                       "took": round(end - run.started, 3)})
+        if o.budget is not None:
+            lifetimes = snap.lifetimes or {}
+            c = cost.run_cost(lifetimes, (run.started, end),
+                              first_use={a: s[0] for a, s in run.spans.items()},
+                              busy=run.busy, busy_cost=run.busy_cost, shared=run.shared,
+                              crossings=[(a, b, n) for (a, b), n in run.crossings.items()])
+            if c["total_cost"] > o.budget * (1 + 1e-9):
+                return self._missed(run, (
+                    f"budget missed: the run cost ${c['total_cost']:.4g}, its budget was "
+                    f"${o.budget:.4g}"), {"budget": o.budget,
+                                          "cost": round(c["total_cost"], 6)})
+        return []
+
+    def _tick_run(self, snap, run, d: PlanDispatch) -> list[Decision]:
+        """Re-plan one run's held work alone (see the class docstring)."""
         pools = pools_of(snap.workers)
         by_name = {p.name: p for p in pools.values()}
         workers, threads = feasibility.capacity(snap, pools)
@@ -227,7 +292,7 @@ class ObjectiveRule(Rule):
                 d.active, d.finish_by = set(snap.workers), None
                 when = (f"{until:.1f} s left to the deadline" if until > 0 else
                         f"the deadline passed {-until:.1f} s ago")
-                return self._missed(run.id, (
+                return self._missed(run, (
                     f"deadline can no longer be met: projected finish in {finish:.1f} s with "
                     f"every pool, {when}; every free worker takes work"),
                     {"deadline_in": round(until, 3), "projected_finish_in": round(finish, 3)})
@@ -266,7 +331,7 @@ class ObjectiveRule(Rule):
                 one_task = max((by_name[n].price_per_second * t for row in seconds.values()
                                 for n, t in row.items() if caps.get(n)), default=0.0)
                 if projected > obj.budget + one_task:
-                    out = self._missed(run.id, (
+                    out = self._missed(run, (
                         f"budget can no longer be met: spent ${spent:.4g} of "
                         f"${obj.budget:.4g}, projected ${projected:.4g} with the workers "
                         f"that began the run finishing it; no other worker takes work"),
@@ -277,8 +342,15 @@ class ObjectiveRule(Rule):
         # group whose inputs do not exist yet is placed once they do, priced by the tick)
         d.quota = {g: dict(row) for g, row in plan.tasks.items() if d.ready.get(g)}
         d.seconds, d.greedy, d.finish_by, d.egress = seconds, False, finish_by, egress
+        d.due = run.deadline_at if obj.kind == "cost" else finish_by
+        # with no worker begun, the pool with most of the plan's work begins now: begun
+        # later it would only end the run later (a worker is billed from its first task to
+        # the run's end); a late start saves money beside a worker billed to the end already
+        now_pool = (None if any(sunk.values()) or not plan.busy
+                    else max(sorted(plan.busy), key=lambda n: plan.busy[n]))
         d.active = (active if obj.kind != "cost"
-                    else self._active(snap, pools, plan, horizon, begun, late=not tight))
+                    else self._active(snap, pools, plan, horizon, begun, late=not tight,
+                                      now_pool=now_pool))
         if obj.kind != "cost" and snap.time - run.last_graph < self.settle:
             # the run's graph is still arriving: a budget is not spent on its first tasks
             cheapest = self._cheapest(by_name, max(work, key=work.get), workers)
@@ -286,6 +358,98 @@ class ObjectiveRule(Rule):
         self.plans[run.id] = {"objective": obj.as_dict(), "plan": plan.as_dict(),
                               "work": work, "seconds": seconds, "time": snap.time,
                               "dispatch": d.as_dict(), **extra}
+        return out
+
+    def _tick_joint(self, snap, runs) -> list[Decision]:
+        """Re-plan several runs' held work at once (:func:`blockflow.pools.plan.plan_runs`):
+        each run's shares are what the one LP gives it beside the others. A run the LP
+        cannot fit (the latest deadline first, then the budgets) is told missed: a deadline's
+        run then takes every free thread, a budget's only the cheapest pool."""
+        pools = pools_of(snap.workers)
+        by_name = {p.name: p for p in pools.values()}
+        workers, threads = feasibility.capacity(snap, pools)
+        if not workers:
+            return []
+        disp, out = self.dispatch, []
+        specs: dict[str, cost.RunWork] = {}
+        missed: dict[str, str] = {}
+        for run in runs:
+            d = disp.runs[run.id]
+            held = {g: n for g, n in {g: len(d.waiting.get(g, ())) + len(d.ready.get(g, ()))
+                                      for g in set(d.waiting) | set(d.ready)}.items() if n}
+            seconds = self._paced(feasibility.seconds(snap, pools, held), run, pools,
+                                  snap.time)
+            d.first = {g: self._cheapest(by_name, g, workers) for g in held
+                       if g not in seconds}
+            work = {g: n for g, n in held.items() if g in seconds}
+            d.seconds, d.egress = seconds, feasibility.egress(snap, pools, work)
+            if not work:
+                d.quota, d.greedy, d.finish_by = {}, False, None
+                d.active = set(snap.workers)
+                continue
+            o = run.objective
+            if o.kind == "cost":
+                typical = max(median(row[n] for row in seconds.values() if n in row)
+                              for n in workers)
+                left = (run.deadline_at - snap.time - self.margin * o.deadline
+                        - self.tail * typical)
+                d.due = run.deadline_at
+                if left <= 0:
+                    missed[run.id] = "deadline"
+                    continue
+                specs[run.id] = cost.RunWork(work, seconds, deadline=left, egress=d.egress)
+            else:
+                reserve = max((by_name[n].price_per_second * t / threads.get(n, 1)
+                               for row in seconds.values() for n, t in row.items()
+                               if n in workers), default=0.0)
+                specs[run.id] = cost.RunWork(work, seconds, budget=max(
+                    o.budget - self.spent(run, snap) - reserve, 0.0), egress=d.egress)
+        plans = cost.plan_runs(specs, by_name, workers, threads=threads)
+        # what cannot fit: the latest deadline first, then the budgets
+        order = sorted((r for r in specs if specs[r].deadline is not None),
+                       key=lambda r: -specs[r].deadline)
+        order += [r for r in specs if specs[r].deadline is None]
+        while plans is None and order:
+            r = order.pop(0)
+            missed[r] = "deadline" if specs[r].deadline is not None else "budget"
+            spec = specs.pop(r)
+            if missed[r] == "budget":  # only the cheapest pool, as fast as it can
+                name = self._cheapest(by_name, max(spec.work, key=spec.work.get), workers)
+                specs[r] = cost.RunWork(spec.work, {g: {name: row[name]} for g, row in
+                                                    spec.seconds.items() if name in row})
+            plans = cost.plan_runs(specs, by_name, workers, threads=threads)
+        plans = plans or {}
+        by_id = {r.id: r for r in runs}
+        for rid, why in missed.items():
+            run, d = by_id[rid], disp.runs[rid]
+            if why == "deadline":
+                d.greedy, d.finish_by, d.active = True, None, set(snap.workers)
+                work = {g: n for g, n in d.ready_count().items() if g in d.seconds}
+                fastest = cost.plan(work, d.seconds, by_name, workers, threads=threads)
+                d.quota = fastest.tasks
+                out += self._missed(run, (
+                    f"deadline can no longer be met beside the other runs: "
+                    f"{run.deadline_at - snap.time:.1f} s left; every free worker takes "
+                    f"its work"), {"deadline_in": round(run.deadline_at - snap.time, 3)})
+            else:
+                out += self._missed(run, (
+                    f"budget can no longer be met beside the other runs: spent "
+                    f"${self.spent(run, snap):.4g} of ${run.objective.budget:.4g}; only the "
+                    f"cheapest pool takes its work"), {"budget": run.objective.budget})
+        for rid, plan in plans.items():
+            run, d = by_id[rid], disp.runs[rid]
+            if missed.get(rid) != "budget":
+                d.greedy = False
+            d.quota = {g: dict(row) for g, row in plan.tasks.items() if d.ready.get(g)}
+            d.finish_by = snap.time + plan.makespan
+            if run.objective.kind != "cost":
+                d.due = d.finish_by
+            begun = {a for a in snap.workers if a in run.spans or a in d.sent.values()}
+            d.active = self._active(snap, pools, plan, plan.makespan, begun, late=False)
+            self.plans[rid] = {"objective": run.objective.as_dict(), "plan": plan.as_dict(),
+                               "work": specs[rid].work, "seconds": specs[rid].seconds,
+                               "time": snap.time, "dispatch": d.as_dict(),
+                               "joint": sorted(plans)}
         return out
 
     def _budget_plan(self, snap, pools, by_name, work, seconds, workers, threads, egress,
@@ -331,10 +495,10 @@ class ObjectiveRule(Rule):
         return None, set()
 
     def _active(self, snap, pools, plan, horizon: float, begun: set,
-                late: bool = True) -> set[str]:
+                late: bool = True, now_pool: str | None = None) -> set[str]:
         """The workers that take the run's tasks: those that began it, and of each pool as
-        many more as its planned busy time needs, the last one (all, with ``late``) only once
-        its share needs :attr:`late_start` of ``horizon``."""
+        many more as its planned busy time needs, the last one (all, with ``late``; but in
+        pool ``now_pool``) only once its share needs :attr:`late_start` of ``horizon``."""
         active = set(begun)
         if horizon <= 0:
             return active | set(snap.workers)
@@ -347,8 +511,8 @@ class ObjectiveRule(Rule):
                 continue
             whole = math.floor(extra / horizon + 1e-9)
             rest = extra - whole * horizon
-            more = whole + (1 if rest >= (self.late_start if late else 0.0) * horizon
-                            and rest > 1e-9 else 0)
+            wait = self.late_start if late and name != now_pool else 0.0
+            more = whole + (1 if rest >= wait * horizon and rest > 1e-9 else 0)
             active |= set([a for a in members if a not in begun][:more])
         return active
 
@@ -380,11 +544,18 @@ class ObjectiveRule(Rule):
         lifetimes = snap.lifetimes or {}
         billed = cost.run_cost(lifetimes, (run.started, snap.time),
                                first_use={a: s[0] for a, s in run.spans.items()},
-                               busy=run.busy)
+                               busy=run.busy, busy_cost=run.busy_cost,
+                               shared=run.shared)
         return billed["compute_cost"] + billed["idle_cost"]
 
-    def _missed(self, run_id, reason, seen) -> list[Decision]:
-        if run_id in self._warned:
+    def _missed(self, run, reason: str, seen: dict) -> list[Record]:
+        """One ``objective`` record (a WARNING, and a warning on the run's client) the first
+        time ``run``'s objective is missed; nothing after."""
+        if run.id in self._warned:
             return []
-        self._warned.add(run_id)
-        return [Record(Recorded.OBJECTIVE, "", reason, seen, detail={"warning": True})]
+        self._warned[run.id] = None
+        while len(self._warned) > 10_000:
+            del self._warned[next(iter(self._warned))]
+        return [Record(Recorded.OBJECTIVE, "", f"run {run.id}: {reason}",
+                       {"run": run.id, "objective": run.objective.as_dict(), **seen},
+                       target=run.id, detail={"warning": True, "client": run.client})]

@@ -16,7 +16,7 @@ import numpy as np
 
 from blockflow.pools.pool import Pool
 
-__all__ = ["Plan", "plan", "prior_speeds", "run_cost", "throughput_matrix"]
+__all__ = ["Plan", "RunWork", "dollars_between", "plan", "plan_runs", "prior_speeds", "run_cost", "throughput_matrix"]
 
 _GB = 1e9
 
@@ -233,6 +233,184 @@ def plan(work: Mapping[str, float], seconds: Mapping[str, Mapping[str, float]],
     return Plan(False, shortfall="no pool has workers; add workers")
 
 
+@dataclass
+class RunWork:
+    """One run's share of a joint plan (see :func:`plan_runs`).
+
+    Attributes
+    ----------
+    work : dict
+        Group -> tasks to run.
+    seconds : dict
+        Group -> pool name -> seconds per task (a missing pool cannot run it).
+    deadline : float or None
+        Seconds from now it must end by (a cost objective: its dollars are minimised); None:
+        a makespan objective, ending as soon as it can (within ``budget``).
+    budget : float or None
+        Dollars it may still spend (makespan objective).
+    egress : dict
+        Group -> pool name -> dollars per task for inputs leaving their provider.
+    """
+
+    work: dict[str, float]
+    seconds: dict[str, dict[str, float]]
+    deadline: float | None = None
+    budget: float | None = None
+    egress: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def plan_runs(runs: Mapping[str, RunWork], pools: Mapping[str, Pool],
+              workers: Mapping[str, float], *,
+              threads: Mapping[str, int] | None = None) -> dict[str, Plan] | None:
+    """One LP over several runs' work on the same workers: each run's tasks per (group,
+    pool), its cost and when it ends.
+
+    Time is cut at the runs' deadlines and at ``T``, the end of the runs without one
+    (makespan objectives, all ending by ``T``); a run's tasks run in the slices before its
+    end, and in each slice every pool's load is within its workers' time there
+    (``sum load <= workers_p x slice``: deadlines in order, as earliest-deadline-first meets
+    them). The LP first minimises ``T`` (each makespan run within its budget), then, ``T``
+    held, the dollars of the runs with a deadline. ``T`` sits between two deadlines, each
+    place tried. A relaxation (divisible tasks, no dependencies, fluid slices) as
+    :func:`plan` is, Gavel's LP (Narayanan et al., OSDI 2020) across jobs.
+
+    Parameters
+    ----------
+    runs : mapping of str to RunWork
+    pools : mapping of str to Pool
+        Pool name -> :class:`Pool` (``price`` None counts as 0).
+    workers, threads : mapping of str to int
+        Pool name -> workers available (fractional allowed); threads per worker.
+
+    Returns
+    -------
+    dict of str to Plan or None
+        Run id -> its plan (``makespan``: seconds from now it ends by); None when the runs
+        cannot all be met together.
+    """
+    from scipy.optimize import linprog
+
+    threads = threads or {}
+    names = sorted(workers)
+    k = {p: max(int(threads.get(p, 1)), 1) for p in names}
+    price = {p: (pools[p].price or 0.0) / 3600.0 for p in names}
+    var = [(r, g, p) for r, w in runs.items() for g, n in w.work.items() if n > 0
+           for p in names if p in w.seconds.get(g, {})]
+    for r, w in runs.items():
+        for g, n in w.work.items():
+            if n > 0 and not any(v[0] == r and v[1] == g for v in var):
+                return None
+    if not var:
+        return {r: Plan(True) for r in runs}
+    deadlines = sorted({w.deadline for w in runs.values() if w.deadline is not None})
+    flexible = [r for r, w in runs.items() if w.deadline is None]
+    load = {v: runs[v[0]].seconds[v[1]][v[2]] / k[v[2]] for v in var}
+    dollars = {v: price[v[2]] * runs[v[0]].seconds[v[1]][v[2]] / k[v[2]]
+               + runs[v[0]].egress.get(v[1], {}).get(v[2], 0.0) for v in var}
+    best = None
+    for at in (range(len(deadlines) + 1) if flexible else [None]):
+        got = _sliced(runs, var, names, workers, load, dollars, deadlines, at, linprog)
+        if got is not None and (best is None or got[0] < best[0] - 1e-9):
+            best = got
+    if best is None:
+        return None
+    _, x, ends = best
+    out = {}
+    for r, w in runs.items():
+        tasks: dict[str, dict[str, float]] = {}
+        busy = {p: 0.0 for p in names}
+        spent, end = 0.0, 0.0
+        for (v, i), xi in x.items():
+            if v[0] != r or xi <= 1e-9:
+                continue
+            tasks.setdefault(v[1], {})[v[2]] = tasks.get(v[1], {}).get(v[2], 0.0) + xi
+            busy[v[2]] += load[v] * xi
+            spent += dollars[v] * xi
+            end = max(end, ends[i])
+        needed = {p: (math.ceil(busy[p] / end - 1e-6) if end > 0 and busy[p] > 1e-12 else 0)
+                  for p in names}
+        out[r] = Plan(True, tasks, busy, float(spent), float(end), needed)
+    return out
+
+
+def _sliced(runs, var, names, workers, load, dollars, deadlines, at, linprog):
+    """:func:`plan_runs` with ``T`` in slice ``at`` (between deadlines ``at - 1`` and ``at``;
+    None: no makespan run): ``(T, {(var, slice): tasks}, slice ends)`` or None."""
+    bounds = list(deadlines)
+    if at is not None:
+        bounds.insert(at, None)  # T
+    nb = len(bounds)
+    # the slices each run may use: those ending at or before its end
+    end_of = {r: (bounds.index(None) if w.deadline is None else bounds.index(w.deadline))
+              for r, w in runs.items()}
+    cols = [(v, i) for v in var for i in range(end_of[v[0]] + 1)]
+    n = len(cols) + 1  # + T
+    t = n - 1
+    a_ub, b_ub, a_eq, b_eq = [], [], [], []
+    for p in names:
+        for i in range(nb):
+            row = np.zeros(n)
+            for j, (v, s) in enumerate(cols):
+                if s == i and v[2] == p:
+                    row[j] = load[v]
+            cap = float(workers.get(p, 0.0))
+            lo = 0.0 if i == 0 else bounds[i - 1]
+            hi = bounds[i]
+            # load <= cap * (hi - lo), T moved to the left where it is an end
+            rhs = 0.0
+            if hi is None:
+                row[t] -= cap
+            else:
+                rhs += cap * hi
+            if lo is None:
+                row[t] += cap
+            else:
+                rhs -= cap * lo
+            a_ub.append(row)
+            b_ub.append(rhs)
+    for r, w in runs.items():
+        for g, count in w.work.items():
+            if count <= 0:
+                continue
+            row = np.zeros(n)
+            for j, (v, _) in enumerate(cols):
+                if v[0] == r and v[1] == g:
+                    row[j] = 1.0
+            a_eq.append(row)
+            b_eq.append(float(count))
+        if w.deadline is None and w.budget is not None:
+            row = np.zeros(n)
+            for j, (v, _) in enumerate(cols):
+                if v[0] == r:
+                    row[j] = dollars[v]
+            a_ub.append(row)
+            b_ub.append(float(w.budget))
+    t_lo = 0.0 if at is None or at == 0 else deadlines[at - 1]
+    t_hi = None if at is None or at >= len(deadlines) else deadlines[at]
+    t_bounds = (0.0, 0.0) if at is None else (t_lo, t_hi)
+    bnds = [(0, None)] * (n - 1) + [t_bounds]
+    a_ub, b_ub = np.array(a_ub), np.array(b_ub)
+    a_eq, b_eq = np.array(a_eq), np.array(b_eq)
+    cost = np.array([dollars[v] if runs[v[0]].deadline is not None else 0.0
+                     for v, _ in cols] + [0.0])
+    if at is not None:  # the makespan runs' end first, then the deadline runs' dollars
+        c = np.zeros(n)
+        c[t] = 1.0
+        res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bnds,
+                      method="highs")
+        if res.status != 0:
+            return None
+        best_t = float(res.x[t])
+        bnds[-1] = (t_lo, best_t + 1e-6 * (1.0 + best_t))
+    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bnds,
+                  method="highs")
+    if res.status != 0:
+        return None
+    big_t = float(res.x[t]) if at is not None else 0.0
+    ends = [big_t if b is None else b for b in bounds]
+    return big_t, {col: float(res.x[j]) for j, col in enumerate(cols)}, ends
+
+
 def _deadline_shortfall(deadline, load, cap, a_eq, b_eq, names, groups, var, k) -> str:
     """One line: the fewest workers of one pool that meet the deadline, the others as they are."""
     from scipy.optimize import linprog
@@ -262,43 +440,75 @@ def _deadline_shortfall(deadline, load, cap, a_eq, b_eq, names, groups, var, k) 
             f"(has {have}); add workers or extend the deadline")
 
 
-def run_cost(lifetimes: Mapping[str, tuple[Pool, float, float | None]],
-             window: tuple[float, float], *, first_use: Mapping[str, float] | None = None,
+def dollars_between(history: Iterable[tuple[float, Pool]], lo: float, hi: float) -> float:
+    """Dollars one worker costs from ``lo`` to ``hi`` (seconds since the epoch) at the prices
+    in force then: ``history`` is ``(since, pool)`` of each pool description it reported,
+    oldest first (a price change is a new one)."""
+    entries = list(history)
+    total = 0.0
+    for i, (since, p) in enumerate(entries):
+        until = entries[i + 1][0] if i + 1 < len(entries) else math.inf
+        a, b = max(lo, since if i else -math.inf), min(hi, until)
+        if b > a:
+            total += (b - a) * p.price_per_second
+    return total
+
+
+def run_cost(lifetimes: Mapping[str, tuple], window: tuple[float, float], *,
+             first_use: Mapping[str, float] | None = None,
              busy: Mapping[str, float] | None = None,
+             busy_cost: Mapping[str, float] | None = None,
+             shared: Mapping[str, float] | None = None,
              crossings: Iterable[tuple[str, str, int]] = ()) -> dict[str, Any]:
     """What a run cost, per pool, billed as clouds bill: from a worker's arrival to its
-    retirement, idle included, at least its pool's ``min_billed``.
+    retirement, idle included, at least its pool's ``min_billed``, at the prices in force
+    while it was billed.
 
     A worker that arrived during the run is billed to it from its arrival to its departure
     (to the run's end while it stays); one present before the run, from the run's first task
     on it to the run's end or its departure; one present that took no task of the run, not at
-    all. Egress: bytes sent to another provider, priced by the sending pool's ``egress``.
+    all. Each second is priced at the pool's price of that second (a price changed mid-run
+    bills the seconds before at the old price). Egress: bytes sent to another provider,
+    priced by the sending pool's ``egress``.
 
     Parameters
     ----------
     lifetimes : mapping
-        Worker address -> ``(pool, arrival, departure or None)``, seconds since the epoch.
+        Worker address -> ``(pool, arrival, departure or None)``, seconds since the epoch,
+        optionally with a fourth item, ``((since, pool), ...)``: the pools (prices) it
+        reported, oldest first (the plugin's :attr:`~blockflow.scheduling.accounting.
+        Accounting.lifetimes`); without it, ``pool`` throughout.
     window : (float, float)
         The run's start and end (or now), seconds since the epoch.
     first_use : mapping of str to float, optional
         Worker -> start of its first task of the run.
     busy : mapping of str to float, optional
         Worker -> seconds its tasks of the run took.
+    busy_cost : mapping of str to float, optional
+        Worker -> dollars of those seconds at the prices in force as they ran; default
+        ``busy`` spread evenly over the billed time.
+    shared : mapping of str to float, optional
+        Worker -> seconds of its billed time other runs' tasks used (runs at once): billed to
+        those runs, not this one (at most its idle time).
     crossings : iterable of (sending pool, receiving provider, bytes)
 
     Returns
     -------
     dict
         ``pools``: pool -> ``workers``, ``billed_seconds``, ``busy_seconds``,
-        ``idle_seconds``, ``price``, ``compute_cost`` (busy), ``idle_cost``, ``cost``;
-        ``egress``: ``bytes``, ``cost``, ``by_pool`` (pool -> ``bytes``, ``cost``, ``to``:
-        provider -> bytes); ``compute_cost``, ``idle_cost``, ``total_cost`` (dollars).
+        ``idle_seconds``, ``price`` (the latest), ``compute_cost`` (busy), ``idle_cost``,
+        ``cost``; ``egress``: ``bytes``, ``cost``, ``by_pool`` (pool -> ``bytes``, ``cost``,
+        ``to``: provider -> bytes); ``compute_cost``, ``idle_cost``, ``total_cost``
+        (dollars).
     """
     start, end = window
-    first_use, busy = first_use or {}, busy or {}
+    first_use, busy, busy_cost = first_use or {}, busy or {}, busy_cost or {}
+    shared = shared or {}
     out: dict[str, dict[str, Any]] = {}
     by_name: dict[str, Pool] = {}
-    for worker, (p, arrival, departure) in lifetimes.items():
+    for worker, life in lifetimes.items():
+        p, arrival, departure = life[0], life[1], life[2]
+        history = life[3] if len(life) > 3 and life[3] else ((arrival, p),)
         by_name[p.name] = p
         row = out.setdefault(p.name, {"workers": 0, "billed_seconds": 0.0,
                                       "busy_seconds": 0.0, "idle_seconds": 0.0,
@@ -315,15 +525,20 @@ def run_cost(lifetimes: Mapping[str, tuple[Pool, float, float | None]],
             hi = min(departure if departure is not None else end, end)
         else:
             continue
-        billed = max(hi - lo, 0.0)
-        used = min(float(busy.get(worker, 0.0)), billed)
+        span = max(hi - lo, 0.0)
+        used = min(float(busy.get(worker, 0.0)), span)
+        billed = max(span - float(shared.get(worker, 0.0)), used)
+        # the worker's dollars over its span, less the share other runs' tasks used
+        dollars = dollars_between(history, lo, hi) * billed / span if span > 0 else 0.0
+        spent = (min(float(busy_cost[worker]), dollars) if worker in busy_cost
+                 else dollars * used / billed if billed > 0 else 0.0)
         row["workers"] += 1
         row["billed_seconds"] += billed
         row["busy_seconds"] += used
         row["idle_seconds"] += billed - used
-        row["compute_cost"] += used * p.price_per_second
-        row["idle_cost"] += (billed - used) * p.price_per_second
-        row["cost"] += billed * p.price_per_second
+        row["compute_cost"] += spent
+        row["idle_cost"] += dollars - spent
+        row["cost"] += dollars
     by_pool: dict[str, dict[str, Any]] = {}
     for src, dst, nbytes in crossings:
         p = by_name.get(src)

@@ -12,6 +12,7 @@ from collections import Counter, deque
 from dask.utils import key_split
 
 from blockflow import _distributed
+from blockflow.pools.plan import dollars_between
 from blockflow.scheduling.actions import KERNEL_PREFIX
 from blockflow.scheduling.overhead import clock, cpu_clock
 from blockflow.scheduling.runs import RunTracker
@@ -62,7 +63,9 @@ class Accounting:
         self._group_inputs: dict[str, list] = {}
         self._fetched: dict = {}  # (input key, worker) whose crossing was counted (bounded)
         self._started_inputs: dict = {}  # key -> its inputs' holders when it started
-        self._lifetimes: dict[str, list] = {}  # worker -> [pool, arrival, departure]
+        # worker -> [pool, arrival, departure, [(since, pool), ...]]: the pools (prices) it
+        # reported, oldest first, each billed from when it was reported
+        self._lifetimes: dict[str, list] = {}
 
     task_counts = _Folded("Worker -> tasks it finished (re-executions included): Counter.")
     kernel_counts = _Folded("Worker -> blockflow kernel tasks it finished: Counter.")
@@ -87,8 +90,11 @@ class Accounting:
             for entry in queued:
                 try:
                     key, worker = entry[0], entry[1]
-                    if worker is None:
-                        runs.forget(key)
+                    if worker is None:  # (key, None): forgotten; (key, None, when): erred
+                        if len(entry) > 2:
+                            runs.erred(key, entry[2])
+                        else:
+                            runs.forget(key)
                         continue
                     # (key, worker, group, work, size, wait, start, stop, start, stop, ...):
                     # ``wait``: seconds the task waited (seceded) at its start for a value
@@ -105,7 +111,10 @@ class Accounting:
                             wait = max(0.0, wait - (stop - begin))
                             compute += stop - start
                             task_log.append((worker, start, stop))
-                            runs.executed(key, worker, start, stop)
+                            life = self._lifetimes.get(worker)
+                            runs.executed(key, worker, start, stop,
+                                          dollars_between(life[3], start, stop)
+                                          if life is not None and life[3] else None)
                         if compute > 0:
                             speeds.observe(worker, group, compute,
                                            1.0 if work is None else work, size=size)
@@ -122,21 +131,27 @@ class Accounting:
     def set_pools(self, pools: dict, now: float) -> None:
         """Worker address -> its :class:`~blockflow.pools.pool.Pool`, each tick: inputs are
         tracked while there are several providers; a worker first seen now arrived now
-        (workers present before the plugin started arrived at its start)."""
+        (workers present before the plugin started arrived at its start); a pool reported
+        other than before (a new price) is billed from now, the seconds before at the old
+        one."""
         self._pools = pools
         self._multi_provider = len({p.provider for p in pools.values()}) > 1
         lifetimes = self._lifetimes
         for a, p in pools.items():
             life = lifetimes.get(a)
             if life is None or life[2] is not None:
-                lifetimes[a] = [p, now, None]
-            else:
+                lifetimes[a] = [p, now, None, [(now, p)]]
+            elif life[0] != p:
+                history = life[3]
+                history.append((now if history else life[1], p))
+                if len(history) > 64:  # a price that keeps changing: the oldest merge
+                    del history[1]
                 life[0] = p
 
     def worker_arrived(self, worker: str, now: float) -> None:
         """``worker`` joined the cluster at ``now`` (epoch seconds): it is billed from here."""
         pool = self._pools.get(worker)
-        self._lifetimes[worker] = [pool, now, None]
+        self._lifetimes[worker] = [pool, now, None, [(now, pool)] if pool else []]
 
     def worker_left(self, worker: str, now: float) -> None:
         """``worker`` left (retired or lost) at ``now``: its billing stops here."""
@@ -150,9 +165,12 @@ class Accounting:
 
     @property
     def lifetimes(self) -> dict[str, tuple]:
-        """Worker -> ``(pool, arrival, departure or None)`` (epoch seconds) of the workers seen,
-        the billing of :func:`blockflow.pools.plan.run_cost`; pool None until it reported."""
-        return {a: tuple(life) for a, life in self._lifetimes.items() if life[0] is not None}
+        """Worker -> ``(pool, arrival, departure or None, ((since, pool), ...))`` (epoch
+        seconds) of the workers that reported a pool: the billing of
+        :func:`blockflow.pools.plan.run_cost`, the last item the pools (prices) in force
+        from each time on, oldest first."""
+        return {a: (*life[:3], tuple(life[3])) for a, life in self._lifetimes.items()
+                if life[0] is not None}
 
     def new_run_inputs(self, run_id: str, keys) -> None:
         """Forget the inputs seen for the groups of ``keys`` in other runs. O(keys)."""

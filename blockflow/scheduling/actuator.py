@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from blockflow import _distributed
-from blockflow.errors import ResourceError
+from blockflow.errors import BlockflowWarning, ResourceError
 from blockflow.scheduling import resources
 from blockflow.scheduling.actions import Action, Decision, Record, Recorded
 
@@ -65,6 +65,9 @@ class Actuator:
             resources.logger.warning(r.reason)
         elif r.action is Recorded.OBJECTIVE and (r.detail or {}).get("warning"):
             objective_logger.warning("blockflow: %s", r.reason)
+            if self.scheduler is not None:  # and on the client whose run it is
+                _distributed.warn_client(self.scheduler, r.detail.get("client"),
+                                         f"blockflow: {r.reason}", BlockflowWarning)
         self._log(r)
         return True
 

@@ -174,7 +174,8 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         if finish == "processing" or finish == "no-worker":
             self._started(key, finish)
             return
-        if finish != "forgotten" and (finish != "memory" or start != "processing"):
+        if finish != "forgotten" and finish != "erred" and (finish != "memory"
+                                                            or start != "processing"):
             admission = self.admission
             if admission is None or finish not in _ADMISSION_EVENTS \
                     or not admission.watches(key):
@@ -204,12 +205,13 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
                 and finish in _ADMISSION_EVENTS:
             self._kick_admission()
         dispatch = self._plan_dispatch()
-        if dispatch is not None and (finish == "forgotten" or finish == "memory"):
+        if dispatch is not None and finish in ("forgotten", "memory", "erred"):
             dispatch.forget(key)
             self._kick_dispatch()
-        if finish == "forgotten":
+        if finish == "forgotten" or finish == "erred":
             self._started_inputs.pop(key, None)
-            self._finished.append((key, None))
+            self._finished.append((key, None) if finish == "forgotten"
+                                  else (key, None, time.time()))
             return
         if start != "processing" or finish != "memory":
             return
@@ -284,7 +286,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
             return
         new_tasks = self._resources_on_graph(scheduler, list(tasks), client)
         views = self._views()
-        run = self._objective_run()
+        run = run if run is not None and run.objective is not None else None  # its own run's
         snap = ClusterSnapshot(time=time.time(), workers=views, event="graph",
                                new_tasks=new_tasks, run=run,
                                declared_pools=dict(self.declared_pools),
@@ -450,9 +452,8 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         return out
 
     def _objective_run(self):
-        """The run most recently given work, when it runs under an objective."""
-        run = self.runs.run_of(self.runs.current)
-        return run if run is not None and run.objective is not None else None
+        """A run under an objective with work left (the latest), or None."""
+        return self.runs.objective_run()
 
     def _throughput(self, views) -> dict[str, dict[str, float]]:
         """The throughput matrix (group -> pool -> seconds per task) from the speed model."""

@@ -18,7 +18,7 @@ import dask
 from dask.utils import key_split
 
 from blockflow._distributed.spans import span_annotation
-from blockflow.pools.objective import OBJECTIVE_ANNOTATION, Objective
+from blockflow.pools.objective import OBJECTIVE_ANNOTATION, Objective, objective_scope
 
 __all__ = ["RUN_ANNOTATION", "Run", "RunTracker", "new_run_id", "run_scope"]
 
@@ -77,6 +77,10 @@ class Run:
     spans: dict = field(default_factory=dict)
     # worker -> seconds its task executions in this run took (busy time within its span)
     busy: Counter = field(default_factory=Counter)
+    # worker -> dollars of that busy time at the prices in force as the tasks ran
+    busy_cost: Counter = field(default_factory=Counter)
+    # worker -> seconds within its span here that other runs' tasks took (billed to them)
+    shared: Counter = field(default_factory=Counter)
     # (from provider, to provider) -> input bytes tasks read across providers
     crossings: Counter = field(default_factory=Counter)
     ended: float | None = None  # when its last pending task finished
@@ -117,42 +121,50 @@ class RunTracker:
         self.current: str | None = None  # the run most recently given tasks
         self._key_run: dict[Hashable, str] = {}
         self._pending: set[Hashable] = set()  # keys given to a run, not finished yet
-        self._client_run: dict[str | None, str] = {}  # client -> its latest untagged run
+        # (client, objective scope or None) -> its latest untagged run
+        self._client_run: dict[tuple, str] = {}
+        self._open: dict[str, Run] = {}  # runs with tasks pending
         self._untagged = 0
 
     def graph(self, *, client: str | None, states: Mapping[Hashable, str],
               annotations: Mapping[str, Mapping[Hashable, Any]], now: float) -> Run | None:
-        """Give a graph just received to a run: the one its annotation names, else its client's run
-        while that has tasks pending, else a new one.
+        """Give a graph just received to a run: the one its annotation names, else the run of
+        its :func:`blockflow.objective` block, else its client's run while that has tasks
+        pending and no objective, else a new one.
 
-        ``states``: key -> scheduler state of each task the graph touched; ``annotations``: name ->
-        key -> value; ``now``: seconds since the epoch. Returns None if the graph had nothing to
-        run and named no run.
+        An objective is its run's: a graph submitted outside the ``with`` block is never
+        given to the block's run (nor a graph of another block), so nothing submitted later
+        runs under it. ``states``: key -> scheduler state of each task the graph touched;
+        ``annotations``: name -> key -> value; ``now``: seconds since the epoch. Returns None
+        if the graph had nothing to run and named no run.
         """
         tag = next(iter((annotations.get(RUN_ANNOTATION) or {}).values()), None)
-        goal = Objective.from_dict(next(iter(
-            (annotations.get(OBJECTIVE_ANNOTATION) or {}).values()), None))
+        given = next(iter((annotations.get(OBJECTIVE_ANNOTATION) or {}).values()), None)
+        goal, scope = Objective.from_dict(given), objective_scope(given)
         new = [k for k, s in states.items()
                if s in _TO_RUN and (s == "released" or k not in self._key_run)]
         if isinstance(tag, Mapping) and tag.get("id"):
             run_id, name = str(tag["id"]), str(tag.get("name") or tag["id"])
         else:
-            open_run = self.runs.get(self._client_run.get(client))
-            if open_run is not None and open_run.pending > 0:
-                run_id, name = open_run.id, open_run.name  # still computing: same run
+            slot = (client, scope if goal is not None else None)
+            open_run = self.runs.get(self._client_run.get(slot))
+            if open_run is not None and (scope is not None and goal is not None
+                                         or open_run.pending > 0):
+                run_id, name = open_run.id, open_run.name  # the same block, or computing
             elif not new:
                 return None  # nothing to run, and no run to add it to
             else:
                 self._untagged += 1
                 run_id, name = f"compute-{self._untagged}", "a compute()"
-            self._client_run[client] = run_id
+            self._client_run[slot] = run_id
         run = self.runs.get(run_id)
         if run is None:
             run = self.runs[run_id] = Run(id=run_id, name=name, client=client, started=now)
             while len(self.runs) > self.max_runs:
                 old = self.runs.popitem(last=False)[1]
-                if self._client_run.get(old.client) == old.id:
-                    del self._client_run[old.client]
+                self._open.pop(old.id, None)
+                for slot in [s for s, r in self._client_run.items() if r == old.id]:
+                    del self._client_run[slot]
         self.runs.move_to_end(run_id)
         for key in new:
             self._unpend(key)  # a key given to another run before is this run's now
@@ -163,13 +175,33 @@ class RunTracker:
             run.group_tasks[group] += 1
         if goal is not None:
             run.objective = goal
-        run.ended = None
+        if new:
+            run.ended = None
         run.graphs += 1
         run.last_graph = now
         run.tasks += len(new)
         run.pending += len(new)
+        if run.pending > 0:
+            self._open[run_id] = run
         self.current = run_id
         return run
+
+    def latest_of(self, client: str) -> str | None:
+        """The id of the run ``client`` most recently gave work, or None. O(runs)."""
+        return next((r.id for r in reversed(self.runs.values()) if r.client == client), None)
+
+    def objective_runs(self) -> list[Run]:
+        """The runs under an objective with tasks still to run, oldest first."""
+        return [r for r in self.runs.values() if r.objective is not None and r.pending > 0]
+
+    def objective_run(self) -> Run | None:
+        """The run most recently given work if it runs under an objective, else the latest
+        run under one with tasks still to run; None if none."""
+        run = self.run_of(self.current)
+        if run is not None and run.objective is not None:
+            return run
+        runs = self.objective_runs()
+        return runs[-1] if runs else None
 
     def _unpend(self, key: Hashable) -> None:
         if key in self._pending:
@@ -177,10 +209,21 @@ class RunTracker:
             run = self.runs.get(self._key_run.get(key))
             if run is not None:
                 run.pending -= 1
+                if run.pending <= 0:
+                    self._open.pop(run.id, None)
                 group = key_split(key)
                 run.group_pending[group] -= 1
                 if run.group_pending[group] <= 0:
                     del run.group_pending[group]
+
+    def erred(self, key: Hashable, now: float) -> None:
+        """A task of a run erred (or was refused): it will not run, so its run does not wait
+        for it (``now``: seconds since the epoch, its end if it was the last)."""
+        run = self.runs.get(self._key_run.get(key))
+        if key in self._pending:
+            self._unpend(key)
+            if run is not None and run.pending <= 0 and run.ended is None:
+                run.ended = now
 
     def run_id(self, key: Hashable) -> str | None:
         """The id of the run a task was given to; None if none, or forgotten since."""
@@ -193,8 +236,10 @@ class RunTracker:
             run.counts[worker] += 1
         self._unpend(key)
 
-    def executed(self, key: Hashable, worker: str, start: float, stop: float) -> None:
-        """Widen ``worker``'s billed span in the task's run (times: seconds since the epoch)."""
+    def executed(self, key: Hashable, worker: str, start: float, stop: float,
+                 dollars: float | None = None) -> None:
+        """Widen ``worker``'s billed span in the task's run (times: seconds since the epoch);
+        ``dollars``: what the execution cost at the prices in force as it ran."""
         run = self.runs.get(self._key_run.get(key))
         if run is None:
             return
@@ -204,6 +249,12 @@ class RunTracker:
         else:
             span[0], span[1] = min(span[0], start), max(span[1], stop)
         run.busy[worker] += max(stop - start, 0.0)
+        if dollars is not None:
+            run.busy_cost[worker] += dollars
+        for other in self._open.values():  # runs at once: each billed its own use
+            span = other.spans.get(worker) if other is not run else None
+            if span is not None and stop > max(start, span[0]):
+                other.shared[worker] += stop - max(start, span[0])
         if run.pending <= 1:
             run.ended = stop
 

@@ -53,7 +53,7 @@ class Status:
             hold=parse_timedelta(config.get("scaling.hold", hold)), interval=float(interval))
         self.declared_pools.update(request.pools)
         snap = self.take_snapshot()
-        run = self.runs.run_of(self.runs.current)
+        run = self.runs.objective_run() or self.runs.run_of(self.runs.current)
         if run is not None and not snap.throughput:
             snap.throughput = self._throughput(snap.workers)
         reference = {}
@@ -77,9 +77,12 @@ class Status:
                 "retiring": sorted(self.retiring.values())}
 
     def _pool_status(self) -> dict[str, Any]:
-        """Pools, throughput matrix, the current run's objective, plan, dispatch and cost."""
+        """Pools, throughput matrix, the current run's objective and cost, and every recent
+        run's objective (``objectives``: run id -> each, its own plan, dispatch, spending
+        and misses)."""
         if self.scheduler is None:
-            return {"pools": {}, "throughput": {}, "objective": None, "run_cost": None}
+            return {"pools": {}, "throughput": {}, "objective": None, "objectives": {},
+                    "run_cost": None}
         views = self._views()
         pools = pools_of(views)
         by_pool: dict[str, dict[str, Any]] = {}
@@ -88,29 +91,42 @@ class Status:
         for name, p in self.declared_pools.items():
             by_pool.setdefault(name, {**p.to_dict(), "workers": []})
         run = self.runs.run_of(self.runs.current)
-        objective = run_cost = None
-        if run is not None:
-            end = run.ended if run.ended is not None and run.pending <= 0 else time.time()
-            run_cost = cost.run_cost(self.lifetimes, (run.started, end),
-                                     first_use={a: s[0] for a, s in run.spans.items()},
-                                     busy=run.busy,
-                                     crossings=[(a, b, n) for (a, b), n in
-                                                run.crossings.items()])
-        if run is not None and run.objective is not None:
-            rule = self.policy.objective if self.policy is not None else None
-            dispatch = rule.dispatch if rule is not None else None
-            objective = {**run.objective.as_dict(), "run": run.id,
-                         "deadline_at": run.deadline_at,
-                         "plan": rule.plans.get(run.id) if rule is not None else None,
-                         "dispatch": (dispatch.as_dict() if dispatch is not None
-                                      and dispatch.run_id == run.id else None),
-                         "spent": run_cost["compute_cost"] + run_cost["idle_cost"]}
+        run_cost = self._run_cost(run) if run is not None else None
+        goals = [r for r in self.runs.runs.values() if r.objective is not None][-20:]
         return {"pools": by_pool,
                 "scaling": {"targets": dict(self.scaling.targets),
                             "reasons": dict(self.scaling.reasons),
                             "retiring": dict(self.retiring)},
-                "throughput": self._throughput(views), "objective": objective,
+                "throughput": self._throughput(views),
+                "objective": (self._objective_of(run, run_cost) if run is not None
+                              and run.objective is not None else None),
+                "objectives": {r.id: self._objective_of(r) for r in goals},
                 "run_cost": run_cost}
+
+    def _run_cost(self, run) -> dict[str, Any]:
+        """:func:`blockflow.pools.plan.run_cost` of ``run`` (to its end, or now)."""
+        end = run.ended if run.ended is not None and run.pending <= 0 else time.time()
+        return cost.run_cost(self.lifetimes, (run.started, end),
+                             first_use={a: s[0] for a, s in run.spans.items()},
+                             busy=run.busy, busy_cost=run.busy_cost,
+                             shared=run.shared,
+                             crossings=[(a, b, n) for (a, b), n in run.crossings.items()])
+
+    def _objective_of(self, run, run_cost: dict | None = None) -> dict[str, Any]:
+        """``run``'s objective, plan, dispatch, spending and whether it was missed."""
+        rule = self.policy.objective if self.policy is not None else None
+        dispatch = rule.dispatch if rule is not None else None
+        mine = dispatch.runs.get(run.id) if dispatch is not None else None
+        run_cost = run_cost or self._run_cost(run)
+        missed = [d["reason"] for d in self.decisions
+                  if d["action"] == "objective" and d.get("seen_run") == run.id]
+        return {**run.objective.as_dict(), "run": run.id, "name": run.name,
+                "client": run.client, "deadline_at": run.deadline_at,
+                "open": run.pending > 0,
+                "plan": rule.plans.get(run.id) if rule is not None else None,
+                "dispatch": mine.as_dict() if mine is not None else None,
+                "spent": run_cost["compute_cost"] + run_cost["idle_cost"],
+                "missed": missed[0] if missed else None}
 
     @property
     def snapshot_workers(self) -> dict[str, dict[str, Any]]:
@@ -126,7 +142,8 @@ class Status:
         }
 
     def status(self, comm=None, since: float | None = None,
-               task_log: bool = False, run: str | None = None) -> dict[str, Any]:
+               task_log: bool = False, run: str | None = None,
+               for_client: str | None = None) -> dict[str, Any]:
         """The plugin's state as plain data: the ``blockflow_status`` handler.
 
         Parameters
@@ -137,6 +154,9 @@ class Status:
             Include ``(worker, start, stop)`` of finished tasks.
         run : str, optional
             A run id to include as ``requested_run`` (None if unknown).
+        for_client : str, optional
+            A client id: its latest run as ``client_run`` (with ``run_cost`` and
+            ``objective``; None if it ran none).
         """
         decisions = list(self.decisions)
         if since is not None:
@@ -146,6 +166,12 @@ class Status:
             extra["task_log"] = [t for t in self.task_log if since is None or t[2] > since]
         if run is not None:
             extra["requested_run"] = self.runs.get(run)
+        if for_client is not None:
+            mine = self.runs.run_of(self.runs.latest_of(for_client))
+            extra["client_run"] = None if mine is None else {
+                **self.runs.get(mine.id), "run_cost": self._run_cost(mine),
+                "objective_status": (self._objective_of(mine) if mine.objective is not None
+                                     else None)}
         current = self.runs.current_run()
         addresses = _distributed.worker_addresses(self.scheduler) if self.scheduler else ()
         return {

@@ -148,8 +148,9 @@ def test_the_plugin_records_arrivals_and_departures_for_billing():
     plugin.worker_arrived("b", 10.0)
     plugin.set_pools({"a": CPU, "b": GPU}, now=11.0)  # b's pool is known from its metrics
     plugin.worker_left("b", 20.0)
-    assert plugin.lifetimes == {"a": (CPU, 5.0, None), "b": (GPU, 10.0, 20.0)}
+    assert plugin.lifetimes == {"a": (CPU, 5.0, None, ((5.0, CPU),)),
+                                "b": (GPU, 10.0, 20.0, ((10.0, GPU),))}
     # a worker that comes back at the same address is a new lifetime
     plugin.worker_arrived("b", 30.0)
     plugin.set_pools({"a": CPU, "b": GPU}, now=31.0)
-    assert plugin.lifetimes["b"] == (GPU, 30.0, None)
+    assert plugin.lifetimes["b"] == (GPU, 30.0, None, ((30.0, GPU),))

@@ -232,7 +232,8 @@ def test_a_deadline_missed_mid_run_warns_with_the_projected_finish_and_goes_on(p
     pooled.gather(fs)
     missed = wait_until(lambda: _decisions(pooled, "objective"),
                         message="an objective warning")
-    assert re.match(r"deadline can no longer be met: projected finish in [0-9.]+ s with "
+    assert re.match(r"run compute-\d+: deadline can no longer be met: projected finish in "
+                    r"[0-9.]+ s with "
                     r"every pool, ([0-9.]+ s left to the deadline|the deadline passed "
                     r"[0-9.]+ s ago); every free worker takes work$", missed[0]["reason"])
     assert "seen_projected_finish_in" in missed[0]

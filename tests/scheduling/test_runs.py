@@ -97,7 +97,7 @@ def test_tracker_remembers_a_bounded_number_of_runs():
     t = RunTracker(max_runs=3)
     ids = [t.graph(client=f"c{i}", states={i: "released"}, annotations={}, now=i).id
            for i in range(5)]
-    assert list(t.runs) == ids[2:] and set(t._client_run) == {"c2", "c3", "c4"}
+    assert list(t.runs) == ids[2:] and {c for c, _ in t._client_run} == {"c2", "c3", "c4"}
     t.finished(0, "w1")  # its run was forgotten: no error, nothing counted
     assert t.get(ids[0]) is None
 
