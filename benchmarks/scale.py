@@ -28,7 +28,7 @@ Two parts, one table each (stdout; per-run lines on stderr):
   workers in {0, 10, 100, 1000} and T in {5,000, 50,000, 500,000}: the cost follows k, not T.
 
 * ``start`` -- fresh embedded clusters, ``LocalCluster`` vs ``blockflow.connect()``: the
-  first graph on fresh workers and ``--tasks`` tiny tasks (:mod:`startup`, issue 39).
+  first graph on fresh workers and ``--tasks`` tiny tasks (``benchmarks/startup.py``, issue 39).
 
 Targets (issue 28): blockflow/plain <= 1.05x at every N; tick median <= 5 ms and max <= 50 ms
 at the largest N and on the 1,000-worker replay; plugin cost per task <= 50 us.
