@@ -27,6 +27,9 @@ Two parts, one table each (stdout; per-run lines on stderr):
   median and max CPU time per tick (``time.thread_time``), and how many worker views it read, for k changed
   workers in {0, 10, 100, 1000} and T in {5,000, 50,000, 500,000}: the cost follows k, not T.
 
+* ``start`` -- fresh embedded clusters, ``LocalCluster`` vs ``blockflow.connect()``: the
+  first graph on fresh workers and ``--tasks`` tiny tasks (``benchmarks/startup.py``, issue 39).
+
 Targets (issue 28): blockflow/plain <= 1.05x at every N; tick median <= 5 ms and max <= 50 ms
 at the largest N and on the 1,000-worker replay; plugin cost per task <= 50 us.
 
@@ -34,6 +37,7 @@ at the largest N and on the 1,000-worker replay; plugin cost per task <= 50 us.
     python benchmarks/scale.py --quick           # smoke test (~1 min)
     python benchmarks/scale.py --aa --workers 8 --reps 10 --parts cluster  # the harness's noise
     python benchmarks/scale.py --workers 8,32,128,256 --plot benchmarks/results/scale.png
+    python benchmarks/scale.py --parts start --tasks 10000 --reps 5   # issue 39
 """
 
 from __future__ import annotations
@@ -46,13 +50,15 @@ import random
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from distributed import Client, LocalCluster
 
-from blockflow._distributed import RunningTask, TaskView, WorkerView
-from blockflow._distributed.metrics import WorkerMetrics
-from blockflow.scheduling.plugin import Rebalancer
-from blockflow.scheduling.policies import ClusterSnapshot, DynamicPolicy
+if TYPE_CHECKING:
+    from blockflow._distributed import WorkerView
+
+# blockflow is imported where used: the plain arms' processes (and their spawned workers,
+# which import this file again) load none of it
 
 
 def inc(x):
@@ -92,6 +98,8 @@ async def _cluster_run(n_workers: int, n_tasks: int, mode: str, gc_cpu: list) ->
                             asynchronous=True) as cluster, \
             Client(cluster, asynchronous=True) as client:
         if mode == "blockflow":
+            from blockflow.scheduling.plugin import Rebalancer
+
             await client.register_plugin(Rebalancer(policy="dynamic"))
         warm = 2 * n_workers
         await client.gather(client.map(inc, range(warm), key=[f"warm-{i}" for i in range(warm)]))
@@ -210,6 +218,8 @@ class ReplayWaiting:
         self.group = group
 
     def get(self, address, default=()):
+        from blockflow._distributed import TaskView
+
         if address not in self.processing:
             return default
         n = max(self.processing[address] - 1, 0)
@@ -233,6 +243,9 @@ def replay_view(address: str, rng: random.Random, processing: int, *,
                 paused: bool = False, hot: bool = False) -> WorkerView:
     """A GPU worker as a heartbeat shows it: busy with its own task, or ``hot`` (other work
     above the pause threshold)."""
+    from blockflow._distributed import WorkerView
+    from blockflow._distributed.metrics import WorkerMetrics
+
     util = rng.uniform(85, 100) if hot else rng.uniform(20, 60)
     return WorkerView(
         address=address, nthreads=1, status="paused" if paused else "running",
@@ -250,6 +263,9 @@ def replay(n_workers: int, changed: int, n_tasks: int, ticks: int, *, count: boo
     workers getting new metrics on each (other GPU work comes to 1 in 200 of them and leaves
     1 in 5 of the hot ones, so pauses, resumes and rescues off paused workers happen; the decisions applied between ticks, as the
     plugin would); the policy's time per tick, or (``count``) the worker views it read."""
+    from blockflow._distributed import RunningTask
+    from blockflow.scheduling.policies import ClusterSnapshot, DynamicPolicy
+
     rng = random.Random(seed)
     addresses = [f"tcp://10.{i // 250}.{i % 250}.1:40000" for i in range(n_workers)]
     queued = n_tasks
@@ -309,21 +325,32 @@ class Counting:
     active: "Counting | None" = None
 
     def __enter__(self):
+        global _get
+        from blockflow._distributed import WorkerView
+
         self.seen: set[int] = set()
         Counting.active = self
+        _get = _get or WorkerView.__getattribute__
         WorkerView.__getattribute__ = _counting_getattribute
         return self
 
     def __exit__(self, *exc):
         Counting.active = None
-        WorkerView.__getattribute__ = _get
+        _restore_getattribute()
 
     @property
     def views_read(self) -> int:
         return len(self.seen)
 
 
-_get = WorkerView.__getattribute__
+_get = None  # WorkerView's own __getattribute__, kept while a Counting is active
+
+
+def _restore_getattribute() -> None:
+    if _get is not None:
+        from blockflow._distributed import WorkerView
+
+        WorkerView.__getattribute__ = _get
 
 
 def _counting_getattribute(self, name):  # installed while a Counting is active
@@ -346,7 +373,7 @@ def replay_part(n_workers: int, ticks: int, changed: list[int], tasks: list[int]
                 rows.append(row)
         return rows
     finally:
-        WorkerView.__getattribute__ = _get
+        _restore_getattribute()
 
 
 # --- output --------------------------------------------------------------------------------
@@ -486,6 +513,11 @@ def main(argv=None) -> None:
         replay_rows = replay_part(args.replay_workers, args.ticks, [0, 10, 100, 1000],
                                   [5_000, 50_000, 500_000])
         print_replay(replay_rows, args)
+    if "start" in parts:  # benchmarks/startup.py
+        sys.path.insert(0, __import__("os").path.dirname(__file__))
+        from startup import print_start, start_part
+
+        print_start(start_part(args.reps, args.tasks), args)
     cluster_rows = []
     if "cluster" in parts:
         print_cluster_header()

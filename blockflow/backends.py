@@ -12,7 +12,6 @@ import types
 from typing import Any
 
 import numpy as np
-import pandas as pd
 from dask.utils import Dispatch
 
 from blockflow.devices import device_count
@@ -83,9 +82,13 @@ def _register_cupy():
         return cupy
 
 
-@_dataframe_module.register((pd.DataFrame, pd.Series, pd.Index))
-def _dataframe_module_pandas(x):
-    return pd
+@_dataframe_module.register_lazy("pandas")  # pandas is imported with its first block:
+def _register_pandas():  # a scheduler that imports this module never loads it
+    import pandas as pd
+
+    @_dataframe_module.register((pd.DataFrame, pd.Series, pd.Index))
+    def _dataframe_module_pandas(x):
+        return pd
 
 
 @_dataframe_module.register_lazy("cudf")

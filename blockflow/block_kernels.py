@@ -8,7 +8,6 @@ import logging
 from typing import Callable
 
 import numpy as np
-import pandas as pd
 from dask.utils import (
     is_arraylike,
     is_dataframe_like,
@@ -250,6 +249,8 @@ def _time_kind(dtype) -> tuple | None:
 
 
 def _is_text(dtype) -> bool:
+    import pandas as pd  # a partition's check: array kernels' workers never load pandas
+
     try:
         return (pd.api.types.is_object_dtype(dtype) or isinstance(dtype, pd.StringDtype)
                 or (isinstance(dtype, pd.ArrowDtype) and pd.api.types.is_string_dtype(dtype)))

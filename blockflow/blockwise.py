@@ -17,6 +17,8 @@ from typing import Any, Callable
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
+from dask.array.core import apply_infer_dtype
+from dask.array.utils import compute_meta, meta_from_array
 from dask.utils import funcname, parse_bytes
 from distributed import default_client
 
@@ -24,6 +26,7 @@ from blockflow import block_sizing
 from blockflow.block_kernels import (
     _ArrayKernel,
     _ArrayKernelWithInfo,
+    _is_array,
     _PartitionKernel,
     _wants,
     _XarrayKernel,
@@ -336,6 +339,8 @@ def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_a
                   working_set=declared_ws, placement=placement)
     if not speculative:
         wrapped.speculative = False
+    if meta is None:  # Dask would call the kernel twice (meta, then dtype) to infer these
+        dtype, meta = _infer_output(wrapped, arrays, dtype, kept + len(new), kwargs)
     opts = {}
     for k, v in dict(dtype=dtype, meta=meta, chunks=chunks, drop_axis=drop_axis,
                      new_axis=new_axis).items():
@@ -347,6 +352,25 @@ def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_a
     wrapped.ndim, wrapped.expected_chunks = out.ndim, out.chunks
     _check_new_axes(out, new)
     return out
+
+
+def _infer_output(wrapped, arrays, dtype, ndim: int, kwargs) -> tuple[Any, Any]:
+    """``(dtype, meta)`` of a kernel's output blocks, with one call of the kernel at most.
+
+    With ``dtype`` declared the kernel is not called: ``meta`` is an empty array of the
+    inputs' type (the first input not on NumPy, else argument 0) and that dtype. Without
+    it, the kernel runs once on the inputs' empty blocks (Dask's ``compute_meta``); only when
+    that call fails or returns no array does Dask's dtype inference run it on one-element
+    blocks (``apply_infer_dtype``: its ValueError names the fix, ``dtype=``).
+    """
+    source = next((a for a in arrays if type(a._meta).__module__.split(".")[0] != "numpy"),
+                  arrays[0])
+    if dtype is None:
+        meta = compute_meta(wrapped, None, *arrays, **kwargs)
+        if _is_array(meta) and isinstance(getattr(meta, "dtype", None), np.dtype):
+            return meta.dtype, meta
+        dtype = apply_infer_dtype(wrapped, arrays, kwargs, "blockflow.map_blocks")
+    return dtype, meta_from_array(source, ndim=ndim, dtype=dtype)
 
 
 def _is_int(value) -> bool:

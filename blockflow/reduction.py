@@ -170,6 +170,7 @@ def tree_reduce(
                          for f, step in zip(funcs, steps)]
         dtype = _plan_dtypes(collection, funcs, steps, axes, keepdims, concatenate, dtype)
         chunk, combine, aggregate = steps
+        chunk.inferred = True
         nbytes = block_bytes or _array_block_bytes(collection)
         if isinstance(split_every, dict):
             fan_in = _check_split_every_dict(split_every, collection.ndim)
@@ -292,6 +293,7 @@ class _ReductionStep(Kernel):
         self.label = label or self.label  # a decomposition keeps the user's function's name
         self.__name__ = self.label
         self.live = False
+        self.inferred = False  # its dtypes were found (_plan_dtypes ran it once on a sample)
         self.dtype = None  # passed as dtype= (overriding Dask's), see _plan_dtypes
         self.cast = None  # the user's dtype=, for the aggregate's result
 
@@ -302,6 +304,10 @@ class _ReductionStep(Kernel):
         if self.dtype is not None:
             kwargs["dtype"] = self.dtype
         if not self.live or kwargs.get("computing_meta"):
+            if self.inferred and args and getattr(args[0], "size", None) == 0:
+                # Dask's metadata call on an empty block: the function already ran once
+                # for the dtypes, and Dask ignores the partials' meta (not called again)
+                return meta_from_array(args[0], dtype=self.dtype or args[0].dtype)
             return self.func(*args, **kwargs)
         out = self.run(lambda: f"a tree_reduce {self.stage} step", *args, **kwargs)
         if self.cast is not None and getattr(out, "dtype", self.cast) != self.cast:

@@ -29,7 +29,6 @@ from blockflow.errors import (
     is_device_oom,
     requested_bytes,
 )
-from blockflow.scheduling.view import worker_memory
 
 __all__ = ["Kernel", "check_placement", "check_retries", "device_memory_error",
            "largest_free_device_memory"]
@@ -375,6 +374,8 @@ def _fits_on_another_worker(exc: BaseException) -> bool:
 def largest_free_device_memory(exclude: str | None = None) -> tuple[int | None, str | None]:
     """``(free bytes, worker address)`` of the worker with the most free device memory,
     ``exclude`` left out; ``(None, None)`` when unknown."""
+    from blockflow.scheduling.view import worker_memory  # client side: only when out of memory
+
     try:
         memory = worker_memory(get_client())
     except Exception as e:  # outside a cluster, or the scheduler is gone: say "unknown"

@@ -23,9 +23,16 @@ class DashboardPlugin(SchedulerPlugin):
     idempotent = True
 
     async def start(self, scheduler) -> None:
-        from blockflow.dashboard.page import blockflow_doc
         from blockflow.dashboard.routes import routes
 
         if _distributed.add_http_routes(scheduler, routes):
-            if not _distributed.add_dashboard_page(scheduler, PAGE_PATH, blockflow_doc, "blockflow"):
+            if not _distributed.add_dashboard_page(scheduler, PAGE_PATH, _page_doc, "blockflow"):
                 logger.info("blockflow: no Bokeh dashboard on this scheduler; JSON routes only")
+
+
+def _page_doc(scheduler, extra, doc):
+    """The page's Bokeh document: Bokeh loads with the first page served, so a scheduler
+    without a Bokeh dashboard never imports it."""
+    from blockflow.dashboard.page import blockflow_doc
+
+    return blockflow_doc(scheduler, extra, doc)

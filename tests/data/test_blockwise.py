@@ -828,3 +828,84 @@ def test_declarations_of_another_kind_are_refused_not_ignored(make, message):
     with pytest.raises(TypeError) as e:
         make()
     assert str(e.value) == message
+
+
+# --- output inference: the kernel runs once at most in the client (issue 39) ---------------
+
+
+class _Counting:
+    """A kernel counting the calls made while the graph is built (no cluster: none run)."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+        self.__name__ = "counting"
+
+    def __call__(self, *blocks, **kwargs):
+        self.calls += 1
+        return self.fn(*blocks, **kwargs)
+
+
+def _with_block_id(b, block_id=None):
+    return b * 2
+
+
+def _with_block_info(b, block_info=None):
+    return b * 2
+
+
+@pytest.mark.parametrize("fn", [lambda b: b * 2, _with_block_id, _with_block_info],
+                         ids=["plain", "block_id", "block_info"])
+@pytest.mark.parametrize("declared, calls", [({}, 1), ({"dtype": "f8"}, 0),
+                                              ({"meta": np.empty((0, 0))}, 0)],
+                         ids=["inferred", "dtype", "meta"])
+def test_array_output_is_inferred_with_one_kernel_call_at_most(fn, declared, calls):
+    # Dask's map_blocks calls a kernel twice without dtype= (meta, then dtype), and twice with
+    # dtype= alone when the kernel takes block_id: with a 1 s kernel, 2 s before submitting
+    kernel = _Counting(fn)
+    x = da.ones((6, 4), chunks=(3, 2), dtype="f8")
+    y = map_blocks(kernel, x, **declared)
+    assert kernel.calls == calls
+    assert (y.dtype, y.ndim, type(y._meta)) == (np.dtype("f8"), 2, np.ndarray)
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), np.full((6, 4), 2.0))
+
+
+def test_array_dtype_inference_falls_back_to_a_one_element_block():
+    # a kernel that refuses empty blocks: its one-element block gives the dtype, as in Dask
+    def refuses_empty(b):
+        if b.size == 0:
+            raise ValueError("no data")
+        return (b * 2).astype("i4")
+
+    kernel = _Counting(refuses_empty)
+    y = map_blocks(kernel, da.ones(6, chunks=3))
+    assert kernel.calls == 2 and y.dtype == np.dtype("i4") and y._meta.ndim == 1
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), np.full(6, 2, "i4"))
+
+
+@pytest.mark.parametrize("declared, calls", [({}, 1), ("meta", 0)])
+def test_dataframe_output_is_inferred_with_one_kernel_call_at_most(declared, calls):
+    df = dd.from_pandas(pd.DataFrame({"a": np.arange(6.0)}), npartitions=2)
+    kernel = _Counting(lambda p: p + 1)
+    map_blocks(kernel, df, **({"meta": df._meta} if declared == "meta" else declared))
+    assert kernel.calls == calls
+
+
+def test_dataarray_output_is_inferred_with_one_kernel_call_at_most():
+    a = xr.DataArray(da.ones((4, 4), chunks=2), dims=("x", "y"))
+    kernel = _Counting(lambda b: b * 2)
+    map_blocks(kernel, a)
+    assert kernel.calls == 1
+    kernel.calls = 0
+    map_blocks(kernel, a, template=a)
+    assert kernel.calls == 0
+
+
+def test_tree_reduce_runs_each_step_once_to_infer_its_output():
+    steps = {s: _Counting(lambda b, axis=None, keepdims=False: b.sum(axis=axis,
+                                                                     keepdims=keepdims))
+             for s in ("chunk", "combine", "aggregate")}
+    x = da.ones((6, 4), chunks=(3, 2))
+    out = blockflow.tree_reduce(x, steps["chunk"], steps["combine"], steps["aggregate"])
+    assert {s: k.calls for s, k in steps.items()} == {"chunk": 1, "combine": 1,
+                                                      "aggregate": 1}
+    assert float(out.compute(scheduler="sync")) == 24.0

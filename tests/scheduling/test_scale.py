@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 from distributed import wait
+from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import gen_cluster, inc
 
 from blockflow import _distributed
@@ -233,3 +235,53 @@ def test_a_tick_a_full_garbage_collection_ran_in_is_counted_apart():
     assert d["tick_ms_max"] == 250.0 and d["ticks_with_full_gc"] == 1
     assert d["tick_ms_max_without_full_gc"] == 4.0
     assert d["tick_count"] == 3
+
+
+# --- the first graph on fresh workers is dispatched as plain Dask dispatches it ----------
+
+
+class _Dispatches(SchedulerPlugin):
+    """Scheduler plugin recording ``(key, start, finish, stimulus)`` of every transition."""
+
+    name = "test-dispatches"
+
+    def __init__(self):
+        self.seen: list[tuple] = []
+
+    def transition(self, key, start, finish, *args, stimulus_id=None, **kwargs):
+        self.seen.append((key, start, finish, stimulus_id or ""))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2,
+             config={"distributed.scheduler.worker-saturation": 1.0})
+async def test_the_first_graph_on_fresh_workers_waits_for_nothing(c, s, a, b):
+    # issue 39: the first graph on fresh workers started ~0.5 s after plain Dask's. The
+    # plugin's own first tick, its worker plugins, no heartbeat metrics yet (fresh workers)
+    # and the kernel tasks' declarations must not hold a task: as many blocks as threads
+    # leave for the workers in the graph's own stimulus, none waits in no-worker or on
+    # blockflow's hold address, and the plugin decides nothing about them
+    import dask.array as da
+
+    import blockflow
+
+    await c.register_plugin(Rebalancer(policy="dynamic"))
+    tracer = _Dispatches()
+    s.add_plugin(tracer, name=tracer.name)
+    x = da.ones(8, chunks=1)
+    y = blockflow.map_blocks(inc, x, dtype=x.dtype)
+    futures = c.compute(y.to_delayed().ravel().tolist())
+    await wait(futures)
+    kernels = {k for k, *_ in tracer.seen if str(k[0] if isinstance(k, tuple) else k)
+               .startswith("blockflow-inc")}
+    assert len(kernels) == 8
+    sent_at_once = {k for k, _, finish, stim in tracer.seen
+                    if finish == "processing" and stim.startswith("update-graph")}
+    assert len(sent_at_once) >= 2, tracer.seen[:20]  # one per thread, at the graph itself
+    assert not [t for t in tracer.seen if t[2] == "no-worker"]
+    assert not [k for k in kernels if _distributed.HOLD_ADDRESS
+                in (s.tasks[k].worker_restrictions or ()) if k in s.tasks]
+    status = await c.scheduler.blockflow_status()
+    assert not [d for d in status["decisions"]
+                if d["action"] not in (Recorded.JOIN.value, Recorded.FORGET.value)], \
+        status["decisions"]
+    assert [np.asarray(v).item() for v in await c.gather(futures)] == [2.0] * 8
