@@ -34,7 +34,12 @@ from blockflow.scheduling.view import (  # noqa: F401  (re-exported: the public 
     task_counts,
     workers_info,
 )
-from blockflow.scheduling.wait import gather_results, run_each, wait_for  # noqa: F401  (re-exported)
+from blockflow.scheduling.wait import (  # noqa: F401  (re-exported)
+    add_worker_plugin,
+    gather_results,
+    run_each,
+    wait_for,
+)
 
 __all__ = [
     "connect",
@@ -206,9 +211,9 @@ def connect(
                 raise
         client = Client(cluster)  # takes the cluster's security
         # its shutdown is ours: no worker logs its own close as a failed heartbeat
-        client.register_plugin(_distributed.QuietClose())
+        add_worker_plugin(client, _distributed.QuietClose())
         if pool_member is not None:
-            client.register_plugin(pool_member)
+            add_worker_plugin(client, pool_member)
             # the scheduler knows the pools at once
             run_each(client, heartbeat_now, what="the pools' heartbeat")
     try:
@@ -426,7 +431,8 @@ def _register_plugin(client: Client, plugin: Rebalancer) -> None:
         client.register_plugin(plugin)
         for extension in scheduler_extensions():  # blockflow.scheduler.extensions
             client.register_plugin(extension)
-        client.register_plugin(DeviceMetrics())  # adds nothing on workers without a GPU
+        # adds nothing on workers without a GPU; a worker that does not answer is named
+        add_worker_plugin(client, DeviceMetrics(), what="blockflow's device metrics")
     except (ModuleNotFoundError, ImportError) as e:
         raise RuntimeError(
             f"blockflow.connect: the scheduler at {client.scheduler.address} cannot load "
