@@ -211,9 +211,9 @@ def connect(
                 raise
         client = Client(cluster)  # takes the cluster's security
         # its shutdown is ours: no worker logs its own close as a failed heartbeat
-        add_worker_plugin(client, _distributed.QuietClose())
+        add_worker_plugin(client, _distributed.QuietClose(), what="setting up the workers")
         if pool_member is not None:
-            add_worker_plugin(client, pool_member)
+            add_worker_plugin(client, pool_member, what="putting the workers in their pools")
             # the scheduler knows the pools at once
             run_each(client, heartbeat_now, what="the pools' heartbeat")
     try:

@@ -220,7 +220,7 @@ def add_worker_plugin(client: Client, plugin: Any, *, what: str | None = None,
     client : distributed.Client
     plugin : distributed.WorkerPlugin
     what : str, optional
-        Named in the warning; default "worker plugin <its name>".
+        Named in the warning; default "setting up blockflow on the workers".
     timeout : str or float, optional
         Seconds per worker; default ``blockflow.cluster.worker-call-timeout``.
 
@@ -231,8 +231,7 @@ def add_worker_plugin(client: Client, plugin: Any, *, what: str | None = None,
     """
     limit = _call_timeout(timeout)
     silent = _distributed.add_worker_plugin_each(client, plugin, limit)
-    name = getattr(plugin, "name", None) or type(plugin).__name__
-    _name_silent(client, silent, what or f"worker plugin {name}", limit)
+    _name_silent(client, silent, what or "setting up blockflow on the workers", limit)
 
 
 def remove_worker_plugin(client: Client, name: str, *, what: str | None = None,
@@ -241,7 +240,7 @@ def remove_worker_plugin(client: Client, name: str, *, what: str | None = None,
     :func:`add_worker_plugin`; nothing when no plugin ``name`` is registered."""
     limit = _call_timeout(timeout)
     silent = _distributed.remove_worker_plugin_each(client, name, limit)
-    _name_silent(client, silent, what or f"removing worker plugin {name}", limit)
+    _name_silent(client, silent, what or "removing blockflow's set-up from the workers", limit)
 
 
 def _call_timeout(timeout: str | float | None) -> float:
