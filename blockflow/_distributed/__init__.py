@@ -40,6 +40,8 @@ NVML, Dask, wire
 from __future__ import annotations
 
 from blockflow._distributed.actions import (
+    add_worker_plugin,
+    broadcast_each,
     call_soon,
     dispatch_tasks,
     fail_tasks,
@@ -49,6 +51,7 @@ from blockflow._distributed.actions import (
     move_task,
     rehold_tasks,
     release_tasks,
+    remove_worker_plugin,
     request_backup,
     restrict_task,
     retire_idle_worker,
@@ -76,10 +79,12 @@ from blockflow._distributed.checks import (
 )
 from blockflow._distributed.client import (
     SchedulerProgress,
+    add_worker_plugin_each,
     call_scheduler_handler,
     data_holders,
     has_scheduler_plugin,
     in_notebook_kernel,
+    remove_worker_plugin_each,
 )
 from blockflow._distributed.deploy import correct_state_soon, replace_adaptive, start_spec_workers
 from blockflow._distributed.extensions import (
@@ -235,8 +240,11 @@ __all__ = [
     "add_periodic_callback",
     "add_scheduler_plugin",
     "add_task_wait",
+    "add_worker_plugin",
+    "add_worker_plugin_each",
     "alias_target",
     "bandwidth",
+    "broadcast_each",
     "call_scheduler_handler",
     "call_soon",
     "call_worker",
@@ -290,6 +298,8 @@ __all__ = [
     "release_tasks",
     "remove_periodic_callback",
     "remove_worker_metric",
+    "remove_worker_plugin",
+    "remove_worker_plugin_each",
     "renamed_task",
     "replace_adaptive",
     "request_backup",

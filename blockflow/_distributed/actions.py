@@ -14,6 +14,8 @@ from distributed.core import Status
 from blockflow._distributed.placement import HOLD_ADDRESS, _restricted
 
 __all__ = [
+    "add_worker_plugin",
+    "broadcast_each",
     "call_soon",
     "dispatch_tasks",
     "fail_tasks",
@@ -23,6 +25,7 @@ __all__ = [
     "move_task",
     "rehold_tasks",
     "release_tasks",
+    "remove_worker_plugin",
     "request_backup",
     "restrict_task",
     "retire_idle_worker",
@@ -182,6 +185,94 @@ async def request_backup(scheduler, key, victim: str, target: str, timeout: floa
             scheduler.rpc(victim).blockflow_speculate(key=key, target=target), timeout)
     except Exception as e:  # a worker gone, no handler there, a timeout: the original runs on
         return {"outcome": "failed", "error": f"{type(e).__name__}: {e}"}
+
+
+async def broadcast_each(scheduler, msg: Mapping, workers: Iterable[str] | None = None,
+                         timeout: float = 10.0) -> tuple[dict[str, Any], dict[str, str]]:
+    """Send ``msg`` to each worker (``Scheduler.broadcast``), each bounded by ``timeout``
+    seconds: ``(replies, failed)``.
+
+    Parameters
+    ----------
+    scheduler : distributed.Scheduler
+    msg : mapping
+        The message (``op`` and its arguments), as ``Scheduler.broadcast`` takes it.
+    workers : iterable of str, optional
+        Default: every worker the scheduler lists now.
+    timeout : float, default 10
+        Seconds per worker (connecting and answering).
+
+    Returns
+    -------
+    replies : dict
+        Address -> reply, for the workers that answered.
+    failed : dict
+        Address -> why (``"no answer within 10 s"``, ``"CommClosedError"``) for the workers
+        that did not: unreachable, dying, their event loop stuck. Workers that left the
+        scheduler meanwhile are in neither.
+    """
+    workers = list(scheduler.workers) if workers is None else list(workers)
+
+    async def one(address: str):
+        try:
+            got = await asyncio.wait_for(
+                scheduler.broadcast(msg=dict(msg), workers=[address], on_error="return"),
+                timeout)
+            reply = got.get(address)
+        except (asyncio.TimeoutError, TimeoutError):
+            return address, None, f"no answer within {timeout:g} s"
+        except (OSError, asyncio.CancelledError) as e:
+            return address, None, type(e).__name__
+        except KeyError:  # left between the listing and the call
+            return address, None, None
+        if isinstance(reply, Exception):  # on_error="return": the comm failed on the way
+            return address, None, type(reply).__name__
+        return address, reply, ""
+
+    replies, failed = {}, {}
+    for address, reply, why in await asyncio.gather(*(one(w) for w in workers)):
+        if why == "":
+            replies[address] = reply
+        elif why is not None and address in scheduler.workers:
+            failed[address] = why
+    return replies, failed
+
+
+async def add_worker_plugin(scheduler, plugin: bytes, name: str, idempotent: bool = False,
+                            timeout: float = 10.0) -> tuple[dict[str, dict], dict[str, str]]:
+    """Register a pickled worker plugin as ``name`` for the running and future workers
+    (``Scheduler.register_worker_plugin``), each running worker bounded by ``timeout``
+    seconds (:func:`broadcast_each`).
+
+    Returns
+    -------
+    errors : dict
+        Address -> distributed's error message, for workers whose plugin ``setup`` raised.
+    failed : dict
+        Address -> why, for workers that did not answer (they get the plugin if they
+        register again).
+    """
+    if idempotent and name in scheduler.worker_plugins:
+        return {}, {}
+    scheduler.worker_plugins[name] = plugin
+    replies, failed = await broadcast_each(
+        scheduler, {"op": "plugin-add", "plugin": plugin, "name": name}, timeout=timeout)
+    return _errors(replies), failed
+
+
+async def remove_worker_plugin(scheduler, name: str, timeout: float = 10.0
+                               ) -> tuple[dict[str, dict], dict[str, str]]:
+    """Unregister worker plugin ``name`` (``Scheduler.unregister_worker_plugin``), each worker
+    bounded by ``timeout`` seconds; as :func:`add_worker_plugin`. KeyError if none is."""
+    scheduler.worker_plugins.pop(name)
+    replies, failed = await broadcast_each(scheduler, {"op": "plugin-remove", "name": name},
+                                           timeout=timeout)
+    return _errors(replies), failed
+
+
+def _errors(replies: Mapping[str, Any]) -> dict[str, dict]:
+    return {a: r for a, r in replies.items()
+            if isinstance(r, Mapping) and r.get("status") == "error"}
 
 
 def spawn(scheduler, coro) -> None:

@@ -7,8 +7,9 @@ from collections.abc import Callable
 from distributed.diagnostics.progressbar import ProgressBar
 from distributed.utils import is_kernel
 
-__all__ = ["SchedulerProgress", "call_scheduler_handler", "data_holders", "has_scheduler_plugin",
-           "in_notebook_kernel"]
+__all__ = ["SchedulerProgress", "add_worker_plugin_each", "call_scheduler_handler",
+           "data_holders", "has_scheduler_plugin", "in_notebook_kernel",
+           "remove_worker_plugin_each"]
 
 
 def in_notebook_kernel() -> bool:
@@ -58,3 +59,71 @@ def has_scheduler_plugin(client, name: str) -> bool:
 async def call_scheduler_handler(comm, name: str, **kwargs):
     """Call the scheduler RPC handler ``name`` through ``comm`` and return its answer."""
     return await getattr(comm, name)(**kwargs)
+
+
+async def _add_on_scheduler(plugin: bytes, name: str, idempotent: bool, timeout: float,
+                            dask_scheduler=None):
+    from blockflow._distributed.actions import add_worker_plugin
+
+    return await add_worker_plugin(dask_scheduler, plugin, name, idempotent, timeout)
+
+
+async def _remove_on_scheduler(name: str, timeout: float, dask_scheduler=None):
+    from blockflow._distributed.actions import remove_worker_plugin
+
+    if name not in dask_scheduler.worker_plugins:
+        return None
+    return await remove_worker_plugin(dask_scheduler, name, timeout)
+
+
+def _raise_setup_error(errors: dict) -> None:
+    """Raise the first worker's error as ``Client.register_plugin`` does."""
+    from distributed.core import clean_exception
+
+    for reply in errors.values():
+        _, exc, tb = clean_exception(reply["exception"], reply["traceback"])
+        raise exc.with_traceback(tb)
+
+
+def add_worker_plugin_each(client, plugin, timeout: float) -> dict[str, str]:
+    """``client.register_plugin(plugin)`` for a worker plugin, each running worker bounded by
+    ``timeout`` seconds on the scheduler's side (``actions.add_worker_plugin``).
+
+    Returns
+    -------
+    dict
+        Address -> why, for the workers that did not answer (still listed by the scheduler).
+
+    Raises
+    ------
+    Exception
+        A worker's error from the plugin's ``setup``, as ``Client.register_plugin`` raises it.
+    """
+    from distributed.diagnostics.plugin import _get_plugin_name
+    from distributed.protocol.pickle import dumps
+
+    name = _get_plugin_name(plugin)
+    try:
+        errors, failed = client.run_on_scheduler(
+            _add_on_scheduler, dumps(plugin), name, bool(getattr(plugin, "idempotent", False)),
+            float(timeout))
+    except ImportError:  # a scheduler without blockflow: distributed's own registration
+        client.register_plugin(plugin)
+        return {}
+    _raise_setup_error(errors)
+    return failed
+
+
+def remove_worker_plugin_each(client, name: str, timeout: float) -> dict[str, str]:
+    """``client.unregister_worker_plugin(name)``, each worker bounded by ``timeout`` seconds;
+    nothing when no such plugin is registered. Returns as :func:`add_worker_plugin_each`."""
+    try:
+        got = client.run_on_scheduler(_remove_on_scheduler, name, float(timeout))
+    except ImportError:  # a scheduler without blockflow
+        client.unregister_worker_plugin(name)
+        return {}
+    if got is None:
+        return {}
+    errors, failed = got
+    _raise_setup_error(errors)
+    return failed

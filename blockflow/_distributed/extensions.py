@@ -195,11 +195,23 @@ def add_dashboard_page(scheduler, path: str, doc_fn, menu_name: str) -> bool:
 
 
 async def register_worker_plugin_on_scheduler(scheduler, plugin, name: str,
-                                              idempotent: bool = False) -> None:
-    """Register worker plugin ``plugin`` as ``name`` from the scheduler side (tests)."""
+                                              idempotent: bool = False,
+                                              timeout: float = 10.0) -> None:
+    """Register worker plugin ``plugin`` as ``name`` from the scheduler side, each running
+    worker bounded by ``timeout`` seconds (``actions.add_worker_plugin``): a worker that does
+    not answer is named in one logged line, one whose ``setup`` fails too."""
     from distributed.protocol.pickle import dumps
 
-    await scheduler.register_worker_plugin(None, dumps(plugin), name, idempotent=idempotent)
+    from blockflow._distributed.actions import add_worker_plugin
+
+    errors, failed = await add_worker_plugin(scheduler, dumps(plugin), name, idempotent,
+                                             timeout)
+    for address, why in failed.items():
+        logger.warning("blockflow: worker plugin %s: going on without worker %s (%s); it "
+                       "gets the plugin when it registers again", name, address, why)
+    for address, reply in errors.items():
+        logger.warning("blockflow: worker plugin %s failed on worker %s: %s", name, address,
+                       reply.get("exception_text"))
 
 
 async def run_amm_policy(scheduler, policy, cycles: int = 10,

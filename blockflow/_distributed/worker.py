@@ -203,9 +203,14 @@ def quiet_task_failures(exc_type: type[BaseException]) -> None:
     _failure_filter.quiet.add(exc_type.__name__)
 
 
-async def call_worker(worker, address: str, op: str, **kwargs) -> Any:
-    """Call handler ``op`` of the worker at ``address`` from ``worker``; return the reply."""
-    return await getattr(worker.rpc(address), op)(**kwargs)
+async def call_worker(worker, address: str, op: str, timeout: float | None = None,
+                      **kwargs) -> Any:
+    """Call handler ``op`` of the worker at ``address`` from ``worker``; return the reply.
+
+    ``timeout`` (seconds) bounds the call (``asyncio.TimeoutError``); without it distributed's
+    connect and TCP timeouts bound a worker that became unreachable."""
+    call = getattr(worker.rpc(address), op)(**kwargs)
+    return await (call if timeout is None else asyncio.wait_for(call, timeout))
 
 
 def worker_plugins(worker) -> dict:
@@ -329,12 +334,13 @@ def current_worker_resources() -> tuple[str, dict] | None:
     return worker.address, dict(worker.state.total_resources)
 
 
-def call_worker_soon(worker, address: str, op: str, **kwargs) -> None:
-    """From any thread: call handler ``op`` at ``address`` from ``worker`` without waiting."""
+def call_worker_soon(worker, address: str, op: str, timeout: float = 10.0, **kwargs) -> None:
+    """From any thread: call handler ``op`` at ``address`` from ``worker`` without waiting;
+    given up after ``timeout`` seconds (an unreachable worker)."""
     async def call():
         try:
-            await getattr(worker.rpc(address), op)(**kwargs)
-        except Exception as e:  # the other worker left: nothing to tell it
+            await call_worker(worker, address, op, timeout=timeout, **kwargs)
+        except Exception as e:  # the other worker left or does not answer: nothing to tell it
             logger.debug("blockflow: %s on %s failed: %s", op, address, e)
 
     worker.loop.add_callback(call)

@@ -154,12 +154,33 @@ def _print_inventory(client) -> None:
     click.echo("")
 
 
+@contextlib.contextmanager
+def _one_line_warnings() -> Iterator[None]:
+    """blockflow's warnings as one line on stderr (``Warning: ...``), not Python's two (the
+    message, then the source line that warned)."""
+    from blockflow.errors import BlockflowWarning
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, BlockflowWarning):
+            click.echo(f"Warning: {message}", err=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+
+
 class _Group(click.Group):
     """SIGINT and SIGTERM stop a command once it has cleaned up: exit status 130 with one
     line, or 143."""
 
     def invoke(self, ctx: click.Context) -> Any:
-        with _stop_on_signals():
+        with _stop_on_signals(), _one_line_warnings():
             try:
                 result = super().invoke(ctx)
             except BaseException:

@@ -40,7 +40,12 @@ from blockflow.scheduling.view import (  # noqa: F401  (re-exported: the public 
     task_counts,
     workers_info,
 )
-from blockflow.scheduling.wait import gather_results, run_each, wait_for  # noqa: F401  (re-exported)
+from blockflow.scheduling.wait import (  # noqa: F401  (re-exported)
+    add_worker_plugin,
+    gather_results,
+    run_each,
+    wait_for,
+)
 
 __all__ = [
     "connect",
@@ -227,10 +232,10 @@ def connect(
         client = Client(cluster)  # takes the cluster's security
         # its shutdown is ours: no worker logs its own close as a failed heartbeat, nor
         # a Ctrl-C that its parent (this process) takes
-        client.register_plugin(_distributed.QuietClose())
-        client.register_plugin(QuietInterrupt())
+        add_worker_plugin(client, _distributed.QuietClose(), what="setting up the workers")
+        add_worker_plugin(client, QuietInterrupt(), what="setting up the workers")
         if pool_member is not None:
-            client.register_plugin(pool_member)
+            add_worker_plugin(client, pool_member, what="putting the workers in their pools")
             # the scheduler knows the pools at once
             run_each(client, heartbeat_now, what="the pools' heartbeat")
     try:
@@ -540,7 +545,8 @@ def _register_plugin(client: Client, plugin: Rebalancer) -> None:
         client.register_plugin(plugin)
         for extension in scheduler_extensions():  # blockflow.scheduler.extensions
             client.register_plugin(extension)
-        client.register_plugin(DeviceMetrics())  # adds nothing on workers without a GPU
+        # adds nothing on workers without a GPU; a worker that does not answer is named
+        add_worker_plugin(client, DeviceMetrics(), what="blockflow's device metrics")
     except (ModuleNotFoundError, ImportError) as e:
         raise RuntimeError(
             f"blockflow.connect: the scheduler at {client.scheduler.address} cannot load "

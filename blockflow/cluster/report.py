@@ -15,7 +15,7 @@ from blockflow.pools.pool import Pool
 from blockflow.scheduling.actions import Action
 from blockflow.scheduling.view import epoch_seconds, plugin_status
 
-__all__ = ["RunReport", "pool_costs", "run_report"]
+__all__ = ["RunReport", "pool_costs", "run_report", "warn_workers_left", "worker_hosts"]
 
 
 @dataclass
@@ -250,3 +250,33 @@ def _pipeline(client, since: float) -> dict | None:
     if not isinstance(meta, dict) or meta.get("time", 0) < since:
         return None
     return {**meta, "timeline": pd.DataFrame(meta.get("timeline") or {})}
+
+
+def worker_hosts(client) -> dict[str, str]:
+    """Address -> host of each worker the scheduler lists now (``{}`` when it cannot say)."""
+    try:
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+    except Exception:  # the scheduler itself is gone: the job's own error says so
+        return {}
+    return {a: str(w.get("host") or a) for a, w in workers.items()}
+
+
+def warn_workers_left(client, before: dict[str, str], what: str) -> list[str]:
+    """One :class:`~blockflow.errors.BlockflowWarning` naming the workers of ``before``
+    (:func:`worker_hosts` when ``what`` started) the scheduler no longer lists: they left
+    (unreachable, ended) and the run went on without them. Returns their addresses."""
+    import warnings
+
+    from blockflow.errors import BlockflowWarning
+
+    now = worker_hosts(client)
+    if not now:
+        return []
+    gone = [a for a in before if a not in now]
+    if gone:
+        named = ", ".join(f"{a} (host {before[a]})" for a in gone)
+        warnings.warn(f"blockflow: {what}: worker{'s' * (len(gone) > 1)} {named} left during "
+                      f"the run (unreachable or ended); the run went on without "
+                      f"{'them' if len(gone) > 1 else 'it'}: check that host and its worker.",
+                      BlockflowWarning, stacklevel=3)
+    return gone

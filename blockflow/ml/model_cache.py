@@ -22,7 +22,7 @@ from blockflow import _distributed, config
 from blockflow.errors import describe
 from blockflow.ml._models import LoadedModel, LocalModel, ModelFactory, model_kind, serialise
 from blockflow.ml._pickling import dumps_or_explain
-from blockflow.scheduling.wait import run_each
+from blockflow.scheduling.wait import add_worker_plugin, remove_worker_plugin, run_each
 
 __all__ = ["ModelCache", "ModelRef", "cache_bound", "cache_state", "model_stats",
            "ship_model"]
@@ -233,7 +233,8 @@ class ModelRef:
                 del _OPEN_REFS[key]
         if last and client.status == "running":
             try:
-                client.unregister_worker_plugin(PLUGIN_PREFIX + self.token)
+                remove_worker_plugin(client, PLUGIN_PREFIX + self.token,
+                                     what="releasing a model from the workers")
             except ValueError:  # already gone (the cluster was restarted)
                 pass
 
@@ -321,7 +322,8 @@ def _ship(model, method, client, entry, *, handle: bool) -> ModelRef:
     if handle:
         with _OPEN_LOCK:
             _OPEN_REFS[(id(client), token)] += 1
-    client.register_plugin(ModelCache(token, payload, kind, method, factory=bool(factory)))
+    add_worker_plugin(client, ModelCache(token, payload, kind, method, factory=bool(factory)),
+                      what="shipping a model to the workers")
     return ModelRef(token, kind, method, local=model, client=client if handle else None,
                     built=bool(factory))
 

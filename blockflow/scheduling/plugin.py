@@ -121,9 +121,10 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         _distributed.add_handler(scheduler, "blockflow_pool_targets", self.pool_targets)
         for amm_policy in policy.amm_policies():
             _distributed.add_amm_policy(scheduler, amm_policy)
-        for worker_plugin in policy.worker_plugins():
+        for worker_plugin in policy.worker_plugins():  # each worker bounded, one not answering named
             await _distributed.register_worker_plugin_on_scheduler(
-                scheduler, worker_plugin, worker_plugin.name, idempotent=True)
+                scheduler, worker_plugin, worker_plugin.name, idempotent=True,
+                timeout=parse_timedelta(config.get("cluster.worker-call-timeout")))
         # A first tick now, so hot or full workers are paused before the first graph lands.
         self.run_once()
         # distributed registers a plugin right after its start(): later ticks check it still is

@@ -8,8 +8,9 @@ blockflow.
 from __future__ import annotations
 
 import click
+from dask.utils import parse_timedelta
 
-from blockflow import _distributed
+from blockflow import _distributed, config
 from blockflow.devices import DeviceMetrics
 from blockflow.scheduling.extensions import scheduler_extensions
 from blockflow.scheduling.plugin import Rebalancer
@@ -25,4 +26,5 @@ async def dask_setup(scheduler, blockflow_policy=None):
         _distributed.add_scheduler_plugin(scheduler, extension)
     # workers that join later get blockflow's device metrics (nothing on CPU workers)
     await _distributed.register_worker_plugin_on_scheduler(
-        scheduler, DeviceMetrics(), DeviceMetrics.name, idempotent=True)
+        scheduler, DeviceMetrics(), DeviceMetrics.name, idempotent=True,
+        timeout=parse_timedelta(config.get("cluster.worker-call-timeout")))

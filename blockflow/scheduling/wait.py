@@ -15,11 +15,11 @@ from dask.utils import key_split, parse_timedelta
 from distributed import Client, KilledWorker, futures_of, wait
 from distributed import TimeoutError as DTimeout
 
-from blockflow import config
+from blockflow import _distributed, config
 from blockflow.errors import WorkerLostError
 
-__all__ = ["fetch", "fetch_many", "gather_as_done", "gather_results", "run_each", "task_label",
-           "wait_any", "wait_for"]
+__all__ = ["add_worker_plugin", "fetch", "fetch_many", "gather_as_done", "gather_results",
+           "remove_worker_plugin", "run_each", "task_label", "wait_any", "wait_for"]
 
 
 def wait_for(client: Client, futures: Any, *, what: str = "the computation",
@@ -157,7 +157,7 @@ def run_each(client: Client, fn: Callable, *args: Any, workers: Iterable[str] | 
     """``client.run(fn, *args)`` on each worker, each bounded: the workers that answered.
 
     A worker that does not answer within ``timeout`` (unreachable, dying, its event loop
-    stuck) or whose call fails on the way is left out, named in one
+    stuck) or whose connection fails on the way is left out, named in one
     :class:`~blockflow.errors.BlockflowWarning`; the call itself failing on a worker that
     answered is that worker's result (an exception object), as ``on_error="return"`` gives.
 
@@ -178,45 +178,94 @@ def run_each(client: Client, fn: Callable, *args: Any, workers: Iterable[str] | 
     dict
         Worker address -> its result, for the workers that answered.
     """
-    import warnings
-
-    from blockflow.errors import BlockflowWarning
-
     workers = list(client.scheduler_info()["workers"]) if workers is None else list(workers)
-    limit = float(parse_timedelta(config.get("cluster.worker-call-timeout", timeout)))
+    limit = _call_timeout(timeout)
 
     async def one(w: str):
         try:
             got = await asyncio.wait_for(client.run(fn, *args, workers=[w], on_error="return",
                                                     asynchronous=True), limit)
-            return w, got.get(w), None
         except (asyncio.TimeoutError, TimeoutError):
             return w, None, f"no answer within {limit:g} s"
         except (OSError, CancelledError) as e:  # the comm closed, the worker went
             return w, None, type(e).__name__
+        value = got.get(w)
+        if isinstance(value, (OSError, asyncio.TimeoutError, TimeoutError)):
+            # the scheduler could not reach it (CommClosedError is an OSError)
+            return w, None, type(value).__name__
+        return w, value, None
 
     async def every():
         return await asyncio.gather(*(one(w) for w in workers))
 
-    out, silent = {}, []
+    out, silent = {}, {}
     for w, value, why in (client.sync(every) if workers else []):
         if why is None:
             out[w] = value
         else:
-            silent.append((w, why))
-    if silent and any(why != f"no answer within {limit:g} s" for _, why in silent):
+            silent[w] = why
+    _name_silent(client, silent, what, limit)
+    return out
+
+
+def add_worker_plugin(client: Client, plugin: Any, *, what: str | None = None,
+                      timeout: str | float | None = None) -> None:
+    """``client.register_plugin(plugin)`` for a worker plugin, each worker bounded: a worker
+    that does not answer within ``timeout`` is named in one
+    :class:`~blockflow.errors.BlockflowWarning` and the registration goes on (the scheduler
+    keeps the plugin for the workers that join later).
+
+    Parameters
+    ----------
+    client : distributed.Client
+    plugin : distributed.WorkerPlugin
+    what : str, optional
+        Named in the warning; default "setting up blockflow on the workers".
+    timeout : str or float, optional
+        Seconds per worker; default ``blockflow.cluster.worker-call-timeout``.
+
+    Raises
+    ------
+    Exception
+        The plugin's ``setup`` failing on a worker, as ``Client.register_plugin`` raises it.
+    """
+    limit = _call_timeout(timeout)
+    silent = _distributed.add_worker_plugin_each(client, plugin, limit)
+    _name_silent(client, silent, what or "setting up blockflow on the workers", limit)
+
+
+def remove_worker_plugin(client: Client, name: str, *, what: str | None = None,
+                         timeout: str | float | None = None) -> None:
+    """``client.unregister_worker_plugin(name)``, each worker bounded as
+    :func:`add_worker_plugin`; nothing when no plugin ``name`` is registered."""
+    limit = _call_timeout(timeout)
+    silent = _distributed.remove_worker_plugin_each(client, name, limit)
+    _name_silent(client, silent, what or "removing blockflow's set-up from the workers", limit)
+
+
+def _call_timeout(timeout: str | float | None) -> float:
+    return float(parse_timedelta(config.get("cluster.worker-call-timeout", timeout)))
+
+
+def _name_silent(client: Client, silent: dict[str, str], what: str, limit: float) -> None:
+    """One warning naming the workers of ``silent`` (address -> why) still in the cluster."""
+    import warnings
+
+    from blockflow.errors import BlockflowWarning
+
+    if silent and any(why != f"no answer within {limit:g} s" for why in silent.values()):
         try:  # a worker that left the cluster meanwhile (a shutdown, Ctrl-C) is no news
             listed = set(client.scheduler_info(n_workers=-1)["workers"])
         except Exception:
             listed = set()
-        silent = [(w, why) for w, why in silent if w in listed]
-    silent = [f"{w} ({why})" for w, why in silent]
+        silent = {w: why for w, why in silent.items() if w in listed}
     if silent:
-        warnings.warn(f"blockflow: {what}: going on without worker{'s' * (len(silent) > 1)} "
-                      f"{', '.join(silent)}; check they are reachable, or raise "
+        named = ", ".join(f"{w} ({why})" for w, why in silent.items())
+        many = len(silent) > 1
+        warnings.warn(f"blockflow: {what}: going on without worker{'s' * many} {named}; "
+                      f"check {'they are' if many else 'it is'} reachable, or raise "
                       f"blockflow.cluster.worker-call-timeout.", BlockflowWarning,
-                      stacklevel=2)
-    return out
+                      stacklevel=3)
 
 
 def wait_any(futures: Iterable, timeout: float = 1.0) -> list:

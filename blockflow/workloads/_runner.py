@@ -17,7 +17,7 @@ from distributed import futures_of
 
 from blockflow._distributed.client import SchedulerProgress, in_notebook_kernel
 from blockflow.blockwise import check_retries
-from blockflow.cluster.report import pool_costs
+from blockflow.cluster.report import pool_costs, warn_workers_left, worker_hosts
 from blockflow.io import atomic_output_dir, write_manifest
 from blockflow.scheduling.runs import new_run_id, run_scope
 from blockflow.scheduling.view import plugin_status
@@ -226,6 +226,7 @@ class Job:
         self.wall_time: float | None = None
         self.task_counts: dict[str, int] | None = None
         self._start: float | None = None
+        self._workers: dict[str, str] = {}  # address -> host, when the run started
 
     @property
     def dashboard_link(self) -> str | None:
@@ -241,11 +242,14 @@ class Job:
     def start(self) -> None:
         """Start the clock."""
         self._start = time.perf_counter()
+        self._workers = worker_hosts(self.client)
 
     def stop(self) -> float:
-        """Stop the clock, read :attr:`task_counts`; :attr:`wall_time` in seconds."""
+        """Stop the clock, read :attr:`task_counts`; :attr:`wall_time` in seconds. Workers
+        that left meanwhile are named in one warning."""
         self.wall_time = time.perf_counter() - self._start
         self.task_counts = task_counts_or_none(self.client, self.run_id)
+        warn_workers_left(self.client, self._workers, self.what)
         return self.wall_time
 
     def _bar(self, before, submitted, label: str | None) -> StageProgress | None:

@@ -25,6 +25,8 @@ from blockflow.cli import cli
 from blockflow.errors import ResourceError
 from blockflow.workloads import flights
 
+from .conftest import n_gpus
+
 pytestmark = pytest.mark.slow
 
 
@@ -160,7 +162,7 @@ def _restart(hosts, client, name: str) -> str:
     wait_until(lambda: name in _names(client), timeout=120,
                message=f"the worker of host {name!r} to rejoin")
     if name == "gpu":  # its simulated device reports from the plugin's first heartbeat on
-        wait_until(lambda: blockflow.inventory(client).n_gpus == 1, interval=0.5,
+        wait_until(lambda: n_gpus(client) == 1, interval=0.5,
                    timeout=60, message="the simulated GPU's metrics to reach the scheduler")
     return _names(client)[name]
 

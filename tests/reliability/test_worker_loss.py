@@ -25,7 +25,7 @@ from distributed import LocalCluster
 from loadaware import scaled, wait_until
 
 import blockflow
-from blockflow.errors import WorkerLostError
+from blockflow.errors import BlockflowWarning, WorkerLostError
 from blockflow.testing import SimulatedDevice, SimulatedGPU, set_tenant
 from blockflow.workloads import flights
 
@@ -97,7 +97,9 @@ def test_flights_run_survives_a_killed_worker(healthy, tmp_path):
     old = running_workers(client)
     victim, pid = next(iter(worker_pids(client).items()))
     done_before = tasks_done_on(client, victim)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    # the run names the worker it lost, in one line
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, pytest.warns(
+            BlockflowWarning, match=f"worker {victim} .host [^)]*. left during the run"):
         running = pool.submit(flights.run, client, output=tmp_path / "out", **kwargs)
         # Kill once the victim has finished some of this run's tasks (it holds results).
         wait_until(lambda: tasks_done_on(client, victim) > done_before + 1 or running.done(),
