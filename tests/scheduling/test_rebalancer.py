@@ -512,3 +512,36 @@ async def test_an_unregistered_plugin_hands_back_stealing_and_stops_its_loop(c, 
                            message="the unregistered plugin's loop to stop")
     assert s.periodic_callbacks["stealing"].is_running()
     assert plugin.run_once() == []  # it acts no more
+
+
+def _gpu_dependent(root, i, seconds):
+    """A dependent that needs ``GPU=1``: ``(worker address, start, stop)``."""
+    from distributed import get_worker
+
+    start = time.time()
+    time.sleep(seconds)
+    return get_worker().address, start, time.time()
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1, {"resources": {"GPU": 1}})] * 2,
+             timeout=120)
+async def test_restricted_dependents_of_a_tiny_root_spread_over_the_gpus(c, s, a, b):
+    """dask/distributed#8177: a tiny root, four 1 s dependents needing ``GPU=1`` on two
+    workers with one GPU each. distributed places every dependent with the root's output
+    and stealing takes one (3 + 1, 3 s); blockflow hands the unmeasured restricted tasks to
+    the idle GPU (the input is tiny) before any has finished: 2 + 2."""
+    import dask
+
+    await c.register_plugin(Rebalancer(policy="dynamic", interval=0.1))
+    root = dask.delayed(lambda: 1)(dask_key_name="tiny-root")
+    with dask.annotate(resources={"GPU": 1}):
+        deps = [dask.delayed(_gpu_dependent)(root, i, 1.0, dask_key_name=("gpu-dep", i))
+                for i in range(4)]
+    ran = await c.gather(c.compute(deps))
+    assert Counter(w for w, _, _ in ran) == {a.address: 2, b.address: 2}, ran
+    # blockflow gave the idle GPU a dependent before any had finished (distributed's
+    # stealing, left alone, took one only after 0.9 s of the idle GPU)
+    plugin = s.plugins["blockflow-rebalancer"]
+    first_stop = min(stop for _, _, stop in ran)
+    moves = [d for d in plugin.decisions if d["action"] == "move" and "gpu-dep" in d["key"]]
+    assert moves and moves[0]["time"] < first_stop, (moves, ran)

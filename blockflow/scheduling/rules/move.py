@@ -185,8 +185,13 @@ class MoveRule(Rule):
             if moved_off is not None and not any(
                     n > 0 and a not in moved_off for a, n in free.items()):
                 continue
-            if not rescue and fill is not None and not (task.duration_measured and fill):
-                exhausted.add(v.address)  # nothing measured to hand out, or nobody idle
+            if not rescue and fill is not None and not (
+                    fill and (task.duration_measured or task.restricted)):
+                # nothing measured to hand out, or nobody idle. A restricted task (resources,
+                # workers) is handed out unmeasured: distributed neither queues nor spreads
+                # those, it piles them where their input is (distributed#8177), and an idle
+                # allowed thread gains for sure when the input is cheap to send (below)
+                exhausted.add(v.address)
                 continue
             best, best_finish = self.place(
                 task, v, thieves, finish, rate, rescue=rescue, fill=fill, moved_off=moved_off,
