@@ -88,7 +88,7 @@ from distributed import Client, LocalCluster, wait
 import blockflow
 
 WORKLOADS = ("zipf-skew", "slowdown", "slow-from-start", "identical", "brief-pause",
-             "coarse-slow", "uneven")
+             "coarse-slow", "uneven", "large-inputs")
 
 
 def zipf_lengths(partitions: int, exponent: float, total_rows: int, seed: int = 14
@@ -210,13 +210,15 @@ def _sized_kernel(block, block_id=None, work=0.25, unit=1000):
 
 
 def _spec_cell(config: str, args, *, blocks: int, work: float, speeds, schedules=None,
-               run: int = 0, warm: bool = True, sizes=None) -> dict:
+               run: int = 0, warm: bool = True, sizes=None, nbytes: int = 0) -> dict:
     """One fresh cluster of simulated devices (speeds, speed schedules), one configuration:
     a warm-up stage (so durations are measured, as in any pipeline past its first stage;
     ``warm=False``: none, the stage starts cold), then ``blocks`` kernels of ``work``
     reference-seconds; makespan and backup copies. ``sizes``: the blocks' lengths in
     thousands of elements, persisted on the workers first (real inputs, whose bytes the
-    scheduler knows), each kernel's work proportional to its block's length."""
+    scheduler knows), each kernel's work proportional to its block's length. ``nbytes``: each
+    block's input is ``nbytes`` bytes persisted on the workers first (the kernel's work fixed:
+    inputs large next to their compute)."""
     from blockflow.scheduling import Rebalancer
     from blockflow.testing import restart_clock, simulated_cluster
 
@@ -229,7 +231,15 @@ def _spec_cell(config: str, args, *, blocks: int, work: float, speeds, schedules
         if warm:
             blockflow.map_blocks(_spec_kernel, da.ones(2 * len(speeds), chunks=1),
                                  dtype=object, name=f"warm-{run}", work=work / 4).compute()
-        if sizes is None:
+        if nbytes:
+            n = nbytes // 8
+            x = da.arange(blocks * n, chunks=n, dtype=float).persist()
+            wait(x)
+            y = blockflow.map_blocks(_spec_kernel, x, dtype=object, name=f"spec-{run}",
+                                     chunks=((1,) * blocks,), work=work)
+            expect = sorted(int(np.arange(i * n, (i + 1) * n, dtype=float).sum())
+                            for i in range(blocks))
+        elif sizes is None:
             x = da.arange(blocks, chunks=1)
             y = blockflow.map_blocks(_spec_kernel, x, dtype=object, name=f"spec-{run}",
                                      work=work)
@@ -404,6 +414,24 @@ def uneven(client, args) -> list[dict]:
                       bound=sum(sizes) * work / 4, bound_name="fluid bound", worst=True)
 
 
+def large_inputs(client, args) -> list[dict]:
+    """4 devices, ``--spec-blocks`` blocks of ``--spec-work`` reference-seconds, each reading a
+    ``--large-mib`` MiB input persisted where Dask put it; device 0 slows to half its speed
+    half-way through the ideal makespan. A copy or a move costs more in sending the input
+    than it gains. Target (issue 39): blockflow <= plain, no backup copy."""
+    blocks, work = args.spec_blocks, args.spec_work
+    at = blocks * work / 4 / 2
+    slow = {0: [(at, 0.5)]}
+
+    def cell(config, rep):
+        return _spec_cell(config, args, blocks=blocks, work=work, speeds=[1] * 4,
+                          schedules=slow, run=rep, nbytes=int(args.large_mib * 2**20))
+
+    results = _paired(("plain", "blockflow"), args.repeat, cell)
+    return _spec_rows("large-inputs", results, "plain", blocks * work,
+                      bound=blocks * work / 4, bound_name="ideal", worst=True)
+
+
 def no_stragglers(client, args) -> list[dict]:
     """Identical devices: speculation must cost nothing (>= 5 paired repetitions)."""
     blocks, work = args.spec_blocks, args.spec_work
@@ -548,6 +576,8 @@ def main(argv=None) -> None:
                         help="paired repetitions of the brief-pause workload")
     parser.add_argument("--worst-of", type=int, default=5,
                         help="runs per configuration of coarse-slow and uneven (worst shown)")
+    parser.add_argument("--large-mib", type=float, default=32,
+                        help="MiB of input per block of the large-inputs workload")
     parser.add_argument("--in-process", action="store_true",
                         help="workers as threads of this process (starts faster; the "
                              "scheduler, workers and client then share one interpreter lock)")
@@ -570,7 +600,7 @@ def main(argv=None) -> None:
     # the straggler workloads start a fresh cluster of simulated devices per run
     spec = {"slowdown": slowdown, "slow-from-start": slow_from_start,
             "identical": no_stragglers, "brief-pause": brief_pause,
-            "coarse-slow": coarse_slow, "uneven": uneven}
+            "coarse-slow": coarse_slow, "uneven": uneven, "large-inputs": large_inputs}
     for name in chosen:
         if name in spec:
             rows += spec[name](None, args)

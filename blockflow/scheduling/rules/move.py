@@ -13,6 +13,7 @@ from blockflow._distributed import TaskView, WorkerView
 from blockflow.scheduling import estimate
 from blockflow.scheduling.actions import Action, Decision, Record, Recorded
 from blockflow.scheduling.rules.base import Rule, RuleContext, fmt_bytes, fmt_seconds
+from blockflow.scheduling.rules.hold import pessimistic_speed
 
 __all__ = ["MoveRule", "best_target"]
 
@@ -23,9 +24,12 @@ class MoveRule(Rule):
     A greedy list-scheduling repair (after LPT, Graham 1969), a blockflow heuristic: the last
     waiting task of the worker finishing last moves to the worker that would finish it soonest
     (``place``, inputs' transfer included) when that gains more than ``min_gain`` and twice the
-    transfer. A task moves once between busy workers (:attr:`moved_off`); tasks on paused
-    workers move at once, outside the budget (distributed#5235); a move refused for its
-    transfer is logged as ``keep``. Guide: :doc:`/guide/scheduling`, "Moving tasks".
+    transfer (:func:`~blockflow.scheduling.estimate.move_pays`). A task moves once between
+    busy workers (:attr:`moved_off`); tasks on paused workers move at once, outside the
+    budget (distributed#5235), but those of a worker held back for slowness (it runs them,
+    slowly) move as any, judged at its pessimistic speed; restricted tasks (resources,
+    workers) fill idle allowed threads before their duration is measured; a move refused for
+    its transfer is logged as ``keep``. Guide: :doc:`/guide/scheduling`, "Moving tasks".
 
     Parameters
     ----------
@@ -131,8 +135,18 @@ class MoveRule(Rule):
         if not thieves:
             return []
         blocked = {a for a, w in views.items() if w.status != "running" or a in paused_now}
-        finish = {a: (math.inf if a in blocked else w.projected_finish)
+        # A worker held back for slowness (the hold rule) still runs the tasks it holds,
+        # slowly: they move when the gain pays for sending their inputs, as any move
+        # (rescued whatever their inputs, they paid transfers plain Dask never makes)
+        held = {a for a in blocked if a not in snap.stopped and (
+            a in snap.held or (not views[a].paused_by_blockflow and self.slowed is not None
+                               and self.slowed(snap, a)))}
+        finish = {a: (math.inf if a in blocked and a not in held else w.projected_finish)
                   for a, w in views.items()}
+        for a in held:  # at its pessimistic speed
+            w = views[a]
+            finish[a] = w.occupancy / max(w.nthreads, 1) / max(pessimistic_speed(snap, a),
+                                                                1e-6)
         rate = {a: max(w.speed, 1e-6) * max(w.nthreads, 1) for a, w in views.items()}
         occupancy = {a: w.occupancy for a, w in views.items()}
         # A backup copy runs outside the scheduler's count: its worker is busy for it.
@@ -177,7 +191,7 @@ class MoveRule(Rule):
                 exhausted.add(v.address)
                 continue
             d = task.duration
-            rescue = v.address in blocked
+            rescue = v.address in blocked and v.address not in held
             # moved before: estimates shift after every move, and chasing a task from busy
             # worker to busy worker only churns; it moves again only to a worker with a
             # free thread that it was never moved off (an idle thread gains for sure)
@@ -199,10 +213,8 @@ class MoveRule(Rule):
                 max_fill_transfer_share=self.max_fill_transfer_share)
             stay = finish[v.address]
             base_margin = max(self.min_gain, 0.1 * d / rate[v.address])
-            margin = base_margin
-            if best is not None and not rescue:  # the transfer must pay for itself twice over
-                margin = max(margin, 2 * task.comm_cost.get(best.address, 0.0))
-            if best is None or not stay - best_finish > margin:
+            if best is None or not (rescue or estimate.move_pays(
+                    stay, best_finish, task.comm_cost.get(best.address, 0.0), base_margin)):
                 if refusal is None and not rescue and task.comm_cost:
                     refusal = self._refusal(task, v, thieves, finish, rate, stay, base_margin,
                                             fill, moved_off, free)
