@@ -24,7 +24,8 @@ from blockflow.scheduling import Rebalancer
 from blockflow.scheduling.actions import Action, Decision
 from blockflow._distributed import check_scheduler
 from blockflow.scheduling.speed import SpeedModel
-from blockflow.testing import SimulatedDevice, Tenant, install_simulated_devices, set_tenant
+from blockflow.testing import (SimulatedDevice, Tenant, install_simulated_devices, set_speed,
+                               set_tenant)
 
 GiB = 2**30
 
@@ -545,3 +546,41 @@ async def test_restricted_dependents_of_a_tiny_root_spread_over_the_gpus(c, s, a
     first_stop = min(stop for _, _, stop in ran)
     moves = [d for d in plugin.decisions if d["action"] == "move" and "gpu-dep" in d["key"]]
     assert moves and moves[0]["time"] < first_stop, (moves, ran)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=120)
+async def test_a_task_that_ran_through_a_pause_is_no_evidence_after_the_resume(c, s, a, b, w):
+    """Issue 39, a brief pause: blockflow pauses a worker whose GPU another tenant takes and
+    judges it afresh when it resumes; but the task it was running through the pause ended
+    after the resume and was taken for its speed now (half), so the worker was held back
+    and its tasks moved off (75 moves in one run, worker 0 ran 44 of a fair 55 blocks)."""
+    from blockflow.testing import simulated_kernel
+
+    await install_simulated_devices(c, {}, default=SimulatedDevice(device_memory=GiB))
+    plugin = await _plugin(c, s)
+    warm = [c.submit(simulated_kernel, i, work=0.2, workers=[wk.address], pure=False)
+            for wk in (a, b, w) for i in range(3)]
+    await wait(warm)
+    plugin.run_once()
+    assert plugin.speeds.recent_speed(a.address) == pytest.approx(1.0, rel=0.5)
+    # another tenant fills its device memory and slows its kernels (a tenth of the speed)
+    # while a task runs: paused; the tenant leaves before the task ends: resumed
+    await c.run(set_speed, 0.1, workers=[a.address])
+    through = c.submit(simulated_kernel, 9, work=0.2, workers=[a.address], pure=False)
+    await async_wait_until(lambda: any(
+        ts.key == through.key for ts in s.workers[a.address].executing),
+        message="the task running on the worker to pause")
+    await c.run(set_tenant, Tenant(0, int(0.9 * GiB)), workers=[a.address])
+    await _heartbeats(c)
+    assert [d.action for d in plugin.run_once()] == ["pause"]
+    await c.run(set_tenant, Tenant(0, 0), workers=[a.address])
+    await c.run(set_speed, 1.0, workers=[a.address])
+    await _heartbeats(c)
+    assert [d.action for d in plugin.run_once()] == ["resume"]
+    assert not through.done()  # (2 s at a tenth of the speed)
+    await wait(through)
+    plugin.run_once()
+    # what it ran through the pause says nothing of its speed now
+    assert plugin.speeds.recent_speed(a.address) is None
+    assert plugin.speeds.speed(a.address) == 1.0
+    assert not [d for d in plugin.decisions if d["action"] == "hold"]
