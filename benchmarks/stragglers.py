@@ -53,6 +53,13 @@ Workloads (``--workloads``, comma-separated):
 * ``uneven`` -- 4 identical devices, 32 persisted blocks, the last with 8x the elements
   and work of the others: long for its size, not a straggler. Target (issue 27): work done
   twice <= 5 % in every run.
+* ``large-inputs`` -- 4 devices, ``--spec-blocks`` blocks each reading a ``--large-mib``
+  (32) MiB input persisted where Dask put it, device 0 slowed to half its speed half-way:
+  a copy or a move costs more in sending the input than it gains. Target (issue 39):
+  blockflow <= plain Dask, no backup copy.
+* ``gpu-fanout`` -- dask/distributed#8177: two workers with ``GPU=1`` each, a tiny root, four
+  1 s dependents needing ``GPU=1`` (threads of this process); the split of the dependents
+  over the two workers per run. Target (issue 39): 2 + 2 in every run (2 s).
 
 Each straggler run starts a fresh cluster and runs a short warm-up stage first (durations
 measured, as in any pipeline past its first stage); "duplicated" is the seconds of work
@@ -77,6 +84,7 @@ import math
 import statistics
 import sys
 import time
+from collections import Counter
 
 import dask
 import dask.array as da
@@ -88,7 +96,7 @@ from distributed import Client, LocalCluster, wait
 import blockflow
 
 WORKLOADS = ("zipf-skew", "slowdown", "slow-from-start", "identical", "brief-pause",
-             "coarse-slow", "uneven", "large-inputs")
+             "coarse-slow", "uneven", "large-inputs", "gpu-fanout")
 
 
 def zipf_lengths(partitions: int, exponent: float, total_rows: int, seed: int = 14
@@ -432,6 +440,52 @@ def large_inputs(client, args) -> list[dict]:
                       bound=blocks * work / 4, bound_name="ideal", worst=True)
 
 
+def _gpu_dependent(root, i, seconds=1.0):
+    """A dependent of the tiny root that needs ``GPU=1``: the worker that ran it."""
+    from distributed import get_worker
+
+    time.sleep(seconds)
+    return get_worker().address
+
+
+def _fanout_cell(config: str, run: int) -> dict:
+    """Two workers with ``GPU=1`` each, a tiny root, four 1 s dependents needing ``GPU=1``
+    (dask/distributed#8177): makespan and the dependents per worker."""
+    from blockflow.scheduling import Rebalancer
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, resources={"GPU": 1},
+                      processes=False, dashboard_address=":0",
+                      silence_logs=logging.CRITICAL) as cluster, Client(cluster) as client:
+        if config != "plain":
+            client.register_plugin(Rebalancer(policy="dynamic"))
+        root = dask.delayed(lambda: 1)(dask_key_name=f"tiny-root-{run}")
+        with dask.annotate(resources={"GPU": 1}):
+            deps = [dask.delayed(_gpu_dependent)(root, i, dask_key_name=(f"gpu-dep-{run}", i))
+                    for i in range(4)]
+        t0 = time.perf_counter()
+        ran = dask.compute(*deps)
+        makespan = time.perf_counter() - t0
+    split = "+".join(str(n) for n in sorted(Counter(ran).values(), reverse=True))
+    return {"makespan": makespan, "split": split, "launched": 0, "won": 0}
+
+
+def gpu_fanout(client, args) -> list[dict]:
+    """dask/distributed#8177: restricted dependents of one tiny root on two one-GPU workers;
+    2 s is possible (2 + 2). Target (issue 39): 2 + 2 in every run."""
+    results = _paired(("plain", "blockflow"), args.repeat,
+                      lambda c, rep: _fanout_cell(c, rep))
+    rows = []
+    for config, runs in results.items():
+        ms = [r["makespan"] for r in runs]
+        ratios = [r["makespan"] / q["makespan"] for r, q in zip(runs, results["plain"])]
+        rows.append({
+            "workload": "gpu-fanout", "config": config,
+            "makespan s": f"{statistics.median(ms):.2f} ({min(ms):.2f}-{max(ms):.2f})",
+            "/plain": f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
+            "splits": " ".join(r["split"] for r in runs)})
+    return rows
+
+
 def no_stragglers(client, args) -> list[dict]:
     """Identical devices: speculation must cost nothing (>= 5 paired repetitions)."""
     blocks, work = args.spec_blocks, args.spec_work
@@ -600,7 +654,8 @@ def main(argv=None) -> None:
     # the straggler workloads start a fresh cluster of simulated devices per run
     spec = {"slowdown": slowdown, "slow-from-start": slow_from_start,
             "identical": no_stragglers, "brief-pause": brief_pause,
-            "coarse-slow": coarse_slow, "uneven": uneven, "large-inputs": large_inputs}
+            "coarse-slow": coarse_slow, "uneven": uneven, "large-inputs": large_inputs,
+            "gpu-fanout": gpu_fanout}
     for name in chosen:
         if name in spec:
             rows += spec[name](None, args)
