@@ -573,3 +573,28 @@ def test_a_held_workers_tasks_move_only_where_the_gain_pays_for_their_inputs():
     moved = [d for d in _policy().move.moves(snap, set()) if d.action == "move"]
     assert moved == [], moved  # 3.5 s here vs 2.9 s there: gains 0.6 s < 2 x 0.9 s
     assert move_pays(3.5, 1.9, 0.3, 0.1) and not move_pays(3.5, 2.9, 0.9, 0.1)
+
+
+def test_a_held_worker_is_not_released_when_the_overrun_that_held_it_becomes_a_cold_start():
+    """Issue 39, coarse stragglers: a device 10x slow from the start was held on its first
+    block's overrun (speed <= 0.1); when that block ended, its cold start (counted at half
+    its time) showed 0.2, and with 12 blocks queued it was released, took a block it needed
+    2 s for, and the stage waited (worst of 5 at 1.44x the fast devices' bound)."""
+    ws, _ = _slowed_fleet(recent=None)
+    running = {a: [_running(f"k-{a}", 0.1, duration=0.2)] for a in ("w1", "w2", "w3")}
+    running["w0"] = [_running("k-w0", 1.9, duration=0.2)]  # 0.2 s block, 1.9 s running
+    busy = [ws[0]] + [_worker(w.address, processing=2) for w in ws[1:]]
+    policy = _policy()
+    out = policy.hold.holds(_snap(busy, running, queued=12))
+    assert [(d.action, d.worker) for d in out] == [("hold", "w0")]
+    # the block ended: its cold start says 0.2 (a 5x slow device: 1 s for its next block,
+    # while the others run 12 + 1 + 3 blocks of 0.2 s in 1.07 s); it is still evidently slow,
+    # and judged at the 0.1 it showed
+    busy[0].status, busy[0].recent_speed, busy[0].processing = "paused", 0.2, 0
+    del running["w0"]
+    out = policy.hold.holds(_snap(busy, running, queued=12, held={"w0"}))
+    assert out == [], out
+    # its latest task shows it fast again: released
+    busy[0].recent_speed = 1.0
+    out = policy.hold.holds(_snap(busy, running, queued=12, held={"w0"}))
+    assert [(d.action, d.worker) for d in out] == [("release", "w0")]
