@@ -46,9 +46,12 @@ class MoveRule(Rule):
     """
 
     #: A balancing move's input transfer may take at most this share of the task's compute
-    #: time on the target (distributed's stealing weighs transfer against compute the same
-    #: way); tasks stuck on paused workers move whatever their inputs.
-    max_transfer_share = 0.25
+    #: time on the target; within it the gain must pay twice for the transfer
+    #: (:func:`~blockflow.scheduling.estimate.move_pays`). It was 0.25: with 32 MiB inputs
+    #: of 0.3 s tasks every move was refused while distributed's stealing was suspended, and
+    #: nothing balanced (1.36x plain Dask, benchmarks/stragglers.py large-inputs). Tasks
+    #: stuck on paused workers move whatever their inputs.
+    max_transfer_share = 1.0
     #: The same bound while speeds are not known to differ (filling idle threads): only
     #: tasks whose inputs are cheap to send move then.
     max_fill_transfer_share = 0.05
@@ -174,6 +177,7 @@ class MoveRule(Rule):
         exhausted: set[str] = set()
         rescued = 0  # rescues off paused workers: outside the budget
         refusal: Decision | None = None  # one move refused for its transfer, per tick
+        sending: dict[tuple[str, str], float] = {}  # (from, to) -> seconds of inputs sent
         while len(out) - rescued < self.move_budget:
             # a paused worker's waiting tasks say themselves which of its tasks wait (on one
             # that paused itself, all not started: no thread of it takes one); elsewhere the
@@ -207,14 +211,18 @@ class MoveRule(Rule):
                 # allowed thread gains for sure when the input is cheap to send (below)
                 exhausted.add(v.address)
                 continue
+            # inputs this tick's moves already send from this worker: a transfer waits
+            # behind them on the same link
+            queued = {t: secs for (src, t), secs in sending.items() if src == v.address}
             best, best_finish = self.place(
                 task, v, thieves, finish, rate, rescue=rescue, fill=fill, moved_off=moved_off,
                 free=free, max_transfer_share=self.max_transfer_share,
-                max_fill_transfer_share=self.max_fill_transfer_share)
+                max_fill_transfer_share=self.max_fill_transfer_share, sending=queued)
             stay = finish[v.address]
             base_margin = max(self.min_gain, 0.1 * d / rate[v.address])
             if best is None or not (rescue or estimate.move_pays(
-                    stay, best_finish, task.comm_cost.get(best.address, 0.0), base_margin)):
+                    stay, best_finish, task.comm_cost.get(best.address, 0.0)
+                    + queued.get(best.address, 0.0), base_margin)):
                 if refusal is None and not rescue and task.comm_cost:
                     refusal = self._refusal(task, v, thieves, finish, rate, stay, base_margin,
                                             fill, moved_off, free)
@@ -242,6 +250,9 @@ class MoveRule(Rule):
                 f"projected finish {here} vs {fmt_seconds(best_finish)} on target{sent}",
                 seen, target=best.address, key=task.key))
             rescued += rescue
+            if task.comm_cost.get(best.address):
+                link = (v.address, best.address)
+                sending[link] = sending.get(link, 0.0) + task.comm_cost[best.address]
             self.moved_off.setdefault(task.key, set()).add(v.address)
             self.moved_off.move_to_end(task.key)
             while len(self.moved_off) > self.moved_memory:
@@ -310,7 +321,8 @@ def best_target(task: TaskView, v: WorkerView, thieves: list[WorkerView],
                 finish: dict[str, float], rate: dict[str, float], *, rescue: bool,
                 fill: dict[str, int] | None, moved_off: set[str] | None,
                 free: dict[str, int], max_transfer_share: float,
-                max_fill_transfer_share: float) -> tuple[WorkerView | None, float]:
+                max_fill_transfer_share: float,
+                sending: dict[str, float] | None = None) -> tuple[WorkerView | None, float]:
     """The worker of ``thieves`` that would finish ``task`` (waiting on ``v``) soonest, and when;
     ``(None, inf)`` if none may take it.
 
@@ -318,8 +330,11 @@ def best_target(task: TaskView, v: WorkerView, thieves: list[WorkerView],
     :func:`blockflow.scheduling.estimate.earliest_finish`, within
     :class:`~blockflow.scheduling.rules.MoveRule`'s limits: allowed workers, idle threads while
     filling, never back to a worker it was moved off, and (unless rescued) inputs sent within
-    ``max_transfer_share`` (``max_fill_transfer_share`` while filling) of its compute time.
+    ``max_transfer_share`` (``max_fill_transfer_share`` while filling) of its compute time;
+    ``sending``: target -> seconds of inputs already on their way there from ``v`` (the
+    transfer waits behind them).
     """
+    sending = sending or {}
     d = task.duration
     eligible = {}
     for t in thieves:
@@ -338,7 +353,7 @@ def best_target(task: TaskView, v: WorkerView, thieves: list[WorkerView],
         eligible[t.address] = t
     placed = estimate.earliest_finish(
         1, {a: finish[a] for a in eligible},
-        lambda _, a: d / rate[a] + task.comm_cost.get(a, 0.0))
+        lambda _, a: d / rate[a] + task.comm_cost.get(a, 0.0) + sending.get(a, 0.0))
     if not placed or not placed[0].finish < math.inf:
         return None, math.inf
     return eligible[placed[0].worker], placed[0].finish
