@@ -311,7 +311,15 @@ def _paired(configs, reps, cell) -> dict:
     for rep in range(reps):
         order = configs if rep % 2 == 0 else configs[::-1]
         for c in order:
-            r = cell(c, rep)
+            for attempt in range(3):  # a loaded machine may not start a cluster in time
+                try:
+                    r = cell(c, rep)
+                    break
+                except (TimeoutError, OSError) as e:
+                    print(f"  rep {rep} {c}: cluster failed ({type(e).__name__}), again",
+                          file=sys.stderr)
+            else:
+                raise RuntimeError(f"{c}: no cluster started in 3 tries")
             print(f"  rep {rep} {c:24s} {r['makespan']:.2f}s backups {r['launched']} "
                   f"won {r['won']}", file=sys.stderr)
             results[c].append(r)
