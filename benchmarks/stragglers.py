@@ -53,6 +53,13 @@ Workloads (``--workloads``, comma-separated):
 * ``uneven`` -- 4 identical devices, 32 persisted blocks, the last with 8x the elements
   and work of the others: long for its size, not a straggler. Target (issue 27): work done
   twice <= 5 % in every run.
+* ``large-inputs`` -- 4 devices, ``--spec-blocks`` blocks each reading a ``--large-mib``
+  (32) MiB input persisted where Dask put it, device 0 slowed to half its speed half-way:
+  a copy or a move costs more in sending the input than it gains. Target (issue 39):
+  blockflow <= plain Dask, no backup copy.
+* ``gpu-fanout`` -- dask/distributed#8177: two workers with ``GPU=1`` each, a tiny root, four
+  1 s dependents needing ``GPU=1`` (threads of this process); the split of the dependents
+  over the two workers per run. Target (issue 39): 2 + 2 in every run (2 s).
 
 Each straggler run starts a fresh cluster and runs a short warm-up stage first (durations
 measured, as in any pipeline past its first stage); "duplicated" is the seconds of work
@@ -77,6 +84,7 @@ import math
 import statistics
 import sys
 import time
+from collections import Counter
 
 import dask
 import dask.array as da
@@ -88,7 +96,7 @@ from distributed import Client, LocalCluster, wait
 import blockflow
 
 WORKLOADS = ("zipf-skew", "slowdown", "slow-from-start", "identical", "brief-pause",
-             "coarse-slow", "uneven")
+             "coarse-slow", "uneven", "large-inputs", "gpu-fanout")
 
 
 def zipf_lengths(partitions: int, exponent: float, total_rows: int, seed: int = 14
@@ -210,13 +218,15 @@ def _sized_kernel(block, block_id=None, work=0.25, unit=1000):
 
 
 def _spec_cell(config: str, args, *, blocks: int, work: float, speeds, schedules=None,
-               run: int = 0, warm: bool = True, sizes=None) -> dict:
+               run: int = 0, warm: bool = True, sizes=None, nbytes: int = 0) -> dict:
     """One fresh cluster of simulated devices (speeds, speed schedules), one configuration:
     a warm-up stage (so durations are measured, as in any pipeline past its first stage;
     ``warm=False``: none, the stage starts cold), then ``blocks`` kernels of ``work``
     reference-seconds; makespan and backup copies. ``sizes``: the blocks' lengths in
     thousands of elements, persisted on the workers first (real inputs, whose bytes the
-    scheduler knows), each kernel's work proportional to its block's length."""
+    scheduler knows), each kernel's work proportional to its block's length. ``nbytes``: each
+    block's input is ``nbytes`` bytes persisted on the workers first (the kernel's work fixed:
+    inputs large next to their compute)."""
     from blockflow.scheduling import Rebalancer
     from blockflow.testing import restart_clock, simulated_cluster
 
@@ -229,7 +239,15 @@ def _spec_cell(config: str, args, *, blocks: int, work: float, speeds, schedules
         if warm:
             blockflow.map_blocks(_spec_kernel, da.ones(2 * len(speeds), chunks=1),
                                  dtype=object, name=f"warm-{run}", work=work / 4).compute()
-        if sizes is None:
+        if nbytes:
+            n = nbytes // 8
+            x = da.arange(blocks * n, chunks=n, dtype=float).persist()
+            wait(x)
+            y = blockflow.map_blocks(_spec_kernel, x, dtype=object, name=f"spec-{run}",
+                                     chunks=((1,) * blocks,), work=work)
+            expect = sorted(int(np.arange(i * n, (i + 1) * n, dtype=float).sum())
+                            for i in range(blocks))
+        elif sizes is None:
             x = da.arange(blocks, chunks=1)
             y = blockflow.map_blocks(_spec_kernel, x, dtype=object, name=f"spec-{run}",
                                      work=work)
@@ -293,7 +311,15 @@ def _paired(configs, reps, cell) -> dict:
     for rep in range(reps):
         order = configs if rep % 2 == 0 else configs[::-1]
         for c in order:
-            r = cell(c, rep)
+            for attempt in range(3):  # a loaded machine may not start a cluster in time
+                try:
+                    r = cell(c, rep)
+                    break
+                except (TimeoutError, OSError) as e:
+                    print(f"  rep {rep} {c}: cluster failed ({type(e).__name__}), again",
+                          file=sys.stderr)
+            else:
+                raise RuntimeError(f"{c}: no cluster started in 3 tries")
             print(f"  rep {rep} {c:24s} {r['makespan']:.2f}s backups {r['launched']} "
                   f"won {r['won']}", file=sys.stderr)
             results[c].append(r)
@@ -402,6 +428,70 @@ def uneven(client, args) -> list[dict]:
     results = _paired(("plain", "blockflow"), args.worst_of, cell)
     return _spec_rows("uneven-sizes-one-8x", results, "plain", sum(sizes) * work,
                       bound=sum(sizes) * work / 4, bound_name="fluid bound", worst=True)
+
+
+def large_inputs(client, args) -> list[dict]:
+    """4 devices, ``--spec-blocks`` blocks of ``--spec-work`` reference-seconds, each reading a
+    ``--large-mib`` MiB input persisted where Dask put it; device 0 slows to half its speed
+    half-way through the ideal makespan. A copy or a move costs more in sending the input
+    than it gains. Target (issue 39): blockflow <= plain, no backup copy."""
+    blocks, work = args.spec_blocks, args.spec_work
+    at = blocks * work / 4 / 2
+    slow = {0: [(at, 0.5)]}
+
+    def cell(config, rep):
+        return _spec_cell(config, args, blocks=blocks, work=work, speeds=[1] * 4,
+                          schedules=slow, run=rep, nbytes=int(args.large_mib * 2**20))
+
+    results = _paired(("plain", "blockflow"), args.repeat, cell)
+    return _spec_rows("large-inputs", results, "plain", blocks * work,
+                      bound=blocks * work / 4, bound_name="ideal", worst=True)
+
+
+def _gpu_dependent(root, i, seconds=1.0):
+    """A dependent of the tiny root that needs ``GPU=1``: the worker that ran it."""
+    from distributed import get_worker
+
+    time.sleep(seconds)
+    return get_worker().address
+
+
+def _fanout_cell(config: str, run: int) -> dict:
+    """Two workers with ``GPU=1`` each, a tiny root, four 1 s dependents needing ``GPU=1``
+    (dask/distributed#8177): makespan and the dependents per worker."""
+    from blockflow.scheduling import Rebalancer
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, resources={"GPU": 1},
+                      processes=False, dashboard_address=":0",
+                      silence_logs=logging.CRITICAL) as cluster, Client(cluster) as client:
+        if config != "plain":
+            client.register_plugin(Rebalancer(policy="dynamic"))
+        root = dask.delayed(lambda: 1)(dask_key_name=f"tiny-root-{run}")
+        with dask.annotate(resources={"GPU": 1}):
+            deps = [dask.delayed(_gpu_dependent)(root, i, dask_key_name=(f"gpu-dep-{run}", i))
+                    for i in range(4)]
+        t0 = time.perf_counter()
+        ran = dask.compute(*deps)
+        makespan = time.perf_counter() - t0
+    split = "+".join(str(n) for n in sorted(Counter(ran).values(), reverse=True))
+    return {"makespan": makespan, "split": split, "launched": 0, "won": 0}
+
+
+def gpu_fanout(client, args) -> list[dict]:
+    """dask/distributed#8177: restricted dependents of one tiny root on two one-GPU workers;
+    2 s is possible (2 + 2). Target (issue 39): 2 + 2 in every run."""
+    results = _paired(("plain", "blockflow"), args.repeat,
+                      lambda c, rep: _fanout_cell(c, rep))
+    rows = []
+    for config, runs in results.items():
+        ms = [r["makespan"] for r in runs]
+        ratios = [r["makespan"] / q["makespan"] for r, q in zip(runs, results["plain"])]
+        rows.append({
+            "workload": "gpu-fanout", "config": config,
+            "makespan s": f"{statistics.median(ms):.2f} ({min(ms):.2f}-{max(ms):.2f})",
+            "/plain": f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
+            "splits": " ".join(r["split"] for r in runs)})
+    return rows
 
 
 def no_stragglers(client, args) -> list[dict]:
@@ -548,6 +638,8 @@ def main(argv=None) -> None:
                         help="paired repetitions of the brief-pause workload")
     parser.add_argument("--worst-of", type=int, default=5,
                         help="runs per configuration of coarse-slow and uneven (worst shown)")
+    parser.add_argument("--large-mib", type=float, default=32,
+                        help="MiB of input per block of the large-inputs workload")
     parser.add_argument("--in-process", action="store_true",
                         help="workers as threads of this process (starts faster; the "
                              "scheduler, workers and client then share one interpreter lock)")
@@ -570,7 +662,8 @@ def main(argv=None) -> None:
     # the straggler workloads start a fresh cluster of simulated devices per run
     spec = {"slowdown": slowdown, "slow-from-start": slow_from_start,
             "identical": no_stragglers, "brief-pause": brief_pause,
-            "coarse-slow": coarse_slow, "uneven": uneven}
+            "coarse-slow": coarse_slow, "uneven": uneven, "large-inputs": large_inputs,
+            "gpu-fanout": gpu_fanout}
     for name in chosen:
         if name in spec:
             rows += spec[name](None, args)

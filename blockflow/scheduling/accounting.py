@@ -104,7 +104,7 @@ class Accounting:
                     if group.startswith(KERNEL_PREFIX):
                         kernel_counts[worker] += 1
                     if len(entry) > 6:
-                        compute = 0.0
+                        compute, first = 0.0, entry[6]
                         for i in range(6, len(entry), 2):
                             begin, stop = entry[i], entry[i + 1]
                             start = min(begin + wait, stop)
@@ -117,7 +117,8 @@ class Accounting:
                                           if life is not None and life[3] else None)
                         if compute > 0:
                             speeds.observe(worker, group, compute,
-                                           1.0 if work is None else work, size=size)
+                                           1.0 if work is None else work, size=size,
+                                           start=first)
                     runs.finished(key, worker)
                 except Exception:  # one task's bad record must not drop the rest
                     logger.warning("blockflow: accounting for finished task %r failed",

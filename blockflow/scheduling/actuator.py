@@ -103,7 +103,8 @@ class Actuator:
 
     def _on_resume(self, d, snap):
         self.paused.pop(d.worker, None)
-        self.speeds.reset(d.worker)  # judged on what it does from now on
+        # judged on what it does from now on: not on a task that ran through the pause
+        self.speeds.reset(d.worker, since=time.time())
         hm = snap.workers[d.worker].host_memory_fraction
         if hm is not None and hm >= (self._host_pause_fraction or math.inf):
             # over its own host-memory pause threshold: the worker resumes itself

@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 __all__ = ["CONFIDENT", "LinkBandwidth", "Placement", "Throughput", "call_cost",
-           "confident_speeds", "earliest_finish", "fixed_units", "prior_seconds_per_unit"]
+           "confident_speeds", "earliest_finish", "fixed_units", "move_pays",
+           "prior_seconds_per_unit"]
 
 #: A learned speed counts as known from this confidence (0-1) on: the threshold
 #: :meth:`~blockflow.scheduling.speed.SpeedModel.heterogeneous` uses for "well observed".
@@ -40,6 +41,23 @@ def confident_speeds(speeds: Mapping[str, float] | None,
         if conf.get(a, 0.0) >= threshold and math.isfinite(s) and s > 0:
             out[a] = s
     return out
+
+
+def move_pays(stay: float, there: float, transfer: float, margin: float) -> bool:
+    """Whether moving a task pays: its finish ``stay`` seconds from now where it is, ``there``
+    on the target (sending its inputs, ``transfer`` seconds, included).
+
+    The gain ``stay - there`` must exceed ``margin`` (seconds) and twice the transfer again:
+    the transfer's estimate (link bandwidth, input bytes) is the least certain term, and a
+    move that only breaks even loses to plain Dask, which sends nothing. A blockflow
+    heuristic (distributed's stealing weighs transfer against compute likewise).
+
+    Examples
+    --------
+    >>> move_pays(4.0, 1.5, 0.5, 0.1), move_pays(4.0, 3.5, 0.5, 0.1)
+    (True, False)
+    """
+    return stay - there > max(margin, 2 * transfer)
 
 
 def call_cost(calls: list[tuple[int, float]]) -> float | None:

@@ -74,6 +74,7 @@ class SpeedModel:
         self.recover_log = math.log(recover_ratio)
         # worker -> seconds of its current streak of slow tasks: see slow_for
         self.streak: dict[str, float] = {}
+        self.since: dict[str, float] = {}  # worker -> when it was last reset (epoch seconds)
         self.max_groups = max_groups
         self.cold_allowance = cold_allowance
         self.group_half_life = group_half_life
@@ -97,13 +98,16 @@ class SpeedModel:
         self.sizes: dict[str, deque[float]] = {}  # group -> sizes of its last tasks
 
     def observe(self, worker: str, group: str, duration: float, work: float = 1.0,
-                size: float | None = None) -> None:
+                size: float | None = None, start: float | None = None) -> None:
         """Record that ``worker`` ran a task of ``group`` in ``duration`` seconds. O(1).
 
         ``work`` (> 0): the task's size in units its group shares, so the model compares seconds
         per unit. ``size`` (declared work, else input bytes; None: unknown) feeds
-        :meth:`size_factor`.
+        :meth:`size_factor`. ``start`` (epoch seconds): a task started before the worker was
+        last :meth:`reset` is no evidence of what it does now, and is ignored.
         """
+        if start is not None and start < self.since.get(worker, -math.inf):
+            return
         if size is not None and size > 0 and math.isfinite(size):
             sizes = self.sizes.get(group)
             if sizes is None:
@@ -346,8 +350,13 @@ class SpeedModel:
         return gap >= math.log(min_ratio) and gap >= crit * math.sqrt(
             self.var[fast] + self.var[slow])
 
-    def reset(self, worker: str) -> None:
-        """Forget the durations of ``worker`` but not that it is warm (judge it afresh)."""
+    def reset(self, worker: str, since: float | None = None) -> None:
+        """Forget the durations of ``worker`` but not that it is warm (judge it afresh); with
+        ``since`` (epoch seconds), tasks it started before are ignored when they end (a task
+        that ran through a pause shows the pause, not the worker).
+        """
+        if since is not None:
+            self.since[worker] = since
         for per_worker in self.groups.values():
             per_worker.pop(worker, None)
         self.log_speed.pop(worker, None)
@@ -364,6 +373,7 @@ class SpeedModel:
         """Drop everything known about ``worker`` (it left the cluster)."""
         self.reset(worker)
         self.count.pop(worker, None)
+        self.since.pop(worker, None)
         for key in [k for k in self.seen if k[0] == worker]:
             del self.seen[key]
         for per_worker in self.cold.values():

@@ -64,22 +64,31 @@ def test_the_same_move_is_made_over_a_fast_link_and_refused_over_a_slow_one():
     assert move.seen["transfer_seconds"] == 0.004
     assert move.reason.endswith("on target; inputs 3.81 MiB in 0.004s over a 0.93 GiB/s link")
 
-    slow = list(DynamicPolicy().run(_snapshot(6.25e6)))  # 50 Mbit/s: 0.64 s, > 25 % of 1 s
+    slow = list(DynamicPolicy().run(_snapshot(1.25e6)))  # 10 Mbit/s: 3.2 s, > 1 s compute
     assert [(d.action, d.worker, d.target, d.key) for d in slow] == [
         ("keep", A, B, ("blockflow-k", 6))]
     keep = slow[0]
     assert keep.reason == (
-        f"move to {B} refused: inputs 3.81 MiB take 0.640s over a 5.96 MiB/s link, more than "
-        f"25% of its 1.000s compute or half its {keep.seen['gain_seconds']:.3f}s gain")
-    assert keep.seen["link_bandwidth"] == 6.25e6 and keep.seen["compute_seconds"] == 1.0
-    assert keep.seen["transfer_seconds"] == 0.64
+        f"move to {B} refused: inputs 3.81 MiB take 3.200s over a 1.19 MiB/s link, more than "
+        f"100% of its 1.000s compute or half its {keep.seen['gain_seconds']:.3f}s gain")
+    assert keep.seen["link_bandwidth"] == 1.25e6 and keep.seen["compute_seconds"] == 1.0
+    assert keep.seen["transfer_seconds"] == 3.2
+
+
+def test_moves_over_one_slow_link_queue_behind_each_other():
+    """Issue 39: over a 50 Mbit/s link a 4 MB input takes 0.64 s; the last of A's six 1 s
+    tasks gains 6 - 1.64 s on idle B and moves. The next waits for that transfer too (1.28 s
+    of sending, 2.28 s on B after the first): it gains less than twice its transfer, and
+    stays; plain Dask's stealing would send it too."""
+    moves = [d for d in DynamicPolicy().run(_snapshot(6.25e6)) if d.action == "move"]
+    assert [(d.worker, d.target, d.key) for d in moves] == [(A, B, ("blockflow-k", 6))]
 
 
 def test_a_refusal_is_logged_once_per_two_workers_and_interval():
     policy = DynamicPolicy()
-    assert [d.action for d in policy.run(_snapshot(6.25e6))] == ["keep"]
-    assert list(policy.run(_snapshot(6.25e6))) == []  # the next tick: not again
-    later = _snapshot(6.25e6)
+    assert [d.action for d in policy.run(_snapshot(1.25e6))] == ["keep"]
+    assert list(policy.run(_snapshot(1.25e6))) == []  # the next tick: not again
+    later = _snapshot(1.25e6)
     later.time = policy.move.refusal_interval
     assert [d.action for d in policy.run(later)] == ["keep"]
 

@@ -207,11 +207,12 @@ def test_dynamic_never_moves_a_task_back_to_a_worker_it_left():
 
 
 def test_dynamic_balancing_leaves_data_bound_tasks_with_their_data():
-    """A 1 s task whose inputs take 0.4 s to send (more than a quarter of its compute) stays,
-    though moving it would finish it earlier; one taking 0.1 s moves, when the gain covers
-    twice the transfer; off a paused worker either moves."""
+    """A 1 s task whose inputs take 1.5 s to send (more than its compute) stays, though
+    moving it would finish it earlier; one taking 0.1 s moves, when the gain covers twice the
+    transfer; off a paused worker either moves. (Issue 39: the bound was a quarter of the
+    compute, which left 32 MiB inputs of 0.3 s tasks unbalanced with stealing suspended.)"""
     def tasks():
-        return [task("heavy", comm={"b": 0.4}), task("light", comm={"b": 0.1})]
+        return [task("heavy", comm={"b": 1.5}), task("light", comm={"b": 0.1})]
 
     s = snap([worker("a", processing=6, executing=1, occupancy=6.0), worker("b")],
              waiting={"a": tasks()})

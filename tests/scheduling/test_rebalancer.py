@@ -24,7 +24,8 @@ from blockflow.scheduling import Rebalancer
 from blockflow.scheduling.actions import Action, Decision
 from blockflow._distributed import check_scheduler
 from blockflow.scheduling.speed import SpeedModel
-from blockflow.testing import SimulatedDevice, Tenant, install_simulated_devices, set_tenant
+from blockflow.testing import (SimulatedDevice, Tenant, install_simulated_devices, set_speed,
+                               set_tenant)
 
 GiB = 2**30
 
@@ -512,3 +513,74 @@ async def test_an_unregistered_plugin_hands_back_stealing_and_stops_its_loop(c, 
                            message="the unregistered plugin's loop to stop")
     assert s.periodic_callbacks["stealing"].is_running()
     assert plugin.run_once() == []  # it acts no more
+
+
+def _gpu_dependent(root, i, seconds):
+    """A dependent that needs ``GPU=1``: ``(worker address, start, stop)``."""
+    from distributed import get_worker
+
+    start = time.time()
+    time.sleep(seconds)
+    return get_worker().address, start, time.time()
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1, {"resources": {"GPU": 1}})] * 2,
+             timeout=120)
+async def test_restricted_dependents_of_a_tiny_root_spread_over_the_gpus(c, s, a, b):
+    """dask/distributed#8177: a tiny root, four 1 s dependents needing ``GPU=1`` on two
+    workers with one GPU each. distributed places every dependent with the root's output
+    and stealing takes one (3 + 1, 3 s); blockflow hands the unmeasured restricted tasks to
+    the idle GPU (the input is tiny) before any has finished: 2 + 2."""
+    import dask
+
+    await c.register_plugin(Rebalancer(policy="dynamic", interval=0.1))
+    root = dask.delayed(lambda: 1)(dask_key_name="tiny-root")
+    with dask.annotate(resources={"GPU": 1}):
+        deps = [dask.delayed(_gpu_dependent)(root, i, 1.0, dask_key_name=("gpu-dep", i))
+                for i in range(4)]
+    ran = await c.gather(c.compute(deps))
+    assert Counter(w for w, _, _ in ran) == {a.address: 2, b.address: 2}, ran
+    # blockflow gave the idle GPU a dependent before any had finished (distributed's
+    # stealing, left alone, took one only after 0.9 s of the idle GPU)
+    plugin = s.plugins["blockflow-rebalancer"]
+    first_stop = min(stop for _, _, stop in ran)
+    moves = [d for d in plugin.decisions if d["action"] == "move" and "gpu-dep" in d["key"]]
+    assert moves and moves[0]["time"] < first_stop, (moves, ran)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=120)
+async def test_a_task_that_ran_through_a_pause_is_no_evidence_after_the_resume(c, s, a, b, w):
+    """Issue 39, a brief pause: blockflow pauses a worker whose GPU another tenant takes and
+    judges it afresh when it resumes; but the task it was running through the pause ended
+    after the resume and was taken for its speed now (half), so the worker was held back
+    and its tasks moved off (75 moves in one run, worker 0 ran 44 of a fair 55 blocks)."""
+    from blockflow.testing import simulated_kernel
+
+    await install_simulated_devices(c, {}, default=SimulatedDevice(device_memory=GiB))
+    plugin = await _plugin(c, s)
+    warm = [c.submit(simulated_kernel, i, work=0.2, workers=[wk.address], pure=False)
+            for wk in (a, b, w) for i in range(3)]
+    await wait(warm)
+    plugin.run_once()
+    assert plugin.speeds.recent_speed(a.address) == pytest.approx(1.0, rel=0.5)
+    # another tenant fills its device memory and slows its kernels (a tenth of the speed)
+    # while a task runs: paused; the tenant leaves before the task ends: resumed
+    await c.run(set_speed, 0.1, workers=[a.address])
+    through = c.submit(simulated_kernel, 9, work=0.2, workers=[a.address], pure=False)
+    await async_wait_until(lambda: any(
+        ts.key == through.key for ts in s.workers[a.address].executing),
+        message="the task running on the worker to pause")
+    await c.run(set_tenant, Tenant(0, int(0.9 * GiB)), workers=[a.address])
+    await _heartbeats(c)
+    assert [d.action for d in plugin.run_once()] == ["pause"]
+    await c.run(set_tenant, Tenant(0, 0), workers=[a.address])
+    await c.run(set_speed, 1.0, workers=[a.address])
+    await _heartbeats(c)
+    assert [d.action for d in plugin.run_once()] == ["resume"]
+    assert not through.done()  # (2 s at a tenth of the speed)
+    await wait(through)
+    plugin.run_once()
+    # what it ran through the pause says nothing of its speed now
+    assert plugin.speeds.recent_speed(a.address) is None
+    assert plugin.speeds.speed(a.address) == 1.0
+    assert not [d for d in plugin.decisions if d["action"] == "hold"]

@@ -30,9 +30,10 @@ class HoldRule(Rule):
     A running worker whose :func:`pessimistic_speed` is below ``1 /`` :attr:`hold_slowdown` is
     held (paused on the scheduler) when its next task would end after the others finish the
     queue with it: ``busy + duration / speed > (queued + 1 + waiting) x duration / (their total
-    speed)``; released when nothing is left to run or the condition fails. LATE's rule of not
-    launching work on slow nodes (Zaharia et al., OSDI 2008) applied to Dask's queue; a
-    blockflow heuristic. Held workers join ``context.paused_now``; a ``"graph"`` snapshot
+    speed)``; released when nothing is left to run or the condition fails, judged while it is
+    still evidently slowed at the lowest speed seen since it was held (hysteresis). LATE's
+    rule of not launching work on slow nodes (Zaharia et al., OSDI 2008) applied to Dask's
+    queue; a blockflow heuristic. Held workers join ``context.paused_now``; a ``"graph"`` snapshot
     forgets the stage's kernel duration.
 
     Parameters
@@ -49,6 +50,8 @@ class HoldRule(Rule):
         # median duration of the kernels running while root tasks are queued, since the
         # last graph arrived
         self.duration: float | None = None
+        # held worker -> the lowest pessimistic speed seen while held and still slowed
+        self.held_speed: dict[str, float] = {}
 
     def slowed_now(self, snap, addr: str) -> bool:
         """Whether ``addr`` is now :attr:`hold_slowdown` times slower than typical, at worst."""
@@ -88,6 +91,7 @@ class HoldRule(Rule):
                 continue
             keep, seen = self._condition(snap, addr, d, paused_now)
             if not keep:
+                self.held_speed.pop(addr, None)
                 out.append(Decision(Action.RELEASE, addr, "nothing is left to run (queue "
                                     "empty, no task waiting) or the others no longer finish it "
                                     "before this worker's next task would end", seen))
@@ -98,6 +102,7 @@ class HoldRule(Rule):
                 continue
             hold, seen = self._condition(snap, addr, d, paused_now)
             if hold:
+                self.held_speed[addr] = seen["pessimistic_speed"]
                 out.append(Decision(
                     Action.HOLD, addr, f"its next task would take "
                     f"{fmt_seconds(seen['own_time'])} here; the other workers run the "
@@ -105,9 +110,25 @@ class HoldRule(Rule):
                     f"{fmt_seconds(seen['others_time'])}", seen))
         return out
 
+    def _speed(self, snap, addr: str) -> float:
+        """:func:`pessimistic_speed`, held workers at the lowest seen while held: the evidence
+        of an overrunning task ends with the task, and a cold start's (halved) that follows
+        must not release a worker still evidently slowed (it was released, took a queued
+        block 10x slow and decided the stage: worst coarse run 1.44x the fast-only bound).
+        """
+        speed = pessimistic_speed(snap, addr)
+        if addr not in snap.held:
+            return speed
+        if speed * self.hold_slowdown > 1.0:  # its latest evidence says it is not slow now
+            self.held_speed.pop(addr, None)
+            return speed
+        speed = min(speed, self.held_speed.get(addr, speed))
+        self.held_speed[addr] = speed
+        return speed
+
     def _condition(self, snap, addr: str, d: float | None, paused_now) -> tuple[bool, dict]:
         w = snap.workers[addr]
-        speed = pessimistic_speed(snap, addr)
+        speed = self._speed(snap, addr)
         seen = w.seen()
         seen.update({"pessimistic_speed": round(speed, 4), "queued": snap.queued})
         if d is None or speed * self.hold_slowdown > 1.0:

@@ -13,6 +13,7 @@ from blockflow._distributed import TaskView, WorkerView
 from blockflow.scheduling import estimate
 from blockflow.scheduling.actions import Action, Decision, Record, Recorded
 from blockflow.scheduling.rules.base import Rule, RuleContext, fmt_bytes, fmt_seconds
+from blockflow.scheduling.rules.hold import pessimistic_speed
 
 __all__ = ["MoveRule", "best_target"]
 
@@ -23,9 +24,12 @@ class MoveRule(Rule):
     A greedy list-scheduling repair (after LPT, Graham 1969), a blockflow heuristic: the last
     waiting task of the worker finishing last moves to the worker that would finish it soonest
     (``place``, inputs' transfer included) when that gains more than ``min_gain`` and twice the
-    transfer. A task moves once between busy workers (:attr:`moved_off`); tasks on paused
-    workers move at once, outside the budget (distributed#5235); a move refused for its
-    transfer is logged as ``keep``. Guide: :doc:`/guide/scheduling`, "Moving tasks".
+    transfer (:func:`~blockflow.scheduling.estimate.move_pays`). A task moves once between
+    busy workers (:attr:`moved_off`); tasks on paused workers move at once, outside the
+    budget (distributed#5235), but those of a worker held back for slowness (it runs them,
+    slowly) move as any, judged at its pessimistic speed; restricted tasks (resources,
+    workers) fill idle allowed threads before their duration is measured; a move refused for
+    its transfer is logged as ``keep``. Guide: :doc:`/guide/scheduling`, "Moving tasks".
 
     Parameters
     ----------
@@ -42,9 +46,12 @@ class MoveRule(Rule):
     """
 
     #: A balancing move's input transfer may take at most this share of the task's compute
-    #: time on the target (distributed's stealing weighs transfer against compute the same
-    #: way); tasks stuck on paused workers move whatever their inputs.
-    max_transfer_share = 0.25
+    #: time on the target; within it the gain must pay twice for the transfer
+    #: (:func:`~blockflow.scheduling.estimate.move_pays`). It was 0.25: with 32 MiB inputs
+    #: of 0.3 s tasks every move was refused while distributed's stealing was suspended, and
+    #: nothing balanced (1.36x plain Dask, benchmarks/stragglers.py large-inputs). Tasks
+    #: stuck on paused workers move whatever their inputs.
+    max_transfer_share = 1.0
     #: The same bound while speeds are not known to differ (filling idle threads): only
     #: tasks whose inputs are cheap to send move then.
     max_fill_transfer_share = 0.05
@@ -131,8 +138,18 @@ class MoveRule(Rule):
         if not thieves:
             return []
         blocked = {a for a, w in views.items() if w.status != "running" or a in paused_now}
-        finish = {a: (math.inf if a in blocked else w.projected_finish)
+        # A worker held back for slowness (the hold rule) still runs the tasks it holds,
+        # slowly: they move when the gain pays for sending their inputs, as any move
+        # (rescued whatever their inputs, they paid transfers plain Dask never makes)
+        held = {a for a in blocked if a not in snap.stopped and (
+            a in snap.held or (not views[a].paused_by_blockflow and self.slowed is not None
+                               and self.slowed(snap, a)))}
+        finish = {a: (math.inf if a in blocked and a not in held else w.projected_finish)
                   for a, w in views.items()}
+        for a in held:  # at its pessimistic speed
+            w = views[a]
+            finish[a] = w.occupancy / max(w.nthreads, 1) / max(pessimistic_speed(snap, a),
+                                                                1e-6)
         rate = {a: max(w.speed, 1e-6) * max(w.nthreads, 1) for a, w in views.items()}
         occupancy = {a: w.occupancy for a, w in views.items()}
         # A backup copy runs outside the scheduler's count: its worker is busy for it.
@@ -160,6 +177,7 @@ class MoveRule(Rule):
         exhausted: set[str] = set()
         rescued = 0  # rescues off paused workers: outside the budget
         refusal: Decision | None = None  # one move refused for its transfer, per tick
+        sending: dict[tuple[str, str], float] = {}  # (from, to) -> seconds of inputs sent
         while len(out) - rescued < self.move_budget:
             # a paused worker's waiting tasks say themselves which of its tasks wait (on one
             # that paused itself, all not started: no thread of it takes one); elsewhere the
@@ -177,7 +195,7 @@ class MoveRule(Rule):
                 exhausted.add(v.address)
                 continue
             d = task.duration
-            rescue = v.address in blocked
+            rescue = v.address in blocked and v.address not in held
             # moved before: estimates shift after every move, and chasing a task from busy
             # worker to busy worker only churns; it moves again only to a worker with a
             # free thread that it was never moved off (an idle thread gains for sure)
@@ -185,19 +203,26 @@ class MoveRule(Rule):
             if moved_off is not None and not any(
                     n > 0 and a not in moved_off for a, n in free.items()):
                 continue
-            if not rescue and fill is not None and not (task.duration_measured and fill):
-                exhausted.add(v.address)  # nothing measured to hand out, or nobody idle
+            if not rescue and fill is not None and not (
+                    fill and (task.duration_measured or task.restricted)):
+                # nothing measured to hand out, or nobody idle. A restricted task (resources,
+                # workers) is handed out unmeasured: distributed neither queues nor spreads
+                # those, it piles them where their input is (distributed#8177), and an idle
+                # allowed thread gains for sure when the input is cheap to send (below)
+                exhausted.add(v.address)
                 continue
+            # inputs this tick's moves already send from this worker: a transfer waits
+            # behind them on the same link
+            queued = {t: secs for (src, t), secs in sending.items() if src == v.address}
             best, best_finish = self.place(
                 task, v, thieves, finish, rate, rescue=rescue, fill=fill, moved_off=moved_off,
                 free=free, max_transfer_share=self.max_transfer_share,
-                max_fill_transfer_share=self.max_fill_transfer_share)
+                max_fill_transfer_share=self.max_fill_transfer_share, sending=queued)
             stay = finish[v.address]
             base_margin = max(self.min_gain, 0.1 * d / rate[v.address])
-            margin = base_margin
-            if best is not None and not rescue:  # the transfer must pay for itself twice over
-                margin = max(margin, 2 * task.comm_cost.get(best.address, 0.0))
-            if best is None or not stay - best_finish > margin:
+            if best is None or not (rescue or estimate.move_pays(
+                    stay, best_finish, task.comm_cost.get(best.address, 0.0)
+                    + queued.get(best.address, 0.0), base_margin)):
                 if refusal is None and not rescue and task.comm_cost:
                     refusal = self._refusal(task, v, thieves, finish, rate, stay, base_margin,
                                             fill, moved_off, free)
@@ -225,6 +250,9 @@ class MoveRule(Rule):
                 f"projected finish {here} vs {fmt_seconds(best_finish)} on target{sent}",
                 seen, target=best.address, key=task.key))
             rescued += rescue
+            if task.comm_cost.get(best.address):
+                link = (v.address, best.address)
+                sending[link] = sending.get(link, 0.0) + task.comm_cost[best.address]
             self.moved_off.setdefault(task.key, set()).add(v.address)
             self.moved_off.move_to_end(task.key)
             while len(self.moved_off) > self.moved_memory:
@@ -293,7 +321,8 @@ def best_target(task: TaskView, v: WorkerView, thieves: list[WorkerView],
                 finish: dict[str, float], rate: dict[str, float], *, rescue: bool,
                 fill: dict[str, int] | None, moved_off: set[str] | None,
                 free: dict[str, int], max_transfer_share: float,
-                max_fill_transfer_share: float) -> tuple[WorkerView | None, float]:
+                max_fill_transfer_share: float,
+                sending: dict[str, float] | None = None) -> tuple[WorkerView | None, float]:
     """The worker of ``thieves`` that would finish ``task`` (waiting on ``v``) soonest, and when;
     ``(None, inf)`` if none may take it.
 
@@ -301,8 +330,11 @@ def best_target(task: TaskView, v: WorkerView, thieves: list[WorkerView],
     :func:`blockflow.scheduling.estimate.earliest_finish`, within
     :class:`~blockflow.scheduling.rules.MoveRule`'s limits: allowed workers, idle threads while
     filling, never back to a worker it was moved off, and (unless rescued) inputs sent within
-    ``max_transfer_share`` (``max_fill_transfer_share`` while filling) of its compute time.
+    ``max_transfer_share`` (``max_fill_transfer_share`` while filling) of its compute time;
+    ``sending``: target -> seconds of inputs already on their way there from ``v`` (the
+    transfer waits behind them).
     """
+    sending = sending or {}
     d = task.duration
     eligible = {}
     for t in thieves:
@@ -321,7 +353,7 @@ def best_target(task: TaskView, v: WorkerView, thieves: list[WorkerView],
         eligible[t.address] = t
     placed = estimate.earliest_finish(
         1, {a: finish[a] for a in eligible},
-        lambda _, a: d / rate[a] + task.comm_cost.get(a, 0.0))
+        lambda _, a: d / rate[a] + task.comm_cost.get(a, 0.0) + sending.get(a, 0.0))
     if not placed or not placed[0].finish < math.inf:
         return None, math.inf
     return eligible[placed[0].worker], placed[0].finish
