@@ -261,10 +261,23 @@ def worker_hosts(client) -> dict[str, str]:
     return {a: str(w.get("host") or a) for a, w in workers.items()}
 
 
+def _retired(client, address: str) -> bool:
+    """Whether the scheduler removed worker ``address`` on purpose (retired by adaptive
+    scaling or ``retire_workers``, closed by the cluster): its last ``remove-worker`` event
+    says ``expected``."""
+    try:
+        events = client.get_events(address)
+    except Exception:  # the scheduler cannot say: name the worker
+        return False
+    removals = [e for _, e in events if isinstance(e, dict) and e.get("action") == "remove-worker"]
+    return bool(removals) and bool(removals[-1].get("expected"))
+
+
 def warn_workers_left(client, before: dict[str, str], what: str) -> list[str]:
     """One :class:`~blockflow.errors.BlockflowWarning` naming the workers of ``before``
     (:func:`worker_hosts` when ``what`` started) the scheduler no longer lists: they left
-    (unreachable, ended) and the run went on without them. Returns their addresses."""
+    (unreachable, ended) and the run went on without them. Workers retired on purpose
+    (adaptive scaling, ``retire_workers``) are not named. Returns their addresses."""
     import warnings
 
     from blockflow.errors import BlockflowWarning
@@ -272,7 +285,7 @@ def warn_workers_left(client, before: dict[str, str], what: str) -> list[str]:
     now = worker_hosts(client)
     if not now:
         return []
-    gone = [a for a in before if a not in now]
+    gone = [a for a in before if a not in now and not _retired(client, a)]
     if gone:
         named = ", ".join(f"{a} (host {before[a]})" for a in gone)
         warnings.warn(f"blockflow: {what}: worker{'s' * (len(gone) > 1)} {named} left during "

@@ -90,3 +90,30 @@ def test_counts_are_spelt_in_the_singular_and_plural(moves, tasks, words):
     html_words = words.replace(f" on {len(tasks)} worker" + ("s" if len(tasks) != 1 else ""),
                                "")
     assert f"makespan 1.00 s, {html_words}, policy dynamic" in report._repr_html_()
+
+
+def test_a_worker_retired_on_purpose_is_not_named_as_lost_one_that_died_is():
+    import os
+    import warnings
+
+    from distributed import Client, LocalCluster
+
+    from blockflow.cluster.report import warn_workers_left, worker_hosts
+    from blockflow.errors import BlockflowWarning
+    from loadaware import wait_until
+
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        client.wait_for_workers(3)
+        before = worker_hosts(client)
+        retired, killed, _ = sorted(before)
+        client.retire_workers([retired])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # retired by the user: nothing to say
+            assert warn_workers_left(client, before, "the job") == []
+        client.run(os._exit, 1, workers=[killed], on_error="ignore")
+        wait_until(lambda: killed not in worker_hosts(client),
+                   message="the killed worker to leave")
+        with pytest.warns(BlockflowWarning, match="left during the run") as record:
+            assert warn_workers_left(client, before, "the job") == [killed]
+        assert len(record) == 1 and killed in str(record[0].message)
