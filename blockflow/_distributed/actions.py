@@ -337,16 +337,12 @@ def rehold_tasks(scheduler, keys) -> dict:
     return out
 
 
-def warn_client(scheduler, client: str | None, message: str, category=None) -> bool:
-    """Show ``message`` as a warning on one client (``category``, a Warning class, default
-    UserWarning), as :func:`distributed.warn` from a task shows one on every client: the
-    client's ``warn`` event handler calls :func:`warnings.warn`. False when the client is
-    gone (or ``client`` is None)."""
+def warn_client(scheduler, client: str | None, topic: str, message: dict) -> bool:
+    """Send ``message`` (plain data) to one client on event ``topic``, where a handler the
+    client subscribed (``Client.subscribe_topic``) shows it; a client without one ignores
+    it. False when the client is gone (or ``client`` is None)."""
     if client is None or client not in scheduler.client_comms:
         return False
-    event = {"message": pickle.dumps(message)}
-    if category is not None:
-        event["category"] = pickle.dumps(category)
-    scheduler.report({"op": "event", "topic": "warn", "event": (time.time(), event)},
+    scheduler.report({"op": "event", "topic": topic, "event": (time.time(), message)},
                      client=client)
     return True

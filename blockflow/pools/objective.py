@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -16,11 +17,50 @@ from typing import Any, Iterator
 import dask
 from dask.utils import parse_timedelta
 
-__all__ = ["OBJECTIVE_ANNOTATION", "OBJECTIVES", "Objective", "objective", "objective_scope",
-           "positive_seconds"]
+__all__ = ["OBJECTIVE_ANNOTATION", "OBJECTIVES", "WARN_TOPIC", "Objective", "objective",
+           "objective_scope", "positive_seconds"]
 
 #: The task annotation carrying a run's objective (``Objective.as_dict``).
 OBJECTIVE_ANNOTATION = "blockflow_objective"
+#: The client event topic a run's missed objective is told on (``{"message", "scope"}``).
+WARN_TOPIC = "blockflow-objective-warning"
+#: objective scope token -> (file, line, module) of the ``with`` that opened it, this process
+_WHERE: dict[str, tuple[str, int, str]] = {}
+
+
+def _show_warning(event) -> None:
+    """Client event handler of :data:`WARN_TOPIC`: the scheduler's message as one
+    :class:`~blockflow.errors.BlockflowWarning` pointing at the user's ``with
+    blockflow.objective(...)`` line (not at the event loop that received it)."""
+    from blockflow.errors import BlockflowWarning
+
+    _, msg = event
+    if not isinstance(msg, dict) or not isinstance(msg.get("message"), str):
+        return
+    where = _WHERE.get(msg.get("scope")) or (next(reversed(_WHERE.values()), None))
+    if where is None:
+        warnings.warn(msg["message"], BlockflowWarning, stacklevel=2)
+    else:
+        warnings.warn_explicit(msg["message"], BlockflowWarning, where[0], where[1],
+                               module=where[2])
+
+
+def _listen(scope: str, frame) -> None:
+    """Remember where ``scope``'s ``with`` is, and have this process's default client (if
+    any) show its run's missed objective (:func:`_show_warning`)."""
+    _WHERE[scope] = (frame.f_code.co_filename, frame.f_lineno,
+                     frame.f_globals.get("__name__", "__main__"))
+    while len(_WHERE) > 1000:
+        del _WHERE[next(iter(_WHERE))]
+    try:
+        from distributed import default_client
+
+        client = default_client()
+    except (ImportError, ValueError):  # no client yet: the run gets no client warning
+        return
+    client.subscribe_topic(WARN_TOPIC, _show_warning)  # idempotent
+
+
 #: The objective kinds.
 OBJECTIVES = ("makespan", "cost")
 
@@ -60,17 +100,18 @@ class Objective:
         return self.kind == "cost" or self.budget is not None
 
     @contextlib.contextmanager
-    def _scope(self) -> Iterator[Objective]:
+    def _scope(self, frame) -> Iterator[Objective]:
         # "scope": this ``with`` block's token: graphs submitted inside it are one run, the
         # only run this objective applies to (a graph outside is a run of its own)
         tag = {**self.as_dict(), "scope": uuid.uuid4().hex[:12]}
+        _listen(tag["scope"], frame)
         with warnings.catch_warnings(), dask.annotate(**{OBJECTIVE_ANNOTATION: tag}):
             warnings.filterwarnings("ignore", message="Dask annotations .* detected",
                                     category=UserWarning)
             yield self
 
     def __enter__(self) -> Objective:
-        cm = self._scope()
+        cm = self._scope(sys._getframe(1))
         self.__dict__.setdefault("_stack", []).append(cm)
         return cm.__enter__()
 

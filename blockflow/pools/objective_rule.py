@@ -558,4 +558,5 @@ class ObjectiveRule(Rule):
             del self._warned[next(iter(self._warned))]
         return [Record(Recorded.OBJECTIVE, "", f"run {run.id}: {reason}",
                        {"run": run.id, "objective": run.objective.as_dict(), **seen},
-                       target=run.id, detail={"warning": True, "client": run.client})]
+                       target=run.id, detail={"warning": True, "client": run.client,
+                                                     "scope": run.scope})]

@@ -15,7 +15,8 @@ from dataclasses import replace
 from typing import Any
 
 from blockflow import _distributed
-from blockflow.errors import BlockflowWarning, ResourceError
+from blockflow.errors import ResourceError
+from blockflow.pools.objective import WARN_TOPIC
 from blockflow.scheduling import resources
 from blockflow.scheduling.actions import Action, Decision, Record, Recorded
 
@@ -66,8 +67,9 @@ class Actuator:
         elif r.action is Recorded.OBJECTIVE and (r.detail or {}).get("warning"):
             objective_logger.warning("blockflow: %s", r.reason)
             if self.scheduler is not None:  # and on the client whose run it is
-                _distributed.warn_client(self.scheduler, r.detail.get("client"),
-                                         f"blockflow: {r.reason}", BlockflowWarning)
+                _distributed.warn_client(self.scheduler, r.detail.get("client"), WARN_TOPIC,
+                                         {"message": f"blockflow: {r.reason}",
+                                          "scope": r.detail.get("scope")})
         self._log(r)
         return True
 

@@ -71,6 +71,7 @@ class Run:
     pending: int = 0  # of those, not finished (nor forgotten) yet
     counts: Counter = field(default_factory=Counter)  # worker -> task executions finished
     objective: Objective | None = None  # blockflow.objective(...) it was submitted under
+    scope: str | None = None  # that with-block's token (objective_scope)
     group_pending: Counter = field(default_factory=Counter)  # task group -> not finished
     group_tasks: Counter = field(default_factory=Counter)  # task group -> tasks given
     # worker -> [first start, last stop] of its task executions in this run (billing)
@@ -174,7 +175,7 @@ class RunTracker:
             run.group_pending[group] += 1
             run.group_tasks[group] += 1
         if goal is not None:
-            run.objective = goal
+            run.objective, run.scope = goal, scope
         if new:
             run.ended = None
         run.graphs += 1

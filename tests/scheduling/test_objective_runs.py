@@ -217,6 +217,7 @@ def test_a_deadline_lost_with_a_pools_workers_is_one_line_on_the_client_and_in_d
     assert "deadline" in lines[0]["reason"], lines
     told = [w for w in caught if run_id in str(w.message)]
     assert len(told) == 1 and "\n" not in str(told[0].message), [str(w.message) for w in told]
+    assert told[0].filename == __file__  # at the user's with-block, not distributed's client
 
 
 # --- two runs at once, each with its own objective -----------------------------------------
