@@ -11,27 +11,59 @@ Neural networks train on torch.distributed instead (:mod:`blockflow.ml.train`).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 
 import dask
+import numpy as np
 from distributed import get_worker
 
 from blockflow.reduction import choose_split_every
 from blockflow.scheduling.wait import gather_as_done
 
-__all__ = ["ShardPasses", "add_values"]
+__all__ = ["ShardPasses", "exact_sum", "two_part_sum"]
 
 
-def add_values(a, b):
-    """``a + b`` for arrays, numbers and tuples of them; None (no rows) adds nothing."""
-    if a is None:
-        return b
-    if b is None:
-        return a
-    if isinstance(a, tuple):
-        return tuple(add_values(x, z) for x, z in zip(a, b))
-    return a + b
+def two_part_sum(a):
+    """Sums over the rows of ``a`` (2-D, float64; NumPy or CuPy) as two rows ``[hi, lo]``
+    whose exact sum is the rows' exact sum to about 2**-100 relative.
+
+    A pairwise tree of error-free additions (Knuth's TwoSum: ``s + e == x + y`` exactly),
+    the errors summed apart into ``lo``; what is left is second order, so blocks cut at
+    other rows give the same total once :func:`exact_sum` rounds it (compensated
+    summation, Ogita, Rump and Oishi 2005). Overwrites ``a``.
+    """
+    lo = a[:0].sum(axis=0)  # zeros of the right kind and shape
+    while a.shape[0] > 1:
+        if a.shape[0] % 2:  # the odd row into the first, exactly
+            x, y = a[0], a[-1]
+            s = x + y
+            bb = s - x
+            lo += (x - (s - bb)) + (y - bb)
+            a[0] = s
+            a = a[:-1]
+        x, y = a[0::2], a[1::2]
+        s = x + y
+        bb = s - x
+        lo += ((x - (s - bb)) + (y - bb)).sum(axis=0)
+        a = s
+    hi = a[0] if a.shape[0] else lo * 0
+    return _stack(hi, lo)
+
+
+def _stack(hi, lo) -> np.ndarray:
+    if hasattr(hi, "get") and not isinstance(hi, np.ndarray):  # CuPy: to the host
+        hi, lo = hi.get(), lo.get()
+    return np.stack([np.asarray(hi, dtype=float), np.asarray(lo, dtype=float)])
+
+
+def exact_sum(values) -> np.ndarray:
+    """Column sums of the blocks' ``values`` (each a row, or rows, of terms) correctly
+    rounded once (:func:`math.fsum`, Shewchuk's exact partials): the same whatever the
+    order or the grouping of the terms."""
+    parts = np.vstack([np.atleast_2d(np.asarray(v, dtype=float)) for v in values])
+    return np.array([math.fsum(c) for c in parts.T])
 
 
 def _run_shard(func, blocks, rows, args, ids):
@@ -87,7 +119,5 @@ class ShardPasses:
         in block order."""
         got = _add(*gather_as_done(parts, alive=self._workers,
                                    needed=set(self.placement.values()), poll=self.poll))
-        value = None
-        for j in sorted(got["values"]):
-            value = add_values(value, got["values"][j])
+        value = exact_sum([got["values"][j] for j in sorted(got["values"])])
         return dict(got, value=value)
