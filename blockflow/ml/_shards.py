@@ -430,7 +430,8 @@ class ResidentShards(ShardPasses):
     # --- a pass (the machinery: blockflow.ml._passes) ----------------------------------
 
     def map_sum(self, func: Callable, rows: Sequence | None = None, args: tuple = (),
-                *, measure: bool = True) -> Any:
+                *, measure: bool = True, first_rows: bool = False,
+                merge: Callable | None = None) -> Any:
         """``sum over workers of func(blocks, rows, *args)``, each on its own blocks.
 
         Parameters
@@ -444,6 +445,11 @@ class ResidentShards(ShardPasses):
             Further arguments (small: they travel in the graph).
         measure : bool, default True
             Whether the pass's timings count towards the workers' speeds.
+        first_rows : bool, default False
+            Pass each block's first row (its index in the data) after ``args``.
+        merge : callable, optional
+            ``merge(values)`` of the blocks' values in block order; default
+            :func:`~blockflow.ml._passes.exact_sum` (column sums correctly rounded once).
 
         Returns
         -------
@@ -456,9 +462,9 @@ class ResidentShards(ShardPasses):
             If workers keep leaving (1000 passes lost in a row).
         """
         for _ in range(1000):
-            parts = self._submit(func, rows, args)
+            parts = self._submit(func, rows, args, first_rows)
             try:
-                out = self._wait(parts)
+                out = self._wait(parts, merge)
             except WorkerLostError as e:
                 lost = set(e.lost)
             else:

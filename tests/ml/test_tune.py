@@ -486,3 +486,20 @@ def test_trials_go_to_the_fastest_devices_and_never_blind_twice(declared):
         else:  # blind: the 4 idle devices each ran a copy, whose times are evidence
             assert placed == [1, 1, 0.5, 0.5], placed
             assert backup.sum() == 4 and set(h.worker) == set(by_addr), h
+
+
+def test_synchronous_tuning_gives_the_same_trials_and_model_whatever_the_workers(client):
+    """Synchronous successive halving decides on whole rungs: on 3 workers and on 1 the
+    same trials reach the same rungs with the same scores and the same best checkpoint
+    (ASHA promotes in the order results arrive, so its promotions follow the timing)."""
+    xs = np.random.default_rng(5).permutation(9) / 8
+    configs = [{"x": float(x)} for x in xs]
+    kw = dict(eta=3, min_budget=1, max_budget=9, synchronous=True, publish=False)
+    r3 = tune(train, configs, client=client, **kw)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=None) as cluster, Client(cluster) as one:
+        r1 = tune(train, configs, client=one, **kw)
+    cols = ["rung", "budget", "score", "status"]
+    assert r3.trials[cols].equals(r1.trials[cols])
+    assert r3.best_trial == r1.best_trial == int(np.argmax(xs))
+    assert r3.best_checkpoint == r1.best_checkpoint and r3.best_score == r1.best_score

@@ -153,13 +153,15 @@ def run_steps(pipe, batches: list, *, train: bool, want_grads: bool = False,
             summaries, ckpt = _segment(pipe, seg, train=train, want_grads=want_grads,
                                        want_output=want_output, budget=budget)
         except GroupLost as e:  # a first segment's steps given: at most that many ran
-            _recovery.recover(pipe, set(e.lost), what, redone=len(seg) if train else 0)
-            continue
+            gone = set(e.lost)
         except (CancelledError, OSError, KeyError):  # data sent to a worker that just died
             # (a scatter to a worker the scheduler has just dropped is a KeyError there)
             gone = gone_workers(pipe.client, pipe.ranks)
             if not gone:
                 raise
+        else:
+            gone = None
+        if gone is not None:  # out of the except: no internal error chained to the user's
             _recovery.recover(pipe, gone, what, redone=len(seg) if train else 0)
             continue
         wall = time.perf_counter() - t0
