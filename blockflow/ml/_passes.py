@@ -75,24 +75,42 @@ def exact_sum(values) -> np.ndarray:
 GROUP = 16
 
 
-def _group_sums(terms):
-    """Each run of ``GROUP`` rows' sum, the rows added one after the other (a ``(g, k)``
-    array: the one way every group is summed, whichever block or pieces it came from)."""
-    g = terms.shape[0]
-    return terms.reshape(-1, min(g, GROUP) or 1, terms.shape[1]).sum(axis=1)
+def _group_sums(columns: list) -> np.ndarray:
+    """Each run of ``GROUP`` rows' sum (fewer: one partial group) of ``columns`` (arrays
+    ``(g,)`` or ``(g, c)``), as ``(groups, k)``: the one way every group is summed,
+    whichever block or pieces it came from."""
+    g = len(columns[0])
+    size = GROUP if g % GROUP == 0 and g else max(g, 1)
+    return np.concatenate([_host(a.reshape((-1, size) + a.shape[1:]).sum(axis=1)).reshape(
+        -1 if g else 0, int(np.prod(a.shape[1:], dtype=int))) for a in columns], axis=1)
 
 
-def group_terms(terms, first: int) -> dict:
-    """On a worker: a block's terms (rows ``first...`` of the data) as fixed row groups:
-    ``parts``, the groups the block holds whole, summed (:func:`two_part_sum` over their
-    sums); ``pieces``, ``(group, first row, rows)`` of the groups it holds part of
-    (:func:`merge_groups` joins them across blocks)."""
-    n = terms.shape[0]
+def _rows(column, lo: int, hi: int):
+    """Rows ``lo:hi`` of a column of :func:`group_terms` (a pair ``(x, w)``: of
+    ``x * w[:, None]``)."""
+    if isinstance(column, tuple):
+        x, w = column
+        return x[lo:hi] * w[lo:hi, None]
+    return column[lo:hi]
+
+
+def group_terms(columns: list, first: int, chunk: int = 256 * GROUP) -> dict:
+    """On a worker: a block's terms (``columns``: arrays ``(n,)`` or ``(n, c)`` of rows
+    ``first...`` of the data, NumPy or CuPy; a pair ``(x, w)`` for ``x * w[:, None]``,
+    formed ``chunk`` rows at a time) in fixed row groups: ``parts``, the groups the block
+    holds whole, summed (:func:`two_part_sum` over their sums); ``pieces``, ``(group,
+    first row, columns)`` of the groups it holds part of (:func:`merge_groups` joins them
+    across blocks)."""
+    n = len(columns[0][0] if isinstance(columns[0], tuple) else columns[0])
     a = min(-first % GROUP, n)  # rows before the first whole group
     b = a + (n - a) // GROUP * GROUP  # rows up to the end of the last whole group
-    pieces = [((first + lo) // GROUP, first + lo, _host(terms[lo:hi]))
+    pieces = [((first + lo) // GROUP, first + lo, [_host(_rows(c, lo, hi)) for c in columns])
               for lo, hi in ((0, a), (b, n)) if hi > lo]
-    return {"parts": two_part_sum(_group_sums(terms[a:b])), "pieces": pieces}
+    sums = [_group_sums([_rows(c, lo, min(lo + chunk, b)) for c in columns])
+            for lo in range(a, b, chunk)]
+    k = sum(int(np.prod(_rows(c, 0, 0).shape[1:], dtype=int)) for c in columns)
+    return {"parts": two_part_sum(np.concatenate(sums) if sums else np.zeros((0, k))),
+            "pieces": pieces}
 
 
 def merge_groups(values) -> np.ndarray:
@@ -101,10 +119,12 @@ def merge_groups(values) -> np.ndarray:
     bits whatever the blocks' boundaries."""
     cut: dict[int, list] = defaultdict(list)
     for v in values:
-        for g, lo, rows in v["pieces"]:
-            cut[g].append((lo, rows))
-    joined = [_group_sums(np.concatenate([r for _, r in sorted(ps, key=lambda p: p[0])]))
-              for _, ps in sorted(cut.items())]
+        for g, lo, cols in v["pieces"]:
+            cut[g].append((lo, cols))
+    joined = []
+    for _, ps in sorted(cut.items()):
+        ps = [cols for _, cols in sorted(ps, key=lambda p: p[0])]
+        joined.append(_group_sums([np.concatenate(c) for c in zip(*ps)]))
     return exact_sum([v["parts"] for v in values] + joined)
 
 

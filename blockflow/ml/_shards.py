@@ -335,6 +335,7 @@ class ResidentShards(ShardPasses):
             self.futures[j] = self.client.submit(_pair_copy, src, workers=[placement[j]],
                                                  allow_other_workers=False, pure=False)
         sources.clear()
+        src = None  # a traceback of this frame must not keep a block alive
         self.moves += len(moved) if self.placement else 0
         self.placement = dict(placement)
         wait_for(self.client, [self.futures[j] for j in moved], what="moving blocks")
@@ -359,7 +360,10 @@ class ResidentShards(ShardPasses):
             error = self.futures[min(j for j in moved if self.futures[j].status ==
                                      "error")].exception()
         self.close()  # nothing of this placement stays on the workers
-        raise error.with_traceback(None)
+        try:
+            raise error.with_traceback(None)
+        finally:  # no cycle through this frame: it would hold the blocks until a gc
+            del error, killed
 
     def refuse_lost_sources(self, blocks: list[int], settle: bool = False) -> None:
         """One line naming ``blocks`` whose source is data the user scattered that was lost

@@ -56,10 +56,7 @@ def _glm_pass(blocks, rows, kind, coef, first):
     else:  # poisson, log link: half deviance up to a constant in y
         mu = xp.exp(z)
         loss, d = mu - yb * z, mu - yb
-    terms = xp.empty((len(z), len(coef) + 1))
-    terms[:, 0], terms[:, -1] = loss, d
-    xp.multiply(xb, d[:, None], out=terms[:, 1:-1])
-    return group_terms(terms, first)
+    return group_terms([loss, (xb, d), d], first)
 
 
 # The settings every GLM shares are keyword-only dataclass fields of the base class; each
