@@ -13,6 +13,8 @@ Run: ``python benchmarks/training.py`` (full) or ``--steps 12 --epochs 1`` (smok
    block hook, before the rank's allreduce): time to a held-out accuracy with
    speed-weighted shares against DDP's equal local batches on the same ranks
    (``sharding="equal"``), final accuracies side by side.
+3. A GLM pass's per-block work (issue 39): blockflow's row-independent terms and exact
+   sums (the same coefficients on any block boundaries) beside plain NumPy/BLAS.
 """
 
 from __future__ import annotations
@@ -300,6 +302,39 @@ def fault_section(args, out):
     out(f"\nkilled / fault-free: {walls[1] / walls[2]:.2f}x (target <= 2x plus the restart)")
 
 
+def _blas_pass(xb, yb, coef):
+    """The anchor: a logistic GLM's per-block sums as NumPy and BLAS give them."""
+    z = xb @ coef[:-1] + coef[-1]
+    d = 1 / (1 + np.exp(-z)) - yb
+    return float((np.logaddexp(0, z) - yb * z).sum()), xb.T @ d, float(d.sum())
+
+
+def glm_section(args, out):
+    """One GLM pass's per-block work: blockflow's row-independent terms and exact sums
+    (:func:`blockflow.ml.glm._glm_pass`) beside plain NumPy/BLAS, alternated."""
+    from blockflow.ml._passes import merge_groups
+    from blockflow.ml.glm import _glm_pass
+
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((args.glm_rows, 20))
+    y = (rng.random(args.glm_rows) > 0.5).astype(float)
+    coef = rng.standard_normal(21) * 0.1
+    times = {"blockflow": [], "NumPy/BLAS": []}
+    for rep in range(2 * args.repeat):
+        for name in (("blockflow", "NumPy/BLAS") if rep % 2 else ("NumPy/BLAS", "blockflow")):
+            t = time.perf_counter()
+            if name == "blockflow":
+                merge_groups([_glm_pass([(X, y)], [None], "logistic", coef, 0)])
+            else:
+                _blas_pass(X, y, coef)
+            times[name].append(time.perf_counter() - t)
+    b, n = statistics.median(times["blockflow"]), statistics.median(times["NumPy/BLAS"])
+    out(f"\n3. A logistic GLM pass over one block of {args.glm_rows:,} x 20 float64 rows "
+        f"(median of {2 * args.repeat}, alternated): blockflow (fixed row groups, "
+        f"the same bits on any block boundaries) {b * 1e3:.1f} ms, NumPy/BLAS {n * 1e3:.1f} ms: "
+        f"{b / n:.2f}x")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=8192)
@@ -310,7 +345,8 @@ def main():
     p.add_argument("--segment", type=int, default=100,
                    help="checkpoint_every (section 2; blockflow.ml.checkpoint-every)")
     p.add_argument("--fault-epochs", type=int, default=2)
-    p.add_argument("--only", choices=["equal", "uneven", "fault"], default=None)
+    p.add_argument("--glm-rows", type=int, default=1_000_000, help="rows of section 3")
+    p.add_argument("--only", choices=["equal", "uneven", "fault", "glm"], default=None)
     p.add_argument("--output", default=None)
     args = p.parse_args()
     lines = []
@@ -327,6 +363,8 @@ def main():
         uneven_section(args, out)
     if args.only in (None, "fault"):
         fault_section(args, out)
+    if args.only in (None, "glm"):
+        glm_section(args, out)
     out(f"load {os.getloadavg()[0]:.1f} at the end")
     if args.output:
         with open(args.output, "a") as f:

@@ -15,9 +15,10 @@ from collections import defaultdict
 from typing import Any, Callable, Sequence
 
 import dask
+import dask.core
 import numpy as np
 from dask.utils import format_bytes
-from distributed import KilledWorker, wait
+from distributed import KilledWorker, futures_of
 
 from blockflow.errors import WorkerLostError
 from blockflow.ml._group import worker_processes
@@ -34,6 +35,27 @@ def _pair(x, y, check=None, block=0, offset=0):
     if check is not None:
         return check(x, y, block, offset)
     return (x, y)
+
+
+def _keys_below(graphs, j: int, wanted: set) -> set:
+    """The keys of ``wanted`` that row block ``j`` of ``graphs`` (``(array, its graph as a
+    dict)`` each) is computed from."""
+    out: set = set()
+    for a, dsk in graphs:
+        key = a.__dask_keys__()[j]
+        while isinstance(key, list):  # a row block: its first (only) column block
+            key = key[0]
+        stack, seen = [key], set()
+        while stack:
+            k = stack.pop()
+            if k in seen:
+                continue
+            seen.add(k)
+            if k in wanted:
+                out.add(k)
+            elif k in dsk:
+                stack.extend(dask.core.get_dependencies(dsk, k))
+    return out
 
 
 def _rows_of(pair) -> int:
@@ -102,6 +124,12 @@ class ResidentShards(ShardPasses):
         self._source_offsets = [int(o) for o in self.offsets[:-1]]  # rows as in X
         self.dropped_rows = 0
         self._check_blocks_fit(self._workers())
+        # data the user scattered: Dask cannot recompute it, so its holders are kept to
+        # name them if it goes (a dask collection's own tasks are recomputed)
+        self._xy = (X, y)
+        self._sources = {f.key: f for f in futures_of(X) + futures_of(y)}
+        held = [f for f in self._sources.values() if f.status == "finished"]
+        self._holders = dict(client.who_has(held)) if held else {}
         # per worker, the latest passes' or steps' (rows processed, seconds) and the fixed
         # cost per pass fitted through them (the one throughput estimator). No call is
         # dropped as a cold start: the blocks are resident before the first.
@@ -294,6 +322,7 @@ class ResidentShards(ShardPasses):
         # carries its source, and one submission per block would send it once per block.
         fresh = [j for j in moved if self.placement.get(j) not in alive or j not in
                  self.futures]
+        self.refuse_lost_sources(fresh)
         sources = dict(zip(fresh, self.client.compute(
             [dask.delayed(_pair, pure=False)(self._x_blocks[j], self._y_blocks[j],
                                              self._check, j, self._source_offsets[j])
@@ -305,22 +334,77 @@ class ResidentShards(ShardPasses):
             src = sources[j] if j in sources else self.futures[j]
             self.futures[j] = self.client.submit(_pair_copy, src, workers=[placement[j]],
                                                  allow_other_workers=False, pure=False)
+        sources.clear()
+        src = None  # a traceback of this frame must not keep a block alive
         self.moves += len(moved) if self.placement else 0
         self.placement = dict(placement)
         wait_for(self.client, [self.futures[j] for j in moved], what="moving blocks")
-        if any(self.futures[j].status == "error" for j in moved):
-            killed = {j: self.futures[j].exception() for j in moved
-                      if self.futures[j].status == "error"}
-            killed = {j: e for j, e in killed.items() if isinstance(e, KilledWorker)}
-            if killed:  # on internal keys: name the blocks
-                raise self._killed(sorted(killed), next(iter(killed.values()))) from None
+        if any(self.futures[j].status == "cancelled" for j in moved):
+            self.refuse_lost_sources([j for j in moved if self.futures[j].status ==
+                                       "cancelled"], settle=True)
+        if not any(self.futures[j].status == "error" for j in moved):
+            return
+        # the errors are taken with exception(), which raises nothing: a raised one's
+        # traceback would keep the blocks referenced in a cycle until the next gc
+        killed = {j: self.futures[j].exception() for j in moved
+                  if self.futures[j].status == "error"}
+        killed = {j: e for j, e in killed.items() if isinstance(e, KilledWorker)}
+        if killed:  # on internal keys: name the blocks
+            error = self._killed(sorted(killed), next(iter(killed.values())))
+        else:
             # a block could not be read or failed its check (a non-finite value): the
             # first such block's own error, once all have run (the lowest rows first)
-            try:
-                wait([self.futures[j] for j in moved], timeout=30)
-            except TimeoutError:
-                pass  # the lowest block failed so far
-            self.futures[min(j for j in moved if self.futures[j].status == "error")].result()
+            end = time.monotonic() + 30
+            while not all(self.futures[j].done() for j in moved) and time.monotonic() < end:
+                time.sleep(0.02)
+            error = self.futures[min(j for j in moved if self.futures[j].status ==
+                                     "error")].exception()
+        self.close()  # nothing of this placement stays on the workers
+        try:
+            raise error.with_traceback(None)
+        finally:  # no cycle through this frame: it would hold the blocks until a gc
+            del error, killed
+
+    def refuse_lost_sources(self, blocks: list[int], settle: bool = False) -> None:
+        """One line naming ``blocks`` whose source is data the user scattered that was lost
+        with its worker (Dask cannot recompute it); with ``settle``, a few seconds for the
+        scheduler's word that a source held by a lost worker is gone.
+
+        Raises
+        ------
+        WorkerLostError
+            Naming the blocks, the workers that held them and how to avoid it.
+        """
+        if not self._sources:
+            return
+        alive = set(workers_info(self.client))
+        end = time.monotonic() + (5.0 if settle else 0.0)
+        while time.monotonic() < end and any(
+                f.status == "finished" and not alive & set(self._holders.get(k, ()))
+                for k, f in self._sources.items()):
+            time.sleep(0.05)
+        gone = {k for k, f in self._sources.items() if f.status in ("cancelled", "error")}
+        if not gone:
+            return
+        graphs = [(a, dict(a.__dask_graph__())) for a in self._xy]
+        lost = {j: _keys_below(graphs, j, gone) for j in blocks}
+        lost = {j: ks for j, ks in lost.items() if ks}
+        if not lost:
+            return
+        where = sorted({w for ks in lost.values() for k in ks
+                        for w in self._holders.get(k, ())})
+        js = sorted(lost)
+        what = self._block(js[0]) if len(js) == 1 else "blocks " + ", ".join(
+            f"{j} (rows {int(self.offsets[j]):,}-{int(self.offsets[j + 1]) - 1:,})"
+            for j in js)
+        self.close()
+        held = (f"worker{'s' * (len(where) > 1)} {', '.join(where)}, which left the cluster"
+                if where else "a worker that left the cluster")
+        raise WorkerLostError(
+            f"blockflow: {what} came from data scattered only to {held}, and Dask cannot "
+            f"recompute scattered data; pass the arrays themselves (NumPy, or a dask array "
+            f"built from them) or keep copies of the scattered data on several workers "
+            f"(client.replicate(futures, n=2), or scatter(..., broadcast=True)).", lost=where)
 
     def rebalance(self) -> int:
         """Move blocks when measured speeds predict a gain over ``rebalance_gain``; returns
@@ -350,7 +434,8 @@ class ResidentShards(ShardPasses):
     # --- a pass (the machinery: blockflow.ml._passes) ----------------------------------
 
     def map_sum(self, func: Callable, rows: Sequence | None = None, args: tuple = (),
-                *, measure: bool = True) -> Any:
+                *, measure: bool = True, first_rows: bool = False,
+                merge: Callable | None = None) -> Any:
         """``sum over workers of func(blocks, rows, *args)``, each on its own blocks.
 
         Parameters
@@ -364,6 +449,11 @@ class ResidentShards(ShardPasses):
             Further arguments (small: they travel in the graph).
         measure : bool, default True
             Whether the pass's timings count towards the workers' speeds.
+        first_rows : bool, default False
+            Pass each block's first row (its index in the data) after ``args``.
+        merge : callable, optional
+            ``merge(values)`` of the blocks' values in block order; default
+            :func:`~blockflow.ml._passes.exact_sum` (column sums correctly rounded once).
 
         Returns
         -------
@@ -376,12 +466,16 @@ class ResidentShards(ShardPasses):
             If workers keep leaving (1000 passes lost in a row).
         """
         for _ in range(1000):
-            parts = self._submit(func, rows, args)
+            parts = self._submit(func, rows, args, first_rows)
             try:
-                out = self._wait(parts)
+                out = self._wait(parts, merge)
             except WorkerLostError as e:
+                lost = set(e.lost)
+            else:
+                lost = None
+            if lost is not None:  # out of the except: no internal error chained
                 del parts
-                self._recover(e.lost)
+                self._recover(lost)
                 continue
             self.last_seconds, self.last_rows = out["seconds"], out["rows"]
             if measure:

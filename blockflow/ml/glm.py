@@ -19,6 +19,7 @@ from distributed import default_client
 
 from blockflow.backends import array_module as _xp
 from blockflow.errors import ConvergenceWarning, check_number
+from blockflow.ml._passes import group_terms, merge_groups
 from blockflow.ml._finite import FiniteCheck, column_names, drop_setting
 from blockflow.ml._rows import as_row_blocks
 from blockflow.ml._shards import ResidentShards
@@ -30,29 +31,32 @@ def _host(a) -> np.ndarray:
     return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
-def _glm_pass(blocks, rows, kind, coef):
-    """On a worker: (sum of losses, sum of gradients wrt [w, b]) over its blocks (float64)."""
-    loss, grad = 0.0, np.zeros(len(coef))
-    for xb, yb in blocks:
-        xp = _xp(xb)
-        c = xp.asarray(coef)
-        xb = xb.astype(xp.float64, copy=False)
-        yb = yb.astype(xp.float64, copy=False).reshape(-1)
-        z = xb @ c[:-1] + c[-1]
-        if kind == "linear":
-            r = z - yb
-            loss += float((r * r).sum())
-            d = 2 * r
-        elif kind == "logistic":
-            loss += float((xp.logaddexp(0, z) - yb * z).sum())
-            d = 1 / (1 + xp.exp(-z)) - yb
-        else:  # poisson, log link: half deviance up to a constant in y
-            mu = xp.exp(z)
-            loss += float((mu - yb * z).sum())
-            d = mu - yb
-        grad[:-1] += _host(xb.T @ d)
-        grad[-1] += float(d.sum())
-    return loss, grad
+def _glm_pass(blocks, rows, kind, coef, first):
+    """On a worker: the (loss, gradient wrt [w, b]) terms of a block's rows (float64; the
+    block starts at row ``first`` of the data) in fixed row groups
+    (:func:`~blockflow.ml._passes.group_terms`), which the client sums
+    (:func:`~blockflow.ml._passes.merge_groups`).
+
+    Each row's terms depend on that row alone (``einsum``'s dot product, where BLAS's
+    ``X @ c`` may add a row's products in another order at a block's edge), each group of
+    rows is summed one way and the groups' sums are correctly rounded once: the same total
+    whatever the blocks' boundaries, placement or order.
+    """
+    [(xb, yb)] = blocks
+    xp = _xp(xb)
+    c = xp.asarray(coef)
+    xb = xb.astype(xp.float64, copy=False)
+    yb = yb.astype(xp.float64, copy=False).reshape(-1)
+    z = xp.einsum("ij,j->i", xb, c[:-1]) + c[-1]
+    if kind == "linear":
+        r = z - yb
+        loss, d = r * r, 2 * r
+    elif kind == "logistic":
+        loss, d = xp.logaddexp(0, z) - yb * z, 1 / (1 + xp.exp(-z)) - yb
+    else:  # poisson, log link: half deviance up to a constant in y
+        mu = xp.exp(z)
+        loss, d = mu - yb * z, mu - yb
+    return group_terms([loss, (xb, d), d], first)
 
 
 # The settings every GLM shares are keyword-only dataclass fields of the base class; each
@@ -147,7 +151,9 @@ class _GLM:
 
         def objective(theta):
             coef = theta if self.fit_intercept else np.append(theta, 0.0)
-            loss, grad = shards.map_sum(_glm_pass, None, (self._kind, coef))
+            total = shards.map_sum(_glm_pass, None, (self._kind, coef), first_rows=True,
+                                   merge=merge_groups)
+            loss, grad = total[0], total[1:]
             self.n_passes_ += 1
             pen, pgrad = self._penalty(coef[:-1], n)
             g = grad / n

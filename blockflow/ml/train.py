@@ -24,7 +24,7 @@ from dask.utils import parse_timedelta
 from distributed import default_client
 
 from blockflow import config
-from blockflow.errors import BlockflowWarning, check_number, describe
+from blockflow.errors import BlockflowWarning, WorkerLostError, check_number, describe
 from blockflow.ml._finite import FiniteCheck, column_names, drop_setting
 from blockflow.ml._group import GroupLost, first_kept, keep_copies, run_group
 from blockflow.ml._pickling import FIX_TRAIN, dumps_or_explain
@@ -421,7 +421,11 @@ class DataParallelTrainer:
                     futures, ranks = self._run_segment(client, shards, model_future, ckpt,
                                                        seg)
                 except GroupLost as e:
-                    ckpt = self._recover(client, shards, e, ckpt, seg)
+                    lost = e
+                else:
+                    lost = None
+                if lost is not None:  # out of the except: no internal error chained
+                    ckpt = self._recover(client, shards, lost, ckpt, seg)
                     continue
                 stats = client.gather([client.submit(_pick, f, "steps", workers=[w],
                                                      pure=False)
@@ -474,9 +478,9 @@ class DataParallelTrainer:
             if seg.path and os.path.exists(seg.path):
                 state = seg.path
             else:
-                raise GroupLost("blockflow: training: the checkpoint was lost with its "
-                                "workers; pass checkpoint_path= to resume from a file.",
-                                lost=[])
+                raise WorkerLostError("blockflow: training: the checkpoint was lost with "
+                                      "its workers; pass checkpoint_path= to resume from a "
+                                      "file.", lost=[])
         args = [(model_future, state, [shards.futures[j] for j in mine[a]], mine[a], seg)
                 for a in ranks]
         futures = run_group(client, ranks, _rank_segment, args, name="train-rank",
@@ -486,8 +490,9 @@ class DataParallelTrainer:
     def _recover(self, client, shards, e: GroupLost, ckpt, seg: _Segment):
         """A lost worker: one warning line, blocks recovered, the segment redone."""
         lost = sorted(e.lost)
-        if not lost:
-            raise e
+        if not lost:  # ranks cancelled: their blocks' source went with a worker
+            shards.refuse_lost_sources(sorted(shards.futures), settle=True)
+            raise WorkerLostError(str(e), lost=e.lost).with_traceback(None)
         first, last = seg.steps[0][0], seg.steps[-1][0]
         resumed = first  # the checkpoint is the segment's start
         warnings.warn(f"blockflow: training lost worker(s) {', '.join(lost)} during steps "

@@ -275,7 +275,10 @@ def wait_any(futures: Iterable, timeout: float = 1.0) -> list:
         return []
     try:
         done, _ = wait(futures, timeout=timeout, return_when="FIRST_COMPLETED")
-    except (DTimeout, TimeoutError):
+    except (DTimeout, TimeoutError) as e:
+        # distributed's sync() keeps the error in a frame its traceback holds: a cycle
+        # that kept these futures (and the callers' frames) until the next gc
+        e.__traceback__ = None
         return []
     return [f for f in futures if f in done]
 

@@ -427,11 +427,7 @@ def test_a_lost_stage_worker_re_forms_the_group_on_the_survivors_and_resumes():
 @pytest.mark.slow
 def test_a_lost_stage_nothing_can_take_is_one_error_naming_it():
     """Two simulated devices, each with room for one stage: when one is lost, the survivor
-    cannot take its stage, and the step ends with one error naming the stage, quickly."""
-    import time
-
-    from loadaware import scaled
-
+    cannot take its stage, and the step ends with one error naming the stage."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).double()
     stage = 2 * 64 * 65 * 8  # parameters and gradients of one layer
     with simulated_cluster(speeds=(1, 1), device_memory=int(stage * 1.5),
@@ -442,10 +438,8 @@ def test_a_lost_stage_nothing_can_take_is_one_error_naming_it():
         pipe.run(X, X, n_micro_batches=2, publish=False)
         victim = pipe.stage_workers[1]
         _kill(c, victim)
-        start = time.monotonic()
-        with pytest.raises(WorkerLostError) as e:
+        with pytest.raises(WorkerLostError) as e:  # not a wait: the suite's timeout bounds it
             pipe.run(X, X, n_micro_batches=2, publish=False)
-        assert time.monotonic() - start < scaled(60)
     assert re.fullmatch(
         rf"blockflow: the pipeline step over 8 rows failed: lost stage 1 \(layer 1\) on "
         rf"worker {re.escape(victim)}, and the 1 surviving workers have no room for its "

@@ -19,7 +19,8 @@ from distributed import futures_of
 from dask.utils import parse_timedelta
 
 from blockflow import config
-from blockflow.ml._group import GroupLost, first_kept, gone_workers, keep_copies, run_group
+from blockflow.errors import WorkerLostError
+from blockflow.ml._group import first_kept, gone_workers, keep_copies, run_group
 from blockflow.ml.parallel import _recovery, _stage
 from blockflow.ml.parallel.schedule import PipelineResult, timeline
 
@@ -117,7 +118,9 @@ def _segment(pipe, batches: list, *, train: bool, want_grads: bool, want_output:
         kept = keep_copies(c, [f for _, _, f in ckpt], sorted(pipe._alive()),
                            [ranks[s % W] for s in range(n)])
         ckpt = [(a, b, k) for (a, b, _), k in zip(ckpt, kept)]
-    summaries = c.gather(summaries)
+    # the ranks' own workers hold their results: one that leaves is a lost worker, not a
+    # wait for ever
+    summaries = pipe._gather(summaries, needed=set(ranks), what="the pipeline's ranks")
     del futs
     return summaries, ckpt
 
@@ -152,14 +155,18 @@ def run_steps(pipe, batches: list, *, train: bool, want_grads: bool = False,
         try:
             summaries, ckpt = _segment(pipe, seg, train=train, want_grads=want_grads,
                                        want_output=want_output, budget=budget)
-        except GroupLost as e:  # a first segment's steps given: at most that many ran
-            _recovery.recover(pipe, set(e.lost), what, redone=len(seg) if train else 0)
-            continue
+        except WorkerLostError as e:  # a group's rank lost (at most the segment ran)
+            gone = set(e.lost) or gone_workers(pipe.client, pipe.ranks)
+            if not gone:
+                raise
         except (CancelledError, OSError, KeyError):  # data sent to a worker that just died
             # (a scatter to a worker the scheduler has just dropped is a KeyError there)
             gone = gone_workers(pipe.client, pipe.ranks)
             if not gone:
                 raise
+        else:
+            gone = None
+        if gone is not None:  # out of the except: no internal error chained to the user's
             _recovery.recover(pipe, gone, what, redone=len(seg) if train else 0)
             continue
         wall = time.perf_counter() - t0

@@ -12,6 +12,7 @@ in segments of ``checkpoint_every`` steps, one group each. Guide: docs/guide/ai.
 from __future__ import annotations
 
 import math
+from concurrent.futures import CancelledError
 from typing import Callable, Sequence
 
 import dask.array as da
@@ -26,7 +27,8 @@ from blockflow.ml.parallel.schedule import (
     PipelineResult,
     bubble_fraction,
 )
-from blockflow.ml._group import first_kept, worker_processes
+from blockflow.errors import WorkerLostError
+from blockflow.ml._group import first_kept, gone_workers, worker_processes
 from blockflow.scheduling.view import workers_info
 from blockflow.scheduling.wait import gather_as_done
 
@@ -407,12 +409,23 @@ class PipelineParallel:
             return {f"{name}.{k}": v for name, m in self._named
                     for k, v in m.state_dict().items()} if self._named else \
                 torch.nn.Sequential().state_dict()
-        futs = [self.client.submit(_stage.model_state, first_kept(k), pure=False)
-                for _, _, k in self._ckpt]
-        out: dict = {}
-        for part in self.client.gather(futs):
-            out.update(_stage._loads(part))
-        return out
+        for _ in range(2):  # a copy whose worker just died: the other, once known lost
+            kept = [first_kept(k) for _, _, k in self._ckpt]
+            if any(k is None for k in kept):
+                break
+            futs = [self.client.submit(_stage.model_state, k, pure=False) for k in kept]
+            try:
+                parts = self.client.gather(futs)
+            except (CancelledError, OSError):
+                gone_workers(self.client, self.ranks)
+                continue
+            out: dict = {}
+            for part in parts:
+                out.update(_stage._loads(part))
+            return out
+        raise WorkerLostError(f"blockflow: PipelineParallel.state_dict: the checkpoint of "
+                              f"step {self.steps} was lost with its workers (both copies); "
+                              f"build the PipelineParallel again.", lost=[])
 
     def stage_bytes(self) -> list[int]:
         """Per stage: bytes of its parameters, gradients and optimizer state (last step)."""

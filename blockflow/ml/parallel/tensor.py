@@ -450,10 +450,11 @@ class TensorParallel:
             try:
                 return self.client.scatter(value, workers=self.workers, broadcast=True,
                                            hash=False)
-            except KeyError as e:  # a worker left between the check and the scatter
-                if not self._ready(what):
-                    raise RuntimeError(f"blockflow: TensorParallel {what}: could not send "
-                                       f"to {e}.") from None
+            except (KeyError, OSError):  # a worker left between the check and the scatter
+                pass
+            if not self._ready(what) and not gone_workers(self.client, self.workers):
+                raise RuntimeError(f"blockflow: TensorParallel {what}: could not send the "
+                                   f"model or data to workers {self.workers}.")
 
     def _ship(self, data: tuple, what: str) -> tuple:
         """The call's arrays as futures on the ranks' workers (dask arrays computed there)."""

@@ -40,8 +40,9 @@ class TuneResult:
     history : pandas.DataFrame
         One row per trial task: ``trial``, ``rung``, ``budget``, ``epochs``, ``score``,
         ``status``, ``worker``, ``promotion``, ``speculative``, ``backup``, ``speed``,
-        ``fastest_free``, ``submitted``/``started``/``finished``, ``duration`` (s),
-        ``error``.
+        ``fastest_free``, ``submitted``/``started``/``finished``, ``reported`` (the
+        client's clock when the tuner took the result in, s since the epoch), ``duration``
+        (s), ``error``.
     best_trial : int or None
         The trial with the best score at the highest rung any trial completed.
     best_config : dict or None
@@ -175,7 +176,7 @@ def _result(tuner: Tuner, wall: float) -> TuneResult:
     trials = pd.DataFrame(rows).set_index("trial")
     cols = ["trial", "rung", "budget", "epochs", "score", "status", "worker", "promotion",
             "speculative", "speed", "fastest_free", "submitted", "started", "finished",
-            "duration", "error", "backup"]
+            "reported", "duration", "error", "backup"]
     history = pd.DataFrame(tuner.history, columns=cols)
     threads = max(sum(tuner.workers.values()), 1)
     busy = float(np.nansum(history["duration"])) / (threads * wall) if wall > 0 else 0.0

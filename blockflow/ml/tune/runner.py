@@ -293,7 +293,7 @@ class Tuner:
                 "epochs": job.epochs, "promotion": job.rung > 0,
                 "speculative": job.speculative, "speed": r.speed,
                 "fastest_free": r.fastest_free, "submitted": r.submitted,
-                "backup": r.backup, **outcome}
+                "reported": time.time(), "backup": r.backup, **outcome}
 
     def _ok_row(self, r: _Running, out: dict) -> dict:
         """The history row of a task that gave ``out``; its time is speed evidence."""
