@@ -72,7 +72,7 @@ def exact_sum(values) -> np.ndarray:
 
 #: Rows per group of :func:`group_terms`: groups start at multiples of it in the data's
 #: rows, whatever the blocks.
-GROUP = 16
+GROUP = 256  # 16 cost 1.5-1.8x a BLAS pass, 256 1.3x (benchmarks/training.py --only glm)
 
 
 def _group_sums(columns: list) -> np.ndarray:
@@ -94,7 +94,7 @@ def _rows(column, lo: int, hi: int):
     return column[lo:hi]
 
 
-def group_terms(columns: list, first: int, chunk: int = 256 * GROUP) -> dict:
+def group_terms(columns: list, first: int, chunk: int = 16 * GROUP) -> dict:
     """On a worker: a block's terms (``columns``: arrays ``(n,)`` or ``(n, c)`` of rows
     ``first...`` of the data, NumPy or CuPy; a pair ``(x, w)`` for ``x * w[:, None]``,
     formed ``chunk`` rows at a time) in fixed row groups: ``parts``, the groups the block
