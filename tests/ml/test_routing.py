@@ -76,7 +76,7 @@ def test_requests_go_to_the_worker_that_answers_first(digits):
             _check_answers(router.map(batches), batches, model)
             late = router.stats()
     assert late["answered_by"][fast] >= 2 * late["answered_by"].get(slow, 0)
-    assert decisions and decisions[0]["reason"] == "earliest speed-normalised projected finish"
+    assert decisions and decisions[0]["reason"] == "shortest expected finish"
 
 
 
