@@ -167,7 +167,7 @@ def dispatch(queue: FairQueue, lanes: Mapping[str, Lane], *, batch_size: int,
         except IndexError:  # only answered items were left
             break
         best = min(lanes, key=lambda w: (lanes[w].ready + lanes[w].spu * cost,
-                                         lanes[w].order))
+                                         lanes[w].room <= 0, lanes[w].order))
         lane, seconds = lanes[best], lanes[best].spu * cost
         if lane.cap is not None and lane.cap <= 0:
             break
