@@ -13,6 +13,8 @@ on given arrivals (benchmarks and tests). Guide: docs/guide/ai.md ("Routing").
 from __future__ import annotations
 
 import heapq
+import itertools
+from collections import Counter
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Mapping, Sequence
@@ -116,6 +118,37 @@ class FairQueue:
             self._topped = False
         return head
 
+    def peek_costs(self, n: int) -> list[float]:
+        """The costs of the next ``n`` requests to send, in order, left queued."""
+        self._drop_dead()
+        out = [c for _, c in itertools.islice(self._first, n)]
+        if len(out) >= n or not self._order:
+            return out
+        order, deficit, topped = deque(self._order), dict(self._deficit), self._topped
+        pos = dict.fromkeys(order, 0)
+        quantum = max(q[0][1] for q in self._queues.values())
+        while len(out) < n and order:
+            c = order[0]
+            q = self._queues[c]
+            if not topped:
+                deficit[c] += quantum
+                topped = True
+            cost = q[pos[c]][1]
+            if deficit[c] < cost - 1e-12:
+                order.rotate(-1)
+                topped = False
+                continue
+            out.append(cost)
+            deficit[c] -= cost
+            pos[c] += 1
+            if pos[c] == len(q):
+                order.popleft()
+                topped = False
+            elif deficit[c] < q[pos[c]][1] - 1e-12:
+                order.rotate(-1)
+                topped = False
+        return out
+
     def items(self) -> list:
         """Every waiting item (given back first, then by caller), for cancelling."""
         return [i for i, _ in self._first] + [i for q in self._queues.values() for i, _ in q]
@@ -144,16 +177,19 @@ class Lane:
 
 def dispatch(queue: FairQueue, lanes: Mapping[str, Lane], *, batch_size: int,
              batch_seconds: float) -> dict[str, list[tuple[list, float]]]:
-    """Take requests off ``queue`` while the device each finishes first on has room.
+    """Take requests off ``queue``, in its order, for the devices with room that finish them
+    first.
 
-    The next request in fair order is expected to finish on lane ``w`` at ``ready_w + spu_w x
-    cost``; it goes to the earliest such lane, joining the batch being formed there (at most
-    ``batch_size`` requests and ``batch_seconds`` of expected work; one request whatever its
-    cost) or a new task if the lane has room. When its earliest lane has no room it waits there
-    and so does everything behind it: a device is never idle while a request it would finish
-    first waits, and never takes one another device would finish first. Shortest expected
-    finish (join the shortest expected delay, Whitt 1986) on central queues, a blockflow
-    heuristic.
+    A request of ``cost`` is expected to finish on lane ``w`` at ``ready_w + spu_w x cost``.
+    The next requests in fair order (enough to fill every device) are planned each on its
+    earliest lane, full or not; a lane with room then takes as many as it was planned,
+    the first in fair order, into batches of at most ``batch_size`` requests and
+    ``batch_seconds`` of expected work (one request whatever its cost). Requests planned on
+    full lanes wait for them: a device is never idle while a request it would finish first
+    waits, a slow device takes a request only when it would finish it before a faster one
+    gets to it, and no request is committed to a device queue it would leave later.
+    Shortest expected finish (join the shortest expected delay, Whitt 1986) on central
+    queues, a blockflow heuristic.
 
     Returns
     -------
@@ -161,27 +197,43 @@ def dispatch(queue: FairQueue, lanes: Mapping[str, Lane], *, batch_size: int,
         Lane -> batches ``(items, expected seconds)`` to send, in order; ``lanes`` are updated.
     """
     lanes = {w: lane for w, lane in lanes.items() if lane.spu > 0}
-    while len(queue) and lanes:
+    if not any(lane.room > 0 and lane.cap != 0 for lane in lanes.values()):
+        return {}
+    window = queue.peek_costs(batch_size * sum(max(lane.room, 0) + 1 for lane in lanes.values()))
+    ready, want = {w: lane.ready for w, lane in lanes.items()}, Counter()
+    for cost in window:  # the plan: each on the lane where it finishes first
+        best = min(lanes, key=lambda w: (ready[w] + lanes[w].spu * cost,
+                                         lanes[w].room <= 0, lanes[w].order))
+        ready[best] += lanes[best].spu * cost
+        want[best] += 1
+    while len(queue):
         try:
             item, cost = queue.peek()
         except IndexError:  # only answered items were left
             break
-        best = min(lanes, key=lambda w: (lanes[w].ready + lanes[w].spu * cost,
-                                         lanes[w].room <= 0, lanes[w].order))
-        lane, seconds = lanes[best], lanes[best].spu * cost
-        if lane.cap is not None and lane.cap <= 0:
+        fits = {}
+        for w, lane in lanes.items():
+            if want[w] <= 0 or lane.cap == 0:
+                continue
+            b = lane.sent[-1] if lane.sent else None
+            if b is not None and len(b[0]) < batch_size and (
+                    b[1] + lane.spu * cost <= batch_seconds):
+                fits[w] = b
+            elif lane.room > 0:
+                fits[w] = None
+        if not fits:
             break
-        open_ = lane.sent[-1] if lane.sent else None
-        if open_ is None or len(open_[0]) >= batch_size or open_[1] + seconds > batch_seconds:
-            if lane.room <= 0:
-                break  # it waits for the device it finishes first on
+        best = min(fits, key=lambda w: (lanes[w].ready + lanes[w].spu * cost, lanes[w].order))
+        lane, b = lanes[best], fits[best]
+        if b is None:
             lane.room -= 1
-            open_ = [[], 0.0]
-            lane.sent.append(open_)
+            b = [[], 0.0]
+            lane.sent.append(b)
         queue.pop()
-        open_[0].append(item)
-        open_[1] += seconds
-        lane.ready += seconds
+        b[0].append(item)
+        b[1] += lane.spu * cost
+        lane.ready += lane.spu * cost
+        want[best] -= 1
         if lane.cap is not None:
             lane.cap -= 1
     return {w: [(b[0], b[1]) for b in lane.sent] for w, lane in lanes.items() if lane.sent}
