@@ -17,7 +17,7 @@ import itertools
 from collections import Counter
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 
 __all__ = ["FairQueue", "Lane", "dispatch", "simulate"]
 
@@ -118,16 +118,18 @@ class FairQueue:
             self._topped = False
         return head
 
-    def peek_costs(self, n: int) -> list[float]:
-        """The costs of the next ``n`` requests to send, in order, left queued."""
+    def upcoming(self) -> Iterator[float]:
+        """The costs of the requests to send, in order, left queued (do not change the queue
+        while iterating)."""
         self._drop_dead()
-        out = [c for _, c in itertools.islice(self._first, n)]
-        if len(out) >= n or not self._order:
-            return out
+        for _, c in self._first:
+            yield c
+        if not self._order:
+            return
         order, deficit, topped = deque(self._order), dict(self._deficit), self._topped
         pos = dict.fromkeys(order, 0)
         quantum = max(q[0][1] for q in self._queues.values())
-        while len(out) < n and order:
+        while order:
             c = order[0]
             q = self._queues[c]
             if not topped:
@@ -138,7 +140,7 @@ class FairQueue:
                 order.rotate(-1)
                 topped = False
                 continue
-            out.append(cost)
+            yield cost
             deficit[c] -= cost
             pos[c] += 1
             if pos[c] == len(q):
@@ -147,7 +149,6 @@ class FairQueue:
             elif deficit[c] < q[pos[c]][1] - 1e-12:
                 order.rotate(-1)
                 topped = False
-        return out
 
     def items(self) -> list:
         """Every waiting item (given back first, then by caller), for cancelling."""
@@ -199,13 +200,20 @@ def dispatch(queue: FairQueue, lanes: Mapping[str, Lane], *, batch_size: int,
     lanes = {w: lane for w, lane in lanes.items() if lane.spu > 0}
     if not any(lane.room > 0 and lane.cap != 0 for lane in lanes.values()):
         return {}
-    window = queue.peek_costs(batch_size * sum(max(lane.room, 0) + 1 for lane in lanes.values()))
     ready, want = {w: lane.ready for w, lane in lanes.items()}, Counter()
-    for cost in window:  # the plan: each on the lane where it finishes first
+    # the lanes with room take at most their room's batches now: plan until each is past that
+    open_ = {w: lane.ready + batch_seconds * lane.room for w, lane in lanes.items()
+             if lane.room > 0 and lane.cap != 0}
+    limit = batch_size * sum(max(lane.room, 0) + 1 for lane in lanes.values())
+    for cost in itertools.islice(queue.upcoming(), limit):  # each where it finishes first
         best = min(lanes, key=lambda w: (ready[w] + lanes[w].spu * cost,
                                          lanes[w].room <= 0, lanes[w].order))
         ready[best] += lanes[best].spu * cost
         want[best] += 1
+        if best in open_ and ready[best] >= open_[best]:
+            del open_[best]
+            if not open_:
+                break
     while len(queue):
         try:
             item, cost = queue.peek()
