@@ -81,10 +81,9 @@ class _Batch:
     id: int
     worker: str
     requests: list
-    cost: float
     seconds: float  # expected
     task: Any = None  # its distributed Future
-    released: bool = False  # its worker's backlog and slot given back
+    released: bool = False  # its worker's expected work and slot given back
 
 
 class Router:
@@ -162,7 +161,6 @@ class Router:
         # not sent: held here per caller until the device each finishes first on has room
         self._waiting = FairQueue(dead=lambda r: r.future.done())
         self._batches: dict[int, _Batch] = {}  # sent, not yet released
-        self._backlog: Counter = Counter()  # cost sent to each worker, not yet back
         self._inflight: Counter = Counter()  # requests sent to each worker, not yet back
         self._tasks: Counter = Counter()  # batches (tasks) in flight per worker
         self._expected: Counter = Counter()  # their expected seconds per worker
@@ -337,7 +335,7 @@ class Router:
                 "waiting": len(self._waiting)}
 
     def _send(self, worker: str, reqs: list, seconds: float, finish: dict, now: float) -> None:
-        b = _Batch(next(self._batch_ids), worker, reqs, sum(r.cost for r in reqs), seconds)
+        b = _Batch(next(self._batch_ids), worker, reqs, seconds)
         if not self._tasks[worker]:
             self._started[worker] = now
         again = False
@@ -348,7 +346,6 @@ class Router:
         self._batches[b.id] = b
         self._tasks[worker] += 1
         self._inflight[worker] += len(reqs)
-        self._backlog[worker] += b.cost
         self._expected[worker] += seconds
         self.counts["batches"] += 1
         key = f"blockflow-request-{self.ref.token[:8]}-{reqs[0].id}-b{b.id}"
@@ -374,8 +371,6 @@ class Router:
             self._tasks[w] -= 1
         if self._inflight.get(w, 0) > 0:
             self._inflight[w] = max(self._inflight[w] - len(b.requests), 0)
-        if self._backlog.get(w, 0) > 0:
-            self._backlog[w] = max(self._backlog[w] - b.cost, 0.0)
         if self._expected.get(w, 0) > 0:
             self._expected[w] = max(self._expected[w] - b.seconds, 0.0)
         self._started[w] = time.monotonic()  # the next batch waiting on it starts now
@@ -551,7 +546,7 @@ class Router:
                                                "request": r.id, "worker": b.worker,
                                                "reason": "worker left the cluster"})
                 self._again(b.requests, b)
-            for counter in (self._backlog, self._inflight, self._tasks, self._expected):
+            for counter in (self._inflight, self._tasks, self._expected):
                 for w in [w for w in counter if w not in workers]:
                     del counter[w]
             self._pump()
