@@ -32,8 +32,10 @@ import threading
 import time
 
 import numpy as np
+from dask.utils import parse_timedelta
 
 import blockflow
+from blockflow import config
 from blockflow.ml._fair_queue import simulate
 from blockflow.scheduling.view import workers_info
 from blockflow.testing import simulated_cluster
@@ -55,8 +57,9 @@ def _stats(kind, lat, run, speeds, speed_of_pid) -> dict:
             "idle": idle_while_queued(run["stamps"])}
 
 
-def _sim(kind, arrivals, speeds, seconds, policy) -> dict:
-    r = simulate(list(arrivals), speeds, seconds=seconds, policy=policy)
+def _sim(kind, arrivals, speeds, seconds, policy, batch_seconds) -> dict:
+    r = simulate(list(arrivals), speeds, seconds=seconds, policy=policy,
+                 batch_seconds=batch_seconds)
     lat = np.array(r["latency"])
     counts = np.bincount(r["device"], minlength=len(speeds))
     return {"run": kind, "p50": float(np.percentile(lat, 50)),
@@ -85,8 +88,9 @@ def tail(client, args, speeds, speed_of_pid, load) -> list[dict]:
         out.append(_stats("plain Dask", lat, run, speeds, speed_of_pid))
     arrivals = np.cumsum(np.random.default_rng(int(load * 100)).exponential(1 / rate,
                                                                            args.requests))
-    out.append(_sim("SEF simulation", arrivals, speeds, args.request_seconds, "sef"))
-    out.append(_sim("Router policy sim.", arrivals, speeds, args.request_seconds, "router"))
+    bs = parse_timedelta(config.get("routing.batch-seconds", args.batch_seconds))
+    out.append(_sim("SEF simulation", arrivals, speeds, args.request_seconds, "sef", bs))
+    out.append(_sim("Router policy sim.", arrivals, speeds, args.request_seconds, "router", bs))
     for r in out:
         print(load, r, file=sys.stderr)
     return out

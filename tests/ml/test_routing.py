@@ -488,7 +488,8 @@ def test_each_device_answers_its_share_of_a_burst(digits):
     # Speeds 2, 1, 1, 0.5: a burst of requests held in the router goes to each device as it
     # has room, where it finishes first: shares follow the speeds. Within 10 % in the policy's
     # simulation (below); here within 25 %: on a loaded host a task's round trip can leave a
-    # fast device idle between short batches more often than a slow one. The half-speed
+    # fast device idle between short batches more often than a slow one (and sleeps that
+    # overshoot make the measured speeds closer than the simulated ones). The half-speed
     # device used to take twice its share.
     X, model = digits
     batches = [X[i:i + 1] for i in range(270)]
@@ -504,8 +505,6 @@ def test_each_device_answers_its_share_of_a_burst(digits):
     assert stats["counts"]["answered"] == 278 and stats["counts"].get("duplicates", 0) == 0
     counts = np.array([stats["answered_by"].get(w, 0) - warm.get(w, 0) for w in by_speed])
     shares = counts / counts.sum()
-    rate = np.array([1 / stats["seconds_per_unit"][w] for w in by_speed])
-    np.testing.assert_allclose(shares, rate / rate.sum(), rtol=0.25, err_msg=str(counts))
     nominal = np.array([2, 1, 1, 0.5]) / 4.5
     np.testing.assert_allclose(shares, nominal, rtol=0.25, err_msg=str(counts))
 
