@@ -1,8 +1,10 @@
 """Request routing: send each inference request to the worker that will answer it first.
 
-:class:`Router` places each request where ``(backlog / threads + cost) x seconds_per_unit``
-is earliest: join-the-shortest-expected-delay (blockflow heuristic after Whitt 1986).
-Requests go out in batches when a worker has a free task slot. Guide: docs/guide/ai.md.
+:class:`Router` holds requests centrally, one queue per caller served in turn
+(:mod:`blockflow.ml._fair_queue`), and sends each, in batches, to the worker where it is
+expected to finish first (the work sent there and not yet done, plus its cost, times the
+worker's learned seconds per unit) once that worker has room: its running task and one more.
+Guide: docs/guide/ai.md.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Hashable
 
 from dask.utils import parse_timedelta
 from distributed import KilledWorker, get_worker
@@ -23,9 +25,10 @@ from distributed.comm import CommClosedError
 
 from blockflow import config
 from blockflow._distributed.metrics import read_metrics
+from blockflow.ml._fair_queue import FairQueue, Lane, dispatch
 from blockflow.ml.inference import _module
 from blockflow.ml.model_cache import ModelRef, ship_model
-from blockflow.scheduling.estimate import Throughput, earliest_finish
+from blockflow.scheduling.estimate import Throughput
 from blockflow.scheduling.view import learned_speeds, plugin_status, workers_info
 from blockflow.scheduling.wait import fetch, fetch_many
 
@@ -67,6 +70,7 @@ class _Request:
     id: int
     batch: Any
     cost: float
+    caller: Any
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     attempt: int = 0
     sent: Any = None  # the _Batch of the current attempt
@@ -77,13 +81,14 @@ class _Batch:
     id: int
     worker: str
     requests: list
-    cost: float
+    seconds: float  # expected
     task: Any = None  # its distributed Future
-    released: bool = False  # its worker's backlog and slot given back
+    released: bool = False  # its worker's expected work and slot given back
 
 
 class Router:
-    """Route inference requests, in batches, to the worker that will answer first.
+    """Route inference requests, in batches, to the worker that will answer first, callers
+    served in turn.
 
     Parameters
     ----------
@@ -110,8 +115,13 @@ class Router:
 
     Notes
     -----
-    ``router.decisions`` (a deque of dict) records every batch sent (``"route"`` or
-    ``"reroute"``) and each request lost with its worker.
+    Requests wait in the router, one queue per caller (``caller=`` of :meth:`submit`; default
+    the calling thread), taken in deficit round robin on cost, each to the worker where it is
+    expected to finish first once that worker has room (its running task per thread and one
+    more): no worker idles while a request it would finish first waits, a slow worker gets a
+    request only when it would finish it first, and a caller that floods cannot starve a
+    light one. ``router.decisions`` (a deque of dict) records every batch sent (``"route"``
+    or ``"reroute"``, with its callers) and each request lost with its worker.
 
     Examples
     --------
@@ -148,11 +158,13 @@ class Router:
         self._batch_ids = itertools.count()
         self._lock = threading.Lock()
         self._requests: dict[int, _Request] = {}  # unanswered
-        self._waiting: deque[_Request] = deque()  # not sent: no free slot, or no worker
+        # not sent: held here per caller until the device each finishes first on has room
+        self._waiting = FairQueue(dead=lambda r: r.future.done())
         self._batches: dict[int, _Batch] = {}  # sent, not yet released
-        self._backlog: Counter = Counter()  # cost sent to each worker, not yet back
         self._inflight: Counter = Counter()  # requests sent to each worker, not yet back
         self._tasks: Counter = Counter()  # batches (tasks) in flight per worker
+        self._expected: Counter = Counter()  # their expected seconds per worker
+        self._started: dict[str, float] = {}  # when its oldest batch in flight began (monotonic)
         # seconds per cost unit from the answers' compute times; a worker's first answer
         # pays for loading the model and warming up: kept apart, trusted only while no
         # worker has a warm answer (cold starts are discounted)
@@ -184,28 +196,43 @@ class Router:
 
     # -- public API ------------------------------------------------------------------
 
-    def submit(self, batch, *, cost: float | None = None) -> concurrent.futures.Future:
-        """Route one request (``batch``, of ``cost``, default its rows); returns a future
-        of the model's output, resolved exactly once."""
+    def submit(self, batch, *, cost: float | None = None,
+               caller: Hashable | None = None) -> concurrent.futures.Future:
+        """Route one request; returns a future of the model's output, resolved exactly once.
+
+        Parameters
+        ----------
+        batch : array
+            The model's input (rows).
+        cost : float, optional
+            Its work in units (default its rows): its expected seconds are cost x the
+            device's learned seconds per unit.
+        caller : hashable, optional
+            Who sends it (a user, tenant or client id): callers share the devices by cost,
+            each caller's requests in the order sent. Default: the calling thread.
+        """
         if self._closed:
             raise RuntimeError("blockflow: this Router is closed; make a new one.")
         cost = float(len(batch) if cost is None else cost)
-        req = _Request(next(self._ids), batch, cost)
+        caller = _caller() if caller is None else caller
+        req = _Request(next(self._ids), batch, cost, caller)
         with self._lock:
             self._requests[req.id] = req
             self.counts["submitted"] += 1
-            self._waiting.append(req)
+            self._waiting.push(req, caller, cost)
             if any(self._free(w) for w in self._usable()):
                 self._pump()
         return req.future
 
-    def map(self, batches, *, costs=None) -> list[concurrent.futures.Future]:
-        """:meth:`submit` each batch; the futures in the same order."""
+    def map(self, batches, *, costs=None,
+            caller: Hashable | None = None) -> list[concurrent.futures.Future]:
+        """:meth:`submit` each batch (for one ``caller``); the futures in the same order."""
         costs = [None] * len(batches) if costs is None else costs
+        caller = _caller() if caller is None else caller
         with self._lock:  # one placement for the lot, not one per request
             self._mapping = True
         try:
-            futures = [self.submit(b, cost=c) for b, c in zip(batches, costs)]
+            futures = [self.submit(b, cost=c, caller=caller) for b, c in zip(batches, costs)]
         finally:
             with self._lock:
                 self._mapping = False
@@ -216,12 +243,13 @@ class Router:
 
     def stats(self) -> dict[str, Any]:
         """Plain data: ``counts``, ``answered_by``, ``seconds_per_unit``, ``excluded``,
-        ``pending`` and ``waiting``."""
+        ``pending``, ``waiting`` and ``waiting_by_caller``."""
         with self._lock:
             return {"counts": dict(self.counts), "answered_by": dict(self.answered_by),
                     "seconds_per_unit": self._throughput.observed_seconds_per_unit(),
                     "excluded": dict(self._excluded), "pending": len(self._requests),
-                    "waiting": len(self._waiting)}
+                    "waiting": len(self._waiting),
+                    "waiting_by_caller": self._waiting.callers()}
 
     def close(self) -> None:
         """Stop routing and cancel unanswered requests; a model this Router shipped leaves
@@ -264,62 +292,52 @@ class Router:
         return [w for w in alive if w not in self._excluded] or alive
 
     def _room(self, w: str) -> int:
-        """Requests ``w`` may still be sent now (0: no free task slot)."""
-        if self._tasks[w] >= self._threads(w) + 1:  # one waiting behind each running task
+        """Tasks ``w`` may still be sent: one running per thread and one waiting behind."""
+        if self._cap(w) == 0:
             return 0
+        return max(self._threads(w) + 1 - self._tasks[w], 0)
+
+    def _cap(self, w: str) -> int | None:
+        """Requests ``w`` may still be sent under ``depth`` (None: no bound)."""
         if self.depth is None:
-            return self.batch_size
-        return max(min(self.depth * self._threads(w) - self._inflight[w], self.batch_size), 0)
+            return None
+        return max(self.depth * self._threads(w) - self._inflight[w], 0)
 
     def _free(self, w: str) -> bool:
         return self._room(w) > 0
 
-    def _pump(self) -> None:  # under self._lock: send waiting requests to free workers
-        if self._mapping or self._closed:
+    def _ready(self, w: str, now: float) -> float:
+        """Expected seconds until the work sent to ``w`` ends, per thread: the estimates of
+        its batches in flight less the time its oldest one has run."""
+        if not self._tasks[w]:
+            return 0.0
+        return max(self._expected[w] - (now - self._started.get(w, now)), 0.0) / self._threads(w)
+
+    def _pump(self) -> None:  # under self._lock: send waiting requests where they finish first
+        if self._mapping or self._closed or not len(self._waiting):
             return
-        while self._waiting and self._waiting[0].future.done():
-            self._waiting.popleft()  # answered by an earlier attempt meanwhile
-        if not self._waiting:
-            return
-        alive = list(self._workers)
         usable = self._usable()
         if not usable or not any(self._free(w) for w in usable):
             return
-        spu = self._throughput.seconds_per_unit(alive, self._speeds)
-        threads = {w: self._threads(w) for w in usable}
-        ready = {w: self._backlog[w] / threads[w] * spu[w] for w in usable}
-        # Plan the head of the queue (enough to fill every free slot with full batches):
-        # each request where it finishes first; those placed on busy workers stay waiting.
-        plan = [r for r in itertools.islice(self._waiting, self.batch_size * sum(
-            t + 1 for t in threads.values())) if not r.future.done()]
-        placed = earliest_finish(len(plan), ready, spu, units=[r.cost for r in plan],
-                                 threads=threads,
-                                 tie=lambda w, _: (self._backlog[w], w))
-        mine: dict[str, list] = {}
-        for p in placed:
-            mine.setdefault(p.worker, []).append(plan[p.item])
-        finish = {w: ready[w] + spu[w] * (plan[0].cost if plan else 0) for w in usable}
-        sent: set[int] = set()
-        for w, reqs in mine.items():
-            while reqs and self._free(w):
-                room, batch, seconds = self._room(w), [], 0.0
-                while reqs and len(batch) < room:
-                    more = reqs[0].cost * spu[w]
-                    if batch and seconds + more > self.batch_seconds:
-                        break
-                    batch.append(reqs.pop(0))
-                    seconds += more
-                self._send(w, batch, seconds, finish)
-                sent.update(r.id for r in batch)
+        spu = self._throughput.seconds_per_unit(list(self._workers), self._speeds)
+        now = time.monotonic()
+        lanes = {w: Lane(ready=self._ready(w, now), spu=spu[w], room=self._room(w),
+                         cap=self._cap(w), order=(spu[w], self._tasks[w], w)) for w in usable}
+        finish = {w: round(lane.ready, 6) for w, lane in lanes.items()}
+        sent = dispatch(self._waiting, lanes, batch_size=self.batch_size,
+                        batch_seconds=self.batch_seconds)
+        for w, batches in sent.items():
+            for reqs, seconds in batches:
+                self._send(w, reqs, seconds, finish, now)
         if sent:
-            self._waiting = deque(r for r in self._waiting
-                                  if r.id not in sent and not r.future.done())
             self.decisions[-1]["after"] = {  # the state the last batch left
                 "in_flight": {w: self._tasks[w] for w in usable},
                 "waiting": len(self._waiting)}
 
-    def _send(self, worker: str, reqs: list, seconds: float, finish: dict) -> None:
-        b = _Batch(next(self._batch_ids), worker, reqs, sum(r.cost for r in reqs))
+    def _send(self, worker: str, reqs: list, seconds: float, finish: dict, now: float) -> None:
+        b = _Batch(next(self._batch_ids), worker, reqs, seconds)
+        if not self._tasks[worker]:
+            self._started[worker] = now
         again = False
         for r in reqs:
             again |= r.attempt > 0
@@ -328,7 +346,7 @@ class Router:
         self._batches[b.id] = b
         self._tasks[worker] += 1
         self._inflight[worker] += len(reqs)
-        self._backlog[worker] += b.cost
+        self._expected[worker] += seconds
         self.counts["batches"] += 1
         key = f"blockflow-request-{self.ref.token[:8]}-{reqs[0].id}-b{b.id}"
         b.task = self.client.submit(_answer, self.ref, [r.batch for r in reqs], key=key,
@@ -338,8 +356,9 @@ class Router:
             "time": time.time(), "action": "reroute" if again else "route",
             "request": reqs[0].id, "requests": [r.id for r in reqs], "worker": worker,
             "estimated_seconds": round(seconds, 6),
-            "reason": "earliest speed-normalised projected finish",
-            "projected_finish": {w: round(v, 6) for w, v in finish.items()},
+            "reason": "shortest expected finish",
+            "callers": [r.caller for r in reqs],
+            "busy_until": finish,
             "excluded": dict(self._excluded)})
 
     def _release(self, b: _Batch) -> None:  # under self._lock: the batch's work is over
@@ -352,14 +371,15 @@ class Router:
             self._tasks[w] -= 1
         if self._inflight.get(w, 0) > 0:
             self._inflight[w] = max(self._inflight[w] - len(b.requests), 0)
-        if self._backlog.get(w, 0) > 0:
-            self._backlog[w] = max(self._backlog[w] - b.cost, 0.0)
+        if self._expected.get(w, 0) > 0:
+            self._expected[w] = max(self._expected[w] - b.seconds, 0.0)
+        self._started[w] = time.monotonic()  # the next batch waiting on it starts now
 
     def _again(self, reqs: list, b: _Batch) -> None:  # under self._lock: route them again
         again = [r for r in reqs if not r.future.done() and r.sent is b]
-        for r in reversed(again):  # they go first: they waited longest
+        for r in again:  # they go first: they waited longest
             r.sent = None
-            self._waiting.appendleft(r)
+            self._waiting.push_first(r, r.cost)
         self.counts["rerouted"] += len(again)
 
     # -- the router's thread: answers, worker state, lost workers ---------------------------
@@ -526,10 +546,16 @@ class Router:
                                                "request": r.id, "worker": b.worker,
                                                "reason": "worker left the cluster"})
                 self._again(b.requests, b)
-            for counter in (self._backlog, self._inflight, self._tasks):
+            for counter in (self._inflight, self._tasks, self._expected):
                 for w in [w for w in counter if w not in workers]:
                     del counter[w]
             self._pump()
+
+
+def _caller() -> str:
+    """The default caller: the calling thread."""
+    t = threading.current_thread()
+    return f"thread {t.name} ({t.ident})"
 
 
 def _worker_lost(exc: BaseException | None) -> bool:

@@ -76,7 +76,7 @@ def test_requests_go_to_the_worker_that_answers_first(digits):
             _check_answers(router.map(batches), batches, model)
             late = router.stats()
     assert late["answered_by"][fast] >= 2 * late["answered_by"].get(slow, 0)
-    assert decisions and decisions[0]["reason"] == "earliest speed-normalised projected finish"
+    assert decisions and decisions[0]["reason"] == "shortest expected finish"
 
 
 
@@ -388,3 +388,131 @@ def test_a_batch_whose_result_went_with_its_worker_is_routed_again_without_waiti
     # not traced to its source)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR
                 and r.name.startswith("blockflow")], caplog.text
+
+
+# -- issue 39: requests held centrally, callers in turn, each where it finishes first --------
+
+from blockflow.ml._fair_queue import FairQueue, simulate  # noqa: E402
+
+
+def test_callers_take_turns_by_cost_and_given_back_requests_go_first():
+    q = FairQueue()
+    for i in range(20):
+        q.push(("flood", i), "flood", 4.0)  # a caller that floods with costly requests
+    for i in range(8):
+        q.push(("light", i), "light", 1.0)
+    q.push_first(("back", 0), 4.0)  # a request whose worker was lost
+    order = [q.pop()[0] for _ in range(len(q))]
+    assert order[0] == ("back", 0)
+    # each turn a caller gets the same cost: one flood request of 4 units, four light of 1
+    assert order[1:11] == [("flood", 0), ("light", 0), ("light", 1), ("light", 2),
+                           ("light", 3), ("flood", 1), ("light", 4), ("light", 5),
+                           ("light", 6), ("light", 7)]
+    assert order[11:] == [("flood", i) for i in range(2, 20)] and not len(q)
+    # answered requests are dropped unsent
+    done = {("a", 1)}
+    q = FairQueue(dead=lambda item: item in done)
+    q.push(("a", 1), "a", 1)
+    q.push(("a", 2), "a", 1)
+    assert q.pop() == (("a", 2), 1.0) and not len(q)
+
+
+def _poisson(rate, n, seed):
+    return list(np.cumsum(np.random.default_rng(seed).exponential(1 / rate, n)))
+
+
+@pytest.mark.parametrize("load", [0.4, 0.6, 0.8])
+def test_the_policy_stays_near_shortest_expected_finish_and_never_idles_a_fast_device(load):
+    # Speeds known exactly, no overhead: the router's policy (held centrally, sent where each
+    # request finishes first, batches' answers back together) against per-device queues by
+    # shortest expected finish (SEF) on the same arrivals. Order and counts, not wall time.
+    speeds, seconds = (2, 1, 1, 0.5), 0.01
+    arrivals = _poisson(load * sum(speeds) / seconds, 3000, seed=int(load * 10))
+    sef = simulate(arrivals, speeds, seconds=seconds, policy="sef")
+    ours = simulate(arrivals, speeds, seconds=seconds, policy="router")
+    for q, bound in ((50, 1.1), (99, 1.35)):
+        assert (np.percentile(ours["latency"], q)
+                <= bound * np.percentile(sef["latency"], q)), q
+    # the fastest device is never idle while a request waits; the slow one gets a request
+    # only when it finishes it first, so no more than SEF gives it
+    assert not [(t, n, idle) for t, n, idle in ours["log"] if n and 0 in idle]
+    assert ours["device"].count(3) <= sef["device"].count(3) + 15
+    # equal devices: none idle while a request waits
+    equal = simulate(arrivals, (1, 1, 1, 1), seconds=seconds / 0.9 * 4.5 / 4, policy="router")
+    assert not [entry for entry in equal["log"] if entry[1] and entry[2]]
+
+
+def test_the_policy_serves_a_light_caller_in_turn_beside_a_flood():
+    # A caller flooding at twice capacity for 2 s and a light caller at 10/s: in turn, the
+    # light caller's requests wait about two batches; in one FIFO they wait behind the flood.
+    speeds, seconds = (2, 1, 1, 0.5), 0.01
+    flood = _poisson(2 * sum(speeds) / seconds, 1800, seed=1)
+    light = list(np.arange(0.05, 2.0, 0.1))
+    arrivals = sorted([(t, "flood") for t in flood] + [(t, "light") for t in light])
+    times, callers = [t for t, _ in arrivals], [c for _, c in arrivals]
+    fair = simulate(times, speeds, seconds=seconds, callers=callers, batch_seconds=0.05)
+    fifo = simulate(times, speeds, seconds=seconds, batch_seconds=0.05)
+    mine = [k for k, c in enumerate(callers) if c == "light"]
+    assert max(fair["latency"][k] for k in mine) <= 0.15
+    assert max(fifo["latency"][k] for k in mine) > 1.0
+    assert max(fair["latency"]) > 1.0  # the flood itself queues
+
+
+def test_a_light_caller_is_sent_in_turn_beside_a_flood(digits):
+    X, model = digits
+    flood = [X[i:i + 1] for i in range(120)]
+    light = [X[i:i + 1] for i in range(200, 206)]
+    with simulated_cluster(speeds=(2, 1, 1, 0.5), processes=False) as client:
+        with Router(client, SimulatedModel(model, 0.01)) as router:
+            futures = router.map(flood, caller="flood")
+            # what was sent before the light caller's requests arrived (a batch more may
+            # go between this read and their arrival)
+            before = sum(len(d["requests"]) for d in list(router.decisions))
+            futures += router.map(light, caller="light")
+            _check_answers(futures, flood + light, model)
+            stats = router.stats()
+            sent = [c for d in router.decisions if d["action"] in ("route", "reroute")
+                    for c in d["callers"]]
+    assert stats["counts"]["answered"] == 126 and stats["pending"] == 0, stats
+    assert stats["counts"].get("duplicates", 0) == 0, stats
+    assert len(sent) == 126 and sent.count("light") == 6
+    # after they arrive, the two callers take turns: at most one flood request is sent
+    # before each light one, and one batch of at most 10 may have gone before they came (in
+    # one FIFO every flood request goes first)
+    last = max(k for k, c in enumerate(sent) if c == "light")
+    assert sent[before:last + 1].count("flood") <= 6 + 10, (before, sent)
+    assert before < 100  # most of the flood was still waiting when they came
+
+
+def test_each_device_answers_its_share_of_a_burst(digits):
+    # Speeds 2, 1, 1, 0.5: a burst of requests held in the router goes to each device as it
+    # has room, where it finishes first: shares follow the speeds. Within 10 % in the policy's
+    # simulation (below); here within 25 %: on a loaded host a task's round trip can leave a
+    # fast device idle between short batches more often than a slow one (and sleeps that
+    # overshoot make the measured speeds closer than the simulated ones). The half-speed
+    # device used to take twice its share.
+    X, model = digits
+    batches = [X[i:i + 1] for i in range(270)]
+    with simulated_cluster(speeds=(2, 1, 1, 0.5), processes=False) as client:
+        by_speed = _by_name(client)
+        # batches of 200 ms: the task waiting on each device hides the round trip of the
+        # next even on a loaded host
+        with Router(client, SimulatedModel(model, 0.04), batch_seconds="200ms") as router:
+            _check_answers(router.map(batches[:8]), batches[:8], model)  # speeds measured
+            warm = dict(router.stats()["answered_by"])
+            _check_answers(router.map(batches), batches, model)
+            stats = router.stats()
+    assert stats["counts"]["answered"] == 278 and stats["counts"].get("duplicates", 0) == 0
+    counts = np.array([stats["answered_by"].get(w, 0) - warm.get(w, 0) for w in by_speed])
+    shares = counts / counts.sum()
+    nominal = np.array([2, 1, 1, 0.5]) / 4.5
+    np.testing.assert_allclose(shares, nominal, rtol=0.25, err_msg=str(counts))
+
+
+def test_the_policy_gives_each_device_its_speed_share_when_requests_queue():
+    # arrivals at 1.5x capacity: every device always has work; shares within 10 % of speed
+    # shares, by counts
+    speeds = (2, 1, 1, 0.5)
+    ours = simulate(_poisson(1.5 * 450, 3000, seed=3), speeds, seconds=0.01)
+    shares = np.bincount(ours["device"], minlength=4) / 3000
+    np.testing.assert_allclose(shares, np.array(speeds) / sum(speeds), rtol=0.1)
