@@ -118,6 +118,28 @@ class FairQueue:
             self._topped = False
         return head
 
+    def peek_caller(self, caller: Hashable) -> tuple[Any, float]:
+        """``caller``'s next ``(item, cost)``, left queued; IndexError when none waits."""
+        self._drop_dead()
+        q = self._queues.get(caller)
+        if not q:
+            raise IndexError(f"no request of {caller!r} waits")
+        return q[0]
+
+    def pop_caller(self, caller: Hashable) -> tuple[Any, float]:
+        """Take ``caller``'s next ``(item, cost)`` out of turn, its deficit charged;
+        IndexError when it has none waiting."""
+        self._drop_dead()
+        q = self._queues.get(caller)
+        if not q:
+            raise IndexError(f"no request of {caller!r} waits")
+        head = q.popleft()
+        self._n -= 1
+        self._deficit[caller] = max(self._deficit[caller] - head[1], 0.0)
+        if not q:
+            self._forget(caller)
+        return head
+
     def upcoming(self) -> Iterator[float]:
         """The costs of the requests to send, in order, left queued (do not change the queue
         while iterating)."""
@@ -177,7 +199,8 @@ class Lane:
 
 
 def dispatch(queue: FairQueue, lanes: Mapping[str, Lane], *, batch_size: int,
-             batch_seconds: float) -> dict[str, list[tuple[list, float]]]:
+             batch_seconds: float, caller: Callable[[Any], Hashable] | None = None
+             ) -> dict[str, list[tuple[list, float]]]:
     """Take requests off ``queue``, in its order, for the devices with room that finish them
     first.
 
@@ -189,6 +212,8 @@ def dispatch(queue: FairQueue, lanes: Mapping[str, Lane], *, batch_size: int,
     full lanes wait for them: a device is never idle while a request it would finish first
     waits, a slow device takes a request only when it would finish it before a faster one
     gets to it, and no request is committed to a device queue it would leave later.
+    With ``caller`` (item -> its caller), a batch holds one caller's requests: a light
+    caller's request is not answered only once a flood's batch around it is done.
     Shortest expected finish (join the shortest expected delay, Whitt 1986) on central
     queues, a blockflow heuristic.
 
@@ -225,7 +250,8 @@ def dispatch(queue: FairQueue, lanes: Mapping[str, Lane], *, batch_size: int,
                 continue
             b = lane.sent[-1] if lane.sent else None
             if b is not None and len(b[0]) < batch_size and (
-                    b[1] + lane.spu * cost <= batch_seconds):
+                    b[1] + lane.spu * cost <= batch_seconds) and (
+                    caller is None or caller(item) == caller(b[0][0])):
                 fits[w] = b
             elif lane.room > 0:
                 fits[w] = None

@@ -162,6 +162,7 @@ class Router:
         self._waiting = FairQueue(dead=lambda r: r.future.done())
         self._batches: dict[int, _Batch] = {}  # sent, not yet released
         self._inflight: Counter = Counter()  # requests sent to each worker, not yet back
+        self._by_caller: Counter = Counter()  # requests sent for each caller, not yet back
         self._tasks: Counter = Counter()  # batches (tasks) in flight per worker
         self._expected: Counter = Counter()  # their expected seconds per worker
         self._started: dict[str, float] = {}  # when its oldest batch in flight began (monotonic)
@@ -317,7 +318,9 @@ class Router:
         if self._mapping or self._closed or not len(self._waiting):
             return
         usable = self._usable()
-        if not usable or not any(self._free(w) for w in usable):
+        light = [c for c, n in self._waiting.callers().items()
+                 if n and not self._by_caller.get(c)]
+        if not usable or not (light or any(self._free(w) for w in usable)):
             return
         spu = self._throughput.seconds_per_unit(list(self._workers), self._speeds)
         now = time.monotonic()
@@ -325,17 +328,44 @@ class Router:
                          cap=self._cap(w), order=(spu[w], self._tasks[w], w)) for w in usable}
         finish = {w: round(lane.ready, 6) for w, lane in lanes.items()}
         sent = dispatch(self._waiting, lanes, batch_size=self.batch_size,
-                        batch_seconds=self.batch_seconds)
+                        batch_seconds=self.batch_seconds, caller=lambda r: r.caller)
         for w, batches in sent.items():
             for reqs, seconds in batches:
                 self._send(w, reqs, seconds, finish, now)
+        sent = self._jump(light, lanes, finish, now) or sent
         if sent:
             self.decisions[-1]["after"] = {  # the state the last batch left
                 "in_flight": {w: self._tasks[w] for w in usable},
                 "waiting": len(self._waiting)}
 
-    def _send(self, worker: str, reqs: list, seconds: float, finish: dict, now: float) -> None:
+    def _jump(self, light: list, lanes: dict, finish: dict, now: float) -> bool:
+        """Send the next request of each caller with nothing in flight (``light``) alone to
+        the worker that finishes it first, ahead of the batches queued there (task priority):
+        beside a flood it waits for one running batch, not the flood's queued ones. A flood
+        always has requests in flight, so it never jumps. True if any was sent."""
+        sent = False
+        for c in light:
+            if self._by_caller.get(c) or c not in self._waiting.callers():
+                continue  # sent by dispatch meanwhile
+            item, cost = self._waiting.peek_caller(c)
+            open_ = [w for w, lane in lanes.items() if lane.spu > 0 and lane.cap != 0]
+            if not open_:
+                return sent
+            w = min(open_, key=lambda w: (lanes[w].ready + lanes[w].spu * cost,
+                                          lanes[w].order))
+            self._waiting.pop_caller(c)
+            lanes[w].ready += lanes[w].spu * cost
+            if lanes[w].cap is not None:
+                lanes[w].cap -= 1
+            self._send(w, [item], lanes[w].spu * cost, finish, now, priority=1)
+            sent = True
+        return sent
+
+    def _send(self, worker: str, reqs: list, seconds: float, finish: dict, now: float,
+              priority: int = 0) -> None:
         b = _Batch(next(self._batch_ids), worker, reqs, seconds)
+        for r in reqs:
+            self._by_caller[r.caller] += 1
         if not self._tasks[worker]:
             self._started[worker] = now
         again = False
@@ -350,7 +380,8 @@ class Router:
         self.counts["batches"] += 1
         key = f"blockflow-request-{self.ref.token[:8]}-{reqs[0].id}-b{b.id}"
         b.task = self.client.submit(_answer, self.ref, [r.batch for r in reqs], key=key,
-                                    workers=[worker], allow_other_workers=False, pure=False)
+                                    workers=[worker], allow_other_workers=False, pure=False,
+                                    priority=priority)
         b.task.add_done_callback(lambda f, b=b: self._events.put((b, f)))
         self.decisions.append({
             "time": time.time(), "action": "reroute" if again else "route",
@@ -373,6 +404,10 @@ class Router:
             self._inflight[w] = max(self._inflight[w] - len(b.requests), 0)
         if self._expected.get(w, 0) > 0:
             self._expected[w] = max(self._expected[w] - b.seconds, 0.0)
+        for r in b.requests:
+            self._by_caller[r.caller] -= 1
+            if self._by_caller[r.caller] <= 0:
+                del self._by_caller[r.caller]
         self._started[w] = time.monotonic()  # the next batch waiting on it starts now
 
     def _again(self, reqs: list, b: _Batch) -> None:  # under self._lock: route them again

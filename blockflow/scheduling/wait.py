@@ -253,8 +253,9 @@ def _name_silent(client: Client, silent: dict[str, str], what: str, limit: float
 
     from blockflow.errors import BlockflowWarning
 
-    if silent and any(why != f"no answer within {limit:g} s" for why in silent.values()):
-        try:  # a worker that left the cluster meanwhile (a shutdown, Ctrl-C) is no news
+    if silent:
+        try:  # a worker that left the cluster meanwhile (killed, a shutdown, Ctrl-C) is no
+            # news: the scheduler's removal of it says so
             listed = set(client.scheduler_info(n_workers=-1)["workers"])
         except Exception:
             listed = set()
