@@ -478,12 +478,11 @@ def _identity(part):
     return part
 
 
-def _spread_persisted(futures, rows: Sequence[int], plan: _Plan) -> list:
+def _spread_persisted(futures, rows: Sequence[int], plan: _Plan, threads: dict) -> list:
     """The pieces of a persisted frame as futures, split partitions' pieces placed on the
     least-loaded worker per thread, largest first, counting the partitions kept where they
     are (longest-processing-time placement; Dask would queue them where the partition is)."""
     client = futures[0].client
-    threads = _threads(client)
     load = dict.fromkeys(threads, 0.0)
     kept_at = {i: p[0] for i, p in enumerate(plan.pieces)
                if p[1] - p[0] == 1 and p[3] - p[2] == rows[p[0]]}
@@ -516,10 +515,11 @@ def _spread_persisted(futures, rows: Sequence[int], plan: _Plan) -> list:
             for i, p in enumerate(plan.pieces)]
 
 
-def _frame_from_plan(df, rows: Sequence[int], plan: _Plan):
+def _frame_from_plan(df, rows: Sequence[int], plan: _Plan, threads: dict | None = None):
     futures = _persisted_futures(df) if plan.split else None
     if futures is not None:
-        new = _spread_persisted(futures, rows, plan)
+        new = _spread_persisted(futures, rows, plan,
+                                threads if threads is not None else _threads(futures[0].client))
         return dd.from_delayed(new, meta=df._meta, divisions=None, verify_meta=False,
                                prefix="blockflow-recut")
     parts = df.to_delayed(optimize_graph=False)  # persisted frames: far faster to run
@@ -551,13 +551,14 @@ def _frame_skew(df, factor, floor, merge_below, lengths=None, label=""):
         return df
     rows, rb, unit = known
     futures = _persisted_futures(df) if unit == "bytes" else None  # its stage's threads:
-    threads = sum(_threads(futures[0].client).values()) if futures else None
-    plan = _skew_plan(rows, rb, factor, floor, merge_below, threads=threads or None)
+    threads = _threads(futures[0].client) if futures else None
+    plan = _skew_plan(rows, rb, factor, floor, merge_below,
+                      threads=sum(threads.values()) if threads else None)
     if plan is None:
         return df
     _record(BlockResize("dataframe", "skew", 0, rows, plan.sizes, rb, plan.split,
                         plan.merged, time.time(), label, unit))
-    return _frame_from_plan(df, rows, plan)
+    return _frame_from_plan(df, rows, plan, threads)
 
 
 # -- xarray --------------------------------------------------------------------------------
