@@ -21,6 +21,13 @@ Workloads (``--workloads``, comma-separated):
   to 0 for this run: each row stands for a row of a far larger table, as its kernel time
   says. Target (issue 14): blockflow's makespan <= 1.2x the balanced run.
 
+* ``shuffle-skew`` -- the skew comes out of a shuffle: ``--partitions`` partitions of rows
+  whose key follows a Zipf law (exponent ``--exponent`` over 16 keys per partition),
+  ``shuffle(on="key")`` and persisted, so the partition sizes are known only once the
+  shuffle ran; then the same row kernel. Configurations: ``balanced`` (plain Dask on the
+  same rows in even partitions: the reference), ``plain`` and ``blockflow`` on the shuffled
+  partitions. Target (issue 39): blockflow <= 1.3x the balanced run.
+
 * ``slowdown`` -- 4 simulated devices (speed 1, 1 thread each; ``--spec-blocks`` blocks of
   ``--spec-work`` reference-seconds); device 0 slows to a fifth of its speed half-way through
   the ideal makespan (a speed schedule). Configurations: ``blockflow-no-slowdown`` (the
@@ -95,7 +102,7 @@ from distributed import Client, LocalCluster, wait
 
 import blockflow
 
-WORKLOADS = ("zipf-skew", "slowdown", "slow-from-start", "identical", "brief-pause",
+WORKLOADS = ("zipf-skew", "shuffle-skew", "slowdown", "slow-from-start", "identical", "brief-pause",
              "coarse-slow", "uneven", "large-inputs", "gpu-fanout")
 
 
@@ -194,6 +201,51 @@ def zipf_skew(client: Client, args) -> list[dict]:
                  "makespan": f"blockflow <= 1.2x balanced: {'met' if ratio <= 1.2 else 'NOT met'}"
                              f" ({ratio:.2f}x)",
                  "x ideal": "", "x balanced": "", "x plain": ""})
+    return rows
+
+
+def shuffle_skew(client: Client, args) -> list[dict]:
+    """Partitions skewed by a shuffle on a Zipf-distributed key vs the same rows balanced."""
+    total, keys = args.partitions * args.rows_per_partition, 16 * args.partitions
+    weights = 1.0 / np.arange(1, keys + 1) ** args.exponent
+    key = np.random.default_rng(14).choice(keys, size=total, p=weights / weights.sum())
+    pdf = pd.DataFrame({"key": key, "value": np.arange(total) * 0.5})
+    balanced = dd.from_pandas(pdf, npartitions=args.partitions, sort=False).persist()
+    skewed = dd.from_pandas(pdf, npartitions=args.partitions, sort=False).shuffle(
+        on="key", npartitions=args.partitions).persist()
+    wait([skewed, balanced])
+    lengths = skewed.map_partitions(len).compute().tolist()
+    spr = args.seconds_per_row
+    print(f"shuffle-skew: {args.partitions} partitions, exponent {args.exponent}, {total:,} "
+          f"rows; after the shuffle the largest holds {max(lengths):,} rows (an even one "
+          f"{total // args.partitions:,}); {total * spr:.1f} s of work on {args.workers} "
+          f"workers", file=sys.stderr)
+    configs = {
+        "balanced": lambda run: balanced.map_partitions(_row_kernel, seconds_per_row=spr,
+                                                        run=run),
+        "plain": lambda run: skewed.map_partitions(_row_kernel, seconds_per_row=spr, run=run),
+        "blockflow": lambda run: blockflow.map_blocks(_row_kernel, skewed, seconds_per_row=spr,
+                                                      run=run, name="row-kernel"),
+    }
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    with dask.config.set({"blockflow.skew.floor": 0}):  # scaled-down data (see zipf-skew)
+        for rep in range(args.repeat):
+            for name in (list(configs) if rep % 2 == 0 else list(configs)[::-1]):
+                times[name].append(_timed(configs[name], run=rep))
+                print(f"  rep {rep} {name}: {times[name][-1]:.2f} s", file=sys.stderr)
+    rows = []
+    for name, ts in times.items():
+        paired = [t / b for t, b in zip(ts, times["balanced"])]
+        rows.append({"workload": "shuffle-skew", "config": name,
+                     "makespan": f"{statistics.median(ts):.2f} ({min(ts):.2f}-{max(ts):.2f})",
+                     "x ideal": f"{statistics.median(ts) / (total * spr / args.workers):.2f}",
+                     "x balanced": f"{statistics.median(paired):.2f} ({min(paired):.2f}-"
+                                   f"{max(paired):.2f})",
+                     "x plain": f"{statistics.median(t / p for t, p in zip(ts, times['plain'])):.2f}"})
+    ratio = statistics.median(t / b for t, b in zip(times["blockflow"], times["balanced"]))
+    rows.append({"workload": "shuffle-skew", "config": "target",
+                 "makespan": f"blockflow <= 1.3x balanced: {'met' if ratio <= 1.3 else 'NOT met'}"
+                             f" ({ratio:.2f}x)", "x ideal": "", "x balanced": "", "x plain": ""})
     return rows
 
 
@@ -659,6 +711,11 @@ def main(argv=None) -> None:
                           processes=not args.in_process, dashboard_address=":0") as cluster, \
                 Client(cluster) as client:
             rows += zipf_skew(client, args)
+    if "shuffle-skew" in chosen:
+        with LocalCluster(n_workers=args.workers, threads_per_worker=1,
+                          processes=not args.in_process, dashboard_address=":0") as cluster, \
+                Client(cluster) as client:
+            rows += shuffle_skew(client, args)
     # the straggler workloads start a fresh cluster of simulated devices per run
     spec = {"slowdown": slowdown, "slow-from-start": slow_from_start,
             "identical": no_stragglers, "brief-pause": brief_pause,

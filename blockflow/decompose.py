@@ -26,6 +26,7 @@ from dask.utils import format_bytes, parse_bytes
 from distributed import Future, futures_of
 
 from blockflow import config
+from blockflow._distributed.client import data_holders
 from blockflow.scheduling.view import workers_info
 
 __all__ = ["BlockResize", "recorded_resizes", "split_skewed"]
@@ -176,19 +177,35 @@ def _even(n: int, k: int) -> list[int]:
 
 
 def _skew_plan(sizes: Sequence[int], row_bytes: float, factor: float, floor: int,
-               merge_below: float, max_piece: float | None = None) -> _Plan | None:
-    """The re-cut :func:`split_skewed` describes, as pieces; None when nothing changes."""
+               merge_below: float, max_piece: float | None = None,
+               threads: int | None = None) -> _Plan | None:
+    """The re-cut :func:`split_skewed` describes, as pieces; None when nothing changes.
+
+    With ``threads`` (the stage's worker threads), the collection is also skewed when a
+    block exceeds ``max_piece`` x the balanced stage (the same rows in as many even blocks,
+    ``ceil(blocks / threads)`` of them per thread), and pieces are at most ``max_piece - 1``
+    x the per-thread share: greedy list scheduling ends within the share plus the largest
+    piece (Graham 1969), so the stage stays within ``max_piece`` x the balanced time.
+    """
     max_piece = _max_piece() if max_piece is None else max_piece
     sizes = [int(s) for s in sizes]
     nonempty = [s for s in sizes if s > 0]
     if len(sizes) < 2 or not nonempty:
         return None
     med = float(np.median(nonempty))
-    target = max(med, sum(sizes) / len(sizes))
+    total = sum(sizes)
+    target = max(med, total / len(sizes))
     tiny = merge_below * target
-    merge = merge_below > 0 and sum(sizes) * row_bytes > floor
+    merge = merge_below > 0 and total * row_bytes > floor
     skewed = any(s > factor * med and s * row_bytes > floor for s in sizes)
+    if threads:
+        balanced = math.ceil(len(sizes) / threads) * total / len(sizes)
+        skewed = skewed or any(s > max_piece * balanced and s * row_bytes > floor
+                               for s in sizes)
     cut = min(factor * med, max_piece * target) if skewed else factor * med
+    if threads and skewed:  # pieces a fraction of the per-thread share (and merged runs)
+        cut = min(cut, max(max_piece - 1, 0.125) * total / threads)
+        target = min(target, cut)
     pieces, split, merged, i = [], 0, 0, 0
     while i < len(sizes):
         s = sizes[i]
@@ -461,35 +478,48 @@ def _identity(part):
     return part
 
 
-def _spread_persisted(futures, rows: Sequence[int], plan: _Plan) -> list:
-    """The pieces of a persisted frame as futures, split partitions' pieces spread over the
-    workers (a blockflow heuristic; Dask would queue them where the partition is)."""
+def _spread_persisted(futures, rows: Sequence[int], plan: _Plan, threads: dict) -> list:
+    """The pieces of a persisted frame as futures, split partitions' pieces placed on the
+    least-loaded worker per thread, largest first, counting the partitions kept where they
+    are (longest-processing-time placement; Dask would queue them where the partition is)."""
     client = futures[0].client
-    workers = sorted(workers_info(client))
-    # One graph for all cuts, copies and merges: the scheduler takes one graph update per
-    # submission, and dozens of them cost seconds on a loaded scheduler. Worker
-    # annotations survive because the graph is not optimised.
-    todo, turn = {}, 0
-    for i, (first, stop, lo, hi) in enumerate(plan.pieces):
+    load = dict.fromkeys(threads, 0.0)
+    kept_at = {i: p[0] for i, p in enumerate(plan.pieces)
+               if p[1] - p[0] == 1 and p[3] - p[2] == rows[p[0]]}
+    try:  # who holds the partitions kept as they are: their stage runs there
+        held = data_holders(client, [futures[k] for k in kept_at.values()]) if kept_at else {}
+    except Exception:  # placement is a heuristic: without holders, spread evenly
+        held = {}
+    for k in kept_at.values():
+        where = [w for w in held.get(futures[k].key, ()) if w in load]
+        if where:
+            load[where[0]] += rows[k] / threads[where[0]]
+    # One graph for all cuts, copies and merges (dozens of graph updates cost seconds on a
+    # loaded scheduler); worker annotations survive because the graph is not optimised.
+    todo = {}
+    for i in sorted(set(range(len(plan.pieces))) - set(kept_at),
+                    key=lambda i: plan.sizes[i], reverse=True):
+        first, stop, lo, hi = plan.pieces[i]
         if stop - first > 1:
-            todo[i] = delayed(_concat_parts, pure=True)(*futures[first:stop])
-        elif not (lo == 0 and hi == rows[first]):  # the cut runs where the partition is
+            piece = delayed(_concat_parts, pure=True)(*futures[first:stop])
+        else:  # the cut runs where the partition is, its piece then moves
             piece = delayed(_slice_share, pure=True)(futures[first], lo, hi, rows[first])
-            if workers:
-                with dask.annotate(workers=[workers[turn % len(workers)]],
-                                   allow_other_workers=True):
-                    piece = delayed(_identity, pure=True)(piece)
-                turn += 1
-            todo[i] = piece
+        if load:
+            w = min(sorted(load), key=load.__getitem__)
+            load[w] += plan.sizes[i] / threads[w]
+            with dask.annotate(workers=[w], allow_other_workers=True):
+                piece = delayed(_identity, pure=True)(piece)
+        todo[i] = piece
     done = dict(zip(todo, client.persist(list(todo.values()), optimize_graph=False)))
     return [futures_of(done[i])[0] if i in done else futures[p[0]]
             for i, p in enumerate(plan.pieces)]
 
 
-def _frame_from_plan(df, rows: Sequence[int], plan: _Plan):
+def _frame_from_plan(df, rows: Sequence[int], plan: _Plan, threads: dict | None = None):
     futures = _persisted_futures(df) if plan.split else None
     if futures is not None:
-        new = _spread_persisted(futures, rows, plan)
+        new = _spread_persisted(futures, rows, plan,
+                                threads if threads is not None else _threads(futures[0].client))
         return dd.from_delayed(new, meta=df._meta, divisions=None, verify_meta=False,
                                prefix="blockflow-recut")
     parts = df.to_delayed(optimize_graph=False)  # persisted frames: far faster to run
@@ -508,6 +538,11 @@ def _frame_from_plan(df, rows: Sequence[int], plan: _Plan):
                            prefix="blockflow-recut")
 
 
+def _threads(client) -> dict:
+    """Worker address -> threads, of the cluster a persisted frame's stage runs on."""
+    return {w: max(int(i.get("nthreads") or 1), 1) for w, i in workers_info(client).items()}
+
+
 def _frame_skew(df, factor, floor, merge_below, lengths=None, label=""):
     known = partition_sizes(df, lengths)
     if known is None:
@@ -515,12 +550,15 @@ def _frame_skew(df, factor, floor, merge_below, lengths=None, label=""):
                      "checked for skew (pass lengths=True to compute them)", label or "a frame")
         return df
     rows, rb, unit = known
-    plan = _skew_plan(rows, rb, factor, floor, merge_below)
+    futures = _persisted_futures(df) if unit == "bytes" else None  # its stage's threads:
+    threads = _threads(futures[0].client) if futures else None
+    plan = _skew_plan(rows, rb, factor, floor, merge_below,
+                      threads=sum(threads.values()) if threads else None)
     if plan is None:
         return df
     _record(BlockResize("dataframe", "skew", 0, rows, plan.sizes, rb, plan.split,
                         plan.merged, time.time(), label, unit))
-    return _frame_from_plan(df, rows, plan)
+    return _frame_from_plan(df, rows, plan, threads)
 
 
 # -- xarray --------------------------------------------------------------------------------
