@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from blockflow.scheduling import estimate
 from blockflow.scheduling.actions import Action, Decision
 from blockflow.scheduling.rules.base import Rule, RuleContext
 
@@ -15,19 +16,53 @@ class StealingRule(Rule):
     Starts on the speed model's strict test (1.3x at 0.1 %), stops after :attr:`calm_ticks`
     snapshots without the weak one (1.15x at 10 %): hysteresis. Yields ``suspend-stealing`` /
     ``restore-stealing``; nothing with ``hands_over`` false. :attr:`active`: balancing now.
+
+    Data-bound work (:meth:`data_bound`) stays with distributed's stealing whatever the
+    speeds: blockflow's moves would not pay for sending its inputs, so with stealing paused
+    nothing would balance (issue 39: 1.12x plain Dask with 32 MiB inputs of 0.25 s tasks).
     """
 
     #: Snapshots in a row without a speed difference before balancing goes back to
     #: distributed.
     calm_ticks = 10
+    #: Waiting tasks looked at per worker by :meth:`data_bound` (its cost per tick).
+    sample = 16
 
     def __init__(self, hands_over: bool):
         self.hands_over = hands_over
         self.active = False
         self.calm = 0
+        self.bound = False  # the last verdict of data_bound, kept while nothing waits
+        self.handed = False  # the last judge handed data-bound work to distributed
+
+    def data_bound(self, snap) -> bool:
+        """Whether most tasks waiting on workers are data-bound: a balancing move gains about
+        one task's compute, and sending its inputs to the cheapest other worker takes too long
+        for that gain to pay (:func:`~blockflow.scheduling.estimate.move_pays`: more than
+        twice the transfer). Up to :attr:`sample` tasks per worker; with none waiting (or
+        none with known transfer costs) the last verdict stands. A blockflow heuristic, in
+        the spirit of distributed's stealing, which weighs transfer against compute.
+        """
+        heavy = seen = 0
+        for address, tasks in (snap.waiting or {}).items():
+            for task in tasks[:self.sample]:
+                others = [c for a, c in task.comm_cost.items() if a != address]
+                if not others:
+                    continue
+                seen += 1
+                heavy += not estimate.move_pays(task.duration, 0.0, min(others), 0.0)
+        if seen:
+            self.bound = 2 * heavy > seen
+        return self.bound
 
     def judge(self, snap) -> bool:
-        """The snapshot's ``balancing`` flag from its speed tests (counts calm snapshots)."""
+        """The snapshot's ``balancing`` flag from its speed tests (counts calm snapshots);
+        false for data-bound work (:meth:`data_bound`)."""
+        self.handed = bool(snap.speeds_differ or (self.active and snap.speeds_differ_weakly)) \
+            and self.data_bound(snap)
+        if self.handed:
+            self.calm = 0
+            return False
         if not self.active:
             return bool(snap.speeds_differ)
         if snap.speeds_differ_weakly:
@@ -47,5 +82,9 @@ class StealingRule(Rule):
             return [Decision(Action.SUSPEND_STEALING, "", "worker speeds known to differ: blockflow "
                              "balances on them; distributed's work stealing paused", seen)]
         self.active = False
+        if self.handed:
+            return [Decision(Action.RESTORE_STEALING, "", "tasks' inputs take longer to send "
+                             "than a move gains: balancing handed back to distributed's work "
+                             "stealing", seen)]
         return [Decision(Action.RESTORE_STEALING, "", "worker speeds not known to differ: balancing "
                          "handed back to distributed's work stealing", seen)]
