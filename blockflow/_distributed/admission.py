@@ -41,16 +41,6 @@ class FeederStates:
             self._cache.update(feeder_states(self._scheduler, missing))
         return {k: self._cache[k] for k in keys}
 
-    def nbytes(self, keys) -> tuple[int, int]:
-        """``(bytes, count)`` of the outputs of ``keys`` in memory (one pass)."""
-        total = count = 0
-        for key in keys:
-            ts = self._scheduler.tasks.get(key)
-            if ts is not None and ts.state == "memory" and ts.nbytes > 0:
-                total += ts.nbytes
-                count += 1
-        return total, count
-
 
 def feeder_state_view(scheduler) -> FeederStates:
     """A :class:`FeederStates` view of ``scheduler``'s tasks."""

@@ -8,17 +8,6 @@ spirit of root-task queuing (guide: :doc:`/guide/scheduling`, "Admission"). The 
 scheduler's, across graphs and clients: producers of an earlier graph already sent to workers
 when their consumers arrive count against it, and those over it are taken back (the ones
 waiting behind a worker's threads first) and held with the rest.
-
-The default budget binds where memory is at risk, not where the consumers keep up: each time a
-consumer's input is freed while every ready output is already being consumed (the consumers
-would idle, waiting for producers the budget holds) one more output is allowed beyond the budget
-(:attr:`AdmissionRule.extra`), up to :attr:`AdmissionRule.extra_share` of the smallest
-consumer worker's memory limit (64 MiB with none) and never while a consumer worker's memory
-is at :attr:`AdmissionRule.memory_fraction` or above; it goes again as outputs queue up for
-the consumers. A blockflow heuristic (Little's law: with a budget of ``b`` outputs and ``L``
-seconds from a consumer's end to its replacement input's arrival, at most ``b / L`` consumers
-a second run; issue 39: 1.9x plain Dask's makespan for 20 ms consumers on a loaded machine).
-A budget set (``blockflow.resources.admission-budget``) is a hard bound: nothing beyond it.
 ``distributed.scheduler.no-workers-timeout`` would fail held tasks: leave it unset, or set
 ``blockflow.resources.admission-budget: 0``.
 """
@@ -50,12 +39,6 @@ _ORPHAN_SWEEP_TICKS = 10
 _MAX_PATTERNS = 256
 
 
-def consumer_workers(workers: Mapping[str, Any], resources: Mapping[str, float]) -> list:
-    """The workers (views) that declare ``resources``: where the consumers run."""
-    return [w for w in workers.values() if resources and all(
-        (w.resources or {}).get(r, 0) >= q for r, q in resources.items())]
-
-
 def default_budget(workers: Mapping[str, Any], resources: Mapping[str, float]) -> int:
     """Twice the threads of the workers that declare ``resources``, plus one per other worker;
     at least 1. A blockflow heuristic.
@@ -66,9 +49,13 @@ def default_budget(workers: Mapping[str, Any], resources: Mapping[str, float]) -
     resources : mapping of str to float
         What the consumers need.
     """
-    holders = consumer_workers(workers, resources)
-    threads = sum(max(int(w.nthreads), 1) for w in holders)
-    return max(2 * threads + (len(workers) - len(holders)), 1)
+    holders = threads = 0
+    for w in workers.values():
+        declared = w.resources or {}
+        if resources and all(declared.get(r, 0) >= q for r, q in resources.items()):
+            holders += 1
+            threads += max(int(w.nthreads), 1)
+    return max(2 * threads + (len(workers) - holders), 1)
 
 
 class AdmissionRule(Rule):
@@ -80,9 +67,8 @@ class AdmissionRule(Rule):
     Parameters
     ----------
     budget : int, optional
-        Most feeder outputs held at once, a hard bound; default
-        ``blockflow.resources.admission-budget``, None there: :func:`default_budget`, which
-        grows while the consumers keep up (module docstring); 0 turns admission off.
+        Most feeder outputs held at once; default ``blockflow.resources.admission-budget``,
+        None there: :func:`default_budget`; 0 turns admission off.
     grace : str or float, optional
         Seconds expected feeders of a learned prefix wait for consumers; default
         ``blockflow.resources.admission-grace``.
@@ -93,24 +79,12 @@ class AdmissionRule(Rule):
     released, peak_active : int
         Feeders released so far; the most active at once.
     last_budget : int or None
-    extra, peak_extra : int
-        Outputs allowed beyond the budget now while the consumers keep up (module docstring);
-        the most so far.
     """
-
-    #: Share of the smallest consumer worker's memory limit the outputs allowed beyond the
-    #: budget may take (:data:`extra_bytes` with no limit known).
-    extra_share = 0.02
-    extra_bytes = 64 * 2**20
-    #: A consumer worker's process memory over its limit at which nothing goes beyond the
-    #: budget (memory at risk).
-    memory_fraction = 0.5
 
     def __init__(self, budget: int | None = None, grace: str | float | None = None):
         budget = config.get("resources.admission-budget", budget)
         self.budget = None if budget is None else int(budget)
         self.enabled = self.budget != 0
-        self.adaptive = self.budget is None  # the default budget: grows while consumers idle
         self.grace = parse_timedelta(config.get("resources.admission-grace", grace))
         # (client, prefix) -> resources its consumers needed: producers whose consumers
         # came in a later graph of the same client (least recently seen first out)
@@ -132,7 +106,6 @@ class AdmissionRule(Rule):
         self.peak_active = 0
         self.released = 0
         self.last_budget: int | None = None
-        self.extra = self.peak_extra = 0
 
     # --- what the plugin asks ---------------------------------------------------------
 
@@ -279,23 +252,20 @@ class AdmissionRule(Rule):
         taken = 0
         if self._held_keys or self._admitted:
             states = snap.feeder_states
-            active = ready = freed = 0
+            active = 0
             running = []
             for key, state in states.read(list(self._admitted)).items():
                 if state in _ACTIVE or self._waits(key, state):
                     active += 1
-                    ready += state == "feeding"
                     if state == "running":
                         running.append(key)
                 elif state in _HELD:  # taken back over the budget: held with the others
                     self._admitted.discard(key)
                     self._hold_again(key)
                 elif state == "done":
-                    freed += 1
                     self._forget(key)
             budget = self._budget(snap.workers)
-            self._grow(snap, states, budget, active, ready, freed)
-            room = budget + self.extra - active
+            room = budget - active
             if room < 0 and running:
                 # sent to workers before their consumers came (an earlier graph): the ones
                 # over the budget go back to the held ones, those not started first
@@ -331,30 +301,6 @@ class AdmissionRule(Rule):
                 {"budget": self.last_budget, "held": len(self._held_keys)}))
         return out
 
-    def _grow(self, snap, states, budget: int, active: int, ready: int, freed: int) -> None:
-        """Update :attr:`extra` (the module docstring): one more for each consumer input freed
-        while no ready output waits for a consumer thread, as memory allows; one less (not
-        below the outputs in flight: nothing is taken back for it) while more than twice the
-        consumer threads' outputs wait; none with memory at risk."""
-        holders = consumer_workers(snap.workers, self.resources)
-        threads = sum(max(int(w.nthreads), 1) for w in holders)
-        if not self.adaptive or not holders or any((w.host_memory_fraction or 0.0) >= self.memory_fraction
-                              for w in holders):
-            self.extra = 0
-            return
-        if ready > 2 * threads:
-            self.extra = max(self.extra - 1, active - budget, 0)
-            return
-        if not freed or ready > threads or not self._held_keys:
-            return
-        limits = [w.memory_limit for w in holders if w.memory_limit]
-        cap_bytes = self.extra_share * min(limits) if limits else self.extra_bytes
-        nbytes, count = states.nbytes(self._admitted)
-        size = nbytes / count if count else 0.0
-        cap = int(cap_bytes // size) if size > 0 else budget
-        self.extra = min(self.extra + freed, cap)
-        self.peak_extra = max(self.peak_extra, self.extra)
-
     def _orphans(self, states) -> list[Decision]:
         """Release held feeders no consumer needs any more: O(held), on some ticks only."""
         if not self._held_keys:
@@ -387,8 +333,8 @@ class AdmissionRule(Rule):
 
     def status(self) -> dict[str, Any]:
         """Plain data for the plugin's status: budget, held, admitted, peak, released."""
-        return {"enabled": self.enabled, "budget": self.last_budget, "extra": self.extra,
-                "peak_extra": self.peak_extra, "held": len(self._held_keys), "admitted": len(self._admitted),
+        return {"enabled": self.enabled, "budget": self.last_budget,
+                "held": len(self._held_keys), "admitted": len(self._admitted),
                 "peak_active": self.peak_active, "released": self.released,
                 "resources": dict(self.resources), "expected": len(self._expected),
                 "expired": self.expired, "patterns": len(self.patterns)}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping
+
 from blockflow.scheduling import estimate
 from blockflow.scheduling.actions import Action, Decision
 from blockflow.scheduling.rules.base import Rule, RuleContext
@@ -25,8 +28,10 @@ class StealingRule(Rule):
     #: Snapshots in a row without a speed difference before balancing goes back to
     #: distributed.
     calm_ticks = 10
-    #: Waiting tasks looked at per worker by :meth:`data_bound` (its cost per tick).
-    sample = 16
+    #: Waiting tasks looked at by :meth:`data_bound`, in all and per worker (its cost per
+    #: tick: each view prices its inputs' transfer to every worker).
+    sample = 64
+    sample_per_worker = 8
 
     def __init__(self, hands_over: bool):
         self.hands_over = hands_over
@@ -39,18 +44,28 @@ class StealingRule(Rule):
         """Whether most tasks waiting on workers are data-bound: a balancing move gains about
         one task's compute, and sending its inputs to the cheapest other worker takes too long
         for that gain to pay (:func:`~blockflow.scheduling.estimate.move_pays`: more than
-        twice the transfer). Up to :attr:`sample` tasks per worker; with none waiting (or
+        twice the transfer). Up to :attr:`sample_per_worker` tasks of each worker, busiest
+        first, :attr:`sample` in all, left for the moves; with none waiting (or
         none with known transfer costs) the last verdict stands. A blockflow heuristic, in
         the spirit of distributed's stealing, which weighs transfer against compute.
         """
         heavy = seen = 0
-        for address, tasks in (snap.waiting or {}).items():
-            for task in tasks[:self.sample]:
+        waiting = snap.waiting
+        if not waiting:
+            return self.bound
+        peeked = _Peeked(waiting)
+        busiest = sorted((a for a in waiting if a in snap.workers),
+                         key=lambda a: -snap.workers[a].processing)
+        for address in busiest:
+            if seen >= self.sample:
+                break
+            for task in peeked.head(address, self.sample_per_worker):
                 others = [c for a, c in task.comm_cost.items() if a != address]
                 if not others:
                     continue
                 seen += 1
                 heavy += not estimate.move_pays(task.duration, 0.0, min(others), 0.0)
+        snap.waiting = peeked  # the tasks looked at are still there for the moves
         if seen:
             self.bound = 2 * heavy > seen
         return self.bound
@@ -88,3 +103,34 @@ class StealingRule(Rule):
                              "stealing", seen)]
         return [Decision(Action.RESTORE_STEALING, "", "worker speeds not known to differ: balancing "
                          "handed back to distributed's work stealing", seen)]
+
+
+class _Peeked(Mapping):
+    """``snapshot.waiting`` (address -> one-pass iterator of waiting tasks) whose first tasks
+    can be looked at without being taken from the policy's iterators."""
+
+    def __init__(self, waiting: Mapping):
+        self._waiting = waiting
+        self._heads: dict[str, list] = {}
+        self._rest: dict[str, object] = {}
+
+    def head(self, address: str, n: int) -> list:
+        """The first ``n`` (or fewer) waiting tasks of ``address``."""
+        tasks = self._waiting[address]
+        if isinstance(tasks, (list, tuple)):  # read again at will
+            return list(tasks[:n])
+        rest = iter(tasks)
+        self._heads[address] = list(itertools.islice(rest, n))
+        self._rest[address] = itertools.chain(self._heads[address], rest)
+        return self._heads[address]
+
+    def __getitem__(self, address):
+        if address in self._rest:
+            return self._rest[address]
+        return self._waiting[address]
+
+    def __iter__(self):
+        return iter(self._waiting)
+
+    def __len__(self):
+        return len(self._waiting)
