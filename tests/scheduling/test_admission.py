@@ -271,3 +271,17 @@ async def test_two_map_pipelines_submitted_separately_hold_at_most_the_budget(c,
     assert status["budget"] == 6 and status["held"] == 0
     assert peak <= 6, peak
     assert status["peak_active"] <= 6
+
+
+@gen_cluster(client=True, nthreads=PIPELINE, timeout=120,
+             config={"blockflow.resources.admission-budget": 0})
+async def test_a_budget_of_0_turns_admission_off_and_every_producer_runs(c, s, *workers):
+    # issue 39: the policy switched the rule back on over a budget of 0 (the documented way
+    # off), which then held every producer and released none: the pipeline never ended
+    plugin = await _plugin(c, s)
+    assert not plugin.admission.enabled
+    _, consumers = pipeline(20, MB, 0.01)
+    assert await c.gather(c.compute(consumers)) == [float(i) for i in range(20)]
+    assert plugin.admission.status()["held"] == 0
+    assert not [t for t in s.tasks.values() if t.worker_restrictions
+                and "blockflow-admission://held" in t.worker_restrictions]

@@ -622,6 +622,50 @@ def test_balancing_is_deferred_after_calm_ticks_without_even_a_weak_difference()
     assert _balancing_tick(rule, _speeds(STRONG))[0] == [("suspend-stealing", "")]
 
 
+def _data_tick(rule, model, transfer: float, duration: float = 0.25):
+    """A balancing tick whose workers each have waiting tasks of ``duration`` s whose inputs
+    take ``transfer`` s to send to any other worker."""
+    names = ["a", "b", "c"]
+    ws = [worker(a, speed=model.speed(a), processing=4, executing=1, occupancy=1.0)
+          for a in names]
+    waiting = {a: [task(f"{a}{i}", duration, comm={o: (0.0 if o == a else transfer)
+                                                   for o in names}) for i in range(3)]
+               for a in names}
+    s = snap(ws, waiting=waiting)
+    s.speeds_differ = not rule.active and model.heterogeneous(names)
+    s.speeds_differ_weakly = rule.active and model.heterogeneous(names, min_ratio=1.15, z=1.64)
+    s.balancing = rule.judge(s)
+    return [(d.action.value, d.worker, d.reason) for d in rule.run(s, RuleContext())], s
+
+
+def test_data_bound_work_stays_with_distributeds_stealing():
+    """Issue 39: 32 MiB inputs of 0.25 s tasks, a device at half speed: blockflow paused
+    distributed's stealing on the speed difference, then refused every move for its transfer
+    (it does not pay), so nothing balanced (1.12x plain Dask). Where moves cannot pay for
+    the inputs (twice the transfer over a task's compute) stealing stays on, as in plain
+    Dask, and the policy balances nothing (``balancing`` false); light inputs still hand
+    balancing to blockflow."""
+    from blockflow.scheduling.rules import StealingRule
+
+    rule = StealingRule(hands_over=True)
+    for _ in range(3):  # strong speed difference, data-bound: nothing suspended
+        decisions, s = _data_tick(rule, _speeds(STRONG), transfer=0.3)
+        assert decisions == [] and not s.balancing and not rule.active
+    decisions, s = _data_tick(rule, _speeds(STRONG), transfer=0.01)  # light: blockflow's
+    assert [d[:2] for d in decisions] == [("suspend-stealing", "")] and s.balancing
+    # the same work turning data-bound (inputs grew): handed back at once, saying why
+    decisions, s = _data_tick(rule, _speeds(STRONG), transfer=0.2)
+    assert [d[:2] for d in decisions] == [("restore-stealing", "")] and not rule.active
+    assert "inputs take longer to send than a move gains" in decisions[0][2]
+    # nothing waiting on the workers: the last verdict stands (no flapping at the tail)
+    s = snap([worker(a, speed=_speeds(STRONG).speed(a)) for a in "abc"])
+    s.speeds_differ = True
+    assert not rule.judge(s)
+    # and the policy, told not to balance, moves none of the data-bound tasks
+    decisions, s = _data_tick(StealingRule(hands_over=True), _speeds(STRONG), transfer=0.3)
+    assert not [d for d in DynamicPolicy().run(s) if d.action == "move"]
+
+
 def test_balancing_decisions_only_on_ticks_and_only_for_policies_that_hand_over():
     from blockflow.scheduling.rules import StealingRule
 

@@ -415,6 +415,36 @@ async def test_a_changed_internal_fails_loudly_naming_it(c, s, a, b):
     check_scheduler(s)
 
 
+def first_sum(block, delay):
+    time.sleep(delay)
+    return float(block[0])
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+@pytest.mark.slow
+async def test_data_bound_tasks_leave_balancing_to_distributed_whatever_the_speeds(c, s, a, b,
+                                                                                   w):
+    """Issue 39: with speeds known to differ blockflow paused distributed's stealing, then
+    refused every move of tasks whose inputs (32 MiB) take longer to send than the move
+    gains: nothing balanced (1.12x plain Dask). Data-bound work stays with distributed's
+    stealing, as in plain Dask: not suspended, nothing moved by blockflow."""
+    plugin = await _plugin(c, s)
+    for addr, d in ((a.address, 0.4), (b.address, 0.1), (w.address, 0.1)):
+        for _ in range(6):
+            plugin.speeds.observe(addr, "earlier", d)
+    s.bandwidth = 100e6  # distributed's default: 32 MiB in 0.34 s, a task computes 0.2 s
+    data = await c.scatter([np.full(4 * 2**20, float(i)) for i in range(6)],
+                           workers=[a.address])
+    futs = c.map(first_sum, data, delay=0.2)  # every task follows its data to a
+    await async_wait_until(lambda: len(s.workers[a.address].processing) >= 6,
+                           message="6 tasks processing on a")
+    applied = plugin.run_once()
+    assert not _actions(applied, "move") and not plugin.status()["balancing"]
+    assert s.periodic_callbacks["stealing"].is_running()
+    assert not [d for d in plugin.decisions if d["action"] == "suspend-stealing"]
+    assert await c.gather(futs) == [float(i) for i in range(6)]
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 4, timeout=120)
 @pytest.mark.slow
 async def test_cold_start_on_one_worker_spreads_like_plain_dask(c, s, *workers):

@@ -84,7 +84,7 @@ class AdmissionRule(Rule):
     def __init__(self, budget: int | None = None, grace: str | float | None = None):
         budget = config.get("resources.admission-budget", budget)
         self.budget = None if budget is None else int(budget)
-        self.enabled = self.budget != 0
+        self._enabled = True
         self.grace = parse_timedelta(config.get("resources.admission-grace", grace))
         # (client, prefix) -> resources its consumers needed: producers whose consumers
         # came in a later graph of the same client (least recently seen first out)
@@ -106,6 +106,17 @@ class AdmissionRule(Rule):
         self.peak_active = 0
         self.released = 0
         self.last_budget: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether admission holds producers: on unless switched off or the budget is 0 (a
+        policy that admits setting it true leaves a budget of 0 off: held producers would
+        never run)."""
+        return self._enabled and self.budget != 0
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._enabled = bool(value)
 
     # --- what the plugin asks ---------------------------------------------------------
 
