@@ -101,8 +101,11 @@ def test_training_on_scattered_blocks_lost_with_their_worker_names_the_blocks(th
         if record["step"] == 1:
             _kill(three, victim)
 
+    # the worker is named when the fit saw it leave; under load the scheduler may have
+    # dropped it (and its blocks) before the fit looked
     with pytest.raises(WorkerLostError, match=LOST_SOURCE.format(
-            held=f"worker {re.escape(victim)}, which left the cluster")) as excinfo:
+            held=f"(?:worker {re.escape(victim)}, which left the cluster|a worker that left "
+                 f"the cluster)")) as excinfo:
         _trainer(three, callback=kill_after_first_segment).fit(Xd, yd)
     _one_line(excinfo)
 

@@ -258,10 +258,10 @@ def _moves(bandwidth: float, a: str, b: str) -> list:
     return [(d.action.value, d.target) for d in DynamicPolicy().run(snap)]
 
 
-def test_a_link_limited_to_50_mbit_is_measured_and_refuses_the_move_a_fast_one_makes(hosts):
+def test_a_link_limited_to_50_mbit_is_measured_and_refuses_the_moves_a_fast_one_makes(hosts):
     """Host gpu's link limited to 50 Mbit/s (``tc ... tbf``): distributed measures a real
     transfer over it, the plugin prices the link at that measurement (not the cluster-wide
-    estimate), and the move a fast link makes is refused over it."""
+    estimate), and the moves a fast link makes are refused over it past the first."""
     gpu_host = hosts.hosts["gpu"]
     gpu_host.limit("50mbit")
     try:
@@ -288,5 +288,8 @@ def test_a_link_limited_to_50_mbit_is_measured_and_refuses_the_move_a_fast_one_m
             assert client.run_on_scheduler(_link, cpu, gpu) == (bandwidth, "measured")
     finally:
         gpu_host.unlimit()
-    assert _moves(bandwidth, cpu, gpu)[0] == ("keep", gpu)
-    assert _moves(1e9, cpu, gpu)[0] == ("move", gpu)
+    # over the slow link the first of the six 1 s tasks still gains more than twice its
+    # 0.64 s transfer and moves; the next would queue behind that transfer and stays (issue
+    # 39: moves over one link queue behind each other); a fast link takes three
+    assert _moves(bandwidth, cpu, gpu) == [("move", gpu), ("keep", gpu)]
+    assert _moves(1e9, cpu, gpu) == [("move", gpu)] * 3
