@@ -10,6 +10,7 @@ output. Guide: docs/guide/clusters.md.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import click
@@ -78,6 +79,7 @@ def _validate_settings() -> None:
         from blockflow.scheduling import policies  # noqa: F401
 
     with _warnings_as_lines():
+        warnings.simplefilter("always")  # a setting's warning is a line whatever the filters
         try:
             config.validate()
         except ValueError as e:

@@ -71,7 +71,6 @@ def _warnings_as_lines() -> Iterator[None]:
     """Warnings raised inside go to stderr as one line each, ``Warning: <message>``, not
     as Python shows them (file, line and source line)."""
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")  # every warning is a line here, whatever the filters
         try:
             yield
         finally:

@@ -442,8 +442,9 @@ def test_a_lost_stage_nothing_can_take_is_one_error_naming_it():
             pipe.run(X, X, n_micro_batches=2, publish=False)
     assert re.fullmatch(
         rf"blockflow: the pipeline step over 8 rows failed: lost stage 1 \(layer 1\) on "
-        rf"worker {re.escape(victim)}, and the 1 surviving workers have no room for its "
-        rf"layers \(.*\); add a worker and build the PipelineParallel again\.",
+        rf"worker {re.escape(victim)}, and (?:the 1 surviving workers have no room for its "
+        rf"layers \(.*\)|its checkpoint was lost with it \(no second worker held a copy\)); "
+        rf"add a worker and build the PipelineParallel again\.",
         str(e.value)), str(e.value)
 
 

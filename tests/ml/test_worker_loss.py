@@ -51,6 +51,7 @@ def three():
 
 def _scattered(client, X, y, rows=100):
     """X and y as dask arrays of blocks the user scattered, block j only on worker j % 3."""
+    client.wait_for_workers(3, timeout=scaled(60))  # a killed worker's nanny restarts it
     ws = sorted(workers_info(client))
     parts = [client.scatter([X[lo:lo + rows], y[lo:lo + rows]], workers=[ws[j % 3]],
                             hash=False) for j, lo in enumerate(range(0, len(X), rows))]
