@@ -272,11 +272,12 @@ def test_two_clients_objectives_are_planned_together_and_each_kept_met_or_told(p
         stop = threading.Event()
 
         def watch():
-            while not stop.is_set():
+            while True:  # a poll every 0.05 s, ended at once by stop
                 for o in plugin_status(client)["objectives"].values():
                     if (o["plan"] or {}).get("joint"):
                         joint.append(o["plan"]["joint"])
-                time.sleep(0.05)
+                if stop.wait(0.05):
+                    return
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
