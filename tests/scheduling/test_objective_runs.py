@@ -255,7 +255,6 @@ def test_one_lp_plans_two_runs_work_on_the_same_workers():
 
 def test_two_clients_objectives_are_planned_together_and_each_kept_met_or_told(pooled):
     import threading
-    import time
 
     from distributed import Client
 
