@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-__all__ = ["CAPACITY_METRIC", "DEVICE_UUID_METRIC", "OWN_UTILIZATION_METRIC", "POOL_METRIC", "GPU_MEMORY_TOTAL", "GPU_MEMORY_USED", "GPU_UTILIZATION", "WorkerMetrics",
+__all__ = ["BANDWIDTH_METRIC", "CAPACITY_METRIC", "DEVICE_SECONDS_METRIC", "DEVICE_UUID_METRIC", "OWN_UTILIZATION_METRIC", "POOL_METRIC", "GPU_MEMORY_TOTAL", "GPU_MEMORY_USED", "GPU_UTILIZATION", "WorkerMetrics",
            "clean_number", "read_metrics"]
 
 GPU_UTILIZATION = "gpu_utilization"
@@ -20,6 +20,12 @@ OWN_UTILIZATION_METRIC = "blockflow-gpu-own-utilization"
 #: Optional worker metric: UUID of the GPU the worker uses (``GPU-...``, ``MIG-...``; ``SIM-...``
 #: for simulated devices), so that the scheduler can tell two workers sharing one device.
 DEVICE_UUID_METRIC = "blockflow-gpu-uuid"
+#: Optional worker metric: the device's memory bandwidth in bytes per second (NVML's bus
+#: width x memory clock on a real GPU; a simulated device's ``bandwidth``).
+BANDWIDTH_METRIC = "blockflow-device-bandwidth"
+#: Optional worker metric: cumulative seconds the device was busy with this worker's tasks
+#: (overlapping tasks counted once), for device time against wall time.
+DEVICE_SECONDS_METRIC = "blockflow-device-seconds"
 #: Optional worker metric: the worker's pool, a plain dict (:class:`blockflow.Pool`'s fields).
 POOL_METRIC = "blockflow-pool"
 
@@ -48,6 +54,10 @@ class WorkerMetrics:
     gpu_memory_used, gpu_memory_total, host_memory : float or None
         Bytes.
     device_uuid : str or None
+    bandwidth : float or None
+        Device memory bandwidth, bytes per second.
+    device_seconds : float or None
+        Cumulative seconds the device was busy with the worker's tasks.
     """
 
     gpu_utilization: float | None
@@ -56,6 +66,8 @@ class WorkerMetrics:
     host_memory: float | None
     own_utilization: float | None = None
     device_uuid: str | None = None
+    bandwidth: float | None = None
+    device_seconds: float | None = None
 
     @property
     def has_gpu(self) -> bool:
@@ -103,6 +115,8 @@ def read_metrics(metrics: Mapping[str, Any] | None) -> WorkerMetrics:
         own_utilization=None if util is None else clean_number(
             metrics.get(OWN_UTILIZATION_METRIC), upper=100.0),
         device_uuid=_uuid(metrics.get(DEVICE_UUID_METRIC)) if total is not None else None,
+        bandwidth=(clean_number(metrics.get(BANDWIDTH_METRIC)) or None) if total else None,
+        device_seconds=clean_number(metrics.get(DEVICE_SECONDS_METRIC)) if total else None,
     )
 
 

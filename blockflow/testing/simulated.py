@@ -17,7 +17,9 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from blockflow import _distributed
 from blockflow._distributed.metrics import (
+    BANDWIDTH_METRIC,
     CAPACITY_METRIC,
+    DEVICE_SECONDS_METRIC,
     DEVICE_UUID_METRIC,
     GPU_MEMORY_TOTAL,
     GPU_MEMORY_USED,
@@ -93,6 +95,8 @@ class SimulatedGPU(WorkerPlugin):
             CAPACITY_METRIC: lambda w: d.base_speed,
             OWN_UTILIZATION_METRIC: lambda w: round(d.own_utilization(), 1),
             DEVICE_UUID_METRIC: lambda w: d.device_uuid(),
+            BANDWIDTH_METRIC: lambda w: d.bandwidth,
+            DEVICE_SECONDS_METRIC: lambda w: round(d._busy_total(), 6),
         }
         for name, fn in self._metrics.items():
             _distributed.set_worker_metric(worker, name, fn)

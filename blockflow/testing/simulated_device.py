@@ -159,6 +159,8 @@ class SimulatedDevice:
     group_speeds : mapping of str to float, optional
         Task group (key prefix) -> its speed here, for groups that gain differently from this
         device (:meth:`work_of`); others run at ``speed``.
+    bandwidth : int, float or str, default "1TB"
+        Device memory bandwidth reported (``blockflow-device-bandwidth``), bytes per second.
 
     Notes
     -----
@@ -168,10 +170,14 @@ class SimulatedDevice:
     def __init__(self, speed: float = 1.0, device_memory: int | str = "16GiB", tenant=None,
                  speed_schedule: Sequence[tuple[float, float]] | None = None,
                  tenant_contention: bool = True, window: float | str = 1.0,
-                 uuid: str | None = None, group_speeds: Mapping[str, float] | None = None):
+                 uuid: str | None = None, group_speeds: Mapping[str, float] | None = None,
+                 bandwidth: int | float | str = "1TB"):
         self.base_speed = _check_speed(speed)
         self.group_speeds = {str(g): _check_speed(v) for g, v in (group_speeds or {}).items()}
         self.uuid = uuid
+        self.bandwidth = _parse_bytes(bandwidth)
+        if self.bandwidth <= 0:
+            raise ValueError(f"bandwidth must be > 0 bytes per second, got {bandwidth!r}.")
         self.capacity = _parse_bytes(device_memory)
         if self.capacity <= 0:
             raise ValueError(f"device_memory must be > 0 bytes, got {self.capacity}.")
