@@ -944,7 +944,9 @@ class BandwidthRun:
           "device time (CUDA events; NumPy: perf_counter), map into a preallocated output")
         r("blockflow rows: wall time from building the graph to results complete: map_blocks "
           "= persist + wait + device synchronise on every worker (client.run); tree_reduce = "
-          "compute until the result is on the client; input blocks persisted beforehand")
+          "compute until the result is on the client; input blocks persisted beforehand; "
+          "memory pools emptied before each configuration, then one untimed map over the "
+          "same blocks so the pool holds the output (a pipeline's steady state)")
         r(f"targets (issue 40, default and advised blocks, arrays >= {fmt_bytes(TARGET_MIN_BYTES)}"
           f"): >= {TARGET_ONE_CALL:.0%} of one call and >= {TARGET_COPY:.0%} of the copy "
           f"ceiling; lower-case (pass)/(fail): below that size, for information")
