@@ -5,9 +5,10 @@
 threads (each a task in flight on its own CUDA stream, :mod:`blockflow.device_streams`) and,
 with RMM installed, dask-cuda's own RMM pool (``rmm_pool_size``, CuPy allocating from it
 through ``rmm_allocator_external_lib_list``). Without RMM it returns :class:`CuPyPool`, the
-worker plugin that enlarges CuPy's default memory pool up front (one allocation of the pool's
-initial size, freed back into the pool), so that blocks allocate from cached device memory
-instead of ``cudaMalloc`` on the critical path. The same plugin serves clusters started
+worker plugin that enlarges CuPy's default memory pool up front (allocations of the pool's
+initial size, freed back into the pool: a share for the default stream at set-up, one for
+each worker thread's stream when it is made, as CuPy keeps freed memory per stream), so that
+blocks allocate from cached device memory instead of ``cudaMalloc`` on the critical path. The same plugin serves clusters started
 outside blockflow (``dask scheduler --preload blockflow.scheduling.preload``).
 
 Guide: :doc:`/guide/clusters`, "GPU workers".
@@ -23,7 +24,7 @@ from typing import Any, Collection
 from dask.utils import format_bytes
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from blockflow import config
+from blockflow import config, device_streams
 from blockflow._distributed import check_worker
 
 __all__ = ["CuPyPool", "GPUPoolError", "enlarge_cupy_pool", "gpu_cluster_kwargs",
@@ -124,16 +125,21 @@ def gpu_cluster_kwargs(kwargs: dict, *, pool: Any = None, fraction: Any = None,
     return out, None
 
 
-def enlarge_cupy_pool(fraction: float, where: str = "this worker") -> int | None:
+def enlarge_cupy_pool(fraction: float, where: str = "this worker", threads: int = 1
+                      ) -> int | None:
     """Grow CuPy's default memory pool on the current device to ``fraction`` of its memory,
-    up front: one allocation, freed back into the pool (CuPy splits cached chunks for later
-    allocations).
+    up front, in ``threads + 1`` equal shares: one now on the current stream (for tasks on
+    the default stream), one on each worker thread's own stream when it is made
+    (:func:`blockflow.device_streams.reserve_per_stream`; CuPy keeps freed memory per stream).
+    Each share is one allocation freed back into the pool, which CuPy splits for later
+    allocations.
 
     Returns
     -------
     int or None
-        Bytes added to the pool (0: it was that large already); None when there is nothing
-        to do: no CuPy, no device, or CuPy allocating through another allocator (RMM).
+        Bytes the pool is to grow by (0: it was that large already); None when there is
+        nothing to do: no CuPy, no device, or CuPy allocating through another allocator
+        (RMM).
 
     Raises
     ------
@@ -164,9 +170,11 @@ def enlarge_cupy_pool(fraction: float, where: str = "this worker") -> int | None
             f"(blockflow.cluster.gpu-pool-fraction {fraction:g} of the device's "
             f"{format_bytes(total)}) but only {format_bytes(free)} are free; lower "
             f"gpu-pool-fraction or set blockflow.cluster.gpu-memory-pool to false.")
-    chunk = pool.malloc(need)
-    del chunk  # back into the pool, cached
-    logger.info("blockflow: CuPy's memory pool on %s holds %s", where, format_bytes(size))
+    share = need // (max(int(threads), 1) + 1)
+    device_streams.reserve_per_stream(share)
+    device_streams.grow_pool(cupy, None, share, where)
+    logger.info("blockflow: CuPy's memory pool on %s grows to %s (%d shares of %s)", where,
+                format_bytes(size), max(int(threads), 1) + 1, format_bytes(share))
     return need
 
 
@@ -190,4 +198,5 @@ class CuPyPool(WorkerPlugin):
 
     def setup(self, worker) -> None:
         check_worker(worker)
-        self.added = enlarge_cupy_pool(self.fraction, where=f"worker {worker.name!r}")
+        self.added = enlarge_cupy_pool(self.fraction, where=f"worker {worker.name!r}",
+                                       threads=getattr(worker, "nthreads", 1))

@@ -24,6 +24,7 @@ Guide: :doc:`/guide/clusters`, "GPU workers".
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, Callable
@@ -32,7 +33,7 @@ from blockflow import _distributed
 from blockflow._distributed.metrics import DEVICE_SECONDS_METRIC
 
 __all__ = ["BusyIntervals", "DeviceClock", "call_on_stream", "device_seconds",
-           "holds_device_arrays", "thread_stream"]
+           "grow_pool", "holds_device_arrays", "reserve_per_stream", "thread_stream"]
 
 #: Label of the fine performance metric a device task digests (seconds).
 FINE_METRIC = "device"
@@ -123,10 +124,43 @@ class DeviceClock:
         return max(t1 - t0, 0.0)
 
 
+logger = logging.getLogger(__name__)
+
 _clocks: dict[int, DeviceClock] = {}  # device id -> its clock, in this process
 _clocks_lock = threading.Lock()
 _local = threading.local()  # .streams: device id -> this thread's stream
 _reported: set = set()  # ids of the workers that report this process's device seconds
+_reserve = [0]  # bytes of CuPy's pool each new stream takes up front (reserve_per_stream)
+
+
+def reserve_per_stream(nbytes: int) -> None:
+    """Have each thread's stream, when made, grow CuPy's default pool by ``nbytes`` on that
+    stream (:func:`grow_pool`): CuPy keeps freed memory per stream, so a pool grown on one
+    stream serves only its allocations. Set by :class:`blockflow.device_pool.CuPyPool`."""
+    _reserve[0] = max(int(nbytes), 0)
+
+
+def grow_pool(cupy, stream, nbytes: int, where: str = "this worker") -> bool:
+    """Allocate ``nbytes`` from CuPy's default memory pool on ``stream`` (None: the current
+    stream) and free them back: the pool keeps them for that stream's later allocations.
+    False, and nothing done, when CuPy allocates through another allocator (RMM) or the
+    device has no room left (logged)."""
+    pool = cupy.get_default_memory_pool()
+    if nbytes <= 0 or getattr(cupy.cuda.get_allocator(), "__self__", None) is not pool:
+        return False
+    try:
+        if stream is None:
+            chunk = pool.malloc(nbytes)
+        else:
+            with stream:
+                chunk = pool.malloc(nbytes)
+    except cupy.cuda.memory.OutOfMemoryError:
+        logger.info("blockflow: CuPy's memory pool on %s could not grow by %d bytes for a "
+                    "stream: the device is full; its blocks allocate as they come", where,
+                    nbytes)
+        return False
+    del chunk  # back into the pool, cached for this stream
+    return True
 
 
 def device_seconds() -> float:
@@ -163,6 +197,7 @@ def thread_stream(cupy) -> tuple[Any, DeviceClock]:
     stream = streams.get(device)
     if stream is None:
         stream = streams[device] = cupy.cuda.Stream(non_blocking=True)
+        grow_pool(cupy, stream, _reserve[0])
     clock = _clocks.get(device)
     if clock is None:
         with _clocks_lock:
