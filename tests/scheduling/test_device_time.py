@@ -273,3 +273,35 @@ def test_the_pool_plugin_does_nothing_and_says_nothing_without_cupy_or_a_gpu(cap
     finally:
         client.shutdown()
         client.close()
+
+
+# --- device seconds on Dask's Fine Performance Metrics page -------------------------------
+
+
+def _device_task(x, seconds):
+    _distributed.digest_task_seconds("device", seconds)
+    return x + 1
+
+
+def _execute_metrics(prefix: str, dask_scheduler=None) -> dict:
+    return {k[2]: v for k, v in dask_scheduler.cumulative_worker_metrics.items()
+            if isinstance(k, tuple) and len(k) == 4 and k[:2] == ("execute", prefix)
+            and k[3] == "seconds"}
+
+
+def test_a_tasks_device_seconds_are_a_fine_performance_metric_within_its_thread_time():
+    client = blockflow.connect(gpu=False, n_workers=1, threads_per_worker=1, processes=False,
+                               dashboard_address="127.0.0.1:0", policy="off")
+    try:
+        # more device seconds than the task's wall time (a task that returns at once): the
+        # thread's CPU and non-CPU time are what is left of its wall time, nothing
+        assert client.submit(_device_task, 1, 60.0, key="devtask-0").result() == 2
+        metrics = wait_until(
+            lambda: (m := client.run_on_scheduler(_execute_metrics, "devtask"))
+            and "device" in m and m,
+            message="the task's fine performance metrics at the scheduler")
+        assert metrics["device"] == pytest.approx(60.0)
+        assert metrics["thread-cpu"] == 0 and metrics["thread-noncpu"] == 0
+    finally:
+        client.shutdown()
+        client.close()
