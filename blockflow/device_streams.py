@@ -189,7 +189,8 @@ def holds_device_arrays(ndarray: type, args: tuple, kwargs: dict) -> bool:
 
 def thread_stream(cupy) -> tuple[Any, DeviceClock]:
     """This thread's non-blocking stream on the current device, and the device's clock
-    (both made at first use; the first also reports the worker's device seconds)."""
+    (both made at first use; a thread's first stream also has its worker report the
+    device seconds and takes its share of the memory pool, :func:`reserve_per_stream`)."""
     device = cupy.cuda.Device().id
     streams = getattr(_local, "streams", None)
     if streams is None:
@@ -198,6 +199,7 @@ def thread_stream(cupy) -> tuple[Any, DeviceClock]:
     if stream is None:
         stream = streams[device] = cupy.cuda.Stream(non_blocking=True)
         grow_pool(cupy, stream, _reserve[0])
+        _report()  # this thread's worker reports the device seconds (once per worker)
     clock = _clocks.get(device)
     if clock is None:
         with _clocks_lock:
@@ -206,7 +208,6 @@ def thread_stream(cupy) -> tuple[Any, DeviceClock]:
                 reference = stream.record()
                 reference.synchronize()  # complete before any span is timed from it
                 clock = _clocks[device] = DeviceClock(cupy, reference)
-        _report()
     return stream, clock
 
 

@@ -19,6 +19,8 @@ import blockflow
 from blockflow import device_streams
 from blockflow._distributed.metrics import DEVICE_SECONDS_METRIC
 from blockflow.backends import gpu_device_count
+from blockflow.cluster.connection import _register_plugin
+from blockflow.scheduling import Rebalancer
 from blockflow.scheduling.view import workers_info
 
 pytestmark = pytest.mark.gpu
@@ -82,25 +84,31 @@ def test_each_thread_gets_its_own_stream():
     assert len(set(ptrs)) == 2
 
 
-def _device_seconds(dask_worker=None):
-    return device_streams.device_seconds()
+def _device_time_records(client):
+    df = blockflow.decisions(client)
+    rows = [] if df.empty else df[df["action"] == "device-time"].to_dict("records")
+    return rows or None
 
 
 def test_blocks_on_two_threads_per_gpu_equal_numpy_and_report_device_seconds():
     x_np = np.random.default_rng(0).normal(size=(2000, 400))
     with LocalCluster(n_workers=1, threads_per_worker=2, processes=True,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
+        _register_plugin(client, Rebalancer(policy="dynamic"))
         x = blockflow.to_device(da.from_array(x_np, chunks=(250, 400)))
         y = blockflow.map_blocks(_scale, x)
         got = y.compute()
         assert isinstance(got, cupy.ndarray)
         np.testing.assert_allclose(cupy.asnumpy(got), x_np * 2 + 1)
-        seconds = client.run(_device_seconds)
+        seconds = client.run(device_streams.device_seconds)
         assert all(s > 0 for s in seconds.values()), seconds
-        # the worker reports them at its heartbeats
+        # the worker reports them at its heartbeats; the run's record follows
         wait_until(lambda: all((w.get("metrics") or {}).get(DEVICE_SECONDS_METRIC)
                                for w in workers_info(client).values()),
                    message="blockflow-device-seconds in every worker's heartbeat")
+        records = wait_until(lambda: _device_time_records(client),
+                             message="the run's device-time record")
+        assert all(0 < r["seen_device_seconds"] <= r["seen_wall_seconds"] for r in records)
 
 
 def test_the_pool_plugin_grows_cupys_pool_up_front():
