@@ -288,11 +288,13 @@ def device_seconds_samples(scheduler) -> dict[str, tuple[float, float, float]]:
     scheduler's clock), both seconds since the epoch. O(workers)."""
     out = {}
     for a, ws in scheduler.workers.items():
-        raw = ws.metrics or {}
-        value = clean_number(raw.get(DEVICE_SECONDS_METRIC))
-        if value is not None:
+        raw = ws.metrics
+        if not isinstance(raw, Mapping) or DEVICE_SECONDS_METRIC not in raw:
+            continue
+        value, seen = clean_number(raw.get(DEVICE_SECONDS_METRIC)), clean_number(ws.last_seen)
+        if value is not None and seen is not None:
             after = clean_number(raw.get("time"))
-            out[a] = (ws.last_seen if after is None else after, float(ws.last_seen), value)
+            out[a] = (seen if after is None else min(after, seen), seen, value)
     return out
 
 
