@@ -170,11 +170,12 @@ def enlarge_cupy_pool(fraction: float, where: str = "this worker", threads: int 
             f"(blockflow.cluster.gpu-pool-fraction {fraction:g} of the device's "
             f"{format_bytes(total)}) but only {format_bytes(free)} are free; lower "
             f"gpu-pool-fraction or set blockflow.cluster.gpu-memory-pool to false.")
-    share = need // (max(int(threads), 1) + 1)
-    device_streams.reserve_per_stream(share)
+    threads = max(int(threads), 1)
+    share = need // (threads + 1)
+    device_streams.reserve_per_stream(share, threads)
     device_streams.grow_pool(cupy, None, share, where)
     logger.info("blockflow: CuPy's memory pool on %s grows to %s (%d shares of %s)", where,
-                format_bytes(size), max(int(threads), 1) + 1, format_bytes(share))
+                format_bytes(size), threads + 1, format_bytes(share))
     return need
 
 

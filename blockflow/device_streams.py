@@ -130,14 +130,27 @@ _clocks: dict[int, DeviceClock] = {}  # device id -> its clock, in this process
 _clocks_lock = threading.Lock()
 _local = threading.local()  # .streams: device id -> this thread's stream
 _reported: set = set()  # ids of the workers that report this process's device seconds
-_reserve = [0]  # bytes of CuPy's pool each new stream takes up front (reserve_per_stream)
+# bytes of CuPy's pool a new stream takes up front, and how many streams still take them
+_reserve = [0, 0]
 
 
-def reserve_per_stream(nbytes: int) -> None:
-    """Have each thread's stream, when made, grow CuPy's default pool by ``nbytes`` on that
-    stream (:func:`grow_pool`): CuPy keeps freed memory per stream, so a pool grown on one
-    stream serves only its allocations. Set by :class:`blockflow.device_pool.CuPyPool`."""
-    _reserve[0] = max(int(nbytes), 0)
+def reserve_per_stream(nbytes: int, streams: int) -> None:
+    """Have the next ``streams`` threads' streams, when made, grow CuPy's default pool by
+    ``nbytes`` each on that stream (:func:`grow_pool`): CuPy keeps freed memory per stream, so
+    a pool grown on one stream serves only its allocations. Later streams (threads that
+    replace others) take nothing, so the pool stays at the size asked. Set by
+    :class:`blockflow.device_pool.CuPyPool`."""
+    with _clocks_lock:
+        _reserve[:] = [max(int(nbytes), 0), max(int(streams), 0)]
+
+
+def _take_reserve() -> int:
+    """The bytes a stream made now grows the pool by (0 once the shares are taken)."""
+    with _clocks_lock:
+        if _reserve[1] <= 0:
+            return 0
+        _reserve[1] -= 1
+        return _reserve[0]
 
 
 def grow_pool(cupy, stream, nbytes: int, where: str = "this worker") -> bool:
@@ -198,7 +211,7 @@ def thread_stream(cupy) -> tuple[Any, DeviceClock]:
     stream = streams.get(device)
     if stream is None:
         stream = streams[device] = cupy.cuda.Stream(non_blocking=True)
-        grow_pool(cupy, stream, _reserve[0])
+        grow_pool(cupy, stream, _take_reserve())
         _report()  # this thread's worker reports the device seconds (once per worker)
     clock = _clocks.get(device)
     if clock is None:
