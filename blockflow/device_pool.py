@@ -67,8 +67,8 @@ def _cuda_cluster_arguments() -> frozenset:
 
 
 def gpu_cluster_kwargs(kwargs: dict, *, pool: Any = None, fraction: Any = None,
-                       has_rmm: bool | None = None, accepts: Collection[str] | None = None
-                       ) -> tuple[dict, CuPyPool | None]:
+                       has_rmm: bool | None = None, accepts: Collection[str] | None = None,
+                       device_memory: int | None = None) -> tuple[dict, CuPyPool | None]:
     """``LocalCUDACluster`` arguments for ``connect(gpu=True)``, and the worker plugin to
     install once it runs (None: none).
 
@@ -83,14 +83,17 @@ def gpu_cluster_kwargs(kwargs: dict, *, pool: Any = None, fraction: Any = None,
         Whether RMM is installed; default: looked up.
     accepts : collection of str, optional
         ``LocalCUDACluster``'s argument names; default: read from dask-cuda.
+    device_memory : int, optional
+        Bytes of memory of the GPUs (the first one's); default: NVML's, when it answers.
 
     Returns
     -------
     (dict, CuPyPool or None)
         ``threads_per_worker`` defaults to ``blockflow.cluster.gpu-threads-per-worker``; with
-        RMM (``auto`` or ``rmm``) ``rmm_pool_size`` is ``fraction`` (dask-cuda reads a float
-        as a fraction of device memory) and CuPy allocates from it where dask-cuda can say
-        so; otherwise (``auto`` without RMM, or ``cupy``) a :class:`CuPyPool` plugin.
+        RMM (``auto`` or ``rmm``) ``rmm_pool_size`` is ``fraction`` of ``device_memory`` in
+        bytes (a multiple of 256; the fraction itself, which recent dask-cuda reads as one,
+        when the memory is unknown) and CuPy allocates from it where dask-cuda can say so;
+        otherwise (``auto`` without RMM, or ``cupy``) a :class:`CuPyPool` plugin.
 
     Raises
     ------
@@ -118,7 +121,11 @@ def gpu_cluster_kwargs(kwargs: dict, *, pool: Any = None, fraction: Any = None,
             "gpu-memory-pool to 'auto' or 'cupy'.")
     if pool == "cupy" or not has_rmm:
         return out, CuPyPool(fraction)
-    out["rmm_pool_size"] = fraction
+    if device_memory is None:
+        from blockflow.devices import memory_total
+        device_memory = memory_total()
+    out["rmm_pool_size"] = (int(fraction * device_memory) // 256 * 256 if device_memory
+                            else fraction)
     accepts = _cuda_cluster_arguments() if accepts is None else accepts
     if "rmm_allocator_external_lib_list" in accepts:
         out["rmm_allocator_external_lib_list"] = ["cupy"]

@@ -210,12 +210,15 @@ ACCEPTS = {"threads_per_worker", "rmm_pool_size", "rmm_allocator_external_lib_li
 
 def test_gpu_workers_get_two_threads_and_an_rmm_pool_when_rmm_is_there():
     kwargs, plugin = gpu_cluster_kwargs({"n_workers": None, "memory_limit": "4GiB"},
-                                        has_rmm=True, accepts=ACCEPTS)
+                                        has_rmm=True, accepts=ACCEPTS,
+                                        device_memory=80 * 2**30 + 100)
     assert plugin is None
-    assert kwargs == {"memory_limit": "4GiB", "threads_per_worker": 2, "rmm_pool_size": 0.5,
+    assert kwargs == {"memory_limit": "4GiB", "threads_per_worker": 2,
+                      "rmm_pool_size": 40 * 2**30,  # half, a multiple of 256 bytes
                       "rmm_allocator_external_lib_list": ["cupy"]}
-    # an older dask-cuda without the argument: the pool alone
-    kwargs, _ = gpu_cluster_kwargs({}, has_rmm=True, accepts={"rmm_pool_size"})
+    # an older dask-cuda without the argument: the pool alone; memory unknown: the fraction
+    kwargs, _ = gpu_cluster_kwargs({}, has_rmm=True, accepts={"rmm_pool_size"},
+                                   device_memory=0)
     assert "rmm_allocator_external_lib_list" not in kwargs and kwargs["rmm_pool_size"] == 0.5
 
 
