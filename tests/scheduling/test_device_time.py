@@ -197,10 +197,16 @@ def test_a_run_on_simulated_gpus_records_device_time_and_the_dashboard_shows_it(
             if w["address"] in ran:
                 assert 0 < w["device_busy"] <= 1 and 0 < w["device_busy_total"] <= 1
                 assert w["device_seconds"] > 0
-        from blockflow.dashboard.page import _device_busy
+        from blockflow.dashboard.page import BlockflowPage
 
-        shown = [_device_busy(w) for w in state["workers"] if w["address"] in ran]
-        assert all(s.count("%") == 2 for s in shown), shown
+        page = BlockflowPage(client.cluster.scheduler)
+        client.sync(_update, page)
+        shown = dict(zip(page.workers.data["address"], page.workers.data["device_busy"]))
+        assert all(shown[a].count("%") == 2 for a in ran), shown  # "42% / 37%"
+
+
+async def _update(page):
+    page.update()
 
 
 # --- threads and memory pool of GPU workers -----------------------------------------------
