@@ -47,10 +47,13 @@ def _scale(block):
 
 def test_a_device_task_runs_on_its_threads_stream_and_waits_for_that_stream_only():
     spin = cupy.RawKernel(SPIN, "spin")
-    other = cupy.cuda.Stream(non_blocking=True)
-    with other:  # another thread's long task, still running on the device
-        spin((1,), (1,), (np.int64(4_000_000_000),))
     x = cupy.arange(1000, dtype=cupy.float32)
+    (x * 2).get()  # kernels compiled before the clock starts
+    spin((1,), (1,), (np.int64(1000),))
+    cupy.cuda.Stream.null.synchronize()
+    other = cupy.cuda.Stream(non_blocking=True)
+    with other:  # another thread's long task (seconds), still running on the device
+        spin((1,), (1,), (np.int64(6_000_000_000),))
     seen = {}
 
     def task(block):
