@@ -68,7 +68,8 @@ def _cuda_cluster_arguments() -> frozenset:
 
 def gpu_cluster_kwargs(kwargs: dict, *, pool: Any = None, fraction: Any = None,
                        has_rmm: bool | None = None, accepts: Collection[str] | None = None,
-                       device_memory: int | None = None) -> tuple[dict, CuPyPool | None]:
+                       device_memory: int | None = None, device_free: int | None = None
+                       ) -> tuple[dict, CuPyPool | None]:
     """``LocalCUDACluster`` arguments for ``connect(gpu=True)``, and the worker plugin to
     install once it runs (None: none).
 
@@ -83,8 +84,9 @@ def gpu_cluster_kwargs(kwargs: dict, *, pool: Any = None, fraction: Any = None,
         Whether RMM is installed; default: looked up.
     accepts : collection of str, optional
         ``LocalCUDACluster``'s argument names; default: read from dask-cuda.
-    device_memory : int, optional
-        Bytes of memory of the GPUs (the first one's); default: NVML's, when it answers.
+    device_memory, device_free : int, optional
+        Bytes of memory, and free now, of the GPUs (the first one's); default: NVML's, when
+        it answers.
 
     Returns
     -------
@@ -98,7 +100,7 @@ def gpu_cluster_kwargs(kwargs: dict, *, pool: Any = None, fraction: Any = None,
     Raises
     ------
     GPUPoolError
-        ``rmm`` asked but RMM is not installed.
+        ``rmm`` asked but RMM is not installed; an RMM pool larger than the free memory.
     ValueError
         Invalid settings (:func:`pool_settings`) or threads per worker.
     """
@@ -122,14 +124,35 @@ def gpu_cluster_kwargs(kwargs: dict, *, pool: Any = None, fraction: Any = None,
     if pool == "cupy" or not has_rmm:
         return out, CuPyPool(fraction)
     if device_memory is None:
-        from blockflow.devices import memory_total
-        device_memory = memory_total()
-    out["rmm_pool_size"] = (int(fraction * device_memory) // 256 * 256 if device_memory
-                            else fraction)
+        device_memory, device_free = _device_memory()
+    size = int(fraction * device_memory) // 256 * 256 if device_memory else None
+    if size is not None and device_free is not None and size > device_free:
+        raise GPUPoolError(
+            f"blockflow.connect(gpu=True): the GPUs' RMM pool asks for {format_bytes(size)} "
+            f"(blockflow.cluster.gpu-pool-fraction {fraction:g} of {format_bytes(device_memory)})"
+            f" but only {format_bytes(device_free)} are free; lower gpu-pool-fraction or set "
+            f"blockflow.cluster.gpu-memory-pool to false.")
+    out["rmm_pool_size"] = fraction if size is None else size
     accepts = _cuda_cluster_arguments() if accepts is None else accepts
     if "rmm_allocator_external_lib_list" in accepts:
         out["rmm_allocator_external_lib_list"] = ["cupy"]
     return out, None
+
+
+def _device_memory() -> tuple[int | None, int | None]:
+    """``(total, free)`` bytes of this process's first GPU from NVML; None where unknown."""
+    from blockflow.devices import device_handle
+
+    handle = device_handle()
+    if handle is None:
+        return None, None
+    try:
+        import pynvml
+
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return int(info.total), int(info.free)
+    except Exception:  # NVML without the answer: the pool as a fraction
+        return None, None
 
 
 def enlarge_cupy_pool(fraction: float, where: str = "this worker", threads: int = 1

@@ -251,6 +251,11 @@ def test_pool_setting_errors_are_one_line_naming_the_setting():
         gpu_cluster_kwargs({}, pool="rmm", has_rmm=False, accepts=ACCEPTS)
     text = str(info.value)
     assert "\n" not in text and "gpu-memory-pool" in text and "pip install" in text
+    with pytest.raises(GPUPoolError) as info:  # other processes hold most of the device
+        gpu_cluster_kwargs({}, has_rmm=True, accepts=ACCEPTS, device_memory=2**34,
+                           device_free=2**32)
+    text = str(info.value)
+    assert "\n" not in text and "gpu-pool-fraction" in text and "8.00 GiB" in text
     for bad in ({"pool": "big"}, {"fraction": 1.5}, {"fraction": 0}):
         with pytest.raises(ValueError) as info:
             gpu_cluster_kwargs({}, has_rmm=False, accepts=ACCEPTS, **bad)
