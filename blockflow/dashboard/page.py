@@ -102,7 +102,7 @@ def _na(value, fmt) -> str:
 
 def _device_busy(w: dict) -> str:
     """"42% / 37%": device seconds over wall seconds in this run and since the worker's
-    first heartbeat kept ("n/a" where unknown, "n/a" alone without device seconds)."""
+    first heartbeat ("n/a" where unknown, "n/a" alone without device seconds)."""
     run, total = w.get("device_busy"), w.get("device_busy_total")
     if run is None and total is None:
         return "n/a"

@@ -36,7 +36,7 @@ def dashboard_state(scheduler, *, since: float | None = None,
         ``time``, ``policy``, ``workers`` (per worker: device, GPU utilisation (percent) and
         memory (bytes; None without GPU metrics), ``device_seconds`` (cumulative busy seconds),
         ``device_busy`` / ``device_busy_total`` (device over wall seconds, 0-1, in this run /
-        since the worker's first heartbeat kept; None without device seconds), threads, task
+        since the worker's first heartbeat; None without device seconds), threads, task
         counts, learned ``speed``,
         status, ``tasks_run`` this run, GPU sharing, resources), ``shared_gpus``, ``run`` (the
         run most recently given tasks, :mod:`blockflow.scheduling.runs`), ``run_started``,
@@ -63,7 +63,7 @@ def dashboard_state(scheduler, *, since: float | None = None,
             "gpu_utilization": _finite(m.gpu_utilization),
             "gpu_memory_used": _finite(m.gpu_memory_used),
             "gpu_memory_total": _finite(m.gpu_memory_total),
-            # device seconds over wall seconds: this run, and since the first heartbeat kept
+            # device seconds over wall seconds: this run, and since the first heartbeat
             "device_seconds": _finite(m.device_seconds),
             "device_busy": _finite((device_run.get(addr) or {}).get("device_busy")),
             "device_busy_total": _finite((device_all.get(addr) or {}).get("device_busy")),

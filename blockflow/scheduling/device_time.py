@@ -42,6 +42,7 @@ class DeviceTime:
         # worker -> (after, before, seconds): taken after ``after`` (the worker's clock)
         # and before ``before`` (the scheduler's), seconds since the epoch; oldest first
         self.samples: dict[str, deque] = {}
+        self.first: dict[str, tuple] = {}  # worker -> its first sample (kept: cumulative)
         self.recorded: OrderedDict[str, int] = OrderedDict()  # run id -> graphs at record
 
     def sample(self, samples: Mapping[str, tuple[float, float, float]]) -> None:
@@ -51,12 +52,14 @@ class DeviceTime:
             q = self.samples.get(worker)
             if q is None:
                 q = self.samples[worker] = deque(maxlen=self.keep)
+                self.first[worker] = tuple(s)
             if not q or q[-1] != s:
                 q.append(tuple(s))
 
     def forget(self, worker: str) -> None:
         """``worker`` left the cluster."""
         self.samples.pop(worker, None)
+        self.first.pop(worker, None)
 
     def _before(self, worker: str, t: float) -> float | None:
         """Device seconds at a time surely not after ``t``; 0.0 when the worker's first
@@ -104,11 +107,12 @@ class DeviceTime:
                 "device_busy": round(device / wall, 4) if wall > 0 else 0.0}
 
     def cumulative(self) -> dict[str, dict[str, float]]:
-        """Per worker, since its first sample kept: ``device_seconds``, ``wall_seconds`` and
-        ``device_busy`` (device / wall, 0-1)."""
+        """Per worker, since its first sample: ``device_seconds`` (all the worker reported),
+        ``wall_seconds`` and ``device_busy`` (device / wall, 0-1) between its first and
+        latest samples."""
         out = {}
         for worker, q in self.samples.items():
-            (t0, _, v0), (t1, _, v1) = q[0], q[-1]
+            (t0, _, v0), (t1, _, v1) = self.first.get(worker, q[0]), q[-1]
             wall = max(t1 - t0, 0.0)
             device = min(max(v1 - v0, 0.0), wall)
             out[worker] = {"device_seconds": round(v1, 6), "wall_seconds": round(wall, 6),

@@ -131,7 +131,7 @@ class Status:
     def _device_time(self) -> dict[str, Any]:
         """GPU workers' device seconds against wall time: ``run`` (the current run's id),
         ``workers`` (worker -> its figures in that run, so far while it goes on) and
-        ``cumulative`` (worker -> since its first heartbeat kept);
+        ``cumulative`` (worker -> since its first heartbeat);
         :mod:`blockflow.scheduling.device_time`."""
         run = self.runs.run_of(self.runs.current)
         return {"run": run.id if run is not None else None,

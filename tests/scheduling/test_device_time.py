@@ -143,6 +143,11 @@ def test_figures_of_a_run_going_on_and_since_the_first_heartbeat():
         "device_busy": 0.5}}
     assert dt.cumulative() == {"gpu-a": {"device_seconds": 1.0, "wall_seconds": 2.5,
                                          "device_busy": 0.4}}
+    small = DeviceTime(keep=2)  # the first sample outlives the ones kept for runs
+    for t, v in [(0.0, 0.0), (1.0, 0.5), (2.0, 1.0), (4.0, 1.0)]:
+        small.sample({"gpu-a": (t, t + 0.1, v)})
+    assert small.cumulative()["gpu-a"] == {"device_seconds": 1.0, "wall_seconds": 4.0,
+                                           "device_busy": 0.25}
     assert list(dt.records(_tracker(run), now=10.0)) == []  # not ended: no record
     dt.forget("gpu-a")
     assert dt.run_figures(run) == {} and dt.cumulative() == {}
