@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from blockflow._distributed.metrics import CAPACITY_METRIC, POOL_METRIC, WorkerMetrics, clean_number, read_metrics
+from blockflow._distributed.metrics import CAPACITY_METRIC, DEVICE_SECONDS_METRIC, POOL_METRIC, WorkerMetrics, clean_number, read_metrics
 
-__all__ = ["WorkerView", "WorkerViewCache", "bandwidth", "measured_bandwidth",
+__all__ = ["WorkerView", "WorkerViewCache", "bandwidth", "device_seconds_samples",
+           "measured_bandwidth",
            "own_utilization_estimate", "queued_count", "scheduler_metadata", "shared_devices",
            "worker_addresses", "worker_names_and_metrics", "worker_views",
            "workers_holding_data"]
@@ -278,6 +279,23 @@ def scheduler_metadata(scheduler, keys) -> Any:
 def worker_names_and_metrics(scheduler) -> dict:
     """``{address: (name, metrics)}`` for every worker (a copy of its last heartbeat metrics)."""
     return {a: (ws.name, dict(ws.metrics or {})) for a, ws in scheduler.workers.items()}
+
+
+def device_seconds_samples(scheduler) -> dict[str, tuple[float, float, float]]:
+    """Per worker reporting ``blockflow-device-seconds`` in its last heartbeat: ``(after,
+    before, seconds)``: the value was taken after ``after`` (the worker's monitor sample of
+    that heartbeat, its clock) and before ``before`` (when the scheduler received it, the
+    scheduler's clock), both seconds since the epoch. O(workers)."""
+    out = {}
+    for a, ws in scheduler.workers.items():
+        raw = ws.metrics
+        if not isinstance(raw, Mapping) or DEVICE_SECONDS_METRIC not in raw:
+            continue
+        value, seen = clean_number(raw.get(DEVICE_SECONDS_METRIC)), clean_number(ws.last_seen)
+        if value is not None and seen is not None:
+            after = clean_number(raw.get("time"))
+            out[a] = (seen if after is None else min(after, seen), seen, value)
+    return out
 
 
 def bandwidth(scheduler) -> float:

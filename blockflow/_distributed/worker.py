@@ -28,6 +28,7 @@ __all__ = [
     "add_task_wait",
     "call_worker",
     "call_worker_soon",
+    "digest_task_seconds",
     "current_task_key",
     "current_worker",
     "current_worker_resources",
@@ -38,6 +39,7 @@ __all__ = [
     "remove_worker_metric",
     "run_in_worker_executor",
     "set_worker_metric",
+    "set_worker_metric_soon",
     "start_task_thread",
     "task_retries_given",
     "task_retries_left",
@@ -79,6 +81,23 @@ def task_wait(metadata: dict | None) -> float:
 def set_worker_metric(worker, name: str, fn) -> None:
     """Report ``fn(worker)`` as heartbeat metric ``name`` (``WorkerState.metrics[name]``)."""
     worker.metrics[name] = fn
+
+
+def set_worker_metric_soon(worker, name: str, fn) -> None:
+    """From any thread (a task's): :func:`set_worker_metric` on the worker's event loop, which
+    reads the metrics at each heartbeat."""
+    worker.loop.add_callback(set_worker_metric, worker, name, fn)
+
+
+def digest_task_seconds(label: str, seconds: float) -> None:
+    """Inside a task: digest ``seconds`` as fine performance metric ``label``
+    (``("execute", <span>, <task prefix>, label, "seconds")`` on Dask's "Fine Performance
+    Metrics" page). distributed subtracts it from the task thread's CPU time first, then its
+    non-CPU time, so that the task's figures still add up to its wall time; outside a task:
+    nothing."""
+    from distributed.metrics import context_meter
+
+    context_meter.digest_metric(label, float(seconds), "seconds")
 
 
 def remove_worker_metric(worker, name: str, fn=None) -> None:

@@ -25,6 +25,7 @@ from blockflow._distributed.metrics import read_metrics
 from blockflow.backends import GPU_INSTALL_HINT, GPUUnavailableError, gpu_device_count, has_package
 from blockflow.cluster import handshake as _handshake
 from blockflow.cluster import main_guard as _main_guard
+from blockflow.device_pool import CuPyPool, GPUPoolError, gpu_cluster_kwargs
 from blockflow.devices import DeviceMetrics
 from blockflow.errors import BlockflowWarning, describe
 from blockflow.pools.cluster import pools_from_settings
@@ -110,7 +111,9 @@ def connect(
     n_workers : int, optional
         Embedded workers; default one per GPU, or distributed's default on CPU.
     threads_per_worker : int, optional
-        Embedded cluster (GPU workers default to 1).
+        Embedded cluster; GPU workers default to ``blockflow.cluster.gpu-threads-per-worker``
+        (tasks in flight per GPU, each on its own CUDA stream), and set up the memory pool of
+        ``blockflow.cluster.gpu-memory-pool`` (:func:`blockflow.device_pool.gpu_cluster_kwargs`).
     memory_limit : str or int, optional
         Host memory per worker (``"4GiB"`` or bytes).
     dashboard_address : str, optional
@@ -140,6 +143,9 @@ def connect(
     ------
     GPUUnavailableError
         ``gpu=True`` without a GPU or dask-cuda.
+    blockflow.device_pool.GPUPoolError
+        GPU workers whose memory pool cannot be set up (RMM asked but missing, a pool larger
+        than the free device memory).
     OSError
         No Dask scheduler answers at ``address``; the message says what was found.
     ValueError
@@ -213,17 +219,19 @@ def connect(
                 f"`{GPU_INSTALL_HINT}`, or pass gpu='auto' or gpu=False to use CPU workers."
             )
         use_gpu = ok and gpu is not False
+        cluster_args = dict(
+            n_workers=config.get("cluster.n-workers", n_workers),
+            threads_per_worker=config.get("cluster.threads-per-worker", threads_per_worker),
+            memory_limit=memory_limit,
+            dashboard_address=config.get("cluster.dashboard-address", dashboard_address),
+            security=sec, **cluster_kwargs)
+        pool_plugin = None
+        if use_gpu:  # tasks in flight per GPU and the memory pool, before anything starts
+            cluster_args["threads_per_worker"] = threads_per_worker
+            cluster_args, pool_plugin = gpu_cluster_kwargs(cluster_args)
         with _main_guard.watch_children() as note:
             try:
-                cluster = _start_local_cluster(
-                    use_gpu, n_workers=config.get("cluster.n-workers", n_workers),
-                    threads_per_worker=config.get("cluster.threads-per-worker",
-                                                  threads_per_worker),
-                    memory_limit=memory_limit,
-                    dashboard_address=config.get("cluster.dashboard-address",
-                                                 dashboard_address),
-                    security=sec, **cluster_kwargs,
-                )
+                cluster = _start_local_cluster(use_gpu, **cluster_args)
             except Exception:
                 if _main_guard.children_ran_main(note):
                     raise RuntimeError(_main_guard.MESSAGE) from None
@@ -234,6 +242,8 @@ def connect(
         # a Ctrl-C that its parent (this process) takes
         add_worker_plugin(client, _distributed.QuietClose(), what="setting up the workers")
         add_worker_plugin(client, QuietInterrupt(), what="setting up the workers")
+        if pool_plugin is not None:
+            _set_up_pool(client, pool_plugin)
         if pool_member is not None:
             add_worker_plugin(client, pool_member, what="putting the workers in their pools")
             # the scheduler knows the pools at once
@@ -428,6 +438,18 @@ def _check_tls_credentials(address: str, security: Security | None) -> None:
             f"tls_client_cert=..., tls_client_key=..., require_encryption=True) with that "
             f"cluster's certificates, or set distributed.comm.tls.* in the Dask config."
         )
+
+
+def _set_up_pool(client: Client, plugin: CuPyPool) -> None:
+    """Install the GPU workers' memory pool; its error (one line) closes what connect
+    started."""
+    try:
+        add_worker_plugin(client, plugin, what="setting up the GPU workers' memory pool")
+    except GPUPoolError as e:
+        cluster = client.cluster
+        client.close()
+        cluster.close()
+        raise GPUPoolError(str(e)) from None
 
 
 def _start_local_cluster(use_gpu: bool, **kwargs) -> LocalCluster:

@@ -2,7 +2,9 @@
 
 :class:`Kernel` adds in-place retries (at most ``1 + max(retries, d)`` attempts under
 distributed's ``retries=d``), errors naming the failed block (:class:`~blockflow.BlockKernelError`,
-:class:`~blockflow.DeviceMemoryError`) and placement that graph optimisation cannot drop.
+:class:`~blockflow.DeviceMemoryError`) and placement that graph optimisation cannot drop; a
+task whose arguments hold CuPy arrays runs on its worker thread's own CUDA stream
+(:mod:`blockflow.device_streams`).
 Guide: docs/guide/reliability.md.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -18,6 +21,7 @@ from dask.utils import format_bytes, funcname
 from distributed import Reschedule, get_client, get_worker
 
 from blockflow import _distributed
+from blockflow import device_streams
 from blockflow._distributed import current_worker_resources
 from blockflow.scheduling import speculation as _speculation
 from blockflow.scheduling.speculation import in_backup_copy
@@ -215,7 +219,11 @@ class Kernel:
         while True:
             attempt += 1
             try:
-                return self.func(*args, **kwargs)
+                cupy = _modules.get("cupy")
+                if cupy is None:  # no device array can be an argument: a plain call
+                    return self.func(*args, **kwargs)
+                # device blocks run on this thread's own CUDA stream (device_streams)
+                return device_streams.call_on_stream(cupy, self.func, args, kwargs)
             except Exception as e:
                 if is_device_oom(e) and _fits_on_another_worker(e) and _may_reschedule():
                     self.logger.info("blockflow kernel %r ran out of device memory on %s; "
@@ -323,6 +331,8 @@ def device_memory_error(label: str, where: str, exc: BaseException, after: str =
         block=where, working_set=need, largest_free=free,
     )
 
+
+_modules = sys.modules  # where the kernel looks up CuPy, without importing it
 
 #: Most times one worker hands a task back for running out of device memory.
 MAX_RESCHEDULES = 5

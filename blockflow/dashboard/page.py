@@ -54,6 +54,7 @@ ACTION_STYLES: dict[Action | Recorded, tuple[str, str, str]] = {
     Recorded.FORGET: ("#c49c94", "inverted_triangle", "forget"),
     Recorded.OBJECTIVE: ("#d6616b", "triangle_pin", "objective"),
     Recorded.SCALE: ("#3182bd", "diamond_cross", "scale"),
+    Recorded.DEVICE_TIME: ("#31a354", "square_pin", "device-time"),
     Action.RETIRE: ("#636363", "circle_y", "retire"),
 }
 #: Rows of the decision timeline, one per action.
@@ -68,7 +69,8 @@ def action_style(action: str) -> tuple[str, str, str]:
         return ("#7f7f7f", "circle", str(action))
 WORKER_COLUMNS = [
     ("pool", "Pool"), ("worker", "Worker"), ("address", "Address"), ("device", "Device"), ("gpu_util", "GPU util"),
-    ("device_memory", "Device memory used / total"), ("queued", "Queued"),
+    ("device_memory", "Device memory used / total"),
+    ("device_busy", "Device busy (this run / all)"), ("queued", "Queued"),
     ("processing", "Processing"), ("speed", "Learned speed"),
     ("paused", "Paused by blockflow"), ("tasks_run", "Tasks (this run)"),
 ]
@@ -96,6 +98,15 @@ def _table(source: ColumnDataSource, columns: list[tuple[str, str]], height: int
 
 def _na(value, fmt) -> str:
     return "n/a" if value is None else fmt(value)
+
+
+def _device_busy(w: dict) -> str:
+    """"42% / 37%": device seconds over wall seconds in this run and since the worker's
+    first heartbeat ("n/a" where unknown, "n/a" alone without device seconds)."""
+    run, total = w.get("device_busy"), w.get("device_busy_total")
+    if run is None and total is None:
+        return "n/a"
+    return " / ".join(_na(v, lambda x: f"{x:.0%}") for v in (run, total))
 
 
 def _redraw_on_new_data(table: DataTable) -> None:
@@ -203,6 +214,7 @@ class BlockflowPage:
                 "n/a" if w["gpu_memory_total"] is None else
                 f"{_na(w['gpu_memory_used'], format_bytes)} / {format_bytes(w['gpu_memory_total'])}"
                 for w in ws],
+            "device_busy": [_device_busy(w) for w in ws],
             "queued": [w["queued"] for w in ws],
             "processing": [w["processing"] for w in ws],
             "speed": [_na(w["speed"], lambda v: f"{v:.2f}") for w in ws],

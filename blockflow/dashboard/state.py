@@ -34,7 +34,10 @@ def dashboard_state(scheduler, *, since: float | None = None,
     -------
     dict
         ``time``, ``policy``, ``workers`` (per worker: device, GPU utilisation (percent) and
-        memory (bytes; None without GPU metrics), threads, task counts, learned ``speed``,
+        memory (bytes; None without GPU metrics), ``device_seconds`` (cumulative busy seconds),
+        ``device_busy`` / ``device_busy_total`` (device over wall seconds, 0-1, in this run /
+        since the worker's first heartbeat; None without device seconds), threads, task
+        counts, learned ``speed``,
         status, ``tasks_run`` this run, GPU sharing, resources), ``shared_gpus``, ``run`` (the
         run most recently given tasks, :mod:`blockflow.scheduling.runs`), ``run_started``,
         ``policy_description``, ``policies``, ``n_decisions``, ``decisions`` (oldest first),
@@ -46,6 +49,9 @@ def dashboard_state(scheduler, *, since: float | None = None,
     run_counts = status.get("run_counts", {})
     totals = status.get("task_counts", {})
     speeds = status.get("speeds", {})
+    device_time = status.get("device_time") or {}
+    device_run = device_time.get("workers") or {}
+    device_all = device_time.get("cumulative") or {}
     workers = []
     views = _distributed.worker_views(scheduler)
     for addr, w in sorted(views.items()):
@@ -57,6 +63,10 @@ def dashboard_state(scheduler, *, since: float | None = None,
             "gpu_utilization": _finite(m.gpu_utilization),
             "gpu_memory_used": _finite(m.gpu_memory_used),
             "gpu_memory_total": _finite(m.gpu_memory_total),
+            # device seconds over wall seconds: this run, and since the first heartbeat
+            "device_seconds": _finite(m.device_seconds),
+            "device_busy": _finite((device_run.get(addr) or {}).get("device_busy")),
+            "device_busy_total": _finite((device_all.get(addr) or {}).get("device_busy")),
             "nthreads": w.nthreads,
             "processing": w.processing,
             "executing": w.executing,
@@ -92,6 +102,8 @@ def dashboard_state(scheduler, *, since: float | None = None,
         "shared_gpus": [{"uuid": u, "workers": list(a)}
                         for u, a in _distributed.shared_devices(views).items()],
         "decisions": decisions,
+        "device_time": {"run": device_time.get("run"), "workers": device_run,
+                        "cumulative": device_all},
         # the vocabulary the decisions use (blockflow.scheduling.actions.Action)
         "actions": [a.value for a in Action],
         "speculation": _speculation_summary(status.get("speculation")),

@@ -88,6 +88,9 @@ class Recorded(str, Enum):
     OBJECTIVE = "objective"
     #: A pool's worker target changed (elastic scaling): ``target`` is the pool.
     SCALE = "scale"
+    #: A run ended: its device seconds on a GPU worker against its wall time and task
+    #: compute time there (:mod:`blockflow.scheduling.device_time`).
+    DEVICE_TIME = "device-time"
 
     def __str__(self) -> str:
         return self.value

@@ -28,6 +28,7 @@ from blockflow.pools.scaling import PoolScalingRule
 from blockflow.scheduling.accounting import Accounting
 from blockflow.scheduling.actions import Action, Decision, Record, Recorded
 from blockflow.scheduling.actuator import Actuator
+from blockflow.scheduling.device_time import DeviceTime
 from blockflow.scheduling.estimate import LinkBandwidth
 from blockflow.scheduling.overhead import PluginCost, clock, cpu_clock
 from blockflow.scheduling.policies import POLICIES, ClusterSnapshot, make_policy, policy_class
@@ -100,6 +101,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         self._links: LinkBandwidth | None = None  # measured links, kept across ticks
         self.scaling = PoolScalingRule()
         self.declared_pools: dict = {}  # pool name -> Pool, declared by the cluster
+        self.device_time = DeviceTime()  # GPU workers' device seconds against wall time
 
     def __getstate__(self):
         return {"policy_name": self.policy_name, "interval": self.interval,
@@ -307,6 +309,7 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
             self._last_snap.workers.pop(worker, None)
         self.speeds.forget(worker)
         self.scaling.forget(worker)
+        self.device_time.forget(worker)
         self.retiring.pop(worker, None)
         self.worker_left(worker, time.time())
         dispatch = self._plan_dispatch()
@@ -503,6 +506,9 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
         self.act(self.stealing_rule.run(snap, None), snap)  # suspend or restore stealing
         applied = self.act(self.policy.run(snap), snap)
         self._dispatch()
+        # device seconds from the heartbeats; a run that ended gets its device-time records
+        self.device_time.sample(_distributed.device_seconds_samples(self.scheduler))
+        self.act(self.device_time.records(self.runs, snap.time), snap)
         self._view_cache.changed = frozenset()  # the rules have seen them
         for a in (snap.workers if snap.changed is None else snap.changed):
             w = snap.workers.get(a)

@@ -128,6 +128,16 @@ class Status:
                 "spent": run_cost["compute_cost"] + run_cost["idle_cost"],
                 "missed": missed[0] if missed else None}
 
+    def _device_time(self) -> dict[str, Any]:
+        """GPU workers' device seconds against wall time: ``run`` (the current run's id),
+        ``workers`` (worker -> its figures in that run, so far while it goes on) and
+        ``cumulative`` (worker -> since its first heartbeat);
+        :mod:`blockflow.scheduling.device_time`."""
+        run = self.runs.run_of(self.runs.current)
+        return {"run": run.id if run is not None else None,
+                "workers": self.device_time.run_figures(run) if run is not None else {},
+                "cumulative": self.device_time.cumulative()}
+
     @property
     def snapshot_workers(self) -> dict[str, dict[str, Any]]:
         """Per worker, the metrics and state the last tick saw."""
@@ -194,6 +204,7 @@ class Status:
             "held": dict(self.held),
             "workers": self.snapshot_workers,
             "memory_peak": dict(self.memory_peak),
+            "device_time": self._device_time(),
             "decisions": decisions,
             **self._pool_status(),
             "speculation": {**dict(self.speculation),

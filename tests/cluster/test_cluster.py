@@ -201,6 +201,10 @@ def test_dask_scheduler_preload_and_dask_worker_processes(tmp_path):
             x = blockflow.map_blocks(lambda b: b * 3, da.ones(100, chunks=10)).persist()
             assert x.sum().compute() == 300
             assert sum(blockflow.task_counts(client, kernels_only=True).values()) == 10
+            # the GPU memory pool plugin reaches the workers (and does nothing on CPU ones)
+            pools = client.run(lambda dask_worker: getattr(worker_plugins(dask_worker).get(
+                "blockflow-gpu-memory-pool"), "added", "missing"))
+            assert set(pools.values()) == {None}
     finally:
         for p in (worker, sched):
             p.terminate()
