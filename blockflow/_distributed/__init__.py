@@ -109,7 +109,9 @@ from blockflow._distributed.graph import (
     renamed_task,
 )
 from blockflow._distributed.metrics import (
+    BANDWIDTH_METRIC,
     CAPACITY_METRIC,
+    DEVICE_SECONDS_METRIC,
     DEVICE_UUID_METRIC,
     GPU_MEMORY_TOTAL,
     GPU_MEMORY_USED,
@@ -207,7 +209,9 @@ from blockflow._distributed.worker import (  # noqa: F401
 
 __all__ = [
     "AMMPolicy",
+    "BANDWIDTH_METRIC",
     "CAPACITY_METRIC",
+    "DEVICE_SECONDS_METRIC",
     "DEVICE_UUID_METRIC",
     "FeederStates",
     "FeederView",
