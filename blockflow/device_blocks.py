@@ -23,6 +23,7 @@ from distributed import default_client
 
 from blockflow import config
 from blockflow._distributed.metrics import read_metrics
+from blockflow.backends import is_device_block
 from blockflow.decompose import BlockResize, _known, _Plan, _record
 from blockflow.errors import BlockSizeWarning
 from blockflow.scheduling.view import DEFAULT_OVERHEAD, memory_of, task_overheads, workers_info
@@ -69,7 +70,8 @@ def _client(client):
             client = default_client()
         except ValueError:
             return None
-    return client if client.status == "running" else None
+    # an asynchronous client (inside an event loop) cannot be asked synchronously: no sizing
+    return client if client.status == "running" and not client.asynchronous else None
 
 
 def _gpu_workers(client) -> dict[str, dict]:
@@ -318,11 +320,27 @@ def _bounds(client, working_set) -> tuple[float, float] | None:
 
 
 def advise_blocks(x: Any, func: str, *, working_set=None, passes: float = 2,
-                  name: str = "x") -> str | None:
+                  device: bool | None = None, name: str = "x") -> str | None:
     """Warn once per collection (:class:`~blockflow.errors.BlockSizeWarning`) when the
-    array's blocks are below ``blockflow.blocks.advise-below`` x the GPU workers' block size,
-    with the ``rechunk`` that fits; nothing on clusters without GPU workers. ``working_set``
-    and ``passes`` as in :func:`device_block_target`; ``name``: the variable in the fix.
+    array's blocks run on GPU workers and are below ``blockflow.blocks.advise-below`` x the
+    size those workers want, with the ``rechunk`` that fits; nothing on clusters without GPU
+    workers.
+
+    Parameters
+    ----------
+    x : object
+        Only Dask arrays with known chunks are looked at.
+    func : str
+        Names the call in the line (``"blockflow.map_blocks"``).
+    working_set, passes
+        As in :func:`device_block_target`.
+    device : bool, optional
+        Whether the blocks run on the device; default: they are device arrays (CuPy) or the
+        stage declares a device working set (``working_set`` given). NumPy blocks of a stage
+        that declares none run on the workers' CPUs, where GPU-sized blocks would only cost
+        parallelism: no line for them.
+    name : str, default "x"
+        The variable named in the fix.
 
     Costs one scheduler call at most every 2 s on a CPU cluster (:func:`has_gpu_workers`);
     the overhead is measured only when the blocks may be too small.
@@ -334,7 +352,11 @@ def advise_blocks(x: Any, func: str, *, working_set=None, passes: float = 2,
     """
     below = config.get("blocks.advise-below")
     if below is False or below is None or not isinstance(x, da.Array) or x.ndim == 0 \
-            or not _known(x.chunks) or x.name in _advised or not has_gpu_workers():
+            or not _known(x.chunks) or x.name in _advised:
+        return None
+    if device is None:
+        device = is_device_block(x._meta) or working_set is not None
+    if not device or not has_gpu_workers():
         return None
     below = float(below)
     block, total = _block_bytes(x), x.dtype.itemsize * math.prod(x.shape)

@@ -159,48 +159,63 @@ def _advice(fn) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, blockflow.BlockflowWarning)]
 
 
+def _output_block(nbytes):
+    return nbytes  # the device working set of a kernel writing one output block
+
+
 def test_small_blocks_on_gpus_get_one_line_with_a_rechunk_that_fits():
     with gpus(SimulatedDevice(device_memory="1GiB")) as c:
         x = da.ones((2**15, 1024), chunks=(256, 1024))  # 2 MiB blocks
         with pytest.warns(blockflow.BlockSizeWarning) as caught:
-            blockflow.map_blocks(np.negative, x, dtype=x.dtype)
+            blockflow.map_blocks(np.negative, x, dtype=x.dtype, working_set=_output_block)
         (line,) = [str(w.message) for w in caught]
         assert line.startswith("blockflow.map_blocks: blocks of 2.00 MiB are too small for "
                                "GPU workers: the per-task overhead of worker ")
         assert "x, _ = blockflow.fit_blocks(x)" in line and "\n" not in line
         fix = re.search(r"x = x\.rechunk\((\{.*?\})\)  # blocks of ", line)
         assert fix and re.search(r"~\d+% overhead$", line)
-        # once per collection: neither a second stage nor its reduction says it again
-        assert _advice(lambda: blockflow.map_blocks(np.negative, x, dtype=x.dtype)) == []
-        assert _advice(lambda: blockflow.tree_reduce(x, np.sum)) == []
+        # once per collection: a second stage on it says nothing
+        assert _advice(lambda: blockflow.map_blocks(np.negative, x, dtype=x.dtype,
+                                                    working_set=_output_block)) == []
         # following it: blocks of at least advise-below x the target, and silence
         y = x.rechunk(ast.literal_eval(fix.group(1)))
         assert _bytes(y) >= 0.25 * device_block_target(c).nbytes
-        out = blockflow.map_blocks(np.negative, y, dtype=y.dtype)  # no warning (an error here)
-        assert float(out.sum().compute()) == -(2**25)
-        # a reduction of another small collection: its own line
-        z = da.zeros((2**15, 1024), chunks=(512, 1024))
-        with pytest.warns(blockflow.BlockSizeWarning, match=r"^blockflow\.tree_reduce: "):
-            blockflow.tree_reduce(z, np.sum)
+        out = blockflow.map_blocks(np.negative, y, dtype=y.dtype, working_set=_output_block)
+        assert float(out.sum().compute()) == -(2**25)  # (a warning would be an error here)
         with dask.config.set({"blockflow.blocks.advise-below": False}):
             w = da.zeros((2**15, 1024), chunks=(128, 1024))
-            assert _advice(lambda: blockflow.map_blocks(np.negative, w, dtype=w.dtype)) == []
+            assert _advice(lambda: blockflow.map_blocks(np.negative, w, dtype=w.dtype,
+                                                        working_set=_output_block)) == []
+
+
+def test_host_blocks_of_a_stage_declaring_no_device_memory_get_no_line():
+    # NumPy blocks without working_set= run on the GPU workers' CPUs: no GPU-sized advice
+    with gpus(SimulatedDevice(device_memory="1GiB")):
+        before = dict(view._overheads)
+        x = da.ones((2**15, 1024), chunks=(256, 1024))
+        assert _advice(lambda: blockflow.map_blocks(np.negative, x, dtype=x.dtype)) == []
+        assert _advice(lambda: blockflow.tree_reduce(x, np.sum)) == []
+        assert view._overheads == before  # nothing measured
 
 
 def test_no_line_for_blocks_large_enough_or_arrays_too_small_to_grow():
     with gpus(SimulatedDevice(device_memory="1GiB")) as c:
         before = dict(view._overheads)
         small = da.ones((1024, 16), chunks=(8, 16))  # 128 KiB in all: nothing to grow into
-        assert _advice(lambda: blockflow.map_blocks(np.negative, small, dtype=float)) == []
+        assert _advice(lambda: blockflow.map_blocks(np.negative, small, dtype=float,
+                                                    working_set=_output_block)) == []
         large = da.ones((2**15, 1024), chunks=(2**14, 1024))  # 128 MiB blocks: the target
-        assert _advice(lambda: blockflow.tree_reduce(large, np.sum)) == []
+        assert _advice(lambda: blockflow.map_blocks(np.negative, large, dtype=float,
+                                                    working_set=_output_block)) == []
         assert view._overheads == before  # and nothing was measured for them
         assert c.status == "running"
 
 
 def test_no_line_and_no_probe_on_cpu_clusters(client):
     x = da.ones((2**15, 1024), chunks=(256, 1024))
-    assert _advice(lambda: blockflow.map_blocks(np.negative, x, dtype=x.dtype)) == []
+    said = _advice(lambda: blockflow.map_blocks(np.negative, x, dtype=x.dtype,
+                                                working_set=_output_block))
+    assert len(said) == 1 and "working_set= is the device (GPU) memory" in said[0]
     assert _advice(lambda: blockflow.tree_reduce(x, np.sum)) == []
     assert not [k for k in view._overheads if k[0] == client.scheduler.address]
 
@@ -247,10 +262,24 @@ def test_nvml_bandwidth_is_bus_width_times_memory_clock_double_rate():
 # -- on a real GPU -------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_to_device_grows_blocks_on_gpu_workers():
+def test_to_device_grows_blocks_and_cupy_blocks_get_the_line_in_tree_reduce():
     cupy = pytest.importorskip("cupy", reason="blockflow.to_device needs CuPy and a GPU")
     with gpus(SimulatedDevice(device_memory="1GiB")):
         x = da.ones((2**15, 1024), chunks=(256, 1024))
         y = blockflow.to_device(x)
         assert len(y.chunks[0]) == 2 and isinstance(y._meta, cupy.ndarray)
         assert float(y.sum().compute()) == 2**25
+        z = da.zeros((2**15, 1024), chunks=(512, 1024)).map_blocks(cupy.asarray)
+        with pytest.warns(blockflow.BlockSizeWarning, match=r"^blockflow\.tree_reduce: "):
+            total = blockflow.tree_reduce(z, cupy.sum)
+        assert float(total.compute()) == 0.0
+
+
+def test_to_device_without_cupy_refuses_before_sizing():
+    if blockflow.backends.has_package("cupy"):
+        pytest.skip("CuPy is installed here")
+    with gpus(SimulatedDevice(device_memory="1GiB")):
+        before = dict(view._overheads)
+        with pytest.raises(blockflow.GPUUnavailableError, match="needs the package 'cupy'"):
+            blockflow.to_device(da.ones((2**15, 1024), chunks=(256, 1024)))
+        assert view._overheads == before
