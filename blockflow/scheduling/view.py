@@ -370,8 +370,9 @@ def task_overheads(client: Client, workers: Iterable[str], *, tasks: int | None 
     """Measured per-task overhead of each worker, seconds per task (cached 10 minutes).
 
     Method (blockflow's): on each worker in turn, ``n`` no-op tasks pinned to it are timed
-    against one, ``t0 = (wall_n - wall_1) / (n - 1)``: the marginal cost of a task through
-    the scheduler and the worker, with the round trip left out. The tasks run from a
+    against one (the faster of two), ``t0 = (wall_n - wall_1) / (n - 1)``: the marginal cost
+    of a task through the scheduler and the worker, with the round trip left out (``wall_n /
+    n`` if noise makes that difference no larger than 0). The tasks run from a
     short-lived client of their own, in their own run (:data:`PROBE_RUN`), under keys
     ``overhead-probe-*`` that no kernel count includes, and are released before it returns.
 
@@ -454,7 +455,7 @@ def _probe(client: Client, worker: str, n: int, end: float) -> float | None:
 
     try:
         wall(1, "warm")  # the function reaches the worker, its thread starts
-        one = wall(1, "one")
+        one = min(wall(1, "one"), wall(1, "again"))  # a hiccup in one would shrink t0
         many = wall(n, "many")
     except Exception:  # no answer in time, or the worker left
         return None

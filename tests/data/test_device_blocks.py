@@ -55,7 +55,7 @@ def _bytes(x) -> int:
 
 def test_a_fast_device_gets_the_overhead_rule_and_its_share():
     # device fractions wide open: the overhead rule alone decides
-    with dask.config.set({"blockflow.blocks.device-min-fraction": 1e-6}), \
+    with dask.config.set({"blockflow.blocks.device-min-fraction": 1e-9}), \
             gpus(SimulatedDevice(device_memory="1TiB", bandwidth="2GB")) as c:
         t = device_block_target(c)
         s = 0.05
