@@ -29,7 +29,7 @@ from blockflow.errors import BlockSizeWarning
 from blockflow.scheduling.view import DEFAULT_OVERHEAD, memory_of, task_overheads, workers_info
 
 __all__ = ["DeviceBlockTarget", "advise_blocks", "device_block_target", "grow_blocks",
-           "has_gpu_workers", "to_device"]
+           "has_gpu_workers", "to_device", "worker_target"]
 
 
 @dataclass(frozen=True)
