@@ -11,6 +11,7 @@ import logging
 import time
 from typing import Callable, Sequence
 
+import dask
 import dask.array as da
 from dask.utils import format_bytes, parse_bytes
 from distributed import default_client
@@ -174,7 +175,8 @@ def fit_blocks(x, working_set: int | str | Callable[[int], int] | None = None, *
                                       safety))
         out = x if found is None else x.rechunk({found[0]: found[1]})
         if free[1] == "device":  # GPU workers: grow small blocks to the size they want
-            target = device_block_target(client, working_set=device_ws)
+            with dask.config.set({"blockflow.blocks.safety": safety}):
+                target = device_block_target(client, working_set=device_ws)
             if target is not None:
                 out, _ = grow_blocks(out, target.nbytes, label="blockflow.fit_blocks",
                                      axis=None if axis is None else axes[0])

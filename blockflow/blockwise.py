@@ -320,7 +320,7 @@ def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_a
                                           label=task_name)
     # blocks far below what GPU workers want: one advisory line (never a silent re-cut)
     advise_blocks(max(arrays, key=lambda a: a.ndim), "blockflow.map_blocks",
-                  working_set=working_set)
+                  working_set=working_set, alike=len(arrays) > 1)
     kept = ndim - len(drop)
     if new_axis is not None:
         new_ndim = kept + (1 if _is_int(new_axis) else len(_axis_list(new_axis, "new_axis")))

@@ -320,7 +320,8 @@ def _bounds(client, working_set) -> tuple[float, float] | None:
 
 
 def advise_blocks(x: Any, func: str, *, working_set=None, passes: float = 2,
-                  device: bool | None = None, name: str = "x") -> str | None:
+                  device: bool | None = None, name: str = "x", alike: bool = False
+                  ) -> str | None:
     """Warn once per collection (:class:`~blockflow.errors.BlockSizeWarning`) when the
     array's blocks run on GPU workers and are below ``blockflow.blocks.advise-below`` x the
     size those workers want, with the ``rechunk`` that fits; nothing on clusters without GPU
@@ -341,6 +342,8 @@ def advise_blocks(x: Any, func: str, *, working_set=None, passes: float = 2,
         parallelism: no line for them.
     name : str, default "x"
         The variable named in the fix.
+    alike : bool, default False
+        The stage has other aligned arguments: the line says to rechunk them alike.
 
     Costs one scheduler call at most every 2 s on a CPU cluster (:func:`has_gpu_workers`);
     the overhead is measured only when the blocks may be too small.
@@ -382,7 +385,8 @@ def advise_blocks(x: Any, func: str, *, working_set=None, passes: float = 2,
             f"per-task overhead of worker {target.worker} ({t0 * 1e3:.2g} ms) is "
             f"~{now_share:.0%} of each task; they want blocks of ~"
             f"{format_bytes(target.nbytes)} ({name}, _ = blockflow.fit_blocks({name}) makes "
-            f"them; blockflow.blocks.advise-below: false silences this): "
+            f"them; blockflow.blocks.advise-below: false silences this)"
+            f"{'; rechunk every aligned argument alike' if alike else ''}: "
             f"{name} = {name}.rechunk({{{axis}: {rows}}})  # blocks of "
             f"{format_bytes(int(new))}, ~{new_share:.0%} overhead")
     _advised[x.name] = None

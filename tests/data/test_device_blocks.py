@@ -182,6 +182,11 @@ def test_small_blocks_on_gpus_get_one_line_with_a_rechunk_that_fits():
         assert _bytes(y) >= 0.25 * device_block_target(c).nbytes
         out = blockflow.map_blocks(np.negative, y, dtype=y.dtype, working_set=_output_block)
         assert float(out.sum().compute()) == -(2**25)  # (a warning would be an error here)
+        # several aligned arguments: rechunked alike
+        a, b = (da.full((2**15, 1024), v, chunks=(256, 1024)) for v in (2.0, 3.0))
+        with pytest.warns(blockflow.BlockSizeWarning,
+                          match="; rechunk every aligned argument alike: x = x.rechunk"):
+            blockflow.map_blocks(np.add, a, b, dtype=float, working_set=_output_block)
         with dask.config.set({"blockflow.blocks.advise-below": False}):
             w = da.zeros((2**15, 1024), chunks=(128, 1024))
             assert _advice(lambda: blockflow.map_blocks(np.negative, w, dtype=w.dtype,
