@@ -217,7 +217,7 @@ def test_no_line_for_blocks_large_enough_or_arrays_too_small_to_grow():
 
 
 def test_no_line_and_no_probe_on_cpu_clusters(client):
-    x = da.ones((2**15, 1024), chunks=(256, 1024))
+    x = da.full((2**15, 1024), 5.0, chunks=(256, 1024))  # a collection never advised
     said = _advice(lambda: blockflow.map_blocks(np.negative, x, dtype=x.dtype,
                                                 working_set=_output_block))
     assert len(said) == 1 and "working_set= is the device (GPU) memory" in said[0]
