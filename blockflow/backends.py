@@ -193,7 +193,9 @@ def _move(obj: Any, target: str):
 
 
 def to_device(collection):
-    """Move a Dask collection's blocks to GPU memory (NumPy -> CuPy, pandas -> cuDF), lazily.
+    """Move a Dask collection's blocks to GPU memory (NumPy -> CuPy, pandas -> cuDF), lazily,
+    keeping its blocks (:func:`blockflow.to_device` also grows small array blocks to the size
+    GPU workers want: :func:`blockflow.device_blocks.to_device`).
 
     Parameters
     ----------

@@ -1,7 +1,8 @@
 """Block sizing: rechunk so each block plus its kernel's working set fits the smallest
-worker's free memory (:func:`fit_blocks`), and the re-cutting :func:`blockflow.map_blocks`
-applies before its stage (config ``blockflow.skew.*``, ``blockflow.blocks.*``). Guide:
-docs/guide/data.md.
+worker's free memory and, on GPU workers, reaches the size they want (:func:`fit_blocks`,
+:func:`device_block_target` from :mod:`blockflow.device_blocks`), and the re-cutting
+:func:`blockflow.map_blocks` applies before its stage (config ``blockflow.skew.*``,
+``blockflow.blocks.*``). Guide: docs/guide/data.md.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import logging
 import time
 from typing import Callable, Sequence
 
+import dask
 import dask.array as da
 from dask.utils import format_bytes, parse_bytes
 from distributed import default_client
@@ -30,10 +32,11 @@ from blockflow.decompose import (
     _xarray_resize,
     _xarray_row_bytes,
 )
+from blockflow.device_blocks import DeviceBlockTarget, device_block_target, grow_blocks
 from blockflow.scheduling.view import worker_memory
 
-__all__ = ["fit_blocks", "prepare_arrays", "prepare_frames", "prepare_xarray",
-           "smallest_free_memory"]
+__all__ = ["DeviceBlockTarget", "device_block_target", "fit_blocks", "prepare_arrays",
+           "prepare_frames", "prepare_xarray", "smallest_free_memory"]
 
 logger = logging.getLogger("blockflow.decompose")
 
@@ -104,21 +107,25 @@ def _array_fit(x: da.Array, working_set, budget: float, axes=None, label=""
     return axis, plan.sizes
 
 
-def fit_blocks(x, working_set: int | str | Callable[[int], int] = 0, *,
+def fit_blocks(x, working_set: int | str | Callable[[int], int] | None = None, *,
                safety: float | None = None, client=None, axis: int | str | None = None):
     """Rechunk so each block plus its kernel's working set fits the smallest worker's free
-    memory, with a safety margin.
+    memory, with a safety margin; on GPU workers, also grow smaller blocks to the size those
+    workers want.
 
     The budget is the least free device memory of any GPU worker (else the smallest host
     ``memory_limit``) times ``1 - safety``; blocks above it are split evenly along one axis.
-    Method: blockflow heuristic (binary search on rows).
+    Method: blockflow heuristic (binary search on rows). On a cluster with GPU workers, array
+    blocks below :func:`device_block_target` are then merged along one axis into blocks of
+    about that size (reason ``"device-target"``); CPU-only clusters: no merging.
 
     Parameters
     ----------
     x : dask.array.Array or xarray object
-    working_set : int, str or callable, default 0
+    working_set : int, str or callable, optional
         Bytes the kernel needs besides its block (``"2GiB"`` accepted), or a callable
-        ``working_set(block nbytes) -> bytes``.
+        ``working_set(block nbytes) -> bytes``. Default: 0 for the memory fit, one output
+        block for the GPU block size.
     safety : float, optional
         Fraction 0-1 of the free memory kept free; default ``blockflow.blocks.safety``.
     client : distributed.Client, optional
@@ -140,6 +147,8 @@ def fit_blocks(x, working_set: int | str | Callable[[int], int] = 0, *,
         If not even a one-row block fits the budget, or ``safety`` is not in [0, 1).
     """
     safety = float(config.get("blocks.safety", safety))
+    device_ws = working_set
+    working_set = 0 if working_set is None else working_set
     if not 0 <= safety < 1:
         raise ValueError(f"blockflow.fit_blocks: safety must be a fraction 0-1 of the free "
                          f"memory to keep free, got {safety!r}; e.g. 0.2.")
@@ -165,6 +174,12 @@ def fit_blocks(x, working_set: int | str | Callable[[int], int] = 0, *,
             raise ValueError(_nowhere("blockflow.fit_blocks", found[1], working_set, free,
                                       safety))
         out = x if found is None else x.rechunk({found[0]: found[1]})
+        if free[1] == "device":  # GPU workers: grow small blocks to the size they want
+            with dask.config.set({"blockflow.blocks.safety": safety}):
+                target = device_block_target(client, working_set=device_ws)
+            if target is not None:
+                out, _ = grow_blocks(out, target.nbytes, label="blockflow.fit_blocks",
+                                     axis=None if axis is None else axes[0])
     return out, (decompose._records[-1] if decompose._count > before else None)
 
 

@@ -32,6 +32,7 @@ from blockflow.block_kernels import (
     _XarrayKernel,
 )
 from blockflow.core.kernel import check_placement, check_retries
+from blockflow.device_blocks import advise_blocks
 from blockflow.errors import (
     BlockflowWarning,
     EmptyCollectionError,
@@ -317,6 +318,9 @@ def _map_arrays(kernel, arrays, task_name, dtype, meta, chunks, drop_axis, new_a
     if chunks is None:  # declared output chunks pin the input's: never re-cut then
         arrays = block_sizing.prepare_arrays(arrays, working_set=working_set, skip_axes=drop,
                                           label=task_name)
+    # blocks far below what GPU workers want: one advisory line (never a silent re-cut)
+    advise_blocks(max(arrays, key=lambda a: a.ndim), "blockflow.map_blocks",
+                  working_set=working_set, alike=len(arrays) > 1)
     kept = ndim - len(drop)
     if new_axis is not None:
         new_ndim = kept + (1 if _is_int(new_axis) else len(_axis_list(new_axis, "new_axis")))

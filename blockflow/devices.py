@@ -2,8 +2,8 @@
 
 Built on :mod:`distributed.diagnostics.nvml` (via :mod:`blockflow._distributed.nvml`). Every
 function answers None (a count 0) when it cannot tell, never raising. :class:`DeviceMetrics`
-adds the worker metrics ``blockflow-gpu-own-utilization``, ``blockflow-capacity`` and
-``blockflow-gpu-uuid``. Guide: docs/guide/clusters.md.
+adds the worker metrics ``blockflow-gpu-own-utilization``, ``blockflow-capacity``,
+``blockflow-gpu-uuid`` and ``blockflow-device-bandwidth``. Guide: docs/guide/clusters.md.
 """
 
 from __future__ import annotations
@@ -22,13 +22,19 @@ from blockflow._distributed.nvml import (
     nvml_memory_total,
     parse_visible_device,
 )
-from blockflow._distributed.metrics import CAPACITY_METRIC, DEVICE_UUID_METRIC, OWN_UTILIZATION_METRIC
+from blockflow._distributed.metrics import (
+    BANDWIDTH_METRIC,
+    CAPACITY_METRIC,
+    DEVICE_UUID_METRIC,
+    OWN_UTILIZATION_METRIC,
+)
 
 __all__ = [
     "IDLE_UTILIZATION",
     "DeviceInfo",
     "DeviceMetrics",
     "OwnUtilization",
+    "bandwidth",
     "capacity",
     "device_count",
     "device_handle",
@@ -231,6 +237,31 @@ def capacity(handle, *, pynvml=None) -> float | None:
     return value if value > 0 else None
 
 
+def bandwidth(handle, *, pynvml=None) -> float | None:
+    """Nominal device memory bandwidth in bytes per second, or None.
+
+    ``bus width (bits) / 8 x max memory clock (MHz) x 1e6 x 2`` (double data rate), from
+    NVML's ``nvmlDeviceGetMemoryBusWidth`` and ``nvmlDeviceGetMaxClockInfo(NVML_CLOCK_MEM)``:
+    the datasheet figure (3.35 TB/s on an H100 SXM), not a measured speed.
+
+    Parameters
+    ----------
+    handle : NVML device handle
+        From :func:`device_handle`.
+    pynvml : module, optional
+        The NVML bindings (default distributed's); a test may pass a fake.
+    """
+    nv = pynvml if pynvml is not None else _nvml()
+    if nv is None or handle is None:
+        return None
+    try:
+        value = (float(nv.nvmlDeviceGetMemoryBusWidth(handle)) / 8
+                 * float(nv.nvmlDeviceGetMaxClockInfo(handle, nv.NVML_CLOCK_MEM)) * 1e6 * 2)
+    except Exception:  # an old driver, a MIG instance, a fake without the call
+        return None
+    return value if value > 0 and value == value and value != float("inf") else None
+
+
 class OwnUtilization:
     """This process's share of a device's SM time, from NVML's per-process samples.
 
@@ -290,8 +321,8 @@ class OwnUtilization:
 
 
 class DeviceMetrics(WorkerPlugin):
-    """Worker plugin reporting its own GPU utilisation and the device's capacity (see the
-    module docstring); adds nothing without NVML or a GPU.
+    """Worker plugin reporting its own GPU utilisation, the device's capacity and memory
+    bandwidth (see the module docstring); adds nothing without NVML or a GPU.
     """
 
     name = "blockflow-device-metrics"
@@ -310,6 +341,9 @@ class DeviceMetrics(WorkerPlugin):
         nominal = capacity(handle)
         if nominal:
             metrics[CAPACITY_METRIC] = lambda w: nominal
+        bw = bandwidth(handle)
+        if bw:
+            metrics[BANDWIDTH_METRIC] = lambda w, b=bw: b
         info = device_info()
         if info is not None and info.uuid:
             metrics[DEVICE_UUID_METRIC] = lambda w, u=info.uuid: u

@@ -16,6 +16,11 @@ class ConvergenceWarning(BlockflowWarning):
     """An optimiser stopped before it converged (scikit-learn's ``ConvergenceWarning``)."""
 
 
+class BlockSizeWarning(BlockflowWarning):
+    """Blocks far smaller than GPU workers want: per-task overhead dominates; the message
+    gives the ``rechunk`` that fits (config ``blockflow.blocks.advise-below``)."""
+
+
 class BlockKernelError(RuntimeError):
     """A blockwise kernel failed on one block, or a tree-reduction step failed.
 

@@ -1,12 +1,16 @@
 """The fan-in (``split_every``) of a tree reduction, sized to the smallest worker's memory.
 
 :func:`choose_split_every` keeps ``split_every x block bytes`` under a fraction of the
-smallest worker's memory (Dask's default fan-in ignores both). Method: blockflow heuristic.
+smallest worker's memory (Dask's default fan-in ignores both). On GPU workers the fan-in is
+not clamped to ``max-split-every``: each combine task costs the worker's per-task overhead,
+so fewer, wider combines are cheaper while they fit device memory. Method: blockflow
+heuristic.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import dask.array as da
 import numpy as np
@@ -78,6 +82,7 @@ def choose_split_every(
         Fraction 0-1; default ``blockflow.reduction.memory-fraction``.
     min_split_every, max_split_every : int, optional
         Clamp; defaults from ``blockflow.reduction.min-split-every`` / ``max-split-every``.
+        ``max_split_every=math.inf``: no upper clamp (GPU workers).
 
     Returns
     -------
@@ -86,7 +91,8 @@ def choose_split_every(
     """
     fraction = config.get("reduction.memory-fraction", memory_fraction)
     lo = max(2, int(config.get("reduction.min-split-every", min_split_every)))
-    hi = max(lo, int(config.get("reduction.max-split-every", max_split_every)))
+    hi = config.get("reduction.max-split-every", max_split_every)
+    hi = hi if hi == math.inf else max(lo, int(hi))
     fits = int(fraction * worker_memory // max(int(block_bytes), 1))
     return int(min(max(fits, lo), hi))
 
@@ -132,7 +138,9 @@ def _resolve_split_every(split_every, block_bytes, what: str) -> int:
             )
         return int(split_every)
     memory, source = smallest_worker_memory()
-    chosen = choose_split_every(block_bytes, memory)
+    # GPU workers: no max-split-every, few combine tasks (each costs the per-task overhead)
+    chosen = choose_split_every(block_bytes, memory,
+                                max_split_every=math.inf if source == "device" else None)
     logger.info(
         "tree_reduce of %s: split_every=%d (%d x %s blocks within %.0f%% of the smallest "
         "worker's %s memory, %s)",

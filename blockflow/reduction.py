@@ -31,6 +31,8 @@ from blockflow.core.reduction_dtypes import (
     result_dtypes,
 )
 from blockflow.blockwise import kernel_name, validate_array
+from blockflow.backends import is_device_block
+from blockflow.device_blocks import advise_blocks
 from blockflow.errors import not_a_collection
 from blockflow.fan_in import (
     _array_block_bytes,
@@ -159,6 +161,8 @@ def tree_reduce(
              for f, stage in zip(funcs, ("chunk", "combine", "aggregate"))]
     if isinstance(collection, da.Array):
         validate_array(collection, "blockflow.tree_reduce", "the collection")
+        advise_blocks(collection, "blockflow.tree_reduce", working_set=0, passes=1,
+                      device=is_device_block(collection._meta))
         axes = _check_axis(axis, collection.ndim)
         if alone:
             _refuse_non_tree(chunk, "array")

@@ -35,6 +35,7 @@ __all__ = [
     "memory_of",
     "plugin_status",
     "task_counts",
+    "task_overheads",
     "worker_memory",
 ]
 
@@ -342,6 +343,124 @@ class ThroughputView:
     def seconds_per_unit(self, workers: Iterable[str]) -> dict[str, float]:
         """Seconds per unit of work of each worker (measured, else from the prior)."""
         return self.estimate.seconds_per_unit(workers, self.prior())
+
+
+# -- per-task overhead ---------------------------------------------------------------------
+
+#: Key prefix of the overhead probe's no-op tasks (not ``blockflow-``: no kernel counts).
+PROBE_PREFIX = "overhead-probe"
+#: Run name the probe's tasks are counted under (its own run, of its own client).
+PROBE_RUN = "blockflow overhead probe"
+#: Seconds a worker's measured overhead is reused.
+OVERHEAD_TTL = 600.0
+#: No-op tasks per probe (``n``).
+PROBE_TASKS = 16
+#: Per-task overhead assumed for a worker no probe measured, seconds (Dask's documented
+#: ~1 ms per task: https://docs.dask.org/en/stable/best-practices.html).
+DEFAULT_OVERHEAD = 1e-3
+_overheads: dict[tuple[str, str], tuple[float, float]] = {}  # (scheduler, worker) -> (s, when)
+
+
+def _noop(i: int) -> None:
+    return None
+
+
+def task_overheads(client: Client, workers: Iterable[str], *, tasks: int | None = None,
+                   timeout: str | float | None = None) -> dict[str, float]:
+    """Measured per-task overhead of each worker, seconds per task (cached 10 minutes).
+
+    Method (blockflow's): on each worker in turn, ``n`` no-op tasks pinned to it are timed
+    against one (the faster of two), ``t0 = (wall_n - wall_1) / (n - 1)``: the marginal cost
+    of a task through the scheduler and the worker, with the round trip left out (``wall_n /
+    n`` if noise makes that difference no larger than 0). The tasks run from a
+    short-lived client of their own, in their own run (:data:`PROBE_RUN`), under keys
+    ``overhead-probe-*`` that no kernel count includes, and are released before it returns.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    workers : iterable of str
+        Worker addresses.
+    tasks : int, optional
+        ``n``, at least 2; default :data:`PROBE_TASKS`.
+    timeout : str or float, optional
+        Seconds for all probes together; default ``blockflow.cluster.worker-call-timeout``.
+
+    Returns
+    -------
+    dict
+        Worker address -> seconds per task (> 0) for the workers measured now or within
+        :data:`OVERHEAD_TTL`; a worker that did not answer in time is left out (callers fall
+        back on the others' figure, else :data:`DEFAULT_OVERHEAD`).
+    """
+    from dask.utils import parse_timedelta
+
+    from blockflow import config
+
+    now = time.monotonic()
+    scheduler = client.scheduler.address
+    out, todo = {}, []
+    for w in workers:
+        hit = _overheads.get((scheduler, w))
+        if hit is not None and now - hit[1] < OVERHEAD_TTL:
+            out[w] = hit[0]
+        else:
+            todo.append(w)
+    if not todo:
+        return out
+    n = max(2, int(tasks or PROBE_TASKS))
+    limit = float(parse_timedelta(config.get("cluster.worker-call-timeout", timeout)))
+    end = now + limit
+    try:
+        probe = Client(scheduler, security=client.security, set_as_default=False,
+                       timeout=limit)
+    except Exception:  # the scheduler is unreachable: nothing measured
+        return out
+    try:
+        for w in todo:
+            if time.monotonic() >= end:
+                break
+            t0 = _probe(probe, w, n, end)
+            if t0 is not None:
+                _overheads[(scheduler, w)] = (t0, time.monotonic())
+                out[w] = t0
+    finally:
+        probe.close(timeout=limit)
+    return out
+
+
+def _probe(client: Client, worker: str, n: int, end: float) -> float | None:
+    """One worker's ``t0`` (see :func:`task_overheads`), or None when it did not answer
+    before ``end`` (monotonic seconds) or left."""
+    import uuid
+
+    from blockflow.scheduling.runs import run_scope
+    from blockflow.scheduling.wait import gather_as_done
+
+    token = uuid.uuid4().hex
+
+    def wall(count: int, tag: str) -> float:
+        start = time.perf_counter()
+        with run_scope(PROBE_RUN):
+            futures = [client.submit(_noop, i, key=f"{PROBE_PREFIX}-{tag}-{token}-{i}",
+                                     workers=[worker], allow_other_workers=False,
+                                     pure=False) for i in range(count)]
+        try:
+            gather_as_done(futures, alive=lambda: client.scheduler_info(n_workers=-1)[
+                "workers"], needed=[worker], poll=0.2,
+                deadline=max(end - time.monotonic(), 0.01))
+        finally:
+            client.cancel(futures)
+        return time.perf_counter() - start
+
+    try:
+        wall(1, "warm")  # the function reaches the worker, its thread starts
+        one = min(wall(1, "one"), wall(1, "again"))  # a hiccup in one would shrink t0
+        many = wall(n, "many")
+    except Exception:  # no answer in time, or the worker left
+        return None
+    t0 = (many - one) / (n - 1)
+    return t0 if math.isfinite(t0) and t0 > 0 else max(many / n, 1e-6)
 
 
 def scheduler_identity(client) -> dict[str, Any]:

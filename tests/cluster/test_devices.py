@@ -394,3 +394,21 @@ def test_probe_on_a_cpu_worker_is_empty():
                       dashboard_address=":0") as cluster, Client(cluster) as client:
         assert list(client.run(_probe_device).values()) == [{}]
     assert _probe_device() == {}
+
+
+def test_device_metrics_plugin_reports_the_memory_bandwidth(fake_nvml):
+    from blockflow._distributed.metrics import BANDWIDTH_METRIC
+
+    sm_clock = fake_nvml.nvmlDeviceGetMaxClockInfo
+    fake_nvml.NVML_CLOCK_MEM = 2  # an H100 SXM's HBM3: 5120 bits at 2619 MHz
+    fake_nvml.nvmlDeviceGetMemoryBusWidth = lambda handle: 5120
+    fake_nvml.nvmlDeviceGetMaxClockInfo = (
+        lambda handle, clock: 2619 if clock == 2 else sm_clock(handle, clock))
+
+    def bandwidth(dask_worker=None):
+        return _distributed.worker_metric(dask_worker, BANDWIDTH_METRIC)(dask_worker)
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        client.register_plugin(DeviceMetrics())
+        assert list(client.run(bandwidth).values()) == [5120 / 8 * 2619e6 * 2]
