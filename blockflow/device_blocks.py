@@ -381,14 +381,14 @@ def advise_blocks(x: Any, func: str, *, working_set=None, passes: float = 2,
     bw, t0 = target.bandwidth, target.overhead
     now_share = t0 / (t0 + passes * block / bw)
     new_share = t0 / (t0 + passes * new / bw)
-    line = (f"{func}: blocks of {format_bytes(block)} are too small for GPU workers: the "
-            f"per-task overhead of worker {target.worker} ({t0 * 1e3:.2g} ms) is "
-            f"~{now_share:.0%} of each task; they want blocks of ~"
-            f"{format_bytes(target.nbytes)} ({name}, _ = blockflow.fit_blocks({name}) makes "
-            f"them; blockflow.blocks.advise-below: false silences this)"
-            f"{'; rechunk every aligned argument alike' if alike else ''}: "
-            f"{name} = {name}.rechunk({{{axis}: {rows}}})  # blocks of "
-            f"{format_bytes(int(new))}, ~{new_share:.0%} overhead")
+    line = (f"{func}: blocks of {format_bytes(block)} are too small for the GPU workers "
+            f"(worker {target.worker}'s per-task overhead, {t0 * 1e3:.2g} ms, is "
+            f"~{now_share:.0%} of each task); "
+            f"{'rechunk every aligned argument alike, e.g. ' if alike else ''}"
+            f"{name} = {name}.rechunk({{{axis}: {rows}}}) gives blocks of "
+            f"{format_bytes(int(new))} (~{new_share:.0%} overhead), as does "
+            f"{name}, _ = blockflow.fit_blocks({name}); blockflow.blocks.advise-below: false silences "
+            f"this.")
     _advised[x.name] = None
     while len(_advised) > 1000:
         _advised.pop(next(iter(_advised)))
