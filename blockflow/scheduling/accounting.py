@@ -13,7 +13,7 @@ from dask.utils import key_split
 
 from blockflow import _distributed
 from blockflow.pools.plan import dollars_between
-from blockflow.scheduling.actions import KERNEL_PREFIX
+from blockflow.scheduling.actions import KERNEL_PREFIX, PROBE_PREFIX
 from blockflow.scheduling.overhead import clock, cpu_clock
 from blockflow.scheduling.runs import RunTracker
 from blockflow.scheduling.speed import SpeedModel
@@ -100,6 +100,8 @@ class Accounting:
                     # ``wait``: seconds the task waited (seceded) at its start for a value
                     # posted to it; neither busy time nor speed evidence
                     group, work, size, wait = entry[2], entry[3], entry[4], entry[5]
+                    if group.startswith(PROBE_PREFIX):  # blockflow's overhead probe
+                        continue
                     task_counts[worker] += 1
                     if group.startswith(KERNEL_PREFIX):
                         kernel_counts[worker] += 1

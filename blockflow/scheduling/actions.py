@@ -11,10 +11,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["KERNEL_PREFIX", "Action", "Decision", "Record", "Recorded"]
+__all__ = ["KERNEL_PREFIX", "PROBE_PREFIX", "Action", "Decision", "Record", "Recorded"]
 
 #: Prefix of the names of blockflow's kernel tasks (``map_blocks`` and reductions).
 KERNEL_PREFIX = "blockflow-"
+#: Prefix of the keys of blockflow's per-task overhead probe
+#: (:func:`blockflow.scheduling.view.task_overheads`): blockflow's own no-op tasks, never
+#: counted as the user's (no run, task count, speed or billed time).
+PROBE_PREFIX = "overhead-probe"
 
 
 class Action(str, Enum):

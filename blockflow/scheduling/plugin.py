@@ -26,7 +26,7 @@ from blockflow.pools import plan as cost
 from blockflow.pools.pool import pools_of
 from blockflow.pools.scaling import PoolScalingRule
 from blockflow.scheduling.accounting import Accounting
-from blockflow.scheduling.actions import Action, Decision, Record, Recorded
+from blockflow.scheduling.actions import PROBE_PREFIX, Action, Decision, Record, Recorded
 from blockflow.scheduling.actuator import Actuator
 from blockflow.scheduling.device_time import DeviceTime
 from blockflow.scheduling.estimate import LinkBandwidth
@@ -280,6 +280,8 @@ class Rebalancer(Accounting, Actuator, Status, SchedulerPlugin):
             cost.hooks += clock() - t0 - (cost.flush_wall - w0)
 
     def _update_graph(self, scheduler, client, tasks, annotations) -> None:
+        if tasks and all(isinstance(k, str) and k.startswith(PROBE_PREFIX) for k in tasks):
+            return  # blockflow's overhead probe: not a run of the user's, nothing to decide
         run = self.runs.graph(client=client,
                               states=_distributed.task_states(scheduler, tasks or ()),
                               annotations=annotations or {}, now=time.time())

@@ -19,6 +19,7 @@ from distributed import Client
 
 from blockflow._distributed.client import has_scheduler_plugin
 from blockflow._distributed.metrics import CAPACITY_METRIC, clean_number, read_metrics
+from blockflow.scheduling.actions import PROBE_PREFIX as _PROBE_PREFIX
 from blockflow.scheduling.estimate import CONFIDENT, Throughput, confident_speeds
 
 __all__ = [
@@ -347,8 +348,9 @@ class ThroughputView:
 
 # -- per-task overhead ---------------------------------------------------------------------
 
-#: Key prefix of the overhead probe's no-op tasks (not ``blockflow-``: no kernel counts).
-PROBE_PREFIX = "overhead-probe"
+#: Key prefix of the overhead probe's no-op tasks; the scheduler plugin leaves them out of
+#: its runs, counts and billed time (:data:`blockflow.scheduling.actions.PROBE_PREFIX`).
+PROBE_PREFIX = _PROBE_PREFIX
 #: Run name the probe's tasks are counted under (its own run, of its own client).
 PROBE_RUN = "blockflow overhead probe"
 #: Seconds a worker's measured overhead is reused.
@@ -374,7 +376,8 @@ def task_overheads(client: Client, workers: Iterable[str], *, tasks: int | None 
     of a task through the scheduler and the worker, with the round trip left out (``wall_n /
     n`` if noise makes that difference no larger than 0). The tasks run from a
     short-lived client of their own, in their own run (:data:`PROBE_RUN`), under keys
-    ``overhead-probe-*`` that no kernel count includes, and are released before it returns.
+    ``overhead-probe-*`` that blockflow's scheduler plugin leaves out of its runs, task
+    counts, speeds and billed time, and are released before it returns.
 
     Parameters
     ----------

@@ -115,6 +115,25 @@ def test_the_probe_measures_a_cached_overhead_and_leaves_nothing_behind():
         assert after["kernel_counts"] == before["kernel_counts"]
 
 
+def test_the_probe_is_not_counted_in_the_users_runs_counts_or_decisions():
+    # the probe's tasks are blockflow's, not the user's: no run, no task count, no record
+    with gpus(SimulatedDevice(), plugin=True) as c:
+        (w,) = c.scheduler_info(n_workers=-1)["workers"]
+        c.compute(da.ones(4, chunks=2).sum(), sync=True)
+        wait_until(lambda: plugin_status(c)["run"]["ended"] is not None,
+                   message="the user's run to end")
+        before = plugin_status(c)
+        report = blockflow.run_report(c)
+        assert 0 < task_overheads(c, [w])[w] < math.inf
+        wait_until(lambda: not _probe_keys(c), message="the probe's keys to be released")
+        after = plugin_status(c)
+        assert after["run"]["id"] == before["run"]["id"]  # the user's run is still current
+        assert after["task_counts"] == before["task_counts"]
+        assert blockflow.task_counts(c) == before["task_counts"]
+        assert blockflow.run_report(c).tasks_per_worker == report.tasks_per_worker
+        assert not [d for d in after["decisions"] if view.PROBE_RUN in str(d)]
+
+
 def test_a_worker_that_cannot_answer_is_left_out_within_the_bound():
     with gpus(SimulatedDevice()) as c:
         gone = "tcp://127.0.0.1:9"  # no such worker: its tasks could never run
