@@ -12,8 +12,8 @@ the device busy. With ``blockflow.cluster.gpu-threads-per-worker`` threads, that
 are in flight per GPU.
 
 Device time: two events on the stream time the task's device span (from the stream reaching
-the task to the end of its last kernel); spans are placed on one time line per device (a
-reference event recorded once) and their union (overlapping tasks counted once,
+the task to the end of its last kernel); spans are placed on one time line per device (from a
+reference event that moves up every 30 s, :class:`DeviceClock`) and their union (overlapping tasks counted once,
 :class:`BusyIntervals`) is the worker's heartbeat metric ``blockflow-device-seconds``
 (:data:`~blockflow._distributed.metrics.DEVICE_SECONDS_METRIC`). Each task's span is also
 digested as the fine performance metric ``device`` (seconds), shown on Dask's "Fine
@@ -103,6 +103,12 @@ class BusyIntervals:
 class DeviceClock:
     """The busy time of one device as this process's tasks used it.
 
+    CUDA gives the time between two events as a 32-bit float of milliseconds
+    (``cudaEventElapsedTime``): timed from one reference recorded at start-up, spans hours
+    later would round to milliseconds. So a span's length is timed between its own two
+    events, and the reference moves up to a span's start once it is :data:`REANCHOR` seconds
+    old (the time line kept continuous: the new reference's place on it is the span's).
+
     Parameters
     ----------
     cupy : module
@@ -110,18 +116,28 @@ class DeviceClock:
         Recorded (and complete) on the device: task spans are timed from it.
     """
 
+    #: Seconds after which the reference moves up to the next span's start (float32
+    #: milliseconds at 30 s: ~2 microseconds apart).
+    REANCHOR = 30.0
+
     def __init__(self, cupy, reference):
         self.cupy = cupy
         self.reference = reference
+        self.offset = 0.0  # the reference's place on the time line, seconds
         self.busy = BusyIntervals()
+        self._lock = threading.Lock()
 
     def add(self, start, end) -> float:
         """Count the span between two completed events; returns its seconds."""
         elapsed = self.cupy.cuda.get_elapsed_time  # milliseconds between two events
-        t0 = elapsed(self.reference, start) / 1000.0
-        t1 = elapsed(self.reference, end) / 1000.0
-        self.busy.add(t0, t1)
-        return max(t1 - t0, 0.0)
+        seconds = max(elapsed(start, end) / 1000.0, 0.0)
+        with self._lock:
+            since = elapsed(self.reference, start) / 1000.0
+            t0 = self.offset + since
+            if since > self.REANCHOR:
+                self.reference, self.offset = start, t0
+        self.busy.add(t0, t0 + seconds)
+        return seconds
 
 
 logger = logging.getLogger(__name__)

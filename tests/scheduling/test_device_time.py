@@ -22,7 +22,7 @@ import blockflow
 from blockflow import _distributed
 from blockflow.cluster.connection import _register_plugin
 from blockflow.device_pool import CuPyPool, GPUPoolError, enlarge_cupy_pool, gpu_cluster_kwargs
-from blockflow.device_streams import BusyIntervals, holds_device_arrays
+from blockflow.device_streams import BusyIntervals, DeviceClock, holds_device_arrays
 from blockflow.scheduling import Rebalancer
 from blockflow.scheduling.actions import Recorded
 from blockflow.scheduling.device_time import DeviceTime
@@ -65,6 +65,34 @@ def test_folded_intervals_are_never_counted_twice():
     busy.add(0, 25)  # late: only from the end of what was folded (21) on
     assert busy.total() <= 25 + 1e-9  # never more than the union
     assert busy.total() == pytest.approx(5 + 4)  # [21, 25] beside the folded [20, 21]
+
+
+class _Event:  # a completed CUDA event: when the device reached it, milliseconds
+    def __init__(self, ms: float):
+        self.ms = ms
+
+
+class _CuPy:  # the one CuPy call DeviceClock makes, as CUDA answers it: float32 milliseconds
+    class cuda:
+        @staticmethod
+        def get_elapsed_time(start, end):
+            return float(np.float32(end.ms - start.ms))
+
+
+def test_device_spans_hours_after_the_first_keep_their_microseconds():
+    # cudaEventElapsedTime is a float32 of ms: 10 h after one fixed reference it steps by
+    # 4 ms, so 0.1 ms tasks would count as 0 or 4 ms each
+    clock = DeviceClock(_CuPy, _Event(0.0))
+    hours = 10 * 3600e3
+    for k in range(100):  # 100 tasks of 0.1 ms, 1 ms apart, from 10 h on
+        t = hours + k * 1.0 + 0.001 * k
+        assert clock.add(_Event(t), _Event(t + 0.1)) == pytest.approx(1e-4, abs=1e-6)
+    assert clock.busy.total() == pytest.approx(100 * 1e-4, rel=0.01)
+    # overlapping spans of two threads, minutes later, still counted once
+    t = hours + 600e3
+    clock.add(_Event(t), _Event(t + 2.0))
+    clock.add(_Event(t + 1.0), _Event(t + 3.0))
+    assert clock.busy.total() == pytest.approx(100 * 1e-4 + 3e-3, rel=0.01)
 
 
 def test_the_kernel_wrapper_looks_for_device_arrays_in_args_and_lists():
