@@ -360,7 +360,10 @@ PROBE_TASKS = 16
 #: Per-task overhead assumed for a worker no probe measured, seconds (Dask's documented
 #: ~1 ms per task: https://docs.dask.org/en/stable/best-practices.html).
 DEFAULT_OVERHEAD = 1e-3
-_overheads: dict[tuple[str, str], tuple[float, float]] = {}  # (scheduler, worker) -> (s, when)
+#: Seconds a worker that did not answer the probe is not probed again (callers fall back).
+PROBE_RETRY = 60.0
+# (scheduler, worker) -> (seconds per task, or None: it did not answer; when)
+_overheads: dict[tuple[str, str], tuple[float | None, float]] = {}
 
 
 def _noop(i: int) -> None:
@@ -393,7 +396,8 @@ def task_overheads(client: Client, workers: Iterable[str], *, tasks: int | None 
     -------
     dict
         Worker address -> seconds per task (> 0) for the workers measured now or within
-        :data:`OVERHEAD_TTL`; a worker that did not answer in time is left out (callers fall
+        :data:`OVERHEAD_TTL`; a worker that did not answer in time (busy with other tasks,
+        say) is left out, and not probed again for :data:`PROBE_RETRY` seconds (callers fall
         back on the others' figure, else :data:`DEFAULT_OVERHEAD`).
     """
     from dask.utils import parse_timedelta
@@ -405,10 +409,10 @@ def task_overheads(client: Client, workers: Iterable[str], *, tasks: int | None 
     out, todo = {}, []
     for w in workers:
         hit = _overheads.get((scheduler, w))
-        if hit is not None and now - hit[1] < OVERHEAD_TTL:
-            out[w] = hit[0]
-        else:
+        if hit is None or now - hit[1] >= (OVERHEAD_TTL if hit[0] is not None else PROBE_RETRY):
             todo.append(w)
+        elif hit[0] is not None:
+            out[w] = hit[0]
     if not todo:
         return out
     n = max(2, int(tasks or PROBE_TASKS))
@@ -424,8 +428,8 @@ def task_overheads(client: Client, workers: Iterable[str], *, tasks: int | None 
             if time.monotonic() >= end:
                 break
             t0 = _probe(probe, w, n, end)
+            _overheads[(scheduler, w)] = (t0, time.monotonic())
             if t0 is not None:
-                _overheads[(scheduler, w)] = (t0, time.monotonic())
                 out[w] = t0
     finally:
         probe.close(timeout=limit)

@@ -8,6 +8,7 @@ import ast
 import contextlib
 import math
 import re
+import threading
 import time
 import warnings
 
@@ -141,6 +142,40 @@ def test_a_worker_that_cannot_answer_is_left_out_within_the_bound():
         assert task_overheads(c, [gone], timeout=scaled(2, at_most=20)) == {}
         assert time.monotonic() - start < scaled(2, at_most=20) + scaled(5)
         wait_until(lambda: not _probe_keys(c), message="the probe's keys to be released")
+        # not asked again for a while: the next stage does not wait on it again
+        missed = view._overheads[(c.scheduler.address, gone)]
+        assert missed[0] is None
+        assert task_overheads(c, [gone], timeout=scaled(2, at_most=20)) == {}
+        assert view._overheads[(c.scheduler.address, gone)] == missed
+
+
+def test_a_busy_gpu_worker_holds_up_one_stage_at_most():
+    # its threads busy with the user's task, the probe cannot run there: the first stage
+    # falls back on the default overhead, the next ones do not probe it again
+    with dask.config.set({"blockflow.cluster.worker-call-timeout": scaled(1, at_most=5)}), \
+            gpus(SimulatedDevice(device_memory="1GiB")) as c:
+        (w,) = c.scheduler_info(n_workers=-1)["workers"]
+        _release.clear()
+        busy = c.submit(_wait_for, pure=False)  # in-process: it waits on _release
+        wait_until(lambda: c.processing()[w], message="the user's task to start")
+        lines = []
+        for v in (11.0, 12.0):  # collections of their own (advised once per process)
+            x = da.full((2**15, 1024), v, chunks=(256, 1024))
+            lines += _advice(lambda: blockflow.map_blocks(np.negative, x, dtype=x.dtype,
+                                                          working_set=_output_block))
+            if v == 11.0:
+                first = view._overheads[(c.scheduler.address, w)]
+        assert len(lines) == 2 and all("per-task overhead, 1 ms," in s for s in lines)
+        assert first[0] is None and view._overheads[(c.scheduler.address, w)] == first
+        _release.set()
+        assert busy.result() is True
+
+
+_release = threading.Event()
+
+
+def _wait_for() -> bool:
+    return _release.wait(timeout=scaled(60))
 
 
 # -- blocks grown to the target ------------------------------------------------------------
