@@ -1,8 +1,8 @@
 """The fan-in (``split_every``) of a tree reduction, sized to the smallest worker's memory.
 
 :func:`choose_split_every` keeps ``split_every x block bytes`` under a fraction of the
-smallest worker's memory (Dask's default fan-in ignores both). On GPU workers the fan-in is
-not clamped to ``max-split-every``: each combine task costs the worker's per-task overhead,
+smallest worker's memory (Dask's default fan-in ignores both). For device blocks on GPU
+workers the fan-in is not clamped to ``max-split-every``: each combine task costs the worker's per-task overhead,
 so fewer, wider combines are cheaper while they fit device memory. Method: blockflow
 heuristic.
 """
@@ -122,7 +122,11 @@ def _check_split_every_dict(split_every: dict, ndim: int) -> dict[int, int]:
     return out
 
 
-def _resolve_split_every(split_every, block_bytes, what: str) -> int:
+def _resolve_split_every(split_every, block_bytes, what: str, device: bool = False) -> int:
+    """``split_every`` checked, else sized from the smallest worker's memory; ``device``:
+    the blocks are device arrays (CuPy, cuDF), whose fan-in on GPU workers is not clamped to
+    ``max-split-every`` (host blocks keep the clamp: they reduce on the workers' CPUs, where
+    a wider fan-in only costs parallelism)."""
     split_every = config.get("reduction.split-every", split_every)
     if split_every is not None:
         if isinstance(split_every, bool) or not isinstance(split_every, (int, np.integer)):
@@ -138,9 +142,10 @@ def _resolve_split_every(split_every, block_bytes, what: str) -> int:
             )
         return int(split_every)
     memory, source = smallest_worker_memory()
-    # GPU workers: no max-split-every, few combine tasks (each costs the per-task overhead)
-    chosen = choose_split_every(block_bytes, memory,
-                                max_split_every=math.inf if source == "device" else None)
+    # device blocks on GPU workers: no max-split-every, few combine tasks (each costs the
+    # per-task overhead)
+    chosen = choose_split_every(block_bytes, memory, max_split_every=math.inf
+                                if device and source == "device" else None)
     logger.info(
         "tree_reduce of %s: split_every=%d (%d x %s blocks within %.0f%% of the smallest "
         "worker's %s memory, %s)",

@@ -179,7 +179,8 @@ def tree_reduce(
         if isinstance(split_every, dict):
             fan_in = _check_split_every_dict(split_every, collection.ndim)
         else:
-            fan_in = _resolve_split_every(split_every, nbytes, f"{collection.name}")
+            fan_in = _resolve_split_every(split_every, nbytes, f"{collection.name}",
+                                          device=is_device_block(collection._meta))
         if meta is None:
             # Spare Dask from inferring metadata by calling chunk on an empty block, which
             # fails for partials that are not arrays (dicts with concatenate=False).
@@ -203,7 +204,8 @@ def tree_reduce(
             _refuse_non_tree(chunk.func, "frame")
         nbytes = block_bytes or parse_bytes(config.get("reduction.dataframe-block-bytes"))
         fan_in = _resolve_split_every(split_every, nbytes, f"a dataframe of "
-                                      f"{collection.npartitions} partitions")
+                                      f"{collection.npartitions} partitions",
+                                      device=is_device_block(collection._meta))
         kwargs = {} if meta is None else {"meta": meta}
         out = collection.reduction(
             _FrameStep(chunk), aggregate=_FrameStep(aggregate), combine=_FrameStep(combine),

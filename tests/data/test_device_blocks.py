@@ -283,15 +283,18 @@ def test_no_line_and_no_probe_on_cpu_clusters(client):
 # -- the fan-in ----------------------------------------------------------------------------
 
 def test_the_fan_in_on_gpus_is_sized_from_device_memory_past_max_split_every(client):
-    # CPU workers: clamped to max-split-every (32)
+    # CPU workers: clamped to max-split-every (32), device blocks or not
     assert _resolve_split_every(None, 1024, "x") == 32
+    assert _resolve_split_every(None, 1024, "x", device=True) == 32
     with gpus(SimulatedDevice(device_memory="1GiB")) as c:
-        assert _resolve_split_every(None, 1024, "x") == GiB // 4 // 1024
-        assert _resolve_split_every(None, 256 * MiB, "x") == 2  # still within memory
+        assert _resolve_split_every(None, 1024, "x", device=True) == GiB // 4 // 1024
+        assert _resolve_split_every(None, 256 * MiB, "x", device=True) == 2  # within memory
+        # host (NumPy) blocks reduce on the GPU workers' CPUs: the clamp, as on CPU workers
+        assert _resolve_split_every(None, 1024, "x") == 32
         x = da.ones(256, chunks=1)
         total = blockflow.tree_reduce(x, np.sum)
-        combines = [k for k in total.__dask_graph__() if "combine" in str(k)]
-        assert combines == [] and float(total.compute()) == 256.0
+        partials = {k for k in total.__dask_graph__() if "-partial" in str(k)}
+        assert len(partials) == 256 // 32 and float(total.compute()) == 256.0
         assert c.status == "running"
 
 
