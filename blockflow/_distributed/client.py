@@ -81,8 +81,22 @@ def _raise_setup_error(errors: dict) -> None:
     from distributed.core import clean_exception
 
     for reply in errors.values():
-        _, exc, tb = clean_exception(reply["exception"], reply["traceback"])
+        exception, traceback = (_opened(reply.get(k)) for k in ("exception", "traceback"))
+        _, exc, tb = clean_exception(exception, traceback)
         raise exc.with_traceback(tb)
+
+
+def _opened(value):
+    """A worker's reply field as it reaches the client through the scheduler still wrapped
+    (``Serialize`` in-process, ``Serialized`` from another process, of the pickled
+    exception or traceback), which ``clean_exception`` does not open: the bytes inside."""
+    from distributed.protocol.serialize import Serialize, Serialized, deserialize
+
+    if isinstance(value, Serialized):
+        return deserialize(value.header, value.frames)
+    if isinstance(value, Serialize):
+        return value.data
+    return value
 
 
 def add_worker_plugin_each(client, plugin, timeout: float) -> dict[str, str]:

@@ -298,6 +298,46 @@ def test_pool_setting_errors_are_one_line_naming_the_setting():
             gpu_cluster_kwargs({}, has_rmm=False, accepts=ACCEPTS)
 
 
+class _NoRoom(CuPyPool):  # a device with less free memory than the pool asks
+    def setup(self, worker):
+        raise GPUPoolError("blockflow: the GPU memory pool of worker 'w' asks for 8 GiB "
+                           "(blockflow.cluster.gpu-pool-fraction 0.5 of the device's 16 GiB) "
+                           "but only 1 GiB are free; lower gpu-pool-fraction or set "
+                           "blockflow.cluster.gpu-memory-pool to false.")
+
+
+def test_a_pool_that_cannot_be_set_up_is_one_line_and_closes_the_cluster():
+    from distributed import Client, LocalCluster
+
+    from blockflow.cluster.connection import _set_up_pool
+
+    cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                           dashboard_address=":0")
+    client = Client(cluster)
+    try:
+        with pytest.raises(GPUPoolError) as info:
+            _set_up_pool(client, _NoRoom(0.5))
+        assert str(info.value).startswith("blockflow: the GPU memory pool of worker 'w'")
+        assert client.status == "closed" and cluster.status.name == "closed"
+    finally:
+        client.close()
+        cluster.close()
+
+
+def test_a_workers_plugin_error_from_another_process_is_opened():
+    # across processes the scheduler hands the worker's pickled error on as ``Serialized``
+    from distributed.protocol import pickle, serialize
+    from distributed.protocol.serialize import Serialized
+
+    from blockflow._distributed.client import _raise_setup_error
+
+    error = GPUPoolError("blockflow: no room for the pool.")
+    reply = {"status": "error", "exception": Serialized(*serialize(pickle.dumps(error))),
+             "traceback": Serialized(*serialize(pickle.dumps(None)))}
+    with pytest.raises(GPUPoolError, match="^blockflow: no room for the pool.$"):
+        _raise_setup_error({"tcp://w": reply})
+
+
 def _pool_added(dask_worker):
     plugin = _distributed.worker_plugins(dask_worker).get(CuPyPool.name)
     return "missing" if plugin is None else plugin.added
