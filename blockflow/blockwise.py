@@ -32,7 +32,7 @@ from blockflow.block_kernels import (
     _XarrayKernel,
 )
 from blockflow.core.kernel import check_placement, check_retries
-from blockflow.device_blocks import advise_blocks
+from blockflow.device_blocks import advise_blocks, note_gpu_workers
 from blockflow.errors import (
     BlockflowWarning,
     EmptyCollectionError,
@@ -260,6 +260,7 @@ def _warn_working_set_without_gpu(working_set) -> None:
     if client.status != "running":
         return
     memory = worker_memory(client)
+    note_gpu_workers(client, any(m.has_device for m in memory.values()))  # for the advice
     if memory and not any(m.has_device for m in memory.values()):
         warnings.warn(
             "blockflow.map_blocks: working_set= is the device (GPU) memory a block needs, "

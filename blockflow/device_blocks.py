@@ -29,7 +29,7 @@ from blockflow.errors import BlockSizeWarning
 from blockflow.scheduling.view import DEFAULT_OVERHEAD, memory_of, task_overheads, workers_info
 
 __all__ = ["DeviceBlockTarget", "advise_blocks", "device_block_target", "grow_blocks",
-           "has_gpu_workers", "to_device", "worker_target"]
+           "has_gpu_workers", "note_gpu_workers", "to_device", "worker_target"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,12 @@ def has_gpu_workers(client=None) -> bool:
             hit = (False, now)
         _seen_gpu[client.id] = hit
     return hit[0]
+
+
+def note_gpu_workers(client, has: bool) -> None:
+    """Remember for :func:`has_gpu_workers` (2 s) what a caller just read from the scheduler:
+    whether ``client``'s cluster has GPU workers (no second scheduler call in one stage)."""
+    _seen_gpu[client.id] = (bool(has), time.monotonic())
 
 
 def _working_set(working_set) -> Callable[[int], float]:

@@ -280,6 +280,23 @@ def test_no_line_and_no_probe_on_cpu_clusters(client):
     assert not [k for k in view._overheads if k[0] == client.scheduler.address]
 
 
+def test_the_advice_adds_no_scheduler_call_to_a_cpu_stage(client, monkeypatch):
+    asked = []
+    identity = view.scheduler_identity
+    monkeypatch.setattr(view, "scheduler_identity", lambda c: asked.append(1) or identity(c))
+
+    def calls(advise_below) -> int:
+        device_blocks._seen_gpu.pop(client.id, None)  # nothing remembered from before
+        asked.clear()
+        x = da.full((2**12, 64), advise_below or 0.5, chunks=(64, 64))
+        with dask.config.set({"blockflow.blocks.advise-below": advise_below}):
+            _advice(lambda: blockflow.map_blocks(np.negative, x, dtype=x.dtype,
+                                                 working_set=_output_block))
+        return len(asked)
+
+    assert calls(0.25) == calls(False) > 0  # as many as without the advice
+
+
 # -- the fan-in ----------------------------------------------------------------------------
 
 def test_the_fan_in_on_gpus_is_sized_from_device_memory_past_max_split_every(client):
