@@ -246,16 +246,22 @@ def _merge_plan(sizes, rows: int) -> _Plan | None:
     return _Plan(pieces, 0, merged) if merged else None
 
 
+def _sizable(x: da.Array) -> bool:
+    """Whether ``x``'s blocks have a size to grow: known chunks, not empty, and bytes that
+    are its data (object arrays hold pointers: no device array holds them)."""
+    return x.ndim > 0 and x.size != 0 and not x.dtype.hasobject and _known(x.chunks)
+
+
 def grow_blocks(x: da.Array, target: int, *, axis: int | None = None, label: str = ""):
     """Merge neighbouring blocks of ``x`` along one axis into blocks of at most ``target``
-    bytes; blocks at or above it are kept. The change is recorded (reason
-    ``"device-target"``).
+    bytes; blocks at or above it are kept, as are empty and object arrays. The change is
+    recorded (reason ``"device-target"``).
 
     Returns
     -------
     (dask.array.Array, BlockResize or None)
     """
-    if x.ndim == 0 or not _known(x.chunks) or _block_bytes(x) >= target:
+    if not _sizable(x) or _block_bytes(x) >= target:
         return x, None
     found = _grow_axis(x, target, axis)
     if found is None:
@@ -336,7 +342,7 @@ def advise_blocks(x: Any, func: str, *, working_set=None, passes: float = 2,
     Parameters
     ----------
     x : object
-        Only Dask arrays with known chunks are looked at.
+        Only Dask arrays with known chunks, not empty and not of objects, are looked at.
     func : str
         Names the call in the line (``"blockflow.map_blocks"``).
     working_set, passes
@@ -360,8 +366,8 @@ def advise_blocks(x: Any, func: str, *, working_set=None, passes: float = 2,
         The line warned, or None.
     """
     below = config.get("blocks.advise-below")
-    if below is False or below is None or not isinstance(x, da.Array) or x.ndim == 0 \
-            or not _known(x.chunks) or x.name in _advised:
+    if below is False or below is None or not isinstance(x, da.Array) or not _sizable(x) \
+            or x.name in _advised:
         return None
     if device is None:
         device = is_device_block(x._meta) or working_set is not None

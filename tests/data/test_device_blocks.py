@@ -199,6 +199,16 @@ def test_fit_blocks_grows_small_blocks_and_splits_large_ones_on_gpus():
         assert change.axis == 1 and len(w.chunks[1]) == 1
 
 
+def test_fit_blocks_leaves_empty_and_object_arrays_as_they_are_on_gpus():
+    with gpus(SimulatedDevice(device_memory="1GiB")):
+        for x in (da.ones((0, 1024), chunks=(10, 256)),  # nothing to grow
+                  da.from_array(np.array([None] * 4096, dtype=object), chunks=16)):  # pointers
+            y, change = blockflow.fit_blocks(x)
+            assert y is x and change is None
+            assert _advice(lambda: device_blocks.advise_blocks(
+                x, "blockflow.map_blocks", working_set=_output_block)) == []
+
+
 def test_fit_blocks_keeps_small_blocks_on_cpu_clusters(client):
     x = da.ones((2**15, 1024), chunks=(256, 1024))
     assert blockflow.fit_blocks(x, client=client) == (x, None)
