@@ -132,7 +132,10 @@ class DeviceClock:
         elapsed = self.cupy.cuda.get_elapsed_time  # milliseconds between two events
         seconds = max(elapsed(start, end) / 1000.0, 0.0)
         with self._lock:
-            since = elapsed(self.reference, start) / 1000.0
+            try:
+                since = elapsed(self.reference, start) / 1000.0
+            except Exception:  # another thread's span began before the reference moved up:
+                since = 0.0  # placed at the reference, should CUDA refuse a negative time
             t0 = self.offset + since
             if since > self.REANCHOR:
                 self.reference, self.offset = start, t0

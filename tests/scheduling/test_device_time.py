@@ -95,6 +95,22 @@ def test_device_spans_hours_after_the_first_keep_their_microseconds():
     assert clock.busy.total() == pytest.approx(100 * 1e-4 + 3e-3, rel=0.01)
 
 
+def test_a_span_that_began_before_the_reference_moved_up_is_still_counted():
+    class Strict(_CuPy):  # a CUDA that would refuse a negative time
+        class cuda:
+            @staticmethod
+            def get_elapsed_time(start, end):
+                if end.ms < start.ms:
+                    raise RuntimeError("cudaErrorInvalidValue")
+                return float(np.float32(end.ms - start.ms))
+
+    clock = DeviceClock(Strict, _Event(0.0))
+    early = _Event(59e3)  # another thread's span starts ...
+    clock.add(_Event(60e3), _Event(60e3 + 1))  # ... the reference moves up to this one
+    assert clock.add(early, _Event(60e3 + 2)) == pytest.approx(1.002)  # and it ends: counted
+    assert 1.0 < clock.busy.total() <= 1.002 + 1e-9
+
+
 def test_the_kernel_wrapper_looks_for_device_arrays_in_args_and_lists():
     class Device:  # stands for cupy.ndarray: the test is a type check
         pass
