@@ -25,7 +25,8 @@ from dask.utils import format_bytes
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from blockflow import config, device_streams
-from blockflow._distributed import check_worker
+from blockflow import _distributed
+from blockflow._distributed import POOL_FREE_METRIC, check_worker
 
 __all__ = ["CuPyPool", "GPUPoolError", "enlarge_cupy_pool", "gpu_cluster_kwargs",
            "pool_settings"]
@@ -94,8 +95,9 @@ def gpu_cluster_kwargs(kwargs: dict, *, pool: Any = None, fraction: Any = None,
         ``threads_per_worker`` defaults to ``blockflow.cluster.gpu-threads-per-worker``; with
         RMM (``auto`` or ``rmm``) ``rmm_pool_size`` is ``fraction`` of ``device_memory`` in
         bytes (a multiple of 256; the fraction itself, which recent dask-cuda reads as one,
-        when the memory is unknown) and CuPy allocates from it where dask-cuda can say so;
-        otherwise (``auto`` without RMM, or ``cupy``) a :class:`CuPyPool` plugin.
+        when the memory is unknown) and CuPy allocates from it
+        (``rmm_allocator_external_lib_list``); otherwise (``auto`` without RMM or with a
+        dask-cuda that cannot point CuPy at RMM, or ``cupy``) a :class:`CuPyPool` plugin.
 
     Raises
     ------
@@ -121,6 +123,10 @@ def gpu_cluster_kwargs(kwargs: dict, *, pool: Any = None, fraction: Any = None,
             "blockflow.connect(gpu=True): the setting blockflow.cluster.gpu-memory-pool is "
             "'rmm' but RMM is not installed; install it (`pip install rmm-cu12`) or set "
             "gpu-memory-pool to 'auto' or 'cupy'.")
+    if has_rmm and pool != "cupy":
+        accepts = _cuda_cluster_arguments() if accepts is None else accepts
+        if pool == "auto" and "rmm_allocator_external_lib_list" not in accepts:
+            has_rmm = False  # this dask-cuda cannot have CuPy allocate from its RMM pool
     if pool == "cupy" or not has_rmm:
         return out, CuPyPool(fraction)
     if device_memory is None:
@@ -133,7 +139,6 @@ def gpu_cluster_kwargs(kwargs: dict, *, pool: Any = None, fraction: Any = None,
             f" but only {format_bytes(device_free)} are free; lower gpu-pool-fraction or set "
             f"blockflow.cluster.gpu-memory-pool to false.")
     out["rmm_pool_size"] = fraction if size is None else size
-    accepts = _cuda_cluster_arguments() if accepts is None else accepts
     if "rmm_allocator_external_lib_list" in accepts:
         out["rmm_allocator_external_lib_list"] = ["cupy"]
     return out, None
@@ -231,3 +236,7 @@ class CuPyPool(WorkerPlugin):
         check_worker(worker)
         self.added = enlarge_cupy_pool(self.fraction, where=f"worker {worker.name!r}",
                                        threads=getattr(worker, "nthreads", 1))
+        if self.added is not None:  # CuPy's own pool: what it holds unused is free to blocks
+            pool_free = device_streams.pool_free_metric()
+            if pool_free is not None:
+                _distributed.set_worker_metric(worker, POOL_FREE_METRIC, pool_free)

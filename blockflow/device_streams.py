@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable
 
 from blockflow import _distributed
-from blockflow._distributed.metrics import DEVICE_SECONDS_METRIC
+from blockflow._distributed.metrics import DEVICE_SECONDS_METRIC, POOL_FREE_METRIC
 
 __all__ = ["BusyIntervals", "DeviceClock", "call_on_stream", "device_seconds",
            "grow_pool", "holds_device_arrays", "reserve_per_stream", "thread_stream"]
@@ -253,6 +253,32 @@ def _report() -> None:
     if id(worker) not in _reported:
         _reported.add(id(worker))
         _distributed.set_worker_metric_soon(worker, DEVICE_SECONDS_METRIC, _metric)
+        pool_free = pool_free_metric()
+        if pool_free is not None:
+            _distributed.set_worker_metric_soon(worker, POOL_FREE_METRIC, pool_free)
+
+
+def pool_free_metric() -> Callable | None:
+    """The worker metric ``blockflow-device-pool-free``: bytes CuPy's default memory pool
+    holds unused on the current device (NVML counts them as used); None without CuPy or
+    when CuPy allocates through another allocator (an RMM pool, whose cached bytes are not
+    reported)."""
+    import sys
+
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return None
+    try:
+        pool = cupy.get_default_memory_pool()
+        if getattr(cupy.cuda.get_allocator(), "__self__", None) is not pool:
+            return None
+    except Exception:  # CuPy without a usable device
+        return None
+
+    def free_bytes(worker=None) -> int:
+        return int(pool.free_bytes())
+
+    return free_bytes
 
 
 def call_on_stream(cupy, func: Callable, args: tuple, kwargs: dict):

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-__all__ = ["BANDWIDTH_METRIC", "CAPACITY_METRIC", "DEVICE_SECONDS_METRIC", "DEVICE_UUID_METRIC", "OWN_UTILIZATION_METRIC", "POOL_METRIC", "GPU_MEMORY_TOTAL", "GPU_MEMORY_USED", "GPU_UTILIZATION", "WorkerMetrics",
+__all__ = ["BANDWIDTH_METRIC", "CAPACITY_METRIC", "DEVICE_SECONDS_METRIC", "POOL_FREE_METRIC", "DEVICE_UUID_METRIC", "OWN_UTILIZATION_METRIC", "POOL_METRIC", "GPU_MEMORY_TOTAL", "GPU_MEMORY_USED", "GPU_UTILIZATION", "WorkerMetrics",
            "clean_number", "read_metrics"]
 
 GPU_UTILIZATION = "gpu_utilization"
@@ -26,6 +26,10 @@ BANDWIDTH_METRIC = "blockflow-device-bandwidth"
 #: Optional worker metric: cumulative seconds the device was busy with this worker's tasks
 #: (overlapping tasks counted once), for device time against wall time.
 DEVICE_SECONDS_METRIC = "blockflow-device-seconds"
+#: Optional worker metric: bytes the worker's device memory pool holds unused (CuPy's pool:
+#: ``MemoryPool.free_bytes()``): NVML counts them as used, yet they are free to the worker's
+#: blocks, so :func:`read_metrics` takes them off ``gpu_memory_used``.
+POOL_FREE_METRIC = "blockflow-device-pool-free"
 #: Optional worker metric: the worker's pool, a plain dict (:class:`blockflow.Pool`'s fields).
 POOL_METRIC = "blockflow-pool"
 
@@ -52,7 +56,8 @@ class WorkerMetrics:
     gpu_utilization, own_utilization : float or None
         Percent 0-100 (own: this worker's kernels, ``blockflow-gpu-own-utilization``).
     gpu_memory_used, gpu_memory_total, host_memory : float or None
-        Bytes.
+        Bytes; ``gpu_memory_used`` leaves out what the worker's memory pool holds unused
+        (``blockflow-device-pool-free``).
     device_uuid : str or None
     bandwidth : float or None
         Device memory bandwidth, bytes per second.
@@ -105,6 +110,9 @@ def read_metrics(metrics: Mapping[str, Any] | None) -> WorkerMetrics:
     total = total if total else None
     used = clean_number(metrics.get(GPU_MEMORY_USED))
     util = clean_number(metrics.get(GPU_UTILIZATION), upper=100.0)
+    pooled = clean_number(metrics.get(POOL_FREE_METRIC))
+    if used is not None and pooled:
+        used = max(used - pooled, 0.0)  # held by the worker's pool, free to its blocks
     if total is None:
         used = util = None
     return WorkerMetrics(

@@ -412,3 +412,23 @@ def test_device_metrics_plugin_reports_the_memory_bandwidth(fake_nvml):
                       dashboard_address=":0") as cluster, Client(cluster) as client:
         client.register_plugin(DeviceMetrics())
         assert list(client.run(bandwidth).values()) == [5120 / 8 * 2619e6 * 2]
+
+
+def test_memory_a_worker_pool_holds_unused_is_free_to_its_blocks():
+    """NVML counts a memory pool's cached bytes as used; the worker reports them
+    (``blockflow-device-pool-free``) and they count as free, for block sizing and the
+    scheduler alike."""
+    from blockflow._distributed.metrics import (
+        GPU_MEMORY_TOTAL, GPU_MEMORY_USED, POOL_FREE_METRIC, read_metrics)
+    from blockflow.scheduling.view import memory_of
+
+    gib = 2**30
+    metrics = {GPU_MEMORY_TOTAL: 80 * gib, GPU_MEMORY_USED: 50 * gib, "gpu_utilization": 0}
+    assert read_metrics(metrics).gpu_memory_free == 30 * gib
+    pooled = {**metrics, POOL_FREE_METRIC: 35 * gib}
+    assert read_metrics(pooled).gpu_memory_used == 15 * gib
+    assert memory_of({"metrics": pooled}).device_free == 65 * gib
+    # a pool reporting more than NVML's use (samples taken apart): nothing below 0
+    assert read_metrics({**metrics, POOL_FREE_METRIC: 60 * gib}).gpu_memory_used == 0
+    for bad in (-1, "lots", None, float("nan")):
+        assert read_metrics({**metrics, POOL_FREE_METRIC: bad}).gpu_memory_used == 50 * gib

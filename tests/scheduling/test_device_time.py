@@ -271,10 +271,16 @@ def test_gpu_workers_get_two_threads_and_an_rmm_pool_when_rmm_is_there():
     assert kwargs == {"memory_limit": "4GiB", "threads_per_worker": 2,
                       "rmm_pool_size": 40 * 2**30,  # half, a multiple of 256 bytes
                       "rmm_allocator_external_lib_list": ["cupy"]}
-    # an older dask-cuda without the argument: the pool alone; memory unknown: the fraction
-    kwargs, _ = gpu_cluster_kwargs({}, has_rmm=True, accepts={"rmm_pool_size"},
-                                   device_memory=0)
-    assert "rmm_allocator_external_lib_list" not in kwargs and kwargs["rmm_pool_size"] == 0.5
+    # memory unknown: the fraction, which dask-cuda reads as one
+    kwargs, _ = gpu_cluster_kwargs({}, has_rmm=True, accepts=ACCEPTS, device_memory=0)
+    assert kwargs["rmm_pool_size"] == 0.5
+    # an older dask-cuda that cannot point CuPy at its RMM pool: CuPy's own pool instead
+    # (an RMM pool CuPy does not use would only hold memory); "rmm" asked: RMM's pool
+    kwargs, plugin = gpu_cluster_kwargs({}, has_rmm=True, accepts={"rmm_pool_size"})
+    assert "rmm_pool_size" not in kwargs and isinstance(plugin, CuPyPool)
+    kwargs, plugin = gpu_cluster_kwargs({}, pool="rmm", has_rmm=True,
+                                        accepts={"rmm_pool_size"}, device_memory=2**30)
+    assert kwargs["rmm_pool_size"] == 2**29 and plugin is None
 
 
 def test_the_callers_threads_and_rmm_arguments_win():
