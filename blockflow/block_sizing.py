@@ -52,7 +52,7 @@ def smallest_free_memory(client=None, *, host: bool = True) -> tuple[int, str] |
             client = default_client()
         except ValueError:
             return None
-    if client.status != "running":
+    if client.status != "running" or client.asynchronous:  # cannot be asked synchronously
         return None
     memory = worker_memory(client).values()
     free = [m.device_free for m in memory if m.device_free is not None]

@@ -257,7 +257,7 @@ def _warn_working_set_without_gpu(working_set) -> None:
         client = default_client()
     except ValueError:
         return
-    if client.status != "running":
+    if client.status != "running" or client.asynchronous:  # no synchronous question
         return
     memory = worker_memory(client)
     note_gpu_workers(client, any(m.has_device for m in memory.values()))  # for the advice

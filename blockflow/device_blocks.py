@@ -217,19 +217,31 @@ def _block_bytes(x: da.Array) -> int:
     return int(x.dtype.itemsize * math.prod(max(c, default=0) for c in x.chunks))
 
 
-def _grow_axis(x: da.Array, target: int, axis: int | None) -> tuple[int, int, float] | None:
-    """``(axis, rows per block, row bytes)`` of the merge reaching closest to ``target``."""
-    axes = [axis] if axis is not None else [a for a in range(x.ndim) if len(x.chunks[a]) > 1]
-    best = None
-    for a in axes:
-        if len(x.chunks[a]) < 2:
-            continue
-        rb = x.dtype.itemsize * math.prod(max(c) for b, c in enumerate(x.chunks) if b != a)
-        rows = min(max(int(target // max(rb, 1)), 1), x.shape[a])
-        key = (rows * rb, len(x.chunks[a]), -a)
-        if rows > max(x.chunks[a]) and (best is None or key > best[0]):
-            best = (key, a, rows, rb)
-    return None if best is None else best[1:]
+def _grow_axes(x: da.Array, target: int, axis: int | None) -> list[tuple[int, int, float]]:
+    """``[(axis, rows per block, row bytes)]``: the one-axis merge reaching closest to
+    ``target``; when it merges that axis whole and blocks are still below ``target``, the
+    next axis is merged too, and so on (3-D arrays cut small on every axis). ``axis``
+    given: that axis alone. Empty when no merge grows the blocks."""
+    maxes = [max(c) for c in x.chunks]
+    axes = [axis] if axis is not None else list(range(x.ndim))
+    out: list[tuple[int, int, float]] = []
+    while True:
+        best = None
+        for a in axes:
+            if len(x.chunks[a]) < 2 or any(a == o[0] for o in out):
+                continue
+            rb = x.dtype.itemsize * math.prod(m for b, m in enumerate(maxes) if b != a)
+            rows = min(max(int(target // max(rb, 1)), 1), x.shape[a])
+            key = (rows * rb, len(x.chunks[a]), -a)
+            if rows > maxes[a] and (best is None or key > best[0]):
+                best = (key, a, rows, rb)
+        if best is None:
+            return out
+        _, a, rows, rb = best
+        out.append((a, rows, rb))
+        maxes[a] = rows
+        if rows < x.shape[a] or x.dtype.itemsize * math.prod(maxes) >= target:
+            return out
 
 
 def _merge_plan(sizes, rows: int) -> _Plan | None:
@@ -253,26 +265,26 @@ def _sizable(x: da.Array) -> bool:
 
 
 def grow_blocks(x: da.Array, target: int, *, axis: int | None = None, label: str = ""):
-    """Merge neighbouring blocks of ``x`` along one axis into blocks of at most ``target``
-    bytes; blocks at or above it are kept, as are empty and object arrays. The change is
-    recorded (reason ``"device-target"``).
+    """Merge neighbouring blocks of ``x`` along one axis (more when that axis is merged whole
+    and blocks are still small) into blocks of at most ``target`` bytes; blocks at or above
+    it are kept, as are empty and object arrays. Each axis's change is recorded (reason
+    ``"device-target"``).
 
     Returns
     -------
     (dask.array.Array, BlockResize or None)
+        The last axis's change, or None.
     """
     if not _sizable(x) or _block_bytes(x) >= target:
         return x, None
-    found = _grow_axis(x, target, axis)
-    if found is None:
-        return x, None
-    a, rows, rb = found
-    plan = _merge_plan(tuple(int(s) for s in x.chunks[a]), rows)
-    if plan is None:
-        return x, None
-    change = _record(BlockResize("array", "device-target", a, tuple(x.chunks[a]),
-                                 plan.sizes, rb, 0, plan.merged, time.time(), label))
-    return x.rechunk({a: plan.sizes}), change
+    new, change = {}, None
+    for a, rows, rb in _grow_axes(x, target, axis):
+        plan = _merge_plan(tuple(int(s) for s in x.chunks[a]), rows)
+        if plan is not None:
+            new[a] = plan.sizes
+            change = _record(BlockResize("array", "device-target", a, tuple(x.chunks[a]),
+                                         plan.sizes, rb, 0, plan.merged, time.time(), label))
+    return (x.rechunk(new), change) if new else (x, None)
 
 
 def to_device(collection):
@@ -383,13 +395,16 @@ def advise_blocks(x: Any, func: str, *, working_set=None, passes: float = 2,
     target = device_block_target(client, passes=passes, working_set=working_set)
     if target is None or block >= below * target.nbytes:
         return None
-    found = _grow_axis(x, target.nbytes, None)
-    if found is None:
+    merges = _grow_axes(x, target.nbytes, None)
+    if not merges:
         return None
-    axis, rows, rb = found
-    new = min(rows, x.shape[axis]) * rb
+    maxes = [max(c) for c in x.chunks]
+    for a, rows, _ in merges:
+        maxes[a] = rows
+    new = x.dtype.itemsize * math.prod(maxes)
     if new < below * target.nbytes:
-        return None  # no one-axis rechunk reaches it
+        return None  # no rechunk reaches it
+    fix = ", ".join(f"{a}: {rows}" for a, rows, _ in merges)
     bw, t0 = target.bandwidth, target.overhead
     now_share = t0 / (t0 + passes * block / bw)
     new_share = t0 / (t0 + passes * new / bw)
@@ -397,10 +412,10 @@ def advise_blocks(x: Any, func: str, *, working_set=None, passes: float = 2,
             f"(worker {target.worker}'s per-task overhead, {t0 * 1e3:.2g} ms, is "
             f"~{now_share:.0%} of each task); "
             f"{'rechunk every aligned argument alike, e.g. ' if alike else ''}"
-            f"{name} = {name}.rechunk({{{axis}: {rows}}}) gives blocks of "
+            f"{name} = {name}.rechunk({{{fix}}}) gives blocks of "
             f"{format_bytes(int(new))} (~{new_share:.0%} overhead), as does "
-            f"{name}, _ = blockflow.fit_blocks({name}); blockflow.blocks.advise-below: false silences "
-            f"this.")
+            f"{name}, _ = blockflow.fit_blocks({name}); blockflow.blocks.advise-below: false "
+            f"silences this.")
     _advised[x.name] = None
     while len(_advised) > 1000:
         _advised.pop(next(iter(_advised)))

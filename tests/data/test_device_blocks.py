@@ -16,6 +16,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
+from dask.utils import format_bytes
 from distributed import Client, LocalCluster
 from loadaware import scaled, wait_until
 
@@ -199,6 +200,23 @@ def test_fit_blocks_grows_small_blocks_and_splits_large_ones_on_gpus():
         assert change.axis == 1 and len(w.chunks[1]) == 1
 
 
+def test_blocks_cut_small_on_every_axis_grow_on_several_axes_and_get_the_line():
+    with gpus(SimulatedDevice(device_memory="1GiB")) as c:
+        target = device_block_target(c).nbytes  # 128 MiB
+        x = da.ones((512, 512, 512), dtype="f4", chunks=32)  # 128 KiB blocks, 512 MiB
+        y, change = blockflow.fit_blocks(x, client=c)
+        assert change.reason == "device-target" and 0.25 * target <= _bytes(y) <= target
+        assert sum(len(c) > 1 for c in y.chunks) < sum(len(c) > 1 for c in x.chunks)
+        assert float(y.sum().compute()) == 512**3
+        (line,) = _advice(lambda: blockflow.map_blocks(np.negative, x, dtype=x.dtype,
+                                                       working_set=_output_block))
+        fix = re.search(r"x = x\.rechunk\((\{.*?\})\) gives blocks of ([\d.]+ [KMG]iB)", line)
+        advised = x.rechunk(ast.literal_eval(fix.group(1)))
+        assert len(ast.literal_eval(fix.group(1))) >= 2  # one axis alone cannot reach it
+        assert format_bytes(_bytes(advised)) == fix.group(2)
+        assert _bytes(advised) >= 0.25 * target
+
+
 def test_fit_blocks_leaves_empty_and_object_arrays_as_they_are_on_gpus():
     with gpus(SimulatedDevice(device_memory="1GiB")):
         for x in (da.ones((0, 1024), chunks=(10, 256)),  # nothing to grow
@@ -373,3 +391,23 @@ def test_to_device_without_cupy_refuses_before_sizing():
         with pytest.raises(blockflow.GPUUnavailableError, match="needs the package 'cupy'"):
             blockflow.to_device(da.ones((2**15, 1024), chunks=(256, 1024)))
         assert view._overheads == before
+
+
+def test_an_asynchronous_client_stages_and_fits_blocks_without_sizing():
+    """Inside an event loop nothing can be asked synchronously: no sizing, no advice, and
+    no error (blocks as given)."""
+    import asyncio
+
+    async def main():
+        async with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                                dashboard_address=":0", asynchronous=True) as cluster, \
+                Client(cluster, asynchronous=True) as client:
+            x = da.ones((4096, 64), chunks=(256, 64))
+            y, change = blockflow.fit_blocks(x, client=client)
+            assert y is x and change is None
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                z = blockflow.map_blocks(np.negative, x, dtype=x.dtype, working_set=1024)
+            assert float(await client.compute(z.sum())) == -4096 * 64
+
+    asyncio.run(main())
