@@ -24,8 +24,7 @@ __all__ = [
     "gpu_device_count",
     "has_package",
     "is_device_block",
-    "to_device",
-    "to_host",
+        "to_host",
 ]
 
 GPU_INSTALL_HINT = 'pip install "blockflow[gpu]"'
@@ -192,31 +191,7 @@ def _move(obj: Any, target: str):
     return obj.copy(data=move_var(obj.variable).data, deep=False).assign_coords(coords)
 
 
-def to_device(collection):
-    """Move a Dask collection's blocks to GPU memory (NumPy -> CuPy, pandas -> cuDF), lazily,
-    keeping its blocks (:func:`blockflow.to_device` also grows small array blocks to the size
-    GPU workers want: :func:`blockflow.device_blocks.to_device`).
-
-    Parameters
-    ----------
-    collection : dask.array.Array, dask.dataframe.DataFrame or Series, xarray.DataArray or Dataset
-        Chunks and partitions are kept; xarray in-memory coordinates stay on the host.
-
-    Returns
-    -------
-    Same type as ``collection``, with CuPy / cuDF blocks.
-
-    Raises
-    ------
-    TypeError
-        If ``collection`` is not a Dask collection.
-    GPUUnavailableError
-        If CuPy (arrays) or cuDF (dataframes) is not installed.
-    """
-    return _move(collection, "device")
-
-
 def to_host(collection):
     """Move a Dask collection's blocks to host memory, lazily; the inverse of
-    :func:`to_device`. Raises ``TypeError`` for a non-Dask collection."""
+    :func:`blockflow.to_device`. Raises ``TypeError`` for a non-Dask collection."""
     return _move(collection, "host")

@@ -311,14 +311,14 @@ def to_device(collection):
     """
     from blockflow import backends
 
-    moved = backends.to_device(collection)  # refuses first what cannot move
+    moved = backends._move(collection, "device")  # refuses first what cannot move
     if not isinstance(collection, da.Array) or not has_gpu_workers():
         return moved
     target = device_block_target()
     if target is None:
         return moved
     grown, change = grow_blocks(collection, target.nbytes, label="blockflow.to_device")
-    return moved if change is None else backends.to_device(grown)
+    return moved if change is None else backends._move(grown, "device")
 
 
 # -- the advisory line ---------------------------------------------------------------------

@@ -214,6 +214,18 @@ def memory_total(device: int | str | None = None) -> int | None:
     return None if info is None else info.memory_total
 
 
+def _datasheet(handle, pynvml, read) -> float | None:
+    """``read(nvml)`` as a finite figure > 0, or None (no NVML, no device, no answer)."""
+    nv = pynvml if pynvml is not None else _nvml()
+    if nv is None or handle is None:
+        return None
+    try:
+        value = float(read(nv))
+    except Exception:  # an old driver, a MIG instance, a fake without the call
+        return None
+    return value if 0 < value < float("inf") else None
+
+
 def capacity(handle, *, pynvml=None) -> float | None:
     """Nominal throughput of a device: SM cores x max SM clock (MHz), or None.
 
@@ -226,15 +238,8 @@ def capacity(handle, *, pynvml=None) -> float | None:
     pynvml : module, optional
         The NVML bindings (default distributed's); a test may pass a fake.
     """
-    nv = pynvml if pynvml is not None else _nvml()
-    if nv is None or handle is None:
-        return None
-    try:
-        value = float(nv.nvmlDeviceGetNumGpuCores(handle)
+    return _datasheet(handle, pynvml, lambda nv: nv.nvmlDeviceGetNumGpuCores(handle)
                       * nv.nvmlDeviceGetMaxClockInfo(handle, nv.NVML_CLOCK_SM))
-    except Exception:
-        return None
-    return value if value > 0 else None
 
 
 def bandwidth(handle, *, pynvml=None) -> float | None:
@@ -251,15 +256,8 @@ def bandwidth(handle, *, pynvml=None) -> float | None:
     pynvml : module, optional
         The NVML bindings (default distributed's); a test may pass a fake.
     """
-    nv = pynvml if pynvml is not None else _nvml()
-    if nv is None or handle is None:
-        return None
-    try:
-        value = (float(nv.nvmlDeviceGetMemoryBusWidth(handle)) / 8
-                 * float(nv.nvmlDeviceGetMaxClockInfo(handle, nv.NVML_CLOCK_MEM)) * 1e6 * 2)
-    except Exception:  # an old driver, a MIG instance, a fake without the call
-        return None
-    return value if value > 0 and value == value and value != float("inf") else None
+    return _datasheet(handle, pynvml, lambda nv: nv.nvmlDeviceGetMemoryBusWidth(handle) / 8
+                      * nv.nvmlDeviceGetMaxClockInfo(handle, nv.NVML_CLOCK_MEM) * 1e6 * 2)
 
 
 class OwnUtilization:
