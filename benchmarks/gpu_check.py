@@ -700,14 +700,17 @@ class BandwidthRun:
 
                 # untimed: the same map once, so the pool holds the output's memory (a
                 # pipeline's steady state; the pools were emptied before this configuration)
+                # NumPy blocks (--cpu-only dry run on a simulated GPU) run on the device only
+                # when the stage says so: a declared working set, so the advice path runs
+                device = {} if self.backend == "cupy" else {"working_set": 1}
                 y = blockflow.map_blocks(scale2, x, dtype=np.dtype(DTYPE),
-                                         name="scale2-warm").persist()
+                                         name="scale2-warm", **device).persist()
                 wait(y, timeout=self.timeout())
                 self.client.cancel(y)
                 self.drained(keep=x)
 
                 t0 = time.perf_counter()
-                y = blockflow.map_blocks(scale2, x, dtype=np.dtype(DTYPE)).persist()
+                y = blockflow.map_blocks(scale2, x, dtype=np.dtype(DTYPE), **device).persist()
                 wait(y, timeout=self.timeout())
                 self.sync()
                 t["map_blocks"] = time.perf_counter() - t0
