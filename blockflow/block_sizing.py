@@ -32,7 +32,12 @@ from blockflow.decompose import (
     _xarray_resize,
     _xarray_row_bytes,
 )
-from blockflow.device_blocks import DeviceBlockTarget, device_block_target, grow_blocks
+from blockflow.device_blocks import (
+    DeviceBlockTarget,
+    device_block_target,
+    grow_blocks,
+    grow_xarray,
+)
 from blockflow.scheduling.view import worker_memory
 
 __all__ = ["DeviceBlockTarget", "device_block_target", "fit_blocks", "prepare_arrays",
@@ -115,9 +120,10 @@ def fit_blocks(x, working_set: int | str | Callable[[int], int] | None = None, *
 
     The budget is the least free device memory of any GPU worker (else the smallest host
     ``memory_limit``) times ``1 - safety``; blocks above it are split evenly along one axis.
-    Method: blockflow heuristic (binary search on rows). On a cluster with GPU workers, array
-    blocks below :func:`device_block_target` are then merged along one axis into blocks of
-    about that size (reason ``"device-target"``); CPU-only clusters: no merging.
+    Method: blockflow heuristic (binary search on rows). On a cluster with GPU workers, blocks
+    below :func:`device_block_target` are then merged into blocks of about that size (arrays:
+    along one axis, more when it is merged whole; xarray: along one dimension; reason
+    ``"device-target"``); CPU-only clusters: no merging.
 
     Parameters
     ----------
@@ -167,6 +173,11 @@ def fit_blocks(x, working_set: int | str | Callable[[int], int] | None = None, *
     before = decompose._count
     if is_xarray:
         out = _xarray_fit(x, working_set, budget, axis, free)
+        if free[1] == "device":  # GPU workers: grow small blocks to the size they want
+            with dask.config.set({"blockflow.blocks.safety": safety}):
+                target = device_block_target(client, working_set=device_ws)
+            if target is not None:
+                out = grow_xarray(out, target.nbytes, dim=axis, label="blockflow.fit_blocks")
     else:
         axes = None if axis is None else [_check_axis(axis, x.ndim)]
         found = _array_fit(x, working_set, budget, axes)

@@ -24,11 +24,12 @@ from distributed import default_client
 from blockflow import config
 from blockflow._distributed.metrics import read_metrics
 from blockflow.backends import is_device_block
-from blockflow.decompose import BlockResize, _known, _Plan, _record
+from blockflow.decompose import BlockResize, _known, _Plan, _record, _xarray_resize
 from blockflow.errors import BlockSizeWarning
 from blockflow.scheduling.view import DEFAULT_OVERHEAD, memory_of, task_overheads, workers_info
 
 __all__ = ["DeviceBlockTarget", "advise_blocks", "device_block_target", "grow_blocks",
+           "grow_xarray",
            "has_gpu_workers", "note_gpu_workers", "to_device", "worker_target"]
 
 
@@ -287,16 +288,34 @@ def grow_blocks(x: da.Array, target: int, *, axis: int | None = None, label: str
     return (x.rechunk(new), change) if new else (x, None)
 
 
+def grow_xarray(obj, target: int, *, dim: str | None = None, label: str = ""):
+    """:func:`grow_blocks` for a chunked xarray object: neighbouring blocks along ``dim``
+    (default the dimension with the most blocks) merged into blocks of at most ``target``
+    bytes (all variables with ``dim`` counted); recorded with reason ``"device-target"``.
+
+    Returns
+    -------
+    The xarray object (itself when nothing changes).
+    """
+    def plan(sizes, row_bytes):
+        rows = int(target // max(row_bytes, 1))
+        return _merge_plan(sizes, rows) if rows > max(sizes) else None
+
+    if not getattr(obj, "chunksizes", None) or not obj.nbytes:
+        return obj
+    return _xarray_resize(obj, dim, plan, "device-target", label)
+
+
 def to_device(collection):
     """Move a Dask collection's blocks to GPU memory (NumPy -> CuPy, pandas -> cuDF), lazily;
-    arrays are first grown to the GPU workers' block size (:func:`device_block_target`) when
-    a client with GPU workers is reachable, and otherwise keep their chunks.
+    arrays and xarray objects are first grown to the GPU workers' block size
+    (:func:`device_block_target`) when a client with GPU workers is reachable, and otherwise
+    keep their chunks.
 
     Parameters
     ----------
     collection : dask.array.Array, dask.dataframe.DataFrame or Series, xarray.DataArray or Dataset
-        xarray in-memory coordinates stay on the host; dataframes and xarray objects keep
-        their partitions and chunks.
+        xarray in-memory coordinates stay on the host; dataframes keep their partitions.
 
     Returns
     -------
@@ -312,11 +331,15 @@ def to_device(collection):
     from blockflow import backends
 
     moved = backends._move(collection, "device")  # refuses first what cannot move
-    if not isinstance(collection, da.Array) or not has_gpu_workers():
+    is_xarray = type(collection).__module__.split(".")[0] == "xarray"
+    if not (isinstance(collection, da.Array) or is_xarray) or not has_gpu_workers():
         return moved
     target = device_block_target()
     if target is None:
         return moved
+    if is_xarray:
+        grown = grow_xarray(collection, target.nbytes, label="blockflow.to_device")
+        return moved if grown is collection else backends._move(grown, "device")
     grown, change = grow_blocks(collection, target.nbytes, label="blockflow.to_device")
     return moved if change is None else backends._move(grown, "device")
 

@@ -230,6 +230,24 @@ def test_fit_blocks_leaves_empty_and_object_arrays_as_they_are_on_gpus():
 def test_fit_blocks_keeps_small_blocks_on_cpu_clusters(client):
     x = da.ones((2**15, 1024), chunks=(256, 1024))
     assert blockflow.fit_blocks(x, client=client) == (x, None)
+    xr = pytest.importorskip("xarray")
+    field = xr.DataArray(x, dims=("time", "x"))
+    assert blockflow.fit_blocks(field, client=client) == (field, None)
+
+
+def test_fit_blocks_grows_xarray_blocks_on_gpus_along_one_dimension():
+    xr = pytest.importorskip("xarray")
+    with gpus(SimulatedDevice(device_memory="1GiB")) as c:
+        target = device_block_target(c).nbytes  # 128 MiB
+        data = da.ones((2**15, 1024), chunks=(256, 1024))  # 2 MiB blocks
+        field = xr.Dataset({"t": (("time", "x"), data), "u": (("time", "x"), data + 1)},
+                           coords={"time": np.arange(2**15)})
+        grown, change = blockflow.fit_blocks(field, client=c)
+        assert change.reason == "device-target" and change.axis == "time"
+        # both variables count: blocks of the two together reach the target, not each
+        assert max(grown.chunksizes["time"]) * 1024 * 8 * 2 <= target
+        assert max(grown.chunksizes["time"]) * 1024 * 8 * 2 >= 0.5 * target
+        assert float(grown["u"].sum().compute()) == 2 * 2**25
 
 
 # -- the advisory line ---------------------------------------------------------------------
