@@ -510,6 +510,10 @@ def _map_xarray(kernel, objs, task_name, template, kwargs, retries=0, working_se
     _check_xarray_chunks(objs)
     if template is None:  # a template pins the output's chunks: never re-cut then
         objs = block_sizing.prepare_xarray(objs, working_set=working_set, label=task_name)
+    main = objs[0]
+    if isinstance(main, xr.DataArray) and main.chunks:  # as for arrays: one advisory line
+        advise_blocks(main.data, "blockflow.map_blocks", working_set=working_set,
+                      alike=len(objs) > 1, dims=main.dims)
     wrapped = _XarrayKernel(kernel, task_name, retries, working_set, placement)
     if not speculative:
         wrapped.speculative = False

@@ -367,8 +367,8 @@ def _bounds(client, working_set) -> tuple[float, float] | None:
 
 
 def advise_blocks(x: Any, func: str, *, working_set=None, passes: float = 2,
-                  device: bool | None = None, name: str = "x", alike: bool = False
-                  ) -> str | None:
+                  device: bool | None = None, name: str = "x", alike: bool = False,
+                  dims: tuple | None = None) -> str | None:
     """Warn once per collection (:class:`~blockflow.errors.BlockSizeWarning`) when the
     array's blocks run on GPU workers and are below ``blockflow.blocks.advise-below`` x the
     size those workers want, with the ``rechunk`` that fits; nothing on clusters without GPU
@@ -391,6 +391,9 @@ def advise_blocks(x: Any, func: str, *, working_set=None, passes: float = 2,
         The variable named in the fix.
     alike : bool, default False
         The stage has other aligned arguments: the line says to rechunk them alike.
+    dims : tuple of str, optional
+        ``x`` is an xarray.DataArray's data with these dimensions: the fix is
+        ``x.chunk({dim: rows})``.
 
     Costs one scheduler call at most every 2 s on a CPU cluster (:func:`has_gpu_workers`);
     the overhead is measured only when the blocks may be too small.
@@ -427,7 +430,9 @@ def advise_blocks(x: Any, func: str, *, working_set=None, passes: float = 2,
     new = x.dtype.itemsize * math.prod(maxes)
     if new < below * target.nbytes:
         return None  # no rechunk reaches it
-    fix = ", ".join(f"{a}: {rows}" for a, rows, _ in merges)
+    fix = ", ".join(f"{a if dims is None else repr(str(dims[a]))}: {rows}"
+                    for a, rows, _ in merges)
+    method = "rechunk" if dims is None else "chunk"
     bw, t0 = target.bandwidth, target.overhead
     now_share = t0 / (t0 + passes * block / bw)
     new_share = t0 / (t0 + passes * new / bw)
@@ -435,7 +440,7 @@ def advise_blocks(x: Any, func: str, *, working_set=None, passes: float = 2,
             f"(worker {target.worker}'s per-task overhead, {t0 * 1e3:.2g} ms, is "
             f"~{now_share:.0%} of each task); "
             f"{'rechunk every aligned argument alike, e.g. ' if alike else ''}"
-            f"{name} = {name}.rechunk({{{fix}}}) gives blocks of "
+            f"{name} = {name}.{method}({{{fix}}}) gives blocks of "
             f"{format_bytes(int(new))} (~{new_share:.0%} overhead), as does "
             f"{name}, _ = blockflow.fit_blocks({name}); blockflow.blocks.advise-below: false "
             f"silences this.")

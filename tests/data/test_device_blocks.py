@@ -429,3 +429,19 @@ def test_an_asynchronous_client_stages_and_fits_blocks_without_sizing():
             assert float(await client.compute(z.sum())) == -4096 * 64
 
     asyncio.run(main())
+
+
+def test_small_xarray_blocks_on_gpus_get_the_line_with_a_chunk_that_fits():
+    xr = pytest.importorskip("xarray")
+    with gpus(SimulatedDevice(device_memory="1GiB")) as c:
+        field = xr.DataArray(da.ones((2**15, 1024), chunks=(256, 1024)), dims=("time", "x"),
+                             name="t")
+        (line,) = _advice(lambda: blockflow.map_blocks(np.negative, field,
+                                                       working_set="2MiB"))
+        assert line.startswith("blockflow.map_blocks: blocks of 2.00 MiB are too small")
+        fix = re.search(r"x = x\.chunk\((\{.*?\})\) gives blocks of ([\d.]+ [KMG]iB)", line)
+        advised = field.chunk(ast.literal_eval(fix.group(1)))
+        assert format_bytes(_bytes(advised.data)) == fix.group(2)
+        assert _bytes(advised.data) >= 0.25 * device_block_target(c).nbytes
+        assert _advice(lambda: blockflow.map_blocks(np.negative, advised,
+                                                    working_set="2MiB")) == []
