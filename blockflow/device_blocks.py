@@ -346,7 +346,7 @@ def to_device(collection):
 
 # -- the advisory line ---------------------------------------------------------------------
 
-_advised: dict[str, None] = {}  # collection names advised (the latest 1,000)
+_advised: dict[tuple, None] = {}  # (client id, collection name) advised, the latest 1,000
 
 
 def _bounds(client, working_set) -> tuple[float, float] | None:
@@ -369,7 +369,7 @@ def _bounds(client, working_set) -> tuple[float, float] | None:
 def advise_blocks(x: Any, func: str, *, working_set=None, passes: float = 2,
                   device: bool | None = None, name: str = "x", alike: bool = False,
                   dims: tuple | None = None) -> str | None:
-    """Warn once per collection (:class:`~blockflow.errors.BlockSizeWarning`) when the
+    """Warn once per collection and client (:class:`~blockflow.errors.BlockSizeWarning`) when the
     array's blocks run on GPU workers and are below ``blockflow.blocks.advise-below`` x the
     size those workers want, with the ``rechunk`` that fits; nothing on clusters without GPU
     workers.
@@ -404,16 +404,18 @@ def advise_blocks(x: Any, func: str, *, working_set=None, passes: float = 2,
         The line warned, or None.
     """
     below = config.get("blocks.advise-below")
-    if below is False or below is None or not isinstance(x, da.Array) or not _sizable(x) \
-            or x.name in _advised:
+    if below is False or below is None or not isinstance(x, da.Array) or not _sizable(x):
         return None
     if device is None:
         device = is_device_block(x._meta) or working_set is not None
     if not device or not has_gpu_workers():
         return None
+    client = _client(None)
+    seen = (None if client is None else client.id, x.name)  # once per collection and client
+    if seen in _advised:
+        return None
     below = float(below)
     block, total = _block_bytes(x), x.dtype.itemsize * math.prod(x.shape)
-    client = _client(None)
     bounds = _bounds(client, working_set) if client is not None else None
     if bounds is None or block >= below * bounds[1] or total < below * bounds[0] \
             or x.npartitions < 2:
@@ -444,7 +446,7 @@ def advise_blocks(x: Any, func: str, *, working_set=None, passes: float = 2,
             f"{format_bytes(int(new))} (~{new_share:.0%} overhead), as does "
             f"{name}, _ = blockflow.fit_blocks({name}); blockflow.blocks.advise-below: false "
             f"silences this.")
-    _advised[x.name] = None
+    _advised[seen] = None
     while len(_advised) > 1000:
         _advised.pop(next(iter(_advised)))
     warnings.warn(line, BlockSizeWarning, stacklevel=3)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from distributed import Client, LocalCluster
 
@@ -39,6 +41,20 @@ requires_gpu = pytest.mark.skipif(
     gpu_device_count() == 0 or not has_package("cupy"),
     reason="needs an NVIDIA GPU and CuPy (pip install 'blockflow[gpu]')",
 )
+
+
+@pytest.fixture
+def gc_paused():
+    """The garbage collector paused for the test. CPython 3.11.7's ``ast.parse`` can fail
+    with a spurious "AST constructor recursion depth mismatch" when Python code runs in the
+    middle of it (a finalizer the collector calls, which may hand the GIL to another thread
+    parsing too: python/cpython#106905); tests that parse blockflow's sources pause it."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,9 @@ import pytest
 
 import blockflow
 
+#: ast.parse of the sources with the collector paused (conftest.gc_paused).
+pytestmark = pytest.mark.usefixtures("gc_paused")
+
 PACKAGE = pathlib.Path(blockflow.__file__).parent
 BOUNDARY = PACKAGE / "_distributed"
 REPO = PACKAGE.parent

@@ -26,6 +26,9 @@ import tomllib
 import pytest
 from distributed import Client
 
+#: ast.parse of the sources with the collector paused (conftest.gc_paused).
+pytestmark = pytest.mark.usefixtures("gc_paused")
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 #: The packages whose code runs on the scheduler of a base install.
 SCHEDULER_SIDE = ("blockflow/scheduling", "blockflow/pools")

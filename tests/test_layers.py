@@ -14,6 +14,9 @@ import re
 
 import pytest
 
+#: ast.parse of the sources with the collector paused (conftest.gc_paused).
+pytestmark = pytest.mark.usefixtures("gc_paused")
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = "blockflow"
 ARCHITECTURE = REPO / "docs" / "guide" / "architecture.md"
