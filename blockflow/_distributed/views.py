@@ -282,7 +282,8 @@ def worker_names_and_metrics(scheduler) -> dict:
 
 
 def device_seconds_samples(scheduler) -> dict[str, tuple[float, float, float]]:
-    """Per worker reporting ``blockflow-device-seconds`` in its last heartbeat: ``(after,
+    """Per GPU worker reporting ``blockflow-device-seconds`` in its last heartbeat (read by
+    the one metrics parser, :func:`read_metrics`): ``(after,
     before, seconds)``: the value was taken after ``after`` (the worker's monitor sample of
     that heartbeat, its clock) and before ``before`` (when the scheduler received it, the
     scheduler's clock), both seconds since the epoch. O(workers)."""
@@ -291,7 +292,7 @@ def device_seconds_samples(scheduler) -> dict[str, tuple[float, float, float]]:
         raw = ws.metrics
         if not isinstance(raw, Mapping) or DEVICE_SECONDS_METRIC not in raw:
             continue
-        value, seen = clean_number(raw.get(DEVICE_SECONDS_METRIC)), clean_number(ws.last_seen)
+        value, seen = read_metrics(raw).device_seconds, clean_number(ws.last_seen)
         if value is not None and seen is not None:
             after = clean_number(raw.get("time"))
             out[a] = (seen if after is None else min(after, seen), seen, value)
